@@ -1,0 +1,31 @@
+"""A strict test environment: several CPU devices, derandomized hypothesis, warnings that matter as errors."""
+
+import os
+
+# Must happen before jax is imported anywhere.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import warnings  # noqa: E402
+
+import jax  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+settings.register_profile(
+    "zeroth",
+    derandomize=True,
+    deadline=None,
+    max_examples=40,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.load_profile("zeroth")
+
+warnings.filterwarnings("error", category=RuntimeWarning, module="zeroth")
+warnings.filterwarnings("error", category=FutureWarning, module="zeroth")
+warnings.filterwarnings("error", category=DeprecationWarning, module="zeroth")

@@ -1,0 +1,5 @@
+import sys
+
+from zeroth.cli import main
+
+sys.exit(main())

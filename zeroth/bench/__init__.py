@@ -1,0 +1,28 @@
+"""``zeroth bench NAME``: benchmark programs that print a table (or ``--json``), baselines side by side."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["main", "BENCHMARKS"]
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "perturb": ("zeroth.bench.perturb:main", "perturbation throughput vs jax.random.normal, torch.randn and a memory pass"),
+    "zo": ("zeroth.bench.zo:main", "ZO step time / two forwards and peak memory / inference, next to a backprop step"),
+    "kernels": ("zeroth.bench.kernels:main", "fused replay vs K passes; sign pack/unpack/merge throughput"),
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: zeroth bench NAME [--json] [...]\n\nbenchmarks:")
+        for name, (_, help_) in BENCHMARKS.items():
+            print(f"  {name:<9} {help_}")
+        return 0
+    name = argv[0]
+    if name not in BENCHMARKS:
+        print(f"zeroth bench: unknown benchmark {name!r}; expected one of {sorted(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    module, func = BENCHMARKS[name][0].split(":")
+    return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)

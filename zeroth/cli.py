@@ -1,0 +1,51 @@
+"""The ``zeroth`` command line: a tiny dispatcher; each command lives in its own module.
+
+Commands are imported lazily, so ``zeroth --help`` stays fast and a command's heavy imports
+are paid only when it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["main", "COMMANDS"]
+
+# name -> ("module:function", one-line help). Each function takes argv (list[str]) and returns an exit code.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "doctor": ("zeroth.doctor:main", "check this machine reproduces the golden replay digest"),
+    "bench": ("zeroth.bench:main", "benchmarks: perturb, zo, kernels (tables and --json)"),
+    "datasets": ("zeroth.data:cli_main", "list datasets, their status and how to install each"),
+    "run": ("zeroth.train.run:main", "run an experiment config (single machine, or peers on loopback)"),
+    "peer": ("zeroth.net.peer:main", "run one Just One Byte peer (multi-machine use)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: zeroth COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run 'zeroth COMMAND --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name in ("--version", "version"):
+        from zeroth import __version__
+
+        print(__version__)
+        return 0
+    if name not in COMMANDS:
+        print(f"zeroth: unknown command {name!r}; expected one of {sorted(COMMANDS)}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    target, _ = COMMANDS[name]
+    module, func = target.split(":")
+    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

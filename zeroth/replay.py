@@ -1,0 +1,216 @@
+"""The exact update rule of zeroth's determinism contract, canonical replay and checksums.
+
+An update is a pair ``(key, c)``: a sample key (see :func:`zeroth.rng.sample_key`) and a
+coefficient. Applying it to a leaf ``p`` with path ``path`` computes, in float32,
+
+    p <- flush(p + s * k),   k = noise_int(fold_in(key, leaf_id(path)), p.shape),
+                             s = round_coefficient(c)        (Rademacher, z = k)
+                             s = round_coefficient(c) / 2    (binomial,  z = k / 2)
+
+``s`` has at most 20 significant bits and ``|k| <= 8`` so ``s * k`` is exact in float32; the add
+is then rounded once, identically with or without FMA. ``flush`` maps subnormals and -0 to +0
+and every NaN to the canonical quiet NaN ``0x7fc00000``; infinities propagate. A leaf is widened
+to float32 once, all updates of a :func:`replay` call are applied in the given (canonical) order,
+and the result is cast once to the leaf dtype (whose subnormals are flushed again).
+
+Cost: :func:`perturb` and :func:`replay` hold at most one float32 temporary of one leaf at a
+time beyond the parameters when called with ``donate=True`` (the input buffers are reused);
+with ``donate=False`` the result is a second copy of the parameters. The replay reads and writes
+each leaf once per update (the fused kernels of :mod:`zeroth.kernels` read it once in all).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroth import noise as _noise
+from zeroth import reference as _ref
+from zeroth import rng as _rng
+
+__all__ = [
+    "COEFF_BITS",
+    "round_coefficient",
+    "update_scale",
+    "update_scales",
+    "flush",
+    "flush_cast",
+    "apply_updates",
+    "perturb",
+    "replay",
+    "checksum",
+    "SUPPORTED_DTYPES",
+]
+
+COEFF_BITS = _ref.COEFF_BITS
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_FLT_MIN = np.float32(np.finfo(np.float32).tiny)
+_CANONICAL_NAN = np.uint32(0x7FC00000).view(np.float32)
+
+
+def round_coefficient(c: float, bits: int = COEFF_BITS) -> float:
+    """Round a coefficient on the host to ``bits`` (<= 20) significant bits, half to even.
+
+    Deterministic (pure Python integer arithmetic on the float64 value); magnitudes below
+    2**-120 become 0.0; non-finite values and magnitudes >= 2**100 raise ``ValueError``.
+
+    Example:
+      >>> round_coefficient(0.1)
+      0.10000038146972656
+    """
+    if not 1 <= bits <= COEFF_BITS:
+        raise ValueError(f"bits must be in [1, {COEFF_BITS}] so that c * z is exact in float32, got {bits}")
+    return _ref.round_coefficient(c, bits)
+
+
+def update_scale(distribution: str, coefficient: float) -> np.float32:
+    """The float32 scale that multiplies the integer noise k (host-rounded; exact)."""
+    _noise.check_distribution(distribution)
+    return _ref.update_scale(distribution, coefficient)
+
+
+def update_scales(distribution: str, coefficients: Sequence[float]) -> np.ndarray:
+    """``f32[K]`` of :func:`update_scale` for each coefficient."""
+    return np.array([update_scale(distribution, c) for c in coefficients], dtype=np.float32).reshape(-1)
+
+
+def flush(x: jax.Array) -> jax.Array:
+    """float32: subnormals and -0 -> +0, NaN -> canonical quiet NaN; explicit on every backend."""
+    x = jnp.where(jnp.abs(x) < _FLT_MIN, jnp.float32(0.0), x)
+    return jnp.where(jnp.isnan(x), jnp.float32(_CANONICAL_NAN), x)
+
+
+def flush_cast(x32: jax.Array, dtype) -> jax.Array:
+    """Cast float32 once to ``dtype`` and flush that dtype's subnormals (and -0) to +0."""
+    out = x32.astype(dtype)
+    tiny = jnp.finfo(dtype).tiny
+    return jnp.where(jnp.abs(out) < tiny, jnp.zeros((), dtype), out)
+
+
+def _check_leaf(path: str, leaf) -> None:
+    dt = jnp.dtype(getattr(leaf, "dtype", None) or jnp.asarray(leaf).dtype)
+    if dt not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"leaf {path} has dtype {dt}; the exact update supports {[str(d) for d in SUPPORTED_DTYPES]}"
+        )
+
+
+def _leaf_update(p32, leaf_key, scale, distribution):
+    k = _noise.noise_int(distribution, leaf_key, p32.shape)
+    return flush(p32 + scale * k.astype(jnp.float32))
+
+
+def apply_updates(params: Any, keys: jax.Array, scales: jax.Array, *, distribution: str = "binomial") -> Any:
+    """Traceable core: apply K updates with *already rounded* scales, in order.
+
+    Args:
+      params: pytree of f32 / bf16 / f16 arrays.
+      keys: ``u32[K, 2]`` sample keys (may be traced).
+      scales: ``f32[K]`` from :func:`update_scales` (host-rounded; may be traced).
+      distribution: ``"binomial"`` or ``"rademacher"``.
+
+    Returns:
+      The updated pytree (same structure, dtypes and shapes).
+    """
+    _noise.check_distribution(distribution)
+    keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
+    scales = jnp.asarray(scales, jnp.float32).reshape(-1)
+    n_updates = keys.shape[0]
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+    out = []
+    for path, leaf in with_path:
+        lid = _rng.leaf_id(path)
+        _check_leaf(_rng.leaf_path(path), leaf)
+        p32 = flush(jnp.asarray(leaf).astype(jnp.float32))
+
+        def body(u, p, lid=lid):
+            lk = _rng.fold_in(keys[u], np.uint32(lid))
+            return _leaf_update(p, lk, scales[u], distribution)
+
+        if n_updates == 1:
+            p32 = body(0, p32)
+        elif n_updates > 1:
+            p32 = jax.lax.fori_loop(0, n_updates, body, p32)
+        out.append(flush_cast(p32, jnp.asarray(leaf).dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@functools.partial(jax.jit, static_argnames=("distribution",), donate_argnums=(0,))
+def _apply_donated(params, keys, scales, distribution):
+    return apply_updates(params, keys, scales, distribution=distribution)
+
+
+@functools.partial(jax.jit, static_argnames=("distribution",))
+def _apply_copy(params, keys, scales, distribution):
+    return apply_updates(params, keys, scales, distribution=distribution)
+
+
+def _as_keys(keys) -> np.ndarray:
+    arr = np.asarray(keys)
+    if arr.dtype != np.uint32 or arr.ndim < 1 or arr.shape[-1] != 2:
+        raise ValueError(f"keys must be uint32 of shape (2,) or (K, 2), got dtype {arr.dtype} shape {arr.shape}")
+    return arr.reshape(-1, 2)
+
+
+def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool = False) -> Any:
+    """Apply ``updates``, a sequence of ``(key, coefficient)`` in canonical order, exactly.
+
+    Coefficients are rounded on the host (:func:`round_coefficient`). The result is bit-identical
+    on every backend and to :func:`zeroth.reference.replay_leaf`.
+
+    Args:
+      params: pytree of f32 / bf16 / f16 arrays (flax params included).
+      updates: sequence of ``(u32[2] key, float coefficient)``; or a pair ``(u32[K,2], f[K])``.
+      distribution: ``"binomial"`` (default) or ``"rademacher"``; ``"gaussian"`` is refused.
+      donate: reuse the input buffers (the input ``params`` must not be used afterwards).
+
+    Example:
+      >>> from zeroth.rng import sample_key
+      >>> p = {"w": jnp.zeros(3)}
+      >>> q = replay(p, [(sample_key(0, 0, 0, 0), 0.5)])
+    """
+    if isinstance(updates, tuple) and len(updates) == 2 and np.ndim(updates[0]) == 2:
+        keys, coefficients = _as_keys(updates[0]), list(np.asarray(updates[1], np.float64).reshape(-1))
+    else:
+        updates = list(updates)
+        keys = _as_keys([k for k, _ in updates]) if updates else np.zeros((0, 2), np.uint32)
+        coefficients = [c for _, c in updates]
+    if len(coefficients) != keys.shape[0]:
+        raise ValueError(f"{keys.shape[0]} keys but {len(coefficients)} coefficients")
+    scales = update_scales(distribution, coefficients)
+    fn = _apply_donated if donate else _apply_copy
+    return fn(params, keys, scales, distribution)
+
+
+def perturb(params: Any, key, scale: float, *, distribution: str = "binomial", donate: bool = False) -> Any:
+    """``params + round(scale) * z`` with the exact rule: one update, ``replay(params, [(key, scale)])``."""
+    return replay(params, [(np.asarray(key, np.uint32), scale)], distribution=distribution, donate=donate)
+
+
+def checksum(params: Any) -> str:
+    """SHA-256 (hex) over the whole state: for every leaf, in order of its path string,
+    the path, dtype, shape and every value's bytes (little endian, row-major).
+    """
+    h = hashlib.sha256()
+    with_path, _ = jax.tree_util.tree_flatten_with_path(params)
+    items = sorted(((_rng.leaf_path(p), leaf) for p, leaf in with_path), key=lambda t: t[0])
+    h.update(f"zeroth-checksum-v1 {len(items)}\n".encode())
+    for path, leaf in items:
+        arr = np.asarray(jax.device_get(leaf))
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        h.update(f"{path}\0{arr.dtype.name}\0{arr.shape}\0{arr.nbytes}\n".encode())
+        h.update(memoryview(arr).cast("B") if arr.size else b"")
+    return h.hexdigest()
+
+
+def _nbytes(tree) -> int:  # used by benchmarks and docs
+    return sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
