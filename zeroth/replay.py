@@ -208,7 +208,7 @@ def checksum(params: Any) -> str:
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         h.update(f"{path}\0{arr.dtype.name}\0{arr.shape}\0{arr.nbytes}\n".encode())
-        h.update(memoryview(arr).cast("B") if arr.size else b"")
+        h.update(arr.tobytes())
     return h.hexdigest()
 
 
