@@ -60,6 +60,8 @@ def check_distribution(name: str, *, exact: bool = True) -> str:
 
 def _global_index(shape, offset) -> jax.Array:
     n = math.prod(shape)
+    if isinstance(offset, int) and offset < 0:
+        raise ValueError(f"offset must be a non-negative element index, got {offset}")
     if isinstance(offset, int) and offset + n > MAX_LEAF_SIZE:
         raise ValueError(f"leaf of {offset + n} elements exceeds the supported {MAX_LEAF_SIZE} elements per leaf")
     return jax.lax.iota(jnp.uint32, n).reshape(shape) + jnp.asarray(offset, jnp.uint32)

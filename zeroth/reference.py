@@ -211,6 +211,7 @@ def replay_leaf(leaf: np.ndarray, path: str, updates, distribution: str, dtype=N
 
 def flush_cast(p32: np.ndarray, dtype) -> np.ndarray:
     """Cast once to ``dtype`` and flush that dtype's subnormals (and -0) to +0."""
-    out = np.asarray(p32, dtype=np.float32).astype(dtype)
     tiny = ml_dtypes.finfo(dtype).tiny
-    return np.where(np.abs(out) < tiny, np.zeros((), dtype), out).astype(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf and NaN compares are defined here
+        out = np.asarray(p32, dtype=np.float32).astype(dtype)
+        return np.where(np.abs(out) < tiny, np.zeros((), dtype), out).astype(dtype)

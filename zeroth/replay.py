@@ -159,6 +159,15 @@ def _as_keys(keys) -> np.ndarray:
     return arr.reshape(-1, 2)
 
 
+def _is_key_matrix(x) -> bool:
+    """Whether ``x`` is a ``(K, 2)`` key array (the ``(keys, coefficients)`` form of ``updates``),
+    rather than one ``(key, coefficient)`` pair (whose ``np.ndim`` is not even defined)."""
+    try:
+        return np.ndim(x) == 2
+    except ValueError:  # a ragged (key, coefficient) pair
+        return False
+
+
 def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool = False) -> Any:
     """Apply ``updates``, a sequence of ``(key, coefficient)`` in canonical order, exactly.
 
@@ -176,7 +185,7 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
       >>> p = {"w": jnp.zeros(3)}
       >>> q = replay(p, [(sample_key(0, 0, 0, 0), 0.5)])
     """
-    if isinstance(updates, tuple) and len(updates) == 2 and np.ndim(updates[0]) == 2:
+    if isinstance(updates, tuple) and len(updates) == 2 and _is_key_matrix(updates[0]):
         keys, coefficients = _as_keys(updates[0]), list(np.asarray(updates[1], np.float64).reshape(-1))
     else:
         updates = list(updates)

@@ -1,0 +1,564 @@
+"""Experiment configs: YAML -> nested frozen dataclasses, validated field by field.
+
+A config has the sections ``run``, ``data``, ``model``, ``train`` and, for runs over several
+peers, ``peers``. Every field carries its description in ``dataclasses.field(metadata={"help":
+...})``; ``zeroth run --help-config`` prints them all (:func:`describe`).
+
+Rules:
+
+* An unknown key is a ``ValueError`` naming the key, its section and the valid keys.
+* A bad value is a ``ValueError`` naming the field, the value and what would be valid.
+* ``overrides`` are ``"section.field=value"`` strings; the value is parsed as YAML
+  (``train.lr=0.01``, ``peers.token=null``, ``peers.join_at=[3, 5]``,
+  ``model.kwargs={hidden: [32]}``, ``model.kwargs.hidden=[32]``). Setting a field of the
+  optional ``peers`` section creates it with defaults.
+* Floats may be written ``1e-3`` (YAML 1.1 reads that as a string; it is accepted here).
+
+:func:`config_digest` is SHA-256 of the canonical JSON of a config: peers compare it before
+training together.
+
+Example:
+  >>> cfg = load_config_dict({"run": {"name": "demo"}, "train": {"steps": 10}})
+  >>> cfg.train.steps, cfg.train.method
+  (10, 'zo')
+  >>> cfg2 = apply_overrides(cfg, ["train.lr=0.5"])
+  >>> cfg2.train.lr
+  0.5
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "RunConfig",
+    "DataConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "TrainConfig",
+    "PeersConfig",
+    "Config",
+    "SECTIONS",
+    "OPTIONAL_SECTIONS",
+    "LR_SCALINGS",
+    "METHODS",
+    "OBJECTIVES",
+    "OPTIMIZERS",
+    "CODECS",
+    "load_config",
+    "load_config_dict",
+    "apply_overrides",
+    "to_dict",
+    "to_yaml",
+    "config_digest",
+    "describe",
+    "diff",
+]
+
+METHODS = ("zo", "backprop")
+LR_SCALINGS = ("sqrt", "linear")
+OBJECTIVES = ("cross_entropy", "error_rate")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+CODECS = ("float32", "onebyte")
+DISTRIBUTIONS = ("binomial", "rademacher")
+
+
+def _dataset_names() -> tuple[str, ...]:
+    from zeroth import data
+
+    return data.names()
+
+
+def _model_names() -> tuple[str, ...]:
+    from zeroth import models
+
+    return models.names()
+
+
+def _field(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable | None = None, **checks) -> Any:  # noqa: A002
+    """A dataclass field with its ``help`` text and checks (``choices``, ``min``, ``max``, ``gt``)."""
+    meta = {"help": help, **checks}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What the run is called, its seed and where it writes."""
+
+    name: str = _field("run", "Name of the run (used in logs and as the default output folder name).")
+    seed: int = _field(
+        0,
+        "Run seed: the root of every key (model init, batches, perturbations). An integer in [0, 2**32).",
+        min=0,
+        max=2**32 - 1,
+    )
+    out_dir: str | None = _field(
+        None,
+        "Output folder for metrics.jsonl, config.yaml and checkpoints/. null = runs/<name>. "
+        "`zeroth run --out DIR` overrides it.",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Which dataset, and how it is batched and evaluated."""
+
+    dataset: str = _field(
+        "digits", "Dataset name (`zeroth datasets` lists them with their status).", choices=_dataset_names
+    )
+    batch_size: int = _field(
+        64,
+        "Training examples per step. Batches are a pure function of (run.seed, step): a fresh "
+        "permutation of the train split per epoch.",
+        min=1,
+    )
+    eval_size: int = _field(0, "Examples of the test split used for evaluation; 0 = the whole split.", min=0)
+    eval_batch_size: int = _field(512, "Examples per forward pass during evaluation (memory bound only).", min=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The model and its constructor arguments."""
+
+    name: str = _field("mlp", "Model name: mlp, cnn, transformer (see zeroth.models).", choices=_model_names)
+    kwargs: dict = _field(
+        help="Keyword arguments of the model constructor, e.g. {hidden: [64]} for mlp, "
+        "{features: [8, 16], dense: 32} for cnn, {d_model: 32, heads: 2, layers: 2} for transformer. "
+        "num_classes is taken from the dataset.",
+        factory=dict,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """The optax optimizer of the backprop baseline (train.method = backprop)."""
+
+    name: str = _field(
+        "adam", "Optax optimizer for backprop: sgd, momentum, adam, adamw (learning rate = train.lr).", choices=OPTIMIZERS
+    )
+    momentum: float = _field(0.9, "Momentum of the `momentum` optimizer.", min=0.0, max=1.0)
+    b1: float = _field(0.9, "Adam beta1.", min=0.0, max=1.0)
+    b2: float = _field(0.999, "Adam beta2.", min=0.0, max=1.0)
+    weight_decay: float = _field(1e-4, "Decoupled weight decay of adamw.", min=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """How the model is trained: the ZO estimator (MeZO / Just One Byte) or the backprop baseline."""
+
+    method: str = _field(
+        "zo",
+        "zo: two-point SPSA with exact replay (forward passes only); backprop: jax.grad + optax on the same "
+        "model, data and evaluation.",
+        choices=METHODS,
+    )
+    steps: int = _field(1000, "Number of training steps (iterations).", min=1)
+    lr: float = _field(1e-3, "Learning rate (eta).", gt=0.0)
+    objective: str = _field(
+        "cross_entropy",
+        "Training objective on a batch: cross_entropy (differentiable) or error_rate = 1 - accuracy "
+        "(not differentiable; zo only).",
+        choices=OBJECTIVES,
+    )
+    eps: float = _field(1e-3, "ZO perturbation scale epsilon (host-rounded to 20 significant bits).", gt=0.0)
+    n_perturbations: int = _field(
+        16, "ZO perturbations per step; each costs two forward passes (L(theta+eps z), L(theta-eps z)).", min=1
+    )
+    lr_scaling: str = _field(
+        "sqrt",
+        "ZO update coefficient -lr*g/sqrt(N) (sqrt, as in Just One Byte) or -lr*g/N (linear), N = "
+        "perturbations per step.",
+        choices=LR_SCALINGS,
+    )
+    distribution: str = _field(
+        "binomial",
+        "Exact perturbation noise: binomial ((popcount(16 bits)-8)/2, variance 1) or rademacher (+-1).",
+        choices=DISTRIBUTIONS,
+    )
+    codec: str = _field(
+        "onebyte",
+        "Projected-gradient codec: float32 (4 bytes) or onebyte (signed log, 1 byte). The decoded value is "
+        "what is applied.",
+        choices=CODECS,
+    )
+    weight_decay: float = _field(0.0, "ZO weight decay (applied as an exact separate step by zeroth.zo).", min=0.0)
+    optimizer: OptimizerConfig = _field(
+        help="Optimizer of the backprop baseline.", factory=OptimizerConfig
+    )
+    eval_every: int = _field(100, "Evaluate on the test split every this many steps (and at the end).", min=1)
+    log_every: int = _field(
+        10, "Write a training record (loss, passes, bytes, digest) to metrics.jsonl every this many steps.", min=1
+    )
+    checkpoint_every: int = _field(
+        0, "Save an orbax checkpoint every this many steps (and at the end); 0 = only at the end.", min=0
+    )
+    keep_checkpoints: int = _field(
+        3, "How many most recent checkpoints to keep; 0 = keep all.", min=0
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PeersConfig:
+    """Several Just One Byte peers on one machine (loopback gRPC), launched by `zeroth run`."""
+
+    count: int = _field(2, "Number of peers started at iteration 0.", min=1)
+    inferences_per_iteration: int = _field(
+        4, "Projected gradients each peer computes per iteration (its n_perturbations).", min=1
+    )
+    iteration_timeout_s: float = _field(
+        30.0, "An iteration ends when every peer has sent its inferences or after this many seconds.", gt=0.0
+    )
+    barrier_timeout_s: float = _field(
+        30.0, "How long a peer waits for the others to confirm they applied the iteration's updates.", gt=0.0
+    )
+    iterations: int | None = _field(None, "Iterations to run; null = train.steps.", min=1)
+    checksum_every: int = _field(
+        1, "Compare the parameter checksum with a peer every this many iterations; 0 = never.", min=0
+    )
+    token: str | None = _field(None, "Shared secret every request must carry; null = no token.")
+    tls: bool = _field(False, "Use TLS between peers (self-signed certificates are generated for loopback runs).")
+    host: str = _field("127.0.0.1", "Address the peers listen on.")
+    base_port: int = _field(0, "First port; peer i listens on base_port + i. 0 = pick free ports.", min=0, max=65535)
+    join_at: tuple[int, ...] = _field(
+        (), "Iterations at which one extra peer joins the run (demonstrates joining mid-run).", factory=tuple, min=0
+    )
+    kill_at: tuple[int, ...] = _field(
+        (), "Iterations at which one running peer is killed (demonstrates leaving mid-run).", factory=tuple, min=0
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole experiment."""
+
+    run: RunConfig = _field(help="Name, seed and output folder.", factory=RunConfig)
+    data: DataConfig = _field(help="Dataset and batching.", factory=DataConfig)
+    model: ModelConfig = _field(help="Model and its arguments.", factory=ModelConfig)
+    train: TrainConfig = _field(help="Training method and hyperparameters.", factory=TrainConfig)
+    peers: PeersConfig | None = _field(None, "Optional: run as several peers over loopback gRPC.")
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
+OPTIONAL_SECTIONS = ("peers",)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unwrap_optional(tp) -> tuple[Any, bool]:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], True
+    return tp, False
+
+
+def _type_name(tp) -> str:
+    inner, optional = _unwrap_optional(tp)
+    if typing.get_origin(inner) is tuple:
+        name = f"list of {typing.get_args(inner)[0].__name__}"
+    elif dataclasses.is_dataclass(inner):
+        name = "mapping"
+    else:
+        name = getattr(inner, "__name__", str(inner))
+    return name + (" or null" if optional else "")
+
+
+def _bad(where: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"config field {where}: bad value {value!r}; expected {expected}")
+
+
+def _coerce_scalar(where: str, tp, value: Any) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _bad(where, value, "true or false")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise _bad(where, value, "an integer")
+        return int(value)
+    if tp is float:
+        if isinstance(value, bool):
+            raise _bad(where, value, "a number")
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise _bad(where, value, "a number (e.g. 0.001 or 1e-3)") from None
+        if not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+            raise _bad(where, value, "a finite number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _bad(where, value, "a string")
+        return value
+    if tp is dict:
+        if not isinstance(value, Mapping):
+            raise _bad(where, value, "a mapping (e.g. {hidden: [64]})")
+        return _plain(dict(value))
+    raise TypeError(f"config field {where}: unsupported field type {tp!r}")
+
+
+def _plain(x: Any) -> Any:
+    """YAML-ish values as plain JSON-able Python (tuples -> lists, keys -> str)."""
+    if isinstance(x, Mapping):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _check_limits(where: str, f: dataclasses.Field, value: Any) -> None:
+    meta = f.metadata
+    choices = meta.get("choices")
+    if choices is not None and value is not None:
+        valid = tuple(choices() if callable(choices) else choices)
+        if value not in valid:
+            raise _bad(where, value, f"one of {list(valid)}")
+    values = value if isinstance(value, tuple) else (value,)
+    for v in values:
+        if v is None or isinstance(v, (str, bool, dict)):
+            continue
+        if "min" in meta and v < meta["min"]:
+            raise _bad(where, value, f">= {meta['min']}")
+        if "max" in meta and v > meta["max"]:
+            raise _bad(where, value, f"<= {meta['max']}")
+        if "gt" in meta and not v > meta["gt"]:
+            raise _bad(where, value, f"> {meta['gt']}")
+
+
+def _build(cls, raw: Any, where: str):
+    """Build dataclass ``cls`` from a mapping, validating every key and value."""
+    if raw is None:
+        raw = {}
+    if isinstance(raw, cls):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"config section {where or 'top level'}: expected a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in raw if k not in fields]
+    if unknown:
+        section = f"section {where!r}" if where else "the top level"
+        raise ValueError(
+            f"unknown config key {unknown[0]!r} in {section}; valid keys are {sorted(fields)}"
+            + (f" (also unknown: {unknown[1:]})" if len(unknown) > 1 else "")
+        )
+    hints = _hints(cls)
+    kwargs = {}
+    for name, value in raw.items():
+        f = fields[name]
+        path = f"{where}.{name}" if where else name
+        kwargs[name] = _convert(path, hints[name], f, value)
+    return cls(**kwargs)
+
+
+def _convert(path: str, tp, f: dataclasses.Field, value: Any) -> Any:
+    inner, optional = _unwrap_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise _bad(path, value, _type_name(tp))
+    if dataclasses.is_dataclass(inner):
+        return _build(inner, value, path)
+    if typing.get_origin(inner) is tuple:
+        elem = typing.get_args(inner)[0]
+        if not isinstance(value, (list, tuple)):
+            raise _bad(path, value, f"a list of {elem.__name__}")
+        out = tuple(_coerce_scalar(f"{path}[{i}]", elem, v) for i, v in enumerate(value))
+    else:
+        out = _coerce_scalar(path, inner, value)
+    _check_limits(path, f, out)
+    return out
+
+
+def _validate_defaults(cfg: Any, where: str = "") -> None:
+    """Check limits of every field, defaults included (choices registered later may be missing)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        path = f"{where}.{f.name}" if where else f.name
+        if dataclasses.is_dataclass(value):
+            _validate_defaults(value, path)
+        else:
+            _check_limits(path, f, value)
+
+
+def _check_consistency(cfg: Config) -> None:
+    if cfg.train.method == "backprop" and cfg.train.objective != "cross_entropy":
+        raise ValueError(
+            f"config field train.objective: {cfg.train.objective!r} is not differentiable and cannot be "
+            f"trained with train.method='backprop'; use objective 'cross_entropy' or method 'zo'"
+        )
+    if cfg.peers is not None and cfg.train.method != "zo":
+        raise ValueError(
+            f"config section 'peers' needs train.method='zo' (peers exchange projected gradients); "
+            f"got {cfg.train.method!r}"
+        )
+
+
+def load_config_dict(raw: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> Config:
+    """Build and validate a :class:`Config` from a (YAML-parsed) mapping, then apply ``overrides``.
+
+    Raises:
+      ValueError: unknown key (named, with its section and the valid keys) or bad value.
+    """
+    raw = _plain(dict(raw or {}))
+    for ov in overrides:
+        _set_path(raw, ov)
+    cfg = _build(Config, raw, "")
+    _validate_defaults(cfg)
+    _check_consistency(cfg)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML experiment config and apply ``--set`` style overrides.
+
+    Args:
+      path: YAML file with the sections run, data, model, train and optionally peers.
+      overrides: strings ``"section.field=value"`` (value parsed as YAML).
+
+    Returns:
+      A validated, frozen :class:`Config`.
+
+    Example:
+      >>> cfg = load_config("experiments/mezo_digits.yaml", ["train.steps=5"])  # doctest: +SKIP
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    with path.open() as fh:
+        try:
+            raw = yaml.safe_load(fh)
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ValueError(f"config file {str(path)!r}: expected a mapping of sections {list(SECTIONS)}, got {raw!r}")
+    return load_config_dict(raw, overrides)
+
+
+def _set_path(raw: dict, override: str) -> None:
+    if "=" not in override:
+        raise ValueError(f"override {override!r} must look like section.field=value (e.g. train.lr=0.01)")
+    key, text = override.split("=", 1)
+    parts = [p for p in key.strip().split(".")]
+    if len(parts) < 2 or not all(parts):
+        raise ValueError(
+            f"override {override!r}: the key must name a section and a field, e.g. train.lr=0.01; "
+            f"sections are {list(SECTIONS)}"
+        )
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as e:
+        raise ValueError(f"override {override!r}: value is not valid YAML: {e}") from None
+    node = raw
+    for p in parts[:-1]:
+        child = node.get(p)
+        if child is None:
+            child = {}
+            node[p] = child
+        if not isinstance(child, dict):
+            raise ValueError(f"override {override!r}: {p!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = _plain(value)
+
+
+def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
+    """A new config with ``"section.field=value"`` overrides applied and validated."""
+    return load_config_dict(to_dict(cfg), overrides)
+
+
+def to_dict(cfg: Any) -> Any:
+    """The config as plain JSON-able Python (tuples as lists); ``peers`` is ``None`` when absent."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    return _plain(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    """The config as YAML (loads back to an equal config)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None)
+
+
+def config_digest(cfg: Config, *, exclude: Sequence[str] = ()) -> str:
+    """SHA-256 hex of the canonical JSON of ``cfg`` (sorted keys, no spaces).
+
+    Args:
+      cfg: a config.
+      exclude: dotted field paths left out (e.g. ``("run.out_dir",)`` when only the training
+        semantics must match).
+
+    Example:
+      >>> config_digest(load_config_dict({})) == config_digest(load_config_dict({"train": {"lr": 1e-3}}))
+      True
+    """
+    d = to_dict(cfg)
+    for path in exclude:
+        node = d
+        parts = path.split(".")
+        for p in parts[:-1]:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(parts[-1], None)
+    text = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def diff(a: Config, b: Config) -> list[str]:
+    """Dotted paths of the fields that differ between two configs."""
+
+    def walk(x, y, prefix):
+        if isinstance(x, dict) and isinstance(y, dict) and prefix.count(".") < 2 and not prefix.endswith("kwargs"):
+            out = []
+            for k in sorted(set(x) | set(y)):
+                out += walk(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else k)
+            return out
+        return [] if x == y else [prefix]
+
+    return walk(to_dict(a), to_dict(b), "")
+
+
+def describe(cls=Config, prefix: str = "") -> str:
+    """Every field of the config: dotted name, type, default and description (for ``--help-config``)."""
+    lines = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        inner, _ = _unwrap_optional(hints[f.name])
+        if dataclasses.is_dataclass(inner):
+            lines.append(f"{path}:  {f.metadata.get('help', '')}")
+            lines.append(describe(inner, path))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = f.default_factory()  # type: ignore[misc]
+        choices = f.metadata.get("choices")
+        extra = ""
+        if choices is not None:
+            try:
+                extra = f" [choices: {', '.join(choices() if callable(choices) else choices)}]"
+            except ImportError:
+                extra = ""
+        lines.append(
+            f"  {path} ({_type_name(hints[f.name])}, default {json.dumps(_plain(default))}){extra}\n"
+            f"      {f.metadata.get('help', '')}"
+        )
+    return "\n".join(lines)

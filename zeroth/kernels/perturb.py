@@ -1,0 +1,511 @@
+"""Fused exact replay: K ``(key, scale)`` updates applied to a leaf in one read and one write.
+
+One op in three implementations that give the same bits (the tests hold them to
+``assert_array_equal`` against each other and against :mod:`zeroth.reference`):
+
+* ``"pallas"``: a Pallas kernel. Each tile is loaded once, widened to float32 and flushed, gets
+  all K updates in canonical order, and is cast and stored once. Every element regenerates its
+  noise from its *global* flat index, so any tiling (and any shard, through ``offset``) gives
+  the same bits. The default on GPU and TPU; on CPU it runs in interpret mode, for tests only.
+* ``"native"``: a C++ XLA FFI custom call for CPU (:mod:`zeroth.kernels.cpu_native` builds and
+  caches it with the machine's compiler): cache-resident tiles, 16 threefry calls per SIMD
+  vector, XLA's thread pool. The default on CPU when it builds.
+* ``"jnp"``: the plain ``jnp`` reference, :func:`perturb_reference` (one pass over the leaf
+  per update). The fallback on CPU when no compiler is available.
+
+The rule is the contract's (see :mod:`zeroth.replay`): with ``k_u`` the integer noise of update
+``u`` (:func:`zeroth.noise.noise_int` of the leaf key ``fold_in(key_u, leaf_id(path))``),
+
+    p32 = flush(float32(x));   p32 = flush(p32 + s_u * k_u)  for u = 0..K-1;   out = flush_cast(p32)
+
+``s_u`` are host-rounded scales (:func:`zeroth.replay.update_scales`), so ``s_u * k_u`` is exact
+and the add rounds once, identically everywhere.
+
+Entry points: :func:`perturb_leaf` (one array, leaf keys given), :func:`apply_updates` (a pytree,
+traceable, same arguments as :func:`zeroth.replay.apply_updates`) and
+:func:`fused_apply_updates` (the host entry: jitted, optionally donating).
+
+Example:
+  >>> import numpy as np, jax.numpy as jnp
+  >>> from zeroth import rng, replay
+  >>> keys = rng.sample_keys(0, [(0, 0, 0), (0, 0, 1)])
+  >>> scales = replay.update_scales("binomial", [0.5, -0.25])
+  >>> p = {"w": jnp.zeros((3, 5))}
+  >>> q = fused_apply_updates(p, keys, scales, distribution="binomial")
+  >>> bool((q["w"] == replay.apply_updates(p, keys, scales, distribution="binomial")["w"]).all())
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from zeroth import noise as _noise
+from zeroth import replay as _replay
+from zeroth import rng as _rng
+from zeroth.kernels import cpu_native
+
+__all__ = [
+    "IMPLS",
+    "BlockSizes",
+    "default_block_sizes",
+    "resolve_impl",
+    "leaf_keys",
+    "perturb_reference",
+    "perturb_pallas",
+    "perturb_native",
+    "perturb_leaf",
+    "apply_updates",
+    "fused_apply_updates",
+]
+
+IMPLS = ("auto", "pallas", "native", "jnp")
+# Elements per threefry call: binomial uses 4 16-bit halves, Rademacher 64 bits.
+_PER_CALL = {"binomial": 4, "rademacher": 64}
+_LOG2_PER_CALL = {"binomial": 2, "rademacher": 6}
+_DIST_CODE = {"binomial": 0, "rademacher": 1}
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles of the Pallas kernel.
+
+    The leaf is viewed as a 2-D array of rows; a tile is ``tile // row`` consecutive rows.
+
+    Attributes:
+      tile: elements per tile (a multiple of the row length, and of 64 when ``lanes`` is None).
+      lanes: elements per row. ``None`` makes each row exactly one threefry call (4 binomial or
+        64 Rademacher elements): the hash runs once per call and is broadcast along the row,
+        the layout for GPUs. An integer gives rows of that many elements where every element
+        hashes its own call (lane-dense; the layout for TPUs, whose tiles are (8, 128)).
+        Both give the same bits. On GPU both dimensions of a tile must be powers of two; on
+        TPU rows per tile must be a multiple of 8 and ``lanes`` of 128.
+    """
+
+    tile: int = 8192
+    lanes: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.tile, int) or isinstance(self.tile, bool) or self.tile < 1:
+            raise ValueError(f"BlockSizes.tile must be a positive int, got {self.tile!r}")
+        if self.lanes is None:
+            if self.tile % 64:
+                raise ValueError(f"BlockSizes.tile must be a multiple of 64 when lanes is None, got {self.tile}")
+        elif not isinstance(self.lanes, int) or isinstance(self.lanes, bool) or self.lanes < 1:
+            raise ValueError(f"BlockSizes.lanes must be None or a positive int, got {self.lanes!r}")
+        elif self.tile % self.lanes:
+            raise ValueError(f"BlockSizes.tile ({self.tile}) must be a multiple of lanes ({self.lanes})")
+
+
+_DEFAULT_BLOCKS = {
+    "gpu": BlockSizes(tile=8192, lanes=None),
+    "tpu": BlockSizes(tile=128 * 1024, lanes=1024),
+}
+
+
+def default_block_sizes(platform: str | None = None) -> BlockSizes:
+    """Tiles for ``platform`` (``jax.default_backend()`` when None): grouped rows on GPU,
+    lane-dense rows on TPU, small grouped tiles elsewhere (interpret mode)."""
+    platform = jax.default_backend() if platform is None else platform
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    return _DEFAULT_BLOCKS.get(platform, BlockSizes(tile=1024, lanes=None))
+
+
+def resolve_impl(impl: str) -> str:
+    """``"auto"`` -> ``"pallas"`` on GPU/TPU; on CPU ``"native"`` if it builds, else ``"jnp"``.
+
+    Other names are checked and returned unchanged.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; expected one of {list(IMPLS)}")
+    if impl != "auto":
+        return impl
+    backend = jax.default_backend()
+    if backend in ("gpu", "cuda", "rocm", "tpu"):
+        return "pallas"
+    if backend == "cpu" and cpu_native.available():
+        return "native"
+    return "jnp"
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+def leaf_keys(keys, lid: int) -> jax.Array:
+    """``u32[K, 2]`` leaf keys ``fold_in(keys[u], lid)`` of the sample keys ``u32[K, 2]``."""
+    keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
+    lid = jnp.uint32(lid)
+    x0, x1 = _rng.threefry2x32((keys[:, 0], keys[:, 1]), (jnp.zeros_like(lid), lid))
+    return jnp.stack([x0, x1], axis=1)
+
+
+def _check_args(x, keys, scales, distribution: str):
+    _noise.check_distribution(distribution)
+    x = jnp.asarray(x)
+    if jnp.dtype(x.dtype) not in _replay.SUPPORTED_DTYPES:
+        raise TypeError(
+            f"leaf dtype {x.dtype} is not supported; the exact update supports "
+            f"{[str(d) for d in _replay.SUPPORTED_DTYPES]}"
+        )
+    keys = jnp.asarray(keys)
+    scales = jnp.asarray(scales)
+    if keys.dtype != jnp.uint32 or keys.ndim != 2 or keys.shape[1] != 2:
+        raise ValueError(f"leaf keys must be u32[K, 2], got dtype {keys.dtype} shape {keys.shape}")
+    if scales.dtype != jnp.float32 or scales.shape != (keys.shape[0],):
+        raise ValueError(
+            f"scales must be f32[K] with K = {keys.shape[0]} (one per key), got dtype {scales.dtype} shape {scales.shape}"
+        )
+    return x, keys, scales
+
+
+def _check_offset(offset, n: int) -> int:
+    if not isinstance(offset, (int, np.integer)) or isinstance(offset, bool) or offset < 0:
+        raise ValueError(f"offset must be a non-negative int (a global flat index), got {offset!r}")
+    if int(offset) + n > _noise.MAX_LEAF_SIZE:
+        raise ValueError(f"offset {offset} + {n} elements exceeds the supported {_noise.MAX_LEAF_SIZE} elements per leaf")
+    return int(offset)
+
+
+def _popcount16(h: jax.Array) -> jax.Array:
+    """Population count of 16-bit values held in uint32 (shifts, ands and adds only)."""
+    h = h - ((h >> 1) & jnp.uint32(0x5555))
+    h = (h & jnp.uint32(0x3333)) + ((h >> 2) & jnp.uint32(0x3333))
+    h = (h + (h >> 4)) & jnp.uint32(0x0F0F)
+    return (h + (h >> 8)) & jnp.uint32(0x1F)
+
+
+def _update_block(p32, call, within, k0, k1, scale, distribution: str):
+    """One exact update on a block: ``flush(p32 + scale * k)``.
+
+    ``call`` (threefry counter) and ``within`` (position inside the call) broadcast to ``p32``.
+    """
+    x0, x1 = _rng.threefry2x32((k0, k1), (jnp.zeros_like(call), call))
+    if distribution == "binomial":
+        word = jnp.where((within & jnp.uint32(2)) == 0, x0, x1)
+        half = (word >> ((within & jnp.uint32(1)) * jnp.uint32(16))) & jnp.uint32(0xFFFF)
+        k = _popcount16(half).astype(jnp.int32) - jnp.int32(8)
+        delta = scale * k.astype(jnp.float32)
+    else:
+        word = jnp.where((within & jnp.uint32(32)) == 0, x0, x1)
+        bit = (word >> (within & jnp.uint32(31))) & jnp.uint32(1)
+        delta = jnp.where(bit == 1, scale, -scale)
+    return _replay.flush(p32 + delta)
+
+
+# --------------------------------------------------------------------------- reference (plain jnp)
+
+
+def perturb_reference(x, leaf_keys_, scales, *, distribution: str = "binomial", offset: int = 0) -> jax.Array:
+    """Plain ``jnp`` reference: one pass of :func:`zeroth.noise.noise_int` per update.
+
+    Args:
+      x: the leaf (any shape; f32, bf16 or f16).
+      leaf_keys_: ``u32[K, 2]`` *leaf* keys (see :func:`leaf_keys`).
+      scales: ``f32[K]`` host-rounded scales.
+      distribution: ``"binomial"`` or ``"rademacher"``.
+      offset: global flat index of ``x``'s first element (0 for a whole leaf).
+
+    Returns:
+      The updated array, same shape and dtype.
+    """
+    x, keys, scales = _check_args(x, leaf_keys_, scales, distribution)
+    offset = _check_offset(offset, x.size)
+    p32 = _replay.flush(x.astype(jnp.float32))
+
+    def body(u, p):
+        k = _noise.noise_int(distribution, keys[u], x.shape, offset)
+        return _replay.flush(p + scales[u] * k.astype(jnp.float32))
+
+    if keys.shape[0] == 1:
+        p32 = body(0, p32)
+    elif keys.shape[0] > 1:
+        p32 = jax.lax.fori_loop(0, keys.shape[0], body, p32)
+    return _replay.flush_cast(p32, x.dtype)
+
+
+# --------------------------------------------------------------------------- Pallas kernel
+
+
+def _perturb_kernel(keys_ref, scales_ref, x_ref, o_ref, *, distribution: str, n_updates: int, offset: int, grouped: bool):
+    rows, width = x_ref.shape
+    base = jnp.uint32(offset) + pl.program_id(0).astype(jnp.uint32) * jnp.uint32(rows * width)
+    log2 = _LOG2_PER_CALL[distribution]
+    if grouped:  # one row = one threefry call: hash a column, broadcast along the row
+        call = (base >> log2) + jax.lax.broadcasted_iota(jnp.uint32, (rows, 1), 0)
+        within = jax.lax.broadcasted_iota(jnp.uint32, (1, width), 1)
+    else:
+        idx = (
+            base
+            + jax.lax.broadcasted_iota(jnp.uint32, (rows, width), 0) * jnp.uint32(width)
+            + jax.lax.broadcasted_iota(jnp.uint32, (rows, width), 1)
+        )
+        call = idx >> log2
+        within = idx & jnp.uint32(_PER_CALL[distribution] - 1)
+    p32 = _replay.flush(x_ref[...].astype(jnp.float32))
+
+    def body(u, p):
+        return _update_block(p, call, within, keys_ref[u, 0], keys_ref[u, 1], scales_ref[u], distribution)
+
+    if n_updates:
+        p32 = jax.lax.fori_loop(0, n_updates, body, p32)
+    o_ref[...] = _replay.flush_cast(p32, o_ref.dtype)
+
+
+def perturb_pallas(
+    x,
+    leaf_keys_,
+    scales,
+    *,
+    distribution: str = "binomial",
+    offset: int = 0,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+    inplace: bool = False,
+) -> jax.Array:
+    """The Pallas kernel on one leaf (see :func:`perturb_reference` for the arguments).
+
+    Args:
+      block_sizes: tiles (:func:`default_block_sizes` when None). A grouped layout
+        (``lanes=None``) needs ``offset`` to be a multiple of the elements per call; otherwise
+        rows of 64 lanes are used (same bits).
+      interpret: run in Pallas interpret mode (CPU tests).
+      inplace: alias the output to ``x``'s buffer (use under ``jit`` with ``x`` donated).
+    """
+    x, keys, scales = _check_args(x, leaf_keys_, scales, distribution)
+    offset = _check_offset(offset, x.size)
+    blocks = default_block_sizes() if block_sizes is None else block_sizes
+    n = x.size
+    if n == 0:
+        return x
+    per_call = _PER_CALL[distribution]
+    grouped = blocks.lanes is None and offset % per_call == 0
+    width = per_call if grouped else (blocks.lanes or 64)
+    tile_rows = max(1, blocks.tile // width)
+    n_rows = -(-n // width)
+    flat = x.reshape(-1)
+    if n_rows * width != n:
+        flat = jnp.pad(flat, (0, n_rows * width - n))
+    tile_rows = min(tile_rows, n_rows)
+    grid = (-(-n_rows // tile_rows),)
+    on_tpu = jax.default_backend() == "tpu" and not interpret
+    if on_tpu:
+        from jax.experimental.pallas import tpu as pltpu
+
+        scalar_spec = pl.BlockSpec(memory_space=pltpu.SMEM)
+        key_spec = scale_spec = scalar_spec
+    else:
+        key_spec = pl.BlockSpec(keys.shape, lambda i: (0, 0))
+        scale_spec = pl.BlockSpec(scales.shape, lambda i: (0,))
+    kernel = functools.partial(
+        _perturb_kernel, distribution=distribution, n_updates=keys.shape[0], offset=offset, grouped=grouped
+    )
+    tile_spec = pl.BlockSpec((tile_rows, width), lambda i: (i, 0))
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n_rows, width), x.dtype),
+        grid=grid,
+        in_specs=[key_spec, scale_spec, tile_spec],
+        out_specs=tile_spec,
+        input_output_aliases={2: 0} if inplace else {},
+        interpret=interpret,
+        name="zeroth_fused_replay",
+    )(keys, scales, flat.reshape(n_rows, width))
+    out = out.reshape(-1)
+    if n_rows * width != n:
+        out = out[:n]
+    return out.reshape(x.shape)
+
+
+# --------------------------------------------------------------------------- native CPU kernel
+
+
+def perturb_native(
+    x,
+    leaf_keys_,
+    scales,
+    *,
+    distribution: str = "binomial",
+    offset: int = 0,
+    inplace: bool = False,
+    build: cpu_native.BuildConfig = cpu_native.DEFAULT_BUILD,
+) -> jax.Array:
+    """The native CPU kernel on one leaf (see :func:`perturb_reference` for the arguments).
+
+    Args:
+      inplace: alias the output to ``x``'s buffer (under ``jit`` with ``x`` donated: no copy;
+        without donation XLA would insert one, so leave it False there).
+      build: which compiled variant to call (tests compare the portable and native builds).
+
+    Raises:
+      RuntimeError: the kernel cannot be built (``cpu_native.available()`` says so without raising).
+    """
+    x, keys, scales = _check_args(x, leaf_keys_, scales, distribution)
+    offset = _check_offset(offset, x.size)
+    name = cpu_native.register(build)
+    call = jax.ffi.ffi_call(
+        name,
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        input_output_aliases={0: 0} if inplace else None,
+    )
+    return call(x, keys, scales, distribution=np.int32(_DIST_CODE[distribution]), offset=np.int64(offset))
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def perturb_leaf(
+    x,
+    leaf_keys_,
+    scales,
+    *,
+    distribution: str = "binomial",
+    offset: int = 0,
+    impl: str = "auto",
+    inplace: bool = False,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Apply K updates to one array with the implementation ``impl`` (see :func:`resolve_impl`).
+
+    Args:
+      x: the leaf, any shape, f32 / bf16 / f16.
+      leaf_keys_: ``u32[K, 2]`` leaf keys (:func:`leaf_keys` of the sample keys and the leaf id).
+      scales: ``f32[K]`` host-rounded scales (:func:`zeroth.replay.update_scales`).
+      distribution: ``"binomial"`` or ``"rademacher"``.
+      offset: global flat index of ``x[0]`` in its leaf (a shard's or a slice's position).
+      impl: ``"auto"``, ``"pallas"``, ``"native"`` or ``"jnp"``.
+      inplace: let the output reuse ``x``'s buffer (only useful when ``x`` is donated).
+      block_sizes, interpret: Pallas settings.
+
+    Returns:
+      The updated array (same shape and dtype), bit-identical for every ``impl``.
+    """
+    impl = resolve_impl(impl)
+    if impl == "native":
+        return perturb_native(x, leaf_keys_, scales, distribution=distribution, offset=offset, inplace=inplace)
+    if impl == "pallas":
+        return perturb_pallas(
+            x,
+            leaf_keys_,
+            scales,
+            distribution=distribution,
+            offset=offset,
+            block_sizes=block_sizes,
+            interpret=interpret,
+            inplace=inplace,
+        )
+    return perturb_reference(x, leaf_keys_, scales, distribution=distribution, offset=offset)
+
+
+def apply_updates(
+    params: Any,
+    keys,
+    scales,
+    *,
+    distribution: str = "binomial",
+    impl: str = "auto",
+    inplace: bool = False,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> Any:
+    """Traceable: :func:`zeroth.replay.apply_updates` through the fused kernels, same bits.
+
+    Args:
+      params: pytree of f32 / bf16 / f16 arrays.
+      keys: ``u32[K, 2]`` sample keys (may be traced).
+      scales: ``f32[K]`` host-rounded scales (may be traced).
+      distribution: ``"binomial"`` or ``"rademacher"``.
+      impl, inplace, block_sizes, interpret: see :func:`perturb_leaf`; pass ``inplace=True``
+        only where ``params`` is donated.
+
+    Returns:
+      The updated pytree (same structure, dtypes and shapes).
+    """
+    _noise.check_distribution(distribution)
+    keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
+    scales = jnp.asarray(scales, jnp.float32).reshape(-1)
+    if scales.shape[0] != keys.shape[0]:
+        raise ValueError(f"{keys.shape[0]} keys but {scales.shape[0]} scales")
+    impl = resolve_impl(impl)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+    out = []
+    for path, leaf in with_path:
+        leaf = jnp.asarray(leaf)
+        if jnp.dtype(leaf.dtype) not in _replay.SUPPORTED_DTYPES:
+            raise TypeError(
+                f"leaf {_rng.leaf_path(path)} has dtype {leaf.dtype}; the exact update supports "
+                f"{[str(d) for d in _replay.SUPPORTED_DTYPES]}"
+            )
+        lk = leaf_keys(keys, _rng.leaf_id(path))
+        out.append(
+            perturb_leaf(
+                leaf,
+                lk,
+                scales,
+                distribution=distribution,
+                impl=impl,
+                inplace=inplace,
+                block_sizes=block_sizes,
+                interpret=interpret,
+            )
+        )
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@functools.partial(jax.jit, static_argnames=("distribution", "impl"), donate_argnums=(0,))
+def _fused_donated(params, keys, scales, distribution, impl):
+    return apply_updates(params, keys, scales, distribution=distribution, impl=impl, inplace=True)
+
+
+@functools.partial(jax.jit, static_argnames=("distribution", "impl"))
+def _fused_copy(params, keys, scales, distribution, impl):
+    return apply_updates(params, keys, scales, distribution=distribution, impl=impl, inplace=False)
+
+
+def fused_apply_updates(
+    params: Any, keys, scales, *, distribution: str = "binomial", donate: bool = False, impl: str = "auto"
+) -> Any:
+    """Host entry: apply K updates with already-rounded scales to a pytree, fused and jitted.
+
+    Same semantics and bits as :func:`zeroth.replay.apply_updates`; each leaf is read and written
+    once for all K updates (native and Pallas paths).
+
+    Args:
+      params: pytree of f32 / bf16 / f16 arrays.
+      keys: ``u32[K, 2]`` sample keys (NumPy or jax).
+      scales: ``f32[K]``, from :func:`zeroth.replay.update_scales` (host-rounded).
+      distribution: ``"binomial"`` or ``"rademacher"``.
+      donate: update the buffers in place (``params`` must not be used afterwards).
+      impl: ``"auto"`` (default), ``"native"``, ``"pallas"`` or ``"jnp"``.
+
+    Example:
+      >>> from zeroth import rng, replay
+      >>> keys = rng.sample_keys(1, [(0, 5, s) for s in range(4)])
+      >>> q = fused_apply_updates({"b": jnp.ones(7)}, keys, replay.update_scales("rademacher", [0.1] * 4),
+      ...                         distribution="rademacher")
+    """
+    _noise.check_distribution(distribution)
+    keys_np = np.asarray(keys)
+    if keys_np.dtype != np.uint32 or keys_np.ndim not in (1, 2) or keys_np.shape[-1] != 2:
+        raise ValueError(f"keys must be uint32 of shape (2,) or (K, 2), got dtype {keys_np.dtype} shape {keys_np.shape}")
+    keys_np = keys_np.reshape(-1, 2)
+    scales_np = np.asarray(scales)
+    if scales_np.dtype != np.float32 or scales_np.reshape(-1).shape[0] != keys_np.shape[0]:
+        raise ValueError(
+            f"scales must be float32 with one per key ({keys_np.shape[0]}), from zeroth.replay.update_scales; "
+            f"got dtype {scales_np.dtype} shape {scales_np.shape}"
+        )
+    impl = resolve_impl(impl)
+    fn = _fused_donated if donate else _fused_copy
+    return fn(params, keys_np, scales_np.reshape(-1), distribution, impl)

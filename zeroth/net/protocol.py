@@ -1,0 +1,1300 @@
+"""The Just One Byte protocol as a pure state machine: membership, barrier, takeover, joins.
+
+No sockets, no clocks, no threads: every handler takes the protocol parameters, an immutable
+:class:`PeerState`, one event and the current time ``now`` (seconds, any monotonic origin) and
+returns a :class:`Step` ``(state, effects, reply)``. Effects are instructions for the runtime
+(:class:`Send` a message, :class:`Apply` a decided iteration, :class:`Compute` projected gradients,
+:class:`Fetch` log entries, :class:`Admit` a joiner, :class:`Dropped`, :class:`Finished`,
+:class:`Note`). A message that is malformed, stale, duplicated with other content, from an
+unknown sender or outside the iteration window raises :class:`Rejected` (a status code name and
+a message saying what was wrong); the caller's state is then untouched, because states are
+never mutated.
+
+One iteration ``t`` with view ``V_t`` (members, each active or catching up):
+
+1. every member evaluates its perturbations (:class:`Compute`) and pushes its encoded projected
+   gradients to every other member (:class:`Push`: O(M) messages per peer);
+2. the *committer* of ``t`` (the lowest active id, unless a takeover is under way) waits until
+   every active member has pushed or the barrier deadline passes, then decides the iteration
+   (:class:`Commit`): the contributors in machine-id order with their counts, the SHA-256 of
+   their payloads, and the view of ``t + 1``: contributors stay active; an active member that
+   missed the barrier is dropped (it must rejoin with a new id); a joiner that showed it has
+   caught up becomes active; pending joiners are admitted with fresh ids (never reused);
+3. every member applies the decided updates in canonical order (machine id, sample index).
+
+Agreement. The update set of ``t`` is whatever the committer decides, so every member replays
+the same updates. Decisions are a single-decree Paxos per iteration: the regular leader proposes
+with ballot ``(0, leader)``; a member that waited too long suspects the committer and the
+lowest unsuspected active member takes over with a higher ballot: it collects promises
+(:class:`Prepare`) from the members, adopts the highest-ballot decision any of them holds
+(re-issued verbatim), else decides from the pushes it and they hold. Progress needs a majority
+of the active members of ``V_t`` (the leader's barrier and the takeover both check it), so two
+halves of a partitioned run can never both go on. A member that applied a decision which a
+later ballot replaced is told by the conflicting commit and drops out (it must rejoin). A
+joiner's id is given to it only after the commit admitting it reached a majority, so a
+takeover always sees (and keeps) that admission: ids are never reused.
+
+Example (one peer, one iteration):
+  >>> p = Params(run_id="r", config_digest="c", bytes_per_value=1, max_count=4, iterations=1,
+  ...            iteration_timeout_s=1.0, barrier_timeout_s=1.0)
+  >>> step = founder(p, address="127.0.0.1:1", now=0.0)
+  >>> [type(e).__name__ for e in step.effects]
+  ['Compute']
+  >>> step = on_local_gradients(p, step.state, iteration=0, count=2, payload=b"ab", now=0.1)
+  >>> [type(e).__name__ for e in step.effects], step.state.phase
+  (['Apply', 'Finished'], 'done')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+__all__ = [
+    "FORMING",
+    "CATCHING_UP",
+    "MEMBER",
+    "DROPPED",
+    "DONE",
+    "LEFT",
+    "PHASES",
+    "MAX_MEMBERS",
+    "MAX_ADDRESS",
+    "MAX_RUN_ID",
+    "Rejected",
+    "Params",
+    "Member",
+    "View",
+    "Ballot",
+    "Push",
+    "Commit",
+    "LogEntry",
+    "Prepare",
+    "PrepareReply",
+    "Leave",
+    "JoinRequest",
+    "JoinAnswer",
+    "Redirect",
+    "Send",
+    "Apply",
+    "Compute",
+    "Fetch",
+    "Admit",
+    "Dropped",
+    "Finished",
+    "Note",
+    "Recovery",
+    "Admission",
+    "FetchState",
+    "PeerState",
+    "Step",
+    "updates_digest",
+    "committer",
+    "checksum_partner",
+    "founder",
+    "joined",
+    "on_ready",
+    "on_join",
+    "on_leave",
+    "request_leave",
+    "on_local_gradients",
+    "on_push",
+    "on_commit",
+    "on_commit_acked",
+    "on_commit_failed",
+    "on_prepare",
+    "on_prepare_reply",
+    "on_prepare_rejected",
+    "on_fetched",
+    "on_fetch_failed",
+    "on_tick",
+    "log_entries",
+]
+
+# Phases of a peer.
+FORMING = "forming"  # the founder, waiting for the founding peers before iteration 0
+CATCHING_UP = "catching_up"  # a joiner loading state; decisions are buffered
+MEMBER = "member"  # taking part
+DROPPED = "dropped"  # excluded from the run: must rejoin with a new id
+DONE = "done"  # all iterations decided and applied
+LEFT = "left"  # left the run on its own request
+PHASES = (FORMING, CATCHING_UP, MEMBER, DROPPED, DONE, LEFT)
+
+MAX_MEMBERS = 4096  # members of one view
+MAX_ADDRESS = 255  # characters of a host:port address
+MAX_RUN_ID = 128
+_NO_BALLOT = (-1, -1)
+
+
+class Rejected(Exception):
+    """A message refused: ``code`` names a gRPC status (``"INVALID_ARGUMENT"``, ...), ``message`` says why."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """The fixed parameters of a run's protocol (every peer holds the same).
+
+    Attributes:
+      run_id: the run's id; messages of other runs are refused.
+      config_digest: SHA-256 hex of the run's config; joiners must present the same.
+      bytes_per_value: payload bytes per projected gradient (1 for onebyte, 4 for float32).
+      max_count: most projected gradients of one (machine, iteration) (inferences per iteration).
+      iterations: the run decides iterations ``0 .. iterations - 1``.
+      iteration_timeout_s: a member stops evaluating perturbations after this long.
+      barrier_timeout_s: the committer waits this long after the iteration timeout for pushes;
+        a member waits this long again for the commit before suspecting the committer.
+      founders: peers the founder waits for before iteration 0 (itself included).
+      forming_timeout_s: the founder starts with whoever joined after this long.
+      window: decided iterations kept (for late commits, takeovers and pushes ahead).
+      max_pending_joins: joins the leader queues at once.
+      payload_check: ``f(payload) -> error message or None``: codec-level validation of a payload
+        (e.g. float32 values must be finite).
+    """
+
+    run_id: str
+    config_digest: str
+    bytes_per_value: int
+    max_count: int
+    iterations: int
+    iteration_timeout_s: float
+    barrier_timeout_s: float
+    founders: int = 1
+    forming_timeout_s: float = 60.0
+    window: int = 64
+    max_pending_joins: int = 64
+    payload_check: Callable[[bytes], str | None] | None = None
+
+    def __post_init__(self):
+        for name in ("bytes_per_value", "max_count", "iterations", "founders", "window", "max_pending_joins"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"Params.{name} must be an integer >= 1, got {v!r}")
+        for name in ("iteration_timeout_s", "barrier_timeout_s", "forming_timeout_s"):
+            v = getattr(self, name)
+            if not v > 0:
+                raise ValueError(f"Params.{name} must be > 0 seconds, got {v!r}")
+
+
+# --------------------------------------------------------------------------- values
+
+
+class Member(NamedTuple):
+    """A participant: ``machine`` id, ``address`` (host:port), ``active`` (expected at the barrier)."""
+
+    machine: int
+    address: str
+    active: bool = True
+
+
+class View(NamedTuple):
+    """The membership of one iteration; ``members`` sorted by machine id."""
+
+    iteration: int
+    members: tuple[Member, ...]
+    next_machine_id: int
+
+    def ids(self) -> frozenset[int]:
+        return frozenset(m.machine for m in self.members)
+
+    def active_ids(self) -> frozenset[int]:
+        return frozenset(m.machine for m in self.members if m.active)
+
+    def leader(self) -> int | None:
+        """The regular leader: the lowest active machine id (None without active members)."""
+        act = self.active_ids()
+        return min(act) if act else None
+
+    def address_of(self, machine: int) -> str | None:
+        for m in self.members:
+            if m.machine == machine:
+                return m.address
+        return None
+
+
+class Ballot(NamedTuple):
+    """Orders proposals for one iteration: ``(round, leader)``, compared as a tuple."""
+
+    round: int
+    leader: int
+
+
+class Push(NamedTuple):
+    """The encoded projected gradients of one (machine, iteration)."""
+
+    run_id: str
+    sender: int
+    iteration: int
+    count: int
+    payload: bytes
+
+
+class Commit(NamedTuple):
+    """The decision of one iteration (the barrier). ``contributors``: ``((machine, count), ...)`` sorted."""
+
+    run_id: str
+    sender: int
+    iteration: int
+    ballot: Ballot
+    contributors: tuple[tuple[int, int], ...]
+    updates_digest: bytes
+    next_view: View
+
+
+class LogEntry(NamedTuple):
+    """A decided iteration; ``payloads`` aligned with ``commit.contributors`` (None while missing)."""
+
+    commit: Commit
+    payloads: tuple[bytes, ...] | None
+
+
+class Prepare(NamedTuple):
+    """A takeover of ``iteration`` with ``ballot``."""
+
+    run_id: str
+    sender: int
+    iteration: int
+    ballot: Ballot
+
+
+class PrepareReply(NamedTuple):
+    """A promise: the responder's iteration, its decision of the iteration if any, else its pushes."""
+
+    iteration: int
+    decided: LogEntry | None
+    pushes: tuple[Push, ...]
+
+
+class Leave(NamedTuple):
+    """``sender`` stops contributing from ``iteration`` on."""
+
+    run_id: str
+    sender: int
+    iteration: int
+
+
+class JoinRequest(NamedTuple):
+    """A peer at ``address`` asks to join; ``request_id`` is the runtime's handle for the answer."""
+
+    request_id: int
+    address: str
+    config_digest: str
+
+
+class JoinAnswer(NamedTuple):
+    """The id given to a joiner and the view of its first iteration."""
+
+    machine: int
+    view: View
+
+
+class Redirect(NamedTuple):
+    """Reply to a join sent to a peer that is not the committer: ask ``address``."""
+
+    address: str
+
+
+# --------------------------------------------------------------------------- effects
+
+
+class Send(NamedTuple):
+    """Send ``message`` (:class:`Push`, :class:`Commit`, :class:`Prepare`, :class:`Leave`) to a member."""
+
+    machine: int
+    address: str
+    message: Any
+
+
+class Apply(NamedTuple):
+    """Apply a decided iteration (complete payloads), in order."""
+
+    entry: LogEntry
+
+
+class Compute(NamedTuple):
+    """Evaluate projected gradients for ``iteration`` until the count is reached or ``deadline``."""
+
+    iteration: int
+    deadline: float
+
+
+class Fetch(NamedTuple):
+    """Fetch decided iterations ``first..last`` (inclusive) from ``address`` (then :func:`on_fetched`)."""
+
+    address: str
+    first: int
+    last: int
+
+
+class Admit(NamedTuple):
+    """Answer the join ``request_id``."""
+
+    request_id: int
+    answer: JoinAnswer
+
+
+class Dropped(NamedTuple):
+    """This peer is out of the run (it must rejoin with a new id)."""
+
+    reason: str
+
+
+class Finished(NamedTuple):
+    """This peer stopped: ``reason`` is ``"done"`` (all iterations) or ``"left"``."""
+
+    iteration: int
+    reason: str
+
+
+class Note(NamedTuple):
+    """A line for the log."""
+
+    text: str
+
+
+# --------------------------------------------------------------------------- state
+
+
+class Recovery(NamedTuple):
+    """A takeover in progress: our ballot, the promises received, the deadline."""
+
+    ballot: Ballot
+    replies: Mapping[int, PrepareReply]
+    deadline: float
+
+
+class Admission(NamedTuple):
+    """Joiners admitted by our commit, answered once a majority of ``base`` acknowledged it."""
+
+    base: frozenset[int]
+    acks: frozenset[int]
+    joins: tuple[tuple[int, Member], ...]
+    view: View
+
+
+class FetchState(NamedTuple):
+    """A log fetch in flight."""
+
+    first: int
+    last: int
+    deadline: float
+    attempt: int
+
+
+class PeerState(NamedTuple):
+    """Everything a peer knows about the run (immutable; handlers return a new one).
+
+    Attributes:
+      me: this peer's machine id.
+      phase: one of :data:`PHASES`.
+      it: the next iteration to apply (all before it are decided and handed to :class:`Apply`).
+      view: the view of ``it``.
+      started_at: when ``it`` started here.
+      deadline: the barrier deadline (committer) or the commit deadline (others).
+      waits: consecutive expired waits of a member that cannot take over (a catching-up one).
+      inbox: ``{(iteration, machine): Push}`` for iterations >= ``it``.
+      decided: ``{iteration: LogEntry}``: applied ones (the last ``window``) and buffered ones.
+      promised: ``{iteration: Ballot}``: the highest ballot seen per iteration >= ``it``.
+      suspected: committers of ``it`` this peer gave up on.
+      recovery: our takeover of ``it``, if any.
+      joins: ``((request_id, address), ...)`` waiting for our next commit.
+      admissions: ``{iteration: Admission}`` of our commits not yet answered.
+      ready: catching-up members that showed they are ready to contribute.
+      leaves: members that asked to leave.
+      leaving: this peer asked to leave.
+      failures: consecutive failed commit deliveries per member.
+      computed: the last iteration a :class:`Compute` was issued for.
+      fetch: the log fetch in flight.
+      forming_deadline: when the founder stops waiting for founders.
+    """
+
+    me: int
+    phase: str
+    it: int
+    view: View
+    started_at: float
+    deadline: float
+    waits: int
+    inbox: Mapping[tuple[int, int], Push]
+    decided: Mapping[int, LogEntry]
+    promised: Mapping[int, Ballot]
+    suspected: frozenset[int]
+    recovery: Recovery | None
+    joins: tuple[tuple[int, str], ...]
+    admissions: Mapping[int, Admission]
+    ready: frozenset[int]
+    leaves: frozenset[int]
+    leaving: bool
+    failures: Mapping[int, int]
+    computed: int
+    fetch: FetchState | None
+    forming_deadline: float
+
+
+class Step(NamedTuple):
+    """What a handler returns: the new state, effects in order, and a direct reply (or None)."""
+
+    state: PeerState
+    effects: tuple
+    reply: Any = None
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def updates_digest(contributors, payloads) -> bytes:
+    """SHA-256 over ``(machine, count, len, payload)`` of each contributor, in order (32 bytes)."""
+    h = hashlib.sha256(b"zeroth-updates-v1\n")
+    for (machine, count), payload in zip(contributors, payloads, strict=True):
+        h.update(struct.pack("<IIQ", machine, count, len(payload)))
+        h.update(payload)
+    return h.digest()
+
+
+def committer(state: PeerState) -> int | None:
+    """Who is expected to decide ``state.it``: a promised takeover leader, else the lowest unsuspected active id."""
+    b = state.promised.get(state.it)
+    if b is not None and b.round > 0 and b.leader not in state.suspected:
+        return b.leader
+    cands = state.view.active_ids() - state.suspected
+    return min(cands) if cands else None
+
+
+def checksum_partner(view: View, me: int, iteration: int, every: int = 1) -> int | None:
+    """The active member ``me`` compares its state digest with at ``iteration`` (rotating), or None.
+
+    Members sorted by id; partner = the member ``1 + (iteration // every) % (n - 1)`` places after
+    ``me``, so over ``n - 1`` comparisons a member meets every other one. None when ``every`` is 0,
+    ``iteration`` is not a multiple of it, ``me`` is not active or it is alone.
+    """
+    if every <= 0 or iteration % every:
+        return None
+    act = sorted(view.active_ids())
+    if me not in act or len(act) < 2:
+        return None
+    n = len(act)
+    shift = 1 + (iteration // every) % (n - 1)
+    return act[(act.index(me) + shift) % n]
+
+
+def _majority(responders, base) -> bool:
+    base = frozenset(base)
+    return len(frozenset(responders) & base) * 2 > len(base)
+
+
+def _put(mapping: Mapping, key, value) -> dict:
+    out = dict(mapping)
+    out[key] = value
+    return out
+
+
+def _check_run(params: Params, run_id: str) -> None:
+    if run_id != params.run_id:
+        raise Rejected("FAILED_PRECONDITION", f"run id {run_id[:MAX_RUN_ID]!r} is not this run's {params.run_id!r}")
+
+
+def _check_uint(name: str, v, limit: int = 2**32) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < limit:
+        raise Rejected("INVALID_ARGUMENT", f"{name} must be an integer in [0, {limit}), got {v!r}")
+
+
+def _check_payload(params: Params, count: int, payload: bytes, what: str) -> None:
+    _check_uint(f"{what} count", count)
+    if not 1 <= count <= params.max_count:
+        raise Rejected("INVALID_ARGUMENT", f"{what}: count {count} is outside [1, {params.max_count}] (inferences per iteration)")
+    if not isinstance(payload, bytes):
+        raise Rejected("INVALID_ARGUMENT", f"{what}: payload must be bytes, got {type(payload).__name__}")
+    want = count * params.bytes_per_value
+    if len(payload) != want:
+        raise Rejected(
+            "INVALID_ARGUMENT",
+            f"{what}: payload has {len(payload)} bytes; {count} values of {params.bytes_per_value} byte(s) need {want}",
+        )
+    if params.payload_check is not None:
+        err = params.payload_check(payload)
+        if err:
+            raise Rejected("INVALID_ARGUMENT", f"{what}: {err}")
+
+
+def _check_address(address) -> None:
+    if not isinstance(address, str) or not 3 <= len(address) <= MAX_ADDRESS or ":" not in address:
+        raise Rejected("INVALID_ARGUMENT", f"address must be 'host:port' (3..{MAX_ADDRESS} characters), got {address!r:.80}")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise Rejected("INVALID_ARGUMENT", f"address {address!r:.80} has no valid port (1..65535)")
+
+
+def _check_view(params: Params, view: View, what: str) -> None:
+    _check_uint(f"{what} iteration", view.iteration, 2**63)
+    _check_uint(f"{what} next_machine_id", view.next_machine_id, 2**32 + 1)
+    if not 1 <= len(view.members) <= MAX_MEMBERS:
+        raise Rejected("INVALID_ARGUMENT", f"{what} has {len(view.members)} members; expected 1..{MAX_MEMBERS}")
+    ids = [m.machine for m in view.members]
+    for m in view.members:
+        _check_uint(f"{what} member id", m.machine)
+        _check_address(m.address)
+    if ids != sorted(set(ids)):
+        raise Rejected("INVALID_ARGUMENT", f"{what} members must be sorted by machine id without repeats, got {ids[:16]}")
+    if view.next_machine_id <= ids[-1]:
+        raise Rejected("INVALID_ARGUMENT", f"{what} next_machine_id {view.next_machine_id} must exceed every member id (max {ids[-1]})")
+
+
+def _check_commit(params: Params, c: Commit) -> None:
+    _check_run(params, c.run_id)
+    _check_uint("commit sender", c.sender)
+    _check_uint("commit iteration", c.iteration, 2**63)
+    _check_uint("ballot round", c.ballot.round, 2**63)
+    _check_uint("ballot leader", c.ballot.leader)
+    if c.ballot.leader != c.sender:
+        raise Rejected("INVALID_ARGUMENT", f"commit from machine {c.sender} carries the ballot of machine {c.ballot.leader}")
+    ids = [m for m, _ in c.contributors]
+    if ids != sorted(set(ids)):
+        raise Rejected("INVALID_ARGUMENT", f"commit contributors must be sorted by machine id without repeats, got {ids[:16]}")
+    if len(ids) > MAX_MEMBERS:
+        raise Rejected("INVALID_ARGUMENT", f"commit names {len(ids)} contributors; at most {MAX_MEMBERS}")
+    for m, n in c.contributors:
+        _check_uint("contributor id", m)
+        if not 1 <= n <= params.max_count:
+            raise Rejected("INVALID_ARGUMENT", f"contributor {m} count {n} is outside [1, {params.max_count}]")
+    if not isinstance(c.updates_digest, bytes) or len(c.updates_digest) != 32:
+        raise Rejected("INVALID_ARGUMENT", f"updates_digest must be 32 bytes (SHA-256), got {len(c.updates_digest)}")
+    _check_view(params, c.next_view, "commit next_view")
+    if c.next_view.iteration != c.iteration + 1:
+        raise Rejected(
+            "INVALID_ARGUMENT", f"commit of iteration {c.iteration} carries the view of iteration {c.next_view.iteration}"
+        )
+
+
+def _same_value(a: Commit, b: Commit) -> bool:
+    return a.contributors == b.contributors and a.updates_digest == b.updates_digest and a.next_view == b.next_view
+
+
+def _assemble(state: PeerState, commit: Commit) -> tuple[bytes, ...] | None:
+    """The payloads of ``commit`` from the inbox, if all present and matching its digest."""
+    payloads = []
+    for m, n in commit.contributors:
+        push = state.inbox.get((commit.iteration, m))
+        if push is None or push.count != n:
+            return None
+        payloads.append(push.payload)
+    if updates_digest(commit.contributors, payloads) != commit.updates_digest:
+        return None
+    return tuple(payloads)
+
+
+def _blank(me: int, phase: str, view: View, now: float) -> PeerState:
+    return PeerState(
+        me=me,
+        phase=phase,
+        it=view.iteration,
+        view=view,
+        started_at=now,
+        deadline=now,
+        waits=0,
+        inbox={},
+        decided={},
+        promised={},
+        suspected=frozenset(),
+        recovery=None,
+        joins=(),
+        admissions={},
+        ready=frozenset(),
+        leaves=frozenset(),
+        leaving=False,
+        failures={},
+        computed=-1,
+        fetch=None,
+        forming_deadline=now,
+    )
+
+
+def log_entries(state: PeerState, first: int, last: int) -> list[LogEntry]:
+    """Complete decided entries ``first..last`` held in the state's window, consecutive from ``first``."""
+    out = []
+    for t in range(first, last + 1):
+        e = state.decided.get(t)
+        if e is None or e.payloads is None or t >= state.it:
+            break
+        out.append(e)
+    return out
+
+
+# --------------------------------------------------------------------------- iteration flow
+
+
+def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
+    """Arm the deadline of ``st.it`` and ask for its projected gradients."""
+    ids = st.view.ids()
+    st = st._replace(
+        started_at=now,
+        suspected=frozenset(),
+        recovery=None,
+        waits=0,
+        leaves=st.leaves & ids,
+        ready=st.ready & (ids - st.view.active_ids()),
+    )
+    lead = committer(st) == st.me
+    slack = params.barrier_timeout_s if lead else 2 * params.barrier_timeout_s
+    st = st._replace(deadline=now + params.iteration_timeout_s + slack)
+    if not st.leaving and st.computed < st.it and st.it not in st.decided:
+        effects.append(Compute(st.it, now + params.iteration_timeout_s))
+        st = st._replace(computed=st.it)
+    if lead:
+        st = _try_commit(params, st, now, effects)
+    return st
+
+
+def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
+    """Hand every consecutive complete decision from ``st.it`` on to :class:`Apply`, then start the next iteration."""
+    if st.phase != MEMBER:
+        return st
+    moved = False
+    while True:
+        entry = st.decided.get(st.it)
+        if entry is None:
+            later = [t for t in st.decided if t > st.it]
+            if later and st.fetch is None:
+                st = _fetch(params, st, now, effects, st.it, min(later) - 1, 0)
+            break
+        if entry.payloads is None:
+            payloads = _assemble(st, entry.commit)
+            if payloads is None:
+                if st.fetch is None:
+                    st = _fetch(params, st, now, effects, st.it, st.it, 0)
+                break
+            entry = entry._replace(payloads=payloads)
+            st = st._replace(decided=_put(st.decided, st.it, entry))
+        effects.append(Apply(entry))
+        moved = True
+        nxt = entry.commit.next_view
+        it = st.it + 1
+        st = st._replace(
+            it=it,
+            view=nxt,
+            inbox={k: v for k, v in st.inbox.items() if k[0] >= it},
+            promised={k: v for k, v in st.promised.items() if k >= it},
+            decided={k: v for k, v in st.decided.items() if k >= it - params.window},
+            fetch=st.fetch if st.fetch is not None and st.fetch.last >= it else None,
+        )
+        if st.me not in nxt.ids():
+            if st.leaving:
+                effects.append(Finished(it, "left"))
+                return st._replace(phase=LEFT)
+            effects.append(Dropped(f"not a member of the view of iteration {it} (missed the barrier or replaced)"))
+            return st._replace(phase=DROPPED)
+        if it >= params.iterations:
+            effects.append(Finished(it, "done"))
+            return st._replace(phase=DONE)
+    if moved:
+        st = _start_iteration(params, st, now, effects)
+    return st
+
+
+def _fetch(params: Params, st: PeerState, now: float, effects: list, first: int, last: int, attempt: int) -> PeerState:
+    """Ask a member for decided iterations: the commit's sender first, then the others in turn."""
+    sources = []
+    entry = st.decided.get(first)
+    if entry is not None:
+        sources.append(entry.commit.sender)
+    lead = committer(st)
+    if lead is not None:
+        sources.append(lead)
+    sources += sorted(st.view.ids())
+    sources = [m for i, m in enumerate(sources) if m != st.me and m not in sources[:i]]
+    if not sources:
+        return st
+    machine = sources[attempt % len(sources)]
+    effects.append(Fetch(st.view.address_of(machine) or "", first, last))
+    return st._replace(fetch=FetchState(first, last, now + params.barrier_timeout_s, attempt))
+
+
+def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
+    """The committer's barrier: decide ``st.it`` when every expected push is in, or at the deadline with a majority."""
+    if st.phase != MEMBER or st.it in st.decided or committer(st) != st.me or st.recovery is not None:
+        return st
+    b = st.promised.get(st.it)
+    if b is not None and b > Ballot(0, st.me):
+        return st
+    view = st.view
+    active = view.active_ids()
+    expected = active - st.leaves
+    have = frozenset(m for (t, m) in st.inbox if t == st.it and m in view.ids())
+    if not expected <= have:
+        if now < st.deadline:
+            return st
+        responders = have | st.leaves | {st.me}
+        if not _majority(responders, active):
+            effects.append(
+                Dropped(
+                    f"iteration {st.it}: only {sorted(responders & active)} of the active {sorted(active)} "
+                    f"answered by the barrier deadline; no majority"
+                )
+            )
+            return st._replace(phase=DROPPED)
+    ballot = Ballot(0, st.me)
+    entry, admitted = _decide(params, st, ballot, have, have | {st.me})
+    return _publish(params, st, now, effects, entry, admitted)
+
+
+def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive) -> tuple[LogEntry, tuple]:
+    """Build the decision of ``st.it`` from the pushes of ``contributors``; ``alive`` may stay active."""
+    view = st.view
+    contributors = sorted(contributors)
+    pushes = [st.inbox[(st.it, m)] for m in contributors]
+    contrib = tuple((p.sender, p.count) for p in pushes)
+    payloads = tuple(p.payload for p in pushes)
+    next_active = ((frozenset(contributors) & frozenset(alive)) | (st.ready & frozenset(alive))) - st.leaves
+    next_id = view.next_machine_id
+    admitted = []
+    joiner_addresses = set()
+    for rid, address in st.joins[: params.max_pending_joins]:
+        if address in joiner_addresses:
+            continue
+        joiner_addresses.add(address)
+        admitted.append((rid, Member(next_id, address, False)))
+        next_id += 1
+    members = []
+    for m in view.members:
+        if m.machine in st.leaves or m.address in joiner_addresses:
+            continue
+        if m.active and m.machine not in next_active:
+            continue  # missed the barrier: dropped
+        if not m.active and st.failures.get(m.machine, 0) >= 3 and m.machine not in next_active:
+            continue  # a catching-up member we cannot reach
+        members.append(Member(m.machine, m.address, m.machine in next_active))
+    members += [m for _, m in admitted]
+    if not members:
+        # Everyone leaves: the run ends with an empty view, which no one is a member of.
+        members = []
+    next_view = View(st.it + 1, tuple(sorted(members)), next_id)
+    commit = Commit(params.run_id, st.me, st.it, ballot, contrib, updates_digest(contrib, payloads), next_view)
+    return LogEntry(commit, payloads), tuple(admitted)
+
+
+def _publish(params: Params, st: PeerState, now: float, effects: list, entry: LogEntry, admitted) -> PeerState:
+    """Record our decision, send it to every member of the iteration, answer joins after a majority, apply."""
+    t = entry.commit.iteration
+    for m in st.view.members:
+        if m.machine != st.me:
+            effects.append(Send(m.machine, m.address, entry.commit))
+    active = st.view.active_ids()
+    admissions = dict(st.admissions)
+    if admitted:
+        admissions[t] = Admission(active, frozenset({st.me}), tuple(admitted), entry.commit.next_view)
+    st = st._replace(
+        decided=_put(st.decided, t, entry),
+        promised=_put(st.promised, t, entry.commit.ballot),
+        joins=st.joins[len(admitted) :] if admitted else st.joins,
+        admissions=admissions,
+        recovery=None,
+        ready=frozenset(),
+    )
+    if admitted:
+        st = _answer_admissions(st, t, effects)
+    return _advance(params, st, now, effects)
+
+
+def _answer_admissions(st: PeerState, t: int, effects: list) -> PeerState:
+    adm = st.admissions.get(t)
+    if adm is None or not _majority(adm.acks, adm.base):
+        return st
+    for rid, member in adm.joins:
+        effects.append(Admit(rid, JoinAnswer(member.machine, adm.view)))
+        effects.append(Note(f"admitted machine {member.machine} ({member.address}) from iteration {adm.view.iteration}"))
+    return st._replace(admissions={k: v for k, v in st.admissions.items() if k != t})
+
+
+# --------------------------------------------------------------------------- constructors
+
+
+def founder(params: Params, *, address: str, now: float) -> Step:
+    """The first peer of a run: machine 0, alone in the view of iteration 0.
+
+    With ``params.founders > 1`` it waits (phase ``forming``) until that many peers joined or
+    ``forming_timeout_s`` passed; they all start iteration 0 as active members.
+    """
+    _check_address(address)
+    view = View(0, (Member(0, address, True),), 1)
+    st = _blank(0, FORMING, view, now)._replace(
+        forming_deadline=now + params.forming_timeout_s, admissions={-1: Admission(frozenset(), frozenset(), (), view)}
+    )
+    if params.founders <= 1:
+        return _finish_forming(params, st, now)
+    return Step(st, ())
+
+
+def _finish_forming(params: Params, st: PeerState, now: float) -> Step:
+    adm = st.admissions.get(-1)
+    effects: list = []
+    for rid, member in adm.joins if adm else ():
+        effects.append(Admit(rid, JoinAnswer(member.machine, st.view)))
+    effects.append(Note(f"formed with machines {sorted(st.view.ids())}"))
+    st = st._replace(phase=MEMBER, admissions={})
+    if st.it >= params.iterations:
+        effects.append(Finished(st.it, "done"))
+        return Step(st._replace(phase=DONE), tuple(effects))
+    st = _start_iteration(params, st, now, effects)
+    return Step(st, tuple(effects))
+
+
+def joined(params: Params, *, me: int, view: View, now: float) -> PeerState:
+    """The state of a joiner right after its :class:`JoinAnswer`: catching up, decisions buffered."""
+    if me not in view.ids():
+        raise ValueError(f"machine {me} is not a member of the view it was given ({sorted(view.ids())})")
+    return _blank(me, CATCHING_UP, view, now)
+
+
+def on_ready(params: Params, st: PeerState, *, iteration: int, view: View, now: float) -> Step:
+    """The runtime loaded the state at the start of ``iteration`` (view ``view``): start taking part.
+
+    ``iteration`` may be past ``st.it`` (a newer snapshot): the buffered decisions before it are skipped.
+    """
+    if st.phase != CATCHING_UP:
+        raise ValueError(f"on_ready needs phase {CATCHING_UP!r}, the peer is {st.phase!r}")
+    if iteration < st.it:
+        raise ValueError(f"loaded state of iteration {iteration} is older than the first iteration {st.it} of this member")
+    if iteration > st.it:
+        st = st._replace(
+            it=iteration,
+            view=view,
+            inbox={k: v for k, v in st.inbox.items() if k[0] >= iteration},
+            decided={k: v for k, v in st.decided.items() if k >= iteration},
+        )
+    effects: list = []
+    st = st._replace(phase=MEMBER)
+    if st.me not in st.view.ids():
+        effects.append(Dropped(f"not a member of the view of iteration {st.it}"))
+        return Step(st._replace(phase=DROPPED), tuple(effects))
+    if st.it >= params.iterations:
+        effects.append(Finished(st.it, "done"))
+        return Step(st._replace(phase=DONE), tuple(effects))
+    before = st.it
+    st = _advance(params, st, now, effects)
+    if st.phase == MEMBER and st.it == before:
+        st = _start_iteration(params, st, now, effects)
+    return Step(st, tuple(effects))
+
+
+# --------------------------------------------------------------------------- joining and leaving
+
+
+def on_join(params: Params, st: PeerState, req: JoinRequest, now: float) -> Step:
+    """A peer asks to join. Answered later by :class:`Admit`, or at once by a :class:`Redirect` reply.
+
+    Raises:
+      Rejected: wrong config digest, bad address, or this peer cannot admit anyone now.
+    """
+    if req.config_digest != params.config_digest:
+        raise Rejected(
+            "FAILED_PRECONDITION",
+            f"config digest {str(req.config_digest)[:64]!r} differs from this run's {params.config_digest!r}; "
+            f"start the peer with the run's config",
+        )
+    _check_address(req.address)
+    if st.phase == FORMING:
+        if req.address in {m.address for m in st.view.members}:
+            raise Rejected("ALREADY_EXISTS", f"a founding peer already listens at {req.address}")
+        member = Member(st.view.next_machine_id, req.address, True)
+        view = st.view._replace(members=st.view.members + (member,), next_machine_id=member.machine + 1)
+        adm = st.admissions[-1]
+        adm = adm._replace(joins=adm.joins + ((req.request_id, member),), view=view)
+        st = st._replace(view=view, admissions={-1: adm})
+        if len(view.members) >= params.founders:
+            return _finish_forming(params, st, now)
+        return Step(st, ())
+    if st.phase != MEMBER:
+        raise Rejected("UNAVAILABLE", f"this peer is {st.phase} and admits no one; try another peer of the run")
+    lead = committer(st)
+    if lead != st.me:
+        address = st.view.address_of(lead) if lead is not None else None
+        if address is None:
+            raise Rejected("UNAVAILABLE", "the run has no leader right now; retry shortly")
+        return Step(st, (), Redirect(address))
+    if len(st.joins) >= params.max_pending_joins:
+        raise Rejected("RESOURCE_EXHAUSTED", f"{len(st.joins)} joins already wait for the next commit; retry shortly")
+    if any(rid == req.request_id for rid, _ in st.joins):
+        raise Rejected("ALREADY_EXISTS", f"join request {req.request_id} is already queued")
+    return Step(st._replace(joins=st.joins + ((req.request_id, req.address),)), ())
+
+
+def on_leave(params: Params, st: PeerState, msg: Leave, now: float) -> Step:
+    """A member leaves: it is no longer waited for and the next decision removes it. Reply: the iteration."""
+    _check_run(params, msg.run_id)
+    _check_uint("sender", msg.sender)
+    if st.phase not in (MEMBER, CATCHING_UP):
+        raise Rejected("UNAVAILABLE", f"this peer is {st.phase}")
+    if msg.sender not in st.view.ids():
+        raise Rejected("PERMISSION_DENIED", f"machine {msg.sender} is not a member of iteration {st.it}")
+    st = st._replace(leaves=st.leaves | {msg.sender})
+    effects: list = []
+    st = _try_commit(params, st, now, effects)
+    return Step(st, tuple(effects), st.it)
+
+
+def request_leave(params: Params, st: PeerState, now: float) -> Step:
+    """This peer leaves: it stops contributing, tells every member, and finishes once a decision removes it."""
+    if st.phase != MEMBER:
+        raise ValueError(f"only a member can leave; this peer is {st.phase}")
+    st = st._replace(leaving=True, leaves=st.leaves | {st.me})
+    effects: list = [
+        Send(m.machine, m.address, Leave(params.run_id, st.me, st.it)) for m in st.view.members if m.machine != st.me
+    ]
+    st = _try_commit(params, st, now, effects)
+    return Step(st, tuple(effects))
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+def on_local_gradients(params: Params, st: PeerState, *, iteration: int, count: int, payload: bytes, now: float) -> Step:
+    """Our projected gradients of ``iteration`` are encoded: push them to every member (stale results are dropped)."""
+    if st.phase != MEMBER or iteration != st.it or (iteration, st.me) in st.inbox or iteration in st.decided or st.leaving:
+        return Step(st, ())
+    try:
+        _check_payload(params, count, payload, "local gradients")
+    except Rejected as e:
+        raise ValueError(e.message) from None
+    push = Push(params.run_id, st.me, iteration, count, payload)
+    st = st._replace(inbox=_put(st.inbox, (iteration, st.me), push))
+    effects: list = [Send(m.machine, m.address, push) for m in st.view.members if m.machine != st.me]
+    st = _try_commit(params, st, now, effects)
+    return Step(st, tuple(effects))
+
+
+def _horizon(st: PeerState) -> int:
+    return max([st.it, *st.decided]) + 1
+
+
+def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
+    """A member's projected gradients of one iteration.
+
+    Accepted for iterations from ``it`` to one past the newest decision known (a member may be
+    one iteration ahead); stored once (an identical copy is accepted again, a different one is
+    refused). A catching-up member's push one iteration late marks it ready to become active.
+
+    Raises:
+      Rejected: other run, unknown sender, stale or too far ahead, bad count or size, conflicting duplicate.
+    """
+    _check_run(params, push.run_id)
+    _check_uint("sender", push.sender)
+    _check_uint("iteration", push.iteration, 2**63)
+    if st.phase not in (MEMBER, CATCHING_UP):
+        raise Rejected("UNAVAILABLE", f"this peer is {st.phase}; it takes no gradients")
+    if push.sender == st.me:
+        raise Rejected("INVALID_ARGUMENT", f"a push claims to come from this peer's own id {st.me}")
+    if push.sender not in st.view.ids():
+        raise Rejected("PERMISSION_DENIED", f"machine {push.sender} is not a member of iteration {st.it}")
+    _check_payload(params, push.count, push.payload, f"push of machine {push.sender} iteration {push.iteration}")
+    t = push.iteration
+    if t < st.it:
+        mem = [m for m in st.view.members if m.machine == push.sender]
+        if t == st.it - 1 and mem and not mem[0].active and st.phase == MEMBER:
+            return Step(st._replace(ready=st.ready | {push.sender}), ())
+        raise Rejected("FAILED_PRECONDITION", f"stale push: iteration {t} is already decided (this peer is at {st.it})")
+    if t > _horizon(st) or t > st.it + params.window:
+        raise Rejected("OUT_OF_RANGE", f"push for iteration {t} is too far ahead (this peer is at {st.it})")
+    old = st.inbox.get((t, push.sender))
+    if old is not None:
+        if old == push:
+            return Step(st, ())
+        raise Rejected("ALREADY_EXISTS", f"machine {push.sender} already pushed different gradients for iteration {t}")
+    st = st._replace(inbox=_put(st.inbox, (t, push.sender), push))
+    effects: list = []
+    if t == st.it:
+        st = _advance(params, st, now, effects) if st.it in st.decided else _try_commit(params, st, now, effects)
+    return Step(st, tuple(effects))
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step:
+    """A decision of one iteration (the barrier release).
+
+    Buffered until applicable; its payloads come from the pushes received, or are fetched.
+    A decision that conflicts with one this peer already applied drops it from the run.
+
+    Raises:
+      Rejected: malformed, other run, ballot below one promised, too far ahead, or a round-0
+        commit not sent by the leader of the iteration.
+    """
+    _check_commit(params, commit)
+    if st.phase not in (MEMBER, CATCHING_UP):
+        raise Rejected("UNAVAILABLE", f"this peer is {st.phase}; it takes no commits")
+    t = commit.iteration
+    effects: list = []
+    if t < st.it:
+        old = st.decided.get(t)
+        if old is not None and not _same_value(old.commit, commit):
+            effects.append(
+                Dropped(f"iteration {t}: a commit of ballot {tuple(commit.ballot)} differs from the one this peer applied")
+            )
+            return Step(st._replace(phase=DROPPED), tuple(effects))
+        return Step(st, ())
+    if t > st.it + params.window:
+        raise Rejected("OUT_OF_RANGE", f"commit of iteration {t} is too far ahead (this peer is at {st.it})")
+    if t == st.it and commit.sender not in st.view.ids():
+        raise Rejected("PERMISSION_DENIED", f"machine {commit.sender} is not a member of iteration {t}")
+    promised = st.promised.get(t)
+    if promised is not None and commit.ballot < promised:
+        raise Rejected(
+            "FAILED_PRECONDITION",
+            f"commit of iteration {t} has ballot {tuple(commit.ballot)} below the promised {tuple(promised)}",
+        )
+    if t == st.it and commit.ballot.round == 0 and commit.ballot.leader != st.view.leader():
+        raise Rejected(
+            "INVALID_ARGUMENT",
+            f"round-0 commit of iteration {t} from machine {commit.sender}; the leader is {st.view.leader()}",
+        )
+    old = st.decided.get(t)
+    if old is not None and _same_value(old.commit, commit):
+        entry = old._replace(commit=commit)
+    else:
+        entry = LogEntry(commit, None)
+    st = st._replace(decided=_put(st.decided, t, entry), promised=_put(st.promised, t, commit.ballot))
+    if st.recovery is not None and st.recovery.ballot < commit.ballot and t == st.it:
+        st = st._replace(recovery=None)
+    st = _advance(params, st, now, effects)
+    return Step(st, tuple(effects))
+
+
+def on_commit_acked(params: Params, st: PeerState, *, iteration: int, machine: int, now: float) -> Step:
+    """A member acknowledged our decision of ``iteration`` (joiners are answered after a majority)."""
+    st = st._replace(failures={k: v for k, v in st.failures.items() if k != machine})
+    adm = st.admissions.get(iteration)
+    if adm is None:
+        return Step(st, ())
+    st = st._replace(admissions=_put(st.admissions, iteration, adm._replace(acks=adm.acks | {machine})))
+    effects: list = []
+    st = _answer_admissions(st, iteration, effects)
+    return Step(st, tuple(effects))
+
+
+def on_commit_failed(params: Params, st: PeerState, *, iteration: int, machine: int, message: str, now: float) -> Step:
+    """Our decision could not be delivered to ``machine`` (counted; a catching-up member is dropped after 3)."""
+    st = st._replace(failures=_put(st.failures, machine, st.failures.get(machine, 0) + 1))
+    return Step(st, (Note(f"commit of iteration {iteration} to machine {machine} failed: {message}"),))
+
+
+# --------------------------------------------------------------------------- takeover
+
+
+def _start_recovery(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
+    prev = st.promised.get(st.it)
+    ballot = Ballot((prev.round if prev is not None else 0) + 1, st.me)
+    st = st._replace(
+        promised=_put(st.promised, st.it, ballot),
+        recovery=Recovery(ballot, {}, now + params.barrier_timeout_s),
+    )
+    effects.append(Note(f"iteration {st.it}: taking over with ballot {tuple(ballot)} (suspected {sorted(st.suspected)})"))
+    for m in st.view.members:
+        if m.machine != st.me:
+            effects.append(Send(m.machine, m.address, Prepare(params.run_id, st.me, st.it, ballot)))
+    if len(st.view.members) == 1:
+        st = _finish_recovery(params, st, now, effects)
+    return st
+
+
+def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
+    """A takeover asks for our promise. Reply: our :class:`PrepareReply`.
+
+    Raises:
+      Rejected: other run, unknown sender, ballot below one already promised, iteration out of the window.
+    """
+    _check_run(params, msg.run_id)
+    _check_uint("sender", msg.sender)
+    _check_uint("iteration", msg.iteration, 2**63)
+    _check_uint("ballot round", msg.ballot.round, 2**63)
+    if msg.ballot.leader != msg.sender or msg.ballot.round < 1:
+        raise Rejected("INVALID_ARGUMENT", f"prepare from machine {msg.sender} with ballot {tuple(msg.ballot)}")
+    if st.phase not in (MEMBER, CATCHING_UP):
+        raise Rejected("UNAVAILABLE", f"this peer is {st.phase}")
+    t = msg.iteration
+    if t < st.it:
+        if t < st.it - params.window:
+            raise Rejected("OUT_OF_RANGE", f"iteration {t} is older than this peer's window (at {st.it})")
+        entry = st.decided.get(t)
+        return Step(st, (), PrepareReply(st.it, entry if entry is not None and entry.payloads else None, ()))
+    if t > st.it + params.window:
+        raise Rejected("OUT_OF_RANGE", f"prepare for iteration {t} is too far ahead (this peer is at {st.it})")
+    if msg.sender not in st.view.ids():
+        raise Rejected("PERMISSION_DENIED", f"machine {msg.sender} is not a member of iteration {st.it}")
+    promised = st.promised.get(t)
+    if promised is not None and msg.ballot < promised:
+        raise Rejected(
+            "FAILED_PRECONDITION", f"ballot {tuple(msg.ballot)} for iteration {t} is below the promised {tuple(promised)}"
+        )
+    st = st._replace(promised=_put(st.promised, t, msg.ballot))
+    if t == st.it:
+        st = st._replace(deadline=now + 2 * params.barrier_timeout_s, suspected=st.suspected - {msg.sender})
+        if st.recovery is not None and st.recovery.ballot < msg.ballot:
+            st = st._replace(recovery=None)
+    entry = st.decided.get(t)
+    pushes = tuple(p for (it, _), p in sorted(st.inbox.items()) if it == t)
+    reply = PrepareReply(st.it, entry if entry is not None and entry.payloads else None, pushes)
+    return Step(st, (), reply)
+
+
+def on_prepare_reply(params: Params, st: PeerState, *, sender: int, reply: PrepareReply, now: float) -> Step:
+    """A promise for our takeover; once every member answered, decide."""
+    if st.recovery is None or st.phase != MEMBER or st.promised.get(st.it) != st.recovery.ballot:
+        return Step(st, ())
+    if sender not in st.view.ids() or sender == st.me:
+        return Step(st, ())
+    rec = st.recovery._replace(replies=_put(st.recovery.replies, sender, reply))
+    st = st._replace(recovery=rec)
+    effects: list = []
+    if set(rec.replies) >= st.view.ids() - {st.me}:
+        st = _finish_recovery(params, st, now, effects)
+    return Step(st, tuple(effects))
+
+
+def on_prepare_rejected(params: Params, st: PeerState, *, sender: int, message: str, now: float) -> Step:
+    """A member promised a higher ballot: give our takeover up and wait for that one."""
+    if st.recovery is None:
+        return Step(st, ())
+    st = st._replace(recovery=None, deadline=now + 2 * params.barrier_timeout_s)
+    return Step(st, (Note(f"iteration {st.it}: takeover abandoned, machine {sender}: {message}"),))
+
+
+def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
+    rec = st.recovery
+    if rec is None or st.it in st.decided and st.decided[st.it].payloads is not None and False:
+        return st
+    responders = frozenset(rec.replies) | {st.me}
+    active = st.view.active_ids()
+    if not _majority(responders, active):
+        if now < rec.deadline:
+            return st
+        effects.append(
+            Dropped(f"iteration {st.it}: takeover got promises from {sorted(responders & active)} of {sorted(active)}; no majority")
+        )
+        return st._replace(phase=DROPPED, recovery=None)
+    # Pushes the responders hold (validated) complete our inbox.
+    inbox = dict(st.inbox)
+    for reply in rec.replies.values():
+        for p in reply.pushes:
+            try:
+                _check_run(params, p.run_id)
+                _check_payload(params, p.count, p.payload, "takeover push")
+            except Rejected:
+                continue
+            if p.iteration == st.it and p.sender in st.view.ids() and (p.iteration, p.sender) not in inbox:
+                inbox[(p.iteration, p.sender)] = p
+    st = st._replace(inbox=inbox)
+    held = [e for e in [st.decided.get(st.it)] + [r.decided for r in rec.replies.values()] if e is not None]
+    held = [e for e in held if e.commit.iteration == st.it]
+    if held:
+        best = max(held, key=lambda e: tuple(e.commit.ballot))
+        commit = best.commit._replace(sender=st.me, ballot=rec.ballot)
+        payloads = best.payloads
+        if payloads is not None and updates_digest(commit.contributors, payloads) != commit.updates_digest:
+            payloads = None
+        if payloads is None:
+            payloads = _assemble(st, commit)
+        entry = LogEntry(commit, payloads)
+        effects.append(Note(f"iteration {st.it}: takeover re-issues the decision of ballot {tuple(best.commit.ballot)}"))
+        admitted: tuple = ()
+        st = st._replace(joins=())
+        return _publish(params, st, now, effects, entry, admitted)
+    have = frozenset(m for (t, m) in st.inbox if t == st.it and m in st.view.ids())
+    entry, admitted = _decide(params, st._replace(joins=()), rec.ballot, have, responders)
+    effects.append(Note(f"iteration {st.it}: takeover decides contributors {[m for m, _ in entry.commit.contributors]}"))
+    return _publish(params, st._replace(joins=()), now, effects, entry, admitted)
+
+
+# --------------------------------------------------------------------------- fetching
+
+
+def on_fetched(params: Params, st: PeerState, entries, now: float) -> Step:
+    """Decided iterations fetched from a member: each is checked (structure, payload digest) and buffered.
+
+    Raises:
+      Rejected: an entry is malformed or its payloads do not match its digest.
+    """
+    decided = dict(st.decided)
+    for e in entries:
+        _check_commit(params, e.commit)
+        if e.payloads is None or len(e.payloads) != len(e.commit.contributors):
+            raise Rejected("INVALID_ARGUMENT", f"log entry of iteration {e.commit.iteration} lacks payloads")
+        for (m, n), p in zip(e.commit.contributors, e.payloads, strict=True):
+            _check_payload(params, n, p, f"log entry {e.commit.iteration} machine {m}")
+        if updates_digest(e.commit.contributors, e.payloads) != e.commit.updates_digest:
+            raise Rejected("INVALID_ARGUMENT", f"log entry of iteration {e.commit.iteration}: payloads do not match the digest")
+        t = e.commit.iteration
+        if t < st.it or t > st.it + params.window:
+            continue
+        old = decided.get(t)
+        if old is None or old.payloads is None and (_same_value(old.commit, e.commit) or e.commit.ballot >= old.commit.ballot):
+            decided[t] = LogEntry(e.commit, tuple(e.payloads))
+    st = st._replace(decided=decided, fetch=None)
+    effects: list = []
+    st = _advance(params, st, now, effects)
+    return Step(st, tuple(effects))
+
+
+def on_fetch_failed(params: Params, st: PeerState, *, message: str, now: float) -> Step:
+    """A log fetch failed: the next source is tried at once."""
+    if st.fetch is None:
+        return Step(st, ())
+    effects: list = [Note(f"fetch of iterations {st.fetch.first}..{st.fetch.last} failed: {message}")]
+    f = st.fetch
+    st = _fetch(params, st._replace(fetch=None), now, effects, max(f.first, st.it), f.last, f.attempt + 1)
+    return Step(st, tuple(effects))
+
+
+# --------------------------------------------------------------------------- time
+
+
+def on_tick(params: Params, st: PeerState, now: float) -> Step:
+    """Time passed: forming ends, barriers expire, silent committers are suspected, fetches are retried."""
+    effects: list = []
+    if st.phase == FORMING:
+        if now >= st.forming_deadline:
+            return _finish_forming(params, st, now)
+        return Step(st, ())
+    if st.phase != MEMBER:
+        return Step(st, ())
+    if st.fetch is not None and now >= st.fetch.deadline:
+        f = st.fetch
+        effects.append(Note(f"fetch of iterations {f.first}..{f.last} timed out"))
+        st = _fetch(params, st._replace(fetch=None), now, effects, max(f.first, st.it), max(f.last, st.it), f.attempt + 1)
+    if st.it in st.decided:
+        return Step(st, tuple(effects))
+    if st.recovery is not None:
+        if now >= st.recovery.deadline:
+            st = _finish_recovery(params, st, now, effects)
+        return Step(st, tuple(effects))
+    who = committer(st)
+    if who == st.me:
+        st = _try_commit(params, st, now, effects)
+        return Step(st, tuple(effects))
+    if now < st.deadline:
+        return Step(st, tuple(effects))
+    active = st.view.active_ids()
+    if st.me not in active:
+        waits = st.waits + 1
+        if waits >= 3:
+            effects.append(Dropped(f"iteration {st.it}: no decision arrived in {waits} waits"))
+            return Step(st._replace(phase=DROPPED), tuple(effects))
+        st = st._replace(waits=waits, deadline=now + 2 * params.barrier_timeout_s)
+        return Step(st, tuple(effects))
+    suspected = st.suspected | ({who} if who is not None else set())
+    st = st._replace(suspected=frozenset(suspected))
+    effects.append(Note(f"iteration {st.it}: no decision from machine {who}; suspecting it"))
+    cands = active - st.suspected
+    if not cands:
+        effects.append(Dropped(f"iteration {st.it}: every active member is suspected"))
+        return Step(st._replace(phase=DROPPED), tuple(effects))
+    if min(cands) == st.me:
+        st = _start_recovery(params, st, now, effects)
+    else:
+        st = st._replace(deadline=now + 2 * params.barrier_timeout_s)
+    return Step(st, tuple(effects))

@@ -1,0 +1,587 @@
+"""Zeroth-order (SPSA / MeZO) estimators and steps over zeroth's exact perturbations.
+
+One iteration of Just One Byte on the machines ``M`` (each evaluating its own samples):
+
+1. perturbation ``i`` of machine ``m`` at iteration ``t`` is named by
+   ``k = sample_key(run_seed, m, t, i)``; its noise ``z`` is regenerated exactly from ``k``
+   (:mod:`zeroth.noise`, unit variance);
+2. its projected gradient is the two-point difference (:func:`projected_gradients`)
+
+       g = (L(θ + εz) − L(θ − εz)) / (2ε),
+
+   where ``θ ± εz`` is computed with the exact update rule (``replay(θ, [(k, ±ε)])`` bit for bit)
+   and ε is rounded on the host (:func:`round_eps`);
+3. ``g`` is encoded (:mod:`zeroth.codecs`) and shared; every machine decodes the same bytes;
+4. all machines apply ``θ ← θ − η Σ g·z`` as one canonical replay (:func:`canonical_updates`):
+   updates sorted by (machine, sample), coefficients ``c = −η g / N`` (``lr_scaling="linear"``)
+   or ``c = −η g / √N`` (``"sqrt"``, the seed's choice), ``N`` the number of projected gradients
+   of the iteration across all machines, each ``c`` rounded on the host (:func:`update_coefficients`);
+5. optionally, exact decoupled weight decay ``θ ← θ·(1 − ηλ)`` as a separate canonical unit
+   (:func:`weight_decay`), after the replay.
+
+Steps 4 and 5 are inside the determinism contract (same log -> same bits on every backend);
+step 2 is not required to be (contract point 5: the loss only produces the scalar that is shared).
+The loss may be any scalar function, differentiable or not (accuracy, F1, a step function).
+
+Memory. MeZO's point is that a step costs no more memory than inference. Here the parameters
+are never copied as a whole: each perturbation is evaluated functionally inside one compiled
+program (``lax.map`` over the keys), ``θ + εz`` and ``θ − εz`` one after the other (an
+optimization barrier orders them), and each perturbed leaf lives only until the forward pass
+has consumed it. Two XLA settings make the compiler honour this (:func:`compiler_options`):
+the CPU scheduler is switched from "concurrency optimized" (which computes every perturbed
+leaf up front) to "memory optimized", and while-loop invariant code motion is disabled (it
+would hoist the noise index arrays and the widened parameters out of the loop over keys, about
+2.25 times the largest leaf). With them, the peak of a step is the inference peak plus about
+one perturbed copy of the largest leaf. :func:`projected_gradients_fn` compiles with these
+options; a caller that wraps :func:`projected_gradients` in its own ``jax.jit`` should pass
+``compiler_options=zo.compiler_options()`` too. The update itself is ``replay(..., donate=True)``,
+in place. ``zeroth bench zo`` measures both against a plain forward pass.
+
+ZO-momentum / ZO-Adam (:func:`zo_optax`) materialize a dense gradient estimate and keep optax
+state: they are OUTSIDE the determinism contract (their state is float math whose rounding
+differs between backends) and cost one to three extra copies of the parameters.
+
+Example:
+  >>> import jax.numpy as jnp, numpy as np
+  >>> loss = lambda p, b: jnp.sum((p["w"] - b) ** 2)
+  >>> params = {"w": jnp.zeros(4)}
+  >>> out = mezo_step(loss, params, jnp.ones(4), run_seed=0, iteration=0, lr=0.1, eps=1e-2,
+  ...                 n_perturbations=2)
+  >>> out.grads.shape, len(out.payload)
+  ((2,), 8)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroth import codecs as _codecs
+from zeroth import noise as _noise
+from zeroth import replay as _replay
+from zeroth import rng as _rng
+
+__all__ = [
+    "SCALINGS",
+    "DECAY_FLUSH",
+    "compiler_options",
+    "round_eps",
+    "projected_gradients",
+    "projected_gradients_and_losses",
+    "projected_gradients_fn",
+    "update_coefficients",
+    "canonical_updates",
+    "decay_factor",
+    "decay",
+    "weight_decay",
+    "StepResult",
+    "mezo_step",
+    "dense_gradient",
+    "ZOOptaxState",
+    "ZOOptax",
+    "zo_optax",
+]
+
+SCALINGS = ("linear", "sqrt")
+# Weight-decay results below this magnitude become +0 (see :func:`decay`): one binade above the
+# smallest normal float32, so backends that flush subnormal products and backends that round
+# them gradually agree.
+DECAY_FLUSH = np.float32(2.0**-125)
+_DISABLED_PASSES = "while-loop-invariant-code-motion"
+
+
+# --------------------------------------------------------------------------- estimator
+
+
+def compiler_options(backend: str | None = None) -> dict[str, Any]:
+    """XLA options under which a ZO step keeps no perturbed copy of the model.
+
+    ``xla_disable_hlo_passes=while-loop-invariant-code-motion`` (every backend) keeps the widened
+    parameters and the noise index arrays inside the loop over keys instead of hoisting them as
+    whole-model temporaries; on CPU, ``xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED``
+    computes each perturbed leaf just before the forward pass uses it (the default concurrency
+    scheduler computes them all first, a whole perturbed copy).
+
+    Args:
+      backend: ``"cpu"``, ``"gpu"``, ``"tpu"``...; default ``jax.default_backend()``.
+
+    Returns:
+      A dict for ``jax.jit(..., compiler_options=...)`` or ``Lowered.compile(...)``.
+
+    Example:
+      >>> compiler_options("cpu")["xla_cpu_scheduler_type"]
+      'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'
+    """
+    backend = jax.default_backend() if backend is None else backend
+    opts: dict[str, Any] = {"xla_disable_hlo_passes": _DISABLED_PASSES}
+    if backend == "cpu":
+        opts["xla_cpu_scheduler_type"] = "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
+    return opts
+
+
+def round_eps(eps: float) -> np.float32:
+    """The host-rounded perturbation size ε (:func:`zeroth.replay.round_coefficient`) as float32.
+
+    ``θ ± εz`` with this ε is exactly ``replay(θ, [(key, ±ε)])``.
+
+    Raises:
+      ValueError: ``eps`` is not a finite number > 0.
+
+    Example:
+      >>> float(round_eps(1e-3))
+      0.0010000001639127731
+    """
+    e = float(eps)
+    if not (math.isfinite(e) and e > 0.0):
+        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+    r = _replay.round_coefficient(e)
+    if r == 0.0:
+        raise ValueError(f"eps={eps!r} rounds to 0 (it must be >= 2**-120)")
+    return np.float32(r)
+
+
+def _check_eps_scale(eps_scale) -> None:
+    if isinstance(eps_scale, jax.core.Tracer):
+        return
+    e = np.asarray(eps_scale)
+    if e.shape != ():
+        raise ValueError(f"eps_scale must be a scalar, got shape {e.shape}")
+    v = float(e)
+    if not (math.isfinite(v) and v > 0.0):
+        raise ValueError(f"eps_scale must be a finite number > 0, got {v!r}")
+    if float(np.float32(v)) != v or _replay.round_coefficient(v) != v:
+        raise ValueError(
+            f"eps_scale={v!r} is not host-rounded; pass zeroth.zo.round_eps(eps) "
+            f"(= {float(round_eps(v))!r}) so that θ ± εz follows the exact update rule"
+        )
+
+
+def projected_gradients_and_losses(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    params: Any,
+    batch: Any,
+    keys,
+    eps_scale,
+    *,
+    distribution: str = "binomial",
+) -> tuple[jax.Array, jax.Array]:
+    """Two-point projected gradients and the mean loss of each pair (traceable).
+
+    For each key ``k_i``: ``θ± = replay(θ, [(k_i, ±ε)])`` (the exact rule, through
+    :func:`zeroth.replay.apply_updates`), ``g_i = (L(θ+) − L(θ−)) / (2ε)`` and
+    ``ℓ_i = (L(θ+) + L(θ−)) / 2``, in float32. The keys are visited by ``lax.map``; inside one
+    visit ``θ−`` is ordered after ``L(θ+)`` so at most one perturbed copy is alive (see the module
+    docstring on memory and :func:`compiler_options`).
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar``; any function, differentiable or not.
+      params: pytree of f32 / bf16 / f16 arrays.
+      batch: any pytree, passed through to ``loss_fn``.
+      keys: ``u32[n, 2]`` sample keys (:func:`zeroth.rng.sample_keys`).
+      eps_scale: ``f32[]`` host-rounded ε (:func:`round_eps`); may be traced.
+      distribution: ``"binomial"`` or ``"rademacher"`` (exact noise only).
+
+    Returns:
+      ``(g, ℓ)``, both ``f32[n]``.
+    """
+    _noise.check_distribution(distribution)
+    _check_eps_scale(eps_scale)
+    keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
+    eps = jnp.asarray(eps_scale, jnp.float32).reshape(())
+    # z = k / 2 for binomial: θ + εz = θ + (ε/2)·k, the scale replay.update_scale gives (exact).
+    scale = eps * jnp.float32(0.5) if distribution == "binomial" else eps
+
+    def one(key):
+        # The barrier makes this visit's copy of θ depend on its key, so no whole-model value is
+        # hoisted out of the loop over keys.
+        key, theta = jax.lax.optimization_barrier((key, params))
+        plus = _replay.apply_updates(theta, key[None], scale[None], distribution=distribution)
+        lp = jnp.asarray(loss_fn(plus, batch)).astype(jnp.float32).reshape(())
+        # θ− is built only after L(θ+) is known: θ+ is dead by then.
+        lp, theta, key = jax.lax.optimization_barrier((lp, theta, key))
+        minus = _replay.apply_updates(theta, key[None], -scale[None], distribution=distribution)
+        lm = jnp.asarray(loss_fn(minus, batch)).astype(jnp.float32).reshape(())
+        return (lp - lm) / (jnp.float32(2.0) * eps), (lp + lm) * jnp.float32(0.5)
+
+    return jax.lax.map(one, keys)
+
+
+def projected_gradients(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    params: Any,
+    batch: Any,
+    keys,
+    eps_scale,
+    *,
+    distribution: str = "binomial",
+) -> jax.Array:
+    """``g_i = (L(θ + εz_i) − L(θ − εz_i)) / (2ε)`` for each key: ``f32[n]`` (traceable).
+
+    See :func:`projected_gradients_and_losses` for the arguments. Jit it with
+    ``compiler_options=compiler_options()`` (or use :func:`projected_gradients_fn`) to keep the
+    memory of a step at that of inference.
+
+    Example:
+      >>> from zeroth.rng import sample_keys
+      >>> g = projected_gradients(lambda p, b: jnp.sum(p["w"] ** 2), {"w": jnp.ones(3)}, None,
+      ...                         sample_keys(0, [(0, 0, 0)]), round_eps(1e-2))
+      >>> g.shape
+      (1,)
+    """
+    return projected_gradients_and_losses(loss_fn, params, batch, keys, eps_scale, distribution=distribution)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_estimator(loss_fn, distribution: str, options: tuple):
+    def fn(params, batch, keys, eps_scale):
+        return projected_gradients_and_losses(loss_fn, params, batch, keys, eps_scale, distribution=distribution)
+
+    return jax.jit(fn, compiler_options=dict(options))
+
+
+def projected_gradients_fn(loss_fn: Callable[[Any, Any], jax.Array], *, distribution: str = "binomial"):
+    """A jitted ``fn(params, batch, keys, eps_scale) -> (g f32[n], ℓ f32[n])`` compiled with
+    :func:`compiler_options` (cached per ``loss_fn``, distribution and backend).
+
+    It recompiles only for new shapes; ``keys`` and ``eps_scale`` are traced.
+
+    Example:
+      >>> fn = projected_gradients_fn(lambda p, b: jnp.sum(p["w"] ** 2))
+    """
+    _noise.check_distribution(distribution)
+    return _compiled_estimator(loss_fn, distribution, tuple(sorted(compiler_options().items())))
+
+
+# --------------------------------------------------------------------------- coefficients
+
+
+def _check_scaling(scaling: str) -> str:
+    if scaling not in SCALINGS:
+        raise ValueError(f"unknown lr_scaling {scaling!r}; expected one of {list(SCALINGS)}")
+    return scaling
+
+
+def update_coefficients(grads, lr: float, n_total: int, scaling: str = "sqrt") -> list[float]:
+    """Host-rounded update coefficients ``c_i = round(−η g_i / N)`` or ``round(−η g_i / √N)``.
+
+    Computed in float64 on the host, ``(−η · g_i) / N`` or ``(−η · g_i) / sqrt(N)`` (each IEEE
+    operation correctly rounded, so identical on every host), then rounded once by
+    :func:`zeroth.replay.round_coefficient` (20 significant bits). ``replay`` rounds again, which
+    is the identity on these values.
+
+    Args:
+      grads: the *decoded* projected gradients, ``f32[n]`` (any real sequence).
+      lr: the learning rate η (finite).
+      n_total: N, the number of projected gradients of the iteration across all machines (>= n).
+      scaling: ``"sqrt"`` (η/√N, the seed's choice) or ``"linear"`` (η/N).
+
+    Returns:
+      ``list[float]`` of n coefficients.
+
+    Raises:
+      ValueError: a non-finite gradient or lr, N < n or N < 1, an unknown scaling.
+
+    Example:
+      >>> update_coefficients([2.0, -1.0], 0.5, 4, "sqrt")
+      [-0.5, 0.25]
+    """
+    _check_scaling(scaling)
+    g = np.asarray(grads, dtype=np.float64).reshape(-1)
+    lr = float(lr)
+    if not math.isfinite(lr):
+        raise ValueError(f"lr must be finite, got {lr!r}")
+    if isinstance(n_total, bool) or not isinstance(n_total, (int, np.integer)) or n_total < max(1, g.size):
+        raise ValueError(f"n_total must be an integer >= max(1, len(grads)) = {max(1, g.size)}, got {n_total!r}")
+    bad = np.flatnonzero(~np.isfinite(g))
+    if bad.size:
+        raise ValueError(f"projected gradient {int(bad[0])} is {g[bad[0]]!r}; only finite values can be applied")
+    denom = float(n_total) if scaling == "linear" else math.sqrt(float(n_total))
+    return [_replay.round_coefficient((-lr * float(gi)) / denom) for gi in g]
+
+
+def canonical_updates(
+    run_seed: int,
+    iteration: int,
+    grads_by_machine: Mapping[int, Sequence[float]],
+    lr: float,
+    scaling: str = "sqrt",
+) -> list[tuple[np.ndarray, float]]:
+    """The iteration's updates in canonical order: machine id ascending, then sample index.
+
+    Every machine that holds the same ``grads_by_machine`` (decoded values) builds the same list,
+    whatever the order of the mapping; ``replay(params, updates)`` then gives the same bits.
+
+    Args:
+      run_seed: the run's seed.
+      iteration: the iteration t.
+      grads_by_machine: ``{machine_id: [g_0, g_1, ...]}``, sample ``i`` of machine ``m`` having key
+        ``sample_key(run_seed, m, iteration, i)``.
+      lr: the learning rate η.
+      scaling: ``"sqrt"`` or ``"linear"``; N is the total number of gradients in the mapping.
+
+    Returns:
+      ``[(u32[2] key, float coefficient), ...]`` ready for :func:`zeroth.replay.replay`.
+
+    Example:
+      >>> ups = canonical_updates(0, 5, {2: [1.0], 0: [0.5, -0.5]}, lr=0.1, scaling="linear")
+      >>> [round(c, 6) for _, c in ups]
+      [-0.016667, 0.016667, -0.033333]
+    """
+    _check_scaling(scaling)
+    machines = list(grads_by_machine)
+    for m in machines:
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)):
+            raise ValueError(f"machine ids must be integers, got {m!r} ({type(m).__name__})")
+    order = sorted(int(m) for m in machines)
+    if len(set(order)) != len(order):
+        raise ValueError(f"duplicate machine ids in {machines}")
+    per = {int(m): np.asarray(grads_by_machine[m], dtype=np.float64).reshape(-1) for m in machines}
+    n_total = sum(v.size for v in per.values())
+    if n_total == 0:
+        return []
+    out: list[tuple[np.ndarray, float]] = []
+    for m in order:
+        coeffs = update_coefficients(per[m], lr, n_total, scaling) if per[m].size else []
+        for i, c in enumerate(coeffs):
+            out.append((_rng.sample_key(run_seed, m, iteration, i), c))
+    return out
+
+
+# --------------------------------------------------------------------------- weight decay
+
+
+def decay_factor(lr: float, weight_decay: float) -> np.float32:
+    """``d = float32(1 − η·λ)``, computed in float64 on the host and rounded once to float32.
+
+    Raises:
+      ValueError: non-finite values, or ``η·λ`` outside ``[0, 1)`` (d must lie in ``(0, 1]``).
+
+    Example:
+      >>> float(decay_factor(0.5, 0.5))
+      0.75
+    """
+    lr, wd = float(lr), float(weight_decay)
+    if not (math.isfinite(lr) and math.isfinite(wd)):
+        raise ValueError(f"lr and weight_decay must be finite, got lr={lr!r}, weight_decay={wd!r}")
+    d = 1.0 - lr * wd
+    if not 0.0 < d <= 1.0:
+        raise ValueError(f"lr * weight_decay must lie in [0, 1), got {lr} * {wd} = {lr * wd}")
+    return np.float32(d)
+
+
+def decay(params: Any, factor) -> Any:
+    """Traceable core of exact weight decay: ``p ← cast(flushd(flush(p32) · d))`` per leaf.
+
+    ``flushd`` maps results with ``|x| < 2**-125`` (:data:`DECAY_FLUSH`) and -0 to +0 and NaN to
+    the canonical NaN. Why this is exact across backends when it runs as its own program
+    (:func:`weight_decay`): an IEEE float32 multiply is correctly rounded everywhere; the program
+    has no add after the multiply, so no backend can contract it into an FMA; results in or near
+    the subnormal range, where flush-to-zero hardware and gradual underflow disagree, are all
+    below 2**-125 and become 0 on every backend (any product whose exact value is >= 2**-125
+    rounds to the same normal number everywhere).
+
+    Args:
+      params: pytree of f32 / bf16 / f16 arrays.
+      factor: ``f32[]`` from :func:`decay_factor` (may be traced).
+    """
+    d = jnp.asarray(factor, jnp.float32).reshape(())
+
+    def leaf_fn(leaf):
+        leaf = jnp.asarray(leaf)
+        if leaf.dtype not in _replay.SUPPORTED_DTYPES:
+            raise TypeError(f"weight decay supports {[str(t) for t in _replay.SUPPORTED_DTYPES]}, got {leaf.dtype}")
+        x = _replay.flush(_replay.flush(leaf.astype(jnp.float32)) * d)
+        x = jnp.where(jnp.abs(x) < DECAY_FLUSH, jnp.float32(0.0), x)
+        return _replay.flush_cast(x, leaf.dtype)
+
+    return jax.tree_util.tree_map(leaf_fn, params)
+
+
+_decay_copy = jax.jit(decay)
+_decay_donated = jax.jit(decay, donate_argnums=(0,))
+
+
+def weight_decay(params: Any, lr: float, weight_decay: float, *, donate: bool = False) -> Any:
+    """Exact decoupled weight decay ``θ ← θ·(1 − ηλ)``, one canonical unit (its own program).
+
+    In an iteration it comes after the replay of the iteration's updates. A no-op copy when
+    ``weight_decay == 0``. See :func:`decay` for why every backend gives the same bits; the NumPy
+    reference is ``flushd(np.float32(p) * np.float32(d))``.
+
+    Args:
+      params: pytree of f32 / bf16 / f16 arrays.
+      lr: learning rate η; weight_decay: λ (``η·λ`` in ``[0, 1)``).
+      donate: reuse the input buffers (the input must not be used afterwards).
+
+    Example:
+      >>> weight_decay({"w": jnp.ones(2)}, 0.5, 0.5)["w"]
+      Array([0.75, 0.75], dtype=float32)
+    """
+    return _weight_decay(params, lr, weight_decay, donate)
+
+
+def _weight_decay(params, lr, wd, donate):
+    d = decay_factor(lr, wd)
+    return (_decay_donated if donate else _decay_copy)(params, d)
+
+
+# --------------------------------------------------------------------------- one machine
+
+
+class StepResult(NamedTuple):
+    """The outcome of :func:`mezo_step`."""
+
+    params: Any  # the updated parameters (same structure and dtypes)
+    grads: np.ndarray  # f32[n]: the decoded projected gradients, exactly what was applied
+    payload: bytes  # codec.encode(raw gradients): what this machine would send to its peers
+    loss: float  # mean over the n pairs of (L(θ+εz) + L(θ−εz)) / 2, before the update
+
+
+def mezo_step(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    params: Any,
+    batch: Any,
+    *,
+    run_seed: int,
+    iteration: int,
+    lr: float,
+    eps: float,
+    n_perturbations: int = 1,
+    machine: int = 0,
+    scaling: str = "sqrt",
+    distribution: str = "binomial",
+    codec: str = "float32",
+    weight_decay: float = 0.0,
+    donate: bool = False,
+) -> StepResult:
+    """One MeZO / Just One Byte iteration on one machine (N = ``n_perturbations``).
+
+    keys ``sample_key(run_seed, machine, iteration, i)`` -> projected gradients (compiled with
+    :func:`compiler_options`) -> ``codec`` encode/decode -> :func:`canonical_updates` ->
+    ``replay`` (exact) -> optional :func:`weight_decay`. Bit-identical to replaying the same
+    decoded gradients with :mod:`zeroth.reference`.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar`` (hashable; its compiled estimator is cached).
+      params, batch: the model parameters and the batch.
+      run_seed, iteration, machine: name the perturbations.
+      lr, eps: learning rate η and perturbation size ε (ε is host-rounded).
+      n_perturbations: n >= 1.
+      scaling: ``"sqrt"`` or ``"linear"``.
+      distribution: ``"binomial"`` or ``"rademacher"``.
+      codec: ``"float32"`` or ``"onebyte"`` (:func:`zeroth.codecs.get_codec`).
+      weight_decay: λ (0 = none).
+      donate: update ``params`` in place (the input must not be used afterwards).
+
+    Raises:
+      ValueError: bad arguments, or a non-finite projected gradient (the losses are named).
+    """
+    if isinstance(n_perturbations, bool) or not isinstance(n_perturbations, (int, np.integer)) or n_perturbations < 1:
+        raise ValueError(f"n_perturbations must be an integer >= 1, got {n_perturbations!r}")
+    _check_scaling(scaling)
+    cod = _codecs.get_codec(codec)
+    eps_scale = round_eps(eps)
+    keys = _rng.sample_keys(run_seed, [(machine, iteration, i) for i in range(int(n_perturbations))])
+    g, losses = jax.device_get(projected_gradients_fn(loss_fn, distribution=distribution)(params, batch, keys, eps_scale))
+    g = np.asarray(g, np.float32)
+    bad = np.flatnonzero(~np.isfinite(g))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"projected gradient {i} of iteration {iteration} is {g[i]!r} (mean loss of the pair {float(losses[i])!r}); "
+            f"the loss is not finite at θ ± εz: lower lr (now {lr}) or eps (now {eps})"
+        )
+    payload = cod.encode(g)
+    decoded = cod.decode(payload)
+    updates = canonical_updates(run_seed, iteration, {int(machine): decoded}, lr, scaling)
+    params = _replay.replay(params, updates, distribution=distribution, donate=donate)
+    if weight_decay:
+        params = _weight_decay(params, lr, weight_decay, True)
+    return StepResult(params, decoded, payload, float(np.mean(losses)))
+
+
+# --------------------------------------------------------------------------- optax bridge
+
+
+def dense_gradient(params: Any, keys, coefficients, *, distribution: str = "binomial") -> Any:
+    """``Σ_i c_i z_i`` as a float32 pytree of the parameters' structure (traceable).
+
+    OUTSIDE the determinism contract (a float sum) and one extra parameter-sized buffer; ``z_i``
+    are the same noise values the exact replay uses.
+
+    Args:
+      params: pytree (only structure and shapes are used).
+      keys: ``u32[n, 2]``; coefficients: ``f32[n]``.
+    """
+    _noise.check_distribution(distribution)
+    keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
+    coefficients = jnp.asarray(coefficients, jnp.float32).reshape(-1)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+    out = []
+    for path, leaf in with_path:
+        lid = np.uint32(_rng.leaf_id(path))
+        shape = jnp.shape(leaf)
+
+        def body(i, acc, lid=lid, shape=shape):
+            z = _noise.sample(distribution, _rng.fold_in(keys[i], lid), shape, jnp.float32)
+            return acc + coefficients[i] * z
+
+        out.append(jax.lax.fori_loop(0, keys.shape[0], body, jnp.zeros(shape, jnp.float32)))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+class ZOOptaxState(NamedTuple):
+    """State of :func:`zo_optax`: the wrapped optimizer's state (float math, not exact)."""
+
+    inner: Any  # optax state of the wrapped optimizer, e.g. momentum / Adam moments (param-sized)
+
+
+class ZOOptax(NamedTuple):
+    """``init(params) -> state``; ``update(params, state, keys, grads, n_total) -> (params, state)``."""
+
+    init: Callable[[Any], ZOOptaxState]
+    update: Callable[..., tuple[Any, ZOOptaxState]]
+
+
+def zo_optax(optimizer, *, distribution: str = "binomial", scaling: str = "sqrt") -> ZOOptax:
+    """ZO-momentum / ZO-Adam: feed the estimate ``ĝ = Σ g_i z_i / s`` to an optax optimizer.
+
+    ``s = N`` (``"linear"``) or ``√N`` (``"sqrt"``); the learning rate lives in ``optimizer``.
+    OUTSIDE THE DETERMINISM CONTRACT: the optimizer state is float math that differs between
+    backends, so peers running it drift apart; and it costs extra memory: the dense estimate
+    (one copy of the parameters) plus the optimizer state (one for momentum, two for Adam).
+    Use :func:`mezo_step` / :func:`canonical_updates` where bit-exactness is needed.
+
+    Example:
+      >>> import optax
+      >>> opt = zo_optax(optax.adam(1e-2))
+      >>> state = opt.init({"w": jnp.zeros(3)})
+    """
+    _noise.check_distribution(distribution)
+    _check_scaling(scaling)
+    import optax
+
+    def init(params):
+        return ZOOptaxState(optimizer.init(params))
+
+    @jax.jit
+    def _update(params, state, keys, grads, denom):
+        c = jnp.asarray(grads, jnp.float32) / denom
+        est = dense_gradient(params, keys, c, distribution=distribution)
+        est = jax.tree_util.tree_map(lambda e, p: e.astype(jnp.asarray(p).dtype), est, params)
+        updates, inner = optimizer.update(est, state.inner, params)
+        return optax.apply_updates(params, updates), ZOOptaxState(inner)
+
+    def update(params, state, keys, grads, n_total):
+        if isinstance(n_total, bool) or not isinstance(n_total, (int, np.integer)) or n_total < 1:
+            raise ValueError(f"n_total must be an integer >= 1, got {n_total!r}")
+        denom = np.float32(n_total if scaling == "linear" else math.sqrt(n_total))
+        return _update(params, state, keys, grads, denom)
+
+    return ZOOptax(init, update)
