@@ -63,7 +63,7 @@ def round_coefficient(c: float, bits: int = COEFF_BITS) -> float:
 
     Example:
       >>> round_coefficient(0.1)
-      0.10000038146972656
+      0.10000002384185791
     """
     if not 1 <= bits <= COEFF_BITS:
         raise ValueError(f"bits must be in [1, {COEFF_BITS}] so that c * z is exact in float32, got {bits}")

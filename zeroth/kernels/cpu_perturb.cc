@@ -18,10 +18,13 @@
 // reference bit for bit.
 //
 // Work is done per cache-resident tile of kTile elements, aligned to global multiples of kTile:
-// a tile is read once, receives all K updates, and is written once. Threefry runs 16 calls at a
-// time in SIMD registers (GCC/Clang vector extensions; AVX-512 where compiled for it), giving 64
-// binomial or 1024 Rademacher elements per 16 calls. Tiles are split across XLA's CPU thread
-// pool when the work is large enough.
+// a tile is read once, receives all K updates, and is written once. With AVX-512 (F, BW, DQ;
+// BITALG used when present) threefry runs 16 calls per register and the noise never leaves
+// registers: vpopcntw, a vpermt2w to put halves in element order and a vpermt2ps table lookup of
+// scale * (c - 8) for binomial; the 16-bit halves of the words used directly as blend masks for
+// Rademacher; vfpclassps for the flush. Elsewhere plain loops that the compiler vectorizes for
+// its target (the word stream of a tile into a small buffer, then an elementwise pass). Tiles
+// are split across XLA's CPU thread pool when the work is large enough.
 
 #include <algorithm>
 #include <cstdint>
@@ -31,11 +34,8 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512BITALG__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
-#define ZEROTH_HAVE_BITALG 1
-#else
-#define ZEROTH_HAVE_BITALG 0
 #endif
 
 namespace ffi = xla::ffi;
@@ -48,12 +48,6 @@ constexpr int64_t kRademacherGroup = 1024;
 constexpr int64_t kParallelWork = int64_t{1} << 18;  // element-updates before using threads
 constexpr uint32_t kParity = 0x1BD11BDAu;
 constexpr uint32_t kCanonicalNan = 0x7FC00000u;
-
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v32h __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
 
 enum Distribution : int32_t { kBinomial = 0, kRademacher = 1 };
 
@@ -101,119 +95,176 @@ inline void Threefry(const LeafKey& k, T c1, T& out0, T& out1) {
 
 // ---------------------------------------------------------------- exact float helpers
 
-inline v16u Bits(v16f x) { return reinterpret_cast<v16u&>(x); }
-inline v16f Floats(v16u x) { return reinterpret_cast<v16f&>(x); }
-
-// Subnormals and -0 -> +0, NaN -> canonical quiet NaN; infinities unchanged.
-inline v16f Flush(v16f x) {
-  v16u u = Bits(x);
-  v16u a = u & 0x7FFFFFFFu;
-  u = (a < 0x00800000u) ? v16u{} : u;
-  u = (a > 0x7F800000u) ? v16u{} + kCanonicalNan : u;
-  return Floats(u);
-}
-
-inline float FlushScalar(float x) {
+inline uint32_t AsBits(float x) {
   uint32_t u;
   std::memcpy(&u, &x, 4);
-  uint32_t a = u & 0x7FFFFFFFu;
-  if (a < 0x00800000u) u = 0;
-  if (a > 0x7F800000u) u = kCanonicalNan;
+  return u;
+}
+
+inline float AsFloat(uint32_t u) {
+  float x;
   std::memcpy(&x, &u, 4);
   return x;
 }
 
-// Popcount of each 16-bit half of each 32-bit word: low half in bits 0..4, high in 16..20.
-inline v16u PopcountHalves(v16u x) {
-#if ZEROTH_HAVE_BITALG
-  __m512i r = _mm512_popcnt_epi16(reinterpret_cast<__m512i&>(x));
-  return reinterpret_cast<v16u&>(r);
+// The contract's flush: subnormals and -0 -> +0, NaN -> canonical quiet NaN; infinities kept.
+inline float FlushScalar(float x) {
+  uint32_t u = AsBits(x);
+  uint32_t a = u & 0x7FFFFFFFu;
+  if (a < 0x00800000u) u = 0;
+  if (a > 0x7F800000u) u = kCanonicalNan;
+  return AsFloat(u);
+}
+
+// Inside the update loop only subnormals and -0 need flushing: after the flush on load a NaN is
+// canonical, and NaN + finite stays a NaN, which the flush on store canonicalizes again (an
+// update's product is finite, so no new NaN can appear).
+inline float FlushSubnormal(float x) {
+  uint32_t u = AsBits(x);
+  return AsFloat((u & 0x7FFFFFFFu) < 0x00800000u ? 0u : u);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define ZEROTH_AVX512 1
 #else
-  x = x - ((x >> 1) & 0x55555555u);
-  x = (x & 0x33333333u) + ((x >> 2) & 0x33333333u);
-  x = (x + (x >> 4)) & 0x0F0F0F0Fu;
-  return (x + (x >> 8)) & 0x001F001Fu;
+#define ZEROTH_AVX512 0
+#endif
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the word stream is viewed as 16-bit halves");
+
+// ---------------------------------------------------------------- one update on a range of groups
+//
+// buf[0..kTile) holds the tile in float32; `first_call` is the threefry call of buf[0] (tiles
+// start at global multiples of kTile, so buf[0] starts a call). Each function applies
+// p = flush(p + s * k) to groups [g0, g1): 64 elements (binomial) or 1024 (Rademacher), i.e.
+// 16 threefry calls per group.
+
+#if ZEROTH_AVX512
+
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+inline __m512i AsM512i(v16u x) { return reinterpret_cast<__m512i&>(x); }
+
+// Popcount of every 16-bit lane.
+inline __m512i Popcount16(__m512i x) {
+#if defined(__AVX512BITALG__)
+  return _mm512_popcnt_epi16(x);
+#else
+  const __m512i m1 = _mm512_set1_epi16(0x5555), m2 = _mm512_set1_epi16(0x3333), m4 = _mm512_set1_epi16(0x0F0F);
+  x = _mm512_sub_epi16(x, _mm512_and_si512(_mm512_srli_epi16(x, 1), m1));
+  x = _mm512_add_epi16(_mm512_and_si512(x, m2), _mm512_and_si512(_mm512_srli_epi16(x, 2), m2));
+  x = _mm512_and_si512(_mm512_add_epi16(x, _mm512_srli_epi16(x, 4)), m4);
+  return _mm512_and_si512(_mm512_add_epi16(x, _mm512_srli_epi16(x, 8)), _mm512_set1_epi16(0x001F));
 #endif
 }
 
-// 16 halves (u16 counts 0..16) -> k * s as floats: s * (count - 8), exact.
-inline v16f HalvesToUpdate(v16h h, v16f s) {
-  v16i c = __builtin_convertvector(h, v16i) - 8;
-  return __builtin_convertvector(c, v16f) * s;
+// Adds the update and flushes subnormals / -0 (vfpclassps: denormal 0x20 | negative zero 0x04).
+inline void AddFlushStore(float* p, __m512 delta) {
+  __m512 y = _mm512_add_ps(_mm512_load_ps(p), delta);
+  _mm512_store_ps(p, _mm512_mask_mov_ps(y, _mm512_fpclass_ps_mask(y, 0x24), _mm512_setzero_ps()));
 }
 
-// ---------------------------------------------------------------- one update on a range of groups
-
-// buf[0..) holds the tile in float32; `first_call` is the threefry call of buf[0]
-// (the tile start is aligned to kTile, so buf[0] is the first element of a call).
-// Applies flush(p + s*k) to groups [g0, g1) (64 elements each).
-inline void BinomialGroups(float* buf, const LeafKey& key, float scale, uint32_t first_call, int64_t g0,
-                           int64_t g1) {
+void BinomialGroups(float* buf, const LeafKey& key, float scale, uint32_t first_call, int64_t g0, int64_t g1) {
   const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const v16f s = v16f{} + scale;
+  // table[c] = scale * (c - 8) for a popcount c in 0..16, exact; looked up by vpermt2ps, which
+  // reads the low 5 bits of each 32-bit index.
+  alignas(64) float table[32];
+  for (int c = 0; c < 32; ++c) table[c] = scale * static_cast<float>(c - 8);
+  const __m512 t_lo = _mm512_load_ps(table), t_hi = _mm512_load_ps(table + 16);
+  // Element e of output vector m (16 elements, calls 4m..4m+3) is half (e & 1) of word x0 or x1
+  // ((e >> 1) & 1) of call 4m + e/4: the 16-bit lane of concat(popcount(x0), popcount(x1)).
+  alignas(64) uint16_t index[4][32];
+  for (int m = 0; m < 4; ++m) {
+    for (int e = 0; e < 16; ++e) {
+      const int call = 4 * m + e / 4;
+      const uint16_t lane16 = static_cast<uint16_t>(((e >> 1) & 1) * 32 + 2 * call + (e & 1));
+      index[m][2 * e] = lane16;
+      index[m][2 * e + 1] = lane16;
+    }
+  }
+  const __m512i i0 = _mm512_load_si512(index[0]), i1 = _mm512_load_si512(index[1]);
+  const __m512i i2 = _mm512_load_si512(index[2]), i3 = _mm512_load_si512(index[3]);
   for (int64_t g = g0; g < g1; ++g) {
     v16u calls = lane + (first_call + static_cast<uint32_t>(16 * g));
     v16u x0, x1;
     Threefry(key, calls, x0, x1);
-    v16u p0 = PopcountHalves(x0);
-    v16u p1 = PopcountHalves(x1);
-    // Word order of the stream: x0 of call j, x1 of call j, ... ; halves low then high.
-    v16u a = __builtin_shufflevector(p0, p1, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    v16u b = __builtin_shufflevector(p0, p1, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    v32h ah = reinterpret_cast<v32h&>(a);
-    v32h bh = reinterpret_cast<v32h&>(b);
-    v16h q0 = __builtin_shufflevector(ah, ah, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    v16h q1 = __builtin_shufflevector(ah, ah, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
-    v16h q2 = __builtin_shufflevector(bh, bh, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    v16h q3 = __builtin_shufflevector(bh, bh, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+    const __m512i c0 = Popcount16(AsM512i(x0)), c1 = Popcount16(AsM512i(x1));
     float* p = buf + 64 * g;
-    v16f v0, v1, v2, v3;
-    std::memcpy(&v0, p, 64);
-    std::memcpy(&v1, p + 16, 64);
-    std::memcpy(&v2, p + 32, 64);
-    std::memcpy(&v3, p + 48, 64);
-    v0 = Flush(v0 + HalvesToUpdate(q0, s));
-    v1 = Flush(v1 + HalvesToUpdate(q1, s));
-    v2 = Flush(v2 + HalvesToUpdate(q2, s));
-    v3 = Flush(v3 + HalvesToUpdate(q3, s));
-    std::memcpy(p, &v0, 64);
-    std::memcpy(p + 16, &v1, 64);
-    std::memcpy(p + 32, &v2, 64);
-    std::memcpy(p + 48, &v3, 64);
+    AddFlushStore(p, _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, i0, c1), t_hi));
+    AddFlushStore(p + 16, _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, i1, c1), t_hi));
+    AddFlushStore(p + 32, _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, i2, c1), t_hi));
+    AddFlushStore(p + 48, _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, i3, c1), t_hi));
   }
 }
 
-// Groups of 1024 elements = 16 calls = 32 words.
-inline void RademacherGroups(float* buf, const LeafKey& key, float scale, uint32_t first_call, int64_t g0,
-                             int64_t g1) {
+void RademacherGroups(float* buf, const LeafKey& key, float scale, uint32_t first_call, int64_t g0, int64_t g1) {
   const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const v16u lane_hi = lane + 16u;
-  const v16f plus = v16f{} + scale;
-  const v16f minus = v16f{} - scale;
-  alignas(64) uint32_t words[32];
+  const __m512 plus = _mm512_set1_ps(scale), minus = _mm512_set1_ps(-scale);
+  alignas(64) uint16_t halves[64];  // the 32 words of 16 calls as 16-bit masks, stream order
   for (int64_t g = g0; g < g1; ++g) {
     v16u calls = lane + (first_call + static_cast<uint32_t>(16 * g));
     v16u x0, x1;
     Threefry(key, calls, x0, x1);
     v16u a = __builtin_shufflevector(x0, x1, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     v16u b = __builtin_shufflevector(x0, x1, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    std::memcpy(words, &a, 64);
-    std::memcpy(words + 16, &b, 64);
+    std::memcpy(halves, &a, 64);
+    std::memcpy(halves + 32, &b, 64);
     float* p = buf + 1024 * g;
-    for (int w = 0; w < 32; ++w) {
-      v16u wb = v16u{} + words[w];
-      v16u lo = (wb >> lane) & 1u;
-      v16u hi = (wb >> lane_hi) & 1u;
-      v16f v0, v1;
-      std::memcpy(&v0, p + 32 * w, 64);
-      std::memcpy(&v1, p + 32 * w + 16, 64);
-      v0 = Flush(v0 + (lo != 0u ? plus : minus));
-      v1 = Flush(v1 + (hi != 0u ? plus : minus));
-      std::memcpy(p + 32 * w, &v0, 64);
-      std::memcpy(p + 32 * w + 16, &v1, 64);
+    for (int h = 0; h < 64; ++h) {
+      AddFlushStore(p + 16 * h, _mm512_mask_blend_ps(static_cast<__mmask16>(halves[h]), minus, plus));
     }
   }
 }
+
+#else  // portable: plain loops the compiler vectorizes for the target (SSE, AVX2, NEON, ...)
+
+// The word stream of calls [first, first + n_calls): words[2j] = x0, words[2j + 1] = x1.
+inline void StreamWords(const LeafKey& key, uint32_t first, int64_t n_calls, uint32_t* words) {
+  for (int64_t j = 0; j < n_calls; ++j) {
+    uint32_t x0, x1;
+    Threefry(key, first + static_cast<uint32_t>(j), x0, x1);
+    words[2 * j] = x0;
+    words[2 * j + 1] = x1;
+  }
+}
+
+inline uint32_t Popcount16(uint32_t h) {
+  h = h - ((h >> 1) & 0x5555u);
+  h = (h & 0x3333u) + ((h >> 2) & 0x3333u);
+  h = (h + (h >> 4)) & 0x0F0Fu;
+  return (h + (h >> 8)) & 0x1Fu;
+}
+
+void BinomialGroups(float* buf, const LeafKey& key, float scale, uint32_t first_call, int64_t g0, int64_t g1) {
+  alignas(64) uint32_t words[2 * kTile / 4];
+  const int64_t n_calls = 16 * (g1 - g0);
+  StreamWords(key, first_call + static_cast<uint32_t>(16 * g0), n_calls, words);
+  const uint16_t* halves = reinterpret_cast<const uint16_t*>(words);  // element e <-> half e
+  float* p = buf + 64 * g0;
+  for (int64_t e = 0; e < 4 * n_calls; ++e) {
+    const int32_t k = static_cast<int32_t>(Popcount16(halves[e])) - 8;
+    p[e] = FlushSubnormal(p[e] + scale * static_cast<float>(k));
+  }
+}
+
+void RademacherGroups(float* buf, const LeafKey& key, float scale, uint32_t first_call, int64_t g0, int64_t g1) {
+  alignas(64) uint32_t words[2 * kTile / 64];
+  const int64_t n_calls = 16 * (g1 - g0);
+  StreamWords(key, first_call + static_cast<uint32_t>(16 * g0), n_calls, words);
+  const uint32_t s_bits = AsBits(scale);
+  float* p = buf + 1024 * g0;
+  for (int64_t w = 0; w < 2 * n_calls; ++w) {
+    const uint32_t word = words[w];
+    float* q = p + 32 * w;
+    for (int b = 0; b < 32; ++b) {
+      // bit set -> +scale, clear -> -scale: flip the sign bit of scale.
+      const uint32_t flip = (~(word >> b) & 1u) << 31;
+      q[b] = FlushSubnormal(q[b] + AsFloat(s_bits ^ flip));
+    }
+  }
+}
+
+#endif
 
 // ---------------------------------------------------------------- dtype conversion
 
@@ -225,8 +276,10 @@ struct Io<float> {
   static void Load(const float* src, float* dst, int64_t n) {
     for (int64_t i = 0; i < n; ++i) dst[i] = FlushScalar(src[i]);
   }
-  // flush_cast to float32: the values are already flushed.
-  static void Store(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+  // flush_cast to float32: subnormals are already flushed; canonicalize NaN.
+  static void Store(const float* src, float* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = FlushScalar(src[i]);
+  }
 };
 
 struct Bf16 {
@@ -251,7 +304,7 @@ struct Io<Bf16> {
       uint32_t a = u & 0x7FFFFFFFu;
       uint16_t h;
       if (a > 0x7F800000u) {
-        h = static_cast<uint16_t>((u >> 16) | 0x0040u);
+        h = 0x7FC0u;  // canonical quiet NaN
       } else {
         h = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
       }

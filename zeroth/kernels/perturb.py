@@ -272,6 +272,7 @@ def perturb_pallas(
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     inplace: bool = False,
+    platform: str | None = None,
 ) -> jax.Array:
     """The Pallas kernel on one leaf (see :func:`perturb_reference` for the arguments).
 
@@ -281,13 +282,19 @@ def perturb_pallas(
         rows of 64 lanes are used (same bits).
       interpret: run in Pallas interpret mode (CPU tests).
       inplace: alias the output to ``x``'s buffer (use under ``jit`` with ``x`` donated).
+      platform: the platform the kernel is lowered for (default ``jax.default_backend()``):
+        ``"gpu"`` lowers through Triton (power-of-two blocks, keys padded to a power of two),
+        ``"tpu"`` through Mosaic with keys and scales in SMEM.
     """
     x, keys, scales = _check_args(x, leaf_keys_, scales, distribution)
     offset = _check_offset(offset, x.size)
-    blocks = default_block_sizes() if block_sizes is None else block_sizes
+    platform = jax.default_backend() if platform is None else platform
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    blocks = default_block_sizes(platform) if block_sizes is None else block_sizes
     n = x.size
     if n == 0:
         return x
+    n_updates = keys.shape[0]
     per_call = _PER_CALL[distribution]
     grouped = blocks.lanes is None and offset % per_call == 0
     width = per_call if grouped else (blocks.lanes or 64)
@@ -296,19 +303,28 @@ def perturb_pallas(
     flat = x.reshape(-1)
     if n_rows * width != n:
         flat = jnp.pad(flat, (0, n_rows * width - n))
-    tile_rows = min(tile_rows, n_rows)
+    if tile_rows > n_rows:  # one tile covers the leaf; keep a power of two for Triton
+        tile_rows = pl.next_power_of_2(n_rows)
     grid = (-(-n_rows // tile_rows),)
-    on_tpu = jax.default_backend() == "tpu" and not interpret
-    if on_tpu:
+    compiler_params = None
+    if platform == "tpu" and not interpret:
         from jax.experimental.pallas import tpu as pltpu
 
-        scalar_spec = pl.BlockSpec(memory_space=pltpu.SMEM)
-        key_spec = scale_spec = scalar_spec
+        key_spec = scale_spec = pl.BlockSpec(memory_space=pltpu.SMEM)
     else:
+        if platform == "gpu":
+            if not interpret:
+                from jax.experimental.pallas import triton as pltriton
+
+                compiler_params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+            # Triton blocks are powers of two: pad K (the padding is never read).
+            k_pad = pl.next_power_of_2(max(1, n_updates))
+            keys = jnp.pad(keys, ((0, k_pad - n_updates), (0, 0)))
+            scales = jnp.pad(scales, (0, k_pad - n_updates))
         key_spec = pl.BlockSpec(keys.shape, lambda i: (0, 0))
         scale_spec = pl.BlockSpec(scales.shape, lambda i: (0,))
     kernel = functools.partial(
-        _perturb_kernel, distribution=distribution, n_updates=keys.shape[0], offset=offset, grouped=grouped
+        _perturb_kernel, distribution=distribution, n_updates=n_updates, offset=offset, grouped=grouped
     )
     tile_spec = pl.BlockSpec((tile_rows, width), lambda i: (i, 0))
     out = pl.pallas_call(
@@ -319,6 +335,7 @@ def perturb_pallas(
         out_specs=tile_spec,
         input_output_aliases={2: 0} if inplace else {},
         interpret=interpret,
+        compiler_params=compiler_params,
         name="zeroth_fused_replay",
     )(keys, scales, flat.reshape(n_rows, width))
     out = out.reshape(-1)

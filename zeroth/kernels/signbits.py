@@ -9,9 +9,11 @@ significant first) of word ``i // 32``; the unused high bits of the last word ("
 are 0. This is ``np.packbits(bits, bitorder="little")`` viewed as little-endian ``uint32``.
 
 **Sign convention.** Bit 1 stands for +1 and bit 0 for -1. A value packs to 0 exactly when
-``x < 0``: +0, -0, +inf and every NaN (whatever its sign bit) pack to 1, -inf to 0. The float's
-own sign bit is not read, so -0 and +0 (equal values) agree, and a NaN, which one bit cannot
-carry, becomes +1 deterministically.
+``x <= -tiny``, ``tiny`` being the smallest normal number of its dtype: -inf and negative normal
+numbers pack to 0; +0, -0, subnormals of either sign, positive numbers, +inf and every NaN
+(whatever its sign bit) pack to 1. The float's own sign bit is not read, so -0 and +0 (equal
+values) agree; subnormals count as zero, so backends that flush them (XLA:CPU does) and backends
+that don't agree; a NaN, which one bit cannot carry, becomes +1 deterministically.
 
 **Bernoulli bits.** Element ``i`` of the stream of key ``k`` draws the uniform 32-bit integer
 ``u_i`` = word ``x0`` (even ``i``) or ``x1`` (odd ``i``) of ``threefry2x32(k, (0, i >> 1))``;
@@ -170,7 +172,7 @@ def _check_m(m) -> int:
 
 def _pack_block(x2: jax.Array) -> jax.Array:
     """``(rows, 32)`` floats -> ``u32[rows]``."""
-    bits = jnp.logical_not(x2 < 0).astype(jnp.uint32)
+    bits = jnp.logical_not(x2 <= -jnp.finfo(x2.dtype).tiny).astype(jnp.uint32)
     lanes = jax.lax.broadcasted_iota(jnp.uint32, x2.shape, 1)
     return jnp.sum(bits << lanes, axis=1, dtype=jnp.uint32)
 
@@ -485,7 +487,7 @@ def pack(x, *, impl: str = "auto", blocks: Blocks = DEFAULT_BLOCKS, interpret: b
       interpret: run the Pallas kernel in interpret mode (CPU tests).
 
     Returns:
-      Packed words; bit 1 where ``not x < 0``; padding bits 0.
+      Packed words; bit 1 where ``not x <= -tiny`` (see module docstring); padding bits 0.
     """
     x = _check_float(x)
     if resolve_impl(impl) == "jnp" or x.size == 0:

@@ -6,8 +6,21 @@ Models are registered as ``"module:attribute"`` targets and imported only when b
 :func:`register`; the module ``zeroth.models.pretrained``, when present, is imported on a lookup
 of an unknown name so it can register its own.
 
-Initialization is ``flax`` ``Module.init`` with the key ``init_key(run_seed) = fold_in(root_key(
-run_seed), INIT_TAG)``; parameters are cast to float32.
+Initialization (:func:`init`) is *exact* by default: the parameter shapes come from flax
+(``jax.eval_shape`` of ``Module.init``, nothing is compiled) and each leaf is filled on the host
+from zeroth's integer noise, so every process and backend gets the same bits (peers can each
+initialize and compare checksums at iteration 0). Leaf ``path`` of run key ``K =
+init_key(run_seed) = fold_in(root_key(run_seed), INIT_TAG)`` gets ``z = k / 2`` with ``k`` the
+binomial stream of ``fold_in(K, leaf_id(path))`` (variance 1, as in :mod:`zeroth.noise`), and
+
+* ``kernel``: ``z / sqrt(fan_in)`` (LeCun scaling), ``fan_in = shape[0]`` for the query/key/value
+  kernels of attention (``(in, heads, head_dim)``), else ``prod(shape[:-1])`` (Dense, Conv,
+  attention output);
+* ``embedding``: ``z / sqrt(features)``; ``pos_embedding``: ``0.02 z``;
+* ``bias``: 0; ``scale``: 1.
+
+Other leaf names raise ``ValueError``; ``init(..., exact=False)`` uses flax's own (jax.random,
+backend-dependent) initializers instead.
 
 Example:
   >>> import numpy as np
@@ -37,6 +50,7 @@ __all__ = [
     "build",
     "init_key",
     "init",
+    "exact_leaf",
     "apply",
     "param_count",
 ]
@@ -112,13 +126,53 @@ def init_key(run_seed: int) -> np.ndarray:
     return _ref.fold_in(_ref.root_key(run_seed), INIT_TAG)
 
 
-def init(model, key, sample_x, **kwargs: Any) -> dict:
+def _binomial_z(leaf_key: np.ndarray, n: int) -> np.ndarray:
+    """``f32[n]``: ``z = k / 2`` of the leaf's binomial stream (equal to ``reference.binomial_int / 2``)."""
+    words = _ref.noise_words(leaf_key, (n + 1) // 2)
+    idx = np.arange(n, dtype=np.int64)
+    half = (words[idx // 2] >> (16 * (idx % 2)).astype(np.uint32)) & np.uint32(0xFFFF)
+    k = np.bitwise_count(half).astype(np.int8) - np.int8(8)
+    return k.astype(np.float32) * np.float32(0.5)
+
+
+_ATTENTION_INPUTS = ("query", "key", "value")
+
+
+def exact_leaf(path: str, shape: tuple[int, ...], key) -> np.ndarray:
+    """The exact initial value (f32) of the leaf at ``path`` (a ``keystr``) with ``shape`` (see module docstring)."""
+    parts = [p.strip("[]'\"") for p in path.replace("][", "]|[").split("|")]
+    name = parts[-1]
+    n = int(np.prod(shape, dtype=np.int64))
+    if name == "bias":
+        return np.zeros(shape, np.float32)
+    if name == "scale":
+        return np.ones(shape, np.float32)
+    if name == "kernel":
+        attention_in = len(parts) >= 2 and parts[-2] in _ATTENTION_INPUTS and len(shape) == 3
+        fan_in = shape[0] if attention_in else int(np.prod(shape[:-1], dtype=np.int64))
+        std = 1.0 / np.sqrt(max(fan_in, 1))
+    elif name == "embedding":
+        std = 1.0 / np.sqrt(shape[-1])
+    elif name == "pos_embedding":
+        std = 0.02
+    else:
+        raise ValueError(
+            f"no exact initializer for parameter {path} (known leaf names: kernel, bias, scale, embedding, "
+            f"pos_embedding); use init(..., exact=False) for flax's initializers"
+        )
+    z = _binomial_z(_ref.leaf_key(np.asarray(key, np.uint32), path), n).reshape(shape)
+    return z * np.float32(std)
+
+
+def init(model, key, sample_x, *, exact: bool = True, **kwargs: Any) -> dict:
     """Initialize parameters: a pytree (nested dict) of float32 arrays.
 
     Args:
       model: a flax module, or a registered name (then built with ``kwargs``).
       key: ``u32[2]`` raw key (e.g. :func:`init_key`).
       sample_x: an input batch with the real shape/dtype (only shapes are used).
+      exact: fill the leaves with zeroth's integer noise on the host (bit-identical everywhere,
+        no compilation); ``False`` = flax's initializers (``jax.random``, backend-dependent).
 
     Returns:
       The ``params`` collection, every leaf float32.
@@ -128,11 +182,24 @@ def init(model, key, sample_x, **kwargs: Any) -> dict:
 
     if isinstance(model, str):
         model = build(model, **kwargs)
-    rng = jax.random.wrap_key_data(jnp.asarray(np.asarray(key, np.uint32)))
-    variables = jax.jit(model.init)(rng, jnp.asarray(sample_x))
+    elif kwargs:
+        raise ValueError(f"keyword arguments {sorted(kwargs)} are only accepted with a model name")
+    sample = jnp.asarray(sample_x)
+    if not exact:
+        rng = jax.random.wrap_key_data(jnp.asarray(np.asarray(key, np.uint32)))
+        variables = jax.jit(model.init)(rng, sample)
+    else:
+        variables = jax.eval_shape(model.init, jax.random.key(0), sample)
     if set(variables) != {"params"}:
         raise ValueError(f"model has variable collections {sorted(variables)}; only 'params' is supported")
-    return jax.tree_util.tree_map(lambda p: jnp.asarray(p, jnp.float32), dict(variables["params"]))
+    params = dict(variables["params"])
+    if not exact:
+        return jax.tree_util.tree_map(lambda p: jnp.asarray(p, jnp.float32), params)
+    from zeroth.rng import leaf_path
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, sds: jnp.asarray(exact_leaf(leaf_path(path), tuple(sds.shape), key)), params
+    )
 
 
 def apply(model, params, x):

@@ -380,7 +380,7 @@ class Admission(NamedTuple):
 
 
 class FetchState(NamedTuple):
-    """A log fetch in flight."""
+    """A log fetch in flight (``attempt`` counts the fetches of this peer, to rotate sources)."""
 
     first: int
     last: int
@@ -412,6 +412,7 @@ class PeerState(NamedTuple):
       failures: consecutive failed commit deliveries per member.
       computed: the last iteration a :class:`Compute` was issued for.
       fetch: the log fetch in flight.
+      fetches: fetches issued so far (the source rotates with it).
       forming_deadline: when the founder stops waiting for founders.
     """
 
@@ -435,6 +436,7 @@ class PeerState(NamedTuple):
     failures: Mapping[int, int]
     computed: int
     fetch: FetchState | None
+    fetches: int
     forming_deadline: float
 
 
@@ -534,15 +536,15 @@ def _check_address(address) -> None:
 def _check_view(params: Params, view: View, what: str) -> None:
     _check_uint(f"{what} iteration", view.iteration, 2**63)
     _check_uint(f"{what} next_machine_id", view.next_machine_id, 2**32 + 1)
-    if not 1 <= len(view.members) <= MAX_MEMBERS:
-        raise Rejected("INVALID_ARGUMENT", f"{what} has {len(view.members)} members; expected 1..{MAX_MEMBERS}")
+    if len(view.members) > MAX_MEMBERS:
+        raise Rejected("INVALID_ARGUMENT", f"{what} has {len(view.members)} members; at most {MAX_MEMBERS}")
     ids = [m.machine for m in view.members]
     for m in view.members:
         _check_uint(f"{what} member id", m.machine)
         _check_address(m.address)
     if ids != sorted(set(ids)):
         raise Rejected("INVALID_ARGUMENT", f"{what} members must be sorted by machine id without repeats, got {ids[:16]}")
-    if view.next_machine_id <= ids[-1]:
+    if ids and view.next_machine_id <= ids[-1]:
         raise Rejected("INVALID_ARGUMENT", f"{what} next_machine_id {view.next_machine_id} must exceed every member id (max {ids[-1]})")
 
 
@@ -611,6 +613,7 @@ def _blank(me: int, phase: str, view: View, now: float) -> PeerState:
         failures={},
         computed=-1,
         fetch=None,
+        fetches=0,
         forming_deadline=now,
     )
 
@@ -661,13 +664,13 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
         if entry is None:
             later = [t for t in st.decided if t > st.it]
             if later and st.fetch is None:
-                st = _fetch(params, st, now, effects, st.it, min(later) - 1, 0)
+                st = _fetch(params, st, now, effects, st.it, min(later) - 1)
             break
         if entry.payloads is None:
             payloads = _assemble(st, entry.commit)
             if payloads is None:
                 if st.fetch is None:
-                    st = _fetch(params, st, now, effects, st.it, st.it, 0)
+                    st = _fetch(params, st, now, effects, st.it, st.it)
                 break
             entry = entry._replace(payloads=payloads)
             st = st._replace(decided=_put(st.decided, st.it, entry))
@@ -697,22 +700,26 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
     return st
 
 
-def _fetch(params: Params, st: PeerState, now: float, effects: list, first: int, last: int, attempt: int) -> PeerState:
+def _fetch(params: Params, st: PeerState, now: float, effects: list, first: int, last: int) -> PeerState:
     """Ask a member for decided iterations: the commit's sender first, then the others in turn."""
-    sources = []
+    order = []
     entry = st.decided.get(first)
     if entry is not None:
-        sources.append(entry.commit.sender)
+        order.append(entry.commit.sender)
     lead = committer(st)
     if lead is not None:
-        sources.append(lead)
-    sources += sorted(st.view.ids())
-    sources = [m for i, m in enumerate(sources) if m != st.me and m not in sources[:i]]
+        order.append(lead)
+    order += sorted(st.view.ids())
+    sources = []
+    for m in order:
+        address = st.view.address_of(m)
+        if m != st.me and address is not None and address not in sources:
+            sources.append(address)
     if not sources:
         return st
-    machine = sources[attempt % len(sources)]
-    effects.append(Fetch(st.view.address_of(machine) or "", first, last))
-    return st._replace(fetch=FetchState(first, last, now + params.barrier_timeout_s, attempt))
+    address = sources[st.fetches % len(sources)]
+    effects.append(Fetch(address, first, last))
+    return st._replace(fetch=FetchState(first, last, now + params.barrier_timeout_s, st.fetches), fetches=st.fetches + 1)
 
 
 def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
@@ -739,7 +746,7 @@ def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> Pee
             )
             return st._replace(phase=DROPPED)
     ballot = Ballot(0, st.me)
-    entry, admitted = _decide(params, st, ballot, have, have | {st.me})
+    entry, admitted = _decide(params, st, ballot, have, have | st.ready | {st.me})
     return _publish(params, st, now, effects, entry, admitted)
 
 
@@ -770,9 +777,6 @@ def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive) 
             continue  # a catching-up member we cannot reach
         members.append(Member(m.machine, m.address, m.machine in next_active))
     members += [m for _, m in admitted]
-    if not members:
-        # Everyone leaves: the run ends with an empty view, which no one is a member of.
-        members = []
     next_view = View(st.it + 1, tuple(sorted(members)), next_id)
     commit = Commit(params.run_id, st.me, st.it, ballot, contrib, updates_digest(contrib, payloads), next_view)
     return LogEntry(commit, payloads), tuple(admitted)
@@ -1026,7 +1030,7 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
         commit not sent by the leader of the iteration.
     """
     _check_commit(params, commit)
-    if st.phase not in (MEMBER, CATCHING_UP):
+    if st.phase in (FORMING, DROPPED):
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase}; it takes no commits")
     t = commit.iteration
     effects: list = []
@@ -1038,6 +1042,8 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
             )
             return Step(st._replace(phase=DROPPED), tuple(effects))
         return Step(st, ())
+    if st.phase not in (MEMBER, CATCHING_UP):
+        raise Rejected("UNAVAILABLE", f"this peer is {st.phase}; it takes no commits of iteration {t}")
     if t > st.it + params.window:
         raise Rejected("OUT_OF_RANGE", f"commit of iteration {t} is too far ahead (this peer is at {st.it})")
     if t == st.it and commit.sender not in st.view.ids():
@@ -1114,14 +1120,15 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
     _check_uint("ballot round", msg.ballot.round, 2**63)
     if msg.ballot.leader != msg.sender or msg.ballot.round < 1:
         raise Rejected("INVALID_ARGUMENT", f"prepare from machine {msg.sender} with ballot {tuple(msg.ballot)}")
-    if st.phase not in (MEMBER, CATCHING_UP):
+    if st.phase in (FORMING, DROPPED):
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase}")
     t = msg.iteration
     if t < st.it:
         if t < st.it - params.window:
             raise Rejected("OUT_OF_RANGE", f"iteration {t} is older than this peer's window (at {st.it})")
-        entry = st.decided.get(t)
-        return Step(st, (), PrepareReply(st.it, entry if entry is not None and entry.payloads else None, ()))
+        return Step(st, (), PrepareReply(st.it, st.decided.get(t), ()))
+    if st.phase not in (MEMBER, CATCHING_UP):
+        raise Rejected("UNAVAILABLE", f"this peer is {st.phase}")
     if t > st.it + params.window:
         raise Rejected("OUT_OF_RANGE", f"prepare for iteration {t} is too far ahead (this peer is at {st.it})")
     if msg.sender not in st.view.ids():
@@ -1136,14 +1143,12 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
         st = st._replace(deadline=now + 2 * params.barrier_timeout_s, suspected=st.suspected - {msg.sender})
         if st.recovery is not None and st.recovery.ballot < msg.ballot:
             st = st._replace(recovery=None)
-    entry = st.decided.get(t)
     pushes = tuple(p for (it, _), p in sorted(st.inbox.items()) if it == t)
-    reply = PrepareReply(st.it, entry if entry is not None and entry.payloads else None, pushes)
-    return Step(st, (), reply)
+    return Step(st, (), PrepareReply(st.it, st.decided.get(t), pushes))
 
 
-def on_prepare_reply(params: Params, st: PeerState, *, sender: int, reply: PrepareReply, now: float) -> Step:
-    """A promise for our takeover; once every member answered, decide."""
+def on_prepare_reply(params: Params, st: PeerState, *, sender: int, reply: PrepareReply | None, now: float) -> Step:
+    """A promise for our takeover (``None``: the member could not be reached); once every member answered, decide."""
     if st.recovery is None or st.phase != MEMBER or st.promised.get(st.it) != st.recovery.ballot:
         return Step(st, ())
     if sender not in st.view.ids() or sender == st.me:
@@ -1166,9 +1171,9 @@ def on_prepare_rejected(params: Params, st: PeerState, *, sender: int, message: 
 
 def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
     rec = st.recovery
-    if rec is None or st.it in st.decided and st.decided[st.it].payloads is not None and False:
-        return st
-    responders = frozenset(rec.replies) | {st.me}
+    if rec is None or st.it in st.decided:
+        return st._replace(recovery=None)
+    responders = frozenset(m for m, r in rec.replies.items() if r is not None) | {st.me}
     active = st.view.active_ids()
     if not _majority(responders, active):
         if now < rec.deadline:
@@ -1179,7 +1184,8 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
         return st._replace(phase=DROPPED, recovery=None)
     # Pushes the responders hold (validated) complete our inbox.
     inbox = dict(st.inbox)
-    for reply in rec.replies.values():
+    replies = [r for r in rec.replies.values() if r is not None]
+    for reply in replies:
         for p in reply.pushes:
             try:
                 _check_run(params, p.run_id)
@@ -1189,7 +1195,7 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
             if p.iteration == st.it and p.sender in st.view.ids() and (p.iteration, p.sender) not in inbox:
                 inbox[(p.iteration, p.sender)] = p
     st = st._replace(inbox=inbox)
-    held = [e for e in [st.decided.get(st.it)] + [r.decided for r in rec.replies.values()] if e is not None]
+    held = [r.decided for r in replies if r.decided is not None]
     held = [e for e in held if e.commit.iteration == st.it]
     if held:
         best = max(held, key=lambda e: tuple(e.commit.ballot))
@@ -1245,8 +1251,7 @@ def on_fetch_failed(params: Params, st: PeerState, *, message: str, now: float) 
     if st.fetch is None:
         return Step(st, ())
     effects: list = [Note(f"fetch of iterations {st.fetch.first}..{st.fetch.last} failed: {message}")]
-    f = st.fetch
-    st = _fetch(params, st._replace(fetch=None), now, effects, max(f.first, st.it), f.last, f.attempt + 1)
+    st = _advance(params, st._replace(fetch=None), now, effects)
     return Step(st, tuple(effects))
 
 
@@ -1265,7 +1270,9 @@ def on_tick(params: Params, st: PeerState, now: float) -> Step:
     if st.fetch is not None and now >= st.fetch.deadline:
         f = st.fetch
         effects.append(Note(f"fetch of iterations {f.first}..{f.last} timed out"))
-        st = _fetch(params, st._replace(fetch=None), now, effects, max(f.first, st.it), max(f.last, st.it), f.attempt + 1)
+        st = _advance(params, st._replace(fetch=None), now, effects)
+        if st.phase != MEMBER:
+            return Step(st, tuple(effects))
     if st.it in st.decided:
         return Step(st, tuple(effects))
     if st.recovery is not None:

@@ -2,7 +2,8 @@
 
 Record kinds (field ``kind``):
 
-* ``"train"``: every ``train.log_every`` steps: ``loss`` (objective on that step's batch).
+* ``"train"``: every ``train.log_every`` steps: ``loss``, the objective on that step's batch
+  before its update (ZO: mean over the perturbation pairs of ``(L(θ+εz) + L(θ−εz)) / 2``).
 * ``"eval"``: every ``train.eval_every`` steps, at step 0 and at the end: ``eval_loss``
   (cross-entropy) and ``eval_accuracy`` on the test split.
 

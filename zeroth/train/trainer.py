@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -89,6 +90,7 @@ class StepInfo(NamedTuple):
     forward_passes: int  # forward passes over a batch
     backward_passes: int  # backward passes over a batch (backprop)
     payload_bytes: int  # projected-gradient bytes a peer would send (zo)
+    loss: Any  # f32[] objective on the step's batch before the update (zo: mean over the pairs)
     grads: np.ndarray | None  # f32[n] decoded projected gradients (zo), else None
 
 
@@ -140,11 +142,13 @@ OBJECTIVES: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
 }
 
 
+@functools.lru_cache(maxsize=64)
 def make_objective(name: str, model) -> Callable[[Any, tuple], jax.Array]:
     """``loss(params, (x, y)) -> f32[]``: the named objective of ``model``'s logits on a batch.
 
     ``cross_entropy`` is the mean softmax cross-entropy; ``error_rate`` is ``1 - accuracy``
-    (not differentiable: only the ZO method can train on it).
+    (not differentiable: only the ZO method can train on it). Cached per (name, model), so
+    the compiled estimator of :mod:`zeroth.zo` is reused by later runs in the same process.
     """
     if name not in OBJECTIVES:
         raise ValueError(f"unknown objective {name!r}; expected one of {sorted(OBJECTIVES)}")
@@ -157,6 +161,7 @@ def make_objective(name: str, model) -> Callable[[Any, tuple], jax.Array]:
     return loss
 
 
+@functools.lru_cache(maxsize=64)
 def make_eval_fn(model, batch_size: int) -> Callable[[Any, np.ndarray, np.ndarray], dict]:
     """``evaluate(params, x, y) -> {"eval_loss", "eval_accuracy"}`` over all of ``x`` in chunks."""
 
@@ -184,44 +189,43 @@ def make_eval_fn(model, batch_size: int) -> Callable[[Any, np.ndarray, np.ndarra
 
 
 def zo_method(cfg: Config, model) -> Method:
-    """The MeZO / Just One Byte step on one machine (see the module docstring).
+    """The MeZO / Just One Byte step on one machine: :func:`zeroth.zo.mezo_step` with machine 0.
 
-    Raises:
-      ImportError: :mod:`zeroth.zo` or :mod:`zeroth.codecs` is missing.
+    keys ``sample_key(run.seed, 0, step, i)`` -> projected gradients -> ``codec`` encode/decode ->
+    canonical coefficients -> ``replay(..., donate=True)`` -> optional exact weight decay. The
+    loss reported is the mean over the pairs of ``(L(θ+εz) + L(θ−εz)) / 2``, before the update.
     """
     from zeroth import codecs as _codecs
     from zeroth import zo as _zo
 
     t = cfg.train
     loss_fn = make_objective(t.objective, model)
-    codec = _codecs.get_codec(t.codec)
-    eps = np.float32(_replay.round_coefficient(t.eps))
-    n = t.n_perturbations
-    seed = cfg.run.seed
-    distribution = t.distribution
-
-    @jax.jit
-    def grads_fn(params, batch, keys, eps_scale):
-        return _zo.projected_gradients(loss_fn, params, batch, keys, eps_scale, distribution=distribution)
+    bytes_per_value = _codecs.get_codec(t.codec).bytes_per_value
+    _zo.round_eps(t.eps)  # validate early
 
     def init(params):
         return None
 
     def step(params, opt_state, batch, step_idx):
-        keys = _rng.sample_keys(seed, [(MACHINE, step_idx, i) for i in range(n)])
-        g = np.asarray(jax.device_get(grads_fn(params, batch, keys, eps)), np.float32).reshape(n)
-        if not np.all(np.isfinite(g)):
-            raise FloatingPointError(
-                f"step {step_idx}: projected gradients are not finite ({g.tolist()}); the run diverged, "
-                f"lower train.lr (now {t.lr}) or train.eps (now {t.eps})"
-            )
-        payload = codec.encode(g)
-        decoded = np.asarray(codec.decode(payload), np.float32)
-        coeffs = _zo.update_coefficients(decoded, t.lr, n, scaling=t.lr_scaling)
-        params = _replay.replay(params, (keys, np.asarray(coeffs, np.float64)), distribution=distribution, donate=True)
-        if t.weight_decay:
-            params = _zo.weight_decay(params, t.lr, t.weight_decay)
-        return params, None, StepInfo(2 * n, 0, len(payload), decoded)
+        out = _zo.mezo_step(
+            loss_fn,
+            params,
+            batch,
+            run_seed=cfg.run.seed,
+            iteration=step_idx,
+            lr=t.lr,
+            eps=t.eps,
+            n_perturbations=t.n_perturbations,
+            machine=MACHINE,
+            scaling=t.lr_scaling,
+            distribution=t.distribution,
+            codec=t.codec,
+            weight_decay=t.weight_decay,
+            donate=True,
+        )
+        if len(out.payload) != t.n_perturbations * bytes_per_value:
+            raise RuntimeError(f"codec {t.codec!r} produced {len(out.payload)} bytes for {t.n_perturbations} values")
+        return out.params, None, StepInfo(2 * t.n_perturbations, 0, len(out.payload), out.loss, out.grads)
 
     return Method(init, step)
 
@@ -254,28 +258,34 @@ def _adamw(o, lr):
 OPTIMIZERS: dict[str, Callable[[Any, float], Any]] = {"sgd": _sgd, "momentum": _momentum, "adam": _adam, "adamw": _adamw}
 
 
-def backprop_method(cfg: Config, model) -> Method:
-    """``jax.value_and_grad`` of the cross-entropy + the optax optimizer of ``train.optimizer``."""
+@functools.lru_cache(maxsize=64)
+def _backprop_update(model, optimizer, lr: float):
     import optax
 
-    t = cfg.train
-    if t.objective != "cross_entropy":
-        raise ValueError(f"backprop needs a differentiable objective; train.objective is {t.objective!r}")
-    name = t.optimizer.name
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}")
-    opt = OPTIMIZERS[name](t.optimizer, t.lr)
+    if optimizer.name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer.name!r}; expected one of {sorted(OPTIMIZERS)}")
+    opt = OPTIMIZERS[optimizer.name](optimizer, lr)
     loss_fn = make_objective("cross_entropy", model)
 
     @jax.jit
     def update(params, opt_state, batch):
-        _, grads = jax.value_and_grad(loss_fn)(params, batch)
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return opt, update
+
+
+def backprop_method(cfg: Config, model) -> Method:
+    """``jax.value_and_grad`` of the cross-entropy + the optax optimizer of ``train.optimizer``."""
+    t = cfg.train
+    if t.objective != "cross_entropy":
+        raise ValueError(f"backprop needs a differentiable objective; train.objective is {t.objective!r}")
+    opt, update = _backprop_update(model, t.optimizer, t.lr)
 
     def step(params, opt_state, batch, step_idx):
-        params, opt_state = update(params, opt_state, batch)
-        return params, opt_state, StepInfo(1, 1, 0, None)
+        params, opt_state, loss = update(params, opt_state, batch)
+        return params, opt_state, StepInfo(1, 1, 0, loss, None)
 
     return Method(opt.init, step)
 
@@ -419,7 +429,6 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
     model, params = build_model(cfg, train_ds.num_classes, train_ds.x[:1])
     method = make_method(cfg, model)
     opt_state = method.init(params)
-    objective = jax.jit(make_objective(t.objective, model))
     evaluate = make_eval_fn(model, cfg.data.eval_batch_size)
 
     start, counters, resumed_from = 0, Counters(), None
@@ -489,7 +498,7 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
             )
             done = s + 1
             if done % t.log_every == 0 or done == t.steps:
-                record("train", done, {"loss": float(objective(params, batch))})
+                record("train", done, {"loss": float(info.loss)})
             if done % t.eval_every == 0 or done == t.steps:
                 last_eval = record("eval", done, evaluate(params, eval_x, eval_y))
             if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:

@@ -1,0 +1,183 @@
+"""Experiment configs: validation messages, overrides, digests, every shipped YAML loads."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from zeroth import config as C
+
+EXPERIMENTS = sorted((Path(__file__).resolve().parent.parent / "experiments").glob("*.yaml"))
+
+
+def test_defaults_are_valid_and_frozen():
+    cfg = C.load_config_dict({})
+    assert cfg.train.method == "zo" and cfg.peers is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.lr = 1.0  # type: ignore[misc]
+
+
+def test_unknown_top_level_key_names_it_and_the_valid_sections():
+    with pytest.raises(ValueError) as e:
+        C.load_config_dict({"trian": {}})
+    msg = str(e.value)
+    assert "'trian'" in msg and "top level" in msg
+    for section in C.SECTIONS:
+        assert section in msg
+
+
+def test_unknown_key_in_section_names_key_section_and_valid_keys():
+    with pytest.raises(ValueError) as e:
+        C.load_config_dict({"train": {"learning_rate": 0.1}})
+    msg = str(e.value)
+    assert "'learning_rate'" in msg and "'train'" in msg
+    assert "'lr'" in msg and "'n_perturbations'" in msg
+
+
+def test_unknown_key_in_nested_section():
+    with pytest.raises(ValueError, match=r"'beta1'.*'train.optimizer'.*'b1'"):
+        C.load_config_dict({"train": {"optimizer": {"beta1": 0.9}}})
+
+
+def test_unknown_key_in_peers_section():
+    with pytest.raises(ValueError, match=r"'ports'.*'peers'.*'base_port'"):
+        C.load_config_dict({"peers": {"ports": 3}})
+
+
+@pytest.mark.parametrize(
+    "raw, field, valid",
+    [
+        ({"train": {"method": "adam"}}, "train.method", "['zo', 'backprop']"),
+        ({"train": {"lr": -1.0}}, "train.lr", "> 0.0"),
+        ({"train": {"steps": "many"}}, "train.steps", "an integer"),
+        ({"train": {"steps": 0}}, "train.steps", ">= 1"),
+        ({"train": {"codec": "twobyte"}}, "train.codec", "'onebyte'"),
+        ({"train": {"distribution": "gaussian"}}, "train.distribution", "'binomial'"),
+        ({"train": {"eps": "tiny"}}, "train.eps", "a number"),
+        ({"run": {"seed": 2**32}}, "run.seed", "<= 4294967295"),
+        ({"data": {"dataset": "imagenet"}}, "data.dataset", "'digits'"),
+        ({"model": {"name": "resnet"}}, "model.name", "'mlp'"),
+        ({"model": {"kwargs": [1, 2]}}, "model.kwargs", "a mapping"),
+        ({"peers": {"count": 0}}, "peers.count", ">= 1"),
+        ({"peers": {"tls": "yes"}}, "peers.tls", "true or false"),
+        ({"peers": {"join_at": 3}}, "peers.join_at", "a list of int"),
+        ({"peers": {"join_at": [1, "x"]}}, "peers.join_at[1]", "an integer"),
+        ({"peers": {"base_port": 70000}}, "peers.base_port", "<= 65535"),
+    ],
+)
+def test_bad_values_name_field_value_and_what_is_valid(raw, field, valid):
+    with pytest.raises(ValueError) as e:
+        C.load_config_dict(raw)
+    msg = str(e.value)
+    assert field in msg, msg
+    value = next(iter(next(iter(raw.values())).values()))
+    if field.endswith("]"):  # an element is named: the first bad one
+        value = next(v for v in value if not isinstance(v, int))
+    assert repr(value) in msg, msg
+    assert valid in msg, msg
+
+
+def test_yaml_1_1_exponent_strings_are_numbers():
+    cfg = C.load_config_dict(yaml.safe_load("train: {eps: 1e-3, lr: 2e-2}"))
+    assert cfg.train.eps == 1e-3 and cfg.train.lr == 2e-2
+
+
+def test_backprop_refuses_a_non_differentiable_objective():
+    with pytest.raises(ValueError, match="error_rate.*not differentiable"):
+        C.load_config_dict({"train": {"method": "backprop", "objective": "error_rate"}})
+
+
+def test_overrides_parse_yaml_values():
+    cfg = C.load_config_dict(
+        {"model": {"name": "mlp", "kwargs": {"hidden": [64]}}},
+        ["train.lr=0.5", "train.codec=float32", "model.kwargs.hidden=[8, 4]", "run.out_dir=null"],
+    )
+    assert cfg.train.lr == 0.5 and cfg.train.codec == "float32"
+    assert cfg.model.kwargs == {"hidden": [8, 4]} and cfg.run.out_dir is None
+
+
+def test_override_creates_peers_section_with_defaults():
+    cfg = C.load_config_dict({}, ["peers.count=3", "peers.join_at=[2, 5]", "peers.token=s3cret"])
+    assert cfg.peers is not None
+    assert (cfg.peers.count, cfg.peers.join_at, cfg.peers.token) == (3, (2, 5), "s3cret")
+    assert cfg.peers.host == "127.0.0.1" and cfg.peers.base_port == 0 and cfg.peers.tls is False
+
+
+def test_peers_needs_zo():
+    with pytest.raises(ValueError, match="peers.*zo"):
+        C.load_config_dict({"train": {"method": "backprop"}, "peers": {}})
+
+
+def test_bad_overrides_are_named():
+    with pytest.raises(ValueError, match=r"'lrr'.*'train'"):
+        C.load_config_dict({}, ["train.lrr=1"])
+    with pytest.raises(ValueError, match="section.field=value"):
+        C.load_config_dict({}, ["train.lr"])
+    with pytest.raises(ValueError, match="must name a section and a field"):
+        C.load_config_dict({}, ["lr=1"])
+    with pytest.raises(ValueError, match=r"train\.lr.*'abc'"):
+        C.apply_overrides(C.load_config_dict({}), ["train.lr=abc"])
+
+
+def test_yaml_round_trip_and_digest():
+    cfg = C.load_config_dict({"train": {"steps": 7}}, ["peers.count=2"])
+    again = C.load_config_dict(yaml.safe_load(C.to_yaml(cfg)))
+    assert again == cfg
+    assert C.config_digest(again) == C.config_digest(cfg)
+    changed = C.apply_overrides(cfg, ["train.lr=0.25"])
+    assert C.config_digest(changed) != C.config_digest(cfg)
+    assert C.diff(cfg, changed) == ["train.lr"]
+    assert C.config_digest(changed, exclude=["train.lr"]) == C.config_digest(cfg, exclude=["train.lr"])
+    assert len(C.config_digest(cfg)) == 64
+
+
+def test_every_field_has_help_and_describe_lists_it():
+    text = C.describe()
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{prefix}{f.name} has no help"
+            inner = cls.__dataclass_fields__[f.name].type
+            sub = {"RunConfig": C.RunConfig, "DataConfig": C.DataConfig, "ModelConfig": C.ModelConfig,
+                   "TrainConfig": C.TrainConfig, "OptimizerConfig": C.OptimizerConfig, "PeersConfig": C.PeersConfig}
+            name = next((k for k in sub if k in str(inner)), None)
+            if name:
+                walk(sub[name], f"{prefix}{f.name}.")
+            else:
+                assert f"{prefix}{f.name} (" in text
+
+    walk(C.Config, "")
+
+
+def test_load_config_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        C.load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        C.load_config(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        C.load_config(lst)
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=[p.name for p in EXPERIMENTS])
+def test_shipped_experiments_load(path):
+    cfg = C.load_config(path)
+    assert cfg.run.name == path.stem
+    assert C.diff(cfg, C.load_config_dict(yaml.safe_load(C.to_yaml(cfg)))) == []
+
+
+def test_shipped_experiments_exist():
+    names = {p.stem for p in EXPERIMENTS}
+    assert {"mezo_digits", "backprop_digits", "mezo_mnist5k", "onebyte_vs_float32", "nondiff_accuracy"} <= names
+
+
+def test_help_config_cli(capsys):
+    from zeroth.train.run import main
+
+    assert main(["--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert "train.n_perturbations" in out and "peers.join_at" in out and "perturbations per step" in out

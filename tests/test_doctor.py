@@ -1,0 +1,173 @@
+"""``zeroth doctor``: one digest, equal to the golden one (written by the NumPy reference), under
+different CPU code generation: default, no FMA (SSE4.2), fast-math, and without jit."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from zeroth import doctor, noise, replay
+from zeroth import reference as ref
+
+# name -> extra environment. XLA rejects unknown flags at start-up (a fatal "Unknown flag in
+# XLA_FLAGS"), so a renamed flag fails these runs instead of being silently ignored.
+CONFIGS = {
+    "default": {"XLA_FLAGS": ""},
+    "no-fma (SSE4.2)": {"XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2"},
+    "fast-math": {"XLA_FLAGS": "--xla_cpu_enable_fast_math=true"},
+    "no-jit": {"XLA_FLAGS": "", "JAX_DISABLE_JIT": "1"},
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Run ``python -m zeroth doctor --json`` under every config, all at once (they are independent)."""
+    procs = {}
+    for name, extra in CONFIGS.items():
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_DISABLE_JIT")}
+        env.update(extra, JAX_PLATFORMS="cpu")
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "zeroth", "doctor", "--json"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert stdout.strip(), f"{name}: no output (exit {proc.returncode}); stderr:\n{stderr[-3000:]}"
+        out[name] = (proc.returncode, json.loads(stdout), stderr)
+    return out
+
+
+def _golden() -> dict:
+    return json.loads(doctor.GOLDEN_PATH.read_text())
+
+
+def test_one_digest_under_every_config_equal_to_golden(runs):
+    golden = _golden()
+    digests = {name: report["digest"] for name, (_, report, _) in runs.items()}
+    assert set(digests.values()) == {golden["digest"]}, digests
+    for name, (code, report, stderr) in runs.items():
+        assert report["status"] == "ok" and report["reference_digest"] == golden["digest"], name
+        assert report["xla_flags"] == CONFIGS[name]["XLA_FLAGS"]
+        assert report["jax_disable_jit"] == (name == "no-jit")
+        if report["float16_status"] == "ok":
+            assert report["float16_digest"] == golden["float16_digest"] and code == 0, (name, stderr[-2000:])
+        else:
+            # jaxlib's XLA:CPU cannot link half-precision conversions without F16C; the doctor
+            # reports it (exit 3) rather than a mismatch. Only the SSE4.2 config may hit it.
+            assert name == "no-fma (SSE4.2)" and report["float16_status"] == "unsupported", (name, report)
+            assert code == 3 and "cannot compile float16" in stderr
+    assert runs["default"][0] == 0 and runs["default"][1]["ok"]
+
+
+def test_the_configs_really_change_float_code(runs):
+    # jax.random.normal goes through erf_inv/log1p: its digest moves with FMA and fast-math, which
+    # shows the runs above really compiled different code while the exact replay did not move.
+    gaussian = {name: report["gaussian_digest"] for name, (_, report, _) in runs.items()}
+    assert len(set(gaussian.values())) > 1, gaussian
+
+
+def test_golden_is_the_reference_result():
+    golden = _golden()
+    assert golden["format"] == doctor.FORMAT
+    assert doctor.reference_digests() == (golden["digest"], golden["float16_digest"])
+
+
+def test_write_golden_reproduces_the_shipped_file(tmp_path):
+    path = tmp_path / "g.json"
+    assert doctor.main(["--write-golden", str(path)]) == 0
+    assert json.loads(path.read_text()) == _golden()
+
+
+def test_numpy_checksum_equals_replay_checksum():
+    leaves = doctor.reference_result()
+    nested = {"dense": {"kernel": leaves["['dense']['kernel']"]}, "embed": leaves["['embed']"],
+              "norm": {"scale": leaves["['norm']['scale']"]}, "scalar": leaves["['scalar']"]}
+    assert sorted(doctor.canonical_paths(nested)) == sorted(leaves)
+    assert doctor.numpy_checksum(leaves) == replay.checksum(nested)
+
+
+def test_canonical_replay_exercises_the_contract():
+    """Instrumented reference replay: the doctor's log hits every rule it is meant to check."""
+    leaves = doctor.canonical_paths()
+    units = doctor.canonical_units()
+    assert sum(len(u) for _, u in units) >= 64
+    assert {d for d, _ in units} == set(noise.EXACT)
+    shapes = {a.shape for a in leaves.values()}
+    assert () in shapes and any(len(s) == 1 and s[0] % 4 for s in shapes) and any(len(s) == 3 for s in shapes)
+    assert {str(a.dtype) for a in leaves.values()} == {"float32", "bfloat16", "float16"}
+    coefficients = [c for _, u in units for _, c in u]
+    assert 0.0 in coefficients and any(c != 0 and ref.round_coefficient(c) == 0 for c in coefficients)
+    assert any(ref.round_coefficient(c) != c for c in coefficients)
+    seen = {"flushed_f32": 0, "flushed_cast": 0, "nan_inputs": 0, "inf_results": 0, "neg_zero_inputs": 0}
+    for dist, updates in units:
+        for path, leaf in leaves.items():
+            x = np.asarray(leaf).astype(np.float32).reshape(-1)
+            seen["nan_inputs"] += int(np.isnan(x).sum())
+            seen["neg_zero_inputs"] += int(((x == 0) & np.signbit(x)).sum())
+            p = ref._flush(x)
+            for key, c in updates:
+                k = ref.noise_int(dist, ref.leaf_key(key, path), p.size)
+                with np.errstate(over="ignore", invalid="ignore"):
+                    raw = (p + ref.update_scale(dist, c) * k.astype(np.float32)).astype(np.float32)
+                seen["flushed_f32"] += int(((raw != 0) & (np.abs(raw) < ref.FLT_MIN)).sum())
+                p = ref.apply_update(p, ref.update_scale(dist, c), k)
+            if leaf.dtype != np.float32:
+                with np.errstate(over="ignore", invalid="ignore"):
+                    cast = p.astype(leaf.dtype)
+                    seen["flushed_cast"] += int(((cast != 0) & (np.abs(cast) < ref.ml_dtypes.finfo(leaf.dtype).tiny)).sum())
+            seen["inf_results"] += int(np.isinf(p).sum())
+            leaves[path] = ref.flush_cast(p, leaf.dtype).reshape(leaf.shape)
+    assert all(v > 0 for v in seen.values()), seen
+    assert doctor.numpy_checksum(doctor.split_float16(leaves)[0]) == _golden()["digest"]
+
+
+def test_corrupted_golden_is_a_mismatch(tmp_path, capsys):
+    golden = _golden()
+    bad = dict(golden, digest=("0" if golden["digest"][0] != "0" else "1") + golden["digest"][1:])
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    assert doctor.main(["--json", "--golden", str(path)]) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["status"] == "mismatch" and not report["ok"]
+    assert report["digest"] == golden["digest"] and report["golden_digest"] == bad["digest"]
+    assert "MISMATCH" in captured.err
+    # the human report says so too, and a wrong float16 digest alone is a mismatch as well
+    bad16 = dict(golden, float16_digest="f" * 64)
+    path.write_text(json.dumps(bad16))
+    assert doctor.main(["--golden", str(path)]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "cannot read golden file"),
+        (json.dumps({"format": "other", "digest": "0" * 64}), "is not a 'zeroth-doctor-v1' file"),
+        (json.dumps({"format": doctor.FORMAT, "digest": "xyz", "float16_digest": "0" * 64}), "'digest' must be 64"),
+        (json.dumps([1, 2]), "is not a 'zeroth-doctor-v1' file"),
+    ],
+)
+def test_unreadable_golden_is_a_clear_error(tmp_path, capsys, content, message):
+    path = tmp_path / "g.json"
+    path.write_text(content)
+    assert doctor.main(["--golden", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(path) in err
+
+
+def test_missing_golden_file_is_a_clear_error(tmp_path, capsys):
+    assert doctor.main(["--golden", str(tmp_path / "nope.json")]) == 2
+    assert "cannot read golden file" in capsys.readouterr().err
+
+
+def test_in_process_doctor_agrees_on_four_devices(capsys):
+    # the test process has 4 CPU devices (tests/conftest.py); the digest does not care
+    assert doctor.main(["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["devices"] == [str(d) for d in jax.devices()]

@@ -1,0 +1,200 @@
+"""Trainer: ZO-SGD learns digits, backprop baseline, a non-differentiable objective, metrics,
+checkpoints, resume (in process and after SIGKILL), corrupt checkpoints, the `zeroth run` CLI."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from zeroth import codecs
+from zeroth.config import load_config_dict, to_dict
+from zeroth.train import trainer
+from zeroth.train.checkpoint import CheckpointError
+from zeroth.train.metrics import read_metrics, summarize
+from zeroth.train.run import main as run_main
+
+REPO = Path(__file__).resolve().parent.parent
+
+SMALL = {
+    "run": {"name": "t", "seed": 0},
+    "data": {"dataset": "digits", "batch_size": 32, "eval_size": 200},
+    "model": {"name": "mlp", "kwargs": {"hidden": [16]}},
+    "train": {"method": "zo", "lr": 0.02, "eps": 1.0e-3, "n_perturbations": 8, "codec": "onebyte"},
+}
+
+
+def small(**sections) -> dict:
+    raw = json.loads(json.dumps(SMALL))
+    for sec, vals in sections.items():
+        raw.setdefault(sec, {}).update(vals)
+    return raw
+
+
+def test_zo_sgd_decreases_the_loss_on_digits(tmp_path):
+    cfg = load_config_dict(small(train={"steps": 200, "eval_every": 100, "log_every": 10}))
+    res = trainer.train(cfg, tmp_path / "run", progress=False)
+    recs = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [0, 100, 200]
+    assert evals[-1]["eval_loss"] < 0.6 * evals[0]["eval_loss"], evals
+    assert evals[-1]["eval_accuracy"] > 0.6 and evals[0]["eval_accuracy"] < 0.3
+    losses = [r["loss"] for r in recs if r["kind"] == "train"]
+    assert len(losses) == 20 and np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
+    # the counters are exact: 2 forward passes and one byte per perturbation
+    last = recs[-1]
+    assert last["forward_passes"] == 200 * 2 * 8 and last["payload_bytes"] == 200 * 8 * 1
+    assert last["backward_passes"] == 0 and last["examples"] == 200 * 2 * 8 * 32
+    assert res.digest == last["digest"] == evals[-1]["digest"]
+    assert len({r["digest"] for r in recs}) == 21  # the parameters change every logged step
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["train"] == to_dict(cfg)["train"]
+
+
+def test_backprop_baseline_same_model_and_eval(tmp_path):
+    cfg = load_config_dict(small(train={"method": "backprop", "steps": 100, "lr": 1e-2, "eval_every": 50}))
+    trainer.train(cfg, tmp_path / "bp", progress=False)
+    s = summarize(tmp_path / "bp" / "metrics.jsonl")
+    assert s["eval_accuracy"] > 0.8
+    assert s["forward_passes"] == s["backward_passes"] == 100 and s["passes"] == 300 and s["payload_bytes"] == 0
+
+
+def test_non_differentiable_objective_improves_with_zo(tmp_path):
+    # loss = 1 - accuracy on the batch: piecewise constant, its gradient is zero almost everywhere
+    cfg = load_config_dict(
+        small(
+            data={"batch_size": 256},
+            train={"objective": "error_rate", "steps": 100, "lr": 0.05, "eps": 0.05, "n_perturbations": 16,
+                   "codec": "float32", "eval_every": 100},
+        )
+    )
+    trainer.train(cfg, tmp_path / "nd", progress=False)
+    evals = read_metrics(tmp_path / "nd" / "metrics.jsonl", "eval")
+    assert evals[0]["eval_accuracy"] < 0.2 and evals[-1]["eval_accuracy"] > 0.35, evals
+    assert evals[-1]["payload_bytes"] == 100 * 16 * codecs.get_codec("float32").bytes_per_value
+
+
+@pytest.mark.parametrize("method", ["zo", "backprop"])
+def test_resume_in_process_equals_uninterrupted(tmp_path, method):
+    extra = {"lr": 1e-2} if method == "backprop" else {}
+    full = load_config_dict(small(train={"method": method, "steps": 24, "eval_every": 8, "checkpoint_every": 8, **extra}))
+    ref = trainer.train(full, tmp_path / "full", progress=False)
+    short = load_config_dict(small(train={"method": method, "steps": 16, "eval_every": 8, "checkpoint_every": 8, **extra}))
+    trainer.train(short, tmp_path / "split", progress=False)
+    res = trainer.train(full, tmp_path / "split", resume=True, progress=False)
+    assert res.resumed_from == 16 and res.digest == ref.digest
+    a = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "split" / "metrics.jsonl")
+    strip = lambda recs: [{k: v for k, v in r.items() if k not in ("wall_time", "train_time")} for r in recs]  # noqa: E731
+    assert strip(a) == strip(b)
+
+
+def test_refuses_to_overwrite_and_checks_resumed_config(tmp_path):
+    cfg = load_config_dict(small(train={"steps": 4, "eval_every": 4}))
+    trainer.train(cfg, tmp_path / "r", progress=False)
+    with pytest.raises(ValueError, match="already holds a run.*--resume"):
+        trainer.train(cfg, tmp_path / "r", progress=False)
+    changed = load_config_dict(small(train={"steps": 8, "eval_every": 4, "lr": 0.5}))
+    with pytest.raises(ValueError, match=r"differs.*\['train.lr'\]"):
+        trainer.train(changed, tmp_path / "r", resume=True, progress=False)
+
+
+def _files_under(path: Path):
+    return [p for p in path.rglob("*") if p.is_file()]
+
+
+def test_corrupt_checkpoint_gives_clear_error_and_loses_nothing(tmp_path):
+    cfg = load_config_dict(small(train={"steps": 20, "eval_every": 10, "checkpoint_every": 10}))
+    out = tmp_path / "c"
+    ref = trainer.train(cfg, out, progress=False)
+    ck = out / "checkpoints"
+    assert sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit()) == [10, 20]
+    # truncate every array file of the newest checkpoint's parameters
+    damaged = [p for p in _files_under(ck / "20" / "params") if "/d/" in str(p)]
+    assert damaged
+    for p in damaged:
+        p.write_bytes(p.read_bytes()[: max(1, p.stat().st_size // 3)])
+    with pytest.raises(CheckpointError) as e:
+        trainer.train(cfg, out, resume=True, progress=False)
+    msg = str(e.value)
+    assert "20" in msg and "--resume-step 10" in msg and "Nothing was deleted" in msg
+    assert (ck / "10").is_dir() and (ck / "20").is_dir()
+    # resuming the older checkpoint moves the damaged one aside and reproduces the run
+    res = trainer.train(cfg, out, resume=True, resume_step=10, progress=False)
+    assert res.digest == ref.digest and res.resumed_from == 10
+    assert (out / "checkpoints_quarantine" / "20").is_dir()
+
+
+def _write_cfg(path: Path, raw: dict) -> Path:
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_run_cli_trains_and_reports(tmp_path, capsys):
+    cfg = _write_cfg(tmp_path / "c.yaml", small(train={"steps": 6, "eval_every": 3}))
+    assert run_main([str(cfg), "--set", "train.steps=4", "--out", str(tmp_path / "o"), "--quiet"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["step"] == 4 and line["forward_passes"] == 4 * 16 and line["out_dir"] == str(tmp_path / "o")
+    assert run_main([str(cfg), "--set", "train.lrr=1", "--out", str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err
+    assert "'lrr'" in err and "'lr'" in err
+
+
+def test_peers_section_is_handed_to_the_launcher(tmp_path, monkeypatch):
+    calls = []
+    fake = types.ModuleType("zeroth.net.launch")
+    fake.run_config = lambda cfg, out_dir, argv: calls.append((cfg, out_dir, argv)) or 7
+    import zeroth.net
+
+    monkeypatch.setitem(sys.modules, "zeroth.net.launch", fake)
+    monkeypatch.setattr(zeroth.net, "launch", fake, raising=False)
+    cfg = _write_cfg(tmp_path / "p.yaml", small(peers={"count": 3}))
+    argv = [str(cfg), "--out", str(tmp_path / "po")]
+    assert run_main(argv) == 7
+    (got_cfg, out_dir, got_argv), = calls
+    assert got_cfg.peers.count == 3 and Path(out_dir) == tmp_path / "po" and got_argv == argv
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_gives_the_same_digest(tmp_path):
+    raw = small(train={"steps": 600, "n_perturbations": 4, "eval_every": 100, "log_every": 25, "checkpoint_every": 25})
+    cfg_path = _write_cfg(tmp_path / "k.yaml", raw)
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "zeroth", "run", str(cfg_path), "--out", str(out), "--quiet"]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            steps = [int(p.name) for p in (out / "checkpoints").glob("*") if p.name.isdigit()] if out.exists() else []
+            if steps and max(steps) >= 50:
+                break
+            assert proc.poll() is None, f"run ended before it was killed: {proc.communicate()[1].decode()[-2000:]}"
+            time.sleep(0.02)
+        else:
+            pytest.fail("no checkpoint >= 50 within the time limit")
+        assert proc.poll() is None, "the run finished before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    done_before = max(r["step"] for r in read_metrics(out / "metrics.jsonl"))
+    assert done_before < 600
+    resumed = subprocess.run(cmd + ["--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final = json.loads(resumed.stdout.strip().splitlines()[-1])
+    reference = trainer.train(load_config_dict(raw), tmp_path / "uninterrupted", progress=False)
+    assert final["step"] == 600 and final["digest"] == reference.digest
+    a = read_metrics(out / "metrics.jsonl")
+    b = read_metrics(tmp_path / "uninterrupted" / "metrics.jsonl")
+    assert [(r["kind"], r["step"], r["digest"]) for r in a] == [(r["kind"], r["step"], r["digest"]) for r in b]

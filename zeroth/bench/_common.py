@@ -1,0 +1,183 @@
+"""Shared pieces of the ``zeroth bench`` programs: timing, tables, JSON, command-line flags.
+
+A benchmark builds a list of rows (dicts), prints them with :func:`print_table` (or, with
+``--json``, one JSON object through :func:`emit`), baselines side by side. Timings are wall
+clock with warm-up calls first (compilation, caches), then the minimum and the median over
+repeats; the minimum is the best estimate on a quiet machine, the median shows the noise.
+
+Example:
+  >>> t = timeit(lambda: sum(range(1000)), warmup=1, repeats=3)
+  >>> t.min_s <= t.median_s
+  True
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+__all__ = [
+    "Timing",
+    "timeit",
+    "base_parser",
+    "environment",
+    "fmt_rate",
+    "fmt_seconds",
+    "print_table",
+    "emit",
+]
+
+
+class Timing(NamedTuple):
+    """Wall-clock seconds of one call: best and median over ``repeats`` timed calls."""
+
+    min_s: float
+    median_s: float
+    repeats: int
+
+
+def timeit(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5) -> Timing:
+    """Time ``fn()`` (which must block until its work is done, e.g. ``jax.block_until_ready``).
+
+    Args:
+      fn: a zero-argument callable; it may carry state between calls (a donated buffer).
+      warmup: untimed calls first (compilation, allocation, caches).
+      repeats: timed calls (at least 1).
+
+    Returns:
+      :class:`Timing` with the minimum and median seconds.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return Timing(min(times), statistics.median(times), repeats)
+
+
+def base_parser(prog: str, description: str, *, repeats: int = 5, warmup: int = 1) -> argparse.ArgumentParser:
+    """An ``argparse`` parser with the flags every benchmark has: ``--json``, ``--repeats``, ``--warmup``."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--repeats", type=_positive_int, default=repeats, help=f"timed calls per row (default {repeats})")
+    p.add_argument("--warmup", type=_non_negative_int, default=warmup, help=f"untimed calls first (default {warmup})")
+    return p
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
+    return value
+
+
+def environment() -> dict:
+    """Where the numbers come from: machine, jax backend and versions (torch when importable)."""
+    import jax
+
+    env = {
+        "machine": platform.machine(),
+        "processor": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": len(jax.devices()),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        env["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        env["torch"] = None
+    return env
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def fmt_rate(per_second: float | None, unit: str = "el/s") -> str:
+    """``1.23e9`` -> ``"1.23 G el/s"``; ``None`` -> ``"-"``."""
+    if per_second is None:
+        return "-"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(per_second) >= scale:
+            return f"{per_second / scale:.3g} {prefix} {unit}"
+    return f"{per_second:.3g} {unit}"
+
+
+def fmt_seconds(seconds: float | None) -> str:
+    """Seconds with a readable unit: ``0.0123`` -> ``"12.3 ms"``."""
+    if seconds is None:
+        return "-"
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def print_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict], *, title: str | None = None, file=None) -> None:
+    """Print ``rows`` as an aligned text table.
+
+    Args:
+      columns: ``(key, header)`` pairs; a row's value for ``key`` is printed with ``str`` (a
+        missing key or ``None`` prints ``-``).
+      rows: dicts.
+      title: printed above the table.
+    """
+    file = sys.stdout if file is None else file
+    cells = [[header for _, header in columns]]
+    cells += [["-" if row.get(key) is None else str(row[key]) for key, _ in columns] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    if title:
+        print(title, file=file)
+    for i, r in enumerate(cells):
+        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))).rstrip(), file=file)
+        if i == 0:
+            print("  ".join("-" * w for w in widths), file=file)
+
+
+def emit(result: dict, *, as_json: bool, render: Callable[[dict], None]) -> None:
+    """Print ``result`` as one JSON object (``as_json``) or through ``render`` (tables)."""
+    if as_json:
+        print(json.dumps(result, sort_keys=True, default=_json_default))
+    else:
+        render(result)
+
+
+def _json_default(value):
+    if hasattr(value, "item"):  # NumPy scalars
+        return value.item()
+    if hasattr(value, "_asdict"):
+        return value._asdict()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

@@ -1,0 +1,251 @@
+"""``zeroth bench perturb [--json] [--size N] [--repeats R] [--ks 1,16,64]``: perturbation throughput.
+
+Side by side in one run, on one float32 leaf of N elements (default 2**24), each step donated
+(updated in place) and timed after a warm-up call:
+
+* **zeroth** ``apply_updates`` (the jitted traceable core of :mod:`zeroth.replay`), K = 1, with
+  each exact distribution, and the host entry :func:`zeroth.replay.perturb`;
+* **jax.random.normal + add** (jitted, donated): the backend-dependent baseline;
+* **torch.randn + add_** when torch is importable ("not installed" otherwise);
+* the **memory floor**: a plain in-place pass ``p + c`` (jitted, donated) and torch ``add_(c)``;
+* a **replay** of K = 1, 16, 64 binomial updates in one call: element-updates/s (``N*K / t``)
+  and the time per update;
+* when :mod:`zeroth.kernels.perturb` is importable, its fused fast path as extra rows (bits
+  checked against :func:`zeroth.replay.apply_updates` on a small leaf first).
+
+Rates are elements per second from the best of ``--repeats`` calls (the median is shown too).
+It prints the ratios the determinism contract is judged by: binomial / torch, binomial /
+jax-normal, rademacher / memory floor, and the time of one K=64 call against 64 calls of K=1.
+
+Example:
+  $ zeroth bench perturb --size 4194304 --repeats 3
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroth import noise, replay, rng
+from zeroth.bench import _common
+
+__all__ = ["main", "run"]
+
+TARGETS = {
+    "binomial_over_torch": (">=", 3.0),
+    "binomial_over_jax_normal": (">=", 7.0),
+    "rademacher_over_memory_floor": (">=", 1 / 3),
+}
+_COEFF = 1e-3
+
+
+def _row(name: str, group: str, n: int, timing: _common.Timing | None, *, updates: int = 1, note: str | None = None) -> dict:
+    row = {"name": name, "group": group, "elements": n, "updates": updates, "note": note}
+    if timing is not None:
+        row.update(
+            seconds_min=timing.min_s,
+            seconds_median=timing.median_s,
+            repeats=timing.repeats,
+            elements_per_s=n * updates / timing.min_s,
+            seconds_per_update=timing.min_s / updates,
+        )
+    return row
+
+
+def _time_donated(step: Callable, state, *, warmup: int, repeats: int) -> _common.Timing:
+    """Time ``state = step(state)`` with the state's buffers donated each call."""
+    box = [state]
+
+    def call():
+        box[0] = jax.block_until_ready(step(box[0]))
+
+    return _common.timeit(call, warmup=warmup, repeats=repeats)
+
+
+def _zeroth_core(n: int, dist: str, k: int, *, warmup: int, repeats: int) -> _common.Timing:
+    fn = jax.jit(functools.partial(replay.apply_updates, distribution=dist), donate_argnums=0)
+    keys = jnp.asarray(rng.sample_keys(0, [(0, 1, s) for s in range(k)]))
+    scales = jnp.asarray(replay.update_scales(dist, [_COEFF * (1 + s % 3) for s in range(k)]))
+    return _time_donated(lambda p: fn(p, keys, scales), {"w": jnp.zeros(n, jnp.float32)}, warmup=warmup, repeats=repeats)
+
+
+def _zeroth_host_entry(n: int, *, warmup: int, repeats: int) -> _common.Timing:
+    key = rng.sample_key(0, 0, 1, 0)
+    step = lambda p: replay.perturb(p, key, _COEFF, distribution="binomial", donate=True)  # noqa: E731
+    return _time_donated(step, {"w": jnp.zeros(n, jnp.float32)}, warmup=warmup, repeats=repeats)
+
+
+def _jax_normal(n: int, *, warmup: int, repeats: int) -> _common.Timing:
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(p, key):
+        return p + jnp.float32(_COEFF) * jax.random.normal(key, p.shape, jnp.float32)
+
+    key = jax.random.PRNGKey(0)
+    return _time_donated(lambda p: step(p, key), jnp.zeros(n, jnp.float32), warmup=warmup, repeats=repeats)
+
+
+def _jax_memory(n: int, *, warmup: int, repeats: int) -> _common.Timing:
+    step = jax.jit(lambda p, c: p + c, donate_argnums=0)
+    c = jnp.float32(_COEFF)
+    return _time_donated(lambda p: step(p, c), jnp.zeros(n, jnp.float32), warmup=warmup, repeats=repeats)
+
+
+def _torch_rows(n: int, *, warmup: int, repeats: int) -> list[dict]:
+    try:
+        import torch
+    except ImportError:
+        return [
+            _row("torch.randn + add_", "baseline", n, None, note="not installed"),
+            _row("torch add_(c) (memory floor)", "memory", n, None, note="not installed"),
+        ]
+    gen = torch.Generator().manual_seed(0)
+    p = torch.zeros(n, dtype=torch.float32)
+    randn = _common.timeit(lambda: p.add_(torch.randn(n, generator=gen, dtype=torch.float32), alpha=_COEFF),
+                           warmup=warmup, repeats=repeats)
+    floor = _common.timeit(lambda: p.add_(_COEFF), warmup=warmup, repeats=repeats)
+    note = f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    return [
+        _row("torch.randn + add_", "baseline", n, randn, note=note),
+        _row("torch add_(c) (memory floor)", "memory", n, floor, note=note),
+    ]
+
+
+def _kernel_rows(n: int, ks: list[int], *, warmup: int, repeats: int) -> list[dict]:
+    """Rows for the fused fast path of :mod:`zeroth.kernels.perturb`, when it is importable."""
+    try:
+        from zeroth.kernels import perturb as kp
+
+        impl = kp.resolve_impl("auto")
+        fused = kp.fused_apply_updates
+    except Exception as exc:  # an optional module: any import problem means "not here"
+        return [_row("kernels fused", "kernels", n, None, note=f"unavailable: {type(exc).__name__}: {exc}")]
+    rows = []
+    for dist, k in [("binomial", 1), ("rademacher", 1)] + [("binomial", k) for k in ks if k > 1]:
+        name = f"kernels fused {dist} K={k} ({impl})"
+        keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
+        scales = replay.update_scales(dist, [_COEFF * (1 + s % 3) for s in range(k)])
+        try:
+            small = {"w": jnp.asarray(np.linspace(-1, 1, 4099, dtype=np.float32))}
+            want = replay.apply_updates(small, keys, scales, distribution=dist)["w"]
+            got = fused(small, keys, scales, distribution=dist, impl=impl)["w"]
+            same = bool(np.array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32)))
+            step = lambda p, keys=keys, scales=scales, dist=dist: fused(  # noqa: E731
+                p, keys, scales, distribution=dist, donate=True, impl=impl)
+            t = _time_donated(step, {"w": jnp.zeros(n, jnp.float32)}, warmup=warmup, repeats=repeats)
+            rows.append(_row(name, "kernels", n, t, updates=k, note="bits match replay" if same else "BITS DIFFER from replay"))
+        except Exception as exc:  # report, don't abort the other rows
+            rows.append(_row(name, "kernels", n, None, updates=k, note=f"failed: {type(exc).__name__}: {exc}"))
+    return rows
+
+
+def _rate(rows: list[dict], name: str) -> float | None:
+    for row in rows:
+        if row["name"] == name:
+            return row.get("elements_per_s")
+    return None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a / b
+
+
+def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, ...] = (1, 16, 64), kernels: bool = True) -> dict:
+    """Run the benchmark; returns ``{"size", "environment", "rows", "ratios", "targets"}``."""
+    if size < 1:
+        raise ValueError(f"size must be a positive number of elements, got {size}")
+    n, kw = size, {"warmup": warmup, "repeats": repeats}
+    rows = [
+        _row(f"zeroth {dist} (apply_updates, K=1)", "zeroth", n, _zeroth_core(n, dist, 1, **kw)) for dist in noise.EXACT
+    ]
+    rows.append(_row("zeroth replay.perturb (host entry)", "zeroth", n, _zeroth_host_entry(n, **kw), note="binomial"))
+    rows.append(_row("jax.random.normal + add", "baseline", n, _jax_normal(n, **kw), note="backend-dependent"))
+    torch_rows = _torch_rows(n, **kw)
+    rows.append(torch_rows[0])
+    rows.append(_row("jax p + c (memory floor)", "memory", n, _jax_memory(n, **kw)))
+    rows.append(torch_rows[1])
+    replay_times = {}
+    for k in ks:
+        t = _zeroth_core(n, "binomial", k, **kw)
+        replay_times[k] = t.min_s
+        rows.append(_row(f"zeroth replay K={k} (binomial)", "replay", n, t, updates=k))
+    if kernels:
+        rows += _kernel_rows(n, list(ks), **kw)
+
+    binomial = _rate(rows, "zeroth binomial (apply_updates, K=1)")
+    rademacher = _rate(rows, "zeroth rademacher (apply_updates, K=1)")
+    floors = [r["elements_per_s"] for r in rows if r["group"] == "memory" and r.get("elements_per_s")]
+    ratios = {
+        "binomial_over_torch": _ratio(binomial, _rate(rows, "torch.randn + add_")),
+        "binomial_over_jax_normal": _ratio(binomial, _rate(rows, "jax.random.normal + add")),
+        "rademacher_over_memory_floor": _ratio(rademacher, max(floors) if floors else None),
+    }
+    if 1 in replay_times:
+        for k in ks:
+            if k > 1:
+                ratios[f"replay_K{k}_over_{k}x_K1"] = replay_times[k] / (k * replay_times[1])
+    return {
+        "benchmark": "perturb",
+        "size": n,
+        "dtype": "float32",
+        "environment": _common.environment(),
+        "rows": rows,
+        "ratios": ratios,
+        "targets": {k: f"{op} {v:.3g}" for k, (op, v) in TARGETS.items()},
+    }
+
+
+def _render(result: dict) -> None:
+    env = result["environment"]
+    print(f"zeroth bench perturb: N = {result['size']:,} float32 elements, donated, best of "
+          f"{result['rows'][0].get('repeats')} ({env['processor']}, {env['cpu_count']} CPUs, jax {env['jax']} {env['backend']})")
+    table = [
+        {
+            **row,
+            "rate": _common.fmt_rate(row.get("elements_per_s")),
+            "best": _common.fmt_seconds(row.get("seconds_min")),
+            "median": _common.fmt_seconds(row.get("seconds_median")),
+            "per_update": _common.fmt_seconds(row.get("seconds_per_update")),
+        }
+        for row in result["rows"]
+    ]
+    _common.print_table(
+        [("name", "row"), ("updates", "K"), ("rate", "elements*K/s"), ("best", "best"), ("median", "median"),
+         ("per_update", "per update"), ("note", "note")],
+        table,
+    )
+    print()
+    for name, value in result["ratios"].items():
+        target = result["targets"].get(name)
+        print(f"  {name:<32} {'-' if value is None else f'{value:.3g}':>8}" + (f"   (target {target})" if target else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``zeroth bench perturb``: returns 0 (the numbers are printed, never judged)."""
+    p = _common.base_parser("zeroth bench perturb", "Perturbation throughput: zeroth vs jax.random.normal, torch.randn and a memory pass.")
+    p.add_argument("--size", type=int, default=2**24, help="elements of the float32 leaf (default 2**24)")
+    p.add_argument("--ks", default="1,16,64", help="comma-separated replay sizes K (default 1,16,64)")
+    p.add_argument("--no-kernels", action="store_true", help="leave out the zeroth.kernels fused rows")
+    try:
+        args = p.parse_args(sys.argv[1:] if argv is None else argv)
+        ks = tuple(int(k) for k in args.ks.split(","))
+        if any(k < 1 for k in ks):
+            raise ValueError(f"--ks must be positive integers, got {args.ks!r}")
+        if args.size < 1:
+            raise ValueError(f"--size must be a positive number of elements, got {args.size}")
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except ValueError as exc:
+        print(f"zeroth bench perturb: {exc}", file=sys.stderr)
+        return 2
+    result = run(args.size, repeats=args.repeats, warmup=args.warmup, ks=ks, kernels=not args.no_kernels)
+    _common.emit(result, as_json=args.json, render=_render)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

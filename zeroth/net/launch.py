@@ -1,0 +1,334 @@
+"""``zeroth run CONFIG`` for a config with a ``peers:`` section: peer processes on loopback.
+
+:func:`run_config` writes the config to ``OUT/config.yaml``, starts ``peers.count`` processes
+of ``python -m zeroth peer`` on ``peers.host`` (the first founds the run, the others join it
+before iteration 0), shows progress, plays the demo events (``peers.join_at``: a new peer joins
+when the run reaches that iteration; ``peers.kill_at``: a running peer, the newest founder
+other than machine 0, is killed with SIGKILL), and when every peer has exited prints the
+summary and writes ``OUT/summary.json``: the accuracy, iterations, projected gradients,
+payload and wire bytes, checksum comparisons and mismatches, whether every peer ended with
+the same digest, the wall time.
+
+Each peer process runs single-threaded XLA (:data:`PEER_XLA_FLAGS`, added to any
+``XLA_FLAGS`` of the caller) so several fit on a small machine. The run is bounded in time
+(:func:`time_limit`); children are killed on exit, Ctrl-C and errors.
+
+Example:
+  $ zeroth run experiments/job_digits.yaml --out runs/job
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from zeroth.config import Config, to_yaml
+
+__all__ = [
+    "PEER_XLA_FLAGS",
+    "PeerProcess",
+    "free_ports",
+    "peer_env",
+    "start_peer",
+    "time_limit",
+    "read_records",
+    "summarize",
+    "run_config",
+]
+
+PEER_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1 --xla_force_host_platform_device_count=1"
+
+
+@dataclasses.dataclass
+class PeerProcess:
+    """A started peer: its index, address, output folder, log file and process."""
+
+    index: int
+    address: str
+    out: Path
+    log: Path
+    proc: subprocess.Popen
+    founder: bool
+    started_at: float
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports that were free a moment ago on ``host``."""
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind((host, 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def peer_env(extra_xla_flags: str = "", env: dict | None = None) -> dict:
+    """The environment of a peer process: single-threaded CPU XLA (plus ``extra_xla_flags``)."""
+    out = dict(os.environ if env is None else env)
+    flags = " ".join(
+        f for f in out.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
+    )
+    out["XLA_FLAGS"] = " ".join(x for x in (flags, PEER_XLA_FLAGS, extra_xla_flags) if x).strip()
+    out.setdefault("JAX_PLATFORMS", "cpu")
+    out["OMP_NUM_THREADS"] = "1"
+    out["PYTHONUNBUFFERED"] = "1"
+    return out
+
+
+def start_peer(
+    config: str | Path,
+    out: str | Path,
+    listen: str,
+    *,
+    index: int,
+    join: str | None = None,
+    founders: int | None = None,
+    extra_args: tuple[str, ...] = (),
+    env: dict | None = None,
+) -> PeerProcess:
+    """Start ``python -m zeroth peer`` (its stdout and stderr go to ``OUT.log``)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "zeroth", "peer", "--config", str(config), "--listen", listen, "--out", str(out)]
+    if join:
+        cmd += ["--join", join]
+    if founders is not None:
+        cmd += ["--founders", str(founders)]
+    cmd += list(extra_args)
+    log = out.with_suffix(".log")
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env if env is not None else peer_env())
+    return PeerProcess(index, listen, out, log, proc, join is None or founders is not None, time.monotonic())
+
+
+def time_limit(cfg: Config) -> float:
+    """Seconds after which the launcher stops a run: start-up allowance + every iteration at its timeouts."""
+    p = cfg.peers
+    iterations = p.iterations or cfg.train.steps
+    return 180.0 + iterations * (p.iteration_timeout_s + 2 * p.barrier_timeout_s)
+
+
+def read_records(path: Path, offset: int = 0) -> tuple[list[dict], int]:
+    """Complete JSON lines of ``path`` from byte ``offset``: ``(records, new offset)``."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(offset)
+            data = fh.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    out = []
+    for line in data[:end].splitlines():
+        if line.strip():
+            out.append(json.loads(line))
+    return out, offset + end
+
+
+def summarize(cfg: Config, peers: list[PeerProcess], events: list[dict], wall: float) -> dict:
+    """The run's summary from each peer's ``summary.json`` and ``metrics.jsonl``."""
+    per = []
+    for p in peers:
+        path = p.out / "summary.json"
+        s = json.loads(path.read_text()) if path.exists() else {"finish_reason": "killed", "address": p.address}
+        s["index"] = p.index
+        s["exit_code"] = p.proc.returncode
+        per.append(s)
+    done = [s for s in per if s.get("finish_reason") == "done"]
+    digests = sorted({s["digest"] for s in done})
+    ref = min(done, key=lambda s: min(s.get("machines") or [1 << 40]), default=None)
+    records: list[dict] = []
+    if ref is not None:
+        records, _ = read_records(peers[ref["index"]].out / "metrics.jsonl")
+    it_records = {r["iteration"]: r for r in records if r.get("kind") == "iteration"}
+    gradients = sum(r["gradients"] for r in it_records.values())
+    bpv = 1 if cfg.train.codec == "onebyte" else 4
+    total = {k: sum(s.get(k, 0) for s in per) for k in ("payload_sent", "payload_received", "wire_sent", "wire_received")}
+    iterations = max((s.get("iterations", 0) for s in done), default=0)
+    return {
+        "run": cfg.run.name,
+        "peers_started": len(peers),
+        "peers_done": len(done),
+        "iterations": iterations,
+        "accuracy": (ref or {}).get("eval", {}).get("eval_accuracy"),
+        "eval_loss": (ref or {}).get("eval", {}).get("eval_loss"),
+        "final_digest": digests[0] if len(digests) == 1 else None,
+        "digests_agree": len(digests) == 1,
+        "final_digests": digests,
+        "projected_gradients": gradients,
+        "payload_bytes": gradients * bpv,
+        "payload_bytes_sent": total["payload_sent"],
+        "payload_bytes_received": total["payload_received"],
+        "wire_bytes_sent": total["wire_sent"],
+        "wire_bytes_received": total["wire_received"],
+        "checksum_comparisons": sum(s.get("checksum_comparisons", 0) for s in per),
+        "checksum_mismatches": sum(s.get("checksum_mismatches", 0) for s in per),
+        "repairs": sum(s.get("repairs", 0) for s in per),
+        "rejoins": sum(s.get("rejoins", 0) for s in per),
+        "events": events,
+        "wall_time_s": wall,
+        "peers": per,
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _stop_all(peers: list[PeerProcess], grace: float = 5.0) -> None:
+    live = [p for p in peers if p.alive()]
+    for p in live:
+        p.proc.send_signal(signal.SIGTERM)
+    end = time.monotonic() + grace
+    for p in live:
+        try:
+            p.proc.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.proc.kill()
+            p.proc.wait()
+
+
+def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) -> int:
+    """Run ``cfg.peers.count`` peers on loopback (see the module docstring). Returns the exit code:
+    0 when the run finished and every peer that finished holds the same digest, 1 otherwise."""
+    if cfg.peers is None:
+        raise ValueError("run_config needs a config with a peers: section")
+    p = cfg.peers
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "config.yaml"
+    config_path.write_text(to_yaml(cfg))
+    quiet = "--quiet" in (argv or [])
+    iterations = p.iterations or cfg.train.steps
+    extra: list[str] = ["--progress-every", "0", "--timeout", str(time_limit(cfg))]
+    if p.tls:
+        from zeroth.net import security as _sec
+
+        tls = _sec.self_signed(out / "tls", hosts=(p.host, "localhost"))
+        extra += ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca]
+    n_extra = len(p.join_at)
+    if p.base_port:
+        ports = [p.base_port + i for i in range(p.count + n_extra)]
+    else:
+        ports = free_ports(p.count + n_extra, p.host)
+    addresses = [f"{p.host}:{port}" for port in ports]
+    peers: list[PeerProcess] = []
+    events: list[dict] = []
+    t0 = time.monotonic()
+
+    def say(text: str) -> None:
+        if not quiet:
+            print(f"[job {time.monotonic() - t0:6.1f}s] {text}", file=sys.stderr, flush=True)
+
+    say(
+        f"{p.count} peers on {p.host}, {iterations} iterations, {p.inferences_per_iteration} projected gradients "
+        f"per peer per iteration, codec {cfg.train.codec}; logs in {out / 'peers'}"
+    )
+    try:
+        for i in range(p.count):
+            peers.append(
+                start_peer(
+                    config_path,
+                    out / "peers" / f"p{i}",
+                    addresses[i],
+                    index=i,
+                    join=None if i == 0 else addresses[0],
+                    founders=p.count if i == 0 else None,
+                    extra_args=tuple(extra),
+                )
+            )
+        join_at, kill_at = sorted(p.join_at), sorted(p.kill_at)
+        offsets: dict[int, int] = {}
+        latest: dict[int, dict] = {}
+        accuracy = None
+        last_print = 0.0
+        limit = time_limit(cfg)
+        while any(q.alive() for q in peers):
+            if time.monotonic() - t0 > limit:
+                say(f"time limit of {limit:.0f}s reached; stopping the peers")
+                events.append({"event": "time_limit", "time": time.monotonic() - t0})
+                break
+            for q in peers:
+                recs, offsets[q.index] = read_records(q.out / "metrics.jsonl", offsets.get(q.index, 0))
+                for r in recs:
+                    if r.get("kind") == "iteration":
+                        latest[q.index] = r
+                    if "eval_accuracy" in r:
+                        accuracy = r["eval_accuracy"]
+            live = [latest[q.index] for q in peers if q.alive() and q.index in latest]
+            current = max((r["step"] for r in live), default=0)
+            while join_at and current >= join_at[0]:
+                join_at.pop(0)
+                i = len(peers)
+                sponsor = next(q.address for q in peers if q.alive())
+                peers.append(start_peer(config_path, out / "peers" / f"p{i}", addresses[i], index=i, join=sponsor, extra_args=tuple(extra)))
+                events.append({"event": "join", "peer": i, "at_iteration": current, "time": time.monotonic() - t0})
+                say(f"iteration {current}: peer p{i} starts and joins through {sponsor}")
+            while kill_at and current >= kill_at[0]:
+                kill_at.pop(0)
+                victims = [q for q in peers if q.alive() and q.index != 0 and q.founder] or [
+                    q for q in peers if q.alive() and q.index != 0
+                ]
+                if victims:
+                    v = victims[-1]
+                    v.proc.kill()
+                    events.append({"event": "kill", "peer": v.index, "at_iteration": current, "time": time.monotonic() - t0})
+                    say(f"iteration {current}: killed peer p{v.index} with SIGKILL")
+            if live and time.monotonic() - last_print > 2.0:
+                last_print = time.monotonic()
+                r = max(live, key=lambda r: r["step"])
+                loss = r.get("loss")
+                say(
+                    f"iteration {current}/{iterations}  peers {r['peers']}  "
+                    f"loss {'-' if loss is None else f'{loss:.4f}'}  accuracy {'-' if accuracy is None else f'{accuracy:.4f}'}  "
+                    f"digest {r['digest'][:12]}"
+                )
+            time.sleep(0.25)
+    except KeyboardInterrupt:
+        say("interrupted: stopping the peers")
+        events.append({"event": "interrupted", "time": time.monotonic() - t0})
+        _stop_all(peers)
+        raise
+    finally:
+        _stop_all(peers)
+    wall = time.monotonic() - t0
+    summary = summarize(cfg, peers, events, wall)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    _print_summary(summary, cfg, out)
+    ok = summary["peers_done"] > 0 and summary["digests_agree"] and summary["iterations"] >= iterations
+    return 0 if ok else 1
+
+
+def _print_summary(s: dict[str, Any], cfg: Config, out: Path) -> None:
+    acc = s["accuracy"]
+    lines = [
+        f"Just One Byte run '{s['run']}' finished in {s['wall_time_s']:.1f}s ({out / 'summary.json'})",
+        f"  accuracy            {'-' if acc is None else f'{acc:.4f}'} (test split, final parameters)",
+        f"  iterations          {s['iterations']}  peers done {s['peers_done']} of {s['peers_started']} started",
+        f"  projected gradients {s['projected_gradients']}  payload {_fmt_bytes(s['payload_bytes'])} "
+        f"({'1 byte' if cfg.train.codec == 'onebyte' else '4 bytes'} each, codec {cfg.train.codec})",
+        f"  payload on the wire {_fmt_bytes(s['payload_bytes_sent'])} sent, {_fmt_bytes(s['payload_bytes_received'])} received (all peers)",
+        f"  wire bytes          {_fmt_bytes(s['wire_bytes_sent'])} sent, {_fmt_bytes(s['wire_bytes_received'])} received (all peers, all messages)",
+        f"  checksums           {s['checksum_comparisons']} comparisons, {s['checksum_mismatches']} mismatches, {s['repairs']} repairs",
+        f"  final digests       {'agree' if s['digests_agree'] else 'DIFFER'}: {', '.join(d[:16] for d in s['final_digests']) or '-'}",
+    ]
+    if s["events"]:
+        lines.append("  events              " + "; ".join(f"{e['event']} p{e.get('peer', '')} at {e.get('at_iteration', '')}" for e in s["events"]))
+    print("\n".join(lines), flush=True)

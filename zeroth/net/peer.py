@@ -1,0 +1,138 @@
+"""``zeroth peer``: run one Just One Byte peer (one per machine, or several on one machine).
+
+  zeroth peer --config CONFIG --listen HOST:PORT [--join HOST:PORT ...] --out DIR
+              [--set SECTION.FIELD=VALUE ...] [--founders N] [--advertise HOST:PORT]
+              [--token-file FILE] [--tls-cert PEM --tls-key PEM --tls-ca PEM]
+
+Without ``--join`` the peer founds the run (machine 0) and waits for ``--founders`` peers
+(default ``peers.count``) before iteration 0; with ``--join`` it joins a running run through any
+of its peers, at any iteration. Every peer must use the same config (training fields; the
+deployment fields of :data:`zeroth.net.runtime.JOIN_DIGEST_EXCLUDE` may differ). The token is
+``--token-file``'s content, else ``$ZEROTH_TOKEN``, else ``peers.token``. TLS needs all three
+files (``--tls-ca`` is the CA that signed the other peers' certificates).
+
+The peer writes ``metrics.jsonl`` (one record per iteration), ``summary.json`` and ``address``
+into ``--out``. SIGINT / SIGTERM make it leave the run cleanly. Exit code: 0 when all iterations
+are done (or it left), 1 when it failed or was dropped for good, 2 on a bad command line.
+
+Example (two machines):
+  host-a$ zeroth peer --config experiments/job_digits.yaml --listen 0.0.0.0:7000 --advertise host-a:7000 --out runs/a --founders 2
+  host-b$ zeroth peer --config experiments/job_digits.yaml --listen 0.0.0.0:7000 --advertise host-b:7000 --join host-a:7000 --out runs/b
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``zeroth peer``."""
+    p = argparse.ArgumentParser(prog="zeroth peer", description="Run one Just One Byte peer.")
+    p.add_argument("--config", required=True, help="experiment YAML with a peers: section (same on every peer)")
+    p.add_argument("--listen", required=True, help="HOST:PORT to serve on (port 0: any free port)")
+    p.add_argument("--join", action="append", default=[], metavar="HOST:PORT", help="a peer of the run to join through (repeatable)")
+    p.add_argument("--out", required=True, help="output folder (metrics.jsonl, summary.json, address)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
+    p.add_argument("--founders", type=int, default=None, help="founder only: peers to wait for before iteration 0 (default peers.count)")
+    p.add_argument("--advertise", default=None, help="HOST:PORT the other peers use to reach this one (default: --listen)")
+    p.add_argument("--token-file", default=None, help="file holding the shared token")
+    p.add_argument("--tls-cert", default=None, help="this peer's certificate chain (PEM)")
+    p.add_argument("--tls-key", default=None, help="this peer's private key (PEM)")
+    p.add_argument("--tls-ca", default=None, help="CA certificates that signed the peers' certificates (PEM)")
+    p.add_argument("--no-rejoin", action="store_true", help="exit instead of rejoining after being dropped")
+    p.add_argument("--leave-at", type=int, default=None, help="leave the run after applying this iteration")
+    p.add_argument("--linger", type=float, default=2.0, help="seconds to keep serving after finishing")
+    p.add_argument("--snapshot-every", type=int, default=10, help="keep a parameter snapshot every N iterations (for joiners)")
+    p.add_argument("--progress-every", type=int, default=0, help="print a progress line every N iterations")
+    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: none)")
+    p.add_argument("--quiet", action="store_true", help="no protocol notes on stderr")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``zeroth peer``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    from zeroth.config import load_config
+    from zeroth.data import DatasetUnavailable
+    from zeroth.net import security as _sec
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if cfg.peers is None:
+            raise ValueError(f"config {args.config!r} has no peers: section")
+        token = None
+        if args.token_file:
+            with open(args.token_file) as fh:
+                token = fh.read().strip()
+        token = token or os.environ.get("ZEROTH_TOKEN") or cfg.peers.token
+        tls_args = (args.tls_cert, args.tls_key, args.tls_ca)
+        if any(tls_args) and not all(tls_args):
+            raise ValueError("TLS needs --tls-cert, --tls-key and --tls-ca together")
+        tls = _sec.TLSFiles(*tls_args) if all(tls_args) else None
+        if tls is not None:
+            tls.read()
+    except (ValueError, FileNotFoundError, DatasetUnavailable) as e:
+        print(f"zeroth peer: error: {e}", file=sys.stderr)
+        return 2
+
+    from zeroth.net.runtime import Node, NodeOptions
+
+    options = NodeOptions(
+        out_dir=args.out,
+        listen=args.listen,
+        advertise=args.advertise,
+        join=tuple(args.join),
+        founders=args.founders or cfg.peers.count,
+        token=token,
+        tls=tls,
+        rejoin=not args.no_rejoin,
+        linger_s=args.linger,
+        snapshot_every=args.snapshot_every,
+        leave_at=args.leave_at,
+        log=not args.quiet,
+        progress_every=args.progress_every,
+    )
+    node = Node(cfg, options)
+    address = node.start()
+    print(f"zeroth peer: serving on {address}", file=sys.stderr, flush=True)
+
+    leaving = threading.Event()
+
+    def on_signal(signum, frame):
+        if leaving.is_set():
+            node.stop()
+            os._exit(130)
+        leaving.set()
+        threading.Thread(target=node.leave, daemon=True).start()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    while not node.wait(0.5):
+        if deadline is not None and time.monotonic() > deadline:
+            node.error = f"timed out after {args.timeout}s"
+            node._finish("failed")  # noqa: SLF001  (records the summary)
+            break
+        if leaving.is_set() and node.phase not in ("member", "joining", "catching_up"):
+            break
+    time.sleep(max(0.0, args.linger))
+    node.stop()
+    summary = node.summary()
+    print(
+        f"zeroth peer: {summary['finish_reason']} machines {summary['machines']} iterations {summary['iterations']} "
+        f"digest {str(summary['digest'])[:16]} accuracy {summary['eval'].get('eval_accuracy')}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 0 if summary["finish_reason"] in ("done", "left") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

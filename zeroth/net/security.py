@@ -1,0 +1,181 @@
+"""Who may talk to a peer: the shared token (call metadata) and TLS (server and client credentials).
+
+* Token: every request carries ``x-zeroth-token: <token>``; :class:`TokenInterceptor` refuses a
+  call whose token is missing or wrong with ``UNAUTHENTICATED`` before any handler runs
+  (constant-time comparison).
+* TLS: :class:`TLSFiles` names a PEM certificate chain and key (served) and the CA bundle that
+  signs the other peers' certificates (trusted). :func:`self_signed` makes a certificate for
+  loopback runs (``openssl`` command line, or the ``cryptography`` package when installed).
+
+Example:
+  >>> interceptor = TokenInterceptor("s3cret")
+  >>> token_metadata("s3cret")
+  (('x-zeroth-token', 's3cret'),)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+
+__all__ = [
+    "TOKEN_KEY",
+    "TLSFiles",
+    "TokenInterceptor",
+    "token_metadata",
+    "server_credentials",
+    "channel_credentials",
+    "self_signed",
+    "can_make_certificates",
+]
+
+TOKEN_KEY = "x-zeroth-token"
+
+
+@dataclasses.dataclass(frozen=True)
+class TLSFiles:
+    """PEM files: ``cert`` (this peer's chain), ``key`` (its private key), ``ca`` (trusted roots)."""
+
+    cert: str
+    key: str
+    ca: str
+
+    def read(self) -> tuple[bytes, bytes, bytes]:
+        out = []
+        for name in ("cert", "key", "ca"):
+            path = Path(getattr(self, name))
+            if not path.is_file():
+                raise FileNotFoundError(f"TLS {name} file {str(path)!r} does not exist")
+            out.append(path.read_bytes())
+        return tuple(out)
+
+
+def token_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """Call metadata carrying ``token`` (None without a token)."""
+    return ((TOKEN_KEY, token),) if token else None
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call without the shared ``token`` with ``UNAUTHENTICATED``."""
+
+    def __init__(self, token: str):
+        if not token:
+            raise ValueError("the shared token must be a non-empty string")
+        self._token = token.encode()
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong {TOKEN_KEY} metadata: this run needs its shared token")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        got = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_KEY, "")
+        got = got.encode() if isinstance(got, str) else bytes(got)
+        if hmac.compare_digest(got, self._token):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is not None and handler.response_streaming:
+            return self._deny_stream
+        return self._deny_unary
+
+
+def server_credentials(tls: TLSFiles) -> grpc.ServerCredentials:
+    """Server credentials from ``tls.cert`` and ``tls.key``."""
+    cert, key, _ = tls.read()
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+def channel_credentials(tls: TLSFiles) -> grpc.ChannelCredentials:
+    """Client credentials trusting ``tls.ca``."""
+    _, _, ca = tls.read()
+    return grpc.ssl_channel_credentials(root_certificates=ca)
+
+
+def can_make_certificates() -> bool:
+    """Whether :func:`self_signed` can work here (``openssl`` on PATH or ``cryptography`` importable)."""
+    if shutil.which("openssl"):
+        return True
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def self_signed(directory: str | os.PathLike, *, hosts=("127.0.0.1", "localhost"), days: int = 30) -> TLSFiles:
+    """Write a self-signed certificate for ``hosts`` (its own CA) into ``directory``.
+
+    Raises:
+      RuntimeError: neither the ``openssl`` command nor the ``cryptography`` package is available.
+    """
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    cert, key = d / "cert.pem", d / "key.pem"
+    sans = ",".join(("IP:" if _is_ip(h) else "DNS:") + h for h in hosts)
+    openssl = shutil.which("openssl")
+    if openssl:
+        subprocess.run(
+            [
+                openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-sha256",
+                "-keyout", str(key), "-out", str(cert), "-days", str(days),
+                "-subj", "/CN=zeroth-peer", "-addext", f"subjectAltName={sans}",
+            ],
+            check=True,
+            capture_output=True,
+        )
+    else:
+        _self_signed_cryptography(cert, key, hosts, days)
+    os.chmod(key, 0o600)
+    return TLSFiles(str(cert), str(key), str(cert))
+
+
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _self_signed_cryptography(cert_path: Path, key_path: Path, hosts, days: int) -> None:
+    try:
+        import datetime
+        import ipaddress
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        raise RuntimeError(
+            "making a TLS certificate needs the `openssl` command or `pip install cryptography`"
+        ) from None
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "zeroth-peer")])
+    alt = [x509.IPAddress(ipaddress.ip_address(h)) if _is_ip(h) else x509.DNSName(h) for h in hosts]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))

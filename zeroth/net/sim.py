@@ -1,0 +1,346 @@
+"""A deterministic in-memory network that drives :mod:`zeroth.net.protocol` state machines.
+
+Used by the protocol tests (and handy to study the protocol): peers are addresses, messages
+are delivered after a fixed latency in a deterministic order, peers can be killed (their state
+freezes; messages to them fail), partitioned (messages across the cut fail), slowed down, made
+to join or leave. "Applying" a decided iteration appends it to the peer's log; a joiner's
+"state transfer" copies the sponsor's log up to its first iteration. There is no jax here.
+
+Example:
+  >>> from zeroth.net import protocol as P
+  >>> params = P.Params(run_id="r", config_digest="c", bytes_per_value=1, max_count=2, iterations=5,
+  ...                   iteration_timeout_s=1.0, barrier_timeout_s=0.5, founders=3)
+  >>> net = SimNet(params)
+  >>> net.start(3)
+  >>> net.run_until(lambda: net.all_finished(), limit=60.0)
+  True
+  >>> [len(p.log) for p in net.peers.values()]
+  [5, 5, 5]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from zeroth.net import protocol as P
+
+__all__ = ["SimPeer", "SimNet"]
+
+
+class SimPeer:
+    """One simulated peer: its protocol state, applied log and fate."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.state: P.PeerState | None = None
+        self.log: list[P.LogEntry] = []  # applied decisions, in order, from iteration `base`
+        self.base = 0
+        self.alive = True
+        self.compute_time = 0.05
+        self.machines: list[int] = []  # ids this address held, in order
+        self.events: list[tuple[float, str]] = []  # (time, text) of drops, finishes, notes
+        self.finished: str | None = None
+        self.dropped = 0
+        self.pending_join: int | None = None
+
+    @property
+    def phase(self) -> str:
+        return self.state.phase if self.state is not None else "joining"
+
+    def chain(self) -> list[tuple[int, tuple, bytes]]:
+        """``(iteration, contributors, updates_digest)`` of every applied decision."""
+        return [(e.commit.iteration, e.commit.contributors, e.commit.updates_digest) for e in self.log]
+
+
+class SimNet:
+    """The simulated network. ``latency`` seconds per message; ``tick`` seconds between timer events."""
+
+    def __init__(self, params: P.Params, *, latency: float = 0.002, tick: float = 0.02, rejoin: bool = False):
+        self.params = params
+        self.latency = latency
+        self.tick = tick
+        self.rejoin = rejoin
+        self.now = 0.0
+        self.peers: dict[str, SimPeer] = {}
+        self._queue: list = []
+        self._seq = itertools.count()
+        self._rids = itertools.count(1)
+        self._cut: set[frozenset[str]] = set()
+        self._drop_next: dict[tuple[str, str, type], int] = {}
+        self.admitted: list[int] = []  # every machine id handed out, in order
+        self._next_tick = 0.0
+
+    # ----------------------------------------------------------------- scheduling
+
+    def _at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._queue, (t, next(self._seq), fn))
+
+    def run_until(self, cond: Callable[[], bool], *, limit: float) -> bool:
+        """Process events until ``cond()`` or simulated time ``limit``; returns ``cond()``."""
+        while not cond():
+            nxt = self._queue[0][0] if self._queue else float("inf")
+            if self._next_tick <= nxt:
+                if self._next_tick > limit:
+                    return cond()
+                self.now = self._next_tick
+                self._next_tick += self.tick
+                for peer in list(self.peers.values()):
+                    if peer.alive and peer.state is not None:
+                        self._handle(peer, P.on_tick(self.params, peer.state, self.now))
+                continue
+            if nxt > limit:
+                return cond()
+            t, _, fn = heapq.heappop(self._queue)
+            self.now = t
+            fn()
+        return True
+
+    def all_finished(self) -> bool:
+        live = [p for p in self.peers.values() if p.alive]
+        return bool(live) and all(p.finished is not None for p in live)
+
+    # ----------------------------------------------------------------- faults
+
+    def kill(self, address: str) -> None:
+        """The peer stops at once (like SIGKILL): no more messages in or out."""
+        self.peers[address].alive = False
+        self.peers[address].events.append((self.now, "killed"))
+
+    def partition(self, group_a, group_b) -> None:
+        """Messages between the two groups of addresses fail from now on."""
+        for a in group_a:
+            for b in group_b:
+                self._cut.add(frozenset((a, b)))
+
+    def heal(self) -> None:
+        self._cut.clear()
+
+    def drop_next(self, src: str, dst: str, kind: type, count: int = 1) -> None:
+        """Lose the next ``count`` messages of type ``kind`` from ``src`` to ``dst``."""
+        self._drop_next[(src, dst, kind)] = count
+
+    def _reachable(self, a: str, b: str) -> bool:
+        return b in self.peers and self.peers[b].alive and frozenset((a, b)) not in self._cut
+
+    # ----------------------------------------------------------------- peers
+
+    def start(self, founders: int) -> None:
+        """Start machine 0 at ``sim:0`` and ``founders - 1`` joiners at ``sim:1``.."""
+        first = self._new_peer("sim:1000")
+        step = P.founder(self.params, address=first.address, now=self.now)
+        first.machines.append(0)
+        self.admitted.append(0)
+        self._handle(first, step)
+        for i in range(1, founders):
+            self.join(f"sim:{1000 + i}", via=first.address)
+
+    def _new_peer(self, address: str) -> SimPeer:
+        peer = SimPeer(address)
+        self.peers[address] = peer
+        return peer
+
+    def join(self, address: str, *, via: str) -> SimPeer:
+        """A new peer at ``address`` asks ``via`` to join (following redirects)."""
+        peer = self.peers.get(address) or self._new_peer(address)
+        peer.state = None
+        peer.finished = None
+        self._send_join(peer, via)
+        return peer
+
+    def _send_join(self, peer: SimPeer, via: str, hops: int = 0) -> None:
+        rid = next(self._rids)
+        peer.pending_join = rid
+
+        def deliver():
+            if not peer.alive or peer.pending_join != rid:
+                return
+            target = self.peers.get(via)
+            if target is None or not self._reachable(peer.address, via) or target.state is None:
+                self._at(self.now + 0.5, lambda: self._retry_join(peer, hops))
+                return
+            req = P.JoinRequest(rid, peer.address, self.params.config_digest)
+            try:
+                step = P.on_join(self.params, target.state, req, self.now)
+            except P.Rejected:
+                self._at(self.now + 0.5, lambda: self._retry_join(peer, hops))
+                return
+            self._handle(target, step)
+            if isinstance(step.reply, P.Redirect) and hops < 8:
+                self._at(self.now + self.latency, lambda: self._send_join(peer, step.reply.address, hops + 1))
+
+        self._at(self.now + self.latency, deliver)
+
+    def _retry_join(self, peer: SimPeer, hops: int) -> None:
+        if not peer.alive or peer.state is not None:
+            return
+        live = [p.address for p in self.peers.values() if p.alive and p.state is not None and p.phase == P.MEMBER]
+        if live:
+            self._send_join(peer, live[0], hops + 1)
+
+    def _admit(self, answer: P.JoinAnswer, rid: int) -> None:
+        peer = next((p for p in self.peers.values() if p.pending_join == rid), None)
+        if peer is None or not peer.alive:
+            return
+        peer.pending_join = None
+        peer.machines.append(answer.machine)
+        self.admitted.append(answer.machine)
+        peer.state = P.joined(self.params, me=answer.machine, view=answer.view, now=self.now)
+        first = answer.view.iteration
+        # State transfer: copy a live member's log up to `first` (the snapshot + log of the real runtime).
+        sponsor = max(
+            (p for p in self.peers.values() if p.alive and p is not peer and p.log and p.base == 0),
+            key=lambda p: len(p.log),
+            default=None,
+        )
+
+        def ready():
+            if not peer.alive or peer.state is None or peer.state.phase != P.CATCHING_UP:
+                return
+            if first > 0:
+                if sponsor is None or len(sponsor.log) < first:
+                    self._at(self.now + 0.1, ready)
+                    return
+                peer.log = list(sponsor.log[:first])
+            else:
+                peer.log = []
+            peer.base = 0
+            self._handle(peer, P.on_ready(self.params, peer.state, iteration=first, view=answer.view, now=self.now))
+
+        self._at(self.now + 0.05, ready)
+
+    def leave(self, address: str) -> None:
+        peer = self.peers[address]
+        self._handle(peer, P.request_leave(self.params, peer.state, self.now))
+
+    # ----------------------------------------------------------------- effects
+
+    def _handle(self, peer: SimPeer, step: P.Step) -> None:
+        peer.state = step.state
+        for eff in step.effects:
+            self._effect(peer, eff)
+
+    def _effect(self, peer: SimPeer, eff: Any) -> None:
+        if isinstance(eff, P.Send):
+            self._deliver(peer, eff)
+        elif isinstance(eff, P.Apply):
+            t = eff.entry.commit.iteration
+            expected = peer.base + len(peer.log)
+            if t != expected:
+                raise AssertionError(f"{peer.address} applies iteration {t}, expected {expected}")
+            if eff.entry.payloads is None:
+                raise AssertionError(f"{peer.address} applies iteration {t} without payloads")
+            peer.log.append(eff.entry)
+        elif isinstance(eff, P.Compute):
+            it = eff.iteration
+            done_at = self.now + peer.compute_time
+            count = self.params.max_count if done_at <= eff.deadline else max(1, self.params.max_count // 2)
+            me = peer.state.me
+            payload = hashlib.sha256(f"{me}/{it}".encode()).digest()[: count * self.params.bytes_per_value]
+
+            def finished(peer=peer, it=it, count=count, payload=payload, me=me):
+                if peer.alive and peer.state is not None and peer.state.me == me:
+                    self._handle(
+                        peer,
+                        P.on_local_gradients(self.params, peer.state, iteration=it, count=count, payload=payload, now=self.now),
+                    )
+
+            self._at(min(done_at, eff.deadline), finished)
+        elif isinstance(eff, P.Fetch):
+            self._fetch(peer, eff)
+        elif isinstance(eff, P.Admit):
+            self._at(self.now + self.latency, lambda a=eff.answer, r=eff.request_id: self._admit(a, r))
+        elif isinstance(eff, P.Dropped):
+            peer.dropped += 1
+            peer.events.append((self.now, f"dropped: {eff.reason}"))
+            if self.rejoin:
+                live = [p.address for p in self.peers.values() if p.alive and p is not peer and p.phase == P.MEMBER]
+                if live:
+                    self._at(self.now + 0.1, lambda: self.join(peer.address, via=live[0]))
+        elif isinstance(eff, P.Finished):
+            peer.finished = eff.reason
+            peer.events.append((self.now, f"finished: {eff.reason}"))
+        elif isinstance(eff, P.Note):
+            peer.events.append((self.now, eff.text))
+        else:
+            raise AssertionError(f"unknown effect {eff!r}")
+
+    def _deliver(self, src: SimPeer, send: P.Send) -> None:
+        msg = send.message
+        key = (src.address, send.address, type(msg))
+        lost = self._drop_next.get(key, 0) > 0
+        if lost:
+            self._drop_next[key] -= 1
+        sender_state_me = src.state.me
+
+        def arrive():
+            dst = self.peers.get(send.address)
+            ok = not lost and self._reachable(src.address, send.address) and dst.state is not None
+            reply = None
+            error = None
+            if ok:
+                try:
+                    step = self._dispatch(dst, msg)
+                    self._handle(dst, step)
+                    reply = step.reply
+                except P.Rejected as e:
+                    error = e
+            self._at(self.now + self.latency, lambda: self._reply(src, sender_state_me, send, ok, reply, error))
+
+        self._at(self.now + self.latency, arrive)
+
+    def _dispatch(self, dst: SimPeer, msg) -> P.Step:
+        p, st, now = self.params, dst.state, self.now
+        if isinstance(msg, P.Push):
+            return P.on_push(p, st, msg, now)
+        if isinstance(msg, P.Commit):
+            return P.on_commit(p, st, msg, now)
+        if isinstance(msg, P.Prepare):
+            return P.on_prepare(p, st, msg, now)
+        if isinstance(msg, P.Leave):
+            return P.on_leave(p, st, msg, now)
+        raise AssertionError(f"unknown message {msg!r}")
+
+    def _reply(self, src: SimPeer, me: int, send: P.Send, ok: bool, reply, error) -> None:
+        if not src.alive or src.state is None or src.state.me != me:
+            return
+        p, st, now = self.params, src.state, self.now
+        msg = send.message
+        if isinstance(msg, P.Commit):
+            if ok and error is None:
+                self._handle(src, P.on_commit_acked(p, st, iteration=msg.iteration, machine=send.machine, now=now))
+            else:
+                text = error.message if error else "unreachable"
+                self._handle(src, P.on_commit_failed(p, st, iteration=msg.iteration, machine=send.machine, message=text, now=now))
+        elif isinstance(msg, P.Prepare):
+            if ok and error is None:
+                self._handle(src, P.on_prepare_reply(p, st, sender=send.machine, reply=reply, now=now))
+            elif error is not None and error.code == "FAILED_PRECONDITION":
+                self._handle(src, P.on_prepare_rejected(p, st, sender=send.machine, message=error.message, now=now))
+            else:
+                self._handle(src, P.on_prepare_reply(p, st, sender=send.machine, reply=None, now=now))
+
+    def _fetch(self, peer: SimPeer, eff: P.Fetch) -> None:
+        me = peer.state.me
+
+        def arrive():
+            src = self.peers.get(eff.address)
+            if not self._reachable(peer.address, eff.address) or src is None:
+                entries = None
+            else:
+                entries = [e for e in src.log if eff.first <= e.commit.iteration <= eff.last]
+
+            def back():
+                if not peer.alive or peer.state is None or peer.state.me != me:
+                    return
+                if entries is None:
+                    self._handle(peer, P.on_fetch_failed(self.params, peer.state, message="unreachable", now=self.now))
+                else:
+                    self._handle(peer, P.on_fetched(self.params, peer.state, entries, self.now))
+
+            self._at(self.now + self.latency, back)
+
+        self._at(self.now + self.latency, arrive)
