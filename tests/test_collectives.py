@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _check_allreduce(topo) -> dict:
+def _check_allreduce(topo, sizes=(1, 37, 130)) -> dict:
     """Ring/torus all-reduce vs psum on one topology: ints bit-exact, floats within rounding."""
     import jax
     from jax.sharding import NamedSharding
@@ -27,7 +27,7 @@ def _check_allreduce(topo) -> dict:
     sharding = NamedSharding(mesh, spec)
     rng = np.random.default_rng(topo.size)
     out = {}
-    for d in (1, 37, 130):
+    for d in sizes:
         ints = rng.integers(-(2**24), 2**24, (topo.size, d)).astype(np.int32)
         floats = rng.standard_normal((topo.size, d)).astype(np.float32)
         ring = jax.jit(jax.shard_map(lambda a: R.allreduce_sum(a[0], topo)[None], mesh=mesh, in_specs=spec, out_specs=spec))
@@ -69,8 +69,8 @@ def _subprocess_main(sizes: list[int]) -> None:
 
     result = {}
     for m in sizes:
-        for topo in (Ring(m), make_topology("torus", m), make_topology("torus", m, rows=m)):
-            result[repr(topo)] = _check_allreduce(topo)
+        for topo in {Ring(m), make_topology("torus", m), make_topology("torus", m, rows=min(4, m))}:
+            result[repr(topo)] = _check_allreduce(topo, sizes=(37,))
     print(json.dumps(result))
 
 
@@ -84,8 +84,8 @@ def test_allreduce_equals_psum_for_3_and_8_workers_in_a_subprocess():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result) == 6  # ring, torus (most square), torus (one column) for M = 3 and 8
-    assert any("rows=2, cols=4" in k for k in result)
+    # M = 3: ring, 1x3 and 3x1 tori; M = 8: ring, 2x4 and 4x2 tori
+    assert len(result) == 6 and any("rows=2, cols=4" in k for k in result) and any("rows=3, cols=1" in k for k in result)
     for label, report in result.items():
         _assert_all_true(report, label)
 
@@ -149,7 +149,11 @@ def test_bit_accounting_counts_what_crosses_ppermute():
         assert bpe["marsit"] == 1.0  # one bit per element at every hop, nothing else
         # every worker's (scale, d sign bits) reaches the M - 1 others: M/2 bits per element, plus scales
         assert bpe["ef_signsgd"] == pytest.approx(2 + 64 / d)
-        assert 1.0 < bpe["ssdm"] < 1.02  # one bit plus one float32 norm per segment and hop
+        # one bit per element plus one float32 norm per segment and hop
+        if isinstance(topo, Ring):
+            assert bpe["ssdm"] == pytest.approx(1 + 32 * topo.size / d)
+        else:
+            assert bpe["ssdm"] == pytest.approx(32 * 4 * (1.5 * d + 160) / (192 * d))
         if isinstance(topo, Torus):
             # row ring: 1 plane; column ring: 2 planes (counts up to 2 already); vote gathers 1 bit
             assert bpe["majority_vote"] == pytest.approx(32 * 7 / 192)
@@ -160,7 +164,7 @@ def test_bit_accounting_counts_what_crosses_ppermute():
     # Marsit with K = 100 over 200 rounds: two full-precision rounds
     phases = [S.marsit(Ring(4), 1e-3, 100).phase(t) for t in range(200)]
     assert phases.count("full") == 2
-    assert B.average_bits_per_element({"full": 32 * 10, "sync": 10}, phases, 10) == pytest.approx((2 * 32 + 198) / 200)
+    assert B.average_bits_per_element({"full": 320, "sync": 10}, phases, 320) == pytest.approx((2 * 32 + 198) / 200)
 
 
 def test_ppermute_under_cond_is_refused():

@@ -61,6 +61,7 @@ PALLAS_CASES = [
     ("binomial", jnp.float32, (1000,), kp.BlockSizes(tile=256, lanes=None)),
     ("binomial", jnp.bfloat16, (37, 29), kp.BlockSizes(tile=128, lanes=32)),
     ("binomial", jnp.float32, (5,), kp.BlockSizes(tile=64, lanes=None)),
+    ("binomial", jnp.bfloat16, (), kp.BlockSizes(tile=64, lanes=None)),
     ("rademacher", jnp.float32, (13, 77), kp.BlockSizes(tile=512, lanes=None)),
     ("rademacher", jnp.bfloat16, (333,), kp.BlockSizes(tile=192, lanes=64)),
     ("rademacher", jnp.float16, (2, 3, 50), kp.BlockSizes(tile=128, lanes=None)),
@@ -282,6 +283,20 @@ def test_fused_apply_updates_auto_matches_replay():
         got = kp.fused_apply_updates(params, keys, replay.update_scales(dist, coeffs), distribution=dist)
         want = replay.replay(params, (keys, np.array(coeffs)), distribution=dist)
         assert replay.checksum(got) == replay.checksum(want)
+
+
+def test_sharded_params_keep_their_sharding():
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.skip("needs several devices (tests/conftest.py forces 4 CPU devices)")
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))
+    params = {"w": jax.device_put(_array((8 * len(devices), 33), jnp.float32, seed=16), sharding)}
+    keys = rng.sample_keys(8, [(0, 1, s) for s in range(3)])
+    scales = replay.update_scales("binomial", [0.5, 0.25, -1.0])
+    got = kp.fused_apply_updates(params, keys, scales, distribution="binomial")
+    assert got["w"].sharding.is_equivalent_to(sharding, 2)
+    assert replay.checksum(got) == replay.checksum(replay.apply_updates(params, keys, scales, distribution="binomial"))
 
 
 def test_auto_on_cpu_is_native_or_jnp(monkeypatch):

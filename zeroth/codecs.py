@@ -175,7 +175,7 @@ def _as_values(g) -> np.ndarray:
     bad = np.flatnonzero(~np.isfinite(arr))
     if bad.size:
         raise ValueError(
-            f"cannot encode non-finite projected gradient(s): index {int(bad[0])} is {arr[bad[0]]!r} "
+            f"cannot encode non-finite projected gradient(s): index {int(bad[0])} is {float(arr[bad[0]])!r} "
             f"({bad.size} non-finite of {arr.size}); only finite values can be sent"
         )
     return arr
@@ -195,10 +195,11 @@ def _as_payload(payload, bytes_per_value: int, name: str) -> bytes:
 
 def _f32_encode(g) -> bytes:
     arr = _as_values(np.asarray(g))
-    out = arr.astype("<f4")
+    with np.errstate(over="ignore"):
+        out = arr.astype("<f4")
     if not np.all(np.isfinite(out)):
         i = int(np.flatnonzero(~np.isfinite(out))[0])
-        raise ValueError(f"projected gradient {i} ({arr[i]!r}) overflows float32")
+        raise ValueError(f"projected gradient {i} ({float(arr[i])!r}) overflows float32")
     return out.tobytes()
 
 

@@ -26,14 +26,16 @@ The loss may be any scalar function, differentiable or not (accuracy, F1, a step
 Memory. MeZO's point is that a step costs no more memory than inference. Here the parameters
 are never copied as a whole: each perturbation is evaluated functionally inside one compiled
 program (``lax.map`` over the keys), ``θ + εz`` and ``θ − εz`` one after the other (an
-optimization barrier orders them), and each perturbed leaf lives only until the forward pass
-has consumed it. Two XLA settings make the compiler honour this (:func:`compiler_options`):
-the CPU scheduler is switched from "concurrency optimized" (which computes every perturbed
-leaf up front) to "memory optimized", and while-loop invariant code motion is disabled (it
-would hoist the noise index arrays and the widened parameters out of the loop over keys, about
-2.25 times the largest leaf). With them, the peak of a step is the inference peak plus about
-one perturbed copy of the largest leaf. :func:`projected_gradients_fn` compiles with these
-options; a caller that wraps :func:`projected_gradients` in its own ``jax.jit`` should pass
+optimization barrier orders them), and each perturbed leaf lives only until the operation that
+reads it has run. Three XLA settings make the compiler honour this (:func:`compiler_options`):
+while-loop invariant code motion is disabled (it would hoist the widened parameters and the
+noise index arrays, about 2.25 times the largest leaf, out of the loop over keys); on CPU the
+scheduler is "memory optimized" (the default "concurrency optimized" one computes every
+perturbed leaf up front, a whole perturbed copy) and the YNNPACK library fusion is limited to
+individual dots (its default fuses a chain of dense layers into one call that needs every
+perturbed weight at once). With them, the peak of a step is the inference peak plus about one
+perturbed copy of the largest leaf. :func:`projected_gradients_fn` compiles with these options;
+a caller that wraps :func:`projected_gradients` in its own ``jax.jit`` should pass
 ``compiler_options=zo.compiler_options()`` too. The update itself is ``replay(..., donate=True)``,
 in place. ``zeroth bench zo`` measures both against a plain forward pass.
 
@@ -102,11 +104,14 @@ _DISABLED_PASSES = "while-loop-invariant-code-motion"
 def compiler_options(backend: str | None = None) -> dict[str, Any]:
     """XLA options under which a ZO step keeps no perturbed copy of the model.
 
-    ``xla_disable_hlo_passes=while-loop-invariant-code-motion`` (every backend) keeps the widened
-    parameters and the noise index arrays inside the loop over keys instead of hoisting them as
-    whole-model temporaries; on CPU, ``xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED``
-    computes each perturbed leaf just before the forward pass uses it (the default concurrency
-    scheduler computes them all first, a whole perturbed copy).
+    * ``xla_disable_hlo_passes=while-loop-invariant-code-motion`` (every backend): the widened
+      parameters and the noise index arrays stay inside the loop over keys instead of being
+      hoisted out as whole-model temporaries;
+    * CPU: ``xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED`` computes each perturbed
+      leaf just before its use (the default concurrency scheduler computes them all first);
+    * CPU: ``xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT`` keeps one
+      library call per dot (the default can fuse a whole chain of dense layers into one call, whose
+      operands are then every perturbed weight at once).
 
     Args:
       backend: ``"cpu"``, ``"gpu"``, ``"tpu"``...; default ``jax.default_backend()``.
@@ -122,6 +127,7 @@ def compiler_options(backend: str | None = None) -> dict[str, Any]:
     opts: dict[str, Any] = {"xla_disable_hlo_passes": _DISABLED_PASSES}
     if backend == "cpu":
         opts["xla_cpu_scheduler_type"] = "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
+        opts["xla_cpu_experimental_ynn_fusion_type"] = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
     return opts
 
 
@@ -300,7 +306,7 @@ def update_coefficients(grads, lr: float, n_total: int, scaling: str = "sqrt") -
         raise ValueError(f"n_total must be an integer >= max(1, len(grads)) = {max(1, g.size)}, got {n_total!r}")
     bad = np.flatnonzero(~np.isfinite(g))
     if bad.size:
-        raise ValueError(f"projected gradient {int(bad[0])} is {g[bad[0]]!r}; only finite values can be applied")
+        raise ValueError(f"projected gradient {int(bad[0])} is {float(g[bad[0]])!r}; only finite values can be applied")
     denom = float(n_total) if scaling == "linear" else math.sqrt(float(n_total))
     return [_replay.round_coefficient((-lr * float(gi)) / denom) for gi in g]
 
@@ -494,7 +500,7 @@ def mezo_step(
     if bad.size:
         i = int(bad[0])
         raise ValueError(
-            f"projected gradient {i} of iteration {iteration} is {g[i]!r} (mean loss of the pair {float(losses[i])!r}); "
+            f"projected gradient {i} of iteration {iteration} is {float(g[i])!r} (mean loss of the pair {float(losses[i])!r}); "
             f"the loss is not finite at θ ± εz: lower lr (now {lr}) or eps (now {eps})"
         )
     payload = cod.encode(g)
@@ -575,8 +581,9 @@ def zo_optax(optimizer, *, distribution: str = "binomial", scaling: str = "sqrt"
         c = jnp.asarray(grads, jnp.float32) / denom
         est = dense_gradient(params, keys, c, distribution=distribution)
         est = jax.tree_util.tree_map(lambda e, p: e.astype(jnp.asarray(p).dtype), est, params)
-        updates, inner = optimizer.update(est, state.inner, params)
-        return optax.apply_updates(params, updates), ZOOptaxState(inner)
+        with jax.numpy_dtype_promotion("standard"):  # optax's internals mix Python floats and int32 counts
+            updates, inner = optimizer.update(est, state.inner, params)
+            return optax.apply_updates(params, updates), ZOOptaxState(inner)
 
     def update(params, state, keys, grads, n_total):
         if isinstance(n_total, bool) or not isinstance(n_total, (int, np.integer)) or n_total < 1:

@@ -1,21 +1,24 @@
-"""``zeroth bench kernels [--json]``: fused replay against K separate passes, per implementation.
+"""``zeroth bench kernels [--json] [--size N] [--ks 1,16,64] [--sections ...]``: the kernels' speed.
 
-For every implementation available here (``jnp`` always; ``native`` on CPU when it builds;
-``pallas`` natively on GPU/TPU only) and each exact distribution, it times
+**Fused replay** (:mod:`zeroth.kernels.perturb`). For every implementation available here
+(``jnp`` always; ``native`` on CPU when it builds; ``pallas`` natively on GPU/TPU only) and each
+exact distribution, on one float32 leaf of N elements (default 2**24), donated:
 
-* **fused**: one call applying K updates (K = 1, 16, 64 by default), the leaf donated;
-* **K passes**: K calls of one update each (what a replay without the fused kernel costs);
+* **fused K**: one call applying K updates (K = 1, 16, 64 by default);
+* **K passes**: K single-update calls of the same implementation (K x the measured K = 1 call),
+  and of the ``jnp`` reference (what a replay without the fused kernels costs);
 
-and prints elements/s (``n / t`` for the call; ``n*K / t`` as element-updates/s), the speedup of
-fused over K passes, and on an accelerator the fraction of memory bandwidth the fused call
-reaches (bytes read + written / time) against the device's peak from a table of device kinds
-*and* against a measured copy (``x + 1``, donated: the practical peak). Side by side, the
-baselines a perturbation is judged by: the copy (memory floor), ``jax.random.normal`` + add and,
-when torch is installed, ``torch.randn`` + ``add_``.
+as elements/s (``N / t``) and element-updates/s (``N K / t``), the speedups, and on an
+accelerator the fraction of memory bandwidth the call reaches (bytes read + written / time)
+against the device's vendor peak (:data:`PEAK_BANDWIDTH_GBS`, by device kind) and against a
+measured copy (``x + 1``, donated: the practical peak).
 
-The table is a list of sections, each a function ``(Context) -> list[Row]`` in :data:`SECTIONS`;
-other kernels add their own section function there (the sign-bit rows come from
-:mod:`zeroth.kernels.signbits` when it is present).
+**Baselines**, side by side: the copy (memory floor), ``jax.random.normal`` + add and, when
+torch is installed, ``torch.randn`` + ``add_``.
+
+The benchmark is a list of sections (:data:`SECTIONS`), each a function
+``(Context) -> list[dict]`` of rows; a kernel adds its rows by adding a section. The sign-bit
+rows come from ``zeroth.kernels.signbits.bench_rows(ctx)`` when that module provides it.
 
 Example:
   $ zeroth bench kernels --size 4194304 --ks 1,16 --json
@@ -23,23 +26,21 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import functools
 import importlib.util
-import json
-import math
 import sys
-import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Context", "Row", "SECTIONS", "PEAK_BANDWIDTH_GBS", "peak_bandwidth", "main"]
+from zeroth.bench import _common
 
-# Peak HBM bandwidth in GB/s by device kind (vendor figures), for the bandwidth fraction.
+__all__ = ["Context", "SECTIONS", "PEAK_BANDWIDTH_GBS", "peak_bandwidth", "run", "main"]
+
+# Peak memory bandwidth in GB/s by device kind (vendor figures), for the bandwidth fraction.
 PEAK_BANDWIDTH_GBS: dict[str, float] = {
     "H100 SXM": 3350.0,
     "H100 80GB HBM3": 3350.0,
@@ -61,82 +62,98 @@ PEAK_BANDWIDTH_GBS: dict[str, float] = {
     "TPU v6 lite": 1640.0,
     "TPU v6e": 1640.0,
 }
+_COEFF = 1e-3
 
 
 def peak_bandwidth(device_kind: str) -> float | None:
-    """Vendor peak memory bandwidth (GB/s) for a ``device.device_kind``, longest matching name."""
+    """Vendor peak memory bandwidth (GB/s) of a ``device.device_kind``: the longest matching name."""
     matches = [k for k in PEAK_BANDWIDTH_GBS if k.lower() in device_kind.lower()]
     return PEAK_BANDWIDTH_GBS[max(matches, key=len)] if matches else None
 
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-    """What a section needs: array size, update counts, timing repeats and the device."""
+    """What a section needs.
+
+    Attributes:
+      size: elements of the benchmarked leaf.
+      ks: update counts K for the fused replay.
+      repeats: timed calls per row (the best is kept, the median shown).
+      warmup: untimed calls first.
+      backend: ``jax.default_backend()``.
+      device_kind: ``jax.devices()[0].device_kind``.
+    """
 
     size: int
     ks: tuple[int, ...]
     repeats: int
+    warmup: int
     backend: str
     device_kind: str
 
 
-@dataclasses.dataclass
-class Row:
-    """One measured line of the table."""
+def _time_donated(step: Callable, state, ctx: Context, repeats: int | None = None) -> _common.Timing:
+    """Time ``state = step(state)``, the state's buffers donated on every call."""
+    box = [state]
 
-    section: str
-    name: str
-    impl: str
-    distribution: str = ""
-    k: int = 1
-    seconds: float = float("nan")
-    elements_per_s: float = float("nan")  # n / seconds
-    updates_per_s: float = float("nan")  # n * k / seconds
-    speedup: float | None = None  # fused over K single-update passes of the same impl
-    speedup_vs_jnp: float | None = None  # fused over K single-update passes of the jnp reference
-    bandwidth_fraction: float | None = None  # of the vendor peak
-    copy_fraction: float | None = None  # of the measured copy
-    note: str = ""
+    def call():
+        box[0] = jax.block_until_ready(step(box[0]))
+
+    return _common.timeit(call, warmup=ctx.warmup, repeats=ctx.repeats if repeats is None else repeats)
 
 
-# --------------------------------------------------------------------------- timing
+def _leaf(n: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(0).normal(size=n).astype(np.float32))
 
 
-def _best_time(fn: Callable[[Any], Any], x: Any, repeats: int) -> tuple[float, Any]:
-    """Best wall time of ``x = fn(x)`` (chained, so donated buffers are reused), after one warm-up."""
-    x = fn(x)
-    jax.block_until_ready(x)
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x = fn(x)
-        jax.block_until_ready(x)
-        best = min(best, time.perf_counter() - t0)
-    return best, x
+def _row(section: str, name: str, impl: str, n: int, t: _common.Timing | None, **extra) -> dict:
+    row = {"section": section, "name": name, "impl": impl, "elements": n, **extra}
+    k = extra.get("k", 1)
+    if t is not None:
+        row.update(
+            seconds_min=t.min_s,
+            seconds_median=t.median_s,
+            repeats=t.repeats,
+            elements_per_s=n / t.min_s,
+            updates_per_s=n * k / t.min_s,
+        )
+    return row
 
 
-def _leaf(ctx: Context, dtype=jnp.float32) -> jax.Array:
-    return jnp.asarray(np.random.default_rng(0).normal(size=ctx.size).astype(np.float32), dtype)
-
-
-def _updates(dist: str, k: int):
-    from zeroth import replay, rng
-
-    keys = rng.sample_keys(0, [(0, 0, s) for s in range(k)])
-    scales = replay.update_scales(dist, list(np.linspace(-1e-3, 1e-3, k)))
-    return jnp.asarray(keys), jnp.asarray(scales)
-
-
-def _copy_time(ctx: Context) -> float:
-    copy = jax.jit(lambda x: x + jnp.float32(1.0), donate_argnums=0)
-    t, _ = _best_time(copy, _leaf(ctx), ctx.repeats)
-    return t
+def _copy_timing(ctx: Context) -> _common.Timing:
+    step = jax.jit(lambda x: x + jnp.float32(1.0), donate_argnums=0)
+    return _time_donated(step, _leaf(ctx.size), ctx)
 
 
 # --------------------------------------------------------------------------- sections
 
 
-def _available_impls(ctx: Context) -> list[str]:
+def baseline_rows(ctx: Context) -> list[dict]:
+    """The memory floor and the Gaussian perturbations of jax and torch."""
+    n = ctx.size
+    rows = [_row("baseline", "copy x + 1 (memory floor)", "xla", n, _copy_timing(ctx))]
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def normal(x, key):
+        return x + jnp.float32(_COEFF) * jax.random.normal(key, x.shape, jnp.float32)
+
+    key = jax.random.key(0)
+    rows.append(_row("baseline", "jax.random.normal + add", "xla", n, _time_donated(lambda x: normal(x, key), _leaf(n), ctx),
+                     note="backend-dependent"))
+    if importlib.util.find_spec("torch") is None:
+        rows.append(_row("baseline", "torch.randn + add_", "torch", n, None, note="torch not installed"))
+        return rows
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    p = torch.zeros(n, dtype=torch.float32)
+    t = _common.timeit(lambda: p.add_(torch.randn(n, generator=gen, dtype=torch.float32), alpha=_COEFF),
+                       warmup=ctx.warmup, repeats=ctx.repeats)
+    rows.append(_row("baseline", "torch.randn + add_", "torch", n, t, note=f"{torch.get_num_threads()} threads"))
+    return rows
+
+
+def _impls(ctx: Context) -> list[str]:
     from zeroth.kernels import cpu_native
 
     impls = ["jnp"]
@@ -147,112 +164,64 @@ def _available_impls(ctx: Context) -> list[str]:
     return impls
 
 
-def baseline_rows(ctx: Context) -> list[Row]:
-    """The memory floor and the Gaussian perturbations of other frameworks."""
-    n = ctx.size
-    rows = []
-    t_copy = _copy_time(ctx)
-    rows.append(Row("baseline", "copy x + 1 (memory floor)", "xla", seconds=t_copy, elements_per_s=n / t_copy))
-    key = jax.random.key(0)
-    normal = jax.jit(lambda x, k: x + jnp.float32(1e-3) * jax.random.normal(k, x.shape, x.dtype), donate_argnums=0)
-    t, _ = _best_time(lambda x: normal(x, key), _leaf(ctx), ctx.repeats)
-    rows.append(Row("baseline", "jax.random.normal + add", "xla", "gaussian", seconds=t, elements_per_s=n / t))
-    if importlib.util.find_spec("torch") is not None:
-        import torch
-
-        x = torch.zeros(n, dtype=torch.float32)
-        g = torch.Generator().manual_seed(0)
-
-        def step(x):
-            return x.add_(torch.randn(n, generator=g, dtype=torch.float32), alpha=1e-3)
-
-        best = math.inf
-        step(x)
-        for _ in range(ctx.repeats):
-            t0 = time.perf_counter()
-            step(x)
-            best = min(best, time.perf_counter() - t0)
-        rows.append(
-            Row(
-                "baseline",
-                f"torch.randn + add_ ({torch.get_num_threads()} threads)",
-                "torch",
-                "gaussian",
-                seconds=best,
-                elements_per_s=n / best,
-            )
-        )
-    return rows
-
-
-def fused_replay_rows(ctx: Context) -> list[Row]:
+def fused_replay_rows(ctx: Context) -> list[dict]:
     """Fused replay of K updates against K single-update passes, per implementation."""
+    from zeroth import replay, rng
     from zeroth.kernels import perturb as kp
 
     n = ctx.size
-    rows = []
     accel = ctx.backend != "cpu"
     peak = peak_bandwidth(ctx.device_kind) if accel else None
-    t_copy = _copy_time(ctx) if accel else None
-    t_jnp_one: dict[str, float] = {}
-    for impl in _available_impls(ctx):  # "jnp" first: its single pass is every impl's baseline
+    copy_s = _copy_timing(ctx).min_s if accel else None
+    jnp_pass: dict[str, float] = {}
+    rows = []
+    for impl in _impls(ctx):  # "jnp" first: its single pass is every row's second baseline
         for dist in ("binomial", "rademacher"):
-            lid = 0x5EED
 
-            def make(k, impl=impl, dist=dist):
-                keys, scales = _updates(dist, k)
-                lk = kp.leaf_keys(keys, lid)
+            def timing(k, impl=impl, dist=dist, repeats=None):
+                keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
+                lk = kp.leaf_keys(keys, 0x5EED)
+                scales = jnp.asarray(replay.update_scales(dist, [_COEFF * (1 + s % 3) for s in range(k)]))
                 fn = jax.jit(
-                    lambda x, lk, s: kp.perturb_leaf(x, lk, s, distribution=dist, impl=impl, inplace=True),
+                    lambda x: kp.perturb_leaf(x, lk, scales, distribution=dist, impl=impl, inplace=True),
                     donate_argnums=0,
                 )
-                return fn, lk, scales
+                return _time_donated(fn, _leaf(n), ctx, repeats)
 
-            one, lk1, s1 = make(1)
-            t_one, _ = _best_time(lambda x: one(x, lk1, s1), _leaf(ctx), ctx.repeats)
-            t_jnp_one.setdefault(dist, t_one)
+            one = timing(1)
+            jnp_pass.setdefault(dist, one.min_s)
             for k in ctx.ks:
-                if k == 1:
-                    t_fused = t_one
-                else:
-                    fused, lk, s = make(k)
-                    t_fused, _ = _best_time(lambda x: fused(x, lk, s), _leaf(ctx), max(1, ctx.repeats // 2))
-                t_passes = k * t_one
-                bytes_moved = 2 * n * 4
+                t = one if k == 1 else timing(k, repeats=max(1, ctx.repeats // 2) if k >= 32 else None)
                 rows.append(
-                    Row(
+                    _row(
                         "fused replay",
-                        f"fused K={k}",
+                        f"{dist} fused K={k}",
                         impl,
-                        dist,
-                        k,
-                        seconds=t_fused,
-                        elements_per_s=n / t_fused,
-                        updates_per_s=n * k / t_fused,
-                        speedup=t_passes / t_fused,
-                        speedup_vs_jnp=k * t_jnp_one[dist] / t_fused,
-                        bandwidth_fraction=(bytes_moved / t_fused / 1e9 / peak) if peak else None,
-                        copy_fraction=(t_copy / t_fused) if t_copy else None,
-                        note=f"vs {k} passes of {t_one * 1e3:.2f} ms",
+                        n,
+                        t,
+                        distribution=dist,
+                        k=k,
+                        speedup_vs_passes=k * one.min_s / t.min_s,
+                        speedup_vs_jnp_passes=k * jnp_pass[dist] / t.min_s,
+                        bandwidth_fraction=(2 * 4 * n / t.min_s / 1e9 / peak) if peak else None,
+                        copy_fraction=(copy_s / t.min_s) if copy_s else None,
                     )
                 )
     return rows
 
 
-def signbits_rows(ctx: Context) -> list[Row]:
-    """Sign-bit pack / unpack / merge rows, when :mod:`zeroth.kernels.signbits` provides them."""
+def signbits_rows(ctx: Context) -> list[dict]:
+    """Sign-bit pack / unpack / merge rows from ``zeroth.kernels.signbits.bench_rows`` if present."""
     if importlib.util.find_spec("zeroth.kernels.signbits") is None:
         return []
     from zeroth.kernels import signbits
 
     producer = getattr(signbits, "bench_rows", None)
-    if producer is None:
-        return []
-    return [Row(**r) if isinstance(r, dict) else r for r in producer(ctx)]
+    return [] if producer is None else list(producer(ctx))
 
 
-# Each section: (name, function). Add a kernel's rows by appending here.
-SECTIONS: list[tuple[str, Callable[[Context], list[Row]]]] = [
+# Each section: (name, function). Add a kernel's rows by adding a section here.
+SECTIONS: list[tuple[str, Callable[[Context], list[dict]]]] = [
     ("baseline", baseline_rows),
     ("fused", fused_replay_rows),
     ("signbits", signbits_rows),
@@ -262,94 +231,113 @@ SECTIONS: list[tuple[str, Callable[[Context], list[Row]]]] = [
 # --------------------------------------------------------------------------- output
 
 
-def _fmt(v: float | None, spec: str) -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-
-
-def _table(rows: list[Row]) -> str:
-    head = f"{'section':<13} {'name':<36} {'impl':<7} {'dist':<10} {'ms':>9} {'M elem/s':>9} {'M upd/s':>9} {'speedup':>8} {'vs jnp':>8} {'BW':>6} {'copy':>6}  note"
-    lines = [head, "-" * len(head)]
+def _ratios(rows: list[dict]) -> dict:
+    rate = {r["name"]: r.get("elements_per_s") for r in rows if r["section"] == "baseline"}
+    out = {}
     for r in rows:
-        lines.append(
-            f"{r.section:<13} {r.name:<36} {r.impl:<7} {r.distribution:<10} {_fmt(r.seconds * 1e3, '9.2f')} "
-            f"{_fmt(r.elements_per_s / 1e6, '9.1f')} {_fmt(r.updates_per_s / 1e6, '9.1f')} "
-            f"{_fmt(r.speedup, '7.2f') + ('x' if r.speedup is not None else ''):>8} "
-            f"{_fmt(r.speedup_vs_jnp, '7.2f') + ('x' if r.speedup_vs_jnp is not None else ''):>8} "
-            f"{_fmt(None if r.bandwidth_fraction is None else 100 * r.bandwidth_fraction, '5.1f'):>6} "
-            f"{_fmt(None if r.copy_fraction is None else 100 * r.copy_fraction, '5.1f'):>6}  {r.note}"
-        )
-    return "\n".join(lines)
-
-
-def _ratios(rows: list[Row]) -> list[str]:
-    base = {r.name.split(" (")[0]: r.elements_per_s for r in rows if r.section == "baseline"}
-    out = []
-    for r in rows:
-        if r.section == "fused replay" and r.k == 1:
-            parts = [f"{r.impl} {r.distribution} perturb: {r.elements_per_s / 1e6:.0f} M elem/s"]
-            for name, label in (
-                ("torch.randn + add_", "torch"),
-                ("jax.random.normal + add", "jax normal"),
-                ("copy x + 1", "copy"),
-            ):
-                if name in base:
-                    parts.append(f"{r.elements_per_s / base[name]:.2f}x {label}")
-            out.append(", ".join(parts))
+        if r["section"] != "fused replay" or r.get("elements_per_s") is None:
+            continue
+        key = f"{r['impl']}_{r['distribution']}"
+        if r["k"] == 1:
+            for base, label in (("torch.randn + add_", "torch"), ("jax.random.normal + add", "jax_normal"),
+                                ("copy x + 1 (memory floor)", "copy")):
+                if rate.get(base):
+                    out[f"{key}_perturb_over_{label}"] = r["elements_per_s"] / rate[base]
+        else:
+            out[f"{key}_K{r['k']}_over_{r['k']}_passes"] = r["speedup_vs_passes"]
+            out[f"{key}_K{r['k']}_over_{r['k']}_jnp_passes"] = r["speedup_vs_jnp_passes"]
     return out
 
 
-def _json_row(r: Row) -> dict:
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in dataclasses.asdict(r).items()}
-
-
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="zeroth bench kernels", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    ap.add_argument("--size", type=int, default=1 << 24, help="elements of the float32 leaf (default 2**24)")
-    ap.add_argument("--ks", default="1,16,64", help="comma-separated update counts (default 1,16,64)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed repetitions, best kept (default 5)")
-    ap.add_argument(
-        "--sections", default=",".join(name for name, _ in SECTIONS), help="comma-separated sections to run"
-    )
-    args = ap.parse_args(argv)
-    try:
-        ks = tuple(int(k) for k in args.ks.split(","))
-    except ValueError:
-        ap.error(f"--ks must be comma-separated integers, got {args.ks!r}")
-    if args.size < 1 or args.repeats < 1 or any(k < 1 for k in ks):
-        ap.error(f"--size, --repeats and every K must be >= 1 (got {args.size}, {args.repeats}, {ks})")
-    known = {name for name, _ in SECTIONS}
-    wanted = [s for s in args.sections.split(",") if s]
-    if unknown := [s for s in wanted if s not in known]:
-        ap.error(f"unknown section(s) {unknown}; expected some of {sorted(known)}")
+def run(size: int = 2**24, *, ks: tuple[int, ...] = (1, 16, 64), repeats: int = 5, warmup: int = 1,
+        sections: tuple[str, ...] | None = None) -> dict:
+    """Run the named sections (all by default); returns ``{"environment", "rows", "ratios", ...}``."""
+    known = [name for name, _ in SECTIONS]
+    sections = tuple(known) if sections is None else sections
+    if unknown := [s for s in sections if s not in known]:
+        raise ValueError(f"unknown section(s) {unknown}; expected some of {known}")
+    if size < 1 or any(k < 1 for k in ks):
+        raise ValueError(f"size and every K must be >= 1, got size={size}, ks={ks}")
     dev = jax.devices()[0]
-    ctx = Context(args.size, ks, args.repeats, jax.default_backend(), dev.device_kind)
-    rows: list[Row] = []
-    for name, fn in SECTIONS:
-        if name in wanted:
-            rows.extend(fn(ctx))
-    info = {
+    ctx = Context(size, tuple(ks), repeats, warmup, jax.default_backend(), dev.device_kind)
+    rows = [row for name, fn in SECTIONS if name in sections for row in fn(ctx)]
+    return {
         "benchmark": "kernels",
-        "backend": ctx.backend,
+        "size": size,
+        "dtype": "float32",
         "device_kind": ctx.device_kind,
-        "size": ctx.size,
-        "ks": list(ctx.ks),
-        "jax": jax.__version__,
         "peak_bandwidth_gbs": peak_bandwidth(ctx.device_kind),
+        "environment": _common.environment(),
+        "rows": rows,
+        "ratios": _ratios(rows),
     }
-    if args.json:
-        print(json.dumps({**info, "rows": [_json_row(r) for r in rows]}, indent=2, allow_nan=False))
-    else:
-        print(f"zeroth bench kernels: {ctx.backend} ({ctx.device_kind}), n = {ctx.size} float32, jax {jax.__version__}")
-        print(_table(rows))
-        for line in _ratios(rows):
-            print(line)
-        print(
-            "speedup: fused call vs K single-update passes (K x one measured pass) of the same impl; vs jnp: of the "
-            "jnp reference; BW: % of the vendor peak bandwidth; copy: % of a measured x + 1 (practical peak)"
-        )
+
+
+def _pct(v: float | None) -> str | None:
+    return None if v is None else f"{100 * v:.1f}%"
+
+
+def _x(v: float | None) -> str | None:
+    return None if v is None else f"{v:.2f}x"
+
+
+def _render(result: dict) -> None:
+    env = result["environment"]
+    table = [
+        {
+            **r,
+            "dist": r.get("distribution"),
+            "best": _common.fmt_seconds(r.get("seconds_min")),
+            "median": _common.fmt_seconds(r.get("seconds_median")),
+            "rate": _common.fmt_rate(r.get("elements_per_s")),
+            "urate": _common.fmt_rate(r.get("updates_per_s"), "upd/s") if r.get("k", 1) > 1 else None,
+            "sp": _x(r.get("speedup_vs_passes")),
+            "spj": _x(r.get("speedup_vs_jnp_passes")),
+            "bw": _pct(r.get("bandwidth_fraction")),
+            "copy": _pct(r.get("copy_fraction")),
+        }
+        for r in result["rows"]
+    ]
+    _common.print_table(
+        [("name", "row"), ("impl", "impl"), ("best", "best"), ("median", "median"), ("rate", "elements/s"),
+         ("urate", "element-updates/s"), ("sp", "vs K passes"), ("spj", "vs K jnp passes"), ("bw", "BW peak"),
+         ("copy", "of copy"), ("note", "note")],
+        table,
+        title=f"zeroth bench kernels: N = {result['size']:,} float32, donated ({env['processor']}, {env['cpu_count']} CPUs, "
+              f"jax {env['jax']} {env['backend']}, {result['device_kind']})",
+    )
+    print("vs K passes: K single-update calls of the same impl (K x the K=1 call); vs K jnp passes: of the jnp "
+          "reference; BW peak: bytes read+written / time over the vendor peak; of copy: over a measured x + 1")
+    print()
+    for name, value in result["ratios"].items():
+        print(f"  {name:<48} {value:8.3g}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``zeroth bench kernels``: returns 0 (the numbers are printed, never judged), 2 on bad flags."""
+    p = _common.base_parser("zeroth bench kernels", "Fused replay vs K passes per implementation, next to baselines.")
+    p.add_argument("--size", type=int, default=2**24, help="elements of the float32 leaf (default 2**24)")
+    p.add_argument("--ks", default="1,16,64", help="comma-separated update counts K (default 1,16,64)")
+    p.add_argument("--sections", default=",".join(name for name, _ in SECTIONS),
+                   help=f"comma-separated sections (default all: {', '.join(name for name, _ in SECTIONS)})")
+    known = [name for name, _ in SECTIONS]
+    try:
+        args = p.parse_args(sys.argv[1:] if argv is None else argv)
+        ks = tuple(int(k) for k in args.ks.split(","))
+        sections = tuple(s for s in args.sections.split(",") if s)
+        if args.size < 1 or any(k < 1 for k in ks):
+            raise ValueError(f"--size and every K of --ks must be >= 1, got {args.size} and {args.ks!r}")
+        if unknown := [s for s in sections if s not in known]:
+            raise ValueError(f"unknown section(s) {unknown}; expected some of {known}")
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except ValueError as exc:
+        print(f"zeroth bench kernels: {exc}", file=sys.stderr)
+        return 2
+    result = run(args.size, ks=ks, repeats=args.repeats, warmup=args.warmup, sections=sections)
+    _common.emit(result, as_json=args.json, render=_render)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

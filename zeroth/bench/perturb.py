@@ -232,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-kernels", action="store_true", help="leave out the zeroth.kernels fused rows")
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)
-        ks = tuple(int(k) for k in args.ks.split(","))
-        if any(k < 1 for k in ks):
-            raise ValueError(f"--ks must be positive integers, got {args.ks!r}")
+        ks = tuple(int(k) for k in args.ks.split(",") if k.strip().isdigit() and int(k) >= 1)
+        if len(ks) != len(args.ks.split(",")):
+            raise ValueError(f"--ks must be comma-separated positive integers, got {args.ks!r}")
         if args.size < 1:
             raise ValueError(f"--size must be a positive number of elements, got {args.size}")
     except SystemExit as exc:

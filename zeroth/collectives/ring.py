@@ -269,9 +269,9 @@ def all_gather_workers(msg: Any, topology) -> Any:
     out = msg
     for axis, n in topology.stages:
         out = ring_all_gather(out, axis=axis, n=n)
-    # Gathering stage 0 first then stage 1 nests as (n_1, n_0, ...): reverse stage order = mesh order.
+    # Gathering stage 0 first, then stage 1, nests as (n_1, n_0, ...): the stages reversed, which for
+    # Ring and Torus is the mesh's axis order, so the flattened index is the row-major worker index.
     lead = len(topology.stages)
-    order = [topology.stages[::-1][j][0] for j in range(lead)]
-    if tuple(order) != tuple(topology.axes):
-        raise AssertionError(f"stage axes {order} are not the mesh axes {topology.axes} reversed")
+    if tuple(a for a, _ in reversed(topology.stages)) != tuple(topology.axes):
+        raise ValueError(f"topology {topology}: its stages reversed must be its mesh axes {topology.axes}")
     return jax.tree_util.tree_map(lambda a: a.reshape((topology.size,) + a.shape[lead:]), out)

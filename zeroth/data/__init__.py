@@ -323,11 +323,10 @@ def cli_main(argv: list[str]) -> int:
     headers = ("name", "size", "status", "install", "description")
     table = [[str(r[h]) if r[h] is not None else "?" for h in headers] for r in rows]
     widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(headers)]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
-    print(line)
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip())
     print("  ".join("-" * w for w in widths))
     for row in table:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     return 0
 
 

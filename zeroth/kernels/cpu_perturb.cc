@@ -27,6 +27,7 @@
 // are split across XLA's CPU thread pool when the work is large enough.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -342,6 +343,9 @@ struct Job {
   std::vector<LeafKey> keys;
   std::vector<float> scales;
   int32_t distribution;
+  mutable std::atomic<int64_t> next_tile{0};  // shared by the threads: chunks claimed in order
+  int64_t end_tile = 0;
+  int64_t chunk = 1;
 };
 
 // Process tiles [t0, t1) (tile t covers global [kTile*t, kTile*(t+1)) clipped to the buffer).
@@ -441,16 +445,26 @@ ffi::Future Perturb(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32
     done.SetAvailable();
     return future;
   }
+  // Threads claim chunks of tiles from a shared counter until none is left, so a thread that
+  // starts late (a busy pool) takes less work instead of delaying the whole call.
+  job->next_tile.store(t_begin);
+  job->end_tile = t_end;
+  job->chunk = std::max<int64_t>(1, n_tiles / (8 * n_parts));
+  auto work_loop = [](const Job& j, TileFn f) {
+    for (;;) {
+      const int64_t a = j.next_tile.fetch_add(j.chunk, std::memory_order_relaxed);
+      if (a >= j.end_tile) return;
+      f(j, a, std::min(a + j.chunk, j.end_tile));
+    }
+  };
   ffi::CountDownPromise count(done, n_parts);
   for (int64_t part = 1; part < n_parts; ++part) {
-    const int64_t a = t_begin + n_tiles * part / n_parts;
-    const int64_t b = t_begin + n_tiles * (part + 1) / n_parts;
-    pool.Schedule([job, fn, a, b, count]() mutable {
-      fn(*job, a, b);
+    pool.Schedule([job, fn, count, work_loop]() mutable {
+      work_loop(*job, fn);
       count.CountDown();
     });
   }
-  fn(*job, t_begin, t_begin + n_tiles / n_parts);
+  work_loop(*job, fn);
   count.CountDown();
   return future;
 }

@@ -496,7 +496,9 @@ def fused_apply_updates(
     """Host entry: apply K updates with already-rounded scales to a pytree, fused and jitted.
 
     Same semantics and bits as :func:`zeroth.replay.apply_updates`; each leaf is read and written
-    once for all K updates (native and Pallas paths).
+    once for all K updates (native and Pallas paths). With ``impl="auto"``, parameters split
+    across several devices go through the ``jnp`` path, which XLA partitions shard by shard (the
+    fused kernels see whole leaves: under ``jit`` a custom call on a sharded leaf would gather it).
 
     Args:
       params: pytree of f32 / bf16 / f16 arrays.
@@ -523,6 +525,17 @@ def fused_apply_updates(
             f"scales must be float32 with one per key ({keys_np.shape[0]}), from zeroth.replay.update_scales; "
             f"got dtype {scales_np.dtype} shape {scales_np.shape}"
         )
+    if impl == "auto" and _is_sharded(params):
+        impl = "jnp"  # XLA partitions the elementwise reference; a custom call would gather the leaf
     impl = resolve_impl(impl)
     fn = _fused_donated if donate else _fused_copy
     return fn(params, keys_np, scales_np.reshape(-1), distribution, impl)
+
+
+def _is_sharded(params: Any) -> bool:
+    """Whether some leaf is split across several devices (not merely replicated)."""
+    for leaf in jax.tree_util.tree_leaves(params):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and len(sharding.device_set) > 1 and not sharding.is_fully_replicated:
+            return True
+    return False

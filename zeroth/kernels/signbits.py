@@ -82,6 +82,7 @@ __all__ = [
     "count_geq",
     "majority",
     "majority_ref",
+    "bench_rows",
 ]
 
 WORD_BITS = 32
@@ -393,13 +394,12 @@ def _unpack_kernel(w_ref, s_ref, o_ref, *, dtype):
 
 def _merge_kernel(v_ref, vs_ref, key_ref, o_ref, *, m: int, rows: int, word_offset: int):
     word0 = pl.program_id(0) * rows + word_offset
-    key = key_ref[...]
+    key = (key_ref[0], key_ref[1])  # two scalar loads
     o_ref[...] = _merge_block(v_ref[...], vs_ref[...], key, word0, m)
 
 
 def _majority_kernel(w_ref, o_ref, *, k: int):
-    w = w_ref[...]
-    o_ref[...] = _majority_block([w[i] for i in range(k)])
+    o_ref[...] = _majority_block([w_ref[i, :] for i in range(k)])
 
 
 def _tiles(nw: int, blocks: Blocks) -> tuple[int, int]:
@@ -578,3 +578,10 @@ def majority(words, *, impl: str = "auto", blocks: Blocks = DEFAULT_BLOCKS, inte
     if resolve_impl(impl) == "jnp" or words.shape[1] == 0:
         return majority_ref(words)
     return _majority_pallas(words, blocks, interpret)
+
+
+def bench_rows(ctx=None) -> list[dict]:
+    """Throughput rows for ``zeroth bench kernels`` (see :func:`zeroth.bench.signbits.signbits_rows`)."""
+    from zeroth.bench.signbits import signbits_rows
+
+    return signbits_rows(ctx)

@@ -2,8 +2,8 @@
 
 :func:`run_config` writes the config to ``OUT/config.yaml``, starts ``peers.count`` processes
 of ``python -m zeroth peer`` on ``peers.host`` (the first founds the run, the others join it
-before iteration 0), shows progress, plays the demo events (``peers.join_at``: a new peer joins
-when the run reaches that iteration; ``peers.kill_at``: a running peer, the newest founder
+before iteration 0), shows progress, plays the demo events (``peers.join_at``: a new peer, started
+with the others, joins when the run reaches that iteration; ``peers.kill_at``: a running peer, the newest founder
 other than machine 0, is killed with SIGKILL), and when every peer has exited prints the
 summary and writes ``OUT/summary.json``: the accuracy, iterations, projected gradients,
 payload and wire bytes, checksum comparisons and mismatches, whether every peer ended with
@@ -99,8 +99,12 @@ def start_peer(
     founders: int | None = None,
     extra_args: tuple[str, ...] = (),
     env: dict | None = None,
+    founder: bool | None = None,
 ) -> PeerProcess:
-    """Start ``python -m zeroth peer`` (its stdout and stderr go to ``OUT.log``)."""
+    """Start ``python -m zeroth peer`` (its stdout and stderr go to ``OUT.log``).
+
+    ``founder`` marks a peer started with the run (default: it founds the run or gets ``founders``).
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "zeroth", "peer", "--config", str(config), "--listen", listen, "--out", str(out)]
@@ -112,7 +116,9 @@ def start_peer(
     log = out.with_suffix(".log")
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env if env is not None else peer_env())
-    return PeerProcess(index, listen, out, log, proc, join is None or founders is not None, time.monotonic())
+    if founder is None:
+        founder = join is None or founders is not None
+    return PeerProcess(index, listen, out, log, proc, founder, time.monotonic())
 
 
 def time_limit(cfg: Config) -> float:
@@ -252,9 +258,20 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
                     join=None if i == 0 else addresses[0],
                     founders=p.count if i == 0 else None,
                     extra_args=tuple(extra),
+                    founder=True,
                 )
             )
-        join_at, kill_at = sorted(p.join_at), sorted(p.kill_at)
+        # Joiners start at once (start-up and compilation take a while) and join at their iteration.
+        for k in sorted(p.join_at):
+            i = len(peers)
+            peers.append(
+                start_peer(
+                    config_path, out / "peers" / f"p{i}", addresses[i], index=i, join=addresses[0],
+                    extra_args=(*extra, "--join-at", str(k)), founder=False,
+                )
+            )
+            events.append({"event": "join", "peer": i, "at_iteration": k})
+        kill_at = sorted(p.kill_at)
         offsets: dict[int, int] = {}
         latest: dict[int, dict] = {}
         accuracy = None
@@ -274,13 +291,6 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
                         accuracy = r["eval_accuracy"]
             live = [latest[q.index] for q in peers if q.alive() and q.index in latest]
             current = max((r["step"] for r in live), default=0)
-            while join_at and current >= join_at[0]:
-                join_at.pop(0)
-                i = len(peers)
-                sponsor = next(q.address for q in peers if q.alive())
-                peers.append(start_peer(config_path, out / "peers" / f"p{i}", addresses[i], index=i, join=sponsor, extra_args=tuple(extra)))
-                events.append({"event": "join", "peer": i, "at_iteration": current, "time": time.monotonic() - t0})
-                say(f"iteration {current}: peer p{i} starts and joins through {sponsor}")
             while kill_at and current >= kill_at[0]:
                 kill_at.pop(0)
                 victims = [q for q in peers if q.alive() and q.index != 0 and q.founder] or [

@@ -1,7 +1,7 @@
 """``zeroth peer``: run one Just One Byte peer (one per machine, or several on one machine).
 
   zeroth peer --config CONFIG --listen HOST:PORT [--join HOST:PORT ...] --out DIR
-              [--set SECTION.FIELD=VALUE ...] [--founders N] [--advertise HOST:PORT]
+              [--set SECTION.FIELD=VALUE ...] [--founders N] [--advertise HOST:PORT] [--join-at K]
               [--token-file FILE] [--tls-cert PEM --tls-key PEM --tls-ca PEM]
 
 Without ``--join`` the peer founds the run (machine 0) and waits for ``--founders`` peers
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", default=None, help="this peer's private key (PEM)")
     p.add_argument("--tls-ca", default=None, help="CA certificates that signed the peers' certificates (PEM)")
     p.add_argument("--no-rejoin", action="store_true", help="exit instead of rejoining after being dropped")
+    p.add_argument("--join-at", type=int, default=None, help="with --join: start now, join once the run reaches this iteration")
     p.add_argument("--leave-at", type=int, default=None, help="leave the run after applying this iteration")
     p.add_argument("--linger", type=float, default=2.0, help="seconds to keep serving after finishing")
     p.add_argument("--snapshot-every", type=int, default=10, help="keep a parameter snapshot every N iterations (for joiners)")
@@ -95,6 +96,7 @@ def main(argv: list[str]) -> int:
         rejoin=not args.no_rejoin,
         linger_s=args.linger,
         snapshot_every=args.snapshot_every,
+        join_at=args.join_at,
         leave_at=args.leave_at,
         log=not args.quiet,
         progress_every=args.progress_every,

@@ -18,8 +18,11 @@ One iteration ``t`` with view ``V_t`` (members, each active or catching up):
    every active member has pushed or the barrier deadline passes, then decides the iteration
    (:class:`Commit`): the contributors in machine-id order with their counts, the SHA-256 of
    their payloads, and the view of ``t + 1``: contributors stay active; an active member that
-   missed the barrier is dropped (it must rejoin with a new id); a joiner that showed it has
-   caught up becomes active; pending joiners are admitted with fresh ids (never reused);
+   missed the barrier is dropped from the iteration and becomes inactive (no longer waited
+   for; it keeps applying decisions and rejoins the active set by pushing again, which is how a
+   joiner that caught up becomes active too); a member that cannot be reached
+   (:data:`UNREACHABLE_AFTER` failed deliveries) is removed from the view and must rejoin with a
+   new id; pending joiners are admitted with fresh ids (never reused);
 3. every member applies the decided updates in canonical order (machine id, sample index).
 
 Agreement. The update set of ``t`` is whatever the committer decides, so every member replays
@@ -64,6 +67,7 @@ __all__ = [
     "MAX_MEMBERS",
     "MAX_ADDRESS",
     "MAX_RUN_ID",
+    "UNREACHABLE_AFTER",
     "Rejected",
     "Params",
     "Member",
@@ -126,6 +130,7 @@ PHASES = (FORMING, CATCHING_UP, MEMBER, DROPPED, DONE, LEFT)
 MAX_MEMBERS = 4096  # members of one view
 MAX_ADDRESS = 255  # characters of a host:port address
 MAX_RUN_ID = 128
+UNREACHABLE_AFTER = 3  # failed commit deliveries after which a non-contributing member is removed
 _NO_BALLOT = (-1, -1)
 
 
@@ -700,9 +705,9 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
     return st
 
 
-def _fetch(params: Params, st: PeerState, now: float, effects: list, first: int, last: int) -> PeerState:
-    """Ask a member for decided iterations: the commit's sender first, then the others in turn."""
-    order = []
+def _fetch(params: Params, st: PeerState, now: float, effects: list, first: int, last: int, prefer: int | None = None) -> PeerState:
+    """Ask a member for decided iterations: ``prefer``, the commit's sender, then the others in turn."""
+    order = [] if prefer is None else [prefer]
     entry = st.decided.get(first)
     if entry is not None:
         order.append(entry.commit.sender)
@@ -717,13 +722,16 @@ def _fetch(params: Params, st: PeerState, now: float, effects: list, first: int,
             sources.append(address)
     if not sources:
         return st
-    address = sources[st.fetches % len(sources)]
+    preferred = st.view.address_of(prefer) if prefer is not None else None
+    address = preferred if preferred in sources else sources[st.fetches % len(sources)]
     effects.append(Fetch(address, first, last))
     return st._replace(fetch=FetchState(first, last, now + params.barrier_timeout_s, st.fetches), fetches=st.fetches + 1)
 
 
 def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
-    """The committer's barrier: decide ``st.it`` when every expected push is in, or at the deadline with a majority."""
+    """The committer's barrier: decide ``st.it`` once our own push is in and every expected push is,
+    or at the deadline if a majority of the active members answered (else keep waiting: a
+    minority never decides, so a partitioned run cannot split)."""
     if st.phase != MEMBER or st.it in st.decided or committer(st) != st.me or st.recovery is not None:
         return st
     b = st.promised.get(st.it)
@@ -733,18 +741,11 @@ def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> Pee
     active = view.active_ids()
     expected = active - st.leaves
     have = frozenset(m for (t, m) in st.inbox if t == st.it and m in view.ids())
+    if st.me not in have and st.me not in st.leaves:
+        return st  # our own projected gradients are still being computed
     if not expected <= have:
-        if now < st.deadline:
+        if now < st.deadline or not _majority(have | st.leaves, active):
             return st
-        responders = have | st.leaves | {st.me}
-        if not _majority(responders, active):
-            effects.append(
-                Dropped(
-                    f"iteration {st.it}: only {sorted(responders & active)} of the active {sorted(active)} "
-                    f"answered by the barrier deadline; no majority"
-                )
-            )
-            return st._replace(phase=DROPPED)
     ballot = Ballot(0, st.me)
     entry, admitted = _decide(params, st, ballot, have, have | st.ready | {st.me})
     return _publish(params, st, now, effects, entry, admitted)
@@ -771,10 +772,10 @@ def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive) 
     for m in view.members:
         if m.machine in st.leaves or m.address in joiner_addresses:
             continue
-        if m.active and m.machine not in next_active:
-            continue  # missed the barrier: dropped
-        if not m.active and st.failures.get(m.machine, 0) >= 3 and m.machine not in next_active:
-            continue  # a catching-up member we cannot reach
+        if st.failures.get(m.machine, 0) >= UNREACHABLE_AFTER and m.machine not in next_active:
+            continue  # unreachable: removed (it must rejoin with a new id)
+        # An active member that missed the barrier is out of this iteration and inactive from the
+        # next: it is no longer waited for, and becomes active again by pushing again.
         members.append(Member(m.machine, m.address, m.machine in next_active))
     members += [m for _, m in admitted]
     next_view = View(st.it + 1, tuple(sorted(members)), next_id)
@@ -1084,7 +1085,7 @@ def on_commit_acked(params: Params, st: PeerState, *, iteration: int, machine: i
 
 
 def on_commit_failed(params: Params, st: PeerState, *, iteration: int, machine: int, message: str, now: float) -> Step:
-    """Our decision could not be delivered to ``machine`` (counted; a catching-up member is dropped after 3)."""
+    """Our decision could not be delivered to ``machine`` (counted; after :data:`UNREACHABLE_AFTER` it is removed)."""
     st = st._replace(failures=_put(st.failures, machine, st.failures.get(machine, 0) + 1))
     return Step(st, (Note(f"commit of iteration {iteration} to machine {machine} failed: {message}"),))
 
@@ -1139,12 +1140,16 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
             "FAILED_PRECONDITION", f"ballot {tuple(msg.ballot)} for iteration {t} is below the promised {tuple(promised)}"
         )
     st = st._replace(promised=_put(st.promised, t, msg.ballot))
+    effects: list = []
+    if t > st.it and st.phase == MEMBER and st.fetch is None:
+        # The candidate is ahead: fetch the decisions we missed from it.
+        st = _fetch(params, st, now, effects, st.it, t - 1, prefer=msg.sender)
     if t == st.it:
         st = st._replace(deadline=now + 2 * params.barrier_timeout_s, suspected=st.suspected - {msg.sender})
         if st.recovery is not None and st.recovery.ballot < msg.ballot:
             st = st._replace(recovery=None)
     pushes = tuple(p for (it, _), p in sorted(st.inbox.items()) if it == t)
-    return Step(st, (), PrepareReply(st.it, st.decided.get(t), pushes))
+    return Step(st, tuple(effects), PrepareReply(st.it, st.decided.get(t), pushes))
 
 
 def on_prepare_reply(params: Params, st: PeerState, *, sender: int, reply: PrepareReply | None, now: float) -> Step:
@@ -1179,9 +1184,12 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
         if now < rec.deadline:
             return st
         effects.append(
-            Dropped(f"iteration {st.it}: takeover got promises from {sorted(responders & active)} of {sorted(active)}; no majority")
+            Note(
+                f"iteration {st.it}: takeover got promises from {sorted(responders & active)} of {sorted(active)}; "
+                f"no majority, waiting"
+            )
         )
-        return st._replace(phase=DROPPED, recovery=None)
+        return st._replace(recovery=None, deadline=now + 2 * params.barrier_timeout_s)
     # Pushes the responders hold (validated) complete our inbox.
     inbox = dict(st.inbox)
     replies = [r for r in rec.replies.values() if r is not None]
@@ -1211,7 +1219,10 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
         st = st._replace(joins=())
         return _publish(params, st, now, effects, entry, admitted)
     have = frozenset(m for (t, m) in st.inbox if t == st.it and m in st.view.ids())
-    entry, admitted = _decide(params, st._replace(joins=()), rec.ballot, have, responders)
+    # Members that promised are alive: they stay active even if their push for this iteration
+    # was not in yet (they may have been waiting for the silent leader's previous commit).
+    alive = responders & active
+    entry, admitted = _decide(params, st._replace(joins=(), ready=st.ready | alive), rec.ballot, have, responders)
     effects.append(Note(f"iteration {st.it}: takeover decides contributors {[m for m, _ in entry.commit.contributors]}"))
     return _publish(params, st._replace(joins=()), now, effects, entry, admitted)
 

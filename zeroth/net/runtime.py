@@ -138,6 +138,8 @@ class NodeOptions:
       chunk_bytes: bytes per streamed snapshot chunk.
       forming_timeout_s: the founder starts with whoever joined after this long.
       join_timeout_s: give up joining after this long.
+      join_at: with ``join``: start up (and compile) at once, but join only once the run has
+        reached this iteration (a peer of ``join`` reports it through ``Status``).
       leave_at: leave the run on purpose after applying this iteration (None: never).
       tick_s: timer period.
       log: print protocol notes and progress to stderr.
@@ -158,6 +160,7 @@ class NodeOptions:
     chunk_bytes: int = 256 * 1024
     forming_timeout_s: float = 120.0
     join_timeout_s: float = 120.0
+    join_at: int | None = None
     leave_at: int | None = None
     tick_s: float = 0.02
     log: bool = True
@@ -526,7 +529,7 @@ class Node:
 
     def _load(self, params, iteration: int, view: P.View | None) -> None:
         """Install parameters that are the state at the start of ``iteration``."""
-        self._params = jax.tree_util.tree_map(jnp.asarray, params)
+        self._params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)
         self._applied = iteration
         digest = _replay.checksum(self._params)
         with self._data_lock:
@@ -551,6 +554,8 @@ class Node:
         deadline = time.monotonic() + self.options.join_timeout_s
         p = self.cfg.peers
         timeout = self.options.forming_timeout_s + p.iteration_timeout_s + 4 * p.barrier_timeout_s
+        if self.options.join_at is not None and not self._st:
+            self._wait_for_iteration(addresses, self.options.join_at)
         answer = sponsor = None
         while answer is None:
             if time.monotonic() > deadline or self._stop.is_set():
@@ -584,6 +589,22 @@ class Node:
         self._say(f"joined run {answer.run_id} as machine {answer.machine_id} from iteration {view.iteration} via {sponsor}")
         iteration, ready_view = self._catch_up(sponsor, view)
         self._step(P.on_ready, iteration=iteration, view=ready_view)
+
+    def _wait_for_iteration(self, addresses: list[str], iteration: int) -> None:
+        """Poll the peers' ``Status`` until one reports ``iteration`` (or finished, or the join timeout)."""
+        deadline = time.monotonic() + self.options.join_timeout_s + self.options.forming_timeout_s
+        while not self._stop.is_set():
+            for address in addresses:
+                try:
+                    st = self._rpc(address, "Status", pb.StatusRequest(), 5)
+                except grpc.RpcError:
+                    continue
+                if st.iteration >= iteration or st.phase in (P.DONE, P.LEFT):
+                    return
+                deadline = max(deadline, time.monotonic() + self.options.join_timeout_s)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no peer of {addresses} reached iteration {iteration} in time")
+            time.sleep(0.1)
 
     def _catch_up(self, sponsor: str, view: P.View, *, target: int | None = None) -> tuple[int, P.View]:
         """Download the sponsor's newest snapshot (in chunks, from several peers) and replay the log up to ``view.iteration``."""
@@ -855,6 +876,19 @@ class Node:
         path.write_text(json.dumps(self.summary(), indent=2, sort_keys=True) + "\n")
 
     # ------------------------------------------------------------------ serving (called by zeroth.net.service)
+
+    def status(self) -> dict:
+        """``run_id, phase, machine, iteration, members, active`` (the ``Status`` reply)."""
+        with self._lock:
+            st = self._st
+            return {
+                "run_id": self._pp.run_id if self._pp is not None and st is not None else "",
+                "phase": st.phase if st is not None else "joining",
+                "machine": st.me if st is not None else -1,
+                "iteration": st.it if st is not None else 0,
+                "members": len(st.view.members) if st is not None else 0,
+                "active": len(st.view.active_ids()) if st is not None else 0,
+            }
 
     def check_run(self, run_id: str) -> None:
         with self._lock:

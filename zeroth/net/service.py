@@ -148,6 +148,10 @@ class PeerService(pb_grpc.PeerServicer):
             self.node.traffic.sent(wire.wire_size(msg, kind="response" if i == 0 else "stream"))
             yield msg
 
+    def Status(self, request, context):  # noqa: N802
+        self._received(request)
+        return self._answer(pb.StatusReply(**self.node.status()))
+
 
 def response_payload(response) -> int:  # noqa: N802
     """Projected-gradient bytes a response carries (log entries and takeover replies)."""

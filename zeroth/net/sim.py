@@ -41,6 +41,7 @@ class SimPeer:
         self.base = 0
         self.alive = True
         self.compute_time = 0.05
+        self.stall = 0.0  # extra seconds after the compute deadline (a starved or stuck machine)
         self.machines: list[int] = []  # ids this address held, in order
         self.events: list[tuple[float, str]] = []  # (time, text) of drops, finishes, notes
         self.finished: str | None = None
@@ -248,7 +249,7 @@ class SimNet:
                         P.on_local_gradients(self.params, peer.state, iteration=it, count=count, payload=payload, now=self.now),
                     )
 
-            self._at(min(done_at, eff.deadline), finished)
+            self._at(min(done_at, eff.deadline) + peer.stall, finished)
         elif isinstance(eff, P.Fetch):
             self._fetch(peer, eff)
         elif isinstance(eff, P.Admit):

@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zeroth import codecs as _codecs
@@ -164,7 +165,7 @@ class Worker:
 
     def warm_up(self, contributors: int) -> None:
         """Compile the estimator and the replay for ``contributors`` peers before taking part."""
-        params = jax.tree_util.tree_map(lambda x: np.array(x), self._init)
+        params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), self._init)
         self.compute(params, 0, 0)
         k = padded_size(contributors * self.n)
-        _replay.replay(params, (np.zeros((k, 2), np.uint32), np.zeros(k)), distribution=self.distribution)
+        _replay.replay(params, (np.zeros((k, 2), np.uint32), np.zeros(k)), distribution=self.distribution, donate=True)

@@ -284,7 +284,10 @@ def backprop_method(cfg: Config, model) -> Method:
     opt, update = _backprop_update(model, t.optimizer, t.lr)
 
     def step(params, opt_state, batch, step_idx):
-        params, opt_state, loss = update(params, opt_state, batch)
+        # optax's Adam bias correction mixes a Python float with an int32 count: allow the
+        # standard promotion while tracing it, whatever the process-wide setting.
+        with jax.numpy_dtype_promotion("standard"):
+            params, opt_state, loss = update(params, opt_state, batch)
         return params, opt_state, StepInfo(1, 1, 0, loss, None)
 
     return Method(opt.init, step)
@@ -316,29 +319,35 @@ class _Progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, file=sys.stderr, desc=name, dynamic_ncols=True)
-        self.last = {}
+        self.last: dict = {}
 
-    def update(self, step: int, info: dict, force: bool = False) -> None:
-        self.last.update({k: v for k, v in info.items() if v is not None})
+    def update(self, step: int, rec: dict) -> None:
         if not self.enabled:
             return
+        if "loss" in rec:
+            self.last["loss"] = f"{rec['loss']:.4f}"
+        if "eval_accuracy" in rec:
+            self.last["acc"] = f"{rec['eval_accuracy']:.4f}@{step}"
+        self.last["fwd"] = str(rec["forward_passes"])
+        self.last["bytes"] = str(rec["payload_bytes"])
+        self.last["time"] = f"{rec['wall_time']:.1f}s"
         if self.bar is not None:
             self.bar.n = step
-            self.bar.set_postfix(self._fields(), refresh=False)
+            self.bar.set_postfix(self.last, refresh=False)
             self.bar.refresh()
             return
-        if force or step % self.every == 0 or step == self.total:
-            fields = " ".join(f"{k} {v}" for k, v in self._fields().items())
-            print(f"[{self.name}] step {step}/{self.total} {fields}", file=sys.stderr, flush=True)
-
-    def _fields(self) -> dict:
-        out = {}
-        for key, fmt in (("loss", "{:.4f}"), ("eval_accuracy", "{:.4f}"), ("forward_passes", "{}"), ("payload_bytes", "{}")):
-            if key in self.last:
-                out[key.replace("eval_", "")] = fmt.format(self.last[key])
-        if "wall_time" in self.last:
-            out["time"] = f"{self.last['wall_time']:.1f}s"
-        return out
+        if rec["kind"] == "eval":
+            fields = f"eval_loss {rec['eval_loss']:.4f} eval_accuracy {rec['eval_accuracy']:.4f}"
+        elif step % self.every == 0:
+            fields = f"loss {rec['loss']:.4f}"
+        else:
+            return
+        print(
+            f"[{self.name}] step {step}/{self.total} {rec['kind']}: {fields} forward_passes {rec['forward_passes']} "
+            f"payload_bytes {rec['payload_bytes']} time {rec['wall_time']:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -467,7 +476,7 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
             "digest": _replay.checksum(params),
         }
         writer.write(rec)
-        bar.update(step, rec, force=kind == "eval")
+        bar.update(step, rec)
         return rec
 
     def save(step: int) -> None:

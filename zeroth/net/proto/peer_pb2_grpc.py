@@ -79,6 +79,11 @@ class PeerStub:
                 request_serializer=zeroth_dot_v1_dot_peer__pb2.StateRequest.SerializeToString,
                 response_deserializer=zeroth_dot_v1_dot_peer__pb2.StateChunk.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/zeroth.v1.Peer/Status',
+                request_serializer=zeroth_dot_v1_dot_peer__pb2.StatusRequest.SerializeToString,
+                response_deserializer=zeroth_dot_v1_dot_peer__pb2.StatusReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -138,6 +143,12 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +196,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.FetchState,
                     request_deserializer=zeroth_dot_v1_dot_peer__pb2.StateRequest.FromString,
                     response_serializer=zeroth_dot_v1_dot_peer__pb2.StateChunk.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=zeroth_dot_v1_dot_peer__pb2.StatusRequest.FromString,
+                    response_serializer=zeroth_dot_v1_dot_peer__pb2.StatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +446,33 @@ class Peer:
             '/zeroth.v1.Peer/FetchState',
             zeroth_dot_v1_dot_peer__pb2.StateRequest.SerializeToString,
             zeroth_dot_v1_dot_peer__pb2.StateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zeroth.v1.Peer/Status',
+            zeroth_dot_v1_dot_peer__pb2.StatusRequest.SerializeToString,
+            zeroth_dot_v1_dot_peer__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,192 @@
+"""Marsit (seed 004) and its baselines on 4 CPU devices: semantics of Algorithm 1, unbiased merges
+through the ring and the torus, identical workers after every round, K = 1 equals PSGD."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+
+from zeroth import data as zdata
+from zeroth import models as zmodels
+from zeroth.collectives import ring as R
+from zeroth.collectives import schemes as SC
+from zeroth.collectives import sync as S
+from zeroth.collectives import train as T
+from zeroth.collectives.topology import Ring, Torus
+from zeroth.kernels import signbits as sb
+
+RING, TORUS = Ring(4), Torus(2, 2)
+
+
+def per_worker(topo, fn, *arrays):
+    """Run ``fn(*worker_rows)`` on every worker; arrays have a leading worker axis."""
+    mesh, spec = topo.mesh(), topo.spec()
+    sharding = NamedSharding(mesh, spec)
+
+    def body(*xs):
+        out = fn(*(x[0] for x in xs))
+        return jax.tree_util.tree_map(lambda a: a[None], out)
+
+    prog = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(arrays), out_specs=spec))
+    return jax.tree_util.tree_map(np.asarray, prog(*(jax.device_put(a, sharding) for a in arrays)))
+
+
+KEY = S.host_round_key(0, 5)
+
+
+@pytest.mark.parametrize("topo", [RING, TORUS], ids=["ring", "torus"])
+def test_marsit_round_follows_algorithm_1(topo):
+    d, eta_s = 300, 0.125
+    rng = np.random.default_rng(0)
+    u = rng.standard_normal((4, d)).astype(np.float32)
+    c = rng.standard_normal((4, d)).astype(np.float32) * 0.1
+    sync = S.marsit(topo, eta_s, K=3)
+
+    def run(phase, u_w, c_w):
+        state = S.CompensationState(c_w, sync.init(d).inner)
+        g, st, _ = sync.update(u_w, state, S.RoundCtx(jnp.asarray(KEY), phase))
+        return g, st.compensation
+
+    # one-bit round (t % K != 0): g = +-eta_s everywhere, same on every worker; c <- (u + c) - g
+    assert sync.phase(1) == "sync" and sync.phase(3) == "full" and sync.phase(0) == "full"
+    g, comp = per_worker(topo, functools.partial(run, "sync"), u, c)
+    assert np.all(np.abs(g) == np.float32(eta_s))
+    assert (g == g[:1]).all()
+    np.testing.assert_array_equal(comp, (u + c) - g)
+    # where every worker agrees on a sign the merge keeps it
+    p = u + c
+    agree = (np.all(p > 0, axis=0)) | (np.all(p < 0, axis=0))
+    np.testing.assert_array_equal(np.sign(g[0][agree]), np.sign(p[0][agree]))
+    # full-precision round: g = mean(u + c) by the all-reduce, compensation reset to 0
+    g, comp = per_worker(topo, functools.partial(run, "full"), u, c)
+    np.testing.assert_allclose(g[0], (u + c).astype(np.float64).mean(0), atol=1e-6)
+    assert (g == g[:1]).all() and not comp.any()
+
+
+@pytest.mark.parametrize("topo", [RING, TORUS], ids=["ring", "torus"])
+def test_merged_signs_through_the_allreduce_are_unbiased(topo):
+    """Each output bit is set with probability (#workers whose bit is set) / M, on ring and torus."""
+    reps = 4096
+    patterns = np.arange(16)
+    bits = ((patterns[None, :] >> np.arange(4)[:, None]) & 1).astype(bool)  # worker k's bit per pattern
+    x = np.where(np.tile(bits, (1, reps)), 1.0, -1.0).astype(np.float32)  # [4, 16 * reps]
+
+    def fn(v):
+        words = sb.pack(v)
+        out = R.allreduce(words, SC.marsit_scheme(), topo.stages, round_key=jnp.asarray(KEY))
+        return out.reshape(-1)
+
+    out = per_worker(topo, fn, x)
+    assert (out == out[:1]).all()
+    got = np.unpackbits(out[0].view(np.uint8), bitorder="little")[: x.shape[1]].reshape(reps, 16).mean(0)
+    want = bits.mean(0)
+    std = np.sqrt(np.maximum(want * (1 - want), 1 / reps) / reps)
+    assert np.all(np.abs(got - want) < 5 * std), np.c_[want, got]
+
+
+def test_ssdm_stochastic_sign_is_unbiased():
+    n = 2000
+    u = jnp.asarray(np.random.default_rng(1).standard_normal(32).astype(np.float32))
+    keys = jnp.asarray(np.stack([S.host_round_key(1, t) for t in range(n)]))
+    dec = jax.jit(jax.vmap(lambda k: SC.ssdm_decompress(SC.ssdm_compress(u, k), impl="jnp")))(keys)
+    norm = float(jnp.linalg.norm(u))
+    assert np.all(np.abs(np.asarray(dec)) == np.float32(norm))  # every element is +-||u||
+    np.testing.assert_allclose(np.asarray(dec.mean(0)), np.asarray(u), atol=5 * norm / np.sqrt(n))
+
+
+def test_error_feedback_keeps_what_was_not_sent():
+    d = 100
+    rng = np.random.default_rng(2)
+    u = rng.standard_normal((4, d)).astype(np.float32)
+    sync = S.ef_signsgd(RING)
+
+    def fn(u_w):
+        g, st, mine = sync.update(u_w, sync.init(d), S.RoundCtx(jnp.asarray(KEY), "sync"))
+        return g, st.compensation, mine
+
+    g, e, mine = per_worker(RING, fn, u)
+    scale = np.abs(u).mean(1, keepdims=True)
+    np.testing.assert_allclose(mine, np.where(u < 0, -scale, scale), rtol=1e-6)
+    np.testing.assert_array_equal(e, u - mine)
+    np.testing.assert_allclose(g[0], mine.mean(0), rtol=1e-5, atol=1e-7)
+    assert (g == g[:1]).all()
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@functools.lru_cache(maxsize=1)
+def _setup():
+    ds = zdata.load("digits", "train")
+    model = zmodels.build("mlp", num_classes=10, hidden=(16,))
+    params = zmodels.init(model, zmodels.init_key(0), ds.x[:1])
+
+    def loss_fn(p, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(zmodels.apply(model, p, x), y).mean()
+
+    return ds, params, loss_fn
+
+
+def _batches(t, m=4, b=16):
+    ds, _, _ = _setup()
+    idx = [zdata.batch_indices(0, t * m + k, b, ds.x.shape[0]) for k in range(m)]
+    return np.stack([ds.x[i] for i in idx]), np.stack([ds.y[i] for i in idx])
+
+
+def _train(topo, sync, rounds, eta_l=0.1):
+    ds, params, loss_fn = _setup()
+    tr = T.make_trainer(loss_fn, params, topo, sync, eta_l=eta_l)
+    state = tr.init(params)
+    sums, losses = [], []
+    for t in range(rounds):
+        state, loss = tr.round(state, t, *_batches(t))
+        sums.append(T.worker_checksums(state.params))
+        losses.append(float(np.mean(loss)))
+    return sums, losses
+
+
+METHOD_CASES = [
+    ("psgd", RING, {}),
+    ("signsgd", RING, {"eta_s": 1e-2}),
+    ("majority_vote", TORUS, {"eta_s": 1e-2}),
+    ("ef_signsgd", RING, {}),
+    ("ssdm", TORUS, {}),
+    ("marsit", TORUS, {"eta_s": 1e-2, "K": 2}),
+]
+
+
+@pytest.mark.parametrize("method,topo,kw", METHOD_CASES, ids=[f"{m}-{type(t).__name__}" for m, t, _ in METHOD_CASES])
+def test_every_worker_holds_identical_parameters_after_every_round(method, topo, kw):
+    sums, _ = _train(topo, S.build(method, topo, **kw), rounds=3, eta_l=0.01 if method == "ssdm" else 0.1)
+    for t, per in enumerate(sums):
+        assert len(per) == 4 and len(set(per)) == 1, (method, t, per)
+    assert len({s[0] for s in sums}) == 3  # and the parameters did move every round
+
+
+def test_marsit_with_k1_is_psgd_bit_for_bit():
+    a, _ = _train(RING, S.marsit(RING, 1e-2, K=1), rounds=3)
+    b, _ = _train(RING, S.psgd(RING), rounds=3)
+    assert a == b
+
+
+def test_marsit_trains_and_its_workers_agree():
+    sums, losses = _train(RING, S.marsit(RING, 1e-2, K=None), rounds=40, eta_l=0.5)
+    assert all(len(set(s)) == 1 for s in sums)
+    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3]), losses
+
+
+def test_build_rejects_bad_settings():
+    with pytest.raises(ValueError, match="unknown synchronization method"):
+        S.build("qsgd", RING)
+    with pytest.raises(ValueError, match="needs eta_s"):
+        S.build("marsit", RING)
+    with pytest.raises(ValueError, match="K .* must be an int >= 1 or None"):
+        S.marsit(RING, 1e-3, K=0)
+    with pytest.raises(ValueError, match="eta_s"):
+        S.signsgd(RING, -1.0)
+    with pytest.raises(TypeError, match="flat f32"):
+        S.psgd(RING).update(jnp.zeros((2, 3)), (), S.RoundCtx(jnp.asarray(KEY), "sync"))

@@ -1,0 +1,237 @@
+"""Peers over real gRPC on 127.0.0.1, in this process: authentication, bad messages, TLS, repair.
+
+A small run (digits, a tiny MLP) keeps going in the background while requests that are
+unauthenticated, malformed, stale, duplicated or oversized are thrown at a member; each must
+get a clear status and the run must go on with every digest in agreement.
+"""
+
+import time
+
+import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zeroth import replay, zo
+from zeroth.config import load_config_dict
+from zeroth.net import security, wire
+from zeroth.net.proto import peer_pb2 as pb
+from zeroth.net.proto import peer_pb2_grpc as pb_grpc
+from zeroth.net.runtime import Node, NodeOptions
+from zeroth.net.work import Worker, padded_size
+
+TOKEN = "test-token-0123"
+
+
+def config(iterations, **peers):
+    p = dict(count=2, inferences_per_iteration=4, iteration_timeout_s=3.0, barrier_timeout_s=2.0, iterations=iterations, token=TOKEN)
+    p.update(peers)
+    return load_config_dict(
+        {
+            "run": {"name": "grpc-test", "seed": 3},
+            "data": {"dataset": "digits", "batch_size": 32, "eval_size": 200},
+            "model": {"name": "mlp", "kwargs": {"hidden": [16]}},
+            "train": {"lr": 0.05, "eps": 1e-3, "codec": "onebyte", "eval_every": 1000},
+            "peers": p,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def worker():
+    return Worker(config(10))
+
+
+def start_nodes(cfg, worker, tmp_path, n, **options):
+    first = Node(cfg, NodeOptions(out_dir=str(tmp_path / "p0"), founders=n, token=cfg.peers.token, log=False, **options), worker=worker)
+    nodes = [first]
+    address = first.start()
+    for i in range(1, n):
+        node = Node(cfg, NodeOptions(out_dir=str(tmp_path / f"p{i}"), join=(address,), token=cfg.peers.token, log=False, **options), worker=worker)
+        node.start()
+        nodes.append(node)
+    return nodes
+
+
+def wait_for(cond, timeout=120.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def running(worker, tmp_path_factory):
+    """Two peers in an endless run (stopped at teardown)."""
+    cfg = config(10**6)
+    nodes = start_nodes(cfg, worker, tmp_path_factory.mktemp("running"), 2)
+    assert wait_for(lambda: all(n.applied >= 3 for n in nodes))
+    yield nodes
+    for n in nodes:
+        n.stop()
+
+
+def stub(node, token=TOKEN):
+    channel = grpc.insecure_channel(node.address)
+    metadata = security.token_metadata(token)
+    return pb_grpc.PeerStub(channel), metadata
+
+
+def status_of(call):
+    try:
+        call()
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
+
+
+def run_id(node):
+    return node.status()["run_id"]
+
+
+def test_a_peer_without_the_token_is_refused(running):
+    member = running[1]
+    for token in (None, "wrong"):
+        s, md = stub(member, token)
+        req = pb.GradientPush(run_id=run_id(member), sender=0, iteration=member.applied, count=1, payload=b"\x80")
+        code, details = status_of(lambda: s.PushGradients(req, metadata=md, timeout=10))
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "token" in details
+        code, _ = status_of(lambda: s.Join(pb.JoinRequest(config_digest=member.join_digest, address="127.0.0.1:9"), metadata=md, timeout=10))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        code, _ = status_of(lambda: list(s.FetchState(pb.StateRequest(run_id=run_id(member)), metadata=md, timeout=10)))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
+REFUSALS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.ALREADY_EXISTS,
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    run=st.sampled_from(["own", "other", ""]),
+    sender=st.integers(0, 2**32 - 1),
+    offset=st.integers(-3, 3),
+    count=st.integers(0, 2**32 - 1),
+    payload=st.binary(max_size=10),
+)
+def test_garbage_pushes_get_a_clear_status(running, run, sender, offset, count, payload):
+    member = running[1]
+    s, md = stub(member)
+    rid = run_id(member) if run == "own" else run
+    req = pb.GradientPush(run_id=rid, sender=sender, iteration=max(0, member.applied + offset), count=count, payload=payload)
+    code, details = status_of(lambda: s.PushGradients(req, metadata=md, timeout=10))
+    if code != grpc.StatusCode.OK:
+        assert code in REFUSALS and details
+    else:  # accepted only if it could be a real member's push
+        assert rid == run_id(member) and sender == 0 and 1 <= count <= 4 and len(payload) == count
+
+
+def test_stale_duplicate_oversized_and_undecodable_messages(running):
+    leader, member = running
+    s, md = stub(member)
+    rid = run_id(member)
+    stale = pb.GradientPush(run_id=rid, sender=0, iteration=max(0, member.applied - 2), count=1, payload=b"\x80")
+    code, details = status_of(lambda: s.PushGradients(stale, metadata=md, timeout=10))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "stale" in details
+    huge = pb.GradientPush(run_id=rid, sender=0, iteration=member.applied, count=1, payload=b"\x80" * (5 << 20))
+    code, _ = status_of(lambda: s.PushGradients(huge, metadata=md, timeout=30))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    raw = grpc.insecure_channel(member.address).unary_unary("/zeroth.v1.Peer/CommitIteration")
+    code, _ = status_of(lambda: raw(b"\xff\xfe garbage \x00", metadata=md, timeout=10))
+    assert code != grpc.StatusCode.OK
+    code, details = status_of(lambda: s.Checksum(pb.ChecksumRequest(run_id=rid, sender=0, iteration=1, digest=b"12345"), metadata=md, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "32 bytes" in details
+    code, details = status_of(lambda: s.Join(pb.JoinRequest(config_digest="not-this-run", address="127.0.0.1:9"), metadata=md, timeout=10))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "config digest" in details
+    code, _ = status_of(lambda: list(s.FetchState(pb.StateRequest(run_id=rid, sender=77, iteration=0), metadata=md, timeout=10)))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    manifest = s.GetManifest(pb.ManifestRequest(run_id=rid, sender=0), metadata=md, timeout=10)
+    bad_range = pb.StateRequest(run_id=rid, sender=0, iteration=manifest.iteration, offset=manifest.total_bytes, length=10)
+    code, _ = status_of(lambda: list(s.FetchState(bad_range, metadata=md, timeout=10)))
+    assert code in (grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND)
+    forged = pb.Commit(run_id=rid, sender=1, iteration=member.applied, ballot=pb.Ballot(round=0, leader=1), updates_digest=b"x" * 32, next_view=pb.View())
+    code, _ = status_of(lambda: s.CommitIteration(forged, metadata=md, timeout=10))
+    assert code in REFUSALS
+
+
+def test_the_run_survives_all_that_and_stays_in_agreement(running):
+    before = [n.applied for n in running]
+    assert wait_for(lambda: all(n.applied >= b + 5 for n, b in zip(running, before)))
+    common = set(running[0].digests()) & set(running[1].digests())
+    assert len(common) >= 5
+    for t in common:
+        assert running[0].digests()[t] == running[1].digests()[t]
+    assert all(n.phase == "member" for n in running)
+    assert all(n.counters["checksum_mismatches"] == 0 for n in running)
+    assert sum(n.counters["checksum_comparisons"] for n in running) > 0
+
+
+def test_a_corrupted_peer_is_detected_and_repaired(worker, tmp_path):
+    cfg = config(60, count=3)
+    nodes = start_nodes(cfg, worker, tmp_path, 3, snapshot_every=5)
+    try:
+        assert wait_for(lambda: nodes[2].applied >= 10)
+
+        def flip_one_bit(params):
+            leaf = params["Dense_0"]["bias"]
+            bits = np.asarray(leaf).view(np.uint32).copy()
+            bits[0] ^= 1
+            return {**params, "Dense_0": {**params["Dense_0"], "bias": jnp.asarray(bits.view(np.float32))}}
+
+        nodes[2].call(flip_one_bit)
+        assert all(n.wait(120) for n in nodes)
+        assert [n.finish_reason for n in nodes] == ["done"] * 3
+        finals = {n.digests()[60] for n in nodes}
+        assert len(finals) == 1
+        assert sum(n.counters["checksum_mismatches"] for n in nodes) >= 1
+        assert nodes[2].counters["repairs"] >= 1
+        assert nodes[0].counters["repairs"] == 0 and nodes[1].counters["repairs"] == 0
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+@pytest.mark.skipif(not security.can_make_certificates(), reason="needs the openssl command or the cryptography package")
+def test_tls_run_and_a_plaintext_client_is_refused(worker, tmp_path):
+    tls = security.self_signed(tmp_path / "tls")
+    cfg = config(8)
+    nodes = start_nodes(cfg, worker, tmp_path, 2, tls=tls)
+    try:
+        assert all(n.wait(120) for n in nodes)
+        assert [n.finish_reason for n in nodes] == ["done", "done"]
+        assert nodes[0].digests()[8] == nodes[1].digests()[8]
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_padding_a_replay_with_zero_coefficients_changes_no_bit(worker):
+    params = jax.tree_util.tree_map(jnp.array, worker.initial_params())
+    grads = {0: np.array([0.5, -1.25, 3.0], np.float32), 4: np.array([0.02, -7.0], np.float32)}
+    ups = zo.canonical_updates(worker.seed, 11, grads, 0.05, "sqrt")
+    plain = replay.replay(params, ups, distribution=worker.distribution)
+    payloads = tuple(worker.codec.encode(g) for g in grads.values())
+    keys, coeffs = worker.updates(11, ((0, 3), (4, 2)), payloads)
+    assert keys.shape[0] == padded_size(5) == 8
+    decoded = {m: worker.codec.decode(p) for m, p in zip(grads, payloads)}
+    plain = replay.replay(params, zo.canonical_updates(worker.seed, 11, decoded, 0.05, "sqrt"), distribution=worker.distribution)
+    padded = replay.replay(params, (keys, coeffs), distribution=worker.distribution)
+    assert replay.checksum(plain) == replay.checksum(padded)
+    assert replay.checksum(plain) != replay.checksum(params)
+
+
+def test_wire_bytes_are_counted_for_every_message(running):
+    t = running[1].traffic.snapshot()
+    assert t["messages_sent"] > 0 and t["messages_received"] > 0
+    assert t["wire_sent"] > t["messages_sent"] * wire.RESPONSE_OVERHEAD // 2
+    assert t["payload_sent"] > 0 and t["payload_received"] > 0

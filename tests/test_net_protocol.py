@@ -1,0 +1,377 @@
+"""The Just One Byte protocol as a pure state machine: no sockets, simulated time.
+
+Runs are driven by :class:`zeroth.net.sim.SimNet`. The property that matters everywhere: every
+peer that finishes holds the same chain of decisions (contributors and update digests per
+iteration), machine ids are never handed out twice, and a bad message is refused with a
+status code while the state it was given stays untouched.
+"""
+
+import copy
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zeroth.net import protocol as P
+from zeroth.net.sim import SimNet
+
+
+def params(**kw):
+    base = dict(
+        run_id="run",
+        config_digest="cfg",
+        bytes_per_value=1,
+        max_count=4,
+        iterations=30,
+        iteration_timeout_s=1.0,
+        barrier_timeout_s=0.5,
+        founders=3,
+    )
+    base.update(kw)
+    return P.Params(**base)
+
+
+def finished(net):
+    return [p for p in net.peers.values() if p.alive and p.finished == "done"]
+
+
+def assert_agree(net, min_done=1):
+    done = finished(net)
+    assert len(done) >= min_done, [(p.address, p.phase, p.events[-3:]) for p in net.peers.values()]
+    ref = done[0].chain()
+    assert len(ref) == net.params.iterations
+    for p in done[1:]:
+        assert p.chain() == ref, p.address
+    # Every peer (dropped ones included) applied a prefix of the chosen chain, except possibly a
+    # last decision a later ballot replaced before it was dropped.
+    for p in net.peers.values():
+        mine = p.chain()
+        agree = sum(1 for a, b in zip(mine, ref) if a == b)
+        assert agree >= len(mine) - 1, (p.address, len(mine), agree)
+    assert len(net.admitted) == len(set(net.admitted)), net.admitted
+    return ref
+
+
+def contributors(chain, t):
+    return [m for m, _ in chain[t][1]]
+
+
+def run_until_iteration(net, address, t, limit=60.0):
+    assert net.run_until(lambda: net.peers[address].state is not None and net.peers[address].state.it >= t, limit=limit)
+
+
+# --------------------------------------------------------------------------- whole runs
+
+
+def test_three_founders_agree_and_everyone_contributes():
+    net = SimNet(params())
+    net.start(3)
+    assert net.run_until(net.all_finished, limit=60.0)
+    chain = assert_agree(net, 3)
+    assert all(contributors(chain, t) == [0, 1, 2] for t in range(len(chain)))
+    assert net.admitted == [0, 1, 2]
+
+
+def test_single_peer_runs_alone():
+    net = SimNet(params(founders=1, iterations=5))
+    net.start(1)
+    assert net.run_until(net.all_finished, limit=10.0)
+    assert_agree(net, 1)
+
+
+def test_killed_member_costs_one_barrier_and_is_dropped():
+    net = SimNet(params())
+    net.start(3)
+    run_until_iteration(net, "sim:1000", 6)
+    killed_at = net.now
+    net.kill("sim:1002")
+    assert net.run_until(net.all_finished, limit=60.0)
+    chain = assert_agree(net, 2)
+    assert 2 not in contributors(chain, len(chain) - 1)
+    # Decisions resumed after the one barrier timeout the leader waited for machine 2.
+    p = net.params
+    assert net.now - killed_at < p.iteration_timeout_s + 2 * p.barrier_timeout_s + 2.0
+
+
+def test_killed_leader_is_taken_over_by_the_next_lowest_id():
+    net = SimNet(params())
+    net.start(3)
+    run_until_iteration(net, "sim:1000", 6)
+    net.kill("sim:1000")
+    assert net.run_until(net.all_finished, limit=60.0)
+    chain = assert_agree(net, 2)
+    assert 0 not in contributors(chain, len(chain) - 1)
+    takeovers = [t for _, t in net.peers["sim:1001"].events if "taking over" in t]
+    assert takeovers, net.peers["sim:1001"].events
+
+
+def test_leader_dies_after_its_commit_reached_one_member():
+    """The takeover must adopt the decision one member already applied (never decide another)."""
+    net = SimNet(params())
+    net.start(3)
+    run_until_iteration(net, "sim:1000", 5)
+    # The leader's next commit reaches machine 1 only, then the leader dies.
+    net.drop_next("sim:1000", "sim:1002", P.Commit, count=1)
+    it = net.peers["sim:1000"].state.it
+    net.run_until(lambda: net.peers["sim:1001"].state.it > it, limit=30.0)
+    net.kill("sim:1000")
+    assert net.run_until(net.all_finished, limit=60.0)
+    assert_agree(net, 2)
+
+
+def test_joiner_at_a_plain_iteration_catches_up_and_contributes():
+    net = SimNet(params(iterations=40))
+    net.start(3)
+    run_until_iteration(net, "sim:1000", 11)
+    net.join("sim:2000", via="sim:1002")  # not the leader: redirected
+    assert net.run_until(net.all_finished, limit=60.0)
+    chain = assert_agree(net, 4)
+    assert 3 in contributors(chain, len(chain) - 1)
+    assert net.admitted == [0, 1, 2, 3]
+
+
+def test_graceful_leave_removes_the_member():
+    net = SimNet(params())
+    net.start(3)
+    run_until_iteration(net, "sim:1001", 8)
+    net.leave("sim:1001")
+    assert net.run_until(lambda: net.peers["sim:1001"].finished == "left", limit=30.0)
+    assert net.run_until(net.all_finished, limit=60.0)
+    chain = assert_agree(net, 2)
+    assert 1 not in contributors(chain, len(chain) - 1)
+
+
+def test_slow_member_misses_iterations_then_becomes_active_again_with_its_id():
+    net = SimNet(params(iterations=60))
+    net.start(3)
+    run_until_iteration(net, "sim:1000", 5)
+    net.peers["sim:1002"].stall = 5.0  # misses the barrier
+    run_until_iteration(net, "sim:1000", 12)
+    net.peers["sim:1002"].stall = 0.0
+    assert net.run_until(net.all_finished, limit=120.0)
+    chain = assert_agree(net, 3)
+    missed = [t for t in range(len(chain)) if 2 not in contributors(chain, t)]
+    assert missed and missed[-1] < len(chain) - 1  # out for a while, then back
+    assert net.peers["sim:1002"].machines == [2]
+
+
+def test_unreachable_member_is_removed_and_a_restart_gets_a_new_id():
+    net = SimNet(params(iterations=60))
+    net.start(3)
+    run_until_iteration(net, "sim:1000", 5)
+    net.kill("sim:1002")
+    t = net.peers["sim:1000"].state.it
+    run_until_iteration(net, "sim:1000", t + P.UNREACHABLE_AFTER + 3)
+    assert 2 not in net.peers["sim:1000"].state.view.ids()
+    net.peers["sim:1002"].alive = True  # the machine restarts at the same address
+    net.join("sim:1002", via="sim:1001")
+    assert net.run_until(net.all_finished, limit=120.0)
+    chain = assert_agree(net, 3)
+    assert net.peers["sim:1002"].machines == [2, 3]
+    assert contributors(chain, len(chain) - 1) == [0, 1, 3]
+
+
+def test_minority_side_of_a_partition_never_decides():
+    net = SimNet(params(iterations=40, founders=5))
+    net.start(5)
+    run_until_iteration(net, "sim:1000", 5)
+    minority, majority = ["sim:1000", "sim:1001"], ["sim:1002", "sim:1003", "sim:1004"]
+    net.partition(minority, majority)
+    frozen = {a: net.peers[a].state.it for a in minority}
+    run_until_iteration(net, "sim:1002", 20)
+    for a in minority:  # the old leader's side waits: no decision without a majority
+        assert net.peers[a].state.it <= frozen[a] + 1
+    net.heal()
+    assert net.run_until(lambda: all(net.peers[a].finished for a in majority), limit=120.0)
+    chain = [net.peers[a].chain() for a in majority]
+    assert chain[0] == chain[1] == chain[2]
+
+
+# --------------------------------------------------------------------------- random schedules
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    kill_leader=st.booleans(),
+    kill_at=st.integers(2, 20),
+    join_at=st.one_of(st.none(), st.integers(1, 20)),
+    slow=st.one_of(st.none(), st.tuples(st.integers(0, 3), st.floats(0.3, 3.0))),
+    lose=st.integers(0, 3),
+)
+def test_random_faults_never_split_the_chain(kill_leader, kill_at, join_at, slow, lose):
+    net = SimNet(params(founders=4, iterations=30), rejoin=True, tick=0.05)
+    net.start(4)
+    if lose:
+        net.drop_next("sim:1000", "sim:1003", P.Commit, count=lose)
+        net.drop_next("sim:1001", "sim:1000", P.Push, count=lose)
+    if slow is not None:
+        net.peers[f"sim:{1000 + slow[0]}"].stall = slow[1]
+    events = sorted([(kill_at, "kill")] + ([(join_at, "join")] if join_at is not None else []))
+    for t, what in events:
+        net.run_until(lambda t=t: any(p.state is not None and p.state.it >= t for p in net.peers.values()), limit=60.0)
+        if what == "kill":
+            net.kill("sim:1000" if kill_leader else "sim:1003")
+        else:
+            net.join("sim:2000", via="sim:1002")
+    net.run_until(net.all_finished, limit=80.0)
+    assert_agree(net, 2)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def member_state():
+    """A member (machine 1) of a 3-peer run at iteration 4, with machine 0 leading."""
+    net = SimNet(params(iterations=1000))
+    net.start(3)
+    run_until_iteration(net, "sim:1001", 4)
+    return net.params, net.peers["sim:1001"].state
+
+
+PARAMS, STATE = member_state()
+
+
+def snapshot(state):
+    return copy.deepcopy(state)
+
+
+CODES = {"INVALID_ARGUMENT", "FAILED_PRECONDITION", "PERMISSION_DENIED", "OUT_OF_RANGE", "ALREADY_EXISTS", "UNAVAILABLE"}
+
+ints = st.one_of(st.integers(-(2**70), 2**70), st.sampled_from([0, 1, 2, 3, STATE.it, STATE.it + 1, 2**32, 2**63]))
+runs = st.one_of(st.just("run"), st.text(max_size=20), st.just("x" * 500))
+
+
+@settings(max_examples=150)
+@given(run_id=runs, sender=ints, iteration=ints, count=ints, payload=st.binary(max_size=12))
+def test_garbage_pushes_are_refused_or_stored_never_crash(run_id, sender, iteration, count, payload):
+    before = snapshot(STATE)
+    push = P.Push(run_id, sender, iteration, count, payload)
+    try:
+        step = P.on_push(PARAMS, STATE, push, 10.0)
+    except P.Rejected as e:
+        assert e.code in CODES and e.message
+        assert STATE == before  # untouched
+        return
+    # Accepted: it must have been a well-formed push of a member for a live iteration.
+    assert run_id == "run" and sender in (0, 2) and 1 <= count <= 4 and len(payload) == count
+    assert STATE.it <= iteration <= STATE.it + 1
+    assert step.state.inbox[(iteration, sender)] == push
+    assert STATE == before
+
+
+member_views = st.builds(
+    P.View,
+    iteration=ints,
+    members=st.lists(st.builds(P.Member, machine=ints, address=st.sampled_from(["a:1", "b:2", "", "x"]), active=st.booleans()), max_size=4).map(tuple),
+    next_machine_id=ints,
+)
+
+
+@settings(max_examples=150)
+@given(
+    run_id=runs,
+    sender=ints,
+    iteration=ints,
+    ballot=st.builds(P.Ballot, round=ints, leader=ints),
+    contributors=st.lists(st.tuples(ints, ints), max_size=4).map(tuple),
+    digest=st.binary(max_size=40),
+    view=member_views,
+)
+def test_garbage_commits_are_refused_never_crash(run_id, sender, iteration, ballot, contributors, digest, view):
+    before = snapshot(STATE)
+    commit = P.Commit(run_id, sender, iteration, ballot, contributors, digest, view)
+    try:
+        P.on_commit(PARAMS, STATE, commit, 10.0)
+    except P.Rejected as e:
+        assert e.code in CODES and e.message
+    assert STATE == before
+
+
+@settings(max_examples=100)
+@given(run_id=runs, sender=ints, iteration=ints, ballot=st.builds(P.Ballot, round=ints, leader=ints))
+def test_garbage_prepares_are_refused_never_crash(run_id, sender, iteration, ballot):
+    before = snapshot(STATE)
+    try:
+        step = P.on_prepare(PARAMS, STATE, P.Prepare(run_id, sender, iteration, ballot), 10.0)
+        assert isinstance(step.reply, P.PrepareReply)
+    except P.Rejected as e:
+        assert e.code in CODES and e.message
+    assert STATE == before
+
+
+def valid_push(iteration=None, sender=0, payload=b"ab"):
+    return P.Push("run", sender, STATE.it if iteration is None else iteration, len(payload), payload)
+
+
+@pytest.mark.parametrize(
+    "push, code",
+    [
+        (valid_push()._replace(run_id="other"), "FAILED_PRECONDITION"),
+        (valid_push(iteration=STATE.it - 1), "FAILED_PRECONDITION"),  # stale
+        (valid_push(iteration=STATE.it + 5), "OUT_OF_RANGE"),
+        (valid_push(sender=7), "PERMISSION_DENIED"),
+        (valid_push(sender=1), "INVALID_ARGUMENT"),  # claims to be the receiver
+        (valid_push()._replace(count=3), "INVALID_ARGUMENT"),  # 2 bytes for 3 values
+        (valid_push(payload=b"abcdefgh")._replace(count=8), "INVALID_ARGUMENT"),  # over max_count
+        (valid_push(payload=b""), "INVALID_ARGUMENT"),
+    ],
+)
+def test_each_kind_of_bad_push_gets_its_status(push, code):
+    with pytest.raises(P.Rejected) as e:
+        P.on_push(PARAMS, STATE, push, 10.0)
+    assert e.value.code == code
+
+
+def test_duplicate_push_is_idempotent_and_a_conflicting_one_refused():
+    step = P.on_push(PARAMS, STATE, valid_push(sender=2), 10.0)
+    again = P.on_push(PARAMS, step.state, valid_push(sender=2), 10.0)
+    assert again.state == step.state
+    with pytest.raises(P.Rejected) as e:
+        P.on_push(PARAMS, step.state, valid_push(sender=2, payload=b"zz"), 10.0)
+    assert e.value.code == "ALREADY_EXISTS"
+
+
+def test_payload_check_of_the_codec_is_applied():
+    strict = params(iterations=1000, payload_check=lambda b: "odd byte" if b"\xff" in b else None)
+    with pytest.raises(P.Rejected, match="odd byte"):
+        P.on_push(strict, STATE, valid_push(sender=2, payload=b"\xff\x00"), 10.0)
+
+
+def test_commit_with_a_ballot_below_a_promise_is_refused():
+    step = P.on_prepare(PARAMS, STATE, P.Prepare("run", 2, STATE.it, P.Ballot(3, 2)), 10.0)
+    commit = P.Commit("run", 0, STATE.it, P.Ballot(0, 0), (), P.updates_digest((), ()), STATE.view._replace(iteration=STATE.it + 1))
+    with pytest.raises(P.Rejected) as e:
+        P.on_commit(PARAMS, step.state, commit, 10.0)
+    assert e.value.code == "FAILED_PRECONDITION" and "promised" in e.value.message
+
+
+def test_round_zero_commit_from_a_non_leader_is_refused():
+    commit = P.Commit("run", 2, STATE.it, P.Ballot(0, 2), (), P.updates_digest((), ()), STATE.view._replace(iteration=STATE.it + 1))
+    with pytest.raises(P.Rejected) as e:
+        P.on_commit(PARAMS, STATE, commit, 10.0)
+    assert e.value.code == "INVALID_ARGUMENT"
+
+
+def test_join_with_another_config_is_refused_and_non_leaders_redirect():
+    with pytest.raises(P.Rejected) as e:
+        P.on_join(PARAMS, STATE, P.JoinRequest(1, "h:1", "other-config"), 10.0)
+    assert e.value.code == "FAILED_PRECONDITION"
+    step = P.on_join(PARAMS, STATE, P.JoinRequest(1, "h:1", "cfg"), 10.0)
+    assert step.reply == P.Redirect("sim:1000")
+    with pytest.raises(P.Rejected):
+        P.on_join(PARAMS, STATE, P.JoinRequest(1, "no-port", "cfg"), 10.0)
+
+
+def test_checksum_partner_rotates_over_every_other_member():
+    view = P.View(0, tuple(P.Member(m, f"h:{m + 1}") for m in (0, 3, 5, 9)), 10)
+    partners = {P.checksum_partner(view, 3, t) for t in range(3)}
+    assert partners == {0, 5, 9}
+    assert P.checksum_partner(view, 3, 1, every=2) is None
+    assert P.checksum_partner(view._replace(members=view.members[:1]), 0, 0) is None
+
+
+def test_updates_digest_depends_on_order_counts_and_bytes():
+    d = P.updates_digest(((0, 1), (1, 1)), (b"a", b"b"))
+    assert len(d) == 32
+    assert d != P.updates_digest(((1, 1), (0, 1)), (b"b", b"a"))
+    assert d != P.updates_digest(((0, 1), (1, 1)), (b"a", b"c"))

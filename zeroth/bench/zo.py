@@ -1,0 +1,306 @@
+"""``zeroth bench zo [--json] [--model mlp|cnn|transformer] [--batch B] [--width W] [--n N]``.
+
+A MeZO step against plain inference and against a backprop step, on one model and batch:
+
+* **inference forward**: ``loss(params, batch)``, jitted;
+* **ZO step** (per exact distribution): :func:`zeroth.zo.mezo_step` end to end with ``N``
+  perturbations (default 1): 2N forwards at ``θ ± εz`` in one compiled program, the codec
+  round trip, the host-rounded coefficients and the in-place exact ``replay``; and its two
+  compiled programs alone (``projected gradients``, ``update``);
+* **backprop step**: ``jax.value_and_grad`` + ``optax.sgd``, jitted, parameters donated.
+
+Reported ratios (targets from the issue): ZO step time / time of 2N forwards (<= 1.2) and ZO
+peak memory / inference peak memory (<= 1.2), and the same two for the backprop step.
+
+Memory is XLA's own accounting of each compiled program (``Compiled.memory_analysis()``):
+``argument + output + temp − alias`` bytes, i.e. the device memory that must be live while the
+program runs: parameters and batch (arguments), results, and the scratch buffers of the
+buffer assignment (activations, perturbed leaves, noise). It is exact for what the program
+allocates, and independent of allocator caching and of other processes; process RSS is not
+used because on CPU it mixes the runtime, the compilation caches and the allocator's arenas.
+A ZO step runs two programs one after the other; its peak is the larger of the two.
+
+Every program is compiled with :func:`zeroth.zo.compiler_options` (the settings under which a
+ZO step keeps no perturbed copy of the model); the forward compiled with XLA's default options
+is shown as an extra row. Timings are wall clock, interleaved round-robin over the rows (so
+drifting load hits them alike), minimum and median of ``--repeats``.
+
+Example:
+  $ zeroth bench zo --model mlp --batch 256
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroth import codecs, noise, replay, rng, zo
+from zeroth.bench import _common
+
+__all__ = ["main", "run", "MODELS"]
+
+MODELS = ("mlp", "cnn", "transformer")
+TARGETS = {"zo_time_over_forwards": ("<=", 1.2), "zo_memory_over_inference": ("<=", 1.2)}
+_INPUT_SHAPE = (28, 28, 1)
+_NUM_CLASSES = 10
+_EPS = 1e-3
+_LR = 1e-3
+
+
+def _model_kwargs(name: str, width: int) -> dict:
+    if name == "mlp":
+        return {"num_classes": _NUM_CLASSES, "hidden": (width, width)}
+    if name == "cnn":
+        return {"num_classes": _NUM_CLASSES, "features": (max(1, width // 32), max(1, width // 16)), "dense": max(1, width // 8)}
+    if name == "transformer":
+        d = max(8, width // 8 // 4 * 4)
+        return {"num_classes": _NUM_CLASSES, "d_model": d, "heads": 4, "layers": 4, "mlp_dim": 4 * d, "max_len": _INPUT_SHAPE[0]}
+    raise ValueError(f"unknown model {name!r}; expected one of {list(MODELS)}")
+
+
+def _setup(name: str, width: int, batch: int):
+    from zeroth import models
+
+    kwargs = _model_kwargs(name, width)
+    model = models.build(name, **kwargs)
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.uniform(0, 1, (batch, *_INPUT_SHAPE)).astype(np.float32))
+    y = jnp.asarray(r.integers(0, _NUM_CLASSES, batch).astype(np.int32))
+    params = models.init(model, models.init_key(0), x[:1])
+
+    def loss_fn(p, b):
+        xb, yb = b
+        logits = models.apply(model, p, xb).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, yb[:, None], axis=-1))
+
+    return kwargs, params, (x, y), loss_fn
+
+
+def _peak_bytes(compiled) -> dict:
+    m = compiled.memory_analysis()
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return {
+        "argument": int(m.argument_size_in_bytes),
+        "output": int(m.output_size_in_bytes),
+        "temp": int(m.temp_size_in_bytes),
+        "alias": int(m.alias_size_in_bytes),
+        "peak": int(peak),
+    }
+
+
+def _round_robin(fns: dict[str, Callable[[], Any]], *, warmup: int, repeats: int) -> dict[str, _common.Timing]:
+    """Time each ``fn()`` (blocking) ``repeats`` times, interleaved; warm-up calls first."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: _common.Timing(min(v), statistics.median(v), repeats) for k, v in times.items()}
+
+
+def run(
+    model: str = "mlp",
+    *,
+    batch: int = 256,
+    width: int = 1024,
+    n: int = 1,
+    codec: str = "float32",
+    distributions: tuple[str, ...] = noise.EXACT,
+    repeats: int = 5,
+    warmup: int = 1,
+) -> dict:
+    """Run the benchmark; returns ``{"config", "environment", "rows", "ratios", "targets"}``."""
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; expected one of {list(MODELS)}")
+    for name, v in (("batch", batch), ("width", width), ("n", n)):
+        if v < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {v}")
+    codecs.get_codec(codec)
+    for d in distributions:
+        noise.check_distribution(d)
+    import optax
+
+    kwargs, params, data, loss_fn = _setup(model, width, batch)
+    opts = zo.compiler_options()
+    param_bytes = int(sum(np.size(p) * jnp.dtype(p.dtype).itemsize for p in jax.tree_util.tree_leaves(params)))
+    n_params = int(sum(np.size(p) for p in jax.tree_util.tree_leaves(params)))
+    largest_leaf = max(int(np.size(p)) * 4 for p in jax.tree_util.tree_leaves(params))
+
+    fwd = jax.jit(loss_fn, compiler_options=opts)
+    fwd_default = jax.jit(loss_fn)
+    mem = {
+        "forward": _peak_bytes(fwd.lower(params, data).compile()),
+        "forward_default": _peak_bytes(fwd_default.lower(params, data).compile()),
+    }
+    fns: dict[str, Callable[[], Any]] = {
+        "forward": lambda: jax.block_until_ready(fwd(params, data)),
+        "forward_default": lambda: jax.block_until_ready(fwd_default(params, data)),
+    }
+
+    eps = zo.round_eps(_EPS)
+    keys = rng.sample_keys(0, [(0, 0, i) for i in range(n)])
+    for dist in distributions:
+        pg = zo.projected_gradients_fn(loss_fn, distribution=dist)
+        upd = jax.jit(functools.partial(replay.apply_updates, distribution=dist), donate_argnums=0)
+        scales = replay.update_scales(dist, [_LR * 0.1 * (i + 1) for i in range(n)])
+        mem[f"zo_pg_{dist}"] = _peak_bytes(pg.lower(params, data, keys, eps).compile())
+        mem[f"zo_update_{dist}"] = _peak_bytes(upd.lower(params, keys, scales).compile())
+        state = {"params": jax.tree_util.tree_map(jnp.copy, params), "it": 0}
+
+        def step(state=state, dist=dist):
+            out = zo.mezo_step(loss_fn, state["params"], data, run_seed=0, iteration=state["it"], lr=_LR, eps=_EPS,
+                               n_perturbations=n, distribution=dist, codec=codec, donate=True)
+            state["params"] = jax.block_until_ready(out.params)
+            state["it"] += 1
+
+        ustate = {"params": jax.tree_util.tree_map(jnp.copy, params)}
+
+        def update(ustate=ustate, upd=upd, scales=scales):
+            ustate["params"] = jax.block_until_ready(upd(ustate["params"], keys, scales))
+
+        fns[f"zo_step_{dist}"] = step
+        fns[f"zo_pg_{dist}"] = lambda pg=pg: jax.block_until_ready(pg(params, data, keys, eps))
+        fns[f"zo_update_{dist}"] = update
+
+    opt = optax.sgd(_LR)
+
+    def bp_step(p, s, b):
+        with jax.numpy_dtype_promotion("standard"):
+            loss, g = jax.value_and_grad(loss_fn)(p, b)
+            updates, s = opt.update(g, s, p)
+            return optax.apply_updates(p, updates), s, loss
+
+    bp = jax.jit(bp_step, donate_argnums=(0, 1), compiler_options=opts)
+    bstate = {"params": jax.tree_util.tree_map(jnp.copy, params)}
+    bstate["opt"] = opt.init(bstate["params"])
+    mem["backprop"] = _peak_bytes(bp.lower(bstate["params"], bstate["opt"], data).compile())
+
+    def backprop():
+        p, s, loss = bp(bstate["params"], bstate["opt"], data)
+        bstate["params"], bstate["opt"] = jax.block_until_ready((p, s))
+
+    fns["backprop"] = backprop
+    times = _round_robin(fns, warmup=warmup, repeats=repeats)
+
+    t_fwd, m_fwd = times["forward"].min_s, mem["forward"]["peak"]
+    rows = [
+        _row("inference forward", times["forward"], mem["forward"], 1, t_fwd, m_fwd, "zo.compiler_options()"),
+        _row("inference forward", times["forward_default"], mem["forward_default"], 1, t_fwd, m_fwd, "XLA default options"),
+    ]
+    ratios: dict[str, float] = {}
+    for dist in distributions:
+        m_step = max(mem[f"zo_pg_{dist}"]["peak"], mem[f"zo_update_{dist}"]["peak"])
+        step_mem = dict(mem[f"zo_pg_{dist}"], peak=m_step)
+        rows.append(_row(f"ZO step n={n} {dist}", times[f"zo_step_{dist}"], step_mem, 2 * n, t_fwd, m_fwd,
+                         f"mezo_step end to end, codec {codec}"))
+        rows.append(_row("  projected gradients", times[f"zo_pg_{dist}"], mem[f"zo_pg_{dist}"], 2 * n, t_fwd, m_fwd,
+                         f"{2 * n} forwards at θ±εz, one program"))
+        rows.append(_row("  update (replay)", times[f"zo_update_{dist}"], mem[f"zo_update_{dist}"], 0, t_fwd, m_fwd,
+                         "apply_updates, donated"))
+        ratios[f"zo_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].min_s / (2 * n * t_fwd)
+        ratios[f"zo_memory_over_inference_{dist}"] = m_step / m_fwd
+    rows.append(_row("backprop step (sgd)", times["backprop"], mem["backprop"], 0, t_fwd, m_fwd, "value_and_grad + optax.sgd, donated"))
+    ratios["backprop_time_over_two_forwards"] = times["backprop"].min_s / (2 * t_fwd)
+    ratios["backprop_memory_over_inference"] = mem["backprop"]["peak"] / m_fwd
+    return {
+        "benchmark": "zo",
+        "config": {"model": model, "model_kwargs": kwargs, "batch": batch, "width": width, "input_shape": list(_INPUT_SHAPE),
+                   "n_perturbations": n, "codec": codec, "distributions": list(distributions), "params": n_params,
+                   "param_bytes": int(param_bytes), "largest_leaf_bytes": largest_leaf},
+        "memory_measure": "Compiled.memory_analysis(): argument + output + temp - alias bytes of each compiled program",
+        "compiler_options": opts,
+        "environment": _common.environment(),
+        "rows": rows,
+        "ratios": ratios,
+        "targets": {k: f"{op} {v:.3g}" for k, (op, v) in TARGETS.items()},
+    }
+
+
+def _row(name: str, timing: _common.Timing, memory: dict, forwards: int, t_fwd: float, m_fwd: int, note: str) -> dict:
+    return {
+        "name": name,
+        "seconds_min": timing.min_s,
+        "seconds_median": timing.median_s,
+        "repeats": timing.repeats,
+        "forwards": forwards,
+        "time_over_forward": timing.min_s / t_fwd,
+        "peak_bytes": memory["peak"],
+        "temp_bytes": memory["temp"],
+        "memory_over_inference": memory["peak"] / m_fwd,
+        "note": note,
+    }
+
+
+def _mib(b: int) -> str:
+    return f"{b / 2**20:.2f} MiB"
+
+
+def _render(result: dict) -> None:
+    c, env = result["config"], result["environment"]
+    print(f"zeroth bench zo: {c['model']} {c['model_kwargs']}, {c['params']:,} parameters ({_mib(c['param_bytes'])}, "
+          f"largest leaf {_mib(c['largest_leaf_bytes'])}), batch {c['batch']} x {tuple(c['input_shape'])}, "
+          f"n={c['n_perturbations']}")
+    print(f"  {env['processor']}, {env['cpu_count']} CPUs, jax {env['jax']} {env['backend']}; best of {result['rows'][0]['repeats']}, "
+          f"memory = {result['memory_measure']}")
+    table = [
+        {
+            **row,
+            "best": _common.fmt_seconds(row["seconds_min"]),
+            "median": _common.fmt_seconds(row["seconds_median"]),
+            "tf": f"{row['time_over_forward']:.2f}",
+            "peak": _mib(row["peak_bytes"]),
+            "temp": _mib(row["temp_bytes"]),
+            "mr": f"{row['memory_over_inference']:.2f}",
+        }
+        for row in result["rows"]
+    ]
+    _common.print_table(
+        [("name", "row"), ("best", "best"), ("median", "median"), ("forwards", "fwd passes"), ("tf", "time/fwd"),
+         ("peak", "peak memory"), ("temp", "temp"), ("mr", "mem/inference"), ("note", "note")],
+        table,
+    )
+    print()
+    for name, value in result["ratios"].items():
+        target = next((t for k, t in result["targets"].items() if name.startswith(k)), None)
+        print(f"  {name:<40} {value:>7.3f}" + (f"   (target {target})" if target else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``zeroth bench zo``: returns 0 (the numbers are printed, never judged)."""
+    p = _common.base_parser("zeroth bench zo", "ZO step vs two forwards and inference memory, next to a backprop step.")
+    p.add_argument("--model", default="mlp", choices=MODELS, help="zeroth.models model (default mlp)")
+    p.add_argument("--batch", type=int, default=256, help="batch size (default 256)")
+    p.add_argument("--width", type=int, default=1024,
+                   help="model size: mlp hidden (W, W); cnn features (W/32, W/16), dense W/8; transformer d_model W/8 (default 1024)")
+    p.add_argument("--n", type=int, default=1, help="perturbations per ZO step (default 1)")
+    p.add_argument("--codec", default="float32", choices=sorted(codecs.CODECS), help="projected-gradient codec (default float32)")
+    p.add_argument("--distribution", default="both", choices=["both", *noise.EXACT], help="exact noise (default both)")
+    try:
+        args = p.parse_args(sys.argv[1:] if argv is None else argv)
+        dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
+        result = run(args.model, batch=args.batch, width=args.width, n=args.n, codec=args.codec, distributions=dists,
+                     repeats=args.repeats, warmup=args.warmup)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except ValueError as exc:
+        print(f"zeroth bench zo: {exc}", file=sys.stderr)
+        return 2
+    _common.emit(result, as_json=args.json, render=_render)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

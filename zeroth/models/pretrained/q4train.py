@@ -1,0 +1,216 @@
+"""4-bit forward-only training (seed 000, section 3): dequantize, perturb, requantize.
+
+The trained state is the GGUF file's quantized weights: every Q4_1 matrix (the 210 linear
+layers of SmolLM2) and the Q8_0 embedding keep their per-block grid ``(d, m)`` from the file,
+and after every update each weight is put back on its grid. One MeZO step:
+
+1. *dequantize*: the forward passes run on float32 weights ``W = q·d + m`` (exact, see
+   :mod:`.quant`);
+2. *perturb*: ``L(W ± εz)`` with zeroth's exact noise, in float32 (the perturbation is not
+   quantized, as in the seed: noise is added to the dequantized weights);
+3. update ``W' = replay(W, [(k_i, c_i)])`` exactly as the float method does, then
+4. *requantize* onto the fixed grid: ``q' = clip(round((W' − m)/d))`` (``rounding="nearest"``)
+   or ``clip(floor((W' − m)/d + u))`` with ``u ~ U[0, 1)`` (``"stochastic"``, unbiased:
+   ``E[q'·d + m] = W'`` inside the range), and ``W ← q'·d + m``.
+
+Float tensors of the file (the RMSNorm weights) are trained in float32 as usual. The state is
+held as float32 values that lie exactly on the grids, so it packs losslessly back into the
+file's own bytes (:func:`zeroth.models.pretrained.quant.pack_q4_1`); holding it as packed bytes
+(1/8 of the memory) is a storage choice that does not change a single update.
+
+What it does to training (measured by ``python -m zeroth.models.pretrained.finetune ...
+--requantize``): a MeZO update moves a weight by ``|c·z| ≈ η|g|`` (η ~ 1e-5), while a Q4_1
+step ``d`` of SmolLM2 is ~1e-2. With nearest rounding practically every update rounds back to
+the same code: the 4-bit model does not move and accuracy stays at zero-shot. Stochastic
+rounding keeps the update unbiased but replaces each tiny move by a full grid step with
+probability ``|Δ|/d``; the variance this adds (about ``d·|Δ|`` per weight per step) dwarfs the
+signal. :func:`changed_fraction` reports how many weights change per step.
+
+Stochastic rounding draws ``u`` from threefry bits of the key
+``fold_in(fold_in(fold_in(root_key(seed), REQUANT_TAG), step), leaf_id)`` (integer bits,
+``u = (bits >> 8)·2⁻²⁴``), so every peer draws the same ``u``; ``(W' − m)/d`` is an IEEE
+division, deterministic on IEEE backends but not part of zeroth's proven replay contract.
+
+Example:
+  >>> grids = smollm2_grids()                                              # doctest: +SKIP
+  >>> project = make_projection(grids, "nearest")                          # doctest: +SKIP
+  >>> params = project(params, run_seed=0, step=0)                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroth.models.pretrained import gguf_file as _gguf
+from zeroth.models.pretrained import llama as _llama
+from zeroth.models.pretrained import quant as _quant
+
+__all__ = [
+    "ROUNDINGS",
+    "REQUANT_TAG",
+    "smollm2_grids",
+    "requant_key",
+    "make_projection",
+    "changed_fraction",
+    "zo_q4_method",
+]
+
+ROUNDINGS = ("nearest", "stochastic")
+REQUANT_TAG = 0x71347471  # "q4tq": names the stochastic-rounding stream of the run
+
+
+def _check_rounding(rounding: str) -> str:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"unknown rounding {rounding!r}; expected one of {list(ROUNDINGS)}")
+    return rounding
+
+
+@functools.lru_cache(maxsize=1)
+def _grids_cached(path: str) -> dict[str, _quant.Grid]:
+    f = _gguf.read_gguf(path)
+    cfg = _llama.config_from_gguf(f.metadata)
+    out: dict[str, _quant.Grid] = {}
+    for name, pattern in _llama.GGUF_NAMES.items():
+        layers = [pattern] if "{i}" not in pattern else [pattern.format(i=i) for i in range(cfg.n_layers)]
+        tensors = [f.tensors[n] for n in layers]
+        if tensors[0].ggml_type not in _gguf.QUANT_FORMATS:
+            continue
+        grids = []
+        for t in tensors:
+            g = _gguf.grid(t)
+            d, m = g.d, g.m
+            if name == "attn_q":
+                d, m = _llama.unpermute_qk(d, cfg.n_heads), _llama.unpermute_qk(m, cfg.n_heads)
+            elif name == "attn_k":
+                d, m = _llama.unpermute_qk(d, cfg.n_kv_heads), _llama.unpermute_qk(m, cfg.n_kv_heads)
+            grids.append(_quant.Grid(d, m, g.qmin, g.qmax))
+        if "{i}" in pattern:
+            d = np.stack([g.d for g in grids])
+            m = np.stack([g.m for g in grids])
+        else:
+            d, m = grids[0].d, grids[0].m
+        out[name] = _quant.Grid(np.ascontiguousarray(d), np.ascontiguousarray(m), grids[0].qmin, grids[0].qmax)
+    return out
+
+
+def smollm2_grids(package: str | None = None) -> dict[str, _quant.Grid]:
+    """The grid of every quantized SmolLM2 parameter, in the :mod:`.llama` layout (Q/K rows un-permuted).
+
+    Returns:
+      ``{name: Grid}`` for the nine linear weights (Q4_1, ``d, m: f32[L, out, in/32]``) and
+      ``embed`` (Q8_0, ``f32[V, d/32]``); the norm weights (F32 in the file) are absent.
+    """
+    path = _gguf.smollm2_path() if package is None else _gguf.smollm2_path(package)
+    return _grids_cached(str(path))
+
+
+def requant_key(run_seed: int, step: int) -> np.ndarray:
+    """``u32[2]`` key of step ``step``'s stochastic rounding: ``fold_in(fold_in(root_key(seed), REQUANT_TAG), step)``."""
+    from zeroth import reference as _ref
+
+    return _ref.fold_in(_ref.fold_in(_ref.root_key(run_seed), REQUANT_TAG), step)
+
+
+def _uniform(key: jax.Array, n: int) -> jax.Array:
+    from zeroth.rng import threefry2x32
+
+    calls = (n + 1) // 2
+    x0, x1 = threefry2x32((key[0], key[1]), (jnp.zeros(calls, jnp.uint32), jnp.arange(calls, dtype=jnp.uint32)))
+    bits = jnp.stack([x0, x1], axis=-1).reshape(-1)[:n]
+    return (bits >> jnp.uint32(8)).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def make_projection(grids: dict[str, _quant.Grid], rounding: str = "nearest"):
+    """``project(params, run_seed, step) -> params`` putting every gridded leaf back on its grid (jitted).
+
+    Leaves without a grid pass through unchanged. ``rounding="stochastic"`` draws its uniforms
+    from :func:`requant_key` and the leaf id of the parameter's path.
+    """
+    from zeroth import rng as _rng
+
+    _check_rounding(rounding)
+    dev = {k: (jnp.asarray(g.d), jnp.asarray(g.m), g.qmin, g.qmax) for k, g in grids.items()}
+
+    @jax.jit
+    def _project(params, key):
+        out = dict(params)
+        for name, (d, m, qmin, qmax) in dev.items():
+            if name not in params:
+                continue
+            x = params[name].astype(jnp.float32)
+            u = None
+            if rounding == "stochastic":
+                lid = _rng.leaf_id(jax.tree_util.keystr((jax.tree_util.DictKey(name),)))
+                lk = _rng.fold_in(key, np.uint32(lid))
+                u = _uniform(lk, int(np.prod(x.shape))).reshape(x.shape)
+            out[name] = _quant.project_to_grid(x, d, m, qmin, qmax, uniform=u)
+        return out
+
+    def project(params: dict, run_seed: int = 0, step: int = 0) -> dict:
+        missing = [k for k in dev if k not in params]
+        if len(missing) == len(dev):
+            raise ValueError(f"no parameter has a grid; parameters {sorted(params)}, grids {sorted(dev)}")
+        return _project(params, jnp.asarray(requant_key(run_seed, step)))
+
+    return project
+
+
+@jax.jit
+def _changed(a, b):
+    n = sum(x.size for x in jax.tree_util.tree_leaves(a))
+    diff = sum(jnp.sum((x != y).astype(jnp.float32)) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+    return diff / jnp.float32(n)
+
+
+def changed_fraction(before: dict, after: dict, names=None) -> float:
+    """Fraction of the weights (of ``names``, default all) that differ between two parameter dicts."""
+    names = sorted(before) if names is None else sorted(names)
+    return float(_changed({k: before[k] for k in names}, {k: after[k] for k in names}))
+
+
+def zo_q4_method(cfg, model, *, rounding: str = "nearest", package: str | None = None):
+    """A :class:`zeroth.train.trainer.Method` for ``smollm2_prompt``: the ZO step, then requantization.
+
+    ``init(params)`` checks that the parameters start on their grids (the pretrained values do);
+    ``step`` runs :func:`zeroth.zo.mezo_step` exactly as ``train.method: zo`` does, then
+    projects the result (:func:`make_projection`). The ``StepInfo.grads`` are the decoded
+    projected gradients; the fraction of quantized weights whose code changed is in
+    ``step.last_changed`` (a one-element list, for logging).
+    """
+    from zeroth import zo as _zo
+    from zeroth.train import trainer as _trainer
+
+    t = cfg.train
+    if t.method != "zo":
+        raise ValueError(f"4-bit forward-only training needs train.method 'zo', got {t.method!r}")
+    grids = smollm2_grids(package)
+    project = make_projection(grids, rounding)
+    loss_fn = _trainer.make_objective(t.objective, model)
+    _zo.round_eps(t.eps)
+    gridded = sorted(grids)
+    last_changed = [0.0]
+
+    def init(params):
+        on_grid = project(params, cfg.run.seed, 0)
+        frac = changed_fraction(params, on_grid, gridded)
+        if frac:
+            raise ValueError(f"{frac:.2%} of the quantized weights are not on their file grids; start from pretrained_params()")
+        return None
+
+    def step(params, opt_state, batch, step_idx):
+        out = _zo.mezo_step(
+            loss_fn, params, batch, run_seed=cfg.run.seed, iteration=step_idx, lr=t.lr, eps=t.eps,
+            n_perturbations=t.n_perturbations, machine=_trainer.MACHINE, scaling=t.lr_scaling,
+            distribution=t.distribution, codec=t.codec, weight_decay=t.weight_decay, donate=False,
+        )  # fmt: skip
+        new = project(out.params, cfg.run.seed, step_idx)
+        last_changed[0] = changed_fraction(params, new, gridded)
+        info = _trainer.StepInfo(2 * t.n_perturbations, 0, len(out.payload), out.loss, out.grads)
+        return new, None, info
+
+    step.last_changed = last_changed
+    return _trainer.Method(init, step)
