@@ -207,6 +207,12 @@ def test_tls_run_and_a_plaintext_client_is_refused(worker, tmp_path):
     cfg = config(8)
     nodes = start_nodes(cfg, worker, tmp_path, 2, tls=tls)
     try:
+        s, md = stub(nodes[0])  # plaintext channel to a TLS server
+        code, _ = status_of(lambda: s.Status(pb.StatusRequest(), metadata=md, timeout=5))
+        assert code == grpc.StatusCode.UNAVAILABLE
+        secure = grpc.secure_channel(nodes[0].address, security.channel_credentials(tls))
+        reply = pb_grpc.PeerStub(secure).Status(pb.StatusRequest(), metadata=md, timeout=10)
+        assert reply.phase in ("joining", "forming", "member", "done")
         assert all(n.wait(120) for n in nodes)
         assert [n.finish_reason for n in nodes] == ["done", "done"]
         assert nodes[0].digests()[8] == nodes[1].digests()[8]

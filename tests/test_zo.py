@@ -346,3 +346,25 @@ def test_nondifferentiable_example_runs():
     assert result["start"]["train_error"] > 0.85
     assert result["final"]["train_error"] < 0.35, result["final"]
     assert result["final"]["test_error"] < 0.4, result["final"]
+
+
+def test_bench_zo_program_reports_time_and_memory_side_by_side(capsys):
+    import json
+
+    from zeroth.bench import zo as bench_zo
+
+    rc = bench_zo.main(["--json", "--width", "32", "--batch", "4", "--repeats", "1", "--warmup", "0",
+                        "--distribution", "binomial"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    names = [r["name"] for r in result["rows"]]
+    assert names[0] == "inference forward" and "ZO step n=1 binomial" in names and "backprop step (sgd)" in names
+    assert set(result["ratios"]) == {"zo_time_over_forwards_binomial", "zo_memory_over_inference_binomial",
+                                     "backprop_time_over_two_forwards", "backprop_memory_over_inference"}
+    assert all(r["peak_bytes"] > 0 and r["seconds_min"] > 0 for r in result["rows"])
+    # the ZO step never holds a second full copy of the parameters beyond the perturbed leaf in use
+    zo_row = result["rows"][names.index("ZO step n=1 binomial")]
+    fwd_row = result["rows"][0]
+    c = result["config"]
+    assert zo_row["peak_bytes"] - fwd_row["peak_bytes"] <= c["largest_leaf_bytes"] + 4 * 4 * 28 * 28 * 4
+    assert bench_zo.main(["--model", "rnn"]) == 2

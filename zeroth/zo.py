@@ -505,7 +505,8 @@ def mezo_step(
         )
     payload = cod.encode(g)
     decoded = cod.decode(payload)
-    updates = canonical_updates(run_seed, iteration, {int(machine): decoded}, lr, scaling)
+    # canonical_updates(run_seed, iteration, {machine: decoded}, lr, scaling), without re-deriving the keys
+    updates = list(zip(keys, update_coefficients(decoded, lr, decoded.size, scaling), strict=True))
     params = _replay.replay(params, updates, distribution=distribution, donate=donate)
     if weight_decay:
         params = _weight_decay(params, lr, weight_decay, True)

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 __all__ = [
     "Timing",
     "timeit",
+    "timeit_many",
     "base_parser",
     "environment",
     "fmt_rate",
@@ -66,6 +67,31 @@ def timeit(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5) -> Timin
         fn()
         times.append(time.perf_counter() - t0)
     return Timing(min(times), statistics.median(times), repeats)
+
+
+def timeit_many(fns: dict[str, Callable[[], Any]], *, warmup: int = 1, repeats: int = 5) -> dict[str, Timing]:
+    """Time several callables round-robin: repeat ``r`` times each of them once, in turn.
+
+    On a shared machine the load changes during a run; interleaving gives every row the same
+    conditions, so the ratios between rows stay meaningful even when absolute times move.
+
+    Returns:
+      ``{name: Timing}`` in the order of ``fns``.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: Timing(min(ts), statistics.median(ts), repeats) for name, ts in times.items()}
 
 
 def base_parser(prog: str, description: str, *, repeats: int = 5, warmup: int = 1) -> argparse.ArgumentParser:

@@ -1,7 +1,8 @@
 """``zeroth bench perturb [--json] [--size N] [--repeats R] [--ks 1,16,64]``: perturbation throughput.
 
 Side by side in one run, on one float32 leaf of N elements (default 2**24), each step donated
-(updated in place) and timed after a warm-up call:
+(updated in place), timed after a warm-up call and round-robin over the rows (so a change of
+machine load hits every row alike):
 
 * **zeroth** ``apply_updates`` (the jitted traceable core of :mod:`zeroth.replay`), K = 1, with
   each exact distribution, and the host entry :func:`zeroth.replay.perturb`;
@@ -57,74 +58,72 @@ def _row(name: str, group: str, n: int, timing: _common.Timing | None, *, update
     return row
 
 
-def _time_donated(step: Callable, state, *, warmup: int, repeats: int) -> _common.Timing:
-    """Time ``state = step(state)`` with the state's buffers donated each call."""
+def _donated(step: Callable, state) -> Callable[[], None]:
+    """A zero-argument call doing ``state = step(state)`` (the state's buffers donated) and waiting."""
     box = [state]
 
     def call():
         box[0] = jax.block_until_ready(step(box[0]))
 
-    return _common.timeit(call, warmup=warmup, repeats=repeats)
+    return call
 
 
-def _zeroth_core(n: int, dist: str, k: int, *, warmup: int, repeats: int) -> _common.Timing:
+def _zeroth_core(n: int, dist: str, k: int) -> Callable[[], None]:
     fn = jax.jit(functools.partial(replay.apply_updates, distribution=dist), donate_argnums=0)
     keys = jnp.asarray(rng.sample_keys(0, [(0, 1, s) for s in range(k)]))
     scales = jnp.asarray(replay.update_scales(dist, [_COEFF * (1 + s % 3) for s in range(k)]))
-    return _time_donated(lambda p: fn(p, keys, scales), {"w": jnp.zeros(n, jnp.float32)}, warmup=warmup, repeats=repeats)
+    return _donated(lambda p: fn(p, keys, scales), {"w": jnp.zeros(n, jnp.float32)})
 
 
-def _zeroth_host_entry(n: int, *, warmup: int, repeats: int) -> _common.Timing:
+def _zeroth_host_entry(n: int) -> Callable[[], None]:
     key = rng.sample_key(0, 0, 1, 0)
     step = lambda p: replay.perturb(p, key, _COEFF, distribution="binomial", donate=True)  # noqa: E731
-    return _time_donated(step, {"w": jnp.zeros(n, jnp.float32)}, warmup=warmup, repeats=repeats)
+    return _donated(step, {"w": jnp.zeros(n, jnp.float32)})
 
 
-def _jax_normal(n: int, *, warmup: int, repeats: int) -> _common.Timing:
+def _jax_normal(n: int) -> Callable[[], None]:
     @functools.partial(jax.jit, donate_argnums=0)
     def step(p, key):
         return p + jnp.float32(_COEFF) * jax.random.normal(key, p.shape, jnp.float32)
 
     key = jax.random.PRNGKey(0)
-    return _time_donated(lambda p: step(p, key), jnp.zeros(n, jnp.float32), warmup=warmup, repeats=repeats)
+    return _donated(lambda p: step(p, key), jnp.zeros(n, jnp.float32))
 
 
-def _jax_memory(n: int, *, warmup: int, repeats: int) -> _common.Timing:
+def _jax_memory(n: int) -> Callable[[], None]:
     step = jax.jit(lambda p, c: p + c, donate_argnums=0)
     c = jnp.float32(_COEFF)
-    return _time_donated(lambda p: step(p, c), jnp.zeros(n, jnp.float32), warmup=warmup, repeats=repeats)
+    return _donated(lambda p: step(p, c), jnp.zeros(n, jnp.float32))
 
 
-def _torch_rows(n: int, *, warmup: int, repeats: int) -> list[dict]:
+def _torch_calls(n: int) -> tuple[dict[str, Callable[[], None]], str | None]:
+    """``({name: call}, note)``; no calls and the note "not installed" without torch."""
     try:
         import torch
     except ImportError:
-        return [
-            _row("torch.randn + add_", "baseline", n, None, note="not installed"),
-            _row("torch add_(c) (memory floor)", "memory", n, None, note="not installed"),
-        ]
+        return {}, "not installed"
     gen = torch.Generator().manual_seed(0)
     p = torch.zeros(n, dtype=torch.float32)
-    randn = _common.timeit(lambda: p.add_(torch.randn(n, generator=gen, dtype=torch.float32), alpha=_COEFF),
-                           warmup=warmup, repeats=repeats)
-    floor = _common.timeit(lambda: p.add_(_COEFF), warmup=warmup, repeats=repeats)
-    note = f"torch {torch.__version__}, {torch.get_num_threads()} threads"
-    return [
-        _row("torch.randn + add_", "baseline", n, randn, note=note),
-        _row("torch add_(c) (memory floor)", "memory", n, floor, note=note),
-    ]
+    q = torch.zeros(n, dtype=torch.float32)
+    calls = {
+        "torch.randn + add_": lambda: p.add_(torch.randn(n, generator=gen, dtype=torch.float32), alpha=_COEFF),
+        "torch add_(c) (memory floor)": lambda: q.add_(_COEFF),
+    }
+    return calls, f"torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
-def _kernel_rows(n: int, ks: list[int], *, warmup: int, repeats: int) -> list[dict]:
-    """Rows for the fused fast path of :mod:`zeroth.kernels.perturb`, when it is importable."""
+def _kernel_calls(n: int, ks: list[int]) -> tuple[dict[str, tuple[Callable[[], None], int, str]], list[dict]]:
+    """Fused fast path of :mod:`zeroth.kernels.perturb`, when importable: ``({name: (call, K, note)},
+    rows that could not be timed)``. Bits are checked against :func:`zeroth.replay.apply_updates`
+    on a small leaf first."""
     try:
         from zeroth.kernels import perturb as kp
 
         impl = kp.resolve_impl("auto")
         fused = kp.fused_apply_updates
     except Exception as exc:  # an optional module: any import problem means "not here"
-        return [_row("kernels fused", "kernels", n, None, note=f"unavailable: {type(exc).__name__}: {exc}")]
-    rows = []
+        return {}, [_row("kernels fused", "kernels", n, None, note=f"unavailable: {type(exc).__name__}: {exc}")]
+    calls, failed = {}, []
     for dist, k in [("binomial", 1), ("rademacher", 1)] + [("binomial", k) for k in ks if k > 1]:
         name = f"kernels fused {dist} K={k} ({impl})"
         keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
@@ -136,11 +135,12 @@ def _kernel_rows(n: int, ks: list[int], *, warmup: int, repeats: int) -> list[di
             same = bool(np.array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32)))
             step = lambda p, keys=keys, scales=scales, dist=dist: fused(  # noqa: E731
                 p, keys, scales, distribution=dist, donate=True, impl=impl)
-            t = _time_donated(step, {"w": jnp.zeros(n, jnp.float32)}, warmup=warmup, repeats=repeats)
-            rows.append(_row(name, "kernels", n, t, updates=k, note="bits match replay" if same else "BITS DIFFER from replay"))
+            call = _donated(step, {"w": jnp.zeros(n, jnp.float32)})
+            call()  # compile now: a failure is reported here, not in the middle of the timing
+            calls[name] = (call, k, "bits match replay" if same else "BITS DIFFER from replay")
         except Exception as exc:  # report, don't abort the other rows
-            rows.append(_row(name, "kernels", n, None, updates=k, note=f"failed: {type(exc).__name__}: {exc}"))
-    return rows
+            failed.append(_row(name, "kernels", n, None, updates=k, note=f"failed: {type(exc).__name__}: {exc}"))
+    return calls, failed
 
 
 def _rate(rows: list[dict], name: str) -> float | None:
@@ -155,26 +155,38 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, ...] = (1, 16, 64), kernels: bool = True) -> dict:
-    """Run the benchmark; returns ``{"size", "environment", "rows", "ratios", "targets"}``."""
+    """Run the benchmark; returns ``{"size", "environment", "rows", "ratios", "targets"}``.
+
+    Every row's call is set up first, then all are timed round-robin (:func:`_common.timeit_many`)
+    so a change of machine load affects them alike.
+    """
     if size < 1:
         raise ValueError(f"size must be a positive number of elements, got {size}")
-    n, kw = size, {"warmup": warmup, "repeats": repeats}
-    rows = [
-        _row(f"zeroth {dist} (apply_updates, K=1)", "zeroth", n, _zeroth_core(n, dist, 1, **kw)) for dist in noise.EXACT
-    ]
-    rows.append(_row("zeroth replay.perturb (host entry)", "zeroth", n, _zeroth_host_entry(n, **kw), note="binomial"))
-    rows.append(_row("jax.random.normal + add", "baseline", n, _jax_normal(n, **kw), note="backend-dependent"))
-    torch_rows = _torch_rows(n, **kw)
-    rows.append(torch_rows[0])
-    rows.append(_row("jax p + c (memory floor)", "memory", n, _jax_memory(n, **kw)))
-    rows.append(torch_rows[1])
-    replay_times = {}
+    n = size
+    torch_calls, torch_note = _torch_calls(n)
+    # name -> (group, call or None, K, note), in table order
+    spec: dict[str, tuple[str, Callable[[], None] | None, int, str | None]] = {}
+    for dist in noise.EXACT:
+        spec[f"zeroth {dist} (apply_updates, K=1)"] = ("zeroth", _zeroth_core(n, dist, 1), 1, None)
+    spec["zeroth replay.perturb (host entry)"] = ("zeroth", _zeroth_host_entry(n), 1, "binomial")
+    spec["jax.random.normal + add"] = ("baseline", _jax_normal(n), 1, "backend-dependent")
+    spec["torch.randn + add_"] = ("baseline", torch_calls.get("torch.randn + add_"), 1, torch_note)
+    spec["jax p + c (memory floor)"] = ("memory", _jax_memory(n), 1, None)
+    spec["torch add_(c) (memory floor)"] = ("memory", torch_calls.get("torch add_(c) (memory floor)"), 1, torch_note)
     for k in ks:
-        t = _zeroth_core(n, "binomial", k, **kw)
-        replay_times[k] = t.min_s
-        rows.append(_row(f"zeroth replay K={k} (binomial)", "replay", n, t, updates=k))
+        spec[f"zeroth replay K={k} (binomial)"] = ("replay", _zeroth_core(n, "binomial", k), k, None)
+    failed: list[dict] = []
     if kernels:
-        rows += _kernel_rows(n, list(ks), **kw)
+        kernel_calls, failed = _kernel_calls(n, list(ks))
+        for name, (call, k, note) in kernel_calls.items():
+            spec[name] = ("kernels", call, k, note)
+
+    timings = _common.timeit_many(
+        {name: call for name, (_, call, _, _) in spec.items() if call is not None}, warmup=warmup, repeats=repeats
+    )
+    rows = [
+        _row(name, group, n, timings.get(name), updates=k, note=note) for name, (group, _, k, note) in spec.items()
+    ] + failed
 
     binomial = _rate(rows, "zeroth binomial (apply_updates, K=1)")
     rademacher = _rate(rows, "zeroth rademacher (apply_updates, K=1)")
@@ -184,14 +196,16 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
         "binomial_over_jax_normal": _ratio(binomial, _rate(rows, "jax.random.normal + add")),
         "rademacher_over_memory_floor": _ratio(rademacher, max(floors) if floors else None),
     }
-    if 1 in replay_times:
+    if 1 in ks:
+        t1 = timings["zeroth replay K=1 (binomial)"].min_s
         for k in ks:
             if k > 1:
-                ratios[f"replay_K{k}_over_{k}x_K1"] = replay_times[k] / (k * replay_times[1])
+                ratios[f"replay_K{k}_over_{k}x_K1"] = timings[f"zeroth replay K={k} (binomial)"].min_s / (k * t1)
     return {
         "benchmark": "perturb",
         "size": n,
         "dtype": "float32",
+        "repeats": repeats,
         "environment": _common.environment(),
         "rows": rows,
         "ratios": ratios,
@@ -202,7 +216,7 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
 def _render(result: dict) -> None:
     env = result["environment"]
     print(f"zeroth bench perturb: N = {result['size']:,} float32 elements, donated, best of "
-          f"{result['rows'][0].get('repeats')} ({env['processor']}, {env['cpu_count']} CPUs, jax {env['jax']} {env['backend']})")
+          f"{result['repeats']}, interleaved ({env['processor']}, {env['cpu_count']} CPUs, jax {env['jax']} {env['backend']})")
     table = [
         {
             **row,

@@ -208,11 +208,11 @@ def run(
                          f"mezo_step end to end, codec {codec}"))
         rows.append(_row("  projected gradients", times[f"zo_pg_{dist}"], mem[f"zo_pg_{dist}"], 2 * n, t_fwd, m_fwd,
                          f"{2 * n} forwards at θ±εz, one program"))
-        rows.append(_row("  update (replay)", times[f"zo_update_{dist}"], mem[f"zo_update_{dist}"], 0, t_fwd, m_fwd,
+        rows.append(_row("  update (replay)", times[f"zo_update_{dist}"], mem[f"zo_update_{dist}"], None, t_fwd, m_fwd,
                          "apply_updates, donated"))
         ratios[f"zo_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].min_s / (2 * n * t_fwd)
         ratios[f"zo_memory_over_inference_{dist}"] = m_step / m_fwd
-    rows.append(_row("backprop step (sgd)", times["backprop"], mem["backprop"], 0, t_fwd, m_fwd, "value_and_grad + optax.sgd, donated"))
+    rows.append(_row("backprop step (sgd)", times["backprop"], mem["backprop"], None, t_fwd, m_fwd, "value_and_grad + optax.sgd, donated"))
     ratios["backprop_time_over_two_forwards"] = times["backprop"].min_s / (2 * t_fwd)
     ratios["backprop_memory_over_inference"] = mem["backprop"]["peak"] / m_fwd
     return {
@@ -229,7 +229,7 @@ def run(
     }
 
 
-def _row(name: str, timing: _common.Timing, memory: dict, forwards: int, t_fwd: float, m_fwd: int, note: str) -> dict:
+def _row(name: str, timing: _common.Timing, memory: dict, forwards: int | None, t_fwd: float, m_fwd: int, note: str) -> dict:
     return {
         "name": name,
         "seconds_min": timing.min_s,

@@ -22,7 +22,7 @@ Config schema (every key optional except ``runs``; unknown keys are errors)::
     model: {name: cnn, kwargs: {features: [8, 16], dense: 32}}
     topology: {kind: ring, workers: 4, rows: null}
     train: {rounds: 300, eta_l: 0.05, eval_every: 25, checksum_every: 1, target_acc: 0.9}
-    sync: {method: marsit, eta_s: 0.001, K: null}               # K: null = infinity
+    sync: {method: marsit, eta_s: 0.001, K: null, norm: l2}     # K: null = infinity; norm: SSDM's
     network: {gbps: 1.0, latency_us: 50.0}
     runs: [{label: "K=1", sync: {K: 1}}, {label: "K=inf"}]
 """
@@ -101,6 +101,7 @@ class SyncSpec:
     method: str = "psgd"
     eta_s: float | None = None  # global step size of the sign methods
     K: int | None = None  # Marsit: full precision every K rounds; null = never
+    norm: str = "l2"  # SSDM's norm: l2 (the seed's) or linf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +175,8 @@ def _validate(spec: RunSpec) -> RunSpec:
 
     if spec.sync.method not in _sync.METHODS:
         raise ValueError(f"run {spec.label!r}: unknown sync.method {spec.sync.method!r}; expected one of {list(_sync.METHODS)}")
+    if spec.sync.norm not in ("l2", "linf"):
+        raise ValueError(f"run {spec.label!r}: sync.norm must be 'l2' or 'linf', got {spec.sync.norm!r}")
     if spec.topology.kind not in ("ring", "torus"):
         raise ValueError(f"run {spec.label!r}: topology.kind must be 'ring' or 'torus', got {spec.topology.kind!r}")
     for name, v in (("train.rounds", spec.train.rounds), ("train.eval_every", spec.train.eval_every),
@@ -255,7 +258,7 @@ def run_one(spec: RunSpec, log) -> dict:
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, y_test).mean()
         return loss, jnp.mean((jnp.argmax(logits, -1) == y_test).astype(jnp.float32))
 
-    sync = _sync.build(spec.sync.method, topo, eta_s=spec.sync.eta_s, K=spec.sync.K)
+    sync = _sync.build(spec.sync.method, topo, eta_s=spec.sync.eta_s, K=spec.sync.K, norm=spec.sync.norm)
     tr = _train.make_trainer(loss_fn, params0, topo, sync, eta_l=spec.train.eta_l, run_seed=spec.seed)
     state = tr.init(params0)
     m, b, n_train = topo.size, spec.data.batch_size, train_ds.x.shape[0]
@@ -346,6 +349,7 @@ def run_one(spec: RunSpec, log) -> dict:
         "topology": spec.topology.kind,
         "workers": topo.size,
         "K": spec.sync.K,
+        "norm": spec.sync.norm if spec.sync.method == "ssdm" else None,
         "eta_l": spec.train.eta_l,
         "eta_s": spec.sync.eta_s,
         "rounds": rounds_done,

@@ -12,7 +12,9 @@ Each scheme says what crosses a hop and how the receiving worker combines it wit
   ``vote=True`` the reduced count is thresholded to the 1-bit majority before the all-gather.
 * :func:`ssdm_scheme`: cascading compression. The message is ``(norm, sign bits)`` of SSDM's
   stochastic sign ``Q(u) = ||u||_2 * sign~(u)``, ``P(sign~(u)_j = +1) = 1/2 + u_j / (2 ||u||_2)``;
-  every hop decompresses, adds its own piece and recompresses.
+  every hop decompresses, adds its own piece and recompresses. ``||Q(u)||_2 = sqrt(L) ||u||_2``
+  for a segment of L elements, so the noise compounds by about ``sqrt(L)`` per hop (the seed's
+  Theorem 2); ``norm="linf"`` uses the max norm instead, which does not compound.
 
 Example (inside ``jax.shard_map`` over ``Ring(4)``)::
 
@@ -35,6 +37,7 @@ __all__ = [
     "ssdm_scheme",
     "ssdm_compress",
     "ssdm_decompress",
+    "NORMS",
     "planes_to_counts",
     "uniforms",
 ]
@@ -87,13 +90,26 @@ def uniforms(key: jax.Array, n: int) -> jax.Array:
     return jnp.stack([x0, x1], axis=1).reshape(-1)
 
 
-def ssdm_compress(u: jax.Array, key: jax.Array, *, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
-    """SSDM's stochastic sign of ``u`` (``f32[L]``, ``L % 32 == 0``): ``(||u||_2 f32[], bits u32[L/32])``.
+NORMS = ("l2", "linf")
 
-    Bit ``j`` is 1 with probability ``1/2 + u_j / (2 ||u||_2)`` (to 24-bit resolution:
+
+def _norm(u: jax.Array, norm: str) -> jax.Array:
+    if norm == "l2":
+        return jnp.sqrt(jnp.sum(u * u))
+    if norm == "linf":
+        return jnp.max(jnp.abs(u))
+    raise ValueError(f"unknown SSDM norm {norm!r}; expected one of {list(NORMS)}")
+
+
+def ssdm_compress(u: jax.Array, key: jax.Array, *, norm: str = "l2", impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """SSDM's stochastic sign of ``u`` (``f32[L]``, ``L % 32 == 0``): ``(||u|| f32[], bits u32[L/32])``.
+
+    Bit ``j`` is 1 with probability ``1/2 + u_j / (2 ||u||)`` (to 24-bit resolution:
     ``(uniform >> 8) < p * 2**24``), so ``E[||u|| (2 bit - 1)] = u_j``. ``u = 0`` gives fair coins.
+    ``norm="l2"`` is the seed's SSDM; ``"linf"`` (the max norm) is a lower-variance variant whose
+    decompressed vector keeps the max norm of its input, so cascading does not compound it.
     """
-    norm = jnp.sqrt(jnp.sum(u * u))
+    norm = _norm(u, norm)
     safe = jnp.where(norm > 0, norm, jnp.float32(1.0))
     p = jnp.clip(jnp.float32(0.5) + u / (jnp.float32(2.0) * safe), 0.0, 1.0)
     draw = (uniforms(key, u.shape[0]) >> np.uint32(8)).astype(jnp.float32)
@@ -107,8 +123,9 @@ def ssdm_decompress(msg, *, impl: str = "auto") -> jax.Array:
     return sb.unpack(words, (words.shape[0] * sb.WORD_BITS,), scale=norm, impl=impl)
 
 
-def ssdm_scheme(*, impl: str = "auto") -> Scheme:
+def ssdm_scheme(*, norm: str = "l2", impl: str = "auto") -> Scheme:
     """Cascading compression: local pieces are floats, messages ``(norm, bits)``; decompress-add-recompress."""
+    _norm(jnp.zeros((1,), jnp.float32), norm)
 
     def key_of(hop: Hop):
         if hop.key is None:
@@ -117,8 +134,10 @@ def ssdm_scheme(*, impl: str = "auto") -> Scheme:
 
     return Scheme(
         split=_split_rows,
-        first=lambda seg, hop: ssdm_compress(seg, key_of(hop), impl=impl),
-        combine=lambda msg, seg, hop: ssdm_compress(ssdm_decompress(msg, impl=impl) + seg, key_of(hop), impl=impl),
+        first=lambda seg, hop: ssdm_compress(seg, key_of(hop), norm=norm, impl=impl),
+        combine=lambda msg, seg, hop: ssdm_compress(
+            ssdm_decompress(msg, impl=impl) + seg, key_of(hop), norm=norm, impl=impl
+        ),
         to_local=lambda msg: ssdm_decompress(msg, impl=impl),
     )
 

@@ -209,16 +209,18 @@ def scaled_sign_allgather(topology, *, impl: str = "auto") -> SyncTransform:
     return SyncTransform(lambda d: (), update, _always("sync"))
 
 
-def ssdm_cascade(topology, *, impl: str = "auto") -> SyncTransform:
+def ssdm_cascade(topology, *, norm: str = "l2", impl: str = "auto") -> SyncTransform:
     """SSDM with cascading compression: every hop sends ``Q(received + own)`` at one bit plus a norm;
-    ``g = (1/M) * (decoded all-gathered result)``. Unbiased, with a variance that explodes with M.
+    ``g = (1/M) * (decoded all-gathered result)``. Unbiased, with a variance that explodes with M
+    (``norm="l2"``, the seed's; ``"linf"`` is the milder max-norm variant).
     """
+    scheme = _schemes.ssdm_scheme(norm=norm, impl=impl)
 
     def update(u, state, ctx):
         _check_vec(u)
         d = u.shape[0]
         dp = _ring.padded_length(d, topology, sb.WORD_BITS)
-        norms, words = _ring.allreduce(_pad(u, dp), _schemes.ssdm_scheme(impl=impl), topology.stages, round_key=ctx.key)
+        norms, words = _ring.allreduce(_pad(u, dp), scheme, topology.stages, round_key=ctx.key)
         norms = norms.reshape(-1)  # one norm per final segment, in segment order
         words = words.reshape(norms.shape[0], -1)
         parts = [_schemes.ssdm_decompress((norms[j], words[j]), impl=impl) for j in range(norms.shape[0])]
@@ -313,9 +315,9 @@ def ef_signsgd(topology, *, impl: str = "auto") -> SyncTransform:
     return compensate(scaled_sign_allgather(topology, impl=impl), target="contribution")
 
 
-def ssdm(topology, *, impl: str = "auto") -> SyncTransform:
+def ssdm(topology, *, norm: str = "l2", impl: str = "auto") -> SyncTransform:
     """SSDM's stochastic sign with cascading compression over the multi-hop all-reduce."""
-    return ssdm_cascade(topology, impl=impl)
+    return ssdm_cascade(topology, norm=norm, impl=impl)
 
 
 def marsit(topology, eta_s: float, K: int | None = None, *, impl: str = "auto") -> SyncTransform:
@@ -334,8 +336,16 @@ def marsit(topology, eta_s: float, K: int | None = None, *, impl: str = "auto") 
 METHODS = ("psgd", "signsgd", "majority_vote", "ef_signsgd", "ssdm", "marsit")
 
 
-def build(method: str, topology, *, eta_s: float | None = None, K: int | None = None, impl: str = "auto") -> SyncTransform:
-    """The :class:`SyncTransform` of a method by name (see :data:`METHODS`).
+def build(
+    method: str,
+    topology,
+    *,
+    eta_s: float | None = None,
+    K: int | None = None,
+    norm: str = "l2",
+    impl: str = "auto",
+) -> SyncTransform:
+    """The :class:`SyncTransform` of a method by name (see :data:`METHODS`); ``norm`` is SSDM's.
 
     Raises:
       ValueError: unknown method, or ``eta_s`` missing for a method with a global step size.
@@ -354,5 +364,5 @@ def build(method: str, topology, *, eta_s: float | None = None, K: int | None = 
     if method == "ef_signsgd":
         return ef_signsgd(topology, impl=impl)
     if method == "ssdm":
-        return ssdm(topology, impl=impl)
+        return ssdm(topology, norm=norm, impl=impl)
     return marsit(topology, eta_s, K, impl=impl)

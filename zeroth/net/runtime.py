@@ -866,10 +866,16 @@ class Node:
             "digest": digest,
             "eval": dict(self.last_eval),
             "forward_passes": self._forward_passes,
+            "parameters": self.worker.d,
+            "leaf_shapes": {leaf.path: list(leaf.shape) for leaf in self._layout()},
+            "codec": self.worker.codec.name,
             **self.counters,
             **self.traffic.snapshot(),
             "wall_time": time.monotonic() - self.started,
         }
+
+    def _layout(self):
+        return _state.flatten(self.worker.template())[1]
 
     def _write_summary(self) -> None:
         path = self.out_dir / "summary.json"

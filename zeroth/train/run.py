@@ -75,8 +75,11 @@ def main(argv: list[str]) -> int:
 
         out = trainer.out_dir_of(cfg)
         if cfg.peers is not None:
-            from zeroth.net import launch
-
+            try:
+                from zeroth.net import launch
+            except ImportError as e:
+                print(f"zeroth run: error: the config has a 'peers' section but zeroth.net.launch cannot be imported ({e})", file=sys.stderr)
+                return 2
             return int(launch.run_config(cfg, out, argv) or 0)
         result = trainer.train(
             cfg, out, resume=args.resume, resume_step=args.resume_step, progress=not args.quiet

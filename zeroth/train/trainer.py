@@ -66,6 +66,7 @@ __all__ = [
     "build_model",
     "out_dir_of",
     "train",
+    "summary_line",
 ]
 
 MACHINE = 0  # machine id of a single-machine run in sample_key(seed, machine, iteration, sample)
@@ -318,7 +319,7 @@ class _Progress:
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, file=sys.stderr, desc=name, dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=initial, file=sys.stderr, desc=name)
         self.last: dict = {}
 
     def update(self, step: int, rec: dict) -> None:
@@ -332,9 +333,7 @@ class _Progress:
         self.last["bytes"] = str(rec["payload_bytes"])
         self.last["time"] = f"{rec['wall_time']:.1f}s"
         if self.bar is not None:
-            self.bar.n = step
             self.bar.set_postfix(self.last, refresh=False)
-            self.bar.refresh()
             return
         if rec["kind"] == "eval":
             fields = f"eval_loss {rec['eval_loss']:.4f} eval_accuracy {rec['eval_accuracy']:.4f}"
@@ -348,6 +347,11 @@ class _Progress:
             file=sys.stderr,
             flush=True,
         )
+
+    def tick(self) -> None:
+        """One step done (the bar redraws at most ~10 times a second)."""
+        if self.bar is not None:
+            self.bar.update(1)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -506,6 +510,7 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
                 train_time=counters.train_time + (time.perf_counter() - t_step),
             )
             done = s + 1
+            bar.tick()
             if done % t.log_every == 0 or done == t.steps:
                 record("train", done, {"loss": float(info.loss)})
             if done % t.eval_every == 0 or done == t.steps:
@@ -517,11 +522,11 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
         bar.close()
     if last_eval is None:  # resumed at the final step: report the saved final eval
         evals = [r for r in read_metrics(metrics_path, "eval") if r["step"] == t.steps]
-        last_eval = evals[-1] if evals else record_final(evaluate, params, eval_x, eval_y)
+        last_eval = evals[-1] if evals else _record_final(evaluate, params, eval_x, eval_y)
     return RunResult(out, max(start, t.steps), _replay.checksum(params), last_eval, resumed_from)
 
 
-def record_final(evaluate, params, x, y) -> dict:
+def _record_final(evaluate, params, x, y) -> dict:
     """An eval record of ``params`` that is not written to metrics (used when nothing is left to train)."""
     return {"kind": "eval", **evaluate(params, x, y), "digest": _replay.checksum(params)}
 

@@ -12,8 +12,13 @@ Encoding ``text``:
    ``tokenizer.ggml.merges`` (``"a b"`` strings, rank = position) lowest rank first until none
    applies; each resulting symbol is a token of ``tokenizer.ggml.tokens``.
 
+A byte whose character is not a token is dropped, as llama.cpp does: SmolLM2's vocabulary
+lacks 21 of the 256 bytes (the invalid UTF-8 lead bytes C0, C1, F5-FF, the lead bytes F1 and F2
+of code points U+40000-U+BFFFF, and the control characters 04, 06, 13, 14, 16, 1D);
+:meth:`ByteLevelBPE.missing_bytes` lists them.
+
 Decoding concatenates the token strings, maps the characters back to bytes and decodes UTF-8.
-``decode(encode(s)) == s`` for every string (byte-level BPE is lossless).
+``decode(encode(s)) == s`` for every string made of bytes the vocabulary has.
 
 Example:
   >>> tok = smollm2_tokenizer()                       # doctest: +SKIP
@@ -109,6 +114,10 @@ class ByteLevelBPE:
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self._cache: dict[str, tuple[int, ...]] = {}
 
+    def missing_bytes(self) -> tuple[int, ...]:
+        """The byte values that have no token of their own (dropped when encoding)."""
+        return tuple(b for b, c in sorted(self.byte_encoder.items()) if c not in self.vocab)
+
     @property
     def vocab_size(self) -> int:
         """Number of tokens."""
@@ -158,10 +167,16 @@ class ByteLevelBPE:
                     merged.append(word[i])
                     i += 1
             word = merged
-        try:
-            ids = tuple(self.vocab[s] for s in word)
-        except KeyError as e:
-            raise ValueError(f"BPE produced the symbol {e.args[0]!r}, which is not in the vocabulary") from None
+        ids_list: list[int] = []
+        for sym in word:
+            tid = self.vocab.get(sym)
+            if tid is not None:
+                ids_list.append(tid)
+                continue
+            # A symbol outside the vocabulary: its characters one by one, dropping those the
+            # vocabulary lacks (as llama.cpp does).
+            ids_list.extend(self.vocab[c] for c in sym if c in self.vocab)
+        ids = tuple(ids_list)
         if len(self._cache) < 200_000:
             self._cache[piece] = ids
         return ids

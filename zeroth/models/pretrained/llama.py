@@ -232,7 +232,7 @@ def load_smollm2(package: str | None = None) -> tuple[dict[str, np.ndarray], Lla
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """``x / sqrt(mean(x², -1) + eps) · w`` in float32."""
     ms = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-    return x * jax.lax.rsqrt(ms + jnp.float32(eps)) * w
+    return x * jax.lax.rsqrt(ms + jnp.float32(eps)) * jnp.reshape(w, (1,) * (x.ndim - 1) + w.shape)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -240,7 +240,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     hd = x.shape[-1]
     half = hd // 2
     inv = jnp.float32(theta) ** (-jnp.arange(half, dtype=jnp.float32) * jnp.float32(2.0 / hd))
-    ang = positions.astype(jnp.float32)[..., None] * inv  # [B, T, half]
+    ang = positions.astype(jnp.float32)[..., None] * inv[None, None, :]  # [B, T, half]
     cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

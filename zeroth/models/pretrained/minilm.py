@@ -197,11 +197,12 @@ def tokenizer(package: str | None = None) -> _wp.WordPiece:
 def _layer_norm(x, scale, bias, eps):
     mu = jnp.mean(x, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
-    return (x - mu) * jax.lax.rsqrt(var + jnp.float32(eps)) * scale + bias
+    shape = (1,) * (x.ndim - 1) + scale.shape
+    return (x - mu) * jax.lax.rsqrt(var + jnp.float32(eps)) * jnp.reshape(scale, shape) + jnp.reshape(bias, shape)
 
 
 def _linear(x, w, b):
-    return jnp.einsum("...i,oi->...o", x, w) + b
+    return jnp.einsum("...i,oi->...o", x, w) + jnp.reshape(b, (1,) * (x.ndim - 1) + b.shape)
 
 
 def encode(params: dict, cfg: BertConfig, ids: jax.Array, mask: jax.Array | None = None) -> jax.Array:

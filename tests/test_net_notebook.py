@@ -1,0 +1,84 @@
+"""The Just One Byte comparison notebook executes on small real peer runs produced here."""
+
+from pathlib import Path
+
+import pytest
+
+from zeroth.config import load_config_dict, to_yaml
+from zeroth.net.runtime import Node, NodeOptions
+from zeroth.net.work import Worker
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOK = REPO / "notebooks" / "job_comparison.ipynb"
+
+
+def make_run(root: Path, name: str, peers: int, codec: str, iterations: int, worker_cache: dict) -> None:
+    raw = {
+        "run": {"name": name, "seed": 1},
+        "data": {"dataset": "digits", "batch_size": 32, "eval_size": 200},
+        "model": {"name": "mlp", "kwargs": {"hidden": [16]}},
+        "train": {"lr": 0.05, "eps": 1e-3, "codec": codec, "eval_every": 4},
+        "peers": {"count": peers, "inferences_per_iteration": 4, "iteration_timeout_s": 5.0, "barrier_timeout_s": 3.0, "iterations": iterations},
+    }
+    cfg = load_config_dict(raw)
+    out = root / name
+    out.mkdir(parents=True)
+    (out / "config.yaml").write_text(to_yaml(cfg))
+    worker = worker_cache.setdefault(codec, Worker(cfg))
+    nodes = [Node(cfg, NodeOptions(out_dir=str(out / "peers" / "p0"), founders=peers, log=False), worker=worker)]
+    address = nodes[0].start()
+    for i in range(1, peers):
+        nodes.append(Node(cfg, NodeOptions(out_dir=str(out / "peers" / f"p{i}"), join=(address,), log=False), worker=worker))
+        nodes[-1].start()
+    try:
+        assert all(n.wait(180) for n in nodes)
+        assert [n.finish_reason for n in nodes] == ["done"] * peers
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def text_outputs(nb) -> str:
+    out = []
+    for cell in nb.cells:
+        for o in cell.get("outputs", []):
+            if o.get("output_type") == "stream":
+                out.append(o["text"])
+            elif "data" in o and "text/plain" in o["data"]:
+                out.append(o["data"]["text/plain"])
+    return "\n".join(out)
+
+
+@pytest.mark.slow
+def test_job_notebook_executes_on_real_peer_runs(tmp_path, monkeypatch):
+    import nbclient
+    import nbformat
+
+    runs = tmp_path / "runs"
+    workers: dict = {}
+    make_run(runs, "onebyte_2peers", 2, "onebyte", 8, workers)
+    make_run(runs, "float32_2peers", 2, "float32", 8, workers)
+    make_run(runs, "onebyte_1machine", 1, "onebyte", 16, workers)
+    figures = tmp_path / "figures"
+    monkeypatch.setenv("ZEROTH_JOB_RUNS", str(runs))
+    monkeypatch.setenv("ZEROTH_FIGURES", str(figures))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO / "notebooks")}})
+    client.execute()
+    text = text_outputs(nb)
+    assert "3 runs under" in text
+    names = ("onebyte_2peers", "float32_2peers", "onebyte_1machine")
+    lines = [line.split() for line in text.splitlines()]
+    accuracy_rows = {row[0]: row for row in lines if len(row) == 12 and row[0] in names}
+    bytes_rows = {row[0]: row for row in lines if len(row) == 10 and row[0] in names}
+    assert set(accuracy_rows) == set(bytes_rows) == set(names), text
+    for name, row in accuracy_rows.items():
+        # the same 64 projected gradients (128 forward passes) in every run; no mismatch; one final digest
+        assert row[4] == "64" and row[5] == "128" and row[10] == "0" and row[11] == "1", row
+        assert row[7] == ("64" if row[2] == "onebyte" else "256")  # 1 (or 4) bytes per projected gradient
+    for name, row in bytes_rows.items():
+        d, payload, wire, full = (int(x) for x in row[1:5])
+        assert payload == (4 if "onebyte" in name else 16) and full == 4 * d and wire > payload
+    for png in ("job_accuracy_vs_forward_passes.png", "job_bytes_per_step.png"):
+        assert (figures / png).stat().st_size > 10_000

