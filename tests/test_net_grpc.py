@@ -166,7 +166,7 @@ def test_stale_duplicate_oversized_and_undecodable_messages(running):
 
 def test_the_run_survives_all_that_and_stays_in_agreement(running):
     before = [n.applied for n in running]
-    assert wait_for(lambda: all(n.applied >= b + 5 for n, b in zip(running, before)))
+    assert wait_for(lambda: all(n.applied >= b + 5 for n, b in zip(running, before, strict=True)))
     common = set(running[0].digests()) & set(running[1].digests())
     assert len(common) >= 5
     for t in common:
@@ -185,7 +185,7 @@ def test_a_corrupted_peer_is_detected_and_repaired(worker, tmp_path):
         def flip_one_bit(params):
             leaf = params["Dense_0"]["bias"]
             bits = np.asarray(leaf).view(np.uint32).copy()
-            bits[0] ^= 1
+            bits[0] ^= 1 << 22  # a high mantissa bit: a change later rounding cannot absorb
             return {**params, "Dense_0": {**params["Dense_0"], "bias": jnp.asarray(bits.view(np.float32))}}
 
         nodes[2].call(flip_one_bit)
@@ -229,7 +229,7 @@ def test_padding_a_replay_with_zero_coefficients_changes_no_bit(worker):
     payloads = tuple(worker.codec.encode(g) for g in grads.values())
     keys, coeffs = worker.updates(11, ((0, 3), (4, 2)), payloads)
     assert keys.shape[0] == padded_size(5) == 8
-    decoded = {m: worker.codec.decode(p) for m, p in zip(grads, payloads)}
+    decoded = {m: worker.codec.decode(p) for m, p in zip(grads, payloads, strict=True)}
     plain = replay.replay(params, zo.canonical_updates(worker.seed, 11, decoded, 0.05, "sqrt"), distribution=worker.distribution)
     padded = replay.replay(params, (keys, coeffs), distribution=worker.distribution)
     assert replay.checksum(plain) == replay.checksum(padded)
@@ -241,3 +241,28 @@ def test_wire_bytes_are_counted_for_every_message(running):
     assert t["messages_sent"] > 0 and t["messages_received"] > 0
     assert t["wire_sent"] > t["messages_sent"] * wire.RESPONSE_OVERHEAD // 2
     assert t["payload_sent"] > 0 and t["payload_received"] > 0
+
+
+def test_timeout_based_end_of_an_iteration_sends_what_was_computed():
+    worker = Worker(config(10), chunk=1)
+    params = jax.tree_util.tree_map(jnp.array, worker.initial_params())
+    count, payload, loss = worker.compute(params, 0, 0, deadline=time.monotonic() - 1.0)
+    assert count == 1 < worker.n  # the deadline had passed: one chunk, then stop
+    assert len(payload) == 1 and np.isfinite(loss)
+    full, payload_full, _ = worker.compute(params, 0, 0)  # count-based end
+    assert full == worker.n == 4 and payload_full[:1] == payload  # same keys, same batch: same first value
+
+
+def test_a_peer_that_leaves_is_removed_and_the_others_finish(worker, tmp_path):
+    cfg = config(20, count=3)
+    nodes = start_nodes(cfg, worker, tmp_path, 3)
+    try:
+        assert wait_for(lambda: nodes[2].applied >= 3)
+        nodes[2].leave()
+        assert all(n.wait(120) for n in nodes)
+        assert [n.finish_reason for n in nodes] == ["done", "done", "left"]
+        assert nodes[0].digests()[20] == nodes[1].digests()[20]
+        assert nodes[2].applied < 20
+    finally:
+        for n in nodes:
+            n.stop()

@@ -46,7 +46,7 @@ def assert_agree(net, min_done=1):
     # last decision a later ballot replaced before it was dropped.
     for p in net.peers.values():
         mine = p.chain()
-        agree = sum(1 for a, b in zip(mine, ref) if a == b)
+        agree = sum(1 for a, b in zip(mine, ref, strict=False) if a == b)
         assert agree >= len(mine) - 1, (p.address, len(mine), agree)
     assert len(net.admitted) == len(set(net.admitted)), net.admitted
     return ref

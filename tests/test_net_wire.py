@@ -2,7 +2,6 @@
 survives encode/decode; sizes the protobuf cannot bound are refused on decode."""
 
 import filecmp
-import pathlib
 
 import pytest
 from hypothesis import given

@@ -128,12 +128,11 @@ def test_bytes_without_a_token_are_dropped_like_llama_cpp(lm):
 def test_greedy_decoding_knows_the_capital_of_france(lm):
     from zeroth.models.pretrained import generate
 
-    prompt = lm.tokenizer.encode("The capital of France is")
-    out = generate.greedy(lm.params, lm.config, [prompt], 2)[0]
-    assert lm.tokenizer.decode(out[:1]) == " Paris"
-    # left padding inside a batch does not change the continuation
-    batch = generate.greedy(lm.params, lm.config, [lm.tokenizer.encode("Paris is the capital of"), prompt], 2)
-    assert batch[1] == out
+    prompts = [lm.tokenizer.encode(p) for p in ("The capital of France is", "Berlin is the capital city of the country of")]
+    assert len(prompts[0]) < len(prompts[1])  # the first prompt is left-padded inside the batch
+    out = generate.greedy(lm.params, lm.config, prompts, 2)
+    assert lm.tokenizer.decode(out[0][:1]) == " Paris"
+    assert lm.tokenizer.decode(out[1][:1]) == " Germany"
 
 
 @needs_smollm2
@@ -153,8 +152,6 @@ def test_perplexity_of_a_real_address_is_far_below_shuffled_tokens(lm):
     ppl_real, ppl_shuffled = np.exp(-real_lp.mean()), np.exp(-shuffled_lp.mean())
     assert ppl_real < 60, ppl_real
     assert ppl_shuffled > 10 * ppl_real, (ppl_real, ppl_shuffled)
-    # the batched scorer agrees with one sequence at a time
-    np.testing.assert_allclose(scoring.perplexity(lm.params, lm.config, tokens), ppl_real, rtol=1e-3)
 
 
 @needs_smollm2
@@ -169,7 +166,8 @@ def test_prompt_classifier_reads_label_words_at_the_last_real_token(lm):
     x = scoring.pad_right([lm.tokenizer.encode(p) for p in prompts], 24)
     logits = np.asarray(jax.jit(lambda p, x: models.apply(model, p, x))(params, x))
     assert logits.shape == (2, 2)
-    assert logits[0, 0] > logits[0, 1] and logits[1, 1] > logits[1, 0]  # terrible / great
+    # " great" minus " terrible": higher after the praise than after the complaint
+    assert logits[1, 1] - logits[1, 0] > logits[0, 1] - logits[0, 0] + 1.0, logits
     # equal to the full-vocabulary logits of the unpadded prompt at its last token
     ids = lm.tokenizer.encode(prompts[0])
     hidden, _ = llama.forward(lm.params, lm.config, jnp.asarray([ids]))

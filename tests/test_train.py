@@ -66,6 +66,18 @@ def test_backprop_baseline_same_model_and_eval(tmp_path):
     assert s["forward_passes"] == s["backward_passes"] == 100 and s["passes"] == 300 and s["payload_bytes"] == 0
 
 
+def test_error_rate_has_no_gradient_for_backprop():
+    import jax
+
+    from zeroth import data, models
+
+    ds = data.load("digits", "train")
+    model = models.build("mlp", num_classes=10, hidden=(16,))
+    params = models.init(model, models.init_key(0), ds.x[:1])
+    grads = jax.grad(trainer.make_objective("error_rate", model))(params, (ds.x[:64], ds.y[:64]))
+    assert all(float(np.abs(g).max()) == 0.0 for g in jax.tree_util.tree_leaves(grads))
+
+
 def test_non_differentiable_objective_improves_with_zo(tmp_path):
     # loss = 1 - accuracy on the batch: piecewise constant, its gradient is zero almost everywhere
     cfg = load_config_dict(

@@ -39,7 +39,6 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import yaml
 

@@ -55,7 +55,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from zeroth.rng import threefry2x32

@@ -164,8 +164,11 @@ def exact_leaf(path: str, shape: tuple[int, ...], key) -> np.ndarray:
     return z * np.float32(std)
 
 
-def init(model, key, sample_x, *, exact: bool = True, **kwargs: Any) -> dict:
+def init(model, key, sample_x, *, exact: bool = True, pretrained: bool = True, **kwargs: Any) -> dict:
     """Initialize parameters: a pytree (nested dict) of float32 arrays.
+
+    A model with a ``pretrained_params(key, sample_x)`` method (the pretrained models) starts
+    from what it returns, unless ``pretrained=False``.
 
     Args:
       model: a flax module, or a registered name (then built with ``kwargs``).
@@ -173,6 +176,7 @@ def init(model, key, sample_x, *, exact: bool = True, **kwargs: Any) -> dict:
       sample_x: an input batch with the real shape/dtype (only shapes are used).
       exact: fill the leaves with zeroth's integer noise on the host (bit-identical everywhere,
         no compilation); ``False`` = flax's initializers (``jax.random``, backend-dependent).
+      pretrained: use the model's ``pretrained_params`` when it has one.
 
     Returns:
       The ``params`` collection, every leaf float32.
@@ -184,6 +188,9 @@ def init(model, key, sample_x, *, exact: bool = True, **kwargs: Any) -> dict:
         model = build(model, **kwargs)
     elif kwargs:
         raise ValueError(f"keyword arguments {sorted(kwargs)} are only accepted with a model name")
+    if pretrained and callable(getattr(model, "pretrained_params", None)):
+        params = model.pretrained_params(key, sample_x)
+        return jax.tree_util.tree_map(lambda p: jnp.asarray(p, jnp.float32), dict(params))
     sample = jnp.asarray(sample_x)
     if not exact:
         rng = jax.random.wrap_key_data(jnp.asarray(np.asarray(key, np.uint32)))

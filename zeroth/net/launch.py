@@ -149,7 +149,8 @@ def summarize(cfg: Config, peers: list[PeerProcess], events: list[dict], wall: f
     per = []
     for p in peers:
         path = p.out / "summary.json"
-        s = json.loads(path.read_text()) if path.exists() else {"finish_reason": "killed", "address": p.address}
+        address = (p.out / "address").read_text().strip() if (p.out / "address").exists() else p.address
+        s = json.loads(path.read_text()) if path.exists() else {"finish_reason": "killed", "address": address}
         s["index"] = p.index
         s["exit_code"] = p.proc.returncode
         per.append(s)
@@ -231,10 +232,12 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
         extra += ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca]
     n_extra = len(p.join_at)
     if p.base_port:
-        ports = [p.base_port + i for i in range(p.count + n_extra)]
-    else:
-        ports = free_ports(p.count + n_extra, p.host)
-    addresses = [f"{p.host}:{port}" for port in ports]
+        addresses = [f"{p.host}:{p.base_port + i}" for i in range(p.count + n_extra)]
+    else:  # each peer binds a free port itself and writes it to its `address` file; the others wait for it
+        addresses = [f"{p.host}:0"] * (p.count + n_extra)
+    founder_address = addresses[0] if p.base_port else f"@{out / 'peers' / 'p0' / 'address'}"
+    (out / "peers" / "p0").mkdir(parents=True, exist_ok=True)
+    (out / "peers" / "p0" / "address").unlink(missing_ok=True)
     peers: list[PeerProcess] = []
     events: list[dict] = []
     t0 = time.monotonic()
@@ -255,7 +258,7 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
                     out / "peers" / f"p{i}",
                     addresses[i],
                     index=i,
-                    join=None if i == 0 else addresses[0],
+                    join=None if i == 0 else founder_address,
                     founders=p.count if i == 0 else None,
                     extra_args=tuple(extra),
                     founder=True,
@@ -266,7 +269,7 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
             i = len(peers)
             peers.append(
                 start_peer(
-                    config_path, out / "peers" / f"p{i}", addresses[i], index=i, join=addresses[0],
+                    config_path, out / "peers" / f"p{i}", addresses[i], index=i, join=founder_address,
                     extra_args=(*extra, "--join-at", str(k)), founder=False,
                 )
             )

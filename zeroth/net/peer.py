@@ -37,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zeroth peer", description="Run one Just One Byte peer.")
     p.add_argument("--config", required=True, help="experiment YAML with a peers: section (same on every peer)")
     p.add_argument("--listen", required=True, help="HOST:PORT to serve on (port 0: any free port)")
-    p.add_argument("--join", action="append", default=[], metavar="HOST:PORT", help="a peer of the run to join through (repeatable)")
+    p.add_argument(
+        "--join", action="append", default=[], metavar="HOST:PORT",
+        help="a peer of the run to join through (repeatable); @FILE: the address written in FILE (waited for)",
+    )
     p.add_argument("--out", required=True, help="output folder (metrics.jsonl, summary.json, address)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
     p.add_argument("--founders", type=int, default=None, help="founder only: peers to wait for before iteration 0 (default peers.count)")
@@ -119,8 +122,7 @@ def main(argv: list[str]) -> int:
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     while not node.wait(0.5):
         if deadline is not None and time.monotonic() > deadline:
-            node.error = f"timed out after {args.timeout}s"
-            node._finish("failed")  # noqa: SLF001  (records the summary)
+            node.fail(f"timed out after {args.timeout}s")
             break
         if leaving.is_set() and node.phase not in ("member", "joining", "catching_up"):
             break

@@ -128,7 +128,9 @@ class NodeOptions:
       out_dir: where metrics.jsonl, summary.json and peer.log go.
       listen: ``host:port`` to serve on (port 0: any free port).
       advertise: the address others use to reach this peer (default: ``listen`` with the bound port).
-      join: addresses of peers of the run to join through; empty = found the run (machine 0).
+      join: addresses of peers of the run to join through (``@PATH``: the address written in the
+        file PATH, waited for: the ``address`` file of a peer started at the same time); empty =
+        found the run (machine 0).
       founders: peers the founder waits for before iteration 0 (itself included).
       token: the shared token (None: none).
       tls: TLS files (None: plaintext).
@@ -245,7 +247,9 @@ class Node:
         self._server, port = _service.serve(self, self.options.listen, tls=self.options.tls, token=self.options.token)
         host = self.options.listen.rpartition(":")[0]
         self.address = self.options.advertise or f"{host}:{port}"
-        (self.out_dir / "address").write_text(self.address + "\n")
+        tmp = self.out_dir / "address.tmp"
+        tmp.write_text(self.address + "\n")
+        tmp.replace(self.out_dir / "address")
         for target, name in ((self._drive, "zeroth-driver"), (self._tick, "zeroth-ticker")):
             th = threading.Thread(target=target, name=name, daemon=True)
             th.start()
@@ -276,6 +280,11 @@ class Node:
                 self._dispatch(step.effects)
             elif self._st is None or self._st.phase != P.MEMBER:
                 self._finish("left")
+
+    def fail(self, reason: str) -> None:
+        """Give up: record ``reason`` as the error and finish (``finish_reason == "failed"``)."""
+        self.error = reason
+        self._finish("failed")
 
     def call(self, fn) -> Any:
         """Run ``fn(params) -> params`` in the driver between two iterations and wait for it (inspection, edits)."""
@@ -548,14 +557,31 @@ class Node:
             for t in [t for t in self._digests if t < iteration - 512]:
                 del self._digests[t]
 
+    def _resolve(self, addresses: list[str]) -> list[str]:
+        """Addresses with every ``@PATH`` replaced by the address in that file (waited for)."""
+        out = []
+        deadline = time.monotonic() + self.options.join_timeout_s
+        for a in addresses:
+            if not a.startswith("@"):
+                out.append(a)
+                continue
+            path = Path(a[1:])
+            while not (path.exists() and path.read_text().strip()):
+                if time.monotonic() > deadline or self._stop.is_set():
+                    raise RuntimeError(f"no address appeared in {path} within {self.options.join_timeout_s}s")
+                time.sleep(0.1)
+            out.append(path.read_text().strip())
+        return out
+
     def _join(self, addresses: list[str]) -> None:
         """Join through ``addresses`` (following redirects), download the state, replay the log, take part."""
         self.worker.warm_up(max(1, self.options.founders))
-        deadline = time.monotonic() + self.options.join_timeout_s
+        addresses = self._resolve(addresses)
         p = self.cfg.peers
         timeout = self.options.forming_timeout_s + p.iteration_timeout_s + 4 * p.barrier_timeout_s
         if self.options.join_at is not None and not self._st:
             self._wait_for_iteration(addresses, self.options.join_at)
+        deadline = time.monotonic() + self.options.join_timeout_s
         answer = sponsor = None
         while answer is None:
             if time.monotonic() > deadline or self._stop.is_set():
@@ -681,13 +707,13 @@ class Node:
         if t > self._applied:
             raise RuntimeError(f"asked to apply iteration {t} but the parameters are at iteration {self._applied}")
         self._params = self.worker.apply(self._params, t, c.contributors, entry.payloads)
-        self._applied = t + 1
         digest = _replay.checksum(self._params)
         n_total = sum(n for _, n in c.contributors)
         self._forward_passes += 2 * n_total
         with self._data_lock:
             self._log[t] = entry
             self._digests[t + 1] = digest
+            self._applied = t + 1
             pending = self._pending_checks.pop(t + 1, [])
         if (t + 1) % self.options.snapshot_every == 0:
             self._snapshot(t + 1, c.next_view, digest)
@@ -834,7 +860,7 @@ class Node:
             self._log.clear()
             self._digests.clear()
             self._pending_checks.clear()
-        for a in self.options.join:
+        for a in self._resolve(list(self.options.join)):
             if a not in addresses:
                 addresses.append(a)
         self._join(addresses)

@@ -78,7 +78,8 @@ def main(argv: list[str]) -> int:
             try:
                 from zeroth.net import launch
             except ImportError as e:
-                print(f"zeroth run: error: the config has a 'peers' section but zeroth.net.launch cannot be imported ({e})", file=sys.stderr)
+                msg = f"the config has a 'peers' section but zeroth.net.launch cannot be imported ({e})"
+                print(f"zeroth run: error: {msg}", file=sys.stderr)
                 return 2
             return int(launch.run_config(cfg, out, argv) or 0)
         result = trainer.train(

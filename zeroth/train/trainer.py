@@ -44,7 +44,6 @@ import numpy as np
 from zeroth import data as _data
 from zeroth import models as _models
 from zeroth import replay as _replay
-from zeroth import rng as _rng
 from zeroth.config import Config, config_digest, diff, load_config, to_yaml
 from zeroth.train.checkpoint import Checkpointer, CheckpointError
 from zeroth.train.metrics import MetricsWriter, read_metrics, truncate_after
@@ -96,7 +95,10 @@ class StepInfo(NamedTuple):
 
 
 class Method(NamedTuple):
-    """A training method: ``init(params) -> opt_state``; ``step(params, opt_state, batch, step) -> (params, opt_state, StepInfo)``."""
+    """A training method.
+
+    ``init(params) -> opt_state``; ``step(params, opt_state, batch, step) -> (params, opt_state, StepInfo)``.
+    """
 
     init: Callable[[Any], Any]
     step: Callable[[Any, Any, tuple, int], tuple[Any, Any, StepInfo]]

@@ -82,7 +82,7 @@ def finetune(cfg, out_dir: str | Path, *, requantize: str | None = None, progres
             raise ValueError(f"--requantize needs model smollm2_prompt (its GGUF grids), got {cfg.model.name!r}")
         from zeroth.models.pretrained import q4train
 
-        method = q4train.zo_q4_method(cfg, model, rounding=requantize, package=cfg.model.kwargs.get("package"))
+        method = q4train.zo_q4_method(cfg, model, rounding=requantize)
     else:
         method = _trainer.make_method(cfg, model)
     opt_state = method.init(params)

@@ -34,7 +34,7 @@ division, deterministic on IEEE backends but not part of zeroth's proven replay 
 Example:
   >>> grids = smollm2_grids()                                              # doctest: +SKIP
   >>> project = make_projection(grids, "nearest")                          # doctest: +SKIP
-  >>> params = project(params, run_seed=0, step=0)                         # doctest: +SKIP
+  >>> params = project(params, run_seed=0, step=0)  # dict params: keys "['attn_q']", ...  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -98,14 +98,18 @@ def _grids_cached(path: str) -> dict[str, _quant.Grid]:
 
 
 def smollm2_grids(package: str | None = None) -> dict[str, _quant.Grid]:
-    """The grid of every quantized SmolLM2 parameter, in the :mod:`.llama` layout (Q/K rows un-permuted).
+    """The grid of every quantized SmolLM2 parameter, keyed by leaf path (``"['attn_q']"``).
 
-    Returns:
-      ``{name: Grid}`` for the nine linear weights (Q4_1, ``d, m: f32[L, out, in/32]``) and
-      ``embed`` (Q8_0, ``f32[V, d/32]``); the norm weights (F32 in the file) are absent.
+    In the :mod:`.llama` layout (Q/K rows un-permuted like the weights): the nine linear weights
+    (Q4_1, ``d, m: f32[L, out, in/32]``) and ``embed`` (Q8_0, ``f32[V, d/32]``); the norm
+    weights (F32 in the file) have no grid.
     """
     path = _gguf.smollm2_path() if package is None else _gguf.smollm2_path(package)
-    return _grids_cached(str(path))
+    return {_leaf_key(name): g for name, g in _grids_cached(str(path)).items()}
+
+
+def _leaf_key(name: str) -> str:
+    return jax.tree_util.keystr((jax.tree_util.DictKey(name),))
 
 
 def requant_key(run_seed: int, step: int) -> np.ndarray:
@@ -125,10 +129,15 @@ def _uniform(key: jax.Array, n: int) -> jax.Array:
 
 
 def make_projection(grids: dict[str, _quant.Grid], rounding: str = "nearest"):
-    """``project(params, run_seed, step) -> params`` putting every gridded leaf back on its grid (jitted).
+    """``project(params, run_seed, step) -> params`` putting every gridded leaf back on its grid.
 
-    Leaves without a grid pass through unchanged. ``rounding="stochastic"`` draws its uniforms
-    from :func:`requant_key` and the leaf id of the parameter's path.
+    Args:
+      grids: ``{leaf path (jax.tree_util.keystr): Grid}``; the grid of a leaf ``f32[..., n]`` has
+        ``d, m: f32[..., n/32]`` (blocks of 32 along the last axis).
+      rounding: ``"nearest"`` or ``"stochastic"`` (uniforms from :func:`requant_key` folded with
+        the leaf id of the path).
+
+    Leaves without a grid pass through unchanged; the function is jitted once per structure.
     """
     from zeroth import rng as _rng
 
@@ -137,23 +146,25 @@ def make_projection(grids: dict[str, _quant.Grid], rounding: str = "nearest"):
 
     @jax.jit
     def _project(params, key):
-        out = dict(params)
-        for name, (d, m, qmin, qmax) in dev.items():
-            if name not in params:
-                continue
-            x = params[name].astype(jnp.float32)
+        def leaf(path, x):
+            p = _rng.leaf_path(path)
+            if p not in dev:
+                return x
+            d, m, qmin, qmax = dev[p]
+            x32 = x.astype(jnp.float32)
             u = None
             if rounding == "stochastic":
-                lid = _rng.leaf_id(jax.tree_util.keystr((jax.tree_util.DictKey(name),)))
-                lk = _rng.fold_in(key, np.uint32(lid))
+                lk = _rng.fold_in(key, np.uint32(_rng.leaf_id(path)))
                 u = _uniform(lk, int(np.prod(x.shape))).reshape(x.shape)
-            out[name] = _quant.project_to_grid(x, d, m, qmin, qmax, uniform=u)
-        return out
+            return _quant.project_to_grid(x32, d, m, qmin, qmax, uniform=u).astype(x.dtype)
 
-    def project(params: dict, run_seed: int = 0, step: int = 0) -> dict:
-        missing = [k for k in dev if k not in params]
-        if len(missing) == len(dev):
-            raise ValueError(f"no parameter has a grid; parameters {sorted(params)}, grids {sorted(dev)}")
+        return jax.tree_util.tree_map_with_path(leaf, params)
+
+    def project(params, run_seed: int = 0, step: int = 0):
+        paths = {_rng.leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+        missing = sorted(set(dev) - paths)
+        if missing:
+            raise ValueError(f"grids for {missing} match no parameter; parameters are {sorted(paths)}")
         return _project(params, jnp.asarray(requant_key(run_seed, step)))
 
     return project
@@ -166,20 +177,29 @@ def _changed(a, b):
     return diff / jnp.float32(n)
 
 
-def changed_fraction(before: dict, after: dict, names=None) -> float:
-    """Fraction of the weights (of ``names``, default all) that differ between two parameter dicts."""
-    names = sorted(before) if names is None else sorted(names)
-    return float(_changed({k: before[k] for k in names}, {k: after[k] for k in names}))
+def changed_fraction(before, after, paths=None) -> float:
+    """Fraction of the weights (of the leaves at ``paths``, default all) that differ between two pytrees."""
+    from zeroth import rng as _rng
+
+    a = {_rng.leaf_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(before)[0]}
+    b = {_rng.leaf_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(after)[0]}
+    keys = sorted(a) if paths is None else sorted(paths)
+    return float(_changed([a[k] for k in keys], [b[k] for k in keys]))
 
 
-def zo_q4_method(cfg, model, *, rounding: str = "nearest", package: str | None = None):
-    """A :class:`zeroth.train.trainer.Method` for ``smollm2_prompt``: the ZO step, then requantization.
+def zo_q4_method(cfg, model, *, rounding: str = "nearest", grids: dict[str, _quant.Grid] | None = None):
+    """A :class:`zeroth.train.trainer.Method`: the trainer's ZO step, then requantization.
 
-    ``init(params)`` checks that the parameters start on their grids (the pretrained values do);
-    ``step`` runs :func:`zeroth.zo.mezo_step` exactly as ``train.method: zo`` does, then
-    projects the result (:func:`make_projection`). The ``StepInfo.grads`` are the decoded
-    projected gradients; the fraction of quantized weights whose code changed is in
-    ``step.last_changed`` (a one-element list, for logging).
+    ``init(params)`` checks that the parameters start on their grids (SmolLM2's pretrained
+    values do); ``step`` runs :func:`zeroth.zo.mezo_step` exactly as ``train.method: zo`` does,
+    then projects the result (:func:`make_projection`). The fraction of gridded weights whose
+    code changed in the last step is ``step.last_changed[0]`` (for logging).
+
+    Args:
+      cfg: the experiment config (``train.method`` must be ``zo``).
+      model: the flax module (``smollm2_prompt`` for the default grids).
+      rounding: ``"nearest"`` or ``"stochastic"``.
+      grids: ``{leaf path: Grid}``; default :func:`smollm2_grids` of ``model.package``.
     """
     from zeroth import zo as _zo
     from zeroth.train import trainer as _trainer
@@ -187,7 +207,8 @@ def zo_q4_method(cfg, model, *, rounding: str = "nearest", package: str | None =
     t = cfg.train
     if t.method != "zo":
         raise ValueError(f"4-bit forward-only training needs train.method 'zo', got {t.method!r}")
-    grids = smollm2_grids(package)
+    if grids is None:
+        grids = smollm2_grids(getattr(model, "package", None))
     project = make_projection(grids, rounding)
     loss_fn = _trainer.make_objective(t.objective, model)
     _zo.round_eps(t.eps)

