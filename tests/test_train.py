@@ -188,14 +188,16 @@ def test_sigkill_mid_run_then_resume_gives_the_same_digest(tmp_path):
         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err_path = tmp_path / "killed.stderr"
+    with err_path.open("wb") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 240
     try:
         while time.monotonic() < deadline:
             steps = [int(p.name) for p in (out / "checkpoints").glob("*") if p.name.isdigit()] if out.exists() else []
             if steps and max(steps) >= 40:
                 break
-            assert proc.poll() is None, f"run ended before it was killed: {proc.communicate()[1].decode()[-2000:]}"
+            assert proc.poll() is None, f"run ended before it was killed: {err_path.read_text()[-2000:]}"
             time.sleep(0.02)
         else:
             pytest.fail("no checkpoint >= 40 within the time limit")

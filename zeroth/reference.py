@@ -54,11 +54,14 @@ def _rotl(x: np.ndarray, r: int) -> np.ndarray:
 def threefry2x32(key, counter):
     """Threefry-2x32 with 20 rounds (Random123).
 
-    threefry2x32 :: (u32, u32) -> (u32[...], u32[...]) -> (u32[...], u32[...])
+    threefry2x32 :: (u32[...], u32[...]) -> (u32[...], u32[...]) -> (u32[...], u32[...])
+
+    Keys and counters broadcast against each other (many keys at once is how
+    :func:`zeroth.rng.sample_keys` derives a whole iteration's keys in one call).
     """
-    k0 = np.uint32(key[0])
-    k1 = np.uint32(key[1])
-    k2 = np.uint32(k0 ^ k1 ^ np.uint32(PARITY))
+    k0 = np.asarray(key[0], dtype=np.uint32)
+    k1 = np.asarray(key[1], dtype=np.uint32)
+    k2 = (k0 ^ k1 ^ np.uint32(PARITY)).astype(np.uint32)
     ks = (k0, k1, k2)
     x0 = np.asarray(counter[0], dtype=np.uint32)
     x1 = np.asarray(counter[1], dtype=np.uint32)

@@ -31,8 +31,9 @@ with ballot ``(0, leader)``; a member that waited too long suspects the committe
 lowest unsuspected active member takes over with a higher ballot: it collects promises
 (:class:`Prepare`) from the members, adopts the highest-ballot decision any of them holds
 (re-issued verbatim), else decides from the pushes it and they hold. Progress needs a majority
-of the active members of ``V_t`` (the leader's barrier and the takeover both check it), so two
-halves of a partitioned run can never both go on. A member that applied a decision which a
+of the members of ``V_t`` (active or not; the leader's barrier counts the members it heard from
+this iteration, the takeover its promises), so two halves of a partitioned run can never both
+go on, while members that only missed a barrier still count toward the majority. A member that applied a decision which a
 later ballot replaced is told by the conflicting commit and drops out (it must rejoin). A
 joiner's id is given to it only after the commit admitting it reached a majority, so a
 takeover always sees (and keeps) that admission: ids are never reused.
@@ -744,7 +745,8 @@ def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> Pee
     if st.me not in have and st.me not in st.leaves:
         return st  # our own projected gradients are still being computed
     if not expected <= have:
-        if now < st.deadline or not _majority(have | st.leaves, active):
+        # Evidence of life: pushes (in time, or one iteration late from inactive members), leaves, us.
+        if now < st.deadline or not _majority(have | st.ready | st.leaves | {st.me}, view.ids()):
             return st
     ballot = Ballot(0, st.me)
     entry, admitted = _decide(params, st, ballot, have, have | st.ready | {st.me})
@@ -789,10 +791,9 @@ def _publish(params: Params, st: PeerState, now: float, effects: list, entry: Lo
     for m in st.view.members:
         if m.machine != st.me:
             effects.append(Send(m.machine, m.address, entry.commit))
-    active = st.view.active_ids()
     admissions = dict(st.admissions)
     if admitted:
-        admissions[t] = Admission(active, frozenset({st.me}), tuple(admitted), entry.commit.next_view)
+        admissions[t] = Admission(st.view.ids(), frozenset({st.me}), tuple(admitted), entry.commit.next_view)
     st = st._replace(
         decided=_put(st.decided, t, entry),
         promised=_put(st.promised, t, entry.commit.ballot),
@@ -1180,12 +1181,13 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
         return st._replace(recovery=None)
     responders = frozenset(m for m, r in rec.replies.items() if r is not None) | {st.me}
     active = st.view.active_ids()
-    if not _majority(responders, active):
+    members = st.view.ids()
+    if not _majority(responders, members):
         if now < rec.deadline:
             return st
         effects.append(
             Note(
-                f"iteration {st.it}: takeover got promises from {sorted(responders & active)} of {sorted(active)}; "
+                f"iteration {st.it}: takeover got promises from {sorted(responders & members)} of {sorted(members)}; "
                 f"no majority, waiting"
             )
         )
