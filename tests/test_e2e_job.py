@@ -101,7 +101,7 @@ def test_mixed_xla_flags_leader_killed_late_joiner_and_an_intruder(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     tls_args = ("--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca)
-    common = (*tls_args, "--snapshot-every", "25", "--timeout", "300", "--linger", "3")
+    common = (*tls_args, "--snapshot-every", "25", "--chunk-bytes", "512", "--timeout", "300", "--linger", "3")
     ports = launch.free_ports(5)
     addr = [f"127.0.0.1:{p}" for p in ports]
     flags = ["", "--xla_cpu_max_isa=SSE4_2", "--xla_cpu_enable_fast_math=true", ""]
@@ -154,6 +154,8 @@ def test_mixed_xla_flags_leader_killed_late_joiner_and_an_intruder(tmp_path):
     joiner = records(tmp_path / "p3" / "metrics.jsonl")
     replayed = [r["iteration"] for r in joiner if r["catching_up"]]
     assert replayed and replayed[0] % 25 == 0 and (replayed[-1] + 1) % 25 != 0
+    # ... which it downloaded in 512-byte chunks from the three founders at once.
+    assert "in chunks from 3 peer(s)" in (tmp_path / "p3.log").read_text()
     # The leader was taken over; decisions after that come without machine 0.
     last = records(tmp_path / "p1" / "metrics.jsonl")[-1]
     assert 0 not in last["contributors"]

@@ -184,6 +184,21 @@ class TestNative:
         got = kp.perturb_native(x, keys, scales, distribution="binomial")
         assert_same_bits(got, numpy_perturb(x, keys, scales, "binomial"))
 
+    @pytest.mark.parametrize("offset", [1, 4095, 8197])
+    def test_whole_tiles_at_unaligned_offsets(self, offset):
+        # Whole float32 tiles are updated in the output buffer itself, here at addresses that are
+        # not 64-byte aligned; with and without aliasing the input.
+        x = _array((13000,), jnp.float32, seed=offset)
+        for dist in DISTS:
+            keys, scales = _leaf_keys(2, seed=offset), _scales(dist, 2, seed=offset)
+            want = numpy_perturb(x, keys, scales, dist, offset)
+            for inplace in (False, True):
+                f = jax.jit(
+                    lambda x: kp.perturb_native(x, keys, scales, distribution=dist, offset=offset, inplace=inplace),
+                    donate_argnums=0 if inplace else (),
+                )
+                assert_same_bits(f(jnp.copy(x)), want)
+
     @settings(max_examples=25)
     @given(
         n=st.integers(1, 3000),
@@ -346,6 +361,9 @@ def test_bad_shapes_and_dtypes():
         kp.perturb_leaf(jnp.zeros(4), keys, scales, offset=-1, impl="jnp")
     with pytest.raises(ValueError, match="float32"):
         kp.fused_apply_updates({"w": jnp.zeros(3)}, rng.sample_keys(0, [(0, 0, 0)]), np.array([0.5]))
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="interpret mode"):
+            kp.perturb_leaf(jnp.zeros(4), keys, scales, impl="pallas")
     with pytest.raises(ValueError, match="multiple of 64"):
         kp.BlockSizes(tile=100, lanes=None)
     with pytest.raises(ValueError, match="multiple of lanes"):

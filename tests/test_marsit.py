@@ -190,3 +190,12 @@ def test_build_rejects_bad_settings():
         S.signsgd(RING, -1.0)
     with pytest.raises(TypeError, match="flat f32"):
         S.psgd(RING).update(jnp.zeros((2, 3)), (), S.RoundCtx(jnp.asarray(KEY), "sync"))
+
+
+def test_round_keys_are_named_integers_on_host_and_device():
+    from zeroth import reference as zref
+
+    run_key = zref.fold_in(zref.root_key(7), S.MARSIT_TAG)
+    for t in (0, 1, 123456):
+        np.testing.assert_array_equal(np.asarray(S.round_key(jnp.asarray(run_key), t)), S.host_round_key(7, t))
+    assert not np.array_equal(S.host_round_key(7, 1), S.host_round_key(8, 1))

@@ -375,3 +375,13 @@ def test_updates_digest_depends_on_order_counts_and_bytes():
     assert len(d) == 32
     assert d != P.updates_digest(((1, 1), (0, 1)), (b"b", b"a"))
     assert d != P.updates_digest(((0, 1), (1, 1)), (b"a", b"c"))
+
+
+def test_docstring_examples_of_the_net_modules_run():
+    import doctest
+
+    from zeroth.net import security, sim, state
+
+    for module in (P, sim, state, security):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__

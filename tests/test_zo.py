@@ -115,14 +115,17 @@ def test_estimator_does_not_recompile_across_iterations():
     for it in range(3):
         keys = rng.sample_keys(0, [(0, it, i) for i in range(2)])
         jax.block_until_ready(fn(params, None, keys, zo.round_eps(0.01 * (it + 1))))
-    assert fn._cache_size() == 1
+    assert fn.cache_size() == 1
     assert zo.projected_gradients_fn(loss) is fn
 
 
-def test_compiler_options_are_accepted_and_backend_specific():
+def test_compiler_options_are_backend_specific():
     assert "xla_cpu_scheduler_type" in zo.compiler_options("cpu")
     assert "xla_cpu_scheduler_type" not in zo.compiler_options("gpu")
     assert zo.compiler_options("gpu")["xla_disable_hlo_passes"] == "while-loop-invariant-code-motion"
+    cpu = zo.compiler_option_candidates("cpu")
+    assert cpu[0] == zo.compiler_options("cpu") and "xla_cpu_experimental_ynn_fusion_type" in cpu[1]
+    assert zo.compiler_option_candidates("gpu") == [zo.compiler_options("gpu")]
 
 
 def _mlp_params(width: int, layers: int):
@@ -153,10 +156,12 @@ def test_step_keeps_no_perturbed_copy_of_the_model():
     param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
     leaf_bytes = width * width * 4
     act_bytes = batch.nbytes
-    fwd = jax.jit(_mlp_loss, compiler_options=zo.compiler_options()).lower(params, batch).compile()
+    assert param_bytes >= zo.AUTOTUNE_MIN_BYTES
     zo_fn = zo.projected_gradients_fn(_mlp_loss)
-    step = zo_fn.lower(params, batch, keys, zo.round_eps(1e-3)).compile()
-    extra = _peak(step) - _peak(fwd)
+    step = zo_fn.compiled(params, batch, keys, zo.round_eps(1e-3))
+    lowered = jax.jit(_mlp_loss).lower(params, batch)
+    inference = min(_peak(lowered.compile()), _peak(lowered.compile(zo_fn.chosen_options(params, batch, keys, zo.round_eps(1e-3)))))
+    extra = _peak(step) - inference
     assert extra <= leaf_bytes + 4 * act_bytes, (extra, leaf_bytes, act_bytes, param_bytes)
     assert extra < 0.5 * param_bytes
 
@@ -359,8 +364,8 @@ def test_bench_zo_program_reports_time_and_memory_side_by_side(capsys):
     result = json.loads(capsys.readouterr().out)
     names = [r["name"] for r in result["rows"]]
     assert names[0] == "inference forward" and "ZO step n=1 binomial" in names and "backprop step (sgd)" in names
-    assert set(result["ratios"]) == {"zo_time_over_forwards_binomial", "zo_memory_over_inference_binomial",
-                                     "backprop_time_over_two_forwards", "backprop_memory_over_inference"}
+    assert {"zo_time_over_forwards_binomial", "zo_memory_over_inference_binomial", "backprop_time_over_two_forwards",
+            "backprop_memory_over_inference"} <= set(result["ratios"])
     assert all(r["peak_bytes"] > 0 and r["seconds_min"] > 0 for r in result["rows"])
     # the ZO step never holds a second full copy of the parameters beyond the perturbed leaf in use
     zo_row = result["rows"][names.index("ZO step n=1 binomial")]

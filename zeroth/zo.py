@@ -24,20 +24,21 @@ step 2 is not required to be (contract point 5: the loss only produces the scala
 The loss may be any scalar function, differentiable or not (accuracy, F1, a step function).
 
 Memory. MeZO's point is that a step costs no more memory than inference. Here the parameters
-are never copied as a whole: each perturbation is evaluated functionally inside one compiled
-program (``lax.map`` over the keys), ``θ + εz`` and ``θ − εz`` one after the other (an
-optimization barrier orders them), and each perturbed leaf lives only until the operation that
-reads it has run. Three XLA settings make the compiler honour this (:func:`compiler_options`):
-while-loop invariant code motion is disabled (it would hoist the widened parameters and the
-noise index arrays, about 2.25 times the largest leaf, out of the loop over keys); on CPU the
-scheduler is "memory optimized" (the default "concurrency optimized" one computes every
-perturbed leaf up front, a whole perturbed copy) and the YNNPACK library fusion is limited to
-individual dots (its default fuses a chain of dense layers into one call that needs every
-perturbed weight at once). With them, the peak of a step is the inference peak plus about one
-perturbed copy of the largest leaf. :func:`projected_gradients_fn` compiles with these options;
-a caller that wraps :func:`projected_gradients` in its own ``jax.jit`` should pass
-``compiler_options=zo.compiler_options()`` too. The update itself is ``replay(..., donate=True)``,
-in place. ``zeroth bench zo`` measures both against a plain forward pass.
+are never copied as a whole: the 2n forward passes of a step are the iterations of one
+``lax.map`` over ``(key, ±ε)`` inside one compiled program; each iteration builds its perturbed
+model leaf by leaf as the forward pass reads it, and nothing of it outlives the iteration. XLA
+honours this under the options of :func:`compiler_options`: while-loop invariant code motion
+disabled (it would hoist the widened parameters and the noise index arrays, about 2.25 times
+the largest leaf, out of the loop), and on CPU the memory-optimized scheduler (the default
+concurrency-optimized one computes every perturbed leaf up front, a whole perturbed copy). On
+CPU the library fusion then decides the rest, and differently per model (a fused chain of dense
+layers needs all its perturbed weights at once; an unfused convolution materializes its
+activations), so :func:`projected_gradients_fn` compiles the candidates of
+:func:`compiler_option_candidates` and keeps the one with the smallest compiled peak. Typical
+result: the inference peak plus one perturbed copy of the largest leaf (or of the few leaves one
+library call reads). A caller wrapping :func:`projected_gradients` in its own ``jax.jit`` should
+pass ``compiler_options=zo.compiler_options()``. The update is ``replay(..., donate=True)``, in
+place. ``zeroth bench zo`` measures all of it against a plain forward pass.
 
 ZO-momentum / ZO-Adam (:func:`zo_optax`) materialize a dense gradient estimate and keep optax
 state: they are OUTSIDE the determinism contract (their state is float math whose rounding
@@ -72,11 +73,14 @@ from zeroth import rng as _rng
 __all__ = [
     "SCALINGS",
     "DECAY_FLUSH",
+    "AUTOTUNE_MIN_BYTES",
     "compiler_options",
+    "compiler_option_candidates",
     "round_eps",
     "projected_gradients",
     "projected_gradients_and_losses",
     "projected_gradients_fn",
+    "ProjectedGradientsFn",
     "update_coefficients",
     "canonical_updates",
     "decay_factor",
@@ -96,22 +100,27 @@ SCALINGS = ("linear", "sqrt")
 # them gradually agree.
 DECAY_FLUSH = np.float32(2.0**-125)
 _DISABLED_PASSES = "while-loop-invariant-code-motion"
+_INDIVIDUAL_LIBRARY_OPS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION"
+# Parameters smaller than this are compiled once (base options): choosing among compilations only
+# pays where the parameters are big enough for the memory to matter.
+AUTOTUNE_MIN_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------- estimator
 
 
 def compiler_options(backend: str | None = None) -> dict[str, Any]:
-    """XLA options under which a ZO step keeps no perturbed copy of the model.
+    """The base XLA options under which a ZO step keeps no perturbed copy of the model.
 
     * ``xla_disable_hlo_passes=while-loop-invariant-code-motion`` (every backend): the widened
-      parameters and the noise index arrays stay inside the loop over keys instead of being
-      hoisted out as whole-model temporaries;
-    * CPU: ``xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED`` computes each perturbed
-      leaf just before its use (the default concurrency scheduler computes them all first);
-    * CPU: ``xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT`` keeps one
-      library call per dot (the default can fuse a whole chain of dense layers into one call, whose
-      operands are then every perturbed weight at once).
+      parameters and the noise index arrays stay inside the loop over perturbations instead of
+      being hoisted out of it as whole-model temporaries (about 2.25 times the largest leaf);
+    * CPU: ``xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED``: each perturbed leaf is
+      computed just before its use (the default concurrency-optimized scheduler computes them all
+      first, a whole perturbed copy).
+
+    :func:`compiler_option_candidates` adds the CPU library-fusion variants among which
+    :func:`projected_gradients_fn` picks the one with the smallest compiled peak.
 
     Args:
       backend: ``"cpu"``, ``"gpu"``, ``"tpu"``...; default ``jax.default_backend()``.
@@ -127,8 +136,30 @@ def compiler_options(backend: str | None = None) -> dict[str, Any]:
     opts: dict[str, Any] = {"xla_disable_hlo_passes": _DISABLED_PASSES}
     if backend == "cpu":
         opts["xla_cpu_scheduler_type"] = "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
-        opts["xla_cpu_experimental_ynn_fusion_type"] = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
     return opts
+
+
+def compiler_option_candidates(backend: str | None = None) -> list[dict[str, Any]]:
+    """The option sets :func:`projected_gradients_fn` compiles and chooses among (smallest peak).
+
+    On CPU the YNNPACK library fusion decides the memory of a forward pass more than anything
+    else, and no single setting is best for every model: its default fuses a convolution with its
+    activation and pooling (streaming tiles, no activation buffer) but can also fuse a chain of
+    dense layers into one call, whose operands are then every perturbed weight at once; limiting
+    it to individual dots and convolutions does the opposite. So there are two candidates: the
+    base options (:func:`compiler_options`) with the default library fusion, and the same with
+    ``xla_cpu_experimental_ynn_fusion_type`` limited to individual dots and convolutions. Other
+    backends have one candidate.
+
+    Example:
+      >>> len(compiler_option_candidates("cpu")), len(compiler_option_candidates("gpu"))
+      (2, 1)
+    """
+    base = compiler_options(backend)
+    backend = jax.default_backend() if backend is None else backend
+    if backend != "cpu":
+        return [base]
+    return [base, dict(base, xla_cpu_experimental_ynn_fusion_type=_INDIVIDUAL_LIBRARY_OPS)]
 
 
 def round_eps(eps: float) -> np.float32:
@@ -181,9 +212,10 @@ def projected_gradients_and_losses(
 
     For each key ``k_i``: ``θ± = replay(θ, [(k_i, ±ε)])`` (the exact rule, through
     :func:`zeroth.replay.apply_updates`), ``g_i = (L(θ+) − L(θ−)) / (2ε)`` and
-    ``ℓ_i = (L(θ+) + L(θ−)) / 2``, in float32. The keys are visited by ``lax.map``; inside one
-    visit ``θ−`` is ordered after ``L(θ+)`` so at most one perturbed copy is alive (see the module
-    docstring on memory and :func:`compiler_options`).
+    ``ℓ_i = (L(θ+) + L(θ−)) / 2``, in float32. The 2n forward passes are the iterations of one
+    ``lax.map`` over ``(k_i, ±ε)``: each iteration builds one perturbed model, leaf by leaf as the
+    forward pass needs it, and nothing of it outlives the iteration (see the module docstring on
+    memory and :func:`compiler_options`).
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar``; any function, differentiable or not.
@@ -199,23 +231,23 @@ def projected_gradients_and_losses(
     _noise.check_distribution(distribution)
     _check_eps_scale(eps_scale)
     keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
+    n = keys.shape[0]
     eps = jnp.asarray(eps_scale, jnp.float32).reshape(())
     # z = k / 2 for binomial: θ + εz = θ + (ε/2)·k, the scale replay.update_scale gives (exact).
     scale = eps * jnp.float32(0.5) if distribution == "binomial" else eps
+    pair_keys = jnp.repeat(keys, 2, axis=0)  # k_0, k_0, k_1, k_1, ...
+    pair_scales = jnp.tile(jnp.stack([scale, -scale]), n)  # +s, -s, +s, -s, ...
 
-    def one(key):
-        # The barrier makes this visit's copy of θ depend on its key, so no whole-model value is
-        # hoisted out of the loop over keys.
-        key, theta = jax.lax.optimization_barrier((key, params))
-        plus = _replay.apply_updates(theta, key[None], scale[None], distribution=distribution)
-        lp = jnp.asarray(loss_fn(plus, batch)).astype(jnp.float32).reshape(())
-        # θ− is built only after L(θ+) is known: θ+ is dead by then.
-        lp, theta, key = jax.lax.optimization_barrier((lp, theta, key))
-        minus = _replay.apply_updates(theta, key[None], -scale[None], distribution=distribution)
-        lm = jnp.asarray(loss_fn(minus, batch)).astype(jnp.float32).reshape(())
-        return (lp - lm) / (jnp.float32(2.0) * eps), (lp + lm) * jnp.float32(0.5)
+    def one(args):
+        # The barrier makes this iteration's copy of θ depend on its key, so no whole-model value
+        # is hoisted out of the loop even where invariant code motion runs.
+        key, s, theta = jax.lax.optimization_barrier((args[0], args[1], params))
+        perturbed = _replay.apply_updates(theta, key[None], s[None], distribution=distribution)
+        return jnp.asarray(loss_fn(perturbed, batch)).astype(jnp.float32).reshape(())
 
-    return jax.lax.map(one, keys)
+    losses = jax.lax.map(one, (pair_keys, pair_scales)).reshape(n, 2)
+    lp, lm = losses[:, 0], losses[:, 1]
+    return (lp - lm) / (jnp.float32(2.0) * eps), (lp + lm) * jnp.float32(0.5)
 
 
 def projected_gradients(
@@ -243,25 +275,96 @@ def projected_gradients(
     return projected_gradients_and_losses(loss_fn, params, batch, keys, eps_scale, distribution=distribution)[0]
 
 
+def _signature(tree) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), str(jnp.result_type(x)), bool(getattr(x, "weak_type", False))) for x in leaves)
+
+
+def _peak_bytes(compiled) -> int:
+    m = compiled.memory_analysis()
+    if m is None:
+        return 0
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+class ProjectedGradientsFn:
+    """``fn(params, batch, keys, eps_scale) -> (g f32[n], ℓ f32[n])``, compiled per input signature.
+
+    For each new signature (tree structure, shapes and dtypes) it compiles
+    :func:`projected_gradients_and_losses` under each of :func:`compiler_option_candidates` and
+    keeps the executable with the smallest compiled peak memory (``memory_analysis()``:
+    argument + output + temp − alias bytes); below :data:`AUTOTUNE_MIN_BYTES` of parameters it
+    compiles once with the base options. ``keys`` and ``eps_scale`` are traced: a new iteration
+    or ε never recompiles.
+    """
+
+    def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], distribution: str):
+        self.loss_fn = loss_fn
+        self.distribution = distribution
+        self._cache: dict[tuple, tuple[Any, dict[str, Any]]] = {}
+
+        def fn(params, batch, keys, eps_scale):
+            return projected_gradients_and_losses(loss_fn, params, batch, keys, eps_scale, distribution=distribution)
+
+        self._jitted = jax.jit(fn)
+
+    def _args(self, params, batch, keys, eps_scale):
+        _check_eps_scale(eps_scale)
+        return params, batch, jnp.asarray(keys, jnp.uint32).reshape(-1, 2), jnp.asarray(eps_scale, jnp.float32).reshape(())
+
+    def compiled(self, params, batch, keys, eps_scale):
+        """The chosen ``jax.stages.Compiled`` for these arguments' signature (compiling if new)."""
+        return self._entry(*self._args(params, batch, keys, eps_scale))[0]
+
+    def chosen_options(self, params, batch, keys, eps_scale) -> dict[str, Any]:
+        """The compiler options of the executable chosen for these arguments' signature."""
+        return dict(self._entry(*self._args(params, batch, keys, eps_scale))[1])
+
+    def cache_size(self) -> int:
+        """Number of compiled signatures."""
+        return len(self._cache)
+
+    def _entry(self, *args):
+        sig = _signature(args)
+        entry = self._cache.get(sig)
+        if entry is None:
+            lowered = self._jitted.lower(*args)
+            candidates = compiler_option_candidates()
+            param_bytes = sum(int(np.size(x)) * jnp.dtype(jnp.result_type(x)).itemsize for x in jax.tree_util.tree_leaves(args[0]))
+            if param_bytes < AUTOTUNE_MIN_BYTES:
+                candidates = candidates[:1]
+            best = None
+            for opts in candidates:
+                compiled = lowered.compile(opts)
+                peak = _peak_bytes(compiled)
+                if best is None or peak < best[0]:
+                    best = (peak, compiled, opts)
+            entry = self._cache[sig] = (best[1], best[2])
+        return entry
+
+    def __call__(self, params, batch, keys, eps_scale):
+        args = self._args(params, batch, keys, eps_scale)
+        return self._entry(*args)[0](*args)
+
+
 @functools.lru_cache(maxsize=64)
-def _compiled_estimator(loss_fn, distribution: str, options: tuple):
-    def fn(params, batch, keys, eps_scale):
-        return projected_gradients_and_losses(loss_fn, params, batch, keys, eps_scale, distribution=distribution)
-
-    return jax.jit(fn, compiler_options=dict(options))
+def _estimator(loss_fn, distribution: str, backend: str) -> ProjectedGradientsFn:
+    return ProjectedGradientsFn(loss_fn, distribution)
 
 
-def projected_gradients_fn(loss_fn: Callable[[Any, Any], jax.Array], *, distribution: str = "binomial"):
-    """A jitted ``fn(params, batch, keys, eps_scale) -> (g f32[n], ℓ f32[n])`` compiled with
-    :func:`compiler_options` (cached per ``loss_fn``, distribution and backend).
+def projected_gradients_fn(loss_fn: Callable[[Any, Any], jax.Array], *, distribution: str = "binomial") -> ProjectedGradientsFn:
+    """The compiled estimator ``fn(params, batch, keys, eps_scale) -> (g f32[n], ℓ f32[n])``.
 
-    It recompiles only for new shapes; ``keys`` and ``eps_scale`` are traced.
+    Compiled with the memory-saving options of :func:`compiler_option_candidates` (the one with
+    the smallest compiled peak), cached per ``loss_fn``, distribution and backend; it recompiles
+    only for new shapes. Prefer it to wrapping :func:`projected_gradients` in a plain ``jax.jit``,
+    whose default options can keep a perturbed copy of the model.
 
     Example:
       >>> fn = projected_gradients_fn(lambda p, b: jnp.sum(p["w"] ** 2))
     """
     _noise.check_distribution(distribution)
-    return _compiled_estimator(loss_fn, distribution, tuple(sorted(compiler_options().items())))
+    return _estimator(loss_fn, distribution, jax.default_backend())
 
 
 # --------------------------------------------------------------------------- coefficients

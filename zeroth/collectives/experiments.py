@@ -13,6 +13,9 @@ of each device shard) every ``train.checksum_every`` rounds, and counts the bits
 ``ppermute`` (:mod:`zeroth.collectives.bits`) for that round's phase. ``comm_model_s`` models the
 communication time on links of ``network.gbps`` with ``network.latency_us`` per hop: every
 ``ppermute`` step costs ``latency + bits per sender / bandwidth`` (senders work in parallel).
+``wall_s`` is measured compute time (the first round of each phase compiles; it is timed apart as
+``compile_s`` and counted at the steady mean); ``time_est_s`` = rounds of each phase times that
+phase's median round time, plus ``comm_model_s``: robust to a busy machine.
 
 Config schema (every key optional except ``runs``; unknown keys are errors)::
 
@@ -283,6 +286,8 @@ def run_one(spec: RunSpec, log) -> dict:
     total_bits, comm_s, wall_s, rounds_done = 0, 0.0, 0.0, 0
     compiled: set[str] = set()
     compile_s, steady = 0.0, 0
+    phase_times: dict[str, list[float]] = {}
+    phase_count: dict[str, int] = {}
 
     def wall_total() -> float:
         return wall_s * rounds_done / steady if steady else 0.0
@@ -297,9 +302,11 @@ def run_one(spec: RunSpec, log) -> dict:
         state, losses = tr.round(state, t, xs, ys)
         losses = np.asarray(losses)
         dt = time.perf_counter() - t0
+        phase_count[phase] = phase_count.get(phase, 0) + 1
         if phase in compiled:
             wall_s += dt
             steady += 1
+            phase_times.setdefault(phase, []).append(dt)
         else:  # the first round of a phase compiles it: kept apart, counted at the steady mean
             compiled.add(phase)
             compile_s += dt
@@ -340,6 +347,7 @@ def run_one(spec: RunSpec, log) -> dict:
             break
     final_acc = last.get("test_acc", float("nan"))
     diverged = diverged or not math.isfinite(last.get("test_loss", float("nan"))) or final_acc < 0.2
+    round_median = {k: float(np.median(v)) for k, v in phase_times.items()}
     summary = {
         "kind": "summary",
         "run": spec.label,
@@ -365,6 +373,10 @@ def run_one(spec: RunSpec, log) -> dict:
         "compile_s": compile_s,
         "comm_model_s": comm_s,
         "time_model_s": wall_total() + comm_s,
+        "round_s_median_by_phase": round_median,
+        "rounds_by_phase": phase_count,
+        # robust to a busy machine: rounds of each phase x that phase's median round time, + links
+        "time_est_s": sum(phase_count[k] * round_median.get(k, 0.0) for k in phase_count) + comm_s,
         "checksums_equal": checks_ok,
         "params": tr.dim,
     }

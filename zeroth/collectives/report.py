@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 __all__ = [
     "SEED_TABLE1",
     "SEED_TABLE2",
@@ -26,6 +28,7 @@ __all__ = [
     "table1_rows",
     "table2_rows",
     "figure3b_rows",
+    "ring_comm_seconds",
     "markdown",
     "main",
 ]
@@ -92,7 +95,8 @@ def table1_rows(summaries: list[dict]) -> list[dict]:
             reached = s["rounds_to_target"]
             rows.append({
                 "setting": f"{kind} compression, M={m}",
-                "rounds": str(reached) if reached else f"{s['rounds']}+",
+                "rounds": (f"diverged by round {s['rounds']}" if s["diverged"]
+                           else str(reached) if reached else f"{s['rounds']}+ (not reached)"),
                 "accuracy_%": "divergence" if s["diverged"] else _pct(s["final_acc"]),
                 "best_accuracy_%": _pct(s["best_acc"]),
                 "diverged": s["diverged"],
@@ -127,18 +131,41 @@ def table2_rows(summaries: list[dict]) -> list[dict]:
     return rows
 
 
+def ring_comm_seconds(bits_per_element: float, workers: int, params: float, gbps: float) -> float:
+    """Modeled seconds of one ring all-reduce round of ``params`` elements at ``bits_per_element``
+    on links of ``gbps``: each worker sends ``2 (M-1)/M * params`` elements (bandwidth term only)."""
+    return bits_per_element * 2 * (workers - 1) / workers * params / (gbps * 1e9)
+
+
+# The seed's Figure 3 model (AlexNet on CIFAR-10) and a data-centre link, for the extrapolated column.
+SEED_MODEL_PARAMS = 23e6
+SEED_LINK_GBPS = 10.0
+
+
 def figure3b_rows(summaries: list[dict]) -> list[dict]:
-    """Figure 3(b): one row per K (``K: null`` = infinity)."""
+    """Figure 3(b): one row per K (``K: null`` = infinity).
+
+    ``comm_23M_10Gbps_s`` extrapolates the measured bits per element to the seed's model size
+    (23M parameters) on 10 Gbit/s links over the same number of rounds (a model, not a measurement).
+    """
+    by_k: dict = {}
+    for s in summaries:
+        by_k.setdefault(s["K"], []).append(s)
     rows = []
-    for s in sorted(summaries, key=lambda s: float("inf") if s["K"] is None else s["K"]):
-        k = s["K"]
+    for k in sorted(by_k, key=lambda k: float("inf") if k is None else k):
+        runs = by_k[k]
         seed = SEED_FIGURE3B.get(k)
+        s = runs[0]
+        extrapolated = s["rounds"] * ring_comm_seconds(s["bits_per_element"], s["workers"], SEED_MODEL_PARAMS, SEED_LINK_GBPS)
+        accs = [100 * r["final_acc"] for r in runs if not r["diverged"]]
+        acc = "divergence" if not accs else f"{np.mean(accs):.1f}" + (f" ± {np.std(accs):.1f}" if len(accs) > 1 else "")
         rows.append({
             "K": "inf" if k is None else str(k),
-            "wall_s": f"{s['wall_s']:.1f}",
-            "time_model_s": f"{s['time_model_s']:.1f}",
+            "runs": len(runs),
+            "time_est_s": f"{np.mean([r.get('time_est_s', r['time_model_s']) for r in runs]):.1f}",
             "comm_model_s": f"{s['comm_model_s']:.2f}",
-            "accuracy_%": "divergence" if s["diverged"] else _pct(s["final_acc"]),
+            "comm_23M_10Gbps_s": f"{extrapolated:.1f}",
+            "accuracy_%": acc,
             "bits_per_element": f"{s['bits_per_element']:.3f}",
             "seed_time_min": "-" if seed is None else seed[0],
             "seed_accuracy_%": "-" if seed is None else seed[1],

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -161,8 +162,8 @@ inline __m512i Popcount16(__m512i x) {
 
 // Adds the update and flushes subnormals / -0 (vfpclassps: denormal 0x20 | negative zero 0x04).
 inline void AddFlushStore(float* p, __m512 delta) {
-  __m512 y = _mm512_add_ps(_mm512_load_ps(p), delta);
-  _mm512_store_ps(p, _mm512_mask_mov_ps(y, _mm512_fpclass_ps_mask(y, 0x24), _mm512_setzero_ps()));
+  __m512 y = _mm512_add_ps(_mm512_loadu_ps(p), delta);
+  _mm512_storeu_ps(p, _mm512_mask_mov_ps(y, _mm512_fpclass_ps_mask(y, 0x24), _mm512_setzero_ps()));
 }
 
 void BinomialGroups(float* buf, const LeafKey& key, float scale, uint32_t first_call, int64_t g0, int64_t g1) {
@@ -364,19 +365,32 @@ void RunTiles(const Job& job, int64_t t0, int64_t t1) {
     const uint64_t hi = std::min(hi_all, tile_start + kTile);
     const int64_t b0 = static_cast<int64_t>(lo - tile_start);
     const int64_t b1 = static_cast<int64_t>(hi - tile_start);
-    if (b0 != 0 || b1 != kTile) std::memset(buf, 0, sizeof(buf));
-    Io<T>::Load(in + (lo - lo_all), buf + b0, b1 - b0);
     const int64_t g0 = b0 / group;
     const int64_t g1 = (b1 + group - 1) / group;
     const uint32_t first_call = static_cast<uint32_t>(tile_start / per_call);
+    // A whole float32 tile is updated where it lies in the output (no copy, and no 4K-aliasing
+    // between a stack buffer and the array); other tiles go through `buf`, zero-padded.
+    const bool direct = std::is_same_v<T, float> && b0 == 0 && b1 == kTile;
+    float* tile = buf;
+    if (direct) {
+      tile = reinterpret_cast<float*>(out + (lo - lo_all));
+      Io<float>::Load(reinterpret_cast<const float*>(in + (lo - lo_all)), tile, kTile);
+    } else {
+      if (b0 != 0 || b1 != kTile) std::memset(buf, 0, sizeof(buf));
+      Io<T>::Load(in + (lo - lo_all), buf + b0, b1 - b0);
+    }
     for (size_t u = 0; u < job.keys.size(); ++u) {
       if (job.distribution == kBinomial) {
-        BinomialGroups(buf, job.keys[u], job.scales[u], first_call, g0, g1);
+        BinomialGroups(tile, job.keys[u], job.scales[u], first_call, g0, g1);
       } else {
-        RademacherGroups(buf, job.keys[u], job.scales[u], first_call, g0, g1);
+        RademacherGroups(tile, job.keys[u], job.scales[u], first_call, g0, g1);
       }
     }
-    Io<T>::Store(buf + b0, out + (lo - lo_all), b1 - b0);
+    if (direct) {
+      Io<float>::Store(tile, tile, kTile);
+    } else {
+      Io<T>::Store(buf + b0, out + (lo - lo_all), b1 - b0);
+    }
   }
 }
 

@@ -290,6 +290,11 @@ def perturb_pallas(
     offset = _check_offset(offset, x.size)
     platform = jax.default_backend() if platform is None else platform
     platform = "gpu" if platform in ("cuda", "rocm") else platform
+    if platform == "cpu" and not interpret:
+        raise ValueError(
+            "the Pallas kernel runs on CPU only in interpret mode (tests): pass interpret=True, "
+            "or use impl='native' or impl='jnp' on CPU"
+        )
     blocks = default_block_sizes(platform) if block_sizes is None else block_sizes
     n = x.size
     if n == 0:

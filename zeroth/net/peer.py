@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--leave-at", type=int, default=None, help="leave the run after applying this iteration")
     p.add_argument("--linger", type=float, default=2.0, help="seconds to keep serving after finishing")
     p.add_argument("--snapshot-every", type=int, default=10, help="keep a parameter snapshot every N iterations (for joiners)")
+    p.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="bytes per streamed state chunk (and per download range)")
     p.add_argument("--progress-every", type=int, default=0, help="print a progress line every N iterations")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: none)")
     p.add_argument("--quiet", action="store_true", help="no protocol notes on stderr")
@@ -99,6 +100,7 @@ def main(argv: list[str]) -> int:
         rejoin=not args.no_rejoin,
         linger_s=args.linger,
         snapshot_every=args.snapshot_every,
+        chunk_bytes=args.chunk_bytes,
         join_at=args.join_at,
         leave_at=args.leave_at,
         log=not args.quiet,

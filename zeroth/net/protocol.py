@@ -2,7 +2,10 @@
 
 No sockets, no clocks, no threads: every handler takes the protocol parameters, an immutable
 :class:`PeerState`, one event and the current time ``now`` (seconds, any monotonic origin) and
-returns a :class:`Step` ``(state, effects, reply)``. Effects are instructions for the runtime
+returns a :class:`Step` ``(state, effects, reply)``::
+
+    on_push :: Params -> PeerState -> Push -> float -> Step        (likewise on_commit, on_prepare, ...)
+    on_tick :: Params -> PeerState -> float -> Step Effects are instructions for the runtime
 (:class:`Send` a message, :class:`Apply` a decided iteration, :class:`Compute` projected gradients,
 :class:`Fetch` log entries, :class:`Admit` a joiner, :class:`Dropped`, :class:`Finished`,
 :class:`Note`). A message that is malformed, stale, duplicated with other content, from an
@@ -43,7 +46,7 @@ Example (one peer, one iteration):
   ...            iteration_timeout_s=1.0, barrier_timeout_s=1.0)
   >>> step = founder(p, address="127.0.0.1:1", now=0.0)
   >>> [type(e).__name__ for e in step.effects]
-  ['Compute']
+  ['Note', 'Compute']
   >>> step = on_local_gradients(p, step.state, iteration=0, count=2, payload=b"ab", now=0.1)
   >>> [type(e).__name__ for e in step.effects], step.state.phase
   (['Apply', 'Finished'], 'done')
@@ -696,7 +699,7 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
             if st.leaving:
                 effects.append(Finished(it, "left"))
                 return st._replace(phase=LEFT)
-            effects.append(Dropped(f"not a member of the view of iteration {it} (missed the barrier or replaced)"))
+            effects.append(Dropped(f"not a member of the view of iteration {it} (unreachable, or replaced by a rejoin)"))
             return st._replace(phase=DROPPED)
         if it >= params.iterations:
             effects.append(Finished(it, "done"))
@@ -1205,8 +1208,15 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
             if p.iteration == st.it and p.sender in st.view.ids() and (p.iteration, p.sender) not in inbox:
                 inbox[(p.iteration, p.sender)] = p
     st = st._replace(inbox=inbox)
-    held = [r.decided for r in replies if r.decided is not None]
-    held = [e for e in held if e.commit.iteration == st.it]
+    held = []
+    for r in replies:
+        if r.decided is None or r.decided.commit.iteration != st.it:
+            continue
+        try:
+            _check_commit(params, r.decided.commit)
+        except Rejected:
+            continue  # a malformed decision in a promise is ignored
+        held.append(r.decided)
     if held:
         best = max(held, key=lambda e: tuple(e.commit.ballot))
         commit = best.commit._replace(sender=st.me, ballot=rec.ballot)

@@ -239,6 +239,8 @@ class Node:
         self.address = ""
         self._metrics = MetricsWriter(self.out_dir / "metrics.jsonl")
         self._threads: list[threading.Thread] = []
+        self._warming: threading.Thread | None = None
+        self._sources_used = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -535,6 +537,13 @@ class Node:
             self.machines.append(0)
             self._say(f"founded run {run_id} at {self.address}; waiting for {self.options.founders} founders")
             self._dispatch(step.effects)
+        self._warm_more(self.options.founders)
+
+    def _warm_more(self, members: int) -> None:
+        """Compile, in the background, the replay lengths a change of membership would need (and the evaluation)."""
+        if self._warming is None:
+            self._warming = threading.Thread(target=self.worker.warm_up_more, args=(members,), daemon=True, name="zeroth-warm")
+            self._warming.start()
 
     def _load(self, params, iteration: int, view: P.View | None) -> None:
         """Install parameters that are the state at the start of ``iteration``."""
@@ -615,6 +624,7 @@ class Node:
         self._say(f"joined run {answer.run_id} as machine {answer.machine_id} from iteration {view.iteration} via {sponsor}")
         iteration, ready_view = self._catch_up(sponsor, view)
         self._step(P.on_ready, iteration=iteration, view=ready_view)
+        self._warm_more(len(view.members))
 
     def _wait_for_iteration(self, addresses: list[str], iteration: int) -> None:
         """Poll the peers' ``Status`` until one reports ``iteration`` (or finished, or the join timeout)."""
@@ -644,14 +654,19 @@ class Node:
             raise RuntimeError(f"downloaded snapshot of iteration {manifest.iteration} has digest {digest[:16]}, expected {manifest.digest.hex()[:16]}")
         mview = wire.view_from_pb(manifest.view)
         self._load(params, int(manifest.iteration), mview)
-        self._say(f"loaded snapshot of iteration {manifest.iteration} ({len(blob)} bytes, digest {digest[:12]})")
+        self._say(
+            f"loaded snapshot of iteration {manifest.iteration} ({len(blob)} bytes in chunks from "
+            f"{self._sources_used} peer(s), digest {digest[:12]})"
+        )
         goal = view.iteration if target is None else target
-        if self._applied < goal:
-            entries = self._fetch_log(sponsor, self._applied, goal - 1)
-            for e in entries:
+        deadline = time.monotonic() + 4 * self.cfg.peers.barrier_timeout_s
+        while self._applied < goal:
+            for e in self._fetch_log(sponsor, self._applied, goal - 1):
                 self._apply(e, catching_up=True)
             if self._applied < goal:
-                raise RuntimeError(f"the log from {sponsor} stops at iteration {self._applied}, short of {goal}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the log from {sponsor} stops at iteration {self._applied}, short of {goal}")
+                time.sleep(0.05)
         if self._applied > view.iteration:
             return self._applied, self._view_at(self._applied, mview)
         return view.iteration, view
@@ -697,6 +712,7 @@ class Node:
 
         with futures.ThreadPoolExecutor(max_workers=len(ranges)) as ex:
             list(ex.map(lambda a: fetch_with_fallback(*a), [(i, o, n) for i, (o, n) in enumerate(ranges)]))
+        self._sources_used = len(ranges)
         return bytes(buf)
 
     def _apply(self, entry: P.LogEntry, *, catching_up: bool = False) -> None:
@@ -975,13 +991,15 @@ class Node:
         self.check_sender(sender)
         if last < first:
             raise P.Rejected("INVALID_ARGUMENT", f"last_iteration {last} is before first_iteration {first}")
+        with self._lock:  # decided and handed to Apply, perhaps not applied yet: final all the same
+            window = {e.commit.iteration: e for e in P.log_entries(self._st, first, last)} if self._st is not None else {}
         with self._data_lock:
-            if first < self._applied and first not in self._log:
+            if first < self._applied and first not in self._log and first not in window:
                 start = min(self._log) if self._log else self._applied
                 raise P.Rejected("NOT_FOUND", f"this peer's log starts at iteration {start}; iteration {first} is gone")
             out, size = [], 0
             for t in range(first, min(last, first + MAX_LOG_ENTRIES - 1) + 1):
-                e = self._log.get(t)
+                e = self._log.get(t) or window.get(t)
                 if e is None:
                     break
                 size += sum(len(p) for p in e.payloads) + 128 * (len(e.commit.contributors) + len(e.commit.next_view.members))

@@ -163,9 +163,19 @@ class Worker:
         """``{"eval_loss", "eval_accuracy"}`` on the test split (``data.eval_size`` examples)."""
         return self.eval_fn(params, self.eval_x, self.eval_y)
 
+    def _compile_replay(self, k: int) -> None:
+        params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), self._init)
+        _replay.replay(params, (np.zeros((k, 2), np.uint32), np.zeros(k)), distribution=self.distribution, donate=True)
+
     def warm_up(self, contributors: int) -> None:
         """Compile the estimator and the replay for ``contributors`` peers before taking part."""
         params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), self._init)
         self.compute(params, 0, 0)
-        k = padded_size(contributors * self.n)
-        _replay.replay(params, (np.zeros((k, 2), np.uint32), np.zeros(k)), distribution=self.distribution, donate=True)
+        self._compile_replay(padded_size(contributors * self.n))
+
+    def warm_up_more(self, contributors: int) -> None:
+        """Compile the replay lengths of 1 .. ``contributors + 2`` peers and the evaluation (a new
+        shape met mid-run would otherwise stall that iteration by one compilation)."""
+        for k in sorted({padded_size(m * self.n) for m in range(1, contributors + 3)}):
+            self._compile_replay(k)
+        self.evaluate(self._init)

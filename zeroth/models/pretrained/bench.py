@@ -1,0 +1,79 @@
+"""Benchmark setups of the pretrained models, in the form ``zeroth bench zo`` uses.
+
+:func:`setup` returns ``(kwargs, params, (x, y), loss_fn)`` like the bench's own model setups:
+the pretrained parameters (fresh float32 jax arrays), a batch of real prompts and labels, and
+the training objective (cross-entropy over the model's logits, i.e. over the label words for
+SmolLM2). The prompts are built from a fixed list of sentences (no dataset needed), tiled to the
+batch size and padded to ``seq_len`` tokens.
+
+Example:
+  >>> kwargs, params, batch, loss_fn = setup("smollm2", batch=8)       # doctest: +SKIP
+  >>> float(jax.jit(loss_fn)(params, batch))                           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["MODELS", "SENTENCES", "setup"]
+
+MODELS = ("smollm2", "minilm")
+# (sentence, label): 0 negative, 1 positive
+SENTENCES = (
+    ("The food was cold and the waiter was rude.", 0),
+    ("Wonderful service and delicious food, I will be back!", 1),
+    ("The battery died after two days.", 0),
+    ("This phone is a great value for the price.", 1),
+    ("A slow, aimless movie with a silly plot.", 0),
+    ("The acting was superb and the story moved me.", 1),
+    ("I would not recommend this place to anyone.", 0),
+    ("Best purchase I have made all year.", 1),
+)
+
+
+def _cross_entropy(model):
+    from zeroth import models
+
+    def loss_fn(p, b):
+        xb, yb = b
+        logits = models.apply(model, p, xb).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, yb[:, None], axis=-1))
+
+    return loss_fn
+
+
+def setup(name: str, batch: int = 8, seq_len: int | None = None):
+    """``(kwargs, params, (x, y), loss_fn)`` of a pretrained model for ``zeroth bench zo``.
+
+    Args:
+      name: ``"smollm2"`` (``smollm2_prompt``, prompts ``"<sentence> It was"``, default 40 tokens)
+        or ``"minilm"`` (``minilm_classifier``, default 64 tokens).
+      batch: number of examples (the sentence list is tiled).
+      seq_len: padded length of the token arrays.
+    """
+    from zeroth import models
+    from zeroth.data import text as _text
+
+    if name not in MODELS:
+        raise ValueError(f"unknown pretrained benchmark model {name!r}; expected one of {list(MODELS)}")
+    if batch < 1:
+        raise ValueError(f"batch must be a positive integer, got {batch}")
+    sentences = [SENTENCES[i % len(SENTENCES)][0] for i in range(batch)]
+    y = np.array([SENTENCES[i % len(SENTENCES)][1] for i in range(batch)], np.int32)
+    if name == "smollm2":
+        from zeroth.models.pretrained import smollm2
+
+        kwargs = {"num_classes": 2, "label_words": _text.LABEL_WORDS}
+        model = models.build("smollm2_prompt", **kwargs)
+        x = _text.smollm2_prompts(sentences, smollm2.tokenizer(), seq_len or _text.SMOLLM2_PROMPT_TOKENS)
+    else:
+        from zeroth.models.pretrained import minilm
+
+        kwargs = {"num_classes": 2}
+        model = models.build("minilm_classifier", **kwargs)
+        x = minilm.tokenizer().batch(sentences, seq_len or _text.MINILM_TOKENS)
+    params = model.pretrained_params(models.init_key(0), x[:1])
+    return kwargs, params, (jnp.asarray(x), jnp.asarray(y)), _cross_entropy(model)
