@@ -23,7 +23,7 @@ stage; the 2D torus has two (rows, then columns), which is the torus all-reduce.
 
 Example (inside ``jax.shard_map`` over a 4-worker ring)::
 
-    total = allreduce_sum(x, Ring(4))     # == jax.lax.psum(x, "w"), bit-identical on every worker
+    total = allreduce_sum(x, Ring(4))  # psum(x, "w"): exact for integers; the same bits on every worker
 """
 
 from __future__ import annotations
