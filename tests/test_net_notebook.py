@@ -84,5 +84,7 @@ def test_job_notebook_executes_on_real_peer_runs(tmp_path, monkeypatch):
             assert payload <= sent < 2 * payload and wire > sent
         else:
             assert sent == wire == 0
+    groups = [line for line in text.splitlines() if line.startswith("group ")]
+    assert len(groups) == 3 and all("seeds=1 forward_passes=[128]" in g for g in groups), groups
     for png in ("job_accuracy_vs_forward_passes.png", "job_bytes_per_step.png"):
         assert (figures / png).stat().st_size > 10_000

@@ -108,3 +108,15 @@ def test_classifier_shapes_head_init_and_padding(enc):
     other = model.pretrained_params(models.init_key(1))["head"]["kernel"]
     np.testing.assert_array_equal(np.asarray(again), np.asarray(params["head"]["kernel"]))
     assert not np.array_equal(np.asarray(other), np.asarray(again))
+
+
+@needs_minilm
+def test_bench_setup_gives_a_batch_and_a_finite_loss():
+    from zeroth.models.pretrained import bench
+
+    kwargs, params, (x, y), loss_fn = bench.setup("minilm", batch=3)
+    assert kwargs == {"num_classes": 2} and x.shape == (3, 64) and y.tolist() == [0, 1, 0]
+    loss = float(jax.jit(loss_fn)(params, (x, y)))
+    assert np.isfinite(loss) and loss > 0
+    with pytest.raises(ValueError, match="unknown pretrained benchmark model 'bert'"):
+        bench.setup("bert")

@@ -25,7 +25,7 @@ Datasets (registered into :data:`zeroth.data.REGISTRY`):
 Example:
   >>> from zeroth import data
   >>> ds = data.load("sentiment", "test")                  # doctest: +SKIP
-  >>> ds.x.shape, ds.num_classes
+  >>> ds.x.shape, ds.num_classes                           # doctest: +SKIP
   ((600,), 2)
 """
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -220,6 +221,8 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
     p = cfg.peers
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "peers", ignore_errors=True)  # the peers' folders of an earlier run
+    (out / "summary.json").unlink(missing_ok=True)
     config_path = out / "config.yaml"
     config_path.write_text(to_yaml(cfg))
     quiet = "--quiet" in (argv or [])
@@ -236,8 +239,6 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
     else:  # each peer binds a free port itself and writes it to its `address` file; the others wait for it
         addresses = [f"{p.host}:0"] * (p.count + n_extra)
     founder_address = addresses[0] if p.base_port else f"@{out / 'peers' / 'p0' / 'address'}"
-    (out / "peers" / "p0").mkdir(parents=True, exist_ok=True)
-    (out / "peers" / "p0" / "address").unlink(missing_ok=True)
     peers: list[PeerProcess] = []
     events: list[dict] = []
     t0 = time.monotonic()

@@ -237,6 +237,8 @@ class Node:
         self.started = time.monotonic()
         self._server: grpc.Server | None = None
         self.address = ""
+        for stale in ("metrics.jsonl", "summary.json", "address"):  # a new process is a new peer
+            (self.out_dir / stale).unlink(missing_ok=True)
         self._metrics = MetricsWriter(self.out_dir / "metrics.jsonl")
         self._threads: list[threading.Thread] = []
         self._warming: threading.Thread | None = None

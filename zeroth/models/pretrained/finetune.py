@@ -6,8 +6,11 @@ Fine-tunes a pretrained model of :mod:`.modules` as an experiment config says (t
 One Byte, exact replay) or backprop of :func:`zeroth.train.trainer.make_method`, its batches
 (:func:`zeroth.data.batch_at`) and its evaluation (:func:`zeroth.train.trainer.make_eval_fn`).
 The parameters start from :meth:`pretrained_params` (the step-0 evaluation is the zero-shot
-accuracy). ``--requantize nearest|stochastic`` trains SmolLM2 in 4 bits instead
-(:func:`zeroth.models.pretrained.q4train.zo_q4_method`).
+accuracy). ``zeroth run CONFIG`` trains the same configs the same way (same batches, keys and
+updates: the same digests); this driver adds ``summary.json`` and the option
+``--requantize nearest|stochastic``, which trains SmolLM2 in 4 bits
+(:func:`zeroth.models.pretrained.q4train.zo_q4_method`) and which the config schema has no
+field for.
 
 Writes ``config.yaml``, ``metrics.jsonl`` (the trainer's record format, plus ``changed`` =
 fraction of quantized weights whose code changed, with ``--requantize``) and ``summary.json``

@@ -7,7 +7,7 @@ dequantize them (:func:`dequantize`) and read their per-block grid (:func:`grid`
 
 Example:
   >>> f = read_gguf(smollm2_path())                      # doctest: +SKIP
-  >>> f.metadata["llama.block_count"], f.tensors["blk.0.attn_q.weight"].ggml_type
+  >>> f.metadata["llama.block_count"], f.tensors["blk.0.attn_q.weight"].ggml_type  # doctest: +SKIP
   (30, 'Q4_1')
 """
 
