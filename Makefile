@@ -13,6 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m zeroth.kernels.cpu_native || echo "native CPU kernel not built: the exact jnp path will be used"
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml scripts/install_text_data.sh

@@ -334,12 +334,14 @@ def test_bad_inputs_are_clear_errors():
 
 
 def test_new_keys_and_coefficients_do_not_recompile():
+    from zeroth.kernels import perturb as fused
+
     p = {"recompile_probe": np.zeros(17, np.float32)}
-    before = replay._apply_copy._cache_size()
+    before = fused._fused_copy._cache_size()
     replay.replay(p, [(rng.sample_key(0, 0, 0, s), 0.1 * (s + 1)) for s in range(2)])
-    after_first = replay._apply_copy._cache_size()
+    after_first = fused._fused_copy._cache_size()
     replay.replay(p, [(rng.sample_key(9, 8, 7, s), -3.0 * (s + 1)) for s in range(2)])
-    assert after_first == before + 1 and replay._apply_copy._cache_size() == after_first
+    assert after_first == before + 1 and fused._fused_copy._cache_size() == after_first
 
 
 def test_donation_reuses_the_input_buffers():

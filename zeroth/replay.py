@@ -15,13 +15,13 @@ and the result is cast once to the leaf dtype (whose subnormals are flushed agai
 
 Cost: :func:`perturb` and :func:`replay` hold at most one float32 temporary of one leaf at a
 time beyond the parameters when called with ``donate=True`` (the input buffers are reused);
-with ``donate=False`` the result is a second copy of the parameters. The replay reads and writes
-each leaf once per update (the fused kernels of :mod:`zeroth.kernels` read it once in all).
+with ``donate=False`` the result is a second copy of the parameters. :func:`replay` dispatches to
+the fused kernels of :mod:`zeroth.kernels.perturb`, which read and write each leaf once for all
+K updates; :func:`apply_updates` (the traceable jnp rule) reads and writes it once per update.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -142,16 +142,6 @@ def apply_updates(params: Any, keys: jax.Array, scales: jax.Array, *, distributi
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-@functools.partial(jax.jit, static_argnames=("distribution",), donate_argnums=(0,))
-def _apply_donated(params, keys, scales, distribution):
-    return apply_updates(params, keys, scales, distribution=distribution)
-
-
-@functools.partial(jax.jit, static_argnames=("distribution",))
-def _apply_copy(params, keys, scales, distribution):
-    return apply_updates(params, keys, scales, distribution=distribution)
-
-
 def _as_keys(keys) -> np.ndarray:
     arr = np.asarray(keys)
     if arr.dtype != np.uint32 or arr.ndim < 1 or arr.shape[-1] != 2:
@@ -194,8 +184,12 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
     if len(coefficients) != keys.shape[0]:
         raise ValueError(f"{keys.shape[0]} keys but {len(coefficients)} coefficients")
     scales = update_scales(distribution, coefficients)
-    fn = _apply_donated if donate else _apply_copy
-    return fn(params, keys, scales, distribution)
+    # The fused kernels pick the fastest exact path for the backend (native CPU kernel, Pallas on
+    # GPU/TPU, this module's jnp rule otherwise); every path is held bit-identical to
+    # zeroth.reference by the tests. Imported here: zeroth.kernels.perturb imports this module.
+    from zeroth.kernels import perturb as _fused
+
+    return _fused.fused_apply_updates(params, keys, scales, distribution=distribution, donate=donate)
 
 
 def perturb(params: Any, key, scale: float, *, distribution: str = "binomial", donate: bool = False) -> Any:

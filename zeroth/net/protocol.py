@@ -5,8 +5,9 @@ No sockets, no clocks, no threads: every handler takes the protocol parameters, 
 returns a :class:`Step` ``(state, effects, reply)``::
 
     on_push :: Params -> PeerState -> Push -> float -> Step        (likewise on_commit, on_prepare, ...)
-    on_tick :: Params -> PeerState -> float -> Step Effects are instructions for the runtime
-(:class:`Send` a message, :class:`Apply` a decided iteration, :class:`Compute` projected gradients,
+    on_tick :: Params -> PeerState -> float -> Step
+
+Effects are instructions for the runtime (:class:`Send` a message, :class:`Apply` a decided iteration, :class:`Compute` projected gradients,
 :class:`Fetch` log entries, :class:`Admit` a joiner, :class:`Dropped`, :class:`Finished`,
 :class:`Note`). A message that is malformed, stale, duplicated with other content, from an
 unknown sender or outside the iteration window raises :class:`Rejected` (a status code name and
@@ -36,9 +37,9 @@ lowest unsuspected active member takes over with a higher ballot: it collects pr
 (re-issued verbatim), else decides from the pushes it and they hold. Progress needs a majority
 of the members of ``V_t`` (active or not; the leader's barrier counts the members it heard from
 this iteration, the takeover its promises), so two halves of a partitioned run can never both
-go on, while members that only missed a barrier still count toward the majority. A member that applied a decision which a
-later ballot replaced is told by the conflicting commit and drops out (it must rejoin). A
-joiner's id is given to it only after the commit admitting it reached a majority, so a
+go on, while members that only missed a barrier still count toward the majority. A member that
+applied a decision which a later ballot replaced is told by the conflicting commit and drops out
+(it must rejoin). A joiner's id is given to it only after the commit admitting it reached a majority, so a
 takeover always sees (and keeps) that admission: ids are never reused.
 
 Example (one peer, one iteration):
