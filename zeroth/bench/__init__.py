@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "perturb": ("zeroth.bench.perturb:main", "perturbation throughput vs jax.random.normal, torch.randn and a memory pass"),
     "zo": ("zeroth.bench.zo:main", "ZO step time / two forwards and peak memory / inference, next to a backprop step"),
     "kernels": ("zeroth.bench.kernels:main", "fused replay vs K passes; sign pack/unpack/merge throughput"),
+    "signbits": ("zeroth.bench.signbits:main", "sign-bit pack/unpack/merge/majority throughput alone"),
 }
 
 
