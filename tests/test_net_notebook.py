@@ -8,6 +8,8 @@ from zeroth.config import load_config_dict, to_yaml
 from zeroth.net.runtime import Node, NodeOptions
 from zeroth.net.work import Worker
 
+from notebook_util import text_outputs
+
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "job_comparison.ipynb"
 
@@ -37,16 +39,6 @@ def make_run(root: Path, name: str, peers: int, codec: str, iterations: int, wor
         for n in nodes:
             n.stop()
 
-
-def text_outputs(nb) -> str:
-    out = []
-    for cell in nb.cells:
-        for o in cell.get("outputs", []):
-            if o.get("output_type") == "stream":
-                out.append(o["text"])
-            elif "data" in o and "text/plain" in o["data"]:
-                out.append(o["data"]["text/plain"])
-    return "\n".join(out)
 
 
 @pytest.mark.slow

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from notebook_util import text_outputs
+
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "analysis.ipynb"
 
@@ -25,16 +27,6 @@ def _runs(root: Path) -> None:
     trainer.train(load_config_dict(bp), root / "backprop", progress=False)
 
 
-def _text_outputs(nb) -> str:
-    out = []
-    for cell in nb.cells:
-        for o in cell.get("outputs", []):
-            if o.get("output_type") == "stream":
-                out.append(o["text"])
-            elif "data" in o and "text/plain" in o["data"]:
-                out.append(o["data"]["text/plain"])
-    return "\n".join(out)
-
 
 @pytest.mark.slow
 def test_analysis_notebook_executes_on_real_runs(tmp_path, monkeypatch):
@@ -49,7 +41,7 @@ def test_analysis_notebook_executes_on_real_runs(tmp_path, monkeypatch):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO / "notebooks")}})
     client.execute()
-    text = _text_outputs(nb)
+    text = text_outputs(nb)
     assert "5 runs under" in text and "1 codec comparison(s)" in text
     assert "codec/onebyte_s0" in text and "backprop" in text
     lines = [line.split() for line in text.splitlines()]

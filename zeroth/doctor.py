@@ -214,16 +214,7 @@ def canonical_units() -> list[tuple[str, list[tuple[np.ndarray, float]]]]:
 
 def numpy_checksum(leaves: dict[str, np.ndarray]) -> str:
     """:func:`zeroth.replay.checksum` of ``{path string: array}``, in NumPy only (same bytes)."""
-    h = hashlib.sha256()
-    items = sorted(leaves.items())
-    h.update(f"zeroth-checksum-v1 {len(items)}\n".encode())
-    for path, arr in items:
-        arr = np.ascontiguousarray(arr)
-        if arr.dtype.byteorder == ">":
-            arr = arr.astype(arr.dtype.newbyteorder("<"))
-        h.update(f"{path}\0{arr.dtype.name}\0{arr.shape}\0{arr.nbytes}\n".encode())
-        h.update(arr.tobytes())
-    return h.hexdigest()
+    return _ref.checksum_leaves(leaves)
 
 
 def split_float16(leaves: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -36,6 +36,7 @@ __all__ = [
     "apply_update",
     "replay_leaf",
     "flush_cast",
+    "checksum_leaves",
 ]
 
 MASK32 = 0xFFFFFFFF
@@ -218,3 +219,20 @@ def flush_cast(p32: np.ndarray, dtype) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf and NaN compares are defined here
         out = np.asarray(p32, dtype=np.float32).astype(dtype)
         return np.where(np.abs(out) < tiny, np.zeros((), dtype), out).astype(dtype)
+
+
+def checksum_leaves(leaves: dict[str, np.ndarray]) -> str:
+    """SHA-256 (hex) of a state given as ``{leaf path string: array}``: for every leaf, in order
+    of its path, the path, dtype, shape and every value's bytes (little endian, row-major).
+    :func:`zeroth.replay.checksum` is this function applied to a pytree's leaves.
+    """
+    h = hashlib.sha256()
+    items = sorted(leaves.items())
+    h.update(f"zeroth-checksum-v1 {len(items)}\n".encode())
+    for path, arr in items:
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        h.update(f"{path}\0{arr.dtype.name}\0{arr.shape}\0{arr.nbytes}\n".encode())
+        h.update(arr.tobytes())
+    return h.hexdigest()

@@ -243,6 +243,12 @@ def projected_gradients_and_losses(
         # is hoisted out of the loop even where invariant code motion runs.
         key, s, theta = jax.lax.optimization_barrier((args[0], args[1], params))
         perturbed = _replay.apply_updates(theta, key[None], s[None], distribution=distribution)
+        # Each perturbed leaf is divided by a runtime 1.0 (exact: x / 1 == x for every float).
+        # The division marks its producer as expensive, so XLA materializes the leaf once instead
+        # of fusing the noise generation into consumers that broadcast it (a bias added to every
+        # token would otherwise regenerate its noise once per token).
+        one = s / s
+        perturbed = jax.tree_util.tree_map(lambda x: x / one.astype(x.dtype), perturbed)
         return jnp.asarray(loss_fn(perturbed, batch)).astype(jnp.float32).reshape(())
 
     losses = jax.lax.map(one, (pair_keys, pair_scales)).reshape(n, 2)
