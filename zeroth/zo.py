@@ -247,8 +247,8 @@ def projected_gradients_and_losses(
         # The division marks its producer as expensive, so XLA materializes the leaf once instead
         # of fusing the noise generation into consumers that broadcast it (a bias added to every
         # token would otherwise regenerate its noise once per token).
-        one = s / s
-        perturbed = jax.tree_util.tree_map(lambda x: x / one.astype(x.dtype), perturbed)
+        unit = s / s
+        perturbed = jax.tree_util.tree_map(lambda x: x / unit.astype(x.dtype), perturbed)
         return jnp.asarray(loss_fn(perturbed, batch)).astype(jnp.float32).reshape(())
 
     losses = jax.lax.map(one, (pair_keys, pair_scales)).reshape(n, 2)
