@@ -96,10 +96,11 @@ def test_smollm2_weights_lie_on_their_file_grids():
     assert sorted(grids) == sorted(f"['{n}']" for n in llama.PARAM_NAMES if n not in ("final_norm", "attn_norm", "ffn_norm"))
     assert grids["['attn_q']"].d.shape == (30, 576, 18) and (grids["['embed']"].qmin, grids["['embed']"].qmax) == (-127, 127)
     small = {k: params[k] for k in ("attn_q", "attn_k", "ffn_up", "final_norm")}
-    project = q4train.make_projection({k: g for k, g in grids.items() if k.strip("[]'") in small}, "nearest")
-    out = project(small)
-    for k in small:
-        np.testing.assert_array_equal(np.asarray(out[k]), small[k])
+    for rounding in q4train.ROUNDINGS:
+        project = q4train.make_projection({k: g for k, g in grids.items() if k.strip("[]'") in small}, rounding)
+        out = project(small, 0, 5)
+        for k in small:
+            np.testing.assert_array_equal(np.asarray(out[k]), small[k])
     # un-permuted grids stay aligned with un-permuted weights: pack layer 0 of Q and of up, then
     # compare with the file's own bytes (Q through the ggml row permutation)
     f = gguf_file.read_gguf(gguf_file.smollm2_path())

@@ -75,9 +75,12 @@ def _zeroth_core(n: int, dist: str, k: int) -> Callable[[], None]:
     return _donated(lambda p: fn(p, keys, scales), {"w": jnp.zeros(n, jnp.float32)})
 
 
-def _zeroth_host_entry(n: int) -> Callable[[], None]:
-    key = rng.sample_key(0, 0, 1, 0)
-    step = lambda p: replay.perturb(p, key, _COEFF, distribution="binomial", donate=True)  # noqa: E731
+def _zeroth_replay(n: int, dist: str, k: int) -> Callable[[], None]:
+    """What users call: :func:`zeroth.replay.replay` (host-rounded coefficients, the backend's
+    fastest exact path: the native fused kernel on CPU), donated."""
+    keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
+    coefficients = [_COEFF * (1 + s % 3) for s in range(k)]
+    step = lambda p: replay.replay(p, (keys, coefficients), distribution=dist, donate=True)  # noqa: E731
     return _donated(step, {"w": jnp.zeros(n, jnp.float32)})
 
 
@@ -154,7 +157,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a / b
 
 
-def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, ...] = (1, 16, 64), kernels: bool = True) -> dict:
+def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, ...] = (1, 16, 64), kernels: bool = False) -> dict:
     """Run the benchmark; returns ``{"size", "environment", "rows", "ratios", "targets"}``.
 
     Every row's call is set up first, then all are timed round-robin (:func:`_common.timeit_many`)
@@ -167,14 +170,17 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
     # name -> (group, call or None, K, note), in table order
     spec: dict[str, tuple[str, Callable[[], None] | None, int, str | None]] = {}
     for dist in noise.EXACT:
-        spec[f"zeroth {dist} (apply_updates, K=1)"] = ("zeroth", _zeroth_core(n, dist, 1), 1, None)
-    spec["zeroth replay.perturb (host entry)"] = ("zeroth", _zeroth_host_entry(n), 1, "binomial")
+        spec[f"zeroth {dist} (replay, K=1)"] = ("zeroth", _zeroth_replay(n, dist, 1), 1, None)
+    for dist in noise.EXACT:
+        spec[f"jnp rule {dist} (apply_updates, K=1)"] = ("reference", _zeroth_core(n, dist, 1), 1, "traceable jnp path")
     spec["jax.random.normal + add"] = ("baseline", _jax_normal(n), 1, "backend-dependent")
     spec["torch.randn + add_"] = ("baseline", torch_calls.get("torch.randn + add_"), 1, torch_note)
     spec["jax p + c (memory floor)"] = ("memory", _jax_memory(n), 1, None)
     spec["torch add_(c) (memory floor)"] = ("memory", torch_calls.get("torch add_(c) (memory floor)"), 1, torch_note)
     for k in ks:
-        spec[f"zeroth replay K={k} (binomial)"] = ("replay", _zeroth_core(n, "binomial", k), k, None)
+        spec[f"zeroth replay K={k} (binomial)"] = ("replay", _zeroth_replay(n, "binomial", k), k, None)
+    for k in ks:
+        spec[f"jnp rule replay K={k} (binomial)"] = ("reference", _zeroth_core(n, "binomial", k), k, "traceable jnp path")
     failed: list[dict] = []
     if kernels:
         kernel_calls, failed = _kernel_calls(n, list(ks))
@@ -188,8 +194,8 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
         _row(name, group, n, timings.get(name), updates=k, note=note) for name, (group, _, k, note) in spec.items()
     ] + failed
 
-    binomial = _rate(rows, "zeroth binomial (apply_updates, K=1)")
-    rademacher = _rate(rows, "zeroth rademacher (apply_updates, K=1)")
+    binomial = _rate(rows, "zeroth binomial (replay, K=1)")
+    rademacher = _rate(rows, "zeroth rademacher (replay, K=1)")
     floors = [r["elements_per_s"] for r in rows if r["group"] == "memory" and r.get("elements_per_s")]
     ratios = {
         "binomial_over_torch": _ratio(binomial, _rate(rows, "torch.randn + add_")),
@@ -201,6 +207,9 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
         for k in ks:
             if k > 1:
                 ratios[f"replay_K{k}_over_{k}x_K1"] = timings[f"zeroth replay K={k} (binomial)"].min_s / (k * t1)
+                ratios[f"replay_K{k}_speedup_over_{k}_jnp_passes"] = (
+                    k * timings["jnp rule replay K=1 (binomial)"].min_s / timings[f"zeroth replay K={k} (binomial)"].min_s
+                )
     return {
         "benchmark": "perturb",
         "size": n,
@@ -243,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p = _common.base_parser("zeroth bench perturb", "Perturbation throughput: zeroth vs jax.random.normal, torch.randn and a memory pass.")
     p.add_argument("--size", type=int, default=2**24, help="elements of the float32 leaf (default 2**24)")
     p.add_argument("--ks", default="1,16,64", help="comma-separated replay sizes K (default 1,16,64)")
-    p.add_argument("--no-kernels", action="store_true", help="leave out the zeroth.kernels fused rows")
+    p.add_argument("--kernels", action="store_true", help="add rows calling zeroth.kernels.perturb directly (replay already dispatches to it)")
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)
         ks = tuple(int(k) for k in args.ks.split(",") if k.strip().isdigit() and int(k) >= 1)
@@ -256,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"zeroth bench perturb: {exc}", file=sys.stderr)
         return 2
-    result = run(args.size, repeats=args.repeats, warmup=args.warmup, ks=ks, kernels=not args.no_kernels)
+    result = run(args.size, repeats=args.repeats, warmup=args.warmup, ks=ks, kernels=args.kernels)
     _common.emit(result, as_json=args.json, render=_render)
     return 0
 

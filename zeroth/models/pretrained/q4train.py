@@ -210,13 +210,14 @@ def zo_q4_method(cfg, model, *, rounding: str = "nearest", grids: dict[str, _qua
     if grids is None:
         grids = smollm2_grids(getattr(model, "package", None))
     project = make_projection(grids, rounding)
+    nearest = make_projection(grids, "nearest") if rounding != "nearest" else project
     loss_fn = _trainer.make_objective(t.objective, model)
     _zo.round_eps(t.eps)
     gridded = sorted(grids)
     last_changed = [0.0]
 
     def init(params):
-        on_grid = project(params, cfg.run.seed, 0)
+        on_grid = nearest(params, cfg.run.seed, 0)
         frac = changed_fraction(params, on_grid, gridded)
         if frac:
             raise ValueError(f"{frac:.2%} of the quantized weights are not on their file grids; start from pretrained_params()")

@@ -33,6 +33,7 @@ import numpy as np
 
 __all__ = [
     "BLOCK",
+    "SNAP",
     "FORMATS",
     "Grid",
     "block_bytes",
@@ -49,6 +50,7 @@ __all__ = [
 ]
 
 BLOCK = 32
+SNAP = 2.0**-10  # |t − round(t)| below this counts as on the grid (codes_on_grid)
 # format -> (bytes per block, smallest code, largest code)
 FORMATS: dict[str, tuple[int, int, int]] = {"q4_1": (20, 0, 15), "q8_0": (34, -127, 127)}
 
@@ -186,12 +188,19 @@ def codes_on_grid(x: jax.Array, d: jax.Array, m: jax.Array, qmin: int, qmax: int
       uniform: optional ``f32[..., nb*32]`` in [0, 1): stochastic rounding ``floor(t + u)``
         (unbiased: ``E[q] = t``) instead of round-half-to-even.
 
+    ``t = (x − m)/d`` within :data:`SNAP` of an integer is taken as that integer first, so values
+    on the grid keep their code under either rounding (a bias of at most ``SNAP`` steps).
+
     Returns:
       ``f32[..., nb*32]`` integer-valued codes.
     """
     v, dd, mm = _grid_arrays(x, d, m)
     safe = jnp.where(dd == 0, jnp.float32(1.0), dd)
     t = (v - mm) / safe
+    # a grid value q·d + m gives t = q up to float rounding: snap it, so that grid values are
+    # fixed points of both roundings (stochastic rounding would otherwise move them rarely)
+    nearest = jnp.round(t)
+    t = jnp.where(jnp.abs(t - nearest) < jnp.float32(SNAP), nearest, t)
     if uniform is None:
         q = jnp.round(t)
     else:
