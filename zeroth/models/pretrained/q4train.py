@@ -10,7 +10,7 @@ and after every update each weight is put back on its grid. One MeZO step:
    quantized, as in the seed: noise is added to the dequantized weights);
 3. update ``W' = replay(W, [(k_i, c_i)])`` exactly as the float method does, then
 4. *requantize* onto the fixed grid: ``q' = clip(round((W' − m)/d))`` (``rounding="nearest"``)
-   or ``clip(floor((W' − m)/d + u))`` with ``u ~ U[0, 1)`` (``"stochastic"``, unbiased:
+   or ``clip(floor(t) + [u < t − floor(t)])``, ``t = (W' − m)/d``, ``u ~ U[0, 1)`` (``"stochastic"``, unbiased:
    ``E[q'·d + m] = W'`` inside the range), and ``W ← q'·d + m``.
 
 Float tensors of the file (the RMSNorm weights) are trained in float32 as usual. The state is

@@ -185,8 +185,8 @@ def codes_on_grid(x: jax.Array, d: jax.Array, m: jax.Array, qmin: int, qmax: int
       x: ``f32[..., nb*32]`` values.
       d, m: ``f32[..., nb]`` grid (blocks with ``d == 0`` get code 0, i.e. the value ``m``).
       qmin, qmax: code range.
-      uniform: optional ``f32[..., nb*32]`` in [0, 1): stochastic rounding ``floor(t + u)``
-        (unbiased: ``E[q] = t``) instead of round-half-to-even.
+      uniform: optional ``f32[..., nb*32]`` in [0, 1): stochastic rounding
+        ``floor(t) + [u < t − floor(t)]`` (unbiased: ``E[q] = t``) instead of round-half-to-even.
 
     ``t = (x − m)/d`` within :data:`SNAP` of an integer is taken as that integer first, so values
     on the grid keep their code under either rounding (a bias of at most ``SNAP`` steps).
@@ -204,7 +204,8 @@ def codes_on_grid(x: jax.Array, d: jax.Array, m: jax.Array, qmin: int, qmax: int
     if uniform is None:
         q = jnp.round(t)
     else:
-        q = jnp.floor(t + uniform.reshape(v.shape))
+        floor = jnp.floor(t)
+        q = floor + (uniform.reshape(v.shape) < t - floor).astype(jnp.float32)  # t − floor(t) is exact
     q = jnp.clip(q, jnp.float32(qmin), jnp.float32(qmax))
     q = jnp.where(dd == 0, jnp.float32(0.0), q)
     return q.reshape(x.shape)
