@@ -34,8 +34,8 @@ def test_bench_kernels_measures_fused_replay_and_sign_bits():
     sections = {}
     for row in result["rows"]:
         sections.setdefault(row["section"], []).append(row)
-    assert {"baseline", "fused", "signbits"} <= set(sections)
-    for section in ("fused", "signbits"):
+    assert {"baseline", "fused replay", "signbits"} <= set(sections)
+    for section in ("fused replay", "signbits"):
         for row in sections[section]:
             assert row["elements_per_s"] > 0, row["name"]
-    assert any(r["name"] == "binomial fused K=4" for r in sections["fused"])
+    assert any(r["name"] == "binomial fused K=4" for r in sections["fused replay"])
