@@ -11,7 +11,9 @@ Architecture (per layer, pre-norm, no biases):
 Logits are ``RMSNorm(x) · w_norm · Eᵀ`` with the input embedding ``E`` (tied).
 
 Parameters (float32, layers stacked on a leading axis ``L`` and run with ``lax.scan``; linear
-weights are ``[out, in]`` as in the file):
+weights are ``[out, in]`` as in the file; :func:`unstack_layers` gives the equivalent per-layer
+layout ``{"layers_00": {"attn_q": [H·hd, d], ...}, ...}``, run as an unrolled loop, which a ZO
+step can perturb one layer at a time):
 
     embed f32[V, d]           final_norm f32[d]
     attn_norm f32[L, d]       attn_q f32[L, H·hd, d]   attn_k f32[L, KV·hd, d]
@@ -48,6 +50,10 @@ __all__ = [
     "GGUF_NAMES",
     "config_from_gguf",
     "param_shapes",
+    "layer_key",
+    "is_stacked",
+    "unstack_layers",
+    "stack_layers",
     "permute_qk",
     "unpermute_qk",
     "load_params",
@@ -146,6 +152,39 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         "ffn_up": (L, cfg.hidden_dim, d),
         "ffn_down": (L, d, cfg.hidden_dim),
     }
+
+
+def layer_key(i: int) -> str:
+    """Name of layer ``i``'s sub-dict in the per-layer layout: ``"layers_07"``."""
+    return f"layers_{i:02d}"
+
+
+def is_stacked(params: dict) -> bool:
+    """True for the stacked layout (``params["attn_q"]: [L, ...]``), False for the per-layer one."""
+    return "attn_q" in params
+
+
+def unstack_layers(params: dict, n_layers: int) -> dict:
+    """Stacked layout -> per-layer layout ``{"embed", "final_norm", "layers_00": {"attn_q": ...}, ...}``.
+
+    The per-layer layout runs the layers as an unrolled Python loop instead of ``lax.scan``: each
+    layer's weights are separate leaves, so a ZO step can build each perturbed leaf just before
+    its layer runs and free it after (about one layer of extra memory instead of a whole
+    perturbed copy of the stacked weights), at the price of a longer compilation.
+    """
+    out = {k: v for k, v in params.items() if k not in LAYER_PARAMS}
+    for i in range(n_layers):
+        out[layer_key(i)] = {name: params[name][i] for name in LAYER_PARAMS}
+    return out
+
+
+def stack_layers(params: dict, n_layers: int) -> dict:
+    """Inverse of :func:`unstack_layers` (NumPy or jax arrays)."""
+    out = {k: v for k, v in params.items() if not k.startswith("layers_")}
+    stack = jnp.stack if isinstance(params[layer_key(0)]["attn_q"], jax.Array) else np.stack
+    for name in LAYER_PARAMS:
+        out[name] = stack([params[layer_key(i)][name] for i in range(n_layers)])
+    return out
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -320,6 +359,14 @@ def forward(
     causal = jnp.arange(S, dtype=jnp.int32)[None, :] <= q_slot[:, None]  # [T, S]
     mask = causal[None, :, :] & kv_valid[:, None, :]
     h = params["embed"][tokens].astype(jnp.float32)
+    if not is_stacked(params):  # one leaf per layer and weight: a Python loop, unrolled by XLA
+        ks, vs = [], []
+        for i in range(cfg.n_layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            h, (k, v) = _layer(cfg, h, params[layer_key(i)], positions, mask, kv, idx)
+            ks.append(k)
+            vs.append(v)
+        return h, (None if cache is None else KVCache(jnp.stack(ks), jnp.stack(vs)))
     layer_params = {name: params[name] for name in LAYER_PARAMS}
 
     def body(h, xs):
