@@ -95,6 +95,9 @@ def test_smollm2_weights_lie_on_their_file_grids():
     grids = q4train.smollm2_grids()
     assert sorted(grids) == sorted(f"['{n}']" for n in llama.PARAM_NAMES if n not in ("final_norm", "attn_norm", "ffn_norm"))
     assert grids["['attn_q']"].d.shape == (30, 576, 18) and (grids["['embed']"].qmin, grids["['embed']"].qmax) == (-127, 127)
+    per_layer = q4train.smollm2_grids(scan_layers=False)
+    assert len(per_layer) == 7 * 30 + 1  # 7 quantized matrices per layer (the 2 norms are F32) + the embedding
+    np.testing.assert_array_equal(per_layer["['layers_03']['attn_v']"].m, grids["['attn_v']"].m[3])
     small = {k: params[k] for k in ("attn_q", "attn_k", "ffn_up", "final_norm")}
     for rounding in q4train.ROUNDINGS:
         project = q4train.make_projection({k: g for k, g in grids.items() if k.strip("[]'") in small}, rounding)

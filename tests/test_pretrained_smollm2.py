@@ -175,3 +175,25 @@ def test_prompt_classifier_reads_label_words_at_the_last_real_token(lm):
     np.testing.assert_allclose(logits[0], full[[13321, 1109]], rtol=1e-4, atol=1e-3)
     with pytest.raises(ValueError, match="label word ' wonderful day'"):
         models.build("smollm2_prompt", num_classes=2, label_words=[" terrible", " wonderful day"]).apply({"params": params}, x)
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_per_layer_layout_computes_the_same_logits(lm):
+    from zeroth import models
+    from zeroth.models.pretrained import scoring
+
+    stacked = models.build("smollm2_prompt", num_classes=2)
+    unrolled = models.build("smollm2_prompt", num_classes=2, scan_layers=False)
+    params = unrolled.pretrained_params()
+    assert params["layers_07"]["attn_q"].shape == (576, 576) and "attn_q" not in params
+    np.testing.assert_array_equal(np.asarray(params["layers_07"]["ffn_down"]), lm.params["ffn_down"][7])
+    # the module declares exactly this structure (flax init, shapes only)
+    declared = jax.eval_shape(unrolled.init, jax.random.key(0), np.zeros((1, 8), np.int32))["params"]
+    assert jax.tree_util.tree_structure(declared) == jax.tree_util.tree_structure(params)
+    x = scoring.pad_right([lm.tokenizer.encode("Great food. It was"), lm.tokenizer.encode("Cold fries. It was")], 12)
+    a = np.asarray(jax.jit(lambda p, x: models.apply(unrolled, p, x))(params, x))
+    b = np.asarray(jax.jit(lambda p, x: models.apply(stacked, p, x))(lm.params, x))
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    back = llama.stack_layers(params, lm.config.n_layers)
+    np.testing.assert_array_equal(np.asarray(back["attn_k"]), lm.params["attn_k"])

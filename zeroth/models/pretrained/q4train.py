@@ -18,13 +18,16 @@ held as float32 values that lie exactly on the grids, so it packs losslessly bac
 file's own bytes (:func:`zeroth.models.pretrained.quant.pack_q4_1`); holding it as packed bytes
 (1/8 of the memory) is a storage choice that does not change a single update.
 
-What it does to training (measured by ``python -m zeroth.models.pretrained.finetune ...
---requantize``): a MeZO update moves a weight by ``|c·z| ≈ η|g|`` (η ~ 1e-5), while a Q4_1
-step ``d`` of SmolLM2 is ~1e-2. With nearest rounding practically every update rounds back to
-the same code: the 4-bit model does not move and accuracy stays at zero-shot. Stochastic
-rounding keeps the update unbiased but replaces each tiny move by a full grid step with
-probability ``|Δ|/d``; the variance this adds (about ``d·|Δ|`` per weight per step) dwarfs the
-signal. :func:`changed_fraction` reports how many weights change per step.
+What it does to training (measured with ``experiments/smollm2_mezo_q4_sentiment.yaml``, 100
+steps, the same batches and perturbations as the float run; accuracy on 200 held-out sentences,
+zero-shot 55.5%): a MeZO update moves a weight by ``|Δ| = |c·z|``, on average 0.2% to 3.7% of
+its grid step ``d`` (the fraction of codes stochastic rounding changed per step). With *nearest*
+rounding every such move rounds back to the same code: in 100 steps not one of the 134.5M
+quantized weights changed, only the 35,136 float RMSNorm weights trained, and accuracy reached
+58.0% (float MeZO: 68.0%). *Stochastic* rounding keeps each
+update unbiased by moving a weight a whole step with probability ``|Δ|/d``, and accuracy reached 68.5% (best 70.0%), on par with float MeZO at
+the same budget; the rounding noise (variance ``d·|Δ|`` per weight) did not hurt at this
+scale. :func:`changed_fraction` reports how many codes change per step.
 
 Stochastic rounding draws ``u`` from threefry bits of the key
 ``fold_in(fold_in(fold_in(root_key(seed), REQUANT_TAG), step), leaf_id)`` (integer bits,
@@ -97,19 +100,30 @@ def _grids_cached(path: str) -> dict[str, _quant.Grid]:
     return out
 
 
-def smollm2_grids(package: str | None = None) -> dict[str, _quant.Grid]:
+def smollm2_grids(package: str | None = None, *, scan_layers: bool = True) -> dict[str, _quant.Grid]:
     """The grid of every quantized SmolLM2 parameter, keyed by leaf path (``"['attn_q']"``).
 
     In the :mod:`.llama` layout (Q/K rows un-permuted like the weights): the nine linear weights
     (Q4_1, ``d, m: f32[L, out, in/32]``) and ``embed`` (Q8_0, ``f32[V, d/32]``); the norm
-    weights (F32 in the file) have no grid.
+    weights (F32 in the file) have no grid. ``scan_layers=False``: the per-layer layout
+    (``"['layers_07']['attn_q']"``, ``d, m: f32[out, in/32]``).
     """
     path = _gguf.smollm2_path() if package is None else _gguf.smollm2_path(package)
-    return {_leaf_key(name): g for name, g in _grids_cached(str(path)).items()}
+    grids = _grids_cached(str(path))
+    if scan_layers:
+        return {_leaf_key(name): g for name, g in grids.items()}
+    out = {}
+    for name, g in grids.items():
+        if name not in _llama.LAYER_PARAMS:
+            out[_leaf_key(name)] = g
+            continue
+        for i in range(g.d.shape[0]):
+            out[_leaf_key(_llama.layer_key(i), name)] = _quant.Grid(g.d[i], g.m[i], g.qmin, g.qmax)
+    return out
 
 
-def _leaf_key(name: str) -> str:
-    return jax.tree_util.keystr((jax.tree_util.DictKey(name),))
+def _leaf_key(*names: str) -> str:
+    return jax.tree_util.keystr(tuple(jax.tree_util.DictKey(n) for n in names))
 
 
 def requant_key(run_seed: int, step: int) -> np.ndarray:
@@ -208,7 +222,7 @@ def zo_q4_method(cfg, model, *, rounding: str = "nearest", grids: dict[str, _qua
     if t.method != "zo":
         raise ValueError(f"4-bit forward-only training needs train.method 'zo', got {t.method!r}")
     if grids is None:
-        grids = smollm2_grids(getattr(model, "package", None))
+        grids = smollm2_grids(getattr(model, "package", None), scan_layers=getattr(model, "scan_layers", True))
     project = make_projection(grids, rounding)
     nearest = make_projection(grids, "nearest") if rounding != "nearest" else project
     loss_fn = _trainer.make_objective(t.objective, model)
