@@ -11,3 +11,13 @@ def text_outputs(nb) -> str:
             elif "data" in o and "text/plain" in o["data"]:
                 out.append(o["data"]["text/plain"])
     return "\n".join(out)
+
+
+def execute(notebook, cwd) -> str:
+    """Execute ``notebook`` (a path) with the python3 kernel in folder ``cwd``; return its text outputs."""
+    import nbclient
+    import nbformat
+
+    nb = nbformat.read(notebook, as_version=4)
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    return text_outputs(nb)

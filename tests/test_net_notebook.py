@@ -8,7 +8,7 @@ from zeroth.config import load_config_dict, to_yaml
 from zeroth.net.runtime import Node, NodeOptions
 from zeroth.net.work import Worker
 
-from notebook_util import text_outputs
+from notebook_util import execute
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "job_comparison.ipynb"
@@ -43,8 +43,6 @@ def make_run(root: Path, name: str, peers: int, codec: str, iterations: int, wor
 
 @pytest.mark.slow
 def test_job_notebook_executes_on_real_peer_runs(tmp_path, monkeypatch):
-    import nbclient
-    import nbformat
 
     runs = tmp_path / "runs"
     workers: dict = {}
@@ -55,10 +53,7 @@ def test_job_notebook_executes_on_real_peer_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROTH_JOB_RUNS", str(runs))
     monkeypatch.setenv("ZEROTH_FIGURES", str(figures))
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO / "notebooks")}})
-    client.execute()
-    text = text_outputs(nb)
+    text = execute(NOTEBOOK, REPO / "notebooks")
     assert "3 runs under" in text
     names = ("onebyte_2peers", "float32_2peers", "onebyte_1machine")
     lines = [line.split() for line in text.splitlines()]

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from notebook_util import text_outputs
+from notebook_util import execute
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "analysis.ipynb"
@@ -30,18 +30,13 @@ def _runs(root: Path) -> None:
 
 @pytest.mark.slow
 def test_analysis_notebook_executes_on_real_runs(tmp_path, monkeypatch):
-    import nbclient
-    import nbformat
 
     _runs(tmp_path / "runs")
     figures = tmp_path / "figures"
     monkeypatch.setenv("ZEROTH_RUNS", str(tmp_path / "runs"))
     monkeypatch.setenv("ZEROTH_FIGURES", str(figures))
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO / "notebooks")}})
-    client.execute()
-    text = text_outputs(nb)
+    text = execute(NOTEBOOK, REPO / "notebooks")
     assert "5 runs under" in text and "1 codec comparison(s)" in text
     assert "codec/onebyte_s0" in text and "backprop" in text
     lines = [line.split() for line in text.splitlines()]
