@@ -12,6 +12,7 @@ from zeroth import reference as ref
 from zeroth import replay, rng
 from zeroth.kernels import cpu_native
 from zeroth.kernels import perturb as kp
+from lowering_util import lowered_kernels, tpu_chip_info  # noqa: F401 (a fixture)
 
 DISTS = ("binomial", "rademacher")
 NATIVE = cpu_native.available()
@@ -132,22 +133,27 @@ class TestPallasInterpret:
         assert_same_bits(got, numpy_perturb(x, keys, scales, dist))
 
 
-@pytest.mark.parametrize("blocks", [kp.BlockSizes(tile=8192, lanes=None), kp.BlockSizes(tile=8192, lanes=1024)])
+@pytest.mark.parametrize(
+    "platform,blocks",
+    [
+        ("cuda", kp.BlockSizes(tile=8192, lanes=None)),
+        ("cuda", kp.BlockSizes(tile=8192, lanes=1024)),
+        ("tpu", None),  # the TPU default: lane-dense rows of 1024
+    ],
+)
 @pytest.mark.parametrize("dist", DISTS)
-def test_lowers_to_triton_for_gpu(blocks, dist):
-    # No GPU needed: export for CUDA runs the Pallas -> Triton lowering of every op in the kernel.
-    from jax import export
-
+def test_lowers_for_gpu_and_tpu(platform, blocks, dist, tpu_chip_info):
+    # No accelerator needed: exporting runs the Pallas -> Triton / Mosaic lowering of every op.
     keys, scales = rng.sample_keys(0, [(0, 0, s) for s in range(3)]), _scales(dist, 3)
-    f = jax.jit(
-        lambda x, k, s: kp.perturb_pallas(
-            x, kp.leaf_keys(k, 5), s, distribution=dist, block_sizes=blocks, platform="gpu", inplace=True
+    target = "gpu" if platform == "cuda" else platform
+
+    def f(x, k, s):
+        return kp.perturb_pallas(
+            x, kp.leaf_keys(k, 5), s, distribution=dist, block_sizes=blocks, platform=target, inplace=True
         )
-    )
-    exported = export.export(
-        f, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    )(jax.ShapeDtypeStruct((100_003,), jnp.bfloat16), keys, scales)
-    assert "xla.gpu.triton" in exported.mlir_module()
+
+    args = (jax.ShapeDtypeStruct((100_003,), jnp.bfloat16), keys, scales)
+    assert "zeroth_fused_replay" in lowered_kernels(f, args, platform)
 
 
 @pytest.mark.skipif(not ACCELERATOR, reason="native Pallas needs a GPU or TPU")

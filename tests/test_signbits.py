@@ -13,6 +13,7 @@ from numpy.testing import assert_array_equal
 
 from zeroth import reference as ref
 from zeroth.kernels import signbits as sb
+from lowering_util import PLATFORMS, lowered_kernels, tpu_chip_info  # noqa: F401 (a fixture)
 
 INTERPRET = True  # a subclass-free switch: set False to run the same tests natively on GPU/TPU
 
@@ -268,3 +269,30 @@ def test_bf16_values_pack_like_their_float32():
     x = np.array([-0.0, 3.0, -1e-40], np.float32)  # -1e-40 is a float32 subnormal, bf16 keeps its sign
     b = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
     assert_array_equal(np.asarray(sb.pack(jnp.asarray(x.astype(ml_dtypes.bfloat16)))), np_pack(b))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_every_kernel_lowers_for_gpu_and_tpu(platform, tpu_chip_info):
+    # No accelerator needed: exporting runs the Pallas -> Triton / Mosaic lowering of every op.
+    # (Without Triton parameters jax picks Mosaic GPU, whose copies take at most 256 elements
+    # per dimension; Mosaic TPU has no unsigned reductions: both failed here before.)
+    target = "gpu" if platform == "cuda" else platform
+    n = 100_003
+    x = jax.ShapeDtypeStruct((n,), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((sb.n_words(n),), jnp.uint32)
+    stack = jax.ShapeDtypeStruct((5, sb.n_words(n)), jnp.uint32)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    ops = {
+        "zeroth_signbits_pack": (lambda x: sb.pack(x, impl="pallas", platform=target), (x,)),
+        "zeroth_signbits_unpack": (
+            lambda w: sb.unpack(w, (n,), dtype=jnp.bfloat16, scale=0.25, impl="pallas", platform=target),
+            (w,),
+        ),
+        "zeroth_signbits_merge": (
+            lambda v, vs, k: sb.merge(v, vs, k, 3, word_offset=64, impl="pallas", platform=target),
+            (w, w, key),
+        ),
+        "zeroth_signbits_majority": (lambda s: sb.majority(s, impl="pallas", platform=target), (stack,)),
+    }
+    for name, (fn, args) in ops.items():
+        assert name in lowered_kernels(fn, args, platform), name

@@ -170,11 +170,21 @@ def _check_m(m) -> int:
 # Shared by the kernels (on one tile) and the references (on the whole array).
 
 
+def _or_rows(words: jax.Array) -> jax.Array:
+    """OR along axis 1 of ``u32`` values whose set bits are disjoint, as an int32 sum.
+
+    Disjoint bits never carry, so the two's-complement sum has exactly the OR's bits; Mosaic
+    (TPU) has no reductions over unsigned integers, hence the round trip through int32.
+    """
+    as_int = jax.lax.bitcast_convert_type(words, jnp.int32)
+    return jax.lax.bitcast_convert_type(jnp.sum(as_int, axis=1, dtype=jnp.int32), jnp.uint32)
+
+
 def _pack_block(x2: jax.Array) -> jax.Array:
     """``(rows, 32)`` floats -> ``u32[rows]``."""
     bits = jnp.logical_not(x2 <= -jnp.finfo(x2.dtype).tiny).astype(jnp.uint32)
     lanes = jax.lax.broadcasted_iota(jnp.uint32, x2.shape, 1)
-    return jnp.sum(bits << lanes, axis=1, dtype=jnp.uint32)
+    return _or_rows(bits << lanes)
 
 
 def _unpack_block(w: jax.Array, scale: jax.Array, dtype) -> jax.Array:
@@ -199,7 +209,7 @@ def _bernoulli_block(key: jax.Array, word0, rows: int, thresh: int) -> jax.Array
     t = jnp.uint32(thresh)
     even = (x0 < t).astype(jnp.uint32) << (k * jnp.uint32(2))
     odd = (x1 < t).astype(jnp.uint32) << (k * jnp.uint32(2) + jnp.uint32(1))
-    return jnp.sum(even | odd, axis=1, dtype=jnp.uint32)
+    return _or_rows(even | odd)
 
 
 def _merge_block(v: jax.Array, vs: jax.Array, key: jax.Array, word0, m: int) -> jax.Array:
@@ -401,6 +411,17 @@ def _majority_kernel(w_ref, o_ref, *, k: int):
     o_ref[...] = _majority_block([w_ref[i, :] for i in range(k)])
 
 
+def _compiler_params(platform: str | None, interpret: bool):
+    """Triton parameters on GPU. Without them jax lowers GPU kernels through Mosaic GPU, whose
+    async copies take at most 256 elements per dimension: these element-wise kernels use Triton."""
+    platform = jax.default_backend() if platform is None else platform
+    if interpret or platform not in ("gpu", "cuda", "rocm"):
+        return None
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=4, num_stages=1)
+
+
 def _tiles(nw: int, blocks: Blocks) -> tuple[int, int]:
     bw = blocks.words
     n_tiles = max(1, -(-nw // bw))
@@ -411,7 +432,7 @@ def _pad_words(w: jax.Array, total: int) -> jax.Array:
     return jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, total - w.shape[-1])])
 
 
-def _pack_pallas(x: jax.Array, blocks: Blocks, interpret: bool) -> jax.Array:
+def _pack_pallas(x: jax.Array, blocks: Blocks, interpret: bool, platform: str | None) -> jax.Array:
     nw = n_words(x.size)
     bw, n_tiles = _tiles(nw, blocks)
     x2 = _pad_to_words(x.reshape(-1), n_tiles * bw)
@@ -422,12 +443,13 @@ def _pack_pallas(x: jax.Array, blocks: Blocks, interpret: bool) -> jax.Array:
         in_specs=[pl.BlockSpec((bw, WORD_BITS), lambda i: (i, 0))],
         out_specs=pl.BlockSpec((bw,), lambda i: (i,)),
         interpret=interpret,
+        compiler_params=_compiler_params(platform, interpret),
         name="zeroth_signbits_pack",
     )(x2)
     return out[:nw]
 
 
-def _unpack_pallas(words, n, scale, dtype, blocks: Blocks, interpret: bool) -> jax.Array:
+def _unpack_pallas(words, n, scale, dtype, blocks: Blocks, interpret: bool, platform: str | None) -> jax.Array:
     nw = words.shape[0]
     bw, n_tiles = _tiles(nw, blocks)
     out = pl.pallas_call(
@@ -437,12 +459,13 @@ def _unpack_pallas(words, n, scale, dtype, blocks: Blocks, interpret: bool) -> j
         in_specs=[pl.BlockSpec((bw,), lambda i: (i,)), pl.BlockSpec((1,), lambda i: (0,))],
         out_specs=pl.BlockSpec((bw, WORD_BITS), lambda i: (i, 0)),
         interpret=interpret,
+        compiler_params=_compiler_params(platform, interpret),
         name="zeroth_signbits_unpack",
     )(_pad_words(words, n_tiles * bw), scale.reshape(1))
     return out.reshape(-1)[:n]
 
 
-def _merge_pallas(v, vs, key, m, word_offset, blocks: Blocks, interpret: bool) -> jax.Array:
+def _merge_pallas(v, vs, key, m, word_offset, blocks: Blocks, interpret: bool, platform: str | None) -> jax.Array:
     nw = v.shape[0]
     bw, n_tiles = _tiles(nw, blocks)
     word_spec = pl.BlockSpec((bw,), lambda i: (i,))
@@ -453,12 +476,13 @@ def _merge_pallas(v, vs, key, m, word_offset, blocks: Blocks, interpret: bool) -
         in_specs=[word_spec, word_spec, pl.BlockSpec((2,), lambda i: (0,))],
         out_specs=word_spec,
         interpret=interpret,
+        compiler_params=_compiler_params(platform, interpret),
         name="zeroth_signbits_merge",
     )(_pad_words(v, n_tiles * bw), _pad_words(vs, n_tiles * bw), key)
     return out[:nw]
 
 
-def _majority_pallas(words, blocks: Blocks, interpret: bool) -> jax.Array:
+def _majority_pallas(words, blocks: Blocks, interpret: bool, platform: str | None) -> jax.Array:
     k, nw = words.shape
     bw, n_tiles = _tiles(nw, blocks)
     out = pl.pallas_call(
@@ -468,6 +492,7 @@ def _majority_pallas(words, blocks: Blocks, interpret: bool) -> jax.Array:
         in_specs=[pl.BlockSpec((k, bw), lambda i: (0, i))],
         out_specs=pl.BlockSpec((bw,), lambda i: (i,)),
         interpret=interpret,
+        compiler_params=_compiler_params(platform, interpret),
         name="zeroth_signbits_majority",
     )(_pad_words(words, n_tiles * bw))
     return out[:nw]
@@ -476,7 +501,9 @@ def _majority_pallas(words, blocks: Blocks, interpret: bool) -> jax.Array:
 # --------------------------------------------------------------------------- public wrappers
 
 
-def pack(x, *, impl: str = "auto", blocks: Blocks = DEFAULT_BLOCKS, interpret: bool = False) -> jax.Array:
+def pack(
+    x, *, impl: str = "auto", blocks: Blocks = DEFAULT_BLOCKS, interpret: bool = False, platform: str | None = None
+) -> jax.Array:
     """Pack the signs of a float array into ``u32[ceil(x.size / 32)]`` (see module docstring).
 
     Args:
@@ -484,6 +511,8 @@ def pack(x, *, impl: str = "auto", blocks: Blocks = DEFAULT_BLOCKS, interpret: b
       impl: ``"auto"`` (Pallas on GPU/TPU, jnp on CPU), ``"pallas"`` or ``"jnp"``.
       blocks: Pallas tile sizes.
       interpret: run the Pallas kernel in interpret mode (CPU tests).
+      platform: the platform the Pallas kernel is lowered for (default ``jax.default_backend()``;
+        ``"gpu"`` lowers through Triton). Every wrapper of this module takes it.
 
     Returns:
       Packed words; bit 1 where ``not x <= -tiny`` (see module docstring); padding bits 0.
@@ -491,7 +520,7 @@ def pack(x, *, impl: str = "auto", blocks: Blocks = DEFAULT_BLOCKS, interpret: b
     x = _check_float(x)
     if resolve_impl(impl) == "jnp" or x.size == 0:
         return pack_ref(x)
-    return _pack_pallas(x, blocks, interpret)
+    return _pack_pallas(x, blocks, interpret, platform)
 
 
 def unpack(
@@ -503,6 +532,7 @@ def unpack(
     impl: str = "auto",
     blocks: Blocks = DEFAULT_BLOCKS,
     interpret: bool = False,
+    platform: str | None = None,
 ) -> jax.Array:
     """Unpack sign bits to ``+scale`` (bit 1) / ``-scale`` (bit 0) of ``dtype`` and ``shape``.
 
@@ -522,7 +552,7 @@ def unpack(
         raise ValueError(f"scale must be a scalar, got shape {scale.shape}")
     if resolve_impl(impl) == "jnp" or n == 0:
         return unpack_ref(words, shape, dtype=dtype, scale=scale)
-    return _unpack_pallas(words, n, scale, jnp.dtype(dtype), blocks, interpret).reshape(tuple(shape))
+    return _unpack_pallas(words, n, scale, jnp.dtype(dtype), blocks, interpret, platform).reshape(tuple(shape))
 
 
 def merge(
@@ -535,6 +565,7 @@ def merge(
     impl: str = "auto",
     blocks: Blocks = DEFAULT_BLOCKS,
     interpret: bool = False,
+    platform: str | None = None,
 ) -> jax.Array:
     """The Marsit merge ``(v AND v*) OR ((v XOR v*) AND r)`` of the ``m``-th contributor.
 
@@ -560,10 +591,12 @@ def merge(
     key, m = _check_key(key), _check_m(m)
     if resolve_impl(impl) == "jnp" or v.shape[0] == 0:
         return _merge_block(v, v_star, key, word_offset, m)
-    return _merge_pallas(v, v_star, key, m, word_offset, blocks, interpret)
+    return _merge_pallas(v, v_star, key, m, word_offset, blocks, interpret, platform)
 
 
-def majority(words, *, impl: str = "auto", blocks: Blocks = DEFAULT_BLOCKS, interpret: bool = False) -> jax.Array:
+def majority(
+    words, *, impl: str = "auto", blocks: Blocks = DEFAULT_BLOCKS, interpret: bool = False, platform: str | None = None
+) -> jax.Array:
     """Bit-wise majority vote of ``K`` packed vectors ``u32[K, n]`` -> ``u32[n]``: ``2 * count >= K``.
 
     Counts are bit-sliced (a vertical popcount by ripple-carry adders); ties resolve to 1.
@@ -576,7 +609,7 @@ def majority(words, *, impl: str = "auto", blocks: Blocks = DEFAULT_BLOCKS, inte
     words = _check_stack(words)
     if resolve_impl(impl) == "jnp" or words.shape[1] == 0:
         return majority_ref(words)
-    return _majority_pallas(words, blocks, interpret)
+    return _majority_pallas(words, blocks, interpret, platform)
 
 
 def bench_rows(ctx=None) -> list[dict]:

@@ -1,0 +1,36 @@
+"""Lower Pallas kernels for GPU (Triton) and TPU (Mosaic) on a CPU-only machine with ``jax.export``.
+
+No accelerator is needed: exporting for a platform runs that platform's whole Pallas lowering
+(every op of the kernel body must have a Triton or Mosaic rule), which is what fails first when
+a kernel uses something the backend lacks. Mosaic's block-shape check also asks for the chip's
+tiling; with no TPU attached we register the TPU v5e's description for the CPU device kind.
+"""
+
+import re
+
+import jax
+import pytest
+from jax import export
+
+PLATFORMS = ("cuda", "tpu")
+_CUSTOM_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+
+
+@pytest.fixture
+def tpu_chip_info(monkeypatch):
+    from jax._src.pallas.mosaic import tpu_info
+    from jax.experimental.pallas import tpu as pltpu
+
+    info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion.TPU_V5E, 1)
+    monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind, lambda: info)
+
+
+def lowered_kernels(fn, args, platform: str) -> list[str]:
+    """Export ``fn(*args)`` for ``platform``; returns the kernel names in the module's custom calls."""
+    target = _CUSTOM_CALLS[platform]
+    exported = export.export(
+        jax.jit(fn), platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.custom_call(target)]
+    )(*args)
+    text = exported.mlir_module()
+    assert target.split("$")[-1] in text, f"no {target} custom call in the {platform} module"
+    return re.findall(r"zeroth_[a-z_]+", text)
