@@ -15,7 +15,8 @@ from zeroth import reference as ref
 from zeroth.kernels import signbits as sb
 from lowering_util import PLATFORMS, lowered_kernels, tpu_chip_info  # noqa: F401 (a fixture)
 
-INTERPRET = True  # a subclass-free switch: set False to run the same tests natively on GPU/TPU
+# Interpret mode on CPU; on a GPU or TPU (JAX_PLATFORMS=cuda or tpu) the same tests run the kernels natively.
+INTERPRET = jax.default_backend() == "cpu"
 
 KEY = np.array([0x12345678, 0x9ABCDEF0], np.uint32)
 
