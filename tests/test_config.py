@@ -60,6 +60,7 @@ def test_unknown_key_in_peers_section():
         ({"train": {"steps": 0}}, "train.steps", ">= 1"),
         ({"train": {"codec": "twobyte"}}, "train.codec", "'onebyte'"),
         ({"train": {"distribution": "gaussian"}}, "train.distribution", "'binomial'"),
+        ({"train": {"requantize": "up"}}, "train.requantize", "['nearest', 'stochastic']"),
         ({"train": {"eps": "tiny"}}, "train.eps", "a number"),
         ({"run": {"seed": 2**32}}, "run.seed", "<= 4294967295"),
         ({"data": {"dataset": "imagenet"}}, "data.dataset", "'digits'"),

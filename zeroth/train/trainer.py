@@ -14,6 +14,11 @@ ZO step ``t`` (:func:`zo_method`), with ``n = train.n_perturbations`` and machin
 5. ``θ ← replay(θ, [(k_i, c_i)])``: the exact, backend-independent update of
    :mod:`zeroth.replay`; then the optional exact weight-decay step of :mod:`zeroth.zo`.
 
+With ``train.requantize`` (:func:`requantize_method`), the same ZO step is followed by putting
+every quantized weight back on its fixed 4-bit grid from the model file (4-bit forward-only
+training, :mod:`zeroth.models.pretrained.q4train`); training records then carry ``changed``, the
+fraction of quantized weights whose code changed in the step.
+
 Backprop step (:func:`backprop_method`): ``jax.value_and_grad`` of the cross-entropy and an optax
 optimizer (:data:`OPTIMIZERS`) on the same model, batches and evaluation.
 
@@ -61,6 +66,7 @@ __all__ = [
     "make_eval_fn",
     "zo_method",
     "backprop_method",
+    "requantize_method",
     "make_method",
     "build_model",
     "out_dir_of",
@@ -296,8 +302,31 @@ def backprop_method(cfg: Config, model) -> Method:
     return Method(opt.init, step)
 
 
+def requantize_method(cfg: Config, model) -> Method:
+    """4-bit forward-only ZO (``train.requantize``): the ZO step, then every quantized weight back on its grid.
+
+    :func:`zeroth.models.pretrained.q4train.zo_q4_method` with the grids of ``model.quant_grids()``
+    and the rounding of ``train.requantize``. ``step.last_changed[0]`` is the fraction of quantized
+    weights whose code changed in the last step.
+
+    Raises:
+      ValueError: the model has no 4-bit weight grids, or its parameters do not start on them.
+    """
+    r = cfg.train.requantize
+    if not callable(getattr(model, "quant_grids", None)):
+        raise ValueError(
+            f"config field train.requantize: {r!r} needs a model whose weights have 4-bit grids "
+            f"(smollm2_prompt); model {cfg.model.name!r} has none, set train.requantize to null"
+        )
+    from zeroth.models.pretrained import q4train
+
+    return q4train.zo_q4_method(cfg, model, rounding=r)
+
+
 def make_method(cfg: Config, model) -> Method:
-    """The method named by ``train.method``."""
+    """The method named by ``train.method`` (with ``train.requantize``: :func:`requantize_method`)."""
+    if cfg.train.requantize is not None:
+        return requantize_method(cfg, model)
     return {"zo": zo_method, "backprop": backprop_method}[cfg.train.method](cfg, model)
 
 
@@ -514,7 +543,10 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
             done = s + 1
             bar.tick()
             if done % t.log_every == 0 or done == t.steps:
-                record("train", done, {"loss": float(info.loss)})
+                extra = {"loss": float(info.loss)}
+                if hasattr(method.step, "last_changed"):
+                    extra["changed"] = method.step.last_changed[0]
+                record("train", done, extra)
             if done % t.eval_every == 0 or done == t.steps:
                 last_eval = record("eval", done, evaluate(params, eval_x, eval_y))
             if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:

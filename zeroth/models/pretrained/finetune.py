@@ -7,13 +7,12 @@ One Byte, exact replay) or backprop of :func:`zeroth.train.trainer.make_method`,
 (:func:`zeroth.data.batch_at`) and its evaluation (:func:`zeroth.train.trainer.make_eval_fn`).
 The parameters start from :meth:`pretrained_params` (the step-0 evaluation is the zero-shot
 accuracy). ``zeroth run CONFIG`` trains the same configs the same way (same batches, keys and
-updates: the same digests); this driver adds ``summary.json`` and the option
-``--requantize nearest|stochastic``, which trains SmolLM2 in 4 bits
-(:func:`zeroth.models.pretrained.q4train.zo_q4_method`) and which the config schema has no
-field for.
+updates: the same digests); this driver adds ``summary.json``. ``--requantize nearest|stochastic``
+is short for ``--set train.requantize=...``: SmolLM2 trained in 4 bits
+(:func:`zeroth.train.trainer.requantize_method`).
 
 Writes ``config.yaml``, ``metrics.jsonl`` (the trainer's record format, plus ``changed`` =
-fraction of quantized weights whose code changed, with ``--requantize``) and ``summary.json``
+fraction of quantized weights whose code changed, with ``train.requantize``) and ``summary.json``
 to the output folder, and prints the summary as one JSON line: zero-shot and final accuracy,
 steps, forward/backward passes, wall and training time, final digest.
 
@@ -46,12 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config field (value parsed as YAML; repeatable)")  # fmt: skip
     p.add_argument("--out", default=None, help="output folder (default: run.out_dir or runs/<run.name>)")
     p.add_argument("--requantize", choices=("nearest", "stochastic"), default=None,
-                   help="4-bit forward-only training of smollm2_prompt: requantize onto the GGUF grids after every step")  # fmt: skip
+                   help="4-bit forward-only training of smollm2_prompt: requantize onto the GGUF grids after every step "
+                        "(same as --set train.requantize=...)")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
 
 
-def finetune(cfg, out_dir: str | Path, *, requantize: str | None = None, progress: bool = True) -> dict:
+def finetune(cfg, out_dir: str | Path, *, progress: bool = True) -> dict:
     """Run the config; returns the summary dict (also written to ``out_dir/summary.json``)."""
     import jax
 
@@ -80,14 +80,7 @@ def finetune(cfg, out_dir: str | Path, *, requantize: str | None = None, progres
     t0 = time.perf_counter()
     params = model.pretrained_params(_models.init_key(cfg.run.seed), train_ds.x[:1])
     load_time = time.perf_counter() - t0
-    if requantize is not None:
-        if cfg.model.name != "smollm2_prompt":
-            raise ValueError(f"--requantize needs model smollm2_prompt (its GGUF grids), got {cfg.model.name!r}")
-        from zeroth.models.pretrained import q4train
-
-        method = q4train.zo_q4_method(cfg, model, rounding=requantize)
-    else:
-        method = _trainer.make_method(cfg, model)
+    method = _trainer.make_method(cfg, model)
     opt_state = method.init(params)
     evaluate = _trainer.make_eval_fn(model, cfg.data.eval_batch_size)
     (out / "config.yaml").write_text(to_yaml(cfg))
@@ -132,7 +125,7 @@ def finetune(cfg, out_dir: str | Path, *, requantize: str | None = None, progres
         "run": cfg.run.name,
         "model": cfg.model.name,
         "dataset": cfg.data.dataset,
-        "method": t.method if requantize is None else f"zo+requantize-{requantize}",
+        "method": t.method if t.requantize is None else f"zo+requantize-{t.requantize}",
         "steps": t.steps,
         "batch_size": cfg.data.batch_size,
         "eval_examples": int(eval_n),
@@ -159,11 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     from zeroth.models.pretrained.resources import MissingPackage
 
     try:
-        cfg = _config.load_config(args.config, args.overrides)
+        overrides = list(args.overrides) + ([f"train.requantize={args.requantize}"] if args.requantize else [])
+        cfg = _config.load_config(args.config, overrides)
         if args.out:
             cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=args.out))
         out = Path(cfg.run.out_dir or Path("runs") / cfg.run.name)
-        summary = finetune(cfg, out, requantize=args.requantize, progress=not args.quiet)
+        summary = finetune(cfg, out, progress=not args.quiet)
     except (ValueError, FileNotFoundError, DatasetUnavailable, MissingPackage) as e:
         print(f"finetune: error: {e}", file=sys.stderr)
         return 2

@@ -119,6 +119,15 @@ class SmolLM2Prompt(nn.Module):
             params = _llama.unstack_layers(params, cfg.n_layers)
         return _copy(params)
 
+    def quant_grids(self) -> dict:
+        """The 4-bit / 8-bit grid of every quantized weight, keyed by leaf path, in this module's layout.
+
+        What ``train.requantize`` projects onto (:func:`zeroth.models.pretrained.q4train.smollm2_grids`).
+        """
+        from zeroth.models.pretrained import q4train
+
+        return q4train.smollm2_grids(self.package, scan_layers=self.scan_layers)
+
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x: int32[B, T]`` right-padded with -1 -> label-word logits ``f32[B, num_classes]``."""

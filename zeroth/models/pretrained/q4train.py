@@ -211,9 +211,12 @@ def zo_q4_method(cfg, model, *, rounding: str = "nearest", grids: dict[str, _qua
 
     Args:
       cfg: the experiment config (``train.method`` must be ``zo``).
-      model: the flax module (``smollm2_prompt`` for the default grids).
+      model: the flax module; without ``grids`` it must have ``quant_grids()`` (``smollm2_prompt``).
       rounding: ``"nearest"`` or ``"stochastic"``.
-      grids: ``{leaf path: Grid}``; default :func:`smollm2_grids` of ``model.package``.
+      grids: ``{leaf path: Grid}``; default ``model.quant_grids()``.
+
+    Raises:
+      ValueError: ``train.method`` is not ``zo``, an unknown ``rounding``, or a model without grids.
     """
     from zeroth import zo as _zo
     from zeroth.train import trainer as _trainer
@@ -221,8 +224,14 @@ def zo_q4_method(cfg, model, *, rounding: str = "nearest", grids: dict[str, _qua
     t = cfg.train
     if t.method != "zo":
         raise ValueError(f"4-bit forward-only training needs train.method 'zo', got {t.method!r}")
+    _check_rounding(rounding)
     if grids is None:
-        grids = smollm2_grids(getattr(model, "package", None), scan_layers=getattr(model, "scan_layers", True))
+        if not callable(getattr(model, "quant_grids", None)):
+            raise ValueError(
+                f"4-bit forward-only training (requantize {rounding!r}) needs a model whose weights have 4-bit "
+                f"grids, such as smollm2_prompt; {type(model).__name__} has none"
+            )
+        grids = model.quant_grids()
     project = make_projection(grids, rounding)
     nearest = make_projection(grids, "nearest") if rounding != "nearest" else project
     loss_fn = _trainer.make_objective(t.objective, model)
