@@ -1,6 +1,7 @@
 """Fashion-MNIST from the Debian package's IDX files: the real data, the reader's errors, the missing case."""
 
 import gzip
+import os
 import subprocess
 import sys
 
@@ -57,7 +58,7 @@ def test_missing_files_name_the_install_command(tmp_path, monkeypatch):
     # through the command line too
     out = subprocess.run(
         [sys.executable, "-m", "zeroth", "datasets"], capture_output=True, text=True, check=True,
-        env={**__import__("os").environ, images.FASHION_ENV_VAR: str(tmp_path)},
+        env={**os.environ, images.FASHION_ENV_VAR: str(tmp_path)},
     ).stdout
     row = next(line for line in out.splitlines() if line.startswith("fashion_mnist "))
     assert "missing" in row and "install_fashion_mnist.sh" in out

@@ -286,11 +286,23 @@ def _signature(tree) -> tuple:
     return treedef, tuple((tuple(np.shape(x)), str(jnp.result_type(x)), bool(getattr(x, "weak_type", False))) for x in leaves)
 
 
-def _peak_bytes(compiled) -> int:
+def compiled_memory(compiled) -> dict[str, int]:
+    """XLA's memory accounting of a compiled program, in bytes: ``argument``, ``output``, ``temp``,
+    ``alias`` and ``peak = argument + output + temp - alias`` (all 0 where the backend reports none)."""
     m = compiled.memory_analysis()
     if m is None:
-        return 0
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+        return dict.fromkeys(("argument", "output", "temp", "alias", "peak"), 0)
+    parts = {
+        "argument": int(m.argument_size_in_bytes),
+        "output": int(m.output_size_in_bytes),
+        "temp": int(m.temp_size_in_bytes),
+        "alias": int(m.alias_size_in_bytes),
+    }
+    return {**parts, "peak": parts["argument"] + parts["output"] + parts["temp"] - parts["alias"]}
+
+
+def _peak_bytes(compiled) -> int:
+    return compiled_memory(compiled)["peak"]
 
 
 class ProjectedGradientsFn:

@@ -28,6 +28,7 @@ __all__ = [
     "timeit",
     "timeit_many",
     "base_parser",
+    "parse_ks",
     "environment",
     "fmt_rate",
     "fmt_seconds",
@@ -101,6 +102,18 @@ def base_parser(prog: str, description: str, *, repeats: int = 5, warmup: int = 
     p.add_argument("--repeats", type=_positive_int, default=repeats, help=f"timed calls per row (default {repeats})")
     p.add_argument("--warmup", type=_non_negative_int, default=warmup, help=f"untimed calls first (default {warmup})")
     return p
+
+
+def parse_ks(text: str) -> tuple[int, ...]:
+    """``--ks``: comma-separated positive update counts, e.g. ``"1,16,64"``.
+
+    Raises:
+      ValueError: an entry is not a positive integer (names the whole value).
+    """
+    parts = [k.strip() for k in text.split(",")]
+    if not parts or not all(k.isdigit() and int(k) >= 1 for k in parts):
+        raise ValueError(f"--ks must be comma-separated positive integers, got {text!r}")
+    return tuple(int(k) for k in parts)
 
 
 def _positive_int(text: str) -> int:

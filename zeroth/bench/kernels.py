@@ -336,10 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     known = [name for name, _ in SECTIONS]
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)
-        ks = tuple(int(k) for k in args.ks.split(","))
+        ks = _common.parse_ks(args.ks)
         sections = tuple(s for s in args.sections.split(",") if s)
-        if args.size < 1 or any(k < 1 for k in ks):
-            raise ValueError(f"--size and every K of --ks must be >= 1, got {args.size} and {args.ks!r}")
+        if args.size < 1:
+            raise ValueError(f"--size must be a positive number of elements, got {args.size}")
         if unknown := [s for s in sections if s not in known]:
             raise ValueError(f"unknown section(s) {unknown}; expected some of {known}")
     except SystemExit as exc:

@@ -255,9 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", action="store_true", help="add rows calling zeroth.kernels.perturb directly (replay already dispatches to it)")
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)
-        ks = tuple(int(k) for k in args.ks.split(",") if k.strip().isdigit() and int(k) >= 1)
-        if len(ks) != len(args.ks.split(",")):
-            raise ValueError(f"--ks must be comma-separated positive integers, got {args.ks!r}")
+        ks = _common.parse_ks(args.ks)
         if args.size < 1:
             raise ValueError(f"--size must be a positive number of elements, got {args.size}")
     except SystemExit as exc:

@@ -43,9 +43,7 @@ Example:
 from __future__ import annotations
 
 import functools
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -107,32 +105,6 @@ def _setup(name: str, width: int, batch: int, seq_len: int | None = None):
     return kwargs, params, (x, y), loss_fn
 
 
-def _peak_bytes(compiled) -> dict:
-    m = compiled.memory_analysis()
-    peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    return {
-        "argument": int(m.argument_size_in_bytes),
-        "output": int(m.output_size_in_bytes),
-        "temp": int(m.temp_size_in_bytes),
-        "alias": int(m.alias_size_in_bytes),
-        "peak": int(peak),
-    }
-
-
-def _round_robin(fns: dict[str, Callable[[], Any]], *, warmup: int, repeats: int) -> dict[str, _common.Timing]:
-    """Time each ``fn()`` (blocking) ``repeats`` times, interleaved; warm-up calls first."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: _common.Timing(min(v), statistics.median(v), repeats) for k, v in times.items()}
-
-
 def run(
     model: str = "mlp",
     *,
@@ -178,7 +150,7 @@ def run(
     fwd_jit = jax.jit(loss_fn)
     lowered = fwd_jit.lower(params, data)
     fwd_compiled = {k: lowered.compile(o) for k, o in fwd_variants.items()}
-    mem = {f"forward_{k}": _peak_bytes(c) for k, c in fwd_compiled.items()}
+    mem = {f"forward_{k}": zo.compiled_memory(c) for k, c in fwd_compiled.items()}
     fns: dict[str, Callable[[], Any]] = {
         f"forward_{k}": (lambda c=c: jax.block_until_ready(c(params, data))) for k, c in fwd_compiled.items()
     }
@@ -190,9 +162,9 @@ def run(
         pg = zo.projected_gradients_fn(loss_fn, distribution=dist)
         upd = jax.jit(functools.partial(replay.apply_updates, distribution=dist), donate_argnums=0)
         scales = replay.update_scales(dist, [_LR * 0.1 * (i + 1) for i in range(n)])
-        mem[f"zo_pg_{dist}"] = _peak_bytes(pg.compiled(params, data, keys, eps))
+        mem[f"zo_pg_{dist}"] = zo.compiled_memory(pg.compiled(params, data, keys, eps))
         chosen[dist] = pg.chosen_options(params, data, keys, eps)
-        mem[f"zo_update_{dist}"] = _peak_bytes(upd.lower(params, keys, scales).compile())
+        mem[f"zo_update_{dist}"] = zo.compiled_memory(upd.lower(params, keys, scales).compile())
         state = {"params": jax.tree_util.tree_map(jnp.copy, params), "it": 0}
 
         def step(state=state, dist=dist):
@@ -222,7 +194,7 @@ def run(
     bstate["opt"] = opt.init(bstate["params"])
     bp_lowered = jax.jit(bp_step, donate_argnums=(0, 1)).lower(bstate["params"], bstate["opt"], data)
     bp_compiled = [bp_lowered.compile(o) for o in fwd_variants.values()]
-    bp_mem = [_peak_bytes(c) for c in bp_compiled]
+    bp_mem = [zo.compiled_memory(c) for c in bp_compiled]
     best_bp = int(np.argmin([m["peak"] for m in bp_mem]))
     bp, mem["backprop"] = bp_compiled[best_bp], bp_mem[best_bp]
 
@@ -231,7 +203,7 @@ def run(
         bstate["params"], bstate["opt"] = jax.block_until_ready((p, s))
 
     fns["backprop"] = backprop
-    times = _round_robin(fns, warmup=warmup, repeats=repeats)
+    times = _common.timeit_many(fns, warmup=warmup, repeats=repeats)
 
     t_fwd = min(times[f"forward_{k}"].min_s for k in fwd_variants)
     t_fwd_median = min(times[f"forward_{k}"].median_s for k in fwd_variants)

@@ -51,7 +51,7 @@ from jax.experimental import pallas as pl
 from zeroth import noise as _noise
 from zeroth import replay as _replay
 from zeroth import rng as _rng
-from zeroth.kernels import cpu_native
+from zeroth.kernels import cpu_native, triton_params
 
 __all__ = [
     "IMPLS",
@@ -319,9 +319,7 @@ def perturb_pallas(
     else:
         if platform == "gpu":
             if not interpret:
-                from jax.experimental.pallas import triton as pltriton
-
-                compiler_params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+                compiler_params = triton_params()
             # Triton blocks are powers of two: pad K (the padding is never read).
             k_pad = pl.next_power_of_2(max(1, n_updates))
             keys = jnp.pad(keys, ((0, k_pad - n_updates), (0, 0)))

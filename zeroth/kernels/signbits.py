@@ -58,6 +58,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from zeroth.rng import threefry2x32
+from zeroth.kernels import triton_params
 
 __all__ = [
     "Blocks",
@@ -412,14 +413,11 @@ def _majority_kernel(w_ref, o_ref, *, k: int):
 
 
 def _compiler_params(platform: str | None, interpret: bool):
-    """Triton parameters on GPU. Without them jax lowers GPU kernels through Mosaic GPU, whose
-    async copies take at most 256 elements per dimension: these element-wise kernels use Triton."""
+    """Triton parameters on GPU (:func:`zeroth.kernels.triton_params`), none elsewhere."""
     platform = jax.default_backend() if platform is None else platform
     if interpret or platform not in ("gpu", "cuda", "rocm"):
         return None
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.CompilerParams(num_warps=4, num_stages=1)
+    return triton_params()
 
 
 def _tiles(nw: int, blocks: Blocks) -> tuple[int, int]:
