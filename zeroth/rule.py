@@ -99,10 +99,15 @@ def canonicalize(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(u.astype(utype), dt)
 
 
+def _convert(x32: jax.Array, dtype) -> jax.Array:
+    """The backend's float32 -> ``dtype`` conversion (round to nearest even; its NaN bits vary)."""
+    return x32.astype(dtype)
+
+
 def flush_cast(x32: jax.Array, dtype) -> jax.Array:
     """Cast float32 once to ``dtype``, then :func:`canonicalize` in that dtype (subnormals and
     -0 -> +0, whatever NaN the conversion produced -> the dtype's canonical quiet NaN)."""
-    return canonicalize(x32.astype(check_dtype(dtype)))
+    return canonicalize(_convert(x32, check_dtype(dtype)))
 
 
 def update_scale(distribution: str, coefficient: float) -> np.float32:
