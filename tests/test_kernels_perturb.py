@@ -158,6 +158,7 @@ def test_lowers_for_gpu_and_tpu(platform, blocks, dist, tpu_chip_info):
     assert "zeroth_fused_replay" in lowered_kernels(f, args, platform)
 
 
+@pytest.mark.accelerator
 @pytest.mark.skipif(not ACCELERATOR, reason="native Pallas needs a GPU or TPU")
 class TestPallasNative(TestPallasInterpret):
     INTERPRET = False

@@ -14,8 +14,8 @@ Every path that applies an update (:mod:`zeroth.replay`'s jnp rule, the fused ke
   followed by :func:`canonicalize`.
 * :func:`update_scale` / :func:`update_scales`: the host-rounded float32 multipliers of the
   integer noise (20 significant bits, so ``scale * k`` is exact).
-* :func:`check_dtype` / :data:`SUPPORTED_DTYPES` and :func:`platform_name` (``"cuda"`` /
-  ``"rocm"`` -> ``"gpu"``).
+* :func:`check_dtype` / :data:`SUPPORTED_DTYPES`, :func:`platform_name` (``"cuda"`` /
+  ``"rocm"`` -> ``"gpu"``) and :func:`default_platform` (where uncommitted arrays go).
 
 Example:
   >>> import jax.numpy as jnp, numpy as np
@@ -41,6 +41,7 @@ __all__ = [
     "CANONICAL_NAN_BITS",
     "check_dtype",
     "platform_name",
+    "default_platform",
     "flush",
     "canonicalize",
     "flush_cast",
@@ -74,6 +75,15 @@ def check_dtype(dtype, what: str = "leaf") -> jnp.dtype:
 def platform_name(name: str) -> str:
     """The platform family of a jax backend or device platform name: "cuda"/"rocm" -> "gpu"."""
     return "gpu" if name in ("cuda", "rocm", "gpu") else name
+
+
+def default_platform() -> str:
+    """The platform family where ``jit`` puts uncommitted arrays: the default device's
+    (``jax.default_device(...)`` or ``jax_default_device``) if one is set, else the default backend's."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return platform_name(jax.default_backend())
+    return platform_name(device if isinstance(device, str) else device.platform)
 
 
 def flush(x: jax.Array) -> jax.Array:

@@ -118,9 +118,9 @@ _DEFAULT_BLOCKS = {
 
 
 def default_block_sizes(platform: str | None = None) -> BlockSizes:
-    """Tiles for ``platform`` (``jax.default_backend()`` when None): grouped rows on GPU,
+    """Tiles for ``platform`` (:func:`zeroth.rule.default_platform` when None): grouped rows on GPU,
     lane-dense rows on TPU, small grouped tiles elsewhere (interpret mode)."""
-    platform = _rule.platform_name(jax.default_backend() if platform is None else platform)
+    platform = (_rule.default_platform() if platform is None else _rule.platform_name(platform))
     return _DEFAULT_BLOCKS.get(platform, BlockSizes(tile=1024, lanes=None))
 
 
@@ -210,7 +210,7 @@ def platform_of(params: Any) -> str:
     """The platform family (``"cpu"``, ``"gpu"``, ``"tpu"``) of the devices ``params`` live on.
 
     Leaves that are not committed jax arrays (NumPy arrays, Python scalars, tracers) go where
-    ``jit`` puts them, the default backend. Leaves on two platforms at once are refused.
+    ``jit`` puts them (:func:`zeroth.rule.default_platform`). Leaves on two platforms at once are refused.
     """
     found: dict[str, str] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -220,11 +220,11 @@ def platform_of(params: Any) -> str:
     if len(found) > 1:
         where = ", ".join(f"{leaf} on {platform}" for platform, leaf in sorted(found.items()))
         raise ValueError(f"parameters live on several platforms ({where}); put every leaf on one platform first")
-    return next(iter(found)) if found else _rule.platform_name(jax.default_backend())
+    return next(iter(found)) if found else _rule.default_platform()
 
 
 def resolve_impl(impl: str, platform: str | None = None, n_updates: int | None = None) -> str:
-    """The implementation for arrays on ``platform`` (default: ``jax.default_backend()``).
+    """The implementation for arrays on ``platform`` (default: :func:`zeroth.rule.default_platform`).
 
     ``"auto"``: on CPU the native kernel if it builds, else ``"jnp"``; on TPU ``"pallas"``; on GPU
     ``"jnp"`` for a single update (XLA's fused element-wise loop reaches memory speed there:
@@ -234,7 +234,7 @@ def resolve_impl(impl: str, platform: str | None = None, n_updates: int | None =
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {list(IMPLS)}")
-    platform = _rule.platform_name(jax.default_backend() if platform is None else platform)
+    platform = (_rule.default_platform() if platform is None else _rule.platform_name(platform))
     if impl == "native" and platform != "cpu":
         raise ValueError(f"impl='native' is the CPU kernel, but the arrays live on {platform}; use impl='auto'")
     if impl != "auto":
@@ -415,13 +415,13 @@ def perturb_pallas(
         multiple of the elements per call; otherwise rows of 64 lanes are used (same bits).
       interpret: run in Pallas interpret mode (CPU tests).
       inplace: alias the output to ``x``'s buffer (use under ``jit`` with ``x`` donated).
-      platform: the platform the kernel is lowered for (default ``jax.default_backend()``):
+      platform: the platform the kernel is lowered for (default :func:`zeroth.rule.default_platform`):
         ``"gpu"`` lowers through Triton (power-of-two blocks, keys padded to a power of two),
         ``"tpu"`` through Mosaic with keys and scales in SMEM.
     """
     x, keys, scales = _check_args(x, leaf_keys_, scales, distribution)
     offset = _check_offset(offset, x.size)
-    platform = _rule.platform_name(jax.default_backend() if platform is None else platform)
+    platform = (_rule.default_platform() if platform is None else _rule.platform_name(platform))
     if platform == "cpu" and not interpret:
         raise ValueError(
             "the Pallas kernel runs on CPU only in interpret mode (tests): pass interpret=True, "
@@ -511,7 +511,7 @@ def perturb_leaf(
       impl: ``"auto"``, ``"pallas"``, ``"native"`` or ``"jnp"``.
       inplace: let the output reuse ``x``'s buffer (only useful when ``x`` is donated).
       block_sizes, interpret: Pallas settings.
-      platform: where ``x`` lives (``jax.default_backend()`` when None): picks ``"auto"``'s
+      platform: where ``x`` lives (:func:`zeroth.rule.default_platform` when None): picks ``"auto"``'s
         implementation and the Pallas lowering.
 
     Returns:

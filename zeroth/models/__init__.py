@@ -127,12 +127,8 @@ def init_key(run_seed: int) -> np.ndarray:
 
 
 def _binomial_z(leaf_key: np.ndarray, n: int) -> np.ndarray:
-    """``f32[n]``: ``z = k / 2`` of the leaf's binomial stream (equal to ``reference.binomial_int / 2``)."""
-    words = _ref.noise_words(leaf_key, (n + 1) // 2)
-    idx = np.arange(n, dtype=np.int64)
-    half = (words[idx // 2] >> (16 * (idx % 2)).astype(np.uint32)) & np.uint32(0xFFFF)
-    k = np.bitwise_count(half).astype(np.int8) - np.int8(8)
-    return k.astype(np.float32) * np.float32(0.5)
+    """``f32[n]``: ``z = k / 2`` of the leaf's binomial stream (``reference.binomial_int / 2``)."""
+    return _ref.binomial_int(leaf_key, n).astype(np.float32) * np.float32(0.5)
 
 
 _ATTENTION_INPUTS = ("query", "key", "value")
