@@ -589,3 +589,47 @@ def test_cpu_parameters_replay_on_cpu_when_the_default_backend_is_a_gpu(monkeypa
     assert replay.checksum(got) == want
     assert chosen and set(chosen) <= {"native", "jnp"}
     assert got["w"].devices() == {cpu}
+
+
+def test_a_process_with_several_platforms_chooses_at_lowering(monkeypatch):
+    """In a process with a CPU and a GPU, ``apply_updates`` stages one path per platform and the
+    lowering keeps the one for the devices the computation runs on: here the CPU's (the native
+    kernel, one launch for every leaf), with no Triton call and no conditional left to compile."""
+    monkeypatch.setattr(kp, "_process_platforms", lambda: ("cpu", "cuda"))
+    params = {"w": _array((37, 29), jnp.bfloat16, seed=8), "b": _array((3,), jnp.float32, seed=9)}
+    keys = rng.sample_keys(0, [(0, 0, s) for s in range(3)])
+    scales = replay.update_scales("binomial", [0.1, -0.2, 0.3])
+    lowered = jax.jit(lambda p, k, s: kp.apply_updates(p, k, s, distribution="binomial")).lower(params, keys, scales)
+    text, compiled = lowered.as_text(), lowered.compile()
+    assert "triton" not in text and "conditional" not in compiled.as_text()
+    if NATIVE:
+        assert text.count(cpu_native.target_name(tree=True)) == 1  # one launch for both leaves
+    got = compiled(params, keys, scales)
+    assert replay.checksum(got) == replay.checksum(
+        {k: numpy_perturb(v, kp.leaf_keys(keys, rng.leaf_id((jax.tree_util.DictKey(k),))), scales, "binomial")
+         for k, v in params.items()}
+    )
+
+
+@needs_native
+@pytest.mark.parametrize("donate", [False, True])
+def test_one_native_launch_for_every_leaf(donate):
+    """The native tree kernel: every leaf of a replay in one custom call, bit-identical to the
+    per-leaf kernel and the reference, including empty and 0-D leaves."""
+    params = {
+        "a": _array((1000,), jnp.float32, seed=1), "b": _array((37, 29), jnp.bfloat16, seed=2),
+        "c": _array((), jnp.float16, seed=3), "d": jnp.zeros((0, 4), jnp.float32), "e": _array((5000,), jnp.float16, seed=4),
+    }
+    keys = rng.sample_keys(4, [(m, 9, s) for m in range(2) for s in range(3)])
+    scales = replay.update_scales("rademacher", [0.5, -0.25, 1e-3, 2.0, -7.0, 1e-30])
+    want = {k: numpy_perturb(v, kp.leaf_keys(keys, rng.leaf_id((jax.tree_util.DictKey(k),))), scales, "rademacher")
+            for k, v in params.items()}
+    fn = jax.jit(lambda p: kp.apply_updates(p, keys, scales, distribution="rademacher", impl="native", inplace=donate),
+                 donate_argnums=(0,) if donate else ())
+    text = fn.lower(params).as_text()
+    assert text.count(cpu_native.target_name(tree=True)) == 1 and cpu_native.target_name() + '"' not in text
+    got = fn(params)
+    for k in want:
+        assert_same_bits(got[k], want[k])
+    with pytest.raises(ValueError, match="3 leaves but 2 leaf ids"):
+        kp.perturb_native_tree([jnp.zeros(2)] * 3, keys, scales, [1, 2])

@@ -65,6 +65,7 @@ __all__ = [
     "perturb_reference",
     "perturb_pallas",
     "perturb_native",
+    "perturb_native_tree",
     "perturb_leaf",
     "apply_updates",
     "fused_apply_updates",
@@ -484,6 +485,51 @@ def perturb_native(
     return call(x, keys, scales, distribution=np.int32(_DIST_CODE[distribution]), offset=np.int64(offset))
 
 
+def perturb_native_tree(
+    leaves: list,
+    keys,
+    scales,
+    leaf_ids: list[int],
+    *,
+    distribution: str = "binomial",
+    inplace: bool = False,
+    build: cpu_native.BuildConfig = cpu_native.DEFAULT_BUILD,
+) -> list[jax.Array]:
+    """The native CPU kernel on every leaf of a replay in **one launch** (one custom call): the
+    leaf keys ``fold_in(keys[u], leaf_ids[i])`` are derived inside it, the tiles of all leaves
+    are shared out to the threads together. Same bits as :func:`perturb_native` leaf by leaf.
+
+    Args:
+      leaves: the arrays (f32 / bf16 / f16, any shapes).
+      keys: ``u32[K, 2]`` *sample* keys; scales: ``f32[K]`` host-rounded scales.
+      leaf_ids: one 32-bit id per leaf (:func:`zeroth.rng.leaf_id` of its path).
+      inplace: alias every output to its leaf's buffer (under ``jit`` with the leaves donated).
+    """
+    _noise.check_distribution(distribution)
+    if len(leaf_ids) != len(leaves):
+        raise ValueError(f"{len(leaves)} leaves but {len(leaf_ids)} leaf ids")
+    leaves = [jnp.asarray(x) for x in leaves]
+    for i, x in enumerate(leaves):
+        _rule.check_dtype(x.dtype, f"leaf {i}")
+        _check_offset(0, x.size)
+    keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
+    scales = jnp.asarray(scales, jnp.float32).reshape(-1)
+    if scales.shape[0] != keys.shape[0]:
+        raise ValueError(f"{keys.shape[0]} keys but {scales.shape[0]} scales")
+    if not leaves:
+        return []
+    cpu_native.register(build)
+    call = jax.ffi.ffi_call(
+        cpu_native.target_name(build, tree=True),
+        [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves],
+        input_output_aliases={i + 2: i for i in range(len(leaves))} if inplace else None,
+    )
+    return list(
+        call(keys, scales, *leaves, leaf_ids=np.asarray(leaf_ids, np.int64),
+             distribution=np.int32(_DIST_CODE[distribution]))
+    )
+
+
 # --------------------------------------------------------------------------- dispatch
 
 
@@ -535,6 +581,19 @@ def perturb_leaf(
     return perturb_reference(x, leaf_keys_, scales, distribution=distribution, offset=offset)
 
 
+@functools.lru_cache(maxsize=None)
+def _process_platforms() -> tuple[str, ...]:
+    """The jax platforms of this process that have devices (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``)."""
+    found = []
+    for name in ("cpu", "cuda", "rocm", "tpu"):
+        try:
+            if jax.devices(name):
+                found.append(name)
+        except RuntimeError:  # no such backend in this process
+            pass
+    return tuple(found)
+
+
 def apply_updates(
     params: Any,
     keys,
@@ -549,14 +608,19 @@ def apply_updates(
 ) -> Any:
     """Traceable: :func:`zeroth.replay.apply_updates` through the fused kernels, same bits.
 
+    With ``impl="auto"`` and no ``platform``, the implementation is chosen when the computation is
+    lowered, for the devices it runs on (``jax.lax.platform_dependent`` over the platforms this
+    process has; a CPU-only process has one and traces one path): parameters on the host CPU of a
+    GPU machine get the CPU kernel, parameters on the GPU the GPU path.
+
     Args:
       params: pytree of f32 / bf16 / f16 arrays.
       keys: ``u32[K, 2]`` sample keys (may be traced).
       scales: ``f32[K]`` host-rounded scales (may be traced).
       distribution: ``"binomial"`` or ``"rademacher"``.
       impl, inplace, block_sizes, interpret, platform: see :func:`perturb_leaf`; pass
-        ``inplace=True`` only where ``params`` is donated; ``platform`` is where the parameters
-        live (:func:`platform_of`; under ``jit`` the default backend unless given).
+        ``inplace=True`` only where ``params`` is donated; ``platform`` fixes where the parameters
+        live instead of choosing at lowering.
 
     Returns:
       The updated pytree (same structure, dtypes and shapes).
@@ -566,27 +630,37 @@ def apply_updates(
     scales = jnp.asarray(scales, jnp.float32).reshape(-1)
     if scales.shape[0] != keys.shape[0]:
         raise ValueError(f"{keys.shape[0]} keys but {scales.shape[0]} scales")
-    impl = resolve_impl(impl, platform, keys.shape[0])
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
-    out = []
     for path, leaf in with_path:
         _rule.check_dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype, f"leaf {_rng.leaf_path(path)}")
-        leaf = jnp.asarray(leaf)
-        lk = leaf_keys(keys, _rng.leaf_id(path))
-        out.append(
-            perturb_leaf(
-                leaf,
-                lk,
-                scales,
-                distribution=distribution,
-                impl=impl,
-                inplace=inplace,
-                block_sizes=block_sizes,
-                interpret=interpret,
-                platform=platform,
-            )
-        )
+    leaves = [jnp.asarray(leaf) for _, leaf in with_path]
+    ids = [_rng.leaf_id(path) for path, _ in with_path]
+    run = functools.partial(
+        _apply_leaves, ids=ids, distribution=distribution, impl=impl, inplace=inplace,
+        block_sizes=block_sizes, interpret=interpret,
+    )
+    platforms = _process_platforms()
+    if impl != "auto" or platform is not None or len(platforms) <= 1:
+        fixed = platform if platform is not None else (platforms[0] if len(platforms) == 1 else None)
+        out = run(leaves, keys, scales, platform=fixed)
+    else:
+        branches = {name: functools.partial(run, platform=name) for name in platforms}
+        out = jax.lax.platform_dependent(leaves, keys, scales, **branches, default=functools.partial(run, platform="cpu"))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, block_sizes, interpret, platform):
+    """The updated ``leaves`` with the implementation for ``platform`` (see :func:`apply_updates`)."""
+    impl = resolve_impl(impl, platform, keys.shape[0])
+    if impl == "native":  # every leaf in one launch, leaf keys derived inside the kernel
+        return perturb_native_tree(leaves, keys, scales, ids, distribution=distribution, inplace=inplace)
+    return [
+        perturb_leaf(
+            leaf, leaf_keys(keys, lid), scales, distribution=distribution, impl=impl, inplace=inplace,
+            block_sizes=block_sizes, interpret=interpret, platform=platform,
+        )
+        for leaf, lid in zip(leaves, ids)
+    ]
 
 
 @functools.partial(jax.jit, static_argnames=("distribution", "impl", "platform"), donate_argnums=(0,))
@@ -606,8 +680,8 @@ def fused_apply_updates(
 
     Same semantics and bits as :func:`zeroth.replay.apply_updates`; each leaf is read and written
     once for all K updates (native and Pallas paths). The implementation follows the devices the
-    parameters live on (:func:`platform_of`), not the default backend: parameters on the CPU of a
-    GPU machine replay with the native CPU kernel. With ``impl="auto"``, parameters split
+    parameters live on, not the default backend (:func:`apply_updates`): parameters on the CPU of
+    a GPU machine replay with the native CPU kernel. With ``impl="auto"``, parameters split
     across several devices go through the ``jnp`` path, which XLA partitions shard by shard (the
     fused kernels see whole leaves: under ``jit`` a custom call on a sharded leaf would gather it).
 
@@ -636,12 +710,18 @@ def fused_apply_updates(
             f"scales must be float32 with one per key ({keys_np.shape[0]}), from zeroth.replay.update_scales; "
             f"got dtype {scales_np.dtype} shape {scales_np.shape}"
         )
-    platform = platform_of(params)
-    if impl == "auto" and _is_sharded(params):
+    if impl == "auto" and _multi_device() and _is_sharded(params):
         impl = "jnp"  # XLA partitions the elementwise reference; a custom call would gather the leaf
-    impl = resolve_impl(impl, platform, keys_np.shape[0])
+    elif impl != "auto":
+        impl = resolve_impl(impl, platform_of(params), keys_np.shape[0])
     fn = _fused_donated if donate else _fused_copy
-    return fn(params, keys_np, scales_np.reshape(-1), distribution, impl, platform)
+    return fn(params, keys_np, scales_np.reshape(-1), distribution, impl, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _multi_device() -> bool:
+    """Whether some platform of this process has several devices (so a leaf can be sharded)."""
+    return any(len(jax.devices(name)) > 1 for name in _process_platforms())
 
 
 def _is_sharded(params: Any) -> bool:
