@@ -101,3 +101,16 @@ def test_bench_zo_smollm2_reports_the_zo_ratios():
     for ratio in ("zo_time_over_forwards_binomial", "zo_memory_over_inference_binomial", "backprop_memory_over_inference"):
         assert result["ratios"][ratio] > 0, ratio
     assert {"zo_time_over_forwards", "zo_memory_over_inference"} <= set(result["targets"])
+
+
+def test_bench_perturb_overhead_reports_per_call_microseconds():
+    from zeroth.bench import perturb
+
+    result = perturb.run_overhead(leaves=(1, 3), ks=(1, 2), repeats=1, warmup=1)
+    rows = {(r["name"], r["leaves"], r["updates"]): r for r in result["rows"]}
+    for leaves in (1, 3):
+        for k in (1, 2):
+            assert rows[("replay", leaves, k)]["us_per_call_min"] > 0
+            assert rows[("jax dispatch floor", leaves, k)]["us_per_call_min"] > 0
+    assert set(result["met"]) == {f"replay_L{n}_K{k}_us" for n in (1, 3) for k in (1, 2)}
+    assert result["target"] == "<= 100 us per call"

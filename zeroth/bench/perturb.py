@@ -18,8 +18,15 @@ Rates are elements per second from the best of ``--repeats`` calls (the median i
 It prints the ratios the determinism contract is judged by: binomial / torch, binomial /
 jax-normal, rademacher / memory floor, and the time of one K=64 call against 64 calls of K=1.
 
+``--overhead`` measures the host cost of a replay call instead: ``replay(params, updates,
+donate=True)`` on pytrees of 1, 10, 50 and 200 leaves of 64 float32 elements (the arithmetic is
+negligible), K = 1 and 16, in microseconds per call, next to the same updates through one
+native launch *per leaf* (the design before one launch per replay) and to the floor of jax's own
+dispatch (a donated jit that returns its pytree unchanged).
+
 Example:
   $ zeroth bench perturb --size 4194304 --repeats 3
+  $ zeroth bench perturb --overhead
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import numpy as np
 from zeroth import noise, replay, rng
 from zeroth.bench import _common
 
-__all__ = ["main", "run"]
+__all__ = ["main", "run", "run_overhead"]
 
 TARGETS = {
     "binomial_over_torch": (">=", 3.0),
@@ -222,6 +229,98 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
     }
 
 
+OVERHEAD_LEAVES = (1, 10, 50, 200)
+OVERHEAD_KS = (1, 16)
+OVERHEAD_TARGET_US = 100.0
+_CALLS_PER_TIMING = 20
+
+
+def _per_leaf_native(params, keys, scales):
+    """The design before one launch per replay: a native launch per leaf, leaf keys in XLA."""
+    from zeroth.kernels import perturb as kp
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    out = [kp.perturb_native(x, kp.leaf_keys(keys, rng.leaf_id(path)), scales, inplace=True) for path, x in flat]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ...] = OVERHEAD_KS, repeats: int = 5,
+                 warmup: int = 1) -> dict:
+    """Host overhead of a replay call (see the module docstring); ``{"rows", "environment", ...}``.
+
+    Each timing is ``_CALLS_PER_TIMING`` back-to-back calls (the state donated from one to the
+    next), divided; rows are timed round-robin.
+    """
+    from zeroth.kernels import cpu_native
+
+    spec: dict[str, tuple[int, int, str, Callable[[], None]]] = {}
+    for n_leaves in leaves:
+        for k in ks:
+            params = {f"leaf{i:03d}": jnp.zeros(64, jnp.float32) for i in range(n_leaves)}
+            keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
+            coefficients = [_COEFF * (1 + s % 3) for s in range(k)]
+            scales = replay.update_scales("binomial", coefficients)
+
+            def repeat(step, state):
+                box = [state]
+
+                def call():
+                    for _ in range(_CALLS_PER_TIMING):
+                        box[0] = step(box[0])
+                    jax.block_until_ready(box[0])
+
+                return call
+
+            rows = {
+                "replay": lambda p, keys=keys, c=coefficients: replay.replay(p, (keys, c), donate=True),
+                "jax dispatch floor": jax.jit(lambda p, s: p, donate_argnums=0),
+            }
+            if cpu_native.available() and jax.default_backend() == "cpu":
+                per_leaf = jax.jit(_per_leaf_native, donate_argnums=0)
+                rows["native, a launch per leaf"] = lambda p, per_leaf=per_leaf, keys=keys, scales=scales: per_leaf(
+                    p, keys, scales)
+            for what, step in rows.items():
+                fn = step if what != "jax dispatch floor" else (lambda p, step=step: step(p, np.float32(0)))
+                spec[f"{what} L={n_leaves} K={k}"] = (n_leaves, k, what, repeat(fn, jax.tree_util.tree_map(jnp.copy, params)))
+    timings = _common.timeit_many({name: call for name, (_, _, _, call) in spec.items()}, warmup=warmup, repeats=repeats)
+    rows = []
+    for name, (n_leaves, k, what, _) in spec.items():
+        t = timings[name]
+        rows.append({
+            "name": what, "leaves": n_leaves, "updates": k,
+            "us_per_call_min": 1e6 * t.min_s / _CALLS_PER_TIMING,
+            "us_per_call_median": 1e6 * t.median_s / _CALLS_PER_TIMING,
+        })
+    verdicts = {
+        f"replay_L{r['leaves']}_K{r['updates']}_us": r["us_per_call_min"] for r in rows if r["name"] == "replay"
+    }
+    return {
+        "benchmark": "perturb_overhead",
+        "leaf_elements": 64,
+        "repeats": repeats,
+        "calls_per_timing": _CALLS_PER_TIMING,
+        "environment": _common.environment(),
+        "rows": rows,
+        "replay_us": verdicts,
+        "target": f"<= {OVERHEAD_TARGET_US:g} us per call",
+        "met": {name: us <= OVERHEAD_TARGET_US for name, us in verdicts.items()},
+    }
+
+
+def _render_overhead(result: dict) -> None:
+    env = result["environment"]
+    print(f"zeroth bench perturb --overhead: leaves of {result['leaf_elements']} float32, donated, "
+          f"{result['calls_per_timing']} calls per timing, best of {result['repeats']} "
+          f"({env['processor']}, {env['cpu_count']} CPUs, jax {env['jax']} {env['backend']})")
+    table = [{**r, "best": f"{r['us_per_call_min']:.0f} us", "median": f"{r['us_per_call_median']:.0f} us"}
+             for r in result["rows"]]
+    _common.print_table([("name", "row"), ("leaves", "leaves"), ("updates", "K"), ("best", "per call"),
+                         ("median", "median")], table)
+    print()
+    for name, us in result["replay_us"].items():
+        print(f"  {name:<24} {us:8.0f} us   (target {result['target']}: {'met' if result['met'][name] else 'MISSED'})")
+
+
 def _render(result: dict) -> None:
     env = result["environment"]
     print(f"zeroth bench perturb: N = {result['size']:,} float32 elements, donated, best of "
@@ -253,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=2**24, help="elements of the float32 leaf (default 2**24)")
     p.add_argument("--ks", default="1,16,64", help="comma-separated replay sizes K (default 1,16,64)")
     p.add_argument("--kernels", action="store_true", help="add rows calling zeroth.kernels.perturb directly (replay already dispatches to it)")
+    p.add_argument("--overhead", action="store_true", help="host overhead per replay call for 1-200 small leaves, K=1 and 16 (microseconds)")
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)
         ks = _common.parse_ks(args.ks)
@@ -263,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"zeroth bench perturb: {exc}", file=sys.stderr)
         return 2
+    if args.overhead:
+        result = run_overhead(repeats=args.repeats, warmup=args.warmup)
+        _common.emit(result, as_json=args.json, render=_render_overhead)
+        return 0
     result = run(args.size, repeats=args.repeats, warmup=args.warmup, ks=ks, kernels=args.kernels)
     _common.emit(result, as_json=args.json, render=_render)
     return 0
