@@ -31,6 +31,7 @@ import numpy as np
 
 from zeroth import reference as _ref
 from zeroth import rng as _rng
+from zeroth.kernels import host_memory as _host_memory
 from zeroth.kernels import perturb as _fused
 from zeroth.rule import COEFF_BITS, SUPPORTED_DTYPES, flush, flush_cast, update_scale, update_scales
 
@@ -106,7 +107,10 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
       params: pytree of f32 / bf16 / f16 arrays (flax params included).
       updates: sequence of ``(u32[2] key, float coefficient)``; or a pair ``(u32[K,2], f[K])``.
       distribution: ``"binomial"`` (default) or ``"rademacher"``; ``"gaussian"`` is refused.
-      donate: reuse the input buffers (the input ``params`` must not be used afterwards).
+      donate: reuse the input buffers (the input ``params`` must not be used afterwards). The
+        copy path (``False``) allocates a new set of buffers; on a CPU the first such call keeps
+        freed host memory for reuse (:mod:`zeroth.kernels.host_memory`), so later copies do not
+        pay page faults again.
 
     Example:
       >>> from zeroth.rng import sample_key
@@ -122,6 +126,8 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
     if len(coefficients) != keys.shape[0]:
         raise ValueError(f"{keys.shape[0]} keys but {len(coefficients)} coefficients")
     scales = update_scales(distribution, coefficients)
+    if not donate and _fused.platform_of(params) == "cpu":
+        _host_memory.reuse_freed_host_memory()
     # The fused kernels pick the fastest exact path for the platform the parameters live on
     # (native CPU kernel, Pallas on GPU/TPU, the jnp rule otherwise); every path is held
     # bit-identical to zeroth.reference by the tests.
