@@ -7,7 +7,9 @@ machine load hits every row alike):
 * **zeroth** ``apply_updates`` (the jitted traceable core of :mod:`zeroth.replay`), K = 1, with
   each exact distribution, and the host entry :func:`zeroth.replay.perturb`;
 * **jax.random.normal + add** (jitted, donated): the backend-dependent baseline;
-* **torch.randn + add_** when torch is importable ("not installed" otherwise);
+* **zeroth** ``replay`` without donation (copy mode: a new output buffer per call);
+* **torch.randn + add_** when torch is importable ("not installed" otherwise), on the device of
+  jax's arrays (a CUDA GPU when jax's default device is one and torch sees it);
 * the **memory floor**: a plain in-place pass ``p + c`` (jitted, donated) and torch ``add_(c)``;
 * a **replay** of K = 1, 16, 64 binomial updates in one call: element-updates/s (``N*K / t``)
   and the time per update;
@@ -46,6 +48,7 @@ __all__ = ["main", "run", "run_overhead"]
 
 TARGETS = {
     "binomial_over_torch": (">=", 3.0),
+    "binomial_not_donated_over_torch": (">=", 2.0),
     "binomial_over_jax_normal": (">=", 7.0),
     "rademacher_over_memory_floor": (">=", 1 / 3),
 }
@@ -107,19 +110,43 @@ def _jax_memory(n: int) -> Callable[[], None]:
 
 
 def _torch_calls(n: int) -> tuple[dict[str, Callable[[], None]], str | None]:
-    """``({name: call}, note)``; no calls and the note "not installed" without torch."""
+    """``({name: call}, note)``: torch on the same device as jax's arrays (``cuda`` when jax's
+    default device is a GPU and torch sees one, else the CPU); no calls and the note
+    "not installed" without torch."""
     try:
         import torch
     except ImportError:
         return {}, "not installed"
-    gen = torch.Generator().manual_seed(0)
-    p = torch.zeros(n, dtype=torch.float32)
-    q = torch.zeros(n, dtype=torch.float32)
-    calls = {
-        "torch.randn + add_": lambda: p.add_(torch.randn(n, generator=gen, dtype=torch.float32), alpha=_COEFF),
-        "torch add_(c) (memory floor)": lambda: q.add_(_COEFF),
-    }
-    return calls, f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    from zeroth import rule
+
+    device = "cuda" if rule.default_platform() == "gpu" and torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    gen = torch.Generator(device=device).manual_seed(0)
+    p = torch.zeros(n, dtype=torch.float32, device=device)
+    q = torch.zeros(n, dtype=torch.float32, device=device)
+
+    def randn_add():
+        p.add_(torch.randn(n, generator=gen, dtype=torch.float32, device=device), alpha=_COEFF)
+        sync()
+
+    def add():
+        q.add_(_COEFF)
+        sync()
+
+    calls = {"torch.randn + add_": randn_add, "torch add_(c) (memory floor)": add}
+    threads = f", {torch.get_num_threads()} threads" if device == "cpu" else ""
+    return calls, f"torch {torch.__version__} on {device}{threads}"
+
+
+def _zeroth_replay_copy(n: int, dist: str) -> Callable[[], None]:
+    """:func:`zeroth.replay.replay` without donation: a new output buffer every call."""
+    keys = rng.sample_keys(0, [(0, 1, 0)])
+    p = {"w": jnp.zeros(n, jnp.float32)}
+
+    def call():
+        jax.block_until_ready(replay.replay(p, (keys, [_COEFF]), distribution=dist))
+
+    return call
 
 
 def _kernel_calls(n: int, ks: list[int]) -> tuple[dict[str, tuple[Callable[[], None], int, str]], list[dict]]:
@@ -178,6 +205,7 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
     spec: dict[str, tuple[str, Callable[[], None] | None, int, str | None]] = {}
     for dist in noise.EXACT:
         spec[f"zeroth {dist} (replay, K=1)"] = ("zeroth", _zeroth_replay(n, dist, 1), 1, None)
+    spec["zeroth binomial (replay, K=1, not donated)"] = ("zeroth", _zeroth_replay_copy(n, "binomial"), 1, "copy mode")
     for dist in noise.EXACT:
         spec[f"jnp rule {dist} (apply_updates, K=1)"] = ("reference", _zeroth_core(n, dist, 1), 1, "traceable jnp path")
     spec["jax.random.normal + add"] = ("baseline", _jax_normal(n), 1, "backend-dependent")
@@ -206,6 +234,8 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
     floors = [r["elements_per_s"] for r in rows if r["group"] == "memory" and r.get("elements_per_s")]
     ratios = {
         "binomial_over_torch": _ratio(binomial, _rate(rows, "torch.randn + add_")),
+        "binomial_not_donated_over_torch": _ratio(
+            _rate(rows, "zeroth binomial (replay, K=1, not donated)"), _rate(rows, "torch.randn + add_")),
         "binomial_over_jax_normal": _ratio(binomial, _rate(rows, "jax.random.normal + add")),
         "rademacher_over_memory_floor": _ratio(rademacher, max(floors) if floors else None),
     }
@@ -343,7 +373,11 @@ def _render(result: dict) -> None:
     print()
     for name, value in result["ratios"].items():
         target = result["targets"].get(name)
-        print(f"  {name:<32} {'-' if value is None else f'{value:.3g}':>8}" + (f"   (target {target})" if target else ""))
+        verdict = ""
+        if target and value is not None:
+            op, bound = TARGETS[name]
+            verdict = ": met" if (value >= bound if op == ">=" else value <= bound) else ": MISSED"
+        print(f"  {name:<32} {'-' if value is None else f'{value:.3g}':>8}" + (f"   (target {target}{verdict})" if target else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
