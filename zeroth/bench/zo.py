@@ -226,6 +226,7 @@ def run(
         ratios[f"zo_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].min_s / (2 * n * t_fwd)
         ratios[f"zo_time_over_forwards_{dist}_medians"] = times[f"zo_step_{dist}"].median_s / (2 * n * t_fwd_median)
         ratios[f"zo_memory_over_inference_{dist}"] = m_step / m_fwd
+        ratios[f"update_fraction_of_step_{dist}"] = times[f"zo_update_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
     rows.append(_row("backprop step (sgd)", times["backprop"], mem["backprop"], None, t_fwd, m_fwd,
                      f"value_and_grad + optax.sgd, donated, {_describe(list(fwd_variants.values())[best_bp])}"))
     ratios["backprop_time_over_two_forwards"] = times["backprop"].min_s / (2 * t_fwd)
@@ -298,8 +299,12 @@ def _render(result: dict) -> None:
     )
     print()
     for name, value in result["ratios"].items():
-        target = next((t for k, t in result["targets"].items() if name.startswith(k)), None)
-        print(f"  {name:<40} {value:>7.3f}" + (f"   (target {target})" if target else ""))
+        key = next((k for k in result["targets"] if name.startswith(k)), None)
+        verdict = ""
+        if key is not None:
+            op, bound = TARGETS[key]
+            verdict = ": met" if (value <= bound if op == "<=" else value >= bound) else ": MISSED"
+        print(f"  {name:<40} {value:>7.3f}" + (f"   (target {result['targets'][key]}{verdict})" if key else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
