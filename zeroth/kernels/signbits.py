@@ -57,8 +57,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from zeroth.rng import threefry2x32
 from zeroth.kernels import triton_params
+from zeroth.rng import threefry2x32
+from zeroth.rule import platform_name
 
 __all__ = [
     "Blocks",
@@ -82,7 +83,6 @@ __all__ = [
     "count_geq",
     "majority",
     "majority_ref",
-    "bench_rows",
 ]
 
 WORD_BITS = 32
@@ -136,7 +136,7 @@ def resolve_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {list(IMPLS)}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu", "cuda", "rocm") else "jnp"
+        return "pallas" if platform_name(jax.default_backend()) in ("gpu", "tpu") else "jnp"
     return impl
 
 
@@ -415,7 +415,7 @@ def _majority_kernel(w_ref, o_ref, *, k: int):
 def _compiler_params(platform: str | None, interpret: bool):
     """Triton parameters on GPU (:func:`zeroth.kernels.triton_params`), none elsewhere."""
     platform = jax.default_backend() if platform is None else platform
-    if interpret or platform not in ("gpu", "cuda", "rocm"):
+    if interpret or platform_name(platform) != "gpu":
         return None
     return triton_params()
 
@@ -608,10 +608,3 @@ def majority(
     if resolve_impl(impl) == "jnp" or words.shape[1] == 0:
         return majority_ref(words)
     return _majority_pallas(words, blocks, interpret, platform)
-
-
-def bench_rows(ctx=None) -> list[dict]:
-    """Throughput rows for ``zeroth bench kernels`` (see :func:`zeroth.bench.signbits.signbits_rows`)."""
-    from zeroth.bench.signbits import signbits_rows
-
-    return signbits_rows(ctx)
