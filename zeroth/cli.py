@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from zeroth import __version__
+
 __all__ = ["main", "COMMANDS"]
 
 # name -> ("module:function", one-line help). Each function takes argv (list[str]) and returns an exit code.
@@ -35,8 +37,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name in ("--version", "version"):
-        from zeroth import __version__
-
         print(__version__)
         return 0
     if name not in COMMANDS:
