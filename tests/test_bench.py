@@ -48,7 +48,7 @@ def test_bench_kernels_measures_fused_replay_and_sign_bits():
 
 def test_bench_zo_offers_the_pretrained_models():
     from zeroth.bench import zo
-    from zeroth.models.pretrained import bench as pretrained_bench
+    from zeroth.bench import pretrained as pretrained_bench
 
     assert set(zo.MODELS) == {"mlp", "cnn", "transformer", *pretrained_bench.MODELS}
     assert {"smollm2", "smollm2_unrolled", "minilm"} <= set(zo.MODELS)
@@ -76,7 +76,7 @@ def test_bench_zo_argument_errors(capsys):
 )  # fmt: skip
 def test_bench_zo_names_the_install_command_of_missing_weights(monkeypatch, capsys, model, package, command):
     from zeroth.bench import zo
-    from zeroth.models.pretrained import resources
+    from zeroth.data import resources
 
     find = resources._spec
     monkeypatch.setattr(resources, "_spec", lambda m: None if m == package else find(m))

@@ -182,7 +182,7 @@ def test_shipped_experiments_exist():
 
 
 def test_help_config_cli(capsys):
-    from zeroth.train.run import main
+    from zeroth.run import main
 
     assert main(["--help-config"]) == 0
     out = capsys.readouterr().out
@@ -190,8 +190,8 @@ def test_help_config_cli(capsys):
 
 
 def test_config_choices_match_the_trainer_registries():
-    from zeroth.train import trainer
+    from zeroth import methods, objectives
 
-    assert set(C.OPTIMIZERS) == set(trainer.OPTIMIZERS)
-    assert set(C.OBJECTIVES) == set(trainer.OBJECTIVES)
+    assert set(C.OPTIMIZERS) == set(methods.OPTIMIZERS)
+    assert set(C.OBJECTIVES) == set(objectives.OBJECTIVES)
     assert set(C.METHODS) == {"zo", "backprop"}

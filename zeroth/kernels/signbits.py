@@ -84,7 +84,6 @@ __all__ = [
     "count_geq",
     "majority",
     "majority_ref",
-    "bench_rows",
 ]
 
 WORD_BITS = 32
@@ -611,10 +610,3 @@ def majority(
     if resolve_impl(impl) == "jnp" or words.shape[1] == 0:
         return majority_ref(words)
     return _majority_pallas(words, blocks, interpret, platform)
-
-
-def bench_rows(ctx=None) -> list[dict]:
-    """Throughput rows for ``zeroth bench kernels`` (see :func:`zeroth.bench.signbits.signbits_rows`)."""
-    from zeroth.bench.signbits import signbits_rows
-
-    return signbits_rows(ctx)
