@@ -232,3 +232,13 @@ def test_in_process_doctor_agrees_on_four_devices(capsys):
     assert doctor.main(["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] and report["devices"] == [str(d) for d in jax.devices()]
+
+
+def test_a_platform_the_machine_lacks_is_one_clear_line():
+    missing = "rocm" if jax.default_backend() == "tpu" else "tpu"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = missing
+    proc = subprocess.run([sys.executable, "-m", "zeroth", "doctor"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"JAX_PLATFORMS='{missing}'" in lines[0] and "Traceback" not in proc.stderr

@@ -32,9 +32,10 @@ conversions at all in jaxlib 0.10; the doctor then says so instead of failing). 
 ``jax.random.normal`` noise is printed for contrast: it is backend-dependent and moves with FMA
 and fast-math while the exact digests do not.
 
-Exit status: 0 when both jax digests equal the reference digests and the golden ones; 1 on a
-mismatch; 2 on a usage error or an unreadable golden file; 3 when float32/bfloat16 agree but
-this backend cannot compile float16.
+Exit status: 0 when every jax digest equals the reference and golden ones; 1 on a mismatch; 2 on
+a usage error, an unreadable golden file or a backend jax cannot start (``JAX_PLATFORMS`` naming
+a platform the machine lacks); 3 when float32/bfloat16 agree but this backend cannot compile
+float16.
 
 Example:
   >>> from zeroth.doctor import main
@@ -453,7 +454,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from zeroth import replay as _replay
 
-    env = _environment()
+    try:
+        env = _environment()
+    except (RuntimeError, AssertionError) as exc:  # jax raises a bare AssertionError for an unknown JAX_PLATFORMS
+        platforms = os.environ.get("JAX_PLATFORMS", "")
+        print(
+            f"zeroth doctor: jax could not start a backend (JAX_PLATFORMS={platforms!r}): "
+            f"{str(exc).strip() or type(exc).__name__}; name a platform this machine has (cpu, or cuda with "
+            f"jax's CUDA build installed), or unset JAX_PLATFORMS",
+            file=sys.stderr,
+        )
+        return 2
     t0 = time.perf_counter()
     digest = _replay.checksum(jax_result(float16=False))
     try:
