@@ -195,3 +195,13 @@ def test_config_choices_match_the_trainer_registries():
     assert set(C.OPTIMIZERS) == set(methods.OPTIMIZERS)
     assert set(C.OBJECTIVES) == set(objectives.OBJECTIVES)
     assert set(C.METHODS) == {"zo", "backprop"}
+
+
+def test_zeroth_without_a_command_is_a_usage_error(capsys):
+    from zeroth import cli
+
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert "no command given" in err and "commands:" in err
+    assert cli.main(["--help"]) == 0 and "commands:" in capsys.readouterr().out
+    assert cli.main(["frobnicate"]) == 2 and "unknown command 'frobnicate'" in capsys.readouterr().err

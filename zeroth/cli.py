@@ -32,7 +32,10 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:  # a command is required: say which exist, and fail like any usage error
+        print(f"zeroth: no command given\n\n{_usage()}", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
     name, rest = argv[0], argv[1:]
