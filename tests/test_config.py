@@ -205,3 +205,12 @@ def test_zeroth_without_a_command_is_a_usage_error(capsys):
     assert "no command given" in err and "commands:" in err
     assert cli.main(["--help"]) == 0 and "commands:" in capsys.readouterr().out
     assert cli.main(["frobnicate"]) == 2 and "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_a_quoted_number_is_refused_but_yaml_exponents_are_numbers():
+    from zeroth import config as zc
+
+    cfg = zc.apply_overrides(zc.Config(), ["train.lr=1e-3"])  # YAML 1.1 reads 1e-3 as a string
+    assert cfg.train.lr == 0.001
+    with pytest.raises(ValueError, match=r"train.lr: bad value '0.02'; expected a number, not a quoted string"):
+        zc.apply_overrides(zc.Config(), ['train.lr="0.02"'])

@@ -309,6 +309,10 @@ def _coerce_scalar(where: str, tp, value: Any) -> Any:
         if isinstance(value, bool):
             raise _bad(where, value, "a number")
         if isinstance(value, str):
+            # YAML 1.1 reads 1e-3 (no dot) as a string: take it as the number it spells. A string
+            # that YAML would have read as a number unquoted was quoted on purpose: refuse it.
+            if isinstance(yaml.safe_load(value), (int, float)):
+                raise _bad(where, value, "a number, not a quoted string (remove the quotes)")
             try:
                 value = float(value)
             except ValueError:
