@@ -156,3 +156,15 @@ def test_binary_kernels_lower_for_gpu_and_tpu(platform, tpu_chip_info):
     for name, cases in ops.items():
         for fn, args in cases:
             assert name in lowered_kernels(fn, args, platform), name
+
+
+def test_bench_binary_rows_side_by_side():
+    from zeroth.bench import binary as bench
+
+    rows = bench.binary_rows(batch=8, features=70, channels=33, image=5, conv_batch=2, repeats=1, warmup=1)
+    kinds = {(r["layer"], r["kind"], r["impl"]) for r in rows}
+    assert {("dense", "float32", "xla"), ("dense", "binary", "jnp"), ("conv3x3", "float32", "xla"),
+            ("conv3x3", "binary", "jnp"), ("conv3x3", "binary", "numpy")} <= kinds
+    for r in rows:
+        assert r["ops"] > 0 and r["ops_per_s"] > 0
+        assert ("speedup_vs_float32" in r) == (r["kind"] == "binary")
