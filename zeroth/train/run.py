@@ -2,7 +2,8 @@
 
 Loads an experiment config (:mod:`zeroth.config`), applies ``--set`` overrides and trains on
 this machine (:func:`zeroth.train.trainer.train`). A config with a ``peers`` section is handed
-to ``zeroth.net.launch.run_config(cfg, out_dir, argv)``, which runs the peers on loopback.
+to ``zeroth.net.launch.run_config(cfg, out_dir, argv)``, which runs the peers on loopback; one with
+a ``binary`` section to ``zeroth.binary.experiment.run_config`` (binary learning, seed 002).
 ``--help-config`` prints every config field with its type, default and description.
 
 Exit codes: 0 done; 2 a bad command line, config, dataset or checkpoint (the message says which).
@@ -75,6 +76,13 @@ def main(argv: list[str]) -> int:
         from zeroth.train import trainer
 
         out = trainer.out_dir_of(cfg)
+        # --- binary learning (seed 002): a config with a `binary:` section runs zeroth.binary.experiment
+        if cfg.binary is not None:
+            from zeroth.binary import experiment as binary_experiment
+
+            binary_experiment.run_config(cfg, out, argv, progress=not args.quiet)
+            return 0
+        # --- end binary learning
         if cfg.peers is not None:
             try:
                 from zeroth.net import launch
