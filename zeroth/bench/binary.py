@@ -1,5 +1,7 @@
 """``zeroth bench binary``: XOR-popcount dense and 3x3 conv throughput next to float32 of the same shape.
 
+The rows come from :func:`zeroth.binary.speed.binary_rows` (the binary experiment reports the same).
+
 Each shape runs as the bit-packed binary layer (``zeroth.kernels.binary``: jnp on XLA, Pallas
 natively on GPU/TPU, the NumPy reference on the host) and as a float32 matmul / convolution
 of the same shape (``jnp.dot``, ``lax.conv_general_dilated``). Rates are **binary operations per

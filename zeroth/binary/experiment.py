@@ -146,6 +146,8 @@ def run_config(cfg, out_dir, argv=None, *, progress: bool = True) -> dict:
                     "final_loss": [float(np.mean([r["loss"] for r in f.history[-10:]])) for f in frozen],
                     "train_seconds": [f.seconds for f in frozen], "wall_s": time.perf_counter() - t0,
                     "checksums": [L.layer_checksum(f.layer, f.spec) for f in frozen],
+                    "loss_curves": [[round(r["loss"], 5) for r in f.history] for f in frozen],
+                    "flip_curves": [[r["flips"] for r in f.history] for f in frozen],
                 }
                 results["models"].append(model)
                 say(f"  {name:<18} test accuracy {model['test_accuracy']:.4f} (layers {model['layer_test_accuracy']}), "
