@@ -159,3 +159,11 @@ def test_server_and_three_worker_processes_agree_survive_a_kill_and_a_join(tmp_p
     assert max(s["contributors_per_round"][4:]) == 3  # the joiner took part after the kill
     assert all(f <= 3 for f in s["flips_per_round"]) and sum(s["flips_per_round"]) > 0
     assert s["dense_float32_bytes_per_round_per_worker"] == 4 * 10 * 9 * 4
+
+
+def test_sparse_list_thresholds_and_keeps_the_most_negative_under_the_cap():
+    d = np.array([[[0.5, np.inf], [-0.01, -3.0]], [[9.0, -1.0], [np.inf, 0.2]]], np.float32)
+    idx, val = W.sparse_list(d, 0.1, 10)
+    assert idx.tolist() == [0, 3, 4, 5, 7] and val.tolist() == [0.5, -3.0, 9.0, -1.0, pytest.approx(0.2)]
+    idx, val = W.sparse_list(d, 0.1, 2)
+    assert idx.tolist() == [3, 5] and val.tolist() == [-3.0, -1.0]

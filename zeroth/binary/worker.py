@@ -7,7 +7,7 @@ holds the same one. Each round the worker
 1. draws a batch from its shard (``examples i`` with ``i % shards == worker_id % shards``; the
    batch is a pure function of ``(seed, worker_id, round)``),
 2. computes the summed loss change of every mutation (:func:`zeroth.binary.flips.mutation_deltas`),
-   keeps the entries with ``|delta| > threshold`` (at most ``max_entries``, the largest),
+   keeps the entries with ``|delta| > threshold`` (at most ``max_entries``, the most negative first),
 3. submits them with its model's checksum, polls the round's result, applies the mutations and
    compares its checksum with the server's.
 
@@ -89,11 +89,15 @@ def votes(cfg: DistConfig, h: int, w: int) -> tuple[L.Head, L.Regions]:
 
 
 def sparse_list(deltas, threshold: float, max_entries: int) -> tuple[np.ndarray, np.ndarray]:
-    """Entries of ``f32[O, J, 2]`` with finite ``|delta| > threshold``, the ``max_entries`` largest, by index."""
+    """Entries of ``f32[O, J, 2]`` with finite ``|delta| > threshold``, sorted by index.
+
+    Over ``max_entries``, the most negative deltas are kept first (the server applies only
+    mutations whose summed delta is negative; a positive entry can only veto another worker's).
+    """
     flat = np.asarray(deltas, np.float32).reshape(-1)
     keep = np.flatnonzero(np.isfinite(flat) & (np.abs(flat) > threshold))
     if keep.size > max_entries:
-        order = np.lexsort((keep, -np.abs(flat[keep])))[:max_entries]
+        order = np.lexsort((keep, flat[keep]))[:max_entries]
         keep = np.sort(keep[order])
     return keep.astype(np.int64), flat[keep]
 
