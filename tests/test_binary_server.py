@@ -57,9 +57,18 @@ def test_checked_in_stubs_equal_freshly_generated_ones(tmp_path):
 def test_packed_model_round_trips_and_checksum_matches_the_layer():
     w, t = _model(3)
     data = P.model_bytes(w, t, CFG.c_in, True)
-    w2, t2 = P.model_from_bytes(data, CFG.c_in, CFG.c_out, True)
+    w2, t2, h2 = P.model_from_bytes(data, CFG.c_in, CFG.c_out, True)
     assert_array_equal(w2, w)
     assert_array_equal(t2, t)
+    assert h2 is None
+    head = (np.arange(2 * CFG.c_out * 3, dtype=np.float32).reshape(2, CFG.c_out, 3), np.ones(3, np.float32))
+    w3, t3, h3 = P.model_from_bytes(P.model_bytes(w, t, CFG.c_in, True, head), CFG.c_in, CFG.c_out, True,
+                                    regions=2, classes=3)
+    assert_array_equal(w3, w)
+    assert_array_equal(t3, t)
+    assert_array_equal(h3[0], head[0])
+    assert_array_equal(h3[1], head[1])
+    assert P.checksum(w, t, CFG.c_in, True, head) != P.checksum(w, t, CFG.c_in, True)
     spec = L.ConvSpec(c_in=CFG.c_in, c_out=CFG.c_out, ternary=True)
     assert P.checksum(w, t, CFG.c_in, True) == L.layer_checksum(L.ConvLayer(jnp.asarray(w), jnp.asarray(t)), spec)
     with pytest.raises(ValueError, match="has 3 bytes"):
@@ -151,7 +160,8 @@ def test_grpc_service_aborts_with_status_codes():
 @pytest.mark.e2e
 def test_server_and_three_worker_processes_agree_survive_a_kill_and_a_join(tmp_path):
     cfg = W.DistConfig(run_id="e2e", dataset="digits", train_size=300, test_size=100, c_out=10, rounds=7,
-                       batch_size=16, threshold=0.05, k=3, round_timeout_s=2.0, founders=3)
+                       batch_size=16, threshold=0.05, k=3, round_timeout_s=2.0, founders=3,
+                       head="trained", head_steps=5)
     s = launch.run(cfg, workers=3, kill_at=(2,), join_at=(1,), out_dir=tmp_path, timeout_s=120)
     assert s["checksum_mismatches"] == 0 and s["checksum_comparisons"] >= 3 * 7
     assert len(s["dropped"]) == 1  # the killed worker, dropped at its round's deadline

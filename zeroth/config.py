@@ -290,7 +290,10 @@ class BinaryConfig:
     rounds: int = _field(30, "Sparse-mutation run: rounds.", min=1)
     dist_train_size: int = _field(3000, "Sparse-mutation run: training examples split over the workers.", min=1)
     dist_channels: int = _field(40, "Sparse-mutation run: channels of its one binary layer (votes head).", min=1)
-    dist_k: int = _field(8, "Sparse-mutation run: flips applied per round.", min=1)
+    dist_k: int = _field(4, "Sparse-mutation run: flips applied per round.", min=1)
+    dist_head_steps: int = _field(
+        100, "Sparse-mutation run: Adam steps fitting its head to the initial layer's features (then frozen, shipped "
+        "with the packed model); 0 = a fixed votes head.", min=0)
     threshold: float = _field(0.05, "Sparse-mutation run: |loss delta| a list entry must exceed.", min=0.0)
     max_entries: int = _field(512, "Sparse-mutation run: longest list a worker sends (the largest |deltas|).", min=1)
     kill_at: tuple[int, ...] = _field((), "Sparse-mutation run: rounds at which a worker is killed.", factory=tuple, min=0)

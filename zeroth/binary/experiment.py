@@ -171,7 +171,9 @@ def run_config(cfg, out_dir, argv=None, *, progress: bool = True) -> dict:
         dcfg = W.DistConfig(run_id=f"{cfg.run.name}-{seed}", dataset=cfg.data.dataset, train_size=b.dist_train_size,
                             test_size=len(yte), levels=b.levels, c_out=b.dist_channels, ternary=False, grid=b.grid,
                             batch_size=bs, shards=b.workers, threshold=b.threshold, max_entries=b.max_entries,
-                            k=b.dist_k, rounds=b.rounds, seed=seed, founders=b.workers)
+                            k=b.dist_k, rounds=b.rounds, seed=seed, founders=b.workers,
+                            head="trained" if b.dist_head_steps else "votes", head_steps=b.dist_head_steps,
+                            classes=classes)
         dist = launch.run(dcfg, workers=b.workers, kill_at=tuple(b.kill_at), out_dir=out / "distributed")
         results["distributed"] = {k: v for k, v in dist.items() if k != "config"}
         say(f"  sparse mutations: {b.workers} workers, {b.rounds} rounds, test accuracy "

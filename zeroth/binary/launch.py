@@ -32,14 +32,28 @@ from zeroth.binary import service as S
 from zeroth.binary import train as T
 from zeroth.binary import worker as W
 
-__all__ = ["run", "accuracy", "main"]
+__all__ = ["run", "accuracy", "fit_head", "main"]
 
 
-def accuracy(cfg: W.DistConfig, w, thresh, x, y) -> float:
-    """Test accuracy of the votes-head model."""
+def accuracy(cfg: W.DistConfig, w, thresh, head, x, y) -> float:
+    """Test accuracy of the model (``head`` None: the votes head)."""
     spec = W.model_spec(cfg)
-    head, _ = W.votes(cfg, x.shape[1], x.shape[2])
-    return T.accuracy(L.ConvLayer(jnp.asarray(w), jnp.asarray(thresh)), head, x, y, spec, cfg.grid)
+    h = W.votes(cfg, x.shape[1], x.shape[2])[0] if head is None else L.Head(jnp.asarray(head[0]), jnp.asarray(head[1]))
+    return T.accuracy(L.ConvLayer(jnp.asarray(w), jnp.asarray(thresh)), h, x, y, spec, cfg.grid)
+
+
+def fit_head(cfg: W.DistConfig, layer: L.ConvLayer, x, y) -> tuple[np.ndarray, np.ndarray]:
+    """Fit the auxiliary head to the initial layer's features (``head_steps`` Adam steps); it is then frozen."""
+    spec = W.model_spec(cfg)
+    h, w = x.shape[1:3]
+    reg = L.regions(h, w, cfg.grid)
+    head = L.init_head(cfg.c_out, len(reg.counts), cfg.classes)
+    fns = T.step_functions(spec, h, w, cfg.grid)
+    state = T.ADAM.init(head)
+    for i in range(cfg.head_steps):
+        idx = np.random.default_rng([cfg.seed, 8, i]).choice(len(y), size=min(cfg.batch_size, len(y)), replace=False)
+        head, state, _ = fns.head_step(layer, head, state, jnp.asarray(x[idx]), jnp.asarray(y[idx]), jnp.float32(0.01))
+    return np.asarray(head.a), np.asarray(head.b)
 
 
 def _spawn(address: str, cfg: W.DistConfig, metrics: pathlib.Path, hold: pathlib.Path | None = None) -> subprocess.Popen:
@@ -63,8 +77,10 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
     rng = np.random.default_rng([cfg.seed, 7])
     layer = L.init_layer(spec, x[rng.choice(len(x), size=min(256, len(x)), replace=False)], seed=cfg.seed)
     w0, t0 = np.asarray(layer.w), np.asarray(layer.thresh)
-    acc0 = accuracy(cfg, w0, t0, xt, yt)
-    server = S.Server(cfg.server_config(), w0, t0)
+    head = fit_head(cfg, layer, x, y) if cfg.head == "trained" else None
+    acc0 = accuracy(cfg, w0, t0, head, xt, yt)
+    scfg = cfg.server_config(x.shape[1:3])
+    server = S.Server(scfg, w0, t0, head)
     port = server.start("127.0.0.1:0")
     address = f"127.0.0.1:{port}"
     start = time.monotonic()
@@ -122,7 +138,7 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
     results = [st.results[r] for r in range(cfg.rounds)]
     summary = {
         "config": cfg._asdict(), "workers": workers, "killed": killed, "joined_at": list(join_at),
-        "rounds": cfg.rounds, "test_accuracy_before": acc0, "test_accuracy": accuracy(cfg, st.w, st.thresh, xt, yt),
+        "rounds": cfg.rounds, "test_accuracy_before": acc0, "test_accuracy": accuracy(cfg, st.w, st.thresh, st.head, xt, yt),
         "final_checksum": st.checksum, "flips_per_round": [len(r.mutations) for r in results],
         "contributors_per_round": [len(r.contributors) for r in results],
         "dropped": sorted({d for r in results for d in r.dropped}),
@@ -130,8 +146,8 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
         "checksum_mismatches": sum(not r["checksum_ok"] for r in rounds + joins),
         "bytes_up_per_round_per_worker": float(np.mean([r["bytes_up"] for r in rounds])) if rounds else 0.0,
         "bytes_down_per_round_per_worker": float(np.mean([r["bytes_down"] for r in rounds])) if rounds else 0.0,
-        "dense_float32_bytes_per_round_per_worker": P.dense_bytes(cfg.server_config()),
-        "packed_model_bytes": len(P.model_bytes(st.w, st.thresh, cfg.levels, cfg.ternary)),
+        "dense_float32_bytes_per_round_per_worker": P.dense_bytes(scfg),
+        "packed_model_bytes": len(P.model_bytes(st.w, st.thresh, cfg.levels, cfg.ternary, st.head)),
         "wall_s": wall, "loss_per_round": [float(np.mean([r["loss"] for r in rounds if r["round"] == k]))
                                            for k in range(cfg.rounds) if any(r["round"] == k for r in rounds)],
     }

@@ -12,8 +12,9 @@ worker-id order (float64, then float32), drops mutations whose weight is at its 
 result with the model's SHA-256.
 
 **The packed model** (:func:`model_bytes`): the sign plane ``u32[O, 9 words(C)]``, the mask plane
-(ternary only) and the ``int32[O]`` thresholds, little-endian, concatenated. Its SHA-256 is the
-checksum peers compare.
+(ternary only), the ``int32[O]`` thresholds and, when the run has one, the frozen float32 head
+(trained by the launcher on the initial features, never updated by the rounds), little-endian,
+concatenated. Its SHA-256 is the checksum peers compare.
 
 Example:
   >>> import numpy as np
@@ -72,6 +73,8 @@ class ServerConfig(NamedTuple):
     max_entries: int = 1 << 16  # longest accepted list
     round_timeout_s: float = 5.0  # a round closes at this deadline with whoever submitted
     founders: int = 1  # round 0 waits until this many workers have joined
+    regions: int = 0  # the model carries a frozen float32 head f32[regions, c_out, classes] + f32[classes]
+    classes: int = 0  # (0 = no head in the model: workers use a fixed votes head)
 
     @property
     def n_weights(self) -> int:
@@ -89,6 +92,7 @@ class ServerState(NamedTuple):
     results: dict  # round -> RoundResult
     checksum: str
     start: dict  # worker id -> the first round it takes part in
+    head: tuple | None  # (f32[R, O, K], f32[K]) frozen head shipped with the model, or None
 
 
 class JoinReply(NamedTuple):
@@ -123,38 +127,47 @@ class RoundResult(NamedTuple):
     finished: bool = False
 
 
-def model_bytes(w, thresh, c_in: int, ternary: bool) -> bytes:
-    """The packed model: sign words, mask words (ternary), thresholds; little-endian."""
+def model_bytes(w, thresh, c_in: int, ternary: bool, head=None) -> bytes:
+    """The packed model: sign words, mask words (ternary), thresholds, then the frozen head (if any); little-endian."""
     w = np.asarray(w)
     o = w.shape[0]
     v = w.reshape(o, 9, c_in)
     parts = [R.pack(v < 0).reshape(o, -1)]
     if ternary:
         parts.append(R.pack(v != 0).reshape(o, -1))
-    return b"".join(p.astype("<u4").tobytes() for p in parts) + np.asarray(thresh).astype("<i4").tobytes()
+    data = b"".join(p.astype("<u4").tobytes() for p in parts) + np.asarray(thresh).astype("<i4").tobytes()
+    if head is not None:
+        data += b"".join(np.asarray(h, np.float32).astype("<f4").tobytes() for h in head)
+    return data
 
 
-def model_from_bytes(data: bytes, c_in: int, c_out: int, ternary: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Inverse of :func:`model_bytes`: ``(int8[O, 9 C] values, int32[O] thresholds)``."""
+def model_from_bytes(data: bytes, c_in: int, c_out: int, ternary: bool, *, regions: int = 0, classes: int = 0):
+    """Inverse of :func:`model_bytes`: ``(int8[O, 9 C] values, int32[O] thresholds, head or None)``."""
     wc = R.n_words(c_in)
     plane = c_out * 9 * wc * 4
-    want = plane * (2 if ternary else 1) + 4 * c_out
+    head_bytes = 4 * (regions * c_out * classes + classes) if regions and classes else 0
+    want = plane * (2 if ternary else 1) + 4 * c_out + head_bytes
     if len(data) != want:
         raise ValueError(f"packed model has {len(data)} bytes; a {c_out}x9x{c_in} {'ternary' if ternary else 'binary'} "
-                         f"layer has {want}")
+                         f"layer{' with its head' if head_bytes else ''} has {want}")
     sign = np.frombuffer(data[:plane], "<u4").reshape(c_out, 9, wc)
     if ternary:
         mask = np.frombuffer(data[plane:2 * plane], "<u4").reshape(c_out, 9, wc)
         w = R.unpack_ternary(sign, mask, c_in)
     else:
         w = R.unpack(sign, c_in)
-    thresh = np.frombuffer(data[-4 * c_out:], "<i4").astype(np.int32)
-    return w.reshape(c_out, -1).astype(np.int8), thresh
+    end = want - head_bytes
+    thresh = np.frombuffer(data[end - 4 * c_out:end], "<i4").astype(np.int32)
+    head = None
+    if head_bytes:
+        flat = np.frombuffer(data[end:], "<f4").astype(np.float32)
+        head = (flat[:regions * c_out * classes].reshape(regions, c_out, classes), flat[regions * c_out * classes:])
+    return w.reshape(c_out, -1).astype(np.int8), thresh, head
 
 
-def checksum(w, thresh, c_in: int, ternary: bool) -> str:
-    """SHA-256 hex of :func:`model_bytes` (equals :func:`zeroth.binary.layers.layer_checksum`)."""
-    return hashlib.sha256(model_bytes(w, thresh, c_in, ternary)).hexdigest()
+def checksum(w, thresh, c_in: int, ternary: bool, head=None) -> str:
+    """SHA-256 hex of :func:`model_bytes` (without a head it equals :func:`zeroth.binary.layers.layer_checksum`)."""
+    return hashlib.sha256(model_bytes(w, thresh, c_in, ternary, head)).hexdigest()
 
 
 def dense_bytes(cfg: ServerConfig) -> int:
@@ -162,11 +175,18 @@ def dense_bytes(cfg: ServerConfig) -> int:
     return 4 * cfg.n_weights
 
 
-def init_state(cfg: ServerConfig, w, thresh, *, now: float = 0.0) -> ServerState:
+def init_state(cfg: ServerConfig, w, thresh, *, head=None, now: float = 0.0) -> ServerState:
     w, thresh = np.array(w, np.int8), np.array(thresh, np.int32)
     if w.shape != (cfg.c_out, 9 * cfg.c_in) or thresh.shape != (cfg.c_out,):
         raise ValueError(f"model shapes {w.shape}, {thresh.shape} do not match config ({cfg.c_out}, {9 * cfg.c_in})")
-    return ServerState(w, thresh, 0, now, (), 0, {}, {}, checksum(w, thresh, cfg.c_in, cfg.ternary), {})
+    if (head is None) != (cfg.regions == 0 or cfg.classes == 0):
+        raise ValueError(f"config regions={cfg.regions}, classes={cfg.classes} but head is {'absent' if head is None else 'given'}")
+    if head is not None:
+        head = (np.array(head[0], np.float32), np.array(head[1], np.float32))
+        if head[0].shape != (cfg.regions, cfg.c_out, cfg.classes) or head[1].shape != (cfg.classes,):
+            raise ValueError(f"head shapes {head[0].shape}, {head[1].shape} do not match config")
+    digest = checksum(w, thresh, cfg.c_in, cfg.ternary, head)
+    return ServerState(w, thresh, 0, now, (), 0, {}, {}, digest, {}, head)
 
 
 def _finished(st: ServerState, cfg: ServerConfig) -> bool:
@@ -187,7 +207,7 @@ def join(st: ServerState, cfg: ServerConfig, run_id: str, *, now: float) -> tupl
     live = st.live + (wid,) if joins_now else st.live
     first = st.round + (0 if joins_now else 1)
     st = st._replace(next_id=wid + 1, live=live, start={**st.start, wid: first})
-    data = model_bytes(st.w, st.thresh, cfg.c_in, cfg.ternary)
+    data = model_bytes(st.w, st.thresh, cfg.c_in, cfg.ternary, st.head)
     reply = JoinReply(wid, first, data, st.checksum, 2 * cfg.n_weights, cfg.max_entries,
                       _finished(st, cfg), st.round)
     return st, reply
@@ -248,7 +268,7 @@ def _close(st: ServerState, cfg: ServerConfig, *, now: float) -> ServerState:
     dense[F.at_limit_np(st.w, np.arange(dense.size), cfg.ternary)] = np.inf
     chosen = F.select(dense.reshape(cfg.c_out, 9 * cfg.c_in, 2), k=cfg.k, min_gain=cfg.min_gain)
     w = F.apply_mutations_np(st.w, chosen, cfg.ternary)
-    digest = checksum(w, st.thresh, cfg.c_in, cfg.ternary)
+    digest = checksum(w, st.thresh, cfg.c_in, cfg.ternary, st.head)
     dropped = tuple(sorted(set(st.live) - set(contributors)))
     joined = tuple(sorted(wid for wid, r in st.start.items() if r == st.round + 1))
     res = RoundResult(True, st.round, tuple(int(i) for i in chosen), digest, contributors, dropped,

@@ -51,10 +51,10 @@ def decode_result(m: pb.RoundResult) -> P.RoundResult:
 class Server(pbg.BinaryMutationsServicer):
     """The parameter server: state + lock + the three RPCs."""
 
-    def __init__(self, cfg: P.ServerConfig, w, thresh):
+    def __init__(self, cfg: P.ServerConfig, w, thresh, head=None):
         self.cfg = cfg
         self._lock = threading.Lock()
-        self.state = P.init_state(cfg, w, thresh, now=time.monotonic())
+        self.state = P.init_state(cfg, w, thresh, head=head, now=time.monotonic())
         self._grpc: grpc.Server | None = None
 
     def _call(self, context, fn):

@@ -35,7 +35,8 @@ import optax
 from zeroth.binary import flips as F
 from zeroth.binary import layers as L
 
-__all__ = ["METHODS", "HEADS", "TrainConfig", "LayerResult", "train_layer", "predict", "accuracy", "layer_outputs"]
+__all__ = ["METHODS", "HEADS", "ADAM", "TrainConfig", "LayerResult", "step_functions", "train_layer", "predict", "accuracy",
+           "layer_outputs"]
 
 METHODS = ("flips", "evolution", "ste")
 HEADS = ("linear", "votes")
@@ -96,11 +97,11 @@ class _Fns(NamedTuple):
     ste_step: object
 
 
-_ADAM = optax.scale_by_adam()  # the learning rate is an argument: one compilation serves every rate
+ADAM = optax.scale_by_adam()  # the learning rate is an argument: one compilation serves every rate
 
 
 @functools.lru_cache(maxsize=32)
-def _functions(spec: L.ConvSpec, h: int, w: int, grid: int) -> _Fns:
+def step_functions(spec: L.ConvSpec, h: int, w: int, grid: int) -> _Fns:
     """Jitted step functions, built once per (layer shape, head grid)."""
     reg = L.regions(h, w, grid)
 
@@ -109,7 +110,7 @@ def _functions(spec: L.ConvSpec, h: int, w: int, grid: int) -> _Fns:
         act = _acts(layer, x, spec)
         loss, g = jax.value_and_grad(_head_loss)(head, act, y, reg)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32 counts
-            upd, opt_state = _ADAM.update(g, opt_state, head)
+            upd, opt_state = ADAM.update(g, opt_state, head)
         return jax.tree.map(lambda p, u: p - lr * u, head, upd), opt_state, loss
 
     deltas = jax.jit(lambda layer, head, x, y: F.mutation_deltas(layer, head, x, y, spec, reg))
@@ -134,7 +135,7 @@ def _functions(spec: L.ConvSpec, h: int, w: int, grid: int) -> _Fns:
         xcol = L.im2col_pm1(x, spec.c_in)
         loss, g = jax.value_and_grad(ste_loss)(params, thresh, xcol, y)
         with jax.numpy_dtype_promotion("standard"):
-            upd, opt_state = _ADAM.update(g, opt_state, params)
+            upd, opt_state = ADAM.update(g, opt_state, params)
         w, head = params[0] - lrs[0] * upd[0], jax.tree.map(lambda p, u: p - lrs[1] * u, params[1], upd[1])
         return (jnp.clip(w, -1.5, 1.5), head), opt_state, loss
 
@@ -173,12 +174,12 @@ def train_layer(spec: L.ConvSpec, x, y, cfg: TrainConfig, *, classes: int, layer
         head = L.votes_head(spec.c_out, len(reg.counts), classes, cfg.votes_scale)
     else:
         head = L.init_head(spec.c_out, len(reg.counts), classes)
-    fns = _functions(spec, h, w, cfg.grid)
-    head_state = _ADAM.init(head)
+    fns = step_functions(spec, h, w, cfg.grid)
+    head_state = ADAM.init(head)
     head_lr = jnp.float32(cfg.head_lr)
     ste_lrs = (jnp.float32(cfg.ste_lr), jnp.float32(cfg.head_lr))
     shadow = (jnp.asarray(layer.w, jnp.float32) * 0.75, head)
-    ste_state = _ADAM.init(shadow)
+    ste_state = ADAM.init(shadow)
     rng = np.random.default_rng([cfg.seed, layer_index, 3])
     history, t0 = [], time.perf_counter()
     for step in range(cfg.steps):

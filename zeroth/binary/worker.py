@@ -1,8 +1,9 @@
 """A sparse-mutation worker: deltas over its data shard, one sparse list per round, the server's flips applied.
 
-The model is one binary/ternary conv layer on thermometer-encoded images with a fixed *votes*
-head (channel ``o`` votes for class ``o % classes``), so the whole model is bits and every worker
-holds the same one. Each round the worker
+The model is one binary/ternary conv layer on thermometer-encoded images with a fixed head:
+either *votes* (channel ``o`` votes for class ``o % classes``) or a float head the launcher fitted
+to the initial layer's features and ships, frozen, inside the packed model. Only bits move, and
+every worker holds the same model. Each round the worker
 
 1. draws a batch from its shard (``examples i`` with ``i % shards == worker_id % shards``; the
    batch is a pure function of ``(seed, worker_id, round)``),
@@ -64,11 +65,16 @@ class DistConfig(NamedTuple):
     seed: int = 0
     round_timeout_s: float = 3.0
     founders: int = 3  # round 0 waits for this many workers
+    head: str = "votes"  # votes: fixed class votes; trained: a head fitted by the launcher, then frozen
+    head_steps: int = 100  # trained head: Adam steps on the initial layer's features
+    classes: int = 10
 
-    def server_config(self) -> P.ServerConfig:
+    def server_config(self, image_hw: tuple[int, int] = (0, 0)) -> P.ServerConfig:
+        """The server's config; a trained head needs the image size (its number of regions)."""
+        regions = len(L.regions(*image_hw, self.grid).counts) if self.head == "trained" else 0
         return P.ServerConfig(self.run_id, self.levels, self.c_out, self.ternary, self.k, self.rounds,
                               max_entries=self.max_entries, round_timeout_s=self.round_timeout_s,
-                              founders=self.founders)
+                              founders=self.founders, regions=regions, classes=self.classes if regions else 0)
 
 
 def load_split(cfg: DistConfig, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -85,7 +91,7 @@ def model_spec(cfg: DistConfig) -> L.ConvSpec:
 
 def votes(cfg: DistConfig, h: int, w: int) -> tuple[L.Head, L.Regions]:
     reg = L.regions(h, w, cfg.grid)
-    return L.votes_head(cfg.c_out, len(reg.counts), 10, cfg.votes_scale), reg
+    return L.votes_head(cfg.c_out, len(reg.counts), cfg.classes, cfg.votes_scale), reg
 
 
 def sparse_list(deltas, threshold: float, max_entries: int) -> tuple[np.ndarray, np.ndarray]:
@@ -111,13 +117,14 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
     """
     spec = model_spec(cfg)
     x, y = load_split(cfg, "train")
-    head, reg = votes(cfg, x.shape[1], x.shape[2])
-    deltas_fn = jax.jit(lambda layer, xb, yb: F.mutation_deltas(layer, head, xb, yb, spec, reg))
-    loss_fn = jax.jit(lambda layer, xb, yb: F.batch_loss(layer, head, xb, yb, spec, reg))
+    votes_head, reg = votes(cfg, x.shape[1], x.shape[2])
+    scfg = cfg.server_config(x.shape[1:3])
+    deltas_fn = jax.jit(lambda layer, head, xb, yb: F.mutation_deltas(layer, head, xb, yb, spec, reg))
+    loss_fn = jax.jit(lambda layer, head, xb, yb: F.batch_loss(layer, head, xb, yb, spec, reg))
     warm = L.ConvLayer(jnp.zeros((cfg.c_out, 9 * cfg.levels), jnp.int8), jnp.zeros((cfg.c_out,), jnp.int32))
     bs = min(cfg.batch_size, -(-len(y) // cfg.shards))
-    deltas_fn(warm, jnp.asarray(x[:bs]), jnp.asarray(y[:bs])).block_until_ready()  # compile before joining
-    loss_fn(warm, jnp.asarray(x[:bs]), jnp.asarray(y[:bs])).block_until_ready()
+    deltas_fn(warm, votes_head, jnp.asarray(x[:bs]), jnp.asarray(y[:bs])).block_until_ready()  # compile before joining
+    loss_fn(warm, votes_head, jnp.asarray(x[:bs]), jnp.asarray(y[:bs])).block_until_ready()
     if hold is not None:
         deadline = time.monotonic() + max_wait_s
         while not os.path.exists(hold):
@@ -128,12 +135,14 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
     stub = pbg.BinaryMutationsStub(channel)
     rep = stub.Join(pb.JoinRequest(run_id=cfg.run_id), timeout=30)
     wid, rnd = rep.worker_id, rep.round
-    w, thresh = P.model_from_bytes(rep.model, cfg.levels, cfg.c_out, cfg.ternary)
-    mine = P.checksum(w, thresh, cfg.levels, cfg.ternary)
+    w, thresh, shipped = P.model_from_bytes(rep.model, cfg.levels, cfg.c_out, cfg.ternary, regions=scfg.regions,
+                                            classes=scfg.classes)
+    mine = P.checksum(w, thresh, cfg.levels, cfg.ternary, shipped)
+    head = votes_head if shipped is None else L.Head(jnp.asarray(shipped[0]), jnp.asarray(shipped[1]))
     if mine != rep.checksum:
         raise RuntimeError(f"worker {wid}: fetched model checksum {mine} != server's {rep.checksum}")
     shard = np.flatnonzero(np.arange(len(y)) % cfg.shards == wid % cfg.shards)
-    dense = P.dense_bytes(cfg.server_config())
+    dense = P.dense_bytes(scfg)
     rounds = matches = 0
     finished = rep.finished
     def wait_result(r: int):
@@ -150,7 +159,7 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
         prev = wait_result(rep.model_round)  # joined while that round was open: it closes without us
         if prev.mutations:
             w = F.apply_mutations_np(w, np.asarray(prev.mutations, np.int64), cfg.ternary)
-            mine = P.checksum(w, thresh, cfg.levels, cfg.ternary)
+            mine = P.checksum(w, thresh, cfg.levels, cfg.ternary, shipped)
         finished = prev.finished
     with open(metrics_path, "a") as log:
         log.write(json.dumps({"event": "join", "worker": wid, "round": rnd, "model_bytes": len(rep.model),
@@ -160,8 +169,8 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
             idx = rng.choice(shard, size=min(cfg.batch_size, shard.size), replace=False)
             layer = L.ConvLayer(jnp.asarray(w), jnp.asarray(thresh))
             xb, yb = jnp.asarray(x[idx]), jnp.asarray(y[idx])
-            index, delta = sparse_list(deltas_fn(layer, xb, yb), cfg.threshold, cfg.max_entries)
-            loss = float(loss_fn(layer, xb, yb))
+            index, delta = sparse_list(deltas_fn(layer, head, xb, yb), cfg.threshold, cfg.max_entries)
+            loss = float(loss_fn(layer, head, xb, yb))
             msg = S.encode_deltas(P.DeltaList(cfg.run_id, wid, rnd, index, delta, mine, len(idx), loss))
             try:
                 stub.Submit(msg, timeout=30)
@@ -171,7 +180,7 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
                 raise
             res = wait_result(rnd)
             w = F.apply_mutations_np(w, np.asarray(res.mutations, np.int64), cfg.ternary)
-            mine = P.checksum(w, thresh, cfg.levels, cfg.ternary)
+            mine = P.checksum(w, thresh, cfg.levels, cfg.ternary, shipped)
             ok = mine == res.checksum
             matches += ok
             rounds += 1
