@@ -76,7 +76,7 @@ OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 CODECS = ("float32", "onebyte")
 DISTRIBUTIONS = ("binomial", "rademacher")
 REQUANTIZE = ("nearest", "stochastic")
-BINARY_METHODS = ("flips", "evolution", "ste", "float32")
+BINARY_METHODS = ("flips", "evolution", "ste", "head", "float32")
 BINARY_WEIGHTS = ("binary", "ternary")
 
 
@@ -263,8 +263,8 @@ class BinaryConfig:
     methods: tuple[str, ...] = _field(
         ("flips", "evolution", "ste", "float32"),
         "What to train: flips (exact single-flip loss deltas, top-k), evolution (random flips kept if the loss "
-        "fell), ste (straight-through estimator on float shadow weights), float32 (the same conv shapes with float "
-        "weights and ReLU, end-to-end backprop).",
+        "fell), ste (straight-through estimator on float shadow weights), head (control: random weights that never "
+        "move, only the head trains), float32 (the same conv shapes with float weights and ReLU, end-to-end backprop).",
         factory=lambda: ("flips", "evolution", "ste", "float32"),
     )
     weights: tuple[str, ...] = _field(

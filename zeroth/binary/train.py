@@ -12,6 +12,7 @@ the same float auxiliary head with Adam on the softmax cross-entropy of the laye
 * ``ste``: a straight-through-estimator BNN: float shadow weights trained with optax Adam through
   ``sign`` (binary) or ``sign * [|w| > 1/2]`` (ternary) and a sign activation whose gradient is
   that of ``hardtanh((dot - t) / sqrt(n))``; the result is quantized and evaluated packed.
+* ``head``: the control: the random initial weights never move, only the head trains.
 
 Evaluation always runs the packed XOR-popcount layer.
 
@@ -38,7 +39,7 @@ from zeroth.binary import layers as L
 __all__ = ["METHODS", "HEADS", "ADAM", "TrainConfig", "LayerResult", "step_functions", "train_layer", "predict", "accuracy",
            "layer_outputs"]
 
-METHODS = ("flips", "evolution", "ste")
+METHODS = ("flips", "evolution", "ste", "head")
 HEADS = ("linear", "votes")
 
 
@@ -201,7 +202,7 @@ def train_layer(spec: L.ConvSpec, x, y, cfg: TrainConfig, *, classes: int, layer
                 if chosen.size:
                     layer = L.ConvLayer(jnp.asarray(F.apply_mutations_np(wnp, chosen, spec.ternary)), layer.thresh)
                 applied = int(chosen.size)
-            else:
+            elif cfg.method == "evolution":
                 before = float(fns.loss(layer, head, xb, yb))
                 trial = L.ConvLayer(jnp.asarray(F.apply_mutations_np(
                     wnp, _random_mutations(rng, wnp, cfg.k, spec.ternary), spec.ternary)), layer.thresh)
