@@ -9,8 +9,9 @@ the same float auxiliary head with Adam on the softmax cross-entropy of the laye
   least ``min_gain`` each, one per weight).
 * ``evolution``: mutate ``k`` random weights; keep the mutations if the batch loss fell,
   else revert ("flip, keep if the loss fell").
-* ``ste``: a straight-through-estimator BNN: float shadow weights trained with optax Adam through
-  ``sign`` (binary) or ``sign * [|w| > 1/2]`` (ternary) and a sign activation whose gradient is
+* ``ste``: a straight-through-estimator BNN: float shadow weights (starting at ``STE_INIT`` times
+  the initial weights) trained with optax Adam through ``sign`` (binary) or
+  ``sign * [|w| > STE_ZERO]`` (ternary) and a sign activation whose gradient is
   that of ``hardtanh((dot - t) / sqrt(n))``; the result is quantized and evaluated packed.
 * ``head``: the control: the random initial weights never move, only the head trains.
 
@@ -40,6 +41,8 @@ __all__ = ["METHODS", "HEADS", "ADAM", "TrainConfig", "LayerResult", "step_funct
            "layer_outputs"]
 
 METHODS = ("flips", "evolution", "ste", "head")
+STE_INIT = 0.1  # STE shadow weights start at STE_INIT * (the initial {-1, 0, +1} weights)
+STE_ZERO = 0.05  # ternary STE: |shadow| <= STE_ZERO quantizes to 0
 HEADS = ("linear", "votes")
 
 
@@ -119,7 +122,7 @@ def step_functions(spec: L.ConvSpec, h: int, w: int, grid: int) -> _Fns:
 
     def quant(w):
         if spec.ternary:
-            return jnp.where(jnp.abs(w) > 0.5, jnp.sign(w), 0.0)
+            return jnp.where(jnp.abs(w) > STE_ZERO, jnp.sign(w), 0.0)
         return jnp.where(w < 0, -1.0, 1.0)
 
     def ste_loss(params, thresh, xcol, y):
@@ -138,14 +141,14 @@ def step_functions(spec: L.ConvSpec, h: int, w: int, grid: int) -> _Fns:
         with jax.numpy_dtype_promotion("standard"):
             upd, opt_state = ADAM.update(g, opt_state, params)
         w, head = params[0] - lrs[0] * upd[0], jax.tree.map(lambda p, u: p - lrs[1] * u, params[1], upd[1])
-        return (jnp.clip(w, -1.5, 1.5), head), opt_state, loss
+        return (jnp.clip(w, -1.0, 1.0), head), opt_state, loss
 
     return _Fns(head_step, deltas, loss, ste_step)
 
 
 def _quantize_np(w: np.ndarray, ternary: bool) -> np.ndarray:
     if ternary:
-        return np.where(np.abs(w) > 0.5, np.sign(w), 0).astype(np.int8)
+        return np.where(np.abs(w) > STE_ZERO, np.sign(w), 0).astype(np.int8)
     return np.where(w < 0, -1, 1).astype(np.int8)
 
 
@@ -179,7 +182,7 @@ def train_layer(spec: L.ConvSpec, x, y, cfg: TrainConfig, *, classes: int, layer
     head_state = ADAM.init(head)
     head_lr = jnp.float32(cfg.head_lr)
     ste_lrs = (jnp.float32(cfg.ste_lr), jnp.float32(cfg.head_lr))
-    shadow = (jnp.asarray(layer.w, jnp.float32) * 0.75, head)
+    shadow = (jnp.asarray(layer.w, jnp.float32) * jnp.float32(STE_INIT), head)
     ste_state = ADAM.init(shadow)
     rng = np.random.default_rng([cfg.seed, layer_index, 3])
     history, t0 = [], time.perf_counter()
