@@ -71,6 +71,8 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
     """Run the server and the workers to the end; returns the summary dict (also ``out_dir/summary.json``)."""
     out = pathlib.Path(out_dir or tempfile.mkdtemp(prefix="zeroth-binary-"))
     out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("worker*.jsonl"), *out.glob("join*.go")]:  # a previous run's logs would be counted
+        old.unlink()
     x, y = W.load_split(cfg, "train")
     xt, yt = W.load_split(cfg, "test")
     spec = W.model_spec(cfg)
