@@ -75,7 +75,7 @@ class TrainConfig(NamedTuple):
 class LayerResult(NamedTuple):
     layer: L.ConvLayer
     head: L.Head
-    history: list  # dicts per step: step, loss, flips (applied), seconds
+    history: list  # dicts per step: step, loss, flips (weights changed), seconds
     seconds: float
 
 
@@ -192,7 +192,9 @@ def train_layer(spec: L.ConvSpec, x, y, cfg: TrainConfig, *, classes: int, layer
         applied = 0
         if cfg.method == "ste":
             shadow, ste_state, loss = fns.ste_step(shadow, ste_state, layer.thresh, xb, yb, ste_lrs)
-            layer = L.ConvLayer(jnp.asarray(_quantize_np(np.asarray(shadow[0]), spec.ternary)), layer.thresh)
+            wq = _quantize_np(np.asarray(shadow[0]), spec.ternary)
+            applied = int(np.sum(wq != np.asarray(layer.w)))  # quantized weights that changed this step
+            layer = L.ConvLayer(jnp.asarray(wq), layer.thresh)
             head = shadow[1]
         else:
             if cfg.head == "linear":
