@@ -51,6 +51,9 @@ __all__ = [
     "OptimizerConfig",
     "TrainConfig",
     "PeersConfig",
+    "BinaryConfig",
+    "BINARY_METHODS",
+    "BINARY_WEIGHTS",
     "Config",
     "SECTIONS",
     "OPTIONAL_SECTIONS",
@@ -78,6 +81,9 @@ OPTIMIZERS = tuple(methods.OPTIMIZERS)  # train.optimizer.name
 CODECS = tuple(codecs.CODECS)  # train.codec
 DISTRIBUTIONS = noise.EXACT  # train.distribution: the exact noises only
 REQUANTIZE = q4train.ROUNDINGS  # train.requantize
+# binary learning (seed 002): the trainers and weight kinds of zeroth.binary
+BINARY_METHODS = ("flips", "evolution", "ste", "head", "float32")
+BINARY_WEIGHTS = ("binary", "ternary")
 
 
 def _dataset_names() -> tuple[str, ...]:
@@ -250,6 +256,53 @@ class PeersConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class BinaryConfig:
+    """Binary learning (seed 002): binary/ternary conv layers trained layer-wise; `zeroth run` runs it when present.
+
+    Uses data.dataset (images), data.batch_size, data.eval_size (test examples; 0 = all) and run.seed.
+    """
+
+    methods: tuple[str, ...] = _field(
+        ("flips", "evolution", "ste", "float32"),
+        "What to train: flips (exact single-flip loss deltas, top-k), evolution (random flips kept if the loss "
+        "fell), ste (straight-through estimator on float shadow weights), head (control: random weights that never "
+        "move, only the head trains), float32 (the same conv shapes with float weights and ReLU, end-to-end backprop).",
+        factory=lambda: ("flips", "evolution", "ste", "float32"),
+    )
+    weights: tuple[str, ...] = _field(
+        ("binary", "ternary"), "Weight kinds of the binary methods: binary {-1,+1}, ternary {-1,0,+1}.",
+        factory=lambda: ("binary", "ternary"),
+    )
+    channels: tuple[int, ...] = _field(
+        (32, 32), "Output channels of each 3x3 conv layer (each followed by a 2x2 max-pool).",
+        factory=lambda: (32, 32), min=1,
+    )
+    levels: int = _field(8, "Thermometer channels encoding each grey pixel as bits.", min=1, max=32)
+    train_size: int = _field(10000, "Training examples used (the first ones of the train split); 0 = all.", min=0)
+    steps: int = _field(150, "Training steps per layer (binary methods).", min=1)
+    k: int = _field(8, "flips: weights flipped per step (the best ones that lower the batch loss).", min=1)
+    min_gain: float = _field(0.0, "flips: a flip must lower the summed batch loss by more than this.", min=0.0)
+    evolution_k: int = _field(4, "evolution: random weights flipped per trial.", min=1)
+    head_lr: float = _field(1e-2, "Adam learning rate of the auxiliary heads.", gt=0.0)
+    ste_lr: float = _field(1e-2, "Adam learning rate of the STE shadow weights.", gt=0.0)
+    grid: int = _field(4, "The auxiliary head averages activations over grid x grid regions.", min=1)
+    float_steps: int = _field(300, "float32 baseline: end-to-end backprop steps.", min=1)
+    float_lr: float = _field(1e-3, "float32 baseline: Adam learning rate.", gt=0.0)
+    workers: int = _field(3, "Sparse-mutation run: worker processes on 127.0.0.1 (0 = skip it).", min=0)
+    rounds: int = _field(30, "Sparse-mutation run: rounds.", min=1)
+    dist_train_size: int = _field(3000, "Sparse-mutation run: training examples split over the workers.", min=1)
+    dist_channels: int = _field(40, "Sparse-mutation run: channels of its one binary layer (votes head).", min=1)
+    dist_k: int = _field(4, "Sparse-mutation run: flips applied per round.", min=1)
+    dist_head_steps: int = _field(
+        100, "Sparse-mutation run: Adam steps fitting its head to the initial layer's features (then frozen, shipped "
+        "with the packed model); 0 = a fixed votes head.", min=0)
+    threshold: float = _field(0.05, "Sparse-mutation run: |loss delta| a list entry must exceed.", min=0.0)
+    max_entries: int = _field(512, "Sparse-mutation run: longest list a worker sends (the largest |deltas|).", min=1)
+    kill_at: tuple[int, ...] = _field((), "Sparse-mutation run: rounds at which a worker is killed.", factory=tuple, min=0)
+    speed_repeats: int = _field(5, "Timed repeats of the binary vs float32 speed measurement.", min=1)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A whole experiment."""
 
@@ -258,10 +311,11 @@ class Config:
     model: ModelConfig = _field(help="Model and its arguments.", factory=ModelConfig)
     train: TrainConfig = _field(help="Training method and hyperparameters.", factory=TrainConfig)
     peers: PeersConfig | None = _field(None, "Optional: run as several peers over loopback gRPC.")
+    binary: BinaryConfig | None = _field(None, "Optional: a binary learning experiment (seed 002) instead of train.")
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
-OPTIONAL_SECTIONS = ("peers",)
+OPTIONAL_SECTIONS = ("peers", "binary")
 
 
 # --------------------------------------------------------------------------- validation
@@ -414,7 +468,25 @@ def _validate_defaults(cfg: Any, where: str = "") -> None:
             _check_limits(path, f, value)
 
 
+def _check_binary(cfg: Config) -> None:
+    b = cfg.binary
+    if b is None:
+        return
+    for name, valid in (("methods", BINARY_METHODS), ("weights", BINARY_WEIGHTS)):
+        values = getattr(b, name)
+        if not values:
+            raise ValueError(f"config field binary.{name}: empty; expected a list of {list(valid)}")
+        for v in values:
+            if v not in valid:
+                raise _bad(f"binary.{name}", v, f"one of {list(valid)}")
+    if not b.channels:
+        raise ValueError("config field binary.channels: empty; expected at least one layer, e.g. [32, 32]")
+    if cfg.peers is not None:
+        raise ValueError("config sections 'binary' and 'peers' cannot be combined; remove one of them")
+
+
 def _check_consistency(cfg: Config) -> None:
+    _check_binary(cfg)
     if cfg.train.method == "backprop" and cfg.train.objective != "cross_entropy":
         raise ValueError(
             f"config field train.objective: {cfg.train.objective!r} is not differentiable and cannot be "

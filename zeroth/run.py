@@ -1,8 +1,9 @@
 """``zeroth run CONFIG [--set k=v ...] [--out DIR] [--resume [--resume-step N]]``.
 
 Loads an experiment config (:mod:`zeroth.config`), applies ``--set`` overrides and chooses how
-to run it: on this machine (:func:`zeroth.train.trainer.train`), or, with a ``peers`` section,
-as Just One Byte peers on loopback (``zeroth.net.launch.run_config(cfg, out_dir, argv)``). The
+to run it: on this machine (:func:`zeroth.train.trainer.train`); with a ``peers`` section as
+Just One Byte peers on loopback (``zeroth.net.launch.run_config(cfg, out_dir, argv)``); with a
+``binary`` section as binary learning (``zeroth.binary.experiment.run_config``, seed 002). The
 dispatcher sits above every system it chooses between.
 ``--help-config`` prints every config field with its type, default and description.
 
@@ -20,6 +21,7 @@ import sys
 
 import zeroth.net.launch
 from zeroth import config as _config
+from zeroth.binary import experiment as binary_experiment
 from zeroth.data import DatasetUnavailable
 from zeroth.data.resources import MissingPackage
 from zeroth.train import trainer
@@ -75,6 +77,9 @@ def main(argv: list[str]) -> int:
         if args.out:
             cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=args.out))
         out = trainer.out_dir_of(cfg)
+        if cfg.binary is not None:
+            binary_experiment.run_config(cfg, out, argv, progress=not args.quiet)
+            return 0
         if cfg.peers is not None:
             return int(zeroth.net.launch.run_config(cfg, out, argv) or 0)
         result = trainer.train(

@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "zo": ("zeroth.bench.zo:main", "ZO step time / two forwards and peak memory / inference, next to a backprop step"),
     "kernels": ("zeroth.bench.kernels:main", "fused replay vs K passes; sign pack/unpack/merge throughput"),
     "signbits": ("zeroth.bench.signbits:main", "sign-bit pack/unpack/merge/majority throughput alone"),
+    "binary": ("zeroth.bench.binary:main", "XOR-popcount dense/conv in binary ops/s next to float32 of the same shape"),
 }
 
 

@@ -1,0 +1,68 @@
+"""The binary learning experiment: config validation, `zeroth run` end to end on a tiny config, the notebook."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from zeroth import config as C
+from zeroth.train import run as zrun
+from notebook_util import execute
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        ({"binary": {"methods": ["flips", "sgd"]}}, "binary.methods: bad value 'sgd'; expected one of"),
+        ({"binary": {"weights": ["quaternary"]}}, "binary.weights: bad value 'quaternary'"),
+        ({"binary": {"chanels": [8]}}, "unknown config key 'chanels' in section 'binary'"),
+        ({"binary": {"channels": []}}, "binary.channels: empty"),
+        ({"binary": {"k": 0}}, "binary.k: bad value 0; expected >= 1"),
+        ({"binary": {}, "peers": {}}, "'binary' and 'peers' cannot be combined"),
+    ],
+)
+def test_binary_section_is_validated(raw, match):
+    with pytest.raises(ValueError, match=match):
+        C.load_config_dict(raw)
+
+
+def test_committed_experiments_load():
+    for path in sorted((REPO / "experiments").glob("binary_*.yaml")):
+        cfg = C.load_config(path)
+        assert cfg.binary is not None and cfg.data.dataset in ("digits", "mnist5k", "fashion_mnist"), path
+
+
+def test_zeroth_run_binary_config_end_to_end(tmp_path):
+    raw = {
+        "run": {"name": "tiny", "seed": 1},
+        "data": {"dataset": "digits", "batch_size": 16, "eval_size": 100},
+        "binary": {"methods": ["flips", "evolution", "float32"], "weights": ["ternary"], "channels": [8], "levels": 4,
+                   "train_size": 200, "steps": 4, "k": 2, "grid": 2, "float_steps": 3, "workers": 0,
+                   "speed_repeats": 1},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert zrun.main([str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [m["name"] for m in res["models"]] == ["ternary/flips", "ternary/evolution"]
+    for m in res["models"]:
+        assert 0.0 <= m["test_accuracy"] <= 1.0 and len(m["loss_curves"][0]) == 4 and len(m["checksums"][0]) == 64
+    assert res["layer_cache"] == {"trained": 2, "hits": 0}
+    assert 0.0 <= res["float32"]["test_accuracy"] <= 1.0
+    assert {r["kind"] for r in res["speed"]} == {"binary", "float32"}
+    assert len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()) == 8  # 2 models x 4 steps
+
+
+@pytest.mark.slow
+def test_binary_notebook_executes_on_the_committed_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("ZEROTH_FIGURES", str(tmp_path))
+    text = execute(REPO / "notebooks" / "binary.ipynb", REPO / "notebooks")
+    assert "fashion_mnist" in text and "mnist5k" in text
+    assert "float32/backprop" in text and "binary/flips" in text and "ternary/ste" in text
+    assert "checksum mismatches: 0" in text
+    for png in ("binary_accuracy.png", "binary_curves.png", "binary_bytes.png"):
+        assert (tmp_path / png).stat().st_size > 10_000

@@ -1,0 +1,179 @@
+"""Sparse-mutation parameter server: the pure protocol, the gRPC stubs, and server + workers on 127.0.0.1."""
+
+import filecmp
+
+import grpc
+import numpy as np
+import pytest
+from numpy.testing import assert_array_equal
+
+import jax.numpy as jnp
+
+from zeroth.binary import flips as F
+from zeroth.binary import launch
+from zeroth.binary import layers as L
+from zeroth.binary import proto_gen
+from zeroth.binary import protocol as P
+from zeroth.binary import service as S
+from zeroth.binary import worker as W
+from zeroth.binary.proto import binary_pb2 as pb
+from zeroth.binary.proto import binary_pb2_grpc as pbg
+
+CFG = P.ServerConfig(run_id="run", c_in=3, c_out=2, ternary=True, k=2, rounds=3, max_entries=10,
+                     round_timeout_s=5.0, founders=2)
+
+
+def _model(seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(-1, 2, (CFG.c_out, 9 * CFG.c_in)).astype(np.int8), rng.integers(-5, 5, CFG.c_out).astype(np.int32)
+
+
+def _two_workers():
+    w, t = _model()
+    st = P.init_state(CFG, w, t)
+    st, a = P.join(st, CFG, "run", now=0.0)
+    st, b = P.join(st, CFG, "run", now=0.0)
+    return st, a, b
+
+
+def _list(st, wid, index, delta, **kw):
+    fields = dict(run_id="run", worker_id=wid, round=st.round, index=index, delta=delta, checksum=st.checksum)
+    fields.update(kw)
+    fields["index"], fields["delta"] = np.asarray(fields["index"], np.int64), np.asarray(fields["delta"], np.float32)
+    return P.DeltaList(**fields)
+
+
+def test_checked_in_stubs_equal_freshly_generated_ones(tmp_path):
+    pytest.importorskip("grpc_tools", reason="grpcio-tools (dev extra) regenerates the stubs")
+    written = proto_gen.generate(tmp_path)
+    assert {p.name for p in written} == {"binary_pb2.py", "binary_pb2_grpc.py"}
+    for p in written:
+        checked_in = proto_gen.STUB_DIR / p.name
+        assert filecmp.cmp(p, checked_in, shallow=False), (
+            f"{checked_in} is stale: run `python -m zeroth.binary.proto_gen` after editing protos/zeroth/v1/binary.proto")
+    assert "from zeroth.binary.proto import binary_pb2" in (proto_gen.STUB_DIR / "binary_pb2_grpc.py").read_text()
+
+
+def test_packed_model_round_trips_and_checksum_matches_the_layer():
+    w, t = _model(3)
+    data = P.model_bytes(w, t, CFG.c_in, True)
+    w2, t2, h2 = P.model_from_bytes(data, CFG.c_in, CFG.c_out, True)
+    assert_array_equal(w2, w)
+    assert_array_equal(t2, t)
+    assert h2 is None
+    head = (np.arange(2 * CFG.c_out * 3, dtype=np.float32).reshape(2, CFG.c_out, 3), np.ones(3, np.float32))
+    w3, t3, h3 = P.model_from_bytes(P.model_bytes(w, t, CFG.c_in, True, head), CFG.c_in, CFG.c_out, True,
+                                    regions=2, classes=3)
+    assert_array_equal(w3, w)
+    assert_array_equal(t3, t)
+    assert_array_equal(h3[0], head[0])
+    assert_array_equal(h3[1], head[1])
+    assert P.checksum(w, t, CFG.c_in, True, head) != P.checksum(w, t, CFG.c_in, True)
+    spec = L.ConvSpec(c_in=CFG.c_in, c_out=CFG.c_out, ternary=True)
+    assert P.checksum(w, t, CFG.c_in, True) == L.layer_checksum(L.ConvLayer(jnp.asarray(w), jnp.asarray(t)), spec)
+    with pytest.raises(ValueError, match="has 3 bytes"):
+        P.model_from_bytes(b"abc", CFG.c_in, CFG.c_out, True)
+
+
+def test_round_sums_lists_drops_limits_and_applies_top_k():
+    st, a, b = _two_workers()
+    w0 = st.w.copy()
+    flat = w0.reshape(-1)
+    up = next(i for i in range(flat.size) if flat[i] == 1)  # +1 weight: moving up is at its limit
+    free = next(i for i in range(flat.size) if flat[i] == 0)
+    other = next(i for i in range(flat.size) if flat[i] == -1)
+    st = P.submit(st, CFG, _list(st, 0, sorted([2 * up + 1, 2 * free + 1]), [-9.0, -1.0] if up < free else [-1.0, -9.0]),
+                  now=1.0)
+    assert st.round == 0  # waits for worker 1
+    st = P.submit(st, CFG, _list(st, 1, sorted([2 * free + 1, 2 * other]), [-1.5, 3.0] if free < other else [3.0, -1.5]),
+                  now=1.5)
+    assert st.round == 1
+    res = st.results[0]
+    assert res.mutations == (2 * free + 1,)  # the at-limit one dropped; the only negative total: -2.5
+    assert res.contributors == (0, 1) and res.dropped == ()
+    assert_array_equal(st.w, F.apply_mutations_np(w0, [2 * free + 1], True))
+    assert res.checksum == P.checksum(st.w, st.thresh, CFG.c_in, True)
+
+
+@pytest.mark.parametrize(
+    "change,code,match",
+    [
+        (dict(run_id="other"), "FAILED_PRECONDITION", "run id 'other'"),
+        (dict(round=7), "FAILED_PRECONDITION", "list for round 7 but the open round is 0"),
+        (dict(worker_id=9), "FAILED_PRECONDITION", "worker 9 never joined"),
+        (dict(checksum="0" * 64), "FAILED_PRECONDITION", "differs from the server's"),
+        (dict(index=np.array([3, 1000]), delta=np.array([1.0, 2.0], np.float32)), "INVALID_ARGUMENT",
+         "mutation index 1000 out of range \\[0, 108\\)"),
+        (dict(index=np.array([-1]), delta=np.array([1.0], np.float32)), "INVALID_ARGUMENT", "mutation index -1"),
+        (dict(index=np.array([1, 2]), delta=np.array([1.0, np.nan], np.float32)), "INVALID_ARGUMENT",
+         "delta nan at entry 1 is not finite"),
+        (dict(index=np.arange(11), delta=np.ones(11, np.float32)), "INVALID_ARGUMENT", "11 entries is oversized: at most 10"),
+        (dict(index=np.array([2, 2]), delta=np.ones(2, np.float32)), "INVALID_ARGUMENT", "strictly increasing"),
+        (dict(index=np.array([2]), delta=np.ones(2, np.float32)), "INVALID_ARGUMENT", "1 indices but 2 deltas"),
+    ],
+)
+def test_malformed_lists_are_rejected_with_the_problem_named(change, code, match):
+    st, _, _ = _two_workers()
+    with pytest.raises(P.Rejected, match=match) as e:
+        P.submit(st, CFG, _list(st, 0, **{"index": [1], "delta": [1.0], **change}), now=0.0)
+    assert e.value.code == code
+
+
+def test_deadline_drops_a_silent_worker_and_a_joiner_waits_for_the_next_round():
+    st, _, _ = _two_workers()
+    st = P.submit(st, CFG, _list(st, 0, [], []), now=10.0)
+    st, late = P.join(st, CFG, "run", now=11.0)  # a list is in: the joiner takes part from round 1
+    assert late.round == 1
+    with pytest.raises(P.Rejected, match="takes part from round 1; round 0 is still open"):
+        P.submit(st, CFG, _list(st, late.worker_id, [], []), now=11.0)
+    st = P.tick(st, CFG, now=14.9)
+    assert st.round == 0
+    st, res = P.result(st, CFG, "run", 0, 0, now=15.0)  # deadline: 5 s after the first list
+    assert res.ready and res.dropped == (1,) and res.contributors == (0,)
+    assert st.live == (0, late.worker_id)
+    with pytest.raises(P.Rejected, match="worker 1 was dropped"):
+        P.submit(st, CFG, _list(st, 1, [], []), now=15.0)
+
+
+def test_grpc_service_aborts_with_status_codes():
+    w, t = _model()
+    srv = S.Server(CFG, w, t)
+    port = srv.start("127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pbg.BinaryMutationsStub(ch)
+            rep = stub.Join(pb.JoinRequest(run_id="run"), timeout=10)
+            assert P.model_from_bytes(rep.model, CFG.c_in, CFG.c_out, True)[0].tolist() == w.tolist()
+            bad = pb.DeltaList(run_id="run", worker_id=rep.worker_id, round=0, index=[5], delta=[float("nan")],
+                               checksum=rep.checksum)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Submit(bad, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not finite" in e.value.details()
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Join(pb.JoinRequest(run_id="nope"), timeout=10)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "'nope'" in e.value.details()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_server_and_three_worker_processes_agree_survive_a_kill_and_a_join(tmp_path):
+    cfg = W.DistConfig(run_id="e2e", dataset="digits", train_size=300, test_size=100, c_out=10, rounds=7,
+                       batch_size=16, threshold=0.05, k=3, round_timeout_s=2.0, founders=3,
+                       head="trained", head_steps=5)
+    s = launch.run(cfg, workers=3, kill_at=(2,), join_at=(1,), out_dir=tmp_path, timeout_s=120)
+    assert s["checksum_mismatches"] == 0 and s["checksum_comparisons"] >= 3 * 7
+    assert len(s["dropped"]) == 1  # the killed worker, dropped at its round's deadline
+    assert s["contributors_per_round"][0] == 3
+    assert max(s["contributors_per_round"][4:]) == 3  # the joiner took part after the kill
+    assert all(f <= 3 for f in s["flips_per_round"]) and sum(s["flips_per_round"]) > 0
+    assert s["dense_float32_bytes_per_round_per_worker"] == 4 * 10 * 9 * 4
+
+
+def test_sparse_list_thresholds_and_keeps_the_most_negative_under_the_cap():
+    d = np.array([[[0.5, np.inf], [-0.01, -3.0]], [[9.0, -1.0], [np.inf, 0.2]]], np.float32)
+    idx, val = W.sparse_list(d, 0.1, 10)
+    assert idx.tolist() == [0, 3, 4, 5, 7] and val.tolist() == [0.5, -3.0, 9.0, -1.0, pytest.approx(0.2)]
+    idx, val = W.sparse_list(d, 0.1, 2)
+    assert idx.tolist() == [3, 5] and val.tolist() == [-3.0, -1.0]

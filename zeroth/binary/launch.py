@@ -1,0 +1,176 @@
+"""Run the sparse-mutation server in this process and its workers as processes on 127.0.0.1.
+
+:func:`run` initializes the model from ``(seed, data)``, serves it, starts ``workers`` worker
+processes (``python -m zeroth.binary.worker``), kills one with SIGKILL when the server reaches
+each round of ``kill_at`` and starts a new one at each round of ``join_at`` (it fetches the packed
+model), and returns when the run has finished (or ``timeout_s`` passed: then it raises). The
+summary holds the test accuracy of the model before and after, the bytes per round per worker of
+the sparse lists next to a dense float32 gradient, the checksum comparisons and the wall-clock.
+
+Example:
+  $ python -m zeroth.binary.launch --workers 3 --rounds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from zeroth.binary import layers as L
+from zeroth.binary import protocol as P
+from zeroth.binary import service as S
+from zeroth.binary import train as T
+from zeroth.binary import worker as W
+
+__all__ = ["run", "accuracy", "fit_head", "main"]
+
+
+def accuracy(cfg: W.DistConfig, w, thresh, head, x, y) -> float:
+    """Test accuracy of the model (``head`` None: the votes head)."""
+    spec = W.model_spec(cfg)
+    h = W.votes(cfg, x.shape[1], x.shape[2])[0] if head is None else L.Head(jnp.asarray(head[0]), jnp.asarray(head[1]))
+    return T.accuracy(L.ConvLayer(jnp.asarray(w), jnp.asarray(thresh)), h, x, y, spec, cfg.grid)
+
+
+def fit_head(cfg: W.DistConfig, layer: L.ConvLayer, x, y) -> tuple[np.ndarray, np.ndarray]:
+    """Fit the auxiliary head to the initial layer's features (``head_steps`` Adam steps); it is then frozen."""
+    spec = W.model_spec(cfg)
+    h, w = x.shape[1:3]
+    reg = L.regions(h, w, cfg.grid)
+    head = L.init_head(cfg.c_out, len(reg.counts), cfg.classes)
+    fns = T.step_functions(spec, h, w, cfg.grid)
+    state = T.ADAM.init(head)
+    for i in range(cfg.head_steps):
+        idx = np.random.default_rng([cfg.seed, 8, i]).choice(len(y), size=min(cfg.batch_size, len(y)), replace=False)
+        head, state, _ = fns.head_step(layer, head, state, jnp.asarray(x[idx]), jnp.asarray(y[idx]), jnp.float32(0.01))
+    return np.asarray(head.a), np.asarray(head.b)
+
+
+def _spawn(address: str, cfg: W.DistConfig, metrics: pathlib.Path, hold: pathlib.Path | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return subprocess.Popen([sys.executable, "-m", "zeroth.binary.worker", "--server", address,
+                             "--config", json.dumps(cfg._asdict()), "--metrics", str(metrics)]
+                            + ([] if hold is None else ["--hold", str(hold)]),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tuple = (), out_dir=None,
+        timeout_s: float = 300.0) -> dict:
+    """Run the server and the workers to the end; returns the summary dict (also ``out_dir/summary.json``)."""
+    out = pathlib.Path(out_dir or tempfile.mkdtemp(prefix="zeroth-binary-"))
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("worker*.jsonl"), *out.glob("join*.go")]:  # a previous run's logs would be counted
+        old.unlink()
+    x, y = W.load_split(cfg, "train")
+    xt, yt = W.load_split(cfg, "test")
+    spec = W.model_spec(cfg)
+    rng = np.random.default_rng([cfg.seed, 7])
+    layer = L.init_layer(spec, x[rng.choice(len(x), size=min(256, len(x)), replace=False)], seed=cfg.seed)
+    w0, t0 = np.asarray(layer.w), np.asarray(layer.thresh)
+    head = fit_head(cfg, layer, x, y) if cfg.head == "trained" else None
+    acc0 = accuracy(cfg, w0, t0, head, xt, yt)
+    scfg = cfg.server_config(x.shape[1:3])
+    server = S.Server(scfg, w0, t0, head)
+    port = server.start("127.0.0.1:0")
+    address = f"127.0.0.1:{port}"
+    start = time.monotonic()
+    procs: list[subprocess.Popen] = []
+    killed: list[int] = []
+    try:
+        for i in range(workers):
+            procs.append(_spawn(address, cfg, out / f"worker{i}.jsonl"))
+        # joiners start now (loading and compiling take seconds) and join when their round comes
+        holds = [out / f"join{j}.go" for j in range(len(join_at))]
+        for h in holds:
+            h.unlink(missing_ok=True)
+            procs.append(_spawn(address, cfg, out / f"worker{len(procs)}.jsonl", hold=h))
+        pending_kills, pending_joins = sorted(kill_at), sorted(join_at)
+        while True:
+            st = server.snapshot()
+            if st.round >= cfg.rounds:
+                break
+            if time.monotonic() - start > timeout_s:
+                raise RuntimeError(f"the run did not finish {cfg.rounds} rounds within {timeout_s} s (at round {st.round})")
+            if pending_kills and st.round >= pending_kills[0]:
+                pending_kills.pop(0)
+                victim = next(i for i, p in enumerate(procs[:workers]) if p.poll() is None and i not in killed)
+                procs[victim].send_signal(signal.SIGKILL)
+                killed.append(victim)
+            if pending_joins and st.round >= pending_joins[0]:
+                pending_joins.pop(0)
+                holds[len(join_at) - len(pending_joins) - 1].touch()
+            for i, p in enumerate(procs):
+                if i not in killed and p.poll() not in (None, 0):
+                    raise RuntimeError(f"worker process {i} failed: {p.stderr.read()[-2000:]}")
+            time.sleep(0.05)
+        for i, p in enumerate(procs):
+            if i not in killed:
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    raise RuntimeError(f"worker process {i} did not finish after the last round") from None
+                if p.returncode != 0:
+                    raise RuntimeError(f"worker process {i} exited with {p.returncode}: {p.stderr.read()[-2000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        server.stop()
+    wall = time.monotonic() - start
+    st = server.snapshot()
+    records = []
+    for f in sorted(out.glob("worker*.jsonl")):
+        records += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    rounds = [r for r in records if r["event"] == "round"]
+    joins = [r for r in records if r["event"] == "join"]
+    results = [st.results[r] for r in range(cfg.rounds)]
+    summary = {
+        "config": cfg._asdict(), "workers": workers, "killed": killed, "joined_at": list(join_at),
+        "rounds": cfg.rounds, "test_accuracy_before": acc0, "test_accuracy": accuracy(cfg, st.w, st.thresh, st.head, xt, yt),
+        "final_checksum": st.checksum, "flips_per_round": [len(r.mutations) for r in results],
+        "contributors_per_round": [len(r.contributors) for r in results],
+        "dropped": sorted({d for r in results for d in r.dropped}),
+        "checksum_comparisons": len(rounds) + len(joins),
+        "checksum_mismatches": sum(not r["checksum_ok"] for r in rounds + joins),
+        "bytes_up_per_round_per_worker": float(np.mean([r["bytes_up"] for r in rounds])) if rounds else 0.0,
+        "bytes_down_per_round_per_worker": float(np.mean([r["bytes_down"] for r in rounds])) if rounds else 0.0,
+        "dense_float32_bytes_per_round_per_worker": P.dense_bytes(scfg),
+        "packed_model_bytes": len(P.model_bytes(st.w, st.thresh, cfg.levels, cfg.ternary, st.head)),
+        "wall_s": wall, "loss_per_round": [float(np.mean([r["loss"] for r in rounds if r["round"] == k]))
+                                           for k in range(cfg.rounds) if any(r["round"] == k for r in rounds)],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m zeroth.binary.launch", description="Sparse-mutation server + workers on 127.0.0.1.")
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--kill-at", type=int, action="append", default=[])
+    p.add_argument("--join-at", type=int, action="append", default=[])
+    p.add_argument("--out", default=None)
+    p.add_argument("--config", default="{}", help="DistConfig fields as JSON")
+    args = p.parse_args(argv)
+    cfg = W.DistConfig(**{**json.loads(args.config), "rounds": args.rounds})
+    s = run(cfg, workers=args.workers, kill_at=tuple(args.kill_at), join_at=tuple(args.join_at), out_dir=args.out)
+    print(json.dumps({k: v for k, v in s.items() if k not in ("config", "loss_per_round")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""gRPC servicer of the sparse-mutation parameter server: decode, call :mod:`zeroth.binary.protocol`, encode.
+
+:class:`Server` owns the state and a lock; each RPC decodes its message, calls the pure function
+with ``time.monotonic()``, and encodes the reply. :class:`zeroth.binary.protocol.Rejected`
+becomes ``context.abort(StatusCode.<code>, message)``.
+
+Example:
+  >>> import numpy as np
+  >>> from zeroth.binary import protocol as P
+  >>> cfg = P.ServerConfig(run_id="r", c_in=2, c_out=1, ternary=False, k=1, rounds=1)
+  >>> srv = Server(cfg, np.ones((1, 18), np.int8), np.zeros(1, np.int32))
+  >>> port = srv.start("127.0.0.1:0"); srv.stop()
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+from zeroth.binary import protocol as P
+from zeroth.binary.proto import binary_pb2 as pb
+from zeroth.binary.proto import binary_pb2_grpc as pbg
+
+__all__ = ["Server", "encode_deltas", "decode_deltas", "encode_result", "decode_result"]
+
+
+def encode_deltas(d: P.DeltaList) -> pb.DeltaList:
+    return pb.DeltaList(run_id=d.run_id, worker_id=d.worker_id, round=d.round, index=[int(i) for i in d.index],
+                        delta=[float(x) for x in d.delta], checksum=d.checksum, examples=d.examples, loss=d.loss)
+
+
+def decode_deltas(m: pb.DeltaList) -> P.DeltaList:
+    return P.DeltaList(m.run_id, m.worker_id, m.round, np.asarray(m.index, np.int64), np.asarray(m.delta, np.float32),
+                       m.checksum, m.examples, m.loss)
+
+
+def encode_result(r: P.RoundResult) -> pb.RoundResult:
+    return pb.RoundResult(ready=r.ready, round=r.round, mutations=list(r.mutations), checksum=r.checksum,
+                          contributors=list(r.contributors), dropped=list(r.dropped), finished=r.finished)
+
+
+def decode_result(m: pb.RoundResult) -> P.RoundResult:
+    return P.RoundResult(m.ready, m.round, tuple(m.mutations), m.checksum, tuple(m.contributors), tuple(m.dropped),
+                         m.finished)
+
+
+class Server(pbg.BinaryMutationsServicer):
+    """The parameter server: state + lock + the three RPCs."""
+
+    def __init__(self, cfg: P.ServerConfig, w, thresh, head=None):
+        self.cfg = cfg
+        self._lock = threading.Lock()
+        self.state = P.init_state(cfg, w, thresh, head=head, now=time.monotonic())
+        self._grpc: grpc.Server | None = None
+
+    def _call(self, context, fn):
+        with self._lock:
+            try:
+                self.state, reply = fn(self.state)
+            except P.Rejected as e:
+                context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        return reply
+
+    def Join(self, request, context):
+        def fn(st):
+            st, r = P.join(st, self.cfg, request.run_id, now=time.monotonic())
+            return st, pb.JoinReply(worker_id=r.worker_id, round=r.round, model=r.model, checksum=r.checksum,
+                                    n_mutations=r.n_mutations, max_entries=r.max_entries, finished=r.finished,
+                                    model_round=r.model_round)
+
+        return self._call(context, fn)
+
+    def Submit(self, request, context):
+        msg = decode_deltas(request)
+        return self._call(context, lambda st: (P.submit(st, self.cfg, msg, now=time.monotonic()),
+                                               pb.SubmitReply(accepted=True)))
+
+    def Result(self, request, context):
+        def fn(st):
+            st, r = P.result(st, self.cfg, request.run_id, request.worker_id, request.round, now=time.monotonic())
+            return st, encode_result(r)
+
+        return self._call(context, fn)
+
+    def snapshot(self) -> P.ServerState:
+        with self._lock:
+            return self.state
+
+    def start(self, address: str) -> int:
+        """Serve on ``address`` (``host:0`` picks a port); returns the port."""
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                                 options=[("grpc.max_receive_message_length", 64 << 20)])
+        pbg.add_BinaryMutationsServicer_to_server(self, self._grpc)
+        port = self._grpc.add_insecure_port(address)
+        self._grpc.start()
+        return port
+
+    def stop(self) -> None:
+        if self._grpc is not None:
+            self._grpc.stop(grace=0.5).wait()

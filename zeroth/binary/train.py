@@ -1,0 +1,255 @@
+"""Train one binary/ternary conv layer with its auxiliary head: bit flips, evolutionary search, or STE.
+
+Every method sees the same batches (a pure function of ``(seed, layer_index, step)``) and trains
+the same float auxiliary head with Adam on the softmax cross-entropy of the layer's current
+±1 activations (or keeps it fixed, ``head="votes"``). They differ in how the weights move:
+
+* ``flips`` (seed 002): the exact loss change of every single mutation from one forward pass
+  (:func:`zeroth.binary.flips.mutation_deltas`); apply the ``k`` that lower the loss most (at
+  least ``min_gain`` each, one per weight).
+* ``evolution``: mutate ``k`` random weights; keep the mutations if the batch loss fell,
+  else revert ("flip, keep if the loss fell").
+* ``ste``: a straight-through-estimator BNN: float shadow weights (starting at ``STE_INIT`` times
+  the initial weights) trained with optax Adam through ``sign`` (binary) or
+  ``sign * [|w| > STE_ZERO]`` (ternary) and a sign activation whose gradient is
+  that of ``hardtanh((dot - t) / sqrt(n))``; the result is quantized and evaluated packed.
+* ``head``: the control: the random initial weights never move, only the head trains.
+
+Evaluation always runs the packed XOR-popcount layer.
+
+Example:
+  >>> cfg = TrainConfig(method="flips", steps=2, batch_size=4, k=2)
+  >>> cfg.method
+  'flips'
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zeroth.binary import flips as F
+from zeroth.binary import layers as L
+
+__all__ = ["METHODS", "HEADS", "ADAM", "TrainConfig", "LayerResult", "step_functions", "train_layer", "predict", "accuracy",
+           "layer_outputs"]
+
+METHODS = ("flips", "evolution", "ste", "head")
+STE_INIT = 0.1  # STE shadow weights start at STE_INIT * (the initial {-1, 0, +1} weights)
+STE_ZERO = 0.05  # ternary STE: |shadow| <= STE_ZERO quantizes to 0
+HEADS = ("linear", "votes")
+
+
+class TrainConfig(NamedTuple):
+    """How one layer is trained (see the module docstring)."""
+
+    method: str = "flips"
+    steps: int = 100
+    batch_size: int = 64
+    k: int = 8  # flips applied per step (flips) / mutations tried per step (evolution)
+    min_gain: float = 0.0  # flips: a mutation must lower the summed batch loss by more than this
+    head_lr: float = 1e-2  # Adam learning rate of the auxiliary head
+    ste_lr: float = 1e-2  # Adam learning rate of the STE shadow weights
+    grid: int = 4  # the head averages activations over grid x grid regions
+    head: str = "linear"  # linear (trained) or votes (fixed)
+    votes_scale: float = 8.0  # logit scale of the votes head
+    seed: int = 0
+
+    def check(self) -> "TrainConfig":
+        if self.method not in METHODS:
+            raise ValueError(f"binary method {self.method!r} unknown; expected one of {list(METHODS)}")
+        if self.head not in HEADS:
+            raise ValueError(f"binary head {self.head!r} unknown; expected one of {list(HEADS)}")
+        for name in ("steps", "batch_size", "k", "grid"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"binary {name} must be >= 1, got {getattr(self, name)}")
+        return self
+
+
+class LayerResult(NamedTuple):
+    layer: L.ConvLayer
+    head: L.Head
+    history: list  # dicts per step: step, loss, flips (weights changed), seconds
+    seconds: float
+
+
+def _batch(n: int, cfg: TrainConfig, layer_index: int, step: int, tag: int = 2) -> np.ndarray:
+    rng = np.random.default_rng([cfg.seed, layer_index, tag, step])
+    return rng.choice(n, size=min(cfg.batch_size, n), replace=False)
+
+
+def _acts(layer: L.ConvLayer, x, spec: L.ConvSpec) -> jax.Array:
+    d = L.dots(layer, x, spec)
+    b = d.shape[0]
+    return jnp.where(d >= layer.thresh[None, None, None, :], 1.0, -1.0).reshape(b, -1, spec.c_out)
+
+
+def _head_loss(head: L.Head, act, labels, reg) -> jax.Array:
+    return jnp.mean(F.cross_entropy(L.head_logits(head, act, reg), labels))
+
+
+class _Fns(NamedTuple):
+    head_step: object
+    deltas: object
+    loss: object
+    ste_step: object
+
+
+ADAM = optax.scale_by_adam()  # the learning rate is an argument: one compilation serves every rate
+
+
+@functools.lru_cache(maxsize=32)
+def step_functions(spec: L.ConvSpec, h: int, w: int, grid: int) -> _Fns:
+    """Jitted step functions, built once per (layer shape, head grid)."""
+    reg = L.regions(h, w, grid)
+
+    @jax.jit
+    def head_step(layer, head, opt_state, x, y, lr):
+        act = _acts(layer, x, spec)
+        loss, g = jax.value_and_grad(_head_loss)(head, act, y, reg)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32 counts
+            upd, opt_state = ADAM.update(g, opt_state, head)
+        return jax.tree.map(lambda p, u: p - lr * u, head, upd), opt_state, loss
+
+    deltas = jax.jit(lambda layer, head, x, y: F.mutation_deltas(layer, head, x, y, spec, reg))
+    loss = jax.jit(lambda layer, head, x, y: F.batch_loss(layer, head, x, y, spec, reg))
+
+    def quant(w):
+        if spec.ternary:
+            return jnp.where(jnp.abs(w) > STE_ZERO, jnp.sign(w), 0.0)
+        return jnp.where(w < 0, -1.0, 1.0)
+
+    def ste_loss(params, thresh, xcol, y):
+        w, head = params
+        wq = w + jax.lax.stop_gradient(quant(w) - w)
+        dot = jnp.einsum("bpj,oj->bpo", xcol, wq)
+        z = (dot - thresh[None, None, :].astype(jnp.float32) + 0.5) / jnp.sqrt(jnp.float32(9 * spec.c_in))
+        soft = jnp.clip(z, -1.0, 1.0)
+        act = soft + jax.lax.stop_gradient(jnp.where(z >= 0, 1.0, -1.0) - soft)
+        return _head_loss(head, act, y, reg)
+
+    @jax.jit
+    def ste_step(params, opt_state, thresh, x, y, lrs):
+        xcol = L.im2col_pm1(x, spec.c_in)
+        loss, g = jax.value_and_grad(ste_loss)(params, thresh, xcol, y)
+        with jax.numpy_dtype_promotion("standard"):
+            upd, opt_state = ADAM.update(g, opt_state, params)
+        w, head = params[0] - lrs[0] * upd[0], jax.tree.map(lambda p, u: p - lrs[1] * u, params[1], upd[1])
+        return (jnp.clip(w, -1.0, 1.0), head), opt_state, loss
+
+    return _Fns(head_step, deltas, loss, ste_step)
+
+
+def _quantize_np(w: np.ndarray, ternary: bool) -> np.ndarray:
+    if ternary:
+        return np.where(np.abs(w) > STE_ZERO, np.sign(w), 0).astype(np.int8)
+    return np.where(w < 0, -1, 1).astype(np.int8)
+
+
+def _random_mutations(rng: np.random.Generator, w: np.ndarray, k: int, ternary: bool) -> np.ndarray:
+    widx = rng.choice(w.size, size=min(k, w.size), replace=False)
+    cur = w.reshape(-1)[widx].astype(np.int64)
+    if ternary:
+        d = np.where(cur == 1, 0, np.where(cur == -1, 1, rng.integers(0, 2, widx.size)))
+    else:
+        d = (cur < 0).astype(np.int64)
+    return np.sort(2 * widx + d)
+
+
+def train_layer(spec: L.ConvSpec, x, y, cfg: TrainConfig, *, classes: int, layer_index: int = 0,
+                log=None) -> LayerResult:
+    """Train one layer on packed inputs ``x: u32[N, H, W, words(C)]`` with labels ``y: int32[N]``.
+
+    Returns the trained layer, its head and the per-step history.
+    """
+    cfg = cfg.check()
+    x, y = np.asarray(x), np.asarray(y, np.int32)
+    n, h, w = x.shape[:3]
+    reg = L.regions(h, w, cfg.grid)
+    first = _batch(n, cfg, layer_index, 0, tag=4)
+    layer = L.init_layer(spec, x[first], seed=cfg.seed, layer_index=layer_index)
+    if cfg.head == "votes":
+        head = L.votes_head(spec.c_out, len(reg.counts), classes, cfg.votes_scale)
+    else:
+        head = L.init_head(spec.c_out, len(reg.counts), classes)
+    fns = step_functions(spec, h, w, cfg.grid)
+    head_state = ADAM.init(head)
+    head_lr = jnp.float32(cfg.head_lr)
+    ste_lrs = (jnp.float32(cfg.ste_lr), jnp.float32(cfg.head_lr))
+    shadow = (jnp.asarray(layer.w, jnp.float32) * jnp.float32(STE_INIT), head)
+    ste_state = ADAM.init(shadow)
+    rng = np.random.default_rng([cfg.seed, layer_index, 3])
+    history, t0 = [], time.perf_counter()
+    for step in range(cfg.steps):
+        idx = _batch(n, cfg, layer_index, step)
+        xb, yb = jnp.asarray(x[idx]), jnp.asarray(y[idx])
+        applied = 0
+        if cfg.method == "ste":
+            shadow, ste_state, loss = fns.ste_step(shadow, ste_state, layer.thresh, xb, yb, ste_lrs)
+            wq = _quantize_np(np.asarray(shadow[0]), spec.ternary)
+            applied = int(np.sum(wq != np.asarray(layer.w)))  # quantized weights that changed this step
+            layer = L.ConvLayer(jnp.asarray(wq), layer.thresh)
+            head = shadow[1]
+        else:
+            if cfg.head == "linear":
+                head, head_state, loss = fns.head_step(layer, head, head_state, xb, yb, head_lr)
+            else:
+                loss = fns.loss(layer, head, xb, yb) / len(idx)
+            wnp = np.asarray(layer.w)
+            if cfg.method == "flips":
+                chosen = F.select(fns.deltas(layer, head, xb, yb), k=cfg.k, min_gain=cfg.min_gain)
+                if chosen.size:
+                    layer = L.ConvLayer(jnp.asarray(F.apply_mutations_np(wnp, chosen, spec.ternary)), layer.thresh)
+                applied = int(chosen.size)
+            elif cfg.method == "evolution":
+                before = float(fns.loss(layer, head, xb, yb))
+                trial = L.ConvLayer(jnp.asarray(F.apply_mutations_np(
+                    wnp, _random_mutations(rng, wnp, cfg.k, spec.ternary), spec.ternary)), layer.thresh)
+                if float(fns.loss(trial, head, xb, yb)) < before:
+                    layer, applied = trial, cfg.k
+        rec = {"step": step, "loss": float(loss), "flips": applied, "seconds": time.perf_counter() - t0}
+        history.append(rec)
+        if log is not None:
+            log(rec)
+    return LayerResult(layer, head, history, time.perf_counter() - t0)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _out(layer, x, spec):
+    out = L.forward(layer, x, spec)
+    return L.maxpool2(out) if spec.pool else out
+
+
+def _chunks(x: np.ndarray, chunk: int):
+    """Equal-size chunks (the last one padded with zero rows), so one compilation serves every dataset size."""
+    for i in range(0, len(x), chunk):
+        part = x[i:i + chunk]
+        yield len(part), jnp.asarray(np.concatenate([part, np.zeros((chunk - len(part),) + x.shape[1:], x.dtype)]))
+
+
+def layer_outputs(layer: L.ConvLayer, x, spec: L.ConvSpec, *, chunk: int = 256) -> np.ndarray:
+    """Packed outputs of the frozen layer (pooled if ``spec.pool``) for a whole dataset, in chunks."""
+    x = np.asarray(x)
+    return np.concatenate([np.asarray(_out(layer, xb, spec))[:m] for m, xb in _chunks(x, chunk)], axis=0)
+
+
+def predict(layer: L.ConvLayer, head: L.Head, x, spec: L.ConvSpec, grid: int, *, chunk: int = 256) -> np.ndarray:
+    """Class predictions ``int[N]`` of the layer's head on packed inputs."""
+    x = np.asarray(x)
+    return np.concatenate([np.asarray(_predict(layer, head, xb, spec, grid))[:m] for m, xb in _chunks(x, chunk)])
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "grid"))
+def _predict(layer, head, xb, spec, grid):
+    reg = L.regions(xb.shape[1], xb.shape[2], grid)
+    return jnp.argmax(L.head_logits(head, _acts(layer, xb, spec), reg), axis=-1)
+
+
+def accuracy(layer, head, x, y, spec, grid) -> float:
+    return float(np.mean(predict(layer, head, x, spec, grid) == np.asarray(y)))
