@@ -124,7 +124,7 @@ def test_mixed_xla_flags_leader_killed_late_joiner_and_an_intruder(tmp_path):
     intruder_env = launch.peer_env()
     intruder_env.pop("ZEROTH_TOKEN", None)
     no_token_cfg = write_config(tmp_path / "no_token.yaml", iterations=90, token=None)
-    intruder = launch.start_peer(no_token_cfg, tmp_path / "p4", addr[4], index=4, join=addr[0], extra_args=(*common, "--no-rejoin"), env=intruder_env)
+    intruder = launch.start_peer(no_token_cfg, tmp_path / "p4", addr[4], index=4, join=addr[0], extra_args=(*common, "--no-rejoin", "--insecure"), env=intruder_env)
     try:
         # Kill the leader (machine 0) mid-run, once the joiner is in.
         assert wait_for(lambda: any(3 in r["contributors"] for r in records(tmp_path / "p1" / "metrics.jsonl")), 300), (

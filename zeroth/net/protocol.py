@@ -1030,14 +1030,16 @@ def _answer_admissions(st: PeerState, t: int, effects: list) -> PeerState:
 # --------------------------------------------------------------------------- constructors
 
 
-def founder(params: Params, *, address: str, now: float, key: bytes = b"") -> Step:
-    """The first peer of a run: machine 0 (public key ``key``), alone in the view of iteration 0.
+def founder(params: Params, *, address: str, now: float, key: bytes = b"", iteration: int = 0) -> Step:
+    """The first peer of a run: machine 0 (public key ``key``), alone in the view of ``iteration``
+    (0, or the iteration of a saved state the run resumes from).
 
     With ``params.founders > 1`` it waits (phase ``forming``) until that many peers joined or
     ``forming_timeout_s`` passed; they all start iteration 0 as active members.
     """
     _check_address(address)
-    view = View(0, (Member(0, address, True, key),), 1)
+    _check_uint("iteration", iteration, 2**63)
+    view = View(iteration, (Member(0, address, True, key),), 1)
     st = _blank(0, FORMING, view, now)._replace(
         forming_deadline=now + params.forming_timeout_s, admissions={-1: Admission(frozenset(), frozenset(), (), view)}
     )
@@ -1376,6 +1378,7 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
         raise Rejected("INVALID_ARGUMENT", f"prepare from machine {msg.sender} with ballot {tuple(msg.ballot)}")
     if st.phase in (FORMING, DROPPED):
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase}")
+    _verify(params, st.view, msg, f"prepare of machine {msg.sender}")
     t = msg.iteration
     if t < st.it:
         if t < st.it - params.window:
@@ -1387,7 +1390,6 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
         raise Rejected("OUT_OF_RANGE", f"prepare for iteration {t} is too far ahead (this peer is at {st.it})")
     if msg.sender not in st.view.ids():
         raise Rejected("PERMISSION_DENIED", f"machine {msg.sender} is not a member of iteration {st.it}")
-    _verify(params, st.view, msg, f"prepare of machine {msg.sender}")
     promised = st.promised.get(t)
     if promised is not None and msg.ballot < promised:
         raise Rejected(
