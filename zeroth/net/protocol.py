@@ -613,11 +613,12 @@ def sign(params: Params, msg):
     return msg._replace(signature=params.sign(signed_bytes(msg)))
 
 
-def _verify(params: Params, view: View | None, msg, what: str) -> None:
-    """Refuse ``msg`` unless the key ``view`` gives its sender signed it (no-op without ``params.verify``)."""
+def _verify(params: Params, view: View | None, msg, what: str, key: bytes | None = None) -> None:
+    """Refuse ``msg`` unless the key ``view`` gives its sender (or ``key``) signed it (no-op without ``params.verify``)."""
     if params.verify is None:
         return
-    key = view.key_of(msg.sender) if view is not None else None
+    if key is None:
+        key = view.key_of(msg.sender) if view is not None else None
     if key is None:
         raise Rejected("PERMISSION_DENIED", f"{what}: machine {msg.sender} is not a member of iteration {view.iteration if view else '?'}")
     if len(key) != KEY_BYTES or not msg.signature:
@@ -655,9 +656,9 @@ def member_key(st: PeerState, machine: int) -> bytes | None:
     return None
 
 
-def _verify_entry(params: Params, view: View, e: LogEntry, what: str) -> None:
-    """A decided entry: its commit signed by its sender in ``view``, every payload signed by its contributor."""
-    _verify(params, view, e.commit, what)
+def _verify_entry(params: Params, view: View | None, e: LogEntry, what: str, keys: Callable | None = None) -> None:
+    """A decided entry: its commit signed by its sender in ``view`` (or ``keys(machine)``), every payload signed by its contributor."""
+    _verify(params, view, e.commit, what, key=keys(e.commit.sender) if keys else None)
     if params.verify is None or e.payloads is None:
         return
     sigs = e.signatures
@@ -665,7 +666,8 @@ def _verify_entry(params: Params, view: View, e: LogEntry, what: str) -> None:
         raise Rejected("UNAUTHENTICATED", f"{what}: the payloads carry no signatures of their senders")
     c = e.commit
     for (m, n), payload, sig in zip(c.contributors, e.payloads, sigs, strict=True):
-        _verify(params, view, Push(c.run_id, m, c.iteration, n, payload, sig), f"{what} payload of machine {m}")
+        push = Push(c.run_id, m, c.iteration, n, payload, sig)
+        _verify(params, view, push, f"{what} payload of machine {m}", key=keys(m) if keys else None)
 
 
 def committer(state: PeerState) -> int | None:
@@ -1268,10 +1270,10 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
     effects: list = []
     if t < st.it:
         old = st.decided.get(t)
-        view = _view_at(st, t)
-        if old is None or view is None or _same_value(old.commit, commit):
+        if old is None or _same_value(old.commit, commit):
             return Step(st, ())
-        _verify(params, view, commit, f"commit of iteration {t}")
+        # Ids are never reused and keep their key: any view that holds the sender has its key.
+        _verify(params, None, commit, f"commit of iteration {t}", key=member_key(st, commit.sender))
         if commit.ballot <= old.commit.ballot:
             return Step(st, ())
         # A later ballot decided differently? Only the leader's log can say: fetch it and compare.
@@ -1528,20 +1530,19 @@ def on_fetched(params: Params, st: PeerState, entries, now: float) -> Step:
         if updates_digest(e.commit.contributors, e.payloads) != e.commit.updates_digest:
             raise Rejected("INVALID_ARGUMENT", f"log entry of iteration {e.commit.iteration}: payloads do not match the digest")
         t = e.commit.iteration
-        view = st.view if t == st.it else (decided[t - 1].commit.next_view if t - 1 in decided else None)
-        if view is None:
-            continue  # not on the chain of views this peer knows: cannot be verified
-        _verify_entry(params, view, e, f"log entry of iteration {t}")
         if t < st.it:
             old = decided.get(t)
             if check and old is not None and not _same_value(old.commit, e.commit):
+                _verify_entry(params, None, e, f"log entry of iteration {t}", keys=lambda m: member_key(st, m))
                 effects.append(
                     Dropped(f"iteration {t}: the leader's log holds a decision (ballot {tuple(e.commit.ballot)}) that differs from the one this peer applied")
                 )
                 return Step(st._replace(phase=DROPPED, fetch=None), tuple(effects))
             continue
-        if t > st.it + params.window:
-            continue
+        view = st.view if t == st.it else (decided[t - 1].commit.next_view if t - 1 in decided else None)
+        if view is None or t > st.it + params.window:
+            continue  # not on the chain of views this peer knows: cannot be verified
+        _verify_entry(params, view, e, f"log entry of iteration {t}")
         old = decided.get(t)
         if old is None or old.payloads is None and (_same_value(old.commit, e.commit) or e.commit.ballot >= old.commit.ballot):
             decided[t] = LogEntry(e.commit, tuple(e.payloads), e.signatures)
