@@ -358,6 +358,15 @@ def test_a_peer_that_leaves_is_removed_and_the_others_finish(worker, tmp_path):
         assert [n.finish_reason for n in nodes] == ["done", "done", "left"]
         assert nodes[0].digests()[20] == nodes[1].digests()[20]
         assert nodes[2].applied < 20
+        # A joiner reaching the finished run (its peers still serving) is told so at once.
+        late = Node(cfg, NodeOptions(out_dir=str(tmp_path / "late"), join=(nodes[1].address,), secret=TOKEN, log=False), worker=worker)
+        started = time.monotonic()
+        late.start()
+        try:
+            assert late.wait(30) and late.finish_reason == "failed"
+            assert "finished" in late.error and time.monotonic() - started < 30
+        finally:
+            late.stop()
     finally:
         for n in nodes:
             n.stop()

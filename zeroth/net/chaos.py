@@ -1,4 +1,5 @@
-"""A hostile member for fault-injection tests and the chaos table (``scripts/chaos_peers.py``).
+"""Fault injection for tests and the chaos table (``scripts/chaos_peers.py``): a hostile member
+(:class:`HostileMember`) and peer processes to kill, stop and restart (:class:`Cluster`).
 
 :class:`HostileMember` holds valid credentials for ONE member of a run: it knows the run secret,
 joins with an Ed25519 key of its own (so the commit admitting it puts that key into the view) and
@@ -15,11 +16,17 @@ Example (needs a running peer at ``address``):
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 
 from zeroth.net import identity as _id
+from zeroth.net import launch
 from zeroth.net import protocol as P
 from zeroth.net import security as _sec
 from zeroth.net import wire
@@ -27,7 +34,7 @@ from zeroth.net.proto import peer_pb2 as pb
 from zeroth.net.proto import peer_pb2_grpc as pb_grpc
 from zeroth.net.transport import CHANNEL_OPTIONS, SERVER_OPTIONS, sign_request
 
-__all__ = ["HostileMember"]
+__all__ = ["HostileMember", "Cluster"]
 
 
 class _Acks(pb_grpc.PeerServicer):
@@ -142,3 +149,86 @@ class HostileMember:
             self._seq += 1
             seq = self._seq
         return sign_request(self.identity, seq, method, request)
+
+
+# --------------------------------------------------------------------------- peer processes
+
+
+class Cluster:
+    """``zeroth peer`` processes on 127.0.0.1 sharing one run secret, with fault injection.
+
+    Args:
+      config: the run's YAML file.
+      root: folder for the peers' outputs (``p0``, ``p1``, ...), logs (``p0.log``) and ``run.secret``.
+      extra: arguments added to every peer's command line.
+    """
+
+    def __init__(self, config, root, *, extra: tuple[str, ...] = ()):
+        self.config = Path(config)
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.secret_file = _id.write_secret(self.root / "run.secret", _id.new_secret())
+        self.extra = ("--secret-file", str(self.secret_file), "--linger", "1", *extra)
+        self.peers: dict[str, launch.PeerProcess] = {}
+        self.ports: dict[str, int] = {}
+
+    def start(self, name: str, *, join: str | None = None, founders: int | None = None, port: int | None = None, args=()) -> launch.PeerProcess:
+        """Start peer ``name`` (founder without ``join``; ``join`` names another peer) on ``port`` (default: a free one)."""
+        port = port or launch.free_ports(1)[0]
+        self.ports[name] = port
+        target = f"127.0.0.1:{self.ports[join]}" if join else None
+        p = launch.start_peer(
+            self.config, self.root / name, f"127.0.0.1:{port}", index=len(self.peers), join=target, founders=founders,
+            extra_args=(*self.extra, *args),
+        )
+        self.peers[name] = p
+        return p
+
+    def records(self, name: str) -> list[dict]:
+        recs, _ = launch.read_records(self.root / name / "metrics.jsonl")
+        return [r for r in recs if r.get("kind") == "iteration"]
+
+    def iteration(self, name: str) -> int:
+        recs = self.records(name)
+        return recs[-1]["step"] if recs else 0
+
+    def wait_for(self, cond, timeout: float, poll: float = 0.2) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if cond():
+                return True
+            time.sleep(poll)
+        return cond()
+
+    def signal(self, name: str, sig: int) -> None:
+        self.peers[name].proc.send_signal(sig)
+
+    def wait_exit(self, names, timeout: float) -> dict[str, int | None]:
+        """Exit codes of ``names`` (None: still running after ``timeout``)."""
+        end = time.monotonic() + timeout
+        out = {}
+        for n in names:
+            try:
+                out[n] = self.peers[n].proc.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                out[n] = None
+        return out
+
+    def summary(self, name: str) -> dict:
+        path = self.root / name / "summary.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def log(self, name: str) -> str:
+        return self.peers[name].log.read_text(errors="replace")
+
+    def stall_seconds(self, name: str) -> float:
+        """The longest wall-clock gap between two consecutive applied iterations of ``name``."""
+        times = [r["wall_time"] for r in self.records(name)]
+        return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
+
+    def stop(self) -> None:
+        for p in self.peers.values():
+            if p.alive():
+                p.proc.send_signal(signal.SIGCONT)
+                p.proc.kill()
+                p.proc.wait()
