@@ -380,9 +380,9 @@ def test_updates_digest_depends_on_order_counts_and_bytes():
 def test_docstring_examples_of_the_net_modules_run():
     import doctest
 
-    from zeroth.net import security, sim, state
+    from zeroth.net import identity, security, sim, state, transport
 
-    for module in (P, sim, state, security):
+    for module in (P, sim, state, security, identity, transport):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__
 

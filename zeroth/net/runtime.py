@@ -306,6 +306,8 @@ class Node:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
         self._metrics.close()
+        if self._warming is not None:  # a compilation killed at interpreter exit aborts the process
+            self._warming.join(30.0)
 
     def leave(self) -> None:
         """Leave the run: stop contributing; :meth:`wait` returns once a decision removed this peer."""
