@@ -6,7 +6,7 @@ The design (why not one shared HMAC key): with a key every member can derive (e.
 any of them. Here the run secret only *admits*; identity is a key pair:
 
 * **run secret** ``S`` (:func:`new_secret`: 32 random bytes, hex): whoever holds it may join.
-  It never travels: calls carry the *access token* ``HMAC-SHA256(S, "zeroth-access-v1")``
+  It never travels: calls carry the *access token* ``HMAC-SHA256(S, "zeroth-access-v1")`` (128 bits)
   (:func:`access_token`, metadata ``x-zeroth-token``, checked before any handler runs), and a
   join carries ``proof = HMAC-SHA256(S, "zeroth-join-v1" || config_digest || address || key)``
   (:func:`join_proof`), binding the joiner's public key to its knowledge of ``S``.
@@ -27,11 +27,12 @@ Example:
   >>> verify(me.public, b"hello", sig), verify(me.public, b"hellO", sig)
   (True, False)
   >>> len(access_token("s3cret")), join_proof("s3cret", "d", "h:1", me.public) == join_proof("other", "d", "h:1", me.public)
-  (64, False)
+  (22, False)
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import os
@@ -101,8 +102,10 @@ def _mac(secret: str, *fields) -> bytes:
 
 
 def access_token(secret: str) -> str:
-    """The token every call carries (``x-zeroth-token``): ``HMAC-SHA256(secret, "zeroth-access-v1")`` in hex."""
-    return _mac(secret, "zeroth-access-v1").hex()
+    """The token every call carries (``x-zeroth-token``): the first 128 bits of
+    ``HMAC-SHA256(secret, "zeroth-access-v1")``, base64url without padding (22 characters: it is
+    sent with every request)."""
+    return base64.urlsafe_b64encode(_mac(secret, "zeroth-access-v1")[:16]).rstrip(b"=").decode()
 
 
 def join_proof(secret: str, config_digest: str, address: str, key: bytes) -> bytes:

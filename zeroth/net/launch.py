@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroth.config import Config, to_yaml
+from zeroth.net import identity as _id
 
 __all__ = [
     "PEER_XLA_FLAGS",
@@ -240,8 +241,6 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
         extra.append("--insecure")
         security_note = "INSECURE (peers.insecure: true): no run secret"
     else:
-        from zeroth.net import identity as _id
-
         secret_file = _id.write_secret(out / "run.secret", p.token or _id.new_secret())
         extra += ["--secret-file", str(secret_file)]
         security_note = f"run secret in {secret_file} (mode 0600); every message signed by its sender"
