@@ -182,6 +182,7 @@ def hostile_scenario(name: str, tries: int, root: Path, worker: Worker) -> dict:
 
 
 def write_config(path: Path, iterations: int, count: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(raw_config(iterations, count)))
     return path
 

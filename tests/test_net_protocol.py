@@ -519,10 +519,10 @@ def test_refused_log_requests_mean_removal_and_failures_back_off():
     assert not any(isinstance(e, P.Fetch) for e in step.effects)  # no immediate retry (no busy loop)
     assert step.state.phase == P.MEMBER and step.state.fetch.failed
     st = step.state
-    step = P.on_tick(pp, st, st.fetch.deadline + 0.01)
-    assert step.state.fetch is None or not step.state.fetch.failed
-    st = P._fetch(pp, step.state._replace(fetch=None), 2.0, [], st.it, st.it + 3)
-    assert st.fetch.address != "h:1"  # the next source
+    step = P.on_tick(pp, st, st.fetch.deadline + 0.01)  # the back-off is over: the next source
+    assert [e.address for e in step.effects if isinstance(e, P.Fetch)] == ["h:3"]
+    st = step.state
+    assert not st.fetch.failed and st.fetch.address == "h:3"
     step = P.on_fetch_failed(pp, st, message="PERMISSION_DENIED: not a member", now=2.0, code="PERMISSION_DENIED")
     assert step.state.phase == P.DROPPED and any(isinstance(e, P.Dropped) for e in step.effects)
 

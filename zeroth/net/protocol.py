@@ -933,6 +933,7 @@ def _fetch(
             sources.append(address)
     if not sources:
         return st
+    sources = [a for a in sources if a not in st.denials] or sources  # not those that refused us
     preferred = st.view.address_of(prefer) if prefer is not None else None
     address = preferred if preferred in sources else sources[st.fetches % len(sources)]
     effects.append(Fetch(address, first, last))
@@ -1609,6 +1610,8 @@ def on_tick(params: Params, st: PeerState, now: float) -> Step:
         st = _advance(params, st._replace(fetch=None), now, effects)
         if st.phase != MEMBER:
             return Step(st, tuple(effects))
+        if st.fetch is None and f.last >= st.it:
+            st = _fetch(params, st, now, effects, st.it, f.last)  # the back-off is over: the next source
     if now >= st.started_at + params.stall_s:
         if st.resynced_at < st.started_at:
             return Step(*_resync(params, st, now, effects))
