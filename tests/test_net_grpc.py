@@ -370,3 +370,19 @@ def test_a_peer_that_leaves_is_removed_and_the_others_finish(worker, tmp_path):
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_the_command_line_needs_a_secret_to_join_and_refuses_two_choices(tmp_path, capsys):
+    from zeroth.config import to_yaml
+    from zeroth.net import peer
+
+    path = tmp_path / "job.yaml"
+    path.write_text(to_yaml(config(5, token=None)))
+    base = ["--config", str(path), "--listen", "127.0.0.1:0", "--out", str(tmp_path / "o")]
+    assert peer.main([*base, "--join", "127.0.0.1:9"]) == 2
+    assert "needs the run's secret" in capsys.readouterr().err
+    secret = tmp_path / "s"
+    identity.write_secret(secret, "x")
+    assert secret.stat().st_mode & 0o777 == 0o600
+    assert peer.main([*base, "--join", "127.0.0.1:9", "--secret-file", str(secret), "--insecure"]) == 2
+    assert "choose one" in capsys.readouterr().err
