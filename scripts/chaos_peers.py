@@ -189,14 +189,15 @@ def write_config(path: Path, iterations: int, count: int) -> Path:
 
 def process_scenario(name: str, root: Path) -> dict:
     count = 4 if name == "2 of 4 members killed (lost majority)" else 3
-    iterations = 300
+    iterations = 1000 if name.startswith("SIGSTOP") else 300  # the run must outlast the pause
     c = Cluster(write_config(root / "chaos.yaml", iterations, count), root)
     names = [f"p{i}" for i in range(count)]
     out = {"scenario": name, "tries": 1}
+    linger = ("--linger", "20") if name == "joiner reaching a finished run" else ()  # the finished run keeps serving
     try:
-        c.start("p0", founders=count)
+        c.start("p0", founders=count, args=linger)
         for n in names[1:]:
-            c.start(n, join="p0")
+            c.start(n, join="p0", args=linger)
         assert c.wait_for(lambda: c.iteration("p1") >= 20, 180), c.log("p1")[-2000:]
         t0 = time.monotonic()
         survivors = list(names)
@@ -208,6 +209,7 @@ def process_scenario(name: str, root: Path) -> dict:
             c.signal("p2", signal.SIGSTOP)
             time.sleep(10)
             c.signal("p2", signal.SIGCONT)
+            survivors = ["p0", "p1"]  # the paused one is judged apart: rejoined or exited with a reason
         elif name == "killed joiner restarted on its port":
             c.start("j", join="p1")
             assert c.wait_for(lambda: c.records("j") and not c.records("j")[-1]["catching_up"], 120), c.log("j")[-2000:]
@@ -220,14 +222,21 @@ def process_scenario(name: str, root: Path) -> dict:
             c.signal("p3", signal.SIGKILL)
             survivors = ["p0", "p1"]
         elif name == "joiner reaching a finished run":
-            pass
-        codes = c.wait_exit(survivors, timeout=300)
-        extra["exit_s"] = time.monotonic() - t0
-        if name == "joiner reaching a finished run":
-            c.start("late", join="p0")  # the founders linger 1 s: it may find them done, or gone
+            assert c.wait_for(lambda: c.summary("p0").get("finish_reason") == "done", 300)
+            c.start("late", join="p0")  # while the finished peers still serve
             started = time.monotonic()
             late = c.wait_exit(["late"], timeout=180)["late"]
             extra.update(late_exit_code=late, late_exit_s=time.monotonic() - started, late_reason=c.log("late").strip().splitlines()[-1][:160])
+        codes = c.wait_exit(survivors, timeout=300)
+        extra["exit_s"] = time.monotonic() - t0
+        if name.startswith("SIGSTOP"):
+            paused = c.wait_exit(["p2"], timeout=60)["p2"]
+            extra.update(
+                paused_exit_code=paused,
+                paused_rejoined=c.log("p2").count("joined run") >= 2,
+                paused_log_bytes=len(c.log("p2")),
+                paused_reason=(c.summary("p2").get("error") or "")[:160],
+            )
         summaries = {n: c.summary(n) for n in c.peers}
         finished = all(summaries[n].get("finish_reason") == "done" for n in survivors)
         digest_maps = [{r["iteration"]: r["digest"] for r in c.records(n)} for n in c.peers]
@@ -288,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         m["wrong"] += r["wrong_updates"]
         if "exit_codes" in r and not r["finished"]:
             m["notes"].add(f"survivors exit {sorted(set(r['exit_codes'].values()), key=str)} after {r['exit_s']:.0f}s")
+        if "paused_exit_code" in r:
+            m["notes"].add(
+                f"paused peer: {'rejoined' if r['paused_rejoined'] else 'did not rejoin'}, exit {r['paused_exit_code']}, "
+                f"log {r['paused_log_bytes'] // 1000} kB"
+            )
         if "late_exit_code" in r:
             m["notes"].add(f"late joiner exit {r['late_exit_code']} after {r['late_exit_s']:.1f}s")
         if r.get("hostile_clipped"):

@@ -1619,7 +1619,8 @@ def on_tick(params: Params, st: PeerState, now: float) -> Step:
             members = sorted(st.view.ids())
             reason = (
                 f"iteration {st.it}: no decision for {now - st.started_at:.0f}s, even after re-synchronising with the others; "
-                f"the run has lost its majority (members {members}, a majority is {len(members) // 2 + 1})"
+                f"the run has lost its majority (members {members}, a majority is {len(members) // 2 + 1}), "
+                f"or it went on without this peer"
             )
             effects.append(Failed(st.it, reason))
             return Step(st._replace(phase=FAILED, fetch=None, recovery=None), tuple(effects))
