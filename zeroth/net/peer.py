@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="bytes per streamed state chunk (and per download range)")
     p.add_argument("--progress-every", type=int, default=0, help="print a progress line every N iterations")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: none)")
+    p.add_argument("--join-timeout", type=float, default=120.0, help="give up joining after this many seconds (default 120)")
     p.add_argument("--quiet", action="store_true", help="no protocol notes on stderr")
     return p
 
@@ -128,6 +129,7 @@ def main(argv: list[str]) -> int:
         chunk_bytes=args.chunk_bytes,
         join_at=args.join_at,
         leave_at=args.leave_at,
+        join_timeout_s=args.join_timeout,
         log=not args.quiet,
         progress_every=args.progress_every,
     )
