@@ -88,7 +88,10 @@ def hostile(running):
     h.close()
 
 
-def stub(node, token=identity.access_token(TOKEN)):
+ACCESS = identity.access_token(TOKEN)
+
+
+def stub(node, token=ACCESS):
     channel = grpc.insecure_channel(node.address)
     metadata = security.token_metadata(token)
     return pb_grpc.PeerStub(channel), metadata

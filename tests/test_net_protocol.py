@@ -579,3 +579,24 @@ def test_forged_future_commits_and_huge_prepares_sent_to_everyone_do_not_stop_a_
             P.on_prepare(net.params, peer.state, P.Prepare("run", 2, t, P.Ballot(2**63 - 1, 2)), net.now)
     assert net.run_until(net.all_finished, limit=net.now + 120)
     assert_agree(net, min_done=3)
+
+
+def test_no_commit_can_rekey_a_member_or_reuse_an_id():
+    """Even from the ballot this peer promised, a decision cannot hand machine 0's identity to another key."""
+    pp, st = signed_member(me=1)
+    t = st.it
+    late = st.started_at + pp.iteration_timeout_s + 0.1
+    st = P.on_prepare(pp, st, signed(2, P.Prepare("run", 2, t, P.Ballot(1, 2))), late).state
+    nxt = signed_view(t + 1)
+    rekeyed = nxt._replace(members=(nxt.members[0]._replace(key=KEYS[2].public),) + nxt.members[1:])
+    reused = nxt._replace(members=nxt.members + (P.Member(1, "h:9", False, KEYS[3].public),))
+    for bad in (rekeyed, nxt._replace(members=nxt.members + (P.Member(3, "h:9", True, KEYS[3].public),)), nxt._replace(next_machine_id=2)):
+        commit = signed(2, P.Commit("run", 2, t, P.Ballot(1, 2), (), P.updates_digest((), ()), bad))
+        with pytest.raises(P.Rejected) as e:
+            P.on_commit(pp, st, commit, late)
+        assert e.value.code == "INVALID_ARGUMENT"
+    with pytest.raises(P.Rejected):
+        P.on_commit(pp, st, signed(2, P.Commit("run", 2, t, P.Ballot(1, 2), (), P.updates_digest((), ()), reused)), late)
+    joiner = nxt._replace(members=nxt.members + (P.Member(3, "h:9", False, KEYS[3].public),), next_machine_id=4)
+    ok = signed(2, P.Commit("run", 2, t, P.Ballot(1, 2), (), P.updates_digest((), ()), joiner))
+    assert P.on_commit(pp, st, ok, late).state.view == joiner

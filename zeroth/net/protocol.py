@@ -656,9 +656,27 @@ def member_key(st: PeerState, machine: int) -> bytes | None:
     return None
 
 
+def _check_succession(view: View, nxt: View, what: str) -> None:
+    """The view a commit of ``view.iteration`` hands on: members keep their address and key (nobody,
+    not even a committer, can re-key another member), new members get fresh ids and join inactive."""
+    old = {m.machine: m for m in view.members}
+    for m in nxt.members:
+        o = old.get(m.machine)
+        if o is not None:
+            if o.key != m.key or o.address != m.address:
+                raise Rejected("INVALID_ARGUMENT", f"{what}: the next view changes the address or key of machine {m.machine}")
+        elif m.machine < view.next_machine_id or m.active:
+            raise Rejected("INVALID_ARGUMENT", f"{what}: machine {m.machine} is neither a member nor a new (inactive) joiner")
+    if nxt.next_machine_id < view.next_machine_id:
+        raise Rejected("INVALID_ARGUMENT", f"{what}: next_machine_id goes back from {view.next_machine_id} to {nxt.next_machine_id}")
+
+
 def _verify_entry(params: Params, view: View | None, e: LogEntry, what: str, keys: Callable | None = None) -> None:
-    """A decided entry: its commit signed by its sender in ``view`` (or ``keys(machine)``), every payload signed by its contributor."""
+    """A decided entry: its commit signed by its sender in ``view`` (or ``keys(machine)``), every payload
+    signed by its contributor, and (with ``view``) a next view that follows from it."""
     _verify(params, view, e.commit, what, key=keys(e.commit.sender) if keys else None)
+    if view is not None:
+        _check_succession(view, e.commit.next_view, what)
     if params.verify is None or e.payloads is None:
         return
     sigs = e.signatures
@@ -1297,6 +1315,7 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
     if commit.sender not in view.ids():
         raise Rejected("PERMISSION_DENIED", f"machine {commit.sender} is not a member of iteration {t}")
     _verify(params, view, commit, f"commit of iteration {t}")
+    _check_succession(view, commit.next_view, f"commit of iteration {t}")
     promised = st.promised.get(t)
     if commit.ballot.round == 0:
         if commit.ballot.leader != view.leader():
