@@ -29,3 +29,21 @@ settings.load_profile("zeroth")
 warnings.filterwarnings("error", category=RuntimeWarning, module="zeroth")
 warnings.filterwarnings("error", category=FutureWarning, module="zeroth")
 warnings.filterwarnings("error", category=DeprecationWarning, module="zeroth")
+
+
+import pytest  # noqa: E402
+
+ACCELERATOR = jax.default_backend() != "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _default_device(request):
+    """On a machine with an accelerator (``JAX_PLATFORMS=cuda,cpu``), tests run on the host CPU's
+    devices (four of them, forced above) unless marked ``accelerator``: the kernels' native tests
+    and the sign-bit tests run on the accelerator, everything else where CI runs it."""
+    if not ACCELERATOR:
+        yield
+        return
+    device = jax.devices()[0] if request.node.get_closest_marker("accelerator") else jax.devices("cpu")[0]
+    with jax.default_device(device):
+        yield

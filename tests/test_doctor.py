@@ -56,11 +56,14 @@ def test_one_digest_under_every_config_equal_to_golden(runs):
         assert report["jax_disable_jit"] == (name == "no-jit")
         if report["float16_status"] == "ok":
             assert report["float16_digest"] == golden["float16_digest"] and code == 0, (name, stderr[-2000:])
+            assert report["tiles_float16_status"] == "ok", (name, report)
         else:
             # jaxlib's XLA:CPU cannot link half-precision conversions without F16C; the doctor
             # reports it (exit 3) rather than a mismatch. Only the SSE4.2 config may hit it.
             assert name == "no-fma (SSE4.2)" and report["float16_status"] == "unsupported", (name, report)
             assert code == 3 and "cannot compile float16" in stderr
+        assert report["tiles_status"] == "ok" and report["tiles_digest"] == golden["tiles_digest"], name
+        assert report["tiles_copy_digest"] == golden["tiles_digest"], name
     assert runs["default"][0] == 0 and runs["default"][1]["ok"]
 
 
@@ -75,6 +78,64 @@ def test_golden_is_the_reference_result():
     golden = _golden()
     assert golden["format"] == doctor.FORMAT
     assert doctor.reference_digests() == (golden["digest"], golden["float16_digest"])
+    assert doctor.reference_digests("tiles") == (golden["tiles_digest"], golden["tiles_float16_digest"])
+    # the canonical suite's digests are the ones every zeroth version since the first has shipped
+    assert golden["digest"].startswith("4894f949d339bc5f") and golden["float16_digest"].startswith("4f3b861c871ee1be")
+
+
+def test_tiles_suite_exercises_partial_tiles_and_nan_payloads():
+    """The tiles suite would have caught both defects seen on an H100: every leaf leaves a partial
+    last tile under the GPU, TPU and CPU-interpret tilings, 16-bit leaves sit side by side, and
+    every dtype carries NaN payloads (NVIDIA's 0x7fff among them) at its start and in its tail."""
+    from zeroth.kernels import perturb as kp
+
+    leaves = doctor.canonical_paths(doctor.tile_params())
+    assert sum(a.dtype.itemsize == 2 for a in leaves.values()) >= 3
+    for path, leaf in leaves.items():
+        for platform in ("gpu", "tpu", "cpu"):
+            for dist, updates in doctor.tile_units():
+                plan = kp.plan_tiles(leaf.size, dist, kp.default_block_sizes(platform), platform)
+                if platform != "tpu" or leaf.size >= 8 * 1024:
+                    assert plan.tail > 0, (path, platform, dist, plan)
+        bits = leaf.reshape(-1).view(np.dtype(f"u{leaf.dtype.itemsize}"))
+        nan_start = np.isnan(leaf.reshape(-1)[:8].astype(np.float32)).sum()
+        nan_end = np.isnan(leaf.reshape(-1)[-8:].astype(np.float32)).sum()
+        assert nan_start >= 4 and nan_end >= 4, path
+        if leaf.dtype.itemsize == 2:
+            assert 0x7FFF in bits[:8] and 0x7FFF in bits[-8:], path
+    assert sorted(len(u) for _, u in doctor.tile_units()) == [1, 3, 5]
+    # the canonical NaN comes out of every NaN payload
+    out = doctor.reference_result("tiles")
+    for path, leaf in out.items():
+        flat = leaf.reshape(-1)
+        bits = flat.view(np.dtype(f"u{leaf.dtype.itemsize}"))
+        nan = np.isnan(flat.astype(np.float32))
+        assert nan.sum() >= 8 and set(bits[nan].tolist()) == {ref.CANONICAL_NAN_BITS[leaf.dtype.name]}, path
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_tiles_suite_replays_to_golden_through_the_pallas_kernel(donate, monkeypatch):
+    """The tiles suite through the Pallas kernel (interpret mode, GPU tiling) equals the golden
+    digest, in place and not: what the doctor checks natively on a GPU."""
+    from zeroth import rng
+    from zeroth.kernels import perturb as kp
+
+    golden = _golden()
+    params = doctor.tile_params()
+    for dist, updates in doctor.tile_units():
+        keys = np.stack([np.asarray(k, np.uint32) for k, _ in updates])
+        scales = replay.update_scales(dist, [c for _, c in updates])
+        fn = jax.jit(
+            lambda p, k, s, dist=dist: kp.apply_updates(
+                p, k, s, distribution=dist, impl="pallas", interpret=True, platform="gpu", inplace=donate
+            ),
+            donate_argnums=(0,) if donate else (),
+        )
+        params = fn(params, keys, scales)
+    leaves = {rng.leaf_path(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    main_part, f16_part = doctor.split_float16(leaves)
+    assert doctor.numpy_checksum(main_part) == golden["tiles_digest"]
+    assert doctor.numpy_checksum(f16_part) == golden["tiles_float16_digest"]
 
 
 def test_write_golden_reproduces_the_shipped_file(tmp_path):
@@ -138,19 +199,19 @@ def test_corrupted_golden_is_a_mismatch(tmp_path, capsys):
     assert report["digest"] == golden["digest"] and report["golden_digest"] == bad["digest"]
     assert "MISMATCH" in captured.err
     # the human report says so too, and a wrong float16 digest alone is a mismatch as well
-    bad16 = dict(golden, float16_digest="f" * 64)
-    path.write_text(json.dumps(bad16))
-    assert doctor.main(["--golden", str(path)]) == 1
-    assert "MISMATCH" in capsys.readouterr().out
+    for field in ("float16_digest", "tiles_digest", "tiles_float16_digest"):
+        path.write_text(json.dumps(dict(golden, **{field: "f" * 64})))
+        assert doctor.main(["--golden", str(path)]) == 1, field
+        assert "MISMATCH" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     "content, message",
     [
         ("{not json", "cannot read golden file"),
-        (json.dumps({"format": "other", "digest": "0" * 64}), "is not a 'zeroth-doctor-v1' file"),
+        (json.dumps({"format": "other", "digest": "0" * 64}), "is not a 'zeroth-doctor-v2' file"),
         (json.dumps({"format": doctor.FORMAT, "digest": "xyz", "float16_digest": "0" * 64}), "'digest' must be 64"),
-        (json.dumps([1, 2]), "is not a 'zeroth-doctor-v1' file"),
+        (json.dumps([1, 2]), "is not a 'zeroth-doctor-v2' file"),
     ],
 )
 def test_unreadable_golden_is_a_clear_error(tmp_path, capsys, content, message):
@@ -171,3 +232,13 @@ def test_in_process_doctor_agrees_on_four_devices(capsys):
     assert doctor.main(["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] and report["devices"] == [str(d) for d in jax.devices()]
+
+
+def test_a_platform_the_machine_lacks_is_one_clear_line():
+    missing = "rocm" if jax.default_backend() == "tpu" else "tpu"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = missing
+    proc = subprocess.run([sys.executable, "-m", "zeroth", "doctor"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"JAX_PLATFORMS='{missing}'" in lines[0] and "Traceback" not in proc.stderr

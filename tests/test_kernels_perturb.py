@@ -60,12 +60,14 @@ def _array(shape, dtype, seed=0, scale=2.0):
 PALLAS_CASES = [
     # (distribution, dtype, shape, block sizes)
     ("binomial", jnp.float32, (1000,), kp.BlockSizes(tile=256, lanes=None)),
-    ("binomial", jnp.bfloat16, (37, 29), kp.BlockSizes(tile=128, lanes=32)),
+    ("binomial", jnp.bfloat16, (37, 29), kp.BlockSizes(tile=256, lanes=32)),
     ("binomial", jnp.float32, (5,), kp.BlockSizes(tile=64, lanes=None)),
     ("binomial", jnp.bfloat16, (), kp.BlockSizes(tile=64, lanes=None)),
     ("rademacher", jnp.float32, (13, 77), kp.BlockSizes(tile=512, lanes=None)),
-    ("rademacher", jnp.bfloat16, (333,), kp.BlockSizes(tile=192, lanes=64)),
-    ("rademacher", jnp.float16, (2, 3, 50), kp.BlockSizes(tile=128, lanes=None)),
+    ("rademacher", jnp.bfloat16, (333,), kp.BlockSizes(tile=512, lanes=64)),
+    ("rademacher", jnp.float16, (2, 3, 50), kp.BlockSizes(tile=512, lanes=None)),
+    ("binomial", jnp.bfloat16, (1536, 37), kp.BlockSizes(tile=8192, lanes=None)),  # a partial last tile
+    ("binomial", jnp.float16, (999, 11), kp.BlockSizes(tile=8192, lanes=None)),  # not a whole number of rows
 ]
 
 
@@ -90,7 +92,7 @@ class TestPallasInterpret:
         keys, scales = _leaf_keys(4, seed=1), _scales(dist, 4, seed=1)
         outs = [
             kp.perturb_pallas(x, keys, scales, distribution=dist, block_sizes=b, interpret=self.INTERPRET)
-            for b in (kp.BlockSizes(tile=1024, lanes=None), kp.BlockSizes(tile=640, lanes=128))
+            for b in (kp.BlockSizes(tile=1024, lanes=None), kp.BlockSizes(tile=1024, lanes=128))
         ]
         assert_same_bits(outs[0], outs[1])
         assert_same_bits(outs[0], numpy_perturb(x, keys, scales, dist))
@@ -156,6 +158,7 @@ def test_lowers_for_gpu_and_tpu(platform, blocks, dist, tpu_chip_info):
     assert "zeroth_fused_replay" in lowered_kernels(f, args, platform)
 
 
+@pytest.mark.accelerator
 @pytest.mark.skipif(not ACCELERATOR, reason="native Pallas needs a GPU or TPU")
 class TestPallasNative(TestPallasInterpret):
     INTERPRET = False
@@ -321,12 +324,9 @@ def test_sharded_params_keep_their_sharding():
 
 
 def test_auto_on_cpu_is_native_or_jnp(monkeypatch):
-    if jax.default_backend() == "cpu":
-        assert kp.resolve_impl("auto") == ("native" if NATIVE else "jnp")
-        monkeypatch.setenv("ZEROTH_NATIVE", "0")
-        assert kp.resolve_impl("auto") == "jnp"
-    else:
-        assert kp.resolve_impl("auto") == "pallas"
+    assert kp.resolve_impl("auto", "cpu") == ("native" if NATIVE else "jnp")
+    monkeypatch.setenv("ZEROTH_NATIVE", "0")
+    assert kp.resolve_impl("auto", "cpu") == "jnp"
 
 
 def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
@@ -374,3 +374,262 @@ def test_bad_shapes_and_dtypes():
         kp.BlockSizes(tile=100, lanes=None)
     with pytest.raises(ValueError, match="multiple of lanes"):
         kp.BlockSizes(tile=100, lanes=64)
+
+
+# --------------------------------------------------------------------------- whole tiles only
+
+# Hardware conversions disagree on NaN: NVIDIA's f32 -> bf16 / f16 give 0x7fff, x86 and NumPy
+# 0x7fc0 / 0x7e00. These are fed straight to the cast-and-canonicalise step.
+NVIDIA_NAN_CASES = [
+    (jnp.bfloat16, [0x7FFF, 0xFFFF, 0x7F81, 0xFFC1, 0x0001, 0x8000, 0x7F80, 0x3F80], 0x7FC0),
+    (jnp.float16, [0x7FFF, 0xFFFF, 0x7C01, 0xFE01, 0x0001, 0x8000, 0x7C00, 0x3C00], 0x7E00),
+    (jnp.float32, [0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFFC00001, 0x1, 0x80000000, 0x7F800000, 0x3F800000], 0x7FC00000),
+]
+
+
+def _from_bits(bits, dtype) -> np.ndarray:
+    dt = jnp.dtype(dtype)
+    return np.array(bits, np.dtype(f"u{dt.itemsize}")).view(dt)
+
+
+@pytest.mark.parametrize("dtype,bits,nan", NVIDIA_NAN_CASES)
+def test_any_nan_a_conversion_produces_becomes_canonical(dtype, bits, nan):
+    from zeroth import rule
+
+    x = _from_bits(bits, dtype)
+    inf, one = bits[6], bits[7]
+    want = [nan, nan, nan, nan, 0, 0, inf, one]
+    np.testing.assert_array_equal(_bits(ref.canonicalize(x)), want)
+    np.testing.assert_array_equal(_bits(rule.canonicalize(jnp.asarray(x))), want)
+    np.testing.assert_array_equal(_bits(jax.jit(rule.canonicalize)(jnp.asarray(x))), want)
+
+    def kernel(x_ref, o_ref):  # the step the Pallas replay ends with, inside a kernel
+        o_ref[...] = rule.canonicalize(x_ref[...])
+
+    x2 = jnp.asarray(np.tile(x, 16).reshape(8, 16))
+    from jax.experimental import pallas as pl
+
+    got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x2.shape, x2.dtype), interpret=True)(x2)
+    np.testing.assert_array_equal(_bits(got), np.tile(want, 16))
+
+
+@pytest.mark.parametrize("dtype,bits,nan", NVIDIA_NAN_CASES)
+def test_flush_cast_canonicalises_after_the_cast(dtype, bits, nan, monkeypatch):
+    """A backend whose float32 -> 16-bit conversion yields 0x7fff (NVIDIA's) still stores the
+    canonical NaN: the cast is followed by canonicalisation by bit pattern, in every path."""
+    from zeroth import rule
+
+    dt = jnp.dtype(dtype)
+    real_convert = rule._convert
+
+    def nvidia_convert(x32, new_dtype):
+        out = real_convert(x32, new_dtype)
+        if jnp.dtype(new_dtype).itemsize == 2:  # NVIDIA's cvt gives 0x7fff for any NaN
+            u = jnp.where(jnp.isnan(out), jnp.uint16(0x7FFF), jax.lax.bitcast_convert_type(out, jnp.uint16))
+            out = jax.lax.bitcast_convert_type(u, new_dtype)
+        return out
+
+    monkeypatch.setattr(rule, "_convert", nvidia_convert)
+    x32 = jnp.asarray(np.array([np.nan, -np.nan, 1.0, 2.0**-140, -0.0], np.float32))
+    if dt.itemsize == 2:
+        assert set(_bits(nvidia_convert(x32, dt))[:2].tolist()) == {0x7FFF}  # the simulated hardware
+    got = jax.jit(rule.flush_cast, static_argnums=1)(x32, dt)
+    np.testing.assert_array_equal(_bits(got)[:2], [nan, nan])
+    np.testing.assert_array_equal(_bits(got)[3:], [0, 0])
+    assert_same_bits(got, ref.flush_cast(np.asarray(x32), dt))
+    # the whole replay of a leaf holding NaNs, through the jnp rule and the Pallas kernel alike
+    leaf = jnp.asarray(_from_bits(bits, dtype))
+    keys, scales = _leaf_keys(2), _scales("binomial", 2, magnitude=1e-3)
+    want = numpy_perturb(np.asarray(leaf), keys, scales, "binomial")
+    assert_same_bits(kp.perturb_reference(leaf, keys, scales), want)
+    assert_same_bits(kp.perturb_pallas(leaf, keys, scales, interpret=True, platform="gpu",
+                                       block_sizes=kp.BlockSizes(tile=64)), want)
+
+
+class _PallasCallSpy:
+    """Records every ``pallas_call`` of the replay kernel: operand shape, block shape and grid."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        real = kp.pl.pallas_call
+
+        def spy(kernel, *, out_shape, grid, in_specs, out_specs, **kwargs):
+            self.calls.append((tuple(out_shape.shape), tuple(out_specs.block_shape), tuple(grid)))
+            return real(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, **kwargs)
+
+        monkeypatch.setattr(kp.pl, "pallas_call", spy)
+
+
+def _assert_whole_tiles_inside(calls, n):
+    for (rows, width), (tile_rows, tile_width), (grid,) in calls:
+        assert tile_width == width and tile_rows >= 1 and grid >= 1
+        assert grid * tile_rows <= rows, f"block {grid - 1} reaches row {grid * tile_rows} of {rows}"
+        assert rows * width <= n, f"the kernel's operand ({rows}x{width}) is larger than the leaf ({n})"
+
+
+@settings(max_examples=60)
+@given(
+    n=st.integers(1, 300_000),
+    dist=st.sampled_from(DISTS),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    platform=st.sampled_from(["gpu", "tpu", "cpu"]),
+    tile_log2=st.integers(6, 14),
+    lanes=st.sampled_from([None, 64, 128, 1024]),
+    offset_calls=st.integers(0, 3),
+)
+def test_no_block_addresses_outside_the_leaf(n, dist, dtype, platform, tile_log2, lanes, offset_calls):
+    blocks = kp.BlockSizes(tile=max(1 << tile_log2, lanes or 64), lanes=lanes)
+    if platform == "tpu" and (blocks.tile // (lanes or kp._PER_CALL[dist])) % 8:
+        with pytest.raises(ValueError, match="multiple of 8"):
+            kp.check_block_sizes(blocks, platform, dist)
+        return
+    offset = offset_calls * 64 + (offset_calls % 2)  # some offsets break the grouped layout
+    plan = kp.plan_tiles(n, dist, blocks, platform, offset)
+    # the plan: whole tiles inside [0, head), head + tail = n, the tail shorter than a tile plus a row
+    assert plan.head == plan.tiles * plan.tile_rows * plan.width <= n
+    assert plan.tail == n - plan.head >= 0
+    if plan.tiles:
+        assert plan.tail < plan.tile_rows * plan.width + plan.width
+    if platform == "gpu" and plan.tile_rows:
+        assert plan.tile_rows & (plan.tile_rows - 1) == 0 and plan.width & (plan.width - 1) == 0
+    if platform == "tpu" and plan.tile_rows:
+        assert plan.tile_rows % 8 == 0
+    # and what the wrapper really asks Pallas for (traced only)
+    with pytest.MonkeyPatch.context() as mp:
+        spy = _PallasCallSpy(mp)
+        jax.eval_shape(
+            lambda x: kp.perturb_pallas(
+                x, _leaf_keys(3), _scales(dist, 3), distribution=dist, block_sizes=blocks, offset=offset,
+                interpret=True, platform=platform,
+            ),
+            jax.ShapeDtypeStruct((n,), jnp.dtype(dtype)),
+        )
+    assert len(spy.calls) == (1 if plan.tiles else 0)
+    _assert_whole_tiles_inside(spy.calls, n)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("dist", DISTS)
+def test_adjacent_16bit_leaves_with_partial_tiles_match_reference(dist, donate, monkeypatch):
+    """The H100 corruption's shape (a bf16 leaf with a partial last tile next to a padded f16 leaf),
+    scaled down, through the GPU tiling in interpret mode: every block inside its leaf, every bit
+    equal to the reference, with and without donation."""
+    params = {
+        "embed": _array((41, 77), jnp.float32, seed=1, scale=0.05),
+        "w1": _array((96, 257), jnp.bfloat16, seed=2, scale=0.05),  # 24,672: 3 tiles of 8192 and a part
+        "w2": _array((99, 101), jnp.float16, seed=3, scale=0.05),  # 9,999: not a whole number of rows
+        "b": _array((3,), jnp.float32, seed=4),
+    }
+    keys = rng.sample_keys(3, [(0, 11, s) for s in range(3)])
+    scales = replay.update_scales(dist, [1e-3, -2e-3, 5e-4])
+    want = {k: numpy_perturb(v, kp.leaf_keys(keys, rng.leaf_id((jax.tree_util.DictKey(k),))), scales, dist)
+            for k, v in params.items()}
+    spy = _PallasCallSpy(monkeypatch)
+    fn = jax.jit(
+        lambda p, k, s: kp.apply_updates(p, k, s, distribution=dist, impl="pallas", interpret=True,
+                                         platform="gpu", inplace=donate),
+        donate_argnums=(0,) if donate else (),
+    )
+    sizes = {k: v.size for k, v in params.items()}
+    got = fn(params, keys, scales)
+    for name in params:
+        assert_same_bits(got[name], want[name])
+    assert spy.calls and all(c[0][0] * c[0][1] <= max(sizes.values()) for c in spy.calls)
+    for call in spy.calls:
+        _assert_whole_tiles_inside([call], call[0][0] * call[0][1])
+
+
+@pytest.mark.parametrize(
+    "platform,blocks,match",
+    [
+        ("gpu", kp.BlockSizes(tile=640, lanes=128), "5 rows"),
+        ("gpu", kp.BlockSizes(tile=192, lanes=64), "3 rows"),
+        ("gpu", kp.BlockSizes(tile=960, lanes=96), "power of two"),
+        ("tpu", kp.BlockSizes(tile=512, lanes=128), "multiple of 8"),
+        ("cuda", kp.BlockSizes(tile=640, lanes=128), "tile=512"),
+    ],
+)
+def test_block_sizes_are_checked_per_platform(platform, blocks, match):
+    with pytest.raises(ValueError, match=match):
+        kp.check_block_sizes(blocks, platform)
+    with pytest.raises(ValueError, match=match):
+        kp.perturb_pallas(jnp.zeros(4096), _leaf_keys(1), _scales("binomial", 1), block_sizes=blocks,
+                          interpret=True, platform=platform)
+    kp.check_block_sizes(blocks, "cpu")  # interpret mode takes any tiling
+
+
+# --------------------------------------------------------------------------- dispatch by device
+
+
+def test_resolve_impl_follows_the_platform(monkeypatch):
+    assert kp.resolve_impl("auto", "tpu") == "pallas"
+    assert kp.resolve_impl("auto", "cuda", 16) == "pallas"
+    assert kp.resolve_impl("auto", "gpu", 1) == "jnp"  # XLA's fused loop is as fast for one update
+    monkeypatch.setattr(kp, "_triton_available", lambda: False)
+    assert kp.resolve_impl("auto", "gpu", 16) == "jnp"
+    with pytest.raises(ValueError, match="impl='native' is the CPU kernel, but the arrays live on gpu"):
+        kp.resolve_impl("native", "cuda")
+
+
+def test_cpu_parameters_replay_on_cpu_when_the_default_backend_is_a_gpu(monkeypatch):
+    """On a GPU machine, parameters placed on the host CPU replay with the CPU implementation
+    (they used to be sent to the Pallas kernel, which cannot run on a CPU device)."""
+    cpu = jax.devices("cpu")[0]
+    params = {"w": jax.device_put(_array((33, 65), jnp.bfloat16, seed=5), cpu), "b": jax.device_put(jnp.ones(7), cpu)}
+    want = replay.checksum(replay.apply_updates(params, rng.sample_keys(2, [(0, 1, 0), (0, 1, 1)]),
+                                                replay.update_scales("binomial", [0.25, -0.5])))
+    assert kp.platform_of(params) == "cpu"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert kp.platform_of({"np": np.zeros(3, np.float32)}) == "gpu"  # uncommitted: where jit puts it
+    assert kp.platform_of(params) == "cpu"
+    chosen = []
+    real = kp.resolve_impl
+    monkeypatch.setattr(kp, "resolve_impl", lambda *a, **k: chosen.append(real(*a, **k)) or chosen[-1])
+    got = replay.replay(params, (rng.sample_keys(2, [(0, 1, 0), (0, 1, 1)]), np.array([0.25, -0.5])))
+    assert replay.checksum(got) == want
+    assert chosen and set(chosen) <= {"native", "jnp"}
+    assert got["w"].devices() == {cpu}
+
+
+def test_a_process_with_several_platforms_chooses_at_lowering(monkeypatch):
+    """In a process with a CPU and a GPU, ``apply_updates`` stages one path per platform and the
+    lowering keeps the one for the devices the computation runs on: here the CPU's (the native
+    kernel, one launch for every leaf), with no Triton call and no conditional left to compile."""
+    monkeypatch.setattr(kp, "_process_platforms", lambda: ("cpu", "cuda"))
+    params = {"w": _array((37, 29), jnp.bfloat16, seed=8), "b": _array((3,), jnp.float32, seed=9)}
+    keys = rng.sample_keys(0, [(0, 0, s) for s in range(3)])
+    scales = replay.update_scales("binomial", [0.1, -0.2, 0.3])
+    lowered = jax.jit(lambda p, k, s: kp.apply_updates(p, k, s, distribution="binomial")).lower(params, keys, scales)
+    text, compiled = lowered.as_text(), lowered.compile()
+    assert "triton" not in text and "conditional" not in compiled.as_text()
+    if NATIVE:
+        assert text.count(cpu_native.target_name(tree=True)) == 1  # one launch for both leaves
+    got = compiled(params, keys, scales)
+    assert replay.checksum(got) == replay.checksum(
+        {k: numpy_perturb(v, kp.leaf_keys(keys, rng.leaf_id((jax.tree_util.DictKey(k),))), scales, "binomial")
+         for k, v in params.items()}
+    )
+
+
+@needs_native
+@pytest.mark.parametrize("donate", [False, True])
+def test_one_native_launch_for_every_leaf(donate):
+    """The native tree kernel: every leaf of a replay in one custom call, bit-identical to the
+    per-leaf kernel and the reference, including empty and 0-D leaves."""
+    params = {
+        "a": _array((1000,), jnp.float32, seed=1), "b": _array((37, 29), jnp.bfloat16, seed=2),
+        "c": _array((), jnp.float16, seed=3), "d": jnp.zeros((0, 4), jnp.float32), "e": _array((5000,), jnp.float16, seed=4),
+    }
+    keys = rng.sample_keys(4, [(m, 9, s) for m in range(2) for s in range(3)])
+    scales = replay.update_scales("rademacher", [0.5, -0.25, 1e-3, 2.0, -7.0, 1e-30])
+    want = {k: numpy_perturb(v, kp.leaf_keys(keys, rng.leaf_id((jax.tree_util.DictKey(k),))), scales, "rademacher")
+            for k, v in params.items()}
+    fn = jax.jit(lambda p: kp.apply_updates(p, keys, scales, distribution="rademacher", impl="native", inplace=donate),
+                 donate_argnums=(0,) if donate else ())
+    text = fn.lower(params).as_text()
+    assert text.count(cpu_native.target_name(tree=True)) == 1 and cpu_native.target_name() + '"' not in text
+    got = fn(params)
+    for k in want:
+        assert_same_bits(got[k], want[k])
+    with pytest.raises(ValueError, match="3 leaves but 2 leaf ids"):
+        kp.perturb_native_tree([jnp.zeros(2)] * 3, keys, scales, [1, 2])

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zeroth.collectives import experiments as X
-from zeroth.collectives import report
+from zeroth.bench import marsit as X
+from zeroth.bench import marsit_report as report
 
 ROOT = Path(__file__).resolve().parents[1]
 

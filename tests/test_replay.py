@@ -2,6 +2,7 @@
 values as documented, rounds coefficients so c*z is exact, and checksums the whole state."""
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -435,3 +436,23 @@ def test_checksum_names_paths_dtypes_and_shapes():
     assert replay.checksum({"a": h}) != replay.checksum({"a": h.view(BF16)})
     assert replay.checksum({"a": x, "b": x}) != base  # an extra leaf
     assert replay.checksum({"a": np.zeros(0, np.float32)}) != replay.checksum({"a": np.zeros((0, 1), np.float32)})
+
+
+def test_copy_mode_keeps_freed_host_memory_for_reuse():
+    """The first copy-mode replay on a CPU asks glibc to keep freed blocks (no page faults per
+    call); ZEROTH_REUSE_HOST_MEMORY=0 turns it off. Checked in fresh processes."""
+    import platform
+    import subprocess
+    import sys
+
+    code = (
+        "import jax.numpy as jnp; from zeroth import replay, rng; from zeroth.kernels import host_memory as h; "
+        "p = {'w': jnp.zeros(8)}; q = replay.replay(p, [(rng.sample_key(0, 0, 0, 0), 0.5)]); "
+        "print(h._state.get('done'))"
+    )
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "ZEROTH_REUSE_HOST_MEMORY": "0"})
+    assert off.stdout.strip() == "False"
+    if platform.libc_ver()[0] == "glibc":
+        assert on.stdout.strip() == "True"

@@ -17,6 +17,7 @@ from lowering_util import PLATFORMS, lowered_kernels, tpu_chip_info  # noqa: F40
 
 # Interpret mode on CPU; on a GPU or TPU (JAX_PLATFORMS=cuda or tpu) the same tests run the kernels natively.
 INTERPRET = jax.default_backend() == "cpu"
+pytestmark = pytest.mark.accelerator
 
 KEY = np.array([0x12345678, 0x9ABCDEF0], np.uint32)
 

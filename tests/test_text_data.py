@@ -106,7 +106,7 @@ def test_sentiment_sentences_counts_labels_and_split():
     assert 0.4 < test.y.mean() < 0.6
     # the split depends only on the dataset name: loading again gives the same order
     text.sentiment_records.cache_clear()
-    data._cached_load.cache_clear()
+    data.base._cached_load.cache_clear()
     assert list(data.load("sentiment", "test").x) == list(test.x)
 
 

@@ -19,7 +19,7 @@ from zeroth.config import load_config_dict, to_dict
 from zeroth.train import trainer
 from zeroth.train.checkpoint import CheckpointError
 from zeroth.train.metrics import read_metrics, summarize
-from zeroth.train.run import main as run_main
+from zeroth.run import main as run_main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -69,12 +69,12 @@ def test_backprop_baseline_same_model_and_eval(tmp_path):
 def test_error_rate_has_no_gradient_for_backprop():
     import jax
 
-    from zeroth import data, models
+    from zeroth import data, models, objectives
 
     ds = data.load("digits", "train")
     model = models.build("mlp", num_classes=10, hidden=(16,))
     params = models.init(model, models.init_key(0), ds.x[:1])
-    grads = jax.grad(trainer.make_objective("error_rate", model))(params, (ds.x[:64], ds.y[:64]))
+    grads = jax.grad(objectives.make_objective("error_rate", model))(params, (ds.x[:64], ds.y[:64]))
     assert all(float(np.abs(g).max()) == 0.0 for g in jax.tree_util.tree_leaves(grads))
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from zeroth import __version__
+
 __all__ = ["main", "COMMANDS"]
 
 # name -> ("module:function", one-line help). Each function takes argv (list[str]) and returns an exit code.
@@ -16,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("zeroth.doctor:main", "check this machine reproduces the golden replay digest"),
     "bench": ("zeroth.bench:main", "benchmarks: perturb, zo, kernels (tables and --json)"),
     "datasets": ("zeroth.data:cli_main", "list datasets, their status and how to install each"),
-    "run": ("zeroth.train.run:main", "run an experiment config (single machine, or peers on loopback)"),
+    "run": ("zeroth.run:main", "run an experiment config (single machine, or peers on loopback)"),
     "peer": ("zeroth.net.peer:main", "run one Just One Byte peer (multi-machine use)"),
 }
 
@@ -30,13 +32,14 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:  # a command is required: say which exist, and fail like any usage error
+        print(f"zeroth: no command given\n\n{_usage()}", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
     name, rest = argv[0], argv[1:]
     if name in ("--version", "version"):
-        from zeroth import __version__
-
         print(__version__)
         return 0
     if name not in COMMANDS:

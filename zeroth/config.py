@@ -40,6 +40,10 @@ from typing import Any
 
 import yaml
 
+import zeroth.models.pretrained  # noqa: F401  (registers the pretrained models' names)
+from zeroth import codecs, data, methods, models, noise, objectives, zo
+from zeroth.models.pretrained import q4train
+
 __all__ = [
     "RunConfig",
     "DataConfig",
@@ -66,24 +70,21 @@ __all__ = [
     "diff",
 ]
 
-METHODS = ("zo", "backprop")
-LR_SCALINGS = ("sqrt", "linear")
-OBJECTIVES = ("cross_entropy", "error_rate")
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
-CODECS = ("float32", "onebyte")
-DISTRIBUTIONS = ("binomial", "rademacher")
-REQUANTIZE = ("nearest", "stochastic")
+# The allowed values of the choice fields, each read from the module that implements them.
+METHODS = tuple(methods.METHODS)  # train.method
+LR_SCALINGS = zo.SCALINGS  # train.lr_scaling
+OBJECTIVES = tuple(objectives.OBJECTIVES)  # train.objective
+OPTIMIZERS = tuple(methods.OPTIMIZERS)  # train.optimizer.name
+CODECS = tuple(codecs.CODECS)  # train.codec
+DISTRIBUTIONS = noise.EXACT  # train.distribution: the exact noises only
+REQUANTIZE = q4train.ROUNDINGS  # train.requantize
 
 
 def _dataset_names() -> tuple[str, ...]:
-    from zeroth import data
-
     return data.names()
 
 
 def _model_names() -> tuple[str, ...]:
-    from zeroth import models
-
     return models.names()
 
 
@@ -330,6 +331,10 @@ def _coerce_scalar(where: str, tp, value: Any) -> Any:
         if isinstance(value, bool):
             raise _bad(where, value, "a number")
         if isinstance(value, str):
+            # YAML 1.1 reads 1e-3 (no dot) as a string: take it as the number it spells. A string
+            # that YAML would have read as a number unquoted was quoted on purpose: refuse it.
+            if isinstance(yaml.safe_load(value), (int, float)):
+                raise _bad(where, value, "a number, not a quoted string (remove the quotes)")
             try:
                 value = float(value)
             except ValueError:
@@ -594,10 +599,7 @@ def describe(cls=Config, prefix: str = "") -> str:
         choices = f.metadata.get("choices")
         extra = ""
         if choices is not None:
-            try:
-                extra = f" [choices: {', '.join(choices() if callable(choices) else choices)}]"
-            except ImportError:
-                extra = ""
+            extra = f" [choices: {', '.join(choices() if callable(choices) else choices)}]"
         lines.append(
             f"  {path} ({_type_name(hints[f.name])}, default {json.dumps(_plain(default))}){extra}\n"
             f"      {f.metadata.get('help', '')}"

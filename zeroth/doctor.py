@@ -14,6 +14,14 @@ shapes (0-D, 1-D, unaligned, 3-D), float32, bfloat16 and float16, special values
 both exact distributions, with coefficients from 2**-120 (results that must be flushed) to ~64
 (float16 overflow). Every number in it is built from integers, so it is the same on every machine.
 
+A second replay, the *tiles* suite (:func:`tile_params`, :func:`tile_units`), guards what the
+first cannot see: adjacent bfloat16 and float16 leaves whose sizes leave a partial last tile for
+every platform's default tiling (so a kernel that addresses past its leaf corrupts its
+neighbour), NaN payloads in every dtype at the start and in the ragged tail of each leaf
+(0x7fff, 0xffc1, signalling NaNs: whatever NaN a backend's conversion produces must come out as
+the dtype's canonical one), and update counts of 1, 3 and 5 (keys padded for Triton). It is
+replayed twice, with and without donation; both digests must equal the reference and golden ones.
+
 The golden file is written from the NumPy reference, never from jax::
 
     python -m zeroth.doctor --write-golden            # rewrites zeroth/golden/doctor.json
@@ -24,9 +32,10 @@ conversions at all in jaxlib 0.10; the doctor then says so instead of failing). 
 ``jax.random.normal`` noise is printed for contrast: it is backend-dependent and moves with FMA
 and fast-math while the exact digests do not.
 
-Exit status: 0 when both jax digests equal the reference digests and the golden ones; 1 on a
-mismatch; 2 on a usage error or an unreadable golden file; 3 when float32/bfloat16 agree but
-this backend cannot compile float16.
+Exit status: 0 when every jax digest equals the reference and golden ones; 1 on a mismatch; 2 on
+a usage error, an unreadable golden file or a backend jax cannot start (``JAX_PLATFORMS`` naming
+a platform the machine lacks); 3 when float32/bfloat16 agree but this backend cannot compile
+float16.
 
 Example:
   >>> from zeroth.doctor import main
@@ -58,6 +67,9 @@ __all__ = [
     "canonical_params",
     "canonical_units",
     "canonical_paths",
+    "tile_params",
+    "tile_units",
+    "SUITES",
     "numpy_checksum",
     "split_float16",
     "reference_result",
@@ -66,7 +78,8 @@ __all__ = [
     "write_golden",
 ]
 
-FORMAT = "zeroth-doctor-v1"
+FORMAT = "zeroth-doctor-v2"
+_GOLDEN_FIELDS = ("digest", "float16_digest", "tiles_digest", "tiles_float16_digest")
 GOLDEN_PATH = Path(__file__).resolve().parent / "golden" / "doctor.json"
 RUN_SEED = 20_251_122
 UPDATES_PER_UNIT = 16  # one size for every unit: one compilation per distribution
@@ -212,6 +225,51 @@ def canonical_units() -> list[tuple[str, list[tuple[np.ndarray, float]]]]:
     return units
 
 
+# NaN payloads and other specials of each dtype, as bit patterns: NVIDIA's conversions give
+# 0x7fff (bf16, f16); the others are quiet and signalling NaNs of either sign with payloads.
+_TILE_SPECIALS = {
+    "float32": [0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFFC00001, 0x7FC00000, 0x80000000, 0x00000001, 0x7F800000],
+    "bfloat16": [0x7FFF, 0xFFFF, 0x7F81, 0xFFC1, 0x7FC0, 0x8000, 0x0001, 0x7F80],
+    "float16": [0x7FFF, 0xFFFF, 0x7C01, 0xFE01, 0x7E00, 0x8000, 0x0001, 0x7C00],
+}
+_TILE_LEAVES = (  # (name, shape, dtype): sizes that leave partial tiles for the GPU, TPU and CPU tilings
+    ("a", (67, 259), "bfloat16"),  # 17,353: odd, not a whole number of rows of 4
+    ("b", (129, 260), "float16"),  # 33,540: rows of 4 but not of 64
+    ("c", (96, 1537), "bfloat16"),  # 147,552: rows of 4 and 32, not of 64, 18 tiles of 8192 and a part
+    ("d", (3, 4099), "float32"),  # 12,297
+    ("e", (8197,), "float16"),  # one tile of 8192 and 5 elements
+)
+
+
+def tile_params() -> dict:
+    """The tiles suite's parameters: ``{"tiles": {name: array}}`` of the five leaves of
+    ``_TILE_LEAVES``, uniform values in [-0.5, 0.5) with the dtype's specials (NaN payloads,
+    -0, a subnormal, inf) written at the start and again as the last elements (the ragged tail)."""
+    leaves = {}
+    for j, (name, shape, dtype) in enumerate(_TILE_LEAVES):
+        dt = _BF16 if dtype == "bfloat16" else np.dtype(dtype)
+        n = int(np.prod(shape))
+        values = _uniform(20 + j, n).astype(dt)
+        specials = np.array(_TILE_SPECIALS[dtype], np.dtype(f"u{dt.itemsize}")).view(dt)
+        values[: len(specials)] = specials
+        values[-len(specials) :] = specials
+        leaves[name] = values.reshape(shape)
+    return {"tiles": leaves}
+
+
+def tile_units() -> list[tuple[str, list[tuple[np.ndarray, float]]]]:
+    """The tiles suite's update log: binomial K=3, Rademacher K=5, binomial K=1 (iterations 5-7)."""
+    units = []
+    for unit, (dist, k) in enumerate((("binomial", 3), ("rademacher", 5), ("binomial", 1))):
+        coefficients = [_coefficient(j, unit + 4, -12, 8) for j in range(k)]
+        units.append((dist, [(_ref.sample_key(RUN_SEED, 7 * j, unit + 5, j), c) for j, c in enumerate(coefficients)]))
+    return units
+
+
+# suite -> (parameters, update log)
+SUITES = {"canonical": (canonical_params, canonical_units), "tiles": (tile_params, tile_units)}
+
+
 def numpy_checksum(leaves: dict[str, np.ndarray]) -> str:
     """:func:`zeroth.replay.checksum` of ``{path string: array}``, in NumPy only (same bytes)."""
     return _ref.checksum_leaves(leaves)
@@ -223,17 +281,18 @@ def split_float16(leaves: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
     return main_part, {p: a for p, a in leaves.items() if a.dtype == _F16}
 
 
-def reference_result() -> dict[str, np.ndarray]:
-    """The canonical replay computed by :mod:`zeroth.reference` (NumPy): ``{path: array}``."""
-    leaves = canonical_paths()
-    for dist, updates in canonical_units():
+def reference_result(suite: str = "canonical") -> dict[str, np.ndarray]:
+    """The replay of ``suite`` (:data:`SUITES`) computed by :mod:`zeroth.reference` (NumPy): ``{path: array}``."""
+    make_params, make_units = SUITES[suite]
+    leaves = canonical_paths(make_params())
+    for dist, updates in make_units():
         leaves = {path: _ref.replay_leaf(leaf, path, updates, dist) for path, leaf in leaves.items()}
     return leaves
 
 
-def reference_digests() -> tuple[str, str]:
+def reference_digests(suite: str = "canonical") -> tuple[str, str]:
     """``(digest, float16_digest)``: checksums of :func:`reference_result`, float16 leaves apart."""
-    main_part, f16_part = split_float16(reference_result())
+    main_part, f16_part = split_float16(reference_result(suite))
     return numpy_checksum(main_part), numpy_checksum(f16_part)
 
 
@@ -249,11 +308,13 @@ def _subtree(tree: dict, keep) -> dict:
     return out
 
 
-def jax_result(float16: bool = False):
-    """The canonical replay run by :func:`zeroth.replay.replay` on the default jax backend.
+def jax_result(float16: bool = False, suite: str = "canonical", donate: bool = True):
+    """The replay of ``suite`` run by :func:`zeroth.replay.replay` on the default jax backend.
 
     Args:
       float16: replay the float16 leaves only (``True``) or all the others (``False``).
+      suite: ``"canonical"`` or ``"tiles"`` (:data:`SUITES`).
+      donate: replay in place (``True``) or into fresh buffers.
 
     Returns:
       The replayed pytree (nested dict of jax arrays), already computed.
@@ -263,14 +324,15 @@ def jax_result(float16: bool = False):
     from zeroth import replay as _replay
     from zeroth import rng as _rng
 
-    tree = _subtree(canonical_params(), lambda a: (a.dtype == _F16) == float16)
+    make_params, make_units = SUITES[suite]
+    tree = _subtree(make_params(), lambda a: (a.dtype == _F16) == float16)
     expected = sorted(canonical_paths(tree))
     got = sorted(_rng.leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
     if got != expected:
         raise RuntimeError(f"jax spells key paths {got}, zeroth expects {expected}: leaf ids would change")
     params = jax.device_put(tree)
-    for dist, updates in canonical_units():
-        params = _replay.replay(params, updates, distribution=dist, donate=True)
+    for dist, updates in make_units():
+        params = _replay.replay(params, updates, distribution=dist, donate=donate)
     return jax.block_until_ready(params)
 
 
@@ -294,7 +356,7 @@ def _load_golden(path: Path) -> dict:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         got = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ValueError(f"golden file {path} is not a {FORMAT!r} file (format: {got!r})")
-    for field in ("digest", "float16_digest"):
+    for field in _GOLDEN_FIELDS:
         value = data.get(field)
         if not (isinstance(value, str) and len(value) == 64 and all(ch in "0123456789abcdef" for ch in value)):
             raise ValueError(f"golden file {path}: {field!r} must be 64 lowercase hex characters, got {value!r}")
@@ -302,16 +364,21 @@ def _load_golden(path: Path) -> dict:
 
 
 def write_golden(path: Path | str = GOLDEN_PATH) -> tuple[str, str]:
-    """Write the golden digests, computed by the NumPy reference, to ``path``; return them."""
+    """Write the golden digests of both suites, computed by the NumPy reference, to ``path``;
+    return the canonical suite's ``(digest, float16_digest)``."""
     digest, f16_digest = reference_digests()
-    leaves = canonical_paths()
+    tiles_digest, tiles_f16_digest = reference_digests("tiles")
     payload = {
         "format": FORMAT,
         "digest": digest,
         "float16_digest": f16_digest,
+        "tiles_digest": tiles_digest,
+        "tiles_float16_digest": tiles_f16_digest,
         "run_seed": RUN_SEED,
         "n_updates": sum(len(u) for _, u in canonical_units()),
-        "leaves": {p: f"{a.dtype}{list(a.shape)}" for p, a in leaves.items()},
+        "tiles_n_updates": sum(len(u) for _, u in tile_units()),
+        "leaves": {p: f"{a.dtype}{list(a.shape)}" for p, a in canonical_paths().items()},
+        "tiles_leaves": {p: f"{a.dtype}{list(a.shape)}" for p, a in canonical_paths(tile_params()).items()},
         "generated_by": "python -m zeroth.doctor --write-golden (NumPy reference, zeroth.reference)",
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -352,6 +419,20 @@ def _verdict(digest: str | None, reference: str, golden: str) -> str:
     return "ok" if digest == reference == golden else "mismatch"
 
 
+def _verdict_pair(digests: tuple[str | None, str | None], reference: str, golden: str) -> str:
+    """The tiles suite: the in-place and the copying replay must both give the golden digest."""
+    if digests[0] is None:
+        return "unsupported"
+    return "ok" if digests[0] == digests[1] == reference == golden else "mismatch"
+
+
+def _pair_digest(digests: tuple[str | None, str | None]) -> str | None:
+    """One digest to print for an (in place, copy) pair; a mismatch between them shows as such."""
+    if digests[0] == digests[1]:
+        return digests[0]
+    return f"{digests[0]} (in place) / {digests[1]} (copy)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the doctor. Returns 0 (OK), 1 (a digest differs), 2 (usage or golden-file error) or
     3 (float32/bfloat16 OK but this backend cannot compile float16 at all)."""
@@ -373,19 +454,41 @@ def main(argv: list[str] | None = None) -> int:
 
     from zeroth import replay as _replay
 
-    env = _environment()
+    try:
+        env = _environment()
+    except (RuntimeError, AssertionError) as exc:  # jax raises a bare AssertionError for an unknown JAX_PLATFORMS
+        platforms = os.environ.get("JAX_PLATFORMS", "")
+        print(
+            f"zeroth doctor: jax could not start a backend (JAX_PLATFORMS={platforms!r}): "
+            f"{str(exc).strip() or type(exc).__name__}; name a platform this machine has (cpu, or cuda with "
+            f"jax's CUDA build installed), or unset JAX_PLATFORMS",
+            file=sys.stderr,
+        )
+        return 2
     t0 = time.perf_counter()
     digest = _replay.checksum(jax_result(float16=False))
     try:
         f16_digest, f16_error = _replay.checksum(jax_result(float16=True)), None
     except jax.errors.JaxRuntimeError as exc:  # e.g. XLA:CPU without F16C cannot link half conversions
         f16_digest, f16_error = None, str(exc).strip().splitlines()[0]
+    # The tiles suite, in place and into fresh buffers: a digest only when both agree.
+    tiles = {}
+    for float16 in (False, True):
+        if float16 and f16_error is not None:
+            tiles[float16] = (None, None)
+            continue
+        got = [_replay.checksum(jax_result(float16=float16, suite="tiles", donate=d)) for d in (True, False)]
+        tiles[float16] = tuple(got)
     t1 = time.perf_counter()
     ref_digest, ref_f16_digest = reference_digests()
+    ref_tiles, ref_tiles_f16 = reference_digests("tiles")
     t2 = time.perf_counter()
     status = _verdict(digest, ref_digest, golden["digest"])
     f16_status = _verdict(f16_digest, ref_f16_digest, golden["float16_digest"])
-    ok = status == "ok" and f16_status == "ok"
+    tiles_status = _verdict_pair(tiles[False], ref_tiles, golden["tiles_digest"])
+    tiles_f16_status = _verdict_pair(tiles[True], ref_tiles_f16, golden["tiles_float16_digest"])
+    statuses = (status, f16_status, tiles_status, tiles_f16_status)
+    ok = all(st == "ok" for st in statuses)
     report = {
         **env,
         "digest": digest,
@@ -397,16 +500,27 @@ def main(argv: list[str] | None = None) -> int:
         "float16_golden_digest": golden["float16_digest"],
         "float16_status": f16_status,
         "float16_error": f16_error,
+        "tiles_digest": tiles[False][0],
+        "tiles_copy_digest": tiles[False][1],
+        "tiles_reference_digest": ref_tiles,
+        "tiles_golden_digest": golden["tiles_digest"],
+        "tiles_status": tiles_status,
+        "tiles_float16_digest": tiles[True][0],
+        "tiles_float16_copy_digest": tiles[True][1],
+        "tiles_float16_reference_digest": ref_tiles_f16,
+        "tiles_float16_golden_digest": golden["tiles_float16_digest"],
+        "tiles_float16_status": tiles_f16_status,
         "gaussian_digest": _gaussian_digest(),
         "golden_file": str(args.golden),
         "ok": ok,
         "n_updates": sum(len(u) for _, u in canonical_units()),
+        "tiles_n_updates": sum(len(u) for _, u in tile_units()),
         "jax_seconds": round(t1 - t0, 3),
         "reference_seconds": round(t2 - t1, 3),
     }
-    if status == "mismatch" or f16_status == "mismatch":
+    if "mismatch" in statuses:
         code, verdict = 1, "MISMATCH: this machine does not reproduce the golden replay; do not join a run with it"
-    elif f16_status == "unsupported":
+    elif "unsupported" in statuses:
         code, verdict = 3, (
             "OK for float32/bfloat16, but this backend cannot compile float16 leaves (XLA:CPU cannot link "
             f"half-precision conversions without F16C, e.g. under --xla_cpu_max_isa=SSE4_2): {f16_error}"
@@ -421,10 +535,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("backend", "device_kind", "jax", "jaxlib", "xla_flags", "jax_disable_jit"):
         print(f"{name:<17} {report[name]}")
     print(f"{'devices':<17} {len(env['devices'])}: {', '.join(env['devices'])}")
-    print(f"replay            {report['n_updates']} updates, both exact distributions, {report['jax_seconds']} s")
+    print(
+        f"replay            {report['n_updates']} + {report['tiles_n_updates']} updates, both exact distributions, "
+        f"{report['jax_seconds']} s"
+    )
     for label, got, ref, gold, st in (
         ("f32/bf16 digest", digest, ref_digest, golden["digest"], status),
         ("float16 digest", f16_digest, ref_f16_digest, golden["float16_digest"], f16_status),
+        ("tiles digest", _pair_digest(tiles[False]), ref_tiles, golden["tiles_digest"], tiles_status),
+        ("tiles f16 digest", _pair_digest(tiles[True]), ref_tiles_f16, golden["tiles_float16_digest"], tiles_f16_status),
     ):
         print(f"{label:<17} {got or '-'}  {st.upper()}")
         print(f"{'  reference':<17} {ref}  {'-' if got is None else 'same' if got == ref else 'DIFFERENT'}")

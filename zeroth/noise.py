@@ -29,6 +29,9 @@ __all__ = [
     "BACKEND_DEPENDENT",
     "DISTRIBUTIONS",
     "check_distribution",
+    "binomial_from_words",
+    "rademacher_from_words",
+    "bernoulli_bits",
     "rademacher_int",
     "binomial_int",
     "noise_int",
@@ -72,6 +75,35 @@ def _key_pair(key):
     return key[0], key[1]
 
 
+# --------------------------------------------------------------------------- block functions
+# Bits -> noise for one threefry call, shared by every implementation (the jnp paths below, the
+# Pallas and native kernels' references, model initialisation, collectives): ``x0``, ``x1`` are the
+# two output words of ``threefry2x32(key, (0, call))`` and ``within`` an element's position inside
+# that call (all broadcast against each other, uint32).
+
+
+def binomial_from_words(x0: jax.Array, x1: jax.Array, within: jax.Array) -> jax.Array:
+    """``int32`` binomial integer ``k = popcount(h) - 8`` of element ``within`` (0..3) of a call:
+    ``h`` is the 16-bit half ``within & 1`` (0: low) of word ``x0`` (``within & 2 == 0``) or ``x1``."""
+    word = jnp.where((within & jnp.uint32(2)) == 0, x0, x1)
+    half = (word >> ((within & jnp.uint32(1)) * jnp.uint32(16))) & jnp.uint32(0xFFFF)
+    return jax.lax.population_count(half).astype(jnp.int32) - jnp.int32(8)
+
+
+def rademacher_from_words(x0: jax.Array, x1: jax.Array, within: jax.Array) -> jax.Array:
+    """``uint32`` bit (1 -> +1, 0 -> -1) of element ``within`` (0..63) of a call: bit
+    ``within & 31`` of word ``x0`` (``within & 32 == 0``) or ``x1``."""
+    word = jnp.where((within & jnp.uint32(32)) == 0, x0, x1)
+    return (word >> (within & jnp.uint32(31))) & jnp.uint32(1)
+
+
+def bernoulli_bits(x0: jax.Array, x1: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
+    """``(uint32, uint32)`` Bernoulli draws ``x0 < t`` and ``x1 < t`` (probability ``t / 2**32``)
+    of one call's two words: the integer-only coin of stochastic rounding and sign merging."""
+    t = jnp.asarray(threshold, jnp.uint32)
+    return (x0 < t).astype(jnp.uint32), (x1 < t).astype(jnp.uint32)
+
+
 def rademacher_int(key, shape, offset=0) -> jax.Array:
     """``int8[shape]`` in {-1, +1}: elements ``offset ..`` of the leaf's Rademacher stream.
 
@@ -83,8 +115,7 @@ def rademacher_int(key, shape, offset=0) -> jax.Array:
     shape = tuple(shape)
     i = _global_index(shape, offset)
     x0, x1 = threefry2x32(_key_pair(key), (jnp.zeros_like(i), i >> 6))
-    word = jnp.where((i & 32) == 0, x0, x1)
-    bit = (word >> (i & 31)) & 1
+    bit = rademacher_from_words(x0, x1, i & jnp.uint32(63))
     return (bit.astype(jnp.int8) * 2 - 1).astype(jnp.int8)
 
 
@@ -93,9 +124,7 @@ def binomial_int(key, shape, offset=0) -> jax.Array:
     shape = tuple(shape)
     i = _global_index(shape, offset)
     x0, x1 = threefry2x32(_key_pair(key), (jnp.zeros_like(i), i >> 2))
-    word = jnp.where((i & 2) == 0, x0, x1)
-    half = (word >> ((i & 1) * 16)) & 0xFFFF
-    return (jax.lax.population_count(half).astype(jnp.int8) - 8).astype(jnp.int8)
+    return binomial_from_words(x0, x1, i & jnp.uint32(3)).astype(jnp.int8)
 
 
 def noise_int(distribution: str, key, shape, offset=0) -> jax.Array:

@@ -35,6 +35,8 @@ __all__ = [
     "update_scale",
     "apply_update",
     "replay_leaf",
+    "CANONICAL_NAN_BITS",
+    "canonicalize",
     "flush_cast",
     "checksum_leaves",
 ]
@@ -147,8 +149,7 @@ def binomial_int(key, n: int, offset: int = 0) -> np.ndarray:
     idx = np.arange(offset, offset + n, dtype=np.int64)
     words = noise_words(key, int((offset + n + 1) // 2))
     half = (words[idx // 2] >> (16 * (idx % 2)).astype(np.uint32)) & np.uint32(0xFFFF)
-    counts = np.array([bin(int(h)).count("1") for h in half], dtype=np.int8) if n else np.zeros(0, np.int8)
-    return (counts - 8).astype(np.int8)
+    return (np.bitwise_count(half).astype(np.int8) - np.int8(8)).astype(np.int8)
 
 
 def noise_int(distribution: str, key, n: int, offset: int = 0) -> np.ndarray:
@@ -213,12 +214,30 @@ def replay_leaf(leaf: np.ndarray, path: str, updates, distribution: str, dtype=N
     return flush_cast(p, dtype).reshape(np.shape(leaf))
 
 
+# The canonical quiet NaN of each leaf dtype, as its unsigned bit pattern.
+CANONICAL_NAN_BITS = {"float32": 0x7FC00000, "bfloat16": 0x7FC0, "float16": 0x7E00}
+
+
+def canonicalize(x: np.ndarray) -> np.ndarray:
+    """By bit pattern in ``x``'s own dtype: every NaN -> the dtype's canonical quiet NaN
+    (:data:`CANONICAL_NAN_BITS`), subnormals and ±0 -> +0; other values unchanged."""
+    x = np.asarray(x)
+    info = ml_dtypes.finfo(x.dtype)
+    utype = np.dtype(f"u{x.dtype.itemsize}")
+    u = x.view(utype)
+    magnitude = u & utype.type((1 << (8 * x.dtype.itemsize - 1)) - 1)
+    inf_bits = np.array(np.inf, x.dtype).view(utype)
+    normal_bits = np.array(info.tiny, x.dtype).view(utype)
+    out = np.where(magnitude < normal_bits, utype.type(0), u)
+    out = np.where(magnitude > inf_bits, utype.type(CANONICAL_NAN_BITS[x.dtype.name]), out)
+    return out.astype(utype).view(x.dtype)
+
+
 def flush_cast(p32: np.ndarray, dtype) -> np.ndarray:
-    """Cast once to ``dtype`` and flush that dtype's subnormals (and -0) to +0."""
-    tiny = ml_dtypes.finfo(dtype).tiny
-    with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf and NaN compares are defined here
-        out = np.asarray(p32, dtype=np.float32).astype(dtype)
-        return np.where(np.abs(out) < tiny, np.zeros((), dtype), out).astype(dtype)
+    """Cast once to ``dtype``, then :func:`canonicalize` in that dtype (subnormals and -0 -> +0,
+    any NaN -> the canonical quiet NaN)."""
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf is defined here
+        return canonicalize(np.asarray(p32, dtype=np.float32).astype(dtype))
 
 
 def checksum_leaves(leaves: dict[str, np.ndarray]) -> str:

@@ -23,16 +23,17 @@ K updates; :func:`apply_updates` (the traceable jnp rule) reads and writes it on
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroth import noise as _noise
 from zeroth import reference as _ref
 from zeroth import rng as _rng
+from zeroth.kernels import host_memory as _host_memory
+from zeroth.kernels import perturb as _fused
+from zeroth.rule import COEFF_BITS, SUPPORTED_DTYPES, flush, flush_cast, update_scale, update_scales
 
 __all__ = [
     "COEFF_BITS",
@@ -47,11 +48,6 @@ __all__ = [
     "checksum",
     "SUPPORTED_DTYPES",
 ]
-
-COEFF_BITS = _ref.COEFF_BITS
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_FLT_MIN = np.float32(np.finfo(np.float32).tiny)
-_CANONICAL_NAN = np.uint32(0x7FC00000).view(np.float32)
 
 
 def round_coefficient(c: float, bits: int = COEFF_BITS) -> float:
@@ -69,45 +65,9 @@ def round_coefficient(c: float, bits: int = COEFF_BITS) -> float:
     return _ref.round_coefficient(c, bits)
 
 
-def update_scale(distribution: str, coefficient: float) -> np.float32:
-    """The float32 scale that multiplies the integer noise k (host-rounded; exact)."""
-    _noise.check_distribution(distribution)
-    return _ref.update_scale(distribution, coefficient)
-
-
-def update_scales(distribution: str, coefficients: Sequence[float]) -> np.ndarray:
-    """``f32[K]`` of :func:`update_scale` for each coefficient."""
-    return np.array([update_scale(distribution, c) for c in coefficients], dtype=np.float32).reshape(-1)
-
-
-def flush(x: jax.Array) -> jax.Array:
-    """float32: subnormals and -0 -> +0, NaN -> canonical quiet NaN; explicit on every backend."""
-    x = jnp.where(jnp.abs(x) < _FLT_MIN, jnp.float32(0.0), x)
-    return jnp.where(jnp.isnan(x), jnp.float32(_CANONICAL_NAN), x)
-
-
-def flush_cast(x32: jax.Array, dtype) -> jax.Array:
-    """Cast float32 once to ``dtype`` and flush that dtype's subnormals (and -0) to +0."""
-    out = x32.astype(dtype)
-    tiny = jnp.finfo(dtype).tiny
-    return jnp.where(jnp.abs(out) < tiny, jnp.zeros((), dtype), out)
-
-
-def _check_leaf(path: str, leaf) -> None:
-    dt = jnp.dtype(getattr(leaf, "dtype", None) or jnp.asarray(leaf).dtype)
-    if dt not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"leaf {path} has dtype {dt}; the exact update supports {[str(d) for d in SUPPORTED_DTYPES]}"
-        )
-
-
-def _leaf_update(p32, leaf_key, scale, distribution):
-    k = _noise.noise_int(distribution, leaf_key, p32.shape)
-    return flush(p32 + scale * k.astype(jnp.float32))
-
-
 def apply_updates(params: Any, keys: jax.Array, scales: jax.Array, *, distribution: str = "binomial") -> Any:
-    """Traceable core: apply K updates with *already rounded* scales, in order.
+    """Traceable core: apply K updates with *already rounded* scales, in order (the plain jnp
+    rule, :func:`zeroth.kernels.perturb.perturb_reference` on every leaf).
 
     Args:
       params: pytree of f32 / bf16 / f16 arrays.
@@ -118,27 +78,7 @@ def apply_updates(params: Any, keys: jax.Array, scales: jax.Array, *, distributi
     Returns:
       The updated pytree (same structure, dtypes and shapes).
     """
-    _noise.check_distribution(distribution)
-    keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
-    scales = jnp.asarray(scales, jnp.float32).reshape(-1)
-    n_updates = keys.shape[0]
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
-    out = []
-    for path, leaf in with_path:
-        lid = _rng.leaf_id(path)
-        _check_leaf(_rng.leaf_path(path), leaf)
-        p32 = flush(jnp.asarray(leaf).astype(jnp.float32))
-
-        def body(u, p, lid=lid):
-            lk = _rng.fold_in(keys[u], np.uint32(lid))
-            return _leaf_update(p, lk, scales[u], distribution)
-
-        if n_updates == 1:
-            p32 = body(0, p32)
-        elif n_updates > 1:
-            p32 = jax.lax.fori_loop(0, n_updates, body, p32)
-        out.append(flush_cast(p32, jnp.asarray(leaf).dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return _fused.apply_updates(params, keys, scales, distribution=distribution, impl="jnp")
 
 
 def _as_keys(keys) -> np.ndarray:
@@ -167,7 +107,10 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
       params: pytree of f32 / bf16 / f16 arrays (flax params included).
       updates: sequence of ``(u32[2] key, float coefficient)``; or a pair ``(u32[K,2], f[K])``.
       distribution: ``"binomial"`` (default) or ``"rademacher"``; ``"gaussian"`` is refused.
-      donate: reuse the input buffers (the input ``params`` must not be used afterwards).
+      donate: reuse the input buffers (the input ``params`` must not be used afterwards). The
+        copy path (``False``) allocates a new set of buffers; on a CPU the first such call keeps
+        freed host memory for reuse (:mod:`zeroth.kernels.host_memory`), so later copies do not
+        pay page faults again.
 
     Example:
       >>> from zeroth.rng import sample_key
@@ -183,11 +126,11 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
     if len(coefficients) != keys.shape[0]:
         raise ValueError(f"{keys.shape[0]} keys but {len(coefficients)} coefficients")
     scales = update_scales(distribution, coefficients)
-    # The fused kernels pick the fastest exact path for the backend (native CPU kernel, Pallas on
-    # GPU/TPU, this module's jnp rule otherwise); every path is held bit-identical to
-    # zeroth.reference by the tests. Imported here: zeroth.kernels.perturb imports this module.
-    from zeroth.kernels import perturb as _fused
-
+    if not donate and _fused.platform_of(params) == "cpu":
+        _host_memory.reuse_freed_host_memory()
+    # The fused kernels pick the fastest exact path for the platform the parameters live on
+    # (native CPU kernel, Pallas on GPU/TPU, the jnp rule otherwise); every path is held
+    # bit-identical to zeroth.reference by the tests.
     return _fused.fused_apply_updates(params, keys, scales, distribution=distribution, donate=donate)
 
 

@@ -69,6 +69,7 @@ from zeroth import codecs as _codecs
 from zeroth import noise as _noise
 from zeroth import replay as _replay
 from zeroth import rng as _rng
+from zeroth import rule as _rule
 
 __all__ = [
     "SCALINGS",
@@ -123,7 +124,7 @@ def compiler_options(backend: str | None = None) -> dict[str, Any]:
     :func:`projected_gradients_fn` picks the one with the smallest compiled peak.
 
     Args:
-      backend: ``"cpu"``, ``"gpu"``, ``"tpu"``...; default ``jax.default_backend()``.
+      backend: ``"cpu"``, ``"gpu"``, ``"tpu"``...; default where uncommitted arrays go (:func:`zeroth.rule.default_platform`).
 
     Returns:
       A dict for ``jax.jit(..., compiler_options=...)`` or ``Lowered.compile(...)``.
@@ -132,7 +133,7 @@ def compiler_options(backend: str | None = None) -> dict[str, Any]:
       >>> compiler_options("cpu")["xla_cpu_scheduler_type"]
       'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'
     """
-    backend = jax.default_backend() if backend is None else backend
+    backend = _rule.default_platform() if backend is None else _rule.platform_name(backend)
     opts: dict[str, Any] = {"xla_disable_hlo_passes": _DISABLED_PASSES}
     if backend == "cpu":
         opts["xla_cpu_scheduler_type"] = "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
@@ -156,7 +157,7 @@ def compiler_option_candidates(backend: str | None = None) -> list[dict[str, Any
       (2, 1)
     """
     base = compiler_options(backend)
-    backend = jax.default_backend() if backend is None else backend
+    backend = _rule.default_platform() if backend is None else _rule.platform_name(backend)
     if backend != "cpu":
         return [base]
     return [base, dict(base, xla_cpu_experimental_ynn_fusion_type=_INDIVIDUAL_LIBRARY_OPS)]
@@ -382,7 +383,7 @@ def projected_gradients_fn(loss_fn: Callable[[Any, Any], jax.Array], *, distribu
       >>> fn = projected_gradients_fn(lambda p, b: jnp.sum(p["w"] ** 2))
     """
     _noise.check_distribution(distribution)
-    return _estimator(loss_fn, distribution, jax.default_backend())
+    return _estimator(loss_fn, distribution, _rule.default_platform())
 
 
 # --------------------------------------------------------------------------- coefficients
@@ -521,11 +522,10 @@ def decay(params: Any, factor) -> Any:
 
     def leaf_fn(leaf):
         leaf = jnp.asarray(leaf)
-        if leaf.dtype not in _replay.SUPPORTED_DTYPES:
-            raise TypeError(f"weight decay supports {[str(t) for t in _replay.SUPPORTED_DTYPES]}, got {leaf.dtype}")
-        x = _replay.flush(_replay.flush(leaf.astype(jnp.float32)) * d)
+        _rule.check_dtype(leaf.dtype, "a leaf given to weight decay")
+        x = _rule.flush(_rule.flush(leaf.astype(jnp.float32)) * d)
         x = jnp.where(jnp.abs(x) < DECAY_FLUSH, jnp.float32(0.0), x)
-        return _replay.flush_cast(x, leaf.dtype)
+        return _rule.flush_cast(x, leaf.dtype)
 
     return jax.tree_util.tree_map(leaf_fn, params)
 

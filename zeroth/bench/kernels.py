@@ -18,7 +18,7 @@ torch is installed, ``torch.randn`` + ``add_``.
 
 The benchmark is a list of sections (:data:`SECTIONS`), each a function
 ``(Context) -> list[dict]`` of rows; a kernel adds its rows by adding a section. The sign-bit
-rows come from ``zeroth.kernels.signbits.bench_rows(ctx)`` when that module provides it.
+rows are :func:`zeroth.bench.signbits.signbits_rows`.
 
 Example:
   $ zeroth bench kernels --size 4194304 --ks 1,16 --json
@@ -36,7 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroth import replay, rng
 from zeroth.bench import _common
+from zeroth.bench.signbits import signbits_rows
+from zeroth.kernels import cpu_native
+from zeroth.kernels import perturb as kp
+from zeroth.rule import platform_name
 
 __all__ = ["Context", "SECTIONS", "PEAK_BANDWIDTH_GBS", "peak_bandwidth", "run", "main"]
 
@@ -154,12 +159,10 @@ def baseline_rows(ctx: Context) -> list[dict]:
 
 
 def _impls(ctx: Context) -> list[str]:
-    from zeroth.kernels import cpu_native
-
     impls = ["jnp"]
     if ctx.backend == "cpu" and cpu_native.available():
         impls.append("native")
-    if ctx.backend in ("gpu", "cuda", "rocm", "tpu"):
+    if platform_name(ctx.backend) in ("gpu", "tpu"):
         impls.append("pallas")
     return impls
 
@@ -171,9 +174,6 @@ def fused_replay_rows(ctx: Context) -> list[dict]:
     best single call), so both sides of a speedup run for comparable wall time and meet
     comparable interference on a shared machine.
     """
-    from zeroth import replay, rng
-    from zeroth.kernels import perturb as kp
-
     n = ctx.size
     accel = ctx.backend != "cpu"
     peak = peak_bandwidth(ctx.device_kind) if accel else None
@@ -221,16 +221,6 @@ def fused_replay_rows(ctx: Context) -> list[dict]:
                     )
                 )
     return rows
-
-
-def signbits_rows(ctx: Context) -> list[dict]:
-    """Sign-bit pack / unpack / merge rows from ``zeroth.kernels.signbits.bench_rows`` if present."""
-    if importlib.util.find_spec("zeroth.kernels.signbits") is None:
-        return []
-    from zeroth.kernels import signbits
-
-    producer = getattr(signbits, "bench_rows", None)
-    return [] if producer is None else list(producer(ctx))
 
 
 # Each section: (name, function). Add a kernel's rows by adding a section here.

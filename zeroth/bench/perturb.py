@@ -7,7 +7,9 @@ machine load hits every row alike):
 * **zeroth** ``apply_updates`` (the jitted traceable core of :mod:`zeroth.replay`), K = 1, with
   each exact distribution, and the host entry :func:`zeroth.replay.perturb`;
 * **jax.random.normal + add** (jitted, donated): the backend-dependent baseline;
-* **torch.randn + add_** when torch is importable ("not installed" otherwise);
+* **zeroth** ``replay`` without donation (copy mode: a new output buffer per call);
+* **torch.randn + add_** when torch is importable ("not installed" otherwise), on the device of
+  jax's arrays (a CUDA GPU when jax's default device is one and torch sees it);
 * the **memory floor**: a plain in-place pass ``p + c`` (jitted, donated) and torch ``add_(c)``;
 * a **replay** of K = 1, 16, 64 binomial updates in one call: element-updates/s (``N*K / t``)
   and the time per update;
@@ -18,8 +20,15 @@ Rates are elements per second from the best of ``--repeats`` calls (the median i
 It prints the ratios the determinism contract is judged by: binomial / torch, binomial /
 jax-normal, rademacher / memory floor, and the time of one K=64 call against 64 calls of K=1.
 
+``--overhead`` measures the host cost of a replay call instead: ``replay(params, updates,
+donate=True)`` on pytrees of 1, 10, 50 and 200 leaves of 64 float32 elements (the arithmetic is
+negligible), K = 1 and 16, in microseconds per call, next to the same updates through one
+native launch *per leaf* (the design before one launch per replay) and to the floor of jax's own
+dispatch (a donated jit that returns its pytree unchanged).
+
 Example:
   $ zeroth bench perturb --size 4194304 --repeats 3
+  $ zeroth bench perturb --overhead
 """
 
 from __future__ import annotations
@@ -35,10 +44,11 @@ import numpy as np
 from zeroth import noise, replay, rng
 from zeroth.bench import _common
 
-__all__ = ["main", "run"]
+__all__ = ["main", "run", "run_overhead"]
 
 TARGETS = {
     "binomial_over_torch": (">=", 3.0),
+    "binomial_not_donated_over_torch": (">=", 2.0),
     "binomial_over_jax_normal": (">=", 7.0),
     "rademacher_over_memory_floor": (">=", 1 / 3),
 }
@@ -100,19 +110,43 @@ def _jax_memory(n: int) -> Callable[[], None]:
 
 
 def _torch_calls(n: int) -> tuple[dict[str, Callable[[], None]], str | None]:
-    """``({name: call}, note)``; no calls and the note "not installed" without torch."""
+    """``({name: call}, note)``: torch on the same device as jax's arrays (``cuda`` when jax's
+    default device is a GPU and torch sees one, else the CPU); no calls and the note
+    "not installed" without torch."""
     try:
         import torch
     except ImportError:
         return {}, "not installed"
-    gen = torch.Generator().manual_seed(0)
-    p = torch.zeros(n, dtype=torch.float32)
-    q = torch.zeros(n, dtype=torch.float32)
-    calls = {
-        "torch.randn + add_": lambda: p.add_(torch.randn(n, generator=gen, dtype=torch.float32), alpha=_COEFF),
-        "torch add_(c) (memory floor)": lambda: q.add_(_COEFF),
-    }
-    return calls, f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    from zeroth import rule
+
+    device = "cuda" if rule.default_platform() == "gpu" and torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    gen = torch.Generator(device=device).manual_seed(0)
+    p = torch.zeros(n, dtype=torch.float32, device=device)
+    q = torch.zeros(n, dtype=torch.float32, device=device)
+
+    def randn_add():
+        p.add_(torch.randn(n, generator=gen, dtype=torch.float32, device=device), alpha=_COEFF)
+        sync()
+
+    def add():
+        q.add_(_COEFF)
+        sync()
+
+    calls = {"torch.randn + add_": randn_add, "torch add_(c) (memory floor)": add}
+    threads = f", {torch.get_num_threads()} threads" if device == "cpu" else ""
+    return calls, f"torch {torch.__version__} on {device}{threads}"
+
+
+def _zeroth_replay_copy(n: int, dist: str) -> Callable[[], None]:
+    """:func:`zeroth.replay.replay` without donation: a new output buffer every call."""
+    keys = rng.sample_keys(0, [(0, 1, 0)])
+    p = {"w": jnp.zeros(n, jnp.float32)}
+
+    def call():
+        jax.block_until_ready(replay.replay(p, (keys, [_COEFF]), distribution=dist))
+
+    return call
 
 
 def _kernel_calls(n: int, ks: list[int]) -> tuple[dict[str, tuple[Callable[[], None], int, str]], list[dict]]:
@@ -171,6 +205,7 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
     spec: dict[str, tuple[str, Callable[[], None] | None, int, str | None]] = {}
     for dist in noise.EXACT:
         spec[f"zeroth {dist} (replay, K=1)"] = ("zeroth", _zeroth_replay(n, dist, 1), 1, None)
+    spec["zeroth binomial (replay, K=1, not donated)"] = ("zeroth", _zeroth_replay_copy(n, "binomial"), 1, "copy mode")
     for dist in noise.EXACT:
         spec[f"jnp rule {dist} (apply_updates, K=1)"] = ("reference", _zeroth_core(n, dist, 1), 1, "traceable jnp path")
     spec["jax.random.normal + add"] = ("baseline", _jax_normal(n), 1, "backend-dependent")
@@ -199,6 +234,8 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
     floors = [r["elements_per_s"] for r in rows if r["group"] == "memory" and r.get("elements_per_s")]
     ratios = {
         "binomial_over_torch": _ratio(binomial, _rate(rows, "torch.randn + add_")),
+        "binomial_not_donated_over_torch": _ratio(
+            _rate(rows, "zeroth binomial (replay, K=1, not donated)"), _rate(rows, "torch.randn + add_")),
         "binomial_over_jax_normal": _ratio(binomial, _rate(rows, "jax.random.normal + add")),
         "rademacher_over_memory_floor": _ratio(rademacher, max(floors) if floors else None),
     }
@@ -220,6 +257,98 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
         "ratios": ratios,
         "targets": {k: f"{op} {v:.3g}" for k, (op, v) in TARGETS.items()},
     }
+
+
+OVERHEAD_LEAVES = (1, 10, 50, 200)
+OVERHEAD_KS = (1, 16)
+OVERHEAD_TARGET_US = 100.0
+_CALLS_PER_TIMING = 20
+
+
+def _per_leaf_native(params, keys, scales):
+    """The design before one launch per replay: a native launch per leaf, leaf keys in XLA."""
+    from zeroth.kernels import perturb as kp
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    out = [kp.perturb_native(x, kp.leaf_keys(keys, rng.leaf_id(path)), scales, inplace=True) for path, x in flat]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ...] = OVERHEAD_KS, repeats: int = 5,
+                 warmup: int = 1) -> dict:
+    """Host overhead of a replay call (see the module docstring); ``{"rows", "environment", ...}``.
+
+    Each timing is ``_CALLS_PER_TIMING`` back-to-back calls (the state donated from one to the
+    next), divided; rows are timed round-robin.
+    """
+    from zeroth.kernels import cpu_native
+
+    spec: dict[str, tuple[int, int, str, Callable[[], None]]] = {}
+    for n_leaves in leaves:
+        for k in ks:
+            params = {f"leaf{i:03d}": jnp.zeros(64, jnp.float32) for i in range(n_leaves)}
+            keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
+            coefficients = [_COEFF * (1 + s % 3) for s in range(k)]
+            scales = replay.update_scales("binomial", coefficients)
+
+            def repeat(step, state):
+                box = [state]
+
+                def call():
+                    for _ in range(_CALLS_PER_TIMING):
+                        box[0] = step(box[0])
+                    jax.block_until_ready(box[0])
+
+                return call
+
+            rows = {
+                "replay": lambda p, keys=keys, c=coefficients: replay.replay(p, (keys, c), donate=True),
+                "jax dispatch floor": jax.jit(lambda p, s: p, donate_argnums=0),
+            }
+            if cpu_native.available() and jax.default_backend() == "cpu":
+                per_leaf = jax.jit(_per_leaf_native, donate_argnums=0)
+                rows["native, a launch per leaf"] = lambda p, per_leaf=per_leaf, keys=keys, scales=scales: per_leaf(
+                    p, keys, scales)
+            for what, step in rows.items():
+                fn = step if what != "jax dispatch floor" else (lambda p, step=step: step(p, np.float32(0)))
+                spec[f"{what} L={n_leaves} K={k}"] = (n_leaves, k, what, repeat(fn, jax.tree_util.tree_map(jnp.copy, params)))
+    timings = _common.timeit_many({name: call for name, (_, _, _, call) in spec.items()}, warmup=warmup, repeats=repeats)
+    rows = []
+    for name, (n_leaves, k, what, _) in spec.items():
+        t = timings[name]
+        rows.append({
+            "name": what, "leaves": n_leaves, "updates": k,
+            "us_per_call_min": 1e6 * t.min_s / _CALLS_PER_TIMING,
+            "us_per_call_median": 1e6 * t.median_s / _CALLS_PER_TIMING,
+        })
+    verdicts = {
+        f"replay_L{r['leaves']}_K{r['updates']}_us": r["us_per_call_min"] for r in rows if r["name"] == "replay"
+    }
+    return {
+        "benchmark": "perturb_overhead",
+        "leaf_elements": 64,
+        "repeats": repeats,
+        "calls_per_timing": _CALLS_PER_TIMING,
+        "environment": _common.environment(),
+        "rows": rows,
+        "replay_us": verdicts,
+        "target": f"<= {OVERHEAD_TARGET_US:g} us per call",
+        "met": {name: us <= OVERHEAD_TARGET_US for name, us in verdicts.items()},
+    }
+
+
+def _render_overhead(result: dict) -> None:
+    env = result["environment"]
+    print(f"zeroth bench perturb --overhead: leaves of {result['leaf_elements']} float32, donated, "
+          f"{result['calls_per_timing']} calls per timing, best of {result['repeats']} "
+          f"({env['processor']}, {env['cpu_count']} CPUs, jax {env['jax']} {env['backend']})")
+    table = [{**r, "best": f"{r['us_per_call_min']:.0f} us", "median": f"{r['us_per_call_median']:.0f} us"}
+             for r in result["rows"]]
+    _common.print_table([("name", "row"), ("leaves", "leaves"), ("updates", "K"), ("best", "per call"),
+                         ("median", "median")], table)
+    print()
+    for name, us in result["replay_us"].items():
+        print(f"  {name:<24} {us:8.0f} us   (target {result['target']}: {'met' if result['met'][name] else 'MISSED'})")
 
 
 def _render(result: dict) -> None:
@@ -244,7 +373,11 @@ def _render(result: dict) -> None:
     print()
     for name, value in result["ratios"].items():
         target = result["targets"].get(name)
-        print(f"  {name:<32} {'-' if value is None else f'{value:.3g}':>8}" + (f"   (target {target})" if target else ""))
+        verdict = ""
+        if target and value is not None:
+            op, bound = TARGETS[name]
+            verdict = ": met" if (value >= bound if op == ">=" else value <= bound) else ": MISSED"
+        print(f"  {name:<32} {'-' if value is None else f'{value:.3g}':>8}" + (f"   (target {target}{verdict})" if target else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=2**24, help="elements of the float32 leaf (default 2**24)")
     p.add_argument("--ks", default="1,16,64", help="comma-separated replay sizes K (default 1,16,64)")
     p.add_argument("--kernels", action="store_true", help="add rows calling zeroth.kernels.perturb directly (replay already dispatches to it)")
+    p.add_argument("--overhead", action="store_true", help="host overhead per replay call for 1-200 small leaves, K=1 and 16 (microseconds)")
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)
         ks = _common.parse_ks(args.ks)
@@ -263,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"zeroth bench perturb: {exc}", file=sys.stderr)
         return 2
+    if args.overhead:
+        result = run_overhead(repeats=args.repeats, warmup=args.warmup)
+        _common.emit(result, as_json=args.json, render=_render_overhead)
+        return 0
     result = run(args.size, repeats=args.repeats, warmup=args.warmup, ks=ks, kernels=args.kernels)
     _common.emit(result, as_json=args.json, render=_render)
     return 0

@@ -25,6 +25,7 @@ import numpy as np
 
 from zeroth.bench import _common
 from zeroth.kernels import signbits as sb
+from zeroth.rule import platform_name
 
 __all__ = ["signbits_rows", "main"]
 
@@ -41,7 +42,7 @@ def _row(name: str, impl: str, n: int, t: _common.Timing | None, **extra) -> dic
 
 
 def _impls(backend: str) -> list[str]:
-    return ["jnp"] + (["pallas"] if backend in ("gpu", "cuda", "rocm", "tpu") else [])
+    return ["jnp"] + (["pallas"] if platform_name(backend) in ("gpu", "tpu") else [])
 
 
 def signbits_rows(ctx: Any = None, *, size: int | None = None, repeats: int | None = None, warmup: int | None = None) -> list[dict]:

@@ -5,7 +5,7 @@ zeroth's own ``mlp``, ``cnn``, ``transformer`` (random inputs ``f32[B, 28, 28, 1
 ``--width``) and the pretrained ``smollm2`` (SmolLM2-135M prompt classifier, stacked layers run
 by ``lax.scan``), ``smollm2_unrolled`` (one leaf per layer: a ZO step perturbs one layer at a
 time) and ``minilm`` (all-MiniLM-L6-v2 classifier), on real prompts of ``--seq-len`` tokens with
-the pretrained weights (:func:`zeroth.models.pretrained.bench.setup`; a missing weights package is
+the pretrained weights (:func:`zeroth.bench.pretrained.setup`; a missing weights package is
 an error naming its install command).
 
 * **inference forward**: ``loss(params, batch)``, jitted;
@@ -51,9 +51,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroth import codecs, noise, replay, rng, zo
+from zeroth import codecs, models, noise, replay, rng, zo
 from zeroth.bench import _common
-from zeroth.models.pretrained import bench as _pretrained_bench
+from zeroth.bench import pretrained as _pretrained_bench
+from zeroth.data.resources import MissingPackage
 
 __all__ = ["main", "run", "default_batch", "MODELS", "PRETRAINED_MODELS"]
 
@@ -83,8 +84,6 @@ def default_batch(model: str) -> int:
 
 
 def _setup(name: str, width: int, batch: int, seq_len: int | None = None):
-    from zeroth import models
-
     if name in PRETRAINED_MODELS:
         return _pretrained_bench.setup(name, batch, seq_len)
     if seq_len is not None:
@@ -226,6 +225,7 @@ def run(
         ratios[f"zo_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].min_s / (2 * n * t_fwd)
         ratios[f"zo_time_over_forwards_{dist}_medians"] = times[f"zo_step_{dist}"].median_s / (2 * n * t_fwd_median)
         ratios[f"zo_memory_over_inference_{dist}"] = m_step / m_fwd
+        ratios[f"update_fraction_of_step_{dist}"] = times[f"zo_update_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
     rows.append(_row("backprop step (sgd)", times["backprop"], mem["backprop"], None, t_fwd, m_fwd,
                      f"value_and_grad + optax.sgd, donated, {_describe(list(fwd_variants.values())[best_bp])}"))
     ratios["backprop_time_over_two_forwards"] = times["backprop"].min_s / (2 * t_fwd)
@@ -298,14 +298,16 @@ def _render(result: dict) -> None:
     )
     print()
     for name, value in result["ratios"].items():
-        target = next((t for k, t in result["targets"].items() if name.startswith(k)), None)
-        print(f"  {name:<40} {value:>7.3f}" + (f"   (target {target})" if target else ""))
+        key = next((k for k in result["targets"] if name.startswith(k)), None)
+        verdict = ""
+        if key is not None:
+            op, bound = TARGETS[key]
+            verdict = ": met" if (value <= bound if op == "<=" else value >= bound) else ": MISSED"
+        print(f"  {name:<40} {value:>7.3f}" + (f"   (target {result['targets'][key]}{verdict})" if key else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
     """``zeroth bench zo``: returns 0 (the numbers are printed, never judged), 2 on a bad argument or missing weights."""
-    from zeroth.models.pretrained.resources import MissingPackage
-
     p = _common.base_parser("zeroth bench zo", "ZO step vs two forwards and inference memory, next to a backprop step.")
     p.add_argument("--model", default="mlp", choices=MODELS,
                    help="zeroth's mlp, cnn, transformer, or a pretrained model: smollm2, smollm2_unrolled, minilm (default mlp)")

@@ -8,9 +8,11 @@
   composable optax-style transformations.
 * :mod:`~zeroth.collectives.bits`: bits that cross ``ppermute``, read from the traced program.
 * :mod:`~zeroth.collectives.train`: data-parallel training loop with per-worker checksums.
-* :mod:`~zeroth.collectives.experiments`: ``python -m zeroth.collectives.experiments CONFIG --out DIR``.
 * :mod:`~zeroth.collectives.distributed`: the same programs over several processes
   (``jax.distributed``), e.g. two on loopback with the CPU collectives.
+
+The experiment runner that trains models on data with them is a program above every layer:
+``python -m zeroth.bench.marsit CONFIG --out DIR`` (:mod:`zeroth.bench.marsit`).
 """
 
 from zeroth.collectives.ring import allreduce_mean, allreduce_sum

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zeroth import data as _data
+from zeroth.data import base as _data
 
 __all__ = [
     "load_digits",

@@ -40,7 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
-from zeroth import data as _data
+from zeroth.data import base as _data
+from zeroth.data import bpe as _bpe
+from zeroth.data import wordpiece as _wp
 
 __all__ = [
     "INSTALL_HINT",
@@ -186,9 +188,7 @@ def smollm2_prompts(sentences, tokenizer, length: int = SMOLLM2_PROMPT_TOKENS) -
 
 def load_sentiment_smollm2(split: str) -> _data.Dataset:
     """Prompt tokens for SmolLM2 (see the module docstring); same split as ``sentiment``."""
-    from zeroth.models.pretrained import smollm2 as _smollm2
-
-    tok = _smollm2.tokenizer()
+    tok = _bpe.smollm2_tokenizer()
     raw = load_sentiment(split)
     x = smollm2_prompts(list(raw.x), tok)
     label_ids = tuple(tok.encode(w)[0] for w in LABEL_WORDS)
@@ -199,9 +199,7 @@ def load_sentiment_smollm2(split: str) -> _data.Dataset:
 
 def load_sentiment_minilm(split: str) -> _data.Dataset:
     """WordPiece ids for MiniLM (``int32[N, 64]``, pad 0); same split as ``sentiment``."""
-    from zeroth.models.pretrained import minilm as _minilm
-
-    tok = _minilm.tokenizer()
+    tok = _wp.minilm_tokenizer()
     raw = load_sentiment(split)
     x = tok.batch(list(raw.x), MINILM_TOKENS)
     info = {**raw.info, "pad": 0, "vocab_size": len(tok.tokens)}

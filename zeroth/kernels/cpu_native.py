@@ -56,6 +56,7 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("cpu_perturb.cc")
 _SYMBOL = "ZerothPerturb"
+_TREE_SYMBOL = "ZerothPerturbTree"
 
 
 class NativeKernelWarning(UserWarning):
@@ -182,12 +183,14 @@ def build(config: BuildConfig = DEFAULT_BUILD, *, force: bool = False) -> Path:
     return path
 
 
-def target_name(config: BuildConfig = DEFAULT_BUILD) -> str:
-    return f"zeroth_perturb_{config.name}"
+def target_name(config: BuildConfig = DEFAULT_BUILD, *, tree: bool = False) -> str:
+    """The FFI target of one leaf (``tree=False``) or of every leaf of a replay in one launch."""
+    return f"zeroth_perturb_{'tree_' if tree else ''}{config.name}"
 
 
 def register(config: BuildConfig = DEFAULT_BUILD) -> str:
-    """Build (if needed), load and register the kernel as an XLA CPU FFI target; return its name.
+    """Build (if needed), load and register the kernel's two XLA CPU FFI targets (one leaf, and
+    every leaf of a replay: :func:`target_name` with ``tree=True``); return the one-leaf name.
 
     Raises:
       RuntimeError: the build or the load failed.
@@ -200,11 +203,12 @@ def register(config: BuildConfig = DEFAULT_BUILD) -> str:
         path = build(config)
         try:
             lib = ctypes.cdll.LoadLibrary(str(path))
-            handler = getattr(lib, _SYMBOL)
+            handler, tree_handler = getattr(lib, _SYMBOL), getattr(lib, _TREE_SYMBOL)
         except (OSError, AttributeError) as exc:
             raise RuntimeError(f"cannot load the native kernel {path}: {exc}") from exc
         name = target_name(config)
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
+        jax.ffi.register_ffi_target(target_name(config, tree=True), jax.ffi.pycapsule(tree_handler), platform="cpu")
         _registered[config.name] = name
         return name
 

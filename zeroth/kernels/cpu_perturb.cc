@@ -1,7 +1,8 @@
 // zeroth: fused exact perturbation replay on CPU, as an XLA FFI custom call.
 //
-// Applies K updates (leaf key, scale) to one leaf in canonical order with the exact rule of
-// zeroth's determinism contract:
+// Applies K updates (leaf key, scale) to one leaf (ZerothPerturb), or to every leaf of a replay in
+// one launch (ZerothPerturbTree, which derives the leaf keys from the sample keys and leaf ids),
+// in canonical order with the exact rule of zeroth's determinism contract:
 //
 //   p32 = flush(float32(x))
 //   for u in 0..K-1:  p32 = flush(p32 + scale[u] * k_u[i])      (scale * k exact)
@@ -344,9 +345,6 @@ struct Job {
   std::vector<LeafKey> keys;
   std::vector<float> scales;
   int32_t distribution;
-  mutable std::atomic<int64_t> next_tile{0};  // shared by the threads: chunks claimed in order
-  int64_t end_tile = 0;
-  int64_t chunk = 1;
 };
 
 // Process tiles [t0, t1) (tile t covers global [kTile*t, kTile*(t+1)) clipped to the buffer).
@@ -401,86 +399,158 @@ void RunTilesTyped(const Job& job, int64_t t0, int64_t t1) {
 
 using TileFn = void (*)(const Job&, int64_t, int64_t);
 
-ffi::Future Perturb(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> keys,
-                    ffi::Buffer<ffi::F32> scales, ffi::Result<ffi::AnyBuffer> out, int32_t distribution,
-                    int64_t offset) {
-  auto fail = [&](const char* msg) {
-    ffi::Promise p;
-    ffi::Future f(p);
-    p.SetError(ffi::Error::InvalidArgument(msg));
-    return f;
+TileFn TileFnFor(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::F32: return &RunTilesTyped<float>;
+    case ffi::BF16: return &RunTilesTyped<Bf16>;
+    case ffi::F16: return &RunTilesTyped<_Float16>;
+    default: return nullptr;
+  }
+}
+
+// All the leaves of one call, cut into chunks of tiles that the threads claim from one counter.
+struct Work {
+  std::vector<Job> jobs;
+  std::vector<TileFn> fns;
+  struct Chunk {
+    int32_t job;
+    int64_t t0, t1;
   };
-  if (distribution != kBinomial && distribution != kRademacher) return fail("zeroth_perturb: bad distribution");
-  if (x.element_type() != out->element_type() || x.element_count() != out->element_count())
-    return fail("zeroth_perturb: output must have the input's dtype and size");
-  const int64_t n_keys = static_cast<int64_t>(keys.element_count());
-  const int64_t n_updates = static_cast<int64_t>(scales.element_count());
-  if (n_keys != 2 * n_updates) return fail("zeroth_perturb: keys must be u32[K, 2] and scales f32[K]");
-  if (offset < 0 || static_cast<uint64_t>(offset) + x.element_count() > 0xFFFFFFFFull)
-    return fail("zeroth_perturb: global indices must fit in 32 bits");
+  std::vector<Chunk> chunks;
+  std::atomic<int64_t> next{0};
 
-  TileFn fn = nullptr;
-  switch (x.element_type()) {
-    case ffi::F32: fn = &RunTilesTyped<float>; break;
-    case ffi::BF16: fn = &RunTilesTyped<Bf16>; break;
-    case ffi::F16: fn = &RunTilesTyped<_Float16>; break;
-    default: return fail("zeroth_perturb: dtype must be float32, bfloat16 or float16");
+  void RunChunk(int64_t c) const {
+    const Chunk& ch = chunks[c];
+    fns[ch.job](jobs[ch.job], ch.t0, ch.t1);
   }
-
-  auto job = std::make_shared<Job>();
-  job->in = x.untyped_data();
-  job->out = out->untyped_data();
-  job->n = static_cast<int64_t>(x.element_count());
-  job->offset = static_cast<uint64_t>(offset);
-  job->distribution = distribution;
-  const uint32_t* k = keys.typed_data();
-  const float* s = scales.typed_data();
-  for (int64_t u = 0; u < n_updates; ++u) {
-    job->keys.push_back(MakeKey(k[2 * u], k[2 * u + 1]));
-    job->scales.push_back(s[u]);
+  void Loop() {
+    const int64_t n = static_cast<int64_t>(chunks.size());
+    for (;;) {
+      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= n) return;
+      RunChunk(c);
+    }
   }
+};
 
+ffi::Future Failed(const char* msg) {
+  ffi::Promise p;
+  ffi::Future f(p);
+  p.SetError(ffi::Error::InvalidArgument(msg));
+  return f;
+}
+
+// One launch for every job: serial on the calling thread when the work is small (no scheduling
+// cost at all), else split across XLA's CPU thread pool in chunks claimed in order, so a thread
+// that starts late (a busy pool) takes less work instead of delaying the whole call.
+ffi::Future Launch(ffi::ThreadPool pool, std::shared_ptr<Work> work) {
   ffi::Promise done;
   ffi::Future future(done);
-  if (job->n == 0) {
-    done.SetAvailable();
-    return future;
+  int64_t total_tiles = 0, total_work = 0;
+  for (const Job& job : work->jobs) {
+    if (job.n == 0) continue;
+    total_tiles += (job.offset + job.n + kTile - 1) / kTile - job.offset / kTile;
+    total_work += job.n * std::max<int64_t>(1, static_cast<int64_t>(job.keys.size()));
   }
-  const int64_t t_begin = job->offset / kTile;
-  const int64_t t_end = (job->offset + job->n + kTile - 1) / kTile;
-  const int64_t n_tiles = t_end - t_begin;
-  const int64_t work = job->n * std::max<int64_t>(1, n_updates);
   int64_t n_parts = 1;
-  if (work >= kParallelWork) {
-    n_parts = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), n_tiles);
+  if (total_work >= kParallelWork) {
+    n_parts = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), total_tiles);
+  }
+  const int64_t chunk = std::max<int64_t>(1, total_tiles / (8 * n_parts));
+  for (size_t j = 0; j < work->jobs.size(); ++j) {
+    const Job& job = work->jobs[j];
+    if (job.n == 0) continue;
+    const int64_t t_begin = job.offset / kTile;
+    const int64_t t_end = (job.offset + job.n + kTile - 1) / kTile;
+    for (int64_t t = t_begin; t < t_end; t += chunk) {
+      work->chunks.push_back({static_cast<int32_t>(j), t, std::min(t + chunk, t_end)});
+    }
   }
   if (n_parts <= 1) {
-    fn(*job, t_begin, t_end);
+    work->Loop();
     done.SetAvailable();
     return future;
   }
-  // Threads claim chunks of tiles from a shared counter until none is left, so a thread that
-  // starts late (a busy pool) takes less work instead of delaying the whole call.
-  job->next_tile.store(t_begin);
-  job->end_tile = t_end;
-  job->chunk = std::max<int64_t>(1, n_tiles / (8 * n_parts));
-  auto work_loop = [](const Job& j, TileFn f) {
-    for (;;) {
-      const int64_t a = j.next_tile.fetch_add(j.chunk, std::memory_order_relaxed);
-      if (a >= j.end_tile) return;
-      f(j, a, std::min(a + j.chunk, j.end_tile));
-    }
-  };
   ffi::CountDownPromise count(done, n_parts);
   for (int64_t part = 1; part < n_parts; ++part) {
-    pool.Schedule([job, fn, count, work_loop]() mutable {
-      work_loop(*job, fn);
+    pool.Schedule([work, count]() mutable {
+      work->Loop();
       count.CountDown();
     });
   }
-  work_loop(*job, fn);
+  work->Loop();
   count.CountDown();
   return future;
+}
+
+bool CheckedJob(Job& job, const ffi::AnyBuffer& x, ffi::AnyBuffer& out, int32_t distribution, int64_t offset) {
+  if (x.element_type() != out.element_type() || x.element_count() != out.element_count()) return false;
+  if (offset < 0 || static_cast<uint64_t>(offset) + x.element_count() > 0xFFFFFFFFull) return false;
+  job.in = x.untyped_data();
+  job.out = out.untyped_data();
+  job.n = static_cast<int64_t>(x.element_count());
+  job.offset = static_cast<uint64_t>(offset);
+  job.distribution = distribution;
+  return true;
+}
+
+// One leaf, leaf keys given: the op of zeroth.kernels.perturb.perturb_native.
+ffi::Future Perturb(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> keys,
+                    ffi::Buffer<ffi::F32> scales, ffi::Result<ffi::AnyBuffer> out, int32_t distribution,
+                    int64_t offset) {
+  if (distribution != kBinomial && distribution != kRademacher) return Failed("zeroth_perturb: bad distribution");
+  const int64_t n_updates = static_cast<int64_t>(scales.element_count());
+  if (static_cast<int64_t>(keys.element_count()) != 2 * n_updates)
+    return Failed("zeroth_perturb: keys must be u32[K, 2] and scales f32[K]");
+  auto work = std::make_shared<Work>();
+  work->jobs.emplace_back();
+  Job& job = work->jobs.back();
+  if (!CheckedJob(job, x, *out, distribution, offset))
+    return Failed("zeroth_perturb: the output must have the input's dtype and size, global indices 32 bits");
+  work->fns.push_back(TileFnFor(x.element_type()));
+  if (work->fns.back() == nullptr) return Failed("zeroth_perturb: dtype must be float32, bfloat16 or float16");
+  const uint32_t* k = keys.typed_data();
+  const float* s = scales.typed_data();
+  for (int64_t u = 0; u < n_updates; ++u) {
+    job.keys.push_back(MakeKey(k[2 * u], k[2 * u + 1]));
+    job.scales.push_back(s[u]);
+  }
+  return Launch(pool, std::move(work));
+}
+
+// Every leaf of a replay in one launch: sample keys, scales, then the leaves; leaf i's keys are
+// fold_in(sample_key[u], leaf_ids[i]) = threefry(sample_key[u], (0, leaf_ids[i])), derived here.
+ffi::Future PerturbTree(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::Buffer<ffi::F32> scales,
+                        ffi::RemainingArgs leaves, ffi::RemainingRets outs, ffi::Span<const int64_t> leaf_ids,
+                        int32_t distribution) {
+  if (distribution != kBinomial && distribution != kRademacher) return Failed("zeroth_perturb_tree: bad distribution");
+  const int64_t n_updates = static_cast<int64_t>(scales.element_count());
+  if (static_cast<int64_t>(keys.element_count()) != 2 * n_updates)
+    return Failed("zeroth_perturb_tree: keys must be u32[K, 2] and scales f32[K]");
+  if (leaves.size() != outs.size() || leaves.size() != leaf_ids.size())
+    return Failed("zeroth_perturb_tree: one output and one leaf id per leaf");
+  const uint32_t* k = keys.typed_data();
+  const float* s = scales.typed_data();
+  auto work = std::make_shared<Work>();
+  work->jobs.resize(leaves.size());
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    auto x = leaves.get<ffi::AnyBuffer>(i);
+    auto out = outs.get<ffi::AnyBuffer>(i);
+    if (!x.has_value() || !out.has_value()) return Failed("zeroth_perturb_tree: a leaf is not a buffer");
+    Job& job = work->jobs[i];
+    if (!CheckedJob(job, *x, **out, distribution, 0))
+      return Failed("zeroth_perturb_tree: each output must have its leaf's dtype and size (< 2**32 elements)");
+    work->fns.push_back(TileFnFor(x->element_type()));
+    if (work->fns.back() == nullptr) return Failed("zeroth_perturb_tree: dtype must be float32, bfloat16 or float16");
+    const uint32_t lid = static_cast<uint32_t>(leaf_ids[i]);
+    for (int64_t u = 0; u < n_updates; ++u) {
+      uint32_t l0, l1;
+      Threefry(MakeKey(k[2 * u], k[2 * u + 1]), lid, l0, l1);
+      job.keys.push_back(MakeKey(l0, l1));
+      job.scales.push_back(s[u]);
+    }
+  }
+  return Launch(pool, std::move(work));
 }
 
 }  // namespace
@@ -494,3 +564,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZerothPerturb, Perturb,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("distribution")
                                   .Attr<int64_t>("offset"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZerothPerturbTree, PerturbTree,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("leaf_ids")
+                                  .Attr<int32_t>("distribution"));

@@ -40,8 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,19 +48,24 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from zeroth import noise as _noise
-from zeroth import replay as _replay
 from zeroth import rng as _rng
+from zeroth import rule as _rule
 from zeroth.kernels import cpu_native, triton_params
 
 __all__ = [
     "IMPLS",
     "BlockSizes",
+    "TilePlan",
     "default_block_sizes",
+    "check_block_sizes",
+    "plan_tiles",
+    "platform_of",
     "resolve_impl",
     "leaf_keys",
     "perturb_reference",
     "perturb_pallas",
     "perturb_native",
+    "perturb_native_tree",
     "perturb_leaf",
     "apply_updates",
     "fused_apply_updates",
@@ -89,8 +93,8 @@ class BlockSizes:
         64 Rademacher elements): the hash runs once per call and is broadcast along the row,
         the layout for GPUs. An integer gives rows of that many elements where every element
         hashes its own call (lane-dense; the layout for TPUs, whose tiles are (8, 128)).
-        Both give the same bits. On GPU both dimensions of a tile must be powers of two; on
-        TPU rows per tile must be a multiple of 8 and ``lanes`` of 128.
+        Both give the same bits. :func:`check_block_sizes` holds them to each platform's rules
+        (GPU: both dimensions of a tile powers of two; TPU: rows per tile a multiple of 8).
     """
 
     tile: int = 8192
@@ -115,26 +119,132 @@ _DEFAULT_BLOCKS = {
 
 
 def default_block_sizes(platform: str | None = None) -> BlockSizes:
-    """Tiles for ``platform`` (``jax.default_backend()`` when None): grouped rows on GPU,
+    """Tiles for ``platform`` (:func:`zeroth.rule.default_platform` when None): grouped rows on GPU,
     lane-dense rows on TPU, small grouped tiles elsewhere (interpret mode)."""
-    platform = jax.default_backend() if platform is None else platform
-    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    platform = (_rule.default_platform() if platform is None else _rule.platform_name(platform))
     return _DEFAULT_BLOCKS.get(platform, BlockSizes(tile=1024, lanes=None))
 
 
-def resolve_impl(impl: str) -> str:
-    """``"auto"`` -> ``"pallas"`` on GPU/TPU; on CPU ``"native"`` if it builds, else ``"jnp"``.
+def _is_power_of_two(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
 
-    Other names are checked and returned unchanged.
+
+def check_block_sizes(blocks: BlockSizes, platform: str, distribution: str = "binomial") -> BlockSizes:
+    """Refuse tiles that ``platform``'s Pallas backend cannot compile, naming the bad value.
+
+    GPU (Triton): rows per tile (``tile // row length``) and the row length are powers of two.
+    TPU (Mosaic): rows per tile are a multiple of 8 (the row is the whole last dimension).
+    Other platforms (interpret mode) take any tiling.
+    """
+    platform = _rule.platform_name(platform)
+    width = _PER_CALL[distribution] if blocks.lanes is None else blocks.lanes
+    rows = max(1, blocks.tile // width)
+    if platform == "gpu":
+        if not _is_power_of_two(width):
+            raise ValueError(f"on GPU the row length must be a power of two (Triton blocks), got lanes={width}")
+        if not _is_power_of_two(rows):
+            good = 1 << (rows.bit_length() - 1)
+            raise ValueError(
+                f"on GPU rows per tile must be a power of two (Triton blocks): tile={blocks.tile} // "
+                f"row length {width} = {rows} rows; use e.g. BlockSizes(tile={good * width}, lanes={blocks.lanes})"
+            )
+    elif platform == "tpu" and rows % 8:
+        raise ValueError(
+            f"on TPU rows per tile must be a multiple of 8 (Mosaic tiles are (8, 128)): tile={blocks.tile} // "
+            f"row length {width} = {rows} rows"
+        )
+    return blocks
+
+
+class TilePlan(NamedTuple):
+    """How :func:`perturb_pallas` covers a leaf of ``n`` elements: the kernel runs ``tiles``
+    whole tiles of ``tile_rows`` rows of ``width`` elements over elements ``[0, head)``; the ragged
+    tail ``[head, n)`` (fewer elements than a tile) goes through the exact jnp rule, which hashes
+    the same global indices. No block ever addresses an element outside ``[0, head)``.
+    """
+
+    n: int  # elements of the leaf
+    width: int  # elements per row
+    grouped: bool  # one threefry call per row (hash broadcast along the row)
+    tile_rows: int  # rows per tile (0: the leaf is smaller than a tile, the kernel does not run)
+    tiles: int  # whole tiles: the kernel's grid
+    head: int  # tiles * tile_rows * width: elements the kernel covers
+
+    @property
+    def tail(self) -> int:
+        return self.n - self.head
+
+
+def plan_tiles(n: int, distribution: str, blocks: BlockSizes, platform: str, offset: int = 0) -> TilePlan:
+    """The whole-tile cover of a leaf (see :class:`TilePlan`) for ``platform``'s tiling rules.
+
+    A leaf smaller than one tile gets a smaller tile that still obeys the platform's rules (the
+    largest power of two of rows that fits on GPU, a multiple of 8 on TPU), or none at all.
+    """
+    platform = _rule.platform_name(platform)
+    check_block_sizes(blocks, platform, distribution)
+    per_call = _PER_CALL[distribution]
+    grouped = blocks.lanes is None and offset % per_call == 0
+    width = per_call if grouped else (blocks.lanes or 64)
+    tile_rows = max(1, blocks.tile // width)
+    rows = n // width
+    if tile_rows > rows:
+        if platform == "gpu":
+            tile_rows = 1 << (rows.bit_length() - 1) if rows else 0
+        elif platform == "tpu":
+            tile_rows = rows - rows % 8
+        else:
+            tile_rows = rows
+    tiles = rows // tile_rows if tile_rows else 0
+    return TilePlan(n=n, width=width, grouped=grouped, tile_rows=tile_rows, tiles=tiles, head=tiles * tile_rows * width)
+
+
+def _triton_available() -> bool:
+    try:
+        triton_params()
+    except ImportError:  # a jax without Pallas' Triton backend: the jnp rule runs on GPU
+        return False
+    return True
+
+
+def platform_of(params: Any) -> str:
+    """The platform family (``"cpu"``, ``"gpu"``, ``"tpu"``) of the devices ``params`` live on.
+
+    Leaves that are not committed jax arrays (NumPy arrays, Python scalars, tracers) go where
+    ``jit`` puts them (:func:`zeroth.rule.default_platform`). Leaves on two platforms at once are refused.
+    """
+    found: dict[str, str] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            for platform in {_rule.platform_name(d.platform) for d in leaf.devices()}:
+                found.setdefault(platform, _rng.leaf_path(path))
+    if len(found) > 1:
+        where = ", ".join(f"{leaf} on {platform}" for platform, leaf in sorted(found.items()))
+        raise ValueError(f"parameters live on several platforms ({where}); put every leaf on one platform first")
+    return next(iter(found)) if found else _rule.default_platform()
+
+
+def resolve_impl(impl: str, platform: str | None = None, n_updates: int | None = None) -> str:
+    """The implementation for arrays on ``platform`` (default: :func:`zeroth.rule.default_platform`).
+
+    ``"auto"``: on CPU the native kernel if it builds, else ``"jnp"``; on TPU ``"pallas"``; on GPU
+    ``"jnp"`` for a single update (XLA's fused element-wise loop reaches memory speed there:
+    253 G elements/s against the Pallas kernel's 237 on an H100) and ``"pallas"`` (Triton) for
+    K > 1 updates (611 against 350 G updates/s at K = 64), or ``"jnp"`` where jax has no Triton
+    backend. Other names are checked against the platform and returned unchanged.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {list(IMPLS)}")
+    platform = (_rule.default_platform() if platform is None else _rule.platform_name(platform))
+    if impl == "native" and platform != "cpu":
+        raise ValueError(f"impl='native' is the CPU kernel, but the arrays live on {platform}; use impl='auto'")
     if impl != "auto":
         return impl
-    backend = jax.default_backend()
-    if backend in ("gpu", "cuda", "rocm", "tpu"):
+    if platform == "tpu":
         return "pallas"
-    if backend == "cpu" and cpu_native.available():
+    if platform == "gpu":
+        return "pallas" if (n_updates is None or n_updates > 1) and _triton_available() else "jnp"
+    if platform == "cpu" and cpu_native.available():
         return "native"
     return "jnp"
 
@@ -153,11 +263,7 @@ def leaf_keys(keys, lid: int) -> jax.Array:
 def _check_args(x, keys, scales, distribution: str):
     _noise.check_distribution(distribution)
     x = jnp.asarray(x)
-    if jnp.dtype(x.dtype) not in _replay.SUPPORTED_DTYPES:
-        raise TypeError(
-            f"leaf dtype {x.dtype} is not supported; the exact update supports "
-            f"{[str(d) for d in _replay.SUPPORTED_DTYPES]}"
-        )
+    _rule.check_dtype(x.dtype, "leaf")
     keys = jnp.asarray(keys)
     scales = jnp.asarray(scales)
     if keys.dtype != jnp.uint32 or keys.ndim != 2 or keys.shape[1] != 2:
@@ -177,14 +283,6 @@ def _check_offset(offset, n: int) -> int:
     return int(offset)
 
 
-def _popcount16(h: jax.Array) -> jax.Array:
-    """Population count of 16-bit values held in uint32 (shifts, ands and adds only)."""
-    h = h - ((h >> 1) & jnp.uint32(0x5555))
-    h = (h & jnp.uint32(0x3333)) + ((h >> 2) & jnp.uint32(0x3333))
-    h = (h + (h >> 4)) & jnp.uint32(0x0F0F)
-    return (h + (h >> 8)) & jnp.uint32(0x1F)
-
-
 def _update_block(p32, call, within, k0, k1, scale, distribution: str):
     """One exact update on a block: ``flush(p32 + scale * k)``.
 
@@ -192,15 +290,10 @@ def _update_block(p32, call, within, k0, k1, scale, distribution: str):
     """
     x0, x1 = _rng.threefry2x32((k0, k1), (jnp.zeros_like(call), call))
     if distribution == "binomial":
-        word = jnp.where((within & jnp.uint32(2)) == 0, x0, x1)
-        half = (word >> ((within & jnp.uint32(1)) * jnp.uint32(16))) & jnp.uint32(0xFFFF)
-        k = _popcount16(half).astype(jnp.int32) - jnp.int32(8)
-        delta = scale * k.astype(jnp.float32)
+        delta = scale * _noise.binomial_from_words(x0, x1, within).astype(jnp.float32)
     else:
-        word = jnp.where((within & jnp.uint32(32)) == 0, x0, x1)
-        bit = (word >> (within & jnp.uint32(31))) & jnp.uint32(1)
-        delta = jnp.where(bit == 1, scale, -scale)
-    return _replay.flush(p32 + delta)
+        delta = jnp.where(_noise.rademacher_from_words(x0, x1, within) == 1, scale, -scale)
+    return _rule.flush(p32 + delta)
 
 
 # --------------------------------------------------------------------------- reference (plain jnp)
@@ -221,17 +314,17 @@ def perturb_reference(x, leaf_keys_, scales, *, distribution: str = "binomial", 
     """
     x, keys, scales = _check_args(x, leaf_keys_, scales, distribution)
     offset = _check_offset(offset, x.size)
-    p32 = _replay.flush(x.astype(jnp.float32))
+    p32 = _rule.flush(x.astype(jnp.float32))
 
     def body(u, p):
         k = _noise.noise_int(distribution, keys[u], x.shape, offset)
-        return _replay.flush(p + scales[u] * k.astype(jnp.float32))
+        return _rule.flush(p + scales[u] * k.astype(jnp.float32))
 
     if keys.shape[0] == 1:
         p32 = body(0, p32)
     elif keys.shape[0] > 1:
         p32 = jax.lax.fori_loop(0, keys.shape[0], body, p32)
-    return _replay.flush_cast(p32, x.dtype)
+    return _rule.flush_cast(p32, x.dtype)
 
 
 # --------------------------------------------------------------------------- Pallas kernel
@@ -252,65 +345,19 @@ def _perturb_kernel(keys_ref, scales_ref, x_ref, o_ref, *, distribution: str, n_
         )
         call = idx >> log2
         within = idx & jnp.uint32(_PER_CALL[distribution] - 1)
-    p32 = _replay.flush(x_ref[...].astype(jnp.float32))
+    p32 = _rule.flush(x_ref[...].astype(jnp.float32))
 
     def body(u, p):
         return _update_block(p, call, within, keys_ref[u, 0], keys_ref[u, 1], scales_ref[u], distribution)
 
     if n_updates:
         p32 = jax.lax.fori_loop(0, n_updates, body, p32)
-    o_ref[...] = _replay.flush_cast(p32, o_ref.dtype)
+    o_ref[...] = _rule.flush_cast(p32, o_ref.dtype)
 
 
-def perturb_pallas(
-    x,
-    leaf_keys_,
-    scales,
-    *,
-    distribution: str = "binomial",
-    offset: int = 0,
-    block_sizes: BlockSizes | None = None,
-    interpret: bool = False,
-    inplace: bool = False,
-    platform: str | None = None,
-) -> jax.Array:
-    """The Pallas kernel on one leaf (see :func:`perturb_reference` for the arguments).
-
-    Args:
-      block_sizes: tiles (:func:`default_block_sizes` when None). A grouped layout
-        (``lanes=None``) needs ``offset`` to be a multiple of the elements per call; otherwise
-        rows of 64 lanes are used (same bits).
-      interpret: run in Pallas interpret mode (CPU tests).
-      inplace: alias the output to ``x``'s buffer (use under ``jit`` with ``x`` donated).
-      platform: the platform the kernel is lowered for (default ``jax.default_backend()``):
-        ``"gpu"`` lowers through Triton (power-of-two blocks, keys padded to a power of two),
-        ``"tpu"`` through Mosaic with keys and scales in SMEM.
-    """
-    x, keys, scales = _check_args(x, leaf_keys_, scales, distribution)
-    offset = _check_offset(offset, x.size)
-    platform = jax.default_backend() if platform is None else platform
-    platform = "gpu" if platform in ("cuda", "rocm") else platform
-    if platform == "cpu" and not interpret:
-        raise ValueError(
-            "the Pallas kernel runs on CPU only in interpret mode (tests): pass interpret=True, "
-            "or use impl='native' or impl='jnp' on CPU"
-        )
-    blocks = default_block_sizes(platform) if block_sizes is None else block_sizes
-    n = x.size
-    if n == 0:
-        return x
+def _pallas_tiles(x2d, keys, scales, plan: TilePlan, *, distribution, offset, interpret, inplace, platform):
+    """Run the kernel over the first ``plan.tiles`` whole tiles of the ``(rows, width)`` array ``x2d``."""
     n_updates = keys.shape[0]
-    per_call = _PER_CALL[distribution]
-    grouped = blocks.lanes is None and offset % per_call == 0
-    width = per_call if grouped else (blocks.lanes or 64)
-    tile_rows = max(1, blocks.tile // width)
-    n_rows = -(-n // width)
-    flat = x.reshape(-1)
-    if n_rows * width != n:
-        flat = jnp.pad(flat, (0, n_rows * width - n))
-    if tile_rows > n_rows:  # one tile covers the leaf; keep a power of two for Triton
-        tile_rows = pl.next_power_of_2(n_rows)
-    grid = (-(-n_rows // tile_rows),)
     compiler_params = None
     if platform == "tpu" and not interpret:
         from jax.experimental.pallas import tpu as pltpu
@@ -327,23 +374,80 @@ def perturb_pallas(
         key_spec = pl.BlockSpec(keys.shape, lambda i: (0, 0))
         scale_spec = pl.BlockSpec(scales.shape, lambda i: (0,))
     kernel = functools.partial(
-        _perturb_kernel, distribution=distribution, n_updates=n_updates, offset=offset, grouped=grouped
+        _perturb_kernel, distribution=distribution, n_updates=n_updates, offset=offset, grouped=plan.grouped
     )
-    tile_spec = pl.BlockSpec((tile_rows, width), lambda i: (i, 0))
-    out = pl.pallas_call(
+    tile_spec = pl.BlockSpec((plan.tile_rows, plan.width), lambda i: (i, 0))
+    return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((n_rows, width), x.dtype),
-        grid=grid,
+        out_shape=jax.ShapeDtypeStruct(x2d.shape, x2d.dtype),
+        grid=(plan.tiles,),
         in_specs=[key_spec, scale_spec, tile_spec],
         out_specs=tile_spec,
         input_output_aliases={2: 0} if inplace else {},
         interpret=interpret,
         compiler_params=compiler_params,
         name="zeroth_fused_replay",
-    )(keys, scales, flat.reshape(n_rows, width))
-    out = out.reshape(-1)
-    if n_rows * width != n:
-        out = out[:n]
+    )(keys, scales, x2d)
+
+
+def perturb_pallas(
+    x,
+    leaf_keys_,
+    scales,
+    *,
+    distribution: str = "binomial",
+    offset: int = 0,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+    inplace: bool = False,
+    platform: str | None = None,
+) -> jax.Array:
+    """The Pallas kernel on one leaf (see :func:`perturb_reference` for the arguments).
+
+    The kernel touches whole tiles only (:func:`plan_tiles`); the ragged tail of fewer elements
+    than a tile goes through :func:`perturb_reference` at its global offset (same bits). When the
+    leaf's size is a multiple of the row length the kernel works on the leaf's own buffer (in
+    place with ``inplace``) and the tail is written into it; otherwise the whole tiles are sliced
+    out and the result is concatenated (one extra copy).
+
+    Args:
+      block_sizes: tiles (:func:`default_block_sizes` when None), checked for ``platform`` by
+        :func:`check_block_sizes`. A grouped layout (``lanes=None``) needs ``offset`` to be a
+        multiple of the elements per call; otherwise rows of 64 lanes are used (same bits).
+      interpret: run in Pallas interpret mode (CPU tests).
+      inplace: alias the output to ``x``'s buffer (use under ``jit`` with ``x`` donated).
+      platform: the platform the kernel is lowered for (default :func:`zeroth.rule.default_platform`):
+        ``"gpu"`` lowers through Triton (power-of-two blocks, keys padded to a power of two),
+        ``"tpu"`` through Mosaic with keys and scales in SMEM.
+    """
+    x, keys, scales = _check_args(x, leaf_keys_, scales, distribution)
+    offset = _check_offset(offset, x.size)
+    platform = (_rule.default_platform() if platform is None else _rule.platform_name(platform))
+    if platform == "cpu" and not interpret:
+        raise ValueError(
+            "the Pallas kernel runs on CPU only in interpret mode (tests): pass interpret=True, "
+            "or use impl='native' or impl='jnp' on CPU"
+        )
+    blocks = default_block_sizes(platform) if block_sizes is None else block_sizes
+    plan = plan_tiles(x.size, distribution, blocks, platform, offset)
+    if plan.tiles == 0:
+        return perturb_reference(x, keys, scales, distribution=distribution, offset=offset)
+    flat = x.reshape(-1)
+    run = functools.partial(
+        _pallas_tiles, keys=keys, scales=scales, plan=plan, distribution=distribution, offset=offset,
+        interpret=interpret, platform=platform,
+    )
+    if plan.n % plan.width == 0:  # the leaf's own buffer as (rows, width): no copy
+        out = run(flat.reshape(-1, plan.width), inplace=inplace).reshape(-1)
+        if plan.tail:
+            # Rows past the whole tiles are untouched: the input's values (aliased) or undefined.
+            tail_in = out[plan.head :] if inplace else flat[plan.head :]
+            tail = perturb_reference(tail_in, keys, scales, distribution=distribution, offset=offset + plan.head)
+            out = jax.lax.dynamic_update_slice(out, tail, (plan.head,))
+    else:
+        head = run(flat[: plan.head].reshape(-1, plan.width), inplace=True).reshape(-1)
+        tail = perturb_reference(flat[plan.head :], keys, scales, distribution=distribution, offset=offset + plan.head)
+        out = jnp.concatenate([head, tail])
     return out.reshape(x.shape)
 
 
@@ -381,6 +485,51 @@ def perturb_native(
     return call(x, keys, scales, distribution=np.int32(_DIST_CODE[distribution]), offset=np.int64(offset))
 
 
+def perturb_native_tree(
+    leaves: list,
+    keys,
+    scales,
+    leaf_ids: list[int],
+    *,
+    distribution: str = "binomial",
+    inplace: bool = False,
+    build: cpu_native.BuildConfig = cpu_native.DEFAULT_BUILD,
+) -> list[jax.Array]:
+    """The native CPU kernel on every leaf of a replay in **one launch** (one custom call): the
+    leaf keys ``fold_in(keys[u], leaf_ids[i])`` are derived inside it, the tiles of all leaves
+    are shared out to the threads together. Same bits as :func:`perturb_native` leaf by leaf.
+
+    Args:
+      leaves: the arrays (f32 / bf16 / f16, any shapes).
+      keys: ``u32[K, 2]`` *sample* keys; scales: ``f32[K]`` host-rounded scales.
+      leaf_ids: one 32-bit id per leaf (:func:`zeroth.rng.leaf_id` of its path).
+      inplace: alias every output to its leaf's buffer (under ``jit`` with the leaves donated).
+    """
+    _noise.check_distribution(distribution)
+    if len(leaf_ids) != len(leaves):
+        raise ValueError(f"{len(leaves)} leaves but {len(leaf_ids)} leaf ids")
+    leaves = [jnp.asarray(x) for x in leaves]
+    for i, x in enumerate(leaves):
+        _rule.check_dtype(x.dtype, f"leaf {i}")
+        _check_offset(0, x.size)
+    keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
+    scales = jnp.asarray(scales, jnp.float32).reshape(-1)
+    if scales.shape[0] != keys.shape[0]:
+        raise ValueError(f"{keys.shape[0]} keys but {scales.shape[0]} scales")
+    if not leaves:
+        return []
+    cpu_native.register(build)
+    call = jax.ffi.ffi_call(
+        cpu_native.target_name(build, tree=True),
+        [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves],
+        input_output_aliases={i + 2: i for i in range(len(leaves))} if inplace else None,
+    )
+    return list(
+        call(keys, scales, *leaves, leaf_ids=np.asarray(leaf_ids, np.int64),
+             distribution=np.int32(_DIST_CODE[distribution]))
+    )
+
+
 # --------------------------------------------------------------------------- dispatch
 
 
@@ -395,6 +544,7 @@ def perturb_leaf(
     inplace: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    platform: str | None = None,
 ) -> jax.Array:
     """Apply K updates to one array with the implementation ``impl`` (see :func:`resolve_impl`).
 
@@ -407,11 +557,13 @@ def perturb_leaf(
       impl: ``"auto"``, ``"pallas"``, ``"native"`` or ``"jnp"``.
       inplace: let the output reuse ``x``'s buffer (only useful when ``x`` is donated).
       block_sizes, interpret: Pallas settings.
+      platform: where ``x`` lives (:func:`zeroth.rule.default_platform` when None): picks ``"auto"``'s
+        implementation and the Pallas lowering.
 
     Returns:
       The updated array (same shape and dtype), bit-identical for every ``impl``.
     """
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, platform, int(np.shape(leaf_keys_)[0]))
     if impl == "native":
         return perturb_native(x, leaf_keys_, scales, distribution=distribution, offset=offset, inplace=inplace)
     if impl == "pallas":
@@ -424,8 +576,22 @@ def perturb_leaf(
             block_sizes=block_sizes,
             interpret=interpret,
             inplace=inplace,
+            platform=platform,
         )
     return perturb_reference(x, leaf_keys_, scales, distribution=distribution, offset=offset)
+
+
+@functools.lru_cache(maxsize=None)
+def _process_platforms() -> tuple[str, ...]:
+    """The jax platforms of this process that have devices (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``)."""
+    found = []
+    for name in ("cpu", "cuda", "rocm", "tpu"):
+        try:
+            if jax.devices(name):
+                found.append(name)
+        except RuntimeError:  # no such backend in this process
+            pass
+    return tuple(found)
 
 
 def apply_updates(
@@ -438,16 +604,23 @@ def apply_updates(
     inplace: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    platform: str | None = None,
 ) -> Any:
     """Traceable: :func:`zeroth.replay.apply_updates` through the fused kernels, same bits.
+
+    With ``impl="auto"`` and no ``platform``, the implementation is chosen when the computation is
+    lowered, for the devices it runs on (``jax.lax.platform_dependent`` over the platforms this
+    process has; a CPU-only process has one and traces one path): parameters on the host CPU of a
+    GPU machine get the CPU kernel, parameters on the GPU the GPU path.
 
     Args:
       params: pytree of f32 / bf16 / f16 arrays.
       keys: ``u32[K, 2]`` sample keys (may be traced).
       scales: ``f32[K]`` host-rounded scales (may be traced).
       distribution: ``"binomial"`` or ``"rademacher"``.
-      impl, inplace, block_sizes, interpret: see :func:`perturb_leaf`; pass ``inplace=True``
-        only where ``params`` is donated.
+      impl, inplace, block_sizes, interpret, platform: see :func:`perturb_leaf`; pass
+        ``inplace=True`` only where ``params`` is donated; ``platform`` fixes where the parameters
+        live instead of choosing at lowering.
 
     Returns:
       The updated pytree (same structure, dtypes and shapes).
@@ -457,40 +630,47 @@ def apply_updates(
     scales = jnp.asarray(scales, jnp.float32).reshape(-1)
     if scales.shape[0] != keys.shape[0]:
         raise ValueError(f"{keys.shape[0]} keys but {scales.shape[0]} scales")
-    impl = resolve_impl(impl)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
-    out = []
     for path, leaf in with_path:
-        leaf = jnp.asarray(leaf)
-        if jnp.dtype(leaf.dtype) not in _replay.SUPPORTED_DTYPES:
-            raise TypeError(
-                f"leaf {_rng.leaf_path(path)} has dtype {leaf.dtype}; the exact update supports "
-                f"{[str(d) for d in _replay.SUPPORTED_DTYPES]}"
-            )
-        lk = leaf_keys(keys, _rng.leaf_id(path))
-        out.append(
-            perturb_leaf(
-                leaf,
-                lk,
-                scales,
-                distribution=distribution,
-                impl=impl,
-                inplace=inplace,
-                block_sizes=block_sizes,
-                interpret=interpret,
-            )
-        )
+        _rule.check_dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype, f"leaf {_rng.leaf_path(path)}")
+    leaves = [jnp.asarray(leaf) for _, leaf in with_path]
+    ids = [_rng.leaf_id(path) for path, _ in with_path]
+    run = functools.partial(
+        _apply_leaves, ids=ids, distribution=distribution, impl=impl, inplace=inplace,
+        block_sizes=block_sizes, interpret=interpret,
+    )
+    platforms = _process_platforms()
+    if impl != "auto" or platform is not None or len(platforms) <= 1:
+        fixed = platform if platform is not None else (platforms[0] if len(platforms) == 1 else None)
+        out = run(leaves, keys, scales, platform=fixed)
+    else:
+        branches = {name: functools.partial(run, platform=name) for name in platforms}
+        out = jax.lax.platform_dependent(leaves, keys, scales, **branches, default=functools.partial(run, platform="cpu"))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-@functools.partial(jax.jit, static_argnames=("distribution", "impl"), donate_argnums=(0,))
-def _fused_donated(params, keys, scales, distribution, impl):
-    return apply_updates(params, keys, scales, distribution=distribution, impl=impl, inplace=True)
+def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, block_sizes, interpret, platform):
+    """The updated ``leaves`` with the implementation for ``platform`` (see :func:`apply_updates`)."""
+    impl = resolve_impl(impl, platform, keys.shape[0])
+    if impl == "native":  # every leaf in one launch, leaf keys derived inside the kernel
+        return perturb_native_tree(leaves, keys, scales, ids, distribution=distribution, inplace=inplace)
+    return [
+        perturb_leaf(
+            leaf, leaf_keys(keys, lid), scales, distribution=distribution, impl=impl, inplace=inplace,
+            block_sizes=block_sizes, interpret=interpret, platform=platform,
+        )
+        for leaf, lid in zip(leaves, ids)
+    ]
 
 
-@functools.partial(jax.jit, static_argnames=("distribution", "impl"))
-def _fused_copy(params, keys, scales, distribution, impl):
-    return apply_updates(params, keys, scales, distribution=distribution, impl=impl, inplace=False)
+@functools.partial(jax.jit, static_argnames=("distribution", "impl", "platform"), donate_argnums=(0,))
+def _fused_donated(params, keys, scales, distribution, impl, platform):
+    return apply_updates(params, keys, scales, distribution=distribution, impl=impl, inplace=True, platform=platform)
+
+
+@functools.partial(jax.jit, static_argnames=("distribution", "impl", "platform"))
+def _fused_copy(params, keys, scales, distribution, impl, platform):
+    return apply_updates(params, keys, scales, distribution=distribution, impl=impl, inplace=False, platform=platform)
 
 
 def fused_apply_updates(
@@ -499,7 +679,9 @@ def fused_apply_updates(
     """Host entry: apply K updates with already-rounded scales to a pytree, fused and jitted.
 
     Same semantics and bits as :func:`zeroth.replay.apply_updates`; each leaf is read and written
-    once for all K updates (native and Pallas paths). With ``impl="auto"``, parameters split
+    once for all K updates (native and Pallas paths). The implementation follows the devices the
+    parameters live on, not the default backend (:func:`apply_updates`): parameters on the CPU of
+    a GPU machine replay with the native CPU kernel. With ``impl="auto"``, parameters split
     across several devices go through the ``jnp`` path, which XLA partitions shard by shard (the
     fused kernels see whole leaves: under ``jit`` a custom call on a sharded leaf would gather it).
 
@@ -528,11 +710,18 @@ def fused_apply_updates(
             f"scales must be float32 with one per key ({keys_np.shape[0]}), from zeroth.replay.update_scales; "
             f"got dtype {scales_np.dtype} shape {scales_np.shape}"
         )
-    if impl == "auto" and _is_sharded(params):
+    if impl == "auto" and _multi_device() and _is_sharded(params):
         impl = "jnp"  # XLA partitions the elementwise reference; a custom call would gather the leaf
-    impl = resolve_impl(impl)
+    elif impl != "auto":
+        impl = resolve_impl(impl, platform_of(params), keys_np.shape[0])
     fn = _fused_donated if donate else _fused_copy
-    return fn(params, keys_np, scales_np.reshape(-1), distribution, impl)
+    return fn(params, keys_np, scales_np.reshape(-1), distribution, impl, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _multi_device() -> bool:
+    """Whether some platform of this process has several devices (so a leaf can be sharded)."""
+    return any(len(jax.devices(name)) > 1 for name in _process_platforms())
 
 
 def _is_sharded(params: Any) -> bool:

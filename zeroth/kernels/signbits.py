@@ -57,6 +57,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from zeroth import noise as _noise
+from zeroth import rule as _rule
 from zeroth.rng import threefry2x32
 from zeroth.kernels import triton_params
 
@@ -82,7 +84,6 @@ __all__ = [
     "count_geq",
     "majority",
     "majority_ref",
-    "bench_rows",
 ]
 
 WORD_BITS = 32
@@ -132,11 +133,12 @@ def threshold(num: int, den: int) -> int:
 
 
 def resolve_impl(impl: str) -> str:
-    """``"auto"`` -> ``"pallas"`` on GPU and TPU, ``"jnp"`` on CPU; other names are checked and returned."""
+    """``"auto"`` -> ``"pallas"`` where uncommitted arrays go to a GPU or TPU
+    (:func:`zeroth.rule.default_platform`), ``"jnp"`` on CPU; other names are checked and returned."""
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {list(IMPLS)}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu", "cuda", "rocm") else "jnp"
+        return "pallas" if _rule.default_platform() in ("gpu", "tpu") else "jnp"
     return impl
 
 
@@ -207,9 +209,9 @@ def _bernoulli_block(key: jax.Array, word0, rows: int, thresh: int) -> jax.Array
     w = jax.lax.broadcasted_iota(jnp.uint32, (rows, half), 0) + jnp.asarray(word0, jnp.uint32)
     calls = w * jnp.uint32(half) + k
     x0, x1 = threefry2x32((key[0], key[1]), (jnp.zeros_like(calls), calls))
-    t = jnp.uint32(thresh)
-    even = (x0 < t).astype(jnp.uint32) << (k * jnp.uint32(2))
-    odd = (x1 < t).astype(jnp.uint32) << (k * jnp.uint32(2) + jnp.uint32(1))
+    b0, b1 = _noise.bernoulli_bits(x0, x1, thresh)
+    even = b0 << (k * jnp.uint32(2))
+    odd = b1 << (k * jnp.uint32(2) + jnp.uint32(1))
     return _or_rows(even | odd)
 
 
@@ -414,8 +416,8 @@ def _majority_kernel(w_ref, o_ref, *, k: int):
 
 def _compiler_params(platform: str | None, interpret: bool):
     """Triton parameters on GPU (:func:`zeroth.kernels.triton_params`), none elsewhere."""
-    platform = jax.default_backend() if platform is None else platform
-    if interpret or platform not in ("gpu", "cuda", "rocm"):
+    platform = _rule.default_platform() if platform is None else _rule.platform_name(platform)
+    if interpret or platform != "gpu":
         return None
     return triton_params()
 
@@ -509,7 +511,7 @@ def pack(
       impl: ``"auto"`` (Pallas on GPU/TPU, jnp on CPU), ``"pallas"`` or ``"jnp"``.
       blocks: Pallas tile sizes.
       interpret: run the Pallas kernel in interpret mode (CPU tests).
-      platform: the platform the Pallas kernel is lowered for (default ``jax.default_backend()``;
+      platform: the platform the Pallas kernel is lowered for (default :func:`zeroth.rule.default_platform`;
         ``"gpu"`` lowers through Triton). Every wrapper of this module takes it.
 
     Returns:
@@ -608,10 +610,3 @@ def majority(
     if resolve_impl(impl) == "jnp" or words.shape[1] == 0:
         return majority_ref(words)
     return _majority_pallas(words, blocks, interpret, platform)
-
-
-def bench_rows(ctx=None) -> list[dict]:
-    """Throughput rows for ``zeroth bench kernels`` (see :func:`zeroth.bench.signbits.signbits_rows`)."""
-    from zeroth.bench.signbits import signbits_rows
-
-    return signbits_rows(ctx)

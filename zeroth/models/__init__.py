@@ -1,10 +1,10 @@
 """Model registry: build flax modules by name, initialize float32 parameters, apply them.
 
-Models are registered as ``"module:attribute"`` targets and imported only when built, so
-``import zeroth.models`` (and config validation) stays light. Built-in names: ``mlp``, ``cnn``,
-``transformer`` (see :mod:`zeroth.models.classifiers`). Other packages register more with
-:func:`register`; the module ``zeroth.models.pretrained``, when present, is imported on a lookup
-of an unknown name so it can register its own.
+Models are registered as ``"module:attribute"`` targets of this package and imported only when
+built, so ``import zeroth.models`` stays light. Built-in names: ``mlp``, ``cnn``, ``transformer``
+(see :mod:`zeroth.models.classifiers`). Other packages register more with :func:`register`:
+importing :mod:`zeroth.models.pretrained` registers ``smollm2_prompt`` and ``minilm_classifier``
+(the config and the objectives import it, so every configured name is known).
 
 Initialization (:func:`init`) is *exact* by default: the parameter shapes come from flax
 (``jax.eval_shape`` of ``Module.init``, nothing is compiled) and each leaf is filled on the host
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -56,7 +55,6 @@ __all__ = [
 ]
 
 INIT_TAG = 0x696E6974  # "init": folded into the run key to name the initialization key
-_PLUGIN = "zeroth.models.pretrained"
 
 
 class ModelSpec(NamedTuple):
@@ -85,18 +83,8 @@ def register(name: str, target: str, description: str = "") -> ModelSpec:
     return spec
 
 
-def _load_plugin() -> None:
-    try:
-        found = importlib.util.find_spec(_PLUGIN) is not None
-    except ImportError:
-        found = False
-    if found:
-        importlib.import_module(_PLUGIN)
-
-
 def names() -> tuple[str, ...]:
-    """Registered model names (the optional pretrained plugin included when present)."""
-    _load_plugin()
+    """Registered model names (the pretrained ones once :mod:`zeroth.models.pretrained` is imported)."""
     return tuple(REGISTRY)
 
 
@@ -107,9 +95,10 @@ def build(name: str, **kwargs: Any):
       ValueError: unknown name, or a keyword the model does not take (the valid ones are named).
     """
     if name not in REGISTRY:
-        _load_plugin()
-    if name not in REGISTRY:
-        raise ValueError(f"unknown model {name!r}; registered models are {list(REGISTRY)}")
+        raise ValueError(
+            f"unknown model {name!r}; registered models are {list(REGISTRY)} "
+            f"(import zeroth.models.pretrained to register the pretrained ones)"
+        )
     module, attr = REGISTRY[name].target.split(":")
     factory = getattr(importlib.import_module(module), attr)
     if dataclasses.is_dataclass(factory):
@@ -127,12 +116,8 @@ def init_key(run_seed: int) -> np.ndarray:
 
 
 def _binomial_z(leaf_key: np.ndarray, n: int) -> np.ndarray:
-    """``f32[n]``: ``z = k / 2`` of the leaf's binomial stream (equal to ``reference.binomial_int / 2``)."""
-    words = _ref.noise_words(leaf_key, (n + 1) // 2)
-    idx = np.arange(n, dtype=np.int64)
-    half = (words[idx // 2] >> (16 * (idx % 2)).astype(np.uint32)) & np.uint32(0xFFFF)
-    k = np.bitwise_count(half).astype(np.int8) - np.int8(8)
-    return k.astype(np.float32) * np.float32(0.5)
+    """``f32[n]``: ``z = k / 2`` of the leaf's binomial stream (``reference.binomial_int / 2``)."""
+    return _ref.binomial_int(leaf_key, n).astype(np.float32) * np.float32(0.5)
 
 
 _ATTENTION_INPUTS = ("query", "key", "value")

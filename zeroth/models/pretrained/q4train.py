@@ -1,4 +1,4 @@
-"""4-bit forward-only training (seed 000, section 3): dequantize, perturb, requantize.
+"""The fixed 4-bit grids of SmolLM2's weights, and the projection onto them (4-bit forward-only training).
 
 The trained state is the GGUF file's quantized weights: every Q4_1 matrix (the 210 linear
 layers of SmolLM2) and the Q8_0 embedding keep their per-block grid ``(d, m)`` from the file,
@@ -34,6 +34,8 @@ Stochastic rounding draws ``u`` from threefry bits of the key
 ``u = (bits >> 8)·2⁻²⁴``), so every peer draws the same ``u``; ``(W' − m)/d`` is an IEEE
 division, deterministic on IEEE backends but not part of zeroth's proven replay contract.
 
+The training method built on them is :mod:`zeroth.methods.q4` (``train.requantize``).
+
 Example:
   >>> grids = smollm2_grids()                                              # doctest: +SKIP
   >>> project = make_projection(grids, "nearest")                          # doctest: +SKIP
@@ -48,6 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroth import reference as _ref
+from zeroth import rng as _rng
 from zeroth.models.pretrained import gguf_file as _gguf
 from zeroth.models.pretrained import llama as _llama
 from zeroth.models.pretrained import quant as _quant
@@ -59,14 +63,15 @@ __all__ = [
     "requant_key",
     "make_projection",
     "changed_fraction",
-    "zo_q4_method",
+    "check_rounding",
 ]
 
 ROUNDINGS = ("nearest", "stochastic")
 REQUANT_TAG = 0x71347471  # "q4tq": names the stochastic-rounding stream of the run
 
 
-def _check_rounding(rounding: str) -> str:
+def check_rounding(rounding: str) -> str:
+    """``rounding`` if it is one of :data:`ROUNDINGS`, else a ``ValueError`` naming the valid ones."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"unknown rounding {rounding!r}; expected one of {list(ROUNDINGS)}")
     return rounding
@@ -128,16 +133,12 @@ def _leaf_key(*names: str) -> str:
 
 def requant_key(run_seed: int, step: int) -> np.ndarray:
     """``u32[2]`` key of step ``step``'s stochastic rounding: ``fold_in(fold_in(root_key(seed), REQUANT_TAG), step)``."""
-    from zeroth import reference as _ref
-
     return _ref.fold_in(_ref.fold_in(_ref.root_key(run_seed), REQUANT_TAG), step)
 
 
 def _uniform(key: jax.Array, n: int) -> jax.Array:
-    from zeroth.rng import threefry2x32
-
     calls = (n + 1) // 2
-    x0, x1 = threefry2x32((key[0], key[1]), (jnp.zeros(calls, jnp.uint32), jnp.arange(calls, dtype=jnp.uint32)))
+    x0, x1 = _rng.threefry2x32((key[0], key[1]), (jnp.zeros(calls, jnp.uint32), jnp.arange(calls, dtype=jnp.uint32)))
     bits = jnp.stack([x0, x1], axis=-1).reshape(-1)[:n]
     return (bits >> jnp.uint32(8)).astype(jnp.float32) * jnp.float32(2.0**-24)
 
@@ -153,9 +154,7 @@ def make_projection(grids: dict[str, _quant.Grid], rounding: str = "nearest"):
 
     Leaves without a grid pass through unchanged; the function is jitted once per structure.
     """
-    from zeroth import rng as _rng
-
-    _check_rounding(rounding)
+    check_rounding(rounding)
     dev = {k: (jnp.asarray(g.d), jnp.asarray(g.m), g.qmin, g.qmax) for k, g in grids.items()}
 
     @jax.jit
@@ -193,69 +192,7 @@ def _changed(a, b):
 
 def changed_fraction(before, after, paths=None) -> float:
     """Fraction of the weights (of the leaves at ``paths``, default all) that differ between two pytrees."""
-    from zeroth import rng as _rng
-
     a = {_rng.leaf_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(before)[0]}
     b = {_rng.leaf_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(after)[0]}
     keys = sorted(a) if paths is None else sorted(paths)
     return float(_changed([a[k] for k in keys], [b[k] for k in keys]))
-
-
-def zo_q4_method(cfg, model, *, rounding: str = "nearest", grids: dict[str, _quant.Grid] | None = None):
-    """A :class:`zeroth.train.trainer.Method`: the trainer's ZO step, then requantization.
-
-    ``init(params)`` checks that the parameters start on their grids (SmolLM2's pretrained
-    values do); ``step`` runs :func:`zeroth.zo.mezo_step` exactly as ``train.method: zo`` does,
-    then projects the result (:func:`make_projection`). The fraction of gridded weights whose
-    code changed in the last step is ``step.last_changed[0]`` (for logging).
-
-    Args:
-      cfg: the experiment config (``train.method`` must be ``zo``).
-      model: the flax module; without ``grids`` it must have ``quant_grids()`` (``smollm2_prompt``).
-      rounding: ``"nearest"`` or ``"stochastic"``.
-      grids: ``{leaf path: Grid}``; default ``model.quant_grids()``.
-
-    Raises:
-      ValueError: ``train.method`` is not ``zo``, an unknown ``rounding``, or a model without grids.
-    """
-    from zeroth import zo as _zo
-    from zeroth.train import trainer as _trainer
-
-    t = cfg.train
-    if t.method != "zo":
-        raise ValueError(f"4-bit forward-only training needs train.method 'zo', got {t.method!r}")
-    _check_rounding(rounding)
-    if grids is None:
-        if not callable(getattr(model, "quant_grids", None)):
-            raise ValueError(
-                f"4-bit forward-only training (requantize {rounding!r}) needs a model whose weights have 4-bit "
-                f"grids, such as smollm2_prompt; {type(model).__name__} has none"
-            )
-        grids = model.quant_grids()
-    project = make_projection(grids, rounding)
-    nearest = make_projection(grids, "nearest") if rounding != "nearest" else project
-    loss_fn = _trainer.make_objective(t.objective, model)
-    _zo.round_eps(t.eps)
-    gridded = sorted(grids)
-    last_changed = [0.0]
-
-    def init(params):
-        on_grid = nearest(params, cfg.run.seed, 0)
-        frac = changed_fraction(params, on_grid, gridded)
-        if frac:
-            raise ValueError(f"{frac:.2%} of the quantized weights are not on their file grids; start from pretrained_params()")
-        return None
-
-    def step(params, opt_state, batch, step_idx):
-        out = _zo.mezo_step(
-            loss_fn, params, batch, run_seed=cfg.run.seed, iteration=step_idx, lr=t.lr, eps=t.eps,
-            n_perturbations=t.n_perturbations, machine=_trainer.MACHINE, scaling=t.lr_scaling,
-            distribution=t.distribution, codec=t.codec, weight_decay=t.weight_decay, donate=False,
-        )  # fmt: skip
-        new = project(out.params, cfg.run.seed, step_idx)
-        last_changed[0] = changed_fraction(params, new, gridded)
-        info = _trainer.StepInfo(2 * t.n_perturbations, 0, len(out.payload), out.loss, out.grads)
-        return new, None, info
-
-    step.last_changed = last_changed
-    return _trainer.Method(init, step)

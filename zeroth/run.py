@@ -1,8 +1,9 @@
 """``zeroth run CONFIG [--set k=v ...] [--out DIR] [--resume [--resume-step N]]``.
 
-Loads an experiment config (:mod:`zeroth.config`), applies ``--set`` overrides and trains on
-this machine (:func:`zeroth.train.trainer.train`). A config with a ``peers`` section is handed
-to ``zeroth.net.launch.run_config(cfg, out_dir, argv)``, which runs the peers on loopback.
+Loads an experiment config (:mod:`zeroth.config`), applies ``--set`` overrides and chooses how
+to run it: on this machine (:func:`zeroth.train.trainer.train`), or, with a ``peers`` section,
+as Just One Byte peers on loopback (``zeroth.net.launch.run_config(cfg, out_dir, argv)``). The
+dispatcher sits above every system it chooses between.
 ``--help-config`` prints every config field with its type, default and description.
 
 Exit codes: 0 done; 2 a bad command line, config, dataset or checkpoint (the message says which).
@@ -16,6 +17,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+
+import zeroth.net.launch
+from zeroth import config as _config
+from zeroth.data import DatasetUnavailable
+from zeroth.data.resources import MissingPackage
+from zeroth.train import trainer
+from zeroth.train.checkpoint import CheckpointError
 
 __all__ = ["main", "build_parser"]
 
@@ -52,8 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """Entry point of ``zeroth run``; returns the exit code."""
     args = build_parser().parse_args(argv)
-    from zeroth import config as _config
-
     if args.help_config:
         print(_config.describe())
         return 0
@@ -64,25 +70,13 @@ def main(argv: list[str]) -> int:
         print("zeroth run: error: --resume-step needs --resume", file=sys.stderr)
         return 2
 
-    from zeroth.data import DatasetUnavailable
-    from zeroth.models.pretrained.resources import MissingPackage
-    from zeroth.train.checkpoint import CheckpointError
-
     try:
         cfg = _config.load_config(args.config, args.overrides)
         if args.out:
             cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=args.out))
-        from zeroth.train import trainer
-
         out = trainer.out_dir_of(cfg)
         if cfg.peers is not None:
-            try:
-                from zeroth.net import launch
-            except ImportError as e:
-                msg = f"the config has a 'peers' section but zeroth.net.launch cannot be imported ({e})"
-                print(f"zeroth run: error: {msg}", file=sys.stderr)
-                return 2
-            return int(launch.run_config(cfg, out, argv) or 0)
+            return int(zeroth.net.launch.run_config(cfg, out, argv) or 0)
         result = trainer.train(
             cfg, out, resume=args.resume, resume_step=args.resume_step, progress=not args.quiet
         )

@@ -1,0 +1,58 @@
+"""The method protocol: what the trainer calls, knowing nothing about any model.
+
+A method is a pair of functions (optax style), built by a factory from a config and a model:
+
+* ``init(params, key) -> TrainState``: the state at step 0;
+* ``step(state, batch) -> (TrainState, StepInfo)``: one training step on ``batch`` (the step's
+  index is ``state.step``, which names its keys), returning the next state and what the step
+  cost and measured.
+
+The trainer's state is one pytree, :class:`TrainState` ``(step, params, opt_state, key)``. The
+methods are :mod:`zeroth.methods.mezo` (MeZO / Just One Byte with exact replay),
+:mod:`zeroth.methods.backprop` (``jax.value_and_grad`` + optax) and :mod:`zeroth.methods.q4`
+(MeZO on 4-bit weights); :func:`zeroth.methods.make_method` picks one from a config.
+
+Example:
+  >>> import numpy as np
+  >>> state = TrainState(0, {"w": np.zeros(3, np.float32)}, None, np.zeros(2, np.uint32))
+  >>> state._replace(step=state.step + 1).step
+  1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["MACHINE", "TrainState", "StepInfo", "Method"]
+
+MACHINE = 0  # machine id of a single-machine run in sample_key(seed, machine, iteration, sample)
+
+
+class TrainState(NamedTuple):
+    """Everything a training run carries from one step to the next (a pytree)."""
+
+    step: int  # steps done = the index of the next step (its keys' iteration)
+    params: Any  # pytree of arrays, the model's parameters
+    opt_state: Any  # the method's own state (optax state for backprop, None for the ZO methods)
+    key: np.ndarray  # u32[2], the run key root_key(run.seed); the methods' streams derive from the same seed
+
+
+class StepInfo(NamedTuple):
+    """What one training step cost and produced."""
+
+    forward_passes: int  # forward passes over a batch
+    backward_passes: int  # backward passes over a batch (backprop)
+    payload_bytes: int  # projected-gradient bytes a peer would send (zo)
+    loss: Any  # f32[] objective on the step's batch before the update (zo: mean over the pairs)
+    grads: np.ndarray | None  # f32[n] decoded projected gradients (zo), else None
+    metrics: Mapping[str, float] | None = None  # more numbers to log with the loss (q4: {"changed": fraction})
+
+
+class Method(NamedTuple):
+    """A training method: ``init(params, key) -> TrainState``; ``step(state, batch) -> (TrainState, StepInfo)``."""
+
+    init: Callable[[Any, np.ndarray], TrainState]
+    step: Callable[[TrainState, tuple], tuple[TrainState, StepInfo]]

@@ -1,0 +1,62 @@
+"""MeZO / Just One Byte on one machine: forward passes only, the update replayed exactly.
+
+Step ``t`` (:func:`zo_method`), with ``n = train.n_perturbations`` and machine 0:
+
+1. keys ``k_i = sample_key(run.seed, 0, t, i)`` for ``i < n``;
+2. projected gradients ``g_i = (L(θ+εz_i) − L(θ−εz_i)) / (2ε)`` on the step's batch
+   (:func:`zeroth.zo.projected_gradients`, ε host-rounded);
+3. ``payload = codec.encode(g)``; ``ĝ = codec.decode(payload)``: the *decoded* values are applied,
+   exactly what a peer would receive;
+4. coefficients ``c_i = −η ĝ_i / √n`` (or ``/ n``) (:func:`zeroth.zo.update_coefficients`);
+5. ``θ ← replay(θ, [(k_i, c_i)])``: the exact, backend-independent update of
+   :mod:`zeroth.replay`; then the optional exact weight-decay step of :mod:`zeroth.zo`.
+
+Example:
+  >>> from zeroth.config import load_config_dict                     # doctest: +SKIP
+  >>> method = zo_method(load_config_dict({}), model)                # doctest: +SKIP
+  >>> state, info = method.step(method.init(params, key), batch)     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from zeroth import codecs as _codecs
+from zeroth import objectives as _objectives
+from zeroth import zo as _zo
+from zeroth.methods.base import MACHINE, Method, StepInfo, TrainState
+
+__all__ = ["zo_method", "mezo_update"]
+
+
+def mezo_update(cfg, loss_fn, params, batch, step: int, *, donate: bool) -> _zo.StepResult:
+    """One :func:`zeroth.zo.mezo_step` of machine 0 with the hyperparameters of ``cfg.train``."""
+    t = cfg.train
+    return _zo.mezo_step(
+        loss_fn, params, batch, run_seed=cfg.run.seed, iteration=step, lr=t.lr, eps=t.eps,
+        n_perturbations=t.n_perturbations, machine=MACHINE, scaling=t.lr_scaling,
+        distribution=t.distribution, codec=t.codec, weight_decay=t.weight_decay, donate=donate,
+    )  # fmt: skip
+
+
+def zo_method(cfg, model) -> Method:
+    """The MeZO / Just One Byte step on one machine: :func:`zeroth.zo.mezo_step` with machine 0.
+
+    keys ``sample_key(run.seed, 0, step, i)`` -> projected gradients -> ``codec`` encode/decode ->
+    canonical coefficients -> ``replay(..., donate=True)`` -> optional exact weight decay. The
+    loss reported is the mean over the pairs of ``(L(θ+εz) + L(θ−εz)) / 2``, before the update.
+    """
+    t = cfg.train
+    loss_fn = _objectives.make_objective(t.objective, model)
+    bytes_per_value = _codecs.get_codec(t.codec).bytes_per_value
+    _zo.round_eps(t.eps)  # validate early
+
+    def init(params, key):
+        return TrainState(0, params, None, key)
+
+    def step(state, batch):
+        out = mezo_update(cfg, loss_fn, state.params, batch, state.step, donate=True)
+        if len(out.payload) != t.n_perturbations * bytes_per_value:
+            raise RuntimeError(f"codec {t.codec!r} produced {len(out.payload)} bytes for {t.n_perturbations} values")
+        info = StepInfo(2 * t.n_perturbations, 0, len(out.payload), out.loss, out.grads)
+        return state._replace(step=state.step + 1, params=out.params), info
+
+    return Method(init, step)

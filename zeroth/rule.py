@@ -1,0 +1,131 @@
+"""The shared pieces of the exact update rule (layer 1): dtypes, flushes, scales, platforms.
+
+Every path that applies an update (:mod:`zeroth.replay`'s jnp rule, the fused kernels of
+:mod:`zeroth.kernels`, the native CPU kernel) calls these, so there is one definition of each:
+
+* :func:`flush` (float32): subnormals and -0 -> +0, every NaN -> the canonical quiet NaN
+  ``0x7fc00000``; infinities propagate. Applied after every update.
+* :func:`canonicalize` (any supported dtype): the same, **by bit pattern** in the array's own
+  dtype. Hardware conversions disagree on the NaN they produce (NVIDIA's f32 -> bf16 and
+  f32 -> f16 give ``0x7fff``; x86 and NumPy give ``0x7fc0`` / ``0x7e00``), so the result of the
+  single cast is canonicalised with integer operations only: whatever NaN a backend produced,
+  the stored bits are the dtype's canonical quiet NaN (:data:`CANONICAL_NAN_BITS`).
+* :func:`flush_cast`: the single cast of an update's float32 result to the leaf dtype,
+  followed by :func:`canonicalize`.
+* :func:`update_scale` / :func:`update_scales`: the host-rounded float32 multipliers of the
+  integer noise (20 significant bits, so ``scale * k`` is exact).
+* :func:`check_dtype` / :data:`SUPPORTED_DTYPES`, :func:`platform_name` (``"cuda"`` /
+  ``"rocm"`` -> ``"gpu"``) and :func:`default_platform` (where uncommitted arrays go).
+
+Example:
+  >>> import jax.numpy as jnp, numpy as np
+  >>> nvidia_nan = jnp.asarray(np.array([0x7FFF], np.uint16)).view(jnp.bfloat16)
+  >>> hex(int(canonicalize(nvidia_nan).view(jnp.uint16)[0]))
+  '0x7fc0'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroth import noise as _noise
+from zeroth import reference as _ref
+
+__all__ = [
+    "COEFF_BITS",
+    "SUPPORTED_DTYPES",
+    "CANONICAL_NAN_BITS",
+    "check_dtype",
+    "platform_name",
+    "default_platform",
+    "flush",
+    "canonicalize",
+    "flush_cast",
+    "update_scale",
+    "update_scales",
+]
+
+COEFF_BITS = _ref.COEFF_BITS
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_FLT_MIN = np.float32(np.finfo(np.float32).tiny)
+
+
+# dtype -> (uint dtype of its bits, |x| mask, +inf bits, smallest-normal bits, canonical quiet NaN bits)
+_BITS = {
+    jnp.dtype(jnp.float32): (jnp.uint32, 0x7FFFFFFF, 0x7F800000, 0x00800000, 0x7FC00000),
+    jnp.dtype(jnp.bfloat16): (jnp.uint16, 0x7FFF, 0x7F80, 0x0080, 0x7FC0),
+    jnp.dtype(jnp.float16): (jnp.uint16, 0x7FFF, 0x7C00, 0x0400, 0x7E00),
+}
+CANONICAL_NAN_BITS = {str(dt): bits[4] for dt, bits in _BITS.items()}
+"""The canonical quiet NaN of each supported dtype, as an unsigned integer bit pattern."""
+
+
+def check_dtype(dtype, what: str = "leaf") -> jnp.dtype:
+    """Return ``dtype`` if the exact update supports it; else a ``TypeError`` naming ``what``."""
+    dt = jnp.dtype(dtype)
+    if dt not in SUPPORTED_DTYPES:
+        raise TypeError(f"{what} has dtype {dt}; the exact update supports {[str(d) for d in SUPPORTED_DTYPES]}")
+    return dt
+
+
+def platform_name(name: str) -> str:
+    """The platform family of a jax backend or device platform name: "cuda"/"rocm" -> "gpu"."""
+    return "gpu" if name in ("cuda", "rocm", "gpu") else name
+
+
+def default_platform() -> str:
+    """The platform family where ``jit`` puts uncommitted arrays: the default device's
+    (``jax.default_device(...)`` or ``jax_default_device``) if one is set, else the default backend's."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return platform_name(jax.default_backend())
+    return platform_name(device if isinstance(device, str) else device.platform)
+
+
+def flush(x: jax.Array) -> jax.Array:
+    """float32: subnormals and -0 -> +0, NaN -> canonical quiet NaN; explicit on every backend."""
+    x = jnp.where(jnp.abs(x) < _FLT_MIN, jnp.float32(0.0), x)
+    return jnp.where(jnp.isnan(x), jnp.float32(np.uint32(0x7FC00000).view(np.float32)), x)
+
+
+def canonicalize(x: jax.Array) -> jax.Array:
+    """By bit pattern in ``x``'s own dtype: every NaN -> the canonical quiet NaN, subnormals and
+    ±0 -> +0; every other value (infinities included) unchanged. Integer operations only, so no
+    backend's float conversion or NaN propagation can change the stored bits.
+
+    16-bit patterns are widened to uint32 for the compares (every backend has 32-bit integer
+    vector ops; some lack 16-bit ones).
+    """
+    dt = check_dtype(x.dtype, "array")
+    utype, abs_mask, inf_bits, normal_bits, nan_bits = _BITS[dt]
+    u = jax.lax.bitcast_convert_type(x, utype).astype(jnp.uint32)
+    a = u & jnp.uint32(abs_mask)
+    u = jnp.where(a < jnp.uint32(normal_bits), jnp.uint32(0), u)
+    u = jnp.where(a > jnp.uint32(inf_bits), jnp.uint32(nan_bits), u)
+    return jax.lax.bitcast_convert_type(u.astype(utype), dt)
+
+
+def _convert(x32: jax.Array, dtype) -> jax.Array:
+    """The backend's float32 -> ``dtype`` conversion (round to nearest even; its NaN bits vary)."""
+    return x32.astype(dtype)
+
+
+def flush_cast(x32: jax.Array, dtype) -> jax.Array:
+    """Cast float32 once to ``dtype``, then :func:`canonicalize` in that dtype (subnormals and
+    -0 -> +0, whatever NaN the conversion produced -> the dtype's canonical quiet NaN)."""
+    return canonicalize(_convert(x32, check_dtype(dtype)))
+
+
+def update_scale(distribution: str, coefficient: float) -> np.float32:
+    """The float32 scale that multiplies the integer noise k (host-rounded; exact)."""
+    _noise.check_distribution(distribution)
+    return _ref.update_scale(distribution, coefficient)
+
+
+def update_scales(distribution: str, coefficients: Sequence[float]) -> np.ndarray:
+    """``f32[K]`` of :func:`update_scale` for each coefficient."""
+    return np.array([update_scale(distribution, c) for c in coefficients], dtype=np.float32).reshape(-1)
