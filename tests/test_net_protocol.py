@@ -472,6 +472,10 @@ def test_a_commit_for_a_future_iteration_cannot_wedge_the_peer():
         step = P.on_commit(pp, st, wedge, 10.0)
         assert t + ahead not in step.state.decided and t + ahead not in step.state.promised
         assert [type(e) for e in step.effects] == [P.Fetch]  # a hint: fetch the log, store nothing
+        assert step.effects[0].last == t + ahead
+    # A source without the hinted decisions answers with nothing: the hint is dropped, no fetch loop.
+    quiet = P.on_fetched(pp, step.state, [], 11.0)
+    assert quiet.state.ahead == -1 and not any(isinstance(e, P.Fetch) for e in quiet.effects)
     # The real decisions of t and t + 1 are taken as usual.
     st = step.state._replace(fetch=None)
     _, step = decide(pp, st, t)

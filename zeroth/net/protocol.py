@@ -165,6 +165,7 @@ UNREACHABLE_AFTER = 3  # failed commit deliveries after which a non-contributing
 MAX_ROUND = 2**32  # ballot rounds are below this (a round near 2**63 is refused up front)
 MAX_ROUND_STEP = 16  # a prepare's round is at most this far above the highest one promised for its iteration
 KEY_BYTES = 32  # Ed25519 public key
+READY_LAG = 8  # a late push (up to this many iterations) of an inactive member marks it ready to be active
 _NO_BALLOT = (-1, -1)
 
 
@@ -503,6 +504,7 @@ class PeerState(NamedTuple):
       forming_deadline: when the founder stops waiting for founders.
       resynced_at: when this peer last re-synchronised a stuck iteration.
       denials: sources that refused this peer's log requests as a non-member (reset by a fetch that works).
+      ahead: the newest iteration an unverifiable commit (a hint) named: fetched up to it once.
     """
 
     me: int
@@ -529,6 +531,7 @@ class PeerState(NamedTuple):
     forming_deadline: float
     resynced_at: float = float("-inf")
     denials: frozenset = frozenset()
+    ahead: int = -1
 
 
 class Step(NamedTuple):
@@ -895,8 +898,8 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
         entry = st.decided.get(st.it)
         if entry is None:
             later = [t for t in st.decided if t > st.it]
-            if later and st.fetch is None:
-                st = _fetch(params, st, now, effects, st.it, min(later) - 1)
+            if st.fetch is None and (later or st.ahead >= st.it):
+                st = _fetch(params, st, now, effects, st.it, max(min(later) - 1 if later else -1, st.ahead))
             break
         if entry.payloads is None:
             got = _assemble(st, entry.commit)
@@ -1231,7 +1234,9 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
 
     Accepted for iterations from ``it`` to one past the newest decision known (a member may be
     one iteration ahead); stored once (an identical copy is accepted again, a different one is
-    refused). A catching-up member's push one iteration late marks it ready to become active.
+    refused). An inactive member's push up to :data:`READY_LAG` iterations late (a joiner that
+    caught up while the others ran ahead) marks it ready to become active: the next decision makes
+    it active, and the barrier then waits for it.
 
     Raises:
       Rejected: other run, unknown sender, stale or too far ahead, bad count or size, conflicting duplicate.
@@ -1250,7 +1255,7 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
     t = push.iteration
     if t < st.it:
         mem = [m for m in st.view.members if m.machine == push.sender]
-        if t == st.it - 1 and mem and not mem[0].active and st.phase == MEMBER:
+        if t >= st.it - READY_LAG and mem and not mem[0].active and st.phase == MEMBER:
             return Step(st._replace(ready=st.ready | {push.sender}), ())
         raise Rejected("FAILED_PRECONDITION", f"stale push: iteration {t} is already decided (this peer is at {st.it})")
     if t > _horizon(st) or t > st.it + params.window:
@@ -1309,8 +1314,9 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
         # A later iteration whose view this peer cannot verify yet: never stored (it could wedge
         # the iteration), only a hint that this peer is behind: fetch the decided log.
         _verify(params, st.view, commit, f"commit of iteration {t}")
+        st = st._replace(ahead=max(st.ahead, t))
         if st.phase == MEMBER and st.fetch is None:
-            st = _fetch(params, st, now, effects, st.it, t - 1)
+            st = _fetch(params, st, now, effects, st.it, t)
         return Step(st, tuple(effects))
     if commit.sender not in view.ids():
         raise Rejected("PERMISSION_DENIED", f"machine {commit.sender} is not a member of iteration {t}")
@@ -1566,7 +1572,9 @@ def on_fetched(params: Params, st: PeerState, entries, now: float) -> Step:
         old = decided.get(t)
         if old is None or old.payloads is None and (_same_value(old.commit, e.commit) or e.commit.ballot >= old.commit.ballot):
             decided[t] = LogEntry(e.commit, tuple(e.payloads), e.signatures)
-    st = st._replace(decided=decided, fetch=None, denials=frozenset())
+    # A hint the source could not confirm (it has no decision of st.it yet) is dropped: one fetch per hint.
+    ahead = st.ahead if st.it in decided else -1
+    st = st._replace(decided=decided, fetch=None, denials=frozenset(), ahead=ahead)
     st = _advance(params, st, now, effects)
     return Step(st, tuple(effects))
 

@@ -470,6 +470,8 @@ class Node:
                 rpc(eff.address, "Leave", wire.leave_to_pb(msg), b)
         except grpc.RpcError as e:
             code, details = e.code(), e.details()
+            if isinstance(msg, P.Push | P.Leave) and code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                self.say(f"{type(msg).__name__.lower()} of iteration {msg.iteration} to machine {eff.machine} refused: {code.name}: {details}")
             if isinstance(msg, P.Commit):
                 self._event(inc, P.on_commit_failed, iteration=msg.iteration, machine=eff.machine, message=f"{code.name}: {details}")
             elif isinstance(msg, P.Prepare):
