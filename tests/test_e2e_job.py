@@ -1,7 +1,8 @@
 """Just One Byte end to end: real peer processes on 127.0.0.1.
 
-1. ``zeroth run`` on a config with a ``peers:`` section: three founders, a peer that joins
-   mid-run, a founder killed with SIGKILL; every peer that finishes holds the same digest.
+1. ``zeroth run`` on a config with a ``peers:`` section and no secret (secure by default: one is
+   generated): three founders, a peer that joins mid-run, a founder killed with SIGKILL; every
+   peer that finishes holds the same digest.
 2. Peers started by hand with different ``XLA_FLAGS`` (no FMA / fast-math / default), TLS and a
    shared token: a peer joins at an iteration that is no snapshot iteration, the *leader* is
    killed with SIGKILL (a takeover follows), an unauthenticated peer is refused; every digest
@@ -62,7 +63,7 @@ def wait_for(cond, timeout):
 
 
 def test_zeroth_run_with_a_join_and_a_kill(tmp_path):
-    cfg = write_config(tmp_path / "job.yaml", iterations=120, join_at=[43], kill_at=[80])
+    cfg = write_config(tmp_path / "job.yaml", iterations=120, join_at=[43], kill_at=[80], token=None)
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "zeroth", "run", str(cfg), "--out", str(out)],
@@ -75,6 +76,10 @@ def test_zeroth_run_with_a_join_and_a_kill(tmp_path):
     assert "final digests       agree" in proc.stdout and "checksums" in proc.stdout
     s = json.loads((out / "summary.json").read_text())
     assert s["digests_agree"] and s["iterations"] == 120
+    # Secure by default: no secret in the config, so `zeroth run` made one, readable by its owner only.
+    assert (out / "run.secret").stat().st_mode & 0o777 == 0o600
+    assert f"--secret-file {out / 'run.secret'}" in (out / "peers" / "p0.log").read_text()
+    assert s["refused_requests"] == 0 and set(s["member_stats"]) >= {"0", "1", "2"}
     assert s["peers_started"] == 4 and s["peers_done"] == 3
     assert s["checksum_mismatches"] == 0 and s["checksum_comparisons"] > 100
     assert s["accuracy"] is not None and s["accuracy"] > 0.3
@@ -124,7 +129,7 @@ def test_mixed_xla_flags_leader_killed_late_joiner_and_an_intruder(tmp_path):
     intruder_env = launch.peer_env()
     intruder_env.pop("ZEROTH_TOKEN", None)
     no_token_cfg = write_config(tmp_path / "no_token.yaml", iterations=90, token=None)
-    intruder = launch.start_peer(no_token_cfg, tmp_path / "p4", addr[4], index=4, join=addr[0], extra_args=(*common, "--no-rejoin"), env=intruder_env)
+    intruder = launch.start_peer(no_token_cfg, tmp_path / "p4", addr[4], index=4, join=addr[0], extra_args=(*common, "--no-rejoin", "--insecure"), env=intruder_env)
     try:
         # Kill the leader (machine 0) mid-run, once the joiner is in.
         assert wait_for(lambda: any(3 in r["contributors"] for r in records(tmp_path / "p1" / "metrics.jsonl")), 300), (

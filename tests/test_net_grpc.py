@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 from zeroth import replay, zo
 from zeroth.config import load_config_dict
-from zeroth.net import security, wire
+from zeroth.net import identity, security, wire
+from zeroth.net import protocol as P
+from zeroth.net.chaos import HostileMember
 from zeroth.net.proto import peer_pb2 as pb
 from zeroth.net.proto import peer_pb2_grpc as pb_grpc
 from zeroth.net.runtime import Node, NodeOptions
@@ -46,11 +48,11 @@ def worker():
 
 
 def start_nodes(cfg, worker, tmp_path, n, **options):
-    first = Node(cfg, NodeOptions(out_dir=str(tmp_path / "p0"), founders=n, token=cfg.peers.token, log=False, **options), worker=worker)
+    first = Node(cfg, NodeOptions(out_dir=str(tmp_path / "p0"), founders=n, secret=cfg.peers.token, log=False, **options), worker=worker)
     nodes = [first]
     address = first.start()
     for i in range(1, n):
-        node = Node(cfg, NodeOptions(out_dir=str(tmp_path / f"p{i}"), join=(address,), token=cfg.peers.token, log=False, **options), worker=worker)
+        node = Node(cfg, NodeOptions(out_dir=str(tmp_path / f"p{i}"), join=(address,), secret=cfg.peers.token, log=False, **options), worker=worker)
         node.start()
         nodes.append(node)
     return nodes
@@ -67,8 +69,8 @@ def wait_for(cond, timeout=120.0):
 
 @pytest.fixture(scope="module")
 def running(worker, tmp_path_factory):
-    """Two peers in an endless run (stopped at teardown)."""
-    cfg = config(10**6)
+    """Two peers in an endless run (stopped at teardown); decoded projected gradients clipped to 8."""
+    cfg = config(10**6, clip=8.0)
     nodes = start_nodes(cfg, worker, tmp_path_factory.mktemp("running"), 2)
     assert wait_for(lambda: all(n.applied >= 3 for n in nodes))
     yield nodes
@@ -76,7 +78,20 @@ def running(worker, tmp_path_factory):
         n.stop()
 
 
-def stub(node, token=TOKEN):
+@pytest.fixture(scope="module")
+def hostile(running):
+    """A client holding valid credentials for ONE member: it joined with the secret and its own key."""
+    h = HostileMember(secret=TOKEN, config_digest=running[0].join_digest)
+    h.join(running[0].address)
+    assert wait_for(lambda: all(h.machine in n.status_view().ids() for n in running))
+    yield h
+    h.close()
+
+
+ACCESS = identity.access_token(TOKEN)
+
+
+def stub(node, token=ACCESS):
     channel = grpc.insecure_channel(node.address)
     metadata = security.token_metadata(token)
     return pb_grpc.PeerStub(channel), metadata
@@ -96,7 +111,7 @@ def run_id(node):
 
 def test_a_peer_without_the_token_is_refused(running):
     member = running[1]
-    for token in (None, "wrong"):
+    for token in (None, "wrong", TOKEN):  # the secret itself is not the access token either
         s, md = stub(member, token)
         req = pb.GradientPush(run_id=run_id(member), sender=0, iteration=member.applied, count=1, payload=b"\x80")
         code, details = status_of(lambda: s.PushGradients(req, metadata=md, timeout=10))
@@ -105,6 +120,8 @@ def test_a_peer_without_the_token_is_refused(running):
         assert code == grpc.StatusCode.UNAUTHENTICATED
         code, _ = status_of(lambda: list(s.FetchState(pb.StateRequest(run_id=run_id(member)), metadata=md, timeout=10)))
         assert code == grpc.StatusCode.UNAUTHENTICATED
+        code, _ = status_of(lambda: s.Status(pb.StatusRequest(), metadata=md, timeout=10))
+        assert code == grpc.StatusCode.UNAUTHENTICATED  # not even the run id for outsiders
 
 
 REFUSALS = {
@@ -113,6 +130,7 @@ REFUSALS = {
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.OUT_OF_RANGE,
     grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.UNAUTHENTICATED,
 }
 
 
@@ -130,38 +148,116 @@ def test_garbage_pushes_get_a_clear_status(running, run, sender, offset, count, 
     rid = run_id(member) if run == "own" else run
     req = pb.GradientPush(run_id=rid, sender=sender, iteration=max(0, member.applied + offset), count=count, payload=payload)
     code, details = status_of(lambda: s.PushGradients(req, metadata=md, timeout=10))
-    if code != grpc.StatusCode.OK:
-        assert code in REFUSALS and details
-    else:  # accepted only if it could be a real member's push
-        assert rid == run_id(member) and sender == 0 and 1 <= count <= 4 and len(payload) == count
+    assert code in REFUSALS and details  # unsigned: never accepted, whatever it claims
 
 
-def test_stale_duplicate_oversized_and_undecodable_messages(running):
+def test_a_member_cannot_speak_for_another(running, hostile):
+    """Valid credentials for one member (machine h) do not let it speak for machines 0 and 1."""
     leader, member = running
+    before = [dict(n.counters) for n in running]
+    t = member.status()["iteration"]
+    view = member.status_view()
+    for victim in (0, 1):
+        target = running[1 - victim].address
+        assert hostile.send(target, "PushGradients", hostile.push(victim, iteration=t, payload=b"\xff" * 4))[0] == "UNAUTHENTICATED"
+        forged = hostile.commit(victim, iteration=t - 1, ballot=P.Ballot(0, victim), view=view._replace(iteration=t))
+        assert hostile.send(target, "CommitIteration", forged)[0] == "UNAUTHENTICATED"
+        assert hostile.send(target, "Leave", hostile.leave(victim, iteration=t))[0] == "UNAUTHENTICATED"
+        assert hostile.send(target, "Prepare", hostile.prepare(victim, iteration=t, round=1))[0] == "UNAUTHENTICATED"
+        rid = hostile.run_id
+        check = hostile.signed("Checksum", pb.ChecksumRequest(run_id=rid, sender=victim, iteration=t, digest=b"\x01" * 32))
+        assert hostile.send(target, "Checksum", check)[0] == "UNAUTHENTICATED"
+        manifest = hostile.signed("GetManifest", pb.ManifestRequest(run_id=rid, sender=victim))
+        assert hostile.send(target, "GetManifest", manifest)[0] == "UNAUTHENTICATED"
+        state = hostile.signed("FetchState", pb.StateRequest(run_id=rid, sender=victim, iteration=0, offset=0, length=8))
+        assert hostile.send(target, "FetchState", state)[0] == "UNAUTHENTICATED"
+        log = hostile.signed("FetchLog", pb.FetchLogRequest(run_id=rid, sender=victim, first_iteration=t - 1, last_iteration=t))
+        assert hostile.send(target, "FetchLog", log)[0] == "UNAUTHENTICATED"
+        # A join naming a live member's address is refused: it would evict that member.
+        code, details = hostile.send(leader.address, "Join", hostile.join_request(running[victim].address))
+        assert code == "ALREADY_EXISTS", details
+    unsigned = pb.StateRequest(run_id=hostile.run_id, sender=0, iteration=0, offset=0, length=8)
+    assert hostile.send(member.address, "FetchState", unsigned)[0] == "UNAUTHENTICATED"
+    # Its own identity works where the rules allow it: a signed state request as itself.
+    own = hostile.signed("GetManifest", pb.ManifestRequest(run_id=hostile.run_id, sender=hostile.machine))
+    assert hostile.send(member.address, "GetManifest", own)[0] == "OK"
+    # ... but a replayed one (same sequence number) is refused.
+    assert hostile.send(member.address, "GetManifest", own)[0] == "UNAUTHENTICATED"
+    outsider = HostileMember(secret="not-the-secret", config_digest=leader.join_digest)
+    try:
+        outsider.token = identity.access_token(TOKEN)  # even with the access token, joining needs the secret
+        outsider.metadata = security.token_metadata(outsider.token)
+        code, details = outsider.send(leader.address, "Join", outsider.join_request(outsider.address))
+        assert code == "UNAUTHENTICATED" and "secret" in details
+    finally:
+        outsider.close()
+    for n, b in zip(running, before, strict=True):
+        assert n.counters["checksum_mismatches"] == b["checksum_mismatches"] == 0
+        assert n.phase == "member"
+
+
+def test_rule_breaking_messages_of_a_member_are_refused_or_harmless(running, hostile):
+    leader, member = running
+    h = hostile.machine
+    t = member.status()["iteration"]
+    view = member.status_view()
+    # Ballots near overflow are refused up front, and so is a jump of the round.
+    for rnd in (2**63 - 1, 2**32):
+        assert hostile.send(member.address, "Prepare", hostile.prepare(h, iteration=t, round=rnd))[0] == "INVALID_ARGUMENT"
+    code, _ = hostile.send(member.address, "Prepare", hostile.prepare(h, iteration=t + 1, round=1000))
+    assert code == "OUT_OF_RANGE"
+    # A takeover commit without a promise, and round-0 commits from a non-leader, are refused.
+    now = member.status()["iteration"]
+    code, _ = hostile.send(member.address, "CommitIteration", hostile.commit(h, iteration=now, ballot=P.Ballot(5, h), view=view._replace(iteration=now + 1)))
+    assert code in ("FAILED_PRECONDITION", "OK")  # OK only if the iteration moved on meanwhile (then it is a mere hint)
+    # Commits for future iterations (the wedge of a whole run) are hints only, never stored.
+    for ahead in (1, 2, 5):
+        it = member.status()["iteration"] + ahead
+        forged = hostile.commit(h, iteration=it, ballot=P.Ballot(7, h), view=view._replace(iteration=it + 1))
+        for n in running:
+            hostile.send(n.address, "CommitIteration", forged)
+    # Outlier bytes as itself: accepted, clipped to peers.clip, and visible in the statistics.
+    accepted = 0
+    for _ in range(200):
+        it = leader.status()["iteration"]
+        code, _ = hostile.send(leader.address, "PushGradients", hostile.push(h, iteration=it, payload=b"\xff" * 4))
+        accepted += code == "OK"
+        if accepted >= 3:
+            break
+        time.sleep(0.02)
+    assert accepted >= 3
+    assert wait_for(lambda: str(h) in leader.summary()["member_stats"])
+    stats = leader.summary()["member_stats"][str(h)]
+    assert stats["max_abs"] > 50 and stats["clipped"] >= 4 and stats["count"] >= 4
+
+
+def test_stale_duplicate_oversized_and_undecodable_messages(running, hostile):
+    leader, member = running
+    h = hostile.machine
     s, md = stub(member)
     rid = run_id(member)
-    stale = pb.GradientPush(run_id=rid, sender=0, iteration=max(0, member.applied - 2), count=1, payload=b"\x80")
-    code, details = status_of(lambda: s.PushGradients(stale, metadata=md, timeout=10))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "stale" in details
+    stale = hostile.push(h, iteration=max(0, member.applied - 3), payload=b"\x80")
+    code, details = hostile.send(member.address, "PushGradients", stale)
+    assert code == "FAILED_PRECONDITION" and "stale" in details
     huge = pb.GradientPush(run_id=rid, sender=0, iteration=member.applied, count=1, payload=b"\x80" * (5 << 20))
     code, _ = status_of(lambda: s.PushGradients(huge, metadata=md, timeout=30))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     raw = grpc.insecure_channel(member.address).unary_unary("/zeroth.v1.Peer/CommitIteration")
     code, _ = status_of(lambda: raw(b"\xff\xfe garbage \x00", metadata=md, timeout=10))
     assert code != grpc.StatusCode.OK
-    code, details = status_of(lambda: s.Checksum(pb.ChecksumRequest(run_id=rid, sender=0, iteration=1, digest=b"12345"), metadata=md, timeout=10))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "32 bytes" in details
-    code, details = status_of(lambda: s.Join(pb.JoinRequest(config_digest="not-this-run", address="127.0.0.1:9"), metadata=md, timeout=10))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "config digest" in details
-    code, _ = status_of(lambda: list(s.FetchState(pb.StateRequest(run_id=rid, sender=77, iteration=0), metadata=md, timeout=10)))
-    assert code == grpc.StatusCode.PERMISSION_DENIED
-    manifest = s.GetManifest(pb.ManifestRequest(run_id=rid, sender=0), metadata=md, timeout=10)
-    bad_range = pb.StateRequest(run_id=rid, sender=0, iteration=manifest.iteration, offset=manifest.total_bytes, length=10)
-    code, _ = status_of(lambda: list(s.FetchState(bad_range, metadata=md, timeout=10)))
-    assert code in (grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND)
-    forged = pb.Commit(run_id=rid, sender=1, iteration=member.applied, ballot=pb.Ballot(round=0, leader=1), updates_digest=b"x" * 32, next_view=pb.View())
-    code, _ = status_of(lambda: s.CommitIteration(forged, metadata=md, timeout=10))
-    assert code in REFUSALS
+    bad_digest = hostile.signed("Checksum", pb.ChecksumRequest(run_id=rid, sender=h, iteration=1, digest=b"12345"))
+    code, details = hostile.send(member.address, "Checksum", bad_digest)
+    assert code == "INVALID_ARGUMENT" and "32 bytes" in details
+    join = hostile.join_request("127.0.0.1:9")
+    join.config_digest = "not-this-run"
+    code, details = hostile.send(leader.address, "Join", join)
+    assert code == "UNAUTHENTICATED"  # the proof covers the config digest
+    code, _ = hostile.send(member.address, "FetchState", hostile.signed("FetchState", pb.StateRequest(run_id=rid, sender=77, iteration=0)))
+    assert code == "PERMISSION_DENIED"
+    manifest = s.GetManifest(hostile.signed("GetManifest", pb.ManifestRequest(run_id=rid, sender=h)), metadata=md, timeout=10)
+    bad_range = hostile.signed("FetchState", pb.StateRequest(run_id=rid, sender=h, iteration=manifest.iteration, offset=manifest.total_bytes, length=10))
+    code, _ = hostile.send(member.address, "FetchState", bad_range)
+    assert code in ("OUT_OF_RANGE", "NOT_FOUND")
 
 
 def test_the_run_survives_all_that_and_stays_in_agreement(running):
@@ -173,6 +269,7 @@ def test_the_run_survives_all_that_and_stays_in_agreement(running):
         assert running[0].digests()[t] == running[1].digests()[t]
     assert all(n.phase == "member" for n in running)
     assert all(n.counters["checksum_mismatches"] == 0 for n in running)
+    assert all(n.counters["refused_requests"] > 0 for n in running)  # the forged requests above
     assert sum(n.counters["checksum_comparisons"] for n in running) > 0
 
 
@@ -227,7 +324,8 @@ def test_padding_a_replay_with_zero_coefficients_changes_no_bit(worker):
     ups = zo.canonical_updates(worker.seed, 11, grads, 0.05, "sqrt")
     plain = replay.replay(params, ups, distribution=worker.distribution)
     payloads = tuple(worker.codec.encode(g) for g in grads.values())
-    keys, coeffs = worker.updates(11, ((0, 3), (4, 2)), payloads)
+    keys, coeffs, stats = worker.updates(11, ((0, 3), (4, 2)), payloads)
+    assert stats[0][0] == 3 and stats[4][0] == 2 and stats[0][3] == 0
     assert keys.shape[0] == padded_size(5) == 8
     decoded = {m: worker.codec.decode(p) for m, p in zip(grads, payloads, strict=True)}
     plain = replay.replay(params, zo.canonical_updates(worker.seed, 11, decoded, 0.05, "sqrt"), distribution=worker.distribution)
@@ -263,6 +361,31 @@ def test_a_peer_that_leaves_is_removed_and_the_others_finish(worker, tmp_path):
         assert [n.finish_reason for n in nodes] == ["done", "done", "left"]
         assert nodes[0].digests()[20] == nodes[1].digests()[20]
         assert nodes[2].applied < 20
+        # A joiner reaching the finished run (its peers still serving) is told so at once.
+        late = Node(cfg, NodeOptions(out_dir=str(tmp_path / "late"), join=(nodes[1].address,), secret=TOKEN, log=False), worker=worker)
+        started = time.monotonic()
+        late.start()
+        try:
+            assert late.wait(30) and late.finish_reason == "failed"
+            assert "finished" in late.error and time.monotonic() - started < 30
+        finally:
+            late.stop()
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_the_command_line_needs_a_secret_to_join_and_refuses_two_choices(tmp_path, capsys):
+    from zeroth.config import to_yaml
+    from zeroth.net import peer
+
+    path = tmp_path / "job.yaml"
+    path.write_text(to_yaml(config(5, token=None)))
+    base = ["--config", str(path), "--listen", "127.0.0.1:0", "--out", str(tmp_path / "o")]
+    assert peer.main([*base, "--join", "127.0.0.1:9"]) == 2
+    assert "needs the run's secret" in capsys.readouterr().err
+    secret = tmp_path / "s"
+    identity.write_secret(secret, "x")
+    assert secret.stat().st_mode & 0o777 == 0o600
+    assert peer.main([*base, "--join", "127.0.0.1:9", "--secret-file", str(secret), "--insecure"]) == 2
+    assert "choose one" in capsys.readouterr().err

@@ -27,10 +27,10 @@ def make_run(root: Path, name: str, peers: int, codec: str, iterations: int, wor
     out.mkdir(parents=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
     worker = worker_cache.setdefault(codec, Worker(cfg))
-    nodes = [Node(cfg, NodeOptions(out_dir=str(out / "peers" / "p0"), founders=peers, log=False), worker=worker)]
+    nodes = [Node(cfg, NodeOptions(out_dir=str(out / "peers" / "p0"), founders=peers, secret="notebook-secret", log=False), worker=worker)]
     address = nodes[0].start()
     for i in range(1, peers):
-        nodes.append(Node(cfg, NodeOptions(out_dir=str(out / "peers" / f"p{i}"), join=(address,), log=False), worker=worker))
+        nodes.append(Node(cfg, NodeOptions(out_dir=str(out / "peers" / f"p{i}"), join=(address,), secret="notebook-secret", log=False), worker=worker))
         nodes[-1].start()
     try:
         assert all(n.wait(180) for n in nodes)

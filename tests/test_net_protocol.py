@@ -380,8 +380,227 @@ def test_updates_digest_depends_on_order_counts_and_bytes():
 def test_docstring_examples_of_the_net_modules_run():
     import doctest
 
-    from zeroth.net import security, sim, state
+    from zeroth.net import identity, security, sim, state, transport
 
-    for module in (P, sim, state, security):
+    for module in (P, sim, state, security, identity, transport):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+# --------------------------------------------------------------------------- authentication and invariants
+#
+# The defects of an attacked live run, each reproduced on the pure protocol: a member holding
+# valid credentials (its own key) tries to speak for others, to wedge an iteration with a
+# commit for the future or a huge ballot; a run loses its majority; a removed member keeps
+# fetching; a joiner reaches a finished run.
+
+from zeroth.net import identity  # noqa: E402
+
+KEYS = {m: identity.Identity.generate() for m in range(4)}
+
+
+def signed_params(me, **kw):
+    return params(founders=1, iterations=1000, sign=KEYS[me].sign, verify=identity.verify, **kw)
+
+
+def signed_view(t, n=3):
+    return P.View(t, tuple(P.Member(m, f"h:{m + 1}", True, KEYS[m].public) for m in range(n)), n)
+
+
+def signed(me, msg):
+    return msg._replace(signature=KEYS[me].sign(P.signed_bytes(msg)))
+
+
+def signed_member(me=1, t=5, n=3, now=0.0):
+    """Machine ``me`` of a signed run of ``n`` members, a member at iteration ``t`` (its Compute issued)."""
+    pp = signed_params(me)
+    st = P.joined(pp, me=me, view=signed_view(t, n), now=now)
+    return pp, P.on_ready(pp, st, iteration=t, view=signed_view(t, n), now=now).state
+
+
+def decide(pp, st, t, *, sender=0, ballot=None, view=None, now=1.0):
+    """A signed commit of iteration ``t`` by ``sender`` with no contributors, applied by ``st``."""
+    view = view if view is not None else signed_view(t + 1, len(st.view.members))
+    commit = signed(sender, P.Commit("run", sender, t, ballot or P.Ballot(0, sender), (), P.updates_digest((), ()), view))
+    return commit, P.on_commit(pp, st, commit, now)
+
+
+def test_a_member_cannot_speak_for_another_member():
+    pp, st = signed_member(me=1)
+    t = st.it
+    forged_push = signed(2, P.Push("run", 0, t, 2, b"\xff\xff"))  # machine 2's key, claiming machine 0
+    forged_commit = signed(2, P.Commit("run", 0, t, P.Ballot(0, 0), (), P.updates_digest((), ()), signed_view(t + 1)))
+    forged_leave = signed(2, P.Leave("run", 0, t))
+    forged_prepare = signed(2, P.Prepare("run", 0, t, P.Ballot(1, 0)))
+    unsigned = P.Push("run", 2, t, 2, b"ab")
+    for handler, msg in ((P.on_push, forged_push), (P.on_commit, forged_commit), (P.on_leave, forged_leave),
+                         (P.on_prepare, forged_prepare), (P.on_push, unsigned)):
+        with pytest.raises(P.Rejected) as e:
+            handler(pp, st, msg, 10.0)
+        assert e.value.code == "UNAUTHENTICATED", (handler.__name__, e.value)
+    # The same messages signed by their real senders are accepted.
+    P.on_push(pp, st, signed(2, P.Push("run", 2, t, 2, b"ab")), 10.0)
+    assert P.on_commit(pp, st, signed(0, forged_commit._replace(signature=b"")), 10.0).state.it == t + 1
+
+
+def test_a_forged_commit_for_a_past_iteration_does_not_evict_a_peer():
+    pp, st = signed_member(me=1)
+    t = st.it
+    real, step = decide(pp, st, t)
+    st = step.state
+    assert st.it == t + 1
+    # Machine 2 (a member, its own key) signs a different decision of t with a higher ballot.
+    other = signed(2, P.Commit("run", 2, t, P.Ballot(3, 2), ((2, 1),), P.updates_digest(((2, 1),), (b"x",)), signed_view(t + 1)))
+    step = P.on_commit(pp, st, other, 20.0)
+    assert step.state.phase == P.MEMBER and not any(isinstance(e, P.Dropped) for e in step.effects)
+    fetch = [e for e in step.effects if isinstance(e, P.Fetch)]
+    assert fetch == [P.Fetch("h:1", t, t)] and step.state.fetch.check  # asks the leader (machine 0)
+    # The leader's log holds the applied decision: nothing happens.
+    after = P.on_fetched(pp, step.state, [P.LogEntry(real, (), ())], 20.1)
+    assert after.state.phase == P.MEMBER and after.state.it == t + 1
+    # Had the leader's log held the other decision (a takeover really replaced ours), we drop out.
+    step = P.on_commit(pp, st, other, 30.0)
+    dropped = P.on_fetched(pp, step.state, [P.LogEntry(other, (b"x",), (KEYS[2].sign(P.signed_bytes(P.Push("run", 2, t, 1, b"x"))),))], 30.1)
+    assert dropped.state.phase == P.DROPPED
+
+
+def test_a_commit_for_a_future_iteration_cannot_wedge_the_peer():
+    pp, st = signed_member(me=1)
+    t = st.it
+    for ahead, ballot in ((1, P.Ballot(7, 2)), (2, P.Ballot(0, 2)), (5, P.Ballot(2**31, 2))):
+        wedge = signed(2, P.Commit("run", 2, t + ahead, ballot, (), P.updates_digest((), ()), signed_view(t + ahead + 1)))
+        step = P.on_commit(pp, st, wedge, 10.0)
+        assert t + ahead not in step.state.decided and t + ahead not in step.state.promised
+        assert [type(e) for e in step.effects] == [P.Fetch]  # a hint: fetch the log, store nothing
+        assert step.effects[0].last == t + ahead
+    # A source without the hinted decisions answers with nothing: the hint is dropped, no fetch loop.
+    quiet = P.on_fetched(pp, step.state, [], 11.0)
+    assert quiet.state.ahead == -1 and not any(isinstance(e, P.Fetch) for e in quiet.effects)
+    # The real decisions of t and t + 1 are taken as usual.
+    st = step.state._replace(fetch=None)
+    _, step = decide(pp, st, t)
+    _, step = decide(pp, step.state, t + 1)
+    assert step.state.it == t + 2
+
+
+def test_ballots_are_bounded_and_takeovers_need_the_iteration_timeout():
+    pp, st = signed_member(me=1)
+    t = st.it
+    late = st.started_at + pp.iteration_timeout_s + 0.1
+    for rnd, code in ((2**63 - 1, "INVALID_ARGUMENT"), (2**32, "INVALID_ARGUMENT"), (P.MAX_ROUND_STEP + 1, "OUT_OF_RANGE")):
+        with pytest.raises(P.Rejected) as e:
+            P.on_prepare(pp, st, signed(2, P.Prepare("run", 2, t, P.Ballot(rnd, 2))), late)
+        assert e.value.code == code, rnd
+    with pytest.raises(P.Rejected) as e:  # before the iteration timeout: premature
+        P.on_prepare(pp, st, signed(2, P.Prepare("run", 2, t, P.Ballot(1, 2))), st.started_at + 0.1)
+    assert e.value.code == "FAILED_PRECONDITION"
+    step = P.on_prepare(pp, st, signed(2, P.Prepare("run", 2, t, P.Ballot(P.MAX_ROUND_STEP, 2))), late)
+    assert step.state.promised[t] == P.Ballot(P.MAX_ROUND_STEP, 2)
+    # A takeover commit only from the ballot this peer promised.
+    commit = signed(2, P.Commit("run", 2, t, P.Ballot(3, 2), (), P.updates_digest((), ()), signed_view(t + 1)))
+    with pytest.raises(P.Rejected) as e:
+        P.on_commit(pp, step.state, commit, late)
+    assert e.value.code == "FAILED_PRECONDITION"
+    ok = signed(2, commit._replace(ballot=P.Ballot(P.MAX_ROUND_STEP, 2), signature=b""))
+    assert P.on_commit(pp, step.state, ok, late).state.it == t + 1
+
+
+def test_a_stuck_iteration_resynchronises_then_fails_with_a_reason():
+    pp, st = signed_member(me=1)
+    stall = pp.stall_s
+    step = P.on_tick(pp, st, st.started_at + stall + 0.01)
+    assert any(isinstance(e, P.Fetch) for e in step.effects) and step.state.phase == P.MEMBER
+    st2 = step.state._replace(fetch=None)
+    step = P.on_tick(pp, st2, st.started_at + 2 * stall + 0.02)
+    failed = [e for e in step.effects if isinstance(e, P.Failed)]
+    assert step.state.phase == P.FAILED and failed and "majority" in failed[0].reason
+
+
+def test_refused_log_requests_mean_removal_and_failures_back_off():
+    pp, st = signed_member(me=1)
+    st = P._fetch(pp, st, 1.0, [], st.it, st.it + 3)
+    step = P.on_fetch_failed(pp, st, message="PERMISSION_DENIED: not a member", now=1.0, code="PERMISSION_DENIED")
+    assert not any(isinstance(e, P.Fetch) for e in step.effects)  # no immediate retry (no busy loop)
+    assert step.state.phase == P.MEMBER and step.state.fetch.failed
+    st = step.state
+    step = P.on_tick(pp, st, st.fetch.deadline + 0.01)  # the back-off is over: the next source
+    assert [e.address for e in step.effects if isinstance(e, P.Fetch)] == ["h:3"]
+    st = step.state
+    assert not st.fetch.failed and st.fetch.address == "h:3"
+    step = P.on_fetch_failed(pp, st, message="PERMISSION_DENIED: not a member", now=2.0, code="PERMISSION_DENIED")
+    assert step.state.phase == P.DROPPED and any(isinstance(e, P.Dropped) for e in step.effects)
+
+
+def test_joins_to_a_finished_run_or_naming_a_live_member_are_refused():
+    pp, st = signed_member(me=0)
+    with pytest.raises(P.Rejected) as e:
+        P.on_join(pp, st, P.JoinRequest(1, "h:2", "cfg", KEYS[3].public), 10.0)
+    assert e.value.code == "ALREADY_EXISTS"
+    step = P.on_join(pp, st, P.JoinRequest(1, "h:9", "cfg", KEYS[3].public), 10.0)
+    assert step.state.joins == ((1, "h:9", KEYS[3].public),)
+    with pytest.raises(P.Rejected) as e:
+        P.on_join(pp, st._replace(phase=P.DONE), P.JoinRequest(2, "h:9", "cfg", KEYS[3].public), 10.0)
+    assert e.value.code == "FAILED_PRECONDITION" and "finished" in e.value.message
+
+
+def test_fetched_entries_must_carry_their_senders_signatures():
+    pp, st = signed_member(me=1)
+    t = st.it
+    contrib, payloads = ((2, 1),), (b"x",)
+    commit = signed(0, P.Commit("run", 0, t, P.Ballot(0, 0), contrib, P.updates_digest(contrib, payloads), signed_view(t + 1)))
+    forged = KEYS[0].sign(P.signed_bytes(P.Push("run", 2, t, 1, b"x")))  # the leader signs machine 2's payload
+    with pytest.raises(P.Rejected) as e:
+        P.on_fetched(pp, st, [P.LogEntry(commit, payloads, (forged,))], 1.0)
+    assert e.value.code == "UNAUTHENTICATED"
+    real = KEYS[2].sign(P.signed_bytes(P.Push("run", 2, t, 1, b"x")))
+    assert P.on_fetched(pp, st, [P.LogEntry(commit, payloads, (real,))], 1.0).state.it == t + 1
+
+
+def test_a_run_that_lost_its_majority_ends_on_every_survivor():
+    net = SimNet(params(founders=4, iterations=10**6))
+    net.start(4)
+    run_until_iteration(net, "sim:1000", 5)
+    net.kill("sim:1002")
+    net.kill("sim:1003")
+    killed_at = net.now
+    p = net.params
+    limit = killed_at + 3 * p.stall_s + 2 * (p.iteration_timeout_s + 2 * p.barrier_timeout_s)
+    assert net.run_until(lambda: all(net.peers[a].finished == "failed" for a in ("sim:1000", "sim:1001")), limit=limit)
+    for a in ("sim:1000", "sim:1001"):
+        assert any("lost its majority" in text for _, text in net.peers[a].events)
+
+
+def test_forged_future_commits_and_huge_prepares_sent_to_everyone_do_not_stop_a_run():
+    net = SimNet(params(founders=3, iterations=40))
+    net.start(3)
+    run_until_iteration(net, "sim:1000", 10)
+    for peer in net.peers.values():  # unsigned simulation: machine 2 is the "hostile member"
+        t = peer.state.it
+        for ahead in (1, 2):
+            commit = P.Commit("run", 2, t + ahead, P.Ballot(9, 2), (), P.updates_digest((), ()), peer.state.view._replace(iteration=t + ahead + 1))
+            net._handle(peer, P.on_commit(net.params, peer.state, commit, net.now))
+        with pytest.raises(P.Rejected):
+            P.on_prepare(net.params, peer.state, P.Prepare("run", 2, t, P.Ballot(2**63 - 1, 2)), net.now)
+    assert net.run_until(net.all_finished, limit=net.now + 120)
+    assert_agree(net, min_done=3)
+
+
+def test_no_commit_can_rekey_a_member_or_reuse_an_id():
+    """Even from the ballot this peer promised, a decision cannot hand machine 0's identity to another key."""
+    pp, st = signed_member(me=1)
+    t = st.it
+    late = st.started_at + pp.iteration_timeout_s + 0.1
+    st = P.on_prepare(pp, st, signed(2, P.Prepare("run", 2, t, P.Ballot(1, 2))), late).state
+    nxt = signed_view(t + 1)
+    rekeyed = nxt._replace(members=(nxt.members[0]._replace(key=KEYS[2].public),) + nxt.members[1:])
+    reused = nxt._replace(members=nxt.members + (P.Member(1, "h:9", False, KEYS[3].public),))
+    for bad in (rekeyed, nxt._replace(members=nxt.members + (P.Member(3, "h:9", True, KEYS[3].public),)), nxt._replace(next_machine_id=2)):
+        commit = signed(2, P.Commit("run", 2, t, P.Ballot(1, 2), (), P.updates_digest((), ()), bad))
+        with pytest.raises(P.Rejected) as e:
+            P.on_commit(pp, st, commit, late)
+        assert e.value.code == "INVALID_ARGUMENT"
+    with pytest.raises(P.Rejected):
+        P.on_commit(pp, st, signed(2, P.Commit("run", 2, t, P.Ballot(1, 2), (), P.updates_digest((), ()), reused)), late)
+    joiner = nxt._replace(members=nxt.members + (P.Member(3, "h:9", False, KEYS[3].public),), next_machine_id=4)
+    ok = signed(2, P.Commit("run", 2, t, P.Ballot(1, 2), (), P.updates_digest((), ()), joiner))
+    assert P.on_commit(pp, st, ok, late).state.view == joiner

@@ -33,21 +33,29 @@ def test_stubs_import_from_the_package_not_the_proto_path():
 u32 = st.integers(0, 2**32 - 1)
 u64 = st.integers(0, 2**63 - 1)
 addresses = st.text(min_size=1, max_size=30)
-members = st.builds(P.Member, machine=u32, address=addresses, active=st.booleans())
+keys = st.one_of(st.just(b""), st.binary(min_size=32, max_size=32))
+sigs = st.binary(max_size=64)
+members = st.builds(P.Member, machine=u32, address=addresses, active=st.booleans(), key=keys)
 views = st.builds(P.View, iteration=u64, members=st.lists(members, max_size=5).map(tuple), next_machine_id=u32)
 ballots = st.builds(P.Ballot, round=u64, leader=u32)
-pushes = st.builds(P.Push, run_id=st.text(max_size=20), sender=u32, iteration=u64, count=u32, payload=st.binary(max_size=20))
+pushes = st.builds(
+    P.Push, run_id=st.text(max_size=20), sender=u32, iteration=u64, count=u32, payload=st.binary(max_size=20), signature=sigs
+)
 
 
 @st.composite
 def entries(draw, complete=None):
     contributors = tuple(draw(st.lists(st.tuples(u32, st.integers(1, 2**32 - 1)), max_size=4)))
-    commit = P.Commit(draw(st.text(max_size=10)), draw(u32), draw(u64), draw(ballots), contributors, draw(st.binary(min_size=32, max_size=32)), draw(views))
+    commit = P.Commit(
+        draw(st.text(max_size=10)), draw(u32), draw(u64), draw(ballots), contributors,
+        draw(st.binary(min_size=32, max_size=32)), draw(views), draw(sigs),
+    )
     full = draw(st.booleans()) if complete is None else complete
     payloads = tuple(draw(st.binary(max_size=8)) for _ in contributors) if full else None
+    signatures = tuple(draw(sigs) for _ in contributors) if full else None
     if contributors == () and not full:
-        payloads = ()  # an entry without contributors is always complete
-    return P.LogEntry(commit, payloads)
+        payloads = signatures = ()  # an entry without contributors is always complete
+    return P.LogEntry(commit, payloads, signatures)
 
 
 @given(pushes)
@@ -65,7 +73,7 @@ def test_prepare_reply_roundtrip(r):
     assert wire.prepare_reply_from_pb(pb.PrepareReply.FromString(wire.prepare_reply_to_pb(r).SerializeToString())) == r
 
 
-@given(st.builds(P.Prepare, run_id=st.text(max_size=10), sender=u32, iteration=u64, ballot=ballots))
+@given(st.builds(P.Prepare, run_id=st.text(max_size=10), sender=u32, iteration=u64, ballot=ballots, signature=sigs))
 def test_prepare_roundtrip(m):
     assert wire.prepare_from_pb(wire.prepare_to_pb(m)) == m
 

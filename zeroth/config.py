@@ -243,7 +243,29 @@ class PeersConfig:
     checksum_every: int = _field(
         1, "Compare the parameter checksum with a peer every this many iterations; 0 = never.", min=0
     )
-    token: str | None = _field(None, "Shared secret every request must carry; null = no token.")
+    token: str | None = _field(
+        None,
+        "The run secret: whoever holds it may join (every call carries a token derived from it; every message is "
+        "signed by its sender's own key). null = `zeroth run` generates one into OUT/run.secret and `zeroth peer` "
+        "takes --secret-file / $ZEROTH_SECRET, or generates one when founding.",
+    )
+    insecure: bool = _field(
+        False,
+        "Run without a secret: anyone who reaches a port may join (messages stay signed by their senders). "
+        "Needed explicitly to run without one.",
+    )
+    clip: float | None = _field(
+        None,
+        "Clip every decoded projected gradient to [-clip, clip] before the replay (bounds what one member can do "
+        "with outlier bytes); null = no clip.",
+        gt=0.0,
+    )
+    stall_timeout_s: float | None = _field(
+        None,
+        "An iteration without a decision for this long is re-synchronised with the others; after as long again "
+        "the peer ends the run (exit 1, state saved). null = iteration_timeout_s + 6 * barrier_timeout_s.",
+        gt=0.0,
+    )
     tls: bool = _field(False, "Use TLS between peers (self-signed certificates are generated for loopback runs).")
     host: str = _field("127.0.0.1", "Address the peers listen on.")
     base_port: int = _field(0, "First port; peer i listens on base_port + i. 0 = pick free ports.", min=0, max=65535)

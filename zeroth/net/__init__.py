@@ -7,10 +7,15 @@ Modules (import the one you need; this package imports nothing heavy):
 * :mod:`zeroth.net.sim` — a deterministic in-memory network driving protocol state machines.
 * :mod:`zeroth.net.wire` — protobuf <-> protocol values; wire-size accounting.
 * :mod:`zeroth.net.service` — the thin gRPC servicers; :mod:`zeroth.net.security` — token, TLS.
-* :mod:`zeroth.net.work` — what a peer computes: projected gradients, the exact replay, evaluation.
+* :mod:`zeroth.net.identity` — the run secret, per-peer Ed25519 keys, join proofs, replay guard.
+* :mod:`zeroth.net.work` — what a peer computes: projected gradients (clipped), the exact replay, evaluation.
 * :mod:`zeroth.net.state` — parameters as bytes for chunked state transfer.
-* :mod:`zeroth.net.runtime` — a peer (:class:`~zeroth.net.runtime.Node`): threads, snapshots,
-  the log, checksum exchange and repair, metrics.
+* :mod:`zeroth.net.transport` — channels, calls, gRPC options and size limits, signed requests, byte counts.
+* :mod:`zeroth.net.transfer` — snapshots, the decided log, a joiner's download and replay.
+* :mod:`zeroth.net.repair` — checksum exchange with a rotating partner, repair after a mismatch.
+* :mod:`zeroth.net.runtime` — a peer (:class:`~zeroth.net.runtime.Node`): the thin driver of the
+  protocol over the pieces above, metrics, endings.
+* :mod:`zeroth.net.chaos` — a hostile member and peer processes to kill, pause and restart (tests, chaos table).
 * :mod:`zeroth.net.peer` — ``zeroth peer`` (one peer per process / machine).
 * :mod:`zeroth.net.launch` — ``zeroth run CONFIG`` for configs with ``peers:`` (loopback processes).
 * :mod:`zeroth.net.calibrate` — measures gRPC's framing bytes; :mod:`zeroth.net.proto_gen` —

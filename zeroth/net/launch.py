@@ -7,7 +7,11 @@ with the others, joins when the run reaches that iteration; ``peers.kill_at``: a
 other than machine 0, is killed with SIGKILL), and when every peer has exited prints the
 summary and writes ``OUT/summary.json``: the accuracy, iterations, projected gradients,
 payload and wire bytes, checksum comparisons and mismatches, whether every peer ended with
-the same digest, the wall time.
+the same digest, per-member statistics of the projected gradients, the wall time.
+
+Secure by default: the run secret (``peers.token``, else a fresh one) is written to
+``OUT/run.secret`` (mode 0600) and every peer gets ``--secret-file``; ``peers.insecure: true``
+starts them with ``--insecure`` instead.
 
 Each peer process runs single-threaded XLA (:data:`PEER_XLA_FLAGS`, added to any
 ``XLA_FLAGS`` of the caller) so several fit on a small machine. The run is bounded in time
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroth.config import Config, to_yaml
+from zeroth.net import identity as _id
 
 __all__ = [
     "PEER_XLA_FLAGS",
@@ -185,6 +190,9 @@ def summarize(cfg: Config, peers: list[PeerProcess], events: list[dict], wall: f
         "checksum_comparisons": sum(s.get("checksum_comparisons", 0) for s in per),
         "checksum_mismatches": sum(s.get("checksum_mismatches", 0) for s in per),
         "repairs": sum(s.get("repairs", 0) for s in per),
+        "refused_requests": sum(s.get("refused_requests", 0) for s in per),
+        "member_stats": (ref or {}).get("member_stats", {}),
+        "errors": sorted({s["error"] for s in per if s.get("error")}),
         "rejoins": sum(s.get("rejoins", 0) for s in per),
         "events": events,
         "wall_time_s": wall,
@@ -228,6 +236,14 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
     quiet = "--quiet" in (argv or [])
     iterations = p.iterations or cfg.train.steps
     extra: list[str] = ["--progress-every", "0", "--timeout", str(time_limit(cfg))]
+    (out / "run.secret").unlink(missing_ok=True)
+    if p.insecure:
+        extra.append("--insecure")
+        security_note = "INSECURE (peers.insecure: true): no run secret"
+    else:
+        secret_file = _id.write_secret(out / "run.secret", p.token or _id.new_secret())
+        extra += ["--secret-file", str(secret_file)]
+        security_note = f"run secret in {secret_file} (mode 0600); every message signed by its sender"
     if p.tls:
         from zeroth.net import security as _sec
 
@@ -251,6 +267,7 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
         f"{p.count} peers on {p.host}, {iterations} iterations, {p.inferences_per_iteration} projected gradients "
         f"per peer per iteration, codec {cfg.train.codec}; logs in {out / 'peers'}"
     )
+    say(security_note)
     try:
         for i in range(p.count):
             peers.append(
@@ -343,6 +360,14 @@ def _print_summary(s: dict[str, Any], cfg: Config, out: Path) -> None:
         f"  checksums           {s['checksum_comparisons']} comparisons, {s['checksum_mismatches']} mismatches, {s['repairs']} repairs",
         f"  final digests       {'agree' if s['digests_agree'] else 'DIFFER'}: {', '.join(d[:16] for d in s['final_digests']) or '-'}",
     ]
+    stats = s.get("member_stats") or {}
+    if stats:
+        lines.append(
+            "  per member          "
+            + "; ".join(f"m{m}: {v['count']} g, mean|g| {v['mean_abs']:.3g}, max|g| {v['max_abs']:.3g}, clipped {v['clipped']}" for m, v in stats.items())
+        )
+    for err in s.get("errors", []):
+        lines.append(f"  error               {err}")
     if s["events"]:
         lines.append("  events              " + "; ".join(f"{e['event']} p{e.get('peer', '')} at {e.get('at_iteration', '')}" for e in s["events"]))
     print("\n".join(lines), flush=True)

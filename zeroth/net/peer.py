@@ -1,23 +1,32 @@
 """``zeroth peer``: run one Just One Byte peer (one per machine, or several on one machine).
 
   zeroth peer --config CONFIG --listen HOST:PORT [--join HOST:PORT ...] --out DIR
-              [--set SECTION.FIELD=VALUE ...] [--founders N] [--advertise HOST:PORT] [--join-at K]
-              [--token-file FILE] [--tls-cert PEM --tls-key PEM --tls-ca PEM]
+              [--secret-file FILE | --insecure] [--set SECTION.FIELD=VALUE ...] [--founders N]
+              [--advertise HOST:PORT] [--join-at K] [--resume DIR] [--tls-cert PEM --tls-key PEM --tls-ca PEM]
 
 Without ``--join`` the peer founds the run (machine 0) and waits for ``--founders`` peers
 (default ``peers.count``) before iteration 0; with ``--join`` it joins a running run through any
 of its peers, at any iteration. Every peer must use the same config (training fields; the
-deployment fields of :data:`zeroth.net.runtime.JOIN_DIGEST_EXCLUDE` may differ). The token is
-``--token-file``'s content, else ``$ZEROTH_TOKEN``, else ``peers.token``. TLS needs all three
-files (``--tls-ca`` is the CA that signed the other peers' certificates).
+deployment fields of :data:`zeroth.net.runtime.JOIN_DIGEST_EXCLUDE` may differ).
+
+Secure by default: the run secret is ``--secret-file``'s content (``--token-file`` is the same),
+else ``$ZEROTH_SECRET`` / ``$ZEROTH_TOKEN``, else ``peers.token``. A founder without one generates
+it, writes it to ``OUT/run.secret`` (mode 0600) and prints the command that joins the run; a
+joiner without one is refused at the command line. ``--insecure`` (or ``peers.insecure: true``)
+runs without a secret: anyone who reaches the port may join; messages are signed by their senders
+all the same. TLS needs all three files (``--tls-ca`` is the CA that signed the other peers' certificates).
 
 The peer writes ``metrics.jsonl`` (one record per iteration), ``summary.json`` and ``address``
 into ``--out``. SIGINT / SIGTERM make it leave the run cleanly. Exit code: 0 when all iterations
-are done (or it left), 1 when it failed or was dropped for good, 2 on a bad command line.
+are done (or it left), 1 when it failed (one line says why; when the run lost its majority the
+state is saved to ``OUT/checkpoint``, which ``--resume`` starts a new run from) or was dropped for
+good, 2 on a bad command line.
 
 Example (two machines):
   host-a$ zeroth peer --config experiments/job_digits.yaml --listen 0.0.0.0:7000 --advertise host-a:7000 --out runs/a --founders 2
-  host-b$ zeroth peer --config experiments/job_digits.yaml --listen 0.0.0.0:7000 --advertise host-b:7000 --join host-a:7000 --out runs/b
+  (prints: join with  zeroth peer --config experiments/job_digits.yaml --join host-a:7000 --secret-file runs/a/run.secret ...)
+  host-b$ zeroth peer --config experiments/job_digits.yaml --listen 0.0.0.0:7000 --advertise host-b:7000 --join host-a:7000 \
+            --secret-file run.secret --out runs/b        (run.secret copied from host-a over a private channel, e.g. scp)
 """
 
 from __future__ import annotations
@@ -45,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
     p.add_argument("--founders", type=int, default=None, help="founder only: peers to wait for before iteration 0 (default peers.count)")
     p.add_argument("--advertise", default=None, help="HOST:PORT the other peers use to reach this one (default: --listen)")
-    p.add_argument("--token-file", default=None, help="file holding the shared token")
+    p.add_argument("--secret-file", "--token-file", dest="secret_file", default=None, help="file holding the run secret")
+    p.add_argument("--insecure", action="store_true", help="run without a secret (anyone who reaches the port may join)")
+    p.add_argument("--resume", default=None, metavar="DIR", help="founder: start from a saved state (OUT/checkpoint of a failed run)")
     p.add_argument("--tls-cert", default=None, help="this peer's certificate chain (PEM)")
     p.add_argument("--tls-key", default=None, help="this peer's private key (PEM)")
     p.add_argument("--tls-ca", default=None, help="CA certificates that signed the peers' certificates (PEM)")
@@ -57,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="bytes per streamed state chunk (and per download range)")
     p.add_argument("--progress-every", type=int, default=0, help="print a progress line every N iterations")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: none)")
+    p.add_argument("--join-timeout", type=float, default=120.0, help="give up joining after this many seconds (default 120)")
     p.add_argument("--quiet", action="store_true", help="no protocol notes on stderr")
     return p
 
@@ -66,24 +78,36 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from zeroth.config import load_config
     from zeroth.data import DatasetUnavailable
+    from zeroth.net import identity as _id
     from zeroth.net import security as _sec
 
     try:
         cfg = load_config(args.config, args.overrides)
         if cfg.peers is None:
             raise ValueError(f"config {args.config!r} has no peers: section")
-        token = None
-        if args.token_file:
-            with open(args.token_file) as fh:
-                token = fh.read().strip()
-        token = token or os.environ.get("ZEROTH_TOKEN") or cfg.peers.token
+        secret = _id.read_secret(args.secret_file) if args.secret_file else None
+        secret = secret or next((os.environ[k] for k in _id.SECRET_ENV if os.environ.get(k)), None) or cfg.peers.token
+        insecure = args.insecure or cfg.peers.insecure
+        if insecure and secret:
+            raise ValueError("--insecure (or peers.insecure) and a run secret were both given; choose one")
+        generated = None
+        if not secret and not insecure:
+            if args.join:
+                raise ValueError(
+                    "joining needs the run's secret: --secret-file FILE (the founder wrote it to its OUT/run.secret), "
+                    "or $ZEROTH_SECRET; or --insecure for a run without one"
+                )
+            secret = _id.new_secret()
+            generated = _id.write_secret(os.path.join(args.out, "run.secret"), secret)
+        if args.resume and args.join:
+            raise ValueError("--resume is for the founder (without --join)")
         tls_args = (args.tls_cert, args.tls_key, args.tls_ca)
         if any(tls_args) and not all(tls_args):
             raise ValueError("TLS needs --tls-cert, --tls-key and --tls-ca together")
         tls = _sec.TLSFiles(*tls_args) if all(tls_args) else None
         if tls is not None:
             tls.read()
-    except (ValueError, FileNotFoundError, DatasetUnavailable) as e:
+    except (ValueError, OSError, DatasetUnavailable) as e:
         print(f"zeroth peer: error: {e}", file=sys.stderr)
         return 2
 
@@ -95,20 +119,25 @@ def main(argv: list[str]) -> int:
         advertise=args.advertise,
         join=tuple(args.join),
         founders=args.founders or cfg.peers.count,
-        token=token,
+        secret=secret,
+        insecure=insecure,
         tls=tls,
+        resume=args.resume,
         rejoin=not args.no_rejoin,
         linger_s=args.linger,
         snapshot_every=args.snapshot_every,
         chunk_bytes=args.chunk_bytes,
         join_at=args.join_at,
         leave_at=args.leave_at,
+        join_timeout_s=args.join_timeout,
         log=not args.quiet,
         progress_every=args.progress_every,
     )
     node = Node(cfg, options)
     address = node.start()
     print(f"zeroth peer: serving on {address}", file=sys.stderr, flush=True)
+    if not args.join:
+        print(f"zeroth peer: {join_command(args, address, generated, insecure)}", file=sys.stderr, flush=True)
 
     leaving = threading.Event()
 
@@ -137,7 +166,26 @@ def main(argv: list[str]) -> int:
         file=sys.stderr,
         flush=True,
     )
-    return 0 if summary["finish_reason"] in ("done", "left") else 1
+    if summary["finish_reason"] not in ("done", "left"):
+        print(f"zeroth peer: error: {summary['error'] or summary['finish_reason']}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def join_command(args, address: str, secret_file, insecure: bool) -> str:
+    """The line a founder prints: how another machine joins this run."""
+    cmd = f"zeroth peer --config {args.config} --join {address} --listen HOST:PORT --out DIR"
+    for o in args.overrides:
+        cmd += f" --set {o}"
+    if insecure:
+        return f"INSECURE run (anyone who reaches {address} may join); join with:  {cmd} --insecure"
+    if secret_file is not None:
+        return (
+            f"run secret written to {secret_file} (mode 0600; copy it to the joining machine over a private channel); "
+            f"join with:  {cmd} --secret-file {secret_file}"
+        )
+    src = f"--secret-file {args.secret_file}" if args.secret_file else "with the same secret ($ZEROTH_SECRET or peers.token)"
+    return f"join with:  {cmd} {src}"
 
 
 if __name__ == "__main__":

@@ -42,6 +42,23 @@ applied a decision which a later ballot replaced is told by the conflicting comm
 (it must rejoin). A joiner's id is given to it only after the commit admitting it reached a majority, so a
 takeover always sees (and keeps) that admission: ids are never reused.
 
+Authentication. Every member has an Ed25519 public key in the view (:attr:`Member.key`, put there
+by the commit that admitted it). :class:`Push`, :class:`Commit`, :class:`Prepare` and :class:`Leave`
+carry the sender's signature of :func:`signed_bytes`; with ``Params.verify`` set, a message is
+accepted only when the key of the machine it names signed it (else ``UNAUTHENTICATED``), so a
+member can never speak for another. The peer's own messages are signed with ``Params.sign``.
+Invariants checked on every message: a commit of the current iteration only from the round-0
+leader or from exactly the ballot this peer promised; a commit of a later iteration only when its
+view is known (the chain of verified decisions) and from that view's leader, else it is a hint that
+starts a log fetch and is never stored; a commit of a past iteration that differs from the applied
+one is checked against the leader's log before anything is dropped; ballot rounds are bounded
+(:data:`MAX_ROUND`, at most :data:`MAX_ROUND_STEP` above the last promise); a takeover is promised
+only after the iteration timeout. A peer whose iteration is stuck for ``stall_timeout_s``
+re-synchronises from the others (a log fetch, wedged state cleared), and gives up with
+:class:`Failed` (phase ``failed``) after a second stall period: a run that lost its majority ends
+on every survivor. A peer whose log requests are refused (``PERMISSION_DENIED``/``NOT_FOUND``) by
+the others was removed: :class:`Dropped`.
+
 Example (one peer, one iteration):
   >>> p = Params(run_id="r", config_digest="c", bytes_per_value=1, max_count=4, iterations=1,
   ...            iteration_timeout_s=1.0, barrier_timeout_s=1.0)
@@ -68,7 +85,10 @@ __all__ = [
     "DROPPED",
     "DONE",
     "LEFT",
+    "FAILED",
     "PHASES",
+    "MAX_ROUND",
+    "MAX_ROUND_STEP",
     "MAX_MEMBERS",
     "MAX_ADDRESS",
     "MAX_RUN_ID",
@@ -94,6 +114,7 @@ __all__ = [
     "Admit",
     "Dropped",
     "Finished",
+    "Failed",
     "Note",
     "Recovery",
     "Admission",
@@ -101,6 +122,10 @@ __all__ = [
     "PeerState",
     "Step",
     "updates_digest",
+    "canonical",
+    "signed_bytes",
+    "sign",
+    "member_key",
     "committer",
     "checksum_partner",
     "founder",
@@ -130,12 +155,17 @@ MEMBER = "member"  # taking part
 DROPPED = "dropped"  # excluded from the run: must rejoin with a new id
 DONE = "done"  # all iterations decided and applied
 LEFT = "left"  # left the run on its own request
-PHASES = (FORMING, CATCHING_UP, MEMBER, DROPPED, DONE, LEFT)
+FAILED = "failed"  # gave up: no decision for two stall periods (the run lost its majority)
+PHASES = (FORMING, CATCHING_UP, MEMBER, DROPPED, DONE, LEFT, FAILED)
 
 MAX_MEMBERS = 4096  # members of one view
 MAX_ADDRESS = 255  # characters of a host:port address
 MAX_RUN_ID = 128
 UNREACHABLE_AFTER = 3  # failed commit deliveries after which a non-contributing member is removed
+MAX_ROUND = 2**32  # ballot rounds are below this (a round near 2**63 is refused up front)
+MAX_ROUND_STEP = 16  # a prepare's round is at most this far above the highest one promised for its iteration
+KEY_BYTES = 32  # Ed25519 public key
+READY_LAG = 8  # a late push (up to this many iterations) of an inactive member marks it ready to be active
 _NO_BALLOT = (-1, -1)
 
 
@@ -167,6 +197,11 @@ class Params:
       max_pending_joins: joins the leader queues at once.
       payload_check: ``f(payload) -> error message or None``: codec-level validation of a payload
         (e.g. float32 values must be finite).
+      sign: ``f(data) -> signature``: this peer's signer (Ed25519: deterministic); None = unsigned.
+      verify: ``f(public_key, data, signature) -> bool``; None = signatures are not checked
+        (simulations); a peer that serves others always sets it.
+      stall_timeout_s: an iteration without a decision for this long is re-synchronised, and after
+        as long again the peer fails (None: ``iteration_timeout_s + 6 * barrier_timeout_s``).
     """
 
     run_id: str
@@ -181,12 +216,24 @@ class Params:
     window: int = 64
     max_pending_joins: int = 64
     payload_check: Callable[[bytes], str | None] | None = None
+    sign: Callable[[bytes], bytes] | None = None
+    verify: Callable[[bytes, bytes, bytes], bool] | None = None
+    stall_timeout_s: float | None = None
+
+    @property
+    def stall_s(self) -> float:
+        """Seconds without a decision after which the iteration is re-synchronised (then the peer fails)."""
+        if self.stall_timeout_s is not None:
+            return self.stall_timeout_s
+        return self.iteration_timeout_s + 6 * self.barrier_timeout_s
 
     def __post_init__(self):
         for name in ("bytes_per_value", "max_count", "iterations", "founders", "window", "max_pending_joins"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"Params.{name} must be an integer >= 1, got {v!r}")
+        if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
+            raise ValueError(f"Params.stall_timeout_s must be > 0 seconds or None, got {self.stall_timeout_s!r}")
         for name in ("iteration_timeout_s", "barrier_timeout_s", "forming_timeout_s"):
             v = getattr(self, name)
             if not v > 0:
@@ -197,11 +244,13 @@ class Params:
 
 
 class Member(NamedTuple):
-    """A participant: ``machine`` id, ``address`` (host:port), ``active`` (expected at the barrier)."""
+    """A participant: ``machine`` id, ``address`` (host:port), ``active`` (expected at the barrier),
+    ``key`` (its Ed25519 public key, 32 bytes; empty in unsigned simulations)."""
 
     machine: int
     address: str
     active: bool = True
+    key: bytes = b""
 
 
 class View(NamedTuple):
@@ -228,6 +277,13 @@ class View(NamedTuple):
                 return m.address
         return None
 
+    def key_of(self, machine: int) -> bytes | None:
+        """The public key of ``machine`` (None if it is not a member)."""
+        for m in self.members:
+            if m.machine == machine:
+                return m.key
+        return None
+
 
 class Ballot(NamedTuple):
     """Orders proposals for one iteration: ``(round, leader)``, compared as a tuple."""
@@ -244,6 +300,7 @@ class Push(NamedTuple):
     iteration: int
     count: int
     payload: bytes
+    signature: bytes = b""
 
 
 class Commit(NamedTuple):
@@ -256,13 +313,16 @@ class Commit(NamedTuple):
     contributors: tuple[tuple[int, int], ...]
     updates_digest: bytes
     next_view: View
+    signature: bytes = b""
 
 
 class LogEntry(NamedTuple):
-    """A decided iteration; ``payloads`` aligned with ``commit.contributors`` (None while missing)."""
+    """A decided iteration; ``payloads`` aligned with ``commit.contributors`` (None while missing),
+    ``signatures``: each contributor's signature of its push (relayed so any peer can verify them)."""
 
     commit: Commit
     payloads: tuple[bytes, ...] | None
+    signatures: tuple[bytes, ...] | None = None
 
 
 class Prepare(NamedTuple):
@@ -272,6 +332,7 @@ class Prepare(NamedTuple):
     sender: int
     iteration: int
     ballot: Ballot
+    signature: bytes = b""
 
 
 class PrepareReply(NamedTuple):
@@ -288,14 +349,17 @@ class Leave(NamedTuple):
     run_id: str
     sender: int
     iteration: int
+    signature: bytes = b""
 
 
 class JoinRequest(NamedTuple):
-    """A peer at ``address`` asks to join; ``request_id`` is the runtime's handle for the answer."""
+    """A peer at ``address`` asks to join; ``request_id`` is the runtime's handle for the answer;
+    ``key`` its public key (the runtime checked its proof of the run secret)."""
 
     request_id: int
     address: str
     config_digest: str
+    key: bytes = b""
 
 
 class JoinAnswer(NamedTuple):
@@ -363,6 +427,13 @@ class Finished(NamedTuple):
     reason: str
 
 
+class Failed(NamedTuple):
+    """This peer gives up (the run cannot go on, e.g. it lost its majority): ``reason`` is one line."""
+
+    iteration: int
+    reason: str
+
+
 class Note(NamedTuple):
     """A line for the log."""
 
@@ -390,12 +461,19 @@ class Admission(NamedTuple):
 
 
 class FetchState(NamedTuple):
-    """A log fetch in flight (``attempt`` counts the fetches of this peer, to rotate sources)."""
+    """A log fetch in flight (``attempt`` counts the fetches of this peer, to rotate sources).
+
+    ``address``: the source; ``check``: compare the fetched past entries with the applied ones
+    (a conflicting past commit arrived); ``failed``: the fetch failed and this is its back-off
+    (nothing in flight until ``deadline``)."""
 
     first: int
     last: int
     deadline: float
     attempt: int
+    address: str = ""
+    check: bool = False
+    failed: bool = False
 
 
 class PeerState(NamedTuple):
@@ -414,7 +492,7 @@ class PeerState(NamedTuple):
       promised: ``{iteration: Ballot}``: the highest ballot seen per iteration >= ``it``.
       suspected: committers of ``it`` this peer gave up on.
       recovery: our takeover of ``it``, if any.
-      joins: ``((request_id, address), ...)`` waiting for our next commit.
+      joins: ``((request_id, address, key), ...)`` waiting for our next commit.
       admissions: ``{iteration: Admission}`` of our commits not yet answered.
       ready: catching-up members that showed they are ready to contribute.
       leaves: members that asked to leave.
@@ -424,6 +502,9 @@ class PeerState(NamedTuple):
       fetch: the log fetch in flight.
       fetches: fetches issued so far (the source rotates with it).
       forming_deadline: when the founder stops waiting for founders.
+      resynced_at: when this peer last re-synchronised a stuck iteration.
+      denials: sources that refused this peer's log requests as a non-member (reset by a fetch that works).
+      ahead: the newest iteration an unverifiable commit (a hint) named: fetched up to it once.
     """
 
     me: int
@@ -438,7 +519,7 @@ class PeerState(NamedTuple):
     promised: Mapping[int, Ballot]
     suspected: frozenset[int]
     recovery: Recovery | None
-    joins: tuple[tuple[int, str], ...]
+    joins: tuple[tuple[int, str, bytes], ...]
     admissions: Mapping[int, Admission]
     ready: frozenset[int]
     leaves: frozenset[int]
@@ -448,6 +529,9 @@ class PeerState(NamedTuple):
     fetch: FetchState | None
     fetches: int
     forming_deadline: float
+    resynced_at: float = float("-inf")
+    denials: frozenset = frozenset()
+    ahead: int = -1
 
 
 class Step(NamedTuple):
@@ -468,6 +552,143 @@ def updates_digest(contributors, payloads) -> bytes:
         h.update(struct.pack("<IIQ", machine, count, len(payload)))
         h.update(payload)
     return h.digest()
+
+
+def canonical(*fields) -> bytes:
+    """An unambiguous byte encoding of nested ``int | bool | str | bytes | None | tuple`` values.
+
+    Each value is a type tag, then: ints and strings as length-prefixed UTF-8 (ints in decimal),
+    bytes length-prefixed, tuples as their length then their items. Two different field lists
+    never encode to the same bytes.
+    """
+    out: list[bytes] = []
+
+    def enc(v) -> None:
+        if v is None:
+            out.append(b"n")
+        elif isinstance(v, bool):
+            out.append(b"b1" if v else b"b0")
+        elif isinstance(v, int):
+            d = str(v).encode()
+            out.append(b"i" + struct.pack("<I", len(d)) + d)
+        elif isinstance(v, str):
+            d = v.encode("utf-8", "surrogatepass")
+            out.append(b"s" + struct.pack("<I", len(d)) + d)
+        elif isinstance(v, bytes | bytearray):
+            out.append(b"y" + struct.pack("<I", len(v)) + bytes(v))
+        elif isinstance(v, tuple | list):
+            out.append(b"t" + struct.pack("<I", len(v)))
+            for x in v:
+                enc(x)
+        else:
+            raise TypeError(f"canonical() cannot encode {type(v).__name__}")
+
+    enc(tuple(fields))
+    return b"".join(out)
+
+
+def _view_fields(v: View) -> tuple:
+    return (v.iteration, tuple((m.machine, m.address, m.active, m.key) for m in v.members), v.next_machine_id)
+
+
+def signed_bytes(msg) -> bytes:
+    """The bytes a sender signs for a :class:`Push`, :class:`Commit`, :class:`Prepare` or :class:`Leave`:
+    :func:`canonical` of a domain tag and every field but the signature (run id, sender, iteration
+    and, for commits and prepares, the ballot: a signature never fits another run, iteration or ballot)."""
+    if isinstance(msg, Push):
+        return canonical("zeroth-push-v1", msg.run_id, msg.sender, msg.iteration, msg.count, msg.payload)
+    if isinstance(msg, Commit):
+        return canonical(
+            "zeroth-commit-v1", msg.run_id, msg.sender, msg.iteration, tuple(msg.ballot), msg.contributors,
+            msg.updates_digest, _view_fields(msg.next_view),
+        )
+    if isinstance(msg, Prepare):
+        return canonical("zeroth-prepare-v1", msg.run_id, msg.sender, msg.iteration, tuple(msg.ballot))
+    if isinstance(msg, Leave):
+        return canonical("zeroth-leave-v1", msg.run_id, msg.sender, msg.iteration)
+    raise TypeError(f"signed_bytes() takes Push, Commit, Prepare or Leave, got {type(msg).__name__}")
+
+
+def sign(params: Params, msg):
+    """``msg`` with this peer's signature (``params.sign``), or unchanged without a signer."""
+    if params.sign is None:
+        return msg
+    return msg._replace(signature=params.sign(signed_bytes(msg)))
+
+
+def _verify(params: Params, view: View | None, msg, what: str, key: bytes | None = None) -> None:
+    """Refuse ``msg`` unless the key ``view`` gives its sender (or ``key``) signed it (no-op without ``params.verify``)."""
+    if params.verify is None:
+        return
+    if key is None:
+        key = view.key_of(msg.sender) if view is not None else None
+    if key is None:
+        raise Rejected("PERMISSION_DENIED", f"{what}: machine {msg.sender} is not a member of iteration {view.iteration if view else '?'}")
+    if len(key) != KEY_BYTES or not msg.signature:
+        raise Rejected("UNAUTHENTICATED", f"{what}: not signed by machine {msg.sender}")
+    if not params.verify(key, signed_bytes(msg), msg.signature):
+        raise Rejected("UNAUTHENTICATED", f"{what}: the signature is not machine {msg.sender}'s")
+
+
+def _view_at(st: PeerState, t: int) -> View | None:
+    """The view of iteration ``t`` as far as this peer has verified it (None: not known)."""
+    if t == st.it:
+        return st.view
+    prev = st.decided.get(t - 1)
+    return prev.commit.next_view if prev is not None else None
+
+
+def member_key(st: PeerState, machine: int) -> bytes | None:
+    """The public key of ``machine`` in the current view, a view of the window, or a view being admitted.
+
+    Log, checksum and state requests are verified with it: a member removed a few iterations ago
+    can still fetch the log (and so learn that it was removed); a joiner admitted by a commit can
+    download the state at once.
+    """
+    key = st.view.key_of(machine)
+    if key is not None:
+        return key
+    for t in sorted(st.decided, reverse=True):
+        key = st.decided[t].commit.next_view.key_of(machine)
+        if key is not None:
+            return key
+    for adm in st.admissions.values():
+        key = adm.view.key_of(machine)
+        if key is not None:
+            return key
+    return None
+
+
+def _check_succession(view: View, nxt: View, what: str) -> None:
+    """The view a commit of ``view.iteration`` hands on: members keep their address and key (nobody,
+    not even a committer, can re-key another member), new members get fresh ids and join inactive."""
+    old = {m.machine: m for m in view.members}
+    for m in nxt.members:
+        o = old.get(m.machine)
+        if o is not None:
+            if o.key != m.key or o.address != m.address:
+                raise Rejected("INVALID_ARGUMENT", f"{what}: the next view changes the address or key of machine {m.machine}")
+        elif m.machine < view.next_machine_id or m.active:
+            raise Rejected("INVALID_ARGUMENT", f"{what}: machine {m.machine} is neither a member nor a new (inactive) joiner")
+    if nxt.next_machine_id < view.next_machine_id:
+        raise Rejected("INVALID_ARGUMENT", f"{what}: next_machine_id goes back from {view.next_machine_id} to {nxt.next_machine_id}")
+
+
+def _verify_entry(params: Params, view: View | None, e: LogEntry, what: str, keys: Callable | None = None) -> None:
+    """A decided entry: its commit signed by its sender in ``view`` (or ``keys(machine)``), every payload
+    signed by its contributor, and (with ``view``) a next view that follows from it."""
+    _verify(params, view, e.commit, what, key=keys(e.commit.sender) if keys else None)
+    if view is not None:
+        _check_succession(view, e.commit.next_view, what)
+    if params.verify is None or e.payloads is None:
+        return
+    sigs = e.signatures
+    if sigs is None or len(sigs) != len(e.payloads):
+        raise Rejected("UNAUTHENTICATED", f"{what}: the payloads carry no signatures of their senders")
+    c = e.commit
+    for (m, n), payload, sig in zip(c.contributors, e.payloads, sigs, strict=True):
+        push = Push(c.run_id, m, c.iteration, n, payload, sig)
+        _verify(params, view, push, f"{what} payload of machine {m}", key=keys(m) if keys else None)
 
 
 def committer(state: PeerState) -> int | None:
@@ -552,6 +773,8 @@ def _check_view(params: Params, view: View, what: str) -> None:
     for m in view.members:
         _check_uint(f"{what} member id", m.machine)
         _check_address(m.address)
+        if not isinstance(m.key, bytes) or len(m.key) not in (0, KEY_BYTES):
+            raise Rejected("INVALID_ARGUMENT", f"{what} member {m.machine} key must be {KEY_BYTES} bytes, got {len(m.key)}")
     if ids != sorted(set(ids)):
         raise Rejected("INVALID_ARGUMENT", f"{what} members must be sorted by machine id without repeats, got {ids[:16]}")
     if ids and view.next_machine_id <= ids[-1]:
@@ -577,6 +800,7 @@ def _check_commit(params: Params, c: Commit) -> None:
             raise Rejected("INVALID_ARGUMENT", f"contributor {m} count {n} is outside [1, {params.max_count}]")
     if not isinstance(c.updates_digest, bytes) or len(c.updates_digest) != 32:
         raise Rejected("INVALID_ARGUMENT", f"updates_digest must be 32 bytes (SHA-256), got {len(c.updates_digest)}")
+    _check_uint("ballot round", c.ballot.round, MAX_ROUND)
     _check_view(params, c.next_view, "commit next_view")
     if c.next_view.iteration != c.iteration + 1:
         raise Rejected(
@@ -588,17 +812,18 @@ def _same_value(a: Commit, b: Commit) -> bool:
     return a.contributors == b.contributors and a.updates_digest == b.updates_digest and a.next_view == b.next_view
 
 
-def _assemble(state: PeerState, commit: Commit) -> tuple[bytes, ...] | None:
-    """The payloads of ``commit`` from the inbox, if all present and matching its digest."""
-    payloads = []
+def _assemble(state: PeerState, commit: Commit) -> tuple[tuple[bytes, ...], tuple[bytes, ...]] | None:
+    """``(payloads, signatures)`` of ``commit`` from the (verified) inbox, if all present and matching its digest."""
+    payloads, sigs = [], []
     for m, n in commit.contributors:
         push = state.inbox.get((commit.iteration, m))
         if push is None or push.count != n:
             return None
         payloads.append(push.payload)
+        sigs.append(push.signature)
     if updates_digest(commit.contributors, payloads) != commit.updates_digest:
         return None
-    return tuple(payloads)
+    return tuple(payloads), tuple(sigs)
 
 
 def _blank(me: int, phase: str, view: View, now: float) -> PeerState:
@@ -673,16 +898,16 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
         entry = st.decided.get(st.it)
         if entry is None:
             later = [t for t in st.decided if t > st.it]
-            if later and st.fetch is None:
-                st = _fetch(params, st, now, effects, st.it, min(later) - 1)
+            if st.fetch is None and (later or st.ahead >= st.it):
+                st = _fetch(params, st, now, effects, st.it, max(min(later) - 1 if later else -1, st.ahead))
             break
         if entry.payloads is None:
-            payloads = _assemble(st, entry.commit)
-            if payloads is None:
+            got = _assemble(st, entry.commit)
+            if got is None:
                 if st.fetch is None:
                     st = _fetch(params, st, now, effects, st.it, st.it)
                 break
-            entry = entry._replace(payloads=payloads)
+            entry = entry._replace(payloads=got[0], signatures=got[1])
             st = st._replace(decided=_put(st.decided, st.it, entry))
         effects.append(Apply(entry))
         moved = True
@@ -710,7 +935,9 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
     return st
 
 
-def _fetch(params: Params, st: PeerState, now: float, effects: list, first: int, last: int, prefer: int | None = None) -> PeerState:
+def _fetch(
+    params: Params, st: PeerState, now: float, effects: list, first: int, last: int, prefer: int | None = None, check: bool = False
+) -> PeerState:
     """Ask a member for decided iterations: ``prefer``, the commit's sender, then the others in turn."""
     order = [] if prefer is None else [prefer]
     entry = st.decided.get(first)
@@ -727,10 +954,12 @@ def _fetch(params: Params, st: PeerState, now: float, effects: list, first: int,
             sources.append(address)
     if not sources:
         return st
+    sources = [a for a in sources if a not in st.denials] or sources  # not those that refused us
     preferred = st.view.address_of(prefer) if prefer is not None else None
     address = preferred if preferred in sources else sources[st.fetches % len(sources)]
     effects.append(Fetch(address, first, last))
-    return st._replace(fetch=FetchState(first, last, now + params.barrier_timeout_s, st.fetches), fetches=st.fetches + 1)
+    fetch = FetchState(first, last, now + params.barrier_timeout_s, st.fetches, address, check)
+    return st._replace(fetch=fetch, fetches=st.fetches + 1)
 
 
 def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
@@ -764,15 +993,16 @@ def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive) 
     pushes = [st.inbox[(st.it, m)] for m in contributors]
     contrib = tuple((p.sender, p.count) for p in pushes)
     payloads = tuple(p.payload for p in pushes)
+    signatures = tuple(p.signature for p in pushes)
     next_active = ((frozenset(contributors) & frozenset(alive)) | (st.ready & frozenset(alive))) - st.leaves
     next_id = view.next_machine_id
     admitted = []
     joiner_addresses = set()
-    for rid, address in st.joins[: params.max_pending_joins]:
+    for rid, address, key in st.joins[: params.max_pending_joins]:
         if address in joiner_addresses:
             continue
         joiner_addresses.add(address)
-        admitted.append((rid, Member(next_id, address, False)))
+        admitted.append((rid, Member(next_id, address, False, key)))
         next_id += 1
     members = []
     for m in view.members:
@@ -782,11 +1012,11 @@ def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive) 
             continue  # unreachable: removed (it must rejoin with a new id)
         # An active member that missed the barrier is out of this iteration and inactive from the
         # next: it is no longer waited for, and becomes active again by pushing again.
-        members.append(Member(m.machine, m.address, m.machine in next_active))
+        members.append(m._replace(active=m.machine in next_active))
     members += [m for _, m in admitted]
     next_view = View(st.it + 1, tuple(sorted(members)), next_id)
     commit = Commit(params.run_id, st.me, st.it, ballot, contrib, updates_digest(contrib, payloads), next_view)
-    return LogEntry(commit, payloads), tuple(admitted)
+    return LogEntry(sign(params, commit), payloads, signatures), tuple(admitted)
 
 
 def _publish(params: Params, st: PeerState, now: float, effects: list, entry: LogEntry, admitted) -> PeerState:
@@ -824,14 +1054,16 @@ def _answer_admissions(st: PeerState, t: int, effects: list) -> PeerState:
 # --------------------------------------------------------------------------- constructors
 
 
-def founder(params: Params, *, address: str, now: float) -> Step:
-    """The first peer of a run: machine 0, alone in the view of iteration 0.
+def founder(params: Params, *, address: str, now: float, key: bytes = b"", iteration: int = 0) -> Step:
+    """The first peer of a run: machine 0 (public key ``key``), alone in the view of ``iteration``
+    (0, or the iteration of a saved state the run resumes from).
 
     With ``params.founders > 1`` it waits (phase ``forming``) until that many peers joined or
     ``forming_timeout_s`` passed; they all start iteration 0 as active members.
     """
     _check_address(address)
-    view = View(0, (Member(0, address, True),), 1)
+    _check_uint("iteration", iteration, 2**63)
+    view = View(iteration, (Member(0, address, True, key),), 1)
     st = _blank(0, FORMING, view, now)._replace(
         forming_deadline=now + params.forming_timeout_s, admissions={-1: Admission(frozenset(), frozenset(), (), view)}
     )
@@ -908,10 +1140,14 @@ def on_join(params: Params, st: PeerState, req: JoinRequest, now: float) -> Step
             f"start the peer with the run's config",
         )
     _check_address(req.address)
+    if not isinstance(req.key, bytes) or (params.verify is not None and len(req.key) != KEY_BYTES):
+        raise Rejected("INVALID_ARGUMENT", f"a joiner's public key must be {KEY_BYTES} bytes, got {len(req.key)}")
+    if st.phase == DONE:
+        raise Rejected("FAILED_PRECONDITION", f"the run has finished (all {params.iterations} iterations are decided); nothing to join")
     if st.phase == FORMING:
         if req.address in {m.address for m in st.view.members}:
             raise Rejected("ALREADY_EXISTS", f"a founding peer already listens at {req.address}")
-        member = Member(st.view.next_machine_id, req.address, True)
+        member = Member(st.view.next_machine_id, req.address, True, req.key)
         view = st.view._replace(members=st.view.members + (member,), next_machine_id=member.machine + 1)
         adm = st.admissions[-1]
         adm = adm._replace(joins=adm.joins + ((req.request_id, member),), view=view)
@@ -929,9 +1165,18 @@ def on_join(params: Params, st: PeerState, req: JoinRequest, now: float) -> Step
         return Step(st, (), Redirect(address))
     if len(st.joins) >= params.max_pending_joins:
         raise Rejected("RESOURCE_EXHAUSTED", f"{len(st.joins)} joins already wait for the next commit; retry shortly")
-    if any(rid == req.request_id for rid, _ in st.joins):
+    if any(rid == req.request_id for rid, _, _ in st.joins):
         raise Rejected("ALREADY_EXISTS", f"join request {req.request_id} is already queued")
-    return Step(st._replace(joins=st.joins + ((req.request_id, req.address),)), ())
+    for m in st.view.members:
+        # A member that is alive keeps its address: a join naming it is refused (it would evict it).
+        # An inactive or unreachable one is replaced (a restarted peer rejoining on its old port).
+        if m.address == req.address and m.machine != st.me and m.active and not st.failures.get(m.machine, 0):
+            raise Rejected(
+                "ALREADY_EXISTS", f"machine {m.machine} is an active member at {req.address}; retry once it stopped contributing"
+            )
+        if m.address == req.address and m.machine == st.me:
+            raise Rejected("ALREADY_EXISTS", f"{req.address} is this peer's own address")
+    return Step(st._replace(joins=st.joins + ((req.request_id, req.address, req.key),)), ())
 
 
 def on_leave(params: Params, st: PeerState, msg: Leave, now: float) -> Step:
@@ -942,6 +1187,9 @@ def on_leave(params: Params, st: PeerState, msg: Leave, now: float) -> Step:
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase}")
     if msg.sender not in st.view.ids():
         raise Rejected("PERMISSION_DENIED", f"machine {msg.sender} is not a member of iteration {st.it}")
+    _verify(params, st.view, msg, f"leave of machine {msg.sender}")
+    if msg.sender == st.me:
+        raise Rejected("INVALID_ARGUMENT", f"a leave claims to come from this peer's own id {st.me}")
     st = st._replace(leaves=st.leaves | {msg.sender})
     effects: list = []
     st = _try_commit(params, st, now, effects)
@@ -953,9 +1201,8 @@ def request_leave(params: Params, st: PeerState, now: float) -> Step:
     if st.phase != MEMBER:
         raise ValueError(f"only a member can leave; this peer is {st.phase}")
     st = st._replace(leaving=True, leaves=st.leaves | {st.me})
-    effects: list = [
-        Send(m.machine, m.address, Leave(params.run_id, st.me, st.it)) for m in st.view.members if m.machine != st.me
-    ]
+    leave = sign(params, Leave(params.run_id, st.me, st.it))
+    effects: list = [Send(m.machine, m.address, leave) for m in st.view.members if m.machine != st.me]
     st = _try_commit(params, st, now, effects)
     return Step(st, tuple(effects))
 
@@ -971,7 +1218,7 @@ def on_local_gradients(params: Params, st: PeerState, *, iteration: int, count: 
         _check_payload(params, count, payload, "local gradients")
     except Rejected as e:
         raise ValueError(e.message) from None
-    push = Push(params.run_id, st.me, iteration, count, payload)
+    push = sign(params, Push(params.run_id, st.me, iteration, count, payload))
     st = st._replace(inbox=_put(st.inbox, (iteration, st.me), push))
     effects: list = [Send(m.machine, m.address, push) for m in st.view.members if m.machine != st.me]
     st = _try_commit(params, st, now, effects)
@@ -987,7 +1234,9 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
 
     Accepted for iterations from ``it`` to one past the newest decision known (a member may be
     one iteration ahead); stored once (an identical copy is accepted again, a different one is
-    refused). A catching-up member's push one iteration late marks it ready to become active.
+    refused). An inactive member's push up to :data:`READY_LAG` iterations late (a joiner that
+    caught up while the others ran ahead) marks it ready to become active: the next decision makes
+    it active, and the barrier then waits for it.
 
     Raises:
       Rejected: other run, unknown sender, stale or too far ahead, bad count or size, conflicting duplicate.
@@ -1002,10 +1251,11 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
     if push.sender not in st.view.ids():
         raise Rejected("PERMISSION_DENIED", f"machine {push.sender} is not a member of iteration {st.it}")
     _check_payload(params, push.count, push.payload, f"push of machine {push.sender} iteration {push.iteration}")
+    _verify(params, st.view, push, f"push of machine {push.sender} iteration {push.iteration}")
     t = push.iteration
     if t < st.it:
         mem = [m for m in st.view.members if m.machine == push.sender]
-        if t == st.it - 1 and mem and not mem[0].active and st.phase == MEMBER:
+        if t >= st.it - READY_LAG and mem and not mem[0].active and st.phase == MEMBER:
             return Step(st._replace(ready=st.ready | {push.sender}), ())
         raise Rejected("FAILED_PRECONDITION", f"stale push: iteration {t} is already decided (this peer is at {st.it})")
     if t > _horizon(st) or t > st.it + params.window:
@@ -1029,41 +1279,66 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
     """A decision of one iteration (the barrier release).
 
     Buffered until applicable; its payloads come from the pushes received, or are fetched.
-    A decision that conflicts with one this peer already applied drops it from the run.
+    A decision that conflicts with one this peer already applied (signed, higher ballot) makes it
+    fetch that iteration from the leader; it drops out only if the leader's log differs too.
 
     Raises:
-      Rejected: malformed, other run, ballot below one promised, too far ahead, or a round-0
-        commit not sent by the leader of the iteration.
+      Rejected: malformed, other run, not signed by its sender, ballot below one promised (or a
+        takeover's ballot this peer did not promise), too far ahead, or a round-0 commit not
+        sent by the leader of the iteration.
     """
     _check_commit(params, commit)
-    if st.phase in (FORMING, DROPPED):
+    if st.phase not in (MEMBER, CATCHING_UP, DONE):
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase}; it takes no commits")
     t = commit.iteration
     effects: list = []
     if t < st.it:
         old = st.decided.get(t)
-        if old is not None and not _same_value(old.commit, commit):
-            effects.append(
-                Dropped(f"iteration {t}: a commit of ballot {tuple(commit.ballot)} differs from the one this peer applied")
-            )
-            return Step(st._replace(phase=DROPPED), tuple(effects))
-        return Step(st, ())
-    if st.phase not in (MEMBER, CATCHING_UP):
+        if old is None or _same_value(old.commit, commit):
+            return Step(st, ())
+        # Ids are never reused and keep their key: any view that holds the sender has its key.
+        _verify(params, None, commit, f"commit of iteration {t}", key=member_key(st, commit.sender))
+        if commit.ballot <= old.commit.ballot:
+            return Step(st, ())
+        # A later ballot decided differently? Only the leader's log can say: fetch it and compare.
+        effects.append(Note(f"iteration {t}: a commit of ballot {tuple(commit.ballot)} differs from the applied one; checking the leader's log"))
+        if st.phase == MEMBER and (st.fetch is None or st.fetch.failed):
+            st = _fetch(params, st, now, effects, t, t, prefer=st.view.leader(), check=True)
+        return Step(st, tuple(effects))
+    if st.phase == DONE:
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase}; it takes no commits of iteration {t}")
     if t > st.it + params.window:
         raise Rejected("OUT_OF_RANGE", f"commit of iteration {t} is too far ahead (this peer is at {st.it})")
-    if t == st.it and commit.sender not in st.view.ids():
+    view = _view_at(st, t)
+    if view is None or (t > st.it and commit.ballot.round > 0):
+        # A later iteration whose view this peer cannot verify yet: never stored (it could wedge
+        # the iteration), only a hint that this peer is behind: fetch the decided log.
+        _verify(params, st.view, commit, f"commit of iteration {t}")
+        st = st._replace(ahead=max(st.ahead, t))
+        if st.phase == MEMBER and st.fetch is None:
+            st = _fetch(params, st, now, effects, st.it, t)
+        return Step(st, tuple(effects))
+    if commit.sender not in view.ids():
         raise Rejected("PERMISSION_DENIED", f"machine {commit.sender} is not a member of iteration {t}")
+    _verify(params, view, commit, f"commit of iteration {t}")
+    _check_succession(view, commit.next_view, f"commit of iteration {t}")
     promised = st.promised.get(t)
-    if promised is not None and commit.ballot < promised:
+    if commit.ballot.round == 0:
+        if commit.ballot.leader != view.leader():
+            raise Rejected(
+                "INVALID_ARGUMENT",
+                f"round-0 commit of iteration {t} from machine {commit.sender}; the leader is {view.leader()}",
+            )
+        if promised is not None and commit.ballot < promised:
+            raise Rejected(
+                "FAILED_PRECONDITION",
+                f"commit of iteration {t} has ballot {tuple(commit.ballot)} below the promised {tuple(promised)}",
+            )
+    elif promised != commit.ballot:
         raise Rejected(
             "FAILED_PRECONDITION",
-            f"commit of iteration {t} has ballot {tuple(commit.ballot)} below the promised {tuple(promised)}",
-        )
-    if t == st.it and commit.ballot.round == 0 and commit.ballot.leader != st.view.leader():
-        raise Rejected(
-            "INVALID_ARGUMENT",
-            f"round-0 commit of iteration {t} from machine {commit.sender}; the leader is {st.view.leader()}",
+            f"commit of iteration {t} has ballot {tuple(commit.ballot)}; this peer promised "
+            f"{'nothing' if promised is None else tuple(promised)} (a takeover commits only after its prepare)",
         )
     old = st.decided.get(t)
     if old is not None and _same_value(old.commit, commit):
@@ -1101,6 +1376,9 @@ def on_commit_failed(params: Params, st: PeerState, *, iteration: int, machine: 
 def _start_recovery(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
     prev = st.promised.get(st.it)
     ballot = Ballot((prev.round if prev is not None else 0) + 1, st.me)
+    if ballot.round >= MAX_ROUND:
+        effects.append(Note(f"iteration {st.it}: no takeover possible (ballot round {ballot.round} at the bound)"))
+        return st._replace(deadline=now + 2 * params.barrier_timeout_s)
     st = st._replace(
         promised=_put(st.promised, st.it, ballot),
         recovery=Recovery(ballot, {}, now + params.barrier_timeout_s),
@@ -1108,7 +1386,7 @@ def _start_recovery(params: Params, st: PeerState, now: float, effects: list) ->
     effects.append(Note(f"iteration {st.it}: taking over with ballot {tuple(ballot)} (suspected {sorted(st.suspected)})"))
     for m in st.view.members:
         if m.machine != st.me:
-            effects.append(Send(m.machine, m.address, Prepare(params.run_id, st.me, st.it, ballot)))
+            effects.append(Send(m.machine, m.address, sign(params, Prepare(params.run_id, st.me, st.it, ballot))))
     if len(st.view.members) == 1:
         st = _finish_recovery(params, st, now, effects)
     return st
@@ -1123,11 +1401,12 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
     _check_run(params, msg.run_id)
     _check_uint("sender", msg.sender)
     _check_uint("iteration", msg.iteration, 2**63)
-    _check_uint("ballot round", msg.ballot.round, 2**63)
+    _check_uint("ballot round", msg.ballot.round, MAX_ROUND)
     if msg.ballot.leader != msg.sender or msg.ballot.round < 1:
         raise Rejected("INVALID_ARGUMENT", f"prepare from machine {msg.sender} with ballot {tuple(msg.ballot)}")
     if st.phase in (FORMING, DROPPED):
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase}")
+    _verify(params, st.view, msg, f"prepare of machine {msg.sender}")
     t = msg.iteration
     if t < st.it:
         if t < st.it - params.window:
@@ -1143,6 +1422,18 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
     if promised is not None and msg.ballot < promised:
         raise Rejected(
             "FAILED_PRECONDITION", f"ballot {tuple(msg.ballot)} for iteration {t} is below the promised {tuple(promised)}"
+        )
+    top = promised.round if promised is not None else 0
+    if msg.ballot.round > top + MAX_ROUND_STEP:
+        raise Rejected(
+            "OUT_OF_RANGE",
+            f"ballot round {msg.ballot.round} for iteration {t} jumps more than {MAX_ROUND_STEP} above the highest promised ({top})",
+        )
+    if t == st.it and now < st.started_at + params.iteration_timeout_s and (promised is None or promised.round == 0):
+        raise Rejected(
+            "FAILED_PRECONDITION",
+            f"iteration {t} started {now - st.started_at:.1f}s ago here; a takeover is premature before the "
+            f"iteration timeout ({params.iteration_timeout_s}s)",
         )
     st = st._replace(promised=_put(st.promised, t, msg.ballot))
     effects: list = []
@@ -1204,8 +1495,9 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
             try:
                 _check_run(params, p.run_id)
                 _check_payload(params, p.count, p.payload, "takeover push")
+                _verify(params, st.view, p, "takeover push")
             except Rejected:
-                continue
+                continue  # a push its sender did not sign is ignored
             if p.iteration == st.it and p.sender in st.view.ids() and (p.iteration, p.sender) not in inbox:
                 inbox[(p.iteration, p.sender)] = p
     st = st._replace(inbox=inbox)
@@ -1215,18 +1507,19 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
             continue
         try:
             _check_commit(params, r.decided.commit)
+            _verify_entry(params, st.view, r.decided, f"decision of iteration {st.it} in a promise")
         except Rejected:
-            continue  # a malformed decision in a promise is ignored
+            continue  # a malformed or unsigned decision in a promise is ignored
         held.append(r.decided)
     if held:
         best = max(held, key=lambda e: tuple(e.commit.ballot))
-        commit = best.commit._replace(sender=st.me, ballot=rec.ballot)
-        payloads = best.payloads
+        commit = sign(params, best.commit._replace(sender=st.me, ballot=rec.ballot, signature=b""))
+        payloads, sigs = best.payloads, best.signatures
         if payloads is not None and updates_digest(commit.contributors, payloads) != commit.updates_digest:
             payloads = None
         if payloads is None:
-            payloads = _assemble(st, commit)
-        entry = LogEntry(commit, payloads)
+            payloads, sigs = _assemble(st, commit) or (None, None)
+        entry = LogEntry(commit, payloads, sigs)
         effects.append(Note(f"iteration {st.it}: takeover re-issues the decision of ballot {tuple(best.commit.ballot)}"))
         admitted: tuple = ()
         st = st._replace(joins=())
@@ -1244,13 +1537,17 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
 
 
 def on_fetched(params: Params, st: PeerState, entries, now: float) -> Step:
-    """Decided iterations fetched from a member: each is checked (structure, payload digest) and buffered.
+    """Decided iterations fetched from a member: each is checked (structure, payload digest,
+    signatures along the chain of views from ``st.it``) and buffered; past entries are compared
+    with the applied ones when the fetch checks a conflicting commit (a difference drops this peer).
 
     Raises:
-      Rejected: an entry is malformed or its payloads do not match its digest.
+      Rejected: an entry is malformed, unsigned, or its payloads do not match its digest.
     """
     decided = dict(st.decided)
-    for e in entries:
+    check = st.fetch is not None and st.fetch.check
+    effects: list = []
+    for e in sorted(entries, key=lambda e: e.commit.iteration):
         _check_commit(params, e.commit)
         if e.payloads is None or len(e.payloads) != len(e.commit.contributors):
             raise Rejected("INVALID_ARGUMENT", f"log entry of iteration {e.commit.iteration} lacks payloads")
@@ -1259,27 +1556,69 @@ def on_fetched(params: Params, st: PeerState, entries, now: float) -> Step:
         if updates_digest(e.commit.contributors, e.payloads) != e.commit.updates_digest:
             raise Rejected("INVALID_ARGUMENT", f"log entry of iteration {e.commit.iteration}: payloads do not match the digest")
         t = e.commit.iteration
-        if t < st.it or t > st.it + params.window:
+        if t < st.it:
+            old = decided.get(t)
+            if check and old is not None and not _same_value(old.commit, e.commit):
+                _verify_entry(params, None, e, f"log entry of iteration {t}", keys=lambda m: member_key(st, m))
+                effects.append(
+                    Dropped(f"iteration {t}: the leader's log holds a decision (ballot {tuple(e.commit.ballot)}) that differs from the one this peer applied")
+                )
+                return Step(st._replace(phase=DROPPED, fetch=None), tuple(effects))
             continue
+        view = st.view if t == st.it else (decided[t - 1].commit.next_view if t - 1 in decided else None)
+        if view is None or t > st.it + params.window:
+            continue  # not on the chain of views this peer knows: cannot be verified
+        _verify_entry(params, view, e, f"log entry of iteration {t}")
         old = decided.get(t)
         if old is None or old.payloads is None and (_same_value(old.commit, e.commit) or e.commit.ballot >= old.commit.ballot):
-            decided[t] = LogEntry(e.commit, tuple(e.payloads))
-    st = st._replace(decided=decided, fetch=None)
-    effects: list = []
+            decided[t] = LogEntry(e.commit, tuple(e.payloads), e.signatures)
+    # A hint the source could not confirm (it has no decision of st.it yet) is dropped: one fetch per hint.
+    ahead = st.ahead if st.it in decided else -1
+    st = st._replace(decided=decided, fetch=None, denials=frozenset(), ahead=ahead)
     st = _advance(params, st, now, effects)
     return Step(st, tuple(effects))
 
 
-def on_fetch_failed(params: Params, st: PeerState, *, message: str, now: float) -> Step:
-    """A log fetch failed: the next source is tried at once."""
-    if st.fetch is None:
+def on_fetch_failed(params: Params, st: PeerState, *, message: str, now: float, code: str = "") -> Step:
+    """A log fetch failed: the next source is tried after a short back-off. ``PERMISSION_DENIED``
+    or ``NOT_FOUND`` from two sources (or from every other member) means this peer is no longer
+    part of the run (removed, or too far behind the others' logs): :class:`Dropped`."""
+    if st.fetch is None or st.fetch.failed:
         return Step(st, ())
-    effects: list = [Note(f"fetch of iterations {st.fetch.first}..{st.fetch.last} failed: {message}")]
-    st = _advance(params, st._replace(fetch=None), now, effects)
+    f = st.fetch
+    effects: list = [Note(f"fetch of iterations {f.first}..{f.last} from {f.address or '?'} failed: {message}")]
+    if code in ("PERMISSION_DENIED", "NOT_FOUND"):
+        denials = st.denials | {f.address}
+        others = len(st.view.ids() - {st.me})
+        if len(denials) >= min(2, max(1, others)):
+            effects.append(Dropped(f"iteration {st.it}: the members refuse this peer's log requests ({code}): it was removed from the run"))
+            return Step(st._replace(phase=DROPPED, fetch=None, denials=denials), tuple(effects))
+        st = st._replace(denials=denials)
+    backoff = min(params.barrier_timeout_s, 0.05 * 2 ** min(f.attempt, 6))
+    st = st._replace(fetch=f._replace(deadline=now + backoff, failed=True, check=False))
     return Step(st, tuple(effects))
 
 
 # --------------------------------------------------------------------------- time
+
+
+def _resync(params: Params, st: PeerState, now: float, effects: list) -> tuple[PeerState, tuple]:
+    """A stuck iteration: forget what may wedge it (an undecidable entry, promises, our takeover)
+    and fetch the decided log from the others (the majority moved on, or it is gone)."""
+    entry = st.decided.get(st.it)
+    decided = st.decided if entry is None or entry.payloads is not None else {k: v for k, v in st.decided.items() if k != st.it}
+    st = st._replace(
+        decided=decided,
+        promised={k: v for k, v in st.promised.items() if k < st.it},
+        recovery=None,
+        suspected=frozenset(),
+        resynced_at=now,
+        deadline=now + 2 * params.barrier_timeout_s,
+        fetch=None,
+    )
+    effects.append(Note(f"iteration {st.it}: no decision for {now - st.started_at:.0f}s; re-synchronising with the others"))
+    st = _fetch(params, st, now, effects, st.it, st.it + params.window)
+    return st, tuple(effects)
 
 
 def on_tick(params: Params, st: PeerState, now: float) -> Step:
@@ -1293,10 +1632,25 @@ def on_tick(params: Params, st: PeerState, now: float) -> Step:
         return Step(st, ())
     if st.fetch is not None and now >= st.fetch.deadline:
         f = st.fetch
-        effects.append(Note(f"fetch of iterations {f.first}..{f.last} timed out"))
+        if not f.failed:
+            effects.append(Note(f"fetch of iterations {f.first}..{f.last} from {f.address} timed out"))
         st = _advance(params, st._replace(fetch=None), now, effects)
         if st.phase != MEMBER:
             return Step(st, tuple(effects))
+        if st.fetch is None and f.last >= st.it:
+            st = _fetch(params, st, now, effects, st.it, f.last)  # the back-off is over: the next source
+    if now >= st.started_at + params.stall_s:
+        if st.resynced_at < st.started_at:
+            return Step(*_resync(params, st, now, effects))
+        if now >= st.resynced_at + params.stall_s:
+            members = sorted(st.view.ids())
+            reason = (
+                f"iteration {st.it}: no decision for {now - st.started_at:.0f}s, even after re-synchronising with the others; "
+                f"the run has lost its majority (members {members}, a majority is {len(members) // 2 + 1}), "
+                f"or it went on without this peer"
+            )
+            effects.append(Failed(st.it, reason))
+            return Step(st._replace(phase=FAILED, fetch=None, recovery=None), tuple(effects))
     if st.it in st.decided:
         return Step(st, tuple(effects))
     if st.recovery is not None:
@@ -1322,8 +1676,9 @@ def on_tick(params: Params, st: PeerState, now: float) -> Step:
     effects.append(Note(f"iteration {st.it}: no decision from machine {who}; suspecting it"))
     cands = active - st.suspected
     if not cands:
-        effects.append(Dropped(f"iteration {st.it}: every active member is suspected"))
-        return Step(st._replace(phase=DROPPED), tuple(effects))
+        # Every active member is suspected: start over (the stall timeout ends a run without a majority).
+        effects.append(Note(f"iteration {st.it}: every active member is suspected; waiting"))
+        return Step(st._replace(suspected=frozenset(), deadline=now + 2 * params.barrier_timeout_s), tuple(effects))
     if min(cands) == st.me:
         st = _start_recovery(params, st, now, effects)
     else:

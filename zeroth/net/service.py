@@ -1,11 +1,14 @@
 """The gRPC face of a peer: thin servicers over :class:`zeroth.net.runtime.Node`.
 
-Each method decodes the request (:mod:`zeroth.net.wire`), calls the node (which runs the pure
-protocol under its lock) and encodes the answer. A refusal of the protocol
+Each method decodes the request (:mod:`zeroth.net.wire`), calls the node (which authenticates
+it and runs the pure protocol under its lock) and encodes the answer. A refusal
 (:class:`zeroth.net.protocol.Rejected`) becomes ``context.abort(StatusCode.<code>, message)``;
-any other exception becomes ``INTERNAL`` with its message, and the peer carries on. The shared
-token is checked by :class:`zeroth.net.security.TokenInterceptor` before any method runs.
-Every message received and sent is counted in the node's :class:`~zeroth.net.runtime.Traffic`.
+any other exception becomes ``INTERNAL`` with its message, and the peer carries on. The run's
+access token is checked by :class:`zeroth.net.security.TokenInterceptor` before any method runs;
+the sender's signature by the protocol (pushes, commits, prepares, leaves) or by
+:meth:`Node.authenticate <zeroth.net.runtime.Node.authenticate>` (log, checksum and state requests).
+Every message received and sent is counted in the node's :class:`~zeroth.net.transport.Traffic`.
+The gRPC options and size limits are :mod:`zeroth.net.transport`'s.
 """
 
 from __future__ import annotations
@@ -21,11 +24,9 @@ from zeroth.net import security as _sec
 from zeroth.net import wire
 from zeroth.net.proto import peer_pb2 as pb
 from zeroth.net.proto import peer_pb2_grpc as pb_grpc
+from zeroth.net.transport import SERVER_OPTIONS, SERVER_THREADS, response_payload
 
-__all__ = ["PeerService", "serve", "response_payload", "SERVER_THREADS", "MAX_MESSAGE_BYTES"]
-
-SERVER_THREADS = 32
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # larger messages are refused by gRPC (RESOURCE_EXHAUSTED)
+__all__ = ["PeerService", "serve"]
 
 
 class PeerService(pb_grpc.PeerServicer):
@@ -37,7 +38,7 @@ class PeerService(pb_grpc.PeerServicer):
     # -- helpers
 
     def _received(self, request, payload: int = 0) -> None:
-        self.node.traffic.received(wire.wire_size(request, kind="request", token=self.node.options.token), payload)
+        self.node.traffic.received(wire.wire_size(request, kind="request", token=self.node.transport.token), payload)
 
     def _answer(self, response):
         self.node.traffic.sent(wire.wire_size(response, kind="response"), response_payload(response))
@@ -48,6 +49,7 @@ class PeerService(pb_grpc.PeerServicer):
             return fn(*args)
         except P.Rejected as e:
             self.node.traffic.sent(wire.RESPONSE_OVERHEAD)
+            self.node.refused(e.code)
             context.abort(getattr(grpc.StatusCode, e.code, grpc.StatusCode.INVALID_ARGUMENT), e.message)
         except Exception as e:  # noqa: BLE001  (a bad request must never take the peer down)
             traceback.print_exc(file=sys.stderr)
@@ -61,7 +63,9 @@ class PeerService(pb_grpc.PeerServicer):
         def go():
             if len(request.config_digest) > wire.MAX_CONFIG_DIGEST:
                 raise P.Rejected("INVALID_ARGUMENT", f"config_digest has {len(request.config_digest)} characters")
-            run_id, answer = self.node.handle_join(request.address, request.config_digest)
+            if len(request.key) > P.KEY_BYTES or len(request.proof) > 64 or len(request.address) > P.MAX_ADDRESS:
+                raise P.Rejected("INVALID_ARGUMENT", "join request key, proof or address is too long")
+            run_id, answer = self.node.handle_join(request)
             if isinstance(answer, P.Redirect):
                 return pb.JoinResponse(run_id=run_id, redirect=answer.address)
             return pb.JoinResponse(
@@ -98,9 +102,7 @@ class PeerService(pb_grpc.PeerServicer):
         self._received(request)
 
         def go():
-            self.node.check_run(request.run_id)
-            entries = self.node.handle_fetch_log(int(request.sender), int(request.first_iteration), int(request.last_iteration))
-            return pb.FetchLogReply(entries=[wire.entry_to_pb(e) for e in entries])
+            return pb.FetchLogReply(entries=[wire.entry_to_pb(e) for e in self.node.handle_fetch_log(request)])
 
         return self._answer(self._run(context, go))
 
@@ -108,9 +110,7 @@ class PeerService(pb_grpc.PeerServicer):
         self._received(request)
 
         def go():
-            self.node.check_run(request.run_id)
-            digest = self.node.handle_checksum(int(request.sender), int(request.iteration), bytes(request.digest))
-            return pb.ChecksumReply(iteration=request.iteration, digest=digest)
+            return pb.ChecksumReply(iteration=request.iteration, digest=self.node.handle_checksum(request))
 
         return self._answer(self._run(context, go))
 
@@ -118,8 +118,7 @@ class PeerService(pb_grpc.PeerServicer):
         self._received(request)
 
         def go():
-            self.node.check_run(request.run_id)
-            snap, view, sources = self.node.handle_manifest(int(request.sender))
+            snap, view, sources = self.node.handle_manifest(request)
             return pb.StateManifest(
                 run_id=request.run_id,
                 iteration=snap.iteration,
@@ -138,11 +137,7 @@ class PeerService(pb_grpc.PeerServicer):
     def FetchState(self, request, context):  # noqa: N802
         self._received(request)
 
-        def go():
-            self.node.check_run(request.run_id)
-            return self.node.handle_state(int(request.sender), int(request.iteration), int(request.offset), int(request.length))
-
-        chunks = self._run(context, go)
+        chunks = self._run(context, lambda: self.node.handle_state(request))
         for i, (offset, data) in enumerate(chunks):
             msg = pb.StateChunk(offset=offset, data=data)
             self.node.traffic.sent(wire.wire_size(msg, kind="response" if i == 0 else "stream"))
@@ -153,30 +148,16 @@ class PeerService(pb_grpc.PeerServicer):
         return self._answer(pb.StatusReply(**self.node.status()))
 
 
-def response_payload(response) -> int:  # noqa: N802
-    """Projected-gradient bytes a response carries (log entries and takeover replies)."""
-    if isinstance(response, pb.FetchLogReply):
-        return sum(len(g.payload) for e in response.entries for g in e.gradients)
-    if isinstance(response, pb.PrepareReply):
-        return sum(len(g.payload) for g in response.gradients) + sum(len(g.payload) for g in response.decided.gradients)
-    return 0
-
-
 def serve(node, listen: str, *, tls: _sec.TLSFiles | None = None, token: str | None = None) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``node`` on ``listen`` (``host:port``; port 0 picks one). Returns ``(server, port)``.
 
-    Messages above :data:`MAX_MESSAGE_BYTES` are refused (``RESOURCE_EXHAUSTED``);
-    ``SO_REUSEPORT`` is off so two peers can never share a port by accident.
+    ``token``: the access token every call must carry. Options: :data:`zeroth.net.transport.SERVER_OPTIONS`.
     """
     interceptors = [_sec.TokenInterceptor(token)] if token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="zeroth-serve"),
         interceptors=interceptors,
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-        ],
+        options=list(SERVER_OPTIONS),
     )
     pb_grpc.add_PeerServicer_to_server(PeerService(node), server)
     if tls is not None:

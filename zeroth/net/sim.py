@@ -264,6 +264,9 @@ class SimNet:
         elif isinstance(eff, P.Finished):
             peer.finished = eff.reason
             peer.events.append((self.now, f"finished: {eff.reason}"))
+        elif isinstance(eff, P.Failed):
+            peer.finished = "failed"
+            peer.events.append((self.now, f"failed: {eff.reason}"))
         elif isinstance(eff, P.Note):
             peer.events.append((self.now, eff.text))
         else:
@@ -338,7 +341,7 @@ class SimNet:
                 if not peer.alive or peer.state is None or peer.state.me != me:
                     return
                 if entries is None:
-                    self._handle(peer, P.on_fetch_failed(self.params, peer.state, message="unreachable", now=self.now))
+                    self._handle(peer, P.on_fetch_failed(self.params, peer.state, message="unreachable", now=self.now, code="UNAVAILABLE"))
                 else:
                     self._handle(peer, P.on_fetched(self.params, peer.state, entries, self.now))
 

@@ -21,6 +21,7 @@ __all__ = [
     "TOKEN_OVERHEAD",
     "STREAM_MESSAGE_OVERHEAD",
     "MAX_CONFIG_DIGEST",
+    "MAX_SIGNATURE",
     "wire_size",
     "member_to_pb",
     "member_from_pb",
@@ -54,6 +55,7 @@ TOKEN_OVERHEAD = 17
 # One more message of a server stream: DATA frame header + gRPC length prefix.
 STREAM_MESSAGE_OVERHEAD = 14
 MAX_CONFIG_DIGEST = 128
+MAX_SIGNATURE = 64  # Ed25519
 
 
 def wire_size(message, *, kind: str, token: str | None = None) -> int:
@@ -78,12 +80,18 @@ def _str(name: str, value: str, limit: int) -> str:
     return value
 
 
+def _bytes(name: str, value: bytes, limit: int) -> bytes:
+    if len(value) > limit:
+        raise P.Rejected("INVALID_ARGUMENT", f"{name} has {len(value)} bytes; at most {limit}")
+    return bytes(value)
+
+
 def member_to_pb(m: P.Member) -> pb.Member:
-    return pb.Member(machine=m.machine, address=m.address, active=m.active)
+    return pb.Member(machine=m.machine, address=m.address, active=m.active, key=m.key)
 
 
 def member_from_pb(m: pb.Member) -> P.Member:
-    return P.Member(int(m.machine), _str("member address", m.address, P.MAX_ADDRESS), bool(m.active))
+    return P.Member(int(m.machine), _str("member address", m.address, P.MAX_ADDRESS), bool(m.active), _bytes("member key", m.key, P.KEY_BYTES))
 
 
 def view_to_pb(v: P.View) -> pb.View:
@@ -105,11 +113,16 @@ def ballot_from_pb(b: pb.Ballot) -> P.Ballot:
 
 
 def push_to_pb(p: P.Push) -> pb.GradientPush:
-    return pb.GradientPush(run_id=p.run_id, sender=p.sender, iteration=p.iteration, count=p.count, payload=p.payload)
+    return pb.GradientPush(
+        run_id=p.run_id, sender=p.sender, iteration=p.iteration, count=p.count, payload=p.payload, signature=p.signature
+    )
 
 
 def push_from_pb(p: pb.GradientPush) -> P.Push:
-    return P.Push(_str("run_id", p.run_id, P.MAX_RUN_ID), int(p.sender), int(p.iteration), int(p.count), bytes(p.payload))
+    return P.Push(
+        _str("run_id", p.run_id, P.MAX_RUN_ID), int(p.sender), int(p.iteration), int(p.count), bytes(p.payload),
+        _bytes("signature", p.signature, MAX_SIGNATURE),
+    )
 
 
 def commit_to_pb(c: P.Commit) -> pb.Commit:
@@ -121,6 +134,7 @@ def commit_to_pb(c: P.Commit) -> pb.Commit:
         contributors=[pb.Contribution(machine=m, count=n) for m, n in c.contributors],
         updates_digest=c.updates_digest,
         next_view=view_to_pb(c.next_view),
+        signature=c.signature,
     )
 
 
@@ -137,6 +151,7 @@ def commit_from_pb(c: pb.Commit) -> P.Commit:
         tuple((int(x.machine), int(x.count)) for x in c.contributors),
         bytes(c.updates_digest),
         view_from_pb(c.next_view),
+        _bytes("signature", c.signature, MAX_SIGNATURE),
     )
 
 
@@ -145,9 +160,10 @@ def entry_to_pb(e: P.LogEntry) -> pb.LogEntry:
     c = e.commit
     grads = []
     if e.payloads is not None:
+        sigs = e.signatures if e.signatures is not None else (b"",) * len(e.payloads)
         grads = [
-            pb.GradientPush(run_id=c.run_id, sender=m, iteration=c.iteration, count=n, payload=p)
-            for (m, n), p in zip(c.contributors, e.payloads, strict=True)
+            pb.GradientPush(run_id=c.run_id, sender=m, iteration=c.iteration, count=n, payload=p, signature=sig)
+            for (m, n), p, sig in zip(c.contributors, e.payloads, sigs, strict=True)
         ]
     return pb.LogEntry(commit=commit_to_pb(c), gradients=grads)
 
@@ -162,7 +178,7 @@ def entry_from_pb(e: pb.LogEntry) -> P.LogEntry:
                 f"{len(commit.contributors)} contributors",
             )
         return P.LogEntry(commit, None)
-    payloads = []
+    payloads, sigs = [], []
     for (m, n), g in zip(commit.contributors, e.gradients, strict=True):
         if g.sender != m or g.count != n or g.iteration != commit.iteration:
             raise P.Rejected(
@@ -171,15 +187,21 @@ def entry_from_pb(e: pb.LogEntry) -> P.LogEntry:
                 f"{g.iteration}) does not match contributor {m} (count {n})",
             )
         payloads.append(bytes(g.payload))
-    return P.LogEntry(commit, tuple(payloads))
+        sigs.append(_bytes("signature", g.signature, MAX_SIGNATURE))
+    return P.LogEntry(commit, tuple(payloads), tuple(sigs))
 
 
 def prepare_to_pb(p: P.Prepare) -> pb.PrepareRequest:
-    return pb.PrepareRequest(run_id=p.run_id, sender=p.sender, iteration=p.iteration, ballot=ballot_to_pb(p.ballot))
+    return pb.PrepareRequest(
+        run_id=p.run_id, sender=p.sender, iteration=p.iteration, ballot=ballot_to_pb(p.ballot), signature=p.signature
+    )
 
 
 def prepare_from_pb(p: pb.PrepareRequest) -> P.Prepare:
-    return P.Prepare(_str("run_id", p.run_id, P.MAX_RUN_ID), int(p.sender), int(p.iteration), ballot_from_pb(p.ballot))
+    return P.Prepare(
+        _str("run_id", p.run_id, P.MAX_RUN_ID), int(p.sender), int(p.iteration), ballot_from_pb(p.ballot),
+        _bytes("signature", p.signature, MAX_SIGNATURE),
+    )
 
 
 def prepare_reply_to_pb(r: P.PrepareReply) -> pb.PrepareReply:
@@ -197,8 +219,10 @@ def prepare_reply_from_pb(r: pb.PrepareReply) -> P.PrepareReply:
 
 
 def leave_to_pb(m: P.Leave) -> pb.LeaveRequest:
-    return pb.LeaveRequest(run_id=m.run_id, sender=m.sender, iteration=m.iteration)
+    return pb.LeaveRequest(run_id=m.run_id, sender=m.sender, iteration=m.iteration, signature=m.signature)
 
 
 def leave_from_pb(m: pb.LeaveRequest) -> P.Leave:
-    return P.Leave(_str("run_id", m.run_id, P.MAX_RUN_ID), int(m.sender), int(m.iteration))
+    return P.Leave(
+        _str("run_id", m.run_id, P.MAX_RUN_ID), int(m.sender), int(m.iteration), _bytes("signature", m.signature, MAX_SIGNATURE)
+    )

@@ -9,6 +9,10 @@ of a decided iteration, evaluation. The network never touches parameters except 
   (its own included), the coefficients come from :func:`zeroth.zo.canonical_updates` (machine id,
   then sample index; N = all projected gradients of the iteration) and go through
   :func:`zeroth.replay.replay` as one canonical unit, then the optional exact weight decay.
+  With ``peers.clip = c`` every decoded value is first clipped to ``[-c, c]`` (float32, exact on
+  every backend), so an authenticated member sending outlier bytes moves the parameters by at
+  most what ``c`` allows; :meth:`Worker.updates` also returns per-member statistics (count,
+  sum and max of ``|g|`` before the clip, values clipped) that the peer sums into its summary.
   The key list is padded with zero-coefficient updates to a power of two (at least 8) so that
   a changing number of contributors compiles a handful of shapes only; a zero coefficient is an
   exact no-op (``p + 0·k = p`` after the flush), so the bits are those of the unpadded replay.
@@ -75,6 +79,7 @@ class Worker:
         self.codec = _codecs.get_codec(t.codec)
         self.distribution = t.distribution
         self.eps = _zo.round_eps(t.eps)
+        self.clip = cfg.peers.clip
         self.train_ds = _data.load(cfg.data.dataset, "train")
         test = _data.load(cfg.data.dataset, "test")
         k = cfg.data.eval_size or test.x.shape[0]
@@ -138,9 +143,27 @@ class Worker:
             return f"payload decodes to non-finite values with codec {self.codec.name}"
         return None
 
-    def updates(self, iteration: int, contributors, payloads) -> tuple[np.ndarray, np.ndarray]:
-        """``(keys u32[K', 2], coefficients f64[K'])`` of a decided iteration, padded (see the module docstring)."""
-        grads = {m: self.codec.decode(p) for (m, _), p in zip(contributors, payloads, strict=True)}
+    def decode(self, contributors, payloads, clip: float | None = None) -> tuple[dict[int, np.ndarray], dict[int, tuple[int, float, float, int]]]:
+        """Decoded projected gradients ``{machine: f32[n]}``, clipped to ``[-clip, clip]`` (default
+        ``peers.clip``), and per-member statistics ``{machine: (count, sum |g|, max |g|, clipped)}``
+        (``|g|`` before the clip)."""
+        clip = self.clip if clip is None else clip
+        grads, stats = {}, {}
+        for (m, _), p in zip(contributors, payloads, strict=True):
+            g = np.asarray(self.codec.decode(p), np.float32)
+            a = np.abs(g)
+            clipped = 0
+            if clip is not None:
+                c = np.float32(clip)
+                clipped = int(np.count_nonzero(a > c))
+                g = np.clip(g, -c, c)
+            stats[m] = (int(g.size), float(a.sum(dtype=np.float64)), float(a.max()) if g.size else 0.0, clipped)
+            grads[m] = g
+        return grads, stats
+
+    def updates(self, iteration: int, contributors, payloads, clip: float | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+        """``(keys u32[K', 2], coefficients f64[K'], stats)`` of a decided iteration, padded (see the module docstring)."""
+        grads, stats = self.decode(contributors, payloads, clip)
         ups = _zo.canonical_updates(self.seed, iteration, grads, self.cfg.train.lr, self.cfg.train.lr_scaling)
         k = padded_size(len(ups))
         keys = np.zeros((k, 2), np.uint32)
@@ -148,15 +171,15 @@ class Worker:
         for i, (key, c) in enumerate(ups):
             keys[i] = key
             coeffs[i] = c
-        return keys, coeffs
+        return keys, coeffs, stats
 
-    def apply(self, params, iteration: int, contributors, payloads) -> Any:
-        """The parameters after the decided iteration (exact; the input buffers are donated)."""
-        keys, coeffs = self.updates(iteration, contributors, payloads)
+    def apply(self, params, iteration: int, contributors, payloads, clip: float | None = None) -> tuple[Any, dict]:
+        """``(parameters after the decided iteration, per-member statistics)`` (exact; the input buffers are donated)."""
+        keys, coeffs, stats = self.updates(iteration, contributors, payloads, clip)
         params = _replay.replay(params, (keys, coeffs), distribution=self.distribution, donate=True)
         if self.cfg.train.weight_decay:
             params = _zo.weight_decay(params, self.cfg.train.lr, self.cfg.train.weight_decay, donate=True)
-        return params
+        return params, stats
 
     def evaluate(self, params) -> dict:
         """``{"eval_loss", "eval_accuracy"}`` on the test split (``data.eval_size`` examples)."""

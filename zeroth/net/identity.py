@@ -1,0 +1,184 @@
+"""Who a peer is and who a message comes from: the run secret, per-peer Ed25519 keys, join proofs,
+signed requests and a replay guard.
+
+The design (why not one shared HMAC key): with a key every member can derive (e.g.
+``HMAC(secret, machine id)``), every secret holder could compute every member's key and speak for
+any of them. Here the run secret only *admits*; identity is a key pair:
+
+* **run secret** ``S`` (:func:`new_secret`: 32 random bytes, hex): whoever holds it may join.
+  It never travels: calls carry the *access token* ``HMAC-SHA256(S, "zeroth-access-v1")`` (128 bits)
+  (:func:`access_token`, metadata ``x-zeroth-token``, checked before any handler runs), and a
+  join carries ``proof = HMAC-SHA256(S, "zeroth-join-v1" || config_digest || address || key)``
+  (:func:`join_proof`), binding the joiner's public key to its knowledge of ``S``.
+* **identity** (:class:`Identity`): every peer process generates an Ed25519 key pair; the commit
+  that admits it writes its public key into the view. Every message it sends afterwards is signed
+  with its private key: a message claiming machine ``m`` verifies only under ``m``'s key, so a
+  member (or anyone holding ``S``) can never speak for another member.
+* **requests that are not protocol messages** (log, checksum, state): signed over
+  :func:`request_bytes` (method, run id, sender, fields, a per-sender sequence number);
+  :class:`ReplayGuard` refuses a sequence number it has seen. Protocol messages are bound to
+  (run id, iteration, ballot) by their content, and replaying one is idempotent.
+
+Ed25519 signatures are deterministic, so the protocol's own signing stays a pure function.
+
+Example:
+  >>> me = Identity.generate()
+  >>> sig = me.sign(b"hello")
+  >>> verify(me.public, b"hello", sig), verify(me.public, b"hellO", sig)
+  (True, False)
+  >>> len(access_token("s3cret")), join_proof("s3cret", "d", "h:1", me.public) == join_proof("other", "d", "h:1", me.public)
+  (22, False)
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from zeroth.net import protocol as P
+
+__all__ = [
+    "SECRET_ENV",
+    "Identity",
+    "new_secret",
+    "access_token",
+    "join_proof",
+    "check_join_proof",
+    "verify",
+    "request_bytes",
+    "ReplayGuard",
+    "Sequence",
+    "write_secret",
+    "read_secret",
+]
+
+SECRET_ENV = ("ZEROTH_SECRET", "ZEROTH_TOKEN")  # environment variables holding the run secret, first wins
+
+
+class Identity:
+    """An Ed25519 key pair: ``public`` (32 bytes) goes into the view, :meth:`sign` signs messages."""
+
+    def __init__(self, private: Ed25519PrivateKey):
+        self._private = private
+        self.public = private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+    @classmethod
+    def generate(cls) -> Identity:
+        return cls(Ed25519PrivateKey.generate())
+
+    def sign(self, data: bytes) -> bytes:
+        """The 64-byte Ed25519 signature of ``data`` (deterministic)."""
+        return self._private.sign(data)
+
+
+def verify(public_key: bytes, data: bytes, signature: bytes) -> bool:
+    """Whether ``signature`` is ``public_key``'s Ed25519 signature of ``data``."""
+    if len(public_key) != 32 or len(signature) != 64:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(bytes(public_key)).verify(bytes(signature), bytes(data))
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+def new_secret() -> str:
+    """A fresh run secret: 32 random bytes as 64 hex characters."""
+    return secrets.token_hex(32)
+
+
+def _mac(secret: str, *fields) -> bytes:
+    return hmac.new(secret.encode(), P.canonical(*fields), hashlib.sha256).digest()
+
+
+def access_token(secret: str) -> str:
+    """The token every call carries (``x-zeroth-token``): the first 128 bits of
+    ``HMAC-SHA256(secret, "zeroth-access-v1")``, base64url without padding (22 characters: it is
+    sent with every request)."""
+    return base64.urlsafe_b64encode(_mac(secret, "zeroth-access-v1")[:16]).rstrip(b"=").decode()
+
+
+def join_proof(secret: str, config_digest: str, address: str, key: bytes) -> bytes:
+    """A joiner's proof that it holds the run secret, bound to its config digest, address and public key."""
+    return _mac(secret, "zeroth-join-v1", config_digest, address, bytes(key))
+
+
+def check_join_proof(secret: str, proof: bytes, config_digest: str, address: str, key: bytes) -> bool:
+    """Constant-time check of :func:`join_proof`."""
+    return hmac.compare_digest(bytes(proof), join_proof(secret, config_digest, address, key))
+
+
+def request_bytes(method: str, run_id: str, sender: int, seq: int, *fields) -> bytes:
+    """What a sender signs for a request that is not a protocol message (``FetchLog``, ``Checksum``, ...)."""
+    return P.canonical("zeroth-request-v1", method, run_id, sender, seq, *fields)
+
+
+class ReplayGuard:
+    """Refuses a (sender, sequence number) seen before, with a bounded memory per sender.
+
+    Sequence numbers grow per sender (a sender starts from its clock in nanoseconds, so a restarted
+    process never reuses old numbers) but may arrive out of order: the guard keeps the last
+    ``window`` numbers of each sender and refuses anything at or below the oldest one it forgot.
+    """
+
+    def __init__(self, window: int = 4096):
+        self.window = window
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[str, int], set[int]] = {}
+        self._floor: dict[tuple[str, int], int] = {}
+
+    def accept(self, run_id: str, sender: int, seq: int) -> bool:
+        """Record ``seq`` for ``sender``; False if it is a replay (or too old to tell)."""
+        k = (run_id, sender)
+        with self._lock:
+            seen = self._seen.setdefault(k, set())
+            if seq <= self._floor.get(k, -1) or seq in seen:
+                return False
+            seen.add(seq)
+            if len(seen) > self.window:
+                drop = sorted(seen)[: len(seen) - self.window // 2]
+                self._floor[k] = drop[-1]
+                seen.difference_update(drop)
+            return True
+
+
+class Sequence:
+    """Per-process increasing sequence numbers for signed requests (start: the clock in ns)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._next = time.time_ns()
+
+    def next(self) -> int:
+        with self._lock:
+            self._next += 1
+            return self._next
+
+
+def write_secret(path: str | os.PathLike, secret: str) -> Path:
+    """Write ``secret`` to ``path`` readable by its owner only (mode 0600)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secret + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+def read_secret(path: str | os.PathLike) -> str:
+    """The secret in ``path`` (stripped); refuses an empty file."""
+    text = Path(path).read_text().strip()
+    if not text:
+        raise ValueError(f"secret file {str(path)!r} is empty")
+    return text

@@ -1,0 +1,184 @@
+"""How a peer talks to the others: gRPC options and size limits (the one place they are set),
+channels, unary and streaming calls with byte accounting, and signed requests.
+
+* :data:`CHANNEL_OPTIONS` / :data:`SERVER_OPTIONS`: messages above :data:`MAX_MESSAGE_BYTES`
+  are refused by gRPC (``RESOURCE_EXHAUSTED``); servers never share a port (``SO_REUSEPORT`` off).
+* :class:`Traffic`: payload bytes are the projected-gradient bytes of pushes and log entries sent
+  and received; wire bytes are every message sent and received, each its serialized size plus the
+  framing of :func:`zeroth.net.wire.wire_size`.
+* :class:`Transport`: one channel per address, every call carries the access token; requests
+  that are not protocol messages are signed (:data:`SIGNED_REQUESTS`, :func:`sign_request`) and
+  checked by the receiver (:func:`request_signed_bytes`).
+
+Example:
+  >>> t = Traffic(); t.sent(100, 16); t.snapshot()["payload_sent"]
+  16
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from zeroth.net import identity as _id
+from zeroth.net import security as _sec
+from zeroth.net import wire
+from zeroth.net.proto import peer_pb2 as pb
+from zeroth.net.proto import peer_pb2_grpc as pb_grpc
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "SERVER_THREADS",
+    "CHANNEL_OPTIONS",
+    "SERVER_OPTIONS",
+    "SIGNED_REQUESTS",
+    "Closed",
+    "Traffic",
+    "Transport",
+    "request_signed_bytes",
+    "sign_request",
+    "response_payload",
+]
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # larger messages are refused by gRPC (RESOURCE_EXHAUSTED)
+SERVER_THREADS = 32
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+SERVER_OPTIONS = (*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0))
+
+# The fields each signed request covers besides (method, run_id, sender, seq).
+SIGNED_REQUESTS = {
+    "FetchLog": ("first_iteration", "last_iteration"),
+    "Checksum": ("iteration", "digest"),
+    "GetManifest": (),
+    "FetchState": ("iteration", "offset", "length"),
+}
+
+
+def request_signed_bytes(method: str, request) -> bytes:
+    """The bytes the sender of a :data:`SIGNED_REQUESTS` request signs (its ``auth.seq`` included)."""
+    fields = tuple(getattr(request, f) for f in SIGNED_REQUESTS[method])
+    fields = tuple(bytes(v) if isinstance(v, bytes) else int(v) for v in fields)
+    return _id.request_bytes(method, request.run_id, int(request.sender), int(request.auth.seq), *fields)
+
+
+def sign_request(me: _id.Identity, seq: int, method: str, request):
+    """Set ``request.auth`` to ``me``'s signature with sequence number ``seq``; returns the request."""
+    request.auth.seq = seq
+    request.auth.signature = me.sign(request_signed_bytes(method, request))
+    return request
+
+
+def response_payload(response) -> int:
+    """Projected-gradient bytes a response carries (log entries and takeover replies)."""
+    if isinstance(response, pb.FetchLogReply):
+        return sum(len(g.payload) for e in response.entries for g in e.gradients)
+    if isinstance(response, pb.PrepareReply):
+        return sum(len(g.payload) for g in response.gradients) + sum(len(g.payload) for g in response.decided.gradients)
+    return 0
+
+
+class Closed(grpc.RpcError):
+    """A call attempted after :meth:`Transport.close` (the peer is stopping): ``CANCELLED``."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.CANCELLED
+
+    def details(self) -> str:
+        return str(self)
+
+
+class Traffic:
+    """Thread-safe byte counters: payload and wire bytes sent and received, and messages."""
+
+    FIELDS = ("payload_sent", "payload_received", "wire_sent", "wire_received", "messages_sent", "messages_received")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._c = dict.fromkeys(self.FIELDS, 0)
+
+    def sent(self, wire_bytes: int, payload: int = 0) -> None:
+        with self._lock:
+            self._c["wire_sent"] += wire_bytes
+            self._c["payload_sent"] += payload
+            self._c["messages_sent"] += 1
+
+    def received(self, wire_bytes: int, payload: int = 0) -> None:
+        with self._lock:
+            self._c["wire_received"] += wire_bytes
+            self._c["payload_received"] += payload
+            self._c["messages_received"] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._c)
+
+
+class Transport:
+    """Channels to the other peers and calls over them.
+
+    Args:
+      token: the access token every call carries (None: an insecure run).
+      tls: TLS files (None: plaintext).
+      traffic: where bytes are counted.
+    """
+
+    def __init__(self, *, token: str | None, tls: _sec.TLSFiles | None, traffic: Traffic):
+        self.token = token
+        self.tls = tls
+        self.traffic = traffic
+        self.metadata = _sec.token_metadata(token)
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._seq = _id.Sequence()
+        self._closed = False
+
+    def channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            if self._closed:
+                raise Closed(f"this peer is stopping (call to {address})")
+            ch = self._channels.get(address)
+            if ch is None:
+                if self.tls is not None:
+                    ch = grpc.secure_channel(address, _sec.channel_credentials(self.tls), options=list(CHANNEL_OPTIONS))
+                else:
+                    ch = grpc.insecure_channel(address, options=list(CHANNEL_OPTIONS))
+                self._channels[address] = ch
+            return ch
+
+    def signed(self, me: _id.Identity, method: str, request):
+        """``request`` signed by ``me`` with a fresh sequence number."""
+        return sign_request(me, self._seq.next(), method, request)
+
+    def rpc(self, address: str, method: str, request, timeout: float, payload: int = 0):
+        """One unary call with accounting; raises ``grpc.RpcError``."""
+        stub = pb_grpc.PeerStub(self.channel(address))
+        size = wire.wire_size(request, kind="request", token=self.token)
+        try:
+            response = getattr(stub, method)(request, timeout=timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                self.traffic.sent(size, payload)
+                self.traffic.received(wire.RESPONSE_OVERHEAD)
+            raise
+        self.traffic.sent(size, payload)
+        self.traffic.received(wire.wire_size(response, kind="response"), response_payload(response))
+        return response
+
+    def stream(self, address: str, method: str, request, timeout: float):
+        """The messages of a server-streaming call, counted as they arrive; raises ``grpc.RpcError``."""
+        stub = pb_grpc.PeerStub(self.channel(address))
+        self.traffic.sent(wire.wire_size(request, kind="request", token=self.token))
+        for i, msg in enumerate(getattr(stub, method)(request, timeout=timeout, metadata=self.metadata)):
+            self.traffic.received(wire.wire_size(msg, kind="response" if i == 0 else "stream"))
+            yield msg
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            ch.close()
