@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from zeroth import config as C
-from zeroth.train import run as zrun
+from zeroth import run as zrun
 from notebook_util import execute
 
 REPO = Path(__file__).resolve().parent.parent
