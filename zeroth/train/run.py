@@ -2,7 +2,8 @@
 
 Loads an experiment config (:mod:`zeroth.config`), applies ``--set`` overrides and trains on
 this machine (:func:`zeroth.train.trainer.train`). A config with a ``peers`` section is handed
-to ``zeroth.net.launch.run_config(cfg, out_dir, argv)``, which runs the peers on loopback.
+to ``zeroth.net.launch.run_config(cfg, out_dir, argv)``, which runs the peers on loopback; one
+with a ``pipeline`` section to ``zeroth.pipeline.launch.run_config``, which runs the stages.
 ``--help-config`` prints every config field with its type, default and description.
 
 Exit codes: 0 done; 2 a bad command line, config, dataset or checkpoint (the message says which).
@@ -83,6 +84,10 @@ def main(argv: list[str]) -> int:
                 print(f"zeroth run: error: {msg}", file=sys.stderr)
                 return 2
             return int(launch.run_config(cfg, out, argv) or 0)
+        if cfg.pipeline is not None:  # pipeline stages as processes on loopback (zeroth.pipeline.launch)
+            from zeroth.pipeline import launch as pipeline_launch
+
+            return int(pipeline_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)
         result = trainer.train(
             cfg, out, resume=args.resume, resume_step=args.resume_step, progress=not args.quiet
         )
