@@ -137,3 +137,21 @@ def test_receiver_refuses_messages_its_buffers_cannot_take():
         codec.decode(codec.init(4, (3,)), enc, np.array([0, 9]))
     with pytest.raises(ValueError, match="unknown activation codec"):
         C.make_codec("topk", 2)
+
+
+def test_channel_scales_isolate_an_outlier_channel():
+    """One scale per channel: an outlier channel no longer sets the step of every other value."""
+    x = np.random.default_rng(0).normal(size=(2, 8, 5)).astype(np.float32) * 0.1
+    x[:, :, 3] += 50.0  # an outlier channel, as in a language model's residual stream
+    ids = np.array([0, 1])
+    keys = C.example_keys(0, link=0, direction=0, step=0, ids=ids)
+    errs = {}
+    for axis in ("row", "channel"):
+        codec = C.directq(2, axis)
+        _, enc, xhat = codec.encode(None, x, ids, keys)
+        assert len(enc.scales) == 4 * 2 * C.scales_per_example((8, 5), axis)
+        _, back = codec.decode(None, enc, ids)
+        np.testing.assert_array_equal(back, xhat)
+        errs[axis] = float(np.abs(np.delete(xhat - x, 3, axis=2)).max())
+    assert errs["channel"] < 0.05 * errs["row"]
+    assert C.scales_per_example((8, 5), "row") == 8 and C.scales_per_example((8, 5), "channel") == 5

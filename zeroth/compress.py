@@ -10,8 +10,10 @@ A :class:`LinkCodec` is an optax-like ``NamedTuple`` of pure functions plus a st
 Codecs (:func:`make_codec`):
 
 * ``fp32``: little-endian float32, lossless (``Encoded.bits = 0``).
-* ``directq(bits)``: stochastic uniform quantization of every *row* (the last axis) to ``2^b``
-  levels over ``[-s, s]``, ``s = max|row|`` (one float32 scale per row):
+* ``directq(bits, axis="row")``: stochastic uniform quantization of every *row* (a vector along
+  the last axis, one per token) to ``2^b`` levels over ``[-s, s]``, ``s = max|row|`` (one float32
+  scale per row; ``axis="channel"``: the rows are the channels of one example across its tokens,
+  one scale per channel, which isolates the few outlier channels of a language model):
   ``v = (x/s + 1) · L/2`` with ``L = 2^b − 1``, ``q = min(floor(v + u), L)``, ``u ∈ [0, 1)``,
   ``x̂ = (2q − L) · s / L``. Since ``E[floor(v + u)] = v`` the quantizer is unbiased, and
   ``|x̂ − x| ≤ 2s/L`` (one level) up to float rounding.
@@ -61,6 +63,8 @@ from zeroth import rng as _rng
 
 __all__ = [
     "CODEC_NAMES",
+    "SCALE_AXES",
+    "scales_per_example",
     "MAX_BITS",
     "Encoded",
     "DeltaState",
@@ -83,6 +87,7 @@ __all__ = [
 ]
 
 CODEC_NAMES = ("fp32", "directq", "aqsgd")
+SCALE_AXES = ("row", "channel")
 MAX_BITS = 8
 _U_SCALE = np.float32(2.0**-24)
 
@@ -137,6 +142,7 @@ class LinkCodec(NamedTuple):
     init: Callable[..., Any]
     encode: Callable[..., tuple[Any, Encoded, np.ndarray]]
     decode: Callable[..., tuple[Any, np.ndarray]]
+    axis: str = "row"
 
 
 # --------------------------------------------------------------------------- keys and uniforms
@@ -229,24 +235,45 @@ def unpack_bits(data: bytes, bits: int, n: int) -> np.ndarray:
     return np.packbits(stream, axis=1, bitorder="little").reshape(n)
 
 
-def _rows(x: np.ndarray) -> np.ndarray:
-    """``(B, *row) -> (B·prod(row[:-1]), row[-1])``."""
-    return x.reshape(-1, x.shape[-1]) if x.ndim > 1 else x.reshape(-1, 1)
+def _to_rows(x: np.ndarray, axis: str) -> np.ndarray:
+    """Examples ``f32[b, ..., d]`` as quantization rows: ``row``: every length-``d`` vector (one scale
+    per token); ``channel``: every channel across the example's other axes (one scale per channel)."""
+    b, d = x.shape[0], x.shape[-1] if x.ndim > 1 else 1
+    v = x.reshape(b, -1, d)
+    if axis == "channel":
+        v = np.swapaxes(v, 1, 2)
+    return np.ascontiguousarray(v).reshape(-1, v.shape[-1])
 
 
-def _quantize_examples(x: np.ndarray, bits: int, keys: np.ndarray) -> tuple[bytes, bytes, np.ndarray]:
+def _from_rows(r: np.ndarray, shape: tuple[int, ...], axis: str) -> np.ndarray:
+    """Inverse of :func:`_to_rows`."""
+    b, d = shape[0], shape[-1] if len(shape) > 1 else 1
+    if axis == "channel":
+        return np.swapaxes(r.reshape(b, d, -1), 1, 2).reshape(shape)
+    return r.reshape(shape)
+
+
+def scales_per_example(row_shape: tuple[int, ...], axis: str) -> int:
+    """Float32 scales sent per quantized example of shape ``row_shape``."""
+    d = row_shape[-1] if row_shape else 1
+    per = int(np.prod(row_shape, dtype=np.int64)) if row_shape else 1
+    return d if axis == "channel" else per // d
+
+
+def _quantize_examples(x: np.ndarray, bits: int, keys: np.ndarray, axis: str) -> tuple[bytes, bytes, np.ndarray]:
     """Quantize examples ``x: f32[b, *row]`` (keys ``u32[b, 2]``): ``(packed, scales, x̂)``."""
+    rows = _to_rows(x, axis)
     per = int(np.prod(x.shape[1:], dtype=np.int64))
-    u = uniforms(keys, per).reshape(_rows(x).shape)
-    q, s = quantize_rows(_rows(x), bits, u)
-    xhat = dequantize_rows(q, s, bits).reshape(x.shape)
+    u = uniforms(keys, per).reshape(rows.shape)
+    q, s = quantize_rows(rows, bits, u)
+    xhat = _from_rows(dequantize_rows(q, s, bits), x.shape, axis)
     return pack_bits(q, bits), s.astype("<f4").tobytes(), xhat
 
 
-def _dequantize_examples(enc: Encoded, shape: tuple[int, ...]) -> np.ndarray:
+def _dequantize_examples(enc: Encoded, shape: tuple[int, ...], axis: str) -> np.ndarray:
     """Decode the quantized part of ``enc`` into ``f32[shape]`` (``shape[0]`` examples)."""
     n = int(np.prod(shape, dtype=np.int64))
-    n_rows = n // shape[-1] if len(shape) > 1 else n
+    n_rows = shape[0] * scales_per_example(shape[1:], axis)
     if len(enc.scales) != 4 * n_rows:
         raise CodecMismatch(f"{shape[0]} quantized examples of shape {shape[1:]} need {4 * n_rows} scale bytes, got {len(enc.scales)}")
     try:
@@ -254,8 +281,7 @@ def _dequantize_examples(enc: Encoded, shape: tuple[int, ...]) -> np.ndarray:
     except ValueError as e:
         raise CodecMismatch(str(e)) from None
     s = np.frombuffer(enc.scales, "<f4").astype(np.float32)
-    width = shape[-1] if len(shape) > 1 else 1
-    return dequantize_rows(q.reshape(-1, width), s, enc.bits).reshape(shape)
+    return _from_rows(dequantize_rows(q.reshape(n_rows, -1), s, enc.bits), shape, axis)
 
 
 def _full_rows(enc: Encoded, shape: tuple[int, ...]) -> np.ndarray:
@@ -311,16 +337,22 @@ def fp32() -> LinkCodec:
     return LinkCodec("fp32", 0, init, encode, decode)
 
 
-def directq(bits: int) -> LinkCodec:
-    """Direct stochastic quantization to ``bits`` bits with a per-row scale (no state)."""
-    bits = _check_bits(bits)
+def _check_axis(axis: str) -> str:
+    if axis not in SCALE_AXES:
+        raise ValueError(f"scale axis must be one of {list(SCALE_AXES)}, got {axis!r}")
+    return axis
+
+
+def directq(bits: int, axis: str = "row") -> LinkCodec:
+    """Direct stochastic quantization to ``bits`` bits with one scale per row (or per channel; no state)."""
+    bits, axis = _check_bits(bits), _check_axis(axis)
 
     def init(n_examples: int = 0, row_shape: tuple = (), path=None):
         return None
 
     def encode(state, x, ids, keys):
         x, ids = _as_batch(x, ids)
-        packed, scales, xhat = _quantize_examples(x, bits, keys)
+        packed, scales, xhat = _quantize_examples(x, bits, keys, axis)
         return state, Encoded(x.shape, bits, np.zeros(x.shape[0], bool), b"", packed, scales), xhat
 
     def decode(state, enc: Encoded, ids):
@@ -328,9 +360,9 @@ def directq(bits: int) -> LinkCodec:
         shape = _check_shape(enc, ids, bits)
         if np.any(enc.fresh) or enc.full:
             raise CodecMismatch("a directq link sends no example in full precision")
-        return state, _dequantize_examples(enc, shape)
+        return state, _dequantize_examples(enc, shape, axis)
 
-    return LinkCodec("directq", bits, init, encode, decode)
+    return LinkCodec("directq", bits, init, encode, decode, axis)
 
 
 def _check_ids(state: DeltaState, ids: np.ndarray) -> None:
@@ -341,9 +373,9 @@ def _check_ids(state: DeltaState, ids: np.ndarray) -> None:
         raise CodecMismatch(f"example ids {ids.tolist()} repeat within one message")
 
 
-def aqsgd(bits: int) -> LinkCodec:
+def aqsgd(bits: int, axis: str = "row") -> LinkCodec:
     """AQ-SGD: full precision at first sight, then ``Q(a − m[ξ])`` with buffers on both ends."""
-    bits = _check_bits(bits)
+    bits, axis = _check_bits(bits), _check_axis(axis)
 
     def init(n_examples: int, row_shape: tuple, path: str | os.PathLike | None = None) -> DeltaState:
         shape = (int(n_examples), *(int(d) for d in row_shape))
@@ -363,7 +395,7 @@ def aqsgd(bits: int) -> LinkCodec:
         packed, scales = b"", b""
         if old.size:
             delta = x[~fresh] - state.m[old]
-            packed, scales, dq = _quantize_examples(delta, bits, np.asarray(keys, np.uint32)[~fresh])
+            packed, scales, dq = _quantize_examples(delta, bits, np.asarray(keys, np.uint32)[~fresh], axis)
             state.m[old] = state.m[old] + dq
         state.m[ids[fresh]] = x[fresh]
         state.seen[ids[fresh]] = True
@@ -387,7 +419,7 @@ def aqsgd(bits: int) -> LinkCodec:
         old = ids[~fresh]
         full = _full_rows(enc, (int(fresh.sum()), *shape[1:]))
         if old.size:
-            dq = _dequantize_examples(enc, (old.size, *shape[1:]))
+            dq = _dequantize_examples(enc, (old.size, *shape[1:]), axis)
             state.m[old] = state.m[old] + dq
         elif enc.packed or enc.scales:
             raise CodecMismatch("message carries quantized values but no example is a difference")
@@ -395,11 +427,11 @@ def aqsgd(bits: int) -> LinkCodec:
         state.seen[ids[fresh]] = True
         return state, np.array(state.m[ids])
 
-    return LinkCodec("aqsgd", bits, init, encode, decode)
+    return LinkCodec("aqsgd", bits, init, encode, decode, axis)
 
 
-def make_codec(name: str, bits: int = 0) -> LinkCodec:
-    """The codec ``name`` (``fp32``, ``directq`` or ``aqsgd``) with ``bits`` (ignored by fp32).
+def make_codec(name: str, bits: int = 0, axis: str = "row") -> LinkCodec:
+    """The codec ``name`` (``fp32``, ``directq`` or ``aqsgd``) with ``bits`` and scale ``axis`` (ignored by fp32).
 
     Raises:
       ValueError: an unknown name or bits outside ``[1, 8]`` (the valid values are named).
@@ -407,9 +439,9 @@ def make_codec(name: str, bits: int = 0) -> LinkCodec:
     if name == "fp32":
         return fp32()
     if name == "directq":
-        return directq(bits)
+        return directq(bits, axis)
     if name == "aqsgd":
-        return aqsgd(bits)
+        return aqsgd(bits, axis)
     raise ValueError(f"unknown activation codec {name!r}; expected one of {list(CODEC_NAMES)}")
 
 

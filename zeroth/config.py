@@ -286,6 +286,12 @@ class PipelineConfig:
     )
     fw_bits: int = _field(4, "Bits per activation value (directq, aqsgd).", min=1, max=8)
     bw_bits: int = _field(8, "Bits per activation-gradient value (directq, aqsgd).", min=1, max=8)
+    scale_axis: str = _field(
+        "row",
+        "Quantization scale of directq/aqsgd: row (one float32 scale per token vector, the issue's per-row scale) or "
+        "channel (one per channel of an example, across its tokens: isolates a language model's outlier channels).",
+        choices=("row", "channel"),
+    )
     bandwidth_bps: float | None = _field(
         None, "Enforced bandwidth of every link in bits/s (a token bucket on the bytes actually sent); null = unlimited.", gt=0.0
     )

@@ -96,7 +96,7 @@ def engine_of(cfg: _config.Config, index: int, part: _partition.Partition, ex: _
               buffer_dir=None) -> _engine.StageEngine:
     """Stage ``index``'s engine (its slice of the parameters, its optimizer, its link buffers)."""
     p = cfg.pipeline
-    codecs = _engine.link_codecs(p.compression, p.fw_bits, p.bw_bits)
+    codecs = _engine.link_codecs(p.compression, p.fw_bits, p.bw_bits, p.scale_axis)
     return _engine.StageEngine(
         index, p.stages, part.fns[index], part.params[index], optimizer_of(cfg), codecs,
         run_seed=cfg.run.seed, run_id=run_id_of(cfg), n_examples=p.examples, row_shape=(p.seq_len, part.width),

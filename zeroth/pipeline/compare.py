@@ -26,27 +26,28 @@ __all__ = ["DEFAULT_SETTINGS", "parse_setting", "apply_setting", "summarize", "m
 DEFAULT_SETTINGS = ("fp32", "directq:2:4", "aqsgd:2:4", "directq:4:8", "aqsgd:4:8")
 
 
-def parse_setting(text: str) -> tuple[str, int, int]:
-    """``"aqsgd:2:4"`` -> ``("aqsgd", 2, 4)``; ``"fp32"`` -> ``("fp32", 0, 0)``."""
+def parse_setting(text: str) -> tuple[str, int, int, str | None]:
+    """``"aqsgd:2:4"`` -> ``("aqsgd", 2, 4, None)``; ``"aqsgd:2:4:channel"`` names the scale axis; ``"fp32"``."""
     parts = text.split(":")
     if parts[0] == "fp32" and len(parts) == 1:
-        return "fp32", 0, 0
-    if len(parts) != 3 or parts[0] not in ("directq", "aqsgd"):
-        raise ValueError(f"setting {text!r}: expected fp32, directq:FW:BW or aqsgd:FW:BW (e.g. aqsgd:2:4)")
-    return parts[0], int(parts[1]), int(parts[2])
+        return "fp32", 0, 0, None
+    if len(parts) not in (3, 4) or parts[0] not in ("directq", "aqsgd") or (len(parts) == 4 and parts[3] not in ("row", "channel")):
+        raise ValueError(f"setting {text!r}: expected fp32, directq:FW:BW[:AXIS] or aqsgd:FW:BW[:AXIS] (e.g. aqsgd:2:4:channel)")
+    return parts[0], int(parts[1]), int(parts[2]), parts[3] if len(parts) == 4 else None
 
 
 def setting_name(text: str) -> str:
-    """``"aqsgd:2:4"`` -> ``"aqsgd fw2/bw4"``."""
-    name, fw, bw = parse_setting(text)
-    return name if name == "fp32" else f"{name} fw{fw}/bw{bw}"
+    """``"aqsgd:2:4"`` -> ``"aqsgd fw2/bw4"``; ``"aqsgd:2:4:channel"`` -> ``"aqsgd fw2/bw4 channel"``."""
+    name, fw, bw, axis = parse_setting(text)
+    return name if name == "fp32" else f"{name} fw{fw}/bw{bw}" + (f" {axis}" if axis else "")
 
 
 def apply_setting(cfg, text: str):
-    """The config with ``pipeline.compression`` / ``fw_bits`` / ``bw_bits`` of the setting."""
-    name, fw, bw = parse_setting(text)
+    """The config with ``pipeline.compression`` / ``fw_bits`` / ``bw_bits`` / ``scale_axis`` of the setting."""
+    name, fw, bw, axis = parse_setting(text)
     p = cfg.pipeline
-    p = dataclasses.replace(p, compression=name, fw_bits=fw or p.fw_bits, bw_bits=bw or p.bw_bits)
+    p = dataclasses.replace(p, compression=name, fw_bits=fw or p.fw_bits, bw_bits=bw or p.bw_bits,
+                            scale_axis=axis or p.scale_axis)
     return dataclasses.replace(cfg, pipeline=p)
 
 
@@ -82,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m zeroth.pipeline.compare", description=__doc__.splitlines()[0])
     p.add_argument("config")
     p.add_argument("--out", required=True, help="results JSON")
-    p.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), help="fp32, directq:FW:BW, aqsgd:FW:BW")
+    p.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), help="fp32, directq:FW:BW[:AXIS], aqsgd:FW:BW[:AXIS]")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--local", action="store_true", help="run the stages in this process (no transport)")
+    p.add_argument("--append", action="store_true", help="keep the settings already in --out (same config)")
     p.add_argument("--runs", default=None, help="with processes: folder for the runs (default: next to --out)")
     args = p.parse_args(argv)
 
@@ -97,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {"config": _config.to_dict(base), "mode": "local" if args.local else "processes", "settings": {}}
+    if out.is_file() and args.append:
+        results["settings"] = json.loads(out.read_text())["settings"]
     bws = tuple(base.pipeline.emulate_bandwidths_bps)
     for text in args.settings:
         cfg = apply_setting(base, text)

@@ -43,14 +43,17 @@ class LinkCodecs(NamedTuple):
     backward: C.LinkCodec
 
 
-def link_codecs(compression: str, fw_bits: int, bw_bits: int) -> LinkCodecs:
-    """``fp32``: both float32; ``directq``: both quantized; ``aqsgd``: AQ-SGD forward, DirectQ backward."""
+def link_codecs(compression: str, fw_bits: int, bw_bits: int, axis: str = "row") -> LinkCodecs:
+    """``fp32``: both float32; ``directq``: both quantized; ``aqsgd``: AQ-SGD forward, DirectQ backward.
+
+    ``axis``: the quantizers' scale axis (``row``: one scale per token, ``channel``: per channel).
+    """
     if compression == "fp32":
         return LinkCodecs(C.fp32(), C.fp32())
     if compression == "directq":
-        return LinkCodecs(C.directq(fw_bits), C.directq(bw_bits))
+        return LinkCodecs(C.directq(fw_bits, axis), C.directq(bw_bits, axis))
     if compression == "aqsgd":
-        return LinkCodecs(C.aqsgd(fw_bits), C.directq(bw_bits))
+        return LinkCodecs(C.aqsgd(fw_bits, axis), C.directq(bw_bits, axis))
     raise ValueError(f"unknown pipeline compression {compression!r}; expected one of {list(C.CODEC_NAMES)}")
 
 
@@ -144,9 +147,9 @@ class StageEngine:
         """What the next incoming frame of ``kind`` must look like (activation from s−1, gradient from s+1)."""
         if kind == "activation":
             return wire.Expected(self.run_id, self.index - 1, kind, self.step, micro, np.asarray(ids), self.row_shape,
-                                 self.codecs.forward.bits)
+                                 self.codecs.forward.bits, self.codecs.forward.axis)
         return wire.Expected(self.run_id, self.index, kind, self.step, micro, np.asarray(ids), self.row_shape,
-                             self.codecs.backward.bits)
+                             self.codecs.backward.bits, self.codecs.backward.axis)
 
     # ------------------------------------------------------------------ the schedule
 

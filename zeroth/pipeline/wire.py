@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zeroth.compress import Encoded
+from zeroth.compress import Encoded, scales_per_example
 from zeroth.pipeline.proto import pipeline_pb2 as pb
 
 __all__ = ["FrameError", "Expected", "KINDS", "to_frame", "from_frame", "check_frame", "frame_nbytes"]
@@ -47,6 +47,7 @@ class Expected(NamedTuple):
       example_ids: ``int64[b]``: the micro-batch's examples, in order.
       row_shape: shape of one example's tensor, e.g. ``(T, d)``.
       bits: bits of the link's codec in this direction (0 = float32).
+      axis: the codec's scale axis (``row`` or ``channel``), which sets the number of scales.
     """
 
     run_id: str
@@ -57,6 +58,7 @@ class Expected(NamedTuple):
     example_ids: np.ndarray
     row_shape: tuple[int, ...]
     bits: int
+    axis: str = "row"
 
 
 def to_frame(enc: Encoded, *, run_id: str, link: int, kind: str, step: int, micro_batch: int, ids) -> pb.TensorFrame:
@@ -125,13 +127,12 @@ def check_frame(frame: pb.TensorFrame, exp: Expected) -> None:
     if fresh.size != n or np.any(fresh > 1):
         raise FrameError(INVALID, f"fresh must hold one 0/1 byte per example ({n}), got {fresh.size} bytes {fresh[:8].tolist()}")
     per = int(np.prod(exp.row_shape, dtype=np.int64)) if exp.row_shape else 1
-    width = exp.row_shape[-1] if exp.row_shape else 1
     n_full = int(fresh.sum())
     n_q = n - n_full
     want = {
         "full": 4 * n_full * per,
         "packed": (n_q * per * frame.bits + 7) // 8 if frame.bits else 0,
-        "scales": 4 * n_q * (per // width) if frame.bits else 0,
+        "scales": 4 * n_q * scales_per_example(tuple(exp.row_shape), exp.axis) if frame.bits else 0,
     }
     if frame.bits == 0 and n_q:
         raise FrameError(INVALID, f"{n_q} example(s) flagged as quantized in a float32 frame (bits 0)")
