@@ -69,6 +69,15 @@ def summarize(records: list[dict], bandwidths: tuple[float, ...], latency_s: flo
     return out
 
 
+def _release() -> None:
+    """Drop the finished setting's engines and compiled functions before the next one (memory)."""
+    import gc
+
+    gc.collect()
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+
+
 def _table(results: dict) -> str:
     rows = []
     for name, res in results["settings"].items():
@@ -128,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         out.write_text(json.dumps(results, indent=1))
         print(f"{name}: done in {time.time() - t0:.1f}s", flush=True)
+        _release()
     print(_table(results))
     return 0
 
