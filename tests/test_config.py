@@ -147,7 +147,8 @@ def test_every_field_has_help_and_describe_lists_it():
             assert f.metadata.get("help"), f"{prefix}{f.name} has no help"
             inner = cls.__dataclass_fields__[f.name].type
             sub = {"RunConfig": C.RunConfig, "DataConfig": C.DataConfig, "ModelConfig": C.ModelConfig,
-                   "TrainConfig": C.TrainConfig, "OptimizerConfig": C.OptimizerConfig, "PeersConfig": C.PeersConfig}
+                   "TrainConfig": C.TrainConfig, "OptimizerConfig": C.OptimizerConfig, "PeersConfig": C.PeersConfig,
+                   "PipelineConfig": C.PipelineConfig}
             name = next((k for k in sub if k in str(inner)), None)
             if name:
                 walk(sub[name], f"{prefix}{f.name}.")

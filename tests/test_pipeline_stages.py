@@ -102,3 +102,24 @@ def test_pipeline_config_is_validated(change, message):
         raw[section] = {**raw[section], **fields} if section != "pipeline" or "colour" not in fields else fields
     with pytest.raises(ValueError, match=message):
         load_config_dict(raw)
+
+
+def test_zeroth_run_hands_a_pipeline_section_to_the_pipeline_launcher(tmp_path, monkeypatch):
+    import yaml
+
+    from zeroth.cli import COMMANDS
+    from zeroth.pipeline import launch
+    from zeroth.train import run
+
+    seen = {}
+
+    def fake(cfg, out, argv, progress=True):
+        seen.update(stages=cfg.pipeline.stages, out=out, argv=argv)
+        return 0
+
+    monkeypatch.setattr(launch, "run_config", fake)
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(_raw(compression="aqsgd")))
+    assert run.main([str(path), "--out", str(tmp_path / "o"), "--resume"]) == 0
+    assert seen["stages"] == 2 and str(seen["out"]).endswith("o") and "--resume" in seen["argv"]
+    assert COMMANDS["stage"][0] == "zeroth.pipeline.stage:main"
