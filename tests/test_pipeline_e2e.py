@@ -36,6 +36,14 @@ def _cfg(stages, objective, compression="fp32", steps=3, **pipeline):
     })
 
 
+def _logs(out) -> str:
+    """The tail of every stage's log, for assertion messages."""
+    parts = []
+    for log in sorted(out.glob("stage_*/stage.log")):
+        parts.append(f"{log.parent.name}: " + " | ".join(log.read_text().strip().splitlines()[-4:]))
+    return "\n".join(parts)
+
+
 def _stage_params(cfg, out, steps):
     ex = build.examples_of(cfg)
     part = build.partition_of(cfg, ex)
@@ -50,7 +58,7 @@ def _stage_params(cfg, out, steps):
 @pytest.mark.parametrize("stages, objective", [(2, "lm"), (3, "classify")])
 def test_fp32_pipeline_equals_the_single_process_model(tmp_path, stages, objective):
     cfg = _cfg(stages, objective)
-    assert launch.run_config(cfg, tmp_path, [], progress=False) == 0
+    assert launch.run_config(cfg, tmp_path, [], progress=False) == 0, _logs(tmp_path)
     records = launch.read_records(tmp_path)
     losses, ref = sim.reference_run(cfg, 3)
     np.testing.assert_allclose([r["loss"] for r in records], losses, rtol=1e-5)
@@ -77,12 +85,12 @@ def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path):
     deadline = time.monotonic() + 120
     while not (ck_dir / "2").is_dir() and time.monotonic() < deadline and procs[1].poll() is None:
         time.sleep(0.05)
-    assert (ck_dir / "2").is_dir(), "stage 1 never wrote its step-2 checkpoint"
+    assert (ck_dir / "2").is_dir(), f"stage 1 never wrote its step-2 checkpoint:\n{_logs(tmp_path)}"
     procs[1].send_signal(signal.SIGKILL)
-    assert launch.wait_stages(procs, tmp_path, timeout_s=120) == 1
+    assert launch.wait_stages(procs, tmp_path, timeout_s=120) == 1, _logs(tmp_path)
     resume_at = launch.common_step(tmp_path, 2)
-    assert resume_at is not None and 1 <= resume_at < 5  # the newest step both stages hold
-    assert launch.run_config(cfg, tmp_path, ["--resume"], progress=False) == 0
+    assert resume_at is not None and 1 <= resume_at < 5, (resume_at, _logs(tmp_path))  # the newest step both hold
+    assert launch.run_config(cfg, tmp_path, ["--resume"], progress=False) == 0, _logs(tmp_path)
 
     records = launch.read_records(tmp_path)
     assert [r["step"] for r in records] == list(range(5))
