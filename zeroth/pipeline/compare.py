@@ -69,6 +69,31 @@ def summarize(records: list[dict], bandwidths: tuple[float, ...], latency_s: flo
     return out
 
 
+def quantization_error(cfg, bits=(2, 4, 8), axes=("row", "channel")) -> list[dict]:
+    """``E‖x − Q(x)‖ / ‖x‖`` of DirectQ on stage 0's output at initialization, per bits and scale axis.
+
+    ``x`` is each example's activation on link 0 for the first batch (Frobenius norms per example,
+    averaged); the seed's convergence theorem asks for ``c_Q < 1/√2 ≈ 0.707``.
+    """
+    import numpy as np
+
+    from zeroth import compress as C
+    from zeroth.pipeline import build
+
+    ex = build.examples_of(cfg)
+    part = build.partition_of(cfg, ex)
+    ids = np.concatenate([m for m, _, _ in build.plan_of(cfg, ex, 0)])
+    x = np.asarray(part.fns[0](part.params[0], ex.tokens[ids]), np.float32)
+    keys = C.example_keys(cfg.run.seed, link=0, direction=0, step=0, ids=ids)
+    out = []
+    for axis in axes:
+        for b in bits:
+            _, _, xq = C.directq(b, axis).encode(None, x, ids, keys)
+            err = np.linalg.norm((xq - x).reshape(len(ids), -1), axis=1) / np.linalg.norm(x.reshape(len(ids), -1), axis=1)
+            out.append({"axis": axis, "bits": b, "relative_error": float(err.mean())})
+    return out
+
+
 def _release() -> None:
     """Drop the finished setting's engines and compiled functions before the next one (memory)."""
     import gc
@@ -91,11 +116,13 @@ def _table(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m zeroth.pipeline.compare", description=__doc__.splitlines()[0])
     p.add_argument("config")
-    p.add_argument("--out", required=True, help="results JSON")
+    p.add_argument("--out", default=None, help="results JSON (required unless --quant-error)")
     p.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), help="fp32, directq:FW:BW[:AXIS], aqsgd:FW:BW[:AXIS]")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--local", action="store_true", help="run the stages in this process (no transport)")
     p.add_argument("--append", action="store_true", help="keep the settings already in --out (same config)")
+    p.add_argument("--quant-error", action="store_true",
+                   help="only print DirectQ's relative error on stage 0's output at initialization (the seed's c_Q)")
     p.add_argument("--runs", default=None, help="with processes: folder for the runs (default: next to --out)")
     args = p.parse_args(argv)
 
@@ -105,6 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     if base.pipeline is None:
         print(f"{args.config} has no pipeline: section", file=sys.stderr)
         return 2
+    if not args.quant_error and not args.out:
+        print("--out RESULTS.json is required", file=sys.stderr)
+        return 2
+    if args.quant_error:
+        for row in quantization_error(base):
+            print(f"scale per {row['axis']:<8} {row['bits']} bits: E|x - Q(x)| / |x| = {row['relative_error']:.4f}")
+        return 0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {"config": _config.to_dict(base), "mode": "local" if args.local else "processes", "settings": {}}
