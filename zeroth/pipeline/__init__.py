@@ -7,5 +7,8 @@
 * :mod:`.stage`: ``zeroth stage``, one stage process; :mod:`.launch`: ``zeroth run`` with a
   ``pipeline:`` section (all stages on 127.0.0.1);
 * :mod:`.sim`: the same engines in one process, the single-process reference, emulated wall-clock;
-* :mod:`.data`: the fixed example sets (SOTU windows, sentiment sentences).
+* :mod:`.data`: the fixed example sets (SOTU windows, sentiment sentences);
+* :mod:`.build`: config -> examples, partition, engines; :mod:`.compare`: one config, several
+  compressions, a results JSON (``python -m zeroth.pipeline.compare``);
+* :mod:`.proto_gen`: regenerates the checked-in stubs in :mod:`.proto`.
 """

@@ -23,8 +23,17 @@ from zeroth.pipeline import data as _pdata
 from zeroth.pipeline import engine as _engine
 from zeroth.pipeline import partition as _partition
 
-__all__ = ["RUN_ID_EXCLUDE", "family_of", "tokenizer_of", "examples_of", "partition_of", "optimizer_of", "run_id_of",
-           "engine_of", "plan_of"]
+__all__ = [
+    "RUN_ID_EXCLUDE",
+    "engine_of",
+    "examples_of",
+    "family_of",
+    "optimizer_of",
+    "partition_of",
+    "plan_of",
+    "run_id_of",
+    "tokenizer_of",
+]
 
 # deployment fields that may differ between the stages of one run
 RUN_ID_EXCLUDE = ("run.out_dir", "run.name", "pipeline.host", "pipeline.timeout_s", "pipeline.buffers",

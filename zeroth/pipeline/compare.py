@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["DEFAULT_SETTINGS", "parse_setting", "apply_setting", "summarize", "main"]
+__all__ = ["DEFAULT_SETTINGS", "apply_setting", "main", "parse_setting", "summarize"]
 
 DEFAULT_SETTINGS = ("fp32", "directq:2:4", "aqsgd:2:4", "directq:4:8", "aqsgd:4:8")
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.local:
             from zeroth.pipeline import sim
 
-            records, _ = sim.run_local(cfg, on_step=lambda r: print(f"  {name} step {r['step']} loss {r['loss']:.4f}", flush=True))
+            records, _ = sim.run_local(cfg, on_step=lambda r, name=name: print(f"  {name} step {r['step']} loss {r['loss']:.4f}", flush=True))
         else:
             from zeroth.pipeline import launch
 

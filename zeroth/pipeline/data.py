@@ -21,8 +21,18 @@ import numpy as np
 
 from zeroth import data as _data
 
-__all__ = ["TOKENIZERS", "BYTES_VOCAB", "BYTES_PAD", "Examples", "encode", "sotu_windows", "sentiment_examples",
-           "load_examples", "batch_ids", "micro_batches"]
+__all__ = [
+    "BYTES_PAD",
+    "BYTES_VOCAB",
+    "TOKENIZERS",
+    "Examples",
+    "batch_ids",
+    "encode",
+    "load_examples",
+    "micro_batches",
+    "sentiment_examples",
+    "sotu_windows",
+]
 
 TOKENIZERS = ("bytes", "smollm2")
 BYTES_VOCAB = 257
@@ -78,7 +88,7 @@ def sotu_windows(n: int, seq_len: int, tokenizer: str) -> Examples:
     if len(ids) < need:
         raise ValueError(f"the SOTU train split holds {len(ids)} tokens, fewer than {n} windows of {seq_len}")
     tokens = np.asarray(ids[:need], np.int32).reshape(n, seq_len)
-    vocab, pad = _vocab(tokenizer)
+    vocab, _ = _vocab(tokenizer)
     return Examples(tokens, np.zeros(n, np.int32), vocab, None, vocab)
 
 

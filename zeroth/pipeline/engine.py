@@ -33,7 +33,7 @@ import optax
 from zeroth import compress as C
 from zeroth.pipeline import wire
 
-__all__ = ["LinkCodecs", "link_codecs", "StageEngine", "StepTimes"]
+__all__ = ["LinkCodecs", "StageEngine", "StepTimes", "link_codecs"]
 
 
 class LinkCodecs(NamedTuple):

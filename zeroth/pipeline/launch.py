@@ -24,7 +24,7 @@ from pathlib import Path
 
 from zeroth import config as _config
 
-__all__ = ["stage_dir", "common_step", "start_stages", "wait_stages", "merge_records", "read_records", "run_config"]
+__all__ = ["common_step", "merge_records", "read_records", "run_config", "stage_dir", "start_stages", "wait_stages"]
 
 
 def stage_dir(out: Path, index: int) -> Path:

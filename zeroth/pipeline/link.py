@@ -30,8 +30,18 @@ from zeroth.pipeline import wire
 from zeroth.pipeline.proto import pipeline_pb2 as pb
 from zeroth.pipeline.proto import pipeline_pb2_grpc as pb_grpc
 
-__all__ = ["BURST_BYTES", "MAX_MESSAGE_BYTES", "GRPC_OPTIONS", "END", "LinkClosed", "TokenBucket", "Pacer",
-           "LinkServicer", "serve", "connect"]
+__all__ = [
+    "BURST_BYTES",
+    "END",
+    "GRPC_OPTIONS",
+    "MAX_MESSAGE_BYTES",
+    "LinkClosed",
+    "LinkServicer",
+    "Pacer",
+    "TokenBucket",
+    "connect",
+    "serve",
+]
 
 BURST_BYTES = 64 * 1024
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -165,16 +175,18 @@ class LinkServicer(pb_grpc.PipelineLinkServicer):
         except grpc.RpcError as e:
             self.inbox.put(LinkClosed(f"the upstream stage's stream broke: {e.code().name}"))
             self.pacer.close()
+        except Exception as e:  # noqa: BLE001 - any other failure must reach the stage, not vanish with the thread
+            self.inbox.put(LinkClosed(f"reading the upstream stream failed: {type(e).__name__}: {e}"))
+            self.pacer.fail(wire.FrameError(wire.INVALID, f"the stage could not take the frame: {e}"))
 
-    def Link(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+    def Link(self, request_iterator, context):
         if not self._busy.acquire(blocking=False):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this stage already has an upstream link")
         self.connected.set()
         reader = threading.Thread(target=self._read, args=(request_iterator,), daemon=True)
         reader.start()
         try:
-            for frame in self.pacer.frames():
-                yield frame
+            yield from self.pacer.frames()
         except wire.FrameError as e:
             context.abort(getattr(grpc.StatusCode, e.code), str(e))
         finally:

@@ -33,7 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FAMILIES", "OBJECTIVES", "Partition", "block_ranges", "transformer_partition", "smollm2_partition", "reference_loss"]
+__all__ = ["FAMILIES", "OBJECTIVES", "Partition", "block_ranges", "reference_loss", "smollm2_partition", "transformer_partition"]
 
 FAMILIES = ("transformer", "smollm2")
 OBJECTIVES = ("lm", "classify")

@@ -15,7 +15,7 @@ import re
 import sys
 import tempfile
 
-__all__ = ["PROTO_ROOT", "PROTO_FILES", "STUB_DIR", "generate", "main"]
+__all__ = ["PROTO_FILES", "PROTO_ROOT", "STUB_DIR", "generate", "main"]
 
 _REPO = pathlib.Path(__file__).resolve().parents[2]
 PROTO_ROOT = _REPO / "protos"
@@ -45,7 +45,7 @@ def generate(dest: pathlib.Path) -> list[pathlib.Path]:
             for suffix in ("_pb2.py", "_pb2_grpc.py"):
                 src = pathlib.Path(tmp) / pathlib.Path(rel).parent / f"{stem}{suffix}"
                 text = src.read_text()
-                text = re.sub(rf"^from {re.escape(package)} import ", "from zeroth.pipeline.proto import ", text, flags=re.M)
+                text = re.sub(rf"^from {re.escape(package)} import ", "from zeroth.pipeline.proto import ", text, flags=re.MULTILINE)
                 out = dest / f"{stem}{suffix}"
                 out.write_text(text)
                 written.append(out)

@@ -23,7 +23,7 @@ from zeroth.pipeline import build as _build
 from zeroth.pipeline import partition as _partition
 from zeroth.pipeline import wire
 
-__all__ = ["run_local", "reference_run", "emulated_seconds", "step_record"]
+__all__ = ["emulated_seconds", "reference_run", "run_local", "step_record"]
 
 
 def step_record(step: int, loss: float | None, links: list[dict], stages: list[dict], wall_s: float, epoch: int) -> dict:

@@ -21,7 +21,7 @@ import numpy as np
 from zeroth.compress import Encoded, scales_per_example
 from zeroth.pipeline.proto import pipeline_pb2 as pb
 
-__all__ = ["FrameError", "Expected", "KINDS", "to_frame", "from_frame", "check_frame", "frame_nbytes"]
+__all__ = ["KINDS", "Expected", "FrameError", "check_frame", "frame_nbytes", "from_frame", "to_frame"]
 
 KINDS = {"activation": pb.ACTIVATION, "gradient": pb.GRADIENT}
 INVALID = "INVALID_ARGUMENT"
