@@ -90,8 +90,11 @@ def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path):
     assert launch.wait_stages(procs, tmp_path, timeout_s=120) == 1, _logs(tmp_path)
     resume_at = launch.common_step(tmp_path, 2)
     assert resume_at is not None and 1 <= resume_at < 5, (resume_at, _logs(tmp_path))  # the newest step both hold
+    newest_1 = max(int(p.name) for p in ck_dir.iterdir() if p.name.isdigit())
     assert launch.run_config(cfg, tmp_path, ["--resume"], progress=False) == 0, _logs(tmp_path)
 
+    if newest_1 > resume_at:  # stage 1's later checkpoints were moved aside, not overwritten or lost
+        assert (launch.stage_dir(tmp_path, 1) / "checkpoints_quarantine" / str(newest_1)).is_dir()
     records = launch.read_records(tmp_path)
     assert [r["step"] for r in records] == list(range(5))
     for r in records:  # both ends of the link hold the same buffers after every step

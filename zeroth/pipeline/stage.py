@@ -13,7 +13,7 @@ bytes and frames it sent per link, seconds in compute, codecs, waiting and trans
 digests), ``checkpoints/`` (orbax: parameters, AdamW state, step; every
 ``train.checkpoint_every`` steps and at the end), ``buffers/`` (its AQ-SGD buffers at each
 checkpoint) and ``summary.json``. ``--resume-step N`` restores checkpoint N with its buffers and
-continues from step N.
+continues from step N; newer checkpoints are moved aside to ``checkpoints_quarantine/`` (kept).
 
 Exit codes: 0 done; 1 a link failed or a frame was refused (the message says which); 2 a bad
 command line, config or checkpoint.
@@ -108,6 +108,8 @@ class _Checkpoints:
         r = self.ck.restore(step, engine.params, engine.opt_state)
         if r.meta.get("run_id") != run_id:
             raise CheckpointError(f"checkpoint {step} belongs to run {r.meta.get('run_id')!r}, not {run_id!r}")
+        for newer in [s for s in self.ck.steps() if s > step]:  # this run will write them again
+            self.ck.quarantine(newer)
         engine.params = jax.tree_util.tree_map(jnp.asarray, r.params)
         engine.opt_state = jax.tree_util.tree_map(jnp.asarray, r.opt_state)
         for side in ("send", "recv"):
