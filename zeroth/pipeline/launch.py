@@ -1,6 +1,7 @@
 """``zeroth run CONFIG`` with a ``pipeline:`` section: every stage as a process on 127.0.0.1.
 
-:func:`run_config` writes ``OUT/config.yaml`` and starts ``zeroth stage`` for stages ``S−1 .. 0``
+:func:`run_config` writes ``OUT/config.yaml`` and starts ``zeroth stage`` (``python -m
+zeroth.pipeline.stage``) for stages ``S−1 .. 0``
 (each stage after the first listens on a free port and writes it to ``OUT/stage_<i>/address``;
 the stage before it connects through ``--next @OUT/stage_<i+1>/address``). When a stage fails the
 others are stopped (a synchronous pipeline cannot go on without it) and the exit code is 1. On
@@ -55,7 +56,8 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
         d = stage_dir(out, i)
         d.mkdir(parents=True, exist_ok=True)
         (d / "address").unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "zeroth.cli", "stage", "--config", str(cfg_path), "--stage", str(i), "--out", str(d)]
+        # `python -m zeroth.pipeline.stage` is `zeroth stage` (the launcher stays below the command layer)
+        cmd = [sys.executable, "-m", "zeroth.pipeline.stage", "--config", str(cfg_path), "--stage", str(i), "--out", str(d)]
         if i > 0:
             cmd += ["--listen", f"{p.host}:0"]
         if i < p.stages - 1:

@@ -269,3 +269,7 @@ def main(argv: list[str]) -> int:
         print(f"zeroth stage {args.stage}: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
