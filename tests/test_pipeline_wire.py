@@ -1,0 +1,155 @@
+"""Pipeline frames: stubs match the proto, malformed or out-of-order frames are refused (as pure
+checks and over a real gRPC stream on 127.0.0.1), the token bucket paces the bytes it is given."""
+
+import queue
+
+import grpc
+import numpy as np
+import pytest
+
+from zeroth import compress as C
+from zeroth.pipeline import link, proto_gen, wire
+from zeroth.pipeline.proto import pipeline_pb2 as pb
+from zeroth.pipeline.proto import pipeline_pb2_grpc as pb_grpc
+
+
+def test_checked_in_stubs_are_what_protoc_generates(tmp_path):
+    for p in proto_gen.generate(tmp_path):
+        checked_in = proto_gen.STUB_DIR / p.name
+        assert checked_in.read_text() == p.read_text(), (
+            f"{checked_in} is stale: run `python -m zeroth.pipeline.proto_gen` after editing protos/zeroth/v1/pipeline.proto"
+        )
+    assert "from zeroth.pipeline.proto import pipeline_pb2" in (proto_gen.STUB_DIR / "pipeline_pb2_grpc.py").read_text()
+
+
+ROW = (3, 4)
+IDS = np.array([5, 1])
+
+
+def _expected(step=2, micro=1, bits=2):
+    return wire.Expected("run-a", 0, "activation", step, micro, IDS, ROW, bits)
+
+
+def _frame(codec=None, step=2, micro=1, ids=IDS):
+    codec = codec or C.aqsgd(2)
+    x = np.arange(24, dtype=np.float32).reshape(2, *ROW)
+    keys = C.example_keys(0, link=0, direction=0, step=step, ids=ids)
+    _, enc, _ = codec.encode(codec.init(8, ROW), x, ids, keys)
+    return wire.to_frame(enc, run_id="run-a", link=0, kind="activation", step=step, micro_batch=micro, ids=ids)
+
+
+def test_a_well_formed_frame_passes_and_round_trips():
+    f = _frame()
+    wire.check_frame(f, _expected())
+    enc, ids = wire.from_frame(pb.TensorFrame.FromString(f.SerializeToString()))
+    np.testing.assert_array_equal(ids, IDS)
+    assert enc.shape == (2, *ROW) and enc.fresh.all() and len(enc.full) == 4 * 24
+    assert wire.frame_nbytes(f) == len(f.SerializeToString())
+
+
+@pytest.mark.parametrize(
+    "mutate, code, message",
+    [
+        (lambda f: setattr(f, "run_id", "run-b"), "INVALID_ARGUMENT", "frame of run 'run-b'"),
+        (lambda f: setattr(f, "kind", pb.GRADIENT), "INVALID_ARGUMENT", "kind GRADIENT; expected ACTIVATION"),
+        (lambda f: setattr(f, "step", 3), "FAILED_PRECONDITION", "got step 3 micro-batch 1, expected step 2 micro-batch 1"),
+        (lambda f: setattr(f, "micro_batch", 0), "FAILED_PRECONDITION", "out-of-order activation"),
+        (lambda f: setattr(f, "dtype", "float16"), "INVALID_ARGUMENT", "dtype 'float16'"),
+        (lambda f: f.shape.__setitem__(2, 5), "INVALID_ARGUMENT", r"shape \[2, 3, 5\]; expected \[2, 3, 4\]"),
+        (lambda f: f.example_ids.__setitem__(0, 6), "INVALID_ARGUMENT", r"example ids \[6, 1\] differ"),
+        (lambda f: setattr(f, "bits", 4), "INVALID_ARGUMENT", "bits 4; this link's codec uses 2"),
+        (lambda f: setattr(f, "fresh", b"\x01"), "INVALID_ARGUMENT", "one 0/1 byte per example"),
+        (lambda f: setattr(f, "full", f.full[:-1]), "INVALID_ARGUMENT", "full holds 95 bytes"),
+    ],
+)
+def test_malformed_or_out_of_order_frames_are_refused(mutate, code, message):
+    f = _frame()
+    mutate(f)
+    with pytest.raises(wire.FrameError, match=message) as e:
+        wire.check_frame(f, _expected())
+    assert e.value.code == code
+
+
+def test_quantized_payload_sizes_are_checked():
+    codec = C.directq(2)
+    f = _frame(codec)
+    wire.check_frame(f, _expected())
+    assert len(f.packed) == (24 * 2 + 7) // 8 and len(f.scales) == 4 * 6
+    f.scales = f.scales[:-4]
+    with pytest.raises(wire.FrameError, match="scales holds 20 bytes"):
+        wire.check_frame(f, _expected())
+
+
+def test_token_bucket_waits_for_the_bytes_beyond_the_burst():
+    now = [0.0]
+    slept = []
+
+    def sleep(s):
+        slept.append(s)
+        now[0] += s
+
+    bucket = link.TokenBucket(8e6, burst=1000, clock=lambda: now[0], sleep=sleep)  # 1 MB/s
+    assert bucket.take(1000) == 0.0
+    assert bucket.take(500_000) == pytest.approx(0.5)
+    now[0] += 0.25  # idle time refills at most one burst
+    assert bucket.take(500_000) == pytest.approx(0.499)
+    assert sum(slept) == pytest.approx(0.999)
+    assert link.TokenBucket(None).take(10**9) == 0.0
+    with pytest.raises(ValueError, match="bandwidth must be > 0"):
+        link.TokenBucket(0.0)
+
+
+def test_pacer_enforces_bandwidth_and_latency_on_real_frames():
+    import time
+
+    f = _frame()
+    n = wire.frame_nbytes(f)
+    pacer = link.Pacer(bandwidth_bps=8 * n * 10, latency_s=0.05)  # 10 frames per second
+    pacer.bucket.burst = pacer.bucket.tokens = 0.0  # no burst: every frame waits for its own bytes
+    t0 = time.monotonic()
+    for _ in range(3):
+        pacer.submit(f)
+    pacer.close()
+    got = list(pacer.frames())
+    elapsed = time.monotonic() - t0
+    assert len(got) == 3 and pacer.bytes == 3 * n
+    assert elapsed >= 0.3 + 0.05 - 0.01  # three frames at 0.1 s each, then the latency
+    assert pacer.transfer_s >= 0.29  # slept at least 8·bytes/bandwidth per frame (a lower bound, load only adds)
+
+
+def test_servicer_aborts_the_stream_on_a_bad_frame_over_grpc():
+    """A real server on 127.0.0.1: a good frame is accepted, an out-of-order one aborts with
+    FAILED_PRECONDITION, a malformed one (on a fresh stream) with INVALID_ARGUMENT."""
+
+    def serve_one():
+        inbox = queue.Queue()
+        pacer = link.Pacer(None)
+        schedule = iter([(2, 0), (2, 1), (3, 0)])
+        servicer = link.LinkServicer(lambda t, j: _expected(t, j), schedule, inbox, pacer)
+        server, port = link.serve(servicer, "127.0.0.1:0")
+        return server, port, inbox
+
+    server, port, inbox = serve_one()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.PipelineLinkStub(ch)
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Link(iter([_frame(micro=0), _frame(step=3, micro=0)]), timeout=20))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "expected step 2 micro-batch 1" in e.value.details()
+        assert inbox.get(timeout=5).micro_batch == 0  # the good frame went through
+        assert isinstance(inbox.get(timeout=5), link.LinkClosed)
+    finally:
+        server.stop(0)
+
+    server, port, _ = serve_one()
+    try:
+        bad = _frame(micro=0)
+        bad.dtype = "bfloat16"
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                list(pb_grpc.PipelineLinkStub(ch).Link(iter([bad]), timeout=20))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "dtype 'bfloat16'" in e.value.details()
+    finally:
+        server.stop(0)

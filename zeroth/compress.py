@@ -1,0 +1,498 @@
+"""Activation compression for pipeline links: FP32, DirectQ and AQ-SGD behind one interface.
+
+A :class:`LinkCodec` is an optax-like ``NamedTuple`` of pure functions plus a state:
+
+* ``init(n_examples, row_shape, path=None) -> state``
+* ``encode(state, x f32[B, *row_shape], ids int64[B], keys u32[B, 2]) -> (state, Encoded, x̂ f32[B, ...])``
+  (the sender; ``x̂`` is exactly what the receiver will decode, and what the sender must use too)
+* ``decode(state, Encoded, ids int64[B]) -> (state, x̂)`` (the receiver)
+
+Codecs (:func:`make_codec`):
+
+* ``fp32``: little-endian float32, lossless (``Encoded.bits = 0``).
+* ``directq(bits, axis="row")``: stochastic uniform quantization of every *row* (a vector along
+  the last axis, one per token) to ``2^b`` levels over ``[-s, s]``, ``s = max|row|`` (one float32
+  scale per row; ``axis="channel"``: the rows are the channels of one example across its tokens,
+  one scale per channel, which isolates the few outlier channels of a language model):
+  ``v = (x/s + 1) · L/2`` with ``L = 2^b − 1``, ``q = min(floor(v + u), L)``, ``u ∈ [0, 1)``,
+  ``x̂ = (2q − L) · s / L``. Since ``E[floor(v + u)] = v`` the quantizer is unbiased, and
+  ``|x̂ − x| ≤ 2s/L`` (one level) up to float rounding.
+* ``aqsgd(bits)``: the seed's algorithm on one link. Both ends hold a buffer ``m[ξ]`` per training
+  example. The first time example ξ passes, its activation goes in float32 and both ends set
+  ``m[ξ] = a``; afterwards the sender transmits ``Q(a − m[ξ])`` (DirectQ of the difference) and both
+  ends set ``m[ξ] ← m[ξ] + Q(a − m[ξ])``; the receiver uses ``m[ξ]`` as the activation. Backward
+  gradients are not buffered: a pipeline pairs ``aqsgd`` forward with ``directq`` backward.
+
+The uniforms ``u`` come from zeroth's counter-based keys: row-major element ``k`` of example ``ξ``
+uses the top 24 bits of word ``k`` of ``noise_words(key_ξ)``, ``u = (w >> 8) · 2^−24`` (exact in
+float32); :func:`example_keys` names the key by ``(run, link · 2 + direction, step, ξ)`` through
+the fold_in chain of :func:`zeroth.rng.sample_keys`. Integer ops and IEEE float32 arithmetic in
+NumPy only, so a rerun repeats every bit.
+
+Wire format (:class:`Encoded`): ``full`` holds the float32 rows of the examples sent in full
+precision, ``packed`` the levels of the others, ``b`` bits per value packed little-endian into
+bytes (:func:`pack_bits`), ``scales`` their float32 row scales. :attr:`Encoded.nbytes` counts them.
+
+AQ-SGD buffers live in host memory (``np.ndarray``) or in a ``np.memmap`` file (``path``);
+:func:`buffer_digest` is their SHA-256 (both ends of a link must agree), :func:`save_buffers` /
+:func:`load_buffers` checkpoint them.
+
+Example:
+  >>> c = make_codec("aqsgd", bits=2)
+  >>> s_send, s_recv = c.init(4, (3,)), c.init(4, (3,))
+  >>> x = np.arange(6, dtype=np.float32).reshape(2, 3); ids = np.array([0, 2])
+  >>> keys = example_keys(0, link=0, direction=0, step=0, ids=ids)
+  >>> s_send, msg, xs = c.encode(s_send, x, ids, keys)
+  >>> s_recv, xr = c.decode(s_recv, msg, ids)
+  >>> bool((xs == xr).all()), buffer_digest(s_send) == buffer_digest(s_recv)
+  (True, True)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from zeroth import reference as _ref
+from zeroth import rng as _rng
+
+__all__ = [
+    "CODEC_NAMES",
+    "MAX_BITS",
+    "SCALE_AXES",
+    "CodecMismatch",
+    "DeltaState",
+    "Encoded",
+    "LinkCodec",
+    "aqsgd",
+    "buffer_digest",
+    "buffer_nbytes",
+    "dequantize_rows",
+    "directq",
+    "example_keys",
+    "fp32",
+    "load_buffers",
+    "make_codec",
+    "pack_bits",
+    "quantize_rows",
+    "save_buffers",
+    "scales_per_example",
+    "uniforms",
+    "unpack_bits",
+]
+
+CODEC_NAMES = ("fp32", "directq", "aqsgd")
+SCALE_AXES = ("row", "channel")
+MAX_BITS = 8
+_U_SCALE = np.float32(2.0**-24)
+
+
+class CodecMismatch(ValueError):
+    """A message does not fit the receiver's codec or buffers (shape, bits, first-sight flags)."""
+
+
+class Encoded(NamedTuple):
+    """One compressed tensor as it travels.
+
+    Attributes:
+      shape: the full tensor shape ``(B, *row_shape)``.
+      bits: bits per quantized value (0 = every example in float32).
+      fresh: ``bool[B]``: example sent in full precision (fp32 codec, or AQ-SGD's first sight).
+      full: float32 little-endian rows of the fresh examples, in order.
+      packed: the levels of the other examples, ``bits`` per value (:func:`pack_bits`).
+      scales: float32 little-endian scale of every row of the other examples.
+    """
+
+    shape: tuple[int, ...]
+    bits: int
+    fresh: np.ndarray
+    full: bytes
+    packed: bytes
+    scales: bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes: ``len(full) + len(packed) + len(scales)`` (headers not counted)."""
+        return len(self.full) + len(self.packed) + len(self.scales)
+
+
+class DeltaState(NamedTuple):
+    """AQ-SGD buffers of one end of a link.
+
+    Attributes:
+      m: ``f32[N, *row_shape]``: the last activation both ends agreed on for each example
+        (``np.ndarray`` or ``np.memmap``; updated in place, the returned state aliases it).
+      seen: ``bool[N]``: the example has passed once.
+    """
+
+    m: np.ndarray
+    seen: np.ndarray
+
+
+class LinkCodec(NamedTuple):
+    """An activation/gradient codec (see the module docstring for the signatures)."""
+
+    name: str
+    bits: int
+    init: Callable[..., Any]
+    encode: Callable[..., tuple[Any, Encoded, np.ndarray]]
+    decode: Callable[..., tuple[Any, np.ndarray]]
+    axis: str = "row"
+
+
+# --------------------------------------------------------------------------- keys and uniforms
+
+
+def example_keys(run_seed: int, *, link: int, direction: int, step: int, ids) -> np.ndarray:
+    """``u32[B, 2]``: the key of each example's rounding noise on one link, direction and step.
+
+    ``sample_key(run_seed, machine=2·link + direction, iteration=step, sample=ξ)`` for every ξ in
+    ``ids`` (direction 0 = activations forward, 1 = gradients backward).
+    """
+    if direction not in (0, 1):
+        raise ValueError(f"direction must be 0 (forward) or 1 (backward), got {direction!r}")
+    machine = 2 * int(link) + direction
+    return _rng.sample_keys(run_seed, [(machine, int(step), int(i)) for i in np.asarray(ids).reshape(-1)])
+
+
+def uniforms(keys: np.ndarray, n: int) -> np.ndarray:
+    """``f32[B, n]`` in ``[0, 1)``: row b is ``(noise_words(keys[b], n) >> 8) · 2^−24`` (exact)."""
+    keys = np.asarray(keys, np.uint32).reshape(-1, 2)
+    out = np.empty((keys.shape[0], n), np.float32)
+    for b in range(keys.shape[0]):
+        words = _ref.noise_words(keys[b], n)
+        out[b] = (words >> np.uint32(8)).astype(np.float32) * _U_SCALE
+    return out
+
+
+# --------------------------------------------------------------------------- quantizer
+
+
+def _check_bits(bits: int) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= MAX_BITS:
+        raise ValueError(f"bits must be an integer in [1, {MAX_BITS}], got {bits!r}")
+    return int(bits)
+
+
+def quantize_rows(x: np.ndarray, bits: int, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Stochastic uniform quantization of each row of ``x: f32[R, C]`` with uniforms ``u: f32[R, C]``.
+
+    Returns ``(q uint8[R, C] in [0, 2^b − 1], s f32[R])`` with ``s = max|row|``;
+    ``q = min(floor((x/s + 1)·L/2 + u), L)`` (``q = floor(L/2 + u)`` for an all-zero row).
+    """
+    bits = _check_bits(bits)
+    x = np.asarray(x, np.float32)
+    levels = np.float32((1 << bits) - 1)
+    s = np.max(np.abs(x), axis=1) if x.size else np.zeros(x.shape[0], np.float32)
+    safe = np.where(s > 0, s, np.float32(1.0)).astype(np.float32)
+    v = (x / safe[:, None] + np.float32(1.0)) * (levels * np.float32(0.5))
+    q = np.floor(v + np.asarray(u, np.float32))
+    q = np.clip(q, 0, levels)
+    return q.astype(np.uint8), s.astype(np.float32)
+
+
+def dequantize_rows(q: np.ndarray, s: np.ndarray, bits: int) -> np.ndarray:
+    """``f32[R, C]``: ``(2q − L) · s / L`` (zero where ``s = 0``)."""
+    bits = _check_bits(bits)
+    levels = (1 << bits) - 1
+    k = (2 * q.astype(np.int32) - levels).astype(np.float32)
+    return (k * np.asarray(s, np.float32)[:, None]) / np.float32(levels)
+
+
+def pack_bits(q: np.ndarray, bits: int) -> bytes:
+    """Pack values ``q < 2^bits`` (uint8, any shape, row-major) into ``ceil(n·bits/8)`` bytes.
+
+    Value ``i`` occupies bits ``[i·b, (i+1)·b)`` of the little-endian bit stream.
+
+    Example:
+      >>> pack_bits(np.array([1, 2, 3, 0], np.uint8), 2).hex()
+      '39'
+    """
+    bits = _check_bits(bits)
+    q = np.ascontiguousarray(q, np.uint8).reshape(-1)
+    if q.size and int(q.max()) >= (1 << bits):
+        raise ValueError(f"value {int(q.max())} does not fit in {bits} bits")
+    stream = np.unpackbits(q[:, None], axis=1, count=bits, bitorder="little").reshape(-1)
+    return np.packbits(stream, bitorder="little").tobytes()
+
+
+def unpack_bits(data: bytes, bits: int, n: int) -> np.ndarray:
+    """Inverse of :func:`pack_bits`: ``uint8[n]``.
+
+    Raises:
+      ValueError: ``data`` does not hold exactly ``ceil(n·bits/8)`` bytes.
+    """
+    bits = _check_bits(bits)
+    want = (n * bits + 7) // 8
+    if len(data) != want:
+        raise ValueError(f"{n} values of {bits} bits need {want} packed bytes, got {len(data)}")
+    stream = np.unpackbits(np.frombuffer(data, np.uint8), count=n * bits, bitorder="little").reshape(n, bits)
+    return np.packbits(stream, axis=1, bitorder="little").reshape(n)
+
+
+def _to_rows(x: np.ndarray, axis: str) -> np.ndarray:
+    """Examples ``f32[b, ..., d]`` as quantization rows: ``row``: every length-``d`` vector (one scale
+    per token); ``channel``: every channel across the example's other axes (one scale per channel)."""
+    b, d = x.shape[0], x.shape[-1] if x.ndim > 1 else 1
+    v = x.reshape(b, -1, d)
+    if axis == "channel":
+        v = np.swapaxes(v, 1, 2)
+    return np.ascontiguousarray(v).reshape(-1, v.shape[-1])
+
+
+def _from_rows(r: np.ndarray, shape: tuple[int, ...], axis: str) -> np.ndarray:
+    """Inverse of :func:`_to_rows`."""
+    b, d = shape[0], shape[-1] if len(shape) > 1 else 1
+    if axis == "channel":
+        return np.swapaxes(r.reshape(b, d, -1), 1, 2).reshape(shape)
+    return r.reshape(shape)
+
+
+def scales_per_example(row_shape: tuple[int, ...], axis: str) -> int:
+    """Float32 scales sent per quantized example of shape ``row_shape``."""
+    d = row_shape[-1] if row_shape else 1
+    per = int(np.prod(row_shape, dtype=np.int64)) if row_shape else 1
+    return d if axis == "channel" else per // d
+
+
+def _quantize_examples(x: np.ndarray, bits: int, keys: np.ndarray, axis: str) -> tuple[bytes, bytes, np.ndarray]:
+    """Quantize examples ``x: f32[b, *row]`` (keys ``u32[b, 2]``): ``(packed, scales, x̂)``."""
+    rows = _to_rows(x, axis)
+    per = int(np.prod(x.shape[1:], dtype=np.int64))
+    u = uniforms(keys, per).reshape(rows.shape)
+    q, s = quantize_rows(rows, bits, u)
+    xhat = _from_rows(dequantize_rows(q, s, bits), x.shape, axis)
+    return pack_bits(q, bits), s.astype("<f4").tobytes(), xhat
+
+
+def _dequantize_examples(enc: Encoded, shape: tuple[int, ...], axis: str) -> np.ndarray:
+    """Decode the quantized part of ``enc`` into ``f32[shape]`` (``shape[0]`` examples)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    n_rows = shape[0] * scales_per_example(shape[1:], axis)
+    if len(enc.scales) != 4 * n_rows:
+        raise CodecMismatch(f"{shape[0]} quantized examples of shape {shape[1:]} need {4 * n_rows} scale bytes, got {len(enc.scales)}")
+    try:
+        q = unpack_bits(enc.packed, enc.bits, n)
+    except ValueError as e:
+        raise CodecMismatch(str(e)) from None
+    s = np.frombuffer(enc.scales, "<f4").astype(np.float32)
+    return _from_rows(dequantize_rows(q.reshape(n_rows, -1), s, enc.bits), shape, axis)
+
+
+def _full_rows(enc: Encoded, shape: tuple[int, ...]) -> np.ndarray:
+    want = 4 * int(np.prod(shape, dtype=np.int64))
+    if len(enc.full) != want:
+        raise CodecMismatch(f"{shape[0]} full-precision examples of shape {shape[1:]} need {want} bytes, got {len(enc.full)}")
+    return np.frombuffer(enc.full, "<f4").astype(np.float32).reshape(shape)
+
+
+def _as_batch(x, ids) -> tuple[np.ndarray, np.ndarray]:
+    x = np.asarray(x, np.float32)
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    if x.ndim < 1 or x.shape[0] != ids.shape[0]:
+        raise ValueError(f"tensor of shape {x.shape} does not hold one row per example id ({ids.shape[0]} ids)")
+    if not np.all(np.isfinite(x)):
+        raise ValueError("cannot encode a tensor with non-finite values")
+    return x, ids
+
+
+def _check_shape(enc: Encoded, ids: np.ndarray, bits: int) -> tuple[int, ...]:
+    shape = tuple(int(d) for d in enc.shape)
+    if not shape or shape[0] != ids.shape[0]:
+        raise CodecMismatch(f"message shape {shape} does not hold one row per example id ({ids.shape[0]} ids)")
+    if enc.bits != bits:
+        raise CodecMismatch(f"message quantized to {enc.bits} bits; this link's codec uses {bits}")
+    fresh = np.asarray(enc.fresh, bool).reshape(-1)
+    if fresh.shape[0] != shape[0]:
+        raise CodecMismatch(f"message has {fresh.shape[0]} first-sight flags for {shape[0]} examples")
+    return shape
+
+
+# --------------------------------------------------------------------------- codecs
+
+
+def fp32() -> LinkCodec:
+    """Lossless float32 (no state)."""
+
+    def init(n_examples: int = 0, row_shape: tuple = (), path=None):
+        return None
+
+    def encode(state, x, ids, keys=None):
+        x, ids = _as_batch(x, ids)
+        enc = Encoded(x.shape, 0, np.ones(x.shape[0], bool), x.astype("<f4").tobytes(), b"", b"")
+        return state, enc, x.copy()
+
+    def decode(state, enc: Encoded, ids):
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        shape = _check_shape(enc, ids, 0)
+        if not np.all(enc.fresh) or enc.packed or enc.scales:
+            raise CodecMismatch("an fp32 link carries every example in full precision")
+        return state, _full_rows(enc, shape)
+
+    return LinkCodec("fp32", 0, init, encode, decode)
+
+
+def _check_axis(axis: str) -> str:
+    if axis not in SCALE_AXES:
+        raise ValueError(f"scale axis must be one of {list(SCALE_AXES)}, got {axis!r}")
+    return axis
+
+
+def directq(bits: int, axis: str = "row") -> LinkCodec:
+    """Direct stochastic quantization to ``bits`` bits with one scale per row (or per channel; no state)."""
+    bits, axis = _check_bits(bits), _check_axis(axis)
+
+    def init(n_examples: int = 0, row_shape: tuple = (), path=None):
+        return None
+
+    def encode(state, x, ids, keys):
+        x, ids = _as_batch(x, ids)
+        packed, scales, xhat = _quantize_examples(x, bits, keys, axis)
+        return state, Encoded(x.shape, bits, np.zeros(x.shape[0], bool), b"", packed, scales), xhat
+
+    def decode(state, enc: Encoded, ids):
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        shape = _check_shape(enc, ids, bits)
+        if np.any(enc.fresh) or enc.full:
+            raise CodecMismatch("a directq link sends no example in full precision")
+        return state, _dequantize_examples(enc, shape, axis)
+
+    return LinkCodec("directq", bits, init, encode, decode, axis)
+
+
+def _check_ids(state: DeltaState, ids: np.ndarray) -> None:
+    n = state.m.shape[0]
+    if ids.size and (ids.min() < 0 or ids.max() >= n):
+        raise CodecMismatch(f"example id {int(ids.max() if ids.max() >= n else ids.min())} is outside the buffers of {n} examples")
+    if np.unique(ids).size != ids.size:
+        raise CodecMismatch(f"example ids {ids.tolist()} repeat within one message")
+
+
+def aqsgd(bits: int, axis: str = "row") -> LinkCodec:
+    """AQ-SGD: full precision at first sight, then ``Q(a − m[ξ])`` with buffers on both ends."""
+    bits, axis = _check_bits(bits), _check_axis(axis)
+
+    def init(n_examples: int, row_shape: tuple, path: str | os.PathLike | None = None) -> DeltaState:
+        shape = (int(n_examples), *(int(d) for d in row_shape))
+        if path is None:
+            m = np.zeros(shape, np.float32)
+        else:
+            m = np.lib.format.open_memmap(Path(path), mode="w+", dtype=np.float32, shape=shape)
+        return DeltaState(m, np.zeros(shape[0], bool))
+
+    def encode(state: DeltaState, x, ids, keys):
+        x, ids = _as_batch(x, ids)
+        _check_ids(state, ids)
+        if x.shape[1:] != state.m.shape[1:]:
+            raise ValueError(f"activation rows of shape {x.shape[1:]}; the buffers hold {state.m.shape[1:]}")
+        fresh = ~state.seen[ids]
+        old = ids[~fresh]
+        packed, scales = b"", b""
+        if old.size:
+            delta = x[~fresh] - state.m[old]
+            packed, scales, dq = _quantize_examples(delta, bits, np.asarray(keys, np.uint32)[~fresh], axis)
+            state.m[old] = state.m[old] + dq
+        state.m[ids[fresh]] = x[fresh]
+        state.seen[ids[fresh]] = True
+        enc = Encoded(x.shape, bits, fresh, x[fresh].astype("<f4").tobytes(), packed, scales)
+        return state, enc, np.array(state.m[ids])
+
+    def decode(state: DeltaState, enc: Encoded, ids):
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        shape = _check_shape(enc, ids, bits)
+        _check_ids(state, ids)
+        if shape[1:] != state.m.shape[1:]:
+            raise CodecMismatch(f"message rows of shape {shape[1:]}; the buffers hold {state.m.shape[1:]}")
+        fresh = np.asarray(enc.fresh, bool).reshape(-1)
+        expect = ~state.seen[ids]
+        if not np.array_equal(fresh, expect):
+            i = int(np.flatnonzero(fresh != expect)[0])
+            raise CodecMismatch(
+                f"example {int(ids[i])} arrives {'in full precision' if fresh[i] else 'as a difference'} but this end "
+                f"has {'no' if expect[i] else 'a'} buffer for it: the two ends' buffers are out of step"
+            )
+        old = ids[~fresh]
+        full = _full_rows(enc, (int(fresh.sum()), *shape[1:]))
+        if old.size:
+            dq = _dequantize_examples(enc, (old.size, *shape[1:]), axis)
+            state.m[old] = state.m[old] + dq
+        elif enc.packed or enc.scales:
+            raise CodecMismatch("message carries quantized values but no example is a difference")
+        state.m[ids[fresh]] = full
+        state.seen[ids[fresh]] = True
+        return state, np.array(state.m[ids])
+
+    return LinkCodec("aqsgd", bits, init, encode, decode, axis)
+
+
+def make_codec(name: str, bits: int = 0, axis: str = "row") -> LinkCodec:
+    """The codec ``name`` (``fp32``, ``directq`` or ``aqsgd``) with ``bits`` and scale ``axis`` (ignored by fp32).
+
+    Raises:
+      ValueError: an unknown name or bits outside ``[1, 8]`` (the valid values are named).
+    """
+    if name == "fp32":
+        return fp32()
+    if name == "directq":
+        return directq(bits, axis)
+    if name == "aqsgd":
+        return aqsgd(bits, axis)
+    raise ValueError(f"unknown activation codec {name!r}; expected one of {list(CODEC_NAMES)}")
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+def buffer_digest(state: DeltaState | None) -> str | None:
+    """SHA-256 hex of the buffers (``seen`` flags, then ``m`` as little-endian float32); None without buffers."""
+    if state is None:
+        return None
+    h = hashlib.sha256()
+    h.update(np.ascontiguousarray(state.seen, np.uint8).tobytes())
+    h.update(np.ascontiguousarray(state.m, "<f4").tobytes())
+    return h.hexdigest()
+
+
+def buffer_nbytes(state: DeltaState | None) -> int:
+    """Bytes held by the buffers (``m`` and ``seen``); 0 without buffers."""
+    if state is None:
+        return 0
+    return int(state.m.nbytes + state.seen.nbytes)
+
+
+def save_buffers(state: DeltaState | None, path: str | os.PathLike) -> str | None:
+    """Write the buffers to ``path`` (``.npz``, atomically: a temporary file renamed); returns the digest."""
+    if state is None:
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        np.savez(fh, m=np.asarray(state.m), seen=np.asarray(state.seen))
+    os.replace(tmp, path)
+    return buffer_digest(state)
+
+
+def load_buffers(state: DeltaState, path: str | os.PathLike, digest: str | None = None) -> DeltaState:
+    """Read buffers saved by :func:`save_buffers` into ``state`` (in place) and check their digest.
+
+    Raises:
+      ValueError: the file is missing, its shapes differ from ``state``'s, or its digest is not ``digest``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"AQ-SGD buffer file {path} is missing")
+    with np.load(path) as f:
+        m, seen = f["m"], f["seen"]
+    if m.shape != state.m.shape or seen.shape != state.seen.shape:
+        raise ValueError(f"buffers in {path} have shape {m.shape}; this link needs {state.m.shape}")
+    state.m[...] = m
+    state.seen[...] = seen
+    if digest is not None and buffer_digest(state) != digest:
+        raise ValueError(f"buffers in {path} have digest {buffer_digest(state)[:16]}..., the checkpoint says {digest[:16]}...")
+    return state

@@ -1,0 +1,119 @@
+"""From a config with a ``pipeline:`` section to the pieces every stage builds the same way.
+
+* :func:`examples_of`: the fixed example set (:mod:`zeroth.pipeline.data`);
+* :func:`partition_of`: the model cut into stages (:mod:`zeroth.pipeline.partition`), from
+  zeroth's exact initialization (``transformer``) or SmolLM2's weights (``smollm2_prompt``);
+* :func:`optimizer_of`: each stage's ``optax.adamw`` (or the optimizer ``train.optimizer`` names);
+* :func:`run_id_of`: the id every frame carries (a digest of the training fields);
+* :func:`engine_of`: stage ``i``'s :class:`~zeroth.pipeline.engine.StageEngine`;
+* :func:`plan_of`: the micro-batches of a step ``[(ids, tokens, labels), ...]``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import optax
+
+from zeroth import config as _config
+from zeroth import models
+from zeroth.pipeline import data as _pdata
+from zeroth.pipeline import engine as _engine
+from zeroth.pipeline import partition as _partition
+
+__all__ = [
+    "RUN_ID_EXCLUDE",
+    "engine_of",
+    "examples_of",
+    "family_of",
+    "optimizer_of",
+    "partition_of",
+    "plan_of",
+    "run_id_of",
+    "tokenizer_of",
+]
+
+# deployment fields that may differ between the stages of one run
+RUN_ID_EXCLUDE = ("run.out_dir", "run.name", "pipeline.host", "pipeline.timeout_s", "pipeline.buffers",
+                  "pipeline.bandwidth_bps", "pipeline.latency_ms", "pipeline.emulate_bandwidths_bps",
+                  "train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "train.eval_every")
+
+
+def family_of(cfg: _config.Config) -> str:
+    """``transformer`` (zeroth's own) or ``smollm2`` (model.name ``smollm2_prompt``: SmolLM2-135M's weights)."""
+    return "smollm2" if cfg.model.name == "smollm2_prompt" else "transformer"
+
+
+def tokenizer_of(cfg: _config.Config) -> str:
+    """``bytes`` for zeroth's transformer, ``smollm2`` for SmolLM2."""
+    return "smollm2" if family_of(cfg) == "smollm2" else "bytes"
+
+
+@functools.lru_cache(maxsize=4)
+def _examples(dataset: str, n: int, seq_len: int, tokenizer: str) -> _pdata.Examples:
+    return _pdata.load_examples(dataset, n, seq_len, tokenizer)
+
+
+def examples_of(cfg: _config.Config) -> _pdata.Examples:
+    """The fixed example set of the run (cached)."""
+    p = cfg.pipeline
+    return _examples(cfg.data.dataset, p.examples, p.seq_len, tokenizer_of(cfg))
+
+
+def partition_of(cfg: _config.Config, ex: _pdata.Examples) -> _partition.Partition:
+    """The model of ``cfg`` cut into ``pipeline.stages`` stages, with its initial parameters."""
+    p = cfg.pipeline
+    if family_of(cfg) == "smollm2":
+        if cfg.model.kwargs:
+            raise ValueError(f"config field model.kwargs: the SmolLM2 pipeline takes no arguments, got {cfg.model.kwargs}")
+        from zeroth.models.pretrained import llama
+
+        params, lcfg = llama.load_smollm2()
+        return _partition.smollm2_partition(params, lcfg, p.stages)
+    kw = dict(cfg.model.kwargs)
+    for banned in ("num_classes", "vocab_size", "pad_id", "max_len"):
+        if banned in kw:
+            raise ValueError(f"config field model.kwargs.{banned}: set by the pipeline from the data; remove it")
+    num_classes = ex.vocab_size if p.objective == "lm" else ex.num_classes
+    model = models.build("transformer", num_classes=num_classes, vocab_size=ex.vocab_size, max_len=p.seq_len,
+                         pad_id=ex.pad_id, **kw)
+    params = models.init(model, models.init_key(cfg.run.seed), ex.tokens[:1])
+    return _partition.transformer_partition(params, p.stages, objective=p.objective, heads=model.heads,
+                                            mlp_dim=model.mlp_dim, pad_id=ex.pad_id)
+
+
+def optimizer_of(cfg: _config.Config) -> Any:
+    """The stage optimizer: ``train.optimizer`` with learning rate ``train.lr`` (AdamW in the experiments)."""
+    o, lr = cfg.train.optimizer, cfg.train.lr
+    if o.name == "adamw":
+        return optax.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
+    if o.name == "adam":
+        return optax.adam(lr, b1=o.b1, b2=o.b2)
+    if o.name == "momentum":
+        return optax.sgd(lr, momentum=o.momentum)
+    return optax.sgd(lr)
+
+
+def run_id_of(cfg: _config.Config) -> str:
+    """First 16 hex digits of the config digest without the deployment fields (:data:`RUN_ID_EXCLUDE`)."""
+    return _config.config_digest(cfg, exclude=RUN_ID_EXCLUDE)[:16]
+
+
+def engine_of(cfg: _config.Config, index: int, part: _partition.Partition, ex: _pdata.Examples,
+              buffer_dir=None) -> _engine.StageEngine:
+    """Stage ``index``'s engine (its slice of the parameters, its optimizer, its link buffers)."""
+    p = cfg.pipeline
+    codecs = _engine.link_codecs(p.compression, p.fw_bits, p.bw_bits, p.scale_axis)
+    return _engine.StageEngine(
+        index, p.stages, part.fns[index], part.params[index], optimizer_of(cfg), codecs,
+        run_seed=cfg.run.seed, run_id=run_id_of(cfg), n_examples=p.examples, row_shape=(p.seq_len, part.width),
+        micro_batches=p.micro_batches, buffer_dir=buffer_dir,
+    )
+
+
+def plan_of(cfg: _config.Config, ex: _pdata.Examples, step: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """``[(ids int64[b], tokens int32[b, T], labels int32[b]), ...]``: the micro-batches of ``step``."""
+    ids = _pdata.batch_ids(cfg.run.seed, step, cfg.data.batch_size, cfg.pipeline.examples)
+    return [(m, ex.tokens[m], ex.labels[m]) for m in _pdata.micro_batches(ids, cfg.pipeline.micro_batches)]

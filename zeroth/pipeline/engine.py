@@ -1,0 +1,239 @@
+"""One pipeline stage's computation: GPipe micro-batches, link codecs, gradient accumulation, AdamW.
+
+A :class:`StageEngine` knows nothing of the transport: the in-process pipeline
+(:mod:`zeroth.pipeline.sim`) and the stage process (:mod:`zeroth.pipeline.stage`) call the same
+methods with the same frames, so their bytes, buffers and parameters are the same.
+
+One step of stage ``s`` of ``S`` with ``M`` micro-batches (fill and drain):
+
+* forward, ``j = 0..M-1``: stage 0 embeds the tokens, other stages decode the activation frame
+  of link ``s − 1`` (AQ-SGD: updating their copy of ``m[ξ]``); stages ``s < S−1`` run their blocks
+  and encode the output for link ``s``; the last stage computes the micro-batch loss ``ℓ_j``, the
+  gradients of ``ℓ_j / M`` for its parameters and input, and encodes the input gradient.
+* backward, ``j = 0..M-1``: stages ``0 < s < S−1`` decode the gradient frame, recompute their
+  forward (rematerialization, as GPipe) and pull it back through ``jax.vjp``; stage 0 only needs
+  its parameter gradients; stages ``s > 0`` encode their input gradient for link ``s − 1``.
+* update: the accumulated gradients ``Σ_j ∇(ℓ_j / M)`` (the gradient of the batch mean) go
+  through the stage's own ``optax.adamw``.
+
+Codec keys: activations of link ``l`` at step ``t`` use ``example_keys(seed, link=l,
+direction=0, step=t)``, gradients ``direction=1``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zeroth import compress as C
+from zeroth.pipeline import wire
+
+__all__ = ["LinkCodecs", "StageEngine", "StepTimes", "link_codecs"]
+
+
+class LinkCodecs(NamedTuple):
+    """The codecs of every link: ``forward`` for activations, ``backward`` for their gradients."""
+
+    forward: C.LinkCodec
+    backward: C.LinkCodec
+
+
+def link_codecs(compression: str, fw_bits: int, bw_bits: int, axis: str = "row") -> LinkCodecs:
+    """``fp32``: both float32; ``directq``: both quantized; ``aqsgd``: AQ-SGD forward, DirectQ backward.
+
+    ``axis``: the quantizers' scale axis (``row``: one scale per token, ``channel``: per channel).
+    """
+    if compression == "fp32":
+        return LinkCodecs(C.fp32(), C.fp32())
+    if compression == "directq":
+        return LinkCodecs(C.directq(fw_bits, axis), C.directq(bw_bits, axis))
+    if compression == "aqsgd":
+        return LinkCodecs(C.aqsgd(fw_bits, axis), C.directq(bw_bits, axis))
+    raise ValueError(f"unknown pipeline compression {compression!r}; expected one of {list(C.CODEC_NAMES)}")
+
+
+class StepTimes(NamedTuple):
+    """Seconds one stage spent in one step: jitted compute, encoding/decoding, and waiting for frames."""
+
+    compute_s: float
+    codec_s: float
+    wait_s: float
+
+
+def _block(x):
+    return jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+
+
+class StageEngine:
+    """Stage ``index`` of ``n_stages``: parameters, optimizer state, link buffers, one step at a time.
+
+    Args:
+      index, n_stages: this stage and the pipeline length.
+      fn: the stage function (:mod:`zeroth.pipeline.partition`).
+      params: this stage's parameters.
+      optimizer: an ``optax.GradientTransformation`` (AdamW).
+      codecs: the links' codecs.
+      run_seed, run_id: the run's seed (rounding keys) and id (frames).
+      n_examples: size of the fixed example set (AQ-SGD buffers hold one row each).
+      row_shape: ``(T, d)``: one example's activation.
+      micro_batches: M.
+      buffer_dir: folder for memory-mapped AQ-SGD buffers; None = host memory.
+    """
+
+    def __init__(self, index: int, n_stages: int, fn, params, optimizer, codecs: LinkCodecs, *, run_seed: int,
+                 run_id: str, n_examples: int, row_shape: tuple[int, ...], micro_batches: int, buffer_dir=None):
+        self.index, self.n_stages = index, n_stages
+        self.first, self.last = index == 0, index == n_stages - 1
+        self.codecs, self.run_seed, self.run_id = codecs, run_seed, run_id
+        self.row_shape, self.micro_batches = tuple(row_shape), micro_batches
+        self.params = jax.tree_util.tree_map(jnp.asarray, params)
+        self.optimizer = optimizer
+        with jax.numpy_dtype_promotion("standard"):
+            self.opt_state = optimizer.init(self.params)
+        path = (lambda name: None) if buffer_dir is None else (lambda name: f"{buffer_dir}/{name}.npy")
+        # the sender's buffers of link `index` and the receiver's of link `index - 1`
+        self.send_state = None if self.last else codecs.forward.init(n_examples, row_shape, path(f"send_link{index}"))
+        self.recv_state = None if self.first else codecs.forward.init(n_examples, row_shape, path(f"recv_link{index - 1}"))
+        scale = np.float32(1.0 / micro_batches)
+        self._compile(fn, scale)
+        self.step = 0
+        self._reset()
+
+    def _compile(self, fn, scale) -> None:
+        if self.first and self.last:
+            self._loss_grad = jax.jit(jax.value_and_grad(lambda p, tok, lab: fn(p, tok, lab) * scale))
+        elif self.first:
+            self._fwd = jax.jit(fn)
+            self._bwd = jax.jit(lambda p, tok, g: jax.vjp(lambda q: fn(q, tok), p)[1](g)[0])
+        elif self.last:
+            self._loss_grad = jax.jit(jax.value_and_grad(lambda p, h, tok, lab: fn(p, h, tok, lab) * scale, argnums=(0, 1)))
+        else:
+            self._fwd = jax.jit(fn)
+            self._bwd = jax.jit(lambda p, h, tok, g: jax.vjp(lambda q, x: fn(q, x, tok), p, h)[1](g))
+
+        def update(params, opt_state, grads):
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        self._update = jax.jit(update)
+
+    def _reset(self) -> None:
+        self.grads = None
+        self.inputs: dict[int, Any] = {}
+        self.pending: dict[int, Any] = {}
+        self.losses: list[float] = []
+        self.times = {"compute_s": 0.0, "codec_s": 0.0}
+
+    # ------------------------------------------------------------------ helpers
+
+    def _keys(self, link: int, direction: int, ids) -> np.ndarray:
+        return C.example_keys(self.run_seed, link=link, direction=direction, step=self.step, ids=ids)
+
+    def _timed(self, key: str, f, *args):
+        t0 = time.perf_counter()
+        out = _block(f(*args))
+        self.times[key] += time.perf_counter() - t0
+        return out
+
+    def _accumulate(self, g) -> None:
+        self.grads = g if self.grads is None else jax.tree_util.tree_map(jnp.add, self.grads, g)
+
+    def expected(self, kind: str, micro: int, ids) -> wire.Expected:
+        """What the next incoming frame of ``kind`` must look like (activation from s−1, gradient from s+1)."""
+        if kind == "activation":
+            return wire.Expected(self.run_id, self.index - 1, kind, self.step, micro, np.asarray(ids), self.row_shape,
+                                 self.codecs.forward.bits, self.codecs.forward.axis)
+        return wire.Expected(self.run_id, self.index, kind, self.step, micro, np.asarray(ids), self.row_shape,
+                             self.codecs.backward.bits, self.codecs.backward.axis)
+
+    # ------------------------------------------------------------------ the schedule
+
+    def forward(self, micro: int, ids, tokens, labels, frame=None):
+        """Forward of one micro-batch. Returns the activation frame for link ``index`` (None on the last stage).
+
+        ``frame`` is the activation frame from stage ``index − 1`` (None on stage 0); it is checked
+        (:func:`zeroth.pipeline.wire.check_frame`) and decoded through this end's buffers.
+        """
+        tokens, labels = jnp.asarray(tokens), jnp.asarray(labels)
+        if self.first and self.last:
+            loss, g = self._timed("compute_s", self._loss_grad, self.params, tokens, labels)
+            self.losses.append(float(loss) * self.micro_batches)
+            self._accumulate(g)
+            return None
+        if self.first:
+            h = self._timed("compute_s", self._fwd, self.params, tokens)
+        else:
+            wire.check_frame(frame, self.expected("activation", micro, ids))
+            enc, _ = wire.from_frame(frame)
+            t0 = time.perf_counter()
+            self.recv_state, x = self.codecs.forward.decode(self.recv_state, enc, ids)
+            self.times["codec_s"] += time.perf_counter() - t0
+            x = jnp.asarray(x)
+            self.inputs[micro] = x
+            if self.last:
+                loss, (gp, gx) = self._timed("compute_s", self._loss_grad, self.params, x, tokens, labels)
+                self.losses.append(float(loss) * self.micro_batches)
+                self._accumulate(gp)
+                self.pending[micro] = self._encode_grad(micro, ids, gx)
+                return None
+            h = self._timed("compute_s", self._fwd, self.params, x, tokens)
+        t0 = time.perf_counter()
+        keys = self._keys(self.index, 0, ids)
+        self.send_state, enc, _ = self.codecs.forward.encode(self.send_state, np.asarray(h), ids, keys)
+        self.times["codec_s"] += time.perf_counter() - t0
+        return wire.to_frame(enc, run_id=self.run_id, link=self.index, kind="activation", step=self.step, micro_batch=micro, ids=ids)
+
+    def _encode_grad(self, micro: int, ids, gx):
+        t0 = time.perf_counter()
+        keys = self._keys(self.index - 1, 1, ids)
+        _, enc, _ = self.codecs.backward.encode(None, np.asarray(gx), ids, keys)
+        self.times["codec_s"] += time.perf_counter() - t0
+        return wire.to_frame(enc, run_id=self.run_id, link=self.index - 1, kind="gradient", step=self.step, micro_batch=micro, ids=ids)
+
+    def backward(self, micro: int, ids, tokens, frame=None):
+        """Backward of one micro-batch. Returns the gradient frame for link ``index − 1`` (None on stage 0).
+
+        ``frame`` is the gradient frame from stage ``index + 1`` (None on the last stage).
+        """
+        if self.last:
+            return None if self.first else self.pending.pop(micro)
+        wire.check_frame(frame, self.expected("gradient", micro, ids))
+        enc, _ = wire.from_frame(frame)
+        t0 = time.perf_counter()
+        _, g = self.codecs.backward.decode(None, enc, ids)
+        self.times["codec_s"] += time.perf_counter() - t0
+        g = jnp.asarray(g)
+        tokens = jnp.asarray(tokens)
+        if self.first:
+            gp = self._timed("compute_s", self._bwd, self.params, tokens, g)
+            self._accumulate(gp)
+            return None
+        gp, gx = self._timed("compute_s", self._bwd, self.params, self.inputs.pop(micro), tokens, g)
+        self._accumulate(gp)
+        return self._encode_grad(micro, ids, gx)
+
+    def finish_step(self) -> float | None:
+        """Apply AdamW with the accumulated gradients; returns the step's loss (last stage) or None."""
+        with jax.numpy_dtype_promotion("standard"):
+            self.params, self.opt_state = self._timed("compute_s", self._update, self.params, self.opt_state, self.grads)
+        loss = float(np.mean(self.losses)) if self.losses else None
+        times = dict(self.times)
+        self.step += 1
+        self._reset()
+        self.last_times = times
+        return loss
+
+    # ------------------------------------------------------------------ reporting
+
+    def buffer_digests(self) -> dict[str, str | None]:
+        """SHA-256 of this end's buffers: ``send`` (link ``index``) and ``recv`` (link ``index − 1``)."""
+        return {"send": C.buffer_digest(self.send_state), "recv": C.buffer_digest(self.recv_state)}
+
+    def buffer_nbytes(self) -> int:
+        """Bytes of AQ-SGD buffers this stage holds."""
+        return C.buffer_nbytes(self.send_state) + C.buffer_nbytes(self.recv_state)

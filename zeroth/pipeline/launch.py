@@ -1,0 +1,162 @@
+"""``zeroth run CONFIG`` with a ``pipeline:`` section: every stage as a process on 127.0.0.1.
+
+:func:`run_config` writes ``OUT/config.yaml`` and starts ``zeroth stage`` (``python -m
+zeroth.pipeline.stage``) for stages ``S−1 .. 0``
+(each stage after the first listens on a free port and writes it to ``OUT/stage_<i>/address``;
+the stage before it connects through ``--next @OUT/stage_<i+1>/address``). When a stage fails the
+others are stopped (a synchronous pipeline cannot go on without it) and the exit code is 1. On
+success the stages' records are merged into ``OUT/metrics.jsonl`` (:func:`merge_records`, one
+line per step: loss, per link bytes, frames and both ends' buffer digests, per stage times) and
+``OUT/summary.json``.
+
+``zeroth run CONFIG --resume`` restarts every stage from the newest checkpoint step that all of
+them hold (:func:`common_step`), AQ-SGD buffers included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from zeroth import config as _config
+
+__all__ = ["common_step", "merge_records", "read_records", "run_config", "stage_dir", "start_stages", "wait_stages"]
+
+
+def stage_dir(out: Path, index: int) -> Path:
+    """``OUT/stage_<index>``."""
+    return Path(out) / f"stage_{index}"
+
+
+def common_step(out: Path, stages: int) -> int | None:
+    """The newest checkpoint step every stage holds, or None."""
+    common = None
+    for i in range(stages):
+        d = stage_dir(out, i) / "checkpoints"
+        steps = {int(p.name) for p in d.iterdir() if p.name.isdigit()} if d.is_dir() else set()
+        common = steps if common is None else common & steps
+    return max(common) if common else None
+
+
+def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = None, quiet: bool = True,
+                 env: dict | None = None) -> list[subprocess.Popen]:
+    """Start one ``zeroth stage`` process per stage (last first); returns them in stage order."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_path = out / "config.yaml"
+    cfg_path.write_text(_config.to_yaml(cfg))
+    p = cfg.pipeline
+    procs: dict[int, subprocess.Popen] = {}
+    for i in reversed(range(p.stages)):
+        d = stage_dir(out, i)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "address").unlink(missing_ok=True)
+        # `python -m zeroth.pipeline.stage` is `zeroth stage` (the launcher stays below the command layer)
+        cmd = [sys.executable, "-m", "zeroth.pipeline.stage", "--config", str(cfg_path), "--stage", str(i), "--out", str(d)]
+        if i > 0:
+            cmd += ["--listen", f"{p.host}:0"]
+        if i < p.stages - 1:
+            cmd += ["--next", f"@{stage_dir(out, i + 1) / 'address'}"]
+        if resume_step is not None:
+            cmd += ["--resume-step", str(resume_step)]
+        if quiet:
+            cmd += ["--quiet"]
+        log = open(d / "stage.log", "a")  # noqa: SIM115 (closed with the process)
+        procs[i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env or os.environ.copy())
+        log.close()
+    return [procs[i] for i in range(p.stages)]
+
+
+def wait_stages(procs: list[subprocess.Popen], out: Path, timeout_s: float | None = None) -> int:
+    """Wait for every stage; if one fails, stop the others. Returns 0, or 1 with the failures printed."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    failed = None
+    while any(pr.poll() is None for pr in procs):
+        for i, pr in enumerate(procs):
+            if pr.poll() not in (None, 0) and failed is None:
+                failed = i
+        if failed is not None or (deadline is not None and time.monotonic() > deadline):
+            for pr in procs:
+                if pr.poll() is None:
+                    pr.send_signal(signal.SIGTERM)
+            for pr in procs:
+                try:
+                    pr.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pr.kill()
+                    pr.wait()
+            break
+        time.sleep(0.1)
+    codes = [pr.wait() for pr in procs]
+    if all(c == 0 for c in codes):
+        return 0
+    for i, c in enumerate(codes):
+        if c != 0:
+            log = stage_dir(out, i) / "stage.log"
+            tail = log.read_text().strip().splitlines()[-3:] if log.is_file() else []
+            print(f"stage {i} exited with code {c}: " + " | ".join(tail), file=sys.stderr)
+    return 1
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+
+
+def merge_records(out: Path, stages: int, batch_size: int, examples: int) -> list[dict]:
+    """One record per step from the stages' ``metrics.jsonl`` (the shape of :func:`zeroth.pipeline.sim.step_record`)."""
+    per = [{r["step"]: r for r in _read_jsonl(stage_dir(out, i) / "metrics.jsonl")} for i in range(stages)]
+    steps = sorted(set.intersection(*(set(p) for p in per))) if per else []
+    records = []
+    for t in steps:
+        rs = [p[t] for p in per]
+        links = []
+        for k in range(stages - 1):
+            links.append({"link": k, "fw_bytes": rs[k]["fw_bytes"], "fw_frames": rs[k]["fw_frames"],
+                          "bw_bytes": rs[k + 1]["bw_bytes"], "bw_frames": rs[k + 1]["bw_frames"],
+                          "send_digest": rs[k]["send_digest"], "recv_digest": rs[k + 1]["recv_digest"]})
+        st = [{"stage": i, "compute_s": r["compute_s"], "codec_s": r["codec_s"], "wait_s": r["wait_s"],
+               "transfer_s": r["transfer_s"], "buffer_bytes": r["buffer_bytes"]} for i, r in enumerate(rs)]
+        records.append({"step": t, "epoch": t * batch_size // examples, "loss": rs[-1]["loss"],
+                        "wall_s": max(r["wall_s"] for r in rs), "links": links, "stages": st})
+    return records
+
+
+def read_records(out: Path) -> list[dict]:
+    """The merged records of a finished run (``OUT/metrics.jsonl``)."""
+    return _read_jsonl(Path(out) / "metrics.jsonl")
+
+
+def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool = True) -> int:
+    """Run the pipeline of ``cfg`` as stage processes into ``out``; ``--resume`` in ``argv`` resumes. Exit code."""
+    out = Path(out)
+    p = cfg.pipeline
+    resume_step = None
+    if "--resume" in argv:
+        resume_step = common_step(out, p.stages)
+        if resume_step is None:
+            print(f"zeroth run: error: --resume: no checkpoint step common to all {p.stages} stages in {out}", file=sys.stderr)
+            return 2
+    t0 = time.time()
+    procs = start_stages(cfg, out, resume_step=resume_step, quiet=not progress)
+    code = wait_stages(procs, out)
+    if code != 0:
+        return code
+    records = merge_records(out, p.stages, cfg.data.batch_size, p.examples)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    mismatched = [r["step"] for r in records for lk in r["links"] if lk["send_digest"] != lk["recv_digest"]]
+    summary = {"steps": len(records), "final_loss": records[-1]["loss"] if records else None, "seconds": time.time() - t0,
+               "buffers_agree": not mismatched, "mismatched_steps": mismatched,
+               "stages": [json.loads((stage_dir(out, i) / "summary.json").read_text()) for i in range(p.stages)]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if progress:
+        print(f"pipeline done: {len(records)} steps, final loss {summary['final_loss']}, "
+              f"buffers agree on every link: {not mismatched}, {summary['seconds']:.1f}s")
+    if mismatched:
+        print(f"zeroth run: error: AQ-SGD buffers differ between the ends of a link at steps {mismatched}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,120 @@
+"""The pipeline in one process: the same engines and frames as the stage processes, no transport.
+
+:func:`run_local` drives every :class:`~zeroth.pipeline.engine.StageEngine` through the GPipe
+schedule by direct calls, counting the serialized size of every frame per link; it is what the
+stage processes compute, bit for bit on one machine, and the quick way to compare compressions.
+:func:`reference_run` is the single-process model (one ``jax.value_and_grad`` over the whole
+chain and the whole batch, the same optimizer): a pipeline with float32 links must match it up to
+float reassociation. :func:`emulated_seconds` turns measured compute and bytes into an emulated
+wall-clock for a bandwidth that was not enforced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroth import config as _config
+from zeroth.pipeline import build as _build
+from zeroth.pipeline import partition as _partition
+from zeroth.pipeline import wire
+
+__all__ = ["emulated_seconds", "reference_run", "run_local", "step_record"]
+
+
+def step_record(step: int, loss: float | None, links: list[dict], stages: list[dict], wall_s: float, epoch: int) -> dict:
+    """One step's metrics: loss, per link bytes/frames/digests, per stage times."""
+    return {"step": step, "epoch": epoch, "loss": loss, "wall_s": wall_s, "links": links, "stages": stages}
+
+
+def emulated_seconds(rec: dict, bandwidth_bps: float, latency_s: float = 0.0) -> float:
+    """Emulated seconds of one step: ``Σ_stages (compute + codec) + Σ_links (8·bytes / bandwidth + frames · latency)``.
+
+    No overlap between stages or between compute and transfer is assumed (an upper bound for
+    GPipe's fill and drain); waiting is not counted since it is what the transfers cause.
+    """
+    compute = sum(s["compute_s"] + s["codec_s"] for s in rec["stages"])
+    transfer = sum(8.0 * (lk["fw_bytes"] + lk["bw_bytes"]) / bandwidth_bps + (lk["fw_frames"] + lk["bw_frames"]) * latency_s
+                   for lk in rec["links"])
+    return compute + transfer
+
+
+def run_local(cfg: _config.Config, steps: int | None = None, on_step: Callable[[dict], None] | None = None,
+              engines=None) -> tuple[list[dict], list]:
+    """Train ``steps`` (default ``train.steps``) steps of the pipeline in this process.
+
+    Returns ``(records, engines)``: one :func:`step_record` per step and the final engines.
+    """
+    ex = _build.examples_of(cfg)
+    if engines is None:
+        part = _build.partition_of(cfg, ex)
+        engines = [_build.engine_of(cfg, s, part, ex) for s in range(cfg.pipeline.stages)]
+    S = len(engines)
+    records = []
+    for _ in range(cfg.train.steps if steps is None else steps):
+        step = engines[0].step
+        t0 = time.perf_counter()
+        links = [{"link": k, "fw_bytes": 0, "bw_bytes": 0, "fw_frames": 0, "bw_frames": 0} for k in range(S - 1)]
+        plan = _build.plan_of(cfg, ex, step)
+        for j, (ids, tok, lab) in enumerate(plan):
+            frame = None
+            for s, e in enumerate(engines):
+                frame = e.forward(j, ids, tok, lab, frame)
+                if frame is not None:
+                    links[s]["fw_bytes"] += wire.frame_nbytes(frame)
+                    links[s]["fw_frames"] += 1
+        for j, (ids, tok, _) in enumerate(plan):
+            frame = None
+            for s in reversed(range(S)):
+                frame = engines[s].backward(j, ids, tok, frame)
+                if frame is not None:
+                    links[s - 1]["bw_bytes"] += wire.frame_nbytes(frame)
+                    links[s - 1]["bw_frames"] += 1
+        for k in range(S - 1):
+            links[k]["send_digest"] = engines[k].buffer_digests()["send"]
+            links[k]["recv_digest"] = engines[k + 1].buffer_digests()["recv"]
+        loss = None
+        stages = []
+        for e in engines:
+            out = e.finish_step()
+            loss = out if e.last else loss
+            stages.append({"stage": e.index, **e.last_times, "wait_s": 0.0, "buffer_bytes": e.buffer_nbytes()})
+        epoch = step * cfg.data.batch_size // cfg.pipeline.examples
+        rec = step_record(step, loss, links, stages, time.perf_counter() - t0, epoch)
+        records.append(rec)
+        if on_step is not None:
+            on_step(rec)
+    return records, engines
+
+
+def reference_run(cfg: _config.Config, steps: int) -> tuple[list[float], list]:
+    """The single-process model: ``steps`` steps of value_and_grad over the whole chain and batch.
+
+    Returns ``(losses, stage parameters)`` (the parameters split as the stages hold them).
+    """
+    import optax
+
+    ex = _build.examples_of(cfg)
+    part = _build.partition_of(cfg, ex)
+    opt = _build.optimizer_of(cfg)
+    params = [jax.tree_util.tree_map(jnp.asarray, p) for p in part.params]
+    with jax.numpy_dtype_promotion("standard"):
+        state = opt.init(params)
+
+    @jax.jit
+    def step_fn(params, state, tokens, labels):
+        loss, g = jax.value_and_grad(lambda ps: _partition.reference_loss(part, ps, tokens, labels))(params)
+        updates, state = opt.update(g, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    losses = []
+    for t in range(steps):
+        ids = np.concatenate([m for m, _, _ in _build.plan_of(cfg, ex, t)])
+        with jax.numpy_dtype_promotion("standard"):
+            params, state, loss = step_fn(params, state, jnp.asarray(ex.tokens[ids]), jnp.asarray(ex.labels[ids]))
+        losses.append(float(loss))
+    return losses, params

@@ -1,0 +1,275 @@
+"""``zeroth stage``: run one pipeline stage (one per machine, or several on one machine).
+
+  zeroth stage --config CONFIG --stage I --out DIR [--listen HOST:PORT] [--next HOST:PORT]
+               [--set SECTION.FIELD=VALUE ...] [--resume-step N] [--quiet]
+
+Stage ``I`` of ``pipeline.stages``: every stage but the first listens (``--listen``; port 0 = any
+free port, the bound address is written to ``DIR/address``); every stage but the last connects to
+the next one (``--next``; ``@FILE`` = the address written in FILE, waited for). All stages must
+use the same config: frames carry the run id derived from it.
+
+The stage writes into ``DIR``: ``metrics.jsonl`` (one record per step: loss on the last stage,
+bytes and frames it sent per link, seconds in compute, codecs, waiting and transfer, its buffer
+digests), ``checkpoints/`` (orbax: parameters, AdamW state, step; every
+``train.checkpoint_every`` steps and at the end), ``buffers/`` (its AQ-SGD buffers at each
+checkpoint) and ``summary.json``. ``--resume-step N`` restores checkpoint N with its buffers and
+continues from step N; newer checkpoints are moved aside to ``checkpoints_quarantine/`` (kept).
+
+Exit codes: 0 done; 1 a link failed or a frame was refused (the message says which); 2 a bad
+command line, config or checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["build_parser", "main", "run_stage"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``zeroth stage``."""
+    p = argparse.ArgumentParser(prog="zeroth stage", description="Run one pipeline stage (AQ-SGD).")
+    p.add_argument("--config", required=True, help="experiment YAML with a pipeline: section (same on every stage)")
+    p.add_argument("--stage", type=int, required=True, help="this stage's index, 0 .. pipeline.stages-1")
+    p.add_argument("--out", required=True, help="this stage's output folder")
+    p.add_argument("--listen", default=None, help="HOST:PORT to serve the link from the previous stage (stages > 0)")
+    p.add_argument("--next", default=None, help="HOST:PORT of the next stage (stages < S-1); @FILE: read it from FILE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
+    p.add_argument("--resume-step", type=int, default=None, help="restore this checkpoint step (with its buffers) and continue")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def _resolve(address: str, timeout_s: float) -> str:
+    if not address.startswith("@"):
+        return address
+    path = Path(address[1:])
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.is_file() and path.read_text().strip():
+            return path.read_text().strip()
+        time.sleep(0.05)
+    raise TimeoutError(f"no address appeared in {path} within {timeout_s:g}s")
+
+
+def _get(inbox: queue.Queue, timeout_s: float, what: str):
+    from zeroth.pipeline import link
+
+    try:
+        item = inbox.get(timeout=timeout_s)
+    except queue.Empty:
+        raise link.LinkClosed(f"no {what} within {timeout_s:g}s") from None
+    if item is link.END:
+        raise link.LinkClosed(f"the link closed before the {what}")
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
+class _Checkpoints:
+    """Orbax checkpoints of a stage plus its AQ-SGD buffers (``buffers/<step>_{send,recv}.npz``)."""
+
+    def __init__(self, out: Path, keep: int):
+        from zeroth.train.checkpoint import Checkpointer
+
+        self.out = out
+        self.ck = Checkpointer(out / "checkpoints", keep=keep)
+
+    def save(self, engine, run_id: str) -> None:
+        from zeroth import compress as C
+        from zeroth.train.checkpoint import checksum
+
+        step = engine.step
+        bdir = self.out / "buffers"
+        digests = {
+            "send": C.save_buffers(engine.send_state, bdir / f"{step}_send.npz"),
+            "recv": C.save_buffers(engine.recv_state, bdir / f"{step}_recv.npz"),
+        }
+        meta = {"step": step, "digest": checksum(engine.params), "run_id": run_id, "buffers": digests}
+        self.ck.save(step, engine.params, engine.opt_state, meta)
+        kept = set(self.ck.steps())
+        for f in bdir.glob("*.npz"):
+            if int(f.name.split("_")[0]) not in kept:
+                f.unlink()
+
+    def restore(self, engine, step: int, run_id: str) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        from zeroth import compress as C
+        from zeroth.train.checkpoint import CheckpointError
+
+        r = self.ck.restore(step, engine.params, engine.opt_state)
+        if r.meta.get("run_id") != run_id:
+            raise CheckpointError(f"checkpoint {step} belongs to run {r.meta.get('run_id')!r}, not {run_id!r}")
+        for newer in [s for s in self.ck.steps() if s > step]:  # this run will write them again
+            self.ck.quarantine(newer)
+        engine.params = jax.tree_util.tree_map(jnp.asarray, r.params)
+        engine.opt_state = jax.tree_util.tree_map(jnp.asarray, r.opt_state)
+        for side in ("send", "recv"):
+            state = getattr(engine, f"{side}_state")
+            if state is not None:
+                C.load_buffers(state, self.out / "buffers" / f"{step}_{side}.npz", r.meta["buffers"][side])
+        engine.step = step
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    if not path.is_file():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | None, resume_step: int | None = None,
+              progress: bool = False) -> dict:
+    """Run stage ``index`` of the pipeline of ``cfg`` to ``train.steps``; returns its summary.
+
+    Raises:
+      LinkClosed: a link broke or a frame was refused; ValueError: bad arguments.
+    """
+    from zeroth.pipeline import build, link
+
+    p = cfg.pipeline
+    S = p.stages
+    if not 0 <= index < S:
+        raise ValueError(f"--stage {index} is outside 0..{S - 1} (pipeline.stages = {S})")
+    if (index > 0) != (listen is not None):
+        raise ValueError(f"stage {index} {'needs' if index > 0 else 'takes no'} --listen (only stages after the first listen)")
+    if (index < S - 1) != (next_addr is not None):
+        raise ValueError(f"stage {index} {'needs' if index < S - 1 else 'takes no'} --next (every stage but the last connects on)")
+    out.mkdir(parents=True, exist_ok=True)
+    ex = build.examples_of(cfg)
+    part = build.partition_of(cfg, ex)
+    buffer_dir = out / "memmap" if p.buffers == "memmap" else None
+    if buffer_dir is not None:
+        buffer_dir.mkdir(parents=True, exist_ok=True)
+    engine = build.engine_of(cfg, index, part, ex, buffer_dir=buffer_dir)
+    del part
+    run_id = build.run_id_of(cfg)
+    ckpt = _Checkpoints(out, cfg.train.keep_checkpoints)
+    metrics = out / "metrics.jsonl"
+    if resume_step is not None:
+        ckpt.restore(engine, resume_step, run_id)
+        _truncate_metrics(metrics, resume_step)
+    elif metrics.exists():
+        metrics.unlink()
+    start, steps, M = engine.step, cfg.train.steps, p.micro_batches
+    latency = p.latency_ms / 1e3
+    fw_pacer = link.Pacer(p.bandwidth_bps, latency) if index < S - 1 else None
+    bw_pacer = link.Pacer(p.bandwidth_bps, latency) if index > 0 else None
+    fw_inbox: queue.Queue = queue.Queue()  # activations from the previous stage
+    bw_inbox: queue.Queue = queue.Queue()  # gradients from the next stage
+    server = servicer = channel = None
+    if index > 0:
+        schedule = iter([(t, j) for t in range(start, steps) for j in range(M)])
+
+        def expect(t, j):
+            ids = build.plan_of(cfg, ex, t)[j][0]
+            return engine.expected("activation", j, ids)._replace(step=t)
+
+        servicer = link.LinkServicer(expect, schedule, fw_inbox, bw_pacer)
+        server, port = link.serve(servicer, listen)
+        host = listen.rsplit(":", 1)[0]
+        tmp = out / "address.tmp"
+        tmp.write_text(f"{host}:{port}\n")
+        os.replace(tmp, out / "address")
+    if index < S - 1:
+        channel = link.connect(_resolve(next_addr, p.timeout_s), fw_pacer, bw_inbox, p.timeout_s)
+    t_run = time.time()
+    ok = False
+    try:
+        for step in range(start, steps):
+            t0 = time.perf_counter()
+            wait = 0.0
+            sent = {"fw_bytes": 0, "fw_frames": 0, "bw_bytes": 0, "bw_frames": 0}
+            transfer0 = (fw_pacer.transfer_s if fw_pacer else 0.0) + (bw_pacer.transfer_s if bw_pacer else 0.0)
+            plan = build.plan_of(cfg, ex, step)
+            for j, (ids, tok, lab) in enumerate(plan):
+                frame = None
+                if index > 0:
+                    tw = time.perf_counter()
+                    frame = _get(fw_inbox, p.timeout_s, f"activation of step {step} micro-batch {j}")
+                    wait += time.perf_counter() - tw
+                out_frame = engine.forward(j, ids, tok, lab, frame)
+                if out_frame is not None:
+                    sent["fw_bytes"] += fw_pacer.submit(out_frame)
+                    sent["fw_frames"] += 1
+            for j, (ids, tok, _) in enumerate(plan):
+                frame = None
+                if index < S - 1:
+                    tw = time.perf_counter()
+                    frame = _get(bw_inbox, p.timeout_s, f"gradient of step {step} micro-batch {j}")
+                    wait += time.perf_counter() - tw
+                out_frame = engine.backward(j, ids, tok, frame)
+                if out_frame is not None:
+                    sent["bw_bytes"] += bw_pacer.submit(out_frame)
+                    sent["bw_frames"] += 1
+            loss = engine.finish_step()
+            digests = engine.buffer_digests()
+            transfer = (fw_pacer.transfer_s if fw_pacer else 0.0) + (bw_pacer.transfer_s if bw_pacer else 0.0) - transfer0
+            rec = {"step": step, "stage": index, "loss": loss, **sent, **engine.last_times, "wait_s": wait,
+                   "transfer_s": transfer, "wall_s": time.perf_counter() - t0, "send_digest": digests["send"],
+                   "recv_digest": digests["recv"], "buffer_bytes": engine.buffer_nbytes()}
+            with metrics.open("a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+            every = cfg.train.checkpoint_every
+            if (every and engine.step % every == 0) or engine.step == steps:
+                ckpt.save(engine, run_id)
+            if progress:
+                print(f"stage {index} step {step} " + (f"loss {loss:.4f} " if loss is not None else "")
+                      + f"wait {wait:.2f}s", flush=True)
+        ok = True
+    finally:
+        if fw_pacer is not None:
+            fw_pacer.close()
+        if bw_pacer is not None:
+            bw_pacer.close()
+        if ok and servicer is not None:
+            servicer.done.wait(timeout=p.timeout_s if servicer.connected.is_set() else 0)
+        if ok and index < S - 1:
+            try:  # wait for the next stage to close the stream (all our frames delivered)
+                _get(bw_inbox, p.timeout_s, "end of the link")
+            except link.LinkClosed:  # the next stage went away after its last step: nothing left to receive
+                pass
+        if channel is not None:
+            channel.close()
+        if server is not None:
+            server.stop(grace=1.0 if ok else 0).wait()
+    summary = {"stage": index, "steps": steps, "start": start, "seconds": time.time() - t_run, "run_id": run_id,
+               "buffer_bytes": engine.buffer_nbytes(), **{f"{k}_digest": v for k, v in engine.buffer_digests().items()}}
+    from zeroth.train.checkpoint import checksum
+
+    summary["param_digest"] = checksum(engine.params)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``zeroth stage``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    from zeroth import config as _config
+    from zeroth.pipeline import link
+    from zeroth.train.checkpoint import CheckpointError
+
+    try:
+        cfg = _config.load_config(args.config, args.overrides)
+        if cfg.pipeline is None:
+            raise ValueError(f"config {args.config} has no pipeline: section")
+        run_stage(cfg, args.stage, Path(args.out), args.listen, args.next, args.resume_step, progress=not args.quiet)
+    except (link.LinkClosed, TimeoutError) as e:
+        print(f"zeroth stage {args.stage}: error: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
+        print(f"zeroth stage {args.stage}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
