@@ -109,7 +109,7 @@ def test_zeroth_run_hands_a_pipeline_section_to_the_pipeline_launcher(tmp_path, 
 
     from zeroth.cli import COMMANDS
     from zeroth.pipeline import launch
-    from zeroth.train import run
+    from zeroth import run
 
     seen = {}
 
