@@ -1,9 +1,5 @@
-"""Regenerate the checked-in gRPC stubs of ``protos/zeroth/v1/binary.proto`` into ``zeroth/binary/proto/``.
-
-Same pattern as ``zeroth.net.proto_gen`` (which binary, a separate system, does not import):
-``grpc_tools.protoc`` writes the stubs, any import of ``zeroth.v1`` is rewritten to
-``zeroth.binary.proto``, and ``tests/test_binary_server.py`` regenerates them into a temporary
-folder and requires byte equality with the checked-in files.
+"""Regenerate the checked-in gRPC stubs of ``protos/zeroth/v1/binary.proto`` into ``zeroth/binary/proto/``
+with :mod:`zeroth.protogen` (the tests regenerate them and require byte equality).
 
 Usage (from the repository root): ``python -m zeroth.binary.proto_gen``.
 """
@@ -11,49 +7,27 @@ Usage (from the repository root): ``python -m zeroth.binary.proto_gen``.
 from __future__ import annotations
 
 import pathlib
-import re
 import sys
-import tempfile
 
-__all__ = ["PROTO_ROOT", "PROTO_FILES", "STUB_DIR", "generate", "main"]
+from zeroth import protogen
 
-_REPO = pathlib.Path(__file__).resolve().parents[2]
-PROTO_ROOT = _REPO / "protos"
+__all__ = ["PROTO_ROOT", "PROTO_FILES", "STUB_DIR", "PACKAGE", "generate", "main"]
+
+PROTO_ROOT = protogen.PROTO_ROOT
 PROTO_FILES = ("zeroth/v1/binary.proto",)
 STUB_DIR = pathlib.Path(__file__).resolve().parent / "proto"
+PACKAGE = "zeroth.binary.proto"
 
 
 def generate(dest: pathlib.Path) -> list[pathlib.Path]:
-    """Run protoc on :data:`PROTO_FILES`; write ``<name>_pb2.py`` / ``<name>_pb2_grpc.py`` into ``dest``."""
-    from grpc_tools import protoc  # dev dependency (grpcio-tools)
-
-    dest = pathlib.Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    written = []
-    with tempfile.TemporaryDirectory() as tmp:
-        include = pathlib.Path(protoc.__file__).parent / "_proto"
-        for rel in PROTO_FILES:
-            args = ["protoc", f"-I{PROTO_ROOT}", f"-I{include}", f"--python_out={tmp}", f"--grpc_python_out={tmp}", rel]
-            code = protoc.main(args)
-            if code != 0:
-                raise RuntimeError(f"protoc failed with exit code {code} on {PROTO_ROOT / rel}")
-            stem = pathlib.Path(rel).with_suffix("").name
-            package = ".".join(pathlib.Path(rel).parent.parts)  # zeroth.v1
-            for suffix in ("_pb2.py", "_pb2_grpc.py"):
-                src = pathlib.Path(tmp) / pathlib.Path(rel).parent / f"{stem}{suffix}"
-                text = re.sub(rf"^from {re.escape(package)} import ", "from zeroth.binary.proto import ",
-                              src.read_text(), flags=re.M)
-                out = dest / f"{stem}{suffix}"
-                out.write_text(text)
-                written.append(out)
-    return written
+    """Run protoc on :data:`PROTO_FILES` and write the stubs into ``dest`` (see :func:`zeroth.protogen.generate`)."""
+    return protogen.generate(PROTO_FILES, dest, PACKAGE)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Regenerate the stubs in place and print the written files."""
-    for path in generate(STUB_DIR):
-        print(path)
-    return 0
+    del argv
+    return protogen.main(PROTO_FILES, STUB_DIR, PACKAGE)
 
 
 if __name__ == "__main__":
