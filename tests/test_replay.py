@@ -456,3 +456,20 @@ def test_copy_mode_keeps_freed_host_memory_for_reuse():
     assert off.stdout.strip() == "False"
     if platform.libc_ver()[0] == "glibc":
         assert on.stdout.strip() == "True"
+
+
+@given(st.lists(st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False, min_value=-(2.0**99), max_value=2.0**99),
+    st.sampled_from([0.0, -0.0, 1.0 + 3 * 2.0**-20, 1.0 + 2.0**-20, 2.0**-120, -(2.0**-121), 1e-40, 5e-324]),
+), max_size=40), st.sampled_from(noise.EXACT))
+def test_vectorised_update_scales_equal_the_scalar_rule(coefficients, dist):
+    got = replay.update_scales(dist, coefficients)
+    want = np.array([ref.update_scale(dist, c) for c in coefficients], np.float32).reshape(-1)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert got.dtype == np.float32 and got.shape == (len(coefficients),)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 2.0**100, -(2.0**101)])
+def test_update_scales_name_a_bad_coefficient(bad):
+    with pytest.raises(ValueError, match="coefficient"):
+        replay.update_scales("binomial", [0.5, bad])

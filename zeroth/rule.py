@@ -127,5 +127,23 @@ def update_scale(distribution: str, coefficient: float) -> np.float32:
 
 
 def update_scales(distribution: str, coefficients: Sequence[float]) -> np.ndarray:
-    """``f32[K]`` of :func:`update_scale` for each coefficient."""
-    return np.array([update_scale(distribution, c) for c in coefficients], dtype=np.float32).reshape(-1)
+    """``f32[K]`` of :func:`update_scale` for each coefficient, vectorised with the same bits.
+
+    ``frexp`` splits ``c = m * 2**e`` exactly, ``rint(m * 2**20)`` rounds half to even like Python's
+    ``round`` (the product is exact in float64), and ``ldexp`` puts it back; magnitudes below
+    2**-120 become 0. A non-finite or too large coefficient goes through the scalar
+    :func:`zeroth.reference.round_coefficient`, which raises with the value named.
+    """
+    _noise.check_distribution(distribution)
+    c = np.asarray(coefficients, dtype=np.float64).reshape(-1)
+    bad = ~np.isfinite(c) | (np.abs(c) >= 2.0**100)
+    if bad.any():
+        _ref.round_coefficient(float(c[np.argmax(bad)]))  # raises, naming the value
+    m, e = np.frexp(c)
+    r = np.ldexp(np.rint(m * float(1 << COEFF_BITS)), e - COEFF_BITS)
+    r = np.where(np.abs(r) < 2.0**-120, 0.0, r)
+    if (np.abs(r) >= 2.0**100).any():  # rounding up reached the limit: the scalar rule raises
+        _ref.round_coefficient(float(c[np.argmax(np.abs(r) >= 2.0**100)]))
+    if distribution == "binomial":
+        r = r * 0.5
+    return r.astype(np.float32)
