@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from zeroth.binary import flips as F
 from zeroth.binary import launch
 from zeroth.binary import layers as L
-from zeroth.binary import proto_gen
+from zeroth import protogen
 from zeroth.binary import protocol as P
 from zeroth.binary import service as S
 from zeroth.binary import worker as W
@@ -45,13 +45,13 @@ def _list(st, wid, index, delta, **kw):
 
 def test_checked_in_stubs_equal_freshly_generated_ones(tmp_path):
     pytest.importorskip("grpc_tools", reason="grpcio-tools (dev extra) regenerates the stubs")
-    written = proto_gen.generate(tmp_path)
+    written = protogen.generate("binary", tmp_path)
     assert {p.name for p in written} == {"binary_pb2.py", "binary_pb2_grpc.py"}
     for p in written:
-        checked_in = proto_gen.STUB_DIR / p.name
+        checked_in = protogen.stub_dir("binary") / p.name
         assert filecmp.cmp(p, checked_in, shallow=False), (
-            f"{checked_in} is stale: run `python -m zeroth.binary.proto_gen` after editing protos/zeroth/v1/binary.proto")
-    assert "from zeroth.binary.proto import binary_pb2" in (proto_gen.STUB_DIR / "binary_pb2_grpc.py").read_text()
+            f"{checked_in} is stale: run `python -m zeroth.protogen binary` after editing protos/zeroth/v1/binary.proto")
+    assert "from zeroth.binary.proto import binary_pb2" in (protogen.stub_dir("binary") / "binary_pb2_grpc.py").read_text()
 
 
 def test_packed_model_round_trips_and_checksum_matches_the_layer():

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent / "zeroth"
 # layer may import each other one way.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("0 package root (imports nothing)", ("zeroth",)),
-    ("1 exact core: reference, rng, noise, rule; the stub generator", ("zeroth.reference", "zeroth.rng", "zeroth.noise", "zeroth.rule", "zeroth.protogen")),
+    ("1 exact core: reference, rng, noise, rule", ("zeroth.reference", "zeroth.rng", "zeroth.noise", "zeroth.rule")),
     ("2 kernels", ("zeroth.kernels",)),
     ("2 replay (above the kernels)", ("zeroth.replay",)),
     ("3 codecs, compress, zo, collectives", ("zeroth.codecs", "zeroth.compress", "zeroth.zo", "zeroth.collectives")),
@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("5 config (its allowed values come from layers 1-5)", ("zeroth.config",)),
     ("6 train", ("zeroth.train",)),
     ("7 systems", ("zeroth.net", "zeroth.pipeline", "zeroth.cluster", "zeroth.binary")),
-    ("8 programs: bench, doctor, the zeroth run dispatcher, cli", ("zeroth.bench", "zeroth.doctor", "zeroth.run", "zeroth.cli", "zeroth.__main__")),
+    ("8 programs: bench, doctor, the zeroth run dispatcher, cli", ("zeroth.bench", "zeroth.doctor", "zeroth.run", "zeroth.cli", "zeroth.__main__", "zeroth.protogen")),
 )
 SYSTEMS = ("zeroth.net", "zeroth.pipeline", "zeroth.cluster", "zeroth.binary")
 PROGRAMS_LAYER = len(LAYERS) - 1

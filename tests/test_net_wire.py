@@ -8,23 +8,24 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zeroth.net import protocol as P
-from zeroth.net import proto_gen, wire
+from zeroth import protogen
+from zeroth.net import wire
 from zeroth.net.proto import peer_pb2 as pb
 
 
 def test_checked_in_stubs_equal_freshly_generated_ones(tmp_path):
     pytest.importorskip("grpc_tools", reason="grpcio-tools (dev extra) regenerates the stubs")
-    written = proto_gen.generate(tmp_path)
+    written = protogen.generate("net", tmp_path)
     assert {p.name for p in written} == {"peer_pb2.py", "peer_pb2_grpc.py"}
     for p in written:
-        checked_in = proto_gen.STUB_DIR / p.name
+        checked_in = protogen.stub_dir("net") / p.name
         assert filecmp.cmp(p, checked_in, shallow=False), (
-            f"{checked_in} is stale: run `python -m zeroth.net.proto_gen` after editing protos/zeroth/v1/peer.proto"
+            f"{checked_in} is stale: run `python -m zeroth.protogen net` after editing protos/zeroth/v1/peer.proto"
         )
 
 
 def test_stubs_import_from_the_package_not_the_proto_path():
-    text = (proto_gen.STUB_DIR / "peer_pb2_grpc.py").read_text()
+    text = (protogen.stub_dir("net") / "peer_pb2_grpc.py").read_text()
     assert "from zeroth.net.proto import peer_pb2" in text
     assert "from zeroth.v1" not in text
     assert pb.DESCRIPTOR.package == "zeroth.v1"

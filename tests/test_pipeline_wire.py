@@ -8,18 +8,19 @@ import numpy as np
 import pytest
 
 from zeroth import compress as C
-from zeroth.pipeline import link, proto_gen, wire
+from zeroth import protogen
+from zeroth.pipeline import link, wire
 from zeroth.pipeline.proto import pipeline_pb2 as pb
 from zeroth.pipeline.proto import pipeline_pb2_grpc as pb_grpc
 
 
 def test_checked_in_stubs_are_what_protoc_generates(tmp_path):
-    for p in proto_gen.generate(tmp_path):
-        checked_in = proto_gen.STUB_DIR / p.name
+    for p in protogen.generate("pipeline", tmp_path):
+        checked_in = protogen.stub_dir("pipeline") / p.name
         assert checked_in.read_text() == p.read_text(), (
-            f"{checked_in} is stale: run `python -m zeroth.pipeline.proto_gen` after editing protos/zeroth/v1/pipeline.proto"
+            f"{checked_in} is stale: run `python -m zeroth.protogen pipeline` after editing protos/zeroth/v1/pipeline.proto"
         )
-    assert "from zeroth.pipeline.proto import pipeline_pb2" in (proto_gen.STUB_DIR / "pipeline_pb2_grpc.py").read_text()
+    assert "from zeroth.pipeline.proto import pipeline_pb2" in (protogen.stub_dir("pipeline") / "pipeline_pb2_grpc.py").read_text()
 
 
 ROW = (3, 4)

@@ -126,7 +126,7 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
     if len(coefficients) != keys.shape[0]:
         raise ValueError(f"{keys.shape[0]} keys but {len(coefficients)} coefficients")
     scales = update_scales(distribution, coefficients)
-    if not donate and _fused.platform_of(params) == "cpu":
+    if not donate and not _host_memory.decided() and _fused.platform_of(params) == "cpu":
         _host_memory.reuse_freed_host_memory()
     # The fused kernels pick the fastest exact path for the platform the parameters live on
     # (native CPU kernel, Pallas on GPU/TPU, the jnp rule otherwise); every path is held

@@ -26,7 +26,7 @@ import ctypes.util
 import os
 import threading
 
-__all__ = ["reuse_freed_host_memory", "ENV"]
+__all__ = ["reuse_freed_host_memory", "decided", "ENV"]
 
 ENV = "ZEROTH_REUSE_HOST_MEMORY"
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
@@ -35,6 +35,11 @@ _MMAP_THRESHOLD = 1 << 30  # blocks up to 1 GiB from the heap
 _TRIM_THRESHOLD = (1 << 31) - 1  # never give the heap's top back on free
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
+
+
+def decided() -> bool:
+    """Whether :func:`reuse_freed_host_memory` already ran in this process (set or refused)."""
+    return "done" in _state
 
 
 def reuse_freed_host_memory() -> bool:

@@ -18,8 +18,8 @@ Modules (import the one you need; this package imports nothing heavy):
 * :mod:`zeroth.net.chaos` — a hostile member and peer processes to kill, pause and restart (tests, chaos table).
 * :mod:`zeroth.net.peer` — ``zeroth peer`` (one peer per process / machine).
 * :mod:`zeroth.net.launch` — ``zeroth run CONFIG`` for configs with ``peers:`` (loopback processes).
-* :mod:`zeroth.net.calibrate` — measures gRPC's framing bytes; :mod:`zeroth.net.proto_gen` —
-  regenerates the checked-in stubs of ``protos/zeroth/v1/peer.proto``.
+* :mod:`zeroth.net.calibrate` — measures gRPC's framing bytes; :mod:`zeroth.protogen` (``python -m
+  zeroth.protogen net``) regenerates the checked-in stubs of ``protos/zeroth/v1/peer.proto``.
 """
 
 __all__: list[str] = []

@@ -1,1 +1,1 @@
-"""Generated gRPC stubs of protos/zeroth/v1/binary.proto (regenerate with ``python -m zeroth.binary.proto_gen``)."""
+"""Generated gRPC stubs of protos/zeroth/v1/binary.proto (regenerate with ``python -m zeroth.protogen binary``)."""

@@ -1,1 +1,1 @@
-"""Generated gRPC stubs of ``protos/zeroth/v1/peer.proto`` (do not edit; run ``python -m zeroth.net.proto_gen``)."""
+"""Generated gRPC stubs of ``protos/zeroth/v1/peer.proto`` (do not edit; run ``python -m zeroth.protogen net``)."""

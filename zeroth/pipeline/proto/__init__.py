@@ -1,1 +1,1 @@
-"""Generated gRPC stubs of ``protos/zeroth/v1/pipeline.proto`` (do not edit; run ``python -m zeroth.pipeline.proto_gen``)."""
+"""Generated gRPC stubs of ``protos/zeroth/v1/pipeline.proto`` (do not edit; run ``python -m zeroth.protogen pipeline``)."""
