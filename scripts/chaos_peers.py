@@ -32,7 +32,7 @@ import yaml
 
 from zeroth.config import load_config_dict
 from zeroth.net import protocol as P
-from zeroth.net.chaos import Cluster, HostileMember
+from zeroth.net.chaos import Cluster, HostileMember, wait_for
 from zeroth.net.proto import peer_pb2 as pb
 from zeroth.net.runtime import Node, NodeOptions
 from zeroth.net.work import Worker
@@ -57,15 +57,6 @@ def raw_config(iterations: int, count: int, **peers) -> dict:
         "train": {"method": "zo", "lr": 0.05, "eps": 1e-3, "codec": "onebyte", "eval_every": 1000},
         "peers": p,
     }
-
-
-def wait_for(cond, timeout: float, poll: float = 0.05) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(poll)
-    return cond()
 
 
 def disagreements(digest_maps) -> int:

@@ -34,7 +34,7 @@ from zeroth.net.proto import peer_pb2 as pb
 from zeroth.net.proto import peer_pb2_grpc as pb_grpc
 from zeroth.net.transport import CHANNEL_OPTIONS, SERVER_OPTIONS, sign_request
 
-__all__ = ["HostileMember", "Cluster"]
+__all__ = ["HostileMember", "Cluster", "wait_for"]
 
 
 class _Acks(pb_grpc.PeerServicer):
@@ -60,6 +60,16 @@ class _Acks(pb_grpc.PeerServicer):
 
     def Status(self, request, context):  # noqa: N802
         return pb.StatusReply(phase="member")
+
+
+def wait_for(cond, timeout: float, poll: float = 0.05) -> bool:
+    """Poll ``cond()`` every ``poll`` seconds for at most ``timeout`` seconds; its last value."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(poll)
+    return cond()
 
 
 class HostileMember:
@@ -193,12 +203,7 @@ class Cluster:
         return recs[-1]["step"] if recs else 0
 
     def wait_for(self, cond, timeout: float, poll: float = 0.2) -> bool:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if cond():
-                return True
-            time.sleep(poll)
-        return cond()
+        return wait_for(cond, timeout, poll)
 
     def signal(self, name: str, sig: int) -> None:
         self.peers[name].proc.send_signal(sig)
