@@ -1,0 +1,8 @@
+"""Ravnest (seed 003): clusters formed by a genetic algorithm, zero-bubble asynchronous model
+parallelism inside each cluster, parallel multi-ring averaging across clusters.
+
+* :mod:`.formation`: nodes (RAM, bandwidth, compute speed) grouped into clusters by a genetic
+  algorithm with a penalty fitness; the model split inside a cluster in proportion to RAM;
+* :mod:`.rings`: the parallel multi-ring all-reduce: which nodes of which clusters average which
+  part of the parameters, and one node's part of the rounds over a message exchange.
+"""
