@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zeroth.net import launch, security
+from zeroth.net import launch
+from zeroth.transport import security
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from zeroth import replay, zo
 from zeroth.config import load_config_dict
-from zeroth.net import identity, security, wire
+from zeroth.net import wire
+from zeroth.transport import identity, security
 from zeroth.net import protocol as P
 from zeroth.net.chaos import HostileMember
 from zeroth.net.proto import peer_pb2 as pb

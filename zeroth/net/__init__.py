@@ -6,8 +6,8 @@ Modules (import the one you need; this package imports nothing heavy):
   leader takeover, joins and leaves, message validation. No sockets, no clocks.
 * :mod:`zeroth.net.sim` — a deterministic in-memory network driving protocol state machines.
 * :mod:`zeroth.net.wire` — protobuf <-> protocol values; wire-size accounting.
-* :mod:`zeroth.net.service` — the thin gRPC servicers; :mod:`zeroth.net.security` — token, TLS.
-* :mod:`zeroth.net.identity` — the run secret, per-peer Ed25519 keys, join proofs, replay guard.
+* :mod:`zeroth.net.service` — the thin gRPC servicers; token and TLS come from :mod:`zeroth.transport.security`.
+* :mod:`zeroth.transport.identity` — the run secret, per-peer Ed25519 keys, join proofs, replay guard.
 * :mod:`zeroth.net.work` — what a peer computes: projected gradients (clipped), the exact replay, evaluation.
 * :mod:`zeroth.net.state` — parameters as bytes for chunked state transfer.
 * :mod:`zeroth.net.transport` — channels, calls, gRPC options and size limits, signed requests, byte counts.

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroth.config import Config, to_yaml
-from zeroth.net import identity as _id
+from zeroth.transport import identity as _id
 
 __all__ = [
     "PEER_XLA_FLAGS",
@@ -245,7 +245,7 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
         extra += ["--secret-file", str(secret_file)]
         security_note = f"run secret in {secret_file} (mode 0600); every message signed by its sender"
     if p.tls:
-        from zeroth.net import security as _sec
+        from zeroth.transport import security as _sec
 
         tls = _sec.self_signed(out / "tls", hosts=(p.host, "localhost"))
         extra += ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca]

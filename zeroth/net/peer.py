@@ -78,8 +78,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from zeroth.config import load_config
     from zeroth.data import DatasetUnavailable
-    from zeroth.net import identity as _id
-    from zeroth.net import security as _sec
+    from zeroth.transport import identity as _id
+    from zeroth.transport import security as _sec
 
     try:
         cfg = load_config(args.config, args.overrides)

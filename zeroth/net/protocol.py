@@ -78,6 +78,8 @@ import struct
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+from zeroth.transport.identity import canonical
+
 __all__ = [
     "FORMING",
     "CATCHING_UP",
@@ -552,39 +554,6 @@ def updates_digest(contributors, payloads) -> bytes:
         h.update(struct.pack("<IIQ", machine, count, len(payload)))
         h.update(payload)
     return h.digest()
-
-
-def canonical(*fields) -> bytes:
-    """An unambiguous byte encoding of nested ``int | bool | str | bytes | None | tuple`` values.
-
-    Each value is a type tag, then: ints and strings as length-prefixed UTF-8 (ints in decimal),
-    bytes length-prefixed, tuples as their length then their items. Two different field lists
-    never encode to the same bytes.
-    """
-    out: list[bytes] = []
-
-    def enc(v) -> None:
-        if v is None:
-            out.append(b"n")
-        elif isinstance(v, bool):
-            out.append(b"b1" if v else b"b0")
-        elif isinstance(v, int):
-            d = str(v).encode()
-            out.append(b"i" + struct.pack("<I", len(d)) + d)
-        elif isinstance(v, str):
-            d = v.encode("utf-8", "surrogatepass")
-            out.append(b"s" + struct.pack("<I", len(d)) + d)
-        elif isinstance(v, bytes | bytearray):
-            out.append(b"y" + struct.pack("<I", len(v)) + bytes(v))
-        elif isinstance(v, tuple | list):
-            out.append(b"t" + struct.pack("<I", len(v)))
-            for x in v:
-                enc(x)
-        else:
-            raise TypeError(f"canonical() cannot encode {type(v).__name__}")
-
-    enc(tuple(fields))
-    return b"".join(out)
 
 
 def _view_fields(v: View) -> tuple:

@@ -16,7 +16,7 @@ The pieces of a :class:`Node`, each in its own module:
   authenticate each request and call the ``handle_*`` methods.
 
 Security: a node needs the run ``secret`` (or ``insecure=True``). Every process has its own
-Ed25519 identity (:mod:`zeroth.net.identity`) whose public key the commit admitting it puts into
+Ed25519 identity (:mod:`zeroth.transport.identity`) whose public key the commit admitting it puts into
 the view; every message it sends is signed with it.
 
 Example (one peer, in-process):
@@ -44,9 +44,9 @@ import grpc
 
 from zeroth import replay as _replay
 from zeroth.config import Config, config_digest
-from zeroth.net import identity as _id
+from zeroth.transport import identity as _id
 from zeroth.net import protocol as P
-from zeroth.net import security as _sec
+from zeroth.transport import security as _sec
 from zeroth.net import service as _service
 from zeroth.net import state as _state
 from zeroth.net import wire
@@ -103,7 +103,7 @@ class NodeOptions:
         file PATH, waited for: the ``address`` file of a peer started at the same time); empty =
         found the run (machine 0).
       founders: peers the founder waits for before iteration 0 (itself included).
-      secret: the run secret (:mod:`zeroth.net.identity`); required unless ``insecure``.
+      secret: the run secret (:mod:`zeroth.transport.identity`); required unless ``insecure``.
       insecure: run without a secret: anyone who reaches a port may join (messages are still
         signed by their senders, so nobody can speak for a member).
       tls: TLS files (None: plaintext).

@@ -4,7 +4,7 @@ Each method decodes the request (:mod:`zeroth.net.wire`), calls the node (which 
 it and runs the pure protocol under its lock) and encodes the answer. A refusal
 (:class:`zeroth.net.protocol.Rejected`) becomes ``context.abort(StatusCode.<code>, message)``;
 any other exception becomes ``INTERNAL`` with its message, and the peer carries on. The run's
-access token is checked by :class:`zeroth.net.security.TokenInterceptor` before any method runs;
+access token is checked by :class:`zeroth.transport.security.TokenInterceptor` before any method runs;
 the sender's signature by the protocol (pushes, commits, prepares, leaves) or by
 :meth:`Node.authenticate <zeroth.net.runtime.Node.authenticate>` (log, checksum and state requests).
 Every message received and sent is counted in the node's :class:`~zeroth.net.transport.Traffic`.
@@ -20,7 +20,7 @@ from concurrent import futures
 import grpc
 
 from zeroth.net import protocol as P
-from zeroth.net import security as _sec
+from zeroth.transport import security as _sec
 from zeroth.net import wire
 from zeroth.net.proto import peer_pb2 as pb
 from zeroth.net.proto import peer_pb2_grpc as pb_grpc

@@ -21,8 +21,8 @@ import threading
 
 import grpc
 
-from zeroth.net import identity as _id
-from zeroth.net import security as _sec
+from zeroth.transport import identity as _id
+from zeroth.transport import security as _sec
 from zeroth.net import wire
 from zeroth.net.proto import peer_pb2 as pb
 from zeroth.net.proto import peer_pb2_grpc as pb_grpc

@@ -1,7 +1,7 @@
 """From a config with a ``pipeline:`` section to the pieces every stage builds the same way.
 
-* :func:`examples_of`: the fixed example set (:mod:`zeroth.pipeline.data`);
-* :func:`partition_of`: the model cut into stages (:mod:`zeroth.pipeline.partition`), from
+* :func:`examples_of`: the fixed example set (:mod:`zeroth.stages.examples`);
+* :func:`partition_of`: the model cut into stages (:mod:`zeroth.stages.partition`), from
   zeroth's exact initialization (``transformer``) or SmolLM2's weights (``smollm2_prompt``);
 * :func:`optimizer_of`: each stage's ``optax.adamw`` (or the optimizer ``train.optimizer`` names);
 * :func:`run_id_of`: the id every frame carries (a digest of the training fields);
@@ -19,9 +19,9 @@ import optax
 
 from zeroth import config as _config
 from zeroth import models
-from zeroth.pipeline import data as _pdata
 from zeroth.pipeline import engine as _engine
-from zeroth.pipeline import partition as _partition
+from zeroth.stages import examples as _pdata
+from zeroth.stages import partition as _partition
 
 __all__ = [
     "RUN_ID_EXCLUDE",

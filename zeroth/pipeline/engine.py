@@ -74,7 +74,7 @@ class StageEngine:
 
     Args:
       index, n_stages: this stage and the pipeline length.
-      fn: the stage function (:mod:`zeroth.pipeline.partition`).
+      fn: the stage function (:mod:`zeroth.stages.partition`).
       params: this stage's parameters.
       optimizer: an ``optax.GradientTransformation`` (AdamW).
       codecs: the links' codecs.

@@ -2,11 +2,9 @@
 
 Stage ``s`` opens one bidirectional stream (``PipelineLink.Link``) to stage ``s + 1``: its
 activation frames go out on the request stream, the gradient frames come back on the response
-stream. Each direction has a :class:`Pacer`: frames are queued, a :class:`TokenBucket` releases
-them at the link's bandwidth (``8 · serialized bytes / bandwidth`` seconds each, bursts of at most
-:data:`BURST_BYTES`), then each frame is held for the link's latency before it is written to the
-stream. This is the emulation: it happens in the sending process, on the real frames, so the
-receiver cannot use a frame before a link of that bandwidth and latency would have delivered it.
+stream. Each direction has a :class:`zeroth.transport.pacing.Pacer` that releases the frames at the
+link's bandwidth and holds each for its latency (the emulation, in the sending process, on the
+real frames).
 
 The servicer (:class:`LinkServicer`) runs on the downstream stage. It checks every incoming
 activation frame against the schedule (:func:`zeroth.pipeline.wire.check_frame`, the expected
@@ -21,126 +19,30 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import grpc
 
 from zeroth.pipeline import wire
-from zeroth.pipeline.proto import pipeline_pb2 as pb
 from zeroth.pipeline.proto import pipeline_pb2_grpc as pb_grpc
+from zeroth.transport.pacing import END, Pacer
 
 __all__ = [
-    "BURST_BYTES",
     "END",
     "GRPC_OPTIONS",
     "MAX_MESSAGE_BYTES",
     "LinkClosed",
     "LinkServicer",
-    "Pacer",
-    "TokenBucket",
     "connect",
     "serve",
 ]
 
-BURST_BYTES = 64 * 1024
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-END = object()  # end of a stream, in inbox queues
 
 
 class LinkClosed(RuntimeError):
     """The other end of a link went away, or refused a frame (the message says which and why)."""
-
-
-class TokenBucket:
-    """Bytes leave at ``bandwidth_bps / 8`` bytes per second, with bursts of at most ``burst`` bytes.
-
-    ``take(n)`` removes ``n`` tokens (the bucket may go negative) and sleeps until the balance is
-    back to zero: ``max(0, (n − tokens) / rate)`` seconds. ``bandwidth_bps=None`` never waits.
-    """
-
-    def __init__(self, bandwidth_bps: float | None, burst: int = BURST_BYTES, clock=time.monotonic, sleep=time.sleep):
-        if bandwidth_bps is not None and not bandwidth_bps > 0:
-            raise ValueError(f"bandwidth must be > 0 bits/s or None (unlimited), got {bandwidth_bps!r}")
-        self.rate = None if bandwidth_bps is None else float(bandwidth_bps) / 8.0
-        self.burst = float(burst)
-        self.tokens = float(burst)
-        self._clock, self._sleep = clock, sleep
-        self._t = clock()
-
-    def take(self, nbytes: int) -> float:
-        """Spend ``nbytes``; returns the seconds slept."""
-        if self.rate is None:
-            return 0.0
-        now = self._clock()
-        self.tokens = min(self.burst, self.tokens + (now - self._t) * self.rate)
-        self._t = now
-        self.tokens -= nbytes
-        if self.tokens >= 0:
-            return 0.0
-        wait = -self.tokens / self.rate
-        self._sleep(wait)
-        return wait
-
-
-class Pacer:
-    """One direction of a link: a queue of frames released at the bandwidth, each held for the latency.
-
-    ``submit(frame)`` returns at once; ``frames()`` yields the frames when the emulated link
-    delivers them (the generator a gRPC stream consumes); ``close()`` ends it after the queued frames.
-    ``transfer_s`` accumulates the seconds the token bucket held frames back.
-    """
-
-    def __init__(self, bandwidth_bps: float | None, latency_s: float = 0.0):
-        self.bucket = TokenBucket(bandwidth_bps)
-        self.latency_s = float(latency_s)
-        self._in: queue.Queue = queue.Queue()
-        self._out: queue.Queue = queue.Queue()
-        self.transfer_s = 0.0
-        self.bytes = 0
-        self.frames_sent = 0
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._in.get()
-            if item is END or isinstance(item, BaseException):
-                self._out.put(item)
-                return
-            self.transfer_s += self.bucket.take(wire.frame_nbytes(item))
-            self._out.put((time.monotonic() + self.latency_s, item))
-
-    def submit(self, frame: pb.TensorFrame) -> int:
-        """Queue ``frame``; returns its serialized size in bytes."""
-        n = wire.frame_nbytes(frame)
-        self.bytes += n
-        self.frames_sent += 1
-        self._in.put(frame)
-        return n
-
-    def fail(self, error: BaseException) -> None:
-        """End the stream with ``error`` (a servicer aborts with it)."""
-        self._in.put(error)
-
-    def close(self) -> None:
-        """End the stream after the queued frames."""
-        self._in.put(END)
-
-    def frames(self) -> Iterator[pb.TensorFrame]:
-        """The frames as the emulated link delivers them; raises the error given to :meth:`fail`."""
-        while True:
-            item = self._out.get()
-            if item is END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            ready, frame = item
-            delay = ready - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            yield frame
 
 
 class LinkServicer(pb_grpc.PipelineLinkServicer):

@@ -20,8 +20,8 @@ import numpy as np
 
 from zeroth import config as _config
 from zeroth.pipeline import build as _build
-from zeroth.pipeline import partition as _partition
 from zeroth.pipeline import wire
+from zeroth.stages import partition as _partition
 
 __all__ = ["emulated_seconds", "reference_run", "run_local", "step_record"]
 

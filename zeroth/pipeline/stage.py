@@ -134,6 +134,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
       LinkClosed: a link broke or a frame was refused; ValueError: bad arguments.
     """
     from zeroth.pipeline import build, link
+    from zeroth.transport import pacing
 
     p = cfg.pipeline
     S = p.stages
@@ -161,8 +162,8 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
         metrics.unlink()
     start, steps, M = engine.step, cfg.train.steps, p.micro_batches
     latency = p.latency_ms / 1e3
-    fw_pacer = link.Pacer(p.bandwidth_bps, latency) if index < S - 1 else None
-    bw_pacer = link.Pacer(p.bandwidth_bps, latency) if index > 0 else None
+    fw_pacer = pacing.Pacer(p.bandwidth_bps, latency) if index < S - 1 else None
+    bw_pacer = pacing.Pacer(p.bandwidth_bps, latency) if index > 0 else None
     fw_inbox: queue.Queue = queue.Queue()  # activations from the previous stage
     bw_inbox: queue.Queue = queue.Queue()  # gradients from the next stage
     server = servicer = channel = None

@@ -37,6 +37,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import struct
 import threading
 import time
 from pathlib import Path
@@ -45,7 +46,6 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from zeroth.net import protocol as P
 
 __all__ = [
     "SECRET_ENV",
@@ -60,6 +60,7 @@ __all__ = [
     "Sequence",
     "write_secret",
     "read_secret",
+    "canonical",
 ]
 
 SECRET_ENV = ("ZEROTH_SECRET", "ZEROTH_TOKEN")  # environment variables holding the run secret, first wins
@@ -98,7 +99,7 @@ def new_secret() -> str:
 
 
 def _mac(secret: str, *fields) -> bytes:
-    return hmac.new(secret.encode(), P.canonical(*fields), hashlib.sha256).digest()
+    return hmac.new(secret.encode(), canonical(*fields), hashlib.sha256).digest()
 
 
 def access_token(secret: str) -> str:
@@ -120,7 +121,7 @@ def check_join_proof(secret: str, proof: bytes, config_digest: str, address: str
 
 def request_bytes(method: str, run_id: str, sender: int, seq: int, *fields) -> bytes:
     """What a sender signs for a request that is not a protocol message (``FetchLog``, ``Checksum``, ...)."""
-    return P.canonical("zeroth-request-v1", method, run_id, sender, seq, *fields)
+    return canonical("zeroth-request-v1", method, run_id, sender, seq, *fields)
 
 
 class ReplayGuard:
@@ -182,3 +183,36 @@ def read_secret(path: str | os.PathLike) -> str:
     if not text:
         raise ValueError(f"secret file {str(path)!r} is empty")
     return text
+
+
+def canonical(*fields) -> bytes:
+    """An unambiguous byte encoding of nested ``int | bool | str | bytes | None | tuple`` values.
+
+    Each value is a type tag, then: ints and strings as length-prefixed UTF-8 (ints in decimal),
+    bytes length-prefixed, tuples as their length then their items. Two different field lists
+    never encode to the same bytes.
+    """
+    out: list[bytes] = []
+
+    def enc(v) -> None:
+        if v is None:
+            out.append(b"n")
+        elif isinstance(v, bool):
+            out.append(b"b1" if v else b"b0")
+        elif isinstance(v, int):
+            d = str(v).encode()
+            out.append(b"i" + struct.pack("<I", len(d)) + d)
+        elif isinstance(v, str):
+            d = v.encode("utf-8", "surrogatepass")
+            out.append(b"s" + struct.pack("<I", len(d)) + d)
+        elif isinstance(v, bytes | bytearray):
+            out.append(b"y" + struct.pack("<I", len(v)) + bytes(v))
+        elif isinstance(v, tuple | list):
+            out.append(b"t" + struct.pack("<I", len(v)))
+            for x in v:
+                enc(x)
+        else:
+            raise TypeError(f"canonical() cannot encode {type(v).__name__}")
+
+    enc(tuple(fields))
+    return b"".join(out)

@@ -1,4 +1,4 @@
-"""The fixed example sets a pipeline revisits every epoch (AQ-SGD keeps one buffer row per example).
+"""The fixed example sets a model-parallel run revisits every epoch (AQ-SGD keeps one buffer row per example).
 
 * ``lm`` on ``sotu``: the train-split State of the Union addresses in year order, concatenated
   (separated by a blank line) and tokenized; example ``i`` is the window of ``T`` tokens starting at

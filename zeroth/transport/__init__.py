@@ -1,0 +1,12 @@
+"""What every networked system shares: who may talk (the run secret, access tokens, TLS),
+who a message comes from (Ed25519 identities), and how fast a link carries it (pacing).
+
+* :mod:`.identity`: the run secret, access tokens, per-process Ed25519 keys, join proofs, signed
+  requests, replay guard, and :func:`~.identity.canonical` (the unambiguous byte encoding that
+  is signed);
+* :mod:`.security`: the access-token interceptor every server installs, TLS credentials;
+* :mod:`.pacing`: a link's emulated bandwidth and latency (token bucket), on the bytes sent.
+
+Used by the peers (:mod:`zeroth.net`), the pipeline stages (:mod:`zeroth.pipeline`) and the
+cluster nodes (:mod:`zeroth.cluster`).
+"""
