@@ -178,18 +178,19 @@ def test_ordered_mean_divides_in_float32():
 # All rings at once over an exchange
 
 
-def _run_nodes(layouts, full, rounds, *, timeout_s=10.0, hub=None, skip=()):
+def _run_nodes(layouts, full, rounds, *, timeout_s=10.0, skip=(), peer_of=None):
     """Every node in its own thread averages its slice of its cluster's full vector, ``rounds`` times."""
     rings = R.plan_rings(layouts)
-    hub = hub or R.QueueExchange()
+    hub = R.QueueExchange()
     results, errors = {}, {}
 
     def node(c, i):
         a, b = layouts[c][i]
         x = full[c][a:b]
+        me = hub.endpoint(peer_of(c, i) if peer_of else (c, i))
         try:
             for rid in rounds:
-                x = R.average_node(x, a, rings, c, i, hub.endpoint((c, i)), round_id=rid, timeout_s=timeout_s)
+                x = R.average_node(x, a, rings, c, i, me, round_id=rid, timeout_s=timeout_s, peer_of=peer_of)
                 results[(c, i, rid)] = x
         except BaseException as e:  # noqa: BLE001 - checked by the test
             errors[(c, i)] = e
@@ -248,6 +249,24 @@ def test_average_node_over_queue_exchange(layouts):
     for (src, _), b in hub.bytes_sent.items():
         per_node[src] = per_node.get(src, 0) + b
     assert per_node == {k: 3 * v for k, v in R.ring_bytes(rings, C).items()}
+
+
+def test_peer_addresses_and_round_ids_keep_rings_apart():
+    # Peers addressed by name; rounds 7 and 3 in a row (ids need not increase).
+    layouts = LAYOUT_CASES[2]
+    full = [np.full(60, c, np.float32) for c in range(4)]
+    _, hub, results, errors = _run_nodes(layouts, full, rounds=[7, 3], peer_of=lambda c, i: f"cluster{c}/node{i}")
+    assert errors == {} and hub.pending() == []
+    assert {src for src, _ in hub.bytes_sent} == {f"cluster{c}/node{i}" for c in range(4) for i in range(len(layouts[c]))}
+    for c, layout in enumerate(layouts):
+        for i, (a, b) in enumerate(layout):
+            assert _bits(results[(c, i, 3)]) == _bits(np.full(b - a, 1.5, np.float32))
+
+
+def test_float64_parameters_rejected():
+    ring = R.Ring(0, 0, 4, (0, 0))
+    with pytest.raises(ValueError, match="values_segment must be a 1-D float32 array, got dtype float64"):
+        R.ring_member(ring, 0, np.zeros(4), R.QueueExchange().endpoint((0, 0)), round_id=0, timeout_s=1.0)
 
 
 def test_one_cluster_is_the_identity():

@@ -373,8 +373,8 @@ def average_node(
       ``float32[L]``: the averaged slice (a new array).
 
     Raises:
-      The first error of any ring (``TimeoutError``, ``ValueError``), after every ring has ended;
-      the other rings' errors are attached to it as notes.
+      After every ring has ended (or outlived its bound): the error of the lowest failed ring id
+      (``TimeoutError``, ``ValueError``, ...), with the other failed rings' errors attached as notes.
     """
     x = _as_f32(flat_part, "flat_part")
     mine = rings_of(rings, cluster, node)
@@ -416,9 +416,9 @@ def average_node(
         if t.is_alive():
             errors.append((r.ring_id, TimeoutError(f"ring {r.ring_id} still running after its bound (a send blocked?)")))
     if errors:
-        errors.sort(key=lambda e: e[0])
-        first = errors[0][1]
-        for rid, e in errors[1:]:
+        failed = sorted(list(errors), key=lambda e: e[0])
+        first = failed[0][1]
+        for rid, e in failed[1:]:
             first.add_note(f"ring {rid} also failed: {type(e).__name__}: {e}")
         raise first
     for r in mine:
