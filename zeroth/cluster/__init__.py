@@ -4,5 +4,7 @@ parallelism inside each cluster, parallel multi-ring averaging across clusters.
 * :mod:`.formation`: nodes (RAM, bandwidth, compute speed) grouped into clusters by a genetic
   algorithm with a penalty fitness; the model split inside a cluster in proportion to RAM;
 * :mod:`.rings`: the parallel multi-ring all-reduce: which nodes of which clusters average which
-  part of the parameters, and one node's part of the rounds over a message exchange.
+  part of the parameters (one ring per segment between all clusters' cut points), one node's part
+  of the rounds over a message exchange (the same bits on every member), and the bytes and seconds
+  of one averaging against one ring over the whole model (``python -m zeroth.cluster.rings``).
 """
