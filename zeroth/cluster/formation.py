@@ -393,7 +393,9 @@ def form_clusters(
        generation are children of two parents, each the best of ``tournament`` individuals drawn
        at random; the second parent's labels are aligned with the first's (labels are symmetric),
        then uniform crossover (each gene from either parent with probability 1/2) and mutation
-       (each gene redrawn uniformly with probability ``mutation``, default ``1/n``).
+       (each gene redrawn uniformly with probability ``mutation``, default ``1/n``). A child that
+       is the same partition as an elite or an earlier child is replaced by a random chromosome
+       (keeps the population diverse: without it, tight RAM constraints make it converge early).
     3. Memetic step: the generation's best individual takes up to ``polish`` steps of steepest
        descent over single moves and swaps (``polish=0`` is the plain GA).
     4. The best individual of all generations is tracked; the run stops after ``generations``
@@ -445,7 +447,13 @@ def form_clusters(
         child = np.where(rng.random((m, n)) < 0.5, pa, pb)
         child = np.where(rng.random((m, n)) < mutation, rng.integers(0, k, size=(m, n)), child)
         pop = np.concatenate([elites, child])
-        fit = np.concatenate([fit[order[:elite]], _fitness(child, pr)])
+        # Clones (the same partition under any labels) are replaced by fresh random chromosomes.
+        _, first = np.unique(canonical(pop), axis=0, return_index=True)
+        clone = np.ones(population, dtype=bool)
+        clone[first] = False
+        clone[:elite] = False
+        pop[clone] = rng.integers(0, k, size=(int(clone.sum()), n), dtype=np.int64)
+        fit = np.concatenate([fit[order[:elite]], _fitness(pop[elite:], pr)])
         evals += m
         i = int(fit.argmin())
         if polish and not np.array_equal(pop[i], settled):
