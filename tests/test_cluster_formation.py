@@ -15,6 +15,7 @@ from zeroth.cluster.formation import (
     Formation,
     InfeasibleError,
     Node,
+    Stage,
     brute_force,
     calibrate,
     canonical,
@@ -24,6 +25,7 @@ from zeroth.cluster.formation import (
     form_clusters,
     greedy,
     peak_memory_bytes,
+    plan_stages,
     split_layers,
     transfer_seconds,
 )
@@ -235,6 +237,25 @@ def test_more_clusters_than_nodes():
         greedy(nodes, 0, GB, MESSAGE)
 
 
+def test_max_cluster_nodes():
+    nodes = random_pool(9, 4)
+    peak = 0.5 * sum(x.ram_bytes for x in nodes) / 2
+    with pytest.raises(InfeasibleError, match=r"9 nodes do not fit in 2 clusters of at most 4 nodes"):
+        form_clusters(nodes, 2, peak, MESSAGE, seed=0, max_cluster_nodes=4)
+    free = brute_force(nodes, 2, peak, MESSAGE)
+    exact = brute_force(nodes, 2, peak, MESSAGE, max_cluster_nodes=5)
+    ga = form_clusters(nodes, 2, peak, MESSAGE, seed=0, max_cluster_nodes=5)
+    base = greedy(nodes, 2, peak, MESSAGE, max_cluster_nodes=5)
+    for f in (exact, ga, base):
+        assert_valid(f, nodes, 2, peak)
+        assert sorted(len(c) for c in f.clusters) == [4, 5]
+    assert ga.fitness == exact.fitness >= free.fitness
+    assert ga.fitness <= base.fitness
+    a = np.zeros(9, dtype=np.int64)
+    a[:2] = 1  # 7 nodes in cluster 0: 2 beyond the limit
+    assert fitness(a, nodes, 2, peak, MESSAGE, max_cluster_nodes=5) > fitness(a, nodes, 2, peak, MESSAGE)
+
+
 def test_brute_force_refuses_large_pools():
     with pytest.raises(ValueError, match="13 nodes is too many"):
         brute_force(random_pool(13, 0), 2, GB, MESSAGE)
@@ -316,6 +337,20 @@ def test_split_errors():
         split_layers([1.0, 0], [1, 1])
     with pytest.raises(ValueError, match="whole numbers >= 0"):
         split_layers([1.0], [1, -2])
+
+
+def test_plan_stages():
+    nodes = [Node("a", 2 * GB, 1e8), Node("b", 6 * GB, 1e8), Node("c", 4 * GB, 1e8), Node("d", 4 * GB, 1e8)]
+    f = form_clusters(nodes, 2, 7 * GB, MESSAGE, seed=0)
+    assert f.clusters == ((0, 1), (2, 3))
+    units = [GB // 2] * 14  # 7 GB in 14 units
+    stages = plan_stages(f, nodes, units)
+    assert stages == (
+        (Stage(0, 0, 3), Stage(1, 3, 14)),  # 2 : 6 GB of RAM -> 3.5 : 10.5 units, rounded to the lower bottleneck
+        (Stage(2, 0, 7), Stage(3, 7, 14)),
+    )
+    with pytest.raises(ValueError, match=r"cluster 0 \(a, b\): node 'b' would hold"):
+        plan_stages(f, nodes, [GB // 2] * 2 + [7 * GB])
 
 
 # --------------------------------------------------------------------------- calibration

@@ -37,6 +37,7 @@ __all__ = [
     "Formation",
     "InfeasibleError",
     "Node",
+    "Stage",
     "brute_force",
     "calibrate",
     "canonical",
@@ -46,6 +47,7 @@ __all__ = [
     "form_clusters",
     "greedy",
     "peak_memory_bytes",
+    "plan_stages",
     "split_layers",
     "transfer_seconds",
 ]
@@ -116,13 +118,14 @@ def check_nodes(nodes: Sequence[Node]) -> None:
 
     Raises:
       ValueError: naming the node and the bad value.
+      TypeError: an entry that is not a :class:`Node`.
     """
     if len(nodes) == 0:
         raise ValueError("the node pool is empty: describe at least one node (name, ram_bytes, bandwidth_bps, speed)")
     seen: dict[str, int] = {}
     for i, node in enumerate(nodes):
         if not isinstance(node, Node):
-            raise ValueError(f"node {i} is {node!r}, not a Node(name, ram_bytes, bandwidth_bps, speed)")
+            raise TypeError(f"node {i} is {node!r}, not a Node(name, ram_bytes, bandwidth_bps, speed)")
         if not isinstance(node.name, str) or not node.name:
             raise ValueError(f"node {i} has name {node.name!r}: a node needs a non-empty string name")
         if node.name in seen:
@@ -178,10 +181,13 @@ class _Problem(NamedTuple):
     peak: float
     penalty: float
     names: tuple[str, ...]
+    max_nodes: int  # at most this many nodes per cluster (n: no limit)
 
 
-def _problem(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_bytes: float, penalty: float | None) -> _Problem:
-    """Validate the inputs and check the necessary condition ``Σ ram ≥ k · M``."""
+def _problem(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_bytes: float, penalty: float | None,
+             max_cluster_nodes: int | None, *, feasible: bool = True) -> _Problem:
+    """Validate the inputs; with ``feasible``, check the necessary conditions ``k ≤ n``,
+    ``n ≤ k · max_cluster_nodes`` and ``Σ ram ≥ k · M``."""
     check_nodes(nodes)
     if int(n_clusters) != n_clusters or n_clusters < 1:
         raise ValueError(f"n_clusters={n_clusters!r}: it must be a whole number >= 1")
@@ -189,12 +195,23 @@ def _problem(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_
     for name, value in (("peak_bytes", peak_bytes), ("message_bytes", message_bytes)):
         if not (np.isfinite(value) and value > 0):
             raise ValueError(f"{name}={value!r}: it must be a finite number > 0")
-    if k > n:
+    if feasible and k > n:
         raise InfeasibleError(f"cannot form {k} clusters from {n} nodes: every cluster needs at least one node; add nodes or use at most {n} clusters")
+    if max_cluster_nodes is None:
+        max_nodes = n
+    elif int(max_cluster_nodes) != max_cluster_nodes or max_cluster_nodes < 1:
+        raise ValueError(f"max_cluster_nodes={max_cluster_nodes!r}: it must be a whole number >= 1 (or None: no limit)")
+    else:
+        max_nodes = int(max_cluster_nodes)
+    if feasible and n > k * max_nodes:
+        raise InfeasibleError(
+            f"{n} nodes do not fit in {k} clusters of at most {max_nodes} nodes (max_cluster_nodes): "
+            f"use more clusters, a larger limit (finer layer units), or fewer nodes"
+        )
     ram = np.array([float(x.ram_bytes) for x in nodes], dtype=np.float64)
     t = np.array([transfer_seconds(x, message_bytes) for x in nodes], dtype=np.float64)
     total = float(ram.sum())
-    if total < k * peak_bytes:
+    if feasible and total < k * peak_bytes:
         raise InfeasibleError(
             f"the pool's RAM ({_fmt_bytes(total)} over {n} nodes) cannot hold {k} clusters of {_fmt_bytes(peak_bytes)} peak memory: "
             f"{_fmt_bytes(k * peak_bytes - total)} short; add nodes or use fewer clusters"
@@ -203,7 +220,7 @@ def _problem(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_
         penalty = float(t.sum())
     elif not (np.isfinite(penalty) and penalty > 0):
         raise ValueError(f"penalty={penalty!r}: it must be a finite number of seconds > 0")
-    return _Problem(ram, t, k, float(peak_bytes), float(penalty), tuple(x.name for x in nodes))
+    return _Problem(ram, t, k, float(peak_bytes), float(penalty), tuple(x.name for x in nodes), max_nodes)
 
 
 # --------------------------------------------------------------------------- fitness
@@ -222,33 +239,40 @@ def _fitness(a: np.ndarray, pr: _Problem) -> np.ndarray:
     R = _cluster_sums(a, pr.ram, pr.k)
     spread = T.max(axis=1) - T.min(axis=1)
     short = np.maximum(pr.peak - R, 0.0).sum(axis=1)
-    empty = (_cluster_sums(a, np.ones_like(pr.t), pr.k) == 0).sum(axis=1)
-    infeasible = (short > 0) | (empty > 0)
-    return spread + np.where(infeasible, pr.t.sum() + pr.penalty * (short / pr.peak + empty), 0.0)
+    size = _cluster_sums(a, np.ones_like(pr.t), pr.k)
+    empty = (size == 0).sum(axis=1)
+    over = np.maximum(size - pr.max_nodes, 0.0).sum(axis=1)
+    infeasible = (short > 0) | (empty > 0) | (over > 0)
+    return spread + np.where(infeasible, pr.t.sum() + pr.penalty * (short / pr.peak + empty + over), 0.0)
 
 
-def fitness(assignment, nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_bytes: float, penalty: float | None = None):
+def fitness(assignment, nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_bytes: float,
+            penalty: float | None = None, max_cluster_nodes: int | None = None):
     """The penalty fitness of assignments, lower is better.
 
     With ``T_c`` and ``R_c`` the cluster sums of transfer times and RAM (module docstring),
-    ``S = Σ_i t_i``, ``short = Σ_c max(0, M − R_c)`` and ``E`` the number of empty clusters::
+    ``S = Σ_i t_i``, ``short = Σ_c max(0, M − R_c)``, ``E`` the number of empty clusters and
+    ``O = Σ_c max(0, |c| − max_cluster_nodes)`` the nodes beyond the limit::
 
-        f(c) = max_c T_c − min_c T_c                                   if feasible (short = E = 0)
-        f(c) = max_c T_c − min_c T_c + S + penalty · (short / M + E)   otherwise
+        f(c) = max_c T_c − min_c T_c                                       if feasible (short = E = O = 0)
+        f(c) = max_c T_c − min_c T_c + S + penalty · (short / M + E + O)   otherwise
 
     The barrier ``S`` exceeds any feasible spread, so every feasible assignment beats every
     infeasible one; beyond it each byte short costs ``penalty / M`` seconds and each empty cluster
-    ``penalty`` seconds (default ``penalty = S``), which steers the search towards feasibility.
+    or extra node ``penalty`` seconds (default ``penalty = S``), which steers the search towards
+    feasibility. ``max_cluster_nodes`` (default: no limit) keeps every node's share of the model at
+    one layer unit or more (:func:`split_layers`): at most the number of units.
 
     Args:
       assignment: int[n] or int[P, n], values in ``0..n_clusters-1``.
       nodes, n_clusters, peak_bytes, message_bytes: the problem (:func:`form_clusters`).
-      penalty: seconds per peak-sized shortfall and per empty cluster (> 0; default ``S``).
+      penalty: seconds per peak-sized shortfall, per empty cluster, per extra node (> 0; default ``S``).
+      max_cluster_nodes: at most this many nodes per cluster (None: no limit).
 
     Returns:
       a float for int[n], float64[P] for int[P, n].
     """
-    pr = _problem(nodes, n_clusters, peak_bytes, message_bytes, penalty)
+    pr = _problem(nodes, n_clusters, peak_bytes, message_bytes, penalty, max_cluster_nodes, feasible=False)
     a = np.asarray(assignment)
     single = a.ndim == 1
     a2 = a[None, :] if single else a
@@ -302,14 +326,21 @@ def _formation(a: np.ndarray, pr: _Problem, generations: int, evaluations: int, 
 
 
 def _short_clusters(a: np.ndarray, pr: _Problem) -> str:
-    """``"cluster 1 (nodes a, b) has 2.20 GB of 2.50 GB (0.30 GB short)"`` for every short cluster."""
-    c = canonical(a)
-    R = _cluster_sums(c[None, :], pr.ram, pr.k)[0]
+    """``"cluster 1 (nodes a, b) has 2.20 GB of 2.50 GB (0.30 GB short)"`` for every short cluster
+    (and ``"cluster 2 has 9 nodes, more than max_cluster_nodes=8"`` for every overfull one).
+    Unassigned nodes (label -1) are left out."""
+    a = np.asarray(a)
+    c = np.full(a.shape, -1, dtype=np.int64)
+    c[a >= 0] = canonical(a[a >= 0])
     parts = []
     for j in range(pr.k):
-        if R[j] < pr.peak:
-            members = ", ".join(pr.names[i] for i in np.flatnonzero(c == j)) or "none"
-            parts.append(f"cluster {j} (nodes {members}) has {_fmt_bytes(R[j])} of {_fmt_bytes(pr.peak)} ({_fmt_bytes(pr.peak - R[j])} short)")
+        members = np.flatnonzero(c == j)
+        ram = float(pr.ram[members].sum())
+        names = ", ".join(pr.names[i] for i in members) or "none"
+        if ram < pr.peak:
+            parts.append(f"cluster {j} (nodes {names}) has {_fmt_bytes(ram)} of {_fmt_bytes(pr.peak)} ({_fmt_bytes(pr.peak - ram)} short)")
+        if members.size > pr.max_nodes:
+            parts.append(f"cluster {j} has {members.size} nodes, more than max_cluster_nodes={pr.max_nodes}")
     return "; ".join(parts)
 
 
@@ -385,6 +416,7 @@ def form_clusters(
     tournament: int = 3,
     polish: int = 1,
     penalty: float | None = None,
+    max_cluster_nodes: int | None = None,
 ) -> Formation:
     """Cluster the pool with a genetic algorithm (§3.5.2); deterministic for a seed.
 
@@ -407,7 +439,7 @@ def form_clusters(
       peak_bytes: ``M``, the model's peak memory every cluster must hold (:func:`peak_memory_bytes`).
       message_bytes: the bytes a node moves per message (e.g. one micro-batch's activations).
       seed: the only source of randomness.
-      penalty: see :func:`fitness`.
+      penalty, max_cluster_nodes: see :func:`fitness`.
 
     Returns:
       the best :class:`Formation` found (``method="ga"``).
@@ -416,7 +448,7 @@ def form_clusters(
       InfeasibleError: ``k > n``, the pool's total RAM is below ``k · M`` (naming the shortfall),
         or no feasible individual was found (naming the short clusters of the best one).
     """
-    pr = _problem(nodes, n_clusters, peak_bytes, message_bytes, penalty)
+    pr = _problem(nodes, n_clusters, peak_bytes, message_bytes, penalty, max_cluster_nodes)
     n, k = len(nodes), pr.k
     for name, value, low in (("population", population, 2), ("generations", generations, 1), ("elite", elite, 0),
                              ("patience", patience, 1), ("tournament", tournament, 1), ("polish", polish, 0)):
@@ -481,7 +513,8 @@ def form_clusters(
 # --------------------------------------------------------------------------- baselines
 
 
-def brute_force(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_bytes: float, *, penalty: float | None = None) -> Formation:
+def brute_force(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_bytes: float, *,
+                penalty: float | None = None, max_cluster_nodes: int | None = None) -> Formation:
     """The exact optimum of :func:`fitness` by enumeration (for tests and small pools).
 
     Node 0 is fixed in cluster 0 (labels are symmetric), the other ``k^(n-1)`` assignments are
@@ -493,7 +526,7 @@ def brute_force(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, messa
       InfeasibleError: as :func:`form_clusters`; when no partition is feasible, the message names
         the short clusters of the partition closest to feasible.
     """
-    pr = _problem(nodes, n_clusters, peak_bytes, message_bytes, penalty)
+    pr = _problem(nodes, n_clusters, peak_bytes, message_bytes, penalty, max_cluster_nodes)
     n, k = len(nodes), pr.k
     if n > BRUTE_FORCE_MAX_NODES:
         raise ValueError(f"brute_force enumerates {k}^{n - 1} assignments: {n} nodes is too many (at most {BRUTE_FORCE_MAX_NODES}); use form_clusters")
@@ -518,7 +551,8 @@ def brute_force(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, messa
     return _formation(best, pr, 0, total, "brute_force")
 
 
-def greedy(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_bytes: float, *, penalty: float | None = None) -> Formation:
+def greedy(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_bytes: float, *,
+           penalty: float | None = None, max_cluster_nodes: int | None = None) -> Formation:
     """The greedy baseline: RAM first, then balance the transfer sums.
 
     1. Nodes by RAM, largest first (ties by index), each to the cluster with the least RAM so far
@@ -526,30 +560,35 @@ def greedy(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_by
     2. The remaining nodes by transfer time, largest first, each to the cluster with the smallest
        transfer sum (longest-processing-time rule; ties: the lower label).
 
+    Both steps skip clusters that already have ``max_cluster_nodes`` nodes.
+
     Raises:
       InfeasibleError: as :func:`form_clusters`; when step 1 runs out of nodes, naming the short
         clusters (a partition may still exist: greedy is not exact).
     """
-    pr = _problem(nodes, n_clusters, peak_bytes, message_bytes, penalty)
+    pr = _problem(nodes, n_clusters, peak_bytes, message_bytes, penalty, max_cluster_nodes)
     n, k = len(nodes), pr.k
     a = np.full(n, -1, dtype=np.int64)
-    R, T = np.zeros(k), np.zeros(k)
+    R, T, size = np.zeros(k), np.zeros(k), np.zeros(k, dtype=np.int64)
     for i in sorted(range(n), key=lambda i: (-pr.ram[i], i)):
-        if (R >= pr.peak).all():
+        open_ = [c for c in range(k) if size[c] < pr.max_nodes]
+        if (R >= pr.peak).all() or not open_:
             break
-        c = min(range(k), key=lambda c: (R[c], T[c], c))
+        c = min(open_, key=lambda c: (R[c], T[c], c))
         a[i] = c
         R[c] += pr.ram[i]
         T[c] += pr.t[i]
+        size[c] += 1
     if not (R >= pr.peak).all():
         raise InfeasibleError(
             f"the greedy formation leaves {_short_clusters(a, pr)} (the pool's RAM suffices in total, "
             f"{_fmt_bytes(float(pr.ram.sum()))}; form_clusters or brute_force may still find a partition)"
         )
     for i in sorted(np.flatnonzero(a < 0).tolist(), key=lambda i: (-pr.t[i], i)):
-        c = min(range(k), key=lambda c: (T[c], c))
+        c = min((c for c in range(k) if size[c] < pr.max_nodes), key=lambda c: (T[c], c))
         a[i] = c
         T[c] += pr.t[i]
+        size[c] += 1
     return _formation(a, pr, 0, 1, "greedy")
 
 
@@ -624,6 +663,35 @@ def split_layers(rams: Sequence[float], layer_bytes: Sequence[int], *, names: Se
                 f"(loads {', '.join(_fmt_bytes(load[s2, e2]) for s2, e2 in ranges)}); use finer units or more RAM"
             )
     return ranges
+
+
+class Stage(NamedTuple):
+    """One pipeline stage of a cluster: node ``node`` (an index into the pool) holds the layer
+    units ``[start, stop)``."""
+
+    node: int
+    start: int
+    stop: int
+
+
+def plan_stages(formation: Formation, nodes: Sequence[Node], layer_bytes: Sequence[int]) -> tuple[tuple[Stage, ...], ...]:
+    """Every cluster's pipeline: :func:`split_layers` over its nodes in the formation's order
+    (ascending pool index: the cluster's first node runs the first stage).
+
+    Returns:
+      one tuple of :class:`Stage` per cluster, in the order of ``formation.clusters``.
+
+    Raises:
+      ValueError: a cluster whose nodes cannot hold the model's units (naming the cluster and node).
+    """
+    out = []
+    for c, members in enumerate(formation.clusters):
+        try:
+            ranges = split_layers([nodes[i].ram_bytes for i in members], layer_bytes, names=[nodes[i].name for i in members])
+        except ValueError as err:
+            raise ValueError(f"cluster {c} ({', '.join(nodes[i].name for i in members)}): {err}") from err
+        out.append(tuple(Stage(i, s, e) for i, (s, e) in zip(members, ranges)))
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------- measuring a node
