@@ -2,7 +2,8 @@
 parallelism inside each cluster, parallel multi-ring averaging across clusters.
 
 * :mod:`.formation`: nodes (RAM, bandwidth, compute speed) grouped into clusters by a genetic
-  algorithm with a penalty fitness; the model split inside a cluster in proportion to RAM;
+  algorithm with a penalty fitness (checked against brute force and a greedy baseline); the model
+  split inside a cluster into contiguous stages in proportion to RAM; a node's speed calibration;
 * :mod:`.rings`: the parallel multi-ring all-reduce: which nodes of which clusters average which
   part of the parameters (one ring per segment between all clusters' cut points), one node's part
   of the rounds over a message exchange (the same bits on every member), and the bytes and seconds

@@ -13,9 +13,18 @@ as a pipeline, so it must hold the model's peak memory ``M`` (eq. 16, :func:`pea
 :func:`fitness` turns both into one penalty fitness (lower is better); :func:`form_clusters` is
 the genetic algorithm, :func:`brute_force` the exact optimum of small pools, :func:`greedy` the
 baseline. Inside a cluster, :func:`split_layers` cuts the model into contiguous stages in
-proportion to each node's RAM. Everything is NumPy and deterministic: the only randomness is
-``np.random.default_rng(seed)``, and answers are canonical (cluster labels are symmetric, so a
-partition is reported with its clusters sorted by their first node).
+proportion to each node's RAM (:func:`plan_stages` does it for every cluster of a formation);
+``max_cluster_nodes`` keeps clusters no larger than the model has layer units. Everything is
+NumPy and deterministic: the only randomness is ``np.random.default_rng(seed)``, and answers are
+canonical (cluster labels are symmetric, so a partition is reported with its clusters sorted by
+their first node).
+
+Beyond the seed's description (which names a penalty fitness, selection, crossover, mutation and
+tracking the best individual): the fitness puts every feasible assignment before every infeasible
+one, parents' labels are aligned before crossover, clones are replaced by random chromosomes, and
+the best individual is improved by steepest descent (a memetic step, ``polish``). A node's
+compute ``speed`` (measured by :func:`calibrate` or declared) is carried for the pipelines and
+reports; the seed's fitness, and this one, use RAM and bandwidth only.
 
 Example::
 
@@ -429,7 +438,8 @@ def form_clusters(
        is the same partition as an elite or an earlier child is replaced by a random chromosome
        (keeps the population diverse: without it, tight RAM constraints make it converge early).
     3. Memetic step: the generation's best individual takes up to ``polish`` steps of steepest
-       descent over single moves and swaps (``polish=0`` is the plain GA).
+       descent over single moves and swaps (``polish=0`` is the plain GA); a local optimum is
+       not polished again.
     4. The best individual of all generations is tracked; the run stops after ``generations``
        generations or ``patience`` generations without improvement.
 
