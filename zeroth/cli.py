@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("zeroth.run:main", "run an experiment config (single machine, or peers on loopback)"),
     "peer": ("zeroth.net.peer:main", "run one Just One Byte peer (multi-machine use)"),
     "stage": ("zeroth.pipeline.stage:main", "run one pipeline stage (AQ-SGD, multi-machine use)"),
+    "node": ("zeroth.cluster.node:main", "run one Ravnest node (clusters of asynchronous pipelines, multi-machine use)"),
 }
 
 

@@ -55,6 +55,8 @@ __all__ = [
     "BINARY_METHODS",
     "BINARY_WEIGHTS",
     "PipelineConfig",
+    "RavnestConfig",
+    "RAVNEST_ORDERS",
     "Config",
     "SECTIONS",
     "OPTIONAL_SECTIONS",
@@ -94,6 +96,9 @@ PIPELINE_OBJECTIVES = ("lm", "classify")
 PIPELINE_DATASETS = {"lm": "sotu", "classify": "sentiment"}
 PIPELINE_MODELS = ("transformer", "smollm2_prompt")
 PIPELINE_BUFFERS = ("memory", "memmap")
+# Ravnest (seed 003): the orders of a node's work, the keys of a node description
+RAVNEST_ORDERS = ("fixed", "arrival")
+RAVNEST_NODE_KEYS = {"name": str, "ram_mb": float, "bandwidth_mbps": float, "speed": float, "backup": bool}
 
 
 def _dataset_names() -> tuple[str, ...]:
@@ -388,6 +393,54 @@ class PipelineConfig:
     timeout_s: float = _field(600.0, "A stage gives up when a frame it waits for does not come within this many seconds.", gt=0.0)
 
 
+def _default_nodes() -> tuple[dict, ...]:
+    return (
+        {"name": "n0", "ram_mb": 6.0, "bandwidth_mbps": 200.0, "speed": 1.0},
+        {"name": "n1", "ram_mb": 3.0, "bandwidth_mbps": 100.0, "speed": 1.0},
+        {"name": "n2", "ram_mb": 4.0, "bandwidth_mbps": 150.0, "speed": 1.0},
+        {"name": "n3", "ram_mb": 5.0, "bandwidth_mbps": 150.0, "speed": 1.0},
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RavnestConfig:
+    """Ravnest (seed 003): clusters of nodes formed by a genetic algorithm, each an asynchronous pipeline,
+    averaged with each other by parallel rings; one process per node on loopback gRPC, launched by `zeroth run`."""
+
+    nodes: tuple[dict, ...] = _field(
+        (), "The node pool: one mapping per node, {name, ram_mb (usable RAM), bandwidth_mbps (steady bandwidth), "
+        "speed (relative compute speed, 1 = this machine; slower nodes are emulated by sleeping), backup (true: a "
+        "spare that shadows the least reliable node of a cluster and takes over when it dies)}.",
+        factory=_default_nodes,
+    )
+    clusters: int = _field(2, "Number of clusters the genetic algorithm forms from the non-backup nodes.", min=1)
+    objective: str = _field(
+        "classify", "lm: next-token loss on SOTU windows (data.dataset = sotu); classify: sentiment sentences (sentiment).",
+        choices=PIPELINE_OBJECTIVES,
+    )
+    examples: int = _field(64, "Size of the fixed example set; data.batch_size must divide it.", min=1)
+    seq_len: int = _field(32, "Tokens per example.", min=2)
+    order: str = _field(
+        "fixed", "fixed: one-forward-one-backward after a warm-up (bit-reproducible); arrival: whatever is ready, "
+        "backward first (the seed's event loop; timing decides the interleaving).", choices=RAVNEST_ORDERS,
+    )
+    max_in_flight: int = _field(
+        0, "The delay bound D: batches a stage may hold forwarded and not yet back (min(D, S - stage)); "
+        "0 = the pipeline depth (no throttling). Staleness of stage s is min(D, S - s) - 1.", min=0,
+    )
+    average_every: int = _field(4, "R: every node averages its parameters with the other clusters after every R-th update (0 = never).", min=0)
+    latency_ms: float = _field(0.0, "Enforced one-way latency of every message between two nodes, in milliseconds.", min=0.0)
+    enforce_bandwidth: bool = _field(True, "Pace every message at min(bandwidth of sender, bandwidth of receiver).")
+    population: int = _field(64, "Genetic algorithm: chromosomes per generation.", min=4)
+    generations: int = _field(200, "Genetic algorithm: most generations (it stops earlier when the best stops improving).", min=1)
+    kill_at: tuple[int, ...] = _field(
+        (), "Batches at which the launcher SIGKILLs the primary shadowed by each backup (one entry per backup, in "
+        "pool order); the backup takes over.", factory=tuple, min=1,
+    )
+    host: str = _field("127.0.0.1", "Address the nodes listen on.")
+    timeout_s: float = _field(300.0, "A node gives up when a message it waits for does not come within this many seconds.", gt=0.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """A whole experiment."""
@@ -401,10 +454,13 @@ class Config:
         None, "Optional: pipeline-parallel backprop, one process per stage over loopback gRPC (AQ-SGD)."
     )
     binary: BinaryConfig | None = _field(None, "Optional: a binary learning experiment (seed 002) instead of train.")
+    ravnest: RavnestConfig | None = _field(
+        None, "Optional: Ravnest (seed 003): clusters of asynchronous pipelines averaged by parallel rings, one process per node."
+    )
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
-OPTIONAL_SECTIONS = ("peers", "pipeline", "binary")
+OPTIONAL_SECTIONS = ("peers", "pipeline", "binary", "ravnest")
 
 
 # --------------------------------------------------------------------------- validation
@@ -621,6 +677,55 @@ def _check_pipeline(cfg: Config) -> None:
         raise ValueError(f"config field pipeline.examples: data.batch_size={cfg.data.batch_size} must divide {p.examples}")
 
 
+def _check_ravnest(cfg: Config) -> None:
+    r = cfg.ravnest
+    if r is None:
+        return
+    for other in ("peers", "pipeline", "binary"):
+        if getattr(cfg, other) is not None:
+            raise ValueError(f"config sections 'ravnest' and '{other}' exclude each other; keep one")
+    if cfg.train.method != "backprop":
+        raise ValueError(f"config section 'ravnest' needs train.method='backprop'; got {cfg.train.method!r}")
+    if cfg.model.name != "transformer":
+        raise ValueError(f"config field model.name: Ravnest splits zeroth's transformer into stages; got {cfg.model.name!r}, expected 'transformer'")
+    want = PIPELINE_DATASETS[r.objective]
+    if cfg.data.dataset != want:
+        raise ValueError(f"config field data.dataset: ravnest.objective {r.objective!r} trains on {want!r}, got {cfg.data.dataset!r}")
+    if r.examples % cfg.data.batch_size:
+        raise ValueError(f"config field ravnest.examples: data.batch_size={cfg.data.batch_size} must divide {r.examples}")
+    names = []
+    for i, node in enumerate(r.nodes):
+        where = f"ravnest.nodes[{i}]"
+        unknown = [k for k in node if k not in RAVNEST_NODE_KEYS]
+        if unknown:
+            raise ValueError(f"config field {where}: unknown key {unknown[0]!r}; valid keys are {sorted(RAVNEST_NODE_KEYS)}")
+        for key in ("name", "ram_mb", "bandwidth_mbps"):
+            if key not in node:
+                raise ValueError(f"config field {where}: missing {key!r} (a node is {{name, ram_mb, bandwidth_mbps, speed, backup}})")
+        for key, tp in RAVNEST_NODE_KEYS.items():
+            if key not in node:
+                continue
+            v = node[key]
+            if tp is float:
+                _coerce_scalar(f"{where}.{key}", float, v)
+                if not float(v) > 0:
+                    raise _bad(f"{where}.{key}", v, "> 0")
+            else:
+                _coerce_scalar(f"{where}.{key}", tp, v)
+        names.append(node["name"])
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"config field ravnest.nodes: node name {dup[0]!r} appears twice; names must be unique")
+    workers = [n for n in r.nodes if not n.get("backup", False)]
+    if len(workers) < r.clusters:
+        raise ValueError(f"config field ravnest.clusters: {r.clusters} clusters need at least {r.clusters} non-backup nodes, the pool has {len(workers)}")
+    backups = len(r.nodes) - len(workers)
+    if len(r.kill_at) > backups:
+        raise ValueError(f"config field ravnest.kill_at: {len(r.kill_at)} kills but {backups} backup nodes; each kill is taken over by one backup")
+    if any(k >= cfg.train.steps for k in r.kill_at):
+        raise ValueError(f"config field ravnest.kill_at: {list(r.kill_at)} must be below train.steps={cfg.train.steps}")
+
+
 def load_config_dict(raw: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> Config:
     """Build and validate a :class:`Config` from a (YAML-parsed) mapping, then apply ``overrides``.
 
@@ -634,6 +739,7 @@ def load_config_dict(raw: Mapping[str, Any] | None, overrides: Sequence[str] = (
     _validate_defaults(cfg)
     _check_consistency(cfg)
     _check_pipeline(cfg)
+    _check_ravnest(cfg)
     return cfg
 
 

@@ -5,7 +5,8 @@ to run it: on this machine (:func:`zeroth.train.trainer.train`); with a ``peers`
 Just One Byte peers on loopback (``zeroth.net.launch.run_config(cfg, out_dir, argv)``); with a
 ``pipeline`` section as pipeline stages on loopback (``zeroth.pipeline.launch.run_config``,
 AQ-SGD, seed 001); with a ``binary`` section as binary learning
-(``zeroth.binary.experiment.run_config``, seed 002). The dispatcher sits above every system it
+(``zeroth.binary.experiment.run_config``, seed 002); with a ``ravnest`` section as Ravnest nodes on
+loopback (``zeroth.cluster.launch.run_config``, seed 003). The dispatcher sits above every system it
 chooses between.
 ``--help-config`` prints every config field with its type, default and description.
 
@@ -24,6 +25,7 @@ import sys
 import zeroth.net.launch
 from zeroth import config as _config
 from zeroth.binary import experiment as binary_experiment
+from zeroth.cluster import launch as ravnest_launch
 from zeroth.pipeline import launch as pipeline_launch
 from zeroth.data import DatasetUnavailable
 from zeroth.data.resources import MissingPackage
@@ -87,6 +89,8 @@ def main(argv: list[str]) -> int:
             return int(zeroth.net.launch.run_config(cfg, out, argv) or 0)
         if cfg.pipeline is not None:  # pipeline stages as processes on loopback
             return int(pipeline_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)
+        if cfg.ravnest is not None:  # Ravnest nodes as processes on loopback
+            return int(ravnest_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)
         result = trainer.train(
             cfg, out, resume=args.resume, resume_step=args.resume_step, progress=not args.quiet
         )

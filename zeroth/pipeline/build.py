@@ -1,4 +1,5 @@
-"""From a config with a ``pipeline:`` section to the pieces every stage builds the same way.
+"""From a config with a ``pipeline:`` section to the pieces every stage builds the same way
+(the shared ones come from :mod:`zeroth.stages.build`).
 
 * :func:`examples_of`: the fixed example set (:mod:`zeroth.stages.examples`);
 * :func:`partition_of`: the model cut into stages (:mod:`zeroth.stages.partition`), from
@@ -11,15 +12,11 @@
 
 from __future__ import annotations
 
-import functools
-from typing import Any
 
 import numpy as np
-import optax
-
 from zeroth import config as _config
-from zeroth import models
 from zeroth.pipeline import engine as _engine
+from zeroth.stages import build as _sbuild
 from zeroth.stages import examples as _pdata
 from zeroth.stages import partition as _partition
 
@@ -51,15 +48,10 @@ def tokenizer_of(cfg: _config.Config) -> str:
     return "smollm2" if family_of(cfg) == "smollm2" else "bytes"
 
 
-@functools.lru_cache(maxsize=4)
-def _examples(dataset: str, n: int, seq_len: int, tokenizer: str) -> _pdata.Examples:
-    return _pdata.load_examples(dataset, n, seq_len, tokenizer)
-
-
 def examples_of(cfg: _config.Config) -> _pdata.Examples:
     """The fixed example set of the run (cached)."""
     p = cfg.pipeline
-    return _examples(cfg.data.dataset, p.examples, p.seq_len, tokenizer_of(cfg))
+    return _sbuild.examples_of(cfg.data.dataset, p.examples, p.seq_len, tokenizer_of(cfg))
 
 
 def partition_of(cfg: _config.Config, ex: _pdata.Examples) -> _partition.Partition:
@@ -72,28 +64,12 @@ def partition_of(cfg: _config.Config, ex: _pdata.Examples) -> _partition.Partiti
 
         params, lcfg = llama.load_smollm2()
         return _partition.smollm2_partition(params, lcfg, p.stages)
-    kw = dict(cfg.model.kwargs)
-    for banned in ("num_classes", "vocab_size", "pad_id", "max_len"):
-        if banned in kw:
-            raise ValueError(f"config field model.kwargs.{banned}: set by the pipeline from the data; remove it")
-    num_classes = ex.vocab_size if p.objective == "lm" else ex.num_classes
-    model = models.build("transformer", num_classes=num_classes, vocab_size=ex.vocab_size, max_len=p.seq_len,
-                         pad_id=ex.pad_id, **kw)
-    params = models.init(model, models.init_key(cfg.run.seed), ex.tokens[:1])
+    model, params = _sbuild.transformer_of(cfg, ex, p.objective, p.seq_len)
     return _partition.transformer_partition(params, p.stages, objective=p.objective, heads=model.heads,
                                             mlp_dim=model.mlp_dim, pad_id=ex.pad_id)
 
 
-def optimizer_of(cfg: _config.Config) -> Any:
-    """The stage optimizer: ``train.optimizer`` with learning rate ``train.lr`` (AdamW in the experiments)."""
-    o, lr = cfg.train.optimizer, cfg.train.lr
-    if o.name == "adamw":
-        return optax.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
-    if o.name == "adam":
-        return optax.adam(lr, b1=o.b1, b2=o.b2)
-    if o.name == "momentum":
-        return optax.sgd(lr, momentum=o.momentum)
-    return optax.sgd(lr)
+optimizer_of = _sbuild.optimizer_of
 
 
 def run_id_of(cfg: _config.Config) -> str:

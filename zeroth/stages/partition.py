@@ -26,14 +26,14 @@ float32 links must match.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FAMILIES", "OBJECTIVES", "Partition", "block_ranges", "reference_loss", "smollm2_partition", "transformer_partition"]
+__all__ = ["FAMILIES", "OBJECTIVES", "Partition", "block_ranges", "check_ranges", "reference_loss", "smollm2_partition", "transformer_partition"]
 
 FAMILIES = ("transformer", "smollm2")
 OBJECTIVES = ("lm", "classify")
@@ -72,6 +72,32 @@ def block_ranges(n_blocks: int, stages: int) -> list[tuple[int, int]]:
     return out
 
 
+def check_ranges(ranges, n_blocks: int) -> list[tuple[int, int]]:
+    """Explicit ``[start, stop)`` block ranges, checked to tile ``[0, n_blocks)`` in order.
+
+    A range may be empty (a first stage holding only the embeddings, a last one only the head).
+
+    Raises:
+      ValueError: the ranges leave a gap, overlap, or do not cover every block.
+    """
+    out = [(int(a), int(b)) for a, b in ranges]
+    if not out:
+        raise ValueError("no stages: give at least one block range")
+    at = 0
+    for i, (a, b) in enumerate(out):
+        if a != at or b < a:
+            raise ValueError(f"stage {i} range [{a}, {b}) does not continue from block {at}: ranges must tile "
+                             f"[0, {n_blocks}) in order, e.g. {block_ranges(n_blocks, len(out)) if n_blocks >= len(out) else [(0, n_blocks)]}")
+        at = b
+    if at != n_blocks:
+        raise ValueError(f"the stage ranges end at block {at}, the model has {n_blocks}: the last range must stop at {n_blocks}")
+    return out
+
+
+def _ranges_of(stages, n_blocks: int) -> list[tuple[int, int]]:
+    return block_ranges(n_blocks, stages) if isinstance(stages, int) else check_ranges(stages, n_blocks)
+
+
 def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1))
@@ -91,13 +117,14 @@ def _block(p: dict, h: jax.Array, mask, heads: int, d_model: int, mlp_dim: int) 
     return h + nn.Dense(d_model).apply({"params": p["Dense_1"]}, m)
 
 
-def transformer_partition(params: dict, stages: int, *, objective: str, heads: int, mlp_dim: int,
+def transformer_partition(params: dict, stages: int | Sequence[tuple[int, int]], *, objective: str, heads: int, mlp_dim: int,
                           pad_id: int | None = None) -> Partition:
     """Cut the parameters of a token-input ``Transformer`` into ``stages`` (see the module docstring).
 
     Args:
       params: ``zeroth.models.init`` of ``Transformer(vocab_size=V, num_classes=C, ...)``.
-      stages: number of stages S (at most the number of blocks).
+      stages: number of stages S (at most the number of blocks; sizes as :func:`block_ranges`), or
+        the stages' block ranges (:func:`check_ranges`; a Ravnest cluster splits by its nodes' RAM).
       objective: ``classify`` (labels ``int32[B]``) or ``lm`` (``C = V``; labels are the tokens).
       heads, mlp_dim: the model's attention heads and MLP width.
       pad_id: padding token masked out of attention and pooling (classify only).
@@ -106,7 +133,8 @@ def transformer_partition(params: dict, stages: int, *, objective: str, heads: i
         raise ValueError(f"unknown pipeline objective {objective!r}; expected one of {list(OBJECTIVES)}")
     n_blocks = sum(1 for k in params if k.startswith("_Block_"))
     d_model = int(params["Embed_0"]["embedding"].shape[1])
-    ranges = block_ranges(n_blocks, stages)
+    ranges = _ranges_of(stages, n_blocks)
+    stages = len(ranges)
 
     def mask_of(tokens):
         if objective == "lm":
@@ -167,11 +195,15 @@ def _transformer_fn(first: bool, last: bool, lo: int, hi: int, run_blocks, head_
 # --------------------------------------------------------------------------- SmolLM2
 
 
-def smollm2_partition(params: dict, cfg, stages: int) -> Partition:
-    """Cut SmolLM2 (stacked ``llama`` parameters, ``cfg`` its ``LlamaConfig``) into ``stages`` (lm only)."""
+def smollm2_partition(params: dict, cfg, stages: int | Sequence[tuple[int, int]]) -> Partition:
+    """Cut SmolLM2 (stacked ``llama`` parameters, ``cfg`` its ``LlamaConfig``) into ``stages`` (lm only).
+
+    ``stages``: a count or explicit layer ranges, as in :func:`transformer_partition`.
+    """
     from zeroth.models.pretrained import llama
 
-    ranges = block_ranges(cfg.n_layers, stages)
+    ranges = _ranges_of(stages, cfg.n_layers)
+    stages = len(ranges)
 
     def run_layers(lp, h):
         B, T, _ = h.shape

@@ -74,6 +74,8 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+        self._deny_client_stream = grpc.stream_unary_rpc_method_handler(deny)
+        self._deny_bidi = grpc.stream_stream_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, handler_call_details):
         got = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_KEY, "")
@@ -81,9 +83,11 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if hmac.compare_digest(got, self._token):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
-        if handler is not None and handler.response_streaming:
-            return self._deny_stream
-        return self._deny_unary
+        if handler is None:
+            return self._deny_unary
+        if handler.request_streaming:
+            return self._deny_bidi if handler.response_streaming else self._deny_client_stream
+        return self._deny_stream if handler.response_streaming else self._deny_unary
 
 
 def server_credentials(tls: TLSFiles) -> grpc.ServerCredentials:

@@ -1,0 +1,167 @@
+"""From a config with a ``ravnest:`` section to the plan every node computes the same way.
+
+:func:`plan_of` is a pure function of the config (the genetic algorithm is seeded by
+``run.seed``), so every node process derives the same clusters, stages, rings and backups without
+a coordinator:
+
+1. the pool's non-backup nodes are clustered by :func:`zeroth.cluster.formation.form_clusters`:
+   every cluster's RAM must hold the model's peak memory ``M = 4·P + A`` (parameters, their
+   gradient and AdamW's two moments, plus one batch's activations ``A``), and the clusters' sums of
+   per-node transfer times ``8·m / b_i`` (``m``: one batch's activation message) are balanced;
+2. inside a cluster the model's units (:func:`zeroth.cluster.engine.model_units`: embeddings,
+   blocks, head) are split in proportion to the nodes' RAM (:func:`~zeroth.cluster.formation.plan_stages`,
+   loads counted as 4 bytes of state per parameter byte), in pool order;
+3. each node's stage is a range of the model's flat parameter vector; the rings
+   (:func:`zeroth.cluster.rings.plan_rings`) average every range across the clusters;
+4. each backup (``backup: true``) shadows the least reliable primary (lowest bandwidth, then pool
+   order) that has no backup yet and whose stage fits in the backup's RAM.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from zeroth import config as _config
+from zeroth.cluster import driver as _driver
+from zeroth.cluster import engine as _engine
+from zeroth.cluster import formation as _formation
+from zeroth.cluster import rings as _rings
+from zeroth.stages import build as _sbuild
+from zeroth.stages import examples as _examples
+from zeroth.stages import partition as _partition
+
+__all__ = ["MB", "Plan", "RUN_ID_EXCLUDE", "data_of", "examples_of", "model_of", "plan_of", "run_id_of", "stage_of"]
+
+MB = 2**20
+STATE_PER_PARAM_BYTE = 4  # parameters, gradient, two AdamW moments
+RUN_ID_EXCLUDE = ("run.out_dir", "run.name", "ravnest.host", "ravnest.timeout_s", "ravnest.kill_at",
+                  "train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "train.eval_every")
+
+
+class Plan(NamedTuple):
+    """Everything the nodes of a run agree on.
+
+    Attributes:
+      run_id: the id every message carries.
+      pool: the config's node mappings, in pool order.
+      workers: the non-backup nodes as :class:`~zeroth.cluster.formation.Node` (formation indices).
+      formation: the clusters (indices into ``workers``).
+      stages: per cluster, per stage, its :class:`~zeroth.cluster.formation.Stage` (unit range).
+      block_ranges: per cluster, per stage, its transformer block range.
+      layouts: per cluster, per stage, its ``[start, stop)`` in the flat parameter vector.
+      rings: the rings of the multi-ring averaging.
+      slots: ``{name: (cluster, stage)}`` of every node, backups included.
+      primaries, backups: ``{(cluster, stage): name}``.
+      peak_bytes, message_bytes, n_params: the numbers the formation used.
+      slowdown: ``{name: factor ≥ 1}``: compute emulated at ``max speed / speed``.
+    """
+
+    run_id: str
+    pool: tuple[dict, ...]
+    workers: tuple[_formation.Node, ...]
+    formation: _formation.Formation
+    stages: tuple
+    block_ranges: tuple
+    layouts: tuple
+    rings: tuple
+    slots: dict
+    primaries: dict
+    backups: dict
+    peak_bytes: int
+    message_bytes: int
+    n_params: int
+    slowdown: dict
+
+
+def run_id_of(cfg: _config.Config) -> str:
+    """First 16 hex digits of the config digest without the deployment fields."""
+    return _config.config_digest(cfg, exclude=RUN_ID_EXCLUDE)[:16]
+
+
+def examples_of(cfg: _config.Config) -> _examples.Examples:
+    """The fixed example set (byte tokens)."""
+    r = cfg.ravnest
+    return _sbuild.examples_of(cfg.data.dataset, r.examples, r.seq_len, "bytes")
+
+
+def model_of(cfg: _config.Config, ex: _examples.Examples) -> tuple[Any, dict]:
+    """``(model, params)`` of the whole transformer, exactly initialised from ``run.seed``."""
+    return _sbuild.transformer_of(cfg, ex, cfg.ravnest.objective, cfg.ravnest.seq_len)
+
+
+def _node(d: dict) -> _formation.Node:
+    return _formation.Node(d["name"], float(d["ram_mb"]) * MB, float(d["bandwidth_mbps"]) * 1e6, float(d.get("speed", 1.0)))
+
+
+def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None) -> Plan:
+    """The run's plan (see the module docstring).
+
+    Raises:
+      zeroth.cluster.formation.InfeasibleError: the pool cannot hold ``ravnest.clusters`` copies of the model.
+      ValueError: a backup fits no primary's stage.
+    """
+    r = cfg.ravnest
+    ex = examples_of(cfg) if ex is None else ex
+    model, params = model_of(cfg, ex)
+    n_blocks = sum(1 for k in params if k.startswith("_Block_"))
+    units = _engine.model_units(n_blocks)
+    ubytes = _engine.unit_bytes(params, units)
+    n_params = sum(ubytes) // 4
+    d = int(params["Embed_0"]["embedding"].shape[1])
+    message = cfg.data.batch_size * r.seq_len * d * 4
+    peak = _formation.peak_memory_bytes(sum(ubytes), message * (4 * n_blocks + 2))
+    pool = tuple(dict(n) for n in r.nodes)
+    workers = tuple(_node(n) for n in pool if not n.get("backup", False))
+    max_nodes = len(units)
+    form = _formation.form_clusters(list(workers), r.clusters, peak, message, seed=cfg.run.seed, population=r.population,
+                                    generations=r.generations, max_cluster_nodes=max_nodes)
+    stages = _formation.plan_stages(form, list(workers), [STATE_PER_PARAM_BYTE * b for b in ubytes])
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(ubytes) // 4)]).astype(int)
+    layouts = tuple(tuple((int(offsets[st.start]), int(offsets[st.stop])) for st in cl) for cl in stages)
+    block_ranges = tuple(tuple(_engine.unit_ranges_to_blocks([(st.start, st.stop) for st in cl], n_blocks)) for cl in stages)
+    rings = tuple(_rings.plan_rings(layouts))
+    slots = {workers[st.node].name: (c, s) for c, cl in enumerate(stages) for s, st in enumerate(cl)}
+    primaries = {v: k for k, v in slots.items()}
+    backups: dict = {}
+    by_name = {w.name: w for w in workers}
+    for n in pool:
+        if not n.get("backup", False):
+            continue
+        ram = float(n["ram_mb"]) * MB
+        order = sorted(primaries.items(), key=lambda kv: (by_name[kv[1]].bandwidth_bps, [w.name for w in workers].index(kv[1])))
+        for slot, name in order:
+            c, s = slot
+            st = stages[c][s]
+            need = STATE_PER_PARAM_BYTE * sum(ubytes[st.start:st.stop])
+            if slot not in backups and need <= ram:
+                backups[slot] = n["name"]
+                slots[n["name"]] = slot
+                break
+        else:
+            raise ValueError(f"config field ravnest.nodes: backup {n['name']!r} ({n['ram_mb']} MB) fits no stage without a backup; "
+                             f"give it more RAM or remove it")
+    speeds = {n["name"]: float(n.get("speed", 1.0)) for n in pool}
+    top = max(speeds.values())
+    return Plan(run_id_of(cfg), pool, workers, form, stages, block_ranges, layouts, rings, slots, primaries, backups,
+                int(peak), int(message), int(n_params), {k: top / v for k, v in speeds.items()})
+
+
+def stage_of(cfg: _config.Config, plan: Plan, name: str, ex: _examples.Examples) -> _engine.AsyncStage:
+    """Node ``name``'s stage: its slice of the initial parameters, its optimizer, its emulated speed."""
+    c, s = plan.slots[name]
+    model, params = model_of(cfg, ex)
+    part = _partition.transformer_partition(params, list(plan.block_ranges[c]), objective=cfg.ravnest.objective,
+                                            heads=model.heads, mlp_dim=model.mlp_dim, pad_id=ex.pad_id)
+    return _engine.AsyncStage(s, len(plan.block_ranges[c]), part.fns[s], part.params[s], _sbuild.optimizer_of(cfg),
+                              slowdown=plan.slowdown[name])
+
+
+def data_of(cfg: _config.Config, ex: _examples.Examples, cluster: int, n_clusters: int):
+    """``batch -> (tokens, labels)`` of cluster ``cluster``."""
+    def data(b: int):
+        ids = _driver.batch_ids(cfg.run.seed, cluster, n_clusters, b, cfg.data.batch_size, cfg.ravnest.examples)
+        return ex.tokens[ids], ex.labels[ids]
+
+    return data

@@ -1,0 +1,186 @@
+"""One node's stage of a cluster: forward without waiting, each gradient applied on arrival (Algorithm 1).
+
+:class:`AsyncStage` holds stage ``s`` of a cluster's ``S`` stages: its parameters, its optimizer
+state and, per batch in flight, the parameters and input its forward pass used (weight stashing).
+The backward pass of batch ``b`` is the VJP at those stashed parameters (the gradient of eq. 2 is
+evaluated at the state of the forward pass), and the update is applied at once to the current
+parameters. It knows nothing of the transport: :mod:`zeroth.cluster.driver` feeds it.
+
+The parameters of a stage are also seen as a slice of the model's one flat float32 vector
+(:func:`model_units`, :func:`flat_of`, :func:`with_flat`): the order is the model's, unit by
+unit (embeddings, block 0, …, block L−1, final norm and head), leaves sorted by name within a unit,
+so the stages of clusters cut at different places lay out the same indices the same way. The
+multi-ring averaging (:mod:`zeroth.cluster.rings`) works on these slices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+__all__ = ["AsyncStage", "flat_digest", "flat_of", "model_units", "unit_bytes", "unit_ranges_to_blocks", "with_flat"]
+
+
+def model_units(n_blocks: int) -> list[tuple[str, ...]]:
+    """The transformer's parameter groups in model order: embeddings, one per block, final norm and head."""
+    return [("Embed_0", "pos_embedding")] + [(f"_Block_{i}",) for i in range(n_blocks)] + [("LayerNorm_0", "Dense_0")]
+
+
+def unit_bytes(params: dict, units: Sequence[tuple[str, ...]]) -> list[int]:
+    """Bytes of each unit's parameters (``params``: the whole model's top-level dict)."""
+    return [sum(int(np.asarray(x).nbytes) for k in u for x in jax.tree_util.tree_leaves(params[k])) for u in units]
+
+
+def unit_ranges_to_blocks(unit_ranges: Sequence[tuple[int, int]], n_blocks: int) -> list[tuple[int, int]]:
+    """Stages given as unit ranges ``[a, b)`` over :func:`model_units` -> their block ranges.
+
+    Unit ``i`` (``1 ≤ i ≤ L``) is block ``i − 1``; unit 0 (embeddings) belongs to the first stage and
+    unit ``L + 1`` (head) to the last, whatever their block ranges.
+    """
+    return [(max(a, 1) - 1, min(b, n_blocks + 1) - 1) for a, b in unit_ranges]
+
+
+def _stage_units(params: dict, units: Sequence[tuple[str, ...]]) -> list[str]:
+    return [k for u in units for k in u if k in params]
+
+
+def flat_of(params: dict, units: Sequence[tuple[str, ...]]) -> np.ndarray:
+    """This stage's parameters as one float32 vector, in model order (units in order, leaves sorted within)."""
+    parts = [np.asarray(x, np.float32).ravel() for k in _stage_units(params, units)
+             for x in jax.tree_util.tree_leaves(params[k])]
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def with_flat(params: dict, units: Sequence[tuple[str, ...]], flat: np.ndarray) -> dict:
+    """``params`` with its leaves replaced by the values of ``flat`` (inverse of :func:`flat_of`)."""
+    out, at = dict(params), 0
+    for k in _stage_units(params, units):
+        leaves, tree = jax.tree_util.tree_flatten(params[k])
+        new = []
+        for x in leaves:
+            n = int(np.prod(x.shape))
+            new.append(jnp.asarray(flat[at:at + n].reshape(x.shape), x.dtype))
+            at += n
+        out[k] = jax.tree_util.tree_unflatten(tree, new)
+    if at != flat.size:
+        raise ValueError(f"flat vector has {flat.size} values, the stage's parameters {at}")
+    return out
+
+
+def flat_digest(flat: np.ndarray) -> str:
+    """SHA-256 (first 16 hex digits) of a float32 vector's little-endian bytes."""
+    return hashlib.sha256(np.ascontiguousarray(flat, "<f4").tobytes()).hexdigest()[:16]
+
+
+class AsyncStage:
+    """Stage ``index`` of ``n_stages`` in one cluster: parameters, optimizer, stashed forward states.
+
+    Args:
+      index, n_stages: this stage and the cluster's pipeline length.
+      fn: the stage function (:mod:`zeroth.stages.partition`).
+      params: this stage's parameters (float32).
+      optimizer: an ``optax.GradientTransformation``.
+      slowdown: emulated compute speed: every jitted computation is followed by a sleep of
+        ``(slowdown − 1)`` times its duration (``1`` = this machine's speed).
+    """
+
+    def __init__(self, index: int, n_stages: int, fn, params, optimizer, *, slowdown: float = 1.0):
+        if not slowdown >= 1.0:
+            raise ValueError(f"slowdown must be >= 1 (1 = full speed), got {slowdown!r}")
+        self.index, self.n_stages = index, n_stages
+        self.first, self.last = index == 0, index == n_stages - 1
+        self.params = jax.tree_util.tree_map(jnp.asarray, params)
+        self.optimizer, self.slowdown = optimizer, float(slowdown)
+        with jax.numpy_dtype_promotion("standard"):
+            self.opt_state = optimizer.init(self.params)
+        self.stash: dict[int, tuple[Any, Any]] = {}
+        self.version = 0  # updates applied
+        self.compute_s = 0.0
+        self.staleness: list[int] = []  # per backward: updates between its forward and its update
+        self._born: dict[int, int] = {}
+        self._compile(fn)
+
+    def _compile(self, fn) -> None:
+        if self.first and self.last:
+            self._loss_grad = jax.jit(jax.value_and_grad(fn))
+        elif self.first:
+            self._fwd = jax.jit(fn)
+            self._bwd = jax.jit(lambda p, tok, g: jax.vjp(lambda q: fn(q, tok), p)[1](g)[0])
+        elif self.last:
+            self._loss_grad = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+        else:
+            self._fwd = jax.jit(fn)
+            self._bwd = jax.jit(lambda p, h, tok, g: jax.vjp(lambda q, x: fn(q, x, tok), p, h)[1](g))
+
+        def update(params, opt_state, grads):
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        self._update = jax.jit(update)
+
+    def _run(self, f, *args):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(f(*args))
+        dt = time.perf_counter() - t0
+        self.compute_s += dt
+        if self.slowdown > 1.0:
+            time.sleep(dt * (self.slowdown - 1.0))
+        return out
+
+    def _apply(self, grads) -> None:
+        with jax.numpy_dtype_promotion("standard"):
+            self.params, self.opt_state = self._run(self._update, self.params, self.opt_state, grads)
+        self.version += 1
+
+    def forward(self, batch: int, tokens, labels, x=None):
+        """Forward of ``batch``: returns the activation for the next stage, or on the last stage ``(loss, input gradient)``.
+
+        The last stage computes its loss and gradients at once, applies its update and returns the
+        gradient of its input (None when the cluster has one stage).
+        """
+        tokens = jnp.asarray(tokens)
+        if self.last:
+            labels = jnp.asarray(labels)
+            if self.first:
+                loss, gp = self._run(self._loss_grad, self.params, tokens, labels)
+                gx = None
+            else:
+                loss, (gp, gx) = self._run(self._loss_grad, self.params, jnp.asarray(x), tokens, labels)
+            self.staleness.append(0)
+            self._apply(gp)
+            return float(loss), (None if gx is None else np.asarray(gx))
+        if self.first:
+            h = self._run(self._fwd, self.params, tokens)
+            self.stash[batch] = (self.params, None)
+        else:
+            x = jnp.asarray(x)
+            h = self._run(self._fwd, self.params, x, tokens)
+            self.stash[batch] = (self.params, x)
+        self._born[batch] = self.version
+        return np.asarray(h)
+
+    def backward(self, batch: int, tokens, g):
+        """Backward of ``batch`` with the gradient of its output: update at once; returns the input gradient (None on stage 0)."""
+        if batch not in self.stash:
+            raise KeyError(f"stage {self.index}: gradient for batch {batch}, which is not in flight (in flight: {sorted(self.stash)})")
+        params, x = self.stash.pop(batch)
+        tokens, g = jnp.asarray(tokens), jnp.asarray(g)
+        self.staleness.append(self.version - self._born.pop(batch))
+        if self.first:
+            gp = self._run(self._bwd, params, tokens, g)
+            self._apply(gp)
+            return None
+        gp, gx = self._run(self._bwd, params, x, tokens, g)
+        self._apply(gp)
+        return np.asarray(gx)
+
+    def in_flight(self) -> int:
+        """Batches forwarded whose gradient has not come back."""
+        return len(self.stash)

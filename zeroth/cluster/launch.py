@@ -1,0 +1,190 @@
+"""``zeroth run CONFIG`` with a ``ravnest:`` section: every node of the pool as a process on 127.0.0.1.
+
+:func:`run_config` prints the clusters the genetic algorithm formed and the stages inside each,
+writes ``OUT/config.yaml`` and ``OUT/plan.json``, makes a fresh run secret (passed to the nodes in
+``ZEROTH_SECRET``) and starts ``zeroth node`` (``python -m zeroth.cluster.node``) for every node,
+backups included, into ``OUT/nodes/<name>/``. ``ravnest.kill_at[i]``: when the primary shadowed by
+the ``i``-th backup has made that many updates, the launcher SIGKILLs it and the backup takes over.
+When a node fails otherwise the others are stopped and the exit code is 1.
+
+At the end it merges the nodes' records into ``OUT/metrics.jsonl`` and writes ``OUT/summary.json``:
+per cluster its last stage's final loss and its model's digest (the stages' final slices laid end
+to end), whether every cluster ends on the same parameters (they do when the last update is an
+averaging round), per node its idle fraction, and the formation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from zeroth import config as _config
+from zeroth.cluster import build as _build
+from zeroth.cluster import engine as _engine
+from zeroth.cluster import formation as _formation
+from zeroth.transport import identity
+
+__all__ = ["cluster_models", "node_dir", "run_config", "start_nodes"]
+
+
+def node_dir(out: Path, name: str) -> Path:
+    """``OUT/nodes/<name>``."""
+    return Path(out) / "nodes" / name
+
+
+def _plan_json(plan: _build.Plan) -> dict:
+    return {"run_id": plan.run_id, "clusters": [[plan.workers[st.node].name for st in cl] for cl in plan.stages],
+            "unit_ranges": [[[st.start, st.stop] for st in cl] for cl in plan.stages],
+            "block_ranges": [[list(b) for b in cl] for cl in plan.block_ranges],
+            "layouts": [[list(x) for x in cl] for cl in plan.layouts],
+            "rings": [{"ring": r.ring_id, "start": r.start, "stop": r.stop, "members": list(r.members)} for r in plan.rings],
+            "backups": {plan.primaries[k]: v for k, v in plan.backups.items()},
+            "peak_bytes": plan.peak_bytes, "message_bytes": plan.message_bytes, "n_params": plan.n_params,
+            "formation": {"fitness": plan.formation.fitness, "spread_s": plan.formation.spread_s,
+                          "ram_bytes": list(plan.formation.ram_bytes), "transfer_s": list(plan.formation.transfer_s),
+                          "generations": plan.formation.generations}}
+
+
+def start_nodes(cfg: _config.Config, out: Path, plan: _build.Plan, *, quiet: bool = True, insecure: bool = False) -> dict[str, subprocess.Popen]:
+    """Start one ``zeroth node`` process per node of the pool; returns them by name."""
+    out = Path(out)
+    cfg_path = out / "config.yaml"
+    env = os.environ.copy()
+    if not insecure:
+        env[identity.SECRET_ENV[0]] = identity.new_secret()
+    procs = {}
+    for n in plan.pool:
+        name = n["name"]
+        d = node_dir(out, name)
+        d.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "zeroth.cluster.node", "--config", str(cfg_path), "--name", name, "--out", str(d),
+               "--addresses", str(out / "addresses")]
+        cmd += ["--quiet"] if quiet else []
+        cmd += ["--insecure"] if insecure else []
+        log = open(d / "node.log", "w")  # noqa: SIM115 (closed with the process)
+        procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+    return procs
+
+
+def _updates(out: Path, name: str) -> int:
+    path = node_dir(out, name) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return sum(1 for ln in path.read_text().splitlines() if ln.strip().endswith("}") and '"kind": "update"' in ln)
+
+
+def _wait(procs: dict, out: Path, kills: dict[str, int], timeout_s: float, progress: bool) -> tuple[int, list[str]]:
+    """Wait for every node, killing ``{primary: updates}`` on cue. Returns (code, killed names)."""
+    killed: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    failed = None
+    while any(p.poll() is None for p in procs.values()):
+        for name, at in kills.items():
+            if name not in killed and procs[name].poll() is None and _updates(out, name) >= at:
+                procs[name].send_signal(signal.SIGKILL)
+                killed.append(name)
+                if progress:
+                    print(f"killed node {name} after {at} updates; its backup takes over", flush=True)
+        for name, p in procs.items():
+            if name not in killed and p.poll() not in (None, 0):
+                failed = name
+        if failed is not None or time.monotonic() > deadline:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs.values():
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            break
+        time.sleep(0.05)
+    bad = [n for n, p in procs.items() if n not in killed and p.wait() != 0]
+    for n in bad:
+        log = node_dir(out, n) / "node.log"
+        tail = log.read_text().strip().splitlines()[-3:] if log.is_file() else []
+        print(f"node {n} exited with code {procs[n].returncode}: " + " | ".join(tail), file=sys.stderr)
+    return (1 if bad else 0), killed
+
+
+def cluster_models(out: Path, plan: _build.Plan, killed=()) -> list[np.ndarray]:
+    """Each cluster's final model: its stages' final slices (from the node that ended holding each) end to end."""
+    models = []
+    for c, cl in enumerate(plan.stages):
+        parts = []
+        for s in range(len(cl)):
+            name = plan.primaries[(c, s)]
+            if name in killed:
+                name = plan.backups[(c, s)]
+            parts.append(np.load(node_dir(out, name) / "params.npz")["flat"])
+        models.append(np.concatenate(parts))
+    return models
+
+
+def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool = True) -> int:
+    """Run the Ravnest pool of ``cfg`` as node processes into ``out``. Exit code."""
+    out = Path(out)
+    r = cfg.ravnest
+    if (out / "nodes").is_dir() and any((out / "nodes").iterdir()):
+        print(f"zeroth run: error: {out} already holds a Ravnest run; choose another --out", file=sys.stderr)
+        return 2
+    try:
+        plan = _build.plan_of(cfg)
+    except ValueError as e:
+        print(f"zeroth run: error: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(_config.to_yaml(cfg))
+    (out / "plan.json").write_text(json.dumps(_plan_json(plan), indent=1))
+    if progress:
+        print(_formation.describe(plan.formation, list(plan.workers)))
+        for c, cl in enumerate(plan.stages):
+            print(f"cluster {c}: " + " -> ".join(f"{plan.workers[st.node].name} blocks {list(b)}"
+                                                 for st, b in zip(cl, plan.block_ranges[c])))
+        print(f"{len(plan.rings)} rings average every {r.average_every} updates; backups: "
+              + (", ".join(f"{v} shadows {plan.primaries[k]}" for k, v in plan.backups.items()) or "none"), flush=True)
+    backups = [n["name"] for n in plan.pool if n.get("backup", False)]
+    kills = {}
+    for b, at in zip(backups, r.kill_at):
+        slot = plan.slots[b]
+        kills[plan.primaries[slot]] = at
+    t0 = time.time()
+    procs = start_nodes(cfg, out, plan, quiet=not progress)
+    code, killed = _wait(procs, out, kills, timeout_s=r.timeout_s * 4, progress=progress)
+    if code != 0:
+        return code
+    records = []
+    for n in plan.pool:
+        path = node_dir(out, n["name"]) / "metrics.jsonl"
+        if path.is_file():
+            records += [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    records.sort(key=lambda x: x["time_unix_s"])
+    (out / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in records))
+    nodes = {n["name"]: json.loads((node_dir(out, n["name"]) / "summary.json").read_text())
+             for n in plan.pool if n["name"] not in killed and (node_dir(out, n["name"]) / "summary.json").is_file()}
+    models = cluster_models(out, plan, killed)
+    agree = all(np.array_equal(models[0], m) for m in models[1:])
+    last = {c: plan.primaries[(c, len(cl) - 1)] for c, cl in enumerate(plan.stages)}
+    last = {c: (plan.backups[(c, len(plan.stages[c]) - 1)] if n in killed else n) for c, n in last.items()}
+    summary = {"steps": cfg.train.steps, "seconds": time.time() - t0, "run_id": plan.run_id,
+               "clusters": [{"cluster": c, "nodes": [plan.workers[st.node].name for st in cl],
+                             "final_loss": nodes[last[c]]["final_loss"], "digest": _engine.flat_digest(models[c])}
+                            for c, cl in enumerate(plan.stages)],
+               "clusters_agree": agree, "killed": killed,
+               "idle_fraction": {k: v["idle_s"] / max(v["wall_s"], 1e-9) for k, v in nodes.items()},
+               "nodes": nodes, "plan": _plan_json(plan)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if progress:
+        losses = ", ".join(f"cluster {x['cluster']} {x['final_loss']:.4f}" for x in summary["clusters"])
+        print(f"ravnest done: {cfg.train.steps} batches per cluster, final loss {losses}, clusters agree: {agree}, "
+              f"{summary['seconds']:.1f}s")
+    return 0

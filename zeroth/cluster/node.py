@@ -1,0 +1,130 @@
+"""``zeroth node``: run one Ravnest node (one per machine, or several on one machine).
+
+  zeroth node --config CONFIG --name NAME --out DIR [--addresses DIR] [--listen HOST:PORT]
+              [--set SECTION.FIELD=VALUE ...] [--insecure] [--quiet]
+
+Every node reads the same config and derives the same plan (:func:`zeroth.cluster.build.plan_of`:
+clusters, stages, rings, backups). It listens on ``--listen`` (port 0 = any) and writes its
+address to ``ADDRESSES/<NAME>``, where it also finds the others' (a shared folder; default
+``DIR/../addresses``). Calls carry the access token derived from the run secret in
+``ZEROTH_SECRET`` (``--insecure``: none, loopback experiments only).
+
+It writes into ``DIR``: ``metrics.jsonl`` (one record per update: step, batch, loss on the last
+stage, staleness, idle and compute seconds, time; one per averaging round), ``params.npz`` (its
+final slice of the flat parameter vector) and ``summary.json`` (totals: idle, compute, averaging,
+wall seconds, bytes sent per receiver, the slice's digest, whether it took over as a backup).
+
+Exit codes: 0 done; 1 a node it depends on went away without a backup, or a wait timed out;
+2 a bad command line or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["build_parser", "main", "run_node_process"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``zeroth node``."""
+    p = argparse.ArgumentParser(prog="zeroth node", description="Run one Ravnest node (seed 003).")
+    p.add_argument("--config", required=True, help="experiment YAML with a ravnest: section (the same on every node)")
+    p.add_argument("--name", required=True, help="this node's name in ravnest.nodes")
+    p.add_argument("--out", required=True, help="this node's output folder")
+    p.add_argument("--addresses", default=None, help="folder where every node writes its address (default: OUT/../addresses)")
+    p.add_argument("--listen", default=None, help="HOST:PORT to serve on (default: ravnest.host, any port)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
+    p.add_argument("--insecure", action="store_true", help="no access token (loopback experiments only)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | None, token: str | None,
+                     progress: bool = False) -> dict:
+    """Run node ``name`` of the run of ``cfg`` to the end; returns its summary."""
+    import numpy as np
+
+    from zeroth.cluster import build, driver, engine, transport
+
+    r = cfg.ravnest
+    ex = build.examples_of(cfg)
+    plan = build.plan_of(cfg, ex)
+    if name not in plan.slots:
+        raise ValueError(f"--name {name!r} is not a node of ravnest.nodes ({[n['name'] for n in plan.pool]})")
+    c, s = plan.slots[name]
+    out.mkdir(parents=True, exist_ok=True)
+    stage = build.stage_of(cfg, plan, name, ex)
+    _, params = build.model_of(cfg, ex)
+    units = engine.model_units(sum(1 for k in params if k.startswith("_Block_")))
+    bw = {n["name"]: float(n["bandwidth_mbps"]) for n in plan.pool}
+    t = transport.ClusterTransport(name, plan.slots, plan.primaries, plan.backups, run_id=plan.run_id, token=token,
+                                   address_dir=addresses, bandwidth_mbps=bw, enforce=r.enforce_bandwidth,
+                                   latency_s=r.latency_ms / 1e3, timeout_s=r.timeout_s)
+    t.serve(listen or f"{r.host}:0")
+    io = transport.NodeLink(t, plan.rings, plan.layouts[c][s][0], r.timeout_s)
+    metrics = out / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    role = "backup" if plan.primaries[(c, s)] != name else "primary"
+
+    def record(rec: dict) -> None:
+        rec = {**rec, "node": name, "cluster": c, "stage": s}
+        with metrics.open("a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+        if progress and rec["kind"] == "update":
+            loss = f" loss {rec['loss']:.4f}" if rec.get("loss") is not None else ""
+            print(f"node {name} (cluster {c} stage {s}, {role}) update {rec['step']}/{cfg.train.steps}{loss}", flush=True)
+
+    t0 = time.time()
+    try:
+        res = driver.run_node(stage, build.data_of(cfg, ex, c, len(plan.stages)), io, n_batches=cfg.train.steps, units=units,
+                              order=r.order, max_in_flight=r.max_in_flight, average_every=r.average_every,
+                              timeout_s=r.timeout_s, on_record=record)
+    finally:
+        t.close(r.timeout_s)
+    flat = engine.flat_of(stage.params, units)
+    np.savez(out / "params.npz", flat=flat, start=plan.layouts[c][s][0])
+    summary = {"node": name, "cluster": c, "stage": s, "role": role, "took_over": t.promoted_at is not None,
+               "updates": res["updates"], "compute_s": res["compute_s"], "idle_s": res["idle_s"],
+               "average_s": res["average_s"], "wall_s": res["wall_s"], "seconds": time.time() - t0,
+               "staleness_max": res["staleness_max"], "final_loss": res["losses"][-1] if res["losses"] else None,
+               "bytes_sent": t.bytes_sent, "messages_received": t.received, "messages_refused": t.refused,
+               "layout": list(plan.layouts[c][s]), "digest": engine.flat_digest(flat), "run_id": plan.run_id}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``zeroth node``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    from zeroth import config as _config
+    from zeroth.transport import identity
+
+    try:
+        cfg = _config.load_config(args.config, args.overrides)
+        if cfg.ravnest is None:
+            raise ValueError(f"config {args.config} has no ravnest: section")
+        token = None
+        if not args.insecure:
+            secret = next((os.environ[k] for k in identity.SECRET_ENV if os.environ.get(k)), None)
+            if secret is None:
+                raise ValueError(f"no run secret: set {identity.SECRET_ENV[0]} (the same on every node) or pass --insecure")
+            token = identity.access_token(secret)
+        out = Path(args.out)
+        addresses = Path(args.addresses) if args.addresses else out.parent / "addresses"
+        run_node_process(cfg, args.name, out, addresses, args.listen, token, progress=not args.quiet)
+    except (ConnectionError, TimeoutError) as e:
+        print(f"zeroth node {args.name}: error: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as e:
+        print(f"zeroth node {args.name}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,298 @@
+"""A node's gRPC transport: its server, one paced stream per receiver, the ring exchange, backups.
+
+Every node serves ``ClusterNode.Deliver`` (``protos/zeroth/v1/cluster.proto``) behind the run's
+access token (:class:`zeroth.transport.security.TokenInterceptor`). To send, a node opens one
+client stream per receiver, fed by a :class:`zeroth.transport.pacing.Pacer` at the pair's
+bandwidth ``min(b_sender, b_receiver)`` and latency: the emulation acts on the bytes sent.
+
+Messages are addressed to **slots** ``(cluster, stage)``, not to processes. A slot has a primary
+and possibly a backup (seed 003 §3.5: a new node shadows the least reliable node of a cluster):
+
+* every message for a slot goes to its primary *and* a copy to its backup ("an extra pair of
+  channels that shares a copy of the forward/backward traffic"), ring messages included, so the
+  backup runs the same computation on the same inputs as its primary;
+* a backup sends nothing while it shadows: what it would send is kept in its outbox (the last
+  :data:`OUTBOX` messages);
+* when a sender's stream to a primary breaks (the process died), the sender routes that slot to
+  its backup and tells it (``PROMOTE``); the backup becomes the primary and re-sends its outbox.
+  Receivers drop what they already have (buffers and ring boxes are keyed by batch or ring tag),
+  so the primary's last messages are delivered exactly once whether or not it sent them.
+
+In the ``fixed`` order every node's computation is a function of its inputs, so a run in which a
+primary is killed and its backup takes over ends on the digests of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from zeroth.cluster import driver as _driver
+from zeroth.cluster import rings as _rings
+from zeroth.cluster import wire
+from zeroth.cluster.proto import cluster_pb2 as pb
+from zeroth.cluster.proto import cluster_pb2_grpc as pb_grpc
+from zeroth.transport import pacing, security
+
+__all__ = ["OUTBOX", "ClusterTransport", "GRPC_OPTIONS", "resolve_address"]
+
+OUTBOX = 4096
+GRPC_OPTIONS = [("grpc.max_send_message_length", 256 * 1024 * 1024), ("grpc.max_receive_message_length", 256 * 1024 * 1024)]
+_PROMOTE = "promote"
+
+
+def resolve_address(address_dir: Path, name: str, timeout_s: float) -> str:
+    """The address node ``name`` wrote to ``address_dir/<name>`` (waited for)."""
+    path = Path(address_dir) / name
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.is_file():
+            text = path.read_text().strip()
+            if text:
+                return text
+        time.sleep(0.05)
+    raise TimeoutError(f"node {name!r} wrote no address to {path} within {timeout_s:g}s")
+
+
+class _Sender:
+    """One paced client stream to one node; ``on_failure`` is called once if the stream breaks."""
+
+    def __init__(self, name: str, address: str, bandwidth_bps, latency_s: float, token: str | None,
+                 on_failure: Callable[[str, BaseException], None]):
+        self.name = name
+        self.pacer = pacing.Pacer(bandwidth_bps, latency_s)
+        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.ClusterNodeStub(self.channel)
+        self._md = security.token_metadata(token)
+        self._on_failure, self.closing = on_failure, False
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"send-{name}")
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._stub.Deliver(self.pacer.frames(), metadata=self._md, wait_for_ready=True)
+        except grpc.RpcError as e:
+            if not self.closing:
+                self._on_failure(self.name, e)
+
+    def close(self, timeout_s: float) -> None:
+        self.closing = True
+        self.pacer.close()
+        self.thread.join(timeout_s)
+        self.channel.close()
+
+
+class ClusterTransport:
+    """Node ``me``'s transport.
+
+    Args:
+      me: this node's name. slots: ``{node name: (cluster, stage)}`` of every node, backups included.
+      primaries: ``{(cluster, stage): primary name}``; backups: ``{(cluster, stage): backup name}``.
+      run_id: the run's id (every message carries it). token: the access token (None: no check).
+      address_dir: where every node writes ``<name>`` holding its ``HOST:PORT``.
+      bandwidth_mbps: ``{name: steady bandwidth}``; enforce: pace at the pair's bandwidth.
+      latency_s: per message. timeout_s: bound on every wait.
+    """
+
+    def __init__(self, me: str, slots: Mapping[str, tuple[int, int]], primaries: Mapping, backups: Mapping, *,
+                 run_id: str, token: str | None, address_dir: Path, bandwidth_mbps: Mapping[str, float],
+                 enforce: bool = True, latency_s: float = 0.0, timeout_s: float = 300.0):
+        self.me, self.run_id, self.token = me, run_id, token
+        self.slots = {k: tuple(v) for k, v in slots.items()}
+        self.slot = self.slots[me]
+        self.primary = {tuple(k): v for k, v in primaries.items()}
+        self.backup = {tuple(k): v for k, v in backups.items()}
+        self.shadow = self.primary[self.slot] != me
+        self.address_dir, self.bw, self.enforce = Path(address_dir), dict(bandwidth_mbps), enforce
+        self.latency_s, self.timeout_s = latency_s, timeout_s
+        self.inbox = _driver.Inbox()
+        self.outbox: deque = deque(maxlen=OUTBOX)
+        self._senders: dict[str, _Sender] = {}
+        self._dead: set[str] = set()
+        self._lock = threading.RLock()
+        self._ring_cv = threading.Condition()
+        self._ring: dict[tuple, np.ndarray] = {}
+        self._ring_seen: set[tuple] = set()
+        self.received = self.refused = 0
+        self.bytes_sent: dict[str, int] = {}
+        self.promoted_at: float | None = None
+        self.server: grpc.Server | None = None
+
+    # ------------------------------------------------------------------ serving
+
+    def serve(self, listen: str) -> str:
+        """Start the server on ``listen`` (port 0 = any); writes and returns the bound ``HOST:PORT``."""
+        interceptors = [security.TokenInterceptor(self.token)] if self.token else []
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=GRPC_OPTIONS, interceptors=interceptors)
+        pb_grpc.add_ClusterNodeServicer_to_server(_Servicer(self), self.server)
+        port = self.server.add_insecure_port(listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {listen}")
+        self.server.start()
+        address = f"{listen.rsplit(':', 1)[0]}:{port}"
+        self.address_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.address_dir / f".{self.me}.tmp"
+        tmp.write_text(address + "\n")
+        tmp.replace(self.address_dir / self.me)
+        return address
+
+    def receive(self, msg: pb.Message) -> None:
+        """Check one message and put it where its reader waits (raises :class:`wire.MessageError`)."""
+        wire.check_message(msg, self.run_id, self.slots)
+        self.received += 1
+        if msg.kind == pb.RING and msg.phase == _PROMOTE:
+            self._promote()
+            return
+        array = wire.from_message(msg)
+        src = self.slots[msg.sender]
+        if msg.kind == pb.RING:
+            key = (src, (msg.ring, msg.round, msg.phase, msg.step))
+            with self._ring_cv:
+                if key in self._ring_seen:
+                    return
+                self._ring_seen.add(key)
+                self._ring[key] = array.reshape(-1)
+                self._ring_cv.notify_all()
+            return
+        self.inbox.put(_driver.ACTIVATION if msg.kind == pb.ACTIVATION else _driver.GRADIENT, msg.batch, array)
+
+    # ------------------------------------------------------------------ sending
+
+    def _sender(self, name: str) -> _Sender:
+        with self._lock:
+            if name not in self._senders:
+                address = resolve_address(self.address_dir, name, self.timeout_s)
+                bps = min(self.bw[self.me], self.bw[name]) * 1e6 if self.enforce else None
+                self._senders[name] = _Sender(name, address, bps, self.latency_s, self.token, self._failed)
+            return self._senders[name]
+
+    def _deliver(self, slot: tuple[int, int], msg: pb.Message) -> None:
+        with self._lock:
+            if self.shadow:
+                self.outbox.append((slot, msg))
+                return
+            names = [self.primary[slot]] + ([self.backup[slot]] if slot in self.backup else [])
+            for name in names:
+                if name in self._dead or name == self.me:
+                    continue
+                n = self._sender(name).pacer.submit(msg)
+                self.bytes_sent[name] = self.bytes_sent.get(name, 0) + n
+
+    def _failed(self, name: str, error: BaseException) -> None:
+        """A stream to ``name`` broke: route its slot to the backup, or fail this node."""
+        with self._lock:
+            if name in self._dead:
+                return
+            self._dead.add(name)
+            slot = self.slots[name]
+            b = self.backup.get(slot)
+            if self.primary.get(slot) == name and b is not None and b not in self._dead:
+                self.primary[slot] = b
+                del self.backup[slot]
+                promote = wire.to_message(self.run_id, self.me, "ring", np.zeros(0, np.float32), phase=_PROMOTE)
+                self._sender(b).pacer.submit(promote)
+                return
+            if self.primary.get(slot) == name:
+                code = error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__
+                self.inbox.fail(ConnectionError(f"node {name!r} (cluster {slot[0]}, stage {slot[1]}) went away ({code}) and has no backup"))
+            elif self.backup.get(slot) == name:
+                del self.backup[slot]
+
+    def _promote(self) -> None:
+        with self._lock:
+            if not self.shadow:
+                return
+            self.shadow = False
+            self.promoted_at = time.time()
+            self.primary[self.slot] = self.me
+            old = self.backup.pop(self.slot, None)  # the failed primary is no one's backup
+            del old
+            for name, slot in self.slots.items():
+                if slot == self.slot and name != self.me:
+                    self._dead.add(name)
+            pending = list(self.outbox)
+            self.outbox.clear()
+        for slot, msg in pending:
+            self._deliver(slot, msg)
+
+    def send(self, kind: str, batch: int, array: np.ndarray) -> None:
+        """An activation to the next stage, a gradient to the previous one (NodeIO)."""
+        c, s = self.slot
+        dest = (c, s + 1) if kind == _driver.ACTIVATION else (c, s - 1)
+        self._deliver(dest, wire.to_message(self.run_id, self.me, kind, array, batch=batch))
+
+    # ------------------------------------------------------------------ rings
+
+    def ring_send(self, peer: tuple[int, int], tag: tuple, array: np.ndarray) -> None:
+        ring, round_id, phase, step = tag
+        self._deliver(tuple(peer), wire.to_message(self.run_id, self.me, "ring", array, ring=ring, round_id=round_id,
+                                                   phase=phase, step=step))
+
+    def ring_recv(self, peer: tuple[int, int], tag: tuple, timeout_s: float) -> np.ndarray:
+        key = (tuple(peer), tuple(tag))
+        with self._ring_cv:
+            if not self._ring_cv.wait_for(lambda: key in self._ring, timeout=timeout_s):
+                raise TimeoutError(f"no ring message {tag} from slot {peer} within {timeout_s:g}s")
+            return self._ring.pop(key)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Flush every stream (the receivers have all the messages), then stop the server."""
+        with self._lock:
+            senders = list(self._senders.values())
+        for snd in senders:
+            snd.close(timeout_s)
+        if self.server is not None:
+            self.server.stop(grace=1.0).wait()
+
+
+class _RingExchange:
+    """The :class:`zeroth.cluster.rings.Exchange` of a node: peers are slots ``(cluster, stage)``."""
+
+    def __init__(self, t: ClusterTransport):
+        self.t = t
+
+    def send(self, peer, tag, array) -> None:
+        self.t.ring_send(peer, tag, array)
+
+    def recv(self, peer, tag, timeout_s):
+        return self.t.ring_recv(peer, tag, timeout_s)
+
+
+class _Servicer(pb_grpc.ClusterNodeServicer):
+    def __init__(self, t: ClusterTransport):
+        self.t = t
+
+    def Deliver(self, request_iterator, context):
+        n = 0
+        for msg in request_iterator:
+            try:
+                self.t.receive(msg)
+            except wire.MessageError as e:
+                self.t.refused += 1
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"node {self.t.me} refused a message: {e}")
+            n += 1
+        return pb.Ack(received=n)
+
+
+class NodeLink:
+    """The :class:`zeroth.cluster.driver.NodeIO` of a node process: sends, buffers and averaging over its transport."""
+
+    def __init__(self, t: ClusterTransport, rings, part_start: int, timeout_s: float):
+        self.t, self.rings, self.part_start, self.timeout_s = t, rings, part_start, timeout_s
+        self.inbox = t.inbox
+        self._exchange = _RingExchange(t)
+
+    def send(self, kind, batch, array) -> None:
+        self.t.send(kind, batch, array)
+
+    def average(self, flat, round_id):
+        c, s = self.t.slot
+        return _rings.average_node(flat, self.part_start, self.rings, c, s, self._exchange, round_id=round_id,
+                                   timeout_s=self.timeout_s)
