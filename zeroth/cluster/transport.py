@@ -77,7 +77,7 @@ class _Sender:
 
     def _run(self) -> None:
         try:
-            self._stub.Deliver(self.pacer.frames(), metadata=self._md, wait_for_ready=True)
+            self._stub.Deliver(self.pacer.frames(), metadata=self._md)
         except grpc.RpcError as e:
             if not self.closing:
                 self._on_failure(self.name, e)

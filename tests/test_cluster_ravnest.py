@@ -1,0 +1,254 @@
+"""Ravnest's asynchronous stages, node loop, transport and whole runs (seed 003)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zeroth import config as _config
+from zeroth import protogen
+from zeroth.cluster import build, driver, engine, schedule, sim, transport, wire
+from zeroth.cluster.proto import cluster_pb2 as pb
+from zeroth.cluster.proto import cluster_pb2_grpc as pb_grpc
+from zeroth.stages import partition
+from zeroth.transport import identity, security
+
+BASE = {
+    "run": {"name": "rv", "seed": 0},
+    "data": {"dataset": "sentiment", "batch_size": 8},
+    "model": {"name": "transformer", "kwargs": {}},
+    "train": {"method": "backprop", "steps": 8, "lr": 1e-3, "optimizer": {"name": "adamw"}},
+    "ravnest": {"examples": 64, "seq_len": 32, "average_every": 4},
+}
+
+
+def _cfg(**ravnest):
+    raw = json.loads(json.dumps(BASE))
+    raw["ravnest"].update(ravnest)
+    return _config.load_config_dict(raw)
+
+
+def test_checked_in_stubs_are_what_protoc_generates(tmp_path):
+    for p in protogen.generate("cluster", tmp_path):
+        assert (protogen.stub_dir("cluster") / p.name).read_text() == p.read_text(), "run `python -m zeroth.protogen cluster`"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 12), st.integers(0, 7))
+def test_fixed_order_runs_every_batch_once_within_the_delay_bound(S, n, D):
+    for s in range(S):
+        ops = schedule.fixed_order(s, S, n, D)
+        w = schedule.in_flight(s, S, D)
+        if s == S - 1:
+            assert ops == [("FB", b) for b in range(n)]
+            continue
+        assert [b for k, b in ops if k == "F"] == list(range(n)) == [b for k, b in ops if k == "B"]
+        inflight = 0
+        for k, b in ops:
+            inflight += 1 if k == "F" else -1
+            assert 0 <= inflight <= w
+        # no deadlock: stage s needs B(k - w_{s-1}) before F(k) of stage s-1 can exist
+        if s > 0:
+            prev = schedule.in_flight(s - 1, S, D)
+            pos = {op: i for i, op in enumerate(ops)}
+            for b in range(n):
+                if b - prev >= 0:
+                    assert pos[("B", b - prev)] < pos[("F", b)]
+
+
+def test_one_batch_in_flight_is_plain_backprop_on_the_whole_model():
+    """D = 1: every stage waits for its gradient, so the async stages train exactly like one model."""
+    cfg = _cfg(max_in_flight=1)
+    ex = build.examples_of(cfg)
+    model, params = build.model_of(cfg, ex)
+    ranges = [(0, 1), (1, 1), (1, 2)]
+    part = partition.transformer_partition(params, ranges, objective="classify", heads=model.heads, mlp_dim=model.mlp_dim,
+                                           pad_id=ex.pad_id)
+    opt = optax.adamw(1e-3)
+    stages = [engine.AsyncStage(i, 3, part.fns[i], part.params[i], opt) for i in range(3)]
+    data = build.data_of(cfg, ex, 0, 1)
+    ref = [jax.tree_util.tree_map(jnp.asarray, p) for p in part.params]
+    with jax.numpy_dtype_promotion("standard"):
+        ref_state = opt.init(ref)
+
+    @jax.jit
+    def ref_step(ps, state, tok, lab):
+        loss, grads = jax.value_and_grad(lambda q: partition.reference_loss(part, q, tok, lab))(ps)
+        upd, state = opt.update(grads, state, ps)
+        return optax.apply_updates(ps, upd), state, loss
+
+    for b in range(3):
+        tok, lab = data(b)
+        h = stages[0].forward(b, tok, lab)
+        h = stages[1].forward(b, tok, lab, h)
+        loss, g = stages[2].forward(b, tok, lab, h)
+        g = stages[1].backward(b, tok, g)
+        assert stages[0].backward(b, tok, g) is None
+        with jax.numpy_dtype_promotion("standard"):
+            ref, ref_state, ref_loss = ref_step(ref, ref_state, jnp.asarray(tok), jnp.asarray(lab))
+        assert loss == pytest.approx(float(ref_loss), rel=1e-5)
+    for s, r in zip(stages, ref):
+        for a, c in zip(jax.tree_util.tree_leaves(s.params), jax.tree_util.tree_leaves(r)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-5, atol=2e-6)
+    assert all(x == 0 for s in stages for x in s.staleness)
+
+
+def test_flat_slices_of_differently_cut_clusters_line_up():
+    cfg = _cfg()
+    ex = build.examples_of(cfg)
+    _, params = build.model_of(cfg, ex)
+    units = engine.model_units(2)
+    whole = engine.flat_of(params, units)
+    for cut in ([(0, 4)], [(0, 1), (1, 4)], [(0, 2), (2, 3), (3, 4)]):
+        parts = [{k: params[k] for u in units[a:b] for k in u} for a, b in cut]
+        flats = [engine.flat_of(p, units) for p in parts]
+        np.testing.assert_array_equal(np.concatenate(flats), whole)
+        again = engine.with_flat(parts[0], units, flats[0] * 2)
+        np.testing.assert_array_equal(engine.flat_of(again, units), flats[0] * 2)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The in-process run of BASE (8 batches per cluster, fixed order)."""
+    return sim.run_local(_config.load_config_dict(BASE))
+
+
+def test_in_process_clusters_end_averaged_with_the_staleness_of_their_depth(reference):
+    a = reference
+    plan = a["plan"]
+    models = [np.concatenate([a["flat"][plan.primaries[(c, s)]] for s in range(len(cl))]) for c, cl in enumerate(plan.stages)]
+    assert all(np.array_equal(models[0], m) for m in models[1:])  # 8 updates, average_every 4: the last update averages
+    for name, res in a["results"].items():
+        c, s = plan.slots[name]
+        assert res["updates"] == 8
+        assert res["staleness_max"] == schedule.staleness(s, len(plan.stages[c]))
+    records = a["records"][plan.primaries[(0, 0)]]
+    assert [r["round"] for r in records if r["kind"] == "average"] == [1, 2]
+
+
+@pytest.mark.slow
+def test_processes_match_the_in_process_run_and_a_backup_takes_over(tmp_path, reference):
+    """Node processes on loopback end on the in-process digests, with a primary SIGKILLed and its backup taking over."""
+    raw = json.loads(json.dumps(BASE))
+    raw["ravnest"]["nodes"] = [dict(n) for n in _config.load_config_dict(BASE).ravnest.nodes] + [
+        {"name": "b0", "ram_mb": 6, "bandwidth_mbps": 150, "backup": True}]
+    raw["ravnest"]["kill_at"] = [3]
+    cfg_path = tmp_path / "rv.yaml"
+    cfg_path.write_text(json.dumps(raw))
+    ref = reference
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "zeroth", "run", str(cfg_path), "--out", str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    plan = ref["plan"]
+    killed = summary["killed"]
+    assert len(killed) == 1 and summary["nodes"]["b0"]["took_over"]
+    slot = tuple(plan.slots[killed[0]])
+    assert plan.primaries[slot] == killed[0]
+    for name, dig in ref["digests"].items():
+        holder = "b0" if name == killed[0] else name
+        assert summary["nodes"][holder]["digest"] == dig, name
+    assert summary["clusters_agree"]
+    assert all(n["messages_refused"] == 0 for n in summary["nodes"].values())
+
+
+def _transport(tmp_path, token):
+    slots = {"a": (0, 0), "b": (0, 1)}
+    t = transport.ClusterTransport("b", slots, {(0, 0): "a", (0, 1): "b"}, {}, run_id="run1", token=token,
+                                   address_dir=tmp_path, bandwidth_mbps={"a": 100.0, "b": 100.0}, timeout_s=5)
+    return t, t.serve("127.0.0.1:0")
+
+
+def test_node_refuses_bad_messages_and_calls_without_the_token(tmp_path):
+    token = identity.access_token(identity.new_secret())
+    t, address = _transport(tmp_path, token)
+    try:
+        stub = pb_grpc.ClusterNodeStub(grpc.insecure_channel(address))
+        good = wire.to_message("run1", "a", "activation", np.ones((2, 3), np.float32), batch=0)
+        md = security.token_metadata(token)
+        assert stub.Deliver(iter([good]), metadata=md).received == 1
+        np.testing.assert_array_equal(t.inbox.get("activation", 0, 1.0), np.ones((2, 3), np.float32))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Deliver(iter([good]))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        bad = [
+            (wire.to_message("other", "a", "activation", np.ones(2, np.float32), batch=1), "run_id 'other'"),
+            (wire.to_message("run1", "mallory", "activation", np.ones(2, np.float32), batch=1), "sender 'mallory'"),
+            (pb.Message(run_id="run1", sender="a", kind=pb.ACTIVATION, batch=1, shape=[4], data=b"\0" * 8), "data has 8 bytes"),
+            (wire.to_message("run1", "a", "ring", np.ones(2, np.float32), phase="steal"), "phase 'steal'"),
+        ]
+        for msg, reason in bad:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Deliver(iter([msg]), metadata=md)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in e.value.details()
+        assert not t.inbox.has("activation", 1) and t.refused == len(bad)
+    finally:
+        t.close(2)
+
+
+def test_a_dead_neighbour_without_backup_fails_the_waiting_node(tmp_path):
+    t, _ = _transport(tmp_path, None)
+    (tmp_path / "a").write_text("127.0.0.1:1\n")  # nothing listens there
+    try:
+        t.send("gradient", 0, np.ones(3, np.float32))
+        with pytest.raises(ConnectionError, match="node 'a'.*no backup"):
+            t.inbox.get("activation", 0, 10.0)
+    finally:
+        t.close(2)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"nodes": [{"name": "a", "ram_mb": 4, "bandwidth_mbps": 10, "gpu": 1}]}, "unknown key 'gpu'"),
+    ({"nodes": [{"name": "a", "ram_mb": 4}]}, "missing 'bandwidth_mbps'"),
+    ({"nodes": [{"name": "a", "ram_mb": 4, "bandwidth_mbps": 1}, {"name": "a", "ram_mb": 4, "bandwidth_mbps": 1}]}, "appears twice"),
+    ({"clusters": 5}, "5 clusters need at least 5 non-backup nodes"),
+    ({"kill_at": [2]}, "1 kills but 0 backup nodes"),
+    ({"order": "random"}, "ravnest.order"),
+])
+def test_ravnest_config_is_validated(change, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg(**change)
+
+
+def test_an_infeasible_pool_names_the_shortfall(tmp_path):
+    tiny = [{"name": f"t{i}", "ram_mb": 0.1, "bandwidth_mbps": 10} for i in range(4)]
+    with pytest.raises(ValueError, match="short"):
+        build.plan_of(_cfg(nodes=tiny))
+    from zeroth import run
+
+    cfg_path = tmp_path / "c.yaml"
+    raw = json.loads(json.dumps(BASE))
+    raw["ravnest"]["nodes"] = tiny
+    cfg_path.write_text(json.dumps(raw))
+    assert run.main([str(cfg_path), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert not (tmp_path / "o" / "nodes").exists()
+
+
+def test_arrival_order_trains_within_the_staleness_bound():
+    cfg = _cfg(order="arrival", max_in_flight=1, average_every=0)
+    out = sim.run_local(cfg, steps=3)
+    assert all(r["updates"] == 3 and r["staleness_max"] == 0 for r in out["results"].values())
+
+
+def test_inbox_drops_duplicates_and_bounds_waits():
+    box = driver.Inbox()
+    assert box.put("activation", 1, "x") and not box.put("activation", 1, "y")
+    assert box.get("activation", 1, 0.1) == "x"
+    assert not box.put("activation", 1, "z")  # consumed: a re-sent copy is dropped
+    with pytest.raises(TimeoutError, match="no gradient for batch 2"):
+        box.get("gradient", 2, 0.05)
+    threading.Timer(0.05, box.fail, args=(ConnectionError("gone"),)).start()
+    with pytest.raises(ConnectionError, match="gone"):
+        box.get("gradient", 2, 5.0)
