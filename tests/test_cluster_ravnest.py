@@ -33,6 +33,15 @@ BASE = {
 }
 
 
+LATE = [{"name": "j0", "ram_mb": 10, "bandwidth_mbps": 100, "join_round": 2}]
+
+
+def _with_late(raw: dict) -> dict:
+    raw = json.loads(json.dumps(raw))
+    raw["ravnest"]["nodes"] = [dict(n) for n in _config.load_config_dict(BASE).ravnest.nodes] + LATE
+    return raw
+
+
 def _cfg(**ravnest):
     raw = json.loads(json.dumps(BASE))
     raw["ravnest"].update(ravnest)
@@ -120,29 +129,36 @@ def test_flat_slices_of_differently_cut_clusters_line_up():
 
 @pytest.fixture(scope="module")
 def reference():
-    """The in-process run of BASE (8 batches per cluster, fixed order)."""
-    return sim.run_local(_config.load_config_dict(BASE))
+    """The in-process run of BASE plus a late node forming a third cluster at round 2 (8 batches, fixed order)."""
+    return sim.run_local(_config.load_config_dict(_with_late(BASE)))
 
 
-def test_in_process_clusters_end_averaged_with_the_staleness_of_their_depth(reference):
+def test_in_process_clusters_end_averaged_and_a_late_cluster_starts_from_the_average(reference):
     a = reference
     plan = a["plan"]
+    assert plan.join_round == (0, 0, 2) and len(plan.rings) >= 2
     models = [np.concatenate([a["flat"][plan.primaries[(c, s)]] for s in range(len(cl))]) for c, cl in enumerate(plan.stages)]
-    assert all(np.array_equal(models[0], m) for m in models[1:])  # 8 updates, average_every 4: the last update averages
+    assert len(models) == 3 and all(np.array_equal(models[0], m) for m in models[1:])  # the last update averages all three
     for name, res in a["results"].items():
         c, s = plan.slots[name]
-        assert res["updates"] == 8
+        assert res["updates"] == (4 if c == 2 else 8)
         assert res["staleness_max"] == schedule.staleness(s, len(plan.stages[c]))
     records = a["records"][plan.primaries[(0, 0)]]
     assert [r["round"] for r in records if r["kind"] == "average"] == [1, 2]
+    assert [r["step"] for r in a["records"]["j0"] if r["kind"] == "update"] == [5, 6, 7, 8]
+    # the late cluster started from what the first cluster averaged at round 1
+    round1 = np.concatenate([a["averaged"][plan.primaries[(0, s)]][1] for s in range(len(plan.stages[0]))])
+    lo, hi = plan.layouts[2][0]
+    assert (lo, hi) == (0, round1.size)
+    np.testing.assert_array_equal(a["starts"]["j0"], round1)
 
 
 @pytest.mark.slow
 def test_processes_match_the_in_process_run_and_a_backup_takes_over(tmp_path, reference):
-    """Node processes on loopback end on the in-process digests, with a primary SIGKILLed and its backup taking over."""
-    raw = json.loads(json.dumps(BASE))
-    raw["ravnest"]["nodes"] = [dict(n) for n in _config.load_config_dict(BASE).ravnest.nodes] + [
-        {"name": "b0", "ram_mb": 6, "bandwidth_mbps": 150, "backup": True}]
+    """Node processes on loopback end on the in-process digests, with a late cluster joining at round 2 and a
+    primary SIGKILLed and its backup taking over."""
+    raw = _with_late(BASE)
+    raw["ravnest"]["nodes"].append({"name": "b0", "ram_mb": 6, "bandwidth_mbps": 150, "backup": True})
     raw["ravnest"]["kill_at"] = [3]
     cfg_path = tmp_path / "rv.yaml"
     cfg_path.write_text(json.dumps(raw))

@@ -98,7 +98,7 @@ PIPELINE_MODELS = ("transformer", "smollm2_prompt")
 PIPELINE_BUFFERS = ("memory", "memmap")
 # Ravnest (seed 003): the orders of a node's work, the keys of a node description
 RAVNEST_ORDERS = ("fixed", "arrival")
-RAVNEST_NODE_KEYS = {"name": str, "ram_mb": float, "bandwidth_mbps": float, "speed": float, "backup": bool}
+RAVNEST_NODE_KEYS = {"name": str, "ram_mb": float, "bandwidth_mbps": float, "speed": float, "backup": bool, "join_round": int}
 
 
 def _dataset_names() -> tuple[str, ...]:
@@ -410,7 +410,9 @@ class RavnestConfig:
     nodes: tuple[dict, ...] = _field(
         (), "The node pool: one mapping per node, {name, ram_mb (usable RAM), bandwidth_mbps (steady bandwidth), "
         "speed (relative compute speed, 1 = this machine; slower nodes are emulated by sleeping), backup (true: a "
-        "spare that shadows the least reliable node of a cluster and takes over when it dies)}.",
+        "spare that shadows the least reliable node of a cluster and takes over when it dies), join_round (r >= 1: the "
+        "node arrives late; the nodes with the same join_round form a new cluster that starts from the parameters "
+        "averaged at round r - 1 and joins the rings at round r)}.",
         factory=_default_nodes,
     )
     clusters: int = _field(2, "Number of clusters the genetic algorithm forms from the non-backup nodes.", min=1)
@@ -710,13 +712,27 @@ def _check_ravnest(cfg: Config) -> None:
                 _coerce_scalar(f"{where}.{key}", float, v)
                 if not float(v) > 0:
                     raise _bad(f"{where}.{key}", v, "> 0")
+            elif tp is int:
+                _coerce_scalar(f"{where}.{key}", int, v)
+                if v < 1:
+                    raise _bad(f"{where}.{key}", v, ">= 1 (the averaging round at which the node's cluster joins)")
             else:
                 _coerce_scalar(f"{where}.{key}", tp, v)
         names.append(node["name"])
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"config field ravnest.nodes: node name {dup[0]!r} appears twice; names must be unique")
-    workers = [n for n in r.nodes if not n.get("backup", False)]
+    for i, node in enumerate(r.nodes):
+        if "join_round" not in node:
+            continue
+        if node.get("backup", False):
+            raise ValueError(f"config field ravnest.nodes[{i}]: a backup shadows from the start; remove join_round or backup")
+        if r.average_every == 0:
+            raise ValueError(f"config field ravnest.nodes[{i}].join_round: a late cluster joins at an averaging round; set ravnest.average_every > 0")
+        if (node["join_round"] - 1) * r.average_every >= cfg.train.steps:
+            raise ValueError(f"config field ravnest.nodes[{i}].join_round: {node['join_round']} starts after the run's last batch "
+                             f"(train.steps={cfg.train.steps}, average_every={r.average_every})")
+    workers = [n for n in r.nodes if not n.get("backup", False) and "join_round" not in n]
     if len(workers) < r.clusters:
         raise ValueError(f"config field ravnest.clusters: {r.clusters} clusters need at least {r.clusters} non-backup nodes, the pool has {len(workers)}")
     backups = len(r.nodes) - len(workers)

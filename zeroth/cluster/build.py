@@ -14,7 +14,13 @@ a coordinator:
 3. each node's stage is a range of the model's flat parameter vector; the rings
    (:func:`zeroth.cluster.rings.plan_rings`) average every range across the clusters;
 4. each backup (``backup: true``) shadows the least reliable primary (lowest bandwidth, then pool
-   order) that has no backup yet and whose stage fits in the backup's RAM.
+   order) that has no backup yet and whose stage fits in the backup's RAM;
+5. the late nodes with the same ``join_round: r`` form one more cluster (split by RAM as above).
+   It starts at batch ``(r − 1)·R`` from the parameters the clusters averaged at round ``r − 1``
+   (the first cluster's nodes send each of its nodes the part it holds), trains ``R`` batches and
+   joins the rings at round ``r`` (:func:`rings_at` plans the rings of the clusters active at a
+   round). A cluster's batch ``b`` is the example set's batch of step ``b·C + c`` for the run's
+   final number of clusters ``C``.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from zeroth.stages import build as _sbuild
 from zeroth.stages import examples as _examples
 from zeroth.stages import partition as _partition
 
-__all__ = ["MB", "Plan", "RUN_ID_EXCLUDE", "data_of", "examples_of", "model_of", "plan_of", "run_id_of", "stage_of"]
+__all__ = ["MB", "Plan", "RUN_ID_EXCLUDE", "active_clusters", "data_of", "examples_of", "first_batch", "join_pieces",
+           "model_of", "plan_of", "push_pieces", "rings_at", "run_id_of", "stage_of"]
 
 MB = 2**20
 STATE_PER_PARAM_BYTE = 4  # parameters, gradient, two AdamW moments
@@ -56,6 +63,8 @@ class Plan(NamedTuple):
       primaries, backups: ``{(cluster, stage): name}``.
       peak_bytes, message_bytes, n_params: the numbers the formation used.
       slowdown: ``{name: factor ≥ 1}``: compute emulated at ``max speed / speed``.
+      join_round: per cluster, the averaging round it joins at (0: from the start).
+      average_every: ``R``.
     """
 
     run_id: str
@@ -73,6 +82,8 @@ class Plan(NamedTuple):
     message_bytes: int
     n_params: int
     slowdown: dict
+    join_round: tuple = ()
+    average_every: int = 0
 
 
 def run_id_of(cfg: _config.Config) -> str:
@@ -113,15 +124,33 @@ def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None) -> Plan:
     message = cfg.data.batch_size * r.seq_len * d * 4
     peak = _formation.peak_memory_bytes(sum(ubytes), message * (4 * n_blocks + 2))
     pool = tuple(dict(n) for n in r.nodes)
-    workers = tuple(_node(n) for n in pool if not n.get("backup", False))
+    initial = [_node(n) for n in pool if not n.get("backup", False) and "join_round" not in n]
     max_nodes = len(units)
-    form = _formation.form_clusters(list(workers), r.clusters, peak, message, seed=cfg.run.seed, population=r.population,
+    form = _formation.form_clusters(initial, r.clusters, peak, message, seed=cfg.run.seed, population=r.population,
                                     generations=r.generations, max_cluster_nodes=max_nodes)
-    stages = _formation.plan_stages(form, list(workers), [STATE_PER_PARAM_BYTE * b for b in ubytes])
+    layer_bytes = [STATE_PER_PARAM_BYTE * b for b in ubytes]
+    stages = list(_formation.plan_stages(form, initial, layer_bytes))
+    join_round = [0] * len(stages)
+    workers = list(initial)
+    for rnd in sorted({n["join_round"] for n in pool if "join_round" in n}):
+        group = [_node(n) for n in pool if n.get("join_round") == rnd]
+        ram = sum(g.ram_bytes for g in group)
+        if ram < peak:
+            raise _formation.InfeasibleError(
+                f"the nodes joining at round {rnd} ({', '.join(g.name for g in group)}) have {ram / MB:.2f} MB of RAM, "
+                f"a cluster needs the model's peak memory {peak / MB:.2f} MB: {(peak - ram) / MB:.2f} MB short")
+        try:
+            ranges = _formation.split_layers([g.ram_bytes for g in group], layer_bytes, names=[g.name for g in group])
+        except ValueError as err:
+            raise ValueError(f"the cluster joining at round {rnd}: {err}") from err
+        stages.append(tuple(_formation.Stage(len(workers) + i, a, b) for i, (a, b) in enumerate(ranges)))
+        workers += group
+        join_round.append(rnd)
+    stages, workers = tuple(stages), tuple(workers)
     offsets = np.concatenate([[0], np.cumsum(np.asarray(ubytes) // 4)]).astype(int)
     layouts = tuple(tuple((int(offsets[st.start]), int(offsets[st.stop])) for st in cl) for cl in stages)
     block_ranges = tuple(tuple(_engine.unit_ranges_to_blocks([(st.start, st.stop) for st in cl], n_blocks)) for cl in stages)
-    rings = tuple(_rings.plan_rings(layouts))
+    rings = tuple(_rings.plan_rings([layouts[c] for c in range(len(stages)) if join_round[c] == 0]))
     slots = {workers[st.node].name: (c, s) for c, cl in enumerate(stages) for s, st in enumerate(cl)}
     primaries = {v: k for k, v in slots.items()}
     backups: dict = {}
@@ -145,7 +174,57 @@ def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None) -> Plan:
     speeds = {n["name"]: float(n.get("speed", 1.0)) for n in pool}
     top = max(speeds.values())
     return Plan(run_id_of(cfg), pool, workers, form, stages, block_ranges, layouts, rings, slots, primaries, backups,
-                int(peak), int(message), int(n_params), {k: top / v for k, v in speeds.items()})
+                int(peak), int(message), int(n_params), {k: top / v for k, v in speeds.items()}, tuple(join_round),
+                r.average_every)
+
+
+def active_clusters(plan: Plan, round_id: int) -> list[int]:
+    """The clusters that average at round ``round_id`` (joined at or before it), in cluster order."""
+    return [c for c, j in enumerate(plan.join_round) if j <= round_id]
+
+
+def rings_at(plan: Plan, round_id: int) -> tuple[list[int], list[_rings.Ring]]:
+    """``(active clusters, their rings)`` at averaging round ``round_id``; a ring's ``members[i]`` is
+    the stage of cluster ``active[i]``."""
+    active = active_clusters(plan, round_id)
+    return active, _rings.plan_rings([plan.layouts[c] for c in active])
+
+
+def first_batch(plan: Plan, cluster: int) -> int:
+    """The first batch of ``cluster``: 0, or ``(r − 1)·R`` for a cluster joining at round ``r``."""
+    r = plan.join_round[cluster]
+    return 0 if r == 0 else (r - 1) * plan.average_every
+
+
+def join_pieces(plan: Plan, slot: tuple[int, int]) -> list[tuple[tuple[int, int], int, int]]:
+    """What stage ``slot`` of a late cluster fetches before its first batch: ``[(provider slot, start, stop), ...]``.
+
+    The providers are the first cluster's stages; a late cluster joining at round 1 starts from the
+    initial parameters and fetches nothing.
+    """
+    c, s = slot
+    if plan.join_round[c] <= 1:
+        return []
+    a, b = plan.layouts[c][s]
+    out = []
+    for s0, (a0, b0) in enumerate(plan.layouts[0]):
+        lo, hi = max(a, a0), min(b, b0)
+        if lo < hi:
+            out.append(((0, s0), lo, hi))
+    return out
+
+
+def push_pieces(plan: Plan, slot: tuple[int, int], round_id: int) -> list[tuple[tuple[int, int], int, int]]:
+    """What stage ``slot`` sends after averaging round ``round_id``: ``[(late slot, start, stop), ...]`` for the
+    clusters joining at round ``round_id + 1`` (only the first cluster provides)."""
+    if slot[0] != 0:
+        return []
+    out = []
+    for c, j in enumerate(plan.join_round):
+        if j == round_id + 1 and j > 1:
+            for s in range(len(plan.layouts[c])):
+                out += [((c, s), lo, hi) for prov, lo, hi in join_pieces(plan, (c, s)) if prov == slot]
+    return out
 
 
 def stage_of(cfg: _config.Config, plan: Plan, name: str, ex: _examples.Examples) -> _engine.AsyncStage:
@@ -165,3 +244,32 @@ def data_of(cfg: _config.Config, ex: _examples.Examples, cluster: int, n_cluster
         return ex.tokens[ids], ex.labels[ids]
 
     return data
+
+
+def average_round(plan: Plan, slot: tuple[int, int], flat: np.ndarray, round_id: int, exchange: _rings.Exchange,
+                  timeout_s: float) -> np.ndarray:
+    """Stage ``slot``'s part of averaging round ``round_id`` over ``exchange`` (peers are slots): its rings
+    among the active clusters, then the pieces the clusters joining next round fetch. Returns its averaged slice."""
+    c, s = slot
+    active, rings = rings_at(plan, round_id)
+    start = plan.layouts[c][s][0]
+    avg = _rings.average_node(flat, start, rings, active.index(c), s, exchange, round_id=round_id, timeout_s=timeout_s,
+                              peer_of=lambda ci, node: (active[ci], node))
+    for dest, lo, hi in push_pieces(plan, slot, round_id):
+        exchange.send(dest, (0, round_id, "join", s), avg[lo - start:hi - start])
+    return avg
+
+
+def fetch_start(plan: Plan, slot: tuple[int, int], flat: np.ndarray, exchange: _rings.Exchange, timeout_s: float) -> np.ndarray:
+    """A late stage's starting slice: ``flat`` (its initial parameters) with every piece of :func:`join_pieces`
+    replaced by what the first cluster averaged at the round before it joins."""
+    c, s = slot
+    a = plan.layouts[c][s][0]
+    out = np.array(flat, np.float32, copy=True)
+    r = plan.join_round[c] - 1
+    for prov, lo, hi in join_pieces(plan, slot):
+        piece = np.asarray(exchange.recv(prov, (0, r, "join", prov[1]), timeout_s), np.float32)
+        if piece.shape != (hi - lo,):
+            raise ValueError(f"join piece from stage {prov} has {piece.size} values, expected {hi - lo}")
+        out[lo - a:hi - a] = piece
+    return out

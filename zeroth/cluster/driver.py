@@ -112,7 +112,7 @@ class NodeResult(dict):
 def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, np.ndarray]], io: NodeIO, *,
              n_batches: int, units, order: str = "fixed", max_in_flight: int = 0, average_every: int = 0,
              timeout_s: float = 600.0, on_record: Callable[[dict], None] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> NodeResult:
+             should_stop: Callable[[], bool] | None = None, first_batch: int = 0) -> NodeResult:
     """Run ``n_batches`` batches through this node's stage; returns its totals.
 
     Args:
@@ -123,11 +123,14 @@ def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, 
       average_every: ``R``: average with the other clusters after every ``R``-th update (0 = never).
       on_record: receives one record per update and per averaging round.
       should_stop: polled between operations; True ends the loop early (a clean stop).
+      first_batch: where a late cluster starts (its stage then counts updates from there, so that
+        the averaging rounds line up with the other clusters').
     """
     if order not in _schedule.ORDERS:
         raise ValueError(f"unknown order {order!r}; expected one of {list(_schedule.ORDERS)}")
     S, s = stage.n_stages, stage.index
     w = _schedule.in_flight(s, S, max_in_flight)
+    stage.version = max(stage.version, first_batch)
     res = NodeResult(updates=0, compute_s=0.0, idle_s=0.0, average_s=0.0, losses=[], staleness=[], stopped=False)
     t_start = time.perf_counter()
 
@@ -179,13 +182,13 @@ def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, 
 
     stopped = lambda: should_stop is not None and should_stop()  # noqa: E731
     if order == "fixed":
-        for kind, b in _schedule.fixed_order(s, S, n_batches, max_in_flight):
+        for kind, b in _schedule.fixed_order(s, S, n_batches - first_batch, max_in_flight):
             if stopped():
                 res["stopped"] = True
                 break
-            op_backward(b) if kind == "B" else op_forward(b)
+            op_backward(first_batch + b) if kind == "B" else op_forward(first_batch + b)
     else:
-        next_f = next_b = 0
+        next_f = next_b = first_batch
         progress = time.monotonic()
         while next_b < n_batches:
             if stopped():

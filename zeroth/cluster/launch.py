@@ -46,6 +46,7 @@ def _plan_json(plan: _build.Plan) -> dict:
             "layouts": [[list(x) for x in cl] for cl in plan.layouts],
             "rings": [{"ring": r.ring_id, "start": r.start, "stop": r.stop, "members": list(r.members)} for r in plan.rings],
             "backups": {plan.primaries[k]: v for k, v in plan.backups.items()},
+            "join_round": list(plan.join_round), "average_every": plan.average_every,
             "peak_bytes": plan.peak_bytes, "message_bytes": plan.message_bytes, "n_params": plan.n_params,
             "formation": {"fitness": plan.formation.fitness, "spread_s": plan.formation.spread_s,
                           "ram_bytes": list(plan.formation.ram_bytes), "transfer_s": list(plan.formation.transfer_s),
@@ -148,7 +149,7 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
     if progress:
         print(_formation.describe(plan.formation, list(plan.workers)))
         for c, cl in enumerate(plan.stages):
-            print(f"cluster {c}: " + " -> ".join(f"{plan.workers[st.node].name} blocks {list(b)}"
+            print(f"cluster {c}" + (f" (joins at round {plan.join_round[c]})" if plan.join_round[c] else "") + ": " + " -> ".join(f"{plan.workers[st.node].name} blocks {list(b)}"
                                                  for st, b in zip(cl, plan.block_ranges[c])))
         print(f"{len(plan.rings)} rings average every {r.average_every} updates; backups: "
               + (", ".join(f"{v} shadows {plan.primaries[k]}" for k, v in plan.backups.items()) or "none"), flush=True)

@@ -66,7 +66,7 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
                                    address_dir=addresses, bandwidth_mbps=bw, enforce=r.enforce_bandwidth,
                                    latency_s=r.latency_ms / 1e3, timeout_s=r.timeout_s)
     t.serve(listen or f"{r.host}:0")
-    io = transport.NodeLink(t, plan.rings, plan.layouts[c][s][0], r.timeout_s)
+    io = transport.NodeLink(t, plan, r.timeout_s)
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     role = "backup" if plan.primaries[(c, s)] != name else "primary"
@@ -81,9 +81,11 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
 
     t0 = time.time()
     try:
+        if build.join_pieces(plan, (c, s)):  # a late cluster starts from the last averaged parameters
+            stage.params = engine.with_flat(stage.params, units, io.fetch_start(engine.flat_of(stage.params, units)))
         res = driver.run_node(stage, build.data_of(cfg, ex, c, len(plan.stages)), io, n_batches=cfg.train.steps, units=units,
                               order=r.order, max_in_flight=r.max_in_flight, average_every=r.average_every,
-                              timeout_s=r.timeout_s, on_record=record)
+                              timeout_s=r.timeout_s, on_record=record, first_batch=build.first_batch(plan, c))
     finally:
         t.close(r.timeout_s)
     flat = engine.flat_of(stage.params, units)

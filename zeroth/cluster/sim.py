@@ -5,7 +5,8 @@
 nodes' :class:`~zeroth.cluster.driver.Inbox` directly, the rings through a
 :class:`~zeroth.cluster.rings.QueueExchange`. In the ``fixed`` order this is what the node
 processes compute, bit for bit; it is the reference the end-to-end tests compare against.
-Backups are not simulated (they compute what their primary computes).
+Late clusters fetch their start over the same exchange. Backups are not simulated (they compute
+what their primary computes).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class _LocalIO:
         self.slot, self.inboxes, self.plan, self.timeout_s = slot, inboxes, plan, timeout_s
         self.inbox = inboxes[slot]
         self.endpoint = hub.endpoint(slot)
+        self.averaged: dict[int, np.ndarray] = {}
 
     def send(self, kind, batch, array):
         c, s = self.slot
@@ -35,16 +37,17 @@ class _LocalIO:
         self.inboxes[dest].put(kind, batch, np.array(array, copy=True))
 
     def average(self, flat, round_id):
-        c, s = self.slot
-        start = self.plan.layouts[c][s][0]
-        return _rings.average_node(flat, start, self.plan.rings, c, s, self.endpoint, round_id=round_id, timeout_s=self.timeout_s)
+        avg = _build.average_round(self.plan, self.slot, flat, round_id, self.endpoint, self.timeout_s)
+        self.averaged[round_id] = avg
+        return avg
 
 
 def run_local(cfg: _config.Config, steps: int | None = None) -> dict:
     """Run the whole pool in this process for ``steps`` batches per cluster (default ``train.steps``).
 
     Returns ``{"plan", "results": {name: NodeResult}, "records": {name: [...]}, "flat": {name: float32[...]},
-    "digests": {name: str}}``; the first exception of any node is raised.
+    "digests": {name: str}, "averaged": {name: {round: float32[...]}}, "starts": {late name: float32[...]}}``; the
+    first exception of any node is raised.
     """
     r = cfg.ravnest
     n = cfg.train.steps if steps is None else steps
@@ -54,7 +57,7 @@ def run_local(cfg: _config.Config, steps: int | None = None) -> dict:
     inboxes = {slot: _driver.Inbox() for slot in plan.primaries}
     model, params = _build.model_of(cfg, ex)
     units = _engine.model_units(sum(1 for k in params if k.startswith("_Block_")))
-    out = {"plan": plan, "results": {}, "records": {}, "flat": {}, "digests": {}}
+    out = {"plan": plan, "results": {}, "records": {}, "flat": {}, "digests": {}, "averaged": {}, "starts": {}}
     errors: list[BaseException] = []
 
     def node(name, slot):
@@ -62,12 +65,17 @@ def run_local(cfg: _config.Config, steps: int | None = None) -> dict:
             stage = _build.stage_of(cfg, plan, name, ex)
             recs: list = []
             io = _LocalIO(slot, inboxes, hub, plan, r.timeout_s)
+            if _build.join_pieces(plan, slot):
+                start = _build.fetch_start(plan, slot, _engine.flat_of(stage.params, units), io.endpoint, r.timeout_s)
+                stage.params = _engine.with_flat(stage.params, units, start)
+                out["starts"][name] = start
             res = _driver.run_node(stage, _build.data_of(cfg, ex, slot[0], len(plan.stages)), io, n_batches=n, units=units,
                                    order=r.order, max_in_flight=r.max_in_flight, average_every=r.average_every,
-                                   timeout_s=r.timeout_s, on_record=recs.append)
+                                   timeout_s=r.timeout_s, on_record=recs.append, first_batch=_build.first_batch(plan, slot[0]))
             flat = _engine.flat_of(stage.params, units)
             out["results"][name], out["records"][name], out["flat"][name] = res, recs, flat
             out["digests"][name] = _engine.flat_digest(flat)
+            out["averaged"][name] = io.averaged
         except BaseException as e:  # noqa: BLE001 - re-raised below after the other threads stop
             errors.append(e)
             for ib in inboxes.values():

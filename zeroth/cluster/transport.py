@@ -34,8 +34,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from zeroth.cluster import build as _build
 from zeroth.cluster import driver as _driver
-from zeroth.cluster import rings as _rings
 from zeroth.cluster import wire
 from zeroth.cluster.proto import cluster_pb2 as pb
 from zeroth.cluster.proto import cluster_pb2_grpc as pb_grpc
@@ -284,15 +284,17 @@ class _Servicer(pb_grpc.ClusterNodeServicer):
 class NodeLink:
     """The :class:`zeroth.cluster.driver.NodeIO` of a node process: sends, buffers and averaging over its transport."""
 
-    def __init__(self, t: ClusterTransport, rings, part_start: int, timeout_s: float):
-        self.t, self.rings, self.part_start, self.timeout_s = t, rings, part_start, timeout_s
+    def __init__(self, t: ClusterTransport, plan, timeout_s: float):
+        self.t, self.plan, self.timeout_s = t, plan, timeout_s
         self.inbox = t.inbox
-        self._exchange = _RingExchange(t)
+        self.exchange = _RingExchange(t)
 
     def send(self, kind, batch, array) -> None:
         self.t.send(kind, batch, array)
 
     def average(self, flat, round_id):
-        c, s = self.t.slot
-        return _rings.average_node(flat, self.part_start, self.rings, c, s, self._exchange, round_id=round_id,
-                                   timeout_s=self.timeout_s)
+        return _build.average_round(self.plan, self.t.slot, flat, round_id, self.exchange, self.timeout_s)
+
+    def fetch_start(self, flat):
+        """A late stage's starting slice (:func:`zeroth.cluster.build.fetch_start`)."""
+        return _build.fetch_start(self.plan, self.t.slot, flat, self.exchange, self.timeout_s)

@@ -17,7 +17,7 @@ __all__ = ["KINDS", "MAX_VALUES", "MessageError", "check_message", "from_message
 
 KINDS = {"activation": pb.ACTIVATION, "gradient": pb.GRADIENT, "ring": pb.RING}
 MAX_VALUES = 64 * 1024 * 1024  # float32 values in one message (256 MiB)
-PHASES = ("reduce", "gather", "promote")  # promote: a backup takes over its primary's slot
+PHASES = ("reduce", "gather", "promote", "join")  # promote: a backup takes over; join: a late cluster's start
 
 
 class MessageError(ValueError):
