@@ -98,7 +98,7 @@ PIPELINE_MODELS = ("transformer", "smollm2_prompt")
 PIPELINE_BUFFERS = ("memory", "memmap")
 # Ravnest (seed 003): the orders of a node's work, the keys of a node description
 RAVNEST_ORDERS = ("fixed", "arrival")
-RAVNEST_NODE_KEYS = {"name": str, "ram_mb": float, "bandwidth_mbps": float, "speed": float, "backup": bool, "join_round": int}
+RAVNEST_NODE_KEYS = {"name": str, "ram_mb": float, "bandwidth_mbps": float, "speed": float, "backup": bool, "join_round": int, "latency_ms": float}
 
 
 def _dataset_names() -> tuple[str, ...]:
@@ -389,6 +389,10 @@ class PipelineConfig:
         "memory", "Where AQ-SGD buffers live: memory (NumPy) or memmap (a file per link end in the stage folder).",
         choices=PIPELINE_BUFFERS,
     )
+    slowdown: float = _field(
+        1.0, "Emulated compute speed of every stage: each computation is followed by a sleep of (slowdown - 1) times "
+        "its duration (1 = this machine).", min=1.0,
+    )
     host: str = _field("127.0.0.1", "Address the stages listen on.")
     timeout_s: float = _field(600.0, "A stage gives up when a frame it waits for does not come within this many seconds.", gt=0.0)
 
@@ -409,10 +413,12 @@ class RavnestConfig:
 
     nodes: tuple[dict, ...] = _field(
         (), "The node pool: one mapping per node, {name, ram_mb (usable RAM), bandwidth_mbps (steady bandwidth), "
-        "speed (relative compute speed, 1 = this machine; slower nodes are emulated by sleeping), backup (true: a "
+        "speed (compute speed relative to this machine, <= 1: a node of speed 0.5 sleeps as long as it computes; the "
+        "formation reads it as given), backup (true: a "
         "spare that shadows the least reliable node of a cluster and takes over when it dies), join_round (r >= 1: the "
         "node arrives late; the nodes with the same join_round form a new cluster that starts from the parameters "
-        "averaged at round r - 1 and joins the rings at round r)}.",
+        "averaged at round r - 1 and joins the rings at round r), latency_ms (the node's access latency: a message between two nodes takes "
+        "ravnest.latency_ms plus both nodes' latency_ms)}.",
         factory=_default_nodes,
     )
     clusters: int = _field(2, "Number of clusters the genetic algorithm forms from the non-backup nodes.", min=1)
@@ -710,7 +716,9 @@ def _check_ravnest(cfg: Config) -> None:
             v = node[key]
             if tp is float:
                 _coerce_scalar(f"{where}.{key}", float, v)
-                if not float(v) > 0:
+                if key == "latency_ms" and float(v) < 0:
+                    raise _bad(f"{where}.{key}", v, ">= 0")
+                if key != "latency_ms" and not float(v) > 0:
                     raise _bad(f"{where}.{key}", v, "> 0")
             elif tp is int:
                 _coerce_scalar(f"{where}.{key}", int, v)

@@ -62,7 +62,7 @@ class Plan(NamedTuple):
       slots: ``{name: (cluster, stage)}`` of every node, backups included.
       primaries, backups: ``{(cluster, stage): name}``.
       peak_bytes, message_bytes, n_params: the numbers the formation used.
-      slowdown: ``{name: factor ≥ 1}``: compute emulated at ``max speed / speed``.
+      slowdown: ``{name: factor ≥ 1}``: compute emulated at ``1 / speed`` (a speed above 1 runs at this machine's).
       join_round: per cluster, the averaging round it joins at (0: from the start).
       average_every: ``R``.
     """
@@ -172,9 +172,8 @@ def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None) -> Plan:
             raise ValueError(f"config field ravnest.nodes: backup {n['name']!r} ({n['ram_mb']} MB) fits no stage without a backup; "
                              f"give it more RAM or remove it")
     speeds = {n["name"]: float(n.get("speed", 1.0)) for n in pool}
-    top = max(speeds.values())
     return Plan(run_id_of(cfg), pool, workers, form, stages, block_ranges, layouts, rings, slots, primaries, backups,
-                int(peak), int(message), int(n_params), {k: top / v for k, v in speeds.items()}, tuple(join_round),
+                int(peak), int(message), int(n_params), {k: max(1.0, 1.0 / v) for k, v in speeds.items()}, tuple(join_round),
                 r.average_every)
 
 

@@ -16,7 +16,6 @@ multi-ring averaging (:mod:`zeroth.cluster.rings`) works on these slices.
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from zeroth.stages import timing as _timing
 
 __all__ = ["AsyncStage", "flat_digest", "flat_of", "model_units", "unit_bytes", "unit_ranges_to_blocks", "with_flat"]
 
@@ -87,17 +88,15 @@ class AsyncStage:
       fn: the stage function (:mod:`zeroth.stages.partition`).
       params: this stage's parameters (float32).
       optimizer: an ``optax.GradientTransformation``.
-      slowdown: emulated compute speed: every jitted computation is followed by a sleep of
-        ``(slowdown − 1)`` times its duration (``1`` = this machine's speed).
+      slowdown: emulated compute speed (:class:`zeroth.stages.timing.SlowClock`; ``1`` = this machine).
     """
 
     def __init__(self, index: int, n_stages: int, fn, params, optimizer, *, slowdown: float = 1.0):
-        if not slowdown >= 1.0:
-            raise ValueError(f"slowdown must be >= 1 (1 = full speed), got {slowdown!r}")
         self.index, self.n_stages = index, n_stages
         self.first, self.last = index == 0, index == n_stages - 1
         self.params = jax.tree_util.tree_map(jnp.asarray, params)
-        self.optimizer, self.slowdown = optimizer, float(slowdown)
+        self.optimizer, self.slowdown = optimizer, _timing.check_slowdown(slowdown)
+        self._clock = _timing.SlowClock(self.slowdown)
         with jax.numpy_dtype_promotion("standard"):
             self.opt_state = optimizer.init(self.params)
         self.stash: dict[int, tuple[Any, Any]] = {}
@@ -126,12 +125,8 @@ class AsyncStage:
         self._update = jax.jit(update)
 
     def _run(self, f, *args):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(f(*args))
-        dt = time.perf_counter() - t0
+        out, dt = self._clock.run(f, *args)
         self.compute_s += dt
-        if self.slowdown > 1.0:
-            time.sleep(dt * (self.slowdown - 1.0))
         return out
 
     def _apply(self, grads) -> None:

@@ -10,7 +10,8 @@ When a node fails otherwise the others are stopped and the exit code is 1.
 At the end it merges the nodes' records into ``OUT/metrics.jsonl`` and writes ``OUT/summary.json``:
 per cluster its last stage's final loss and its model's digest (the stages' final slices laid end
 to end), whether every cluster ends on the same parameters (they do when the last update is an
-averaging round), per node its idle fraction, and the formation.
+averaging round), the loss of the first cluster's model on the whole example set before and after
+training, per node its idle fraction, and the formation.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from zeroth import config as _config
 from zeroth.cluster import build as _build
 from zeroth.cluster import engine as _engine
 from zeroth.cluster import formation as _formation
+from zeroth.stages import partition
 from zeroth.transport import identity
 
-__all__ = ["cluster_models", "node_dir", "run_config", "start_nodes"]
+__all__ = ["cluster_models", "evaluate", "node_dir", "run_config", "start_nodes"]
 
 
 def node_dir(out: Path, name: str) -> Path:
@@ -131,6 +133,21 @@ def cluster_models(out: Path, plan: _build.Plan, killed=()) -> list[np.ndarray]:
     return models
 
 
+def evaluate(cfg: _config.Config, plan: _build.Plan, flat: np.ndarray | None) -> float:
+    """Mean loss over the whole example set of the model whose flat parameters are ``flat`` (None: the initial model)."""
+    import jax.numpy as jnp
+
+    ex = _build.examples_of(cfg)
+    model, params = _build.model_of(cfg, ex)
+    n_blocks = sum(1 for k in params if k.startswith("_Block_"))
+    units = _engine.model_units(n_blocks)
+    if flat is not None:
+        params = _engine.with_flat(params, units, flat)
+    part = partition.transformer_partition(params, [(0, n_blocks)], objective=cfg.ravnest.objective, heads=model.heads,
+                                           mlp_dim=model.mlp_dim, pad_id=ex.pad_id)
+    return float(partition.reference_loss(part, part.params, jnp.asarray(ex.tokens), jnp.asarray(ex.labels)))
+
+
 def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool = True) -> int:
     """Run the Ravnest pool of ``cfg`` as node processes into ``out``. Exit code."""
     out = Path(out)
@@ -181,11 +198,13 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
                              "final_loss": nodes[last[c]]["final_loss"], "digest": _engine.flat_digest(models[c])}
                             for c, cl in enumerate(plan.stages)],
                "clusters_agree": agree, "killed": killed,
+               "initial_eval_loss": evaluate(cfg, plan, None), "eval_loss": evaluate(cfg, plan, models[0]),
                "idle_fraction": {k: v["idle_s"] / max(v["wall_s"], 1e-9) for k, v in nodes.items()},
                "nodes": nodes, "plan": _plan_json(plan)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if progress:
         losses = ", ".join(f"cluster {x['cluster']} {x['final_loss']:.4f}" for x in summary["clusters"])
         print(f"ravnest done: {cfg.train.steps} batches per cluster, final loss {losses}, clusters agree: {agree}, "
-              f"{summary['seconds']:.1f}s")
+              f"loss on all {cfg.ravnest.examples} examples {summary['initial_eval_loss']:.4f} -> {summary['eval_loss']:.4f} "
+              f"(first cluster's model), {summary['seconds']:.1f}s")
     return 0

@@ -64,7 +64,8 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
     bw = {n["name"]: float(n["bandwidth_mbps"]) for n in plan.pool}
     t = transport.ClusterTransport(name, plan.slots, plan.primaries, plan.backups, run_id=plan.run_id, token=token,
                                    address_dir=addresses, bandwidth_mbps=bw, enforce=r.enforce_bandwidth,
-                                   latency_s=r.latency_ms / 1e3, timeout_s=r.timeout_s)
+                                   latency_s=r.latency_ms / 1e3, timeout_s=r.timeout_s,
+                                   node_latency_s={n["name"]: float(n.get("latency_ms", 0.0)) / 1e3 for n in plan.pool})
     t.serve(listen or f"{r.host}:0")
     io = transport.NodeLink(t, plan, r.timeout_s)
     metrics = out / "metrics.jsonl"

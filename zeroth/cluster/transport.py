@@ -3,7 +3,8 @@
 Every node serves ``ClusterNode.Deliver`` (``protos/zeroth/v1/cluster.proto``) behind the run's
 access token (:class:`zeroth.transport.security.TokenInterceptor`). To send, a node opens one
 client stream per receiver, fed by a :class:`zeroth.transport.pacing.Pacer` at the pair's
-bandwidth ``min(b_sender, b_receiver)`` and latency: the emulation acts on the bytes sent.
+bandwidth ``min(b_sender, b_receiver)`` and latency ``base + l_sender + l_receiver`` (each node's
+access latency): the emulation acts on the bytes sent.
 
 Messages are addressed to **slots** ``(cluster, stage)``, not to processes. A slot has a primary
 and possibly a backup (seed 003 §3.5: a new node shadows the least reliable node of a cluster):
@@ -98,12 +99,14 @@ class ClusterTransport:
       run_id: the run's id (every message carries it). token: the access token (None: no check).
       address_dir: where every node writes ``<name>`` holding its ``HOST:PORT``.
       bandwidth_mbps: ``{name: steady bandwidth}``; enforce: pace at the pair's bandwidth.
-      latency_s: per message. timeout_s: bound on every wait.
+      latency_s: the base one-way latency of every message; node_latency_s: ``{name: access latency}``
+        added at both ends. timeout_s: bound on every wait.
     """
 
     def __init__(self, me: str, slots: Mapping[str, tuple[int, int]], primaries: Mapping, backups: Mapping, *,
                  run_id: str, token: str | None, address_dir: Path, bandwidth_mbps: Mapping[str, float],
-                 enforce: bool = True, latency_s: float = 0.0, timeout_s: float = 300.0):
+                 enforce: bool = True, latency_s: float = 0.0, node_latency_s: Mapping[str, float] | None = None,
+                 timeout_s: float = 300.0):
         self.me, self.run_id, self.token = me, run_id, token
         self.slots = {k: tuple(v) for k, v in slots.items()}
         self.slot = self.slots[me]
@@ -112,6 +115,7 @@ class ClusterTransport:
         self.shadow = self.primary[self.slot] != me
         self.address_dir, self.bw, self.enforce = Path(address_dir), dict(bandwidth_mbps), enforce
         self.latency_s, self.timeout_s = latency_s, timeout_s
+        self.node_latency_s = dict(node_latency_s or {})
         self.inbox = _driver.Inbox()
         self.outbox: deque = deque(maxlen=OUTBOX)
         self._senders: dict[str, _Sender] = {}
@@ -170,7 +174,8 @@ class ClusterTransport:
             if name not in self._senders:
                 address = resolve_address(self.address_dir, name, self.timeout_s)
                 bps = min(self.bw[self.me], self.bw[name]) * 1e6 if self.enforce else None
-                self._senders[name] = _Sender(name, address, bps, self.latency_s, self.token, self._failed)
+                lat = self.latency_s + self.node_latency_s.get(self.me, 0.0) + self.node_latency_s.get(name, 0.0)
+                self._senders[name] = _Sender(name, address, bps, lat, self.token, self._failed)
             return self._senders[name]
 
     def _deliver(self, slot: tuple[int, int], msg: pb.Message) -> None:

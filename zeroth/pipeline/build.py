@@ -34,7 +34,7 @@ __all__ = [
 
 # deployment fields that may differ between the stages of one run
 RUN_ID_EXCLUDE = ("run.out_dir", "run.name", "pipeline.host", "pipeline.timeout_s", "pipeline.buffers",
-                  "pipeline.bandwidth_bps", "pipeline.latency_ms", "pipeline.emulate_bandwidths_bps",
+                  "pipeline.bandwidth_bps", "pipeline.latency_ms", "pipeline.emulate_bandwidths_bps", "pipeline.slowdown",
                   "train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "train.eval_every")
 
 
@@ -85,7 +85,7 @@ def engine_of(cfg: _config.Config, index: int, part: _partition.Partition, ex: _
     return _engine.StageEngine(
         index, p.stages, part.fns[index], part.params[index], optimizer_of(cfg), codecs,
         run_seed=cfg.run.seed, run_id=run_id_of(cfg), n_examples=p.examples, row_shape=(p.seq_len, part.width),
-        micro_batches=p.micro_batches, buffer_dir=buffer_dir,
+        micro_batches=p.micro_batches, buffer_dir=buffer_dir, slowdown=p.slowdown,
     )
 
 

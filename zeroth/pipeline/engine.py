@@ -32,6 +32,7 @@ import optax
 
 from zeroth import compress as C
 from zeroth.pipeline import wire
+from zeroth.stages import timing as _timing
 
 __all__ = ["LinkCodecs", "StageEngine", "StepTimes", "link_codecs"]
 
@@ -65,10 +66,6 @@ class StepTimes(NamedTuple):
     wait_s: float
 
 
-def _block(x):
-    return jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
-
-
 class StageEngine:
     """Stage ``index`` of ``n_stages``: parameters, optimizer state, link buffers, one step at a time.
 
@@ -83,11 +80,15 @@ class StageEngine:
       row_shape: ``(T, d)``: one example's activation.
       micro_batches: M.
       buffer_dir: folder for memory-mapped AQ-SGD buffers; None = host memory.
+      slowdown: emulated compute speed (:class:`zeroth.stages.timing.SlowClock`; ``1`` = this machine).
     """
 
     def __init__(self, index: int, n_stages: int, fn, params, optimizer, codecs: LinkCodecs, *, run_seed: int,
-                 run_id: str, n_examples: int, row_shape: tuple[int, ...], micro_batches: int, buffer_dir=None):
+                 run_id: str, n_examples: int, row_shape: tuple[int, ...], micro_batches: int, buffer_dir=None,
+                 slowdown: float = 1.0):
         self.index, self.n_stages = index, n_stages
+        self.slowdown = _timing.check_slowdown(slowdown)
+        self._clock = _timing.SlowClock(self.slowdown)
         self.first, self.last = index == 0, index == n_stages - 1
         self.codecs, self.run_seed, self.run_id = codecs, run_seed, run_id
         self.row_shape, self.micro_batches = tuple(row_shape), micro_batches
@@ -135,9 +136,8 @@ class StageEngine:
         return C.example_keys(self.run_seed, link=link, direction=direction, step=self.step, ids=ids)
 
     def _timed(self, key: str, f, *args):
-        t0 = time.perf_counter()
-        out = _block(f(*args))
-        self.times[key] += time.perf_counter() - t0
+        out, dt = self._clock.run(f, *args)
+        self.times[key] += dt
         return out
 
     def _accumulate(self, g) -> None:

@@ -1,0 +1,19 @@
+"""The Ravnest notebook executes on the committed results (experiments/results/ravnest_*)."""
+
+from pathlib import Path
+
+import pytest
+
+from notebook_util import execute
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOK = REPO / "notebooks" / "ravnest.ipynb"
+
+
+@pytest.mark.slow
+def test_ravnest_notebook_executes_on_the_committed_results(monkeypatch):
+    monkeypatch.setenv("RAVNEST_RESULTS", str(REPO / "experiments" / "results"))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    text = execute(NOTEBOOK, REPO / "notebooks")
+    assert "cluster 2 (joins at round 4)" in text and "clusters agree at the end: True" in text
+    assert "took over: True" in text and "steady-state wall: fill-and-drain" in text
