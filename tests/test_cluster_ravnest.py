@@ -33,7 +33,7 @@ BASE = {
 }
 
 
-LATE = [{"name": "j0", "ram_mb": 10, "bandwidth_mbps": 100, "join_round": 2}]
+LATE = [{"name": "j0", "ram_mb": 10, "bandwidth_mbps": 200, "join_round": 2}]
 
 
 def _with_late(raw: dict) -> dict:
@@ -155,11 +155,13 @@ def test_in_process_clusters_end_averaged_and_a_late_cluster_starts_from_the_ave
 
 @pytest.mark.slow
 def test_processes_match_the_in_process_run_and_a_backup_takes_over(tmp_path, reference):
-    """Node processes on loopback end on the in-process digests, with a late cluster joining at round 2 and a
-    primary SIGKILLed and its backup taking over."""
+    """Node processes on loopback end on the in-process digests, with a late cluster joining at round 2, a
+    backup shadowing from the start and one joining at round 1 (its primary's state handed over), both
+    primaries SIGKILLed and their backups taking over."""
     raw = _with_late(BASE)
-    raw["ravnest"]["nodes"].append({"name": "b0", "ram_mb": 6, "bandwidth_mbps": 150, "backup": True})
-    raw["ravnest"]["kill_at"] = [3]
+    raw["ravnest"]["nodes"] += [{"name": "b0", "ram_mb": 6, "bandwidth_mbps": 150, "backup": True},
+                                {"name": "b1", "ram_mb": 6, "bandwidth_mbps": 150, "backup": True, "join_round": 1}]
+    raw["ravnest"]["kill_at"] = [3, 6]
     cfg_path = tmp_path / "rv.yaml"
     cfg_path.write_text(json.dumps(raw))
     ref = reference
@@ -169,12 +171,14 @@ def test_processes_match_the_in_process_run_and_a_backup_takes_over(tmp_path, re
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     plan = ref["plan"]
-    killed = summary["killed"]
-    assert len(killed) == 1 and summary["nodes"]["b0"]["took_over"]
-    slot = tuple(plan.slots[killed[0]])
-    assert plan.primaries[slot] == killed[0]
+    # b0 shadows the least reliable node (n1, 100 Mbit/s) from the start; b1 arrives at round 1 for the next (n2)
+    assert summary["plan"]["backups"] == {"n1": "b0", "n2": "b1"} and sorted(summary["killed"]) == ["n1", "n2"]
+    assert summary["nodes"]["b0"]["took_over"] and summary["nodes"]["b1"]["took_over"]
+    handover = [json.loads(ln) for ln in (out / "nodes" / "n2" / "metrics.jsonl").read_text().splitlines()
+                if '"handover"' in ln]
+    assert len(handover) == 1 and handover[0]["round"] == 1 and handover[0]["backup"] == "b1"
     for name, dig in ref["digests"].items():
-        holder = "b0" if name == killed[0] else name
+        holder = {"n1": "b0", "n2": "b1"}.get(name, name)
         assert summary["nodes"][holder]["digest"] == dig, name
     assert summary["clusters_agree"]
     assert all(n["messages_refused"] == 0 for n in summary["nodes"].values())

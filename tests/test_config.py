@@ -149,7 +149,7 @@ def test_every_field_has_help_and_describe_lists_it():
             sub = {"RunConfig": C.RunConfig, "DataConfig": C.DataConfig, "ModelConfig": C.ModelConfig,
                    "TrainConfig": C.TrainConfig, "OptimizerConfig": C.OptimizerConfig, "PeersConfig": C.PeersConfig,
                    "BinaryConfig": C.BinaryConfig,
-                   "PipelineConfig": C.PipelineConfig}
+                   "PipelineConfig": C.PipelineConfig, "RavnestConfig": C.RavnestConfig}
             name = next((k for k in sub if k in str(inner)), None)
             if name:
                 walk(sub[name], f"{prefix}{f.name}.")

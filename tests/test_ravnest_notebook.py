@@ -17,3 +17,4 @@ def test_ravnest_notebook_executes_on_the_committed_results(monkeypatch):
     text = execute(NOTEBOOK, REPO / "notebooks")
     assert "cluster 2 (joins at round 4)" in text and "clusters agree at the end: True" in text
     assert "took over: True" in text and "steady-state wall: fill-and-drain" in text
+    assert "j0 handed its state" in text and "to backup b1 after round 4" in text

@@ -414,7 +414,8 @@ class RavnestConfig:
     nodes: tuple[dict, ...] = _field(
         (), "The node pool: one mapping per node, {name, ram_mb (usable RAM), bandwidth_mbps (steady bandwidth), "
         "speed (compute speed relative to this machine, <= 1: a node of speed 0.5 sleeps as long as it computes; the "
-        "formation reads it as given), backup (true: a "
+        "formation reads it as given), backup with join_round r: the spare arrives at round r and receives its "
+        "primary's state then, backup (true: a "
         "spare that shadows the least reliable node of a cluster and takes over when it dies), join_round (r >= 1: the "
         "node arrives late; the nodes with the same join_round form a new cluster that starts from the parameters "
         "averaged at round r - 1 and joins the rings at round r), latency_ms (the node's access latency: a message between two nodes takes "
@@ -733,8 +734,6 @@ def _check_ravnest(cfg: Config) -> None:
     for i, node in enumerate(r.nodes):
         if "join_round" not in node:
             continue
-        if node.get("backup", False):
-            raise ValueError(f"config field ravnest.nodes[{i}]: a backup shadows from the start; remove join_round or backup")
         if r.average_every == 0:
             raise ValueError(f"config field ravnest.nodes[{i}].join_round: a late cluster joins at an averaging round; set ravnest.average_every > 0")
         if (node["join_round"] - 1) * r.average_every >= cfg.train.steps:
@@ -746,6 +745,12 @@ def _check_ravnest(cfg: Config) -> None:
     backups = len(r.nodes) - len(workers)
     if len(r.kill_at) > backups:
         raise ValueError(f"config field ravnest.kill_at: {len(r.kill_at)} kills but {backups} backup nodes; each kill is taken over by one backup")
+    late_backups = [n for n in r.nodes if n.get("backup", False)]
+    for n, at in zip(late_backups, r.kill_at):
+        joined = n.get("join_round", 0) * r.average_every
+        if at <= joined:
+            raise ValueError(f"config field ravnest.kill_at: backup {n['name']!r} joins after update {joined}; "
+                             f"its primary can be killed only after that (got {at})")
     if any(k >= cfg.train.steps for k in r.kill_at):
         raise ValueError(f"config field ravnest.kill_at: {list(r.kill_at)} must be below train.steps={cfg.train.steps}")
 

@@ -14,7 +14,9 @@ a coordinator:
 3. each node's stage is a range of the model's flat parameter vector; the rings
    (:func:`zeroth.cluster.rings.plan_rings`) average every range across the clusters;
 4. each backup (``backup: true``) shadows the least reliable primary (lowest bandwidth, then pool
-   order) that has no backup yet and whose stage fits in the backup's RAM;
+   order) that has no backup yet and whose stage fits in the backup's RAM; with ``join_round: r``
+   it arrives later: after round ``r`` its primary sends it its whole state and relays to it
+   every message it receives from then on;
 5. the late nodes with the same ``join_round: r`` form one more cluster (split by RAM as above).
    It starts at batch ``(r − 1)·R`` from the parameters the clusters averaged at round ``r − 1``
    (the first cluster's nodes send each of its nodes the part it holds), trains ``R`` batches and
@@ -65,6 +67,8 @@ class Plan(NamedTuple):
       slowdown: ``{name: factor ≥ 1}``: compute emulated at ``1 / speed`` (a speed above 1 runs at this machine's).
       join_round: per cluster, the averaging round it joins at (0: from the start).
       average_every: ``R``.
+      backup_round: ``{backup name: round}``: 0 for a backup that shadows from the start, ``r`` for
+        one that joins after round ``r`` (its primary hands it its state then).
     """
 
     run_id: str
@@ -84,6 +88,7 @@ class Plan(NamedTuple):
     slowdown: dict
     join_round: tuple = ()
     average_every: int = 0
+    backup_round: dict = {}
 
 
 def run_id_of(cfg: _config.Config) -> str:
@@ -132,8 +137,8 @@ def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None) -> Plan:
     stages = list(_formation.plan_stages(form, initial, layer_bytes))
     join_round = [0] * len(stages)
     workers = list(initial)
-    for rnd in sorted({n["join_round"] for n in pool if "join_round" in n}):
-        group = [_node(n) for n in pool if n.get("join_round") == rnd]
+    for rnd in sorted({n["join_round"] for n in pool if "join_round" in n and not n.get("backup", False)}):
+        group = [_node(n) for n in pool if n.get("join_round") == rnd and not n.get("backup", False)]
         ram = sum(g.ram_bytes for g in group)
         if ram < peak:
             raise _formation.InfeasibleError(
@@ -174,7 +179,7 @@ def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None) -> Plan:
     speeds = {n["name"]: float(n.get("speed", 1.0)) for n in pool}
     return Plan(run_id_of(cfg), pool, workers, form, stages, block_ranges, layouts, rings, slots, primaries, backups,
                 int(peak), int(message), int(n_params), {k: max(1.0, 1.0 / v) for k, v in speeds.items()}, tuple(join_round),
-                r.average_every)
+                r.average_every, {n["name"]: int(n.get("join_round", 0)) for n in pool if n.get("backup", False)})
 
 
 def active_clusters(plan: Plan, round_id: int) -> list[int]:

@@ -65,6 +65,20 @@ class Inbox:
             self._error = error
             self._cv.notify_all()
 
+    def snapshot(self) -> tuple[dict, set]:
+        """``(waiting messages, every key ever put)``: what a joining backup must start from."""
+        with self._cv:
+            return dict(self._items), set(self._seen)
+
+    def restore(self, items: dict, seen: set) -> None:
+        """Merge a snapshot: its messages are waiting, its keys count as seen (re-sent copies are dropped)."""
+        with self._cv:
+            for k, v in items.items():
+                if k not in self._seen:
+                    self._items[k] = v
+            self._seen |= set(seen) | set(items)
+            self._cv.notify_all()
+
     def has(self, kind: str, batch: int) -> bool:
         with self._cv:
             return (kind, batch) in self._items
@@ -112,7 +126,8 @@ class NodeResult(dict):
 def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, np.ndarray]], io: NodeIO, *,
              n_batches: int, units, order: str = "fixed", max_in_flight: int = 0, average_every: int = 0,
              timeout_s: float = 600.0, on_record: Callable[[dict], None] | None = None,
-             should_stop: Callable[[], bool] | None = None, first_batch: int = 0) -> NodeResult:
+             should_stop: Callable[[], bool] | None = None, first_batch: int = 0,
+             after_average: Callable[[int], None] | None = None) -> NodeResult:
     """Run ``n_batches`` batches through this node's stage; returns its totals.
 
     Args:
@@ -125,12 +140,18 @@ def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, 
       should_stop: polled between operations; True ends the loop early (a clean stop).
       first_batch: where a late cluster starts (its stage then counts updates from there, so that
         the averaging rounds line up with the other clusters').
+      after_average: called with the round after each averaging round, parameters set (a primary
+        hands its state to a joining backup there).
+
+    A stage restored from a snapshot (``stage.version`` past ``first_batch``) resumes after its
+    last update: in the ``fixed`` order at the operation after the one that made it.
     """
     if order not in _schedule.ORDERS:
         raise ValueError(f"unknown order {order!r}; expected one of {list(_schedule.ORDERS)}")
     S, s = stage.n_stages, stage.index
     w = _schedule.in_flight(s, S, max_in_flight)
     stage.version = max(stage.version, first_batch)
+    done = stage.version - first_batch  # updates made before this call (a restored stage)
     res = NodeResult(updates=0, compute_s=0.0, idle_s=0.0, average_s=0.0, losses=[], staleness=[], stopped=False)
     t_start = time.perf_counter()
 
@@ -157,6 +178,8 @@ def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, 
             res["average_s"] += dt
             if on_record is not None:
                 on_record({"kind": "average", "step": stage.version, "round": r, "average_s": dt, "time_unix_s": time.time()})
+            if after_average is not None:
+                after_average(r)
 
     def op_forward(b):
         idle0, compute0 = res["idle_s"], stage.compute_s
@@ -182,13 +205,18 @@ def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, 
 
     stopped = lambda: should_stop is not None and should_stop()  # noqa: E731
     if order == "fixed":
-        for kind, b in _schedule.fixed_order(s, S, n_batches - first_batch, max_in_flight):
+        ops = _schedule.fixed_order(s, S, n_batches - first_batch, max_in_flight)
+        if done:
+            made = [i for i, (kind, _) in enumerate(ops) if kind != "F"]
+            ops = ops[made[done - 1] + 1:]
+        for kind, b in ops:
             if stopped():
                 res["stopped"] = True
                 break
             op_backward(first_batch + b) if kind == "B" else op_forward(first_batch + b)
     else:
-        next_f = next_b = first_batch
+        next_b = first_batch + done
+        next_f = next_b + stage.in_flight()
         progress = time.monotonic()
         while next_b < n_batches:
             if stopped():

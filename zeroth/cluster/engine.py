@@ -176,6 +176,35 @@ class AsyncStage:
         self._apply(gp)
         return np.asarray(gx)
 
+    def snapshot(self, units) -> dict[str, np.ndarray]:
+        """Everything a backup needs to continue as this stage: parameters, optimizer state, update
+        count, and per batch in flight its stashed parameters and input (flat float32 arrays)."""
+        out = {"params": flat_of(self.params, units), "version": np.int64(self.version),
+               "staleness": np.asarray(self.staleness, np.int64), "stash": np.asarray(sorted(self.stash), np.int64)}
+        for i, leaf in enumerate(jax.tree_util.tree_leaves(self.opt_state)):
+            out[f"opt_{i}"] = np.asarray(leaf)
+        for b, (p, x) in self.stash.items():
+            out[f"stash_params_{b}"] = flat_of(p, units)
+            out[f"born_{b}"] = np.int64(self._born[b])
+            if x is not None:
+                out[f"stash_x_{b}"] = np.asarray(x)
+        return out
+
+    def restore(self, snap: dict[str, np.ndarray], units) -> None:
+        """Become the stage :meth:`snapshot` described (same stage of the same model)."""
+        self.params = with_flat(self.params, units, snap["params"])
+        leaves, tree = jax.tree_util.tree_flatten(self.opt_state)
+        if any(f"opt_{i}" not in snap for i in range(len(leaves))):
+            raise ValueError("the snapshot's optimizer state does not match this stage's optimizer")
+        self.opt_state = jax.tree_util.tree_unflatten(tree, [jnp.asarray(snap[f"opt_{i}"], leaf.dtype) for i, leaf in enumerate(leaves)])
+        self.version = int(snap["version"])
+        self.staleness = [int(v) for v in snap["staleness"]]
+        self.stash, self._born = {}, {}
+        for b in (int(v) for v in snap["stash"]):
+            x = snap.get(f"stash_x_{b}")
+            self.stash[b] = (with_flat(self.params, units, snap[f"stash_params_{b}"]), None if x is None else jnp.asarray(x))
+            self._born[b] = int(snap[f"born_{b}"])
+
     def in_flight(self) -> int:
         """Batches forwarded whose gradient has not come back."""
         return len(self.stash)

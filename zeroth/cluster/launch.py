@@ -4,7 +4,8 @@
 writes ``OUT/config.yaml`` and ``OUT/plan.json``, makes a fresh run secret (passed to the nodes in
 ``ZEROTH_SECRET``) and starts ``zeroth node`` (``python -m zeroth.cluster.node``) for every node,
 backups included, into ``OUT/nodes/<name>/``. ``ravnest.kill_at[i]``: when the primary shadowed by
-the ``i``-th backup has made that many updates, the launcher SIGKILLs it and the backup takes over.
+the ``i``-th backup has made that many updates (and, for a backup that joins later, has handed it
+its state), the launcher SIGKILLs it and the backup takes over.
 When a node fails otherwise the others are stopped and the exit code is 1.
 
 At the end it merges the nodes' records into ``OUT/metrics.jsonl`` and writes ``OUT/summary.json``:
@@ -77,21 +78,24 @@ def start_nodes(cfg: _config.Config, out: Path, plan: _build.Plan, *, quiet: boo
     return procs
 
 
-def _updates(out: Path, name: str) -> int:
+def _progress(out: Path, name: str) -> tuple[int, bool]:
+    """``(updates, handed its state to a backup)`` of node ``name`` so far."""
     path = node_dir(out, name) / "metrics.jsonl"
     if not path.is_file():
-        return 0
-    return sum(1 for ln in path.read_text().splitlines() if ln.strip().endswith("}") and '"kind": "update"' in ln)
+        return 0, False
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip().endswith("}")]
+    return sum('"kind": "update"' in ln for ln in lines), any('"kind": "handover"' in ln for ln in lines)
 
 
-def _wait(procs: dict, out: Path, kills: dict[str, int], timeout_s: float, progress: bool) -> tuple[int, list[str]]:
-    """Wait for every node, killing ``{primary: updates}`` on cue. Returns (code, killed names)."""
+def _wait(procs: dict, out: Path, kills: dict[str, tuple[int, bool]], timeout_s: float, progress: bool) -> tuple[int, list[str]]:
+    """Wait for every node, killing ``{primary: (updates, after its handover)}`` on cue. Returns (code, killed names)."""
     killed: list[str] = []
     deadline = time.monotonic() + timeout_s
     failed = None
     while any(p.poll() is None for p in procs.values()):
-        for name, at in kills.items():
-            if name not in killed and procs[name].poll() is None and _updates(out, name) >= at:
+        for name, (at, handover) in kills.items():
+            done, handed = _progress(out, name) if name not in killed else (0, False)
+            if name not in killed and procs[name].poll() is None and done >= at and (handed or not handover):
                 procs[name].send_signal(signal.SIGKILL)
                 killed.append(name)
                 if progress:
@@ -174,7 +178,7 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
     kills = {}
     for b, at in zip(backups, r.kill_at):
         slot = plan.slots[b]
-        kills[plan.primaries[slot]] = at
+        kills[plan.primaries[slot]] = (at, plan.backup_round.get(b, 0) > 0)
     t0 = time.time()
     procs = start_nodes(cfg, out, plan, quiet=not progress)
     code, killed = _wait(procs, out, kills, timeout_s=r.timeout_s * 4, progress=progress)

@@ -65,7 +65,8 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
     t = transport.ClusterTransport(name, plan.slots, plan.primaries, plan.backups, run_id=plan.run_id, token=token,
                                    address_dir=addresses, bandwidth_mbps=bw, enforce=r.enforce_bandwidth,
                                    latency_s=r.latency_ms / 1e3, timeout_s=r.timeout_s,
-                                   node_latency_s={n["name"]: float(n.get("latency_ms", 0.0)) / 1e3 for n in plan.pool})
+                                   node_latency_s={n["name"]: float(n.get("latency_ms", 0.0)) / 1e3 for n in plan.pool},
+                                   backup_round=plan.backup_round)
     t.serve(listen or f"{r.host}:0")
     io = transport.NodeLink(t, plan, r.timeout_s)
     metrics = out / "metrics.jsonl"
@@ -80,13 +81,30 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
             loss = f" loss {rec['loss']:.4f}" if rec.get("loss") is not None else ""
             print(f"node {name} (cluster {c} stage {s}, {role}) update {rec['step']}/{cfg.train.steps}{loss}", flush=True)
 
+    late_backup = plan.backups.get((c, s))
+    joins_at = plan.backup_round.get(late_backup, 0) if late_backup is not None and role == "primary" else 0
+    handed = {}
+
+    def after_average(round_id: int) -> None:  # a backup arriving by this round gets this node's state
+        if joins_at and round_id >= joins_at and not handed:
+            handed["bytes"] = t.attach(late_backup, stage.snapshot(units))
+            handed["round"] = round_id
+            record({"kind": "handover", "step": stage.version, "round": round_id, "backup": late_backup,
+                    "state_bytes": handed["bytes"], "time_unix_s": time.time()})
+            if progress:
+                print(f"node {name}: handed its state ({handed['bytes']} bytes) to backup {late_backup}", flush=True)
+
     t0 = time.time()
     try:
-        if build.join_pieces(plan, (c, s)):  # a late cluster starts from the last averaged parameters
+        restored = role == "backup" and plan.backup_round.get(name, 0) > 0
+        if restored:  # a late backup starts from its primary's state (at its first round after join_round)
+            stage.restore(t.wait_state(r.timeout_s), units)
+        elif build.join_pieces(plan, (c, s)):  # a late cluster starts from the last averaged parameters
             stage.params = engine.with_flat(stage.params, units, io.fetch_start(engine.flat_of(stage.params, units)))
         res = driver.run_node(stage, build.data_of(cfg, ex, c, len(plan.stages)), io, n_batches=cfg.train.steps, units=units,
                               order=r.order, max_in_flight=r.max_in_flight, average_every=r.average_every,
-                              timeout_s=r.timeout_s, on_record=record, first_batch=build.first_batch(plan, c))
+                              timeout_s=r.timeout_s, on_record=record, first_batch=build.first_batch(plan, c),
+                              after_average=after_average)
     finally:
         t.close(r.timeout_s)
     flat = engine.flat_of(stage.params, units)
@@ -96,7 +114,8 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
                "average_s": res["average_s"], "wall_s": res["wall_s"], "seconds": time.time() - t0,
                "staleness_max": res["staleness_max"], "final_loss": res["losses"][-1] if res["losses"] else None,
                "bytes_sent": t.bytes_sent, "messages_received": t.received, "messages_refused": t.refused,
-               "layout": list(plan.layouts[c][s]), "digest": engine.flat_digest(flat), "run_id": plan.run_id}
+               "layout": list(plan.layouts[c][s]), "digest": engine.flat_digest(flat), "run_id": plan.run_id,
+               "state_handed_bytes": handed.get("bytes"), "state_handed_round": handed.get("round")}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

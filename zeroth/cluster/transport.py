@@ -12,10 +12,15 @@ and possibly a backup (seed 003 §3.5: a new node shadows the least reliable nod
 * every message for a slot goes to its primary *and* a copy to its backup ("an extra pair of
   channels that shares a copy of the forward/backward traffic"), ring messages included, so the
   backup runs the same computation on the same inputs as its primary;
+* a backup that arrives later (``join_round``) gets, after that averaging round, its primary's
+  whole state (parameters, optimizer, stashed batches in flight, waiting messages, what it has
+  seen: :meth:`ClusterTransport.attach`), and from then on the primary relays it every message
+  it receives;
 * a backup sends nothing while it shadows: what it would send is kept in its outbox (the last
   :data:`OUTBOX` messages);
 * when a sender's stream to a primary breaks (the process died), the sender routes that slot to
-  its backup and tells it (``PROMOTE``); the backup becomes the primary and re-sends its outbox.
+  its backup, tells it (``PROMOTE``) and re-sends it the last :data:`OUTBOX` messages it sent to
+  the slot; the backup becomes the primary and re-sends its outbox.
   Receivers drop what they already have (buffers and ring boxes are keyed by batch or ring tag),
   so the primary's last messages are delivered exactly once whether or not it sent them.
 
@@ -25,6 +30,8 @@ primary is killed and its backup takes over ends on the digests of the uninterru
 
 from __future__ import annotations
 
+import io
+import json
 import threading
 import time
 from collections import deque
@@ -106,7 +113,7 @@ class ClusterTransport:
     def __init__(self, me: str, slots: Mapping[str, tuple[int, int]], primaries: Mapping, backups: Mapping, *,
                  run_id: str, token: str | None, address_dir: Path, bandwidth_mbps: Mapping[str, float],
                  enforce: bool = True, latency_s: float = 0.0, node_latency_s: Mapping[str, float] | None = None,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, backup_round: Mapping[str, int] | None = None):
         self.me, self.run_id, self.token = me, run_id, token
         self.slots = {k: tuple(v) for k, v in slots.items()}
         self.slot = self.slots[me]
@@ -116,6 +123,12 @@ class ClusterTransport:
         self.address_dir, self.bw, self.enforce = Path(address_dir), dict(bandwidth_mbps), enforce
         self.latency_s, self.timeout_s = latency_s, timeout_s
         self.node_latency_s = dict(node_latency_s or {})
+        self.backup_round = dict(backup_round or {})
+        self.sent_log: dict[tuple, deque] = {}
+        self.relay_to: str | None = None
+        self._relay_lock = threading.Lock()
+        self._state: bytes | None = None
+        self._state_event = threading.Event()
         self.inbox = _driver.Inbox()
         self.outbox: deque = deque(maxlen=OUTBOX)
         self._senders: dict[str, _Sender] = {}
@@ -148,8 +161,19 @@ class ClusterTransport:
         return address
 
     def receive(self, msg: pb.Message) -> None:
-        """Check one message and put it where its reader waits (raises :class:`wire.MessageError`)."""
+        """Check one message, put it where its reader waits and relay it to a joined backup (raises
+        :class:`wire.MessageError`)."""
         wire.check_message(msg, self.run_id, self.slots)
+        if msg.kind == pb.STATE:
+            self._state = msg.blob
+            self._state_event.set()
+            return
+        with self._relay_lock:
+            self._receive(msg)
+            if self.relay_to is not None and not (msg.kind == pb.RING and msg.phase == _PROMOTE):
+                self._submit(self.relay_to, msg)
+
+    def _receive(self, msg: pb.Message) -> None:
         self.received += 1
         if msg.kind == pb.RING and msg.phase == _PROMOTE:
             self._promote()
@@ -178,17 +202,22 @@ class ClusterTransport:
                 self._senders[name] = _Sender(name, address, bps, lat, self.token, self._failed)
             return self._senders[name]
 
+    def _submit(self, name: str, msg: pb.Message) -> None:
+        n = self._sender(name).pacer.submit(msg)
+        self.bytes_sent[name] = self.bytes_sent.get(name, 0) + n
+
     def _deliver(self, slot: tuple[int, int], msg: pb.Message) -> None:
         with self._lock:
             if self.shadow:
                 self.outbox.append((slot, msg))
                 return
-            names = [self.primary[slot]] + ([self.backup[slot]] if slot in self.backup else [])
+            self.sent_log.setdefault(slot, deque(maxlen=OUTBOX)).append(msg)
+            b = self.backup.get(slot)
+            names = [self.primary[slot]] + ([b] if b is not None and self.backup_round.get(b, 0) == 0 else [])
             for name in names:
                 if name in self._dead or name == self.me:
                     continue
-                n = self._sender(name).pacer.submit(msg)
-                self.bytes_sent[name] = self.bytes_sent.get(name, 0) + n
+                self._submit(name, msg)
 
     def _failed(self, name: str, error: BaseException) -> None:
         """A stream to ``name`` broke: route its slot to the backup, or fail this node."""
@@ -202,7 +231,9 @@ class ClusterTransport:
                 self.primary[slot] = b
                 del self.backup[slot]
                 promote = wire.to_message(self.run_id, self.me, "ring", np.zeros(0, np.float32), phase=_PROMOTE)
-                self._sender(b).pacer.submit(promote)
+                self._submit(b, promote)
+                for m in self.sent_log.get(slot, ()):  # what the dead primary may not have passed on
+                    self._submit(b, m)
                 return
             if self.primary.get(slot) == name:
                 code = error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__
@@ -226,6 +257,50 @@ class ClusterTransport:
             self.outbox.clear()
         for slot, msg in pending:
             self._deliver(slot, msg)
+
+    # ------------------------------------------------------------------ a backup joining later
+
+    def attach(self, backup: str, stage_snapshot: dict[str, np.ndarray]) -> int:
+        """Hand ``backup`` this node's state (the stage's snapshot, the waiting messages and what was
+        seen) and relay it every message received from now on. Returns the state's bytes."""
+        with self._relay_lock:
+            items, seen = self.inbox.snapshot()
+            with self._ring_cv:
+                ring_items, ring_seen = dict(self._ring), set(self._ring_seen)
+            arrays = {f"s/{k}": v for k, v in stage_snapshot.items()}
+            manifest = {"inbox": [], "inbox_seen": sorted([list(k) for k in seen]),
+                        "ring": [], "ring_seen": sorted([[*src, *tag] for src, tag in ring_seen], key=str)}
+            for i, (k, v) in enumerate(sorted(items.items())):
+                manifest["inbox"].append(list(k))
+                arrays[f"in/{i}"] = np.asarray(v)
+            for i, ((src, tag), v) in enumerate(sorted(ring_items.items(), key=str)):
+                manifest["ring"].append([*src, *tag])
+                arrays[f"ring/{i}"] = np.asarray(v)
+            buf = io.BytesIO()
+            np.savez(buf, manifest=np.frombuffer(json.dumps(manifest).encode(), np.uint8), **arrays)
+            blob = buf.getvalue()
+            with self._lock:
+                self._submit(backup, wire.state_message(self.run_id, self.me, blob))
+                self.relay_to = backup
+        return len(blob)
+
+    def wait_state(self, timeout_s: float) -> dict[str, np.ndarray]:
+        """A joining backup: wait for its primary's state, take its messages; returns the stage's snapshot."""
+        if not self._state_event.wait(timeout_s):
+            raise TimeoutError(f"node {self.me}: no state from its primary within {timeout_s:g}s")
+        with np.load(io.BytesIO(self._state), allow_pickle=False) as z:
+            manifest = json.loads(z["manifest"].tobytes().decode())
+            items = {(k, int(b)): z[f"in/{i}"] for i, (k, b) in enumerate(manifest["inbox"])}
+            self.inbox.restore(items, {(k, int(b)) for k, b in manifest["inbox_seen"]})
+            with self._ring_cv:
+                for i, (c, s, ring, rnd, phase, step) in enumerate(manifest["ring"]):
+                    key = ((c, s), (ring, rnd, phase, step))
+                    if key not in self._ring_seen:
+                        self._ring[key] = z[f"ring/{i}"]
+                for c, s, ring, rnd, phase, step in manifest["ring_seen"]:
+                    self._ring_seen.add(((c, s), (ring, rnd, phase, step)))
+                self._ring_cv.notify_all()
+            return {k[2:]: z[k] for k in z.files if k.startswith("s/")}
 
     def send(self, kind: str, batch: int, array: np.ndarray) -> None:
         """An activation to the next stage, a gradient to the previous one (NodeIO)."""

@@ -13,9 +13,10 @@ import numpy as np
 
 from zeroth.cluster.proto import cluster_pb2 as pb
 
-__all__ = ["KINDS", "MAX_VALUES", "MessageError", "check_message", "from_message", "to_message"]
+__all__ = ["KINDS", "MAX_BLOB", "MAX_VALUES", "MessageError", "check_message", "from_message", "state_message", "to_message"]
 
-KINDS = {"activation": pb.ACTIVATION, "gradient": pb.GRADIENT, "ring": pb.RING}
+KINDS = {"activation": pb.ACTIVATION, "gradient": pb.GRADIENT, "ring": pb.RING, "state": pb.STATE}
+MAX_BLOB = 255 * 2**20  # under the gRPC message limit (256 MiB)
 MAX_VALUES = 64 * 1024 * 1024  # float32 values in one message (256 MiB)
 PHASES = ("reduce", "gather", "promote", "join")  # promote: a backup takes over; join: a late cluster's start
 
@@ -42,11 +43,23 @@ def check_message(msg: pb.Message, run_id: str, senders: Collection[str]) -> Non
         raise MessageError(f"kind {msg.kind} is not one of {sorted(KINDS)}")
     if msg.kind == pb.RING and msg.phase not in PHASES:
         raise MessageError(f"phase {msg.phase!r} of a ring message is not one of {list(PHASES)}")
+    if msg.kind == pb.STATE:
+        if not 0 < len(msg.blob) <= MAX_BLOB or msg.data or msg.shape:
+            raise MessageError(f"a state message carries a blob of 1 byte to {MAX_BLOB} bytes and no data; got "
+                               f"{len(msg.blob)} bytes of blob, {len(msg.data)} of data")
+        return
+    if msg.blob:
+        raise MessageError("blob is only for state messages")
     n = int(np.prod(msg.shape, dtype=np.int64)) if len(msg.shape) else 1
     if n > MAX_VALUES:
         raise MessageError(f"shape {list(msg.shape)} holds {n} values, more than the limit {MAX_VALUES}")
     if len(msg.data) != 4 * n:
         raise MessageError(f"data has {len(msg.data)} bytes, shape {list(msg.shape)} needs {4 * n} (float32)")
+
+
+def state_message(run_id: str, sender: str, blob: bytes) -> pb.Message:
+    """A primary's state for its joining backup."""
+    return pb.Message(run_id=run_id, sender=sender, kind=pb.STATE, blob=blob)
 
 
 def from_message(msg: pb.Message) -> np.ndarray:
