@@ -22,8 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
+from zeroth.stages import steps as _steps
 from zeroth.stages import timing as _timing
 
 __all__ = ["AsyncStage", "flat_digest", "flat_of", "model_units", "unit_bytes", "unit_ranges_to_blocks", "with_flat"]
@@ -107,22 +107,9 @@ class AsyncStage:
         self._compile(fn)
 
     def _compile(self, fn) -> None:
-        if self.first and self.last:
-            self._loss_grad = jax.jit(jax.value_and_grad(fn))
-        elif self.first:
-            self._fwd = jax.jit(fn)
-            self._bwd = jax.jit(lambda p, tok, g: jax.vjp(lambda q: fn(q, tok), p)[1](g)[0])
-        elif self.last:
-            self._loss_grad = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
-        else:
-            self._fwd = jax.jit(fn)
-            self._bwd = jax.jit(lambda p, h, tok, g: jax.vjp(lambda q, x: fn(q, x, tok), p, h)[1](g))
-
-        def update(params, opt_state, grads):
-            updates, opt_state = self.optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        self._update = jax.jit(update)
+        fns = _steps.compile_stage(fn, self.first, self.last, None)
+        self._fwd, self._bwd, self._loss_grad = fns.fwd, fns.bwd, fns.loss_grad
+        self._update = _steps.compile_update(self.optimizer)
 
     def _run(self, f, *args):
         out, dt = self._clock.run(f, *args)

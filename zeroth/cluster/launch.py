@@ -32,7 +32,7 @@ from zeroth.cluster import build as _build
 from zeroth.cluster import engine as _engine
 from zeroth.cluster import formation as _formation
 from zeroth.stages import partition
-from zeroth.transport import identity
+from zeroth.transport import identity, processes
 
 __all__ = ["cluster_models", "evaluate", "node_dir", "run_config", "start_nodes"]
 
@@ -104,22 +104,12 @@ def _wait(procs: dict, out: Path, kills: dict[str, tuple[int, bool]], timeout_s:
             if name not in killed and p.poll() not in (None, 0):
                 failed = name
         if failed is not None or time.monotonic() > deadline:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs.values():
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            processes.stop(procs.values())
             break
         time.sleep(0.05)
     bad = [n for n, p in procs.items() if n not in killed and p.wait() != 0]
     for n in bad:
-        log = node_dir(out, n) / "node.log"
-        tail = log.read_text().strip().splitlines()[-3:] if log.is_file() else []
-        print(f"node {n} exited with code {procs[n].returncode}: " + " | ".join(tail), file=sys.stderr)
+        print(f"node {n} exited with code {procs[n].returncode}: " + processes.log_tail(node_dir(out, n) / "node.log"), file=sys.stderr)
     return (1 if bad else 0), killed
 
 

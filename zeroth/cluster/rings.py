@@ -60,6 +60,8 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from zeroth.stages import partition as _partition
+
 __all__ = [
     "Ring",
     "plan_rings",
@@ -179,13 +181,7 @@ def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     """
     if parts < 1 or n < 0:
         raise ValueError(f"chunk_bounds needs n >= 0 and parts >= 1, got n={n}, parts={parts}")
-    q, r = divmod(n, parts)
-    bounds, start = [], 0
-    for j in range(parts):
-        stop = start + q + (1 if j < r else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    return _partition.even_split(n, parts)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,10 +28,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from zeroth import compress as C
 from zeroth.pipeline import wire
+from zeroth.stages import steps as _steps
 from zeroth.stages import timing as _timing
 
 __all__ = ["LinkCodecs", "StageEngine", "StepTimes", "link_codecs"]
@@ -106,22 +106,9 @@ class StageEngine:
         self._reset()
 
     def _compile(self, fn, scale) -> None:
-        if self.first and self.last:
-            self._loss_grad = jax.jit(jax.value_and_grad(lambda p, tok, lab: fn(p, tok, lab) * scale))
-        elif self.first:
-            self._fwd = jax.jit(fn)
-            self._bwd = jax.jit(lambda p, tok, g: jax.vjp(lambda q: fn(q, tok), p)[1](g)[0])
-        elif self.last:
-            self._loss_grad = jax.jit(jax.value_and_grad(lambda p, h, tok, lab: fn(p, h, tok, lab) * scale, argnums=(0, 1)))
-        else:
-            self._fwd = jax.jit(fn)
-            self._bwd = jax.jit(lambda p, h, tok, g: jax.vjp(lambda q, x: fn(q, x, tok), p, h)[1](g))
-
-        def update(params, opt_state, grads):
-            updates, opt_state = self.optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        self._update = jax.jit(update)
+        fns = _steps.compile_stage(fn, self.first, self.last, scale)
+        self._fwd, self._bwd, self._loss_grad = fns.fwd, fns.bwd, fns.loss_grad
+        self._update = _steps.compile_update(self.optimizer)
 
     def _reset(self) -> None:
         self.grads = None

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from zeroth import config as _config
+from zeroth.transport import processes
 
 __all__ = ["common_step", "merge_records", "read_records", "run_config", "stage_dir", "start_stages", "wait_stages"]
 
@@ -81,15 +81,7 @@ def wait_stages(procs: list[subprocess.Popen], out: Path, timeout_s: float | Non
             if pr.poll() not in (None, 0) and failed is None:
                 failed = i
         if failed is not None or (deadline is not None and time.monotonic() > deadline):
-            for pr in procs:
-                if pr.poll() is None:
-                    pr.send_signal(signal.SIGTERM)
-            for pr in procs:
-                try:
-                    pr.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pr.kill()
-                    pr.wait()
+            processes.stop(procs)
             break
         time.sleep(0.1)
     codes = [pr.wait() for pr in procs]
@@ -97,9 +89,7 @@ def wait_stages(procs: list[subprocess.Popen], out: Path, timeout_s: float | Non
         return 0
     for i, c in enumerate(codes):
         if c != 0:
-            log = stage_dir(out, i) / "stage.log"
-            tail = log.read_text().strip().splitlines()[-3:] if log.is_file() else []
-            print(f"stage {i} exited with code {c}: " + " | ".join(tail), file=sys.stderr)
+            print(f"stage {i} exited with code {c}: " + processes.log_tail(stage_dir(out, i) / "stage.log"), file=sys.stderr)
     return 1
 
 

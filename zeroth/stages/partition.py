@@ -33,7 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FAMILIES", "OBJECTIVES", "Partition", "block_ranges", "check_ranges", "reference_loss", "smollm2_partition", "transformer_partition"]
+__all__ = ["FAMILIES", "OBJECTIVES", "Partition", "block_ranges", "check_ranges", "even_split", "reference_loss", "smollm2_partition", "transformer_partition"]
 
 FAMILIES = ("transformer", "smollm2")
 OBJECTIVES = ("lm", "classify")
@@ -55,6 +55,18 @@ class Partition(NamedTuple):
     objective: str
 
 
+def even_split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[0, n)`` cut into ``parts`` contiguous ``[start, stop)`` ranges whose sizes differ by at most one,
+    the larger first (some empty when ``n < parts``)."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for s in range(parts):
+        stop = start + base + (1 if s < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
 def block_ranges(n_blocks: int, stages: int) -> list[tuple[int, int]]:
     """Contiguous ``[start, stop)`` block ranges, sizes differing by at most one (earlier stages larger).
 
@@ -63,13 +75,7 @@ def block_ranges(n_blocks: int, stages: int) -> list[tuple[int, int]]:
     """
     if stages < 1 or n_blocks < stages:
         raise ValueError(f"cannot split {n_blocks} blocks into {stages} stages (each stage needs at least one block)")
-    base, extra = divmod(n_blocks, stages)
-    out, start = [], 0
-    for s in range(stages):
-        stop = start + base + (1 if s < extra else 0)
-        out.append((start, stop))
-        start = stop
-    return out
+    return even_split(n_blocks, stages)
 
 
 def check_ranges(ranges, n_blocks: int) -> list[tuple[int, int]]:

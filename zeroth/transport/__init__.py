@@ -5,7 +5,8 @@ who a message comes from (Ed25519 identities), and how fast a link carries it (p
   requests, replay guard, and :func:`~.identity.canonical` (the unambiguous byte encoding that
   is signed);
 * :mod:`.security`: the access-token interceptor every server installs, TLS credentials;
-* :mod:`.pacing`: a link's emulated bandwidth and latency (token bucket), on the bytes sent.
+* :mod:`.pacing`: a link's emulated bandwidth and latency (token bucket), on the bytes sent;
+* :mod:`.processes`: stopping the processes of a loopback run, the tail of a failed one's log.
 
 Used by the peers (:mod:`zeroth.net`), the pipeline stages (:mod:`zeroth.pipeline`) and the
 cluster nodes (:mod:`zeroth.cluster`).
