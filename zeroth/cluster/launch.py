@@ -4,7 +4,7 @@
 writes ``OUT/config.yaml`` and ``OUT/plan.json``, makes a fresh run secret (passed to the nodes in
 ``ZEROTH_SECRET``) and starts ``zeroth node`` (``python -m zeroth.cluster.node``) for every node,
 backups included, into ``OUT/nodes/<name>/``. ``ravnest.kill_at[i]``: when the primary shadowed by
-the ``i``-th backup has made that many updates (and, for a backup that joins later, has handed it
+the ``i``-th backup has reached that update count (and, for a backup that joins later, has handed it
 its state), the launcher SIGKILLs it and the backup takes over.
 When a node fails otherwise the others are stopped and the exit code is 1.
 
@@ -79,12 +79,13 @@ def start_nodes(cfg: _config.Config, out: Path, plan: _build.Plan, *, quiet: boo
 
 
 def _progress(out: Path, name: str) -> tuple[int, bool]:
-    """``(updates, handed its state to a backup)`` of node ``name`` so far."""
+    """``(its update count, handed its state to a backup)`` of node ``name`` so far (the count of a late
+    cluster's stage starts where the cluster does)."""
     path = node_dir(out, name) / "metrics.jsonl"
     if not path.is_file():
         return 0, False
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip().endswith("}")]
-    return sum('"kind": "update"' in ln for ln in lines), any('"kind": "handover"' in ln for ln in lines)
+    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip().endswith("}")]
+    return max((r["step"] for r in recs if r["kind"] == "update"), default=0), any(r["kind"] == "handover" for r in recs)
 
 
 def _wait(procs: dict, out: Path, kills: dict[str, tuple[int, bool]], timeout_s: float, progress: bool) -> tuple[int, list[str]]:
