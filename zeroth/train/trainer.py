@@ -27,6 +27,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,6 +42,7 @@ from zeroth import replay as _replay
 from zeroth.config import Config, config_digest, diff, load_config, to_yaml
 from zeroth.train import loop as _loop
 from zeroth.train.checkpoint import Checkpointer, CheckpointError
+from zeroth.train.interrupt import Interrupted
 from zeroth.train.loop import Counters
 from zeroth.train.metrics import MetricsWriter, read_metrics, truncate_after
 
@@ -163,6 +165,7 @@ def train(
     resume_step: int | None = None,
     progress: bool = True,
     checkpoints: bool = True,
+    stop: Callable[[], bool] | None = None,
 ) -> RunResult:
     """Train as configured, writing ``config.yaml``, ``metrics.jsonl`` and ``checkpoints/`` to the output folder.
 
@@ -176,6 +179,9 @@ def train(
       progress: show a progress bar (a terminal) or periodic lines (otherwise) on stderr.
       checkpoints: register the checkpoint hook (without it nothing is saved and the run
         cannot be resumed; the pretrained fine-tuning driver saves none).
+      stop: checked before each step (a signal flag of :func:`zeroth.train.interrupt.catch`);
+        when it says stop, the step under way finishes, a checkpoint of it is saved and
+        :class:`~zeroth.train.interrupt.Interrupted` is raised.
 
     Returns:
       :class:`RunResult` with the final digest and eval record.
@@ -184,43 +190,75 @@ def train(
       ValueError: a bad config, an output folder that already holds a run (without ``resume``),
         or a resumed config that differs in a field that changes the parameters.
       CheckpointError: the checkpoint to resume is missing, truncated or corrupted.
+      Interrupted: ``stop`` said stop before the last step (the checkpoint is saved).
     """
     if cfg.peers is not None:
         raise ValueError("train() runs one machine; configs with a 'peers' section are run by zeroth.net.launch")
     if resume and not checkpoints:
         raise ValueError("resume needs checkpoints=True")
     out = out_dir_of(cfg, out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=str(out)))
     metrics_path = out / "metrics.jsonl"
+    _check_start(cfg, out, metrics_path, resume, resume_step)
+    t_load = time.perf_counter()
+    loaded = _load(cfg)  # before any folder is created: a dataset that fails to load leaves nothing behind
+    loaded = loaded._replace(load_time=time.perf_counter() - t_load)
+    out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints) if checkpoints else None
     try:
-        return _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress)
+        return _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, stop)
     finally:
         if ckpt is not None:
             ckpt.close()
 
 
-def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunResult:
-    t = cfg.train
-    saved_steps = ckpt.steps() if ckpt is not None else []
-    if not resume and (saved_steps or (metrics_path.exists() and metrics_path.stat().st_size)):
-        raise ValueError(
-            f"output folder {out} already holds a run (checkpoints {saved_steps}, metrics.jsonl); "
-            f"pass --resume to continue it or choose another --out"
-        )
-    if resume:
-        _check_resumable(cfg, out)
+def saved_steps(out: Path) -> list[int]:
+    """Steps of the finalized checkpoints in ``out/checkpoints`` (read without creating anything), ascending."""
+    ck = out / "checkpoints"
+    if not ck.is_dir():
+        return []
+    return sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def _check_start(cfg: Config, out: Path, metrics_path: Path, resume: bool, resume_step: int | None) -> None:
+    """Refuse to overwrite a run, to resume nothing, or to resume with a config that changes the parameters."""
     if resume_step is not None and not resume:
         raise ValueError("resume_step needs resume=True")
+    steps = saved_steps(out)
+    has_metrics = metrics_path.is_file() and metrics_path.stat().st_size > 0
+    if not resume and (steps or has_metrics):
+        raise ValueError(
+            f"output folder {out} already holds a run (checkpoints {steps}, metrics.jsonl); "
+            f"pass --resume to continue it or choose another --out"
+        )
+    if resume and not steps:
+        also = " in another --out folder" if has_metrics else ""
+        raise CheckpointError(f"no checkpoint in {out}; run without --resume{also} to start")
+    if resume:
+        _check_resumable(cfg, out)
 
-    t_load = time.perf_counter()
+
+class _Loaded(NamedTuple):
+    train_ds: object
+    eval_x: object
+    eval_y: object
+    model: object
+    params: object
+    load_time: float = 0.0
+
+
+def _load(cfg: Config) -> _Loaded:
+    """The datasets (train split, the eval slice of the test split), the model and its initial parameters."""
     train_ds = _data.load(cfg.data.dataset, "train")
     test_ds = _data.load(cfg.data.dataset, "test")
     eval_n = cfg.data.eval_size or test_ds.x.shape[0]
-    eval_x, eval_y = test_ds.x[:eval_n], test_ds.y[:eval_n]
     model, params = _objectives.build_model(cfg, train_ds.num_classes, train_ds.x[:1])
-    load_time = time.perf_counter() - t_load
+    return _Loaded(train_ds, test_ds.x[:eval_n], test_ds.y[:eval_n], model, params)
+
+
+def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, stop) -> RunResult:
+    t = cfg.train
+    train_ds, eval_x, eval_y, model, params, load_time = loaded
     method = _methods.make_method(cfg, model)
     state = method.init(params, _ref.root_key(cfg.run.seed))
     evaluate = _objectives.make_eval_fn(model, cfg.data.eval_batch_size)
@@ -241,7 +279,8 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
                 opt_state=None if restored.opt_state is None else jax.tree_util.tree_map(jnp.asarray, restored.opt_state),
             )
             counters, resumed_from = _counters_from_meta(restored.meta), target
-        truncate_after(metrics_path, state.step if target is not None else -1)
+        # a step-0 checkpoint (a run stopped before its first step) writes its step-0 eval again
+        truncate_after(metrics_path, state.step if target else -1)
     (out / "config.yaml").write_text(to_yaml(cfg))
     start = state.step
 
@@ -298,7 +337,14 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
     try:
         if start == 0:
             evals.append(record("eval", 0, evaluate(state.params, eval_x, eval_y), state.params, counters))
-        state, counters = _loop.train(state, method, batches, hooks, steps=t.steps, counters=counters)
+        state, counters = _loop.train(state, method, batches, hooks, steps=t.steps, counters=counters, stop=stop)
+        if state.step < t.steps:  # stopped by `stop` between two steps
+            saved = None
+            if ckpt is not None:
+                if ckpt.latest_step() != state.step:
+                    checkpoint_hook(_loop.Event(state.step, state, None, counters, False))
+                saved = ckpt.directory / str(state.step)
+            raise Interrupted(state.step, t.steps, saved)
     finally:
         writer.close()
         bar.close()
