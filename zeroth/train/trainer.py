@@ -252,7 +252,12 @@ def _load(cfg: Config) -> _Loaded:
     train_ds = _data.load(cfg.data.dataset, "train")
     test_ds = _data.load(cfg.data.dataset, "test")
     eval_n = cfg.data.eval_size or test_ds.x.shape[0]
-    model, params = _objectives.build_model(cfg, train_ds.num_classes, train_ds.x[:1])
+    try:
+        model, params = _objectives.build_model(cfg, train_ds.num_classes, train_ds.x[:1])
+    except (TypeError, ValueError) as e:  # a kwarg of the wrong type fails deep inside the model's __call__
+        raise ValueError(
+            f"config field model.kwargs: model {cfg.model.name!r} cannot be built with {cfg.model.kwargs!r} ({e})"
+        ) from None
     return _Loaded(train_ds, test_ds.x[:eval_n], test_ds.y[:eval_n], model, params)
 
 
