@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
+import shutil
 import sys
 import threading
 import time
@@ -188,7 +189,11 @@ class RateLimitedLog:
 
 
 def save_state(directory: str | Path, params: Any, *, iteration: int, run_id: str, digest: str, reason: str) -> Path:
-    """Write the state at the start of ``iteration`` to ``directory`` (``state.bin`` + ``state.json``)."""
+    """Write the state at the start of ``iteration`` to ``directory`` (``state.bin`` + ``state.json``).
+
+    ``state.json`` is written last and atomically (a temporary file renamed), so a folder with a
+    ``state.json`` holds a complete state.
+    """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     blob, leaves = _state.flatten(params)
@@ -200,7 +205,9 @@ def save_state(directory: str | Path, params: Any, *, iteration: int, run_id: st
         "reason": reason,
         "leaves": [lf._asdict() for lf in leaves],
     }
-    (d / "state.json").write_text(json.dumps(meta, indent=2) + "\n")
+    tmp = d / "state.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    tmp.replace(d / "state.json")
     return d
 
 
@@ -733,6 +740,9 @@ class Node:
             if partner is not None:
                 self._submit(self.checksums.send, self.incarnation, t + 1, digest, partner, view.address_of(partner))
         self._metrics.write(record)
+        ce = self.cfg.train.checkpoint_every
+        if ce and (t + 1) % ce == 0 and not catching_up:
+            self._checkpoint(t + 1, digest, "checkpoint_every")
         every = self.options.progress_every
         if every and (t + 1) % every == 0:
             loss = record["loss"]
@@ -792,6 +802,43 @@ class Node:
         self.say(f"the run cannot go on: {reason}; state of iteration {self.applied} saved to {where}")
         self._finish("failed")
 
+    def _checkpoint(self, iteration: int, digest: str, reason: str) -> Path:
+        """Save the parameters at the start of ``iteration`` to ``OUT/checkpoints/<iteration>/`` (driver thread only).
+
+        ``zeroth run --resume`` starts the founder of a new run from the newest one
+        (:func:`zeroth.net.launch.newest_checkpoint`); the oldest beyond ``train.keep_checkpoints`` go.
+        """
+        root = self.out_dir / "checkpoints"
+        where = save_state(root / str(iteration), self.params, iteration=iteration, run_id=self._pp.run_id, digest=digest, reason=reason)
+        keep = self.cfg.train.keep_checkpoints
+        steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
+        for old in steps[: -keep] if keep else []:
+            shutil.rmtree(root / str(old), ignore_errors=True)
+        return where
+
+    def checkpoint_now(self, reason: str, timeout: float = 10.0) -> Path | None:
+        """Save a checkpoint of the iteration the driver is at, between two iterations (any thread).
+
+        Returns its folder, or None when there is nothing to save yet (not started, still joining)
+        or the driver did not get to it within ``timeout`` seconds.
+        """
+        if self.params is None or self._pp is None or self.phase != P.MEMBER:
+            return None
+        saved: list[Path] = []
+
+        def save(params):
+            digest = self.transfer.store.digest(self.applied) or _replay.checksum(params)
+            saved.append(self._checkpoint(self.applied, digest, reason))
+            return params
+
+        fut: futures.Future = futures.Future()
+        self._work.put((self.incarnation, _Call(save, fut)))
+        try:
+            fut.result(timeout)
+        except futures.TimeoutError:
+            return None
+        return saved[0] if saved else None
+
     def _save_final(self, reason: str) -> Path | None:
         """Save the current state (to restart from with ``--resume``)."""
         if self.params is None or self._pp is None:
@@ -803,6 +850,8 @@ class Node:
         if self._finished.is_set():
             return
         self.finish_reason = reason
+        if reason == "done" and self.params is not None and self._pp is not None:
+            self._checkpoint(self.applied, self.transfer.store.digest(self.applied) or _replay.checksum(self.params), "done")
         if reason in ("done", "left") and self.params is not None:
             try:
                 self.last_eval = {"step": self.applied, **self.worker.evaluate(self.params)}
