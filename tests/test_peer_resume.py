@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 
 from zeroth.net import launch
+from zeroth.replay import checksum
 from zeroth.run import main as run_main
+from zeroth.train.metrics import check_schema
+from zeroth.train.runs import load_run
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = str(REPO / "experiments" / "job_digits.yaml")
@@ -106,3 +109,11 @@ def test_a_peer_run_interrupted_and_resumed_reaches_the_uninterrupted_digest(tmp
     assert a["resumed_from"] == k and a["iterations"] == b["iterations"] == 40
     assert a["digests_agree"] and a["final_digest"] == b["final_digest"]
     assert (cut / "peers.1" / "p0" / "metrics.jsonl").exists()  # the first attempt's folders are kept
+    # the peers' rows follow the one metrics schema; load_run reads the folder back, final parameters included
+    for folder in (cut / "peers.1", cut / "peers", tmp_path / "whole" / "peers"):
+        for peer in ("p0", "p1"):
+            check_schema(launch.read_records(folder / peer / "metrics.jsonl")[0], f"{folder}/{peer}")
+    run = load_run(cut)
+    assert run.kind == "peers" and run.step == 40 and checksum(run.params) == b["final_digest"]
+    assert run.config["peers"]["count"] == 2 and run.summary["final_digest"] == b["final_digest"]
+    assert [r["step"] for r in run.metrics if r["kind"] == "train"] == list(range(k + 1, 41))

@@ -175,7 +175,7 @@ def summarize(cfg: Config, peers: list[PeerProcess], events: list[dict], wall: f
     records: list[dict] = []
     if ref is not None:
         records, _ = read_records(peers[ref["index"]].out / "metrics.jsonl")
-    it_records = {r["iteration"]: r for r in records if r.get("kind") == "iteration"}
+    it_records = {r["step"]: r for r in records if r.get("kind") == "train"}
     gradients = sum(r["gradients"] for r in it_records.values())
     bpv = 1 if cfg.train.codec == "onebyte" else 4
     total = {k: sum(s.get(k, 0) for s in per) for k in ("payload_sent", "payload_received", "wire_sent", "wire_received")}
@@ -393,7 +393,7 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
             for q in peers:
                 recs, offsets[q.index] = read_records(q.out / "metrics.jsonl", offsets.get(q.index, 0))
                 for r in recs:
-                    if r.get("kind") == "iteration":
+                    if r.get("kind") == "train":
                         latest[q.index] = r
                     if "eval_accuracy" in r:
                         accuracy = r["eval_accuracy"]

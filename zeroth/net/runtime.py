@@ -268,6 +268,8 @@ class Node:
         self._losses: dict[int, float] = {}
         self._own_payload: dict[int, int] = {}
         self._forward_passes = 0
+        self._payload_total = 0  # this peer's projected-gradient bytes, cumulative
+        self._last_apply = time.monotonic()
         self._last_traffic = self.traffic.snapshot()
         self.member_stats: dict[int, dict] = {}
         self.transfer = StateTransfer(self)
@@ -706,40 +708,41 @@ class Node:
         for sender, address, theirs in pending:
             self.checksums.compare(t + 1, digest, sender, address, theirs)
         me = self._st.me if self._st is not None else None
+        own = self._own_payload.pop(t, 0)
+        self._payload_total += own
+        now_s = time.monotonic()
         record: dict[str, Any] = {
-            "kind": "iteration",
-            "iteration": t,
-            "step": t + 1,
+            **self._row("train", t + 1, digest),
             "machine": me,
-            "digest": digest,
             "loss": self._losses.pop(t, None),
+            "lr": self.cfg.train.lr,
+            "step_time_s": now_s - self._last_apply,
+            "payload_bytes": own,
             "peers": len(c.contributors),
             "members": len(c.next_view.members),
             "contributors": [m for m, _ in c.contributors],
             "gradients": n_total,
             "clipped": int(sum(s[3] for s in stats.values())),
-            "forward_passes": self._forward_passes,
-            "payload_bytes": self._own_payload.pop(t, 0),
             "catching_up": catching_up,
         }
+        self._last_apply = now_s
         now = self.traffic.snapshot()
         for k in ("payload_sent", "payload_received", "wire_sent", "wire_received"):
             record[f"{k.split('_')[0]}_bytes_{k.split('_')[1]}"] = now[k] - self._last_traffic[k]
         record["wire_bytes"] = record["wire_bytes_sent"] + record["wire_bytes_received"]
         self._last_traffic = now
         record.update(self.counters)
-        record["wall_time"] = time.monotonic() - self.started
+        self._metrics.write(record)
         view = c.next_view
         if not catching_up and me is not None:
             ev = self.cfg.train.eval_every
             if view.leader() == me and (ev and (t + 1) % ev == 0):
                 self.last_eval = {"step": t + 1, **self.worker.evaluate(self.params)}
-                record.update(self.last_eval)
-                self._metrics.write({"kind": "eval", "iteration": t, "step": t + 1, "machine": me, **self.last_eval})
+                record.update(self.last_eval)  # for the progress line
+                self._metrics.write({**self._row("eval", t + 1, digest), "machine": me, **self.last_eval})
             partner = P.checksum_partner(view, me, t + 1, self.cfg.peers.checksum_every)
             if partner is not None:
                 self._submit(self.checksums.send, self.incarnation, t + 1, digest, partner, view.address_of(partner))
-        self._metrics.write(record)
         ce = self.cfg.train.checkpoint_every
         if ce and (t + 1) % ce == 0 and not catching_up:
             self._checkpoint(t + 1, digest, "checkpoint_every")
@@ -753,6 +756,18 @@ class Node:
             )
         if self.options.leave_at is not None and t + 1 >= self.options.leave_at and not catching_up:
             self.leave()
+
+    def _row(self, kind: str, step: int, digest: str) -> dict[str, Any]:
+        """The fields every metrics row has (:mod:`zeroth.train.metrics`, schema v1)."""
+        return {
+            "kind": kind,
+            "step": step,
+            "time_unix_s": time.time(),
+            "wall_time_s": time.monotonic() - self.started,
+            "digest": digest,
+            "forward_passes": self._forward_passes,
+            "payload_bytes_total": self._payload_total,
+        }
 
     def _count_stats(self, stats: dict[int, tuple]) -> None:
         """Accumulate per-member statistics of the decoded projected gradients: count, sum |g|, max |g|, clipped."""
@@ -855,7 +870,8 @@ class Node:
         if reason in ("done", "left") and self.params is not None:
             try:
                 self.last_eval = {"step": self.applied, **self.worker.evaluate(self.params)}
-                self._metrics.write({"kind": "eval", "step": self.applied, "machine": self.machine, **self.last_eval})
+                digest = self.transfer.store.digest(self.applied) or _replay.checksum(self.params)
+                self._metrics.write({**self._row("eval", self.applied, digest), "machine": self.machine, **self.last_eval})
             except Exception as e:  # noqa: BLE001
                 self.say(f"final evaluation failed: {e!r}")
         self._write_summary()
@@ -890,7 +906,7 @@ class Node:
             "member_stats": members,
             **self.counters,
             **self.traffic.snapshot(),
-            "wall_time": time.monotonic() - self.started,
+            "wall_time_s": time.monotonic() - self.started,
         }
 
     def _write_summary(self) -> None:

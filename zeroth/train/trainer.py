@@ -53,6 +53,8 @@ __all__ = [
     "out_dir_of",
     "train",
     "summary_line",
+    "run_summary",
+    "saved_steps",
 ]
 
 # Fields that may change between a run and its resumption (they do not affect the parameters).
@@ -104,8 +106,8 @@ class _Progress:
         if "eval_accuracy" in rec:
             self.last["acc"] = f"{rec['eval_accuracy']:.4f}@{step}"
         self.last["fwd"] = str(rec["forward_passes"])
-        self.last["bytes"] = str(rec["payload_bytes"])
-        self.last["time"] = f"{rec['wall_time']:.1f}s"
+        self.last["bytes"] = str(rec["payload_bytes_total"])
+        self.last["time"] = f"{rec['wall_time_s']:.1f}s"
         if self.bar is not None:
             self.bar.set_postfix(self.last, refresh=False)
             return
@@ -117,7 +119,7 @@ class _Progress:
             return
         print(
             f"[{self.name}] step {step}/{self.total} {rec['kind']}: {fields} forward_passes {rec['forward_passes']} "
-            f"payload_bytes {rec['payload_bytes']} time {rec['wall_time']:.1f}s",
+            f"payload_bytes_total {rec['payload_bytes_total']} time {rec['wall_time_s']:.1f}s",
             file=sys.stderr,
             flush=True,
         )
@@ -167,7 +169,7 @@ def train(
     checkpoints: bool = True,
     stop: Callable[[], bool] | None = None,
 ) -> RunResult:
-    """Train as configured, writing ``config.yaml``, ``metrics.jsonl`` and ``checkpoints/`` to the output folder.
+    """Train as configured, writing ``config.yaml``, ``metrics.jsonl``, ``checkpoints/`` and ``summary.json`` to the output folder.
 
     Args:
       cfg: a validated config (``cfg.peers`` must be None: peers are launched by ``zeroth run``).
@@ -294,18 +296,25 @@ def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, 
     writer = MetricsWriter(metrics_path)
     evals: list[dict] = []
 
+    step_time = {"prev": counters.train_time, "last": 0.0}  # train_time before the step, and the step's seconds
+
+    def tick(e: _loop.Event) -> None:
+        step_time["last"], step_time["prev"] = e.counters.train_time - step_time["prev"], e.counters.train_time
+        bar.tick()
+
     def record(kind: str, step: int, extra: dict, params, c: Counters) -> dict:
         rec = {
             "kind": kind,
             "step": step,
+            "time_unix_s": time.time(),
+            "wall_time_s": time.perf_counter() - t0,
             **extra,
             "forward_passes": c.forward_passes,
             "backward_passes": c.backward_passes,
             "passes": c.forward_passes + 2 * c.backward_passes,
             "examples": c.examples,
-            "payload_bytes": c.payload_bytes,
-            "wall_time": time.perf_counter() - t0,
-            "train_time": c.train_time,
+            "payload_bytes_total": c.payload_bytes,
+            "train_time_s": c.train_time,
             "digest": _replay.checksum(params),
         }
         writer.write(rec)
@@ -313,7 +322,8 @@ def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, 
         return rec
 
     def log_hook(e: _loop.Event) -> None:
-        record("train", e.step, {"loss": float(e.info.loss), **(e.info.metrics or {})}, e.state.params, e.counters)
+        extra = {"loss": float(e.info.loss), "lr": t.lr, "step_time_s": step_time["last"], "payload_bytes": e.info.payload_bytes}
+        record("train", e.step, {**extra, **(e.info.metrics or {})}, e.state.params, e.counters)
 
     def eval_hook(e: _loop.Event) -> None:
         evals.append(record("eval", e.step, evaluate(e.state.params, eval_x, eval_y), e.state.params, e.counters))
@@ -329,7 +339,7 @@ def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, 
         ckpt.save(e.step, e.state.params, e.state.opt_state, meta)
 
     hooks = [
-        _loop.hook(lambda e: bar.tick(), every=1),
+        _loop.hook(tick, every=1),
         _loop.hook(log_hook, every=t.log_every),
         _loop.hook(eval_hook, every=t.eval_every),
     ]
@@ -357,7 +367,30 @@ def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, 
     if last_eval is None:  # resumed at the final step: report the saved final eval
         saved = [r for r in read_metrics(metrics_path, "eval") if r["step"] == t.steps]
         last_eval = saved[-1] if saved else _record_final(evaluate, state.params, eval_x, eval_y)
-    return RunResult(out, max(start, t.steps), _replay.checksum(state.params), last_eval, resumed_from, load_time)
+    result = RunResult(out, max(start, t.steps), _replay.checksum(state.params), last_eval, resumed_from, load_time)
+    (out / "summary.json").write_text(json.dumps(run_summary(cfg, result), indent=2) + "\n")
+    return result
+
+
+def run_summary(cfg: Config, result: RunResult) -> dict:
+    """``summary.json`` of a single-machine run: the final eval, the run's totals and the final digest."""
+    e = result.eval
+    return {
+        "kind": "single",
+        "run": cfg.run.name,
+        "steps": result.step,
+        "eval_accuracy": e.get("eval_accuracy"),
+        "eval_loss": e.get("eval_loss"),
+        "forward_passes": e.get("forward_passes"),
+        "backward_passes": e.get("backward_passes"),
+        "passes": e.get("passes"),
+        "payload_bytes": e.get("payload_bytes_total"),
+        "wall_time_s": e.get("wall_time_s"),
+        "train_time_s": e.get("train_time_s"),
+        "load_time_s": result.load_time,
+        "resumed_from": result.resumed_from,
+        "digest": result.digest,
+    }
 
 
 def _record_final(evaluate, params, x, y) -> dict:
@@ -367,5 +400,6 @@ def _record_final(evaluate, params, x, y) -> dict:
 
 def summary_line(result: RunResult) -> str:
     """One JSON line with the final numbers of a run."""
-    keys = ("step", "eval_accuracy", "eval_loss", "forward_passes", "backward_passes", "payload_bytes", "wall_time", "train_time")
-    return json.dumps({"out_dir": str(result.out_dir), **{k: result.eval.get(k) for k in keys}, "digest": result.digest})
+    keys = ("step", "eval_accuracy", "eval_loss", "forward_passes", "backward_passes", "wall_time_s", "train_time_s")
+    s = {k: result.eval.get(k) for k in keys}
+    return json.dumps({"out_dir": str(result.out_dir), **s, "payload_bytes": result.eval.get("payload_bytes_total"), "digest": result.digest})
