@@ -93,6 +93,9 @@ def test_zeroth_run_with_a_join_and_a_kill(tmp_path):
     joiner = next(e["peer"] for e in s["events"] if e["event"] == "join")
     by_index = {p["index"]: p for p in s["peers"]}
     assert by_index[killed]["finish_reason"] == "killed" and by_index[joiner]["finish_reason"] == "done"
+    # the folder numbers are the machine ids: founders p0..p2 are machines 0..2, the joiner p3 is machine 3
+    assert [by_index[i]["machines"][:1] for i in range(4) if i != killed] == [[i] for i in range(4) if i != killed]
+    assert [int((out / "peers" / f"p{i}" / "machine").read_text()) for i in range(4)] == [0, 1, 2, 3]
     its = records(out / "peers" / "p0" / "metrics.jsonl")
     assert [r["step"] for r in its] == list(range(1, 121))  # the row of iteration t: step t + 1
     check_schema(launch.read_records(out / "peers" / "p0" / "metrics.jsonl")[0], "p0")

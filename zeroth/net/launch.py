@@ -13,9 +13,22 @@ Secure by default: the run secret (``peers.token``, else a fresh one) is written
 ``OUT/run.secret`` (mode 0600) and every peer gets ``--secret-file``; ``peers.insecure: true``
 starts them with ``--insecure`` instead.
 
+Folder ``peers/p<i>`` is machine ``i``: the founders start up and compile at once, and founder
+``p<i>`` asks to join once the run has ``i`` members (``--join-members``); a joiner's id is the
+next free one. Each peer writes its machine id to ``peers/p<i>/machine``.
+
+Resumable and never overwriting: a folder that already holds a run is refused (``ValueError``,
+exit 2) unless ``--resume`` is in ``argv``; the peers save ``checkpoints/<iteration>/`` every
+``train.checkpoint_every`` iterations, at the end and on SIGINT/SIGTERM, and ``--resume`` founds
+the new run from :func:`newest_checkpoint` (the earlier peer folders are kept as ``peers.<n>/``;
+the fields of :data:`PEER_RESUME_INVARIANT` may change, others are refused). SIGINT/SIGTERM of
+the launcher stop the peers (each saves a checkpoint and leaves), write the summary and return
+130 after one line on stderr with the command that resumes the run.
+
 Each peer process runs single-threaded XLA (:data:`PEER_XLA_FLAGS`, added to any
-``XLA_FLAGS`` of the caller) so several fit on a small machine. The run is bounded in time
-(:func:`time_limit`); children are killed on exit, Ctrl-C and errors.
+``XLA_FLAGS`` of the caller) so several fit on a small machine; each runs in its own session, so
+a Ctrl-C on the terminal reaches only the launcher. The run is bounded in time
+(:func:`time_limit`); children are stopped on exit, interrupts and errors.
 
 Example:
   $ zeroth run experiments/job_digits.yaml --out runs/job
@@ -50,6 +63,7 @@ __all__ = [
     "read_records",
     "summarize",
     "newest_checkpoint",
+    "PEER_RESUME_INVARIANT",
     "run_config",
 ]
 
@@ -248,6 +262,11 @@ def newest_checkpoint(out: str | Path) -> tuple[int, Path] | None:
     return newest, sorted(p for p, _ in found[newest])[0]
 
 
+def _machine_of(p: PeerProcess) -> str:
+    path = p.out / "machine"
+    return path.read_text().strip() if path.exists() else "?"
+
+
 def _holds_run(out: Path) -> bool:
     return (out / "summary.json").exists() or any(out.glob("peers*/p*/metrics.jsonl"))
 
@@ -291,7 +310,13 @@ def _stop_all(peers: list[PeerProcess], grace: float = 5.0) -> None:
 
 def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) -> int:
     """Run ``cfg.peers.count`` peers on loopback (see the module docstring). Returns the exit code:
-    0 when the run finished and every peer that finished holds the same digest, 1 otherwise."""
+    0 when the run finished and every peer that finished holds the same digest, 130 when
+    interrupted, 1 otherwise.
+
+    Raises:
+      ValueError: ``out`` holds a run and ``argv`` has no ``--resume``; ``--resume`` without a
+        checkpoint, or with a config that changes the parameters; ``--resume-step``.
+    """
     if cfg.peers is None:
         raise ValueError("run_config needs a config with a peers: section")
     p = cfg.peers
@@ -333,6 +358,7 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
     else:  # each peer binds a free port itself and writes it to its `address` file; the others wait for it
         addresses = [f"{p.host}:0"] * (p.count + n_extra)
     founder_address = addresses[0] if p.base_port else f"@{out / 'peers' / 'p0' / 'address'}"
+    # p<i> is machine i: founder p<i> asks to join once the run has i members (all start up and compile at once)
     peers: list[PeerProcess] = []
     events: list[dict] = []
     t0 = time.monotonic()
@@ -361,7 +387,8 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
                     index=i,
                     join=None if i == 0 else founder_address,
                     founders=p.count if i == 0 else None,
-                    extra_args=tuple(extra) + (("--resume", str(resumed_from[1])) if i == 0 and resumed_from else ()),
+                    extra_args=tuple(extra) + (("--resume", str(resumed_from[1])) if i == 0 and resumed_from else ())
+                    + (("--join-members", str(i)) if i > 0 else ()),
                     founder=True,
                 )
             )
@@ -408,7 +435,7 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
                     v = victims[-1]
                     v.proc.kill()
                     events.append({"event": "kill", "peer": v.index, "at_iteration": current, "time": time.monotonic() - t0})
-                    say(f"iteration {current}: killed peer p{v.index} with SIGKILL")
+                    say(f"iteration {current}: killed peer p{v.index} (machine {_machine_of(v)}) with SIGKILL")
             if live and time.monotonic() - last_print > 2.0:
                 last_print = time.monotonic()
                 r = max(live, key=lambda r: r["step"])

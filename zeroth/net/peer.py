@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", default=None, help="CA certificates that signed the peers' certificates (PEM)")
     p.add_argument("--no-rejoin", action="store_true", help="exit instead of rejoining after being dropped")
     p.add_argument("--join-at", type=int, default=None, help="with --join: start now, join once the run reaches this iteration")
+    p.add_argument("--join-members", type=int, default=None, metavar="N",
+                   help="with --join: ask to join once the run has N members (founders started at once: p<i> gets N=i, machine id i)")
     p.add_argument("--leave-at", type=int, default=None, help="leave the run after applying this iteration")
     p.add_argument("--linger", type=float, default=2.0, help="seconds to keep serving after finishing")
     p.add_argument("--snapshot-every", type=int, default=10, help="keep a parameter snapshot every N iterations (for joiners)")
@@ -130,6 +132,7 @@ def main(argv: list[str]) -> int:
         snapshot_every=args.snapshot_every,
         chunk_bytes=args.chunk_bytes,
         join_at=args.join_at,
+        join_members=args.join_members,
         leave_at=args.leave_at,
         join_timeout_s=args.join_timeout,
         log=not args.quiet,

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from zeroth import replay as _replay
-from zeroth.config import Config, config_digest
+from zeroth.config import Config, config_digest, to_dict
 from zeroth.net import identity as _id
 from zeroth.net import protocol as P
 from zeroth.net import security as _sec
@@ -62,6 +62,9 @@ __all__ = [
     "JOIN_DIGEST_EXCLUDE",
     "MAX_MESSAGE_BYTES",
     "join_digest",
+    "config_fields",
+    "config_differences",
+    "RUN_CONFIG_MARK",
     "Traffic",
     "NodeOptions",
     "Repair",
@@ -85,6 +88,27 @@ JOIN_DIGEST_EXCLUDE = (
     "peers.kill_at",
     "peers.stall_timeout_s",
 )
+
+
+RUN_CONFIG_MARK = "the run's config: "  # in a refused join: the fields joiners must match, as JSON
+
+
+def config_fields(cfg: Config) -> dict[str, Any]:
+    """``{"section.field": value}`` of the fields a joiner must match (all but :data:`JOIN_DIGEST_EXCLUDE`)."""
+    out = {}
+    for section, values in to_dict(cfg).items():
+        for name, value in (values or {}).items() if isinstance(values, dict) else [("", values)]:
+            path = f"{section}.{name}" if name else section
+            if not any(path == f or path.startswith(f + ".") for f in JOIN_DIGEST_EXCLUDE):
+                out[path] = value
+    return out
+
+
+def config_differences(mine: Config, theirs: dict[str, Any]) -> str:
+    """``"train.lr (the run: 0.03, this peer: 0.05); ..."``: the fields where ``mine`` differs from the run's."""
+    own = config_fields(mine)
+    keys = sorted(k for k in set(own) | set(theirs) if own.get(k) != theirs.get(k))
+    return "; ".join(f"{k} (the run: {theirs.get(k)!r}, this peer: {own.get(k)!r})" for k in keys)
 
 
 def join_digest(cfg: Config) -> str:
@@ -114,6 +138,9 @@ class NodeOptions:
       chunk_bytes: bytes per streamed snapshot chunk.
       forming_timeout_s: the founder starts with whoever joined after this long.
       join_timeout_s: give up joining after this long.
+      join_members: with ``join``: ask to join only once a peer of ``join`` reports this many
+        members. Machine ids are given in the order joins arrive; a launcher starting founders at
+        once gives ``p<i>`` ``join_members=i`` so that ``p<i>`` is machine ``i``.
       join_at: with ``join``: start up (and compile) at once, but join only once the run has
         reached this iteration (a peer of ``join`` reports it through ``Status``).
       leave_at: leave the run on purpose after applying this iteration (None: never).
@@ -139,6 +166,7 @@ class NodeOptions:
     forming_timeout_s: float = 120.0
     join_timeout_s: float = 120.0
     join_at: int | None = None
+    join_members: int | None = None
     leave_at: int | None = None
     resume: str | None = None
     tick_s: float = 0.02
@@ -280,7 +308,7 @@ class Node:
         self.started = time.monotonic()
         self._server: grpc.Server | None = None
         self.address = ""
-        for stale in ("metrics.jsonl", "summary.json", "address"):  # a new process is a new peer
+        for stale in ("metrics.jsonl", "summary.json", "address", "machine"):  # a new process is a new peer
             (self.out_dir / stale).unlink(missing_ok=True)
         self._metrics = MetricsWriter(self.out_dir / "metrics.jsonl")
         self._threads: list[threading.Thread] = []
@@ -384,7 +412,7 @@ class Node:
     def say(self, text: str) -> None:
         if self.options.log:
             m = self._st.me if self._st is not None else "-"
-            self._log(f"[peer {m} {time.monotonic() - self.started:7.2f}s] {text}")
+            self._log(f"[machine {m} {time.monotonic() - self.started:7.2f}s] {text}")
 
     def _protocol_params(self, run_id: str) -> P.Params:
         p = self.cfg.peers
@@ -575,6 +603,7 @@ class Node:
             step = P.founder(self._pp, address=self.address, now=time.monotonic(), key=self.identity.public, iteration=start)
             self._st = step.state
             self.machines.append(0)
+            self._write_machine(0)
             self.say(f"founded run {run_id} at {self.address}; waiting for {self.options.founders} founders")
             self._dispatch(step.effects)
         self._warm_more(self.options.founders)
@@ -584,6 +613,29 @@ class Node:
         if self._warming is None:
             self._warming = threading.Thread(target=self.worker.warm_up_more, args=(members,), daemon=True, name="zeroth-warm")
             self._warming.start()
+
+    def _write_machine(self, machine: int) -> None:
+        """``OUT/machine``: this peer's machine id (the latest, after a rejoin), written atomically."""
+        tmp = self.out_dir / "machine.tmp"
+        tmp.write_text(f"{machine}\n")
+        tmp.replace(self.out_dir / "machine")
+
+    def _wait_for_members(self, addresses: list[str], members: int) -> None:
+        """Poll the peers' ``Status`` until one reports ``members`` members (or the join timeout)."""
+        deadline = time.monotonic() + self.options.join_timeout_s
+        while not self._stop.is_set():
+            for address in addresses:
+                try:
+                    st = self.transport.rpc(address, "Status", pb.StatusRequest(), 5)
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        raise _Fatal(f"{address} refused this peer: {e.details()}") from None
+                    continue
+                if st.members >= members:
+                    return
+            if time.monotonic() > deadline:
+                raise _Fatal(f"no peer of {addresses} reported {members} members within {self.options.join_timeout_s}s")
+            self._stop.wait(0.05)
 
     def _resolve(self, addresses: list[str]) -> list[str]:
         """Addresses with every ``@PATH`` replaced by the address in that file (waited for)."""
@@ -620,8 +672,15 @@ class Node:
                     try:
                         resp = self.transport.rpc(address, "Join", self._join_request(), timeout)
                     except grpc.RpcError as e:
+                        details = e.details() or ""
+                        if RUN_CONFIG_MARK in details:
+                            theirs = json.loads(details.split(RUN_CONFIG_MARK, 1)[1])
+                            raise _Fatal(
+                                f"join refused by {address}: this peer's config differs from the run's in "
+                                f"{config_differences(self.cfg, theirs)}; start it with the run's config"
+                            ) from None
                         if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED):
-                            raise _Fatal(f"join refused by {address}: {e.code().name}: {e.details()}") from None
+                            raise _Fatal(f"join refused by {address}: {e.code().name}: {details}") from None
                         self.say(f"join via {address}: {e.code().name}: {e.details()}")
                         break
                     if resp.redirect:
@@ -637,6 +696,8 @@ class Node:
         addresses = self._resolve(addresses)
         if self.options.join_at is not None and not self._st:
             self._wait_for_iteration(addresses, self.options.join_at)
+        if self.options.join_members and not self._st:
+            self._wait_for_members(addresses, self.options.join_members)
         deadline = time.monotonic() + self.options.join_timeout_s
         while True:
             answer, sponsor = self._ask_to_join(addresses)
@@ -646,6 +707,7 @@ class Node:
                 self.incarnation += 1
                 self._st = P.joined(self._pp, me=answer.machine_id, view=view, now=time.monotonic())
                 self.machines.append(answer.machine_id)
+            self._write_machine(answer.machine_id)
             self.say(f"joined run {answer.run_id} as machine {answer.machine_id} from iteration {view.iteration} via {sponsor}")
             try:
                 iteration, ready_view = self.transfer.catch_up(sponsor, view)
@@ -980,6 +1042,12 @@ class Node:
         address, digest, key = request.address, request.config_digest, bytes(request.key)
         if self.secret is not None and not _id.check_join_proof(self.secret, bytes(request.proof), digest, address, key):
             raise P.Rejected("UNAUTHENTICATED", "the join proof does not match this run's secret (start the peer with the run's --secret-file)")
+        if digest != self.join_digest:  # the joiner holds the secret: tell it which fields to fix
+            raise P.Rejected(
+                "FAILED_PRECONDITION",
+                f"config digest {digest[:16]}... differs from this run's {self.join_digest[:16]}...; "
+                f"{RUN_CONFIG_MARK}{json.dumps(config_fields(self.cfg), sort_keys=True, default=str)}",
+            )
         fut: futures.Future = futures.Future()
         with self._lock:
             self._rid += 1

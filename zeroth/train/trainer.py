@@ -86,10 +86,13 @@ class RunResult(NamedTuple):
 
 
 class _Progress:
-    """A tqdm bar on a terminal; otherwise a line on stderr every ~5% of the run and at each eval."""
+    """A tqdm bar on a terminal (each eval also printed as a line above it); otherwise a line on
+    stderr every ~5% of the run and at each eval, with the time left (from the steps done since
+    the first one, compilation excluded)."""
 
     def __init__(self, total: int, initial: int, enabled: bool, name: str):
         self.total, self.enabled, self.name = total, enabled, name
+        self.origin: tuple[float, int] | None = None  # (time, step) after the first step: the ETA's origin
         self.bar = None
         self.every = max(1, total // 20)
         if enabled and sys.stderr.isatty():
@@ -108,24 +111,38 @@ class _Progress:
         self.last["fwd"] = str(rec["forward_passes"])
         self.last["bytes"] = str(rec["payload_bytes_total"])
         self.last["time"] = f"{rec['wall_time_s']:.1f}s"
-        if self.bar is not None:
-            self.bar.set_postfix(self.last, refresh=False)
-            return
         if rec["kind"] == "eval":
             fields = f"eval_loss {rec['eval_loss']:.4f} eval_accuracy {rec['eval_accuracy']:.4f}"
         elif step % self.every == 0:
             fields = f"loss {rec['loss']:.4f}"
         else:
+            fields = None
+        if self.bar is not None:
+            self.bar.set_postfix(self.last, refresh=False)
+            if rec["kind"] == "eval":
+                self.bar.write(f"[{self.name}] step {step}/{self.total} eval: {fields}", file=sys.stderr)
+            return
+        if fields is None:
             return
         print(
             f"[{self.name}] step {step}/{self.total} {rec['kind']}: {fields} forward_passes {rec['forward_passes']} "
-            f"payload_bytes_total {rec['payload_bytes_total']} time {rec['wall_time_s']:.1f}s",
+            f"payload_bytes_total {rec['payload_bytes_total']} time {rec['wall_time_s']:.1f}s{self.eta(step)}",
             file=sys.stderr,
             flush=True,
         )
 
-    def tick(self) -> None:
-        """One step done (the bar redraws at most ~10 times a second)."""
+    def eta(self, step: int) -> str:
+        """`` eta 12s``: the time left at the pace of the steps since the first (empty before there is one)."""
+        if self.origin is None or step <= self.origin[1]:
+            return ""
+        t, s0 = self.origin
+        left = (time.perf_counter() - t) / (step - s0) * (self.total - step)
+        return f" eta {left:.0f}s"
+
+    def tick(self, step: int) -> None:
+        """Step ``step`` done (the bar redraws at most ~10 times a second)."""
+        if self.origin is None:
+            self.origin = (time.perf_counter(), step)
         if self.bar is not None:
             self.bar.update(1)
 
@@ -300,7 +317,7 @@ def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, 
 
     def tick(e: _loop.Event) -> None:
         step_time["last"], step_time["prev"] = e.counters.train_time - step_time["prev"], e.counters.train_time
-        bar.tick()
+        bar.tick(e.step)
 
     def record(kind: str, step: int, extra: dict, params, c: Counters) -> dict:
         rec = {
