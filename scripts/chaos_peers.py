@@ -147,7 +147,7 @@ def hostile_scenario(name: str, tries: int, root: Path, worker: Worker) -> dict:
         digests = [n.digests() for n in nodes]
         final = {d.get(iterations) for d in digests}
         records = [json.loads(line) for line in (root / "p1" / "metrics.jsonl").read_text().splitlines()]
-        times = [r["wall_time"] for r in records if r.get("kind") == "iteration" and r["iteration"] >= started]
+        times = [r["wall_time_s"] for r in records if r.get("kind") == "train" and r["step"] - 1 >= started]
         stall = max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
         stats = nodes[0].summary()["member_stats"]
         honest_outliers = sum(1 for m, s in stats.items() if int(m) != hostile.machine and s["max_abs"] > 50)
@@ -230,7 +230,7 @@ def process_scenario(name: str, root: Path) -> dict:
             )
         summaries = {n: c.summary(n) for n in c.peers}
         finished = all(summaries[n].get("finish_reason") == "done" for n in survivors)
-        digest_maps = [{r["iteration"]: r["digest"] for r in c.records(n)} for n in c.peers]
+        digest_maps = [{r["step"]: r["digest"] for r in c.records(n)} for n in c.peers]
         finals = {summaries[n].get("digest") for n in survivors}
         out.update(
             finished=finished,

@@ -8,6 +8,7 @@ import yaml
 
 from zeroth import config as C
 from zeroth import run as zrun
+from zeroth.train.runs import load_run
 from notebook_util import execute
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,6 +55,8 @@ def test_zeroth_run_binary_config_end_to_end(tmp_path):
     assert 0.0 <= res["float32"]["test_accuracy"] <= 1.0
     assert {r["kind"] for r in res["speed"]} == {"binary", "float32"}
     assert len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()) == 8  # 2 models x 4 steps
+    run = load_run(tmp_path / "out")  # the folder reads back: its kind, metrics and results
+    assert run.kind == "binary" and len(run.metrics) == 8 and run.summary == res and run.params is None
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from zeroth.net import launch
+from zeroth.train.metrics import check_schema
 from zeroth.transport import security
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -49,7 +50,7 @@ def write_config(path: Path, **peers) -> Path:
     return path
 
 
-def records(path: Path, kind="iteration"):
+def records(path: Path, kind="train"):
     recs, _ = launch.read_records(path)
     return [r for r in recs if r.get("kind") == kind]
 
@@ -93,9 +94,13 @@ def test_zeroth_run_with_a_join_and_a_kill(tmp_path):
     joiner = next(e["peer"] for e in s["events"] if e["event"] == "join")
     by_index = {p["index"]: p for p in s["peers"]}
     assert by_index[killed]["finish_reason"] == "killed" and by_index[joiner]["finish_reason"] == "done"
+    # the folder numbers are the machine ids: founders p0..p2 are machines 0..2, the joiner p3 is machine 3
+    assert [by_index[i]["machines"][:1] for i in range(4) if i != killed] == [[i] for i in range(4) if i != killed]
+    assert [int((out / "peers" / f"p{i}" / "machine").read_text()) for i in range(4)] == [0, 1, 2, 3]
     its = records(out / "peers" / "p0" / "metrics.jsonl")
-    assert [r["iteration"] for r in its] == list(range(120))
-    for field in ("iteration", "digest", "loss", "peers", "payload_bytes", "wire_bytes", "checksum_comparisons", "checksum_mismatches"):
+    assert [r["step"] for r in its] == list(range(1, 121))  # the row of iteration t: step t + 1
+    check_schema(launch.read_records(out / "peers" / "p0" / "metrics.jsonl")[0], "p0")
+    for field in ("step", "digest", "loss", "peers", "payload_bytes", "wire_bytes", "checksum_comparisons", "checksum_mismatches"):
         assert field in its[-1]
     joiner_id = by_index[joiner]["machines"][0]
     assert any(joiner_id in r["contributors"] for r in its)
@@ -157,11 +162,11 @@ def test_mixed_xla_flags_leader_killed_late_joiner_and_an_intruder(tmp_path):
     seen: dict[int, set] = {}
     for i in range(4):
         for r in records(tmp_path / f"p{i}" / "metrics.jsonl"):
-            seen.setdefault(r["iteration"], set()).add(r["digest"])
+            seen.setdefault(r["step"], set()).add(r["digest"])
     assert len(seen) == 90 and all(len(d) == 1 for d in seen.values())
     # The joiner loaded a snapshot and replayed the log after it: it joined at a plain iteration.
     joiner = records(tmp_path / "p3" / "metrics.jsonl")
-    replayed = [r["iteration"] for r in joiner if r["catching_up"]]
+    replayed = [r["step"] - 1 for r in joiner if r["catching_up"]]  # iterations replayed
     assert replayed and replayed[0] % 25 == 0 and (replayed[-1] + 1) % 25 != 0
     # ... which it downloaded in 512-byte chunks from the three founders at once.
     assert "in chunks from 3 peer(s)" in (tmp_path / "p3.log").read_text()

@@ -91,7 +91,7 @@ def test_pause_restart_on_the_same_port_and_lost_majority(tmp_path):
         seen: dict[int, set] = {}
         for name in ("p0", "p1", "p2", "p3", "p3b"):
             for r in c.records(name):
-                seen.setdefault(r["iteration"], set()).add(r["digest"])
+                seen.setdefault(r["step"], set()).add(r["digest"])
         assert all(len(d) == 1 for d in seen.values())
     finally:
         c.stop()

@@ -5,6 +5,7 @@ unauthenticated, malformed, stale, duplicated or oversized are thrown at a membe
 get a clear status and the run must go on with every digest in agreement.
 """
 
+import dataclasses
 import time
 
 import grpc
@@ -390,3 +391,18 @@ def test_the_command_line_needs_a_secret_to_join_and_refuses_two_choices(tmp_pat
     assert secret.stat().st_mode & 0o777 == 0o600
     assert peer.main([*base, "--join", "127.0.0.1:9", "--secret-file", str(secret), "--insecure"]) == 2
     assert "choose one" in capsys.readouterr().err
+
+
+def test_a_joiner_with_another_config_is_told_which_field_differs(running, worker, tmp_path):
+    cfg = config(10**6, clip=8.0)
+    other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=0.07))
+    node = Node(other, NodeOptions(out_dir=str(tmp_path / "other"), join=(running[0].address,), secret=TOKEN, log=False,
+                                   join_timeout_s=30.0), worker=worker)
+    node.start()
+    try:
+        assert node.wait(60)
+    finally:
+        node.stop()
+    assert node.finish_reason == "failed"
+    assert "this peer's config differs from the run's in train.lr (the run: 0.05, this peer: 0.07);" in node.error, node.error
+    assert "digest" not in node.error

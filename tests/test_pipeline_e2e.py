@@ -17,6 +17,7 @@ from zeroth import compress as C
 from zeroth.config import load_config_dict
 from zeroth.pipeline import build, launch, sim
 from zeroth.train.checkpoint import Checkpointer, checksum
+from zeroth.train.runs import load_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -60,6 +61,8 @@ def test_fp32_pipeline_equals_the_single_process_model(tmp_path, stages, objecti
     cfg = _cfg(stages, objective)
     assert launch.run_config(cfg, tmp_path, [], progress=False) == 0, _logs(tmp_path)
     records = launch.read_records(tmp_path)
+    run = load_run(tmp_path)  # the folder reads back: its kind, config, merged metrics and summary
+    assert run.kind == "pipeline" and run.metrics == records and run.summary and run.config["pipeline"]["stages"] == stages
     losses, ref = sim.reference_run(cfg, 3)
     np.testing.assert_allclose([r["loss"] for r in records], losses, rtol=1e-5)
     got = _stage_params(cfg, tmp_path, 3)

@@ -10,6 +10,7 @@ import importlib
 import sys
 
 from zeroth import __version__
+from zeroth.train import interrupt
 
 __all__ = ["main", "COMMANDS"]
 
@@ -49,7 +50,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     target, _ = COMMANDS[name]
     module, func = target.split(":")
-    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    # Importing a command (jax, among others) takes seconds; a signal meanwhile only sets a flag: a
+    # KeyboardInterrupt raised there can land in a garbage-collector callback and be dropped.
+    with interrupt.catch() as flag:
+        command = getattr(importlib.import_module(module), func)
+    if flag.is_set():
+        print(f"zeroth {name}: interrupted by {flag.signal_name()} while starting; nothing was written", file=sys.stderr)
+        return interrupt.EXIT_CODE
+    try:
+        return int(command(rest) or 0)
+    except KeyboardInterrupt:  # a command that leaves Ctrl-C to Python's default handling
+        print(f"zeroth {name}: interrupted", file=sys.stderr)
+        return interrupt.EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ loopback (``zeroth.cluster.launch.run_config``, seed 003). The dispatcher sits a
 chooses between.
 ``--help-config`` prints every config field with its type, default and description.
 
-Exit codes: 0 done; 2 a bad command line, config, dataset or checkpoint (the message says which).
+Exit codes: 0 done; 2 a bad command line, config, output folder, dataset or checkpoint (one line
+says which); 130 interrupted by SIGINT or SIGTERM (a single-machine run finishes the step under
+way, saves a checkpoint and prints the command that resumes it).
 
 Example:
   $ zeroth run experiments/mezo_digits.yaml --set train.steps=200 --out runs/quick
@@ -29,8 +31,9 @@ from zeroth.cluster import launch as ravnest_launch
 from zeroth.pipeline import launch as pipeline_launch
 from zeroth.data import DatasetUnavailable
 from zeroth.data.resources import MissingPackage
-from zeroth.train import trainer
+from zeroth.train import interrupt, trainer
 from zeroth.train.checkpoint import CheckpointError
+from zeroth.train.runs import check_out_dir
 
 __all__ = ["main", "build_parser"]
 
@@ -78,28 +81,57 @@ def main(argv: list[str]) -> int:
         return 2
 
     try:
-        cfg = _config.load_config(args.config, args.overrides)
-        if args.out:
-            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=args.out))
-        out = trainer.out_dir_of(cfg)
-        if cfg.binary is not None:
-            binary_experiment.run_config(cfg, out, argv, progress=not args.quiet)
-            return 0
-        if cfg.peers is not None:
-            return int(zeroth.net.launch.run_config(cfg, out, argv) or 0)
-        if cfg.pipeline is not None:  # pipeline stages as processes on loopback
-            return int(pipeline_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)
-        if cfg.ravnest is not None:  # Ravnest nodes as processes on loopback
-            return int(ravnest_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)
-        result = trainer.train(
-            cfg, out, resume=args.resume, resume_step=args.resume_step, progress=not args.quiet
-        )
+        return _dispatch(args, argv)
     except (ValueError, FileNotFoundError, CheckpointError, DatasetUnavailable, MissingPackage) as e:
         print(f"zeroth run: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file the run needs could not be read or written
+        print(f"zeroth run: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C where no stop flag was installed (the pipeline and binary runs)
+        print("zeroth run: interrupted", file=sys.stderr)
+        return interrupt.EXIT_CODE
+
+
+def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
+    # SIGINT/SIGTERM only set a flag from here on: a single-machine run finishes its step, saves a
+    # checkpoint and exits 130; the other systems get the default handling back once chosen.
+    with interrupt.catch() as flag:
+        cfg = _config.load_config(args.config, args.overrides)
+        if args.out:
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=args.out))
+        out = check_out_dir(trainer.out_dir_of(cfg))
+        if cfg.binary is None and cfg.peers is None and cfg.pipeline is None and cfg.ravnest is None:
+            return _train(cfg, out, args, argv, flag)
+    if flag.is_set():
+        print(f"zeroth run: interrupted by {flag.signal_name()} before the run started", file=sys.stderr)
+        return interrupt.EXIT_CODE
+    if cfg.binary is not None:
+        binary_experiment.run_config(cfg, out, argv, progress=not args.quiet)
+        return 0
+    if cfg.peers is not None:
+        return int(zeroth.net.launch.run_config(cfg, out, argv) or 0)
+    if cfg.ravnest is not None:  # Ravnest nodes as processes on loopback
+        return int(ravnest_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)
+    return int(pipeline_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)  # stages on loopback
+
+
+def _train(cfg: _config.Config, out, args: argparse.Namespace, argv: list[str], flag: interrupt.StopFlag) -> int:
+    try:
+        result = trainer.train(
+            cfg, out, resume=args.resume, resume_step=args.resume_step, progress=not args.quiet, stop=flag.is_set
+        )
+    except interrupt.Interrupted as e:
+        saved = f"checkpoint saved in {e.checkpoint}" if e.checkpoint is not None else "no checkpoint saved"
+        print(
+            f"zeroth run: interrupted by {flag.signal_name()} after step {e.step} of {e.total}; {saved}; "
+            f"resume with: {interrupt.resume_command(argv, out)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return interrupt.EXIT_CODE
     print(trainer.summary_line(result))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -196,7 +196,7 @@ class Cluster:
 
     def records(self, name: str) -> list[dict]:
         recs, _ = launch.read_records(self.root / name / "metrics.jsonl")
-        return [r for r in recs if r.get("kind") == "iteration"]
+        return [r for r in recs if r.get("kind") == "train"]
 
     def iteration(self, name: str) -> int:
         recs = self.records(name)
@@ -228,7 +228,7 @@ class Cluster:
 
     def stall_seconds(self, name: str) -> float:
         """The longest wall-clock gap between two consecutive applied iterations of ``name``."""
-        times = [r["wall_time"] for r in self.records(name)]
+        times = [r["wall_time_s"] for r in self.records(name)]
         return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
 
     def stop(self) -> None:

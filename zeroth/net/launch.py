@@ -13,9 +13,22 @@ Secure by default: the run secret (``peers.token``, else a fresh one) is written
 ``OUT/run.secret`` (mode 0600) and every peer gets ``--secret-file``; ``peers.insecure: true``
 starts them with ``--insecure`` instead.
 
+Folder ``peers/p<i>`` is machine ``i``: the founders start up and compile at once, and founder
+``p<i>`` asks to join once the run has ``i`` members (``--join-members``); a joiner's id is the
+next free one. Each peer writes its machine id to ``peers/p<i>/machine``.
+
+Resumable and never overwriting: a folder that already holds a run is refused (``ValueError``,
+exit 2) unless ``--resume`` is in ``argv``; the peers save ``checkpoints/<iteration>/`` every
+``train.checkpoint_every`` iterations, at the end and on SIGINT/SIGTERM, and ``--resume`` founds
+the new run from :func:`newest_checkpoint` (the earlier peer folders are kept as ``peers.<n>/``;
+the fields of :data:`PEER_RESUME_INVARIANT` may change, others are refused). SIGINT/SIGTERM of
+the launcher stop the peers (each saves a checkpoint and leaves), write the summary and return
+130 after one line on stderr with the command that resumes the run.
+
 Each peer process runs single-threaded XLA (:data:`PEER_XLA_FLAGS`, added to any
-``XLA_FLAGS`` of the caller) so several fit on a small machine. The run is bounded in time
-(:func:`time_limit`); children are killed on exit, Ctrl-C and errors.
+``XLA_FLAGS`` of the caller) so several fit on a small machine; each runs in its own session, so
+a Ctrl-C on the terminal reaches only the launcher. The run is bounded in time
+(:func:`time_limit`); children are stopped on exit, interrupts and errors.
 
 Example:
   $ zeroth run experiments/job_digits.yaml --out runs/job
@@ -26,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,7 +47,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zeroth.config import Config, to_yaml
+from zeroth.config import Config, config_digest, diff, load_config, to_yaml
+from zeroth.net.runtime import JOIN_DIGEST_EXCLUDE
+from zeroth.train import interrupt
+from zeroth.train.trainer import RESUME_INVARIANT
 from zeroth.transport import identity as _id
 
 __all__ = [
@@ -47,8 +62,14 @@ __all__ = [
     "time_limit",
     "read_records",
     "summarize",
+    "newest_checkpoint",
+    "PEER_RESUME_INVARIANT",
     "run_config",
 ]
+
+# Fields that may change when a peer run is resumed (they do not change the parameters of the
+# iterations already done): the single-machine ones, the deployment ones, and the run's length.
+PEER_RESUME_INVARIANT = (*RESUME_INVARIANT, *JOIN_DIGEST_EXCLUDE, "peers.iterations")
 
 PEER_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1 --xla_force_host_platform_device_count=1"
 
@@ -120,8 +141,10 @@ def start_peer(
         cmd += ["--founders", str(founders)]
     cmd += list(extra_args)
     log = out.with_suffix(".log")
-    with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env if env is not None else peer_env())
+    with log.open("w") as fh:  # its own session: a Ctrl-C on the terminal reaches the launcher, which stops the peers
+        proc = subprocess.Popen(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, env=env if env is not None else peer_env(), start_new_session=True
+        )
     if founder is None:
         founder = join is None or founders is not None
     return PeerProcess(index, listen, out, log, proc, founder, time.monotonic())
@@ -166,7 +189,7 @@ def summarize(cfg: Config, peers: list[PeerProcess], events: list[dict], wall: f
     records: list[dict] = []
     if ref is not None:
         records, _ = read_records(peers[ref["index"]].out / "metrics.jsonl")
-    it_records = {r["iteration"]: r for r in records if r.get("kind") == "iteration"}
+    it_records = {r["step"]: r for r in records if r.get("kind") == "train"}
     gradients = sum(r["gradients"] for r in it_records.values())
     bpv = 1 if cfg.train.codec == "onebyte" else 4
     total = {k: sum(s.get(k, 0) for s in per) for k in ("payload_sent", "payload_received", "wire_sent", "wire_received")}
@@ -208,6 +231,70 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def newest_checkpoint(out: str | Path) -> tuple[int, Path] | None:
+    """``(iteration, folder)`` of the newest resumable peer checkpoint under ``out``; None when there is none.
+
+    Every attempt's peer folders count (``peers/`` and the ``peers.<n>/`` of earlier attempts).
+    A peer that got SIGINT/SIGTERM saves the iteration it reached (reason ``"interrupted"``),
+    then leaves; iterations decided after the first of those leaves miss a contributor that an
+    uninterrupted run would have had. So within an attempt where peers were interrupted, only
+    checkpoints up to the smallest interrupted iteration count: every iteration before it was
+    decided before any peer asked to leave. Folders found for the chosen iteration must agree on
+    the digest (``ValueError`` otherwise).
+    """
+    found: dict[int, list[tuple[Path, str]]] = {}
+    for attempt in sorted(Path(out).glob("peers*")):
+        metas = [(m.parent, json.loads(m.read_text())) for m in attempt.glob("p*/checkpoints/*/state.json") if m.parent.name.isdigit()]
+        stops = [int(meta["iteration"]) for _, meta in metas if meta.get("reason") == "interrupted"]
+        bound = min(stops) if stops else None
+        for folder, meta in metas:
+            if bound is None or int(meta["iteration"]) <= bound:
+                found.setdefault(int(meta["iteration"]), []).append((folder, meta["digest"]))
+    if not found:
+        return None
+    newest = max(found)
+    digests = sorted({d for _, d in found[newest]})
+    if len(digests) > 1:
+        raise ValueError(
+            f"the peers' checkpoints of iteration {newest} in {out} differ: "
+            + ", ".join(f"{p} has {d[:16]}" for p, d in found[newest])
+        )
+    return newest, sorted(p for p, _ in found[newest])[0]
+
+
+def _machine_of(p: PeerProcess) -> str:
+    path = p.out / "machine"
+    return path.read_text().strip() if path.exists() else "?"
+
+
+def _holds_run(out: Path) -> bool:
+    return (out / "summary.json").exists() or any(out.glob("peers*/p*/metrics.jsonl"))
+
+
+def _prepare_resume(cfg: Config, out: Path) -> tuple[int, Path]:
+    """The checkpoint to resume from; the earlier attempt's peer folders are moved to ``peers.<n>``."""
+    newest = newest_checkpoint(out)
+    if newest is None:
+        raise ValueError(f"no checkpoint in {out}; run without --resume to start")
+    saved_path = out / "config.yaml"
+    if saved_path.exists():
+        saved = load_config(saved_path)
+        if config_digest(saved, exclude=PEER_RESUME_INVARIANT) != config_digest(cfg, exclude=PEER_RESUME_INVARIANT):
+            changed = [d for d in diff(saved, cfg) if not any(d == f or d.startswith(f + ".") for f in PEER_RESUME_INVARIANT)]
+            raise ValueError(
+                f"cannot resume {out}: the config differs from the one the run started with in {changed}; "
+                f"only {list(PEER_RESUME_INVARIANT)} may change on resume"
+            )
+    iteration, folder = newest
+    if (out / "peers").exists():
+        n = 1
+        while (out / f"peers.{n}").exists():
+            n += 1
+        (out / "peers").rename(out / f"peers.{n}")  # kept, not overwritten
+        folder = out / f"peers.{n}" / folder.relative_to(out / "peers") if folder.is_relative_to(out / "peers") else folder
+    return iteration, folder
+
+
 def _stop_all(peers: list[PeerProcess], grace: float = 5.0) -> None:
     live = [p for p in peers if p.alive()]
     for p in live:
@@ -223,14 +310,30 @@ def _stop_all(peers: list[PeerProcess], grace: float = 5.0) -> None:
 
 def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) -> int:
     """Run ``cfg.peers.count`` peers on loopback (see the module docstring). Returns the exit code:
-    0 when the run finished and every peer that finished holds the same digest, 1 otherwise."""
+    0 when the run finished and every peer that finished holds the same digest, 130 when
+    interrupted, 1 otherwise.
+
+    Raises:
+      ValueError: ``out`` holds a run and ``argv`` has no ``--resume``; ``--resume`` without a
+        checkpoint, or with a config that changes the parameters; ``--resume-step``.
+    """
     if cfg.peers is None:
         raise ValueError("run_config needs a config with a peers: section")
     p = cfg.peers
     out = Path(out_dir)
+    argv = list(argv or [])
+    resume = "--resume" in argv
+    if "--resume-step" in argv:
+        raise ValueError("--resume-step is for single-machine runs; a peer run resumes from its newest checkpoint")
+    resumed_from: tuple[int, Path] | None = None
+    if resume:
+        resumed_from = _prepare_resume(cfg, out)
+    elif _holds_run(out):
+        raise ValueError(
+            f"output folder {out} already holds a run (summary.json, peers/); pass --resume to continue it or choose another --out"
+        )
     out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out / "peers", ignore_errors=True)  # the peers' folders of an earlier run
-    (out / "summary.json").unlink(missing_ok=True)
+    (out / "summary.json").unlink(missing_ok=True)  # an interrupted attempt's, when resuming
     config_path = out / "config.yaml"
     config_path.write_text(to_yaml(cfg))
     quiet = "--quiet" in (argv or [])
@@ -255,6 +358,7 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
     else:  # each peer binds a free port itself and writes it to its `address` file; the others wait for it
         addresses = [f"{p.host}:0"] * (p.count + n_extra)
     founder_address = addresses[0] if p.base_port else f"@{out / 'peers' / 'p0' / 'address'}"
+    # p<i> is machine i: founder p<i> asks to join once the run has i members (all start up and compile at once)
     peers: list[PeerProcess] = []
     events: list[dict] = []
     t0 = time.monotonic()
@@ -268,6 +372,11 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
         f"per peer per iteration, codec {cfg.train.codec}; logs in {out / 'peers'}"
     )
     say(security_note)
+    if resumed_from is not None:
+        say(f"resuming from iteration {resumed_from[0]} ({resumed_from[1]})")
+    catcher = interrupt.catch()  # SIGINT/SIGTERM: the peers save a checkpoint and leave; exit 130
+    flag = catcher.__enter__()
+    current = resumed_from[0] if resumed_from else 0
     try:
         for i in range(p.count):
             peers.append(
@@ -278,7 +387,8 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
                     index=i,
                     join=None if i == 0 else founder_address,
                     founders=p.count if i == 0 else None,
-                    extra_args=tuple(extra),
+                    extra_args=tuple(extra) + (("--resume", str(resumed_from[1])) if i == 0 and resumed_from else ())
+                    + (("--join-members", str(i)) if i > 0 else ()),
                     founder=True,
                 )
             )
@@ -299,6 +409,10 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
         last_print = 0.0
         limit = time_limit(cfg)
         while any(q.alive() for q in peers):
+            if flag.is_set():
+                say(f"{flag.signal_name()}: the peers save a checkpoint and leave")
+                events.append({"event": "interrupted", "at_iteration": current, "time": time.monotonic() - t0})
+                break
             if time.monotonic() - t0 > limit:
                 say(f"time limit of {limit:.0f}s reached; stopping the peers")
                 events.append({"event": "time_limit", "time": time.monotonic() - t0})
@@ -306,12 +420,12 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
             for q in peers:
                 recs, offsets[q.index] = read_records(q.out / "metrics.jsonl", offsets.get(q.index, 0))
                 for r in recs:
-                    if r.get("kind") == "iteration":
+                    if r.get("kind") == "train":
                         latest[q.index] = r
                     if "eval_accuracy" in r:
                         accuracy = r["eval_accuracy"]
             live = [latest[q.index] for q in peers if q.alive() and q.index in latest]
-            current = max((r["step"] for r in live), default=0)
+            current = max((r["step"] for r in live), default=current)
             while kill_at and current >= kill_at[0]:
                 kill_at.pop(0)
                 victims = [q for q in peers if q.alive() and q.index != 0 and q.founder] or [
@@ -321,7 +435,7 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
                     v = victims[-1]
                     v.proc.kill()
                     events.append({"event": "kill", "peer": v.index, "at_iteration": current, "time": time.monotonic() - t0})
-                    say(f"iteration {current}: killed peer p{v.index} with SIGKILL")
+                    say(f"iteration {current}: killed peer p{v.index} (machine {_machine_of(v)}) with SIGKILL")
             if live and time.monotonic() - last_print > 2.0:
                 last_print = time.monotonic()
                 r = max(live, key=lambda r: r["step"])
@@ -332,16 +446,23 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
                     f"digest {r['digest'][:12]}"
                 )
             time.sleep(0.25)
-    except KeyboardInterrupt:
-        say("interrupted: stopping the peers")
-        events.append({"event": "interrupted", "time": time.monotonic() - t0})
-        _stop_all(peers)
-        raise
     finally:
-        _stop_all(peers)
+        _stop_all(peers, grace=15.0)
+        catcher.__exit__(None, None, None)
     wall = time.monotonic() - t0
     summary = summarize(cfg, peers, events, wall)
+    summary["resumed_from"] = resumed_from[0] if resumed_from else None
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    if flag.is_set():
+        newest = newest_checkpoint(out)
+        saved = f"checkpoint of iteration {newest[0]} of {iterations} in {newest[1]}" if newest else "no checkpoint saved"
+        print(
+            f"zeroth run: interrupted by {flag.signal_name()}; {saved}; "
+            f"resume with: {interrupt.resume_command(argv, out)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return interrupt.EXIT_CODE
     _print_summary(summary, cfg, out)
     ok = summary["peers_done"] > 0 and summary["digests_agree"] and summary["iterations"] >= iterations
     return 0 if ok else 1

@@ -16,8 +16,10 @@ joiner without one is refused at the command line. ``--insecure`` (or ``peers.in
 runs without a secret: anyone who reaches the port may join; messages are signed by their senders
 all the same. TLS needs all three files (``--tls-ca`` is the CA that signed the other peers' certificates).
 
-The peer writes ``metrics.jsonl`` (one record per iteration), ``summary.json`` and ``address``
-into ``--out``. SIGINT / SIGTERM make it leave the run cleanly. Exit code: 0 when all iterations
+The peer writes ``metrics.jsonl`` (one record per iteration), ``summary.json``, ``address`` and
+``checkpoints/<iteration>/`` (every ``train.checkpoint_every`` iterations, at the end, and on
+SIGINT / SIGTERM) into ``--out``. SIGINT / SIGTERM save a checkpoint and make it leave the run
+cleanly (a second one exits at once). Exit code: 0 when all iterations
 are done (or it left), 1 when it failed (one line says why; when the run lost its majority the
 state is saved to ``OUT/checkpoint``, which ``--resume`` starts a new run from) or was dropped for
 good, 2 on a bad command line.
@@ -62,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", default=None, help="CA certificates that signed the peers' certificates (PEM)")
     p.add_argument("--no-rejoin", action="store_true", help="exit instead of rejoining after being dropped")
     p.add_argument("--join-at", type=int, default=None, help="with --join: start now, join once the run reaches this iteration")
+    p.add_argument("--join-members", type=int, default=None, metavar="N",
+                   help="with --join: ask to join once the run has N members (founders started at once: p<i> gets N=i, machine id i)")
     p.add_argument("--leave-at", type=int, default=None, help="leave the run after applying this iteration")
     p.add_argument("--linger", type=float, default=2.0, help="seconds to keep serving after finishing")
     p.add_argument("--snapshot-every", type=int, default=10, help="keep a parameter snapshot every N iterations (for joiners)")
@@ -128,6 +132,7 @@ def main(argv: list[str]) -> int:
         snapshot_every=args.snapshot_every,
         chunk_bytes=args.chunk_bytes,
         join_at=args.join_at,
+        join_members=args.join_members,
         leave_at=args.leave_at,
         join_timeout_s=args.join_timeout,
         log=not args.quiet,
@@ -146,7 +151,12 @@ def main(argv: list[str]) -> int:
             node.stop()
             os._exit(130)
         leaving.set()
-        threading.Thread(target=node.leave, daemon=True).start()
+
+        def checkpoint_and_leave():
+            node.checkpoint_now("interrupted")  # the iteration reached, for `zeroth run --resume`
+            node.leave()
+
+        threading.Thread(target=checkpoint_and_leave, daemon=True).start()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)

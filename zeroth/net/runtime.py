@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
+import shutil
 import sys
 import threading
 import time
@@ -43,7 +44,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from zeroth import replay as _replay
-from zeroth.config import Config, config_digest
+from zeroth.config import Config, config_digest, to_dict
 from zeroth.transport import identity as _id
 from zeroth.net import protocol as P
 from zeroth.transport import security as _sec
@@ -61,6 +62,9 @@ __all__ = [
     "JOIN_DIGEST_EXCLUDE",
     "MAX_MESSAGE_BYTES",
     "join_digest",
+    "config_fields",
+    "config_differences",
+    "RUN_CONFIG_MARK",
     "Traffic",
     "NodeOptions",
     "Repair",
@@ -84,6 +88,27 @@ JOIN_DIGEST_EXCLUDE = (
     "peers.kill_at",
     "peers.stall_timeout_s",
 )
+
+
+RUN_CONFIG_MARK = "the run's config: "  # in a refused join: the fields joiners must match, as JSON
+
+
+def config_fields(cfg: Config) -> dict[str, Any]:
+    """``{"section.field": value}`` of the fields a joiner must match (all but :data:`JOIN_DIGEST_EXCLUDE`)."""
+    out = {}
+    for section, values in to_dict(cfg).items():
+        for name, value in (values or {}).items() if isinstance(values, dict) else [("", values)]:
+            path = f"{section}.{name}" if name else section
+            if not any(path == f or path.startswith(f + ".") for f in JOIN_DIGEST_EXCLUDE):
+                out[path] = value
+    return out
+
+
+def config_differences(mine: Config, theirs: dict[str, Any]) -> str:
+    """``"train.lr (the run: 0.03, this peer: 0.05); ..."``: the fields where ``mine`` differs from the run's."""
+    own = config_fields(mine)
+    keys = sorted(k for k in set(own) | set(theirs) if own.get(k) != theirs.get(k))
+    return "; ".join(f"{k} (the run: {theirs.get(k)!r}, this peer: {own.get(k)!r})" for k in keys)
 
 
 def join_digest(cfg: Config) -> str:
@@ -113,6 +138,9 @@ class NodeOptions:
       chunk_bytes: bytes per streamed snapshot chunk.
       forming_timeout_s: the founder starts with whoever joined after this long.
       join_timeout_s: give up joining after this long.
+      join_members: with ``join``: ask to join only once a peer of ``join`` reports this many
+        members. Machine ids are given in the order joins arrive; a launcher starting founders at
+        once gives ``p<i>`` ``join_members=i`` so that ``p<i>`` is machine ``i``.
       join_at: with ``join``: start up (and compile) at once, but join only once the run has
         reached this iteration (a peer of ``join`` reports it through ``Status``).
       leave_at: leave the run on purpose after applying this iteration (None: never).
@@ -138,6 +166,7 @@ class NodeOptions:
     forming_timeout_s: float = 120.0
     join_timeout_s: float = 120.0
     join_at: int | None = None
+    join_members: int | None = None
     leave_at: int | None = None
     resume: str | None = None
     tick_s: float = 0.02
@@ -188,7 +217,11 @@ class RateLimitedLog:
 
 
 def save_state(directory: str | Path, params: Any, *, iteration: int, run_id: str, digest: str, reason: str) -> Path:
-    """Write the state at the start of ``iteration`` to ``directory`` (``state.bin`` + ``state.json``)."""
+    """Write the state at the start of ``iteration`` to ``directory`` (``state.bin`` + ``state.json``).
+
+    ``state.json`` is written last and atomically (a temporary file renamed), so a folder with a
+    ``state.json`` holds a complete state.
+    """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     blob, leaves = _state.flatten(params)
@@ -200,7 +233,9 @@ def save_state(directory: str | Path, params: Any, *, iteration: int, run_id: st
         "reason": reason,
         "leaves": [lf._asdict() for lf in leaves],
     }
-    (d / "state.json").write_text(json.dumps(meta, indent=2) + "\n")
+    tmp = d / "state.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    tmp.replace(d / "state.json")
     return d
 
 
@@ -261,6 +296,8 @@ class Node:
         self._losses: dict[int, float] = {}
         self._own_payload: dict[int, int] = {}
         self._forward_passes = 0
+        self._payload_total = 0  # this peer's projected-gradient bytes, cumulative
+        self._last_apply = time.monotonic()
         self._last_traffic = self.traffic.snapshot()
         self.member_stats: dict[int, dict] = {}
         self.transfer = StateTransfer(self)
@@ -271,7 +308,7 @@ class Node:
         self.started = time.monotonic()
         self._server: grpc.Server | None = None
         self.address = ""
-        for stale in ("metrics.jsonl", "summary.json", "address"):  # a new process is a new peer
+        for stale in ("metrics.jsonl", "summary.json", "address", "machine"):  # a new process is a new peer
             (self.out_dir / stale).unlink(missing_ok=True)
         self._metrics = MetricsWriter(self.out_dir / "metrics.jsonl")
         self._threads: list[threading.Thread] = []
@@ -375,7 +412,7 @@ class Node:
     def say(self, text: str) -> None:
         if self.options.log:
             m = self._st.me if self._st is not None else "-"
-            self._log(f"[peer {m} {time.monotonic() - self.started:7.2f}s] {text}")
+            self._log(f"[machine {m} {time.monotonic() - self.started:7.2f}s] {text}")
 
     def _protocol_params(self, run_id: str) -> P.Params:
         p = self.cfg.peers
@@ -566,6 +603,7 @@ class Node:
             step = P.founder(self._pp, address=self.address, now=time.monotonic(), key=self.identity.public, iteration=start)
             self._st = step.state
             self.machines.append(0)
+            self._write_machine(0)
             self.say(f"founded run {run_id} at {self.address}; waiting for {self.options.founders} founders")
             self._dispatch(step.effects)
         self._warm_more(self.options.founders)
@@ -575,6 +613,29 @@ class Node:
         if self._warming is None:
             self._warming = threading.Thread(target=self.worker.warm_up_more, args=(members,), daemon=True, name="zeroth-warm")
             self._warming.start()
+
+    def _write_machine(self, machine: int) -> None:
+        """``OUT/machine``: this peer's machine id (the latest, after a rejoin), written atomically."""
+        tmp = self.out_dir / "machine.tmp"
+        tmp.write_text(f"{machine}\n")
+        tmp.replace(self.out_dir / "machine")
+
+    def _wait_for_members(self, addresses: list[str], members: int) -> None:
+        """Poll the peers' ``Status`` until one reports ``members`` members (or the join timeout)."""
+        deadline = time.monotonic() + self.options.join_timeout_s
+        while not self._stop.is_set():
+            for address in addresses:
+                try:
+                    st = self.transport.rpc(address, "Status", pb.StatusRequest(), 5)
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        raise _Fatal(f"{address} refused this peer: {e.details()}") from None
+                    continue
+                if st.members >= members:
+                    return
+            if time.monotonic() > deadline:
+                raise _Fatal(f"no peer of {addresses} reported {members} members within {self.options.join_timeout_s}s")
+            self._stop.wait(0.05)
 
     def _resolve(self, addresses: list[str]) -> list[str]:
         """Addresses with every ``@PATH`` replaced by the address in that file (waited for)."""
@@ -611,8 +672,15 @@ class Node:
                     try:
                         resp = self.transport.rpc(address, "Join", self._join_request(), timeout)
                     except grpc.RpcError as e:
+                        details = e.details() or ""
+                        if RUN_CONFIG_MARK in details:
+                            theirs = json.loads(details.split(RUN_CONFIG_MARK, 1)[1])
+                            raise _Fatal(
+                                f"join refused by {address}: this peer's config differs from the run's in "
+                                f"{config_differences(self.cfg, theirs)}; start it with the run's config"
+                            ) from None
                         if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED):
-                            raise _Fatal(f"join refused by {address}: {e.code().name}: {e.details()}") from None
+                            raise _Fatal(f"join refused by {address}: {e.code().name}: {details}") from None
                         self.say(f"join via {address}: {e.code().name}: {e.details()}")
                         break
                     if resp.redirect:
@@ -628,6 +696,8 @@ class Node:
         addresses = self._resolve(addresses)
         if self.options.join_at is not None and not self._st:
             self._wait_for_iteration(addresses, self.options.join_at)
+        if self.options.join_members and not self._st:
+            self._wait_for_members(addresses, self.options.join_members)
         deadline = time.monotonic() + self.options.join_timeout_s
         while True:
             answer, sponsor = self._ask_to_join(addresses)
@@ -637,6 +707,7 @@ class Node:
                 self.incarnation += 1
                 self._st = P.joined(self._pp, me=answer.machine_id, view=view, now=time.monotonic())
                 self.machines.append(answer.machine_id)
+            self._write_machine(answer.machine_id)
             self.say(f"joined run {answer.run_id} as machine {answer.machine_id} from iteration {view.iteration} via {sponsor}")
             try:
                 iteration, ready_view = self.transfer.catch_up(sponsor, view)
@@ -699,40 +770,44 @@ class Node:
         for sender, address, theirs in pending:
             self.checksums.compare(t + 1, digest, sender, address, theirs)
         me = self._st.me if self._st is not None else None
+        own = self._own_payload.pop(t, 0)
+        self._payload_total += own
+        now_s = time.monotonic()
         record: dict[str, Any] = {
-            "kind": "iteration",
-            "iteration": t,
-            "step": t + 1,
+            **self._row("train", t + 1, digest),
             "machine": me,
-            "digest": digest,
             "loss": self._losses.pop(t, None),
+            "lr": self.cfg.train.lr,
+            "step_time_s": now_s - self._last_apply,
+            "payload_bytes": own,
             "peers": len(c.contributors),
             "members": len(c.next_view.members),
             "contributors": [m for m, _ in c.contributors],
             "gradients": n_total,
             "clipped": int(sum(s[3] for s in stats.values())),
-            "forward_passes": self._forward_passes,
-            "payload_bytes": self._own_payload.pop(t, 0),
             "catching_up": catching_up,
         }
+        self._last_apply = now_s
         now = self.traffic.snapshot()
         for k in ("payload_sent", "payload_received", "wire_sent", "wire_received"):
             record[f"{k.split('_')[0]}_bytes_{k.split('_')[1]}"] = now[k] - self._last_traffic[k]
         record["wire_bytes"] = record["wire_bytes_sent"] + record["wire_bytes_received"]
         self._last_traffic = now
         record.update(self.counters)
-        record["wall_time"] = time.monotonic() - self.started
+        self._metrics.write(record)
         view = c.next_view
         if not catching_up and me is not None:
             ev = self.cfg.train.eval_every
             if view.leader() == me and (ev and (t + 1) % ev == 0):
                 self.last_eval = {"step": t + 1, **self.worker.evaluate(self.params)}
-                record.update(self.last_eval)
-                self._metrics.write({"kind": "eval", "iteration": t, "step": t + 1, "machine": me, **self.last_eval})
+                record.update(self.last_eval)  # for the progress line
+                self._metrics.write({**self._row("eval", t + 1, digest), "machine": me, **self.last_eval})
             partner = P.checksum_partner(view, me, t + 1, self.cfg.peers.checksum_every)
             if partner is not None:
                 self._submit(self.checksums.send, self.incarnation, t + 1, digest, partner, view.address_of(partner))
-        self._metrics.write(record)
+        ce = self.cfg.train.checkpoint_every
+        if ce and (t + 1) % ce == 0 and not catching_up:
+            self._checkpoint(t + 1, digest, "checkpoint_every")
         every = self.options.progress_every
         if every and (t + 1) % every == 0:
             loss = record["loss"]
@@ -743,6 +818,18 @@ class Node:
             )
         if self.options.leave_at is not None and t + 1 >= self.options.leave_at and not catching_up:
             self.leave()
+
+    def _row(self, kind: str, step: int, digest: str) -> dict[str, Any]:
+        """The fields every metrics row has (:mod:`zeroth.train.metrics`, schema v1)."""
+        return {
+            "kind": kind,
+            "step": step,
+            "time_unix_s": time.time(),
+            "wall_time_s": time.monotonic() - self.started,
+            "digest": digest,
+            "forward_passes": self._forward_passes,
+            "payload_bytes_total": self._payload_total,
+        }
 
     def _count_stats(self, stats: dict[int, tuple]) -> None:
         """Accumulate per-member statistics of the decoded projected gradients: count, sum |g|, max |g|, clipped."""
@@ -792,6 +879,43 @@ class Node:
         self.say(f"the run cannot go on: {reason}; state of iteration {self.applied} saved to {where}")
         self._finish("failed")
 
+    def _checkpoint(self, iteration: int, digest: str, reason: str) -> Path:
+        """Save the parameters at the start of ``iteration`` to ``OUT/checkpoints/<iteration>/`` (driver thread only).
+
+        ``zeroth run --resume`` starts the founder of a new run from the newest one
+        (:func:`zeroth.net.launch.newest_checkpoint`); the oldest beyond ``train.keep_checkpoints`` go.
+        """
+        root = self.out_dir / "checkpoints"
+        where = save_state(root / str(iteration), self.params, iteration=iteration, run_id=self._pp.run_id, digest=digest, reason=reason)
+        keep = self.cfg.train.keep_checkpoints
+        steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
+        for old in steps[: -keep] if keep else []:
+            shutil.rmtree(root / str(old), ignore_errors=True)
+        return where
+
+    def checkpoint_now(self, reason: str, timeout: float = 10.0) -> Path | None:
+        """Save a checkpoint of the iteration the driver is at, between two iterations (any thread).
+
+        Returns its folder, or None when there is nothing to save yet (not started, still joining)
+        or the driver did not get to it within ``timeout`` seconds.
+        """
+        if self.params is None or self._pp is None or self.phase != P.MEMBER:
+            return None
+        saved: list[Path] = []
+
+        def save(params):
+            digest = self.transfer.store.digest(self.applied) or _replay.checksum(params)
+            saved.append(self._checkpoint(self.applied, digest, reason))
+            return params
+
+        fut: futures.Future = futures.Future()
+        self._work.put((self.incarnation, _Call(save, fut)))
+        try:
+            fut.result(timeout)
+        except futures.TimeoutError:
+            return None
+        return saved[0] if saved else None
+
     def _save_final(self, reason: str) -> Path | None:
         """Save the current state (to restart from with ``--resume``)."""
         if self.params is None or self._pp is None:
@@ -803,10 +927,13 @@ class Node:
         if self._finished.is_set():
             return
         self.finish_reason = reason
+        if reason == "done" and self.params is not None and self._pp is not None:
+            self._checkpoint(self.applied, self.transfer.store.digest(self.applied) or _replay.checksum(self.params), "done")
         if reason in ("done", "left") and self.params is not None:
             try:
                 self.last_eval = {"step": self.applied, **self.worker.evaluate(self.params)}
-                self._metrics.write({"kind": "eval", "step": self.applied, "machine": self.machine, **self.last_eval})
+                digest = self.transfer.store.digest(self.applied) or _replay.checksum(self.params)
+                self._metrics.write({**self._row("eval", self.applied, digest), "machine": self.machine, **self.last_eval})
             except Exception as e:  # noqa: BLE001
                 self.say(f"final evaluation failed: {e!r}")
         self._write_summary()
@@ -841,7 +968,7 @@ class Node:
             "member_stats": members,
             **self.counters,
             **self.traffic.snapshot(),
-            "wall_time": time.monotonic() - self.started,
+            "wall_time_s": time.monotonic() - self.started,
         }
 
     def _write_summary(self) -> None:
@@ -915,6 +1042,12 @@ class Node:
         address, digest, key = request.address, request.config_digest, bytes(request.key)
         if self.secret is not None and not _id.check_join_proof(self.secret, bytes(request.proof), digest, address, key):
             raise P.Rejected("UNAUTHENTICATED", "the join proof does not match this run's secret (start the peer with the run's --secret-file)")
+        if digest != self.join_digest:  # the joiner holds the secret: tell it which fields to fix
+            raise P.Rejected(
+                "FAILED_PRECONDITION",
+                f"config digest {digest[:16]}... differs from this run's {self.join_digest[:16]}...; "
+                f"{RUN_CONFIG_MARK}{json.dumps(config_fields(self.cfg), sort_keys=True, default=str)}",
+            )
         fut: futures.Future = futures.Future()
         with self._lock:
             self._rid += 1

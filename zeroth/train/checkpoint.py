@@ -146,6 +146,26 @@ class Checkpointer:
             opt_state = jax.tree_util.tree_unflatten(treedef, leaves)
         return Restored(params, opt_state, meta)
 
+    def restore_saved(self, step: int) -> Restored:
+        """Restore the parameters and meta of ``step`` as saved (numpy arrays, no model needed), digest checked.
+
+        For reading a run back (:func:`zeroth.train.runs.load_run`); a resumed run uses
+        :meth:`restore`, which also checks the structure against the model.
+        """
+        ocp = _ocp()
+        if step not in self.steps():
+            raise CheckpointError(f"no checkpoint at step {step} in {self.directory}; available steps: {self.steps()}")
+        try:
+            out = self._manager.restore(int(step), args=ocp.args.Composite(params=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+        except Exception as e:  # orbax/tensorstore raise many types for damaged files
+            raise self._error(step, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        meta = dict(out["meta"] or {})
+        params = jax.tree_util.tree_map(np.asarray, out["params"])
+        digest = checksum(params)
+        if meta.get("digest") != digest:
+            raise self._error(step, f"parameter digest {digest[:16]}... differs from the saved {str(meta.get('digest'))[:16]}...")
+        return Restored(params, None, meta)
+
     def quarantine(self, step: int) -> Path:
         """Move the checkpoint of ``step`` to ``<parent>/checkpoints_quarantine/<step>`` (kept, not deleted)."""
         src = self.directory / str(step)

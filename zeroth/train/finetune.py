@@ -73,7 +73,7 @@ def finetune(cfg, out_dir: str | Path, *, progress: bool = True) -> dict:
     out = Path(out_dir)
     evals = read_metrics(out / "metrics.jsonl", "eval")
     t = cfg.train
-    counters = ("forward_passes", "backward_passes", "examples", "payload_bytes", "train_time")
+    counters = ("forward_passes", "backward_passes", "examples", "train_time_s")
     summary = {
         "run": cfg.run.name,
         "model": cfg.model.name,
@@ -88,8 +88,9 @@ def finetune(cfg, out_dir: str | Path, *, progress: bool = True) -> dict:
         "zero_shot_loss": evals[0]["eval_loss"],
         "final_loss": evals[-1]["eval_loss"],
         **{k: evals[-1][k] for k in counters},
+        "payload_bytes": evals[-1]["payload_bytes_total"],
         "passes": evals[-1]["passes"],
-        "wall_time": evals[-1]["wall_time"],
+        "wall_time_s": evals[-1]["wall_time_s"],
         "load_time": result.load_time,
         "digest": result.digest,
     }

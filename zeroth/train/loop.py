@@ -85,6 +85,7 @@ def train(
     *,
     steps: int,
     counters: Counters = Counters(),
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[TrainState, Counters]:
     """Step ``method`` from ``state`` until ``steps`` steps are done, calling the hooks on their cadence.
 
@@ -96,12 +97,17 @@ def train(
       hooks: run in this order after each step on which they are due.
       steps: the total number of steps of the run (not the number left).
       counters: the counters so far (a resumed run's).
+      stop: called before each step; when it returns True the loop returns at once, with
+        ``state.step < steps`` (a signal flag, :mod:`zeroth.train.interrupt`: the step under
+        way always finishes and its hooks run).
 
     Returns:
-      ``(state, counters)`` after the last step. ``train_time`` counts fetching the batch and
+      ``(state, counters)`` after the last step (or the step before ``stop`` said so). ``train_time`` counts fetching the batch and
       the step (until the new parameters are ready), not the hooks.
     """
     for t in range(state.step, steps):
+        if stop is not None and stop():
+            break
         t_step = time.perf_counter()
         batch = batches(t)
         state, info = method.step(state, batch)

@@ -1,19 +1,31 @@
-"""``metrics.jsonl``: one JSON object per line, appended and flushed as training goes.
+"""``metrics.jsonl``: one JSON object per line, appended and flushed as training goes; its schema.
 
-Record kinds (field ``kind``):
+The schema (``zeroth metrics v1``), shared by every writer (the single-machine trainer, the
+peers of :mod:`zeroth.net`) and checked by :func:`check_schema`. Units are in the names
+(``_s`` seconds, ``_bytes`` bytes); a byte count ending in ``_total`` is cumulative since the
+run began, one without is for this step only; pass and example counters are cumulative.
 
-* ``"train"``: every ``train.log_every`` steps: ``loss``, the objective on that step's batch
-  before its update (ZO: mean over the perturbation pairs of ``(L(θ+εz) + L(θ−εz)) / 2``).
-* ``"eval"``: every ``train.eval_every`` steps, at step 0 and at the end: ``eval_loss``
-  (cross-entropy) and ``eval_accuracy`` on the test split.
+Every row:
 
-Every record also holds ``step`` (steps completed), ``forward_passes`` (cumulative training
-forward passes over a batch; a ZO step costs ``2 * n_perturbations``, a backprop step 1),
-``backward_passes`` (cumulative; backprop only), ``passes`` (forward-pass equivalents,
-``forward + 2 * backward``), ``examples`` (cumulative training examples per forward pass),
-``payload_bytes`` (cumulative projected-gradient bytes a peer would send; 0 for backprop),
-``wall_time`` (seconds since the run started, summed over resumes), ``train_time`` (seconds
-spent in training steps only) and ``digest`` (:func:`zeroth.replay.checksum` of the parameters).
+* ``kind``: ``"train"`` (a training step) or ``"eval"`` (an evaluation on the test split);
+* ``step`` (int): steps completed (a peer's iteration is a step: the row of iteration ``t`` has
+  ``step = t + 1``); never decreases along the file;
+* ``time_unix_s``: when the row was written (seconds since the Unix epoch);
+* ``wall_time_s``: seconds since the run started (summed over resumes);
+* ``digest``: :func:`zeroth.replay.checksum` of the parameters after ``step`` steps;
+* ``forward_passes`` (cumulative training forward passes over a batch; a ZO step costs
+  ``2 * n_perturbations``) and ``payload_bytes_total`` (cumulative projected-gradient bytes this
+  machine sent or would send; 0 for backprop).
+
+``train`` rows add ``loss`` (the objective on the step's batch before its update; ZO: the mean
+over the perturbation pairs of ``(L(θ+εz) + L(θ−εz)) / 2``; null when not measured), ``lr``
+(the learning rate of the step), ``step_time_s`` (seconds the step took) and ``payload_bytes``
+(this step's projected-gradient bytes). ``eval`` rows add ``eval_loss`` (cross-entropy) and
+``eval_accuracy``. Writers may add fields (the trainer: ``backward_passes``, ``passes`` =
+forward + 2·backward, ``examples``, ``train_time_s``, the method's metrics; peers: ``machine``,
+``peers``, ``contributors``, ``gradients``, per-step traffic ``payload_bytes_sent``,
+``wire_bytes_received``, ...). A ``step`` of a train row appears once; the evaluation rows of
+a step follow its train row.
 
 Example:
   >>> import tempfile, os
@@ -33,7 +45,25 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsWriter", "read_metrics", "truncate_after", "series", "final_eval", "summarize"]
+__all__ = [
+    "SCHEMA",
+    "MetricsWriter",
+    "check_schema",
+    "read_metrics",
+    "truncate_after",
+    "series",
+    "final_eval",
+    "summarize",
+]
+
+# kind -> {field: allowed JSON types} every row of that kind holds (see the module docstring).
+_COMMON = {"kind": (str,), "step": (int,), "time_unix_s": (int, float), "wall_time_s": (int, float), "digest": (str,),
+           "forward_passes": (int,), "payload_bytes_total": (int,)}
+SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
+    "train": {**_COMMON, "loss": (int, float, str, type(None)), "lr": (int, float), "step_time_s": (int, float),
+              "payload_bytes": (int,)},
+    "eval": {**_COMMON, "eval_loss": (int, float, str), "eval_accuracy": (int, float)},
+}
 
 
 def _clean(v: Any) -> Any:
@@ -69,6 +99,36 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_schema(records: Iterable[Mapping[str, Any]], where: str = "metrics") -> int:
+    """Check rows against :data:`SCHEMA`; returns how many were checked.
+
+    Raises:
+      ValueError: naming the row (1-based) and the field: an unknown ``kind``, a missing field,
+        a value of the wrong type (``bool`` is not an ``int``), a negative or decreasing ``step``,
+        or two train rows of one step.
+    """
+    last, trained, n = -1, set(), 0
+    for n, r in enumerate(records, 1):
+        kind = r.get("kind")
+        if kind not in SCHEMA:
+            raise ValueError(f"{where}: row {n} has kind {kind!r}; expected one of {sorted(SCHEMA)}")
+        for field, types in SCHEMA[kind].items():
+            if field not in r:
+                raise ValueError(f"{where}: row {n} ({kind}, step {r.get('step')}) has no field {field!r}")
+            v = r[field]
+            if isinstance(v, bool) or not isinstance(v, types):
+                raise ValueError(f"{where}: row {n} field {field!r} is {v!r}; expected {'/'.join(t.__name__ for t in types)}")
+        step = r["step"]
+        if step < 0 or step < last:
+            raise ValueError(f"{where}: row {n} has step {step} after step {last}; steps never decrease")
+        if kind == "train":
+            if step in trained:
+                raise ValueError(f"{where}: row {n} is a second train row of step {step}")
+            trained.add(step)
+        last = step
+    return n
 
 
 def read_metrics(path: str | os.PathLike, kind: str | None = None) -> list[dict]:
@@ -134,18 +194,7 @@ def final_eval(records: Iterable[Mapping[str, Any]]) -> dict:
 
 
 def summarize(path: str | os.PathLike) -> dict:
-    """The headline numbers of a run: final accuracy/loss, steps, passes, bytes, time, digest."""
+    """The headline numbers of a run: final accuracy/loss, steps, passes, bytes (``payload_bytes``: the run's total), time, digest."""
     last = final_eval(read_metrics(path))
-    keys = (
-        "step",
-        "eval_accuracy",
-        "eval_loss",
-        "forward_passes",
-        "backward_passes",
-        "passes",
-        "payload_bytes",
-        "wall_time",
-        "train_time",
-        "digest",
-    )
-    return {k: last.get(k) for k in keys}
+    keys = ("step", "eval_accuracy", "eval_loss", "forward_passes", "backward_passes", "passes", "wall_time_s", "train_time_s", "digest")
+    return {**{k: last.get(k) for k in keys}, "payload_bytes": last.get("payload_bytes_total")}

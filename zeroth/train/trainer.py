@@ -27,6 +27,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,6 +42,7 @@ from zeroth import replay as _replay
 from zeroth.config import Config, config_digest, diff, load_config, to_yaml
 from zeroth.train import loop as _loop
 from zeroth.train.checkpoint import Checkpointer, CheckpointError
+from zeroth.train.interrupt import Interrupted
 from zeroth.train.loop import Counters
 from zeroth.train.metrics import MetricsWriter, read_metrics, truncate_after
 
@@ -51,6 +53,8 @@ __all__ = [
     "out_dir_of",
     "train",
     "summary_line",
+    "run_summary",
+    "saved_steps",
 ]
 
 # Fields that may change between a run and its resumption (they do not affect the parameters).
@@ -82,10 +86,13 @@ class RunResult(NamedTuple):
 
 
 class _Progress:
-    """A tqdm bar on a terminal; otherwise a line on stderr every ~5% of the run and at each eval."""
+    """A tqdm bar on a terminal (each eval also printed as a line above it); otherwise a line on
+    stderr every ~5% of the run and at each eval, with the time left (from the steps done since
+    the first one, compilation excluded)."""
 
     def __init__(self, total: int, initial: int, enabled: bool, name: str):
         self.total, self.enabled, self.name = total, enabled, name
+        self.origin: tuple[float, int] | None = None  # (time, step) after the first step: the ETA's origin
         self.bar = None
         self.every = max(1, total // 20)
         if enabled and sys.stderr.isatty():
@@ -102,26 +109,40 @@ class _Progress:
         if "eval_accuracy" in rec:
             self.last["acc"] = f"{rec['eval_accuracy']:.4f}@{step}"
         self.last["fwd"] = str(rec["forward_passes"])
-        self.last["bytes"] = str(rec["payload_bytes"])
-        self.last["time"] = f"{rec['wall_time']:.1f}s"
-        if self.bar is not None:
-            self.bar.set_postfix(self.last, refresh=False)
-            return
+        self.last["bytes"] = str(rec["payload_bytes_total"])
+        self.last["time"] = f"{rec['wall_time_s']:.1f}s"
         if rec["kind"] == "eval":
             fields = f"eval_loss {rec['eval_loss']:.4f} eval_accuracy {rec['eval_accuracy']:.4f}"
         elif step % self.every == 0:
             fields = f"loss {rec['loss']:.4f}"
         else:
+            fields = None
+        if self.bar is not None:
+            self.bar.set_postfix(self.last, refresh=False)
+            if rec["kind"] == "eval":
+                self.bar.write(f"[{self.name}] step {step}/{self.total} eval: {fields}", file=sys.stderr)
+            return
+        if fields is None:
             return
         print(
             f"[{self.name}] step {step}/{self.total} {rec['kind']}: {fields} forward_passes {rec['forward_passes']} "
-            f"payload_bytes {rec['payload_bytes']} time {rec['wall_time']:.1f}s",
+            f"payload_bytes_total {rec['payload_bytes_total']} time {rec['wall_time_s']:.1f}s{self.eta(step)}",
             file=sys.stderr,
             flush=True,
         )
 
-    def tick(self) -> None:
-        """One step done (the bar redraws at most ~10 times a second)."""
+    def eta(self, step: int) -> str:
+        """`` eta 12s``: the time left at the pace of the steps since the first (empty before there is one)."""
+        if self.origin is None or step <= self.origin[1]:
+            return ""
+        t, s0 = self.origin
+        left = (time.perf_counter() - t) / (step - s0) * (self.total - step)
+        return f" eta {left:.0f}s"
+
+    def tick(self, step: int) -> None:
+        """Step ``step`` done (the bar redraws at most ~10 times a second)."""
+        if self.origin is None:
+            self.origin = (time.perf_counter(), step)
         if self.bar is not None:
             self.bar.update(1)
 
@@ -163,8 +184,9 @@ def train(
     resume_step: int | None = None,
     progress: bool = True,
     checkpoints: bool = True,
+    stop: Callable[[], bool] | None = None,
 ) -> RunResult:
-    """Train as configured, writing ``config.yaml``, ``metrics.jsonl`` and ``checkpoints/`` to the output folder.
+    """Train as configured, writing ``config.yaml``, ``metrics.jsonl``, ``checkpoints/`` and ``summary.json`` to the output folder.
 
     Args:
       cfg: a validated config (``cfg.peers`` must be None: peers are launched by ``zeroth run``).
@@ -176,6 +198,9 @@ def train(
       progress: show a progress bar (a terminal) or periodic lines (otherwise) on stderr.
       checkpoints: register the checkpoint hook (without it nothing is saved and the run
         cannot be resumed; the pretrained fine-tuning driver saves none).
+      stop: checked before each step (a signal flag of :func:`zeroth.train.interrupt.catch`);
+        when it says stop, the step under way finishes, a checkpoint of it is saved and
+        :class:`~zeroth.train.interrupt.Interrupted` is raised.
 
     Returns:
       :class:`RunResult` with the final digest and eval record.
@@ -184,43 +209,80 @@ def train(
       ValueError: a bad config, an output folder that already holds a run (without ``resume``),
         or a resumed config that differs in a field that changes the parameters.
       CheckpointError: the checkpoint to resume is missing, truncated or corrupted.
+      Interrupted: ``stop`` said stop before the last step (the checkpoint is saved).
     """
     if cfg.peers is not None:
         raise ValueError("train() runs one machine; configs with a 'peers' section are run by zeroth.net.launch")
     if resume and not checkpoints:
         raise ValueError("resume needs checkpoints=True")
     out = out_dir_of(cfg, out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=str(out)))
     metrics_path = out / "metrics.jsonl"
+    _check_start(cfg, out, metrics_path, resume, resume_step)
+    t_load = time.perf_counter()
+    loaded = _load(cfg)  # before any folder is created: a dataset that fails to load leaves nothing behind
+    loaded = loaded._replace(load_time=time.perf_counter() - t_load)
+    out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints) if checkpoints else None
     try:
-        return _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress)
+        return _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, stop)
     finally:
         if ckpt is not None:
             ckpt.close()
 
 
-def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunResult:
-    t = cfg.train
-    saved_steps = ckpt.steps() if ckpt is not None else []
-    if not resume and (saved_steps or (metrics_path.exists() and metrics_path.stat().st_size)):
-        raise ValueError(
-            f"output folder {out} already holds a run (checkpoints {saved_steps}, metrics.jsonl); "
-            f"pass --resume to continue it or choose another --out"
-        )
-    if resume:
-        _check_resumable(cfg, out)
+def saved_steps(out: Path) -> list[int]:
+    """Steps of the finalized checkpoints in ``out/checkpoints`` (read without creating anything), ascending."""
+    ck = out / "checkpoints"
+    if not ck.is_dir():
+        return []
+    return sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def _check_start(cfg: Config, out: Path, metrics_path: Path, resume: bool, resume_step: int | None) -> None:
+    """Refuse to overwrite a run, to resume nothing, or to resume with a config that changes the parameters."""
     if resume_step is not None and not resume:
         raise ValueError("resume_step needs resume=True")
+    steps = saved_steps(out)
+    has_metrics = metrics_path.is_file() and metrics_path.stat().st_size > 0
+    if not resume and (steps or has_metrics):
+        raise ValueError(
+            f"output folder {out} already holds a run (checkpoints {steps}, metrics.jsonl); "
+            f"pass --resume to continue it or choose another --out"
+        )
+    if resume and not steps:
+        also = " in another --out folder" if has_metrics else ""
+        raise CheckpointError(f"no checkpoint in {out}; run without --resume{also} to start")
+    if resume:
+        _check_resumable(cfg, out)
 
-    t_load = time.perf_counter()
+
+class _Loaded(NamedTuple):
+    train_ds: object
+    eval_x: object
+    eval_y: object
+    model: object
+    params: object
+    load_time: float = 0.0
+
+
+def _load(cfg: Config) -> _Loaded:
+    """The datasets (train split, the eval slice of the test split), the model and its initial parameters."""
     train_ds = _data.load(cfg.data.dataset, "train")
     test_ds = _data.load(cfg.data.dataset, "test")
     eval_n = cfg.data.eval_size or test_ds.x.shape[0]
-    eval_x, eval_y = test_ds.x[:eval_n], test_ds.y[:eval_n]
-    model, params = _objectives.build_model(cfg, train_ds.num_classes, train_ds.x[:1])
-    load_time = time.perf_counter() - t_load
+    try:
+        model, params = _objectives.build_model(cfg, train_ds.num_classes, train_ds.x[:1])
+    except (TypeError, ValueError) as e:  # a kwarg of the wrong type fails deep inside the model's __call__
+        raise ValueError(
+            f"config field model.kwargs: model {cfg.model.name!r} cannot be built with {cfg.model.kwargs!r} ({e})"
+        ) from None
+    return _Loaded(train_ds, test_ds.x[:eval_n], test_ds.y[:eval_n], model, params)
+
+
+def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, stop) -> RunResult:
+    t = cfg.train
+    train_ds, eval_x, eval_y, model, params, load_time = loaded
     method = _methods.make_method(cfg, model)
     state = method.init(params, _ref.root_key(cfg.run.seed))
     evaluate = _objectives.make_eval_fn(model, cfg.data.eval_batch_size)
@@ -241,7 +303,8 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
                 opt_state=None if restored.opt_state is None else jax.tree_util.tree_map(jnp.asarray, restored.opt_state),
             )
             counters, resumed_from = _counters_from_meta(restored.meta), target
-        truncate_after(metrics_path, state.step if target is not None else -1)
+        # a step-0 checkpoint (a run stopped before its first step) writes its step-0 eval again
+        truncate_after(metrics_path, state.step if target else -1)
     (out / "config.yaml").write_text(to_yaml(cfg))
     start = state.step
 
@@ -250,18 +313,25 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
     writer = MetricsWriter(metrics_path)
     evals: list[dict] = []
 
+    step_time = {"prev": counters.train_time, "last": 0.0}  # train_time before the step, and the step's seconds
+
+    def tick(e: _loop.Event) -> None:
+        step_time["last"], step_time["prev"] = e.counters.train_time - step_time["prev"], e.counters.train_time
+        bar.tick(e.step)
+
     def record(kind: str, step: int, extra: dict, params, c: Counters) -> dict:
         rec = {
             "kind": kind,
             "step": step,
+            "time_unix_s": time.time(),
+            "wall_time_s": time.perf_counter() - t0,
             **extra,
             "forward_passes": c.forward_passes,
             "backward_passes": c.backward_passes,
             "passes": c.forward_passes + 2 * c.backward_passes,
             "examples": c.examples,
-            "payload_bytes": c.payload_bytes,
-            "wall_time": time.perf_counter() - t0,
-            "train_time": c.train_time,
+            "payload_bytes_total": c.payload_bytes,
+            "train_time_s": c.train_time,
             "digest": _replay.checksum(params),
         }
         writer.write(rec)
@@ -269,7 +339,8 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
         return rec
 
     def log_hook(e: _loop.Event) -> None:
-        record("train", e.step, {"loss": float(e.info.loss), **(e.info.metrics or {})}, e.state.params, e.counters)
+        extra = {"loss": float(e.info.loss), "lr": t.lr, "step_time_s": step_time["last"], "payload_bytes": e.info.payload_bytes}
+        record("train", e.step, {**extra, **(e.info.metrics or {})}, e.state.params, e.counters)
 
     def eval_hook(e: _loop.Event) -> None:
         evals.append(record("eval", e.step, evaluate(e.state.params, eval_x, eval_y), e.state.params, e.counters))
@@ -285,7 +356,7 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
         ckpt.save(e.step, e.state.params, e.state.opt_state, meta)
 
     hooks = [
-        _loop.hook(lambda e: bar.tick(), every=1),
+        _loop.hook(tick, every=1),
         _loop.hook(log_hook, every=t.log_every),
         _loop.hook(eval_hook, every=t.eval_every),
     ]
@@ -298,7 +369,14 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
     try:
         if start == 0:
             evals.append(record("eval", 0, evaluate(state.params, eval_x, eval_y), state.params, counters))
-        state, counters = _loop.train(state, method, batches, hooks, steps=t.steps, counters=counters)
+        state, counters = _loop.train(state, method, batches, hooks, steps=t.steps, counters=counters, stop=stop)
+        if state.step < t.steps:  # stopped by `stop` between two steps
+            saved = None
+            if ckpt is not None:
+                if ckpt.latest_step() != state.step:
+                    checkpoint_hook(_loop.Event(state.step, state, None, counters, False))
+                saved = ckpt.directory / str(state.step)
+            raise Interrupted(state.step, t.steps, saved)
     finally:
         writer.close()
         bar.close()
@@ -306,7 +384,30 @@ def _train(cfg, out, metrics_path, ckpt, resume, resume_step, progress) -> RunRe
     if last_eval is None:  # resumed at the final step: report the saved final eval
         saved = [r for r in read_metrics(metrics_path, "eval") if r["step"] == t.steps]
         last_eval = saved[-1] if saved else _record_final(evaluate, state.params, eval_x, eval_y)
-    return RunResult(out, max(start, t.steps), _replay.checksum(state.params), last_eval, resumed_from, load_time)
+    result = RunResult(out, max(start, t.steps), _replay.checksum(state.params), last_eval, resumed_from, load_time)
+    (out / "summary.json").write_text(json.dumps(run_summary(cfg, result), indent=2) + "\n")
+    return result
+
+
+def run_summary(cfg: Config, result: RunResult) -> dict:
+    """``summary.json`` of a single-machine run: the final eval, the run's totals and the final digest."""
+    e = result.eval
+    return {
+        "kind": "single",
+        "run": cfg.run.name,
+        "steps": result.step,
+        "eval_accuracy": e.get("eval_accuracy"),
+        "eval_loss": e.get("eval_loss"),
+        "forward_passes": e.get("forward_passes"),
+        "backward_passes": e.get("backward_passes"),
+        "passes": e.get("passes"),
+        "payload_bytes": e.get("payload_bytes_total"),
+        "wall_time_s": e.get("wall_time_s"),
+        "train_time_s": e.get("train_time_s"),
+        "load_time_s": result.load_time,
+        "resumed_from": result.resumed_from,
+        "digest": result.digest,
+    }
 
 
 def _record_final(evaluate, params, x, y) -> dict:
@@ -316,5 +417,6 @@ def _record_final(evaluate, params, x, y) -> dict:
 
 def summary_line(result: RunResult) -> str:
     """One JSON line with the final numbers of a run."""
-    keys = ("step", "eval_accuracy", "eval_loss", "forward_passes", "backward_passes", "payload_bytes", "wall_time", "train_time")
-    return json.dumps({"out_dir": str(result.out_dir), **{k: result.eval.get(k) for k in keys}, "digest": result.digest})
+    keys = ("step", "eval_accuracy", "eval_loss", "forward_passes", "backward_passes", "wall_time_s", "train_time_s")
+    s = {k: result.eval.get(k) for k in keys}
+    return json.dumps({"out_dir": str(result.out_dir), **s, "payload_bytes": result.eval.get("payload_bytes_total"), "digest": result.digest})

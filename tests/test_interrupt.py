@@ -1,0 +1,139 @@
+"""Clean interrupts: SIGINT / SIGTERM finish the step under way, save a checkpoint, exit 130 with one
+line saying how to resume, and the resumed run ends on the uninterrupted run's digest.
+
+The signal is sent at several moments of a real `zeroth run` subprocess: while Python imports the
+command (nothing to save yet), during the compilation of the first step, and mid-run (SIGTERM).
+"""
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from zeroth.config import load_config_dict
+from zeroth.methods.base import Method, StepInfo, TrainState
+from zeroth.train import interrupt, loop, trainer
+from zeroth.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+
+RAW = {
+    "run": {"name": "sig", "seed": 0},
+    "data": {"dataset": "digits", "batch_size": 32, "eval_size": 200},
+    "model": {"name": "mlp", "kwargs": {"hidden": [16]}},
+    "train": {"method": "zo", "lr": 0.02, "eps": 1.0e-3, "n_perturbations": 8, "codec": "onebyte",
+              "steps": 300, "eval_every": 100, "log_every": 20, "checkpoint_every": 50},
+}
+
+
+def test_the_loop_stops_before_a_step_when_asked():
+    count = Method(lambda p, k: TrainState(0, p, None, k),
+                   lambda s, b: (s._replace(step=s.step + 1, params=s.params + 1), StepInfo(1, 0, 0, 0.0, None)))
+    calls = []
+    stop = lambda: len(calls) >= 3  # noqa: E731
+    state, counters = loop.train(count.init(np.float32(0), None), count, lambda t: (np.ones((2, 1)),),
+                                 [loop.hook(lambda e: calls.append(e.step), every=1)], steps=10, stop=stop)
+    assert state.step == 3 and calls == [1, 2, 3] and counters.forward_passes == 3
+    state, _ = loop.train(state, count, lambda t: (np.ones((2, 1)),), steps=10, stop=lambda: True)
+    assert state.step == 3  # asked before the first step: no step at all
+
+
+def test_catch_sets_a_flag_and_restores_the_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    with interrupt.catch() as flag:
+        assert not flag.is_set()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert flag.is_set() and flag.signal_name() == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_resume_command_keeps_the_arguments_and_names_the_folder():
+    argv = ["e.yaml", "--set", "train.lr=0.1", "--out", "a b", "--resume-step", "3", "--quiet"]
+    cmd = interrupt.resume_command(argv, "a b")
+    assert shlex.split(cmd) == ["zeroth", "run", "e.yaml", "--set", "train.lr=0.1", "--quiet", "--out", "a b", "--resume"]
+
+
+def _env(tmp_path):
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+
+
+def _interrupt(cmd, env, err_path: Path, ready, sig=signal.SIGINT, timeout=120.0):
+    """Start ``cmd``, send ``sig`` once ``ready()`` is true, return (exit code, stderr)."""
+    with err_path.open("w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert proc.poll() is None, f"the run ended before the signal: {err_path.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, "the moment to interrupt never came"
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err_path.read_text()
+
+
+@pytest.mark.slow
+def test_sigint_and_sigterm_at_several_moments_leave_a_resumable_checkpoint(tmp_path):
+    cfg_path = tmp_path / "sig.yaml"
+    cfg_path.write_text(yaml.safe_dump(RAW))
+    env = _env(tmp_path)
+
+    def cmd(out, *extra):
+        return [sys.executable, "-m", "zeroth", "run", str(cfg_path), "--out", str(out), *extra]
+
+    # 1. while the command is still importing jax: nothing written, no traceback
+    out0 = tmp_path / "starting"
+    started = time.monotonic()
+    code, err = _interrupt(cmd(out0), env, tmp_path / "0.err", lambda: time.monotonic() - started > 0.3)
+    assert code == 130 and err.strip().splitlines() == ["zeroth run: interrupted by SIGINT while starting; nothing was written"], err
+    assert not out0.exists()
+
+    # 2. during the compilation of the first step (the step-0 eval line is printed just before it)
+    out1 = tmp_path / "compiling"
+    err1 = tmp_path / "1.err"
+    code, err = _interrupt(cmd(out1), env, err1, lambda: "step 0/300 eval" in err1.read_text())
+    last = err.strip().splitlines()[-1]
+    assert code == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert last.startswith("zeroth run: interrupted by SIGINT after step ") and last.endswith(" --resume"), last
+    step1 = int(last.split("after step ")[1].split()[0])
+    assert step1 < 50 and trainer.saved_steps(out1) == [step1]
+    assert f"checkpoint saved in {out1 / 'checkpoints' / str(step1)}" in last
+
+    # 3. mid-run, SIGTERM, --quiet: the one line is all of stderr
+    out2 = tmp_path / "midrun"
+    code, err = _interrupt(cmd(out2, "--quiet"), env, tmp_path / "2.err", lambda: (out2 / "checkpoints" / "50").is_dir(),
+                           sig=signal.SIGTERM)
+    lines = err.strip().splitlines()
+    assert code == 130 and len(lines) == 1 and lines[0].startswith("zeroth run: interrupted by SIGTERM after step "), err
+    step2 = int(lines[0].split("after step ")[1].split()[0])
+    assert 50 <= step2 < 300 and max(trainer.saved_steps(out2)) == step2
+
+    # each resumes (with the command it printed) to the uninterrupted run's digest and metrics
+    reference = trainer.train(load_config_dict(RAW), tmp_path / "uninterrupted", progress=False)
+    ref_metrics = [(r["kind"], r["step"], r["digest"]) for r in read_metrics(tmp_path / "uninterrupted" / "metrics.jsonl")]
+    for out, line in ((out1, last), (out2, lines[0])):
+        resume = shlex.split(line.split("resume with: ")[1])
+        assert resume[:2] == ["zeroth", "run"]
+        done = subprocess.run([sys.executable, "-m", "zeroth", *resume[1:]], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        final = yaml.safe_load(done.stdout.strip().splitlines()[-1])
+        assert final["step"] == 300 and final["digest"] == reference.digest
+        assert [(r["kind"], r["step"], r["digest"]) for r in read_metrics(out / "metrics.jsonl")] == ref_metrics
