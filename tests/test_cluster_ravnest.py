@@ -22,6 +22,7 @@ from zeroth.cluster import build, driver, engine, schedule, sim, transport, wire
 from zeroth.cluster.proto import cluster_pb2 as pb
 from zeroth.cluster.proto import cluster_pb2_grpc as pb_grpc
 from zeroth.stages import partition
+from zeroth.train.runs import load_run
 from zeroth.transport import identity, security
 
 BASE = {
@@ -182,6 +183,9 @@ def test_processes_match_the_in_process_run_and_a_backup_takes_over(tmp_path, re
         assert summary["nodes"][holder]["digest"] == dig, name
     assert summary["clusters_agree"]
     assert all(n["messages_refused"] == 0 for n in summary["nodes"].values())
+    run = load_run(out)  # the folder reads back: the first cluster's model from the nodes that ended holding it
+    assert run.kind == "ravnest" and run.step == 8 and {r["kind"] for r in run.metrics} >= {"update", "average", "handover"}
+    np.testing.assert_array_equal(run.params, np.concatenate([ref["flat"][plan.primaries[(0, s)]] for s in range(len(plan.stages[0]))]))
 
 
 def _transport(tmp_path, token):

@@ -11,6 +11,8 @@ peers      ``peers/p<i>/metrics.jsonl`` of the peer     ``peers*/p<i>/checkpoint
            that holds machine 0 (else the first done)   (``state.bin`` + ``state.json``)
 pipeline   ``metrics.jsonl`` (merged from ``stage_i/``)  per stage, not merged: None
 binary     ``metrics.jsonl`` and ``results.json``       not saved: None
+ravnest    ``metrics.jsonl`` (every node's rows:        the first cluster's model: its stages'
+           ``update``, ``average``, ``handover``)       ``nodes/<name>/params.npz`` end to end
 =========  ==========================================  =======================================
 
 :func:`load_run` reads any of them and returns what is there (:class:`Run`).
@@ -101,7 +103,7 @@ class Run(NamedTuple):
     """What :func:`load_run` returns."""
 
     path: Path
-    kind: str  # "single", "peers", "pipeline" or "binary"
+    kind: str  # "single", "peers", "pipeline", "binary" or "ravnest"
     config: dict  # config.yaml as a dict ({} when the folder has none)
     metrics: Metrics  # the rows of the run's metrics.jsonl ([] when it has none)
     summary: dict  # summary.json (results.json of a binary run; {} when none)
@@ -110,9 +112,11 @@ class Run(NamedTuple):
 
 
 def run_kind(path: str | os.PathLike) -> str:
-    """The kind of run a folder holds: ``"peers"``, ``"pipeline"``, ``"binary"`` or ``"single"``."""
+    """The kind of run a folder holds: ``"peers"``, ``"pipeline"``, ``"binary"``, ``"ravnest"`` or ``"single"``."""
     path = Path(path)
     cfg = _read_yaml(path / "config.yaml")
+    if cfg.get("ravnest") is not None or (path / "plan.json").exists():
+        return "ravnest"
     if cfg.get("peers") is not None or (path / "peers").is_dir():
         return "peers"
     if cfg.get("pipeline") is not None or (path / "stage_0").is_dir():
@@ -190,6 +194,25 @@ def _peer_metrics_folder(path: Path) -> Path | None:
     return (done or folders or [None])[0]
 
 
+def _ravnest_params(path: Path, summary: dict) -> tuple[Any, int | None]:
+    """The first cluster's final model as one float32 vector (its stages' slices end to end, taken from the
+    backup where a primary was killed), and the number of batches; (None, None) if a slice is missing."""
+    import numpy as np
+
+    plan = summary.get("plan") or _read_json(path / "plan.json")
+    if not plan:
+        return None, None
+    takeover = {p: b for p, b in plan.get("backups", {}).items() if p in summary.get("killed", [])}
+    parts = []
+    for name in plan["clusters"][0]:
+        f = path / "nodes" / takeover.get(name, name) / "params.npz"
+        if not f.is_file():
+            return None, None
+        with np.load(f) as z:
+            parts.append(z["flat"])
+    return np.concatenate(parts), summary.get("steps")
+
+
 def load_run(path: str | os.PathLike, *, params: bool = True) -> Run:
     """Read a run folder of any kind (see the module docstring) and return what is there.
 
@@ -224,6 +247,8 @@ def load_run(path: str | os.PathLike, *, params: bool = True) -> Run:
             final, step = _peer_params(path)
     elif kind == "binary":
         summary = summary or _read_json(path / "results.json")
+    elif kind == "ravnest" and params:
+        final, step = _ravnest_params(path, summary)
     elif kind == "single" and params:
         final, step = _single_params(path)
     metrics = Metrics(read_metrics(metrics_path) if metrics_path.exists() else [])
