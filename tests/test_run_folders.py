@@ -2,6 +2,7 @@
 dataset that fails to load each end in one line naming the problem (exit 2), for every kind of run,
 and leave nothing behind."""
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -109,3 +110,24 @@ def test_a_dataset_that_fails_to_load_leaves_no_folder(tmp_path, capsys, monkeyp
     assert run_main([str(_single(tmp_path)), "--out", str(out), "--quiet"]) == 2
     assert "dataset 'digits' needs" in _one_error_line(capsys)
     assert not out.exists()
+
+
+def test_a_seed_sweep_runs_each_seed_into_its_folder_and_resumes_the_unfinished(tmp_path, capsys):
+    from zeroth import run
+
+    out = tmp_path / "sweep"
+    cfg = REPO / "experiments" / "mezo_digits.yaml"
+    small = ["--set", "train.steps=3", "--set", "train.eval_every=3", "--set", "train.checkpoint_every=3", "--quiet"]
+    assert run.main([str(cfg), *small, "--out", str(out), "--seeds", "0,1"]) == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert [r["seed"] for r in sweep["runs"]] == [0, 1] and all(r["exit_code"] == 0 for r in sweep["runs"])
+    digests = [r["summary"]["digest"] for r in sweep["runs"]]
+    assert digests[0] != digests[1]  # different seeds, different models
+    assert yaml.safe_load((out / "seed_1" / "config.yaml").read_text())["run"]["seed"] == 1
+    # a third seed added later: --resume keeps the finished ones and runs the new one
+    assert run.main([str(cfg), *small, "--out", str(out), "--seeds", "0,1,2", "--resume"]) == 0
+    again = json.loads((out / "sweep.json").read_text())["runs"]
+    assert [r["summary"]["digest"] for r in again[:2]] == digests and again[2]["exit_code"] == 0
+    # bad seed lists are one line
+    assert run.main([str(cfg), "--out", str(out), "--seeds", "0,x"]) == 2
+    assert "--seeds '0,x': expected integers" in capsys.readouterr().err

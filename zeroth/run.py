@@ -1,4 +1,4 @@
-"""``zeroth run CONFIG [--set k=v ...] [--out DIR] [--resume [--resume-step N]]``.
+"""``zeroth run CONFIG [--set k=v ...] [--out DIR] [--resume [--resume-step N]] [--seeds S1,S2,...]``.
 
 Loads an experiment config (:mod:`zeroth.config`), applies ``--set`` overrides and chooses how
 to run it: on this machine (:func:`zeroth.train.trainer.train`); with a ``peers`` section as
@@ -9,6 +9,8 @@ AQ-SGD, seed 001); with a ``binary`` section as binary learning
 loopback (``zeroth.cluster.launch.run_config``, seed 003). The dispatcher sits above every system it
 chooses between.
 ``--help-config`` prints every config field with its type, default and description.
+``--seeds 0,1,2`` is a sweep: the config once per seed, into ``OUT/seed_<s>/``, and
+``OUT/sweep.json`` listing each run's folder, exit code and summary.
 
 Exit codes: 0 done; 2 a bad command line, config, output folder, dataset or checkpoint (one line
 says which); 130 interrupted by SIGINT or SIGTERM (a single-machine run finishes the step under
@@ -63,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --resume: continue from this checkpoint step (newer ones are moved aside, not deleted)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument(
+        "--seeds",
+        default=None,
+        metavar="S1,S2,...",
+        help="a sweep: run the config once per seed (run.seed), into OUT/seed_<s>/, and write OUT/sweep.json; "
+        "with --resume, finished seeds are kept and the others resumed or started",
+    )
     p.add_argument("--help-config", action="store_true", help="describe every config field and exit")
     return p
 
@@ -81,6 +90,8 @@ def main(argv: list[str]) -> int:
         return 2
 
     try:
+        if args.seeds is not None:
+            return _sweep(args)
         return _dispatch(args, argv)
     except (ValueError, FileNotFoundError, CheckpointError, DatasetUnavailable, MissingPackage) as e:
         print(f"zeroth run: error: {e}", file=sys.stderr)
@@ -114,6 +125,53 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     if cfg.ravnest is not None:  # Ravnest nodes as processes on loopback
         return int(ravnest_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)
     return int(pipeline_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)  # stages on loopback
+
+
+def _parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds {text!r}: expected integers separated by commas, e.g. --seeds 0,1,2") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {text!r}: expected distinct integers, e.g. --seeds 0,1,2")
+    return seeds
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """``--seeds``: one run per seed into ``OUT/seed_<s>``, then ``OUT/sweep.json`` (seed, folder, exit code, summary)."""
+    import json
+    from pathlib import Path
+
+    seeds = _parse_seeds(args.seeds)
+    if args.resume_step is not None:
+        raise ValueError("--resume-step names one run's checkpoint; a sweep resumes each seed from its newest")
+    cfg = _config.load_config(args.config, args.overrides)
+    base = check_out_dir(Path(args.out) if args.out else trainer.out_dir_of(cfg))
+    rows = []
+    for seed in seeds:
+        out = base / f"seed_{seed}"
+        summary = out / "summary.json"
+        if args.resume and summary.is_file():
+            code = 0
+            print(f"zeroth run: seed {seed}: finished earlier in {out}")
+        else:
+            argv = [args.config, *[a for o in args.overrides for a in ("--set", o)], "--set", f"run.seed={seed}",
+                    "--out", str(out)]
+            argv += ["--resume"] if args.resume and out.is_dir() else []
+            argv += ["--quiet"] if args.quiet else []
+            if not args.quiet:
+                print(f"zeroth run: seed {seed} ({seeds.index(seed) + 1} of {len(seeds)}) -> {out}", flush=True)
+            code = main(argv)
+        rows.append({"seed": seed, "out": str(out), "exit_code": code,
+                     "summary": json.loads(summary.read_text()) if summary.is_file() else None})
+        base.mkdir(parents=True, exist_ok=True)
+        (base / "sweep.json").write_text(json.dumps({"config": args.config, "overrides": args.overrides, "runs": rows}, indent=1))
+        if code != 0:
+            print(f"zeroth run: seed {seed} ended with exit code {code}; the sweep stops (resume it with --resume)",
+                  file=sys.stderr)
+            return code
+    print(f"zeroth run: sweep of {len(seeds)} seeds done; {base / 'sweep.json'}")
+    return 0
 
 
 def _train(cfg: _config.Config, out, args: argparse.Namespace, argv: list[str], flag: interrupt.StopFlag) -> int:
