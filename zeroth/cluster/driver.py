@@ -125,8 +125,7 @@ class NodeResult(dict):
 
 def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, np.ndarray]], io: NodeIO, *,
              n_batches: int, units, order: str = "fixed", max_in_flight: int = 0, average_every: int = 0,
-             timeout_s: float = 600.0, on_record: Callable[[dict], None] | None = None,
-             should_stop: Callable[[], bool] | None = None, first_batch: int = 0,
+             timeout_s: float = 600.0, on_record: Callable[[dict], None] | None = None, first_batch: int = 0,
              after_average: Callable[[int], None] | None = None) -> NodeResult:
     """Run ``n_batches`` batches through this node's stage; returns its totals.
 
@@ -137,7 +136,6 @@ def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, 
       max_in_flight: the delay bound ``D`` (0 = pipeline depth).
       average_every: ``R``: average with the other clusters after every ``R``-th update (0 = never).
       on_record: receives one record per update and per averaging round.
-      should_stop: polled between operations; True ends the loop early (a clean stop).
       first_batch: where a late cluster starts (its stage then counts updates from there, so that
         the averaging rounds line up with the other clusters').
       after_average: called with the round after each averaging round, parameters set (a primary
@@ -152,7 +150,7 @@ def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, 
     w = _schedule.in_flight(s, S, max_in_flight)
     stage.version = max(stage.version, first_batch)
     done = stage.version - first_batch  # updates made before this call (a restored stage)
-    res = NodeResult(updates=0, compute_s=0.0, idle_s=0.0, average_s=0.0, losses=[], staleness=[], stopped=False)
+    res = NodeResult(updates=0, compute_s=0.0, idle_s=0.0, average_s=0.0, losses=[], staleness=[])
     t_start = time.perf_counter()
 
     def get(kind, b):
@@ -203,25 +201,18 @@ def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, 
             io.send(GRADIENT, b, gx)
         after_update(b, None, idle0, compute0)
 
-    stopped = lambda: should_stop is not None and should_stop()  # noqa: E731
     if order == "fixed":
         ops = _schedule.fixed_order(s, S, n_batches - first_batch, max_in_flight)
         if done:
             made = [i for i, (kind, _) in enumerate(ops) if kind != "F"]
             ops = ops[made[done - 1] + 1:]
         for kind, b in ops:
-            if stopped():
-                res["stopped"] = True
-                break
             op_backward(first_batch + b) if kind == "B" else op_forward(first_batch + b)
     else:
         next_b = first_batch + done
         next_f = next_b + stage.in_flight()
         progress = time.monotonic()
         while next_b < n_batches:
-            if stopped():
-                res["stopped"] = True
-                break
             if stage.last:
                 op_forward(next_f)
                 next_f += 1

@@ -248,8 +248,7 @@ class ClusterTransport:
             self.shadow = False
             self.promoted_at = time.time()
             self.primary[self.slot] = self.me
-            old = self.backup.pop(self.slot, None)  # the failed primary is no one's backup
-            del old
+            self.backup.pop(self.slot, None)  # this node was the slot's backup; the slot has none now
             for name, slot in self.slots.items():
                 if slot == self.slot and name != self.me:
                     self._dead.add(name)
