@@ -74,6 +74,7 @@ from zeroth import noise as _noise
 from zeroth import replay as _replay
 from zeroth import rng as _rng
 from zeroth import rule as _rule
+from zeroth.kernels import host_memory as _host_memory
 from zeroth.kernels import perturb as _fused
 
 __all__ = [
@@ -329,7 +330,10 @@ class ProjectedGradientsFn:
     keeps the executable with the smallest compiled peak memory (``memory_analysis()``:
     argument + output + temp − alias bytes); below :data:`AUTOTUNE_MIN_BYTES` of parameters it
     compiles once with the base options. ``keys`` and ``eps_scale`` are traced: a new iteration
-    or ε never recompiles.
+    or ε never recompiles. On a CPU the first call keeps freed host memory for reuse
+    (:func:`zeroth.kernels.host_memory.reuse_freed_host_memory`): the program's scratch, whole
+    perturbed leaves among it, is allocated at every call, and would otherwise be faulted in page
+    by page each time (SmolLM2-135M: 448 against 222 ms of CPU time to perturb θ twice).
     """
 
     def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], distribution: str):
@@ -378,6 +382,10 @@ class ProjectedGradientsFn:
 
     def __call__(self, params, batch, keys, eps_scale):
         args = self._args(params, batch, keys, eps_scale)
+        if not _host_memory.decided() and _rule.default_platform() == "cpu":
+            # Every call allocates the program's scratch (the perturbed leaves, the activations)
+            # afresh; kept in the heap, it does not fault in every page again at each step.
+            _host_memory.reuse_freed_host_memory()
         return self._entry(*args)[0](*args)
 
 
