@@ -18,8 +18,9 @@ an error naming its install command).
 
 Reported ratios (with their targets): ZO step time / time of 2N forwards (<= 1.2) and ZO
 peak memory / inference peak memory (<= 1.2), and the same two for the backprop step. Time
-ratios are of best times; ``*_medians`` ratios of median times are given too (on a loaded
-machine neither is steady: compare runs, not single numbers).
+ratios are of best times; ``*_medians`` ratios of median times are given too, and
+``zo_cpu_time_over_forwards_*`` of the best process CPU times (all threads; on a loaded machine
+it moves least, but neither is steady there: compare runs, not single numbers).
 
 Memory is XLA's own accounting of each compiled program (``Compiled.memory_analysis()``):
 ``argument + output + temp − alias`` bytes, i.e. the device memory that must be live while the
@@ -209,6 +210,7 @@ def run(
 
     t_fwd = min(times[f"forward_{k}"].min_s for k in fwd_variants)
     t_fwd_median = min(times[f"forward_{k}"].median_s for k in fwd_variants)
+    c_fwd = min(times[f"forward_{k}"].cpu_min_s for k in fwd_variants)
     m_fwd = min(mem[f"forward_{k}"]["peak"] for k in fwd_variants)
     rows = [
         _row("inference forward", times[f"forward_{k}"], mem[f"forward_{k}"], 1, t_fwd, m_fwd,
@@ -227,6 +229,7 @@ def run(
                          "replay, fused kernels, donated"))
         ratios[f"zo_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].min_s / (2 * n * t_fwd)
         ratios[f"zo_time_over_forwards_{dist}_medians"] = times[f"zo_step_{dist}"].median_s / (2 * n * t_fwd_median)
+        ratios[f"zo_cpu_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].cpu_min_s / (2 * n * c_fwd)
         ratios[f"zo_memory_over_inference_{dist}"] = m_step / m_fwd
         ratios[f"update_fraction_of_step_{dist}"] = times[f"zo_update_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
     rows.append(_row("backprop step (sgd)", times["backprop"], mem["backprop"], None, t_fwd, m_fwd,
@@ -254,6 +257,7 @@ def _row(name: str, timing: _common.Timing, memory: dict, forwards: int | None, 
         "name": name,
         "seconds_min": timing.min_s,
         "seconds_median": timing.median_s,
+        "cpu_seconds_min": timing.cpu_min_s,
         "repeats": timing.repeats,
         "forwards": forwards,
         "time_over_forward": timing.min_s / t_fwd,
@@ -287,6 +291,7 @@ def _render(result: dict) -> None:
             **row,
             "best": _common.fmt_seconds(row["seconds_min"]),
             "median": _common.fmt_seconds(row["seconds_median"]),
+            "cpu": _common.fmt_seconds(row["cpu_seconds_min"]),
             "tf": f"{row['time_over_forward']:.2f}",
             "peak": _mib(row["peak_bytes"]),
             "temp": _mib(row["temp_bytes"]),
@@ -295,7 +300,7 @@ def _render(result: dict) -> None:
         for row in result["rows"]
     ]
     _common.print_table(
-        [("name", "row"), ("best", "best"), ("median", "median"), ("forwards", "fwd passes"), ("tf", "time/fwd"),
+        [("name", "row"), ("best", "best"), ("median", "median"), ("cpu", "best CPU time"), ("forwards", "fwd passes"), ("tf", "time/fwd"),
          ("peak", "peak memory"), ("temp", "temp"), ("mr", "mem/inference"), ("note", "note")],
         table,
     )
