@@ -305,7 +305,7 @@ class TestNative:
             scales = replay.update_scales(dist, [0.25, -0.125])
             want = replay.apply_updates(params, keys, scales, distribution=dist)
             for per_leaf in (False, True):
-                f = jax.jit(lambda p, k, s, per_leaf=per_leaf: kp.apply_updates(
+                f = jax.jit(lambda p, k, s, per_leaf=per_leaf, dist=dist: kp.apply_updates(
                     p, k, s, distribution=dist, impl="native", per_leaf=per_leaf))
                 assert f.lower(params, keys, scales).as_text().count("stablehlo.custom_call") == (3 if per_leaf else 1)
                 assert replay.checksum(f(params, keys, scales)) == replay.checksum(want), (dist, per_leaf)
