@@ -295,6 +295,21 @@ class TestNative:
         want = replay.apply_updates(params, keys, scales, distribution="binomial")
         assert replay.checksum(f(params, keys, scales)) == replay.checksum(want)
 
+    def test_a_launch_per_leaf_gives_the_bits_of_one_launch(self):
+        """``per_leaf=True`` (how the ZO estimator perturbs) launches the kernel once per leaf: the
+        leaf keys are still derived inside it from each leaf's id, so the bits are the tree launch's."""
+        params = {"a": _array((4099,), jnp.float32, seed=21), "b": {"c": _array((5, 9), jnp.bfloat16, seed=22)},
+                  "d": _array((130,), jnp.float16, seed=23)}
+        keys = rng.sample_keys(8, [(1, 0, s) for s in range(2)])
+        for dist in DISTS:
+            scales = replay.update_scales(dist, [0.25, -0.125])
+            want = replay.apply_updates(params, keys, scales, distribution=dist)
+            for per_leaf in (False, True):
+                f = jax.jit(lambda p, k, s, per_leaf=per_leaf, dist=dist: kp.apply_updates(
+                    p, k, s, distribution=dist, impl="native", per_leaf=per_leaf))
+                assert f.lower(params, keys, scales).as_text().count("stablehlo.custom_call") == (3 if per_leaf else 1)
+                assert replay.checksum(f(params, keys, scales)) == replay.checksum(want), (dist, per_leaf)
+
 
 # --------------------------------------------------------------------------- dispatch and errors
 

@@ -271,6 +271,29 @@ def test_round_coefficient_rejects_non_finite_and_huge(bad):
         replay.replay({"w": np.zeros(2, np.float32)}, [(rng.sample_key(0, 0, 0, 0), bad)])
 
 
+_EDGE = [1 + 2.0**-20, 1 + 3 * 2.0**-20, -(1 + 2.0**-20), 2.0**-120, 2.0**-121, -(2.0**-120) * 0.999,
+         (2.0**-120) * (1 - 2.0**-21), 0.0, -0.0, 5e-324, 2.0**99 * (2 - 2.0**-19), 0.1, -3]
+
+
+@given(cs=st.lists(st.one_of(FINITE, st.sampled_from(_EDGE)), min_size=0, max_size=40), dist=DISTS)
+def test_update_scales_every_path_equals_the_reference(cs, dist):
+    """Short lists (rounded one by one with Python floats) and long ones (NumPy, vectorised) give
+    the bits of the scalar reference, whatever the container."""
+    want = np.array([np.float32(ref.update_scale(dist, c)) for c in cs], np.float32).reshape(-1)
+    for arg in (cs, tuple(cs), np.asarray(cs, np.float64), [np.float64(c) for c in cs], list(cs) * 3):
+        got = replay.update_scales(dist, arg)
+        assert got.dtype == np.float32
+        n = len(cs)
+        np.testing.assert_array_equal(got[:n].view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("n", [1, 40])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, 2.0**100, 2.0**100 * (1 - 2.0**-22), -1e300])
+def test_update_scales_rejects_what_round_coefficient_rejects(n, bad):
+    with pytest.raises(ValueError, match="coefficient"):
+        replay.update_scales("binomial", [0.5] * (n - 1) + [bad])
+
+
 @pytest.mark.parametrize("bits", [0, 21, 24])
 def test_round_coefficient_rejects_bits_that_break_exactness(bits):
     with pytest.raises(ValueError, match="bits must be in"):

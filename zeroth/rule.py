@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -126,15 +127,37 @@ def update_scale(distribution: str, coefficient: float) -> np.float32:
     return _ref.update_scale(distribution, coefficient)
 
 
+# Up to this many coefficients, update_scales rounds them one by one with Python floats: a dozen
+# NumPy calls on tiny arrays cost more (tens of microseconds) than the whole replay of small leaves.
+_SCALAR_SCALES = 16
+
+
 def update_scales(distribution: str, coefficients: Sequence[float]) -> np.ndarray:
     """``f32[K]`` of :func:`update_scale` for each coefficient, vectorised with the same bits.
 
     ``frexp`` splits ``c = m * 2**e`` exactly, ``rint(m * 2**20)`` rounds half to even like Python's
     ``round`` (the product is exact in float64), and ``ldexp`` puts it back; magnitudes below
     2**-120 become 0. A non-finite or too large coefficient goes through the scalar
-    :func:`zeroth.reference.round_coefficient`, which raises with the value named.
+    :func:`zeroth.reference.round_coefficient`, which raises with the value named. Up to 16
+    coefficients are rounded one by one with Python's ``math.frexp``, ``round`` and ``ldexp``
+    (the same operations on scalars, so the same bits; much less host time per call).
     """
     _noise.check_distribution(distribution)
+    seq = coefficients.reshape(-1).tolist() if isinstance(coefficients, np.ndarray) else coefficients
+    if (isinstance(seq, (list, tuple)) and len(seq) <= _SCALAR_SCALES
+            and all(isinstance(c, (float, int, np.floating, np.integer)) for c in seq)):
+        half = 0.5 if distribution == "binomial" else 1.0
+        out = []
+        for c in seq:
+            c = float(c)
+            if not abs(c) < 2.0**100:  # non-finite or too large: the reference raises, naming the value
+                _ref.round_coefficient(c)
+            m, e = math.frexp(c)
+            r = math.ldexp(round(m * 1048576.0), e - COEFF_BITS)  # 1048576 = 2**COEFF_BITS
+            if not abs(r) < 2.0**100:  # rounding up reached the limit
+                _ref.round_coefficient(c)
+            out.append(0.0 if abs(r) < 2.0**-120 else r * half)
+        return np.array(out, np.float32)
     c = np.asarray(coefficients, dtype=np.float64).reshape(-1)
     bad = ~np.isfinite(c) | (np.abs(c) >= 2.0**100)
     if bad.any():

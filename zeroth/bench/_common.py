@@ -38,11 +38,14 @@ __all__ = [
 
 
 class Timing(NamedTuple):
-    """Wall-clock seconds of one call: best and median over ``repeats`` timed calls."""
+    """Wall-clock seconds of one call: best and median over ``repeats`` timed calls; and the best
+    process CPU time of a call (every thread of the process, ``time.process_time``), NaN where not
+    measured. On a shared machine the CPU time moves less with the load than the wall time."""
 
     min_s: float
     median_s: float
     repeats: int
+    cpu_min_s: float = float("nan")
 
 
 def timeit(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5) -> Timing:
@@ -87,12 +90,14 @@ def timeit_many(fns: dict[str, Callable[[], Any]], *, warmup: int = 1, repeats: 
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: Timing(min(ts), statistics.median(ts), repeats) for name, ts in times.items()}
+            cpu[name].append(time.process_time() - c0)
+    return {name: Timing(min(ts), statistics.median(ts), repeats, min(cpu[name])) for name, ts in times.items()}
 
 
 def base_parser(prog: str, description: str, *, repeats: int = 5, warmup: int = 1) -> argparse.ArgumentParser:

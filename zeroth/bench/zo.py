@@ -12,13 +12,15 @@ an error naming its install command).
 * **ZO step** (per exact distribution): :func:`zeroth.zo.mezo_step` end to end with ``N``
   perturbations (default 1): 2N forwards at ``θ ± εz`` in one compiled program, the codec
   round trip, the host-rounded coefficients and the in-place exact ``replay``; and its two
-  compiled programs alone (``projected gradients``, ``update``);
+  compiled programs alone (``projected gradients``; ``update``, the donated replay through the
+  fused kernels as ``mezo_step`` runs it);
 * **backprop step**: ``jax.value_and_grad`` + ``optax.sgd``, jitted, parameters donated.
 
 Reported ratios (with their targets): ZO step time / time of 2N forwards (<= 1.2) and ZO
 peak memory / inference peak memory (<= 1.2), and the same two for the backprop step. Time
-ratios are of best times; ``*_medians`` ratios of median times are given too (on a loaded
-machine neither is steady: compare runs, not single numbers).
+ratios are of best times; ``*_medians`` ratios of median times are given too, and
+``zo_cpu_time_over_forwards_*`` of the best process CPU times (all threads; on a loaded machine
+it moves least, but neither is steady there: compare runs, not single numbers).
 
 Memory is XLA's own accounting of each compiled program (``Compiled.memory_analysis()``):
 ``argument + output + temp − alias`` bytes, i.e. the device memory that must be live while the
@@ -55,6 +57,7 @@ from zeroth import codecs, models, noise, replay, rng, zo
 from zeroth.bench import _common
 from zeroth.bench import pretrained as _pretrained_bench
 from zeroth.data.resources import MissingPackage
+from zeroth.kernels import perturb as fused
 
 __all__ = ["main", "run", "default_batch", "MODELS", "PRETRAINED_MODELS"]
 
@@ -159,7 +162,8 @@ def run(
     chosen: dict[str, dict] = {}
     for dist in distributions:
         pg = zo.projected_gradients_fn(loss_fn, distribution=dist)
-        upd = jax.jit(functools.partial(replay.apply_updates, distribution=dist), donate_argnums=0)
+        # the update as mezo_step runs it: replay(..., donate=True), the fused kernels in place
+        upd = jax.jit(functools.partial(fused.apply_updates, distribution=dist, inplace=True), donate_argnums=0)
         scales = replay.update_scales(dist, [_LR * 0.1 * (i + 1) for i in range(n)])
         mem[f"zo_pg_{dist}"] = zo.compiled_memory(pg.compiled(params, data, keys, eps))
         chosen[dist] = pg.chosen_options(params, data, keys, eps)
@@ -206,6 +210,7 @@ def run(
 
     t_fwd = min(times[f"forward_{k}"].min_s for k in fwd_variants)
     t_fwd_median = min(times[f"forward_{k}"].median_s for k in fwd_variants)
+    c_fwd = min(times[f"forward_{k}"].cpu_min_s for k in fwd_variants)
     m_fwd = min(mem[f"forward_{k}"]["peak"] for k in fwd_variants)
     rows = [
         _row("inference forward", times[f"forward_{k}"], mem[f"forward_{k}"], 1, t_fwd, m_fwd,
@@ -221,9 +226,10 @@ def run(
         rows.append(_row("  projected gradients", times[f"zo_pg_{dist}"], mem[f"zo_pg_{dist}"], 2 * n, t_fwd, m_fwd,
                          f"{2 * n} forwards at θ±εz, one program, {_describe(chosen[dist])}"))
         rows.append(_row("  update (replay)", times[f"zo_update_{dist}"], mem[f"zo_update_{dist}"], None, t_fwd, m_fwd,
-                         "apply_updates, donated"))
+                         "replay, fused kernels, donated"))
         ratios[f"zo_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].min_s / (2 * n * t_fwd)
         ratios[f"zo_time_over_forwards_{dist}_medians"] = times[f"zo_step_{dist}"].median_s / (2 * n * t_fwd_median)
+        ratios[f"zo_cpu_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].cpu_min_s / (2 * n * c_fwd)
         ratios[f"zo_memory_over_inference_{dist}"] = m_step / m_fwd
         ratios[f"update_fraction_of_step_{dist}"] = times[f"zo_update_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
     rows.append(_row("backprop step (sgd)", times["backprop"], mem["backprop"], None, t_fwd, m_fwd,
@@ -251,6 +257,7 @@ def _row(name: str, timing: _common.Timing, memory: dict, forwards: int | None, 
         "name": name,
         "seconds_min": timing.min_s,
         "seconds_median": timing.median_s,
+        "cpu_seconds_min": timing.cpu_min_s,
         "repeats": timing.repeats,
         "forwards": forwards,
         "time_over_forward": timing.min_s / t_fwd,
@@ -284,6 +291,7 @@ def _render(result: dict) -> None:
             **row,
             "best": _common.fmt_seconds(row["seconds_min"]),
             "median": _common.fmt_seconds(row["seconds_median"]),
+            "cpu": _common.fmt_seconds(row["cpu_seconds_min"]),
             "tf": f"{row['time_over_forward']:.2f}",
             "peak": _mib(row["peak_bytes"]),
             "temp": _mib(row["temp_bytes"]),
@@ -292,7 +300,7 @@ def _render(result: dict) -> None:
         for row in result["rows"]
     ]
     _common.print_table(
-        [("name", "row"), ("best", "best"), ("median", "median"), ("forwards", "fwd passes"), ("tf", "time/fwd"),
+        [("name", "row"), ("best", "best"), ("median", "median"), ("cpu", "best CPU time"), ("forwards", "fwd passes"), ("tf", "time/fwd"),
          ("peak", "peak memory"), ("temp", "temp"), ("mr", "mem/inference"), ("note", "note")],
         table,
     )

@@ -367,14 +367,19 @@ void RunTiles(const Job& job, int64_t t0, int64_t t1) {
     const int64_t g1 = (b1 + group - 1) / group;
     const uint32_t first_call = static_cast<uint32_t>(tile_start / per_call);
     // A whole float32 tile is updated where it lies in the output (no copy, and no 4K-aliasing
-    // between a stack buffer and the array); other tiles go through `buf`, zero-padded.
+    // between a stack buffer and the array); other tiles go through `buf`, whose elements outside
+    // [b0, b1) but inside the groups computed are zeroed (they are never stored; zero keeps
+    // garbage subnormals or NaNs out of the arithmetic). Only those few are written: a small
+    // leaf costs its own elements, not a whole tile.
     const bool direct = std::is_same_v<T, float> && b0 == 0 && b1 == kTile;
     float* tile = buf;
     if (direct) {
       tile = reinterpret_cast<float*>(out + (lo - lo_all));
       Io<float>::Load(reinterpret_cast<const float*>(in + (lo - lo_all)), tile, kTile);
     } else {
-      if (b0 != 0 || b1 != kTile) std::memset(buf, 0, sizeof(buf));
+      const int64_t pad0 = g0 * group, pad1 = std::min<int64_t>(g1 * group, kTile);
+      if (b0 > pad0) std::memset(buf + pad0, 0, sizeof(float) * (b0 - pad0));
+      if (pad1 > b1) std::memset(buf + b1, 0, sizeof(float) * (pad1 - b1));
       Io<T>::Load(in + (lo - lo_all), buf + b0, b1 - b0);
     }
     for (size_t u = 0; u < job.keys.size(); ++u) {

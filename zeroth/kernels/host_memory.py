@@ -10,7 +10,9 @@ took 40 ms against 5 ms donated on a 2-core AMD EPYC, nearly all of it page faul
 blocks come from the heap and freed ones stay there for the next call, as the caching allocators of
 GPU frameworks do: the same copy-mode replay then took 7.5 ms. The price is that the process keeps
 its peak heap instead of returning it to the system. :func:`zeroth.replay.replay` calls it once,
-on the first copy-mode replay on a CPU; ``ZEROTH_REUSE_HOST_MEMORY=0`` turns it off. Elsewhere
+on the first copy-mode replay on a CPU, and the ZO estimator (:func:`zeroth.zo.projected_gradients_fn`)
+on its first call on a CPU (its scratch, whole perturbed leaves among it, is allocated at every
+step); ``ZEROTH_REUSE_HOST_MEMORY=0`` turns it off. Elsewhere
 than glibc it does nothing and says so.
 
 Example:

@@ -605,6 +605,7 @@ def apply_updates(
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     platform: str | None = None,
+    per_leaf: bool = False,
 ) -> Any:
     """Traceable: :func:`zeroth.replay.apply_updates` through the fused kernels, same bits.
 
@@ -621,6 +622,10 @@ def apply_updates(
       impl, inplace, block_sizes, interpret, platform: see :func:`perturb_leaf`; pass
         ``inplace=True`` only where ``params`` is donated; ``platform`` fixes where the parameters
         live instead of choosing at lowering.
+      per_leaf: one native launch per leaf instead of one for the whole tree (same bits). Inside
+        a larger program (a ZO step's forward passes) this lets XLA compute each updated leaf
+        just before its first use and free it after its last, where one launch for the tree
+        would hold every updated leaf at once, a whole copy of the parameters.
 
     Returns:
       The updated pytree (same structure, dtypes and shapes).
@@ -637,7 +642,7 @@ def apply_updates(
     ids = [_rng.leaf_id(path) for path, _ in with_path]
     run = functools.partial(
         _apply_leaves, ids=ids, distribution=distribution, impl=impl, inplace=inplace,
-        block_sizes=block_sizes, interpret=interpret,
+        block_sizes=block_sizes, interpret=interpret, per_leaf=per_leaf,
     )
     platforms = _process_platforms()
     if impl != "auto" or platform is not None or len(platforms) <= 1:
@@ -649,9 +654,14 @@ def apply_updates(
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, block_sizes, interpret, platform):
+def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, block_sizes, interpret, platform, per_leaf):
     """The updated ``leaves`` with the implementation for ``platform`` (see :func:`apply_updates`)."""
     impl = resolve_impl(impl, platform, keys.shape[0])
+    if impl == "native" and per_leaf:  # one launch per leaf, leaf keys derived inside the kernel
+        return [
+            perturb_native_tree([leaf], keys, scales, [lid], distribution=distribution, inplace=inplace)[0]
+            for leaf, lid in zip(leaves, ids)
+        ]
     if impl == "native":  # every leaf in one launch, leaf keys derived inside the kernel
         return perturb_native_tree(leaves, keys, scales, ids, distribution=distribution, inplace=inplace)
     return [
