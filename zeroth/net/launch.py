@@ -47,10 +47,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zeroth.config import Config, config_digest, diff, load_config, to_yaml
+from zeroth.config import Config, to_yaml
 from zeroth.net.runtime import JOIN_DIGEST_EXCLUDE
 from zeroth.train import interrupt
-from zeroth.train.trainer import RESUME_INVARIANT
+from zeroth.train.trainer import RESUME_INVARIANT, check_resumable
 from zeroth.transport import identity as _id
 
 __all__ = [
@@ -276,15 +276,7 @@ def _prepare_resume(cfg: Config, out: Path) -> tuple[int, Path]:
     newest = newest_checkpoint(out)
     if newest is None:
         raise ValueError(f"no checkpoint in {out}; run without --resume to start")
-    saved_path = out / "config.yaml"
-    if saved_path.exists():
-        saved = load_config(saved_path)
-        if config_digest(saved, exclude=PEER_RESUME_INVARIANT) != config_digest(cfg, exclude=PEER_RESUME_INVARIANT):
-            changed = [d for d in diff(saved, cfg) if not any(d == f or d.startswith(f + ".") for f in PEER_RESUME_INVARIANT)]
-            raise ValueError(
-                f"cannot resume {out}: the config differs from the one the run started with in {changed}; "
-                f"only {list(PEER_RESUME_INVARIANT)} may change on resume"
-            )
+    check_resumable(cfg, out, PEER_RESUME_INVARIANT)
     iteration, folder = newest
     if (out / "peers").exists():
         n = 1

@@ -620,17 +620,20 @@ class Node:
         tmp.write_text(f"{machine}\n")
         tmp.replace(self.out_dir / "machine")
 
+    def _statuses(self, addresses: list[str]):
+        """``(address, Status)`` of every peer that answers; a peer that refuses this one is fatal."""
+        for address in addresses:
+            try:
+                yield address, self.transport.rpc(address, "Status", pb.StatusRequest(), 5)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise _Fatal(f"{address} refused this peer: {e.details()}") from None
+
     def _wait_for_members(self, addresses: list[str], members: int) -> None:
         """Poll the peers' ``Status`` until one reports ``members`` members (or the join timeout)."""
         deadline = time.monotonic() + self.options.join_timeout_s
         while not self._stop.is_set():
-            for address in addresses:
-                try:
-                    st = self.transport.rpc(address, "Status", pb.StatusRequest(), 5)
-                except grpc.RpcError as e:
-                    if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                        raise _Fatal(f"{address} refused this peer: {e.details()}") from None
-                    continue
+            for _, st in self._statuses(addresses):
                 if st.members >= members:
                     return
             if time.monotonic() > deadline:
@@ -730,13 +733,7 @@ class Node:
         """Poll the peers' ``Status`` until one reports ``iteration`` (or finished, or the join timeout)."""
         deadline = time.monotonic() + self.options.join_timeout_s + self.options.forming_timeout_s
         while not self._stop.is_set():
-            for address in addresses:
-                try:
-                    st = self.transport.rpc(address, "Status", pb.StatusRequest(), 5)
-                except grpc.RpcError as e:
-                    if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                        raise _Fatal(f"{address} refused this peer: {e.details()}") from None
-                    continue
+            for address, st in self._statuses(addresses):
                 if st.phase == P.DONE:
                     raise _Fatal(f"the run at {address} has finished (iteration {st.iteration}); nothing to join")
                 if st.iteration >= iteration or st.phase == P.LEFT:

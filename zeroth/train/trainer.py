@@ -55,6 +55,7 @@ __all__ = [
     "summary_line",
     "run_summary",
     "saved_steps",
+    "check_resumable",
 ]
 
 # Fields that may change between a run and its resumption (they do not affect the parameters).
@@ -159,16 +160,18 @@ def out_dir_of(cfg: Config, out_dir: str | Path | None = None) -> Path:
     return Path(out_dir or cfg.run.out_dir or Path("runs") / cfg.run.name)
 
 
-def _check_resumable(cfg: Config, out: Path) -> None:
+def check_resumable(cfg: Config, out: Path, invariant=RESUME_INVARIANT) -> None:
+    """Refuse to resume ``out`` with a config that differs from its ``config.yaml`` beyond ``invariant``
+    (the fields that may change on resume); the message names the differing fields."""
     saved_path = out / "config.yaml"
     if not saved_path.exists():
         return
     saved = load_config(saved_path)
-    if config_digest(saved, exclude=RESUME_INVARIANT) != config_digest(cfg, exclude=RESUME_INVARIANT):
-        changed = [d for d in diff(saved, cfg) if not any(d == f or d.startswith(f + ".") for f in RESUME_INVARIANT)]
+    if config_digest(saved, exclude=invariant) != config_digest(cfg, exclude=invariant):
+        changed = [d for d in diff(saved, cfg) if not any(d == f or d.startswith(f + ".") for f in invariant)]
         raise ValueError(
             f"cannot resume {out}: the config differs from the one the run started with in {changed}; "
-            f"only {list(RESUME_INVARIANT)} may change on resume"
+            f"only {list(invariant)} may change on resume"
         )
 
 
@@ -254,7 +257,7 @@ def _check_start(cfg: Config, out: Path, metrics_path: Path, resume: bool, resum
         also = " in another --out folder" if has_metrics else ""
         raise CheckpointError(f"no checkpoint in {out}; run without --resume{also} to start")
     if resume:
-        _check_resumable(cfg, out)
+        check_resumable(cfg, out)
 
 
 class _Loaded(NamedTuple):
