@@ -17,9 +17,9 @@ __all__ = ["main", "COMMANDS"]
 # name -> ("module:function", one-line help). Each function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("zeroth.doctor:main", "check this machine reproduces the golden replay digest"),
-    "bench": ("zeroth.bench:main", "benchmarks: perturb, zo, kernels, binary (tables and --json)"),
+    "bench": ("zeroth.bench:main", "benchmarks: perturb, zo, kernels, binary, ravnest (tables and --json)"),
     "datasets": ("zeroth.data:cli_main", "list datasets, their status and how to install each"),
-    "run": ("zeroth.run:main", "run an experiment config (single machine, or peers on loopback)"),
+    "run": ("zeroth.run:main", "run an experiment config (one machine, or peers, pipeline stages, Ravnest nodes on loopback)"),
     "peer": ("zeroth.net.peer:main", "run one Just One Byte peer (multi-machine use)"),
     "stage": ("zeroth.pipeline.stage:main", "run one pipeline stage (AQ-SGD, multi-machine use)"),
     "node": ("zeroth.cluster.node:main", "run one Ravnest node (clusters of asynchronous pipelines, multi-machine use)"),
