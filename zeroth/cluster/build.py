@@ -41,7 +41,7 @@ from zeroth.stages import examples as _examples
 from zeroth.stages import partition as _partition
 
 __all__ = ["MB", "Plan", "RUN_ID_EXCLUDE", "active_clusters", "data_of", "examples_of", "first_batch", "join_pieces",
-           "model_of", "plan_of", "push_pieces", "rings_at", "run_id_of", "stage_of"]
+           "holder", "model_of", "plan_of", "push_pieces", "rings_at", "run_id_of", "stage_of"]
 
 MB = 2**20
 STATE_PER_PARAM_BYTE = 4  # parameters, gradient, two AdamW moments
@@ -67,6 +67,7 @@ class Plan(NamedTuple):
       slowdown: ``{name: factor ≥ 1}``: compute emulated at ``1 / speed`` (a speed above 1 runs at this machine's).
       join_round: per cluster, the averaging round it joins at (0: from the start).
       average_every: ``R``.
+      units: the model's parameter groups in flat order (:func:`zeroth.cluster.engine.model_units`).
       backup_round: ``{backup name: round}``: 0 for a backup that shadows from the start, ``r`` for
         one that joins after round ``r`` (its primary hands it its state then).
     """
@@ -89,6 +90,7 @@ class Plan(NamedTuple):
     join_round: tuple = ()
     average_every: int = 0
     backup_round: dict = {}
+    units: tuple = ()
 
 
 def run_id_of(cfg: _config.Config) -> str:
@@ -111,8 +113,8 @@ def _node(d: dict) -> _formation.Node:
     return _formation.Node(d["name"], float(d["ram_mb"]) * MB, float(d["bandwidth_mbps"]) * 1e6, float(d.get("speed", 1.0)))
 
 
-def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None) -> Plan:
-    """The run's plan (see the module docstring).
+def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None, model: tuple[Any, dict] | None = None) -> Plan:
+    """The run's plan (see the module docstring); ``model``: :func:`model_of` when the caller has it already.
 
     Raises:
       zeroth.cluster.formation.InfeasibleError: the pool cannot hold ``ravnest.clusters`` copies of the model.
@@ -120,9 +122,9 @@ def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None) -> Plan:
     """
     r = cfg.ravnest
     ex = examples_of(cfg) if ex is None else ex
-    model, params = model_of(cfg, ex)
+    _, params = model_of(cfg, ex) if model is None else model
     n_blocks = sum(1 for k in params if k.startswith("_Block_"))
-    units = _engine.model_units(n_blocks)
+    units = tuple(_engine.model_units(n_blocks))
     ubytes = _engine.unit_bytes(params, units)
     n_params = sum(ubytes) // 4
     d = int(params["Embed_0"]["embedding"].shape[1])
@@ -179,7 +181,7 @@ def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None) -> Plan:
     speeds = {n["name"]: float(n.get("speed", 1.0)) for n in pool}
     return Plan(run_id_of(cfg), pool, workers, form, stages, block_ranges, layouts, rings, slots, primaries, backups,
                 int(peak), int(message), int(n_params), {k: max(1.0, 1.0 / v) for k, v in speeds.items()}, tuple(join_round),
-                r.average_every, {n["name"]: int(n.get("join_round", 0)) for n in pool if n.get("backup", False)})
+                r.average_every, {n["name"]: int(n.get("join_round", 0)) for n in pool if n.get("backup", False)}, units)
 
 
 def active_clusters(plan: Plan, round_id: int) -> list[int]:
@@ -231,10 +233,18 @@ def push_pieces(plan: Plan, slot: tuple[int, int], round_id: int) -> list[tuple[
     return out
 
 
-def stage_of(cfg: _config.Config, plan: Plan, name: str, ex: _examples.Examples) -> _engine.AsyncStage:
-    """Node ``name``'s stage: its slice of the initial parameters, its optimizer, its emulated speed."""
+def holder(plan: Plan, slot: tuple[int, int], killed=()) -> str:
+    """The node that ends holding ``slot``: its primary, or the backup that took over when it was killed."""
+    name = plan.primaries[slot]
+    return plan.backups[slot] if name in killed else name
+
+
+def stage_of(cfg: _config.Config, plan: Plan, name: str, ex: _examples.Examples,
+             model: tuple[Any, dict] | None = None) -> _engine.AsyncStage:
+    """Node ``name``'s stage: its slice of the initial parameters, its optimizer, its emulated speed
+    (``model``: :func:`model_of`, when the caller has it already)."""
     c, s = plan.slots[name]
-    model, params = model_of(cfg, ex)
+    model, params = model_of(cfg, ex) if model is None else model
     part = _partition.transformer_partition(params, list(plan.block_ranges[c]), objective=cfg.ravnest.objective,
                                             heads=model.heads, mlp_dim=model.mlp_dim, pad_id=ex.pad_id)
     return _engine.AsyncStage(s, len(plan.block_ranges[c]), part.fns[s], part.params[s], _sbuild.optimizer_of(cfg),

@@ -99,11 +99,10 @@ class AsyncStage:
         self._clock = _timing.SlowClock(self.slowdown)
         with jax.numpy_dtype_promotion("standard"):
             self.opt_state = optimizer.init(self.params)
-        self.stash: dict[int, tuple[Any, Any]] = {}
+        self.stash: dict[int, tuple[Any, Any, int]] = {}  # batch -> (params, input, version) of its forward
         self.version = 0  # updates applied
         self.compute_s = 0.0
         self.staleness: list[int] = []  # per backward: updates between its forward and its update
-        self._born: dict[int, int] = {}
         self._compile(fn)
 
     def _compile(self, fn) -> None:
@@ -140,21 +139,20 @@ class AsyncStage:
             return float(loss), (None if gx is None else np.asarray(gx))
         if self.first:
             h = self._run(self._fwd, self.params, tokens)
-            self.stash[batch] = (self.params, None)
+            self.stash[batch] = (self.params, None, self.version)
         else:
             x = jnp.asarray(x)
             h = self._run(self._fwd, self.params, x, tokens)
-            self.stash[batch] = (self.params, x)
-        self._born[batch] = self.version
+            self.stash[batch] = (self.params, x, self.version)
         return np.asarray(h)
 
     def backward(self, batch: int, tokens, g):
         """Backward of ``batch`` with the gradient of its output: update at once; returns the input gradient (None on stage 0)."""
         if batch not in self.stash:
             raise KeyError(f"stage {self.index}: gradient for batch {batch}, which is not in flight (in flight: {sorted(self.stash)})")
-        params, x = self.stash.pop(batch)
+        params, x, born = self.stash.pop(batch)
         tokens, g = jnp.asarray(tokens), jnp.asarray(g)
-        self.staleness.append(self.version - self._born.pop(batch))
+        self.staleness.append(self.version - born)
         if self.first:
             gp = self._run(self._bwd, params, tokens, g)
             self._apply(gp)
@@ -170,9 +168,9 @@ class AsyncStage:
                "staleness": np.asarray(self.staleness, np.int64), "stash": np.asarray(sorted(self.stash), np.int64)}
         for i, leaf in enumerate(jax.tree_util.tree_leaves(self.opt_state)):
             out[f"opt_{i}"] = np.asarray(leaf)
-        for b, (p, x) in self.stash.items():
+        for b, (p, x, born) in self.stash.items():
             out[f"stash_params_{b}"] = flat_of(p, units)
-            out[f"born_{b}"] = np.int64(self._born[b])
+            out[f"born_{b}"] = np.int64(born)
             if x is not None:
                 out[f"stash_x_{b}"] = np.asarray(x)
         return out
@@ -186,11 +184,11 @@ class AsyncStage:
         self.opt_state = jax.tree_util.tree_unflatten(tree, [jnp.asarray(snap[f"opt_{i}"], leaf.dtype) for i, leaf in enumerate(leaves)])
         self.version = int(snap["version"])
         self.staleness = [int(v) for v in snap["staleness"]]
-        self.stash, self._born = {}, {}
+        self.stash = {}
         for b in (int(v) for v in snap["stash"]):
             x = snap.get(f"stash_x_{b}")
-            self.stash[b] = (with_flat(self.params, units, snap[f"stash_params_{b}"]), None if x is None else jnp.asarray(x))
-            self._born[b] = int(snap[f"born_{b}"])
+            self.stash[b] = (with_flat(self.params, units, snap[f"stash_params_{b}"]), None if x is None else jnp.asarray(x),
+                             int(snap[f"born_{b}"]))
 
     def in_flight(self) -> int:
         """Batches forwarded whose gradient has not come back."""

@@ -120,24 +120,20 @@ def cluster_models(out: Path, plan: _build.Plan, killed=()) -> list[np.ndarray]:
     for c, cl in enumerate(plan.stages):
         parts = []
         for s in range(len(cl)):
-            name = plan.primaries[(c, s)]
-            if name in killed:
-                name = plan.backups[(c, s)]
-            parts.append(np.load(node_dir(out, name) / "params.npz")["flat"])
+            parts.append(np.load(node_dir(out, _build.holder(plan, (c, s), killed)) / "params.npz")["flat"])
         models.append(np.concatenate(parts))
     return models
 
 
-def evaluate(cfg: _config.Config, plan: _build.Plan, flat: np.ndarray | None) -> float:
-    """Mean loss over the whole example set of the model whose flat parameters are ``flat`` (None: the initial model)."""
+def evaluate(cfg: _config.Config, plan: _build.Plan, ex, model: tuple, flat: np.ndarray | None) -> float:
+    """Mean loss over the whole example set ``ex`` of ``model`` (:func:`zeroth.cluster.build.model_of`) with the
+    flat parameters ``flat`` (None: its initial parameters)."""
     import jax.numpy as jnp
 
-    ex = _build.examples_of(cfg)
-    model, params = _build.model_of(cfg, ex)
-    n_blocks = sum(1 for k in params if k.startswith("_Block_"))
-    units = _engine.model_units(n_blocks)
+    model, params = model
+    n_blocks = len(plan.units) - 2
     if flat is not None:
-        params = _engine.with_flat(params, units, flat)
+        params = _engine.with_flat(params, plan.units, flat)
     part = partition.transformer_partition(params, [(0, n_blocks)], objective=cfg.ravnest.objective, heads=model.heads,
                                            mlp_dim=model.mlp_dim, pad_id=ex.pad_id)
     return float(partition.reference_loss(part, part.params, jnp.asarray(ex.tokens), jnp.asarray(ex.labels)))
@@ -151,13 +147,16 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
         print(f"zeroth run: error: {out} already holds a Ravnest run; choose another --out", file=sys.stderr)
         return 2
     try:
-        plan = _build.plan_of(cfg)
+        ex = _build.examples_of(cfg)
+        model = _build.model_of(cfg, ex)
+        plan = _build.plan_of(cfg, ex, model)
     except ValueError as e:
         print(f"zeroth run: error: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(_config.to_yaml(cfg))
-    (out / "plan.json").write_text(json.dumps(_plan_json(plan), indent=1))
+    plan_json = _plan_json(plan)
+    (out / "plan.json").write_text(json.dumps(plan_json, indent=1))
     if progress:
         print(_formation.describe(plan.formation, list(plan.workers)))
         for c, cl in enumerate(plan.stages):
@@ -186,16 +185,15 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
              for n in plan.pool if n["name"] not in killed and (node_dir(out, n["name"]) / "summary.json").is_file()}
     models = cluster_models(out, plan, killed)
     agree = all(np.array_equal(models[0], m) for m in models[1:])
-    last = {c: plan.primaries[(c, len(cl) - 1)] for c, cl in enumerate(plan.stages)}
-    last = {c: (plan.backups[(c, len(plan.stages[c]) - 1)] if n in killed else n) for c, n in last.items()}
+    last = {c: _build.holder(plan, (c, len(cl) - 1), killed) for c, cl in enumerate(plan.stages)}
     summary = {"steps": cfg.train.steps, "seconds": time.time() - t0, "run_id": plan.run_id,
                "clusters": [{"cluster": c, "nodes": [plan.workers[st.node].name for st in cl],
                              "final_loss": nodes[last[c]]["final_loss"], "digest": _engine.flat_digest(models[c])}
                             for c, cl in enumerate(plan.stages)],
                "clusters_agree": agree, "killed": killed,
-               "initial_eval_loss": evaluate(cfg, plan, None), "eval_loss": evaluate(cfg, plan, models[0]),
+               "initial_eval_loss": evaluate(cfg, plan, ex, model, None), "eval_loss": evaluate(cfg, plan, ex, model, models[0]),
                "idle_fraction": {k: v["idle_s"] / max(v["wall_s"], 1e-9) for k, v in nodes.items()},
-               "nodes": nodes, "plan": _plan_json(plan)}
+               "nodes": nodes, "plan": plan_json}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if progress:
         losses = ", ".join(f"cluster {x['cluster']} {x['final_loss']:.4f}" for x in summary["clusters"])

@@ -53,14 +53,14 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
 
     r = cfg.ravnest
     ex = build.examples_of(cfg)
-    plan = build.plan_of(cfg, ex)
+    model = build.model_of(cfg, ex)
+    plan = build.plan_of(cfg, ex, model)
     if name not in plan.slots:
         raise ValueError(f"--name {name!r} is not a node of ravnest.nodes ({[n['name'] for n in plan.pool]})")
     c, s = plan.slots[name]
     out.mkdir(parents=True, exist_ok=True)
-    stage = build.stage_of(cfg, plan, name, ex)
-    _, params = build.model_of(cfg, ex)
-    units = engine.model_units(sum(1 for k in params if k.startswith("_Block_")))
+    stage = build.stage_of(cfg, plan, name, ex, model)
+    units = plan.units
     bw = {n["name"]: float(n["bandwidth_mbps"]) for n in plan.pool}
     t = transport.ClusterTransport(name, plan.slots, plan.primaries, plan.backups, run_id=plan.run_id, token=token,
                                    address_dir=addresses, bandwidth_mbps=bw, enforce=r.enforce_bandwidth,

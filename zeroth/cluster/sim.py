@@ -52,17 +52,17 @@ def run_local(cfg: _config.Config, steps: int | None = None) -> dict:
     r = cfg.ravnest
     n = cfg.train.steps if steps is None else steps
     ex = _build.examples_of(cfg)
-    plan = _build.plan_of(cfg, ex)
+    model = _build.model_of(cfg, ex)
+    plan = _build.plan_of(cfg, ex, model)
     hub = _rings.QueueExchange()
     inboxes = {slot: _driver.Inbox() for slot in plan.primaries}
-    model, params = _build.model_of(cfg, ex)
-    units = _engine.model_units(sum(1 for k in params if k.startswith("_Block_")))
+    units = plan.units
     out = {"plan": plan, "results": {}, "records": {}, "flat": {}, "digests": {}, "averaged": {}, "starts": {}}
     errors: list[BaseException] = []
 
     def node(name, slot):
         try:
-            stage = _build.stage_of(cfg, plan, name, ex)
+            stage = _build.stage_of(cfg, plan, name, ex, model)
             recs: list = []
             io = _LocalIO(slot, inboxes, hub, plan, r.timeout_s)
             if _build.join_pieces(plan, slot):

@@ -53,7 +53,6 @@ __all__ = ["OUTBOX", "ClusterTransport", "GRPC_OPTIONS", "resolve_address"]
 
 OUTBOX = 4096
 GRPC_OPTIONS = [("grpc.max_send_message_length", 256 * 1024 * 1024), ("grpc.max_receive_message_length", 256 * 1024 * 1024)]
-_PROMOTE = "promote"
 
 
 def resolve_address(address_dir: Path, name: str, timeout_s: float) -> str:
@@ -168,16 +167,16 @@ class ClusterTransport:
             self._state = msg.blob
             self._state_event.set()
             return
+        if msg.kind == pb.PROMOTE:
+            self._promote()
+            return
         with self._relay_lock:
             self._receive(msg)
-            if self.relay_to is not None and not (msg.kind == pb.RING and msg.phase == _PROMOTE):
+            if self.relay_to is not None:
                 self._submit(self.relay_to, msg)
 
     def _receive(self, msg: pb.Message) -> None:
         self.received += 1
-        if msg.kind == pb.RING and msg.phase == _PROMOTE:
-            self._promote()
-            return
         array = wire.from_message(msg)
         src = self.slots[msg.sender]
         if msg.kind == pb.RING:
@@ -230,8 +229,7 @@ class ClusterTransport:
             if self.primary.get(slot) == name and b is not None and b not in self._dead:
                 self.primary[slot] = b
                 del self.backup[slot]
-                promote = wire.to_message(self.run_id, self.me, "ring", np.zeros(0, np.float32), phase=_PROMOTE)
-                self._submit(b, promote)
+                self._submit(b, wire.promote_message(self.run_id, self.me))
                 for m in self.sent_log.get(slot, ()):  # what the dead primary may not have passed on
                     self._submit(b, m)
                 return

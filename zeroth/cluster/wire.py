@@ -13,12 +13,13 @@ import numpy as np
 
 from zeroth.cluster.proto import cluster_pb2 as pb
 
-__all__ = ["KINDS", "MAX_BLOB", "MAX_VALUES", "MessageError", "check_message", "from_message", "state_message", "to_message"]
+__all__ = ["KINDS", "MAX_BLOB", "MAX_VALUES", "MessageError", "check_message", "from_message", "promote_message", "state_message",
+           "to_message"]
 
-KINDS = {"activation": pb.ACTIVATION, "gradient": pb.GRADIENT, "ring": pb.RING, "state": pb.STATE}
+KINDS = {"activation": pb.ACTIVATION, "gradient": pb.GRADIENT, "ring": pb.RING, "state": pb.STATE, "promote": pb.PROMOTE}
 MAX_BLOB = 255 * 2**20  # under the gRPC message limit (256 MiB)
 MAX_VALUES = 64 * 1024 * 1024  # float32 values in one message (256 MiB)
-PHASES = ("reduce", "gather", "promote", "join")  # promote: a backup takes over; join: a late cluster's start
+PHASES = ("reduce", "gather", "join")  # join: the pieces a late cluster starts from
 
 
 class MessageError(ValueError):
@@ -50,11 +51,20 @@ def check_message(msg: pb.Message, run_id: str, senders: Collection[str]) -> Non
         return
     if msg.blob:
         raise MessageError("blob is only for state messages")
+    if msg.kind == pb.PROMOTE:
+        if msg.data or msg.shape:
+            raise MessageError("a promote message carries no data")
+        return
     n = int(np.prod(msg.shape, dtype=np.int64)) if len(msg.shape) else 1
     if n > MAX_VALUES:
         raise MessageError(f"shape {list(msg.shape)} holds {n} values, more than the limit {MAX_VALUES}")
     if len(msg.data) != 4 * n:
         raise MessageError(f"data has {len(msg.data)} bytes, shape {list(msg.shape)} needs {4 * n} (float32)")
+
+
+def promote_message(run_id: str, sender: str) -> pb.Message:
+    """To a backup: its primary is gone, it takes over."""
+    return pb.Message(run_id=run_id, sender=sender, kind=pb.PROMOTE)
 
 
 def state_message(run_id: str, sender: str, blob: bytes) -> pb.Message:

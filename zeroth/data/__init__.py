@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+from zeroth.data import base as _base
 from zeroth.data import images, text
 from zeroth.data.base import (
     BATCH_TAG,
@@ -44,25 +45,4 @@ from zeroth.data.base import (
     status,
 )
 
-__all__ = [
-    "Dataset",
-    "DatasetSpec",
-    "DatasetUnavailable",
-    "REGISTRY",
-    "SPLITS",
-    "BATCH_TAG",
-    "register",
-    "names",
-    "load",
-    "status",
-    "missing_reason",
-    "split_key",
-    "permutation",
-    "split_indices",
-    "make_splits",
-    "batch_indices",
-    "batch_at",
-    "cli_main",
-    "images",
-    "text",
-]
+__all__ = [*_base.__all__, "images", "text"]
