@@ -38,10 +38,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("6 train", ("zeroth.train",)),
     ("6 stages: a model cut into stages and its data (shared by pipeline and cluster)", ("zeroth.stages",)),
     ("6 transport: secret, identities, access tokens, TLS, pacing (shared by every networked system)", ("zeroth.transport",)),
-    ("7 systems", ("zeroth.net", "zeroth.pipeline", "zeroth.cluster", "zeroth.binary")),
+    ("7 systems", ("zeroth.net", "zeroth.pipeline", "zeroth.cluster", "zeroth.binary", "zeroth.marsit")),
     ("8 programs: bench, doctor, the zeroth run dispatcher, cli", ("zeroth.bench", "zeroth.doctor", "zeroth.run", "zeroth.cli", "zeroth.__main__", "zeroth.protogen")),
 )
-SYSTEMS = ("zeroth.net", "zeroth.pipeline", "zeroth.cluster", "zeroth.binary")
+SYSTEMS = ("zeroth.net", "zeroth.pipeline", "zeroth.cluster", "zeroth.binary", "zeroth.marsit")
 PROGRAMS_LAYER = len(LAYERS) - 1
 
 _TARGET = re.compile(r"^(zeroth(?:\.[A-Za-z_]\w*)*)(?::[A-Za-z_][\w.]*)?$")

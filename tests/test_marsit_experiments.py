@@ -1,15 +1,25 @@
-"""The experiment runner writes metrics.jsonl with identical workers and counted bits; the report and
-the notebook turn a small set of runs into the seed's three tables."""
+"""Marsit through ``zeroth run``: one run folder (schema-v1 rows labelled by run, summary.json, final
+parameters), ``load_run``, the report's table shapes, ``--set`` / ``--out`` / ``--resume``, SIGINT in a
+fresh process (which also sets the device count before jax starts), and the notebook on the results."""
 
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from zeroth.bench import marsit as X
-from zeroth.bench import marsit_report as report
+from notebook_util import execute
+from zeroth import run as zrun
+from zeroth.marsit import config as C
+from zeroth.marsit import report
+from zeroth.replay import checksum
+from zeroth.train.metrics import check_schema, read_metrics
+from zeroth.train.runs import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,6 +39,7 @@ TINY = {
          "sync": {"method": "marsit", "eta_s": 0.01, "K": "inf"}},
     ],
 }
+LABELS = [r["label"] for r in TINY["runs"]]
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +48,18 @@ def results(tmp_path_factory):
     cfg = root / "tiny.yaml"
     cfg.write_text(yaml.safe_dump(TINY))
     out = root / "marsit_tiny"
-    assert X.main([str(cfg), "--out", str(out)]) == 0
-    return root, out
+    assert zrun.main([str(cfg), "--out", str(out), "--quiet"]) == 0
+    return root, cfg, out
 
 
-def test_runner_writes_evals_and_summaries(results):
-    _, out = results
+def test_run_folder_follows_the_schema_and_counts_bits(results):
+    _, _, out = results
+    rows = read_metrics(out / "metrics.jsonl")
+    assert check_schema(rows) == len(rows)
+    assert [r["step"] for r in rows if r["run"] == "none" and r["kind"] == "train"] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if r["run"] == "none" and r["kind"] == "eval"] == [2, 4]
     evals, summaries = report.load(out)
-    assert [s["run"] for s in summaries] == ["none", "cascading", "marsit-k2", "marsit-kinf"]
-    assert [r["round"] for r in evals if r["run"] == "none"] == [2, 4]
+    assert [s["run"] for s in summaries] == LABELS
     by = {s["run"]: s for s in summaries}
     for s in summaries:
         assert s["checksums_equal"] is True and s["rounds"] == 4
@@ -54,14 +68,29 @@ def test_runner_writes_evals_and_summaries(results):
     phases = by["marsit-k2"]["bits_per_element_by_phase"]
     assert phases["full"] == 32.0 and 1.0 <= phases["sync"] < 1.2
     assert by["marsit-k2"]["bits_per_element"] == pytest.approx((2 * 32.0 + 2 * phases["sync"]) / 4)
+    k2 = [r for r in rows if r["run"] == "marsit-k2" and r["kind"] == "train"]
+    assert [r["phase"] for r in k2] == ["full", "sync", "full", "sync"]
+    assert k2[-1]["payload_bytes_total"] == sum(r["payload_bytes"] for r in k2) == by["marsit-k2"]["payload_bytes_total"]
+    assert k2[0]["payload_bytes"] > 20 * k2[1]["payload_bytes"]  # 32 bits vs about one bit per element
     assert by["marsit-kinf"]["K"] is None and by["marsit-kinf"]["bits_per_element"] < 1.2
     assert by["cascading"]["bits_per_element_by_phase"]["sync"] > 1.0  # the norms are counted too
     assert all(s["comm_model_s"] > 0 for s in summaries)
-    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["kind"] == "eval"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["finished"] == summary["total"] == 4
+
+
+def test_load_run_gives_every_runs_parameters(results):
+    _, _, out = results
+    run = load_run(out)
+    assert run.kind == "marsit" and [r["label"] for r in run.config["runs"]] == LABELS
+    assert sorted(run.params) == sorted(LABELS)
+    for s in run.summary["runs"]:
+        last_train = [r for r in run.metrics if r["run"] == s["run"] and r["kind"] == "train"][-1]
+        assert checksum(run.params[s["run"]]) == s["digest"] == last_train["digest"]
 
 
 def test_report_builds_the_three_table_shapes(results):
-    _, out = results
+    _, _, out = results
     _, summaries = report.load(out)
     t1 = report.table1_rows(summaries)
     assert [r["setting"] for r in t1] == ["cascading compression, M=3", "none compression, M=3"]
@@ -72,43 +101,101 @@ def test_report_builds_the_three_table_shapes(results):
     assert f3[0]["K"] == "2" and f3[0]["seed_bits"] == "-"
 
 
-def test_notebook_executes_on_the_results(results):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    root, _ = results
-    nb = nbformat.read(ROOT / "notebooks" / "marsit.ipynb", as_version=4)
-    old = os.environ.get("MARSIT_RESULTS")
-    os.environ["MARSIT_RESULTS"] = str(root)
+def test_out_set_and_resume(results, tmp_path, capsys):
+    _, cfg, out = results
+    assert zrun.main([str(cfg), "--out", str(out), "--quiet"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert zrun.main([str(cfg), "--out", str(tmp_path / "x"), "--set", "train.lr=0.1"]) == 2
+    assert "unknown config key train.lr; valid keys are" in capsys.readouterr().err
+    assert zrun.main([str(cfg), "--out", str(tmp_path / "x"), "--set", "topology.workers=64"]) == 2
+    assert "needs 64 CPU devices" in capsys.readouterr().err
+    assert zrun.main([str(cfg), "--out", str(tmp_path / "none"), "--resume"]) == 2
+    assert "holds no Marsit run to resume" in capsys.readouterr().err
+    # an interrupted folder: the last run unfinished, two of its rows written
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    summary = json.loads((cut / "summary.json").read_text())
+    (cut / "summary.json").write_text(json.dumps({**summary, "runs": summary["runs"][:-1], "finished": 3}))
+    rows = read_metrics(out / "metrics.jsonl")
+    last = [r for r in rows if r["run"] == "marsit-kinf"]
+    (cut / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["run"] != "marsit-kinf")
+                                       + "".join(json.dumps(r) + "\n" for r in last[:2]))
+    assert zrun.main([str(cfg), "--out", str(cut), "--resume", "--set", "train.rounds=5"]) == 2
+    assert "run 'none' finished" in capsys.readouterr().err
+    assert zrun.main([str(cfg), "--out", str(cut), "--resume", "--quiet"]) == 0
+    again = read_metrics(cut / "metrics.jsonl")
+    assert check_schema(again) == len(rows)
+    assert [r for r in again if r["run"] != "marsit-kinf"] == [r for r in rows if r["run"] != "marsit-kinf"]
+    key = [(r["kind"], r["step"], r["digest"]) for r in last]
+    assert [(r["kind"], r["step"], r["digest"]) for r in again if r["run"] == "marsit-kinf"] == key
+    assert json.loads((cut / "summary.json").read_text())["runs"][-1]["digest"] == summary["runs"][-1]["digest"]
+
+
+@pytest.mark.slow
+def test_sigint_in_a_fresh_process_exits_130_keeping_finished_runs(tmp_path):
+    cfg = tmp_path / "two.yaml"
+    cfg.write_text(yaml.safe_dump({**TINY, "topology": {"kind": "ring", "workers": 4},
+                                   "train": {**TINY["train"], "rounds": 3, "eval_every": 3},
+                                   "runs": [{"label": "a", "sync": {"method": "psgd"}},
+                                            {"label": "b", "sync": {"method": "marsit", "eta_s": 0.01},
+                                             "train": {"rounds": 5000, "eval_every": 1000}}]}))
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device unless the run asks for more
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "zeroth.cli", "run", str(cfg), "--out", str(out)], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+        for line in proc.stdout:
+            if line.startswith("[a] round     3"):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
     finally:
-        if old is None:
-            os.environ.pop("MARSIT_RESULTS")
-        else:
-            os.environ["MARSIT_RESULTS"] = old
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+        proc.kill()
+    assert proc.returncode == 130, err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert lines[-1].startswith("zeroth run: interrupted by SIGINT in run 'b' after round ")
+    assert "1 of 2 runs finished and kept" in lines[-1] and lines[-1].endswith(f"--out {out} --resume")
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["run"] for s in summary["runs"]] == ["a"] and summary["runs"][0]["workers"] == 4
+    check_schema(read_metrics(out / "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_notebook_executes_on_the_results(results, tmp_path, monkeypatch):
+    pytest.importorskip("nbclient")
+    root, _, _ = results
+    monkeypatch.setenv("MARSIT_RESULTS", str(root))
+    monkeypatch.setenv("MARSIT_FIGURES", str(tmp_path / "figures"))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    text = execute(ROOT / "notebooks" / "marsit.ipynb", ROOT / "notebooks")
     assert "1 result folders, 4 runs" in text
     assert "runs with differing workers: none" in text
+    assert "marsit-k2: 4 rounds, 2 full-precision" in text
+    for png in ("table1_accuracy.png", "table2_accuracy.png", "fig3b_k.png"):
+        assert (tmp_path / "figures" / png).stat().st_size > 10_000
 
 
 def test_config_errors_name_the_key(tmp_path):
     bad = dict(TINY, runs=[{"label": "x", "sync": {"method": "psgd", "lr": 0.1}}])
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(bad))
-    with pytest.raises(ValueError, match="unknown key sync.lr; valid keys are"):
-        X.load_runs(path)
+    with pytest.raises(ValueError, match="unknown config key sync.lr; valid keys are"):
+        C.load_runs(path)
     bad = dict(TINY, runs=[{"label": "x", "sync": {"method": "qsgd"}}])
     path.write_text(yaml.safe_dump(bad))
     with pytest.raises(ValueError, match="unknown sync.method 'qsgd'"):
-        X.load_runs(path)
+        C.load_runs(path)
     path.write_text(yaml.safe_dump(dict(TINY, runs=[])))
     with pytest.raises(ValueError, match="at least one run"):
-        X.load_runs(path)
+        C.load_runs(path)
+    with pytest.raises(ValueError, match="'runs' cannot be set"):
+        C.parse_overrides(["runs=[]"])
 
 
 def test_experiment_configs_in_the_repo_parse():
     files = sorted((ROOT / "experiments").glob("marsit_*.yaml"))
     assert len(files) >= 3
     for f in files:
-        runs = X.load_runs(f)
+        runs = C.load_runs(f)
         assert runs and all(r.data.dataset == "mnist5k" for r in runs)

@@ -6,8 +6,11 @@ Just One Byte peers on loopback (``zeroth.net.launch.run_config(cfg, out_dir, ar
 ``pipeline`` section as pipeline stages on loopback (``zeroth.pipeline.launch.run_config``,
 AQ-SGD, seed 001); with a ``binary`` section as binary learning
 (``zeroth.binary.experiment.run_config``, seed 002); with a ``ravnest`` section as Ravnest nodes on
-loopback (``zeroth.cluster.launch.run_config``, seed 003). The dispatcher sits above every system it
-chooses between.
+loopback (``zeroth.cluster.launch.run_config``, seed 003); a config with a top-level ``runs``
+list is a Marsit experiment (:mod:`zeroth.marsit`, seed 004: its own schema, every run of the list
+trained with M CPU devices as M workers, the device count set before jax starts its backend;
+``--set`` merges into every run; ``--resume`` keeps the finished runs and trains the others again).
+The dispatcher sits above every system it chooses between.
 ``--help-config`` prints every config field with its type, default and description.
 ``--seeds 0,1,2`` is a sweep: the config once per seed, into ``OUT/seed_<s>/``, and
 ``OUT/sweep.json`` listing each run's folder, exit code and summary.
@@ -28,6 +31,7 @@ import sys
 
 import zeroth.net.launch
 from zeroth import config as _config
+from zeroth import marsit
 from zeroth.binary import experiment as binary_experiment
 from zeroth.cluster import launch as ravnest_launch
 from zeroth.pipeline import launch as pipeline_launch
@@ -92,6 +96,9 @@ def main(argv: list[str]) -> int:
     try:
         if args.seeds is not None:
             return _sweep(args)
+        raw = marsit.config.read_config(args.config)
+        if marsit.is_config(raw):
+            return _marsit(args, argv, raw)
         return _dispatch(args, argv)
     except (ValueError, FileNotFoundError, CheckpointError, DatasetUnavailable, MissingPackage) as e:
         print(f"zeroth run: error: {e}", file=sys.stderr)
@@ -127,6 +134,28 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     return int(pipeline_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)  # stages on loopback
 
 
+def _marsit(args: argparse.Namespace, argv: list[str], raw: dict) -> int:
+    """A Marsit config (``runs:`` list): every run into one folder (:func:`zeroth.marsit.run_config`)."""
+    if args.resume_step is not None:
+        raise ValueError("--resume-step: a Marsit run resumes by run (the finished ones are kept), not by step")
+    with interrupt.catch() as flag:
+        runs = marsit.load_runs_dict(raw, args.overrides, where=args.config)
+        name = str(raw.get("name") or "marsit")
+        out = check_out_dir(args.out or f"runs/{name}")
+        try:
+            result = marsit.run_config(runs, out, name=name, resume=args.resume, stop=flag.is_set,
+                                       progress=None if args.quiet else print)
+        except marsit.Stopped as e:
+            print(f"zeroth run: interrupted by {flag.signal_name()} in run {e.label!r} after round {e.step} of {e.total}; "
+                  f"{e.finished} of {e.runs} runs finished and kept in {out}; resume with: "
+                  f"{interrupt.resume_command(argv, out)}", file=sys.stderr, flush=True)
+            return interrupt.EXIT_CODE
+    if not args.quiet:
+        print(marsit.table(result["runs"]))
+    print(f"zeroth run: {result['finished']} of {result['total']} Marsit runs done; {out / 'summary.json'}")
+    return 0
+
+
 def _parse_seeds(text: str) -> list[int]:
     try:
         seeds = [int(x) for x in text.split(",") if x.strip()]
@@ -145,8 +174,18 @@ def _sweep(args: argparse.Namespace) -> int:
     seeds = _parse_seeds(args.seeds)
     if args.resume_step is not None:
         raise ValueError("--resume-step names one run's checkpoint; a sweep resumes each seed from its newest")
-    cfg = _config.load_config(args.config, args.overrides)
-    base = check_out_dir(Path(args.out) if args.out else trainer.out_dir_of(cfg))
+    raw = marsit.config.read_config(args.config)
+    if marsit.is_config(raw):  # every run of the list gets the seed
+        seed_key = "seed"
+        runs = marsit.load_runs_dict(raw, args.overrides, where=args.config)
+        default_out = Path("runs") / str(raw.get("name") or "marsit")
+        if len({r.seed for r in runs}) > 1:
+            raise ValueError(f"--seeds: the runs of {args.config} set their own seeds ({sorted({r.seed for r in runs})}); "
+                             "a sweep would give them all one seed")
+    else:
+        seed_key = "run.seed"
+        default_out = trainer.out_dir_of(_config.load_config(args.config, args.overrides))
+    base = check_out_dir(Path(args.out) if args.out else default_out)
     rows = []
     for seed in seeds:
         out = base / f"seed_{seed}"
@@ -155,7 +194,7 @@ def _sweep(args: argparse.Namespace) -> int:
             code = 0
             print(f"zeroth run: seed {seed}: finished earlier in {out}")
         else:
-            argv = [args.config, *[a for o in args.overrides for a in ("--set", o)], "--set", f"run.seed={seed}",
+            argv = [args.config, *[a for o in args.overrides for a in ("--set", o)], "--set", f"{seed_key}={seed}",
                     "--out", str(out)]
             argv += ["--resume"] if args.resume and out.is_dir() else []
             argv += ["--quiet"] if args.quiet else []

@@ -11,8 +11,8 @@
 * :mod:`~zeroth.collectives.distributed`: the same programs over several processes
   (``jax.distributed``), e.g. two on loopback with the CPU collectives.
 
-The experiment runner that trains models on data with them is a program above every layer:
-``python -m zeroth.bench.marsit CONFIG --out DIR`` (:mod:`zeroth.bench.marsit`).
+The experiment that trains models on data with them is the system :mod:`zeroth.marsit`, launched
+by ``zeroth run experiments/marsit_<name>.yaml --out DIR``.
 """
 
 from zeroth.collectives.ring import allreduce_mean, allreduce_sum

@@ -1,7 +1,8 @@
 """``metrics.jsonl``: one JSON object per line, appended and flushed as training goes; its schema.
 
 The schema (``zeroth metrics v1``), shared by every writer (the single-machine trainer, the
-peers of :mod:`zeroth.net`) and checked by :func:`check_schema`. Units are in the names
+peers of :mod:`zeroth.net`, the Marsit runs of :mod:`zeroth.marsit`) and checked by
+:func:`check_schema`. Units are in the names
 (``_s`` seconds, ``_bytes`` bytes); a byte count ending in ``_total`` is cumulative since the
 run began, one without is for this step only; pass and example counters are cumulative.
 
@@ -26,6 +27,14 @@ forward + 2·backward, ``examples``, ``train_time_s``, the method's metrics; pee
 ``peers``, ``contributors``, ``gradients``, per-step traffic ``payload_bytes_sent``,
 ``wire_bytes_received``, ...). A ``step`` of a train row appears once; the evaluation rows of
 a step follow its train row.
+
+One file may hold several runs (a Marsit config's ``runs`` list, trained one after another): then
+every row carries ``run`` (str), the run's label, and ``step`` restarts at each run; the rules
+on steps hold within the rows of one ``run``. Marsit rows add ``group``, ``phase`` (``full`` or
+``sync``), ``bits_per_element`` (train: this round) and ``bits_per_element_mean``,
+``compute_time_s``, ``comm_model_s`` (modeled link seconds, cumulative) and ``checksums_equal``
+(eval); there ``payload_bytes`` counts the bytes all M workers send in the round
+(:mod:`zeroth.marsit.experiment`).
 
 Example:
   >>> import tempfile, os
@@ -107,9 +116,11 @@ def check_schema(records: Iterable[Mapping[str, Any]], where: str = "metrics") -
     Raises:
       ValueError: naming the row (1-based) and the field: an unknown ``kind``, a missing field,
         a value of the wrong type (``bool`` is not an ``int``), a negative or decreasing ``step``,
-        or two train rows of one step.
+        or two train rows of one step (both within the rows of one ``run`` label, when rows carry one).
     """
-    last, trained, n = -1, set(), 0
+    last: dict = {}
+    trained: set = set()
+    n = 0
     for n, r in enumerate(records, 1):
         kind = r.get("kind")
         if kind not in SCHEMA:
@@ -120,14 +131,18 @@ def check_schema(records: Iterable[Mapping[str, Any]], where: str = "metrics") -
             v = r[field]
             if isinstance(v, bool) or not isinstance(v, types):
                 raise ValueError(f"{where}: row {n} field {field!r} is {v!r}; expected {'/'.join(t.__name__ for t in types)}")
-        step = r["step"]
-        if step < 0 or step < last:
-            raise ValueError(f"{where}: row {n} has step {step} after step {last}; steps never decrease")
+        run = r.get("run")
+        if run is not None and not isinstance(run, str):
+            raise ValueError(f"{where}: row {n} field 'run' is {run!r}; expected str (the run's label)")
+        step, before = r["step"], last.get(run, -1)
+        if step < 0 or step < before:
+            of = "" if run is None else f" of run {run!r}"
+            raise ValueError(f"{where}: row {n} has step {step} after step {before}{of}; steps never decrease")
         if kind == "train":
-            if step in trained:
+            if (run, step) in trained:
                 raise ValueError(f"{where}: row {n} is a second train row of step {step}")
-            trained.add(step)
-        last = step
+            trained.add((run, step))
+        last[run] = step
     return n
 
 

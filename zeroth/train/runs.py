@@ -13,7 +13,12 @@ pipeline   ``metrics.jsonl`` (merged from ``stage_i/``)  per stage, not merged: 
 binary     ``metrics.jsonl`` and ``results.json``       not saved: None
 ravnest    ``metrics.jsonl`` (every node's rows:        the first cluster's model: its stages'
            ``update``, ``average``, ``handover``)       ``nodes/<name>/params.npz`` end to end
+marsit     ``metrics.jsonl`` (every run of the config's   ``{label: worker 0's parameters}`` from
+           ``runs`` list, rows labelled ``run``)        ``params/run_<i>.npz``, digests checked
 =========  ==========================================  =======================================
+
+A Marsit folder's ``summary.json`` is ``{"name", "runs": [one summary per finished run],
+"finished", "total"}``.
 
 :func:`load_run` reads any of them and returns what is there (:class:`Run`).
 
@@ -103,18 +108,20 @@ class Run(NamedTuple):
     """What :func:`load_run` returns."""
 
     path: Path
-    kind: str  # "single", "peers", "pipeline", "binary" or "ravnest"
+    kind: str  # "single", "peers", "pipeline", "binary", "ravnest" or "marsit"
     config: dict  # config.yaml as a dict ({} when the folder has none)
     metrics: Metrics  # the rows of the run's metrics.jsonl ([] when it has none)
     summary: dict  # summary.json (results.json of a binary run; {} when none)
-    params: Any  # the final parameters (numpy pytree) from the newest checkpoint, or None
-    step: int | None  # the step (iteration) of those parameters, or None
+    params: Any  # the final parameters (numpy pytree) from the newest checkpoint, or None (marsit: {label: pytree})
+    step: int | None  # the step (iteration) of those parameters, or None (marsit: None, see summary["runs"])
 
 
 def run_kind(path: str | os.PathLike) -> str:
-    """The kind of run a folder holds: ``"peers"``, ``"pipeline"``, ``"binary"``, ``"ravnest"`` or ``"single"``."""
+    """The kind of run a folder holds: ``"peers"``, ``"pipeline"``, ``"binary"``, ``"ravnest"``, ``"marsit"`` or ``"single"``."""
     path = Path(path)
     cfg = _read_yaml(path / "config.yaml")
+    if "runs" in cfg:
+        return "marsit"
     if cfg.get("ravnest") is not None or (path / "plan.json").exists():
         return "ravnest"
     if cfg.get("peers") is not None or (path / "peers").is_dir():
@@ -213,6 +220,34 @@ def _ravnest_params(path: Path, summary: dict) -> tuple[Any, int | None]:
     return np.concatenate(parts), summary.get("steps")
 
 
+def _unflatten_npz(f: Path) -> dict:
+    """A ``.npz`` whose keys are leaf paths ``a/b/c`` as nested dicts."""
+    out: dict = {}
+    with np.load(f) as z:
+        for key in z.files:
+            node = out
+            *parents, last = key.split("/")
+            for k in parents:
+                node = node.setdefault(k, {})
+            node[last] = z[key]
+    return out
+
+
+def _marsit_params(path: Path, summary: dict) -> dict:
+    """``{label: worker 0's final parameters}`` of a Marsit folder's finished runs, each digest checked."""
+    out = {}
+    for s in summary.get("runs", []):
+        if not s.get("params_file") or not (path / s["params_file"]).is_file():
+            continue
+        tree = _unflatten_npz(path / s["params_file"])
+        digest = checksum(tree)
+        if s.get("digest") and digest != s["digest"]:
+            raise CheckpointError(f"{path / s['params_file']}: parameter digest {digest[:16]} differs from "
+                                  f"summary.json's {s['digest'][:16]} (run {s['run']!r})")
+        out[s["run"]] = tree
+    return out
+
+
 def load_run(path: str | os.PathLike, *, params: bool = True) -> Run:
     """Read a run folder of any kind (see the module docstring) and return what is there.
 
@@ -249,6 +284,8 @@ def load_run(path: str | os.PathLike, *, params: bool = True) -> Run:
         summary = summary or _read_json(path / "results.json")
     elif kind == "ravnest" and params:
         final, step = _ravnest_params(path, summary)
+    elif kind == "marsit" and params:
+        final = _marsit_params(path, summary)
     elif kind == "single" and params:
         final, step = _single_params(path)
     metrics = Metrics(read_metrics(metrics_path) if metrics_path.exists() else [])

@@ -1,6 +1,7 @@
-"""Tables of the sign-bit experiments next to seed 004's numbers: ``python -m zeroth.bench.marsit_report DIR ...``.
+"""Tables of the sign-bit experiments next to seed 004's numbers: ``python -m zeroth.marsit.report DIR ...``.
 
-Reads the ``metrics.jsonl`` written by :mod:`zeroth.bench.marsit` and builds the shapes
+Reads the run folders written by ``zeroth run experiments/marsit_*.yaml`` (``summary.json``: one
+summary per run; ``metrics.jsonl``: the eval rows) and builds the shapes
 of the seed's Table 1 (cascading compression vs none), Table 2 (final accuracy per method) and
 Figure 3(b) (K: time, accuracy, bits per element). Runs of one ``group`` are alternatives (a
 step-size grid); each table keeps the group's best final accuracy, as the seed keeps the best of
@@ -8,7 +9,7 @@ its grid.
 
 Example::
 
-    python -m zeroth.bench.marsit_report runs/marsit_table1 runs/marsit_table2 runs/marsit_fig3b
+    python -m zeroth.marsit.report runs/marsit_table1 runs/marsit_table2 runs/marsit_fig3b
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from zeroth.train.metrics import read_metrics
 
 __all__ = [
     "SEED_TABLE1",
@@ -55,12 +58,13 @@ SEED_FIGURE3B = {1: (40.18, 93.42, 32.0), 50: (22.05, 92.28, 1.62), 100: (21.34,
 
 
 def load(folder: str | Path) -> tuple[list[dict], list[dict]]:
-    """``(eval records, summary records)`` of ``folder/metrics.jsonl``."""
-    path = Path(folder) / "metrics.jsonl"
+    """``(eval rows of metrics.jsonl, the finished runs' summaries of summary.json)`` of a run folder."""
+    folder = Path(folder)
+    path = folder / "summary.json"
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found; run python -m zeroth.bench.marsit CONFIG --out {folder}")
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in recs if r["kind"] == "eval"], [r for r in recs if r["kind"] == "summary"]
+        raise FileNotFoundError(f"{path} not found; run zeroth run experiments/marsit_<name>.yaml --out {folder}")
+    summaries = json.loads(path.read_text())["runs"]
+    return read_metrics(folder / "metrics.jsonl", kind="eval"), summaries
 
 
 def best_by_group(summaries: list[dict]) -> dict[str, dict]:
@@ -71,7 +75,8 @@ def best_by_group(summaries: list[dict]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for s in summaries:
         g = s.get("group") or s["run"]
-        score = (not s["diverged"], s["final_acc"] if s["final_acc"] == s["final_acc"] else -1.0)
+        acc = s["eval_accuracy"]
+        score = (not s["diverged"], acc if acc == acc else -1.0)
         if g not in out or score > out[g]["_score"]:
             out[g] = {**s, "_score": score}
     return out
@@ -97,11 +102,11 @@ def table1_rows(summaries: list[dict]) -> list[dict]:
                 "setting": f"{kind} compression, M={m}",
                 "rounds": (f"diverged by round {s['rounds']}" if s["diverged"]
                            else str(reached) if reached else f"{s['rounds']}+ (not reached)"),
-                "accuracy_%": "divergence" if s["diverged"] else _pct(s["final_acc"]),
-                "best_accuracy_%": _pct(s["best_acc"]),
+                "accuracy_%": "divergence" if s["diverged"] else _pct(s["eval_accuracy"]),
+                "best_accuracy_%": _pct(s["best_eval_accuracy"]),
                 "diverged": s["diverged"],
                 "step_size": s["eta_l"],
-                "wall_s": f"{s['wall_s']:.1f}",
+                "compute_time_s": f"{s['compute_time_s']:.1f}",
                 "bits_per_element": f"{s['bits_per_element']:.3f}",
                 "seed_rounds": seed["rounds"],
                 "seed_accuracy_%": seed["accuracy"],
@@ -122,8 +127,8 @@ def table2_rows(summaries: list[dict]) -> list[dict]:
         s = best[g]
         rows.append({
             "method": g,
-            "final_accuracy_%": "divergence" if s["diverged"] else _pct(s["final_acc"]),
-            "best_accuracy_%": _pct(s["best_acc"]),
+            "final_accuracy_%": "divergence" if s["diverged"] else _pct(s["eval_accuracy"]),
+            "best_accuracy_%": _pct(s["best_eval_accuracy"]),
             "step_sizes": f"eta_l={s['eta_l']}" + (f", eta_s={s['eta_s']}" if s.get("eta_s") else ""),
             "bits_per_element": f"{s['bits_per_element']:.3f}",
             "seed_resnet20_cifar10_%": seed.get(g, "-"),
@@ -157,12 +162,12 @@ def figure3b_rows(summaries: list[dict]) -> list[dict]:
         seed = SEED_FIGURE3B.get(k)
         s = runs[0]
         extrapolated = s["rounds"] * ring_comm_seconds(s["bits_per_element"], s["workers"], SEED_MODEL_PARAMS, SEED_LINK_GBPS)
-        accs = [100 * r["final_acc"] for r in runs if not r["diverged"]]
+        accs = [100 * r["eval_accuracy"] for r in runs if not r["diverged"]]
         acc = "divergence" if not accs else f"{np.mean(accs):.1f}" + (f" ± {np.std(accs):.1f}" if len(accs) > 1 else "")
         rows.append({
             "K": "inf" if k is None else str(k),
             "runs": len(runs),
-            "time_est_s": f"{np.mean([r.get('time_est_s', r['time_model_s']) for r in runs]):.1f}",
+            "time_est_s": f"{np.mean([r['time_est_s'] for r in runs]):.1f}",
             "comm_model_s": f"{s['comm_model_s']:.2f}",
             "comm_23M_10Gbps_s": f"{extrapolated:.1f}",
             "accuracy_%": acc,
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     """Print every table whose runs are found in the given folders."""
     folders = sys.argv[1:] if argv is None else argv
     if not folders:
-        print("usage: python -m zeroth.bench.marsit_report DIR [DIR ...]", file=sys.stderr)
+        print("usage: python -m zeroth.marsit.report DIR [DIR ...]", file=sys.stderr)
         return 2
     summaries = [s for f in folders for s in load(f)[1]]
     groups = {s.get("group", "") for s in summaries}
