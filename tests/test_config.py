@@ -8,8 +8,8 @@ import yaml
 
 from zeroth import config as C
 
-# `zeroth run` configs: YAML files whose top-level keys are config sections (experiments/ also
-# holds configs of other programs, e.g. the collectives experiments).
+# `zeroth run` configs of zeroth.config: YAML files whose top-level keys are config sections (the
+# Marsit configs, with a top-level `runs` list, have their own schema: tests/test_marsit_experiments.py).
 EXPERIMENTS = [
     p
     for p in sorted((Path(__file__).resolve().parent.parent / "experiments").glob("*.yaml"))

@@ -79,6 +79,19 @@ def test_run_folder_follows_the_schema_and_counts_bits(results):
     assert summary["finished"] == summary["total"] == 4
 
 
+def test_schema_checks_steps_run_by_run():
+    row = {"kind": "train", "step": 1, "time_unix_s": 1.0, "wall_time_s": 0.1, "digest": "d", "forward_passes": 1,
+           "payload_bytes_total": 8, "loss": 0.5, "lr": 0.1, "step_time_s": 0.01, "payload_bytes": 8}
+    two = [{**row, "run": "a"}, {**row, "run": "a", "step": 2}, {**row, "run": "b"}, {**row, "run": "b", "step": 2}]
+    assert check_schema(two) == 4
+    with pytest.raises(ValueError, match="row 3 has step 1 after step 2 of run 'a'"):
+        check_schema(two[:2] + [{**row, "run": "a"}])
+    with pytest.raises(ValueError, match="second train row of step 1"):
+        check_schema(two[:1] + [{**row, "run": "a"}])
+    with pytest.raises(ValueError, match="field 'run' is 3"):
+        check_schema([{**row, "run": 3}])
+
+
 def test_load_run_gives_every_runs_parameters(results):
     _, _, out = results
     run = load_run(out)

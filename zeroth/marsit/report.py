@@ -195,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     if not folders:
         print("usage: python -m zeroth.marsit.report DIR [DIR ...]", file=sys.stderr)
         return 2
-    summaries = [s for f in folders for s in load(f)[1]]
+    try:
+        summaries = [s for f in folders for s in load(f)[1]]
+    except FileNotFoundError as e:
+        print(f"python -m zeroth.marsit.report: error: {e}", file=sys.stderr)
+        return 2
     groups = {s.get("group", "") for s in summaries}
     if any(g.startswith(("cascading", "none")) for g in groups):
         print("Table 1 (shape): cascading compression vs none\n" + markdown(table1_rows(summaries)) + "\n")
