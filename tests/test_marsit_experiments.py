@@ -189,6 +189,21 @@ def test_notebook_executes_on_the_results(results, tmp_path, monkeypatch):
         assert (tmp_path / "figures" / png).stat().st_size > 10_000
 
 
+def test_committed_notebook_holds_the_small_runs_outputs():
+    """notebooks/marsit.ipynb is committed executed on notebooks/data/marsit_small (config.yaml,
+    metrics.jsonl, summary.json of `zeroth run notebooks/data/marsit_small.yaml`), figures included."""
+    nbformat = pytest.importorskip("nbformat")
+    small = ROOT / "notebooks" / "data" / "marsit_small"
+    run = load_run(small)
+    assert run.kind == "marsit" and run.params == {} and run.summary["finished"] == run.summary["total"]
+    assert check_schema(run.metrics) == len(run.metrics)
+    assert [s["run"] for s in run.summary["runs"]] == [r.label for r in C.load_runs(small.with_suffix(".yaml"))]
+    nb = nbformat.read(ROOT / "notebooks" / "marsit.ipynb", as_version=4)
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 3
+    assert f"1 result folders, {run.summary['total']} runs: ['marsit_small']" in "".join(o.get("text", "") for o in outputs)
+
+
 def test_config_errors_name_the_key(tmp_path):
     bad = dict(TINY, runs=[{"label": "x", "sync": {"method": "psgd", "lr": 0.1}}])
     path = tmp_path / "bad.yaml"

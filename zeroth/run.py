@@ -96,7 +96,11 @@ def main(argv: list[str]) -> int:
     try:
         if args.seeds is not None:
             return _sweep(args)
-        raw = marsit.config.read_config(args.config)
+        with interrupt.catch() as flag:  # a signal here only sets the flag (see _dispatch)
+            raw = marsit.config.read_config(args.config)
+        if flag.is_set():
+            print(f"zeroth run: interrupted by {flag.signal_name()} before the run started", file=sys.stderr)
+            return interrupt.EXIT_CODE
         if marsit.is_config(raw):
             return _marsit(args, argv, raw)
         return _dispatch(args, argv)
