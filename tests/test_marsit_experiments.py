@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from notebook_util import execute
+
 from zeroth import run as zrun
 from zeroth.marsit import config as C
 from zeroth.marsit import report
@@ -59,6 +59,7 @@ def test_run_folder_follows_the_schema_and_counts_bits(results):
     assert [r["step"] for r in rows if r["run"] == "none" and r["kind"] == "train"] == [1, 2, 3, 4]
     assert [r["step"] for r in rows if r["run"] == "none" and r["kind"] == "eval"] == [2, 4]
     evals, summaries = report.load(out)
+    assert [(r["run"], r["step"]) for r in evals][:2] == [("none", 2), ("none", 4)]
     assert [s["run"] for s in summaries] == LABELS
     by = {s["run"]: s for s in summaries}
     for s in summaries:

@@ -13,7 +13,13 @@ Example::
     python -m zeroth.marsit.report runs/marsit_fig3b
 """
 
-from zeroth.marsit.config import RunSpec, is_config, load_runs, load_runs_dict, parse_overrides
+from zeroth.marsit.config import (
+    RunSpec,
+    is_config,
+    load_runs,
+    load_runs_dict,
+    parse_overrides,
+)
 from zeroth.marsit.devices import DeviceError, ensure_cpu_devices
 from zeroth.marsit.experiment import Stopped, run_config, run_one, table
 

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -76,14 +77,14 @@ def best_by_group(summaries: list[dict]) -> dict[str, dict]:
     for s in summaries:
         g = s.get("group") or s["run"]
         acc = s["eval_accuracy"]
-        score = (not s["diverged"], acc if acc == acc else -1.0)
+        score = (not s["diverged"], acc if acc is not None and math.isfinite(acc) else -1.0)
         if g not in out or score > out[g]["_score"]:
             out[g] = {**s, "_score": score}
     return out
 
 
 def _pct(x) -> str:
-    return "-" if x is None or x != x else f"{100 * x:.1f}"
+    return "-" if x is None or not math.isfinite(x) else f"{100 * x:.1f}"
 
 
 def table1_rows(summaries: list[dict]) -> list[dict]:
