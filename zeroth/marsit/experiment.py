@@ -308,6 +308,8 @@ def run_config(runs: Sequence[_config.RunSpec], out: str | os.PathLike, *, name:
                 if progress is not None:
                     progress(f"[{spec.label}] finished earlier: kept")
                 continue
+            if stop():  # asked to stop between two runs: the next one does not start
+                raise Stopped(spec.label, 0, spec.train.rounds, len(summaries), len(runs))
             try:
                 summaries.append(run_one(spec, log, stop=stop, params_file=out / "params" / f"run_{i}.npz"))
             except Stopped as e:
