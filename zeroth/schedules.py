@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 __all__ = [
     "SCHEDULES",
@@ -188,13 +189,13 @@ class Schedule:
 
     def __call__(self, step: int) -> float:
         """``η_t`` of step ``t`` (an integer >= 0), a Python float (float64)."""
-        t = step
-        if not _is_int(t):
-            if hasattr(t, "dtype") and getattr(t, "shape", None) == () and str(t.dtype).startswith(("int", "uint")):
-                t = int(t)  # a NumPy integer scalar (host value)
-            else:
-                raise TypeError(f"a zeroth schedule is evaluated on the host at an integer step, got {step!r} "
-                                f"({type(step).__name__}); optax transforms take optax schedules")
+        if isinstance(step, bool):
+            raise TypeError(f"a zeroth schedule is evaluated at an integer step, got {step!r}")
+        try:
+            t = operator.index(step)  # int, a NumPy integer, a concrete integer array scalar
+        except Exception:  # noqa: BLE001 (a float, a traced value inside jit, ...)
+            raise TypeError(f"a zeroth schedule is evaluated on the host at an integer step, got {step!r} "
+                            f"({type(step).__name__}); inside optax transforms use optax schedules") from None
         if t < 0:
             raise ValueError(f"step must be >= 0, got {t}")
         eta, w = self.lr, self.warmup_steps

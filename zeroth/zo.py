@@ -742,8 +742,11 @@ class ZOGrads(NamedTuple):
 def zo_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], *, eps: float, distribution: str = "binomial"):
     """The ZO analogue of ``jax.value_and_grad``: ``fn(params, batch, keys) -> (loss f32[], ZOGrads)``.
 
-    ``loss`` is the mean over the pairs of ``(L(θ+εz_i) + L(θ−εz_i)) / 2``; the estimator is
-    :func:`projected_gradients_fn` (compiled once per shape, ε host-rounded).
+    ``loss`` is the mean over the pairs of ``(L(θ+εz_i) + L(θ−εz_i)) / 2``; ε is host-rounded.
+    Called with concrete arrays it runs :func:`projected_gradients_fn` (compiled once per shape
+    with the memory-saving options); inside a ``jax.jit`` it traces
+    :func:`projected_gradients_and_losses` into the caller's program (jit that with
+    ``compiler_options=compiler_options()`` to keep a step's memory at that of inference).
 
     Example:
       >>> from zeroth.rng import sample_keys
@@ -757,7 +760,10 @@ def zo_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], *, eps: float, d
 
     def fn(params, batch, keys):
         keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
-        g, losses = estimator(params, batch, keys, eps_scale)
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((params, batch, keys))):
+            g, losses = projected_gradients_and_losses(loss_fn, params, batch, keys, eps_scale, distribution=distribution)
+        else:
+            g, losses = estimator(params, batch, keys, eps_scale)
         return jnp.mean(losses), ZOGrads(keys, g)
 
     return fn
@@ -797,15 +803,15 @@ def zo_estimate(*, distribution: str = "binomial", scaling: str = "sqrt") -> opt
       >>> from zeroth.rng import sample_keys
       >>> loss = lambda p, b: jnp.sum((p["w"] - 1.0) ** 2)
       >>> opt = optax.chain(zo_estimate(), optax.clip_by_global_norm(1.0),
-      ...                   optax.sgd(optax.warmup_cosine_decay_schedule(0.0, 0.2, 10, 200)))
+      ...                   optax.sgd(optax.warmup_cosine_decay_schedule(0.0, 0.5, 5, 40)))
       >>> params = {"w": jnp.zeros(8)}
       >>> state = opt.init(params)
       >>> value_and_grad = zo_value_and_grad(loss, eps=1e-2)
-      >>> for t in range(200):
+      >>> for t in range(40):
       ...     loss_t, grads = value_and_grad(params, None, sample_keys(0, [(0, t, i) for i in range(4)]))
       ...     updates, state = opt.update(grads, state, params)
       ...     params = optax.apply_updates(params, updates)
-      >>> float(loss(params, None)) < 0.1 * 8.0
+      >>> float(loss(params, None)) < 0.01 * 8.0  # from 8.0
       True
     """
     _noise.check_distribution(distribution)
