@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeroth import replay, zo
-from zeroth.config import load_config_dict
+from zeroth import replay, schedules, zo
+from zeroth.config import apply_overrides, load_config_dict
 from zeroth.net import wire
 from zeroth.transport import identity, security
 from zeroth.net import protocol as P
@@ -26,6 +26,7 @@ from zeroth.net.proto import peer_pb2 as pb
 from zeroth.net.proto import peer_pb2_grpc as pb_grpc
 from zeroth.net.runtime import Node, NodeOptions
 from zeroth.net.work import Worker, padded_size
+from zeroth.train.metrics import read_metrics
 
 TOKEN = "test-token-0123"
 
@@ -406,3 +407,23 @@ def test_a_joiner_with_another_config_is_told_which_field_differs(running, worke
     assert node.finish_reason == "failed"
     assert "this peer's config differs from the run's in train.lr (the run: 0.05, this peer: 0.07);" in node.error, node.error
     assert "digest" not in node.error
+
+
+def test_peers_apply_a_warmup_cosine_schedule_and_agree(tmp_path):
+    cfg = apply_overrides(config(8), ["train.schedule={name: cosine, warmup_steps: 2, decay_steps: 8, final_ratio: 0.1}"])
+    own = Worker(cfg)  # the schedule is the worker's: every peer derives it from the shared config
+    nodes = start_nodes(cfg, own, tmp_path, 2)
+    try:
+        assert all(n.wait(120) for n in nodes)
+        assert [n.finish_reason for n in nodes] == ["done", "done"]
+        digests = [n.digests() for n in nodes]
+        assert all(digests[0][t] == digests[1][t] for t in range(1, 9))  # bit-identical at every iteration
+        lrs = [[r["lr"] for r in read_metrics(tmp_path / f"p{i}" / "metrics.jsonl", "train")] for i in range(2)]
+        s = schedules.from_train(cfg.train)
+        assert lrs[0] == lrs[1] == [s(t) for t in range(8)]
+        assert lrs[0][:3] == [0.0, 0.025, 0.05] and lrs[0][-1] < 0.05
+        # eta_0 = 0: iteration 0 leaves the founder's parameters bit for bit; iteration 1 moves them
+        assert digests[0][1] == replay.checksum(own.initial_params()) != digests[0][2]
+    finally:
+        for n in nodes:
+            n.stop()

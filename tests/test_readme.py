@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -15,8 +17,11 @@ def _blocks(lang: str) -> list[str]:
 def test_python_blocks_run(capsys):
     blocks = _blocks("python")
     assert blocks, "the README has no python example"
-    for code in blocks:
-        exec(compile(code, str(README), "exec"), {"__name__": "readme"})
+    # A reader's Python runs under jax's default (standard) dtype promotion, which optax's
+    # schedules need (they mix Python floats and int32 counts); the suite's default is strict.
+    with jax.numpy_dtype_promotion("standard"):
+        for code in blocks:
+            exec(compile(code, str(README), "exec"), {"__name__": "readme"})
     out = capsys.readouterr().out
     assert re.search(r"\b[0-9a-f]{64}\b", out), f"the replay example should print a SHA-256 checksum, got {out!r}"
 

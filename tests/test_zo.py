@@ -1,6 +1,7 @@
 """zeroth.zo: the two-point estimator against a float64 reference, canonical updates, exact weight
 decay, memory of a step, and ZO-SGD training on a real task."""
 
+import doctest
 import importlib.util
 import math
 import random
@@ -406,3 +407,75 @@ def test_bench_zo_program_reports_time_and_memory_side_by_side(capsys):
     c = result["config"]
     assert zo_row["peak_bytes"] - fwd_row["peak_bytes"] <= c["largest_leaf_bytes"] + 4 * 4 * 28 * 28 * 4
     assert bench_zo.main(["--model", "rnn"]) == 2
+
+
+# --------------------------------------------------------------------------- optax transform
+
+
+def _chain_step(opt, loss):
+    value_and_grad = zo.zo_value_and_grad(loss, eps=1e-2)
+
+    @jax.jit
+    def step(params, state, batch, keys):
+        value, grads = value_and_grad(params, batch, keys)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    return step
+
+
+def test_zo_estimate_in_an_optax_chain_with_clip_and_a_schedule_trains_digits():
+    # measured: cross-entropy 2.3026 -> 0.749 (0.325 of the start), accuracy 0.883, in 80 steps;
+    # the same chain without the clip reaches only 2.186 (0.949), accuracy 0.687
+    x, y = _digits()
+    with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix Python floats and int32 counts
+        opt = optax.chain(zo.zo_estimate(), optax.clip_by_global_norm(1.0),
+                          optax.sgd(optax.warmup_cosine_decay_schedule(0.0, 1.0, 8, 80, 0.1)))
+        assert isinstance(opt, optax.GradientTransformationExtraArgs)
+        params = {"w": jnp.zeros((64, 10), jnp.float32), "b": jnp.zeros((10,), jnp.float32)}
+        state = opt.init(params)
+        step = _chain_step(opt, _xent)
+        start = float(_xent(params, (x, y)))
+        order = np.random.default_rng(0).permutation(x.shape[0])
+        for it in range(80):
+            idx = jnp.asarray(order[(it * 256) % 1536:(it * 256) % 1536 + 256])
+            params, state, _ = step(params, state, (x[idx], y[idx]), rng.sample_keys(1, [(0, it, i) for i in range(16)]))
+    end = float(_xent(params, (x, y)))
+    acc = float(jnp.mean((jnp.argmax(x @ params["w"] + params["b"][None, :], -1) == y).astype(jnp.float32)))
+    assert end < 0.45 * start, (start, end)
+    assert acc > 0.8, acc
+
+
+def test_zo_estimate_then_sgd_is_the_mezo_update_up_to_float_rounding():
+    params, h, b = _quadratic()
+    loss = _quad_loss_f32(h, b)
+    keys = rng.sample_keys(4, [(0, 0, i) for i in range(6)])
+    exact = zo.mezo_step(loss, params, None, run_seed=4, iteration=0, lr=0.05, eps=1e-2, n_perturbations=6).params
+    opt = optax.chain(zo.zo_estimate(), optax.sgd(0.05))
+    value, grads = zo.zo_value_and_grad(loss, eps=1e-2)(params, None, keys)
+    updates, _ = opt.update(grads, opt.init(params), params)
+    chained = optax.apply_updates(params, updates)
+    for a, e in zip(jax.tree_util.tree_leaves(chained), jax.tree_util.tree_leaves(exact), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-6, atol=1e-6)
+    # n_total, an extra argument optax.chain forwards: these 6 of 24 projected gradients weigh 1/sqrt(24)
+    part, _ = opt.update(grads, opt.init(params), params, n_total=24)
+    for u, p in zip(jax.tree_util.tree_leaves(part), jax.tree_util.tree_leaves(updates), strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(p) * np.float32(math.sqrt(6 / 24)), rtol=1e-5, atol=1e-7)
+
+
+def test_zo_estimate_refuses_what_it_cannot_use():
+    est = zo.zo_estimate()
+    grads = zo.ZOGrads(rng.sample_keys(0, [(0, 0, 0)]), jnp.ones(1))
+    with pytest.raises(ValueError, match="needs params"):
+        est.update(grads, est.init(None))
+    with pytest.raises(TypeError, match="ZOGrads"):
+        est.update({"w": jnp.ones(2)}, est.init(None), {"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match="n_total must be an integer >= max"):
+        est.update(grads, est.init(None), {"w": jnp.ones(2)}, n_total=0)
+
+
+def test_zo_estimate_docstring_example_runs():
+    with jax.numpy_dtype_promotion("standard"):
+        for name in ("zo_estimate", "zo_value_and_grad", "lr_at"):
+            for test in doctest.DocTestFinder().find(getattr(zo, name), name, globs=dict(vars(zo))):
+                assert doctest.DocTestRunner().run(test).failed == 0, name

@@ -41,7 +41,7 @@ from typing import Any
 import yaml
 
 import zeroth.models.pretrained  # noqa: F401  (registers the pretrained models' names)
-from zeroth import codecs, data, methods, models, noise, objectives, zo
+from zeroth import codecs, data, methods, models, noise, objectives, schedules, zo
 from zeroth.models.pretrained import q4train
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "DataConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "ScheduleConfig",
     "TrainConfig",
     "PeersConfig",
     "BinaryConfig",
@@ -64,6 +65,7 @@ __all__ = [
     "METHODS",
     "OBJECTIVES",
     "OPTIMIZERS",
+    "SCHEDULES",
     "CODECS",
     "REQUANTIZE",
     "PIPELINE_COMPRESSIONS",
@@ -84,6 +86,7 @@ METHODS = tuple(methods.METHODS)  # train.method
 LR_SCALINGS = zo.SCALINGS  # train.lr_scaling
 OBJECTIVES = tuple(objectives.OBJECTIVES)  # train.objective
 OPTIMIZERS = tuple(methods.OPTIMIZERS)  # train.optimizer.name
+SCHEDULES = schedules.SCHEDULES  # train.schedule.name
 CODECS = tuple(codecs.CODECS)  # train.codec
 DISTRIBUTIONS = noise.EXACT  # train.distribution: the exact noises only
 REQUANTIZE = q4train.ROUNDINGS  # train.requantize
@@ -179,6 +182,32 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+    """The learning-rate schedule: eta_t at step t, peak train.lr, evaluated on the host (zeroth.schedules)."""
+
+    name: str = _field(
+        "constant",
+        "Decay shape after the warmup: constant (eta), cosine or linear (from eta at warmup_steps to final_ratio*eta "
+        "at decay_steps), step (eta * gamma**floor((t - warmup_steps) / every)). Float64 host arithmetic, identical on "
+        "every machine, so peers agree and replays stay exact.",
+        choices=SCHEDULES,
+    )
+    warmup_steps: int = _field(
+        0, "Steps of linear warmup from init_ratio*eta (step 0) towards eta (step warmup_steps); 0 = none.", min=0
+    )
+    init_ratio: float = _field(0.0, "The learning rate at step 0 is init_ratio * train.lr (with warmup_steps > 0).", min=0.0, max=1.0)
+    decay_steps: int | None = _field(
+        None,
+        "cosine, linear: the step (counted from 0, warmup included) at which the learning rate reaches its floor "
+        "final_ratio * train.lr and stays; required by them, null for constant and step.",
+        min=1,
+    )
+    final_ratio: float = _field(0.0, "cosine, linear: the floor is final_ratio * train.lr.", min=0.0, max=1.0)
+    gamma: float = _field(1.0, "step: the factor applied every `every` steps (in (0, 1]).", gt=0.0, max=1.0)
+    every: int = _field(1, "step: steps between two decays.", min=1)
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """How the model is trained: the ZO estimator (MeZO / Just One Byte) or the backprop baseline."""
 
@@ -189,7 +218,11 @@ class TrainConfig:
         choices=METHODS,
     )
     steps: int = _field(1000, "Number of training steps (iterations).", min=1)
-    lr: float = _field(1e-3, "Learning rate (eta).", gt=0.0)
+    lr: float = _field(1e-3, "Learning rate (eta): the peak of train.schedule (the rate at every step when constant).", gt=0.0)
+    schedule: ScheduleConfig = _field(
+        help="Learning-rate schedule (warmup, cosine/linear/step decay); logged as `lr` in metrics.jsonl.",
+        factory=ScheduleConfig,
+    )
     objective: str = _field(
         "cross_entropy",
         "Training objective on a batch: cross_entropy (differentiable) or error_rate = 1 - accuracy "
@@ -641,8 +674,21 @@ def _check_binary(cfg: Config) -> None:
         raise ValueError("config sections 'binary' and 'pipeline' cannot be combined; remove one of them")
 
 
+def _check_schedule(cfg: Config) -> None:
+    s = schedules.from_train(cfg.train)
+    if s.is_constant:
+        return
+    for section in ("pipeline", "ravnest", "binary"):
+        if getattr(cfg, section) is not None:
+            raise ValueError(
+                f"config field train.schedule: {cfg.train.schedule.name!r} with warmup_steps={cfg.train.schedule.warmup_steps} "
+                f"is not applied by {section} runs (their optimizers keep a constant rate); use name constant and warmup_steps 0"
+            )
+
+
 def _check_consistency(cfg: Config) -> None:
     _check_binary(cfg)
+    _check_schedule(cfg)
     if cfg.train.method == "backprop" and cfg.train.objective != "cross_entropy":
         raise ValueError(
             f"config field train.objective: {cfg.train.objective!r} is not differentiable and cannot be "

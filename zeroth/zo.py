@@ -44,9 +44,14 @@ library call reads). A caller wrapping :func:`projected_gradients` in its own ``
 pass ``compiler_options=zo.compiler_options()``. The update is ``replay(..., donate=True)``, in
 place. ``zeroth bench zo`` measures all of it against a plain forward pass.
 
-ZO-momentum / ZO-Adam (:func:`zo_optax`) materialize a dense gradient estimate and keep optax
-state: they are OUTSIDE the determinism contract (their state is float math whose rounding
-differs between backends) and cost one to three extra copies of the parameters.
+The optax bridge: :func:`zo_estimate` is an optax ``GradientTransformation`` turning a
+:class:`ZOGrads` (keys and projected gradients, from :func:`zo_value_and_grad`) into the dense
+estimate ``Σ g_i z_i / √N``, so it composes with ``optax.chain`` (clipping, schedules, momentum,
+Adam); :func:`zo_optax` wraps a chain with an optimizer. Both materialize a dense gradient
+estimate and keep optax state: they are OUTSIDE the determinism contract (their state is float
+math whose rounding differs between backends) and cost one to three extra copies of the
+parameters. Learning-rate schedules on the exact path are host schedules
+(:mod:`zeroth.schedules`, ``lr=`` of :func:`mezo_step` and :func:`canonical_updates`).
 
 Example:
   >>> import jax.numpy as jnp, numpy as np
@@ -68,12 +73,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from zeroth import codecs as _codecs
 from zeroth import noise as _noise
 from zeroth import replay as _replay
 from zeroth import rng as _rng
 from zeroth import rule as _rule
+from zeroth import schedules as _schedules
 from zeroth.kernels import host_memory as _host_memory
 from zeroth.kernels import perturb as _fused
 
@@ -88,6 +95,7 @@ __all__ = [
     "projected_gradients_and_losses",
     "projected_gradients_fn",
     "ProjectedGradientsFn",
+    "lr_at",
     "update_coefficients",
     "canonical_updates",
     "decay_factor",
@@ -96,6 +104,9 @@ __all__ = [
     "StepResult",
     "mezo_step",
     "dense_gradient",
+    "ZOGrads",
+    "zo_value_and_grad",
+    "zo_estimate",
     "ZOOptaxState",
     "ZOOptax",
     "zo_optax",
@@ -418,6 +429,32 @@ def _check_scaling(scaling: str) -> str:
     return scaling
 
 
+def lr_at(lr: float | _schedules.Schedule, iteration: int) -> float:
+    """The learning rate η_t of ``iteration`` on the exact path: ``lr`` itself, or a host schedule's value.
+
+    Args:
+      lr: a number, or a :class:`zeroth.schedules.Schedule` (evaluated on the host in float64).
+      iteration: t, the step whose update it scales.
+
+    Raises:
+      TypeError: ``lr`` is another callable (an optax schedule is ``jnp`` math on a device, outside
+        the determinism contract: use :mod:`zeroth.schedules`, or the optax transforms below).
+
+    Example:
+      >>> from zeroth import schedules
+      >>> lr_at(0.1, 7), lr_at(schedules.linear(0.1, decay_steps=10), 5)
+      (0.1, 0.05)
+    """
+    if isinstance(lr, _schedules.Schedule):
+        return lr(iteration)
+    if callable(lr):
+        raise TypeError(
+            f"lr is {lr!r}, a callable that is not a zeroth.schedules.Schedule: the exact update takes a number "
+            f"or a host schedule (zeroth.schedules); optax schedules belong in zo_estimate's optax chains"
+        )
+    return float(lr)
+
+
 def update_coefficients(grads, lr: float, n_total: int, scaling: str = "sqrt") -> list[float]:
     """Host-rounded update coefficients ``c_i = round(−η g_i / N)`` or ``round(−η g_i / √N)``.
 
@@ -460,7 +497,7 @@ def canonical_updates(
     run_seed: int,
     iteration: int,
     grads_by_machine: Mapping[int, Sequence[float]],
-    lr: float,
+    lr: float | _schedules.Schedule,
     scaling: str = "sqrt",
 ) -> list[tuple[np.ndarray, float]]:
     """The iteration's updates in canonical order: machine id ascending, then sample index.
@@ -473,7 +510,7 @@ def canonical_updates(
       iteration: the iteration t.
       grads_by_machine: ``{machine_id: [g_0, g_1, ...]}``, sample ``i`` of machine ``m`` having key
         ``sample_key(run_seed, m, iteration, i)``.
-      lr: the learning rate η.
+      lr: the learning rate η, or a host schedule (:func:`lr_at`: η_t of ``iteration``).
       scaling: ``"sqrt"`` or ``"linear"``; N is the total number of gradients in the mapping.
 
     Returns:
@@ -485,6 +522,7 @@ def canonical_updates(
       [-0.016667, 0.016667, -0.033333]
     """
     _check_scaling(scaling)
+    lr = lr_at(lr, iteration)
     machines = list(grads_by_machine)
     for m in machines:
         if isinstance(m, bool) or not isinstance(m, (int, np.integer)):
@@ -600,7 +638,7 @@ def mezo_step(
     *,
     run_seed: int,
     iteration: int,
-    lr: float,
+    lr: float | _schedules.Schedule,
     eps: float,
     n_perturbations: int = 1,
     machine: int = 0,
@@ -621,7 +659,8 @@ def mezo_step(
       loss_fn: ``loss_fn(params, batch) -> scalar`` (hashable; its compiled estimator is cached).
       params, batch: the model parameters and the batch.
       run_seed, iteration, machine: name the perturbations.
-      lr, eps: learning rate η and perturbation size ε (ε is host-rounded).
+      lr, eps: learning rate η (a number, or a :class:`zeroth.schedules.Schedule`: η_t of
+        ``iteration``, which also scales the weight decay) and perturbation size ε (host-rounded).
       n_perturbations: n >= 1.
       scaling: ``"sqrt"`` or ``"linear"``.
       distribution: ``"binomial"`` or ``"rademacher"``.
@@ -635,6 +674,7 @@ def mezo_step(
     if isinstance(n_perturbations, bool) or not isinstance(n_perturbations, (int, np.integer)) or n_perturbations < 1:
         raise ValueError(f"n_perturbations must be an integer >= 1, got {n_perturbations!r}")
     _check_scaling(scaling)
+    lr = lr_at(lr, iteration)
     cod = _codecs.get_codec(codec)
     eps_scale = round_eps(eps)
     keys = _rng.sample_keys(run_seed, [(machine, iteration, i) for i in range(int(n_perturbations))])
@@ -687,6 +727,122 @@ def dense_gradient(params: Any, keys, coefficients, *, distribution: str = "bino
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+class ZOGrads(NamedTuple):
+    """A zeroth-order gradient: what ``jax.grad`` is to optax, the input of :func:`zo_estimate`.
+
+    Perturbation ``i`` is named by ``keys[i]`` (its noise ``z_i`` is regenerated from it) and
+    ``grads[i]`` is its projected gradient ``(L(θ+εz_i) − L(θ−εz_i)) / (2ε)``, as computed by
+    :func:`projected_gradients` (or decoded from a peer's bytes).
+    """
+
+    keys: Any  # u32[n, 2] sample keys (zeroth.rng.sample_keys)
+    grads: Any  # f32[n] projected gradients
+
+
+def zo_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], *, eps: float, distribution: str = "binomial"):
+    """The ZO analogue of ``jax.value_and_grad``: ``fn(params, batch, keys) -> (loss f32[], ZOGrads)``.
+
+    ``loss`` is the mean over the pairs of ``(L(θ+εz_i) + L(θ−εz_i)) / 2``; ε is host-rounded.
+    Called with concrete arrays it runs :func:`projected_gradients_fn` (compiled once per shape
+    with the memory-saving options); inside a ``jax.jit`` it traces
+    :func:`projected_gradients_and_losses` into the caller's program (jit that with
+    ``compiler_options=compiler_options()`` to keep a step's memory at that of inference).
+
+    Example:
+      >>> from zeroth.rng import sample_keys
+      >>> fn = zo_value_and_grad(lambda p, b: jnp.sum(p["w"] ** 2), eps=1e-2)
+      >>> loss, g = fn({"w": jnp.ones(3)}, None, sample_keys(0, [(0, 0, 0), (0, 0, 1)]))
+      >>> g.grads.shape
+      (2,)
+    """
+    estimator = projected_gradients_fn(loss_fn, distribution=distribution)
+    eps_scale = round_eps(eps)
+
+    def fn(params, batch, keys):
+        keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((params, batch, keys))):
+            g, losses = projected_gradients_and_losses(loss_fn, params, batch, keys, eps_scale, distribution=distribution)
+        else:
+            g, losses = estimator(params, batch, keys, eps_scale)
+        return jnp.mean(losses), ZOGrads(keys, g)
+
+    return fn
+
+
+@functools.partial(jax.jit, static_argnames=("distribution",))
+def _estimate(params, keys, grads, denom, *, distribution):
+    c = jnp.asarray(grads, jnp.float32).reshape(-1) / jnp.asarray(denom, jnp.float32)
+    est = dense_gradient(params, keys, c, distribution=distribution)
+    return jax.tree_util.tree_map(lambda e, p: e.astype(jnp.asarray(p).dtype), est, params)
+
+
+def zo_estimate(*, distribution: str = "binomial", scaling: str = "sqrt") -> optax.GradientTransformationExtraArgs:
+    """The ZO estimator as the first link of an optax chain: :class:`ZOGrads` in, a dense gradient out.
+
+    ``update(updates, state, params, *, n_total=None)`` takes ``updates = ZOGrads(keys, grads)``
+    (``n`` perturbations) and returns the dense estimate of ``∇L``
+
+        ĝ = Σ_i g_i z_i / s,    s = √N ("sqrt") or N ("linear"),  N = n_total (default n),
+
+    a pytree of the parameters' structure and dtypes (``z_i`` are the replay's own noise values,
+    :func:`dense_gradient`). Everything after it in the chain sees an ordinary gradient: clipping,
+    schedules, momentum, Adam, the learning rate (``optax.sgd(η)`` then gives ZO-SGD, the update
+    ``−η ĝ`` that :func:`mezo_step` applies exactly). ``params`` is required (its leaf paths name
+    the noise); ``n_total`` (an extra argument that ``optax.chain`` forwards) is the number of
+    projected gradients of the iteration across all machines when ``updates`` holds a subset. The
+    state is ``optax.EmptyState()``.
+
+    OUTSIDE THE DETERMINISM CONTRACT: the dense sum and optax's float math (clipping norms,
+    schedules evaluated on the device, optimizer moments) round differently on different
+    backends, so peers running it drift apart; and the estimate is one parameter-sized buffer
+    more. The exact path is :func:`mezo_step` / :func:`canonical_updates` with a host schedule
+    (:mod:`zeroth.schedules`).
+
+    Example:
+      >>> import optax
+      >>> from zeroth.rng import sample_keys
+      >>> loss = lambda p, b: jnp.sum((p["w"] - 1.0) ** 2)
+      >>> opt = optax.chain(zo_estimate(), optax.clip_by_global_norm(1.0),
+      ...                   optax.sgd(optax.warmup_cosine_decay_schedule(0.0, 0.5, 5, 40)))
+      >>> params = {"w": jnp.zeros(8)}
+      >>> state = opt.init(params)
+      >>> value_and_grad = zo_value_and_grad(loss, eps=1e-2)
+      >>> for t in range(40):
+      ...     loss_t, grads = value_and_grad(params, None, sample_keys(0, [(0, t, i) for i in range(4)]))
+      ...     updates, state = opt.update(grads, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> float(loss(params, None)) < 0.01 * 8.0  # from 8.0
+      True
+    """
+    _noise.check_distribution(distribution)
+    _check_scaling(scaling)
+
+    def init_fn(params):
+        del params
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None, *, n_total=None, **extra_args):
+        del extra_args
+        if params is None:
+            raise ValueError("zo_estimate needs params (opt.update(grads, state, params)): their leaf paths name the noise")
+        if not isinstance(updates, ZOGrads):
+            raise TypeError(f"zo_estimate takes updates=ZOGrads(keys, grads) (see zo_value_and_grad), got {type(updates).__name__}")
+        keys = jnp.asarray(updates.keys, jnp.uint32).reshape(-1, 2)
+        n = keys.shape[0]
+        if n_total is None:
+            n_total = n
+        if isinstance(n_total, jax.core.Tracer):
+            total = jnp.asarray(n_total, jnp.float32)
+            denom = total if scaling == "linear" else jnp.sqrt(total)
+        else:
+            if isinstance(n_total, bool) or not isinstance(n_total, (int, np.integer)) or n_total < max(1, n):
+                raise ValueError(f"n_total must be an integer >= max(1, number of keys) = {max(1, n)}, got {n_total!r}")
+            denom = np.float32(n_total if scaling == "linear" else math.sqrt(n_total))
+        return _estimate(params, keys, updates.grads, denom, distribution=distribution), state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 class ZOOptaxState(NamedTuple):
     """State of :func:`zo_optax`: the wrapped optimizer's state (float math, not exact)."""
 
@@ -701,12 +857,14 @@ class ZOOptax(NamedTuple):
 
 
 def zo_optax(optimizer, *, distribution: str = "binomial", scaling: str = "sqrt") -> ZOOptax:
-    """ZO-momentum / ZO-Adam: feed the estimate ``ĝ = Σ g_i z_i / s`` to an optax optimizer.
+    """ZO-momentum / ZO-Adam: ``optimizer`` after :func:`zo_estimate`, and the update applied.
 
-    ``s = N`` (``"linear"``) or ``√N`` (``"sqrt"``); the learning rate lives in ``optimizer``.
-    OUTSIDE THE DETERMINISM CONTRACT: the optimizer state is float math that differs between
-    backends, so peers running it drift apart; and it costs extra memory: the dense estimate
-    (one copy of the parameters) plus the optimizer state (one for momentum, two for Adam).
+    ``update(params, state, keys, grads, n_total)`` is ``ĝ = zo_estimate(...)(ZOGrads(keys,
+    grads), n_total=n_total)``, then ``optimizer.update(ĝ, ...)`` and ``optax.apply_updates``, in
+    one compiled program; the learning rate (and its optax schedule) lives in ``optimizer``.
+    The same as ``optax.chain(zo_estimate(...), optimizer)`` with the parameters updated for you.
+    OUTSIDE THE DETERMINISM CONTRACT (see :func:`zo_estimate`); it costs the dense estimate (one
+    copy of the parameters) plus the optimizer state (one for momentum, two for Adam).
     Use :func:`mezo_step` / :func:`canonical_updates` where bit-exactness is needed.
 
     Example:
@@ -714,18 +872,14 @@ def zo_optax(optimizer, *, distribution: str = "binomial", scaling: str = "sqrt"
       >>> opt = zo_optax(optax.adam(1e-2))
       >>> state = opt.init({"w": jnp.zeros(3)})
     """
-    _noise.check_distribution(distribution)
-    _check_scaling(scaling)
-    import optax
+    estimate = zo_estimate(distribution=distribution, scaling=scaling)
 
     def init(params):
         return ZOOptaxState(optimizer.init(params))
 
-    @jax.jit
-    def _update(params, state, keys, grads, denom):
-        c = jnp.asarray(grads, jnp.float32) / denom
-        est = dense_gradient(params, keys, c, distribution=distribution)
-        est = jax.tree_util.tree_map(lambda e, p: e.astype(jnp.asarray(p).dtype), est, params)
+    @functools.partial(jax.jit, static_argnums=(4,))
+    def _update(params, state, keys, grads, n_total):
+        est, _ = estimate.update(ZOGrads(keys, grads), optax.EmptyState(), params, n_total=n_total)
         with jax.numpy_dtype_promotion("standard"):  # optax's internals mix Python floats and int32 counts
             updates, inner = optimizer.update(est, state.inner, params)
             return optax.apply_updates(params, updates), ZOOptaxState(inner)
@@ -733,7 +887,6 @@ def zo_optax(optimizer, *, distribution: str = "binomial", scaling: str = "sqrt"
     def update(params, state, keys, grads, n_total):
         if isinstance(n_total, bool) or not isinstance(n_total, (int, np.integer)) or n_total < 1:
             raise ValueError(f"n_total must be an integer >= 1, got {n_total!r}")
-        denom = np.float32(n_total if scaling == "linear" else math.sqrt(n_total))
-        return _update(params, state, keys, grads, denom)
+        return _update(params, state, keys, grads, int(n_total))
 
     return ZOOptax(init, update)

@@ -7,7 +7,8 @@ Step ``t`` (:func:`zo_method`), with ``n = train.n_perturbations`` and machine 0
    (:func:`zeroth.zo.projected_gradients`, ε host-rounded);
 3. ``payload = codec.encode(g)``; ``ĝ = codec.decode(payload)``: the *decoded* values are applied,
    exactly what a peer would receive;
-4. coefficients ``c_i = −η ĝ_i / √n`` (or ``/ n``) (:func:`zeroth.zo.update_coefficients`);
+4. coefficients ``c_i = −η_t ĝ_i / √n`` (or ``/ n``) (:func:`zeroth.zo.update_coefficients`),
+   ``η_t`` the host schedule of ``train.schedule`` at step ``t`` (:func:`zeroth.schedules.from_train`);
 5. ``θ ← replay(θ, [(k_i, c_i)])``: the exact, backend-independent update of
    :mod:`zeroth.replay`; then the optional exact weight-decay step of :mod:`zeroth.zo`.
 
@@ -21,17 +22,19 @@ from __future__ import annotations
 
 from zeroth import codecs as _codecs
 from zeroth import objectives as _objectives
+from zeroth import schedules as _schedules
 from zeroth import zo as _zo
 from zeroth.methods.base import MACHINE, Method, StepInfo, TrainState
 
 __all__ = ["zo_method", "mezo_update"]
 
 
-def mezo_update(cfg, loss_fn, params, batch, step: int, *, donate: bool) -> _zo.StepResult:
-    """One :func:`zeroth.zo.mezo_step` of machine 0 with the hyperparameters of ``cfg.train``."""
+def mezo_update(cfg, loss_fn, params, batch, step: int, *, donate: bool, schedule: _schedules.Schedule) -> _zo.StepResult:
+    """One :func:`zeroth.zo.mezo_step` of machine 0 with the hyperparameters of ``cfg.train``
+    and learning rate ``schedule(step)`` (:func:`zeroth.schedules.from_train` of ``cfg.train``)."""
     t = cfg.train
     return _zo.mezo_step(
-        loss_fn, params, batch, run_seed=cfg.run.seed, iteration=step, lr=t.lr, eps=t.eps,
+        loss_fn, params, batch, run_seed=cfg.run.seed, iteration=step, lr=schedule, eps=t.eps,
         n_perturbations=t.n_perturbations, machine=MACHINE, scaling=t.lr_scaling,
         distribution=t.distribution, codec=t.codec, weight_decay=t.weight_decay, donate=donate,
     )  # fmt: skip
@@ -47,13 +50,14 @@ def zo_method(cfg, model) -> Method:
     t = cfg.train
     loss_fn = _objectives.make_objective(t.objective, model)
     bytes_per_value = _codecs.get_codec(t.codec).bytes_per_value
+    schedule = _schedules.from_train(t)
     _zo.round_eps(t.eps)  # validate early
 
     def init(params, key):
         return TrainState(0, params, None, key)
 
     def step(state, batch):
-        out = mezo_update(cfg, loss_fn, state.params, batch, state.step, donate=True)
+        out = mezo_update(cfg, loss_fn, state.params, batch, state.step, donate=True, schedule=schedule)
         if len(out.payload) != t.n_perturbations * bytes_per_value:
             raise RuntimeError(f"codec {t.codec!r} produced {len(out.payload)} bytes for {t.n_perturbations} values")
         info = StepInfo(2 * t.n_perturbations, 0, len(out.payload), out.loss, out.grads)

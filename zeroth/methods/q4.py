@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 from zeroth import objectives as _objectives
+from zeroth import schedules as _schedules
 from zeroth import zo as _zo
 from zeroth.methods.base import Method, StepInfo, TrainState
 from zeroth.methods.mezo import mezo_update
@@ -56,6 +57,7 @@ def zo_q4_method(cfg, model, *, rounding: str = "nearest", grids: dict[str, _qua
     nearest = _q4.make_projection(grids, "nearest") if rounding != "nearest" else project
     loss_fn = _objectives.make_objective(t.objective, model)
     _zo.round_eps(t.eps)
+    schedule = _schedules.from_train(t)
     gridded = sorted(grids)
 
     def init(params, key):
@@ -66,7 +68,7 @@ def zo_q4_method(cfg, model, *, rounding: str = "nearest", grids: dict[str, _qua
         return TrainState(0, params, None, key)
 
     def step(state, batch):
-        out = mezo_update(cfg, loss_fn, state.params, batch, state.step, donate=False)
+        out = mezo_update(cfg, loss_fn, state.params, batch, state.step, donate=False, schedule=schedule)
         new = project(out.params, cfg.run.seed, state.step)
         changed = _q4.changed_fraction(state.params, new, gridded)
         info = StepInfo(2 * t.n_perturbations, 0, len(out.payload), out.loss, out.grads, {"changed": changed})

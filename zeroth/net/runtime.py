@@ -774,7 +774,7 @@ class Node:
             **self._row("train", t + 1, digest),
             "machine": me,
             "loss": self._losses.pop(t, None),
-            "lr": self.cfg.train.lr,
+            "lr": self.worker.schedule(t),
             "step_time_s": now_s - self._last_apply,
             "payload_bytes": own,
             "peers": len(c.contributors),

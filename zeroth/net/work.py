@@ -7,7 +7,8 @@ of a decided iteration, evaluation. The network never touches parameters except 
   gradients or the deadline; then encodes them with the run's codec.
 * :meth:`Worker.apply` replays a decided iteration: every contributor's payload is *decoded*
   (its own included), the coefficients come from :func:`zeroth.zo.canonical_updates` (machine id,
-  then sample index; N = all projected gradients of the iteration) and go through
+  then sample index; N = all projected gradients of the iteration; learning rate ``η_t`` of
+  ``train.schedule`` at the iteration, host float64, so every peer computes the same) and go through
   :func:`zeroth.replay.replay` as one canonical unit, then the optional exact weight decay.
   With ``peers.clip = c`` every decoded value is first clipped to ``[-c, c]`` (float32, exact on
   every backend), so an authenticated member sending outlier bytes moves the parameters by at
@@ -38,6 +39,7 @@ from zeroth import objectives as _objectives
 from zeroth import reference as _ref
 from zeroth import replay as _replay
 from zeroth import rng as _rng
+from zeroth import schedules as _schedules
 from zeroth import zo as _zo
 from zeroth.config import Config
 
@@ -80,6 +82,7 @@ class Worker:
         self.distribution = t.distribution
         self.eps = _zo.round_eps(t.eps)
         self.clip = cfg.peers.clip
+        self.schedule = _schedules.from_train(t)
         self.train_ds = _data.load(cfg.data.dataset, "train")
         test = _data.load(cfg.data.dataset, "test")
         k = cfg.data.eval_size or test.x.shape[0]
@@ -164,7 +167,7 @@ class Worker:
     def updates(self, iteration: int, contributors, payloads, clip: float | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
         """``(keys u32[K', 2], coefficients f64[K'], stats)`` of a decided iteration, padded (see the module docstring)."""
         grads, stats = self.decode(contributors, payloads, clip)
-        ups = _zo.canonical_updates(self.seed, iteration, grads, self.cfg.train.lr, self.cfg.train.lr_scaling)
+        ups = _zo.canonical_updates(self.seed, iteration, grads, self.schedule, self.cfg.train.lr_scaling)
         k = padded_size(len(ups))
         keys = np.zeros((k, 2), np.uint32)
         coeffs = np.zeros(k, np.float64)
@@ -178,7 +181,7 @@ class Worker:
         keys, coeffs, stats = self.updates(iteration, contributors, payloads, clip)
         params = _replay.replay(params, (keys, coeffs), distribution=self.distribution, donate=True)
         if self.cfg.train.weight_decay:
-            params = _zo.weight_decay(params, self.cfg.train.lr, self.cfg.train.weight_decay, donate=True)
+            params = _zo.weight_decay(params, self.schedule(iteration), self.cfg.train.weight_decay, donate=True)
         return params, stats
 
     def evaluate(self, params) -> dict:

@@ -20,7 +20,9 @@ Every row:
 
 ``train`` rows add ``loss`` (the objective on the step's batch before its update; ZO: the mean
 over the perturbation pairs of ``(L(θ+εz) + L(θ−εz)) / 2``; null when not measured), ``lr``
-(the learning rate of the step), ``step_time_s`` (seconds the step took) and ``payload_bytes``
+(the learning rate ``η_t`` that scaled the step's update: ``train.schedule`` with peak ``train.lr``
+at iteration ``t = step − 1``, :func:`zeroth.schedules.from_train`; ``train.lr`` at every step
+when the schedule is constant), ``step_time_s`` (seconds the step took) and ``payload_bytes``
 (this step's projected-gradient bytes). ``eval`` rows add ``eval_loss`` (cross-entropy) and
 ``eval_accuracy``. Writers may add fields (the trainer: ``backward_passes``, ``passes`` =
 forward + 2·backward, ``examples``, ``train_time_s``, the method's metrics; peers: ``machine``,

@@ -6,8 +6,9 @@ exact replay, backprop, or 4-bit MeZO with ``train.requantize``), the batch stre
 ``t -> batch_at(train split, run.seed, t)`` and the hooks, each with its cadence:
 
 * progress (every step): a tqdm bar on a terminal, else a line on stderr every ~5% and at each eval;
-* training records (``train.log_every``): loss, the method's metrics (``changed`` for 4-bit
-  training), counters and the parameter digest, to ``metrics.jsonl``;
+* training records (``train.log_every``): loss, the learning rate of the step (``train.schedule``),
+  the method's metrics (``changed`` for 4-bit training), counters and the parameter digest, to
+  ``metrics.jsonl``;
 * evaluation (``train.eval_every``, and at step 0): loss and accuracy on the test split;
 * checkpoints (``train.checkpoint_every``; 0 = at the end only): orbax, with the counters and
   the digests that a resumed run checks.
@@ -39,6 +40,7 @@ from zeroth import methods as _methods
 from zeroth import objectives as _objectives
 from zeroth import reference as _ref
 from zeroth import replay as _replay
+from zeroth import schedules as _schedules
 from zeroth.config import Config, config_digest, diff, load_config, to_yaml
 from zeroth.train import loop as _loop
 from zeroth.train.checkpoint import Checkpointer, CheckpointError
@@ -287,6 +289,7 @@ def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, 
     t = cfg.train
     train_ds, eval_x, eval_y, model, params, load_time = loaded
     method = _methods.make_method(cfg, model)
+    schedule = _schedules.from_train(t)
     state = method.init(params, _ref.root_key(cfg.run.seed))
     evaluate = _objectives.make_eval_fn(model, cfg.data.eval_batch_size)
 
@@ -342,7 +345,8 @@ def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, 
         return rec
 
     def log_hook(e: _loop.Event) -> None:
-        extra = {"loss": float(e.info.loss), "lr": t.lr, "step_time_s": step_time["last"], "payload_bytes": e.info.payload_bytes}
+        # the learning rate of the step just done (step e.step - 1 of the schedule)
+        extra = {"loss": float(e.info.loss), "lr": schedule(e.step - 1), "step_time_s": step_time["last"], "payload_bytes": e.info.payload_bytes}
         record("train", e.step, {**extra, **(e.info.metrics or {})}, e.state.params, e.counters)
 
     def eval_hook(e: _loop.Event) -> None:
