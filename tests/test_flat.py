@@ -107,10 +107,11 @@ def test_checksum_of_a_flat_is_the_checksum_of_its_tree():
     assert replay.checksum(moved) != replay.checksum(tree)
 
 
-@pytest.mark.parametrize("impl", ["jnp", pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("impl", ["jnp", "pallas", pytest.param("native", marks=needs_native)])
 def test_apply_updates_flat_leaves_gaps_alone_and_matches_each_leaf(impl):
     """Segments anywhere in a buffer (gaps between them, out of order): each gets its leaf's
-    updates, the gaps keep their bits, with and without aliasing."""
+    updates, the gaps keep their bits, with and without aliasing. Pallas runs in interpret mode
+    with tiles of 64 elements (whole tiles plus a ragged tail per segment)."""
     buf = jnp.asarray(_values(9, (300,), np.float32))
     segments = ((120, 65, 77), (3, 40, 5), (200, 0, 9), (250, 50, 123456789))
     keys = rng.sample_keys(2, [(1, 0, s) for s in range(3)])
@@ -122,9 +123,11 @@ def test_apply_updates_flat_leaves_gaps_alone_and_matches_each_leaf(impl):
         for key, c in zip(keys, coefficients):
             p = ref.apply_update(p, ref.update_scale("binomial", c), ref.noise_int("binomial", ref.fold_in(key, lid), z))
         want[o : o + z] = ref.flush_cast(p, np.float32)
-    for inplace in (False, True):
+    for inplace in (True,) if impl == "pallas" else (False, True):  # Pallas interprets slowly: once
+        pallas = {"interpret": True, "block_sizes": kp.BlockSizes(tile=64)} if impl == "pallas" else {}
         fn = jax.jit(lambda b, inplace=inplace: kp.apply_updates_flat(
-            [b], keys, scales, (segments,), impl=impl, inplace=inplace)[0], donate_argnums=0 if inplace else ())
+            [b], keys, scales, (segments,), impl=impl, inplace=inplace, **pallas)[0],
+            donate_argnums=0 if inplace else ())
         got = np.asarray(fn(jnp.array(buf, copy=True)))
         np.testing.assert_array_equal(_bits(got), _bits(want))
 
