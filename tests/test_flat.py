@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zeroth import noise, replay, rng
 from zeroth import reference as ref
@@ -125,7 +127,7 @@ def test_apply_updates_flat_leaves_gaps_alone_and_matches_each_leaf(impl):
         want[o : o + z] = ref.flush_cast(p, np.float32)
     for inplace in (True,) if impl == "pallas" else (False, True):  # Pallas interprets slowly: once
         pallas = {"interpret": True, "block_sizes": kp.BlockSizes(tile=64)} if impl == "pallas" else {}
-        fn = jax.jit(lambda b, inplace=inplace: kp.apply_updates_flat(
+        fn = jax.jit(lambda b, inplace=inplace, pallas=pallas: kp.apply_updates_flat(
             [b], keys, scales, (segments,), impl=impl, inplace=inplace, **pallas)[0],
             donate_argnums=0 if inplace else ())
         got = np.asarray(fn(jnp.array(buf, copy=True)))
@@ -199,3 +201,18 @@ def test_flat_jnp_path_is_exact_too(dist):
     out = jax.jit(lambda bufs: kp.apply_updates_flat(bufs, keys, scales, tables, distribution=dist, impl="jnp"))(
         flat.buffers)
     _assert_tree_bits(replay.unflatten(replay.Flat(out, flat.layout)), _reference(tree, updates, dist))
+
+
+def test_flat_buffers_sharded_across_devices_replay_exactly():
+    """A flat buffer split across the (forced) CPU devices replays through the jnp rule, which XLA
+    partitions; the bits are the unsharded tree's, and the result keeps the sharding."""
+    devices = jax.devices()
+    tree = {"w": _values(21, (len(devices) * 9, 3), np.float32), "b": _values(22, (len(devices) * 5,), np.float32)}
+    flat = replay.flatten(tree)
+    sharding = NamedSharding(Mesh(np.array(devices), ("x",)), P("x"))
+    sharded = jax.device_put(flat, sharding)
+    updates = [(rng.sample_key(3, 1, 0, s), 0.02 * (s + 1)) for s in range(2)]
+    out = replay.replay(sharded, updates, donate=True)
+    if len(devices) > 1:
+        assert out.buffers[0].sharding.is_equivalent_to(sharding, 1)
+    _assert_tree_bits(replay.unflatten(out), _reference(tree, updates, "binomial"))

@@ -42,9 +42,10 @@ import numpy as np
 from zeroth import noise as _noise
 from zeroth import reference as _ref
 from zeroth import rng as _rng
+from zeroth import rule as _rule
 from zeroth.kernels import host_memory as _host_memory
 from zeroth.kernels import perturb as _fused
-from zeroth.rule import COEFF_BITS, SUPPORTED_DTYPES, check_dtype, flush, flush_cast, update_scale, update_scales
+from zeroth.rule import COEFF_BITS, SUPPORTED_DTYPES, flush, flush_cast, update_scale, update_scales
 
 __all__ = [
     "COEFF_BITS",
@@ -272,7 +273,7 @@ def layout_of(params: Any) -> Layout:
     segments = []
     for path, leaf in with_path:
         name = _rng.leaf_path(path)
-        dt = check_dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype, f"leaf {name}")
+        dt = _rule.check_dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype, f"leaf {name}")
         shape = tuple(int(d) for d in np.shape(leaf))
         size = math.prod(shape)
         if size > _noise.MAX_LEAF_SIZE:
