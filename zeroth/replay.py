@@ -138,7 +138,9 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
       >>> q = replay(p, [(sample_key(0, 0, 0, 0), 0.5)])
     """
     if isinstance(updates, tuple) and len(updates) == 2 and _is_key_matrix(updates[0]):
-        keys, coefficients = _as_keys(updates[0]), list(np.asarray(updates[1], np.float64).reshape(-1))
+        keys, coefficients = _as_keys(updates[0]), updates[1]
+        if not (isinstance(coefficients, list) and all(isinstance(c, float) for c in coefficients)):
+            coefficients = np.asarray(coefficients, np.float64).reshape(-1)
     else:
         updates = list(updates)
         keys = _as_keys([k for k, _ in updates]) if updates else np.zeros((0, 2), np.uint32)
