@@ -139,7 +139,7 @@ def test_one_native_launch_per_buffer_whatever_the_number_of_leaves():
     tree = {f"l{i:03d}": np.zeros(5 + i % 3, np.float32 if i % 4 else np.float16) for i in range(40)}
     flat = replay.flatten(tree)
     keys, scales = rng.sample_keys(0, [(0, 0, 0)]), replay.update_scales("binomial", [0.5])
-    tables = tuple(flat.layout.table(b) for b in range(2))
+    tables = flat.layout.tables()
     text = jax.jit(lambda bufs: kp.apply_updates_flat(bufs, keys, scales, tables, impl="native", inplace=True),
                    donate_argnums=0).lower(flat.buffers).as_text()
     assert text.count(cpu_native.target_name(flat=True)) == 2  # float16 and float32: one each
@@ -197,10 +197,14 @@ def test_flat_jnp_path_is_exact_too(dist):
     flat = replay.flatten(tree)
     keys = np.stack([k for k, _ in updates])
     scales = replay.update_scales(dist, [c for _, c in updates])
-    tables = tuple(flat.layout.table(b) for b in range(len(flat.buffers)))
-    out = jax.jit(lambda bufs: kp.apply_updates_flat(bufs, keys, scales, tables, distribution=dist, impl="jnp"))(
-        flat.buffers)
-    _assert_tree_bits(replay.unflatten(replay.Flat(out, flat.layout)), _reference(tree, updates, dist))
+    out = jax.jit(lambda bufs: kp.apply_updates_flat(
+        bufs, keys, scales, flat.layout.tables(), distribution=dist, impl="jnp"))(flat.buffers)
+    want = _reference(tree, updates, dist)
+    _assert_tree_bits(replay.unflatten(replay.Flat(out, flat.layout)), want)
+    # The public traceable rule takes a Flat too (inside a jit), with the same bits.
+    traced = jax.jit(lambda f: replay.apply_updates(f, keys, scales, distribution=dist))(flat)
+    assert isinstance(traced, replay.Flat)
+    _assert_tree_bits(replay.unflatten(traced), want)
 
 
 def test_flat_buffers_sharded_across_devices_replay_exactly():

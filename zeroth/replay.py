@@ -93,9 +93,16 @@ def apply_updates(params: Any, keys: jax.Array, scales: jax.Array, *, distributi
       scales: ``f32[K]`` from :func:`update_scales` (host-rounded; may be traced).
       distribution: ``"binomial"`` or ``"rademacher"``.
 
+      A :class:`Flat` is updated leaf by leaf inside its buffers (each leaf keeps its id and
+      counters), so the result is the :class:`Flat` of the tree's result.
+
     Returns:
       The updated pytree (same structure, dtypes and shapes).
     """
+    if isinstance(params, Flat):
+        out = _fused.apply_updates_flat(
+            params.buffers, keys, scales, params.layout.tables(), distribution=distribution, impl="jnp")
+        return Flat(out, params.layout)
     return _fused.apply_updates(params, keys, scales, distribution=distribution, impl="jnp")
 
 
@@ -231,6 +238,11 @@ class Layout:
         """``(offset, size, leaf_id)`` of every leaf in buffer ``buffer``: the kernels' segment table."""
         return tuple((s.offset, s.size, s.leaf_id) for s in self.segments if s.buffer == buffer)
 
+    def tables(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        """:meth:`table` of every buffer, in buffer order (the ``segments`` argument of
+        :func:`zeroth.kernels.perturb.apply_updates_flat`)."""
+        return tuple(self.table(b) for b in range(len(self.dtypes)))
+
 
 @jax.tree_util.register_pytree_node_class
 class Flat:
@@ -349,8 +361,7 @@ def _flat_core(buffers, keys, scales, *, tables, distribution, impl, inplace):
 def _flat_fn(layout: Layout, distribution: str, donate: bool, impl: str):
     """The compiled replay of ``layout`` (one per layout, distribution, donation and impl; K is a
     shape, so jit keeps one executable per K)."""
-    tables = tuple(layout.table(b) for b in range(len(layout.dtypes)))
-    core = functools.partial(_flat_core, tables=tables, distribution=distribution, impl=impl, inplace=donate)
+    core = functools.partial(_flat_core, tables=layout.tables(), distribution=distribution, impl=impl, inplace=donate)
     return jax.jit(core, donate_argnums=(0,) if donate else ())
 
 
