@@ -110,7 +110,9 @@ def test_bench_perturb_overhead_reports_per_call_microseconds():
     rows = {(r["name"], r["leaves"], r["updates"]): r for r in result["rows"]}
     for leaves in (1, 3):
         for k in (1, 2):
-            assert rows[("replay", leaves, k)]["us_per_call_min"] > 0
-            assert rows[("jax dispatch floor", leaves, k)]["us_per_call_min"] > 0
-    assert set(result["met"]) == {f"replay_L{n}_K{k}_us" for n in (1, 3) for k in (1, 2)}
+            for name in ("replay (pytree)", "replay (flat layout)", "flat, one leaf of L*64 (arithmetic)",
+                         "jax dispatch floor"):
+                assert rows[(name, leaves, k)]["us_per_call_min"] > 0
+    assert set(result["met"]) == {f"{p}_L{n}_K{k}_us" for p in ("replay", "flat") for n in (1, 3) for k in (1, 2)}
+    assert result["flat_bits_match_pytree"] == {f"L{n}_K{k}": True for n in (1, 3) for k in (1, 2)}
     assert result["target"] == "<= 100 us per call"

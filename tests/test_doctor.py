@@ -52,6 +52,7 @@ def test_one_digest_under_every_config_equal_to_golden(runs):
     assert set(digests.values()) == {golden["digest"]}, digests
     for name, (code, report, stderr) in runs.items():
         assert report["status"] == "ok" and report["reference_digest"] == golden["digest"], name
+        assert report["flat_status"] == "ok" and report["flat_digest"] == golden["digest"], name
         assert report["xla_flags"] == CONFIGS[name]["XLA_FLAGS"]
         assert report["jax_disable_jit"] == (name == "no-jit")
         if report["float16_status"] == "ok":

@@ -22,6 +22,10 @@ neighbour), NaN payloads in every dtype at the start and in the ragged tail of e
 the dtype's canonical one), and update counts of 1, 3 and 5 (keys padded for Triton). It is
 replayed twice, with and without donation; both digests must equal the reference and golden ones.
 
+The canonical float32/bfloat16 replay runs a second time with the parameters in the flat layout
+(:func:`zeroth.replay.flatten`: one buffer per dtype, one launch per buffer); its digest
+(:func:`zeroth.replay.checksum` of the :class:`zeroth.replay.Flat`) must be the golden one too.
+
 The golden file is written from the NumPy reference, never from jax::
 
     python -m zeroth.doctor --write-golden            # rewrites zeroth/golden/doctor.json
@@ -308,16 +312,17 @@ def _subtree(tree: dict, keep) -> dict:
     return out
 
 
-def jax_result(float16: bool = False, suite: str = "canonical", donate: bool = True):
+def jax_result(float16: bool = False, suite: str = "canonical", donate: bool = True, flat: bool = False):
     """The replay of ``suite`` run by :func:`zeroth.replay.replay` on the default jax backend.
 
     Args:
       float16: replay the float16 leaves only (``True``) or all the others (``False``).
       suite: ``"canonical"`` or ``"tiles"`` (:data:`SUITES`).
       donate: replay in place (``True``) or into fresh buffers.
+      flat: replay the parameters in the flat layout (:func:`zeroth.replay.flatten`).
 
     Returns:
-      The replayed pytree (nested dict of jax arrays), already computed.
+      The replayed pytree (nested dict of jax arrays), or its :class:`zeroth.replay.Flat`, already computed.
     """
     import jax
 
@@ -331,6 +336,8 @@ def jax_result(float16: bool = False, suite: str = "canonical", donate: bool = T
     if got != expected:
         raise RuntimeError(f"jax spells key paths {got}, zeroth expects {expected}: leaf ids would change")
     params = jax.device_put(tree)
+    if flat:
+        params = _replay.flatten(params)
     for dist, updates in make_units():
         params = _replay.replay(params, updates, distribution=dist, donate=donate)
     return jax.block_until_ready(params)
@@ -467,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     digest = _replay.checksum(jax_result(float16=False))
+    flat_digest = _replay.checksum(jax_result(float16=False, flat=True))
     try:
         f16_digest, f16_error = _replay.checksum(jax_result(float16=True)), None
     except jax.errors.JaxRuntimeError as exc:  # e.g. XLA:CPU without F16C cannot link half conversions
@@ -484,10 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     ref_tiles, ref_tiles_f16 = reference_digests("tiles")
     t2 = time.perf_counter()
     status = _verdict(digest, ref_digest, golden["digest"])
+    flat_status = _verdict(flat_digest, ref_digest, golden["digest"])
     f16_status = _verdict(f16_digest, ref_f16_digest, golden["float16_digest"])
     tiles_status = _verdict_pair(tiles[False], ref_tiles, golden["tiles_digest"])
     tiles_f16_status = _verdict_pair(tiles[True], ref_tiles_f16, golden["tiles_float16_digest"])
-    statuses = (status, f16_status, tiles_status, tiles_f16_status)
+    statuses = (status, flat_status, f16_status, tiles_status, tiles_f16_status)
     ok = all(st == "ok" for st in statuses)
     report = {
         **env,
@@ -495,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
         "reference_digest": ref_digest,
         "golden_digest": golden["digest"],
         "status": status,
+        "flat_digest": flat_digest,
+        "flat_status": flat_status,
         "float16_digest": f16_digest,
         "float16_reference_digest": ref_f16_digest,
         "float16_golden_digest": golden["float16_digest"],
@@ -541,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for label, got, ref, gold, st in (
         ("f32/bf16 digest", digest, ref_digest, golden["digest"], status),
+        ("  flat layout", flat_digest, ref_digest, golden["digest"], flat_status),
         ("float16 digest", f16_digest, ref_f16_digest, golden["float16_digest"], f16_status),
         ("tiles digest", _pair_digest(tiles[False]), ref_tiles, golden["tiles_digest"], tiles_status),
         ("tiles f16 digest", _pair_digest(tiles[True]), ref_tiles_f16, golden["tiles_float16_digest"], tiles_f16_status),

@@ -18,19 +18,31 @@ time beyond the parameters when called with ``donate=True`` (the input buffers a
 with ``donate=False`` the result is a second copy of the parameters. :func:`replay` dispatches to
 the fused kernels of :mod:`zeroth.kernels.perturb`, which read and write each leaf once for all
 K updates; :func:`apply_updates` (the traceable jnp rule) reads and writes it once per update.
+
+A flat layout (:class:`Flat`, from :func:`flatten`) keeps the parameters in one contiguous buffer
+per dtype with a static :class:`Layout` (each leaf's path, id, shape, buffer and offset).
+:func:`replay` of a :class:`Flat` gives the bits of :func:`replay` of the tree (each leaf keeps
+its id, ``leaf_id(path)``, and its counters, its own flat index), through one kernel launch per
+buffer whatever the number of leaves, one compiled call per (layout, K, distribution); its host
+cost does not grow with the number of leaves. :func:`unflatten` gives the tree back (slices and
+reshapes; traceable, so a forward pass can take the flat buffers inside its ``jit``), and
+:func:`checksum` of a :class:`Flat` equals the checksum of its tree.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroth import noise as _noise
 from zeroth import reference as _ref
 from zeroth import rng as _rng
+from zeroth import rule as _rule
 from zeroth.kernels import host_memory as _host_memory
 from zeroth.kernels import perturb as _fused
 from zeroth.rule import COEFF_BITS, SUPPORTED_DTYPES, flush, flush_cast, update_scale, update_scales
@@ -47,6 +59,12 @@ __all__ = [
     "replay",
     "checksum",
     "SUPPORTED_DTYPES",
+    "Segment",
+    "Layout",
+    "Flat",
+    "layout_of",
+    "flatten",
+    "unflatten",
 ]
 
 
@@ -75,9 +93,16 @@ def apply_updates(params: Any, keys: jax.Array, scales: jax.Array, *, distributi
       scales: ``f32[K]`` from :func:`update_scales` (host-rounded; may be traced).
       distribution: ``"binomial"`` or ``"rademacher"``.
 
+      A :class:`Flat` is updated leaf by leaf inside its buffers (each leaf keeps its id and
+      counters), so the result is the :class:`Flat` of the tree's result.
+
     Returns:
       The updated pytree (same structure, dtypes and shapes).
     """
+    if isinstance(params, Flat):
+        out = _fused.apply_updates_flat(
+            params.buffers, keys, scales, params.layout.tables(), distribution=distribution, impl="jnp")
+        return Flat(out, params.layout)
     return _fused.apply_updates(params, keys, scales, distribution=distribution, impl="jnp")
 
 
@@ -104,7 +129,9 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
     on every backend and to :func:`zeroth.reference.replay_leaf`.
 
     Args:
-      params: pytree of f32 / bf16 / f16 arrays (flax params included).
+      params: pytree of f32 / bf16 / f16 arrays (flax params included), or a :class:`Flat`
+        layout of one (:func:`flatten`; the result is then a :class:`Flat` of the same layout,
+        whose :func:`unflatten` is bit for bit the replay of the tree).
       updates: sequence of ``(u32[2] key, float coefficient)``; or a pair ``(u32[K,2], f[K])``.
       distribution: ``"binomial"`` (default) or ``"rademacher"``; ``"gaussian"`` is refused.
       donate: reuse the input buffers (the input ``params`` must not be used afterwards). The
@@ -118,7 +145,9 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
       >>> q = replay(p, [(sample_key(0, 0, 0, 0), 0.5)])
     """
     if isinstance(updates, tuple) and len(updates) == 2 and _is_key_matrix(updates[0]):
-        keys, coefficients = _as_keys(updates[0]), list(np.asarray(updates[1], np.float64).reshape(-1))
+        keys, coefficients = _as_keys(updates[0]), updates[1]
+        if not (isinstance(coefficients, list) and all(isinstance(c, float) for c in coefficients)):
+            coefficients = np.asarray(coefficients, np.float64).reshape(-1)
     else:
         updates = list(updates)
         keys = _as_keys([k for k, _ in updates]) if updates else np.zeros((0, 2), np.uint32)
@@ -126,6 +155,8 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
     if len(coefficients) != keys.shape[0]:
         raise ValueError(f"{keys.shape[0]} keys but {len(coefficients)} coefficients")
     scales = update_scales(distribution, coefficients)
+    if isinstance(params, Flat):
+        return _replay_flat(params, keys, scales, distribution, donate)
     if not donate and not _host_memory.decided() and _fused.platform_of(params) == "cpu":
         _host_memory.reuse_freed_host_memory()
     # The fused kernels pick the fastest exact path for the platform the parameters live on
@@ -143,10 +174,204 @@ def checksum(params: Any) -> str:
     """SHA-256 (hex) over the whole state: for every leaf, in order of its path string,
     the path, dtype, shape and every value's bytes (little endian, row-major)
     (:func:`zeroth.reference.checksum_leaves` of the leaves, fetched to the host one at a time).
+
+    For a :class:`Flat`, the checksum of its tree (:func:`unflatten`): the same bytes, each
+    buffer fetched to the host once and cut into its leaves there.
     """
+    if isinstance(params, Flat):
+        host = [np.asarray(jax.device_get(b)) for b in params.buffers]
+        return _ref.checksum_leaves({
+            seg.path: host[seg.buffer][seg.offset : seg.offset + seg.size].reshape(seg.shape)
+            for seg in params.layout.segments
+        })
     with_path, _ = jax.tree_util.tree_flatten_with_path(params)
     return _ref.checksum_leaves({_rng.leaf_path(p): np.asarray(jax.device_get(leaf)) for p, leaf in with_path})
 
 
 def _nbytes(tree) -> int:  # used by benchmarks and docs
     return sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+# --------------------------------------------------------------------------- flat layout
+
+
+class Segment(NamedTuple):
+    """Where one leaf lives in a :class:`Flat`: ``buffers[buffer][offset : offset + size]``,
+    row-major, reshaped to ``shape``."""
+
+    path: str  # the leaf's path string (zeroth.rng.leaf_path)
+    leaf_id: int  # zeroth.rng.leaf_id(path): names its noise, as in the tree
+    dtype: str  # the leaf's dtype (= its buffer's)
+    shape: tuple[int, ...]
+    buffer: int  # index into Flat.buffers
+    offset: int  # element offset in that buffer
+    size: int  # elements (prod(shape))
+
+
+class Layout:
+    """The static part of a :class:`Flat`: the tree structure, one :class:`Segment` per leaf (in
+    tree order) and the buffers' dtypes and sizes. Buffers are one per dtype, in the order the
+    dtypes first appear among the leaves; a buffer holds its leaves back to back, in tree order.
+    Hashable and compared by value (the hash is computed once), so it keys compiled replays.
+    """
+
+    __slots__ = ("treedef", "segments", "dtypes", "sizes", "_key", "_hash")
+
+    def __init__(self, treedef, segments: tuple[Segment, ...], dtypes: tuple[str, ...], sizes: tuple[int, ...]):
+        self.treedef = treedef
+        self.segments = tuple(segments)
+        self.dtypes = tuple(dtypes)
+        self.sizes = tuple(sizes)
+        self._key = (treedef, self.segments, self.dtypes, self.sizes)
+        self._hash = hash(self._key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, Layout) and self._hash == other._hash and self._key == other._key)
+
+    def __repr__(self) -> str:
+        return f"Layout({len(self.segments)} leaves in buffers {dict(zip(self.dtypes, self.sizes))})"
+
+    def table(self, buffer: int) -> tuple[tuple[int, int, int], ...]:
+        """``(offset, size, leaf_id)`` of every leaf in buffer ``buffer``: the kernels' segment table."""
+        return tuple((s.offset, s.size, s.leaf_id) for s in self.segments if s.buffer == buffer)
+
+    def tables(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        """:meth:`table` of every buffer, in buffer order (the ``segments`` argument of
+        :func:`zeroth.kernels.perturb.apply_updates_flat`)."""
+        return tuple(self.table(b) for b in range(len(self.dtypes)))
+
+
+@jax.tree_util.register_pytree_node_class
+class Flat:
+    """Parameters laid out flat: ``buffers[i]`` is a 1-D array of dtype ``layout.dtypes[i]``
+    holding every leaf of that dtype (see :class:`Layout`). A pytree whose leaves are the buffers
+    (the layout is static aux data), so it goes through ``jit``, ``device_put`` and ``tree_map``.
+    :func:`replay`, :func:`apply_updates`, :func:`perturb` and :func:`checksum` take it and keep
+    each leaf's id; code that names leaves by their pytree path (the ZO estimators, the kernels'
+    pytree entries) takes the tree: pass it ``unflatten(flat)`` (inside its ``jit``).
+
+    Example:
+      >>> from zeroth.rng import sample_key
+      >>> f = flatten({"w": jnp.zeros((2, 3)), "b": jnp.ones(3, jnp.bfloat16)})
+      >>> f = replay(f, [(sample_key(0, 0, 0, 0), 0.5)], donate=True)
+      >>> unflatten(f)["w"].shape
+      (2, 3)
+    """
+
+    __slots__ = ("buffers", "layout")
+
+    def __init__(self, buffers, layout: Layout):
+        self.buffers = tuple(buffers)
+        self.layout = layout
+
+    def tree_flatten(self):
+        return self.buffers, self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, buffers):
+        return cls(buffers, layout)
+
+    def __repr__(self) -> str:
+        return f"Flat({self.layout!r})"
+
+
+def layout_of(params: Any) -> Layout:
+    """The :class:`Layout` of a pytree of f32 / bf16 / f16 arrays (shapes and dtypes only).
+
+    Raises:
+      TypeError: a leaf has another dtype (naming its path).
+    """
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+    dtypes: list[str] = []
+    sizes: list[int] = []
+    segments = []
+    for path, leaf in with_path:
+        name = _rng.leaf_path(path)
+        dt = _rule.check_dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype, f"leaf {name}")
+        shape = tuple(int(d) for d in np.shape(leaf))
+        size = math.prod(shape)
+        if size > _noise.MAX_LEAF_SIZE:
+            raise ValueError(f"leaf {name} has {size} elements; at most {_noise.MAX_LEAF_SIZE} per leaf")
+        if dt.name not in dtypes:
+            dtypes.append(dt.name)
+            sizes.append(0)
+        b = dtypes.index(dt.name)
+        segments.append(Segment(name, _rng.leaf_id(name), dt.name, shape, b, sizes[b], size))
+        sizes[b] += size
+    return Layout(treedef, tuple(segments), tuple(dtypes), tuple(sizes))
+
+
+def _flatten_leaves(leaves, layout: Layout) -> tuple[jax.Array, ...]:
+    parts: list[list[jax.Array]] = [[] for _ in layout.dtypes]
+    for seg, leaf in zip(layout.segments, leaves):
+        parts[seg.buffer].append(jnp.asarray(leaf, seg.dtype).reshape(-1))
+    return tuple(
+        jnp.concatenate(p) if len(p) > 1 else (p[0] if p else jnp.zeros(0, dt))
+        for p, dt in zip(parts, layout.dtypes)
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _flatten_fn(layout: Layout):
+    return jax.jit(lambda leaves: _flatten_leaves(leaves, layout))
+
+
+def flatten(params: Any) -> Flat:
+    """The :class:`Flat` layout of ``params`` (a copy of every leaf into its dtype's buffer, one
+    compiled call per layout). ``unflatten(flatten(p))`` equals ``p`` bit for bit; each buffer
+    lives where the leaves did.
+    """
+    layout = layout_of(params)
+    leaves = jax.tree_util.tree_leaves(params)
+    return Flat(_flatten_fn(layout)(leaves), layout)
+
+
+def _unflatten_buffers(buffers, layout: Layout) -> Any:
+    leaves = [
+        jax.lax.slice(buffers[seg.buffer], (seg.offset,), (seg.offset + seg.size,)).reshape(seg.shape)
+        for seg in layout.segments
+    ]
+    return jax.tree_util.tree_unflatten(layout.treedef, leaves)
+
+
+@functools.lru_cache(maxsize=64)
+def _unflatten_fn(layout: Layout):
+    return jax.jit(lambda buffers: _unflatten_buffers(buffers, layout))
+
+
+def unflatten(flat: Flat) -> Any:
+    """The pytree of a :class:`Flat`: each leaf sliced out of its buffer and reshaped.
+
+    Traceable: inside a ``jit`` (a forward pass taking the :class:`Flat`) the slices are views
+    that XLA fuses into their uses; outside, one compiled call per layout makes the copies.
+    """
+    if not isinstance(flat, Flat):
+        raise TypeError(f"unflatten takes a zeroth.replay.Flat (from flatten), got {type(flat).__name__}")
+    if any(isinstance(b, jax.core.Tracer) for b in flat.buffers):
+        return _unflatten_buffers(flat.buffers, flat.layout)
+    return _unflatten_fn(flat.layout)(flat.buffers)
+
+
+def _flat_core(buffers, keys, scales, *, tables, distribution, impl, inplace):
+    return tuple(_fused.apply_updates_flat(
+        buffers, keys, scales, tables, distribution=distribution, impl=impl, inplace=inplace))
+
+
+@functools.lru_cache(maxsize=256)
+def _flat_fn(layout: Layout, distribution: str, donate: bool, impl: str):
+    """The compiled replay of ``layout`` (one per layout, distribution, donation and impl; K is a
+    shape, so jit keeps one executable per K)."""
+    core = functools.partial(_flat_core, tables=layout.tables(), distribution=distribution, impl=impl, inplace=donate)
+    return jax.jit(core, donate_argnums=(0,) if donate else ())
+
+
+def _replay_flat(flat: Flat, keys: np.ndarray, scales: np.ndarray, distribution: str, donate: bool) -> Flat:
+    """:func:`replay` of a :class:`Flat`: one compiled call, one kernel launch per buffer."""
+    if not donate and not _host_memory.decided() and _fused.platform_of(flat.buffers) == "cpu":
+        _host_memory.reuse_freed_host_memory()
+    impl = "jnp" if _fused.is_sharded(flat.buffers) else "auto"
+    out = _flat_fn(flat.layout, distribution, donate, impl)(flat.buffers, keys, scales)
+    return Flat(out, flat.layout)

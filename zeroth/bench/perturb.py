@@ -21,10 +21,14 @@ It prints the ratios the determinism contract is judged by: binomial / torch, bi
 jax-normal, rademacher / memory floor, and the time of one K=64 call against 64 calls of K=1.
 
 ``--overhead`` measures the host cost of a replay call instead: ``replay(params, updates,
-donate=True)`` on pytrees of 1, 10, 50 and 200 leaves of 64 float32 elements (the arithmetic is
-negligible), K = 1 and 16, in microseconds per call, next to the same updates through one
-native launch *per leaf* (the design before one launch per replay) and to the floor of jax's own
-dispatch (a donated jit that returns its pytree unchanged).
+donate=True)`` on pytrees of 1, 10, 50 and 200 leaves of 64 float32 elements, K = 1 and 16, in
+microseconds per call, side by side with the same parameters in the flat layout
+(``replay(flatten(params), ...)``, :class:`zeroth.replay.Flat`: one buffer, one launch), the same
+updates through one native launch *per leaf* (the design before one launch per replay), the floor
+of jax's own dispatch of the pytree (a donated jit that returns it unchanged), and the
+arithmetic floor: the flat replay of ONE leaf holding as many elements (``L * 64``; at 200
+leaves and K = 16 that is 204,800 element-updates, no longer negligible), so that
+``flat - one leaf`` is what the number of leaves costs.
 
 Example:
   $ zeroth bench perturb --size 4194304 --repeats 3
@@ -284,6 +288,7 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
     from zeroth.kernels import cpu_native
 
     spec: dict[str, tuple[int, int, str, Callable[[], None]]] = {}
+    same_bits: dict[str, bool] = {}  # checksum of the flat replay == checksum of the pytree replay
     for n_leaves in leaves:
         for k in ks:
             params = {f"leaf{i:03d}": jnp.zeros(64, jnp.float32) for i in range(n_leaves)}
@@ -301,17 +306,22 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
 
                 return call
 
+            step = lambda p, keys=keys, c=coefficients: replay.replay(p, (keys, c), donate=True)  # noqa: E731
+            tree_digest = replay.checksum(step(jax.tree_util.tree_map(jnp.copy, params)))
+            same_bits[f"L{n_leaves}_K{k}"] = tree_digest == replay.checksum(step(replay.flatten(params)))
             rows = {
-                "replay": lambda p, keys=keys, c=coefficients: replay.replay(p, (keys, c), donate=True),
-                "jax dispatch floor": jax.jit(lambda p, s: p, donate_argnums=0),
+                "replay (pytree)": (step, params),
+                "replay (flat layout)": (step, replay.flatten(params)),
+                "flat, one leaf of L*64 (arithmetic)": (step, replay.flatten({"w": jnp.zeros(64 * n_leaves, jnp.float32)})),
+                "jax dispatch floor": (jax.jit(lambda p, s: p, donate_argnums=0), params),
             }
             if cpu_native.available() and jax.default_backend() == "cpu":
                 per_leaf = jax.jit(_per_leaf_native, donate_argnums=0)
-                rows["native, a launch per leaf"] = lambda p, per_leaf=per_leaf, keys=keys, scales=scales: per_leaf(
-                    p, keys, scales)
-            for what, step in rows.items():
+                rows["native, a launch per leaf"] = (
+                    lambda p, per_leaf=per_leaf, keys=keys, scales=scales: per_leaf(p, keys, scales), params)
+            for what, (step, state) in rows.items():
                 fn = step if what != "jax dispatch floor" else (lambda p, step=step: step(p, np.float32(0)))
-                spec[f"{what} L={n_leaves} K={k}"] = (n_leaves, k, what, repeat(fn, jax.tree_util.tree_map(jnp.copy, params)))
+                spec[f"{what} L={n_leaves} K={k}"] = (n_leaves, k, what, repeat(fn, jax.tree_util.tree_map(jnp.copy, state)))
     timings = _common.timeit_many({name: call for name, (_, _, _, call) in spec.items()}, warmup=warmup, repeats=repeats)
     rows = []
     for name, (n_leaves, k, what, _) in spec.items():
@@ -322,7 +332,9 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
             "us_per_call_median": 1e6 * t.median_s / _CALLS_PER_TIMING,
         })
     verdicts = {
-        f"replay_L{r['leaves']}_K{r['updates']}_us": r["us_per_call_min"] for r in rows if r["name"] == "replay"
+        f"{prefix}_L{r['leaves']}_K{r['updates']}_us": r["us_per_call_min"]
+        for prefix, what in (("replay", "replay (pytree)"), ("flat", "replay (flat layout)"))
+        for r in rows if r["name"] == what
     }
     return {
         "benchmark": "perturb_overhead",
@@ -332,6 +344,7 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
         "environment": _common.environment(),
         "rows": rows,
         "replay_us": verdicts,
+        "flat_bits_match_pytree": same_bits,
         "target": f"<= {OVERHEAD_TARGET_US:g} us per call",
         "met": {name: us <= OVERHEAD_TARGET_US for name, us in verdicts.items()},
     }
@@ -349,6 +362,8 @@ def _render_overhead(result: dict) -> None:
     print()
     for name, us in result["replay_us"].items():
         print(f"  {name:<24} {us:8.0f} us   (target {result['target']}: {'met' if result['met'][name] else 'MISSED'})")
+    same = result["flat_bits_match_pytree"]
+    print(f"  flat replay digest == pytree replay digest: {'yes' if all(same.values()) else 'NO: ' + str(same)}")
 
 
 def _render(result: dict) -> None:

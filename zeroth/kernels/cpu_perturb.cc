@@ -1,7 +1,8 @@
 // zeroth: fused exact perturbation replay on CPU, as an XLA FFI custom call.
 //
 // Applies K updates (leaf key, scale) to one leaf (ZerothPerturb), or to every leaf of a replay in
-// one launch (ZerothPerturbTree, which derives the leaf keys from the sample keys and leaf ids),
+// one launch (ZerothPerturbTree, which derives the leaf keys from the sample keys and leaf ids;
+// ZerothPerturbFlat, the same over the segments of one flat buffer),
 // in canonical order with the exact rule of zeroth's determinism contract:
 //
 //   p32 = flush(float32(x))
@@ -558,6 +559,58 @@ ffi::Future PerturbTree(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::B
   return Launch(pool, std::move(work));
 }
 
+// Every leaf of a flat parameter buffer (one dtype) in one launch: sample keys, scales, then the
+// buffer; segment i covers elements [offsets[i], offsets[i] + sizes[i]) and is a whole leaf with
+// id leaf_ids[i]: its noise counters start at 0 at offsets[i] (the leaf's own flat index), and its
+// keys are fold_in(sample_key[u], leaf_ids[i]), derived here. Elements outside every segment are
+// left as they are (the output aliases the input, or holds the input's bits when not aliased).
+ffi::Future PerturbFlat(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::Buffer<ffi::F32> scales,
+                        ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> offsets,
+                        ffi::Span<const int64_t> sizes, ffi::Span<const int64_t> leaf_ids, int32_t distribution) {
+  if (distribution != kBinomial && distribution != kRademacher) return Failed("zeroth_perturb_flat: bad distribution");
+  const int64_t n_updates = static_cast<int64_t>(scales.element_count());
+  if (static_cast<int64_t>(keys.element_count()) != 2 * n_updates)
+    return Failed("zeroth_perturb_flat: keys must be u32[K, 2] and scales f32[K]");
+  if (offsets.size() != sizes.size() || offsets.size() != leaf_ids.size())
+    return Failed("zeroth_perturb_flat: one offset, size and leaf id per segment");
+  if (x.element_type() != out->element_type() || x.element_count() != out->element_count())
+    return Failed("zeroth_perturb_flat: the output must have the buffer's dtype and size");
+  const TileFn fn = TileFnFor(x.element_type());
+  if (fn == nullptr) return Failed("zeroth_perturb_flat: dtype must be float32, bfloat16 or float16");
+  const int64_t itemsize = x.element_type() == ffi::F32 ? 4 : 2;
+  const int64_t total = static_cast<int64_t>(x.element_count());
+  const char* in = static_cast<const char*>(x.untyped_data());
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (in != dst && total > 0) std::memcpy(dst, in, static_cast<size_t>(total * itemsize));  // gaps keep their bits
+  const uint32_t* k = keys.typed_data();
+  const float* s = scales.typed_data();
+  std::vector<LeafKey> sample(n_updates);
+  for (int64_t u = 0; u < n_updates; ++u) sample[u] = MakeKey(k[2 * u], k[2 * u + 1]);
+  auto work = std::make_shared<Work>();
+  work->jobs.resize(offsets.size());
+  work->fns.assign(offsets.size(), fn);
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    const int64_t o = offsets[i], n = sizes[i];
+    if (o < 0 || n < 0 || o > total || n > total - o || n > int64_t{0xFFFFFFFF})
+      return Failed("zeroth_perturb_flat: a segment lies outside the buffer or has 2**32 elements or more");
+    Job& job = work->jobs[i];
+    job.in = dst + o * itemsize;  // updated in place in the output (which holds the input's bits)
+    job.out = dst + o * itemsize;
+    job.n = n;
+    job.offset = 0;
+    job.distribution = distribution;
+    const uint32_t lid = static_cast<uint32_t>(leaf_ids[i]);
+    job.keys.resize(n_updates);
+    job.scales.assign(s, s + n_updates);
+    for (int64_t u = 0; u < n_updates; ++u) {
+      uint32_t l0, l1;
+      Threefry(sample[u], lid, l0, l1);
+      job.keys[u] = MakeKey(l0, l1);
+    }
+  }
+  return Launch(pool, std::move(work));
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZerothPerturb, Perturb,
@@ -577,5 +630,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZerothPerturbTree, PerturbTree,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("leaf_ids")
+                                  .Attr<int32_t>("distribution"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZerothPerturbFlat, PerturbFlat,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("offsets")
+                                  .Attr<ffi::Span<const int64_t>>("sizes")
                                   .Attr<ffi::Span<const int64_t>>("leaf_ids")
                                   .Attr<int32_t>("distribution"));

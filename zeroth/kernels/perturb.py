@@ -22,8 +22,10 @@ The rule is the contract's (see :mod:`zeroth.replay`): with ``k_u`` the integer 
 and the add rounds once, identically everywhere.
 
 Entry points: :func:`perturb_leaf` (one array, leaf keys given), :func:`apply_updates` (a pytree,
-traceable, same arguments as :func:`zeroth.replay.apply_updates`) and
-:func:`fused_apply_updates` (the host entry: jitted, optionally donating).
+traceable, same arguments as :func:`zeroth.replay.apply_updates`),
+:func:`fused_apply_updates` (the host entry: jitted, optionally donating) and
+:func:`apply_updates_flat` (leaves laid out as segments of flat buffers, one launch per buffer:
+the op behind :class:`zeroth.replay.Flat`).
 
 Example:
   >>> import numpy as np, jax.numpy as jnp
@@ -66,9 +68,12 @@ __all__ = [
     "perturb_pallas",
     "perturb_native",
     "perturb_native_tree",
+    "perturb_native_flat",
     "perturb_leaf",
     "apply_updates",
+    "apply_updates_flat",
     "fused_apply_updates",
+    "is_sharded",
 ]
 
 IMPLS = ("auto", "pallas", "native", "jnp")
@@ -530,6 +535,64 @@ def perturb_native_tree(
     )
 
 
+def _check_segments(segments, n: int, what: str) -> tuple[tuple[int, int, int], ...]:
+    """``segments`` as a tuple of ``(offset, size, leaf_id)`` int triples, each inside ``[0, n)``,
+    not overlapping one another, with fewer than 2**32 elements and a 32-bit leaf id."""
+    out = tuple((int(o), int(z), int(lid)) for o, z, lid in segments)
+    end = 0
+    for o, z, lid in sorted(out):
+        if o < end or z < 0 or o + z > n or z > _noise.MAX_LEAF_SIZE or not 0 <= lid < 2**32:
+            raise ValueError(
+                f"{what}: segment (offset {o}, size {z}, leaf id {lid}) must lie in [0, {n}) after the previous "
+                f"one (which ends at {end}), hold fewer than 2**32 elements and have a 32-bit leaf id"
+            )
+        end = o + z
+    return out
+
+
+def perturb_native_flat(
+    buffer,
+    keys,
+    scales,
+    segments,
+    *,
+    distribution: str = "binomial",
+    inplace: bool = False,
+    build: cpu_native.BuildConfig = cpu_native.DEFAULT_BUILD,
+) -> jax.Array:
+    """The native CPU kernel on every segment of one flat buffer in **one launch** (one custom
+    call): segment ``(offset, size, leaf_id)`` is a whole leaf of ``size`` elements stored at
+    ``buffer[offset : offset + size]``, its noise counters start at 0 there, and its leaf keys
+    ``fold_in(keys[u], leaf_id)`` are derived inside the kernel. Same bits as
+    :func:`perturb_native_tree` on the leaves; elements outside every segment keep their bits.
+
+    Args:
+      buffer: a 1-D f32 / bf16 / f16 array.
+      keys: ``u32[K, 2]`` *sample* keys; scales: ``f32[K]`` host-rounded scales.
+      segments: ``(offset, size, leaf_id)`` int triples (static; not overlapping).
+      inplace: alias the output to ``buffer`` (under ``jit`` with the buffer donated: no copy).
+    """
+    _noise.check_distribution(distribution)
+    buffer = jnp.asarray(buffer)
+    _rule.check_dtype(buffer.dtype, "flat buffer")
+    if buffer.ndim != 1:
+        raise ValueError(f"the flat buffer must be 1-D, got shape {buffer.shape}")
+    segments = _check_segments(segments, buffer.shape[0], "perturb_native_flat")
+    keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
+    scales = jnp.asarray(scales, jnp.float32).reshape(-1)
+    if scales.shape[0] != keys.shape[0]:
+        raise ValueError(f"{keys.shape[0]} keys but {scales.shape[0]} scales")
+    cpu_native.register(build)
+    call = jax.ffi.ffi_call(
+        cpu_native.target_name(build, flat=True),
+        jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+        input_output_aliases={2: 0} if inplace else None,
+    )
+    column = lambda j: np.asarray([seg[j] for seg in segments], np.int64)  # noqa: E731
+    return call(keys, scales, buffer, offsets=column(0), sizes=column(1), leaf_ids=column(2),
+                distribution=np.int32(_DIST_CODE[distribution]))
+
+
 # --------------------------------------------------------------------------- dispatch
 
 
@@ -673,6 +736,93 @@ def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, blo
     ]
 
 
+def apply_updates_flat(
+    buffers,
+    keys,
+    scales,
+    segments,
+    *,
+    distribution: str = "binomial",
+    impl: str = "auto",
+    inplace: bool = False,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+    platform: str | None = None,
+) -> list[jax.Array]:
+    """Traceable: K updates applied to leaves laid out as segments of flat buffers, same bits as
+    :func:`apply_updates` on the leaves themselves.
+
+    Args:
+      buffers: 1-D f32 / bf16 / f16 arrays.
+      keys: ``u32[K, 2]`` sample keys; scales: ``f32[K]`` host-rounded scales (may be traced).
+      segments: one tuple per buffer of ``(offset, size, leaf_id)`` int triples (static): the
+        leaf with id ``leaf_id`` is ``buffer[offset : offset + size]`` flattened row-major, and
+        its noise counter ``i`` is its own flat index (0 at ``offset``).
+      distribution, impl, inplace, block_sizes, interpret, platform: see :func:`apply_updates`.
+        The native CPU kernel takes each buffer in **one launch** whatever its number of
+        segments (:func:`perturb_native_flat`); the Pallas and jnp paths update each segment
+        (:func:`perturb_leaf` on its slice, its leaf keys derived for all segments at once) and
+        write it back in place. Elements outside every segment keep their bits.
+
+    Returns:
+      The updated buffers (same shapes and dtypes).
+    """
+    _noise.check_distribution(distribution)
+    keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
+    scales = jnp.asarray(scales, jnp.float32).reshape(-1)
+    if scales.shape[0] != keys.shape[0]:
+        raise ValueError(f"{keys.shape[0]} keys but {scales.shape[0]} scales")
+    buffers = [jnp.asarray(b) for b in buffers]
+    if len(segments) != len(buffers):
+        raise ValueError(f"{len(buffers)} buffers but {len(segments)} segment tables")
+    for i, b in enumerate(buffers):
+        _rule.check_dtype(b.dtype, f"flat buffer {i}")
+        if b.ndim != 1:
+            raise ValueError(f"flat buffer {i} must be 1-D, got shape {b.shape}")
+    segments = tuple(_check_segments(seg, b.shape[0], f"flat buffer {i}") for i, (b, seg) in enumerate(zip(buffers, segments)))
+    run = functools.partial(
+        _apply_flat, segments=segments, distribution=distribution, impl=impl, inplace=inplace,
+        block_sizes=block_sizes, interpret=interpret,
+    )
+    platforms = _process_platforms()
+    if impl != "auto" or platform is not None or len(platforms) <= 1:
+        fixed = platform if platform is not None else (platforms[0] if len(platforms) == 1 else None)
+        return run(buffers, keys, scales, platform=fixed)
+    branches = {name: functools.partial(run, platform=name) for name in platforms}
+    return jax.lax.platform_dependent(buffers, keys, scales, **branches, default=functools.partial(run, platform="cpu"))
+
+
+def _all_leaf_keys(keys, ids: list[int]) -> jax.Array:
+    """``u32[L, K, 2]``: :func:`leaf_keys` of the sample keys for every leaf id at once."""
+    lid = jnp.asarray(np.asarray(ids, np.uint32))[:, None]
+    k0 = jnp.broadcast_to(keys[None, :, 0], (len(ids), keys.shape[0]))
+    k1 = jnp.broadcast_to(keys[None, :, 1], (len(ids), keys.shape[0]))
+    x0, x1 = _rng.threefry2x32((k0, k1), (jnp.zeros_like(k0), jnp.broadcast_to(lid, k0.shape)))
+    return jnp.stack([x0, x1], axis=-1)
+
+
+def _apply_flat(buffers, keys, scales, *, segments, distribution, impl, inplace, block_sizes, interpret, platform):
+    """The updated ``buffers`` with the implementation for ``platform`` (see :func:`apply_updates_flat`)."""
+    impl = resolve_impl(impl, platform, keys.shape[0])
+    if impl == "native":  # one launch per buffer, leaf keys derived inside the kernel
+        return [
+            perturb_native_flat(b, keys, scales, seg, distribution=distribution, inplace=inplace)
+            for b, seg in zip(buffers, segments)
+        ]
+    out = []
+    for b, seg in zip(buffers, segments):
+        if seg:
+            all_keys = _all_leaf_keys(keys, [lid for _, _, lid in seg])
+        for j, (o, z, _) in enumerate(seg):
+            new = perturb_leaf(
+                jax.lax.slice(b, (o,), (o + z,)), all_keys[j], scales, distribution=distribution, impl=impl,
+                block_sizes=block_sizes, interpret=interpret, platform=platform,
+            )
+            b = jax.lax.dynamic_update_slice(b, new, (o,))
+        out.append(b)
+    return out
+
+
 @functools.partial(jax.jit, static_argnames=("distribution", "impl", "platform"), donate_argnums=(0,))
 def _fused_donated(params, keys, scales, distribution, impl, platform):
     return apply_updates(params, keys, scales, distribution=distribution, impl=impl, inplace=True, platform=platform)
@@ -741,3 +891,9 @@ def _is_sharded(params: Any) -> bool:
         if sharding is not None and len(sharding.device_set) > 1 and not sharding.is_fully_replicated:
             return True
     return False
+
+
+def is_sharded(params: Any) -> bool:
+    """Whether some leaf of ``params`` is split across several devices of this process (then
+    ``impl="auto"`` replays through the ``jnp`` path, which XLA partitions shard by shard)."""
+    return _multi_device() and _is_sharded(params)
