@@ -16,7 +16,7 @@
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-out="${1:-$repo/notebooks/data}"
+out="${1:-notebooks/data}"  # relative to the repository: the run folders record it
 py="${PYTHON:-python}"
 cd "$repo"
 
