@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes the small real runs that notebooks/analysis.ipynb and notebooks/job_comparison.ipynb are
-# committed with (their outputs and figures come from these folders): about 2 minutes on 2 cores.
+# committed with (their outputs and figures come from these folders): about a minute of CPU.
 #
 #   analysis_small/   the digits experiments of experiments/, whole, three seeds each
 #                     (only logged, and backprop evaluated, less often, to keep the files small):
