@@ -1,4 +1,8 @@
-"""The Just One Byte comparison notebook executes on small real peer runs produced here."""
+"""The Just One Byte comparison notebook: committed with the outputs of the peer runs in
+notebooks/data/job_small, which it reproduces when executed again; and it executes on small real peer
+runs produced here."""
+
+import json
 
 from pathlib import Path
 
@@ -8,10 +12,12 @@ from zeroth.config import load_config_dict, to_yaml
 from zeroth.net.runtime import Node, NodeOptions
 from zeroth.net.work import Worker
 
-from notebook_util import execute
+from notebook_util import committed_outputs_match, execute
+from zeroth.train.metrics import check_schema, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "job_comparison.ipynb"
+DATA = REPO / "notebooks" / "data" / "job_small"
 
 
 def make_run(root: Path, name: str, peers: int, codec: str, iterations: int, worker_cache: dict) -> None:
@@ -75,3 +81,35 @@ def test_job_notebook_executes_on_real_peer_runs(tmp_path, monkeypatch):
     assert len(groups) == 3 and all("seeds=1 forward_passes=[128]" in g for g in groups), groups
     for png in ("job_accuracy_vs_forward_passes.png", "job_bytes_per_step.png"):
         assert (figures / png).stat().st_size > 10_000
+
+
+def test_committed_job_runs_are_real_and_consistent():
+    """Every peer's rows hold the schema; the peers of a run end on one digest; equal forward passes in every run."""
+    names = sorted(p.name for p in DATA.iterdir() if (p / "config.yaml").exists())
+    assert names == ["float32_2peers", "onebyte_1machine", "onebyte_2peers"]
+    for name in names:
+        summary = json.loads((DATA / name / "summary.json").read_text())
+        assert summary["digests_agree"] and summary["checksum_mismatches"] == 0 and summary["projected_gradients"] == 640
+        digests = set()
+        for pdir in sorted((DATA / name / "peers").glob("p*")):
+            rows = read_metrics(pdir / "metrics.jsonl")
+            assert check_schema(rows, str(pdir)) == len(rows)
+            digests.add(rows[-1]["digest"])
+            assert rows[-1]["forward_passes"] == 2 * 640
+        assert digests == {summary["final_digest"]}
+        assert summary["payload_bytes"] == 640 * (4 if name.startswith("float32") else 1)
+
+
+@pytest.mark.slow
+def test_committed_job_notebook_reproduces_its_outputs(tmp_path, monkeypatch):
+    monkeypatch.delenv("MPLBACKEND", raising=False)
+    monkeypatch.delenv("ZEROTH_JOB_RUNS", raising=False)
+    monkeypatch.setenv("ZEROTH_FIGURES", str(tmp_path))
+    text, _ = committed_outputs_match(NOTEBOOK, REPO / "notebooks")
+    assert "3 runs under data/job_small: float32_2peers, onebyte_1machine, onebyte_2peers" in text
+    for name in ("float32_2peers", "onebyte_1machine", "onebyte_2peers"):
+        accuracy = json.loads((DATA / name / "summary.json").read_text())["accuracy"]
+        row = next(line.split() for line in text.splitlines() if line.split()[:1] == [name] and len(line.split()) == 12)
+        assert row[6] == f"{accuracy:.4f}" and row[5] == "1280", row
+    for png in ("job_accuracy_vs_forward_passes.png", "job_bytes_per_step.png"):
+        assert (tmp_path / png).stat().st_size > 10_000
