@@ -406,3 +406,116 @@ def test_bench_zo_program_reports_time_and_memory_side_by_side(capsys):
     c = result["config"]
     assert zo_row["peak_bytes"] - fwd_row["peak_bytes"] <= c["largest_leaf_bytes"] + 4 * 4 * 28 * 28 * 4
     assert bench_zo.main(["--model", "rnn"]) == 2
+
+
+# --------------------------------------------------------------------------- stacked layers perturbed inside the scan
+
+
+def _tiny_llama(dim=24, layers=3, hidden=40, vocab=97, seed=0):
+    from zeroth.models.pretrained import llama
+
+    cfg = llama.LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, hidden_dim=hidden)
+    r = np.random.default_rng(seed)
+    params = {k: jnp.asarray(r.standard_normal(s).astype(np.float32) * 0.2) for k, s in llama.param_shapes(cfg).items()}
+    tokens = jnp.asarray(r.integers(0, vocab, (2, 7)).astype(np.int32))
+
+    def loss(p, b):
+        h, _ = llama.forward(p, cfg, b)
+        return jnp.mean(llama.logits(p, cfg, h[:, -1], np.array([3, 5])) ** 2)
+
+    def loss_whole(p, b):  # the model gets copies, which no provider recognises: whole perturbed leaves
+        return loss(jax.tree_util.tree_map(jnp.copy, p), b)
+
+    return params, tokens, loss, loss_whole
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "jnp"])
+@pytest.mark.parametrize("distribution", DISTS)
+def test_stacked_layers_perturbed_in_the_scan_give_the_same_projected_gradients(distribution, native, monkeypatch):
+    """A scanned Llama whose layers and embedding rows are perturbed on demand (zeroth.layerwise)
+    gives bit for bit the projected gradients and losses of perturbing every leaf whole."""
+    from zeroth.kernels import cpu_native
+
+    if not native:
+        monkeypatch.setattr(cpu_native, "available", lambda *a, **k: False)
+    elif not cpu_native.available():
+        pytest.skip("no C++ compiler: the native CPU kernel cannot be built")
+    params, tokens, loss, loss_whole = _tiny_llama()
+    keys = rng.sample_keys(0, [(0, 0, i) for i in range(3)])
+    eps = zo.round_eps(1e-2)
+    g, ell = zo.projected_gradients_fn(loss, distribution=distribution)(params, tokens, keys, eps)
+    g_whole, ell_whole = zo.projected_gradients_fn(loss_whole, distribution=distribution)(params, tokens, keys, eps)
+    np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(g_whole).view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(ell).view(np.uint32), np.asarray(ell_whole).view(np.uint32))
+    assert np.all(np.asarray(g) != 0.0)
+
+
+@pytest.mark.parametrize("distribution", DISTS)
+def test_layers_and_rows_served_in_the_scan_are_the_reference_replay(distribution):
+    """What a model reads through zeroth.layerwise inside the estimator (layer i of a stacked bf16
+    leaf of odd size in a scan body, rows of a table) is the NumPy reference replay of (key, ±ε)."""
+    from zeroth import layerwise
+
+    r = np.random.default_rng(3)
+    params = {"stack": jnp.asarray(r.normal(size=(4, 3, 11)).astype(ml_dtypes.bfloat16)),
+              "table": jnp.asarray(r.normal(size=(9, 5)).astype(np.float32))}
+    ids = np.array([8, 0, 3, 3], np.int32)
+    seen = []
+
+    def loss(p, b):
+        view = layerwise.layer_view({"stack": p["stack"]})
+        assert not view.xs  # served by the estimator: no whole perturbed leaf is scanned
+
+        def body(c, xs):
+            i, lp = xs
+            w = view.layer(i, lp)["stack"]
+            jax.debug.callback(lambda i, w: seen.append(("layer", int(i), np.asarray(w))), i, w)
+            return c + jnp.sum(w.astype(jnp.float32)), None
+
+        total = jax.lax.scan(body, jnp.float32(0), (jnp.arange(4), view.xs))[0]
+        rows = layerwise.rows(p["table"], ids)
+        jax.debug.callback(lambda w: seen.append(("rows", 0, np.asarray(w))), rows)
+        return total + jnp.sum(rows)
+
+    keys = rng.sample_keys(5, [(0, 1, 0)])
+    eps = zo.round_eps(0.03)
+    jax.block_until_ready(zo.projected_gradients_fn(loss, distribution=distribution)(params, None, keys, eps))
+    leaves = dict(_leaves_np(params))
+    want = {sign: {path: reference.replay_leaf(leaf, path, [(keys[0], sign * float(eps))], distribution)
+                   for path, leaf in leaves.items()} for sign in (1, -1)}
+    assert len(seen) == 2 * 5
+    for j, (kind, i, got) in enumerate(seen):
+        sign = 1 if j < 5 else -1
+        expect = want[sign]["['stack']"][i] if kind == "layer" else want[sign]["['table']"][ids]
+        assert got.dtype == expect.dtype
+        np.testing.assert_array_equal(got.view(np.uint8), np.asarray(expect).view(np.uint8), err_msg=f"{kind} {i} {sign}")
+
+
+def test_in_scan_step_keeps_the_memory_of_inference():
+    """Compiled memory of a ZO step over a scanned Llama: inference plus less than one layer, where
+    perturbing the leaves whole holds a perturbed copy of the stacked layers."""
+    params, tokens, loss, loss_whole = _tiny_llama(dim=64, layers=6, hidden=128, vocab=256)
+    keys = rng.sample_keys(0, [(0, 0, 0)])
+    eps = zo.round_eps(1e-3)
+    from zeroth.models.pretrained import llama
+
+    stacked = sum(params[n].nbytes for n in llama.LAYER_PARAMS)
+    one_layer = stacked // 6
+    inference = zo.compiled_memory(jax.jit(loss).lower(params, tokens).compile(zo.compiler_options()))["peak"]
+    in_scan = zo.compiled_memory(zo.projected_gradients_fn(loss).compiled(params, tokens, keys, eps))["peak"]
+    whole = zo.compiled_memory(zo.projected_gradients_fn(loss_whole).compiled(params, tokens, keys, eps))["peak"]
+    assert in_scan - inference < one_layer, (in_scan, inference, one_layer)
+    assert whole - inference > stacked // 2, (whole, inference, stacked)  # the test can tell the two apart
+
+
+def test_layerwise_without_a_provider_is_plain_indexing():
+    from zeroth import layerwise
+
+    w = jnp.arange(24.0).reshape(4, 6)
+    assert not layerwise.active()
+    view = layerwise.layer_view({"w": w})
+    assert view.xs["w"] is w
+    ys = jax.lax.scan(lambda c, xs: (c, view.layer(*xs)["w"]), 0, (jnp.arange(4), view.xs))[1]
+    np.testing.assert_array_equal(ys, w)
+    ids = jnp.array([3, -1, 0])
+    np.testing.assert_array_equal(layerwise.rows(w, ids), w[ids])

@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeroth import codecs as _codecs
+from zeroth import layerwise as _layerwise
 from zeroth import noise as _noise
 from zeroth import replay as _replay
 from zeroth import rng as _rng
@@ -266,11 +267,65 @@ def projected_gradients_and_losses(
             # added to every token would otherwise regenerate its noise once per token).
             unit = s / s
             perturbed = jax.tree_util.tree_map(lambda x: x / unit.astype(x.dtype), perturbed)
-        return jnp.asarray(loss_fn(perturbed, batch)).astype(jnp.float32).reshape(())
+        # Models that read stacked layers or embedding rows through zeroth.layerwise get them
+        # from here, computed on demand from θ (same bits); the whole perturbed leaf is then
+        # unused and XLA drops it.
+        with _layerwise.provide(_perturbed_parts(theta, perturbed, key, s, distribution, native)):
+            loss = loss_fn(perturbed, batch)
+        return jnp.asarray(loss).astype(jnp.float32).reshape(())
 
     losses = jax.lax.map(one, (pair_keys, pair_scales)).reshape(n, 2)
     lp, lm = losses[:, 0], losses[:, 1]
     return (lp - lm) / (jnp.float32(2.0) * eps), (lp + lm) * jnp.float32(0.5)
+
+
+def _perturbed_parts(theta, perturbed, key, scale, distribution: str, native: bool) -> _layerwise.Provider:
+    """The :class:`zeroth.layerwise.Provider` of one perturbed model ``perturbed = θ + s·z``.
+
+    It recognises the leaves of ``perturbed`` by identity and serves layer ``i`` of a stacked leaf
+    (:func:`zeroth.kernels.perturb.perturb_slice` of θ's leaf at ``i · m``, the native kernel
+    reading the slice in place on CPU) and rows of a table (:func:`zeroth.kernels.perturb.perturb_rows`),
+    each bit-identical to the same part of the whole perturbed leaf.
+    """
+    t_leaves = jax.tree_util.tree_flatten_with_path(theta)[0]
+    p_leaves = jax.tree_util.tree_leaves(perturbed)
+    known = {id(p): (p, t, _rng.leaf_id(path)) for (path, t), p in zip(t_leaves, p_leaves, strict=True)}
+    scales = scale[None]
+    impl = "native" if native else "jnp"
+
+    def find(leaf):
+        hit = known.get(id(leaf))
+        return None if hit is None or hit[0] is not leaf else hit
+
+    def materialize(x, like):
+        # As for whole leaves on the jnp path: a division by a runtime 1.0 keeps XLA from fusing
+        # the noise into consumers that broadcast it (exact, x / 1 == x).
+        return x if native else x / (scale / scale).astype(like.dtype)
+
+    def layer(leaf):
+        hit = find(leaf)
+        if hit is None or jnp.ndim(hit[1]) < 1:
+            return None
+        _, t, lid = hit
+        lk = _fused.leaf_keys(key[None], lid)
+        shape = tuple(t.shape[1:])
+        m = math.prod(shape)
+
+        def at(i):
+            start = jnp.asarray(i).astype(jnp.uint32) * jnp.uint32(m)
+            z = _fused.perturb_slice(t, lk, scales, start, shape, distribution=distribution, impl=impl, platform="cpu" if native else None)
+            return materialize(z, t)
+
+        return at
+
+    def rows(leaf, ids):
+        hit = find(leaf)
+        if hit is None or jnp.ndim(hit[1]) < 1:
+            return None
+        _, t, lid = hit
+        return materialize(_fused.perturb_rows(t, _fused.leaf_keys(key[None], lid), scales, ids, distribution=distribution), t)
+
+    return _layerwise.Provider(layer, rows)
 
 
 def projected_gradients(

@@ -57,6 +57,7 @@ __all__ = [
 SOURCE = Path(__file__).with_name("cpu_perturb.cc")
 _SYMBOL = "ZerothPerturb"
 _TREE_SYMBOL = "ZerothPerturbTree"
+_SLICE_SYMBOL = "ZerothPerturbSlice"
 
 
 class NativeKernelWarning(UserWarning):
@@ -183,14 +184,18 @@ def build(config: BuildConfig = DEFAULT_BUILD, *, force: bool = False) -> Path:
     return path
 
 
-def target_name(config: BuildConfig = DEFAULT_BUILD, *, tree: bool = False) -> str:
-    """The FFI target of one leaf (``tree=False``) or of every leaf of a replay in one launch."""
-    return f"zeroth_perturb_{'tree_' if tree else ''}{config.name}"
+def target_name(config: BuildConfig = DEFAULT_BUILD, *, tree: bool = False, sliced: bool = False) -> str:
+    """The FFI target of one leaf (``tree=False``), of every leaf of a replay in one launch
+    (``tree=True``), or of one slice of a leaf whose start is given at run time (``sliced=True``)."""
+    if tree and sliced:
+        raise ValueError("a target is of a tree or of a slice, not both")
+    return f"zeroth_perturb_{'tree_' if tree else ''}{'slice_' if sliced else ''}{config.name}"
 
 
 def register(config: BuildConfig = DEFAULT_BUILD) -> str:
-    """Build (if needed), load and register the kernel's two XLA CPU FFI targets (one leaf, and
-    every leaf of a replay: :func:`target_name` with ``tree=True``); return the one-leaf name.
+    """Build (if needed), load and register the kernel's XLA CPU FFI targets (one leaf; every leaf
+    of a replay, :func:`target_name` with ``tree=True``; one slice of a leaf, ``sliced=True``);
+    return the one-leaf name.
 
     Raises:
       RuntimeError: the build or the load failed.
@@ -204,11 +209,13 @@ def register(config: BuildConfig = DEFAULT_BUILD) -> str:
         try:
             lib = ctypes.cdll.LoadLibrary(str(path))
             handler, tree_handler = getattr(lib, _SYMBOL), getattr(lib, _TREE_SYMBOL)
+            slice_handler = getattr(lib, _SLICE_SYMBOL)
         except (OSError, AttributeError) as exc:
             raise RuntimeError(f"cannot load the native kernel {path}: {exc}") from exc
         name = target_name(config)
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
         jax.ffi.register_ffi_target(target_name(config, tree=True), jax.ffi.pycapsule(tree_handler), platform="cpu")
+        jax.ffi.register_ffi_target(target_name(config, sliced=True), jax.ffi.pycapsule(slice_handler), platform="cpu")
         _registered[config.name] = name
         return name
 

@@ -20,6 +20,12 @@ step can perturb one layer at a time):
     attn_v f32[L, KV·hd, d]   attn_o f32[L, d, H·hd]
     ffn_norm f32[L, d]        ffn_gate f32[L, F, d]    ffn_up f32[L, F, d]   ffn_down f32[L, d, F]
 
+The forward reads the stacked layers and the embedding rows through :mod:`zeroth.layerwise`
+(plain slices and gathers by default): under a ZO estimator the scan body then builds layer
+``i``'s perturbed weights just before the layer runs, and the lookups perturb only the rows they
+read, so a ZO step never holds a whole perturbed copy of the model (same bits as perturbing it
+whole, see :func:`zeroth.zo.projected_gradients_and_losses`).
+
 GGUF stores ``W_q`` and ``W_k`` with the rows of each head permuted for ggml's interleaved RoPE
 (pairs ``(2i, 2i+1)``): llama.cpp's converter applies
 ``w.reshape(n, 2, hd/2, in).swapaxes(1, 2)`` per head. :func:`unpermute_qk` inverts it (with
@@ -40,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroth import layerwise as _layerwise
 from zeroth.models.pretrained import gguf_file as _gguf
 
 __all__ = [
@@ -358,7 +365,7 @@ def forward(
     q_slot = idx + jnp.arange(T, dtype=jnp.int32)
     causal = jnp.arange(S, dtype=jnp.int32)[None, :] <= q_slot[:, None]  # [T, S]
     mask = causal[None, :, :] & kv_valid[:, None, :]
-    h = params["embed"][tokens].astype(jnp.float32)
+    h = _layerwise.rows(params["embed"], tokens).astype(jnp.float32)
     if not is_stacked(params):  # one leaf per layer and weight: a Python loop, unrolled by XLA
         ks, vs = [], []
         for i in range(cfg.n_layers):
@@ -367,24 +374,27 @@ def forward(
             ks.append(k)
             vs.append(v)
         return h, (None if cache is None else KVCache(jnp.stack(ks), jnp.stack(vs)))
-    layer_params = {name: params[name] for name in LAYER_PARAMS}
+    # Layer i's weights come from zeroth.layerwise: the scan's slices, or (under a ZO estimator)
+    # the perturbed layer computed in the body just before it runs (same bits).
+    view = _layerwise.layer_view({name: params[name] for name in LAYER_PARAMS})
+    layer_index = jnp.arange(cfg.n_layers, dtype=jnp.int32)
 
     def body(h, xs):
-        lp, kv = xs
-        h, kv = _layer(cfg, h, lp, positions, mask, kv, idx)
+        (i, lp), kv = xs
+        h, kv = _layer(cfg, h, view.layer(i, lp), positions, mask, kv, idx)
         return h, kv
 
     if cache is None:
-        h, _ = jax.lax.scan(lambda c, lp: (body(c, (lp, None))[0], None), h, layer_params)
+        h, _ = jax.lax.scan(lambda c, x: (body(c, (x, None))[0], None), h, (layer_index, view.xs))
         return h, None
-    h, (k, v) = jax.lax.scan(body, h, (layer_params, (cache.k, cache.v)))
+    h, (k, v) = jax.lax.scan(body, h, ((layer_index, view.xs), (cache.k, cache.v)))
     return h, KVCache(k, v)
 
 
 def logits(params: dict, cfg: LlamaConfig, hidden: jax.Array, token_ids: jax.Array | None = None) -> jax.Array:
     """``RMSNorm(hidden) · w_norm · Eᵀ``: ``f32[..., V]``, or only the columns ``token_ids`` (``f32[..., C]``)."""
     n = rms_norm(hidden, params["final_norm"], cfg.norm_eps)
-    emb = params["embed"] if token_ids is None else params["embed"][jnp.asarray(token_ids)]
+    emb = params["embed"] if token_ids is None else _layerwise.rows(params["embed"], token_ids)
     return jnp.einsum("...d,vd->...v", n, emb)
 
 
