@@ -40,8 +40,13 @@ layers needs all its perturbed weights at once; an unfused convolution materiali
 activations), so :func:`projected_gradients_fn` compiles the candidates of
 :func:`compiler_option_candidates` and keeps the one with the smallest compiled peak. Typical
 result: the inference peak plus one perturbed copy of the largest leaf (or of the few leaves one
-library call reads). A caller wrapping :func:`projected_gradients` in its own ``jax.jit`` should
-pass ``compiler_options=zo.compiler_options()``. The update is ``replay(..., donate=True)``, in
+library call reads). Layers stacked on a leading axis and run by ``lax.scan`` would be perturbed
+whole before the scan (a whole perturbed copy, and its write and read an extra memory pass per
+forward): a model that reads them through :mod:`zeroth.layerwise` (the Llama forward does)
+gets layer ``i`` perturbed inside the scan body just before it runs, and embedding rows perturbed
+as they are read; the estimator serves these parts while it traces ``loss_fn``, bit-identical to
+the same parts of the whole perturbed leaf, which XLA then drops as unused. A caller wrapping
+:func:`projected_gradients` in its own ``jax.jit`` should pass ``compiler_options=zo.compiler_options()``. The update is ``replay(..., donate=True)``, in
 place. ``zeroth bench zo`` measures all of it against a plain forward pass.
 
 ZO-momentum / ZO-Adam (:func:`zo_optax`) materialize a dense gradient estimate and keep optax
@@ -224,7 +229,11 @@ def projected_gradients_and_losses(
     ``ℓ_i = (L(θ+) + L(θ−)) / 2``, in float32. The 2n forward passes are the iterations of one
     ``lax.map`` over ``(k_i, ±ε)``: each iteration builds one perturbed model, leaf by leaf as the
     forward pass needs it, and nothing of it outlives the iteration (see the module docstring on
-    memory and :func:`compiler_options`).
+    memory and :func:`compiler_options`). While ``loss_fn`` is traced, a
+    :class:`zeroth.layerwise.Provider` serves the parts of ``θ±`` that the model reads through
+    :mod:`zeroth.layerwise` (layer ``i`` of a stacked leaf inside a scan, rows of a table),
+    computed on demand from ``θ`` with the same bits; ``loss_fn(params, batch)`` is called as
+    usual, and a model that does not use :mod:`zeroth.layerwise` sees no difference.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar``; any function, differentiable or not.
@@ -300,7 +309,7 @@ def _perturbed_parts(theta, perturbed, key, scale, distribution: str, native: bo
     def materialize(x, like):
         # As for whole leaves on the jnp path: a division by a runtime 1.0 keeps XLA from fusing
         # the noise into consumers that broadcast it (exact, x / 1 == x).
-        return x if native else x / (scale / scale).astype(like.dtype)
+        return x / (scale / scale).astype(like.dtype)
 
     def layer(leaf):
         hit = find(leaf)
@@ -313,8 +322,8 @@ def _perturbed_parts(theta, perturbed, key, scale, distribution: str, native: bo
 
         def at(i):
             start = jnp.asarray(i).astype(jnp.uint32) * jnp.uint32(m)
-            z = _fused.perturb_slice(t, lk, scales, start, shape, distribution=distribution, impl=impl, platform="cpu" if native else None)
-            return materialize(z, t)
+            z = _fused.perturb_slice(t, lk, scales, start, shape, distribution=distribution, impl=impl)
+            return z if native else materialize(z, t)
 
         return at
 

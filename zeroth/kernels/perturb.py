@@ -615,6 +615,7 @@ def perturb_slice(
     if impl == "native":
         return perturb_native_slice(x, leaf_keys_, scales, start, shape, distribution=distribution)
     x = jnp.asarray(x)
+    _check_offset(0, x.size)  # every global index fits in 32 bits
     shape = tuple(int(d) for d in shape)
     m = int(np.prod(shape, dtype=np.int64))
     start = _slice_start(start, m, x.size)

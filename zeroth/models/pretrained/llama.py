@@ -12,8 +12,7 @@ Logits are ``RMSNorm(x) · w_norm · Eᵀ`` with the input embedding ``E`` (tied
 
 Parameters (float32, layers stacked on a leading axis ``L`` and run with ``lax.scan``; linear
 weights are ``[out, in]`` as in the file; :func:`unstack_layers` gives the equivalent per-layer
-layout ``{"layers_00": {"attn_q": [H·hd, d], ...}, ...}``, run as an unrolled loop, which a ZO
-step can perturb one layer at a time):
+layout ``{"layers_00": {"attn_q": [H·hd, d], ...}, ...}``, run as an unrolled loop):
 
     embed f32[V, d]           final_norm f32[d]
     attn_norm f32[L, d]       attn_q f32[L, H·hd, d]   attn_k f32[L, KV·hd, d]
@@ -175,9 +174,8 @@ def unstack_layers(params: dict, n_layers: int) -> dict:
     """Stacked layout -> per-layer layout ``{"embed", "final_norm", "layers_00": {"attn_q": ...}, ...}``.
 
     The per-layer layout runs the layers as an unrolled Python loop instead of ``lax.scan``: each
-    layer's weights are separate leaves, so a ZO step can build each perturbed leaf just before
-    its layer runs and free it after (about one layer of extra memory instead of a whole
-    perturbed copy of the stacked weights), at the price of a longer compilation.
+    layer's weights are separate leaves (each perturbed just before its layer runs in a ZO step,
+    as the stacked layout's layers are inside the scan body), at the price of a longer compilation.
     """
     out = {k: v for k, v in params.items() if k not in LAYER_PARAMS}
     for i in range(n_layers):
