@@ -520,3 +520,34 @@ def test_layerwise_without_a_provider_is_plain_indexing():
     np.testing.assert_array_equal(ys, w)
     ids = jnp.array([3, -1, 0])
     np.testing.assert_array_equal(layerwise.rows(w, ids), w[ids])
+
+
+def test_a_flax_module_gets_its_stacked_layers_from_the_estimator():
+    """Through flax's apply the module's param is the very array the estimator passed, so the
+    estimator serves its layers in the scan (same projected gradients as perturbing it whole)."""
+    import flax.linen as nn
+
+    served = []
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.normal(0.5), (3, 4, 4))
+            view = layerwise.layer_view({"w": w})
+            served.append(not view.xs)
+            body = lambda h, xs: (jnp.tanh(h @ view.layer(*xs)["w"]), None)  # noqa: E731
+            return jnp.sum(jax.lax.scan(body, x, (jnp.arange(3), view.xs))[0])
+
+    model = Stack()
+    x = jnp.ones((2, 4), jnp.float32)
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    assert served == [False]  # nothing served outside the estimator
+    served.clear()
+    keys = rng.sample_keys(0, [(0, 0, 0)])
+    eps = zo.round_eps(1e-2)
+    g = zo.projected_gradients_fn(lambda p, b: model.apply({"params": p}, b))(params, x, keys, eps)[0]
+    assert served == [True]
+    g_whole = zo.projected_gradients_fn(lambda p, b: model.apply({"params": jax.tree_util.tree_map(jnp.copy, p)}, b))(
+        params, x, keys, eps)[0]
+    assert served == [True, False]
+    np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(g_whole).view(np.uint32))
