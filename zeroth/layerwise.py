@@ -120,10 +120,12 @@ def rows(table, ids) -> jax.Array:
     Indices follow ``jnp`` indexing: negative ids count from the end, out-of-range ids are clamped.
     """
     ids = jnp.asarray(ids)
-    for p in _PROVIDERS.get():
+    providers = _PROVIDERS.get()
+    if providers:
         n = jnp.shape(table)[0]
-        safe = jnp.clip(jnp.where(ids < 0, ids + n, ids), 0, n - 1)
-        out = p.rows(table, safe)
-        if out is not None:
-            return out
+        safe = jnp.clip(jnp.where(ids < 0, ids + n, ids), 0, n - 1)  # what table[ids] reads
+        for p in providers:
+            out = p.rows(table, safe)
+            if out is not None:
+                return out
     return jnp.asarray(table)[ids]
