@@ -648,3 +648,73 @@ def test_one_native_launch_for_every_leaf(donate):
         assert_same_bits(got[k], want[k])
     with pytest.raises(ValueError, match="3 leaves but 2 leaf ids"):
         kp.perturb_native_tree([jnp.zeros(2)] * 3, keys, scales, [1, 2])
+
+
+# --------------------------------------------------------------------------- slices and rows chosen at run time
+
+
+SLICE_IMPLS = ("native", "jnp") if NATIVE else ("jnp",)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    n=st.integers(1, 9000),
+    frac=st.tuples(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1)),
+    n_updates=st.integers(1, 3),
+    dist=st.sampled_from(DISTS),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]),
+    impl=st.sampled_from(SLICE_IMPLS),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_slice_with_a_run_time_start_has_the_whole_leafs_bits(n, frac, n_updates, dist, dtype, impl, seed):
+    """perturb_slice at a traced start (any, odd included) and any size gives exactly those elements
+    of the whole leaf's update, for every dtype, distribution and implementation."""
+    m = max(1, int(frac[0] * n))
+    starts = sorted({int(frac[1] * (n - m)), int(frac[2] * (n - m))})
+    x = _array((n,), dtype, seed=seed % 1000)
+    keys, scales = _leaf_keys(n_updates, seed=seed), _scales(dist, n_updates, seed=seed)
+    want = numpy_perturb(x, keys, scales, dist)
+    f = jax.jit(lambda x, s: kp.perturb_slice(x, keys, scales, s, (m,), distribution=dist, impl=impl))
+    for s in starts:
+        assert_same_bits(f(x, jnp.uint32(s)), want[s : s + m])
+
+
+@pytest.mark.parametrize("impl", SLICE_IMPLS)
+def test_layers_of_a_stacked_leaf_inside_a_scan(impl):
+    """Layer i of a stacked [L, a, b] leaf, built inside a scan body at start i * a * b, is layer i
+    of the whole leaf's update (the ZO estimator's in-scan path)."""
+    x = _array((5, 7, 13), jnp.bfloat16, seed=3)
+    keys, scales = _leaf_keys(1, seed=5), _scales("binomial", 1, seed=5)
+    want = numpy_perturb(x, keys, scales, "binomial")
+
+    def body(c, i):
+        return c, kp.perturb_slice(x, keys, scales, i.astype(jnp.uint32) * 91, (7, 13), distribution="binomial", impl=impl)
+
+    got = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(5))[1])()
+    assert_same_bits(got, want)
+
+
+@needs_native
+def test_native_slice_outside_the_leaf_is_refused():
+    x = _array((10, 4), jnp.float32)
+    keys, scales = _leaf_keys(1), _scales("binomial", 1)
+    with pytest.raises(ValueError, match="slice start 38 \\+ 4 elements leaves the leaf of 40"):
+        kp.perturb_native_slice(x, keys, scales, 38, (4,))
+    f = jax.jit(lambda s: kp.perturb_native_slice(x, keys, scales, s, (4,)))
+    with pytest.raises(Exception, match="leaves the leaf"):
+        jax.block_until_ready(f(jnp.uint32(37)))
+    with pytest.raises(ValueError, match="a run-time offset must be a u32"):
+        kp.perturb_reference(x, keys, scales, offset=jnp.int32(3))
+
+
+@pytest.mark.parametrize("dist", DISTS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_rows_of_an_updated_table(dist, dtype):
+    """perturb_rows gathers rows of the whole table's update (repeated ids, any order), and only those."""
+    table = _array((37, 3, 5), dtype, seed=8)
+    keys, scales = _leaf_keys(2, seed=9), _scales(dist, 2, seed=9)
+    ids = np.array([[0, 36, 5], [5, 1, 2]], np.int32)
+    got = jax.jit(lambda t, i: kp.perturb_rows(t, keys, scales, i, distribution=dist))(table, ids)
+    assert_same_bits(got, numpy_perturb(table, keys, scales, dist)[ids])
+    with pytest.raises(ValueError, match="row ids must be integers"):
+        kp.perturb_rows(table, keys, scales, jnp.zeros(2), distribution=dist)

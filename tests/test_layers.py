@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent / "zeroth"
 # layer may import each other one way.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("0 package root (imports nothing)", ("zeroth",)),
-    ("1 exact core: reference, rng, noise, rule, host learning-rate schedules", ("zeroth.reference", "zeroth.rng", "zeroth.noise", "zeroth.rule", "zeroth.schedules")),
+    ("1 exact core: reference, rng, noise, rule, host learning-rate schedules; layerwise (the trace-time hook between estimators and models)",
+     ("zeroth.reference", "zeroth.rng", "zeroth.noise", "zeroth.rule", "zeroth.schedules", "zeroth.layerwise")),
     ("2 kernels", ("zeroth.kernels",)),
     ("2 replay (above the kernels)", ("zeroth.replay",)),
     ("3 codecs, compress, zo, collectives", ("zeroth.codecs", "zeroth.compress", "zeroth.zo", "zeroth.collectives")),

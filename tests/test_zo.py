@@ -2,6 +2,7 @@
 decay, memory of a step, and ZO-SGD training on a real task."""
 
 import doctest
+import functools
 import importlib.util
 import math
 import random
@@ -14,7 +15,9 @@ import numpy as np
 import optax
 import pytest
 
-from zeroth import codecs, reference, replay, rng, zo
+from zeroth import codecs, layerwise, reference, replay, rng, zo
+from zeroth.kernels import cpu_native
+from zeroth.models.pretrained import llama
 
 DISTS = ["binomial", "rademacher"]
 
@@ -479,3 +482,145 @@ def test_zo_estimate_docstring_example_runs():
         for name in ("zo_estimate", "zo_value_and_grad", "lr_at"):
             for test in doctest.DocTestFinder().find(getattr(zo, name), name, globs=dict(vars(zo))):
                 assert doctest.DocTestRunner().run(test).failed == 0, name
+
+
+# --------------------------------------------------------------------------- stacked layers perturbed inside the scan
+
+
+@functools.lru_cache(maxsize=1)
+def _tiny_llama():
+    """A random 3-layer Llama (stacked layers, lax.scan), a batch and two losses; cached, so that
+    the estimators compiled for one test serve the next."""
+    cfg = llama.LlamaConfig(vocab_size=97, dim=24, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=40)
+    r = np.random.default_rng(0)
+    params = {k: jnp.asarray(r.standard_normal(s).astype(np.float32) * 0.2) for k, s in llama.param_shapes(cfg).items()}
+    tokens = jnp.asarray(r.integers(0, 97, (2, 7)).astype(np.int32))
+
+    def loss(p, b):
+        h, _ = llama.forward(p, cfg, b)
+        return jnp.mean(llama.logits(p, cfg, h[:, -1], np.array([3, 5])) ** 2)
+
+    def loss_whole(p, b):  # the model gets copies, which no provider recognises: whole perturbed leaves
+        return loss(jax.tree_util.tree_map(jnp.copy, p), b)
+
+    return params, tokens, loss, loss_whole
+
+
+@pytest.mark.parametrize(
+    ("distribution", "native"), [("binomial", True), ("rademacher", True), ("binomial", False)],
+    ids=["binomial-native", "rademacher-native", "binomial-jnp"],
+)
+def test_stacked_layers_perturbed_in_the_scan_give_the_same_projected_gradients(distribution, native, monkeypatch):
+    """A scanned Llama whose layers and embedding rows are perturbed on demand (zeroth.layerwise)
+    gives bit for bit the projected gradients and losses of perturbing every leaf whole, with the
+    native CPU kernel and with the jnp rule (elsewhere than a CPU)."""
+    params, tokens, loss, loss_whole = _tiny_llama()
+    if not native:
+        monkeypatch.setattr(cpu_native, "available", lambda *a, **k: False)
+        # fresh functions: the estimators compiled above for the same losses used the native kernel
+        loss, loss_whole = (lambda p, b: _tiny_llama()[2](p, b)), (lambda p, b: _tiny_llama()[3](p, b))
+    elif not cpu_native.available():
+        pytest.skip("no C++ compiler: the native CPU kernel cannot be built")
+    keys = rng.sample_keys(0, [(0, 0, i) for i in range(3)])
+    eps = zo.round_eps(1e-2)
+    g, ell = zo.projected_gradients_fn(loss, distribution=distribution)(params, tokens, keys, eps)
+    g_whole, ell_whole = zo.projected_gradients_fn(loss_whole, distribution=distribution)(params, tokens, keys, eps)
+    np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(g_whole).view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(ell).view(np.uint32), np.asarray(ell_whole).view(np.uint32))
+    assert np.all(np.asarray(g) != 0.0)
+
+
+@pytest.mark.parametrize("distribution", DISTS)
+def test_layers_and_rows_served_in_the_scan_are_the_reference_replay(distribution):
+    """What a model reads through zeroth.layerwise inside the estimator (layer i of a stacked bf16
+    leaf of odd size in a scan body, rows of a table) is the NumPy reference replay of (key, ±ε)."""
+    r = np.random.default_rng(3)
+    params = {"stack": jnp.asarray(r.normal(size=(4, 3, 11)).astype(ml_dtypes.bfloat16)),
+              "table": jnp.asarray(r.normal(size=(9, 5)).astype(np.float32))}
+    ids = np.array([8, 0, 3, 3], np.int32)
+    seen = []
+
+    def loss(p, b):
+        view = layerwise.layer_view({"stack": p["stack"]})
+        assert not view.xs  # served by the estimator: no whole perturbed leaf is scanned
+
+        def body(c, xs):
+            i, lp = xs
+            w = view.layer(i, lp)["stack"]
+            jax.debug.callback(lambda i, w: seen.append(("layer", int(i), np.asarray(w))), i, w)
+            return c + jnp.sum(w.astype(jnp.float32)), None
+
+        total = jax.lax.scan(body, jnp.float32(0), (jnp.arange(4), view.xs))[0]
+        rows = layerwise.rows(p["table"], ids)
+        jax.debug.callback(lambda w: seen.append(("rows", 0, np.asarray(w))), rows)
+        return total + jnp.sum(rows)
+
+    keys = rng.sample_keys(5, [(0, 1, 0)])
+    eps = zo.round_eps(0.03)
+    jax.block_until_ready(zo.projected_gradients_fn(loss, distribution=distribution)(params, None, keys, eps))
+    leaves = dict(_leaves_np(params))
+    want = {sign: {path: reference.replay_leaf(leaf, path, [(keys[0], sign * float(eps))], distribution)
+                   for path, leaf in leaves.items()} for sign in (1, -1)}
+    assert len(seen) == 2 * 5
+    for j, (kind, i, got) in enumerate(seen):
+        sign = 1 if j < 5 else -1
+        expect = want[sign]["['stack']"][i] if kind == "layer" else want[sign]["['table']"][ids]
+        assert got.dtype == expect.dtype
+        np.testing.assert_array_equal(got.view(np.uint8), np.asarray(expect).view(np.uint8), err_msg=f"{kind} {i} {sign}")
+
+
+def test_in_scan_step_keeps_the_memory_of_inference():
+    """Compiled memory of a ZO step over a scanned Llama: inference plus less than one layer, where
+    perturbing the leaves whole holds a perturbed copy of the stacked layers."""
+    params, tokens, loss, loss_whole = _tiny_llama()
+    keys = rng.sample_keys(0, [(0, 0, i) for i in range(3)])
+    eps = zo.round_eps(1e-2)
+    stacked = sum(params[n].nbytes for n in llama.LAYER_PARAMS)
+    one_layer = stacked // 3
+    inference = zo.compiled_memory(jax.jit(loss).lower(params, tokens).compile(zo.compiler_options()))["peak"]
+    in_scan = zo.compiled_memory(zo.projected_gradients_fn(loss).compiled(params, tokens, keys, eps))["peak"]
+    whole = zo.compiled_memory(zo.projected_gradients_fn(loss_whole).compiled(params, tokens, keys, eps))["peak"]
+    assert in_scan - inference < one_layer, (in_scan, inference, one_layer)
+    assert whole - inference > stacked // 2, (whole, inference, stacked)  # the test can tell the two apart
+
+
+def test_layerwise_without_a_provider_is_plain_indexing():
+    w = jnp.arange(24.0).reshape(4, 6)
+    assert not layerwise.active()
+    view = layerwise.layer_view({"w": w})
+    assert view.xs["w"] is w
+    ys = jax.lax.scan(lambda c, xs: (c, view.layer(*xs)["w"]), 0, (jnp.arange(4), view.xs))[1]
+    np.testing.assert_array_equal(ys, w)
+    ids = jnp.array([3, -1, 0])
+    np.testing.assert_array_equal(layerwise.rows(w, ids), w[ids])
+
+
+def test_a_flax_module_gets_its_stacked_layers_from_the_estimator():
+    """Through flax's apply the module's param is the very array the estimator passed, so the
+    estimator serves its layers in the scan (same projected gradients as perturbing it whole)."""
+    import flax.linen as nn
+
+    served = []
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.normal(0.5), (3, 4, 4))
+            view = layerwise.layer_view({"w": w})
+            served.append(not view.xs)
+            body = lambda h, xs: (jnp.tanh(h @ view.layer(*xs)["w"]), None)  # noqa: E731
+            return jnp.sum(jax.lax.scan(body, x, (jnp.arange(3), view.xs))[0])
+
+    model = Stack()
+    x = jnp.ones((2, 4), jnp.float32)
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    assert served == [False]  # nothing served outside the estimator
+    served.clear()
+    keys = rng.sample_keys(0, [(0, 0, 0)])
+    eps = zo.round_eps(1e-2)
+    g = zo.projected_gradients_fn(lambda p, b: model.apply({"params": p}, b))(params, x, keys, eps)[0]
+    assert served == [True]
+    g_whole = zo.projected_gradients_fn(lambda p, b: model.apply({"params": jax.tree_util.tree_map(jnp.copy, p)}, b))(
+        params, x, keys, eps)[0]
+    assert served == [True, False]
+    np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(g_whole).view(np.uint32))

@@ -40,8 +40,13 @@ layers needs all its perturbed weights at once; an unfused convolution materiali
 activations), so :func:`projected_gradients_fn` compiles the candidates of
 :func:`compiler_option_candidates` and keeps the one with the smallest compiled peak. Typical
 result: the inference peak plus one perturbed copy of the largest leaf (or of the few leaves one
-library call reads). A caller wrapping :func:`projected_gradients` in its own ``jax.jit`` should
-pass ``compiler_options=zo.compiler_options()``. The update is ``replay(..., donate=True)``, in
+library call reads). Layers stacked on a leading axis and run by ``lax.scan`` would be perturbed
+whole before the scan (a whole perturbed copy, and its write and read an extra memory pass per
+forward): a model that reads them through :mod:`zeroth.layerwise` (the Llama forward does)
+gets layer ``i`` perturbed inside the scan body just before it runs, and embedding rows perturbed
+as they are read; the estimator serves these parts while it traces ``loss_fn``, bit-identical to
+the same parts of the whole perturbed leaf, which XLA then drops as unused. A caller wrapping
+:func:`projected_gradients` in its own ``jax.jit`` should pass ``compiler_options=zo.compiler_options()``. The update is ``replay(..., donate=True)``, in
 place. ``zeroth bench zo`` measures all of it against a plain forward pass.
 
 The optax bridge: :func:`zo_estimate` is an optax ``GradientTransformation`` turning a
@@ -76,6 +81,7 @@ import numpy as np
 import optax
 
 from zeroth import codecs as _codecs
+from zeroth import layerwise as _layerwise
 from zeroth import noise as _noise
 from zeroth import replay as _replay
 from zeroth import rng as _rng
@@ -234,7 +240,11 @@ def projected_gradients_and_losses(
     ``ℓ_i = (L(θ+) + L(θ−)) / 2``, in float32. The 2n forward passes are the iterations of one
     ``lax.map`` over ``(k_i, ±ε)``: each iteration builds one perturbed model, leaf by leaf as the
     forward pass needs it, and nothing of it outlives the iteration (see the module docstring on
-    memory and :func:`compiler_options`).
+    memory and :func:`compiler_options`). While ``loss_fn`` is traced, a
+    :class:`zeroth.layerwise.Provider` serves the parts of ``θ±`` that the model reads through
+    :mod:`zeroth.layerwise` (layer ``i`` of a stacked leaf inside a scan, rows of a table),
+    computed on demand from ``θ`` with the same bits; ``loss_fn(params, batch)`` is called as
+    usual, and a model that does not use :mod:`zeroth.layerwise` sees no difference.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar``; any function, differentiable or not.
@@ -277,11 +287,65 @@ def projected_gradients_and_losses(
             # added to every token would otherwise regenerate its noise once per token).
             unit = s / s
             perturbed = jax.tree_util.tree_map(lambda x: x / unit.astype(x.dtype), perturbed)
-        return jnp.asarray(loss_fn(perturbed, batch)).astype(jnp.float32).reshape(())
+        # Models that read stacked layers or embedding rows through zeroth.layerwise get them
+        # from here, computed on demand from θ (same bits); the whole perturbed leaf is then
+        # unused and XLA drops it.
+        with _layerwise.provide(_perturbed_parts(theta, perturbed, key, s, distribution, native)):
+            loss = loss_fn(perturbed, batch)
+        return jnp.asarray(loss).astype(jnp.float32).reshape(())
 
     losses = jax.lax.map(one, (pair_keys, pair_scales)).reshape(n, 2)
     lp, lm = losses[:, 0], losses[:, 1]
     return (lp - lm) / (jnp.float32(2.0) * eps), (lp + lm) * jnp.float32(0.5)
+
+
+def _perturbed_parts(theta, perturbed, key, scale, distribution: str, native: bool) -> _layerwise.Provider:
+    """The :class:`zeroth.layerwise.Provider` of one perturbed model ``perturbed = θ + s·z``.
+
+    It recognises the leaves of ``perturbed`` by identity and serves layer ``i`` of a stacked leaf
+    (:func:`zeroth.kernels.perturb.perturb_slice` of θ's leaf at ``i · m``, the native kernel
+    reading the slice in place on CPU) and rows of a table (:func:`zeroth.kernels.perturb.perturb_rows`),
+    each bit-identical to the same part of the whole perturbed leaf.
+    """
+    t_leaves = jax.tree_util.tree_flatten_with_path(theta)[0]
+    p_leaves = jax.tree_util.tree_leaves(perturbed)
+    known = {id(p): (p, t, _rng.leaf_id(path)) for (path, t), p in zip(t_leaves, p_leaves, strict=True)}
+    scales = scale[None]
+    impl = "native" if native else "jnp"
+
+    def find(leaf):
+        hit = known.get(id(leaf))
+        return None if hit is None or hit[0] is not leaf else hit
+
+    def materialize(x, like):
+        # As for whole leaves on the jnp path: a division by a runtime 1.0 keeps XLA from fusing
+        # the noise into consumers that broadcast it (exact, x / 1 == x).
+        return x / (scale / scale).astype(like.dtype)
+
+    def layer(leaf):
+        hit = find(leaf)
+        if hit is None or jnp.ndim(hit[1]) < 1:
+            return None
+        _, t, lid = hit
+        lk = _fused.leaf_keys(key[None], lid)
+        shape = tuple(t.shape[1:])
+        m = math.prod(shape)
+
+        def at(i):
+            start = jnp.asarray(i).astype(jnp.uint32) * jnp.uint32(m)
+            z = _fused.perturb_slice(t, lk, scales, start, shape, distribution=distribution, impl=impl)
+            return z if native else materialize(z, t)
+
+        return at
+
+    def rows(leaf, ids):
+        hit = find(leaf)
+        if hit is None or jnp.ndim(hit[1]) < 1:
+            return None
+        _, t, lid = hit
+        return materialize(_fused.perturb_rows(t, _fused.leaf_keys(key[None], lid), scales, ids, distribution=distribution), t)
+
+    return _layerwise.Provider(layer, rows)
 
 
 def projected_gradients(

@@ -3,8 +3,8 @@
 A MeZO step against plain inference and against a backprop step, on one model and batch. Models:
 zeroth's own ``mlp``, ``cnn``, ``transformer`` (random inputs ``f32[B, 28, 28, 1]``, size set by
 ``--width``) and the pretrained ``smollm2`` (SmolLM2-135M prompt classifier, stacked layers run
-by ``lax.scan``), ``smollm2_unrolled`` (one leaf per layer: a ZO step perturbs one layer at a
-time) and ``minilm`` (all-MiniLM-L6-v2 classifier), on real prompts of ``--seq-len`` tokens with
+by ``lax.scan``; a ZO step perturbs each layer inside the scan body, :mod:`zeroth.layerwise`),
+``smollm2_unrolled`` (one leaf per layer, an unrolled loop) and ``minilm`` (all-MiniLM-L6-v2 classifier), on real prompts of ``--seq-len`` tokens with
 the pretrained weights (:func:`zeroth.bench.pretrained.setup`; a missing weights package is
 an error naming its install command).
 

@@ -58,6 +58,7 @@ SOURCE = Path(__file__).with_name("cpu_perturb.cc")
 _SYMBOL = "ZerothPerturb"
 _TREE_SYMBOL = "ZerothPerturbTree"
 _FLAT_SYMBOL = "ZerothPerturbFlat"
+_SLICE_SYMBOL = "ZerothPerturbSlice"
 
 
 class NativeKernelWarning(UserWarning):
@@ -184,18 +185,19 @@ def build(config: BuildConfig = DEFAULT_BUILD, *, force: bool = False) -> Path:
     return path
 
 
-def target_name(config: BuildConfig = DEFAULT_BUILD, *, tree: bool = False, flat: bool = False) -> str:
+def target_name(config: BuildConfig = DEFAULT_BUILD, *, tree: bool = False, flat: bool = False, sliced: bool = False) -> str:
     """The FFI target of one leaf (default), of every leaf of a replay in one launch (``tree=True``),
-    or of every segment of one flat buffer in one launch (``flat=True``)."""
-    if tree and flat:
-        raise ValueError("target_name: pass tree=True or flat=True, not both")
-    return f"zeroth_perturb_{'tree_' if tree else 'flat_' if flat else ''}{config.name}"
+    of every segment of one flat buffer in one launch (``flat=True``), or of one slice of a leaf
+    whose start is given at run time (``sliced=True``)."""
+    if tree + flat + sliced > 1:
+        raise ValueError(f"target_name: pass at most one of tree, flat, sliced (got tree={tree}, flat={flat}, sliced={sliced})")
+    return f"zeroth_perturb_{'tree_' if tree else 'flat_' if flat else 'slice_' if sliced else ''}{config.name}"
 
 
 def register(config: BuildConfig = DEFAULT_BUILD) -> str:
     """Build (if needed), load and register the kernel's XLA CPU FFI targets (one leaf; every leaf
     of a replay: :func:`target_name` with ``tree=True``; every segment of a flat buffer:
-    ``flat=True``); return the one-leaf name.
+    ``flat=True``; one slice of a leaf: ``sliced=True``); return the one-leaf name.
 
     Raises:
       RuntimeError: the build or the load failed.
@@ -210,12 +212,14 @@ def register(config: BuildConfig = DEFAULT_BUILD) -> str:
             lib = ctypes.cdll.LoadLibrary(str(path))
             handler, tree_handler = getattr(lib, _SYMBOL), getattr(lib, _TREE_SYMBOL)
             flat_handler = getattr(lib, _FLAT_SYMBOL)
+            slice_handler = getattr(lib, _SLICE_SYMBOL)
         except (OSError, AttributeError) as exc:
             raise RuntimeError(f"cannot load the native kernel {path}: {exc}") from exc
         name = target_name(config)
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
         jax.ffi.register_ffi_target(target_name(config, tree=True), jax.ffi.pycapsule(tree_handler), platform="cpu")
         jax.ffi.register_ffi_target(target_name(config, flat=True), jax.ffi.pycapsule(flat_handler), platform="cpu")
+        jax.ffi.register_ffi_target(target_name(config, sliced=True), jax.ffi.pycapsule(slice_handler), platform="cpu")
         _registered[config.name] = name
         return name
 

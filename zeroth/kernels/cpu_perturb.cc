@@ -611,6 +611,45 @@ ffi::Future PerturbFlat(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::B
   return Launch(pool, std::move(work));
 }
 
+// One slice of a leaf, its start given at run time (ZerothPerturbSlice): out = elements
+// [start, start + m) of x, perturbed with the noise of their global indices offset + start + j,
+// so slice i of a stacked [L, ...] leaf gets exactly the bits of the whole leaf's update at those
+// positions. `start` is a u32 scalar buffer (a scan's layer index times the layer size), m the
+// output's size; leaf keys given, as in Perturb.
+ffi::Future PerturbSlice(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> keys,
+                         ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::U32> start, ffi::Result<ffi::AnyBuffer> out,
+                         int32_t distribution, int64_t offset) {
+  if (distribution != kBinomial && distribution != kRademacher) return Failed("zeroth_perturb_slice: bad distribution");
+  const int64_t n_updates = static_cast<int64_t>(scales.element_count());
+  if (static_cast<int64_t>(keys.element_count()) != 2 * n_updates)
+    return Failed("zeroth_perturb_slice: keys must be u32[K, 2] and scales f32[K]");
+  if (start.element_count() != 1) return Failed("zeroth_perturb_slice: start must be one u32");
+  if (x.element_type() != out->element_type()) return Failed("zeroth_perturb_slice: the output must have the input's dtype");
+  const uint64_t first = *start.typed_data();
+  const uint64_t m = out->element_count();
+  if (first + m > x.element_count()) return Failed("zeroth_perturb_slice: the slice [start, start + size) leaves the leaf");
+  if (offset < 0 || static_cast<uint64_t>(offset) + first + m > 0xFFFFFFFFull)
+    return Failed("zeroth_perturb_slice: global indices must fit in 32 bits");
+  auto work = std::make_shared<Work>();
+  work->jobs.emplace_back();
+  Job& job = work->jobs.back();
+  const size_t item = x.element_type() == ffi::F32 ? 4 : 2;
+  job.in = static_cast<const char*>(x.untyped_data()) + item * first;
+  job.out = out->untyped_data();
+  job.n = static_cast<int64_t>(m);
+  job.offset = static_cast<uint64_t>(offset) + first;
+  job.distribution = distribution;
+  work->fns.push_back(TileFnFor(x.element_type()));
+  if (work->fns.back() == nullptr) return Failed("zeroth_perturb_slice: dtype must be float32, bfloat16 or float16");
+  const uint32_t* k = keys.typed_data();
+  const float* s = scales.typed_data();
+  for (int64_t u = 0; u < n_updates; ++u) {
+    job.keys.push_back(MakeKey(k[2 * u], k[2 * u + 1]));
+    job.scales.push_back(s[u]);
+  }
+  return Launch(pool, std::move(work));
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZerothPerturb, Perturb,
@@ -644,3 +683,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZerothPerturbFlat, PerturbFlat,
                                   .Attr<ffi::Span<const int64_t>>("sizes")
                                   .Attr<ffi::Span<const int64_t>>("leaf_ids")
                                   .Attr<int32_t>("distribution"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZerothPerturbSlice, PerturbSlice,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("distribution")
+                                  .Attr<int64_t>("offset"));

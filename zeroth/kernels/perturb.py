@@ -69,7 +69,10 @@ __all__ = [
     "perturb_native",
     "perturb_native_tree",
     "perturb_native_flat",
+    "perturb_native_slice",
     "perturb_leaf",
+    "perturb_slice",
+    "perturb_rows",
     "apply_updates",
     "apply_updates_flat",
     "fused_apply_updates",
@@ -280,7 +283,11 @@ def _check_args(x, keys, scales, distribution: str):
     return x, keys, scales
 
 
-def _check_offset(offset, n: int) -> int:
+def _check_offset(offset, n: int):
+    if isinstance(offset, jax.Array) and not isinstance(offset, np.ndarray):  # known at run time (traced)
+        if offset.dtype != jnp.uint32 or offset.shape != ():
+            raise ValueError(f"a run-time offset must be a u32[] scalar, got dtype {offset.dtype} shape {offset.shape}")
+        return offset
     if not isinstance(offset, (int, np.integer)) or isinstance(offset, bool) or offset < 0:
         raise ValueError(f"offset must be a non-negative int (a global flat index), got {offset!r}")
     if int(offset) + n > _noise.MAX_LEAF_SIZE:
@@ -312,7 +319,8 @@ def perturb_reference(x, leaf_keys_, scales, *, distribution: str = "binomial", 
       leaf_keys_: ``u32[K, 2]`` *leaf* keys (see :func:`leaf_keys`).
       scales: ``f32[K]`` host-rounded scales.
       distribution: ``"binomial"`` or ``"rademacher"``.
-      offset: global flat index of ``x``'s first element (0 for a whole leaf).
+      offset: global flat index of ``x``'s first element (0 for a whole leaf); an int, or a
+        ``u32[]`` known only at run time (a slice chosen inside a loop, :func:`perturb_slice`).
 
     Returns:
       The updated array, same shape and dtype.
@@ -591,6 +599,131 @@ def perturb_native_flat(
     column = lambda j: np.asarray([seg[j] for seg in segments], np.int64)  # noqa: E731
     return call(keys, scales, buffer, offsets=column(0), sizes=column(1), leaf_ids=column(2),
                 distribution=np.int32(_DIST_CODE[distribution]))
+
+
+# --------------------------------------------------------------------------- slices chosen at run time
+
+
+def _slice_start(start, m: int, size: int) -> jax.Array:
+    if m > size:
+        raise ValueError(f"a slice of {m} elements does not fit in a leaf of {size}")
+    if isinstance(start, (int, np.integer)) and not isinstance(start, bool) and not 0 <= int(start) <= size - m:
+        raise ValueError(f"slice start {int(start)} + {m} elements leaves the leaf of {size} elements")
+    return jnp.asarray(start).astype(jnp.uint32).reshape(())
+
+
+def perturb_native_slice(
+    x,
+    leaf_keys_,
+    scales,
+    start,
+    shape: tuple[int, ...],
+    *,
+    distribution: str = "binomial",
+    build: cpu_native.BuildConfig = cpu_native.DEFAULT_BUILD,
+) -> jax.Array:
+    """The native CPU kernel on one slice of a leaf whose start is known only at run time.
+
+    ``out = perturb(x.reshape(-1)[start : start + m]).reshape(shape)`` (``m = prod(shape)``), each
+    element with the noise of its global index ``start + j``: exactly the bits of the whole leaf's
+    update at those positions. The kernel reads the slice where it lies in ``x`` (no copy of it).
+
+    Args:
+      x: the whole leaf (f32 / bf16 / f16, any shape), e.g. stacked layers ``[L, ...]``.
+      leaf_keys_: ``u32[K, 2]`` leaf keys; scales: ``f32[K]`` host-rounded scales.
+      start: flat index of the slice's first element (a traced ``u32[]`` or an int); a slice that
+        leaves the leaf is a run-time error of the kernel.
+      shape: the slice's shape (static).
+    """
+    x, keys, scales = _check_args(x, leaf_keys_, scales, distribution)
+    shape = tuple(int(d) for d in shape)
+    start = _slice_start(start, int(np.prod(shape, dtype=np.int64)), x.size)
+    _check_offset(0, x.size)
+    cpu_native.register(build)
+    call = jax.ffi.ffi_call(cpu_native.target_name(build, sliced=True), jax.ShapeDtypeStruct(shape, x.dtype))
+    return call(x, keys, scales, start.reshape(1), distribution=np.int32(_DIST_CODE[distribution]), offset=np.int64(0))
+
+
+def perturb_slice(
+    x,
+    leaf_keys_,
+    scales,
+    start,
+    shape: tuple[int, ...],
+    *,
+    distribution: str = "binomial",
+    impl: str = "auto",
+    platform: str | None = None,
+) -> jax.Array:
+    """One slice of an updated leaf, its start known only at run time (traceable).
+
+    Bit-identical to ``perturb_leaf(x, ...).reshape(-1)[start : start + m].reshape(shape)``
+    (``m = prod(shape)``) without building the rest of the updated leaf: the noise of element
+    ``j`` of the slice is that of global index ``start + j``. Inside a ``lax.scan`` over stacked
+    layers, ``start = i · m`` gives layer ``i``'s updated weights just before it runs.
+
+    Implementations: the native CPU kernel (reads the slice in place, :func:`perturb_native_slice`),
+    elsewhere the jnp rule on ``lax.dynamic_slice`` of the leaf with a run-time offset (the Pallas
+    kernel takes static offsets only, so ``"pallas"`` runs the jnp rule here too). The caller keeps
+    ``start + m <= x.size`` (the native kernel refuses a slice outside the leaf; XLA's dynamic
+    slice would clamp it).
+
+    Args:
+      x: the whole leaf; leaf_keys_: ``u32[K, 2]``; scales: ``f32[K]``.
+      start: ``u32[]`` (or int) flat index of the slice's first element.
+      shape: the slice's shape (static).
+      distribution, impl, platform: as for :func:`perturb_leaf`.
+    """
+    impl = resolve_impl(impl, platform, int(np.shape(leaf_keys_)[0]))
+    if impl == "native":
+        return perturb_native_slice(x, leaf_keys_, scales, start, shape, distribution=distribution)
+    x = jnp.asarray(x)
+    _check_offset(0, x.size)  # every global index fits in 32 bits
+    shape = tuple(int(d) for d in shape)
+    m = int(np.prod(shape, dtype=np.int64))
+    start = _slice_start(start, m, x.size)
+    piece = jax.lax.dynamic_slice(x.reshape(-1), (start,), (m,))
+    return perturb_reference(piece, leaf_keys_, scales, distribution=distribution, offset=start).reshape(shape)
+
+
+def perturb_rows(table, leaf_keys_, scales, ids, *, distribution: str = "binomial") -> jax.Array:
+    """Rows of an updated leaf: ``perturb_leaf(table, ...)[ids]`` without the other rows (traceable).
+
+    The jnp rule on the gathered rows, each element with the noise of its global index
+    ``ids[...] · r + j`` (``r`` elements per row): an embedding lookup perturbs the rows it reads,
+    not the whole table.
+
+    Args:
+      table: the whole leaf ``[V, ...]`` (f32 / bf16 / f16).
+      leaf_keys_: ``u32[K, 2]`` leaf keys; scales: ``f32[K]`` host-rounded scales.
+      ids: integer row indices in ``[0, V)`` (any shape; the caller normalises them).
+
+    Returns:
+      ``ids.shape + table.shape[1:]``, the dtype of ``table``.
+    """
+    table, keys, scales = _check_args(table, leaf_keys_, scales, distribution)
+    if table.ndim < 1:
+        raise ValueError(f"rows of a 0-d leaf: the table must have at least one axis, got shape {table.shape}")
+    _check_offset(0, table.size)
+    ids = jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"row ids must be integers, got dtype {ids.dtype}")
+    row_shape = table.shape[1:]
+    r = int(np.prod(row_shape, dtype=np.int64))
+    within_row = jax.lax.iota(jnp.uint32, r).reshape((1,) * ids.ndim + row_shape)
+    idx = ids.astype(jnp.uint32).reshape(ids.shape + (1,) * len(row_shape)) * jnp.uint32(r) + within_row
+    call = idx >> _LOG2_PER_CALL[distribution]
+    within = idx & jnp.uint32(_PER_CALL[distribution] - 1)
+    p32 = _rule.flush(table[ids].astype(jnp.float32))
+
+    def body(u, p):
+        return _update_block(p, call, within, keys[u, 0], keys[u, 1], scales[u], distribution)
+
+    if keys.shape[0] == 1:
+        p32 = body(0, p32)
+    elif keys.shape[0] > 1:
+        p32 = jax.lax.fori_loop(0, keys.shape[0], body, p32)
+    return _rule.flush_cast(p32, table.dtype)
 
 
 # --------------------------------------------------------------------------- dispatch

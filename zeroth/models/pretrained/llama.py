@@ -12,13 +12,18 @@ Logits are ``RMSNorm(x) · w_norm · Eᵀ`` with the input embedding ``E`` (tied
 
 Parameters (float32, layers stacked on a leading axis ``L`` and run with ``lax.scan``; linear
 weights are ``[out, in]`` as in the file; :func:`unstack_layers` gives the equivalent per-layer
-layout ``{"layers_00": {"attn_q": [H·hd, d], ...}, ...}``, run as an unrolled loop, which a ZO
-step can perturb one layer at a time):
+layout ``{"layers_00": {"attn_q": [H·hd, d], ...}, ...}``, run as an unrolled loop):
 
     embed f32[V, d]           final_norm f32[d]
     attn_norm f32[L, d]       attn_q f32[L, H·hd, d]   attn_k f32[L, KV·hd, d]
     attn_v f32[L, KV·hd, d]   attn_o f32[L, d, H·hd]
     ffn_norm f32[L, d]        ffn_gate f32[L, F, d]    ffn_up f32[L, F, d]   ffn_down f32[L, d, F]
+
+The forward reads the stacked layers and the embedding rows through :mod:`zeroth.layerwise`
+(plain slices and gathers by default): under a ZO estimator the scan body then builds layer
+``i``'s perturbed weights just before the layer runs, and the lookups perturb only the rows they
+read, so a ZO step never holds a whole perturbed copy of the model (same bits as perturbing it
+whole, see :func:`zeroth.zo.projected_gradients_and_losses`).
 
 GGUF stores ``W_q`` and ``W_k`` with the rows of each head permuted for ggml's interleaved RoPE
 (pairs ``(2i, 2i+1)``): llama.cpp's converter applies
@@ -40,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroth import layerwise as _layerwise
 from zeroth.models.pretrained import gguf_file as _gguf
 
 __all__ = [
@@ -168,9 +174,8 @@ def unstack_layers(params: dict, n_layers: int) -> dict:
     """Stacked layout -> per-layer layout ``{"embed", "final_norm", "layers_00": {"attn_q": ...}, ...}``.
 
     The per-layer layout runs the layers as an unrolled Python loop instead of ``lax.scan``: each
-    layer's weights are separate leaves, so a ZO step can build each perturbed leaf just before
-    its layer runs and free it after (about one layer of extra memory instead of a whole
-    perturbed copy of the stacked weights), at the price of a longer compilation.
+    layer's weights are separate leaves (each perturbed just before its layer runs in a ZO step,
+    as the stacked layout's layers are inside the scan body), at the price of a longer compilation.
     """
     out = {k: v for k, v in params.items() if k not in LAYER_PARAMS}
     for i in range(n_layers):
@@ -358,7 +363,7 @@ def forward(
     q_slot = idx + jnp.arange(T, dtype=jnp.int32)
     causal = jnp.arange(S, dtype=jnp.int32)[None, :] <= q_slot[:, None]  # [T, S]
     mask = causal[None, :, :] & kv_valid[:, None, :]
-    h = params["embed"][tokens].astype(jnp.float32)
+    h = _layerwise.rows(params["embed"], tokens).astype(jnp.float32)
     if not is_stacked(params):  # one leaf per layer and weight: a Python loop, unrolled by XLA
         ks, vs = [], []
         for i in range(cfg.n_layers):
@@ -367,24 +372,27 @@ def forward(
             ks.append(k)
             vs.append(v)
         return h, (None if cache is None else KVCache(jnp.stack(ks), jnp.stack(vs)))
-    layer_params = {name: params[name] for name in LAYER_PARAMS}
+    # Layer i's weights come from zeroth.layerwise: the scan's slices, or (under a ZO estimator)
+    # the perturbed layer computed in the body just before it runs (same bits).
+    view = _layerwise.layer_view({name: params[name] for name in LAYER_PARAMS})
+    layer_index = jnp.arange(cfg.n_layers, dtype=jnp.int32)
 
     def body(h, xs):
-        lp, kv = xs
-        h, kv = _layer(cfg, h, lp, positions, mask, kv, idx)
+        (i, lp), kv = xs
+        h, kv = _layer(cfg, h, view.layer(i, lp), positions, mask, kv, idx)
         return h, kv
 
     if cache is None:
-        h, _ = jax.lax.scan(lambda c, lp: (body(c, (lp, None))[0], None), h, layer_params)
+        h, _ = jax.lax.scan(lambda c, x: (body(c, (x, None))[0], None), h, (layer_index, view.xs))
         return h, None
-    h, (k, v) = jax.lax.scan(body, h, (layer_params, (cache.k, cache.v)))
+    h, (k, v) = jax.lax.scan(body, h, ((layer_index, view.xs), (cache.k, cache.v)))
     return h, KVCache(k, v)
 
 
 def logits(params: dict, cfg: LlamaConfig, hidden: jax.Array, token_ids: jax.Array | None = None) -> jax.Array:
     """``RMSNorm(hidden) · w_norm · Eᵀ``: ``f32[..., V]``, or only the columns ``token_ids`` (``f32[..., C]``)."""
     n = rms_norm(hidden, params["final_norm"], cfg.norm_eps)
-    emb = params["embed"] if token_ids is None else params["embed"][jnp.asarray(token_ids)]
+    emb = params["embed"] if token_ids is None else _layerwise.rows(params["embed"], token_ids)
     return jnp.einsum("...d,vd->...v", n, emb)
 
 

