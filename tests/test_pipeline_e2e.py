@@ -17,6 +17,7 @@ from zeroth import compress as C
 from zeroth.config import load_config_dict
 from zeroth.pipeline import build, launch, sim
 from zeroth.train.checkpoint import Checkpointer, checksum
+from zeroth.train.metrics import check_schema, read_metrics
 from zeroth.train.runs import load_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -63,6 +64,14 @@ def test_fp32_pipeline_equals_the_single_process_model(tmp_path, stages, objecti
     records = launch.read_records(tmp_path)
     run = load_run(tmp_path)  # the folder reads back: its kind, config, merged metrics and summary
     assert run.kind == "pipeline" and run.metrics == records and run.summary and run.config["pipeline"]["stages"] == stages
+    # every writer's rows pass the schema: the merged rows and each stage's own
+    assert check_schema(records) == 3 and [r["step"] for r in records] == [1, 2, 3]
+    for s in range(stages):
+        rows = read_metrics(launch.stage_dir(tmp_path, s) / "metrics.jsonl")
+        assert check_schema(rows, f"stage {s}") == 3
+        assert [r["payload_bytes"] for r in rows] == [r["fw_bytes"] + r["bw_bytes"] for r in rows]
+    assert records[-1]["payload_bytes_total"] == sum(r["payload_bytes"] for r in records)
+    assert records[-1]["digest"] == sim.pipeline_digest([checksum(p) for p in _stage_params(cfg, tmp_path, 3)])
     losses, ref = sim.reference_run(cfg, 3)
     np.testing.assert_allclose([r["loss"] for r in records], losses, rtol=1e-5)
     got = _stage_params(cfg, tmp_path, 3)
@@ -99,7 +108,7 @@ def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path):
     if newest_1 > resume_at:  # stage 1's later checkpoints were moved aside, not overwritten or lost
         assert (launch.stage_dir(tmp_path, 1) / "checkpoints_quarantine" / str(newest_1)).is_dir()
     records = launch.read_records(tmp_path)
-    assert [r["step"] for r in records] == list(range(5))
+    assert check_schema(records) == 5 and [r["step"] for r in records] == [1, 2, 3, 4, 5]
     for r in records:  # both ends of the link hold the same buffers after every step
         assert r["links"][0]["send_digest"] == r["links"][0]["recv_digest"] is not None
     # epoch 0 (steps 0-1) sends every example in float32, later epochs 2-bit differences
@@ -114,4 +123,6 @@ def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path):
         assert summaries[s]["param_digest"] == checksum(e.params)
         assert summaries[s]["send_digest"] == C.buffer_digest(e.send_state)
         assert summaries[s]["recv_digest"] == C.buffer_digest(e.recv_state)
-    assert [r["loss"] for r in records] == [r["loss"] for r in sim.run_local(cfg)[0]]
+    local = sim.run_local(cfg)[0]
+    assert [r["loss"] for r in records] == [r["loss"] for r in local]
+    assert [r["digest"] for r in records] == [r["digest"] for r in local]  # every step's parameters, bit for bit

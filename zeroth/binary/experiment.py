@@ -9,7 +9,8 @@ against float32 on this machine (:mod:`zeroth.binary.speed`), and a sparse-mutat
 gRPC with worker processes (:mod:`zeroth.binary.launch`): bytes per round per worker of the
 sparse lists next to a dense float32 gradient.
 
-Writes ``results.json`` and ``metrics.jsonl`` (one record per training step) to the output folder.
+Writes ``results.json`` and ``metrics.jsonl`` (the metrics schema, :class:`Rows`: a ``train`` row per
+training step of every model and layer, an ``eval`` row per frozen layer) to the output folder.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from zeroth.binary import layerwise as LW
 from zeroth.binary import speed
 from zeroth.binary import train as T
 from zeroth.binary import worker as W
+from zeroth.replay import checksum
+from zeroth.train.metrics import MetricsWriter
 
-__all__ = ["run_config", "float_baseline", "plan_for"]
+__all__ = ["Rows", "run_config", "float_baseline", "plan_for"]
 
 
 def plan_for(b, weights: str, method: str, batch_size: int, seed: int) -> list:
@@ -52,10 +55,12 @@ def _maxpool(x):
 
 
 def float_baseline(xtr, ytr, xte, yte, *, channels, levels: int, grid: int, steps: int, batch_size: int, lr: float,
-                   seed: int, classes: int = 10) -> dict:
+                   seed: int, classes: int = 10, log=None) -> dict:
     """float32 conv stack of the same shapes (3x3 convs, ReLU, 2x2 max-pools, the region-mean head), backprop + Adam.
 
-    Inputs are the same packed thermometer bits, read as ±1 floats.
+    Inputs are the same packed thermometer bits, read as ±1 floats. ``log(step_index, loss, params)``
+    is called after each step. Returns the test accuracy and mean cross-entropy (``test_loss``),
+    the seconds, the losses and the number of conv weights.
     """
     rng = np.random.default_rng([seed, 99])
     params, c_in = [], levels
@@ -91,16 +96,20 @@ def float_baseline(xtr, ytr, xte, yte, *, channels, levels: int, grid: int, step
             upd, s = opt.update(g, s, p)
         return optax.apply_updates(p, upd), s, loss
 
-    predict = jax.jit(lambda p, xb: jnp.argmax(L.head_logits(p[1], features(p[0], xb), reg), axis=-1))
+    logits = jax.jit(lambda p, xb: L.head_logits(p[1], features(p[0], xb), reg))
     t0, losses = time.perf_counter(), []
     for i in range(steps):
         idx = np.random.default_rng([seed, 98, i]).choice(len(ytr), size=min(batch_size, len(ytr)), replace=False)
         all_params, state, loss = step(all_params, state, jnp.asarray(xtr[idx]), jnp.asarray(ytr[idx]))
         losses.append(float(loss))
+        if log is not None:
+            log(i, losses[-1], all_params)
     seconds = time.perf_counter() - t0
-    pred = np.concatenate([np.asarray(predict(all_params, jnp.asarray(xte[i:i + 500]))) for i in range(0, len(xte), 500)])
-    return {"test_accuracy": float(np.mean(pred == yte)), "seconds": seconds, "losses": losses,
-            "weights": int(sum(k.size for k, _ in params))}
+    z = np.concatenate([np.asarray(logits(all_params, jnp.asarray(xte[i:i + 500]))) for i in range(0, len(xte), 500)])
+    z64 = z.astype(np.float64)
+    ce = np.log(np.sum(np.exp(z64 - z64.max(axis=1, keepdims=True)), axis=1)) + z64.max(axis=1) - z64[np.arange(len(yte)), yte]
+    return {"test_accuracy": float(np.mean(np.argmax(z, axis=1) == yte)), "test_loss": float(np.mean(ce)),
+            "seconds": seconds, "losses": losses, "weights": int(sum(k.size for k, _ in params))}
 
 
 def _load(cfg):
@@ -112,6 +121,70 @@ def _load(cfg):
         raise ValueError(f"binary learning needs grey images f32[N, H, W, 1]; {cfg.data.dataset!r} has shape {tr.x.shape}")
     xtr, xte = L.encode_thermometer(tr.x[:n], b.levels), L.encode_thermometer(te.x[:m], b.levels)
     return xtr, np.asarray(tr.y[:n], np.int32), xte, np.asarray(te.y[:m], np.int32), tr.num_classes
+
+
+class Rows:
+    """The rows of a binary run's ``metrics.jsonl`` (the schema of :mod:`zeroth.train.metrics`).
+
+    One ``step`` counts every training step of the run, over every model and layer in the order
+    they train (so it never decreases); each ``train`` row names its ``model`` (``binary/flips``,
+    ..., ``float32/backprop``), ``layer`` and ``layer_step`` (steps done in that layer), and adds
+    ``flips`` (weights changed by the step). ``digest`` is the checksum of the weights being trained
+    (:func:`zeroth.binary.layers.layer_checksum` of the packed layer; the float network:
+    :func:`zeroth.replay.checksum` of its parameters). ``forward_passes`` and ``backward_passes``
+    count batch passes (:func:`zeroth.binary.train.step_cost`); no bytes travel (``payload_bytes``
+    0). An ``eval`` row follows each frozen layer: its auxiliary head on the test set.
+    """
+
+    def __init__(self, writer: MetricsWriter, step: int = 0, forward_passes: int = 0, backward_passes: int = 0,
+                 wall_time_s: float = 0.0):
+        self.writer, self.step, self.fwd, self.bwd = writer, step, forward_passes, backward_passes
+        self.t0 = time.perf_counter() - wall_time_s
+        self.last = time.perf_counter()
+
+    def counters(self) -> dict:
+        """What a resumed run starts its rows from."""
+        return {"step": self.step, "forward_passes": self.fwd, "backward_passes": self.bwd,
+                "wall_time_s": time.perf_counter() - self.t0}
+
+    def _common(self, kind: str, digest: str) -> dict:
+        return {"kind": kind, "step": self.step, "time_unix_s": time.time(), "wall_time_s": time.perf_counter() - self.t0,
+                "digest": digest, "forward_passes": self.fwd, "backward_passes": self.bwd, "payload_bytes_total": 0}
+
+    def start(self) -> None:
+        """Mark the start of a layer's training (the next step's ``step_time_s`` counts from here)."""
+        self.last = time.perf_counter()
+
+    def train(self, *, model: str, layer: int, layer_step: int, loss: float, lr: float, flips: int, digest: str,
+              cost: tuple[int, int]) -> None:
+        now = time.perf_counter()
+        self.step, self.fwd, self.bwd = self.step + 1, self.fwd + cost[0], self.bwd + cost[1]
+        self.writer.write({**self._common("train", digest), "loss": loss, "lr": lr, "step_time_s": now - self.last,
+                           "payload_bytes": 0, "model": model, "layer": layer, "layer_step": layer_step, "flips": flips})
+        self.last = now
+
+    def eval(self, *, model: str, layer: int, loss: float, accuracy: float, digest: str) -> None:
+        self.writer.write({**self._common("eval", digest), "eval_loss": loss, "eval_accuracy": accuracy,
+                           "model": model, "layer": layer})
+        self.last = time.perf_counter()
+
+
+def _layer_log(rows: Rows, name: str, plan: list):
+    """The ``log`` of :func:`zeroth.binary.layerwise.train_layerwise` that writes a model's rows."""
+
+    def log(i, rec, obj):
+        spec, tcfg = plan[i]
+        if rec is None:
+            rows.eval(model=name, layer=i, loss=obj.test_loss, accuracy=obj.test_accuracy,
+                      digest=L.layer_checksum(obj.layer, spec))
+            return
+        if rec["step"] == 0:
+            rows.start()
+        rows.train(model=name, layer=i, layer_step=rec["step"] + 1, loss=rec["loss"],
+                   lr=tcfg.ste_lr if tcfg.method == "ste" else tcfg.head_lr, flips=rec["flips"],
+                   digest=L.layer_checksum(obj, spec), cost=T.step_cost(tcfg))
+
+    return log
 
 
 def run_config(cfg, out_dir, argv=None, *, progress: bool = True) -> dict:
@@ -127,17 +200,16 @@ def run_config(cfg, out_dir, argv=None, *, progress: bool = True) -> dict:
     results = {"dataset": cfg.data.dataset, "train_size": len(ytr), "test_size": len(yte), "channels": list(b.channels),
                "levels": b.levels, "steps_per_layer": b.steps, "batch_size": bs, "models": []}
     cache = LW.LayerCache()
-    with open(out / "metrics.jsonl", "w") as log:
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    with MetricsWriter(out / "metrics.jsonl") as writer:
+        rows = Rows(writer)
         for weights in b.weights:
             for method in [m for m in b.methods if m != "float32"]:
                 name = f"{weights}/{method}"
-
-                def record(layer_index, rec, name=name):
-                    log.write(json.dumps({"model": name, "layer": layer_index, **rec}) + "\n")
-
+                plan = plan_for(b, weights, method, bs, seed)
                 t0 = time.perf_counter()
-                frozen = LW.train_layerwise(plan_for(b, weights, method, bs, seed), xtr, ytr, xte, yte,
-                                            classes=classes, cache=cache, log=record)
+                frozen = LW.train_layerwise(plan, xtr, ytr, xte, yte, classes=classes, cache=cache,
+                                            log=_layer_log(rows, name, plan))
                 model = {
                     "name": name, "weights": weights, "method": method,
                     "test_accuracy": frozen[-1].test_accuracy,
@@ -152,14 +224,24 @@ def run_config(cfg, out_dir, argv=None, *, progress: bool = True) -> dict:
                 results["models"].append(model)
                 say(f"  {name:<18} test accuracy {model['test_accuracy']:.4f} (layers {model['layer_test_accuracy']}), "
                     f"{model['wall_s']:.1f} s")
+        if "float32" in b.methods:
+            t0 = time.perf_counter()
+            rows.start()
+            last = {"digest": ""}
+
+            def float_log(i, loss, p):
+                last["digest"] = checksum(p)
+                rows.train(model="float32/backprop", layer=len(b.channels) - 1, layer_step=i + 1, loss=loss,
+                           lr=b.float_lr, flips=0, digest=last["digest"], cost=(1, 1))
+
+            fl = float_baseline(xtr, ytr, xte, yte, channels=b.channels, levels=b.levels, grid=b.grid, steps=b.float_steps,
+                                batch_size=bs, lr=b.float_lr, seed=seed, classes=classes, log=float_log)
+            rows.eval(model="float32/backprop", layer=len(b.channels) - 1, loss=fl["test_loss"],
+                      accuracy=fl["test_accuracy"], digest=last["digest"])
+            fl.update(name="float32/backprop", wall_s=time.perf_counter() - t0)
+            results["float32"] = fl
+            say(f"  float32/backprop   test accuracy {fl['test_accuracy']:.4f}, {fl['wall_s']:.1f} s")
     results["layer_cache"] = {"trained": cache.trained, "hits": cache.hits}
-    if "float32" in b.methods:
-        t0 = time.perf_counter()
-        fl = float_baseline(xtr, ytr, xte, yte, channels=b.channels, levels=b.levels, grid=b.grid, steps=b.float_steps,
-                            batch_size=bs, lr=b.float_lr, seed=seed, classes=classes)
-        fl.update(name="float32/backprop", wall_s=time.perf_counter() - t0)
-        results["float32"] = fl
-        say(f"  float32/backprop   test accuracy {fl['test_accuracy']:.4f}, {fl['wall_s']:.1f} s")
     rows = speed.binary_rows(batch=256, features=1024, channels=b.channels[0], image=xtr.shape[1], conv_batch=bs,
                              repeats=b.speed_repeats, warmup=1, host=False)
     results["speed"] = rows

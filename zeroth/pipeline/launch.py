@@ -5,9 +5,9 @@ zeroth.pipeline.stage``) for stages ``S−1 .. 0``
 (each stage after the first listens on a free port and writes it to ``OUT/stage_<i>/address``;
 the stage before it connects through ``--next @OUT/stage_<i+1>/address``). When a stage fails the
 others are stopped (a synchronous pipeline cannot go on without it) and the exit code is 1. On
-success the stages' records are merged into ``OUT/metrics.jsonl`` (:func:`merge_records`, one
-line per step: loss, per link bytes, frames and both ends' buffer digests, per stage times) and
-``OUT/summary.json``.
+success the stages' rows are merged into ``OUT/metrics.jsonl`` (:func:`merge_records`, one
+``train`` row of the metrics schema per step: loss, bytes, the digest of every stage's parameters,
+per link bytes, frames and both ends' buffer digests, per stage times) and ``OUT/summary.json``.
 
 ``zeroth run CONFIG --resume`` restarts every stage from the newest checkpoint step that all of
 them hold (:func:`common_step`), AQ-SGD buffers included.
@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 from zeroth import config as _config
+from zeroth.pipeline import sim
+from zeroth.train.metrics import MetricsWriter, read_metrics
 from zeroth.transport import processes
 
 __all__ = ["common_step", "merge_records", "read_records", "run_config", "stage_dir", "start_stages", "wait_stages"]
@@ -93,13 +95,15 @@ def wait_stages(procs: list[subprocess.Popen], out: Path, timeout_s: float | Non
     return 1
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
-
-
 def merge_records(out: Path, stages: int, batch_size: int, examples: int) -> list[dict]:
-    """One record per step from the stages' ``metrics.jsonl`` (the shape of :func:`zeroth.pipeline.sim.step_record`)."""
-    per = [{r["step"]: r for r in _read_jsonl(stage_dir(out, i) / "metrics.jsonl")} for i in range(stages)]
+    """One ``train`` row per step (:func:`zeroth.pipeline.sim.step_record`) from the stages' rows.
+
+    Per link: the sender's forward bytes and frames and send-buffer digest, the receiver's
+    backward bytes and frames and receive-buffer digest; per stage: its times, buffer size and
+    parameter digest. The row's time is the slowest stage's (``step_time_s``, ``wall_time_s``,
+    ``time_unix_s``: the last to finish); its payload bytes are summed over the stages.
+    """
+    per = [{r["step"]: r for r in _read(stage_dir(out, i) / "metrics.jsonl")} for i in range(stages)]
     steps = sorted(set.intersection(*(set(p) for p in per))) if per else []
     records = []
     for t in steps:
@@ -110,15 +114,22 @@ def merge_records(out: Path, stages: int, batch_size: int, examples: int) -> lis
                           "bw_bytes": rs[k + 1]["bw_bytes"], "bw_frames": rs[k + 1]["bw_frames"],
                           "send_digest": rs[k]["send_digest"], "recv_digest": rs[k + 1]["recv_digest"]})
         st = [{"stage": i, "compute_s": r["compute_s"], "codec_s": r["codec_s"], "wait_s": r["wait_s"],
-               "transfer_s": r["transfer_s"], "buffer_bytes": r["buffer_bytes"]} for i, r in enumerate(rs)]
-        records.append({"step": t, "epoch": t * batch_size // examples, "loss": rs[-1]["loss"],
-                        "wall_s": max(r["wall_s"] for r in rs), "links": links, "stages": st})
+               "transfer_s": r["transfer_s"], "buffer_bytes": r["buffer_bytes"], "digest": r["digest"]}
+              for i, r in enumerate(rs)]
+        records.append(sim.step_record(
+            t, epoch=(t - 1) * batch_size // examples, loss=rs[-1]["loss"], lr=rs[-1]["lr"], links=links, stages=st,
+            step_time_s=max(r["step_time_s"] for r in rs), wall_time_s=max(r["wall_time_s"] for r in rs),
+            payload_bytes_total=sum(r["payload_bytes_total"] for r in rs), time_unix_s=max(r["time_unix_s"] for r in rs)))
     return records
 
 
+def _read(path: Path) -> list[dict]:
+    return read_metrics(path) if path.is_file() else []
+
+
 def read_records(out: Path) -> list[dict]:
-    """The merged records of a finished run (``OUT/metrics.jsonl``)."""
-    return _read_jsonl(Path(out) / "metrics.jsonl")
+    """The merged rows of a finished run (``OUT/metrics.jsonl``)."""
+    return _read(Path(out) / "metrics.jsonl")
 
 
 def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool = True) -> int:
@@ -137,7 +148,10 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
     if code != 0:
         return code
     records = merge_records(out, p.stages, cfg.data.batch_size, p.examples)
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    with MetricsWriter(out / "metrics.jsonl") as writer:
+        for r in records:
+            writer.write(r)
     mismatched = [r["step"] for r in records for lk in r["links"] if lk["send_digest"] != lk["recv_digest"]]
     summary = {"steps": len(records), "final_loss": records[-1]["loss"] if records else None, "seconds": time.time() - t0,
                "buffers_agree": not mismatched, "mismatched_steps": mismatched,

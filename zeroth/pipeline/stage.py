@@ -8,9 +8,9 @@ free port, the bound address is written to ``DIR/address``); every stage but the
 the next one (``--next``; ``@FILE`` = the address written in FILE, waited for). All stages must
 use the same config: frames carry the run id derived from it.
 
-The stage writes into ``DIR``: ``metrics.jsonl`` (one record per step: loss on the last stage,
-bytes and frames it sent per link, seconds in compute, codecs, waiting and transfer, its buffer
-digests), ``checkpoints/`` (orbax: parameters, AdamW state, step; every
+The stage writes into ``DIR``: ``metrics.jsonl`` (one ``train`` row of the metrics schema per
+step, :func:`stage_record`: loss on the last stage, bytes and frames it sent per link, seconds in
+compute, codecs, waiting and transfer, its parameter and buffer digests), ``checkpoints/`` (orbax: parameters, AdamW state, step; every
 ``train.checkpoint_every`` steps and at the end), ``buffers/`` (its AQ-SGD buffers at each
 checkpoint) and ``summary.json``. ``--resume-step N`` restores checkpoint N with its buffers and
 continues from step N; newer checkpoints are moved aside to ``checkpoints_quarantine/`` (kept).
@@ -29,7 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["build_parser", "main", "run_stage"]
+from zeroth.replay import checksum
+from zeroth.train.metrics import MetricsWriter, read_metrics, truncate_after
+
+__all__ = ["build_parser", "main", "run_stage", "stage_record"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,11 +122,28 @@ class _Checkpoints:
         engine.step = step
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    if not path.is_file():
-        return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < step]
-    path.write_text("".join(ln + "\n" for ln in keep))
+def _resumed_totals(path: Path, step: int) -> tuple[float, int]:
+    """Keep the rows of ``path`` up to ``step``; return the kept last row's ``(wall_time_s, payload_bytes_total)``."""
+    truncate_after(path, step)
+    rows = read_metrics(path, "train") if path.is_file() else []
+    return (rows[-1]["wall_time_s"], rows[-1]["payload_bytes_total"]) if rows else (0.0, 0)
+
+
+def stage_record(index: int, step: int, *, loss: float | None, lr: float, sent: dict, times: dict, wait_s: float,
+                 transfer_s: float, step_time_s: float, wall_time_s: float, payload_bytes_total: int, digest: str,
+                 buffer_digests: dict, buffer_bytes: int) -> dict:
+    """A stage's ``train`` row (the schema of :mod:`zeroth.train.metrics`) after ``step`` steps.
+
+    ``payload_bytes`` are the frame bytes this stage sent in the step (activations forward,
+    gradients backward); ``loss`` is null except on the last stage; ``digest`` is the checksum
+    of this stage's parameters. The rest: frames and bytes per direction, seconds in compute,
+    codecs, waiting and the token bucket, the AQ-SGD buffers' digests and size.
+    """
+    return {"kind": "train", "step": step, "time_unix_s": time.time(), "wall_time_s": wall_time_s, "digest": digest,
+            "forward_passes": step, "backward_passes": step, "payload_bytes_total": payload_bytes_total,
+            "loss": loss, "lr": lr, "step_time_s": step_time_s, "payload_bytes": sent["fw_bytes"] + sent["bw_bytes"],
+            "stage": index, **sent, **times, "wait_s": wait_s, "transfer_s": transfer_s,
+            "send_digest": buffer_digests["send"], "recv_digest": buffer_digests["recv"], "buffer_bytes": buffer_bytes}
 
 
 def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | None, resume_step: int | None = None,
@@ -155,9 +175,10 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
     run_id = build.run_id_of(cfg)
     ckpt = _Checkpoints(out, cfg.train.keep_checkpoints)
     metrics = out / "metrics.jsonl"
+    wall0, payload_total = 0.0, 0
     if resume_step is not None:
         ckpt.restore(engine, resume_step, run_id)
-        _truncate_metrics(metrics, resume_step)
+        wall0, payload_total = _resumed_totals(metrics, resume_step)
     elif metrics.exists():
         metrics.unlink()
     start, steps, M = engine.step, cfg.train.steps, p.micro_batches
@@ -183,6 +204,8 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
     if index < S - 1:
         channel = link.connect(_resolve(next_addr, p.timeout_s), fw_pacer, bw_inbox, p.timeout_s)
     t_run = time.time()
+    t_wall = time.perf_counter() - wall0
+    writer = MetricsWriter(metrics)
     ok = False
     try:
         for step in range(start, steps):
@@ -214,11 +237,12 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
             loss = engine.finish_step()
             digests = engine.buffer_digests()
             transfer = (fw_pacer.transfer_s if fw_pacer else 0.0) + (bw_pacer.transfer_s if bw_pacer else 0.0) - transfer0
-            rec = {"step": step, "stage": index, "loss": loss, **sent, **engine.last_times, "wait_s": wait,
-                   "transfer_s": transfer, "wall_s": time.perf_counter() - t0, "send_digest": digests["send"],
-                   "recv_digest": digests["recv"], "buffer_bytes": engine.buffer_nbytes()}
-            with metrics.open("a") as fh:
-                fh.write(json.dumps(rec) + "\n")
+            now = time.perf_counter()
+            payload_total += sent["fw_bytes"] + sent["bw_bytes"]
+            writer.write(stage_record(index, engine.step, loss=loss, lr=cfg.train.lr, sent=sent, times=engine.last_times,
+                                      wait_s=wait, transfer_s=transfer, step_time_s=now - t0, wall_time_s=now - t_wall,
+                                      payload_bytes_total=payload_total, digest=checksum(engine.params),
+                                      buffer_digests=engine.buffer_digests(), buffer_bytes=engine.buffer_nbytes()))
             every = cfg.train.checkpoint_every
             if (every and engine.step % every == 0) or engine.step == steps:
                 ckpt.save(engine, run_id)
@@ -227,6 +251,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
                       + f"wait {wait:.2f}s", flush=True)
         ok = True
     finally:
+        writer.close()
         if fw_pacer is not None:
             fw_pacer.close()
         if bw_pacer is not None:
@@ -244,8 +269,6 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
             server.stop(grace=1.0 if ok else 0).wait()
     summary = {"stage": index, "steps": steps, "start": start, "seconds": time.time() - t_run, "run_id": run_id,
                "buffer_bytes": engine.buffer_nbytes(), **{f"{k}_digest": v for k, v in engine.buffer_digests().items()}}
-    from zeroth.train.checkpoint import checksum
-
     summary["param_digest"] = checksum(engine.params)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

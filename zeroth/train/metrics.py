@@ -1,7 +1,8 @@
 """``metrics.jsonl``: one JSON object per line, appended and flushed as training goes; its schema.
 
 The schema (``zeroth metrics v1``), shared by every writer (the single-machine trainer, the
-peers of :mod:`zeroth.net`) and checked by :func:`check_schema`. Units are in the names
+peers of :mod:`zeroth.net`, the pipeline stages of :mod:`zeroth.pipeline` and their merged rows,
+the binary learning experiment of :mod:`zeroth.binary`) and checked by :func:`check_schema`. Units are in the names
 (``_s`` seconds, ``_bytes`` bytes); a byte count ending in ``_total`` is cumulative since the
 run began, one without is for this step only; pass and example counters are cumulative.
 
@@ -24,7 +25,9 @@ over the perturbation pairs of ``(L(θ+εz) + L(θ−εz)) / 2``; null when not 
 ``eval_accuracy``. Writers may add fields (the trainer: ``backward_passes``, ``passes`` =
 forward + 2·backward, ``examples``, ``train_time_s``, the method's metrics; peers: ``machine``,
 ``peers``, ``contributors``, ``gradients``, per-step traffic ``payload_bytes_sent``,
-``wire_bytes_received``, ...). A ``step`` of a train row appears once; the evaluation rows of
+``wire_bytes_received``, ...; pipelines: ``epoch``, per link bytes, frames and buffer digests,
+per stage times, where ``digest`` combines the stages' digests; binary learning: ``model``,
+``layer``, ``layer_step``, ``flips``, where ``digest`` is the layer being trained). A ``step`` of a train row appears once; the evaluation rows of
 a step follow its train row.
 
 Example:
