@@ -8,6 +8,7 @@ import yaml
 
 from zeroth import config as C
 from zeroth import run as zrun
+from tb_util import assert_mirrors
 from zeroth.train.metrics import check_schema, read_metrics
 from zeroth.train.runs import load_run
 from notebook_util import execute
@@ -64,6 +65,7 @@ def test_zeroth_run_binary_config_end_to_end(tmp_path):
         *((m["name"], m["test_accuracy"]) for m in res["models"]), ("float32/backprop", res["float32"]["test_accuracy"])]
     assert evals[0]["digest"] == res["models"][0]["checksums"][0] == rows[3]["digest"]
     assert [r["forward_passes"] for r in rows if r["kind"] == "train"][:5] == [2, 4, 6, 8, 11]  # flips 2, evolution 3 per step
+    assert_mirrors(tmp_path / "out", rows, ("loss", "eval_accuracy", "eval_loss", "forward_passes"))
     run = load_run(tmp_path / "out")  # the folder reads back: its kind, metrics and results
     assert run.kind == "binary" and run.metrics == rows and run.summary == res and run.params is None
 

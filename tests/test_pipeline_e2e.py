@@ -17,6 +17,7 @@ from zeroth import compress as C
 from zeroth.config import load_config_dict
 from zeroth.pipeline import build, launch, sim
 from zeroth.train.checkpoint import Checkpointer, checksum
+from tb_util import assert_mirrors
 from zeroth.train.metrics import check_schema, read_metrics
 from zeroth.train.runs import load_run
 
@@ -69,8 +70,10 @@ def test_fp32_pipeline_equals_the_single_process_model(tmp_path, stages, objecti
     for s in range(stages):
         rows = read_metrics(launch.stage_dir(tmp_path, s) / "metrics.jsonl")
         assert check_schema(rows, f"stage {s}") == 3
+        assert_mirrors(launch.stage_dir(tmp_path, s), rows, ("loss", "payload_bytes", "step_time_s"))
         assert [r["payload_bytes"] for r in rows] == [r["fw_bytes"] + r["bw_bytes"] for r in rows]
     assert records[-1]["payload_bytes_total"] == sum(r["payload_bytes"] for r in records)
+    assert_mirrors(tmp_path, records, ("loss", "payload_bytes_total", "step_time_s"))
     assert records[-1]["digest"] == sim.pipeline_digest([checksum(p) for p in _stage_params(cfg, tmp_path, 3)])
     losses, ref = sim.reference_run(cfg, 3)
     np.testing.assert_allclose([r["loss"] for r in records], losses, rtol=1e-5)

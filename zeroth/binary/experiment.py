@@ -33,6 +33,7 @@ from zeroth.binary import train as T
 from zeroth.binary import worker as W
 from zeroth.replay import checksum
 from zeroth.train.metrics import MetricsWriter
+from zeroth.train.metrics import clear as clear_metrics
 
 __all__ = ["Rows", "run_config", "float_baseline", "plan_for"]
 
@@ -200,8 +201,8 @@ def run_config(cfg, out_dir, argv=None, *, progress: bool = True) -> dict:
     results = {"dataset": cfg.data.dataset, "train_size": len(ytr), "test_size": len(yte), "channels": list(b.channels),
                "levels": b.levels, "steps_per_layer": b.steps, "batch_size": bs, "models": []}
     cache = LW.LayerCache()
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    with MetricsWriter(out / "metrics.jsonl") as writer:
+    clear_metrics(out / "metrics.jsonl")
+    with MetricsWriter(out / "metrics.jsonl", tensorboard=cfg.run.tensorboard) as writer:
         rows = Rows(writer)
         for weights in b.weights:
             for method in [m for m in b.methods if m != "float32"]:

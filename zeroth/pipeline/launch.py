@@ -25,6 +25,7 @@ from pathlib import Path
 from zeroth import config as _config
 from zeroth.pipeline import sim
 from zeroth.train.metrics import MetricsWriter, read_metrics
+from zeroth.train.metrics import clear as clear_metrics
 from zeroth.transport import processes
 
 __all__ = ["common_step", "merge_records", "read_records", "run_config", "stage_dir", "start_stages", "wait_stages"]
@@ -148,8 +149,8 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
     if code != 0:
         return code
     records = merge_records(out, p.stages, cfg.data.batch_size, p.examples)
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    with MetricsWriter(out / "metrics.jsonl") as writer:
+    clear_metrics(out / "metrics.jsonl")
+    with MetricsWriter(out / "metrics.jsonl", tensorboard=cfg.run.tensorboard) as writer:
         for r in records:
             writer.write(r)
     mismatched = [r["step"] for r in records for lk in r["links"] if lk["send_digest"] != lk["recv_digest"]]

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from zeroth.replay import checksum
 from zeroth.train.metrics import MetricsWriter, read_metrics, truncate_after
+from zeroth.train.metrics import clear as clear_metrics
 
 __all__ = ["build_parser", "main", "run_stage", "stage_record"]
 
@@ -179,8 +180,8 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
     if resume_step is not None:
         ckpt.restore(engine, resume_step, run_id)
         wall0, payload_total = _resumed_totals(metrics, resume_step)
-    elif metrics.exists():
-        metrics.unlink()
+    else:
+        clear_metrics(metrics)
     start, steps, M = engine.step, cfg.train.steps, p.micro_batches
     latency = p.latency_ms / 1e3
     fw_pacer = pacing.Pacer(p.bandwidth_bps, latency) if index < S - 1 else None
@@ -205,7 +206,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
         channel = link.connect(_resolve(next_addr, p.timeout_s), fw_pacer, bw_inbox, p.timeout_s)
     t_run = time.time()
     t_wall = time.perf_counter() - wall0
-    writer = MetricsWriter(metrics)
+    writer = MetricsWriter(metrics, tensorboard=cfg.run.tensorboard, resumed_after=resume_step)
     ok = False
     try:
         for step in range(start, steps):
