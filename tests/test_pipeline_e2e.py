@@ -129,3 +129,50 @@ def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path):
     local = sim.run_local(cfg)[0]
     assert [r["loss"] for r in records] == [r["loss"] for r in local]
     assert [r["digest"] for r in records] == [r["digest"] for r in local]  # every step's parameters, bit for bit
+
+
+def test_ctrl_c_stops_every_stage_at_one_step_and_the_resumed_run_ends_on_the_uninterrupted_digests(tmp_path):
+    import os
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from zeroth import config as _config
+    from zeroth import run as zrun
+
+    cfg = _cfg(2, "lm", "aqsgd", steps=5, latency_ms=100.0)
+    cfg_path = tmp_path / "p.yaml"
+    cfg_path.write_text(_config.to_yaml(cfg))
+    out = tmp_path / "cut"
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    rows = launch.stage_dir(out, 1) / "metrics.jsonl"
+    with (tmp_path / "err").open("w") as err:  # its own process group: Ctrl-C reaches the launcher and every stage
+        proc = subprocess.Popen([sys.executable, "-m", "zeroth", "run", str(cfg_path), "--out", str(out), "--quiet"],
+                                cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (rows.is_file() and len(rows.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()[-2000:]
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, (tmp_path / "err").read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = (tmp_path / "err").read_text().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zeroth run: interrupted by SIGINT after step "), lines
+    step = int(lines[0].split("after step ")[1].split()[0])
+    assert 2 <= step < 5 and launch.common_step(out, 2) == step, _logs(out)
+    for s in range(2):  # every stage stopped at that step, its checkpoint saved there, its rows up to it
+        assert [r["step"] for r in read_metrics(launch.stage_dir(out, s) / "metrics.jsonl")][-1] == step
+
+    resume = shlex.split(lines[0].split("resume with: ")[1])
+    assert zrun.main(resume[2:]) == 0, _logs(out)
+    records = launch.read_records(out)
+    assert check_schema(records) == 5 and [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    local, engines = sim.run_local(cfg)  # the uninterrupted run
+    assert [r["digest"] for r in records] == [r["digest"] for r in local]
+    assert [r["loss"] for r in records] == [r["loss"] for r in local]
+    assert records[-1]["digest"] == sim.pipeline_digest([checksum(e.params) for e in engines])

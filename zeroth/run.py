@@ -13,9 +13,9 @@ chooses between.
 ``OUT/sweep.json`` listing each run's folder, exit code and summary.
 
 Exit codes: 0 done; 2 a bad command line, config, output folder, dataset or checkpoint (one line
-says which); 130 interrupted by SIGINT or SIGTERM (a single-machine, peer or binary learning run
-finishes the step under way, saves a checkpoint and prints the command that resumes it; a
-pipeline run stops at once and resumes from the last checkpoint its stages wrote).
+says which); 130 interrupted by SIGINT or SIGTERM (a single-machine, peer, pipeline or binary
+learning run finishes the step under way, saves a checkpoint and prints the command that resumes
+it).
 
 Example:
   $ zeroth run experiments/mezo_digits.yaml --set train.steps=200 --out runs/quick
@@ -100,14 +100,14 @@ def main(argv: list[str]) -> int:
     except OSError as e:  # a file the run needs could not be read or written
         print(f"zeroth run: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C where no stop flag was installed (the pipeline and Ravnest runs)
+    except KeyboardInterrupt:  # Ctrl-C where no stop flag was installed (Ravnest runs)
         print("zeroth run: interrupted", file=sys.stderr)
         return interrupt.EXIT_CODE
 
 
 def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
-    # SIGINT/SIGTERM only set a flag from here on: a single-machine or binary learning run finishes
-    # its step, saves a checkpoint and exits 130; the other systems get the default handling back.
+    # SIGINT/SIGTERM only set a flag from here on: a single-machine, pipeline or binary learning run
+    # finishes its step, saves a checkpoint and exits 130; peers and Ravnest handle signals themselves.
     with interrupt.catch() as flag:
         cfg = _config.load_config(args.config, args.overrides)
         if args.out:
@@ -117,6 +117,8 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
             return _train(cfg, out, args, argv, flag)
         if cfg.binary is not None:
             return _binary(cfg, out, args, argv, flag)
+        if cfg.pipeline is not None and cfg.peers is None and cfg.ravnest is None:
+            return _pipeline(cfg, out, args, argv, flag)
     if flag.is_set():
         print(f"zeroth run: interrupted by {flag.signal_name()} before the run started", file=sys.stderr)
         return interrupt.EXIT_CODE
@@ -124,7 +126,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         return int(zeroth.net.launch.run_config(cfg, out, argv) or 0)
     if cfg.ravnest is not None:  # Ravnest nodes as processes on loopback
         return int(ravnest_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)
-    return int(pipeline_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)  # stages on loopback
+    raise ValueError("the config names no system zeroth run can launch")
 
 
 def _parse_seeds(text: str) -> list[int]:
@@ -196,6 +198,13 @@ def _binary(cfg: _config.Config, out, args: argparse.Namespace, argv: list[str],
     if flag.is_set():  # a signal during the last phase: the run finished anyway
         print(f"zeroth run: {flag.signal_name()} arrived as the run finished; its results are complete", file=sys.stderr)
     return 0
+
+
+def _pipeline(cfg: _config.Config, out, args: argparse.Namespace, argv: list[str], flag: interrupt.StopFlag) -> int:
+    try:  # the stages as processes on loopback
+        return int(pipeline_launch.run_config(cfg, out, argv, progress=not args.quiet, stop=flag.is_set) or 0)
+    except interrupt.Interrupted as e:
+        return _interrupted(flag, e, argv, out)
 
 
 def _train(cfg: _config.Config, out, args: argparse.Namespace, argv: list[str], flag: interrupt.StopFlag) -> int:

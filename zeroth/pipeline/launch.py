@@ -10,7 +10,9 @@ success the stages' rows are merged into ``OUT/metrics.jsonl`` (:func:`merge_rec
 per link bytes, frames and both ends' buffer digests, per stage times) and ``OUT/summary.json``.
 
 ``zeroth run CONFIG --resume`` restarts every stage from the newest checkpoint step that all of
-them hold (:func:`common_step`), AQ-SGD buffers included.
+them hold (:func:`common_step`), AQ-SGD buffers included. SIGINT/SIGTERM stop every stage at one
+step boundary, each with its checkpoint of that step (:func:`wait_stages`), so the resumed run
+ends where the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from zeroth import config as _config
 from zeroth.pipeline import sim
 from zeroth.train.metrics import MetricsWriter, read_metrics
 from zeroth.train.metrics import clear as clear_metrics
+from zeroth.train import interrupt
 from zeroth.transport import processes
 
 __all__ = ["common_step", "merge_records", "read_records", "run_config", "stage_dir", "start_stages", "wait_stages"]
@@ -59,6 +62,7 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
         d = stage_dir(out, i)
         d.mkdir(parents=True, exist_ok=True)
         (d / "address").unlink(missing_ok=True)
+        (d / "stop").unlink(missing_ok=True)
         # `python -m zeroth.pipeline.stage` is `zeroth stage` (the launcher stays below the command layer)
         cmd = [sys.executable, "-m", "zeroth.pipeline.stage", "--config", str(cfg_path), "--stage", str(i), "--out", str(d)]
         if i > 0:
@@ -75,13 +79,26 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
     return [procs[i] for i in range(p.stages)]
 
 
-def wait_stages(procs: list[subprocess.Popen], out: Path, timeout_s: float | None = None) -> int:
-    """Wait for every stage; if one fails, stop the others. Returns 0, or 1 with the failures printed."""
+def wait_stages(procs: list[subprocess.Popen], out: Path, timeout_s: float | None = None, stop=None,
+                stop_grace_s: float = 120.0) -> int:
+    """Wait for every stage; if one fails, stop the others. Returns 0, or 1 with the failures printed.
+
+    When ``stop()`` turns true, ``stage_<i>/stop`` is written for every stage: the pipeline stops
+    at a step boundary (:mod:`zeroth.pipeline.stage`) and each stage exits 130 with its
+    checkpoint; then the result is 130 (0 if every stage had finished anyway). Stages still alive
+    ``stop_grace_s`` seconds later are stopped.
+    """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     failed = None
+    stopping = False
     while any(pr.poll() is None for pr in procs):
+        if not stopping and stop is not None and stop():
+            stopping = True
+            for i in range(len(procs)):
+                (stage_dir(out, i) / "stop").touch()
+            deadline = time.monotonic() + stop_grace_s
         for i, pr in enumerate(procs):
-            if pr.poll() not in (None, 0) and failed is None:
+            if pr.poll() not in ((None, 0, interrupt.EXIT_CODE) if stopping else (None, 0)) and failed is None:
                 failed = i
         if failed is not None or (deadline is not None and time.monotonic() > deadline):
             processes.stop(procs)
@@ -90,6 +107,8 @@ def wait_stages(procs: list[subprocess.Popen], out: Path, timeout_s: float | Non
     codes = [pr.wait() for pr in procs]
     if all(c == 0 for c in codes):
         return 0
+    if stopping and all(c in (0, interrupt.EXIT_CODE) for c in codes):
+        return interrupt.EXIT_CODE
     for i, c in enumerate(codes):
         if c != 0:
             print(f"stage {i} exited with code {c}: " + processes.log_tail(stage_dir(out, i) / "stage.log"), file=sys.stderr)
@@ -133,8 +152,12 @@ def read_records(out: Path) -> list[dict]:
     return _read(Path(out) / "metrics.jsonl")
 
 
-def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool = True) -> int:
-    """Run the pipeline of ``cfg`` as stage processes into ``out``; ``--resume`` in ``argv`` resumes. Exit code."""
+def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool = True, stop=None) -> int:
+    """Run the pipeline of ``cfg`` as stage processes into ``out``; ``--resume`` in ``argv`` resumes. Exit code.
+
+    ``stop`` (a signal flag's ``is_set``) stops every stage at one step boundary with a checkpoint
+    (:func:`wait_stages`); then :class:`zeroth.train.interrupt.Interrupted` is raised with that step.
+    """
     out = Path(out)
     p = cfg.pipeline
     resume_step = None
@@ -145,7 +168,11 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
             return 2
     t0 = time.time()
     procs = start_stages(cfg, out, resume_step=resume_step, quiet=not progress)
-    code = wait_stages(procs, out)
+    code = wait_stages(procs, out, stop=stop)
+    if code == interrupt.EXIT_CODE:
+        step = common_step(out, p.stages)
+        raise interrupt.Interrupted(step or 0, cfg.train.steps,
+                                    None if step is None else out / "stage_*" / "checkpoints" / str(step))
     if code != 0:
         return code
     records = merge_records(out, p.stages, cfg.data.batch_size, p.examples)

@@ -15,8 +15,14 @@ compute, codecs, waiting and transfer, its parameter and buffer digests), ``chec
 checkpoint) and ``summary.json``. ``--resume-step N`` restores checkpoint N with its buffers and
 continues from step N; newer checkpoints are moved aside to ``checkpoints_quarantine/`` (kept).
 
+SIGINT/SIGTERM, or a file ``DIR/stop`` (written by the launcher), stop the pipeline at a step
+boundary: stage 0 finishes the step under way and starts no other; every later stage finishes the
+steps stage 0 started, then finds its upstream link closed before the next step. Each stage saves
+its checkpoint (with its buffers) at that step, so all of them hold the same step, and exits 130;
+``--resume-step N`` continues from it.
+
 Exit codes: 0 done; 1 a link failed or a frame was refused (the message says which); 2 a bad
-command line, config or checkpoint.
+command line, config or checkpoint; 130 stopped by a signal or ``DIR/stop`` (a checkpoint saved).
 """
 
 from __future__ import annotations
@@ -60,6 +66,20 @@ def _resolve(address: str, timeout_s: float) -> str:
             return path.read_text().strip()
         time.sleep(0.05)
     raise TimeoutError(f"no address appeared in {path} within {timeout_s:g}s")
+
+
+class _Stopped(Exception):
+    """The pipeline stops at this step boundary (see the module docstring)."""
+
+
+def _stopped(stop, wait_s: float = 2.0) -> bool:
+    """Whether the stage was asked to stop; waits up to ``wait_s`` for a signal that may trail the closed link."""
+    deadline = time.monotonic() + wait_s
+    while not stop():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _get(inbox: queue.Queue, timeout_s: float, what: str):
@@ -148,8 +168,12 @@ def stage_record(index: int, step: int, *, loss: float | None, lr: float, sent: 
 
 
 def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | None, resume_step: int | None = None,
-              progress: bool = False) -> dict:
+              progress: bool = False, stop=None) -> dict:
     """Run stage ``index`` of the pipeline of ``cfg`` to ``train.steps``; returns its summary.
+
+    ``stop`` (called at step boundaries) asks the pipeline to stop (see the module docstring);
+    the summary then says ``"interrupted": true`` and ``steps_done``, and the checkpoint of that
+    step is saved.
 
     Raises:
       LinkClosed: a link broke or a frame was refused; ValueError: bad arguments.
@@ -207,9 +231,12 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
     t_run = time.time()
     t_wall = time.perf_counter() - wall0
     writer = MetricsWriter(metrics, tensorboard=cfg.run.tensorboard, resumed_after=resume_step)
-    ok = False
+    stop = stop or (lambda: False)
+    ok = interrupted = False
     try:
         for step in range(start, steps):
+            if index == 0 and stop():
+                raise _Stopped
             t0 = time.perf_counter()
             wait = 0.0
             sent = {"fw_bytes": 0, "fw_frames": 0, "bw_bytes": 0, "bw_frames": 0}
@@ -219,7 +246,12 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
                 frame = None
                 if index > 0:
                     tw = time.perf_counter()
-                    frame = _get(fw_inbox, p.timeout_s, f"activation of step {step} micro-batch {j}")
+                    try:
+                        frame = _get(fw_inbox, p.timeout_s, f"activation of step {step} micro-batch {j}")
+                    except link.LinkClosed:
+                        if j == 0 and _stopped(stop):  # stage 0 stopped at this boundary
+                            raise _Stopped from None
+                        raise
                     wait += time.perf_counter() - tw
                 out_frame = engine.forward(j, ids, tok, lab, frame)
                 if out_frame is not None:
@@ -251,6 +283,10 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
                 print(f"stage {index} step {step} " + (f"loss {loss:.4f} " if loss is not None else "")
                       + f"wait {wait:.2f}s", flush=True)
         ok = True
+    except _Stopped:
+        interrupted = True
+        if ckpt.ck.latest_step() != engine.step:
+            ckpt.save(engine, run_id)
     finally:
         writer.close()
         if fw_pacer is not None:
@@ -268,7 +304,8 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
             channel.close()
         if server is not None:
             server.stop(grace=1.0 if ok else 0).wait()
-    summary = {"stage": index, "steps": steps, "start": start, "seconds": time.time() - t_run, "run_id": run_id,
+    summary = {"stage": index, "steps": steps, "start": start, "steps_done": engine.step, "interrupted": interrupted,
+               "seconds": time.time() - t_run, "run_id": run_id,
                "buffer_bytes": engine.buffer_nbytes(), **{f"{k}_digest": v for k, v in engine.buffer_digests().items()}}
     summary["param_digest"] = checksum(engine.params)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -280,13 +317,23 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from zeroth import config as _config
     from zeroth.pipeline import link
+    from zeroth.train import interrupt
     from zeroth.train.checkpoint import CheckpointError
 
+    out = Path(args.out)
     try:
-        cfg = _config.load_config(args.config, args.overrides)
-        if cfg.pipeline is None:
-            raise ValueError(f"config {args.config} has no pipeline: section")
-        run_stage(cfg, args.stage, Path(args.out), args.listen, args.next, args.resume_step, progress=not args.quiet)
+        with interrupt.catch() as flag:
+            cfg = _config.load_config(args.config, args.overrides)
+            if cfg.pipeline is None:
+                raise ValueError(f"config {args.config} has no pipeline: section")
+            summary = run_stage(cfg, args.stage, out, args.listen, args.next, args.resume_step, progress=not args.quiet,
+                                stop=lambda: flag.is_set() or (out / "stop").exists())
+        if summary["interrupted"]:
+            why = flag.signal_name() if flag.is_set() else f"{out / 'stop'}"
+            print(f"zeroth stage {args.stage}: stopped by {why} after step {summary['steps_done']}; checkpoint saved in "
+                  f"{out / 'checkpoints' / str(summary['steps_done'])}; continue with --resume-step {summary['steps_done']}",
+                  file=sys.stderr, flush=True)
+            return interrupt.EXIT_CODE
     except (link.LinkClosed, TimeoutError) as e:
         print(f"zeroth stage {args.stage}: error: {e}", file=sys.stderr)
         return 1
