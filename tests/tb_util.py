@@ -23,7 +23,7 @@ def assert_mirrors(folder, rows, fields=("loss", "eval_accuracy", "payload_bytes
                     if r["kind"] == kind and isinstance(r.get(field), (int, float)) and not isinstance(r.get(field), bool)]
             if not want:
                 continue
-            name = field[len(kind) + 1:] if field.startswith(kind + "_") else field
+            name = field[5:] if kind == "eval" and field.startswith("eval_") else field
             tag = f"{kind}/{name}"
             assert tag in got, (tag, sorted(got))
             assert [s for s, _, _ in got[tag]] == [s for s, _, _ in want], tag

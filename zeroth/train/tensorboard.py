@@ -16,8 +16,8 @@ protocol buffer, encoded here by hand (the wire format of the few fields used)::
 
 The first record is ``file_version: "brain.Event:2"``. :class:`EventWriter` writes one event per
 metrics row (:func:`row_scalars`): every number of the row is a scalar tagged ``<kind>/<name>``
-(``train/loss``, ``train/step_time_s``, ``eval/accuracy`` for ``eval_accuracy``: the kind's prefix
-is dropped), at the row's ``step`` and ``time_unix_s``. :meth:`EventWriter.restart` marks a
+(``train/loss``, ``train/step_time_s``, ``train/train_time_s``; ``eval/accuracy`` for
+``eval_accuracy``: an eval row's ``eval_`` prefix is dropped), at the row's ``step`` and ``time_unix_s``. :meth:`EventWriter.restart` marks a
 resumed run: TensorBoard drops the points at or after that step from the earlier files (the
 rows the resumed run writes again).
 
@@ -117,14 +117,14 @@ def encode_event(wall_time: float, step: int, *, scalars: Mapping[str, float] | 
 
 def row_scalars(row: Mapping[str, Any]) -> dict[str, float]:
     """The scalars of a metrics row: ``{"<kind>/<name>": value}`` for every int or float field but
-    ``step`` and ``time_unix_s`` (strings, booleans, nulls, lists and objects are left out; a name
-    that starts with ``<kind>_`` loses that prefix)."""
+    ``step`` and ``time_unix_s`` (strings, booleans, nulls, lists and objects are left out; in an
+    ``eval`` row a name that starts with ``eval_`` loses that prefix)."""
     kind = str(row.get("kind", "metrics"))
     out = {}
     for k, v in row.items():
         if k in ("kind", "step", "time_unix_s") or isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
-        name = k[len(kind) + 1:] if k.startswith(kind + "_") else k
+        name = k[5:] if kind == "eval" and k.startswith("eval_") else k
         out[f"{kind}/{name}"] = float(v)
     return out
 
