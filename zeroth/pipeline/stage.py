@@ -293,9 +293,10 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
             fw_pacer.close()
         if bw_pacer is not None:
             bw_pacer.close()
-        if ok and servicer is not None:
+        clean = ok or interrupted  # a stop at a step boundary ends the links as the end of the run does
+        if clean and servicer is not None:
             servicer.done.wait(timeout=p.timeout_s if servicer.connected.is_set() else 0)
-        if ok and index < S - 1:
+        if clean and index < S - 1:
             try:  # wait for the next stage to close the stream (all our frames delivered)
                 _get(bw_inbox, p.timeout_s, "end of the link")
             except link.LinkClosed:  # the next stage went away after its last step: nothing left to receive
@@ -303,7 +304,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
         if channel is not None:
             channel.close()
         if server is not None:
-            server.stop(grace=1.0 if ok else 0).wait()
+            server.stop(grace=1.0 if clean else 0).wait()
     summary = {"stage": index, "steps": steps, "start": start, "steps_done": engine.step, "interrupted": interrupted,
                "seconds": time.time() - t_run, "run_id": run_id,
                "buffer_bytes": engine.buffer_nbytes(), **{f"{k}_digest": v for k, v in engine.buffer_digests().items()}}
