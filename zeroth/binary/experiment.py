@@ -14,8 +14,8 @@ a ``train`` row per training step of every model and layer, an ``eval`` row per 
 the output folder. SIGINT/SIGTERM (the ``stop`` flag of :func:`run_config`) finish the training
 step under way and save ``checkpoint/`` (the models done, the current model's frozen layers and
 the training state of its layer under way); ``--resume`` continues to the uninterrupted run's
-results. The speed measurement and the sparse-mutation run are not cut: a signal during one is
-handled when it ends.
+results. The float network (a few seconds), the speed measurement and the sparse-mutation run are
+not cut: a signal during one is handled when it ends.
 """
 
 from __future__ import annotations
