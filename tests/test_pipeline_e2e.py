@@ -92,7 +92,14 @@ def test_fp32_pipeline_equals_the_single_process_model(tmp_path, stages, objecti
             assert lk["fw_frames"] == lk["bw_frames"] == 2
 
 
-def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """The 5-step AQ-SGD run of the tests below in one process: ``(records, engines)`` (deployment
+    fields such as the link latency and the checkpoint cadence do not change it)."""
+    return sim.run_local(_cfg(2, "lm", "aqsgd", steps=5))
+
+
+def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path, uninterrupted):
     cfg = _cfg(2, "lm", "aqsgd", steps=5, latency_ms=150.0)
     cfg = cfg.__class__(**{**cfg.__dict__, "train": cfg.train.__class__(**{**cfg.train.__dict__, "checkpoint_every": 1})})
     procs = launch.start_stages(cfg, tmp_path)
@@ -117,7 +124,7 @@ def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path):
     # epoch 0 (steps 0-1) sends every example in float32, later epochs 2-bit differences
     assert records[0]["links"][0]["fw_bytes"] > 4 * records[3]["links"][0]["fw_bytes"]
 
-    _, engines = sim.run_local(cfg)  # the uninterrupted run, same engines in one process
+    local, engines = uninterrupted  # the uninterrupted run, same engines in one process
     import json
 
     summaries = [json.loads((launch.stage_dir(tmp_path, s) / "summary.json").read_text()) for s in range(2)]
@@ -126,12 +133,11 @@ def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path):
         assert summaries[s]["param_digest"] == checksum(e.params)
         assert summaries[s]["send_digest"] == C.buffer_digest(e.send_state)
         assert summaries[s]["recv_digest"] == C.buffer_digest(e.recv_state)
-    local = sim.run_local(cfg)[0]
     assert [r["loss"] for r in records] == [r["loss"] for r in local]
     assert [r["digest"] for r in records] == [r["digest"] for r in local]  # every step's parameters, bit for bit
 
 
-def test_ctrl_c_stops_every_stage_at_one_step_and_the_resumed_run_ends_on_the_uninterrupted_digests(tmp_path):
+def test_ctrl_c_stops_every_stage_at_one_step_and_resume_ends_on_the_uninterrupted_run(tmp_path, uninterrupted):
     import os
     import shlex
     import subprocess
@@ -141,7 +147,7 @@ def test_ctrl_c_stops_every_stage_at_one_step_and_the_resumed_run_ends_on_the_un
     from zeroth import config as _config
     from zeroth import run as zrun
 
-    cfg = _cfg(2, "lm", "aqsgd", steps=5, latency_ms=100.0)
+    cfg = _cfg(2, "lm", "aqsgd", steps=5, latency_ms=50.0)  # checkpoints only at the end: the stop saves its own
     cfg_path = tmp_path / "p.yaml"
     cfg_path.write_text(_config.to_yaml(cfg))
     out = tmp_path / "cut"
@@ -153,7 +159,7 @@ def test_ctrl_c_stops_every_stage_at_one_step_and_the_resumed_run_ends_on_the_un
                                 cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not (rows.is_file() and len(rows.read_text().splitlines()) >= 2):
+        while not (rows.is_file() and len(rows.read_text().splitlines()) >= 1):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()[-2000:]
             time.sleep(0.02)
         os.killpg(proc.pid, signal.SIGINT)
@@ -164,7 +170,7 @@ def test_ctrl_c_stops_every_stage_at_one_step_and_the_resumed_run_ends_on_the_un
     lines = (tmp_path / "err").read_text().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("zeroth run: interrupted by SIGINT after step "), lines
     step = int(lines[0].split("after step ")[1].split()[0])
-    assert 2 <= step < 5 and launch.common_step(out, 2) == step, _logs(out)
+    assert 1 <= step < 5 and launch.common_step(out, 2) == step, _logs(out)
     for s in range(2):  # every stage stopped at that step, its checkpoint saved there, its rows up to it
         assert [r["step"] for r in read_metrics(launch.stage_dir(out, s) / "metrics.jsonl")][-1] == step
 
@@ -172,7 +178,7 @@ def test_ctrl_c_stops_every_stage_at_one_step_and_the_resumed_run_ends_on_the_un
     assert zrun.main(resume[2:]) == 0, _logs(out)
     records = launch.read_records(out)
     assert check_schema(records) == 5 and [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    local, engines = sim.run_local(cfg)  # the uninterrupted run
+    local, engines = uninterrupted
     assert [r["digest"] for r in records] == [r["digest"] for r in local]
     assert [r["loss"] for r in records] == [r["loss"] for r in local]
     assert records[-1]["digest"] == sim.pipeline_digest([checksum(e.params) for e in engines])
