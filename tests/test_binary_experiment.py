@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from notebook_util import execute
+from tb_util import assert_mirrors
 
 from zeroth import config as C
 from zeroth import run as zrun
-from tb_util import assert_mirrors
 from zeroth.train.metrics import check_schema, read_metrics
 from zeroth.train.runs import load_run
-from notebook_util import execute
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tb_util import assert_mirrors
 
 from zeroth.net import launch
-from tb_util import assert_mirrors
 from zeroth.train.metrics import check_schema
 from zeroth.transport import security
 

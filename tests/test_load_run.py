@@ -7,11 +7,11 @@ import json
 
 import numpy as np
 import pytest
+from tb_util import assert_mirrors
 
 from zeroth.config import load_config_dict
 from zeroth.replay import checksum
 from zeroth.train import trainer
-from tb_util import assert_mirrors
 from zeroth.train.metrics import check_schema, read_metrics, summarize
 from zeroth.train.runs import load_run
 

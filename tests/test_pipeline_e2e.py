@@ -12,12 +12,12 @@ import time
 import jax
 import numpy as np
 import pytest
+from tb_util import assert_mirrors
 
 from zeroth import compress as C
 from zeroth.config import load_config_dict
 from zeroth.pipeline import build, launch, sim
 from zeroth.train.checkpoint import Checkpointer, checksum
-from tb_util import assert_mirrors
 from zeroth.train.metrics import check_schema, read_metrics
 from zeroth.train.runs import load_run
 

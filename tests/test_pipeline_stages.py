@@ -119,8 +119,8 @@ def test_zeroth_run_hands_a_pipeline_section_to_the_pipeline_launcher(tmp_path, 
 
     seen = {}
 
-    def fake(cfg, out, argv, progress=True):
-        seen.update(stages=cfg.pipeline.stages, out=out, argv=argv)
+    def fake(cfg, out, argv, progress=True, stop=None):
+        seen.update(stages=cfg.pipeline.stages, out=out, argv=argv, stop=stop)
         return 0
 
     monkeypatch.setattr(launch, "run_config", fake)
@@ -128,6 +128,7 @@ def test_zeroth_run_hands_a_pipeline_section_to_the_pipeline_launcher(tmp_path, 
     path.write_text(yaml.safe_dump(_raw(compression="aqsgd")))
     assert run.main([str(path), "--out", str(tmp_path / "o"), "--resume"]) == 0
     assert seen["stages"] == 2 and str(seen["out"]).endswith("o") and "--resume" in seen["argv"]
+    assert seen["stop"]() is False  # the signal flag the launcher polls: no signal came
     assert COMMANDS["stage"][0] == "zeroth.pipeline.stage:main"
 
 

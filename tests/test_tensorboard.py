@@ -1,8 +1,8 @@
 """TensorBoard event files written without TensorFlow, read back with TensorBoard's own loaders."""
 
 import pytest
-
 from tb_util import assert_mirrors, scalars
+
 from zeroth.config import load_config_dict
 from zeroth.train import tensorboard as tb
 from zeroth.train.metrics import MetricsWriter, clear

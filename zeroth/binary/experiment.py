@@ -33,10 +33,9 @@ import optax
 
 from zeroth import config as _config
 from zeroth import data as zdata
-from zeroth.binary import launch
+from zeroth.binary import launch, speed
 from zeroth.binary import layers as L
 from zeroth.binary import layerwise as LW
-from zeroth.binary import speed
 from zeroth.binary import train as T
 from zeroth.binary import worker as W
 from zeroth.replay import checksum

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from zeroth import config as _config
 from zeroth.pipeline import sim
+from zeroth.train import interrupt
 from zeroth.train.metrics import MetricsWriter, read_metrics
 from zeroth.train.metrics import clear as clear_metrics
-from zeroth.train import interrupt
 from zeroth.transport import processes
 
 __all__ = ["common_step", "merge_records", "read_records", "run_config", "stage_dir", "start_stages", "wait_stages"]

@@ -268,7 +268,6 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
                     sent["bw_bytes"] += bw_pacer.submit(out_frame)
                     sent["bw_frames"] += 1
             loss = engine.finish_step()
-            digests = engine.buffer_digests()
             transfer = (fw_pacer.transfer_s if fw_pacer else 0.0) + (bw_pacer.transfer_s if bw_pacer else 0.0) - transfer0
             now = time.perf_counter()
             payload_total += sent["fw_bytes"] + sent["bw_bytes"]
