@@ -5,11 +5,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from notebook_util import execute
+from tb_util import assert_mirrors
 
 from zeroth import config as C
 from zeroth import run as zrun
+from zeroth.train.metrics import check_schema, read_metrics
 from zeroth.train.runs import load_run
-from notebook_util import execute
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,9 +56,18 @@ def test_zeroth_run_binary_config_end_to_end(tmp_path):
     assert res["layer_cache"] == {"trained": 2, "hits": 0}
     assert 0.0 <= res["float32"]["test_accuracy"] <= 1.0
     assert {r["kind"] for r in res["speed"]} == {"binary", "float32"}
-    assert len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()) == 8  # 2 models x 4 steps
+    rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    # 2 models x 4 steps and their frozen layer, then the float network's 3 steps and its evaluation
+    assert check_schema(rows) == len(rows) == 2 * (4 + 1) + 3 + 1
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 4, 5, 6, 7, 8, 8, 9, 10, 11, 11]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [(r["model"], r["eval_accuracy"]) for r in evals] == [
+        *((m["name"], m["test_accuracy"]) for m in res["models"]), ("float32/backprop", res["float32"]["test_accuracy"])]
+    assert evals[0]["digest"] == res["models"][0]["checksums"][0] == rows[3]["digest"]
+    assert [r["forward_passes"] for r in rows if r["kind"] == "train"][:5] == [2, 4, 6, 8, 11]  # flips 2, evolution 3 per step
+    assert_mirrors(tmp_path / "out", rows, ("loss", "eval_accuracy", "eval_loss", "forward_passes"))
     run = load_run(tmp_path / "out")  # the folder reads back: its kind, metrics and results
-    assert run.kind == "binary" and len(run.metrics) == 8 and run.summary == res and run.params is None
+    assert run.kind == "binary" and run.metrics == rows and run.summary == res and run.params is None
 
 
 @pytest.mark.slow

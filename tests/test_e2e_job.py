@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tb_util import assert_mirrors
 
 from zeroth.net import launch
 from zeroth.train.metrics import check_schema
@@ -100,6 +101,7 @@ def test_zeroth_run_with_a_join_and_a_kill(tmp_path):
     its = records(out / "peers" / "p0" / "metrics.jsonl")
     assert [r["step"] for r in its] == list(range(1, 121))  # the row of iteration t: step t + 1
     check_schema(launch.read_records(out / "peers" / "p0" / "metrics.jsonl")[0], "p0")
+    assert_mirrors(out / "peers" / "p0", its)  # each peer's folder holds its TensorBoard event file
     for field in ("step", "digest", "loss", "peers", "payload_bytes", "wire_bytes", "checksum_comparisons", "checksum_mismatches"):
         assert field in its[-1]
     joiner_id = by_index[joiner]["machines"][0]

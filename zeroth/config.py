@@ -136,6 +136,12 @@ class RunConfig:
         "Output folder for metrics.jsonl, config.yaml and checkpoints/. null = runs/<name>. "
         "`zeroth run --out DIR` overrides it.",
     )
+    tensorboard: bool = _field(
+        True,
+        "Also write TensorBoard event files (events.out.tfevents.*) next to every metrics.jsonl, "
+        "no TensorFlow needed: each row's numbers as scalars <kind>/<name> (train/loss, eval/accuracy) "
+        "at its step; `tensorboard --logdir OUT` opens them. false = metrics.jsonl only.",
+    )
 
 
 @dataclasses.dataclass(frozen=True)

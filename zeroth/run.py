@@ -16,8 +16,9 @@ The dispatcher sits above every system it chooses between.
 ``OUT/sweep.json`` listing each run's folder, exit code and summary.
 
 Exit codes: 0 done; 2 a bad command line, config, output folder, dataset or checkpoint (one line
-says which); 130 interrupted by SIGINT or SIGTERM (a single-machine run finishes the step under
-way, saves a checkpoint and prints the command that resumes it).
+says which); 130 interrupted by SIGINT or SIGTERM (a single-machine, peer, pipeline or binary
+learning run finishes the step under way, saves a checkpoint and prints the command that resumes
+it).
 
 Example:
   $ zeroth run experiments/mezo_digits.yaml --set train.steps=200 --out runs/quick
@@ -110,14 +111,14 @@ def main(argv: list[str]) -> int:
     except OSError as e:  # a file the run needs could not be read or written
         print(f"zeroth run: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C where no stop flag was installed (the pipeline and binary runs)
+    except KeyboardInterrupt:  # Ctrl-C where no stop flag was installed (Ravnest runs)
         print("zeroth run: interrupted", file=sys.stderr)
         return interrupt.EXIT_CODE
 
 
 def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
-    # SIGINT/SIGTERM only set a flag from here on: a single-machine run finishes its step, saves a
-    # checkpoint and exits 130; the other systems get the default handling back once chosen.
+    # SIGINT/SIGTERM only set a flag from here on: a single-machine, pipeline or binary learning run
+    # finishes its step, saves a checkpoint and exits 130; peers and Ravnest handle signals themselves.
     with interrupt.catch() as flag:
         cfg = _config.load_config(args.config, args.overrides)
         if args.out:
@@ -125,17 +126,18 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         out = check_out_dir(trainer.out_dir_of(cfg))
         if cfg.binary is None and cfg.peers is None and cfg.pipeline is None and cfg.ravnest is None:
             return _train(cfg, out, args, argv, flag)
+        if cfg.binary is not None:
+            return _binary(cfg, out, args, argv, flag)
+        if cfg.pipeline is not None and cfg.peers is None and cfg.ravnest is None:
+            return _pipeline(cfg, out, args, argv, flag)
     if flag.is_set():
         print(f"zeroth run: interrupted by {flag.signal_name()} before the run started", file=sys.stderr)
         return interrupt.EXIT_CODE
-    if cfg.binary is not None:
-        binary_experiment.run_config(cfg, out, argv, progress=not args.quiet)
-        return 0
     if cfg.peers is not None:
         return int(zeroth.net.launch.run_config(cfg, out, argv) or 0)
     if cfg.ravnest is not None:  # Ravnest nodes as processes on loopback
         return int(ravnest_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)
-    return int(pipeline_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)  # stages on loopback
+    raise ValueError("the config names no system zeroth run can launch")
 
 
 def _marsit(args: argparse.Namespace, argv: list[str], raw: dict) -> int:
@@ -217,20 +219,44 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupted(flag: interrupt.StopFlag, e: interrupt.Interrupted, argv: list[str], out) -> int:
+    """The one line an interrupted run prints (how to resume it); the exit code 130."""
+    saved = f"checkpoint saved in {e.checkpoint}" if e.checkpoint is not None else "no checkpoint saved"
+    print(
+        f"zeroth run: interrupted by {flag.signal_name()} after step {e.step} of {e.total}; {saved}; "
+        f"resume with: {interrupt.resume_command(argv, out)}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return interrupt.EXIT_CODE
+
+
+def _binary(cfg: _config.Config, out, args: argparse.Namespace, argv: list[str], flag: interrupt.StopFlag) -> int:
+    if args.resume_step is not None:
+        raise ValueError("--resume-step: a binary learning run keeps one checkpoint; resume it with --resume alone")
+    try:
+        binary_experiment.run_config(cfg, out, argv, progress=not args.quiet, resume=args.resume, stop=flag.is_set)
+    except interrupt.Interrupted as e:
+        return _interrupted(flag, e, argv, out)
+    if flag.is_set():  # a signal during the last phase: the run finished anyway
+        print(f"zeroth run: {flag.signal_name()} arrived as the run finished; its results are complete", file=sys.stderr)
+    return 0
+
+
+def _pipeline(cfg: _config.Config, out, args: argparse.Namespace, argv: list[str], flag: interrupt.StopFlag) -> int:
+    try:  # the stages as processes on loopback
+        return int(pipeline_launch.run_config(cfg, out, argv, progress=not args.quiet, stop=flag.is_set) or 0)
+    except interrupt.Interrupted as e:
+        return _interrupted(flag, e, argv, out)
+
+
 def _train(cfg: _config.Config, out, args: argparse.Namespace, argv: list[str], flag: interrupt.StopFlag) -> int:
     try:
         result = trainer.train(
             cfg, out, resume=args.resume, resume_step=args.resume_step, progress=not args.quiet, stop=flag.is_set
         )
     except interrupt.Interrupted as e:
-        saved = f"checkpoint saved in {e.checkpoint}" if e.checkpoint is not None else "no checkpoint saved"
-        print(
-            f"zeroth run: interrupted by {flag.signal_name()} after step {e.step} of {e.total}; {saved}; "
-            f"resume with: {interrupt.resume_command(argv, out)}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return interrupt.EXIT_CODE
+        return _interrupted(flag, e, argv, out)
     print(trainer.summary_line(result))
     return 0
 

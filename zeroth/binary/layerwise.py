@@ -29,7 +29,7 @@ import numpy as np
 from zeroth.binary import layers as L
 from zeroth.binary import train as T
 
-__all__ = ["Frozen", "LayerCache", "layer_key", "digest", "train_layerwise"]
+__all__ = ["Frozen", "Interrupted", "LayerCache", "layer_key", "digest", "train_layerwise"]
 
 
 class Frozen(NamedTuple):
@@ -44,6 +44,15 @@ class Frozen(NamedTuple):
     history: list
     seconds: float
     key: str
+    test_loss: float = float("nan")  # mean cross-entropy of the auxiliary head on the test set
+
+
+class Interrupted(Exception):
+    """:func:`train_layerwise` stopped inside layer ``len(done)``: the frozen layers below it and its state."""
+
+    def __init__(self, done: list, state: T.LayerState):
+        self.done, self.state = done, state
+        super().__init__(f"layer-wise training stopped in layer {len(done)} after step {state.step}")
 
 
 def digest(*arrays) -> str:
@@ -86,7 +95,7 @@ class LayerCache:
             meta = json.loads(str(z["meta"]))
             fr = Frozen(spec, L.ConvLayer(jnp.asarray(z["w"]), jnp.asarray(z["thresh"])),
                         L.Head(jnp.asarray(z["head_a"]), jnp.asarray(z["head_b"])), z["out_train"], z["out_test"],
-                        meta["test_accuracy"], meta["history"], meta["seconds"], key)
+                        meta["test_accuracy"], meta["history"], meta["seconds"], key, meta["test_loss"])
             self._mem[key] = fr
             return fr
         return None
@@ -95,43 +104,56 @@ class LayerCache:
         self._mem[fr.key] = fr
         if self._dir is not None:
             self._dir.mkdir(parents=True, exist_ok=True)
-            meta = json.dumps({"test_accuracy": fr.test_accuracy, "history": fr.history, "seconds": fr.seconds})
+            meta = json.dumps({"test_accuracy": fr.test_accuracy, "test_loss": fr.test_loss, "history": fr.history,
+                               "seconds": fr.seconds})
             np.savez(self._dir / f"{fr.key}.npz", w=np.asarray(fr.layer.w), thresh=np.asarray(fr.layer.thresh),
                      head_a=np.asarray(fr.head.a), head_b=np.asarray(fr.head.b), out_train=fr.out_train,
                      out_test=fr.out_test, meta=np.array(meta))
 
 
 def train_layerwise(plan, x_train, y_train, x_test, y_test, *, classes: int, cache: LayerCache | None = None,
-                    log=None) -> list[Frozen]:
+                    log=None, done: list[Frozen] = (), state: T.LayerState | None = None, stop=None) -> list[Frozen]:
     """Train ``plan`` (a list of ``(ConvSpec, TrainConfig)``) greedily, bottom up.
 
     Args:
       plan: layer ``i`` reads the (pooled) packed outputs of layer ``i - 1``; ``spec.c_in`` must match.
       x_train, x_test: packed inputs ``u32[N, H, W, words(C)]``; y_*: labels.
       cache: reuse layers trained before with the same config on the same inputs.
-      log: called with ``(layer_index, record)`` per training step.
+      log: called with ``(layer_index, record, layer)`` after each training step, and with
+        ``(layer_index, None, frozen)`` when a layer is frozen (trained or found in the cache).
+      done, state: resume: the frozen layers at the bottom of the plan, and the state of the next
+        layer's training (from :class:`Interrupted`).
+      stop: called before each training step; True stops the training with :class:`Interrupted`.
 
     Returns:
       One :class:`Frozen` per layer; the last one's head is the classifier.
     """
     cache = LayerCache() if cache is None else cache
-    out, xtr, xte = [], np.asarray(x_train), np.asarray(x_test)
+    out, xtr, xte = list(done), np.asarray(x_train), np.asarray(x_test)
     c_prev = None
-    for i, (spec, cfg) in enumerate(plan):
+    if out:
+        xtr, xte, c_prev = out[-1].out_train, out[-1].out_test, out[-1].spec.c_out
+    for i, (spec, cfg) in enumerate(plan[len(out):], len(out)):
         if c_prev is not None and spec.c_in != c_prev:
             raise ValueError(f"layer {i} has c_in={spec.c_in} but layer {i - 1} outputs {c_prev} channels")
         key = layer_key(spec, cfg, i, digest(xtr, xte))
         fr = cache.get(key, spec)
         if fr is None:
-            res = T.train_layer(spec, xtr, y_train, cfg, classes=classes, layer_index=i,
-                                log=None if log is None else (lambda rec, i=i: log(i, rec)))
-            acc = T.accuracy(res.layer, res.head, xte, y_test, spec, cfg.grid)
+            try:
+                res = T.train_layer(spec, xtr, y_train, cfg, classes=classes, layer_index=i, state=state, stop=stop,
+                                    log=None if log is None else (lambda rec, layer, i=i: log(i, rec, layer)))
+            except T.LayerInterrupted as e:
+                raise Interrupted(out, e.state) from None
+            loss, acc = T.evaluate(res.layer, res.head, xte, y_test, spec, cfg.grid)
             fr = Frozen(spec, res.layer, res.head, T.layer_outputs(res.layer, xtr, spec),
-                        T.layer_outputs(res.layer, xte, spec), acc, res.history, res.seconds, key)
+                        T.layer_outputs(res.layer, xte, spec), acc, res.history, res.seconds, key, loss)
             cache.put(fr)
             cache.trained += 1
         else:
             cache.hits += 1
+        state = None
         out.append(fr)
+        if log is not None:
+            log(i, None, fr)
         xtr, xte, c_prev = fr.out_train, fr.out_test, spec.c_out
     return out

@@ -26,8 +26,10 @@ Example:
 from __future__ import annotations
 
 import functools
+import json
+import os
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +39,8 @@ import optax
 from zeroth.binary import flips as F
 from zeroth.binary import layers as L
 
-__all__ = ["METHODS", "HEADS", "ADAM", "TrainConfig", "LayerResult", "step_functions", "train_layer", "predict", "accuracy",
+__all__ = ["METHODS", "HEADS", "ADAM", "TrainConfig", "LayerResult", "LayerState", "LayerInterrupted", "init_state",
+           "step_cost", "step_functions", "train_layer", "save_state", "load_state", "predict", "accuracy", "evaluate",
            "layer_outputs"]
 
 METHODS = ("flips", "evolution", "ste", "head")
@@ -162,14 +165,32 @@ def _random_mutations(rng: np.random.Generator, w: np.ndarray, k: int, ternary: 
     return np.sort(2 * widx + d)
 
 
-def train_layer(spec: L.ConvSpec, x, y, cfg: TrainConfig, *, classes: int, layer_index: int = 0,
-                log=None) -> LayerResult:
-    """Train one layer on packed inputs ``x: u32[N, H, W, words(C)]`` with labels ``y: int32[N]``.
+class LayerState(NamedTuple):
+    """Everything :func:`train_layer` carries from one step to the next (saved to resume a layer)."""
 
-    Returns the trained layer, its head and the per-step history.
-    """
+    step: int  # steps done
+    layer: L.ConvLayer
+    head: L.Head
+    head_state: Any  # Adam state of the head (flips, evolution, head)
+    shadow: Any  # (f32[O, 9C] shadow weights, head): the STE's float parameters
+    ste_state: Any  # Adam state of the shadow parameters
+    rng: dict  # the state of the evolution's mutation generator (numpy PCG64, JSON-able)
+    history: list  # one dict per step done (see LayerResult)
+    seconds: float  # training seconds so far
+
+
+class LayerInterrupted(Exception):
+    """``stop`` said stop before a step of :func:`train_layer`; ``state`` resumes the layer there."""
+
+    def __init__(self, state: LayerState):
+        self.state = state
+        super().__init__(f"layer training stopped after step {state.step}")
+
+
+def init_state(spec: L.ConvSpec, x, cfg: TrainConfig, *, classes: int, layer_index: int = 0) -> LayerState:
+    """The state of a layer before its first step: initial weights (thresholds from a first batch), head, Adam states."""
     cfg = cfg.check()
-    x, y = np.asarray(x), np.asarray(y, np.int32)
+    x = np.asarray(x)
     n, h, w = x.shape[:3]
     reg = L.regions(h, w, cfg.grid)
     first = _batch(n, cfg, layer_index, 0, tag=4)
@@ -178,15 +199,53 @@ def train_layer(spec: L.ConvSpec, x, y, cfg: TrainConfig, *, classes: int, layer
         head = L.votes_head(spec.c_out, len(reg.counts), classes, cfg.votes_scale)
     else:
         head = L.init_head(spec.c_out, len(reg.counts), classes)
+    shadow = (jnp.asarray(layer.w, jnp.float32) * jnp.float32(STE_INIT), head)
+    rng = np.random.default_rng([cfg.seed, layer_index, 3]).bit_generator.state
+    return LayerState(0, layer, head, ADAM.init(head), shadow, ADAM.init(shadow), rng, [], 0.0)
+
+
+def step_cost(cfg: TrainConfig) -> tuple[int, int]:
+    """``(forward, backward)`` passes over the batch one step of ``cfg.method`` makes.
+
+    flips: the head's Adam step (one of each; with the votes head, one loss forward instead) and
+    the forward pass that gives every mutation's loss change; evolution: the head step plus the
+    loss before and after the trial mutations; ste: one of each; head: the head step.
+    """
+    head = (1, 1) if cfg.head == "linear" else (1, 0)
+    if cfg.method == "ste":
+        return 1, 1
+    extra = {"flips": 1, "evolution": 2, "head": 0}[cfg.method]
+    return head[0] + extra, head[1]
+
+
+def train_layer(spec: L.ConvSpec, x, y, cfg: TrainConfig, *, classes: int, layer_index: int = 0,
+                log=None, state: LayerState | None = None, stop=None) -> LayerResult:
+    """Train one layer on packed inputs ``x: u32[N, H, W, words(C)]`` with labels ``y: int32[N]``.
+
+    Args:
+      state: continue from this state (from :class:`LayerInterrupted`); default :func:`init_state`.
+      log: called after each step with its record ``{step, loss, flips, seconds}`` (``step``: the
+        step's index) and the layer after it.
+      stop: called before each step; when it returns True, :class:`LayerInterrupted` is raised
+        with the state after the steps done (the step under way always finishes).
+
+    Returns the trained layer, its head and the per-step history.
+    """
+    cfg = cfg.check()
+    x, y = np.asarray(x), np.asarray(y, np.int32)
+    n, h, w = x.shape[:3]
+    st = init_state(spec, x, cfg, classes=classes, layer_index=layer_index) if state is None else state
+    layer, head, head_state, shadow, ste_state = st.layer, st.head, st.head_state, st.shadow, st.ste_state
     fns = step_functions(spec, h, w, cfg.grid)
-    head_state = ADAM.init(head)
     head_lr = jnp.float32(cfg.head_lr)
     ste_lrs = (jnp.float32(cfg.ste_lr), jnp.float32(cfg.head_lr))
-    shadow = (jnp.asarray(layer.w, jnp.float32) * jnp.float32(STE_INIT), head)
-    ste_state = ADAM.init(shadow)
-    rng = np.random.default_rng([cfg.seed, layer_index, 3])
-    history, t0 = [], time.perf_counter()
-    for step in range(cfg.steps):
+    rng = np.random.default_rng()
+    rng.bit_generator.state = st.rng
+    history, t0 = list(st.history), time.perf_counter() - st.seconds
+    for step in range(st.step, cfg.steps):
+        if stop is not None and stop():
+            raise LayerInterrupted(LayerState(step, layer, head, head_state, shadow, ste_state, rng.bit_generator.state,
+                                              history, time.perf_counter() - t0))
         idx = _batch(n, cfg, layer_index, step)
         xb, yb = jnp.asarray(x[idx]), jnp.asarray(y[idx])
         applied = 0
@@ -216,8 +275,33 @@ def train_layer(spec: L.ConvSpec, x, y, cfg: TrainConfig, *, classes: int, layer
         rec = {"step": step, "loss": float(loss), "flips": applied, "seconds": time.perf_counter() - t0}
         history.append(rec)
         if log is not None:
-            log(rec)
+            log(rec, layer)
     return LayerResult(layer, head, history, time.perf_counter() - t0)
+
+
+def save_state(path: str | os.PathLike, state: LayerState) -> None:
+    """Write ``state`` to ``path`` (``.npz``: the arrays, and the step, generator state and history as JSON)."""
+    leaves = jax.tree_util.tree_leaves((state.layer, state.head, state.head_state, state.shadow, state.ste_state))
+    meta = {"step": state.step, "rng": state.rng, "history": state.history, "seconds": state.seconds}
+    with open(path, "wb") as fh:
+        np.savez(fh, meta=np.array(json.dumps(meta)), **{f"leaf{i}": np.asarray(a) for i, a in enumerate(leaves)})
+
+
+def load_state(path: str | os.PathLike, template: LayerState) -> LayerState:
+    """Read a state written by :func:`save_state` into the structure of ``template`` (from :func:`init_state`).
+
+    Raises:
+      ValueError: the file holds another number of arrays, or arrays of other shapes or dtypes.
+    """
+    trees = (template.layer, template.head, template.head_state, template.shadow, template.ste_state)
+    leaves, treedef = jax.tree_util.tree_flatten(trees)
+    with np.load(path, allow_pickle=False) as z:
+        got = [z[f"leaf{i}"] for i in range(sum(k.startswith("leaf") for k in z.files))]
+        meta = json.loads(str(z["meta"]))
+    if len(got) != len(leaves) or any(a.shape != np.shape(b) or a.dtype != np.asarray(b).dtype for a, b in zip(got, leaves)):
+        raise ValueError(f"{path}: the saved layer state does not match this layer's config (other shapes or dtypes)")
+    layer, head, head_state, shadow, ste_state = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(a) for a in got])
+    return LayerState(meta["step"], layer, head, head_state, shadow, ste_state, meta["rng"], meta["history"], meta["seconds"])
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -252,4 +336,25 @@ def _predict(layer, head, xb, spec, grid):
 
 
 def accuracy(layer, head, x, y, spec, grid) -> float:
+    """The fraction of ``x`` the layer's head classifies as ``y``."""
     return float(np.mean(predict(layer, head, x, spec, grid) == np.asarray(y)))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "grid"))
+def _eval_chunk(layer, head, xb, yb, valid, spec, grid):
+    reg = L.regions(xb.shape[1], xb.shape[2], grid)
+    z = L.head_logits(head, _acts(layer, xb, spec), reg)
+    ce = F.cross_entropy(z, yb)
+    return jnp.sum(jnp.where(valid, ce, 0.0)), jnp.sum(valid & (jnp.argmax(z, axis=-1) == yb))
+
+
+def evaluate(layer, head, x, y, spec, grid, *, chunk: int = 256) -> tuple[float, float]:
+    """``(mean cross-entropy, accuracy)`` of the layer's head on packed inputs ``x`` with labels ``y``."""
+    x, y = np.asarray(x), np.asarray(y, np.int32)
+    loss, right = 0.0, 0
+    for i, (m, xb) in enumerate(_chunks(x, chunk)):
+        yb = np.zeros(chunk, np.int32)
+        yb[:m] = y[i * chunk:i * chunk + m]
+        l_sum, r = _eval_chunk(layer, head, xb, jnp.asarray(yb), jnp.arange(chunk) < m, spec, grid)
+        loss, right = loss + float(l_sum), right + int(r)
+    return loss / len(y), right / len(y)

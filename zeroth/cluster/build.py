@@ -45,7 +45,7 @@ __all__ = ["MB", "Plan", "RUN_ID_EXCLUDE", "active_clusters", "data_of", "exampl
 
 MB = 2**20
 STATE_PER_PARAM_BYTE = 4  # parameters, gradient, two AdamW moments
-RUN_ID_EXCLUDE = ("run.out_dir", "run.name", "ravnest.host", "ravnest.timeout_s", "ravnest.kill_at",
+RUN_ID_EXCLUDE = ("run.out_dir", "run.name", "run.tensorboard", "ravnest.host", "ravnest.timeout_s", "ravnest.kill_at",
                   "train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "train.eval_every")
 
 

@@ -57,6 +57,7 @@ from zeroth.net.transfer import StateTransfer
 from zeroth.net.transport import MAX_MESSAGE_BYTES, Traffic, Transport, request_signed_bytes
 from zeroth.net.work import Worker
 from zeroth.train.metrics import MetricsWriter
+from zeroth.train.metrics import clear as clear_metrics
 
 __all__ = [
     "JOIN_DIGEST_EXCLUDE",
@@ -78,6 +79,7 @@ __all__ = [
 JOIN_DIGEST_EXCLUDE = (
     "run.name",
     "run.out_dir",
+    "run.tensorboard",
     "peers.count",
     "peers.token",
     "peers.insecure",
@@ -308,9 +310,10 @@ class Node:
         self.started = time.monotonic()
         self._server: grpc.Server | None = None
         self.address = ""
-        for stale in ("metrics.jsonl", "summary.json", "address", "machine"):  # a new process is a new peer
+        for stale in ("summary.json", "address", "machine"):  # a new process is a new peer
             (self.out_dir / stale).unlink(missing_ok=True)
-        self._metrics = MetricsWriter(self.out_dir / "metrics.jsonl")
+        clear_metrics(self.out_dir / "metrics.jsonl")
+        self._metrics = MetricsWriter(self.out_dir / "metrics.jsonl", tensorboard=cfg.run.tensorboard)
         self._threads: list[threading.Thread] = []
         self._warming: threading.Thread | None = None
 

@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 # deployment fields that may differ between the stages of one run
-RUN_ID_EXCLUDE = ("run.out_dir", "run.name", "pipeline.host", "pipeline.timeout_s", "pipeline.buffers",
+RUN_ID_EXCLUDE = ("run.out_dir", "run.name", "run.tensorboard", "pipeline.host", "pipeline.timeout_s", "pipeline.buffers",
                   "pipeline.bandwidth_bps", "pipeline.latency_ms", "pipeline.emulate_bandwidths_bps", "pipeline.slowdown",
                   "train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "train.eval_every")
 

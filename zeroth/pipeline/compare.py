@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["DEFAULT_SETTINGS", "apply_setting", "main", "parse_setting", "summarize"]
+__all__ = ["DEFAULT_SETTINGS", "apply_setting", "load_results", "main", "parse_setting", "summarize", "upgrade_record"]
 
 DEFAULT_SETTINGS = ("fp32", "directq:2:4", "aqsgd:2:4", "directq:4:8", "aqsgd:4:8")
 
@@ -62,11 +62,32 @@ def summarize(records: list[dict], bandwidths: tuple[float, ...], latency_s: flo
         "final_loss": records[-1]["loss"] if records else None,
         "bytes_per_step_per_link": [sum(r["links"][k]["fw_bytes"] + r["links"][k]["bw_bytes"] for r in records) / max(n, 1)
                                     for k in range(links)],
-        "wall_s_per_step": sum(r["wall_s"] for r in records) / max(n, 1),
+        "wall_s_per_step": sum(r["step_time_s"] for r in records) / max(n, 1),
         "emulated_s_per_step": {f"{bw:g}": sum(emulated_seconds(r, bw, latency_s) for r in records) / max(n, 1)
                                 for bw in bandwidths},
     }
     return out
+
+
+def upgrade_record(rec: dict) -> dict:
+    """A step record as the metrics schema writes it (:func:`zeroth.pipeline.sim.step_record`).
+
+    Records written before the schema had no ``kind``, counted ``step`` from 0 (the step's index,
+    not the steps completed) and called the step's seconds ``wall_s``; they are converted, and a
+    record of the schema is returned unchanged. Fields the old records lack are left out.
+    """
+    if "kind" in rec:
+        return rec
+    out = {k: v for k, v in rec.items() if k != "wall_s"}
+    return {"kind": "train", **out, "step": rec["step"] + 1, "step_time_s": rec["wall_s"]}
+
+
+def load_results(path) -> dict:
+    """A results JSON written by this program, every setting's records in the schema of :func:`upgrade_record`."""
+    results = json.loads(Path(path).read_text())
+    for res in results["settings"].values():
+        res["records"] = [upgrade_record(r) for r in res["records"]]
+    return results
 
 
 def quantization_error(cfg, bits=(2, 4, 8), axes=("row", "channel")) -> list[dict]:
@@ -143,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {"config": _config.to_dict(base), "mode": "local" if args.local else "processes", "settings": {}}
     if out.is_file() and args.append:
-        results["settings"] = json.loads(out.read_text())["settings"]
+        results["settings"] = load_results(out)["settings"]
     bws = tuple(base.pipeline.emulate_bandwidths_bps)
     for text in args.settings:
         cfg = apply_setting(base, text)

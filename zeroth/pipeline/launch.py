@@ -5,12 +5,14 @@ zeroth.pipeline.stage``) for stages ``S−1 .. 0``
 (each stage after the first listens on a free port and writes it to ``OUT/stage_<i>/address``;
 the stage before it connects through ``--next @OUT/stage_<i+1>/address``). When a stage fails the
 others are stopped (a synchronous pipeline cannot go on without it) and the exit code is 1. On
-success the stages' records are merged into ``OUT/metrics.jsonl`` (:func:`merge_records`, one
-line per step: loss, per link bytes, frames and both ends' buffer digests, per stage times) and
-``OUT/summary.json``.
+success the stages' rows are merged into ``OUT/metrics.jsonl`` (:func:`merge_records`, one
+``train`` row of the metrics schema per step: loss, bytes, the digest of every stage's parameters,
+per link bytes, frames and both ends' buffer digests, per stage times) and ``OUT/summary.json``.
 
 ``zeroth run CONFIG --resume`` restarts every stage from the newest checkpoint step that all of
-them hold (:func:`common_step`), AQ-SGD buffers included.
+them hold (:func:`common_step`), AQ-SGD buffers included. SIGINT/SIGTERM stop every stage at one
+step boundary, each with its checkpoint of that step (:func:`wait_stages`), so the resumed run
+ends where the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ import time
 from pathlib import Path
 
 from zeroth import config as _config
+from zeroth.pipeline import sim
+from zeroth.train import interrupt
+from zeroth.train.metrics import MetricsWriter, read_metrics
+from zeroth.train.metrics import clear as clear_metrics
 from zeroth.transport import processes
 
 __all__ = ["common_step", "merge_records", "read_records", "run_config", "stage_dir", "start_stages", "wait_stages"]
@@ -56,6 +62,7 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
         d = stage_dir(out, i)
         d.mkdir(parents=True, exist_ok=True)
         (d / "address").unlink(missing_ok=True)
+        (d / "stop").unlink(missing_ok=True)
         # `python -m zeroth.pipeline.stage` is `zeroth stage` (the launcher stays below the command layer)
         cmd = [sys.executable, "-m", "zeroth.pipeline.stage", "--config", str(cfg_path), "--stage", str(i), "--out", str(d)]
         if i > 0:
@@ -72,13 +79,26 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
     return [procs[i] for i in range(p.stages)]
 
 
-def wait_stages(procs: list[subprocess.Popen], out: Path, timeout_s: float | None = None) -> int:
-    """Wait for every stage; if one fails, stop the others. Returns 0, or 1 with the failures printed."""
+def wait_stages(procs: list[subprocess.Popen], out: Path, timeout_s: float | None = None, stop=None,
+                stop_grace_s: float = 120.0) -> int:
+    """Wait for every stage; if one fails, stop the others. Returns 0, or 1 with the failures printed.
+
+    When ``stop()`` turns true, ``stage_<i>/stop`` is written for every stage: the pipeline stops
+    at a step boundary (:mod:`zeroth.pipeline.stage`) and each stage exits 130 with its
+    checkpoint; then the result is 130 (0 if every stage had finished anyway). Stages still alive
+    ``stop_grace_s`` seconds later are stopped.
+    """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     failed = None
+    stopping = False
     while any(pr.poll() is None for pr in procs):
+        if not stopping and stop is not None and stop():
+            stopping = True
+            for i in range(len(procs)):
+                (stage_dir(out, i) / "stop").touch()
+            deadline = time.monotonic() + stop_grace_s
         for i, pr in enumerate(procs):
-            if pr.poll() not in (None, 0) and failed is None:
+            if pr.poll() not in ((None, 0, interrupt.EXIT_CODE) if stopping else (None, 0)) and failed is None:
                 failed = i
         if failed is not None or (deadline is not None and time.monotonic() > deadline):
             processes.stop(procs)
@@ -87,19 +107,23 @@ def wait_stages(procs: list[subprocess.Popen], out: Path, timeout_s: float | Non
     codes = [pr.wait() for pr in procs]
     if all(c == 0 for c in codes):
         return 0
+    if stopping and all(c in (0, interrupt.EXIT_CODE) for c in codes):
+        return interrupt.EXIT_CODE
     for i, c in enumerate(codes):
         if c != 0:
             print(f"stage {i} exited with code {c}: " + processes.log_tail(stage_dir(out, i) / "stage.log"), file=sys.stderr)
     return 1
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
-
-
 def merge_records(out: Path, stages: int, batch_size: int, examples: int) -> list[dict]:
-    """One record per step from the stages' ``metrics.jsonl`` (the shape of :func:`zeroth.pipeline.sim.step_record`)."""
-    per = [{r["step"]: r for r in _read_jsonl(stage_dir(out, i) / "metrics.jsonl")} for i in range(stages)]
+    """One ``train`` row per step (:func:`zeroth.pipeline.sim.step_record`) from the stages' rows.
+
+    Per link: the sender's forward bytes and frames and send-buffer digest, the receiver's
+    backward bytes and frames and receive-buffer digest; per stage: its times, buffer size and
+    parameter digest. The row's time is the slowest stage's (``step_time_s``, ``wall_time_s``,
+    ``time_unix_s``: the last to finish); its payload bytes are summed over the stages.
+    """
+    per = [{r["step"]: r for r in _read(stage_dir(out, i) / "metrics.jsonl")} for i in range(stages)]
     steps = sorted(set.intersection(*(set(p) for p in per))) if per else []
     records = []
     for t in steps:
@@ -110,19 +134,30 @@ def merge_records(out: Path, stages: int, batch_size: int, examples: int) -> lis
                           "bw_bytes": rs[k + 1]["bw_bytes"], "bw_frames": rs[k + 1]["bw_frames"],
                           "send_digest": rs[k]["send_digest"], "recv_digest": rs[k + 1]["recv_digest"]})
         st = [{"stage": i, "compute_s": r["compute_s"], "codec_s": r["codec_s"], "wait_s": r["wait_s"],
-               "transfer_s": r["transfer_s"], "buffer_bytes": r["buffer_bytes"]} for i, r in enumerate(rs)]
-        records.append({"step": t, "epoch": t * batch_size // examples, "loss": rs[-1]["loss"],
-                        "wall_s": max(r["wall_s"] for r in rs), "links": links, "stages": st})
+               "transfer_s": r["transfer_s"], "buffer_bytes": r["buffer_bytes"], "digest": r["digest"]}
+              for i, r in enumerate(rs)]
+        records.append(sim.step_record(
+            t, epoch=(t - 1) * batch_size // examples, loss=rs[-1]["loss"], lr=rs[-1]["lr"], links=links, stages=st,
+            step_time_s=max(r["step_time_s"] for r in rs), wall_time_s=max(r["wall_time_s"] for r in rs),
+            payload_bytes_total=sum(r["payload_bytes_total"] for r in rs), time_unix_s=max(r["time_unix_s"] for r in rs)))
     return records
 
 
+def _read(path: Path) -> list[dict]:
+    return read_metrics(path) if path.is_file() else []
+
+
 def read_records(out: Path) -> list[dict]:
-    """The merged records of a finished run (``OUT/metrics.jsonl``)."""
-    return _read_jsonl(Path(out) / "metrics.jsonl")
+    """The merged rows of a finished run (``OUT/metrics.jsonl``)."""
+    return _read(Path(out) / "metrics.jsonl")
 
 
-def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool = True) -> int:
-    """Run the pipeline of ``cfg`` as stage processes into ``out``; ``--resume`` in ``argv`` resumes. Exit code."""
+def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool = True, stop=None) -> int:
+    """Run the pipeline of ``cfg`` as stage processes into ``out``; ``--resume`` in ``argv`` resumes. Exit code.
+
+    ``stop`` (a signal flag's ``is_set``) stops every stage at one step boundary with a checkpoint
+    (:func:`wait_stages`); then :class:`zeroth.train.interrupt.Interrupted` is raised with that step.
+    """
     out = Path(out)
     p = cfg.pipeline
     resume_step = None
@@ -133,11 +168,18 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
             return 2
     t0 = time.time()
     procs = start_stages(cfg, out, resume_step=resume_step, quiet=not progress)
-    code = wait_stages(procs, out)
+    code = wait_stages(procs, out, stop=stop)
+    if code == interrupt.EXIT_CODE:
+        step = common_step(out, p.stages)
+        raise interrupt.Interrupted(step or 0, cfg.train.steps,
+                                    None if step is None else out / "stage_*" / "checkpoints" / str(step))
     if code != 0:
         return code
     records = merge_records(out, p.stages, cfg.data.batch_size, p.examples)
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    clear_metrics(out / "metrics.jsonl")
+    with MetricsWriter(out / "metrics.jsonl", tensorboard=cfg.run.tensorboard) as writer:
+        for r in records:
+            writer.write(r)
     mismatched = [r["step"] for r in records for lk in r["links"] if lk["send_digest"] != lk["recv_digest"]]
     summary = {"steps": len(records), "final_loss": records[-1]["loss"] if records else None, "seconds": time.time() - t0,
                "buffers_agree": not mismatched, "mismatched_steps": mismatched,

@@ -74,8 +74,9 @@ class LinkServicer(pb_grpc.PipelineLinkServicer):
         except wire.FrameError as e:
             self.inbox.put(LinkClosed(f"stage refused a frame from upstream: {e}"))
             self.pacer.fail(e)
-        except grpc.RpcError as e:
-            self.inbox.put(LinkClosed(f"the upstream stage's stream broke: {e.code().name}"))
+        except grpc.RpcError as e:  # on the server side a cancelled stream raises a bare RpcError, without code()
+            code = e.code().name if callable(getattr(e, "code", None)) else "CANCELLED"
+            self.inbox.put(LinkClosed(f"the upstream stage's stream broke: {code}"))
             self.pacer.close()
         except Exception as e:  # noqa: BLE001 - any other failure must reach the stage, not vanish with the thread
             self.inbox.put(LinkClosed(f"reading the upstream stream failed: {type(e).__name__}: {e}"))

@@ -11,6 +11,7 @@ wall-clock for a bandwidth that was not enforced.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 
@@ -21,14 +22,47 @@ import numpy as np
 from zeroth import config as _config
 from zeroth.pipeline import build as _build
 from zeroth.pipeline import wire
+from zeroth.replay import checksum
 from zeroth.stages import partition as _partition
 
-__all__ = ["emulated_seconds", "reference_run", "run_local", "step_record"]
+__all__ = ["emulated_seconds", "pipeline_digest", "reference_run", "run_local", "step_record"]
 
 
-def step_record(step: int, loss: float | None, links: list[dict], stages: list[dict], wall_s: float, epoch: int) -> dict:
-    """One step's metrics: loss, per link bytes/frames/digests, per stage times."""
-    return {"step": step, "epoch": epoch, "loss": loss, "wall_s": wall_s, "links": links, "stages": stages}
+def pipeline_digest(stage_digests: list[str]) -> str:
+    """The digest of the whole pipeline's parameters: SHA-256 (hex) of the stages' parameter
+    checksums (:func:`zeroth.replay.checksum` of each stage's parameters), in stage order, joined by ``,``.
+
+    Each stage process knows only its own parameters; this combines their digests into one that
+    the in-process pipeline (:func:`run_local`) and the stage processes compute alike.
+    """
+    return hashlib.sha256(",".join(stage_digests).encode()).hexdigest()
+
+
+def step_record(step: int, *, epoch: int, loss: float | None, lr: float, links: list[dict], stages: list[dict],
+                step_time_s: float, wall_time_s: float, payload_bytes_total: int, time_unix_s: float | None = None) -> dict:
+    """One step's ``train`` row of the metrics schema (:mod:`zeroth.train.metrics`).
+
+    Args:
+      step: steps completed (the row of the step with index ``t`` has ``step = t + 1``).
+      epoch: the epoch the step belongs to, ``t · batch_size // examples``.
+      loss: the batch loss (the mean over the micro-batches, from the last stage).
+      lr: the learning rate of the step.
+      links: per link ``{link, fw_bytes, fw_frames, bw_bytes, bw_frames, send_digest, recv_digest}``.
+      stages: per stage ``{stage, compute_s, codec_s, wait_s, transfer_s, buffer_bytes, digest}``
+        (``digest``: the checksum of the stage's parameters after the step).
+      step_time_s: seconds of the step (the slowest stage); wall_time_s: seconds since the run started.
+      payload_bytes_total: link bytes sent since the run began, this step included.
+
+    The row's ``digest`` is :func:`pipeline_digest` of the stages' digests; ``payload_bytes`` is
+    every frame byte of the step on every link, both directions; ``forward_passes`` and
+    ``backward_passes`` count the batch passes (one each per step).
+    """
+    return {"kind": "train", "step": step, "time_unix_s": time.time() if time_unix_s is None else time_unix_s,
+            "wall_time_s": wall_time_s, "digest": pipeline_digest([s["digest"] for s in stages]),
+            "forward_passes": step, "backward_passes": step, "payload_bytes_total": payload_bytes_total,
+            "loss": loss, "lr": lr, "step_time_s": step_time_s,
+            "payload_bytes": sum(lk["fw_bytes"] + lk["bw_bytes"] for lk in links), "epoch": epoch,
+            "links": links, "stages": stages}
 
 
 def emulated_seconds(rec: dict, bandwidth_bps: float, latency_s: float = 0.0) -> float:
@@ -55,10 +89,12 @@ def run_local(cfg: _config.Config, steps: int | None = None, on_step: Callable[[
         engines = [_build.engine_of(cfg, s, part, ex) for s in range(cfg.pipeline.stages)]
     S = len(engines)
     records = []
+    t_run = time.perf_counter()
+    payload_total = 0
     for _ in range(cfg.train.steps if steps is None else steps):
         step = engines[0].step
         t0 = time.perf_counter()
-        links = [{"link": k, "fw_bytes": 0, "bw_bytes": 0, "fw_frames": 0, "bw_frames": 0} for k in range(S - 1)]
+        links = [{"link": k, "fw_bytes": 0, "fw_frames": 0, "bw_bytes": 0, "bw_frames": 0} for k in range(S - 1)]
         plan = _build.plan_of(cfg, ex, step)
         for j, (ids, tok, lab) in enumerate(plan):
             frame = None
@@ -82,9 +118,13 @@ def run_local(cfg: _config.Config, steps: int | None = None, on_step: Callable[[
         for e in engines:
             out = e.finish_step()
             loss = out if e.last else loss
-            stages.append({"stage": e.index, **e.last_times, "wait_s": 0.0, "buffer_bytes": e.buffer_nbytes()})
-        epoch = step * cfg.data.batch_size // cfg.pipeline.examples
-        rec = step_record(step, loss, links, stages, time.perf_counter() - t0, epoch)
+            stages.append({"stage": e.index, **e.last_times, "wait_s": 0.0, "transfer_s": 0.0,
+                           "buffer_bytes": e.buffer_nbytes(), "digest": checksum(e.params)})
+        payload_total += sum(lk["fw_bytes"] + lk["bw_bytes"] for lk in links)
+        now = time.perf_counter()
+        rec = step_record(step + 1, epoch=step * cfg.data.batch_size // cfg.pipeline.examples, loss=loss,
+                          lr=cfg.train.lr, links=links, stages=stages, step_time_s=now - t0, wall_time_s=now - t_run,
+                          payload_bytes_total=payload_total)
         records.append(rec)
         if on_step is not None:
             on_step(rec)

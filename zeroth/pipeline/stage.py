@@ -8,15 +8,21 @@ free port, the bound address is written to ``DIR/address``); every stage but the
 the next one (``--next``; ``@FILE`` = the address written in FILE, waited for). All stages must
 use the same config: frames carry the run id derived from it.
 
-The stage writes into ``DIR``: ``metrics.jsonl`` (one record per step: loss on the last stage,
-bytes and frames it sent per link, seconds in compute, codecs, waiting and transfer, its buffer
-digests), ``checkpoints/`` (orbax: parameters, AdamW state, step; every
+The stage writes into ``DIR``: ``metrics.jsonl`` (one ``train`` row of the metrics schema per
+step, :func:`stage_record`: loss on the last stage, bytes and frames it sent per link, seconds in
+compute, codecs, waiting and transfer, its parameter and buffer digests), ``checkpoints/`` (orbax: parameters, AdamW state, step; every
 ``train.checkpoint_every`` steps and at the end), ``buffers/`` (its AQ-SGD buffers at each
 checkpoint) and ``summary.json``. ``--resume-step N`` restores checkpoint N with its buffers and
 continues from step N; newer checkpoints are moved aside to ``checkpoints_quarantine/`` (kept).
 
+SIGINT/SIGTERM, or a file ``DIR/stop`` (written by the launcher), stop the pipeline at a step
+boundary: stage 0 finishes the step under way and starts no other; every later stage finishes the
+steps stage 0 started, then finds its upstream link closed before the next step. Each stage saves
+its checkpoint (with its buffers) at that step, so all of them hold the same step, and exits 130;
+``--resume-step N`` continues from it.
+
 Exit codes: 0 done; 1 a link failed or a frame was refused (the message says which); 2 a bad
-command line, config or checkpoint.
+command line, config or checkpoint; 130 stopped by a signal or ``DIR/stop`` (a checkpoint saved).
 """
 
 from __future__ import annotations
@@ -29,7 +35,11 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["build_parser", "main", "run_stage"]
+from zeroth.replay import checksum
+from zeroth.train.metrics import MetricsWriter, read_metrics, truncate_after
+from zeroth.train.metrics import clear as clear_metrics
+
+__all__ = ["build_parser", "main", "run_stage", "stage_record"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +66,20 @@ def _resolve(address: str, timeout_s: float) -> str:
             return path.read_text().strip()
         time.sleep(0.05)
     raise TimeoutError(f"no address appeared in {path} within {timeout_s:g}s")
+
+
+class _Stopped(Exception):
+    """The pipeline stops at this step boundary (see the module docstring)."""
+
+
+def _stopped(stop, wait_s: float = 2.0) -> bool:
+    """Whether the stage was asked to stop; waits up to ``wait_s`` for a signal that may trail the closed link."""
+    deadline = time.monotonic() + wait_s
+    while not stop():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _get(inbox: queue.Queue, timeout_s: float, what: str):
@@ -119,16 +143,37 @@ class _Checkpoints:
         engine.step = step
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    if not path.is_file():
-        return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < step]
-    path.write_text("".join(ln + "\n" for ln in keep))
+def _resumed_totals(path: Path, step: int) -> tuple[float, int]:
+    """Keep the rows of ``path`` up to ``step``; return the kept last row's ``(wall_time_s, payload_bytes_total)``."""
+    truncate_after(path, step)
+    rows = read_metrics(path, "train") if path.is_file() else []
+    return (rows[-1]["wall_time_s"], rows[-1]["payload_bytes_total"]) if rows else (0.0, 0)
+
+
+def stage_record(index: int, step: int, *, loss: float | None, lr: float, sent: dict, times: dict, wait_s: float,
+                 transfer_s: float, step_time_s: float, wall_time_s: float, payload_bytes_total: int, digest: str,
+                 buffer_digests: dict, buffer_bytes: int) -> dict:
+    """A stage's ``train`` row (the schema of :mod:`zeroth.train.metrics`) after ``step`` steps.
+
+    ``payload_bytes`` are the frame bytes this stage sent in the step (activations forward,
+    gradients backward); ``loss`` is null except on the last stage; ``digest`` is the checksum
+    of this stage's parameters. The rest: frames and bytes per direction, seconds in compute,
+    codecs, waiting and the token bucket, the AQ-SGD buffers' digests and size.
+    """
+    return {"kind": "train", "step": step, "time_unix_s": time.time(), "wall_time_s": wall_time_s, "digest": digest,
+            "forward_passes": step, "backward_passes": step, "payload_bytes_total": payload_bytes_total,
+            "loss": loss, "lr": lr, "step_time_s": step_time_s, "payload_bytes": sent["fw_bytes"] + sent["bw_bytes"],
+            "stage": index, **sent, **times, "wait_s": wait_s, "transfer_s": transfer_s,
+            "send_digest": buffer_digests["send"], "recv_digest": buffer_digests["recv"], "buffer_bytes": buffer_bytes}
 
 
 def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | None, resume_step: int | None = None,
-              progress: bool = False) -> dict:
+              progress: bool = False, stop=None) -> dict:
     """Run stage ``index`` of the pipeline of ``cfg`` to ``train.steps``; returns its summary.
+
+    ``stop`` (called at step boundaries) asks the pipeline to stop (see the module docstring);
+    the summary then says ``"interrupted": true`` and ``steps_done``, and the checkpoint of that
+    step is saved.
 
     Raises:
       LinkClosed: a link broke or a frame was refused; ValueError: bad arguments.
@@ -155,11 +200,12 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
     run_id = build.run_id_of(cfg)
     ckpt = _Checkpoints(out, cfg.train.keep_checkpoints)
     metrics = out / "metrics.jsonl"
+    wall0, payload_total = 0.0, 0
     if resume_step is not None:
         ckpt.restore(engine, resume_step, run_id)
-        _truncate_metrics(metrics, resume_step)
-    elif metrics.exists():
-        metrics.unlink()
+        wall0, payload_total = _resumed_totals(metrics, resume_step)
+    else:
+        clear_metrics(metrics)
     start, steps, M = engine.step, cfg.train.steps, p.micro_batches
     latency = p.latency_ms / 1e3
     fw_pacer = pacing.Pacer(p.bandwidth_bps, latency) if index < S - 1 else None
@@ -183,9 +229,14 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
     if index < S - 1:
         channel = link.connect(_resolve(next_addr, p.timeout_s), fw_pacer, bw_inbox, p.timeout_s)
     t_run = time.time()
-    ok = False
+    t_wall = time.perf_counter() - wall0
+    writer = MetricsWriter(metrics, tensorboard=cfg.run.tensorboard, resumed_after=resume_step)
+    stop = stop or (lambda: False)
+    ok = interrupted = False
     try:
         for step in range(start, steps):
+            if index == 0 and stop():
+                raise _Stopped
             t0 = time.perf_counter()
             wait = 0.0
             sent = {"fw_bytes": 0, "fw_frames": 0, "bw_bytes": 0, "bw_frames": 0}
@@ -195,7 +246,12 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
                 frame = None
                 if index > 0:
                     tw = time.perf_counter()
-                    frame = _get(fw_inbox, p.timeout_s, f"activation of step {step} micro-batch {j}")
+                    try:
+                        frame = _get(fw_inbox, p.timeout_s, f"activation of step {step} micro-batch {j}")
+                    except link.LinkClosed:
+                        if j == 0 and _stopped(stop):  # stage 0 stopped at this boundary
+                            raise _Stopped from None
+                        raise
                     wait += time.perf_counter() - tw
                 out_frame = engine.forward(j, ids, tok, lab, frame)
                 if out_frame is not None:
@@ -212,13 +268,13 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
                     sent["bw_bytes"] += bw_pacer.submit(out_frame)
                     sent["bw_frames"] += 1
             loss = engine.finish_step()
-            digests = engine.buffer_digests()
             transfer = (fw_pacer.transfer_s if fw_pacer else 0.0) + (bw_pacer.transfer_s if bw_pacer else 0.0) - transfer0
-            rec = {"step": step, "stage": index, "loss": loss, **sent, **engine.last_times, "wait_s": wait,
-                   "transfer_s": transfer, "wall_s": time.perf_counter() - t0, "send_digest": digests["send"],
-                   "recv_digest": digests["recv"], "buffer_bytes": engine.buffer_nbytes()}
-            with metrics.open("a") as fh:
-                fh.write(json.dumps(rec) + "\n")
+            now = time.perf_counter()
+            payload_total += sent["fw_bytes"] + sent["bw_bytes"]
+            writer.write(stage_record(index, engine.step, loss=loss, lr=cfg.train.lr, sent=sent, times=engine.last_times,
+                                      wait_s=wait, transfer_s=transfer, step_time_s=now - t0, wall_time_s=now - t_wall,
+                                      payload_bytes_total=payload_total, digest=checksum(engine.params),
+                                      buffer_digests=engine.buffer_digests(), buffer_bytes=engine.buffer_nbytes()))
             every = cfg.train.checkpoint_every
             if (every and engine.step % every == 0) or engine.step == steps:
                 ckpt.save(engine, run_id)
@@ -226,14 +282,20 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
                 print(f"stage {index} step {step} " + (f"loss {loss:.4f} " if loss is not None else "")
                       + f"wait {wait:.2f}s", flush=True)
         ok = True
+    except _Stopped:
+        interrupted = True
+        if ckpt.ck.latest_step() != engine.step:
+            ckpt.save(engine, run_id)
     finally:
+        writer.close()
         if fw_pacer is not None:
             fw_pacer.close()
         if bw_pacer is not None:
             bw_pacer.close()
-        if ok and servicer is not None:
+        clean = ok or interrupted  # a stop at a step boundary ends the links as the end of the run does
+        if clean and servicer is not None:
             servicer.done.wait(timeout=p.timeout_s if servicer.connected.is_set() else 0)
-        if ok and index < S - 1:
+        if clean and index < S - 1:
             try:  # wait for the next stage to close the stream (all our frames delivered)
                 _get(bw_inbox, p.timeout_s, "end of the link")
             except link.LinkClosed:  # the next stage went away after its last step: nothing left to receive
@@ -241,11 +303,10 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
         if channel is not None:
             channel.close()
         if server is not None:
-            server.stop(grace=1.0 if ok else 0).wait()
-    summary = {"stage": index, "steps": steps, "start": start, "seconds": time.time() - t_run, "run_id": run_id,
+            server.stop(grace=1.0 if clean else 0).wait()
+    summary = {"stage": index, "steps": steps, "start": start, "steps_done": engine.step, "interrupted": interrupted,
+               "seconds": time.time() - t_run, "run_id": run_id,
                "buffer_bytes": engine.buffer_nbytes(), **{f"{k}_digest": v for k, v in engine.buffer_digests().items()}}
-    from zeroth.train.checkpoint import checksum
-
     summary["param_digest"] = checksum(engine.params)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -256,13 +317,23 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from zeroth import config as _config
     from zeroth.pipeline import link
+    from zeroth.train import interrupt
     from zeroth.train.checkpoint import CheckpointError
 
+    out = Path(args.out)
     try:
-        cfg = _config.load_config(args.config, args.overrides)
-        if cfg.pipeline is None:
-            raise ValueError(f"config {args.config} has no pipeline: section")
-        run_stage(cfg, args.stage, Path(args.out), args.listen, args.next, args.resume_step, progress=not args.quiet)
+        with interrupt.catch() as flag:
+            cfg = _config.load_config(args.config, args.overrides)
+            if cfg.pipeline is None:
+                raise ValueError(f"config {args.config} has no pipeline: section")
+            summary = run_stage(cfg, args.stage, out, args.listen, args.next, args.resume_step, progress=not args.quiet,
+                                stop=lambda: flag.is_set() or (out / "stop").exists())
+        if summary["interrupted"]:
+            why = flag.signal_name() if flag.is_set() else f"{out / 'stop'}"
+            print(f"zeroth stage {args.stage}: stopped by {why} after step {summary['steps_done']}; checkpoint saved in "
+                  f"{out / 'checkpoints' / str(summary['steps_done'])}; continue with --resume-step {summary['steps_done']}",
+                  file=sys.stderr, flush=True)
+            return interrupt.EXIT_CODE
     except (link.LinkClosed, TimeoutError) as e:
         print(f"zeroth stage {args.stage}: error: {e}", file=sys.stderr)
         return 1

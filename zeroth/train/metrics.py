@@ -1,8 +1,9 @@
 """``metrics.jsonl``: one JSON object per line, appended and flushed as training goes; its schema.
 
 The schema (``zeroth metrics v1``), shared by every writer (the single-machine trainer, the
-peers of :mod:`zeroth.net`, the Marsit runs of :mod:`zeroth.marsit`) and checked by
-:func:`check_schema`. Units are in the names
+peers of :mod:`zeroth.net`, the pipeline stages of :mod:`zeroth.pipeline` and their merged rows,
+the binary learning experiment of :mod:`zeroth.binary`, the Marsit runs of :mod:`zeroth.marsit`)
+and checked by :func:`check_schema`. Units are in the names
 (``_s`` seconds, ``_bytes`` bytes); a byte count ending in ``_total`` is cumulative since the
 run began, one without is for this step only; pass and example counters are cumulative.
 
@@ -27,7 +28,9 @@ when the schedule is constant), ``step_time_s`` (seconds the step took) and ``pa
 ``eval_accuracy``. Writers may add fields (the trainer: ``backward_passes``, ``passes`` =
 forward + 2·backward, ``examples``, ``train_time_s``, the method's metrics; peers: ``machine``,
 ``peers``, ``contributors``, ``gradients``, per-step traffic ``payload_bytes_sent``,
-``wire_bytes_received``, ...). A ``step`` of a train row appears once; the evaluation rows of
+``wire_bytes_received``, ...; pipelines: ``epoch``, per link bytes, frames and buffer digests,
+per stage times, where ``digest`` combines the stages' digests; binary learning: ``model``,
+``layer``, ``layer_step``, ``flips``, where ``digest`` is the layer being trained). A ``step`` of a train row appears once; the evaluation rows of
 a step follow its train row.
 
 One file may hold several runs (a Marsit config's ``runs`` list, trained one after another): then
@@ -56,10 +59,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from zeroth.train.tensorboard import EventWriter
+
 __all__ = [
     "SCHEMA",
     "MetricsWriter",
     "check_schema",
+    "clear",
     "read_metrics",
     "truncate_after",
     "series",
@@ -86,30 +92,55 @@ def _clean(v: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends records to a JSON-lines file; each line is flushed (and fsynced) when written."""
+    """Appends records to a JSON-lines file; each line is flushed (and fsynced) when written.
 
-    def __init__(self, path: str | os.PathLike):
+    Args:
+      path: the ``metrics.jsonl`` file (its folder is created if missing).
+      tensorboard: also write each record to a TensorBoard event file in the same folder
+        (:class:`zeroth.train.tensorboard.EventWriter`: the row's numbers as scalars
+        ``<kind>/<name>`` at its step and time); the writers of ``zeroth run`` pass
+        ``run.tensorboard`` (on by default).
+      resumed_after: the step a resumed run restarts from: TensorBoard then drops the points
+        the earlier event files hold after it (the rows the run writes again).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, tensorboard: bool = False, resumed_after: int | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = self.path.open("a", encoding="utf-8")
+        self._events = EventWriter(self.path.parent) if tensorboard else None
+        if self._events is not None and resumed_after is not None:
+            self._events.restart(resumed_after + 1)
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Append one record (a mapping of JSON-able scalars)."""
-        line = json.dumps({k: _clean(v) for k, v in record.items()}, sort_keys=False, allow_nan=False)
-        self._fh.write(line + "\n")
+        row = {k: _clean(v) for k, v in record.items()}
+        self._fh.write(json.dumps(row, sort_keys=False, allow_nan=False) + "\n")
         self._fh.flush()
         os.fsync(self._fh.fileno())
+        if self._events is not None:
+            self._events.write_row(row)
 
     def close(self) -> None:
         """Close the file."""
         if not self._fh.closed:
             self._fh.close()
+        if self._events is not None:
+            self._events.close()
 
     def __enter__(self) -> MetricsWriter:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def clear(path: str | os.PathLike) -> None:
+    """Remove a ``metrics.jsonl`` and the TensorBoard event files beside it (a run that starts over)."""
+    path = Path(path)
+    path.unlink(missing_ok=True)
+    for f in path.parent.glob("events.out.tfevents.*"):
+        f.unlink()
 
 
 def check_schema(records: Iterable[Mapping[str, Any]], where: str = "metrics") -> int:

@@ -10,7 +10,8 @@ single     ``metrics.jsonl``                           ``checkpoints/<step>/`` (
 peers      ``peers/p<i>/metrics.jsonl`` of the peer     ``peers*/p<i>/checkpoints/<iteration>/``
            that holds machine 0 (else the first done)   (``state.bin`` + ``state.json``)
 pipeline   ``metrics.jsonl`` (merged from ``stage_i/``)  per stage, not merged: None
-binary     ``metrics.jsonl`` and ``results.json``       not saved: None
+binary     ``metrics.jsonl`` (every model's layers)     not saved: None
+           and ``results.json``
 ravnest    ``metrics.jsonl`` (every node's rows:        the first cluster's model: its stages'
            ``update``, ``average``, ``handover``)       ``nodes/<name>/params.npz`` end to end
 marsit     ``metrics.jsonl`` (every run of the config's   ``{label: worker 0's parameters}`` from

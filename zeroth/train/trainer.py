@@ -64,6 +64,7 @@ __all__ = [
 RESUME_INVARIANT = (
     "run.out_dir",
     "run.name",
+    "run.tensorboard",
     "train.steps",
     "train.eval_every",
     "train.log_every",
@@ -293,7 +294,7 @@ def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, 
     state = method.init(params, _ref.root_key(cfg.run.seed))
     evaluate = _objectives.make_eval_fn(model, cfg.data.eval_batch_size)
 
-    counters, resumed_from = Counters(), None
+    counters, resumed_from, restart = Counters(), None, None
     if resume:
         steps = ckpt.steps()
         target = resume_step if resume_step is not None else (steps[-1] if steps else None)
@@ -310,13 +311,14 @@ def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, 
             )
             counters, resumed_from = _counters_from_meta(restored.meta), target
         # a step-0 checkpoint (a run stopped before its first step) writes its step-0 eval again
-        truncate_after(metrics_path, state.step if target else -1)
+        restart = state.step if target else -1
+        truncate_after(metrics_path, restart)
     (out / "config.yaml").write_text(to_yaml(cfg))
     start = state.step
 
     t0 = time.perf_counter() - counters.wall_time
     bar = _Progress(t.steps, start, progress, cfg.run.name)
-    writer = MetricsWriter(metrics_path)
+    writer = MetricsWriter(metrics_path, tensorboard=cfg.run.tensorboard, resumed_after=restart)
     evals: list[dict] = []
 
     step_time = {"prev": counters.train_time, "last": 0.0}  # train_time before the step, and the step's seconds
