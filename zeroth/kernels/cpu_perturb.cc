@@ -489,6 +489,13 @@ ffi::Future Launch(ffi::ThreadPool pool, std::shared_ptr<Work> work) {
   return future;
 }
 
+// A job's K updates when its leaf keys are given: keys u32[K, 2], scales f32[K].
+void SetUpdates(Job& job, const uint32_t* k, const float* s, int64_t n_updates) {
+  job.keys.resize(n_updates);
+  job.scales.assign(s, s + n_updates);
+  for (int64_t u = 0; u < n_updates; ++u) job.keys[u] = MakeKey(k[2 * u], k[2 * u + 1]);
+}
+
 bool CheckedJob(Job& job, const ffi::AnyBuffer& x, ffi::AnyBuffer& out, int32_t distribution, int64_t offset) {
   if (x.element_type() != out.element_type() || x.element_count() != out.element_count()) return false;
   if (offset < 0 || static_cast<uint64_t>(offset) + x.element_count() > 0xFFFFFFFFull) return false;
@@ -515,12 +522,7 @@ ffi::Future Perturb(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32
     return Failed("zeroth_perturb: the output must have the input's dtype and size, global indices 32 bits");
   work->fns.push_back(TileFnFor(x.element_type()));
   if (work->fns.back() == nullptr) return Failed("zeroth_perturb: dtype must be float32, bfloat16 or float16");
-  const uint32_t* k = keys.typed_data();
-  const float* s = scales.typed_data();
-  for (int64_t u = 0; u < n_updates; ++u) {
-    job.keys.push_back(MakeKey(k[2 * u], k[2 * u + 1]));
-    job.scales.push_back(s[u]);
-  }
+  SetUpdates(job, keys.typed_data(), scales.typed_data(), n_updates);
   return Launch(pool, std::move(work));
 }
 
@@ -641,12 +643,7 @@ ffi::Future PerturbSlice(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   job.distribution = distribution;
   work->fns.push_back(TileFnFor(x.element_type()));
   if (work->fns.back() == nullptr) return Failed("zeroth_perturb_slice: dtype must be float32, bfloat16 or float16");
-  const uint32_t* k = keys.typed_data();
-  const float* s = scales.typed_data();
-  for (int64_t u = 0; u < n_updates; ++u) {
-    job.keys.push_back(MakeKey(k[2 * u], k[2 * u + 1]));
-    job.scales.push_back(s[u]);
-  }
+  SetUpdates(job, keys.typed_data(), scales.typed_data(), n_updates);
   return Launch(pool, std::move(work));
 }
 
