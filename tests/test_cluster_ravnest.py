@@ -22,6 +22,7 @@ from zeroth.cluster import build, driver, engine, schedule, sim, transport, wire
 from zeroth.cluster.proto import cluster_pb2 as pb
 from zeroth.cluster.proto import cluster_pb2_grpc as pb_grpc
 from zeroth.stages import partition
+from zeroth.train.metrics import check_schema, read_metrics
 from zeroth.train.runs import load_run
 from zeroth.transport import identity, security
 
@@ -145,8 +146,10 @@ def test_in_process_clusters_end_averaged_and_a_late_cluster_starts_from_the_ave
         assert res["updates"] == (4 if c == 2 else 8)
         assert res["staleness_max"] == schedule.staleness(s, len(plan.stages[c]))
     records = a["records"][plan.primaries[(0, 0)]]
-    assert [r["round"] for r in records if r["kind"] == "average"] == [1, 2]
-    assert [r["step"] for r in a["records"]["j0"] if r["kind"] == "update"] == [5, 6, 7, 8]
+    assert [r["average_round"] for r in records if "average_round" in r] == [1, 2]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["step"] for r in a["records"]["j0"]] == [5, 6, 7, 8]
+    assert [r["forward_passes"] for r in a["records"]["j0"]] == [1, 2, 3, 4]  # one stage: no batch in flight
     # the late cluster started from what the first cluster averaged at round 1
     round1 = np.concatenate([a["averaged"][plan.primaries[(0, s)]][1] for s in range(len(plan.stages[0]))])
     lo, hi = plan.layouts[2][0]
@@ -175,16 +178,30 @@ def test_processes_match_the_in_process_run_and_a_backup_takes_over(tmp_path, re
     # b0 shadows the least reliable node (n1, 100 Mbit/s) from the start; b1 arrives at round 1 for the next (n2)
     assert summary["plan"]["backups"] == {"n1": "b0", "n2": "b1"} and sorted(summary["killed"]) == ["n1", "n2"]
     assert summary["nodes"]["b0"]["took_over"] and summary["nodes"]["b1"]["took_over"]
-    handover = [json.loads(ln) for ln in (out / "nodes" / "n2" / "metrics.jsonl").read_text().splitlines()
-                if '"handover"' in ln]
-    assert len(handover) == 1 and handover[0]["round"] == 1 and handover[0]["backup"] == "b1"
+    for name in [n["name"] for n in raw["ravnest"]["nodes"]]:  # every node writes the metrics schema, TensorBoard beside it
+        rows = read_metrics(out / "nodes" / name / "metrics.jsonl")
+        assert check_schema(rows, name) == len(rows) > 0 and {r["node"] for r in rows} == {name}
+        assert list((out / "nodes" / name).glob("events.out.tfevents.*")), name
+    merged = read_metrics(out / "metrics.jsonl")
+    assert check_schema(merged) == len(merged) and list(out.glob("events.out.tfevents.*"))
+    assert [r["time_unix_s"] for r in merged] == sorted(r["time_unix_s"] for r in merged)
+    handover = [r for r in read_metrics(out / "nodes" / "n2" / "metrics.jsonl") if "handover_backup" in r]
+    assert len(handover) == 1 and handover[0]["handover_round"] == 1 and handover[0]["handover_backup"] == "b1"
+    assert handover[0]["average_round"] == 1 and handover[0]["state_bytes"] > 0
+    last = {}  # the digest of each node's last row is its final slice's (the holders' rows run to step 8)
+    for r in merged:
+        last[r["node"]] = r
+    for name, dig in ref["digests"].items():
+        holder = {"n1": "b0", "n2": "b1"}.get(name, name)
+        assert last[holder]["step"] == 8 and last[holder]["digest"] == ref["checksums"][name], name
     for name, dig in ref["digests"].items():
         holder = {"n1": "b0", "n2": "b1"}.get(name, name)
         assert summary["nodes"][holder]["digest"] == dig, name
     assert summary["clusters_agree"]
     assert all(n["messages_refused"] == 0 for n in summary["nodes"].values())
     run = load_run(out)  # the folder reads back: the first cluster's model from the nodes that ended holding it
-    assert run.kind == "ravnest" and run.step == 8 and {r["kind"] for r in run.metrics} >= {"update", "average", "handover"}
+    assert run.kind == "ravnest" and run.step == 8 and {r["kind"] for r in run.metrics} == {"train"}
+    assert run.metrics.frame()["node"].nunique() == len(raw["ravnest"]["nodes"])
     np.testing.assert_array_equal(run.params, np.concatenate([ref["flat"][plan.primaries[(0, s)]] for s in range(len(plan.stages[0]))]))
 
 

@@ -86,7 +86,7 @@ def run(args) -> dict:
         rv = []
         for i, name in enumerate(plan["clusters"][0]):
             n = summary["nodes"][name]
-            recs = [r for r in _json(ravnest_launch.node_dir(tmp / "ravnest", name) / "metrics.jsonl") if r["kind"] == "update"]
+            recs = [r for r in _json(ravnest_launch.node_dir(tmp / "ravnest", name) / "metrics.jsonl") if r["kind"] == "train"]
             # the window: from the end of the warm-up batch to the last update
             t0 = next(r["time_unix_s"] for r in recs if r["step"] == args.warmup * M)
             steady = [r for r in recs if r["step"] > args.warmup * M]

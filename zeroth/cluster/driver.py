@@ -135,7 +135,12 @@ def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, 
       order: ``fixed`` or ``arrival`` (:mod:`zeroth.cluster.schedule`).
       max_in_flight: the delay bound ``D`` (0 = pipeline depth).
       average_every: ``R``: average with the other clusters after every ``R``-th update (0 = never).
-      on_record: receives one record per update and per averaging round.
+      on_record: receives one record per update, after its averaging round if it has one: ``kind``
+        ``"train"``, ``step`` (the stage's update count after it), ``batch``, ``loss`` (last stage;
+        else None), ``staleness``, ``idle_s`` and ``compute_s`` (of this update), ``forward_passes``
+        (batches this stage has forwarded in this run: updates since ``first_batch`` plus those in
+        flight) and, when it averaged, ``average_round`` and ``average_s``; the node process adds
+        the other fields of the metrics schema (:mod:`zeroth.cluster.node`).
       first_batch: where a late cluster starts (its stage then counts updates from there, so that
         the averaging rounds line up with the other clusters').
       after_average: called with the round after each averaging round, parameters set (a primary
@@ -164,9 +169,9 @@ def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, 
         if loss is not None:
             res["losses"].append(loss)
         res["staleness"].append(stage.staleness[-1])
-        if on_record is not None:
-            on_record({"kind": "update", "step": stage.version, "batch": b, "loss": loss, "staleness": stage.staleness[-1],
-                       "idle_s": res["idle_s"] - idle0, "compute_s": stage.compute_s - compute0, "time_unix_s": time.time()})
+        rec = {"kind": "train", "step": stage.version, "batch": b, "loss": loss, "staleness": stage.staleness[-1],
+               "idle_s": res["idle_s"] - idle0, "compute_s": stage.compute_s - compute0,
+               "forward_passes": stage.version - first_batch + stage.in_flight()}
         if average_every and stage.version % average_every == 0:
             r = stage.version // average_every
             t0 = time.perf_counter()
@@ -174,10 +179,11 @@ def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, 
             stage.params = _engine.with_flat(stage.params, units, flat)
             dt = time.perf_counter() - t0
             res["average_s"] += dt
-            if on_record is not None:
-                on_record({"kind": "average", "step": stage.version, "round": r, "average_s": dt, "time_unix_s": time.time()})
+            rec.update(average_round=r, average_s=dt)
             if after_average is not None:
                 after_average(r)
+        if on_record is not None:
+            on_record(rec)
 
     def op_forward(b):
         idle0, compute0 = res["idle_s"], stage.compute_s

@@ -8,7 +8,9 @@ the ``i``-th backup has reached that update count (and, for a backup that joins 
 its state), the launcher SIGKILLs it and the backup takes over.
 When a node fails otherwise the others are stopped and the exit code is 1.
 
-At the end it merges the nodes' records into ``OUT/metrics.jsonl`` and writes ``OUT/summary.json``:
+At the end it merges the nodes' rows (metrics schema v1, one ``train`` row per update of each node,
+:func:`zeroth.cluster.node.row_of`) into ``OUT/metrics.jsonl`` in time order (with TensorBoard event
+files beside it when ``run.tensorboard``; :func:`merge_records`) and writes ``OUT/summary.json``:
 per cluster its last stage's final loss and its model's digest (the stages' final slices laid end
 to end), whether every cluster ends on the same parameters (they do when the last update is an
 averaging round), the loss of the first cluster's model on the whole example set before and after
@@ -32,9 +34,11 @@ from zeroth.cluster import build as _build
 from zeroth.cluster import engine as _engine
 from zeroth.cluster import formation as _formation
 from zeroth.stages import partition
+from zeroth.train.metrics import MetricsWriter, read_metrics
+from zeroth.train.metrics import clear as clear_metrics
 from zeroth.transport import identity, processes
 
-__all__ = ["cluster_models", "evaluate", "node_dir", "run_config", "start_nodes"]
+__all__ = ["cluster_models", "evaluate", "merge_records", "node_dir", "run_config", "start_nodes"]
 
 
 def node_dir(out: Path, name: str) -> Path:
@@ -84,8 +88,20 @@ def _progress(out: Path, name: str) -> tuple[int, bool]:
     path = node_dir(out, name) / "metrics.jsonl"
     if not path.is_file():
         return 0, False
-    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip().endswith("}")]
-    return max((r["step"] for r in recs if r["kind"] == "update"), default=0), any(r["kind"] == "handover" for r in recs)
+    recs = read_metrics(path, kind="train")
+    return max((r["step"] for r in recs), default=0), any("handover_backup" in r for r in recs)
+
+
+def merge_records(out: Path, names: list[str]) -> list[dict]:
+    """Every node's rows (``OUT/nodes/<name>/metrics.jsonl``) in one list ordered by ``time_unix_s`` (ties:
+    the nodes' order, then each node's own order); each row names its ``node``, so the steps of every
+    node still never decrease (the metrics schema's rule for merged rows)."""
+    records = []
+    for i, name in enumerate(names):
+        path = node_dir(out, name) / "metrics.jsonl"
+        if path.is_file():
+            records += [(r["time_unix_s"], i, j, r) for j, r in enumerate(read_metrics(path))]
+    return [r for *_, r in sorted(records, key=lambda x: x[:3])]
 
 
 def _wait(procs: dict, out: Path, kills: dict[str, tuple[int, bool]], timeout_s: float, progress: bool) -> tuple[int, list[str]]:
@@ -174,13 +190,11 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
     code, killed = _wait(procs, out, kills, timeout_s=r.timeout_s * 4, progress=progress)
     if code != 0:
         return code
-    records = []
-    for n in plan.pool:
-        path = node_dir(out, n["name"]) / "metrics.jsonl"
-        if path.is_file():
-            records += [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-    records.sort(key=lambda x: x["time_unix_s"])
-    (out / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in records))
+    records = merge_records(out, [n["name"] for n in plan.pool])
+    clear_metrics(out / "metrics.jsonl")
+    with MetricsWriter(out / "metrics.jsonl", tensorboard=cfg.run.tensorboard) as writer:
+        for rec in records:
+            writer.write(rec)
     nodes = {n["name"]: json.loads((node_dir(out, n["name"]) / "summary.json").read_text())
              for n in plan.pool if n["name"] not in killed and (node_dir(out, n["name"]) / "summary.json").is_file()}
     models = cluster_models(out, plan, killed)

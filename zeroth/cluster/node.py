@@ -9,8 +9,9 @@ address to ``ADDRESSES/<NAME>``, where it also finds the others' (a shared folde
 ``DIR/../addresses``). Calls carry the access token derived from the run secret in
 ``ZEROTH_SECRET`` (``--insecure``: none, loopback experiments only).
 
-It writes into ``DIR``: ``metrics.jsonl`` (one record per update: step, batch, loss on the last
-stage, staleness, idle and compute seconds, time; one per averaging round), ``params.npz`` (its
+It writes into ``DIR``: ``metrics.jsonl`` (metrics schema v1, :mod:`zeroth.train.metrics`, with
+TensorBoard event files beside it when ``run.tensorboard``: one ``train`` row per update of this
+node's stage, see :func:`row_of`), ``params.npz`` (its
 final slice of the flat parameter vector) and ``summary.json`` (totals: idle, compute, averaging,
 wall seconds, bytes sent per receiver, the slice's digest, whether it took over as a backup).
 
@@ -27,7 +28,30 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["build_parser", "main", "run_node_process"]
+__all__ = ["build_parser", "main", "row_of", "run_node_process"]
+
+
+def row_of(rec: dict, *, node: str, cluster: int, stage: int, digest: str, lr: float, time_unix_s: float,
+           wall_time_s: float, step_time_s: float, payload_bytes: int, payload_bytes_total: int) -> dict:
+    """One ``train`` row of the metrics schema from an update record of :func:`zeroth.cluster.driver.run_node`.
+
+    ``step`` is the stage's update count after the update (a late cluster's count starts at its
+    first batch), ``digest`` :func:`zeroth.replay.checksum` of the stage's parameters after it (and
+    after its averaging round, if it had one), ``forward_passes`` the batches this stage has
+    forwarded, ``loss`` the last stage's batch loss (None on the other stages), ``step_time_s`` the
+    seconds since the node's previous row, ``payload_bytes`` (``_total``) the bytes this node sent
+    since its previous row (since it started): activations, gradients, averaging-ring chunks and a
+    handed state. Ravnest's own fields: ``node``, ``cluster``, ``stage``, ``batch``, ``staleness``
+    (updates between the batch's forward and its update), ``idle_s`` and ``compute_s`` (of this
+    update), and where they happened ``average_round`` and ``average_s`` (the averaging round this
+    update ended with) and ``handover_backup``, ``handover_round``, ``state_bytes`` (this primary
+    handed its state to a backup joining late, after that round).
+    """
+    extra = {k: v for k, v in rec.items() if k not in ("kind", "step", "loss", "forward_passes")}
+    return {"kind": "train", "step": rec["step"], "time_unix_s": time_unix_s, "wall_time_s": wall_time_s, "digest": digest,
+            "forward_passes": rec["forward_passes"], "payload_bytes_total": payload_bytes_total, "loss": rec["loss"],
+            "lr": lr, "step_time_s": step_time_s, "payload_bytes": payload_bytes,
+            "node": node, "cluster": cluster, "stage": stage, **extra}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +74,8 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
     import numpy as np
 
     from zeroth.cluster import build, driver, engine, transport
+    from zeroth.replay import checksum
+    from zeroth.train import metrics as _metrics
 
     r = cfg.ravnest
     ex = build.examples_of(cfg)
@@ -70,27 +96,34 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
     t.serve(listen or f"{r.host}:0")
     io = transport.NodeLink(t, plan, r.timeout_s)
     metrics = out / "metrics.jsonl"
-    metrics.unlink(missing_ok=True)
+    _metrics.clear(metrics)
+    writer = _metrics.MetricsWriter(metrics, tensorboard=cfg.run.tensorboard)
     role = "backup" if plan.primaries[(c, s)] != name else "primary"
+    handed: dict = {}
+    last = {"t": time.perf_counter(), "sent": 0}
+    t_wall = last["t"]
 
     def record(rec: dict) -> None:
-        rec = {**rec, "node": name, "cluster": c, "stage": s}
-        with metrics.open("a") as fh:
-            fh.write(json.dumps(rec) + "\n")
-        if progress and rec["kind"] == "update":
-            loss = f" loss {rec['loss']:.4f}" if rec.get("loss") is not None else ""
-            print(f"node {name} (cluster {c} stage {s}, {role}) update {rec['step']}/{cfg.train.steps}{loss}", flush=True)
+        now, sent = time.perf_counter(), sum(dict(t.bytes_sent).values())
+        if handed and "handover_round" not in last:  # the handover happened in this update's averaging round
+            last["handover_round"] = handed["round"]
+            rec = {**rec, "handover_backup": late_backup, "handover_round": handed["round"], "state_bytes": handed["bytes"]}
+        row = row_of(rec, node=name, cluster=c, stage=s, digest=checksum(stage.params), lr=cfg.train.lr,
+                     time_unix_s=time.time(), wall_time_s=now - t_wall, step_time_s=now - last["t"],
+                     payload_bytes=sent - last["sent"], payload_bytes_total=sent)
+        last.update(t=now, sent=sent)
+        writer.write(row)
+        if progress:
+            loss = f" loss {row['loss']:.4f}" if row.get("loss") is not None else ""
+            print(f"node {name} (cluster {c} stage {s}, {role}) update {row['step']}/{cfg.train.steps}{loss}", flush=True)
 
     late_backup = plan.backups.get((c, s))
     joins_at = plan.backup_round.get(late_backup, 0) if late_backup is not None and role == "primary" else 0
-    handed = {}
 
     def after_average(round_id: int) -> None:  # a backup arriving by this round gets this node's state
         if joins_at and round_id >= joins_at and not handed:
             handed["bytes"] = t.attach(late_backup, stage.snapshot(units))
             handed["round"] = round_id
-            record({"kind": "handover", "step": stage.version, "round": round_id, "backup": late_backup,
-                    "state_bytes": handed["bytes"], "time_unix_s": time.time()})
             if progress:
                 print(f"node {name}: handed its state ({handed['bytes']} bytes) to backup {late_backup}", flush=True)
 
@@ -106,6 +139,7 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
                               timeout_s=r.timeout_s, on_record=record, first_batch=build.first_batch(plan, c),
                               after_average=after_average)
     finally:
+        writer.close()
         t.close(r.timeout_s)
     flat = engine.flat_of(stage.params, units)
     np.savez(out / "params.npz", flat=flat, start=plan.layouts[c][s][0])

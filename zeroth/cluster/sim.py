@@ -20,6 +20,7 @@ from zeroth.cluster import build as _build
 from zeroth.cluster import driver as _driver
 from zeroth.cluster import engine as _engine
 from zeroth.cluster import rings as _rings
+from zeroth.replay import checksum
 
 __all__ = ["run_local"]
 
@@ -46,7 +47,8 @@ def run_local(cfg: _config.Config, steps: int | None = None) -> dict:
     """Run the whole pool in this process for ``steps`` batches per cluster (default ``train.steps``).
 
     Returns ``{"plan", "results": {name: NodeResult}, "records": {name: [...]}, "flat": {name: float32[...]},
-    "digests": {name: str}, "averaged": {name: {round: float32[...]}}, "starts": {late name: float32[...]}}``; the
+    "digests": {name: str}, "checksums": {name: str}, "averaged": {name: {round: float32[...]}}, "starts": {late name:
+    float32[...]}}`` (``checksums``: :func:`zeroth.replay.checksum` of each node's final stage parameters); the
     first exception of any node is raised.
     """
     r = cfg.ravnest
@@ -57,7 +59,7 @@ def run_local(cfg: _config.Config, steps: int | None = None) -> dict:
     hub = _rings.QueueExchange()
     inboxes = {slot: _driver.Inbox() for slot in plan.primaries}
     units = plan.units
-    out = {"plan": plan, "results": {}, "records": {}, "flat": {}, "digests": {}, "averaged": {}, "starts": {}}
+    out = {"plan": plan, "results": {}, "records": {}, "flat": {}, "digests": {}, "checksums": {}, "averaged": {}, "starts": {}}
     errors: list[BaseException] = []
 
     def node(name, slot):
@@ -75,6 +77,7 @@ def run_local(cfg: _config.Config, steps: int | None = None) -> dict:
             flat = _engine.flat_of(stage.params, units)
             out["results"][name], out["records"][name], out["flat"][name] = res, recs, flat
             out["digests"][name] = _engine.flat_digest(flat)
+            out["checksums"][name] = checksum(stage.params)
             out["averaged"][name] = io.averaged
         except BaseException as e:  # noqa: BLE001 - re-raised below after the other threads stop
             errors.append(e)

@@ -2,6 +2,7 @@
 
 The schema (``zeroth metrics v1``), shared by every writer (the single-machine trainer, the
 peers of :mod:`zeroth.net`, the pipeline stages of :mod:`zeroth.pipeline` and their merged rows,
+the Ravnest nodes of :mod:`zeroth.cluster` and their merged rows,
 the binary learning experiment of :mod:`zeroth.binary`, the Marsit runs of :mod:`zeroth.marsit`)
 and checked by :func:`check_schema`. Units are in the names
 (``_s`` seconds, ``_bytes`` bytes); a byte count ending in ``_total`` is cumulative since the
@@ -30,12 +31,19 @@ forward + 2·backward, ``examples``, ``train_time_s``, the method's metrics; pee
 ``peers``, ``contributors``, ``gradients``, per-step traffic ``payload_bytes_sent``,
 ``wire_bytes_received``, ...; pipelines: ``epoch``, per link bytes, frames and buffer digests,
 per stage times, where ``digest`` combines the stages' digests; binary learning: ``model``,
-``layer``, ``layer_step``, ``flips``, where ``digest`` is the layer being trained). A ``step`` of a train row appears once; the evaluation rows of
-a step follow its train row.
+``layer``, ``layer_step``, ``flips``, where ``digest`` is the layer being trained; Ravnest
+nodes: ``node``, ``cluster``, ``stage``, ``batch``, ``staleness``, ``idle_s``, ``compute_s``, and
+on the rows where they happened ``average_round``/``average_s`` and ``handover_backup``/
+``handover_round``/``state_bytes``, where ``step`` counts the stage's updates and ``digest`` is
+its slice, :func:`zeroth.cluster.node.row_of`). A ``step`` of a train row appears once; the
+evaluation rows of a step follow its train row.
 
 One file may hold several runs (a Marsit config's ``runs`` list, trained one after another): then
 every row carries ``run`` (str), the run's label, and ``step`` restarts at each run; the rules
-on steps hold within the rows of one ``run``. Marsit rows add ``group``, ``phase`` (``full`` or
+on steps hold within the rows of one ``run``. Likewise one file may merge the rows of several
+nodes written side by side (a Ravnest run's ``OUT/metrics.jsonl``, in time order): then every
+row carries ``node`` (str) and the rules on steps hold within the rows of one ``node`` (and
+``run``). Marsit rows add ``group``, ``phase`` (``full`` or
 ``sync``), ``bits_per_element`` (train: this round) and ``bits_per_element_mean``,
 ``compute_time_s``, ``comm_model_s`` (modeled link seconds, cumulative) and ``checksums_equal``
 (eval); there ``payload_bytes`` counts the bytes all M workers send in the round
@@ -149,7 +157,8 @@ def check_schema(records: Iterable[Mapping[str, Any]], where: str = "metrics") -
     Raises:
       ValueError: naming the row (1-based) and the field: an unknown ``kind``, a missing field,
         a value of the wrong type (``bool`` is not an ``int``), a negative or decreasing ``step``,
-        or two train rows of one step (both within the rows of one ``run`` label, when rows carry one).
+        or two train rows of one step (both within the rows of one ``run`` label and one ``node``,
+        when rows carry them).
     """
     last: dict = {}
     trained: set = set()
@@ -164,18 +173,21 @@ def check_schema(records: Iterable[Mapping[str, Any]], where: str = "metrics") -
             v = r[field]
             if isinstance(v, bool) or not isinstance(v, types):
                 raise ValueError(f"{where}: row {n} field {field!r} is {v!r}; expected {'/'.join(t.__name__ for t in types)}")
-        run = r.get("run")
+        run, node = r.get("run"), r.get("node")
         if run is not None and not isinstance(run, str):
             raise ValueError(f"{where}: row {n} field 'run' is {run!r}; expected str (the run's label)")
-        step, before = r["step"], last.get(run, -1)
+        if node is not None and not isinstance(node, str):
+            raise ValueError(f"{where}: row {n} field 'node' is {node!r}; expected str (the node's name)")
+        stream = (run, node)
+        step, before = r["step"], last.get(stream, -1)
         if step < 0 or step < before:
-            of = "" if run is None else f" of run {run!r}"
+            of = "".join(f" of {k} {v!r}" for k, v in (("run", run), ("node", node)) if v is not None)
             raise ValueError(f"{where}: row {n} has step {step} after step {before}{of}; steps never decrease")
         if kind == "train":
-            if (run, step) in trained:
+            if (stream, step) in trained:
                 raise ValueError(f"{where}: row {n} is a second train row of step {step}")
-            trained.add((run, step))
-        last[run] = step
+            trained.add((stream, step))
+        last[stream] = step
     return n
 
 

@@ -12,8 +12,8 @@ peers      ``peers/p<i>/metrics.jsonl`` of the peer     ``peers*/p<i>/checkpoint
 pipeline   ``metrics.jsonl`` (merged from ``stage_i/``)  per stage, not merged: None
 binary     ``metrics.jsonl`` (every model's layers)     not saved: None
            and ``results.json``
-ravnest    ``metrics.jsonl`` (every node's rows:        the first cluster's model: its stages'
-           ``update``, ``average``, ``handover``)       ``nodes/<name>/params.npz`` end to end
+ravnest    ``metrics.jsonl`` (every node's ``train``      the first cluster's model: its stages'
+           rows, labelled ``node``, in time order)      ``nodes/<name>/params.npz`` end to end
 marsit     ``metrics.jsonl`` (every run of the config's   ``{label: worker 0's parameters}`` from
            ``runs`` list, rows labelled ``run``)        ``params/run_<i>.npz``, digests checked
 =========  ==========================================  =======================================
