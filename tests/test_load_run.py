@@ -38,6 +38,15 @@ def test_check_schema_names_the_row_and_the_field():
         check_schema([{**good, "kind": "iteration"}])
     with pytest.raises(ValueError, match="field 'step' is 1.0"):
         check_schema([{**good, "step": 1.0}])
+    # merged rows of several nodes (a Ravnest run): the step rules hold per node
+    a, b = {**good, "node": "a"}, {**good, "node": "b"}
+    assert check_schema([{**a, "step": 2}, b, {**b, "step": 2}, {**a, "step": 3}]) == 4
+    with pytest.raises(ValueError, match="row 3 has step 1 after step 2 of node 'a'"):
+        check_schema([{**a, "step": 2}, b, a])
+    with pytest.raises(ValueError, match="row 2 is a second train row of step 1"):
+        check_schema([b, b])
+    with pytest.raises(ValueError, match="field 'node' is 3"):
+        check_schema([{**good, "node": 3}])
 
 
 def test_a_single_machine_run_loads_back_whole(tmp_path):
