@@ -116,3 +116,15 @@ def test_bench_perturb_overhead_reports_per_call_microseconds():
     assert set(result["met"]) == {f"{p}_L{n}_K{k}_us" for p in ("replay", "flat") for n in (1, 3) for k in (1, 2)}
     assert result["flat_bits_match_pytree"] == {f"L{n}_K{k}": True for n in (1, 3) for k in (1, 2)}
     assert result["target"] == "<= 100 us per call"
+
+
+@pytest.mark.slow
+def test_bench_ravnest_reads_both_runs_steady_state_rows():
+    """Both runs' rows are read after the warm-up (schema v1: GPipe stage rows count steps completed,
+    Ravnest rows are train rows): every stage has a steady window and idle fractions in [0, 1]."""
+    result = _bench("ravnest", "--stages", "2", "--blocks", "2", "--steps", "3", "--warmup", "1", "--slowdown", "1")
+    assert [r["stage"] for r in result["rows"]] == [0, 1]
+    for r in result["rows"]:
+        assert r["gpipe_wall_s"] > 0 and r["ravnest_wall_s"] > 0, r
+        assert 0.0 <= r["gpipe_idle_fraction"] <= 1.0 and 0.0 <= r["ravnest_idle_fraction"] <= 1.0, r
+    assert result["rows"][1]["ravnest_staleness_max"] == 0 and result["rows"][0]["ravnest_staleness_max"] >= 0

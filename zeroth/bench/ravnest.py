@@ -60,8 +60,10 @@ def run(args) -> dict:
             raise RuntimeError("the fill-and-drain pipeline failed; see its stage logs")
         gp = []
         for i in range(S):
-            recs = [r for r in _json(pipeline_launch.stage_dir(tmp / "gpipe", i) / "metrics.jsonl") if r["step"] >= args.warmup]
-            wall = sum(r["wall_s"] for r in recs)
+            # train rows of schema v1: ``step`` counts the steps completed, so the warm-up rows are steps 1..warmup
+            recs = [r for r in _json(pipeline_launch.stage_dir(tmp / "gpipe", i) / "metrics.jsonl")
+                    if r["kind"] == "train" and r["step"] > args.warmup]
+            wall = sum(r["step_time_s"] for r in recs)
             gp.append({"stage": i, "idle_s": sum(r["wait_s"] for r in recs), "wall_s": wall,
                        "compute_s": sum(r["compute_s"] for r in recs)})
         raw = _base(args)
