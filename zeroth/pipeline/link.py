@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -60,6 +61,7 @@ class LinkServicer(pb_grpc.PipelineLinkServicer):
         self.expect, self.schedule, self.inbox, self.pacer = expect, schedule, inbox, pacer
         self.connected = threading.Event()
         self.done = threading.Event()
+        self.readers: list[threading.Thread] = []  # the stream readers: join them before the process exits
         self._busy = threading.Lock()
 
     def _read(self, request_iterator) -> None:
@@ -87,6 +89,7 @@ class LinkServicer(pb_grpc.PipelineLinkServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this stage already has an upstream link")
         self.connected.set()
         reader = threading.Thread(target=self._read, args=(request_iterator,), daemon=True)
+        self.readers.append(reader)
         reader.start()
         try:
             yield from self.pacer.frames()
@@ -109,8 +112,13 @@ def serve(servicer: LinkServicer, listen: str) -> tuple[grpc.Server, int]:
     return server, port
 
 
-def connect(address: str, pacer: Pacer, inbox: queue.Queue, timeout_s: float) -> grpc.Channel:
+def connect(address: str, pacer: Pacer, inbox: queue.Queue, timeout_s: float,
+            readers: list[threading.Thread] | None = None) -> grpc.Channel:
     """Open the stream to the downstream stage at ``address``: ``pacer``'s frames go out, gradients land in ``inbox``.
+
+    The thread reading the responses is appended to ``readers`` when given: a process should join
+    it (:func:`join_readers`) after closing the channel and before it exits, since a daemon thread
+    still inside gRPC's C++ code when the interpreter finalizes aborts the process.
 
     Raises:
       LinkClosed: the stage at ``address`` did not answer within ``timeout_s``.
@@ -131,5 +139,18 @@ def connect(address: str, pacer: Pacer, inbox: queue.Queue, timeout_s: float) ->
         except grpc.RpcError as e:
             inbox.put(LinkClosed(f"the link to the next stage at {address} closed: {e.code().name}: {e.details()}"))
 
-    threading.Thread(target=read, daemon=True).start()
+    reader = threading.Thread(target=read, daemon=True)
+    if readers is not None:
+        readers.append(reader)
+    reader.start()
     return channel
+
+
+def join_readers(readers: list[threading.Thread], timeout_s: float = 5.0) -> None:
+    """Wait (at most ``timeout_s`` in all) for the stream readers to end: call it once the server is
+    stopped and the channel closed, which end their streams. Python's finalization would otherwise
+    stop a reader still blocked in gRPC by unwinding its C++ frames, and the process aborts
+    ("terminate called after throwing an instance of ''")."""
+    deadline = time.monotonic() + timeout_s
+    for t in readers:
+        t.join(max(0.0, deadline - time.monotonic()))

@@ -213,6 +213,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
     fw_inbox: queue.Queue = queue.Queue()  # activations from the previous stage
     bw_inbox: queue.Queue = queue.Queue()  # gradients from the next stage
     server = servicer = channel = None
+    readers: list = []  # the links' stream readers, joined before returning
     if index > 0:
         schedule = iter([(t, j) for t in range(start, steps) for j in range(M)])
 
@@ -227,7 +228,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
         tmp.write_text(f"{host}:{port}\n")
         os.replace(tmp, out / "address")
     if index < S - 1:
-        channel = link.connect(_resolve(next_addr, p.timeout_s), fw_pacer, bw_inbox, p.timeout_s)
+        channel = link.connect(_resolve(next_addr, p.timeout_s), fw_pacer, bw_inbox, p.timeout_s, readers)
     t_run = time.time()
     t_wall = time.perf_counter() - wall0
     writer = MetricsWriter(metrics, tensorboard=cfg.run.tensorboard, resumed_after=resume_step)
@@ -304,6 +305,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
             channel.close()
         if server is not None:
             server.stop(grace=1.0 if clean else 0).wait()
+        link.join_readers(readers + (servicer.readers if servicer is not None else []))
     summary = {"stage": index, "steps": steps, "start": start, "steps_done": engine.step, "interrupted": interrupted,
                "seconds": time.time() - t_run, "run_id": run_id,
                "buffer_bytes": engine.buffer_nbytes(), **{f"{k}_digest": v for k, v in engine.buffer_digests().items()}}
