@@ -790,6 +790,27 @@ def _process_platforms() -> tuple[str, ...]:
     return tuple(found)
 
 
+def _keys_and_scales(keys, scales) -> tuple[jax.Array, jax.Array]:
+    """``(u32[K, 2], f32[K])`` of the sample keys and scales of K updates; a count mismatch is an error."""
+    keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
+    scales = jnp.asarray(scales, jnp.float32).reshape(-1)
+    if scales.shape[0] != keys.shape[0]:
+        raise ValueError(f"{keys.shape[0]} keys but {scales.shape[0]} scales")
+    return keys, scales
+
+
+def _by_platform(run, arrays, keys, scales, *, impl: str, platform: str | None):
+    """``run(arrays, keys, scales, platform=...)`` for the platform the computation is lowered for:
+    the named ``platform`` or ``impl``, the process's only platform, else one branch per platform
+    (``jax.lax.platform_dependent``, the host CPU's as default)."""
+    platforms = _process_platforms()
+    if impl != "auto" or platform is not None or len(platforms) <= 1:
+        fixed = platform if platform is not None else (platforms[0] if len(platforms) == 1 else None)
+        return run(arrays, keys, scales, platform=fixed)
+    branches = {name: functools.partial(run, platform=name) for name in platforms}
+    return jax.lax.platform_dependent(arrays, keys, scales, **branches, default=functools.partial(run, platform="cpu"))
+
+
 def apply_updates(
     params: Any,
     keys,
@@ -827,10 +848,7 @@ def apply_updates(
       The updated pytree (same structure, dtypes and shapes).
     """
     _noise.check_distribution(distribution)
-    keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
-    scales = jnp.asarray(scales, jnp.float32).reshape(-1)
-    if scales.shape[0] != keys.shape[0]:
-        raise ValueError(f"{keys.shape[0]} keys but {scales.shape[0]} scales")
+    keys, scales = _keys_and_scales(keys, scales)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     for path, leaf in with_path:
         _rule.check_dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype, f"leaf {_rng.leaf_path(path)}")
@@ -840,14 +858,7 @@ def apply_updates(
         _apply_leaves, ids=ids, distribution=distribution, impl=impl, inplace=inplace,
         block_sizes=block_sizes, interpret=interpret, per_leaf=per_leaf,
     )
-    platforms = _process_platforms()
-    if impl != "auto" or platform is not None or len(platforms) <= 1:
-        fixed = platform if platform is not None else (platforms[0] if len(platforms) == 1 else None)
-        out = run(leaves, keys, scales, platform=fixed)
-    else:
-        branches = {name: functools.partial(run, platform=name) for name in platforms}
-        out = jax.lax.platform_dependent(leaves, keys, scales, **branches, default=functools.partial(run, platform="cpu"))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return jax.tree_util.tree_unflatten(treedef, _by_platform(run, leaves, keys, scales, impl=impl, platform=platform))
 
 
 def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, block_sizes, interpret, platform, per_leaf):
@@ -901,10 +912,7 @@ def apply_updates_flat(
       The updated buffers (same shapes and dtypes).
     """
     _noise.check_distribution(distribution)
-    keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
-    scales = jnp.asarray(scales, jnp.float32).reshape(-1)
-    if scales.shape[0] != keys.shape[0]:
-        raise ValueError(f"{keys.shape[0]} keys but {scales.shape[0]} scales")
+    keys, scales = _keys_and_scales(keys, scales)
     buffers = [jnp.asarray(b) for b in buffers]
     if len(segments) != len(buffers):
         raise ValueError(f"{len(buffers)} buffers but {len(segments)} segment tables")
@@ -917,12 +925,7 @@ def apply_updates_flat(
         _apply_flat, segments=segments, distribution=distribution, impl=impl, inplace=inplace,
         block_sizes=block_sizes, interpret=interpret,
     )
-    platforms = _process_platforms()
-    if impl != "auto" or platform is not None or len(platforms) <= 1:
-        fixed = platform if platform is not None else (platforms[0] if len(platforms) == 1 else None)
-        return run(buffers, keys, scales, platform=fixed)
-    branches = {name: functools.partial(run, platform=name) for name in platforms}
-    return jax.lax.platform_dependent(buffers, keys, scales, **branches, default=functools.partial(run, platform="cpu"))
+    return _by_platform(run, buffers, keys, scales, impl=impl, platform=platform)
 
 
 def _all_leaf_keys(keys, ids: list[int]) -> jax.Array:
