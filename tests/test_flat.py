@@ -135,6 +135,36 @@ def test_apply_updates_flat_leaves_gaps_alone_and_matches_each_leaf(impl):
 
 
 @needs_native
+@pytest.mark.parametrize("dist", noise.EXACT)
+def test_native_flat_threaded_launch_shares_chunks_of_small_leaves(dist):
+    """Above the native kernel's threading threshold (here about 95,000 elements x 4 updates) a
+    launch is cut into chunks of about equal work: runs of many small segments share a chunk, the
+    large one spans several, and the threads claim them in any order. Every segment still gets its
+    own leaf's bits and the gaps between segments keep theirs."""
+    g = np.random.default_rng(11)
+    sizes = [int(z) for z in g.integers(1, 300, 240)] + [65, 60001] + [int(z) for z in g.integers(1, 9, 20)]
+    segments, offset = [], 0
+    for i, z in enumerate(sizes):
+        offset += i % 3  # gaps of 0, 1 or 2 elements
+        segments.append((offset, z, int(g.integers(0, 2**32))))
+        offset += z
+    buf = jnp.asarray(_values(12, (offset + 5,), np.float32))
+    keys = rng.sample_keys(4, [(2, 1, s) for s in range(4)])
+    coefficients = [0.5, -2e-3, 1.25, 7e-5]
+    scales = replay.update_scales(dist, coefficients)
+    want = np.asarray(buf).copy()
+    for o, z, lid in segments:  # the NumPy reference, leaf by leaf, keys fold_in(key, leaf id)
+        p = ref._flush(want[o : o + z])
+        for key, c in zip(keys, coefficients):
+            p = ref.apply_update(p, ref.update_scale(dist, c), ref.noise_int(dist, ref.fold_in(key, lid), z))
+        want[o : o + z] = ref.flush_cast(p, np.float32)
+    fn = jax.jit(lambda b: kp.perturb_native_flat(b, keys, scales, segments, distribution=dist, inplace=True),
+                 donate_argnums=0)
+    for _ in range(3):  # the threads' share of the chunks differs from call to call
+        np.testing.assert_array_equal(_bits(fn(jnp.array(buf, copy=True))), _bits(want))
+
+
+@needs_native
 def test_one_native_launch_per_buffer_whatever_the_number_of_leaves():
     tree = {f"l{i:03d}": np.zeros(5 + i % 3, np.float32 if i % 4 else np.float16) for i in range(40)}
     flat = replay.flatten(tree)

@@ -61,6 +61,20 @@ struct LeafKey {
 
 inline LeafKey MakeKey(uint32_t k0, uint32_t k1) { return LeafKey{k0, k1, k0 ^ k1 ^ kParity}; }
 
+// One update's scale, shared by every leaf of a launch, with its binomial lookup table
+// table[c] = scale * (c - 8) for c in 0..31 (exact for the popcounts 0..16; built once per launch).
+struct alignas(64) Update {
+  float table[32];
+  float scale;
+};
+
+inline Update MakeUpdate(float scale) {
+  Update up;
+  for (int c = 0; c < 32; ++c) up.table[c] = scale * static_cast<float>(c - 8);
+  up.scale = scale;
+  return up;
+}
+
 // ---------------------------------------------------------------- threefry-2x32, 20 rounds
 
 #define ZR(x0, x1, r)                  \
@@ -168,26 +182,34 @@ inline void AddFlushStore(float* p, __m512 delta) {
   _mm512_storeu_ps(p, _mm512_mask_mov_ps(y, _mm512_fpclass_ps_mask(y, 0x24), _mm512_setzero_ps()));
 }
 
-void BinomialGroups(float* buf, const LeafKey& key, float scale, uint32_t first_call, int64_t g0, int64_t g1) {
-  const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  // table[c] = scale * (c - 8) for a popcount c in 0..16, exact; looked up by vpermt2ps, which
-  // reads the low 5 bits of each 32-bit index.
-  alignas(64) float table[32];
-  for (int c = 0; c < 32; ++c) table[c] = scale * static_cast<float>(c - 8);
-  const __m512 t_lo = _mm512_load_ps(table), t_hi = _mm512_load_ps(table + 16);
-  // Element e of output vector m (16 elements, calls 4m..4m+3) is half (e & 1) of word x0 or x1
-  // ((e >> 1) & 1) of call 4m + e/4: the 16-bit lane of concat(popcount(x0), popcount(x1)).
-  alignas(64) uint16_t index[4][32];
+// Element e of output vector m (16 elements, calls 4m..4m+3) is half (e & 1) of word x0 or x1
+// ((e >> 1) & 1) of call 4m + e/4: the 16-bit lane of concat(popcount(x0), popcount(x1)).
+struct alignas(64) BinomialIndex {
+  uint16_t v[4][32];
+};
+
+constexpr BinomialIndex MakeBinomialIndex() {
+  BinomialIndex index{};
   for (int m = 0; m < 4; ++m) {
     for (int e = 0; e < 16; ++e) {
       const int call = 4 * m + e / 4;
       const uint16_t lane16 = static_cast<uint16_t>(((e >> 1) & 1) * 32 + 2 * call + (e & 1));
-      index[m][2 * e] = lane16;
-      index[m][2 * e + 1] = lane16;
+      index.v[m][2 * e] = lane16;
+      index.v[m][2 * e + 1] = lane16;
     }
   }
-  const __m512i i0 = _mm512_load_si512(index[0]), i1 = _mm512_load_si512(index[1]);
-  const __m512i i2 = _mm512_load_si512(index[2]), i3 = _mm512_load_si512(index[3]);
+  return index;
+}
+
+constexpr BinomialIndex kBinomialIndex = MakeBinomialIndex();
+
+// up.table[c] = scale * (c - 8) for a popcount c in 0..16 (exact) is looked up by vpermt2ps,
+// which reads the low 5 bits of each 32-bit index.
+void BinomialGroups(float* buf, const LeafKey& key, const Update& up, uint32_t first_call, int64_t g0, int64_t g1) {
+  const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const __m512 t_lo = _mm512_load_ps(up.table), t_hi = _mm512_load_ps(up.table + 16);
+  const __m512i i0 = _mm512_load_si512(kBinomialIndex.v[0]), i1 = _mm512_load_si512(kBinomialIndex.v[1]);
+  const __m512i i2 = _mm512_load_si512(kBinomialIndex.v[2]), i3 = _mm512_load_si512(kBinomialIndex.v[3]);
   for (int64_t g = g0; g < g1; ++g) {
     v16u calls = lane + (first_call + static_cast<uint32_t>(16 * g));
     v16u x0, x1;
@@ -201,9 +223,9 @@ void BinomialGroups(float* buf, const LeafKey& key, float scale, uint32_t first_
   }
 }
 
-void RademacherGroups(float* buf, const LeafKey& key, float scale, uint32_t first_call, int64_t g0, int64_t g1) {
+void RademacherGroups(float* buf, const LeafKey& key, const Update& up, uint32_t first_call, int64_t g0, int64_t g1) {
   const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const __m512 plus = _mm512_set1_ps(scale), minus = _mm512_set1_ps(-scale);
+  const __m512 plus = _mm512_set1_ps(up.scale), minus = _mm512_set1_ps(-up.scale);
   alignas(64) uint16_t halves[64];  // the 32 words of 16 calls as 16-bit masks, stream order
   for (int64_t g = g0; g < g1; ++g) {
     v16u calls = lane + (first_call + static_cast<uint32_t>(16 * g));
@@ -239,7 +261,8 @@ inline uint32_t Popcount16(uint32_t h) {
   return (h + (h >> 8)) & 0x1Fu;
 }
 
-void BinomialGroups(float* buf, const LeafKey& key, float scale, uint32_t first_call, int64_t g0, int64_t g1) {
+void BinomialGroups(float* buf, const LeafKey& key, const Update& up, uint32_t first_call, int64_t g0, int64_t g1) {
+  const float scale = up.scale;
   alignas(64) uint32_t words[2 * kTile / 4];
   const int64_t n_calls = 16 * (g1 - g0);
   StreamWords(key, first_call + static_cast<uint32_t>(16 * g0), n_calls, words);
@@ -251,7 +274,8 @@ void BinomialGroups(float* buf, const LeafKey& key, float scale, uint32_t first_
   }
 }
 
-void RademacherGroups(float* buf, const LeafKey& key, float scale, uint32_t first_call, int64_t g0, int64_t g1) {
+void RademacherGroups(float* buf, const LeafKey& key, const Update& up, uint32_t first_call, int64_t g0, int64_t g1) {
+  const float scale = up.scale;
   alignas(64) uint32_t words[2 * kTile / 64];
   const int64_t n_calls = 16 * (g1 - g0);
   StreamWords(key, first_call + static_cast<uint32_t>(16 * g0), n_calls, words);
@@ -338,26 +362,76 @@ struct Io<_Float16> {
 
 // ---------------------------------------------------------------- the tiled driver
 
+struct Work;
+struct Job;
+using TileFn = void (*)(const Work&, const Job&, int64_t, int64_t);
+
+// One leaf (or segment, or slice) of a launch. Its K leaf keys live in the launch's Work (no
+// allocation per leaf): key u of job j is (work.k0[u * J + j], work.k1[u * J + j]).
 struct Job {
   const void* in;
   void* out;
-  int64_t n;        // elements of the buffer
-  uint64_t offset;  // global flat index of the buffer's element 0
-  std::vector<LeafKey> keys;
-  std::vector<float> scales;
-  int32_t distribution;
+  int64_t n;        // elements
+  uint64_t offset;  // global flat index of element 0
+  int64_t index;    // j, this job's column in the key arrays
+  TileFn fn;        // RunTiles for its dtype
 };
 
-// Process tiles [t0, t1) (tile t covers global [kTile*t, kTile*(t+1)) clipped to the buffer).
+inline int64_t TileBegin(const Job& job) { return static_cast<int64_t>(job.offset / kTile); }
+inline int64_t TileEnd(const Job& job) { return static_cast<int64_t>((job.offset + job.n + kTile - 1) / kTile); }
+
+// Everything a launch needs, built once per call: the jobs, the K updates (scale and lookup
+// table, shared by all jobs), every job's K leaf keys in two u32 arrays (update-major, so the
+// derivation of all leaf keys of one update is one vectorizable loop), and, when the launch is
+// split across threads, its chunks.
+struct Work {
+  int32_t distribution = kBinomial;
+  std::vector<Update> updates;   // K
+  std::vector<uint32_t> k0, k1;  // K * J leaf key words, [u * J + j]
+  std::vector<Job> jobs;         // J
+  // A chunk is a run of consecutive items (a job's tiles [t0, t1)) holding about the same number
+  // of elements: many small leaves make one chunk, a large leaf several.
+  struct Item {
+    int64_t job, t0, t1;
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> chunk_end;  // chunk c is items [chunk_end[c - 1] (0 for c = 0), chunk_end[c])
+  std::atomic<int64_t> next{0};
+  ffi::CountDownPromise done;  // counts finished chunks
+
+  LeafKey Key(const Job& job, int64_t u) const {
+    const size_t i = static_cast<size_t>(u) * jobs.size() + static_cast<size_t>(job.index);
+    return MakeKey(k0[i], k1[i]);
+  }
+
+  // Claim chunks until none is left; whoever finishes the last chunk completes the launch, so a
+  // thread that starts after all chunks were claimed is not waited for.
+  void Loop() {
+    const int64_t n = static_cast<int64_t>(chunk_end.size());
+    for (;;) {
+      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= n) return;
+      for (int64_t i = c == 0 ? 0 : chunk_end[c - 1]; i < chunk_end[c]; ++i) {
+        const Item& it = items[i];
+        const Job& job = jobs[it.job];
+        job.fn(*this, job, it.t0, it.t1);
+      }
+      done.CountDown();
+    }
+  }
+};
+
+// Process tiles [t0, t1) of a job (tile t covers global [kTile*t, kTile*(t+1)) clipped to the job).
 template <typename T>
-void RunTiles(const Job& job, int64_t t0, int64_t t1) {
+void RunTiles(const Work& work, const Job& job, int64_t t0, int64_t t1) {
   alignas(64) float buf[kTile];
   const T* in = static_cast<const T*>(job.in);
   T* out = static_cast<T*>(job.out);
   const uint64_t lo_all = job.offset;
   const uint64_t hi_all = job.offset + static_cast<uint64_t>(job.n);
-  const int64_t group = job.distribution == kBinomial ? kBinomialGroup : kRademacherGroup;
-  const int64_t per_call = job.distribution == kBinomial ? 4 : 64;
+  const int64_t group = work.distribution == kBinomial ? kBinomialGroup : kRademacherGroup;
+  const int64_t per_call = work.distribution == kBinomial ? 4 : 64;
+  const int64_t n_updates = static_cast<int64_t>(work.updates.size());
   for (int64_t t = t0; t < t1; ++t) {
     const uint64_t tile_start = static_cast<uint64_t>(t) * kTile;
     const uint64_t lo = std::max(lo_all, tile_start);
@@ -383,11 +457,11 @@ void RunTiles(const Job& job, int64_t t0, int64_t t1) {
       if (pad1 > b1) std::memset(buf + b1, 0, sizeof(float) * (pad1 - b1));
       Io<T>::Load(in + (lo - lo_all), buf + b0, b1 - b0);
     }
-    for (size_t u = 0; u < job.keys.size(); ++u) {
-      if (job.distribution == kBinomial) {
-        BinomialGroups(tile, job.keys[u], job.scales[u], first_call, g0, g1);
+    for (int64_t u = 0; u < n_updates; ++u) {
+      if (work.distribution == kBinomial) {
+        BinomialGroups(tile, work.Key(job, u), work.updates[u], first_call, g0, g1);
       } else {
-        RademacherGroups(tile, job.keys[u], job.scales[u], first_call, g0, g1);
+        RademacherGroups(tile, work.Key(job, u), work.updates[u], first_call, g0, g1);
       }
     }
     if (direct) {
@@ -398,46 +472,14 @@ void RunTiles(const Job& job, int64_t t0, int64_t t1) {
   }
 }
 
-template <typename T>
-void RunTilesTyped(const Job& job, int64_t t0, int64_t t1) {
-  RunTiles<T>(job, t0, t1);
-}
-
-using TileFn = void (*)(const Job&, int64_t, int64_t);
-
 TileFn TileFnFor(ffi::DataType dtype) {
   switch (dtype) {
-    case ffi::F32: return &RunTilesTyped<float>;
-    case ffi::BF16: return &RunTilesTyped<Bf16>;
-    case ffi::F16: return &RunTilesTyped<_Float16>;
+    case ffi::F32: return &RunTiles<float>;
+    case ffi::BF16: return &RunTiles<Bf16>;
+    case ffi::F16: return &RunTiles<_Float16>;
     default: return nullptr;
   }
 }
-
-// All the leaves of one call, cut into chunks of tiles that the threads claim from one counter.
-struct Work {
-  std::vector<Job> jobs;
-  std::vector<TileFn> fns;
-  struct Chunk {
-    int32_t job;
-    int64_t t0, t1;
-  };
-  std::vector<Chunk> chunks;
-  std::atomic<int64_t> next{0};
-
-  void RunChunk(int64_t c) const {
-    const Chunk& ch = chunks[c];
-    fns[ch.job](jobs[ch.job], ch.t0, ch.t1);
-  }
-  void Loop() {
-    const int64_t n = static_cast<int64_t>(chunks.size());
-    for (;;) {
-      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
-      if (c >= n) return;
-      RunChunk(c);
-    }
-  }
-};
 
 ffi::Future Failed(const char* msg) {
   ffi::Promise p;
@@ -446,64 +488,103 @@ ffi::Future Failed(const char* msg) {
   return f;
 }
 
+ffi::Future Done() {
+  ffi::Promise p;
+  ffi::Future f(p);
+  p.SetAvailable();
+  return f;
+}
+
+// The K updates of a launch: keys u32[K, 2] (sample keys, or leaf keys for a single job), scales f32[K].
+void SetUpdates(Work& work, int32_t distribution, const float* s, int64_t n_updates) {
+  work.distribution = distribution;
+  work.updates.resize(n_updates);
+  for (int64_t u = 0; u < n_updates; ++u) work.updates[u] = MakeUpdate(s[u]);
+}
+
+// Leaf keys given (one job): k = keys u32[K, 2].
+void SetLeafKeys(Work& work, const uint32_t* k, int64_t n_updates) {
+  work.k0.resize(n_updates);
+  work.k1.resize(n_updates);
+  for (int64_t u = 0; u < n_updates; ++u) {
+    work.k0[u] = k[2 * u];
+    work.k1[u] = k[2 * u + 1];
+  }
+}
+
+// Leaf keys derived for J jobs: key u of job j is fold_in(sample key u, leaf_ids[j]) =
+// threefry(sample key u, (0, leaf_ids[j])); a loop over the jobs per update (vectorized).
+void DeriveLeafKeys(Work& work, const uint32_t* k, int64_t n_updates, const int64_t* leaf_ids, int64_t n_jobs) {
+  work.k0.resize(static_cast<size_t>(n_updates * n_jobs));
+  work.k1.resize(static_cast<size_t>(n_updates * n_jobs));
+  for (int64_t u = 0; u < n_updates; ++u) {
+    const LeafKey sample = MakeKey(k[2 * u], k[2 * u + 1]);
+    uint32_t* o0 = work.k0.data() + u * n_jobs;
+    uint32_t* o1 = work.k1.data() + u * n_jobs;
+    for (int64_t j = 0; j < n_jobs; ++j) {
+      uint32_t l0, l1;
+      Threefry(sample, static_cast<uint32_t>(leaf_ids[j]), l0, l1);
+      o0[j] = l0;
+      o1[j] = l1;
+    }
+  }
+}
+
 // One launch for every job: serial on the calling thread when the work is small (no scheduling
 // cost at all), else split across XLA's CPU thread pool in chunks claimed in order, so a thread
-// that starts late (a busy pool) takes less work instead of delaying the whole call.
+// that starts late (a busy pool) takes less work, or none, instead of delaying the whole call.
 ffi::Future Launch(ffi::ThreadPool pool, std::shared_ptr<Work> work) {
-  ffi::Promise done;
-  ffi::Future future(done);
-  int64_t total_tiles = 0, total_work = 0;
-  for (const Job& job : work->jobs) {
-    if (job.n == 0) continue;
-    total_tiles += (job.offset + job.n + kTile - 1) / kTile - job.offset / kTile;
-    total_work += job.n * std::max<int64_t>(1, static_cast<int64_t>(job.keys.size()));
-  }
+  int64_t total = 0;
+  for (const Job& job : work->jobs) total += job.n;
+  const int64_t n_updates = std::max<int64_t>(1, static_cast<int64_t>(work->updates.size()));
   int64_t n_parts = 1;
-  if (total_work >= kParallelWork) {
-    n_parts = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), total_tiles);
+  if (total * n_updates >= kParallelWork) {
+    n_parts = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), (total + kTile - 1) / kTile);
   }
-  const int64_t chunk = std::max<int64_t>(1, total_tiles / (8 * n_parts));
+  if (n_parts <= 1) {
+    for (const Job& job : work->jobs) {
+      if (job.n > 0) job.fn(*work, job, TileBegin(job), TileEnd(job));
+    }
+    return Done();
+  }
+  // Chunks of about total / (8 * n_parts) elements (at least a tile), cut at tile boundaries.
+  const int64_t target = std::max<int64_t>(kTile, total / (8 * n_parts));
+  const int64_t piece = std::max<int64_t>(1, target / kTile);
+  int64_t held = 0;
   for (size_t j = 0; j < work->jobs.size(); ++j) {
     const Job& job = work->jobs[j];
     if (job.n == 0) continue;
-    const int64_t t_begin = job.offset / kTile;
-    const int64_t t_end = (job.offset + job.n + kTile - 1) / kTile;
-    for (int64_t t = t_begin; t < t_end; t += chunk) {
-      work->chunks.push_back({static_cast<int32_t>(j), t, std::min(t + chunk, t_end)});
+    const uint64_t lo = job.offset, hi = job.offset + static_cast<uint64_t>(job.n);
+    for (int64_t t = TileBegin(job), end = TileEnd(job); t < end; t += piece) {
+      const int64_t t1 = std::min(t + piece, end);
+      work->items.push_back({static_cast<int64_t>(j), t, t1});
+      held += static_cast<int64_t>(std::min<uint64_t>(hi, static_cast<uint64_t>(t1) * kTile) -
+                                   std::max<uint64_t>(lo, static_cast<uint64_t>(t) * kTile));
+      if (held >= target) {
+        work->chunk_end.push_back(static_cast<int64_t>(work->items.size()));
+        held = 0;
+      }
     }
   }
-  if (n_parts <= 1) {
-    work->Loop();
-    done.SetAvailable();
-    return future;
-  }
-  ffi::CountDownPromise count(done, n_parts);
+  if (held > 0) work->chunk_end.push_back(static_cast<int64_t>(work->items.size()));
+  work->done = ffi::CountDownPromise(static_cast<int64_t>(work->chunk_end.size()));
+  ffi::Future future(work->done);
   for (int64_t part = 1; part < n_parts; ++part) {
-    pool.Schedule([work, count]() mutable {
-      work->Loop();
-      count.CountDown();
-    });
+    pool.Schedule([work]() { work->Loop(); });
   }
   work->Loop();
-  count.CountDown();
   return future;
 }
 
-// A job's K updates when its leaf keys are given: keys u32[K, 2], scales f32[K].
-void SetUpdates(Job& job, const uint32_t* k, const float* s, int64_t n_updates) {
-  job.keys.resize(n_updates);
-  job.scales.assign(s, s + n_updates);
-  for (int64_t u = 0; u < n_updates; ++u) job.keys[u] = MakeKey(k[2 * u], k[2 * u + 1]);
-}
-
-bool CheckedJob(Job& job, const ffi::AnyBuffer& x, ffi::AnyBuffer& out, int32_t distribution, int64_t offset) {
+bool CheckedJob(Job& job, const ffi::AnyBuffer& x, ffi::AnyBuffer& out, int64_t offset) {
   if (x.element_type() != out.element_type() || x.element_count() != out.element_count()) return false;
   if (offset < 0 || static_cast<uint64_t>(offset) + x.element_count() > 0xFFFFFFFFull) return false;
   job.in = x.untyped_data();
   job.out = out.untyped_data();
   job.n = static_cast<int64_t>(x.element_count());
   job.offset = static_cast<uint64_t>(offset);
-  job.distribution = distribution;
+  job.index = 0;
+  job.fn = TileFnFor(x.element_type());
   return true;
 }
 
@@ -518,11 +599,11 @@ ffi::Future Perturb(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32
   auto work = std::make_shared<Work>();
   work->jobs.emplace_back();
   Job& job = work->jobs.back();
-  if (!CheckedJob(job, x, *out, distribution, offset))
+  if (!CheckedJob(job, x, *out, offset))
     return Failed("zeroth_perturb: the output must have the input's dtype and size, global indices 32 bits");
-  work->fns.push_back(TileFnFor(x.element_type()));
-  if (work->fns.back() == nullptr) return Failed("zeroth_perturb: dtype must be float32, bfloat16 or float16");
-  SetUpdates(job, keys.typed_data(), scales.typed_data(), n_updates);
+  if (job.fn == nullptr) return Failed("zeroth_perturb: dtype must be float32, bfloat16 or float16");
+  SetUpdates(*work, distribution, scales.typed_data(), n_updates);
+  SetLeafKeys(*work, keys.typed_data(), n_updates);
   return Launch(pool, std::move(work));
 }
 
@@ -537,8 +618,6 @@ ffi::Future PerturbTree(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::B
     return Failed("zeroth_perturb_tree: keys must be u32[K, 2] and scales f32[K]");
   if (leaves.size() != outs.size() || leaves.size() != leaf_ids.size())
     return Failed("zeroth_perturb_tree: one output and one leaf id per leaf");
-  const uint32_t* k = keys.typed_data();
-  const float* s = scales.typed_data();
   auto work = std::make_shared<Work>();
   work->jobs.resize(leaves.size());
   for (size_t i = 0; i < leaves.size(); ++i) {
@@ -546,18 +625,13 @@ ffi::Future PerturbTree(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::B
     auto out = outs.get<ffi::AnyBuffer>(i);
     if (!x.has_value() || !out.has_value()) return Failed("zeroth_perturb_tree: a leaf is not a buffer");
     Job& job = work->jobs[i];
-    if (!CheckedJob(job, *x, **out, distribution, 0))
+    if (!CheckedJob(job, *x, **out, 0))
       return Failed("zeroth_perturb_tree: each output must have its leaf's dtype and size (< 2**32 elements)");
-    work->fns.push_back(TileFnFor(x->element_type()));
-    if (work->fns.back() == nullptr) return Failed("zeroth_perturb_tree: dtype must be float32, bfloat16 or float16");
-    const uint32_t lid = static_cast<uint32_t>(leaf_ids[i]);
-    for (int64_t u = 0; u < n_updates; ++u) {
-      uint32_t l0, l1;
-      Threefry(MakeKey(k[2 * u], k[2 * u + 1]), lid, l0, l1);
-      job.keys.push_back(MakeKey(l0, l1));
-      job.scales.push_back(s[u]);
-    }
+    if (job.fn == nullptr) return Failed("zeroth_perturb_tree: dtype must be float32, bfloat16 or float16");
+    job.index = static_cast<int64_t>(i);
   }
+  SetUpdates(*work, distribution, scales.typed_data(), n_updates);
+  DeriveLeafKeys(*work, keys.typed_data(), n_updates, leaf_ids.begin(), static_cast<int64_t>(leaf_ids.size()));
   return Launch(pool, std::move(work));
 }
 
@@ -581,35 +655,27 @@ ffi::Future PerturbFlat(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::B
   if (fn == nullptr) return Failed("zeroth_perturb_flat: dtype must be float32, bfloat16 or float16");
   const int64_t itemsize = x.element_type() == ffi::F32 ? 4 : 2;
   const int64_t total = static_cast<int64_t>(x.element_count());
-  const char* in = static_cast<const char*>(x.untyped_data());
-  char* dst = static_cast<char*>(out->untyped_data());
-  if (in != dst && total > 0) std::memcpy(dst, in, static_cast<size_t>(total * itemsize));  // gaps keep their bits
-  const uint32_t* k = keys.typed_data();
-  const float* s = scales.typed_data();
-  std::vector<LeafKey> sample(n_updates);
-  for (int64_t u = 0; u < n_updates; ++u) sample[u] = MakeKey(k[2 * u], k[2 * u + 1]);
-  auto work = std::make_shared<Work>();
-  work->jobs.resize(offsets.size());
-  work->fns.assign(offsets.size(), fn);
   for (size_t i = 0; i < offsets.size(); ++i) {
     const int64_t o = offsets[i], n = sizes[i];
     if (o < 0 || n < 0 || o > total || n > total - o || n > int64_t{0xFFFFFFFF})
       return Failed("zeroth_perturb_flat: a segment lies outside the buffer or has 2**32 elements or more");
-    Job& job = work->jobs[i];
-    job.in = dst + o * itemsize;  // updated in place in the output (which holds the input's bits)
-    job.out = dst + o * itemsize;
-    job.n = n;
-    job.offset = 0;
-    job.distribution = distribution;
-    const uint32_t lid = static_cast<uint32_t>(leaf_ids[i]);
-    job.keys.resize(n_updates);
-    job.scales.assign(s, s + n_updates);
-    for (int64_t u = 0; u < n_updates; ++u) {
-      uint32_t l0, l1;
-      Threefry(sample[u], lid, l0, l1);
-      job.keys[u] = MakeKey(l0, l1);
-    }
   }
+  const char* in = static_cast<const char*>(x.untyped_data());
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (in != dst && total > 0) std::memcpy(dst, in, static_cast<size_t>(total * itemsize));  // gaps keep their bits
+  auto work = std::make_shared<Work>();
+  work->jobs.resize(offsets.size());
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    Job& job = work->jobs[i];
+    job.in = dst + offsets[i] * itemsize;  // updated in place in the output (which holds the input's bits)
+    job.out = dst + offsets[i] * itemsize;
+    job.n = sizes[i];
+    job.offset = 0;
+    job.index = static_cast<int64_t>(i);
+    job.fn = fn;
+  }
+  SetUpdates(*work, distribution, scales.typed_data(), n_updates);
+  DeriveLeafKeys(*work, keys.typed_data(), n_updates, leaf_ids.begin(), static_cast<int64_t>(leaf_ids.size()));
   return Launch(pool, std::move(work));
 }
 
@@ -640,10 +706,11 @@ ffi::Future PerturbSlice(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   job.out = out->untyped_data();
   job.n = static_cast<int64_t>(m);
   job.offset = static_cast<uint64_t>(offset) + first;
-  job.distribution = distribution;
-  work->fns.push_back(TileFnFor(x.element_type()));
-  if (work->fns.back() == nullptr) return Failed("zeroth_perturb_slice: dtype must be float32, bfloat16 or float16");
-  SetUpdates(job, keys.typed_data(), scales.typed_data(), n_updates);
+  job.index = 0;
+  job.fn = TileFnFor(x.element_type());
+  if (job.fn == nullptr) return Failed("zeroth_perturb_slice: dtype must be float32, bfloat16 or float16");
+  SetUpdates(*work, distribution, scales.typed_data(), n_updates);
+  SetLeafKeys(*work, keys.typed_data(), n_updates);
   return Launch(pool, std::move(work));
 }
 
