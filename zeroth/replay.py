@@ -125,8 +125,10 @@ def _is_key_matrix(x) -> bool:
 def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool = False) -> Any:
     """Apply ``updates``, a sequence of ``(key, coefficient)`` in canonical order, exactly.
 
-    Coefficients are rounded on the host (:func:`round_coefficient`). The result is bit-identical
-    on every backend and to :func:`zeroth.reference.replay_leaf`.
+    Coefficients are rounded with :func:`round_coefficient`'s bits: on the host, or, for a
+    :class:`Flat`, inside its compiled call from their float64 bits
+    (:func:`zeroth.rule.scales_from_bits`; the host only checks them). The result is
+    bit-identical on every backend and to :func:`zeroth.reference.replay_leaf`.
 
     Args:
       params: pytree of f32 / bf16 / f16 arrays (flax params included), or a :class:`Flat`
@@ -144,6 +146,7 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
       >>> p = {"w": jnp.zeros(3)}
       >>> q = replay(p, [(sample_key(0, 0, 0, 0), 0.5)])
     """
+    _noise.check_distribution(distribution)
     if isinstance(updates, tuple) and len(updates) == 2 and _is_key_matrix(updates[0]):
         keys, coefficients = _as_keys(updates[0]), updates[1]
         if not (isinstance(coefficients, list) and all(isinstance(c, float) for c in coefficients)):
@@ -154,9 +157,9 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
         coefficients = [c for _, c in updates]
     if len(coefficients) != keys.shape[0]:
         raise ValueError(f"{keys.shape[0]} keys but {len(coefficients)} coefficients")
+    if isinstance(params, Flat):  # rounded inside the compiled call, same bits (rule.scales_from_bits)
+        return _replay_flat(params, keys, _rule.coefficient_bits(distribution, coefficients), distribution, donate)
     scales = update_scales(distribution, coefficients)
-    if isinstance(params, Flat):
-        return _replay_flat(params, keys, scales, distribution, donate)
     if not donate and not _host_memory.decided() and _fused.platform_of(params) == "cpu":
         _host_memory.reuse_freed_host_memory()
     # The fused kernels pick the fastest exact path for the platform the parameters live on
@@ -355,7 +358,8 @@ def unflatten(flat: Flat) -> Any:
     return _unflatten_fn(flat.layout)(flat.buffers)
 
 
-def _flat_core(buffers, keys, scales, *, tables, distribution, impl, inplace):
+def _flat_core(buffers, keys, coefficient_bits, *, tables, distribution, impl, inplace):
+    scales = _rule.scales_from_bits(coefficient_bits, distribution)
     return tuple(_fused.apply_updates_flat(
         buffers, keys, scales, tables, distribution=distribution, impl=impl, inplace=inplace))
 
@@ -368,10 +372,11 @@ def _flat_fn(layout: Layout, distribution: str, donate: bool, impl: str):
     return jax.jit(core, donate_argnums=(0,) if donate else ())
 
 
-def _replay_flat(flat: Flat, keys: np.ndarray, scales: np.ndarray, distribution: str, donate: bool) -> Flat:
-    """:func:`replay` of a :class:`Flat`: one compiled call, one kernel launch per buffer."""
+def _replay_flat(flat: Flat, keys: np.ndarray, coefficient_bits: np.ndarray, distribution: str, donate: bool) -> Flat:
+    """:func:`replay` of a :class:`Flat`: one compiled call (the coefficients rounded inside it
+    from their float64 bits, :func:`zeroth.rule.scales_from_bits`), one kernel launch per buffer."""
     if not donate and not _host_memory.decided() and _fused.platform_of(flat.buffers) == "cpu":
         _host_memory.reuse_freed_host_memory()
     impl = "jnp" if _fused.is_sharded(flat.buffers) else "auto"
-    out = _flat_fn(flat.layout, distribution, donate, impl)(flat.buffers, keys, scales)
+    out = _flat_fn(flat.layout, distribution, donate, impl)(flat.buffers, keys, coefficient_bits)
     return Flat(out, flat.layout)
