@@ -358,10 +358,13 @@ def unflatten(flat: Flat) -> Any:
     return _unflatten_fn(flat.layout)(flat.buffers)
 
 
-def _flat_core(buffers, keys, coefficient_bits, *, tables, distribution, impl, inplace):
-    scales = _rule.scales_from_bits(coefficient_bits, distribution)
+def _flat_core(buffers, updates, *, tables, distribution, impl, inplace):
+    """``updates``: ``u32[2K, 2]``, the K sample keys then the float64 bits of the K coefficients
+    (one host array per call: each NumPy argument of a compiled call is one more transfer)."""
+    k = updates.shape[0] // 2
+    scales = _rule.scales_from_bits(updates[k:], distribution)
     return tuple(_fused.apply_updates_flat(
-        buffers, keys, scales, tables, distribution=distribution, impl=impl, inplace=inplace))
+        buffers, updates[:k], scales, tables, distribution=distribution, impl=impl, inplace=inplace))
 
 
 @functools.lru_cache(maxsize=256)
@@ -378,5 +381,6 @@ def _replay_flat(flat: Flat, keys: np.ndarray, coefficient_bits: np.ndarray, dis
     if not donate and not _host_memory.decided() and _fused.platform_of(flat.buffers) == "cpu":
         _host_memory.reuse_freed_host_memory()
     impl = "jnp" if _fused.is_sharded(flat.buffers) else "auto"
-    out = _flat_fn(flat.layout, distribution, donate, impl)(flat.buffers, keys, coefficient_bits)
+    updates = np.concatenate((keys, coefficient_bits))
+    out = _flat_fn(flat.layout, distribution, donate, impl)(flat.buffers, updates)
     return Flat(out, flat.layout)
