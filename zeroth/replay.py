@@ -149,7 +149,7 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
     _noise.check_distribution(distribution)
     if isinstance(updates, tuple) and len(updates) == 2 and _is_key_matrix(updates[0]):
         keys, coefficients = _as_keys(updates[0]), updates[1]
-        if not (isinstance(coefficients, list) and all(isinstance(c, float) for c in coefficients)):
+        if not isinstance(coefficients, list):  # a list goes as it is (checked where it is rounded)
             coefficients = np.asarray(coefficients, np.float64).reshape(-1)
     else:
         updates = list(updates)
