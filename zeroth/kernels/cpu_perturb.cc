@@ -203,23 +203,53 @@ constexpr BinomialIndex MakeBinomialIndex() {
 
 constexpr BinomialIndex kBinomialIndex = MakeBinomialIndex();
 
-// up.table[c] = scale * (c - 8) for a popcount c in 0..16 (exact) is looked up by vpermt2ps,
-// which reads the low 5 bits of each 32-bit index.
-void BinomialGroups(float* buf, const LeafKey& key, const Update& up, uint32_t first_call, int64_t g0, int64_t g1) {
+inline __m512 AddFlush(__m512 p, __m512 delta) {
+  const __m512 y = _mm512_add_ps(p, delta);
+  return _mm512_mask_mov_ps(y, _mm512_fpclass_ps_mask(y, 0x24), _mm512_setzero_ps());
+}
+
+struct BinomialLookup {
+  __m512i i0, i1, i2, i3;  // kBinomialIndex
+};
+
+// One update of one group held in p[0..3]: p = flush(p + scale * (popcount - 8)) in element order.
+inline void BinomialUpdate(const LeafKey& key, v16u calls, __m512 t_lo, __m512 t_hi, const BinomialLookup& ix,
+                           __m512 (&p)[4]) {
+  v16u x0, x1;
+  Threefry(key, calls, x0, x1);
+  const __m512i c0 = Popcount16(AsM512i(x0)), c1 = Popcount16(AsM512i(x1));
+  p[0] = AddFlush(p[0], _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, ix.i0, c1), t_hi));
+  p[1] = AddFlush(p[1], _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, ix.i1, c1), t_hi));
+  p[2] = AddFlush(p[2], _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, ix.i2, c1), t_hi));
+  p[3] = AddFlush(p[3], _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, ix.i3, c1), t_hi));
+}
+
+// All K binomial updates on groups [g0, g1): a group's 64 elements stay in four registers through
+// its K updates (one load and one store per group, not per update, and no call per update: a small
+// leaf costs its arithmetic). up.table[c] = scale * (c - 8) for a popcount c in 0..16 (exact) is
+// looked up by vpermt2ps, which reads the low 5 bits of each 32-bit index. Key u is
+// (k0[u * stride], k1[u * stride]).
+void BinomialGroupsAll(float* buf, const Update* ups, const uint32_t* k0, const uint32_t* k1, int64_t stride,
+                       int64_t n_updates, uint32_t first_call, int64_t g0, int64_t g1) {
   const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const __m512 t_lo = _mm512_load_ps(up.table), t_hi = _mm512_load_ps(up.table + 16);
-  const __m512i i0 = _mm512_load_si512(kBinomialIndex.v[0]), i1 = _mm512_load_si512(kBinomialIndex.v[1]);
-  const __m512i i2 = _mm512_load_si512(kBinomialIndex.v[2]), i3 = _mm512_load_si512(kBinomialIndex.v[3]);
+  const BinomialLookup ix = {_mm512_load_si512(kBinomialIndex.v[0]), _mm512_load_si512(kBinomialIndex.v[1]),
+                             _mm512_load_si512(kBinomialIndex.v[2]), _mm512_load_si512(kBinomialIndex.v[3])};
+  if (n_updates == 0) return;
+  const LeafKey key0 = MakeKey(k0[0], k1[0]);
+  const __m512 t0_lo = _mm512_load_ps(ups[0].table), t0_hi = _mm512_load_ps(ups[0].table + 16);
   for (int64_t g = g0; g < g1; ++g) {
-    v16u calls = lane + (first_call + static_cast<uint32_t>(16 * g));
-    v16u x0, x1;
-    Threefry(key, calls, x0, x1);
-    const __m512i c0 = Popcount16(AsM512i(x0)), c1 = Popcount16(AsM512i(x1));
-    float* p = buf + 64 * g;
-    AddFlushStore(p, _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, i0, c1), t_hi));
-    AddFlushStore(p + 16, _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, i1, c1), t_hi));
-    AddFlushStore(p + 32, _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, i2, c1), t_hi));
-    AddFlushStore(p + 48, _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, i3, c1), t_hi));
+    float* q = buf + 64 * g;
+    __m512 p[4] = {_mm512_loadu_ps(q), _mm512_loadu_ps(q + 16), _mm512_loadu_ps(q + 32), _mm512_loadu_ps(q + 48)};
+    const v16u calls = lane + (first_call + static_cast<uint32_t>(16 * g));
+    BinomialUpdate(key0, calls, t0_lo, t0_hi, ix, p);  // update 0's key and table stay in registers
+    for (int64_t u = 1; u < n_updates; ++u) {
+      BinomialUpdate(MakeKey(k0[u * stride], k1[u * stride]), calls, _mm512_load_ps(ups[u].table),
+                     _mm512_load_ps(ups[u].table + 16), ix, p);
+    }
+    _mm512_storeu_ps(q, p[0]);
+    _mm512_storeu_ps(q + 16, p[1]);
+    _mm512_storeu_ps(q + 32, p[2]);
+    _mm512_storeu_ps(q + 48, p[3]);
   }
 }
 
@@ -457,6 +487,15 @@ void RunTiles(const Work& work, const Job& job, int64_t t0, int64_t t1) {
       if (pad1 > b1) std::memset(buf + b1, 0, sizeof(float) * (pad1 - b1));
       Io<T>::Load(in + (lo - lo_all), buf + b0, b1 - b0);
     }
+#if ZEROTH_AVX512
+    if (work.distribution == kBinomial) {
+      const size_t j = static_cast<size_t>(job.index);
+      BinomialGroupsAll(tile, work.updates.data(), work.k0.data() + j, work.k1.data() + j,
+                        static_cast<int64_t>(work.jobs.size()), n_updates, first_call, g0, g1);
+    } else {
+      for (int64_t u = 0; u < n_updates; ++u) RademacherGroups(tile, work.Key(job, u), work.updates[u], first_call, g0, g1);
+    }
+#else
     for (int64_t u = 0; u < n_updates; ++u) {
       if (work.distribution == kBinomial) {
         BinomialGroups(tile, work.Key(job, u), work.updates[u], first_call, g0, g1);
@@ -464,6 +503,7 @@ void RunTiles(const Work& work, const Job& job, int64_t t0, int64_t t1) {
         RademacherGroups(tile, work.Key(job, u), work.updates[u], first_call, g0, g1);
       }
     }
+#endif
     if (direct) {
       Io<float>::Store(tile, tile, kTile);
     } else {
