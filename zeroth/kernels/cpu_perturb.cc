@@ -23,10 +23,16 @@
 // a tile is read once, receives all K updates, and is written once. With AVX-512 (F, BW, DQ;
 // BITALG used when present) threefry runs 16 calls per register and the noise never leaves
 // registers: vpopcntw, a vpermt2w to put halves in element order and a vpermt2ps table lookup of
-// scale * (c - 8) for binomial; the 16-bit halves of the words used directly as blend masks for
-// Rademacher; vfpclassps for the flush. Elsewhere plain loops that the compiler vectorizes for
-// its target (the word stream of a tile into a small buffer, then an elementwise pass). Tiles
-// are split across XLA's CPU thread pool when the work is large enough.
+// scale * (c - 8) for binomial, each group of 64 elements held in registers through all K
+// updates; the 16-bit halves of the words used directly as blend masks for Rademacher;
+// vfpclassps for the flush. Elsewhere plain loops that the compiler vectorizes for its target
+// (the word stream of a tile into a small buffer, then an elementwise pass).
+//
+// A launch's host cost does not grow with its leaves: the leaf keys of all leaves and the K
+// scales' lookup tables are built once per launch into a few arrays (no allocation per leaf).
+// Small work runs on the calling thread; above kParallelWork element-updates the tiles are cut
+// into chunks of about equal work (many small leaves share one) that XLA's CPU thread pool and
+// the calling thread claim in order, and the launch completes when its last chunk does.
 
 #include <algorithm>
 #include <atomic>
