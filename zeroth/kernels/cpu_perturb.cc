@@ -417,16 +417,37 @@ inline int64_t TileBegin(const Job& job) { return static_cast<int64_t>(job.offse
 inline int64_t TileEnd(const Job& job) { return static_cast<int64_t>((job.offset + job.n + kTile - 1) / kTile); }
 
 // Everything a launch needs, built once per call: the jobs, the K updates (scale and lookup
-// table, shared by all jobs), every job's K leaf keys in two u32 arrays (update-major, so the
-// derivation of all leaf keys of one update is one vectorizable loop), and, when the launch is
-// split across threads, its chunks.
+// table, shared by all jobs), and every job's K leaf keys in two u32 arrays (update-major, so the
+// derivation of all leaf keys of one update is one vectorizable loop). Built in the calling
+// thread's scratch Work (Scratch), whose arrays keep their capacity from call to call: a launch
+// that runs on the calling thread allocates nothing.
 struct Work {
   int32_t distribution = kBinomial;
   std::vector<Update> updates;   // K
   std::vector<uint32_t> k0, k1;  // K * J leaf key words, [u * J + j]
   std::vector<Job> jobs;         // J
-  // A chunk is a run of consecutive items (a job's tiles [t0, t1)) holding about the same number
-  // of elements: many small leaves make one chunk, a large leaf several.
+
+  LeafKey Key(const Job& job, int64_t u) const {
+    const size_t i = static_cast<size_t>(u) * jobs.size() + static_cast<size_t>(job.index);
+    return MakeKey(k0[i], k1[i]);
+  }
+};
+
+// The calling thread's Work, emptied.
+Work& Scratch() {
+  thread_local Work work;
+  work.updates.clear();
+  work.k0.clear();
+  work.k1.clear();
+  work.jobs.clear();
+  return work;
+}
+
+// A launch split across threads (it owns its Work: a pool thread may still hold it after the call).
+// A chunk is a run of consecutive items (a job's tiles [t0, t1)) holding about the same number of
+// elements: many small leaves make one chunk, a large leaf several.
+struct Shared {
+  Work work;
   struct Item {
     int64_t job, t0, t1;
   };
@@ -434,11 +455,6 @@ struct Work {
   std::vector<int64_t> chunk_end;  // chunk c is items [chunk_end[c - 1] (0 for c = 0), chunk_end[c])
   std::atomic<int64_t> next{0};
   ffi::CountDownPromise done;  // counts finished chunks
-
-  LeafKey Key(const Job& job, int64_t u) const {
-    const size_t i = static_cast<size_t>(u) * jobs.size() + static_cast<size_t>(job.index);
-    return MakeKey(k0[i], k1[i]);
-  }
 
   // Claim chunks until none is left; whoever finishes the last chunk completes the launch, so a
   // thread that starts after all chunks were claimed is not waited for.
@@ -449,8 +465,8 @@ struct Work {
       if (c >= n) return;
       for (int64_t i = c == 0 ? 0 : chunk_end[c - 1]; i < chunk_end[c]; ++i) {
         const Item& it = items[i];
-        const Job& job = jobs[it.job];
-        job.fn(*this, job, it.t0, it.t1);
+        const Job& job = work.jobs[it.job];
+        job.fn(work, job, it.t0, it.t1);
       }
       done.CountDown();
     }
@@ -579,46 +595,49 @@ void DeriveLeafKeys(Work& work, const uint32_t* k, int64_t n_updates, const int6
 // One launch for every job: serial on the calling thread when the work is small (no scheduling
 // cost at all), else split across XLA's CPU thread pool in chunks claimed in order, so a thread
 // that starts late (a busy pool) takes less work, or none, instead of delaying the whole call.
-ffi::Future Launch(ffi::ThreadPool pool, std::shared_ptr<Work> work) {
+ffi::Future Launch(ffi::ThreadPool pool, Work& work) {
   int64_t total = 0;
-  for (const Job& job : work->jobs) total += job.n;
-  const int64_t n_updates = std::max<int64_t>(1, static_cast<int64_t>(work->updates.size()));
+  for (const Job& job : work.jobs) total += job.n;
+  const int64_t n_updates = std::max<int64_t>(1, static_cast<int64_t>(work.updates.size()));
   int64_t n_parts = 1;
   if (total * n_updates >= kParallelWork) {
     n_parts = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), (total + kTile - 1) / kTile);
   }
   if (n_parts <= 1) {
-    for (const Job& job : work->jobs) {
-      if (job.n > 0) job.fn(*work, job, TileBegin(job), TileEnd(job));
+    for (const Job& job : work.jobs) {
+      if (job.n > 0) job.fn(work, job, TileBegin(job), TileEnd(job));
     }
     return Done();
   }
+  auto shared = std::make_shared<Shared>();
+  shared->work = std::move(work);
   // Chunks of about total / (8 * n_parts) elements (at least a tile), cut at tile boundaries.
   const int64_t target = std::max<int64_t>(kTile, total / (8 * n_parts));
   const int64_t piece = std::max<int64_t>(1, target / kTile);
   int64_t held = 0;
-  for (size_t j = 0; j < work->jobs.size(); ++j) {
-    const Job& job = work->jobs[j];
+  const std::vector<Job>& jobs = shared->work.jobs;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const Job& job = jobs[j];
     if (job.n == 0) continue;
     const uint64_t lo = job.offset, hi = job.offset + static_cast<uint64_t>(job.n);
     for (int64_t t = TileBegin(job), end = TileEnd(job); t < end; t += piece) {
       const int64_t t1 = std::min(t + piece, end);
-      work->items.push_back({static_cast<int64_t>(j), t, t1});
+      shared->items.push_back({static_cast<int64_t>(j), t, t1});
       held += static_cast<int64_t>(std::min<uint64_t>(hi, static_cast<uint64_t>(t1) * kTile) -
                                    std::max<uint64_t>(lo, static_cast<uint64_t>(t) * kTile));
       if (held >= target) {
-        work->chunk_end.push_back(static_cast<int64_t>(work->items.size()));
+        shared->chunk_end.push_back(static_cast<int64_t>(shared->items.size()));
         held = 0;
       }
     }
   }
-  if (held > 0) work->chunk_end.push_back(static_cast<int64_t>(work->items.size()));
-  work->done = ffi::CountDownPromise(static_cast<int64_t>(work->chunk_end.size()));
-  ffi::Future future(work->done);
+  if (held > 0) shared->chunk_end.push_back(static_cast<int64_t>(shared->items.size()));
+  shared->done = ffi::CountDownPromise(static_cast<int64_t>(shared->chunk_end.size()));
+  ffi::Future future(shared->done);
   for (int64_t part = 1; part < n_parts; ++part) {
-    pool.Schedule([work]() { work->Loop(); });
+    pool.Schedule([shared]() { shared->Loop(); });
   }
-  work->Loop();
+  shared->Loop();
   return future;
 }
 
@@ -642,15 +661,15 @@ ffi::Future Perturb(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32
   const int64_t n_updates = static_cast<int64_t>(scales.element_count());
   if (static_cast<int64_t>(keys.element_count()) != 2 * n_updates)
     return Failed("zeroth_perturb: keys must be u32[K, 2] and scales f32[K]");
-  auto work = std::make_shared<Work>();
-  work->jobs.emplace_back();
-  Job& job = work->jobs.back();
+  Work& work = Scratch();
+  work.jobs.emplace_back();
+  Job& job = work.jobs.back();
   if (!CheckedJob(job, x, *out, offset))
     return Failed("zeroth_perturb: the output must have the input's dtype and size, global indices 32 bits");
   if (job.fn == nullptr) return Failed("zeroth_perturb: dtype must be float32, bfloat16 or float16");
-  SetUpdates(*work, distribution, scales.typed_data(), n_updates);
-  SetLeafKeys(*work, keys.typed_data(), n_updates);
-  return Launch(pool, std::move(work));
+  SetUpdates(work, distribution, scales.typed_data(), n_updates);
+  SetLeafKeys(work, keys.typed_data(), n_updates);
+  return Launch(pool, work);
 }
 
 // Every leaf of a replay in one launch: sample keys, scales, then the leaves; leaf i's keys are
@@ -664,21 +683,21 @@ ffi::Future PerturbTree(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::B
     return Failed("zeroth_perturb_tree: keys must be u32[K, 2] and scales f32[K]");
   if (leaves.size() != outs.size() || leaves.size() != leaf_ids.size())
     return Failed("zeroth_perturb_tree: one output and one leaf id per leaf");
-  auto work = std::make_shared<Work>();
-  work->jobs.resize(leaves.size());
+  Work& work = Scratch();
+  work.jobs.resize(leaves.size());
   for (size_t i = 0; i < leaves.size(); ++i) {
     auto x = leaves.get<ffi::AnyBuffer>(i);
     auto out = outs.get<ffi::AnyBuffer>(i);
     if (!x.has_value() || !out.has_value()) return Failed("zeroth_perturb_tree: a leaf is not a buffer");
-    Job& job = work->jobs[i];
+    Job& job = work.jobs[i];
     if (!CheckedJob(job, *x, **out, 0))
       return Failed("zeroth_perturb_tree: each output must have its leaf's dtype and size (< 2**32 elements)");
     if (job.fn == nullptr) return Failed("zeroth_perturb_tree: dtype must be float32, bfloat16 or float16");
     job.index = static_cast<int64_t>(i);
   }
-  SetUpdates(*work, distribution, scales.typed_data(), n_updates);
-  DeriveLeafKeys(*work, keys.typed_data(), n_updates, leaf_ids.begin(), static_cast<int64_t>(leaf_ids.size()));
-  return Launch(pool, std::move(work));
+  SetUpdates(work, distribution, scales.typed_data(), n_updates);
+  DeriveLeafKeys(work, keys.typed_data(), n_updates, leaf_ids.begin(), static_cast<int64_t>(leaf_ids.size()));
+  return Launch(pool, work);
 }
 
 // Every leaf of a flat parameter buffer (one dtype) in one launch: sample keys, scales, then the
@@ -709,10 +728,10 @@ ffi::Future PerturbFlat(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::B
   const char* in = static_cast<const char*>(x.untyped_data());
   char* dst = static_cast<char*>(out->untyped_data());
   if (in != dst && total > 0) std::memcpy(dst, in, static_cast<size_t>(total * itemsize));  // gaps keep their bits
-  auto work = std::make_shared<Work>();
-  work->jobs.resize(offsets.size());
+  Work& work = Scratch();
+  work.jobs.resize(offsets.size());
   for (size_t i = 0; i < offsets.size(); ++i) {
-    Job& job = work->jobs[i];
+    Job& job = work.jobs[i];
     job.in = dst + offsets[i] * itemsize;  // updated in place in the output (which holds the input's bits)
     job.out = dst + offsets[i] * itemsize;
     job.n = sizes[i];
@@ -720,9 +739,9 @@ ffi::Future PerturbFlat(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::B
     job.index = static_cast<int64_t>(i);
     job.fn = fn;
   }
-  SetUpdates(*work, distribution, scales.typed_data(), n_updates);
-  DeriveLeafKeys(*work, keys.typed_data(), n_updates, leaf_ids.begin(), static_cast<int64_t>(leaf_ids.size()));
-  return Launch(pool, std::move(work));
+  SetUpdates(work, distribution, scales.typed_data(), n_updates);
+  DeriveLeafKeys(work, keys.typed_data(), n_updates, leaf_ids.begin(), static_cast<int64_t>(leaf_ids.size()));
+  return Launch(pool, work);
 }
 
 // One slice of a leaf, its start given at run time (ZerothPerturbSlice): out = elements
@@ -744,9 +763,9 @@ ffi::Future PerturbSlice(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   if (first + m > x.element_count()) return Failed("zeroth_perturb_slice: the slice [start, start + size) leaves the leaf");
   if (offset < 0 || static_cast<uint64_t>(offset) + first + m > 0xFFFFFFFFull)
     return Failed("zeroth_perturb_slice: global indices must fit in 32 bits");
-  auto work = std::make_shared<Work>();
-  work->jobs.emplace_back();
-  Job& job = work->jobs.back();
+  Work& work = Scratch();
+  work.jobs.emplace_back();
+  Job& job = work.jobs.back();
   const size_t item = x.element_type() == ffi::F32 ? 4 : 2;
   job.in = static_cast<const char*>(x.untyped_data()) + item * first;
   job.out = out->untyped_data();
@@ -755,9 +774,9 @@ ffi::Future PerturbSlice(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   job.index = 0;
   job.fn = TileFnFor(x.element_type());
   if (job.fn == nullptr) return Failed("zeroth_perturb_slice: dtype must be float32, bfloat16 or float16");
-  SetUpdates(*work, distribution, scales.typed_data(), n_updates);
-  SetLeafKeys(*work, keys.typed_data(), n_updates);
-  return Launch(pool, std::move(work));
+  SetUpdates(work, distribution, scales.typed_data(), n_updates);
+  SetLeafKeys(work, keys.typed_data(), n_updates);
+  return Launch(pool, work);
 }
 
 }  // namespace
