@@ -54,7 +54,7 @@ def _reference(tree, updates, dist):
         treedef, [ref.replay_leaf(np.asarray(x), rng.leaf_path(p), updates, dist) for p, x in with_path])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flat_fn(layout, dist, donate, platform, blocks):
     """The jitted one-launch-per-buffer replay in interpret mode (keys and scales are arguments)."""
     tables = layout.tables()
