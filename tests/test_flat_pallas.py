@@ -181,12 +181,19 @@ def test_on_a_gpu_auto_takes_the_flat_kernel_for_every_k(monkeypatch):
     assert len(spy.grids) == 1
 
 
-@pytest.mark.parametrize("dist", ["binomial", "rademacher"])
-@pytest.mark.parametrize("blocks", [None, kp.BlockSizes(tile=8192, lanes=1024)])
-def test_flat_replay_lowers_to_one_triton_kernel_per_buffer(dist, blocks):
+@pytest.mark.parametrize(
+    "dist,blocks,step",
+    [
+        ("binomial", None, 7),  # leaves at odd offsets
+        ("rademacher", None, 7),
+        ("binomial", kp.BlockSizes(tile=8192, lanes=1024), 7),
+        ("rademacher", kp.BlockSizes(tile=8192, lanes=1024), 16),  # every offset a multiple of 16: aligned loads
+    ],
+)
+def test_flat_replay_lowers_to_one_triton_kernel_per_buffer(dist, blocks, step):
     """Exported for CUDA on this CPU machine: the whole Pallas -> Triton lowering runs, and the
     module holds exactly one Triton custom call per dtype buffer, for 50 leaves."""
-    tree = {f"l{i:02d}": jax.ShapeDtypeStruct((1000 + 7 * i,), jnp.bfloat16 if i % 4 else jnp.float32)
+    tree = {f"l{i:02d}": jax.ShapeDtypeStruct((1008 + step * i,), jnp.bfloat16 if i % 4 else jnp.float32)
             for i in range(50)}
     layout = replay.layout_of(tree)
     k = 3
@@ -212,6 +219,19 @@ def test_tpu_keeps_a_launch_per_segment(tpu_chip_info):
     args = ([jax.ShapeDtypeStruct((sum(sizes),), jnp.float32)], jax.ShapeDtypeStruct((2, 2), jnp.uint32),
             jax.ShapeDtypeStruct((2,), jnp.float32))
     assert kernel_launches(f, args, "tpu") == len(sizes)
+
+
+def test_plan_covers_each_segment_with_tiles_of_its_own():
+    segments = ((0, 0, 9), (16, 600, 1), (700, 5, 2), (720, 64, 3))
+    plan = kp.plan_flat_tiles(segments, "binomial", kp.BlockSizes(tile=256), "gpu")
+    assert (plan.width, plan.tile_rows, plan.grouped, plan.align) == (4, 64, True, 4)
+    assert plan.table.tolist() == [
+        [1, 16, 0, 256], [1, 272, 256, 256], [1, 528, 512, 88], [2, 700, 0, 5], [3, 720, 0, 64]]
+    # a buffer of small leaves gets a small tile (a power of two of rows on GPU), aligned starts a hint
+    small = kp.plan_flat_tiles(((0, 5, 1), (32, 20, 2)), "rademacher", kp.BlockSizes(tile=8192), "gpu")
+    assert (small.width, small.tile_rows, small.align, small.table.shape) == (64, 1, 16, (2, 4))
+    lanes = kp.plan_flat_tiles(((3, 300, 1),), "binomial", kp.BlockSizes(tile=1024, lanes=128), "cpu")
+    assert (lanes.width, lanes.tile_rows, lanes.grouped, lanes.align) == (128, 3, False, 1)
 
 
 def test_flat_kernel_errors_name_the_problem():

@@ -487,6 +487,7 @@ class FlatTilePlan(NamedTuple):
     grouped: bool  # one threefry call per row (hash broadcast along the row)
     tile_rows: int  # rows per tile
     table: np.ndarray  # int32[items, 4]: (segment, buffer_start, leaf_start, count) per grid step
+    align: int  # every buffer_start is a multiple of it (a power of two <= 16): Triton's load hint
 
     @property
     def tile(self) -> int:
@@ -529,17 +530,22 @@ def plan_flat_tiles(segments, distribution: str, blocks: BlockSizes, platform: s
         for start in range(0, z, tile)
     ]
     table = np.asarray(rows, np.int32).reshape(-1, 4)
-    return FlatTilePlan(width=width, grouped=grouped, tile_rows=tile_rows, table=table)
+    align = 16
+    while align > 1 and np.any(table[:, 1] % align):
+        align //= 2
+    return FlatTilePlan(width=width, grouped=grouped, tile_rows=tile_rows, table=table, align=align)
 
 
 def _flat_kernel(table_ref, keys_ref, scales_ref, x_ref, o_ref, *, distribution: str, n_updates: int,
-                 tile_rows: int, width: int, grouped: bool):
+                 tile_rows: int, width: int, grouped: bool, align: int):
     """One work item (a row of :attr:`FlatTilePlan.table`): a masked tile of one segment, loaded
     and stored by element index, its noise named by the element's index in its leaf."""
     from jax.experimental.pallas import triton as pltriton  # masked loads by index (Triton's)
 
     i = pl.program_id(0) * 4
     segment, buffer_start, leaf_start, count = (table_ref[i + c] for c in range(4))
+    if align > 1:  # known from the static table: lets Triton vectorise the loads and stores
+        buffer_start = pl.multiple_of(buffer_start, align)
     pos = (
         jax.lax.broadcasted_iota(jnp.int32, (tile_rows, width), 0) * width
         + jax.lax.broadcasted_iota(jnp.int32, (tile_rows, width), 1)
@@ -644,7 +650,7 @@ def perturb_pallas_flat(
     whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,))  # noqa: E731 (the kernel indexes it)
     kernel = functools.partial(
         _flat_kernel, distribution=distribution, n_updates=n_updates, tile_rows=plan.tile_rows,
-        width=plan.width, grouped=plan.grouped,
+        width=plan.width, grouped=plan.grouped, align=plan.align,
     )
     return pl.pallas_call(
         kernel,
