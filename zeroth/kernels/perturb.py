@@ -25,7 +25,8 @@ Entry points: :func:`perturb_leaf` (one array, leaf keys given), :func:`apply_up
 traceable, same arguments as :func:`zeroth.replay.apply_updates`),
 :func:`fused_apply_updates` (the host entry: jitted, optionally donating) and
 :func:`apply_updates_flat` (leaves laid out as segments of flat buffers, one launch per buffer:
-the op behind :class:`zeroth.replay.Flat`).
+the op behind :class:`zeroth.replay.Flat`; on GPU :func:`perturb_pallas_flat`, a grid over the
+tiles of every segment).
 
 Example:
   >>> import numpy as np, jax.numpy as jnp
