@@ -25,12 +25,22 @@ def tpu_chip_info(monkeypatch):
     monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind, lambda: info)
 
 
-def lowered_kernels(fn, args, platform: str) -> list[str]:
-    """Export ``fn(*args)`` for ``platform``; returns the kernel names in the module's custom calls."""
+def _lowered_text(fn, args, platform: str) -> str:
     target = _CUSTOM_CALLS[platform]
     exported = export.export(
         jax.jit(fn), platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.custom_call(target)]
     )(*args)
     text = exported.mlir_module()
     assert target.split("$")[-1] in text, f"no {target} custom call in the {platform} module"
-    return re.findall(r"zeroth_[a-z_]+", text)
+    return text
+
+
+def lowered_kernels(fn, args, platform: str) -> list[str]:
+    """Export ``fn(*args)`` for ``platform``; returns the kernel names in the module's custom calls."""
+    return re.findall(r"zeroth_[a-z_]+", _lowered_text(fn, args, platform))
+
+
+def kernel_launches(fn, args, platform: str) -> int:
+    """Export ``fn(*args)`` for ``platform``; returns how many Triton / Mosaic kernel custom calls
+    the module holds (one launch each)."""
+    return _lowered_text(fn, args, platform).count(f"stablehlo.custom_call @{_CUSTOM_CALLS[platform]}(")

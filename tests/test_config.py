@@ -189,6 +189,8 @@ def test_help_config_cli(capsys):
     assert main(["--help-config"]) == 0
     out = capsys.readouterr().out
     assert "train.n_perturbations" in out and "peers.join_at" in out and "perturbations per step" in out
+    marsit = out[out.index("A Marsit experiment"):]  # its own schema, required fields said so
+    assert "label (str, required)" in marsit and "sync.method (str, default \"psgd\") [choices: " in marsit and "sync.K " in marsit
 
 
 def test_config_choices_match_the_trainer_registries():

@@ -142,3 +142,14 @@ def test_results_written_before_the_metrics_schema_read_as_schema_rows(tmp_path)
     rec = compare.load_results(tmp_path / "r.json")["settings"]["fp32"]["records"][0]
     assert rec == {"kind": "train", "step": 1, "epoch": 0, "loss": 2.5, "step_time_s": 0.75, "links": [], "stages": []}
     assert compare.upgrade_record(rec) is rec  # a schema row is left as it is
+
+
+def test_a_stage_without_the_run_secret_refuses_to_start(tmp_path, monkeypatch, capsys):
+    from zeroth.pipeline import stage
+
+    for name in ("ZEROTH_SECRET", "ZEROTH_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    code = stage.main(["--config", str(tmp_path / "c.yaml"), "--stage", "1", "--out", str(tmp_path / "s"), "--listen", "127.0.0.1:0"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("zeroth stage 1: error: no run secret: set ZEROTH_SECRET") and "--insecure" in err, err
+    assert not (tmp_path / "s").exists()

@@ -155,3 +155,38 @@ def test_servicer_aborts_the_stream_on_a_bad_frame_over_grpc():
             assert "dtype 'bfloat16'" in e.value.details()
     finally:
         server.stop(0)
+
+
+def test_a_stage_serving_with_the_run_token_refuses_streams_without_it():
+    """A real server on 127.0.0.1 with the run's access token: a stream with no token or another
+    run's token is refused with UNAUTHENTICATED before any frame reaches the stage; ``connect``
+    with the token delivers the frame and gets the gradient back."""
+    from zeroth.transport import identity, security
+
+    token = identity.access_token(identity.new_secret())
+    inbox = queue.Queue()
+    down = pacing.Pacer(None)
+    servicer = link.LinkServicer(lambda t, j: _expected(t, j), iter([(2, 0), (2, 1)]), inbox, down)
+    server, port = link.serve(servicer, "127.0.0.1:0", token)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.PipelineLinkStub(ch)
+            other_run = security.token_metadata(identity.access_token(identity.new_secret()))
+            for metadata in (None, other_run):
+                with pytest.raises(grpc.RpcError) as e:
+                    list(stub.Link(iter([_frame(micro=0)]), timeout=20, metadata=metadata))
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+        assert inbox.empty() and not servicer.connected.is_set()
+
+        up, replies, readers = pacing.Pacer(None), queue.Queue(), []
+        channel = link.connect(f"127.0.0.1:{port}", up, replies, 20.0, readers, token)
+        up.submit(_frame(micro=0))
+        assert inbox.get(timeout=10).micro_batch == 0  # the frame went through the token check
+        down.submit(_frame(micro=0))
+        assert replies.get(timeout=10).micro_batch == 0
+        up.close()
+        down.close()
+        channel.close()
+    finally:
+        server.stop(0)
+    link.join_readers(readers)

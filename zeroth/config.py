@@ -943,15 +943,17 @@ def describe(cls=Config, prefix: str = "") -> str:
             lines.append(describe(inner, path))
             continue
         if f.default is not dataclasses.MISSING:
-            default = f.default
+            default = f"default {json.dumps(_plain(f.default))}"
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f"default {json.dumps(_plain(f.default_factory()))}"
         else:
-            default = f.default_factory()  # type: ignore[misc]
+            default = "required"
         choices = f.metadata.get("choices")
         extra = ""
         if choices is not None:
             extra = f" [choices: {', '.join(choices() if callable(choices) else choices)}]"
         lines.append(
-            f"  {path} ({_type_name(hints[f.name])}, default {json.dumps(_plain(default))}){extra}\n"
+            f"  {path} ({_type_name(hints[f.name])}, {default}){extra}\n"
             f"      {f.metadata.get('help', '')}"
         )
     return "\n".join(lines)

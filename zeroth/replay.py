@@ -23,7 +23,8 @@ A flat layout (:class:`Flat`, from :func:`flatten`) keeps the parameters in one 
 per dtype with a static :class:`Layout` (each leaf's path, id, shape, buffer and offset).
 :func:`replay` of a :class:`Flat` gives the bits of :func:`replay` of the tree (each leaf keeps
 its id, ``leaf_id(path)``, and its counters, its own flat index), through one kernel launch per
-buffer whatever the number of leaves, one compiled call per (layout, K, distribution); its host
+buffer whatever the number of leaves (the native kernel on CPU, one Triton kernel on GPU; on TPU
+a Pallas kernel per leaf), one compiled call per (layout, K, distribution); its host
 cost does not grow with the number of leaves. :func:`unflatten` gives the tree back (slices and
 reshapes; traceable, so a forward pass can take the flat buffers inside its ``jit``), and
 :func:`checksum` of a :class:`Flat` equals the checksum of its tree.

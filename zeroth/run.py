@@ -86,6 +86,9 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.help_config:
         print(_config.describe())
+        print("\nA Marsit experiment (a config with a top-level `runs:` list) has instead a base of the fields below "
+              "and `runs:`, a list of partial overrides of them, one per run (each entry needs its `label`):")
+        print(_config.describe(marsit.config.RunSpec))
         return 0
     if not args.config:
         print("zeroth run: error: CONFIG is required (or --help-config)", file=sys.stderr)

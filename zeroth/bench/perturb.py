@@ -28,7 +28,10 @@ updates through one native launch *per leaf* (the design before one launch per r
 of jax's own dispatch of the pytree (a donated jit that returns it unchanged), and the
 arithmetic floor: the flat replay of ONE leaf holding as many elements (``L * 64``; at 200
 leaves and K = 16 that is 204,800 element-updates, no longer negligible), so that
-``flat - one leaf`` is what the number of leaves costs.
+``flat - one leaf`` is what the number of leaves costs. The pytree and flat rows also give the
+kernels one call launches (``kernel_launches``: custom calls and XLA fusions of the compiled
+program, counted on the device the arrays live on: one per dtype buffer for the flat layout on
+CPU and GPU).
 
 Example:
   $ zeroth bench perturb --size 4194304 --repeats 3
@@ -48,7 +51,7 @@ import numpy as np
 from zeroth import noise, replay, rng
 from zeroth.bench import _common
 
-__all__ = ["main", "run", "run_overhead"]
+__all__ = ["main", "run", "run_overhead", "kernel_launches"]
 
 TARGETS = {
     "binomial_over_torch": (">=", 3.0),
@@ -278,6 +281,26 @@ def _per_leaf_native(params, keys, scales):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def kernel_launches(fn: Callable, *args) -> int:
+    """Kernels one call of ``jax.jit(fn, donate_argnums=0)(*args)`` launches: the custom calls
+    (zeroth's native or Pallas kernels) and XLA fusions of its compiled program."""
+    text = jax.jit(fn, donate_argnums=0).lower(*args).compile().as_text()
+    return sum(line.count(" custom-call(") + line.count(" fusion(") for line in text.splitlines())
+
+
+def _launch_counts(params, keys, scales) -> dict[str, int]:
+    """:func:`kernel_launches` of the replay of ``params`` as a pytree and in the flat layout (donated)."""
+    from zeroth.kernels import perturb as kp
+
+    flat = replay.flatten(params)
+    tables = flat.layout.tables()
+    return {
+        "replay (pytree)": kernel_launches(lambda p, k, s: kp.apply_updates(p, k, s, inplace=True), params, keys, scales),
+        "replay (flat layout)": kernel_launches(
+            lambda b, k, s: kp.apply_updates_flat(b, k, s, tables, inplace=True), flat.buffers, keys, scales),
+    }
+
+
 def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ...] = OVERHEAD_KS, repeats: int = 5,
                  warmup: int = 1) -> dict:
     """Host overhead of a replay call (see the module docstring); ``{"rows", "environment", ...}``.
@@ -289,6 +312,7 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
 
     spec: dict[str, tuple[int, int, str, Callable[[], None]]] = {}
     same_bits: dict[str, bool] = {}  # checksum of the flat replay == checksum of the pytree replay
+    launches: dict[tuple[int, int, str], int] = {}  # kernels per call (compiled program), by row
     for n_leaves in leaves:
         for k in ks:
             params = {f"leaf{i:03d}": jnp.zeros(64, jnp.float32) for i in range(n_leaves)}
@@ -307,6 +331,8 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
                 return call
 
             step = lambda p, keys=keys, c=coefficients: replay.replay(p, (keys, c), donate=True)  # noqa: E731
+            for what, count in _launch_counts(params, keys, scales).items():
+                launches[(n_leaves, k, what)] = count
             tree_digest = replay.checksum(step(jax.tree_util.tree_map(jnp.copy, params)))
             same_bits[f"L{n_leaves}_K{k}"] = tree_digest == replay.checksum(step(replay.flatten(params)))
             rows = {
@@ -330,6 +356,7 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
             "name": what, "leaves": n_leaves, "updates": k,
             "us_per_call_min": 1e6 * t.min_s / _CALLS_PER_TIMING,
             "us_per_call_median": 1e6 * t.median_s / _CALLS_PER_TIMING,
+            "kernel_launches": launches.get((n_leaves, k, what)),
         })
     verdicts = {
         f"{prefix}_L{r['leaves']}_K{r['updates']}_us": r["us_per_call_min"]
@@ -345,6 +372,10 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
         "rows": rows,
         "replay_us": verdicts,
         "flat_bits_match_pytree": same_bits,
+        "kernel_launches": {
+            f"{prefix}_L{n}_K{k}": count for (n, k, what), count in launches.items()
+            for prefix, row in (("replay", "replay (pytree)"), ("flat", "replay (flat layout)")) if what == row
+        },
         "target": f"<= {OVERHEAD_TARGET_US:g} us per call",
         "met": {name: us <= OVERHEAD_TARGET_US for name, us in verdicts.items()},
     }
@@ -355,10 +386,11 @@ def _render_overhead(result: dict) -> None:
     print(f"zeroth bench perturb --overhead: leaves of {result['leaf_elements']} float32, donated, "
           f"{result['calls_per_timing']} calls per timing, best of {result['repeats']} "
           f"({env['processor']}, {env['cpu_count']} CPUs, jax {env['jax']} {env['backend']})")
-    table = [{**r, "best": f"{r['us_per_call_min']:.0f} us", "median": f"{r['us_per_call_median']:.0f} us"}
+    table = [{**r, "best": f"{r['us_per_call_min']:.0f} us", "median": f"{r['us_per_call_median']:.0f} us",
+              "launches": "" if r["kernel_launches"] is None else str(r["kernel_launches"])}
              for r in result["rows"]]
     _common.print_table([("name", "row"), ("leaves", "leaves"), ("updates", "K"), ("best", "per call"),
-                         ("median", "median")], table)
+                         ("median", "median"), ("launches", "kernels per call")], table)
     print()
     for name, us in result["replay_us"].items():
         print(f"  {name:<24} {us:8.0f} us   (target {result['target']}: {'met' if result['met'][name] else 'MISSED'})")

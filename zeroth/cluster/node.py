@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -164,12 +163,7 @@ def main(argv: list[str]) -> int:
         cfg = _config.load_config(args.config, args.overrides)
         if cfg.ravnest is None:
             raise ValueError(f"config {args.config} has no ravnest: section")
-        token = None
-        if not args.insecure:
-            secret = next((os.environ[k] for k in identity.SECRET_ENV if os.environ.get(k)), None)
-            if secret is None:
-                raise ValueError(f"no run secret: set {identity.SECRET_ENV[0]} (the same on every node) or pass --insecure")
-            token = identity.access_token(secret)
+        token = identity.token_from_env(args.insecure)
         out = Path(args.out)
         addresses = Path(args.addresses) if args.addresses else out.parent / "addresses"
         run_node_process(cfg, args.name, out, addresses, args.listen, token, progress=not args.quiet)

@@ -25,7 +25,8 @@ Entry points: :func:`perturb_leaf` (one array, leaf keys given), :func:`apply_up
 traceable, same arguments as :func:`zeroth.replay.apply_updates`),
 :func:`fused_apply_updates` (the host entry: jitted, optionally donating) and
 :func:`apply_updates_flat` (leaves laid out as segments of flat buffers, one launch per buffer:
-the op behind :class:`zeroth.replay.Flat`).
+the op behind :class:`zeroth.replay.Flat`; on GPU :func:`perturb_pallas_flat`, a grid over the
+tiles of every segment).
 
 Example:
   >>> import numpy as np, jax.numpy as jnp
@@ -66,6 +67,9 @@ __all__ = [
     "leaf_keys",
     "perturb_reference",
     "perturb_pallas",
+    "FlatTilePlan",
+    "plan_flat_tiles",
+    "perturb_pallas_flat",
     "perturb_native",
     "perturb_native_tree",
     "perturb_native_flat",
@@ -462,6 +466,204 @@ def perturb_pallas(
         tail = perturb_reference(flat[plan.head :], keys, scales, distribution=distribution, offset=offset + plan.head)
         out = jnp.concatenate([head, tail])
     return out.reshape(x.shape)
+
+
+# --------------------------------------------------------------------------- Pallas kernel over a flat buffer
+
+
+class FlatTilePlan(NamedTuple):
+    """How :func:`perturb_pallas_flat` covers every segment of one flat buffer in **one launch**.
+
+    The grid runs over work items; item ``i`` is one tile of one segment, described by row ``i``
+    of ``table``: ``(segment, buffer_start, leaf_start, count)``. It updates the ``count <=
+    tile_rows * width`` elements ``buffer[buffer_start : buffer_start + count]``, which are
+    elements ``[leaf_start, leaf_start + count)`` of segment ``segment``'s leaf (its noise
+    counters), with that segment's leaf keys. ``leaf_start`` is a multiple of the tile, so a
+    grouped row (one threefry call) never straddles two calls, wherever the segment starts in the
+    buffer; the tile is loaded and stored element-wise under a mask (``count`` may be short), so
+    no element outside the segment is read into the update or written.
+    """
+
+    width: int  # elements per row
+    grouped: bool  # one threefry call per row (hash broadcast along the row)
+    tile_rows: int  # rows per tile
+    table: np.ndarray  # int32[items, 4]: (segment, buffer_start, leaf_start, count) per grid step
+    align: int  # every buffer_start is a multiple of it (a power of two <= 16): Triton's load hint
+
+    @property
+    def tile(self) -> int:
+        return self.tile_rows * self.width
+
+
+# Element indices of the flat kernel are int32 (Triton's 32-bit pointer offsets).
+_FLAT_MAX_ELEMENTS = 2**31 - 1
+
+
+def plan_flat_tiles(segments, distribution: str, blocks: BlockSizes, platform: str) -> FlatTilePlan:
+    """The work items of :func:`perturb_pallas_flat` (see :class:`FlatTilePlan`).
+
+    ``blocks`` is checked for ``platform`` (:func:`check_block_sizes`); the tile shrinks to the
+    largest segment (rows per tile stay a power of two on GPU), so a buffer of small leaves does
+    not run a large tile per leaf. Segments of size 0 get no work item.
+
+    Args:
+      segments: ``(offset, size, leaf_id)`` int triples (checked: inside the buffer, not overlapping).
+      distribution: ``"binomial"`` or ``"rademacher"``.
+      blocks: the tiling; ``lanes=None`` gives grouped rows of one threefry call each.
+      platform: ``"gpu"`` or an interpret-mode platform (``"cpu"``); TPU has no flat kernel.
+    """
+    platform = _rule.platform_name(platform)
+    if platform == "tpu":
+        raise ValueError("the flat Pallas kernel loads elements by index (Triton); on TPU the segments go one by one")
+    check_block_sizes(blocks, platform, distribution)
+    per_call = _PER_CALL[distribution]
+    grouped = blocks.lanes is None
+    width = per_call if grouped else blocks.lanes
+    tile_rows = max(1, blocks.tile // width)
+    longest = max((int(z) for _, z, _ in segments), default=0)
+    needed = max(1, -(-longest // width))
+    if needed < tile_rows:
+        tile_rows = pl.next_power_of_2(needed) if platform == "gpu" else needed
+    tile = tile_rows * width
+    rows = [
+        (j, o + start, start, min(tile, z - start))
+        for j, (o, z, _) in enumerate(segments)
+        for start in range(0, z, tile)
+    ]
+    table = np.asarray(rows, np.int32).reshape(-1, 4)
+    align = 16
+    while align > 1 and np.any(table[:, 1] % align):
+        align //= 2
+    return FlatTilePlan(width=width, grouped=grouped, tile_rows=tile_rows, table=table, align=align)
+
+
+def _flat_kernel(table_ref, keys_ref, scales_ref, x_ref, o_ref, *, distribution: str, n_updates: int,
+                 tile_rows: int, width: int, grouped: bool, align: int):
+    """One work item (a row of :attr:`FlatTilePlan.table`): a masked tile of one segment, loaded
+    and stored by element index, its noise named by the element's index in its leaf."""
+    from jax.experimental.pallas import triton as pltriton  # masked loads by index (Triton's)
+
+    i = pl.program_id(0) * 4
+    segment, buffer_start, leaf_start, count = (table_ref[i + c] for c in range(4))
+    if align > 1:  # known from the static table: lets Triton vectorise the loads and stores
+        buffer_start = pl.multiple_of(buffer_start, align)
+    pos = (
+        jax.lax.broadcasted_iota(jnp.int32, (tile_rows, width), 0) * width
+        + jax.lax.broadcasted_iota(jnp.int32, (tile_rows, width), 1)
+    )
+    mask = pos < count
+    where = buffer_start + pos
+    log2 = _LOG2_PER_CALL[distribution]
+    base = leaf_start.astype(jnp.uint32)
+    if grouped:  # leaf_start is a multiple of the tile: row r is call (leaf_start >> log2) + r
+        call = (base >> log2) + jax.lax.broadcasted_iota(jnp.uint32, (tile_rows, 1), 0)
+        within = jax.lax.broadcasted_iota(jnp.uint32, (1, width), 1)
+    else:
+        idx = base + pos.astype(jnp.uint32)
+        call = idx >> log2
+        within = idx & jnp.uint32(_PER_CALL[distribution] - 1)
+    x = pltriton.load(x_ref.at[where], mask=mask, other=0)
+    p32 = _rule.flush(x.astype(jnp.float32))
+    first_key = segment * (2 * n_updates)
+
+    def body(u, p):
+        k = first_key + 2 * u
+        return _update_block(p, call, within, keys_ref[k], keys_ref[k + 1], scales_ref[u], distribution)
+
+    if n_updates:
+        p32 = jax.lax.fori_loop(0, n_updates, body, p32)
+    pltriton.store(o_ref.at[where], _rule.flush_cast(p32, o_ref.dtype), mask=mask)
+
+
+def perturb_pallas_flat(
+    buffer,
+    segment_keys,
+    scales,
+    segments,
+    *,
+    distribution: str = "binomial",
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+    inplace: bool = False,
+    platform: str | None = None,
+) -> jax.Array:
+    """The Pallas kernel on every segment of one flat buffer in **one launch** (one
+    ``pallas_call``, one Triton kernel on GPU), whatever the number of segments.
+
+    Segment ``j = (offset, size, leaf_id)`` is a whole leaf stored at ``buffer[offset : offset +
+    size]``; its element ``i`` gets the noise of counter ``i`` under the leaf keys
+    ``segment_keys[j]``. The grid runs over the tiles of every segment (:func:`plan_flat_tiles`),
+    each loading and storing its elements by index under a mask, so segments need no alignment
+    and ragged ends need no second pass. Same bits as :func:`perturb_pallas` on each leaf;
+    elements outside every segment keep their bits.
+
+    Args:
+      buffer: a 1-D f32 / bf16 / f16 array of fewer than 2**31 elements.
+      segment_keys: ``u32[S, K, 2]`` leaf keys of the S segments (:func:`leaf_keys` of the sample
+        keys and each segment's leaf id, derived once per call).
+      scales: ``f32[K]`` host-rounded scales.
+      segments: ``(offset, size, leaf_id)`` int triples (static; not overlapping).
+      distribution: ``"binomial"`` or ``"rademacher"``.
+      block_sizes: tiles (:func:`default_block_sizes` when None), checked for ``platform``.
+      interpret: run in Pallas interpret mode (CPU tests).
+      inplace: alias the output to ``buffer`` (under ``jit`` with the buffer donated: no copy).
+        Without it, a buffer whose segments leave gaps is aliased all the same (XLA copies it
+        first), so the gaps keep their bits.
+      platform: ``"gpu"`` (Triton) or, in interpret mode, any platform but ``"tpu"``.
+
+    Returns:
+      The updated buffer (same shape and dtype).
+    """
+    _noise.check_distribution(distribution)
+    buffer = jnp.asarray(buffer)
+    _rule.check_dtype(buffer.dtype, "flat buffer")
+    if buffer.ndim != 1:
+        raise ValueError(f"the flat buffer must be 1-D, got shape {buffer.shape}")
+    n = buffer.shape[0]
+    if n > _FLAT_MAX_ELEMENTS:
+        raise ValueError(f"the flat Pallas kernel takes buffers of at most {_FLAT_MAX_ELEMENTS} elements, got {n}")
+    segments = _check_segments(segments, n, "perturb_pallas_flat")
+    segment_keys = jnp.asarray(segment_keys)
+    scales = jnp.asarray(scales)
+    n_updates = scales.shape[0] if scales.ndim == 1 else -1
+    if scales.dtype != jnp.float32 or n_updates < 0:
+        raise ValueError(f"scales must be f32[K], got dtype {scales.dtype} shape {scales.shape}")
+    if segment_keys.dtype != jnp.uint32 or segment_keys.shape != (len(segments), n_updates, 2):
+        raise ValueError(
+            f"segment keys must be u32[{len(segments)}, {n_updates}, 2] (segments, updates, key words), "
+            f"got dtype {segment_keys.dtype} shape {segment_keys.shape}"
+        )
+    platform = (_rule.default_platform() if platform is None else _rule.platform_name(platform))
+    if platform == "cpu" and not interpret:
+        raise ValueError(
+            "the Pallas kernel runs on CPU only in interpret mode (tests): pass interpret=True, "
+            "or use impl='native' or impl='jnp' on CPU"
+        )
+    blocks = default_block_sizes(platform) if block_sizes is None else block_sizes
+    plan = plan_flat_tiles(segments, distribution, blocks, platform)
+    if plan.table.shape[0] == 0:
+        return buffer
+    covered = sum(z for _, z, _ in segments) == n  # segments do not overlap: they cover every element
+    # Zero-size operands are padded to one element (never read: no key or scale is read when K = 0).
+    keys_flat = jnp.pad(segment_keys.reshape(-1), (0, 0 if n_updates else 2))
+    scales = jnp.pad(scales, (0, 0 if n_updates else 1))
+    table = jnp.asarray(plan.table.reshape(-1))
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,))  # noqa: E731 (the kernel indexes it)
+    kernel = functools.partial(
+        _flat_kernel, distribution=distribution, n_updates=n_updates, tile_rows=plan.tile_rows,
+        width=plan.width, grouped=plan.grouped, align=plan.align,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+        grid=(plan.table.shape[0],),
+        in_specs=[whole(table), whole(keys_flat), whole(scales), whole(buffer)],
+        out_specs=whole(buffer),
+        input_output_aliases={3: 0} if inplace or not covered else {},
+        interpret=interpret,
+        compiler_params=triton_params() if platform == "gpu" and not interpret else None,
+        name="zeroth_fused_replay_flat",
+    )(table, keys_flat, scales, buffer)
 
 
 # --------------------------------------------------------------------------- native CPU kernel
@@ -903,10 +1105,13 @@ def apply_updates_flat(
         leaf with id ``leaf_id`` is ``buffer[offset : offset + size]`` flattened row-major, and
         its noise counter ``i`` is its own flat index (0 at ``offset``).
       distribution, impl, inplace, block_sizes, interpret, platform: see :func:`apply_updates`.
-        The native CPU kernel takes each buffer in **one launch** whatever its number of
-        segments (:func:`perturb_native_flat`); the Pallas and jnp paths update each segment
-        (:func:`perturb_leaf` on its slice, its leaf keys derived for all segments at once) and
-        write it back in place. Elements outside every segment keep their bits.
+        Each buffer is **one launch** whatever its number of segments on CPU (the native
+        kernel, :func:`perturb_native_flat`) and on GPU (one Triton kernel over the tiles of
+        every segment, :func:`perturb_pallas_flat`; ``impl="auto"`` takes it for every K, since
+        the jnp rule would launch one fusion per segment); the leaf keys of every segment of
+        every buffer are derived once per call. On TPU (Mosaic has no loads by element index)
+        and on the jnp path each segment is updated on its slice (:func:`perturb_leaf`) and
+        written back in place. Elements outside every segment keep their bits.
 
     Returns:
       The updated buffers (same shapes and dtypes).
@@ -939,19 +1144,28 @@ def _all_leaf_keys(keys, ids: list[int]) -> jax.Array:
 
 def _apply_flat(buffers, keys, scales, *, segments, distribution, impl, inplace, block_sizes, interpret, platform):
     """The updated ``buffers`` with the implementation for ``platform`` (see :func:`apply_updates_flat`)."""
-    impl = resolve_impl(impl, platform, keys.shape[0])
+    platform = _rule.default_platform() if platform is None else _rule.platform_name(platform)
+    # On GPU the flat kernel is one launch for every K; the jnp rule would be one fusion per segment.
+    impl = resolve_impl(impl, platform, None if platform == "gpu" else keys.shape[0])
     if impl == "native":  # one launch per buffer, leaf keys derived inside the kernel
         return [
             perturb_native_flat(b, keys, scales, seg, distribution=distribution, inplace=inplace)
             for b, seg in zip(buffers, segments)
         ]
-    out = []
+    ids = [lid for seg in segments for _, _, lid in seg]
+    all_keys = _all_leaf_keys(keys, ids) if ids else None  # every segment's leaf keys, once per call
+    out, first = [], 0
     for b, seg in zip(buffers, segments):
-        if seg:
-            all_keys = _all_leaf_keys(keys, [lid for _, _, lid in seg])
-        for j, (o, z, _) in enumerate(seg):
+        seg_keys, first = (all_keys[first : first + len(seg)] if seg else None), first + len(seg)
+        if impl == "pallas" and platform != "tpu" and b.shape[0] <= _FLAT_MAX_ELEMENTS:
+            out.append(b if not seg else perturb_pallas_flat(
+                b, seg_keys, scales, seg, distribution=distribution, block_sizes=block_sizes, interpret=interpret,
+                inplace=inplace, platform=platform,
+            ))
+            continue
+        for j, (o, z, _) in enumerate(seg):  # TPU, the jnp rule: segment by segment, written back in place
             new = perturb_leaf(
-                jax.lax.slice(b, (o,), (o + z,)), all_keys[j], scales, distribution=distribution, impl=impl,
+                jax.lax.slice(b, (o,), (o + z,)), seg_keys[j], scales, distribution=distribution, impl=impl,
                 block_sizes=block_sizes, interpret=interpret, platform=platform,
             )
             b = jax.lax.dynamic_update_slice(b, new, (o,))

@@ -29,7 +29,7 @@ from zeroth.pipeline import sim
 from zeroth.train import interrupt
 from zeroth.train.metrics import MetricsWriter, read_metrics
 from zeroth.train.metrics import clear as clear_metrics
-from zeroth.transport import processes
+from zeroth.transport import identity, processes
 
 __all__ = ["common_step", "merge_records", "read_records", "run_config", "stage_dir", "start_stages", "wait_stages"]
 
@@ -50,9 +50,16 @@ def common_step(out: Path, stages: int) -> int | None:
 
 
 def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = None, quiet: bool = True,
-                 env: dict | None = None) -> list[subprocess.Popen]:
-    """Start one ``zeroth stage`` process per stage (last first); returns them in stage order."""
+                 env: dict | None = None, insecure: bool = False) -> list[subprocess.Popen]:
+    """Start one ``zeroth stage`` process per stage (last first); returns them in stage order.
+
+    The stages share a fresh run secret (in their environment), so every link carries its access
+    token and a process without it cannot feed or read a stage; ``insecure`` starts them without.
+    """
     out = Path(out)
+    env = dict(os.environ if env is None else env)
+    if not insecure:
+        env[identity.SECRET_ENV[0]] = identity.new_secret()
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.yaml"
     cfg_path.write_text(_config.to_yaml(cfg))
@@ -73,8 +80,10 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
             cmd += ["--resume-step", str(resume_step)]
         if quiet:
             cmd += ["--quiet"]
+        if insecure:
+            cmd += ["--insecure"]
         log = open(d / "stage.log", "a")  # noqa: SIM115 (closed with the process)
-        procs[i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env or os.environ.copy())
+        procs[i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
     return [procs[i] for i in range(p.stages)]
 

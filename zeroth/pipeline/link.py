@@ -26,6 +26,7 @@ import grpc
 
 from zeroth.pipeline import wire
 from zeroth.pipeline.proto import pipeline_pb2_grpc as pb_grpc
+from zeroth.transport import security
 from zeroth.transport.pacing import END, Pacer
 
 __all__ = [
@@ -99,11 +100,17 @@ class LinkServicer(pb_grpc.PipelineLinkServicer):
             self.done.set()
 
 
-def serve(servicer: LinkServicer, listen: str) -> tuple[grpc.Server, int]:
-    """Start a gRPC server for ``servicer`` on ``listen`` (``HOST:PORT``, port 0 = any); returns it and its port."""
+def serve(servicer: LinkServicer, listen: str, token: str | None = None) -> tuple[grpc.Server, int]:
+    """Start a gRPC server for ``servicer`` on ``listen`` (``HOST:PORT``, port 0 = any); returns it and its port.
+
+    With ``token`` (the run's access token, :func:`zeroth.transport.identity.access_token`), a
+    stream that does not carry it is refused with ``UNAUTHENTICATED`` before the servicer sees it
+    (:class:`zeroth.transport.security.TokenInterceptor`).
+    """
     from concurrent import futures
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    interceptors = [security.TokenInterceptor(token)] if token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS, interceptors=interceptors)
     pb_grpc.add_PipelineLinkServicer_to_server(servicer, server)
     port = server.add_insecure_port(listen)
     if port == 0:
@@ -113,8 +120,11 @@ def serve(servicer: LinkServicer, listen: str) -> tuple[grpc.Server, int]:
 
 
 def connect(address: str, pacer: Pacer, inbox: queue.Queue, timeout_s: float,
-            readers: list[threading.Thread] | None = None) -> grpc.Channel:
+            readers: list[threading.Thread] | None = None, token: str | None = None) -> grpc.Channel:
     """Open the stream to the downstream stage at ``address``: ``pacer``'s frames go out, gradients land in ``inbox``.
+
+    ``token``: the run's access token, sent with the stream (a stage serving with a token refuses a
+    stream without it: the reader then puts a :class:`LinkClosed` naming ``UNAUTHENTICATED``).
 
     The thread reading the responses is appended to ``readers`` when given: a process should join
     it (:func:`join_readers`) after closing the channel and before it exits, since a daemon thread
@@ -129,7 +139,7 @@ def connect(address: str, pacer: Pacer, inbox: queue.Queue, timeout_s: float,
     except grpc.FutureTimeoutError:
         channel.close()
         raise LinkClosed(f"the next stage at {address} did not answer within {timeout_s:g}s") from None
-    responses = pb_grpc.PipelineLinkStub(channel).Link(pacer.frames())
+    responses = pb_grpc.PipelineLinkStub(channel).Link(pacer.frames(), metadata=security.token_metadata(token))
 
     def read():
         try:

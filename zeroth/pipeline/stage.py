@@ -1,12 +1,15 @@
 """``zeroth stage``: run one pipeline stage (one per machine, or several on one machine).
 
   zeroth stage --config CONFIG --stage I --out DIR [--listen HOST:PORT] [--next HOST:PORT]
-               [--set SECTION.FIELD=VALUE ...] [--resume-step N] [--quiet]
+               [--set SECTION.FIELD=VALUE ...] [--resume-step N] [--quiet] [--insecure]
 
 Stage ``I`` of ``pipeline.stages``: every stage but the first listens (``--listen``; port 0 = any
 free port, the bound address is written to ``DIR/address``); every stage but the last connects to
 the next one (``--next``; ``@FILE`` = the address written in FILE, waited for). All stages must
-use the same config: frames carry the run id derived from it.
+use the same config: frames carry the run id derived from it. Every link carries the access
+token of the run secret in ``ZEROTH_SECRET`` (the same on every stage; :func:`zeroth.transport.identity.access_token`),
+and a stage refuses a stream without it (``UNAUTHENTICATED``); ``--insecure`` (loopback
+experiments only) runs without. ``zeroth run`` makes a fresh secret for its stages.
 
 The stage writes into ``DIR``: ``metrics.jsonl`` (one ``train`` row of the metrics schema per
 step, :func:`stage_record`: loss on the last stage, bytes and frames it sent per link, seconds in
@@ -53,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
     p.add_argument("--resume-step", type=int, default=None, help="restore this checkpoint step (with its buffers) and continue")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--insecure", action="store_true", help="no access token on the links (loopback experiments only)")
     return p
 
 
@@ -168,8 +172,11 @@ def stage_record(index: int, step: int, *, loss: float | None, lr: float, sent: 
 
 
 def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | None, resume_step: int | None = None,
-              progress: bool = False, stop=None) -> dict:
+              progress: bool = False, stop=None, token: str | None = None) -> dict:
     """Run stage ``index`` of the pipeline of ``cfg`` to ``train.steps``; returns its summary.
+
+    ``token``: the run's access token, required of the stream this stage serves and sent on the
+    one it opens (None: links without one).
 
     ``stop`` (called at step boundaries) asks the pipeline to stop (see the module docstring);
     the summary then says ``"interrupted": true`` and ``steps_done``, and the checkpoint of that
@@ -222,13 +229,13 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
             return engine.expected("activation", j, ids)._replace(step=t)
 
         servicer = link.LinkServicer(expect, schedule, fw_inbox, bw_pacer)
-        server, port = link.serve(servicer, listen)
+        server, port = link.serve(servicer, listen, token)
         host = listen.rsplit(":", 1)[0]
         tmp = out / "address.tmp"
         tmp.write_text(f"{host}:{port}\n")
         os.replace(tmp, out / "address")
     if index < S - 1:
-        channel = link.connect(_resolve(next_addr, p.timeout_s), fw_pacer, bw_inbox, p.timeout_s, readers)
+        channel = link.connect(_resolve(next_addr, p.timeout_s), fw_pacer, bw_inbox, p.timeout_s, readers, token)
     t_run = time.time()
     t_wall = time.perf_counter() - wall0
     writer = MetricsWriter(metrics, tensorboard=cfg.run.tensorboard, resumed_after=resume_step)
@@ -321,15 +328,17 @@ def main(argv: list[str]) -> int:
     from zeroth.pipeline import link
     from zeroth.train import interrupt
     from zeroth.train.checkpoint import CheckpointError
+    from zeroth.transport import identity
 
     out = Path(args.out)
     try:
         with interrupt.catch() as flag:
+            token = identity.token_from_env(args.insecure)
             cfg = _config.load_config(args.config, args.overrides)
             if cfg.pipeline is None:
                 raise ValueError(f"config {args.config} has no pipeline: section")
             summary = run_stage(cfg, args.stage, out, args.listen, args.next, args.resume_step, progress=not args.quiet,
-                                stop=lambda: flag.is_set() or (out / "stop").exists())
+                                stop=lambda: flag.is_set() or (out / "stop").exists(), token=token)
         if summary["interrupted"]:
             why = flag.signal_name() if flag.is_set() else f"{out / 'stop'}"
             print(f"zeroth stage {args.stage}: stopped by {why} after step {summary['steps_done']}; checkpoint saved in "

@@ -52,6 +52,7 @@ __all__ = [
     "Identity",
     "new_secret",
     "access_token",
+    "token_from_env",
     "join_proof",
     "check_join_proof",
     "verify",
@@ -96,6 +97,22 @@ def verify(public_key: bytes, data: bytes, signature: bytes) -> bool:
 def new_secret() -> str:
     """A fresh run secret: 32 random bytes as 64 hex characters."""
     return secrets.token_hex(32)
+
+
+def token_from_env(insecure: bool, environ=None) -> str | None:
+    """The access token of the run secret in the environment (:data:`SECRET_ENV`), or None with ``insecure``.
+
+    Raises:
+      ValueError: no secret is set and ``insecure`` is false (the message says what to set).
+    """
+    if insecure:
+        return None
+    environ = os.environ if environ is None else environ
+    secret = next((environ[k] for k in SECRET_ENV if environ.get(k)), None)
+    if secret is None:
+        raise ValueError(f"no run secret: set {SECRET_ENV[0]} (the same on every process of the run) "
+                         "or pass --insecure (loopback experiments only)")
+    return access_token(secret)
 
 
 def _mac(secret: str, *fields) -> bytes:

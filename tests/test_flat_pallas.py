@@ -1,0 +1,246 @@
+"""The flat Pallas replay: every segment of a flat buffer in ONE ``pallas_call`` (one Triton kernel
+on GPU), whatever the number of leaves, with the bits of the NumPy reference leaf by leaf. Runs in
+interpret mode on CPU; the GPU and TPU lowerings are checked by exporting for those platforms."""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from zeroth import doctor, replay, rng
+from zeroth import reference as ref
+from zeroth.kernels import perturb as kp
+from lowering_util import kernel_launches, tpu_chip_info  # noqa: F401 (a fixture)
+
+# NaN payloads (any sign, signalling or quiet), subnormals, -0 and infinities in each dtype's bits.
+SPECIAL_BITS = {
+    np.dtype(np.float32): [0x7F800001, 0xFFC00001, 0x7FFFFFFF, 0x00000001, 0x807FFFFF, 0x80000000, 0x7F800000],
+    np.dtype(ml_dtypes.bfloat16): [0x7FFF, 0xFFC1, 0x7F81, 0x0001, 0x807F, 0x8000, 0xFF80],
+    np.dtype(np.float16): [0x7FFF, 0xFC01, 0x7E00, 0x0001, 0x83FF, 0x8000, 0x7C00],
+}
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.reshape(-1).view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def _leaf(seed: int, shape, dtype) -> np.ndarray:
+    """Values of every magnitude, the dtype's special bit patterns spread over the leaf."""
+    g = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    x = (g.standard_normal(n) * np.ldexp(1.0, g.integers(-30, 4, n))).astype(np.float32).astype(dtype)
+    special = np.asarray(SPECIAL_BITS[np.dtype(dtype)], np.dtype(f"u{np.dtype(dtype).itemsize}")).view(dtype)
+    where = g.choice(n, size=min(n, len(special)), replace=False)
+    x[where] = special[: len(where)]
+    return x.reshape(shape)
+
+
+def _tree(seed: int) -> dict:
+    """Leaves of odd sizes in three dtypes, interleaved: each buffer holds segments that start
+    anywhere and end in partial tiles."""
+    shapes = [(37, 29), (5,), (3, 67), (129,), (1,), (2, 3, 50), (7, 11), (300,), (61,)]
+    dtypes = [np.float32, ml_dtypes.bfloat16, np.float16]
+    return {f"l{i}": _leaf(seed + i, s, dtypes[i % 3]) for i, s in enumerate(shapes)}
+
+
+def _reference(tree, updates, dist):
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.tree_util.tree_unflatten(
+        treedef, [ref.replay_leaf(np.asarray(x), rng.leaf_path(p), updates, dist) for p, x in with_path])
+
+
+@functools.cache
+def _flat_fn(layout, dist, donate, platform, blocks):
+    """The jitted one-launch-per-buffer replay in interpret mode (keys and scales are arguments)."""
+    tables = layout.tables()
+    return jax.jit(lambda bufs, keys, scales: kp.apply_updates_flat(
+        bufs, keys, scales, tables, distribution=dist, impl="pallas", interpret=True, inplace=donate,
+        platform=platform, block_sizes=blocks), donate_argnums=(0,) if donate else ())
+
+
+def _flat_replay(flat, keys, scales, dist, *, donate, platform, block_sizes):
+    fn = _flat_fn(flat.layout, dist, donate, platform, block_sizes)
+    return replay.Flat(fn(flat.buffers, jnp.asarray(keys, jnp.uint32).reshape(-1, 2), jnp.asarray(scales)), flat.layout)
+
+
+@pytest.mark.parametrize(
+    "dist,k,donate,platform,blocks",
+    [
+        # (grouped rows, one threefry call each, K = 16: the golden test below)
+        ("binomial", 3, False, "gpu", kp.BlockSizes(tile=256, lanes=32)),  # per-element counters
+        ("rademacher", 1, True, "cpu", kp.BlockSizes(tile=192, lanes=64)),  # 3 rows: interpret takes any tiling
+        ("binomial", 0, True, "gpu", None),  # no update: the flush and cast alone; GPU default tiles
+    ],
+)
+def test_one_launch_replay_is_the_reference_bit_for_bit(dist, k, donate, platform, blocks):
+    tree = _tree(k)
+    updates = [(rng.sample_key(7, m, 2, s), float(c))
+               for s, (m, c) in enumerate(zip(range(k), np.random.default_rng(k).standard_normal(k) * 1e-2))]
+    keys = np.stack([u for u, _ in updates]) if k else np.zeros((0, 2), np.uint32)
+    scales = replay.update_scales(dist, [c for _, c in updates])
+    flat = replay.flatten(tree)
+    want = _reference(tree, updates, dist)
+    got = _flat_replay(flat, keys, scales, dist, donate=donate, platform=platform, block_sizes=blocks)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(replay.unflatten(got)), jax.tree_util.tree_leaves(want),
+                            strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=rng.leaf_path(path))
+    assert replay.checksum(got) == replay.checksum(replay.replay(replay.flatten(tree), updates, distribution=dist))
+    if donate:
+        assert all(b.is_deleted() for b in flat.buffers)
+
+
+def test_the_doctors_canonical_replay_gives_the_golden_digests():
+    """The doctor's canonical log (64 updates in four units, every special value) on its
+    parameters in the flat layout, each unit one launch per buffer through the GPU tiling:
+    the golden digests, the float32/bfloat16 part and the float16 part."""
+    golden = json.loads(doctor.GOLDEN_PATH.read_text())
+    flat = replay.flatten(doctor.canonical_params())
+    for dist, updates in doctor.canonical_units():
+        keys = np.stack([k for k, _ in updates])
+        scales = replay.update_scales(dist, [c for _, c in updates])
+        flat = _flat_replay(flat, keys, scales, dist, donate=True, platform="gpu", block_sizes=kp.BlockSizes(tile=512))
+    tree = replay.unflatten(flat)
+    assert replay.checksum({k: v for k, v in tree.items() if k != "norm"}) == golden["digest"]
+    assert replay.checksum({"norm": tree["norm"]}) == golden["float16_digest"]
+
+
+def test_gaps_and_unordered_segments_keep_their_bits_without_aliasing():
+    """Segments out of order with gaps: the kernel writes only its segments' elements, and
+    without ``inplace`` the buffer is still aliased (copied by XLA), so the gaps keep every bit.
+    (NaN payloads stay inside the segments: XLA's CPU backend, which runs interpret mode, quiets
+    a bf16 NaN that any op moves, a slice included.)"""
+    segments = ((400, 299, 11), (2, 131, 22), (140, 0, 33), (150, 200, 44))
+    host = (np.random.default_rng(3).standard_normal(700) * 0.1).astype(ml_dtypes.bfloat16)
+    host[[2, 5, 132, 150, 401, 698]] = np.asarray([0x7FFF, 0xFFC1, 0x0001, 0x807F, 0x7F81, 0x8000], np.uint16).view(
+        ml_dtypes.bfloat16)
+    buf = jnp.asarray(host)
+    keys = rng.sample_keys(4, [(0, 1, s) for s in range(2)])
+    coefficients = [0.5, -0.125]
+    scales = replay.update_scales("binomial", coefficients)
+    want = np.asarray(buf).copy()
+    for o, z, lid in segments:
+        p = ref._flush(want[o : o + z].astype(np.float32))
+        for key, c in zip(keys, coefficients):
+            p = ref.apply_update(p, ref.update_scale("binomial", c), ref.noise_int("binomial", ref.fold_in(key, lid), z))
+        want[o : o + z] = ref.flush_cast(p, want.dtype)
+    got = jax.jit(lambda b: kp.perturb_pallas_flat(
+        b, kp._all_leaf_keys(jnp.asarray(keys), [lid for _, _, lid in segments]), jnp.asarray(scales), segments,
+        interpret=True, platform="gpu", block_sizes=kp.BlockSizes(tile=128)))(buf)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+class _PallasCallSpy:
+    """Counts the ``pallas_call`` s of the replay kernels, with their grids."""
+
+    def __init__(self, monkeypatch):
+        self.grids = []
+        real = kp.pl.pallas_call
+
+        def spy(kernel, *, grid, **kwargs):
+            self.grids.append(tuple(grid))
+            return real(kernel, grid=grid, **kwargs)
+
+        monkeypatch.setattr(kp.pl, "pallas_call", spy)
+
+
+@pytest.mark.parametrize("n_leaves", [1, 7, 50])
+@pytest.mark.parametrize("k", [1, 16])
+def test_exactly_one_pallas_call_per_buffer_whatever_the_number_of_leaves(n_leaves, k, monkeypatch):
+    tree = {f"l{i:02d}": np.zeros(3 + 61 * (i % 5), np.float32 if i % 3 else ml_dtypes.bfloat16)
+            for i in range(n_leaves)}
+    flat = replay.flatten(tree)
+    keys = rng.sample_keys(0, [(0, 0, s) for s in range(k)])
+    scales = replay.update_scales("binomial", [1e-3] * k)
+    spy = _PallasCallSpy(monkeypatch)
+    jaxpr = jax.make_jaxpr(lambda bufs: kp.apply_updates_flat(
+        bufs, keys, scales, flat.layout.tables(), impl="pallas", interpret=True, platform="gpu", inplace=True,
+        block_sizes=kp.BlockSizes(tile=256)))(flat.buffers)
+    assert len(spy.grids) == len(flat.buffers) == (1 if n_leaves == 1 else 2)
+    # every leaf is shorter than a tile: one grid step each; nothing left to a pass over ragged ends
+    assert sum(g for (g,) in spy.grids) == n_leaves
+    names = [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns]
+    assert names.count("pallas_call") == len(flat.buffers)
+    assert "dynamic_update_slice" not in names and "concatenate" not in names
+
+
+def test_on_a_gpu_auto_takes_the_flat_kernel_for_every_k(monkeypatch):
+    """``impl="auto"`` on GPU: one Triton launch per buffer even for one update (the per-leaf
+    choice for K = 1 is the jnp rule, which would be one fusion per segment)."""
+    monkeypatch.setattr(kp, "_triton_available", lambda: True)
+    spy = _PallasCallSpy(monkeypatch)
+    flat = replay.flatten({f"l{i}": np.zeros(70, np.float32) for i in range(9)})
+    keys, scales = rng.sample_keys(0, [(0, 0, 0)]), replay.update_scales("binomial", [0.5])
+    jax.make_jaxpr(lambda bufs: kp.apply_updates_flat(bufs, keys, scales, flat.layout.tables(), platform="gpu",
+                                                      interpret=True))(flat.buffers)
+    assert len(spy.grids) == 1
+
+
+@pytest.mark.parametrize(
+    "dist,blocks,step",
+    [
+        ("binomial", None, 7),  # leaves at odd offsets
+        ("rademacher", None, 7),
+        ("binomial", kp.BlockSizes(tile=8192, lanes=1024), 7),
+        ("rademacher", kp.BlockSizes(tile=8192, lanes=1024), 16),  # every offset a multiple of 16: aligned loads
+    ],
+)
+def test_flat_replay_lowers_to_one_triton_kernel_per_buffer(dist, blocks, step):
+    """Exported for CUDA on this CPU machine: the whole Pallas -> Triton lowering runs, and the
+    module holds exactly one Triton custom call per dtype buffer, for 50 leaves."""
+    tree = {f"l{i:02d}": jax.ShapeDtypeStruct((1008 + step * i,), jnp.bfloat16 if i % 4 else jnp.float32)
+            for i in range(50)}
+    layout = replay.layout_of(tree)
+    k = 3
+
+    def f(bufs, keys, scales):
+        return kp.apply_updates_flat(bufs, keys, scales, layout.tables(), distribution=dist, platform="gpu",
+                                     inplace=True, block_sizes=blocks)
+
+    bufs = [jax.ShapeDtypeStruct((n,), jnp.dtype(d)) for d, n in zip(layout.dtypes, layout.sizes)]
+    args = (bufs, jax.ShapeDtypeStruct((k, 2), jnp.uint32), jax.ShapeDtypeStruct((k,), jnp.float32))
+    assert kernel_launches(f, args, "cuda") == len(bufs) == 2
+
+
+def test_tpu_keeps_a_launch_per_segment(tpu_chip_info):
+    """Mosaic has no loads by element index, so on TPU the flat replay stays segment by segment:
+    the export succeeds with one Mosaic kernel per segment holding a whole tile."""
+    sizes = (70_000, 9_000, 140_000)  # with 8-row tiles of 1024 lanes: 8, 1 and 17 whole tiles
+    layout = replay.layout_of({f"l{i}": jax.ShapeDtypeStruct((n,), jnp.float32) for i, n in enumerate(sizes)})
+
+    def f(bufs, keys, scales):
+        return kp.apply_updates_flat(bufs, keys, scales, layout.tables(), platform="tpu", inplace=True)
+
+    args = ([jax.ShapeDtypeStruct((sum(sizes),), jnp.float32)], jax.ShapeDtypeStruct((2, 2), jnp.uint32),
+            jax.ShapeDtypeStruct((2,), jnp.float32))
+    assert kernel_launches(f, args, "tpu") == len(sizes)
+
+
+def test_plan_covers_each_segment_with_tiles_of_its_own():
+    segments = ((0, 0, 9), (16, 600, 1), (700, 5, 2), (720, 64, 3))
+    plan = kp.plan_flat_tiles(segments, "binomial", kp.BlockSizes(tile=256), "gpu")
+    assert (plan.width, plan.tile_rows, plan.grouped, plan.align) == (4, 64, True, 4)
+    assert plan.table.tolist() == [
+        [1, 16, 0, 256], [1, 272, 256, 256], [1, 528, 512, 88], [2, 700, 0, 5], [3, 720, 0, 64]]
+    # a buffer of small leaves gets a small tile (a power of two of rows on GPU), aligned starts a hint
+    small = kp.plan_flat_tiles(((0, 5, 1), (32, 20, 2)), "rademacher", kp.BlockSizes(tile=8192), "gpu")
+    assert (small.width, small.tile_rows, small.align, small.table.shape) == (64, 1, 16, (2, 4))
+    lanes = kp.plan_flat_tiles(((3, 300, 1),), "binomial", kp.BlockSizes(tile=1024, lanes=128), "cpu")
+    assert (lanes.width, lanes.tile_rows, lanes.grouped, lanes.align) == (128, 3, False, 1)
+
+
+def test_flat_kernel_errors_name_the_problem():
+    keys, scales = jnp.zeros((2, 1, 2), jnp.uint32), jnp.ones(1, jnp.float32)
+    with pytest.raises(ValueError, match=r"segment keys must be u32\[2, 1, 2\]"):
+        kp.perturb_pallas_flat(jnp.zeros(10), keys[:1], scales, ((0, 3, 1), (3, 3, 2)), interpret=True)
+    with pytest.raises(ValueError, match="interpret=True"):
+        kp.perturb_pallas_flat(jnp.zeros(10), keys, scales, ((0, 3, 1), (3, 3, 2)), platform="cpu")
+    with pytest.raises(ValueError, match="on TPU the segments go one by one"):
+        kp.plan_flat_tiles(((0, 3, 1),), "binomial", kp.BlockSizes(), "tpu")
+    with pytest.raises(ValueError, match="rows per tile must be a power of two"):
+        kp.plan_flat_tiles(((0, 3000, 1),), "binomial", kp.BlockSizes(tile=192, lanes=64), "gpu")
