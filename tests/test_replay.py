@@ -504,7 +504,7 @@ _TIES = st.builds(lambda q, e, sign: sign * (q + 0.5) * 2.0**e,  # exactly half 
 _LIMIT = 2.0**100 - 2.0**79  # the tie that rounds up to 2**100: refused
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _scales_from_bits_fn(dist):
     return jax.jit(lambda bits: rule.scales_from_bits(bits, dist))
 

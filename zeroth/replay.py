@@ -24,8 +24,9 @@ per dtype with a static :class:`Layout` (each leaf's path, id, shape, buffer and
 :func:`replay` of a :class:`Flat` gives the bits of :func:`replay` of the tree (each leaf keeps
 its id, ``leaf_id(path)``, and its counters, its own flat index), through one kernel launch per
 buffer whatever the number of leaves (the native kernel on CPU, one Triton kernel on GPU; on TPU
-a Pallas kernel per leaf), one compiled call per (layout, K, distribution); its host
-cost does not grow with the number of leaves. :func:`unflatten` gives the tree back (slices and
+a Pallas kernel per leaf), one compiled call per (layout, K, distribution), which also rounds
+the K coefficients from their float64 bits (one small XLA fusion, :func:`zeroth.rule.scales_from_bits`);
+its host cost does not grow with the number of leaves. :func:`unflatten` gives the tree back (slices and
 reshapes; traceable, so a forward pass can take the flat buffers inside its ``jit``), and
 :func:`checksum` of a :class:`Flat` equals the checksum of its tree.
 """
