@@ -24,9 +24,8 @@ per dtype with a static :class:`Layout` (each leaf's path, id, shape, buffer and
 :func:`replay` of a :class:`Flat` gives the bits of :func:`replay` of the tree (each leaf keeps
 its id, ``leaf_id(path)``, and its counters, its own flat index), through one kernel launch per
 buffer whatever the number of leaves (the native kernel on CPU, one Triton kernel on GPU; on TPU
-a Pallas kernel per leaf), one compiled call per (layout, K, distribution), which also rounds
-the K coefficients from their float64 bits (one small XLA fusion, :func:`zeroth.rule.scales_from_bits`);
-its host cost does not grow with the number of leaves. :func:`unflatten` gives the tree back (slices and
+a Pallas kernel per leaf), one compiled call per (layout, K, distribution); its host cost does
+not grow with the number of leaves. :func:`unflatten` gives the tree back (slices and
 reshapes; traceable, so a forward pass can take the flat buffers inside its ``jit``), and
 :func:`checksum` of a :class:`Flat` equals the checksum of its tree.
 """
@@ -127,10 +126,8 @@ def _is_key_matrix(x) -> bool:
 def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool = False) -> Any:
     """Apply ``updates``, a sequence of ``(key, coefficient)`` in canonical order, exactly.
 
-    Coefficients are rounded with :func:`round_coefficient`'s bits: on the host, or, for a
-    :class:`Flat`, inside its compiled call from their float64 bits
-    (:func:`zeroth.rule.scales_from_bits`; the host only checks them). The result is
-    bit-identical on every backend and to :func:`zeroth.reference.replay_leaf`.
+    Coefficients are rounded on the host (:func:`round_coefficient`). The result is bit-identical
+    on every backend and to :func:`zeroth.reference.replay_leaf`.
 
     Args:
       params: pytree of f32 / bf16 / f16 arrays (flax params included), or a :class:`Flat`
@@ -159,9 +156,9 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
         coefficients = [c for _, c in updates]
     if len(coefficients) != keys.shape[0]:
         raise ValueError(f"{keys.shape[0]} keys but {len(coefficients)} coefficients")
-    if isinstance(params, Flat):  # rounded inside the compiled call, same bits (rule.scales_from_bits)
-        return _replay_flat(params, keys, _rule.coefficient_bits(distribution, coefficients), distribution, donate)
     scales = update_scales(distribution, coefficients)
+    if isinstance(params, Flat):
+        return _replay_flat(params, keys, scales, distribution, donate)
     if not donate and not _host_memory.decided() and _fused.platform_of(params) == "cpu":
         _host_memory.reuse_freed_host_memory()
     # The fused kernels pick the fastest exact path for the platform the parameters live on
@@ -360,13 +357,9 @@ def unflatten(flat: Flat) -> Any:
     return _unflatten_fn(flat.layout)(flat.buffers)
 
 
-def _flat_core(buffers, updates, *, tables, distribution, impl, inplace):
-    """``updates``: ``u32[2K, 2]``, the K sample keys then the float64 bits of the K coefficients
-    (one host array per call: each NumPy argument of a compiled call is one more transfer)."""
-    k = updates.shape[0] // 2
-    scales = _rule.scales_from_bits(updates[k:], distribution)
+def _flat_core(buffers, keys, scales, *, tables, distribution, impl, inplace):
     return tuple(_fused.apply_updates_flat(
-        buffers, updates[:k], scales, tables, distribution=distribution, impl=impl, inplace=inplace))
+        buffers, keys, scales, tables, distribution=distribution, impl=impl, inplace=inplace))
 
 
 @functools.lru_cache(maxsize=256)
@@ -377,12 +370,10 @@ def _flat_fn(layout: Layout, distribution: str, donate: bool, impl: str):
     return jax.jit(core, donate_argnums=(0,) if donate else ())
 
 
-def _replay_flat(flat: Flat, keys: np.ndarray, coefficient_bits: np.ndarray, distribution: str, donate: bool) -> Flat:
-    """:func:`replay` of a :class:`Flat`: one compiled call (the coefficients rounded inside it
-    from their float64 bits, :func:`zeroth.rule.scales_from_bits`), one kernel launch per buffer."""
+def _replay_flat(flat: Flat, keys: np.ndarray, scales: np.ndarray, distribution: str, donate: bool) -> Flat:
+    """:func:`replay` of a :class:`Flat`: one compiled call, one kernel launch per buffer."""
     if not donate and not _host_memory.decided() and _fused.platform_of(flat.buffers) == "cpu":
         _host_memory.reuse_freed_host_memory()
     impl = "jnp" if _fused.is_sharded(flat.buffers) else "auto"
-    updates = np.concatenate((keys, coefficient_bits))
-    out = _flat_fn(flat.layout, distribution, donate, impl)(flat.buffers, updates)
+    out = _flat_fn(flat.layout, distribution, donate, impl)(flat.buffers, keys, scales)
     return Flat(out, flat.layout)

@@ -14,9 +14,6 @@ Every path that applies an update (:mod:`zeroth.replay`'s jnp rule, the fused ke
   followed by :func:`canonicalize`.
 * :func:`update_scale` / :func:`update_scales`: the host-rounded float32 multipliers of the
   integer noise (20 significant bits, so ``scale * k`` is exact).
-* :func:`coefficient_bits` (host: checks the coefficients, gives their float64 bits as u32
-  words) and :func:`scales_from_bits` (traceable: the same rounding in 32-bit integer
-  arithmetic inside a compiled call, the bits of :func:`update_scales`).
 * :func:`check_dtype` / :data:`SUPPORTED_DTYPES`, :func:`platform_name` (``"cuda"`` /
   ``"rocm"`` -> ``"gpu"``) and :func:`default_platform` (where uncommitted arrays go).
 
@@ -51,8 +48,6 @@ __all__ = [
     "flush_cast",
     "update_scale",
     "update_scales",
-    "coefficient_bits",
-    "scales_from_bits",
 ]
 
 COEFF_BITS = _ref.COEFF_BITS
@@ -176,54 +171,3 @@ def update_scales(distribution: str, coefficients: Sequence[float]) -> np.ndarra
         r = r * 0.5
     return r.astype(np.float32)
 
-
-# The largest magnitudes that round below 2**100: in [2**99, 2**100) the 20-bit step is 2**80, so
-# 2**100 - 2**79 is the tie between 2**100 - 2**80 (odd) and 2**100, which half to even rounds up.
-_COEFF_LIMIT = 2.0**100 - 2.0**79
-
-
-def coefficient_bits(distribution: str, coefficients) -> np.ndarray:
-    """``u32[K, 2]``: the float64 bits of K coefficients as little-endian ``(low, high)`` words,
-    for :func:`scales_from_bits` inside a compiled call; on the host only the check.
-
-    Raises:
-      ValueError: a coefficient that :func:`update_scales` refuses (non-finite, or rounding to a
-        magnitude of 2**100 or more), with the same message naming it.
-    """
-    if isinstance(coefficients, list):
-        for c in coefficients:
-            if type(c) is not float or not -_COEFF_LIMIT < c < _COEFF_LIMIT:  # NaN fails the test too
-                break
-        else:  # the common case: a short list of Python floats, checked without NumPy
-            return np.array(coefficients, np.float64).view(np.uint32).reshape(-1, 2)
-    c = np.ascontiguousarray(coefficients, np.float64).reshape(-1)
-    bad = ~(np.abs(c) < _COEFF_LIMIT)
-    if bad.any():
-        value = float(c[np.argmax(bad)])
-        _ref.round_coefficient(value)  # raises, naming the value
-        raise ValueError(f"coefficient {value!r} rounds to a magnitude of 2**100 or more")
-    return c.view(np.uint32).reshape(-1, 2)
-
-
-def scales_from_bits(bits: jax.Array, distribution: str) -> jax.Array:
-    """Traceable ``f32[K]``: :func:`update_scales` of the coefficients whose float64 bits are
-    ``bits`` (``u32[K, 2]`` from :func:`coefficient_bits`), bit for bit, in 32-bit integer
-    arithmetic (no float64 on the device).
-
-    A float64 ``c = (-1)**s * 2**(e - 1023) * 1.f`` keeps its top 20 significant bits: the 33
-    dropped ones are the low word and bit 0 of the high word; rounding half to even adds 2 to the
-    high word when they exceed half, or equal it with bit 1 set (a carry out of ``f`` increments
-    ``e``, as it should). The result is 0 below 2**-120 (``e < 903``, subnormal inputs included),
-    else the float32 ``(s, e - 1023 + 127, f's 20 bits)``, its exponent one lower for binomial
-    (``z = k / 2``). Magnitudes of 2**100 or more are refused on the host (:func:`coefficient_bits`).
-    """
-    _noise.check_distribution(distribution)
-    lo, hi = bits[..., 0], bits[..., 1]
-    one, two = jnp.uint32(1), jnp.uint32(2)
-    up = ((hi & one) != 0) & ((lo != 0) | ((hi & two) != 0))
-    hi = (hi & ~one) + jnp.where(up, two, jnp.uint32(0))
-    e = (hi >> 20) & jnp.uint32(0x7FF)
-    bias = 1023 - 127 + (1 if distribution == "binomial" else 0)
-    f32 = (hi & jnp.uint32(0x80000000)) | ((e - jnp.uint32(bias)) << 23) | ((hi & jnp.uint32(0xFFFFF)) << 3)
-    f32 = jnp.where(e >= jnp.uint32(1023 - 120), f32, jnp.uint32(0))
-    return jax.lax.bitcast_convert_type(f32, jnp.float32)
