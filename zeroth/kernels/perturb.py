@@ -407,6 +407,17 @@ def _pallas_tiles(x2d, keys, scales, plan: TilePlan, *, distribution, offset, in
     )(keys, scales, x2d)
 
 
+def _pallas_target(platform: str | None, interpret: bool, block_sizes: BlockSizes | None) -> tuple[str, BlockSizes]:
+    """The platform a Pallas kernel is lowered for and its tiles (the platform's default when None)."""
+    platform = _rule.default_platform() if platform is None else _rule.platform_name(platform)
+    if platform == "cpu" and not interpret:
+        raise ValueError(
+            "the Pallas kernel runs on CPU only in interpret mode (tests): pass interpret=True, "
+            "or use impl='native' or impl='jnp' on CPU"
+        )
+    return platform, default_block_sizes(platform) if block_sizes is None else block_sizes
+
+
 def perturb_pallas(
     x,
     leaf_keys_,
@@ -439,13 +450,7 @@ def perturb_pallas(
     """
     x, keys, scales = _check_args(x, leaf_keys_, scales, distribution)
     offset = _check_offset(offset, x.size)
-    platform = (_rule.default_platform() if platform is None else _rule.platform_name(platform))
-    if platform == "cpu" and not interpret:
-        raise ValueError(
-            "the Pallas kernel runs on CPU only in interpret mode (tests): pass interpret=True, "
-            "or use impl='native' or impl='jnp' on CPU"
-        )
-    blocks = default_block_sizes(platform) if block_sizes is None else block_sizes
+    platform, blocks = _pallas_target(platform, interpret, block_sizes)
     plan = plan_tiles(x.size, distribution, blocks, platform, offset)
     if plan.tiles == 0:
         return perturb_reference(x, keys, scales, distribution=distribution, offset=offset)
@@ -633,13 +638,7 @@ def perturb_pallas_flat(
             f"segment keys must be u32[{len(segments)}, {n_updates}, 2] (segments, updates, key words), "
             f"got dtype {segment_keys.dtype} shape {segment_keys.shape}"
         )
-    platform = (_rule.default_platform() if platform is None else _rule.platform_name(platform))
-    if platform == "cpu" and not interpret:
-        raise ValueError(
-            "the Pallas kernel runs on CPU only in interpret mode (tests): pass interpret=True, "
-            "or use impl='native' or impl='jnp' on CPU"
-        )
-    blocks = default_block_sizes(platform) if block_sizes is None else block_sizes
+    platform, blocks = _pallas_target(platform, interpret, block_sizes)
     plan = plan_flat_tiles(segments, distribution, blocks, platform)
     if plan.table.shape[0] == 0:
         return buffer
