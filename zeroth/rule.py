@@ -170,4 +170,3 @@ def update_scales(distribution: str, coefficients: Sequence[float]) -> np.ndarra
     if distribution == "binomial":
         r = r * 0.5
     return r.astype(np.float32)
-
