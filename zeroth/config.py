@@ -45,6 +45,7 @@ from zeroth import codecs, data, methods, models, noise, objectives, schedules, 
 from zeroth.models.pretrained import q4train
 
 __all__ = [
+    "field",
     "RunConfig",
     "DataConfig",
     "ModelConfig",
@@ -112,7 +113,7 @@ def _model_names() -> tuple[str, ...]:
     return models.names()
 
 
-def _field(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable | None = None, **checks) -> Any:  # noqa: A002
+def field(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable | None = None, **checks) -> Any:  # noqa: A002
     """A dataclass field with its ``help`` text and checks (``choices``, ``min``, ``max``, ``gt``)."""
     meta = {"help": help, **checks}
     if factory is not None:
@@ -124,19 +125,19 @@ def _field(default: Any = dataclasses.MISSING, help: str = "", *, factory: Calla
 class RunConfig:
     """What the run is called, its seed and where it writes."""
 
-    name: str = _field("run", "Name of the run (used in logs and as the default output folder name).")
-    seed: int = _field(
+    name: str = field("run", "Name of the run (used in logs and as the default output folder name).")
+    seed: int = field(
         0,
         "Run seed: the root of every key (model init, batches, perturbations). An integer in [0, 2**32).",
         min=0,
         max=2**32 - 1,
     )
-    out_dir: str | None = _field(
+    out_dir: str | None = field(
         None,
         "Output folder for metrics.jsonl, config.yaml and checkpoints/. null = runs/<name>. "
         "`zeroth run --out DIR` overrides it.",
     )
-    tensorboard: bool = _field(
+    tensorboard: bool = field(
         True,
         "Also write TensorBoard event files (events.out.tfevents.*) next to every metrics.jsonl, "
         "no TensorFlow needed: each row's numbers as scalars <kind>/<name> (train/loss, eval/accuracy) "
@@ -148,25 +149,25 @@ class RunConfig:
 class DataConfig:
     """Which dataset, and how it is batched and evaluated."""
 
-    dataset: str = _field(
+    dataset: str = field(
         "digits", "Dataset name (`zeroth datasets` lists them with their status).", choices=_dataset_names
     )
-    batch_size: int = _field(
+    batch_size: int = field(
         64,
         "Training examples per step. Batches are a pure function of (run.seed, step): a fresh "
         "permutation of the train split per epoch.",
         min=1,
     )
-    eval_size: int = _field(0, "Examples of the test split used for evaluation; 0 = the whole split.", min=0)
-    eval_batch_size: int = _field(512, "Examples per forward pass during evaluation (memory bound only).", min=1)
+    eval_size: int = field(0, "Examples of the test split used for evaluation; 0 = the whole split.", min=0)
+    eval_batch_size: int = field(512, "Examples per forward pass during evaluation (memory bound only).", min=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The model and its constructor arguments."""
 
-    name: str = _field("mlp", "Model name: mlp, cnn, transformer (see zeroth.models).", choices=_model_names)
-    kwargs: dict = _field(
+    name: str = field("mlp", "Model name: mlp, cnn, transformer (see zeroth.models).", choices=_model_names)
+    kwargs: dict = field(
         help="Keyword arguments of the model constructor, e.g. {hidden: [64]} for mlp, "
         "{features: [8, 16], dense: 32} for cnn, {d_model: 32, heads: 2, layers: 2} for transformer. "
         "num_classes is taken from the dataset.",
@@ -178,103 +179,103 @@ class ModelConfig:
 class OptimizerConfig:
     """The optax optimizer of the backprop baseline (train.method = backprop)."""
 
-    name: str = _field(
+    name: str = field(
         "adam", "Optax optimizer for backprop: sgd, momentum, adam, adamw (learning rate = train.lr).", choices=OPTIMIZERS
     )
-    momentum: float = _field(0.9, "Momentum of the `momentum` optimizer.", min=0.0, max=1.0)
-    b1: float = _field(0.9, "Adam beta1.", min=0.0, max=1.0)
-    b2: float = _field(0.999, "Adam beta2.", min=0.0, max=1.0)
-    weight_decay: float = _field(1e-4, "Decoupled weight decay of adamw.", min=0.0)
+    momentum: float = field(0.9, "Momentum of the `momentum` optimizer.", min=0.0, max=1.0)
+    b1: float = field(0.9, "Adam beta1.", min=0.0, max=1.0)
+    b2: float = field(0.999, "Adam beta2.", min=0.0, max=1.0)
+    weight_decay: float = field(1e-4, "Decoupled weight decay of adamw.", min=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleConfig:
     """The learning-rate schedule: eta_t at step t, peak train.lr, evaluated on the host (zeroth.schedules)."""
 
-    name: str = _field(
+    name: str = field(
         "constant",
         "Decay shape after the warmup: constant (eta), cosine or linear (from eta at warmup_steps to final_ratio*eta "
         "at decay_steps), step (eta * gamma**floor((t - warmup_steps) / every)). Float64 host arithmetic, identical on "
         "every machine, so peers agree and replays stay exact.",
         choices=SCHEDULES,
     )
-    warmup_steps: int = _field(
+    warmup_steps: int = field(
         0, "Steps of linear warmup from init_ratio*eta (step 0) towards eta (step warmup_steps); 0 = none.", min=0
     )
-    init_ratio: float = _field(0.0, "The learning rate at step 0 is init_ratio * train.lr (with warmup_steps > 0).", min=0.0, max=1.0)
-    decay_steps: int | None = _field(
+    init_ratio: float = field(0.0, "The learning rate at step 0 is init_ratio * train.lr (with warmup_steps > 0).", min=0.0, max=1.0)
+    decay_steps: int | None = field(
         None,
         "cosine, linear: the step (counted from 0, warmup included) at which the learning rate reaches its floor "
         "final_ratio * train.lr and stays; required by them, null for constant and step.",
         min=1,
     )
-    final_ratio: float = _field(0.0, "cosine, linear: the floor is final_ratio * train.lr.", min=0.0, max=1.0)
-    gamma: float = _field(1.0, "step: the factor applied every `every` steps (in (0, 1]).", gt=0.0, max=1.0)
-    every: int = _field(1, "step: steps between two decays.", min=1)
+    final_ratio: float = field(0.0, "cosine, linear: the floor is final_ratio * train.lr.", min=0.0, max=1.0)
+    gamma: float = field(1.0, "step: the factor applied every `every` steps (in (0, 1]).", gt=0.0, max=1.0)
+    every: int = field(1, "step: steps between two decays.", min=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """How the model is trained: the ZO estimator (MeZO / Just One Byte) or the backprop baseline."""
 
-    method: str = _field(
+    method: str = field(
         "zo",
         "zo: two-point SPSA with exact replay (forward passes only); backprop: jax.grad + optax on the same "
         "model, data and evaluation.",
         choices=METHODS,
     )
-    steps: int = _field(1000, "Number of training steps (iterations).", min=1)
-    lr: float = _field(1e-3, "Learning rate (eta): the peak of train.schedule (the rate at every step when constant).", gt=0.0)
-    schedule: ScheduleConfig = _field(
+    steps: int = field(1000, "Number of training steps (iterations).", min=1)
+    lr: float = field(1e-3, "Learning rate (eta): the peak of train.schedule (the rate at every step when constant).", gt=0.0)
+    schedule: ScheduleConfig = field(
         help="Learning-rate schedule (warmup, cosine/linear/step decay); logged as `lr` in metrics.jsonl.",
         factory=ScheduleConfig,
     )
-    objective: str = _field(
+    objective: str = field(
         "cross_entropy",
         "Training objective on a batch: cross_entropy (differentiable) or error_rate = 1 - accuracy "
         "(not differentiable; zo only).",
         choices=OBJECTIVES,
     )
-    eps: float = _field(1e-3, "ZO perturbation scale epsilon (host-rounded to 20 significant bits).", gt=0.0)
-    n_perturbations: int = _field(
+    eps: float = field(1e-3, "ZO perturbation scale epsilon (host-rounded to 20 significant bits).", gt=0.0)
+    n_perturbations: int = field(
         16, "ZO perturbations per step; each costs two forward passes (L(theta+eps z), L(theta-eps z)).", min=1
     )
-    lr_scaling: str = _field(
+    lr_scaling: str = field(
         "sqrt",
         "ZO update coefficient -lr*g/sqrt(N) (sqrt, as in Just One Byte) or -lr*g/N (linear), N = "
         "perturbations per step.",
         choices=LR_SCALINGS,
     )
-    distribution: str = _field(
+    distribution: str = field(
         "binomial",
         "Exact perturbation noise: binomial ((popcount(16 bits)-8)/2, variance 1) or rademacher (+-1).",
         choices=DISTRIBUTIONS,
     )
-    codec: str = _field(
+    codec: str = field(
         "onebyte",
         "Projected-gradient codec: float32 (4 bytes) or onebyte (signed log, 1 byte). The decoded value is "
         "what is applied.",
         choices=CODECS,
     )
-    weight_decay: float = _field(0.0, "ZO weight decay (applied as an exact separate step by zeroth.zo).", min=0.0)
-    requantize: str | None = _field(
+    weight_decay: float = field(0.0, "ZO weight decay (applied as an exact separate step by zeroth.zo).", min=0.0)
+    requantize: str | None = field(
         None,
         "4-bit forward-only training (zo only, models with 4-bit weight grids: smollm2_prompt): after every "
         "update each quantized weight is put back on its fixed grid from the model file, by nearest or "
         "stochastic (unbiased) rounding. null = train float32 weights.",
         choices=REQUANTIZE,
     )
-    optimizer: OptimizerConfig = _field(
+    optimizer: OptimizerConfig = field(
         help="Optimizer of the backprop baseline.", factory=OptimizerConfig
     )
-    eval_every: int = _field(100, "Evaluate on the test split every this many steps (and at the end).", min=1)
-    log_every: int = _field(
+    eval_every: int = field(100, "Evaluate on the test split every this many steps (and at the end).", min=1)
+    log_every: int = field(
         10, "Write a training record (loss, passes, bytes, digest) to metrics.jsonl every this many steps.", min=1
     )
-    checkpoint_every: int = _field(
+    checkpoint_every: int = field(
         0, "Save an orbax checkpoint every this many steps (and at the end); 0 = only at the end.", min=0
     )
-    keep_checkpoints: int = _field(
+    keep_checkpoints: int = field(
         3, "How many most recent checkpoints to keep; 0 = keep all.", min=0
     )
 
@@ -283,50 +284,50 @@ class TrainConfig:
 class PeersConfig:
     """Several Just One Byte peers on one machine (loopback gRPC), launched by `zeroth run`."""
 
-    count: int = _field(2, "Number of peers started at iteration 0.", min=1)
-    inferences_per_iteration: int = _field(
+    count: int = field(2, "Number of peers started at iteration 0.", min=1)
+    inferences_per_iteration: int = field(
         4, "Projected gradients each peer computes per iteration (its n_perturbations).", min=1
     )
-    iteration_timeout_s: float = _field(
+    iteration_timeout_s: float = field(
         30.0, "An iteration ends when every peer has sent its inferences or after this many seconds.", gt=0.0
     )
-    barrier_timeout_s: float = _field(
+    barrier_timeout_s: float = field(
         30.0, "How long a peer waits for the others to confirm they applied the iteration's updates.", gt=0.0
     )
-    iterations: int | None = _field(None, "Iterations to run; null = train.steps.", min=1)
-    checksum_every: int = _field(
+    iterations: int | None = field(None, "Iterations to run; null = train.steps.", min=1)
+    checksum_every: int = field(
         1, "Compare the parameter checksum with a peer every this many iterations; 0 = never.", min=0
     )
-    token: str | None = _field(
+    token: str | None = field(
         None,
         "The run secret: whoever holds it may join (every call carries a token derived from it; every message is "
         "signed by its sender's own key). null = `zeroth run` generates one into OUT/run.secret and `zeroth peer` "
         "takes --secret-file / $ZEROTH_SECRET, or generates one when founding.",
     )
-    insecure: bool = _field(
+    insecure: bool = field(
         False,
         "Run without a secret: anyone who reaches a port may join (messages stay signed by their senders). "
         "Needed explicitly to run without one.",
     )
-    clip: float | None = _field(
+    clip: float | None = field(
         None,
         "Clip every decoded projected gradient to [-clip, clip] before the replay (bounds what one member can do "
         "with outlier bytes); null = no clip.",
         gt=0.0,
     )
-    stall_timeout_s: float | None = _field(
+    stall_timeout_s: float | None = field(
         None,
         "An iteration without a decision for this long is re-synchronised with the others; after as long again "
         "the peer ends the run (exit 1, state saved). null = iteration_timeout_s + 6 * barrier_timeout_s.",
         gt=0.0,
     )
-    tls: bool = _field(False, "Use TLS between peers (self-signed certificates are generated for loopback runs).")
-    host: str = _field("127.0.0.1", "Address the peers listen on.")
-    base_port: int = _field(0, "First port; peer i listens on base_port + i. 0 = pick free ports.", min=0, max=65535)
-    join_at: tuple[int, ...] = _field(
+    tls: bool = field(False, "Use TLS between peers (self-signed certificates are generated for loopback runs).")
+    host: str = field("127.0.0.1", "Address the peers listen on.")
+    base_port: int = field(0, "First port; peer i listens on base_port + i. 0 = pick free ports.", min=0, max=65535)
+    join_at: tuple[int, ...] = field(
         (), "Iterations at which one extra peer joins the run (demonstrates joining mid-run).", factory=tuple, min=0
     )
-    kill_at: tuple[int, ...] = _field(
+    kill_at: tuple[int, ...] = field(
         (), "Iterations at which one running peer is killed (demonstrates leaving mid-run).", factory=tuple, min=0
     )
 
@@ -338,102 +339,102 @@ class BinaryConfig:
     Uses data.dataset (images), data.batch_size, data.eval_size (test examples; 0 = all) and run.seed.
     """
 
-    methods: tuple[str, ...] = _field(
+    methods: tuple[str, ...] = field(
         ("flips", "evolution", "ste", "float32"),
         "What to train: flips (exact single-flip loss deltas, top-k), evolution (random flips kept if the loss "
         "fell), ste (straight-through estimator on float shadow weights), head (control: random weights that never "
         "move, only the head trains), float32 (the same conv shapes with float weights and ReLU, end-to-end backprop).",
         factory=lambda: ("flips", "evolution", "ste", "float32"),
     )
-    weights: tuple[str, ...] = _field(
+    weights: tuple[str, ...] = field(
         ("binary", "ternary"), "Weight kinds of the binary methods: binary {-1,+1}, ternary {-1,0,+1}.",
         factory=lambda: ("binary", "ternary"),
     )
-    channels: tuple[int, ...] = _field(
+    channels: tuple[int, ...] = field(
         (32, 32), "Output channels of each 3x3 conv layer (each followed by a 2x2 max-pool).",
         factory=lambda: (32, 32), min=1,
     )
-    levels: int = _field(8, "Thermometer channels encoding each grey pixel as bits.", min=1, max=32)
-    train_size: int = _field(10000, "Training examples used (the first ones of the train split); 0 = all.", min=0)
-    steps: int = _field(150, "Training steps per layer (binary methods).", min=1)
-    k: int = _field(8, "flips: weights flipped per step (the best ones that lower the batch loss).", min=1)
-    min_gain: float = _field(0.0, "flips: a flip must lower the summed batch loss by more than this.", min=0.0)
-    evolution_k: int = _field(4, "evolution: random weights flipped per trial.", min=1)
-    head_lr: float = _field(1e-2, "Adam learning rate of the auxiliary heads.", gt=0.0)
-    ste_lr: float = _field(1e-2, "Adam learning rate of the STE shadow weights.", gt=0.0)
-    grid: int = _field(4, "The auxiliary head averages activations over grid x grid regions.", min=1)
-    float_steps: int = _field(300, "float32 baseline: end-to-end backprop steps.", min=1)
-    float_lr: float = _field(1e-3, "float32 baseline: Adam learning rate.", gt=0.0)
-    workers: int = _field(3, "Sparse-mutation run: worker processes on 127.0.0.1 (0 = skip it).", min=0)
-    rounds: int = _field(30, "Sparse-mutation run: rounds.", min=1)
-    dist_train_size: int = _field(3000, "Sparse-mutation run: training examples split over the workers.", min=1)
-    dist_channels: int = _field(40, "Sparse-mutation run: channels of its one binary layer (votes head).", min=1)
-    dist_k: int = _field(4, "Sparse-mutation run: flips applied per round.", min=1)
-    dist_head_steps: int = _field(
+    levels: int = field(8, "Thermometer channels encoding each grey pixel as bits.", min=1, max=32)
+    train_size: int = field(10000, "Training examples used (the first ones of the train split); 0 = all.", min=0)
+    steps: int = field(150, "Training steps per layer (binary methods).", min=1)
+    k: int = field(8, "flips: weights flipped per step (the best ones that lower the batch loss).", min=1)
+    min_gain: float = field(0.0, "flips: a flip must lower the summed batch loss by more than this.", min=0.0)
+    evolution_k: int = field(4, "evolution: random weights flipped per trial.", min=1)
+    head_lr: float = field(1e-2, "Adam learning rate of the auxiliary heads.", gt=0.0)
+    ste_lr: float = field(1e-2, "Adam learning rate of the STE shadow weights.", gt=0.0)
+    grid: int = field(4, "The auxiliary head averages activations over grid x grid regions.", min=1)
+    float_steps: int = field(300, "float32 baseline: end-to-end backprop steps.", min=1)
+    float_lr: float = field(1e-3, "float32 baseline: Adam learning rate.", gt=0.0)
+    workers: int = field(3, "Sparse-mutation run: worker processes on 127.0.0.1 (0 = skip it).", min=0)
+    rounds: int = field(30, "Sparse-mutation run: rounds.", min=1)
+    dist_train_size: int = field(3000, "Sparse-mutation run: training examples split over the workers.", min=1)
+    dist_channels: int = field(40, "Sparse-mutation run: channels of its one binary layer (votes head).", min=1)
+    dist_k: int = field(4, "Sparse-mutation run: flips applied per round.", min=1)
+    dist_head_steps: int = field(
         100, "Sparse-mutation run: Adam steps fitting its head to the initial layer's features (then frozen, shipped "
         "with the packed model); 0 = a fixed votes head.", min=0)
-    threshold: float = _field(0.05, "Sparse-mutation run: |loss delta| a list entry must exceed.", min=0.0)
-    max_entries: int = _field(512, "Sparse-mutation run: longest list a worker sends (the largest |deltas|).", min=1)
-    kill_at: tuple[int, ...] = _field((), "Sparse-mutation run: rounds at which a worker is killed.", factory=tuple, min=0)
-    speed_repeats: int = _field(5, "Timed repeats of the binary vs float32 speed measurement.", min=1)
+    threshold: float = field(0.05, "Sparse-mutation run: |loss delta| a list entry must exceed.", min=0.0)
+    max_entries: int = field(512, "Sparse-mutation run: longest list a worker sends (the largest |deltas|).", min=1)
+    kill_at: tuple[int, ...] = field((), "Sparse-mutation run: rounds at which a worker is killed.", factory=tuple, min=0)
+    speed_repeats: int = field(5, "Timed repeats of the binary vs float32 speed measurement.", min=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """Pipeline-parallel backprop (AQ-SGD, seed 001): one process per stage on loopback gRPC, launched by `zeroth run`."""
 
-    stages: int = _field(
+    stages: int = field(
         2, "Number of stages S: contiguous runs of blocks (embedding in the first, head in the last), one process each.", min=2
     )
-    micro_batches: int = _field(
+    micro_batches: int = field(
         2, "GPipe micro-batches per step (fill and drain); must divide data.batch_size.", min=1
     )
-    objective: str = _field(
+    objective: str = field(
         "lm",
         "lm: next-token cross-entropy over fixed token windows of the SOTU addresses (data.dataset = sotu); "
         "classify: sentiment sentences (data.dataset = sentiment).",
         choices=PIPELINE_OBJECTIVES,
     )
-    examples: int = _field(
+    examples: int = field(
         32, "Size of the fixed example set revisited every epoch (windows or sentences); data.batch_size must divide it.", min=1
     )
-    seq_len: int = _field(32, "Tokens per example (window length, or sentence length after padding/cutting).", min=2)
-    compression: str = _field(
+    seq_len: int = field(32, "Tokens per example (window length, or sentence length after padding/cutting).", min=2)
+    compression: str = field(
         "fp32",
         "Link compression: fp32 (none); directq (activations and their gradients quantized to fw_bits / bw_bits); "
         "aqsgd (first sight of an example in float32, then the quantized change of its activation since it was last "
         "sent, fw_bits; gradients quantized directly, bw_bits).",
         choices=PIPELINE_COMPRESSIONS,
     )
-    fw_bits: int = _field(4, "Bits per activation value (directq, aqsgd).", min=1, max=8)
-    bw_bits: int = _field(8, "Bits per activation-gradient value (directq, aqsgd).", min=1, max=8)
-    scale_axis: str = _field(
+    fw_bits: int = field(4, "Bits per activation value (directq, aqsgd).", min=1, max=8)
+    bw_bits: int = field(8, "Bits per activation-gradient value (directq, aqsgd).", min=1, max=8)
+    scale_axis: str = field(
         "row",
         "Quantization scale of directq/aqsgd: row (one float32 scale per token vector, the issue's per-row scale) or "
         "channel (one per channel of an example, across its tokens: isolates a language model's outlier channels).",
         choices=("row", "channel"),
     )
-    bandwidth_bps: float | None = _field(
+    bandwidth_bps: float | None = field(
         None, "Enforced bandwidth of every link in bits/s (a token bucket on the bytes actually sent); null = unlimited.", gt=0.0
     )
-    latency_ms: float = _field(0.0, "Enforced one-way latency of every frame on every link, in milliseconds.", min=0.0)
-    emulate_bandwidths_bps: tuple[float, ...] = _field(
+    latency_ms: float = field(0.0, "Enforced one-way latency of every frame on every link, in milliseconds.", min=0.0)
+    emulate_bandwidths_bps: tuple[float, ...] = field(
         (10e9, 500e6, 100e6),
         "Bandwidths (bits/s) for which the report computes an emulated wall-clock from the measured compute time "
         "and bytes (not enforced).",
         factory=lambda: (10e9, 500e6, 100e6),
         gt=0.0,
     )
-    buffers: str = _field(
+    buffers: str = field(
         "memory", "Where AQ-SGD buffers live: memory (NumPy) or memmap (a file per link end in the stage folder).",
         choices=PIPELINE_BUFFERS,
     )
-    slowdown: float = _field(
+    slowdown: float = field(
         1.0, "Emulated compute speed of every stage: each computation is followed by a sleep of (slowdown - 1) times "
         "its duration (1 = this machine).", min=1.0,
     )
-    host: str = _field("127.0.0.1", "Address the stages listen on.")
-    timeout_s: float = _field(600.0, "A stage gives up when a frame it waits for does not come within this many seconds.", gt=0.0)
+    host: str = field("127.0.0.1", "Address the stages listen on.")
+    timeout_s: float = field(600.0, "A stage gives up when a frame it waits for does not come within this many seconds.", gt=0.0)
 
 
 def _default_nodes() -> tuple[dict, ...]:
@@ -450,7 +451,7 @@ class RavnestConfig:
     """Ravnest (seed 003): clusters of nodes formed by a genetic algorithm, each an asynchronous pipeline,
     averaged with each other by parallel rings; one process per node on loopback gRPC, launched by `zeroth run`."""
 
-    nodes: tuple[dict, ...] = _field(
+    nodes: tuple[dict, ...] = field(
         (), "The node pool: one mapping per node, {name, ram_mb (usable RAM), bandwidth_mbps (steady bandwidth), "
         "speed (compute speed relative to this machine, <= 1: a node of speed 0.5 sleeps as long as it computes; the "
         "formation reads it as given), backup with join_round r: the spare arrives at round r and receives its "
@@ -461,48 +462,48 @@ class RavnestConfig:
         "ravnest.latency_ms plus both nodes' latency_ms)}.",
         factory=_default_nodes,
     )
-    clusters: int = _field(2, "Number of clusters the genetic algorithm forms from the non-backup nodes.", min=1)
-    objective: str = _field(
+    clusters: int = field(2, "Number of clusters the genetic algorithm forms from the non-backup nodes.", min=1)
+    objective: str = field(
         "classify", "lm: next-token loss on SOTU windows (data.dataset = sotu); classify: sentiment sentences (sentiment).",
         choices=PIPELINE_OBJECTIVES,
     )
-    examples: int = _field(64, "Size of the fixed example set; data.batch_size must divide it.", min=1)
-    seq_len: int = _field(32, "Tokens per example.", min=2)
-    order: str = _field(
+    examples: int = field(64, "Size of the fixed example set; data.batch_size must divide it.", min=1)
+    seq_len: int = field(32, "Tokens per example.", min=2)
+    order: str = field(
         "fixed", "fixed: one-forward-one-backward after a warm-up (bit-reproducible); arrival: whatever is ready, "
         "backward first (the seed's event loop; timing decides the interleaving).", choices=RAVNEST_ORDERS,
     )
-    max_in_flight: int = _field(
+    max_in_flight: int = field(
         0, "The delay bound D: batches a stage may hold forwarded and not yet back (min(D, S - stage)); "
         "0 = the pipeline depth (no throttling). Staleness of stage s is min(D, S - s) - 1.", min=0,
     )
-    average_every: int = _field(4, "R: every node averages its parameters with the other clusters after every R-th update (0 = never).", min=0)
-    latency_ms: float = _field(0.0, "Enforced one-way latency of every message between two nodes, in milliseconds.", min=0.0)
-    enforce_bandwidth: bool = _field(True, "Pace every message at min(bandwidth of sender, bandwidth of receiver).")
-    population: int = _field(64, "Genetic algorithm: chromosomes per generation.", min=4)
-    generations: int = _field(200, "Genetic algorithm: most generations (it stops earlier when the best stops improving).", min=1)
-    kill_at: tuple[int, ...] = _field(
+    average_every: int = field(4, "R: every node averages its parameters with the other clusters after every R-th update (0 = never).", min=0)
+    latency_ms: float = field(0.0, "Enforced one-way latency of every message between two nodes, in milliseconds.", min=0.0)
+    enforce_bandwidth: bool = field(True, "Pace every message at min(bandwidth of sender, bandwidth of receiver).")
+    population: int = field(64, "Genetic algorithm: chromosomes per generation.", min=4)
+    generations: int = field(200, "Genetic algorithm: most generations (it stops earlier when the best stops improving).", min=1)
+    kill_at: tuple[int, ...] = field(
         (), "Batches at which the launcher SIGKILLs the primary shadowed by each backup (one entry per backup, in "
         "pool order); the backup takes over.", factory=tuple, min=1,
     )
-    host: str = _field("127.0.0.1", "Address the nodes listen on.")
-    timeout_s: float = _field(300.0, "A node gives up when a message it waits for does not come within this many seconds.", gt=0.0)
+    host: str = field("127.0.0.1", "Address the nodes listen on.")
+    timeout_s: float = field(300.0, "A node gives up when a message it waits for does not come within this many seconds.", gt=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """A whole experiment."""
 
-    run: RunConfig = _field(help="Name, seed and output folder.", factory=RunConfig)
-    data: DataConfig = _field(help="Dataset and batching.", factory=DataConfig)
-    model: ModelConfig = _field(help="Model and its arguments.", factory=ModelConfig)
-    train: TrainConfig = _field(help="Training method and hyperparameters.", factory=TrainConfig)
-    peers: PeersConfig | None = _field(None, "Optional: run as several peers over loopback gRPC.")
-    pipeline: PipelineConfig | None = _field(
+    run: RunConfig = field(help="Name, seed and output folder.", factory=RunConfig)
+    data: DataConfig = field(help="Dataset and batching.", factory=DataConfig)
+    model: ModelConfig = field(help="Model and its arguments.", factory=ModelConfig)
+    train: TrainConfig = field(help="Training method and hyperparameters.", factory=TrainConfig)
+    peers: PeersConfig | None = field(None, "Optional: run as several peers over loopback gRPC.")
+    pipeline: PipelineConfig | None = field(
         None, "Optional: pipeline-parallel backprop, one process per stage over loopback gRPC (AQ-SGD)."
     )
-    binary: BinaryConfig | None = _field(None, "Optional: a binary learning experiment (seed 002) instead of train.")
-    ravnest: RavnestConfig | None = _field(
+    binary: BinaryConfig | None = field(None, "Optional: a binary learning experiment (seed 002) instead of train.")
+    ravnest: RavnestConfig | None = field(
         None, "Optional: Ravnest (seed 003): clusters of asynchronous pipelines averaged by parallel rings, one process per node."
     )
 

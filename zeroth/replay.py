@@ -145,7 +145,6 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
       >>> p = {"w": jnp.zeros(3)}
       >>> q = replay(p, [(sample_key(0, 0, 0, 0), 0.5)])
     """
-    _noise.check_distribution(distribution)
     if isinstance(updates, tuple) and len(updates) == 2 and _is_key_matrix(updates[0]):
         keys, coefficients = _as_keys(updates[0]), updates[1]
         if not isinstance(coefficients, list):  # a list goes as it is (checked where it is rounded)

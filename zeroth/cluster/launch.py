@@ -20,7 +20,6 @@ training, per node its idle fraction, and the formation.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -64,9 +63,7 @@ def start_nodes(cfg: _config.Config, out: Path, plan: _build.Plan, *, quiet: boo
     """Start one ``zeroth node`` process per node of the pool; returns them by name."""
     out = Path(out)
     cfg_path = out / "config.yaml"
-    env = os.environ.copy()
-    if not insecure:
-        env[identity.SECRET_ENV[0]] = identity.new_secret()
+    env = identity.launch_env(insecure)
     procs = {}
     for n in plan.pool:
         name = n["name"]

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import yaml
 
+from zeroth import config as _config
 from zeroth.collectives import sync as _sync
 
 __all__ = [
@@ -51,29 +52,21 @@ __all__ = [
 ]
 
 
-def _field(default=dataclasses.MISSING, help: str = "", choices=None, factory=None):
-    """A field with its ``--help-config`` text (and allowed values) in its metadata."""
-    meta = {"help": help, **({"choices": choices} if choices is not None else {})}
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
-
-
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
     """Dataset and batching."""
 
-    dataset: str = _field("mnist5k", "Dataset name, as in zeroth.data (`zeroth datasets` lists them).")
-    batch_size: int = _field(32, "Training examples per worker per round.")
-    eval_size: int = _field(0, "Test examples used for evaluation; 0 = the whole split.")
+    dataset: str = _config.field("mnist5k", "Dataset name, as in zeroth.data (`zeroth datasets` lists them).")
+    batch_size: int = _config.field(32, "Training examples per worker per round.")
+    eval_size: int = _config.field(0, "Test examples used for evaluation; 0 = the whole split.")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """Model from zeroth.models."""
 
-    name: str = _field("cnn", "Model name in zeroth.models.")
-    kwargs: dict = _field(help="The model's arguments (replaced whole by a run entry, not merged).",
+    name: str = _config.field("cnn", "Model name in zeroth.models.")
+    kwargs: dict = _config.field(help="The model's arguments (replaced whole by a run entry, not merged).",
                           factory=lambda: {"features": [8, 16], "dense": 32})
 
 
@@ -81,55 +74,55 @@ class ModelSpec:
 class TopologySpec:
     """Workers and how they are wired."""
 
-    kind: str = _field("ring", "How the workers are wired for the multi-hop all-reduce.", ("ring", "torus"))
-    workers: int = _field(4, "Number of workers (simulated devices of this process).")
-    rows: int | None = _field(None, "Torus rows; null = the most square factorisation of workers.")
+    kind: str = _config.field("ring", "How the workers are wired for the multi-hop all-reduce.", choices=("ring", "torus"))
+    workers: int = _config.field(4, "Number of workers (simulated devices of this process).")
+    rows: int | None = _config.field(None, "Torus rows; null = the most square factorisation of workers.")
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainSpec:
     """Rounds and step sizes."""
 
-    rounds: int = _field(200, "Training rounds (one local step and one synchronization each).")
-    eta_l: float = _field(0.05, "Local step size: each worker's update is u = eta_l * grad.")
-    eval_every: int = _field(25, "Evaluate test accuracy every this many rounds (and at the last).")
-    log_every: int = _field(1, "A train row in metrics.jsonl every this many rounds (and at the last).")
-    checksum_every: int = _field(1, "Compare every worker's parameter checksum every this many rounds.")
-    target_acc: float = _field(0.9, "rounds_to_target in summary.json is the first evaluated round reaching this test accuracy.")
+    rounds: int = _config.field(200, "Training rounds (one local step and one synchronization each).")
+    eta_l: float = _config.field(0.05, "Local step size: each worker's update is u = eta_l * grad.")
+    eval_every: int = _config.field(25, "Evaluate test accuracy every this many rounds (and at the last).")
+    log_every: int = _config.field(1, "A train row in metrics.jsonl every this many rounds (and at the last).")
+    checksum_every: int = _config.field(1, "Compare every worker's parameter checksum every this many rounds.")
+    target_acc: float = _config.field(0.9, "rounds_to_target in summary.json is the first evaluated round reaching this test accuracy.")
 
 
 @dataclasses.dataclass(frozen=True)
 class SyncSpec:
     """Synchronization method (zeroth.collectives.sync.METHODS)."""
 
-    method: str = _field("psgd", "Synchronization method.", lambda: list(_sync.METHODS))
-    eta_s: float | None = _field(None, "Global step size of signsgd, majority_vote and marsit (required there); unused by the others.")
-    K: int | None = _field(None, "Marsit: a full-precision round every K rounds; null (or inf) = never.")
-    norm: str = _field("l2", "SSDM's norm: l2 (the seed's) or linf.", ("l2", "linf"))
+    method: str = _config.field("psgd", "Synchronization method.", choices=lambda: list(_sync.METHODS))
+    eta_s: float | None = _config.field(None, "Global step size of signsgd, majority_vote and marsit (required there); unused by the others.")
+    K: int | None = _config.field(None, "Marsit: a full-precision round every K rounds; null (or inf) = never.")
+    norm: str = _config.field("l2", "SSDM's norm: l2 (the seed's) or linf.", choices=("l2", "linf"))
 
 
 @dataclasses.dataclass(frozen=True)
 class NetworkSpec:
     """Modeled links for comm_model_s."""
 
-    gbps: float = _field(1.0, "Link bandwidth in Gbit/s of the communication-time model.")
-    latency_us: float = _field(50.0, "Per-hop latency in microseconds of the communication-time model.")
+    gbps: float = _config.field(1.0, "Link bandwidth in Gbit/s of the communication-time model.")
+    latency_us: float = _config.field(50.0, "Per-hop latency in microseconds of the communication-time model.")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
     """One training run (base config merged with one entry of ``runs``, then the overrides)."""
 
-    label: str = _field(help="The run's label (required in every entry of runs; names its folder and its rows).")
-    name: str = _field("marsit", "Experiment name (default output folder: runs/<name>).")
-    seed: int = _field(0, "Seed of the initialisation, the batches and the round keys.")
-    group: str = _field("", "Runs of one group are alternatives (a step-size grid): the tables keep the best.")
-    data: DataSpec = _field(DataSpec(), "Dataset and batching.")
-    model: ModelSpec = _field(ModelSpec(), "Model and its arguments.")
-    topology: TopologySpec = _field(TopologySpec(), "Workers and how they are wired.")
-    train: TrainSpec = _field(TrainSpec(), "Rounds and step sizes.")
-    sync: SyncSpec = _field(SyncSpec(), "Synchronization method.")
-    network: NetworkSpec = _field(NetworkSpec(), "Modeled links of the communication-time model (comm_model_s).")
+    label: str = _config.field(help="The run's label (required in every entry of runs; names its folder and its rows).")
+    name: str = _config.field("marsit", "Experiment name (default output folder: runs/<name>).")
+    seed: int = _config.field(0, "Seed of the initialisation, the batches and the round keys.")
+    group: str = _config.field("", "Runs of one group are alternatives (a step-size grid): the tables keep the best.")
+    data: DataSpec = _config.field(DataSpec(), "Dataset and batching.")
+    model: ModelSpec = _config.field(ModelSpec(), "Model and its arguments.")
+    topology: TopologySpec = _config.field(TopologySpec(), "Workers and how they are wired.")
+    train: TrainSpec = _config.field(TrainSpec(), "Rounds and step sizes.")
+    sync: SyncSpec = _config.field(SyncSpec(), "Synchronization method.")
+    network: NetworkSpec = _config.field(NetworkSpec(), "Modeled links of the communication-time model (comm_model_s).")
 
 
 _SECTIONS = {

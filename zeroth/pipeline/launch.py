@@ -18,7 +18,6 @@ ends where the uninterrupted one would.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -57,9 +56,7 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
     token and a process without it cannot feed or read a stage; ``insecure`` starts them without.
     """
     out = Path(out)
-    env = dict(os.environ if env is None else env)
-    if not insecure:
-        env[identity.SECRET_ENV[0]] = identity.new_secret()
+    env = identity.launch_env(insecure, env)
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.yaml"
     cfg_path.write_text(_config.to_yaml(cfg))

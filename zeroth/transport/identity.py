@@ -53,6 +53,7 @@ __all__ = [
     "new_secret",
     "access_token",
     "token_from_env",
+    "launch_env",
     "join_proof",
     "check_join_proof",
     "verify",
@@ -97,6 +98,15 @@ def verify(public_key: bytes, data: bytes, signature: bytes) -> bool:
 def new_secret() -> str:
     """A fresh run secret: 32 random bytes as 64 hex characters."""
     return secrets.token_hex(32)
+
+
+def launch_env(insecure: bool, environ=None) -> dict[str, str]:
+    """The environment a launcher gives the processes of one run: ``environ`` (default
+    ``os.environ``) with a fresh run secret in ``SECRET_ENV[0]``, or unchanged with ``insecure``."""
+    env = dict(os.environ if environ is None else environ)
+    if not insecure:
+        env[SECRET_ENV[0]] = new_secret()
+    return env
 
 
 def token_from_env(insecure: bool, environ=None) -> str | None:
