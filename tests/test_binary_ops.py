@@ -41,7 +41,7 @@ def _all_dense(x, s, m, t, n, rows):
     return out, dots
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     b=st.integers(1, 40),
     o=st.integers(1, 70),
@@ -67,7 +67,7 @@ def test_dense_three_ways_bit_exact(b, o, n, ternary, rows, seed):
         assert_array_equal(got, want, err_msg=name)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     b=st.integers(1, 3),
     h=st.integers(1, 6),
