@@ -114,11 +114,10 @@ def test_tiles_suite_exercises_partial_tiles_and_nan_payloads():
         assert nan.sum() >= 8 and set(bits[nan].tolist()) == {ref.CANONICAL_NAN_BITS[leaf.dtype.name]}, path
 
 
-def test_tiles_suite_replays_to_golden_through_the_pallas_kernel(monkeypatch):
+def test_tiles_suite_replays_to_golden_through_the_pallas_kernel():
     """The tiles suite through the Pallas kernel (interpret mode, GPU tiling, in place) equals the
     golden digest: what the doctor checks natively on a GPU. (The copy path of the same kernel is
     checked against the reference bit for bit in test_kernels_perturb.py.)"""
-    donate = True
     from zeroth import rng
     from zeroth.kernels import perturb as kp
 
@@ -129,9 +128,9 @@ def test_tiles_suite_replays_to_golden_through_the_pallas_kernel(monkeypatch):
         scales = replay.update_scales(dist, [c for _, c in updates])
         fn = jax.jit(
             lambda p, k, s, dist=dist: kp.apply_updates(
-                p, k, s, distribution=dist, impl="pallas", interpret=True, platform="gpu", inplace=donate
+                p, k, s, distribution=dist, impl="pallas", interpret=True, platform="gpu", inplace=True
             ),
-            donate_argnums=(0,) if donate else (),
+            donate_argnums=(0,),
         )
         params = fn(params, keys, scales)
     leaves = {rng.leaf_path(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
