@@ -89,6 +89,26 @@ def test_flat_layout_groups_leaves_by_dtype_in_tree_order():
     assert replay.layout_of({**tree, "c": np.zeros(6, np.float16)}) != layout
 
 
+def test_a_tpu_layout_pads_each_buffer_to_whole_blocks_outside_every_leaf():
+    """``platform="tpu"``: the same leaves at the same offsets, each buffer padded with zeros to
+    ``tpu_flat_size``; unflatten, checksum and a replay (on this CPU) see the leaves only."""
+    tree = {"a": _values(1, (3,), np.float16), "b": _values(2, (300, 500), np.float32), "c": _values(3, (5,), np.float16)}
+    flat, tpu = replay.flatten(tree), replay.flatten(tree, platform="tpu")
+    assert tpu.layout.segments == flat.layout.segments and tpu.layout != flat.layout
+    assert tpu.layout.sizes == (2048, 2**18) == tuple(kp.tpu_flat_size(n) for n in flat.layout.sizes)
+    for padded, exact in zip(tpu.buffers, flat.buffers):
+        np.testing.assert_array_equal(np.asarray(padded)[: exact.shape[0]].view(np.uint8), np.asarray(exact).view(np.uint8))
+        assert not np.asarray(padded)[exact.shape[0]:].any()
+    _assert_tree_bits(replay.unflatten(tpu), tree)
+    assert replay.checksum(tpu) == replay.checksum(tree)
+    updates = [(rng.sample_key(0, 1, 2, s), 0.01 * (s + 1)) for s in range(3)]
+    moved = replay.replay(tpu, updates, donate=True)
+    assert replay.checksum(moved) == replay.checksum(replay.replay(tree, updates))
+    assert not np.asarray(moved.buffers[1])[150_000:].any()
+    with pytest.raises(ValueError, match="unknown platform 'metal'"):
+        replay.layout_of(tree, platform="metal")
+
+
 def test_unflatten_inside_jit_is_a_forward_pass_on_the_flat_buffers():
     tree = {"w": _values(1, (4, 3), np.float32), "b": _values(2, (3,), np.float32)}
     flat = replay.flatten(tree)

@@ -1,6 +1,7 @@
 """The flat Pallas replay: every segment of a flat buffer in ONE ``pallas_call`` (one Triton kernel
-on GPU), whatever the number of leaves, with the bits of the NumPy reference leaf by leaf. Runs in
-interpret mode on CPU; the GPU and TPU lowerings are checked by exporting for those platforms."""
+on GPU, one Mosaic kernel on TPU), whatever the number of leaves, with the bits of the NumPy
+reference leaf by leaf. Runs in interpret mode on CPU (TPU interpret mode for the TPU kernel); the
+GPU and TPU lowerings are checked by exporting for those platforms."""
 
 import functools
 import json
@@ -142,9 +143,9 @@ class _PallasCallSpy:
         self.grids = []
         real = kp.pl.pallas_call
 
-        def spy(kernel, *, grid, **kwargs):
-            self.grids.append(tuple(grid))
-            return real(kernel, grid=grid, **kwargs)
+        def spy(kernel, **kwargs):
+            self.grids.append(tuple(kwargs["grid"] if "grid" in kwargs else kwargs["grid_spec"].grid))
+            return real(kernel, **kwargs)
 
         monkeypatch.setattr(kp.pl, "pallas_call", spy)
 
@@ -207,11 +208,32 @@ def test_flat_replay_lowers_to_one_triton_kernel_per_buffer(dist, blocks, step):
     assert kernel_launches(f, args, "cuda") == len(bufs) == 2
 
 
-def test_tpu_keeps_a_launch_per_segment(tpu_chip_info):
-    """Mosaic has no loads by element index, so on TPU the flat replay stays segment by segment:
-    the export succeeds with one Mosaic kernel per segment holding a whole tile."""
+@pytest.mark.parametrize("dist,dtypes", [("binomial", (jnp.bfloat16, jnp.float32)), ("rademacher", (jnp.float16,))])
+def test_flat_replay_lowers_to_one_mosaic_kernel_per_buffer(dist, dtypes, tpu_chip_info):
+    """Exported for TPU on this CPU machine: the whole Pallas -> Mosaic lowering runs (block
+    specs, scalar prefetch, SMEM tables), and a TPU layout of 50 leaves is one Mosaic kernel per
+    dtype buffer."""
+    tree = {f"l{i:02d}": jax.ShapeDtypeStruct((1008 + 7 * i,), dtypes[i % len(dtypes)]) for i in range(50)}
+    layout = replay.layout_of(tree, platform="tpu")
+    assert all(kp.tpu_flat_fits(n, d) for d, n in zip(layout.dtypes, layout.sizes))
+
+    def f(bufs, keys, scales):
+        return kp.apply_updates_flat(bufs, keys, scales, layout.tables(), distribution=dist, platform="tpu",
+                                     inplace=True)
+
+    bufs = [jax.ShapeDtypeStruct((n,), jnp.dtype(d)) for d, n in zip(layout.dtypes, layout.sizes)]
+    args = (bufs, jax.ShapeDtypeStruct((3, 2), jnp.uint32), jax.ShapeDtypeStruct((3,), jnp.float32))
+    assert kernel_launches(f, args, "tpu") == len(bufs) == len(dtypes)
+
+
+def test_a_tpu_buffer_not_in_whole_blocks_goes_segment_by_segment(tpu_chip_info):
+    """A buffer the TPU kernel cannot view as whole blocks (the leaves back to back, unpadded:
+    not a multiple of 128) is replayed segment by segment, one Mosaic kernel per segment holding
+    a whole tile."""
     sizes = (70_000, 9_000, 140_000)  # with 8-row tiles of 1024 lanes: 8, 1 and 17 whole tiles
-    layout = replay.layout_of({f"l{i}": jax.ShapeDtypeStruct((n,), jnp.float32) for i, n in enumerate(sizes)})
+    layout = replay.layout_of({f"l{i}": jax.ShapeDtypeStruct((n,), jnp.float32) for i, n in enumerate(sizes)},
+                              platform="cpu")
+    assert not kp.tpu_flat_fits(layout.sizes[0], jnp.float32)
 
     def f(bufs, keys, scales):
         return kp.apply_updates_flat(bufs, keys, scales, layout.tables(), platform="tpu", inplace=True)
@@ -219,6 +241,126 @@ def test_tpu_keeps_a_launch_per_segment(tpu_chip_info):
     args = ([jax.ShapeDtypeStruct((sum(sizes),), jnp.float32)], jax.ShapeDtypeStruct((2, 2), jnp.uint32),
             jax.ShapeDtypeStruct((2,), jnp.float32))
     assert kernel_launches(f, args, "tpu") == len(sizes)
+
+
+# TPU interpret mode simulates VMEM and SMEM; an output block the kernel has not written yet reads
+# as NaN, so a work item that kept another's elements from it would show.
+_TPU_BLOCKS = kp.BlockSizes(tile=1024, lanes=128)  # blocks of 8 rows (16 for 16-bit): several per buffer
+
+
+def _tpu_interpret():
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams(uninitialized_memory="nan")
+
+
+@functools.cache
+def _tpu_fn(layout, dist, donate):
+    tables = layout.tables()
+    return jax.jit(lambda bufs, keys, scales: kp.apply_updates_flat(
+        bufs, keys, scales, tables, distribution=dist, impl="pallas", interpret=_tpu_interpret(), inplace=donate,
+        platform="tpu", block_sizes=_TPU_BLOCKS), donate_argnums=(0,) if donate else ())
+
+
+@pytest.mark.parametrize("dist,k,donate", [("binomial", 3, False), ("rademacher", 16, True), ("binomial", 0, True)])
+def test_the_tpu_kernel_in_tpu_interpret_mode_is_the_reference_bit_for_bit(dist, k, donate):
+    """The Mosaic kernel's semantics (TPU interpret mode): a TPU layout of leaves of odd sizes in
+    three dtypes, every special value, several blocks per buffer and blocks shared by several
+    leaves: the bits of the NumPy reference leaf by leaf."""
+    tree = _tree(k)
+    updates = [(rng.sample_key(7, m, 2, s), float(c))
+               for s, (m, c) in enumerate(zip(range(k), np.random.default_rng(k).standard_normal(k) * 1e-2))]
+    keys = np.stack([u for u, _ in updates]) if k else np.zeros((0, 2), np.uint32)
+    scales = replay.update_scales(dist, [c for _, c in updates])
+    flat = replay.flatten(tree, platform="tpu")
+    plans = [kp.plan_tpu_flat_tiles(flat.layout.table(b), n, _TPU_BLOCKS, d)
+             for b, (d, n) in enumerate(zip(flat.layout.dtypes, flat.layout.sizes))]
+    assert any(p.table.shape[0] > len(flat.layout.table(b)) for b, p in enumerate(plans))  # a leaf over two blocks
+    assert all((p.table[:, 4] == 0).any() for p in plans)  # in every buffer a block shared by several leaves
+    got = replay.Flat(_tpu_fn(flat.layout, dist, donate)(flat.buffers, jnp.asarray(keys), jnp.asarray(scales)),
+                      flat.layout)
+    want = _reference(tree, updates, dist)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(replay.unflatten(got)), jax.tree_util.tree_leaves(want),
+                            strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=rng.leaf_path(path))
+    for b, buf in zip(flat.layout.tables(), got.buffers):  # the padding past the last leaf is untouched
+        np.testing.assert_array_equal(np.asarray(buf)[max(o + z for o, z, _ in b):].astype(np.float32), 0)
+
+
+def test_the_doctors_canonical_replay_gives_the_golden_digests_through_the_tpu_kernel():
+    golden = json.loads(doctor.GOLDEN_PATH.read_text())
+    flat = replay.flatten(doctor.canonical_params(), platform="tpu")
+    for dist, updates in doctor.canonical_units():
+        keys = np.stack([k for k, _ in updates])
+        scales = replay.update_scales(dist, [c for _, c in updates])
+        flat = replay.Flat(_tpu_fn(flat.layout, dist, True)(flat.buffers, jnp.asarray(keys), jnp.asarray(scales)),
+                           flat.layout)
+    tree = replay.unflatten(flat)
+    assert replay.checksum({k: v for k, v in tree.items() if k != "norm"}) == golden["digest"]
+    assert replay.checksum({"norm": tree["norm"]}) == golden["float16_digest"]
+
+
+def _segment_reference(host, segments, keys, coefficients, dist="binomial"):
+    want = host.copy()
+    for o, z, lid in segments:
+        p = ref._flush(want[o : o + z].astype(np.float32))
+        for key, c in zip(keys, coefficients):
+            p = ref.apply_update(p, ref.update_scale(dist, c), ref.noise_int(dist, ref.fold_in(key, lid), z))
+        want[o : o + z] = ref.flush_cast(p, want.dtype)
+    return want
+
+
+def test_tpu_kernel_keeps_gaps_and_blocks_without_segments(monkeypatch):
+    """Unordered segments with gaps, one block holding none (so the plan aliases the input even
+    without ``inplace``), and a replay split over several launches when SMEM cannot hold its
+    tables: every segment gets its updates, every other element keeps its bits."""
+    segments = ((2100, 299, 11), (2, 131, 22), (140, 0, 33), (150, 200, 44), (900, 100, 55))
+    host = (np.random.default_rng(5).standard_normal(4096) * 0.1).astype(np.float32)
+    host[[2, 5, 132, 150, 401, 2398, 3000]] = np.asarray(
+        [0x7FC00001, 0x00000001, 0x807FFFFF, 0xFF800000, 0x80000000, 0x7F800000, 0x7FFFFFFF], np.uint32).view(np.float32)
+    keys = rng.sample_keys(4, [(0, 1, s) for s in range(3)])
+    coefficients = [0.5, -0.125, 0.03]
+    scales = replay.update_scales("binomial", coefficients)
+    want = _segment_reference(host, segments, keys, coefficients)
+    plan = kp.plan_tpu_flat_tiles(segments, host.size, _TPU_BLOCKS)
+    assert plan.aliased and plan.block_rows == 8  # block 3 (elements 3072-4095) holds no segment
+    seg_keys = kp._all_leaf_keys(jnp.asarray(keys), [lid for _, _, lid in segments])
+
+    def run(inplace):
+        return np.asarray(jax.jit(lambda b: kp.perturb_pallas_flat(
+            b, seg_keys, jnp.asarray(scales), segments, interpret=_tpu_interpret(), platform="tpu",
+            block_sizes=_TPU_BLOCKS, inplace=inplace))(jnp.asarray(host)))
+
+    np.testing.assert_array_equal(_bits(run(False)), _bits(want))
+    spy = _PallasCallSpy(monkeypatch)
+    monkeypatch.setattr(kp, "_TPU_SMEM_WORDS", 30)  # the tables of two segments at most per launch
+    np.testing.assert_array_equal(_bits(run(True)), _bits(want))
+    assert spy.grids == [(2,), (1,), (1,)]  # segments 0 and 1; 2 (empty) and 3; 4
+
+
+def test_tpu_plan_shares_blocks_and_sizes_them_to_the_leaves():
+    segments = ((0, 300, 9), (300, 5, 1), (512, 1000, 2), (1600, 700, 3), (2400, 3, 4))
+    plan = kp.plan_tpu_flat_tiles(segments, 2560, kp.BlockSizes(tile=4096, lanes=128))
+    assert plan.block_rows == 20 and not plan.aliased  # every row in one block: 5 items, no step wasted
+    assert plan.table.tolist() == [
+        [0, 0, 300, 0, 1], [0, 300, 305, 1, 0], [0, 512, 1512, 2, 0], [0, 1600, 2300, 3, 0], [0, 2400, 2403, 4, 0]]
+    # blocks of 8 rows: a leaf across two blocks is two items; each block's first item is marked
+    split = kp.plan_tpu_flat_tiles(segments, 3072, kp.BlockSizes(tile=1024, lanes=128))
+    assert split.block_rows == 8 and not split.aliased
+    assert split.table.tolist() == [
+        [0, 0, 300, 0, 1], [0, 300, 305, 1, 0], [0, 512, 1512, 2, 0], [1, 512, 1512, 2, 1], [1, 1600, 2300, 3, 0],
+        [2, 1600, 2300, 3, 1], [2, 2400, 2403, 4, 0]]
+    # one large leaf takes the largest block; many small leaves in a large buffer take small blocks
+    big = kp.plan_tpu_flat_tiles(((0, 2**20, 1),), 2**20, kp.default_block_sizes("tpu"))
+    assert big.block_rows == 1024 and big.table.shape[0] == 8
+    small = tuple((64 * i, 64, i) for i in range(200)) + ((2**20 - 2**18, 2**18, 999),)
+    mixed = kp.plan_tpu_flat_tiles(small, 2**20, kp.default_block_sizes("tpu"))
+    assert (mixed.block_rows, mixed.table.shape[0], mixed.aliased) == (32, 200 + 64, True)
+    assert kp.tpu_flat_size(1) == 2048 and kp.tpu_flat_size(2**17) == 2**17 and kp.tpu_flat_size(2**17 + 1) == 2**18
+    with pytest.raises(ValueError, match="do not fit"):
+        kp.plan_tpu_flat_tiles(((0, 100, 1),), 1000, kp.default_block_sizes("tpu"))
+    with pytest.raises(ValueError, match="do not fit"):  # 1032 rows: more than a block, not a multiple of 16
+        kp.plan_tpu_flat_tiles(((0, 100, 1),), 1032 * 128, kp.default_block_sizes("tpu"), jnp.bfloat16)
 
 
 def test_plan_covers_each_segment_with_tiles_of_its_own():
@@ -240,7 +382,7 @@ def test_flat_kernel_errors_name_the_problem():
         kp.perturb_pallas_flat(jnp.zeros(10), keys[:1], scales, ((0, 3, 1), (3, 3, 2)), interpret=True)
     with pytest.raises(ValueError, match="interpret=True"):
         kp.perturb_pallas_flat(jnp.zeros(10), keys, scales, ((0, 3, 1), (3, 3, 2)), platform="cpu")
-    with pytest.raises(ValueError, match="on TPU the segments go one by one"):
+    with pytest.raises(ValueError, match="on TPU use plan_tpu_flat_tiles"):
         kp.plan_flat_tiles(((0, 3, 1),), "binomial", kp.BlockSizes(), "tpu")
     with pytest.raises(ValueError, match="rows per tile must be a power of two"):
         kp.plan_flat_tiles(((0, 3000, 1),), "binomial", kp.BlockSizes(tile=192, lanes=64), "gpu")

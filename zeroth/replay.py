@@ -23,9 +23,9 @@ A flat layout (:class:`Flat`, from :func:`flatten`) keeps the parameters in one 
 per dtype with a static :class:`Layout` (each leaf's path, id, shape, buffer and offset).
 :func:`replay` of a :class:`Flat` gives the bits of :func:`replay` of the tree (each leaf keeps
 its id, ``leaf_id(path)``, and its counters, its own flat index), through one kernel launch per
-buffer whatever the number of leaves (the native kernel on CPU, one Triton kernel on GPU; on TPU
-a Pallas kernel per leaf), one compiled call per (layout, K, distribution); its host cost does
-not grow with the number of leaves. :func:`unflatten` gives the tree back (slices and
+buffer whatever the number of leaves (the native kernel on CPU, one Triton kernel on GPU, one
+Mosaic kernel on TPU, whose buffers :func:`flatten` pads to whole blocks of 128-lane rows), one
+compiled call per (layout, K, distribution); its host cost does not grow with the number of leaves. :func:`unflatten` gives the tree back (slices and
 reshapes; traceable, so a forward pass can take the flat buffers inside its ``jit``), and
 :func:`checksum` of a :class:`Flat` equals the checksum of its tree.
 """
@@ -279,12 +279,26 @@ class Flat:
         return f"Flat({self.layout!r})"
 
 
-def layout_of(params: Any) -> Layout:
+def layout_of(params: Any, *, platform: str | None = None) -> Layout:
     """The :class:`Layout` of a pytree of f32 / bf16 / f16 arrays (shapes and dtypes only).
+
+    Args:
+      params: the pytree (arrays or ``jax.ShapeDtypeStruct`` s).
+      platform: the platform whose replay the layout serves (``"cpu"``, ``"gpu"``, ``"tpu"``;
+        None: where the parameters live, :func:`zeroth.kernels.perturb.platform_of`). On
+        ``"tpu"`` every buffer's size is padded to whole blocks of 128-lane rows
+        (:func:`zeroth.kernels.perturb.tpu_flat_size`), so that its replay is one Mosaic launch;
+        the padding at its end belongs to no leaf (:func:`flatten` fills it with zeros, no replay
+        writes it, :func:`checksum` and :func:`unflatten` never read it). Elsewhere buffers hold
+        their leaves exactly.
 
     Raises:
       TypeError: a leaf has another dtype (naming its path).
+      ValueError: an unknown platform.
     """
+    platform = _fused.platform_of(params) if platform is None else _rule.platform_name(platform)
+    if platform not in ("cpu", "gpu", "tpu"):
+        raise ValueError(f"unknown platform {platform!r}; expected 'cpu', 'gpu' or 'tpu'")
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     dtypes: list[str] = []
     sizes: list[int] = []
@@ -302,13 +316,20 @@ def layout_of(params: Any) -> Layout:
         b = dtypes.index(dt.name)
         segments.append(Segment(name, _rng.leaf_id(name), dt.name, shape, b, sizes[b], size))
         sizes[b] += size
+    if platform == "tpu":
+        sizes = [_fused.tpu_flat_size(z) for z in sizes]
     return Layout(treedef, tuple(segments), tuple(dtypes), tuple(sizes))
 
 
 def _flatten_leaves(leaves, layout: Layout) -> tuple[jax.Array, ...]:
     parts: list[list[jax.Array]] = [[] for _ in layout.dtypes]
+    used = [0] * len(layout.dtypes)
     for seg, leaf in zip(layout.segments, leaves):
         parts[seg.buffer].append(jnp.asarray(leaf, seg.dtype).reshape(-1))
+        used[seg.buffer] += seg.size
+    for b, (dt, size) in enumerate(zip(layout.dtypes, layout.sizes)):
+        if size > used[b]:  # the alignment padding: zeros, outside every leaf
+            parts[b].append(jnp.zeros(size - used[b], dt))
     return tuple(
         jnp.concatenate(p) if len(p) > 1 else (p[0] if p else jnp.zeros(0, dt))
         for p, dt in zip(parts, layout.dtypes)
@@ -320,12 +341,13 @@ def _flatten_fn(layout: Layout):
     return jax.jit(lambda leaves: _flatten_leaves(leaves, layout))
 
 
-def flatten(params: Any) -> Flat:
+def flatten(params: Any, *, platform: str | None = None) -> Flat:
     """The :class:`Flat` layout of ``params`` (a copy of every leaf into its dtype's buffer, one
     compiled call per layout). ``unflatten(flatten(p))`` equals ``p`` bit for bit; each buffer
-    lives where the leaves did.
+    lives where the leaves did. ``platform``: see :func:`layout_of` (buffers for a TPU are padded
+    to whole blocks).
     """
-    layout = layout_of(params)
+    layout = layout_of(params, platform=platform)
     leaves = jax.tree_util.tree_leaves(params)
     return Flat(_flatten_fn(layout)(leaves), layout)
 

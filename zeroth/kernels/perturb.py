@@ -25,8 +25,9 @@ Entry points: :func:`perturb_leaf` (one array, leaf keys given), :func:`apply_up
 traceable, same arguments as :func:`zeroth.replay.apply_updates`),
 :func:`fused_apply_updates` (the host entry: jitted, optionally donating) and
 :func:`apply_updates_flat` (leaves laid out as segments of flat buffers, one launch per buffer:
-the op behind :class:`zeroth.replay.Flat`; on GPU :func:`perturb_pallas_flat`, a grid over the
-tiles of every segment).
+the op behind :class:`zeroth.replay.Flat`; on GPU and TPU :func:`perturb_pallas_flat`: on GPU a
+grid over the tiles of every segment, loaded by element index; on TPU a grid over fixed blocks of
+the buffer, each segment masked inside the blocks it touches).
 
 Example:
   >>> import numpy as np, jax.numpy as jnp
@@ -69,6 +70,11 @@ __all__ = [
     "perturb_pallas",
     "FlatTilePlan",
     "plan_flat_tiles",
+    "TPU_LANES",
+    "TpuFlatPlan",
+    "tpu_flat_size",
+    "tpu_flat_fits",
+    "plan_tpu_flat_tiles",
     "perturb_pallas_flat",
     "perturb_native",
     "perturb_native_tree",
@@ -515,11 +521,13 @@ def plan_flat_tiles(segments, distribution: str, blocks: BlockSizes, platform: s
       segments: ``(offset, size, leaf_id)`` int triples (checked: inside the buffer, not overlapping).
       distribution: ``"binomial"`` or ``"rademacher"``.
       blocks: the tiling; ``lanes=None`` gives grouped rows of one threefry call each.
-      platform: ``"gpu"`` or an interpret-mode platform (``"cpu"``); TPU has no flat kernel.
+      platform: ``"gpu"`` or an interpret-mode platform (``"cpu"``); on TPU the plan is
+        :func:`plan_tpu_flat_tiles` (Mosaic has no loads by element index).
     """
     platform = _rule.platform_name(platform)
     if platform == "tpu":
-        raise ValueError("the flat Pallas kernel loads elements by index (Triton); on TPU the segments go one by one")
+        raise ValueError(
+            "plan_flat_tiles is the GPU plan (tiles loaded by element index, Triton's); on TPU use plan_tpu_flat_tiles")
     check_block_sizes(blocks, platform, distribution)
     per_call = _PER_CALL[distribution]
     grouped = blocks.lanes is None
@@ -568,6 +576,13 @@ def _flat_kernel(table_ref, keys_ref, scales_ref, x_ref, o_ref, *, distribution:
         call = idx >> log2
         within = idx & jnp.uint32(_PER_CALL[distribution] - 1)
     x = pltriton.load(x_ref.at[where], mask=mask, other=0)
+    new = _segment_update(x, call, within, keys_ref, scales_ref, segment, n_updates=n_updates, distribution=distribution)
+    pltriton.store(o_ref.at[where], new, mask=mask)
+
+
+def _segment_update(x, call, within, keys_ref, scales_ref, segment, *, n_updates: int, distribution: str):
+    """The K updates of one segment on a block ``x`` of a flat kernel: flush, the updates in
+    order with the segment's leaf keys (``keys_ref[2K * segment :]``, word pairs), cast once."""
     p32 = _rule.flush(x.astype(jnp.float32))
     first_key = segment * (2 * n_updates)
 
@@ -577,7 +592,7 @@ def _flat_kernel(table_ref, keys_ref, scales_ref, x_ref, o_ref, *, distribution:
 
     if n_updates:
         p32 = jax.lax.fori_loop(0, n_updates, body, p32)
-    pltriton.store(o_ref.at[where], _rule.flush_cast(p32, o_ref.dtype), mask=mask)
+    return _rule.flush_cast(p32, x.dtype)
 
 
 def perturb_pallas_flat(
@@ -593,14 +608,24 @@ def perturb_pallas_flat(
     platform: str | None = None,
 ) -> jax.Array:
     """The Pallas kernel on every segment of one flat buffer in **one launch** (one
-    ``pallas_call``, one Triton kernel on GPU), whatever the number of segments.
+    ``pallas_call``: one Triton kernel on GPU, one Mosaic kernel on TPU), whatever the number of
+    segments.
 
     Segment ``j = (offset, size, leaf_id)`` is a whole leaf stored at ``buffer[offset : offset +
     size]``; its element ``i`` gets the noise of counter ``i`` under the leaf keys
-    ``segment_keys[j]``. The grid runs over the tiles of every segment (:func:`plan_flat_tiles`),
-    each loading and storing its elements by index under a mask, so segments need no alignment
-    and ragged ends need no second pass. Same bits as :func:`perturb_pallas` on each leaf;
-    elements outside every segment keep their bits.
+    ``segment_keys[j]``. Segments need no alignment and ragged ends need no second pass:
+
+    * GPU (Triton): the grid runs over the tiles of every segment (:func:`plan_flat_tiles`), each
+      loading and storing its elements by index under a mask.
+    * TPU (Mosaic, which loads fixed blocks only): the buffer (:func:`tpu_flat_fits`) is viewed
+      as rows of 128 lanes cut into whole blocks; the grid runs over (block, segment) work items
+      (:func:`plan_tpu_flat_tiles`, a table prefetched into SMEM that also gives each step its
+      block), each computing its segment's update on the block and keeping it where the element
+      belongs to the segment. A block shared by several segments stays in VMEM while their items
+      run back to back. Keys, scales and the table live in SMEM; a replay whose tables exceed
+      :data:`_TPU_SMEM_WORDS` words is split into a few launches, in place.
+
+    Same bits as :func:`perturb_pallas` on each leaf; elements outside every segment keep their bits.
 
     Args:
       buffer: a 1-D f32 / bf16 / f16 array of fewer than 2**31 elements.
@@ -614,7 +639,8 @@ def perturb_pallas_flat(
       inplace: alias the output to ``buffer`` (under ``jit`` with the buffer donated: no copy).
         Without it, a buffer whose segments leave gaps is aliased all the same (XLA copies it
         first), so the gaps keep their bits.
-      platform: ``"gpu"`` (Triton) or, in interpret mode, any platform but ``"tpu"``.
+      platform: ``"gpu"`` (Triton), ``"tpu"`` (Mosaic), or in interpret mode any platform (TPU
+        interpret mode: ``interpret=jax.experimental.pallas.tpu.InterpretParams()``).
 
     Returns:
       The updated buffer (same shape and dtype).
@@ -639,13 +665,16 @@ def perturb_pallas_flat(
             f"got dtype {segment_keys.dtype} shape {segment_keys.shape}"
         )
     platform, blocks = _pallas_target(platform, interpret, block_sizes)
+    # Zero-size operands are padded to one element (never read: no key or scale is read when K = 0).
+    keys_flat = jnp.pad(segment_keys.reshape(-1), (0, 0 if n_updates else 2))
+    scales = jnp.pad(scales, (0, 0 if n_updates else 1))
+    if platform == "tpu":
+        return _tpu_flat(buffer, keys_flat, scales, segments, n_updates=n_updates, distribution=distribution,
+                         blocks=blocks, interpret=interpret, inplace=inplace)
     plan = plan_flat_tiles(segments, distribution, blocks, platform)
     if plan.table.shape[0] == 0:
         return buffer
     covered = sum(z for _, z, _ in segments) == n  # segments do not overlap: they cover every element
-    # Zero-size operands are padded to one element (never read: no key or scale is read when K = 0).
-    keys_flat = jnp.pad(segment_keys.reshape(-1), (0, 0 if n_updates else 2))
-    scales = jnp.pad(scales, (0, 0 if n_updates else 1))
     table = jnp.asarray(plan.table.reshape(-1))
     whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,))  # noqa: E731 (the kernel indexes it)
     kernel = functools.partial(
@@ -663,6 +692,203 @@ def perturb_pallas_flat(
         compiler_params=triton_params() if platform == "gpu" and not interpret else None,
         name="zeroth_fused_replay_flat",
     )(table, keys_flat, scales, buffer)
+
+
+# --------------------------------------------------------------------------- the flat kernel on TPU (Mosaic)
+
+# A TPU vector register is (8, 128) 32-bit elements: the flat buffer is viewed as rows of 128 lanes.
+TPU_LANES = 128
+# Planning weight of one grid step, in elements of a block (its fixed cost: pipeline bookkeeping,
+# the DMA issue, the scalar reads of its work item). Not measured on a TPU: it only trades
+# many small blocks against the elements a large block computes for nothing.
+_TPU_STEP_ELEMENTS = 8192
+# 32-bit words of the work-item table, keys and scales one launch may put in SMEM (512 KiB; a
+# TPU v5e has 1 MiB). A replay of more segments x updates is split over several launches.
+_TPU_SMEM_WORDS = 2**17
+
+
+class TpuFlatPlan(NamedTuple):
+    """How :func:`perturb_pallas_flat` covers the segments of one flat buffer on TPU in **one
+    Mosaic launch** (Mosaic has no loads by element index, so blocks are fixed and segments are
+    masked inside them).
+
+    The buffer (``n`` elements, a multiple of :data:`TPU_LANES`) is viewed as rows of 128 lanes,
+    cut into whole blocks of ``block_rows`` rows. The grid runs over work items; item ``i`` is row ``i`` of ``table``:
+    ``(block, start, end, segment, first)``: block ``block`` gets the updates of segment
+    ``segment`` (the buffer elements ``[start, end)``, noise counter ``element - start``) on the
+    elements it holds of it, and keeps every other element as it is. Items are ordered by block,
+    so the items of one block run back to back and the block stays in VMEM between them (Pallas
+    writes an output block back when the block index changes); ``first`` is 1 on the first item
+    of a block, which takes the other elements from the input (the output block holds nothing
+    yet), and 0 on the others, which keep what the earlier items wrote.
+    """
+
+    block_rows: int  # rows of 128 lanes per block (dividing the buffer's rows)
+    table: np.ndarray  # int32[items, 5]: (block, start, end, segment, first)
+    aliased: bool  # some block holds no segment: the output aliases the input so that it keeps its bits
+
+    @property
+    def block(self) -> int:
+        return self.block_rows * TPU_LANES
+
+
+def _tpu_items(segments, block: int) -> list[tuple[int, int, int, int, int]]:
+    """The work items of blocks of ``block`` elements, ordered by block, then segment offset."""
+    items = sorted(
+        (b, o, o + z, j)
+        for j, (o, z, _) in enumerate(segments) if z
+        for b in range(o // block, (o + z - 1) // block + 1)
+    )
+    return [(b, o, e, j, int(i == 0 or items[i - 1][0] != b)) for i, (b, o, e, j) in enumerate(items)]
+
+
+def _tpu_rows(dtype, blocks: BlockSizes) -> tuple[int, int]:
+    """The fewest and the most rows of a TPU block: (16, 128) packed registers for 16-bit dtypes,
+    (8, 128) otherwise; at most ``blocks.tile`` elements."""
+    least = 16 if jnp.dtype(dtype).itemsize == 2 else 8
+    return least, max(least, blocks.tile // TPU_LANES)
+
+
+def tpu_flat_size(n: int) -> int:
+    """The size :func:`zeroth.replay.flatten` gives a TPU buffer holding ``n`` elements of leaves:
+    whole blocks for :func:`plan_tpu_flat_tiles` at the default tiling, so that no block is
+    partial. Below 2**17 elements a multiple of 2048 (16 rows of 128, one packed register of a
+    16-bit dtype); from there a multiple of 2**17 (blocks of 1024 rows). The padding is at most
+    2047 elements, or 2**17 - 1 (512 KiB of float32) for a buffer of at least that size."""
+    unit = 2048 if n < 2**17 else 2**17
+    return -(-n // unit) * unit
+
+
+def tpu_flat_fits(n: int, dtype, blocks: BlockSizes | None = None) -> bool:
+    """Whether :func:`plan_tpu_flat_tiles` takes a buffer of ``n`` elements: whole rows of 128,
+    and blocks that divide the rows (every row as one block, or a multiple of the fewest rows)."""
+    blocks = _DEFAULT_BLOCKS["tpu"] if blocks is None else blocks
+    least, most = _tpu_rows(dtype, blocks)
+    rows = n // TPU_LANES
+    return n % TPU_LANES == 0 and (rows <= most or rows % least == 0)
+
+
+def plan_tpu_flat_tiles(segments, n: int, blocks: BlockSizes, dtype=jnp.float32) -> TpuFlatPlan:
+    """The work items of :func:`perturb_pallas_flat` on TPU (see :class:`TpuFlatPlan`).
+
+    Blocks divide the buffer's rows (no block is partial): every row as one block when the buffer
+    has at most ``blocks.tile`` elements, or ``least * 2**j`` rows up to ``blocks.tile // 128``
+    (``least``: 8 rows, 16 for 16-bit dtypes, whose registers pack (16, 128)). Among those the
+    plan takes the one that minimises (items) x (block elements + a grid step's fixed cost): a
+    buffer of large leaves gets large blocks, one of many small leaves small ones, so that the
+    elements computed and masked away stay few.
+
+    Args:
+      segments: ``(offset, size, leaf_id)`` int triples (checked: inside the buffer, not overlapping).
+      n: the buffer's elements (:func:`tpu_flat_fits`; :func:`tpu_flat_size` pads to such a size).
+      blocks: the tiling; ``blocks.tile`` bounds the block (elements).
+      dtype: the buffer's dtype.
+    """
+    if not tpu_flat_fits(n, dtype, blocks):
+        raise ValueError(
+            f"the TPU flat kernel views a buffer as rows of {TPU_LANES} lanes cut into whole blocks: {n} elements of "
+            f"{jnp.dtype(dtype).name} do not fit (a size from tpu_flat_size does; zeroth.replay.flatten pads TPU "
+            f"buffers so)"
+        )
+    segments = _check_segments(segments, n, "plan_tpu_flat_tiles")
+    rows = n // TPU_LANES
+    least, most = _tpu_rows(dtype, blocks)
+    candidates = [rows] if rows <= most else []
+    b = least
+    while b <= most and b < rows:
+        if rows % b == 0:
+            candidates.append(b)
+        b *= 2
+
+    def cost(block_rows):
+        return len(_tpu_items(segments, block_rows * TPU_LANES)) * (block_rows * TPU_LANES + _TPU_STEP_ELEMENTS)
+
+    block_rows = min(candidates, key=lambda r: (cost(r), -r))
+    items = _tpu_items(segments, block_rows * TPU_LANES)
+    return TpuFlatPlan(
+        block_rows=block_rows,
+        table=np.asarray(items, np.int32).reshape(-1, 5),
+        aliased=len({it[0] for it in items}) < rows // block_rows,
+    )
+
+
+def _tpu_flat_kernel(table_ref, keys_ref, scales_ref, x_ref, o_ref, *, distribution: str, n_updates: int):
+    """One work item (a row of :attr:`TpuFlatPlan.table`): the updates of one segment on the
+    elements of one block that belong to it; the other elements keep their values."""
+    i = pl.program_id(0) * 5
+    block, start, end, segment, first = (table_ref[i + c] for c in range(5))
+    rows, width = x_ref.shape
+    shape = (rows, width)
+    g = (
+        (block.astype(jnp.uint32) * jnp.uint32(rows) + jax.lax.broadcasted_iota(jnp.uint32, shape, 0)) * jnp.uint32(width)
+        + jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
+    )
+    start, end = start.astype(jnp.uint32), end.astype(jnp.uint32)
+    mask = (g >= start) & (g < end)
+    idx = g - start  # the element's counter in its leaf (wraps outside the segment: masked away)
+    call = idx >> _LOG2_PER_CALL[distribution]
+    within = idx & jnp.uint32(_PER_CALL[distribution] - 1)
+    x = x_ref[...]
+    new = _segment_update(x, call, within, keys_ref, scales_ref, segment, n_updates=n_updates, distribution=distribution)
+
+    @pl.when(first == 1)
+    def _():
+        o_ref[...] = jnp.where(mask, new, x)
+
+    @pl.when(first == 0)
+    def _():
+        o_ref[...] = jnp.where(mask, new, o_ref[...])
+
+
+def _tpu_launch_groups(segments, block: int, n_updates: int) -> list[tuple[int, ...]]:
+    """Consecutive groups of segment indices whose work items, keys and scales fit in
+    :data:`_TPU_SMEM_WORDS` of SMEM together: one launch each (one group in all but huge replays)."""
+    groups, group, words = [], [], n_updates + 1
+    for j, (o, z, _) in enumerate(segments):
+        need = 2 * n_updates + 5 * ((o + z - 1) // block - o // block + 1 if z else 0)
+        if group and words + need > _TPU_SMEM_WORDS:
+            groups.append(tuple(group))
+            group, words = [], n_updates + 1
+        group.append(j)
+        words += need
+    return groups + [tuple(group)] if group else groups
+
+
+def _tpu_flat(buffer, keys_flat, scales, segments, *, n_updates, distribution, blocks, interpret, inplace):
+    """:func:`perturb_pallas_flat` on TPU: one Mosaic kernel over the work items of
+    :func:`plan_tpu_flat_tiles` (several in turn, in place, when SMEM cannot hold one launch's tables)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    n = buffer.shape[0]
+    plan = plan_tpu_flat_tiles(segments, n, blocks, buffer.dtype)
+    groups = _tpu_launch_groups(segments, plan.block, n_updates)
+    x2d = buffer.reshape(n // TPU_LANES, TPU_LANES)
+    seg_keys = keys_flat.reshape(len(segments), 2 * n_updates) if n_updates else None
+    for group in groups:
+        if len(groups) > 1:  # this launch's segments, renumbered; the others keep their bits (aliased)
+            group_segments = tuple(segments[j] for j in group)
+            table = np.asarray(_tpu_items(group_segments, plan.block), np.int32).reshape(-1, 5)
+            keys_g = seg_keys[np.asarray(group)].reshape(-1) if n_updates else keys_flat
+            aliased = True
+        else:
+            table, keys_g, aliased = plan.table, keys_flat, inplace or plan.aliased
+        if table.shape[0] == 0:
+            continue
+        tile = pl.BlockSpec((plan.block_rows, TPU_LANES), lambda i, t: (t[5 * i], 0))
+        smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+        x2d = pl.pallas_call(
+            functools.partial(_tpu_flat_kernel, distribution=distribution, n_updates=n_updates),
+            out_shape=jax.ShapeDtypeStruct(x2d.shape, x2d.dtype),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1, grid=(table.shape[0],), in_specs=[smem, smem, tile], out_specs=tile,
+            ),
+            input_output_aliases={3: 0} if aliased else {},
+            interpret=interpret,
+            # The items of a block must run in order on one core.
+            compiler_params=None if interpret else pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+            name="zeroth_fused_replay_flat",
+        )(jnp.asarray(table.reshape(-1)), keys_g, scales, x2d)
+    return x2d.reshape(n)
 
 
 # --------------------------------------------------------------------------- native CPU kernel
@@ -1105,12 +1331,15 @@ def apply_updates_flat(
         its noise counter ``i`` is its own flat index (0 at ``offset``).
       distribution, impl, inplace, block_sizes, interpret, platform: see :func:`apply_updates`.
         Each buffer is **one launch** whatever its number of segments on CPU (the native
-        kernel, :func:`perturb_native_flat`) and on GPU (one Triton kernel over the tiles of
+        kernel, :func:`perturb_native_flat`), on GPU (one Triton kernel over the tiles of
         every segment, :func:`perturb_pallas_flat`; ``impl="auto"`` takes it for every K, since
-        the jnp rule would launch one fusion per segment); the leaf keys of every segment of
-        every buffer are derived once per call. On TPU (Mosaic has no loads by element index)
-        and on the jnp path each segment is updated on its slice (:func:`perturb_leaf`) and
-        written back in place. Elements outside every segment keep their bits.
+        the jnp rule would launch one fusion per segment) and on TPU (one Mosaic kernel over
+        fixed blocks, :func:`perturb_pallas_flat`, for a buffer of whole blocks,
+        :func:`tpu_flat_fits`, as :func:`zeroth.replay.flatten` makes them on a TPU); the
+        leaf keys of every segment of every buffer are derived once per call. On the jnp path,
+        and for a TPU buffer not in whole blocks, each segment is updated on its slice
+        (:func:`perturb_leaf`) and written back in place. Elements outside every segment keep
+        their bits.
 
     Returns:
       The updated buffers (same shapes and dtypes).
@@ -1156,13 +1385,14 @@ def _apply_flat(buffers, keys, scales, *, segments, distribution, impl, inplace,
     out, first = [], 0
     for b, seg in zip(buffers, segments):
         seg_keys, first = (all_keys[first : first + len(seg)] if seg else None), first + len(seg)
-        if impl == "pallas" and platform != "tpu" and b.shape[0] <= _FLAT_MAX_ELEMENTS:
+        if impl == "pallas" and b.shape[0] <= _FLAT_MAX_ELEMENTS and (
+                platform != "tpu" or tpu_flat_fits(b.shape[0], b.dtype, block_sizes)):
             out.append(b if not seg else perturb_pallas_flat(
                 b, seg_keys, scales, seg, distribution=distribution, block_sizes=block_sizes, interpret=interpret,
                 inplace=inplace, platform=platform,
             ))
             continue
-        for j, (o, z, _) in enumerate(seg):  # TPU, the jnp rule: segment by segment, written back in place
+        for j, (o, z, _) in enumerate(seg):  # the jnp rule, a TPU buffer not in whole blocks: segment by segment
             new = perturb_leaf(
                 jax.lax.slice(b, (o,), (o + z,)), seg_keys[j], scales, distribution=distribution, impl=impl,
                 block_sizes=block_sizes, interpret=interpret, platform=platform,
