@@ -186,7 +186,9 @@ class TestNative:
         got = jax.jit(lambda x: kp.perturb_native(x, keys, scales, distribution=dist))(x)
         assert_same_bits(got, numpy_perturb(x, keys, scales, dist))
 
-    @pytest.mark.parametrize("n_updates", [0, 1, 8])
+    # The binomial kernel computes the noise of four updates at a time, then two, then one: every
+    # remainder of K mod 4, after none, one or several groups of four.
+    @pytest.mark.parametrize("n_updates", [0, 1, 2, 3, 4, 5, 6, 7, 8, 11])
     def test_update_counts(self, n_updates):
         x = _array((300,), jnp.bfloat16, seed=6)
         keys, scales = _leaf_keys(n_updates, seed=6), _scales("binomial", n_updates, seed=6)

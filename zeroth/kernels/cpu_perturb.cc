@@ -24,7 +24,7 @@
 // BITALG used when present) threefry runs 16 calls per register and the noise never leaves
 // registers: vpopcntw, a vpermt2w to put halves in element order and a vpermt2ps table lookup of
 // scale * (c - 8) for binomial, each group of 64 elements held in registers through all K
-// updates; the 16-bit halves of the words used directly as blend masks for Rademacher;
+// updates, whose threefry chains run four at a time, interleaved; the 16-bit halves of the words used directly as blend masks for Rademacher;
 // vfpclassps for the flush. Elsewhere plain loops that the compiler vectorizes for its target
 // (the word stream of a tile into a small buffer, then an elementwise pass).
 //
@@ -218,11 +218,44 @@ struct BinomialLookup {
   __m512i i0, i1, i2, i3;  // kBinomialIndex
 };
 
-// One update of one group held in p[0..3]: p = flush(p + scale * (popcount - 8)) in element order.
-inline void BinomialUpdate(const LeafKey& key, v16u calls, __m512 t_lo, __m512 t_hi, const BinomialLookup& ix,
-                           __m512 (&p)[4]) {
-  v16u x0, x1;
-  Threefry(key, calls, x0, x1);
+
+// N independent threefry-2x32 chains on the same calls under N keys (N updates of one group),
+// round by round, so that the out-of-order core always has other chains' work while one waits on
+// its latency.
+template <int N>
+inline void ThreefryN(const LeafKey (&k)[N], v16u calls, v16u (&x0)[N], v16u (&x1)[N]) {
+  for (int i = 0; i < N; ++i) {
+    x0[i] = v16u{} + k[i].k0;
+    x1[i] = calls + k[i].k1;
+  }
+#define ZRN(r)                                        \
+  do {                                                \
+    for (int i = 0; i < N; ++i) x0[i] += x1[i];       \
+    for (int i = 0; i < N; ++i) x1[i] = (x1[i] << r) | (x1[i] >> (32 - r)); \
+    for (int i = 0; i < N; ++i) x1[i] ^= x0[i];       \
+  } while (0)
+#define ZBLOCKN(ra, rb, rc, rd, w0, w1, inj)                          \
+  do {                                                                \
+    ZRN(ra);                                                          \
+    ZRN(rb);                                                          \
+    ZRN(rc);                                                          \
+    ZRN(rd);                                                          \
+    for (int i = 0; i < N; ++i) {                                     \
+      x0[i] += k[i].w0;                                               \
+      x1[i] += k[i].w1 + (inj);                                       \
+    }                                                                 \
+  } while (0)
+  ZBLOCKN(13, 15, 26, 6, k1, k2, 1u);
+  ZBLOCKN(17, 29, 16, 24, k2, k0, 2u);
+  ZBLOCKN(13, 15, 26, 6, k0, k1, 3u);
+  ZBLOCKN(17, 29, 16, 24, k1, k2, 4u);
+  ZBLOCKN(13, 15, 26, 6, k2, k0, 5u);
+#undef ZBLOCKN
+#undef ZRN
+}
+
+// The popcounts of one group's 16 calls added to its 64 elements in element order.
+inline void BinomialApply(v16u x0, v16u x1, __m512 t_lo, __m512 t_hi, const BinomialLookup& ix, __m512 (&p)[4]) {
   const __m512i c0 = Popcount16(AsM512i(x0)), c1 = Popcount16(AsM512i(x1));
   p[0] = AddFlush(p[0], _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, ix.i0, c1), t_hi));
   p[1] = AddFlush(p[1], _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, ix.i1, c1), t_hi));
@@ -230,9 +263,25 @@ inline void BinomialUpdate(const LeafKey& key, v16u calls, __m512 t_lo, __m512 t
   p[3] = AddFlush(p[3], _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, ix.i3, c1), t_hi));
 }
 
+// Updates u..u+N-1 of one group held in p[0..3], in order: p = flush(p + scale * (popcount - 8)),
+// element order. Their noise is N independent threefry chains, computed interleaved.
+template <int N>
+inline void BinomialUpdates(const Update* ups, const uint32_t* k0, const uint32_t* k1, int64_t stride, int64_t u,
+                            v16u calls, const BinomialLookup& ix, __m512 (&p)[4]) {
+  LeafKey keys[N];
+  v16u x0[N], x1[N];
+  for (int i = 0; i < N; ++i) keys[i] = MakeKey(k0[(u + i) * stride], k1[(u + i) * stride]);
+  ThreefryN<N>(keys, calls, x0, x1);
+  for (int i = 0; i < N; ++i) {
+    BinomialApply(x0[i], x1[i], _mm512_load_ps(ups[u + i].table), _mm512_load_ps(ups[u + i].table + 16), ix, p);
+  }
+}
+
 // All K binomial updates on groups [g0, g1): a group's 64 elements stay in four registers through
 // its K updates (one load and one store per group, not per update, and no call per update: a small
-// leaf costs its arithmetic). up.table[c] = scale * (c - 8) for a popcount c in 0..16 (exact) is
+// leaf costs its arithmetic), whose noise is computed four updates at a time: four independent
+// threefry chains, interleaved, keep the vector units busy where one chain would wait on the
+// latency of its own rounds (then two, then one for the K mod 4 left). up.table[c] = scale * (c - 8) for a popcount c in 0..16 (exact) is
 // looked up by vpermt2ps, which reads the low 5 bits of each 32-bit index. Key u is
 // (k0[u * stride], k1[u * stride]).
 void BinomialGroupsAll(float* buf, const Update* ups, const uint32_t* k0, const uint32_t* k1, int64_t stride,
@@ -240,18 +289,17 @@ void BinomialGroupsAll(float* buf, const Update* ups, const uint32_t* k0, const 
   const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const BinomialLookup ix = {_mm512_load_si512(kBinomialIndex.v[0]), _mm512_load_si512(kBinomialIndex.v[1]),
                              _mm512_load_si512(kBinomialIndex.v[2]), _mm512_load_si512(kBinomialIndex.v[3])};
-  if (n_updates == 0) return;
-  const LeafKey key0 = MakeKey(k0[0], k1[0]);
-  const __m512 t0_lo = _mm512_load_ps(ups[0].table), t0_hi = _mm512_load_ps(ups[0].table + 16);
   for (int64_t g = g0; g < g1; ++g) {
     float* q = buf + 64 * g;
     __m512 p[4] = {_mm512_loadu_ps(q), _mm512_loadu_ps(q + 16), _mm512_loadu_ps(q + 32), _mm512_loadu_ps(q + 48)};
     const v16u calls = lane + (first_call + static_cast<uint32_t>(16 * g));
-    BinomialUpdate(key0, calls, t0_lo, t0_hi, ix, p);  // update 0's key and table stay in registers
-    for (int64_t u = 1; u < n_updates; ++u) {
-      BinomialUpdate(MakeKey(k0[u * stride], k1[u * stride]), calls, _mm512_load_ps(ups[u].table),
-                     _mm512_load_ps(ups[u].table + 16), ix, p);
+    int64_t u = 0;
+    for (; u + 4 <= n_updates; u += 4) BinomialUpdates<4>(ups, k0, k1, stride, u, calls, ix, p);
+    if (u + 2 <= n_updates) {
+      BinomialUpdates<2>(ups, k0, k1, stride, u, calls, ix, p);
+      u += 2;
     }
+    if (u < n_updates) BinomialUpdates<1>(ups, k0, k1, stride, u, calls, ix, p);
     _mm512_storeu_ps(q, p[0]);
     _mm512_storeu_ps(q + 16, p[1]);
     _mm512_storeu_ps(q + 32, p[2]);
