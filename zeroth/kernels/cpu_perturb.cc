@@ -24,7 +24,8 @@
 // BITALG used when present) threefry runs 16 calls per register and the noise never leaves
 // registers: vpopcntw, a vpermt2w to put halves in element order and a vpermt2ps table lookup of
 // scale * (c - 8) for binomial, each group of 64 elements held in registers through all K
-// updates, whose threefry chains run four at a time, interleaved; the 16-bit halves of the words used directly as blend masks for Rademacher;
+// updates, whose threefry chains run four at a time, interleaved (four updates of a group, or
+// with K < 4 one update of four groups); the 16-bit halves of the words used directly as blend masks for Rademacher;
 // vfpclassps for the flush. Elsewhere plain loops that the compiler vectorizes for its target
 // (the word stream of a tile into a small buffer, then an elementwise pass).
 //
@@ -55,6 +56,7 @@ namespace {
 constexpr int64_t kTile = 4096;          // elements per tile (multiple of 1024)
 constexpr int64_t kBinomialGroup = 64;   // elements per 16 threefry calls
 constexpr int64_t kRademacherGroup = 1024;
+constexpr int kGroupChains = 4;  // binomial groups whose threefry chains run interleaved when K < 4
 constexpr int64_t kParallelWork = int64_t{1} << 18;  // element-updates before using threads
 constexpr uint32_t kParity = 0x1BD11BDAu;
 constexpr uint32_t kCanonicalNan = 0x7FC00000u;
@@ -219,14 +221,16 @@ struct BinomialLookup {
 };
 
 
-// N independent threefry-2x32 chains on the same calls under N keys (N updates of one group),
-// round by round, so that the out-of-order core always has other chains' work while one waits on
-// its latency.
+// N independent threefry-2x32 chains (calls[i] under key k[i]: N updates of one group, or one
+// update of N groups), round by round, so that the out-of-order core always has other chains'
+// work while one waits on the latency of its own rounds. Always inlined: the chains must stay in
+// registers.
 template <int N>
-inline void ThreefryN(const LeafKey (&k)[N], v16u calls, v16u (&x0)[N], v16u (&x1)[N]) {
+__attribute__((always_inline)) inline void ThreefryN(const LeafKey (&k)[N], const v16u (&calls)[N], v16u (&x0)[N],
+                                                     v16u (&x1)[N]) {
   for (int i = 0; i < N; ++i) {
     x0[i] = v16u{} + k[i].k0;
-    x1[i] = calls + k[i].k1;
+    x1[i] = calls[i] + k[i].k1;
   }
 #define ZRN(r)                                        \
   do {                                                \
@@ -269,19 +273,39 @@ template <int N>
 inline void BinomialUpdates(const Update* ups, const uint32_t* k0, const uint32_t* k1, int64_t stride, int64_t u,
                             v16u calls, const BinomialLookup& ix, __m512 (&p)[4]) {
   LeafKey keys[N];
-  v16u x0[N], x1[N];
-  for (int i = 0; i < N; ++i) keys[i] = MakeKey(k0[(u + i) * stride], k1[(u + i) * stride]);
-  ThreefryN<N>(keys, calls, x0, x1);
+  v16u same[N], x0[N], x1[N];
+  for (int i = 0; i < N; ++i) {
+    keys[i] = MakeKey(k0[(u + i) * stride], k1[(u + i) * stride]);
+    same[i] = calls;
+  }
+  ThreefryN<N>(keys, same, x0, x1);
   for (int i = 0; i < N; ++i) {
     BinomialApply(x0[i], x1[i], _mm512_load_ps(ups[u + i].table), _mm512_load_ps(ups[u + i].table + 16), ix, p);
   }
+}
+
+// Update u of groups g..g+N-1 (N groups of 64 elements held in p[N][4]): their noise is N
+// independent threefry chains (consecutive calls under one key), computed interleaved.
+template <int N>
+inline void BinomialGroupsUpdate(const LeafKey& key, const Update& up, v16u calls, const BinomialLookup& ix,
+                                 __m512 (&p)[N][4]) {
+  LeafKey keys[N];
+  v16u c[N], x0[N], x1[N];
+  for (int i = 0; i < N; ++i) {
+    keys[i] = key;
+    c[i] = calls + static_cast<uint32_t>(16 * i);
+  }
+  ThreefryN<N>(keys, c, x0, x1);
+  const __m512 t_lo = _mm512_load_ps(up.table), t_hi = _mm512_load_ps(up.table + 16);
+  for (int i = 0; i < N; ++i) BinomialApply(x0[i], x1[i], t_lo, t_hi, ix, p[i]);
 }
 
 // All K binomial updates on groups [g0, g1): a group's 64 elements stay in four registers through
 // its K updates (one load and one store per group, not per update, and no call per update: a small
 // leaf costs its arithmetic), whose noise is computed four updates at a time: four independent
 // threefry chains, interleaved, keep the vector units busy where one chain would wait on the
-// latency of its own rounds (then two, then one for the K mod 4 left). up.table[c] = scale * (c - 8) for a popcount c in 0..16 (exact) is
+// latency of its own rounds (then two, then one for the K mod 4 left). With fewer than four
+// updates the chains run over four groups at a time instead (one update of 256 elements). up.table[c] = scale * (c - 8) for a popcount c in 0..16 (exact) is
 // looked up by vpermt2ps, which reads the low 5 bits of each 32-bit index. Key u is
 // (k0[u * stride], k1[u * stride]).
 void BinomialGroupsAll(float* buf, const Update* ups, const uint32_t* k0, const uint32_t* k1, int64_t stride,
@@ -289,7 +313,24 @@ void BinomialGroupsAll(float* buf, const Update* ups, const uint32_t* k0, const 
   const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const BinomialLookup ix = {_mm512_load_si512(kBinomialIndex.v[0]), _mm512_load_si512(kBinomialIndex.v[1]),
                              _mm512_load_si512(kBinomialIndex.v[2]), _mm512_load_si512(kBinomialIndex.v[3])};
-  for (int64_t g = g0; g < g1; ++g) {
+  int64_t g = g0;
+  if (n_updates < 4) {  // few updates: the chains run over groups instead, kGroupChains at a time
+    for (; g + kGroupChains <= g1; g += kGroupChains) {
+      float* q = buf + 64 * g;
+      __m512 p[kGroupChains][4];
+      for (int i = 0; i < kGroupChains; ++i) {
+        for (int j = 0; j < 4; ++j) p[i][j] = _mm512_loadu_ps(q + 64 * i + 16 * j);
+      }
+      const v16u calls = lane + (first_call + static_cast<uint32_t>(16 * g));
+      for (int64_t u = 0; u < n_updates; ++u) {
+        BinomialGroupsUpdate<kGroupChains>(MakeKey(k0[u * stride], k1[u * stride]), ups[u], calls, ix, p);
+      }
+      for (int i = 0; i < kGroupChains; ++i) {
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(q + 64 * i + 16 * j, p[i][j]);
+      }
+    }
+  }
+  for (; g < g1; ++g) {
     float* q = buf + 64 * g;
     __m512 p[4] = {_mm512_loadu_ps(q), _mm512_loadu_ps(q + 16), _mm512_loadu_ps(q + 32), _mm512_loadu_ps(q + 48)};
     const v16u calls = lane + (first_call + static_cast<uint32_t>(16 * g));
