@@ -118,6 +118,10 @@ def test_bench_perturb_overhead_reports_per_call_microseconds():
     assert set(result["met"]) == {f"{p}_L{n}_K{k}_us" for p in ("replay", "flat") for n in (1, 3) for k in (1, 2)}
     assert result["flat_bits_match_pytree"] == {f"L{n}_K{k}": True for n in (1, 3) for k in (1, 2)}
     assert result["target"] == "<= 100 us per call"
+    # under each flat verdict, the time of one leaf holding the same elements (the arithmetic floor)
+    assert result["arithmetic_us"] == {
+        f"flat_L{n}_K{k}_us": rows[("flat, one leaf of L*64 (arithmetic)", n, k)]["us_per_call_min"]
+        for n in (1, 3) for k in (1, 2)}
     # kernels per call, counted in the compiled program: one native launch for the one float32 buffer
     launches = result["kernel_launches"]
     assert set(launches) == {f"{p}_L{n}_K{k}" for p in ("replay", "flat") for n in (1, 3) for k in (1, 2)}
