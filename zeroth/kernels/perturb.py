@@ -713,8 +713,8 @@ class TpuFlatPlan(NamedTuple):
     masked inside them).
 
     The buffer (``n`` elements, a multiple of :data:`TPU_LANES`) is viewed as rows of 128 lanes,
-    cut into whole blocks of ``block_rows`` rows. The grid runs over work items; item ``i`` is row ``i`` of ``table``:
-    ``(block, start, end, segment, first)``: block ``block`` gets the updates of segment
+    cut into whole blocks of ``block_rows`` rows. The grid runs over work items; item ``i`` is row
+    ``i`` of ``table``, ``(block, start, end, segment, first)``: block ``block`` gets the updates of segment
     ``segment`` (the buffer elements ``[start, end)``, noise counter ``element - start``) on the
     elements it holds of it, and keeps every other element as it is. Items are ordered by block,
     so the items of one block run back to back and the block stays in VMEM between them (Pallas
@@ -730,6 +730,11 @@ class TpuFlatPlan(NamedTuple):
     @property
     def block(self) -> int:
         return self.block_rows * TPU_LANES
+
+
+def _blocks_touched(offset: int, size: int, block: int) -> int:
+    """How many blocks of ``block`` elements a segment touches: its work items."""
+    return (offset + size - 1) // block - offset // block + 1 if size else 0
 
 
 def _tpu_items(segments, block: int) -> list[tuple[int, int, int, int, int]]:
@@ -801,7 +806,8 @@ def plan_tpu_flat_tiles(segments, n: int, blocks: BlockSizes, dtype=jnp.float32)
         b *= 2
 
     def cost(block_rows):
-        return len(_tpu_items(segments, block_rows * TPU_LANES)) * (block_rows * TPU_LANES + _TPU_STEP_ELEMENTS)
+        items = sum(_blocks_touched(o, z, block_rows * TPU_LANES) for o, z, _ in segments)
+        return items * (block_rows * TPU_LANES + _TPU_STEP_ELEMENTS)
 
     block_rows = min(candidates, key=lambda r: (cost(r), -r))
     items = _tpu_items(segments, block_rows * TPU_LANES)
@@ -845,7 +851,7 @@ def _tpu_launch_groups(segments, block: int, n_updates: int) -> list[tuple[int, 
     :data:`_TPU_SMEM_WORDS` of SMEM together: one launch each (one group in all but huge replays)."""
     groups, group, words = [], [], n_updates + 1
     for j, (o, z, _) in enumerate(segments):
-        need = 2 * n_updates + 5 * ((o + z - 1) // block - o // block + 1 if z else 0)
+        need = 2 * n_updates + 5 * _blocks_touched(o, z, block)
         if group and words + need > _TPU_SMEM_WORDS:
             groups.append(tuple(group))
             group, words = [], n_updates + 1
@@ -864,6 +870,8 @@ def _tpu_flat(buffer, keys_flat, scales, segments, *, n_updates, distribution, b
     groups = _tpu_launch_groups(segments, plan.block, n_updates)
     x2d = buffer.reshape(n // TPU_LANES, TPU_LANES)
     seg_keys = keys_flat.reshape(len(segments), 2 * n_updates) if n_updates else None
+    tile = pl.BlockSpec((plan.block_rows, TPU_LANES), lambda i, t: (t[5 * i], 0))  # the item's block
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     for group in groups:
         if len(groups) > 1:  # this launch's segments, renumbered; the others keep their bits (aliased)
             group_segments = tuple(segments[j] for j in group)
@@ -874,8 +882,6 @@ def _tpu_flat(buffer, keys_flat, scales, segments, *, n_updates, distribution, b
             table, keys_g, aliased = plan.table, keys_flat, inplace or plan.aliased
         if table.shape[0] == 0:
             continue
-        tile = pl.BlockSpec((plan.block_rows, TPU_LANES), lambda i, t: (t[5 * i], 0))
-        smem = pl.BlockSpec(memory_space=pltpu.SMEM)
         x2d = pl.pallas_call(
             functools.partial(_tpu_flat_kernel, distribution=distribution, n_updates=n_updates),
             out_shape=jax.ShapeDtypeStruct(x2d.shape, x2d.dtype),
