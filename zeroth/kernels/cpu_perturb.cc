@@ -25,8 +25,8 @@
 // registers: vpopcntw, a vpermt2w to put halves in element order and a vpermt2ps table lookup of
 // scale * (c - 8) for binomial, each group of 64 elements held in registers through all K
 // updates, whose threefry chains run four at a time, interleaved (four updates of a group, or
-// with K < 4 one update of four groups); the 16-bit halves of the words used directly as blend masks for Rademacher;
-// vfpclassps for the flush. Elsewhere plain loops that the compiler vectorizes for its target
+// with K < 4 one update of four groups); the 16-bit halves of the words used directly as blend
+// masks for Rademacher; vfpclassps for the flush. Elsewhere plain loops that the compiler vectorizes for its target
 // (the word stream of a tile into a small buffer, then an elementwise pass).
 //
 // A launch's host cost does not grow with its leaves: the leaf keys of all leaves and the K
@@ -220,7 +220,6 @@ struct BinomialLookup {
   __m512i i0, i1, i2, i3;  // kBinomialIndex
 };
 
-
 // N independent threefry-2x32 chains (calls[i] under key k[i]: N updates of one group, or one
 // update of N groups), round by round, so that the out-of-order core always has other chains'
 // work while one waits on the latency of its own rounds. Always inlined: the chains must stay in
@@ -232,22 +231,22 @@ __attribute__((always_inline)) inline void ThreefryN(const LeafKey (&k)[N], cons
     x0[i] = v16u{} + k[i].k0;
     x1[i] = calls[i] + k[i].k1;
   }
-#define ZRN(r)                                        \
-  do {                                                \
-    for (int i = 0; i < N; ++i) x0[i] += x1[i];       \
+#define ZRN(r)                                                              \
+  do {                                                                      \
+    for (int i = 0; i < N; ++i) x0[i] += x1[i];                             \
     for (int i = 0; i < N; ++i) x1[i] = (x1[i] << r) | (x1[i] >> (32 - r)); \
-    for (int i = 0; i < N; ++i) x1[i] ^= x0[i];       \
+    for (int i = 0; i < N; ++i) x1[i] ^= x0[i];                             \
   } while (0)
-#define ZBLOCKN(ra, rb, rc, rd, w0, w1, inj)                          \
-  do {                                                                \
-    ZRN(ra);                                                          \
-    ZRN(rb);                                                          \
-    ZRN(rc);                                                          \
-    ZRN(rd);                                                          \
-    for (int i = 0; i < N; ++i) {                                     \
-      x0[i] += k[i].w0;                                               \
-      x1[i] += k[i].w1 + (inj);                                       \
-    }                                                                 \
+#define ZBLOCKN(ra, rb, rc, rd, w0, w1, inj) \
+  do {                                       \
+    ZRN(ra);                                 \
+    ZRN(rb);                                 \
+    ZRN(rc);                                 \
+    ZRN(rd);                                 \
+    for (int i = 0; i < N; ++i) {            \
+      x0[i] += k[i].w0;                      \
+      x1[i] += k[i].w1 + (inj);              \
+    }                                        \
   } while (0)
   ZBLOCKN(13, 15, 26, 6, k1, k2, 1u);
   ZBLOCKN(17, 29, 16, 24, k2, k0, 2u);
@@ -305,14 +304,15 @@ inline void BinomialGroupsUpdate(const LeafKey& key, const Update& up, v16u call
 // leaf costs its arithmetic), whose noise is computed four updates at a time: four independent
 // threefry chains, interleaved, keep the vector units busy where one chain would wait on the
 // latency of its own rounds (then two, then one for the K mod 4 left). With fewer than four
-// updates the chains run over four groups at a time instead (one update of 256 elements). up.table[c] = scale * (c - 8) for a popcount c in 0..16 (exact) is
-// looked up by vpermt2ps, which reads the low 5 bits of each 32-bit index. Key u is
-// (k0[u * stride], k1[u * stride]).
+// updates the chains run over four groups at a time instead (one update of 256 elements).
+// up.table[c] = scale * (c - 8) for a popcount c in 0..16 (exact) is looked up by vpermt2ps,
+// which reads the low 5 bits of each 32-bit index. Key u is (k0[u * stride], k1[u * stride]).
 void BinomialGroupsAll(float* buf, const Update* ups, const uint32_t* k0, const uint32_t* k1, int64_t stride,
                        int64_t n_updates, uint32_t first_call, int64_t g0, int64_t g1) {
   const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const BinomialLookup ix = {_mm512_load_si512(kBinomialIndex.v[0]), _mm512_load_si512(kBinomialIndex.v[1]),
                              _mm512_load_si512(kBinomialIndex.v[2]), _mm512_load_si512(kBinomialIndex.v[3])};
+  if (n_updates == 0) return;
   int64_t g = g0;
   if (n_updates < 4) {  // few updates: the chains run over groups instead, kGroupChains at a time
     for (; g + kGroupChains <= g1; g += kGroupChains) {
