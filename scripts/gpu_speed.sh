@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The speed measurements that need an accelerator, in one run (a few minutes on an H100): the
+# doctor, then each benchmark's JSON into OUT, and a profile of the ZO step where Nsight Systems
+# (nsys) is installed. A step that fails is reported and the next one runs.
+#
+#   OUT/env.txt                      devices, jax and jaxlib versions, nvidia-smi
+#   OUT/doctor.txt                   zeroth doctor (the golden digests must be printed)
+#   OUT/perturb.json                 replay throughput at SIZE elements vs torch.randn + add_ on the same device
+#   OUT/overhead.json                host cost of one replay call, 1 to 200 leaves, tree and flat layout
+#   OUT/kernels.json                 fused K-update replay vs K passes, with the fraction of memory bandwidth
+#   OUT/zo_transformer.json          ZO step / two forwards, transformer at the default width
+#   OUT/zo_transformer_4096.json     the same at --width 4096 (12.6M parameters)
+#   OUT/zo_profile.txt               nsys's kernel summary of the --width 4096 run (where the time goes)
+#   OUT/status.txt                   one line per step: its exit status and seconds
+#
+# Usage: scripts/gpu_speed.sh [OUT]   (default: $OUT if set, else runs/gpu_speed)
+# PYTHON names the interpreter that has zeroth installed (default: python). SIZE sets the replay
+# benchmarks' float32 leaf (default 2**27). QUICK=1 shrinks every step, for a dry run on a CPU.
+set -uo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+out="${1:-${OUT:-runs/gpu_speed}}"
+py="${PYTHON:-python}"
+cd "$repo"
+mkdir -p "$out"
+: > "$out/status.txt"
+
+size="${SIZE:-134217728}"
+zo_args=() over_args=() reps=5
+if [ "${QUICK:-0}" = 1 ]; then
+  size=1048576 zo_args=(--batch 8 --repeats 1) over_args=(--repeats 1) reps=1
+fi
+
+step() {  # step NAME OUTFILE COMMAND...: run it, its output into OUTFILE, its status into status.txt
+  local name="$1" file="$2" t0=$SECONDS
+  shift 2
+  "$@" > "$file" 2> "$file.err"
+  local rc=$?
+  [ -s "$file.err" ] || rm -f "$file.err"
+  printf '%-22s exit %3d  %4d s\n' "$name" "$rc" $((SECONDS - t0)) | tee -a "$out/status.txt"
+}
+
+env_info() {
+  "$py" -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__); print(jax.devices())'
+  command -v nvidia-smi > /dev/null && nvidia-smi
+  return 0
+}
+
+step env "$out/env.txt" env_info
+step doctor "$out/doctor.txt" "$py" -m zeroth doctor
+step perturb "$out/perturb.json" "$py" -m zeroth bench perturb --json --size "$size" --repeats "$reps"
+step overhead "$out/overhead.json" "$py" -m zeroth bench perturb --json --overhead "${over_args[@]}"
+step kernels "$out/kernels.json" "$py" -m zeroth bench kernels --json --size "$size" --repeats "$reps"
+step zo_transformer "$out/zo_transformer.json" "$py" -m zeroth bench zo --json --model transformer "${zo_args[@]}"
+step zo_transformer_4096 "$out/zo_transformer_4096.json" \
+  "$py" -m zeroth bench zo --json --model transformer --width 4096 "${zo_args[@]}"
+if command -v nsys > /dev/null; then
+  step zo_profile "$out/zo_profile.txt" nsys profile --stats=true --force-overwrite=true -o "$out/zo_4096" \
+    "$py" -m zeroth bench zo --model transformer --width 4096 --repeats 3
+else
+  echo "zo_profile             skipped: no nsys on this machine" | tee -a "$out/status.txt"
+fi
