@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zeroth import doctor, replay, rng
 from zeroth import reference as ref
@@ -336,6 +338,40 @@ def test_tpu_kernel_keeps_gaps_and_blocks_without_segments(monkeypatch):
     monkeypatch.setattr(kp, "_TPU_SMEM_WORDS", 30)  # the tables of two segments at most per launch
     np.testing.assert_array_equal(_bits(run(True)), _bits(want))
     assert spy.grids == [(2,), (1,), (1,)]  # segments 0 and 1; 2 (empty) and 3; 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=12), gaps=st.lists(st.integers(0, 300), min_size=12,
+       max_size=12), tile_log2=st.integers(10, 17), half=st.booleans())
+def test_tpu_plan_covers_each_segment_once_in_whole_blocks(sizes, gaps, tile_log2, half):
+    """Whatever the segments: blocks divide the rows, every element of every segment is in exactly
+    one item of its own segment, the items of a block are consecutive and the first is marked,
+    and the plan aliases exactly when some block holds no segment."""
+    segments, o = [], 0
+    for j, (z, gap) in enumerate(zip(sizes, gaps)):
+        segments.append((o + gap, z, j))
+        o += gap + z
+    n = kp.tpu_flat_size(o)
+    dtype = jnp.bfloat16 if half else jnp.float32
+    blocks = kp.BlockSizes(tile=2**tile_log2, lanes=128)
+    plan = kp.plan_tpu_flat_tiles(segments, n, blocks, dtype)
+    rows = n // kp.TPU_LANES
+    assert rows % plan.block_rows == 0 and (plan.block_rows == rows or plan.block_rows % (16 if half else 8) == 0)
+    assert plan.block <= max(blocks.tile, 16 * kp.TPU_LANES) or plan.block_rows == rows
+    covered = np.zeros(n, np.int32)
+    for b, start, end, j, _ in plan.table.tolist():
+        assert (start, end - start) == segments[j][:2]
+        lo, hi = max(start, b * plan.block), min(end, (b + 1) * plan.block)
+        assert lo < hi  # an item holds part of its segment
+        covered[lo:hi] += 1
+    want = np.zeros(n, np.int32)
+    for start, z, _ in segments:
+        want[start : start + z] = 1
+    np.testing.assert_array_equal(covered, want)
+    order = plan.table[:, 0].tolist()
+    assert order == sorted(order)
+    assert plan.table[:, 4].tolist() == [int(i == 0 or order[i - 1] != b) for i, b in enumerate(order)]
+    assert plan.aliased == (len(set(order)) < rows // plan.block_rows)
 
 
 def test_tpu_plan_shares_blocks_and_sizes_them_to_the_leaves():

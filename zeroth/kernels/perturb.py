@@ -798,6 +798,8 @@ def plan_tpu_flat_tiles(segments, n: int, blocks: BlockSizes, dtype=jnp.float32)
     segments = _check_segments(segments, n, "plan_tpu_flat_tiles")
     rows = n // TPU_LANES
     least, most = _tpu_rows(dtype, blocks)
+    if rows == 0:  # an empty buffer (its leaves, if any, are empty): nothing to launch
+        return TpuFlatPlan(block_rows=least, table=np.zeros((0, 5), np.int32), aliased=False)
     candidates = [rows] if rows <= most else []
     b = least
     while b <= most and b < rows:
