@@ -25,9 +25,10 @@ per dtype with a static :class:`Layout` (each leaf's path, id, shape, buffer and
 its id, ``leaf_id(path)``, and its counters, its own flat index), through one kernel launch per
 buffer whatever the number of leaves (the native kernel on CPU, one Triton kernel on GPU, one
 Mosaic kernel on TPU, whose buffers :func:`flatten` pads to whole blocks of 128-lane rows), one
-compiled call per (layout, K, distribution); its host cost does not grow with the number of leaves. :func:`unflatten` gives the tree back (slices and
-reshapes; traceable, so a forward pass can take the flat buffers inside its ``jit``), and
-:func:`checksum` of a :class:`Flat` equals the checksum of its tree.
+compiled call per (layout, K, distribution); its host cost does not grow with the number of
+leaves. :func:`unflatten` gives the tree back (slices and reshapes; traceable, so a forward pass
+can take the flat buffers inside its ``jit``), and :func:`checksum` of a :class:`Flat` equals the
+checksum of its tree.
 """
 
 from __future__ import annotations
@@ -212,7 +213,8 @@ class Segment(NamedTuple):
 class Layout:
     """The static part of a :class:`Flat`: the tree structure, one :class:`Segment` per leaf (in
     tree order) and the buffers' dtypes and sizes. Buffers are one per dtype, in the order the
-    dtypes first appear among the leaves; a buffer holds its leaves back to back, in tree order.
+    dtypes first appear among the leaves; a buffer holds its leaves back to back, in tree order
+(then, in a layout for a TPU, zeros up to whole blocks: :func:`layout_of`).
     Hashable and compared by value (the hash is computed once), so it keys compiled replays.
     """
 
