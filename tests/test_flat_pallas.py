@@ -113,6 +113,17 @@ def test_the_doctors_canonical_replay_gives_the_golden_digests():
     assert replay.checksum({"norm": tree["norm"]}) == golden["float16_digest"]
 
 
+def _segment_reference(host, segments, keys, coefficients, dist="binomial"):
+    """The NumPy reference on each segment of a flat buffer; every other element keeps its bits."""
+    want = host.copy()
+    for o, z, lid in segments:
+        p = ref._flush(want[o : o + z].astype(np.float32))
+        for key, c in zip(keys, coefficients):
+            p = ref.apply_update(p, ref.update_scale(dist, c), ref.noise_int(dist, ref.fold_in(key, lid), z))
+        want[o : o + z] = ref.flush_cast(p, want.dtype)
+    return want
+
+
 def test_gaps_and_unordered_segments_keep_their_bits_without_aliasing():
     """Segments out of order with gaps: the kernel writes only its segments' elements, and
     without ``inplace`` the buffer is still aliased (copied by XLA), so the gaps keep every bit.
@@ -126,12 +137,7 @@ def test_gaps_and_unordered_segments_keep_their_bits_without_aliasing():
     keys = rng.sample_keys(4, [(0, 1, s) for s in range(2)])
     coefficients = [0.5, -0.125]
     scales = replay.update_scales("binomial", coefficients)
-    want = np.asarray(buf).copy()
-    for o, z, lid in segments:
-        p = ref._flush(want[o : o + z].astype(np.float32))
-        for key, c in zip(keys, coefficients):
-            p = ref.apply_update(p, ref.update_scale("binomial", c), ref.noise_int("binomial", ref.fold_in(key, lid), z))
-        want[o : o + z] = ref.flush_cast(p, want.dtype)
+    want = _segment_reference(np.asarray(buf), segments, keys, coefficients)
     got = jax.jit(lambda b: kp.perturb_pallas_flat(
         b, kp._all_leaf_keys(jnp.asarray(keys), [lid for _, _, lid in segments]), jnp.asarray(scales), segments,
         interpret=True, platform="gpu", block_sizes=kp.BlockSizes(tile=128)))(buf)
@@ -300,16 +306,6 @@ def test_the_doctors_canonical_replay_gives_the_golden_digests_through_the_tpu_k
     tree = replay.unflatten(flat)
     assert replay.checksum({k: v for k, v in tree.items() if k != "norm"}) == golden["digest"]
     assert replay.checksum({"norm": tree["norm"]}) == golden["float16_digest"]
-
-
-def _segment_reference(host, segments, keys, coefficients, dist="binomial"):
-    want = host.copy()
-    for o, z, lid in segments:
-        p = ref._flush(want[o : o + z].astype(np.float32))
-        for key, c in zip(keys, coefficients):
-            p = ref.apply_update(p, ref.update_scale(dist, c), ref.noise_int(dist, ref.fold_in(key, lid), z))
-        want[o : o + z] = ref.flush_cast(p, want.dtype)
-    return want
 
 
 def test_tpu_kernel_keeps_gaps_and_blocks_without_segments(monkeypatch):
