@@ -2,6 +2,8 @@
 NumPy reference) through one kernel launch per dtype buffer, unflattens inside jit, and checksums
 like its tree."""
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -209,6 +211,22 @@ def test_flat_replay_compiles_once_per_layout_and_k():
     assert replay._flat_fn.cache_info().misses == before.misses  # the same compiled replay each time
     assert fn._cache_size() == traced == 1
 
+
+def test_equal_layouts_are_one_object_while_alive():
+    # replay's compiled-call lookup then compares layouts by identity, not segment by segment
+    tree = {f"w{i:03d}": np.zeros(5, np.float32) for i in range(50)}
+    a = replay.flatten(tree).layout
+    assert replay.layout_of(tree) is a
+    assert replay.flatten(replay.unflatten(replay.flatten(tree))).layout is a
+    other = replay.layout_of({**tree, "w000": np.zeros(6, np.float32)})
+    assert other is not a and other != a
+    assert replay.layout_of(tree, platform="tpu") is not a  # padded: another value
+    assert replay._LAYOUTS.get(a._key) is a
+    alone = replay.layout_of({"only_here": np.zeros(3, np.float16)})  # no compiled call holds it
+    key = alone._key
+    del alone
+    gc.collect()
+    assert replay._LAYOUTS.get(key) is None  # interning keeps no layout alive
 
 def test_flat_donation_and_copy():
     tree = {"a": _values(4, (10,), np.float32)}
