@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zeroth import reference as ref
@@ -135,6 +135,28 @@ def test_sample_key_rejects_bad_arguments_by_name(position, name, bad):
 
 def test_sample_key_accepts_numpy_integers_and_the_bounds():
     np.testing.assert_array_equal(rng.sample_key(np.uint32(5), np.int64(0), 2**32 - 1, np.uint64(9)), rng.sample_key(5, 0, 2**32 - 1, 9))
+
+
+@settings(max_examples=60, deadline=None)
+@given(run=U32, triples=st.lists(st.tuples(U32, st.sampled_from([0, 1, 2**32 - 1]) | U32, U32), min_size=1, max_size=40))
+def test_sample_keys_on_integers_and_on_numpy_are_the_reference_keys(run, triples):
+    cols = [list(c) for c in zip(*triples)]
+    ints, arrays = rng._sample_keys_ints(run, *cols), rng._sample_keys_numpy(run, *cols)
+    assert ints.dtype == arrays.dtype == np.uint32 and ints.shape == arrays.shape == (len(triples), 2)
+    np.testing.assert_array_equal(ints, arrays)
+    for r in {0, len(triples) - 1}:
+        np.testing.assert_array_equal(ints[r], ref.sample_key(run, *triples[r]))
+    np.testing.assert_array_equal(rng.sample_keys(run, triples), ints)  # whichever path the size picks
+
+
+def test_sample_keys_small_and_large_calls_agree_across_the_threshold():
+    triples = [(3, 9, s) for s in range(rng.SCALAR_ROWS + 1)]
+    large = rng.sample_keys(11, triples)  # NumPy path
+    small = np.concatenate([rng.sample_keys(11, triples[:1]), rng.sample_keys(11, triples[1:rng.SCALAR_ROWS]),
+                            rng.sample_keys(11, triples[rng.SCALAR_ROWS:])])
+    np.testing.assert_array_equal(large, small)
+    with pytest.raises(ValueError, match="run_seed"):
+        rng.sample_keys(-1, [])
 
 
 def test_sample_keys_validate_each_tuple():

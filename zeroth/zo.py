@@ -375,7 +375,15 @@ def projected_gradients(
 
 def _signature(tree) -> tuple:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef, tuple((tuple(np.shape(x)), str(jnp.result_type(x)), bool(getattr(x, "weak_type", False))) for x in leaves)
+    return treedef, tuple(_leaf_signature(x) for x in leaves)
+
+
+def _leaf_signature(x) -> tuple:
+    """``(shape, dtype, weak_type)`` as jit sees the leaf; a jax array's own attributes (what
+    ``jnp.result_type`` would compute for it, at a fraction of the host time)."""
+    if isinstance(x, jax.Array):
+        return tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False))
+    return tuple(np.shape(x)), jnp.result_type(x), bool(getattr(x, "weak_type", False))
 
 
 def compiled_memory(compiled) -> dict[str, int]:
@@ -416,14 +424,24 @@ class ProjectedGradientsFn:
         self.distribution = distribution
         self._cache: dict[tuple, tuple[Any, dict[str, Any]]] = {}
 
-        def fn(params, batch, keys, eps_scale):
+        def projected_gradients(params, batch, keys, eps_scale):  # its program's name in profiles and dumps
             return projected_gradients_and_losses(loss_fn, params, batch, keys, eps_scale, distribution=distribution)
 
-        self._jitted = jax.jit(fn)
+        self._jitted = jax.jit(projected_gradients)
 
     def _args(self, params, batch, keys, eps_scale):
         _check_eps_scale(eps_scale)
-        return params, batch, jnp.asarray(keys, jnp.uint32).reshape(-1, 2), jnp.asarray(eps_scale, jnp.float32).reshape(())
+        # host values stay NumPy arrays (the call transfers them); converting them with jnp would
+        # dispatch two small programs of their own at every step
+        if isinstance(keys, jax.Array):
+            keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
+        else:
+            keys = np.asarray(keys, np.uint32).reshape(-1, 2)
+        if isinstance(eps_scale, jax.Array):
+            eps_scale = jnp.asarray(eps_scale, jnp.float32).reshape(())
+        else:
+            eps_scale = np.asarray(eps_scale, np.float32).reshape(())
+        return params, batch, keys, eps_scale
 
     def compiled(self, params, batch, keys, eps_scale):
         """The chosen ``jax.stages.Compiled`` for these arguments' signature (compiling if new)."""
