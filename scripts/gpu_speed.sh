@@ -8,14 +8,20 @@
 #   OUT/perturb.json                 replay throughput at SIZE elements vs torch.randn + add_ on the same device
 #   OUT/overhead.json                host cost of one replay call, 1 to 200 leaves, tree and flat layout
 #   OUT/kernels.json                 fused K-update replay vs K passes, with the fraction of memory bandwidth
-#   OUT/zo_transformer.json          ZO step / two forwards, transformer at the default width
+#   OUT/zo_transformer.json          ZO step / two forwards, transformer at the default width, with
+#                                    its JAX profile (--profile: busy and idle time, ops per call, each
+#                                    program's time, the ops by time; where the extra forwards go)
 #   OUT/zo_transformer_4096.json     the same at --width 4096 (12.6M parameters)
-#   OUT/zo_profile.txt               nsys's kernel summary of the --width 4096 run (where the time goes)
+#   OUT/hlo/                         XLA's compiled programs of the ZO step and the forward (text,
+#                                    transformer at the default width): what each profiled op is
+#   OUT/zo_profile.txt               nsys's kernel summary of the --width 4096 run, where nsys exists
 #   OUT/status.txt                   one line per step: its exit status and seconds
 #
 # Usage: scripts/gpu_speed.sh [OUT]   (default: $OUT if set, else runs/gpu_speed)
 # PYTHON names the interpreter that has zeroth installed (default: python). SIZE sets the replay
 # benchmarks' float32 leaf (default 2**27). QUICK=1 shrinks every step, for a dry run on a CPU.
+# BUNDLE=FILE.tgz also packs all of OUT into that one file at the end (for a transport that
+# brings back a few files only).
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -51,12 +57,26 @@ step doctor "$out/doctor.txt" "$py" -m zeroth doctor
 step perturb "$out/perturb.json" "$py" -m zeroth bench perturb --json --size "$size" --repeats "$reps"
 step overhead "$out/overhead.json" "$py" -m zeroth bench perturb --json --overhead "${over_args[@]}"
 step kernels "$out/kernels.json" "$py" -m zeroth bench kernels --json --size "$size" --repeats "$reps"
-step zo_transformer "$out/zo_transformer.json" "$py" -m zeroth bench zo --json --model transformer "${zo_args[@]}"
+step zo_transformer "$out/zo_transformer.json" \
+  "$py" -m zeroth bench zo --json --model transformer --profile 3 "${zo_args[@]}"
 step zo_transformer_4096 "$out/zo_transformer_4096.json" \
-  "$py" -m zeroth bench zo --json --model transformer --width 4096 "${zo_args[@]}"
+  "$py" -m zeroth bench zo --json --model transformer --width 4096 --profile 3 "${zo_args[@]}"
+hlo_dump() {  # the programs a ZO step runs, and the forward, as XLA compiled them for this device
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_as_text \
+--xla_dump_hlo_module_re=jit_projected_gradients|jit__fused_donated|jit_loss_fn" \
+    "$py" -m zeroth bench zo --model transformer --distribution binomial --repeats 1 --warmup 0 "${zo_args[@]}"
+  local rc=$?  # keep the HLO text of each program before and after optimization; drop IR and objects
+  find "$out/hlo" -type f ! -name '*after_optimizations.txt' ! -name '*before_optimizations.txt' -delete
+  find "$out/hlo" -mindepth 1 -type d -empty -delete
+  return $rc
+}
+step zo_hlo "$out/zo_hlo.txt" hlo_dump
 if command -v nsys > /dev/null; then
   step zo_profile "$out/zo_profile.txt" nsys profile --stats=true --force-overwrite=true -o "$out/zo_4096" \
     "$py" -m zeroth bench zo --model transformer --width 4096 --repeats 3
 else
   echo "zo_profile             skipped: no nsys on this machine" | tee -a "$out/status.txt"
+fi
+if [ -n "${BUNDLE:-}" ]; then
+  tar -czf "$BUNDLE" -C "$(dirname "$out")" "$(basename "$out")" && echo "bundle: $BUNDLE ($(du -h "$BUNDLE" | cut -f1))"
 fi

@@ -118,8 +118,16 @@ def run(
     distributions: tuple[str, ...] = noise.EXACT,
     repeats: int = 5,
     warmup: int = 1,
+    profile_calls: int = 0,
 ) -> dict:
     """Run the benchmark; returns ``{"config", "environment", "rows", "ratios", "targets"}``.
+
+    With ``profile_calls`` > 0, also ``"profile"``: the fastest inference forward and each ZO step
+    run that many times more under the JAX profiler (:func:`zeroth.bench.profile.profile`: wall,
+    busy and idle time per call, each program's busy time, the ops by time), and the ratios
+    ``zo_busy_over_forwards_*`` (the ZO step's op time over 2N forwards' op time) and
+    ``zo_idle_fraction_*`` (the part of the ZO step's wall time in which no op ran). A profiler
+    that fails leaves ``{"error": ...}`` there and the timings as they are.
 
     ``width`` sizes zeroth's own models; ``seq_len`` is the token length of the pretrained models'
     prompts (default: the model's own, 40 for SmolLM2, 64 for MiniLM). ``batch`` defaults to
@@ -132,6 +140,8 @@ def run(
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; expected one of {list(MODELS)}")
     batch = default_batch(model) if batch is None else batch
+    if profile_calls < 0:
+        raise ValueError(f"--profile must be a non-negative number of calls, got {profile_calls}")
     for name, v in (("batch", batch), ("width", width), ("n", n), ("seq-len", seq_len)):
         if v is not None and v < 1:
             raise ValueError(f"--{name} must be a positive integer, got {v}")
@@ -237,7 +247,19 @@ def run(
     ratios["backprop_time_over_two_forwards"] = times["backprop"].min_s / (2 * t_fwd)
     ratios["backprop_time_over_two_forwards_medians"] = times["backprop"].median_s / (2 * t_fwd_median)
     ratios["backprop_memory_over_inference"] = mem["backprop"]["peak"] / m_fwd
-    return {
+    profiled: dict[str, Any] = {}
+    if profile_calls:
+        fastest = min(fwd_variants, key=lambda k: times[f"forward_{k}"].min_s)
+        profiled = _profile_rows({"inference forward": fns[f"forward_{fastest}"],
+                                  **{f"ZO step {d}": fns[f"zo_step_{d}"] for d in distributions}}, profile_calls)
+        if "error" not in profiled:
+            fwd_busy = profiled["inference forward"]["busy_s_per_call"]
+            for dist in distributions:
+                prof = profiled[f"ZO step {dist}"]
+                if fwd_busy > 0:
+                    ratios[f"zo_busy_over_forwards_{dist}"] = prof["busy_s_per_call"] / (2 * n * fwd_busy)
+                ratios[f"zo_idle_fraction_{dist}"] = prof["idle_s_per_call"] / prof["wall_s_per_call"]
+    result = {
         "benchmark": "zo",
         "config": {"model": model, "model_kwargs": kwargs, "batch": batch,
                    "width": None if model in PRETRAINED_MODELS else width, "input_shape": input_shape,
@@ -250,6 +272,19 @@ def run(
         "ratios": ratios,
         "targets": {k: f"{op} {v:.3g}" for k, (op, v) in TARGETS.items()},
     }
+    if profile_calls:
+        result["profile"] = profiled
+    return result
+
+
+def _profile_rows(fns: dict[str, Callable[[], Any]], calls: int) -> dict[str, Any]:
+    """:func:`zeroth.bench.profile.profile` of each row, or ``{"error": ...}`` if the profiler fails."""
+    from zeroth.bench import profile as _profile
+
+    try:
+        return {name: _profile.profile(fn, calls=calls) for name, fn in fns.items()}
+    except Exception as exc:  # noqa: BLE001 - a profiler that cannot run must not lose the timings
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _row(name: str, timing: _common.Timing, memory: dict, forwards: int | None, t_fwd: float, m_fwd: int, note: str) -> dict:
@@ -312,6 +347,36 @@ def _render(result: dict) -> None:
             op, bound = TARGETS[key]
             verdict = ": met" if (value <= bound if op == "<=" else value >= bound) else ": MISSED"
         print(f"  {name:<40} {value:>7.3f}" + (f"   (target {result['targets'][key]}{verdict})" if key else ""))
+    if "profile" in result:
+        _render_profile(result["profile"])
+
+
+def _render_profile(profiled: dict) -> None:
+    print()
+    if "error" in profiled:
+        print(f"profile: the JAX profiler failed ({profiled['error']})")
+        return
+    first = next(iter(profiled.values()))
+    print(f"profile: {first['calls']} calls of each row under the JAX profiler; ops = "
+          f"{'the device ops' if first['source'] == 'device' else 'the XLA CPU runtime thunks'}; "
+          "idle = wall - busy (no op running)")
+    _common.print_table(
+        [("name", "row"), ("wall", "wall/call"), ("busy", "busy/call"), ("idle", "idle/call"), ("ops", "ops/call"),
+         ("programs", "busy per program")],
+        [{"name": name, "wall": _common.fmt_seconds(p["wall_s_per_call"]), "busy": _common.fmt_seconds(p["busy_s_per_call"]),
+          "idle": _common.fmt_seconds(p["idle_s_per_call"]), "ops": f"{p['ops_per_call']:.0f}",
+          "programs": ", ".join(f"{m or '?'} {_common.fmt_seconds(t)}" for m, t in list(p["programs"].items())[:4])}
+         for name, p in profiled.items()],
+    )
+    for name, p in profiled.items():
+        if name == "inference forward":
+            continue
+        print(f"\n  ops of {name} by time:")
+        _common.print_table(
+            [("op", "op"), ("program", "program"), ("count", "count/call"), ("time", "time/call")],
+            [{"op": o["op"], "program": o["program"] or "?", "count": f"{o['count_per_call']:.2f}",
+              "time": _common.fmt_seconds(o["s_per_call"])} for o in p["top_ops"]],
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,11 +393,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=1, help="perturbations per ZO step (default 1)")
     p.add_argument("--codec", default="float32", choices=sorted(codecs.CODECS), help="projected-gradient codec (default float32)")
     p.add_argument("--distribution", default="both", choices=["both", *noise.EXACT], help="exact noise (default both)")
+    p.add_argument("--profile", type=int, nargs="?", const=3, default=0, metavar="CALLS",
+                   help="also run the forward and each ZO step CALLS more times (default 3) under the JAX profiler and "
+                        "show where the time goes: busy and idle time, each program, the ops by time")
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)
         dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
         result = run(args.model, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len, codec=args.codec,
-                     distributions=dists, repeats=args.repeats, warmup=args.warmup)
+                     distributions=dists, repeats=args.repeats, warmup=args.warmup, profile_calls=args.profile)
     except SystemExit as exc:
         return int(exc.code or 0)
     except (ValueError, MissingPackage, FileNotFoundError) as exc:

@@ -1,0 +1,173 @@
+"""Where a call's time goes: the XLA ops it ran, read from a ``jax.profiler`` trace.
+
+:func:`profile` runs a callable a few times under :func:`jax.profiler.trace` and reads the trace
+back with :class:`jax.profiler.ProfileData` (no TensorBoard, no Nsight Systems needed). It
+reports, per call:
+
+* **wall**: the host's clock around the calls;
+* **busy**: the union of the ops' intervals (time in which at least one op ran);
+* **idle** = wall − busy: the device (or the CPU's XLA runtime) waiting for the host, a
+  synchronisation, a transfer or a launch; on an accelerator this is where launch-bound work hides;
+* the ops per call, the busy time of each program (XLA module), and the ops by total time.
+
+Which events count as ops: on a GPU or TPU, the device planes' ops (a plane's ``XLA Ops`` line
+where it has one, else its ``Stream`` lines: kernels and copies), named by their ``hlo_op`` and
+``hlo_module`` where the trace annotates them, else by the kernel's name; without device events
+(a CPU), the XLA CPU runtime's thunks, which carry ``hlo_op`` and ``hlo_module``. Ops can nest (a
+while loop's thunk holds its body's), so the ops' total times may add up to more than busy.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> f = jax.jit(lambda x: jnp.sin(x) * 2)
+  >>> x = jnp.ones(1000); _ = f(x).block_until_ready()
+  >>> p = profile(lambda: f(x).block_until_ready(), calls=2)
+  >>> p["source"], p["busy_s_per_call"] <= p["wall_s_per_call"]
+  ('host', True)
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+__all__ = ["OpEvent", "profile", "summarize", "op_events", "union_ns"]
+
+_ANNOTATED = re.compile(r"(hlo_op|hlo_module|program_id)=([^,#]+)")
+_NOT_OPS = frozenset({"XLA Modules", "Steps", "XLA TraceMe", "Launch Stats", "Source", "Framework Ops",
+                      "Framework Name Scope"})
+
+
+class OpEvent(NamedTuple):
+    """One op's run: its program (the XLA module's name, with ``[program id]`` after it where
+    the trace gives one; "" where it names none), its name, and its interval in the trace's
+    nanoseconds."""
+
+    module: str
+    op: str
+    start_ns: float
+    duration_ns: float
+
+
+def _stats(event) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for stat in event.stats:
+        name, value = stat[0], stat[1]
+        out[name] = value
+        if isinstance(value, str):  # an annotation such as "fusion.3:#hlo_op=fusion.3,hlo_module=jit_f#"
+            for key, found in _ANNOTATED.findall(value):
+                out.setdefault(key, found)
+    return out
+
+
+def _program(stats: dict[str, Any]) -> str:
+    """The program's name: two jitted lambdas are both ``jit__lambda``, so its id goes with it."""
+    name = str(stats.get("hlo_module", ""))
+    return f"{name} [{stats['program_id']}]" if name and "program_id" in stats else name
+
+
+def _device_lines(plane) -> list:
+    lines = [line for line in plane.lines if line.name not in _NOT_OPS]
+    ops = [line for line in lines if line.name == "XLA Ops"]
+    if ops:
+        return ops
+    streams = [line for line in lines if line.name.startswith("Stream")]
+    return streams or lines
+
+
+def op_events(planes: Iterable) -> tuple[str, list[OpEvent]]:
+    """``(source, events)`` of a trace's planes (objects with ``name`` and ``lines``; lines with
+    ``name`` and ``events``; events with ``name``, ``start_ns``, ``duration_ns``, ``stats``):
+    ``"device"`` and the device planes' ops where there are any, else ``"host"`` and the events
+    that name an ``hlo_op`` (the XLA CPU runtime's thunks), else ``"none"`` and no events."""
+    planes = list(planes)
+    device: list[OpEvent] = []
+    for plane in planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in _device_lines(plane):
+            for e in line.events:
+                s = _stats(e)
+                device.append(OpEvent(_program(s), str(s.get("hlo_op", e.name)), float(e.start_ns), float(e.duration_ns)))
+    if device:
+        return "device", device
+    host: list[OpEvent] = []
+    for plane in planes:
+        if plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            for e in line.events:
+                s = _stats(e)
+                if "hlo_op" in s:
+                    host.append(OpEvent(_program(s), str(s["hlo_op"]), float(e.start_ns), float(e.duration_ns)))
+    return ("host", host) if host else ("none", [])
+
+
+def union_ns(intervals: Iterable[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, duration)`` intervals (overlaps counted once)."""
+    total, end = 0.0, float("-inf")
+    for start, duration in sorted(intervals):
+        stop = start + duration
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def summarize(source: str, events: Sequence[OpEvent], *, calls: int, wall_s: float, top: int = 12) -> dict:
+    """The per-call summary of :func:`profile` from its events (see the module docstring)."""
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
+    busy = union_ns((e.start_ns, e.duration_ns) for e in events) * 1e-9
+    by_module: dict[str, list[OpEvent]] = {}
+    by_op: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        by_module.setdefault(e.module, []).append(e)
+        by_op.setdefault((e.module, e.op), []).append(e.duration_ns)
+    modules = {m: union_ns((e.start_ns, e.duration_ns) for e in evs) * 1e-9 / calls for m, evs in by_module.items()}
+    ops = sorted(by_op.items(), key=lambda kv: -sum(kv[1]))
+    wall = wall_s / calls
+    return {
+        "source": source,
+        "calls": calls,
+        "wall_s_per_call": wall,
+        "busy_s_per_call": busy / calls,
+        "idle_s_per_call": max(0.0, wall - busy / calls),
+        "ops_per_call": len(events) / calls,
+        "programs": dict(sorted(modules.items(), key=lambda kv: -kv[1])),
+        "top_ops": [
+            {"program": m, "op": op, "count_per_call": len(d) / calls, "s_per_call": sum(d) * 1e-9 / calls}
+            for (m, op), d in ops[:top]
+        ],
+    }
+
+
+def profile(fn: Callable[[], Any], *, calls: int = 3, top: int = 12) -> dict:
+    """Run ``fn()`` (which must block until its work is done) ``calls`` times under the JAX
+    profiler and summarise the ops it ran (:func:`summarize`; the module docstring says which).
+
+    Raises:
+      ValueError: ``calls`` below 1.
+      RuntimeError: the profiler wrote no trace.
+    """
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
+    import jax
+
+    with tempfile.TemporaryDirectory(prefix="zeroth-profile-") as d:
+        with jax.profiler.trace(d):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            wall = time.perf_counter() - t0
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {d}")
+        data = jax.profiler.ProfileData.from_file(max(files, key=os.path.getmtime))
+        source, events = op_events(data.planes)
+    return summarize(source, events, calls=calls, wall_s=wall, top=top)
