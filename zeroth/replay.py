@@ -215,7 +215,7 @@ class Layout:
     """The static part of a :class:`Flat`: the tree structure, one :class:`Segment` per leaf (in
     tree order) and the buffers' dtypes and sizes. Buffers are one per dtype, in the order the
     dtypes first appear among the leaves; a buffer holds its leaves back to back, in tree order
-(then, in a layout for a TPU, zeros up to whole blocks: :func:`layout_of`).
+    (then, in a layout for a TPU, zeros up to whole blocks: :func:`layout_of`).
     Hashable and compared by value (the hash is computed once), so it keys compiled replays.
     :func:`layout_of` gives one object per value while any is alive, so the lookups of a replay's
     compiled call compare by identity (a comparison by value costs about 16 us for 200 leaves).

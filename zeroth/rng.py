@@ -161,14 +161,10 @@ def _sample_keys_ints(seed: int, machines, iterations, samples) -> np.ndarray:
 
 def _sample_keys_numpy(seed: int, machines, iterations, samples) -> np.ndarray:
     n = len(machines)
-    out = np.zeros((n, 2), dtype=np.uint32)
-    k0 = np.zeros(n, np.uint32)
-    k1 = np.full(n, seed, np.uint32)
-    zero = np.zeros(n, np.uint32)
+    k0, k1 = np.zeros(n, np.uint32), np.full(n, seed, np.uint32)  # root_key(seed) on every row
     for col in (machines, iterations, samples):
-        k0, k1 = _ref.threefry2x32((k0, k1), (zero, np.array(col, dtype=np.uint32)))
-    out[:, 0], out[:, 1] = k0, k1
-    return out
+        k0, k1 = _ref.threefry2x32((k0, k1), (np.zeros(n, np.uint32), np.array(col, dtype=np.uint32)))
+    return np.stack([k0, k1], axis=1)
 
 
 def leaf_path(path) -> str:

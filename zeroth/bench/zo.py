@@ -56,6 +56,7 @@ import numpy as np
 from zeroth import codecs, models, noise, replay, rng, zo
 from zeroth.bench import _common
 from zeroth.bench import pretrained as _pretrained_bench
+from zeroth.bench import profile as _profile
 from zeroth.data.resources import MissingPackage
 from zeroth.kernels import perturb as fused
 
@@ -279,8 +280,6 @@ def run(
 
 def _profile_rows(fns: dict[str, Callable[[], Any]], calls: int) -> dict[str, Any]:
     """:func:`zeroth.bench.profile.profile` of each row, or ``{"error": ...}`` if the profiler fails."""
-    from zeroth.bench import profile as _profile
-
     try:
         return {name: _profile.profile(fn, calls=calls) for name, fn in fns.items()}
     except Exception as exc:  # noqa: BLE001 - a profiler that cannot run must not lose the timings

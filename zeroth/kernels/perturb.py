@@ -732,18 +732,14 @@ class TpuFlatPlan(NamedTuple):
         return self.block_rows * TPU_LANES
 
 
-def _blocks_touched(offset: int, size: int, block: int) -> int:
-    """How many blocks of ``block`` elements a segment touches: its work items."""
-    return (offset + size - 1) // block - offset // block + 1 if size else 0
+def _blocks_touched(offset: int, size: int, block: int) -> range:
+    """The blocks of ``block`` elements a segment touches (one work item each; none if empty)."""
+    return range(offset // block, (offset + size - 1) // block + 1) if size else range(0)
 
 
 def _tpu_items(segments, block: int) -> list[tuple[int, int, int, int, int]]:
     """The work items of blocks of ``block`` elements, ordered by block, then segment offset."""
-    items = sorted(
-        (b, o, o + z, j)
-        for j, (o, z, _) in enumerate(segments) if z
-        for b in range(o // block, (o + z - 1) // block + 1)
-    )
+    items = sorted((b, o, o + z, j) for j, (o, z, _) in enumerate(segments) for b in _blocks_touched(o, z, block))
     return [(b, o, e, j, int(i == 0 or items[i - 1][0] != b)) for i, (b, o, e, j) in enumerate(items)]
 
 
@@ -808,7 +804,7 @@ def plan_tpu_flat_tiles(segments, n: int, blocks: BlockSizes, dtype=jnp.float32)
         b *= 2
 
     def cost(block_rows):
-        items = sum(_blocks_touched(o, z, block_rows * TPU_LANES) for o, z, _ in segments)
+        items = sum(len(_blocks_touched(o, z, block_rows * TPU_LANES)) for o, z, _ in segments)
         return items * (block_rows * TPU_LANES + _TPU_STEP_ELEMENTS)
 
     block_rows = min(candidates, key=lambda r: (cost(r), -r))
@@ -853,7 +849,7 @@ def _tpu_launch_groups(segments, block: int, n_updates: int) -> list[tuple[int, 
     :data:`_TPU_SMEM_WORDS` of SMEM together: one launch each (one group in all but huge replays)."""
     groups, group, words = [], [], n_updates + 1
     for j, (o, z, _) in enumerate(segments):
-        need = 2 * n_updates + 5 * _blocks_touched(o, z, block)
+        need = 2 * n_updates + 5 * len(_blocks_touched(o, z, block))
         if group and words + need > _TPU_SMEM_WORDS:
             groups.append(tuple(group))
             group, words = [], n_updates + 1
