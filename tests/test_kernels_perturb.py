@@ -652,6 +652,29 @@ def test_one_native_launch_for_every_leaf(donate):
         kp.perturb_native_tree([jnp.zeros(2)] * 3, keys, scales, [1, 2])
 
 
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])
+def test_leaf_keys_are_derived_once_per_call_for_every_leaf(impl):
+    """The jnp rule and the per-leaf Pallas kernels get every leaf's keys from one computation per
+    call: the compiled replay of 12 leaves runs 12 leaf programs and one key derivation (a
+    derivation per leaf was a launch of its own before each leaf's, on a GPU too), with the
+    reference's bits."""
+    from zeroth.bench import profile as bench_profile
+
+    params = {f"l{i:02d}": _array((i + 3, 5), jnp.float32, seed=i) for i in range(12)}
+    keys = rng.sample_keys(2, [(0, 7, 0)])
+    scales = replay.update_scales("binomial", [0.03])
+    kwargs = {"interpret": True} if impl == "pallas" else {}
+    fn = jax.jit(lambda p, k, s: kp.apply_updates(p, k, s, impl=impl, **kwargs))  # keys known at run time only
+    got = fn(params, keys, scales)
+    for k, v in params.items():
+        assert_same_bits(got[k], numpy_perturb(v, kp.leaf_keys(keys, rng.leaf_id((jax.tree_util.DictKey(k),))), scales, "binomial"))
+    if impl == "jnp":  # the Pallas interpreter runs each kernel as many small ops: count the jnp rule's
+        ops = bench_profile.profile(lambda: jax.block_until_ready(fn(params, keys, scales)), calls=2)["ops_per_call"]
+        assert ops <= len(params) + 3, f"{ops} ops per call for {len(params)} leaves"
+    hlo = fn.lower(params, keys, scales).compile().as_text()
+    assert hlo.count("u32[12,1,2]") >= 1, "the 12 leaves' keys are not one array"
+
+
 # --------------------------------------------------------------------------- slices and rows chosen at run time
 
 
