@@ -7,7 +7,8 @@
 #   OUT/doctor.txt                   zeroth doctor (the golden digests must be printed)
 #   OUT/perturb.json                 replay throughput at SIZE elements vs torch.randn + add_ on the same device
 #   OUT/overhead.json                host cost of one replay call, 1 to 200 leaves, tree and flat layout
-#   OUT/kernels.json                 fused K-update replay vs K passes, with the fraction of memory bandwidth
+#   OUT/kernels.json                 fused K-update replay vs K passes, with the fraction of memory bandwidth,
+#                                    and the Pallas kernel under each candidate tiling (the best per K)
 #   OUT/zo_transformer.json          ZO step / two forwards, transformer at the default width, with
 #                                    its JAX profile (--profile: busy and idle time, ops per call, each
 #                                    program's time, the ops by time; where the extra forwards go)

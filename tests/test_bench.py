@@ -41,11 +41,22 @@ def test_bench_kernels_measures_fused_replay_and_sign_bits():
     sections = {}
     for row in result["rows"]:
         sections.setdefault(row["section"], []).append(row)
-    assert {"baseline", "fused replay", "signbits"} <= set(sections)
-    for section in ("fused replay", "signbits"):
+    assert {"baseline", "fused replay", "pallas tiles", "signbits"} <= set(sections)
+    for section in ("fused replay", "pallas tiles", "signbits"):
         for row in sections[section]:
             assert row["elements_per_s"] > 0, row["name"]
     assert any(r["name"] == "binomial fused K=4" for r in sections["fused replay"])
+    # the tiling sweep: every candidate at K = 1 and the largest K, and the fastest one per pair
+    from zeroth.bench.kernels import TILE_CANDIDATES
+
+    tiles = {(r["distribution"], r["k"], r["tile"], r["lanes"]) for r in sections["pallas tiles"]}
+    assert tiles == {(d, k, b.tile, b.lanes) for d in ("binomial", "rademacher") for k in (1, 4)
+                     for b in TILE_CANDIDATES["cpu"]}
+    for d in ("binomial", "rademacher"):
+        for k in (1, 4):
+            best = max((r for r in sections["pallas tiles"] if r["distribution"] == d and r["k"] == k),
+                       key=lambda r: r["elements_per_s"])
+            assert result["ratios"][f"pallas_tiles_{d}_K{k}_best_tile"] == best["tile"]
 
 
 def test_bench_zo_offers_the_pretrained_models():

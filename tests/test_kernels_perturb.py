@@ -158,6 +158,26 @@ def test_lowers_for_gpu_and_tpu(platform, blocks, dist, tpu_chip_info):
     assert "zeroth_fused_replay" in lowered_kernels(f, args, platform)
 
 
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_every_tiling_the_benchmark_sweeps_lowers(platform, tpu_chip_info):
+    """`zeroth bench kernels` times each tiling of TILE_CANDIDATES on a GPU or TPU: each must pass
+    the platform's block rules and lower for it (a sweep that fails there spends device time)."""
+    from zeroth.bench.kernels import TILE_CANDIDATES
+
+    target = "gpu" if platform == "cuda" else platform
+    keys = rng.sample_keys(0, [(0, 0, s) for s in range(3)])
+    for blocks in TILE_CANDIDATES[target]:
+        for dist in DISTS:
+            kp.check_block_sizes(blocks, target, dist)
+
+            def f(x, k, s, blocks=blocks, dist=dist):
+                return kp.perturb_pallas(x, kp.leaf_keys(k, 5), s, distribution=dist, block_sizes=blocks,
+                                         platform=target, inplace=True)
+
+            args = (jax.ShapeDtypeStruct((1 << 18,), jnp.float32), keys, _scales(dist, 3))
+            assert "zeroth_fused_replay" in lowered_kernels(f, args, platform), (blocks, dist)
+
+
 @pytest.mark.accelerator
 @pytest.mark.skipif(not ACCELERATOR, reason="native Pallas needs a GPU or TPU")
 class TestPallasNative(TestPallasInterpret):

@@ -13,6 +13,11 @@ accelerator the fraction of memory bandwidth the call reaches (bytes read + writ
 against the device's vendor peak (:data:`PEAK_BANDWIDTH_GBS`, by device kind) and against a
 measured copy (``x + 1``, donated: the practical peak).
 
+**Pallas tiles** (:func:`tile_rows`): the Pallas kernel under each tiling of
+:data:`TILE_CANDIDATES` at K = 1 and the largest K, natively on GPU and TPU, with the fractions of
+the peak and of the copy, and the best tiling per distribution and K in the ratios (how the
+default tiling of a platform is chosen and checked); elsewhere in interpret mode on a small leaf.
+
 **Baselines**, side by side: the copy (memory floor), ``jax.random.normal`` + add and, when
 torch is installed, ``torch.randn`` + ``add_``.
 
@@ -43,7 +48,7 @@ from zeroth.kernels import cpu_native
 from zeroth.kernels import perturb as kp
 from zeroth.rule import platform_name
 
-__all__ = ["Context", "SECTIONS", "PEAK_BANDWIDTH_GBS", "peak_bandwidth", "run", "main"]
+__all__ = ["Context", "SECTIONS", "TILE_CANDIDATES", "PEAK_BANDWIDTH_GBS", "peak_bandwidth", "run", "main"]
 
 # Peak memory bandwidth in GB/s by device kind (vendor figures), for the bandwidth fraction.
 PEAK_BANDWIDTH_GBS: dict[str, float] = {
@@ -223,10 +228,64 @@ def fused_replay_rows(ctx: Context) -> list[dict]:
     return rows
 
 
+# The Pallas tilings ``tile_rows`` times, by platform: grouped rows (one threefry call per row) of
+# growing tiles and lane-dense rows on GPU (Triton), lane-dense tiles of 8 to 256 rows on TPU
+# (Mosaic); elsewhere two small tilings in interpret mode (the sweep's own check, not a speed).
+TILE_CANDIDATES: dict[str, tuple[kp.BlockSizes, ...]] = {
+    "gpu": (*(kp.BlockSizes(tile=1 << t, lanes=None) for t in range(10, 17)),
+            kp.BlockSizes(tile=8192, lanes=128), kp.BlockSizes(tile=32768, lanes=256)),
+    "tpu": (*(kp.BlockSizes(tile=rows * 1024, lanes=1024) for rows in (8, 32, 128, 256)),
+            kp.BlockSizes(tile=64 * 512, lanes=512)),
+    "cpu": (kp.BlockSizes(tile=256, lanes=None), kp.BlockSizes(tile=512, lanes=128)),
+}
+# Interpret mode runs a grid step as many small ops: the sweep there uses a leaf of at most this.
+_INTERPRET_MAX_SIZE = 4096
+
+
+def tile_rows(ctx: Context) -> list[dict]:
+    """The Pallas kernel under each tiling of :data:`TILE_CANDIDATES` for this platform, at K = 1
+    and the largest K, donated: elements/s, and on an accelerator the fractions of the vendor peak
+    and of a measured copy. Natively on GPU and TPU (where the default tiling is to be chosen);
+    elsewhere in interpret mode on a leaf of at most 4,096 elements, which checks the sweep, not
+    the speed. A tiling the platform refuses gets a row naming why."""
+    platform = platform_name(ctx.backend)
+    native = platform in ("gpu", "tpu")
+    n = ctx.size if native else min(ctx.size, _INTERPRET_MAX_SIZE)
+    peak = peak_bandwidth(ctx.device_kind) if native else None
+    copy_s = _copy_timing(dataclasses.replace(ctx, size=n)).min_s if native else None
+    default = kp.default_block_sizes(platform)
+    rows = []
+    for dist in ("binomial", "rademacher"):
+        for k in sorted({1, max(ctx.ks)}):
+            keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
+            lk = kp.leaf_keys(keys, 0x5EED)
+            scales = jnp.asarray(replay.update_scales(dist, [_COEFF * (1 + s % 3) for s in range(k)]))
+            for blocks in TILE_CANDIDATES.get(platform, TILE_CANDIDATES["cpu"]):
+                name = f"{dist} K={k} tile={blocks.tile} lanes={blocks.lanes}"
+                extra = {"distribution": dist, "k": k, "tile": blocks.tile, "lanes": blocks.lanes,
+                         "default": blocks == default, "interpret": not native}
+                try:
+                    kp.check_block_sizes(blocks, platform, dist)
+                except ValueError as exc:
+                    rows.append(_row("pallas tiles", name, "pallas", n, None, note=str(exc), **extra))
+                    continue
+                step = jax.jit(functools.partial(kp.perturb_pallas, leaf_keys_=lk, scales=scales, distribution=dist,
+                                                 block_sizes=blocks, interpret=not native, inplace=True),
+                               donate_argnums=0)
+                t = _time_donated(step, _leaf(n), ctx)
+                rows.append(_row("pallas tiles", name, "pallas", n, t, **extra,
+                                 bandwidth_fraction=(2 * 4 * n / t.min_s / 1e9 / peak) if peak else None,
+                                 copy_fraction=(copy_s / t.min_s) if copy_s else None,
+                                 note="interpret mode: checks the sweep, not a speed" if not native else
+                                 ("the default tiling" if blocks == default else None)))
+    return rows
+
+
 # Each section: (name, function). Add a kernel's rows by adding a section here.
 SECTIONS: list[tuple[str, Callable[[Context], list[dict]]]] = [
     ("baseline", baseline_rows),
     ("fused", fused_replay_rows),
+    ("tiles", tile_rows),
     ("signbits", signbits_rows),
 ]
 
@@ -238,6 +297,15 @@ def _ratios(rows: list[dict]) -> dict:
     rate = {r["name"]: r.get("elements_per_s") for r in rows if r["section"] == "baseline"}
     out = {}
     for r in rows:
+        if r["section"] == "pallas tiles" and r.get("elements_per_s") is not None:
+            key = f"pallas_tiles_{r['distribution']}_K{r['k']}"
+            if r["elements_per_s"] > out.get(f"{key}_best_elements_per_s", 0.0):
+                out[f"{key}_best_elements_per_s"] = r["elements_per_s"]
+                out[f"{key}_best_tile"] = r["tile"]
+                out[f"{key}_best_lanes"] = r["lanes"]
+                if r.get("copy_fraction") is not None:
+                    out[f"{key}_best_copy_fraction"] = r["copy_fraction"]
+            continue
         if r["section"] != "fused replay" or r.get("elements_per_s") is None:
             continue
         key = f"{r['impl']}_{r['distribution']}"
@@ -313,7 +381,8 @@ def _render(result: dict) -> None:
           "reference; BW peak: bytes read+written / time over the vendor peak; of copy: over a measured x + 1")
     print()
     for name, value in result["ratios"].items():
-        print(f"  {name:<48} {value:8.3g}")
+        shown = "-" if value is None else (f"{value:8d}" if isinstance(value, int) else f"{value:8.3g}")
+        print(f"  {name:<48} {shown:>8}")
 
 
 def main(argv: list[str] | None = None) -> int:
