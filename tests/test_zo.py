@@ -267,6 +267,11 @@ def test_canonical_updates_order_is_independent_of_mapping_order():
     for (key, c), (m, s, g) in zip(base, expected, strict=True):
         np.testing.assert_array_equal(key, reference.sample_key(42, m, 17, s))
         assert c == replay.round_coefficient((-0.01 * g) / math.sqrt(6))
+    # a JOB iteration's size (3 peers of 16, more keys than rng.SCALAR_ROWS): the keys of one call
+    many = zo.canonical_updates(42, 17, {m: [0.5] * 16 for m in (2, 0, 1)}, 0.01, "sqrt")
+    assert len(many) == 48 > rng.SCALAR_ROWS
+    for j, (key, _) in enumerate(many):
+        np.testing.assert_array_equal(key, reference.sample_key(42, j // 16, 17, j % 16))
     assert zo.canonical_updates(0, 0, {}, 0.1) == []
     with pytest.raises(ValueError, match="machine ids must be integers"):
         zo.canonical_updates(0, 0, {"a": [1.0]}, 0.1)

@@ -101,7 +101,9 @@ def sample_key(run_seed: int, machine: int, iteration: int, sample: int) -> np.n
       >>> sample_key(0, 1, 2, 3).dtype
       dtype('uint32')
     """
-    return _ref.sample_key(run_seed, machine, iteration, sample)
+    seed = _ref._check_u32("run_seed", run_seed)
+    cols = ([_ref._check_u32(name, v)] for name, v in (("machine", machine), ("iteration", iteration), ("sample", sample)))
+    return _sample_keys_ints(seed, *cols)[0]
 
 
 def sample_keys(run_seed: int, triples) -> np.ndarray:
