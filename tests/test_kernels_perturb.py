@@ -675,9 +675,8 @@ def test_one_native_launch_for_every_leaf(donate):
 @pytest.mark.parametrize("impl", ["jnp", "pallas"])
 def test_leaf_keys_are_derived_once_per_call_for_every_leaf(impl):
     """The jnp rule and the per-leaf Pallas kernels get every leaf's keys from one computation per
-    call: the compiled replay of 12 leaves runs 12 leaf programs and one key derivation (a
-    derivation per leaf was a launch of its own before each leaf's, on a GPU too), with the
-    reference's bits."""
+    call: the compiled replay of 12 leaves runs an op per leaf and one key derivation (a derivation
+    per leaf was an op of its own before each leaf's, on a GPU a launch), with the reference's bits."""
     from zeroth.bench import profile as bench_profile
 
     params = {f"l{i:02d}": _array((i + 3, 5), jnp.float32, seed=i) for i in range(12)}
