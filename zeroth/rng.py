@@ -102,8 +102,8 @@ def sample_key(run_seed: int, machine: int, iteration: int, sample: int) -> np.n
       dtype('uint32')
     """
     seed = _ref._check_u32("run_seed", run_seed)
-    cols = ([_ref._check_u32(name, v)] for name, v in (("machine", machine), ("iteration", iteration), ("sample", sample)))
-    return _sample_keys_ints(seed, *cols)[0]
+    m, it, s = (_ref._check_u32(name, v) for name, v in (("machine", machine), ("iteration", iteration), ("sample", sample)))
+    return _sample_keys_ints(seed, [m], [it], [s])[0]
 
 
 def sample_keys(run_seed: int, triples) -> np.ndarray:

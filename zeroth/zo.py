@@ -433,15 +433,10 @@ class ProjectedGradientsFn:
         _check_eps_scale(eps_scale)
         # host values stay NumPy arrays (the call transfers them); converting them with jnp would
         # dispatch two small programs of their own at every step
-        if isinstance(keys, jax.Array):
-            keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
-        else:
-            keys = np.asarray(keys, np.uint32).reshape(-1, 2)
-        if isinstance(eps_scale, jax.Array):
-            eps_scale = jnp.asarray(eps_scale, jnp.float32).reshape(())
-        else:
-            eps_scale = np.asarray(eps_scale, np.float32).reshape(())
-        return params, batch, keys, eps_scale
+        def conform(x, dtype, shape):
+            return (jnp if isinstance(x, jax.Array) else np).asarray(x, dtype).reshape(shape)
+
+        return params, batch, conform(keys, np.uint32, (-1, 2)), conform(eps_scale, np.float32, ())
 
     def compiled(self, params, batch, keys, eps_scale):
         """The chosen ``jax.stages.Compiled`` for these arguments' signature (compiling if new)."""

@@ -130,6 +130,13 @@ def _row(section: str, name: str, impl: str, n: int, t: _common.Timing | None, *
     return row
 
 
+def _updates(dist: str, k: int) -> tuple[jax.Array, jax.Array]:
+    """The leaf keys ``u32[K, 2]`` and scales ``f32[K]`` of the K updates every replay row applies."""
+    keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
+    scales = replay.update_scales(dist, [_COEFF * (1 + s % 3) for s in range(k)])
+    return kp.leaf_keys(keys, 0x5EED), jnp.asarray(scales)
+
+
 def _copy_timing(ctx: Context) -> _common.Timing:
     step = jax.jit(lambda x: x + jnp.float32(1.0), donate_argnums=0)
     return _time_donated(step, _leaf(ctx.size), ctx)
@@ -185,9 +192,7 @@ def fused_replay_rows(ctx: Context) -> list[dict]:
     copy_s = _copy_timing(ctx).min_s if accel else None
 
     def step(impl: str, dist: str, k: int):
-        keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
-        lk = kp.leaf_keys(keys, 0x5EED)
-        scales = jnp.asarray(replay.update_scales(dist, [_COEFF * (1 + s % 3) for s in range(k)]))
+        lk, scales = _updates(dist, k)
         return jax.jit(lambda x: kp.perturb_leaf(x, lk, scales, distribution=dist, impl=impl, inplace=True),
                        donate_argnums=0)
 
@@ -257,9 +262,7 @@ def tile_rows(ctx: Context) -> list[dict]:
     rows = []
     for dist in ("binomial", "rademacher"):
         for k in sorted({1, max(ctx.ks)}):
-            keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
-            lk = kp.leaf_keys(keys, 0x5EED)
-            scales = jnp.asarray(replay.update_scales(dist, [_COEFF * (1 + s % 3) for s in range(k)]))
+            lk, scales = _updates(dist, k)
             for blocks in TILE_CANDIDATES.get(platform, TILE_CANDIDATES["cpu"]):
                 name = f"{dist} K={k} tile={blocks.tile} lanes={blocks.lanes}"
                 extra = {"distribution": dist, "k": k, "tile": blocks.tile, "lanes": blocks.lanes,

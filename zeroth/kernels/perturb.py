@@ -272,10 +272,7 @@ def resolve_impl(impl: str, platform: str | None = None, n_updates: int | None =
 
 def leaf_keys(keys, lid: int) -> jax.Array:
     """``u32[K, 2]`` leaf keys ``fold_in(keys[u], lid)`` of the sample keys ``u32[K, 2]``."""
-    keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
-    lid = jnp.uint32(lid)
-    x0, x1 = _rng.threefry2x32((keys[:, 0], keys[:, 1]), (jnp.zeros_like(lid), lid))
-    return jnp.stack([x0, x1], axis=1)
+    return _all_leaf_keys(keys, [lid])[0]
 
 
 def _check_args(x, keys, scales, distribution: str):
@@ -1370,7 +1367,8 @@ def apply_updates_flat(
 
 
 def _all_leaf_keys(keys, ids: list[int]) -> jax.Array:
-    """``u32[L, K, 2]``: :func:`leaf_keys` of the sample keys for every leaf id at once."""
+    """``u32[L, K, 2]``: :func:`leaf_keys` of the sample keys ``u32[K, 2]`` for every leaf id at once."""
+    keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
     lid = jnp.asarray(np.asarray(ids, np.uint32))[:, None]
     k0 = jnp.broadcast_to(keys[None, :, 0], (len(ids), keys.shape[0]))
     k1 = jnp.broadcast_to(keys[None, :, 1], (len(ids), keys.shape[0]))
