@@ -159,9 +159,24 @@ def test_sample_keys_small_and_large_calls_agree_across_the_threshold():
         rng.sample_keys(-1, [])
 
 
-def test_sample_keys_validate_each_tuple():
-    with pytest.raises(ValueError, match="iteration"):
-        rng.sample_keys(0, [(0, 0, 0), (1, -5, 0)])
+@pytest.mark.parametrize("machines, iterations", [(3, 1), (rng.SCALAR_ROWS + 1, 2)], ids=["few-prefixes", "many-prefixes"])
+def test_large_calls_fold_shared_prefixes_once_and_give_the_reference_keys(machines, iterations):
+    # more rows than SCALAR_ROWS: an iteration's keys (few (machine, iteration) prefixes, folded
+    # on integers, samples over NumPy rows) and a log's (more prefixes than that: all over NumPy)
+    triples = [(m * 977, 40_000 + it, s) for m in range(machines) for it in range(iterations) for s in (0, 1, 7, 8, 2**31, 2**32 - 1)]
+    assert len(triples) > rng.SCALAR_ROWS
+    keys = rng.sample_keys(5, triples)
+    assert keys.dtype == np.uint32 and keys.shape == (len(triples), 2)
+    np.testing.assert_array_equal(keys, np.stack([ref.sample_key(5, *t) for t in triples]))
+
+
+@pytest.mark.parametrize("bad, name", [(-5, "iteration"), (2**32, "iteration"), (True, "iteration"), (2.0, "iteration"), (np.int64(-1), "iteration")])
+@pytest.mark.parametrize("rows", [2, rng.SCALAR_ROWS + 2])
+def test_sample_keys_validate_each_tuple(bad, name, rows):
+    triples = [(0, 0, s) for s in range(rows)]
+    triples[-1] = (1, bad, 0)
+    with pytest.raises(ValueError, match=rf"{name} \(row {rows - 1}\)"):
+        rng.sample_keys(0, triples)
 
 
 # ---------------------------------------------------------------- leaf ids

@@ -156,6 +156,14 @@ def test_estimator_does_not_recompile_across_iterations():
     assert zo.projected_gradients_fn(loss) is fn
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int64, np.uint8, np.bool_])
+def test_a_numpy_leafs_signature_is_the_one_jit_sees(dtype):
+    # read from the array's attributes (a peer's batches are NumPy arrays), the same as jnp's
+    x = np.zeros((3, 2), dtype)
+    assert zo._leaf_signature(x) == ((3, 2), jnp.result_type(x), False)
+    assert zo._leaf_signature(np.float32(1.5)) == ((), jnp.dtype(jnp.float32), False)
+
+
 def test_compiler_options_are_backend_specific():
     assert "xla_cpu_scheduler_type" in zo.compiler_options("cpu")
     assert "xla_cpu_scheduler_type" not in zo.compiler_options("gpu")

@@ -51,7 +51,7 @@ CANONICAL_NAN = np.uint32(0x7FC00000)
 
 
 def _rotl(x: np.ndarray, r: int) -> np.ndarray:
-    return ((x << np.uint32(r)) | (x >> np.uint32(32 - r))).astype(np.uint32)
+    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
 
 
 def threefry2x32(key, counter):
@@ -62,22 +62,22 @@ def threefry2x32(key, counter):
     Keys and counters broadcast against each other (many keys at once is how
     :func:`zeroth.rng.sample_keys` derives a whole iteration's keys in one call).
     """
+    # every operand is uint32 from here on, and NumPy keeps uint32 through +, ^, << and >>
+    # (sums wrap mod 2**32), so no step needs a cast of its own
     k0 = np.asarray(key[0], dtype=np.uint32)
     k1 = np.asarray(key[1], dtype=np.uint32)
-    k2 = (k0 ^ k1 ^ np.uint32(PARITY)).astype(np.uint32)
-    ks = (k0, k1, k2)
+    ks = (k0, k1, k0 ^ k1 ^ np.uint32(PARITY))
     x0 = np.asarray(counter[0], dtype=np.uint32)
     x1 = np.asarray(counter[1], dtype=np.uint32)
     with np.errstate(over="ignore"):
-        x0 = (x0 + ks[0]).astype(np.uint32)
-        x1 = (x1 + ks[1]).astype(np.uint32)
+        x0 = x0 + ks[0]
+        x1 = x1 + ks[1]
         for block in range(5):
             for r in ROTATIONS[block % 2]:
-                x0 = (x0 + x1).astype(np.uint32)
-                x1 = _rotl(x1, r)
-                x1 = x1 ^ x0
-            x0 = (x0 + ks[(block + 1) % 3]).astype(np.uint32)
-            x1 = (x1 + ks[(block + 2) % 3] + np.uint32(block + 1)).astype(np.uint32)
+                x0 = x0 + x1
+                x1 = _rotl(x1, r) ^ x0
+            x0 = x0 + ks[(block + 1) % 3]
+            x1 = x1 + ks[(block + 2) % 3] + np.uint32(block + 1)
     return x0, x1
 
 

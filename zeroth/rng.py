@@ -123,6 +123,10 @@ def sample_keys(run_seed: int, triples) -> np.ndarray:
     for r, t in enumerate(rows):
         if len(t) != 3:
             raise ValueError(f"triple {r} must be (machine, iteration, sample), got {t!r}")
+        if type(t[0]) is type(t[1]) is type(t[2]) is int and 0 <= min(t) and max(t) < _ref.U32_LIMIT:
+            for j in range(3):  # the common case, checked without building three error names
+                cols[j].append(t[j])
+            continue
         for j, name in enumerate(("machine", "iteration", "sample")):
             cols[j].append(_ref._check_u32(f"{name} (row {r})", t[j]))
     seed = _ref._check_u32("run_seed", run_seed)
@@ -163,8 +167,18 @@ def _sample_keys_ints(seed: int, machines, iterations, samples) -> np.ndarray:
 
 def _sample_keys_numpy(seed: int, machines, iterations, samples) -> np.ndarray:
     n = len(machines)
-    k0, k1 = np.zeros(n, np.uint32), np.full(n, seed, np.uint32)  # root_key(seed) on every row
-    for col in (machines, iterations, samples):
+    prefixes = dict.fromkeys(zip(machines, iterations))
+    if len(prefixes) <= SCALAR_ROWS:
+        # an iteration's keys share a few (machine, iteration) prefixes: fold each once on
+        # integers, and only the samples over NumPy rows (one chain of three)
+        for m, it in prefixes:
+            prefixes[(m, it)] = _fold_in_ints(*_fold_in_ints(0, seed, m), it)
+        k0, k1 = np.array([prefixes[p] for p in zip(machines, iterations)], np.uint32).reshape(n, 2).T
+        cols = (samples,)
+    else:
+        k0, k1 = np.zeros(n, np.uint32), np.full(n, seed, np.uint32)  # root_key(seed) on every row
+        cols = (machines, iterations, samples)
+    for col in cols:
         k0, k1 = _ref.threefry2x32((k0, k1), (np.zeros(n, np.uint32), np.array(col, dtype=np.uint32)))
     return np.stack([k0, k1], axis=1)
 

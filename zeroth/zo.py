@@ -379,10 +379,13 @@ def _signature(tree) -> tuple:
 
 
 def _leaf_signature(x) -> tuple:
-    """``(shape, dtype, weak_type)`` as jit sees the leaf; a jax array's own attributes (what
-    ``jnp.result_type`` would compute for it, at a fraction of the host time)."""
+    """``(shape, dtype, weak_type)`` as jit sees the leaf; a jax array's own attributes, or a NumPy
+    array's with its dtype canonicalized (what ``jnp.result_type`` would compute for them, at a
+    fraction of the host time: a peer's batches are NumPy arrays)."""
     if isinstance(x, jax.Array):
         return tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False))
+    if isinstance(x, np.ndarray):
+        return x.shape, jax.dtypes.canonicalize_dtype(x.dtype), False
     return tuple(np.shape(x)), jnp.result_type(x), bool(getattr(x, "weak_type", False))
 
 
