@@ -430,3 +430,18 @@ def test_peers_apply_a_warmup_cosine_schedule_and_agree(tmp_path):
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_the_transport_makes_one_stub_per_address_and_none_once_closed():
+    # a stub builds a callable per method of the service; a peer calls a few addresses thousands of times
+    from zeroth.net.transport import Closed, Traffic, Transport
+
+    t = Transport(token=None, tls=None, traffic=Traffic())
+    a = t.stub("127.0.0.1:1")
+    assert t.stub("127.0.0.1:1") is a and isinstance(a, pb_grpc.PeerStub)
+    assert t.stub("127.0.0.1:2") is not a
+    t.close()
+    with pytest.raises(Closed, match="127.0.0.1:1"):
+        t.stub("127.0.0.1:1")
+    with pytest.raises(Closed):
+        t.rpc("127.0.0.1:1", "PushGradients", pb.GradientPush(), 1.0)

@@ -133,21 +133,33 @@ class Transport:
         self.metadata = _sec.token_metadata(token)
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, pb_grpc.PeerStub] = {}
         self._seq = _id.Sequence()
         self._closed = False
 
     def channel(self, address: str) -> grpc.Channel:
         with self._lock:
-            if self._closed:
-                raise Closed(f"this peer is stopping (call to {address})")
-            ch = self._channels.get(address)
-            if ch is None:
-                if self.tls is not None:
-                    ch = grpc.secure_channel(address, _sec.channel_credentials(self.tls), options=list(CHANNEL_OPTIONS))
-                else:
-                    ch = grpc.insecure_channel(address, options=list(CHANNEL_OPTIONS))
-                self._channels[address] = ch
-            return ch
+            return self._open(address)
+
+    def _open(self, address: str) -> grpc.Channel:
+        if self._closed:
+            raise Closed(f"this peer is stopping (call to {address})")
+        ch = self._channels.get(address)
+        if ch is None:
+            if self.tls is not None:
+                ch = grpc.secure_channel(address, _sec.channel_credentials(self.tls), options=list(CHANNEL_OPTIONS))
+            else:
+                ch = grpc.insecure_channel(address, options=list(CHANNEL_OPTIONS))
+            self._channels[address] = ch
+        return ch
+
+    def stub(self, address: str) -> pb_grpc.PeerStub:
+        """The stub of ``address``'s channel, made once (a stub builds a callable per method: 33 us)."""
+        with self._lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                stub = self._stubs[address] = pb_grpc.PeerStub(self._open(address))
+            return stub
 
     def signed(self, me: _id.Identity, method: str, request):
         """``request`` signed by ``me`` with a fresh sequence number."""
@@ -155,7 +167,7 @@ class Transport:
 
     def rpc(self, address: str, method: str, request, timeout: float, payload: int = 0):
         """One unary call with accounting; raises ``grpc.RpcError``."""
-        stub = pb_grpc.PeerStub(self.channel(address))
+        stub = self.stub(address)
         size = wire.wire_size(request, kind="request", token=self.token)
         try:
             response = getattr(stub, method)(request, timeout=timeout, metadata=self.metadata)
@@ -170,7 +182,7 @@ class Transport:
 
     def stream(self, address: str, method: str, request, timeout: float):
         """The messages of a server-streaming call, counted as they arrive; raises ``grpc.RpcError``."""
-        stub = pb_grpc.PeerStub(self.channel(address))
+        stub = self.stub(address)
         self.traffic.sent(wire.wire_size(request, kind="request", token=self.token))
         for i, msg in enumerate(getattr(stub, method)(request, timeout=timeout, metadata=self.metadata)):
             self.traffic.received(wire.wire_size(msg, kind="response" if i == 0 else "stream"))
@@ -179,6 +191,6 @@ class Transport:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            channels, self._channels = list(self._channels.values()), {}
+            channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
         for ch in channels:
             ch.close()
