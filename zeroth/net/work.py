@@ -125,10 +125,10 @@ class Worker:
         c = 0
         while done < self.n:
             keys = _rng.sample_keys(self.seed, [(machine, iteration, done + i) for i in range(self.chunk)])
-            g, loss = self.grads_fn(params, self.batch(machine, iteration, c), keys, self.eps)
+            g, loss = jax.device_get(self.grads_fn(params, self.batch(machine, iteration, c), keys, self.eps))
             take = min(self.chunk, self.n - done)
-            gs.append(np.asarray(jax.device_get(g), np.float32)[:take])
-            ls.append(np.asarray(jax.device_get(loss), np.float32)[:take])
+            gs.append(np.asarray(g, np.float32)[:take])
+            ls.append(np.asarray(loss, np.float32)[:take])
             done += take
             c += 1
             if deadline is not None and time.monotonic() >= deadline:
