@@ -22,11 +22,13 @@
 #   OUT/hlo/                         XLA's compiled programs of the ZO step and the forward (text,
 #                                    transformer at the default width): what each profiled op is
 #   OUT/zo_profile.txt               nsys's kernel summary of the --width 4096 run, where nsys exists
-#   OUT/status.txt                   one line per step: its exit status and seconds
+#   OUT/status.txt                   one line per step: its exit status (124: past STEP_TIMEOUT) and seconds
 #
 # Usage: scripts/gpu_speed.sh [OUT]   (default: $OUT if set, else runs/gpu_speed)
 # PYTHON names the interpreter that has zeroth installed (default: python). SIZE sets the replay
 # benchmarks' float32 leaf (default 2**27). QUICK=1 shrinks every step, for a dry run on a CPU.
+# STEP_TIMEOUT (seconds, default 240) stops a step that runs longer (status 124) and goes on with
+# the next, so that one stuck compilation cannot take the whole run's time on a lent machine.
 # BUNDLE=FILE.tgz also packs all of OUT into that one file at the end (for a transport that
 # brings back a few files only).
 set -uo pipefail
@@ -44,10 +46,16 @@ if [ "${QUICK:-0}" = 1 ]; then
   size=1048576 zo_args=(--batch 8 --repeats 1) over_args=(--repeats 1) reps=1
 fi
 
+step_timeout="${STEP_TIMEOUT:-240}"
+
+limited() {  # a command under the step time limit; a function runs as it is and limits its own commands
+  if declare -F "$1" > /dev/null; then "$@"; else timeout -k 10 "$step_timeout" "$@"; fi
+}
+
 step() {  # step NAME OUTFILE COMMAND...: run it, its output into OUTFILE, its status into status.txt
   local name="$1" file="$2" t0=$SECONDS
   shift 2
-  "$@" > "$file" 2> "$file.err"
+  limited "$@" > "$file" 2> "$file.err"
   local rc=$?
   [ -s "$file.err" ] || rm -f "$file.err"
   printf '%-22s exit %3d  %4d s\n' "$name" "$rc" $((SECONDS - t0)) | tee -a "$out/status.txt"
@@ -76,7 +84,7 @@ step zo_while_graphs "$out/zo_while_graphs.json" env \
 hlo_dump() {  # the programs a ZO step runs, and the forward, as XLA compiled them for this device
   XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_as_text \
 --xla_dump_hlo_module_re=jit_projected_gradients|jit__fused_donated|jit_loss_fn" \
-    "$py" -m zeroth bench zo --model transformer --distribution binomial --repeats 1 --warmup 0 "${zo_args[@]}"
+    timeout -k 10 "$step_timeout" "$py" -m zeroth bench zo --model transformer --distribution binomial --repeats 1 --warmup 0 "${zo_args[@]}"
   local rc=$?  # keep the HLO text of each program before and after optimization; drop IR and objects
   find "$out/hlo" -type f ! -name '*after_optimizations.txt' ! -name '*before_optimizations.txt' -delete
   find "$out/hlo" -mindepth 1 -type d -empty -delete
