@@ -93,6 +93,23 @@ def test_killed_member_costs_one_barrier_and_is_dropped():
     assert net.now - killed_at < p.iteration_timeout_s + 2 * p.barrier_timeout_s + 2.0
 
 
+def test_a_killed_member_whose_port_refuses_the_leaders_push_costs_no_barrier():
+    # killed between two iterations: the leader's next push to it is refused at the connection,
+    # so the leader decides as soon as the others pushed, long before a barrier timeout
+    net = SimNet(params())
+    net.start(3)
+    run_until_iteration(net, "sim:1000", 6)
+    killed_at = net.now
+    net.kill("sim:1002")
+    leader = net.peers["sim:1000"]
+    assert net.run_until(lambda: leader.state.it >= 8, limit=60.0)
+    assert net.now - killed_at < net.params.iteration_timeout_s  # the barrier would wait 1.5 s
+    assert [m.machine for m in leader.state.view.members if not m.active] == [2]
+    assert net.run_until(net.all_finished, limit=60.0)
+    chain = assert_agree(net, 2)
+    assert all(contributors(chain, t) == [0, 1] for t in range(7, len(chain)))
+
+
 def test_killed_leader_is_taken_over_by_the_next_lowest_id():
     net = SimNet(params())
     net.start(3)
@@ -397,7 +414,7 @@ def test_docstring_examples_of_the_net_modules_run():
 
 from zeroth.transport import identity  # noqa: E402
 
-KEYS = {m: identity.Identity.generate() for m in range(4)}
+KEYS = {m: identity.Identity.generate() for m in range(5)}
 
 
 def signed_params(me, **kw):
@@ -605,3 +622,47 @@ def test_no_commit_can_rekey_a_member_or_reuse_an_id():
     joiner = nxt._replace(members=nxt.members + (P.Member(3, "h:9", False, KEYS[3].public),), next_machine_id=4)
     ok = signed(2, P.Commit("run", 2, t, P.Ballot(1, 2), (), P.updates_digest((), ()), joiner))
     assert P.on_commit(pp, st, ok, late).state.view == joiner
+
+
+def _leader_with_pushes(n, pushed, t=5):
+    """Machine 0, the committer of iteration ``t`` in a signed run of ``n`` members, after its own
+    push and those of ``pushed``."""
+    pp, st = signed_member(me=0, t=t, n=n)
+    st = P.on_local_gradients(pp, st, iteration=t, count=2, payload=b"ab", now=0.1).state
+    for m in pushed:
+        st = P.on_push(pp, st, signed(m, P.Push("run", m, t, 2, b"cd")), now=0.2).state
+    return pp, st
+
+
+def _commits(step):
+    return [e.message for e in step.effects if isinstance(e, P.Send) and isinstance(e.message, P.Commit)]
+
+
+def test_a_refused_push_closes_the_barrier_at_once_with_a_majority():
+    pp, st = _leader_with_pushes(3, [1])
+    assert st.it == 5 and not _commits(P.on_tick(pp, st, now=0.3))  # machine 2 is still waited for
+    # a refusal of another iteration, or about this peer itself, changes nothing
+    for it, m in ((4, 2), (6, 2), (5, 0)):
+        step = P.on_push_refused(pp, st, iteration=it, machine=m, now=0.3)
+        assert step.state == st and step.effects == ()
+    step = P.on_push_refused(pp, st, iteration=5, machine=2, now=0.3)
+    (commit,) = {c for c in _commits(step)}
+    assert commit.iteration == 5 and commit.contributors == ((0, 2), (1, 2))
+    assert {m.machine: m.active for m in commit.next_view.members} == {0: True, 1: True, 2: False}
+    assert step.state.it == 6 and step.state.refused == frozenset()  # the next iteration waits for no one refused
+
+
+def test_refusals_never_let_a_minority_decide():
+    # 5 members: the committer and machine 1 pushed, the other three refuse: 2 of 5 is no majority
+    pp, st = _leader_with_pushes(5, [1])
+    for m in (2, 3, 4):
+        step = P.on_push_refused(pp, st, iteration=5, machine=m, now=0.3)
+        assert not _commits(step)
+        st = step.state
+    assert st.refused == {2, 3, 4} and st.it == 5
+    assert not _commits(P.on_tick(pp, st, now=st.deadline + 1.0))  # nor at the deadline
+    # a third push makes a majority: the refused members are left out at once
+    step = P.on_push(pp, st, signed(2, P.Push("run", 2, 5, 2, b"ef")), now=0.4)
+    (commit,) = _commits(step)[:1]
+    assert [m for m, _ in commit.contributors] == [0, 1, 2]
+    assert {m.machine for m in commit.next_view.members if not m.active} == {3, 4}

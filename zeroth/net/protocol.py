@@ -19,7 +19,9 @@ One iteration ``t`` with view ``V_t`` (members, each active or catching up):
 1. every member evaluates its perturbations (:class:`Compute`) and pushes its encoded projected
    gradients to every other member (:class:`Push`: O(M) messages per peer);
 2. the *committer* of ``t`` (the lowest active id, unless a takeover is under way) waits until
-   every active member has pushed or the barrier deadline passes, then decides the iteration
+   every active member has pushed, or refused the committer's own push at the connection (a
+   process that is gone: :func:`on_push_refused`), or the barrier deadline passes, then decides
+   the iteration
    (:class:`Commit`): the contributors in machine-id order with their counts, the SHA-256 of
    their payloads, and the view of ``t + 1``: contributors stay active; an active member that
    missed the barrier is dropped from the iteration and becomes inactive (no longer waited
@@ -141,6 +143,7 @@ __all__ = [
     "on_commit",
     "on_commit_acked",
     "on_commit_failed",
+    "on_push_refused",
     "on_prepare",
     "on_prepare_reply",
     "on_prepare_rejected",
@@ -507,6 +510,7 @@ class PeerState(NamedTuple):
       resynced_at: when this peer last re-synchronised a stuck iteration.
       denials: sources that refused this peer's log requests as a non-member (reset by a fetch that works).
       ahead: the newest iteration an unverifiable commit (a hint) named: fetched up to it once.
+      refused: members whose connection refused our push of ``it`` (:func:`on_push_refused`).
     """
 
     me: int
@@ -534,6 +538,7 @@ class PeerState(NamedTuple):
     resynced_at: float = float("-inf")
     denials: frozenset = frozenset()
     ahead: int = -1
+    refused: frozenset[int] = frozenset()
 
 
 class Step(NamedTuple):
@@ -842,6 +847,7 @@ def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -
     st = st._replace(
         started_at=now,
         suspected=frozenset(),
+        refused=frozenset(),
         recovery=None,
         waits=0,
         leaves=st.leaves & ids,
@@ -933,8 +939,9 @@ def _fetch(
 
 def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
     """The committer's barrier: decide ``st.it`` once our own push is in and every expected push is,
-    or at the deadline if a majority of the active members answered (else keep waiting: a
-    minority never decides, so a partitioned run cannot split)."""
+    or once every member still missing refused our push at the connection (its process is gone),
+    or at the deadline; in the last two cases only if a majority of the members answered (else
+    keep waiting: a minority never decides, so a partitioned run cannot split)."""
     if st.phase != MEMBER or st.it in st.decided or committer(st) != st.me or st.recovery is not None:
         return st
     b = st.promised.get(st.it)
@@ -946,9 +953,10 @@ def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> Pee
     have = frozenset(m for (t, m) in st.inbox if t == st.it and m in view.ids())
     if st.me not in have and st.me not in st.leaves:
         return st  # our own projected gradients are still being computed
-    if not expected <= have:
+    missing = expected - have
+    if missing:
         # Evidence of life: pushes (in time, or one iteration late from inactive members), leaves, us.
-        if now < st.deadline or not _majority(have | st.ready | st.leaves | {st.me}, view.ids()):
+        if (now < st.deadline and not missing <= st.refused) or not _majority(have | st.ready | st.leaves | {st.me}, view.ids()):
             return st
     ballot = Ballot(0, st.me)
     entry, admitted = _decide(params, st, ballot, have, have | st.ready | {st.me})
@@ -1337,6 +1345,24 @@ def on_commit_failed(params: Params, st: PeerState, *, iteration: int, machine: 
     """Our decision could not be delivered to ``machine`` (counted; after :data:`UNREACHABLE_AFTER` it is removed)."""
     st = st._replace(failures=_put(st.failures, machine, st.failures.get(machine, 0) + 1))
     return Step(st, (Note(f"commit of iteration {iteration} to machine {machine} failed: {message}"),))
+
+
+def on_push_refused(params: Params, st: PeerState, *, iteration: int, machine: int, now: float) -> Step:
+    """The connection to ``machine`` refused our push of ``iteration`` (gRPC ``UNAVAILABLE``: nothing
+    listens at its address, its process is gone).
+
+    The committer stops waiting for that member's push in this iteration: a killed peer costs the
+    run no barrier timeout. The decision still needs a majority of the members (a partitioned
+    committer whose pushes all fail keeps waiting), the member becomes inactive as if it had
+    missed the barrier, and pushing again makes it active (a refusal that was only a restart).
+    A push that arrives after all is counted as usual. Refusals of another iteration are ignored.
+    """
+    if st.phase != MEMBER or iteration != st.it or machine == st.me or machine not in st.view.ids():
+        return Step(st, ())
+    st = st._replace(refused=st.refused | {machine})
+    effects: list = []
+    st = _try_commit(params, st, now, effects)
+    return Step(st, tuple(effects))
 
 
 # --------------------------------------------------------------------------- takeover

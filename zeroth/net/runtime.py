@@ -512,6 +512,9 @@ class Node:
             code, details = e.code(), e.details()
             if isinstance(msg, P.Push | P.Leave) and code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                 self.say(f"{type(msg).__name__.lower()} of iteration {msg.iteration} to machine {eff.machine} refused: {code.name}: {details}")
+            if isinstance(msg, P.Push) and code == grpc.StatusCode.UNAVAILABLE:
+                # nothing listens at its address: the committer need not wait for its push
+                self._event(inc, P.on_push_refused, iteration=msg.iteration, machine=eff.machine)
             if isinstance(msg, P.Commit):
                 self._event(inc, P.on_commit_failed, iteration=msg.iteration, machine=eff.machine, message=f"{code.name}: {details}")
             elif isinstance(msg, P.Prepare):

@@ -127,6 +127,11 @@ class SimNet:
     def _reachable(self, a: str, b: str) -> bool:
         return b in self.peers and self.peers[b].alive and frozenset((a, b)) not in self._cut
 
+    def _refuses(self, a: str, b: str) -> bool:
+        """Whether ``b``'s address refuses ``a``'s connections: its process is gone (killed) while the
+        network between them works (a partition or a lost message refuses nothing: it times out)."""
+        return b in self.peers and not self.peers[b].alive and frozenset((a, b)) not in self._cut
+
     # ----------------------------------------------------------------- peers
 
     def start(self, founders: int) -> None:
@@ -313,6 +318,8 @@ class SimNet:
             return
         p, st, now = self.params, src.state, self.now
         msg = send.message
+        if isinstance(msg, P.Push) and not ok and self._refuses(src.address, send.address):
+            self._handle(src, P.on_push_refused(p, st, iteration=msg.iteration, machine=send.machine, now=now))
         if isinstance(msg, P.Commit):
             if ok and error is None:
                 self._handle(src, P.on_commit_acked(p, st, iteration=msg.iteration, machine=send.machine, now=now))
