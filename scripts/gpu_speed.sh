@@ -28,7 +28,7 @@
 # PYTHON names the interpreter that has zeroth installed (default: python). SIZE sets the replay
 # benchmarks' float32 leaf (default 2**27). QUICK=1 shrinks every step, for a dry run on a CPU.
 # STEP_TIMEOUT (seconds, default 240) stops a step that runs longer (status 124) and goes on with
-# the next, so that one stuck compilation cannot take the whole run's time on a lent machine.
+# the next, so that one stuck compilation cannot take the whole run's time on a remote machine.
 # BUNDLE=FILE.tgz also packs all of OUT into that one file at the end (for a transport that
 # brings back a few files only).
 set -uo pipefail
