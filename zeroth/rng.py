@@ -156,26 +156,26 @@ def _fold_in_ints(k0: int, k1: int, data: int) -> tuple[int, int]:
     return x0, x1
 
 
+def _prefix_keys(seed: int, pairs) -> dict[tuple[int, int], tuple[int, int]]:
+    """``{(machine, iteration): fold_in(fold_in(root_key(seed), machine), iteration)}`` on Python
+    integers, each distinct pair folded once."""
+    return {(m, it): _fold_in_ints(*_fold_in_ints(0, seed, m), it) for m, it in dict.fromkeys(pairs)}
+
+
 def _sample_keys_ints(seed: int, machines, iterations, samples) -> np.ndarray:
-    prefixes: dict[tuple[int, int], tuple[int, int]] = {}
-    out = []
-    for m, it, s in zip(machines, iterations, samples):
-        prefix = prefixes.get((m, it))
-        if prefix is None:
-            prefix = prefixes[(m, it)] = _fold_in_ints(*_fold_in_ints(0, seed, m), it)
-        out.append(_fold_in_ints(*prefix, s))
+    prefixes = _prefix_keys(seed, zip(machines, iterations))
+    out = [_fold_in_ints(*prefixes[(m, it)], s) for m, it, s in zip(machines, iterations, samples)]
     return np.array(out, dtype=np.uint32).reshape(len(out), 2)
 
 
 def _sample_keys_numpy(seed: int, machines, iterations, samples) -> np.ndarray:
     n = len(machines)
-    prefixes = dict.fromkeys(zip(machines, iterations))
-    if len(prefixes) <= SCALAR_ROWS:
+    pairs = list(zip(machines, iterations))
+    if len(set(pairs)) <= SCALAR_ROWS:
         # an iteration's keys share a few (machine, iteration) prefixes: fold each once on
         # integers, and only the samples over NumPy rows (one chain of three)
-        for m, it in prefixes:
-            prefixes[(m, it)] = _fold_in_ints(*_fold_in_ints(0, seed, m), it)
-        k0, k1 = np.array([prefixes[p] for p in zip(machines, iterations)], np.uint32).reshape(n, 2).T
+        prefixes = _prefix_keys(seed, pairs)
+        k0, k1 = np.array([prefixes[p] for p in pairs], np.uint32).reshape(n, 2).T
         cols = (samples,)
     else:
         k0, k1 = np.zeros(n, np.uint32), np.full(n, seed, np.uint32)  # root_key(seed) on every row

@@ -6,7 +6,7 @@ channels, unary and streaming calls with byte accounting, and signed requests.
 * :class:`Traffic`: payload bytes are the projected-gradient bytes of pushes and log entries sent
   and received; wire bytes are every message sent and received, each its serialized size plus the
   framing of :func:`zeroth.net.wire.wire_size`.
-* :class:`Transport`: one channel per address, every call carries the access token; requests
+* :class:`Transport`: one channel and one stub per address, every call carries the access token; requests
   that are not protocol messages are signed (:data:`SIGNED_REQUESTS`, :func:`sign_request`) and
   checked by the receiver (:func:`request_signed_bytes`).
 
@@ -136,10 +136,6 @@ class Transport:
         self._stubs: dict[str, pb_grpc.PeerStub] = {}
         self._seq = _id.Sequence()
         self._closed = False
-
-    def channel(self, address: str) -> grpc.Channel:
-        with self._lock:
-            return self._open(address)
 
     def _open(self, address: str) -> grpc.Channel:
         if self._closed:
