@@ -7,8 +7,11 @@
 #   OUT/doctor.txt                   zeroth doctor (the golden digests must be printed)
 #   OUT/perturb.json                 replay throughput at SIZE elements vs torch.randn + add_ on the same device
 #   OUT/overhead.json                host cost of one replay call, 1 to 200 leaves, tree and flat layout
-#   OUT/kernels.json                 fused K-update replay vs K passes, with the fraction of memory bandwidth,
-#                                    and the Pallas kernel under each candidate tiling (the best per K)
+#   OUT/kernels.json                 fused K-update replay vs K passes, with the fraction of memory
+#                                    bandwidth, and the sign-bit kernels
+#   OUT/kernel_tiles.json            the Pallas kernel under each candidate tiling (the best per K): a
+#                                    step of its own, since compiling every tiling is the long part
+#                                    (the whole benchmark ran past 200 s on an H100)
 #   OUT/zo_transformer.json          ZO step / two forwards, transformer at the default width, with
 #                                    its JAX profile (--profile: busy and idle time, ops per call, each
 #                                    program's time, the ops by time; where the extra forwards go)
@@ -67,20 +70,24 @@ env_info() {
   return 0
 }
 
+# The steps run in the order of what the open questions need most, so that a run cut short keeps those.
 step env "$out/env.txt" env_info
 step doctor "$out/doctor.txt" "$py" -m zeroth doctor
 step perturb "$out/perturb.json" "$py" -m zeroth bench perturb --json --size "$size" --repeats "$reps"
-step overhead "$out/overhead.json" "$py" -m zeroth bench perturb --json --overhead "${over_args[@]}"
-step kernels "$out/kernels.json" "$py" -m zeroth bench kernels --json --size "$size" --repeats "$reps"
 step zo_transformer "$out/zo_transformer.json" \
   "$py" -m zeroth bench zo --json --model transformer --profile 3 "${zo_args[@]}"
 step zo_transformer_4096 "$out/zo_transformer_4096.json" \
   "$py" -m zeroth bench zo --json --model transformer --width 4096 --profile 3 "${zo_args[@]}"
+step kernels "$out/kernels.json" \
+  "$py" -m zeroth bench kernels --json --size "$size" --repeats "$reps" --sections baseline,fused,signbits
+step kernel_tiles "$out/kernel_tiles.json" \
+  "$py" -m zeroth bench kernels --json --size "$size" --repeats "$reps" --sections baseline,tiles
 step zo_licm "$out/zo_licm.json" \
   "$py" -m zeroth bench zo --json --model transformer --distribution binomial --zo-option xla_disable_hlo_passes= "${zo_args[@]}"
 step zo_while_graphs "$out/zo_while_graphs.json" env \
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
   "$py" -m zeroth bench zo --json --model transformer --distribution binomial "${zo_args[@]}"
+step overhead "$out/overhead.json" "$py" -m zeroth bench perturb --json --overhead "${over_args[@]}"
 hlo_dump() {  # the programs a ZO step runs, and the forward, as XLA compiled them for this device
   XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_as_text \
 --xla_dump_hlo_module_re=jit_projected_gradients|jit__fused_donated|jit_loss_fn" \

@@ -15,6 +15,36 @@ from jax import export
 PLATFORMS = ("cuda", "tpu")
 _CUSTOM_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
+# Primitives that Pallas lowers to Triton IR but that Triton itself cannot compile. The export
+# below stops at Triton IR; the GPU's compiler fails later, on the device: on an NVIDIA H100 (jax
+# 0.11.2) `lax.population_count` in the replay kernel gave "failed to legalize operation
+# 'math.ctpop'" and every Pallas replay failed to compile. Kernels count bits with
+# zeroth.noise.popcount_swar instead.
+TRITON_CANNOT_COMPILE = frozenset({"population_count"})
+
+
+def _sub_jaxprs(value):
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+        if hasattr(v, "eqns"):  # a Jaxpr
+            yield v
+        elif hasattr(getattr(v, "jaxpr", None), "eqns"):  # a ClosedJaxpr
+            yield v.jaxpr
+
+
+def _primitives(jaxpr, found: set[str], in_kernel: bool) -> set[str]:
+    for eqn in jaxpr.eqns:
+        if in_kernel:
+            found.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                _primitives(sub, found, in_kernel or eqn.primitive.name == "pallas_call")
+    return found
+
+
+def kernel_primitives(fn, args) -> set[str]:
+    """The primitives inside the bodies of every Pallas kernel that ``fn(*args)`` calls."""
+    return _primitives(jax.make_jaxpr(fn)(*args).jaxpr, set(), False)
+
 
 @pytest.fixture
 def tpu_chip_info(monkeypatch):
@@ -26,7 +56,12 @@ def tpu_chip_info(monkeypatch):
 
 
 def _lowered_text(fn, args, platform: str) -> str:
+    """The exported module; for ``cuda`` also checks that no kernel body uses a primitive that
+    Triton cannot compile (:data:`TRITON_CANNOT_COMPILE`)."""
     target = _CUSTOM_CALLS[platform]
+    if platform == "cuda":
+        bad = kernel_primitives(fn, args) & TRITON_CANNOT_COMPILE
+        assert not bad, f"a Pallas kernel body uses {sorted(bad)}, which Triton cannot compile on a GPU"
     exported = export.export(
         jax.jit(fn), platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.custom_call(target)]
     )(*args)

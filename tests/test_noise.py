@@ -170,3 +170,20 @@ def test_noise_values_fit_every_dtype(dtype):
     # |k| <= 8 and k/2: representable exactly in the narrowest supported float
     for k in range(-8, 9):
         assert float(np.asarray(k / 2, dtype)) == k / 2
+
+
+def test_swar_popcount_counts_like_population_count():
+    # The Pallas kernels count the binomial's bits with shifts and adds (Triton has no popcount):
+    # every 16-bit half, and 32-bit words, must count exactly as lax.population_count does.
+    halves = np.arange(1 << 16, dtype=np.uint32)
+    words = np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+    for v in (halves, words, np.array([0, 0xFFFFFFFF, 0x80000000, 1], np.uint32)):
+        want = np.array([bin(int(x)).count("1") for x in v], np.int32)
+        got = noise.popcount_swar(jnp.asarray(v))
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(got), want)
+        np.testing.assert_array_equal(np.asarray(jax.lax.population_count(jnp.asarray(v))).astype(np.int32), want)
+    x0, x1 = jnp.asarray(words[:2048]), jnp.asarray(words[2048:])
+    within = jnp.asarray(np.arange(2048, dtype=np.uint32) % 4)
+    np.testing.assert_array_equal(np.asarray(noise.binomial_from_words(x0, x1, within, swar=True)),
+                                  np.asarray(noise.binomial_from_words(x0, x1, within)))

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from zeroth.kernels import triton_params
+from zeroth.noise import popcount_swar
 
 __all__ = [
     "Blocks",
@@ -151,16 +152,6 @@ def _check_thresh(thresh, o: int) -> jax.Array:
 
 
 # --------------------------------------------------------------------------- block function
-
-
-def popcount_swar(v: jax.Array) -> jax.Array:
-    """Bits set in each ``uint32`` (shifts, ands and adds only), as ``int32``."""
-    v = v - ((v >> 1) & jnp.uint32(0x55555555))
-    v = (v & jnp.uint32(0x33333333)) + ((v >> 2) & jnp.uint32(0x33333333))
-    v = (v + (v >> 4)) & jnp.uint32(0x0F0F0F0F)
-    v = v + (v >> 8)
-    v = v + (v >> 16)
-    return jax.lax.bitcast_convert_type(v & jnp.uint32(0x3F), jnp.int32)
 
 
 def _pack_rows(bits: jax.Array) -> jax.Array:
