@@ -82,6 +82,25 @@ def test_bench_zo_argument_errors(capsys):
     assert "--seq-len must be a positive integer, got 0" in capsys.readouterr().err
 
 
+def test_bench_zo_times_the_flat_layout_beside_the_tree(capsys):
+    from zeroth.bench import zo
+
+    args = ["--json", "--width", "32", "--batch", "4", "--repeats", "1", "--warmup", "0", "--distribution", "rademacher", "--flat"]
+    assert zo.main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["flat"] is True
+    names = [r["name"] for r in result["rows"]]
+    for name in ("ZO step n=1 rademacher (flat layout)", "  projected gradients (flat layout)", "  update (replay, flat layout)"):
+        assert names.count(name) == 1, name
+        assert names.index(name) > names.index("ZO step n=1 rademacher")
+    ratios = result["ratios"]
+    for part in ("step", "pg", "update"):
+        assert ratios[f"flat_{part}_time_over_tree_rademacher"] > 0
+    assert ratios["zo_time_over_forwards_flat_rademacher"] > 0
+    # the flat estimator evaluates the tree's perturbations: the same projected gradients and losses
+    assert ratios["flat_same_bits_rademacher"] == 1.0
+
+
 def test_bench_zo_times_the_program_again_under_changed_xla_options(capsys):
     from zeroth.bench import zo
 

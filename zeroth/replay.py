@@ -256,8 +256,9 @@ class Flat:
     holding every leaf of that dtype (see :class:`Layout`). A pytree whose leaves are the buffers
     (the layout is static aux data), so it goes through ``jit``, ``device_put`` and ``tree_map``.
     :func:`replay`, :func:`apply_updates`, :func:`perturb` and :func:`checksum` take it and keep
-    each leaf's id; code that names leaves by their pytree path (the ZO estimators, the kernels'
-    pytree entries) takes the tree: pass it ``unflatten(flat)`` (inside its ``jit``).
+    each leaf's id, and so do the ZO estimators and :func:`zeroth.zo.mezo_step` (they slice the
+    tree out inside their programs); other code that names leaves by their pytree path (the
+    kernels' pytree entries) takes the tree: pass it ``unflatten(flat)`` (inside its ``jit``).
 
     Example:
       >>> from zeroth.rng import sample_key

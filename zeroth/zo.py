@@ -248,7 +248,8 @@ def projected_gradients_and_losses(
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar``; any function, differentiable or not.
-      params: pytree of f32 / bf16 / f16 arrays.
+      params: pytree of f32 / bf16 / f16 arrays, or its :class:`zeroth.replay.Flat` (the tree's
+        leaves, paths and bits; each iteration slices the leaves out of the buffers).
       batch: any pytree, passed through to ``loss_fn``.
       keys: ``u32[n, 2]`` sample keys (:func:`zeroth.rng.sample_keys`).
       eps_scale: ``f32[]`` host-rounded ε (:func:`round_eps`); may be traced.
@@ -273,6 +274,8 @@ def projected_gradients_and_losses(
         # The barrier makes this iteration's copy of θ depend on its key, so no whole-model value
         # is hoisted out of the loop even where invariant code motion runs.
         key, s, theta = jax.lax.optimization_barrier((args[0], args[1], params))
+        if isinstance(theta, _replay.Flat):  # unflattened after the barrier: slices fused into their uses
+            theta = _replay.unflatten(theta)
         if native:
             # The native CPU kernel, one launch per leaf: one threefry call per 4 (binomial) or
             # 64 (Rademacher) elements where the jnp rule hashes once per element, and each
@@ -410,6 +413,12 @@ def _peak_bytes(compiled) -> int:
 
 class ProjectedGradientsFn:
     """``fn(params, batch, keys, eps_scale) -> (g f32[n], ℓ f32[n])``, compiled per input signature.
+
+    ``params`` is the pytree ``loss_fn`` takes, or its :class:`zeroth.replay.Flat`
+    (:func:`zeroth.replay.flatten`): the program then takes a buffer per dtype instead of an array
+    per leaf and unflattens them inside (slices that XLA fuses into their uses), with the same
+    leaves, paths, noise and bits as the tree. A call's host cost grows with the number of arrays
+    it passes, and most with those of an accelerator.
 
     For each new signature (tree structure, shapes and dtypes) it compiles
     :func:`projected_gradients_and_losses` under each of :func:`compiler_option_candidates` and
@@ -741,7 +750,10 @@ def mezo_step(
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` (hashable; its compiled estimator is cached).
-      params, batch: the model parameters and the batch.
+      params, batch: the model parameters and the batch. ``params`` may be the
+        :class:`zeroth.replay.Flat` of the tree ``loss_fn`` takes: the step then passes a buffer per
+        dtype to each compiled call instead of an array per leaf, with the same bits, and returns a
+        ``Flat``.
       run_seed, iteration, machine: name the perturbations.
       lr, eps: learning rate η (a number, or a :class:`zeroth.schedules.Schedule`: η_t of
         ``iteration``, which also scales the weight decay) and perturbation size ε (host-rounded).

@@ -121,6 +121,7 @@ def run(
     warmup: int = 1,
     profile_calls: int = 0,
     zo_options: dict[str, Any] | None = None,
+    flat: bool = False,
 ) -> dict:
     """Run the benchmark; returns ``{"config", "environment", "rows", "ratios", "targets"}``.
 
@@ -131,6 +132,13 @@ def run(
     the same projected gradients and losses, bit for bit). For instance
     ``--zo-option xla_disable_hlo_passes=`` runs XLA's loop-invariant code motion, which the ZO
     options turn off to keep the memory of inference: what it costs in time on this device.
+
+    With ``flat``, the ZO step, its projected gradients and its update also run on the
+    parameters' :class:`zeroth.replay.Flat` (:func:`zeroth.replay.flatten`: one buffer per dtype
+    instead of an array per leaf) and are timed beside the tree's: rows marked "(flat layout)",
+    the ratios ``flat_*_time_over_tree_*``, ``zo_time_over_forwards_flat_*`` and
+    ``flat_same_bits_*`` (1.0 when the flat estimator's projected gradients and losses equal the
+    tree's, bit for bit). What they measure is the host cost of passing every leaf to each call.
 
     With ``profile_calls`` > 0, also ``"profile"``: the fastest inference forward and each ZO step
     run that many times more under the JAX profiler (:func:`zeroth.bench.profile.profile`: wall,
@@ -186,7 +194,7 @@ def run(
         pg = zo.projected_gradients_fn(loss_fn, distribution=dist)
         # the update as mezo_step runs it: replay(..., donate=True), the fused kernels in place
         upd = jax.jit(functools.partial(fused.apply_updates, distribution=dist, inplace=True), donate_argnums=0)
-        scales = replay.update_scales(dist, [_LR * 0.1 * (i + 1) for i in range(n)])
+        scales = replay.update_scales(dist, [_LR * 0.1 * (i + 1) for i in range(n)])  # _flat_rows' too
         mem[f"zo_pg_{dist}"] = zo.compiled_memory(pg.compiled(params, data, keys, eps))
         chosen[dist] = pg.chosen_options(params, data, keys, eps)
         mem[f"zo_update_{dist}"] = zo.compiled_memory(upd.lower(params, keys, scales).compile())
@@ -206,6 +214,8 @@ def run(
         fns[f"zo_step_{dist}"] = step
         fns[f"zo_pg_{dist}"] = lambda pg=pg: jax.block_until_ready(pg(params, data, keys, eps))
         fns[f"zo_update_{dist}"] = update
+        if flat:
+            _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, pg, dist, n, codec)
         if zo_options:
             try:
                 other = pg.lowered(params, data, keys, eps).compile(_options(chosen[dist], zo_options))
@@ -270,6 +280,16 @@ def run(
         ratios[f"zo_cpu_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].cpu_min_s / (2 * n * c_fwd)
         ratios[f"zo_memory_over_inference_{dist}"] = m_step / m_fwd
         ratios[f"update_fraction_of_step_{dist}"] = times[f"zo_update_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
+        if flat:
+            for key, name, note in (("zo_step", f"ZO step n={n} {dist} (flat layout)", "mezo_step on replay.flatten(params)"),
+                                    ("zo_pg", "  projected gradients (flat layout)", "the same program, unflattened inside"),
+                                    ("zo_update", "  update (replay, flat layout)", "replay(flat, donate=True)")):
+                m = mem.get(f"{key}_flat_{dist}") or dict(  # the step's: the larger of its two programs'
+                    mem[f"zo_pg_flat_{dist}"], peak=max(mem[f"zo_pg_flat_{dist}"]["peak"], mem[f"zo_update_flat_{dist}"]["peak"]))
+                rows.append(_row(name, times[f"{key}_flat_{dist}"], m, 2 * n if key != "zo_update" else None, t_fwd, m_fwd, note))
+                ratios[f"flat_{key[3:]}_time_over_tree_{dist}"] = times[f"{key}_flat_{dist}"].min_s / times[f"{key}_{dist}"].min_s
+            ratios[f"zo_time_over_forwards_flat_{dist}"] = times[f"zo_step_flat_{dist}"].min_s / (2 * n * t_fwd)
+            ratios[f"flat_same_bits_{dist}"] = float(same[f"flat_{dist}"])
     rows.append(_row("backprop step (sgd)", times["backprop"], mem["backprop"], None, t_fwd, m_fwd,
                      f"value_and_grad + optax.sgd, donated, {_describe(list(fwd_variants.values())[best_bp])}"))
     ratios["backprop_time_over_two_forwards"] = times["backprop"].min_s / (2 * t_fwd)
@@ -279,7 +299,9 @@ def run(
     if profile_calls:
         fastest = min(fwd_variants, key=lambda k: times[f"forward_{k}"].min_s)
         profiled = _profile_rows({"inference forward": fns[f"forward_{fastest}"],
-                                  **{f"ZO step {d}": fns[f"zo_step_{d}"] for d in distributions}}, profile_calls)
+                                  **{f"ZO step {d}": fns[f"zo_step_{d}"] for d in distributions},
+                                  **{f"ZO step {d} (flat layout)": fns[f"zo_step_flat_{d}"] for d in distributions if flat}},
+                                 profile_calls)
         if "error" not in profiled:
             fwd_busy = profiled["inference forward"]["busy_s_per_call"]
             for dist in distributions:
@@ -287,11 +309,14 @@ def run(
                 if fwd_busy > 0:
                     ratios[f"zo_busy_over_forwards_{dist}"] = prof["busy_s_per_call"] / (2 * n * fwd_busy)
                 ratios[f"zo_idle_fraction_{dist}"] = prof["idle_s_per_call"] / prof["wall_s_per_call"]
+                if flat:
+                    prof = profiled[f"ZO step {dist} (flat layout)"]
+                    ratios[f"zo_idle_fraction_flat_{dist}"] = prof["idle_s_per_call"] / prof["wall_s_per_call"]
     result = {
         "benchmark": "zo",
         "config": {"model": model, "model_kwargs": kwargs, "batch": batch,
                    "width": None if model in PRETRAINED_MODELS else width, "input_shape": input_shape,
-                   "n_perturbations": n, "codec": codec, "distributions": list(distributions), "params": n_params,
+                   "n_perturbations": n, "codec": codec, "flat": flat, "distributions": list(distributions), "params": n_params,
                    "param_bytes": int(param_bytes), "largest_leaf_bytes": largest_leaf},
         "memory_measure": "Compiled.memory_analysis(): argument + output + temp - alias bytes of each compiled program",
         "compiler_options": {"candidates": zo.compiler_option_candidates(), "chosen": chosen,
@@ -304,6 +329,36 @@ def run(
     if profile_calls:
         result["profile"] = profiled
     return result
+
+
+def _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, pg, dist: str, n: int, codec: str) -> None:
+    """The ZO step, its projected gradients and its update on the parameters' ``replay.Flat``,
+    added to ``fns`` and ``mem`` under ``*_flat_{dist}``; ``same["flat_{dist}"]``: whether the
+    flat estimator gives the tree's projected gradients and losses, bit for bit."""
+    flat = replay.flatten(params)
+    a, b = jax.device_get((pg(params, data, keys, eps), pg(flat, data, keys, eps)))
+    same[f"flat_{dist}"] = all(np.array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32))
+                               for x, y in zip(a, b))
+    mem[f"zo_pg_flat_{dist}"] = zo.compiled_memory(pg.compiled(flat, data, keys, eps))
+    coefficients = [_LR * 0.1 * (i + 1) for i in range(n)]  # the tree's update row's
+    updates = (keys, coefficients)
+    fstate = {"step": replay.flatten(params), "update": replay.flatten(params), "it": 0}
+    program = replay._flat_fn(flat.layout, dist, True, "auto")  # what replay(flat, donate=True) calls
+    mem[f"zo_update_flat_{dist}"] = zo.compiled_memory(
+        program.lower(flat.buffers, keys, replay.update_scales(dist, coefficients)).compile())
+
+    def step():
+        res = zo.mezo_step(loss_fn, fstate["step"], data, run_seed=0, iteration=fstate["it"], lr=_LR, eps=_EPS,
+                           n_perturbations=n, distribution=dist, codec=codec, donate=True)
+        fstate["step"] = jax.block_until_ready(res.params)
+        fstate["it"] += 1
+
+    def update():
+        fstate["update"] = jax.block_until_ready(replay.replay(fstate["update"], updates, distribution=dist, donate=True))
+
+    fns[f"zo_step_flat_{dist}"] = step
+    fns[f"zo_pg_flat_{dist}"] = lambda: jax.block_until_ready(pg(flat, data, keys, eps))
+    fns[f"zo_update_flat_{dist}"] = update
 
 
 def _profile_rows(fns: dict[str, Callable[[], Any]], calls: int) -> dict[str, Any]:
@@ -452,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=int, nargs="?", const=3, default=0, metavar="CALLS",
                    help="also run the forward and each ZO step CALLS more times (default 3) under the JAX profiler and "
                         "show where the time goes: busy and idle time, each program, the ops by time")
+    p.add_argument("--flat", action="store_true",
+                   help="also run the ZO step, its projected gradients and its update on replay.flatten(params) (one "
+                        "buffer per dtype instead of an array per leaf) and time them beside the tree's")
     p.add_argument("--zo-option", action="append", default=[], metavar="NAME=VALUE",
                    help="also time the projected-gradients program compiled with this XLA option changed (repeatable), "
                         "e.g. xla_disable_hlo_passes= to run loop-invariant code motion: its time, memory and bits beside the chosen one")
@@ -460,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
         result = run(args.model, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len, codec=args.codec,
                      distributions=dists, repeats=args.repeats, warmup=args.warmup, profile_calls=args.profile,
-                     zo_options=dict(parse_option(o) for o in args.zo_option))
+                     zo_options=dict(parse_option(o) for o in args.zo_option), flat=args.flat)
     except SystemExit as exc:
         return int(exc.code or 0)
     except (ValueError, MissingPackage, FileNotFoundError) as exc:
