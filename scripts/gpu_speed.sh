@@ -19,9 +19,10 @@
 #                                    buffer per dtype instead of 71 arrays per call; on an H100 the
 #                                    update took 1.0 ms of wall for 60 us of GPU work)
 #   OUT/zo_transformer_4096.json     the same at --width 4096 (12.6M parameters)
-#   OUT/zo_licm.json                 the projected-gradients program also compiled with XLA's
-#                                    loop-invariant code motion (the ZO options turn it off to keep
-#                                    the memory of inference): its time, memory and bits beside it
+#   OUT/zo_licm.json                 at --width 4096, the projected-gradients program also compiled
+#                                    with XLA's loop-invariant code motion off (the estimator keeps it
+#                                    on a GPU where it holds no more memory; compiler_options.chosen
+#                                    says which ran): its time, memory and bits beside the chosen one
 #   OUT/zo_while_graphs.json         the ZO step with the while loop of the evaluations and its
 #                                    conditionals captured in CUDA graphs too (XLA's command buffers;
 #                                    by default they hold fusions and library calls, not loops)
@@ -86,7 +87,8 @@ step kernels "$out/kernels.json" \
 step kernel_tiles "$out/kernel_tiles.json" \
   "$py" -m zeroth bench kernels --json --size "$size" --repeats "$reps" --sections baseline,tiles
 step zo_licm "$out/zo_licm.json" \
-  "$py" -m zeroth bench zo --json --model transformer --distribution binomial --zo-option xla_disable_hlo_passes= "${zo_args[@]}"
+  "$py" -m zeroth bench zo --json --model transformer --width 4096 --distribution binomial \
+  --zo-option xla_disable_hlo_passes=while-loop-invariant-code-motion "${zo_args[@]}"
 step zo_while_graphs "$out/zo_while_graphs.json" env \
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
   "$py" -m zeroth bench zo --json --model transformer --distribution binomial "${zo_args[@]}"

@@ -170,7 +170,10 @@ def test_compiler_options_are_backend_specific():
     assert zo.compiler_options("gpu")["xla_disable_hlo_passes"] == "while-loop-invariant-code-motion"
     cpu = zo.compiler_option_candidates("cpu")
     assert cpu[0] == zo.compiler_options("cpu") and "xla_cpu_experimental_ynn_fusion_type" in cpu[1]
-    assert zo.compiler_option_candidates("gpu") == [zo.compiler_options("gpu")]
+    # on GPU loop-invariant code motion comes first: kept wherever its compiled peak is no larger
+    gpu = zo.compiler_option_candidates("gpu")
+    assert gpu == [dict(zo.compiler_options("gpu"), xla_disable_hlo_passes=""), zo.compiler_options("gpu")]
+    assert zo.compiler_option_candidates("tpu") == [zo.compiler_options("tpu")]
 
 
 def _mlp_params(width: int, layers: int):
@@ -689,3 +692,21 @@ def test_a_flax_module_gets_its_stacked_layers_from_the_estimator():
         params, x, keys, eps)[0]
     assert served == [True, False]
     np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(g_whole).view(np.uint32))
+
+
+def test_the_estimator_keeps_the_first_of_the_candidates_with_the_smallest_peak(monkeypatch):
+    # On GPU loop-invariant code motion is the first candidate: kept where its compiled peak is no
+    # larger than without it, and never where it holds more memory. The choice is the same logic
+    # on every backend, so it is checked here on the CPU with the GPU's two candidates.
+    base = zo.compiler_options("cpu")
+    motion = dict(base, xla_disable_hlo_passes="")
+    keys, eps = rng.sample_keys(0, [(0, 0, i) for i in range(2)]), zo.round_eps(1e-3)
+    params = _mlp_params(512, 2)
+    batch = jnp.ones((8, 512), jnp.float32)
+    lowered = jax.jit(functools.partial(zo.projected_gradients_and_losses, _mlp_loss)).lower(params, batch, keys, eps)
+    peak = {"motion": _peak(lowered.compile(motion)), "base": _peak(lowered.compile(base))}
+    options = {"motion": motion, "base": base}
+    for order in (["motion", "base"], ["base", "motion"]):
+        monkeypatch.setattr(zo, "compiler_option_candidates", lambda backend=None, o=order: [options[k] for k in o])
+        chosen = zo.ProjectedGradientsFn(_mlp_loss, "binomial").chosen_options(params, batch, keys, eps)
+        assert chosen == options[min(order, key=peak.get)], (peak, order, chosen)  # min: the first of equals
