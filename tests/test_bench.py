@@ -34,6 +34,30 @@ def test_bench_perturb_reports_every_row_and_the_target_ratios():
     for ratio in ("binomial_over_torch", "binomial_over_jax_normal", "rademacher_over_memory_floor"):
         assert ratio in result["ratios"] and ratio in result["targets"]
     assert result["ratios"]["binomial_over_jax_normal"] > 0
+    assert result["ratios"]["binomial_over_memory_floor"] > 0
+
+
+def test_bench_perturb_judges_a_gpu_by_the_gpus_targets(capsys):
+    # On a GPU both the replay and torch.randn + add_ are bound by memory: the targets there are
+    # 1.5x torch and 80% of jax's p + c, not the CPU's 3x torch and 7x jax.random.normal.
+    from zeroth.bench import perturb
+
+    assert perturb.targets("gpu")["binomial_over_torch"] == (">=", 1.5)
+    assert perturb.targets("gpu")["binomial_over_memory_floor"] == (">=", 0.8)
+    assert "binomial_over_jax_normal" not in perturb.targets("gpu")
+    assert perturb.targets("cpu") == perturb.TARGETS and perturb.targets("cpu")["binomial_over_torch"] == (">=", 3.0)
+    # the numbers of an H100 (jax 0.11.2, 2^27 float32): donated replay 168.5 G elements/s, torch 140.0, p + c 269.0
+    env = {"backend": "gpu", "processor": "Intel(R) Xeon(R) Processor", "cpu_count": 16, "jax": "0.11.2"}
+    result = {"size": 2**27, "repeats": 5, "environment": env, "rows": [],
+              "ratios": {"binomial_over_torch": 168.5 / 140.0, "binomial_over_memory_floor": 168.5 / 269.0,
+                         "binomial_over_jax_normal": 1.06},
+              "targets": {k: f"{op} {v:.3g}" for k, (op, v) in perturb.targets("gpu").items()}}
+    perturb._render(result)
+    out = capsys.readouterr().out
+    assert "binomial_over_torch" in out and "(target >= 1.5: MISSED)" in out
+    assert "(target >= 0.8: MISSED)" in out
+    line = next(l for l in out.splitlines() if "binomial_over_jax_normal" in l)
+    assert "target" not in line
 
 
 def test_bench_kernels_measures_fused_replay_and_sign_bits():
