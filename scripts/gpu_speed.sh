@@ -37,7 +37,10 @@
 # STEP_TIMEOUT (seconds, default 240) stops a step that runs longer (status 124) and goes on with
 # the next, so that one stuck compilation cannot take the whole run's time on a remote machine.
 # BUNDLE=FILE.tgz also packs all of OUT into that one file at the end (for a transport that
-# brings back a few files only).
+# brings back a few files only). STEPS="doctor perturb ..." runs only the steps named (the
+# names of status.txt; env always runs): on an H100 the whole list takes longer than 10 minutes
+# (each bench zo step 1.5-2 minutes, mostly compiling; bench kernels past 200 s), so a short
+# lease runs it in parts.
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -59,9 +62,20 @@ limited() {  # a command under the step time limit; a function runs as it is and
   if declare -F "$1" > /dev/null; then "$@"; else timeout -k 10 "$step_timeout" "$@"; fi
 }
 
+steps=" ${STEPS:-} "
+for s in $steps; do
+  case " env doctor perturb zo_transformer zo_transformer_4096 kernels kernel_tiles zo_licm zo_while_graphs overhead zo_hlo zo_profile " in
+    *" $s "*) ;;
+    *) echo "gpu_speed.sh: unknown step '$s' in STEPS" >&2; exit 2 ;;
+  esac
+done
+
 step() {  # step NAME OUTFILE COMMAND...: run it, its output into OUTFILE, its status into status.txt
   local name="$1" file="$2" t0=$SECONDS
   shift 2
+  if [ "$steps" != "  " ] && [ "$name" != env ] && [[ "$steps" != *" $name "* ]]; then
+    return 0
+  fi
   limited "$@" > "$file" 2> "$file.err"
   local rc=$?
   [ -s "$file.err" ] || rm -f "$file.err"
@@ -107,7 +121,8 @@ if command -v nsys > /dev/null; then
   step zo_profile "$out/zo_profile.txt" nsys profile --stats=true --force-overwrite=true -o "$out/zo_4096" \
     "$py" -m zeroth bench zo --model transformer --width 4096 --repeats 3
 else
-  echo "zo_profile             skipped: no nsys on this machine" | tee -a "$out/status.txt"
+  [ "$steps" = "  " ] || [[ "$steps" == *" zo_profile "* ]] &&
+    echo "zo_profile             skipped: no nsys on this machine" | tee -a "$out/status.txt"
 fi
 if [ -n "${BUNDLE:-}" ]; then
   tar -czf "$BUNDLE" -C "$(dirname "$out")" "$(basename "$out")" && echo "bundle: $BUNDLE ($(du -h "$BUNDLE" | cut -f1))"
