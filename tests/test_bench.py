@@ -25,6 +25,17 @@ def _bench(*args: str) -> dict:
     return json.loads(out.stdout)
 
 
+def test_round_robin_timing_starts_each_round_one_row_further():
+    from zeroth.bench import _common
+
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    timings = _common.timeit_many(fns, warmup=1, repeats=4)
+    assert calls == list("abc") + list("abc" "bca" "cab" "abc")
+    assert list(timings) == list("abc") and all(t.repeats == 4 for t in timings.values())
+    assert _common.timeit_many({}, repeats=2) == {}
+
+
 def test_bench_perturb_reports_every_row_and_the_target_ratios():
     result = _bench("perturb", "--size", "4099", "--repeats", "1", "--ks", "1,4")
     rows = {r["name"]: r for r in result["rows"]}
