@@ -96,8 +96,9 @@ def timeit_many(fns: dict[str, Callable[[], Any]], *, warmup: int = 1, repeats: 
     times: dict[str, list[float]] = {name: [] for name in fns}
     cpu: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[: r % len(names)] if names else ():
+    for r in range(repeats if names else 0):
+        first = r % len(names)
+        for name in names[first:] + names[:first]:
             fn = fns[name]
             t0, c0 = time.perf_counter(), time.process_time()
             fn()

@@ -73,6 +73,8 @@ GPU_TARGETS = {
 def targets(backend: str) -> dict[str, tuple[str, float]]:
     """The targets of the ratios on ``backend`` (jax's name: ``"cpu"``, ``"gpu"``, ``"tpu"``)."""
     return GPU_TARGETS if backend == "gpu" else TARGETS
+
+
 _COEFF = 1e-3
 
 

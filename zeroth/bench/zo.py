@@ -131,7 +131,8 @@ def run(
     ``options_memory_over_chosen_*``, and ``options_same_bits_*`` (1.0 when both programs give
     the same projected gradients and losses, bit for bit). For instance
     ``--zo-option xla_disable_hlo_passes=`` runs XLA's loop-invariant code motion, which the ZO
-    options turn off to keep the memory of inference: what it costs in time on this device.
+    options turn off to keep the memory of inference: what it costs in time on this device (on a
+    GPU the chosen program may already run it; ``compiler_options.chosen`` says which).
 
     With ``flat``, the ZO step, its projected gradients and its update also run on the
     parameters' :class:`zeroth.replay.Flat` (:func:`zeroth.replay.flatten`: one buffer per dtype
@@ -194,7 +195,8 @@ def run(
         pg = zo.projected_gradients_fn(loss_fn, distribution=dist)
         # the update as mezo_step runs it: replay(..., donate=True), the fused kernels in place
         upd = jax.jit(functools.partial(fused.apply_updates, distribution=dist, inplace=True), donate_argnums=0)
-        scales = replay.update_scales(dist, [_LR * 0.1 * (i + 1) for i in range(n)])  # _flat_rows' too
+        coefficients = [_LR * 0.1 * (i + 1) for i in range(n)]
+        scales = replay.update_scales(dist, coefficients)
         mem[f"zo_pg_{dist}"] = zo.compiled_memory(pg.compiled(params, data, keys, eps))
         chosen[dist] = pg.chosen_options(params, data, keys, eps)
         mem[f"zo_update_{dist}"] = zo.compiled_memory(upd.lower(params, keys, scales).compile())
@@ -215,7 +217,7 @@ def run(
         fns[f"zo_pg_{dist}"] = lambda pg=pg: jax.block_until_ready(pg(params, data, keys, eps))
         fns[f"zo_update_{dist}"] = update
         if flat:
-            _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, pg, dist, n, codec)
+            _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, coefficients, pg, dist, n, codec)
         if zo_options:
             try:
                 other = pg.lowered(params, data, keys, eps).compile(_options(chosen[dist], zo_options))
@@ -223,8 +225,7 @@ def run(
                 raise ValueError(f"--zo-option {zo_options}: XLA refused it: {exc}") from None
             mem[f"zo_pg_options_{dist}"] = zo.compiled_memory(other)
             fns[f"zo_pg_options_{dist}"] = lambda other=other: jax.block_until_ready(other(params, data, keys, eps))
-            a, b = jax.device_get((pg(params, data, keys, eps), other(params, data, keys, eps)))
-            same[dist] = all(np.array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32)) for x, y in zip(a, b))
+            same[dist] = _same_bits(pg(params, data, keys, eps), other(params, data, keys, eps))
 
     opt = optax.sgd(_LR)
 
@@ -260,8 +261,8 @@ def run(
     ]
     ratios: dict[str, float] = {}
     for dist in distributions:
-        m_step = max(mem[f"zo_pg_{dist}"]["peak"], mem[f"zo_update_{dist}"]["peak"])
-        step_mem = dict(mem[f"zo_pg_{dist}"], peak=m_step)
+        step_mem = _step_memory(mem[f"zo_pg_{dist}"], mem[f"zo_update_{dist}"])
+        m_step = step_mem["peak"]
         rows.append(_row(f"ZO step n={n} {dist}", times[f"zo_step_{dist}"], step_mem, 2 * n, t_fwd, m_fwd,
                          f"mezo_step end to end, codec {codec}"))
         rows.append(_row("  projected gradients", times[f"zo_pg_{dist}"], mem[f"zo_pg_{dist}"], 2 * n, t_fwd, m_fwd,
@@ -284,9 +285,7 @@ def run(
             for key, name, note in (("zo_step", f"ZO step n={n} {dist} (flat layout)", "mezo_step on replay.flatten(params)"),
                                     ("zo_pg", "  projected gradients (flat layout)", "the same program, unflattened inside"),
                                     ("zo_update", "  update (replay, flat layout)", "replay(flat, donate=True)")):
-                m = mem.get(f"{key}_flat_{dist}") or dict(  # the step's: the larger of its two programs'
-                    mem[f"zo_pg_flat_{dist}"], peak=max(mem[f"zo_pg_flat_{dist}"]["peak"], mem[f"zo_update_flat_{dist}"]["peak"]))
-                rows.append(_row(name, times[f"{key}_flat_{dist}"], m, 2 * n if key != "zo_update" else None, t_fwd, m_fwd, note))
+                rows.append(_row(name, times[f"{key}_flat_{dist}"], mem[f"{key}_flat_{dist}"], 2 * n if key != "zo_update" else None, t_fwd, m_fwd, note))
                 ratios[f"flat_{key[3:]}_time_over_tree_{dist}"] = times[f"{key}_flat_{dist}"].min_s / times[f"{key}_{dist}"].min_s
             ratios[f"zo_time_over_forwards_flat_{dist}"] = times[f"zo_step_flat_{dist}"].min_s / (2 * n * t_fwd)
             ratios[f"flat_same_bits_{dist}"] = float(same[f"flat_{dist}"])
@@ -331,21 +330,19 @@ def run(
     return result
 
 
-def _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, pg, dist: str, n: int, codec: str) -> None:
+def _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, coefficients, pg, dist: str, n: int, codec: str) -> None:
     """The ZO step, its projected gradients and its update on the parameters' ``replay.Flat``,
-    added to ``fns`` and ``mem`` under ``*_flat_{dist}``; ``same["flat_{dist}"]``: whether the
+    added to ``fns`` and ``mem`` (the step's: :func:`_step_memory`) under ``*_flat_{dist}``; ``same["flat_{dist}"]``: whether the
     flat estimator gives the tree's projected gradients and losses, bit for bit."""
     flat = replay.flatten(params)
-    a, b = jax.device_get((pg(params, data, keys, eps), pg(flat, data, keys, eps)))
-    same[f"flat_{dist}"] = all(np.array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32))
-                               for x, y in zip(a, b))
+    same[f"flat_{dist}"] = _same_bits(pg(params, data, keys, eps), pg(flat, data, keys, eps))
     mem[f"zo_pg_flat_{dist}"] = zo.compiled_memory(pg.compiled(flat, data, keys, eps))
-    coefficients = [_LR * 0.1 * (i + 1) for i in range(n)]  # the tree's update row's
-    updates = (keys, coefficients)
+    updates = (keys, coefficients)  # the tree's update row's
     fstate = {"step": replay.flatten(params), "update": replay.flatten(params), "it": 0}
     program = replay._flat_fn(flat.layout, dist, True, "auto")  # what replay(flat, donate=True) calls
     mem[f"zo_update_flat_{dist}"] = zo.compiled_memory(
         program.lower(flat.buffers, keys, replay.update_scales(dist, coefficients)).compile())
+    mem[f"zo_step_flat_{dist}"] = _step_memory(mem[f"zo_pg_flat_{dist}"], mem[f"zo_update_flat_{dist}"])
 
     def step():
         res = zo.mezo_step(loss_fn, fstate["step"], data, run_seed=0, iteration=fstate["it"], lr=_LR, eps=_EPS,
@@ -359,6 +356,17 @@ def _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, pg, dist: str, 
     fns[f"zo_step_flat_{dist}"] = step
     fns[f"zo_pg_flat_{dist}"] = lambda: jax.block_until_ready(pg(flat, data, keys, eps))
     fns[f"zo_update_flat_{dist}"] = update
+
+
+def _same_bits(a, b) -> bool:
+    """Whether two programs' outputs (projected gradients and losses, float32) are equal bit for bit."""
+    a, b = jax.device_get((a, b))
+    return all(np.array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32)) for x, y in zip(a, b))
+
+
+def _step_memory(pg: dict, update: dict) -> dict:
+    """A ZO step's memory: its two programs run one after the other, so its peak is the larger."""
+    return dict(pg, peak=max(pg["peak"], update["peak"]))
 
 
 def _profile_rows(fns: dict[str, Callable[[], Any]], calls: int) -> dict[str, Any]:
