@@ -1,6 +1,6 @@
 """zeroth.replay's flat layout: a Flat replays to the bits of the tree it came from (and of the
-NumPy reference) through one kernel launch per dtype buffer, unflattens inside jit, and checksums
-like its tree."""
+NumPy reference) through one kernel launch per buffer (one per dtype for the small leaves, one per
+large leaf), unflattens inside jit, and checksums like its tree."""
 
 import gc
 
@@ -63,14 +63,15 @@ LEAVES = st.lists(st.tuples(st.integers(0, 2), st.integers(0, len(SHAPES) - 1)),
 
 @settings(max_examples=24)
 @given(seed=st.integers(0, 2**16), leaves=LEAVES, dist=st.sampled_from(noise.EXACT), k=st.sampled_from([0, 1, 3, 16]),
-       donate=st.booleans())
-def test_flat_replay_is_the_tree_replay_bit_for_bit(seed, leaves, dist, k, donate):
+       donate=st.booleans(), alone_from=st.sampled_from([None, 1, 7, 65, replay.ALONE_FROM]))
+def test_flat_replay_is_the_tree_replay_bit_for_bit(seed, leaves, dist, k, donate, alone_from):
     tree = _tree(seed, leaves)
     g = np.random.default_rng(seed)
     updates = [(rng.sample_key(seed, int(m), 3, s), float(c))
                for s, (m, c) in enumerate(zip(g.integers(0, 5, k), g.standard_normal(k) * 1e-2))]
     want = replay.replay(jax.device_put(tree), updates, distribution=dist)
-    flat = replay.replay(replay.flatten(jax.device_put(tree)), updates, distribution=dist, donate=donate)
+    flat = replay.flatten(jax.device_put(tree), alone_from=alone_from)
+    flat = replay.replay(flat, updates, distribution=dist, donate=donate)
     assert isinstance(flat, replay.Flat)
     _assert_tree_bits(replay.unflatten(flat), want)
     _assert_tree_bits(replay.unflatten(flat), _reference(tree, updates, dist))
@@ -89,6 +90,31 @@ def test_flat_layout_groups_leaves_by_dtype_in_tree_order():
     _assert_tree_bits(replay.unflatten(flat), tree)
     assert replay.layout_of(tree) == layout and hash(replay.layout_of(tree)) == hash(layout)
     assert replay.layout_of({**tree, "c": np.zeros(6, np.float16)}) != layout
+
+
+def test_a_leaf_of_alone_from_elements_or_more_has_a_buffer_of_its_own():
+    """Large leaves are not sliced out of a shared buffer (a copy where XLA cannot fuse the slice);
+    the small ones still share one buffer per dtype. Buffers come in the order of their first leaf."""
+    tree = {"a": np.zeros(3, np.float16), "b": np.ones((4, 4), np.float32), "c": np.full(5, 2, np.float16),
+            "d": np.ones(2, np.float32), "e": np.ones(16, np.float16)}
+    layout = replay.layout_of(tree, alone_from=16)
+    assert layout.dtypes == ("float16", "float32", "float32", "float16") and layout.sizes == (8, 16, 2, 16)
+    assert [(s.path, s.buffer, s.offset) for s in layout.segments] == [
+        ("['a']", 0, 0), ("['b']", 1, 0), ("['c']", 0, 3), ("['d']", 2, 0), ("['e']", 3, 0)]
+    assert repr(layout) == "Layout(5 leaves in 4 buffers: float16[8], float32[16], float32[2], float16[16])"
+    assert replay.layout_of(tree, alone_from=None).dtypes == ("float16", "float32")
+    assert len(replay.layout_of(tree, alone_from=1).dtypes) == 5
+    assert replay.layout_of(tree) == replay.layout_of(tree, alone_from=None)  # all below ALONE_FROM
+    big = {"small": np.zeros(3, np.float32), "big": jax.ShapeDtypeStruct((replay.ALONE_FROM,), jnp.float32)}
+    assert replay.layout_of(big).sizes == (replay.ALONE_FROM, 3)  # "big" sorts first in the tree
+    # On a TPU the shared buffers are padded to whole blocks; a leaf alone is replayed as in the tree.
+    assert replay.layout_of(tree, alone_from=16, platform="tpu").sizes == (2048, 16, 2048, 16)
+    flat = replay.flatten(tree, alone_from=16)
+    _assert_tree_bits(replay.unflatten(flat), tree)
+    assert replay.checksum(flat) == replay.checksum(tree)
+    for bad in (0, -3, 2.5, True, "16"):
+        with pytest.raises(ValueError, match=rf"alone_from must be an int >= 1 \(elements\) or None, got {bad!r}"):
+            replay.layout_of(tree, alone_from=bad)
 
 
 def test_a_tpu_layout_pads_each_buffer_to_whole_blocks_outside_every_leaf():

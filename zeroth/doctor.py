@@ -23,7 +23,7 @@ the dtype's canonical one), and update counts of 1, 3 and 5 (keys padded for Tri
 replayed twice, with and without donation; both digests must equal the reference and golden ones.
 
 The canonical float32/bfloat16 replay runs a second time with the parameters in the flat layout
-(:func:`zeroth.replay.flatten`: one buffer per dtype, one launch per buffer); its digest
+(:func:`zeroth.replay.flatten`: the small leaves in one buffer per dtype, one launch per buffer); its digest
 (:func:`zeroth.replay.checksum` of the :class:`zeroth.replay.Flat`) must be the golden one too.
 
 The golden file is written from the NumPy reference, never from jax::

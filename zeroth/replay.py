@@ -20,7 +20,8 @@ the fused kernels of :mod:`zeroth.kernels.perturb`, which read and write each le
 K updates; :func:`apply_updates` (the traceable jnp rule) reads and writes it once per update.
 
 A flat layout (:class:`Flat`, from :func:`flatten`) keeps the parameters in one contiguous buffer
-per dtype with a static :class:`Layout` (each leaf's path, id, shape, buffer and offset).
+per dtype, and every leaf of at least :data:`ALONE_FROM` elements in a buffer of its own, with a
+static :class:`Layout` (each leaf's path, id, shape, buffer and offset).
 :func:`replay` of a :class:`Flat` gives the bits of :func:`replay` of the tree (each leaf keeps
 its id, ``leaf_id(path)``, and its counters, its own flat index), through one kernel launch per
 buffer whatever the number of leaves (the native kernel on CPU, one Triton kernel on GPU, one
@@ -65,6 +66,7 @@ __all__ = [
     "Segment",
     "Layout",
     "Flat",
+    "ALONE_FROM",
     "layout_of",
     "flatten",
     "unflatten",
@@ -213,9 +215,11 @@ class Segment(NamedTuple):
 
 class Layout:
     """The static part of a :class:`Flat`: the tree structure, one :class:`Segment` per leaf (in
-    tree order) and the buffers' dtypes and sizes. Buffers are one per dtype, in the order the
-    dtypes first appear among the leaves; a buffer holds its leaves back to back, in tree order
-    (then, in a layout for a TPU, zeros up to whole blocks: :func:`layout_of`).
+    tree order) and the buffers' dtypes and sizes. The leaves smaller than the layout's
+    ``alone_from`` share one buffer per dtype; a leaf of at least ``alone_from`` elements has a
+    buffer of its own (:func:`layout_of`). Buffers come in the order their first leaf appears; a
+    buffer holds its leaves back to back, in tree order (then, in a layout for a TPU, zeros up to
+    whole blocks).
     Hashable and compared by value (the hash is computed once), so it keys compiled replays.
     :func:`layout_of` gives one object per value while any is alive, so the lookups of a replay's
     compiled call compare by identity (a comparison by value costs about 16 us for 200 leaves).
@@ -238,7 +242,8 @@ class Layout:
         return self is other or (isinstance(other, Layout) and self._hash == other._hash and self._key == other._key)
 
     def __repr__(self) -> str:
-        return f"Layout({len(self.segments)} leaves in buffers {dict(zip(self.dtypes, self.sizes))})"
+        bufs = ", ".join(f"{d}[{n}]" for d, n in zip(self.dtypes, self.sizes))
+        return f"Layout({len(self.segments)} leaves in {len(self.dtypes)} buffers: {bufs})"
 
     def table(self, buffer: int) -> tuple[tuple[int, int, int], ...]:
         """``(offset, size, leaf_id)`` of every leaf in buffer ``buffer``: the kernels' segment table."""
@@ -253,7 +258,8 @@ class Layout:
 @jax.tree_util.register_pytree_node_class
 class Flat:
     """Parameters laid out flat: ``buffers[i]`` is a 1-D array of dtype ``layout.dtypes[i]``
-    holding every leaf of that dtype (see :class:`Layout`). A pytree whose leaves are the buffers
+    holding the leaves of that dtype smaller than the layout's ``alone_from``, or one larger
+    leaf (see :class:`Layout`). A pytree whose leaves are the buffers
     (the layout is static aux data), so it goes through ``jit``, ``device_put`` and ``tree_map``.
     :func:`replay`, :func:`apply_updates`, :func:`perturb` and :func:`checksum` take it and keep
     each leaf's id, and so do the ZO estimators and :func:`zeroth.zo.mezo_step` (they slice the
@@ -285,29 +291,48 @@ class Flat:
         return f"Flat({self.layout!r})"
 
 
-def layout_of(params: Any, *, platform: str | None = None) -> Layout:
+# Leaves of at least this many elements (8 MiB of float32) get a buffer of their own in a Flat.
+ALONE_FROM = 1 << 21
+
+
+def layout_of(params: Any, *, platform: str | None = None, alone_from: int | None = ALONE_FROM) -> Layout:
     """The :class:`Layout` of a pytree of f32 / bf16 / f16 arrays (shapes and dtypes only).
+
+    Leaves smaller than ``alone_from`` elements share one buffer per dtype: a replay or a ZO step
+    then passes a few arrays instead of one per leaf, which is what costs host time with many
+    small leaves. A leaf of at least ``alone_from`` elements has a buffer of its own, so that a
+    program that needs it whole reads the buffer itself: a leaf sliced out of a shared buffer is
+    a copy wherever XLA cannot fuse the slice into its use. A scanned stack of layers is such a
+    use, held for the whole scan: with every leaf in one buffer, SmolLM2's scanned ZO step held
+    1.77x the memory of inference on a CPU (415 MiB of copies); with its stacks alone, 1.00x, as
+    the tree (``zeroth bench zo --model smollm2 --flat``). Beside such a leaf's arithmetic the
+    cost of one more array is small (about 1.4 us per array per call on a CPU).
 
     Args:
       params: the pytree (arrays or ``jax.ShapeDtypeStruct`` s).
       platform: the platform whose replay the layout serves (``"cpu"``, ``"gpu"``, ``"tpu"``;
         None: where the parameters live, :func:`zeroth.kernels.perturb.platform_of`). On
-        ``"tpu"`` every buffer's size is padded to whole blocks of 128-lane rows
+        ``"tpu"`` every shared buffer's size is padded to whole blocks of 128-lane rows
         (:func:`zeroth.kernels.perturb.tpu_flat_size`), so that its replay is one Mosaic launch;
         the padding at its end belongs to no leaf (:func:`flatten` fills it with zeros, no replay
-        writes it, :func:`checksum` and :func:`unflatten` never read it). Elsewhere buffers hold
-        their leaves exactly.
+        writes it, :func:`checksum` and :func:`unflatten` never read it). Elsewhere, and for a
+        leaf alone, buffers hold their leaves exactly.
+      alone_from: the size in elements from which a leaf has a buffer of its own (default
+        :data:`ALONE_FROM`, 2**21); None: every leaf in its dtype's buffer; 1: every leaf alone.
 
     Raises:
       TypeError: a leaf has another dtype (naming its path).
-      ValueError: an unknown platform.
+      ValueError: an unknown platform, or ``alone_from`` below 1.
     """
     platform = _fused.platform_of(params) if platform is None else _rule.platform_name(platform)
     if platform not in ("cpu", "gpu", "tpu"):
         raise ValueError(f"unknown platform {platform!r}; expected 'cpu', 'gpu' or 'tpu'")
+    if alone_from is not None and (isinstance(alone_from, bool) or not isinstance(alone_from, int) or alone_from < 1):
+        raise ValueError(f"alone_from must be an int >= 1 (elements) or None, got {alone_from!r}")
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     dtypes: list[str] = []
     sizes: list[int] = []
+    shared: dict[str, int] = {}  # dtype -> index of its shared buffer
     segments = []
     for path, leaf in with_path:
         name = _rng.leaf_path(path)
@@ -316,14 +341,18 @@ def layout_of(params: Any, *, platform: str | None = None) -> Layout:
         size = math.prod(shape)
         if size > _noise.MAX_LEAF_SIZE:
             raise ValueError(f"leaf {name} has {size} elements; at most {_noise.MAX_LEAF_SIZE} per leaf")
-        if dt.name not in dtypes:
+        alone = alone_from is not None and size >= alone_from
+        if alone or dt.name not in shared:
             dtypes.append(dt.name)
             sizes.append(0)
-        b = dtypes.index(dt.name)
+            if not alone:
+                shared[dt.name] = len(dtypes) - 1
+        b = len(dtypes) - 1 if alone else shared[dt.name]
         segments.append(Segment(name, _rng.leaf_id(name), dt.name, shape, b, sizes[b], size))
         sizes[b] += size
-    if platform == "tpu":
-        sizes = [_fused.tpu_flat_size(z) for z in sizes]
+    if platform == "tpu":  # shared buffers in whole blocks; a leaf alone is replayed as in the tree
+        padded = set(shared.values())
+        sizes = [_fused.tpu_flat_size(z) if b in padded else z for b, z in enumerate(sizes)]
     layout = Layout(treedef, tuple(segments), tuple(dtypes), tuple(sizes))
     return _LAYOUTS.setdefault(layout._key, layout)
 
@@ -352,13 +381,13 @@ def _flatten_fn(layout: Layout):
     return jax.jit(lambda leaves: _flatten_leaves(leaves, layout))
 
 
-def flatten(params: Any, *, platform: str | None = None) -> Flat:
-    """The :class:`Flat` layout of ``params`` (a copy of every leaf into its dtype's buffer, one
-    compiled call per layout). ``unflatten(flatten(p))`` equals ``p`` bit for bit; each buffer
-    lives where the leaves did. ``platform``: see :func:`layout_of` (buffers for a TPU are padded
-    to whole blocks).
+def flatten(params: Any, *, platform: str | None = None, alone_from: int | None = ALONE_FROM) -> Flat:
+    """The :class:`Flat` layout of ``params`` (a copy of every leaf into its buffer, one compiled
+    call per layout). ``unflatten(flatten(p))`` equals ``p`` bit for bit; each buffer lives where
+    the leaves did. ``platform`` and ``alone_from``: see :func:`layout_of` (buffers for a TPU are
+    padded to whole blocks; leaves of at least ``alone_from`` elements have a buffer each).
     """
-    layout = layout_of(params, platform=platform)
+    layout = layout_of(params, platform=platform, alone_from=alone_from)
     leaves = jax.tree_util.tree_leaves(params)
     return Flat(_flatten_fn(layout)(leaves), layout)
 

@@ -425,8 +425,9 @@ class ProjectedGradientsFn:
     """``fn(params, batch, keys, eps_scale) -> (g f32[n], ℓ f32[n])``, compiled per input signature.
 
     ``params`` is the pytree ``loss_fn`` takes, or its :class:`zeroth.replay.Flat`
-    (:func:`zeroth.replay.flatten`): the program then takes a buffer per dtype instead of an array
-    per leaf and unflattens them inside (slices that XLA fuses into their uses), with the same
+    (:func:`zeroth.replay.flatten`): the program then takes a buffer per dtype (and one per large
+    leaf) instead of an array per leaf and unflattens them inside (slices that XLA fuses into their
+    uses; a large leaf, which a scan would need whole, is its buffer reshaped), with the same
     leaves, paths, noise and bits as the tree. A call's host cost grows with the number of arrays
     it passes, and most with those of an accelerator.
 

@@ -32,8 +32,8 @@ arithmetic floor: the flat replay of ONE leaf holding as many elements (``L * 64
 leaves and K = 16 that is 204,800 element-updates, no longer negligible), so that
 ``flat - one leaf`` is what the number of leaves costs. The pytree and flat rows also give the
 kernels one call launches (``kernel_launches``: custom calls and XLA fusions of the compiled
-program, counted on the device the arrays live on: one per dtype buffer for the flat layout on
-CPU and GPU).
+program, counted on the device the arrays live on: one per buffer for the flat layout on CPU and
+GPU).
 
 Example:
   $ zeroth bench perturb --size 4194304 --repeats 3

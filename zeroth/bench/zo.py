@@ -135,8 +135,8 @@ def run(
     GPU the chosen program may already run it; ``compiler_options.chosen`` says which).
 
     With ``flat``, the ZO step, its projected gradients and its update also run on the
-    parameters' :class:`zeroth.replay.Flat` (:func:`zeroth.replay.flatten`: one buffer per dtype
-    instead of an array per leaf) and are timed beside the tree's: rows marked "(flat layout)",
+    parameters' :class:`zeroth.replay.Flat` (:func:`zeroth.replay.flatten`: a buffer per dtype,
+    and one per large leaf, instead of an array per leaf) and are timed beside the tree's: rows marked "(flat layout)",
     the ratios ``flat_*_time_over_tree_*``, ``zo_time_over_forwards_flat_*`` and
     ``flat_same_bits_*`` (1.0 when the flat estimator's projected gradients and losses equal the
     tree's, bit for bit). What they measure is the host cost of passing every leaf to each call.
@@ -516,8 +516,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the forward and each ZO step CALLS more times (default 3) under the JAX profiler and "
                         "show where the time goes: busy and idle time, each program, the ops by time")
     p.add_argument("--flat", action="store_true",
-                   help="also run the ZO step, its projected gradients and its update on replay.flatten(params) (one "
-                        "buffer per dtype instead of an array per leaf) and time them beside the tree's")
+                   help="also run the ZO step, its projected gradients and its update on replay.flatten(params) (a "
+                        "buffer per dtype, and one per large leaf, instead of an array per leaf) and time them beside the tree's")
     p.add_argument("--zo-option", action="append", default=[], metavar="NAME=VALUE",
                    help="also time the projected-gradients program compiled with this XLA option changed (repeatable), "
                         "e.g. xla_disable_hlo_passes= to run loop-invariant code motion: its time, memory and bits beside the chosen one")
