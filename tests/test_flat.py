@@ -117,6 +117,26 @@ def test_a_leaf_of_alone_from_elements_or_more_has_a_buffer_of_its_own():
             replay.layout_of(tree, alone_from=bad)
 
 
+def test_flatten_with_donation_hands_a_leaf_alone_over_without_a_copy():
+    # A leaf that is its buffer's whole becomes that buffer (aliased, not copied); the leaves that
+    # share a buffer are copied into it and not donated (XLA could not use them).
+    tree = {"b": jnp.asarray(_values(1, (3,), np.float32)), "big": jnp.asarray(_values(2, (300, 500), np.float32)),
+            "c": jnp.asarray(_values(3, (4,), np.float32)), "h": jnp.asarray(_values(4, (7,), np.float16))}
+    want = replay.checksum(tree)
+    layout = replay.layout_of(tree, alone_from=1000)
+    own = replay._own_buffer(layout)
+    assert own == (False, True, False, True)
+    leaves = jax.tree_util.tree_leaves(tree)
+    compiled = replay._flatten_fn(layout, True).lower(
+        [x for x, o in zip(leaves, own) if o], [x for x, o in zip(leaves, own) if not o]).compile()
+    assert compiled.memory_analysis().alias_size_in_bytes == 300 * 500 * 4 + 7 * 2
+    flat = replay.flatten(tree, alone_from=1000, donate=True)
+    assert [tree[k].is_deleted() for k in ("b", "big", "c", "h")] == [False, True, False, True]
+    assert replay.checksum(flat) == want
+    kept = replay.flatten(tree_copy := {k: jnp.array(v, copy=True) for k, v in replay.host_tree(flat).items()})
+    assert not any(a.is_deleted() for a in tree_copy.values()) and replay.checksum(kept) == want
+
+
 def test_a_tpu_layout_pads_each_buffer_to_whole_blocks_outside_every_leaf():
     """``platform="tpu"``: the same leaves at the same offsets, each buffer padded with zeros to
     ``tpu_flat_size``; unflatten, checksum and a replay (on this CPU) see the leaves only."""

@@ -19,6 +19,7 @@ from zeroth.config import load_config_dict, to_dict
 from zeroth.train import trainer
 from zeroth.train.checkpoint import CheckpointError
 from zeroth.train.metrics import read_metrics, summarize
+from zeroth.train.runs import load_run
 from zeroth.run import main as run_main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,6 +57,37 @@ def test_zo_sgd_decreases_the_loss_on_digits(tmp_path):
     assert len({r["digest"] for r in recs}) == 21  # the parameters change every logged step
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["train"] == to_dict(cfg)["train"]
+
+
+def test_zo_trainer_holds_a_flat_state_with_the_bits_of_the_tree_steps(tmp_path):
+    # The ZO method keeps its parameters in the flat layout (a few arrays per compiled call instead
+    # of one per leaf); the run's digests, evaluation and checkpoints are those of the tree.
+    import jax
+
+    from zeroth import data, methods, objectives, replay, schedules
+    from zeroth.methods.mezo import mezo_update
+
+    cfg = load_config_dict(small(train={"steps": 12, "eval_every": 12, "log_every": 4, "weight_decay": 0.01,
+                                        "checkpoint_every": 12}))
+    res = trainer.train(cfg, tmp_path / "run", progress=False)
+    train_ds = data.load("digits", "train")
+    model, params = objectives.build_model(cfg, train_ds.num_classes, train_ds.x[:1])
+    loss_fn = objectives.make_objective(cfg.train.objective, model)
+    schedule = schedules.from_train(cfg.train)
+    tree = params
+    for s in range(12):
+        batch = data.batch_at(train_ds, cfg.run.seed, s, cfg.data.batch_size)
+        tree = mezo_update(cfg, loss_fn, tree, batch, s, donate=False, schedule=schedule).params
+    assert not isinstance(tree, replay.Flat) and replay.checksum(tree) == res.digest
+    evaluate = objectives.make_eval_fn(model, cfg.data.eval_batch_size)
+    x, y = data.load("digits", "test").x[:200], data.load("digits", "test").y[:200]
+    assert evaluate(tree, x, y) == {k: res.eval[k] for k in ("eval_loss", "eval_accuracy")}
+    saved = load_run(tmp_path / "run")  # the checkpoint holds the tree
+    assert saved.step == 12 and replay.checksum(saved.params) == res.digest
+    assert jax.tree_util.tree_structure(saved.params) == jax.tree_util.tree_structure(params)
+    start = replay.checksum(params)
+    state = methods.make_method(cfg, model).init(params, np.zeros(2, np.uint32))
+    assert isinstance(state.params, replay.Flat) and replay.checksum(state.params) == start
 
 
 def test_backprop_baseline_same_model_and_eval(tmp_path):

@@ -32,6 +32,7 @@ import numpy as np
 
 import zeroth.models.pretrained  # noqa: F401  (registers the pretrained models by name)
 from zeroth import models as _models
+from zeroth import replay as _replay
 
 __all__ = ["OBJECTIVES", "make_objective", "make_eval_fn", "build_model"]
 
@@ -74,10 +75,13 @@ def make_objective(name: str, model) -> Callable[[Any, tuple], jax.Array]:
 
 @functools.lru_cache(maxsize=64)
 def make_eval_fn(model, batch_size: int) -> Callable[[Any, np.ndarray, np.ndarray], dict]:
-    """``evaluate(params, x, y) -> {"eval_loss", "eval_accuracy"}`` over all of ``x`` in chunks of ``batch_size``."""
+    """``evaluate(params, x, y) -> {"eval_loss", "eval_accuracy"}`` over all of ``x`` in chunks of
+    ``batch_size``. ``params`` may be a :class:`zeroth.replay.Flat` (unflattened inside the program)."""
 
     @jax.jit
     def chunk(params, x, y):
+        if isinstance(params, _replay.Flat):
+            params = _replay.unflatten(params)
         logits = _models.apply(model, params, x).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.sum(jnp.take_along_axis(logp, y[:, None], axis=-1))

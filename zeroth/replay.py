@@ -70,6 +70,7 @@ __all__ = [
     "layout_of",
     "flatten",
     "unflatten",
+    "host_tree",
 ]
 
 
@@ -184,11 +185,8 @@ def checksum(params: Any) -> str:
     buffer fetched to the host once and cut into its leaves there.
     """
     if isinstance(params, Flat):
-        host = [np.asarray(jax.device_get(b)) for b in params.buffers]
         return _ref.checksum_leaves({
-            seg.path: host[seg.buffer][seg.offset : seg.offset + seg.size].reshape(seg.shape)
-            for seg in params.layout.segments
-        })
+            seg.path: leaf for seg, leaf in zip(params.layout.segments, _host_leaves(params), strict=True)})
     with_path, _ = jax.tree_util.tree_flatten_with_path(params)
     return _ref.checksum_leaves({_rng.leaf_path(p): np.asarray(jax.device_get(leaf)) for p, leaf in with_path})
 
@@ -377,19 +375,42 @@ def _flatten_leaves(leaves, layout: Layout) -> tuple[jax.Array, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _flatten_fn(layout: Layout):
-    return jax.jit(lambda leaves: _flatten_leaves(leaves, layout))
+def _flatten_fn(layout: Layout, donate: bool):
+    """``fn(own, rest) -> buffers``: ``own`` the leaves that are their buffer's whole (donated with
+    ``donate``: each becomes its buffer without a copy), ``rest`` the others, each in tree order."""
+    own = _own_buffer(layout)
+
+    def run(own_leaves, rest_leaves):
+        a, b = iter(own_leaves), iter(rest_leaves)
+        return _flatten_leaves([next(a) if o else next(b) for o in own], layout)
+
+    return jax.jit(run, donate_argnums=(0,) if donate else ())
 
 
-def flatten(params: Any, *, platform: str | None = None, alone_from: int | None = ALONE_FROM) -> Flat:
+def _own_buffer(layout: Layout) -> tuple[bool, ...]:
+    """For each leaf, whether it is the whole of its buffer (the only leaf, and no padding)."""
+    count = [0] * len(layout.sizes)
+    for s in layout.segments:
+        count[s.buffer] += 1
+    return tuple(count[s.buffer] == 1 and layout.sizes[s.buffer] == s.size for s in layout.segments)
+
+
+def flatten(params: Any, *, platform: str | None = None, alone_from: int | None = ALONE_FROM,
+            donate: bool = False) -> Flat:
     """The :class:`Flat` layout of ``params`` (a copy of every leaf into its buffer, one compiled
     call per layout). ``unflatten(flatten(p))`` equals ``p`` bit for bit; each buffer lives where
     the leaves did. ``platform`` and ``alone_from``: see :func:`layout_of` (buffers for a TPU are
     padded to whole blocks; leaves of at least ``alone_from`` elements have a buffer each).
+
+    ``donate=True`` gives the leaves' buffers up (``params`` must not be used afterwards): a leaf
+    alone in its buffer then becomes that buffer without a copy, so laying a model out holds the
+    tree and the copies of its small leaves only, not two models.
     """
     layout = layout_of(params, platform=platform, alone_from=alone_from)
     leaves = jax.tree_util.tree_leaves(params)
-    return Flat(_flatten_fn(layout)(leaves), layout)
+    own = _own_buffer(layout)
+    fn = _flatten_fn(layout, bool(donate))
+    return Flat(fn([x for x, o in zip(leaves, own) if o], [x for x, o in zip(leaves, own) if not o]), layout)
 
 
 def _unflatten_buffers(buffers, layout: Layout) -> Any:
@@ -403,6 +424,21 @@ def _unflatten_buffers(buffers, layout: Layout) -> Any:
 @functools.lru_cache(maxsize=64)
 def _unflatten_fn(layout: Layout):
     return jax.jit(lambda buffers: _unflatten_buffers(buffers, layout))
+
+
+def _host_leaves(flat: Flat) -> list[np.ndarray]:
+    """The leaves of ``flat`` as NumPy views into its buffers, each buffer fetched to the host once."""
+    host = [np.asarray(jax.device_get(b)) for b in flat.buffers]
+    return [host[s.buffer][s.offset : s.offset + s.size].reshape(s.shape) for s in flat.layout.segments]
+
+
+def host_tree(params: Any) -> Any:
+    """``params`` on the host as a pytree of NumPy arrays: ``jax.device_get`` of a tree, and for a
+    :class:`Flat` the tree of its leaves, each a view into its buffer fetched once (no device copy,
+    as checkpoints need)."""
+    if isinstance(params, Flat):
+        return jax.tree_util.tree_unflatten(params.layout.treedef, _host_leaves(params))
+    return jax.device_get(params)
 
 
 def unflatten(flat: Flat) -> Any:

@@ -7,7 +7,9 @@ A method is a pair of functions (optax style), built by a factory from a config 
   index is ``state.step``, which names its keys), returning the next state and what the step
   cost and measured.
 
-The trainer's state is one pytree, :class:`TrainState` ``(step, params, opt_state, key)``. The
+The trainer's state is one pytree, :class:`TrainState` ``(step, params, opt_state, key)``; a
+method may hold ``params`` in the flat layout (:class:`zeroth.replay.Flat`), which the trainer's
+evaluation, digest and checkpoints take as the tree it stands for. The
 methods are :mod:`zeroth.methods.mezo` (MeZO / Just One Byte with exact replay),
 :mod:`zeroth.methods.backprop` (``jax.value_and_grad`` + optax) and :mod:`zeroth.methods.q4`
 (MeZO on 4-bit weights); :func:`zeroth.methods.make_method` picks one from a config.
@@ -35,7 +37,7 @@ class TrainState(NamedTuple):
     """Everything a training run carries from one step to the next (a pytree)."""
 
     step: int  # steps done = the index of the next step (its keys' iteration)
-    params: Any  # pytree of arrays, the model's parameters
+    params: Any  # the model's parameters: a pytree of arrays, or its zeroth.replay.Flat (the ZO method)
     opt_state: Any  # the method's own state (optax state for backprop, None for the ZO methods)
     key: np.ndarray  # u32[2], the run key root_key(run.seed); the methods' streams derive from the same seed
 

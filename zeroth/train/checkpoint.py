@@ -30,13 +30,18 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from zeroth.replay import checksum
+from zeroth.replay import checksum, host_tree
 
 __all__ = ["Checkpointer", "Restored", "CheckpointError", "checksum"]
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be restored (missing, truncated, corrupted or inconsistent)."""
+
+
+def _dtype(a) -> np.dtype:
+    """The dtype of an array, a ``jax.ShapeDtypeStruct`` or a scalar."""
+    return np.dtype(a.dtype) if hasattr(a, "dtype") else np.asarray(a).dtype
 
 
 class Restored(NamedTuple):
@@ -84,10 +89,12 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def save(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
-        """Save a checkpoint at ``step`` (blocks until it is written and finalized)."""
+        """Save a checkpoint at ``step`` (blocks until it is written and finalized). ``params`` may
+        be a :class:`zeroth.replay.Flat`: its tree is saved, so the files do not depend on how a
+        method held the parameters."""
         ocp = _ocp()
         items = {
-            "params": ocp.args.StandardSave(jax.device_get(params)),
+            "params": ocp.args.StandardSave(host_tree(params)),
             "meta": ocp.args.JsonSave(dict(meta)),
         }
         if opt_state is not None:
@@ -118,7 +125,7 @@ class Checkpointer:
             raise CheckpointError(
                 f"no checkpoint at step {step} in {self.directory}; available steps: {self.steps()}"
             )
-        as_np = lambda t: jax.tree_util.tree_map(lambda a: np.zeros(np.shape(a), np.asarray(a).dtype), t)  # noqa: E731
+        as_np = lambda t: jax.tree_util.tree_map(lambda a: np.zeros(np.shape(a), _dtype(a)), t)  # noqa: E731
         items = {"params": ocp.args.StandardRestore(as_np(params_template)), "meta": ocp.args.JsonRestore()}
         if opt_template is not None:
             items["opt_state"] = ocp.args.StandardRestore(as_np(opt_template))
@@ -131,9 +138,9 @@ class Checkpointer:
         if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(params_template):
             raise self._error(step, "its parameter tree does not match the model")
         for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(params_template)):
-            if np.shape(a) != np.shape(b) or np.asarray(a).dtype != np.asarray(b).dtype:
-                raise self._error(step, f"a parameter has shape/dtype {np.shape(a)}/{np.asarray(a).dtype}, "
-                                  f"the model needs {np.shape(b)}/{np.asarray(b).dtype}")
+            if np.shape(a) != np.shape(b) or _dtype(a) != _dtype(b):
+                raise self._error(step, f"a parameter has shape/dtype {np.shape(a)}/{_dtype(a)}, "
+                                  f"the model needs {np.shape(b)}/{_dtype(b)}")
         digest = checksum(params)
         if meta.get("digest") != digest:
             raise self._error(step, f"parameter digest {digest[:16]}... differs from the saved {str(meta.get('digest'))[:16]}...")

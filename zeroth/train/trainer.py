@@ -291,7 +291,9 @@ def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, 
     train_ds, eval_x, eval_y, model, params, load_time = loaded
     method = _methods.make_method(cfg, model)
     schedule = _schedules.from_train(t)
-    state = method.init(params, _ref.root_key(cfg.run.seed))
+    template = jax.eval_shape(lambda p: p, params)  # shapes and dtypes, to restore a checkpoint into
+    state = method.init(params, _ref.root_key(cfg.run.seed))  # a method may take the parameters over
+    del params
     evaluate = _objectives.make_eval_fn(model, cfg.data.eval_batch_size)
 
     counters, resumed_from, restart = Counters(), None, None
@@ -299,14 +301,14 @@ def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, 
         steps = ckpt.steps()
         target = resume_step if resume_step is not None else (steps[-1] if steps else None)
         if target is not None:
-            restored = ckpt.restore(target, state.params, state.opt_state)
+            restored = ckpt.restore(target, template, state.opt_state)  # saved as the tree, whatever the method holds
             if restored.meta.get("step") != target:
                 raise CheckpointError(f"checkpoint {ckpt.directory / str(target)} says step {restored.meta.get('step')}")
             for newer in [s for s in steps if s > target]:
                 ckpt.quarantine(newer)
-            state = state._replace(
+            # the method lays the restored parameters out as its init does
+            state = method.init(jax.tree_util.tree_map(jnp.asarray, restored.params), state.key)._replace(
                 step=target,
-                params=jax.tree_util.tree_map(jnp.asarray, restored.params),
                 opt_state=None if restored.opt_state is None else jax.tree_util.tree_map(jnp.asarray, restored.opt_state),
             )
             counters, resumed_from = _counters_from_meta(restored.meta), target
