@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroth import layerwise as _layerwise
 from zeroth.data import wordpiece as _wp
 from zeroth.data.resources import minilm_dir
 
@@ -194,12 +195,19 @@ def encode(params: dict, cfg: BertConfig, ids: jax.Array, mask: jax.Array | None
     if T > cfg.max_positions:
         raise ValueError(f"sequence length {T} exceeds the {cfg.max_positions} positions of the model")
     mask = (ids != 0) if mask is None else jnp.asarray(mask, bool)
-    x = params["word_emb"][ids] + params["pos_emb"][:T][None] + params["type_emb"][0][None, None]
+    # The embedding rows and the stacked layers are read through zeroth.layerwise: the plain
+    # gather and scan slices, or (under a ZO estimator) only the rows and the one layer in use
+    # perturbed, computed where they are read, with the same bits (no whole perturbed copy).
+    x = _layerwise.rows(params["word_emb"], ids) + params["pos_emb"][:T][None] + params["type_emb"][0][None, None]
     x = _layer_norm(x, params["emb_ln_scale"], params["emb_ln_bias"], cfg.norm_eps)
     H, hd = cfg.n_heads, cfg.head_dim
     bias = jnp.where(mask, jnp.float32(0.0), jnp.float32(-1e30))[:, None, None, :]
 
-    def layer(x, lp):
+    view = _layerwise.layer_view({k: params[k] for k in LAYER_PARAMS})
+
+    def layer(x, xs):
+        i, lp = xs
+        lp = view.layer(i, lp)
         q = _linear(x, lp["q_w"], lp["q_b"]).reshape(B, T, H, hd)
         k = _linear(x, lp["k_w"], lp["k_b"]).reshape(B, T, H, hd)
         v = _linear(x, lp["v_w"], lp["v_b"]).reshape(B, T, H, hd)
@@ -210,7 +218,7 @@ def encode(params: dict, cfg: BertConfig, ids: jax.Array, mask: jax.Array | None
         x = _layer_norm(x + f, lp["ff_ln_scale"], lp["ff_ln_bias"], cfg.norm_eps)
         return x, None
 
-    x, _ = jax.lax.scan(layer, x, {k: params[k] for k in LAYER_PARAMS})
+    x, _ = jax.lax.scan(layer, x, (jnp.arange(cfg.n_layers, dtype=jnp.int32), view.xs))
     return x
 
 
