@@ -60,15 +60,16 @@ def test_zo_sgd_decreases_the_loss_on_digits(tmp_path):
 
 
 def test_zo_trainer_holds_a_flat_state_with_the_bits_of_the_tree_steps(tmp_path):
-    # The ZO method keeps its parameters in the flat layout (a few arrays per compiled call instead
-    # of one per leaf); the run's digests, evaluation and checkpoints are those of the tree.
+    # train.layout flat: the ZO method keeps its parameters in the flat layout (a few arrays per
+    # compiled call instead of one per leaf); the run's digests, evaluation and checkpoints are
+    # those of the tree.
     import jax
 
     from zeroth import data, methods, objectives, replay, schedules
     from zeroth.methods.mezo import mezo_update
 
     cfg = load_config_dict(small(train={"steps": 12, "eval_every": 12, "log_every": 4, "weight_decay": 0.01,
-                                        "checkpoint_every": 12}))
+                                        "checkpoint_every": 6, "layout": "flat"}))
     res = trainer.train(cfg, tmp_path / "run", progress=False)
     train_ds = data.load("digits", "train")
     model, params = objectives.build_model(cfg, train_ds.num_classes, train_ds.x[:1])
@@ -88,6 +89,17 @@ def test_zo_trainer_holds_a_flat_state_with_the_bits_of_the_tree_steps(tmp_path)
     start = replay.checksum(params)
     state = methods.make_method(cfg, model).init(params, np.zeros(2, np.uint32))
     assert isinstance(state.params, replay.Flat) and replay.checksum(state.params) == start
+    default = load_config_dict(small())
+    assert default.train.layout == "tree" and methods.make_method(default, model).init(tree, None).params is tree
+    # a resume from step 6 lays the restored tree out again and ends on the same digest
+    cfg2 = load_config_dict(small(train={"steps": 6, "log_every": 4, "weight_decay": 0.01, "checkpoint_every": 6,
+                                         "layout": "flat"}))
+    trainer.train(cfg2, tmp_path / "resumed", progress=False)
+    again = trainer.train(cfg, tmp_path / "resumed", resume=True, progress=False)
+    assert again.resumed_from == 6 and again.digest == res.digest
+    for layout, fix in (("flat", {"method": "backprop"}), ("flat", {"requantize": "nearest"}), ("diagonal", {})):
+        with pytest.raises(ValueError, match=f"train.layout"):
+            load_config_dict(small(train={"layout": layout, **fix}))
 
 
 def test_backprop_baseline_same_model_and_eval(tmp_path):

@@ -403,14 +403,20 @@ def flatten(params: Any, *, platform: str | None = None, alone_from: int | None 
     padded to whole blocks; leaves of at least ``alone_from`` elements have a buffer each).
 
     ``donate=True`` gives the leaves' buffers up (``params`` must not be used afterwards): a leaf
-    alone in its buffer then becomes that buffer without a copy, so laying a model out holds the
-    tree and the copies of its small leaves only, not two models.
+    alone in its buffer then becomes that buffer without a copy, and the jax arrays of the leaves
+    copied into a shared buffer are deleted once copied, so that a model laid out this way is not
+    held twice while the caller still refers to its tree.
     """
     layout = layout_of(params, platform=platform, alone_from=alone_from)
     leaves = jax.tree_util.tree_leaves(params)
     own = _own_buffer(layout)
     fn = _flatten_fn(layout, bool(donate))
-    return Flat(fn([x for x, o in zip(leaves, own) if o], [x for x, o in zip(leaves, own) if not o]), layout)
+    out = Flat(fn([x for x, o in zip(leaves, own) if o], [x for x, o in zip(leaves, own) if not o]), layout)
+    if donate:
+        for x, o in zip(leaves, own):
+            if not o and isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
+    return out
 
 
 def _unflatten_buffers(buffers, layout: Layout) -> Any:

@@ -136,10 +136,11 @@ def run(
 
     With ``flat``, the ZO step, its projected gradients and its update also run on the
     parameters' :class:`zeroth.replay.Flat` (:func:`zeroth.replay.flatten`: a buffer per dtype,
-    and one per large leaf, instead of an array per leaf) and are timed beside the tree's: rows marked "(flat layout)",
-    the ratios ``flat_*_time_over_tree_*``, ``zo_time_over_forwards_flat_*`` and
+    and one per large leaf, instead of an array per leaf) and are timed beside the tree's: rows
+    marked "(flat layout)", the ratios ``flat_*_time_over_tree_*``, ``zo_time_over_forwards_flat_*`` and
     ``flat_same_bits_*`` (1.0 when the flat estimator's projected gradients and losses equal the
-    tree's, bit for bit). What they measure is the host cost of passing every leaf to each call.
+    tree's, bit for bit). What they measure is the host cost of passing every leaf to each call;
+    the flat step is what the trainer runs with ``train.layout: flat``.
 
     With ``profile_calls`` > 0, also ``"profile"``: the fastest inference forward and each ZO step
     run that many times more under the JAX profiler (:func:`zeroth.bench.profile.profile`: wall,

@@ -70,6 +70,7 @@ RESUME_INVARIANT = (
     "train.log_every",
     "train.checkpoint_every",
     "train.keep_checkpoints",
+    "train.layout",
     "data.eval_size",
     "data.eval_batch_size",
 )
