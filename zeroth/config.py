@@ -264,8 +264,8 @@ class TrainConfig:
         "How the zo method holds the parameters between steps: tree (an array per leaf) or flat "
         "(zeroth.replay.flatten: the leaves under 2**21 elements in one buffer per dtype, so each compiled "
         "call passes a few arrays instead of one per leaf: host time an accelerator pays per array). The "
-        "same bits either way; on a 2-core CPU flat was slower (a 12.6M-parameter transformer: 1.07-1.10x "
-        "the train time, +78-96 MiB resident).",
+        "same bits either way; on a 2-core CPU flat was slower (a 12.6M-parameter transformer: 1.03-1.10x "
+        "the train time, 78-108 MiB more resident).",
         choices=LAYOUTS,
     )
     requantize: str | None = field(
