@@ -387,6 +387,7 @@ def _flatten_fn(layout: Layout, donate: bool):
     return jax.jit(run, donate_argnums=(0,) if donate else ())
 
 
+@functools.lru_cache(maxsize=64)
 def _own_buffer(layout: Layout) -> tuple[bool, ...]:
     """For each leaf, whether it is the whole of its buffer (the only leaf, and no padding)."""
     count = [0] * len(layout.sizes)
@@ -410,11 +411,12 @@ def flatten(params: Any, *, platform: str | None = None, alone_from: int | None 
     layout = layout_of(params, platform=platform, alone_from=alone_from)
     leaves = jax.tree_util.tree_leaves(params)
     own = _own_buffer(layout)
-    fn = _flatten_fn(layout, bool(donate))
-    out = Flat(fn([x for x, o in zip(leaves, own) if o], [x for x, o in zip(leaves, own) if not o]), layout)
-    if donate:
-        for x, o in zip(leaves, own):
-            if not o and isinstance(x, jax.Array) and not x.is_deleted():
+    whole = [x for x, o in zip(leaves, own) if o]
+    rest = [x for x, o in zip(leaves, own) if not o]
+    out = Flat(_flatten_fn(layout, bool(donate))(whole, rest), layout)
+    if donate:  # the copied leaves are given up too
+        for x in rest:
+            if isinstance(x, jax.Array) and not x.is_deleted():
                 x.delete()
     return out
 
