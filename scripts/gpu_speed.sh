@@ -39,8 +39,9 @@
 # BUNDLE=FILE.tgz also packs all of OUT into that one file at the end (for a transport that
 # brings back a few files only). STEPS="doctor perturb ..." runs only the steps named (the
 # names of status.txt; env always runs): on an H100 the whole list takes longer than 10 minutes
-# (each bench zo step 1.5-2 minutes, mostly compiling; bench kernels past 200 s), so a short
-# lease runs it in parts.
+# (each bench zo step 1.5-2 minutes, mostly compiling; zo_transformer and zo_transformer_4096
+# took 216 and 214 s on an H200; bench kernels past 200 s), so a short lease runs it in parts,
+# and a STEP_TIMEOUT under 240 s stops the zo steps before they print anything.
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -12,10 +12,11 @@ Step ``t`` (:func:`zo_method`), with ``n = train.n_perturbations`` and machine 0
 5. ``θ ← replay(θ, [(k_i, c_i)])``: the exact, backend-independent update of
    :mod:`zeroth.replay`; then the optional exact weight-decay step of :mod:`zeroth.zo`.
 
-With ``train.layout: flat`` the state holds θ in the flat layout (:func:`zeroth.replay.flatten`:
-the small leaves in one buffer per dtype), so that each compiled call of a step passes a few
-arrays instead of one per leaf, with the bits of the tree (the digest, the checkpoints and the
-evaluation are the tree's).
+With ``train.layout: flat`` (and with ``auto``, the default, where the parameters live on a GPU:
+:func:`zeroth.replay.preferred_layout`) the state holds θ in the flat layout
+(:func:`zeroth.replay.flatten`: the small leaves in one buffer per dtype), so that each compiled
+call of a step passes a few arrays instead of one per leaf, with the bits of the tree (the digest,
+the checkpoints and the evaluation are the tree's).
 
 Example:
   >>> from zeroth.config import load_config_dict                     # doctest: +SKIP
@@ -30,6 +31,7 @@ from zeroth import objectives as _objectives
 from zeroth import replay as _replay
 from zeroth import schedules as _schedules
 from zeroth import zo as _zo
+from zeroth.kernels import perturb as _kernels
 from zeroth.methods.base import MACHINE, Method, StepInfo, TrainState
 
 __all__ = ["zo_method", "mezo_update"]
@@ -52,8 +54,8 @@ def zo_method(cfg, model) -> Method:
     keys ``sample_key(run.seed, 0, step, i)`` -> projected gradients -> ``codec`` encode/decode ->
     canonical coefficients -> ``replay(..., donate=True)`` -> optional exact weight decay. The
     loss reported is the mean over the pairs of ``(L(θ+εz) + L(θ−εz)) / 2``, before the update.
-    With ``train.layout: flat``, ``init`` lays the parameters out flat, donating them
-    (``state.params`` is a :class:`zeroth.replay.Flat`; :func:`zeroth.replay.unflatten` gives the tree).
+    With ``train.layout: flat`` (or ``auto`` on a GPU), ``init`` lays the parameters out flat, donating
+    them (``state.params`` is a :class:`zeroth.replay.Flat`; :func:`zeroth.replay.unflatten` gives the tree).
     """
     t = cfg.train
     loss_fn = _objectives.make_objective(t.objective, model)
@@ -61,8 +63,11 @@ def zo_method(cfg, model) -> Method:
     schedule = _schedules.from_train(t)
     _zo.round_eps(t.eps)  # validate early
 
-    def init(params, key):  # train.layout flat takes the parameters over, as the first step's donation would
-        return TrainState(0, _replay.flatten(params, donate=True) if t.layout == "flat" else params, None, key)
+    def layout(params) -> str:
+        return _replay.preferred_layout(_kernels.platform_of(params)) if t.layout == "auto" else t.layout
+
+    def init(params, key):  # the flat layout takes the parameters over, as the first step's donation would
+        return TrainState(0, _replay.flatten(params, donate=True) if layout(params) == "flat" else params, None, key)
 
     def step(state, batch):
         out = mezo_update(cfg, loss_fn, state.params, batch, state.step, donate=True, schedule=schedule)
