@@ -134,6 +134,14 @@ def test_bench_zo_times_the_flat_layout_beside_the_tree(capsys):
     assert ratios["zo_time_over_forwards_flat_rademacher"] > 0
     # the flat estimator evaluates the tree's perturbations: the same projected gradients and losses
     assert ratios["flat_same_bits_rademacher"] == 1.0
+    # the step's parts timed alone: its projected gradients fetched, its host work; what they leave
+    rows = {r["name"]: r for r in result["rows"]}
+    fetched, host, step = (rows[n]["seconds_min"] for n in (
+        "  projected gradients, fetched", "  host work of the step", "ZO step n=1 rademacher"))
+    assert 0 < host < step and fetched > 0 and rows["  host work of the step"]["peak_bytes"] == 0
+    assert ratios["host_work_fraction_of_step_rademacher"] == pytest.approx(host / step)
+    parts = fetched + host + rows["  update (replay)"]["seconds_min"]
+    assert ratios["unattributed_fraction_of_step_rademacher"] == pytest.approx(1 - parts / step)
 
 
 def test_bench_zo_times_the_program_again_under_changed_xla_options(capsys):
@@ -189,7 +197,8 @@ def test_bench_zo_smollm2_reports_the_zo_ratios():
     assert c["model_kwargs"]["scan_layers"] is True and c["width"] is None
     rows = {r["name"]: r for r in result["rows"]}
     assert rows["ZO step n=1 binomial"]["forwards"] == 2 and rows["ZO step n=1 binomial"]["seconds_min"] > 0
-    assert all(r["peak_bytes"] >= c["param_bytes"] for r in result["rows"] if r["name"] != "  update (replay)")
+    assert all(r["peak_bytes"] >= c["param_bytes"] for r in result["rows"]
+               if r["name"] not in ("  update (replay)", "  host work of the step"))  # the host work holds no device memory
     for ratio in ("zo_time_over_forwards_binomial", "zo_memory_over_inference_binomial", "backprop_memory_over_inference"):
         assert result["ratios"][ratio] > 0, ratio
     assert {"zo_time_over_forwards", "zo_memory_over_inference"} <= set(result["targets"])

@@ -735,6 +735,23 @@ class StepResult(NamedTuple):
     loss: float  # mean over the n pairs of (L(θ+εz) + L(θ−εz)) / 2, before the update
 
 
+def _host_update(g, losses, cod, lr: float, scaling: str, *, iteration: int, eps: float):
+    """The host's part of :func:`mezo_step` between its projected gradients and its replay:
+    ``(payload, decoded, coefficients)`` of the fetched ``g`` (``f32[n]``), refusing a non-finite
+    one. ``zeroth bench zo`` times it alone (with the keys' derivation) to attribute a step's time."""
+    g = np.asarray(g, np.float32)
+    bad = np.flatnonzero(~np.isfinite(g))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"projected gradient {i} of iteration {iteration} is {float(g[i])!r} (mean loss of the pair {float(losses[i])!r}); "
+            f"the loss is not finite at θ ± εz: lower lr (now {lr}) or eps (now {eps})"
+        )
+    payload = cod.encode(g)
+    decoded = cod.decode(payload)
+    return payload, decoded, update_coefficients(decoded, lr, decoded.size, scaling)
+
+
 def mezo_step(
     loss_fn: Callable[[Any, Any], jax.Array],
     params: Any,
@@ -786,18 +803,9 @@ def mezo_step(
     eps_scale = round_eps(eps)
     keys = _rng.sample_keys(run_seed, [(machine, iteration, i) for i in range(int(n_perturbations))])
     g, losses = jax.device_get(projected_gradients_fn(loss_fn, distribution=distribution)(params, batch, keys, eps_scale))
-    g = np.asarray(g, np.float32)
-    bad = np.flatnonzero(~np.isfinite(g))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(
-            f"projected gradient {i} of iteration {iteration} is {float(g[i])!r} (mean loss of the pair {float(losses[i])!r}); "
-            f"the loss is not finite at θ ± εz: lower lr (now {lr}) or eps (now {eps})"
-        )
-    payload = cod.encode(g)
-    decoded = cod.decode(payload)
+    payload, decoded, coefficients = _host_update(g, losses, cod, lr, scaling, iteration=iteration, eps=eps)
     # canonical_updates(run_seed, iteration, {machine: decoded}, lr, scaling), without re-deriving the keys
-    updates = list(zip(keys, update_coefficients(decoded, lr, decoded.size, scaling), strict=True))
+    updates = list(zip(keys, coefficients, strict=True))
     params = _replay.replay(params, updates, distribution=distribution, donate=donate)
     if weight_decay:
         params = _weight_decay(params, lr, weight_decay, True)

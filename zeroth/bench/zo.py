@@ -13,7 +13,14 @@ an error naming its install command).
   perturbations (default 1): 2N forwards at ``θ ± εz`` in one compiled program, the codec
   round trip, the host-rounded coefficients and the in-place exact ``replay``; and its two
   compiled programs alone (``projected gradients``; ``update``, the donated replay through the
-  fused kernels as ``mezo_step`` runs it);
+  fused kernels as ``mezo_step`` runs it), the projected gradients again with their outputs
+  fetched to the host as ``mezo_step`` does (``projected gradients, fetched``), and the step's
+  host work alone (keys, codec, coefficients and scales: ``host work of the step``). The ratios
+  ``host_work_fraction_of_step_*`` and ``unattributed_fraction_of_step_*`` (1 − (fetched +
+  update + host work) / step, of best times: waits between the calls that no part timed alone
+  shows; on a noisy machine it reads high, the parts' best times not coming together) say where
+  a step's time goes beyond its programs (on an H200 the flat step spent 0.5–0.7 ms beyond its
+  two programs' rows);
 * **backprop step**: ``jax.value_and_grad`` + ``optax.sgd``, jitted, parameters donated.
 
 Reported ratios (with their targets): ZO step time / time of 2N forwards (<= 1.2) and ZO
@@ -217,6 +224,10 @@ def run(
         fns[f"zo_step_{dist}"] = step
         fns[f"zo_pg_{dist}"] = lambda pg=pg: jax.block_until_ready(pg(params, data, keys, eps))
         fns[f"zo_update_{dist}"] = update
+        # the step's other parts: its projected gradients fetched to the host as mezo_step does
+        # (device_get, not block_until_ready), and its host work alone (keys, codec, coefficients, scales)
+        fns[f"zo_fetch_{dist}"] = lambda pg=pg: jax.device_get(pg(params, data, keys, eps))
+        fns[f"zo_host_{dist}"] = functools.partial(_host_work, jax.device_get(pg(params, data, keys, eps)), n, dist, codec)
         if flat:
             _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, coefficients, pg, dist, n, codec)
         if zo_options:
@@ -270,6 +281,10 @@ def run(
                          f"{2 * n} forwards at θ±εz, one program, {_describe(chosen[dist])}"))
         rows.append(_row("  update (replay)", times[f"zo_update_{dist}"], mem[f"zo_update_{dist}"], None, t_fwd, m_fwd,
                          "replay, fused kernels, donated"))
+        rows.append(_row("  projected gradients, fetched", times[f"zo_fetch_{dist}"], mem[f"zo_pg_{dist}"], 2 * n, t_fwd,
+                         m_fwd, "the same call, its outputs fetched to the host (jax.device_get) as mezo_step does"))
+        rows.append(_row("  host work of the step", times[f"zo_host_{dist}"], {"peak": 0, "temp": 0}, None, t_fwd, m_fwd,
+                         "keys, codec, coefficients and scales on the host, no device"))
         if zo_options:
             t_opt, m_opt = times[f"zo_pg_options_{dist}"], mem[f"zo_pg_options_{dist}"]
             rows.append(_row("  projected gradients", t_opt, m_opt, 2 * n, t_fwd, m_fwd,
@@ -282,6 +297,10 @@ def run(
         ratios[f"zo_cpu_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].cpu_min_s / (2 * n * c_fwd)
         ratios[f"zo_memory_over_inference_{dist}"] = m_step / m_fwd
         ratios[f"update_fraction_of_step_{dist}"] = times[f"zo_update_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
+        parts = times[f"zo_fetch_{dist}"].min_s + times[f"zo_update_{dist}"].min_s + times[f"zo_host_{dist}"].min_s
+        ratios[f"host_work_fraction_of_step_{dist}"] = times[f"zo_host_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
+        # what the parts timed alone leave of the step: waits between its calls (0 or below: none)
+        ratios[f"unattributed_fraction_of_step_{dist}"] = 1.0 - parts / times[f"zo_step_{dist}"].min_s
         if flat:
             for key, name, note in (("zo_step", f"ZO step n={n} {dist} (flat layout)", "mezo_step on replay.flatten(params)"),
                                     ("zo_pg", "  projected gradients (flat layout)", "the same program, unflattened inside"),
@@ -357,6 +376,14 @@ def _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, coefficients, p
     fns[f"zo_step_flat_{dist}"] = step
     fns[f"zo_pg_flat_{dist}"] = lambda: jax.block_until_ready(pg(flat, data, keys, eps))
     fns[f"zo_update_flat_{dist}"] = update
+
+
+def _host_work(fetched, n: int, dist: str, codec: str) -> None:
+    """What :func:`zeroth.zo.mezo_step` does on the host alone, on a step's fetched projected
+    gradients: the keys' derivation, the codec, the coefficients and the replay's scales."""
+    rng.sample_keys(0, [(0, 1, i) for i in range(n)])
+    _, _, coefficients = zo._host_update(*fetched, codecs.get_codec(codec), _LR, "sqrt", iteration=1, eps=_EPS)
+    replay.update_scales(dist, list(coefficients))
 
 
 def _same_bits(a, b) -> bool:
