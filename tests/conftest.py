@@ -39,8 +39,9 @@ ACCELERATOR = jax.default_backend() != "cpu"
 @pytest.fixture(autouse=True)
 def _default_device(request):
     """On a machine with an accelerator (``JAX_PLATFORMS=cuda,cpu``), tests run on the host CPU's
-    devices (four of them, forced above) unless marked ``accelerator``: the kernels' native tests
-    and the sign-bit tests run on the accelerator, everything else where CI runs it."""
+    devices (four of them, forced above) unless marked ``accelerator``: the kernels' native tests,
+    the sign-bit tests and the ZO trainer's layout test run on the accelerator, everything else
+    where CI runs it."""
     if not ACCELERATOR:
         yield
         return

@@ -10,6 +10,7 @@ import time
 import types
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import yaml
@@ -107,7 +108,6 @@ def test_zo_trainer_holds_a_flat_state_with_the_bits_of_the_tree_steps(tmp_path)
 def test_zo_layout_auto_is_flat_where_the_parameters_live_on_a_gpu(monkeypatch):
     # train.layout auto holds the parameters flat on a GPU (measured there: 0.60x the tree's step)
     # and as the tree on a CPU or TPU; the decision follows the platform the parameters live on.
-    import jax
     import jax.numpy as jnp
 
     from zeroth import data, methods, objectives, replay
@@ -129,6 +129,25 @@ def test_zo_layout_auto_is_flat_where_the_parameters_live_on_a_gpu(monkeypatch):
     tree_cfg = load_config_dict(small(train={"layout": "tree"}))
     other = jax.tree_util.tree_map(jnp.copy, replay.unflatten(state.params))
     assert methods.make_method(tree_cfg, model).init(other, None).params is other
+
+
+@pytest.mark.accelerator
+@pytest.mark.skipif(jax.default_backend() == "cpu", reason="runs where an accelerator is the default device")
+def test_zo_trainer_on_the_accelerator_gives_the_same_digests_in_both_layouts(tmp_path):
+    # auto holds the parameters as replay.preferred_layout says for the accelerator (flat on a GPU):
+    # every logged digest and the checkpoint equal those of the tree on the same device.
+    from zeroth import data, methods, objectives, replay, rule
+
+    train = {"steps": 8, "eval_every": 8, "log_every": 2, "checkpoint_every": 4, "weight_decay": 0.01}
+    cfg = load_config_dict(small(train=train))
+    model, params = objectives.build_model(cfg, 10, data.load("digits", "train").x[:1])
+    held = methods.make_method(cfg, model).init(params, None).params
+    assert isinstance(held, replay.Flat) == (replay.preferred_layout(rule.default_platform()) == "flat")
+    auto = trainer.train(cfg, tmp_path / "auto", progress=False)
+    tree = trainer.train(load_config_dict(small(train={**train, "layout": "tree"})), tmp_path / "tree", progress=False)
+    digests = [[r["digest"] for r in read_metrics(tmp_path / run / "metrics.jsonl")] for run in ("auto", "tree")]
+    assert digests[0] == digests[1] and len(digests[0]) >= 5 and auto.digest == tree.digest
+    assert replay.checksum(load_run(tmp_path / "auto").params) == tree.digest
 
 
 def test_backprop_baseline_same_model_and_eval(tmp_path):
