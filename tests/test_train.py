@@ -132,7 +132,7 @@ def test_zo_layout_auto_is_flat_where_the_parameters_live_on_a_gpu(monkeypatch):
 
 
 @pytest.mark.accelerator
-@pytest.mark.skipif(jax.default_backend() == "cpu", reason="runs where an accelerator is the default device")
+@pytest.mark.skipif(jax.default_backend() == "cpu", reason="needs a GPU or TPU as jax's default device")
 def test_zo_trainer_on_the_accelerator_gives_the_same_digests_in_both_layouts(tmp_path):
     # auto holds the parameters as replay.preferred_layout says for the accelerator (flat on a GPU):
     # every logged digest and the checkpoint equal those of the tree on the same device.

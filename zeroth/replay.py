@@ -311,9 +311,13 @@ def preferred_layout(platform: str) -> str:
       >>> preferred_layout("gpu"), preferred_layout("cpu")
       ('flat', 'tree')
     """
+    return "flat" if _check_platform(platform) in FLAT_PLATFORMS else "tree"
+
+
+def _check_platform(platform: str) -> str:
     if platform not in ("cpu", "gpu", "tpu"):
-        raise ValueError(f"platform must be 'cpu', 'gpu' or 'tpu', got {platform!r}")
-    return "flat" if platform in FLAT_PLATFORMS else "tree"
+        raise ValueError(f"unknown platform {platform!r}; expected 'cpu', 'gpu' or 'tpu'")
+    return platform
 
 
 def layout_of(params: Any, *, platform: str | None = None, alone_from: int | None = ALONE_FROM) -> Layout:
@@ -345,9 +349,7 @@ def layout_of(params: Any, *, platform: str | None = None, alone_from: int | Non
       TypeError: a leaf has another dtype (naming its path).
       ValueError: an unknown platform, or ``alone_from`` below 1.
     """
-    platform = _fused.platform_of(params) if platform is None else _rule.platform_name(platform)
-    if platform not in ("cpu", "gpu", "tpu"):
-        raise ValueError(f"unknown platform {platform!r}; expected 'cpu', 'gpu' or 'tpu'")
+    platform = _check_platform(_fused.platform_of(params) if platform is None else _rule.platform_name(platform))
     if alone_from is not None and (isinstance(alone_from, bool) or not isinstance(alone_from, int) or alone_from < 1):
         raise ValueError(f"alone_from must be an int >= 1 (elements) or None, got {alone_from!r}")
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
