@@ -12,12 +12,15 @@
 #   OUT/kernel_tiles.json            the Pallas kernel under each candidate tiling (the best per K): a
 #                                    step of its own, since compiling every tiling is the long part
 #                                    (the whole benchmark ran past 200 s on an H100)
-#   OUT/zo_transformer.json          ZO step / two forwards, transformer at the default width, with
+#   OUT/zo_transformer.json          ZO step / two forwards, transformer at the default width, binomial
+#                                    noise (the Rademacher rows cost as much again to compile), with
 #                                    its JAX profile (--profile: busy and idle time, ops per call, each
 #                                    program's time, the ops by time; where the extra forwards go),
 #                                    and the same step on replay.flatten(params) beside it (--flat: a
 #                                    buffer per dtype instead of 71 arrays per call; on an H100 the
-#                                    update took 1.0 ms of wall for 60 us of GPU work)
+#                                    update took 1.0 ms of wall for 60 us of GPU work), each with its
+#                                    update held (mezo_step(hold=True): applied in the next step's
+#                                    program, one call per step; what the trainer runs)
 #   OUT/zo_transformer_4096.json     the same at --width 4096 (12.6M parameters)
 #   OUT/zo_licm.json                 at --width 4096, the projected-gradients program also compiled
 #                                    with XLA's loop-invariant code motion off (the estimator keeps it
@@ -39,6 +42,8 @@
 #                                    transformer at the default width): what each profiled op is
 #   OUT/zo_profile.txt               nsys's kernel summary of the --width 4096 run, where nsys exists
 #   OUT/status.txt                   one line per step: its exit status (124: past STEP_TIMEOUT) and seconds
+#   OUT/<step>.json.err              a step's stderr, kept where not empty: bench zo prints each stage
+#                                    there with its seconds, so a step stopped by STEP_TIMEOUT says where
 #
 # Usage: scripts/gpu_speed.sh [OUT]   (default: $OUT if set, else runs/gpu_speed)
 # PYTHON names the interpreter that has zeroth installed (default: python). SIZE sets the replay
@@ -49,8 +54,10 @@
 # brings back a few files only). STEPS="doctor perturb ..." runs only the steps named (the
 # names of status.txt; env always runs): on an H100 the whole list takes longer than 10 minutes
 # (each bench zo step 1.5-2 minutes, mostly compiling; zo_transformer and zo_transformer_4096
-# took 216 and 214 s on an H200; bench kernels past 200 s), so a short lease runs it in parts,
-# and a STEP_TIMEOUT under 240 s stops the zo steps before they print anything.
+# took 216 and 214 s on an H200 with both distributions; on an H100, with the held-update rows
+# added, both ran past 265 s and printed nothing, hence binomial only now; bench kernels past
+# 200 s), so a short lease runs it in parts, and a STEP_TIMEOUT under 240 s can stop the zo steps
+# before they print their JSON (their stage lines in the .err file say how far they got).
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -103,9 +110,9 @@ step env "$out/env.txt" env_info
 step doctor "$out/doctor.txt" "$py" -m zeroth doctor
 step perturb "$out/perturb.json" "$py" -m zeroth bench perturb --json --size "$size" --repeats "$reps"
 step zo_transformer "$out/zo_transformer.json" \
-  "$py" -m zeroth bench zo --json --model transformer --profile 3 --flat "${zo_args[@]}"
+  "$py" -m zeroth bench zo --json --model transformer --distribution binomial --profile 3 --flat "${zo_args[@]}"
 step zo_transformer_4096 "$out/zo_transformer_4096.json" \
-  "$py" -m zeroth bench zo --json --model transformer --width 4096 --profile 3 --flat "${zo_args[@]}"
+  "$py" -m zeroth bench zo --json --model transformer --width 4096 --distribution binomial --profile 3 --flat "${zo_args[@]}"
 step kernels "$out/kernels.json" \
   "$py" -m zeroth bench kernels --json --size "$size" --repeats "$reps" --sections baseline,fused,signbits
 step kernel_tiles "$out/kernel_tiles.json" \

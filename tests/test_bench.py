@@ -122,7 +122,8 @@ def test_bench_zo_times_the_flat_layout_beside_the_tree(capsys):
 
     args = ["--json", "--width", "32", "--batch", "4", "--repeats", "1", "--warmup", "0", "--distribution", "rademacher", "--flat"]
     assert zo.main(args) == 0
-    result = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
     assert result["config"]["flat"] is True
     names = [r["name"] for r in result["rows"]]
     for name in ("ZO step n=1 rademacher (flat layout)", "  projected gradients (flat layout)", "  update (replay, flat layout)"):
@@ -142,6 +143,19 @@ def test_bench_zo_times_the_flat_layout_beside_the_tree(capsys):
     assert ratios["host_work_fraction_of_step_rademacher"] == pytest.approx(host / step)
     parts = fetched + host + rows["  update (replay)"]["seconds_min"]
     assert ratios["unattributed_fraction_of_step_rademacher"] == pytest.approx(1 - parts / step)
+    # the step with its update held for the next step's program, tree and flat: the same bits, and
+    # one program that holds no more than the projected gradients' own (the parameters donated)
+    for name, suffix in (("ZO step n=1 rademacher, update held", ""), ("ZO step n=1 rademacher (flat layout), update held", "_flat")):
+        row = rows[name]
+        assert ratios[f"held_same_bits{suffix}_rademacher"] == 1.0
+        assert ratios[f"zo_time_over_forwards{suffix}_held_rademacher"] == pytest.approx(row["time_over_forward"] / 2)
+        pg = rows["  projected gradients" + (" (flat layout)" if suffix else "")]
+        assert 0 < row["peak_bytes"] <= pg["peak_bytes"] + 256, (row, pg)
+    assert ratios["held_step_time_over_step_rademacher"] == pytest.approx(
+        rows["ZO step n=1 rademacher, update held"]["seconds_min"] / step)
+    # the stages went to stderr as they ran, for a run stopped by a time limit to say where it was
+    err = captured.err
+    assert "[zeroth bench zo" in err and "the step with its update held" in err and "timing 14 rows, 1 rounds" in err
 
 
 def test_bench_zo_times_the_program_again_under_changed_xla_options(capsys):

@@ -68,6 +68,45 @@ def test_a_resumed_loop_continues_from_the_state_step_and_counters():
     assert counters.forward_passes == 8 + 6 and counters.examples == 32 + 24 and counters.payload_bytes == 12 + 9
 
 
+def _holding_method():
+    """The counting method, holding each step's sum back as ``("held", params, pending)`` until
+    the next step or ``settle`` adds it (as the ZO method holds its update), counting settles."""
+    settles = []
+
+    def init(params, key):
+        return TrainState(0, params, None, key)
+
+    def value(p):
+        return p[1] + p[2] if isinstance(p, tuple) else p
+
+    def step(state, batch):
+        info = StepInfo(1, 0, 0, np.float32(0), None)
+        return state._replace(step=state.step + 1, params=("held", value(state.params), batch[0].sum())), info
+
+    def settle(state):
+        settles.append(state.step)
+        return state._replace(params=value(state.params))
+
+    return Method(init, step, settle), settles
+
+
+def test_the_loop_settles_a_holding_method_before_hooks_that_read_the_parameters_and_at_the_end():
+    method, settles = _holding_method()
+    seen = {"params": [], "ticks": []}
+    hooks = [loop.hook(lambda e: seen["ticks"].append(e.step), every=1, reads_params=False),
+             loop.hook(lambda e: seen["params"].append((e.step, float(e.state.params))), every=3)]
+    state, _ = loop.train(method.init(np.float32(0), None), method, _batches, hooks, steps=7)
+    assert settles == [3, 6, 7]  # only where a hook reads the parameters, and after the last step
+    assert seen["ticks"] == list(range(1, 8))
+    assert seen["params"] == [(3, 4.0 * 3), (6, 4.0 * 15), (7, 4.0 * 21)]  # up to date when read
+    assert float(state.params) == 4.0 * 21
+    # stopped between two steps: the state returned is settled too
+    method, settles = _holding_method()
+    calls = iter(range(100))
+    state, _ = loop.train(method.init(np.float32(0), None), method, _batches, [], steps=7, stop=lambda: next(calls) == 4)
+    assert state.step == 4 and settles == [4] and float(state.params) == 4.0 * 6
+
+
 def test_a_method_that_does_not_advance_the_step_is_refused():
     method = _counting_method()
     stuck = Method(method.init, lambda s, b: (method.step(s, b)[0]._replace(step=s.step), method.step(s, b)[1]))

@@ -385,6 +385,94 @@ def test_mezo_step_on_the_flat_layout_is_the_tree_step_bit_for_bit(distribution)
     assert on_flat["temp"] <= on_tree["temp"], (on_flat, on_tree)
 
 
+@pytest.mark.parametrize("distribution", DISTS)
+@pytest.mark.parametrize("layout", ["tree", "flat"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_held_updates_give_the_bits_of_steps_that_apply_them(distribution, layout, weight_decay):
+    # hold=True returns the step's update (and weight decay) unapplied; the next step applies it in
+    # the program of its own projected gradients (one compiled call per step), settle() alone.
+    # Every projected gradient, payload and the final parameters are those of steps that apply
+    # their update at once.
+    params = _small_params()
+    r = np.random.default_rng(11)
+    batch = (jnp.asarray(r.normal(size=(8, 6)).astype(np.float32)), jnp.asarray(r.normal(size=(8, 4)).astype(np.float32)))
+    kw = dict(run_seed=5, machine=1, lr=0.05, eps=1e-2, n_perturbations=3, distribution=distribution,
+              weight_decay=weight_decay, codec="onebyte")
+
+    def start():
+        p = jax.tree_util.tree_map(jnp.copy, params)
+        return replay.flatten(p) if layout == "flat" else p
+
+    applied, held = start(), start()
+    for it in range(4):
+        a = zo.mezo_step(_small_loss, applied, batch, iteration=it, donate=True, **kw)
+        b = zo.mezo_step(_small_loss, held, batch, iteration=it, hold=True, **kw)
+        np.testing.assert_array_equal(a.grads.view(np.uint32), b.grads.view(np.uint32))
+        assert a.payload == b.payload and a.loss == b.loss
+        assert isinstance(b.params, zo.Held) and b.params.keys.shape == (3, 2)
+        assert (b.params.decay is not None) == bool(weight_decay)
+        applied, held = a.params, b.params
+    held_params = held.params
+    settled = zo.settle(held)
+    assert isinstance(settled, type(applied))
+    assert replay.checksum(settled) == replay.checksum(applied)
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(held_params))  # donated, as replay(donate=True)
+    assert zo.settle(settled) is settled  # nothing held: as it is
+    # a held update followed by a step that applies its own: the same bits again
+    held = zo.mezo_step(_small_loss, start(), batch, iteration=0, hold=True, **kw).params
+    again = zo.mezo_step(_small_loss, held, batch, iteration=1, **kw).params
+    once = zo.mezo_step(_small_loss, start(), batch, iteration=0, **kw).params
+    assert replay.checksum(again) == replay.checksum(zo.mezo_step(_small_loss, once, batch, iteration=1, **kw).params)
+
+
+def test_a_held_step_compiles_once_with_the_options_its_projected_gradients_chose(monkeypatch):
+    # the estimator chooses among compiler_option_candidates by compiled memory; the held step's
+    # program has the same forward passes, so it takes the choice already made (one compilation,
+    # not one per candidate: on a GPU each is seconds of a run's start)
+    params = {"w": jnp.asarray(np.random.default_rng(2).normal(size=(512, 520)).astype(np.float32) * 0.01)}
+    assert params["w"].nbytes >= zo.AUTOTUNE_MIN_BYTES and len(zo.compiler_option_candidates()) > 1
+
+    def loss(p, b):
+        return jnp.mean(jnp.tanh(b @ p["w"]) ** 2)
+
+    compiled = []
+    real = jax.stages.Lowered.compile
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: compiled.append(a or k) or real(self, *a, **k))
+    pg = zo.ProjectedGradientsFn(loss, "binomial")
+    batch, keys, eps = jnp.ones((4, 512)), rng.sample_keys(0, [(0, 0, 0)]), zo.round_eps(1e-2)
+    pg(params, batch, keys, eps)
+    assert len(compiled) == len(zo.compiler_option_candidates())
+    chosen = pg.chosen_options(params, batch, keys, eps)
+    held = (keys, replay.update_scales("binomial", [0.01]), None)
+    pg.compiled_after_update(params, held, batch, keys, eps)
+    assert len(compiled) == len(zo.compiler_option_candidates()) + 1 and compiled[-1] == (chosen,)
+
+
+def test_a_held_update_of_another_distribution_is_refused():
+    held = zo.mezo_step(_small_loss, _small_params(), (jnp.ones((2, 6)), jnp.ones((2, 4))), run_seed=0, iteration=0,
+                        lr=0.1, eps=1e-2, distribution="rademacher", hold=True).params
+    with pytest.raises(ValueError, match="held update is of distribution 'rademacher'; this step's is 'binomial'"):
+        zo.mezo_step(_small_loss, held, (jnp.ones((2, 6)), jnp.ones((2, 4))), run_seed=0, iteration=1, lr=0.1, eps=1e-2)
+
+
+def test_a_held_step_keeps_the_memory_of_the_step_it_replaces():
+    # the held update is applied in place (the parameters are donated to the step's program), so
+    # the one program holds no more than the projected gradients' program alone, plus the keys
+    params = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)), "b": jnp.zeros(256)}
+    batch = (jnp.ones((8, 256)), jnp.ones((8, 256)))
+
+    def loss(p, b):
+        return jnp.mean((jnp.tanh(b[0] @ p["w"] + p["b"][None, :]) - b[1]) ** 2)
+
+    pg = zo.projected_gradients_fn(loss, distribution="binomial")
+    keys, eps = rng.sample_keys(0, [(0, 0, 0)]), zo.round_eps(1e-2)
+    held = (keys, replay.update_scales("binomial", [0.01]), None)
+    alone = zo.compiled_memory(pg.compiled(params, batch, keys, eps))
+    fused = zo.compiled_memory(pg.compiled_after_update(params, held, batch, keys, eps))
+    assert fused["alias"] >= 256 * 257 * 4  # the parameters are written where they were read
+    assert fused["peak"] <= alone["peak"] + 1024, (fused, alone)
+
+
 def _scanned_loss(p, batch):
     x, t = batch
     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["stack"])

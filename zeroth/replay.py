@@ -91,15 +91,19 @@ def round_coefficient(c: float, bits: int = COEFF_BITS) -> float:
     return _ref.round_coefficient(c, bits)
 
 
-def apply_updates(params: Any, keys: jax.Array, scales: jax.Array, *, distribution: str = "binomial") -> Any:
-    """Traceable core: apply K updates with *already rounded* scales, in order (the plain jnp
-    rule, :func:`zeroth.kernels.perturb.perturb_reference` on every leaf).
+def apply_updates(params: Any, keys: jax.Array, scales: jax.Array, *, distribution: str = "binomial",
+                  impl: str = "jnp", inplace: bool = False) -> Any:
+    """Traceable core: apply K updates with *already rounded* scales, in order (by default the
+    plain jnp rule, :func:`zeroth.kernels.perturb.perturb_reference` on every leaf).
 
     Args:
       params: pytree of f32 / bf16 / f16 arrays.
       keys: ``u32[K, 2]`` sample keys (may be traced).
       scales: ``f32[K]`` from :func:`update_scales` (host-rounded; may be traced).
       distribution: ``"binomial"`` or ``"rademacher"``.
+      impl: ``"jnp"`` (default), or ``"auto"`` for the fused kernels :func:`replay` runs (chosen
+        when the program is lowered, for the devices it runs on); the same bits.
+      inplace: let the fused kernels write into their inputs; only where ``params`` is donated.
 
       A :class:`Flat` is updated leaf by leaf inside its buffers (each leaf keeps its id and
       counters), so the result is the :class:`Flat` of the tree's result.
@@ -109,9 +113,9 @@ def apply_updates(params: Any, keys: jax.Array, scales: jax.Array, *, distributi
     """
     if isinstance(params, Flat):
         out = _fused.apply_updates_flat(
-            params.buffers, keys, scales, params.layout.tables(), distribution=distribution, impl="jnp")
+            params.buffers, keys, scales, params.layout.tables(), distribution=distribution, impl=impl, inplace=inplace)
         return Flat(out, params.layout)
-    return _fused.apply_updates(params, keys, scales, distribution=distribution, impl="jnp")
+    return _fused.apply_updates(params, keys, scales, distribution=distribution, impl=impl, inplace=inplace)
 
 
 def _as_keys(keys) -> np.ndarray:

@@ -48,7 +48,9 @@ gets layer ``i`` perturbed inside the scan body just before it runs, and embeddi
 as they are read; the estimator serves these parts while it traces ``loss_fn``, bit-identical to
 the same parts of the whole perturbed leaf, which XLA then drops as unused. A caller wrapping
 :func:`projected_gradients` in its own ``jax.jit`` should pass ``compiler_options=zo.compiler_options()``. The update is ``replay(..., donate=True)``, in
-place. ``zeroth bench zo`` measures all of it against a plain forward pass.
+place; or, with ``mezo_step(..., hold=True)``, held (:class:`Held`) and applied in place by the
+next step's program before its forward passes, one compiled call per step with the same bits
+(:func:`settle` applies it alone). ``zeroth bench zo`` measures all of it against a plain forward pass.
 
 The optax bridge: :func:`zo_estimate` is an optax ``GradientTransformation`` turning a
 :class:`ZOGrads` (keys and projected gradients, from :func:`zo_value_and_grad`) into the dense
@@ -109,6 +111,8 @@ __all__ = [
     "decay",
     "weight_decay",
     "StepResult",
+    "Held",
+    "settle",
     "mezo_step",
     "dense_gradient",
     "ZOGrads",
@@ -435,7 +439,9 @@ class ProjectedGradientsFn:
     :func:`projected_gradients_and_losses` under each of :func:`compiler_option_candidates` and
     keeps the executable with the smallest compiled peak memory (``memory_analysis()``:
     argument + output + temp − alias bytes); below :data:`AUTOTUNE_MIN_BYTES` of parameters it
-    compiles once with the base options. ``keys`` and ``eps_scale`` are traced: a new iteration
+    compiles once with the base options. :meth:`after_update` (a held update applied first, in the
+    same program) compiles once, with the options chosen for the same arguments without the
+    update where those are compiled already (a held step follows a step that compiled them). ``keys`` and ``eps_scale`` are traced: a new iteration
     or ε never recompiles. On a CPU the first call keeps freed host memory for reuse
     (:func:`zeroth.kernels.host_memory.reuse_freed_host_memory`): the program's scratch, whole
     perturbed leaves among it, is allocated at every call, and would otherwise be faulted in page
@@ -450,7 +456,12 @@ class ProjectedGradientsFn:
         def projected_gradients(params, batch, keys, eps_scale):  # its program's name in profiles and dumps
             return projected_gradients_and_losses(loss_fn, params, batch, keys, eps_scale, distribution=distribution)
 
+        def projected_gradients_after_update(params, update, batch, keys, eps_scale, impl):
+            params = _apply_held(params, update, distribution, impl)
+            return (params, *projected_gradients_and_losses(loss_fn, params, batch, keys, eps_scale, distribution=distribution))
+
         self._jitted = jax.jit(projected_gradients)
+        self._jitted_after = jax.jit(projected_gradients_after_update, static_argnames=("impl",), donate_argnums=(0,))
 
     def _args(self, params, batch, keys, eps_scale):
         _check_eps_scale(eps_scale)
@@ -478,15 +489,40 @@ class ProjectedGradientsFn:
         """Number of compiled signatures."""
         return len(self._cache)
 
-    def _entry(self, *args):
-        sig = _signature(args)
+    def _after_args(self, params, update, batch, keys, eps_scale):
+        keys_u, scales, factor = update
+        held = (np.asarray(keys_u, np.uint32).reshape(-1, 2), np.asarray(scales, np.float32).reshape(-1),
+                None if factor is None else np.asarray(factor, np.float32).reshape(()))
+        return (params, held, *self._args(None, batch, keys, eps_scale)[1:])
+
+    def compiled_after_update(self, params, update, batch, keys, eps_scale):
+        """The chosen ``jax.stages.Compiled`` of :meth:`after_update` for these arguments' signature."""
+        args = self._after_args(params, update, batch, keys, eps_scale)
+        return self._entry(*args, after=_held_impl(params))[0]
+
+    def after_update(self, params, update, batch, keys, eps_scale):
+        """``(θ', g, ℓ)``: a held update ``(keys u32[K, 2], scales f32[K], decay factor or None)``
+        applied to ``params`` (donated), then the projected gradients and losses at ``θ'``, in one
+        compiled program; the same bits as :func:`zeroth.replay.replay` (and :func:`weight_decay`)
+        followed by this estimator's call (see :class:`Held`)."""
+        args = self._after_args(params, update, batch, keys, eps_scale)
+        impl = _held_impl(params)
+        if not _host_memory.decided() and _rule.default_platform() == "cpu":
+            _host_memory.reuse_freed_host_memory()
+        return self._entry(*args, after=impl)[0](*args)
+
+    def _entry(self, *args, after: str | None = None):
+        sig = (_signature(args), after)
         entry = self._cache.get(sig)
         if entry is None:
-            lowered = self._jitted.lower(*args)
+            lowered = self._jitted.lower(*args) if after is None else self._jitted_after.lower(*args, impl=after)
             candidates = compiler_option_candidates()
             param_bytes = sum(int(np.size(x)) * jnp.dtype(jnp.result_type(x)).itemsize for x in jax.tree_util.tree_leaves(args[0]))
             if param_bytes < AUTOTUNE_MIN_BYTES:
                 candidates = candidates[:1]
+            alone = None if after is None else self._cache.get((_signature((args[0], *args[2:])), None))
+            if alone is not None:  # the same forward passes: the options chosen for them alone (one compilation)
+                candidates = [alone[1]]
             best = None
             for opts in candidates:
                 compiled = lowered.compile(opts)
@@ -503,6 +539,28 @@ class ProjectedGradientsFn:
             # afresh; kept in the heap, it does not fault in every page again at each step.
             _host_memory.reuse_freed_host_memory()
         return self._entry(*args)[0](*args)
+
+
+def _held_impl(params) -> str:
+    """The replay implementation of a held update inside the step's program: the fused kernels
+    (chosen at lowering for the devices the program runs on), or the jnp rule for parameters split
+    across devices, as :func:`zeroth.replay.replay` chooses."""
+    return "jnp" if _fused.is_sharded(params.buffers if isinstance(params, _replay.Flat) else params) else "auto"
+
+
+def _apply_held(params, update, distribution: str, impl: str):
+    """Traceable: the held update ``(keys, scales, decay factor or None)`` of :class:`Held` applied
+    to ``params`` (donated), as :func:`zeroth.replay.replay` and :func:`weight_decay` apply it.
+
+    The result passes an optimization barrier before anything reads it: no operation fuses across
+    it, so the update and the decay each keep their one rounding (the decay's multiply cannot be
+    contracted with a later add into an FMA), as when each runs as its own program."""
+    keys, scales, factor = update
+    params = _replay.apply_updates(params, keys, scales, distribution=distribution, impl=impl, inplace=True)
+    if factor is not None:
+        params = jax.lax.optimization_barrier(params)
+        params = decay(params, factor)
+    return jax.lax.optimization_barrier(params)
 
 
 @functools.lru_cache(maxsize=64)
@@ -729,10 +787,45 @@ def _weight_decay(params, lr, wd, donate):
 class StepResult(NamedTuple):
     """The outcome of :func:`mezo_step`."""
 
-    params: Any  # the updated parameters (same structure and dtypes)
+    params: Any  # the updated parameters (same structure and dtypes), or a Held (mezo_step(..., hold=True))
     grads: np.ndarray  # f32[n]: the decoded projected gradients, exactly what was applied
     payload: bytes  # codec.encode(raw gradients): what this machine would send to its peers
     loss: float  # mean over the n pairs of (L(θ+εz) + L(θ−εz)) / 2, before the update
+
+
+class Held(NamedTuple):
+    """Parameters whose last update is held back (``mezo_step(..., hold=True)``).
+
+    The next :func:`mezo_step` applies it inside its own compiled program, before the forward
+    passes of its projected gradients (:meth:`ProjectedGradientsFn.after_update`): one program
+    call per step instead of two, the same bits. :func:`settle` applies it alone, for a caller
+    that reads the parameters (an evaluation, a digest, a checkpoint). A step's update is known
+    only once its projected gradients are on the host, so holding it is what lets a step run as
+    one call; on a GPU each call costs host time that the device spends idle.
+    """
+
+    params: Any  # the parameters before the held update: a pytree, or its zeroth.replay.Flat
+    keys: np.ndarray  # u32[K, 2]: the held update's keys, in canonical order
+    coefficients: tuple[float, ...]  # its coefficients (update_coefficients), one per key
+    decay: np.float32 | None  # the weight-decay factor (decay_factor) applied after it, or None
+    distribution: str
+
+
+def settle(params: Any) -> Any:
+    """The parameters with a :class:`Held` update applied (the held parameters are donated), as
+    :func:`zeroth.replay.replay` and :func:`weight_decay` apply it; anything else as it is.
+
+    Example:
+      >>> loss = lambda p, b: jnp.sum((p["w"] - b) ** 2)
+      >>> out = mezo_step(loss, {"w": jnp.zeros(4)}, jnp.ones(4), run_seed=0, iteration=0, lr=0.1,
+      ...                 eps=1e-2, hold=True)
+      >>> type(out.params).__name__, settle(out.params)["w"].shape
+      ('Held', (4,))
+    """
+    if not isinstance(params, Held):
+        return params
+    out = _replay.replay(params.params, (params.keys, list(params.coefficients)), distribution=params.distribution, donate=True)
+    return out if params.decay is None else _decay_donated(out, params.decay)
 
 
 def _host_update(g, losses, cod, lr: float, scaling: str, *, iteration: int, eps: float):
@@ -768,6 +861,7 @@ def mezo_step(
     codec: str = "float32",
     weight_decay: float = 0.0,
     donate: bool = False,
+    hold: bool = False,
 ) -> StepResult:
     """One MeZO / Just One Byte iteration on one machine (N = ``n_perturbations``).
 
@@ -791,6 +885,11 @@ def mezo_step(
       codec: ``"float32"`` or ``"onebyte"`` (:func:`zeroth.codecs.get_codec`).
       weight_decay: λ (0 = none).
       donate: update ``params`` in place (the input must not be used afterwards).
+      hold: return the parameters as a :class:`Held`: this step's update (and weight decay) not
+        applied yet, for the next ``mezo_step`` to apply inside its program (one compiled call per
+        step) or :func:`settle` to apply alone. ``params`` may be a :class:`Held` whatever
+        ``hold`` is: its update is applied first, in the same program as this step's projected
+        gradients, and its parameters are donated.
 
     Raises:
       ValueError: bad arguments, or a non-finite projected gradient (the losses are named).
@@ -801,14 +900,26 @@ def mezo_step(
     lr = lr_at(lr, iteration)
     cod = _codecs.get_codec(codec)
     eps_scale = round_eps(eps)
+    decay_to = decay_factor(lr, weight_decay) if weight_decay else None  # validated before any work
     keys = _rng.sample_keys(run_seed, [(machine, iteration, i) for i in range(int(n_perturbations))])
-    g, losses = jax.device_get(projected_gradients_fn(loss_fn, distribution=distribution)(params, batch, keys, eps_scale))
+    estimator = projected_gradients_fn(loss_fn, distribution=distribution)
+    if isinstance(params, Held):
+        if params.distribution != distribution:
+            raise ValueError(f"the held update is of distribution {params.distribution!r}; this step's is {distribution!r}")
+        held = (params.keys, _replay.update_scales(distribution, list(params.coefficients)), params.decay)
+        params, g, losses = estimator.after_update(params.params, held, batch, keys, eps_scale)
+        g, losses = jax.device_get((g, losses))
+        donate = True  # the held parameters were this function's, and these are the program's output
+    else:
+        g, losses = jax.device_get(estimator(params, batch, keys, eps_scale))
     payload, decoded, coefficients = _host_update(g, losses, cod, lr, scaling, iteration=iteration, eps=eps)
+    if hold:
+        return StepResult(Held(params, keys, tuple(coefficients), decay_to, distribution), decoded, payload, float(np.mean(losses)))
     # canonical_updates(run_seed, iteration, {machine: decoded}, lr, scaling), without re-deriving the keys
     updates = list(zip(keys, coefficients, strict=True))
     params = _replay.replay(params, updates, distribution=distribution, donate=donate)
-    if weight_decay:
-        params = _weight_decay(params, lr, weight_decay, True)
+    if decay_to is not None:
+        params = _decay_donated(params, decay_to)
     return StepResult(params, decoded, payload, float(np.mean(losses)))
 
 

@@ -73,7 +73,26 @@ def timeit(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5) -> Timin
     return Timing(min(times), statistics.median(times), repeats)
 
 
-def timeit_many(fns: dict[str, Callable[[], Any]], *, warmup: int = 1, repeats: int = 5) -> dict[str, Timing]:
+class Progress:
+    """``progress(message)``: a line on stderr with the seconds since the benchmark started, so
+    that a long run (minutes of compiling on a GPU) shows where it is, and one stopped by a time
+    limit says where it was. Disabled, it prints nothing."""
+
+    def __init__(self, prog: str, *, enabled: bool = True):
+        self.prog, self.enabled, self.t0 = prog, enabled, time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        if self.enabled:
+            print(f"[{self.prog} {time.perf_counter() - self.t0:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def no_progress(message: str) -> None:
+    """The progress callback that prints nothing."""
+    del message
+
+
+def timeit_many(fns: dict[str, Callable[[], Any]], *, warmup: int = 1, repeats: int = 5,
+                progress: Callable[[str], None] = no_progress) -> dict[str, Timing]:
     """Time several callables round-robin: repeat ``r`` times each of them once, in turn.
 
     On a shared machine the load changes during a run; interleaving gives every row the same
@@ -90,9 +109,12 @@ def timeit_many(fns: dict[str, Callable[[], Any]], *, warmup: int = 1, repeats: 
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
-    for fn in fns.values():
+    for name, fn in fns.items():
+        if warmup:
+            progress(f"warming up: {name.strip()}")
         for _ in range(warmup):
             fn()
+    progress(f"timing {len(fns)} rows, {repeats} rounds")
     times: dict[str, list[float]] = {name: [] for name in fns}
     cpu: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)

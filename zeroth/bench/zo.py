@@ -20,7 +20,10 @@ an error naming its install command).
   update + host work) / step, of best times: waits between the calls that no part timed alone
   shows; on a noisy machine it reads high, the parts' best times not coming together) say where
   a step's time goes beyond its programs (on an H200 the flat step spent 0.5–0.7 ms beyond its
-  two programs' rows);
+  two programs' rows); and the step with its update held (``mezo_step(..., hold=True)``: each
+  step applies the last one's update in its own program, one call per step, as the trainer runs
+  it; ``ZO step ..., update held``, with ``held_same_bits_*``: 1.0 when three held steps and a
+  settle give the projected gradients and parameters of three steps that apply their updates);
 * **backprop step**: ``jax.value_and_grad`` + ``optax.sgd``, jitted, parameters donated.
 
 Reported ratios (with their targets): ZO step time / time of 2N forwards (<= 1.2) and ZO
@@ -129,6 +132,7 @@ def run(
     profile_calls: int = 0,
     zo_options: dict[str, Any] | None = None,
     flat: bool = False,
+    progress: Callable[[str], None] = _common.no_progress,
 ) -> dict:
     """Run the benchmark; returns ``{"config", "environment", "rows", "ratios", "targets"}``.
 
@@ -156,6 +160,9 @@ def run(
     ``zo_idle_fraction_*`` (the part of the ZO step's wall time in which no op ran). A profiler
     that fails leaves ``{"error": ...}`` there and the timings as they are.
 
+    ``progress(message)`` is called at each stage (compiling a program, warming up a row, timing,
+    profiling); ``zeroth bench zo`` prints these lines on stderr (:class:`zeroth.bench._common.Progress`).
+
     ``width`` sizes zeroth's own models; ``seq_len`` is the token length of the pretrained models'
     prompts (default: the model's own, 40 for SmolLM2, 64 for MiniLM). ``batch`` defaults to
     :func:`default_batch` of the model (256; 8 for the pretrained models, as their configs train).
@@ -178,6 +185,7 @@ def run(
     zo_options = dict(zo_options or {})
     import optax
 
+    progress(f"setting up {model}")
     kwargs, params, data, loss_fn = _setup(model, width, batch, seq_len)
     input_shape = [int(d) for d in data[0].shape[1:]]
     param_bytes = int(sum(np.size(p) * jnp.dtype(p.dtype).itemsize for p in jax.tree_util.tree_leaves(params)))
@@ -187,6 +195,7 @@ def run(
     # the inference baseline: the forward under XLA's defaults and under each ZO option set;
     # ratios use the smallest peak and the fastest time among them
     fwd_variants = {"default": None, **{f"zo{i}": o for i, o in enumerate(zo.compiler_option_candidates())}}
+    progress(f"compiling the forward under {len(fwd_variants)} option sets")
     fwd_jit = jax.jit(loss_fn)
     lowered = fwd_jit.lower(params, data)
     fwd_compiled = {k: lowered.compile(o) for k, o in fwd_variants.items()}
@@ -205,6 +214,7 @@ def run(
         upd = jax.jit(functools.partial(fused.apply_updates, distribution=dist, inplace=True), donate_argnums=0)
         coefficients = [_LR * 0.1 * (i + 1) for i in range(n)]
         scales = replay.update_scales(dist, coefficients)
+        progress(f"compiling the projected gradients and the update ({dist})")
         mem[f"zo_pg_{dist}"] = zo.compiled_memory(pg.compiled(params, data, keys, eps))
         chosen[dist] = pg.chosen_options(params, data, keys, eps)
         mem[f"zo_update_{dist}"] = zo.compiled_memory(upd.lower(params, keys, scales).compile())
@@ -228,9 +238,14 @@ def run(
         # (device_get, not block_until_ready), and its host work alone (keys, codec, coefficients, scales)
         fns[f"zo_fetch_{dist}"] = lambda pg=pg: jax.device_get(pg(params, data, keys, eps))
         fns[f"zo_host_{dist}"] = functools.partial(_host_work, jax.device_get(pg(params, data, keys, eps)), n, dist, codec)
+        progress(f"the step with its update held, and its bits ({dist})")
+        _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist, n, codec, flat=False)
         if flat:
+            progress(f"the flat layout's step, with its update applied and held, and their bits ({dist})")
             _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, coefficients, pg, dist, n, codec)
+            _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist, n, codec, flat=True)
         if zo_options:
+            progress(f"compiling the projected gradients under --zo-option ({dist})")
             try:
                 other = pg.lowered(params, data, keys, eps).compile(_options(chosen[dist], zo_options))
             except jax.errors.JaxRuntimeError as exc:  # an option XLA does not know, or a bad value
@@ -247,6 +262,7 @@ def run(
             updates, s = opt.update(g, s, p)
             return optax.apply_updates(p, updates), s, loss
 
+    progress(f"compiling the backprop step under {len(fwd_variants)} option sets")
     bstate = {"params": jax.tree_util.tree_map(jnp.copy, params)}
     bstate["opt"] = opt.init(bstate["params"])
     bp_lowered = jax.jit(bp_step, donate_argnums=(0, 1)).lower(bstate["params"], bstate["opt"], data)
@@ -260,7 +276,7 @@ def run(
         bstate["params"], bstate["opt"] = jax.block_until_ready((p, s))
 
     fns["backprop"] = backprop
-    times = _common.timeit_many(fns, warmup=warmup, repeats=repeats)
+    times = _common.timeit_many(fns, warmup=warmup, repeats=repeats, progress=progress)
 
     t_fwd = min(times[f"forward_{k}"].min_s for k in fwd_variants)
     t_fwd_median = min(times[f"forward_{k}"].median_s for k in fwd_variants)
@@ -292,6 +308,12 @@ def run(
             ratios[f"options_time_over_chosen_{dist}"] = t_opt.min_s / times[f"zo_pg_{dist}"].min_s
             ratios[f"options_memory_over_chosen_{dist}"] = m_opt["peak"] / mem[f"zo_pg_{dist}"]["peak"]
             ratios[f"options_same_bits_{dist}"] = float(same[dist])
+        rows.append(_row(f"ZO step n={n} {dist}, update held", times[f"zo_held_{dist}"], mem[f"zo_held_{dist}"], 2 * n,
+                         t_fwd, m_fwd, "mezo_step(hold=True): the last update applied in this step's program, one call"))
+        ratios[f"zo_time_over_forwards_held_{dist}"] = times[f"zo_held_{dist}"].min_s / (2 * n * t_fwd)
+        ratios[f"zo_memory_over_inference_held_{dist}"] = mem[f"zo_held_{dist}"]["peak"] / m_fwd
+        ratios[f"held_step_time_over_step_{dist}"] = times[f"zo_held_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
+        ratios[f"held_same_bits_{dist}"] = float(same[f"held_{dist}"])
         ratios[f"zo_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].min_s / (2 * n * t_fwd)
         ratios[f"zo_time_over_forwards_{dist}_medians"] = times[f"zo_step_{dist}"].median_s / (2 * n * t_fwd_median)
         ratios[f"zo_cpu_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].cpu_min_s / (2 * n * c_fwd)
@@ -309,6 +331,12 @@ def run(
                 ratios[f"flat_{key[3:]}_time_over_tree_{dist}"] = times[f"{key}_flat_{dist}"].min_s / times[f"{key}_{dist}"].min_s
             ratios[f"zo_time_over_forwards_flat_{dist}"] = times[f"zo_step_flat_{dist}"].min_s / (2 * n * t_fwd)
             ratios[f"flat_same_bits_{dist}"] = float(same[f"flat_{dist}"])
+            rows.append(_row(f"ZO step n={n} {dist} (flat layout), update held", times[f"zo_held_flat_{dist}"],
+                             mem[f"zo_held_flat_{dist}"], 2 * n, t_fwd, m_fwd,
+                             "mezo_step(hold=True) on replay.flatten(params): what the trainer runs on a GPU"))
+            ratios[f"zo_time_over_forwards_flat_held_{dist}"] = times[f"zo_held_flat_{dist}"].min_s / (2 * n * t_fwd)
+            ratios[f"zo_memory_over_inference_flat_held_{dist}"] = mem[f"zo_held_flat_{dist}"]["peak"] / m_fwd
+            ratios[f"held_same_bits_flat_{dist}"] = float(same[f"held_flat_{dist}"])
     rows.append(_row("backprop step (sgd)", times["backprop"], mem["backprop"], None, t_fwd, m_fwd,
                      f"value_and_grad + optax.sgd, donated, {_describe(list(fwd_variants.values())[best_bp])}"))
     ratios["backprop_time_over_two_forwards"] = times["backprop"].min_s / (2 * t_fwd)
@@ -316,10 +344,14 @@ def run(
     ratios["backprop_memory_over_inference"] = mem["backprop"]["peak"] / m_fwd
     profiled: dict[str, Any] = {}
     if profile_calls:
+        progress(f"profiling the forward and each ZO step, {profile_calls} calls each")
         fastest = min(fwd_variants, key=lambda k: times[f"forward_{k}"].min_s)
         profiled = _profile_rows({"inference forward": fns[f"forward_{fastest}"],
                                   **{f"ZO step {d}": fns[f"zo_step_{d}"] for d in distributions},
-                                  **{f"ZO step {d} (flat layout)": fns[f"zo_step_flat_{d}"] for d in distributions if flat}},
+                                  **{f"ZO step {d} (flat layout)": fns[f"zo_step_flat_{d}"] for d in distributions if flat},
+                                  **{f"ZO step {d}, update held": fns[f"zo_held_{d}"] for d in distributions},
+                                  **{f"ZO step {d} (flat layout), update held": fns[f"zo_held_flat_{d}"]
+                                     for d in distributions if flat}},
                                  profile_calls)
         if "error" not in profiled:
             fwd_busy = profiled["inference forward"]["busy_s_per_call"]
@@ -328,9 +360,10 @@ def run(
                 if fwd_busy > 0:
                     ratios[f"zo_busy_over_forwards_{dist}"] = prof["busy_s_per_call"] / (2 * n * fwd_busy)
                 ratios[f"zo_idle_fraction_{dist}"] = prof["idle_s_per_call"] / prof["wall_s_per_call"]
-                if flat:
-                    prof = profiled[f"ZO step {dist} (flat layout)"]
-                    ratios[f"zo_idle_fraction_flat_{dist}"] = prof["idle_s_per_call"] / prof["wall_s_per_call"]
+                for label, suffix in ((", update held", "_held"), *(((" (flat layout)", "_flat"),
+                                      (" (flat layout), update held", "_flat_held")) if flat else ())):
+                    prof = profiled[f"ZO step {dist}{label}"]
+                    ratios[f"zo_idle_fraction{suffix}_{dist}"] = prof["idle_s_per_call"] / prof["wall_s_per_call"]
     result = {
         "benchmark": "zo",
         "config": {"model": model, "model_kwargs": kwargs, "batch": batch,
@@ -376,6 +409,42 @@ def _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, coefficients, p
     fns[f"zo_step_flat_{dist}"] = step
     fns[f"zo_pg_flat_{dist}"] = lambda: jax.block_until_ready(pg(flat, data, keys, eps))
     fns[f"zo_update_flat_{dist}"] = update
+
+
+def _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist: str, n: int, codec: str, *, flat: bool) -> None:
+    """The ZO step with its update held (``mezo_step(..., hold=True)``: each step applies the last
+    one's update in its own program, one compiled call per step), on the tree or its ``Flat``,
+    added to ``fns`` and ``mem`` (the one program's) under ``zo_held[_flat]_{dist}``;
+    ``same["held[_flat]_{dist}"]``: whether three held steps and a settle give the projected
+    gradients and parameters of three steps that apply their updates, bit for bit."""
+    tag = f"held_flat_{dist}" if flat else f"held_{dist}"
+
+    def fresh():
+        p = jax.tree_util.tree_map(jnp.copy, params)
+        return replay.flatten(p, donate=True) if flat else p
+
+    def run(hold: bool):
+        p, grads = fresh(), []
+        for it in range(3):
+            out = zo.mezo_step(loss_fn, p, data, run_seed=0, iteration=it, lr=_LR, eps=_EPS, n_perturbations=n,
+                               distribution=dist, codec=codec, donate=True, hold=hold)
+            p = out.params
+            grads.append(out.grads)
+        return replay.checksum(zo.settle(p)), np.stack(grads).view(np.uint32)
+
+    (d_applied, g_applied), (d_held, g_held) = run(False), run(True)
+    same[tag] = d_applied == d_held and np.array_equal(g_applied, g_held)
+    start = fresh()
+    mem[f"zo_{tag}"] = zo.compiled_memory(pg.compiled_after_update(start, (keys, scales, None), data, keys, eps))
+    state = {"params": start, "it": 0}
+
+    def step():
+        out = zo.mezo_step(loss_fn, state["params"], data, run_seed=0, iteration=state["it"], lr=_LR, eps=_EPS,
+                           n_perturbations=n, distribution=dist, codec=codec, donate=True, hold=True)
+        state["params"] = jax.block_until_ready(out.params)
+        state["it"] += 1
+
+    fns[f"zo_{tag}"] = step
 
 
 def _host_work(fetched, n: int, dist: str, codec: str) -> None:
@@ -554,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
         dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
         result = run(args.model, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len, codec=args.codec,
                      distributions=dists, repeats=args.repeats, warmup=args.warmup, profile_calls=args.profile,
-                     zo_options=dict(parse_option(o) for o in args.zo_option), flat=args.flat)
+                     zo_options=dict(parse_option(o) for o in args.zo_option), flat=args.flat,
+                     progress=_common.Progress("zeroth bench zo"))
     except SystemExit as exc:
         return int(exc.code or 0)
     except (ValueError, MissingPackage, FileNotFoundError) as exc:

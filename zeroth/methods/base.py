@@ -5,7 +5,9 @@ A method is a pair of functions (optax style), built by a factory from a config 
 * ``init(params, key) -> TrainState``: the state at step 0;
 * ``step(state, batch) -> (TrainState, StepInfo)``: one training step on ``batch`` (the step's
   index is ``state.step``, which names its keys), returning the next state and what the step
-  cost and measured.
+  cost and measured;
+* optionally ``settle(state) -> TrainState``: the state with ``params`` up to date, for a method
+  whose step leaves work for the next one (:class:`Method`).
 
 The trainer's state is one pytree, :class:`TrainState` ``(step, params, opt_state, key)``; a
 method may hold ``params`` in the flat layout (:class:`zeroth.replay.Flat`), which the trainer's
@@ -28,7 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["MACHINE", "TrainState", "StepInfo", "Method"]
+__all__ = ["MACHINE", "TrainState", "StepInfo", "Method", "settle"]
 
 MACHINE = 0  # machine id of a single-machine run in sample_key(seed, machine, iteration, sample)
 
@@ -54,7 +56,20 @@ class StepInfo(NamedTuple):
 
 
 class Method(NamedTuple):
-    """A training method: ``init(params, key) -> TrainState``; ``step(state, batch) -> (TrainState, StepInfo)``."""
+    """A training method: ``init(params, key) -> TrainState``; ``step(state, batch) -> (TrainState, StepInfo)``;
+    optionally ``settle(state) -> TrainState``.
+
+    A method whose ``step`` holds part of its work back for the next step to do (the ZO method
+    holds each update for the next step's program, :class:`zeroth.zo.Held`) gives ``settle``,
+    which finishes that work: the state it returns has ``params`` up to date. The training loop
+    calls it before anything reads the parameters and at the end (:func:`settle`).
+    """
 
     init: Callable[[Any, np.ndarray], TrainState]
     step: Callable[[TrainState, tuple], tuple[TrainState, StepInfo]]
+    settle: Callable[[TrainState], TrainState] | None = None
+
+
+def settle(method: Method, state: TrainState) -> TrainState:
+    """``method.settle(state)``, or ``state`` for a method that holds nothing back."""
+    return state if method.settle is None else method.settle(state)

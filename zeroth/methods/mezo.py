@@ -12,6 +12,11 @@ Step ``t`` (:func:`zo_method`), with ``n = train.n_perturbations`` and machine 0
 5. ``θ ← replay(θ, [(k_i, c_i)])``: the exact, backend-independent update of
    :mod:`zeroth.replay`; then the optional exact weight-decay step of :mod:`zeroth.zo`.
 
+The step holds its update back (:class:`zeroth.zo.Held`): step ``t + 1`` applies it inside the
+program of its own projected gradients, so a step is one compiled call (on a GPU each call
+costs host time while the device waits), with the same bits; ``settle`` applies it alone
+before the trainer evaluates, logs a digest or saves a checkpoint, and after the last step.
+
 With ``train.layout: flat`` (and with ``auto``, the default, where the parameters live on a GPU:
 :func:`zeroth.replay.preferred_layout`) the state holds θ in the flat layout
 (:func:`zeroth.replay.flatten`: the small leaves in one buffer per dtype), so that each compiled
@@ -37,14 +42,16 @@ from zeroth.methods.base import MACHINE, Method, StepInfo, TrainState
 __all__ = ["zo_method", "mezo_update"]
 
 
-def mezo_update(cfg, loss_fn, params, batch, step: int, *, donate: bool, schedule: _schedules.Schedule) -> _zo.StepResult:
+def mezo_update(cfg, loss_fn, params, batch, step: int, *, donate: bool, schedule: _schedules.Schedule,
+                hold: bool = False) -> _zo.StepResult:
     """One :func:`zeroth.zo.mezo_step` of machine 0 with the hyperparameters of ``cfg.train``
-    and learning rate ``schedule(step)`` (:func:`zeroth.schedules.from_train` of ``cfg.train``)."""
+    and learning rate ``schedule(step)`` (:func:`zeroth.schedules.from_train` of ``cfg.train``);
+    ``hold`` returns the parameters as a :class:`zeroth.zo.Held`."""
     t = cfg.train
     return _zo.mezo_step(
         loss_fn, params, batch, run_seed=cfg.run.seed, iteration=step, lr=schedule, eps=t.eps,
         n_perturbations=t.n_perturbations, machine=MACHINE, scaling=t.lr_scaling,
-        distribution=t.distribution, codec=t.codec, weight_decay=t.weight_decay, donate=donate,
+        distribution=t.distribution, codec=t.codec, weight_decay=t.weight_decay, donate=donate, hold=hold,
     )  # fmt: skip
 
 
@@ -70,10 +77,13 @@ def zo_method(cfg, model) -> Method:
         return TrainState(0, _replay.flatten(params, donate=True) if layout(params) == "flat" else params, None, key)
 
     def step(state, batch):
-        out = mezo_update(cfg, loss_fn, state.params, batch, state.step, donate=True, schedule=schedule)
+        out = mezo_update(cfg, loss_fn, state.params, batch, state.step, donate=True, schedule=schedule, hold=True)
         if len(out.payload) != t.n_perturbations * bytes_per_value:
             raise RuntimeError(f"codec {t.codec!r} produced {len(out.payload)} bytes for {t.n_perturbations} values")
         info = StepInfo(2 * t.n_perturbations, 0, len(out.payload), out.loss, out.grads)
         return state._replace(step=state.step + 1, params=out.params), info
 
-    return Method(init, step)
+    def settle(state):
+        return state._replace(params=_zo.settle(state.params))
+
+    return Method(init, step, settle)

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from zeroth.methods.base import Method, StepInfo, TrainState
+from zeroth.methods.base import Method, StepInfo, TrainState, settle
 
 __all__ = ["Counters", "Event", "Hook", "hook", "train"]
 
@@ -54,22 +54,29 @@ class Event(NamedTuple):
 
 
 class Hook(NamedTuple):
-    """``fn(event)`` after every ``every``-th step (0: never on a cadence) and, with ``at_end``, after the last."""
+    """``fn(event)`` after every ``every``-th step (0: never on a cadence) and, with ``at_end``, after the last.
+
+    ``reads_params``: whether ``fn`` reads ``event.state.params``; before such a hook the loop
+    settles the state (:func:`zeroth.methods.base.settle`), and only then.
+    """
 
     fn: Callable[[Event], Any]
     every: int
     at_end: bool = True
+    reads_params: bool = True
 
     def due(self, step: int, last: bool) -> bool:
         """Whether the hook runs after step ``step``."""
         return bool((self.every and step % self.every == 0) or (self.at_end and last))
 
 
-def hook(fn: Callable[[Event], Any], every: int = 1, *, at_end: bool = True) -> Hook:
-    """A :class:`Hook` running ``fn`` after every ``every``-th step (and after the last one, with ``at_end``)."""
+def hook(fn: Callable[[Event], Any], every: int = 1, *, at_end: bool = True, reads_params: bool = True) -> Hook:
+    """A :class:`Hook` running ``fn`` after every ``every``-th step (and after the last one, with
+    ``at_end``); ``reads_params=False`` for one that does not read the parameters (a progress bar),
+    so that the loop need not settle the state for it."""
     if every < 0:
         raise ValueError(f"a hook's cadence must be >= 0 steps (0 = only at the end), got every={every}")
-    return Hook(fn, int(every), at_end)
+    return Hook(fn, int(every), at_end, reads_params)
 
 
 def _examples(info: StepInfo, batch) -> int:
@@ -102,15 +109,23 @@ def train(
         way always finishes and its hooks run).
 
     Returns:
-      ``(state, counters)`` after the last step (or the step before ``stop`` said so). ``train_time`` counts fetching the batch and
-      the step (until the new parameters are ready), not the hooks.
+      ``(state, counters)`` after the last step (or the step before ``stop`` said so), settled
+      (:func:`zeroth.methods.base.settle`). ``train_time`` counts fetching the batch and the step
+      (until the new parameters are ready), and settling the state where a hook reads the
+      parameters, not the hooks.
     """
+    settled = True
     for t in range(state.step, steps):
         if stop is not None and stop():
             break
         t_step = time.perf_counter()
         batch = batches(t)
         state, info = method.step(state, batch)
+        done = t + 1
+        due = [h for h in hooks if h.due(done, done == steps)]
+        settled = done == steps or any(h.reads_params for h in due)
+        if settled:
+            state = settle(method, state)
         jax.block_until_ready(state.params)
         counters = counters._replace(
             forward_passes=counters.forward_passes + info.forward_passes,
@@ -119,11 +134,9 @@ def train(
             payload_bytes=counters.payload_bytes + info.payload_bytes,
             train_time=counters.train_time + (time.perf_counter() - t_step),
         )
-        done = t + 1
         if state.step != done:
             raise RuntimeError(f"method.step returned state.step={state.step} after step {t}; expected {done}")
         event = Event(done, state, info, counters, done == steps)
-        for h in hooks:
-            if h.due(done, event.last):
-                h.fn(event)
-    return state, counters
+        for h in due:
+            h.fn(event)
+    return (state if settled else settle(method, state)), counters

@@ -368,7 +368,7 @@ def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, 
         ckpt.save(e.step, e.state.params, e.state.opt_state, meta)
 
     hooks = [
-        _loop.hook(tick, every=1),
+        _loop.hook(tick, every=1, reads_params=False),
         _loop.hook(log_hook, every=t.log_every),
         _loop.hook(eval_hook, every=t.eval_every),
     ]
