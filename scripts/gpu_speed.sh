@@ -7,6 +7,11 @@
 #   OUT/doctor.txt                   zeroth doctor (the golden digests must be printed)
 #   OUT/perturb.json                 replay throughput at SIZE elements vs torch.randn + add_ on the same device
 #   OUT/overhead.json                host cost of one replay call, 1 to 200 leaves, tree and flat layout
+#   OUT/zo_unrolled.json             the projected gradients with their two forwards as straight-line
+#                                    code beside the loop (lax.map), tree and flat, and the held flat
+#                                    step so: a loop's body runs outside the CUDA graphs that hold a
+#                                    forward's kernels (a forward call took 0.68 ms of wall for 0.32 ms
+#                                    of GPU work on an H200, the projected gradients 1.33 for 0.67)
 #   OUT/kernels.json                 fused K-update replay vs K passes, with the fraction of memory
 #                                    bandwidth, and the sign-bit kernels
 #   OUT/kernel_tiles.json            the Pallas kernel under each candidate tiling (the best per K): a
@@ -81,7 +86,7 @@ limited() {  # a command under the step time limit; a function runs as it is and
 
 steps=" ${STEPS:-} "
 for s in $steps; do
-  case " env doctor perturb zo_transformer zo_transformer_4096 kernels kernel_tiles zo_licm zo_no_lhs zo_while_graphs zo_no_graphs overhead zo_hlo zo_profile " in
+  case " env doctor perturb zo_transformer zo_transformer_4096 zo_unrolled kernels kernel_tiles zo_licm zo_no_lhs zo_while_graphs zo_no_graphs overhead zo_hlo zo_profile " in
     *" $s "*) ;;
     *) echo "gpu_speed.sh: unknown step '$s' in STEPS" >&2; exit 2 ;;
   esac
@@ -113,6 +118,8 @@ step zo_transformer "$out/zo_transformer.json" \
   "$py" -m zeroth bench zo --json --model transformer --distribution binomial --profile 3 --flat "${zo_args[@]}"
 step zo_transformer_4096 "$out/zo_transformer_4096.json" \
   "$py" -m zeroth bench zo --json --model transformer --width 4096 --distribution binomial --profile 3 --flat "${zo_args[@]}"
+step zo_unrolled "$out/zo_unrolled.json" \
+  "$py" -m zeroth bench zo --json --model transformer --distribution binomial --flat --unroll "${zo_args[@]}"
 step kernels "$out/kernels.json" \
   "$py" -m zeroth bench kernels --json --size "$size" --repeats "$reps" --sections baseline,fused,signbits
 step kernel_tiles "$out/kernel_tiles.json" \

@@ -120,7 +120,8 @@ def test_bench_zo_argument_errors(capsys):
 def test_bench_zo_times_the_flat_layout_beside_the_tree(capsys):
     from zeroth.bench import zo
 
-    args = ["--json", "--width", "32", "--batch", "4", "--repeats", "1", "--warmup", "0", "--distribution", "rademacher", "--flat"]
+    args = ["--json", "--width", "32", "--batch", "4", "--repeats", "1", "--warmup", "0", "--distribution", "rademacher", "--flat",
+            "--unroll"]
     assert zo.main(args) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out)
@@ -155,7 +156,19 @@ def test_bench_zo_times_the_flat_layout_beside_the_tree(capsys):
         rows["ZO step n=1 rademacher, update held"]["seconds_min"] / step)
     # the stages went to stderr as they ran, for a run stopped by a time limit to say where it was
     err = captured.err
-    assert "[zeroth bench zo" in err and "the step with its update held" in err and "timing 14 rows, 1 rounds" in err
+    assert "[zeroth bench zo" in err and "the step with its update held" in err and "timing 17 rows, 1 rounds" in err
+    # --unroll: the forwards as straight-line code beside the loop, tree and flat, and the held flat step so
+    assert result["config"]["unroll"] is True
+    for suffix, label in (("", ""), ("_flat", " (flat layout)")):
+        row = rows[f"  projected gradients{label}, unrolled"]
+        assert ratios[f"unrolled_same_bits{suffix}_rademacher"] == 1.0
+        assert ratios[f"unrolled_pg_time_over_loop{suffix}_rademacher"] == pytest.approx(
+            row["seconds_min"] / rows[f"  projected gradients{label}"]["seconds_min"])
+        assert ratios[f"unrolled_memory_over_loop{suffix}_rademacher"] == pytest.approx(
+            row["peak_bytes"] / rows[f"  projected gradients{label}"]["peak_bytes"])
+    held = rows["ZO step n=1 rademacher (flat layout), update held, unrolled"]
+    assert ratios["zo_time_over_forwards_flat_held_unrolled_rademacher"] == pytest.approx(held["time_over_forward"] / 2)
+    assert ratios["held_same_bits_flat_unrolled_rademacher"] == 1.0
 
 
 def test_bench_zo_times_the_program_again_under_changed_xla_options(capsys):

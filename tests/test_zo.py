@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -411,6 +412,9 @@ def test_held_updates_give_the_bits_of_steps_that_apply_them(distribution, layou
         assert a.payload == b.payload and a.loss == b.loss
         assert isinstance(b.params, zo.Held) and b.params.keys.shape == (3, 2)
         assert (b.params.decay is not None) == bool(weight_decay)
+        # the next step's keys, derived while this step's program ran, are the ones it would derive
+        assert b.params.ahead[0] == (5, 1, it + 1, 3)
+        np.testing.assert_array_equal(b.params.ahead[1], rng.sample_keys(5, [(1, it + 1, i) for i in range(3)]))
         applied, held = a.params, b.params
     held_params = held.params
     settled = zo.settle(held)
@@ -418,11 +422,13 @@ def test_held_updates_give_the_bits_of_steps_that_apply_them(distribution, layou
     assert replay.checksum(settled) == replay.checksum(applied)
     assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(held_params))  # donated, as replay(donate=True)
     assert zo.settle(settled) is settled  # nothing held: as it is
-    # a held update followed by a step that applies its own: the same bits again
+    # a held update followed by a step that applies its own, of another iteration than the keys
+    # derived ahead name: the same bits again
     held = zo.mezo_step(_small_loss, start(), batch, iteration=0, hold=True, **kw).params
-    again = zo.mezo_step(_small_loss, held, batch, iteration=1, **kw).params
+    again = zo.mezo_step(_small_loss, held, batch, iteration=7, **kw)
     once = zo.mezo_step(_small_loss, start(), batch, iteration=0, **kw).params
-    assert replay.checksum(again) == replay.checksum(zo.mezo_step(_small_loss, once, batch, iteration=1, **kw).params)
+    want = zo.mezo_step(_small_loss, once, batch, iteration=7, **kw)
+    assert replay.checksum(again.params) == replay.checksum(want.params) and again.payload == want.payload
 
 
 def test_a_held_step_compiles_once_with_the_options_its_projected_gradients_chose(monkeypatch):
@@ -446,6 +452,47 @@ def test_a_held_step_compiles_once_with_the_options_its_projected_gradients_chos
     held = (keys, replay.update_scales("binomial", [0.01]), None)
     pg.compiled_after_update(params, held, batch, keys, eps)
     assert len(compiled) == len(zo.compiler_option_candidates()) + 1 and compiled[-1] == (chosen,)
+
+
+@pytest.mark.parametrize("distribution", DISTS)
+def test_unrolled_forwards_evaluate_the_same_perturbations_one_at_a_time(distribution):
+    # unroll=True: the 2n forward passes as straight-line code (no loop; on a GPU a loop's body
+    # runs outside the CUDA graphs of the program). The barriers chain the evaluations, so the
+    # program still holds one perturbed model at a time: no more memory than the loop's, on the
+    # tree. Same keys, same perturbations: here the same bits too.
+    params = {"w": jnp.asarray(np.random.default_rng(3).normal(size=(96, 96)).astype(np.float32) * 0.1),
+              "b": jnp.zeros(96)}
+    batch = (jnp.ones((16, 96)), jnp.ones((16, 96)))
+
+    def loss(p, b):
+        return jnp.mean((jnp.tanh(b[0] @ p["w"] + p["b"][None, :]) - b[1]) ** 2)
+
+    keys, eps = rng.sample_keys(4, [(0, 0, i) for i in range(3)]), zo.round_eps(1e-2)
+    loop = zo.projected_gradients_fn(loss, distribution=distribution)
+    unrolled = zo.projected_gradients_fn(loss, distribution=distribution, unroll=True)
+    assert unrolled is not loop and unrolled.unroll and not loop.unroll
+    a, b = jax.device_get(loop(params, batch, keys, eps)), jax.device_get(unrolled(params, batch, keys, eps))
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
+    assert " while(" in loop.compiled(params, batch, keys, eps).as_text()
+    assert " while(" not in unrolled.compiled(params, batch, keys, eps).as_text()  # straight-line
+    # one barrier per evaluation, each depending on the one before (through its loss and θ): no
+    # scheduler can start an evaluation's perturbed model before the previous loss is computed
+    jaxpr = jax.make_jaxpr(functools.partial(zo.projected_gradients_and_losses, loss, distribution=distribution,
+                                             unroll=True))(params, batch, keys, eps).jaxpr
+    after: dict = {}  # var -> the barriers it depends on
+    barriers = []
+    for eqn in jaxpr.eqns:
+        deps = set().union(*(after.get(v, set()) for v in eqn.invars if isinstance(v, jax.extend.core.Var)))
+        if eqn.primitive.name == "optimization_barrier":
+            barriers.append(deps)
+            deps = deps | {len(barriers) - 1}
+        for v in eqn.outvars:
+            after[v] = deps
+    assert len(barriers) == 6 and all(barriers[i] == set(range(i)) for i in range(6)), barriers
+    out = [zo.mezo_step(loss, params, batch, run_seed=4, iteration=0, lr=0.1, eps=1e-2, n_perturbations=3,
+                        distribution=distribution, unroll=u) for u in (False, True)]
+    assert out[0].payload == out[1].payload and replay.checksum(out[0].params) == replay.checksum(out[1].params)
 
 
 def test_a_held_update_of_another_distribution_is_refused():

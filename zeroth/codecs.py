@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import decimal
 import hashlib
+import math
 from collections.abc import Callable
 from fractions import Fraction
 from typing import NamedTuple
@@ -194,6 +195,10 @@ def _as_payload(payload, bytes_per_value: int, name: str) -> bytes:
 
 
 def _f32_encode(g) -> bytes:
+    if type(g) is np.ndarray and g.dtype == np.float32 and g.ndim == 1 and all(map(math.isfinite, g.tolist())):
+        # the common case (a step's fetched projected gradients), in a few operations: a ZO step's
+        # host time sits between two calls on the device, which waits for it
+        return g.astype("<f4", copy=False).tobytes()
     arr = _as_values(np.asarray(g))
     with np.errstate(over="ignore"):
         out = arr.astype("<f4")

@@ -133,6 +133,9 @@ _INDIVIDUAL_LIBRARY_OPS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYP
 # Parameters smaller than this are compiled once (base options): choosing among compilations only
 # pays where the parameters are big enough for the memory to matter.
 AUTOTUNE_MIN_BYTES = 1 << 20
+# update_coefficients rounds up to this many gradients given as a NumPy vector on Python floats
+# (the same float64 operations, one by one): a step's few values cost NumPy's fixed cost per call.
+_SCALAR_COEFFICIENTS = 16
 
 
 # --------------------------------------------------------------------------- estimator
@@ -245,6 +248,7 @@ def projected_gradients_and_losses(
     eps_scale,
     *,
     distribution: str = "binomial",
+    unroll: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Two-point projected gradients and the mean loss of each pair (traceable).
 
@@ -268,6 +272,12 @@ def projected_gradients_and_losses(
       keys: ``u32[n, 2]`` sample keys (:func:`zeroth.rng.sample_keys`).
       eps_scale: ``f32[]`` host-rounded ε (:func:`round_eps`); may be traced.
       distribution: ``"binomial"`` or ``"rademacher"`` (exact noise only).
+      unroll: the 2n forward passes as straight-line code instead of a ``lax.map``, each
+        evaluation's perturbed model made after the previous evaluation's loss (an optimization
+        barrier orders them, so that still only one perturbed model is alive at a time). A loop
+        runs its body as a sequence of launches apart from the program's other work (on a GPU,
+        outside the CUDA graphs that hold a forward's kernels); straight-line code is one program
+        like a forward. The same noise; the losses may round differently (another program).
 
     Returns:
       ``(g, ℓ)``, both ``f32[n]``.
@@ -284,10 +294,15 @@ def projected_gradients_and_losses(
 
     native = _fused.resolve_impl("auto", _rule.default_platform(), 1) == "native"
 
-    def one(args):
+    def one(args, source=params, after=None):
         # The barrier makes this iteration's copy of θ depend on its key, so no whole-model value
-        # is hoisted out of the loop even where invariant code motion runs.
-        key, s, theta = jax.lax.optimization_barrier((args[0], args[1], params))
+        # is hoisted out of the loop even where invariant code motion runs. Unrolled, ``source``
+        # is the previous evaluation's θ (one chain of barriers over the parameters) and ``after``
+        # its loss, so that the evaluations run one after the other.
+        key, s, theta, _ = jax.lax.optimization_barrier((args[0], args[1], source, after))
+        return evaluate(key, s, theta), theta
+
+    def evaluate(key, s, theta):
         if isinstance(theta, _replay.Flat):  # unflattened after the barrier: slices fused into their uses
             theta = _replay.unflatten(theta)
         if native:
@@ -311,7 +326,15 @@ def projected_gradients_and_losses(
             loss = loss_fn(perturbed, batch)
         return jnp.asarray(loss).astype(jnp.float32).reshape(())
 
-    losses = jax.lax.map(one, (pair_keys, pair_scales)).reshape(n, 2)
+    if unroll:
+        out: list[jax.Array] = []
+        theta = params
+        for i in range(2 * n):
+            loss, theta = one((pair_keys[i], pair_scales[i]), theta, out[-1] if out else None)
+            out.append(loss)
+        losses = jnp.stack(out).reshape(n, 2)
+    else:
+        losses = jax.lax.map(lambda args: one(args)[0], (pair_keys, pair_scales)).reshape(n, 2)
     lp, lm = losses[:, 0], losses[:, 1]
     return (lp - lm) / (jnp.float32(2.0) * eps), (lp + lm) * jnp.float32(0.5)
 
@@ -426,7 +449,8 @@ def _peak_bytes(compiled) -> int:
 
 
 class ProjectedGradientsFn:
-    """``fn(params, batch, keys, eps_scale) -> (g f32[n], ℓ f32[n])``, compiled per input signature.
+    """``fn(params, batch, keys, eps_scale) -> (g f32[n], ℓ f32[n])``, compiled per input signature
+    (``unroll``: the forward passes as straight-line code, :func:`projected_gradients_and_losses`).
 
     ``params`` is the pytree ``loss_fn`` takes, or its :class:`zeroth.replay.Flat`
     (:func:`zeroth.replay.flatten`): the program then takes a buffer per dtype (and one per large
@@ -448,17 +472,19 @@ class ProjectedGradientsFn:
     by page each time (SmolLM2-135M: 448 against 222 ms of CPU time to perturb θ twice).
     """
 
-    def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], distribution: str):
+    def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], distribution: str, *, unroll: bool = False):
         self.loss_fn = loss_fn
         self.distribution = distribution
+        self.unroll = unroll
         self._cache: dict[tuple, tuple[Any, dict[str, Any]]] = {}
+        estimate = functools.partial(projected_gradients_and_losses, loss_fn, distribution=distribution, unroll=unroll)
 
         def projected_gradients(params, batch, keys, eps_scale):  # its program's name in profiles and dumps
-            return projected_gradients_and_losses(loss_fn, params, batch, keys, eps_scale, distribution=distribution)
+            return estimate(params, batch, keys, eps_scale)
 
         def projected_gradients_after_update(params, update, batch, keys, eps_scale, impl):
             params = _apply_held(params, update, distribution, impl)
-            return (params, *projected_gradients_and_losses(loss_fn, params, batch, keys, eps_scale, distribution=distribution))
+            return (params, *estimate(params, batch, keys, eps_scale))
 
         self._jitted = jax.jit(projected_gradients)
         self._jitted_after = jax.jit(projected_gradients_after_update, static_argnames=("impl",), donate_argnums=(0,))
@@ -564,23 +590,24 @@ def _apply_held(params, update, distribution: str, impl: str):
 
 
 @functools.lru_cache(maxsize=64)
-def _estimator(loss_fn, distribution: str, backend: str) -> ProjectedGradientsFn:
-    return ProjectedGradientsFn(loss_fn, distribution)
+def _estimator(loss_fn, distribution: str, backend: str, unroll: bool) -> ProjectedGradientsFn:
+    return ProjectedGradientsFn(loss_fn, distribution, unroll=unroll)
 
 
-def projected_gradients_fn(loss_fn: Callable[[Any, Any], jax.Array], *, distribution: str = "binomial") -> ProjectedGradientsFn:
+def projected_gradients_fn(loss_fn: Callable[[Any, Any], jax.Array], *, distribution: str = "binomial",
+                           unroll: bool = False) -> ProjectedGradientsFn:
     """The compiled estimator ``fn(params, batch, keys, eps_scale) -> (g f32[n], ℓ f32[n])``.
 
     Compiled with the memory-saving options of :func:`compiler_option_candidates` (the one with
-    the smallest compiled peak), cached per ``loss_fn``, distribution and backend; it recompiles
-    only for new shapes. Prefer it to wrapping :func:`projected_gradients` in a plain ``jax.jit``,
+    the smallest compiled peak), cached per ``loss_fn``, distribution, backend and ``unroll``
+    (:func:`projected_gradients_and_losses`); it recompiles only for new shapes. Prefer it to wrapping :func:`projected_gradients` in a plain ``jax.jit``,
     whose default options can keep a perturbed copy of the model.
 
     Example:
       >>> fn = projected_gradients_fn(lambda p, b: jnp.sum(p["w"] ** 2))
     """
     _noise.check_distribution(distribution)
-    return _estimator(loss_fn, distribution, _rule.default_platform())
+    return _estimator(loss_fn, distribution, _rule.default_platform(), bool(unroll))
 
 
 # --------------------------------------------------------------------------- coefficients
@@ -643,14 +670,19 @@ def update_coefficients(grads, lr: float, n_total: int, scaling: str = "sqrt") -
       [-0.5, 0.25]
     """
     _check_scaling(scaling)
-    g = np.asarray(grads, dtype=np.float64).reshape(-1)
+    if type(grads) is np.ndarray and grads.ndim == 1 and grads.dtype in (np.float32, np.float64) and grads.size <= _SCALAR_COEFFICIENTS:
+        g = grads.tolist()  # Python floats: the same float64 arithmetic, without NumPy's cost per operation
+        size = len(g)
+    else:
+        g = np.asarray(grads, dtype=np.float64).reshape(-1)
+        size = g.size
     lr = float(lr)
     if not math.isfinite(lr):
         raise ValueError(f"lr must be finite, got {lr!r}")
-    if isinstance(n_total, bool) or not isinstance(n_total, (int, np.integer)) or n_total < max(1, g.size):
-        raise ValueError(f"n_total must be an integer >= max(1, len(grads)) = {max(1, g.size)}, got {n_total!r}")
-    bad = np.flatnonzero(~np.isfinite(g))
-    if bad.size:
+    if isinstance(n_total, bool) or not isinstance(n_total, (int, np.integer)) or n_total < max(1, size):
+        raise ValueError(f"n_total must be an integer >= max(1, len(grads)) = {max(1, size)}, got {n_total!r}")
+    bad = [i for i, gi in enumerate(g) if not math.isfinite(gi)] if isinstance(g, list) else np.flatnonzero(~np.isfinite(g))
+    if len(bad):
         raise ValueError(f"projected gradient {int(bad[0])} is {float(g[bad[0]])!r}; only finite values can be applied")
     denom = float(n_total) if scaling == "linear" else math.sqrt(float(n_total))
     return [_replay.round_coefficient((-lr * float(gi)) / denom) for gi in g]
@@ -809,6 +841,9 @@ class Held(NamedTuple):
     coefficients: tuple[float, ...]  # its coefficients (update_coefficients), one per key
     decay: np.float32 | None  # the weight-decay factor (decay_factor) applied after it, or None
     distribution: str
+    # the next step's keys, derived while the device ran this step's program: ((run_seed, machine,
+    # iteration, n), u32[n, 2]); mezo_step uses them where they name its perturbations
+    ahead: tuple[tuple[int, int, int, int], np.ndarray] | None = None
 
 
 def settle(params: Any) -> Any:
@@ -833,9 +868,8 @@ def _host_update(g, losses, cod, lr: float, scaling: str, *, iteration: int, eps
     ``(payload, decoded, coefficients)`` of the fetched ``g`` (``f32[n]``), refusing a non-finite
     one. ``zeroth bench zo`` times it alone (with the keys' derivation) to attribute a step's time."""
     g = np.asarray(g, np.float32)
-    bad = np.flatnonzero(~np.isfinite(g))
-    if bad.size:
-        i = int(bad[0])
+    if not all(map(math.isfinite, g.tolist())):  # one NumPy call where all are finite: the common case
+        i = int(np.flatnonzero(~np.isfinite(g))[0])
         raise ValueError(
             f"projected gradient {i} of iteration {iteration} is {float(g[i])!r} (mean loss of the pair {float(losses[i])!r}); "
             f"the loss is not finite at θ ± εz: lower lr (now {lr}) or eps (now {eps})"
@@ -862,6 +896,7 @@ def mezo_step(
     weight_decay: float = 0.0,
     donate: bool = False,
     hold: bool = False,
+    unroll: bool = False,
 ) -> StepResult:
     """One MeZO / Just One Byte iteration on one machine (N = ``n_perturbations``).
 
@@ -890,6 +925,8 @@ def mezo_step(
         step) or :func:`settle` to apply alone. ``params`` may be a :class:`Held` whatever
         ``hold`` is: its update is applied first, in the same program as this step's projected
         gradients, and its parameters are donated.
+      unroll: evaluate the 2n forward passes as straight-line code instead of a loop
+        (:func:`projected_gradients_and_losses`); the update is the same.
 
     Raises:
       ValueError: bad arguments, or a non-finite projected gradient (the losses are named).
@@ -901,20 +938,32 @@ def mezo_step(
     cod = _codecs.get_codec(codec)
     eps_scale = round_eps(eps)
     decay_to = decay_factor(lr, weight_decay) if weight_decay else None  # validated before any work
-    keys = _rng.sample_keys(run_seed, [(machine, iteration, i) for i in range(int(n_perturbations))])
-    estimator = projected_gradients_fn(loss_fn, distribution=distribution)
+    n = int(n_perturbations)
+    name = (run_seed, machine, iteration, n)
+    if isinstance(params, Held) and params.ahead is not None and params.ahead[0] == name:
+        keys = params.ahead[1]
+    else:
+        keys = _rng.sample_keys(run_seed, [(machine, iteration, i) for i in range(n)])
+    estimator = projected_gradients_fn(loss_fn, distribution=distribution, unroll=unroll)
     if isinstance(params, Held):
         if params.distribution != distribution:
             raise ValueError(f"the held update is of distribution {params.distribution!r}; this step's is {distribution!r}")
         held = (params.keys, _replay.update_scales(distribution, list(params.coefficients)), params.decay)
         params, g, losses = estimator.after_update(params.params, held, batch, keys, eps_scale)
-        g, losses = jax.device_get((g, losses))
         donate = True  # the held parameters were this function's, and these are the program's output
     else:
-        g, losses = jax.device_get(estimator(params, batch, keys, eps_scale))
+        g, losses = estimator(params, batch, keys, eps_scale)
+    ahead = None
+    if hold:  # while the device runs the program: the keys of the step that will apply this one's update
+        try:
+            ahead = ((run_seed, machine, iteration + 1, n), _rng.sample_keys(run_seed, [(machine, iteration + 1, i) for i in range(n)]))
+        except ValueError:  # the last iteration a key can name: the next step says so itself
+            pass
+    g, losses = jax.device_get((g, losses))
     payload, decoded, coefficients = _host_update(g, losses, cod, lr, scaling, iteration=iteration, eps=eps)
     if hold:
-        return StepResult(Held(params, keys, tuple(coefficients), decay_to, distribution), decoded, payload, float(np.mean(losses)))
+        return StepResult(Held(params, keys, tuple(coefficients), decay_to, distribution, ahead), decoded, payload,
+                          float(np.mean(losses)))
     # canonical_updates(run_seed, iteration, {machine: decoded}, lr, scaling), without re-deriving the keys
     updates = list(zip(keys, coefficients, strict=True))
     params = _replay.replay(params, updates, distribution=distribution, donate=donate)

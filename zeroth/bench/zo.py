@@ -132,6 +132,7 @@ def run(
     profile_calls: int = 0,
     zo_options: dict[str, Any] | None = None,
     flat: bool = False,
+    unroll: bool = False,
     progress: Callable[[str], None] = _common.no_progress,
 ) -> dict:
     """Run the benchmark; returns ``{"config", "environment", "rows", "ratios", "targets"}``.
@@ -159,6 +160,13 @@ def run(
     ``zo_busy_over_forwards_*`` (the ZO step's op time over 2N forwards' op time) and
     ``zo_idle_fraction_*`` (the part of the ZO step's wall time in which no op ran). A profiler
     that fails leaves ``{"error": ...}`` there and the timings as they are.
+
+    With ``unroll``, the projected gradients are also compiled with their 2N forward passes as
+    straight-line code (``zo.projected_gradients_fn(..., unroll=True)``) and timed beside the loop:
+    rows marked "unrolled" (on the flat layout too with ``flat``, and there the held step, what the
+    trainer would run), the ratios ``unrolled_pg_time_over_loop[_flat]_*``,
+    ``unrolled_memory_over_loop[_flat]_*``, ``unrolled_same_bits[_flat]_*`` and
+    ``zo_time_over_forwards_flat_held_unrolled_*``.
 
     ``progress(message)`` is called at each stage (compiling a program, warming up a row, timing,
     profiling); ``zeroth bench zo`` prints these lines on stderr (:class:`zeroth.bench._common.Progress`).
@@ -244,6 +252,9 @@ def run(
             progress(f"the flat layout's step, with its update applied and held, and their bits ({dist})")
             _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, coefficients, pg, dist, n, codec)
             _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist, n, codec, flat=True)
+        if unroll:
+            progress(f"the projected gradients unrolled ({dist})")
+            _unrolled_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist, n, codec, flat)
         if zo_options:
             progress(f"compiling the projected gradients under --zo-option ({dist})")
             try:
@@ -337,6 +348,22 @@ def run(
             ratios[f"zo_time_over_forwards_flat_held_{dist}"] = times[f"zo_held_flat_{dist}"].min_s / (2 * n * t_fwd)
             ratios[f"zo_memory_over_inference_flat_held_{dist}"] = mem[f"zo_held_flat_{dist}"]["peak"] / m_fwd
             ratios[f"held_same_bits_flat_{dist}"] = float(same[f"held_flat_{dist}"])
+    for dist in distributions if unroll else ():
+        for suffix, label in (("", ""), *((("_flat", " (flat layout)"),) if flat else ())):
+            key = f"zo_pg_unrolled{suffix}_{dist}"
+            rows.append(_row(f"  projected gradients{label}, unrolled", times[key], mem[key], 2 * n, t_fwd, m_fwd,
+                             "the same forwards as straight-line code, not a loop"))
+            loop = f"zo_pg{suffix}_{dist}"
+            ratios[f"unrolled_pg_time_over_loop{suffix}_{dist}"] = times[key].min_s / times[loop].min_s
+            ratios[f"unrolled_memory_over_loop{suffix}_{dist}"] = mem[key]["peak"] / mem[loop]["peak"]
+            ratios[f"unrolled_same_bits{suffix}_{dist}"] = float(same[f"unrolled{suffix}_{dist}"])
+        if flat:
+            key = f"zo_held_flat_unrolled_{dist}"
+            rows.append(_row(f"ZO step n={n} {dist} (flat layout), update held, unrolled", times[key], mem[key], 2 * n,
+                             t_fwd, m_fwd, "mezo_step(hold=True, unroll=True) on replay.flatten(params)"))
+            ratios[f"zo_time_over_forwards_flat_held_unrolled_{dist}"] = times[key].min_s / (2 * n * t_fwd)
+            ratios[f"zo_memory_over_inference_flat_held_unrolled_{dist}"] = mem[key]["peak"] / m_fwd
+            ratios[f"held_same_bits_flat_unrolled_{dist}"] = float(same[f"held_flat_unrolled_{dist}"])
     rows.append(_row("backprop step (sgd)", times["backprop"], mem["backprop"], None, t_fwd, m_fwd,
                      f"value_and_grad + optax.sgd, donated, {_describe(list(fwd_variants.values())[best_bp])}"))
     ratios["backprop_time_over_two_forwards"] = times["backprop"].min_s / (2 * t_fwd)
@@ -351,7 +378,9 @@ def run(
                                   **{f"ZO step {d} (flat layout)": fns[f"zo_step_flat_{d}"] for d in distributions if flat},
                                   **{f"ZO step {d}, update held": fns[f"zo_held_{d}"] for d in distributions},
                                   **{f"ZO step {d} (flat layout), update held": fns[f"zo_held_flat_{d}"]
-                                     for d in distributions if flat}},
+                                     for d in distributions if flat},
+                                  **{f"ZO step {d} (flat layout), update held, unrolled": fns[f"zo_held_flat_unrolled_{d}"]
+                                     for d in distributions if flat and unroll}},
                                  profile_calls)
         if "error" not in profiled:
             fwd_busy = profiled["inference forward"]["busy_s_per_call"]
@@ -361,14 +390,15 @@ def run(
                     ratios[f"zo_busy_over_forwards_{dist}"] = prof["busy_s_per_call"] / (2 * n * fwd_busy)
                 ratios[f"zo_idle_fraction_{dist}"] = prof["idle_s_per_call"] / prof["wall_s_per_call"]
                 for label, suffix in ((", update held", "_held"), *(((" (flat layout)", "_flat"),
-                                      (" (flat layout), update held", "_flat_held")) if flat else ())):
+                                      (" (flat layout), update held", "_flat_held")) if flat else ()),
+                                      *(((" (flat layout), update held, unrolled", "_flat_held_unrolled"),) if flat and unroll else ())):
                     prof = profiled[f"ZO step {dist}{label}"]
                     ratios[f"zo_idle_fraction{suffix}_{dist}"] = prof["idle_s_per_call"] / prof["wall_s_per_call"]
     result = {
         "benchmark": "zo",
         "config": {"model": model, "model_kwargs": kwargs, "batch": batch,
                    "width": None if model in PRETRAINED_MODELS else width, "input_shape": input_shape,
-                   "n_perturbations": n, "codec": codec, "flat": flat, "distributions": list(distributions), "params": n_params,
+                   "n_perturbations": n, "codec": codec, "flat": flat, "unroll": unroll, "distributions": list(distributions), "params": n_params,
                    "param_bytes": int(param_bytes), "largest_leaf_bytes": largest_leaf},
         "memory_measure": "Compiled.memory_analysis(): argument + output + temp - alias bytes of each compiled program",
         "compiler_options": {"candidates": zo.compiler_option_candidates(), "chosen": chosen,
@@ -411,13 +441,29 @@ def _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, coefficients, p
     fns[f"zo_update_flat_{dist}"] = update
 
 
-def _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist: str, n: int, codec: str, *, flat: bool) -> None:
+def _unrolled_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist: str, n: int, codec: str, flat: bool) -> None:
+    """The projected gradients with their forwards unrolled, on the tree (and its ``Flat``, with the
+    held step there), beside the loop's: ``fns``/``mem`` under ``zo_pg_unrolled[_flat]_{dist}``
+    (and ``zo_held_flat_unrolled_{dist}``); ``same["unrolled[_flat]_{dist}"]``: the same projected
+    gradients and losses, bit for bit."""
+    unrolled = zo.projected_gradients_fn(loss_fn, distribution=dist, unroll=True)
+    for suffix, p in (("", params), *((("_flat", replay.flatten(params)),) if flat else ())):
+        key = f"zo_pg_unrolled{suffix}_{dist}"
+        mem[key] = zo.compiled_memory(unrolled.compiled(p, data, keys, eps))
+        same[f"unrolled{suffix}_{dist}"] = _same_bits(pg(p, data, keys, eps), unrolled(p, data, keys, eps))
+        fns[key] = lambda p=p: jax.block_until_ready(unrolled(p, data, keys, eps))
+    if flat:
+        _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, unrolled, dist, n, codec, flat=True, unroll=True)
+
+
+def _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist: str, n: int, codec: str, *, flat: bool,
+               unroll: bool = False) -> None:
     """The ZO step with its update held (``mezo_step(..., hold=True)``: each step applies the last
     one's update in its own program, one compiled call per step), on the tree or its ``Flat``,
     added to ``fns`` and ``mem`` (the one program's) under ``zo_held[_flat]_{dist}``;
     ``same["held[_flat]_{dist}"]``: whether three held steps and a settle give the projected
     gradients and parameters of three steps that apply their updates, bit for bit."""
-    tag = f"held_flat_{dist}" if flat else f"held_{dist}"
+    tag = "held" + ("_flat" if flat else "") + ("_unrolled" if unroll else "") + f"_{dist}"
 
     def fresh():
         p = jax.tree_util.tree_map(jnp.copy, params)
@@ -427,7 +473,7 @@ def _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dis
         p, grads = fresh(), []
         for it in range(3):
             out = zo.mezo_step(loss_fn, p, data, run_seed=0, iteration=it, lr=_LR, eps=_EPS, n_perturbations=n,
-                               distribution=dist, codec=codec, donate=True, hold=hold)
+                               distribution=dist, codec=codec, donate=True, hold=hold, unroll=unroll)
             p = out.params
             grads.append(out.grads)
         return replay.checksum(zo.settle(p)), np.stack(grads).view(np.uint32)
@@ -440,7 +486,7 @@ def _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dis
 
     def step():
         out = zo.mezo_step(loss_fn, state["params"], data, run_seed=0, iteration=state["it"], lr=_LR, eps=_EPS,
-                           n_perturbations=n, distribution=dist, codec=codec, donate=True, hold=True)
+                           n_perturbations=n, distribution=dist, codec=codec, donate=True, hold=True, unroll=unroll)
         state["params"] = jax.block_until_ready(out.params)
         state["it"] += 1
 
@@ -615,6 +661,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flat", action="store_true",
                    help="also run the ZO step, its projected gradients and its update on replay.flatten(params) (a "
                         "buffer per dtype, and one per large leaf, instead of an array per leaf) and time them beside the tree's")
+    p.add_argument("--unroll", action="store_true",
+                   help="also time the projected gradients with their forward passes as straight-line code instead of "
+                        "a loop (and, with --flat, the held step on the flat layout so): time, memory and bits beside the loop's")
     p.add_argument("--zo-option", action="append", default=[], metavar="NAME=VALUE",
                    help="also time the projected-gradients program compiled with this XLA option changed (repeatable), "
                         "e.g. xla_disable_hlo_passes= to run loop-invariant code motion: its time, memory and bits beside the chosen one")
@@ -623,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
         result = run(args.model, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len, codec=args.codec,
                      distributions=dists, repeats=args.repeats, warmup=args.warmup, profile_calls=args.profile,
-                     zo_options=dict(parse_option(o) for o in args.zo_option), flat=args.flat,
+                     zo_options=dict(parse_option(o) for o in args.zo_option), flat=args.flat, unroll=args.unroll,
                      progress=_common.Progress("zeroth bench zo"))
     except SystemExit as exc:
         return int(exc.code or 0)
