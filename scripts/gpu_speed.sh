@@ -53,16 +53,17 @@
 # Usage: scripts/gpu_speed.sh [OUT]   (default: $OUT if set, else runs/gpu_speed)
 # PYTHON names the interpreter that has zeroth installed (default: python). SIZE sets the replay
 # benchmarks' float32 leaf (default 2**27). QUICK=1 shrinks every step, for a dry run on a CPU.
-# STEP_TIMEOUT (seconds, default 240) stops a step that runs longer (status 124) and goes on with
+# STEP_TIMEOUT (seconds, default 300) stops a step that runs longer (status 124) and goes on with
 # the next, so that one stuck compilation cannot take the whole run's time on a remote machine.
 # BUNDLE=FILE.tgz also packs all of OUT into that one file at the end (for a transport that
 # brings back a few files only). STEPS="doctor perturb ..." runs only the steps named (the
 # names of status.txt; env always runs): on an H100 the whole list takes longer than 10 minutes
-# (each bench zo step 1.5-2 minutes, mostly compiling; zo_transformer and zo_transformer_4096
+# (each bench zo step 2.5-4 minutes, mostly compiling: zo_transformer and zo_transformer_4096
 # took 216 and 214 s on an H200 with both distributions; on an H100, with the held-update rows
-# added, both ran past 265 s and printed nothing, hence binomial only now; bench kernels past
-# 200 s), so a short lease runs it in parts, and a STEP_TIMEOUT under 240 s can stop the zo steps
-# before they print their JSON (their stage lines in the .err file say how far they got).
+# added, both ran past 265 s and printed nothing, hence binomial only now; zo_no_graphs, binomial
+# without profile or held rows, took 155 s on an H100; bench kernels past 200 s), so a short
+# lease runs it in parts, and a short STEP_TIMEOUT can stop a zo step before it prints its JSON
+# (its stage lines in the .err file say how far it got).
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -78,7 +79,7 @@ if [ "${QUICK:-0}" = 1 ]; then
   size=1048576 zo_args=(--batch 8 --repeats 1) over_args=(--repeats 1) reps=1
 fi
 
-step_timeout="${STEP_TIMEOUT:-240}"
+step_timeout="${STEP_TIMEOUT:-300}"
 
 limited() {  # a command under the step time limit; a function runs as it is and limits its own commands
   if declare -F "$1" > /dev/null; then "$@"; else timeout -k 10 "$step_timeout" "$@"; fi

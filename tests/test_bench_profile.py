@@ -110,7 +110,7 @@ def test_bench_zo_profile_shows_the_update_program_inside_the_zo_step():
     )  # fmt: skip
     result = json.loads(out.stdout)
     prof = result["profile"]
-    assert set(prof) == {"inference forward", "ZO step binomial"}
+    assert set(prof) == {"inference forward", "ZO step binomial", "ZO step binomial, update held"}
     step = prof["ZO step binomial"]
     assert step["calls"] == 2 and step["source"] == "host"
     programs = {name.split(" [")[0] for name in step["programs"]}
@@ -120,6 +120,10 @@ def test_bench_zo_profile_shows_the_update_program_inside_the_zo_step():
     assert step["ops_per_call"] > prof["inference forward"]["ops_per_call"]
     assert result["ratios"]["zo_busy_over_forwards_binomial"] > 0
     assert 0 <= result["ratios"]["zo_idle_fraction_binomial"] < 1
+    # with its update held, a step is one program: the last update applied, then the 2 forwards
+    held = prof["ZO step binomial, update held"]
+    assert {name.split(" [")[0] for name in held["programs"]} == {"jit_projected_gradients_after_update"}
+    assert held["calls"] == 2 and 0 <= result["ratios"]["zo_idle_fraction_held_binomial"] < 1
 
 
 def test_bench_zo_profile_refuses_a_negative_count():

@@ -495,6 +495,18 @@ def test_unrolled_forwards_evaluate_the_same_perturbations_one_at_a_time(distrib
     assert out[0].payload == out[1].payload and replay.checksum(out[0].params) == replay.checksum(out[1].params)
 
 
+def test_a_step_that_raises_after_applying_a_held_update_hands_the_parameters_back():
+    # the held parameters are donated to the step's program; a non-finite projected gradient then
+    # raises, and the error carries the parameters with the held update applied: nothing is lost
+    batch = (jnp.ones((2, 6)), jnp.ones((2, 4)))
+    kw = dict(run_seed=0, lr=0.1, eps=1e-2)
+    held = zo.mezo_step(_small_loss, _small_params(), batch, iteration=0, hold=True, **kw).params
+    want = replay.checksum(zo.mezo_step(_small_loss, _small_params(), batch, iteration=0, **kw).params)
+    with pytest.raises(ValueError, match="projected gradient 0 of iteration 1 is nan") as err:
+        zo.mezo_step(lambda p, b: _small_loss(p, b) * jnp.nan, held, batch, iteration=1, **kw)
+    assert replay.checksum(err.value.params) == want
+
+
 def test_a_held_update_of_another_distribution_is_refused():
     held = zo.mezo_step(_small_loss, _small_params(), (jnp.ones((2, 6)), jnp.ones((2, 4))), run_seed=0, iteration=0,
                         lr=0.1, eps=1e-2, distribution="rademacher", hold=True).params

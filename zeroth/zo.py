@@ -924,7 +924,8 @@ def mezo_step(
         applied yet, for the next ``mezo_step`` to apply inside its program (one compiled call per
         step) or :func:`settle` to apply alone. ``params`` may be a :class:`Held` whatever
         ``hold`` is: its update is applied first, in the same program as this step's projected
-        gradients, and its parameters are donated.
+        gradients, and its parameters are donated (if the step then raises, the error's
+        ``params`` attribute holds them with that update applied).
       unroll: evaluate the 2n forward passes as straight-line code instead of a loop
         (:func:`projected_gradients_and_losses`); the update is the same.
 
@@ -960,7 +961,11 @@ def mezo_step(
         except ValueError:  # the last iteration a key can name: the next step says so itself
             pass
     g, losses = jax.device_get((g, losses))
-    payload, decoded, coefficients = _host_update(g, losses, cod, lr, scaling, iteration=iteration, eps=eps)
+    try:
+        payload, decoded, coefficients = _host_update(g, losses, cod, lr, scaling, iteration=iteration, eps=eps)
+    except ValueError as exc:
+        exc.params = params  # a held input was donated: these are its parameters, its update applied
+        raise
     if hold:
         return StepResult(Held(params, keys, tuple(coefficients), decay_to, distribution, ahead), decoded, payload,
                           float(np.mean(losses)))
