@@ -507,6 +507,18 @@ def test_a_step_that_raises_after_applying_a_held_update_hands_the_parameters_ba
     assert replay.checksum(err.value.params) == want
 
 
+def test_holding_without_donation_leaves_the_callers_parameters_alone():
+    # the Held's parameters are donated by settle and by the next step; without donate, they are a copy
+    params = _small_params()
+    batch = (jnp.ones((2, 6)), jnp.ones((2, 4)))
+    before = replay.checksum(params)
+    held = zo.mezo_step(_small_loss, params, batch, run_seed=0, iteration=0, lr=0.1, eps=1e-2, hold=True).params
+    zo.mezo_step(_small_loss, held, batch, run_seed=0, iteration=1, lr=0.1, eps=1e-2)
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(params)) and replay.checksum(params) == before
+    own = zo.mezo_step(_small_loss, params, batch, run_seed=0, iteration=0, lr=0.1, eps=1e-2, hold=True, donate=True).params
+    assert own.params is params  # with donate, the caller hands them over
+
+
 def test_a_held_update_of_another_distribution_is_refused():
     held = zo.mezo_step(_small_loss, _small_params(), (jnp.ones((2, 6)), jnp.ones((2, 4))), run_seed=0, iteration=0,
                         lr=0.1, eps=1e-2, distribution="rademacher", hold=True).params

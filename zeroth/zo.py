@@ -922,7 +922,8 @@ def mezo_step(
       donate: update ``params`` in place (the input must not be used afterwards).
       hold: return the parameters as a :class:`Held`: this step's update (and weight decay) not
         applied yet, for the next ``mezo_step`` to apply inside its program (one compiled call per
-        step) or :func:`settle` to apply alone. ``params`` may be a :class:`Held` whatever
+        step) or :func:`settle` to apply alone; both donate the Held's parameters, which are
+        ``params`` itself with ``donate``, else a copy. ``params`` may be a :class:`Held` whatever
         ``hold`` is: its update is applied first, in the same program as this step's projected
         gradients, and its parameters are donated (if the step then raises, the error's
         ``params`` attribute holds them with that update applied).
@@ -967,6 +968,8 @@ def mezo_step(
         exc.params = params  # a held input was donated: these are its parameters, its update applied
         raise
     if hold:
+        if not donate:  # the Held's parameters are donated later (settle, the next step): not the caller's
+            params = jax.tree_util.tree_map(jnp.copy, params)
         return StepResult(Held(params, keys, tuple(coefficients), decay_to, distribution, ahead), decoded, payload,
                           float(np.mean(losses)))
     # canonical_updates(run_seed, iteration, {machine: decoded}, lr, scaling), without re-deriving the keys
