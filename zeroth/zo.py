@@ -532,10 +532,8 @@ class ProjectedGradientsFn:
         compiled program; the same bits as :func:`zeroth.replay.replay` (and :func:`weight_decay`)
         followed by this estimator's call (see :class:`Held`)."""
         args = self._after_args(params, update, batch, keys, eps_scale)
-        impl = _held_impl(params)
-        if not _host_memory.decided() and _rule.default_platform() == "cpu":
-            _host_memory.reuse_freed_host_memory()
-        return self._entry(*args, after=impl)[0](*args)
+        _reuse_host_memory()
+        return self._entry(*args, after=_held_impl(params))[0](*args)
 
     def _entry(self, *args, after: str | None = None):
         sig = (_signature(args), after)
@@ -560,18 +558,22 @@ class ProjectedGradientsFn:
 
     def __call__(self, params, batch, keys, eps_scale):
         args = self._args(params, batch, keys, eps_scale)
-        if not _host_memory.decided() and _rule.default_platform() == "cpu":
-            # Every call allocates the program's scratch (the perturbed leaves, the activations)
-            # afresh; kept in the heap, it does not fault in every page again at each step.
-            _host_memory.reuse_freed_host_memory()
+        _reuse_host_memory()
         return self._entry(*args)[0](*args)
+
+
+def _reuse_host_memory() -> None:
+    """On a CPU, once: every call of a ZO program allocates its scratch (the perturbed leaves, the
+    activations) afresh; kept in the heap, it does not fault in every page again at each step."""
+    if not _host_memory.decided() and _rule.default_platform() == "cpu":
+        _host_memory.reuse_freed_host_memory()
 
 
 def _held_impl(params) -> str:
     """The replay implementation of a held update inside the step's program: the fused kernels
     (chosen at lowering for the devices the program runs on), or the jnp rule for parameters split
     across devices, as :func:`zeroth.replay.replay` chooses."""
-    return "jnp" if _fused.is_sharded(params.buffers if isinstance(params, _replay.Flat) else params) else "auto"
+    return "jnp" if _fused.is_sharded(params) else "auto"  # a Flat's leaves are its buffers
 
 
 def _apply_held(params, update, distribution: str, impl: str):
