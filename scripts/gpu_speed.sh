@@ -18,15 +18,17 @@
 #                                    step of its own, since compiling every tiling is the long part
 #                                    (the whole benchmark ran past 200 s on an H100)
 #   OUT/zo_transformer.json          ZO step / two forwards, transformer at the default width, binomial
-#                                    noise (the Rademacher rows cost as much again to compile), with
-#                                    its JAX profile (--profile: busy and idle time, ops per call, each
-#                                    program's time, the ops by time; where the extra forwards go),
-#                                    and the same step on replay.flatten(params) beside it (--flat: a
+#                                    noise (the Rademacher rows cost as much again to compile), and
+#                                    the same step on replay.flatten(params) beside it (--flat: a
 #                                    buffer per dtype instead of 71 arrays per call; on an H100 the
 #                                    update took 1.0 ms of wall for 60 us of GPU work), each with its
 #                                    update held (mezo_step(hold=True): applied in the next step's
 #                                    program, one call per step; what the trainer runs)
 #   OUT/zo_transformer_4096.json     the same at --width 4096 (12.6M parameters)
+#   OUT/zo_profiled.json             zo_transformer again with its JAX profile (--profile: busy and
+#                                    idle time, ops per call, each program's time, the ops by time;
+#                                    where the time beyond two forwards goes), its programs loaded
+#                                    from the compilation cache that zo_transformer filled
 #   OUT/zo_licm.json                 at --width 4096, the projected-gradients program also compiled
 #                                    with XLA's loop-invariant code motion off (the estimator keeps it
 #                                    on a GPU where it holds no more memory; compiler_options.chosen
@@ -55,13 +57,18 @@
 # benchmarks' float32 leaf (default 2**27). QUICK=1 shrinks every step, for a dry run on a CPU.
 # STEP_TIMEOUT (seconds, default 300) stops a step that runs longer (status 124) and goes on with
 # the next, so that one stuck compilation cannot take the whole run's time on a remote machine.
-# BUNDLE=FILE.tgz also packs all of OUT into that one file at the end (for a transport that
+# Compiled programs go to jax's persistent compilation cache, OUT/xla_cache unless
+# JAX_COMPILATION_CACHE_DIR names another (on this project's CPU test, a second bench zo compiled in
+# 6 s instead of 15, with the same bits and memory), so a rerun or a later step that shares a
+# step's programs skips their compilation; zo_hlo compiles without it, for XLA to dump.
+# BUNDLE=FILE.tgz also packs all of OUT but the cache into that one file at the end (for a transport that
 # brings back a few files only). STEPS="doctor perturb ..." runs only the steps named (the
 # names of status.txt; env always runs): on an H100 the whole list takes longer than 10 minutes
 # (each bench zo step 2.5-4 minutes, mostly compiling: zo_transformer and zo_transformer_4096
-# took 216 and 214 s on an H200 with both distributions; on an H100, with the held-update rows
-# added, both ran past 265 s and printed nothing, hence binomial only now; zo_no_graphs, binomial
-# without profile or held rows, took 155 s on an H100; bench kernels past 200 s), so a short
+# took 216 and 214 s on an H200 with both distributions and --profile; on an H100, with the
+# held-update rows added, both ran past 265 s and printed nothing, hence binomial only and the
+# profile a step of its own; without it they took 211 and 209 s on an H100, 200 s of it compiling;
+# bench kernels past 200 s), so a short
 # lease runs it in parts, and a short STEP_TIMEOUT can stop a zo step before it prints its JSON
 # (its stage lines in the .err file say how far it got).
 set -uo pipefail
@@ -81,13 +88,20 @@ fi
 
 step_timeout="${STEP_TIMEOUT:-300}"
 
+# jax's persistent compilation cache: a step compiles only what no earlier step (or run) compiled.
+# Most of a bench zo step is compiling (on an H100, 200 s of a 210 s step), and the steps share
+# programs. A program loaded from the cache is the executable compiled before: same bits, time and
+# memory analysis.
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$out/xla_cache}"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
+
 limited() {  # a command under the step time limit; a function runs as it is and limits its own commands
   if declare -F "$1" > /dev/null; then "$@"; else timeout -k 10 "$step_timeout" "$@"; fi
 }
 
 steps=" ${STEPS:-} "
 for s in $steps; do
-  case " env doctor perturb zo_transformer zo_transformer_4096 zo_unrolled kernels kernel_tiles zo_licm zo_no_lhs zo_while_graphs zo_no_graphs overhead zo_hlo zo_profile " in
+  case " env doctor perturb zo_transformer zo_transformer_4096 zo_profiled zo_unrolled kernels kernel_tiles zo_licm zo_no_lhs zo_while_graphs zo_no_graphs overhead zo_hlo zo_profile " in
     *" $s "*) ;;
     *) echo "gpu_speed.sh: unknown step '$s' in STEPS" >&2; exit 2 ;;
   esac
@@ -116,9 +130,11 @@ step env "$out/env.txt" env_info
 step doctor "$out/doctor.txt" "$py" -m zeroth doctor
 step perturb "$out/perturb.json" "$py" -m zeroth bench perturb --json --size "$size" --repeats "$reps"
 step zo_transformer "$out/zo_transformer.json" \
-  "$py" -m zeroth bench zo --json --model transformer --distribution binomial --profile 3 --flat "${zo_args[@]}"
+  "$py" -m zeroth bench zo --json --model transformer --distribution binomial --flat "${zo_args[@]}"
 step zo_transformer_4096 "$out/zo_transformer_4096.json" \
-  "$py" -m zeroth bench zo --json --model transformer --width 4096 --distribution binomial --profile 3 --flat "${zo_args[@]}"
+  "$py" -m zeroth bench zo --json --model transformer --width 4096 --distribution binomial --flat "${zo_args[@]}"
+step zo_profiled "$out/zo_profiled.json" \
+  "$py" -m zeroth bench zo --json --model transformer --distribution binomial --profile 3 --flat "${zo_args[@]}"
 step zo_unrolled "$out/zo_unrolled.json" \
   "$py" -m zeroth bench zo --json --model transformer --distribution binomial --flat --unroll "${zo_args[@]}"
 step kernels "$out/kernels.json" \
@@ -139,7 +155,8 @@ step zo_no_graphs "$out/zo_no_graphs.json" env \
   "$py" -m zeroth bench zo --json --model transformer --distribution binomial --flat "${zo_args[@]}"
 step overhead "$out/overhead.json" "$py" -m zeroth bench perturb --json --overhead "${over_args[@]}"
 hlo_dump() {  # the programs a ZO step runs, and the forward, as XLA compiled them for this device
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_as_text \
+  # (compiled here, not loaded from the compilation cache: XLA dumps what it compiles)
+  JAX_ENABLE_COMPILATION_CACHE=false XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_as_text \
 --xla_dump_hlo_module_re=jit_projected_gradients|jit__fused_donated|jit_loss_fn" \
     timeout -k 10 "$step_timeout" "$py" -m zeroth bench zo --model transformer --distribution binomial --repeats 1 --warmup 0 "${zo_args[@]}"
   local rc=$?  # keep the HLO text of each program before and after optimization; drop IR and objects
@@ -156,5 +173,5 @@ else
     echo "zo_profile             skipped: no nsys on this machine" | tee -a "$out/status.txt"
 fi
 if [ -n "${BUNDLE:-}" ]; then
-  tar -czf "$BUNDLE" -C "$(dirname "$out")" "$(basename "$out")" && echo "bundle: $BUNDLE ($(du -h "$BUNDLE" | cut -f1))"
+  tar -czf "$BUNDLE" --exclude=xla_cache -C "$(dirname "$out")" "$(basename "$out")" && echo "bundle: $BUNDLE ($(du -h "$BUNDLE" | cut -f1))"
 fi

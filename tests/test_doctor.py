@@ -243,3 +243,50 @@ def test_a_platform_the_machine_lacks_is_one_clear_line():
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"JAX_PLATFORMS='{missing}'" in lines[0] and "Traceback" not in proc.stderr
+
+
+_CACHED_RUN = r"""
+import json, sys
+import jax.numpy as jnp, numpy as np
+from zeroth import doctor, replay, zo
+
+code = doctor.main(["--json"])
+r = np.random.default_rng(3)
+params = {"w": jnp.asarray(r.normal(size=(16, 8)).astype(np.float32)), "b": jnp.zeros(8, jnp.float32)}
+batch = (jnp.asarray(r.normal(size=(32, 16)).astype(np.float32)), jnp.asarray(r.normal(size=(32, 8)).astype(np.float32)))
+loss = lambda p, b: jnp.mean((jnp.tanh(b[0] @ p["w"] + p["b"]) - b[1]) ** 2)
+sums = {}
+for layout in ("tree", "flat"):
+    p = params if layout == "tree" else replay.flatten(params)
+    for it in range(3):
+        p = zo.mezo_step(loss, p, batch, run_seed=1, iteration=it, lr=0.05, eps=1e-2, weight_decay=0.01,
+                         donate=it > 0, hold=True).params
+    sums[layout] = replay.checksum(zo.settle(p))
+print(json.dumps({"doctor_exit": code, "zo": sums}))
+"""
+
+
+def test_programs_loaded_from_the_compilation_cache_give_the_same_bits(tmp_path):
+    # jax's persistent compilation cache (JAX_COMPILATION_CACHE_DIR, which scripts/gpu_speed.sh sets and
+    # any zeroth command reads): a run that loads every program from it, the native replay kernels'
+    # custom calls and a held ZO step's program among them, gives the golden digests and the same
+    # parameters as the run that compiled them.
+    cache = tmp_path / "xla_cache"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_DISABLE_JIT")}
+    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    results, entries = [], []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _CACHED_RUN], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = proc.stdout.strip().splitlines()
+        results.append((json.loads(lines[0]), json.loads(lines[-1])))
+        entries.append(sorted(p.name for p in cache.iterdir()))
+    assert entries[0], "the first run wrote nothing to the compilation cache"
+    assert entries[1] == entries[0], "the second run compiled programs the first had cached"
+    golden = _golden()
+    for report, run in results:
+        assert report["digest"] == report["flat_digest"] == golden["digest"], report
+        assert run["doctor_exit"] == (0 if report["float16_status"] == "ok" else 3), report
+        assert report["tiles_status"] == "ok", report
+    assert results[0][1]["zo"] == results[1][1]["zo"]
+    assert results[0][1]["zo"]["tree"] == results[0][1]["zo"]["flat"]
