@@ -943,11 +943,14 @@ def mezo_step(
     eps_scale = round_eps(eps)
     decay_to = decay_factor(lr, weight_decay) if weight_decay else None  # validated before any work
     n = int(n_perturbations)
-    name = (run_seed, machine, iteration, n)
-    if isinstance(params, Held) and params.ahead is not None and params.ahead[0] == name:
+
+    def keys_of(it: int) -> np.ndarray:  # the n perturbations' keys of this machine's iteration it
+        return _rng.sample_keys(run_seed, [(machine, it, i) for i in range(n)])
+
+    if isinstance(params, Held) and params.ahead is not None and params.ahead[0] == (run_seed, machine, iteration, n):
         keys = params.ahead[1]
     else:
-        keys = _rng.sample_keys(run_seed, [(machine, iteration, i) for i in range(n)])
+        keys = keys_of(iteration)
     estimator = projected_gradients_fn(loss_fn, distribution=distribution, unroll=unroll)
     if isinstance(params, Held):
         if params.distribution != distribution:
@@ -960,7 +963,7 @@ def mezo_step(
     ahead = None
     if hold:  # while the device runs the program: the keys of the step that will apply this one's update
         try:
-            ahead = ((run_seed, machine, iteration + 1, n), _rng.sample_keys(run_seed, [(machine, iteration + 1, i) for i in range(n)]))
+            ahead = ((run_seed, machine, iteration + 1, n), keys_of(iteration + 1))
         except ValueError:  # the last iteration a key can name: the next step says so itself
             pass
     g, losses = jax.device_get((g, losses))

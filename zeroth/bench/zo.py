@@ -216,6 +216,7 @@ def run(
     keys = rng.sample_keys(0, [(0, 0, i) for i in range(n)])
     chosen: dict[str, dict] = {}
     same: dict[str, bool] = {}
+    flat_params = replay.flatten(params) if flat else None  # read only: the flat rows' and the unrolled rows'
     for dist in distributions:
         pg = zo.projected_gradients_fn(loss_fn, distribution=dist)
         # the update as mezo_step runs it: replay(..., donate=True), the fused kernels in place
@@ -250,11 +251,11 @@ def run(
         _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist, n, codec, flat=False)
         if flat:
             progress(f"the flat layout's step, with its update applied and held, and their bits ({dist})")
-            _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, coefficients, pg, dist, n, codec)
+            _flat_rows(fns, mem, same, loss_fn, params, flat_params, data, keys, eps, coefficients, pg, dist, n, codec)
             _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist, n, codec, flat=True)
         if unroll:
             progress(f"the projected gradients unrolled ({dist})")
-            _unrolled_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist, n, codec, flat)
+            _unrolled_rows(fns, mem, same, loss_fn, params, flat_params, data, keys, eps, scales, pg, dist, n, codec)
         if zo_options:
             progress(f"compiling the projected gradients under --zo-option ({dist})")
             try:
@@ -413,11 +414,10 @@ def run(
     return result
 
 
-def _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, coefficients, pg, dist: str, n: int, codec: str) -> None:
-    """The ZO step, its projected gradients and its update on the parameters' ``replay.Flat``,
-    added to ``fns`` and ``mem`` (the step's: :func:`_step_memory`) under ``*_flat_{dist}``; ``same["flat_{dist}"]``: whether the
+def _flat_rows(fns, mem, same, loss_fn, params, flat, data, keys, eps, coefficients, pg, dist: str, n: int, codec: str) -> None:
+    """The ZO step, its projected gradients and its update on the parameters' ``replay.Flat``
+    (``flat``, read only), added to ``fns`` and ``mem`` (the step's: :func:`_step_memory`) under ``*_flat_{dist}``; ``same["flat_{dist}"]``: whether the
     flat estimator gives the tree's projected gradients and losses, bit for bit."""
-    flat = replay.flatten(params)
     same[f"flat_{dist}"] = _same_bits(pg(params, data, keys, eps), pg(flat, data, keys, eps))
     mem[f"zo_pg_flat_{dist}"] = zo.compiled_memory(pg.compiled(flat, data, keys, eps))
     updates = (keys, coefficients)  # the tree's update row's
@@ -441,18 +441,18 @@ def _flat_rows(fns, mem, same, loss_fn, params, data, keys, eps, coefficients, p
     fns[f"zo_update_flat_{dist}"] = update
 
 
-def _unrolled_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist: str, n: int, codec: str, flat: bool) -> None:
-    """The projected gradients with their forwards unrolled, on the tree (and its ``Flat``, with the
-    held step there), beside the loop's: ``fns``/``mem`` under ``zo_pg_unrolled[_flat]_{dist}``
+def _unrolled_rows(fns, mem, same, loss_fn, params, flat, data, keys, eps, scales, pg, dist: str, n: int, codec: str) -> None:
+    """The projected gradients with their forwards unrolled, on the tree (and its ``Flat`` ``flat``,
+    read only, unless None; with the held step there), beside the loop's: ``fns``/``mem`` under ``zo_pg_unrolled[_flat]_{dist}``
     (and ``zo_held_flat_unrolled_{dist}``); ``same["unrolled[_flat]_{dist}"]``: the same projected
     gradients and losses, bit for bit."""
     unrolled = zo.projected_gradients_fn(loss_fn, distribution=dist, unroll=True)
-    for suffix, p in (("", params), *((("_flat", replay.flatten(params)),) if flat else ())):
+    for suffix, p in (("", params), *((("_flat", flat),) if flat is not None else ())):
         key = f"zo_pg_unrolled{suffix}_{dist}"
         mem[key] = zo.compiled_memory(unrolled.compiled(p, data, keys, eps))
         same[f"unrolled{suffix}_{dist}"] = _same_bits(pg(p, data, keys, eps), unrolled(p, data, keys, eps))
         fns[key] = lambda p=p: jax.block_until_ready(unrolled(p, data, keys, eps))
-    if flat:
+    if flat is not None:
         _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, unrolled, dist, n, codec, flat=True, unroll=True)
 
 
