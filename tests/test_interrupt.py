@@ -55,6 +55,18 @@ def test_catch_sets_a_flag_and_restores_the_handlers():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_waiting_on_the_flag_ends_when_a_signal_arrives_not_at_the_timeout():
+    import threading
+
+    with interrupt.catch() as flag:
+        assert flag.wait(0.05) is False  # nothing sent: the whole timeout passes
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        assert flag.wait(60.0) is True
+        assert time.monotonic() - start < 30.0  # woken by the signal, long before the timeout
+        assert flag.signal_name() == "SIGINT" and flag.wait(60.0) is True  # set: returns at once
+
+
 def test_resume_command_keeps_the_arguments_and_names_the_folder():
     argv = ["e.yaml", "--set", "train.lr=0.1", "--out", "a b", "--resume-step", "3", "--quiet"]
     cmd = interrupt.resume_command(argv, "a b")

@@ -27,6 +27,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -57,6 +58,21 @@ class StopFlag:
     def set(self, signum: int = signal.SIGINT) -> None:
         self.signum = signum
         self._event.set()
+
+    def wait(self, timeout: float, slice_s: float = 0.02) -> bool:
+        """Sleep up to ``timeout`` seconds, returning early (True) once the flag is set.
+
+        It sleeps in slices of ``slice_s`` rather than in ``threading.Event.wait``: the handler that
+        sets the flag runs in this same (main) thread, and one that fired while ``Event.wait`` held
+        the event's lock would block on that lock for ever.
+        """
+        end = time.monotonic() + timeout
+        while not self.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(slice_s, left))
+        return True
 
     def signal_name(self) -> str:
         return signal.Signals(self.signum).name if self.signum is not None else "a stop request"
