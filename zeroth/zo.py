@@ -133,9 +133,6 @@ _INDIVIDUAL_LIBRARY_OPS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYP
 # Parameters smaller than this are compiled once (base options): choosing among compilations only
 # pays where the parameters are big enough for the memory to matter.
 AUTOTUNE_MIN_BYTES = 1 << 20
-# update_coefficients rounds up to this many gradients given as a NumPy vector on Python floats
-# (the same float64 operations, one by one): a step's few values cost NumPy's fixed cost per call.
-_SCALAR_COEFFICIENTS = 16
 
 
 # --------------------------------------------------------------------------- estimator
@@ -672,20 +669,20 @@ def update_coefficients(grads, lr: float, n_total: int, scaling: str = "sqrt") -
       [-0.5, 0.25]
     """
     _check_scaling(scaling)
-    if type(grads) is np.ndarray and grads.ndim == 1 and grads.dtype in (np.float32, np.float64) and grads.size <= _SCALAR_COEFFICIENTS:
-        g = grads.tolist()  # Python floats: the same float64 arithmetic, without NumPy's cost per operation
-        size = len(g)
+    # Python floats (float64): the coefficients are computed one by one below anyway, and a step's
+    # few values cost less so than NumPy's fixed cost per operation
+    if type(grads) is np.ndarray and grads.ndim == 1 and grads.dtype in (np.float32, np.float64):
+        g = grads.tolist()
     else:
-        g = np.asarray(grads, dtype=np.float64).reshape(-1)
-        size = g.size
+        g = np.asarray(grads, dtype=np.float64).reshape(-1).tolist()
     lr = float(lr)
     if not math.isfinite(lr):
         raise ValueError(f"lr must be finite, got {lr!r}")
-    if isinstance(n_total, bool) or not isinstance(n_total, (int, np.integer)) or n_total < max(1, size):
-        raise ValueError(f"n_total must be an integer >= max(1, len(grads)) = {max(1, size)}, got {n_total!r}")
-    bad = [i for i, gi in enumerate(g) if not math.isfinite(gi)] if isinstance(g, list) else np.flatnonzero(~np.isfinite(g))
-    if len(bad):
-        raise ValueError(f"projected gradient {int(bad[0])} is {float(g[bad[0]])!r}; only finite values can be applied")
+    if isinstance(n_total, bool) or not isinstance(n_total, (int, np.integer)) or n_total < max(1, len(g)):
+        raise ValueError(f"n_total must be an integer >= max(1, len(grads)) = {max(1, len(g))}, got {n_total!r}")
+    bad = next((i for i, gi in enumerate(g) if not math.isfinite(gi)), None)
+    if bad is not None:
+        raise ValueError(f"projected gradient {bad} is {g[bad]!r}; only finite values can be applied")
     denom = float(n_total) if scaling == "linear" else math.sqrt(float(n_total))
     return [_replay.round_coefficient((-lr * float(gi)) / denom) for gi in g]
 
