@@ -154,9 +154,21 @@ def test_bench_zo_times_the_flat_layout_beside_the_tree(capsys):
         assert 0 < row["peak_bytes"] <= pg["peak_bytes"] + 256, (row, pg)
     assert ratios["held_step_time_over_step_rademacher"] == pytest.approx(
         rows["ZO step n=1 rademacher, update held"]["seconds_min"] / step)
+    # the flat step deferred (one-byte codes and scales computed in the program, each step
+    # dispatched before the last is fetched): the same bits, one program of the held step's memory,
+    # its time per step of a chain of 8
+    deferred = rows["ZO step n=1 rademacher (flat layout), update held, deferred"]
+    held_flat = rows["ZO step n=1 rademacher (flat layout), update held"]
+    assert ratios["deferred_same_bits_flat_rademacher"] == 1.0
+    # beyond it: the scale table (1 KiB), the 127 boundaries and the few codes and scales
+    assert 0 < deferred["peak_bytes"] <= held_flat["peak_bytes"] + 2048, (deferred, held_flat)
+    assert ratios["zo_time_over_forwards_flat_deferred_rademacher"] == pytest.approx(deferred["time_over_forward"] / 2)
+    assert ratios["deferred_time_over_held_flat_rademacher"] == pytest.approx(
+        deferred["seconds_min"] / held_flat["seconds_min"])
     # the stages went to stderr as they ran, for a run stopped by a time limit to say where it was
     err = captured.err
-    assert "[zeroth bench zo" in err and "the step with its update held" in err and "timing 17 rows, 1 rounds" in err
+    assert "[zeroth bench zo" in err and "the step with its update held" in err and "timing 18 rows, 1 rounds" in err
+    assert "the flat layout's step, deferred, and its bits (rademacher)" in err
     # --unroll: the forwards as straight-line code beside the loop, tree and flat, and the held flat step so
     assert result["config"]["unroll"] is True
     for suffix, label in (("", ""), ("_flat", " (flat layout)")):

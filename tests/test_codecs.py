@@ -169,3 +169,34 @@ def test_decode_is_a_writable_copy():
     assert codecs.ONEBYTE_TABLE[0x80] == 0.0
     with pytest.raises(ValueError, match=r"integer in \[0, 255\]"):
         codecs.onebyte_level(256)
+
+
+def test_integer_one_byte_codes_are_the_host_encoders_on_numpy_and_in_a_program():
+    # onebyte_codes compares float32 bit patterns with the boundaries' (rounded up to float32):
+    # the codes of encode's float64 comparisons, with no float operation a backend could flush or
+    # round otherwise. Every boundary and its float32 neighbours, zeros, subnormals, the range's
+    # ends and random magnitudes over twenty decades, of both signs.
+    import jax
+    import jax.numpy as jnp
+
+    vals = [0.0, 1e-45, 1e-40, 1.1754942e-38, 3.4e38]
+    for b in codecs._BOUNDS.tolist():
+        f = np.float32(b)
+        for step in (-2, -1, 0, 1, 2):
+            v = f
+            for _ in range(abs(step)):
+                v = np.nextafter(v, np.float32(np.inf if step > 0 else -np.inf))
+            vals.append(float(v))
+    r = np.random.default_rng(0)
+    mags = np.concatenate([np.abs(np.array(vals, np.float32)),
+                           (10.0 ** r.uniform(-10, 10, 20000)).astype(np.float32),
+                           r.integers(0, 0x7F800000, 20000, dtype=np.uint32).view(np.float32)])
+    g = np.concatenate([mags, -mags])
+    want = np.frombuffer(codecs.ONEBYTE.encode(g), np.uint8)
+    np.testing.assert_array_equal(codecs.onebyte_codes(g.view(np.uint32)), want)
+    on_device = jax.jit(lambda x: codecs.onebyte_codes(jax.lax.bitcast_convert_type(x, jnp.uint32), jnp))(g)
+    np.testing.assert_array_equal(np.asarray(on_device), want)
+    # each boundary's float32 pattern is the smallest float32 at or above it
+    bits = codecs.ONEBYTE_BOUND_BITS.view(np.float32).astype(np.float64)
+    below = np.nextafter(codecs.ONEBYTE_BOUND_BITS.view(np.float32), np.float32(0)).astype(np.float64)
+    assert np.all(bits >= codecs._BOUNDS) and np.all(below < codecs._BOUNDS)

@@ -107,6 +107,23 @@ def test_the_loop_settles_a_holding_method_before_hooks_that_read_the_parameters
     assert state.step == 4 and settles == [4] and float(state.params) == 4.0 * 6
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_loop_waits_after_each_step_unless_the_method_is_pipelined(monkeypatch, pipelined):
+    # a pipelined method's next step waits for the one before (zeroth.zo.Deferred): the loop then
+    # waits only where it settles, so the host dispatches a step while the device runs the last
+    import jax
+
+    waited = []
+    real = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(x) or real(x))
+    method, settles = _holding_method()
+    method = method._replace(pipelined=pipelined)
+    hooks = [loop.hook(lambda e: None, every=1, reads_params=False), loop.hook(lambda e: None, every=3)]
+    state, counters = loop.train(method.init(np.float32(0), None), method, _batches, hooks, steps=7)
+    assert settles == [3, 6, 7] and float(state.params) == 4.0 * 21 and counters.forward_passes == 7
+    assert len(waited) == (3 if pipelined else 7)
+
+
 def test_a_method_that_does_not_advance_the_step_is_refused():
     method = _counting_method()
     stuck = Method(method.init, lambda s, b: (method.step(s, b)[0]._replace(step=s.step), method.step(s, b)[1]))

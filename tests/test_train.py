@@ -105,6 +105,34 @@ def test_zo_trainer_holds_a_flat_state_with_the_bits_of_the_tree_steps(tmp_path)
         assert load_config_dict(small(train={"layout": "auto", **fix})).train.layout == "auto"
 
 
+def test_the_one_byte_trainer_dispatches_each_step_before_fetching_the_last_with_the_same_records(tmp_path, monkeypatch):
+    # with train.codec onebyte the ZO method is pipelined (zeroth.zo.Deferred): the loop does not
+    # wait after a step, and each step fetches and checks the one before while the device runs it.
+    # Every record (losses, digests, evaluation) and checkpoint is that of the steps run on the host.
+    import functools
+
+    from zeroth import data, methods, objectives
+
+    raw = small(train={"steps": 14, "eval_every": 7, "log_every": 3, "weight_decay": 0.01, "checkpoint_every": 7,
+                       "schedule": {"name": "cosine", "decay_steps": 14}})
+    cfg = load_config_dict(raw)
+    train_ds = data.load("digits", "train")
+    model, _ = objectives.build_model(cfg, train_ds.num_classes, train_ds.x[:1])
+    assert methods.make_method(cfg, model).pipelined
+    assert not methods.make_method(load_config_dict(small(train={"codec": "float32"})), model).pipelined
+    with pytest.raises(ValueError, match="a deferred ZO step needs train.codec 'onebyte', got 'float32'"):
+        methods.zo_method(load_config_dict(small(train={"codec": "float32"})), model, defer=True)
+    deferred = trainer.train(cfg, tmp_path / "deferred", progress=False)
+    monkeypatch.setitem(methods.METHODS, "zo", functools.partial(methods.zo_method, defer=False))
+    assert not methods.make_method(cfg, model).pipelined
+    host = trainer.train(cfg, tmp_path / "host", progress=False)
+    fields = ("kind", "step", "loss", "digest", "eval_loss", "eval_accuracy", "payload_bytes_total", "forward_passes")
+    a, b = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("deferred", "host"))
+    assert [[r.get(f) for f in fields] for r in a] == [[r.get(f) for f in fields] for r in b]
+    assert len(a) == 8 and deferred.digest == host.digest
+    assert [r["step"] for r in a if r["kind"] == "train"] == [3, 6, 9, 12, 14]
+
+
 def test_zo_layout_auto_is_flat_where_the_parameters_live_on_a_gpu(monkeypatch):
     # train.layout auto holds the parameters flat on a GPU (measured there: 0.60x the tree's step)
     # and as the tree on a CPU or TPU; the decision follows the platform the parameters live on.

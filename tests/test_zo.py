@@ -329,6 +329,17 @@ def _small_params():
     }
 
 
+def _small_batch(seed: int):
+    r = np.random.default_rng(seed)
+    return (jnp.asarray(r.normal(size=(8, 6)).astype(np.float32)), jnp.asarray(r.normal(size=(8, 4)).astype(np.float32)))
+
+
+def _small_start(layout: str):
+    """Fresh :func:`_small_params`, as the tree or its ``replay.Flat``."""
+    p = _small_params()
+    return replay.flatten(p) if layout == "flat" else p
+
+
 def _small_loss(p, batch):
     x, t = batch
     y = jnp.tanh(x @ p["dense"]["kernel"] + p["dense"]["bias"][None, :])
@@ -394,15 +405,9 @@ def test_held_updates_give_the_bits_of_steps_that_apply_them(distribution, layou
     # the program of its own projected gradients (one compiled call per step), settle() alone.
     # Every projected gradient, payload and the final parameters are those of steps that apply
     # their update at once.
-    params = _small_params()
-    r = np.random.default_rng(11)
-    batch = (jnp.asarray(r.normal(size=(8, 6)).astype(np.float32)), jnp.asarray(r.normal(size=(8, 4)).astype(np.float32)))
+    batch, start = _small_batch(11), functools.partial(_small_start, layout)
     kw = dict(run_seed=5, machine=1, lr=0.05, eps=1e-2, n_perturbations=3, distribution=distribution,
               weight_decay=weight_decay, codec="onebyte")
-
-    def start():
-        p = jax.tree_util.tree_map(jnp.copy, params)
-        return replay.flatten(p) if layout == "flat" else p
 
     applied, held = start(), start()
     for it in range(4):
@@ -429,6 +434,105 @@ def test_held_updates_give_the_bits_of_steps_that_apply_them(distribution, layou
     once = zo.mezo_step(_small_loss, start(), batch, iteration=0, **kw).params
     want = zo.mezo_step(_small_loss, once, batch, iteration=7, **kw)
     assert replay.checksum(again.params) == replay.checksum(want.params) and again.payload == want.payload
+
+
+@pytest.mark.parametrize("distribution", DISTS)
+@pytest.mark.parametrize("layout", ["tree", "flat"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_deferred_steps_give_the_bits_of_steps_that_apply_their_updates(distribution, layout, weight_decay):
+    # defer=True: a step's program encodes its projected gradients (one byte each) and looks up the
+    # update's scales in the host's table, and the next step's program applies them before the host
+    # has fetched the step. Payloads, decoded gradients, losses and parameters are those of steps
+    # that apply their update on the host, with a host schedule (a new table at every step).
+    from zeroth import schedules
+
+    batch = _small_batch(12)
+    kw = dict(run_seed=5, machine=1, lr=schedules.linear(0.05, decay_steps=8), eps=1e-2, n_perturbations=3,
+              distribution=distribution, weight_decay=weight_decay, codec="onebyte")
+    applied, deferred, outs = _small_start(layout), _small_start(layout), []
+    for it in range(4):
+        a = zo.mezo_step(_small_loss, applied, batch, iteration=it, donate=True, **kw)
+        d = zo.mezo_step(_small_loss, deferred, batch, iteration=it, hold=True, defer=True, **kw)
+        assert isinstance(d, zo.Deferred) and isinstance(d.params, zo.Held) and d.params.coefficients is None
+        applied, deferred = a.params, d.params
+        outs.append((a, d))
+    for a, d in outs:  # fetched afterwards: each step's outcome is kept once fetched (the next step fetched it)
+        got = d.result()
+        np.testing.assert_array_equal(a.grads.view(np.uint32), got.grads.view(np.uint32))
+        assert a.payload == got.payload and a.loss == got.loss and got.params is d.params
+    assert replay.checksum(zo.settle(deferred)) == replay.checksum(applied)
+
+
+def test_deferring_needs_the_held_one_byte_step():
+    batch = (jnp.ones((2, 6)), jnp.ones((2, 4)))
+    kw = dict(run_seed=0, iteration=0, lr=0.1, eps=1e-2, defer=True)
+    with pytest.raises(ValueError, match=r"defer=True needs hold=True and codec='onebyte'.*hold=True, codec='float32'"):
+        zo.mezo_step(_small_loss, _small_params(), batch, hold=True, codec="float32", **kw)
+    with pytest.raises(ValueError, match=r"hold=False, codec='onebyte'"):
+        zo.mezo_step(_small_loss, _small_params(), batch, codec="onebyte", **kw)
+
+
+@pytest.mark.parametrize("scaling", ["sqrt", "linear"])
+@pytest.mark.parametrize("distribution", DISTS)
+def test_the_one_byte_scale_table_holds_each_codes_host_rounded_scale(scaling, distribution):
+    # the table is computed on all 256 values at once; each entry is the scale update_coefficients
+    # and update_scales give the one value, down to coefficients below 2**-120 (0) and large ones
+    for lr, n in ((0.037, 3), (1e-7, 1), (3.3, 16), (1e-37, 2), (0.1 + 1e-17, 7)):
+        table = zo.onebyte_scales(lr, n, scaling, distribution)
+        assert table.dtype == np.float32 and table.shape == (256,) and not table.flags.writeable
+        want = [replay.update_scales(distribution, zo.update_coefficients([v], lr, n, scaling))[0]
+                for v in codecs.ONEBYTE_TABLE.tolist()]
+        np.testing.assert_array_equal(table.view(np.uint32), np.array(want, np.float32).view(np.uint32))
+    small = zo.onebyte_scales(1e-37, 2, scaling, distribution)  # the small levels' coefficients flushed to 0
+    assert 0 < np.count_nonzero(small) < 255
+    assert zo.onebyte_scales(0.1 + 1e-17, 7, scaling, distribution) is table  # cached: a constant lr builds it once
+    with pytest.raises(ValueError, match="finite lr"):
+        zo.onebyte_scales(float("inf"), 3)
+
+
+def test_a_deferred_step_with_a_non_finite_gradient_is_refused_by_the_next_step_and_not_applied():
+    # the host learns of a deferred step's gradients one step late: the next step's program has
+    # already run, with the refused update's scales (and decay factor) masked to change nothing.
+    # The error names the refused iteration and carries the parameters the refused step had, as
+    # a step that refuses at once does.
+    batch = (jnp.ones((2, 6)), jnp.ones((2, 4)))
+    bad = (jnp.full((2, 6), jnp.nan), batch[1])
+    kw = dict(run_seed=0, lr=0.1, eps=1e-2, codec="onebyte", weight_decay=0.1, n_perturbations=2)
+    p = zo.mezo_step(_small_loss, _small_params(), batch, iteration=0, hold=True, defer=True, **kw).params
+    p = zo.mezo_step(_small_loss, p, bad, iteration=1, hold=True, defer=True, **kw).params
+    with pytest.raises(ValueError, match="projected gradient 0 of iteration 1 is nan") as late:
+        zo.mezo_step(_small_loss, p, batch, iteration=2, hold=True, defer=True, **kw)
+    q = zo.mezo_step(_small_loss, _small_params(), batch, iteration=0, hold=True, **kw).params
+    with pytest.raises(ValueError, match="projected gradient 0 of iteration 1 is nan") as now:
+        zo.mezo_step(_small_loss, q, bad, iteration=1, hold=True, **kw)
+    assert replay.checksum(late.value.params) == replay.checksum(now.value.params)
+    # the last step refused: settle says so, and hands back the parameters without its update
+    p = zo.mezo_step(_small_loss, _small_params(), batch, iteration=0, hold=True, defer=True, **kw).params
+    p = zo.mezo_step(_small_loss, p, bad, iteration=1, hold=True, defer=True, **kw).params
+    with pytest.raises(ValueError, match="of iteration 1 is nan") as settled:
+        zo.settle(p)
+    assert replay.checksum(settled.value.params) == replay.checksum(now.value.params)
+
+
+def test_a_deferred_outcome_whose_codes_differ_from_the_hosts_is_refused():
+    # the guard of the deferred path: the program's codes and scales are checked against the host's
+    # encoding of the fetched gradients; a backend that encoded otherwise would be caught at once
+    g = np.array([0.5, -2.0], np.float32)
+    codes = np.frombuffer(codecs.ONEBYTE.encode(g), np.uint8)
+    table = zo.onebyte_scales(0.1, 2)
+    losses = np.ones(2, np.float32)
+
+    def outcome(codes, scales):
+        return zo._Outcome((g, losses, codes, scales, None), iteration=4, lr=0.1, eps=1e-2, scaling="sqrt",
+                           distribution="binomial")
+
+    assert outcome(codes, table[codes]).result().payload == codes.tobytes()
+    wrong = codes.copy()
+    wrong[1] += 1
+    with pytest.raises(RuntimeError, match="iteration 4: the program's one-byte codes .* differ from the host's"):
+        outcome(wrong, table[wrong]).result()
+    with pytest.raises(RuntimeError, match="differ from the host's"):
+        outcome(codes, table[codes] * np.float32(2)).result()
 
 
 def test_a_held_step_compiles_once_with_the_options_its_projected_gradients_chose(monkeypatch):

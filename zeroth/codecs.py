@@ -67,6 +67,8 @@ __all__ = [
     "ONEBYTE_RANGE",
     "ONEBYTE_MAX_REL_ERROR",
     "onebyte_level",
+    "ONEBYTE_BOUND_BITS",
+    "onebyte_codes",
 ]
 
 
@@ -145,6 +147,22 @@ if _table_digest(ONEBYTE_TABLE) != ONEBYTE_TABLE_SHA256:  # pragma: no cover - a
 # boundaries between levels q and q+1 for q = -63 .. 63 (127 values, increasing)
 _BOUNDS = np.array([_boundary(q) for q in range(_Q_MIN, _Q_MAX_NEG)], dtype=np.float64)
 _BOUNDS.setflags(write=False)
+
+
+def _ceil_f32_bits(b: float) -> int:
+    """The bit pattern of the smallest float32 >= ``b > 0`` (a float64)."""
+    f = np.float32(b)
+    if float(f) < b:
+        f = np.nextafter(f, np.float32(np.inf))
+    return int(np.array(f, np.float32).view(np.uint32))
+
+
+# The level boundaries as float32 bit patterns: for a float32 |g|, ``boundary <= |g|`` (float64)
+# exactly when ``ONEBYTE_BOUND_BITS[j] <= bits(|g|)`` (the smallest float32 at or above the
+# boundary; the bits of non-negative floats sort like the floats), so integer comparisons encode
+# like the host's float64 ones, on any backend, subnormals included.
+ONEBYTE_BOUND_BITS = np.array([_ceil_f32_bits(b) for b in _BOUNDS], dtype=np.uint32)
+ONEBYTE_BOUND_BITS.setflags(write=False)
 ONEBYTE_RANGE = (float(ONEBYTE_TABLE[ONEBYTE_ZERO + 1]), float(ONEBYTE_TABLE[255]))
 ONEBYTE_MAX_REL_ERROR = float(np.expm1(1.0 / (2 * ONEBYTE_STEPS_PER_E)))
 
@@ -225,6 +243,28 @@ def _onebyte_encode(g) -> bytes:
     code = np.where(neg, ONEBYTE_ZERO - m, ONEBYTE_ZERO + m)
     code = np.where(a == 0.0, ONEBYTE_ZERO, code)
     return code.astype(np.uint8).tobytes()
+
+
+def onebyte_codes(bits, xp=np):
+    """The one-byte codes of float32 values given as their bit patterns ``u32[n]``, with integer
+    operations only (``xp``: NumPy, or ``jax.numpy`` inside a program): the codes
+    :data:`ONEBYTE`'s ``encode`` gives for the finite values, whatever the backend does with
+    subnormal floats. A non-finite value gets a code too; check the values first.
+
+    Example:
+      >>> g = np.array([0.0, 1.0, -2.5, 1e-40], np.float32)
+      >>> bytes(onebyte_codes(g.view(np.uint32)).tolist()) == ONEBYTE.encode(g)
+      True
+    """
+    bits = xp.asarray(bits, dtype=xp.uint32)
+    mag = bits & xp.uint32(0x7FFFFFFF)
+    count = xp.sum(xp.asarray(ONEBYTE_BOUND_BITS)[None, :] <= mag[:, None], axis=1, dtype=xp.int32)
+    q = count + _Q_MIN  # round(16 ln |g|), clipped to [-63, 64]
+    neg = (bits >> 31) == 1
+    q = xp.where(neg, q, xp.minimum(q, _Q_MAX_POS))
+    m = q + ONEBYTE_LEVEL_OFFSET
+    code = xp.where(neg, ONEBYTE_ZERO - m, ONEBYTE_ZERO + m)
+    return xp.where(mag == 0, ONEBYTE_ZERO, code).astype(xp.uint8)
 
 
 def _onebyte_decode(payload) -> np.ndarray:

@@ -50,7 +50,10 @@ the same parts of the whole perturbed leaf, which XLA then drops as unused. A ca
 :func:`projected_gradients` in its own ``jax.jit`` should pass ``compiler_options=zo.compiler_options()``. The update is ``replay(..., donate=True)``, in
 place; or, with ``mezo_step(..., hold=True)``, held (:class:`Held`) and applied in place by the
 next step's program before its forward passes, one compiled call per step with the same bits
-(:func:`settle` applies it alone). ``zeroth bench zo`` measures all of it against a plain forward pass.
+(:func:`settle` applies it alone); with the one-byte codec also deferred (``defer=True``,
+:class:`Deferred`: the program encodes its projected gradients and looks up the update's scales,
+so the host fetches a step while the device runs the next). ``zeroth bench zo`` measures all of
+it against a plain forward pass.
 
 The optax bridge: :func:`zo_estimate` is an optax ``GradientTransformation`` turning a
 :class:`ZOGrads` (keys and projected gradients, from :func:`zo_value_and_grad`) into the dense
@@ -112,6 +115,8 @@ __all__ = [
     "weight_decay",
     "StepResult",
     "Held",
+    "Deferred",
+    "onebyte_scales",
     "settle",
     "mezo_step",
     "dense_gradient",
@@ -476,28 +481,32 @@ class ProjectedGradientsFn:
         self._cache: dict[tuple, tuple[Any, dict[str, Any]]] = {}
         estimate = functools.partial(projected_gradients_and_losses, loss_fn, distribution=distribution, unroll=unroll)
 
-        def projected_gradients(params, batch, keys, eps_scale):  # its program's name in profiles and dumps
-            return estimate(params, batch, keys, eps_scale)
+        def projected_gradients(params, batch, keys, eps_scale, enc=None):  # its program's name in profiles and dumps
+            return _encoded(estimate(params, batch, keys, eps_scale), enc)
 
-        def projected_gradients_after_update(params, update, batch, keys, eps_scale, impl):
+        def projected_gradients_after_update(params, update, batch, keys, eps_scale, enc=None, *, impl):
             params = _apply_held(params, update, distribution, impl)
-            return (params, *estimate(params, batch, keys, eps_scale))
+            return (params, *_encoded(estimate(params, batch, keys, eps_scale), enc))
 
         self._jitted = jax.jit(projected_gradients)
         self._jitted_after = jax.jit(projected_gradients_after_update, static_argnames=("impl",), donate_argnums=(0,))
 
-    def _args(self, params, batch, keys, eps_scale):
+    def _args(self, params, batch, keys, eps_scale, enc=None):
         _check_eps_scale(eps_scale)
         # host values stay NumPy arrays (the call transfers them); converting them with jnp would
         # dispatch two small programs of their own at every step
         def conform(x, dtype, shape):
             return (jnp if isinstance(x, jax.Array) else np).asarray(x, dtype).reshape(shape)
 
-        return params, batch, conform(keys, np.uint32, (-1, 2)), conform(eps_scale, np.float32, ())
+        args = (params, batch, conform(keys, np.uint32, (-1, 2)), conform(eps_scale, np.float32, ()))
+        if enc is None:  # the plain program's four arguments (a lowered one is called with them)
+            return args
+        table, factor = enc
+        return (*args, (conform(table, np.float32, (256,)), None if factor is None else conform(factor, np.float32, ())))
 
-    def compiled(self, params, batch, keys, eps_scale):
+    def compiled(self, params, batch, keys, eps_scale, enc=None):
         """The chosen ``jax.stages.Compiled`` for these arguments' signature (compiling if new)."""
-        return self._entry(*self._args(params, batch, keys, eps_scale))[0]
+        return self._entry(*self._args(params, batch, keys, eps_scale, enc))[0]
 
     def lowered(self, params, batch, keys, eps_scale):
         """The ``jax.stages.Lowered`` program for these arguments, to compile under other options
@@ -512,23 +521,29 @@ class ProjectedGradientsFn:
         """Number of compiled signatures."""
         return len(self._cache)
 
-    def _after_args(self, params, update, batch, keys, eps_scale):
+    def _after_args(self, params, update, batch, keys, eps_scale, enc=None):
         keys_u, scales, factor = update
-        held = (np.asarray(keys_u, np.uint32).reshape(-1, 2), np.asarray(scales, np.float32).reshape(-1),
-                None if factor is None else np.asarray(factor, np.float32).reshape(()))
-        return (params, held, *self._args(None, batch, keys, eps_scale)[1:])
 
-    def compiled_after_update(self, params, update, batch, keys, eps_scale):
+        def conform(x, dtype, shape):  # the scales and factor of a deferred step are still on the device
+            return (jnp if isinstance(x, jax.Array) else np).asarray(x, dtype).reshape(shape)
+
+        held = (np.asarray(keys_u, np.uint32).reshape(-1, 2), conform(scales, np.float32, (-1,)),
+                None if factor is None else conform(factor, np.float32, ()))
+        return (params, held, *self._args(None, batch, keys, eps_scale, enc)[1:])
+
+    def compiled_after_update(self, params, update, batch, keys, eps_scale, enc=None):
         """The chosen ``jax.stages.Compiled`` of :meth:`after_update` for these arguments' signature."""
-        args = self._after_args(params, update, batch, keys, eps_scale)
+        args = self._after_args(params, update, batch, keys, eps_scale, enc)
         return self._entry(*args, after=_held_impl(params))[0]
 
-    def after_update(self, params, update, batch, keys, eps_scale):
+    def after_update(self, params, update, batch, keys, eps_scale, enc=None):
         """``(θ', g, ℓ)``: a held update ``(keys u32[K, 2], scales f32[K], decay factor or None)``
         applied to ``params`` (donated), then the projected gradients and losses at ``θ'``, in one
         compiled program; the same bits as :func:`zeroth.replay.replay` (and :func:`weight_decay`)
-        followed by this estimator's call (see :class:`Held`)."""
-        args = self._after_args(params, update, batch, keys, eps_scale)
+        followed by this estimator's call (see :class:`Held`). The scales and factor may be
+        device arrays (a deferred step's, :class:`Deferred`). With ``enc`` (see :meth:`__call__`),
+        ``(θ', g, ℓ, codes, scales, factor)``."""
+        args = self._after_args(params, update, batch, keys, eps_scale, enc)
         _reuse_host_memory()
         return self._entry(*args, after=_held_impl(params))[0](*args)
 
@@ -553,10 +568,37 @@ class ProjectedGradientsFn:
             entry = self._cache[sig] = (best[1], best[2])
         return entry
 
-    def __call__(self, params, batch, keys, eps_scale):
-        args = self._args(params, batch, keys, eps_scale)
+    def __call__(self, params, batch, keys, eps_scale, enc=None):
+        """``(g, ℓ)``; with ``enc = (table f32[256], decay factor or None)`` also the one-byte
+        codes of ``g``, ``scales = table[codes]`` and the factor, computed in the program
+        (:func:`_encoded`): ``(g, ℓ, codes, scales, factor)``."""
+        args = self._args(params, batch, keys, eps_scale, enc)
         _reuse_host_memory()
         return self._entry(*args)[0](*args)
+
+
+def _encoded(out, enc):
+    """Traceable: ``(g, ℓ)`` as they are without ``enc``; with ``enc = (table f32[256], factor or
+    None)``, ``(g, ℓ, codes u8[n], scales f32[n], factor)``: the one-byte codes of ``g``
+    (:func:`zeroth.codecs.onebyte_codes`, integer operations on its bits: the codes the host's
+    encoder gives), ``scales = table[codes]``, and the weight-decay factor. Where some ``g`` is
+    not finite the scales are 0 and the factor 1: the update that the host will refuse
+    (:class:`Deferred`) changes nothing when the next program applies it before the host knows.
+
+    ``g`` passes an optimization barrier first, so that the codes are those of the ``g`` returned
+    (a fusion cannot recompute it with other roundings)."""
+    if enc is None:
+        return out
+    g, losses = out
+    g = jax.lax.optimization_barrier(g)
+    table, factor = enc
+    bits = jax.lax.bitcast_convert_type(g, jnp.uint32)
+    ok = jnp.all((bits & jnp.uint32(0x7FFFFFFF)) < jnp.uint32(0x7F800000))
+    codes = _codecs.onebyte_codes(bits, jnp)
+    scales = jnp.where(ok, table[codes.astype(jnp.int32)], jnp.float32(0))
+    if factor is not None:
+        factor = jnp.where(ok, factor, jnp.float32(1))
+    return g, losses, codes, scales, factor
 
 
 def _reuse_host_memory() -> None:
@@ -683,8 +725,13 @@ def update_coefficients(grads, lr: float, n_total: int, scaling: str = "sqrt") -
     bad = next((i for i, gi in enumerate(g) if not math.isfinite(gi)), None)
     if bad is not None:
         raise ValueError(f"projected gradient {bad} is {g[bad]!r}; only finite values can be applied")
-    denom = float(n_total) if scaling == "linear" else math.sqrt(float(n_total))
+    denom = _denominator(n_total, scaling)
     return [_replay.round_coefficient((-lr * float(gi)) / denom) for gi in g]
+
+
+def _denominator(n_total: int, scaling: str) -> float:
+    """N or √N in float64: what :func:`update_coefficients` divides ``−η g`` by."""
+    return float(n_total) if scaling == "linear" else math.sqrt(float(n_total))
 
 
 def canonical_updates(
@@ -837,12 +884,120 @@ class Held(NamedTuple):
 
     params: Any  # the parameters before the held update: a pytree, or its zeroth.replay.Flat
     keys: np.ndarray  # u32[K, 2]: the held update's keys, in canonical order
-    coefficients: tuple[float, ...]  # its coefficients (update_coefficients), one per key
+    # its coefficients (update_coefficients), one per key; None for a deferred step's (see outcome)
+    coefficients: tuple[float, ...] | None
     decay: np.float32 | None  # the weight-decay factor (decay_factor) applied after it, or None
     distribution: str
     # the next step's keys, derived while the device ran this step's program: ((run_seed, machine,
     # iteration, n), u32[n, 2]); mezo_step uses them where they name its perturbations
     ahead: tuple[tuple[int, int, int, int], np.ndarray] | None = None
+    # a deferred step's (mezo_step(..., defer=True)): its outcome, which holds the update's scales
+    # and decay factor as the program computed them on the device
+    outcome: _Outcome | None = None
+
+
+class _Outcome:
+    """A deferred step's outcome (``mezo_step(..., defer=True)``), on the device until
+    :meth:`result` fetches and checks it: the projected gradients and losses, their one-byte codes,
+    and the update's scales and decay factor (:func:`_encoded`), which the next step's program
+    applies without the host."""
+
+    __slots__ = ("iteration", "lr", "eps", "scaling", "distribution", "device", "_result")
+
+    def __init__(self, device: tuple, *, iteration: int, lr: float, eps: float, scaling: str, distribution: str):
+        self.device = device  # (g, ℓ, codes, scales, factor), device arrays (factor: None without decay)
+        self.iteration, self.lr, self.eps, self.scaling, self.distribution = iteration, lr, eps, scaling, distribution
+        self._result: _Resolved | None = None
+
+    @property
+    def scales(self):
+        return self.device[3]
+
+    @property
+    def factor(self):
+        return self.device[4]
+
+    def result(self) -> _Resolved:
+        """Fetched and checked once (then kept): the host encodes the fetched ``g`` itself
+        (:func:`_host_update`: a non-finite one raises ``ValueError``, naming the iteration) and
+        the program's codes and scales must equal the host's bit for bit (``RuntimeError`` if
+        not: the backend broke the determinism contract)."""
+        if self._result is not None:
+            return self._result
+        g, losses, codes, scales = jax.device_get(self.device[:4])
+        payload, decoded, coefficients = _host_update(g, losses, _codecs.ONEBYTE, self.lr, self.scaling,
+                                                      iteration=self.iteration, eps=self.eps)
+        host_scales = _replay.update_scales(self.distribution, coefficients)
+        if payload != np.asarray(codes, np.uint8).tobytes() or not np.array_equal(
+                host_scales.view(np.uint32), np.asarray(scales, np.float32).view(np.uint32)):
+            raise RuntimeError(
+                f"iteration {self.iteration}: the program's one-byte codes {np.asarray(codes).tolist()} and scales "
+                f"{np.asarray(scales).tolist()} differ from the host's {list(payload)} and {host_scales.tolist()} for "
+                f"the projected gradients {np.asarray(g).tolist()}; this backend breaks the determinism contract "
+                f"(run `zeroth doctor`), and mezo_step(..., defer=False) computes them on the host"
+            )
+        self._result = _Resolved(decoded, payload, float(np.mean(losses)), tuple(coefficients))
+        self.device = (None, None, None, *self.device[3:])  # the scales and factor may still be applied
+        return self._result
+
+
+class _Resolved(NamedTuple):
+    grads: np.ndarray
+    payload: bytes
+    loss: float
+    coefficients: tuple[float, ...]
+
+
+class Deferred(NamedTuple):
+    """What ``mezo_step(..., hold=True, defer=True)`` returns: the step's :class:`Held`
+    parameters, at once, and its outcome when asked (:meth:`result`).
+
+    The step's program encodes its projected gradients itself (one byte each, integer operations
+    that give the host's codes) and looks up the update's scales in a table of the 256 codes that
+    the host rounded ahead of time (:func:`onebyte_scales`), so the next step's program can apply
+    the update before the host has seen the step: the host dispatches step t + 1, then fetches
+    step t while the device runs it. The fetched values are checked against the host's own
+    encoding and rounding, so the bits are those of ``defer=False``.
+    """
+
+    params: Held
+
+    def result(self) -> StepResult:
+        """The :class:`StepResult` (``params`` is :attr:`params`), fetched and checked: raises
+        ``ValueError`` for a non-finite projected gradient, as ``mezo_step`` does (the next step's
+        program, if it ran, applied no update for it), and ``RuntimeError`` if the program's codes
+        or scales differ from the host's."""
+        r = self.params.outcome.result()
+        return StepResult(self.params, r.grads, r.payload, r.loss)
+
+
+@functools.lru_cache(maxsize=64)
+def _onebyte_scales(lr: float, n_total: int, scaling: str, distribution: str) -> np.ndarray:
+    if not math.isfinite(lr) or n_total < 1:
+        raise ValueError(f"onebyte_scales needs a finite lr and n_total >= 1, got lr={lr!r}, n_total={n_total!r}")
+    # update_coefficients' float64 operations, on all 256 values at once (NumPy's IEEE operations
+    # give Python's bits), rounded once by update_scales as update_coefficients then update_scales
+    # round twice (the second rounding is the identity)
+    raw = (-lr * _codecs.ONEBYTE_TABLE.astype(np.float64)) / _denominator(n_total, scaling)
+    table = _replay.update_scales(distribution, raw)
+    table.setflags(write=False)
+    return table
+
+
+def onebyte_scales(lr: float, n_total: int, scaling: str = "sqrt", distribution: str = "binomial") -> np.ndarray:
+    """``f32[256]``: the replay scale of each one-byte code, ``update_scales(update_coefficients(
+    ONEBYTE_TABLE, lr, n_total, scaling))``: entry ``b`` is the scale a projected gradient encoded
+    as ``b`` is applied with, rounded on the host (cached per argument; read-only).
+
+    Example:
+      >>> from zeroth import codecs
+      >>> t = onebyte_scales(0.5, 4)
+      >>> float(t[codecs.ONEBYTE_ZERO]), float(t[0xC0])  # g = 0 and g = 1: c = -0.5 / 2, z = k / 2
+      (0.0, -0.125)
+    """
+    _check_scaling(scaling)
+    _noise.check_distribution(distribution)
+    return _onebyte_scales(float(lr), int(n_total), scaling, distribution)
 
 
 def settle(params: Any) -> Any:
@@ -858,7 +1013,14 @@ def settle(params: Any) -> Any:
     """
     if not isinstance(params, Held):
         return params
-    out = _replay.replay(params.params, (params.keys, list(params.coefficients)), distribution=params.distribution, donate=True)
+    coefficients = params.coefficients
+    if params.outcome is not None:  # fetched and checked now (a refused step raises here, naming it)
+        try:
+            coefficients = params.outcome.result().coefficients
+        except ValueError as exc:
+            exc.params = params.params  # its update not applied
+            raise
+    out = _replay.replay(params.params, (params.keys, list(coefficients)), distribution=params.distribution, donate=True)
     return out if params.decay is None else _decay_donated(out, params.decay)
 
 
@@ -896,7 +1058,8 @@ def mezo_step(
     donate: bool = False,
     hold: bool = False,
     unroll: bool = False,
-) -> StepResult:
+    defer: bool = False,
+) -> StepResult | Deferred:
     """One MeZO / Just One Byte iteration on one machine (N = ``n_perturbations``).
 
     keys ``sample_key(run_seed, machine, iteration, i)`` -> projected gradients (compiled with
@@ -928,6 +1091,15 @@ def mezo_step(
         ``params`` attribute holds them with that update applied).
       unroll: evaluate the 2n forward passes as straight-line code instead of a loop
         (:func:`projected_gradients_and_losses`); the update is the same.
+      defer: with ``hold`` and the ``onebyte`` codec, return a :class:`Deferred` at once, before
+        the device has run the step: its program encodes the projected gradients and looks up the
+        update's scales itself, so the next step's program can apply the update without waiting
+        for the host, which fetches and checks this step's outcome while the device runs the next
+        (:meth:`Deferred.result`; a non-finite projected gradient is then reported one step late,
+        and its update is not applied). The same bits.
+
+    Returns:
+      a :class:`StepResult`, or with ``defer`` a :class:`Deferred`.
 
     Raises:
       ValueError: bad arguments, or a non-finite projected gradient (the losses are named).
@@ -935,6 +1107,12 @@ def mezo_step(
     if isinstance(n_perturbations, bool) or not isinstance(n_perturbations, (int, np.integer)) or n_perturbations < 1:
         raise ValueError(f"n_perturbations must be an integer >= 1, got {n_perturbations!r}")
     _check_scaling(scaling)
+    if defer and (not hold or codec != "onebyte"):
+        raise ValueError(
+            f"defer=True needs hold=True and codec='onebyte' (the program encodes its projected gradients and "
+            f"looks up the update's scales itself, which only the one-byte code's fixed table allows), got "
+            f"hold={hold!r}, codec={codec!r}"
+        )
     lr = lr_at(lr, iteration)
     cod = _codecs.get_codec(codec)
     eps_scale = round_eps(eps)
@@ -949,21 +1127,36 @@ def mezo_step(
     else:
         keys = keys_of(iteration)
     estimator = projected_gradients_fn(loss_fn, distribution=distribution, unroll=unroll)
+    enc = (onebyte_scales(lr, n, scaling, distribution), decay_to) if defer else None
+    before = None  # the previous step's outcome, if it was deferred: checked once this step is under way
     if isinstance(params, Held):
         if params.distribution != distribution:
             raise ValueError(f"the held update is of distribution {params.distribution!r}; this step's is {distribution!r}")
-        held = (params.keys, _replay.update_scales(distribution, list(params.coefficients)), params.decay)
-        params, g, losses = estimator.after_update(params.params, held, batch, keys, eps_scale)
+        before = params.outcome
+        if before is None:
+            held = (params.keys, _replay.update_scales(distribution, list(params.coefficients)), params.decay)
+        else:
+            held = (params.keys, before.scales, before.factor)
+        params, *out = estimator.after_update(params.params, held, batch, keys, eps_scale, enc)
         donate = True  # the held parameters were this function's, and these are the program's output
     else:
-        g, losses = estimator(params, batch, keys, eps_scale)
+        out = estimator(params, batch, keys, eps_scale, enc)
     ahead = None
     if hold:  # while the device runs the program: the keys of the step that will apply this one's update
         try:
             ahead = ((run_seed, machine, iteration + 1, n), keys_of(iteration + 1))
         except ValueError:  # the last iteration a key can name: the next step says so itself
             pass
-    g, losses = jax.device_get((g, losses))
+    if before is not None:
+        try:
+            before.result()
+        except (ValueError, RuntimeError) as exc:  # ValueError: its update was not applied (_encoded); these are the parameters it had
+            exc.params = params
+            raise
+    if defer:
+        outcome = _Outcome(tuple(out), iteration=iteration, lr=lr, eps=eps, scaling=scaling, distribution=distribution)
+        return Deferred(Held(params, keys, None, decay_to, distribution, ahead, outcome))
+    g, losses = jax.device_get(tuple(out))
     try:
         payload, decoded, coefficients = _host_update(g, losses, cod, lr, scaling, iteration=iteration, eps=eps)
     except ValueError as exc:

@@ -24,6 +24,11 @@ an error naming its install command).
   step applies the last one's update in its own program, one call per step, as the trainer runs
   it; ``ZO step ..., update held``, with ``held_same_bits_*``: 1.0 when three held steps and a
   settle give the projected gradients and parameters of three steps that apply their updates);
+  with ``--flat``, also the held step deferred (``mezo_step(..., defer=True)``, codec
+  ``onebyte``: the program encodes its projected gradients and looks up the update's scales, so
+  the host dispatches step t + 1 before it fetches step t, as the trainer runs the one-byte codec;
+  timed over 8 steps in a row, per step; ``deferred_same_bits_flat_*``: 1.0 when three deferred
+  steps and a settle give the bits of three steps that apply their updates);
 * **backprop step**: ``jax.value_and_grad`` + ``optax.sgd``, jitted, parameters donated.
 
 Reported ratios (with their targets): ZO step time / time of 2N forwards (<= 1.2) and ZO
@@ -253,6 +258,8 @@ def run(
             progress(f"the flat layout's step, with its update applied and held, and their bits ({dist})")
             _flat_rows(fns, mem, same, loss_fn, params, flat_params, data, keys, eps, coefficients, pg, dist, n, codec)
             _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist, n, codec, flat=True)
+            progress(f"the flat layout's step, deferred, and its bits ({dist})")
+            _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist, n, codec, flat=True, defer=True)
         if unroll:
             progress(f"the projected gradients unrolled ({dist})")
             _unrolled_rows(fns, mem, same, loss_fn, params, flat_params, data, keys, eps, scales, pg, dist, n, codec)
@@ -289,6 +296,7 @@ def run(
 
     fns["backprop"] = backprop
     times = _common.timeit_many(fns, warmup=warmup, repeats=repeats, progress=progress)
+    times.update({k: _per_step(v) for k, v in times.items() if k.startswith("zo_held_deferred")})
 
     t_fwd = min(times[f"forward_{k}"].min_s for k in fwd_variants)
     t_fwd_median = min(times[f"forward_{k}"].median_s for k in fwd_variants)
@@ -349,6 +357,15 @@ def run(
             ratios[f"zo_time_over_forwards_flat_held_{dist}"] = times[f"zo_held_flat_{dist}"].min_s / (2 * n * t_fwd)
             ratios[f"zo_memory_over_inference_flat_held_{dist}"] = mem[f"zo_held_flat_{dist}"]["peak"] / m_fwd
             ratios[f"held_same_bits_flat_{dist}"] = float(same[f"held_flat_{dist}"])
+            key = f"zo_held_deferred_flat_{dist}"
+            rows.append(_row(f"ZO step n={n} {dist} (flat layout), update held, deferred", times[key], mem[key], 2 * n,
+                             t_fwd, m_fwd, f"mezo_step(hold=True, defer=True), codec onebyte: {DEFERRED_CHAIN} steps in a "
+                                           "row, each dispatched before the last is fetched; per step"))
+            ratios[f"zo_time_over_forwards_flat_deferred_{dist}"] = times[key].min_s / (2 * n * t_fwd)
+            ratios[f"zo_time_over_forwards_flat_deferred_{dist}_medians"] = times[key].median_s / (2 * n * t_fwd_median)
+            ratios[f"zo_memory_over_inference_flat_deferred_{dist}"] = mem[key]["peak"] / m_fwd
+            ratios[f"deferred_time_over_held_flat_{dist}"] = times[key].min_s / times[f"zo_held_flat_{dist}"].min_s
+            ratios[f"deferred_same_bits_flat_{dist}"] = float(same[f"held_deferred_flat_{dist}"])
     for dist in distributions if unroll else ():
         for suffix, label in (("", ""), *((("_flat", " (flat layout)"),) if flat else ())):
             key = f"zo_pg_unrolled{suffix}_{dist}"
@@ -380,6 +397,8 @@ def run(
                                   **{f"ZO step {d}, update held": fns[f"zo_held_{d}"] for d in distributions},
                                   **{f"ZO step {d} (flat layout), update held": fns[f"zo_held_flat_{d}"]
                                      for d in distributions if flat},
+                                  **{f"ZO step {d} (flat layout), update held, deferred x{DEFERRED_CHAIN}":
+                                     fns[f"zo_held_deferred_flat_{d}"] for d in distributions if flat},
                                   **{f"ZO step {d} (flat layout), update held, unrolled": fns[f"zo_held_flat_unrolled_{d}"]
                                      for d in distributions if flat and unroll}},
                                  profile_calls)
@@ -456,41 +475,69 @@ def _unrolled_rows(fns, mem, same, loss_fn, params, flat, data, keys, eps, scale
         _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, unrolled, dist, n, codec, flat=True, unroll=True)
 
 
+# A deferred step is timed over this many steps in a row (each dispatched before the one before it
+# is fetched, as the trainer runs them), the call's time divided by it.
+DEFERRED_CHAIN = 8
+
+
 def _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist: str, n: int, codec: str, *, flat: bool,
-               unroll: bool = False) -> None:
+               unroll: bool = False, defer: bool = False) -> None:
     """The ZO step with its update held (``mezo_step(..., hold=True)``: each step applies the last
     one's update in its own program, one compiled call per step), on the tree or its ``Flat``,
     added to ``fns`` and ``mem`` (the one program's) under ``zo_held[_flat]_{dist}``;
     ``same["held[_flat]_{dist}"]``: whether three held steps and a settle give the projected
-    gradients and parameters of three steps that apply their updates, bit for bit."""
-    tag = "held" + ("_flat" if flat else "") + ("_unrolled" if unroll else "") + f"_{dist}"
+    gradients and parameters of three steps that apply their updates, bit for bit.
+
+    ``defer``: the deferred step instead (``mezo_step(..., defer=True)``, the one-byte codec
+    whatever ``codec`` is; under ``zo_held_deferred[_flat]_{dist}``): a call runs
+    :data:`DEFERRED_CHAIN` steps, each fetched by the next, the last by the call, and is divided
+    by it (:func:`_per_step`)."""
+    tag = "held" + ("_deferred" if defer else "") + ("_flat" if flat else "") + ("_unrolled" if unroll else "") + f"_{dist}"
+    codec = "onebyte" if defer else codec
 
     def fresh():
         p = jax.tree_util.tree_map(jnp.copy, params)
         return replay.flatten(p, donate=True) if flat else p
 
+    def mezo(p, it, hold: bool):
+        return zo.mezo_step(loss_fn, p, data, run_seed=0, iteration=it, lr=_LR, eps=_EPS, n_perturbations=n,
+                            distribution=dist, codec=codec, donate=True, hold=hold, unroll=unroll, defer=hold and defer)
+
     def run(hold: bool):
-        p, grads = fresh(), []
+        p, outs = fresh(), []
         for it in range(3):
-            out = zo.mezo_step(loss_fn, p, data, run_seed=0, iteration=it, lr=_LR, eps=_EPS, n_perturbations=n,
-                               distribution=dist, codec=codec, donate=True, hold=hold, unroll=unroll)
+            out = mezo(p, it, hold)
             p = out.params
-            grads.append(out.grads)
+            outs.append(out)
+        grads = [(out.result() if isinstance(out, zo.Deferred) else out).grads for out in outs]
         return replay.checksum(zo.settle(p)), np.stack(grads).view(np.uint32)
 
     (d_applied, g_applied), (d_held, g_held) = run(False), run(True)
     same[tag] = d_applied == d_held and np.array_equal(g_applied, g_held)
     start = fresh()
-    mem[f"zo_{tag}"] = zo.compiled_memory(pg.compiled_after_update(start, (keys, scales, None), data, keys, eps))
+    enc = (zo.onebyte_scales(_LR, n, "sqrt", dist), None) if defer else None
+    mem[f"zo_{tag}"] = zo.compiled_memory(pg.compiled_after_update(start, (keys, scales, None), data, keys, eps, enc))
     state = {"params": start, "it": 0}
 
     def step():
-        out = zo.mezo_step(loss_fn, state["params"], data, run_seed=0, iteration=state["it"], lr=_LR, eps=_EPS,
-                           n_perturbations=n, distribution=dist, codec=codec, donate=True, hold=True, unroll=unroll)
+        out = mezo(state["params"], state["it"], True)
         state["params"] = jax.block_until_ready(out.params)
         state["it"] += 1
 
-    fns[f"zo_{tag}"] = step
+    def chain():
+        for _ in range(DEFERRED_CHAIN):
+            out = mezo(state["params"], state["it"], True)
+            state["params"] = out.params
+            state["it"] += 1
+        out.result()  # the last step's outcome, fetched: its program has run
+
+    fns[f"zo_{tag}"] = chain if defer else step
+
+
+def _per_step(timing: _common.Timing) -> _common.Timing:
+    """A deferred chain's timing per step (:data:`DEFERRED_CHAIN`)."""
+    return timing._replace(min_s=timing.min_s / DEFERRED_CHAIN, median_s=timing.median_s / DEFERRED_CHAIN,
+                           cpu_min_s=timing.cpu_min_s / DEFERRED_CHAIN)
 
 
 def _host_work(fetched, n: int, dist: str, codec: str) -> None:

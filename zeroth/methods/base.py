@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["MACHINE", "TrainState", "StepInfo", "Method", "settle"]
+__all__ = ["MACHINE", "TrainState", "StepInfo", "Method", "Later", "settle"]
 
 MACHINE = 0  # machine id of a single-machine run in sample_key(seed, machine, iteration, sample)
 
@@ -50,8 +50,8 @@ class StepInfo(NamedTuple):
     forward_passes: int  # forward passes over a batch
     backward_passes: int  # backward passes over a batch (backprop)
     payload_bytes: int  # projected-gradient bytes a peer would send (zo)
-    loss: Any  # f32[] objective on the step's batch before the update (zo: mean over the pairs)
-    grads: np.ndarray | None  # f32[n] decoded projected gradients (zo), else None
+    loss: Any  # f32[] objective on the step's batch before the update (zo: mean over the pairs); float() it
+    grads: Any  # f32[n] decoded projected gradients (zo; np.asarray() it), else None
     metrics: Mapping[str, float] | None = None  # more numbers to log with the loss (q4: {"changed": fraction})
 
 
@@ -63,11 +63,47 @@ class Method(NamedTuple):
     holds each update for the next step's program, :class:`zeroth.zo.Held`) gives ``settle``,
     which finishes that work: the state it returns has ``params`` up to date. The training loop
     calls it before anything reads the parameters and at the end (:func:`settle`).
+
+    ``pipelined``: ``step`` returns before the device has run the step, and the next ``step`` (or
+    ``settle``) waits for it; the loop then does not wait after each step, so that the host
+    prepares and dispatches step t + 1 while the device runs step t. Its :class:`StepInfo`
+    ``loss`` and ``grads`` are then :class:`Later` values.
     """
 
     init: Callable[[Any, np.ndarray], TrainState]
     step: Callable[[TrainState, tuple], tuple[TrainState, StepInfo]]
     settle: Callable[[TrainState], TrainState] | None = None
+    pipelined: bool = False
+
+
+class Later:
+    """A value computed when first read, then kept: ``float(x)`` or ``np.asarray(x)`` calls ``fn()``
+    (a pipelined step's loss and gradients, fetched from the device when a hook reads them).
+
+    Example:
+      >>> x = Later(lambda: 2.5)
+      >>> float(x), np.asarray(Later(lambda: [1.0, 2.0])).tolist()
+      (2.5, [1.0, 2.0])
+    """
+
+    __slots__ = ("_fn", "_value")
+
+    def __init__(self, fn: Callable[[], Any]):
+        self._fn, self._value = fn, None
+
+    def get(self) -> Any:
+        if self._fn is not None:
+            self._value, self._fn = self._fn(), None
+        return self._value
+
+    def __float__(self) -> float:
+        return float(self.get())
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.get(), dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"Later({self._value!r})" if self._fn is None else "Later(<not fetched>)"
 
 
 def settle(method: Method, state: TrainState) -> TrainState:

@@ -111,7 +111,8 @@ def train(
     Returns:
       ``(state, counters)`` after the last step (or the step before ``stop`` said so), settled
       (:func:`zeroth.methods.base.settle`). ``train_time`` counts fetching the batch and the step
-      (until the new parameters are ready), and settling the state where a hook reads the
+      (until the new parameters are ready; for a ``pipelined`` method, until the step is
+      dispatched and the one before it fetched), and settling the state where a hook reads the
       parameters, not the hooks.
     """
     settled = True
@@ -126,7 +127,8 @@ def train(
         settled = done == steps or any(h.reads_params for h in due)
         if settled:
             state = settle(method, state)
-        jax.block_until_ready(state.params)
+        if settled or not method.pipelined:  # a pipelined step is waited for by the next one
+            jax.block_until_ready(state.params)
         counters = counters._replace(
             forward_passes=counters.forward_passes + info.forward_passes,
             backward_passes=counters.backward_passes + info.backward_passes,
