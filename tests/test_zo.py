@@ -523,7 +523,7 @@ def test_a_deferred_outcome_whose_codes_differ_from_the_hosts_is_refused():
     losses = np.ones(2, np.float32)
 
     def outcome(codes, scales):
-        return zo._Outcome((g, losses, codes, scales, None), iteration=4, lr=0.1, eps=1e-2, scaling="sqrt",
+        return zo._Outcome(g, losses, codes, scales, None, iteration=4, lr=0.1, eps=1e-2, scaling="sqrt",
                            distribution="binomial")
 
     assert outcome(codes, table[codes]).result().payload == codes.tobytes()

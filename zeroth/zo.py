@@ -493,16 +493,11 @@ class ProjectedGradientsFn:
 
     def _args(self, params, batch, keys, eps_scale, enc=None):
         _check_eps_scale(eps_scale)
-        # host values stay NumPy arrays (the call transfers them); converting them with jnp would
-        # dispatch two small programs of their own at every step
-        def conform(x, dtype, shape):
-            return (jnp if isinstance(x, jax.Array) else np).asarray(x, dtype).reshape(shape)
-
-        args = (params, batch, conform(keys, np.uint32, (-1, 2)), conform(eps_scale, np.float32, ()))
+        args = (params, batch, _conform(keys, np.uint32, (-1, 2)), _conform(eps_scale, np.float32, ()))
         if enc is None:  # the plain program's four arguments (a lowered one is called with them)
             return args
         table, factor = enc
-        return (*args, (conform(table, np.float32, (256,)), None if factor is None else conform(factor, np.float32, ())))
+        return (*args, (_conform(table, np.float32, (256,)), None if factor is None else _conform(factor, np.float32, ())))
 
     def compiled(self, params, batch, keys, eps_scale, enc=None):
         """The chosen ``jax.stages.Compiled`` for these arguments' signature (compiling if new)."""
@@ -522,13 +517,9 @@ class ProjectedGradientsFn:
         return len(self._cache)
 
     def _after_args(self, params, update, batch, keys, eps_scale, enc=None):
-        keys_u, scales, factor = update
-
-        def conform(x, dtype, shape):  # the scales and factor of a deferred step are still on the device
-            return (jnp if isinstance(x, jax.Array) else np).asarray(x, dtype).reshape(shape)
-
-        held = (np.asarray(keys_u, np.uint32).reshape(-1, 2), conform(scales, np.float32, (-1,)),
-                None if factor is None else conform(factor, np.float32, ()))
+        keys_u, scales, factor = update  # a deferred step's scales and factor are still on the device
+        held = (_conform(keys_u, np.uint32, (-1, 2)), _conform(scales, np.float32, (-1,)),
+                None if factor is None else _conform(factor, np.float32, ()))
         return (params, held, *self._args(None, batch, keys, eps_scale, enc)[1:])
 
     def compiled_after_update(self, params, update, batch, keys, eps_scale, enc=None):
@@ -575,6 +566,13 @@ class ProjectedGradientsFn:
         args = self._args(params, batch, keys, eps_scale, enc)
         _reuse_host_memory()
         return self._entry(*args)[0](*args)
+
+
+def _conform(x, dtype, shape):
+    """``x`` as ``dtype`` and ``shape`` for a ZO program's call: a device array stays on its device
+    (a deferred step's scales), a host value stays a NumPy array (the call transfers it; converting
+    it with jnp would dispatch a small program of its own at every step)."""
+    return (jnp if isinstance(x, jax.Array) else np).asarray(x, dtype).reshape(shape)
 
 
 def _encoded(out, enc):
@@ -902,20 +900,15 @@ class _Outcome:
     and the update's scales and decay factor (:func:`_encoded`), which the next step's program
     applies without the host."""
 
-    __slots__ = ("iteration", "lr", "eps", "scaling", "distribution", "device", "_result")
+    __slots__ = ("g", "losses", "codes", "scales", "factor", "iteration", "lr", "eps", "scaling", "distribution",
+                 "_result")
 
-    def __init__(self, device: tuple, *, iteration: int, lr: float, eps: float, scaling: str, distribution: str):
-        self.device = device  # (g, ℓ, codes, scales, factor), device arrays (factor: None without decay)
+    def __init__(self, g, losses, codes, scales, factor, *, iteration: int, lr: float, eps: float, scaling: str,
+                 distribution: str):
+        # device arrays, as _encoded returns them (factor: None without weight decay)
+        self.g, self.losses, self.codes, self.scales, self.factor = g, losses, codes, scales, factor
         self.iteration, self.lr, self.eps, self.scaling, self.distribution = iteration, lr, eps, scaling, distribution
         self._result: _Resolved | None = None
-
-    @property
-    def scales(self):
-        return self.device[3]
-
-    @property
-    def factor(self):
-        return self.device[4]
 
     def result(self) -> _Resolved:
         """Fetched and checked once (then kept): the host encodes the fetched ``g`` itself
@@ -924,7 +917,7 @@ class _Outcome:
         not: the backend broke the determinism contract)."""
         if self._result is not None:
             return self._result
-        g, losses, codes, scales = jax.device_get(self.device[:4])
+        g, losses, codes, scales = jax.device_get((self.g, self.losses, self.codes, self.scales))
         payload, decoded, coefficients = _host_update(g, losses, _codecs.ONEBYTE, self.lr, self.scaling,
                                                       iteration=self.iteration, eps=self.eps)
         host_scales = _replay.update_scales(self.distribution, coefficients)
@@ -937,7 +930,7 @@ class _Outcome:
                 f"(run `zeroth doctor`), and mezo_step(..., defer=False) computes them on the host"
             )
         self._result = _Resolved(decoded, payload, float(np.mean(losses)), tuple(coefficients))
-        self.device = (None, None, None, *self.device[3:])  # the scales and factor may still be applied
+        self.g = self.losses = self.codes = None  # fetched; the scales and factor may still be applied
         return self._result
 
 
@@ -1154,7 +1147,7 @@ def mezo_step(
             exc.params = params
             raise
     if defer:
-        outcome = _Outcome(tuple(out), iteration=iteration, lr=lr, eps=eps, scaling=scaling, distribution=distribution)
+        outcome = _Outcome(*out, iteration=iteration, lr=lr, eps=eps, scaling=scaling, distribution=distribution)
         return Deferred(Held(params, keys, None, decay_to, distribution, ahead, outcome))
     g, losses = jax.device_get(tuple(out))
     try:

@@ -42,8 +42,7 @@ from zeroth import replay as _replay
 from zeroth import schedules as _schedules
 from zeroth import zo as _zo
 from zeroth.kernels import perturb as _kernels
-from zeroth.methods.base import MACHINE, Method, StepInfo, TrainState
-from zeroth.methods.base import Later as _Later
+from zeroth.methods.base import MACHINE, Later, Method, StepInfo, TrainState
 
 __all__ = ["zo_method", "mezo_update"]
 
@@ -96,7 +95,7 @@ def zo_method(cfg, model, *, defer: bool | None = None) -> Method:
         if defer:  # fetched when a hook reads them, or by the next step while the device runs it
             outcome = out.params.outcome  # (not the Held: its parameters go to the next step)
             info = StepInfo(2 * t.n_perturbations, 0, t.n_perturbations * bytes_per_value,
-                            _Later(lambda: outcome.result().loss), _Later(lambda: outcome.result().grads))
+                            Later(lambda: outcome.result().loss), Later(lambda: outcome.result().grads))
             return state._replace(step=state.step + 1, params=out.params), info
         if len(out.payload) != t.n_perturbations * bytes_per_value:
             raise RuntimeError(f"codec {t.codec!r} produced {len(out.payload)} bytes for {t.n_perturbations} values")
