@@ -18,7 +18,7 @@ import yaml
 from zeroth import codecs
 from zeroth.config import load_config_dict, to_dict
 from zeroth.train import trainer
-from zeroth.train.checkpoint import CheckpointError
+from zeroth.train.checkpoint import FILES, Checkpointer, CheckpointError, checksum
 from zeroth.train.metrics import read_metrics, summarize
 from zeroth.train.runs import load_run
 from zeroth.run import main as run_main
@@ -242,6 +242,7 @@ def _files_under(path: Path):
     return [p for p in path.rglob("*") if p.is_file()]
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 def test_corrupt_checkpoint_gives_clear_error_and_loses_nothing(tmp_path):
     cfg = load_config_dict(small(train={"steps": 20, "eval_every": 10, "checkpoint_every": 10}))
     out = tmp_path / "c"
@@ -251,17 +252,52 @@ def test_corrupt_checkpoint_gives_clear_error_and_loses_nothing(tmp_path):
     # truncate every array file of the newest checkpoint's parameters
     damaged = [p for p in _files_under(ck / "20" / "params") if "/d/" in str(p)]
     assert damaged
+    sizes = {p: p.stat().st_size for p in damaged}
     for p in damaged:
         p.write_bytes(p.read_bytes()[: max(1, p.stat().st_size // 3)])
     with pytest.raises(CheckpointError) as e:
         trainer.train(cfg, out, resume=True, progress=False)
     msg = str(e.value)
     assert "20" in msg and "--resume-step 10" in msg and "Nothing was deleted" in msg
+    # the file list names a cut file with both sizes, before orbax reads it
+    named = [p for p in damaged if p.relative_to(ck / "20").as_posix() in msg]
+    assert len(named) == 1 and f"{named[0].stat().st_size:,} bytes, {sizes[named[0]]:,} when saved" in msg, msg
     assert (ck / "10").is_dir() and (ck / "20").is_dir()
     # resuming the older checkpoint moves the damaged one aside and reproduces the run
     res = trainer.train(cfg, out, resume=True, resume_step=10, progress=False)
     assert res.digest == ref.digest and res.resumed_from == 10
     assert (out / "checkpoints_quarantine" / "20").is_dir()
+
+
+def test_a_checkpoints_file_list_names_a_damaged_file_and_an_unlisted_step_is_still_read(tmp_path):
+    rng = np.random.default_rng(0)
+    params = {"w": rng.standard_normal((64, 32)).astype(np.float32), "b": {"c": np.arange(7, dtype=np.float32)}}
+    opt = {"m": np.ones(5, np.float32)}
+    ck = Checkpointer(tmp_path / "ck")
+    for step in (1, 2, 3):
+        ck.save(step, params, opt, {"step": step, "digest": checksum(params)})
+    listed = json.loads((tmp_path / "ck" / "2" / FILES).read_text())
+    assert {k.split("/")[0] for k in listed} == {"params", "opt_state", "meta"}
+    assert ck.restore(2, params, opt).meta["step"] == 2
+    # one flipped bit in a data file, same size: its CRC-32 is named
+    victim = max((tmp_path / "ck" / "2").glob("params/**/d/*"), key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    for read in (lambda: ck.restore(2, params, opt), lambda: ck.restore_saved(2)):
+        with pytest.raises(CheckpointError, match=rf"{victim.relative_to(tmp_path / 'ck' / '2').as_posix()} has CRC-32 [0-9a-f]{{8}}, [0-9a-f]{{8}} when saved.*--resume-step 1"):
+            read()
+    # a missing file, and a list that is not one
+    (tmp_path / "ck" / "3" / "meta" / "metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"meta/metadata is missing"):
+        ck.restore(3, params, opt)
+    (tmp_path / "ck" / "1" / FILES).write_text("[1, 2")
+    with pytest.raises(CheckpointError, match=rf"its {FILES} is not a valid list of files"):
+        ck.restore(1, params, opt)
+    # a step without the list (saved before it existed) is read, and still checked by its digest
+    (tmp_path / "ck" / "1" / FILES).unlink()
+    got = ck.restore(1, params, opt)
+    assert checksum(got.params) == checksum(params) and ck.steps() == [1, 2, 3]
 
 
 def _write_cfg(path: Path, raw: dict) -> Path:

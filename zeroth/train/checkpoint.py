@@ -6,9 +6,13 @@ cumulative counters, parameter digest, config digest). Saves are synchronous and
 writes a temporary folder and renames it), so a process killed mid-save leaves the previous
 checkpoints intact; leftover temporary folders are removed when the next run opens the folder.
 
-On restore the digest of the restored parameters must equal the one stored in ``meta``: a
-truncated or corrupted checkpoint raises :class:`CheckpointError`, which names the folder and
-the older steps that can be resumed instead. Nothing is deleted on error; :func:`quarantine`
+Once a step is finalized, ``checkpoints/<s>/files.json`` records the size and CRC-32 of every
+file of its items. A restore checks them before orbax reads anything, so a truncated or damaged
+file is named with its size or checksum against the saved one (a step without the list, saved
+before it existed or by a process killed between finalizing and writing it, is read as it is).
+The digest of the restored parameters must then equal the one stored in ``meta``. Either way a
+bad checkpoint raises :class:`CheckpointError`, which names the folder and the older steps that
+can be resumed instead. Nothing is deleted on error; :func:`quarantine`
 moves a bad step aside (to ``checkpoints_quarantine/``) when an older one is resumed.
 
 Example:
@@ -22,8 +26,10 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -32,7 +38,7 @@ import numpy as np
 
 from zeroth.replay import checksum, host_tree
 
-__all__ = ["Checkpointer", "Restored", "CheckpointError", "checksum"]
+__all__ = ["FILES", "Checkpointer", "Restored", "CheckpointError", "checksum"]
 
 
 class CheckpointError(RuntimeError):
@@ -42,6 +48,50 @@ class CheckpointError(RuntimeError):
 def _dtype(a) -> np.dtype:
     """The dtype of an array, a ``jax.ShapeDtypeStruct`` or a scalar."""
     return np.dtype(a.dtype) if hasattr(a, "dtype") else np.asarray(a).dtype
+
+
+FILES = "files.json"  # the list of a finalized step's files: {relative path: [size, crc32]}
+_ITEMS = ("params", "opt_state", "meta")
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _item_files(folder: Path) -> dict[str, list[int]]:
+    """``{path relative to folder: [size, crc32]}`` of every file under the items of a step folder."""
+    out = {}
+    for item in _ITEMS:
+        for root, _, names in os.walk(folder / item):
+            for name in names:
+                f = Path(root) / name
+                out[f.relative_to(folder).as_posix()] = [f.stat().st_size, _crc32(f)]
+    return dict(sorted(out.items()))
+
+
+def _check_files(folder: Path) -> str | None:
+    """What differs between a step folder's files and its ``files.json`` (None: nothing, or no list)."""
+    listed = folder / FILES
+    if not listed.is_file():
+        return None
+    try:
+        saved = json.loads(listed.read_text())
+        saved = {str(k): (int(v[0]), int(v[1])) for k, v in saved.items()}
+    except (ValueError, TypeError, IndexError, AttributeError) as e:
+        return f"its {FILES} is not a valid list of files ({type(e).__name__}: {e})"
+    for rel, (size, crc) in saved.items():
+        f = folder / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if (got := f.stat().st_size) != size:
+            return f"{rel} is {got:,} bytes, {size:,} when saved"
+        if (got := _crc32(f)) != crc:
+            return f"{rel} has CRC-32 {got:08x}, {crc:08x} when saved"
+    return None
 
 
 class Restored(NamedTuple):
@@ -101,6 +151,13 @@ class Checkpointer:
             items["opt_state"] = ocp.args.StandardSave(jax.device_get(opt_state))
         self._manager.save(int(step), args=ocp.args.Composite(**items), force=True)
         self._manager.wait_until_finished()
+        folder = self.directory / str(int(step))
+        tmp = folder / f"{FILES}.tmp"
+        with tmp.open("w") as fh:
+            json.dump(_item_files(folder), fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, folder / FILES)
 
     def _error(self, step: int, why: str) -> CheckpointError:
         older = [s for s in self.steps() if s < step]
@@ -125,6 +182,8 @@ class Checkpointer:
             raise CheckpointError(
                 f"no checkpoint at step {step} in {self.directory}; available steps: {self.steps()}"
             )
+        if (why := _check_files(self.directory / str(step))) is not None:
+            raise self._error(step, why)
         as_np = lambda t: jax.tree_util.tree_map(lambda a: np.zeros(np.shape(a), _dtype(a)), t)  # noqa: E731
         items = {"params": ocp.args.StandardRestore(as_np(params_template)), "meta": ocp.args.JsonRestore()}
         if opt_template is not None:
@@ -162,6 +221,8 @@ class Checkpointer:
         ocp = _ocp()
         if step not in self.steps():
             raise CheckpointError(f"no checkpoint at step {step} in {self.directory}; available steps: {self.steps()}")
+        if (why := _check_files(self.directory / str(step))) is not None:
+            raise self._error(step, why)
         try:
             out = self._manager.restore(int(step), args=ocp.args.Composite(params=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
         except Exception as e:  # orbax/tensorstore raise many types for damaged files
