@@ -38,6 +38,7 @@
 #                                    program held 174.2 MB of scratch against inference's 132.1 MB
 #                                    (1.23x inference; 1.00x on a CPU), as if the scheduler computed
 #                                    most perturbed leaves up front; its time, memory and bits
+#                                    (zo_licm and zo_no_lhs compile the step's rows alone: --rows step)
 #   OUT/zo_while_graphs.json         the ZO step with the while loop of the evaluations and its
 #                                    conditionals captured in CUDA graphs too (XLA's command buffers;
 #                                    by default they hold fusions and library calls, not loops)
@@ -142,10 +143,10 @@ step kernels "$out/kernels.json" \
 step kernel_tiles "$out/kernel_tiles.json" \
   "$py" -m zeroth bench kernels --json --size "$size" --repeats "$reps" --sections baseline,tiles
 step zo_licm "$out/zo_licm.json" \
-  "$py" -m zeroth bench zo --json --model transformer --width 4096 --distribution binomial \
+  "$py" -m zeroth bench zo --json --model transformer --width 4096 --distribution binomial --rows step \
   --zo-option xla_disable_hlo_passes=while-loop-invariant-code-motion "${zo_args[@]}"
 step zo_no_lhs "$out/zo_no_lhs.json" \
-  "$py" -m zeroth bench zo --json --model transformer --width 4096 --distribution binomial \
+  "$py" -m zeroth bench zo --json --model transformer --width 4096 --distribution binomial --rows step \
   --zo-option xla_gpu_enable_latency_hiding_scheduler=false "${zo_args[@]}"
 step zo_while_graphs "$out/zo_while_graphs.json" env \
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \

@@ -183,6 +183,44 @@ def test_bench_zo_times_the_flat_layout_beside_the_tree(capsys):
     assert ratios["held_same_bits_flat_unrolled_rademacher"] == 1.0
 
 
+def test_bench_zo_rows_compiles_and_times_only_the_groups_named(capsys):
+    from zeroth.bench import zo
+
+    common = ["--width", "32", "--batch", "4", "--repeats", "1", "--warmup", "0", "--distribution", "rademacher"]
+    assert zo.main(["--json", *common, "--rows", "deferred,flat_held", "--profile", "1"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    # a flat group implies the flat layout; the groups in their own order
+    assert result["config"]["rows"] == ["flat_held", "deferred"] and result["config"]["flat"] is True
+    names = [r["name"] for r in result["rows"]]
+    assert names == ["inference forward"] * 3 + ["ZO step n=1 rademacher (flat layout), update held",
+                                                 "ZO step n=1 rademacher (flat layout), update held, deferred"]
+    ratios = result["ratios"]
+    assert set(ratios) == {f"{r}_rademacher" for r in (
+        "zo_time_over_forwards_flat_held", "zo_memory_over_inference_flat_held", "held_same_bits_flat",
+        "zo_time_over_forwards_flat_deferred", "zo_memory_over_inference_flat_deferred", "deferred_time_over_held_flat",
+        "deferred_same_bits_flat", "zo_idle_fraction_flat_held")} | {"zo_time_over_forwards_flat_deferred_rademacher_medians"}
+    assert ratios["held_same_bits_flat_rademacher"] == ratios["deferred_same_bits_flat_rademacher"] == 1.0
+    assert set(result["profile"]) == {"inference forward", "ZO step rademacher (flat layout), update held",
+                                      f"ZO step rademacher (flat layout), update held, deferred x{zo.DEFERRED_CHAIN}"}
+    # nothing else was compiled: no tree step, no flat step with its update applied, no backprop
+    err = captured.err
+    assert "timing 5 rows, 1 rounds" in err
+    assert "compiling the projected gradients and the update" not in err and "backprop" not in err
+    assert "the flat layout's step, with its update applied" not in err
+    # bad groups, and combinations that compare with rows left out, are one line naming what is right
+    for rows, extra, message in (
+        ("held,nope", [], "--rows takes distinct groups among step, held, flat, flat_held, deferred, backprop"),
+        ("held,held", [], "--rows takes distinct groups among"),
+        ("step,held", ["--flat"], "--flat adds the flat layout's rows, and --rows step,held names none of them"),
+        ("held", ["--unroll"], "--unroll compares with the rows of ['step']: add them to --rows (got held)"),
+        ("step,flat_held", ["--unroll"], "--unroll compares with the rows of ['flat']"),
+        ("backprop", ["--zo-option", "xla_disable_hlo_passes="], "--zo-option compares with the rows of ['step']"),
+    ):  # fmt: skip
+        assert zo.main([*common, "--rows", rows, *extra]) == 2
+        assert message in capsys.readouterr().err, (rows, extra)
+
+
 def test_bench_zo_times_the_program_again_under_changed_xla_options(capsys):
     from zeroth.bench import zo
 

@@ -1,4 +1,4 @@
-"""``zeroth bench zo [--json] [--model M] [--batch B] [--width W] [--seq-len T] [--n N]``.
+"""``zeroth bench zo [--json] [--model M] [--batch B] [--width W] [--seq-len T] [--n N] [--flat] [--rows G,...]``.
 
 A MeZO step against plain inference and against a backprop step, on one model and batch. Models:
 zeroth's own ``mlp``, ``cnn``, ``transformer`` (random inputs ``f32[B, 28, 28, 1]``, size set by
@@ -80,6 +80,16 @@ __all__ = ["main", "run", "default_batch", "MODELS", "PRETRAINED_MODELS"]
 PRETRAINED_MODELS = _pretrained_bench.MODELS
 MODELS = ("mlp", "cnn", "transformer", *PRETRAINED_MODELS)
 TARGETS = {"zo_time_over_forwards": ("<=", 1.2), "zo_memory_over_inference": ("<=", 1.2)}
+# The groups of rows ``--rows`` names (the inference forward is always timed: every ratio is over it).
+ROW_GROUPS = {
+    "step": "the ZO step (tree) and its parts: projected gradients, update, fetched, host work",
+    "held": "the ZO step with its update held (tree)",
+    "flat": "the ZO step, its projected gradients and its update on the flat layout",
+    "flat_held": "the flat layout's step with its update held (what the trainer runs on a GPU)",
+    "deferred": "the flat layout's held step, deferred (the trainer's one-byte step)",
+    "backprop": "the backprop step",
+}
+_FLAT_GROUPS = ("flat", "flat_held", "deferred")
 _INPUT_SHAPE = (28, 28, 1)
 _NUM_CLASSES = 10
 _EPS = 1e-3
@@ -138,6 +148,7 @@ def run(
     zo_options: dict[str, Any] | None = None,
     flat: bool = False,
     unroll: bool = False,
+    rows: tuple[str, ...] | None = None,
     progress: Callable[[str], None] = _common.no_progress,
 ) -> dict:
     """Run the benchmark; returns ``{"config", "environment", "rows", "ratios", "targets"}``.
@@ -173,6 +184,12 @@ def run(
     ``unrolled_memory_over_loop[_flat]_*``, ``unrolled_same_bits[_flat]_*`` and
     ``zo_time_over_forwards_flat_held_unrolled_*``.
 
+    With ``rows`` (``--rows step,held,...``), only those groups of :data:`ROW_GROUPS` are compiled
+    and timed, with the inference forward (ratios of rows left out are left out too): on a GPU,
+    where compiling is most of a run (about 200 of 210 s on an H100), ``--rows flat_held,deferred``
+    times the trainer's steps alone. A flat group implies ``flat``; ``None`` is every group (the
+    flat ones with ``flat``).
+
     ``progress(message)`` is called at each stage (compiling a program, warming up a row, timing,
     profiling); ``zeroth bench zo`` prints these lines on stderr (:class:`zeroth.bench._common.Progress`).
 
@@ -196,6 +213,12 @@ def run(
     for d in distributions:
         noise.check_distribution(d)
     zo_options = dict(zo_options or {})
+    groups = _row_groups(rows, flat)
+    flat = any(g in _FLAT_GROUPS for g in groups)
+    for needs, what in ((unroll, "--unroll"), (zo_options, "--zo-option")):
+        missing = [g for g in ("step", *(("flat",) if flat and what == "--unroll" else ())) if g not in groups]
+        if needs and missing:
+            raise ValueError(f"{what} compares with the rows of {missing}: add them to --rows (got {','.join(groups)})")
     import optax
 
     progress(f"setting up {model}")
@@ -224,45 +247,28 @@ def run(
     flat_params = replay.flatten(params) if flat else None  # read only: the flat rows' and the unrolled rows'
     for dist in distributions:
         pg = zo.projected_gradients_fn(loss_fn, distribution=dist)
-        # the update as mezo_step runs it: replay(..., donate=True), the fused kernels in place
-        upd = jax.jit(functools.partial(fused.apply_updates, distribution=dist, inplace=True), donate_argnums=0)
         coefficients = [_LR * 0.1 * (i + 1) for i in range(n)]
         scales = replay.update_scales(dist, coefficients)
-        progress(f"compiling the projected gradients and the update ({dist})")
-        mem[f"zo_pg_{dist}"] = zo.compiled_memory(pg.compiled(params, data, keys, eps))
-        chosen[dist] = pg.chosen_options(params, data, keys, eps)
-        mem[f"zo_update_{dist}"] = zo.compiled_memory(upd.lower(params, keys, scales).compile())
-        state = {"params": jax.tree_util.tree_map(jnp.copy, params), "it": 0}
-
-        def step(state=state, dist=dist):
-            out = zo.mezo_step(loss_fn, state["params"], data, run_seed=0, iteration=state["it"], lr=_LR, eps=_EPS,
-                               n_perturbations=n, distribution=dist, codec=codec, donate=True)
-            state["params"] = jax.block_until_ready(out.params)
-            state["it"] += 1
-
-        ustate = {"params": jax.tree_util.tree_map(jnp.copy, params)}
-
-        def update(ustate=ustate, upd=upd, scales=scales):
-            ustate["params"] = jax.block_until_ready(upd(ustate["params"], keys, scales))
-
-        fns[f"zo_step_{dist}"] = step
-        fns[f"zo_pg_{dist}"] = lambda pg=pg: jax.block_until_ready(pg(params, data, keys, eps))
-        fns[f"zo_update_{dist}"] = update
-        # the step's other parts: its projected gradients fetched to the host as mezo_step does
-        # (device_get, not block_until_ready), and its host work alone (keys, codec, coefficients, scales)
-        fns[f"zo_fetch_{dist}"] = lambda pg=pg: jax.device_get(pg(params, data, keys, eps))
-        fns[f"zo_host_{dist}"] = functools.partial(_host_work, jax.device_get(pg(params, data, keys, eps)), n, dist, codec)
-        progress(f"the step with its update held, and its bits ({dist})")
-        _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist, n, codec, flat=False)
-        if flat:
-            progress(f"the flat layout's step, with its update applied and held, and their bits ({dist})")
+        held = functools.partial(_held_rows, fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist, n, codec)
+        if "step" in groups:
+            progress(f"compiling the projected gradients and the update ({dist})")
+            _step_rows(fns, mem, chosen, pg, params, data, keys, eps, scales, codec, loss_fn, dist, n)
+        if "held" in groups:
+            progress(f"the step with its update held, and its bits ({dist})")
+            held(flat=False)
+        if "flat" in groups:
+            progress(f"the flat layout's step, with its update applied, and its bits ({dist})")
             _flat_rows(fns, mem, same, loss_fn, params, flat_params, data, keys, eps, coefficients, pg, dist, n, codec)
-            _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist, n, codec, flat=True)
+        if "flat_held" in groups:
+            progress(f"the flat layout's step with its update held, and its bits ({dist})")
+            held(flat=True)
+        if "deferred" in groups:
             progress(f"the flat layout's step, deferred, and its bits ({dist})")
-            _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist, n, codec, flat=True, defer=True)
+            held(flat=True, defer=True)
         if unroll:
             progress(f"the projected gradients unrolled ({dist})")
-            _unrolled_rows(fns, mem, same, loss_fn, params, flat_params, data, keys, eps, scales, pg, dist, n, codec)
+            _unrolled_rows(fns, mem, same, loss_fn, params, flat_params, data, keys, eps, scales, pg, dist, n, codec,
+                           held_flat="flat_held" in groups)
         if zo_options:
             progress(f"compiling the projected gradients under --zo-option ({dist})")
             try:
@@ -273,28 +279,9 @@ def run(
             fns[f"zo_pg_options_{dist}"] = lambda other=other: jax.block_until_ready(other(params, data, keys, eps))
             same[dist] = _same_bits(pg(params, data, keys, eps), other(params, data, keys, eps))
 
-    opt = optax.sgd(_LR)
-
-    def bp_step(p, s, b):
-        with jax.numpy_dtype_promotion("standard"):
-            loss, g = jax.value_and_grad(loss_fn)(p, b)
-            updates, s = opt.update(g, s, p)
-            return optax.apply_updates(p, updates), s, loss
-
-    progress(f"compiling the backprop step under {len(fwd_variants)} option sets")
-    bstate = {"params": jax.tree_util.tree_map(jnp.copy, params)}
-    bstate["opt"] = opt.init(bstate["params"])
-    bp_lowered = jax.jit(bp_step, donate_argnums=(0, 1)).lower(bstate["params"], bstate["opt"], data)
-    bp_compiled = [bp_lowered.compile(o) for o in fwd_variants.values()]
-    bp_mem = [zo.compiled_memory(c) for c in bp_compiled]
-    best_bp = int(np.argmin([m["peak"] for m in bp_mem]))
-    bp, mem["backprop"] = bp_compiled[best_bp], bp_mem[best_bp]
-
-    def backprop():
-        p, s, loss = bp(bstate["params"], bstate["opt"], data)
-        bstate["params"], bstate["opt"] = jax.block_until_ready((p, s))
-
-    fns["backprop"] = backprop
+    if "backprop" in groups:
+        progress(f"compiling the backprop step under {len(fwd_variants)} option sets")
+        mem["backprop"], backprop_options = _backprop_row(fns, loss_fn, params, data, fwd_variants, optax.sgd(_LR))
     times = _common.timeit_many(fns, warmup=warmup, repeats=repeats, progress=progress)
     times.update({k: _per_step(v) for k, v in times.items() if k.startswith("zo_held_deferred")})
 
@@ -309,18 +296,19 @@ def run(
     ]
     ratios: dict[str, float] = {}
     for dist in distributions:
-        step_mem = _step_memory(mem[f"zo_pg_{dist}"], mem[f"zo_update_{dist}"])
-        m_step = step_mem["peak"]
-        rows.append(_row(f"ZO step n={n} {dist}", times[f"zo_step_{dist}"], step_mem, 2 * n, t_fwd, m_fwd,
-                         f"mezo_step end to end, codec {codec}"))
-        rows.append(_row("  projected gradients", times[f"zo_pg_{dist}"], mem[f"zo_pg_{dist}"], 2 * n, t_fwd, m_fwd,
-                         f"{2 * n} forwards at θ±εz, one program, {_describe(chosen[dist])}"))
-        rows.append(_row("  update (replay)", times[f"zo_update_{dist}"], mem[f"zo_update_{dist}"], None, t_fwd, m_fwd,
-                         "replay, fused kernels, donated"))
-        rows.append(_row("  projected gradients, fetched", times[f"zo_fetch_{dist}"], mem[f"zo_pg_{dist}"], 2 * n, t_fwd,
-                         m_fwd, "the same call, its outputs fetched to the host (jax.device_get) as mezo_step does"))
-        rows.append(_row("  host work of the step", times[f"zo_host_{dist}"], {"peak": 0, "temp": 0}, None, t_fwd, m_fwd,
-                         "keys, codec, coefficients and scales on the host, no device"))
+        if "step" in groups:
+            step_mem = _step_memory(mem[f"zo_pg_{dist}"], mem[f"zo_update_{dist}"])
+            m_step = step_mem["peak"]
+            rows.append(_row(f"ZO step n={n} {dist}", times[f"zo_step_{dist}"], step_mem, 2 * n, t_fwd, m_fwd,
+                             f"mezo_step end to end, codec {codec}"))
+            rows.append(_row("  projected gradients", times[f"zo_pg_{dist}"], mem[f"zo_pg_{dist}"], 2 * n, t_fwd, m_fwd,
+                             f"{2 * n} forwards at θ±εz, one program, {_describe(chosen[dist])}"))
+            rows.append(_row("  update (replay)", times[f"zo_update_{dist}"], mem[f"zo_update_{dist}"], None, t_fwd, m_fwd,
+                             "replay, fused kernels, donated"))
+            rows.append(_row("  projected gradients, fetched", times[f"zo_fetch_{dist}"], mem[f"zo_pg_{dist}"], 2 * n, t_fwd,
+                             m_fwd, "the same call, its outputs fetched to the host (jax.device_get) as mezo_step does"))
+            rows.append(_row("  host work of the step", times[f"zo_host_{dist}"], {"peak": 0, "temp": 0}, None, t_fwd, m_fwd,
+                             "keys, codec, coefficients and scales on the host, no device"))
         if zo_options:
             t_opt, m_opt = times[f"zo_pg_options_{dist}"], mem[f"zo_pg_options_{dist}"]
             rows.append(_row("  projected gradients", t_opt, m_opt, 2 * n, t_fwd, m_fwd,
@@ -328,35 +316,41 @@ def run(
             ratios[f"options_time_over_chosen_{dist}"] = t_opt.min_s / times[f"zo_pg_{dist}"].min_s
             ratios[f"options_memory_over_chosen_{dist}"] = m_opt["peak"] / mem[f"zo_pg_{dist}"]["peak"]
             ratios[f"options_same_bits_{dist}"] = float(same[dist])
-        rows.append(_row(f"ZO step n={n} {dist}, update held", times[f"zo_held_{dist}"], mem[f"zo_held_{dist}"], 2 * n,
-                         t_fwd, m_fwd, "mezo_step(hold=True): the last update applied in this step's program, one call"))
-        ratios[f"zo_time_over_forwards_held_{dist}"] = times[f"zo_held_{dist}"].min_s / (2 * n * t_fwd)
-        ratios[f"zo_memory_over_inference_held_{dist}"] = mem[f"zo_held_{dist}"]["peak"] / m_fwd
-        ratios[f"held_step_time_over_step_{dist}"] = times[f"zo_held_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
-        ratios[f"held_same_bits_{dist}"] = float(same[f"held_{dist}"])
-        ratios[f"zo_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].min_s / (2 * n * t_fwd)
-        ratios[f"zo_time_over_forwards_{dist}_medians"] = times[f"zo_step_{dist}"].median_s / (2 * n * t_fwd_median)
-        ratios[f"zo_cpu_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].cpu_min_s / (2 * n * c_fwd)
-        ratios[f"zo_memory_over_inference_{dist}"] = m_step / m_fwd
-        ratios[f"update_fraction_of_step_{dist}"] = times[f"zo_update_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
-        parts = times[f"zo_fetch_{dist}"].min_s + times[f"zo_update_{dist}"].min_s + times[f"zo_host_{dist}"].min_s
-        ratios[f"host_work_fraction_of_step_{dist}"] = times[f"zo_host_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
-        # what the parts timed alone leave of the step: waits between its calls (0 or below: none)
-        ratios[f"unattributed_fraction_of_step_{dist}"] = 1.0 - parts / times[f"zo_step_{dist}"].min_s
-        if flat:
+        if "held" in groups:
+            rows.append(_row(f"ZO step n={n} {dist}, update held", times[f"zo_held_{dist}"], mem[f"zo_held_{dist}"], 2 * n,
+                             t_fwd, m_fwd, "mezo_step(hold=True): the last update applied in this step's program, one call"))
+            ratios[f"zo_time_over_forwards_held_{dist}"] = times[f"zo_held_{dist}"].min_s / (2 * n * t_fwd)
+            ratios[f"zo_memory_over_inference_held_{dist}"] = mem[f"zo_held_{dist}"]["peak"] / m_fwd
+            if "step" in groups:
+                ratios[f"held_step_time_over_step_{dist}"] = times[f"zo_held_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
+            ratios[f"held_same_bits_{dist}"] = float(same[f"held_{dist}"])
+        if "step" in groups:
+            ratios[f"zo_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].min_s / (2 * n * t_fwd)
+            ratios[f"zo_time_over_forwards_{dist}_medians"] = times[f"zo_step_{dist}"].median_s / (2 * n * t_fwd_median)
+            ratios[f"zo_cpu_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].cpu_min_s / (2 * n * c_fwd)
+            ratios[f"zo_memory_over_inference_{dist}"] = m_step / m_fwd
+            ratios[f"update_fraction_of_step_{dist}"] = times[f"zo_update_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
+            parts = times[f"zo_fetch_{dist}"].min_s + times[f"zo_update_{dist}"].min_s + times[f"zo_host_{dist}"].min_s
+            ratios[f"host_work_fraction_of_step_{dist}"] = times[f"zo_host_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
+            # what the parts timed alone leave of the step: waits between its calls (0 or below: none)
+            ratios[f"unattributed_fraction_of_step_{dist}"] = 1.0 - parts / times[f"zo_step_{dist}"].min_s
+        if "flat" in groups:
             for key, name, note in (("zo_step", f"ZO step n={n} {dist} (flat layout)", "mezo_step on replay.flatten(params)"),
                                     ("zo_pg", "  projected gradients (flat layout)", "the same program, unflattened inside"),
                                     ("zo_update", "  update (replay, flat layout)", "replay(flat, donate=True)")):
                 rows.append(_row(name, times[f"{key}_flat_{dist}"], mem[f"{key}_flat_{dist}"], 2 * n if key != "zo_update" else None, t_fwd, m_fwd, note))
-                ratios[f"flat_{key[3:]}_time_over_tree_{dist}"] = times[f"{key}_flat_{dist}"].min_s / times[f"{key}_{dist}"].min_s
+                if "step" in groups:
+                    ratios[f"flat_{key[3:]}_time_over_tree_{dist}"] = times[f"{key}_flat_{dist}"].min_s / times[f"{key}_{dist}"].min_s
             ratios[f"zo_time_over_forwards_flat_{dist}"] = times[f"zo_step_flat_{dist}"].min_s / (2 * n * t_fwd)
             ratios[f"flat_same_bits_{dist}"] = float(same[f"flat_{dist}"])
+        if "flat_held" in groups:
             rows.append(_row(f"ZO step n={n} {dist} (flat layout), update held", times[f"zo_held_flat_{dist}"],
                              mem[f"zo_held_flat_{dist}"], 2 * n, t_fwd, m_fwd,
                              "mezo_step(hold=True) on replay.flatten(params): what the trainer runs on a GPU"))
             ratios[f"zo_time_over_forwards_flat_held_{dist}"] = times[f"zo_held_flat_{dist}"].min_s / (2 * n * t_fwd)
             ratios[f"zo_memory_over_inference_flat_held_{dist}"] = mem[f"zo_held_flat_{dist}"]["peak"] / m_fwd
             ratios[f"held_same_bits_flat_{dist}"] = float(same[f"held_flat_{dist}"])
+        if "deferred" in groups:
             key = f"zo_held_deferred_flat_{dist}"
             rows.append(_row(f"ZO step n={n} {dist} (flat layout), update held, deferred", times[key], mem[key], 2 * n,
                              t_fwd, m_fwd, f"mezo_step(hold=True, defer=True), codec onebyte: {DEFERRED_CHAIN} steps in a "
@@ -364,7 +358,8 @@ def run(
             ratios[f"zo_time_over_forwards_flat_deferred_{dist}"] = times[key].min_s / (2 * n * t_fwd)
             ratios[f"zo_time_over_forwards_flat_deferred_{dist}_medians"] = times[key].median_s / (2 * n * t_fwd_median)
             ratios[f"zo_memory_over_inference_flat_deferred_{dist}"] = mem[key]["peak"] / m_fwd
-            ratios[f"deferred_time_over_held_flat_{dist}"] = times[key].min_s / times[f"zo_held_flat_{dist}"].min_s
+            if "flat_held" in groups:
+                ratios[f"deferred_time_over_held_flat_{dist}"] = times[key].min_s / times[f"zo_held_flat_{dist}"].min_s
             ratios[f"deferred_same_bits_flat_{dist}"] = float(same[f"held_deferred_flat_{dist}"])
     for dist in distributions if unroll else ():
         for suffix, label in (("", ""), *((("_flat", " (flat layout)"),) if flat else ())):
@@ -375,50 +370,48 @@ def run(
             ratios[f"unrolled_pg_time_over_loop{suffix}_{dist}"] = times[key].min_s / times[loop].min_s
             ratios[f"unrolled_memory_over_loop{suffix}_{dist}"] = mem[key]["peak"] / mem[loop]["peak"]
             ratios[f"unrolled_same_bits{suffix}_{dist}"] = float(same[f"unrolled{suffix}_{dist}"])
-        if flat:
+        if flat and "flat_held" in groups:
             key = f"zo_held_flat_unrolled_{dist}"
             rows.append(_row(f"ZO step n={n} {dist} (flat layout), update held, unrolled", times[key], mem[key], 2 * n,
                              t_fwd, m_fwd, "mezo_step(hold=True, unroll=True) on replay.flatten(params)"))
             ratios[f"zo_time_over_forwards_flat_held_unrolled_{dist}"] = times[key].min_s / (2 * n * t_fwd)
             ratios[f"zo_memory_over_inference_flat_held_unrolled_{dist}"] = mem[key]["peak"] / m_fwd
             ratios[f"held_same_bits_flat_unrolled_{dist}"] = float(same[f"held_flat_unrolled_{dist}"])
-    rows.append(_row("backprop step (sgd)", times["backprop"], mem["backprop"], None, t_fwd, m_fwd,
-                     f"value_and_grad + optax.sgd, donated, {_describe(list(fwd_variants.values())[best_bp])}"))
-    ratios["backprop_time_over_two_forwards"] = times["backprop"].min_s / (2 * t_fwd)
-    ratios["backprop_time_over_two_forwards_medians"] = times["backprop"].median_s / (2 * t_fwd_median)
-    ratios["backprop_memory_over_inference"] = mem["backprop"]["peak"] / m_fwd
+    if "backprop" in groups:
+        rows.append(_row("backprop step (sgd)", times["backprop"], mem["backprop"], None, t_fwd, m_fwd,
+                         f"value_and_grad + optax.sgd, donated, {_describe(backprop_options)}"))
+        ratios["backprop_time_over_two_forwards"] = times["backprop"].min_s / (2 * t_fwd)
+        ratios["backprop_time_over_two_forwards_medians"] = times["backprop"].median_s / (2 * t_fwd_median)
+        ratios["backprop_memory_over_inference"] = mem["backprop"]["peak"] / m_fwd
     profiled: dict[str, Any] = {}
     if profile_calls:
         progress(f"profiling the forward and each ZO step, {profile_calls} calls each")
         fastest = min(fwd_variants, key=lambda k: times[f"forward_{k}"].min_s)
+        # (label, its fns key, its ratios' suffix) of each ZO row present
+        zo_rows = [(label, key, suffix) for label, key, suffix, group in (
+            ("", "zo_step", "", "step"), (" (flat layout)", "zo_step_flat", "_flat", "flat"),
+            (", update held", "zo_held", "_held", "held"), (" (flat layout), update held", "zo_held_flat", "_flat_held", "flat_held"),
+            (f" (flat layout), update held, deferred x{DEFERRED_CHAIN}", "zo_held_deferred_flat", None, "deferred"),
+            (" (flat layout), update held, unrolled", "zo_held_flat_unrolled", "_flat_held_unrolled", "flat_held" if unroll else None),
+        ) if group in groups]
         profiled = _profile_rows({"inference forward": fns[f"forward_{fastest}"],
-                                  **{f"ZO step {d}": fns[f"zo_step_{d}"] for d in distributions},
-                                  **{f"ZO step {d} (flat layout)": fns[f"zo_step_flat_{d}"] for d in distributions if flat},
-                                  **{f"ZO step {d}, update held": fns[f"zo_held_{d}"] for d in distributions},
-                                  **{f"ZO step {d} (flat layout), update held": fns[f"zo_held_flat_{d}"]
-                                     for d in distributions if flat},
-                                  **{f"ZO step {d} (flat layout), update held, deferred x{DEFERRED_CHAIN}":
-                                     fns[f"zo_held_deferred_flat_{d}"] for d in distributions if flat},
-                                  **{f"ZO step {d} (flat layout), update held, unrolled": fns[f"zo_held_flat_unrolled_{d}"]
-                                     for d in distributions if flat and unroll}},
+                                  **{f"ZO step {d}{label}": fns[f"{key}_{d}"] for label, key, _ in zo_rows for d in distributions}},
                                  profile_calls)
         if "error" not in profiled:
             fwd_busy = profiled["inference forward"]["busy_s_per_call"]
             for dist in distributions:
-                prof = profiled[f"ZO step {dist}"]
-                if fwd_busy > 0:
-                    ratios[f"zo_busy_over_forwards_{dist}"] = prof["busy_s_per_call"] / (2 * n * fwd_busy)
-                ratios[f"zo_idle_fraction_{dist}"] = prof["idle_s_per_call"] / prof["wall_s_per_call"]
-                for label, suffix in ((", update held", "_held"), *(((" (flat layout)", "_flat"),
-                                      (" (flat layout), update held", "_flat_held")) if flat else ()),
-                                      *(((" (flat layout), update held, unrolled", "_flat_held_unrolled"),) if flat and unroll else ())):
-                    prof = profiled[f"ZO step {dist}{label}"]
-                    ratios[f"zo_idle_fraction{suffix}_{dist}"] = prof["idle_s_per_call"] / prof["wall_s_per_call"]
+                if "step" in groups and fwd_busy > 0:
+                    ratios[f"zo_busy_over_forwards_{dist}"] = profiled[f"ZO step {dist}"]["busy_s_per_call"] / (2 * n * fwd_busy)
+                for label, _, suffix in zo_rows:
+                    if suffix is not None:
+                        prof = profiled[f"ZO step {dist}{label}"]
+                        ratios[f"zo_idle_fraction{suffix}_{dist}"] = prof["idle_s_per_call"] / prof["wall_s_per_call"]
     result = {
         "benchmark": "zo",
         "config": {"model": model, "model_kwargs": kwargs, "batch": batch,
                    "width": None if model in PRETRAINED_MODELS else width, "input_shape": input_shape,
-                   "n_perturbations": n, "codec": codec, "flat": flat, "unroll": unroll, "distributions": list(distributions), "params": n_params,
+                   "n_perturbations": n, "codec": codec, "flat": flat, "unroll": unroll, "rows": list(groups),
+                   "distributions": list(distributions), "params": n_params,
                    "param_bytes": int(param_bytes), "largest_leaf_bytes": largest_leaf},
         "memory_measure": "Compiled.memory_analysis(): argument + output + temp - alias bytes of each compiled program",
         "compiler_options": {"candidates": zo.compiler_option_candidates(), "chosen": chosen,
@@ -431,6 +424,85 @@ def run(
     if profile_calls:
         result["profile"] = profiled
     return result
+
+
+def _row_groups(rows, flat: bool) -> tuple[str, ...]:
+    """The groups of :data:`ROW_GROUPS` to run, in their order: ``rows`` (names, or None for every
+    group, the flat ones only with ``flat``).
+
+    Raises:
+      ValueError: an unknown or repeated group, none, or ``flat`` with no flat group among ``rows``.
+    """
+    if rows is None:
+        return tuple(g for g in ROW_GROUPS if flat or g not in _FLAT_GROUPS)
+    rows = [str(r).strip() for r in rows]
+    unknown = [r for r in rows if r not in ROW_GROUPS]
+    if unknown or not rows or len(set(rows)) != len(rows):
+        raise ValueError(f"--rows takes distinct groups among {', '.join(ROW_GROUPS)} (comma-separated), got {','.join(rows)!r}"
+                         + (f": {unknown} unknown" if unknown else ""))
+    if flat and not any(r in _FLAT_GROUPS for r in rows):
+        raise ValueError(f"--flat adds the flat layout's rows, and --rows {','.join(rows)} names none of them "
+                         f"({', '.join(_FLAT_GROUPS)})")
+    return tuple(g for g in ROW_GROUPS if g in rows)
+
+
+def _step_rows(fns, mem, chosen, pg, params, data, keys, eps, scales, codec: str, loss_fn, dist: str, n: int) -> None:
+    """The ZO step on the tree and its parts (the projected gradients, the update as ``mezo_step``
+    runs it, the projected gradients fetched, the host work), added to ``fns`` and ``mem`` under
+    ``zo_{step,pg,update,fetch,host}_{dist}``; ``chosen[dist]``: the estimator's compiler options."""
+    # the update as mezo_step runs it: replay(..., donate=True), the fused kernels in place
+    upd = jax.jit(functools.partial(fused.apply_updates, distribution=dist, inplace=True), donate_argnums=0)
+    mem[f"zo_pg_{dist}"] = zo.compiled_memory(pg.compiled(params, data, keys, eps))
+    chosen[dist] = pg.chosen_options(params, data, keys, eps)
+    mem[f"zo_update_{dist}"] = zo.compiled_memory(upd.lower(params, keys, scales).compile())
+    state = {"params": jax.tree_util.tree_map(jnp.copy, params), "it": 0}
+
+    def step():
+        out = zo.mezo_step(loss_fn, state["params"], data, run_seed=0, iteration=state["it"], lr=_LR, eps=_EPS,
+                           n_perturbations=n, distribution=dist, codec=codec, donate=True)
+        state["params"] = jax.block_until_ready(out.params)
+        state["it"] += 1
+
+    ustate = {"params": jax.tree_util.tree_map(jnp.copy, params)}
+
+    def update():
+        ustate["params"] = jax.block_until_ready(upd(ustate["params"], keys, scales))
+
+    fns[f"zo_step_{dist}"] = step
+    fns[f"zo_pg_{dist}"] = lambda: jax.block_until_ready(pg(params, data, keys, eps))
+    fns[f"zo_update_{dist}"] = update
+    # the step's other parts: its projected gradients fetched to the host as mezo_step does
+    # (device_get, not block_until_ready), and its host work alone (keys, codec, coefficients, scales)
+    fns[f"zo_fetch_{dist}"] = lambda: jax.device_get(pg(params, data, keys, eps))
+    fns[f"zo_host_{dist}"] = functools.partial(_host_work, jax.device_get(pg(params, data, keys, eps)), n, dist, codec)
+
+
+def _backprop_row(fns, loss_fn, params, data, variants: dict, opt) -> tuple[dict, dict | None]:
+    """The backprop step (``value_and_grad`` + ``opt``, parameters donated), compiled under each
+    option set of ``variants`` and the smallest peak kept, added to ``fns`` as ``backprop``;
+    returns its memory and its options."""
+    import optax
+
+    def bp_step(p, s, b):
+        with jax.numpy_dtype_promotion("standard"):
+            loss, g = jax.value_and_grad(loss_fn)(p, b)
+            updates, s = opt.update(g, s, p)
+            return optax.apply_updates(p, updates), s, loss
+
+    bstate = {"params": jax.tree_util.tree_map(jnp.copy, params)}
+    bstate["opt"] = opt.init(bstate["params"])
+    bp_lowered = jax.jit(bp_step, donate_argnums=(0, 1)).lower(bstate["params"], bstate["opt"], data)
+    bp_compiled = [bp_lowered.compile(o) for o in variants.values()]
+    bp_mem = [zo.compiled_memory(c) for c in bp_compiled]
+    best = int(np.argmin([m["peak"] for m in bp_mem]))
+    bp = bp_compiled[best]
+
+    def backprop():
+        p, s, _ = bp(bstate["params"], bstate["opt"], data)
+        bstate["params"], bstate["opt"] = jax.block_until_ready((p, s))
+
+    fns["backprop"] = backprop
+    return bp_mem[best], list(variants.values())[best]
 
 
 def _flat_rows(fns, mem, same, loss_fn, params, flat, data, keys, eps, coefficients, pg, dist: str, n: int, codec: str) -> None:
@@ -460,9 +532,10 @@ def _flat_rows(fns, mem, same, loss_fn, params, flat, data, keys, eps, coefficie
     fns[f"zo_update_flat_{dist}"] = update
 
 
-def _unrolled_rows(fns, mem, same, loss_fn, params, flat, data, keys, eps, scales, pg, dist: str, n: int, codec: str) -> None:
+def _unrolled_rows(fns, mem, same, loss_fn, params, flat, data, keys, eps, scales, pg, dist: str, n: int, codec: str, *,
+                   held_flat: bool = True) -> None:
     """The projected gradients with their forwards unrolled, on the tree (and its ``Flat`` ``flat``,
-    read only, unless None; with the held step there), beside the loop's: ``fns``/``mem`` under ``zo_pg_unrolled[_flat]_{dist}``
+    read only, unless None; with the held step there where ``held_flat``), beside the loop's: ``fns``/``mem`` under ``zo_pg_unrolled[_flat]_{dist}``
     (and ``zo_held_flat_unrolled_{dist}``); ``same["unrolled[_flat]_{dist}"]``: the same projected
     gradients and losses, bit for bit."""
     unrolled = zo.projected_gradients_fn(loss_fn, distribution=dist, unroll=True)
@@ -471,7 +544,7 @@ def _unrolled_rows(fns, mem, same, loss_fn, params, flat, data, keys, eps, scale
         mem[key] = zo.compiled_memory(unrolled.compiled(p, data, keys, eps))
         same[f"unrolled{suffix}_{dist}"] = _same_bits(pg(p, data, keys, eps), unrolled(p, data, keys, eps))
         fns[key] = lambda p=p: jax.block_until_ready(unrolled(p, data, keys, eps))
-    if flat is not None:
+    if flat is not None and held_flat:
         _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, unrolled, dist, n, codec, flat=True, unroll=True)
 
 
@@ -711,6 +784,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unroll", action="store_true",
                    help="also time the projected gradients with their forward passes as straight-line code instead of "
                         "a loop (and, with --flat, the held step on the flat layout so): time, memory and bits beside the loop's")
+    p.add_argument("--rows", type=lambda t: tuple(t.split(",")), default=None, metavar="GROUP,...",
+                   help="time only these groups of rows, with the inference forward (default all; the flat ones with "
+                        "--flat, which a flat group implies): " + "; ".join(f"{k}: {v}" for k, v in ROW_GROUPS.items()))
     p.add_argument("--zo-option", action="append", default=[], metavar="NAME=VALUE",
                    help="also time the projected-gradients program compiled with this XLA option changed (repeatable), "
                         "e.g. xla_disable_hlo_passes= to run loop-invariant code motion: its time, memory and bits beside the chosen one")
@@ -719,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
         dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
         result = run(args.model, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len, codec=args.codec,
                      distributions=dists, repeats=args.repeats, warmup=args.warmup, profile_calls=args.profile,
-                     zo_options=dict(parse_option(o) for o in args.zo_option), flat=args.flat, unroll=args.unroll,
+                     zo_options=dict(parse_option(o) for o in args.zo_option), flat=args.flat, unroll=args.unroll, rows=args.rows,
                      progress=_common.Progress("zeroth bench zo"))
     except SystemExit as exc:
         return int(exc.code or 0)
