@@ -7,6 +7,12 @@
 #   OUT/doctor.txt                   zeroth doctor (the golden digests must be printed)
 #   OUT/perturb.json                 replay throughput at SIZE elements vs torch.randn + add_ on the same device
 #   OUT/overhead.json                host cost of one replay call, 1 to 200 leaves, tree and flat layout
+#   OUT/zo_deferred.json             the trainer's steps alone (bench zo --rows flat_held,deferred: the flat
+#                                    held step and the deferred one-byte step beside the forward, nothing
+#                                    else compiled), transformer at the default width, binomial: whether
+#                                    dispatching step t + 1 before fetching step t brings the held flat
+#                                    step (1.35 two forwards on an H100) within 1.2
+#   OUT/zo_deferred_4096.json        the same at --width 4096
 #   OUT/zo_unrolled.json             the projected gradients with their two forwards as straight-line
 #                                    code beside the loop (lax.map), tree and flat, and the held flat
 #                                    step so: a loop's body runs outside the CUDA graphs that hold a
@@ -102,7 +108,7 @@ limited() {  # a command under the step time limit; a function runs as it is and
 
 steps=" ${STEPS:-} "
 for s in $steps; do
-  case " env doctor perturb zo_transformer zo_transformer_4096 zo_profiled zo_unrolled kernels kernel_tiles zo_licm zo_no_lhs zo_while_graphs zo_no_graphs overhead zo_hlo zo_profile " in
+  case " env doctor perturb zo_deferred zo_deferred_4096 zo_transformer zo_transformer_4096 zo_profiled zo_unrolled kernels kernel_tiles zo_licm zo_no_lhs zo_while_graphs zo_no_graphs overhead zo_hlo zo_profile " in
     *" $s "*) ;;
     *) echo "gpu_speed.sh: unknown step '$s' in STEPS" >&2; exit 2 ;;
   esac
@@ -130,6 +136,11 @@ env_info() {
 step env "$out/env.txt" env_info
 step doctor "$out/doctor.txt" "$py" -m zeroth doctor
 step perturb "$out/perturb.json" "$py" -m zeroth bench perturb --json --size "$size" --repeats "$reps"
+step zo_deferred "$out/zo_deferred.json" \
+  "$py" -m zeroth bench zo --json --model transformer --distribution binomial --rows flat_held,deferred "${zo_args[@]}"
+step zo_deferred_4096 "$out/zo_deferred_4096.json" \
+  "$py" -m zeroth bench zo --json --model transformer --width 4096 --distribution binomial --rows flat_held,deferred \
+  "${zo_args[@]}"
 step zo_transformer "$out/zo_transformer.json" \
   "$py" -m zeroth bench zo --json --model transformer --distribution binomial --flat "${zo_args[@]}"
 step zo_transformer_4096 "$out/zo_transformer_4096.json" \
