@@ -75,6 +75,77 @@ def test_after_an_interrupt_only_iterations_decided_before_the_first_leave_count
     assert launch.newest_checkpoint(tmp_path) == (13, tmp_path / "peers" / "p1" / "checkpoints" / "13")
 
 
+def test_a_saved_state_is_checked_against_its_size_and_crc_and_a_damaged_one_is_named(tmp_path):
+    from zeroth.net.state import check_state, load_state, save_state
+    import numpy as np
+
+    p = {"w": np.arange(64, dtype=np.float32), "b": {"c": np.ones(3, np.float32)}}
+    d = save_state(tmp_path / "s", p, iteration=7, run_id="r", digest=checksum(p), reason="t")
+    meta = json.loads((d / "state.json").read_text())
+    assert meta["bytes"] == (d / "state.bin").stat().st_size == 268 and check_state(d) == meta
+    params, iteration, digest = load_state(d, p)
+    assert iteration == 7 and digest == checksum(p) == checksum(params)
+    blob = (d / "state.bin").read_bytes()
+    # one flipped bit, same size: the CRC-32 names it (before the model or the digest are involved)
+    (d / "state.bin").write_bytes(blob[:10] + bytes([blob[10] ^ 4]) + blob[11:])
+    with pytest.raises(ValueError, match=rf"{d / 'state.bin'} has CRC-32 [0-9a-f]{{8}}, {meta['crc32']:08x} when saved"):
+        load_state(d, p)
+    (d / "state.bin").write_bytes(blob[:100])
+    with pytest.raises(ValueError, match=rf"{d / 'state.bin'} is 100 bytes, 268 when saved"):
+        check_state(d)
+    # a state saved before the size and CRC were recorded: its layout's size, and the digest
+    legacy = {k: v for k, v in meta.items() if k not in ("bytes", "crc32")}
+    (d / "state.json").write_text(json.dumps(legacy))
+    with pytest.raises(ValueError, match=r"is 100 bytes, 268 when saved"):
+        check_state(d)
+    (d / "state.bin").write_bytes(blob)
+    assert checksum(load_state(d, p)[0]) == checksum(p)
+    # another model's template, a description that is not one, a missing file
+    with pytest.raises(ValueError, match=rf"the state in {d} does not fit the model: snapshot leaves do not match"):
+        load_state(d, {"w": np.zeros(64, np.float32)})
+    (d / "state.json").write_text("[7]")
+    with pytest.raises(ValueError, match=r"state.json is not a saved state's description \(TypeError: a JSON object"):
+        check_state(d)
+    (d / "state.json").write_text(json.dumps({"iteration": 7}))
+    with pytest.raises(ValueError, match=r"\(KeyError: 'no field digest, leaves'\)"):
+        check_state(d)
+    (d / "state.bin").unlink()
+    with pytest.raises(ValueError, match=rf"{d / 'state.bin'} is missing: {d} is not a saved state"):
+        check_state(d)
+
+
+def test_resume_takes_an_intact_copy_of_the_newest_checkpoint_and_names_damaged_ones(tmp_path, capsys):
+    from zeroth.net import peer
+    from zeroth.net.runtime import save_state
+    import numpy as np
+
+    out = tmp_path / "run"
+    p = {"w": np.ones(3, np.float32)}
+    folders = {}
+    for name, it in (("p0", 5), ("p0", 9), ("p1", 9)):
+        folders[name, it] = save_state(out / "peers" / name / "checkpoints" / str(it), p, iteration=it, run_id="r",
+                                       digest="d" * 64, reason="checkpoint_every")
+    (out / "peers" / "p0" / "metrics.jsonl").write_text('{"kind": "iteration", "step": 1}\n')
+    # p0's copy of iteration 9 is cut short: p1's, the same state, is taken
+    bad = folders["p0", 9] / "state.bin"
+    bad.write_bytes(b"\0")
+    assert launch.newest_checkpoint(out) == (9, folders["p1", 9])
+    # both copies damaged: one line naming each file, and nothing moved
+    (folders["p1", 9] / "state.bin").write_bytes(b"\0" * 12)
+    before = sorted(str(f.relative_to(out)) for f in out.rglob("*"))
+    assert run_main([JOB, "--out", str(out), *SETS, "--resume"]) == 2
+    line = _err_line(capsys)
+    assert line.startswith("zeroth run: error: the newest checkpoint, of iteration 9, cannot be resumed: ")
+    assert f"{bad} is 1 bytes, 12 when saved" in line and f"{folders['p1', 9] / 'state.bin'} has CRC-32" in line
+    assert line.endswith("Nothing was moved or deleted; move them aside to resume from the one before")
+    assert sorted(str(f.relative_to(out)) for f in out.rglob("*")) == before
+    # zeroth peer --resume with that state: one line, before the peer writes anything
+    assert peer.main(["--config", JOB, "--listen", "127.0.0.1:0", "--out", str(tmp_path / "o"), "--resume",
+                      str(folders["p0", 9])]) == 2  # fmt: skip
+    assert _err_line(capsys) == f"zeroth peer: error: {bad} is 1 bytes, 12 when saved"
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.slow
 def test_a_peer_run_interrupted_and_resumed_reaches_the_uninterrupted_digest(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroth.config import Config, to_yaml
+from zeroth.net import state as _state
 from zeroth.net.runtime import JOIN_DIGEST_EXCLUDE
 from zeroth.train import interrupt
 from zeroth.train.trainer import RESUME_INVARIANT, check_resumable
@@ -240,7 +241,8 @@ def newest_checkpoint(out: str | Path) -> tuple[int, Path] | None:
     uninterrupted run would have had. So within an attempt where peers were interrupted, only
     checkpoints up to the smallest interrupted iteration count: every iteration before it was
     decided before any peer asked to leave. Folders found for the chosen iteration must agree on
-    the digest (``ValueError`` otherwise).
+    the digest (``ValueError`` otherwise); the first whose files are as saved is chosen
+    (:func:`zeroth.net.state.check_state`; ``ValueError`` naming each file when none is).
     """
     found: dict[int, list[tuple[Path, str]]] = {}
     for attempt in sorted(Path(out).glob("peers*")):
@@ -259,7 +261,17 @@ def newest_checkpoint(out: str | Path) -> tuple[int, Path] | None:
             f"the peers' checkpoints of iteration {newest} in {out} differ: "
             + ", ".join(f"{p} has {d[:16]}" for p, d in found[newest])
         )
-    return newest, sorted(p for p, _ in found[newest])[0]
+    # the first copy whose files are as saved (the peers' copies of one iteration hold the same state)
+    damaged = []
+    for folder in sorted(p for p, _ in found[newest]):
+        try:
+            _state.check_state(folder)
+        except ValueError as e:
+            damaged.append(str(e))
+            continue
+        return newest, folder
+    raise ValueError(f"the newest checkpoint, of iteration {newest}, cannot be resumed: {'; '.join(damaged)}. Nothing was "
+                     f"moved or deleted; move {'it' if len(damaged) == 1 else 'them'} aside to resume from the one before")
 
 
 def _machine_of(p: PeerProcess) -> str:

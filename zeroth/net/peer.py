@@ -82,6 +82,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from zeroth.config import load_config
     from zeroth.data import DatasetUnavailable
+    from zeroth.net import state as _state
     from zeroth.transport import identity as _id
     from zeroth.transport import security as _sec
 
@@ -89,6 +90,10 @@ def main(argv: list[str]) -> int:
         cfg = load_config(args.config, args.overrides)
         if cfg.peers is None:
             raise ValueError(f"config {args.config!r} has no peers: section")
+        if args.resume and args.join:
+            raise ValueError("--resume is for the founder (without --join)")
+        if args.resume:
+            _state.check_state(args.resume)  # a state missing, cut short or changed: one line, before anything is written
         secret = _id.read_secret(args.secret_file) if args.secret_file else None
         secret = secret or next((os.environ[k] for k in _id.SECRET_ENV if os.environ.get(k)), None) or cfg.peers.token
         insecure = args.insecure or cfg.peers.insecure
@@ -103,8 +108,6 @@ def main(argv: list[str]) -> int:
                 )
             secret = _id.new_secret()
             generated = _id.write_secret(os.path.join(args.out, "run.secret"), secret)
-        if args.resume and args.join:
-            raise ValueError("--resume is for the founder (without --join)")
         tls_args = (args.tls_cert, args.tls_key, args.tls_ca)
         if any(tls_args) and not all(tls_args):
             raise ValueError("TLS needs --tls-cert, --tls-key and --tls-ca together")

@@ -50,6 +50,7 @@ from zeroth.net import protocol as P
 from zeroth.transport import security as _sec
 from zeroth.net import service as _service
 from zeroth.net import state as _state
+from zeroth.net.state import load_state, save_state
 from zeroth.net import wire
 from zeroth.net.proto import peer_pb2 as pb
 from zeroth.net.repair import Checksums, Repair
@@ -216,41 +217,6 @@ class RateLimitedLog:
                 self._dropped = 0
         print(line, file=self.stream, flush=True)
         return True
-
-
-def save_state(directory: str | Path, params: Any, *, iteration: int, run_id: str, digest: str, reason: str) -> Path:
-    """Write the state at the start of ``iteration`` to ``directory`` (``state.bin`` + ``state.json``).
-
-    ``state.json`` is written last and atomically (a temporary file renamed), so a folder with a
-    ``state.json`` holds a complete state.
-    """
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    blob, leaves = _state.flatten(params)
-    (d / "state.bin").write_bytes(blob)
-    meta = {
-        "iteration": iteration,
-        "run_id": run_id,
-        "digest": digest,
-        "reason": reason,
-        "leaves": [lf._asdict() for lf in leaves],
-    }
-    tmp = d / "state.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    tmp.replace(d / "state.json")
-    return d
-
-
-def load_state(directory: str | Path, template: Any) -> tuple[Any, int, str]:
-    """``(params, iteration, digest)`` from a folder written by :func:`save_state` (digest checked)."""
-    d = Path(directory)
-    meta = json.loads((d / "state.json").read_text())
-    leaves = tuple(_state.Leaf(lf["path"], lf["dtype"], tuple(lf["shape"]), lf["offset"], lf["nbytes"]) for lf in meta["leaves"])
-    params = _state.unflatten(template, (d / "state.bin").read_bytes(), leaves)
-    digest = _replay.checksum(params)
-    if digest != meta["digest"]:
-        raise ValueError(f"state in {d} has digest {digest[:16]}, its state.json says {meta['digest'][:16]}")
-    return params, int(meta["iteration"]), digest
 
 
 class Node:

@@ -5,6 +5,12 @@ raw little-endian, row-major bytes, one after the other. :class:`Leaf` records e
 dtype, shape, offset and size; :func:`unflatten` rebuilds the pytree into the structure of a
 template (the joiner builds its own model) and refuses any mismatch by name.
 
+On disk (a peer's checkpoints and its saved state): :func:`save_state` writes a folder of
+``state.bin`` (the bytes) and ``state.json`` (iteration, run id, digest, reason, the layout, and the
+size and CRC-32 of ``state.bin``); :func:`check_state` checks a folder without the model (a file
+missing, cut short or changed is named), :func:`load_state` rebuilds the parameters and checks
+their digest.
+
 Example:
   >>> import numpy as np
   >>> blob, leaves = flatten({"b": np.ones(2, np.float32), "a": np.zeros((1, 2), np.float32)})
@@ -16,16 +22,22 @@ Example:
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import zlib
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
 import numpy as np
 
+from zeroth import replay as _replay
 from zeroth import rng as _rng
+from zeroth.train.checkpoint import file_crc32
 
-__all__ = ["Leaf", "Snapshot", "flatten", "unflatten"]
+__all__ = ["Leaf", "Snapshot", "flatten", "unflatten", "save_state", "check_state", "load_state"]
 
 
 class Leaf(NamedTuple):
@@ -96,3 +108,82 @@ def unflatten(template: Any, blob: bytes, leaves) -> Any:
         arr = np.frombuffer(blob, dtype=ref.dtype.newbyteorder("<"), count=math.prod(ref.shape), offset=leaf.offset)
         out.append(arr.astype(ref.dtype).reshape(ref.shape))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def save_state(directory: str | os.PathLike, params: Any, *, iteration: int, run_id: str, digest: str, reason: str) -> Path:
+    """Write the state at the start of ``iteration`` to ``directory`` (``state.bin`` + ``state.json``).
+
+    ``state.json`` is written last and atomically (a temporary file renamed), so a folder with a
+    ``state.json`` holds a complete state; it records the size and CRC-32 of ``state.bin``.
+    """
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    blob, leaves = flatten(params)
+    (d / "state.bin").write_bytes(blob)
+    meta = {
+        "iteration": iteration,
+        "run_id": run_id,
+        "digest": digest,
+        "reason": reason,
+        "bytes": len(blob),
+        "crc32": zlib.crc32(blob),
+        "leaves": [lf._asdict() for lf in leaves],
+    }
+    tmp = d / "state.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    tmp.replace(d / "state.json")
+    return d
+
+
+def check_state(directory: str | os.PathLike) -> dict:
+    """The ``state.json`` of a folder written by :func:`save_state`, its ``state.bin`` checked
+    against it (size and CRC-32; a state saved before they were recorded: the size its layout
+    covers). Nothing is changed.
+
+    Raises:
+      ValueError: naming the file: missing, not a state's JSON, or ``state.bin`` of another size
+        or checksum than when it was saved.
+    """
+    d = Path(directory)
+    listed, data = d / "state.json", d / "state.bin"
+    for f in (listed, data):
+        if not f.is_file():
+            raise ValueError(f"{f} is missing: {d} is not a saved state")
+    try:
+        meta = json.loads(listed.read_text())
+        if not isinstance(meta, dict):
+            raise TypeError(f"a JSON object is expected, not a {type(meta).__name__}")
+        if missing := [f for f in ("iteration", "digest", "leaves") if f not in meta]:
+            raise KeyError(f"no field {', '.join(missing)}")
+        leaves = [Leaf(lf["path"], lf["dtype"], tuple(lf["shape"]), int(lf["offset"]), int(lf["nbytes"])) for lf in meta["leaves"]]
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"{listed} is not a saved state's description ({type(e).__name__}: {e})") from None
+    size = int(meta.get("bytes", max((lf.offset + lf.nbytes for lf in leaves), default=0)))
+    if (got := data.stat().st_size) != size:
+        raise ValueError(f"{data} is {got:,} bytes, {size:,} when saved")
+    if "crc32" in meta:
+        if (crc := file_crc32(data)) != int(meta["crc32"]):
+            raise ValueError(f"{data} has CRC-32 {crc:08x}, {int(meta['crc32']):08x} when saved")
+    return meta
+
+
+def load_state(directory: str | os.PathLike, template: Any) -> tuple[Any, int, str]:
+    """``(params, iteration, digest)`` from a folder written by :func:`save_state`: its files
+    checked (:func:`check_state`), the parameters rebuilt into ``template``'s structure and their
+    digest checked.
+
+    Raises:
+      ValueError: naming the folder or file: see :func:`check_state`; a layout that does not fit
+        the model; a digest other than the saved one.
+    """
+    d = Path(directory)
+    meta = check_state(d)
+    leaves = tuple(Leaf(lf["path"], lf["dtype"], tuple(lf["shape"]), lf["offset"], lf["nbytes"]) for lf in meta["leaves"])
+    try:
+        params = unflatten(template, (d / "state.bin").read_bytes(), leaves)
+    except ValueError as e:
+        raise ValueError(f"the state in {d} does not fit the model: {e}") from None
+    digest = _replay.checksum(params)
+    if digest != meta["digest"]:
+        raise ValueError(f"state in {d} has digest {digest[:16]}, its state.json says {meta['digest'][:16]}")
+    return params, int(meta["iteration"]), digest

@@ -38,7 +38,7 @@ import numpy as np
 
 from zeroth.replay import checksum, host_tree
 
-__all__ = ["FILES", "Checkpointer", "Restored", "CheckpointError", "checksum"]
+__all__ = ["FILES", "file_crc32", "Checkpointer", "Restored", "CheckpointError", "checksum"]
 
 
 class CheckpointError(RuntimeError):
@@ -54,9 +54,10 @@ FILES = "files.json"  # the list of a finalized step's files: {relative path: [s
 _ITEMS = ("params", "opt_state", "meta")
 
 
-def _crc32(path: Path) -> int:
+def file_crc32(path: str | os.PathLike) -> int:
+    """The CRC-32 (zlib's) of a file's bytes, read in 16 MiB pieces."""
     crc = 0
-    with path.open("rb") as fh:
+    with open(path, "rb") as fh:
         while chunk := fh.read(1 << 24):
             crc = zlib.crc32(chunk, crc)
     return crc
@@ -69,7 +70,7 @@ def _item_files(folder: Path) -> dict[str, list[int]]:
         for root, _, names in os.walk(folder / item):
             for name in names:
                 f = Path(root) / name
-                out[f.relative_to(folder).as_posix()] = [f.stat().st_size, _crc32(f)]
+                out[f.relative_to(folder).as_posix()] = [f.stat().st_size, file_crc32(f)]
     return dict(sorted(out.items()))
 
 
@@ -89,7 +90,7 @@ def _check_files(folder: Path) -> str | None:
             return f"{rel} is missing"
         if (got := f.stat().st_size) != size:
             return f"{rel} is {got:,} bytes, {size:,} when saved"
-        if (got := _crc32(f)) != crc:
+        if (got := file_crc32(f)) != crc:
             return f"{rel} has CRC-32 {got:08x}, {crc:08x} when saved"
     return None
 
