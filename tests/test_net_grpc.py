@@ -412,6 +412,23 @@ def test_a_joiner_with_another_config_is_told_which_field_differs(running, worke
     assert "digest" not in node.error
 
 
+def test_a_founder_resuming_a_state_that_does_not_fit_gives_up_in_one_line(worker, tmp_path, capsys):
+    from zeroth.net.state import save_state
+
+    other = {"w": np.ones(3, np.float32)}  # another model's parameters, intact
+    state = save_state(tmp_path / "state", other, iteration=4, run_id="r", digest=replay.checksum(other), reason="failed")
+    node = Node(config(10), NodeOptions(out_dir=str(tmp_path / "p0"), founders=2, secret=TOKEN, log=False, resume=str(state)),
+                worker=worker)
+    node.start()
+    try:
+        assert node.wait(60)
+    finally:
+        node.stop()
+    assert node.finish_reason == "failed"
+    assert node.error.startswith(f"cannot resume: the state in {state} does not fit the model: snapshot leaves do not match"), node.error
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_peers_apply_a_warmup_cosine_schedule_and_agree(tmp_path):
     cfg = apply_overrides(config(8), ["train.schedule={name: cosine, warmup_steps: 2, decay_steps: 8, final_ratio: 0.1}"])
     own = Worker(cfg)  # the schedule is the worker's: every peer derives it from the shared config

@@ -562,7 +562,10 @@ class Node:
 
     def _found(self) -> None:
         if self.options.resume:
-            params, start, digest = load_state(self.options.resume, self.worker.template())
+            try:
+                params, start, digest = load_state(self.options.resume, self.worker.template())
+            except ValueError as e:  # a damaged state, another model's, a digest that differs: one line
+                raise _Fatal(f"cannot resume: {e}") from None
             self.say(f"resuming from {self.options.resume}: iteration {start}, digest {digest[:12]}")
         else:
             params, start = self.worker.initial_params(), 0
