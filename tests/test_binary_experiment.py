@@ -80,3 +80,23 @@ def test_binary_notebook_executes_on_the_committed_results(tmp_path, monkeypatch
     assert "checksum mismatches: 0" in text
     for png in ("binary_accuracy.png", "binary_curves.png", "binary_bytes.png"):
         assert (tmp_path / png).stat().st_size > 10_000
+
+
+def test_a_checkpoint_save_cut_between_its_renames_is_finished_with_the_new_checkpoint(tmp_path):
+    import os
+
+    from zeroth.binary.experiment import finish_checkpoint_swap, save_checkpoint
+
+    ck = tmp_path / "checkpoint"
+    save_checkpoint(ck, {"phase": "layers", "model": 0})
+    assert not finish_checkpoint_swap(ck)  # a whole checkpoint: nothing to do
+    # the second save wrote its .tmp whole, moved the first aside, and was killed before the last rename
+    save_checkpoint(tmp_path / "next", {"phase": "layers", "model": 1})
+    os.replace(tmp_path / "next", tmp_path / "checkpoint.tmp")
+    os.replace(ck, tmp_path / "checkpoint.old")
+    assert finish_checkpoint_swap(ck)
+    assert json.loads((ck / "state.json").read_text())["model"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+    # a .tmp cut short (no state.json) beside a whole checkpoint is not taken
+    (tmp_path / "checkpoint.tmp").mkdir()
+    assert not finish_checkpoint_swap(ck) and json.loads((ck / "state.json").read_text())["model"] == 1

@@ -44,7 +44,8 @@ from zeroth.train.checkpoint import CheckpointError
 from zeroth.train.metrics import MetricsWriter, truncate_after
 from zeroth.train.metrics import clear as clear_metrics
 
-__all__ = ["PHASES", "RESUME_INVARIANT", "Rows", "run_config", "float_baseline", "plan_for", "save_checkpoint"]
+__all__ = ["PHASES", "RESUME_INVARIANT", "Rows", "run_config", "float_baseline", "plan_for", "save_checkpoint",
+           "finish_checkpoint_swap"]
 
 
 def plan_for(b, weights: str, method: str, batch_size: int, seed: int) -> list:
@@ -239,9 +240,22 @@ def save_checkpoint(folder: pathlib.Path, state: dict, done: list = (), layer: T
     return folder
 
 
+def finish_checkpoint_swap(folder: pathlib.Path) -> bool:
+    """Complete a :func:`save_checkpoint` cut between its two renames: ``folder`` is gone, its
+    previous contents are ``<folder>.old`` and the new checkpoint, written whole before the first
+    rename, is ``<folder>.tmp``. The new one takes its place; returns whether there was one to finish."""
+    tmp, old = folder.with_name(folder.name + ".tmp"), folder.with_name(folder.name + ".old")
+    if folder.exists() or not old.is_dir() or not (tmp / "state.json").is_file():
+        return False
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+    return True
+
+
 def _check_start(cfg, out: pathlib.Path, resume: bool) -> dict | None:
     """Refuse to overwrite a run or to resume nothing; the saved state of a run to resume."""
     ck = out / "checkpoint"
+    finish_checkpoint_swap(ck)
     held = [n for n in ("results.json", "checkpoint", "metrics.jsonl") if (out / n).exists()]
     if not resume:
         if held:
