@@ -61,6 +61,15 @@ def start_nodes(cfg, worker, tmp_path, n, **options):
     return nodes
 
 
+def run_alone(node, timeout=60.0):
+    """Start ``node`` and wait for it to finish (stopped whatever happens)."""
+    node.start()
+    try:
+        assert node.wait(timeout)
+    finally:
+        node.stop()
+
+
 def wait_for(cond, timeout=120.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -402,11 +411,7 @@ def test_a_joiner_with_another_config_is_told_which_field_differs(running, worke
     other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=0.07))
     node = Node(other, NodeOptions(out_dir=str(tmp_path / "other"), join=(running[0].address,), secret=TOKEN, log=False,
                                    join_timeout_s=30.0), worker=worker)
-    node.start()
-    try:
-        assert node.wait(60)
-    finally:
-        node.stop()
+    run_alone(node)
     assert node.finish_reason == "failed"
     assert "this peer's config differs from the run's in train.lr (the run: 0.05, this peer: 0.07);" in node.error, node.error
     assert "digest" not in node.error
@@ -419,11 +424,7 @@ def test_a_founder_resuming_a_state_that_does_not_fit_gives_up_in_one_line(worke
     state = save_state(tmp_path / "state", other, iteration=4, run_id="r", digest=replay.checksum(other), reason="failed")
     node = Node(config(10), NodeOptions(out_dir=str(tmp_path / "p0"), founders=2, secret=TOKEN, log=False, resume=str(state)),
                 worker=worker)
-    node.start()
-    try:
-        assert node.wait(60)
-    finally:
-        node.stop()
+    run_alone(node)
     assert node.finish_reason == "failed"
     assert node.error.startswith(f"cannot resume: the state in {state} does not fit the model: snapshot leaves do not match"), node.error
     assert "Traceback" not in capsys.readouterr().err

@@ -135,10 +135,13 @@ def save_state(directory: str | os.PathLike, params: Any, *, iteration: int, run
     return d
 
 
-def check_state(directory: str | os.PathLike) -> dict:
+def _checked(directory: str | os.PathLike, blob: bytes | None = None) -> tuple[dict, tuple[Leaf, ...]]:
     """The ``state.json`` of a folder written by :func:`save_state`, its ``state.bin`` checked
     against it (size and CRC-32; a state saved before they were recorded: the size its layout
     covers). Nothing is changed.
+
+    Also returns the layout it read (:class:`Leaf` each). ``blob``: ``state.bin``'s bytes, where
+    the caller has read them already (checked as they are, not read again).
 
     Raises:
       ValueError: naming the file: missing, not a state's JSON, or ``state.bin`` of another size
@@ -155,16 +158,22 @@ def check_state(directory: str | os.PathLike) -> dict:
             raise TypeError(f"a JSON object is expected, not a {type(meta).__name__}")
         if missing := [f for f in ("iteration", "digest", "leaves") if f not in meta]:
             raise KeyError(f"no field {', '.join(missing)}")
-        leaves = [Leaf(lf["path"], lf["dtype"], tuple(lf["shape"]), int(lf["offset"]), int(lf["nbytes"])) for lf in meta["leaves"]]
+        leaves = tuple(Leaf(lf["path"], lf["dtype"], tuple(lf["shape"]), int(lf["offset"]), int(lf["nbytes"])) for lf in meta["leaves"])
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{listed} is not a saved state's description ({type(e).__name__}: {e})") from None
     size = int(meta.get("bytes", max((lf.offset + lf.nbytes for lf in leaves), default=0)))
-    if (got := data.stat().st_size) != size:
+    if (got := data.stat().st_size if blob is None else len(blob)) != size:
         raise ValueError(f"{data} is {got:,} bytes, {size:,} when saved")
     if "crc32" in meta:
-        if (crc := file_crc32(data)) != int(meta["crc32"]):
+        if (crc := file_crc32(data) if blob is None else zlib.crc32(blob)) != int(meta["crc32"]):
             raise ValueError(f"{data} has CRC-32 {crc:08x}, {int(meta['crc32']):08x} when saved")
-    return meta
+    return meta, leaves
+
+
+def check_state(directory: str | os.PathLike) -> dict:
+    """The ``state.json`` of a folder written by :func:`save_state`, its files checked (see
+    :func:`_checked`, whose errors it raises). Nothing is changed."""
+    return _checked(directory)[0]
 
 
 def load_state(directory: str | os.PathLike, template: Any) -> tuple[Any, int, str]:
@@ -177,10 +186,10 @@ def load_state(directory: str | os.PathLike, template: Any) -> tuple[Any, int, s
         the model; a digest other than the saved one.
     """
     d = Path(directory)
-    meta = check_state(d)
-    leaves = tuple(Leaf(lf["path"], lf["dtype"], tuple(lf["shape"]), lf["offset"], lf["nbytes"]) for lf in meta["leaves"])
+    blob = (d / "state.bin").read_bytes() if (d / "state.bin").is_file() else None
+    meta, leaves = _checked(d, blob)
     try:
-        params = unflatten(template, (d / "state.bin").read_bytes(), leaves)
+        params = unflatten(template, blob, leaves)
     except ValueError as e:
         raise ValueError(f"the state in {d} does not fit the model: {e}") from None
     digest = _replay.checksum(params)
