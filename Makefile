@@ -6,6 +6,10 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 JOB    ?= experiments/job_digits.yaml
 OUT    ?= runs/job
+# Test processes (pytest-xdist). Each takes whole test files (`--dist loadfile`, in pyproject.toml):
+# a module's tests run in file order in one process and its fixtures are built once (some tests read
+# what an earlier test of their module did to the module's running nodes).
+TEST_WORKERS ?= 2
 
 .PHONY: install install-dev job test doctor bench clean
 
@@ -33,7 +37,7 @@ job: install
 
 ## The tests (unit, property, end-to-end on 127.0.0.1, notebooks).
 test: install-dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 doctor: install
 	$(BIN)/zeroth doctor

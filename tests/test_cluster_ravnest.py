@@ -158,6 +158,7 @@ def test_in_process_clusters_end_averaged_and_a_late_cluster_starts_from_the_ave
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_processes_match_the_in_process_run_and_a_backup_takes_over(tmp_path, reference):
     """Node processes on loopback end on the in-process digests, with a late cluster joining at round 2, a
     backup shadowing from the start and one joining at round 1 (its primary's state handed over), both

@@ -117,6 +117,7 @@ def _interrupt(cmd, env, err_path: Path, ready, sig=signal.SIGINT, timeout=120.0
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_sigint_and_sigterm_at_several_moments_leave_a_resumable_checkpoint(tmp_path):
     cfg_path = tmp_path / "sig.yaml"
     cfg_path.write_text(yaml.safe_dump(RAW))
@@ -181,6 +182,7 @@ def _comparable(rows):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_binary_run_interrupted_mid_layer_resumes_to_the_uninterrupted_results(tmp_path):
     from zeroth import run as zrun
 

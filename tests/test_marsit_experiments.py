@@ -146,6 +146,7 @@ def test_out_set_and_resume(results, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_sigint_in_a_fresh_process_exits_130_keeping_finished_runs(tmp_path):
     cfg = tmp_path / "two.yaml"
     cfg.write_text(yaml.safe_dump({**TINY, "topology": {"kind": "ring", "workers": 4},

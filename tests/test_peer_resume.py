@@ -147,6 +147,7 @@ def test_resume_takes_an_intact_copy_of_the_newest_checkpoint_and_names_damaged_
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_peer_run_interrupted_and_resumed_reaches_the_uninterrupted_digest(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cut = tmp_path / "cut"

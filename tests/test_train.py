@@ -331,6 +331,7 @@ def test_peers_section_is_handed_to_the_launcher(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_sigkill_mid_run_then_resume_gives_the_same_digest(tmp_path):
     # same shapes as test_zo_sgd_decreases_the_loss_on_digits, so the in-process reference reuses its compile
     raw = small(train={"steps": 240, "eval_every": 80, "log_every": 20, "checkpoint_every": 20})
