@@ -1,6 +1,7 @@
 """The package root: ``zeroth.__all__`` names every public module, each imports and says what it is."""
 
 import importlib
+import os
 import pkgutil
 import subprocess
 import sys
@@ -32,3 +33,52 @@ def test_import_zeroth_imports_nothing_and_star_import_imports_the_modules():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(len(zeroth.__all__))
+
+
+# A server that stops with calls in flight sends GOAWAY ("Cancelling all calls"); gRPC's C core
+# logs the client's side of it at INFO, on stderr.
+_GOAWAY = """
+import os, sys, time
+from concurrent import futures
+if sys.argv[1] == "zeroth":
+    import zeroth
+import grpc
+
+def slow(request, context):
+    time.sleep(2)
+    return request
+
+server = grpc.server(futures.ThreadPoolExecutor(4))
+server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", {"E": grpc.unary_unary_rpc_method_handler(slow)})])
+port = server.add_insecure_port("127.0.0.1:0")
+server.start()
+call = grpc.insecure_channel(f"127.0.0.1:{port}").unary_unary("/t.T/E")
+pending = [call.future(b"x") for _ in range(3)]
+time.sleep(0.3)
+server.stop(None)
+codes = []
+for f in pending:
+    try:
+        f.result(timeout=10)
+        codes.append("OK")
+    except grpc.RpcError as e:
+        codes.append(e.code().name)
+time.sleep(0.3)
+print(",".join(codes), os.environ.get("GRPC_VERBOSITY"))
+"""
+
+
+def _goaway(first: str, **env) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    return subprocess.run([sys.executable, "-c", _GOAWAY, first], env={**base, **env}, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_importing_zeroth_keeps_grpc_transport_chatter_off_stderr_unless_the_user_asks_for_it():
+    quiet = _goaway("zeroth")
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert quiet.stdout.split() == ["UNAVAILABLE,UNAVAILABLE,UNAVAILABLE", "ERROR"]
+    assert quiet.stderr.strip() == "", quiet.stderr[-2000:]  # without zeroth: "I... Got goaway [2] ..." (on most runs)
+    asked = _goaway("zeroth", GRPC_VERBOSITY="INFO")  # the user's own level is kept, and gRPC takes it
+    assert asked.stdout.split() == ["UNAVAILABLE,UNAVAILABLE,UNAVAILABLE", "INFO"]
+    assert "Log level INFO is not suitable for production" in asked.stderr, asked.stderr[-2000:]

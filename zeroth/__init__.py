@@ -1,9 +1,10 @@
 """zeroth: exact, low-bandwidth decentralized training in JAX.
 
 The package root imports nothing: ``import zeroth`` is instant and ``zeroth.reference`` stays
-importable without jax. Import the modules you need (``zeroth.rng``, ``zeroth.replay``,
-``zeroth.train.runs``, ...); ``from zeroth import *`` imports every public module of
-:data:`__all__`, listed by layer, lowest first (a module imports only from layers below its own):
+importable without jax (it only sets gRPC's log level to ``ERROR`` where ``GRPC_VERBOSITY`` is
+unset). Import the modules you need (``zeroth.rng``, ``zeroth.replay``, ``zeroth.train.runs``,
+...); ``from zeroth import *`` imports every public module of :data:`__all__`, listed by layer,
+lowest first (a module imports only from layers below its own):
 
 1. the exact core: ``reference`` (NumPy, no jax), ``rng``, ``noise``, ``rule``, ``schedules``
    (host learning-rate schedules), ``layerwise`` (per-layer views an estimator can serve);
@@ -16,6 +17,15 @@ importable without jax. Import the modules you need (``zeroth.rng``, ``zeroth.re
    ``binary`` (binary learning), ``marsit`` (one-bit all-reduce experiments);
 8. the programs: ``bench``, ``doctor``, ``run`` (``zeroth run``), ``cli``, ``protogen``.
 """
+
+import os as _os
+
+# gRPC's C core logs transport events at INFO on stderr unless told otherwise: when one peer,
+# stage or node shuts down, the others would print "Got goaway ... Cancelling all calls" after
+# their own last line. zeroth reports what matters itself; a GRPC_VERBOSITY the user set is kept.
+# (An environment default only: it takes effect where grpc is imported after zeroth.)
+_os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+del _os
 
 __version__ = "0.1.0"
 __all__ = [
