@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import types
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zeroth.cluster import formation
 from zeroth.cluster.formation import (
     Formation,
     InfeasibleError,
@@ -362,9 +364,6 @@ def test_calibrate_counts_units_until_the_time_is_up(monkeypatch):
     # On a clock that moves 1 s per reading, the warm-up unit is not counted, the start reading is
     # taken after it and each unit reads once: 5 units in 5 s with seconds=4.5, 1 unit per second.
     # (No wall-clock ratio is asserted: under a loaded machine BLAS threads can be 100x slower.)
-    import types
-
-    import zeroth.cluster.formation as formation
     clock = itertools.count()
     monkeypatch.setattr(formation, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
     assert calibrate(4.5) == 1.0
