@@ -39,12 +39,7 @@
 #                                    with XLA's loop-invariant code motion off (the estimator keeps it
 #                                    on a GPU where it holds no more memory; compiler_options.chosen
 #                                    says which ran): its time, memory and bits beside the chosen one
-#   OUT/zo_no_lhs.json               at --width 4096, the projected-gradients program also compiled
-#                                    with XLA's latency-hiding scheduler off: on an H200 the chosen
-#                                    program held 174.2 MB of scratch against inference's 132.1 MB
-#                                    (1.23x inference; 1.00x on a CPU), as if the scheduler computed
-#                                    most perturbed leaves up front; its time, memory and bits
-#                                    (zo_licm and zo_no_lhs compile the step's rows alone: --rows step)
+#                                    (compiling the step's rows alone: --rows step)
 #   OUT/zo_while_graphs.json         the ZO step with the while loop of the evaluations and its
 #                                    conditionals captured in CUDA graphs too (XLA's command buffers;
 #                                    by default they hold fusions and library calls, not loops)
@@ -108,7 +103,7 @@ limited() {  # a command under the step time limit; a function runs as it is and
 
 steps=" ${STEPS:-} "
 for s in $steps; do
-  case " env doctor perturb zo_deferred zo_deferred_4096 zo_transformer zo_transformer_4096 zo_profiled zo_unrolled kernels kernel_tiles zo_licm zo_no_lhs zo_while_graphs zo_no_graphs overhead zo_hlo zo_profile " in
+  case " env doctor perturb zo_deferred zo_deferred_4096 zo_transformer zo_transformer_4096 zo_profiled zo_unrolled kernels kernel_tiles zo_licm zo_while_graphs zo_no_graphs overhead zo_hlo zo_profile " in
     *" $s "*) ;;
     *) echo "gpu_speed.sh: unknown step '$s' in STEPS" >&2; exit 2 ;;
   esac
@@ -156,9 +151,6 @@ step kernel_tiles "$out/kernel_tiles.json" \
 step zo_licm "$out/zo_licm.json" \
   "$py" -m zeroth bench zo --json --model transformer --width 4096 --distribution binomial --rows step \
   --zo-option xla_disable_hlo_passes=while-loop-invariant-code-motion "${zo_args[@]}"
-step zo_no_lhs "$out/zo_no_lhs.json" \
-  "$py" -m zeroth bench zo --json --model transformer --width 4096 --distribution binomial --rows step \
-  --zo-option xla_gpu_enable_latency_hiding_scheduler=false "${zo_args[@]}"
 step zo_while_graphs "$out/zo_while_graphs.json" env \
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
   "$py" -m zeroth bench zo --json --model transformer --distribution binomial "${zo_args[@]}"

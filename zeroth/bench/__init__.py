@@ -10,6 +10,7 @@ __all__ = ["main", "BENCHMARKS"]
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "perturb": ("zeroth.bench.perturb:main", "perturbation throughput vs jax.random.normal, torch.randn and a memory pass"),
     "zo": ("zeroth.bench.zo:main", "ZO step time / two forwards and peak memory / inference, next to a backprop step"),
+    "memory": ("zeroth.bench.memory:main", "compiled memory of the ZO program / inference, for this machine or an H100 it lacks"),
     "kernels": ("zeroth.bench.kernels:main", "fused replay vs K passes; sign pack/unpack/merge throughput"),
     "signbits": ("zeroth.bench.signbits:main", "sign-bit pack/unpack/merge/majority throughput alone"),
     "binary": ("zeroth.bench.binary:main", "XOR-popcount dense/conv in binary ops/s next to float32 of the same shape"),

@@ -75,7 +75,7 @@ from zeroth.bench import profile as _profile
 from zeroth.data.resources import MissingPackage
 from zeroth.kernels import perturb as fused
 
-__all__ = ["main", "run", "default_batch", "MODELS", "PRETRAINED_MODELS"]
+__all__ = ["main", "run", "setup", "default_batch", "MODELS", "PRETRAINED_MODELS"]
 
 PRETRAINED_MODELS = _pretrained_bench.MODELS
 MODELS = ("mlp", "cnn", "transformer", *PRETRAINED_MODELS)
@@ -112,7 +112,10 @@ def default_batch(model: str) -> int:
     return 8 if model in PRETRAINED_MODELS else 256
 
 
-def _setup(name: str, width: int, batch: int, seq_len: int | None = None):
+def setup(name: str, width: int, batch: int, seq_len: int | None = None):
+    """``(model kwargs, params, batch, loss_fn)`` of a model of :data:`MODELS` as ``zeroth bench zo`` and
+    ``zeroth bench memory`` run it (random inputs for zeroth's own models, real prompts and weights for
+    the pretrained ones)."""
     if name in PRETRAINED_MODELS:
         return _pretrained_bench.setup(name, batch, seq_len)
     if seq_len is not None:
@@ -222,7 +225,7 @@ def run(
     import optax
 
     progress(f"setting up {model}")
-    kwargs, params, data, loss_fn = _setup(model, width, batch, seq_len)
+    kwargs, params, data, loss_fn = setup(model, width, batch, seq_len)
     input_shape = [int(d) for d in data[0].shape[1:]]
     param_bytes = int(sum(np.size(p) * jnp.dtype(p.dtype).itemsize for p in jax.tree_util.tree_leaves(params)))
     n_params = int(sum(np.size(p) for p in jax.tree_util.tree_leaves(params)))

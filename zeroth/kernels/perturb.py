@@ -58,6 +58,7 @@ from zeroth.kernels import cpu_native, triton_params
 
 __all__ = [
     "IMPLS",
+    "APART_MIN_BYTES",
     "BlockSizes",
     "TilePlan",
     "default_block_sizes",
@@ -1268,10 +1269,17 @@ def apply_updates(
       impl, inplace, block_sizes, interpret, platform: see :func:`perturb_leaf`; pass
         ``inplace=True`` only where ``params`` is donated; ``platform`` fixes where the parameters
         live instead of choosing at lowering.
-      per_leaf: one native launch per leaf instead of one for the whole tree (same bits). Inside
-        a larger program (a ZO step's forward passes) this lets XLA compute each updated leaf
-        just before its first use and free it after its last, where one launch for the tree
-        would hold every updated leaf at once, a whole copy of the parameters.
+      per_leaf: keep the updated leaves apart (same bits), for use inside a larger program (a ZO
+        step's forward passes), so that XLA computes each updated leaf just before its first use
+        and frees it after its last. The native kernel then runs one launch per leaf instead of
+        one for the whole tree, which would hold every updated leaf at once, a whole copy of the
+        parameters. With the jnp rule or Pallas, each leaf of at least :data:`APART_MIN_BYTES`
+        reads its keys through an optimization barrier of its own: the table of every leaf's keys
+        is the one array its update would share with the others' (the scales are scalars), and
+        XLA's GPU multi-output fusion merges updates that share an operand into one kernel whose
+        outputs are all live at once (compiled for an NVIDIA H100, a transformer of 12.6M
+        parameters held its eight 4 MiB perturbed weights together: 1.23 times inference's
+        memory; 1.01 apart).
 
     Returns:
       The updated pytree (same structure, dtypes and shapes).
@@ -1290,6 +1298,11 @@ def apply_updates(
     return jax.tree_util.tree_unflatten(treedef, _by_platform(run, leaves, keys, scales, impl=impl, platform=platform))
 
 
+APART_MIN_BYTES = 1 << 20
+"""With ``per_leaf``, the jnp rule and the Pallas kernels update each leaf of at least this many
+bytes from operands of its own (:func:`apply_updates`); smaller leaves may still share a fusion."""
+
+
 def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, block_sizes, interpret, platform, per_leaf):
     """The updated ``leaves`` with the implementation for ``platform`` (see :func:`apply_updates`)."""
     impl = resolve_impl(impl, platform, keys.shape[0])
@@ -1304,13 +1317,31 @@ def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, blo
     # its own before the leaf's (on a GPU, a kernel launch per leaf; ZO estimator, transformer at
     # the default width, batch 256: 437 ops per call against 573 on a CPU)
     all_keys = _all_leaf_keys(keys, ids) if ids else None
+    def keys_of(i, leaf):
+        apart = per_leaf and leaf.size * leaf.dtype.itemsize >= APART_MIN_BYTES
+        return _keys_apart(all_keys, i) if apart else all_keys[i]
+
     return [
         perturb_leaf(
-            leaf, all_keys[i], scales, distribution=distribution, impl=impl, inplace=inplace,
+            leaf, keys_of(i, leaf), scales, distribution=distribution, impl=impl, inplace=inplace,
             block_sizes=block_sizes, interpret=interpret, platform=platform,
         )
         for i, leaf in enumerate(leaves)
     ]
+
+
+def _keys_apart(all_keys: jax.Array, i: int) -> jax.Array:
+    """Leaf ``i``'s keys, read from ``all_keys`` through an optimization barrier of their own, so
+    that its update shares no array with the other leaves' (:data:`APART_MIN_BYTES`).
+
+    The index ``i`` passes the barrier with the table, and what comes out is read: the keys are
+    ``table[i] + (j - i)``, plus a zero that XLA cannot see. XLA merges barriers of the same
+    operands into one and drops the outputs that nothing reads, so without ``j`` every leaf's
+    barrier would be one again; the table is sliced at the constant ``i``, which fuses into the
+    leaf's update (sliced at ``j``, the keys were a kernel of their own per leaf). The leaf stays
+    out of the barrier: one sliced from a shared buffer (``replay.Flat``) would be copied to pass it."""
+    table, j = jax.lax.optimization_barrier((all_keys, jnp.uint32(i)))
+    return table[i] + (j - jnp.uint32(i))
 
 
 def apply_updates_flat(

@@ -1,0 +1,255 @@
+"""``zeroth bench memory [--json] [--target host|h100] [--model M] [--width W] [--batch B] [--flat]``.
+
+XLA's compiled memory of a ZO step's program beside inference's, for this machine's backend or
+for a GPU that this machine does not have. Nothing runs: each program is lowered and compiled,
+and ``Compiled.memory_analysis()`` gives its peak (``argument + output + temp − alias`` bytes),
+the measure ``zeroth bench zo`` reports beside its timings.
+
+* ``--target host`` compiles for this process's default backend, as ``zeroth bench zo`` does;
+* ``--target h100`` compiles for an NVIDIA H100 without one (deviceless: jax's CUDA plugin
+  compiles for a described device, :data:`TARGETS`), so the memory of a GPU's programs can be
+  read, and a change to them checked, on a machine with a CPU only. XLA cannot autotune Triton's
+  matrix-multiply tilings without the device, so the programs use cuBLAS for them
+  (``xla_gpu_enable_triton_gemm`` off); the ratio it gave before the change below (1.229) is the
+  one the H100 measured (1.23). It needs jax's CUDA plugin and the CUDA runtime
+  (:data:`CUDA_PACKAGES`, no GPU and no driver): a missing one is an error naming the command
+  that installs them.
+
+Rows: the inference forward under XLA's default options and under each option set of
+:func:`zeroth.zo.compiler_option_candidates` (the baseline is the smallest peak), then per
+distribution the ZO projected-gradients program (2N forwards at ``θ ± εz``, the program of a ZO
+step that holds the most) under each option set :func:`zeroth.zo.estimator_option_candidates`
+gives, the one the estimator keeps (smallest peak) marked; with ``--flat`` the same on
+``replay.flatten(params)``. The ratios ``zo_memory_over_inference_{dist}`` (and ``_flat``) are
+the kept program's peak over inference's, target ``<= 1.2`` as in ``zeroth bench zo``.
+
+On the H100 measured with ``zeroth bench zo`` (jax 0.11.2), the transformer at ``--width 4096``
+held 1.23 times inference; compiled here for an H100 it held 1.229 times before the perturbed
+leaves were kept apart (:data:`zeroth.kernels.perturb.APART_MIN_BYTES`) and 1.007 after.
+
+Example:
+  $ zeroth bench memory --model transformer --width 4096 --target h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroth import noise, replay, rule, zo
+from zeroth.bench import _common
+from zeroth.bench import zo as _zo_bench
+from zeroth.data.resources import MissingPackage
+
+__all__ = ["main", "run", "Target", "TARGETS", "CUDA_PACKAGES"]
+
+# NVIDIA H100 80GB HBM3 (SXM), as XLA's GPU compiler describes a device (GpuTargetConfigProto).
+_H100 = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 84929347584
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 7 }
+runtime_version { major: 12 minor: 8 patch: 0 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+class Target(NamedTuple):
+    """A device compiled for without one: jax's platform, the topology's name and arguments
+    (``jax.experimental.topologies.get_topology_desc``), the compiler options every program of it
+    takes, and the packages that compile for it (``{v}``: the installed jax's version)."""
+
+    platform: str
+    topology: str
+    topology_args: dict[str, Any]
+    options: dict[str, Any]
+    packages: tuple[str, ...]
+
+
+CUDA_PACKAGES = ("jax-cuda12-plugin=={v}", "jax-cuda12-pjrt=={v}", "nvidia-cuda-runtime-cu12", "nvidia-cuda-nvcc-cu12")
+# "host": this process's default backend, its own options. (A TPU compiled for without one, with
+# libtpu, reports no scratch at all, not even a 64 MiB intermediate: its memory analysis is not read.)
+TARGETS: dict[str, Target | None] = {
+    "host": None,
+    "h100": Target("cuda", "", {"target_config": _H100, "topology": "1x1x1"}, {"xla_gpu_enable_triton_gemm": False},
+                   CUDA_PACKAGES),
+}
+_EPS = 1e-3
+
+
+def run(model: str = "transformer", *, target: str = "host", batch: int | None = None, width: int = 1024, n: int = 1,
+        seq_len: int | None = None, distributions: tuple[str, ...] = noise.EXACT, flat: bool = False,
+        progress=_common.no_progress) -> dict:
+    """Compile and measure; returns ``{"config", "environment", "rows", "ratios", "targets"}``.
+
+    Raises:
+      ValueError: an unknown model, target or distribution, or a size below 1.
+      MissingPackage: the target's compiler (jax's CUDA plugin) or a pretrained model's weights
+        are not installed; the message is the command that installs them.
+    """
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; expected one of {list(TARGETS)}")
+    if model not in _zo_bench.MODELS:
+        raise ValueError(f"unknown model {model!r}; expected one of {list(_zo_bench.MODELS)}")
+    batch = _zo_bench.default_batch(model) if batch is None else batch
+    for name, v in (("batch", batch), ("width", width), ("n", n), ("seq-len", seq_len)):
+        if v is not None and v < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {v}")
+    for d in distributions:
+        noise.check_distribution(d)
+    device, sharding, options = _target(target)
+    progress(f"setting up {model}")
+    kwargs, params, data, loss_fn = _zo_bench.setup(model, width, batch, seq_len)
+    # the flat layout of the target's platform (a TPU's buffers are padded to whole blocks)
+    family = None if device is None else rule.platform_name(device.platform)
+    layouts = {"": params, **({"_flat": replay.flatten(params, platform=family)} if flat else {})}
+
+    def abstract(tree):
+        return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding), tree)
+
+    rows, ratios = [], {}
+    # the platform zeroth's programs are traced for: the target's (jnp rule, its compiler options)
+    place = contextlib.nullcontext() if device is None else jax.default_device(device)
+    with place:
+        fwd = jax.jit(loss_fn).lower(abstract(params), abstract(data))
+        fwd_rows = []
+        for opts in (None, *zo.compiler_option_candidates()):
+            progress(f"compiling the forward ({_describe(opts)})")
+            fwd_rows.append(_row("inference forward", opts, zo.compiled_memory(fwd.compile({**(opts or {}), **options}))))
+        m_fwd = min(r["peak_bytes"] for r in fwd_rows)
+        rows += fwd_rows
+        keys = jax.ShapeDtypeStruct((n, 2), jnp.uint32, sharding=sharding)
+        eps = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding)
+        for dist in distributions:
+            pg = zo.projected_gradients_fn(loss_fn, distribution=dist)
+            for suffix, p in layouts.items():
+                lowered = pg.lowered(abstract(p), abstract(data), keys, eps)
+                name = f"ZO projected gradients n={n} {dist}" + (" (flat layout)" if suffix else "")
+                found = []
+                for opts in zo.estimator_option_candidates(p):
+                    progress(f"compiling {name} ({_describe(opts)})")
+                    found.append(_row(name, opts, zo.compiled_memory(lowered.compile({**opts, **options}))))
+                kept = min(range(len(found)), key=lambda i: (found[i]["peak_bytes"], i))
+                for i, r in enumerate(found):
+                    r["kept"] = i == kept
+                rows += found
+                ratios[f"zo_memory_over_inference_{dist}{suffix}"] = found[kept]["peak_bytes"] / m_fwd
+    for r in rows:
+        r["memory_over_inference"] = r["peak_bytes"] / m_fwd
+    n_params = int(sum(np.size(x) for x in jax.tree_util.tree_leaves(params)))
+    return {
+        "config": {"model": model, "model_kwargs": kwargs, "target": target, "batch": batch, "n": n,
+                   "seq_len": seq_len, "distributions": list(distributions), "flat": flat, "params": n_params,
+                   "extra_compiler_options": options},
+        "environment": _common.environment(),
+        "rows": rows,
+        "ratios": ratios,
+        "targets": {"zo_memory_over_inference": ("<=", 1.2)},
+    }
+
+
+def _target(target: str):
+    """``(device, sharding, compiler options)``: ``(None, None, {})`` for the host; for a described
+    device, its deviceless device and a replicated sharding on it."""
+    spec = TARGETS[target]
+    if spec is None:
+        return None, None, {}
+    from jax.experimental import topologies
+
+    if not os.environ.get("JAX_PLATFORMS"):
+        # run on the host: an accelerator's backend would be started (and fail without one) only to compile
+        jax.config.update("jax_platforms", "cpu")
+    try:
+        topology = topologies.get_topology_desc(spec.topology, spec.platform, **spec.topology_args)
+    except (NotImplementedError, RuntimeError) as exc:
+        packages = " ".join(p.format(v=jax.__version__) for p in spec.packages)
+        raise MissingPackage(
+            f"--target {target} compiles with jax's {spec.platform.upper()} plugin, which this process cannot load "
+            f"({exc}); install what compiles for it (no device or driver is needed): pip install {packages}"
+        ) from None
+    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    return topology.devices[0], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), spec.options
+
+
+def _describe(opts: dict | None) -> str:
+    return "XLA default options" if opts is None else ", ".join(f"{k}={v!r}" for k, v in opts.items())
+
+
+def _row(name: str, opts: dict | None, memory: dict) -> dict:
+    return {"name": name, "options": _describe(opts), "peak_bytes": memory["peak"], "temp_bytes": memory["temp"],
+            "argument_bytes": memory["argument"]}
+
+
+def _mib(b: int) -> str:
+    return f"{b / 2**20:.2f} MiB"
+
+
+def _render(result: dict) -> None:
+    cfg = result["config"]
+    rows = [dict(r, peak=_mib(r["peak_bytes"]), temp=_mib(r["temp_bytes"]), arg=_mib(r["argument_bytes"]),
+                 ratio=f"{r['memory_over_inference']:.3f}", mark="kept" if r.get("kept") else None) for r in result["rows"]]
+    _common.print_table(
+        [("name", "program"), ("peak", "peak"), ("temp", "scratch"), ("arg", "arguments"), ("ratio", "/ inference"),
+         ("mark", "estimator"), ("options", "compiler options")],
+        rows,
+        title=f"compiled memory, {cfg['model']} ({cfg['params']:,} parameters), batch {cfg['batch']}, "
+              f"target {cfg['target']} (nothing runs: XLA's memory analysis of each compiled program)",
+    )
+    for k, v in result["ratios"].items():
+        print(f"{k}: {v:.3f} (target <= {result['targets']['zo_memory_over_inference'][1]})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``zeroth bench memory``: returns 0 (the numbers are printed, never judged), 2 on a bad argument or a missing package."""
+    p = argparse.ArgumentParser(prog="zeroth bench memory", description="Compiled memory of the ZO step's program beside "
+                                "inference's, for this machine or a GPU it does not have (nothing runs).")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--target", default="host", choices=list(TARGETS),
+                   help="host: this machine's backend; h100: an NVIDIA H100, compiled without one (default host)")
+    p.add_argument("--model", default="transformer", choices=_zo_bench.MODELS, help="as zeroth bench zo (default transformer)")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default 256; 8 for the pretrained models)")
+    p.add_argument("--width", type=int, default=1024, help="model size, as zeroth bench zo (default 1024)")
+    p.add_argument("--seq-len", type=int, default=None, help="pretrained models: tokens per prompt")
+    p.add_argument("--n", type=int, default=1, help="perturbations per ZO step (default 1)")
+    p.add_argument("--distribution", default="both", choices=["both", *noise.EXACT], help="exact noise (default both)")
+    p.add_argument("--flat", action="store_true", help="also the program on replay.flatten(params), the layout a GPU trains in")
+    try:
+        args = p.parse_args(sys.argv[1:] if argv is None else argv)
+        dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
+        result = run(args.model, target=args.target, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len,
+                     distributions=dists, flat=args.flat, progress=_common.Progress("zeroth bench memory"))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except (ValueError, MissingPackage, FileNotFoundError) as exc:
+        print(f"zeroth bench memory: {exc}", file=sys.stderr)
+        return 2
+    _common.emit(result, as_json=args.json, render=_render)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
