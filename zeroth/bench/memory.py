@@ -98,7 +98,6 @@ TARGETS: dict[str, Target | None] = {
     "h100": Target("cuda", "", {"target_config": _H100, "topology": "1x1x1"}, {"xla_gpu_enable_triton_gemm": False},
                    CUDA_PACKAGES),
 }
-_EPS = 1e-3
 
 
 def run(model: str = "transformer", *, target: str = "host", batch: int | None = None, width: int = 1024, n: int = 1,
