@@ -103,6 +103,7 @@ __all__ = [
     "compiler_options",
     "compiler_option_candidates",
     "estimator_option_candidates",
+    "kept_candidate",
     "round_eps",
     "projected_gradients",
     "projected_gradients_and_losses",
@@ -210,7 +211,7 @@ def estimator_option_candidates(params, backend: str | None = None) -> list[dict
     """The option sets :func:`projected_gradients_fn` compiles for ``params`` (a pytree, a
     :class:`zeroth.replay.Flat`, or their abstract ``jax.ShapeDtypeStruct`` values): those of
     :func:`compiler_option_candidates`, only the first below :data:`AUTOTUNE_MIN_BYTES` of
-    parameters. It keeps the one whose compiled peak is smallest, the first of equal peaks.
+    parameters. It keeps the one whose compiled peak is smallest (:func:`kept_candidate`).
 
     Example:
       >>> len(estimator_option_candidates({"w": jnp.zeros(8)}, "cpu"))
@@ -219,6 +220,17 @@ def estimator_option_candidates(params, backend: str | None = None) -> list[dict
     candidates = compiler_option_candidates(backend)
     param_bytes = sum(int(np.size(x)) * jnp.dtype(jnp.result_type(x)).itemsize for x in jax.tree_util.tree_leaves(params))
     return candidates[:1] if param_bytes < AUTOTUNE_MIN_BYTES else candidates
+
+
+def kept_candidate(peaks: list[int]) -> int:
+    """The index of the program the estimator keeps among its candidates' compiled peaks
+    (:func:`estimator_option_candidates`): the smallest, the first of equal ones.
+
+    Example:
+      >>> kept_candidate([300, 200, 200])
+      1
+    """
+    return min(range(len(peaks)), key=lambda i: (peaks[i], i))
 
 
 def round_eps(eps: float) -> np.float32:
@@ -566,13 +578,9 @@ class ProjectedGradientsFn:
             alone = None if after is None else self._cache.get((_signature((args[0], *args[2:])), None))
             if alone is not None:  # the same forward passes: the options chosen for them alone (one compilation)
                 candidates = [alone[1]]
-            best = None
-            for opts in candidates:
-                compiled = lowered.compile(opts)
-                peak = _peak_bytes(compiled)
-                if best is None or peak < best[0]:
-                    best = (peak, compiled, opts)
-            entry = self._cache[sig] = (best[1], best[2])
+            compiled = [lowered.compile(opts) for opts in candidates]
+            kept = kept_candidate([_peak_bytes(c) for c in compiled])
+            entry = self._cache[sig] = (compiled[kept], candidates[kept])
         return entry
 
     def __call__(self, params, batch, keys, eps_scale, enc=None):

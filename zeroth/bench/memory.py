@@ -152,7 +152,7 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
                 for opts in zo.estimator_option_candidates(p):
                     progress(f"compiling {name} ({_describe(opts)})")
                     found.append(_row(name, opts, zo.compiled_memory(lowered.compile({**opts, **options}))))
-                kept = min(range(len(found)), key=lambda i: (found[i]["peak_bytes"], i))
+                kept = zo.kept_candidate([r["peak_bytes"] for r in found])
                 for i, r in enumerate(found):
                     r["kept"] = i == kept
                 rows += found

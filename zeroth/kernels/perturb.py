@@ -1317,6 +1317,7 @@ def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, blo
     # its own before the leaf's (on a GPU, a kernel launch per leaf; ZO estimator, transformer at
     # the default width, batch 256: 437 ops per call against 573 on a CPU)
     all_keys = _all_leaf_keys(keys, ids) if ids else None
+
     def keys_of(i, leaf):
         apart = per_leaf and leaf.size * leaf.dtype.itemsize >= APART_MIN_BYTES
         return _keys_apart(all_keys, i) if apart else all_keys[i]
