@@ -738,6 +738,30 @@ def test_layers_of_a_stacked_leaf_inside_a_scan(impl):
     assert_same_bits(got, want)
 
 
+@pytest.mark.parametrize("impl", SLICE_IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_slice_of_a_leaf_inside_a_buffer_has_the_leafs_bits(impl, dtype):
+    """With base and size, perturb_slice reads layer i of a stacked leaf lying in a flat buffer
+    (elements [base, base + size)), inside a scan over the layers, with the noise of the leaf's own
+    indices: the layers of the whole leaf's update, whatever lies around it."""
+    x = _array((5, 7, 13), dtype, seed=3)
+    buffer = jnp.concatenate([_array((29,), dtype, seed=4), x.reshape(-1), _array((17,), dtype, seed=5)])
+    keys, scales = _leaf_keys(2, seed=6), _scales("binomial", 2, seed=6)
+    want = numpy_perturb(x, keys, scales, "binomial")
+
+    def body(c, i):
+        return c, kp.perturb_slice(buffer, keys, scales, i.astype(jnp.uint32) * 91, (7, 13), distribution="binomial",
+                                   impl=impl, base=29, size=x.size)
+
+    assert_same_bits(jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(5))[1])(), want)
+    with pytest.raises(ValueError, match="a leaf of 455 elements from element 29 leaves x of 469 elements"):
+        kp.perturb_slice(buffer[:-32], keys, scales, 0, (7, 13), impl=impl, base=29, size=x.size)
+    with pytest.raises(ValueError, match="slice start 400 \\+ 91 elements leaves the leaf of 455"):
+        kp.perturb_slice(buffer, keys, scales, 400, (7, 13), impl=impl, base=29, size=x.size)
+    with pytest.raises(ValueError, match="base must be a non-negative int"):
+        kp.perturb_slice(buffer, keys, scales, 0, (7, 13), impl=impl, base=-1)
+
+
 @needs_native
 def test_native_slice_outside_the_leaf_is_refused():
     x = _array((10, 4), jnp.float32)

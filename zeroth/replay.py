@@ -335,7 +335,9 @@ def layout_of(params: Any, *, platform: str | None = None, alone_from: int | Non
     use, held for the whole scan: with every leaf in one buffer, SmolLM2's scanned ZO step held
     1.77x the memory of inference on a CPU (415 MiB of copies); with its stacks alone, 1.00x, as
     the tree (``zeroth bench zo --model smollm2 --flat``). Beside such a leaf's arithmetic the
-    cost of one more array is small (about 1.4 us per array per call on a CPU).
+    cost of one more array is small (about 1.4 us per array per call on a CPU). (A stack that the
+    model reads through :mod:`zeroth.layerwise` is read by the ZO estimator where it lies in its
+    buffer, layer by layer, so there its size does not matter.)
 
     Args:
       params: the pytree (arrays or ``jax.ShapeDtypeStruct`` s).

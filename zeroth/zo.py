@@ -333,7 +333,11 @@ def projected_gradients_and_losses(
         return evaluate(key, s, theta), theta
 
     def evaluate(key, s, theta):
+        sources = None
         if isinstance(theta, _replay.Flat):  # unflattened after the barrier: slices fused into their uses
+            # where each leaf lies: a layer of a stacked leaf is read from its buffer (a slice of
+            # a shared buffer passed to a scan would be a copy of the whole leaf, for the whole loop)
+            sources = [(theta.buffers[g.buffer], g.offset) for g in theta.layout.segments]
             theta = _replay.unflatten(theta)
         if native:
             # The native CPU kernel, one launch per leaf: one threefry call per 4 (binomial) or
@@ -355,7 +359,7 @@ def projected_gradients_and_losses(
         # Models that read stacked layers or embedding rows through zeroth.layerwise get them
         # from here, computed on demand from θ (same bits); the whole perturbed leaf is then
         # unused and XLA drops it.
-        with _layerwise.provide(_perturbed_parts(theta, perturbed, key, s, distribution, native)):
+        with _layerwise.provide(_perturbed_parts(theta, perturbed, key, s, distribution, native, sources)):
             loss = loss_fn(perturbed, batch)
         return jnp.asarray(loss).astype(jnp.float32).reshape(())
 
@@ -372,17 +376,23 @@ def projected_gradients_and_losses(
     return (lp - lm) / (jnp.float32(2.0) * eps), (lp + lm) * jnp.float32(0.5)
 
 
-def _perturbed_parts(theta, perturbed, key, scale, distribution: str, native: bool) -> _layerwise.Provider:
+def _perturbed_parts(theta, perturbed, key, scale, distribution: str, native: bool,
+                     sources=None) -> _layerwise.Provider:
     """The :class:`zeroth.layerwise.Provider` of one perturbed model ``perturbed = θ + s·z``.
 
     It recognises the leaves of ``perturbed`` by identity and serves layer ``i`` of a stacked leaf
     (:func:`zeroth.kernels.perturb.perturb_slice` of θ's leaf at ``i · m``, the native kernel
     reading the slice in place on CPU) and rows of a table (:func:`zeroth.kernels.perturb.perturb_rows`),
-    each bit-identical to the same part of the whole perturbed leaf.
+    each bit-identical to the same part of the whole perturbed leaf. ``sources``: for θ given
+    as a :class:`zeroth.replay.Flat`, each leaf's ``(buffer, element offset)`` in tree order; a
+    layer is then read from the buffer where the leaf lies in it.
     """
     t_leaves = jax.tree_util.tree_flatten_with_path(theta)[0]
     p_leaves = jax.tree_util.tree_leaves(perturbed)
-    known = {id(p): (p, t, _rng.leaf_id(path)) for (path, t), p in zip(t_leaves, p_leaves, strict=True)}
+    if sources is None:
+        sources = [(t, 0) for _, t in t_leaves]
+    known = {id(p): (p, t, _rng.leaf_id(path), src)
+             for (path, t), p, src in zip(t_leaves, p_leaves, sources, strict=True)}
     scales = scale[None]
     impl = "native" if native else "jnp"
 
@@ -399,14 +409,15 @@ def _perturbed_parts(theta, perturbed, key, scale, distribution: str, native: bo
         hit = find(leaf)
         if hit is None or jnp.ndim(hit[1]) < 1:
             return None
-        _, t, lid = hit
+        _, t, lid, (source, base) = hit
         lk = _fused.leaf_keys(key[None], lid)
         shape = tuple(t.shape[1:])
         m = math.prod(shape)
 
         def at(i):
             start = jnp.asarray(i).astype(jnp.uint32) * jnp.uint32(m)
-            z = _fused.perturb_slice(t, lk, scales, start, shape, distribution=distribution, impl=impl)
+            z = _fused.perturb_slice(source, lk, scales, start, shape, distribution=distribution, impl=impl,
+                                     base=base, size=t.size)
             return z if native else materialize(z, t)
 
         return at
@@ -415,7 +426,7 @@ def _perturbed_parts(theta, perturbed, key, scale, distribution: str, native: bo
         hit = find(leaf)
         if hit is None or jnp.ndim(hit[1]) < 1:
             return None
-        _, t, lid = hit
+        _, t, lid, _ = hit
         return materialize(_fused.perturb_rows(t, _fused.leaf_keys(key[None], lid), scales, ids, distribution=distribution), t)
 
     return _layerwise.Provider(layer, rows)

@@ -837,7 +837,9 @@ ffi::Future PerturbFlat(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::B
 // [start, start + m) of x, perturbed with the noise of their global indices offset + start + j,
 // so slice i of a stacked [L, ...] leaf gets exactly the bits of the whole leaf's update at those
 // positions. `start` is a u32 scalar buffer (a scan's layer index times the layer size), m the
-// output's size; leaf keys given, as in Perturb.
+// output's size; leaf keys given, as in Perturb. x may be a flat buffer holding the leaf from
+// element b on: start then counts from the buffer's first element and offset is -b, so that the
+// noise is that of the leaf's own indices (every one of them must be >= 0).
 ffi::Future PerturbSlice(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> keys,
                          ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::U32> start, ffi::Result<ffi::AnyBuffer> out,
                          int32_t distribution, int64_t offset) {
@@ -850,7 +852,9 @@ ffi::Future PerturbSlice(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   const uint64_t first = *start.typed_data();
   const uint64_t m = out->element_count();
   if (first + m > x.element_count()) return Failed("zeroth_perturb_slice: the slice [start, start + size) leaves the leaf");
-  if (offset < 0 || static_cast<uint64_t>(offset) + first + m > 0xFFFFFFFFull)
+  const int64_t global = offset + static_cast<int64_t>(first);  // the noise index of the slice's first element
+  if (global < 0) return Failed("zeroth_perturb_slice: the slice starts before the leaf");
+  if (static_cast<uint64_t>(global) + m > 0xFFFFFFFFull)
     return Failed("zeroth_perturb_slice: global indices must fit in 32 bits");
   Work& work = Scratch();
   work.jobs.emplace_back();
@@ -859,7 +863,7 @@ ffi::Future PerturbSlice(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   job.in = static_cast<const char*>(x.untyped_data()) + item * first;
   job.out = out->untyped_data();
   job.n = static_cast<int64_t>(m);
-  job.offset = static_cast<uint64_t>(offset) + first;
+  job.offset = static_cast<uint64_t>(global);
   job.index = 0;
   job.fn = TileFnFor(x.element_type());
   if (job.fn == nullptr) return Failed("zeroth_perturb_slice: dtype must be float32, bfloat16 or float16");

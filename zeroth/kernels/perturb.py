@@ -1050,6 +1050,8 @@ def perturb_native_slice(
     shape: tuple[int, ...],
     *,
     distribution: str = "binomial",
+    base: int = 0,
+    size: int | None = None,
     build: cpu_native.BuildConfig = cpu_native.DEFAULT_BUILD,
 ) -> jax.Array:
     """The native CPU kernel on one slice of a leaf whose start is known only at run time.
@@ -1059,19 +1061,38 @@ def perturb_native_slice(
     update at those positions. The kernel reads the slice where it lies in ``x`` (no copy of it).
 
     Args:
-      x: the whole leaf (f32 / bf16 / f16, any shape), e.g. stacked layers ``[L, ...]``.
+      x: the whole leaf (f32 / bf16 / f16, any shape), e.g. stacked layers ``[L, ...]``; or, with
+        ``base``, a buffer holding the leaf in its elements ``[base, base + size)`` (a
+        :class:`zeroth.replay.Flat`'s shared buffer), read where the leaf lies in it.
       leaf_keys_: ``u32[K, 2]`` leaf keys; scales: ``f32[K]`` host-rounded scales.
-      start: flat index of the slice's first element (a traced ``u32[]`` or an int); a slice that
-        leaves the leaf is a run-time error of the kernel.
+      start: flat index of the slice's first element in the leaf (a traced ``u32[]`` or an int); a
+        slice that leaves the leaf (the buffer, with ``base``) is a run-time error of the kernel.
       shape: the slice's shape (static).
+      base, size: where the leaf lies in ``x`` (static; default the whole of ``x``).
     """
     x, keys, scales = _check_args(x, leaf_keys_, scales, distribution)
     shape = tuple(int(d) for d in shape)
-    start = _slice_start(start, int(np.prod(shape, dtype=np.int64)), x.size)
-    _check_offset(0, x.size)
+    base, size = _leaf_in(x, base, size)
+    start = _slice_start(start, int(np.prod(shape, dtype=np.int64)), size)
+    _check_offset(0, size)
     cpu_native.register(build)
     call = jax.ffi.ffi_call(cpu_native.target_name(build, sliced=True), jax.ShapeDtypeStruct(shape, x.dtype))
-    return call(x, keys, scales, start.reshape(1), distribution=np.int32(_DIST_CODE[distribution]), offset=np.int64(0))
+    # the kernel reads from element start + base of x, with the noise of index (start + base) - base
+    at = start + jnp.uint32(base) if base else start
+    return call(x, keys, scales, at.reshape(1), distribution=np.int32(_DIST_CODE[distribution]), offset=np.int64(-base))
+
+
+def _leaf_in(x, base: int, size: int | None) -> tuple[int, int]:
+    """``(base, size)`` of a leaf lying in the elements ``[base, base + size)`` of ``x`` (static
+    ints; ``size`` None: up to the end of ``x``), checked against ``x``."""
+    n = int(np.size(x))
+    size = n - base if size is None else size
+    for name, v in (("base", base), ("size", size)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int (elements), got {v!r}")
+    if base + size > n:
+        raise ValueError(f"a leaf of {size} elements from element {base} leaves x of {n} elements")
+    return int(base), int(size)
 
 
 def perturb_slice(
@@ -1084,6 +1105,8 @@ def perturb_slice(
     distribution: str = "binomial",
     impl: str = "auto",
     platform: str | None = None,
+    base: int = 0,
+    size: int | None = None,
 ) -> jax.Array:
     """One slice of an updated leaf, its start known only at run time (traceable).
 
@@ -1098,21 +1121,29 @@ def perturb_slice(
     ``start + m <= x.size`` (the native kernel refuses a slice outside the leaf; XLA's dynamic
     slice would clamp it).
 
+    With ``base`` (and ``size``), ``x`` is a buffer holding the leaf in its elements ``[base, base
+    + size)``, a :class:`zeroth.replay.Flat`'s shared buffer: the slice is read there, with the
+    noise of the leaf's own indices. Inside a scan the buffer is then what the loop reads, where a
+    slice of it taken outside the loop is a copy of the whole leaf, held for the whole loop.
+
     Args:
-      x: the whole leaf; leaf_keys_: ``u32[K, 2]``; scales: ``f32[K]``.
-      start: ``u32[]`` (or int) flat index of the slice's first element.
+      x: the whole leaf, or a buffer holding it (``base``, ``size``); leaf_keys_: ``u32[K, 2]``;
+        scales: ``f32[K]``.
+      start: ``u32[]`` (or int) flat index of the slice's first element in the leaf.
       shape: the slice's shape (static).
       distribution, impl, platform: as for :func:`perturb_leaf`.
+      base, size: where the leaf lies in ``x`` (static ints; default: the whole of ``x``).
     """
     impl = resolve_impl(impl, platform, int(np.shape(leaf_keys_)[0]))
     if impl == "native":
-        return perturb_native_slice(x, leaf_keys_, scales, start, shape, distribution=distribution)
+        return perturb_native_slice(x, leaf_keys_, scales, start, shape, distribution=distribution, base=base, size=size)
     x = jnp.asarray(x)
-    _check_offset(0, x.size)  # every global index fits in 32 bits
+    base, size = _leaf_in(x, base, size)
+    _check_offset(0, size)  # every global index fits in 32 bits
     shape = tuple(int(d) for d in shape)
     m = int(np.prod(shape, dtype=np.int64))
-    start = _slice_start(start, m, x.size)
-    piece = jax.lax.dynamic_slice(x.reshape(-1), (start,), (m,))
+    start = _slice_start(start, m, size)
+    piece = jax.lax.dynamic_slice(x.reshape(-1), (start + jnp.uint32(base) if base else start,), (m,))
     return perturb_reference(piece, leaf_keys_, scales, distribution=distribution, offset=start).reshape(shape)
 
 
