@@ -1349,31 +1349,39 @@ def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, blo
     # the default width, batch 256: 437 ops per call against 573 on a CPU)
     all_keys = _all_leaf_keys(keys, ids) if ids else None
 
-    def keys_of(i, leaf):
-        apart = per_leaf and leaf.size * leaf.dtype.itemsize >= APART_MIN_BYTES
-        return _keys_apart(all_keys, i) if apart else all_keys[i]
-
-    return [
-        perturb_leaf(
-            leaf, keys_of(i, leaf), scales, distribution=distribution, impl=impl, inplace=inplace,
+    def update(i, leaf):
+        leaf_keys_, offset = all_keys[i], 0
+        if per_leaf and leaf.size * leaf.dtype.itemsize >= APART_MIN_BYTES:
+            leaf_keys_, zero = _keys_apart(all_keys, i)
+            if impl == "jnp":  # the Pallas kernel takes a static offset
+                offset = zero
+        return perturb_leaf(
+            leaf, leaf_keys_, scales, distribution=distribution, offset=offset, impl=impl, inplace=inplace,
             block_sizes=block_sizes, interpret=interpret, platform=platform,
         )
-        for i, leaf in enumerate(leaves)
-    ]
+
+    return [update(i, leaf) for i, leaf in enumerate(leaves)]
 
 
-def _keys_apart(all_keys: jax.Array, i: int) -> jax.Array:
-    """Leaf ``i``'s keys, read from ``all_keys`` through an optimization barrier of their own, so
-    that its update shares no array with the other leaves' (:data:`APART_MIN_BYTES`).
+def _keys_apart(all_keys: jax.Array, i: int) -> tuple[jax.Array, jax.Array]:
+    """``(keys, zero)``: leaf ``i``'s keys, read from ``all_keys`` through an optimization barrier
+    of their own, and a ``u32[]`` zero that XLA cannot see, from the same barrier, for the leaf's
+    element offset (:data:`APART_MIN_BYTES`), so that its update shares no array with the other
+    leaves'.
 
     The index ``i`` passes the barrier with the table, and what comes out is read: the keys are
-    ``table[i] + (j - i)``, plus a zero that XLA cannot see. XLA merges barriers of the same
-    operands into one and drops the outputs that nothing reads, so without ``j`` every leaf's
-    barrier would be one again; the table is sliced at the constant ``i``, which fuses into the
-    leaf's update (sliced at ``j``, the keys were a kernel of their own per leaf). The leaf stays
-    out of the barrier: one sliced from a shared buffer (``replay.Flat``) would be copied to pass it."""
+    ``table[i] + (j - i)`` and the zero ``j - i``. XLA merges barriers of the same operands into
+    one and drops the outputs that nothing reads, so without ``j`` every leaf's barrier would be
+    one again; the table is sliced at the constant ``i``, which fuses into the leaf's update
+    (sliced at ``j``, the keys were a kernel of their own per leaf). With the jnp rule the zero is
+    the leaf's offset: the element indices of leaves of one shape are otherwise the same arrays
+    (one iota), which XLA computes once and shares, and sharing them makes the leaves' updates
+    siblings that its GPU multi-output fusion merges again (SmolLM2's 30 perturbed [576, 576]
+    weights, one per layer, in one kernel). The leaf stays out of the barrier: one sliced from a
+    shared buffer (``replay.Flat``) would be copied to pass it."""
     table, j = jax.lax.optimization_barrier((all_keys, jnp.uint32(i)))
-    return table[i] + (j - jnp.uint32(i))
+    zero = j - jnp.uint32(i)
+    return table[i] + zero, zero
 
 
 def apply_updates_flat(
