@@ -36,6 +36,30 @@ def test_event_file_opens_with_tensorboards_loader(tmp_path):
     assert {v.metadata.plugin_data.plugin_name for v in events[1].summary.value} == {"scalars"}
 
 
+@pytest.mark.parametrize("first_serial", [9, 99], ids=["9-then-10", "99-then-100"])
+def test_a_file_written_in_the_same_second_sorts_after_the_earlier_ones(tmp_path, monkeypatch, first_serial):
+    """TensorBoard reads a folder's event files in the order of their names. A resumed run's file
+    created within the same second as the earlier one (the same unix second in both names), its
+    serial number one digit longer (9 then 10), sorted first by name, so the earlier file's points
+    after the restart were read last and kept: a resumed run's file must sort after every earlier
+    file of its folder."""
+    import itertools
+
+    monkeypatch.setattr(tb, "_serial", itertools.count(first_serial))
+    monkeypatch.setattr(tb.time, "time", lambda: 1_700_000_000.25)
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"kind": "train", "step": s, "time_unix_s": 100.0 + s, "loss": 1.0 / s} for s in range(1, 6)]
+    with MetricsWriter(path, tensorboard=True) as w:
+        for r in rows:
+            w.write(r)
+    again = {"kind": "train", "step": 4, "time_unix_s": 200.0, "loss": 0.5}
+    with MetricsWriter(path, tensorboard=True, resumed_after=3) as w:
+        w.write(again)
+    names = sorted(p.name for p in tmp_path.glob("events.out.tfevents.*"))
+    assert len(names) == 2 and names[0].endswith(f".{first_serial}"), names  # the earlier file first
+    assert_mirrors(tmp_path, rows[:3] + [again], fields=("loss",))
+
+
 def test_metrics_writer_mirrors_rows_and_a_resumed_run_replaces_the_later_points(tmp_path):
     path = tmp_path / "metrics.jsonl"
     rows = [{"kind": "train", "step": s, "time_unix_s": 100.0 + s, "loss": 1.0 / s, "payload_bytes_total": 10 * s}

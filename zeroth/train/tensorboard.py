@@ -1,6 +1,7 @@
 """TensorBoard event files, written offline without TensorFlow: ``tensorboard --logdir OUT`` opens them.
 
-An event file (``events.out.tfevents.<unix time>.<host>.<pid>.<n>``) is a sequence of records
+An event file (``events.out.tfevents.<unix time>.<host>.<pid>.<n>``, its time later than every
+earlier file's of its folder, so that TensorBoard reads the files in the order they were made) is a sequence of records
 (TFRecord framing), each::
 
     uint64 length | uint32 masked_crc32c(length) | data[length] | uint32 masked_crc32c(data)
@@ -132,6 +133,16 @@ def row_scalars(row: Mapping[str, Any]) -> dict[str, float]:
 _serial = itertools.count()
 
 
+def _stamps(folder: Path) -> list[int]:
+    """The unix seconds in the names of the event files in ``folder``."""
+    out = []
+    for f in folder.glob("events.out.tfevents.*"):
+        field = f.name.split(".")[3]
+        if field.isdigit():
+            out.append(int(field))
+    return out
+
+
 class EventWriter:
     """Appends events to a new event file in ``folder`` (created if missing); each write is flushed.
 
@@ -143,7 +154,11 @@ class EventWriter:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         now = time.time()
-        self.path = folder / f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.{next(_serial)}"
+        # TensorBoard reads a folder's files in the order of their names: the new file's second
+        # is later than every earlier file's, so that it sorts after them (a resumed run's restart
+        # must be read after the points it drops) even when they were made within the same second
+        stamp = max([int(now), *(s + 1 for s in _stamps(folder))])
+        self.path = folder / f"events.out.tfevents.{stamp:010d}.{socket.gethostname()}.{os.getpid()}.{next(_serial)}"
         self._fh = self.path.open("ab")
         self._write(encode_event(now, 0, file_version=FILE_VERSION))
 
