@@ -373,3 +373,31 @@ def test_bench_ravnest_reads_both_runs_steady_state_rows():
         assert r["gpipe_wall_s"] > 0 and r["ravnest_wall_s"] > 0, r
         assert 0.0 <= r["gpipe_idle_fraction"] <= 1.0 and 0.0 <= r["ravnest_idle_fraction"] <= 1.0, r
     assert result["rows"][1]["ravnest_staleness_max"] == 0 and result["rows"][0]["ravnest_staleness_max"] >= 0
+
+
+def test_ops_run_counts_a_loops_body_once_per_iteration():
+    """bench memory's count of the operations a compiled program runs: read from XLA's compiled text,
+    a loop's body counts once per iteration (its known trip count), so 6 iterations run 3 bodies
+    more than 3 do; a program without loops counts its own operations, names and views aside."""
+    import doctest
+
+    import jax
+    import jax.numpy as jnp
+
+    from zeroth.bench import memory
+
+    assert doctest.testmod(memory).failed == 0
+
+    def looped(trips):
+        def body(i, x):
+            return jnp.sin(x @ x + i) * 0.5
+
+        return jax.jit(lambda x: jax.lax.fori_loop(0, trips, body, x)).lower(jnp.ones((8, 8))).compile().as_text()
+
+    three, six, nine = (memory.ops_run(looped(t)) for t in (3, 6, 9))
+    assert six - three == nine - six > 0  # one body's operations per iteration
+    assert six - three >= 3  # at least the product and the sine in each of 3 iterations
+    plain = jax.jit(lambda x: jnp.sin(x @ x)).lower(jnp.ones((8, 8))).compile().as_text()
+    assert 1 <= memory.ops_run(plain) < three
+    with pytest.raises(ValueError, match="no ENTRY computation"):
+        memory.ops_run("%f (x: f32[]) -> f32[] {\n}\n")
