@@ -248,6 +248,26 @@ def emit(result: dict, *, as_json: bool, render: Callable[[dict], None]) -> None
         render(result)
 
 
+def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None, run: Callable[[argparse.Namespace], dict],
+            render: Callable[[dict], None]) -> int:
+    """A benchmark's entry point: parse ``argv`` (default ``sys.argv[1:]``), ``run(args)`` and print
+    the result (``--json``: one JSON object, else ``render``). Returns 0, or 2 where an argument is
+    bad or a package or file is missing (the message on stderr, after the parser's program name).
+    """
+    from zeroth.data.resources import MissingPackage
+
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        result = run(args)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except (ValueError, MissingPackage, FileNotFoundError) as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 2
+    emit(result, as_json=args.json, render=render)
+    return 0
+
+
 def _json_default(value):
     if hasattr(value, "item"):  # NumPy scalars
         return value.item()

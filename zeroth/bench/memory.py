@@ -331,18 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=1, help="perturbations per ZO step (default 1)")
     p.add_argument("--distribution", default="both", choices=["both", *noise.EXACT], help="exact noise (default both)")
     p.add_argument("--flat", action="store_true", help="also the program on replay.flatten(params), the layout a GPU trains in")
-    try:
-        args = p.parse_args(sys.argv[1:] if argv is None else argv)
+
+    def measure(args) -> dict:
         dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
-        result = run(args.model, target=args.target, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len,
-                     distributions=dists, flat=args.flat, progress=_common.Progress("zeroth bench memory"))
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    except (ValueError, MissingPackage, FileNotFoundError) as exc:
-        print(f"zeroth bench memory: {exc}", file=sys.stderr)
-        return 2
-    _common.emit(result, as_json=args.json, render=_render)
-    return 0
+        return run(args.model, target=args.target, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len,
+                   distributions=dists, flat=args.flat, progress=_common.Progress(p.prog))
+
+    return _common.run_cli(p, argv, measure, _render)
 
 
 if __name__ == "__main__":

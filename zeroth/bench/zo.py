@@ -72,7 +72,6 @@ from zeroth import codecs, models, noise, replay, rng, zo
 from zeroth.bench import _common
 from zeroth.bench import pretrained as _pretrained_bench
 from zeroth.bench import profile as _profile
-from zeroth.data.resources import MissingPackage
 from zeroth.kernels import perturb as fused
 
 __all__ = ["main", "run", "setup", "default_batch", "MODELS", "PRETRAINED_MODELS"]
@@ -793,20 +792,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zo-option", action="append", default=[], metavar="NAME=VALUE",
                    help="also time the projected-gradients program compiled with this XLA option changed (repeatable), "
                         "e.g. xla_disable_hlo_passes= to run loop-invariant code motion: its time, memory and bits beside the chosen one")
-    try:
-        args = p.parse_args(sys.argv[1:] if argv is None else argv)
+
+    def measure(args) -> dict:
         dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
-        result = run(args.model, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len, codec=args.codec,
-                     distributions=dists, repeats=args.repeats, warmup=args.warmup, profile_calls=args.profile,
-                     zo_options=dict(parse_option(o) for o in args.zo_option), flat=args.flat, unroll=args.unroll, rows=args.rows,
-                     progress=_common.Progress("zeroth bench zo"))
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    except (ValueError, MissingPackage, FileNotFoundError) as exc:
-        print(f"zeroth bench zo: {exc}", file=sys.stderr)
-        return 2
-    _common.emit(result, as_json=args.json, render=_render)
-    return 0
+        return run(args.model, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len, codec=args.codec,
+                   distributions=dists, repeats=args.repeats, warmup=args.warmup, profile_calls=args.profile,
+                   zo_options=dict(parse_option(o) for o in args.zo_option), flat=args.flat, unroll=args.unroll, rows=args.rows,
+                   progress=_common.Progress(p.prog))
+
+    return _common.run_cli(p, argv, measure, _render)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from zeroth.train.tensorboard import EventWriter
+from zeroth.train.tensorboard import EventWriter, event_files
 
 __all__ = [
     "SCHEMA",
@@ -147,7 +147,7 @@ def clear(path: str | os.PathLike) -> None:
     """Remove a ``metrics.jsonl`` and the TensorBoard event files beside it (a run that starts over)."""
     path = Path(path)
     path.unlink(missing_ok=True)
-    for f in path.parent.glob("events.out.tfevents.*"):
+    for f in event_files(path.parent):
         f.unlink()
 
 

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EventWriter", "crc32c", "masked_crc32c", "encode_event", "record", "row_scalars", "FILE_VERSION"]
+__all__ = ["EventWriter", "event_files", "crc32c", "masked_crc32c", "encode_event", "record", "row_scalars", "FILE_VERSION"]
 
 FILE_VERSION = "brain.Event:2"
 _POLY = 0x82F63B78  # CRC-32C, reflected
@@ -133,10 +133,15 @@ def row_scalars(row: Mapping[str, Any]) -> dict[str, float]:
 _serial = itertools.count()
 
 
+def event_files(folder: str | os.PathLike) -> list[Path]:
+    """The TensorBoard event files in ``folder`` (``events.out.tfevents.*``)."""
+    return list(Path(folder).glob("events.out.tfevents.*"))
+
+
 def _stamps(folder: Path) -> list[int]:
     """The unix seconds in the names of the event files in ``folder``."""
     out = []
-    for f in folder.glob("events.out.tfevents.*"):
+    for f in event_files(folder):
         field = f.name.split(".")[3]
         if field.isdigit():
             out.append(int(field))
