@@ -754,6 +754,14 @@ def test_a_slice_of_a_leaf_inside_a_buffer_has_the_leafs_bits(impl, dtype):
                                    impl=impl, base=29, size=x.size)
 
     assert_same_bits(jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(5))[1])(), want)
+    # a run-time start whose slice ends past the leaf (370 + 91 > 455) but inside the buffer: never
+    # the 17 elements that follow the leaf
+    late = jax.jit(lambda s: kp.perturb_slice(buffer, keys, scales, s, (7, 13), impl=impl, base=29, size=x.size))
+    if impl == "native":
+        with pytest.raises(Exception, match="leaves the leaf"):
+            jax.block_until_ready(late(jnp.uint32(370)))
+    else:  # clamped to the leaf's last layer, data and noise, as a dynamic slice clamps
+        assert_same_bits(late(jnp.uint32(370)), want[4])
     with pytest.raises(ValueError, match="a leaf of 455 elements from element 29 leaves x of 469 elements"):
         kp.perturb_slice(buffer[:-32], keys, scales, 0, (7, 13), impl=impl, base=29, size=x.size)
     with pytest.raises(ValueError, match="slice start 400 \\+ 91 elements leaves the leaf of 455"):

@@ -837,12 +837,13 @@ ffi::Future PerturbFlat(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys, ffi::B
 // [start, start + m) of x, perturbed with the noise of their global indices offset + start + j,
 // so slice i of a stacked [L, ...] leaf gets exactly the bits of the whole leaf's update at those
 // positions. `start` is a u32 scalar buffer (a scan's layer index times the layer size), m the
-// output's size; leaf keys given, as in Perturb. x may be a flat buffer holding the leaf from
-// element b on: start then counts from the buffer's first element and offset is -b, so that the
-// noise is that of the leaf's own indices (every one of them must be >= 0).
+// output's size; leaf keys given, as in Perturb. x may be a flat buffer holding the leaf in its
+// elements [b, end): start then counts from the buffer's first element and offset is -b, so that
+// the noise is that of the leaf's own indices (every one of them must be >= 0), and the slice
+// must end at or before `end` (x's size for a whole leaf), not in the data that follows the leaf.
 ffi::Future PerturbSlice(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> keys,
                          ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::U32> start, ffi::Result<ffi::AnyBuffer> out,
-                         int32_t distribution, int64_t offset) {
+                         int32_t distribution, int64_t offset, int64_t end) {
   if (distribution != kBinomial && distribution != kRademacher) return Failed("zeroth_perturb_slice: bad distribution");
   const int64_t n_updates = static_cast<int64_t>(scales.element_count());
   if (static_cast<int64_t>(keys.element_count()) != 2 * n_updates)
@@ -851,7 +852,10 @@ ffi::Future PerturbSlice(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   if (x.element_type() != out->element_type()) return Failed("zeroth_perturb_slice: the output must have the input's dtype");
   const uint64_t first = *start.typed_data();
   const uint64_t m = out->element_count();
-  if (first + m > x.element_count()) return Failed("zeroth_perturb_slice: the slice [start, start + size) leaves the leaf");
+  if (end < 0 || static_cast<uint64_t>(end) > x.element_count())
+    return Failed("zeroth_perturb_slice: the leaf's end lies outside x");
+  if (first + m > static_cast<uint64_t>(end))
+    return Failed("zeroth_perturb_slice: the slice [start, start + size) leaves the leaf");
   const int64_t global = offset + static_cast<int64_t>(first);  // the noise index of the slice's first element
   if (global < 0) return Failed("zeroth_perturb_slice: the slice starts before the leaf");
   if (static_cast<uint64_t>(global) + m > 0xFFFFFFFFull)
@@ -915,4 +919,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZerothPerturbSlice, PerturbSlice,
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("distribution")
-                                  .Attr<int64_t>("offset"));
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("end"));

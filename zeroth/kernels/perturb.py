@@ -1066,7 +1066,8 @@ def perturb_native_slice(
         :class:`zeroth.replay.Flat`'s shared buffer), read where the leaf lies in it.
       leaf_keys_: ``u32[K, 2]`` leaf keys; scales: ``f32[K]`` host-rounded scales.
       start: flat index of the slice's first element in the leaf (a traced ``u32[]`` or an int); a
-        slice that leaves the leaf (the buffer, with ``base``) is a run-time error of the kernel.
+        slice that leaves the leaf (with ``base``: that ends past ``base + size`` in the buffer)
+        is a run-time error of the kernel.
       shape: the slice's shape (static).
       base, size: where the leaf lies in ``x`` (static; default the whole of ``x``).
     """
@@ -1079,7 +1080,8 @@ def perturb_native_slice(
     call = jax.ffi.ffi_call(cpu_native.target_name(build, sliced=True), jax.ShapeDtypeStruct(shape, x.dtype))
     # the kernel reads from element start + base of x, with the noise of index (start + base) - base
     at = start + jnp.uint32(base) if base else start
-    return call(x, keys, scales, at.reshape(1), distribution=np.int32(_DIST_CODE[distribution]), offset=np.int64(-base))
+    return call(x, keys, scales, at.reshape(1), distribution=np.int32(_DIST_CODE[distribution]), offset=np.int64(-base),
+                end=np.int64(base + size))
 
 
 def _leaf_in(x, base: int, size: int | None) -> tuple[int, int]:
@@ -1118,8 +1120,9 @@ def perturb_slice(
     Implementations: the native CPU kernel (reads the slice in place, :func:`perturb_native_slice`),
     elsewhere the jnp rule on ``lax.dynamic_slice`` of the leaf with a run-time offset (the Pallas
     kernel takes static offsets only, so ``"pallas"`` runs the jnp rule here too). The caller keeps
-    ``start + m <= x.size`` (the native kernel refuses a slice outside the leaf; XLA's dynamic
-    slice would clamp it).
+    ``start + m <= size`` (the leaf's size): the native kernel refuses a slice outside the leaf,
+    and the jnp rule clamps its start to ``size - m`` (the leaf's last ``m`` elements, data and
+    noise alike), as XLA's dynamic slice clamps, so it never reads past the leaf either.
 
     With ``base`` (and ``size``), ``x`` is a buffer holding the leaf in its elements ``[base, base
     + size)``, a :class:`zeroth.replay.Flat`'s shared buffer: the slice is read there, with the
@@ -1142,7 +1145,8 @@ def perturb_slice(
     _check_offset(0, size)  # every global index fits in 32 bits
     shape = tuple(int(d) for d in shape)
     m = int(np.prod(shape, dtype=np.int64))
-    start = _slice_start(start, m, size)
+    # clamped to the leaf (the noise's indices too), as the dynamic slice alone clamps to x only
+    start = jnp.minimum(_slice_start(start, m, size), jnp.uint32(size - m))
     piece = jax.lax.dynamic_slice(x.reshape(-1), (start + jnp.uint32(base) if base else start,), (m,))
     return perturb_reference(piece, leaf_keys_, scales, distribution=distribution, offset=start).reshape(shape)
 
