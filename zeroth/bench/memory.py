@@ -52,6 +52,7 @@ import numpy as np
 
 from zeroth import noise, replay, rule, zo
 from zeroth.bench import _common
+from zeroth.bench import pretrained as _pretrained_bench
 from zeroth.bench import zo as _zo_bench
 from zeroth.data.resources import MissingPackage
 
@@ -108,7 +109,7 @@ TARGETS: dict[str, Target | None] = {
 
 
 def run(model: str = "transformer", *, target: str = "host", batch: int | None = None, width: int = 1024, n: int = 1,
-        seq_len: int | None = None, distributions: tuple[str, ...] = noise.EXACT, flat: bool = False,
+        seq_len: int | None = None, weights: str = "pretrained", distributions: tuple[str, ...] = noise.EXACT, flat: bool = False,
         progress=_common.no_progress) -> dict:
     """Compile and measure; returns ``{"config", "environment", "rows", "ratios", "targets"}``.
 
@@ -129,7 +130,7 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
         noise.check_distribution(d)
     device, sharding, options = _target(target)
     progress(f"setting up {model}")
-    kwargs, params, data, loss_fn = _zo_bench.setup(model, width, batch, seq_len)
+    kwargs, params, data, loss_fn = _zo_bench.setup(model, width, batch, seq_len, weights)
     # the flat layout of the target's platform (a TPU's buffers are padded to whole blocks)
     family = None if device is None else rule.platform_name(device.platform)
     layouts = {"": params, **({"_flat": replay.flatten(params, platform=family)} if flat else {})}
@@ -171,7 +172,7 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
     n_params = int(sum(np.size(x) for x in jax.tree_util.tree_leaves(params)))
     return {
         "config": {"model": model, "model_kwargs": kwargs, "target": target, "batch": batch, "n": n,
-                   "seq_len": seq_len, "distributions": list(distributions), "flat": flat, "params": n_params,
+                   "seq_len": seq_len, "weights": weights, "distributions": list(distributions), "flat": flat, "params": n_params,
                    "extra_compiler_options": options},
         "environment": _common.environment(),
         "rows": rows,
@@ -328,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=None, help="batch size (default 256; 8 for the pretrained models)")
     p.add_argument("--width", type=int, default=1024, help="model size, as zeroth bench zo (default 1024)")
     p.add_argument("--seq-len", type=int, default=None, help="pretrained models: tokens per prompt")
+    p.add_argument("--weights", default="pretrained", choices=_pretrained_bench.WEIGHTS,
+                   help="pretrained models: their weights, or random: SmolLM2's architecture without its package (default pretrained)")
     p.add_argument("--n", type=int, default=1, help="perturbations per ZO step (default 1)")
     p.add_argument("--distribution", default="both", choices=["both", *noise.EXACT], help="exact noise (default both)")
     p.add_argument("--flat", action="store_true", help="also the program on replay.flatten(params), the layout a GPU trains in")
@@ -335,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     def measure(args) -> dict:
         dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
         return run(args.model, target=args.target, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len,
-                   distributions=dists, flat=args.flat, progress=_common.Progress(p.prog))
+                   weights=args.weights, distributions=dists, flat=args.flat, progress=_common.Progress(p.prog))
 
     return _common.run_cli(p, argv, measure, _render)
 

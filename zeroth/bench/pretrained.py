@@ -22,10 +22,12 @@ from zeroth import models
 from zeroth.data import bpe as _bpe
 from zeroth.data import text as _text
 from zeroth.data import wordpiece as _wp
+from zeroth.models.pretrained import llama as _llama
 
-__all__ = ["MODELS", "SENTENCES", "setup"]
+__all__ = ["MODELS", "SENTENCES", "WEIGHTS", "setup"]
 
 MODELS = ("smollm2", "smollm2_unrolled", "minilm")
+WEIGHTS = ("pretrained", "random")  # setup's choices: the package's weights, or SmolLM2's architecture with random ones
 # (sentence, label): 0 negative, 1 positive
 SENTENCES = (
     ("The food was cold and the waiter was rude.", 0),
@@ -49,7 +51,7 @@ def _cross_entropy(model):
     return loss_fn
 
 
-def setup(name: str, batch: int = 8, seq_len: int | None = None):
+def setup(name: str, batch: int = 8, seq_len: int | None = None, weights: str = "pretrained"):
     """``(kwargs, params, (x, y), loss_fn)`` of a pretrained model for ``zeroth bench zo``.
 
     Args:
@@ -58,13 +60,32 @@ def setup(name: str, batch: int = 8, seq_len: int | None = None):
         ``"minilm"`` (``minilm_classifier``, default 64 tokens).
       batch: number of examples (the sentence list is tiled).
       seq_len: padded length of the token arrays.
+      weights: ``"pretrained"``, or ``"random"`` for SmolLM2's architecture
+        (:data:`zeroth.models.pretrained.llama.SMOLLM2_135M`) with random weights and random token
+        ids of ``seq_len`` (no package needed): the same programs, shapes and work, for time and
+        memory where the weights are not installed; its losses mean nothing.
     """
     if name not in MODELS:
         raise ValueError(f"unknown pretrained benchmark model {name!r}; expected one of {list(MODELS)}")
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
+    if weights == "random" and not name.startswith("smollm2"):
+        raise ValueError(f"random weights are available for smollm2 and smollm2_unrolled (SmolLM2's architecture "
+                         f"is known without its package), not for {name!r}")
     if batch < 1:
         raise ValueError(f"batch must be a positive integer, got {batch}")
     sentences = [SENTENCES[i % len(SENTENCES)][0] for i in range(batch)]
     y = np.array([SENTENCES[i % len(SENTENCES)][1] for i in range(batch)], np.int32)
+    if weights == "random":
+        kwargs = {"num_classes": 2, "scan_layers": name == "smollm2", "weights": "random"}
+        cfg = _llama.SMOLLM2_135M
+        # any two tokens serve as label words: the same work as the real ones'
+        model = models.build("smollm2_prompt", num_classes=2, scan_layers=name == "smollm2", architecture=cfg,
+                             label_ids=(0, 1))
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, seq_len or _text.SMOLLM2_PROMPT_TOKENS)), jnp.int32)
+        params = models.init(model, models.init_key(0), x[:1], pretrained=False, exact=False)
+        return kwargs, params, (x, jnp.asarray(y)), _cross_entropy(model)
     if name.startswith("smollm2"):
         kwargs = {"num_classes": 2, "label_words": _text.LABEL_WORDS, "scan_layers": name == "smollm2"}
         model = models.build("smollm2_prompt", **kwargs)

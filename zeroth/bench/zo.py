@@ -111,14 +111,16 @@ def default_batch(model: str) -> int:
     return 8 if model in PRETRAINED_MODELS else 256
 
 
-def setup(name: str, width: int, batch: int, seq_len: int | None = None):
+def setup(name: str, width: int, batch: int, seq_len: int | None = None, weights: str = "pretrained"):
     """``(model kwargs, params, batch, loss_fn)`` of a model of :data:`MODELS` as ``zeroth bench zo`` and
     ``zeroth bench memory`` run it (random inputs for zeroth's own models, real prompts and weights for
-    the pretrained ones)."""
+    the pretrained ones, or with ``weights="random"`` SmolLM2's architecture with random weights and
+    tokens: :func:`zeroth.bench.pretrained.setup`)."""
     if name in PRETRAINED_MODELS:
-        return _pretrained_bench.setup(name, batch, seq_len)
-    if seq_len is not None:
-        raise ValueError(f"--seq-len applies to the pretrained models {list(PRETRAINED_MODELS)}, not to {name!r}")
+        return _pretrained_bench.setup(name, batch, seq_len, weights)
+    for flag, v, default in (("--seq-len", seq_len, None), ("--weights", weights, "pretrained")):
+        if v != default:
+            raise ValueError(f"{flag} applies to the pretrained models {list(PRETRAINED_MODELS)}, not to {name!r}")
     kwargs = _model_kwargs(name, width)
     model = models.build(name, **kwargs)
     r = np.random.default_rng(0)
@@ -142,6 +144,7 @@ def run(
     width: int = 1024,
     n: int = 1,
     seq_len: int | None = None,
+    weights: str = "pretrained",
     codec: str = "float32",
     distributions: tuple[str, ...] = noise.EXACT,
     repeats: int = 5,
@@ -196,7 +199,9 @@ def run(
     profiling); ``zeroth bench zo`` prints these lines on stderr (:class:`zeroth.bench._common.Progress`).
 
     ``width`` sizes zeroth's own models; ``seq_len`` is the token length of the pretrained models'
-    prompts (default: the model's own, 40 for SmolLM2, 64 for MiniLM). ``batch`` defaults to
+    prompts (default: the model's own, 40 for SmolLM2, 64 for MiniLM), and ``weights="random"``
+    runs SmolLM2's architecture with random weights and tokens, without its package (the same
+    programs and work; its losses mean nothing). ``batch`` defaults to
     :func:`default_batch` of the model (256; 8 for the pretrained models, as their configs train).
 
     Raises:
@@ -224,7 +229,7 @@ def run(
     import optax
 
     progress(f"setting up {model}")
-    kwargs, params, data, loss_fn = setup(model, width, batch, seq_len)
+    kwargs, params, data, loss_fn = setup(model, width, batch, seq_len, weights)
     input_shape = [int(d) for d in data[0].shape[1:]]
     param_bytes = int(sum(np.size(p) * jnp.dtype(p.dtype).itemsize for p in jax.tree_util.tree_leaves(params)))
     n_params = int(sum(np.size(p) for p in jax.tree_util.tree_leaves(params)))
@@ -774,6 +779,9 @@ def main(argv: list[str] | None = None) -> int:
                         "not used by the pretrained models)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="pretrained models: tokens per prompt (default 40 for smollm2, 64 for minilm)")
+    p.add_argument("--weights", default="pretrained", choices=_pretrained_bench.WEIGHTS,
+                   help="pretrained models: their weights (default), or random: SmolLM2's architecture with random "
+                        "weights and tokens, without its package (time and memory only)")
     p.add_argument("--n", type=int, default=1, help="perturbations per ZO step (default 1)")
     p.add_argument("--codec", default="float32", choices=sorted(codecs.CODECS), help="projected-gradient codec (default float32)")
     p.add_argument("--distribution", default="both", choices=["both", *noise.EXACT], help="exact noise (default both)")
@@ -795,7 +803,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure(args) -> dict:
         dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
-        return run(args.model, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len, codec=args.codec,
+        return run(args.model, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len, weights=args.weights,
+                   codec=args.codec,
                    distributions=dists, repeats=args.repeats, warmup=args.warmup, profile_calls=args.profile,
                    zo_options=dict(parse_option(o) for o in args.zo_option), flat=args.flat, unroll=args.unroll, rows=args.rows,
                    progress=_common.Progress(p.prog))

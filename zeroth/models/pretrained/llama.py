@@ -54,8 +54,10 @@ __all__ = [
     "PARAM_NAMES",
     "LAYER_PARAMS",
     "GGUF_NAMES",
+    "SMOLLM2_135M",
     "config_from_gguf",
     "param_shapes",
+    "random_leaf",
     "layer_key",
     "is_stacked",
     "unstack_layers",
@@ -98,6 +100,12 @@ class LlamaConfig:
                 f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}) and n_heads by n_kv_heads ({self.n_kv_heads})"
             )
 
+
+SMOLLM2_135M = LlamaConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, hidden_dim=1536,
+                           rope_theta=100000.0, norm_eps=float(np.float32(1e-5)), max_seq_len=8192)
+"""SmolLM2-135M's config as its GGUF file's metadata gives it (:func:`load_smollm2`; the tests
+compare the two): the architecture where the package is not installed, for a model with random
+weights (``SmolLM2Prompt(architecture=SMOLLM2_135M)``, ``zeroth bench zo --weights random``)."""
 
 LAYER_PARAMS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_o", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 PARAM_NAMES = ("embed", "final_norm") + LAYER_PARAMS
@@ -158,6 +166,22 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         "ffn_up": (L, cfg.hidden_dim, d),
         "ffn_down": (L, d, cfg.hidden_dim),
     }
+
+
+def random_leaf(name: str, key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """A random float32 parameter of this name (:data:`PARAM_NAMES`): ones for a norm's weights,
+    ``0.02 · N(0, 1)`` otherwise. For measuring time and memory without the pretrained weights;
+    nothing of the pretrained model's behaviour.
+
+    Example:
+      >>> random_leaf("attn_norm", jax.random.key(0), (3,)).tolist()
+      [1.0, 1.0, 1.0]
+    """
+    if name not in PARAM_NAMES:
+        raise ValueError(f"unknown parameter {name!r}; expected one of {list(PARAM_NAMES)}")
+    if name.endswith("norm"):
+        return jnp.ones(shape, jnp.float32)
+    return jnp.float32(0.02) * jax.random.normal(key, shape, jnp.float32)
 
 
 def layer_key(i: int) -> str:

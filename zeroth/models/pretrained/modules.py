@@ -96,27 +96,44 @@ class SmolLM2Prompt(nn.Module):
         layer inside the scan body, :mod:`zeroth.layerwise`, so its peak memory is inference's);
         False = one leaf per layer and weight (:func:`zeroth.models.pretrained.llama.unstack_layers`),
         an unrolled loop that compiles slower.
+      architecture: None (the default) for the package's model; a config
+        (:data:`zeroth.models.pretrained.llama.SMOLLM2_135M`) for that architecture with random
+        weights, without the package (``zeroth.models.init(model, key, x, pretrained=False,
+        exact=False)`` draws them, :func:`~zeroth.models.pretrained.llama.random_leaf`), for
+        measuring time and memory where the weights are not installed.
+      label_ids: the label words' token ids; None (the default) tokenizes ``label_words`` (the
+        package's tokenizer). A model with random weights needs them given.
     """
 
     num_classes: int = 2
     label_words: tuple[str, ...] = (" terrible", " great")
     package: str | None = None
     scan_layers: bool = True
+    architecture: _llama.LlamaConfig | None = None
+    label_ids: tuple[int, ...] | None = None
 
     def _check(self) -> None:
         if len(self.label_words) != self.num_classes:
             raise ValueError(
                 f"num_classes={self.num_classes} but {len(self.label_words)} label words {self.label_words!r}"
             )
+        if self.label_ids is not None and len(self.label_ids) != self.num_classes:
+            raise ValueError(f"num_classes={self.num_classes} but {len(self.label_ids)} label ids {self.label_ids!r}")
+        if self.architecture is not None and self.label_ids is None:
+            raise ValueError("SmolLM2Prompt with an architecture (random weights) needs label_ids: "
+                             "the label words' ids come from the package's tokenizer")
 
     def config(self) -> _llama.LlamaConfig:
-        """The model config (from the GGUF metadata)."""
-        return _llama.load_smollm2(self.package)[1]
+        """The model config: ``architecture``, else the GGUF file's metadata."""
+        return self.architecture if self.architecture is not None else _llama.load_smollm2(self.package)[1]
 
     def pretrained_params(self, key=None, sample_x=None) -> dict:
         """The pretrained parameters as fresh float32 jax arrays (``key``/``sample_x`` unused: nothing is random)."""
         del key, sample_x
         self._check()
+        if self.architecture is not None:
+            raise ValueError("SmolLM2Prompt(architecture=...) has random weights, no pretrained ones: "
+                             "initialize it with zeroth.models.init(model, key, x, pretrained=False, exact=False)")
         params, cfg = _llama.load_smollm2(self.package)
         if not self.scan_layers:
             params = _llama.unstack_layers(params, cfg.n_layers)
@@ -127,6 +144,8 @@ class SmolLM2Prompt(nn.Module):
 
         What ``train.requantize`` projects onto (:func:`zeroth.models.pretrained.q4train.smollm2_grids`).
         """
+        if self.architecture is not None:
+            raise ValueError("SmolLM2Prompt(architecture=...) has random weights, not the package's 4-bit grids")
         return _q4train.smollm2_grids(self.package, scan_layers=self.scan_layers)
 
     @nn.compact
@@ -138,21 +157,28 @@ class SmolLM2Prompt(nn.Module):
         cfg = self.config()
         package = self.package
         shapes = _llama.param_shapes(cfg)
-        if self.scan_layers:
-            params = {
-                name: self.param(name, host_initializer(lambda n=name: _llama.load_smollm2(package)[0][n]), shape)
-                for name, shape in shapes.items()
-            }
+        if self.architecture is not None:  # random weights: init draws each leaf, nothing is loaded
+            def init(name):
+                return lambda rng, shape: _llama.random_leaf(name, rng, shape)
+
+            def init_layer(rng, shape):
+                return {n: _llama.random_leaf(n, k, shape[n])
+                        for n, k in zip(_llama.LAYER_PARAMS, jax.random.split(rng, len(_llama.LAYER_PARAMS)))}
         else:
-            params = {
-                name: self.param(name, host_initializer(lambda n=name: _llama.load_smollm2(package)[0][n]), shapes[name])
-                for name in ("embed", "final_norm")
-            }
+            def init(name):
+                return host_initializer(lambda: _llama.load_smollm2(package)[0][name])
+        if self.scan_layers:
+            params = {name: self.param(name, init(name), shape) for name, shape in shapes.items()}
+        else:
+            params = {name: self.param(name, init(name), shapes[name]) for name in ("embed", "final_norm")}
             per_layer = {n: shapes[n][1:] for n in _llama.LAYER_PARAMS}
             for i in range(cfg.n_layers):
-                fetch = lambda i=i: {n: _llama.load_smollm2(package)[0][n][i] for n in _llama.LAYER_PARAMS}  # noqa: E731
-                params[_llama.layer_key(i)] = self.param(_llama.layer_key(i), host_initializer(fetch), per_layer)
-        return _scoring.label_logits(params, cfg, x, label_token_ids(self.label_words, package))
+                if self.architecture is None:
+                    fetch = lambda i=i: {n: _llama.load_smollm2(package)[0][n][i] for n in _llama.LAYER_PARAMS}  # noqa: E731
+                    init_layer = host_initializer(fetch)
+                params[_llama.layer_key(i)] = self.param(_llama.layer_key(i), init_layer, per_layer)
+        ids = self.label_ids if self.label_ids is not None else label_token_ids(self.label_words, package)
+        return _scoring.label_logits(params, cfg, x, ids)
 
 
 class MiniLMClassifier(nn.Module):
