@@ -109,8 +109,8 @@ TARGETS: dict[str, Target | None] = {
 
 
 def run(model: str = "transformer", *, target: str = "host", batch: int | None = None, width: int = 1024, n: int = 1,
-        seq_len: int | None = None, weights: str = "pretrained", distributions: tuple[str, ...] = noise.EXACT, flat: bool = False,
-        progress=_common.no_progress) -> dict:
+        seq_len: int | None = None, weights: str = "pretrained", distributions: tuple[str, ...] = noise.EXACT,
+        flat: bool = False, progress=_common.no_progress) -> dict:
     """Compile and measure; returns ``{"config", "environment", "rows", "ratios", "targets"}``.
 
     Raises:
@@ -172,7 +172,8 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
     n_params = int(sum(np.size(x) for x in jax.tree_util.tree_leaves(params)))
     return {
         "config": {"model": model, "model_kwargs": kwargs, "target": target, "batch": batch, "n": n,
-                   "seq_len": seq_len, "weights": weights, "distributions": list(distributions), "flat": flat, "params": n_params,
+                   "seq_len": seq_len, "weights": weights, "distributions": list(distributions), "flat": flat,
+                   "params": n_params,
                    "extra_compiler_options": options},
         "environment": _common.environment(),
         "rows": rows,
@@ -330,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=1024, help="model size, as zeroth bench zo (default 1024)")
     p.add_argument("--seq-len", type=int, default=None, help="pretrained models: tokens per prompt")
     p.add_argument("--weights", default="pretrained", choices=_pretrained_bench.WEIGHTS,
-                   help="pretrained models: their weights, or random: SmolLM2's architecture without its package (default pretrained)")
+                   help="pretrained models: their weights (default), or random: SmolLM2's architecture with random "
+                        "weights, without its package")
     p.add_argument("--n", type=int, default=1, help="perturbations per ZO step (default 1)")
     p.add_argument("--distribution", default="both", choices=["both", *noise.EXACT], help="exact noise (default both)")
     p.add_argument("--flat", action="store_true", help="also the program on replay.flatten(params), the layout a GPU trains in")
