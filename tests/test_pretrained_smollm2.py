@@ -133,6 +133,12 @@ def test_a_prompt_classifier_with_random_weights_needs_no_package(monkeypatch):
     with pytest.raises(ValueError, match="num_classes=2 but 3 label ids"):
         models.init(SmolLM2Prompt(architecture=cfg, label_ids=(1, 2, 3)), models.init_key(0), x[:1], pretrained=False,
                     exact=False)
+    with pytest.raises(ValueError, match="label ids must be token ids in \\[0, 97\\), got 97"):
+        models.init(SmolLM2Prompt(architecture=cfg, label_ids=(3, 97)), models.init_key(0), x[:1], pretrained=False,
+                    exact=False)
+    with pytest.raises(ValueError, match="architecture must be a zeroth.models.pretrained.llama.LlamaConfig"):
+        models.init("smollm2_prompt", models.init_key(0), x[:1], pretrained=False, exact=False,
+                    architecture={"dim": 24}, label_ids=[3, 11])  # as a config's model.kwargs would give it
     with pytest.raises(ValueError, match="unknown parameter 'attn_x'"):
         llama.random_leaf("attn_x", jax.random.key(0), (2,))
 

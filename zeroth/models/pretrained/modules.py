@@ -119,6 +119,9 @@ class SmolLM2Prompt(nn.Module):
             )
         if self.label_ids is not None and len(self.label_ids) != self.num_classes:
             raise ValueError(f"num_classes={self.num_classes} but {len(self.label_ids)} label ids {self.label_ids!r}")
+        if self.architecture is not None and not isinstance(self.architecture, _llama.LlamaConfig):
+            raise ValueError(f"architecture must be a zeroth.models.pretrained.llama.LlamaConfig (e.g. llama.SMOLLM2_135M), "
+                             f"got {type(self.architecture).__name__} {self.architecture!r}")
         if self.architecture is not None and self.label_ids is None:
             raise ValueError("SmolLM2Prompt with an architecture (random weights) needs label_ids: "
                              "the label words' ids come from the package's tokenizer")
@@ -178,6 +181,9 @@ class SmolLM2Prompt(nn.Module):
                     init_layer = host_initializer(fetch)
                 params[_llama.layer_key(i)] = self.param(_llama.layer_key(i), init_layer, per_layer)
         ids = self.label_ids if self.label_ids is not None else label_token_ids(self.label_words, package)
+        bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"label ids must be token ids in [0, {cfg.vocab_size}), got {bad[0]!r} in {tuple(ids)!r}")
         return _scoring.label_logits(params, cfg, x, ids)
 
 
