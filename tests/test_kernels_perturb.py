@@ -333,6 +333,27 @@ class TestNative:
                 assert replay.checksum(f(params, keys, scales)) == replay.checksum(want), (dist, per_leaf)
 
 
+def test_leaf_keys_derived_by_the_caller_give_the_same_update():
+    """apply_updates(..., leaf_keys=) with each leaf's keys derived outside (as a ZO estimator
+    derives those of all its evaluations before its loop) gives the bits of deriving them inside,
+    with the jnp rule whole or leaf by leaf; a table of the wrong shape is refused."""
+    params = {"a": _array((33, 5), jnp.float32, seed=21), "b": {"c": _array((70,), jnp.bfloat16, seed=22)}}
+    keys = rng.sample_keys(3, [(0, 4, s) for s in range(2)])
+    paths = [rng.leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    table = jnp.stack([kp.leaf_keys(keys, rng.leaf_id(p)) for p in paths])
+    for dist in DISTS:
+        scales = replay.update_scales(dist, [0.5, -0.25])
+        want = replay.checksum(replay.apply_updates(params, keys, scales, distribution=dist))
+        for per_leaf in (False, True):
+            f = jax.jit(lambda p, k, s, t, dist=dist, per_leaf=per_leaf: kp.apply_updates(
+                p, k, s, distribution=dist, impl="jnp", per_leaf=per_leaf, leaf_keys=t))
+            assert replay.checksum(f(params, keys, scales, table)) == want, (dist, per_leaf)
+            # and they are what it uses: the table of other keys gives other bits
+            assert replay.checksum(f(params, keys, scales, table[:, ::-1])) != want, (dist, per_leaf)
+    with pytest.raises(ValueError, match=r"leaf_keys must be u32\[L, K, 2\] = \[2, 2, 2\] .* got shape \[1, 2, 2\]"):
+        kp.apply_updates(params, keys, scales, impl="jnp", leaf_keys=table[:1])
+
+
 # --------------------------------------------------------------------------- dispatch and errors
 
 

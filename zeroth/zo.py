@@ -288,7 +288,8 @@ def projected_gradients_and_losses(
     ``ℓ_i = (L(θ+) + L(θ−)) / 2``, in float32. The 2n forward passes are the iterations of one
     ``lax.map`` over ``(k_i, ±ε)``: each iteration builds one perturbed model, leaf by leaf as the
     forward pass needs it, and nothing of it outlives the iteration (see the module docstring on
-    memory and :func:`compiler_options`). While ``loss_fn`` is traced, a
+    memory and :func:`compiler_options`). The leaves' keys of all 2n evaluations are derived
+    before the loop, in one computation (the native CPU kernel derives its own). While ``loss_fn`` is traced, a
     :class:`zeroth.layerwise.Provider` serves the parts of ``θ±`` that the model reads through
     :mod:`zeroth.layerwise` (layer ``i`` of a stacked leaf inside a scan, rows of a table),
     computed on demand from ``θ`` with the same bits; ``loss_fn(params, batch)`` is called as
@@ -323,16 +324,26 @@ def projected_gradients_and_losses(
     pair_scales = jnp.tile(jnp.stack([scale, -scale]), n)  # +s, -s, +s, -s, ...
 
     native = _fused.resolve_impl("auto", _rule.default_platform(), 1) == "native"
+    if native:
+        tables = jnp.zeros((2 * n, 0, 1, 2), jnp.uint32)  # the native kernel derives the leaf keys itself
+    else:
+        if isinstance(params, _replay.Flat):
+            ids = [g.leaf_id for g in params.layout.segments]
+        else:
+            ids = [_rng.leaf_id(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        # every evaluation's table of leaf keys, derived once for all of them (inside the loop they
+        # were kernels of their own at each evaluation)
+        tables = jnp.swapaxes(_fused._all_leaf_keys(pair_keys, ids), 0, 1)[:, :, None, :]
 
     def one(args, source=params, after=None):
         # The barrier makes this iteration's copy of θ depend on its key, so no whole-model value
         # is hoisted out of the loop even where invariant code motion runs. Unrolled, ``source``
         # is the previous evaluation's θ (one chain of barriers over the parameters) and ``after``
         # its loss, so that the evaluations run one after the other.
-        key, s, theta, _ = jax.lax.optimization_barrier((args[0], args[1], source, after))
-        return evaluate(key, s, theta), theta
+        key, s, table, theta, _ = jax.lax.optimization_barrier((args[0], args[1], args[2], source, after))
+        return evaluate(key, s, table, theta), theta
 
-    def evaluate(key, s, theta):
+    def evaluate(key, s, table, theta):
         sources = None
         if isinstance(theta, _replay.Flat):  # unflattened after the barrier: slices fused into their uses
             # where each leaf lies: a layer of a stacked leaf is read from its buffer (a slice of
@@ -349,7 +360,7 @@ def projected_gradients_and_losses(
             # The jnp rule (replay.apply_updates' default), each large leaf apart (per_leaf): on a
             # GPU one kernel would otherwise compute every large perturbed leaf at once.
             perturbed = _fused.apply_updates(theta, key[None], s[None], distribution=distribution, impl="jnp",
-                                             per_leaf=True)
+                                             per_leaf=True, leaf_keys=table)
             # Each perturbed leaf is divided by a runtime 1.0 (exact: x / 1 == x for every float).
             # The division marks its producer as expensive, so XLA materializes the leaf once
             # instead of fusing the noise generation into consumers that broadcast it (a bias
@@ -359,7 +370,8 @@ def projected_gradients_and_losses(
         # Models that read stacked layers or embedding rows through zeroth.layerwise get them
         # from here, computed on demand from θ (same bits); the whole perturbed leaf is then
         # unused and XLA drops it.
-        with _layerwise.provide(_perturbed_parts(theta, perturbed, key, s, distribution, native, sources)):
+        with _layerwise.provide(_perturbed_parts(theta, perturbed, key, s, distribution, native, sources,
+                                                 None if native else table)):
             loss = loss_fn(perturbed, batch)
         return jnp.asarray(loss).astype(jnp.float32).reshape(())
 
@@ -367,17 +379,17 @@ def projected_gradients_and_losses(
         out: list[jax.Array] = []
         theta = params
         for i in range(2 * n):
-            loss, theta = one((pair_keys[i], pair_scales[i]), theta, out[-1] if out else None)
+            loss, theta = one((pair_keys[i], pair_scales[i], tables[i]), theta, out[-1] if out else None)
             out.append(loss)
         losses = jnp.stack(out).reshape(n, 2)
     else:
-        losses = jax.lax.map(lambda args: one(args)[0], (pair_keys, pair_scales)).reshape(n, 2)
+        losses = jax.lax.map(lambda args: one(args)[0], (pair_keys, pair_scales, tables)).reshape(n, 2)
     lp, lm = losses[:, 0], losses[:, 1]
     return (lp - lm) / (jnp.float32(2.0) * eps), (lp + lm) * jnp.float32(0.5)
 
 
 def _perturbed_parts(theta, perturbed, key, scale, distribution: str, native: bool,
-                     sources=None) -> _layerwise.Provider:
+                     sources=None, table=None) -> _layerwise.Provider:
     """The :class:`zeroth.layerwise.Provider` of one perturbed model ``perturbed = θ + s·z``.
 
     It recognises the leaves of ``perturbed`` by identity and serves layer ``i`` of a stacked leaf
@@ -391,8 +403,8 @@ def _perturbed_parts(theta, perturbed, key, scale, distribution: str, native: bo
     p_leaves = jax.tree_util.tree_leaves(perturbed)
     if sources is None:
         sources = [(t, 0) for _, t in t_leaves]
-    known = {id(p): (p, t, _rng.leaf_id(path), src)
-             for (path, t), p, src in zip(t_leaves, p_leaves, sources, strict=True)}
+    known = {id(p): (p, t, _rng.leaf_id(path), src, i)
+             for i, ((path, t), p, src) in enumerate(zip(t_leaves, p_leaves, sources, strict=True))}
     scales = scale[None]
     impl = "native" if native else "jnp"
 
@@ -409,8 +421,8 @@ def _perturbed_parts(theta, perturbed, key, scale, distribution: str, native: bo
         hit = find(leaf)
         if hit is None or jnp.ndim(hit[1]) < 1:
             return None
-        _, t, lid, (source, base) = hit
-        lk = _fused.leaf_keys(key[None], lid)
+        _, t, lid, (source, base), li = hit
+        lk = _fused.leaf_keys(key[None], lid) if table is None else table[li]
         shape = tuple(t.shape[1:])
         m = math.prod(shape)
 
@@ -426,8 +438,9 @@ def _perturbed_parts(theta, perturbed, key, scale, distribution: str, native: bo
         hit = find(leaf)
         if hit is None or jnp.ndim(hit[1]) < 1:
             return None
-        _, t, lid, _ = hit
-        return materialize(_fused.perturb_rows(t, _fused.leaf_keys(key[None], lid), scales, ids, distribution=distribution), t)
+        _, t, lid, _, li = hit
+        lk = _fused.leaf_keys(key[None], lid) if table is None else table[li]
+        return materialize(_fused.perturb_rows(t, lk, scales, ids, distribution=distribution), t)
 
     return _layerwise.Provider(layer, rows)
 

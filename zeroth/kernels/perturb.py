@@ -1288,6 +1288,7 @@ def apply_updates(
     interpret: bool = False,
     platform: str | None = None,
     per_leaf: bool = False,
+    leaf_keys: jax.Array | None = None,
 ) -> Any:
     """Traceable: :func:`zeroth.replay.apply_updates` through the fused kernels, same bits.
 
@@ -1315,6 +1316,10 @@ def apply_updates(
         outputs are all live at once (compiled for an NVIDIA H100, a transformer of 12.6M
         parameters held its eight 4 MiB perturbed weights together: 1.23 times inference's
         memory; 1.01 apart).
+      leaf_keys: ``u32[L, K, 2]``, the leaves' keys in tree order (:func:`leaf_keys` of ``keys``
+        and each leaf's id), derived by the caller: a ZO estimator derives those of all its
+        evaluations once, before its loop, instead of once per evaluation. ``None`` (the default)
+        derives them here. The native kernel derives its own and ignores them.
 
     Returns:
       The updated pytree (same structure, dtypes and shapes).
@@ -1326,9 +1331,12 @@ def apply_updates(
         _rule.check_dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype, f"leaf {_rng.leaf_path(path)}")
     leaves = [jnp.asarray(leaf) for _, leaf in with_path]
     ids = [_rng.leaf_id(path) for path, _ in with_path]
+    if leaf_keys is not None and tuple(np.shape(leaf_keys)) != (len(leaves), keys.shape[0], 2):
+        raise ValueError(f"leaf_keys must be u32[L, K, 2] = {[len(leaves), keys.shape[0], 2]} for these "
+                         f"{len(leaves)} leaves and {keys.shape[0]} keys, got shape {list(np.shape(leaf_keys))}")
     run = functools.partial(
         _apply_leaves, ids=ids, distribution=distribution, impl=impl, inplace=inplace,
-        block_sizes=block_sizes, interpret=interpret, per_leaf=per_leaf,
+        block_sizes=block_sizes, interpret=interpret, per_leaf=per_leaf, given=leaf_keys,
     )
     return jax.tree_util.tree_unflatten(treedef, _by_platform(run, leaves, keys, scales, impl=impl, platform=platform))
 
@@ -1338,7 +1346,8 @@ APART_MIN_BYTES = 1 << 20
 bytes from operands of its own (:func:`apply_updates`); smaller leaves may still share a fusion."""
 
 
-def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, block_sizes, interpret, platform, per_leaf):
+def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, block_sizes, interpret, platform, per_leaf,
+                  given=None):
     """The updated ``leaves`` with the implementation for ``platform`` (see :func:`apply_updates`)."""
     impl = resolve_impl(impl, platform, keys.shape[0])
     if impl == "native" and per_leaf:  # one launch per leaf, leaf keys derived inside the kernel
@@ -1351,7 +1360,7 @@ def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, blo
     # every leaf's keys in one computation per call: derived leaf by leaf, each would be an op of
     # its own before the leaf's (on a GPU, a kernel launch per leaf; ZO estimator, transformer at
     # the default width, batch 256: 437 ops per call against 573 on a CPU)
-    all_keys = _all_leaf_keys(keys, ids) if ids else None
+    all_keys = given if given is not None else (_all_leaf_keys(keys, ids) if ids else None)
 
     def update(i, leaf):
         leaf_keys_, offset = all_keys[i], 0
