@@ -671,7 +671,8 @@ def test_a_scanned_stack_alone_in_its_buffer_costs_the_estimator_no_copy():
     shared, alone = replay.flatten(params, alone_from=None), replay.flatten(params, alone_from=1024)
     assert len(shared.buffers) == 1 and len(alone.buffers) == 2
     stack_bytes = params["stack"].size * 4
-    assert temp(shared) >= temp(params) + stack_bytes // 2  # the copy the layout rule avoids
+    if fused.resolve_impl("auto", "cpu", 1) == "native":  # the native kernel reads the stack as the scan holds it
+        assert temp(shared) >= temp(params) + stack_bytes // 2  # the copy the layout rule avoids
     assert temp(alone) <= temp(params)
     a = zo.mezo_step(_scanned_loss, params, batch, run_seed=1, iteration=0, lr=0.1, eps=1e-2)
     b = zo.mezo_step(_scanned_loss, alone, batch, run_seed=1, iteration=0, lr=0.1, eps=1e-2, donate=True)
