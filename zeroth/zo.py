@@ -289,8 +289,8 @@ def projected_gradients_and_losses(
     ``lax.map`` over ``(k_i, ±ε)``: each iteration builds one perturbed model, leaf by leaf as the
     forward pass needs it, and nothing of it outlives the iteration (see the module docstring on
     memory and :func:`compiler_options`). The leaves' keys of all 2n evaluations are derived
-    before the loop, in one computation (the native CPU kernel derives its own). While ``loss_fn`` is traced, a
-    :class:`zeroth.layerwise.Provider` serves the parts of ``θ±`` that the model reads through
+    before the loop, in one computation (the native CPU kernel derives its own). While
+    ``loss_fn`` is traced, a :class:`zeroth.layerwise.Provider` serves the parts of ``θ±`` that the model reads through
     :mod:`zeroth.layerwise` (layer ``i`` of a stacked leaf inside a scan, rows of a table),
     computed on demand from ``θ`` with the same bits; ``loss_fn(params, batch)`` is called as
     usual, and a model that does not use :mod:`zeroth.layerwise` sees no difference.
@@ -333,7 +333,7 @@ def projected_gradients_and_losses(
             ids = [_rng.leaf_id(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         # every evaluation's table of leaf keys, derived once for all of them (inside the loop they
         # were kernels of their own at each evaluation)
-        tables = jnp.swapaxes(_fused._all_leaf_keys(pair_keys, ids), 0, 1)[:, :, None, :]
+        tables = jnp.swapaxes(_fused.leaf_key_table(pair_keys, ids), 0, 1)[:, :, None, :]
 
     def one(args, source=params, after=None):
         # The barrier makes this iteration's copy of θ depend on its key, so no whole-model value

@@ -67,6 +67,7 @@ __all__ = [
     "platform_of",
     "resolve_impl",
     "leaf_keys",
+    "leaf_key_table",
     "perturb_reference",
     "perturb_pallas",
     "FlatTilePlan",
@@ -274,6 +275,12 @@ def resolve_impl(impl: str, platform: str | None = None, n_updates: int | None =
 def leaf_keys(keys, lid: int) -> jax.Array:
     """``u32[K, 2]`` leaf keys ``fold_in(keys[u], lid)`` of the sample keys ``u32[K, 2]``."""
     return _all_leaf_keys(keys, [lid])[0]
+
+
+def leaf_key_table(keys, ids) -> jax.Array:
+    """``u32[L, K, 2]``: :func:`leaf_keys` of the sample keys ``u32[K, 2]`` for each leaf id of
+    ``ids`` (in one computation), what :func:`apply_updates` takes as ``leaf_keys``."""
+    return _all_leaf_keys(keys, [int(i) for i in ids])
 
 
 def _check_args(x, keys, scales, distribution: str):
@@ -1316,8 +1323,8 @@ def apply_updates(
         outputs are all live at once (compiled for an NVIDIA H100, a transformer of 12.6M
         parameters held its eight 4 MiB perturbed weights together: 1.23 times inference's
         memory; 1.01 apart).
-      leaf_keys: ``u32[L, K, 2]``, the leaves' keys in tree order (:func:`leaf_keys` of ``keys``
-        and each leaf's id), derived by the caller: a ZO estimator derives those of all its
+      leaf_keys: ``u32[L, K, 2]``, the leaves' keys in tree order (:func:`leaf_key_table` of
+        ``keys`` and the leaves' ids), derived by the caller: a ZO estimator derives those of all its
         evaluations once, before its loop, instead of once per evaluation. ``None`` (the default)
         derives them here. The native kernel derives its own and ignores them.
 
