@@ -324,16 +324,13 @@ def projected_gradients_and_losses(
     pair_scales = jnp.tile(jnp.stack([scale, -scale]), n)  # +s, -s, +s, -s, ...
 
     native = _fused.resolve_impl("auto", _rule.default_platform(), 1) == "native"
-    if native:
-        tables = jnp.zeros((2 * n, 0, 1, 2), jnp.uint32)  # the native kernel derives the leaf keys itself
+    if isinstance(params, _replay.Flat):
+        ids = [g.leaf_id for g in params.layout.segments]
     else:
-        if isinstance(params, _replay.Flat):
-            ids = [g.leaf_id for g in params.layout.segments]
-        else:
-            ids = [_rng.leaf_id(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-        # every evaluation's table of leaf keys, derived once for all of them (inside the loop they
-        # were kernels of their own at each evaluation)
-        tables = jnp.swapaxes(_fused.leaf_key_table(pair_keys, ids), 0, 1)[:, :, None, :]
+        ids = [_rng.leaf_id(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    # every evaluation's table of leaf keys, derived once for all of them (inside the loop they
+    # were kernels of their own at each evaluation); the native kernel derives whole leaves' itself
+    tables = jnp.swapaxes(_fused.leaf_key_table(pair_keys, ids), 0, 1)[:, :, None, :]
 
     def one(args, source=params, after=None):
         # The barrier makes this iteration's copy of θ depend on its key, so no whole-model value
@@ -370,8 +367,7 @@ def projected_gradients_and_losses(
         # Models that read stacked layers or embedding rows through zeroth.layerwise get them
         # from here, computed on demand from θ (same bits); the whole perturbed leaf is then
         # unused and XLA drops it.
-        with _layerwise.provide(_perturbed_parts(theta, perturbed, key, s, distribution, native, sources,
-                                                 None if native else table)):
+        with _layerwise.provide(_perturbed_parts(theta, perturbed, table, s, distribution, native, sources)):
             loss = loss_fn(perturbed, batch)
         return jnp.asarray(loss).astype(jnp.float32).reshape(())
 
@@ -388,23 +384,23 @@ def projected_gradients_and_losses(
     return (lp - lm) / (jnp.float32(2.0) * eps), (lp + lm) * jnp.float32(0.5)
 
 
-def _perturbed_parts(theta, perturbed, key, scale, distribution: str, native: bool,
-                     sources=None, table=None) -> _layerwise.Provider:
+def _perturbed_parts(theta, perturbed, table, scale, distribution: str, native: bool,
+                     sources=None) -> _layerwise.Provider:
     """The :class:`zeroth.layerwise.Provider` of one perturbed model ``perturbed = θ + s·z``.
 
     It recognises the leaves of ``perturbed`` by identity and serves layer ``i`` of a stacked leaf
     (:func:`zeroth.kernels.perturb.perturb_slice` of θ's leaf at ``i · m``, the native kernel
     reading the slice in place on CPU) and rows of a table (:func:`zeroth.kernels.perturb.perturb_rows`),
-    each bit-identical to the same part of the whole perturbed leaf. ``sources``: for θ given
+    each bit-identical to the same part of the whole perturbed leaf. ``table``: the leaves' keys
+    ``u32[L, 1, 2]`` in tree order (:func:`zeroth.kernels.perturb.leaf_key_table`). ``sources``: for θ given
     as a :class:`zeroth.replay.Flat`, each leaf's ``(buffer, element offset)`` in tree order; a
     layer is then read from the buffer where the leaf lies in it.
     """
-    t_leaves = jax.tree_util.tree_flatten_with_path(theta)[0]
+    t_leaves = jax.tree_util.tree_leaves(theta)
     p_leaves = jax.tree_util.tree_leaves(perturbed)
     if sources is None:
-        sources = [(t, 0) for _, t in t_leaves]
-    known = {id(p): (p, t, _rng.leaf_id(path), src, i)
-             for i, ((path, t), p, src) in enumerate(zip(t_leaves, p_leaves, sources, strict=True))}
+        sources = [(t, 0) for t in t_leaves]
+    known = {id(p): (p, t, table[i], src) for i, (t, p, src) in enumerate(zip(t_leaves, p_leaves, sources, strict=True))}
     scales = scale[None]
     impl = "native" if native else "jnp"
 
@@ -421,8 +417,7 @@ def _perturbed_parts(theta, perturbed, key, scale, distribution: str, native: bo
         hit = find(leaf)
         if hit is None or jnp.ndim(hit[1]) < 1:
             return None
-        _, t, lid, (source, base), li = hit
-        lk = _fused.leaf_keys(key[None], lid) if table is None else table[li]
+        _, t, lk, (source, base) = hit
         shape = tuple(t.shape[1:])
         m = math.prod(shape)
 
@@ -438,8 +433,7 @@ def _perturbed_parts(theta, perturbed, key, scale, distribution: str, native: bo
         hit = find(leaf)
         if hit is None or jnp.ndim(hit[1]) < 1:
             return None
-        _, t, lid, _, li = hit
-        lk = _fused.leaf_keys(key[None], lid) if table is None else table[li]
+        _, t, lk, _ = hit
         return materialize(_fused.perturb_rows(t, lk, scales, ids, distribution=distribution), t)
 
     return _layerwise.Provider(layer, rows)

@@ -77,15 +77,14 @@ def setup(name: str, batch: int = 8, seq_len: int | None = None, weights: str = 
     sentences = [SENTENCES[i % len(SENTENCES)][0] for i in range(batch)]
     y = np.array([SENTENCES[i % len(SENTENCES)][1] for i in range(batch)], np.int32)
     if weights == "random":
-        kwargs = {"num_classes": 2, "scan_layers": name == "smollm2", "weights": "random"}
+        kwargs = {"num_classes": 2, "scan_layers": name == "smollm2"}
         cfg = _llama.SMOLLM2_135M
         # any two tokens serve as label words: the same work as the real ones'
-        model = models.build("smollm2_prompt", num_classes=2, scan_layers=name == "smollm2", architecture=cfg,
-                             label_ids=(0, 1))
+        model = models.build("smollm2_prompt", **kwargs, architecture=cfg, label_ids=(0, 1))
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, seq_len or _text.SMOLLM2_PROMPT_TOKENS)), jnp.int32)
         params = models.init(model, models.init_key(0), x[:1], pretrained=False, exact=False)
-        return kwargs, params, (x, jnp.asarray(y)), _cross_entropy(model)
+        return {**kwargs, "weights": "random"}, params, (x, jnp.asarray(y)), _cross_entropy(model)
     if name.startswith("smollm2"):
         kwargs = {"num_classes": 2, "label_words": _text.LABEL_WORDS, "scan_layers": name == "smollm2"}
         model = models.build("smollm2_prompt", **kwargs)

@@ -164,22 +164,22 @@ class SmolLM2Prompt(nn.Module):
             def init(name):
                 return lambda rng, shape: _llama.random_leaf(name, rng, shape)
 
-            def init_layer(rng, shape):
-                return {n: _llama.random_leaf(n, k, shape[n])
-                        for n, k in zip(_llama.LAYER_PARAMS, jax.random.split(rng, len(_llama.LAYER_PARAMS)))}
+            def init_layer(i):
+                return lambda rng, shape: {n: _llama.random_leaf(n, k, shape[n]) for n, k in
+                                           zip(_llama.LAYER_PARAMS, jax.random.split(rng, len(_llama.LAYER_PARAMS)))}
         else:
             def init(name):
                 return host_initializer(lambda: _llama.load_smollm2(package)[0][name])
+
+            def init_layer(i):
+                return host_initializer(lambda: {n: _llama.load_smollm2(package)[0][n][i] for n in _llama.LAYER_PARAMS})
         if self.scan_layers:
             params = {name: self.param(name, init(name), shape) for name, shape in shapes.items()}
         else:
             params = {name: self.param(name, init(name), shapes[name]) for name in ("embed", "final_norm")}
             per_layer = {n: shapes[n][1:] for n in _llama.LAYER_PARAMS}
             for i in range(cfg.n_layers):
-                if self.architecture is None:
-                    fetch = lambda i=i: {n: _llama.load_smollm2(package)[0][n][i] for n in _llama.LAYER_PARAMS}  # noqa: E731
-                    init_layer = host_initializer(fetch)
-                params[_llama.layer_key(i)] = self.param(_llama.layer_key(i), init_layer, per_layer)
+                params[_llama.layer_key(i)] = self.param(_llama.layer_key(i), init_layer(i), per_layer)
         ids = self.label_ids if self.label_ids is not None else label_token_ids(self.label_words, package)
         bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < cfg.vocab_size]
         if bad:
