@@ -216,11 +216,12 @@ def test_flat_replay_lowers_to_one_triton_kernel_per_buffer(dist, blocks, step):
     assert kernel_launches(f, args, "cuda") == len(bufs) == 2
 
 
-@pytest.mark.parametrize("dist,dtypes", [("binomial", (jnp.bfloat16, jnp.float32)), ("rademacher", (jnp.float16,))])
-def test_flat_replay_lowers_to_one_mosaic_kernel_per_buffer(dist, dtypes, tpu_chip_info):
+@pytest.mark.parametrize("dist,dtypes,kernels", [("binomial", (jnp.bfloat16, jnp.float32), 2),
+                                                ("rademacher", (jnp.float16, jnp.float32, jnp.bfloat16), 2)])
+def test_flat_replay_lowers_to_one_mosaic_kernel_per_buffer(dist, dtypes, kernels, tpu_chip_info):
     """Exported for TPU on this CPU machine: the whole Pallas -> Mosaic lowering runs (block
     specs, scalar prefetch, SMEM tables), and a TPU layout of 50 leaves is one Mosaic kernel per
-    dtype buffer."""
+    dtype buffer, but for the float16 buffer, which Mosaic cannot load (the jnp rule updates it)."""
     tree = {f"l{i:02d}": jax.ShapeDtypeStruct((1008 + 7 * i,), dtypes[i % len(dtypes)]) for i in range(50)}
     layout = replay.layout_of(tree, platform="tpu")
     assert all(kp.tpu_flat_fits(n, d) for d, n in zip(layout.dtypes, layout.sizes))
@@ -231,7 +232,8 @@ def test_flat_replay_lowers_to_one_mosaic_kernel_per_buffer(dist, dtypes, tpu_ch
 
     bufs = [jax.ShapeDtypeStruct((n,), jnp.dtype(d)) for d, n in zip(layout.dtypes, layout.sizes)]
     args = (bufs, jax.ShapeDtypeStruct((3, 2), jnp.uint32), jax.ShapeDtypeStruct((3,), jnp.float32))
-    assert kernel_launches(f, args, "tpu") == len(bufs) == len(dtypes)
+    assert len(bufs) == len(dtypes)
+    assert kernel_launches(f, args, "tpu") == kernels
 
 
 def test_a_tpu_buffer_not_in_whole_blocks_goes_segment_by_segment(tpu_chip_info):
@@ -265,8 +267,8 @@ def _tpu_interpret():
 @functools.cache
 def _tpu_fn(layout, dist, donate):
     tables = layout.tables()
-    return jax.jit(lambda bufs, keys, scales: kp.apply_updates_flat(
-        bufs, keys, scales, tables, distribution=dist, impl="pallas", interpret=_tpu_interpret(), inplace=donate,
+    return jax.jit(lambda bufs, keys, scales: kp.apply_updates_flat(  # auto: the float16 buffer by the jnp rule
+        bufs, keys, scales, tables, distribution=dist, interpret=_tpu_interpret(), inplace=donate,
         platform="tpu", block_sizes=_TPU_BLOCKS), donate_argnums=(0,) if donate else ())
 
 
@@ -334,6 +336,29 @@ def test_tpu_kernel_keeps_gaps_and_blocks_without_segments(monkeypatch):
     monkeypatch.setattr(kp, "_TPU_SMEM_WORDS", 30)  # the tables of two segments at most per launch
     np.testing.assert_array_equal(_bits(run(True)), _bits(want))
     assert spy.grids == [(2,), (1,), (1,)]  # segments 0 and 1; 2 (empty) and 3; 4
+
+
+def test_a_launchs_smem_budget_is_half_the_chips(monkeypatch):
+    """Compiled with libtpu for a TPU v3 (16 KiB of SMEM), a flat replay of 50 leaves at K = 64 asked
+    for 25 KiB in one launch; the budget is now at most half the chip's SMEM (4 KiB words there,
+    the 512 KiB default on a v4, v5e or v6e with 1 MiB), and the replay goes in several launches."""
+    from jax._src.pallas.mosaic import tpu_info
+    from jax.experimental.pallas import tpu as pltpu
+
+    kind = jax.devices()[0].device_kind
+    assert kp._tpu_smem_words(interpret=True) == kp._TPU_SMEM_WORDS
+    budgets = {}
+    for chip in (pltpu.ChipVersion.TPU_V3, pltpu.ChipVersion.TPU_V4, pltpu.ChipVersion.TPU_V5E):
+        tpu_info.get_tpu_info.cache_clear()
+        monkeypatch.setitem(tpu_info.registry, kind, lambda chip=chip: pltpu.get_tpu_info_for_chip(chip, 1))
+        budgets[chip.value] = kp._tpu_smem_words(interpret=False)
+    tpu_info.get_tpu_info.cache_clear()
+    assert budgets == {"v3": 2048, "v4": kp._TPU_SMEM_WORDS, "v5e": kp._TPU_SMEM_WORDS}
+    segments = tuple((1024 * i, 1008 + 7 * i, i) for i in range(50))
+    assert len(kp._tpu_launch_groups(segments, 1024, 64)) == 1
+    groups = kp._tpu_launch_groups(segments, 1024, 64, budgets["v3"])
+    assert [j for g in groups for j in g] == list(range(50)) and len(groups) == 4
+    assert all(65 + sum(2 * 64 + 5 * len(kp._blocks_touched(*segments[j][:2], 1024)) for j in g) <= 2048 for g in groups)
 
 
 @settings(max_examples=60, deadline=None)

@@ -544,6 +544,12 @@ def test_no_block_addresses_outside_the_leaf(n, dist, dtype, platform, tile_log2
             kp.check_block_sizes(blocks, platform, dist)
         return
     offset = offset_calls * 64 + (offset_calls % 2)  # some offsets break the grouped layout
+    if platform == "tpu" and dtype == "float16":  # Mosaic has no float16 vectors: refused before any plan
+        with pytest.raises(ValueError, match="cannot update float16 leaves"):
+            jax.eval_shape(lambda x: kp.perturb_pallas(
+                x, _leaf_keys(3), _scales(dist, 3), distribution=dist, block_sizes=blocks, offset=offset,
+                interpret=True, platform=platform), jax.ShapeDtypeStruct((n,), jnp.float16))
+        return
     plan = kp.plan_tiles(n, dist, blocks, platform, offset)
     # the plan: whole tiles inside [0, head), head + tail = n, the tail shorter than a tile plus a row
     assert plan.head == plan.tiles * plan.tile_rows * plan.width <= n
@@ -629,6 +635,35 @@ def test_resolve_impl_follows_the_platform(monkeypatch):
     assert kp.resolve_impl("auto", "gpu", 16) == "jnp"
     with pytest.raises(ValueError, match="impl='native' is the CPU kernel, but the arrays live on gpu"):
         kp.resolve_impl("native", "cuda")
+
+
+def test_float16_leaves_on_a_tpu_take_the_jnp_rule():
+    """Mosaic has no float16 vectors: compiled for a TPU v4, v5e and v6e with libtpu, the kernel on
+    a float16 leaf failed ("Invalid vector type for load"), the doctor's replay among them (its
+    canonical tree has a float16 leaf). ``auto`` takes float16 leaves on a TPU to the jnp rule,
+    ``pallas`` refuses them with a message saying what to do; other dtypes and platforms keep
+    their kernels."""
+    for dtype in (jnp.float32, jnp.bfloat16):
+        assert kp.resolve_impl("auto", "tpu", 1, dtype) == kp.resolve_impl("pallas", "tpu", 1, dtype) == "pallas"
+    assert kp.resolve_impl("auto", "tpu", 1, jnp.float16) == "jnp"
+    assert kp.resolve_impl("jnp", "tpu", 1, jnp.float16) == "jnp"
+    assert kp.resolve_impl("auto", "cuda", 16, jnp.float16) == "pallas"
+    with pytest.raises(ValueError, match="cannot update float16 leaves .* use impl='auto'"):
+        kp.resolve_impl("pallas", "tpu", 1, jnp.float16)
+    keys, scales = _leaf_keys(2), _scales("binomial", 2)
+    with pytest.raises(ValueError, match="cannot update float16 leaves"):  # interpret mode is the TPU's too
+        kp.perturb_pallas(_array((2048,), jnp.float16), keys, scales, interpret=True, platform="tpu")
+    with pytest.raises(ValueError, match="cannot update float16 leaves"):
+        kp.perturb_pallas_flat(jnp.zeros(2048, jnp.float16), keys[None], scales, ((0, 2048, 1),), interpret=True,
+                               platform="tpu")
+    with pytest.raises(ValueError, match="cannot update float16 leaves"):
+        kp.apply_updates({"w": jnp.zeros(8, jnp.float16)}, keys, scales, impl="pallas", interpret=True, platform="tpu")
+    # auto on a TPU: the float16 leaf through the jnp rule, the others through the kernel, all exact
+    params = {"a": _array((2, 1024), jnp.float16, seed=3), "b": _array((2, 1024), jnp.bfloat16, seed=4),
+              "c": _array((8, 1024), jnp.float32, seed=5)}
+    sample = rng.sample_keys(1, [(0, 0, 0), (0, 0, 1)])
+    got = kp.apply_updates(params, sample, scales, interpret=True, platform="tpu")
+    assert replay.checksum(got) == replay.checksum(replay.apply_updates(params, sample, scales))
 
 
 def test_cpu_parameters_replay_on_cpu_when_the_default_backend_is_a_gpu(monkeypatch):

@@ -6,7 +6,8 @@ One op in three implementations that give the same bits (the tests hold them to
 * ``"pallas"``: a Pallas kernel. Each tile is loaded once, widened to float32 and flushed, gets
   all K updates in canonical order, and is cast and stored once. Every element regenerates its
   noise from its *global* flat index, so any tiling (and any shard, through ``offset``) gives
-  the same bits. The default on GPU and TPU; on CPU it runs in interpret mode, for tests only.
+  the same bits. The default on GPU and TPU (but for float16 leaves on TPU, which Mosaic cannot
+  load: :data:`MOSAIC_REFUSES`); on CPU it runs in interpret mode, for tests only.
 * ``"native"``: a C++ XLA FFI custom call for CPU (:mod:`zeroth.kernels.cpu_native` builds and
   caches it with the machine's compiler): cache-resident tiles, 16 threefry calls per SIMD
   vector, XLA's thread pool. The default on CPU when it builds.
@@ -58,6 +59,7 @@ from zeroth.kernels import cpu_native, triton_params
 
 __all__ = [
     "IMPLS",
+    "MOSAIC_REFUSES",
     "APART_MIN_BYTES",
     "BlockSizes",
     "TilePlan",
@@ -92,6 +94,13 @@ __all__ = [
 ]
 
 IMPLS = ("auto", "pallas", "native", "jnp")
+
+MOSAIC_REFUSES = (jnp.dtype(jnp.float16),)
+"""Leaf dtypes the TPU kernels cannot take: Mosaic has no float16 vectors ("Invalid vector type
+for load" when libtpu compiles the kernel for a TPU v3, v4, v5e, v5p or v6e; bfloat16 and float32
+compile). On a TPU ``impl="auto"`` updates such leaves with the jnp rule (same bits) and
+``impl="pallas"`` refuses them."""
+
 # Elements per threefry call: binomial uses 4 16-bit halves, Rademacher 64 bits.
 _PER_CALL = {"binomial": 4, "rademacher": 64}
 _LOG2_PER_CALL = {"binomial": 2, "rademacher": 6}
@@ -244,10 +253,12 @@ def platform_of(params: Any) -> str:
     return next(iter(found)) if found else _rule.default_platform()
 
 
-def resolve_impl(impl: str, platform: str | None = None, n_updates: int | None = None) -> str:
-    """The implementation for arrays on ``platform`` (default: :func:`zeroth.rule.default_platform`).
+def resolve_impl(impl: str, platform: str | None = None, n_updates: int | None = None, dtype=None) -> str:
+    """The implementation for arrays on ``platform`` (default: :func:`zeroth.rule.default_platform`)
+    of ``dtype`` (any dtype when None).
 
-    ``"auto"``: on CPU the native kernel if it builds, else ``"jnp"``; on TPU ``"pallas"``; on GPU
+    ``"auto"``: on CPU the native kernel if it builds, else ``"jnp"``; on TPU ``"pallas"``, or
+    ``"jnp"`` for a dtype of :data:`MOSAIC_REFUSES` (float16; ``"pallas"`` refuses it there); on GPU
     ``"jnp"`` for a single update (XLA's fused element-wise loop reaches memory speed there:
     270 G elements/s on an H100, jax's in-place ``p + c`` 269) and ``"pallas"`` (Triton) for
     K > 1 updates (549 against 316 G updates/s at K = 16, 582 against 353 at K = 64), or ``"jnp"`` where jax has no Triton
@@ -258,6 +269,10 @@ def resolve_impl(impl: str, platform: str | None = None, n_updates: int | None =
     platform = (_rule.default_platform() if platform is None else _rule.platform_name(platform))
     if impl == "native" and platform != "cpu":
         raise ValueError(f"impl='native' is the CPU kernel, but the arrays live on {platform}; use impl='auto'")
+    if impl in ("auto", "pallas") and dtype is not None and platform == "tpu" and jnp.dtype(dtype) in MOSAIC_REFUSES:
+        if impl == "pallas":
+            _check_mosaic_dtype(dtype, platform)  # refused, saying what to do instead
+        return "jnp"
     if impl != "auto":
         return impl
     if platform == "tpu":
@@ -359,7 +374,11 @@ def perturb_reference(x, leaf_keys_, scales, *, distribution: str = "binomial", 
 # --------------------------------------------------------------------------- Pallas kernel
 
 
-def _perturb_kernel(keys_ref, scales_ref, x_ref, o_ref, *, distribution: str, n_updates: int, offset: int, grouped: bool):
+def _perturb_kernel(keys_ref, scales_ref, x_ref, o_ref, *, distribution: str, n_updates: int, offset: int, grouped: bool,
+                    flat_keys: bool = False):
+    """One tile; ``flat_keys``: the keys come as ``u32[2K]`` (TPU: SMEM pads a 2-D array's rows to
+    128 words, so ``u32[K, 2]`` took 512 bytes per update, 32 KiB at K = 64, more than a TPU v3's
+    16 KiB of SMEM; a TPU v4 or v5e failed to compile K = 4096: 2 MiB of its 1 MiB)."""
     rows, width = x_ref.shape
     base = jnp.uint32(offset) + pl.program_id(0).astype(jnp.uint32) * jnp.uint32(rows * width)
     log2 = _LOG2_PER_CALL[distribution]
@@ -377,7 +396,8 @@ def _perturb_kernel(keys_ref, scales_ref, x_ref, o_ref, *, distribution: str, n_
     p32 = _rule.flush(x_ref[...].astype(jnp.float32))
 
     def body(u, p):
-        return _update_block(p, call, within, keys_ref[u, 0], keys_ref[u, 1], scales_ref[u], distribution)
+        k0, k1 = (keys_ref[2 * u], keys_ref[2 * u + 1]) if flat_keys else (keys_ref[u, 0], keys_ref[u, 1])
+        return _update_block(p, call, within, k0, k1, scales_ref[u], distribution)
 
     if n_updates:
         p32 = jax.lax.fori_loop(0, n_updates, body, p32)
@@ -388,6 +408,9 @@ def _pallas_tiles(x2d, keys, scales, plan: TilePlan, *, distribution, offset, in
     """Run the kernel over the first ``plan.tiles`` whole tiles of the ``(rows, width)`` array ``x2d``."""
     n_updates = keys.shape[0]
     compiler_params = None
+    flat_keys = platform == "tpu"
+    if flat_keys:  # interpret mode too, so that the tests run the TPU's indexing
+        keys = keys.reshape(-1)
     if platform == "tpu" and not interpret:
         from jax.experimental.pallas import tpu as pltpu
 
@@ -400,10 +423,11 @@ def _pallas_tiles(x2d, keys, scales, plan: TilePlan, *, distribution, offset, in
             k_pad = pl.next_power_of_2(max(1, n_updates))
             keys = jnp.pad(keys, ((0, k_pad - n_updates), (0, 0)))
             scales = jnp.pad(scales, (0, k_pad - n_updates))
-        key_spec = pl.BlockSpec(keys.shape, lambda i: (0, 0))
+        key_spec = pl.BlockSpec(keys.shape, lambda i: (0,) * keys.ndim)
         scale_spec = pl.BlockSpec(scales.shape, lambda i: (0,))
     kernel = functools.partial(
-        _perturb_kernel, distribution=distribution, n_updates=n_updates, offset=offset, grouped=plan.grouped
+        _perturb_kernel, distribution=distribution, n_updates=n_updates, offset=offset, grouped=plan.grouped,
+        flat_keys=flat_keys,
     )
     tile_spec = pl.BlockSpec((plan.tile_rows, plan.width), lambda i: (i, 0))
     return pl.pallas_call(
@@ -419,14 +443,29 @@ def _pallas_tiles(x2d, keys, scales, plan: TilePlan, *, distribution, offset, in
     )(keys, scales, x2d)
 
 
-def _pallas_target(platform: str | None, interpret: bool, block_sizes: BlockSizes | None) -> tuple[str, BlockSizes]:
-    """The platform a Pallas kernel is lowered for and its tiles (the platform's default when None)."""
+def _check_mosaic_dtype(dtype, platform: str) -> None:
+    """Refuses a leaf dtype that the TPU kernels cannot take (:data:`MOSAIC_REFUSES`), interpret
+    mode included, which simulates the TPU but would run it."""
+    if platform == "tpu" and jnp.dtype(dtype) in MOSAIC_REFUSES:
+        raise ValueError(
+            f"the TPU Pallas kernel cannot update {jnp.dtype(dtype).name} leaves (Mosaic has no "
+            f"{jnp.dtype(dtype).name} vectors on any TPU generation); use impl='auto', which updates "
+            "them with the jnp rule (same bits), or store them as bfloat16 or float32"
+        )
+
+
+def _pallas_target(platform: str | None, interpret: bool, block_sizes: BlockSizes | None,
+                   dtype=None) -> tuple[str, BlockSizes]:
+    """The platform a Pallas kernel is lowered for and its tiles (the platform's default when
+    None), for a leaf of ``dtype`` (checked against :data:`MOSAIC_REFUSES` on TPU)."""
     platform = _rule.default_platform() if platform is None else _rule.platform_name(platform)
     if platform == "cpu" and not interpret:
         raise ValueError(
             "the Pallas kernel runs on CPU only in interpret mode (tests): pass interpret=True, "
             "or use impl='native' or impl='jnp' on CPU"
         )
+    if dtype is not None:
+        _check_mosaic_dtype(dtype, platform)
     return platform, default_block_sizes(platform) if block_sizes is None else block_sizes
 
 
@@ -462,7 +501,7 @@ def perturb_pallas(
     """
     x, keys, scales = _check_args(x, leaf_keys_, scales, distribution)
     offset = _check_offset(offset, x.size)
-    platform, blocks = _pallas_target(platform, interpret, block_sizes)
+    platform, blocks = _pallas_target(platform, interpret, block_sizes, x.dtype)
     plan = plan_tiles(x.size, distribution, blocks, platform, offset)
     if plan.tiles == 0:
         return perturb_reference(x, keys, scales, distribution=distribution, offset=offset)
@@ -629,7 +668,7 @@ def perturb_pallas_flat(
       block), each computing its segment's update on the block and keeping it where the element
       belongs to the segment. A block shared by several segments stays in VMEM while their items
       run back to back. Keys, scales and the table live in SMEM; a replay whose tables exceed
-      :data:`_TPU_SMEM_WORDS` words is split into a few launches, in place.
+      :data:`_TPU_SMEM_WORDS` words (or half the chip's SMEM) is split into a few launches, in place.
 
     Same bits as :func:`perturb_pallas` on each leaf; elements outside every segment keep their bits.
 
@@ -670,7 +709,7 @@ def perturb_pallas_flat(
             f"segment keys must be u32[{len(segments)}, {n_updates}, 2] (segments, updates, key words), "
             f"got dtype {segment_keys.dtype} shape {segment_keys.shape}"
         )
-    platform, blocks = _pallas_target(platform, interpret, block_sizes)
+    platform, blocks = _pallas_target(platform, interpret, block_sizes, buffer.dtype)
     # Zero-size operands are padded to one element (never read: no key or scale is read when K = 0).
     keys_flat = jnp.pad(segment_keys.reshape(-1), (0, 0 if n_updates else 2))
     scales = jnp.pad(scales, (0, 0 if n_updates else 1))
@@ -709,8 +748,23 @@ TPU_LANES = 128
 # many small blocks against the elements a large block computes for nothing.
 _TPU_STEP_ELEMENTS = 8192
 # 32-bit words of the work-item table, keys and scales one launch may put in SMEM (512 KiB; a
-# TPU v5e has 1 MiB). A replay of more segments x updates is split over several launches.
+# TPU v4, v5e or v6e has 1 MiB), at most half the chip's (a TPU v3 has 16 KiB: _tpu_smem_words). A
+# replay of more segments x updates is split over several launches.
 _TPU_SMEM_WORDS = 2**17
+
+
+def _tpu_smem_words(interpret: bool) -> int:
+    """The SMEM words one flat launch may fill on the TPU it is compiled for: :data:`_TPU_SMEM_WORDS`,
+    or half the chip's SMEM where that is less (``pltpu.get_tpu_info``; interpret mode has no chip)."""
+    if interpret:
+        return _TPU_SMEM_WORDS
+    from jax.experimental.pallas import tpu as pltpu
+
+    try:
+        capacity = pltpu.get_tpu_info().smem_capacity_bytes
+    except ValueError:  # a device kind Pallas has no description of: the default budget
+        return _TPU_SMEM_WORDS
+    return min(_TPU_SMEM_WORDS, capacity // 8)
 
 
 class TpuFlatPlan(NamedTuple):
@@ -850,13 +904,15 @@ def _tpu_flat_kernel(table_ref, keys_ref, scales_ref, x_ref, o_ref, *, distribut
         o_ref[...] = jnp.where(mask, new, o_ref[...])
 
 
-def _tpu_launch_groups(segments, block: int, n_updates: int) -> list[tuple[int, ...]]:
-    """Consecutive groups of segment indices whose work items, keys and scales fit in
-    :data:`_TPU_SMEM_WORDS` of SMEM together: one launch each (one group in all but huge replays)."""
+def _tpu_launch_groups(segments, block: int, n_updates: int, budget: int | None = None) -> list[tuple[int, ...]]:
+    """Consecutive groups of segment indices whose work items, keys and scales fit in ``budget``
+    words of SMEM together (default :data:`_TPU_SMEM_WORDS`): one launch each (one group in all
+    but huge replays)."""
+    budget = _TPU_SMEM_WORDS if budget is None else budget
     groups, group, words = [], [], n_updates + 1
     for j, (o, z, _) in enumerate(segments):
         need = 2 * n_updates + 5 * len(_blocks_touched(o, z, block))
-        if group and words + need > _TPU_SMEM_WORDS:
+        if group and words + need > budget:
             groups.append(tuple(group))
             group, words = [], n_updates + 1
         group.append(j)
@@ -871,7 +927,7 @@ def _tpu_flat(buffer, keys_flat, scales, segments, *, n_updates, distribution, b
 
     n = buffer.shape[0]
     plan = plan_tpu_flat_tiles(segments, n, blocks, buffer.dtype)
-    groups = _tpu_launch_groups(segments, plan.block, n_updates)
+    groups = _tpu_launch_groups(segments, plan.block, n_updates, _tpu_smem_words(interpret))
     x2d = buffer.reshape(n // TPU_LANES, TPU_LANES)
     seg_keys = keys_flat.reshape(len(segments), 2 * n_updates) if n_updates else None
     tile = pl.BlockSpec((plan.block_rows, TPU_LANES), lambda i, t: (t[5 * i], 0))  # the item's block
@@ -1231,7 +1287,7 @@ def perturb_leaf(
     Returns:
       The updated array (same shape and dtype), bit-identical for every ``impl``.
     """
-    impl = resolve_impl(impl, platform, int(np.shape(leaf_keys_)[0]))
+    impl = resolve_impl(impl, platform, int(np.shape(leaf_keys_)[0]), jnp.result_type(x))
     if impl == "native":
         return perturb_native(x, leaf_keys_, scales, distribution=distribution, offset=offset, inplace=inplace)
     if impl == "pallas":
@@ -1355,8 +1411,9 @@ bytes from operands of its own (:func:`apply_updates`); smaller leaves may still
 
 def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, block_sizes, interpret, platform, per_leaf,
                   given=None):
-    """The updated ``leaves`` with the implementation for ``platform`` (see :func:`apply_updates`)."""
-    impl = resolve_impl(impl, platform, keys.shape[0])
+    """The updated ``leaves`` with the implementation for ``platform`` (see :func:`apply_updates`);
+    on a TPU each leaf's dtype may take it to the jnp rule (:data:`MOSAIC_REFUSES`)."""
+    requested, impl = impl, resolve_impl(impl, platform, keys.shape[0])
     if impl == "native" and per_leaf:  # one launch per leaf, leaf keys derived inside the kernel
         return [
             perturb_native_tree([leaf], keys, scales, [lid], distribution=distribution, inplace=inplace)[0]
@@ -1370,13 +1427,14 @@ def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, blo
     all_keys = given if given is not None else (_all_leaf_keys(keys, ids) if ids else None)
 
     def update(i, leaf):
+        leaf_impl = resolve_impl(requested, platform, keys.shape[0], leaf.dtype)
         leaf_keys_, offset = all_keys[i], 0
         if per_leaf and leaf.size * leaf.dtype.itemsize >= APART_MIN_BYTES:
             leaf_keys_, zero = _keys_apart(all_keys, i)
-            if impl == "jnp":  # the Pallas kernel takes a static offset
+            if leaf_impl == "jnp":  # the Pallas kernel takes a static offset
                 offset = zero
         return perturb_leaf(
-            leaf, leaf_keys_, scales, distribution=distribution, offset=offset, impl=impl, inplace=inplace,
+            leaf, leaf_keys_, scales, distribution=distribution, offset=offset, impl=leaf_impl, inplace=inplace,
             block_sizes=block_sizes, interpret=interpret, platform=platform,
         )
 
@@ -1472,7 +1530,8 @@ def _apply_flat(buffers, keys, scales, *, segments, distribution, impl, inplace,
     """The updated ``buffers`` with the implementation for ``platform`` (see :func:`apply_updates_flat`)."""
     platform = _rule.default_platform() if platform is None else _rule.platform_name(platform)
     # On GPU the flat kernel is one launch for every K; the jnp rule would be one fusion per segment.
-    impl = resolve_impl(impl, platform, None if platform == "gpu" else keys.shape[0])
+    n_updates = None if platform == "gpu" else keys.shape[0]
+    requested, impl = impl, resolve_impl(impl, platform, n_updates)
     if impl == "native":  # one launch per buffer, leaf keys derived inside the kernel
         return [
             perturb_native_flat(b, keys, scales, seg, distribution=distribution, inplace=inplace)
@@ -1483,7 +1542,8 @@ def _apply_flat(buffers, keys, scales, *, segments, distribution, impl, inplace,
     out, first = [], 0
     for b, seg in zip(buffers, segments):
         seg_keys, first = (all_keys[first : first + len(seg)] if seg else None), first + len(seg)
-        if impl == "pallas" and b.shape[0] <= _FLAT_MAX_ELEMENTS and (
+        buffer_impl = resolve_impl(requested, platform, n_updates, b.dtype)  # a float16 buffer on a TPU: jnp
+        if buffer_impl == "pallas" and b.shape[0] <= _FLAT_MAX_ELEMENTS and (
                 platform != "tpu" or tpu_flat_fits(b.shape[0], b.dtype, block_sizes)):
             out.append(b if not seg else perturb_pallas_flat(
                 b, seg_keys, scales, seg, distribution=distribution, block_sizes=block_sizes, interpret=interpret,
@@ -1492,7 +1552,7 @@ def _apply_flat(buffers, keys, scales, *, segments, distribution, impl, inplace,
             continue
         for j, (o, z, _) in enumerate(seg):  # the jnp rule, a TPU buffer not in whole blocks: segment by segment
             new = perturb_leaf(
-                jax.lax.slice(b, (o,), (o + z,)), seg_keys[j], scales, distribution=distribution, impl=impl,
+                jax.lax.slice(b, (o,), (o + z,)), seg_keys[j], scales, distribution=distribution, impl=buffer_impl,
                 block_sizes=block_sizes, interpret=interpret, platform=platform,
             )
             b = jax.lax.dynamic_update_slice(b, new, (o,))
