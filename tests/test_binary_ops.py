@@ -168,3 +168,15 @@ def test_bench_binary_rows_side_by_side():
     for r in rows:
         assert r["ops"] > 0 and r["ops_per_s"] > 0
         assert ("speedup_vs_float32" in r) == (r["kind"] == "binary")
+
+
+def test_a_tpu_without_sublane_gather_takes_the_jnp_path(monkeypatch):
+    """The kernel's lane reduction needs Mosaic's sublane gather, which a TPU v3 or v4 lacks
+    (compiled with libtpu); ``auto`` runs the jnp path there and the kernel on v5 and later."""
+    from zeroth import rule
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(rule, "default_platform", lambda: "tpu")
+    for generation, impl in ((3, "jnp"), (4, "jnp"), (5, "pallas"), (6, "pallas")):
+        monkeypatch.setattr(rule, "tpu_generation", lambda device_kind=None, g=generation: g)
+        assert kb.resolve_impl("auto") == impl, generation

@@ -298,3 +298,22 @@ def test_every_kernel_lowers_for_gpu_and_tpu(platform, tpu_chip_info):
     }
     for name, (fn, args) in ops.items():
         assert name in lowered_kernels(fn, args, platform), name
+
+
+def test_a_tpu_without_sublane_gather_takes_the_jnp_path(monkeypatch):
+    """Compiled with libtpu for a TPU v3 and v4 the sign-bit kernels' lane reductions need
+    Mosaic's sublane gather, which those generations lack ("Sublane gather not supported by this
+    TPU generation"; v5e, v5p and v6e compile them): ``auto`` runs the jnp path there."""
+    from zeroth import rule
+
+    kinds = {"TPU v3": 3, "TPU v4": 4, "TPU v5 lite": 5, "TPU v5p": 5, "TPU v6 lite": 6, "TPU7x": 7, "cpu": None,
+             "NVIDIA H100 80GB HBM3": None}
+    assert {k: rule.tpu_generation(k) for k in kinds} == kinds
+    assert [rule.lacks_sublane_gather(k) for k in kinds] == [True, True, False, False, False, False, False, False]
+    assert not rule.lacks_sublane_gather()  # this process: a CPU
+    monkeypatch.setattr(rule, "default_platform", lambda: "tpu")
+    for kind, impl in (("TPU v4", "jnp"), ("TPU v5 lite", "pallas"), ("TPU v6 lite", "pallas")):
+        monkeypatch.setattr(rule, "tpu_generation", lambda device_kind=None, kind=kind: kinds[kind])
+        assert rule.lacks_sublane_gather() == (impl == "jnp")
+        assert sb.resolve_impl("auto") == impl, kind
+        assert sb.resolve_impl("pallas") == "pallas"  # asked for by name: Mosaic's own error on a v4

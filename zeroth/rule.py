@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 import jax
@@ -85,6 +86,37 @@ def default_platform() -> str:
     if device is None:
         return platform_name(jax.default_backend())
     return platform_name(device if isinstance(device, str) else device.platform)
+
+
+def tpu_generation(device_kind: str | None = None) -> int | None:
+    """The TPU generation (2, 3, 4, 5, 6, ...) of a ``device.device_kind`` ("TPU v4", "TPU v5 lite",
+    "TPU v6 lite", "TPU7x"), by default the default device's; None for any other device.
+
+    Pallas kernels that reduce along lanes into a lane-major row need Mosaic's sublane gather,
+    which TPU v3 and v4 lack (compiled with libtpu: "Sublane gather not supported by this TPU
+    generation"; v5e, v5p and v6e compile them): :mod:`zeroth.kernels.signbits` and
+    :mod:`zeroth.kernels.binary` run their jnp paths there.
+    """
+    if device_kind is None:
+        device = jax.config.jax_default_device
+        if not isinstance(device, jax.Device):
+            device = jax.devices(device)[0] if device else jax.devices()[0]
+        device_kind = device.device_kind
+    found = re.match(r"\s*TPU\s*v?(\d+)", device_kind, re.IGNORECASE)
+    return int(found.group(1)) if found else None
+
+
+MOSAIC_SUBLANE_GATHER_FROM = 5
+"""The first TPU generation with Mosaic's sublane gather (:func:`tpu_generation`)."""
+
+
+def lacks_sublane_gather(device_kind: str | None = None) -> bool:
+    """Whether uncommitted arrays go to a TPU older than :data:`MOSAIC_SUBLANE_GATHER_FROM` (a
+    ``device_kind`` given names the device instead)."""
+    if device_kind is None and default_platform() != "tpu":
+        return False
+    generation = tpu_generation(device_kind)
+    return generation is not None and generation < MOSAIC_SUBLANE_GATHER_FROM
 
 
 def flush(x: jax.Array) -> jax.Array:

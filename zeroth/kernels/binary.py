@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from zeroth import rule as _rule
 from zeroth.kernels import triton_params
 from zeroth.noise import popcount_swar
 
@@ -109,10 +110,14 @@ def n_words(n: int) -> int:
 
 
 def resolve_impl(impl: str) -> str:
-    """``"auto"`` -> ``"pallas"`` on GPU and TPU, ``"jnp"`` on CPU; other names are checked and returned."""
+    """``"auto"`` -> ``"pallas"`` on GPU and TPU, ``"jnp"`` on CPU and on a TPU v3 or v4, whose
+    Mosaic cannot compile the kernel's lane reduction (:func:`zeroth.rule.lacks_sublane_gather`);
+    other names are checked and returned."""
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {list(IMPLS)}")
     if impl == "auto":
+        if _rule.lacks_sublane_gather():
+            return "jnp"
         return "pallas" if jax.default_backend() in ("gpu", "tpu", "cuda", "rocm") else "jnp"
     return impl
 

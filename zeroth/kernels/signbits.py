@@ -134,10 +134,14 @@ def threshold(num: int, den: int) -> int:
 
 def resolve_impl(impl: str) -> str:
     """``"auto"`` -> ``"pallas"`` where uncommitted arrays go to a GPU or TPU
-    (:func:`zeroth.rule.default_platform`), ``"jnp"`` on CPU; other names are checked and returned."""
+    (:func:`zeroth.rule.default_platform`), ``"jnp"`` on CPU and on a TPU v3 or v4, whose Mosaic
+    cannot compile the kernels' lane reductions (:func:`zeroth.rule.lacks_sublane_gather`); other
+    names are checked and returned."""
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {list(IMPLS)}")
     if impl == "auto":
+        if _rule.lacks_sublane_gather():
+            return "jnp"
         return "pallas" if _rule.default_platform() in ("gpu", "tpu") else "jnp"
     return impl
 
