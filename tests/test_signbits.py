@@ -317,3 +317,21 @@ def test_a_tpu_without_sublane_gather_takes_the_jnp_path(monkeypatch):
         assert rule.lacks_sublane_gather() == (impl == "jnp")
         assert sb.resolve_impl("auto") == impl, kind
         assert sb.resolve_impl("pallas") == "pallas"  # asked for by name: Mosaic's own error on a v4
+
+
+def test_float16_on_a_tpu_takes_the_jnp_path():
+    """Compiled with libtpu for a TPU v5e, packing float16 values failed ("Invalid vector type for
+    load") and unpacking to float16 too ("failed to legalize operation 'tpu.pack_subelements'"):
+    on a TPU float16 goes through the jnp path under ``auto`` and is refused under ``pallas``."""
+    assert sb.resolve_impl("auto", jnp.float16, "tpu") == "jnp"
+    assert sb.resolve_impl("pallas", jnp.bfloat16, "tpu") == "pallas"
+    assert sb.resolve_impl("pallas", jnp.float16, "gpu") == "pallas"
+    x = jnp.asarray(np.random.default_rng(3).standard_normal(1000), jnp.float16)
+    with pytest.raises(ValueError, match="cannot take float16 arrays .* use impl='auto'"):
+        sb.pack(x, impl="pallas", interpret=True, platform="tpu")
+    with pytest.raises(ValueError, match="cannot take float16 arrays"):
+        sb.unpack(sb.pack(x), (1000,), dtype=jnp.float16, impl="pallas", interpret=True, platform="tpu")
+    words = sb.pack(x, platform="tpu")  # auto: the jnp path, the same words
+    assert_array_equal(np.asarray(words), np.asarray(sb.pack_ref(x)))
+    assert_array_equal(np.asarray(sb.unpack(words, (1000,), dtype=jnp.float16, scale=0.5, platform="tpu")),
+                       np.asarray(sb.unpack_ref(words, (1000,), dtype=jnp.float16, scale=0.5)))

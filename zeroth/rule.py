@@ -106,6 +106,25 @@ def tpu_generation(device_kind: str | None = None) -> int | None:
     return int(found.group(1)) if found else None
 
 
+MOSAIC_REFUSES = (jnp.dtype(jnp.float16),)
+"""Array dtypes no TPU Pallas kernel can load or store: Mosaic has no float16 vectors ("Invalid
+vector type for load" when libtpu compiles the replay or sign-bit kernels for a TPU v3, v4, v5e,
+v5p or v6e; bfloat16 and float32 compile). On a TPU ``impl="auto"`` takes such arrays through the
+jnp path (same bits) and ``impl="pallas"`` refuses them (:func:`check_mosaic_dtype`)."""
+
+
+def check_mosaic_dtype(dtype, platform: str) -> None:
+    """Refuses an array dtype of :data:`MOSAIC_REFUSES` for a Pallas kernel on ``platform`` "tpu"
+    (interpret mode included, which simulates the TPU), saying what to do instead."""
+    if platform == "tpu" and jnp.dtype(dtype) in MOSAIC_REFUSES:
+        name = jnp.dtype(dtype).name
+        raise ValueError(
+            f"the TPU Pallas kernels cannot take {name} arrays (Mosaic has no {name} vectors on any TPU "
+            "generation); use impl='auto', which takes them through the jnp path (same bits), or store "
+            "them as bfloat16 or float32"
+        )
+
+
 MOSAIC_SUBLANE_GATHER_FROM = 5
 """The first TPU generation with Mosaic's sublane gather (:func:`tpu_generation`)."""
 

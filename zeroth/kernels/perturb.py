@@ -7,7 +7,7 @@ One op in three implementations that give the same bits (the tests hold them to
   all K updates in canonical order, and is cast and stored once. Every element regenerates its
   noise from its *global* flat index, so any tiling (and any shard, through ``offset``) gives
   the same bits. The default on GPU and TPU (but for float16 leaves on TPU, which Mosaic cannot
-  load: :data:`MOSAIC_REFUSES`); on CPU it runs in interpret mode, for tests only.
+  load: :data:`zeroth.rule.MOSAIC_REFUSES`); on CPU it runs in interpret mode, for tests only.
 * ``"native"``: a C++ XLA FFI custom call for CPU (:mod:`zeroth.kernels.cpu_native` builds and
   caches it with the machine's compiler): cache-resident tiles, 16 threefry calls per SIMD
   vector, XLA's thread pool. The default on CPU when it builds.
@@ -59,7 +59,6 @@ from zeroth.kernels import cpu_native, triton_params
 
 __all__ = [
     "IMPLS",
-    "MOSAIC_REFUSES",
     "APART_MIN_BYTES",
     "BlockSizes",
     "TilePlan",
@@ -94,12 +93,6 @@ __all__ = [
 ]
 
 IMPLS = ("auto", "pallas", "native", "jnp")
-
-MOSAIC_REFUSES = (jnp.dtype(jnp.float16),)
-"""Leaf dtypes the TPU kernels cannot take: Mosaic has no float16 vectors ("Invalid vector type
-for load" when libtpu compiles the kernel for a TPU v3, v4, v5e, v5p or v6e; bfloat16 and float32
-compile). On a TPU ``impl="auto"`` updates such leaves with the jnp rule (same bits) and
-``impl="pallas"`` refuses them."""
 
 # Elements per threefry call: binomial uses 4 16-bit halves, Rademacher 64 bits.
 _PER_CALL = {"binomial": 4, "rademacher": 64}
@@ -258,7 +251,7 @@ def resolve_impl(impl: str, platform: str | None = None, n_updates: int | None =
     of ``dtype`` (any dtype when None).
 
     ``"auto"``: on CPU the native kernel if it builds, else ``"jnp"``; on TPU ``"pallas"``, or
-    ``"jnp"`` for a dtype of :data:`MOSAIC_REFUSES` (float16; ``"pallas"`` refuses it there); on GPU
+    ``"jnp"`` for a dtype of :data:`zeroth.rule.MOSAIC_REFUSES` (float16; ``"pallas"`` refuses it there); on GPU
     ``"jnp"`` for a single update (XLA's fused element-wise loop reaches memory speed there:
     270 G elements/s on an H100, jax's in-place ``p + c`` 269) and ``"pallas"`` (Triton) for
     K > 1 updates (549 against 316 G updates/s at K = 16, 582 against 353 at K = 64), or ``"jnp"`` where jax has no Triton
@@ -269,10 +262,11 @@ def resolve_impl(impl: str, platform: str | None = None, n_updates: int | None =
     platform = (_rule.default_platform() if platform is None else _rule.platform_name(platform))
     if impl == "native" and platform != "cpu":
         raise ValueError(f"impl='native' is the CPU kernel, but the arrays live on {platform}; use impl='auto'")
-    if impl in ("auto", "pallas") and dtype is not None and platform == "tpu" and jnp.dtype(dtype) in MOSAIC_REFUSES:
-        if impl == "pallas":
-            _check_mosaic_dtype(dtype, platform)  # refused, saying what to do instead
-        return "jnp"
+    if impl in ("auto", "pallas") and dtype is not None and jnp.dtype(dtype) in _rule.MOSAIC_REFUSES:
+        if platform == "tpu":
+            if impl == "pallas":
+                _rule.check_mosaic_dtype(dtype, platform)  # refused, saying what to do instead
+            return "jnp"
     if impl != "auto":
         return impl
     if platform == "tpu":
@@ -443,21 +437,10 @@ def _pallas_tiles(x2d, keys, scales, plan: TilePlan, *, distribution, offset, in
     )(keys, scales, x2d)
 
 
-def _check_mosaic_dtype(dtype, platform: str) -> None:
-    """Refuses a leaf dtype that the TPU kernels cannot take (:data:`MOSAIC_REFUSES`), interpret
-    mode included, which simulates the TPU but would run it."""
-    if platform == "tpu" and jnp.dtype(dtype) in MOSAIC_REFUSES:
-        raise ValueError(
-            f"the TPU Pallas kernel cannot update {jnp.dtype(dtype).name} leaves (Mosaic has no "
-            f"{jnp.dtype(dtype).name} vectors on any TPU generation); use impl='auto', which updates "
-            "them with the jnp rule (same bits), or store them as bfloat16 or float32"
-        )
-
-
 def _pallas_target(platform: str | None, interpret: bool, block_sizes: BlockSizes | None,
                    dtype=None) -> tuple[str, BlockSizes]:
     """The platform a Pallas kernel is lowered for and its tiles (the platform's default when
-    None), for a leaf of ``dtype`` (checked against :data:`MOSAIC_REFUSES` on TPU)."""
+    None), for a leaf of ``dtype`` (:func:`zeroth.rule.check_mosaic_dtype`)."""
     platform = _rule.default_platform() if platform is None else _rule.platform_name(platform)
     if platform == "cpu" and not interpret:
         raise ValueError(
@@ -465,7 +448,7 @@ def _pallas_target(platform: str | None, interpret: bool, block_sizes: BlockSize
             "or use impl='native' or impl='jnp' on CPU"
         )
     if dtype is not None:
-        _check_mosaic_dtype(dtype, platform)
+        _rule.check_mosaic_dtype(dtype, platform)
     return platform, default_block_sizes(platform) if block_sizes is None else block_sizes
 
 
@@ -1412,7 +1395,7 @@ bytes from operands of its own (:func:`apply_updates`); smaller leaves may still
 def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, block_sizes, interpret, platform, per_leaf,
                   given=None):
     """The updated ``leaves`` with the implementation for ``platform`` (see :func:`apply_updates`);
-    on a TPU each leaf's dtype may take it to the jnp rule (:data:`MOSAIC_REFUSES`)."""
+    on a TPU each leaf's dtype may take it to the jnp rule (:data:`zeroth.rule.MOSAIC_REFUSES`)."""
     requested, impl = impl, resolve_impl(impl, platform, keys.shape[0])
     if impl == "native" and per_leaf:  # one launch per leaf, leaf keys derived inside the kernel
         return [

@@ -132,13 +132,21 @@ def threshold(num: int, den: int) -> int:
     return ((num << 32) + den // 2) // den
 
 
-def resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, dtype=None, platform: str | None = None) -> str:
     """``"auto"`` -> ``"pallas"`` where uncommitted arrays go to a GPU or TPU
     (:func:`zeroth.rule.default_platform`), ``"jnp"`` on CPU and on a TPU v3 or v4, whose Mosaic
     cannot compile the kernels' lane reductions (:func:`zeroth.rule.lacks_sublane_gather`); other
-    names are checked and returned."""
+    names are checked and returned. For float arrays of ``dtype`` on a TPU (``platform``, default
+    :func:`zeroth.rule.default_platform`), a dtype of :data:`zeroth.rule.MOSAIC_REFUSES` (float16)
+    takes ``"jnp"`` under ``"auto"`` and is refused under ``"pallas"``."""
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {list(IMPLS)}")
+    if impl != "jnp" and dtype is not None and jnp.dtype(dtype) in _rule.MOSAIC_REFUSES:
+        target = _rule.default_platform() if platform is None else _rule.platform_name(platform)
+        if target == "tpu":
+            if impl == "pallas":
+                _rule.check_mosaic_dtype(dtype, target)  # refused, saying what to do instead
+            return "jnp"
     if impl == "auto":
         if _rule.lacks_sublane_gather():
             return "jnp"
@@ -522,7 +530,7 @@ def pack(
       Packed words; bit 1 where ``not x <= -tiny`` (see module docstring); padding bits 0.
     """
     x = _check_float(x)
-    if resolve_impl(impl) == "jnp" or x.size == 0:
+    if resolve_impl(impl, x.dtype, platform) == "jnp" or x.size == 0:
         return pack_ref(x)
     return _pack_pallas(x, blocks, interpret, platform)
 
@@ -554,7 +562,7 @@ def unpack(
     scale = jnp.asarray(scale, jnp.float32)
     if scale.shape != ():
         raise ValueError(f"scale must be a scalar, got shape {scale.shape}")
-    if resolve_impl(impl) == "jnp" or n == 0:
+    if resolve_impl(impl, dtype, platform) == "jnp" or n == 0:
         return unpack_ref(words, shape, dtype=dtype, scale=scale)
     return _unpack_pallas(words, n, scale, jnp.dtype(dtype), blocks, interpret, platform).reshape(tuple(shape))
 
