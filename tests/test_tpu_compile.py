@@ -53,6 +53,8 @@ def _check_replay(results: dict[str, dict]) -> None:
         assert _mosaic_kernels(results, f"flat 50 leaves bf16/f32/f16 {dist} K=3") == 2
         assert _mosaic_kernels(results, f"doctor flat {dist} K=16") == 2
         assert _mosaic_kernels(results, f"doctor tree {dist} K=16") == 0  # leaves under a tile: the jnp rule
+        # a kernel for each of the three bfloat16 and float32 leaves, the two float16 ones by the jnp rule
+        assert _mosaic_kernels(results, f"doctor tiles {dist} K=5") == 3
 
 
 def test_every_kernel_compiles_for_a_tpu_v5e():

@@ -65,6 +65,11 @@ def cases():
         canonical = doctor.canonical_params()
         yield _flat_case(f"doctor flat {dist} K=16", canonical, dist, 16)
         leaves = jax.tree_util.tree_map(lambda a: (a.shape, str(a.dtype)), canonical)
+        tiles = jax.tree_util.tree_map(lambda a: (a.shape, str(a.dtype)), doctor.tile_params())
+        yield (f"doctor tiles {dist} K=5",  # the doctor's leaves of partial tiles
+               lambda p, keys, s, dist=dist: kp.apply_updates(p, keys, s, distribution=dist, platform="tpu",
+                                                              inplace=True),
+               [tiles, ((5, 2), "uint32"), ((5,), "float32")], (0,))
         yield (f"doctor tree {dist} K=16",
                lambda p, keys, s, dist=dist: kp.apply_updates(p, keys, s, distribution=dist, platform="tpu",
                                                               inplace=True),
