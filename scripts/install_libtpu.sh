@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs libtpu's shared library (the TPU compiler jax uses) into the virtual environment, outside
 # its site-packages, for the tests that compile zeroth's Pallas kernels for a TPU on a machine
-# without one (tests/test_tpu_compile.py: no TPU needed, nothing runs). jax itself never sees it:
+# without one (tests/test_kernel_compile.py: no TPU needed, nothing runs). jax itself never sees it:
 # installed as a package, libtpu would make every jax process on this machine look for a TPU at
 # start-up; here only the test's own process names it (TPU_LIBRARY_PATH).
 #
