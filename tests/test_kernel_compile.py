@@ -6,8 +6,8 @@ The lowering tests export the kernels; compiling them goes on to what the chip's
 export had passed: no TPU compiled the replay kernel on a float16 leaf (the doctor's canonical
 replay among them), a TPU v4 compiles none of the sign-bit pack and merge or binary kernels, and
 the keys of a 4096-update replay outgrew a TPU's SMEM. ``tests/kernel_compile.py`` compiles them
-in a process of its own, with libtpu from ``scripts/install_libtpu.sh`` and jax's CUDA plugin and
-compiler from ``scripts/install_cuda_compiler.sh`` (both run by ``make install-dev``).
+in a process of its own, with libtpu and jax's CUDA plugin and compiler from
+``scripts/install_device_compilers.sh`` (run by ``make install-dev``).
 """
 
 import json
@@ -23,11 +23,13 @@ LIBTPU = Path(os.environ.get("ZEROTH_LIBTPU", Path(sys.prefix) / "libtpu" / "lib
 CUDA_COMPILER = Path(os.environ.get("ZEROTH_CUDA_COMPILER", Path(sys.prefix) / "cuda-compiler"))
 
 needs_libtpu = pytest.mark.skipif(
-    not LIBTPU.is_file(), reason=f"no libtpu at {LIBTPU} (scripts/install_libtpu.sh, run by make install-dev, puts it there)"
+    not LIBTPU.is_file(),
+    reason=f"no libtpu at {LIBTPU} (scripts/install_device_compilers.sh, run by make install-dev, puts it there)",
 )
 needs_cuda_compiler = pytest.mark.skipif(
     not (CUDA_COMPILER / "jax_plugins").is_dir(),
-    reason=f"no jax CUDA plugin in {CUDA_COMPILER} (scripts/install_cuda_compiler.sh, run by make install-dev, puts it there)",
+    reason=f"no jax CUDA plugin in {CUDA_COMPILER} (scripts/install_device_compilers.sh, run by make install-dev, "
+    "puts it there)",
 )
 
 # Mosaic's sublane gather, which a TPU v3 or v4 lacks: every kernel that reduces along lanes into a
@@ -59,30 +61,37 @@ def _kernels(results: dict[str, dict], case: str) -> int:
     return results[case]["kernels"]
 
 
-def _check_replay(results: dict[str, dict], expected: dict[str, int]) -> None:
+# a kernel per buffer or leaf of float32 or bfloat16 on a TPU (float16, and leaves under a tile, by
+# the jnp rule); Triton takes every dtype
+TPU_REPLAY = {"flat 50 leaves bf16/f32/f16 {dist} K=3": 2, "doctor flat {dist} K=16": 2, "doctor tiles {dist} K=5": 3,
+              "doctor tree {dist} K=16": 0}
+GPU_REPLAY = {"flat 50 leaves bf16/f32/f16 {dist} K=3": 3, "doctor flat {dist} K=16": 3, "doctor tiles {dist} K=5": 5,
+              "doctor tree {dist} K=16": 3}
+
+
+def check_target(target: str, replay_kernels: dict[str, int], lacking: tuple[str, ...] = (), why: str = "") -> None:
+    """Compile every case for ``target``: one kernel per replay and tiling, ``replay_kernels`` for the
+    multi-leaf replays, one per sign-bit and binary kernel but those ``lacking``, which must fail
+    with ``why``."""
+    results = _compile(target)
     for dist in ("binomial", "rademacher"):
         for case in [c for c in results if c.startswith(("perturb_pallas", "tiling")) and dist in c]:
             assert _kernels(results, case) == 1, case
-        for case, n in expected.items():
-            assert _kernels(results, f"{case.format(dist=dist)}") == n, case.format(dist=dist)
+        for case, n in replay_kernels.items():
+            assert _kernels(results, case.format(dist=dist)) == n, case.format(dist=dist)
+    for case in GATHER_KERNELS + OTHER_KERNELS:
+        if case in lacking:
+            assert not results[case]["ok"] and why in results[case]["error"], results[case]
+        else:
+            assert _kernels(results, case) == 1, case
 
 
 @needs_libtpu
 def test_every_kernel_compiles_for_a_tpu_v5e():
-    results = _compile("v5e")
-    # a kernel per buffer or leaf of float32 or bfloat16; float16 by the jnp rule; leaves under a tile too
-    _check_replay(results, {"flat 50 leaves bf16/f32/f16 {dist} K=3": 2, "doctor flat {dist} K=16": 2,
-                            "doctor tiles {dist} K=5": 3, "doctor tree {dist} K=16": 0})
-    for case in GATHER_KERNELS + OTHER_KERNELS:
-        assert _kernels(results, case) == 1, case
+    check_target("v5e", TPU_REPLAY)
 
 
 @needs_libtpu
 def test_a_tpu_v4_compiles_the_replay_and_lacks_the_sublane_gather():
-    results = _compile("v4")
-    _check_replay(results, {"flat 50 leaves bf16/f32/f16 {dist} K=3": 2, "doctor flat {dist} K=16": 2,
-                            "doctor tiles {dist} K=5": 3, "doctor tree {dist} K=16": 0})
-    for case in OTHER_KERNELS:
-        assert _kernels(results, case) == 1, case
-    for case in GATHER_KERNELS:  # asked for by name (impl="pallas"); `auto` runs the jnp path on a v4
-        assert not results[case]["ok"] and "Sublane gather not supported" in results[case]["error"], results[case]
+    # asked for by name (impl="pallas"); `auto` runs the jnp path on a v4
+    check_target("v4", TPU_REPLAY, lacking=GATHER_KERNELS, why="Sublane gather not supported")
