@@ -63,10 +63,8 @@ def _kernels(results: dict[str, dict], case: str) -> int:
 
 # a kernel per buffer or leaf of float32 or bfloat16 on a TPU (float16, and leaves under a tile, by
 # the jnp rule); Triton takes every dtype
-TPU_REPLAY = {"flat 50 leaves bf16/f32/f16 {dist} K=3": 2, "doctor flat {dist} K=16": 2, "doctor tiles {dist} K=5": 3,
-              "doctor tree {dist} K=16": 0}
-GPU_REPLAY = {"flat 50 leaves bf16/f32/f16 {dist} K=3": 3, "doctor flat {dist} K=16": 3, "doctor tiles {dist} K=5": 5,
-              "doctor tree {dist} K=16": 3}
+TPU_REPLAY = {"flat 50 leaves bf16/f32/f16 {dist} K=3": 2, "doctor flat {dist} K=16": 2, "doctor tiles {dist} K=5": 3}
+GPU_REPLAY = {"flat 50 leaves bf16/f32/f16 {dist} K=3": 3, "doctor flat {dist} K=16": 3, "doctor tiles {dist} K=5": 5}
 
 
 def check_target(target: str, replay_kernels: dict[str, int], lacking: tuple[str, ...] = (), why: str = "") -> None:
