@@ -125,6 +125,19 @@ def check_mosaic_dtype(dtype, platform: str) -> None:
         )
 
 
+def mosaic_refuses(impl: str, dtype, platform: str | None = None) -> bool:
+    """Whether arrays of ``dtype`` on ``platform`` (default :func:`default_platform`) must take the
+    jnp path instead of a Pallas kernel: a dtype of :data:`MOSAIC_REFUSES` on a TPU under ``impl``
+    ``"auto"``; under ``"pallas"`` that is refused (:func:`check_mosaic_dtype`). The kernels'
+    ``resolve_impl`` ask it; ``dtype=None`` (not known) is never refused."""
+    if impl not in ("auto", "pallas") or dtype is None or jnp.dtype(dtype) not in MOSAIC_REFUSES:
+        return False
+    platform = default_platform() if platform is None else platform_name(platform)
+    if impl == "pallas":
+        check_mosaic_dtype(dtype, platform)
+    return platform == "tpu"
+
+
 MOSAIC_SUBLANE_GATHER_FROM = 5
 """The first TPU generation with Mosaic's sublane gather (:func:`tpu_generation`)."""
 

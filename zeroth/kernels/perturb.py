@@ -93,7 +93,6 @@ __all__ = [
 ]
 
 IMPLS = ("auto", "pallas", "native", "jnp")
-
 # Elements per threefry call: binomial uses 4 16-bit halves, Rademacher 64 bits.
 _PER_CALL = {"binomial": 4, "rademacher": 64}
 _LOG2_PER_CALL = {"binomial": 2, "rademacher": 6}
@@ -262,11 +261,8 @@ def resolve_impl(impl: str, platform: str | None = None, n_updates: int | None =
     platform = (_rule.default_platform() if platform is None else _rule.platform_name(platform))
     if impl == "native" and platform != "cpu":
         raise ValueError(f"impl='native' is the CPU kernel, but the arrays live on {platform}; use impl='auto'")
-    if impl in ("auto", "pallas") and dtype is not None and jnp.dtype(dtype) in _rule.MOSAIC_REFUSES:
-        if platform == "tpu":
-            if impl == "pallas":
-                _rule.check_mosaic_dtype(dtype, platform)  # refused, saying what to do instead
-            return "jnp"
+    if _rule.mosaic_refuses(impl, dtype, platform):
+        return "jnp"
     if impl != "auto":
         return impl
     if platform == "tpu":

@@ -141,12 +141,8 @@ def resolve_impl(impl: str, dtype=None, platform: str | None = None) -> str:
     takes ``"jnp"`` under ``"auto"`` and is refused under ``"pallas"``."""
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {list(IMPLS)}")
-    if impl != "jnp" and dtype is not None and jnp.dtype(dtype) in _rule.MOSAIC_REFUSES:
-        target = _rule.default_platform() if platform is None else _rule.platform_name(platform)
-        if target == "tpu":
-            if impl == "pallas":
-                _rule.check_mosaic_dtype(dtype, target)  # refused, saying what to do instead
-            return "jnp"
+    if _rule.mosaic_refuses(impl, dtype, platform):
+        return "jnp"
     if impl == "auto":
         if _rule.lacks_sublane_gather():
             return "jnp"
