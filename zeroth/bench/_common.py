@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -27,6 +28,7 @@ __all__ = [
     "Timing",
     "timeit",
     "timeit_many",
+    "round_order",
     "base_parser",
     "parse_ks",
     "environment",
@@ -91,16 +93,35 @@ def no_progress(message: str) -> None:
     del message
 
 
+def round_order(n: int, r: int) -> list[int]:
+    """The order of the rows ``0 .. n-1`` in round ``r`` of :func:`timeit_many`: from row
+    ``r mod n`` in steps of ``s``, the ``r``-th number coprime with ``n`` (cycling), so that a row
+    follows a different row in each round (row ``i`` follows ``i - s``) as long as there are steps
+    left (``n - 1`` of them for a prime ``n``).
+
+    Example:
+      >>> round_order(5, 0), round_order(5, 1), round_order(5, 2)
+      ([0, 1, 2, 3, 4], [1, 3, 0, 2, 4], [2, 0, 3, 1, 4])
+    """
+    if n < 1:
+        return []
+    steps = [s for s in range(1, n) if math.gcd(s, n) == 1] or [1]
+    step, first = steps[r % len(steps)], r % n
+    return [(first + j * step) % n for j in range(n)]
+
+
 def timeit_many(fns: dict[str, Callable[[], Any]], *, warmup: int = 1, repeats: int = 5,
                 progress: Callable[[str], None] = no_progress) -> dict[str, Timing]:
-    """Time several callables round-robin: repeat ``r`` times each of them once, in turn.
+    """Time several callables interleaved: repeat ``r`` times each of them once, in turn.
 
     On a shared machine the load changes during a run; interleaving gives every row the same
-    conditions, so the ratios between rows stay meaningful even when absolute times move. Each
-    round starts one row further on (round ``i`` begins with row ``i mod n``), so no row always
-    follows the same one: on an H100 the same replay call timed 0.80 ms as the first row (each
-    round's first call, right after the last row's 24 ms program) and 0.65 ms as a later row of
-    the same run.
+    conditions, so the ratios between rows stay meaningful even when absolute times move. The
+    order changes from round to round (:func:`round_order`): each round starts one row further on
+    and walks the rows with another stride, so a row follows a different row in each round. What
+    ran just before matters: on an H100 the same replay call timed 0.80 ms right after a 24 ms
+    program and 0.65 ms after a short one; on an H200, with every round a rotation of the same
+    order (each row after the same row in four of five rounds), one replay call's minimum was
+    0.86 ms as the row after a 17.7 ms program and 0.69 ms as a row after a 0.3 ms one.
 
     Returns:
       ``{name: Timing}`` in the order of ``fns``.
@@ -119,8 +140,8 @@ def timeit_many(fns: dict[str, Callable[[], Any]], *, warmup: int = 1, repeats: 
     cpu: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     for r in range(repeats if names else 0):
-        first = r % len(names)
-        for name in names[first:] + names[:first]:
+        for i in round_order(len(names), r):
+            name = names[i]
             fn = fns[name]
             t0, c0 = time.perf_counter(), time.process_time()
             fn()

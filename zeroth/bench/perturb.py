@@ -11,6 +11,10 @@ machine load hits every row alike):
 * **torch.randn + add_** when torch is importable ("not installed" otherwise), on the device of
   jax's arrays (a CUDA GPU when jax's default device is one and torch sees it);
 * the **memory floor**: a plain in-place pass ``p + c`` (jitted, donated) and torch ``add_(c)``;
+* **queued**: the donated binomial replay, ``p + c`` and torch's two rows again as 8 calls in a
+  row with one wait at the end (how a loop of replays runs: the host's cost of a call hides
+  behind the device's work); each row's rate counts the 8 passes, so ``queued / memory floor``
+  is the device's throughput, where the rows above add each call's host cost and wait;
 * a **replay** of K = 1, 16, 64 binomial updates in one call: element-updates/s (``N*K / t``)
   and the time per update;
 * when :mod:`zeroth.kernels.perturb` is importable, its fused fast path as extra rows (bits
@@ -101,6 +105,26 @@ def _donated(step: Callable, state) -> Callable[[], None]:
     return call
 
 
+QUEUED_CALLS = 8
+# the rows timed again as QUEUED_CALLS calls in a row with one wait (_queued), and their names
+QUEUED = {name: f"{name}, {QUEUED_CALLS} calls queued" for name in (
+    "zeroth binomial (replay, K=1)", "jax p + c (memory floor)", "torch.randn + add_", "torch add_(c) (memory floor)")}
+
+
+def _queued(step: Callable, state, calls: int = QUEUED_CALLS) -> Callable[[], None]:
+    """Like :func:`_donated`, ``calls`` steps in a row and one wait at the end: how a loop of
+    replays runs, each call dispatched while the device still works on the last (the host's cost
+    of a call hides behind the device's, where the device is the slower)."""
+    box = [state]
+
+    def call():
+        for _ in range(calls):
+            box[0] = step(box[0])
+        jax.block_until_ready(box[0])
+
+    return call
+
+
 def _zeroth_core(n: int, dist: str, k: int) -> Callable[[], None]:
     fn = jax.jit(functools.partial(replay.apply_updates, distribution=dist), donate_argnums=0)
     keys = jnp.asarray(rng.sample_keys(0, [(0, 1, s) for s in range(k)]))
@@ -108,13 +132,13 @@ def _zeroth_core(n: int, dist: str, k: int) -> Callable[[], None]:
     return _donated(lambda p: fn(p, keys, scales), {"w": jnp.zeros(n, jnp.float32)})
 
 
-def _zeroth_replay(n: int, dist: str, k: int) -> Callable[[], None]:
+def _zeroth_replay(n: int, dist: str, k: int, *, queued: bool = False) -> Callable[[], None]:
     """What users call: :func:`zeroth.replay.replay` (host-rounded coefficients, the backend's
-    fastest exact path: the native fused kernel on CPU), donated."""
+    fastest exact path: the native fused kernel on CPU), donated; ``queued``: :func:`_queued`."""
     keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
     coefficients = [_COEFF * (1 + s % 3) for s in range(k)]
     step = lambda p: replay.replay(p, (keys, coefficients), distribution=dist, donate=True)  # noqa: E731
-    return _donated(step, {"w": jnp.zeros(n, jnp.float32)})
+    return (_queued if queued else _donated)(step, {"w": jnp.zeros(n, jnp.float32)})
 
 
 def _jax_normal(n: int) -> Callable[[], None]:
@@ -126,15 +150,16 @@ def _jax_normal(n: int) -> Callable[[], None]:
     return _donated(lambda p: step(p, key), jnp.zeros(n, jnp.float32))
 
 
-def _jax_memory(n: int) -> Callable[[], None]:
+def _jax_memory(n: int, *, queued: bool = False) -> Callable[[], None]:
     step = jax.jit(lambda p, c: p + c, donate_argnums=0)
     c = jnp.float32(_COEFF)
-    return _donated(lambda p: step(p, c), jnp.zeros(n, jnp.float32))
+    return (_queued if queued else _donated)(lambda p: step(p, c), jnp.zeros(n, jnp.float32))
 
 
 def _torch_calls(n: int) -> tuple[dict[str, Callable[[], None]], str | None]:
     """``({name: call}, note)``: torch on the same device as jax's arrays (``cuda`` when jax's
-    default device is a GPU and torch sees one, else the CPU); no calls and the note
+    default device is a GPU and torch sees one, else the CPU), each call alone and
+    :data:`QUEUED_CALLS` in a row (:data:`QUEUED` names them); no calls and the note
     "not installed" without torch."""
     try:
         import torch
@@ -148,15 +173,19 @@ def _torch_calls(n: int) -> tuple[dict[str, Callable[[], None]], str | None]:
     p = torch.zeros(n, dtype=torch.float32, device=device)
     q = torch.zeros(n, dtype=torch.float32, device=device)
 
-    def randn_add():
-        p.add_(torch.randn(n, generator=gen, dtype=torch.float32, device=device), alpha=_COEFF)
+    def randn_add(calls: int = 1):
+        for _ in range(calls):
+            p.add_(torch.randn(n, generator=gen, dtype=torch.float32, device=device), alpha=_COEFF)
         sync()
 
-    def add():
-        q.add_(_COEFF)
+    def add(calls: int = 1):
+        for _ in range(calls):
+            q.add_(_COEFF)
         sync()
 
-    calls = {"torch.randn + add_": randn_add, "torch add_(c) (memory floor)": add}
+    calls = {"torch.randn + add_": randn_add, "torch add_(c) (memory floor)": add,
+             QUEUED["torch.randn + add_"]: functools.partial(randn_add, QUEUED_CALLS),
+             QUEUED["torch add_(c) (memory floor)"]: functools.partial(add, QUEUED_CALLS)}
     threads = f", {torch.get_num_threads()} threads" if device == "cpu" else ""
     return calls, f"torch {torch.__version__} on {device}{threads}"
 
@@ -235,6 +264,12 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
     spec["torch.randn + add_"] = ("baseline", torch_calls.get("torch.randn + add_"), 1, torch_note)
     spec["jax p + c (memory floor)"] = ("memory", _jax_memory(n), 1, None)
     spec["torch add_(c) (memory floor)"] = ("memory", torch_calls.get("torch add_(c) (memory floor)"), 1, torch_note)
+    spec[QUEUED["zeroth binomial (replay, K=1)"]] = (
+        "queued", _zeroth_replay(n, "binomial", 1, queued=True), QUEUED_CALLS, f"one wait per {QUEUED_CALLS} calls")
+    spec[QUEUED["torch.randn + add_"]] = ("queued", torch_calls.get(QUEUED["torch.randn + add_"]), QUEUED_CALLS, torch_note)
+    spec[QUEUED["jax p + c (memory floor)"]] = ("queued", _jax_memory(n, queued=True), QUEUED_CALLS, None)
+    spec[QUEUED["torch add_(c) (memory floor)"]] = (
+        "queued", torch_calls.get(QUEUED["torch add_(c) (memory floor)"]), QUEUED_CALLS, torch_note)
     for k in ks:
         spec[f"zeroth replay K={k} (binomial)"] = ("replay", _zeroth_replay(n, "binomial", k), k, None)
     for k in ks:
@@ -262,6 +297,12 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
         "binomial_over_jax_normal": _ratio(binomial, _rate(rows, "jax.random.normal + add")),
         "binomial_over_memory_floor": _ratio(binomial, _rate(rows, "jax p + c (memory floor)")),
         "rademacher_over_memory_floor": _ratio(rademacher, max(floors) if floors else None),
+        # the same calls queued (QUEUED_CALLS in a row, one wait): the device's rate once the host's
+        # cost of a call hides behind the device's work
+        "binomial_queued_over_torch_queued": _ratio(
+            _rate(rows, QUEUED["zeroth binomial (replay, K=1)"]), _rate(rows, QUEUED["torch.randn + add_"])),
+        "binomial_queued_over_memory_floor_queued": _ratio(
+            _rate(rows, QUEUED["zeroth binomial (replay, K=1)"]), _rate(rows, QUEUED["jax p + c (memory floor)"])),
     }
     if 1 in ks:
         t1 = timings["zeroth replay K=1 (binomial)"].min_s
@@ -449,7 +490,7 @@ def _render(result: dict) -> None:
         if target and value is not None:
             op, bound = targets(result["environment"]["backend"])[name]
             verdict = ": met" if (value >= bound if op == ">=" else value <= bound) else ": MISSED"
-        print(f"  {name:<32} {'-' if value is None else f'{value:.3g}':>8}" + (f"   (target {target}{verdict})" if target else ""))
+        print(f"  {name:<40} {'-' if value is None else f'{value:.3g}':>8}" + (f"   (target {target}{verdict})" if target else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
