@@ -178,6 +178,21 @@ def test_compiler_options_are_backend_specific():
     assert zo.compiler_option_candidates("tpu") == [zo.compiler_options("tpu")]
 
 
+def test_the_candidates_compile_side_by_side_into_what_each_compiles_alone():
+    # compile_candidates runs the estimator's compilations in threads on a CPU; each executable
+    # and the order must be those of compiling one candidate after the other
+    def f(w, x):  # a loop with work that does not depend on it: the motion's candidates differ
+        return jax.lax.fori_loop(0, 4, lambda i, y: y + jnp.tanh(x @ w), jnp.zeros((8, 64)))
+
+    lowered = jax.jit(f).lower(jnp.ones((64, 64)), jnp.ones((8, 64)))
+    candidates = zo.compiler_option_candidates("gpu")  # with and without loop-invariant code motion
+    alone = [lowered.compile(dict(o)).as_text() for o in candidates]
+    assert alone[0] != alone[1]  # the two candidates compile differently
+    assert [c.as_text() for c in zo.compile_candidates(lowered, candidates)] == alone
+    assert [c.as_text() for c in zo.compile_candidates(lowered, candidates[:1])] == alone[:1]
+    assert [c.as_text() for c in zo.compile_candidates(lowered, candidates, backend="gpu")] == alone  # in turn
+
+
 def _mlp_params(width: int, layers: int):
     params = {f"w{i}": jnp.full((width, width), 0.01, jnp.float32) for i in range(layers)}
     params.update({f"b{i}": jnp.zeros((width,), jnp.float32) for i in range(layers)})
