@@ -378,16 +378,6 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
             coefficients = [_COEFF * (1 + s % 3) for s in range(k)]
             scales = replay.update_scales("binomial", coefficients)
 
-            def repeat(step, state):
-                box = [state]
-
-                def call():
-                    for _ in range(_CALLS_PER_TIMING):
-                        box[0] = step(box[0])
-                    jax.block_until_ready(box[0])
-
-                return call
-
             step = lambda p, keys=keys, c=coefficients: replay.replay(p, (keys, c), donate=True)  # noqa: E731
             for what, count in _launch_counts(params, keys, scales).items():
                 launches[(n_leaves, k, what)] = count
@@ -405,7 +395,8 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
                     lambda p, per_leaf=per_leaf, keys=keys, scales=scales: per_leaf(p, keys, scales), params)
             for what, (step, state) in rows.items():
                 fn = step if what != "jax dispatch floor" else (lambda p, step=step: step(p, np.float32(0)))
-                spec[f"{what} L={n_leaves} K={k}"] = (n_leaves, k, what, repeat(fn, jax.tree_util.tree_map(jnp.copy, state)))
+                spec[f"{what} L={n_leaves} K={k}"] = (
+                    n_leaves, k, what, _queued(fn, jax.tree_util.tree_map(jnp.copy, state), _CALLS_PER_TIMING))
     timings = _common.timeit_many({name: call for name, (_, _, _, call) in spec.items()}, warmup=warmup, repeats=repeats)
     rows = []
     for name, (n_leaves, k, what, _) in spec.items():
