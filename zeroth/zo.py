@@ -78,8 +78,8 @@ from __future__ import annotations
 
 import functools
 import math
-from concurrent import futures as _futures
 from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures as _futures
 from typing import Any, NamedTuple
 
 import jax
