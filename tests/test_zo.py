@@ -193,6 +193,66 @@ def test_the_candidates_compile_side_by_side_into_what_each_compiles_alone():
     assert [c.as_text() for c in zo.compile_candidates(lowered, candidates, backend="gpu")] == alone  # in turn
 
 
+def test_candidates_compiled_in_turn_stop_at_one_near_the_least_memory():
+    # where the candidates compile one after the other (a GPU: 81-95 s each for SmolLM2-135M
+    # unrolled), the first that `enough` accepts ends the list; on a CPU all compile side by side
+    def f(w, x):
+        return jax.lax.fori_loop(0, 4, lambda i, y: y + jnp.tanh(x @ w), jnp.zeros((8, 64)))
+
+    lowered = jax.jit(f).lower(jnp.ones((64, 64)), jnp.ones((8, 64)))
+    candidates = zo.compiler_option_candidates("gpu")
+    alone = [lowered.compile(dict(o)).as_text() for o in candidates]
+    accepted = []
+    first = zo.compile_candidates(lowered, candidates, backend="gpu", enough=lambda c: accepted.append(c) or True)
+    assert [c.as_text() for c in first] == alone[:1] and len(accepted) == 1
+    assert [c.as_text() for c in zo.compile_candidates(lowered, candidates, backend="gpu", enough=lambda c: False)] == alone
+    assert [c.as_text() for c in zo.compile_candidates(lowered, candidates, backend="cpu", enough=lambda c: True)] == alone
+
+    # near_least_memory: scratch at most 1/32 of the peak
+    small = jax.jit(lambda w, x: jnp.tanh(x @ w).sum()).lower(jnp.ones((256, 256)), jnp.ones((2, 256))).compile()
+    big = jax.jit(lambda x: jnp.sort(jnp.outer(x, x).ravel())[0]).lower(jnp.ones(256)).compile()  # a sorted copy
+    for compiled, near in ((small, True), (big, False)):
+        m = zo.compiled_memory(compiled)
+        assert (m["temp"] <= zo.NEAR_LEAST_MEMORY * m["peak"]) == near == zo.near_least_memory(compiled), m
+
+
+@pytest.mark.parametrize("rows, compilations", [(4, 1), (4096, 2)])
+def test_the_estimator_compiled_in_turn_stops_at_a_candidate_near_the_least_memory(monkeypatch, rows, compilations):
+    # the estimator's candidates compiled one after the other (as on a GPU): 128 layers whose
+    # program's scratch is small beside its peak (a batch of 4 rows: about one perturbed layer)
+    # are kept alone; with 4096 rows of activations the next candidate is compiled too
+    layers = 128
+    params = {f"w{i:03d}": jnp.asarray(np.random.default_rng(i).normal(size=(64, 64)).astype(np.float32) * 0.1)
+              for i in range(layers)}
+    assert sum(x.nbytes for x in params.values()) >= zo.AUTOTUNE_MIN_BYTES and len(zo.compiler_option_candidates()) == 2
+
+    def loss(p, b):
+        for i in range(layers):
+            b = jnp.tanh(b @ p[f"w{i:03d}"])
+        return jnp.mean(b**2)
+
+    real = zo.compile_candidates
+    counted = []
+
+    def in_turn(lowered, candidates, backend=None, **kw):
+        out = real(lowered, candidates, "gpu", **kw)
+        counted.append(len(out))
+        return out
+
+    monkeypatch.setattr(zo, "compile_candidates", in_turn)
+    batch, keys, eps = jnp.ones((rows, 64)) * 0.1, rng.sample_keys(0, [(0, 0, 0)]), zo.round_eps(1e-2)
+    pg = zo.ProjectedGradientsFn(loss, "binomial")
+    g, _ = pg(params, batch, keys, eps)
+    assert counted == [compilations]
+    lowered = pg.lowered(params, batch, keys, eps)
+    every = [lowered.compile(dict(o)) for o in zo.compiler_option_candidates()]
+    assert zo.near_least_memory(every[0]) == (compilations == 1)
+    best = min(zo.compiled_memory(c)["peak"] for c in every)
+    assert zo.compiled_memory(pg.compiled(params, batch, keys, eps))["peak"] <= best * (1 + zo.NEAR_LEAST_MEMORY)
+    g_ref, _ = every[0](params, batch, keys, eps)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(g_ref))  # the same bits whichever is kept
+
+
 def _mlp_params(width: int, layers: int):
     params = {f"w{i}": jnp.full((width, width), 0.01, jnp.float32) for i in range(layers)}
     params.update({f"b{i}": jnp.zeros((width,), jnp.float32) for i in range(layers)})

@@ -39,7 +39,9 @@ CPU the library fusion then decides the rest, and differently per model (a fused
 layers needs all its perturbed weights at once; an unfused convolution materializes its
 activations), so :func:`projected_gradients_fn` compiles the candidates of
 :func:`compiler_option_candidates` and keeps the one with the smallest compiled peak (on GPU the
-code motion runs where it holds no more memory than without it). Typical
+code motion runs where it holds no more memory than without it; there the candidates compile one
+after the other, and the first whose scratch is a small part of its peak ends the search,
+:func:`near_least_memory`). Typical
 result: the inference peak plus one perturbed copy of the largest leaf (or of the few leaves one
 library call reads). Layers stacked on a leading axis and run by ``lax.scan`` would be perturbed
 whole before the scan (a whole perturbed copy, and its write and read an extra memory pass per
@@ -104,6 +106,8 @@ __all__ = [
     "compiler_options",
     "compiler_option_candidates",
     "compile_candidates",
+    "NEAR_LEAST_MEMORY",
+    "near_least_memory",
     "estimator_option_candidates",
     "kept_candidate",
     "round_eps",
@@ -191,7 +195,8 @@ def compiler_option_candidates(backend: str | None = None) -> list[dict[str, Any
     On GPU the first candidate runs loop-invariant code motion and the second is the base
     options: of two with the same peak the first is kept, so the motion runs wherever it holds no
     more memory, and always below :data:`AUTOTUNE_MIN_BYTES` of parameters, where the first
-    candidate is compiled alone (on an NVIDIA H100, transformer at the default width, batch 256, it made the
+    candidate is compiled alone, or where its scratch is small beside its peak
+    (:func:`near_least_memory`: the second is then not compiled) (on an NVIDIA H100, transformer at the default width, batch 256, it made the
     projected gradients 0.69 times as long, 1.31 against 1.89 ms, with the same peak and bits:
     work that does not depend on the perturbation leaves the loop). Other backends have one
     candidate.
@@ -224,7 +229,8 @@ def estimator_option_candidates(params, backend: str | None = None) -> list[dict
     return candidates[:1] if param_bytes < AUTOTUNE_MIN_BYTES else candidates
 
 
-def compile_candidates(lowered, candidates: Sequence[Mapping[str, Any]], backend: str | None = None) -> list:
+def compile_candidates(lowered, candidates: Sequence[Mapping[str, Any]], backend: str | None = None, *,
+                       enough: Callable[[Any], bool] | None = None) -> list:
     """``[lowered.compile(options) for options in candidates]``; on a CPU ``backend`` (default:
     :func:`zeroth.rule.default_platform`) the compilations run side by side in threads (XLA
     compiles without holding Python's lock), so the estimator's first call waits for the slowest
@@ -233,16 +239,50 @@ def compile_candidates(lowered, candidates: Sequence[Mapping[str, Any]], backend
     compiler times candidate kernels on the device (autotuning), and two compilations at once
     would time each other's. Each executable is the one a compilation alone gives, in order.
 
+    ``enough(executable) -> bool``: where the candidates compile one after the other, the first
+    executable it accepts ends the list (the later candidates are not compiled; see
+    :func:`near_least_memory`). On a CPU every candidate compiles, side by side.
+
     Example:
       >>> lowered = jax.jit(lambda x: x + 1).lower(jnp.zeros(3))
       >>> [c(jnp.zeros(3)).tolist() for c in compile_candidates(lowered, [{}, {}])]
       [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+      >>> len(compile_candidates(lowered, [{}, {}], backend="gpu", enough=lambda c: True))
+      1
     """
     backend = _rule.default_platform() if backend is None else _rule.platform_name(backend)
     if len(candidates) < 2 or backend != "cpu":
-        return [lowered.compile(dict(opts)) for opts in candidates]
+        compiled = []
+        for opts in candidates:
+            compiled.append(lowered.compile(dict(opts)))
+            if enough is not None and enough(compiled[-1]):
+                break
+        return compiled
     with _futures.ThreadPoolExecutor(len(candidates), thread_name_prefix="zeroth-compile") as pool:
         return list(pool.map(lambda opts: lowered.compile(dict(opts)), candidates))
+
+
+# A compiled program whose scratch is at most this fraction of its peak is within that fraction of
+# the least memory any program with its arguments and results can hold (temp >= 0).
+NEAR_LEAST_MEMORY = 1 / 32
+
+
+def near_least_memory(compiled) -> bool:
+    """Whether ``compiled`` holds so little scratch (``temp`` at most :data:`NEAR_LEAST_MEMORY` of
+    its peak) that another compilation of the same program could save at most that much: the
+    estimator's candidates after it are then not compiled where they compile one after the other
+    (:func:`compile_candidates`; on a GPU each compilation of SmolLM2-135M unrolled's projected
+    gradients took 81-95 s for an H100, and both candidates held the same 529.35 MiB, 16.21 of it
+    scratch). A program that holds a hoisted perturbed copy of a leaf has more scratch than that,
+    and the next candidate is compiled.
+
+    Example:
+      >>> small = jax.jit(lambda w, x: jnp.tanh(x @ w).sum()).lower(jnp.ones((256, 256)), jnp.ones((2, 256))).compile()
+      >>> near_least_memory(small)
+      True
+    """
+    m = compiled_memory(compiled)
+    return m["temp"] <= NEAR_LEAST_MEMORY * m["peak"]
 
 
 def kept_candidate(peaks: list[int]) -> int:
@@ -537,7 +577,9 @@ class ProjectedGradientsFn:
     :func:`projected_gradients_and_losses` under each of :func:`compiler_option_candidates` and
     keeps the executable with the smallest compiled peak memory (``memory_analysis()``:
     argument + output + temp − alias bytes); below :data:`AUTOTUNE_MIN_BYTES` of parameters it
-    compiles once with the base options. :meth:`after_update` (a held update applied first, in the
+    compiles once with the base options. Where the candidates compile one after the other (not on
+    a CPU: :func:`compile_candidates`), one whose scratch is at most :data:`NEAR_LEAST_MEMORY` of
+    its peak is kept without compiling the next (:func:`near_least_memory`). :meth:`after_update` (a held update applied first, in the
     same program) compiles once, with the options chosen for the same arguments without the
     update where those are compiled already (a held step follows a step that compiled them). ``keys`` and ``eps_scale`` are traced: a new iteration
     or ε never recompiles. On a CPU the first call keeps freed host memory for reuse
@@ -619,7 +661,7 @@ class ProjectedGradientsFn:
             alone = None if after is None else self._cache.get((_signature((args[0], *args[2:])), None))
             if alone is not None:  # the same forward passes: the options chosen for them alone (one compilation)
                 candidates = [alone[1]]
-            compiled = compile_candidates(lowered, candidates)
+            compiled = compile_candidates(lowered, candidates, enough=near_least_memory)
             kept = kept_candidate([_peak_bytes(c) for c in compiled])
             entry = self._cache[sig] = (compiled[kept], candidates[kept])
         return entry
