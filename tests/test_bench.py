@@ -50,8 +50,14 @@ def test_bench_perturb_reports_every_row_and_the_target_ratios():
     rows = {r["name"]: r for r in result["rows"]}
     for name in ("zeroth binomial (replay, K=1)", "zeroth rademacher (replay, K=1)",
                  "jax.random.normal + add", "jax p + c (memory floor)", "zeroth replay K=4 (binomial)",
-                 "zeroth binomial (replay, K=1), 8 calls queued", "jax p + c (memory floor), 8 calls queued"):
+                 "zeroth binomial (replay, K=1), 8 calls queued", "jax p + c (memory floor), 8 calls queued",
+                 "jnp rule binomial (apply_updates, K=1), keys and scales from the host"):
         assert rows[name]["elements_per_s"] > 0, name
+    # the jnp rule's program with its keys and scales sent from the host, beside the same on the device
+    assert result["ratios"]["jnp_host_args_over_device_args"] == pytest.approx(
+        rows["jnp rule binomial (apply_updates, K=1), keys and scales from the host"]["elements_per_s"]
+        / rows["jnp rule binomial (apply_updates, K=1)"]["elements_per_s"])
+    assert result["ratios"]["binomial_over_jnp_host_args"] > 0
     # a queued row is 8 calls with one wait: its rate counts the 8 passes
     queued = rows["zeroth binomial (replay, K=1), 8 calls queued"]
     assert queued["updates"] == 8 and queued["seconds_per_update"] == pytest.approx(queued["seconds_min"] / 8)

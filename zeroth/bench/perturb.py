@@ -5,7 +5,10 @@ Side by side in one run, on one float32 leaf of N elements (default 2**24), each
 machine load hits every row alike):
 
 * **zeroth** ``apply_updates`` (the jitted traceable core of :mod:`zeroth.replay`), K = 1, with
-  each exact distribution, and the host entry :func:`zeroth.replay.perturb`;
+  each exact distribution, and the host entry :func:`zeroth.replay.perturb`; the binomial core
+  again with its keys and scales passed as NumPy arrays, as ``replay`` passes them (each call
+  sends them to the device): ``jnp_host_args_over_device_args`` is what sending them costs, and
+  ``binomial_over_jnp_host_args`` what the rest of ``replay``'s host work costs;
 * **jax.random.normal + add** (jitted, donated): the backend-dependent baseline;
 * **zeroth** ``replay`` without donation (copy mode: a new output buffer per call);
 * **torch.randn + add_** when torch is importable ("not installed" otherwise), on the device of
@@ -125,10 +128,19 @@ def _queued(step: Callable, state, calls: int = QUEUED_CALLS) -> Callable[[], No
     return call
 
 
-def _zeroth_core(n: int, dist: str, k: int) -> Callable[[], None]:
+# the jnp rule's row with its keys and scales passed from the host each call, as replay passes them
+HOST_ARGS_ROW = "jnp rule binomial (apply_updates, K=1), keys and scales from the host"
+
+
+def _zeroth_core(n: int, dist: str, k: int, *, host: bool = False) -> Callable[[], None]:
+    """The jitted jnp rule, donated, its keys and scales already on the device; ``host``: passed
+    as the NumPy arrays :func:`zeroth.replay.replay` passes (each call sends them: what a call of
+    the same program costs beyond the device's rows, without the rest of ``replay``'s host work)."""
     fn = jax.jit(functools.partial(replay.apply_updates, distribution=dist), donate_argnums=0)
-    keys = jnp.asarray(rng.sample_keys(0, [(0, 1, s) for s in range(k)]))
-    scales = jnp.asarray(replay.update_scales(dist, [_COEFF * (1 + s % 3) for s in range(k)]))
+    keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
+    scales = replay.update_scales(dist, [_COEFF * (1 + s % 3) for s in range(k)])
+    if not host:
+        keys, scales = jnp.asarray(keys), jnp.asarray(scales)
     return _donated(lambda p: fn(p, keys, scales), {"w": jnp.zeros(n, jnp.float32)})
 
 
@@ -260,6 +272,7 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
     spec["zeroth binomial (replay, K=1, not donated)"] = ("zeroth", _zeroth_replay_copy(n, "binomial"), 1, "copy mode")
     for dist in noise.EXACT:
         spec[f"jnp rule {dist} (apply_updates, K=1)"] = ("reference", _zeroth_core(n, dist, 1), 1, "traceable jnp path")
+    spec[HOST_ARGS_ROW] = ("reference", _zeroth_core(n, "binomial", 1, host=True), 1, "keys and scales sent per call")
     spec["jax.random.normal + add"] = ("baseline", _jax_normal(n), 1, "backend-dependent")
     spec["torch.randn + add_"] = ("baseline", torch_calls.get("torch.randn + add_"), 1, torch_note)
     spec["jax p + c (memory floor)"] = ("memory", _jax_memory(n), 1, None)
@@ -296,6 +309,11 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
             _rate(rows, "zeroth binomial (replay, K=1, not donated)"), _rate(rows, "torch.randn + add_")),
         "binomial_over_jax_normal": _ratio(binomial, _rate(rows, "jax.random.normal + add")),
         "binomial_over_memory_floor": _ratio(binomial, _rate(rows, "jax p + c (memory floor)")),
+        # the same program with its keys and scales from the host over on the device: what sending
+        # them costs (below 1), and replay over it: what the rest of replay's host work costs
+        "jnp_host_args_over_device_args": _ratio(
+            _rate(rows, HOST_ARGS_ROW), _rate(rows, "jnp rule binomial (apply_updates, K=1)")),
+        "binomial_over_jnp_host_args": _ratio(binomial, _rate(rows, HOST_ARGS_ROW)),
         "rademacher_over_memory_floor": _ratio(rademacher, max(floors) if floors else None),
         # the same calls queued (QUEUED_CALLS in a row, one wait): the device's rate once the host's
         # cost of a call hides behind the device's work
