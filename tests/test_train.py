@@ -186,6 +186,22 @@ def test_backprop_baseline_same_model_and_eval(tmp_path):
     assert s["forward_passes"] == s["backward_passes"] == 100 and s["passes"] == 300 and s["payload_bytes"] == 0
 
 
+def test_progress_says_the_first_steps_compile_and_how_long_each_took(tmp_path, capsys):
+    # the first steps compile the method's programs (a ZO step's first two: the projected
+    # gradients, then the same with the held update applied; minutes for a large model on a GPU):
+    # a line before them, and the time of each of the first two; then the usual progress lines
+    cfg = load_config_dict(small(train={"steps": 20, "eval_every": 20, "log_every": 10}))
+    trainer.train(cfg, tmp_path / "run", progress=True)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[t] ")]
+    assert lines[0] == "[t] step 1/20: the first steps compile the method's programs"
+    timed = [ln for ln in lines if " took " in ln]
+    assert [ln.split(" took ")[0] for ln in timed] == ["[t] step 1/20", "[t] step 2/20"]
+    assert all(float(ln.split(" took ")[1].rstrip("s")) >= 0 for ln in timed)
+    assert lines.index(timed[0]) < lines.index(timed[1]) < lines.index(next(ln for ln in lines if "step 10/20 train" in ln))
+    trainer.train(cfg, tmp_path / "quiet", progress=False)
+    assert "[t] " not in capsys.readouterr().err
+
+
 def test_error_rate_has_no_gradient_for_backprop():
     import jax
 

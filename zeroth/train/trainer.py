@@ -90,10 +90,17 @@ class RunResult(NamedTuple):
 # --------------------------------------------------------------------------- progress
 
 
+# The first steps whose time the progress shows, one line each (the steps that compile).
+_TIMED_STEPS = 2
+
+
 class _Progress:
     """A tqdm bar on a terminal (each eval also printed as a line above it); otherwise a line on
     stderr every ~5% of the run and at each eval, with the time left (from the steps done since
-    the first one, compilation excluded)."""
+    the first one, compilation excluded). The first steps of a process compile the method's programs
+    (a ZO step's first two: the projected gradients, then the same with the held update applied;
+    compiled for an H100, SmolLM2-135M unrolled's projected gradients alone took 83 s): a line says so before
+    them, and one line each how long the first :data:`_TIMED_STEPS` took."""
 
     def __init__(self, total: int, initial: int, enabled: bool, name: str):
         self.total, self.enabled, self.name = total, enabled, name
@@ -105,6 +112,15 @@ class _Progress:
 
             self.bar = tqdm(total=total, initial=initial, file=sys.stderr, desc=name)
         self.last: dict = {}
+        self.timed = 0  # the first steps whose time was shown
+        if enabled and initial < total:
+            self._line(f"[{name}] step {initial + 1}/{total}: the first steps compile the method's programs")
+
+    def _line(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def update(self, step: int, rec: dict) -> None:
         if not self.enabled:
@@ -144,10 +160,13 @@ class _Progress:
         left = (time.perf_counter() - t) / (step - s0) * (self.total - step)
         return f" eta {left:.0f}s"
 
-    def tick(self, step: int) -> None:
-        """Step ``step`` done (the bar redraws at most ~10 times a second)."""
+    def tick(self, step: int, seconds: float) -> None:
+        """Step ``step`` done in ``seconds`` (the bar redraws at most ~10 times a second)."""
         if self.origin is None:
             self.origin = (time.perf_counter(), step)
+        if self.enabled and self.timed < _TIMED_STEPS:
+            self.timed += 1
+            self._line(f"[{self.name}] step {step}/{self.total} took {seconds:.1f}s")
         if self.bar is not None:
             self.bar.update(1)
 
@@ -328,7 +347,7 @@ def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, 
 
     def tick(e: _loop.Event) -> None:
         step_time["last"], step_time["prev"] = e.counters.train_time - step_time["prev"], e.counters.train_time
-        bar.tick(e.step)
+        bar.tick(e.step, step_time["last"])
 
     def record(kind: str, step: int, extra: dict, params, c: Counters) -> dict:
         rec = {
