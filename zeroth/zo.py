@@ -195,11 +195,11 @@ def compiler_option_candidates(backend: str | None = None) -> list[dict[str, Any
     On GPU the first candidate runs loop-invariant code motion and the second is the base
     options: of two with the same peak the first is kept, so the motion runs wherever it holds no
     more memory, and always below :data:`AUTOTUNE_MIN_BYTES` of parameters, where the first
-    candidate is compiled alone, or where its scratch is small beside its peak
-    (:func:`near_least_memory`: the second is then not compiled) (on an NVIDIA H100, transformer at the default width, batch 256, it made the
-    projected gradients 0.69 times as long, 1.31 against 1.89 ms, with the same peak and bits:
-    work that does not depend on the perturbation leaves the loop). Other backends have one
-    candidate.
+    candidate is compiled alone, or where its scratch is small beside its peak, where the second
+    is not compiled (:func:`near_least_memory`). On an NVIDIA H100 (transformer at the default
+    width, batch 256) the motion made the projected gradients 0.69 times as long, 1.31 against
+    1.89 ms, with the same peak and bits: work that does not depend on the perturbation leaves the
+    loop. Other backends have one candidate.
 
     Example:
       >>> len(compiler_option_candidates("cpu")), len(compiler_option_candidates("gpu"))
@@ -271,10 +271,12 @@ def near_least_memory(compiled) -> bool:
     """Whether ``compiled`` holds so little scratch (``temp`` at most :data:`NEAR_LEAST_MEMORY` of
     its peak) that another compilation of the same program could save at most that much: the
     estimator's candidates after it are then not compiled where they compile one after the other
-    (:func:`compile_candidates`; on a GPU each compilation of SmolLM2-135M unrolled's projected
-    gradients took 81-95 s for an H100, and both candidates held the same 529.35 MiB, 16.21 of it
-    scratch). A program that holds a hoisted perturbed copy of a leaf has more scratch than that,
-    and the next candidate is compiled.
+    (:func:`compile_candidates`; compiled for an H100 on a 2-core CPU, without the device, each
+    compilation of SmolLM2-135M unrolled's projected gradients took 81-95 s, and both candidates
+    held the same 529.35 MiB, 16.21 of it scratch). Where code motion hoists widened leaves and
+    noise out of the loop (whole-model temporaries, :func:`compiler_options`), the scratch is
+    larger than that unless the largest leaf is small beside the model, and the next candidate is
+    compiled.
 
     Example:
       >>> small = jax.jit(lambda w, x: jnp.tanh(x @ w).sum()).lower(jnp.ones((256, 256)), jnp.ones((2, 256))).compile()
