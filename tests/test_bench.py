@@ -7,6 +7,7 @@ test_kernels_perturb.py and test_replay.py.)
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -310,6 +311,30 @@ def test_bench_zo_times_the_program_again_under_changed_xla_options(capsys):
     assert "--zo-option takes NAME=VALUE" in capsys.readouterr().err
     assert [zo.parse_option(t) for t in ("a=true", "b=0", "c=0.5", "d=x,y", "e=")] == [
         ("a", True), ("b", 0), ("c", 0.5), ("d", "x,y"), ("e", "")]
+
+
+def test_bench_memory_for_an_h100_finds_the_cuda_compiler_the_project_installed(tmp_path):
+    # make test installs jax's CUDA plugin in .venv/cuda-compiler/, out of the packages (there every
+    # jax process would look for the device); bench memory --target h100 finds it without PYTHONPATH,
+    # and without it says which commands install it. In a process of its own: the plugin stays out of
+    # the test processes.
+    from zeroth.bench import memory
+
+    folder = memory.compiler_folder(memory.TARGETS["h100"])
+    if not (folder / "jax_plugins").is_dir():
+        pytest.skip(f"no jax CUDA plugin in {folder} (scripts/install_device_compilers.sh, run by make test, puts it there)")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_PLATFORMS", "ZEROTH_CUDA_COMPILER")}
+    cmd = [sys.executable, "-m", "zeroth", "bench", "memory", "--json", "--target", "h100", "--model", "mlp",
+           "--batch", "8", "--distribution", "binomial"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert result["config"]["target"] == "h100"
+    assert all(r["compile_s"] > 0 and r["peak_bytes"] > r["argument_bytes"] > 0 for r in result["rows"])
+    proc = subprocess.run(cmd, env={**env, "ZEROTH_CUDA_COMPILER": str(tmp_path / "none")}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 2
+    assert "scripts/install_device_compilers.sh" in proc.stderr and "pip install jax-cuda12-plugin" in proc.stderr
 
 
 def test_bench_memory_measures_the_program_the_estimator_keeps(capsys):

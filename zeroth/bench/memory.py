@@ -12,8 +12,10 @@ the measure ``zeroth bench zo`` reports beside its timings.
   matrix-multiply tilings without the device, so the programs use cuBLAS for them
   (``xla_gpu_enable_triton_gemm`` off); the ratio it gave before the change below (1.229) is the
   one the H100 measured (1.23). It needs jax's CUDA plugin and the CUDA runtime
-  (:data:`CUDA_PACKAGES`, no GPU and no driver): a missing one is an error naming the command
-  that installs them.
+  (:data:`CUDA_PACKAGES`, no GPU and no driver), found in ``.venv/cuda-compiler/`` where
+  ``scripts/install_device_compilers.sh`` (run by ``make test``) puts them
+  (:func:`compiler_folder`) or among the installed packages: a missing one is an error naming
+  the commands that install them.
 
 Rows: the inference forward under XLA's default options and under each option set of
 :func:`zeroth.zo.compiler_option_candidates` (the baseline is the smallest peak), then per
@@ -45,10 +47,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import os
 import re
 import sys
 import time
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -61,7 +65,7 @@ from zeroth.bench import pretrained as _pretrained_bench
 from zeroth.bench import zo as _zo_bench
 from zeroth.data.resources import MissingPackage
 
-__all__ = ["main", "run", "ops_run", "Target", "TARGETS", "CUDA_PACKAGES"]
+__all__ = ["main", "run", "ops_run", "Target", "TARGETS", "CUDA_PACKAGES", "compiler_folder"]
 
 # NVIDIA H100 80GB HBM3 (SXM), as XLA's GPU compiler describes a device (GpuTargetConfigProto).
 _H100 = """
@@ -94,13 +98,17 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 class Target(NamedTuple):
     """A device compiled for without one: jax's platform, the topology's name and arguments
     (``jax.experimental.topologies.get_topology_desc``), the compiler options every program of it
-    takes, and the packages that compile for it (``{v}``: the installed jax's version)."""
+    takes, the packages that compile for it (``{v}``: the installed jax's version), the module
+    that says they are importable, and the folder ``scripts/install_device_compilers.sh`` installs
+    them in (relative to the virtual environment, or the environment variable naming another)."""
 
     platform: str
     topology: str
     topology_args: dict[str, Any]
     options: dict[str, Any]
     packages: tuple[str, ...]
+    module: str
+    folder: tuple[str, str]  # (environment variable, default folder under sys.prefix)
 
 
 CUDA_PACKAGES = ("jax-cuda12-plugin=={v}", "jax-cuda12-pjrt=={v}", "nvidia-cuda-runtime-cu12", "nvidia-cuda-nvcc-cu12")
@@ -109,8 +117,15 @@ CUDA_PACKAGES = ("jax-cuda12-plugin=={v}", "jax-cuda12-pjrt=={v}", "nvidia-cuda-
 TARGETS: dict[str, Target | None] = {
     "host": None,
     "h100": Target("cuda", "", {"target_config": _H100, "topology": "1x1x1"}, {"xla_gpu_enable_triton_gemm": False},
-                   CUDA_PACKAGES),
+                   CUDA_PACKAGES, "jax_cuda12_plugin", ("ZEROTH_CUDA_COMPILER", "cuda-compiler")),
 }
+
+
+def compiler_folder(spec: Target) -> Path:
+    """Where ``scripts/install_device_compilers.sh`` puts the compiler of ``spec`` (``make test``
+    runs it): ``$ZEROTH_CUDA_COMPILER``, else ``<virtual environment>/cuda-compiler``."""
+    variable, default = spec.folder
+    return Path(os.environ.get(variable) or Path(sys.prefix) / default)
 
 
 def run(model: str = "transformer", *, target: str = "host", batch: int | None = None, width: int = 1024, n: int = 1,
@@ -204,13 +219,19 @@ def _target(target: str):
     if not os.environ.get("JAX_PLATFORMS"):
         # run on the host: an accelerator's backend would be started (and fail without one) only to compile
         jax.config.update("jax_platforms", "cpu")
+    folder = compiler_folder(spec)
+    if importlib.util.find_spec(spec.module) is None and (folder / "jax_plugins").is_dir():
+        # the project's own install, kept out of the environment's packages (installed there, every jax
+        # process would look for the device): jax finds the plugin there when its backends start
+        sys.path.insert(0, str(folder))
     try:
         topology = topologies.get_topology_desc(spec.topology, spec.platform, **spec.topology_args)
     except (NotImplementedError, RuntimeError) as exc:
         packages = " ".join(p.format(v=jax.__version__) for p in spec.packages)
         raise MissingPackage(
             f"--target {target} compiles with jax's {spec.platform.upper()} plugin, which this process cannot load "
-            f"({exc}); install what compiles for it (no device or driver is needed): pip install {packages}"
+            f"({exc}); install what compiles for it (no device or driver is needed): scripts/install_device_compilers.sh "
+            f"(into {folder}, found there), or pip install {packages}"
         ) from None
     mesh = topologies.make_mesh(topology, (1,), ("x",))
     return topology.devices[0], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), spec.options
