@@ -232,10 +232,17 @@ def test_bench_zo_times_the_flat_layout_beside_the_tree(capsys):
     assert ratios["zo_time_over_forwards_flat_deferred_rademacher"] == pytest.approx(deferred["time_over_forward"] / 2)
     assert ratios["deferred_time_over_held_flat_rademacher"] == pytest.approx(
         deferred["seconds_min"] / held_flat["seconds_min"])
+    # and on the tree, as the trainer runs it on a CPU (train.layout auto): the same bits, the held step's memory
+    deferred, held = rows["ZO step n=1 rademacher, update held, deferred"], rows["ZO step n=1 rademacher, update held"]
+    assert ratios["deferred_same_bits_rademacher"] == 1.0
+    assert 0 < deferred["peak_bytes"] <= held["peak_bytes"] + 2048, (deferred, held)
+    assert ratios["zo_time_over_forwards_deferred_rademacher"] == pytest.approx(deferred["time_over_forward"] / 2)
+    assert ratios["deferred_time_over_held_rademacher"] == pytest.approx(deferred["seconds_min"] / held["seconds_min"])
     # the stages went to stderr as they ran, for a run stopped by a time limit to say where it was
     err = captured.err
-    assert "[zeroth bench zo" in err and "the step with its update held" in err and "timing 18 rows, 1 rounds" in err
+    assert "[zeroth bench zo" in err and "the step with its update held" in err and "timing 19 rows, 1 rounds" in err
     assert "the flat layout's step, deferred, and its bits (rademacher)" in err
+    assert "the step deferred on the tree, and its bits (rademacher)" in err
     # --unroll: the forwards as straight-line code beside the loop, tree and flat, and the held flat step so
     assert result["config"]["unroll"] is True
     for suffix, label in (("", ""), ("_flat", " (flat layout)")):
@@ -277,7 +284,7 @@ def test_bench_zo_rows_compiles_and_times_only_the_groups_named(capsys):
     assert "the flat layout's step, with its update applied" not in err
     # bad groups, and combinations that compare with rows left out, are one line naming what is right
     for rows, extra, message in (
-        ("held,nope", [], "--rows takes distinct groups among step, held, flat, flat_held, deferred, backprop"),
+        ("held,nope", [], "--rows takes distinct groups among step, held, flat, flat_held, deferred, deferred_tree, backprop"),
         ("held,held", [], "--rows takes distinct groups among"),
         ("step,held", ["--flat"], "--flat adds the flat layout's rows, and --rows step,held names none of them"),
         ("held", ["--unroll"], "--unroll compares with the rows of ['step']: add them to --rows (got held)"),

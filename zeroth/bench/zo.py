@@ -24,11 +24,13 @@ an error naming its install command).
   step applies the last one's update in its own program, one call per step, as the trainer runs
   it; ``ZO step ..., update held``, with ``held_same_bits_*``: 1.0 when three held steps and a
   settle give the projected gradients and parameters of three steps that apply their updates);
-  with ``--flat``, also the held step deferred (``mezo_step(..., defer=True)``, codec
-  ``onebyte``: the program encodes its projected gradients and looks up the update's scales, so
-  the host dispatches step t + 1 before it fetches step t, as the trainer runs the one-byte codec;
-  timed over 8 steps in a row, per step; ``deferred_same_bits_flat_*``: 1.0 when three deferred
-  steps and a settle give the bits of three steps that apply their updates);
+  the held step deferred (``mezo_step(..., defer=True)``, codec ``onebyte``: the program encodes
+  its projected gradients and looks up the update's scales, so the host dispatches step t + 1
+  before it fetches step t, as the trainer runs the one-byte codec; timed over 8 steps in a row,
+  per step; ``deferred_same_bits_*``: 1.0 when three deferred steps and a settle give the bits of
+  three steps that apply their updates), on the tree (``ZO step ..., update held, deferred``:
+  the trainer's step on a CPU, where ``train.layout: auto`` keeps the tree) and with ``--flat``
+  on the flat layout too (the trainer's step on a GPU);
 * **backprop step**: ``jax.value_and_grad`` + ``optax.sgd``, jitted, parameters donated.
 
 Reported ratios (with their targets): ZO step time / time of 2N forwards (<= 1.2) and ZO
@@ -85,7 +87,8 @@ ROW_GROUPS = {
     "held": "the ZO step with its update held (tree)",
     "flat": "the ZO step, its projected gradients and its update on the flat layout",
     "flat_held": "the flat layout's step with its update held (what the trainer runs on a GPU)",
-    "deferred": "the flat layout's held step, deferred (the trainer's one-byte step)",
+    "deferred": "the flat layout's held step, deferred (the trainer's one-byte step on a GPU)",
+    "deferred_tree": "the held step deferred on the tree (the trainer's one-byte step on a CPU, whose layout is the tree)",
     "backprop": "the backprop step",
 }
 _FLAT_GROUPS = ("flat", "flat_held", "deferred")
@@ -272,6 +275,9 @@ def run(
         if "deferred" in groups:
             progress(f"the flat layout's step, deferred, and its bits ({dist})")
             held(flat=True, defer=True)
+        if "deferred_tree" in groups:
+            progress(f"the step deferred on the tree, and its bits ({dist})")
+            held(flat=False, defer=True)
         if unroll:
             progress(f"the projected gradients unrolled ({dist})")
             _unrolled_rows(fns, mem, same, loss_fn, params, flat_params, data, keys, eps, scales, pg, dist, n, codec,
@@ -368,6 +374,17 @@ def run(
             if "flat_held" in groups:
                 ratios[f"deferred_time_over_held_flat_{dist}"] = times[key].min_s / times[f"zo_held_flat_{dist}"].min_s
             ratios[f"deferred_same_bits_flat_{dist}"] = float(same[f"held_deferred_flat_{dist}"])
+        if "deferred_tree" in groups:
+            key = f"zo_held_deferred_{dist}"
+            rows.append(_row(f"ZO step n={n} {dist}, update held, deferred", times[key], mem[key], 2 * n, t_fwd, m_fwd,
+                             f"mezo_step(hold=True, defer=True) on the tree, codec onebyte: what the trainer runs on a "
+                             f"CPU; {DEFERRED_CHAIN} steps in a row, per step"))
+            ratios[f"zo_time_over_forwards_deferred_{dist}"] = times[key].min_s / (2 * n * t_fwd)
+            ratios[f"zo_time_over_forwards_deferred_{dist}_medians"] = times[key].median_s / (2 * n * t_fwd_median)
+            ratios[f"zo_memory_over_inference_deferred_{dist}"] = mem[key]["peak"] / m_fwd
+            if "held" in groups:
+                ratios[f"deferred_time_over_held_{dist}"] = times[key].min_s / times[f"zo_held_{dist}"].min_s
+            ratios[f"deferred_same_bits_{dist}"] = float(same[f"held_deferred_{dist}"])
     for dist in distributions if unroll else ():
         for suffix, label in (("", ""), *((("_flat", " (flat layout)"),) if flat else ())):
             key = f"zo_pg_unrolled{suffix}_{dist}"
@@ -399,6 +416,7 @@ def run(
             ("", "zo_step", "", "step"), (" (flat layout)", "zo_step_flat", "_flat", "flat"),
             (", update held", "zo_held", "_held", "held"), (" (flat layout), update held", "zo_held_flat", "_flat_held", "flat_held"),
             (f" (flat layout), update held, deferred x{DEFERRED_CHAIN}", "zo_held_deferred_flat", None, "deferred"),
+            (f", update held, deferred x{DEFERRED_CHAIN}", "zo_held_deferred", None, "deferred_tree"),
             (" (flat layout), update held, unrolled", "zo_held_flat_unrolled", "_flat_held_unrolled", "flat_held" if unroll else None),
         ) if group in groups]
         profiled = _profile_rows({"inference forward": fns[f"forward_{fastest}"],
