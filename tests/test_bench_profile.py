@@ -110,7 +110,8 @@ def test_bench_zo_profile_shows_the_update_program_inside_the_zo_step():
     )  # fmt: skip
     result = json.loads(out.stdout)
     prof = result["profile"]
-    assert set(prof) == {"inference forward", "ZO step binomial", "ZO step binomial, update held"}
+    assert set(prof) == {"inference forward", "ZO step binomial", "ZO step binomial, update held",
+                         "ZO step binomial, update held, deferred x8"}
     step = prof["ZO step binomial"]
     assert step["calls"] == 2 and step["source"] == "host"
     programs = {name.split(" [")[0] for name in step["programs"]}
@@ -124,6 +125,9 @@ def test_bench_zo_profile_shows_the_update_program_inside_the_zo_step():
     held = prof["ZO step binomial, update held"]
     assert {name.split(" [")[0] for name in held["programs"]} == {"jit_projected_gradients_after_update"}
     assert held["calls"] == 2 and 0 <= result["ratios"]["zo_idle_fraction_held_binomial"] < 1
+    # deferred (the trainer's one-byte step on a CPU): the same one program per step, 8 steps a call
+    deferred = prof["ZO step binomial, update held, deferred x8"]
+    assert {name.split(" [")[0] for name in deferred["programs"]} == {"jit_projected_gradients_after_update"}
 
 
 def test_bench_zo_profile_refuses_a_negative_count():

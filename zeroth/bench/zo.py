@@ -363,28 +363,21 @@ def run(
             ratios[f"zo_time_over_forwards_flat_held_{dist}"] = times[f"zo_held_flat_{dist}"].min_s / (2 * n * t_fwd)
             ratios[f"zo_memory_over_inference_flat_held_{dist}"] = mem[f"zo_held_flat_{dist}"]["peak"] / m_fwd
             ratios[f"held_same_bits_flat_{dist}"] = float(same[f"held_flat_{dist}"])
-        if "deferred" in groups:
-            key = f"zo_held_deferred_flat_{dist}"
-            rows.append(_row(f"ZO step n={n} {dist} (flat layout), update held, deferred", times[key], mem[key], 2 * n,
-                             t_fwd, m_fwd, f"mezo_step(hold=True, defer=True), codec onebyte: {DEFERRED_CHAIN} steps in a "
-                                           "row, each dispatched before the last is fetched; per step"))
-            ratios[f"zo_time_over_forwards_flat_deferred_{dist}"] = times[key].min_s / (2 * n * t_fwd)
-            ratios[f"zo_time_over_forwards_flat_deferred_{dist}_medians"] = times[key].median_s / (2 * n * t_fwd_median)
-            ratios[f"zo_memory_over_inference_flat_deferred_{dist}"] = mem[key]["peak"] / m_fwd
-            if "flat_held" in groups:
-                ratios[f"deferred_time_over_held_flat_{dist}"] = times[key].min_s / times[f"zo_held_flat_{dist}"].min_s
-            ratios[f"deferred_same_bits_flat_{dist}"] = float(same[f"held_deferred_flat_{dist}"])
-        if "deferred_tree" in groups:
-            key = f"zo_held_deferred_{dist}"
-            rows.append(_row(f"ZO step n={n} {dist}, update held, deferred", times[key], mem[key], 2 * n, t_fwd, m_fwd,
-                             f"mezo_step(hold=True, defer=True) on the tree, codec onebyte: what the trainer runs on a "
-                             f"CPU; {DEFERRED_CHAIN} steps in a row, per step"))
-            ratios[f"zo_time_over_forwards_deferred_{dist}"] = times[key].min_s / (2 * n * t_fwd)
-            ratios[f"zo_time_over_forwards_deferred_{dist}_medians"] = times[key].median_s / (2 * n * t_fwd_median)
-            ratios[f"zo_memory_over_inference_deferred_{dist}"] = mem[key]["peak"] / m_fwd
-            if "held" in groups:
-                ratios[f"deferred_time_over_held_{dist}"] = times[key].min_s / times[f"zo_held_{dist}"].min_s
-            ratios[f"deferred_same_bits_{dist}"] = float(same[f"held_deferred_{dist}"])
+        for group, f, held_group, label, runs in (("deferred", "_flat", "flat_held", " (flat layout)", "on the flat layout"),
+                                                  ("deferred_tree", "", "held", "", "on the tree")):
+            if group not in groups:
+                continue
+            key = f"zo_held_deferred{f}_{dist}"
+            rows.append(_row(f"ZO step n={n} {dist}{label}, update held, deferred", times[key], mem[key], 2 * n, t_fwd,
+                             m_fwd, f"mezo_step(hold=True, defer=True) {runs}, codec onebyte (the trainer's step on a "
+                                    f"{'GPU' if f else 'CPU'}): {DEFERRED_CHAIN} steps in a row, each dispatched before "
+                                    "the last is fetched; per step"))
+            ratios[f"zo_time_over_forwards{f}_deferred_{dist}"] = times[key].min_s / (2 * n * t_fwd)
+            ratios[f"zo_time_over_forwards{f}_deferred_{dist}_medians"] = times[key].median_s / (2 * n * t_fwd_median)
+            ratios[f"zo_memory_over_inference{f}_deferred_{dist}"] = mem[key]["peak"] / m_fwd
+            if held_group in groups:
+                ratios[f"deferred_time_over_held{f}_{dist}"] = times[key].min_s / times[f"zo_held{f}_{dist}"].min_s
+            ratios[f"deferred_same_bits{f}_{dist}"] = float(same[f"held_deferred{f}_{dist}"])
     for dist in distributions if unroll else ():
         for suffix, label in (("", ""), *((("_flat", " (flat layout)"),) if flat else ())):
             key = f"zo_pg_unrolled{suffix}_{dist}"
