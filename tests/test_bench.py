@@ -295,6 +295,20 @@ def test_bench_zo_rows_compiles_and_times_only_the_groups_named(capsys):
         assert message in capsys.readouterr().err, (rows, extra)
 
 
+def test_bench_zo_default_rows_time_the_trainers_deferred_step_in_the_layout_it_trains_in(monkeypatch):
+    # the tree's deferred step is the trainer's on a CPU (train.layout auto keeps the tree there);
+    # a GPU trains flat, so by default it is not compiled there (a GPU's compilations are the long part)
+    from zeroth import rule
+    from zeroth.bench import zo
+
+    monkeypatch.setattr(rule, "default_platform", lambda: "cpu")
+    assert zo._row_groups(None, False) == ("step", "held", "deferred_tree", "backprop")
+    monkeypatch.setattr(rule, "default_platform", lambda: "gpu")
+    assert zo._row_groups(None, False) == ("step", "held", "backprop")
+    assert zo._row_groups(None, True) == ("step", "held", "flat", "flat_held", "deferred", "backprop")
+    assert zo._row_groups(["deferred_tree"], False) == ("deferred_tree",)  # named, it runs anywhere
+
+
 def test_bench_zo_times_the_program_again_under_changed_xla_options(capsys):
     from zeroth.bench import zo
 

@@ -71,6 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeroth import codecs, models, noise, replay, rng, zo
+from zeroth import rule as _rule
 from zeroth.bench import _common
 from zeroth.bench import pretrained as _pretrained_bench
 from zeroth.bench import profile as _profile
@@ -446,13 +447,15 @@ def run(
 
 def _row_groups(rows, flat: bool) -> tuple[str, ...]:
     """The groups of :data:`ROW_GROUPS` to run, in their order: ``rows`` (names, or None for every
-    group, the flat ones only with ``flat``).
+    group, the flat ones only with ``flat``, ``deferred_tree`` only where the trainer keeps the tree:
+    :func:`zeroth.replay.preferred_layout` of the default platform, a CPU's).
 
     Raises:
       ValueError: an unknown or repeated group, none, or ``flat`` with no flat group among ``rows``.
     """
-    if rows is None:
-        return tuple(g for g in ROW_GROUPS if flat or g not in _FLAT_GROUPS)
+    if rows is None:  # the tree's deferred step where the trainer keeps the tree (a CPU; a GPU trains flat)
+        tree_trains = replay.preferred_layout(_rule.default_platform()) == "tree"
+        return tuple(g for g in ROW_GROUPS if (flat or g not in _FLAT_GROUPS) and (tree_trains or g != "deferred_tree"))
     rows = [str(r).strip() for r in rows]
     unknown = [r for r in rows if r not in ROW_GROUPS]
     if unknown or not rows or len(set(rows)) != len(rows):
