@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from zeroth.bench.memory import TARGETS, compiler_folder
+
 ROOT = Path(__file__).resolve().parents[1]
 LIBTPU = Path(os.environ.get("ZEROTH_LIBTPU", Path(sys.prefix) / "libtpu" / "libtpu.so"))
-CUDA_COMPILER = Path(os.environ.get("ZEROTH_CUDA_COMPILER", Path(sys.prefix) / "cuda-compiler"))
+CUDA_COMPILER = compiler_folder(TARGETS["h100"])  # where scripts/install_device_compilers.sh puts it
 
 needs_libtpu = pytest.mark.skipif(
     not LIBTPU.is_file(),

@@ -106,6 +106,7 @@ __all__ = [
     "compiler_options",
     "compiler_option_candidates",
     "compile_candidates",
+    "compiled_in_turn",
     "NEAR_LEAST_MEMORY",
     "near_least_memory",
     "estimator_option_candidates",
@@ -250,8 +251,7 @@ def compile_candidates(lowered, candidates: Sequence[Mapping[str, Any]], backend
       >>> len(compile_candidates(lowered, [{}, {}], backend="gpu", enough=lambda c: True))
       1
     """
-    backend = _rule.default_platform() if backend is None else _rule.platform_name(backend)
-    if len(candidates) < 2 or backend != "cpu":
+    if len(candidates) < 2 or compiled_in_turn(backend):
         compiled = []
         for opts in candidates:
             compiled.append(lowered.compile(dict(opts)))
@@ -260,6 +260,18 @@ def compile_candidates(lowered, candidates: Sequence[Mapping[str, Any]], backend
         return compiled
     with _futures.ThreadPoolExecutor(len(candidates), thread_name_prefix="zeroth-compile") as pool:
         return list(pool.map(lambda opts: lowered.compile(dict(opts)), candidates))
+
+
+def compiled_in_turn(backend: str | None = None) -> bool:
+    """Whether :func:`compile_candidates` compiles the candidates one after the other on ``backend``
+    (default: :func:`zeroth.rule.default_platform`), stopping at the first its ``enough`` accepts:
+    everywhere but on a CPU, where they compile side by side, all of them.
+
+    Example:
+      >>> compiled_in_turn("gpu"), compiled_in_turn("cpu")
+      (True, False)
+    """
+    return (_rule.default_platform() if backend is None else _rule.platform_name(backend)) != "cpu"
 
 
 # A compiled program whose scratch is at most this fraction of its peak is within that fraction of

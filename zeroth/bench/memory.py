@@ -182,9 +182,9 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
                 for opts in zo.estimator_option_candidates(p):
                     progress(f"compiling {name} ({_describe(opts)})")
                     found.append(_compiled_row(name, opts, lowered, options, compiled))
-                # what the estimator compiles: on a CPU every candidate, elsewhere up to the first
-                # near the least memory (zo.compile_candidates with zo.near_least_memory)
-                upto = len(compiled) if platform == "cpu" else next(
+                # what the estimator compiles (zo.compile_candidates with zo.near_least_memory): in
+                # turn, up to the first near the least memory; side by side, all of them
+                upto = len(compiled) if not zo.compiled_in_turn(platform) else next(
                     (i + 1 for i, c in enumerate(compiled) if zo.near_least_memory(c)), len(compiled))
                 kept = zo.kept_candidate([r["peak_bytes"] for r in found[:upto]])
                 for i, r in enumerate(found):
