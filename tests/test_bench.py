@@ -170,6 +170,10 @@ def test_random_weights_run_smollm2s_architecture_without_its_package(monkeypatc
         assert len(leaves) == n_leaves and sum(v.size for v in leaves) == 134_515_008
         assert x.shape == (2, 8) and x.dtype == jnp.int32 and int(x.min()) >= 0 and int(x.max()) < 49152
         random[name] = (params, (x, y), loss_fn)
+    # the unrolled layout's random weights are the stacked layout's, one leaf per layer
+    unrolled, stacked = random["smollm2_unrolled"][0], llama.unstack_layers(random["smollm2"][0], 30)
+    assert jax.tree_util.tree_structure(unrolled) == jax.tree_util.tree_structure(stacked)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(unrolled), jax.tree_util.tree_leaves(stacked)))
     params, batch, loss_fn = random["smollm2"]
     assert np.isfinite(float(jax.jit(loss_fn)(params, batch)))
     assert {k: v.shape for k, v in params.items()} == llama.param_shapes(llama.SMOLLM2_135M)
