@@ -153,7 +153,6 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
     kwargs, params, data, loss_fn = _zo_bench.setup(model, width, batch, seq_len, weights)
     # the flat layout of the target's platform (a TPU's buffers are padded to whole blocks)
     family = None if device is None else rule.platform_name(device.platform)
-    platform = rule.default_platform() if family is None else family
     layouts = {"": params, **({"_flat": replay.flatten(params, platform=family)} if flat else {})}
 
     def abstract(tree):
@@ -184,7 +183,7 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
                     found.append(_compiled_row(name, opts, lowered, options, compiled))
                 # what the estimator compiles (zo.compile_candidates with zo.near_least_memory): in
                 # turn, up to the first near the least memory; side by side, all of them
-                upto = len(compiled) if not zo.compiled_in_turn(platform) else next(
+                upto = len(compiled) if not zo.compiled_in_turn(family) else next(
                     (i + 1 for i, c in enumerate(compiled) if zo.near_least_memory(c)), len(compiled))
                 kept = zo.kept_candidate([r["peak_bytes"] for r in found[:upto]])
                 for i, r in enumerate(found):

@@ -100,12 +100,7 @@ def _row(name: str, group: str, n: int, timing: _common.Timing | None, *, update
 
 def _donated(step: Callable, state) -> Callable[[], None]:
     """A zero-argument call doing ``state = step(state)`` (the state's buffers donated) and waiting."""
-    box = [state]
-
-    def call():
-        box[0] = jax.block_until_ready(step(box[0]))
-
-    return call
+    return _queued(step, state, 1)
 
 
 QUEUED_CALLS = 8
@@ -115,7 +110,7 @@ QUEUED = {name: f"{name}, {QUEUED_CALLS} calls queued" for name in (
 
 
 def _queued(step: Callable, state, calls: int = QUEUED_CALLS) -> Callable[[], None]:
-    """Like :func:`_donated`, ``calls`` steps in a row and one wait at the end: how a loop of
+    """``calls`` steps ``state = step(state)`` in a row and one wait at the end: how a loop of
     replays runs, each call dispatched while the device still works on the last (the host's cost
     of a call hides behind the device's, where the device is the slower)."""
     box = [state]

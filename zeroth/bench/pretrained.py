@@ -88,10 +88,8 @@ def setup(name: str, batch: int = 8, seq_len: int | None = None, weights: str = 
         # layout: the unrolled model's own initializer is one program drawing its 272 leaves apart,
         # 15.3 s to compile and run on a 2-core CPU against 3.6 s for the stacked one, and 144.3 s
         # to compile for an NVIDIA H100 against 3.3 s (compiled on that CPU, no device).
-        stacked = model if kwargs["scan_layers"] else models.build(
-            "smollm2_prompt", **{**kwargs, "scan_layers": True}, architecture=cfg, label_ids=(0, 1))
-        params = models.init(stacked, models.init_key(0), x[:1], pretrained=False, exact=False)
-        if not kwargs["scan_layers"]:
+        params = models.init(model.clone(scan_layers=True), models.init_key(0), x[:1], pretrained=False, exact=False)
+        if not model.scan_layers:
             params = _llama.unstack_layers(params, cfg.n_layers)
         return {**kwargs, "weights": "random"}, params, (x, jnp.asarray(y)), _cross_entropy(model)
     if name.startswith("smollm2"):
