@@ -17,10 +17,11 @@ _CUSTOM_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
 # Primitives that Pallas lowers to Triton IR but that Triton itself cannot compile. The export
 # below stops at Triton IR; the GPU's compiler fails later, on the device: on an NVIDIA H100 (jax
-# 0.11.2) `lax.population_count` in the replay kernel gave "failed to legalize operation
-# 'math.ctpop'" and every Pallas replay failed to compile. Kernels count bits with
-# zeroth.noise.popcount_swar instead.
-TRITON_CANNOT_COMPILE = frozenset({"population_count"})
+# 0.11.2) `lax.population_count` of a uint32 in the replay kernel gave "failed to legalize
+# operation 'math.ctpop'" and every Pallas replay failed to compile. Of an int32, Pallas lowers it
+# to libdevice's __nv_popc (the GPU's popc instruction), which zeroth.noise.binomial_from_words
+# counts with.
+TRITON_CANNOT_COMPILE = frozenset({"population_count of an unsigned integer"})
 
 
 def _sub_jaxprs(value):
@@ -34,7 +35,10 @@ def _sub_jaxprs(value):
 def _primitives(jaxpr, found: set[str], in_kernel: bool) -> set[str]:
     for eqn in jaxpr.eqns:
         if in_kernel:
-            found.add(eqn.primitive.name)
+            name = eqn.primitive.name
+            if name == "population_count" and jax.numpy.issubdtype(eqn.invars[0].aval.dtype, jax.numpy.unsignedinteger):
+                name = "population_count of an unsigned integer"
+            found.add(name)
         for value in eqn.params.values():
             for sub in _sub_jaxprs(value):
                 _primitives(sub, found, in_kernel or eqn.primitive.name == "pallas_call")

@@ -110,7 +110,7 @@ def test_im2col_and_padding_bits():
     assert_array_equal(np.asarray(got), out)
 
 
-def test_two_tilings_agree_and_swar_popcount():
+def test_two_tilings_agree_and_popcount():
     rng = np.random.default_rng(2)
     x = R.pack(rng.choice([-1, 1], (300, 200)))
     s = R.pack(rng.choice([-1, 1], (64, 200)))
@@ -119,7 +119,7 @@ def test_two_tilings_agree_and_swar_popcount():
     b = kb.dense(x, s, t, n=200, impl="pallas", blocks=kb.Blocks(128), interpret=INTERPRET)
     assert_array_equal(np.asarray(a), np.asarray(b))
     v = rng.integers(0, 2**32, 1000, dtype=np.uint64).astype(np.uint32)
-    assert_array_equal(np.asarray(kb.popcount_swar(jnp.asarray(v))), R.popcount(v))
+    assert_array_equal(np.asarray(kb.popcount(jnp.asarray(v))), R.popcount(v))
 
 
 def test_bad_arguments_are_named():

@@ -852,3 +852,51 @@ def test_rows_of_an_updated_table(dist, dtype):
     assert_same_bits(got, numpy_perturb(table, keys, scales, dist)[ids])
     with pytest.raises(ValueError, match="row ids must be integers"):
         kp.perturb_rows(table, keys, scales, jnp.zeros(2), distribution=dist)
+
+
+# Bit patterns of every class the flushes treat apart: ±0, ±inf, NaNs (quiet and signalling, both
+# signs, with payloads), subnormals, the smallest normals, one and the largest finite value.
+SPECIAL_BITS = {
+    jnp.float32: [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0xFF812345,
+                  0x00000001, 0x807FFFFF, 0x00800000, 0x80800000, 0x3F800000, 0x7F7FFFFF],
+    jnp.bfloat16: [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0xFF92, 0x0001, 0x807F, 0x0080, 0x8080,
+                   0x3F80, 0x7F7F],
+    jnp.float16: [0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0xFE01, 0x7C01, 0xFD23, 0x0001, 0x83FF, 0x0400, 0x8400,
+                  0x3C00, 0x7BFF],
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("n_updates", [0, 1, 3])
+def test_flushing_in_halves_gives_the_specifications_bits(dtype, n_updates):
+    """The kernels flush zeros after the load and after each update and NaNs once, at the store
+    (zeroth.rule.cast_flushed); the NumPy specification flushes both at every step. Every special
+    value, and results pushed into the subnormal range, must come out with the same bits: the jnp
+    rule, the Pallas tile kernel (GPU tiling), the flat kernel (TPU blocks) and table rows."""
+    utype = np.uint32 if dtype == jnp.float32 else np.uint16
+    specials = np.asarray(SPECIAL_BITS[dtype], utype).view(jnp.dtype(dtype))
+    tiny = np.float32(jnp.finfo(dtype).tiny)
+    near = (tiny * np.arange(-40, 40, dtype=np.float32)).astype(jnp.dtype(dtype))
+    host = np.tile(np.concatenate([specials, near]), 12)[:1024 + 37]  # whole tiles and a ragged tail
+    x = jnp.asarray(host)
+    keys = _leaf_keys(n_updates, seed=3)
+    small = max(float(tiny), 2.0**-118)  # results in and near the subnormal range, flushed each update
+    scales = replay.update_scales("binomial", [small * 3, -small * 5, 2.5][:n_updates])
+    want = numpy_perturb(host, keys, scales, "binomial")
+    assert_same_bits(kp.perturb_reference(x, keys, scales), want)
+    if n_updates != 1:  # the kernels' chain: no updates (load, store) and several
+        assert_same_bits(kp.perturb_pallas(x, keys, scales, interpret=True, platform="gpu",
+                                           block_sizes=kp.BlockSizes(tile=256)), want)
+        # two segments with the same leaf keys, in a buffer padded to whole TPU blocks (Mosaic
+        # has no float16: that one takes the GPU's flat kernel)
+        platform = "gpu" if dtype == jnp.float16 else "tpu"
+        buffer = jnp.pad(x, (0, kp.tpu_flat_size(host.size) - host.size))
+        segments = ((0, 500, 7), (500, host.size - 500, 8))
+        got = kp.perturb_pallas_flat(buffer, jnp.asarray(np.stack([keys, keys])), jnp.asarray(scales), segments,
+                                     interpret=True, platform=platform)
+        assert_same_bits(got[: host.size], np.concatenate([want[:500], numpy_perturb(host[500:], keys, scales,
+                                                                                     "binomial")]))
+    ids = np.array([0, 3, 5, 41, 7], np.int32)
+    table = x[: 80 * 3].reshape(80, 3)
+    assert_same_bits(kp.perturb_rows(table, keys, scales, ids), numpy_perturb(host[:240].reshape(80, 3), keys, scales,
+                                                                              "binomial")[ids])

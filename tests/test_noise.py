@@ -172,18 +172,27 @@ def test_noise_values_fit_every_dtype(dtype):
         assert float(np.asarray(k / 2, dtype)) == k / 2
 
 
-def test_swar_popcount_counts_like_population_count():
-    # The Pallas kernels count the binomial's bits with shifts and adds (Triton has no popcount):
-    # every 16-bit half, and 32-bit words, must count exactly as lax.population_count does.
+def test_popcount_counts_uint32_words():
+    # Kernels count uint32 bits as int32 (what Triton and Mosaic compile): every 16-bit value,
+    # random 32-bit words and the sign bit count as Python does.
     halves = np.arange(1 << 16, dtype=np.uint32)
     words = np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
-    for v in (halves, words, np.array([0, 0xFFFFFFFF, 0x80000000, 1], np.uint32)):
+    for v in (halves, words, np.array([0, 0xFFFFFFFF, 0x80000000, 0x7FFFFFFF, 1], np.uint32)):
         want = np.array([bin(int(x)).count("1") for x in v], np.int32)
-        got = noise.popcount_swar(jnp.asarray(v))
+        got = noise.popcount(jnp.asarray(v))
         assert got.dtype == jnp.int32
         np.testing.assert_array_equal(np.asarray(got), want)
-        np.testing.assert_array_equal(np.asarray(jax.lax.population_count(jnp.asarray(v))).astype(np.int32), want)
-    x0, x1 = jnp.asarray(words[:2048]), jnp.asarray(words[2048:])
-    within = jnp.asarray(np.arange(2048, dtype=np.uint32) % 4)
-    np.testing.assert_array_equal(np.asarray(noise.binomial_from_words(x0, x1, within, swar=True)),
-                                  np.asarray(noise.binomial_from_words(x0, x1, within)))
+
+
+def test_binomial_counts_every_half_word():
+    # Every 16-bit value, in each of the four positions of a call, gives popcount - 8, and
+    # the word's other half (different bits for every element) is never counted.
+    halves = np.arange(1 << 16, dtype=np.uint32)
+    rest = halves[::-1] ^ np.uint32(0x5A5A)
+    want = np.array([bin(int(x)).count("1") - 8 for x in halves], np.int32)
+    placed = {0: ((rest << 16) | halves, ~halves), 1: ((halves << 16) | rest, ~halves),
+              2: (~halves, (rest << 16) | halves), 3: (~halves, (halves << 16) | rest)}
+    for within, (x0, x1) in placed.items():
+        got = noise.binomial_from_words(jnp.asarray(x0), jnp.asarray(x1), jnp.full(halves.shape, within, jnp.uint32))
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"within={within}")

@@ -29,7 +29,7 @@ __all__ = [
     "BACKEND_DEPENDENT",
     "DISTRIBUTIONS",
     "check_distribution",
-    "popcount_swar",
+    "popcount",
     "binomial_from_words",
     "rademacher_from_words",
     "bernoulli_bits",
@@ -83,30 +83,24 @@ def _key_pair(key):
 # that call (all broadcast against each other, uint32).
 
 
-def popcount_swar(v: jax.Array) -> jax.Array:
-    """Bits set in each ``uint32`` (shifts, ands and adds only), as ``int32``.
+def popcount(v: jax.Array) -> jax.Array:
+    """Bits set in each ``uint32``, as ``int32``, counted as ``int32`` (the same bits).
 
-    The same counts as ``lax.population_count``, for kernel bodies of backends without a popcount
-    op: Triton cannot compile it (``math.ctpop`` "failed to legalize" on an NVIDIA H100, jax 0.11.2,
-    Pallas Triton), so every Pallas kernel counts bits this way."""
-    v = v - ((v >> 1) & jnp.uint32(0x55555555))
-    v = (v & jnp.uint32(0x33333333)) + ((v >> 2) & jnp.uint32(0x33333333))
-    v = (v + (v >> 4)) & jnp.uint32(0x0F0F0F0F)
-    v = v + (v >> 8)
-    v = v + (v >> 16)
-    return jax.lax.bitcast_convert_type(v & jnp.uint32(0x3F), jnp.int32)
+    Kernels count this way: Pallas lowers an ``int32`` count for a GPU to libdevice's
+    ``__nv_popc`` (the ``popc`` instruction) and for a TPU to Mosaic's ``ctpop``, where Triton
+    cannot compile a ``uint32`` count (on an NVIDIA H100, jax 0.11.2: "failed to legalize
+    operation 'math.ctpop'")."""
+    return jax.lax.population_count(jax.lax.bitcast_convert_type(v, jnp.int32))
 
 
-def binomial_from_words(x0: jax.Array, x1: jax.Array, within: jax.Array, *, swar: bool = False) -> jax.Array:
+def binomial_from_words(x0: jax.Array, x1: jax.Array, within: jax.Array) -> jax.Array:
     """``int32`` binomial integer ``k = popcount(h) - 8`` of element ``within`` (0..3) of a call:
     ``h`` is the 16-bit half ``within & 1`` (0: low) of word ``x0`` (``within & 2 == 0``) or ``x1``.
 
-    ``swar=True`` counts the bits with :func:`popcount_swar` (the Pallas kernels: Triton has no
-    popcount) instead of ``lax.population_count``; the integers are the same."""
+    The bits are counted by :func:`popcount`, which every kernel backend compiles."""
     word = jnp.where((within & jnp.uint32(2)) == 0, x0, x1)
     half = (word >> ((within & jnp.uint32(1)) * jnp.uint32(16))) & jnp.uint32(0xFFFF)
-    count = popcount_swar(half) if swar else jax.lax.population_count(half).astype(jnp.int32)
-    return count - jnp.int32(8)
+    return popcount(half) - jnp.int32(8)
 
 
 def rademacher_from_words(x0: jax.Array, x1: jax.Array, within: jax.Array) -> jax.Array:

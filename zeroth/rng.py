@@ -67,7 +67,11 @@ def threefry2x32(key, counter) -> tuple[jax.Array, jax.Array]:
             x1 = _rotl(x1, r)
             x1 = x0 ^ x1
         x0 = x0 + ks[(block + 1) % 3]
-        x1 = x1 + (ks[(block + 2) % 3] + np.uint32(block + 1))
+        # x1 + key word + constant, left to right (uint32 adds are associative: the same bits as
+        # x1 + (key word + constant)). Compiled for a GPU, each scalar ``key word + constant`` was a
+        # one-thread kernel of its own (a one-leaf replay at K = 1 launched 6 kernels, now 2), and
+        # the GPU adds all three in one instruction.
+        x1 = x1 + ks[(block + 2) % 3] + np.uint32(block + 1)
     return x0, x1
 
 

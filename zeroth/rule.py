@@ -4,14 +4,20 @@ Every path that applies an update (:mod:`zeroth.replay`'s jnp rule, the fused ke
 :mod:`zeroth.kernels`, the native CPU kernel) calls these, so there is one definition of each:
 
 * :func:`flush` (float32): subnormals and -0 -> +0, every NaN -> the canonical quiet NaN
-  ``0x7fc00000``; infinities propagate. Applied after every update.
+  ``0x7fc00000``; infinities propagate. It is :func:`flush_tiny` (the zeros) then
+  :func:`canonical_nan` (the NaNs). The kernels apply it to a chain ``load, K updates, store``
+  in halves with the same bits: :func:`flush_tiny` after the load and after every update, and
+  the NaNs once, in the store (:func:`cast_flushed`). A NaN stays a NaN through every add,
+  whatever its payload, and :func:`flush_tiny` leaves it alone, so only the last NaN's bits
+  could differ, and the store makes them canonical.
 * :func:`canonicalize` (any supported dtype): the same, **by bit pattern** in the array's own
   dtype. Hardware conversions disagree on the NaN they produce (NVIDIA's f32 -> bf16 and
   f32 -> f16 give ``0x7fff``; x86 and NumPy give ``0x7fc0`` / ``0x7e00``), so the result of the
   single cast is canonicalised with integer operations only: whatever NaN a backend produced,
   the stored bits are the dtype's canonical quiet NaN (:data:`CANONICAL_NAN_BITS`).
 * :func:`flush_cast`: the single cast of an update's float32 result to the leaf dtype,
-  followed by :func:`canonicalize`.
+  followed by :func:`canonicalize`; :func:`cast_flushed` is the same for a result whose zeros
+  are flushed (a float32 one then needs only :func:`canonical_nan`).
 * :func:`update_scale` / :func:`update_scales`: the host-rounded float32 multipliers of the
   integer noise (20 significant bits, so ``scale * k`` is exact).
 * :func:`check_dtype` / :data:`SUPPORTED_DTYPES`, :func:`platform_name` (``"cuda"`` /
@@ -45,8 +51,11 @@ __all__ = [
     "platform_name",
     "default_platform",
     "flush",
+    "flush_tiny",
+    "canonical_nan",
     "canonicalize",
     "flush_cast",
+    "cast_flushed",
     "update_scale",
     "update_scales",
 ]
@@ -153,7 +162,16 @@ def lacks_sublane_gather(device_kind: str | None = None) -> bool:
 
 def flush(x: jax.Array) -> jax.Array:
     """float32: subnormals and -0 -> +0, NaN -> canonical quiet NaN; explicit on every backend."""
-    x = jnp.where(jnp.abs(x) < _FLT_MIN, jnp.float32(0.0), x)
+    return canonical_nan(flush_tiny(x))
+
+
+def flush_tiny(x: jax.Array) -> jax.Array:
+    """float32: subnormals and -0 -> +0; NaNs and infinities unchanged (the zeros of :func:`flush`)."""
+    return jnp.where(jnp.abs(x) < _FLT_MIN, jnp.float32(0.0), x)
+
+
+def canonical_nan(x: jax.Array) -> jax.Array:
+    """float32: every NaN -> the canonical quiet NaN ``0x7fc00000``; other values unchanged."""
     return jnp.where(jnp.isnan(x), jnp.float32(np.uint32(0x7FC00000).view(np.float32)), x)
 
 
@@ -183,6 +201,16 @@ def flush_cast(x32: jax.Array, dtype) -> jax.Array:
     """Cast float32 once to ``dtype``, then :func:`canonicalize` in that dtype (subnormals and
     -0 -> +0, whatever NaN the conversion produced -> the dtype's canonical quiet NaN)."""
     return canonicalize(_convert(x32, check_dtype(dtype)))
+
+
+def cast_flushed(x32: jax.Array, dtype) -> jax.Array:
+    """:func:`flush_cast` of an ``x32`` whose zeros are flushed already (:func:`flush_tiny`: a
+    loaded leaf, an update's result), with the same bits: a float32 result needs only
+    :func:`canonical_nan` (two operations per element where :func:`canonicalize` takes five)."""
+    dtype = check_dtype(dtype)
+    if dtype == jnp.float32:
+        return canonical_nan(x32)
+    return canonicalize(_convert(x32, dtype))
 
 
 def update_scale(distribution: str, coefficient: float) -> np.float32:

@@ -30,8 +30,8 @@ outside the image read as +1 (all bits clear), so every patch has ``n = 9 C`` va
 
 **Kernel.** One tile computes ``bb`` rows against 32 outputs (one output word) over all input
 words (padded with zero words to a power of two, which adds nothing to any popcount). The
-popcount is the branch-free SWAR sequence (shifts, ands, adds on ``uint32``), which every
-backend lowers; sums are ``int32`` (Mosaic has no unsigned reductions). The wrapper pads the
+popcount counts each word as an ``int32`` (:func:`zeroth.noise.popcount`: the GPU's ``popc``
+instruction, Mosaic's ``ctpop``); sums are ``int32`` (Mosaic has no unsigned reductions). The wrapper pads the
 batch to whole tiles (zero rows) and the outputs to whole words (threshold ``INT32_MIN``, whose
 output bit is always 0), so no tile reads outside its buffer.
 
@@ -56,7 +56,7 @@ from jax.experimental import pallas as pl
 
 from zeroth import rule as _rule
 from zeroth.kernels import triton_params
-from zeroth.noise import popcount_swar
+from zeroth.noise import popcount
 
 __all__ = [
     "Blocks",
@@ -66,7 +66,7 @@ __all__ = [
     "INT32_MIN",
     "n_words",
     "resolve_impl",
-    "popcount_swar",
+    "popcount",
     "valid_counts",
     "dots",
     "dots_ref",
@@ -262,7 +262,7 @@ def _dense_kernel(*refs, ternary: bool, out_dots: bool):
     diff = s_ref[...][:, None, :] ^ x_ref[...][None, :, :]  # (32, bb, words)
     if mask is not None:
         diff = diff & mask[:, None, :]
-    p = jnp.sum(popcount_swar(diff), axis=2, dtype=jnp.int32)  # (32, bb)
+    p = jnp.sum(popcount(diff), axis=2, dtype=jnp.int32)  # (32, bb)
     d = n_ref[...] - 2 * p  # n_valid: (32, 1)
     if out_dots:
         o_ref[...] = d

@@ -20,7 +20,9 @@ The rule is the contract's (see :mod:`zeroth.replay`): with ``k_u`` the integer 
     p32 = flush(float32(x));   p32 = flush(p32 + s_u * k_u)  for u = 0..K-1;   out = flush_cast(p32)
 
 ``s_u`` are host-rounded scales (:func:`zeroth.replay.update_scales`), so ``s_u * k_u`` is exact
-and the add rounds once, identically everywhere.
+and the add rounds once, identically everywhere. Every implementation flushes in halves with the
+same bits (:mod:`zeroth.rule`): the zeros after the load and after each update
+(:func:`zeroth.rule.flush_tiny`), the NaNs once, when the result is stored.
 
 Entry points: :func:`perturb_leaf` (one array, leaf keys given), :func:`apply_updates` (a pytree,
 traceable, same arguments as :func:`zeroth.replay.apply_updates`),
@@ -316,17 +318,17 @@ def _check_offset(offset, n: int):
 
 
 def _update_block(p32, call, within, k0, k1, scale, distribution: str):
-    """One exact update on a block: ``flush(p32 + scale * k)``.
+    """One exact update on a block: ``flush(p32 + scale * k)``, NaNs left to the store
+    (:func:`zeroth.rule.flush_tiny`).
 
     ``call`` (threefry counter) and ``within`` (position inside the call) broadcast to ``p32``.
-    The binomial bits are counted with shifts and adds (Triton cannot compile a popcount).
     """
     x0, x1 = _rng.threefry2x32((k0, k1), (jnp.zeros_like(call), call))
     if distribution == "binomial":
-        delta = scale * _noise.binomial_from_words(x0, x1, within, swar=True).astype(jnp.float32)
+        delta = scale * _noise.binomial_from_words(x0, x1, within).astype(jnp.float32)
     else:
         delta = jnp.where(_noise.rademacher_from_words(x0, x1, within) == 1, scale, -scale)
-    return _rule.flush(p32 + delta)
+    return _rule.flush_tiny(p32 + delta)
 
 
 # --------------------------------------------------------------------------- reference (plain jnp)
@@ -348,17 +350,17 @@ def perturb_reference(x, leaf_keys_, scales, *, distribution: str = "binomial", 
     """
     x, keys, scales = _check_args(x, leaf_keys_, scales, distribution)
     offset = _check_offset(offset, x.size)
-    p32 = _rule.flush(x.astype(jnp.float32))
+    p32 = _rule.flush_tiny(x.astype(jnp.float32))
 
     def body(u, p):
         k = _noise.noise_int(distribution, keys[u], x.shape, offset)
-        return _rule.flush(p + scales[u] * k.astype(jnp.float32))
+        return _rule.flush_tiny(p + scales[u] * k.astype(jnp.float32))
 
     if keys.shape[0] == 1:
         p32 = body(0, p32)
     elif keys.shape[0] > 1:
         p32 = jax.lax.fori_loop(0, keys.shape[0], body, p32)
-    return _rule.flush_cast(p32, x.dtype)
+    return _rule.cast_flushed(p32, x.dtype)
 
 
 # --------------------------------------------------------------------------- Pallas kernel
@@ -383,7 +385,7 @@ def _perturb_kernel(keys_ref, scales_ref, x_ref, o_ref, *, distribution: str, n_
         )
         call = idx >> log2
         within = idx & jnp.uint32(_PER_CALL[distribution] - 1)
-    p32 = _rule.flush(x_ref[...].astype(jnp.float32))
+    p32 = _rule.flush_tiny(x_ref[...].astype(jnp.float32))
 
     def body(u, p):
         k0, k1 = (keys_ref[2 * u], keys_ref[2 * u + 1]) if flat_keys else (keys_ref[u, 0], keys_ref[u, 1])
@@ -391,7 +393,7 @@ def _perturb_kernel(keys_ref, scales_ref, x_ref, o_ref, *, distribution: str, n_
 
     if n_updates:
         p32 = jax.lax.fori_loop(0, n_updates, body, p32)
-    o_ref[...] = _rule.flush_cast(p32, o_ref.dtype)
+    o_ref[...] = _rule.cast_flushed(p32, o_ref.dtype)
 
 
 def _pallas_tiles(x2d, keys, scales, plan: TilePlan, *, distribution, offset, interpret, inplace, platform):
@@ -607,7 +609,7 @@ def _flat_kernel(table_ref, keys_ref, scales_ref, x_ref, o_ref, *, distribution:
 def _segment_update(x, call, within, keys_ref, scales_ref, segment, *, n_updates: int, distribution: str):
     """The K updates of one segment on a block ``x`` of a flat kernel: flush, the updates in
     order with the segment's leaf keys (``keys_ref[2K * segment :]``, word pairs), cast once."""
-    p32 = _rule.flush(x.astype(jnp.float32))
+    p32 = _rule.flush_tiny(x.astype(jnp.float32))
     first_key = segment * (2 * n_updates)
 
     def body(u, p):
@@ -616,7 +618,7 @@ def _segment_update(x, call, within, keys_ref, scales_ref, segment, *, n_updates
 
     if n_updates:
         p32 = jax.lax.fori_loop(0, n_updates, body, p32)
-    return _rule.flush_cast(p32, x.dtype)
+    return _rule.cast_flushed(p32, x.dtype)
 
 
 def perturb_pallas_flat(
@@ -1221,7 +1223,7 @@ def perturb_rows(table, leaf_keys_, scales, ids, *, distribution: str = "binomia
     idx = ids.astype(jnp.uint32).reshape(ids.shape + (1,) * len(row_shape)) * jnp.uint32(r) + within_row
     call = idx >> _LOG2_PER_CALL[distribution]
     within = idx & jnp.uint32(_PER_CALL[distribution] - 1)
-    p32 = _rule.flush(table[ids].astype(jnp.float32))
+    p32 = _rule.flush_tiny(table[ids].astype(jnp.float32))
 
     def body(u, p):
         return _update_block(p, call, within, keys[u, 0], keys[u, 1], scales[u], distribution)
@@ -1230,7 +1232,7 @@ def perturb_rows(table, leaf_keys_, scales, ids, *, distribution: str = "binomia
         p32 = body(0, p32)
     elif keys.shape[0] > 1:
         p32 = jax.lax.fori_loop(0, keys.shape[0], body, p32)
-    return _rule.flush_cast(p32, table.dtype)
+    return _rule.cast_flushed(p32, table.dtype)
 
 
 # --------------------------------------------------------------------------- dispatch
