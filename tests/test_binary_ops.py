@@ -32,11 +32,16 @@ def _all_dense(x, s, m, t, n, rows):
         "numpy": R.dense(x, s, t, m, n=n),
         "jnp": np.asarray(kb.dense(x, s, t, m, n=n, impl="jnp")),
         "pallas": np.asarray(kb.dense(x, s, t, m, n=n, impl="pallas", blocks=kb.Blocks(rows), interpret=INTERPRET)),
+        # the GPU's body (a loop over the words), in interpret mode on a CPU
+        "pallas gpu": np.asarray(kb.dense(x, s, t, m, n=n, impl="pallas", blocks=kb.Blocks(rows), interpret=INTERPRET,
+                                          platform="gpu")),
     }
     dots = {
         "numpy": R.dots(x, s, m, n=n),
         "jnp": np.asarray(kb.dots(x, s, m, n=n, impl="jnp")),
         "pallas": np.asarray(kb.dots(x, s, m, n=n, impl="pallas", blocks=kb.Blocks(rows), interpret=INTERPRET)),
+        "pallas gpu": np.asarray(kb.dots(x, s, m, n=n, impl="pallas", blocks=kb.Blocks(rows), interpret=INTERPRET,
+                                         platform="gpu")),
     }
     return out, dots
 
