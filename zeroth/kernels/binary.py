@@ -29,11 +29,12 @@ nine neighbours ``(h + dy, w + dx)``, ``dy, dx in (-1, 0, 1)`` row-major, so a p
 outside the image read as +1 (all bits clear), so every patch has ``n = 9 C`` valid values.
 
 **Kernel.** One tile computes ``bb`` rows against 32 outputs (one output word) over all input
-words (padded with zero words to a power of two, which adds nothing to any popcount). The
-popcount counts each word as an ``int32`` (:func:`zeroth.noise.popcount`: the GPU's ``popc``
-instruction, Mosaic's ``ctpop``); sums are ``int32`` (Mosaic has no unsigned reductions). The wrapper pads the
-batch to whole tiles (zero rows) and the outputs to whole words (threshold ``INT32_MIN``, whose
-output bit is always 0), so no tile reads outside its buffer.
+words (padded with zero words to a power of two, which adds nothing to any popcount); on a GPU
+it adds the words' counts one word at a time. The popcount counts each word as an ``int32``
+(:func:`zeroth.noise.popcount`: the GPU's ``popc`` instruction, Mosaic's ``ctpop``); sums are
+``int32`` (Mosaic has no unsigned reductions). The wrapper pads the batch to whole tiles (zero
+rows) and the outputs to whole words (threshold ``INT32_MIN``, whose output bit is always 0), so
+no tile reads outside its buffer.
 
 Example:
   >>> import numpy as np
