@@ -378,7 +378,8 @@ def test_weight_decay_is_bit_exact_against_numpy():
     tiny = np.float32(2.0**-126)
     special = np.array(
         [0.0, -0.0, 1.0, -1.0, tiny, -tiny, tiny * 1.5, tiny * 2, tiny * 2.01, tiny * 4, 3e-39, 1e-45,
-         np.float32(2.0**-125) / np.float32(0.999), float("nan"), float("inf"), 3.4e38],
+         np.float32(2.0**-125) / np.float32(0.999), float("nan"), float("inf"), 3.4e38, -float("inf"),
+         np.uint32(0xFFC00001).view(np.float32), np.uint32(0x7F800001).view(np.float32)],
         np.float32,
     )
     w = np.concatenate([r.normal(size=500).astype(np.float32) * np.float32(10.0) ** r.integers(-37, 5, 500).astype(np.float32), special])
