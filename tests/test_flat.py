@@ -20,7 +20,7 @@ from zeroth.kernels import cpu_native
 from zeroth.kernels import perturb as kp
 
 NATIVE = cpu_native.available()
-needs_native = pytest.mark.skipif(not NATIVE, reason="no C++ compiler: the native CPU kernel cannot be built")
+needs_native = pytest.mark.skipif(not NATIVE, reason=str(cpu_native.unavailable_reason()))
 DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 SHAPES = ((), (0,), (1,), (7,), (3, 5), (64,), (65,), (4099,))
 

@@ -16,7 +16,7 @@ from lowering_util import lowered_kernels, tpu_chip_info  # noqa: F401 (a fixtur
 
 DISTS = ("binomial", "rademacher")
 NATIVE = cpu_native.available()
-needs_native = pytest.mark.skipif(not NATIVE, reason="no C++ compiler: the native CPU kernel cannot be built")
+needs_native = pytest.mark.skipif(not NATIVE, reason=str(cpu_native.unavailable_reason()))
 ACCELERATOR = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
 
 
@@ -384,8 +384,10 @@ def test_sharded_params_keep_their_sharding():
 
 def test_auto_on_cpu_is_native_or_jnp(monkeypatch):
     assert kp.resolve_impl("auto", "cpu") == ("native" if NATIVE else "jnp")
+    assert (cpu_native.unavailable_reason() is None) == NATIVE
     monkeypatch.setenv("ZEROTH_NATIVE", "0")
     assert kp.resolve_impl("auto", "cpu") == "jnp"
+    assert cpu_native.unavailable_reason() == "ZEROTH_NATIVE=0 disables the native CPU kernel"
 
 
 def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
@@ -396,6 +398,8 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
     with pytest.warns(cpu_native.NativeKernelWarning, match="plain XLA path"):
         assert cpu_native.available(broken) is False
     assert cpu_native.available(broken) is False  # remembered, no second build
+    reason = cpu_native.unavailable_reason(broken)
+    assert reason.startswith("the native CPU kernel cannot be built:") and "missing.h" in reason, reason
     with pytest.raises(RuntimeError, match="failed"):
         cpu_native.build(broken)
     assert not list(tmp_path.rglob("*.so"))

@@ -996,7 +996,7 @@ def test_stacked_layers_perturbed_in_the_scan_give_the_same_projected_gradients(
         # fresh functions: the estimators compiled above for the same losses used the native kernel
         loss, loss_whole = (lambda p, b: _tiny_llama()[2](p, b)), (lambda p, b: _tiny_llama()[3](p, b))
     elif not cpu_native.available():
-        pytest.skip("no C++ compiler: the native CPU kernel cannot be built")
+        pytest.skip(cpu_native.unavailable_reason())
     keys = rng.sample_keys(0, [(0, 0, i) for i in range(3)])
     eps = zo.round_eps(1e-2)
     g, ell = zo.projected_gradients_fn(loss, distribution=distribution)(params, tokens, keys, eps)
@@ -1072,7 +1072,7 @@ def test_stacked_layers_in_a_shared_flat_buffer_are_read_in_place(native, monkey
         monkeypatch.setattr(cpu_native, "available", lambda *a, **k: False)
         loss = lambda p, b: _tiny_llama()[2](p, b)  # noqa: E731  (a fresh function: a fresh estimator)
     elif not cpu_native.available():
-        pytest.skip("no C++ compiler: the native CPU kernel cannot be built")
+        pytest.skip(cpu_native.unavailable_reason())
     flat = replay.flatten(params, alone_from=None)
     assert len(flat.buffers) == 1
     keys = rng.sample_keys(0, [(0, 0, i) for i in range(2)])

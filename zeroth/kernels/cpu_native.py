@@ -50,6 +50,7 @@ __all__ = [
     "build",
     "register",
     "available",
+    "unavailable_reason",
     "target_name",
     "main",
 ]
@@ -224,13 +225,27 @@ def register(config: BuildConfig = DEFAULT_BUILD) -> str:
         return name
 
 
+def _disabled() -> bool:
+    return os.environ.get("ZEROTH_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def unavailable_reason(config: BuildConfig = DEFAULT_BUILD) -> str | None:
+    """Why :func:`available` is ``False`` for ``config`` (None where it is ``True``): the environment
+    disables the kernel, or the build's error (no C++ compiler, a failed compile)."""
+    if _disabled():
+        return "ZEROTH_NATIVE=0 disables the native CPU kernel"
+    if available(config):
+        return None
+    return f"the native CPU kernel cannot be built: {_failed.get(config.name, 'not registered')}"
+
+
 def available(config: BuildConfig = DEFAULT_BUILD) -> bool:
     """Whether the native kernel can be used (building it on first call). Never raises.
 
     On failure, warns once (:class:`NativeKernelWarning`) with the reason and returns ``False``.
     """
     global _warned
-    if os.environ.get("ZEROTH_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if _disabled():
         return False
     if config.name in _registered:
         return True
