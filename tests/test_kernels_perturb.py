@@ -158,6 +158,30 @@ def test_lowers_for_gpu_and_tpu(platform, blocks, dist, tpu_chip_info):
     assert "zeroth_fused_replay" in lowered_kernels(f, args, platform)
 
 
+@pytest.mark.parametrize("offset", [65, 130])
+@pytest.mark.parametrize("tile", [64, 256, 2048])
+def test_tpu_tiles_at_offsets_that_break_the_grouping(tile, offset, tpu_chip_info):
+    """A binomial tile of ``tile`` elements has tile / 4 rows of one threefry call each; a leaf at
+    an offset that is not a multiple of 4 has rows of 64 elements, fewer per tile (1, 4 and 32
+    here). On a TPU they are still a multiple of 8 (Mosaic's blocks): the kernel lowers for a TPU,
+    and with the TPU's plan it gives the reference's bits (interpret mode)."""
+    blocks = kp.BlockSizes(tile=tile)
+    keys, scales = rng.sample_keys(0, [(0, 0, s) for s in range(3)]), _scales("binomial", 3)
+    n = 1000
+
+    def f(x, k, s, interpret=False):
+        return kp.perturb_pallas(x, kp.leaf_keys(k, 5), s, distribution="binomial", block_sizes=blocks,
+                                 offset=offset, platform="tpu", interpret=interpret)
+
+    plan = kp.plan_tiles(n, "binomial", blocks, "tpu", offset)
+    assert not plan.grouped and plan.tiles and plan.tile_rows % 8 == 0, plan
+    args = (jax.ShapeDtypeStruct((n,), jnp.float32), keys, scales)
+    assert "zeroth_fused_replay" in lowered_kernels(f, args, "tpu")
+    x = _array((n,), jnp.float32, seed=offset)
+    got = jax.jit(lambda x: f(x, keys, scales, interpret=True))(x)
+    assert_same_bits(got, numpy_perturb(x, kp.leaf_keys(keys, 5), scales, "binomial", offset))
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_every_tiling_the_benchmark_sweeps_lowers(platform, tpu_chip_info):
     """`zeroth bench kernels` times each tiling of TILE_CANDIDATES on a GPU or TPU: each must pass
