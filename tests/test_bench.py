@@ -472,6 +472,10 @@ def test_bench_perturb_overhead_reports_per_call_microseconds():
     assert result["arithmetic_us"] == {
         f"flat_L{n}_K{k}_us": rows[("flat, one leaf of L*64 (arithmetic)", n, k)]["us_per_call_min"]
         for n in (1, 3) for k in (1, 2)}
+    # under each tree verdict, jax's own cost of passing the same donated arrays through a call
+    assert result["dispatch_floor_us"] == {
+        f"replay_L{n}_K{k}_us": rows[("jax dispatch floor", n, k)]["us_per_call_min"]
+        for n in (1, 3) for k in (1, 2)}
     # kernels per call, counted in the compiled program: one native launch for the one float32 buffer
     launches = result["kernel_launches"]
     assert set(launches) == {f"{p}_L{n}_K{k}" for p in ("replay", "flat") for n in (1, 3) for k in (1, 2)}

@@ -37,7 +37,8 @@ updates through one native launch *per leaf* (the design before one launch per r
 of jax's own dispatch of the pytree (a donated jit that returns it unchanged), and the
 arithmetic floor: the flat replay of ONE leaf holding as many elements (``L * 64``; at 200
 leaves and K = 16 that is 204,800 element-updates, no longer negligible), so that
-``flat - one leaf`` is what the number of leaves costs. The pytree and flat rows also give the
+``flat - one leaf`` is what the number of leaves costs (each flat verdict prints that floor
+beside it, each pytree verdict jax's dispatch floor). The pytree and flat rows also give the
 kernels one call launches (``kernel_launches``: custom calls and XLA fusions of the compiled
 program, counted on the device the arrays live on: one per buffer for the flat layout on CPU and
 GPU).
@@ -429,6 +430,10 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
         f"flat_L{r['leaves']}_K{r['updates']}_us": r["us_per_call_min"]
         for r in rows if r["name"] == "flat, one leaf of L*64 (arithmetic)"
     }
+    dispatch = {
+        f"replay_L{r['leaves']}_K{r['updates']}_us": r["us_per_call_min"]
+        for r in rows if r["name"] == "jax dispatch floor"
+    }
     return {
         "benchmark": "perturb_overhead",
         "leaf_elements": 64,
@@ -446,6 +451,9 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
         "met": {name: us <= OVERHEAD_TARGET_US for name, us in verdicts.items()},
         # the same elements as one leaf (the arithmetic floor) under each flat verdict
         "arithmetic_us": arithmetic,
+        # jax passing the same donated leaves through a jitted identity under each tree verdict:
+        # what any call on that many arrays costs before zeroth does anything
+        "dispatch_floor_us": dispatch,
     }
 
 
@@ -463,6 +471,9 @@ def _render_overhead(result: dict) -> None:
     for name, us in result["replay_us"].items():
         floor = result["arithmetic_us"].get(name)
         of_it = "" if floor is None else f"; one leaf of the same elements: {floor:.0f} us"
+        dispatch = result["dispatch_floor_us"].get(name)
+        if dispatch is not None:
+            of_it += f"; jax's dispatch of the same arrays alone: {dispatch:.0f} us"
         print(f"  {name:<24} {us:8.0f} us   (target {result['target']}: {'met' if result['met'][name] else 'MISSED'}{of_it})")
     same = result["flat_bits_match_pytree"]
     print(f"  flat replay digest == pytree replay digest: {'yes' if all(same.values()) else 'NO: ' + str(same)}")
