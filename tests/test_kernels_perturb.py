@@ -288,6 +288,31 @@ class TestNative:
         assert_same_bits(got, kp.perturb_reference(x, keys, scales, distribution=dist))
         assert_same_bits(got, numpy_perturb(x, keys, scales, dist))
 
+    @pytest.mark.parametrize("n_updates", [1, 2, 3, 4])
+    @pytest.mark.parametrize("inplace", [False, True])
+    def test_whole_float32_tiles_of_special_values(self, n_updates, inplace):
+        # Whole float32 tiles (4096 elements at global multiples of 4096) of fewer than four
+        # binomial updates are flushed in registers as they are read and stored; special values
+        # in every group of such tiles, and a partial tile after them, against the reference.
+        tiny = np.float32(jnp.finfo(jnp.float32).tiny)
+        specials = np.concatenate([
+            np.array([0.0, -0.0, np.inf, -np.inf, tiny, -tiny, tiny / 4, -tiny / 8, 3.0e38, -3.0e38], np.float32),
+            np.array([0x7FC00001, 0xFFC00000, 0x7F800001, 0xFF812345], np.uint32).view(np.float32),
+        ])
+        r = np.random.default_rng(n_updates)
+        x = (r.standard_normal(3 * 4096 + 100) * tiny * 4).astype(np.float32)  # some become subnormal
+        for start in range(0, x.size - specials.size, 61):
+            x[start:start + specials.size] = specials
+        x = jnp.asarray(x)
+        keys = _leaf_keys(n_updates, seed=9)
+        # 2**-118 is near the smallest coefficient the host rounding keeps: a subnormal input that
+        # were not flushed on load would change such a sum
+        scales = replay.update_scales("binomial", [2.0**-118 * 3, -2.5, -(2.0**-118) * 5, 8.0][:n_updates])
+        want = numpy_perturb(x, keys, scales, "binomial")
+        f = jax.jit(lambda x: kp.perturb_native(x, keys, scales, distribution="binomial", inplace=inplace),
+                    donate_argnums=0 if inplace else ())
+        assert_same_bits(f(jnp.copy(x)), want)
+
     def test_nan_payloads_become_canonical(self):
         payloads = np.array([0x7FC00001, 0xFFC00000, 0x7F800001, 0xFF812345], np.uint32).view(np.float32)
         x = jnp.asarray(payloads)

@@ -211,7 +211,7 @@ constexpr BinomialIndex MakeBinomialIndex() {
 
 constexpr BinomialIndex kBinomialIndex = MakeBinomialIndex();
 
-inline __m512 AddFlush(__m512 p, __m512 delta) {
+__attribute__((always_inline)) inline __m512 AddFlush(__m512 p, __m512 delta) {
   const __m512 y = _mm512_add_ps(p, delta);
   return _mm512_mask_mov_ps(y, _mm512_fpclass_ps_mask(y, 0x24), _mm512_setzero_ps());
 }
@@ -257,8 +257,12 @@ __attribute__((always_inline)) inline void ThreefryN(const LeafKey (&k)[N], cons
 #undef ZRN
 }
 
-// The popcounts of one group's 16 calls added to its 64 elements in element order.
-inline void BinomialApply(v16u x0, v16u x1, __m512 t_lo, __m512 t_hi, const BinomialLookup& ix, __m512 (&p)[4]) {
+// The popcounts of one group's 16 calls added to its 64 elements in element order. This and the
+// helpers below are always inlined: outlined (as GCC did once BinomialGroupsAll had two
+// instantiations), a group's registers went through memory at every update and K = 16 and 64 took 9-13%
+// longer.
+__attribute__((always_inline)) inline void BinomialApply(v16u x0, v16u x1, __m512 t_lo, __m512 t_hi,
+                                                         const BinomialLookup& ix, __m512 (&p)[4]) {
   const __m512i c0 = Popcount16(AsM512i(x0)), c1 = Popcount16(AsM512i(x1));
   p[0] = AddFlush(p[0], _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, ix.i0, c1), t_hi));
   p[1] = AddFlush(p[1], _mm512_permutex2var_ps(t_lo, _mm512_permutex2var_epi16(c0, ix.i1, c1), t_hi));
@@ -269,8 +273,9 @@ inline void BinomialApply(v16u x0, v16u x1, __m512 t_lo, __m512 t_hi, const Bino
 // Updates u..u+N-1 of one group held in p[0..3], in order: p = flush(p + scale * (popcount - 8)),
 // element order. Their noise is N independent threefry chains, computed interleaved.
 template <int N>
-inline void BinomialUpdates(const Update* ups, const uint32_t* k0, const uint32_t* k1, int64_t stride, int64_t u,
-                            v16u calls, const BinomialLookup& ix, __m512 (&p)[4]) {
+__attribute__((always_inline)) inline void BinomialUpdates(const Update* ups, const uint32_t* k0, const uint32_t* k1,
+                                                           int64_t stride, int64_t u, v16u calls,
+                                                           const BinomialLookup& ix, __m512 (&p)[4]) {
   LeafKey keys[N];
   v16u same[N], x0[N], x1[N];
   for (int i = 0; i < N; ++i) {
@@ -286,8 +291,8 @@ inline void BinomialUpdates(const Update* ups, const uint32_t* k0, const uint32_
 // Update u of groups g..g+N-1 (N groups of 64 elements held in p[N][4]): their noise is N
 // independent threefry chains (consecutive calls under one key), computed interleaved.
 template <int N>
-inline void BinomialGroupsUpdate(const LeafKey& key, const Update& up, v16u calls, const BinomialLookup& ix,
-                                 __m512 (&p)[N][4]) {
+__attribute__((always_inline)) inline void BinomialGroupsUpdate(const LeafKey& key, const Update& up, v16u calls,
+                                                                const BinomialLookup& ix, __m512 (&p)[N][4]) {
   LeafKey keys[N];
   v16u c[N], x0[N], x1[N];
   for (int i = 0; i < N; ++i) {
@@ -299,6 +304,28 @@ inline void BinomialGroupsUpdate(const LeafKey& key, const Update& up, v16u call
   for (int i = 0; i < N; ++i) BinomialApply(x0[i], x1[i], t_lo, t_hi, ix, p[i]);
 }
 
+// The contract's flush of 16 float32 (FlushScalar in a register): subnormals and -0 to +0
+// (vfpclassps: denormal 0x20 | negative zero 0x04), NaN to the canonical quiet NaN.
+__attribute__((always_inline)) inline __m512 Flush16(__m512 x) {
+  x = _mm512_mask_mov_ps(x, _mm512_fpclass_ps_mask(x, 0x24), _mm512_setzero_ps());
+  return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                            _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(kCanonicalNan))));
+}
+
+// Loads 16 elements of src (flushed when kFlushIo: the float32 tile read straight from the input,
+// the contract's flush on load done in registers instead of a pass of its own).
+template <bool kFlushIo>
+__attribute__((always_inline)) inline __m512 LoadGroup(const float* src) {
+  const __m512 x = _mm512_loadu_ps(src);
+  return kFlushIo ? Flush16(x) : x;
+}
+
+// Stores 16 elements (flushed when kFlushIo: the contract's flush on store, in registers).
+template <bool kFlushIo>
+__attribute__((always_inline)) inline void StoreGroup(float* dst, __m512 x) {
+  _mm512_storeu_ps(dst, kFlushIo ? Flush16(x) : x);
+}
+
 // All K binomial updates on groups [g0, g1): a group's 64 elements stay in four registers through
 // its K updates (one load and one store per group, not per update, and no call per update: a small
 // leaf costs its arithmetic), whose noise is computed four updates at a time: four independent
@@ -307,8 +334,11 @@ inline void BinomialGroupsUpdate(const LeafKey& key, const Update& up, v16u call
 // updates the chains run over four groups at a time instead (one update of 256 elements).
 // up.table[c] = scale * (c - 8) for a popcount c in 0..16 (exact) is looked up by vpermt2ps,
 // which reads the low 5 bits of each 32-bit index. Key u is (k0[u * stride], k1[u * stride]).
-void BinomialGroupsAll(float* buf, const Update* ups, const uint32_t* k0, const uint32_t* k1, int64_t stride,
-                       int64_t n_updates, uint32_t first_call, int64_t g0, int64_t g1) {
+// Groups are read from src and written to buf (the same array but for a float32 tile updated
+// from the input into the output); with kFlushIo the flushes on load and store happen here.
+template <bool kFlushIo>
+void BinomialGroupsAll(const float* src, float* buf, const Update* ups, const uint32_t* k0, const uint32_t* k1,
+                       int64_t stride, int64_t n_updates, uint32_t first_call, int64_t g0, int64_t g1) {
   const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const BinomialLookup ix = {_mm512_load_si512(kBinomialIndex.v[0]), _mm512_load_si512(kBinomialIndex.v[1]),
                              _mm512_load_si512(kBinomialIndex.v[2]), _mm512_load_si512(kBinomialIndex.v[3])};
@@ -316,23 +346,26 @@ void BinomialGroupsAll(float* buf, const Update* ups, const uint32_t* k0, const 
   int64_t g = g0;
   if (n_updates < 4) {  // few updates: the chains run over groups instead, kGroupChains at a time
     for (; g + kGroupChains <= g1; g += kGroupChains) {
+      const float* r = src + 64 * g;
       float* q = buf + 64 * g;
       __m512 p[kGroupChains][4];
       for (int i = 0; i < kGroupChains; ++i) {
-        for (int j = 0; j < 4; ++j) p[i][j] = _mm512_loadu_ps(q + 64 * i + 16 * j);
+        for (int j = 0; j < 4; ++j) p[i][j] = LoadGroup<kFlushIo>(r + 64 * i + 16 * j);
       }
       const v16u calls = lane + (first_call + static_cast<uint32_t>(16 * g));
       for (int64_t u = 0; u < n_updates; ++u) {
         BinomialGroupsUpdate<kGroupChains>(MakeKey(k0[u * stride], k1[u * stride]), ups[u], calls, ix, p);
       }
       for (int i = 0; i < kGroupChains; ++i) {
-        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(q + 64 * i + 16 * j, p[i][j]);
+        for (int j = 0; j < 4; ++j) StoreGroup<kFlushIo>(q + 64 * i + 16 * j, p[i][j]);
       }
     }
   }
   for (; g < g1; ++g) {
+    const float* r = src + 64 * g;
     float* q = buf + 64 * g;
-    __m512 p[4] = {_mm512_loadu_ps(q), _mm512_loadu_ps(q + 16), _mm512_loadu_ps(q + 32), _mm512_loadu_ps(q + 48)};
+    __m512 p[4] = {LoadGroup<kFlushIo>(r), LoadGroup<kFlushIo>(r + 16), LoadGroup<kFlushIo>(r + 32),
+                   LoadGroup<kFlushIo>(r + 48)};
     const v16u calls = lane + (first_call + static_cast<uint32_t>(16 * g));
     int64_t u = 0;
     for (; u + 4 <= n_updates; u += 4) BinomialUpdates<4>(ups, k0, k1, stride, u, calls, ix, p);
@@ -341,10 +374,10 @@ void BinomialGroupsAll(float* buf, const Update* ups, const uint32_t* k0, const 
       u += 2;
     }
     if (u < n_updates) BinomialUpdates<1>(ups, k0, k1, stride, u, calls, ix, p);
-    _mm512_storeu_ps(q, p[0]);
-    _mm512_storeu_ps(q + 16, p[1]);
-    _mm512_storeu_ps(q + 32, p[2]);
-    _mm512_storeu_ps(q + 48, p[3]);
+    StoreGroup<kFlushIo>(q, p[0]);
+    StoreGroup<kFlushIo>(q + 16, p[1]);
+    StoreGroup<kFlushIo>(q + 32, p[2]);
+    StoreGroup<kFlushIo>(q + 48, p[3]);
   }
 }
 
@@ -588,10 +621,23 @@ void RunTiles(const Work& work, const Job& job, int64_t t0, int64_t t1) {
     // garbage subnormals or NaNs out of the arithmetic). Only those few are written: a small
     // leaf costs its own elements, not a whole tile.
     const bool direct = std::is_same_v<T, float> && b0 == 0 && b1 == kTile;
+    // A whole float32 tile of fewer than four binomial updates is read from the input, flushed,
+    // updated and flushed again in registers, four groups at a time: no pass of its own for either
+    // flush (K = 1 on 2^24 elements, 2-core AMD EPYC: 3.3-3.4 ms instead of 4.5-4.7). With four or
+    // more, a group's arithmetic dominates and reading it straight from memory measured no better
+    // (K = 16: 37.9-42.9 ms against 38.4-38.8), so those tiles keep the flushing passes.
+    const bool fused = ZEROTH_AVX512 && direct && work.distribution == kBinomial && n_updates > 0 &&
+                       n_updates < kGroupChains;
     float* tile = buf;
+    [[maybe_unused]] const float* source = buf;
     if (direct) {
       tile = reinterpret_cast<float*>(out + (lo - lo_all));
-      Io<float>::Load(reinterpret_cast<const float*>(in + (lo - lo_all)), tile, kTile);
+      source = tile;
+      if (fused) {
+        source = reinterpret_cast<const float*>(in + (lo - lo_all));
+      } else {
+        Io<float>::Load(reinterpret_cast<const float*>(in + (lo - lo_all)), tile, kTile);
+      }
     } else {
       const int64_t pad0 = g0 * group, pad1 = std::min<int64_t>(g1 * group, kTile);
       if (b0 > pad0) std::memset(buf + pad0, 0, sizeof(float) * (b0 - pad0));
@@ -601,8 +647,14 @@ void RunTiles(const Work& work, const Job& job, int64_t t0, int64_t t1) {
 #if ZEROTH_AVX512
     if (work.distribution == kBinomial) {
       const size_t j = static_cast<size_t>(job.index);
-      BinomialGroupsAll(tile, work.updates.data(), work.k0.data() + j, work.k1.data() + j,
-                        static_cast<int64_t>(work.jobs.size()), n_updates, first_call, g0, g1);
+      const int64_t stride = static_cast<int64_t>(work.jobs.size());
+      if (fused) {
+        BinomialGroupsAll<true>(source, tile, work.updates.data(), work.k0.data() + j, work.k1.data() + j, stride,
+                                n_updates, first_call, g0, g1);
+      } else {
+        BinomialGroupsAll<false>(source, tile, work.updates.data(), work.k0.data() + j, work.k1.data() + j, stride,
+                                 n_updates, first_call, g0, g1);
+      }
     } else {
       for (int64_t u = 0; u < n_updates; ++u) RademacherGroups(tile, work.Key(job, u), work.updates[u], first_call, g0, g1);
     }
@@ -615,7 +667,9 @@ void RunTiles(const Work& work, const Job& job, int64_t t0, int64_t t1) {
       }
     }
 #endif
-    if (direct) {
+    if (fused) {
+      // flushed on store above
+    } else if (direct) {
       Io<float>::Store(tile, tile, kTile);
     } else {
       Io<T>::Store(buf + b0, out + (lo - lo_all), b1 - b0);
