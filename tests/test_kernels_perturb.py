@@ -290,10 +290,12 @@ class TestNative:
 
     @pytest.mark.parametrize("n_updates", [1, 2, 3, 4])
     @pytest.mark.parametrize("inplace", [False, True])
-    def test_whole_float32_tiles_of_special_values(self, n_updates, inplace):
+    @pytest.mark.parametrize("dist", DISTS)
+    def test_whole_float32_tiles_of_special_values(self, dist, n_updates, inplace):
         # Whole float32 tiles (4096 elements at global multiples of 4096) of fewer than four
-        # binomial updates are flushed in registers as they are read and stored; special values
-        # in every group of such tiles, and a partial tile after them, against the reference.
+        # binomial updates, or one Rademacher update, are flushed in registers as they are read
+        # and stored; special values in every group of such tiles, and a partial tile after them,
+        # against the reference.
         tiny = np.float32(jnp.finfo(jnp.float32).tiny)
         specials = np.concatenate([
             np.array([0.0, -0.0, np.inf, -np.inf, tiny, -tiny, tiny / 4, -tiny / 8, 3.0e38, -3.0e38], np.float32),
@@ -307,9 +309,9 @@ class TestNative:
         keys = _leaf_keys(n_updates, seed=9)
         # 2**-118 is near the smallest coefficient the host rounding keeps: a subnormal input that
         # were not flushed on load would change such a sum
-        scales = replay.update_scales("binomial", [2.0**-118 * 3, -2.5, -(2.0**-118) * 5, 8.0][:n_updates])
-        want = numpy_perturb(x, keys, scales, "binomial")
-        f = jax.jit(lambda x: kp.perturb_native(x, keys, scales, distribution="binomial", inplace=inplace),
+        scales = replay.update_scales(dist, [2.0**-118 * 3, -2.5, -(2.0**-118) * 5, 8.0][:n_updates])
+        want = numpy_perturb(x, keys, scales, dist)
+        f = jax.jit(lambda x: kp.perturb_native(x, keys, scales, distribution=dist, inplace=inplace),
                     donate_argnums=0 if inplace else ())
         assert_same_bits(f(jnp.copy(x)), want)
 

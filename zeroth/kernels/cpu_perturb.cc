@@ -184,12 +184,6 @@ inline __m512i Popcount16(__m512i x) {
 #endif
 }
 
-// Adds the update and flushes subnormals / -0 (vfpclassps: denormal 0x20 | negative zero 0x04).
-inline void AddFlushStore(float* p, __m512 delta) {
-  __m512 y = _mm512_add_ps(_mm512_loadu_ps(p), delta);
-  _mm512_storeu_ps(p, _mm512_mask_mov_ps(y, _mm512_fpclass_ps_mask(y, 0x24), _mm512_setzero_ps()));
-}
-
 // Element e of output vector m (16 elements, calls 4m..4m+3) is half (e & 1) of word x0 or x1
 // ((e >> 1) & 1) of call 4m + e/4: the 16-bit lane of concat(popcount(x0), popcount(x1)).
 struct alignas(64) BinomialIndex {
@@ -211,6 +205,7 @@ constexpr BinomialIndex MakeBinomialIndex() {
 
 constexpr BinomialIndex kBinomialIndex = MakeBinomialIndex();
 
+// Adds the update and flushes subnormals / -0 (vfpclassps: denormal 0x20 | negative zero 0x04).
 __attribute__((always_inline)) inline __m512 AddFlush(__m512 p, __m512 delta) {
   const __m512 y = _mm512_add_ps(p, delta);
   return _mm512_mask_mov_ps(y, _mm512_fpclass_ps_mask(y, 0x24), _mm512_setzero_ps());
@@ -381,7 +376,12 @@ void BinomialGroupsAll(const float* src, float* buf, const Update* ups, const ui
   }
 }
 
-void RademacherGroups(float* buf, const LeafKey& key, const Update& up, uint32_t first_call, int64_t g0, int64_t g1) {
+// One Rademacher update on groups [g0, g1) of 1024 elements, read from src and written to buf
+// (the same array but for a float32 tile updated from the input into the output; with kFlushIo
+// the flushes on load and store happen here, as for BinomialGroupsAll).
+template <bool kFlushIo>
+void RademacherGroups(const float* src, float* buf, const LeafKey& key, const Update& up, uint32_t first_call,
+                      int64_t g0, int64_t g1) {
   const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const __m512 plus = _mm512_set1_ps(up.scale), minus = _mm512_set1_ps(-up.scale);
   alignas(64) uint16_t halves[64];  // the 32 words of 16 calls as 16-bit masks, stream order
@@ -393,9 +393,11 @@ void RademacherGroups(float* buf, const LeafKey& key, const Update& up, uint32_t
     v16u b = __builtin_shufflevector(x0, x1, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     std::memcpy(halves, &a, 64);
     std::memcpy(halves + 32, &b, 64);
+    const float* r = src + 1024 * g;
     float* p = buf + 1024 * g;
     for (int h = 0; h < 64; ++h) {
-      AddFlushStore(p + 16 * h, _mm512_mask_blend_ps(static_cast<__mmask16>(halves[h]), minus, plus));
+      const __m512 delta = _mm512_mask_blend_ps(static_cast<__mmask16>(halves[h]), minus, plus);
+      StoreGroup<kFlushIo>(p + 16 * h, AddFlush(LoadGroup<kFlushIo>(r + 16 * h), delta));
     }
   }
 }
@@ -626,8 +628,8 @@ void RunTiles(const Work& work, const Job& job, int64_t t0, int64_t t1) {
     // flush (K = 1 on 2^24 elements, 2-core AMD EPYC: 3.3-3.4 ms instead of 4.5-4.7). With four or
     // more, a group's arithmetic dominates and reading it straight from memory measured no better
     // (K = 16: 37.9-42.9 ms against 38.4-38.8), so those tiles keep the flushing passes.
-    const bool fused = ZEROTH_AVX512 && direct && work.distribution == kBinomial && n_updates > 0 &&
-                       n_updates < kGroupChains;
+    const bool fused = ZEROTH_AVX512 && direct && n_updates > 0 &&
+                       n_updates < (work.distribution == kBinomial ? kGroupChains : 2);
     float* tile = buf;
     [[maybe_unused]] const float* source = buf;
     if (direct) {
@@ -655,8 +657,12 @@ void RunTiles(const Work& work, const Job& job, int64_t t0, int64_t t1) {
         BinomialGroupsAll<false>(source, tile, work.updates.data(), work.k0.data() + j, work.k1.data() + j, stride,
                                  n_updates, first_call, g0, g1);
       }
+    } else if (fused) {
+      RademacherGroups<true>(source, tile, work.Key(job, 0), work.updates[0], first_call, g0, g1);
     } else {
-      for (int64_t u = 0; u < n_updates; ++u) RademacherGroups(tile, work.Key(job, u), work.updates[u], first_call, g0, g1);
+      for (int64_t u = 0; u < n_updates; ++u) {
+        RademacherGroups<false>(tile, tile, work.Key(job, u), work.updates[u], first_call, g0, g1);
+      }
     }
 #else
     for (int64_t u = 0; u < n_updates; ++u) {
