@@ -623,11 +623,12 @@ void RunTiles(const Work& work, const Job& job, int64_t t0, int64_t t1) {
     // garbage subnormals or NaNs out of the arithmetic). Only those few are written: a small
     // leaf costs its own elements, not a whole tile.
     const bool direct = std::is_same_v<T, float> && b0 == 0 && b1 == kTile;
-    // A whole float32 tile of fewer than four binomial updates is read from the input, flushed,
-    // updated and flushed again in registers, four groups at a time: no pass of its own for either
-    // flush (K = 1 on 2^24 elements, 2-core AMD EPYC: 3.3-3.4 ms instead of 4.5-4.7). With four or
-    // more, a group's arithmetic dominates and reading it straight from memory measured no better
-    // (K = 16: 37.9-42.9 ms against 38.4-38.8), so those tiles keep the flushing passes.
+    // A whole float32 tile of fewer than four binomial updates (or one Rademacher update) is read
+    // from the input, flushed, updated and flushed again in registers, a few groups at a time: no
+    // pass of its own for either flush (K = 1 on 2^24 elements, 2-core AMD EPYC: binomial 3.3-3.4 ms
+    // instead of 4.5-4.7, Rademacher 2.4-2.6 instead of 3.4-5.1). With more updates a group's
+    // arithmetic dominates and reading it straight from memory measured no better (binomial K = 16:
+    // 37.9-42.9 ms against 38.4-38.8), so those tiles keep the flushing passes.
     const bool fused = ZEROTH_AVX512 && direct && n_updates > 0 &&
                        n_updates < (work.distribution == kBinomial ? kGroupChains : 2);
     float* tile = buf;
