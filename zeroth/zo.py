@@ -946,7 +946,7 @@ def decay(params: Any, factor) -> Any:
         leaf = jnp.asarray(leaf)
         _rule.check_dtype(leaf.dtype, "a leaf given to weight decay")
         # the flushes in halves, as the replay kernels apply them (zeroth.rule): the zeros on
-        # load, flushd's threshold (which takes -0 and every subnormal with it), the NaNs on store
+        # load, DECAY_FLUSH's threshold (which takes -0 and every subnormal with it), the NaNs on store
         x = _rule.flush_tiny(leaf.astype(jnp.float32)) * d
         x = jnp.where(jnp.abs(x) < DECAY_FLUSH, jnp.float32(0.0), x)
         return _rule.cast_flushed(x, leaf.dtype)

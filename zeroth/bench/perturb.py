@@ -421,19 +421,13 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
             "us_per_call_median": 1e6 * t.median_s / _CALLS_PER_TIMING,
             "kernel_launches": launches.get((n_leaves, k, what)),
         })
-    verdicts = {
-        f"{prefix}_L{r['leaves']}_K{r['updates']}_us": r["us_per_call_min"]
-        for prefix, what in (("replay", "replay (pytree)"), ("flat", "replay (flat layout)"))
-        for r in rows if r["name"] == what
-    }
-    arithmetic = {
-        f"flat_L{r['leaves']}_K{r['updates']}_us": r["us_per_call_min"]
-        for r in rows if r["name"] == "flat, one leaf of L*64 (arithmetic)"
-    }
-    dispatch = {
-        f"replay_L{r['leaves']}_K{r['updates']}_us": r["us_per_call_min"]
-        for r in rows if r["name"] == "jax dispatch floor"
-    }
+
+    def per_call(prefix: str, what: str) -> dict[str, float]:  # the best us per call of row `what`, by L and K
+        return {f"{prefix}_L{r['leaves']}_K{r['updates']}_us": r["us_per_call_min"] for r in rows if r["name"] == what}
+
+    verdicts = {**per_call("replay", "replay (pytree)"), **per_call("flat", "replay (flat layout)")}
+    arithmetic = per_call("flat", "flat, one leaf of L*64 (arithmetic)")
+    dispatch = per_call("replay", "jax dispatch floor")
     return {
         "benchmark": "perturb_overhead",
         "leaf_elements": 64,

@@ -286,7 +286,7 @@ def _dense_kernel(*refs, ternary: bool, out_dots: bool, by_word: bool):
 
 
 def _on_gpu(platform: str | None) -> bool:
-    return (jax.default_backend() if platform is None else platform) in ("gpu", "cuda", "rocm")
+    return _rule.platform_name(jax.default_backend() if platform is None else platform) == "gpu"
 
 
 def _compiler_params(platform: str | None, interpret: bool):

@@ -630,7 +630,7 @@ void RunTiles(const Work& work, const Job& job, int64_t t0, int64_t t1) {
     // arithmetic dominates and reading it straight from memory measured no better (binomial K = 16:
     // 37.9-42.9 ms against 38.4-38.8), so those tiles keep the flushing passes.
     const bool fused = ZEROTH_AVX512 && direct && n_updates > 0 &&
-                       n_updates < (work.distribution == kBinomial ? kGroupChains : 2);
+                       (work.distribution == kBinomial ? n_updates < kGroupChains : n_updates == 1);
     float* tile = buf;
     [[maybe_unused]] const float* source = buf;
     if (direct) {

@@ -210,9 +210,9 @@ def plan_tiles(n: int, distribution: str, blocks: BlockSizes, platform: str, off
     grouped = blocks.lanes is None and offset % per_call == 0
     width = per_call if grouped else (blocks.lanes or 64)
     tile_rows = max(1, blocks.tile // width)
-    if platform == "tpu" and not grouped:
-        # check_block_sizes counted rows of one threefry call; a leaf whose offset breaks that
-        # grouping has rows of 64 elements, fewer per tile: still a multiple of 8 (at least 8)
+    if platform == "tpu":
+        # Mosaic's multiple of 8 for every row length: check_block_sizes counted rows of one
+        # threefry call, and a leaf whose offset breaks that grouping has rows of 64 elements
         tile_rows = max(8, tile_rows - tile_rows % 8)
     rows = n // width
     if tile_rows > rows:
