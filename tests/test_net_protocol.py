@@ -9,7 +9,7 @@ status code while the state it was given stays untouched.
 import copy
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from zeroth.net import protocol as P
@@ -195,6 +195,7 @@ def test_minority_side_of_a_partition_never_decides():
 
 
 @settings(max_examples=50, deadline=None)
+@example(kill_leader=True, kill_at=7, join_at=None, slow=None, lose=3)  # a joiner admitted just before the leader died
 @given(
     kill_leader=st.booleans(),
     kill_at=st.integers(2, 20),
@@ -203,6 +204,13 @@ def test_minority_side_of_a_partition_never_decides():
     lose=st.integers(0, 3),
 )
 def test_random_faults_never_split_the_chain(kill_leader, kill_at, join_at, slow, lose):
+    net = faulty_run(kill_leader, kill_at, join_at, slow, lose)
+    assert_agree(net, 2)
+
+
+def faulty_run(kill_leader, kill_at, join_at, slow, lose, until=None):
+    """4 founders; lost commits to machine 3 and pushes to machine 0, a slow peer, a join at
+    ``join_at`` and a kill (the leader or machine 3) at ``kill_at``; run to the end (or ``until(net)``)."""
     net = SimNet(params(founders=4, iterations=30), rejoin=True, tick=0.05)
     net.start(4)
     if lose:
@@ -217,8 +225,74 @@ def test_random_faults_never_split_the_chain(kill_leader, kill_at, join_at, slow
             net.kill("sim:1000" if kill_leader else "sim:1003")
         else:
             net.join("sim:2000", via="sim:1002")
-    net.run_until(net.all_finished, limit=80.0)
-    assert_agree(net, 2)
+    net.run_until(net.all_finished if until is None else lambda: until(net), limit=80.0)
+    return net
+
+
+def test_a_joiner_admitted_just_before_the_leader_died_learns_its_id_from_a_takeover():
+    """Machine 3 is removed (its commits are lost) and rejoins: the leader's decision of iteration 6
+    admits it as machine 4 (the view of 7 is [0, 1, 2, 4]: a majority is 3), and the leader is killed
+    before it answers the join. The takeover's promises show machines 1 and 2 (a majority of the view
+    of 6) holding that decision, so it is chosen: the joiner, asking again, is told it is machine 4,
+    catches up and promises, and the run goes on with it (without this, 1 and 2 failed: "lost its majority")."""
+    net = faulty_run(kill_leader=True, kill_at=7, join_at=None, slow=None, lose=3)
+    chain = assert_agree(net, 3)
+    rejoiner = net.peers["sim:1003"]
+    assert rejoiner.machines == [3, 4] and rejoiner.finished == "done"
+    assert 4 in contributors(chain, 7) and contributors(chain, 6) == [0, 1, 2]
+    told = [e for p in net.peers.values() for _, e in p.events if e.startswith("told machine 4 (sim:1003) its id")]
+    assert told, [p.events[-5:] for p in net.peers.values()]
+    assert net.admitted == [0, 1, 2, 3, 4]  # the seat was given once, not a fifth id
+
+
+def takeover_state():
+    """Machine 1's state in the run above, right after it started its takeover of iteration 7."""
+    net = faulty_run(
+        kill_leader=True, kill_at=7, join_at=None, slow=None, lose=3,
+        until=lambda n: n.peers["sim:1001"].state.recovery is not None,
+    )
+    st = net.peers["sim:1001"].state
+    assert st.it == 7 and st.chosen < 6 and st.recovery.replies == {}
+    assert [m.machine for m in st.view.members] == [0, 1, 2, 4] and 4 not in st.view.active_ids()
+    return net.params, st
+
+
+def test_a_decision_is_chosen_only_when_a_majority_holds_it_at_the_same_ballot():
+    p, st = takeover_state()
+    mine = st.decided[6].commit
+    join = P.JoinRequest(77, "sim:1003", "cfg")
+    # Before the promises, the seat of machine 4 is not known to be final: the join is queued.
+    queued = P.on_join(p, st, join, st.started_at + 5)
+    assert not [e for e in queued.effects if isinstance(e, P.Admit)] and queued.state.joins == ((77, "sim:1003", b""),)
+    # The same value at another ballot is not evidence (a later ballot may have decided otherwise).
+    other_ballot = P.decision_digest(mine._replace(ballot=P.Ballot(1, 0)))
+    step = P.on_prepare_reply(p, queued.state, sender=2, reply=P.PrepareReply(7, None, (), other_ballot), now=st.started_at + 5)
+    assert step.state.chosen < 6 and not [e for e in step.effects if isinstance(e, P.Admit)]
+    # The joiner's own reply carries no decision of 6; it holds no vote on it.
+    step = P.on_prepare_reply(p, queued.state, sender=4, reply=P.PrepareReply(7, None, (), b""), now=st.started_at + 5)
+    assert step.state.chosen < 6
+    # Machine 2 holds the same commit: with machine 1 that is 2 of [0, 1, 2]; the queued join is answered.
+    step = P.on_prepare_reply(p, queued.state, sender=2, reply=P.PrepareReply(7, None, (), P.decision_digest(mine)), now=st.started_at + 5)
+    assert step.state.chosen == 6 and step.state.joins == ()
+    admits = [e for e in step.effects if isinstance(e, P.Admit)]
+    assert admits == [P.Admit(77, P.JoinAnswer(4, st.view))]
+    # A new join from the seat's address and key is answered at once; another key gets no seat.
+    again = P.on_join(p, step.state, P.JoinRequest(78, "sim:1003", "cfg"), st.started_at + 5)
+    assert [e for e in again.effects if isinstance(e, P.Admit)] == [P.Admit(78, P.JoinAnswer(4, st.view))]
+    stranger = P.on_join(p, step.state, P.JoinRequest(79, "sim:1003", "cfg", b"k" * 32), st.started_at + 5)
+    assert not [e for e in stranger.effects if isinstance(e, P.Admit)]
+
+
+def test_promises_carry_the_digest_of_the_applied_previous_decision_only():
+    p, st = takeover_state()
+    assert P.PrepareReply(7, None, ()).previous == b""
+    prepare = P.Prepare("run", 2, 7, P.Ballot(5, 2))
+    reply = P.on_prepare(p, st, prepare, st.started_at + 5).reply
+    assert reply.previous == P.decision_digest(st.decided[6].commit)
+    behind = P.on_prepare(p, st, prepare._replace(iteration=8), st.started_at + 5).reply
+    assert behind.previous == b""  # iteration 7 is not applied here: no vote on it
+    past = P.on_prepare(p, st, prepare._replace(iteration=6), st.started_at + 5).reply
+    assert past.decided == st.decided[6] and past.previous == P.decision_digest(st.decided[5].commit)
 
 
 # --------------------------------------------------------------------------- bad input

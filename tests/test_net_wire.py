@@ -69,7 +69,12 @@ def test_log_entry_roundtrip(e):
     assert wire.entry_from_pb(pb.LogEntry.FromString(wire.entry_to_pb(e).SerializeToString())) == e
 
 
-@given(st.builds(P.PrepareReply, iteration=u64, decided=st.one_of(st.none(), entries()), pushes=st.lists(pushes, max_size=3).map(tuple)))
+@given(
+    st.builds(
+        P.PrepareReply, iteration=u64, decided=st.one_of(st.none(), entries()), pushes=st.lists(pushes, max_size=3).map(tuple),
+        previous=st.one_of(st.just(b""), st.binary(min_size=32, max_size=32)),
+    )
+)
 def test_prepare_reply_roundtrip(r):
     assert wire.prepare_reply_from_pb(pb.PrepareReply.FromString(wire.prepare_reply_to_pb(r).SerializeToString())) == r
 
@@ -88,6 +93,8 @@ def test_decode_refuses_what_protobuf_cannot_bound():
     bad = pb.LogEntry(commit=commit, gradients=[pb.GradientPush(sender=2, count=1, payload=b"x")])
     with pytest.raises(P.Rejected, match="does not match contributor"):
         wire.entry_from_pb(bad)
+    with pytest.raises(P.Rejected, match="previous decision digest has 31 bytes"):
+        wire.prepare_reply_from_pb(pb.PrepareReply(iteration=3, previous=b"x" * 31))
 
 
 def test_one_byte_per_projected_gradient_in_a_push():

@@ -42,7 +42,12 @@ this iteration, the takeover its promises), so two halves of a partitioned run c
 go on, while members that only missed a barrier still count toward the majority. A member that
 applied a decision which a later ballot replaced is told by the conflicting commit and drops out
 (it must rejoin). A joiner's id is given to it only after the commit admitting it reached a majority, so a
-takeover always sees (and keeps) that admission: ids are never reused.
+takeover always sees (and keeps) that admission: ids are never reused. If that leader dies before
+it answers, the joiner (asking again through another member) holds a seat in the next view that
+it does not know of, and that view's majority may need it. A takeover's promises therefore carry
+the digest of each member's applied decision of the previous iteration, ballot included
+(:func:`decision_digest`): when a majority of that iteration's view holds the candidate's own, the
+decision is chosen, and the candidate tells a join from the seat's address and key its id.
 
 Authentication. Every member has an Ed25519 public key in the view (:attr:`Member.key`, put there
 by the commit that admitted it). :class:`Push`, :class:`Commit`, :class:`Prepare` and :class:`Leave`
@@ -126,6 +131,7 @@ __all__ = [
     "PeerState",
     "Step",
     "updates_digest",
+    "decision_digest",
     "canonical",
     "signed_bytes",
     "sign",
@@ -341,11 +347,13 @@ class Prepare(NamedTuple):
 
 
 class PrepareReply(NamedTuple):
-    """A promise: the responder's iteration, its decision of the iteration if any, else its pushes."""
+    """A promise: the responder's iteration, its decision of the iteration if any, else its pushes;
+    ``previous``: :func:`decision_digest` of the decision of ``iteration - 1`` it applied (b"": none)."""
 
     iteration: int
     decided: LogEntry | None
     pushes: tuple[Push, ...]
+    previous: bytes = b""
 
 
 class Leave(NamedTuple):
@@ -511,6 +519,8 @@ class PeerState(NamedTuple):
       denials: sources that refused this peer's log requests as a non-member (reset by a fetch that works).
       ahead: the newest iteration an unverifiable commit (a hint) named: fetched up to it once.
       refused: members whose connection refused our push of ``it`` (:func:`on_push_refused`).
+      chosen: the newest applied iteration whose decision this peer knows is chosen (a majority of
+        its view applied that same commit, ballot included), -1 if none.
     """
 
     me: int
@@ -539,6 +549,7 @@ class PeerState(NamedTuple):
     denials: frozenset = frozenset()
     ahead: int = -1
     refused: frozenset[int] = frozenset()
+    chosen: int = -1
 
 
 class Step(NamedTuple):
@@ -559,6 +570,11 @@ def updates_digest(contributors, payloads) -> bytes:
         h.update(struct.pack("<IIQ", machine, count, len(payload)))
         h.update(payload)
     return h.digest()
+
+
+def decision_digest(commit: Commit) -> bytes:
+    """SHA-256 of :func:`signed_bytes` of a decision: equal digests mean the same iteration, ballot and value."""
+    return hashlib.sha256(signed_bytes(commit)).digest()
 
 
 def _view_fields(v: View) -> tuple:
@@ -1134,6 +1150,9 @@ def on_join(params: Params, st: PeerState, req: JoinRequest, now: float) -> Step
         return Step(st, ())
     if st.phase != MEMBER:
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase} and admits no one; try another peer of the run")
+    seat = _seat(st, req.address, req.key)
+    if seat is not None:  # admitted by a chosen decision whose leader did not answer it
+        return Step(st, tuple(_answer_seat(st, req.request_id, seat)))
     lead = committer(st)
     if lead != st.me:
         address = st.view.address_of(lead) if lead is not None else None
@@ -1387,6 +1406,59 @@ def _start_recovery(params: Params, st: PeerState, now: float, effects: list) ->
     return st
 
 
+def _applied_digest(st: PeerState, t: int) -> bytes:
+    """:func:`decision_digest` of the decision of ``t`` this peer applied (b"" if it applied none)."""
+    e = st.decided.get(t)
+    return decision_digest(e.commit) if e is not None and 0 <= t < st.it else b""
+
+
+def _learn_chosen(st: PeerState, effects: list) -> PeerState:
+    """Our takeover's promises show a majority of the view of ``it - 1`` holding the decision of
+    ``it - 1`` we applied (same ballot, same value): that decision is chosen (Paxos: no later ballot
+    can decide otherwise). Joiners it admitted can then be told their ids by this peer (the leader
+    that admitted them may have died before it answered): queued joins from them are answered now."""
+    t = st.it - 1
+    if st.chosen >= t or st.recovery is None:
+        return st
+    base = _view_at(st, t)
+    mine = _applied_digest(st, t)
+    if base is None or not mine:
+        return st
+    holders = {st.me} | {m for m, r in st.recovery.replies.items() if r is not None and r.previous == mine}
+    if not _majority(holders, base.ids()):
+        return st
+    st = st._replace(chosen=t)
+    effects.append(Note(f"iteration {t}: machines {sorted(holders & base.ids())} of {sorted(base.ids())} hold its decision: it is chosen"))
+    joins = []
+    for rid, address, key in st.joins:
+        seat = _seat(st, address, key)
+        if seat is None:
+            joins.append((rid, address, key))
+        else:
+            effects += _answer_seat(st, rid, seat)
+    return st._replace(joins=tuple(joins))
+
+
+def _seat(st: PeerState, address: str, key: bytes) -> Member | None:
+    """The member that the decision of ``it - 1`` admitted at ``address`` with ``key``, when this peer
+    knows that decision is chosen and the member has not taken part yet (else None)."""
+    t = st.it - 1
+    base = _view_at(st, t)
+    if st.phase != MEMBER or st.chosen < t or base is None:
+        return None
+    for m in st.view.members:
+        if m.address == address and m.key == key and not m.active and m.machine not in base.ids():
+            return m
+    return None
+
+
+def _answer_seat(st: PeerState, rid: int, seat: Member) -> list:
+    return [
+        Admit(rid, JoinAnswer(seat.machine, st.view)),
+        Note(f"told machine {seat.machine} ({seat.address}) its id: the chosen decision of iteration {st.it - 1} admitted it"),
+    ]
+
+
 def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
     """A takeover asks for our promise. Reply: our :class:`PrepareReply`.
 
@@ -1406,7 +1478,7 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
     if t < st.it:
         if t < st.it - params.window:
             raise Rejected("OUT_OF_RANGE", f"iteration {t} is older than this peer's window (at {st.it})")
-        return Step(st, (), PrepareReply(st.it, st.decided.get(t), ()))
+        return Step(st, (), PrepareReply(st.it, st.decided.get(t), (), _applied_digest(st, t - 1)))
     if st.phase not in (MEMBER, CATCHING_UP):
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase}")
     if t > st.it + params.window:
@@ -1440,7 +1512,7 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
         if st.recovery is not None and st.recovery.ballot < msg.ballot:
             st = st._replace(recovery=None)
     pushes = tuple(p for (it, _), p in sorted(st.inbox.items()) if it == t)
-    return Step(st, tuple(effects), PrepareReply(st.it, st.decided.get(t), pushes))
+    return Step(st, tuple(effects), PrepareReply(st.it, st.decided.get(t), pushes, _applied_digest(st, t - 1)))
 
 
 def on_prepare_reply(params: Params, st: PeerState, *, sender: int, reply: PrepareReply | None, now: float) -> Step:
@@ -1452,6 +1524,7 @@ def on_prepare_reply(params: Params, st: PeerState, *, sender: int, reply: Prepa
     rec = st.recovery._replace(replies=_put(st.recovery.replies, sender, reply))
     st = st._replace(recovery=rec)
     effects: list = []
+    st = _learn_chosen(st, effects)
     if set(rec.replies) >= st.view.ids() - {st.me}:
         st = _finish_recovery(params, st, now, effects)
     return Step(st, tuple(effects))

@@ -47,6 +47,7 @@ class SimPeer:
         self.finished: str | None = None
         self.dropped = 0
         self.pending_join: int | None = None
+        self.join_attempts = 0  # retried joins (they go round the live members)
 
     @property
     def phase(self) -> str:
@@ -166,26 +167,50 @@ class SimNet:
                 return
             target = self.peers.get(via)
             if target is None or not self._reachable(peer.address, via) or target.state is None:
-                self._at(self.now + 0.5, lambda: self._retry_join(peer, hops))
+                self._at(self.now + 0.5, lambda: self._retry_join(peer))
                 return
             req = P.JoinRequest(rid, peer.address, self.params.config_digest)
             try:
                 step = P.on_join(self.params, target.state, req, self.now)
             except P.Rejected:
-                self._at(self.now + 0.5, lambda: self._retry_join(peer, hops))
+                self._at(self.now + 0.5, lambda: self._retry_join(peer))
                 return
             self._handle(target, step)
-            if isinstance(step.reply, P.Redirect) and hops < 8:
+            if not isinstance(step.reply, P.Redirect):
+                self._watch_join(peer, via, rid)
+            elif hops < 8:
                 self._at(self.now + self.latency, lambda: self._send_join(peer, step.reply.address, hops + 1))
+            else:
+                self._at(self.now + 0.5, lambda: self._retry_join(peer))
 
         self._at(self.now + self.latency, deliver)
 
-    def _retry_join(self, peer: SimPeer, hops: int) -> None:
+    def _watch_join(self, peer: SimPeer, via: str, rid: int) -> None:
+        """A queued join waits for its answer like the runtime's ``Join`` call: the call fails when the
+        peer holding it dies (its connection closes) or after the runtime's answer timeout, and the
+        joiner asks again through a live member."""
+        p = self.params
+        until = self.now + p.forming_timeout_s + p.iteration_timeout_s + 4 * p.barrier_timeout_s
+
+        def check():
+            if not peer.alive or peer.pending_join != rid:
+                return
+            holder = self.peers.get(via)
+            if holder is not None and holder.alive and self.now < until:
+                self._at(self.now + 0.5, check)
+                return
+            self._retry_join(peer)
+
+        self._at(self.now + 0.5, check)
+
+    def _retry_join(self, peer: SimPeer) -> None:
+        """Ask again through the next live member (redirects are followed afresh, as the runtime does)."""
         if not peer.alive or peer.state is not None:
             return
         live = [p.address for p in self.peers.values() if p.alive and p.state is not None and p.phase == P.MEMBER]
         if live:
-            self._send_join(peer, live[0], hops + 1)
+            peer.join_attempts += 1
+            self._send_join(peer, live[peer.join_attempts % len(live)])
 
     def _admit(self, answer: P.JoinAnswer, rid: int) -> None:
         peer = next((p for p in self.peers.values() if p.pending_join == rid), None)

@@ -205,7 +205,7 @@ def prepare_from_pb(p: pb.PrepareRequest) -> P.Prepare:
 
 
 def prepare_reply_to_pb(r: P.PrepareReply) -> pb.PrepareReply:
-    out = pb.PrepareReply(iteration=r.iteration, gradients=[push_to_pb(p) for p in r.pushes])
+    out = pb.PrepareReply(iteration=r.iteration, gradients=[push_to_pb(p) for p in r.pushes], previous=r.previous)
     if r.decided is not None:
         out.decided.CopyFrom(entry_to_pb(r.decided))
     return out
@@ -215,7 +215,10 @@ def prepare_reply_from_pb(r: pb.PrepareReply) -> P.PrepareReply:
     if len(r.gradients) > P.MAX_MEMBERS:
         raise P.Rejected("INVALID_ARGUMENT", f"prepare reply holds {len(r.gradients)} pushes; at most {P.MAX_MEMBERS}")
     decided = entry_from_pb(r.decided) if r.HasField("decided") else None
-    return P.PrepareReply(int(r.iteration), decided, tuple(push_from_pb(p) for p in r.gradients))
+    previous = bytes(r.previous)
+    if len(previous) not in (0, 32):
+        raise P.Rejected("INVALID_ARGUMENT", f"prepare reply's previous decision digest has {len(previous)} bytes; SHA-256 has 32 (or none)")
+    return P.PrepareReply(int(r.iteration), decided, tuple(push_from_pb(p) for p in r.gradients), previous)
 
 
 def leave_to_pb(m: P.Leave) -> pb.LeaveRequest:
