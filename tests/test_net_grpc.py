@@ -6,6 +6,7 @@ get a clear status and the run must go on with every digest in agreement.
 """
 
 import dataclasses
+import threading
 import time
 
 import grpc
@@ -387,6 +388,46 @@ def test_a_peer_that_leaves_is_removed_and_the_others_finish(worker, tmp_path):
             late.stop()
     finally:
         for n in nodes:
+            n.stop()
+
+
+def test_a_joiner_whose_leader_died_before_answering_is_told_its_id_by_the_takeover(worker, tmp_path):
+    """The leader crashes the moment it would answer a joiner: its commit admitting it reached a
+    majority, so the joiner holds a seat of the view that the two survivors need for a majority.
+    The joiner asks again through a survivor, whose takeover learned from the promises that the
+    admitting decision is chosen: it is told its id (3, not a new one), catches up and promises, and
+    the run goes on over real gRPC."""
+    cfg = config(10**6, iteration_timeout_s=2.0, barrier_timeout_s=1.0, stall_timeout_s=60.0)
+    nodes = start_nodes(cfg, worker, tmp_path, 3)
+    leader = nodes[0]
+    crashed = threading.Event()
+    dispatch = leader._dispatch
+
+    def crash_instead_of_answering(effects):
+        if any(isinstance(e, P.Admit) for e in effects) and not crashed.is_set():
+            crashed.set()
+            threading.Thread(target=leader.stop).start()
+            effects = [e for e in effects if not isinstance(e, P.Admit)]
+        dispatch(effects)
+
+    joiner = None
+    try:
+        assert wait_for(lambda: all(n.applied >= 2 for n in nodes))
+        leader._dispatch = crash_instead_of_answering
+        joiner = Node(cfg, NodeOptions(out_dir=str(tmp_path / "j"), join=(nodes[1].address,), secret=TOKEN, log=False), worker=worker)
+        joiner.start()
+        assert wait_for(crashed.is_set, 60)
+        crashed_at = nodes[1].applied
+        assert 3 in nodes[1].status_view().ids() and 3 not in nodes[1].status_view().active_ids()
+        survivors = [nodes[1], nodes[2], joiner]
+        assert wait_for(lambda: all(n.phase == P.MEMBER and n.applied >= crashed_at + 3 for n in survivors), 90), [
+            (n.phase, n.applied, n.error) for n in survivors
+        ]
+        assert joiner.machines == [3]  # the seat it was admitted to, not a new id
+        common = set(nodes[1].digests()) & set(nodes[2].digests()) & set(joiner.digests())
+        assert len(common) >= 2 and all(len({n.digests()[t] for n in survivors}) == 1 for t in common)
+    finally:
+        for n in [*nodes, *([joiner] if joiner else [])]:
             n.stop()
 
 
