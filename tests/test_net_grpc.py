@@ -8,6 +8,7 @@ get a clear status and the run must go on with every digest in agreement.
 import dataclasses
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import jax
@@ -417,8 +418,10 @@ def test_a_joiner_whose_leader_died_before_answering_is_told_its_id_by_the_takeo
         joiner = Node(cfg, NodeOptions(out_dir=str(tmp_path / "j"), join=(nodes[1].address,), secret=TOKEN, log=False), worker=worker)
         joiner.start()
         assert wait_for(crashed.is_set, 60)
-        crashed_at = nodes[1].applied
-        assert 3 in nodes[1].status_view().ids() and 3 not in nodes[1].status_view().active_ids()
+        # The commit admitting machine 3 reached a majority (the leader and one of the others); the
+        # view the survivors are in holds the seat, and they cannot decide without it (3 of 4).
+        assert wait_for(lambda: all(3 in n.status_view().ids() for n in nodes[1:]), 30)
+        crashed_at = min(n.applied for n in nodes[1:])
         survivors = [nodes[1], nodes[2], joiner]
         assert wait_for(lambda: all(n.phase == P.MEMBER and n.applied >= crashed_at + 3 for n in survivors), 90), [
             (n.phase, n.applied, n.error) for n in survivors
@@ -429,6 +432,19 @@ def test_a_joiner_whose_leader_died_before_answering_is_told_its_id_by_the_takeo
     finally:
         for n in [*nodes, *([joiner] if joiner else [])]:
             n.stop()
+
+
+def test_a_join_the_protocol_releases_is_answered_unavailable_at_once(running):
+    """A join queued at a peer that then stops deciding (a takeover, a leader change) is released:
+    the waiting Join call ends with UNAVAILABLE and the protocol's reason, and the joiner asks again."""
+    node = running[0]
+    waiter: futures.Future = futures.Future()
+    with node._lock:
+        node._join_waiters[-1] = waiter
+        node._dispatch([P.JoinRefused(-1, "machine 0 queued the join of a:1 but no longer decides iteration 9; ask again")])
+    err = waiter.exception(timeout=5)
+    assert isinstance(err, P.Rejected) and err.code == "UNAVAILABLE" and err.message.endswith("ask again")
+    assert -1 not in node._join_waiters
 
 
 def test_the_command_line_needs_a_secret_to_join_and_refuses_two_choices(tmp_path, capsys):

@@ -8,7 +8,7 @@ returns a :class:`Step` ``(state, effects, reply)``::
     on_tick :: Params -> PeerState -> float -> Step
 
 Effects are instructions for the runtime (:class:`Send` a message, :class:`Apply` a decided iteration, :class:`Compute` projected gradients,
-:class:`Fetch` log entries, :class:`Admit` a joiner, :class:`Dropped`, :class:`Finished`,
+:class:`Fetch` log entries, :class:`Admit` a joiner or :class:`JoinRefused` (ask again), :class:`Dropped`, :class:`Finished`,
 :class:`Note`). A message that is malformed, stale, duplicated with other content, from an
 unknown sender or outside the iteration window raises :class:`Rejected` (a status code name and
 a message saying what was wrong); the caller's state is then untouched, because states are
@@ -34,7 +34,8 @@ One iteration ``t`` with view ``V_t`` (members, each active or catching up):
 Agreement. The update set of ``t`` is whatever the committer decides, so every member replays
 the same updates. Decisions are a single-decree Paxos per iteration: the regular leader proposes
 with ballot ``(0, leader)``; a member that waited too long suspects the committer and the
-lowest unsuspected active member takes over with a higher ballot: it collects promises
+lowest unsuspected active member takes over with a higher ballot (again, with the next one, while
+it finds no majority): it collects promises
 (:class:`Prepare`) from the members, adopts the highest-ballot decision any of them holds
 (re-issued verbatim), else decides from the pushes it and they hold. Progress needs a majority
 of the members of ``V_t`` (active or not; the leader's barrier counts the members it heard from
@@ -46,8 +47,11 @@ takeover always sees (and keeps) that admission: ids are never reused. If that l
 it answers, the joiner (asking again through another member) holds a seat in the next view that
 it does not know of, and that view's majority may need it. A takeover's promises therefore carry
 the digest of each member's applied decision of the previous iteration, ballot included
-(:func:`decision_digest`): when a majority of that iteration's view holds the candidate's own, the
-decision is chosen, and the candidate tells a join from the seat's address and key its id.
+(:func:`decision_digest`; a member that promised a takeover which re-issues a decision it applied
+holds it at that ballot, as a Paxos acceptor would): when a majority of that iteration's view holds
+the candidate's own, the decision is chosen, and the candidate tells a join from the address and
+key of an inactive member of its view that member's id. Joins queued at a peer that no longer
+decides are released (:class:`JoinRefused`): the joiner asks again.
 
 Authentication. Every member has an Ed25519 public key in the view (:attr:`Member.key`, put there
 by the commit that admitted it). :class:`Push`, :class:`Commit`, :class:`Prepare` and :class:`Leave`
@@ -121,6 +125,7 @@ __all__ = [
     "Compute",
     "Fetch",
     "Admit",
+    "JoinRefused",
     "Dropped",
     "Finished",
     "Failed",
@@ -427,6 +432,14 @@ class Admit(NamedTuple):
     answer: JoinAnswer
 
 
+class JoinRefused(NamedTuple):
+    """Answer the join ``request_id`` with ``UNAVAILABLE: reason``: it was queued here, but this peer
+    no longer decides (a takeover or a leader change); the joiner asks again."""
+
+    request_id: int
+    reason: str
+
+
 class Dropped(NamedTuple):
     """This peer is out of the run (it must rejoin with a new id)."""
 
@@ -499,10 +512,10 @@ class PeerState(NamedTuple):
       view: the view of ``it``.
       started_at: when ``it`` started here.
       deadline: the barrier deadline (committer) or the commit deadline (others).
-      waits: consecutive expired waits of a member that cannot take over (a catching-up one).
+      waits: expired waits for a decision of a member that cannot take over (an inactive one).
       inbox: ``{(iteration, machine): Push}`` for iterations >= ``it``.
       decided: ``{iteration: LogEntry}``: applied ones (the last ``window``) and buffered ones.
-      promised: ``{iteration: Ballot}``: the highest ballot seen per iteration >= ``it``.
+      promised: ``{iteration: Ballot}``: the highest ballot seen per iteration of the window (applied ones too).
       suspected: committers of ``it`` this peer gave up on.
       recovery: our takeover of ``it``, if any.
       joins: ``((request_id, address, key), ...)`` waiting for our next commit.
@@ -870,6 +883,8 @@ def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -
         ready=st.ready & (ids - st.view.active_ids()),
     )
     lead = committer(st) == st.me
+    if st.joins and not lead:
+        st = _refuse_joins(st, effects)
     slack = params.barrier_timeout_s if lead else 2 * params.barrier_timeout_s
     st = st._replace(deadline=now + params.iteration_timeout_s + slack)
     if not st.leaving and st.computed < st.it and st.it not in st.decided:
@@ -908,7 +923,7 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
             it=it,
             view=nxt,
             inbox={k: v for k, v in st.inbox.items() if k[0] >= it},
-            promised={k: v for k, v in st.promised.items() if k >= it},
+            promised={k: v for k, v in st.promised.items() if k >= it - params.window},
             decided={k: v for k, v in st.decided.items() if k >= it - params.window},
             fetch=st.fetch if st.fetch is not None and st.fetch.last >= it else None,
         )
@@ -1032,6 +1047,14 @@ def _publish(params: Params, st: PeerState, now: float, effects: list, entry: Lo
     if admitted:
         st = _answer_admissions(st, t, effects)
     return _advance(params, st, now, effects)
+
+
+def _refuse_joins(st: PeerState, effects: list) -> PeerState:
+    """Release the joins queued here (they will not be decided here): each joiner asks again."""
+    for rid, address, _ in st.joins:
+        effects.append(JoinRefused(rid, f"machine {st.me} queued the join of {address} but no longer decides iteration {st.it} "
+                                        f"(a leader change); ask again"))
+    return st._replace(joins=())
 
 
 def _answer_admissions(st: PeerState, t: int, effects: list) -> PeerState:
@@ -1290,7 +1313,14 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
     effects: list = []
     if t < st.it:
         old = st.decided.get(t)
-        if old is None or _same_value(old.commit, commit):
+        if old is None:
+            return Step(st, ())
+        if _same_value(old.commit, commit):
+            # A takeover re-issued our decision with the ballot we promised it: hold it at that ballot
+            # (a Paxos acceptor's accept), so that the promises of a later takeover show one ballot.
+            if commit.ballot > old.commit.ballot and st.promised.get(t) == commit.ballot:
+                _verify(params, None, commit, f"commit of iteration {t}", key=member_key(st, commit.sender))
+                st = st._replace(decided=_put(st.decided, t, old._replace(commit=commit)))
             return Step(st, ())
         # Ids are never reused and keep their key: any view that holds the sender has its key.
         _verify(params, None, commit, f"commit of iteration {t}", key=member_key(st, commit.sender))
@@ -1440,14 +1470,13 @@ def _learn_chosen(st: PeerState, effects: list) -> PeerState:
 
 
 def _seat(st: PeerState, address: str, key: bytes) -> Member | None:
-    """The member that the decision of ``it - 1`` admitted at ``address`` with ``key``, when this peer
-    knows that decision is chosen and the member has not taken part yet (else None)."""
-    t = st.it - 1
-    base = _view_at(st, t)
-    if st.phase != MEMBER or st.chosen < t or base is None:
+    """The inactive member of the view of ``it`` at ``address`` with ``key`` (a joiner admitted but not
+    told so: a process's key is its own, new at each start or rejoin), when this peer knows that the
+    decision of ``it - 1``, which handed that view on, is chosen (else None)."""
+    if st.phase != MEMBER or st.chosen < st.it - 1:
         return None
     for m in st.view.members:
-        if m.address == address and m.key == key and not m.active and m.machine not in base.ids():
+        if m.address == address and m.key == key and not m.active:
             return m
     return None
 
@@ -1455,7 +1484,7 @@ def _seat(st: PeerState, address: str, key: bytes) -> Member | None:
 def _answer_seat(st: PeerState, rid: int, seat: Member) -> list:
     return [
         Admit(rid, JoinAnswer(seat.machine, st.view)),
-        Note(f"told machine {seat.machine} ({seat.address}) its id: the chosen decision of iteration {st.it - 1} admitted it"),
+        Note(f"told machine {seat.machine} ({seat.address}) its id: the chosen view of iteration {st.it} holds it"),
     ]
 
 
@@ -1478,6 +1507,10 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
     if t < st.it:
         if t < st.it - params.window:
             raise Rejected("OUT_OF_RANGE", f"iteration {t} is older than this peer's window (at {st.it})")
+        # Applied already: the reply is our decision. The promise is kept, so that a takeover re-issuing
+        # that same decision with this ballot moves our copy to its ballot (see on_commit).
+        if msg.ballot > st.promised.get(t, Ballot(*_NO_BALLOT)):
+            st = st._replace(promised=_put(st.promised, t, msg.ballot))
         return Step(st, (), PrepareReply(st.it, st.decided.get(t), (), _applied_digest(st, t - 1)))
     if st.phase not in (MEMBER, CATCHING_UP):
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase}")
@@ -1589,16 +1622,14 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
             payloads, sigs = _assemble(st, commit) or (None, None)
         entry = LogEntry(commit, payloads, sigs)
         effects.append(Note(f"iteration {st.it}: takeover re-issues the decision of ballot {tuple(best.commit.ballot)}"))
-        admitted: tuple = ()
-        st = st._replace(joins=())
-        return _publish(params, st, now, effects, entry, admitted)
+        return _publish(params, _refuse_joins(st, effects), now, effects, entry, ())
     have = frozenset(m for (t, m) in st.inbox if t == st.it and m in st.view.ids())
     # Members that promised are alive: they stay active even if their push for this iteration
     # was not in yet (they may have been waiting for the silent leader's previous commit).
     alive = responders & active
     entry, admitted = _decide(params, st._replace(joins=(), ready=st.ready | alive), rec.ballot, have, responders)
     effects.append(Note(f"iteration {st.it}: takeover decides contributors {[m for m, _ in entry.commit.contributors]}"))
-    return _publish(params, st._replace(joins=()), now, effects, entry, admitted)
+    return _publish(params, _refuse_joins(st, effects), now, effects, entry, admitted)
 
 
 # --------------------------------------------------------------------------- fetching
@@ -1727,17 +1758,22 @@ def on_tick(params: Params, st: PeerState, now: float) -> Step:
         return Step(st, tuple(effects))
     who = committer(st)
     if who == st.me:
-        st = _try_commit(params, st, now, effects)
+        ours = st.promised.get(st.it)
+        if ours is not None and ours.round > 0 and now >= st.deadline:
+            # Our takeover found no majority (or was abandoned): try again with the next ballot (a
+            # member that could not promise may since have come back, or learned its seat).
+            st = _start_recovery(params, st, now, effects)
+        else:
+            st = _try_commit(params, st, now, effects)
         return Step(st, tuple(effects))
     if now < st.deadline:
         return Step(st, tuple(effects))
     active = st.view.active_ids()
     if st.me not in active:
-        waits = st.waits + 1
-        if waits >= 3:
-            effects.append(Dropped(f"iteration {st.it}: no decision arrived in {waits} waits"))
-            return Step(st._replace(phase=DROPPED), tuple(effects))
-        st = st._replace(waits=waits, deadline=now + 2 * params.barrier_timeout_s)
+        # An inactive member cannot take over: it keeps waiting and promising (a takeover may need
+        # its promise for a majority); the stall timer re-synchronises it (a removal shows in the
+        # log, or as refused log requests) and ends a run that cannot go on.
+        st = st._replace(waits=st.waits + 1, deadline=now + 2 * params.barrier_timeout_s)
         return Step(st, tuple(effects))
     suspected = st.suspected | ({who} if who is not None else set())
     st = st._replace(suspected=frozenset(suspected))

@@ -422,6 +422,10 @@ class Node:
                 fut = self._join_waiters.pop(eff.request_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(eff.answer)
+            elif isinstance(eff, P.JoinRefused):
+                fut = self._join_waiters.pop(eff.request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(P.Rejected("UNAVAILABLE", eff.reason))
             elif isinstance(eff, P.Note):
                 self.say(eff.text)
             else:  # Apply, Compute, Dropped, Finished, Failed: in order, in the driver

@@ -48,6 +48,8 @@ class SimPeer:
         self.dropped = 0
         self.pending_join: int | None = None
         self.join_attempts = 0  # retried joins (they go round the live members)
+        self.key = b""  # this incarnation's public key (a new one per join, as the runtime's identity)
+        self.incarnations = 0
 
     @property
     def phase(self) -> str:
@@ -138,7 +140,8 @@ class SimNet:
     def start(self, founders: int) -> None:
         """Start machine 0 at ``sim:0`` and ``founders - 1`` joiners at ``sim:1``.."""
         first = self._new_peer("sim:1000")
-        step = P.founder(self.params, address=first.address, now=self.now)
+        first.key = self._new_key(first)
+        step = P.founder(self.params, address=first.address, now=self.now, key=first.key)
         first.machines.append(0)
         self.admitted.append(0)
         self._handle(first, step)
@@ -155,8 +158,15 @@ class SimNet:
         peer = self.peers.get(address) or self._new_peer(address)
         peer.state = None
         peer.finished = None
+        peer.key = self._new_key(peer)
         self._send_join(peer, via)
         return peer
+
+    @staticmethod
+    def _new_key(peer: SimPeer) -> bytes:
+        """A distinct 32-byte key per incarnation of an address (simulations do not check signatures)."""
+        peer.incarnations += 1
+        return hashlib.sha256(f"{peer.address}/{peer.incarnations}".encode()).digest()
 
     def _send_join(self, peer: SimPeer, via: str, hops: int = 0) -> None:
         rid = next(self._rids)
@@ -169,7 +179,7 @@ class SimNet:
             if target is None or not self._reachable(peer.address, via) or target.state is None:
                 self._at(self.now + 0.5, lambda: self._retry_join(peer))
                 return
-            req = P.JoinRequest(rid, peer.address, self.params.config_digest)
+            req = P.JoinRequest(rid, peer.address, self.params.config_digest, peer.key)
             try:
                 step = P.on_join(self.params, target.state, req, self.now)
             except P.Rejected:
@@ -284,6 +294,11 @@ class SimNet:
             self._fetch(peer, eff)
         elif isinstance(eff, P.Admit):
             self._at(self.now + self.latency, lambda a=eff.answer, r=eff.request_id: self._admit(a, r))
+        elif isinstance(eff, P.JoinRefused):
+            joiner = next((p for p in self.peers.values() if p.pending_join == eff.request_id), None)
+            if joiner is not None:
+                joiner.pending_join = None
+                self._at(self.now + 0.5, lambda j=joiner: self._retry_join(j))
         elif isinstance(eff, P.Dropped):
             peer.dropped += 1
             peer.events.append((self.now, f"dropped: {eff.reason}"))
