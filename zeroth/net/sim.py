@@ -4,7 +4,9 @@ Used by the protocol tests (and handy to study the protocol): peers are addresse
 are delivered after a fixed latency in a deterministic order, peers can be killed (their state
 freezes; messages to them fail), partitioned (messages across the cut fail), slowed down, made
 to join or leave. "Applying" a decided iteration appends it to the peer's log; a joiner's
-"state transfer" copies the sponsor's log up to its first iteration. There is no jax here.
+"state transfer" copies the sponsor's log up to its first iteration. As in the runtime, a joiner
+has a new key at each join and asks again through a live member when its join is released, or
+the peer holding it dies or does not answer in time. There is no jax here.
 
 Example:
   >>> from zeroth.net import protocol as P
