@@ -236,9 +236,7 @@ def test_the_leader_dies_around_a_join_with_its_last_commit_lost_on_the_way(foun
         net.drop_next("sim:1000", f"sim:{1000 + founders - 1}", P.Commit, count=lose)
     if slow is not None:
         net.peers[f"sim:{1000 + slow[0] % founders}"].stall = slow[1]
-    events = sorted([(kill_at, "kill")] + ([(join_at, "join")] if join_at is not None else []))
-    for t, what in events:
-        net.run_until(lambda t=t: any(p.state is not None and p.state.it >= t for p in net.peers.values()), limit=60.0)
+    for what in reached(net, kill=kill_at, join=join_at):
         if what == "join":
             net.join("sim:2000", via=f"sim:{1000 + 1 + via % (founders - 1)}")
             continue
@@ -253,6 +251,14 @@ def test_the_leader_dies_around_a_join_with_its_last_commit_lost_on_the_way(foun
     assert_agree(net, 2)
 
 
+def reached(net, **iterations):
+    """Yield each name of ``iterations`` (``name=iteration``, None: never) in iteration order, once
+    some peer reached its iteration."""
+    for t, what in sorted((t, what) for what, t in iterations.items() if t is not None):
+        net.run_until(lambda t=t: any(p.state is not None and p.state.it >= t for p in net.peers.values()), limit=60.0)
+        yield what
+
+
 def faulty_run(kill_leader, kill_at, join_at, slow, lose, until=None):
     """4 founders; lost commits to machine 3 and pushes to machine 0, a slow peer, a join at
     ``join_at`` and a kill (the leader or machine 3) at ``kill_at``; run to the end (or ``until(net)``)."""
@@ -263,9 +269,7 @@ def faulty_run(kill_leader, kill_at, join_at, slow, lose, until=None):
         net.drop_next("sim:1001", "sim:1000", P.Push, count=lose)
     if slow is not None:
         net.peers[f"sim:{1000 + slow[0]}"].stall = slow[1]
-    events = sorted([(kill_at, "kill")] + ([(join_at, "join")] if join_at is not None else []))
-    for t, what in events:
-        net.run_until(lambda t=t: any(p.state is not None and p.state.it >= t for p in net.peers.values()), limit=60.0)
+    for what in reached(net, kill=kill_at, join=join_at):
         if what == "kill":
             net.kill("sim:1000" if kill_leader else "sim:1003")
         else:
