@@ -347,6 +347,19 @@ def test_a_takeover_without_a_majority_tries_again_with_the_next_ballot():
     assert sorted(e.machine for e in prepares) == [0, 2, 4] and {e.message.ballot for e in prepares} == {P.Ballot(2, 1)}
 
 
+def test_a_takeover_never_uses_one_of_its_ballots_twice_even_after_a_resynchronisation():
+    p, st = takeover_state()  # machine 1 took over iteration 7 with ballot (1, 1)
+    now, rounds = st.recovery.deadline, [st.recovery.ballot.round]
+    step = P.Step(st, ())
+    while now < st.started_at + 2 * p.stall_s - 0.1:  # nobody answers: retries, a re-synchronisation (promises forgotten), retries
+        step = P.on_tick(p, step.state, now)
+        if step.state.recovery is not None and step.state.recovery.ballot.round != rounds[-1]:
+            rounds.append(step.state.recovery.ballot.round)
+        now += 0.05
+    assert step.state.resynced_at > st.started_at  # the re-synchronisation happened in between
+    assert len(rounds) >= 4 and rounds == sorted(set(rounds)), rounds
+
+
 def test_an_inactive_member_keeps_waiting_and_promising_until_the_stall_ends_the_run():
     """An inactive member cannot take over; a takeover may need its promise for a majority, so it
     waits until the stall timer re-synchronises it and,

@@ -534,6 +534,9 @@ class PeerState(NamedTuple):
       refused: members whose connection refused our push of ``it`` (:func:`on_push_refused`).
       chosen: the newest applied iteration whose decision this peer knows is chosen (a majority of
         its view applied that same commit, ballot included), -1 if none.
+      last_takeover: ``(iteration, round)`` of this peer's latest takeover ballot: a re-synchronisation
+        forgets promises, and a takeover must still never use one of its ballots twice (a second
+        proposal under a ballot could carry another value).
     """
 
     me: int
@@ -563,6 +566,7 @@ class PeerState(NamedTuple):
     ahead: int = -1
     refused: frozenset[int] = frozenset()
     chosen: int = -1
+    last_takeover: tuple[int, int] = (-1, 0)
 
 
 class Step(NamedTuple):
@@ -1419,13 +1423,15 @@ def on_push_refused(params: Params, st: PeerState, *, iteration: int, machine: i
 
 def _start_recovery(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
     prev = st.promised.get(st.it)
-    ballot = Ballot((prev.round if prev is not None else 0) + 1, st.me)
+    used = st.last_takeover[1] if st.last_takeover[0] == st.it else 0  # never a ballot of ours twice
+    ballot = Ballot(max(prev.round if prev is not None else 0, used) + 1, st.me)
     if ballot.round >= MAX_ROUND:
         effects.append(Note(f"iteration {st.it}: no takeover possible (ballot round {ballot.round} at the bound)"))
         return st._replace(deadline=now + 2 * params.barrier_timeout_s)
     st = st._replace(
         promised=_put(st.promised, st.it, ballot),
         recovery=Recovery(ballot, {}, now + params.barrier_timeout_s),
+        last_takeover=(st.it, ballot.round),
     )
     effects.append(Note(f"iteration {st.it}: taking over with ballot {tuple(ballot)} (suspected {sorted(st.suspected)})"))
     for m in st.view.members:
