@@ -1451,8 +1451,9 @@ def _applied_digest(st: PeerState, t: int) -> bytes:
 def _learn_chosen(st: PeerState, effects: list) -> PeerState:
     """Our takeover's promises show a majority of the view of ``it - 1`` holding the decision of
     ``it - 1`` we applied (same ballot, same value): that decision is chosen (Paxos: no later ballot
-    can decide otherwise). Joiners it admitted can then be told their ids by this peer (the leader
-    that admitted them may have died before it answered): queued joins from them are answered now."""
+    can decide otherwise), and with it the view of ``it``. Joiners holding a seat in that view can
+    then be told their ids by this peer (the leader that admitted them may have died before it
+    answered): queued joins from them are answered now (:func:`_seat`)."""
     t = st.it - 1
     if st.chosen >= t or st.recovery is None:
         return st
