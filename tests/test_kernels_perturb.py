@@ -15,6 +15,8 @@ from zeroth.kernels import perturb as kp
 from lowering_util import lowered_kernels, tpu_chip_info  # noqa: F401 (a fixture)
 
 DISTS = ("binomial", "rademacher")
+# NaNs with payloads, quiet and signalling, of both signs: each must come out as the canonical 0x7FC00000
+NAN_PAYLOADS = np.array([0x7FC00001, 0xFFC00000, 0x7F800001, 0xFF812345], np.uint32).view(np.float32)
 NATIVE = cpu_native.available()
 needs_native = pytest.mark.skipif(not NATIVE, reason=str(cpu_native.unavailable_reason()))
 ACCELERATOR = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
@@ -299,7 +301,7 @@ class TestNative:
         tiny = np.float32(jnp.finfo(jnp.float32).tiny)
         specials = np.concatenate([
             np.array([0.0, -0.0, np.inf, -np.inf, tiny, -tiny, tiny / 4, -tiny / 8, 3.0e38, -3.0e38], np.float32),
-            np.array([0x7FC00001, 0xFFC00000, 0x7F800001, 0xFF812345], np.uint32).view(np.float32),
+            NAN_PAYLOADS,
         ])
         r = np.random.default_rng(n_updates)
         x = (r.standard_normal(3 * 4096 + 100) * tiny * 4).astype(np.float32)  # some become subnormal
@@ -316,8 +318,7 @@ class TestNative:
         assert_same_bits(f(jnp.copy(x)), want)
 
     def test_nan_payloads_become_canonical(self):
-        payloads = np.array([0x7FC00001, 0xFFC00000, 0x7F800001, 0xFF812345], np.uint32).view(np.float32)
-        x = jnp.asarray(payloads)
+        x = jnp.asarray(NAN_PAYLOADS)
         keys, scales = _leaf_keys(1), _scales("binomial", 1)
         got = np.asarray(kp.perturb_native(x, keys, scales, distribution="binomial"))
         np.testing.assert_array_equal(got.view(np.uint32), np.full(4, 0x7FC00000, np.uint32))

@@ -294,6 +294,11 @@ def test_a_joiner_admitted_just_before_the_leader_died_learns_its_id_from_a_take
     assert net.admitted == [0, 1, 2, 3, 4]  # the seat was given once, not a fifth id
 
 
+def of_kind(effects, kind):
+    """The effects of type ``kind``, in order."""
+    return [e for e in effects if isinstance(e, kind)]
+
+
 def takeover_state():
     """Machine 1's state in the run above, right after it started its takeover of iteration 7."""
     net = faulty_run(
@@ -313,25 +318,25 @@ def test_a_decision_is_chosen_only_when_a_majority_holds_it_at_the_same_ballot()
     join = P.JoinRequest(77, "sim:1003", "cfg", seat_key)
     # Before the promises, the seat of machine 4 is not known to be final: the join is queued.
     queued = P.on_join(p, st, join, st.started_at + 5)
-    assert not [e for e in queued.effects if isinstance(e, P.Admit)] and queued.state.joins == ((77, "sim:1003", seat_key),)
+    assert not of_kind(queued.effects, P.Admit) and queued.state.joins == ((77, "sim:1003", seat_key),)
     # The same value at another ballot is not evidence (a later ballot may have decided otherwise).
     other_ballot = P.decision_digest(mine._replace(ballot=P.Ballot(1, 0)))
     step = P.on_prepare_reply(p, queued.state, sender=2, reply=P.PrepareReply(7, None, (), other_ballot), now=st.started_at + 5)
-    assert step.state.chosen < 6 and not [e for e in step.effects if isinstance(e, P.Admit)]
+    assert step.state.chosen < 6 and not of_kind(step.effects, P.Admit)
     # The joiner's own reply carries no decision of 6; it holds no vote on it.
     step = P.on_prepare_reply(p, queued.state, sender=4, reply=P.PrepareReply(7, None, (), b""), now=st.started_at + 5)
     assert step.state.chosen < 6
     # Machine 2 holds the same commit: with machine 1 that is 2 of [0, 1, 2]; the queued join is answered.
     step = P.on_prepare_reply(p, queued.state, sender=2, reply=P.PrepareReply(7, None, (), P.decision_digest(mine)), now=st.started_at + 5)
     assert step.state.chosen == 6 and step.state.joins == ()
-    admits = [e for e in step.effects if isinstance(e, P.Admit)]
+    admits = of_kind(step.effects, P.Admit)
     assert admits == [P.Admit(77, P.JoinAnswer(4, st.view))]
     # A new join from the seat's address and key is answered at once; another key (another process,
     # or the same one after a restart) gets no seat.
     again = P.on_join(p, step.state, P.JoinRequest(78, "sim:1003", "cfg", seat_key), st.started_at + 5)
-    assert [e for e in again.effects if isinstance(e, P.Admit)] == [P.Admit(78, P.JoinAnswer(4, st.view))]
+    assert of_kind(again.effects, P.Admit) == [P.Admit(78, P.JoinAnswer(4, st.view))]
     stranger = P.on_join(p, step.state, P.JoinRequest(79, "sim:1003", "cfg", b"k" * 32), st.started_at + 5)
-    assert not [e for e in stranger.effects if isinstance(e, P.Admit)]
+    assert not of_kind(stranger.effects, P.Admit)
 
 
 def test_a_takeover_without_a_majority_tries_again_with_the_next_ballot():
@@ -343,7 +348,7 @@ def test_a_takeover_without_a_majority_tries_again_with_the_next_ballot():
     assert P.on_tick(p, step.state, retry_at - 0.01).state.recovery is None
     again = P.on_tick(p, step.state, retry_at)
     assert again.state.recovery.ballot == P.Ballot(2, 1)
-    prepares = [e for e in again.effects if isinstance(e, P.Send) and isinstance(e.message, P.Prepare)]
+    prepares = [e for e in of_kind(again.effects, P.Send) if isinstance(e.message, P.Prepare)]
     assert sorted(e.machine for e in prepares) == [0, 2, 4] and {e.message.ballot for e in prepares} == {P.Ballot(2, 1)}
 
 
@@ -375,14 +380,14 @@ def test_an_inactive_member_keeps_waiting_and_promising_until_the_stall_ends_the
         effects += step.effects
         now += 0.05
     assert step.state.phase == P.MEMBER and step.state.waits >= 3
-    assert not [e for e in effects if isinstance(e, (P.Dropped, P.Failed, P.Send))]
+    assert not of_kind(effects, (P.Dropped, P.Failed, P.Send))
     reply = P.on_prepare(p, step.state, P.Prepare("run", 2, st.it, P.Ballot(1, 2)), now).reply
     assert isinstance(reply, P.PrepareReply) and reply.previous == P.decision_digest(st.decided[st.it - 1].commit)
     while now < st.started_at + 2 * p.stall_s + 0.1:
         step = P.on_tick(p, step.state, now)
         effects += step.effects
         now += 0.05
-    assert step.state.phase == P.FAILED and [e for e in effects if isinstance(e, P.Failed)]
+    assert step.state.phase == P.FAILED and of_kind(effects, P.Failed)
 
 
 def test_a_takeover_releases_the_joins_it_queued_so_the_joiners_ask_again():
@@ -396,9 +401,9 @@ def test_a_takeover_releases_the_joins_it_queued_so_the_joiners_ask_again():
         step = P.on_prepare_reply(p, step.state, sender=sender, reply=reply, now=st.started_at + 5)
         effects += step.effects
     assert step.state.it == 8 and step.state.joins == ()
-    refused = [e for e in effects if isinstance(e, P.JoinRefused)]
+    refused = of_kind(effects, P.JoinRefused)
     assert [e.request_id for e in refused] == [77] and "ask again" in refused[0].reason
-    assert not [e for e in effects if isinstance(e, P.Admit)]
+    assert not of_kind(effects, P.Admit)
 
 
 def test_a_reissued_decision_moves_an_applied_copy_to_the_promised_ballot_only():
