@@ -24,8 +24,13 @@ import numpy as np
 from zeroth.binary import protocol as P
 from zeroth.binary.proto import binary_pb2 as pb
 from zeroth.binary.proto import binary_pb2_grpc as pbg
+from zeroth.transport import channels
 
-__all__ = ["Server", "encode_deltas", "decode_deltas", "encode_result", "decode_result"]
+__all__ = ["MAX_MESSAGE_BYTES", "CHANNEL_OPTIONS", "SERVER_OPTIONS", "Server", "encode_deltas", "decode_deltas", "encode_result", "decode_result"]
+
+MAX_MESSAGE_BYTES = 64 << 20  # a model or a round's mutations; larger messages are refused (RESOURCE_EXHAUSTED)
+CHANNEL_OPTIONS = channels.channel_options(MAX_MESSAGE_BYTES)  # with keepalive: a frozen server ends a worker's call
+SERVER_OPTIONS = channels.server_options(MAX_MESSAGE_BYTES)
 
 
 def encode_deltas(d: P.DeltaList) -> pb.DeltaList:
@@ -93,7 +98,7 @@ class Server(pbg.BinaryMutationsServicer):
     def start(self, address: str) -> int:
         """Serve on ``address`` (``host:0`` picks a port); returns the port."""
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                                 options=[("grpc.max_receive_message_length", 64 << 20)])
+                                 options=list(SERVER_OPTIONS))
         pbg.add_BinaryMutationsServicer_to_server(self, self._grpc)
         port = self._grpc.add_insecure_port(address)
         self._grpc.start()

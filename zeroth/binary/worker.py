@@ -131,7 +131,7 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
             if time.monotonic() > deadline:
                 raise RuntimeError(f"worker: {hold} did not appear within {max_wait_s} s")
             time.sleep(poll_s)
-    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+    channel = grpc.insecure_channel(address, options=list(S.CHANNEL_OPTIONS))
     stub = pbg.BinaryMutationsStub(channel)
     rep = stub.Join(pb.JoinRequest(run_id=cfg.run_id), timeout=30)
     wid, rnd = rep.worker_id, rep.round

@@ -47,12 +47,13 @@ from zeroth.cluster import driver as _driver
 from zeroth.cluster import wire
 from zeroth.cluster.proto import cluster_pb2 as pb
 from zeroth.cluster.proto import cluster_pb2_grpc as pb_grpc
-from zeroth.transport import pacing, security
+from zeroth.transport import channels, pacing, security
 
-__all__ = ["OUTBOX", "ClusterTransport", "GRPC_OPTIONS", "resolve_address"]
+__all__ = ["OUTBOX", "ClusterTransport", "CHANNEL_OPTIONS", "SERVER_OPTIONS", "resolve_address"]
 
 OUTBOX = 4096
-GRPC_OPTIONS = [("grpc.max_send_message_length", 256 * 1024 * 1024), ("grpc.max_receive_message_length", 256 * 1024 * 1024)]
+CHANNEL_OPTIONS = channels.channel_options(256 * 1024 * 1024)  # with keepalive: a frozen node ends the stream
+SERVER_OPTIONS = channels.server_options(256 * 1024 * 1024)
 
 
 def resolve_address(address_dir: Path, name: str, timeout_s: float) -> str:
@@ -75,7 +76,7 @@ class _Sender:
                  on_failure: Callable[[str, BaseException], None]):
         self.name = name
         self.pacer = pacing.Pacer(bandwidth_bps, latency_s)
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = grpc.insecure_channel(address, options=list(CHANNEL_OPTIONS))
         self._stub = pb_grpc.ClusterNodeStub(self.channel)
         self._md = security.token_metadata(token)
         self._on_failure, self.closing = on_failure, False
@@ -146,7 +147,7 @@ class ClusterTransport:
     def serve(self, listen: str) -> str:
         """Start the server on ``listen`` (port 0 = any); writes and returns the bound ``HOST:PORT``."""
         interceptors = [security.TokenInterceptor(self.token)] if self.token else []
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=GRPC_OPTIONS, interceptors=interceptors)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=list(SERVER_OPTIONS), interceptors=interceptors)
         pb_grpc.add_ClusterNodeServicer_to_server(_Servicer(self), self.server)
         port = self.server.add_insecure_port(listen)
         if port == 0:

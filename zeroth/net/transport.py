@@ -1,8 +1,11 @@
 """How a peer talks to the others: gRPC options and size limits (the one place they are set),
 channels, unary and streaming calls with byte accounting, and signed requests.
 
-* :data:`CHANNEL_OPTIONS` / :data:`SERVER_OPTIONS`: messages above :data:`MAX_MESSAGE_BYTES`
-  are refused by gRPC (``RESOURCE_EXHAUSTED``); servers never share a port (``SO_REUSEPORT`` off).
+* :data:`CHANNEL_OPTIONS` / :data:`SERVER_OPTIONS` (:mod:`zeroth.transport.channels`): messages
+  above :data:`MAX_MESSAGE_BYTES` are refused by gRPC (``RESOURCE_EXHAUSTED``); servers never share
+  a port; a call to a peer that stopped answering keepalive pings (a ``Join`` held by a frozen
+  leader, a state transfer from a vanished host) ends with ``UNAVAILABLE`` after 10 + 10 s instead
+  of waiting for its deadline, and the caller asks another peer.
 * :class:`Traffic`: payload bytes are the projected-gradient bytes of pushes and log entries sent
   and received; wire bytes are every message sent and received, each its serialized size plus the
   framing of :func:`zeroth.net.wire.wire_size`.
@@ -23,6 +26,7 @@ import grpc
 
 from zeroth.transport import identity as _id
 from zeroth.transport import security as _sec
+from zeroth.transport.channels import channel_options, server_options
 from zeroth.net import wire
 from zeroth.net.proto import peer_pb2 as pb
 from zeroth.net.proto import peer_pb2_grpc as pb_grpc
@@ -43,11 +47,8 @@ __all__ = [
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # larger messages are refused by gRPC (RESOURCE_EXHAUSTED)
 SERVER_THREADS = 32
-CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-)
-SERVER_OPTIONS = (*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0))
+CHANNEL_OPTIONS = channel_options(MAX_MESSAGE_BYTES)
+SERVER_OPTIONS = server_options(MAX_MESSAGE_BYTES)
 
 # The fields each signed request covers besides (method, run_id, sender, seq).
 SIGNED_REQUESTS = {
@@ -124,10 +125,13 @@ class Transport:
       token: the access token every call carries (None: an insecure run).
       tls: TLS files (None: plaintext).
       traffic: where bytes are counted.
+      options: the channels' gRPC options (default :data:`CHANNEL_OPTIONS`; another keepalive:
+        :func:`zeroth.transport.channels.channel_options`).
     """
 
-    def __init__(self, *, token: str | None, tls: _sec.TLSFiles | None, traffic: Traffic):
+    def __init__(self, *, token: str | None, tls: _sec.TLSFiles | None, traffic: Traffic, options: tuple = CHANNEL_OPTIONS):
         self.token = token
+        self.options = list(options)
         self.tls = tls
         self.traffic = traffic
         self.metadata = _sec.token_metadata(token)
@@ -143,9 +147,9 @@ class Transport:
         ch = self._channels.get(address)
         if ch is None:
             if self.tls is not None:
-                ch = grpc.secure_channel(address, _sec.channel_credentials(self.tls), options=list(CHANNEL_OPTIONS))
+                ch = grpc.secure_channel(address, _sec.channel_credentials(self.tls), options=self.options)
             else:
-                ch = grpc.insecure_channel(address, options=list(CHANNEL_OPTIONS))
+                ch = grpc.insecure_channel(address, options=self.options)
             self._channels[address] = ch
         return ch
 

@@ -26,12 +26,13 @@ import grpc
 
 from zeroth.pipeline import wire
 from zeroth.pipeline.proto import pipeline_pb2_grpc as pb_grpc
-from zeroth.transport import security
+from zeroth.transport import channels, security
 from zeroth.transport.pacing import END, Pacer
 
 __all__ = [
     "END",
-    "GRPC_OPTIONS",
+    "CHANNEL_OPTIONS",
+    "SERVER_OPTIONS",
     "MAX_MESSAGE_BYTES",
     "LinkClosed",
     "LinkServicer",
@@ -40,7 +41,8 @@ __all__ = [
 ]
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+CHANNEL_OPTIONS = channels.channel_options(MAX_MESSAGE_BYTES)  # with keepalive: a frozen stage ends the stream
+SERVER_OPTIONS = channels.server_options(MAX_MESSAGE_BYTES)
 
 
 class LinkClosed(RuntimeError):
@@ -110,7 +112,7 @@ def serve(servicer: LinkServicer, listen: str, token: str | None = None) -> tupl
     from concurrent import futures
 
     interceptors = [security.TokenInterceptor(token)] if token else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS, interceptors=interceptors)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=list(SERVER_OPTIONS), interceptors=interceptors)
     pb_grpc.add_PipelineLinkServicer_to_server(servicer, server)
     port = server.add_insecure_port(listen)
     if port == 0:
@@ -133,7 +135,7 @@ def connect(address: str, pacer: Pacer, inbox: queue.Queue, timeout_s: float,
     Raises:
       LinkClosed: the stage at ``address`` did not answer within ``timeout_s``.
     """
-    channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    channel = grpc.insecure_channel(address, options=list(CHANNEL_OPTIONS))
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
     except grpc.FutureTimeoutError:

@@ -1,0 +1,80 @@
+"""Keepalive on real gRPC channels on 127.0.0.1 (:mod:`zeroth.transport.channels`).
+
+A peer server in another process holds a ``Join`` as a leader does until the join is decided
+(``tests/held_call_server.py``). While it is alive, a call it holds for many ping intervals is
+answered; once it is frozen (SIGSTOP: the TCP connection open, nothing read, as a process paused or
+a host gone), the call ends with ``UNAVAILABLE`` at once instead of waiting for its deadline, so
+the joiner asks another peer.
+"""
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from zeroth.net.proto import peer_pb2 as pb
+from zeroth.net.transport import MAX_MESSAGE_BYTES, Traffic, Transport
+from zeroth.transport.channels import MIN_PING_INTERVAL_S, channel_options
+
+KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 0.6, 0.5  # short, so that the test takes seconds
+DEADLINE_S = 60.0  # each call's own deadline, which the frozen server's call must not wait for
+
+
+@pytest.fixture
+def held():
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("held_call_server.py"))], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        yield proc, f"127.0.0.1:{int(proc.stdout.readline())}"
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_a_held_call_is_answered_while_the_server_lives_and_ends_unavailable_once_it_freezes(held):
+    proc, address = held
+    options = channel_options(MAX_MESSAGE_BYTES, keepalive_s=KEEPALIVE_S, keepalive_timeout_s=KEEPALIVE_TIMEOUT_S)
+    transport = Transport(token=None, tls=None, traffic=Traffic(), options=options)
+    try:
+        # 1. Held 8 s, 13 ping intervals without data: answered (a server with gRPC's default ping
+        # policy sends GOAWAY "too many pings" about 5 s into such a call).
+        reply = transport.rpc(address, "Join", pb.JoinRequest(address="8"), timeout=DEADLINE_S)
+        assert reply.redirect == "answered"
+        assert proc.stdout.readline() == "held\n"
+
+        # 2. Held for longer than the deadline; the server freezes after three ping intervals.
+        out = {}
+
+        def call():
+            try:
+                out["reply"] = transport.rpc(address, "Join", pb.JoinRequest(address="100"), timeout=DEADLINE_S)
+            except grpc.RpcError as e:
+                out["error"] = e
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        assert proc.stdout.readline() == "held\n"
+        time.sleep(3 * KEEPALIVE_S + 0.2)
+        proc.send_signal(signal.SIGSTOP)
+        caller.join(timeout=DEADLINE_S / 2)
+        assert not caller.is_alive(), "the call to the frozen server still waits for its deadline"
+        assert "error" in out and out["error"].code() == grpc.StatusCode.UNAVAILABLE, out
+    finally:
+        transport.close()
+
+
+def test_keepalive_options_refuse_pings_more_often_than_servers_accept():
+    with pytest.raises(ValueError, match=r"keepalive_s=0.1.*MIN_PING_INTERVAL_S=0.5"):
+        channel_options(MAX_MESSAGE_BYTES, keepalive_s=0.1)
+    with pytest.raises(ValueError, match=r"keepalive_timeout_s=0"):
+        channel_options(MAX_MESSAGE_BYTES, keepalive_timeout_s=0)
+    with pytest.raises(ValueError, match=r"max_message_bytes=-1"):
+        channel_options(-1)
+    assert dict(channel_options(MAX_MESSAGE_BYTES, keepalive_s=MIN_PING_INTERVAL_S))["grpc.keepalive_time_ms"] == 500
