@@ -196,6 +196,9 @@ def test_minority_side_of_a_partition_never_decides():
 
 @settings(max_examples=50, deadline=None)
 @example(kill_leader=True, kill_at=7, join_at=None, slow=None, lose=3)  # a joiner admitted just before the leader died
+# The leader's last decision removed machine 3 and admitted a joiner; its copies at machines 1 and 2
+# are a majority of [0, 1, 2, 3] only with the leader's own acceptance (before: "lost its majority").
+@example(kill_leader=True, kill_at=5, join_at=4, slow=None, lose=3)
 @given(
     kill_leader=st.booleans(),
     kill_at=st.integers(2, 20),
@@ -299,44 +302,64 @@ def of_kind(effects, kind):
     return [e for e in effects if isinstance(e, kind)]
 
 
-def takeover_state():
-    """Machine 1's state in the run above, right after it started its takeover of iteration 7."""
+def takeover_state(kill_at=7, join_at=None):
+    """Machine 1's state right after it started its takeover of iteration ``kill_at``, the leader
+    killed: in the run above (``kill_at=7``; the view of 6 is [0, 1, 2]), or with ``kill_at=5,
+    join_at=4``, where the leader's decision of 4 both removed machine 3 (the view of 4 is
+    [0, 1, 2, 3]) and admitted sim:2000 as machine 4. Either way the view of ``kill_at`` is
+    [0, 1, 2, 4], machine 4 not yet told."""
     net = faulty_run(
-        kill_leader=True, kill_at=7, join_at=None, slow=None, lose=3,
+        kill_leader=True, kill_at=kill_at, join_at=join_at, slow=None, lose=3,
         until=lambda n: n.peers["sim:1001"].state.recovery is not None,
     )
     st = net.peers["sim:1001"].state
-    assert st.it == 7 and st.chosen < 6 and st.recovery.replies == {}
+    assert st.it == kill_at and st.chosen < kill_at - 1 and st.recovery.replies == {}
     assert [m.machine for m in st.view.members] == [0, 1, 2, 4] and 4 not in st.view.active_ids()
     return net.params, st
 
 
 def test_a_decision_is_chosen_only_when_a_majority_holds_it_at_the_same_ballot():
-    p, st = takeover_state()
-    mine = st.decided[6].commit
-    seat_key = st.view.key_of(4)  # the key the rejoined process joined with
-    join = P.JoinRequest(77, "sim:1003", "cfg", seat_key)
+    """Holders of the decision of 4: machine 1 (the candidate), machine 0 (it signed it, so it
+    accepted it) and the members whose promise carries its digest; a majority of the view of 4,
+    [0, 1, 2, 3], is 3."""
+    p, st = takeover_state(kill_at=5, join_at=4)
+    mine = st.decided[4].commit
+    assert mine.sender == 0 and [m.machine for m in st.decided[3].commit.next_view.members] == [0, 1, 2, 3]
+    seat_key = st.view.key_of(4)  # the key the joiner joined with
+    join = P.JoinRequest(77, "sim:2000", "cfg", seat_key)
     # Before the promises, the seat of machine 4 is not known to be final: the join is queued.
     queued = P.on_join(p, st, join, st.started_at + 5)
-    assert not of_kind(queued.effects, P.Admit) and queued.state.joins == ((77, "sim:1003", seat_key),)
-    # The same value at another ballot is not evidence (a later ballot may have decided otherwise).
+    assert not of_kind(queued.effects, P.Admit) and queued.state.joins == ((77, "sim:2000", seat_key),)
+    # The same value at another ballot is not evidence (a later ballot may have decided otherwise):
+    # machines 1 and 0 are 2 of 4.
     other_ballot = P.decision_digest(mine._replace(ballot=P.Ballot(1, 0)))
-    step = P.on_prepare_reply(p, queued.state, sender=2, reply=P.PrepareReply(7, None, (), other_ballot), now=st.started_at + 5)
-    assert step.state.chosen < 6 and not of_kind(step.effects, P.Admit)
-    # The joiner's own reply carries no decision of 6; it holds no vote on it.
-    step = P.on_prepare_reply(p, queued.state, sender=4, reply=P.PrepareReply(7, None, (), b""), now=st.started_at + 5)
-    assert step.state.chosen < 6
-    # Machine 2 holds the same commit: with machine 1 that is 2 of [0, 1, 2]; the queued join is answered.
-    step = P.on_prepare_reply(p, queued.state, sender=2, reply=P.PrepareReply(7, None, (), P.decision_digest(mine)), now=st.started_at + 5)
-    assert step.state.chosen == 6 and step.state.joins == ()
+    step = P.on_prepare_reply(p, queued.state, sender=2, reply=P.PrepareReply(5, None, (), other_ballot), now=st.started_at + 5)
+    assert step.state.chosen < 4 and not of_kind(step.effects, P.Admit)
+    # The joiner's own reply carries no decision of 4; it holds no vote on it.
+    step = P.on_prepare_reply(p, queued.state, sender=4, reply=P.PrepareReply(5, None, (), b""), now=st.started_at + 5)
+    assert step.state.chosen < 4
+    # Machine 2 holds the same commit: with machines 1 and 0, 3 of 4; the queued join is answered.
+    step = P.on_prepare_reply(p, queued.state, sender=2, reply=P.PrepareReply(5, None, (), P.decision_digest(mine)), now=st.started_at + 5)
+    assert step.state.chosen == 4 and step.state.joins == ()
     admits = of_kind(step.effects, P.Admit)
     assert admits == [P.Admit(77, P.JoinAnswer(4, st.view))]
     # A new join from the seat's address and key is answered at once; another key (another process,
     # or the same one after a restart) gets no seat.
-    again = P.on_join(p, step.state, P.JoinRequest(78, "sim:1003", "cfg", seat_key), st.started_at + 5)
+    again = P.on_join(p, step.state, P.JoinRequest(78, "sim:2000", "cfg", seat_key), st.started_at + 5)
     assert of_kind(again.effects, P.Admit) == [P.Admit(78, P.JoinAnswer(4, st.view))]
-    stranger = P.on_join(p, step.state, P.JoinRequest(79, "sim:1003", "cfg", b"k" * 32), st.started_at + 5)
+    stranger = P.on_join(p, step.state, P.JoinRequest(79, "sim:2000", "cfg", b"k" * 32), st.started_at + 5)
     assert not of_kind(stranger.effects, P.Admit)
+
+
+def test_the_signer_of_a_decision_counts_as_one_of_its_holders():
+    """In the run where the view of 6 is [0, 1, 2], machine 0 signed the decision of 6 and machine 1
+    applied it: 2 of 3 accepted it, so it is chosen with the first promise, whatever that promise
+    carries, and a queued join from the seat is answered."""
+    p, st = takeover_state()
+    seat_key = st.view.key_of(4)
+    queued = P.on_join(p, st, P.JoinRequest(77, "sim:1003", "cfg", seat_key), st.started_at + 5)
+    step = P.on_prepare_reply(p, queued.state, sender=4, reply=P.PrepareReply(7, None, (), b""), now=st.started_at + 5)
+    assert step.state.chosen == 6 and of_kind(step.effects, P.Admit) == [P.Admit(77, P.JoinAnswer(4, st.view))]
 
 
 def test_a_takeover_without_a_majority_tries_again_with_the_next_ballot():

@@ -49,7 +49,8 @@ it does not know of, and that view's majority may need it. A takeover's promises
 the digest of each member's applied decision of the previous iteration, ballot included
 (:func:`decision_digest`; a member that promised a takeover which re-issues a decision it applied
 holds it at that ballot, as a Paxos acceptor would): when a majority of that iteration's view holds
-the candidate's own, the decision is chosen, and the candidate tells a join from the address and
+the candidate's own (its signer counted: a leader accepts what it proposes), the decision is
+chosen, and the candidate tells a join from the address and
 key of an inactive member of its view that member's id. Joins queued at a peer that no longer
 decides are released (:class:`JoinRefused`): the joiner asks again.
 
@@ -533,7 +534,7 @@ class PeerState(NamedTuple):
       ahead: the newest iteration an unverifiable commit (a hint) named: fetched up to it once.
       refused: members whose connection refused our push of ``it`` (:func:`on_push_refused`).
       chosen: the newest applied iteration whose decision this peer knows is chosen (a majority of
-        its view applied that same commit, ballot included), -1 if none.
+        its view applied that same commit, ballot included, its signer among them), -1 if none.
       last_takeover: ``(iteration, round)`` of this peer's latest takeover ballot: a re-synchronisation
         forgets promises, and a takeover must still never use one of its ballots twice (a second
         proposal under a ballot could carry another value).
@@ -1453,7 +1454,13 @@ def _learn_chosen(st: PeerState, effects: list) -> PeerState:
     ``it - 1`` we applied (same ballot, same value): that decision is chosen (Paxos: no later ballot
     can decide otherwise), and with it the view of ``it``. Joiners holding a seat in that view can
     then be told their ids by this peer (the leader that admitted them may have died before it
-    answered): queued joins from them are answered now (:func:`_seat`)."""
+    answered): queued joins from them are answered now (:func:`_seat`).
+
+    The peer that signed the decision counts as a holder without a reply: it accepted its own
+    proposal when it issued it (:func:`_publish` records and applies it in the same step, and a
+    promise it makes later reports it), as a Paxos leader is one of its acceptors. So a leader that
+    died after deciding, with one member removed, still leaves its decision chosen by the others'
+    copies (leader + 2 of 4)."""
     t = st.it - 1
     if st.chosen >= t or st.recovery is None:
         return st
@@ -1461,7 +1468,8 @@ def _learn_chosen(st: PeerState, effects: list) -> PeerState:
     mine = _applied_digest(st, t)
     if base is None or not mine:
         return st
-    holders = {st.me} | {m for m, r in st.recovery.replies.items() if r is not None and r.previous == mine}
+    proposer = st.decided[t].commit.sender
+    holders = {st.me, proposer} | {m for m, r in st.recovery.replies.items() if r is not None and r.previous == mine}
     if not _majority(holders, base.ids()):
         return st
     st = st._replace(chosen=t)
