@@ -4,7 +4,8 @@ A peer server in another process holds a ``Join`` as a leader does until the joi
 (``tests/held_call_server.py``). While it is alive, a call it holds for many ping intervals is
 answered; once it is frozen (SIGSTOP: the TCP connection open, nothing read, as a process paused or
 a host gone), the call ends with ``UNAVAILABLE`` at once instead of waiting for its deadline, so
-the joiner asks another peer.
+the joiner asks another peer. The options add nothing to the bytes around a call that the
+peers count (:mod:`zeroth.net.calibrate`'s relay).
 """
 
 import signal
@@ -78,3 +79,16 @@ def test_keepalive_options_refuse_pings_more_often_than_servers_accept():
     with pytest.raises(ValueError, match=r"max_message_bytes=-1"):
         channel_options(-1)
     assert dict(channel_options(MAX_MESSAGE_BYTES, keepalive_s=MIN_PING_INTERVAL_S))["grpc.keepalive_time_ms"] == 500
+
+
+def test_the_framing_grpc_puts_around_a_peer_call_is_what_the_byte_counts_add():
+    """Through a byte-counting relay, with the peers' options: the bytes around a unary call are the
+    framing constants of :mod:`zeroth.net.wire` (within a byte: flow-control and BDP pings averaged
+    in), and the token costs ``TOKEN_OVERHEAD + len(token)`` more per request."""
+    from zeroth.net import calibrate, wire
+
+    plain, token = calibrate.measure(calls=100), calibrate.measure(calls=100, token="t" * 32)
+    assert abs(plain["request_overhead"] - wire.REQUEST_OVERHEAD) <= 1, plain
+    assert abs(plain["response_overhead"] - wire.RESPONSE_OVERHEAD) <= 1, plain
+    assert abs(token["request_overhead"] - (wire.REQUEST_OVERHEAD + wire.TOKEN_OVERHEAD + 32)) <= 1, token
+    assert abs(token["response_overhead"] - wire.RESPONSE_OVERHEAD) <= 1, token

@@ -25,6 +25,7 @@ import grpc
 
 from zeroth.net.proto import peer_pb2 as pb
 from zeroth.net.proto import peer_pb2_grpc as pb_grpc
+from zeroth.net.transport import CHANNEL_OPTIONS, SERVER_OPTIONS
 
 __all__ = ["ByteRelay", "measure", "main"]
 
@@ -89,12 +90,12 @@ class _Echo(pb_grpc.PeerServicer):
 
 def measure(calls: int = 200, warmup: int = 20, payload: int = 16, token: str | None = None) -> dict:
     """Per-message framing bytes of unary ``PushGradients`` calls (see the module docstring)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=list(SERVER_OPTIONS))  # the peers' options
     pb_grpc.add_PeerServicer_to_server(_Echo(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     relay = ByteRelay(port)
-    channel = grpc.insecure_channel(f"127.0.0.1:{relay.port}")
+    channel = grpc.insecure_channel(f"127.0.0.1:{relay.port}", options=list(CHANNEL_OPTIONS))
     stub = pb_grpc.PeerStub(channel)
     req = pb.GradientPush(run_id="calibrate-0123456789abcdef", sender=3, iteration=1234, count=payload, payload=b"\x81" * payload)
     metadata = (("x-zeroth-token", token),) if token else None
