@@ -1,5 +1,5 @@
-"""How a peer talks to the others: gRPC options and size limits (the one place they are set),
-channels, unary and streaming calls with byte accounting, and signed requests.
+"""How a peer talks to the others: its gRPC options and size limits (the one place the peers' are
+set), channels, unary and streaming calls with byte accounting, and signed requests.
 
 * :data:`CHANNEL_OPTIONS` / :data:`SERVER_OPTIONS` (:mod:`zeroth.transport.channels`): messages
   above :data:`MAX_MESSAGE_BYTES` are refused by gRPC (``RESOURCE_EXHAUSTED``); servers never share
