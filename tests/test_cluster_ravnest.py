@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -298,3 +299,29 @@ def test_inbox_drops_duplicates_and_bounds_waits():
     threading.Timer(0.05, box.fail, args=(ConnectionError("gone"),)).start()
     with pytest.raises(ConnectionError, match="gone"):
         box.get("gradient", 2, 5.0)
+
+
+def test_a_primary_still_running_after_its_backup_finished_in_its_place_is_killed_and_the_run_ends(tmp_path):
+    """A frozen primary (SIGSTOP: it never exits) whose backup finished holding its slot: once every
+    other node has exited 0, the launcher kills it and the run ends with code 0 (it waited for the
+    frozen process until its deadline and failed). A backup that did not take over leaves it running."""
+    from zeroth.cluster import launch
+
+    def nodes(took_over: bool, frozen: bool) -> dict:
+        out = tmp_path / f"took_over_{took_over}"
+        launch.node_dir(out, "b0").mkdir(parents=True)
+        (launch.node_dir(out, "b0") / "summary.json").write_text(json.dumps({"node": "b0", "took_over": took_over}))
+        procs = {name: subprocess.Popen([sys.executable, "-c", "pass"]) for name in ("n0", "b0")}
+        procs["n1"] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        if frozen:
+            procs["n1"].send_signal(signal.SIGSTOP)
+        return out, procs
+
+    out, procs = nodes(took_over=True, frozen=True)
+    code, killed = launch.wait_nodes(procs, out, {}, timeout_s=60, progress=False, backup_of={"n1": "b0"})
+    assert (code, killed) == (0, ["n1"]) and procs["n1"].returncode == -signal.SIGKILL
+
+    # Not frozen here, so that stopping it at the deadline is quick (SIGTERM).
+    out, procs = nodes(took_over=False, frozen=False)
+    code, killed = launch.wait_nodes(procs, out, {}, timeout_s=1, progress=False, backup_of={"n1": "b0"})
+    assert (code, killed) == (1, []) and procs["n1"].returncode is not None  # stopped at the deadline: a failure

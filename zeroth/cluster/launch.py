@@ -5,7 +5,11 @@ writes ``OUT/config.yaml`` and ``OUT/plan.json``, makes a fresh run secret (pass
 ``ZEROTH_SECRET``) and starts ``zeroth node`` (``python -m zeroth.cluster.node``) for every node,
 backups included, into ``OUT/nodes/<name>/``. ``ravnest.kill_at[i]``: when the primary shadowed by
 the ``i``-th backup has reached that update count (and, for a backup that joins later, has handed it
-its state), the launcher SIGKILLs it and the backup takes over.
+its state), the launcher SIGKILLs it and the backup takes over. A primary that stops answering
+(its process frozen, its host gone) is dropped by the others once their streams to it break
+(keepalive, :mod:`zeroth.transport.channels`) and its backup takes over; if it is still running
+once every other node finished, its backup in its place, the launcher SIGKILLs it too
+(:func:`wait_nodes`) and the run ends normally.
 When a node fails otherwise the others are stopped and the exit code is 1.
 
 At the end it merges the nodes' rows (metrics schema v1, one ``train`` row per update of each node,
@@ -37,7 +41,7 @@ from zeroth.train.metrics import MetricsWriter, read_metrics
 from zeroth.train.metrics import clear as clear_metrics
 from zeroth.transport import identity, processes
 
-__all__ = ["cluster_models", "evaluate", "merge_records", "node_dir", "run_config", "start_nodes"]
+__all__ = ["cluster_models", "evaluate", "merge_records", "node_dir", "run_config", "start_nodes", "wait_nodes"]
 
 
 def node_dir(out: Path, name: str) -> Path:
@@ -101,8 +105,31 @@ def merge_records(out: Path, names: list[str]) -> list[dict]:
     return [r for *_, r in sorted(records, key=lambda x: x[:3])]
 
 
-def _wait(procs: dict, out: Path, kills: dict[str, tuple[int, bool]], timeout_s: float, progress: bool) -> tuple[int, list[str]]:
-    """Wait for every node, killing ``{primary: (updates, after its handover)}`` on cue. Returns (code, killed names)."""
+def _took_over(out: Path, backup: str) -> bool:
+    """Backup ``backup`` finished holding its primary's slot (its summary says so)."""
+    path = node_dir(out, backup) / "summary.json"
+    try:
+        return bool(json.loads(path.read_text()).get("took_over"))
+    except (OSError, ValueError):
+        return False
+
+
+def _superseded(procs: dict, out: Path, backup_of: dict[str, str]) -> list[str]:
+    """The nodes still running once every other node exited with code 0, each a primary whose backup
+    finished holding its slot (the others stopped talking to it: it froze, or its host went away,
+    and the streams to it broke). Empty unless all the running nodes are such primaries."""
+    running = [n for n, p in procs.items() if p.poll() is None]
+    if not running or any(p.poll() not in (None, 0) for p in procs.values()):
+        return []
+    ok = all(n in backup_of and procs[backup_of[n]].poll() == 0 and _took_over(out, backup_of[n]) for n in running)
+    return running if ok else []
+
+
+def wait_nodes(procs: dict, out: Path, kills: dict[str, tuple[int, bool]], timeout_s: float, progress: bool,
+          backup_of: dict[str, str] | None = None) -> tuple[int, list[str]]:
+    """Wait for every node, killing ``{primary: (updates, after its handover)}`` on cue, and the primaries
+    of ``backup_of`` (``{primary: backup}``) left running after their backups finished in their place
+    (:func:`_superseded`). Returns (code, killed names)."""
     killed: list[str] = []
     deadline = time.monotonic() + timeout_s
     failed = None
@@ -114,6 +141,12 @@ def _wait(procs: dict, out: Path, kills: dict[str, tuple[int, bool]], timeout_s:
                 killed.append(name)
                 if progress:
                     print(f"killed node {name} after {at} updates; its backup takes over", flush=True)
+        for name in _superseded(procs, out, backup_of or {}):
+            procs[name].send_signal(signal.SIGKILL)  # SIGKILL ends a stopped (SIGSTOP) process too
+            procs[name].wait()
+            killed.append(name)
+            if progress:
+                print(f"killed node {name}: it did not finish, and its backup {backup_of[name]} finished in its place", flush=True)
         for name, p in procs.items():
             if name not in killed and p.poll() not in (None, 0):
                 failed = name
@@ -184,7 +217,8 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
         kills[plan.primaries[slot]] = (at, plan.backup_round.get(b, 0) > 0)
     t0 = time.time()
     procs = start_nodes(cfg, out, plan, quiet=not progress)
-    code, killed = _wait(procs, out, kills, timeout_s=r.timeout_s * 4, progress=progress)
+    backup_of = {plan.primaries[slot]: b for slot, b in plan.backups.items()}
+    code, killed = wait_nodes(procs, out, kills, timeout_s=r.timeout_s * 4, progress=progress, backup_of=backup_of)
     if code != 0:
         return code
     records = merge_records(out, [n["name"] for n in plan.pool])
