@@ -321,6 +321,16 @@ def test_a_primary_still_running_after_its_backup_finished_in_its_place_is_kille
     code, killed = launch.wait_nodes(procs, out, {}, timeout_s=60, progress=False, backup_of={"n1": "b0"})
     assert (code, killed) == (0, ["n1"]) and procs["n1"].returncode == -signal.SIGKILL
 
+    # The same beside a primary killed on cue (``kill_at``; no update needed here), whose code is -9.
+    out = tmp_path / "with_a_kill"
+    launch.node_dir(out, "b0").mkdir(parents=True)
+    (launch.node_dir(out, "b0") / "summary.json").write_text(json.dumps({"node": "b0", "took_over": True}))
+    procs = {"b0": subprocess.Popen([sys.executable, "-c", "pass"]),
+             **{name: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for name in ("n1", "n2")}}
+    procs["n1"].send_signal(signal.SIGSTOP)
+    code, killed = launch.wait_nodes(procs, out, {"n2": (0, False)}, timeout_s=60, progress=False, backup_of={"n1": "b0"})
+    assert (code, killed) == (0, ["n2", "n1"]) and procs["n1"].returncode == -signal.SIGKILL
+
     # Not frozen here, so that stopping it at the deadline is quick (SIGTERM).
     out, procs = nodes(took_over=False, frozen=False)
     code, killed = launch.wait_nodes(procs, out, {}, timeout_s=1, progress=False, backup_of={"n1": "b0"})

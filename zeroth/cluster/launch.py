@@ -114,19 +114,20 @@ def _took_over(out: Path, backup: str) -> bool:
         return False
 
 
-def _superseded(procs: dict, out: Path, backup_of: dict[str, str]) -> list[str]:
-    """The nodes still running once every other node exited with code 0, each a primary whose backup
-    finished holding its slot (the others stopped talking to it: it froze, or its host went away,
-    and the streams to it broke). Empty unless all the running nodes are such primaries."""
+def _superseded(procs: dict, out: Path, backup_of: dict[str, str], killed=()) -> list[str]:
+    """The nodes still running once every other node exited with code 0 (or was ``killed`` on cue),
+    each a primary whose backup finished holding its slot (the others stopped talking to it: it
+    froze, or its host went away, and the streams to it broke). Empty unless all the running nodes
+    are such primaries."""
     running = [n for n, p in procs.items() if p.poll() is None]
-    if not running or any(p.poll() not in (None, 0) for p in procs.values()):
+    if not running or any(p.poll() not in (None, 0) for n, p in procs.items() if n not in killed):
         return []
     ok = all(n in backup_of and procs[backup_of[n]].poll() == 0 and _took_over(out, backup_of[n]) for n in running)
     return running if ok else []
 
 
 def wait_nodes(procs: dict, out: Path, kills: dict[str, tuple[int, bool]], timeout_s: float, progress: bool,
-          backup_of: dict[str, str] | None = None) -> tuple[int, list[str]]:
+               backup_of: dict[str, str] | None = None) -> tuple[int, list[str]]:
     """Wait for every node, killing ``{primary: (updates, after its handover)}`` on cue, and the primaries
     of ``backup_of`` (``{primary: backup}``) left running after their backups finished in their place
     (:func:`_superseded`). Returns (code, killed names)."""
@@ -141,7 +142,7 @@ def wait_nodes(procs: dict, out: Path, kills: dict[str, tuple[int, bool]], timeo
                 killed.append(name)
                 if progress:
                     print(f"killed node {name} after {at} updates; its backup takes over", flush=True)
-        for name in _superseded(procs, out, backup_of or {}):
+        for name in _superseded(procs, out, backup_of or {}, killed):
             procs[name].send_signal(signal.SIGKILL)  # SIGKILL ends a stopped (SIGSTOP) process too
             procs[name].wait()
             killed.append(name)
