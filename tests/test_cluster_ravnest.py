@@ -307,31 +307,27 @@ def test_a_primary_still_running_after_its_backup_finished_in_its_place_is_kille
     frozen process until its deadline and failed). A backup that did not take over leaves it running."""
     from zeroth.cluster import launch
 
-    def nodes(took_over: bool, frozen: bool) -> dict:
-        out = tmp_path / f"took_over_{took_over}"
+    def nodes(name: str, took_over: bool, frozen: bool, also_running=()) -> tuple:
+        """n1 (a primary, frozen or not) and ``also_running`` sleep; n0 and b0 (n1's backup) have exited 0."""
+        out = tmp_path / name
         launch.node_dir(out, "b0").mkdir(parents=True)
         (launch.node_dir(out, "b0") / "summary.json").write_text(json.dumps({"node": "b0", "took_over": took_over}))
-        procs = {name: subprocess.Popen([sys.executable, "-c", "pass"]) for name in ("n0", "b0")}
-        procs["n1"] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        procs = {n: subprocess.Popen([sys.executable, "-c", "pass"]) for n in ("n0", "b0")}
+        procs |= {n: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for n in ("n1", *also_running)}
         if frozen:
             procs["n1"].send_signal(signal.SIGSTOP)
         return out, procs
 
-    out, procs = nodes(took_over=True, frozen=True)
+    out, procs = nodes("frozen", took_over=True, frozen=True)
     code, killed = launch.wait_nodes(procs, out, {}, timeout_s=60, progress=False, backup_of={"n1": "b0"})
     assert (code, killed) == (0, ["n1"]) and procs["n1"].returncode == -signal.SIGKILL
 
     # The same beside a primary killed on cue (``kill_at``; no update needed here), whose code is -9.
-    out = tmp_path / "with_a_kill"
-    launch.node_dir(out, "b0").mkdir(parents=True)
-    (launch.node_dir(out, "b0") / "summary.json").write_text(json.dumps({"node": "b0", "took_over": True}))
-    procs = {"b0": subprocess.Popen([sys.executable, "-c", "pass"]),
-             **{name: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for name in ("n1", "n2")}}
-    procs["n1"].send_signal(signal.SIGSTOP)
+    out, procs = nodes("with_a_kill", took_over=True, frozen=True, also_running=("n2",))
     code, killed = launch.wait_nodes(procs, out, {"n2": (0, False)}, timeout_s=60, progress=False, backup_of={"n1": "b0"})
     assert (code, killed) == (0, ["n2", "n1"]) and procs["n1"].returncode == -signal.SIGKILL
 
     # Not frozen here, so that stopping it at the deadline is quick (SIGTERM).
-    out, procs = nodes(took_over=False, frozen=False)
+    out, procs = nodes("not_taken_over", took_over=False, frozen=False)
     code, killed = launch.wait_nodes(procs, out, {}, timeout_s=1, progress=False, backup_of={"n1": "b0"})
     assert (code, killed) == (1, []) and procs["n1"].returncode is not None  # stopped at the deadline: a failure

@@ -224,8 +224,12 @@ class SimNet:
             peer.join_attempts += 1
             self._send_join(peer, live[peer.join_attempts % len(live)])
 
+    def _joiner(self, rid: int) -> SimPeer | None:
+        """The peer whose pending join is ``rid``."""
+        return next((p for p in self.peers.values() if p.pending_join == rid), None)
+
     def _admit(self, answer: P.JoinAnswer, rid: int) -> None:
-        peer = next((p for p in self.peers.values() if p.pending_join == rid), None)
+        peer = self._joiner(rid)
         if peer is None or not peer.alive:
             return
         peer.pending_join = None
@@ -297,7 +301,7 @@ class SimNet:
         elif isinstance(eff, P.Admit):
             self._at(self.now + self.latency, lambda a=eff.answer, r=eff.request_id: self._admit(a, r))
         elif isinstance(eff, P.JoinRefused):
-            joiner = next((p for p in self.peers.values() if p.pending_join == eff.request_id), None)
+            joiner = self._joiner(eff.request_id)
             if joiner is not None:
                 joiner.pending_join = None
                 self._at(self.now + 0.5, lambda j=joiner: self._retry_join(j))
