@@ -186,13 +186,26 @@ class ByteLevelBPE:
         """Token ids of ``text``.
 
         Args:
-          text: any string.
+          text: any string that UTF-8 can encode.
           special: map control-token strings in ``text`` (e.g. ``<|im_start|>``) to their ids;
             otherwise they are encoded as plain text.
           add_bos: prepend ``bos_id``.
+
+        Raises:
+          TypeError: ``text`` is not a str.
+          ValueError: ``text`` holds a lone surrogate (U+D800..U+DFFF, e.g. bytes read with
+            ``errors="surrogateescape"``), which has no UTF-8 bytes to tokenize; the message names it
+            and its position.
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"text holds the lone surrogate U+{ord(text[e.start]):04X} at position {e.start}, which has no UTF-8 "
+                "bytes to tokenize; decode the source as UTF-8 without errors='surrogateescape', or drop it"
+            ) from None
         ids: list[int] = [self.bos_id] if add_bos and self.bos_id is not None else []
         chunks: list[tuple[str, bool]] = [(text, False)]
         if special and self._control_re is not None:
