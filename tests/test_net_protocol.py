@@ -391,7 +391,8 @@ def test_a_takeover_never_uses_one_of_its_ballots_twice_even_after_a_resynchroni
 def test_an_inactive_member_keeps_waiting_and_promising_until_the_stall_ends_the_run():
     """An inactive member cannot take over; a takeover may need its promise for a majority, so it
     waits until the stall timer re-synchronises it and,
-    with still no decision, ends the run on it."""
+    with still no decision, ends the run on it. While it waits it sends nothing but its own push of
+    the iteration again, the same bytes, once per wait (the committer's majority may need it)."""
     p, st = takeover_state()
     inactive = st._replace(
         view=st.view._replace(members=tuple(m._replace(active=m.machine != 1 and m.active) for m in st.view.members)),
@@ -403,7 +404,10 @@ def test_an_inactive_member_keeps_waiting_and_promising_until_the_stall_ends_the
         effects += step.effects
         now += 0.05
     assert step.state.phase == P.MEMBER and step.state.waits >= 3
-    assert not of_kind(effects, (P.Dropped, P.Failed, P.Send))
+    assert not of_kind(effects, (P.Dropped, P.Failed))
+    mine = st.inbox[(st.it, 1)]
+    again = of_kind(effects, P.Send)
+    assert {e.message for e in again} == {mine} and len(again) == step.state.waits * (len(st.view.members) - 1)
     reply = P.on_prepare(p, step.state, P.Prepare("run", 2, st.it, P.Ballot(1, 2)), now).reply
     assert isinstance(reply, P.PrepareReply) and reply.previous == P.decision_digest(st.decided[st.it - 1].commit)
     while now < st.started_at + 2 * p.stall_s + 0.1:
@@ -411,6 +415,23 @@ def test_an_inactive_member_keeps_waiting_and_promising_until_the_stall_ends_the
         effects += step.effects
         now += 0.05
     assert step.state.phase == P.FAILED and of_kind(effects, P.Failed)
+
+
+def test_a_lost_push_of_an_inactive_member_is_sent_again_for_the_committers_majority():
+    """Three founders, machine 1 slow (so inactive: it misses every barrier). Machine 2 dies and the
+    push of machine 1 to the leader is lost: the leader has 1 of 3 pushes and machine 1 cannot take
+    over. Machine 1 pushes again while it waits, the leader decides with 2 of 3 and the run ends
+    (when a push was sent once only, both failed at iteration 5: "lost its majority")."""
+    net = SimNet(params(founders=3, iterations=20), rejoin=True, tick=0.05)
+    net.start(3)
+    net.peers["sim:1001"].stall = 2.0
+    run_until_iteration(net, "sim:1000", 5)
+    assert net.peers["sim:1000"].state.view.active_ids() == {0, 2}
+    net.kill("sim:1002")
+    net.drop_next("sim:1001", "sim:1000", P.Push, count=1)
+    assert net.run_until(net.all_finished, limit=100.0)
+    chain = assert_agree(net, 2)
+    assert contributors(chain, 5) == [0, 1]
 
 
 def test_a_takeover_releases_the_joins_it_queued_so_the_joiners_ask_again():
@@ -466,6 +487,32 @@ def test_a_leader_that_dies_before_the_commit_reaches_every_member_leaves_a_seat
     assert net.peers["sim:2000"].machines == [3] and 3 in contributors(chain, len(chain) - 1)
     events = [e for _, e in net.peers["sim:1001"].events]
     assert any("re-issues the decision of ballot (0, 0)" in e for e in events)
+
+
+def test_a_seat_is_told_from_the_chosen_view_when_the_next_majority_needs_the_joiner():
+    """Five founders; the leader's decision of 5 admits a joiner as machine 5 and the leader dies before
+    answering. Machine 1's takeover decides 6 with the promises of 2, 3 and 4 (learning that 5 is
+    chosen), then machine 2 dies: the view of 7 is [0..5], a majority is 4, and only 1, 3, 4 and the
+    joiner are left. Machine 1 knows the decision of 5 chosen but not that of 6, so the joiner,
+    asking again, is told its id with the view of 6 and fetches 6 like a member that fell behind
+    (told nothing while the decision of 6 was not known chosen, 1, 3 and 4 failed: "lost its majority")."""
+    net = SimNet(params(founders=5, iterations=30), rejoin=True, tick=0.05)
+    net.start(5)
+    run_until_iteration(net, "sim:1001", 5)
+    net.join("sim:2000", via="sim:1001")
+    assert net.run_until(lambda: net.peers["sim:1000"].state.joins, limit=30)
+    assert net.run_until(lambda: all(5 in net.peers[f"sim:{1000 + i}"].state.view.ids() for i in range(1, 5)), limit=30)
+    net.kill("sim:1000")
+    run_until_iteration(net, "sim:1001", 7)
+    st = net.peers["sim:1001"].state
+    assert (st.it, st.chosen, sorted(st.view.ids())) == (7, 5, [0, 1, 2, 3, 4, 5]) and net.peers["sim:2000"].machines == []
+    net.kill("sim:1002")
+    assert net.run_until(net.all_finished, limit=100.0)
+    chain = assert_agree(net, 4)
+    assert net.peers["sim:2000"].machines == [5] and 5 in contributors(chain, len(chain) - 1)
+    told = [e for p in net.peers.values() for _, e in p.events if e.startswith("told machine 5 (sim:2000) its id")]
+    assert told == ["told machine 5 (sim:2000) its id: the chosen view of iteration 6 holds it"], told
+    assert net.admitted == [0, 1, 2, 3, 4, 5]
 
 
 def test_promises_carry_the_digest_of_the_applied_previous_decision_only():

@@ -50,9 +50,11 @@ the digest of each member's applied decision of the previous iteration, ballot i
 (:func:`decision_digest`; a member that promised a takeover which re-issues a decision it applied
 holds it at that ballot, as a Paxos acceptor would): when a majority of that iteration's view holds
 the candidate's own (its signer counted: a leader accepts what it proposes), the decision is
-chosen, and the candidate tells a join from the address and
-key of an inactive member of its view that member's id. Joins queued at a peer that no longer
-decides are released (:class:`JoinRefused`): the joiner asks again.
+chosen, and from then on the candidate tells a join from the address and key of an inactive
+member of the view that decision handed on that member's id, with that view (:func:`_seat`; not
+its current view, whose decision it may not know chosen while the next majority needs the
+joiner). Joins queued at a peer that no longer decides are released (:class:`JoinRefused`): the
+joiner asks again.
 
 Authentication. Every member has an Ed25519 public key in the view (:attr:`Member.key`, put there
 by the commit that admitted it). :class:`Push`, :class:`Commit`, :class:`Prepare` and :class:`Leave`
@@ -1180,7 +1182,7 @@ def on_join(params: Params, st: PeerState, req: JoinRequest, now: float) -> Step
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase} and admits no one; try another peer of the run")
     seat = _seat(st, req.address, req.key)
     if seat is not None:  # admitted by a chosen decision whose leader did not answer it
-        return Step(st, tuple(_answer_seat(st, req.request_id, seat)))
+        return Step(st, tuple(_answer_seat(req.request_id, *seat)))
     lead = committer(st)
     if lead != st.me:
         address = st.view.address_of(lead) if lead is not None else None
@@ -1480,26 +1482,39 @@ def _learn_chosen(st: PeerState, effects: list) -> PeerState:
         if seat is None:
             joins.append((rid, address, key))
         else:
-            effects += _answer_seat(st, rid, seat)
+            effects += _answer_seat(rid, *seat)
     return st._replace(joins=tuple(joins))
 
 
-def _seat(st: PeerState, address: str, key: bytes) -> Member | None:
-    """The inactive member of the view of ``it`` at ``address`` with ``key`` (a joiner admitted but not
-    told so: a process's key is its own, new at each start or rejoin), when this peer knows that the
-    decision of ``it - 1``, which handed that view on, is chosen (else None)."""
-    if st.phase != MEMBER or st.chosen < st.it - 1:
+def _seat(st: PeerState, address: str, key: bytes) -> tuple[Member, View] | None:
+    """The inactive member at ``address`` with ``key`` (a joiner admitted but not told so: a process's
+    key is its own, new at each start or rejoin) and the view to tell it: the view of ``chosen + 1``,
+    handed on by the newest decision this peer knows is chosen, when that view and the current one
+    both hold the seat (else None).
+
+    That view, not the current one: the decision of ``it - 1`` may not be known chosen yet, and the
+    takeover that would learn it may need this very joiner's promise (five founders, a joiner
+    admitted, two founders dead: three of the six members are left to answer). The joiner starts
+    from the chosen view and fetches the decisions after it like any member that fell behind."""
+    if st.phase != MEMBER or st.chosen < 0:
         return None
-    for m in st.view.members:
-        if m.address == address and m.key == key and not m.active:
-            return m
-    return None
+    chosen_view = _view_at(st, st.chosen + 1)
+    if chosen_view is None:
+        return None
+
+    def find(view: View) -> Member | None:
+        return next((m for m in view.members if m.address == address and m.key == key and not m.active), None)
+
+    seat = find(chosen_view)
+    if seat is None or find(st.view) != seat:
+        return None
+    return seat, chosen_view
 
 
-def _answer_seat(st: PeerState, rid: int, seat: Member) -> list:
+def _answer_seat(rid: int, seat: Member, view: View) -> list:
     return [
-        Admit(rid, JoinAnswer(seat.machine, st.view)),
-        Note(f"told machine {seat.machine} ({seat.address}) its id: the chosen view of iteration {st.it} holds it"),
+        Admit(rid, JoinAnswer(seat.machine, view)),
+        Note(f"told machine {seat.machine} ({seat.address}) its id: the chosen view of iteration {view.iteration} holds it"),
     ]
 
 
@@ -1717,8 +1732,11 @@ def on_fetch_failed(params: Params, st: PeerState, *, message: str, now: float, 
 
 
 def _resync(params: Params, st: PeerState, now: float, effects: list) -> tuple[PeerState, tuple]:
-    """A stuck iteration: forget what may wedge it (an undecidable entry, promises, our takeover)
-    and fetch the decided log from the others (the majority moved on, or it is gone)."""
+    """A stuck iteration: forget what may wedge it (an undecidable entry, promises, our takeover),
+    fetch the decided log from the others (the majority moved on, or it is gone), and push our
+    gradients of the iteration again (:func:`_push_again`): a push is sent once, and a committer
+    that lost it (a failed call is not retried) may lack exactly that member for its majority
+    (three members, one dead, the third's push lost)."""
     entry = st.decided.get(st.it)
     decided = st.decided if entry is None or entry.payloads is not None else {k: v for k, v in st.decided.items() if k != st.it}
     st = st._replace(
@@ -1732,7 +1750,16 @@ def _resync(params: Params, st: PeerState, now: float, effects: list) -> tuple[P
     )
     effects.append(Note(f"iteration {st.it}: no decision for {now - st.started_at:.0f}s; re-synchronising with the others"))
     st = _fetch(params, st, now, effects, st.it, st.it + params.window)
+    _push_again(st, effects)
     return st, tuple(effects)
+
+
+def _push_again(st: PeerState, effects: list) -> None:
+    """Our push of ``it``, if we made one, sent to every member again: the same signed bytes, which
+    a member that has them accepts again as an identical copy."""
+    mine = st.inbox.get((st.it, st.me))
+    if mine is not None:
+        effects += [Send(m.machine, m.address, mine) for m in st.view.members if m.machine != st.me]
 
 
 def on_tick(params: Params, st: PeerState, now: float) -> Step:
@@ -1786,9 +1813,11 @@ def on_tick(params: Params, st: PeerState, now: float) -> Step:
     active = st.view.active_ids()
     if st.me not in active:
         # An inactive member cannot take over: it keeps waiting and promising (a takeover may need
-        # its promise for a majority); the stall timer re-synchronises it (a removal shows in the
-        # log, or as refused log requests) and ends a run that cannot go on.
+        # its promise for a majority) and pushes again (the committer's majority may need its
+        # push, and a lost one is never retried); the stall timer re-synchronises it (a removal
+        # shows in the log, or as refused log requests) and ends a run that cannot go on.
         st = st._replace(waits=st.waits + 1, deadline=now + 2 * params.barrier_timeout_s)
+        _push_again(st, effects)
         return Step(st, tuple(effects))
     suspected = st.suspected | ({who} if who is not None else set())
     st = st._replace(suspected=frozenset(suspected))
