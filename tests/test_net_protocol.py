@@ -318,37 +318,99 @@ def takeover_state(kill_at=7, join_at=None):
     return net.params, st
 
 
-def test_a_decision_is_chosen_only_when_a_majority_holds_it_at_the_same_ballot():
-    """Holders of the decision of 4: machine 1 (the candidate), machine 0 (it signed it, so it
-    accepted it) and the members whose promise carries its digest; a majority of the view of 4,
-    [0, 1, 2, 3], is 3."""
-    p, st = takeover_state(kill_at=5, join_at=4)
-    mine = st.decided[4].commit
-    assert mine.sender == 0 and [m.machine for m in st.decided[3].commit.next_view.members] == [0, 1, 2, 3]
-    seat_key = st.view.key_of(4)  # the key the joiner joined with
+def five_founders_takeover_state():
+    """Five founders; the leader's decision admitting sim:2000 as machine 5 reached every member and
+    the leader died before it answered: machine 1's state right after it started its takeover of the
+    next iteration (the view of the decision is [0, 1, 2, 3, 4]; the next one holds machine 5)."""
+    net = SimNet(params(founders=5, iterations=30), rejoin=True, tick=0.05)
+    net.start(5)
+    run_until_iteration(net, "sim:1001", 5)
+    net.join("sim:2000", via="sim:1001")
+    assert net.run_until(lambda: net.peers["sim:1000"].state.joins, limit=30)
+    assert net.run_until(lambda: all(5 in net.peers[f"sim:{1000 + i}"].state.view.ids() for i in range(1, 5)), limit=30)
+    net.kill("sim:1000")
+    assert net.run_until(lambda: net.peers["sim:1001"].state.recovery is not None, limit=30)
+    st = net.peers["sim:1001"].state
+    assert st.recovery.replies == {} and st.chosen < st.it - 1 and net.peers["sim:2000"].machines == []
+    assert [m.machine for m in st.decided[st.it - 1].commit.next_view.members] == [0, 1, 2, 3, 4, 5]
+    return net.params, st
+
+
+def test_a_decision_is_chosen_only_when_holders_at_the_same_ballot_meet_every_majority():
+    """Holders of the decision that admitted machine 5: machine 1 (the candidate), machine 0 (it
+    signed it, so it accepted it) and the members whose promise carries its digest. Every majority
+    of its view, [0, 1, 2, 3, 4], meets a set of 3 of them."""
+    p, st = five_founders_takeover_state()
+    t = st.it - 1
+    mine = st.decided[t].commit
+    assert mine.sender == 0 and [m.machine for m in st.decided[t - 1].commit.next_view.members] == [0, 1, 2, 3, 4]
+    seat_key = st.view.key_of(5)  # the key the joiner joined with
     join = P.JoinRequest(77, "sim:2000", "cfg", seat_key)
-    # Before the promises, the seat of machine 4 is not known to be final: the join is queued.
+    # Before the promises, the seat of machine 5 is not known to be final: the join is queued.
     queued = P.on_join(p, st, join, st.started_at + 5)
     assert not of_kind(queued.effects, P.Admit) and queued.state.joins == ((77, "sim:2000", seat_key),)
     # The same value at another ballot is not evidence (a later ballot may have decided otherwise):
-    # machines 1 and 0 are 2 of 4.
+    # machines 1 and 0 are 2 of 5.
     other_ballot = P.decision_digest(mine._replace(ballot=P.Ballot(1, 0)))
-    step = P.on_prepare_reply(p, queued.state, sender=2, reply=P.PrepareReply(5, None, (), other_ballot), now=st.started_at + 5)
-    assert step.state.chosen < 4 and not of_kind(step.effects, P.Admit)
-    # The joiner's own reply carries no decision of 4; it holds no vote on it.
-    step = P.on_prepare_reply(p, queued.state, sender=4, reply=P.PrepareReply(5, None, (), b""), now=st.started_at + 5)
-    assert step.state.chosen < 4
-    # Machine 2 holds the same commit: with machines 1 and 0, 3 of 4; the queued join is answered.
-    step = P.on_prepare_reply(p, queued.state, sender=2, reply=P.PrepareReply(5, None, (), P.decision_digest(mine)), now=st.started_at + 5)
-    assert step.state.chosen == 4 and step.state.joins == ()
-    admits = of_kind(step.effects, P.Admit)
-    assert admits == [P.Admit(77, P.JoinAnswer(4, st.view))]
+    reply = P.PrepareReply(st.it, None, (), other_ballot)
+    step = P.on_prepare_reply(p, queued.state, sender=2, reply=reply, now=st.started_at + 5)
+    assert step.state.chosen < t and not of_kind(step.effects, P.Admit)
+    # The joiner's own reply carries no decision of t; it holds no vote on it.
+    step = P.on_prepare_reply(p, queued.state, sender=5, reply=P.PrepareReply(st.it, None, (), b""), now=st.started_at + 5)
+    assert step.state.chosen < t
+    # Machine 2 holds the same commit: with machines 1 and 0, 3 of 5; the queued join is answered.
+    reply = P.PrepareReply(st.it, None, (), P.decision_digest(mine))
+    step = P.on_prepare_reply(p, queued.state, sender=2, reply=reply, now=st.started_at + 5)
+    assert step.state.chosen == t and step.state.joins == ()
+    assert of_kind(step.effects, P.Admit) == [P.Admit(77, P.JoinAnswer(5, st.view))]
     # A new join from the seat's address and key is answered at once; another key (another process,
     # or the same one after a restart) gets no seat.
     again = P.on_join(p, step.state, P.JoinRequest(78, "sim:2000", "cfg", seat_key), st.started_at + 5)
-    assert of_kind(again.effects, P.Admit) == [P.Admit(78, P.JoinAnswer(4, st.view))]
+    assert of_kind(again.effects, P.Admit) == [P.Admit(78, P.JoinAnswer(5, st.view))]
     stranger = P.on_join(p, step.state, P.JoinRequest(79, "sim:2000", "cfg", b"k" * 32), st.started_at + 5)
     assert not of_kind(stranger.effects, P.Admit)
+
+
+def test_half_of_an_even_view_holding_a_decision_is_enough_to_tell_a_seat():
+    """The view of 4 is [0, 1, 2, 3]: machine 1 (the candidate) and machine 0 (which signed the
+    decision of 4) are half of it, and every majority (3 of 4) holds one of them, so the decision
+    is chosen with the first promise whatever it carries, and the queued join from the seat is
+    answered (two of four founders left holding it no longer strand a joiner)."""
+    p, st = takeover_state(kill_at=5, join_at=4)
+    assert st.decided[4].commit.sender == 0
+    assert [m.machine for m in st.decided[3].commit.next_view.members] == [0, 1, 2, 3]
+    seat_key = st.view.key_of(4)
+    queued = P.on_join(p, st, P.JoinRequest(77, "sim:2000", "cfg", seat_key), st.started_at + 5)
+    assert not of_kind(queued.effects, P.Admit)
+    step = P.on_prepare_reply(p, queued.state, sender=2, reply=P.PrepareReply(5, None, (), b""), now=st.started_at + 5)
+    assert step.state.chosen == 4 and of_kind(step.effects, P.Admit) == [P.Admit(77, P.JoinAnswer(4, st.view))]
+
+
+def test_a_commit_taken_as_a_hint_is_vouched_for_only_once_it_is_held():
+    """Three founders; machine 2 missed the commit of 5, so the leader's commit of 6, admitting
+    sim:2000, reaches it only as a hint (it cannot verify it: it fetches the log instead), and machine
+    1 missed that commit. Machine 2's answer says it does not hold it, so the leader does not answer
+    the joiner (before, that answer counted: 2 of 3 holders, though only the leader held it). Once
+    machine 2 fetched 6, its answer to the commit of 7 names its decision of 6, and the leader
+    answers: the joiner is machine 3."""
+    net = SimNet(params(founders=3, iterations=20), rejoin=True, tick=0.05)
+    net.start(3)
+    run_until_iteration(net, "sim:1000", 5)
+    net.drop_next("sim:1000", "sim:1002", P.Commit, count=1)
+    run_until_iteration(net, "sim:1000", 6)
+    assert net.peers["sim:1002"].state.it == 5
+    net.join("sim:2000", via="sim:1001")
+    assert net.run_until(lambda: net.peers["sim:1000"].state.joins, limit=30)
+    net.drop_next("sim:1000", "sim:1001", P.Commit, count=1)
+    leader, joiner = net.peers["sim:1000"], net.peers["sim:2000"]
+    assert net.run_until(lambda: leader.state.it > 6, limit=30)
+    net.run_until(lambda: False, limit=net.now + 3 * net.latency)  # every answer to the commit of 6 is back
+    assert joiner.machines == [] and leader.state.admissions[6].acks == {0}
+    assert net.run_until(lambda: joiner.machines, limit=30)
+    assert joiner.machines == [3] and leader.state.it >= 8 and 6 not in leader.state.admissions
+    assert net.run_until(net.all_finished, limit=100.0)
+    assert_agree(net, 3)
+    assert net.admitted == [0, 1, 2, 3]
 
 
 def test_the_signer_of_a_decision_counts_as_one_of_its_holders():

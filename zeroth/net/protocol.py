@@ -42,15 +42,19 @@ of the members of ``V_t`` (active or not; the leader's barrier counts the member
 this iteration, the takeover its promises), so two halves of a partitioned run can never both
 go on, while members that only missed a barrier still count toward the majority. A member that
 applied a decision which a later ballot replaced is told by the conflicting commit and drops out
-(it must rejoin). A joiner's id is given to it only after the commit admitting it reached a majority, so a
-takeover always sees (and keeps) that admission: ids are never reused. If that leader dies before
+(it must rejoin). A joiner's id is given to it only after members that hold the commit admitting it
+(they stored it: a member that was behind takes a commit only as a hint and says so in its
+answer, :class:`CommitReply`) meet every majority of the view (:func:`_meets_every_majority`: a
+majority of an odd view, half of an even one), so a takeover always sees (and keeps) that
+admission: ids are never reused. If that leader dies before
 it answers, the joiner (asking again through another member) holds a seat in the next view that
 it does not know of, and that view's majority may need it. A takeover's promises therefore carry
 the digest of each member's applied decision of the previous iteration, ballot included
 (:func:`decision_digest`; a member that promised a takeover which re-issues a decision it applied
-holds it at that ballot, as a Paxos acceptor would): when a majority of that iteration's view holds
-the candidate's own (its signer counted: a leader accepts what it proposes), the decision is
-chosen, and from then on the candidate tells a join from the address and key of an inactive
+holds it at that ballot, as a Paxos acceptor would): when the members holding the candidate's own
+meet every majority of that iteration's view (its signer counted: a leader accepts what it
+proposes), no other decision of it can ever be chosen, and from then on the candidate tells a join
+from the address and key of an inactive
 member of the view that decision handed on that member's id, with that view (:func:`_seat`; not
 its current view, whose decision it may not know chosen while the next majority needs the
 joiner). Joins queued at a peer that no longer decides are released (:class:`JoinRefused`): the
@@ -116,6 +120,7 @@ __all__ = [
     "Ballot",
     "Push",
     "Commit",
+    "CommitReply",
     "LogEntry",
     "Prepare",
     "PrepareReply",
@@ -481,7 +486,7 @@ class Recovery(NamedTuple):
 
 
 class Admission(NamedTuple):
-    """Joiners admitted by our commit, answered once a majority of ``base`` acknowledged it."""
+    """Joiners admitted by our commit, answered once members that hold it meet every majority of ``base``."""
 
     base: frozenset[int]
     acks: frozenset[int]
@@ -535,8 +540,9 @@ class PeerState(NamedTuple):
       denials: sources that refused this peer's log requests as a non-member (reset by a fetch that works).
       ahead: the newest iteration an unverifiable commit (a hint) named: fetched up to it once.
       refused: members whose connection refused our push of ``it`` (:func:`on_push_refused`).
-      chosen: the newest applied iteration whose decision this peer knows is chosen (a majority of
-        its view applied that same commit, ballot included, its signer among them), -1 if none.
+      chosen: the newest applied iteration whose decision this peer knows is chosen (members that
+        meet every majority of its view applied that same commit, ballot included, its signer among
+        them: no later ballot can decide otherwise), -1 if none.
       last_takeover: ``(iteration, round)`` of this peer's latest takeover ballot: a re-synchronisation
         forgets promises, and a takeover must still never use one of its ballots twice (a second
         proposal under a ballot could carry another value).
@@ -570,6 +576,21 @@ class PeerState(NamedTuple):
     refused: frozenset[int] = frozenset()
     chosen: int = -1
     last_takeover: tuple[int, int] = (-1, 0)
+
+
+class CommitReply(NamedTuple):
+    """What a member answers a commit (:func:`on_commit`).
+
+    Attributes:
+      stored: it holds that commit (that decision at that ballot). False: it took it only as a hint
+        (it is behind and fetches the log), or it holds another decision of that iteration.
+      previous: :func:`decision_digest` of its decision of the iteration before, when that one
+        admitted members (b"" otherwise): a member that missed that commit and fetched it tells the
+        committer that it holds it now.
+    """
+
+    stored: bool
+    previous: bytes = b""
 
 
 class Step(NamedTuple):
@@ -730,6 +751,31 @@ def checksum_partner(view: View, me: int, iteration: int, every: int = 1) -> int
 def _majority(responders, base) -> bool:
     base = frozenset(base)
     return len(frozenset(responders) & base) * 2 > len(base)
+
+
+def _commit_reply(st: PeerState, commit: Commit, stored: bool) -> CommitReply:
+    """Our answer to ``commit``: whether we hold it, and our decision of the iteration before when
+    it admitted members (its next view holds an id its own view lacks)."""
+    t = commit.iteration - 1
+    before = st.decided.get(t)
+    if before is None:
+        return CommitReply(stored)
+    view = _view_at(st, t)
+    if view is not None and before.commit.next_view.ids() <= view.ids():
+        return CommitReply(stored)  # it admitted no one
+    return CommitReply(stored, decision_digest(before.commit))
+
+
+def _meets_every_majority(holders, base) -> bool:
+    """Whether ``holders`` share a member with every majority of ``base``: at least
+    ``len(base) - majority + 1`` of its members (a majority of an odd ``base``, half of an even one).
+
+    A value held at one ballot by such a set is the only one any later ballot can decide: a
+    takeover needs the promises of a majority, one of them reports the value, and the takeover
+    re-issues the highest-ballot value it is shown (two quorums that intersect, as in Flexible
+    Paxos). Answering a joiner needs no more than that: its admission stays in every decision."""
+    base = frozenset(base)
+    return bool(base) and len(frozenset(holders) & base) >= len(base) - len(base) // 2
 
 
 def _put(mapping: Mapping, key, value) -> dict:
@@ -1035,7 +1081,7 @@ def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive) 
 
 
 def _publish(params: Params, st: PeerState, now: float, effects: list, entry: LogEntry, admitted) -> PeerState:
-    """Record our decision, send it to every member of the iteration, answer joins after a majority, apply."""
+    """Record our decision, send it to every member of the iteration, answer joins once enough hold it, apply."""
     t = entry.commit.iteration
     for m in st.view.members:
         if m.machine != st.me:
@@ -1066,7 +1112,7 @@ def _refuse_joins(st: PeerState, effects: list) -> PeerState:
 
 def _answer_admissions(st: PeerState, t: int, effects: list) -> PeerState:
     adm = st.admissions.get(t)
-    if adm is None or not _majority(adm.acks, adm.base):
+    if adm is None or not _meets_every_majority(adm.acks, adm.base):
         return st
     for rid, member in adm.joins:
         effects.append(Admit(rid, JoinAnswer(member.machine, adm.view)))
@@ -1302,7 +1348,11 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
 
 
 def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step:
-    """A decision of one iteration (the barrier release).
+    """A decision of one iteration (the barrier release). Reply: a :class:`CommitReply`, whether this
+    peer now holds it (that commit, at its ballot; not a commit only taken as a hint, a later
+    iteration whose view this peer cannot verify, for which it fetches the log instead) and which
+    decision of the iteration before it holds when that one admitted members. The committer counts
+    only holders as having accepted it (:func:`on_commit_acked`).
 
     Buffered until applicable; its payloads come from the pushes received, or are fetched.
     A decision that conflicts with one this peer already applied (signed, higher ballot) makes it
@@ -1321,23 +1371,23 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
     if t < st.it:
         old = st.decided.get(t)
         if old is None:
-            return Step(st, ())
+            return Step(st, (), _commit_reply(st, commit, False))
         if _same_value(old.commit, commit):
             # A takeover re-issued our decision with the ballot we promised it: hold it at that ballot
             # (a Paxos acceptor's accept), so that the promises of a later takeover show one ballot.
             if commit.ballot > old.commit.ballot and st.promised.get(t) == commit.ballot:
                 _verify(params, None, commit, f"commit of iteration {t}", key=member_key(st, commit.sender))
                 st = st._replace(decided=_put(st.decided, t, old._replace(commit=commit)))
-            return Step(st, ())
+            return Step(st, (), _commit_reply(st, commit, st.decided[t].commit.ballot == commit.ballot))
         # Ids are never reused and keep their key: any view that holds the sender has its key.
         _verify(params, None, commit, f"commit of iteration {t}", key=member_key(st, commit.sender))
         if commit.ballot <= old.commit.ballot:
-            return Step(st, ())
+            return Step(st, (), _commit_reply(st, commit, False))
         # A later ballot decided differently? Only the leader's log can say: fetch it and compare.
         effects.append(Note(f"iteration {t}: a commit of ballot {tuple(commit.ballot)} differs from the applied one; checking the leader's log"))
         if st.phase == MEMBER and (st.fetch is None or st.fetch.failed):
             st = _fetch(params, st, now, effects, t, t, prefer=st.view.leader(), check=True)
-        return Step(st, tuple(effects))
+        return Step(st, tuple(effects), _commit_reply(st, commit, False))
     if st.phase == DONE:
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase}; it takes no commits of iteration {t}")
     if t > st.it + params.window:
@@ -1350,7 +1400,7 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
         st = st._replace(ahead=max(st.ahead, t))
         if st.phase == MEMBER and st.fetch is None:
             st = _fetch(params, st, now, effects, st.it, t)
-        return Step(st, tuple(effects))
+        return Step(st, tuple(effects), _commit_reply(st, commit, False))
     if commit.sender not in view.ids():
         raise Rejected("PERMISSION_DENIED", f"machine {commit.sender} is not a member of iteration {t}")
     _verify(params, view, commit, f"commit of iteration {t}")
@@ -1382,19 +1432,35 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
     if st.recovery is not None and st.recovery.ballot < commit.ballot and t == st.it:
         st = st._replace(recovery=None)
     st = _advance(params, st, now, effects)
+    return Step(st, tuple(effects), _commit_reply(st, commit, True))
+
+
+def on_commit_acked(params: Params, st: PeerState, *, iteration: int, machine: int, now: float,
+                    reply: CommitReply | None = None) -> Step:
+    """A member answered our commit of ``iteration`` with ``reply`` (:func:`on_commit`'s; None: an
+    answer that says nothing more, taken as holding it). The delivery worked (its failed deliveries
+    are forgotten); a member that holds the commit counts toward answering the joiners it admitted,
+    and one whose reply names our decision of ``iteration - 1`` (admitting members) counts toward
+    that one's: a member that missed a commit, and fetched it, vouches for it with the next.
+    Joiners are answered once the holders meet every majority of the iteration's view
+    (:func:`_answer_admissions`); a member that only took the commit as a hint counts for nothing."""
+    st = st._replace(failures={k: v for k, v in st.failures.items() if k != machine})
+    reply = CommitReply(True) if reply is None else reply
+    effects: list = []
+    if reply.stored:
+        st = _admission_acked(st, iteration, machine, effects)
+    before = st.decided.get(iteration - 1)
+    if reply.previous and before is not None and reply.previous == decision_digest(before.commit):
+        st = _admission_acked(st, iteration - 1, machine, effects)
     return Step(st, tuple(effects))
 
 
-def on_commit_acked(params: Params, st: PeerState, *, iteration: int, machine: int, now: float) -> Step:
-    """A member acknowledged our decision of ``iteration`` (joiners are answered after a majority)."""
-    st = st._replace(failures={k: v for k, v in st.failures.items() if k != machine})
+def _admission_acked(st: PeerState, iteration: int, machine: int, effects: list) -> PeerState:
     adm = st.admissions.get(iteration)
     if adm is None:
-        return Step(st, ())
+        return st
     st = st._replace(admissions=_put(st.admissions, iteration, adm._replace(acks=adm.acks | {machine})))
-    effects: list = []
-    st = _answer_admissions(st, iteration, effects)
-    return Step(st, tuple(effects))
+    return _answer_admissions(st, iteration, effects)
 
 
 def on_commit_failed(params: Params, st: PeerState, *, iteration: int, machine: int, message: str, now: float) -> Step:
@@ -1452,9 +1518,10 @@ def _applied_digest(st: PeerState, t: int) -> bytes:
 
 
 def _learn_chosen(st: PeerState, effects: list) -> PeerState:
-    """Our takeover's promises show a majority of the view of ``it - 1`` holding the decision of
-    ``it - 1`` we applied (same ballot, same value): that decision is chosen (Paxos: no later ballot
-    can decide otherwise), and with it the view of ``it``. Joiners holding a seat in that view can
+    """Our takeover's promises show members that meet every majority of the view of ``it - 1``
+    (:func:`_meets_every_majority`) holding the decision of ``it - 1`` we applied (same ballot, same
+    value): that decision is chosen (no later ballot can decide otherwise), and with it the view of
+    ``it``. Joiners holding a seat in that view can
     then be told their ids by this peer (the leader that admitted them may have died before it
     answered): queued joins from them are answered now (:func:`_seat`).
 
@@ -1472,7 +1539,7 @@ def _learn_chosen(st: PeerState, effects: list) -> PeerState:
         return st
     proposer = st.decided[t].commit.sender
     holders = {st.me, proposer} | {m for m, r in st.recovery.replies.items() if r is not None and r.previous == mine}
-    if not _majority(holders, base.ids()):
+    if not _meets_every_majority(holders, base.ids()):
         return st
     st = st._replace(chosen=t)
     effects.append(Note(f"iteration {t}: machines {sorted(holders & base.ids())} of {sorted(base.ids())} hold its decision: it is chosen"))

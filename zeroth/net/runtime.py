@@ -460,14 +460,15 @@ class Node:
                 request = wire.commit_to_pb(msg)
                 for attempt in range(3):
                     try:
-                        rpc(eff.address, "CommitIteration", request, b)
+                        ack = rpc(eff.address, "CommitIteration", request, b)
                         break
                     except grpc.RpcError as e:
                         if attempt == 2 or e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                             raise
                         if self._stop.wait(0.05 * (attempt + 1)):
                             return
-                self._event(inc, P.on_commit_acked, iteration=msg.iteration, machine=eff.machine)
+                reply = P.CommitReply(not ack.not_held, bytes(ack.previous))
+                self._event(inc, P.on_commit_acked, iteration=msg.iteration, machine=eff.machine, reply=reply)
             elif isinstance(msg, P.Prepare):
                 reply = rpc(eff.address, "Prepare", wire.prepare_to_pb(msg), b)
                 try:
@@ -1004,8 +1005,9 @@ class Node:
     def handle_push(self, msg: P.Push) -> None:
         self._step(P.on_push, msg)
 
-    def handle_commit(self, msg: P.Commit) -> None:
-        self._step(P.on_commit, msg)
+    def handle_commit(self, msg: P.Commit) -> P.CommitReply:
+        """Whether this peer now holds the commit, and more (:func:`zeroth.net.protocol.on_commit`'s reply)."""
+        return self._step(P.on_commit, msg)
 
     def handle_prepare(self, msg: P.Prepare) -> P.PrepareReply:
         return self._step(P.on_prepare, msg)

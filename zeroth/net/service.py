@@ -90,8 +90,8 @@ class PeerService(pb_grpc.PeerServicer):
 
     def CommitIteration(self, request, context):  # noqa: N802
         self._received(request)
-        self._run(context, lambda: self.node.handle_commit(wire.commit_from_pb(request)))
-        return self._answer(pb.CommitAck())
+        reply = self._run(context, lambda: self.node.handle_commit(wire.commit_from_pb(request)))
+        return self._answer(pb.CommitAck(not_held=not reply.stored, previous=reply.previous))
 
     def Prepare(self, request, context):  # noqa: N802
         self._received(request)

@@ -368,7 +368,8 @@ class SimNet:
             self._handle(src, P.on_push_refused(p, st, iteration=msg.iteration, machine=send.machine, now=now))
         if isinstance(msg, P.Commit):
             if ok and error is None:
-                self._handle(src, P.on_commit_acked(p, st, iteration=msg.iteration, machine=send.machine, now=now))
+                self._handle(src, P.on_commit_acked(p, st, iteration=msg.iteration, machine=send.machine, now=now,
+                                                    reply=reply))
             else:
                 text = error.message if error else "unreachable"
                 self._handle(src, P.on_commit_failed(p, st, iteration=msg.iteration, machine=send.machine, message=text, now=now))
