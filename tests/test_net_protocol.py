@@ -318,10 +318,9 @@ def takeover_state(kill_at=7, join_at=None):
     return net.params, st
 
 
-def five_founders_takeover_state():
-    """Five founders; the leader's decision admitting sim:2000 as machine 5 reached every member and
-    the leader died before it answered: machine 1's state right after it started its takeover of the
-    next iteration (the view of the decision is [0, 1, 2, 3, 4]; the next one holds machine 5)."""
+def five_founders_leader_killed_after_admitting():
+    """Five founders; the leader's decision admitting sim:2000 as machine 5 (the decision of 5 or
+    later) reached every member, and the leader is killed before it answered the join."""
     net = SimNet(params(founders=5, iterations=30), rejoin=True, tick=0.05)
     net.start(5)
     run_until_iteration(net, "sim:1001", 5)
@@ -329,6 +328,14 @@ def five_founders_takeover_state():
     assert net.run_until(lambda: net.peers["sim:1000"].state.joins, limit=30)
     assert net.run_until(lambda: all(5 in net.peers[f"sim:{1000 + i}"].state.view.ids() for i in range(1, 5)), limit=30)
     net.kill("sim:1000")
+    return net
+
+
+def five_founders_takeover_state():
+    """Machine 1's state right after it started its takeover of the iteration after the decision
+    admitting machine 5 (:func:`five_founders_leader_killed_after_admitting`; the view of that decision
+    is [0, 1, 2, 3, 4], the next one holds machine 5)."""
+    net = five_founders_leader_killed_after_admitting()
     assert net.run_until(lambda: net.peers["sim:1001"].state.recovery is not None, limit=30)
     st = net.peers["sim:1001"].state
     assert st.recovery.replies == {} and st.chosen < st.it - 1 and net.peers["sim:2000"].machines == []
@@ -558,13 +565,7 @@ def test_a_seat_is_told_from_the_chosen_view_when_the_next_majority_needs_the_jo
     joiner are left. Machine 1 knows the decision of 5 chosen but not that of 6, so the joiner,
     asking again, is told its id with the view of 6 and fetches 6 like a member that fell behind
     (told nothing while the decision of 6 was not known chosen, 1, 3 and 4 failed: "lost its majority")."""
-    net = SimNet(params(founders=5, iterations=30), rejoin=True, tick=0.05)
-    net.start(5)
-    run_until_iteration(net, "sim:1001", 5)
-    net.join("sim:2000", via="sim:1001")
-    assert net.run_until(lambda: net.peers["sim:1000"].state.joins, limit=30)
-    assert net.run_until(lambda: all(5 in net.peers[f"sim:{1000 + i}"].state.view.ids() for i in range(1, 5)), limit=30)
-    net.kill("sim:1000")
+    net = five_founders_leader_killed_after_admitting()
     run_until_iteration(net, "sim:1001", 7)
     st = net.peers["sim:1001"].state
     assert (st.it, st.chosen, sorted(st.view.ids())) == (7, 5, [0, 1, 2, 3, 4, 5]) and net.peers["sim:2000"].machines == []
