@@ -49,11 +49,12 @@ from zeroth.cluster.proto import cluster_pb2 as pb
 from zeroth.cluster.proto import cluster_pb2_grpc as pb_grpc
 from zeroth.transport import channels, pacing, security
 
-__all__ = ["OUTBOX", "ClusterTransport", "CHANNEL_OPTIONS", "SERVER_OPTIONS", "resolve_address"]
+__all__ = ["OUTBOX", "ClusterTransport", "CHANNEL_OPTIONS", "MAX_MESSAGE_BYTES", "SERVER_OPTIONS", "resolve_address"]
 
 OUTBOX = 4096
-CHANNEL_OPTIONS = channels.channel_options(256 * 1024 * 1024)  # with keepalive: a frozen node ends the stream
-SERVER_OPTIONS = channels.server_options(256 * 1024 * 1024)
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a node's activations, gradients or handed-over state
+CHANNEL_OPTIONS = channels.channel_options(MAX_MESSAGE_BYTES)  # with keepalive: a frozen node ends the stream
+SERVER_OPTIONS = channels.server_options(MAX_MESSAGE_BYTES)
 
 
 def resolve_address(address_dir: Path, name: str, timeout_s: float) -> str:

@@ -1436,16 +1436,15 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
 
 
 def on_commit_acked(params: Params, st: PeerState, *, iteration: int, machine: int, now: float,
-                    reply: CommitReply | None = None) -> Step:
-    """A member answered our commit of ``iteration`` with ``reply`` (:func:`on_commit`'s; None: an
-    answer that says nothing more, taken as holding it). The delivery worked (its failed deliveries
-    are forgotten); a member that holds the commit counts toward answering the joiners it admitted,
+                    reply: CommitReply) -> Step:
+    """A member answered our commit of ``iteration`` with ``reply`` (:func:`on_commit`'s). The
+    delivery worked (its failed deliveries are forgotten); a member that holds the commit counts
+    toward answering the joiners it admitted,
     and one whose reply names our decision of ``iteration - 1`` (admitting members) counts toward
     that one's: a member that missed a commit, and fetched it, vouches for it with the next.
     Joiners are answered once the holders meet every majority of the iteration's view
     (:func:`_answer_admissions`); a member that only took the commit as a hint counts for nothing."""
     st = st._replace(failures={k: v for k, v in st.failures.items() if k != machine})
-    reply = CommitReply(True) if reply is None else reply
     effects: list = []
     if reply.stored:
         st = _admission_acked(st, iteration, machine, effects)
