@@ -106,7 +106,9 @@ def attack(name: str, hostile: HostileMember, nodes: list[Node], tries: int) -> 
             code = "OK" if any(hostile.send(k.address, "Prepare", hostile.prepare(h, iteration=t, round=2**63 - 1))[0] == "OK" for k in nodes) else "REFUSED"
         elif name == "outlier pushes as itself (0xFF, clip 8)":
             lead = nodes[0]
-            code, _ = hostile.send(lead.address, "PushGradients", hostile.push(h, iteration=lead.status()["iteration"], payload=b"\xff" * 4))
+            it = lead.status()["iteration"]
+            outlier = hostile.push(h, iteration=it, payload=b"\xff" * 4, previous=hostile.chain(lead.address, it))
+            code, _ = hostile.send(lead.address, "PushGradients", outlier)
             code = "CLIPPED" if code == "OK" else code  # within the rules: accepted, clipped
         else:
             raise ValueError(name)

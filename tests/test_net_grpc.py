@@ -245,7 +245,8 @@ def test_rule_breaking_messages_of_a_member_are_refused_or_harmless(running, hos
     accepted = 0
     for _ in range(200):
         it = leader.status()["iteration"]
-        code, _ = hostile.send(leader.address, "PushGradients", hostile.push(h, iteration=it, payload=b"\xff" * 4))
+        outlier = hostile.push(h, iteration=it, payload=b"\xff" * 4, previous=hostile.chain(leader.address, it))
+        code, _ = hostile.send(leader.address, "PushGradients", outlier)
         accepted += code == "OK"
         if accepted >= 3:
             break

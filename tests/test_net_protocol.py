@@ -369,11 +369,11 @@ def test_a_decision_is_chosen_only_when_holders_at_the_same_ballot_meet_every_ma
     reply = P.PrepareReply(st.it, None, (), P.decision_digest(mine))
     step = P.on_prepare_reply(p, queued.state, sender=2, reply=reply, now=st.started_at + 5)
     assert step.state.chosen == t and step.state.joins == ()
-    assert of_kind(step.effects, P.Admit) == [P.Admit(77, P.JoinAnswer(5, st.view))]
+    assert of_kind(step.effects, P.Admit) == [P.Admit(77, P.JoinAnswer(5, st.view, P.chain_digest(mine)))]
     # A new join from the seat's address and key is answered at once; another key (another process,
     # or the same one after a restart) gets no seat.
     again = P.on_join(p, step.state, P.JoinRequest(78, "sim:2000", "cfg", seat_key), st.started_at + 5)
-    assert of_kind(again.effects, P.Admit) == [P.Admit(78, P.JoinAnswer(5, st.view))]
+    assert of_kind(again.effects, P.Admit) == [P.Admit(78, P.JoinAnswer(5, st.view, P.chain_digest(mine)))]
     stranger = P.on_join(p, step.state, P.JoinRequest(79, "sim:2000", "cfg", b"k" * 32), st.started_at + 5)
     assert not of_kind(stranger.effects, P.Admit)
 
@@ -390,7 +390,108 @@ def test_half_of_an_even_view_holding_a_decision_is_enough_to_tell_a_seat():
     queued = P.on_join(p, st, P.JoinRequest(77, "sim:2000", "cfg", seat_key), st.started_at + 5)
     assert not of_kind(queued.effects, P.Admit)
     step = P.on_prepare_reply(p, queued.state, sender=2, reply=P.PrepareReply(5, None, (), b""), now=st.started_at + 5)
-    assert step.state.chosen == 4 and of_kind(step.effects, P.Admit) == [P.Admit(77, P.JoinAnswer(4, st.view))]
+    assert step.state.chosen == 4 and of_kind(step.effects, P.Admit) == [P.Admit(77, P.JoinAnswer(4, st.view, st.chain))]
+
+
+def chained(net, peers):
+    """Every decision each peer applied continues the one before it (its ``previous`` is that one's chain digest)."""
+    for p in peers:
+        for before, after in zip(p.log, p.log[1:]):
+            assert after.commit.previous == P.chain_digest(before.commit), (p.address, after.commit.iteration)
+
+
+def test_a_decision_no_majority_took_is_found_in_the_others_logs_and_its_holder_rejoins():
+    """Three founders. The leader (machine 0) is cut off in iteration 3; machine 1 takes over, decides
+    3 from the pushes of 1 and 2, and is cut off before its commit reaches anyone. Machine 2 then
+    takes over with the promise of machine 0 (its cut healed) and decides 3 otherwise, at a higher
+    ballot, chosen by 0 and 2, which run on while machine 1 stays cut off. Machine 1 applied a
+    decision nobody else holds. Every decision names the chain it continues: the logs machine 1
+    fetches from 0 and from 2 (signed decisions, a majority of its view) continue another decision
+    of 3, so it applies none of them, drops out and rejoins, and all three finish on one chain, each
+    decision continuing the one before."""
+    net = SimNet(params(founders=3, iterations=150), tick=0.05, rejoin=True)
+    net.start(3)
+    zero, one, two = (net.peers[f"sim:100{i}"] for i in range(3))
+    assert net.run_until(lambda: all(p.state.it >= 3 for p in (zero, one, two)), limit=60)
+    net.partition([zero.address], [one.address, two.address])
+    net.drop_next(one.address, two.address, P.Commit, count=1)
+    assert net.run_until(lambda: one.state.it > 3, limit=30)
+    lone = one.log[3].commit
+    net.heal()
+    net.partition([one.address], [zero.address, two.address])
+    assert net.run_until(lambda: two.state.it > 3, limit=30)
+    net.run_until(lambda: False, limit=net.now + 0.2)  # machine 2's commit of 3 to machine 1 is lost in the cut
+    net.heal()
+    chosen = two.log[3].commit
+    assert chosen.ballot > lone.ballot and chosen.contributors != lone.contributors and zero.log[3].commit == chosen
+    assert net.run_until(lambda: one.dropped == 1, limit=30)
+    # It applied nothing on top of the replaced decision (before, it applied the others' decisions
+    # of 4 to 7 there, and was dropped only when their view of 8 left it out as unreachable).
+    assert len(one.log) == 4 and one.log[3].commit == lone
+    assert any("continue another decision of iteration 3" in text for _, text in one.events)
+    assert net.run_until(net.all_finished, limit=120)
+    assert_agree(net, 3)
+    assert one.log[3].commit.contributors == chosen.contributors
+    chained(net, (zero, one, two))
+
+
+def test_no_promise_to_a_takeover_on_another_chain():
+    """A takeover names the chain it continues; a member that applied another decision of the
+    iteration before refuses its promise, for the current iteration and for an applied one alike
+    (its answer would hand our decision to a takeover that cannot continue it)."""
+    p, st = takeover_state()
+    late = st.started_at + 5
+    other = b"\x07" * 32
+    for t, ours in ((st.it, st.chain), (st.it - 1, P.chain_digest(st.decided[st.it - 2].commit))):
+        with pytest.raises(P.Rejected) as e:
+            P.on_prepare(p, st, P.Prepare("run", 2, t, P.Ballot(3, 2), previous=other), late)
+        assert e.value.code == "FAILED_PRECONDITION" and "continues another decision" in e.value.message
+        reply = P.on_prepare(p, st, P.Prepare("run", 2, t, P.Ballot(3, 2), previous=ours), late).reply
+        assert isinstance(reply, P.PrepareReply)
+
+
+def test_a_commit_or_push_on_another_chain_is_not_taken_and_a_majority_of_them_drops_the_peer():
+    """Machine 1 of three at iteration 6 (its chain: the decision of 5 it applied). A commit of 6
+    continuing another decision of 5 is refused; a push of 6 continuing another one is not taken;
+    a push that names no chain is refused; once machines 0 and 2 (a majority) pushed on another
+    chain, machine 1 is dropped (it rejoins from the majority's state)."""
+    pp, st = signed_member(me=1)
+    _, step = decide(pp, st, st.it)
+    st = step.state
+    t, other = st.it, b"\x07" * 32
+    assert st.chain == P.chain_digest(st.decided[t - 1].commit)
+    view = signed_view(t + 1)
+    commit = signed(0, P.Commit("run", 0, t, P.Ballot(0, 0), (), P.updates_digest((), ()), view, previous=other))
+    with pytest.raises(P.Rejected) as e:
+        P.on_commit(pp, st, commit, 2.0)
+    assert e.value.code == "FAILED_PRECONDITION" and "continues another decision of iteration" in e.value.message
+    with pytest.raises(P.Rejected) as e:
+        P.on_push(pp, st, signed(2, P.Push("run", 2, t, 2, b"ab")), 2.0)
+    assert e.value.code == "FAILED_PRECONDITION"
+    step = P.on_push(pp, st, signed(2, P.Push("run", 2, t, 2, b"ab", previous=other)), 2.0)
+    assert (t, 2) not in step.state.inbox and step.state.strays == {2} and step.state.phase == P.MEMBER
+    step = P.on_push(pp, step.state, signed(0, P.Push("run", 0, t, 2, b"cd", previous=other)), 2.0)
+    assert step.state.phase == P.DROPPED and of_kind(step.effects, P.Dropped)
+    ok = P.on_push(pp, st, signed(2, P.Push("run", 2, t, 2, b"ab", previous=st.chain)), 2.0)
+    assert ok.state.inbox[(t, 2)].previous == st.chain and not ok.state.strays
+
+
+def test_a_resynchronised_member_keeps_its_promises():
+    """Machine 1 promised machine 2's takeover of iteration 5 with ballot (1, 2), then stalled and
+    re-synchronised. The promise no longer names who is expected to decide, but the leader's round-0
+    commit of 5 is still below it: refused (before, the re-synchronisation forgot promises, and an
+    acceptor that forgets one can take a decision the takeover that counted on its promise decided
+    otherwise)."""
+    pp, st = signed_member(me=1)
+    t = st.it
+    late = st.started_at + pp.iteration_timeout_s + 0.1
+    st = P.on_prepare(pp, st, signed(2, P.Prepare("run", 2, t, P.Ballot(1, 2), previous=st.chain)), late).state
+    step = P.on_tick(pp, st, st.started_at + pp.stall_s + 0.01)
+    assert any("re-synchronising" in getattr(e, "text", "") for e in step.effects)
+    assert t not in step.state.promised and step.state.floor[t] == P.Ballot(1, 2) and P.committer(step.state) == 0
+    with pytest.raises(P.Rejected) as e:
+        decide(pp, step.state, t, sender=0, now=st.started_at + pp.stall_s + 0.1)
+    assert e.value.code == "FAILED_PRECONDITION" and "below the promised" in e.value.message
 
 
 def test_a_commit_taken_as_a_hint_is_vouched_for_only_once_it_is_held():
@@ -428,7 +529,7 @@ def test_the_signer_of_a_decision_counts_as_one_of_its_holders():
     seat_key = st.view.key_of(4)
     queued = P.on_join(p, st, P.JoinRequest(77, "sim:1003", "cfg", seat_key), st.started_at + 5)
     step = P.on_prepare_reply(p, queued.state, sender=4, reply=P.PrepareReply(7, None, (), b""), now=st.started_at + 5)
-    assert step.state.chosen == 6 and of_kind(step.effects, P.Admit) == [P.Admit(77, P.JoinAnswer(4, st.view))]
+    assert step.state.chosen == 6 and of_kind(step.effects, P.Admit) == [P.Admit(77, P.JoinAnswer(4, st.view, st.chain))]
 
 
 def test_a_takeover_without_a_majority_tries_again_with_the_next_ballot():
@@ -477,7 +578,7 @@ def test_an_inactive_member_keeps_waiting_and_promising_until_the_stall_ends_the
     mine = st.inbox[(st.it, 1)]
     again = of_kind(effects, P.Send)
     assert {e.message for e in again} == {mine} and len(again) == step.state.waits * (len(st.view.members) - 1)
-    reply = P.on_prepare(p, step.state, P.Prepare("run", 2, st.it, P.Ballot(1, 2)), now).reply
+    reply = P.on_prepare(p, step.state, P.Prepare("run", 2, st.it, P.Ballot(1, 2), previous=st.chain), now).reply
     assert isinstance(reply, P.PrepareReply) and reply.previous == P.decision_digest(st.decided[st.it - 1].commit)
     while now < st.started_at + 2 * p.stall_s + 0.1:
         step = P.on_tick(p, step.state, now)
@@ -527,11 +628,12 @@ def test_a_reissued_decision_moves_an_applied_copy_to_the_promised_ballot_only()
     old = st.decided[6].commit
     reissue = old._replace(sender=2, ballot=P.Ballot(1, 2))
     assert P.on_commit(p, st, reissue, st.started_at + 5).state.decided[6].commit == old  # not promised
-    promised = P.on_prepare(p, st, P.Prepare("run", 2, 6, P.Ballot(1, 2)), st.started_at + 5).state
+    chain_of_5 = P.chain_digest(st.decided[5].commit)
+    promised = P.on_prepare(p, st, P.Prepare("run", 2, 6, P.Ballot(1, 2), previous=chain_of_5), st.started_at + 5).state
     assert promised.promised[6] == P.Ballot(1, 2)
     moved = P.on_commit(p, promised, reissue, st.started_at + 5).state
     assert moved.decided[6].commit == reissue and moved.decided[6].payloads == st.decided[6].payloads
-    reply = P.on_prepare(p, moved, P.Prepare("run", 2, 7, P.Ballot(2, 2)), st.started_at + 5).reply
+    reply = P.on_prepare(p, moved, P.Prepare("run", 2, 7, P.Ballot(2, 2), previous=moved.chain), st.started_at + 5).reply
     assert reply.previous == P.decision_digest(reissue) != P.decision_digest(old)
     # Another value at the promised ballot is a conflict (checked against the leader's log), never stored.
     other = reissue._replace(updates_digest=b"x" * 32)
@@ -581,12 +683,12 @@ def test_a_seat_is_told_from_the_chosen_view_when_the_next_majority_needs_the_jo
 def test_promises_carry_the_digest_of_the_applied_previous_decision_only():
     p, st = takeover_state()
     assert P.PrepareReply(7, None, ()).previous == b""
-    prepare = P.Prepare("run", 2, 7, P.Ballot(5, 2))
+    prepare = P.Prepare("run", 2, 7, P.Ballot(5, 2), previous=st.chain)
     reply = P.on_prepare(p, st, prepare, st.started_at + 5).reply
     assert reply.previous == P.decision_digest(st.decided[6].commit)
     behind = P.on_prepare(p, st, prepare._replace(iteration=8), st.started_at + 5).reply
     assert behind.previous == b""  # iteration 7 is not applied here: no vote on it
-    past = P.on_prepare(p, st, prepare._replace(iteration=6), st.started_at + 5).reply
+    past = P.on_prepare(p, st, prepare._replace(iteration=6, previous=P.chain_digest(st.decided[5].commit)), st.started_at + 5).reply
     assert past.decided == st.decided[6] and past.previous == P.decision_digest(st.decided[5].commit)
 
 
@@ -615,10 +717,11 @@ runs = st.one_of(st.just("run"), st.text(max_size=20), st.just("x" * 500))
 
 
 @settings(max_examples=150)
-@given(run_id=runs, sender=ints, iteration=ints, count=ints, payload=st.binary(max_size=12))
-def test_garbage_pushes_are_refused_or_stored_never_crash(run_id, sender, iteration, count, payload):
+@given(run_id=runs, sender=ints, iteration=ints, count=ints, payload=st.binary(max_size=12),
+       previous=st.sampled_from([STATE.chain, b"", b"c" * 32, b"short"]))
+def test_garbage_pushes_are_refused_or_stored_never_crash(run_id, sender, iteration, count, payload, previous):
     before = snapshot(STATE)
-    push = P.Push(run_id, sender, iteration, count, payload)
+    push = P.Push(run_id, sender, iteration, count, payload, previous=previous)
     try:
         step = P.on_push(PARAMS, STATE, push, 10.0)
     except P.Rejected as e:
@@ -673,7 +776,7 @@ def test_garbage_prepares_are_refused_never_crash(run_id, sender, iteration, bal
 
 
 def valid_push(iteration=None, sender=0, payload=b"ab"):
-    return P.Push("run", sender, STATE.it if iteration is None else iteration, len(payload), payload)
+    return P.Push("run", sender, STATE.it if iteration is None else iteration, len(payload), payload, previous=STATE.chain)
 
 
 @pytest.mark.parametrize(
@@ -711,7 +814,7 @@ def test_payload_check_of_the_codec_is_applied():
 
 
 def test_commit_with_a_ballot_below_a_promise_is_refused():
-    step = P.on_prepare(PARAMS, STATE, P.Prepare("run", 2, STATE.it, P.Ballot(3, 2)), 10.0)
+    step = P.on_prepare(PARAMS, STATE, P.Prepare("run", 2, STATE.it, P.Ballot(3, 2), previous=STATE.chain), 10.0)
     commit = P.Commit("run", 0, STATE.it, P.Ballot(0, 0), (), P.updates_digest((), ()), STATE.view._replace(iteration=STATE.it + 1))
     with pytest.raises(P.Rejected) as e:
         P.on_commit(PARAMS, step.state, commit, 10.0)
@@ -795,7 +898,9 @@ def signed_member(me=1, t=5, n=3, now=0.0):
 def decide(pp, st, t, *, sender=0, ballot=None, view=None, now=1.0):
     """A signed commit of iteration ``t`` by ``sender`` with no contributors, applied by ``st``."""
     view = view if view is not None else signed_view(t + 1, len(st.view.members))
-    commit = signed(sender, P.Commit("run", sender, t, ballot or P.Ballot(0, sender), (), P.updates_digest((), ()), view))
+    previous = st.chain if t == st.it else P.chain_digest(st.decided[t - 1].commit)
+    commit = signed(sender, P.Commit("run", sender, t, ballot or P.Ballot(0, sender), (), P.updates_digest((), ()), view,
+                                     previous=previous))
     return commit, P.on_commit(pp, st, commit, now)
 
 

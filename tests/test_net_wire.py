@@ -39,8 +39,10 @@ sigs = st.binary(max_size=64)
 members = st.builds(P.Member, machine=u32, address=addresses, active=st.booleans(), key=keys)
 views = st.builds(P.View, iteration=u64, members=st.lists(members, max_size=5).map(tuple), next_machine_id=u32)
 ballots = st.builds(P.Ballot, round=u64, leader=u32)
+chains = st.one_of(st.just(b""), st.binary(min_size=32, max_size=32))
 pushes = st.builds(
-    P.Push, run_id=st.text(max_size=20), sender=u32, iteration=u64, count=u32, payload=st.binary(max_size=20), signature=sigs
+    P.Push, run_id=st.text(max_size=20), sender=u32, iteration=u64, count=u32, payload=st.binary(max_size=20), signature=sigs,
+    previous=chains,
 )
 
 
@@ -49,7 +51,7 @@ def entries(draw, complete=None):
     contributors = tuple(draw(st.lists(st.tuples(u32, st.integers(1, 2**32 - 1)), max_size=4)))
     commit = P.Commit(
         draw(st.text(max_size=10)), draw(u32), draw(u64), draw(ballots), contributors,
-        draw(st.binary(min_size=32, max_size=32)), draw(views), draw(sigs),
+        draw(st.binary(min_size=32, max_size=32)), draw(views), draw(sigs), draw(chains),
     )
     full = draw(st.booleans()) if complete is None else complete
     payloads = tuple(draw(st.binary(max_size=8)) for _ in contributors) if full else None
@@ -79,7 +81,7 @@ def test_prepare_reply_roundtrip(r):
     assert wire.prepare_reply_from_pb(pb.PrepareReply.FromString(wire.prepare_reply_to_pb(r).SerializeToString())) == r
 
 
-@given(st.builds(P.Prepare, run_id=st.text(max_size=10), sender=u32, iteration=u64, ballot=ballots, signature=sigs))
+@given(st.builds(P.Prepare, run_id=st.text(max_size=10), sender=u32, iteration=u64, ballot=ballots, signature=sigs, previous=chains))
 def test_prepare_roundtrip(m):
     assert wire.prepare_from_pb(wire.prepare_to_pb(m)) == m
 
@@ -95,6 +97,11 @@ def test_decode_refuses_what_protobuf_cannot_bound():
         wire.entry_from_pb(bad)
     with pytest.raises(P.Rejected, match="previous decision digest has 31 bytes"):
         wire.prepare_reply_from_pb(pb.PrepareReply(iteration=3, previous=b"x" * 31))
+    for decode, msg in ((wire.push_from_pb, pb.GradientPush(previous=b"x" * 33)),
+                        (wire.prepare_from_pb, pb.PrepareRequest(ballot=pb.Ballot(), previous=b"x" * 33)),
+                        (wire.commit_from_pb, pb.Commit(ballot=pb.Ballot(), next_view=pb.View(), previous=b"x" * 33))):
+        with pytest.raises(P.Rejected, match="previous has 33 bytes; at most 32"):
+            decode(msg)
 
 
 def test_one_byte_per_projected_gradient_in_a_push():

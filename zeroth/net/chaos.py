@@ -140,12 +140,26 @@ class HostileMember:
     def _sign(self, msg):
         return msg._replace(signature=self.identity.sign(P.signed_bytes(msg)))
 
-    def push(self, sender: int, *, iteration: int, payload: bytes) -> pb.GradientPush:
-        return wire.push_to_pb(self._sign(P.Push(self.run_id, sender, iteration, len(payload), payload)))
+    def chain(self, address: str, iteration: int) -> bytes:
+        """The chain digest a push or commit of ``iteration`` must continue: that of the decision of
+        ``iteration - 1`` in the log of the peer at ``address`` (b"" for a run's first iteration)."""
+        if iteration == 0:
+            return b""
+        req = self.signed("FetchLog", pb.FetchLogRequest(run_id=self.run_id, sender=self.machine, first_iteration=iteration - 1,
+                                                           last_iteration=iteration - 1))
+        reply = self.stub(address).FetchLog(req, metadata=self.metadata, timeout=10)
+        if not reply.entries:
+            raise RuntimeError(f"the peer at {address} holds no decision of iteration {iteration - 1}")
+        return P.chain_digest(wire.entry_from_pb(reply.entries[0]).commit)
 
-    def commit(self, sender: int, *, iteration: int, ballot: P.Ballot, view: P.View, contributors=(), payloads=()) -> pb.Commit:
+    def push(self, sender: int, *, iteration: int, payload: bytes, previous: bytes = b"") -> pb.GradientPush:
+        return wire.push_to_pb(self._sign(P.Push(self.run_id, sender, iteration, len(payload), payload, previous=previous)))
+
+    def commit(self, sender: int, *, iteration: int, ballot: P.Ballot, view: P.View, contributors=(), payloads=(),
+               previous: bytes = b"") -> pb.Commit:
         digest = P.updates_digest(contributors, payloads)
-        return wire.commit_to_pb(self._sign(P.Commit(self.run_id, sender, iteration, ballot, tuple(contributors), digest, view)))
+        return wire.commit_to_pb(self._sign(P.Commit(self.run_id, sender, iteration, ballot, tuple(contributors), digest, view,
+                                                     previous=previous)))
 
     def prepare(self, sender: int, *, iteration: int, round: int) -> pb.PrepareRequest:  # noqa: A002
         return wire.prepare_to_pb(self._sign(P.Prepare(self.run_id, sender, iteration, P.Ballot(round, sender))))

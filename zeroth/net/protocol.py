@@ -60,6 +60,14 @@ its current view, whose decision it may not know chosen while the next majority 
 joiner). Joins queued at a peer that no longer decides are released (:class:`JoinRefused`): the
 joiner asks again.
 
+Chain. Decisions form a hash chain: a commit names the :func:`chain_digest` of the decision of the
+iteration before that it continues (``previous``), and so do pushes (the state their gradients were
+computed on) and prepares. A member takes a commit, counts a push and promises a takeover only on
+its own chain. A committer applies its decision before members hold it, so a member may apply a
+decision that no majority took (a committer cut off right after deciding, while a takeover elsewhere
+decided otherwise): the others' pushes and logs then continue another chain, and once members of a
+majority of its view do, it is :class:`Dropped` and rejoins from their state.
+
 Authentication. Every member has an Ed25519 public key in the view (:attr:`Member.key`, put there
 by the commit that admitted it). :class:`Push`, :class:`Commit`, :class:`Prepare` and :class:`Leave`
 carry the sender's signature of :func:`signed_bytes`; with ``Params.verify`` set, a message is
@@ -317,7 +325,10 @@ class Ballot(NamedTuple):
 
 
 class Push(NamedTuple):
-    """The encoded projected gradients of one (machine, iteration)."""
+    """The encoded projected gradients of one (machine, iteration). ``previous``: the
+    :func:`chain_digest` of the decision of ``iteration - 1`` its sender applied (the state its
+    gradients were computed on; signed with the rest): a decision takes only pushes that continue
+    its own chain."""
 
     run_id: str
     sender: int
@@ -325,10 +336,14 @@ class Push(NamedTuple):
     count: int
     payload: bytes
     signature: bytes = b""
+    previous: bytes = b""
 
 
 class Commit(NamedTuple):
-    """The decision of one iteration (the barrier). ``contributors``: ``((machine, count), ...)`` sorted."""
+    """The decision of one iteration (the barrier). ``contributors``: ``((machine, count), ...)`` sorted.
+    ``previous``: the :func:`chain_digest` of the decision of ``iteration - 1`` it continues (b"" for
+    the first iteration of a run or of a resumed run): decisions form a hash chain, and a member
+    takes only a decision that continues the one it applied."""
 
     run_id: str
     sender: int
@@ -338,6 +353,7 @@ class Commit(NamedTuple):
     updates_digest: bytes
     next_view: View
     signature: bytes = b""
+    previous: bytes = b""
 
 
 class LogEntry(NamedTuple):
@@ -350,13 +366,16 @@ class LogEntry(NamedTuple):
 
 
 class Prepare(NamedTuple):
-    """A takeover of ``iteration`` with ``ballot``."""
+    """A takeover of ``iteration`` with ``ballot``, continuing the chain ``previous`` (the candidate's
+    :func:`chain_digest` of the decision of ``iteration - 1``): a member on another chain does not
+    promise, so a takeover never counts members whose decisions it cannot continue."""
 
     run_id: str
     sender: int
     iteration: int
     ballot: Ballot
     signature: bytes = b""
+    previous: bytes = b""
 
 
 class PrepareReply(NamedTuple):
@@ -389,10 +408,12 @@ class JoinRequest(NamedTuple):
 
 
 class JoinAnswer(NamedTuple):
-    """The id given to a joiner and the view of its first iteration."""
+    """The id given to a joiner, the view of its first iteration and the :func:`chain_digest` of the
+    decision that handed that view on (b"" before the first decision): its first push continues it."""
 
     machine: int
     view: View
+    chain: bytes = b""
 
 
 class Redirect(NamedTuple):
@@ -492,6 +513,7 @@ class Admission(NamedTuple):
     acks: frozenset[int]
     joins: tuple[tuple[int, Member], ...]
     view: View
+    chain: bytes = b""
 
 
 class FetchState(NamedTuple):
@@ -543,9 +565,17 @@ class PeerState(NamedTuple):
       chosen: the newest applied iteration whose decision this peer knows is chosen (members that
         meet every majority of its view applied that same commit, ballot included, its signer among
         them: no later ballot can decide otherwise), -1 if none.
-      last_takeover: ``(iteration, round)`` of this peer's latest takeover ballot: a re-synchronisation
-        forgets promises, and a takeover must still never use one of its ballots twice (a second
-        proposal under a ballot could carry another value).
+      last_takeover: ``(iteration, round)`` of this peer's latest takeover ballot: a takeover never
+        uses one of its ballots twice (a second proposal under a ballot could carry another value).
+      chain: the :func:`chain_digest` of the decision of ``it - 1`` this peer applied (b"" before a
+        run's first decision; None: not known, a joiner that loaded a newer snapshot, until it
+        applies a decision); its pushes and decisions of ``it`` continue it.
+      strays: members whose push of ``it`` continues another decision of ``it - 1`` (signed
+        evidence that this peer's chain is not theirs; a majority of them drops this peer).
+      floor: ``{iteration: Ballot}``: promises a re-synchronisation set aside. They no longer name
+        who is expected to decide (the lowest unsuspected member takes over again, so two
+        candidates do not duel on their own old ballots), but as an acceptor this peer still
+        refuses any ballot below them (:func:`_bound`).
     """
 
     me: int
@@ -576,6 +606,9 @@ class PeerState(NamedTuple):
     refused: frozenset[int] = frozenset()
     chosen: int = -1
     last_takeover: tuple[int, int] = (-1, 0)
+    chain: bytes | None = b""
+    strays: frozenset[int] = frozenset()
+    floor: Mapping[int, Ballot] = {}
 
 
 class CommitReply(NamedTuple):
@@ -618,6 +651,18 @@ def decision_digest(commit: Commit) -> bytes:
     return hashlib.sha256(signed_bytes(commit)).digest()
 
 
+def chain_digest(commit: Commit) -> bytes:
+    """SHA-256 of a decision's value and of the chain it continues (``commit.previous``): equal
+    digests mean the same decisions of this iteration and of every one before it. The ballot and
+    the signer are left out: a takeover that re-issues a decision keeps its chain."""
+    return hashlib.sha256(
+        canonical(
+            "zeroth-chain-v1", commit.run_id, commit.iteration, commit.previous, commit.contributors,
+            commit.updates_digest, _view_fields(commit.next_view),
+        )
+    ).digest()
+
+
 def _view_fields(v: View) -> tuple:
     return (v.iteration, tuple((m.machine, m.address, m.active, m.key) for m in v.members), v.next_machine_id)
 
@@ -625,16 +670,17 @@ def _view_fields(v: View) -> tuple:
 def signed_bytes(msg) -> bytes:
     """The bytes a sender signs for a :class:`Push`, :class:`Commit`, :class:`Prepare` or :class:`Leave`:
     :func:`canonical` of a domain tag and every field but the signature (run id, sender, iteration
-    and, for commits and prepares, the ballot: a signature never fits another run, iteration or ballot)."""
+    and, for commits and prepares, the ballot: a signature never fits another run, iteration or
+    ballot; for pushes and commits, the chain they continue)."""
     if isinstance(msg, Push):
-        return canonical("zeroth-push-v1", msg.run_id, msg.sender, msg.iteration, msg.count, msg.payload)
+        return canonical("zeroth-push-v2", msg.run_id, msg.sender, msg.iteration, msg.count, msg.payload, msg.previous)
     if isinstance(msg, Commit):
         return canonical(
-            "zeroth-commit-v1", msg.run_id, msg.sender, msg.iteration, tuple(msg.ballot), msg.contributors,
-            msg.updates_digest, _view_fields(msg.next_view),
+            "zeroth-commit-v2", msg.run_id, msg.sender, msg.iteration, tuple(msg.ballot), msg.contributors,
+            msg.updates_digest, _view_fields(msg.next_view), msg.previous,
         )
     if isinstance(msg, Prepare):
-        return canonical("zeroth-prepare-v1", msg.run_id, msg.sender, msg.iteration, tuple(msg.ballot))
+        return canonical("zeroth-prepare-v2", msg.run_id, msg.sender, msg.iteration, tuple(msg.ballot), msg.previous)
     if isinstance(msg, Leave):
         return canonical("zeroth-leave-v1", msg.run_id, msg.sender, msg.iteration)
     raise TypeError(f"signed_bytes() takes Push, Commit, Prepare or Leave, got {type(msg).__name__}")
@@ -718,7 +764,7 @@ def _verify_entry(params: Params, view: View | None, e: LogEntry, what: str, key
         raise Rejected("UNAUTHENTICATED", f"{what}: the payloads carry no signatures of their senders")
     c = e.commit
     for (m, n), payload, sig in zip(c.contributors, e.payloads, sigs, strict=True):
-        push = Push(c.run_id, m, c.iteration, n, payload, sig)
+        push = Push(c.run_id, m, c.iteration, n, payload, sig, c.previous)
         _verify(params, view, push, f"{what} payload of machine {m}", key=keys(m) if keys else None)
 
 
@@ -812,6 +858,12 @@ def _check_payload(params: Params, count: int, payload: bytes, what: str) -> Non
             raise Rejected("INVALID_ARGUMENT", f"{what}: {err}")
 
 
+def _check_previous(previous, what: str) -> None:
+    if not isinstance(previous, bytes) or len(previous) not in (0, 32):
+        n = len(previous) if isinstance(previous, bytes) else type(previous).__name__
+        raise Rejected("INVALID_ARGUMENT", f"{what}: previous must be a 32-byte chain digest (or empty before the first decision), got {n}")
+
+
 def _check_address(address) -> None:
     if not isinstance(address, str) or not 3 <= len(address) <= MAX_ADDRESS or ":" not in address:
         raise Rejected("INVALID_ARGUMENT", f"address must be 'host:port' (3..{MAX_ADDRESS} characters), got {address!r:.80}")
@@ -856,6 +908,7 @@ def _check_commit(params: Params, c: Commit) -> None:
             raise Rejected("INVALID_ARGUMENT", f"contributor {m} count {n} is outside [1, {params.max_count}]")
     if not isinstance(c.updates_digest, bytes) or len(c.updates_digest) != 32:
         raise Rejected("INVALID_ARGUMENT", f"updates_digest must be 32 bytes (SHA-256), got {len(c.updates_digest)}")
+    _check_previous(c.previous, f"commit of iteration {c.iteration}")
     _check_uint("ballot round", c.ballot.round, MAX_ROUND)
     _check_view(params, c.next_view, "commit next_view")
     if c.next_view.iteration != c.iteration + 1:
@@ -865,7 +918,38 @@ def _check_commit(params: Params, c: Commit) -> None:
 
 
 def _same_value(a: Commit, b: Commit) -> bool:
-    return a.contributors == b.contributors and a.updates_digest == b.updates_digest and a.next_view == b.next_view
+    return (
+        a.contributors == b.contributors and a.updates_digest == b.updates_digest and a.next_view == b.next_view
+        and a.previous == b.previous
+    )
+
+
+def _bound(st: PeerState, t: int) -> Ballot | None:
+    """The lowest ballot this peer may still accept for ``t`` as an acceptor: its promise, or a
+    promise a re-synchronisation set aside (:attr:`PeerState.floor`), whichever is higher."""
+    bounds = [b for b in (st.promised.get(t), st.floor.get(t)) if b is not None]
+    return max(bounds) if bounds else None
+
+
+def _check_continues(st: PeerState, t: int, previous: bytes, what: str) -> None:
+    """Refuse ``what`` (a message of iteration ``t``) unless it continues the decision of ``t - 1``
+    this peer holds (when it holds one): a commit, a push or a takeover on another chain."""
+    before = _chain_before(st, t)
+    if before is not None and previous != before:
+        raise Rejected(
+            "FAILED_PRECONDITION",
+            f"{what} continues another decision of iteration {t - 1} (chain {previous.hex()[:16] or 'none'}) "
+            f"than the one this peer holds ({before.hex()[:16] or 'none'})",
+        )
+
+
+def _chain_before(st: PeerState, t: int) -> bytes | None:
+    """The chain a decision, push or prepare of ``t`` must continue here: ours for ``it``, else that
+    of the decision of ``t - 1`` held (applied in the window, or buffered); None: not known."""
+    if t == st.it:
+        return st.chain
+    prev = st.decided.get(t - 1)
+    return chain_digest(prev.commit) if prev is not None else None
 
 
 def _assemble(state: PeerState, commit: Commit) -> tuple[tuple[bytes, ...], tuple[bytes, ...]] | None:
@@ -934,7 +1018,17 @@ def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -
         waits=0,
         leaves=st.leaves & ids,
         ready=st.ready & (ids - st.view.active_ids()),
+        strays=frozenset(),
     )
+    # Pushes of ``it`` that arrived before we applied ``it - 1`` are checked now.
+    for (t, m), push in sorted(st.inbox.items()):
+        if t == st.it and st.chain is not None and push.previous != st.chain:
+            if not push.previous:
+                st = st._replace(inbox={k: v for k, v in st.inbox.items() if k != (t, m)})
+                continue
+            st = _stray(st, push, effects)
+            if st.phase != MEMBER:
+                return st
     lead = committer(st) == st.me
     if st.joins and not lead:
         st = _refuse_joins(st, effects)
@@ -975,8 +1069,10 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
         st = st._replace(
             it=it,
             view=nxt,
+            chain=chain_digest(entry.commit),
             inbox={k: v for k, v in st.inbox.items() if k[0] >= it},
             promised={k: v for k, v in st.promised.items() if k >= it - params.window},
+            floor={k: v for k, v in st.floor.items() if k >= it - params.window},
             decided={k: v for k, v in st.decided.items() if k >= it - params.window},
             fetch=st.fetch if st.fetch is not None and st.fetch.last >= it else None,
         )
@@ -1028,7 +1124,7 @@ def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> Pee
     keep waiting: a minority never decides, so a partitioned run cannot split)."""
     if st.phase != MEMBER or st.it in st.decided or committer(st) != st.me or st.recovery is not None:
         return st
-    b = st.promised.get(st.it)
+    b = _bound(st, st.it)
     if b is not None and b > Ballot(0, st.me):
         return st
     view = st.view
@@ -1076,7 +1172,7 @@ def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive) 
         members.append(m._replace(active=m.machine in next_active))
     members += [m for _, m in admitted]
     next_view = View(st.it + 1, tuple(sorted(members)), next_id)
-    commit = Commit(params.run_id, st.me, st.it, ballot, contrib, updates_digest(contrib, payloads), next_view)
+    commit = Commit(params.run_id, st.me, st.it, ballot, contrib, updates_digest(contrib, payloads), next_view, previous=st.chain or b"")
     return LogEntry(sign(params, commit), payloads, signatures), tuple(admitted)
 
 
@@ -1088,7 +1184,7 @@ def _publish(params: Params, st: PeerState, now: float, effects: list, entry: Lo
             effects.append(Send(m.machine, m.address, entry.commit))
     admissions = dict(st.admissions)
     if admitted:
-        admissions[t] = Admission(st.view.ids(), frozenset({st.me}), tuple(admitted), entry.commit.next_view)
+        admissions[t] = Admission(st.view.ids(), frozenset({st.me}), tuple(admitted), entry.commit.next_view, chain_digest(entry.commit))
     st = st._replace(
         decided=_put(st.decided, t, entry),
         promised=_put(st.promised, t, entry.commit.ballot),
@@ -1115,7 +1211,7 @@ def _answer_admissions(st: PeerState, t: int, effects: list) -> PeerState:
     if adm is None or not _meets_every_majority(adm.acks, adm.base):
         return st
     for rid, member in adm.joins:
-        effects.append(Admit(rid, JoinAnswer(member.machine, adm.view)))
+        effects.append(Admit(rid, JoinAnswer(member.machine, adm.view, adm.chain)))
         effects.append(Note(f"admitted machine {member.machine} ({member.address}) from iteration {adm.view.iteration}"))
     return st._replace(admissions={k: v for k, v in st.admissions.items() if k != t})
 
@@ -1145,7 +1241,7 @@ def _finish_forming(params: Params, st: PeerState, now: float) -> Step:
     adm = st.admissions.get(-1)
     effects: list = []
     for rid, member in adm.joins if adm else ():
-        effects.append(Admit(rid, JoinAnswer(member.machine, st.view)))
+        effects.append(Admit(rid, JoinAnswer(member.machine, st.view, st.chain or b"")))
     effects.append(Note(f"formed with machines {sorted(st.view.ids())}"))
     st = st._replace(phase=MEMBER, admissions={})
     if st.it >= params.iterations:
@@ -1155,26 +1251,35 @@ def _finish_forming(params: Params, st: PeerState, now: float) -> Step:
     return Step(st, tuple(effects))
 
 
-def joined(params: Params, *, me: int, view: View, now: float) -> PeerState:
-    """The state of a joiner right after its :class:`JoinAnswer`: catching up, decisions buffered."""
+def joined(params: Params, *, me: int, view: View, now: float, chain: bytes = b"") -> PeerState:
+    """The state of a joiner right after its :class:`JoinAnswer` (``chain``: the answer's): catching
+    up, decisions buffered."""
     if me not in view.ids():
         raise ValueError(f"machine {me} is not a member of the view it was given ({sorted(view.ids())})")
-    return _blank(me, CATCHING_UP, view, now)
+    _check_previous(chain, "join answer")
+    return _blank(me, CATCHING_UP, view, now)._replace(chain=chain)
 
 
-def on_ready(params: Params, st: PeerState, *, iteration: int, view: View, now: float) -> Step:
+def on_ready(params: Params, st: PeerState, *, iteration: int, view: View, now: float, chain: bytes | None = None) -> Step:
     """The runtime loaded the state at the start of ``iteration`` (view ``view``): start taking part.
 
-    ``iteration`` may be past ``st.it`` (a newer snapshot): the buffered decisions before it are skipped.
+    ``iteration`` may be past ``st.it`` (a newer snapshot, or log entries replayed): the buffered
+    decisions before it are skipped, and ``chain`` is the :func:`chain_digest` of the decision of
+    ``iteration - 1`` (the join answer's is that of ``st.it - 1``), or None if the runtime does not
+    hold that decision: the chain is then learned from the first decision applied.
     """
     if st.phase != CATCHING_UP:
         raise ValueError(f"on_ready needs phase {CATCHING_UP!r}, the peer is {st.phase!r}")
     if iteration < st.it:
         raise ValueError(f"loaded state of iteration {iteration} is older than the first iteration {st.it} of this member")
+    if chain is not None:
+        _check_previous(chain, "loaded state")
+        st = st._replace(chain=chain)
     if iteration > st.it:
         st = st._replace(
             it=iteration,
             view=view,
+            chain=chain,
             inbox={k: v for k, v in st.inbox.items() if k[0] >= iteration},
             decided={k: v for k, v in st.decided.items() if k >= iteration},
         )
@@ -1290,7 +1395,7 @@ def on_local_gradients(params: Params, st: PeerState, *, iteration: int, count: 
         _check_payload(params, count, payload, "local gradients")
     except Rejected as e:
         raise ValueError(e.message) from None
-    push = sign(params, Push(params.run_id, st.me, iteration, count, payload))
+    push = sign(params, Push(params.run_id, st.me, iteration, count, payload, previous=st.chain or b""))
     st = st._replace(inbox=_put(st.inbox, (iteration, st.me), push))
     effects: list = [Send(m.machine, m.address, push) for m in st.view.members if m.machine != st.me]
     st = _try_commit(params, st, now, effects)
@@ -1332,6 +1437,16 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
         raise Rejected("FAILED_PRECONDITION", f"stale push: iteration {t} is already decided (this peer is at {st.it})")
     if t > _horizon(st) or t > st.it + params.window:
         raise Rejected("OUT_OF_RANGE", f"push for iteration {t} is too far ahead (this peer is at {st.it})")
+    _check_previous(push.previous, f"push of machine {push.sender} iteration {t}")
+    before = _chain_before(st, t)
+    if before is not None and push.previous != before:
+        if t != st.it or not push.previous:
+            # Another chain's push one iteration ahead, or one whose sender does not know its chain
+            # (a joiner that loaded a newer snapshot): refused, and no evidence.
+            _check_continues(st, t, push.previous, f"push of machine {push.sender} iteration {t}")
+        effects = []
+        st = _stray(st, push, effects)
+        return Step(st, tuple(effects))
     old = st.inbox.get((t, push.sender))
     if old is not None:
         if old == push:
@@ -1342,6 +1457,34 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
     if t == st.it:
         st = _advance(params, st, now, effects) if st.it in st.decided else _try_commit(params, st, now, effects)
     return Step(st, tuple(effects))
+
+
+def _stray(st: PeerState, push: Push, effects: list) -> PeerState:
+    """A push of ``it`` that continues another decision of ``it - 1`` than ours is not taken (its
+    gradients were computed on another state, and no decision of ours may name it); its signed
+    chain is evidence against ours (:func:`_elsewhere`)."""
+    inbox = {k: v for k, v in st.inbox.items() if k != (push.iteration, push.sender)}
+    return _elsewhere(st._replace(inbox=inbox), push.sender, push.previous, "push", effects)
+
+
+def _elsewhere(st: PeerState, machine: int, previous: bytes, what: str, effects: list) -> PeerState:
+    """Signed evidence (``what``: its push, or a log it served) that ``machine`` continues another
+    decision of ``it - 1`` than ours. When a majority of the view's members do, ours was replaced (a
+    decision we applied was not chosen, and the majority went on without it): :class:`Dropped`, and
+    the peer rejoins from the majority's state."""
+    if machine not in st.strays:
+        effects.append(
+            Note(f"iteration {st.it}: machine {machine}'s {what} continues another decision of iteration {st.it - 1} "
+                 f"(chain {previous.hex()[:16]}, ours {(st.chain or b'').hex()[:16]}); not taken")
+        )
+    st = st._replace(strays=st.strays | {machine})
+    if _majority(st.strays, st.view.ids()):
+        effects.append(
+            Dropped(f"iteration {st.it}: machines {sorted(st.strays)} of {sorted(st.view.ids())} continue another decision "
+                    f"of iteration {st.it - 1} than the one this peer applied, which was replaced")
+        )
+        return st._replace(phase=DROPPED, fetch=None, recovery=None)
+    return st
 
 
 # --------------------------------------------------------------------------- decisions
@@ -1381,7 +1524,9 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
             return Step(st, (), _commit_reply(st, commit, st.decided[t].commit.ballot == commit.ballot))
         # Ids are never reused and keep their key: any view that holds the sender has its key.
         _verify(params, None, commit, f"commit of iteration {t}", key=member_key(st, commit.sender))
-        if commit.ballot <= old.commit.ballot:
+        if commit.ballot <= old.commit.ballot or commit.previous != old.commit.previous:
+            # Not a later ballot of our chain's iteration (a decision continuing another chain says
+            # nothing about ours; its pushes tell, :func:`_stray`).
             return Step(st, (), _commit_reply(st, commit, False))
         # A later ballot decided differently? Only the leader's log can say: fetch it and compare.
         effects.append(Note(f"iteration {t}: a commit of ballot {tuple(commit.ballot)} differs from the applied one; checking the leader's log"))
@@ -1406,23 +1551,25 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
     _verify(params, view, commit, f"commit of iteration {t}")
     _check_succession(view, commit.next_view, f"commit of iteration {t}")
     promised = st.promised.get(t)
+    bound = _bound(st, t)
     if commit.ballot.round == 0:
         if commit.ballot.leader != view.leader():
             raise Rejected(
                 "INVALID_ARGUMENT",
                 f"round-0 commit of iteration {t} from machine {commit.sender}; the leader is {view.leader()}",
             )
-        if promised is not None and commit.ballot < promised:
+        if bound is not None and commit.ballot < bound:
             raise Rejected(
                 "FAILED_PRECONDITION",
-                f"commit of iteration {t} has ballot {tuple(commit.ballot)} below the promised {tuple(promised)}",
+                f"commit of iteration {t} has ballot {tuple(commit.ballot)} below the promised {tuple(bound)}",
             )
-    elif promised != commit.ballot:
+    elif commit.ballot != (promised if promised is not None else st.floor.get(t)) or commit.ballot < bound:
         raise Rejected(
             "FAILED_PRECONDITION",
             f"commit of iteration {t} has ballot {tuple(commit.ballot)}; this peer promised "
             f"{'nothing' if promised is None else tuple(promised)} (a takeover commits only after its prepare)",
         )
+    _check_continues(st, t, commit.previous, f"commit of iteration {t}")
     old = st.decided.get(t)
     if old is not None and _same_value(old.commit, commit):
         entry = old._replace(commit=commit)
@@ -1490,7 +1637,7 @@ def on_push_refused(params: Params, st: PeerState, *, iteration: int, machine: i
 
 
 def _start_recovery(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
-    prev = st.promised.get(st.it)
+    prev = _bound(st, st.it)
     used = st.last_takeover[1] if st.last_takeover[0] == st.it else 0  # never a ballot of ours twice
     ballot = Ballot(max(prev.round if prev is not None else 0, used) + 1, st.me)
     if ballot.round >= MAX_ROUND:
@@ -1504,7 +1651,7 @@ def _start_recovery(params: Params, st: PeerState, now: float, effects: list) ->
     effects.append(Note(f"iteration {st.it}: taking over with ballot {tuple(ballot)} (suspected {sorted(st.suspected)})"))
     for m in st.view.members:
         if m.machine != st.me:
-            effects.append(Send(m.machine, m.address, sign(params, Prepare(params.run_id, st.me, st.it, ballot))))
+            effects.append(Send(m.machine, m.address, sign(params, Prepare(params.run_id, st.me, st.it, ballot, previous=st.chain or b""))))
     if len(st.view.members) == 1:
         st = _finish_recovery(params, st, now, effects)
     return st
@@ -1552,17 +1699,17 @@ def _learn_chosen(st: PeerState, effects: list) -> PeerState:
     return st._replace(joins=tuple(joins))
 
 
-def _seat(st: PeerState, address: str, key: bytes) -> tuple[Member, View] | None:
+def _seat(st: PeerState, address: str, key: bytes) -> tuple[Member, View, bytes] | None:
     """The inactive member at ``address`` with ``key`` (a joiner admitted but not told so: a process's
-    key is its own, new at each start or rejoin) and the view to tell it: the view of ``chosen + 1``,
-    handed on by the newest decision this peer knows is chosen, when that view and the current one
-    both hold the seat (else None).
+    key is its own, new at each start or rejoin), the view to tell it and that view's chain: the view
+    of ``chosen + 1``, handed on by the newest decision this peer knows is chosen, when that view and
+    the current one both hold the seat (else None).
 
     That view, not the current one: the decision of ``it - 1`` may not be known chosen yet, and the
     takeover that would learn it may need this very joiner's promise (five founders, a joiner
     admitted, two founders dead: three of the six members are left to answer). The joiner starts
     from the chosen view and fetches the decisions after it like any member that fell behind."""
-    if st.phase != MEMBER or st.chosen < 0:
+    if st.phase != MEMBER or st.chosen < 0 or st.chain is None:
         return None
     chosen_view = _view_at(st, st.chosen + 1)
     if chosen_view is None:
@@ -1574,12 +1721,12 @@ def _seat(st: PeerState, address: str, key: bytes) -> tuple[Member, View] | None
     seat = find(chosen_view)
     if seat is None or find(st.view) != seat:
         return None
-    return seat, chosen_view
+    return seat, chosen_view, st.chain if st.chosen + 1 == st.it else chain_digest(st.decided[st.chosen].commit)
 
 
-def _answer_seat(rid: int, seat: Member, view: View) -> list:
+def _answer_seat(rid: int, seat: Member, view: View, chain: bytes) -> list:
     return [
-        Admit(rid, JoinAnswer(seat.machine, view)),
+        Admit(rid, JoinAnswer(seat.machine, view, chain)),
         Note(f"told machine {seat.machine} ({seat.address}) its id: the chosen view of iteration {view.iteration} holds it"),
     ]
 
@@ -1600,9 +1747,13 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase}")
     _verify(params, st.view, msg, f"prepare of machine {msg.sender}")
     t = msg.iteration
+    _check_previous(msg.previous, f"prepare of machine {msg.sender}")
     if t < st.it:
         if t < st.it - params.window:
             raise Rejected("OUT_OF_RANGE", f"iteration {t} is older than this peer's window (at {st.it})")
+        # No promise to a takeover on another chain, for an applied iteration either: its answer is
+        # our decision, which another chain's takeover must not take for its own.
+        _check_continues(st, t, msg.previous, f"the takeover of iteration {t} by machine {msg.sender}")
         # Applied already: the reply is our decision. The promise is kept, so that a takeover re-issuing
         # that same decision with this ballot moves our copy to its ballot (see on_commit).
         if msg.ballot > st.promised.get(t, Ballot(*_NO_BALLOT)):
@@ -1614,12 +1765,14 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
         raise Rejected("OUT_OF_RANGE", f"prepare for iteration {t} is too far ahead (this peer is at {st.it})")
     if msg.sender not in st.view.ids():
         raise Rejected("PERMISSION_DENIED", f"machine {msg.sender} is not a member of iteration {st.it}")
+    _check_continues(st, t, msg.previous, f"the takeover of iteration {t} by machine {msg.sender}")
     promised = st.promised.get(t)
-    if promised is not None and msg.ballot < promised:
+    bound = _bound(st, t)
+    if bound is not None and msg.ballot < bound:
         raise Rejected(
-            "FAILED_PRECONDITION", f"ballot {tuple(msg.ballot)} for iteration {t} is below the promised {tuple(promised)}"
+            "FAILED_PRECONDITION", f"ballot {tuple(msg.ballot)} for iteration {t} is below the promised {tuple(bound)}"
         )
-    top = promised.round if promised is not None else 0
+    top = bound.round if bound is not None else 0
     if msg.ballot.round > top + MAX_ROUND_STEP:
         raise Rejected(
             "OUT_OF_RANGE",
@@ -1695,13 +1848,13 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
                 _verify(params, st.view, p, "takeover push")
             except Rejected:
                 continue  # a push its sender did not sign is ignored
-            if p.iteration == st.it and p.sender in st.view.ids() and (p.iteration, p.sender) not in inbox:
+            if p.iteration == st.it and p.sender in st.view.ids() and (p.iteration, p.sender) not in inbox and p.previous == (st.chain or b""):
                 inbox[(p.iteration, p.sender)] = p
     st = st._replace(inbox=inbox)
     held = []
     for r in replies:
-        if r.decided is None or r.decided.commit.iteration != st.it:
-            continue
+        if r.decided is None or r.decided.commit.iteration != st.it or r.decided.commit.previous != (st.chain or b""):
+            continue  # none, or a decision continuing another chain than ours
         try:
             _check_commit(params, r.decided.commit)
             _verify_entry(params, st.view, r.decided, f"decision of iteration {st.it} in a promise")
@@ -1753,7 +1906,7 @@ def on_fetched(params: Params, st: PeerState, entries, now: float) -> Step:
         t = e.commit.iteration
         if t < st.it:
             old = decided.get(t)
-            if check and old is not None and not _same_value(old.commit, e.commit):
+            if check and old is not None and not _same_value(old.commit, e.commit) and e.commit.previous == old.commit.previous:
                 _verify_entry(params, None, e, f"log entry of iteration {t}", keys=lambda m: member_key(st, m))
                 effects.append(
                     Dropped(f"iteration {t}: the leader's log holds a decision (ballot {tuple(e.commit.ballot)}) that differs from the one this peer applied")
@@ -1763,6 +1916,21 @@ def on_fetched(params: Params, st: PeerState, entries, now: float) -> Step:
         view = st.view if t == st.it else (decided[t - 1].commit.next_view if t - 1 in decided else None)
         if view is None or t > st.it + params.window:
             continue  # not on the chain of views this peer knows: cannot be verified
+        before = st.chain if t == st.it else chain_digest(decided[t - 1].commit)
+        if before is not None and e.commit.previous != before:
+            source = next((m.machine for m in st.view.members if st.fetch is not None and m.address == st.fetch.address), None)
+            try:
+                _verify_entry(params, view, e, f"log entry of iteration {t}")
+                signed_here = True
+            except Rejected:
+                signed_here = False  # not even signed by a member of our view: no evidence
+            if t == st.it and signed_here and source is not None and source != st.me:
+                st = _elsewhere(st._replace(decided=decided), source, e.commit.previous, "log", effects)
+                if st.phase != MEMBER:
+                    return Step(st, tuple(effects))
+            else:
+                effects.append(Note(f"the log of {st.fetch.address if st.fetch else '?'} continues another decision of iteration {t - 1}; not taken"))
+            break
         _verify_entry(params, view, e, f"log entry of iteration {t}")
         old = decided.get(t)
         if old is None or old.payloads is None and (_same_value(old.commit, e.commit) or e.commit.ballot >= old.commit.ballot):
@@ -1798,16 +1966,21 @@ def on_fetch_failed(params: Params, st: PeerState, *, message: str, now: float, 
 
 
 def _resync(params: Params, st: PeerState, now: float, effects: list) -> tuple[PeerState, tuple]:
-    """A stuck iteration: forget what may wedge it (an undecidable entry, promises, our takeover),
-    fetch the decided log from the others (the majority moved on, or it is gone), and push our
-    gradients of the iteration again (:func:`_push_again`): a push is sent once, and a committer
-    that lost it (a failed call is not retried) may lack exactly that member for its majority
-    (three members, one dead, the third's push lost)."""
+    """A stuck iteration: forget what may wedge it (an undecidable entry, our takeover, who we expect
+    to decide), fetch the decided log from the others (the majority moved on, or it is gone), and
+    push our gradients of the iteration again (:func:`_push_again`): a push is sent once, and a
+    committer that lost it (a failed call is not retried) may lack exactly that member for its
+    majority (three members, one dead, the third's push lost).
+
+    Promises are set aside, not forgotten (:attr:`PeerState.floor`): an acceptor that forgot one
+    could accept a lower ballot's commit after a takeover counted on its promise, and two decisions
+    of one iteration could both be taken."""
     entry = st.decided.get(st.it)
     decided = st.decided if entry is None or entry.payloads is not None else {k: v for k, v in st.decided.items() if k != st.it}
     st = st._replace(
         decided=decided,
         promised={k: v for k, v in st.promised.items() if k < st.it},
+        floor={**st.floor, **{k: max(v, st.floor.get(k, v)) for k, v in st.promised.items() if k >= st.it}},
         recovery=None,
         suspected=frozenset(),
         resynced_at=now,

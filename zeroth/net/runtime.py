@@ -688,13 +688,14 @@ class Node:
             with self._lock:
                 self._pp = self._protocol_params(answer.run_id)
                 self.incarnation += 1
-                self._st = P.joined(self._pp, me=answer.machine_id, view=view, now=time.monotonic())
+                self._st = P.joined(self._pp, me=answer.machine_id, view=view, now=time.monotonic(),
+                                    chain=bytes(answer.chain))
                 self.machines.append(answer.machine_id)
             self._write_machine(answer.machine_id)
             self.say(f"joined run {answer.run_id} as machine {answer.machine_id} from iteration {view.iteration} via {sponsor}")
             try:
                 iteration, ready_view = self.transfer.catch_up(sponsor, view)
-                self._step(P.on_ready, iteration=iteration, view=ready_view)
+                self._step(P.on_ready, iteration=iteration, view=ready_view, chain=self._chain_at(iteration, view))
                 break
             except (grpc.RpcError, P.Rejected, RuntimeError) as e:
                 msg = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
@@ -708,6 +709,16 @@ class Node:
                 self.transfer.store.clear()
                 self._stop.wait(0.5)
         self._warm_more(len(view.members))
+
+    def _chain_at(self, iteration: int, view: P.View) -> bytes | None:
+        """The chain digest of the decision of ``iteration - 1`` for :func:`P.on_ready`: the join
+        answer's when the state is that of the joined view, else that of the log entry replayed last
+        (None when the state came from a newer snapshot without it: learned from the next decision)."""
+        if iteration == view.iteration:
+            return None
+        with self.transfer.store.lock:
+            entry = self.transfer.store.log.get(iteration - 1)
+        return P.chain_digest(entry.commit) if entry is not None else None
 
     def _wait_for_iteration(self, addresses: list[str], iteration: int) -> None:
         """Poll the peers' ``Status`` until one reports ``iteration`` (or finished, or the join timeout)."""

@@ -74,6 +74,7 @@ class PeerService(pb_grpc.PeerServicer):
                 iteration=answer.view.iteration,
                 machine_id=answer.machine,
                 view=wire.view_to_pb(answer.view),
+                chain=answer.chain,
             )
 
         return self._answer(self._run(context, go))

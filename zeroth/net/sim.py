@@ -235,7 +235,7 @@ class SimNet:
         peer.pending_join = None
         peer.machines.append(answer.machine)
         self.admitted.append(answer.machine)
-        peer.state = P.joined(self.params, me=answer.machine, view=answer.view, now=self.now)
+        peer.state = P.joined(self.params, me=answer.machine, view=answer.view, now=self.now, chain=answer.chain)
         first = answer.view.iteration
         # State transfer: copy a live member's log up to `first` (the snapshot + log of the real runtime).
         sponsor = max(

@@ -56,6 +56,7 @@ TOKEN_OVERHEAD = 17
 STREAM_MESSAGE_OVERHEAD = 14
 MAX_CONFIG_DIGEST = 128
 MAX_SIGNATURE = 64  # Ed25519
+MAX_DIGEST = 32  # SHA-256 (a chain digest)
 
 
 def wire_size(message, *, kind: str, token: str | None = None) -> int:
@@ -114,14 +115,15 @@ def ballot_from_pb(b: pb.Ballot) -> P.Ballot:
 
 def push_to_pb(p: P.Push) -> pb.GradientPush:
     return pb.GradientPush(
-        run_id=p.run_id, sender=p.sender, iteration=p.iteration, count=p.count, payload=p.payload, signature=p.signature
+        run_id=p.run_id, sender=p.sender, iteration=p.iteration, count=p.count, payload=p.payload, signature=p.signature,
+        previous=p.previous,
     )
 
 
 def push_from_pb(p: pb.GradientPush) -> P.Push:
     return P.Push(
         _str("run_id", p.run_id, P.MAX_RUN_ID), int(p.sender), int(p.iteration), int(p.count), bytes(p.payload),
-        _bytes("signature", p.signature, MAX_SIGNATURE),
+        _bytes("signature", p.signature, MAX_SIGNATURE), _bytes("previous", p.previous, MAX_DIGEST),
     )
 
 
@@ -135,6 +137,7 @@ def commit_to_pb(c: P.Commit) -> pb.Commit:
         updates_digest=c.updates_digest,
         next_view=view_to_pb(c.next_view),
         signature=c.signature,
+        previous=c.previous,
     )
 
 
@@ -152,6 +155,7 @@ def commit_from_pb(c: pb.Commit) -> P.Commit:
         bytes(c.updates_digest),
         view_from_pb(c.next_view),
         _bytes("signature", c.signature, MAX_SIGNATURE),
+        _bytes("previous", c.previous, MAX_DIGEST),
     )
 
 
@@ -193,14 +197,15 @@ def entry_from_pb(e: pb.LogEntry) -> P.LogEntry:
 
 def prepare_to_pb(p: P.Prepare) -> pb.PrepareRequest:
     return pb.PrepareRequest(
-        run_id=p.run_id, sender=p.sender, iteration=p.iteration, ballot=ballot_to_pb(p.ballot), signature=p.signature
+        run_id=p.run_id, sender=p.sender, iteration=p.iteration, ballot=ballot_to_pb(p.ballot), signature=p.signature,
+        previous=p.previous,
     )
 
 
 def prepare_from_pb(p: pb.PrepareRequest) -> P.Prepare:
     return P.Prepare(
         _str("run_id", p.run_id, P.MAX_RUN_ID), int(p.sender), int(p.iteration), ballot_from_pb(p.ballot),
-        _bytes("signature", p.signature, MAX_SIGNATURE),
+        _bytes("signature", p.signature, MAX_SIGNATURE), _bytes("previous", p.previous, MAX_DIGEST),
     )
 
 
