@@ -396,8 +396,12 @@ class SimNet:
                     return
                 if entries is None:
                     self._handle(peer, P.on_fetch_failed(self.params, peer.state, message="unreachable", now=self.now, code="UNAVAILABLE"))
-                else:
-                    self._handle(peer, P.on_fetched(self.params, peer.state, entries, self.now))
+                    return
+                try:
+                    step = P.on_fetched(self.params, peer.state, entries, self.now)
+                except P.Rejected as e:  # a log this peer cannot take is a failed fetch, as in the runtime
+                    step = P.on_fetch_failed(self.params, peer.state, message=e.message, now=self.now)
+                self._handle(peer, step)
 
             self._at(self.now + self.latency, back)
 
