@@ -1413,10 +1413,12 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
     one iteration ahead); stored once (an identical copy is accepted again, a different one is
     refused). An inactive member's push up to :data:`READY_LAG` iterations late (a joiner that
     caught up while the others ran ahead) marks it ready to become active: the next decision makes
-    it active, and the barrier then waits for it.
+    it active, and the barrier then waits for it. A push of ``it`` continuing another chain than
+    ours is not taken but kept as evidence (:func:`_stray`).
 
     Raises:
-      Rejected: other run, unknown sender, stale or too far ahead, bad count or size, conflicting duplicate.
+      Rejected: other run, unknown sender, stale or too far ahead, bad count or size, conflicting
+        duplicate, or on another chain than ours one iteration ahead or naming no chain.
     """
     _check_run(params, push.run_id)
     _check_uint("sender", push.sender)
@@ -1503,8 +1505,8 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
 
     Raises:
       Rejected: malformed, other run, not signed by its sender, ballot below one promised (or a
-        takeover's ballot this peer did not promise), too far ahead, or a round-0 commit not
-        sent by the leader of the iteration.
+        takeover's ballot this peer did not promise), too far ahead, a round-0 commit not
+        sent by the leader of the iteration, or a decision continuing another chain than ours.
     """
     _check_commit(params, commit)
     if st.phase not in (MEMBER, CATCHING_UP, DONE):
@@ -1735,7 +1737,8 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
     """A takeover asks for our promise. Reply: our :class:`PrepareReply`.
 
     Raises:
-      Rejected: other run, unknown sender, ballot below one already promised, iteration out of the window.
+      Rejected: other run, unknown sender, ballot below one already promised, iteration out of the
+        window, or a takeover continuing another chain than ours.
     """
     _check_run(params, msg.run_id)
     _check_uint("sender", msg.sender)
