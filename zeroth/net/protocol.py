@@ -1020,15 +1020,16 @@ def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -
         ready=st.ready & (ids - st.view.active_ids()),
         strays=frozenset(),
     )
-    # Pushes of ``it`` that arrived before we applied ``it - 1`` are checked now.
-    for (t, m), push in sorted(st.inbox.items()):
-        if t == st.it and st.chain is not None and push.previous != st.chain:
-            if not push.previous:
-                st = st._replace(inbox={k: v for k, v in st.inbox.items() if k != (t, m)})
-                continue
-            st = _stray(st, push, effects)
-            if st.phase != MEMBER:
-                return st
+    # Pushes of ``it`` that arrived before we applied ``it - 1`` are checked now: those on another
+    # chain leave the inbox, and those naming one are evidence against ours.
+    off = [] if st.chain is None else [p for (t, _), p in sorted(st.inbox.items()) if t == st.it and p.previous != st.chain]
+    if off:
+        st = st._replace(inbox={k: v for k, v in st.inbox.items() if v not in off})
+        for push in off:
+            if push.previous:
+                st = _elsewhere(st, push.sender, push.previous, "push", effects)
+                if st.phase != MEMBER:
+                    return st
     lead = committer(st) == st.me
     if st.joins and not lead:
         st = _refuse_joins(st, effects)
@@ -1414,7 +1415,7 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
     refused). An inactive member's push up to :data:`READY_LAG` iterations late (a joiner that
     caught up while the others ran ahead) marks it ready to become active: the next decision makes
     it active, and the barrier then waits for it. A push of ``it`` continuing another chain than
-    ours is not taken but kept as evidence (:func:`_stray`).
+    ours is not taken but kept as evidence (:func:`_elsewhere`).
 
     Raises:
       Rejected: other run, unknown sender, stale or too far ahead, bad count or size, conflicting
@@ -1447,7 +1448,7 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
             # (a joiner that loaded a newer snapshot): refused, and no evidence.
             _check_continues(st, t, push.previous, f"push of machine {push.sender} iteration {t}")
         effects = []
-        st = _stray(st, push, effects)
+        st = _elsewhere(st, push.sender, push.previous, "push", effects)
         return Step(st, tuple(effects))
     old = st.inbox.get((t, push.sender))
     if old is not None:
@@ -1461,17 +1462,10 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
     return Step(st, tuple(effects))
 
 
-def _stray(st: PeerState, push: Push, effects: list) -> PeerState:
-    """A push of ``it`` that continues another decision of ``it - 1`` than ours is not taken (its
-    gradients were computed on another state, and no decision of ours may name it); its signed
-    chain is evidence against ours (:func:`_elsewhere`)."""
-    inbox = {k: v for k, v in st.inbox.items() if k != (push.iteration, push.sender)}
-    return _elsewhere(st._replace(inbox=inbox), push.sender, push.previous, "push", effects)
-
-
 def _elsewhere(st: PeerState, machine: int, previous: bytes, what: str, effects: list) -> PeerState:
     """Signed evidence (``what``: its push, or a log it served) that ``machine`` continues another
-    decision of ``it - 1`` than ours. When a majority of the view's members do, ours was replaced (a
+    decision of ``it - 1`` than ours (a push on another chain is not taken: its gradients were
+    computed on another state). When a majority of the view's members do, ours was replaced (a
     decision we applied was not chosen, and the majority went on without it): :class:`Dropped`, and
     the peer rejoins from the majority's state."""
     if machine not in st.strays:
@@ -1528,7 +1522,7 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
         _verify(params, None, commit, f"commit of iteration {t}", key=member_key(st, commit.sender))
         if commit.ballot <= old.commit.ballot or commit.previous != old.commit.previous:
             # Not a later ballot of our chain's iteration (a decision continuing another chain says
-            # nothing about ours; its pushes tell, :func:`_stray`).
+            # nothing about ours; its pushes tell, :func:`_elsewhere`).
             return Step(st, (), _commit_reply(st, commit, False))
         # A later ballot decided differently? Only the leader's log can say: fetch it and compare.
         effects.append(Note(f"iteration {t}: a commit of ballot {tuple(commit.ballot)} differs from the applied one; checking the leader's log"))
@@ -1565,7 +1559,8 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
                 "FAILED_PRECONDITION",
                 f"commit of iteration {t} has ballot {tuple(commit.ballot)} below the promised {tuple(bound)}",
             )
-    elif commit.ballot != (promised if promised is not None else st.floor.get(t)) or commit.ballot < bound:
+    elif commit.ballot != (promised if promised is not None else st.floor.get(t)):
+        # (A promise made since a re-synchronisation is never below the floor: on_prepare refuses that.)
         raise Rejected(
             "FAILED_PRECONDITION",
             f"commit of iteration {t} has ballot {tuple(commit.ballot)}; this peer promised "
@@ -1723,7 +1718,7 @@ def _seat(st: PeerState, address: str, key: bytes) -> tuple[Member, View, bytes]
     seat = find(chosen_view)
     if seat is None or find(st.view) != seat:
         return None
-    return seat, chosen_view, st.chain if st.chosen + 1 == st.it else chain_digest(st.decided[st.chosen].commit)
+    return seat, chosen_view, _chain_before(st, st.chosen + 1)
 
 
 def _answer_seat(rid: int, seat: Member, view: View, chain: bytes) -> list:
