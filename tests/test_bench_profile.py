@@ -80,6 +80,15 @@ def test_without_device_events_the_host_thunks_naming_an_hlo_op_count():
         bp.summarize("host", [], calls=0, wall_s=1.0)
 
 
+def test_work_on_the_cpu_reads_the_host_thunks_even_where_a_gpu_plane_has_events():
+    # tests pinned to the CPU on a GPU machine: the GPU's plane is in the trace, with events of its own
+    gpu = _plane("/device:GPU:0", _line("Stream #13(Compute)", _event("loop_add_fusion", 0, 10)))
+    cpu = _plane("/host:CPU", _line("tf_XLAEigen/1", _event("fusion", 10, 100, hlo_op="fusion", hlo_module="jit_f")))
+    assert bp.op_events([cpu, gpu])[0] == "device"
+    source, events = bp.op_events([cpu, gpu], devices=False)
+    assert source == "host" and [(e.module, e.op) for e in events] == [("jit_f", "fusion")]
+
+
 def test_a_real_trace_names_each_program_and_counts_its_ops_per_call():
     def first(x):
         return jnp.sin(x) @ x
@@ -100,6 +109,32 @@ def test_a_real_trace_names_each_program_and_counts_its_ops_per_call():
     assert all(o["count_per_call"] * 3 == round(o["count_per_call"] * 3) for o in p["top_ops"])  # whole events
     with pytest.raises(ValueError, match="calls must be >= 1, got 0"):
         bp.profile(lambda: None, calls=0)
+
+
+def test_the_trace_reader_gives_the_events_jax_profiledata_gives(tmp_path):
+    # read_planes parses the .xplane.pb itself (ProfileData aborted the process on a GPU machine):
+    # on this CPU's real trace, every plane, line and event, with its start, duration and stats
+    # (a reference stat as the name it refers to), equals what jax's reader gives
+    f = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+    x = jnp.ones((64, 64))
+    f(x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(2):
+            f(x).block_until_ready()
+    (path,) = [str(p) for p in tmp_path.rglob("*.xplane.pb")]
+
+    def flat(planes):
+        return [(p.name, ln.name, e.name, e.start_ns, e.duration_ns, sorted(map(tuple, e.stats), key=repr))
+                for p in planes for ln in p.lines for e in ln.events]
+
+    ours, theirs = flat(bp.read_planes(path)), flat(jax.profiler.ProfileData.from_file(path).planes)
+    assert ours == theirs
+    assert any(dict(e[5]).get("hlo_module") == "jit__lambda" for e in ours)  # the program's ops are among them
+    assert bp.op_events(bp.read_planes(path))[0] == "host"
+    bad = tmp_path / "bad.xplane.pb"
+    bad.write_bytes(open(path, "rb").read()[:-1])  # cut short: its last message ends past the file
+    with pytest.raises(ValueError, match="bad.xplane.pb is not a profiler trace"):
+        bp.read_planes(str(bad))
 
 
 def test_bench_zo_profile_shows_the_update_program_inside_the_zo_step():

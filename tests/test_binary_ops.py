@@ -185,3 +185,17 @@ def test_a_tpu_without_sublane_gather_takes_the_jnp_path(monkeypatch):
     for generation, impl in ((3, "jnp"), (4, "jnp"), (5, "pallas"), (6, "pallas")):
         monkeypatch.setattr(rule, "tpu_generation", lambda device_kind=None, g=generation: g)
         assert kb.resolve_impl("auto") == impl, generation
+
+
+def test_work_pinned_to_the_cpu_beside_a_gpu_takes_the_jnp_path(monkeypatch):
+    """On a GPU machine, arrays under ``jax.default_device(cpu)`` are CPU arrays: ``auto`` and the
+    speed rows follow where the arrays go (:func:`zeroth.rule.default_platform`), not jax's default
+    backend, which named the Pallas kernel for them (on an NVIDIA H200 the doctest of
+    zeroth.bench.binary, these rows pinned to the CPU, failed)."""
+    from zeroth.binary.speed import binary_rows
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert kb.resolve_impl("auto") == "jnp"
+        rows = binary_rows(batch=4, features=32, channels=32, image=4, repeats=1, warmup=0, host=False)
+    assert {r["impl"] for r in rows if r["kind"] == "binary"} == {"jnp"}

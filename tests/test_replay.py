@@ -473,9 +473,10 @@ def test_copy_mode_keeps_freed_host_memory_for_reuse():
         "p = {'w': jnp.zeros(8)}; q = replay.replay(p, [(rng.sample_key(0, 0, 0, 0), 0.5)]); "
         "print(h._state.get('done'))"
     )
-    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    cpu = {**os.environ, "JAX_PLATFORMS": "cpu"}  # a CPU replay also where the tests run beside a GPU
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=cpu)
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
-                         env={**os.environ, "ZEROTH_REUSE_HOST_MEMORY": "0"})
+                         env={**cpu, "ZEROTH_REUSE_HOST_MEMORY": "0"})
     assert off.stdout.strip() == "False"
     if platform.libc_ver()[0] == "glibc":
         assert on.stdout.strip() == "True"

@@ -46,7 +46,7 @@ from zeroth.bench import _common
 from zeroth.bench.signbits import signbits_rows
 from zeroth.kernels import cpu_native
 from zeroth.kernels import perturb as kp
-from zeroth.rule import platform_name
+from zeroth.rule import default_platform, platform_name
 
 __all__ = ["Context", "SECTIONS", "TILE_CANDIDATES", "PEAK_BANDWIDTH_GBS", "peak_bandwidth", "run", "main"]
 
@@ -90,8 +90,8 @@ class Context:
       ks: update counts K for the fused replay.
       repeats: timed calls per row (the best is kept, the median shown).
       warmup: untimed calls first.
-      backend: ``jax.default_backend()``.
-      device_kind: ``jax.devices()[0].device_kind``.
+      backend: where the rows' arrays go (:func:`zeroth.rule.default_platform`: ``"cpu"``, ``"gpu"``, ``"tpu"``).
+      device_kind: that platform's first device's ``device_kind``.
     """
 
     size: int
@@ -332,8 +332,9 @@ def run(size: int = 2**24, *, ks: tuple[int, ...] = (1, 16, 64), repeats: int = 
         raise ValueError(f"unknown section(s) {unknown}; expected some of {known}")
     if size < 1 or any(k < 1 for k in ks):
         raise ValueError(f"size and every K must be >= 1, got size={size}, ks={ks}")
-    dev = jax.devices()[0]
-    ctx = Context(size, tuple(ks), repeats, warmup, jax.default_backend(), dev.device_kind)
+    platform = default_platform()  # where the rows' arrays go: a jax.default_device too
+    dev = jax.devices(platform)[0]
+    ctx = Context(size, tuple(ks), repeats, warmup, platform, dev.device_kind)
     rows = [row for name, fn in SECTIONS if name in sections for row in fn(ctx)]
     return {
         "benchmark": "kernels",

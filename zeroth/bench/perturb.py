@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroth import noise, replay, rng
+from zeroth import noise, replay, rng, rule
 from zeroth.bench import _common
 
 __all__ = ["main", "run", "run_overhead", "kernel_launches"]
@@ -173,8 +173,6 @@ def _torch_calls(n: int) -> tuple[dict[str, Callable[[], None]], str | None]:
         import torch
     except ImportError:
         return {}, "not installed"
-    from zeroth import rule
-
     device = "cuda" if rule.default_platform() == "gpu" and torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -334,7 +332,7 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
         "environment": _common.environment(),
         "rows": rows,
         "ratios": ratios,
-        "targets": {k: f"{op} {v:.3g}" for k, (op, v) in targets(jax.default_backend()).items()},
+        "targets": {k: f"{op} {v:.3g}" for k, (op, v) in targets(rule.default_platform()).items()},
     }
 
 
@@ -403,7 +401,7 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
                 "flat, one leaf of L*64 (arithmetic)": (step, replay.flatten({"w": jnp.zeros(64 * n_leaves, jnp.float32)})),
                 "jax dispatch floor": (jax.jit(lambda p, s: p, donate_argnums=0), params),
             }
-            if cpu_native.available() and jax.default_backend() == "cpu":
+            if cpu_native.available() and rule.default_platform() == "cpu":
                 per_leaf = jax.jit(_per_leaf_native, donate_argnums=0)
                 rows["native, a launch per leaf"] = (
                     lambda p, per_leaf=per_leaf, keys=keys, scales=scales: per_leaf(p, keys, scales), params)

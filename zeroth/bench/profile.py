@@ -10,6 +10,12 @@ reports, per call:
   synchronisation, a transfer or a launch; on an accelerator this is where launch-bound work hides;
 * the ops per call, the busy time of each program (XLA module), and the ops by total time.
 
+The trace file (an ``XSpace`` protocol buffer) is read by :func:`read_planes` with the protobuf
+runtime zeroth already uses, not with ``jax.profiler.ProfileData``: on a machine with an NVIDIA
+H200, iterating the stats of the host planes' events through ``ProfileData`` aborted the Python
+process (``Fatal Python error: Aborted``; work pinned to the CPU with the GPU present, two test
+processes lost), and a C++ abort cannot be caught. A field this reader does not know is skipped, as protobuf does.
+
 Which events count as ops: on a GPU or TPU, the device planes' ops (a plane's ``XLA Ops`` line
 where it has one, else its ``Stream`` lines: kernels and copies), named by their ``hlo_op`` and
 ``hlo_module`` where the trace annotates them, else by the kernel's name; without device events
@@ -27,15 +33,19 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-__all__ = ["OpEvent", "profile", "summarize", "op_events", "union_ns"]
+from zeroth import rule
+
+__all__ = ["OpEvent", "profile", "summarize", "op_events", "read_planes", "union_ns"]
 
 _ANNOTATED = re.compile(r"(hlo_op|hlo_module|program_id)=([^,#]+)")
 _NOT_OPS = frozenset({"XLA Modules", "Steps", "XLA TraceMe", "Launch Stats", "Source", "Framework Ops",
@@ -51,6 +61,102 @@ class OpEvent(NamedTuple):
     op: str
     start_ns: float
     duration_ns: float
+
+
+# The trace's schema (tsl/profiler/protobuf/xplane.proto), the fields read here: an XPlane's maps
+# are written as their wire form, repeated (key, value) entries.
+_XSPACE_FIELDS = {
+    "XSpace": [("planes", 1, "XPlane", True)],
+    "XPlane": [("id", 1, "int64", False), ("name", 2, "string", False), ("lines", 3, "XLine", True),
+               ("event_metadata", 4, "EventMetadataEntry", True), ("stat_metadata", 5, "StatMetadataEntry", True)],
+    "EventMetadataEntry": [("key", 1, "int64", False), ("value", 2, "XEventMetadata", False)],
+    "StatMetadataEntry": [("key", 1, "int64", False), ("value", 2, "XStatMetadata", False)],
+    "XLine": [("id", 1, "int64", False), ("name", 2, "string", False), ("timestamp_ns", 3, "int64", False),
+              ("events", 4, "XEvent", True), ("display_name", 11, "string", False)],
+    "XEvent": [("metadata_id", 1, "int64", False), ("offset_ps", 2, "int64", False), ("duration_ps", 3, "int64", False),
+               ("stats", 4, "XStat", True), ("num_occurrences", 5, "int64", False)],
+    "XStat": [("metadata_id", 1, "int64", False), ("double_value", 2, "double", False), ("uint64_value", 3, "uint64", False),
+              ("int64_value", 4, "int64", False), ("str_value", 5, "string", False), ("bytes_value", 6, "bytes", False),
+              ("ref_value", 7, "uint64", False)],
+    "XEventMetadata": [("id", 1, "int64", False), ("name", 2, "string", False), ("display_name", 4, "string", False),
+                       ("stats", 5, "XStat", True)],
+    "XStatMetadata": [("id", 1, "int64", False), ("name", 2, "string", False)],
+}
+
+
+@functools.cache
+def _xspace_class():
+    """The ``XSpace`` message class, built once from :data:`_XSPACE_FIELDS` in a private pool."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    fd = descriptor_pb2.FileDescriptorProto(name="zeroth_xplane.proto", package="zeroth_xplane", syntax="proto3")
+    scalar = {"int64": "TYPE_INT64", "uint64": "TYPE_UINT64", "double": "TYPE_DOUBLE", "string": "TYPE_STRING",
+              "bytes": "TYPE_BYTES"}
+    F = descriptor_pb2.FieldDescriptorProto
+    for message, fields in _XSPACE_FIELDS.items():
+        m = fd.message_type.add(name=message)
+        if message == "XStat":
+            m.oneof_decl.add(name="value")  # which value a stat holds: all but its metadata_id
+        for name, number, kind, repeated in fields:
+            f = m.field.add(name=name, number=number,
+                            label=F.LABEL_REPEATED if repeated else F.LABEL_OPTIONAL)
+            if message == "XStat" and name != "metadata_id":
+                f.oneof_index = 0
+            if kind in scalar:
+                f.type = getattr(F, scalar[kind])
+            else:
+                f.type, f.type_name = F.TYPE_MESSAGE, f".zeroth_xplane.{kind}"
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fd)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("zeroth_xplane.XSpace"))
+
+
+def read_planes(path: str) -> list:
+    """The planes of the trace file ``path`` (an ``.xplane.pb``), in the shape
+    :func:`op_events` reads: planes with ``name`` and ``lines``; lines with ``name`` and
+    ``events``; events with ``name`` (their metadata's), ``start_ns`` (the line's timestamp plus
+    the event's offset), ``duration_ns`` and ``stats``: ``(name, value)`` pairs, the event's own
+    and then its metadata's, a reference stat given as the name it refers to.
+
+    Raises:
+      ValueError: the file is not an ``XSpace`` protocol buffer.
+    """
+    from google.protobuf.message import DecodeError
+
+    space = _xspace_class()()
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        space.ParseFromString(raw)
+    except DecodeError as exc:
+        raise ValueError(f"{path} is not a profiler trace (an XSpace protocol buffer): {exc}") from exc
+    planes = []
+    for plane in space.planes:
+        stat_names = {e.key: e.value.name for e in plane.stat_metadata}
+        metadata = {e.key: e.value for e in plane.event_metadata}
+
+        def stats(items, stat_names=stat_names) -> list[tuple[str, Any]]:
+            out = []
+            for st in items:
+                which = st.WhichOneof("value")
+                value = getattr(st, which) if which else None
+                if which == "ref_value":
+                    value = stat_names.get(value, "")
+                out.append((stat_names.get(st.metadata_id, ""), value))
+            return out
+
+        lines = []
+        for line in plane.lines:
+            events = []
+            for e in line.events:
+                meta = metadata.get(e.metadata_id)
+                events.append(SimpleNamespace(
+                    name=meta.name if meta is not None else "",
+                    start_ns=line.timestamp_ns + e.offset_ps / 1000, duration_ns=e.duration_ps / 1000,
+                    stats=stats(e.stats) + (stats(meta.stats) if meta is not None else [])))
+            lines.append(SimpleNamespace(name=line.name, events=events))
+        planes.append(SimpleNamespace(name=plane.name, lines=lines))
+    return planes
 
 
 def _stats(event) -> dict[str, Any]:
@@ -79,15 +185,17 @@ def _device_lines(plane) -> list:
     return streams or lines
 
 
-def op_events(planes: Iterable) -> tuple[str, list[OpEvent]]:
+def op_events(planes: Iterable, *, devices: bool = True) -> tuple[str, list[OpEvent]]:
     """``(source, events)`` of a trace's planes (objects with ``name`` and ``lines``; lines with
     ``name`` and ``events``; events with ``name``, ``start_ns``, ``duration_ns``, ``stats``):
     ``"device"`` and the device planes' ops where there are any, else ``"host"`` and the events
-    that name an ``hlo_op`` (the XLA CPU runtime's thunks), else ``"none"`` and no events."""
+    that name an ``hlo_op`` (the XLA CPU runtime's thunks), else ``"none"`` and no events.
+    ``devices=False`` reads the host's events only (work that ran on the CPU of a machine whose
+    GPU's plane is in the trace too)."""
     planes = list(planes)
     device: list[OpEvent] = []
     for plane in planes:
-        if not plane.name.startswith("/device:"):
+        if not devices or not plane.name.startswith("/device:"):
             continue
         for line in _device_lines(plane):
             for e in line.events:
@@ -147,9 +255,11 @@ def summarize(source: str, events: Sequence[OpEvent], *, calls: int, wall_s: flo
     }
 
 
-def profile(fn: Callable[[], Any], *, calls: int = 3, top: int = 12) -> dict:
+def profile(fn: Callable[[], Any], *, calls: int = 3, top: int = 12, platform: str | None = None) -> dict:
     """Run ``fn()`` (which must block until its work is done) ``calls`` times under the JAX
     profiler and summarise the ops it ran (:func:`summarize`; the module docstring says which).
+    ``platform`` says where ``fn`` runs (default :func:`zeroth.rule.default_platform`, which
+    follows ``jax.default_device``): on ``"cpu"`` the device planes are not read.
 
     Raises:
       ValueError: ``calls`` below 1.
@@ -168,6 +278,6 @@ def profile(fn: Callable[[], Any], *, calls: int = 3, top: int = 12) -> dict:
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not files:
             raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {d}")
-        data = jax.profiler.ProfileData.from_file(max(files, key=os.path.getmtime))
-        source, events = op_events(data.planes)
+        on_cpu = (rule.default_platform() if platform is None else rule.platform_name(platform)) == "cpu"
+        source, events = op_events(read_planes(max(files, key=os.path.getmtime)), devices=not on_cpu)
     return summarize(source, events, calls=calls, wall_s=wall, top=top)

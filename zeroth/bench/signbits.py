@@ -25,7 +25,7 @@ import numpy as np
 
 from zeroth.bench import _common
 from zeroth.kernels import signbits as sb
-from zeroth.rule import platform_name
+from zeroth.rule import default_platform, platform_name
 
 __all__ = ["signbits_rows", "main"]
 
@@ -59,7 +59,7 @@ def signbits_rows(ctx: Any = None, *, size: int | None = None, repeats: int | No
     n = size or getattr(ctx, "size", None) or 1 << 24
     reps = repeats or getattr(ctx, "repeats", None) or 5
     warm = warmup if warmup is not None else getattr(ctx, "warmup", 1)
-    backend = jax.default_backend()
+    backend = default_platform()  # where the rows' arrays go (a jax.default_device too)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal(n).astype(np.float32))
     nw = sb.n_words(n)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroth import rule as _rule
 from zeroth.binary import reference as R
 from zeroth.kernels import binary as kb
 
@@ -65,7 +66,7 @@ def binary_rows(*, batch: int = 256, features: int = 1024, channels: int = 64, i
     ``ops`` (2 x multiply-accumulates), ``ops_per_s`` and ``speedup_vs_float32`` (binary rows).
     """
     rng = np.random.default_rng(0)
-    backend = jax.default_backend()
+    backend = _rule.default_platform()  # where the rows' arrays go (a jax.default_device too)
     rows: list[dict] = []
 
     def add(layer, shape, kind, impl, ops, t, note=""):

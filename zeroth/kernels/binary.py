@@ -119,7 +119,7 @@ def resolve_impl(impl: str) -> str:
     if impl == "auto":
         if _rule.lacks_sublane_gather():
             return "jnp"
-        return "pallas" if jax.default_backend() in ("gpu", "tpu", "cuda", "rocm") else "jnp"
+        return "pallas" if _rule.default_platform() in ("gpu", "tpu") else "jnp"
     return impl
 
 
@@ -286,7 +286,7 @@ def _dense_kernel(*refs, ternary: bool, out_dots: bool, by_word: bool):
 
 
 def _on_gpu(platform: str | None) -> bool:
-    return _rule.platform_name(jax.default_backend() if platform is None else platform) == "gpu"
+    return (_rule.default_platform() if platform is None else _rule.platform_name(platform)) == "gpu"
 
 
 def _compiler_params(platform: str | None, interpret: bool):
