@@ -33,6 +33,12 @@
 #   OUT/kernel_tiles.json            the Pallas kernel under each candidate tiling (the best per K): a
 #                                    step of its own, since compiling every tiling is the long part
 #                                    (the whole benchmark ran past 200 s on an H100)
+#   OUT/compile_profile.json         where compiling SmolLM2-135M unrolled's ZO program goes on this machine
+#                                    (bench memory --target host --compile-profile: XLA's passes, the
+#                                    kernels' LLVM and PTX work, autotuning), its 2 candidates on the tree:
+#                                    compiled for an H100 on a 2-core CPU, 84 s, 31 s of it XLA's
+#                                    priority fusion and 22.5 s of LLVM and PTX for 359 kernel modules;
+#                                    on an H200 the trainer's steps of it compiled for more than 320 s
 #   OUT/zo_transformer.json          ZO step / two forwards, transformer at the default width, binomial
 #                                    noise (the Rademacher rows cost as much again to compile), and
 #                                    the same step on replay.flatten(params) beside it (--flat: a
@@ -93,9 +99,9 @@ mkdir -p "$out"
 : > "$out/status.txt"
 
 size="${SIZE:-134217728}"
-zo_args=() over_args=() reps=5
+zo_args=() over_args=() reps=5 cp_model=(--model smollm2_unrolled --weights random)
 if [ "${QUICK:-0}" = 1 ]; then
-  size=1048576 zo_args=(--batch 8 --repeats 1) over_args=(--repeats 1) reps=1
+  size=1048576 zo_args=(--batch 8 --repeats 1) over_args=(--repeats 1) reps=1 cp_model=(--model mlp --batch 8)
 fi
 
 step_timeout="${STEP_TIMEOUT:-300}"
@@ -113,7 +119,7 @@ limited() {  # a command under the step time limit; a function runs as it is and
 
 steps=" ${STEPS:-} "
 for s in $steps; do
-  case " env doctor perturb zo_deferred zo_deferred_4096 zo_smollm2 zo_smollm2_unrolled zo_transformer zo_transformer_4096 zo_profiled zo_unrolled kernels kernel_tiles zo_licm zo_while_graphs zo_no_graphs overhead zo_hlo zo_profile " in
+  case " env doctor perturb compile_profile zo_deferred zo_deferred_4096 zo_smollm2 zo_smollm2_unrolled zo_transformer zo_transformer_4096 zo_profiled zo_unrolled kernels kernel_tiles zo_licm zo_while_graphs zo_no_graphs overhead zo_hlo zo_profile " in
     *" $s "*) ;;
     *) echo "gpu_speed.sh: unknown step '$s' in STEPS" >&2; exit 2 ;;
   esac
@@ -141,6 +147,8 @@ env_info() {
 step env "$out/env.txt" env_info
 step doctor "$out/doctor.txt" "$py" -m zeroth doctor
 step perturb "$out/perturb.json" "$py" -m zeroth bench perturb --json --size "$size" --repeats "$reps"
+step compile_profile "$out/compile_profile.json" \
+  "$py" -m zeroth bench memory --json --target host "${cp_model[@]}" --distribution binomial --compile-profile 40
 step zo_deferred "$out/zo_deferred.json" \
   "$py" -m zeroth bench zo --json --model transformer --distribution binomial --rows flat_held,deferred "${zo_args[@]}"
 step zo_deferred_4096 "$out/zo_deferred_4096.json" \

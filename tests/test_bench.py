@@ -351,11 +351,19 @@ def test_bench_memory_for_an_h100_finds_the_cuda_compiler_the_project_installed(
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_PLATFORMS")}
     cmd = [sys.executable, "-m", "zeroth", "bench", "memory", "--json", "--target", "h100", "--model", "mlp",
            "--batch", "8", "--distribution", "binomial"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*cmd, "--compile-profile", "60"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
     assert result["config"]["target"] == "h100"
     assert all(r["compile_s"] > 0 and r["peak_bytes"] > r["argument_bytes"] > 0 for r in result["rows"])
+    # --compile-profile: where the H100 compilation of each ZO program goes, XLA's passes and the
+    # kernels' LLVM and PTX work among its traced events (the forward's rows are not profiled)
+    zo_rows = [r for r in result["rows"] if r["name"].startswith("ZO")]
+    assert zo_rows and all("compile_events" not in r for r in result["rows"] if r not in zo_rows)
+    for r in zo_rows:
+        events = {e["event"]: e for e in r["compile_events"]}
+        assert len(events) == 60 and {"OptimizeHloModule", "priority-fusion", "PTX->CUBIN"} <= set(events), sorted(events)
+        assert 0 < events["priority-fusion"]["s"] < events["OptimizeHloModule"]["s"] < r["compile_s"]
     proc = subprocess.run(cmd, env={**env, "ZEROTH_CUDA_COMPILER": str(tmp_path / "none")}, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 2
@@ -523,3 +531,10 @@ def test_ops_run_counts_a_loops_body_once_per_iteration():
     assert 1 <= memory.ops_run(plain) < three
     with pytest.raises(ValueError, match="no ENTRY computation"):
         memory.ops_run("%f (x: f32[]) -> f32[] {\n}\n")
+
+
+def test_bench_memory_refuses_a_negative_compile_profile():
+    out = subprocess.run([sys.executable, "-m", "zeroth", "bench", "memory", "--model", "mlp", "--compile-profile", "-2"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2
+    assert "--compile-profile must be a non-negative number of events, got -2" in out.stderr

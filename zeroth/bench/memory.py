@@ -61,6 +61,7 @@ import numpy as np
 
 from zeroth import noise, replay, rule, zo
 from zeroth.bench import _common
+from zeroth.bench import profile as _profile
 from zeroth.bench import pretrained as _pretrained_bench
 from zeroth.bench import zo as _zo_bench
 from zeroth.data.resources import MissingPackage
@@ -130,8 +131,10 @@ def compiler_folder(spec: Target) -> Path:
 
 def run(model: str = "transformer", *, target: str = "host", batch: int | None = None, width: int = 1024, n: int = 1,
         seq_len: int | None = None, weights: str = "pretrained", distributions: tuple[str, ...] = noise.EXACT,
-        flat: bool = False, progress=_common.no_progress) -> dict:
+        flat: bool = False, compile_profile: int = 0, progress=_common.no_progress) -> dict:
     """Compile and measure; returns ``{"config", "environment", "rows", "ratios", "targets"}``.
+    ``compile_profile`` > 0: each ZO program's compilations are profiled, their rows carry that
+    many of the events by time (``compile_events``: XLA's passes, the kernels' LLVM and PTX work).
 
     Raises:
       ValueError: an unknown model, target or distribution, or a size below 1.
@@ -143,6 +146,8 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
     if model not in _zo_bench.MODELS:
         raise ValueError(f"unknown model {model!r}; expected one of {list(_zo_bench.MODELS)}")
     batch = _zo_bench.default_batch(model) if batch is None else batch
+    if compile_profile < 0:
+        raise ValueError(f"--compile-profile must be a non-negative number of events, got {compile_profile}")
     for name, v in (("batch", batch), ("width", width), ("n", n), ("seq-len", seq_len)):
         if v is not None and v < 1:
             raise ValueError(f"--{name} must be a positive integer, got {v}")
@@ -180,7 +185,7 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
                 found, compiled = [], []
                 for opts in zo.estimator_option_candidates(p):
                     progress(f"compiling {name} ({_describe(opts)})")
-                    found.append(_compiled_row(name, opts, lowered, options, compiled))
+                    found.append(_compiled_row(name, opts, lowered, options, compiled, compile_profile))
                 # what the estimator compiles (zo.compile_candidates with zo.near_least_memory): in
                 # turn, up to the first near the least memory; side by side, all of them
                 upto = len(compiled) if not zo.compiled_in_turn(family) else next(
@@ -198,7 +203,7 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
     return {
         "config": {"model": model, "model_kwargs": kwargs, "target": target, "batch": batch, "n": n,
                    "seq_len": seq_len, "weights": weights, "distributions": list(distributions), "flat": flat,
-                   "params": n_params,
+                   "params": n_params, "compile_profile": compile_profile,
                    "extra_compiler_options": options},
         "environment": _common.environment(),
         "rows": rows,
@@ -324,17 +329,25 @@ def _describe(opts: dict | None) -> str:
     return "XLA default options" if opts is None else ", ".join(f"{k}={v!r}" for k, v in opts.items())
 
 
-def _compiled_row(name: str, opts: dict | None, lowered, options: dict, into: list | None = None) -> dict:
+def _compiled_row(name: str, opts: dict | None, lowered, options: dict, into: list | None = None,
+                  compile_profile: int = 0) -> dict:
     """The row of ``lowered`` compiled under ``opts`` and the target's ``options``, with the
-    seconds the compilation took (``compile_s``); the executable is appended to ``into``."""
+    seconds the compilation took (``compile_s``); the executable is appended to ``into``. With
+    ``compile_profile`` > 0, the compilation runs under the JAX profiler and the row's
+    ``compile_events`` are that many of its traced events by time (:func:`zeroth.bench.profile.traced`)."""
     t0 = time.perf_counter()
-    compiled = lowered.compile({**(opts or {}), **options})
+    compile = lambda: lowered.compile({**(opts or {}), **options})  # noqa: E731
+    if compile_profile > 0:
+        compiled, events = _profile.traced(compile, top=compile_profile)
+    else:
+        compiled, events = compile(), None
     seconds = time.perf_counter() - t0
     if into is not None:
         into.append(compiled)
     memory = zo.compiled_memory(compiled)
     return {"name": name, "options": _describe(opts), "peak_bytes": memory["peak"], "temp_bytes": memory["temp"],
-            "argument_bytes": memory["argument"], "ops_run": ops_run(compiled.as_text()), "compile_s": seconds}
+            "argument_bytes": memory["argument"], "ops_run": ops_run(compiled.as_text()), "compile_s": seconds,
+            **({"compile_events": events} if events is not None else {})}
 
 
 def _mib(b: int) -> str:
@@ -357,6 +370,14 @@ def _render(result: dict) -> None:
     for k, v in result["ratios"].items():
         target = result["targets"].get(k.split("_binomial")[0].split("_rademacher")[0])
         print(f"{k}: {v:.3f}" + (f" (target {target[0]} {target[1]})" if target else ""))
+    for r in result["rows"]:
+        if r.get("compile_events"):
+            _common.print_table(
+                [("event", "traced event"), ("s", "seconds"), ("count", "count"), ("threads", "threads")],
+                [dict(e, s=f"{e['s']:.2f}") for e in r["compile_events"]],
+                title=f"compiling {r['name']} ({r['options']}): {r['compile_s']:.1f} s, the traced events by time "
+                      "(times on several threads add up)",
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,11 +397,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=1, help="perturbations per ZO step (default 1)")
     p.add_argument("--distribution", default="both", choices=["both", *noise.EXACT], help="exact noise (default both)")
     p.add_argument("--flat", action="store_true", help="also the program on replay.flatten(params), the layout a GPU trains in")
+    p.add_argument("--compile-profile", type=int, nargs="?", const=15, default=0, metavar="EVENTS",
+                   help="profile each ZO program's compilation and show its EVENTS (default 15) traced events by time: "
+                        "where compiling goes (XLA's passes, the kernels' LLVM and PTX work)")
 
     def measure(args) -> dict:
         dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
         return run(args.model, target=args.target, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len,
-                   weights=args.weights, distributions=dists, flat=args.flat, progress=_common.Progress(p.prog))
+                   weights=args.weights, distributions=dists, flat=args.flat, compile_profile=args.compile_profile,
+                   progress=_common.Progress(p.prog))
 
     return _common.run_cli(p, argv, measure, _render)
 

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 from zeroth import rule
 
-__all__ = ["OpEvent", "profile", "summarize", "op_events", "read_planes", "union_ns"]
+__all__ = ["OpEvent", "profile", "summarize", "op_events", "read_planes", "traced", "union_ns"]
 
 _ANNOTATED = re.compile(r"(hlo_op|hlo_module|program_id)=([^,#]+)")
 _NOT_OPS = frozenset({"XLA Modules", "Steps", "XLA TraceMe", "Launch Stats", "Source", "Framework Ops",
@@ -267,17 +267,63 @@ def profile(fn: Callable[[], Any], *, calls: int = 3, top: int = 12, platform: s
     """
     if calls < 1:
         raise ValueError(f"calls must be >= 1, got {calls}")
+
+    def run():
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return time.perf_counter() - t0
+
+    wall, planes = _under_profiler(run)
+    on_cpu = (rule.default_platform() if platform is None else rule.platform_name(platform)) == "cpu"
+    source, events = op_events(planes, devices=not on_cpu)
+    return summarize(source, events, calls=calls, wall_s=wall, top=top)
+
+
+def _under_profiler(fn: Callable[[], Any]) -> tuple[Any, list]:
+    """``(fn(), planes)``: ``fn`` run under :func:`jax.profiler.trace` into a temporary folder and
+    the planes of the trace it wrote (:func:`read_planes`).
+
+    Raises:
+      RuntimeError: the profiler wrote no trace.
+    """
     import jax
 
     with tempfile.TemporaryDirectory(prefix="zeroth-profile-") as d:
         with jax.profiler.trace(d):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            wall = time.perf_counter() - t0
+            result = fn()
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not files:
             raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {d}")
-        on_cpu = (rule.default_platform() if platform is None else rule.platform_name(platform)) == "cpu"
-        source, events = op_events(read_planes(max(files, key=os.path.getmtime)), devices=not on_cpu)
-    return summarize(source, events, calls=calls, wall_s=wall, top=top)
+        return result, read_planes(max(files, key=os.path.getmtime))
+
+
+def traced(fn: Callable[[], Any], *, top: int = 12) -> tuple[Any, list[dict]]:
+    """``(fn(), events)``: ``fn`` run once under the JAX profiler, and the ``top`` names of the
+    native events it traced by their total time (``{"event", "s", "count", "threads"}``; Python's
+    own frames, named ``$file:line``, left out). Where a compilation goes: XLA traces each of its
+    passes (``priority-fusion``, ``layout-assignment``...) and the LLVM and PTX work of each
+    kernel module (``CompileSingleModule``, on threads of their own: ``threads`` counts them, and
+    their times add up over the threads, so they can exceed the wall time).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> lowered = jax.jit(jnp.sin).lower(jnp.ones(8))
+      >>> compiled, events = traced(lambda: lowered.compile(), top=1000)
+      >>> any(e["event"].startswith("HLO passes") for e in events)  # XLA CPU's; a GPU's: "OptimizeHloModule"
+      True
+    """
+    result, planes = _under_profiler(fn)
+    total: dict[str, float] = {}
+    count: dict[str, int] = {}
+    threads: dict[str, set] = {}
+    for plane in planes:
+        for line in plane.lines:
+            for e in line.events:
+                if e.name.startswith("$"):
+                    continue
+                total[e.name] = total.get(e.name, 0.0) + e.duration_ns * 1e-9
+                count[e.name] = count.get(e.name, 0) + 1
+                threads.setdefault(e.name, set()).add((plane.name, line.name))
+    ranked = sorted(total, key=lambda k: -total[k])[:top]
+    return result, [{"event": k, "s": total[k], "count": count[k], "threads": len(threads[k])} for k in ranked]
