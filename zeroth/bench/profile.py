@@ -67,20 +67,18 @@ class OpEvent(NamedTuple):
 # are written as their wire form, repeated (key, value) entries.
 _XSPACE_FIELDS = {
     "XSpace": [("planes", 1, "XPlane", True)],
-    "XPlane": [("id", 1, "int64", False), ("name", 2, "string", False), ("lines", 3, "XLine", True),
+    "XPlane": [("name", 2, "string", False), ("lines", 3, "XLine", True),
                ("event_metadata", 4, "EventMetadataEntry", True), ("stat_metadata", 5, "StatMetadataEntry", True)],
     "EventMetadataEntry": [("key", 1, "int64", False), ("value", 2, "XEventMetadata", False)],
     "StatMetadataEntry": [("key", 1, "int64", False), ("value", 2, "XStatMetadata", False)],
-    "XLine": [("id", 1, "int64", False), ("name", 2, "string", False), ("timestamp_ns", 3, "int64", False),
-              ("events", 4, "XEvent", True), ("display_name", 11, "string", False)],
+    "XLine": [("name", 2, "string", False), ("timestamp_ns", 3, "int64", False), ("events", 4, "XEvent", True)],
     "XEvent": [("metadata_id", 1, "int64", False), ("offset_ps", 2, "int64", False), ("duration_ps", 3, "int64", False),
-               ("stats", 4, "XStat", True), ("num_occurrences", 5, "int64", False)],
+               ("stats", 4, "XStat", True)],
     "XStat": [("metadata_id", 1, "int64", False), ("double_value", 2, "double", False), ("uint64_value", 3, "uint64", False),
               ("int64_value", 4, "int64", False), ("str_value", 5, "string", False), ("bytes_value", 6, "bytes", False),
               ("ref_value", 7, "uint64", False)],
-    "XEventMetadata": [("id", 1, "int64", False), ("name", 2, "string", False), ("display_name", 4, "string", False),
-                       ("stats", 5, "XStat", True)],
-    "XStatMetadata": [("id", 1, "int64", False), ("name", 2, "string", False)],
+    "XEventMetadata": [("name", 2, "string", False), ("stats", 5, "XStat", True)],
+    "XStatMetadata": [("name", 2, "string", False)],
 }
 
 
@@ -133,7 +131,6 @@ def read_planes(path: str) -> list:
     planes = []
     for plane in space.planes:
         stat_names = {e.key: e.value.name for e in plane.stat_metadata}
-        metadata = {e.key: e.value for e in plane.event_metadata}
 
         def stats(items, stat_names=stat_names) -> list[tuple[str, Any]]:
             out = []
@@ -145,15 +142,16 @@ def read_planes(path: str) -> list:
                 out.append((stat_names.get(st.metadata_id, ""), value))
             return out
 
+        # each metadata's name and stats, read once for all the events that name it
+        metadata = {e.key: (e.value.name, stats(e.value.stats)) for e in plane.event_metadata}
         lines = []
         for line in plane.lines:
             events = []
             for e in line.events:
-                meta = metadata.get(e.metadata_id)
+                name, meta_stats = metadata.get(e.metadata_id, ("", []))
                 events.append(SimpleNamespace(
-                    name=meta.name if meta is not None else "",
-                    start_ns=line.timestamp_ns + e.offset_ps / 1000, duration_ns=e.duration_ps / 1000,
-                    stats=stats(e.stats) + (stats(meta.stats) if meta is not None else [])))
+                    name=name, start_ns=line.timestamp_ns + e.offset_ps / 1000, duration_ns=e.duration_ps / 1000,
+                    stats=stats(e.stats) + meta_stats))
             lines.append(SimpleNamespace(name=line.name, events=events))
         planes.append(SimpleNamespace(name=plane.name, lines=lines))
     return planes
