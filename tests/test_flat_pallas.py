@@ -443,3 +443,55 @@ def test_flat_kernel_errors_name_the_problem():
         kp.plan_flat_tiles(((0, 3, 1),), "binomial", kp.BlockSizes(), "tpu")
     with pytest.raises(ValueError, match="rows per tile must be a power of two"):
         kp.plan_flat_tiles(((0, 3000, 1),), "binomial", kp.BlockSizes(tile=192, lanes=64), "gpu")
+
+
+@pytest.mark.parametrize(
+    "dist,k,blocks",
+    [
+        ("binomial", 1, None),  # the GPU's default tiles: one grouped row per threefry call
+        ("rademacher", 3, kp.BlockSizes(tile=256, lanes=32)),  # several tiles per leaf, per-element counters
+    ],
+)
+def test_leaves_perturbed_apart_are_their_segments_of_the_flat_replay(dist, k, blocks):
+    """``perturb_pallas_segments``: the leaves of a flat buffer (odd offsets and sizes, three
+    dtypes, special values), read in place and written one after the other into an array of
+    their own by one launch (every leaf of a buffer, in an order not the buffer's, or one leaf
+    alone), have the bits of the reference's replay of each leaf; their keys are their rows of a
+    table shared by every launch. The buffers are not changed."""
+    tree = _tree(10 + k)
+    updates = [(rng.sample_key(5, 1, 3, s), float(c))
+               for s, c in enumerate(np.random.default_rng(k).standard_normal(k) * 1e-2)]
+    keys = jnp.asarray(np.stack([u for u, _ in updates]))
+    scales = jnp.asarray(replay.update_scales(dist, [c for _, c in updates]))
+    flat = replay.flatten(tree)
+    before = [np.asarray(b).copy() for b in flat.buffers]
+    want = jax.tree_util.tree_leaves(_reference(tree, updates, dist))
+    table = kp._all_leaf_keys(keys, [g.leaf_id for g in flat.layout.segments])  # u32[L, K, 2], tree order
+    segments = flat.layout.segments
+    groups = [[i for i, g in enumerate(segments) if g.buffer == b][::-1] for b in range(len(flat.buffers))]
+    groups += [[i] for i in range(len(segments))]
+    run = jax.jit(lambda bufs, t, s: [kp.perturb_pallas_segments(
+        bufs[segments[group[0]].buffer], t, s, [(segments[i].offset, segments[i].size, i) for i in group],
+        distribution=dist, interpret=True, platform="gpu", block_sizes=blocks) for group in groups])
+    for group, got in zip(groups, run(flat.buffers, table, scales), strict=True):
+        assert got.shape == (sum(segments[i].size for i in group),) and got.dtype == want[group[0]].dtype
+        at = 0
+        for i in group:
+            np.testing.assert_array_equal(_bits(got[at : at + segments[i].size]), _bits(want[i]), err_msg=segments[i].path)
+            at += segments[i].size
+    for b, a in zip(flat.buffers, before, strict=True):
+        np.testing.assert_array_equal(_bits(b), _bits(a))
+
+
+def test_leaves_perturbed_apart_refuse_what_the_kernel_cannot_do():
+    table, scales = jnp.zeros((3, 1, 2), jnp.uint32), jnp.ones(1, jnp.float32)
+    buf = jnp.zeros(100)
+    with pytest.raises(ValueError, match=r"rows \[3\] are missing"):
+        kp.perturb_pallas_segments(buf, table, scales, [(0, 10, 3)], interpret=True)
+    with pytest.raises(ValueError, match="perturb_pallas_segments"):  # past the buffer's end
+        kp.perturb_pallas_segments(buf, table, scales, [(95, 10, 0)], interpret=True)
+    with pytest.raises(ValueError, match="on a TPU compute each leaf with perturb_reference"):
+        kp.perturb_pallas_segments(buf, table, scales, [(0, 10, 0)], interpret=True, platform="tpu")
+    with pytest.raises(ValueError, match="interpret=True"):
+        kp.perturb_pallas_segments(buf, table, scales, [(0, 10, 0)], platform="cpu")
+    assert kp.perturb_pallas_segments(buf, table, scales, [(7, 0, 2)], interpret=True).shape == (0,)

@@ -6,6 +6,7 @@ import functools
 import importlib.util
 import math
 import random
+import re
 from pathlib import Path
 
 import jax
@@ -1147,3 +1148,70 @@ def test_the_estimator_keeps_the_first_of_the_candidates_with_the_smallest_peak(
         monkeypatch.setattr(zo, "compiler_option_candidates", lambda backend=None, o=order: [options[k] for k in o])
         chosen = zo.ProjectedGradientsFn(_mlp_loss, "binomial").chosen_options(params, batch, keys, eps)
         assert chosen == options[min(order, key=peak.get)], (peak, order, chosen)  # min: the first of equals
+
+
+def _many_leaves(n: int) -> dict:
+    return {f"l{i:02d}": jnp.asarray(np.random.default_rng(i).standard_normal((3 + 61 * (i % 5), 7)),
+                                     jnp.float32 if i % 3 else jnp.bfloat16) for i in range(n)}
+
+
+def _sum_loss(p, b):
+    return sum(jnp.sum(jnp.tanh(x.astype(jnp.float32) * b)) for x in jax.tree_util.tree_leaves(p))
+
+
+@pytest.mark.parametrize("dist,flat", [("binomial", False), ("rademacher", True)])
+def test_the_gpus_kernel_per_leaf_gives_the_projected_gradients_of_the_jnp_rule(dist, flat, monkeypatch):
+    """On a GPU the perturbed leaves of a ZO step are launches of the flat kernel that read them
+    where they lie (perturb_impl "pallas", run here in interpret mode): a launch per large leaf,
+    the small ones by the jnp rule (the threshold lowered here so that there are both, vectors,
+    matrices and a scalar). The same projected gradients and losses as the jnp rule and the
+    native kernel, bit for bit, on the tree or on its flat layout (leaves at odd offsets of
+    shared buffers, and some with a buffer of their own)."""
+    monkeypatch.setattr(fused, "APART_MIN_BYTES", 1800)
+    vectors = {"v0": jnp.linspace(-1, 1, 5), "v1": jnp.linspace(0, 2, 300).astype(jnp.bfloat16), "v2": jnp.float32(0.25),
+               "v3": jnp.linspace(-3, 1, 400), "v4": jnp.linspace(-3, 1, 600)}  # biases, norms, a scalar
+    params = {**_many_leaves(6), **vectors, "z": jnp.zeros((2, 3), jnp.float32)}
+    p = replay.flatten(params, platform="cpu", alone_from=1300) if flat else params
+    keys = rng.sample_keys(3, [(0, 1, 0)])
+    eps = zo.round_eps(1e-2)
+    out = {impl: jax.jit(lambda p, k, e, impl=impl: zo.projected_gradients_and_losses(
+        _sum_loss, p, jnp.float32(0.5), k, e, distribution=dist, perturb_impl=impl))(p, keys, eps)
+        for impl in ("jnp", "pallas") + (("native",) if cpu_native.available() else ())}
+    for impl, (g, losses) in out.items():
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(out["jnp"][0]), err_msg=impl)
+        np.testing.assert_array_equal(np.asarray(losses), np.asarray(out["jnp"][1]), err_msg=impl)
+    assert np.all(np.asarray(out["jnp"][0]) != 0)
+    with pytest.raises(ValueError, match="perturb_impl must be one of"):
+        zo.projected_gradients_and_losses(_sum_loss, params, 0.5, keys, eps, perturb_impl="triton")
+
+
+def test_on_a_gpu_the_zo_program_holds_no_noise_graph_per_large_leaf(monkeypatch):
+    """Exported for a GPU, a ZO step perturbs each large leaf by a launch of the flat kernel: the
+    program's own threefry work (the leaves' keys, derived once per step for every leaf, and the
+    small leaves' jnp rule, which XLA fuses into few kernels) does not grow with the number of
+    large leaves, where the jnp rule puts a threefry graph of its own in the program for each leaf
+    (which XLA's fusion passes then take most of a compilation to merge: SmolLM2-135M unrolled,
+    211 large leaves, 76-113 s for an H100 with the jnp rule). Launches of one shape share one kernel."""
+    from jax import export
+
+    from zeroth import rule
+
+    monkeypatch.setattr(rule, "default_platform", lambda: "gpu")
+    monkeypatch.setattr(fused, "_triton_available", lambda: True)
+    keys = rng.sample_keys(0, [(0, 0, s) for s in range(2)])
+
+    def module(n_large, impl):
+        large = {f"w{i:02d}": (512, 520) for i in range(n_large)}  # over APART_MIN_BYTES each
+        args = {**jax.tree_util.tree_map(lambda x: x.shape, _many_leaves(4)), **large}
+        args = {k: jax.ShapeDtypeStruct(v, jnp.bfloat16 if k == "l00" else jnp.float32) for k, v in args.items()}
+        fn = jax.jit(lambda p, k, e: zo.projected_gradients_and_losses(
+            _sum_loss, p, jnp.float32(1.0), k, e, perturb_impl=impl))
+        return export.export(fn, platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            args, keys, zo.round_eps(1e-3)).mlir_module()
+
+    few, many = module(2, "auto"), module(12, "auto")
+    assert few.count("stablehlo.xor") == many.count("stablehlo.xor") > 0
+    assert len(re.findall(r"call @_segments_call", many)) == 12  # a launch per large leaf, one kernel
+    assert many.count("stablehlo.custom_call @__gpu$xla.gpu.triton(") == 1 and "zeroth_perturbed_leaves" in many
+    assert module(12, "jnp").count("stablehlo.xor") > 3 * many.count("stablehlo.xor")

@@ -29,8 +29,11 @@ are never copied as a whole: the 2n forward passes of a step are the iterations 
 model leaf by leaf as the forward pass reads it, and nothing of it outlives the iteration. On CPU
 each perturbed leaf is one launch of the native kernel (:mod:`zeroth.kernels.perturb`, one
 threefry call per 4 binomial or 64 Rademacher elements, vectorised and threaded), which makes
-the perturbations of a step cost a small fraction of its two forward passes; elsewhere it is the
-jnp rule, fused by XLA. XLA
+the perturbations of a step cost a small fraction of its two forward passes; on GPU each
+large perturbed leaf is one launch of the flat Triton kernel reading the leaf where it lies
+(:func:`zeroth.kernels.perturb.perturb_pallas_segments`), which XLA compiles in a fraction of the
+time it takes to fuse the jnp rule's threefry graph leaf by leaf; elsewhere (and on GPU for
+leaves under 1 MiB) it is the jnp rule, fused by XLA. XLA
 honours this under the options of :func:`compiler_options`: while-loop invariant code motion
 disabled (it would hoist the widened parameters and the noise index arrays, about 2.25 times
 the largest leaf, out of the loop), and on CPU the memory-optimized scheduler (the default
@@ -356,6 +359,7 @@ def projected_gradients_and_losses(
     *,
     distribution: str = "binomial",
     unroll: bool = False,
+    perturb_impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """Two-point projected gradients and the mean loss of each pair (traceable).
 
@@ -380,6 +384,12 @@ def projected_gradients_and_losses(
       keys: ``u32[n, 2]`` sample keys (:func:`zeroth.rng.sample_keys`).
       eps_scale: ``f32[]`` host-rounded ε (:func:`round_eps`); may be traced.
       distribution: ``"binomial"`` or ``"rademacher"`` (exact noise only).
+      perturb_impl: how each perturbed leaf is computed: ``"auto"`` (the native CPU kernel on a
+        CPU that has it; on a GPU with jax's Triton backend the flat Triton kernel,
+        :func:`zeroth.kernels.perturb.perturb_pallas_segments`, a launch per leaf of at least
+        :data:`zeroth.kernels.perturb.APART_MIN_BYTES`, and the jnp rule for the others; else
+        the jnp rule), ``"native"``,
+        ``"pallas"`` (on a CPU in Pallas interpret mode, for tests) or ``"jnp"``. The same bits.
       unroll: the 2n forward passes as straight-line code instead of a ``lax.map``, each
         evaluation's perturbed model made after the previous evaluation's loss (an optimization
         barrier orders them, so that still only one perturbed model is alive at a time). A loop
@@ -400,7 +410,8 @@ def projected_gradients_and_losses(
     pair_keys = jnp.repeat(keys, 2, axis=0)  # k_0, k_0, k_1, k_1, ...
     pair_scales = jnp.tile(jnp.stack([scale, -scale]), n)  # +s, -s, +s, -s, ...
 
-    native = _fused.resolve_impl("auto", _rule.default_platform(), 1) == "native"
+    impl = _perturb_impl(perturb_impl)
+    native = impl == "native"
     if isinstance(params, _replay.Flat):
         ids = [g.leaf_id for g in params.layout.segments]
     else:
@@ -430,17 +441,14 @@ def projected_gradients_and_losses(
             # perturbed leaf is its own buffer, computed just before its first use.
             perturbed = _fused.apply_updates(theta, key[None], s[None], distribution=distribution, impl="native",
                                              platform="cpu", per_leaf=True)
+        elif impl == "pallas":
+            # A kernel per large leaf, reading it where it lies (its own array, or a Flat buffer)
+            # and writing the perturbed leaf apart: XLA neither fuses it into its consumers nor
+            # merges the leaves' kernels, and compiles it once per shape. Small leaves by the
+            # jnp rule.
+            perturbed = _pallas_leaves(theta, key, s, table, distribution, sources)
         else:
-            # The jnp rule (replay.apply_updates' default), each large leaf apart (per_leaf): on a
-            # GPU one kernel would otherwise compute every large perturbed leaf at once.
-            perturbed = _fused.apply_updates(theta, key[None], s[None], distribution=distribution, impl="jnp",
-                                             per_leaf=True, leaf_keys=table)
-            # Each perturbed leaf is divided by a runtime 1.0 (exact: x / 1 == x for every float).
-            # The division marks its producer as expensive, so XLA materializes the leaf once
-            # instead of fusing the noise generation into consumers that broadcast it (a bias
-            # added to every token would otherwise regenerate its noise once per token).
-            unit = s / s
-            perturbed = jax.tree_util.tree_map(lambda x: x / unit.astype(x.dtype), perturbed)
+            perturbed = _jnp_leaves(theta, key, s, table, distribution)
         # Models that read stacked layers or embedding rows through zeroth.layerwise get them
         # from here, computed on demand from θ (same bits); the whole perturbed leaf is then
         # unused and XLA drops it.
@@ -459,6 +467,63 @@ def projected_gradients_and_losses(
         losses = jax.lax.map(lambda args: one(args)[0], (pair_keys, pair_scales, tables)).reshape(n, 2)
     lp, lm = losses[:, 0], losses[:, 1]
     return (lp - lm) / (jnp.float32(2.0) * eps), (lp + lm) * jnp.float32(0.5)
+
+
+def _perturb_impl(impl: str) -> str:
+    """The ``perturb_impl`` of :func:`projected_gradients_and_losses` for the platform it is traced
+    for (:func:`zeroth.rule.default_platform`): ``"native"``, ``"pallas"`` or ``"jnp"``."""
+    if impl not in ("auto", "native", "pallas", "jnp"):
+        raise ValueError(f"perturb_impl must be one of 'auto', 'native', 'pallas', 'jnp'; got {impl!r}")
+    platform = _rule.default_platform()
+    if impl == "auto":
+        if platform == "gpu":
+            return "pallas" if _fused.resolve_impl("auto", "gpu", 2) == "pallas" else "jnp"
+        return "native" if _fused.resolve_impl("auto", platform, 1) == "native" else "jnp"
+    if impl == "native":
+        _fused.resolve_impl("native", platform)  # refuses anything but a CPU
+    if impl == "pallas" and platform == "tpu":
+        raise ValueError("perturb_impl='pallas' loads leaves by element index (Triton's); a TPU takes 'jnp'")
+    return impl
+
+
+def _jnp_leaves(leaves, key, scale, table, distribution: str):
+    """``leaves`` (a pytree) perturbed by ``scale · z`` with the jnp rule (``table``: their keys
+    ``u32[L, 1, 2]`` in tree order), each large leaf apart (``per_leaf``: on a GPU one kernel would
+    otherwise compute every large perturbed leaf at once), each divided by a runtime 1.0 (exact:
+    ``x / 1 == x`` for every float). The division marks its producer as expensive, so XLA
+    materializes the leaf once instead of fusing the noise generation into consumers that
+    broadcast it (a bias added to every token would otherwise regenerate its noise once per token)."""
+    perturbed = _fused.apply_updates(leaves, key[None], scale[None], distribution=distribution, impl="jnp",
+                                     per_leaf=True, leaf_keys=table)
+    unit = scale / scale
+    return jax.tree_util.tree_map(lambda x: x / unit.astype(x.dtype), perturbed)
+
+
+def _pallas_leaves(theta, key, scale, table, distribution: str, sources=None):
+    """``theta`` perturbed by ``scale · z``: each leaf of at least
+    :data:`zeroth.kernels.perturb.APART_MIN_BYTES` by a launch of its own of
+    :func:`zeroth.kernels.perturb.perturb_pallas_segments` (row ``i`` of ``table``, the leaves'
+    keys ``u32[L, 1, 2]``), read where it lies (``sources[i] = (buffer, offset)`` in a
+    :class:`zeroth.replay.Flat` buffer, else the leaf itself); the smaller leaves by the jnp rule
+    (:func:`_jnp_leaves`), which XLA fuses into few kernels, some into their consumers. Compiled
+    for an H100, the transformer's projected gradients ran 228 operations per call at width 4096
+    with the jnp rule, 236 so, 320 with a launch for every leaf and 264 with a launch per group
+    of small vectors (176, 176, 304 and 204 at the default width). Off a GPU: interpret mode."""
+    leaves, treedef = jax.tree_util.tree_flatten(theta)
+    interpret = _rule.default_platform() != "gpu"
+    out: list[Any] = [None] * len(leaves)
+    small = [i for i, x in enumerate(leaves) if x.size * x.dtype.itemsize < _fused.APART_MIN_BYTES]
+    if small:
+        rows = table[np.asarray(small)] if len(small) < len(leaves) else table
+        for i, x in zip(small, _jnp_leaves([leaves[i] for i in small], key, scale, rows, distribution), strict=True):
+            out[i] = x
+    for i, leaf in enumerate(leaves):
+        if out[i] is None:
+            buffer, base = (leaf.reshape(-1), 0) if sources is None else sources[i]
+            out[i] = _fused.perturb_pallas_segments(
+                buffer, table, scale[None], ((base, leaf.size, i),), distribution=distribution, interpret=interpret,
+                platform="cpu" if interpret else None).reshape(leaf.shape)
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _perturbed_parts(theta, perturbed, table, scale, distribution: str, native: bool,
@@ -602,12 +667,15 @@ class ProjectedGradientsFn:
     by page each time (SmolLM2-135M: 448 against 222 ms of CPU time to perturb θ twice).
     """
 
-    def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], distribution: str, *, unroll: bool = False):
+    def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], distribution: str, *, unroll: bool = False,
+                 perturb_impl: str = "auto"):
         self.loss_fn = loss_fn
         self.distribution = distribution
         self.unroll = unroll
+        self.perturb_impl = perturb_impl
         self._cache: dict[tuple, tuple[Any, dict[str, Any]]] = {}
-        estimate = functools.partial(projected_gradients_and_losses, loss_fn, distribution=distribution, unroll=unroll)
+        estimate = functools.partial(projected_gradients_and_losses, loss_fn, distribution=distribution, unroll=unroll,
+                                     perturb_impl=perturb_impl)
 
         def projected_gradients(params, batch, keys, eps_scale, enc=None):  # its program's name in profiles and dumps
             return _encoded(estimate(params, batch, keys, eps_scale), enc)
@@ -752,24 +820,25 @@ def _apply_held(params, update, distribution: str, impl: str):
 
 
 @functools.lru_cache(maxsize=64)
-def _estimator(loss_fn, distribution: str, backend: str, unroll: bool) -> ProjectedGradientsFn:
-    return ProjectedGradientsFn(loss_fn, distribution, unroll=unroll)
+def _estimator(loss_fn, distribution: str, backend: str, unroll: bool, perturb_impl: str) -> ProjectedGradientsFn:
+    return ProjectedGradientsFn(loss_fn, distribution, unroll=unroll, perturb_impl=perturb_impl)
 
 
 def projected_gradients_fn(loss_fn: Callable[[Any, Any], jax.Array], *, distribution: str = "binomial",
-                           unroll: bool = False) -> ProjectedGradientsFn:
+                           unroll: bool = False, perturb_impl: str = "auto") -> ProjectedGradientsFn:
     """The compiled estimator ``fn(params, batch, keys, eps_scale) -> (g f32[n], ℓ f32[n])``.
 
     Compiled with the memory-saving options of :func:`compiler_option_candidates` (the one with
-    the smallest compiled peak), cached per ``loss_fn``, distribution, backend and ``unroll``
-    (:func:`projected_gradients_and_losses`); it recompiles only for new shapes. Prefer it to wrapping :func:`projected_gradients` in a plain ``jax.jit``,
+    the smallest compiled peak), cached per ``loss_fn``, distribution, backend, ``unroll`` and
+    ``perturb_impl`` (:func:`projected_gradients_and_losses`); it recompiles only for new shapes. Prefer it to wrapping :func:`projected_gradients` in a plain ``jax.jit``,
     whose default options can keep a perturbed copy of the model.
 
     Example:
       >>> fn = projected_gradients_fn(lambda p, b: jnp.sum(p["w"] ** 2))
     """
     _noise.check_distribution(distribution)
-    return _estimator(loss_fn, distribution, _rule.default_platform(), bool(unroll))
+    _perturb_impl(perturb_impl)
+    return _estimator(loss_fn, distribution, _rule.default_platform(), bool(unroll), perturb_impl)
 
 
 # --------------------------------------------------------------------------- coefficients

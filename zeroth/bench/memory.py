@@ -131,10 +131,14 @@ def compiler_folder(spec: Target) -> Path:
 
 def run(model: str = "transformer", *, target: str = "host", batch: int | None = None, width: int = 1024, n: int = 1,
         seq_len: int | None = None, weights: str = "pretrained", distributions: tuple[str, ...] = noise.EXACT,
-        flat: bool = False, compile_profile: int = 0, progress=_common.no_progress) -> dict:
+        flat: bool = False, compile_profile: int = 0, perturb_impl: str = "auto",
+        progress=_common.no_progress) -> dict:
     """Compile and measure; returns ``{"config", "environment", "rows", "ratios", "targets"}``.
     ``compile_profile`` > 0: each ZO program's compilations are profiled, their rows carry that
     many of the events by time (``compile_events``: XLA's passes, the kernels' LLVM and PTX work).
+    ``perturb_impl``: how the ZO programs compute their perturbed leaves
+    (:func:`zeroth.zo.projected_gradients_and_losses`; ``"jnp"`` gives the jnp rule's programs
+    for a GPU target, whose default is a kernel per leaf), to compare compile times and memory.
 
     Raises:
       ValueError: an unknown model, target or distribution, or a size below 1.
@@ -178,7 +182,7 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
         keys = jax.ShapeDtypeStruct((n, 2), jnp.uint32, sharding=sharding)
         eps = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding)
         for dist in distributions:
-            pg = zo.projected_gradients_fn(loss_fn, distribution=dist)
+            pg = zo.projected_gradients_fn(loss_fn, distribution=dist, perturb_impl=perturb_impl)
             for suffix, p in layouts.items():
                 lowered = pg.lowered(abstract(p), abstract(data), keys, eps)
                 name = f"ZO projected gradients n={n} {dist}" + (" (flat layout)" if suffix else "")
@@ -203,7 +207,7 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
     return {
         "config": {"model": model, "model_kwargs": kwargs, "target": target, "batch": batch, "n": n,
                    "seq_len": seq_len, "weights": weights, "distributions": list(distributions), "flat": flat,
-                   "params": n_params, "compile_profile": compile_profile,
+                   "params": n_params, "compile_profile": compile_profile, "perturb_impl": perturb_impl,
                    "extra_compiler_options": options},
         "environment": _common.environment(),
         "rows": rows,
@@ -403,12 +407,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-profile", type=int, nargs="?", const=15, default=0, metavar="EVENTS",
                    help="profile each ZO program's compilation and show its EVENTS (default 15) traced events by time: "
                         "where compiling goes (XLA's passes, the kernels' LLVM and PTX work)")
+    p.add_argument("--perturb-impl", default="auto", choices=["auto", "native", "pallas", "jnp"],
+                   help="how the ZO programs compute each perturbed leaf (default auto: the native kernel on a CPU, "
+                        "a Triton kernel per leaf on a GPU, the jnp rule elsewhere)")
 
     def measure(args) -> dict:
         dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
         return run(args.model, target=args.target, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len,
                    weights=args.weights, distributions=dists, flat=args.flat, compile_profile=args.compile_profile,
-                   progress=_common.Progress(p.prog))
+                   perturb_impl=args.perturb_impl, progress=_common.Progress(p.prog))
 
     return _common.run_cli(p, argv, measure, _render)
 
