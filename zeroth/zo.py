@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures as _futures
 from typing import Any, NamedTuple
@@ -388,7 +389,7 @@ def projected_gradients_and_losses(
         CPU that has it; on a GPU with jax's Triton backend the flat Triton kernel,
         :func:`zeroth.kernels.perturb.perturb_pallas_segments`, a launch per leaf of at least
         :data:`zeroth.kernels.perturb.APART_MIN_BYTES`, and the jnp rule for the others; else
-        the jnp rule), ``"native"``,
+        the jnp rule; :data:`PERTURB_ENV` may name another), ``"native"``,
         ``"pallas"`` (on a CPU in Pallas interpret mode, for tests) or ``"jnp"``. The same bits.
       unroll: the 2n forward passes as straight-line code instead of a ``lax.map``, each
         evaluation's perturbed model made after the previous evaluation's loss (an optimization
@@ -469,11 +470,22 @@ def projected_gradients_and_losses(
     return (lp - lm) / (jnp.float32(2.0) * eps), (lp + lm) * jnp.float32(0.5)
 
 
+PERTURB_IMPLS = ("auto", "native", "pallas", "jnp")
+PERTURB_ENV = "ZEROTH_ZO_PERTURB"
+"""An environment variable that, where set to one of :data:`PERTURB_IMPLS` but ``"auto"``, is
+what ``perturb_impl="auto"`` means in this process: ``ZEROTH_ZO_PERTURB=jnp zeroth bench zo ...``
+times a GPU's ZO steps with the jnp rule for every leaf, to compare with the default's kernels."""
+
+
 def _perturb_impl(impl: str) -> str:
     """The ``perturb_impl`` of :func:`projected_gradients_and_losses` for the platform it is traced
     for (:func:`zeroth.rule.default_platform`): ``"native"``, ``"pallas"`` or ``"jnp"``."""
-    if impl not in ("auto", "native", "pallas", "jnp"):
-        raise ValueError(f"perturb_impl must be one of 'auto', 'native', 'pallas', 'jnp'; got {impl!r}")
+    if impl not in PERTURB_IMPLS:
+        raise ValueError(f"perturb_impl must be one of {', '.join(map(repr, PERTURB_IMPLS))}; got {impl!r}")
+    if impl == "auto" and os.environ.get(PERTURB_ENV, "auto") != "auto":
+        impl = os.environ[PERTURB_ENV]
+        if impl not in PERTURB_IMPLS:
+            raise ValueError(f"{PERTURB_ENV} must be one of {', '.join(map(repr, PERTURB_IMPLS))}; got {impl!r}")
     platform = _rule.default_platform()
     if impl == "auto":
         if platform == "gpu":

@@ -62,6 +62,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -430,6 +431,7 @@ def run(
         "config": {"model": model, "model_kwargs": kwargs, "batch": batch,
                    "width": None if model in PRETRAINED_MODELS else width, "input_shape": input_shape,
                    "n_perturbations": n, "codec": codec, "flat": flat, "unroll": unroll, "rows": list(groups),
+                   "zo_perturb": os.environ.get(zo.PERTURB_ENV, "auto"),
                    "distributions": list(distributions), "params": n_params,
                    "param_bytes": int(param_bytes), "largest_leaf_bytes": largest_leaf},
         "memory_measure": "Compiled.memory_analysis(): argument + output + temp - alias bytes of each compiled program",
