@@ -495,3 +495,11 @@ def test_leaves_perturbed_apart_refuse_what_the_kernel_cannot_do():
     with pytest.raises(ValueError, match="interpret=True"):
         kp.perturb_pallas_segments(buf, table, scales, [(0, 10, 0)], platform="cpu")
     assert kp.perturb_pallas_segments(buf, table, scales, [(7, 0, 2)], interpret=True).shape == (0,)
+    # no update: each leaf flushed and cast alone, as the reference does (a subnormal becomes +-0)
+    special = jnp.asarray(_leaf(3, (40,), np.float32))
+    none = kp.perturb_pallas_segments(special, jnp.zeros((2, 0, 2), jnp.uint32), jnp.zeros(0, jnp.float32),
+                                      [(30, 10, 1), (0, 25, 0)], interpret=True)
+    want = [kp.perturb_reference(special[o : o + z], jnp.zeros((0, 2), jnp.uint32), jnp.zeros(0, jnp.float32))
+            for o, z in ((30, 10), (0, 25))]
+    np.testing.assert_array_equal(_bits(none), _bits(jnp.concatenate(want)))
+    assert np.any(_bits(special[:25]) != _bits(want[1]))  # the flush changed something
