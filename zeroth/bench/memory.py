@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-profile", type=int, nargs="?", const=15, default=0, metavar="EVENTS",
                    help="profile each ZO program's compilation and show its EVENTS (default 15) traced events by time: "
                         "where compiling goes (XLA's passes, the kernels' LLVM and PTX work)")
-    p.add_argument("--perturb-impl", default="auto", choices=["auto", "native", "pallas", "jnp"],
+    p.add_argument("--perturb-impl", default="auto", choices=list(zo.PERTURB_IMPLS),
                    help="how the ZO programs compute each perturbed leaf (default auto: the native kernel on a CPU, "
                         "a Triton kernel per leaf on a GPU, the jnp rule elsewhere)")
 

@@ -632,6 +632,34 @@ def _segment_update(x, call, within, keys_ref, scales_ref, segment, *, n_updates
     return _rule.cast_flushed(p32, x.dtype)
 
 
+def _flat_operands(buffer, segment_keys, scales, segments, distribution: str, what: str):
+    """The checked operands of a flat kernel's call (:func:`perturb_pallas_flat`,
+    :func:`perturb_pallas_segments`): ``(buffer, segments, segment_keys, scales, K)``, the buffer
+    1-D in a float dtype of at most :data:`_FLAT_MAX_ELEMENTS` elements, the segments inside it
+    (:func:`_check_segments`), the scales ``f32[K]``. Each caller checks the keys' shape."""
+    _noise.check_distribution(distribution)
+    buffer = jnp.asarray(buffer)
+    _rule.check_dtype(buffer.dtype, "flat buffer")
+    if buffer.ndim != 1:
+        raise ValueError(f"the flat buffer must be 1-D, got shape {buffer.shape}")
+    n = buffer.shape[0]
+    if n > _FLAT_MAX_ELEMENTS:
+        raise ValueError(f"the flat Pallas kernel takes buffers of at most {_FLAT_MAX_ELEMENTS} elements, got {n}")
+    segments = _check_segments(segments, n, what)
+    segment_keys, scales = jnp.asarray(segment_keys), jnp.asarray(scales)
+    n_updates = scales.shape[0] if scales.ndim == 1 else -1
+    if scales.dtype != jnp.float32 or n_updates < 0:
+        raise ValueError(f"scales must be f32[K], got dtype {scales.dtype} shape {scales.shape}")
+    return buffer, segments, segment_keys, scales, n_updates
+
+
+def _padded(segment_keys, scales, n_updates: int) -> tuple[jax.Array, jax.Array]:
+    """The keys as one word vector and the scales, zero-size ones padded to one element (never
+    read: no key or scale is read when K = 0, where a flat kernel still flushes and casts)."""
+    return (jnp.pad(segment_keys.reshape(-1), (0, 0 if n_updates else 2)),
+            jnp.pad(scales, (0, 0 if n_updates else 1)))
+
+
 def perturb_pallas_flat(
     buffer,
     segment_keys,
@@ -682,36 +710,22 @@ def perturb_pallas_flat(
     Returns:
       The updated buffer (same shape and dtype).
     """
-    _noise.check_distribution(distribution)
-    buffer = jnp.asarray(buffer)
-    _rule.check_dtype(buffer.dtype, "flat buffer")
-    if buffer.ndim != 1:
-        raise ValueError(f"the flat buffer must be 1-D, got shape {buffer.shape}")
-    n = buffer.shape[0]
-    if n > _FLAT_MAX_ELEMENTS:
-        raise ValueError(f"the flat Pallas kernel takes buffers of at most {_FLAT_MAX_ELEMENTS} elements, got {n}")
-    segments = _check_segments(segments, n, "perturb_pallas_flat")
-    segment_keys = jnp.asarray(segment_keys)
-    scales = jnp.asarray(scales)
-    n_updates = scales.shape[0] if scales.ndim == 1 else -1
-    if scales.dtype != jnp.float32 or n_updates < 0:
-        raise ValueError(f"scales must be f32[K], got dtype {scales.dtype} shape {scales.shape}")
+    buffer, segments, segment_keys, scales, n_updates = _flat_operands(
+        buffer, segment_keys, scales, segments, distribution, "perturb_pallas_flat")
     if segment_keys.dtype != jnp.uint32 or segment_keys.shape != (len(segments), n_updates, 2):
         raise ValueError(
             f"segment keys must be u32[{len(segments)}, {n_updates}, 2] (segments, updates, key words), "
             f"got dtype {segment_keys.dtype} shape {segment_keys.shape}"
         )
     platform, blocks = _pallas_target(platform, interpret, block_sizes, buffer.dtype)
-    # Zero-size operands are padded to one element (never read: no key or scale is read when K = 0).
-    keys_flat = jnp.pad(segment_keys.reshape(-1), (0, 0 if n_updates else 2))
-    scales = jnp.pad(scales, (0, 0 if n_updates else 1))
+    keys_flat, scales = _padded(segment_keys, scales, n_updates)
     if platform == "tpu":
         return _tpu_flat(buffer, keys_flat, scales, segments, n_updates=n_updates, distribution=distribution,
                          blocks=blocks, interpret=interpret, inplace=inplace)
     plan = plan_flat_tiles(segments, distribution, blocks, platform)
     if plan.table.shape[0] == 0:
         return buffer
-    covered = sum(z for _, z, _ in segments) == n  # segments do not overlap: they cover every element
+    covered = sum(z for _, z, _ in segments) == buffer.shape[0]  # segments do not overlap: they cover every element
     table = jnp.asarray(plan.table.reshape(-1))
     whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,))  # noqa: E731 (the kernel indexes it)
     kernel = functools.partial(
@@ -772,16 +786,8 @@ def perturb_pallas_segments(
     Returns:
       The updated leaves laid end to end: ``sum(size)`` elements.
     """
-    _noise.check_distribution(distribution)
-    buffer = jnp.asarray(buffer)
-    _rule.check_dtype(buffer.dtype, "flat buffer")
-    if buffer.ndim != 1 or buffer.shape[0] > _FLAT_MAX_ELEMENTS:
-        raise ValueError(f"the buffer must be 1-D with at most {_FLAT_MAX_ELEMENTS} elements, got shape {buffer.shape}")
-    segments = _check_segments(segments, buffer.shape[0], "perturb_pallas_segments")
-    segment_keys, scales = jnp.asarray(segment_keys), jnp.asarray(scales)
-    n_updates = scales.shape[0] if scales.ndim == 1 else -1
-    if scales.dtype != jnp.float32 or n_updates < 0:
-        raise ValueError(f"scales must be f32[K], got dtype {scales.dtype} shape {scales.shape}")
+    buffer, segments, segment_keys, scales, n_updates = _flat_operands(
+        buffer, segment_keys, scales, segments, distribution, "perturb_pallas_segments")
     rows = segment_keys.shape[0] if segment_keys.ndim == 3 else 0
     bad = [i for _, _, i in segments if not 0 <= i < rows]
     if segment_keys.dtype != jnp.uint32 or segment_keys.shape[1:] != (n_updates, 2) or bad:
@@ -794,10 +800,7 @@ def perturb_pallas_segments(
     total = sum(z for _, z, _ in segments)
     if total == 0:
         return buffer[:0]
-    # Zero-size operands are padded to one element (never read: no key or scale is read when K = 0,
-    # where the kernel still flushes and casts, as perturb_reference does).
-    keys_flat = jnp.pad(segment_keys.reshape(-1), (0, 0 if n_updates else 2))
-    scales = jnp.pad(scales, (0, 0 if n_updates else 1))
+    keys_flat, scales = _padded(segment_keys, scales, n_updates)  # K = 0 still flushes and casts
     plan = plan_flat_tiles(segments, distribution, blocks, platform)
     starts = np.cumsum([0] + [z for _, z, _ in segments])[:-1]
     table = np.concatenate([plan.table, (starts[plan.table[:, 0]] + plan.table[:, 2])[:, None]], axis=1)
