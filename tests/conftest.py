@@ -8,11 +8,30 @@ if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# One persistent compilation cache for the session, for the processes the tests start (peers,
+# stages, command-line runs, notebooks; pytest-xdist's workers pass the controller's environment on):
+# the peers of a run, a run and its resume, the stages of the pipeline tests compile the same
+# programs, and the second compile of a program is a read. Loaded programs give the same bits
+# (test_doctor.py). It starts empty, as on a clean clone, and is removed at the end. A size limit
+# turns on jax's file lock (the filelock package), so that no process reads an entry another is
+# still writing. A test that names its own cache (or none) sets the variable itself. The test
+# processes themselves do not use it (below): their thousands of small programs, each written
+# once and rarely compiled again, made the suite slower.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = SESSION_JAX_CACHE = tempfile.mkdtemp(prefix="zeroth-tests-jax-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+else:
+    SESSION_JAX_CACHE = None  # a worker of this session, or a cache the caller chose
+
 import warnings  # noqa: E402
 
 import jax  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+jax.config.update("jax_compilation_cache_dir", None)  # the environment's cache is for the processes tests start
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
@@ -55,3 +74,10 @@ def _default_device(request):
     device = jax.devices()[0] if request.node.get_closest_marker("accelerator") else jax.devices("cpu")[0]
     with jax.default_device(device):
         yield
+
+
+def pytest_unconfigure(config):
+    if SESSION_JAX_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(SESSION_JAX_CACHE, ignore_errors=True)

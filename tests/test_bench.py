@@ -348,7 +348,8 @@ def test_bench_memory_for_an_h100_finds_the_cuda_compiler_the_project_installed(
     folder = memory.compiler_folder(memory.TARGETS["h100"])
     if not (folder / "jax_plugins").is_dir():
         pytest.skip(f"no jax CUDA plugin in {folder} (scripts/install_device_compilers.sh, run by make test, puts it there)")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_PLATFORMS")}
+    # (nor the session's compilation cache: --compile-profile traces the compiler at work)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR")}
     cmd = [sys.executable, "-m", "zeroth", "bench", "memory", "--json", "--target", "h100", "--model", "mlp",
            "--batch", "8", "--distribution", "binomial"]
     proc = subprocess.run([*cmd, "--compile-profile", "60"], env=env, capture_output=True, text=True, timeout=600)

@@ -44,6 +44,7 @@ OTHER_KERNELS = ("signbits unpack", "signbits majority")
 def _compile(target: str) -> dict[str, dict]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # compiled for the chip here, not read from the session's cache
     if target == "h100":
         env["PYTHONPATH"] = os.pathsep.join([str(CUDA_COMPILER), str(ROOT)])
     else:
