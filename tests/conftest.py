@@ -22,7 +22,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = SESSION_JAX_CACHE = tempfile.mkdtemp(prefix="zeroth-tests-jax-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+    try:  # without filelock, jax refuses a size limit at the first compile of every process
+        import filelock  # noqa: F401
+
+        os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+    except ImportError:
+        pass
 else:
     SESSION_JAX_CACHE = None  # a worker of this session, or a cache the caller chose
 
