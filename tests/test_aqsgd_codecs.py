@@ -71,6 +71,22 @@ def test_uniforms_are_exact_and_keyed():
     assert np.all((u * 2**24) == np.floor(u * 2**24))
 
 
+@pytest.mark.parametrize("rows, n", [(0, 3), (1, 1), (3, 0), (5, 7), (700, 513), (3, 300_001)])
+def test_uniforms_of_many_keys_are_each_keys_word_stream(rows, n):
+    """The rows, computed many keys per threefry call (and in chunks: 700 rows of 513 words are two
+    chunks, a row of 300,001 words a chunk of its own), are each key's own word stream, bit for bit."""
+    from zeroth import reference
+
+    keys = np.random.default_rng(rows * 1000 + n).integers(0, 1 << 32, (rows, 2), dtype=np.uint64).astype(np.uint32)
+    u = C.uniforms(keys, n)
+    assert u.shape == (rows, n) and u.dtype == np.float32
+    for b in range(rows):
+        want = (reference.noise_words(keys[b], n) >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
+        np.testing.assert_array_equal(u[b].view(np.uint32), want.view(np.uint32))
+    rowwise = np.array([reference.noise_words(k, n) for k in keys], np.uint32).reshape(rows, n)
+    np.testing.assert_array_equal(reference.noise_words(keys, n), rowwise)
+
+
 def _walk(codec, steps, n=6, batch=3, row=(4, 5), seed=0):
     """Send drifting activations through one link for several epochs; return (sender, receiver, bytes)."""
     rng = np.random.default_rng(seed)

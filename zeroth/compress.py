@@ -90,6 +90,7 @@ CODEC_NAMES = ("fp32", "directq", "aqsgd")
 SCALE_AXES = ("row", "channel")
 MAX_BITS = 8
 _U_SCALE = np.float32(2.0**-24)
+_UNIFORM_WORDS = 1 << 18  # words per threefry call of :func:`uniforms` (its temporaries: a few MB)
 
 
 class CodecMismatch(ValueError):
@@ -161,12 +162,16 @@ def example_keys(run_seed: int, *, link: int, direction: int, step: int, ids) ->
 
 
 def uniforms(keys: np.ndarray, n: int) -> np.ndarray:
-    """``f32[B, n]`` in ``[0, 1)``: row b is ``(noise_words(keys[b], n) >> 8) · 2^−24`` (exact)."""
+    """``f32[B, n]`` in ``[0, 1)``: row b is ``(noise_words(keys[b], n) >> 8) · 2^−24`` (exact).
+
+    The rows are computed :data:`_UNIFORM_WORDS` words at a time, many keys per threefry call
+    (one call per row took 0.35 s for 4096 rows of 2 on a 2-core CPU)."""
     keys = np.asarray(keys, np.uint32).reshape(-1, 2)
     out = np.empty((keys.shape[0], n), np.float32)
-    for b in range(keys.shape[0]):
-        words = _ref.noise_words(keys[b], n)
-        out[b] = (words >> np.uint32(8)).astype(np.float32) * _U_SCALE
+    rows = max(1, _UNIFORM_WORDS // max(n, 1))
+    for b in range(0, keys.shape[0], rows):
+        words = _ref.noise_words(keys[b:b + rows], n)
+        out[b:b + rows] = (words >> np.uint32(8)).astype(np.float32) * _U_SCALE
     return out
 
 

@@ -120,14 +120,19 @@ def leaf_key(key, path: str) -> np.ndarray:
 
 def noise_words(key, n_words: int) -> np.ndarray:
     """The leaf's word stream: word ``2j`` is ``x0`` and word ``2j+1`` is ``x1`` of threefry call j,
-    whose counter is ``(j >> 32, j & 0xffffffff)``."""
+    whose counter is ``(j >> 32, j & 0xffffffff)``.
+
+    ``key`` is ``u32[2]`` (returns ``u32[n_words]``) or a batch ``u32[..., 2]`` (returns
+    ``u32[..., n_words]``, row by row the stream of each key, in one broadcast threefry)."""
+    key = np.asarray(key, dtype=np.uint32)
     n_calls = (n_words + 1) // 2
     j = np.arange(n_calls, dtype=np.uint64)
-    x0, x1 = threefry2x32(key, ((j >> np.uint64(32)).astype(np.uint32), (j & np.uint64(MASK32)).astype(np.uint32)))
-    words = np.empty(2 * n_calls, dtype=np.uint32)
-    words[0::2] = x0
-    words[1::2] = x1
-    return words[:n_words]
+    counter = ((j >> np.uint64(32)).astype(np.uint32), (j & np.uint64(MASK32)).astype(np.uint32))
+    x0, x1 = threefry2x32((key[..., 0, None], key[..., 1, None]), counter)
+    words = np.empty(key.shape[:-1] + (2 * n_calls,), dtype=np.uint32)
+    words[..., 0::2] = x0
+    words[..., 1::2] = x1
+    return words[..., :n_words]
 
 
 def rademacher_int(key, n: int, offset: int = 0) -> np.ndarray:
