@@ -461,6 +461,23 @@ def test_checksum_names_paths_dtypes_and_shapes():
     assert replay.checksum({"a": np.zeros(0, np.float32)}) != replay.checksum({"a": np.zeros((0, 1), np.float32)})
 
 
+def test_checksum_hashes_each_leafs_little_endian_row_major_bytes():
+    """The definition, written out: every leaf's header, then ``tobytes()`` of its little-endian,
+    row-major copy (the checksum reads the bytes in place; a transposed or big-endian leaf is the
+    same state as its copy)."""
+    import hashlib
+
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    leaves = {"t": x.T, "big": x.astype(">f4"), "bf": np.array([1.5, -2.0, 0.0], BF16), "s": np.array(3.0, np.float32),
+              "e": np.zeros((0, 2), F16)}
+    h = hashlib.sha256(f"zeroth-checksum-v1 {len(leaves)}\n".encode())
+    for path in sorted(leaves):
+        a = np.ascontiguousarray(leaves[path]).astype(leaves[path].dtype.newbyteorder("<"))
+        h.update(f"{path}\0{a.dtype.name}\0{a.shape}\0{a.nbytes}\n".encode() + a.tobytes())
+    assert ref.checksum_leaves(leaves) == h.hexdigest()
+    assert ref.checksum_leaves({**leaves, "t": np.ascontiguousarray(x.T), "big": x}) == h.hexdigest()
+
+
 def test_copy_mode_keeps_freed_host_memory_for_reuse():
     """The first copy-mode replay on a CPU asks glibc to keep freed blocks (no page faults per
     call); ZEROTH_REUSE_HOST_MEMORY=0 turns it off. Checked in fresh processes."""

@@ -155,15 +155,18 @@ def make_projection(grids: dict[str, _quant.Grid], rounding: str = "nearest"):
     Leaves without a grid pass through unchanged; the function is jitted once per structure.
     """
     check_rounding(rounding)
-    dev = {k: (jnp.asarray(g.d), jnp.asarray(g.m), g.qmin, g.qmax) for k, g in grids.items()}
+    # the grids' scales and minima are arguments of the program, not constants folded into it (which
+    # made the first projection of SmolLM2 take 2.0 s instead of 0.65 s, on a 2-core CPU)
+    dev = {k: (jnp.asarray(g.d), jnp.asarray(g.m)) for k, g in grids.items()}
+    bounds = {k: (g.qmin, g.qmax) for k, g in grids.items()}
 
     @jax.jit
-    def _project(params, key):
+    def _project(params, key, dev):
         def leaf(path, x):
             p = _rng.leaf_path(path)
             if p not in dev:
                 return x
-            d, m, qmin, qmax = dev[p]
+            (d, m), (qmin, qmax) = dev[p], bounds[p]
             x32 = x.astype(jnp.float32)
             u = None
             if rounding == "stochastic":
@@ -178,7 +181,7 @@ def make_projection(grids: dict[str, _quant.Grid], rounding: str = "nearest"):
         missing = sorted(set(dev) - paths)
         if missing:
             raise ValueError(f"grids for {missing} match no parameter; parameters are {sorted(paths)}")
-        return _project(params, jnp.asarray(requant_key(run_seed, step)))
+        return _project(params, jnp.asarray(requant_key(run_seed, step)), dev)
 
     return project
 
