@@ -80,10 +80,11 @@ def check_target(target: str, replay_kernels: dict[str, int], lacking: tuple[str
         for case in [c for c in results if c.startswith(("perturb_pallas", "tiling")) and dist in c]:
             assert _kernels(results, case) == 1, case
         for case, n in replay_kernels.items():
-            if in_short_run(target, case.format(dist=dist)):
-                assert _kernels(results, case.format(dist=dist)) == n, case.format(dist=dist)
+            name = case.format(dist=dist)
+            if in_short_run(target, name):
+                assert _kernels(results, name) == n, name
             else:  # its twin of the other distribution compiles the same blocks
-                assert case.format(dist=dist) not in results
+                assert name not in results
     for case in GATHER_KERNELS + OTHER_KERNELS:
         if case in lacking:
             assert not results[case]["ok"] and why in results[case]["error"], results[case]

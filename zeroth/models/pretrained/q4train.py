@@ -161,12 +161,12 @@ def make_projection(grids: dict[str, _quant.Grid], rounding: str = "nearest"):
     bounds = {k: (g.qmin, g.qmax) for k, g in grids.items()}
 
     @jax.jit
-    def _project(params, key, dev):
+    def _project(params, key, scales):
         def leaf(path, x):
             p = _rng.leaf_path(path)
-            if p not in dev:
+            if p not in scales:
                 return x
-            (d, m), (qmin, qmax) = dev[p], bounds[p]
+            (d, m), (qmin, qmax) = scales[p], bounds[p]
             x32 = x.astype(jnp.float32)
             u = None
             if rounding == "stochastic":
