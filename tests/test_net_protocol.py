@@ -7,6 +7,7 @@ status code while the state it was given stays untouched.
 """
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -441,6 +442,73 @@ def test_a_decision_no_majority_took_is_found_in_the_others_logs_and_its_holder_
     chained(net, (zero, one, two))
 
 
+def test_a_last_decision_no_majority_took_finishes_no_peer():
+    """Three founders, 6 iterations. Machine 1's push of the last iteration (5) to the leader is
+    lost, so the leader decides 5 at its deadline from the pushes of 0 and 2 (a majority), and is
+    cut off before its commit reaches anyone; machine 1 takes over with machine 2's promise and
+    decides 5 with all three pushes. Before the closing iteration, the leader finished on its own
+    decision and 1 and 2 on theirs: three finished peers, two different last updates. Now each
+    needs the closing iteration's decision, which continues the chain of its barrier's members: 1
+    and 2 finish, and the leader waits alone, finds 1's log on another chain and fails with its
+    reason instead of finishing."""
+    net = SimNet(params(founders=3, iterations=6), tick=0.05, rejoin=True)
+    net.start(3)
+    zero, one, two = (net.peers[f"sim:100{i}"] for i in range(3))
+    assert net.run_until(lambda: all(p.state is not None and p.state.it >= 5 for p in (zero, one, two)), limit=60)
+    net.drop_next(one.address, zero.address, P.Push, count=1)
+    assert net.run_until(lambda: len(zero.log) == 6, limit=net.now + 30)
+    net.partition([zero.address], [one.address, two.address])
+    lone = zero.log[5].commit
+    assert [m for m, _ in lone.contributors] == [0, 2]
+    assert net.run_until(lambda: one.finished and two.finished, limit=net.now + 30)
+    assert zero.finished is None and zero.state.it == 6  # applied its decision of 5, waiting in the closing iteration
+    net.heal()
+    net.run_until(lambda: zero.finished is not None, limit=net.now + 60)
+    assert zero.finished == "failed" and zero.phase == P.FAILED
+    assert any("continues another decision of iteration 5" in text for _, text in zero.events)
+    chain = assert_agree(net, 2)
+    assert contributors(chain, 5) == [0, 1, 2] and zero.log[5].commit == lone
+    chained(net, (zero, one, two))
+    assert split(net) is None
+
+
+def test_the_closing_iteration_carries_no_gradients_and_admits_no_one():
+    """The closing iteration (``iterations``): a member pushes count 0 and an empty payload (no
+    Compute, no Apply), a push or commit with gradients there is refused, none beyond it is
+    taken, a join is refused, and the closing decision finishes the peer."""
+    pp = dataclasses.replace(signed_params(1), iterations=5)
+    st = P.on_ready(pp, P.joined(pp, me=1, view=signed_view(4), now=0.0), iteration=4, view=signed_view(4), now=0.0).state
+    _, step = decide(pp, st, 4)
+    st = step.state
+    assert st.it == 5 and st.phase == P.MEMBER
+    assert [type(e).__name__ for e in step.effects] == ["Apply", "Send", "Send"]
+    mine = step.effects[1].message
+    assert (mine.iteration, mine.count, mine.payload, mine.previous) == (5, 0, b"", st.chain)
+    assert identity.verify(KEYS[1].public, P.signed_bytes(mine), mine.signature)
+    gradients = signed(2, P.Push("run", 2, 5, 2, b"ab", previous=st.chain))
+    beyond = signed(2, P.Push("run", 2, 6, 0, b"", previous=st.chain))
+    for push, code in ((gradients, "INVALID_ARGUMENT"), (beyond, "OUT_OF_RANGE")):
+        with pytest.raises(P.Rejected) as e:
+            P.on_push(pp, st, push, 2.0)
+        assert e.value.code == code, e.value
+    st = P.on_push(pp, st, signed(2, P.Push("run", 2, 5, 0, b"", previous=st.chain)), 2.0).state
+    assert st.inbox[(5, 2)].count == 0
+    with pytest.raises(P.Rejected) as e:
+        P.on_join(pp, st, P.JoinRequest(1, "h:9", "cfg", KEYS[3].public), 2.0)
+    assert e.value.code == "FAILED_PRECONDITION" and "finished" in e.value.message
+    closing = P.Commit("run", 0, 5, P.Ballot(0, 0), ((1, 0), (2, 0)), P.updates_digest(((1, 0), (2, 0)), (b"", b"")),
+                       signed_view(6), previous=st.chain)
+    with pytest.raises(P.Rejected) as e:
+        P.on_commit(pp, st, signed(0, closing._replace(contributors=((1, 1), (2, 0)))), 2.0)
+    assert e.value.code == "INVALID_ARGUMENT" and "closing" in e.value.message
+    with pytest.raises(P.Rejected) as e:
+        P.on_commit(pp, st, signed(0, closing._replace(iteration=6, next_view=signed_view(7))), 2.0)
+    assert e.value.code == "OUT_OF_RANGE"
+    step = P.on_commit(pp, st, signed(0, closing), 2.0)
+    assert step.state.phase == P.DONE and [type(e).__name__ for e in step.effects] == ["Finished"]
+    assert step.effects[0] == P.Finished(5, "done")
+
+
 def partitioned_run(seed):
     """A simulated run of 3 to 6 founders where, at random iterations, the live peers are split in two
     at random for up to 3.5 s (less than a stall period) and healed, with up to one kill, two joins
@@ -499,6 +567,13 @@ def test_partitions_that_come_and_go_never_split_the_chain(first):
     decision the others replaced)."""
     bad = {seed: why for seed in range(first, first + 100) if (why := split(partitioned_run(seed)))}
     assert bad == {}
+
+
+def test_a_partition_at_the_last_iteration_never_splits_the_chain():
+    """Seed 52066 (one of 300 from 52000): the leader decided the last iteration with a majority of
+    pushes and was cut off; a takeover decided it otherwise. Before the closing iteration, two
+    finished peers held different last decisions ("sim:1001 finished on another chain")."""
+    assert split(partitioned_run(52066)) is None
 
 
 def test_no_promise_to_a_takeover_on_another_chain():

@@ -68,6 +68,14 @@ decision that no majority took (a committer cut off right after deciding, while 
 decided otherwise): the others' pushes and logs then continue another chain, and once members of a
 majority of its view do, it is :class:`Dropped` and rejoins from their state.
 
+Closing. The last decision needs the same check, and no iteration with gradients follows it: a run
+of ``iterations`` iterations therefore decides one more, the *closing* iteration ``iterations``,
+with the same barrier and takeovers but nothing to compute (each member pushes count 0 and an empty
+payload on its chain; no :class:`Apply`, no joins). A peer is :class:`Finished` once it holds the
+closing decision, which continues the chain of the members at its barrier: a committer that applied
+a last decision no majority took waits there alone, finds the others on another chain, and never
+finishes on it (before, such a run ended with finished peers holding different last updates).
+
 Authentication. Every member has an Ed25519 public key in the view (:attr:`Member.key`, put there
 by the commit that admitted it). :class:`Push`, :class:`Commit`, :class:`Prepare` and :class:`Leave`
 carry the sender's signature of :func:`signed_bytes`; with ``Params.verify`` set, a message is
@@ -219,7 +227,8 @@ class Params:
       config_digest: SHA-256 hex of the run's config; joiners must present the same.
       bytes_per_value: payload bytes per projected gradient (1 for onebyte, 4 for float32).
       max_count: most projected gradients of one (machine, iteration) (inferences per iteration).
-      iterations: the run decides iterations ``0 .. iterations - 1``.
+      iterations: the run decides iterations ``0 .. iterations - 1`` (with gradients), then the
+        closing iteration ``iterations`` (none: it confirms the last decision's chain).
       iteration_timeout_s: a member stops evaluating perturbations after this long.
       barrier_timeout_s: the committer waits this long after the iteration timeout for pushes;
         a member waits this long again for the commit before suspecting the committer.
@@ -840,8 +849,16 @@ def _check_uint(name: str, v, limit: int = 2**32) -> None:
         raise Rejected("INVALID_ARGUMENT", f"{name} must be an integer in [0, {limit}), got {v!r}")
 
 
-def _check_payload(params: Params, count: int, payload: bytes, what: str) -> None:
+def _check_payload(params: Params, count: int, payload: bytes, what: str, iteration: int) -> None:
     _check_uint(f"{what} count", count)
+    if iteration >= params.iterations:
+        if count != 0 or payload != b"":
+            raise Rejected(
+                "INVALID_ARGUMENT",
+                f"{what}: the closing iteration {params.iterations} carries no gradients (count 0, an empty payload), "
+                f"got count {count} and {len(payload) if isinstance(payload, bytes) else type(payload).__name__} byte(s)",
+            )
+        return
     if not 1 <= count <= params.max_count:
         raise Rejected("INVALID_ARGUMENT", f"{what}: count {count} is outside [1, {params.max_count}] (inferences per iteration)")
     if not isinstance(payload, bytes):
@@ -893,6 +910,9 @@ def _check_commit(params: Params, c: Commit) -> None:
     _check_run(params, c.run_id)
     _check_uint("commit sender", c.sender)
     _check_uint("commit iteration", c.iteration, 2**63)
+    if c.iteration > params.iterations:
+        raise Rejected("OUT_OF_RANGE", f"commit of iteration {c.iteration}: the run decides iterations 0..{params.iterations} "
+                                       f"({params.iterations}: the closing one)")
     _check_uint("ballot round", c.ballot.round, 2**63)
     _check_uint("ballot leader", c.ballot.leader)
     if c.ballot.leader != c.sender:
@@ -902,9 +922,12 @@ def _check_commit(params: Params, c: Commit) -> None:
         raise Rejected("INVALID_ARGUMENT", f"commit contributors must be sorted by machine id without repeats, got {ids[:16]}")
     if len(ids) > MAX_MEMBERS:
         raise Rejected("INVALID_ARGUMENT", f"commit names {len(ids)} contributors; at most {MAX_MEMBERS}")
+    closing = c.iteration >= params.iterations
     for m, n in c.contributors:
         _check_uint("contributor id", m)
-        if not 1 <= n <= params.max_count:
+        if closing and n != 0:
+            raise Rejected("INVALID_ARGUMENT", f"contributor {m} count {n} in the closing iteration {c.iteration}; it carries no gradients (0)")
+        if not closing and not 1 <= n <= params.max_count:
             raise Rejected("INVALID_ARGUMENT", f"contributor {m} count {n} is outside [1, {params.max_count}]")
     if not isinstance(c.updates_digest, bytes) or len(c.updates_digest) != 32:
         raise Rejected("INVALID_ARGUMENT", f"updates_digest must be 32 bytes (SHA-256), got {len(c.updates_digest)}")
@@ -1036,8 +1059,11 @@ def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -
     slack = params.barrier_timeout_s if lead else 2 * params.barrier_timeout_s
     st = st._replace(deadline=now + params.iteration_timeout_s + slack)
     if not st.leaving and st.computed < st.it and st.it not in st.decided:
-        effects.append(Compute(st.it, now + params.iteration_timeout_s))
         st = st._replace(computed=st.it)
+        if st.it >= params.iterations:
+            # The closing iteration: nothing to compute, an empty push that names our chain.
+            return _push(params, st, 0, b"", now, effects)
+        effects.append(Compute(st.it, now + params.iteration_timeout_s))
     if lead:
         st = _try_commit(params, st, now, effects)
     return st
@@ -1063,7 +1089,9 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
                 break
             entry = entry._replace(payloads=got[0], signatures=got[1])
             st = st._replace(decided=_put(st.decided, st.it, entry))
-        effects.append(Apply(entry))
+        closing = st.it >= params.iterations
+        if not closing:
+            effects.append(Apply(entry))
         moved = True
         nxt = entry.commit.next_view
         it = st.it + 1
@@ -1077,15 +1105,17 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
             decided={k: v for k, v in st.decided.items() if k >= it - params.window},
             fetch=st.fetch if st.fetch is not None and st.fetch.last >= it else None,
         )
+        if closing:
+            # The closing decision continues the chain of the last one, so the barrier's members
+            # hold that decision: finished, whatever view it hands on.
+            effects.append(Finished(params.iterations, "left" if st.leaving else "done"))
+            return st._replace(phase=LEFT if st.leaving else DONE)
         if st.me not in nxt.ids():
             if st.leaving:
                 effects.append(Finished(it, "left"))
                 return st._replace(phase=LEFT)
             effects.append(Dropped(f"not a member of the view of iteration {it} (unreachable, or replaced by a rejoin)"))
             return st._replace(phase=DROPPED)
-        if it >= params.iterations:
-            effects.append(Finished(it, "done"))
-            return st._replace(phase=DONE)
     if moved:
         st = _start_iteration(params, st, now, effects)
     return st
@@ -1317,7 +1347,7 @@ def on_join(params: Params, st: PeerState, req: JoinRequest, now: float) -> Step
     _check_address(req.address)
     if not isinstance(req.key, bytes) or (params.verify is not None and len(req.key) != KEY_BYTES):
         raise Rejected("INVALID_ARGUMENT", f"a joiner's public key must be {KEY_BYTES} bytes, got {len(req.key)}")
-    if st.phase == DONE:
+    if st.phase == DONE or st.it >= params.iterations:
         raise Rejected("FAILED_PRECONDITION", f"the run has finished (all {params.iterations} iterations are decided); nothing to join")
     if st.phase == FORMING:
         if req.address in {m.address for m in st.view.members}:
@@ -1393,14 +1423,20 @@ def on_local_gradients(params: Params, st: PeerState, *, iteration: int, count: 
     if st.phase != MEMBER or iteration != st.it or (iteration, st.me) in st.inbox or iteration in st.decided or st.leaving:
         return Step(st, ())
     try:
-        _check_payload(params, count, payload, "local gradients")
+        _check_payload(params, count, payload, "local gradients", iteration)
     except Rejected as e:
         raise ValueError(e.message) from None
-    push = sign(params, Push(params.run_id, st.me, iteration, count, payload, previous=st.chain or b""))
-    st = st._replace(inbox=_put(st.inbox, (iteration, st.me), push))
-    effects: list = [Send(m.machine, m.address, push) for m in st.view.members if m.machine != st.me]
-    st = _try_commit(params, st, now, effects)
+    effects: list = []
+    st = _push(params, st, count, payload, now, effects)
     return Step(st, tuple(effects))
+
+
+def _push(params: Params, st: PeerState, count: int, payload: bytes, now: float, effects: list) -> PeerState:
+    """Sign our push of ``st.it`` (on our chain), send it to every member, and try the barrier."""
+    push = sign(params, Push(params.run_id, st.me, st.it, count, payload, previous=st.chain or b""))
+    st = st._replace(inbox=_put(st.inbox, (st.it, st.me), push))
+    effects += [Send(m.machine, m.address, push) for m in st.view.members if m.machine != st.me]
+    return _try_commit(params, st, now, effects)
 
 
 def _horizon(st: PeerState) -> int:
@@ -1424,13 +1460,16 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
     _check_run(params, push.run_id)
     _check_uint("sender", push.sender)
     _check_uint("iteration", push.iteration, 2**63)
+    if push.iteration > params.iterations:
+        raise Rejected("OUT_OF_RANGE", f"push of iteration {push.iteration}: the run decides iterations 0..{params.iterations} "
+                                       f"({params.iterations}: the closing one)")
     if st.phase not in (MEMBER, CATCHING_UP):
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase}; it takes no gradients")
     if push.sender == st.me:
         raise Rejected("INVALID_ARGUMENT", f"a push claims to come from this peer's own id {st.me}")
     if push.sender not in st.view.ids():
         raise Rejected("PERMISSION_DENIED", f"machine {push.sender} is not a member of iteration {st.it}")
-    _check_payload(params, push.count, push.payload, f"push of machine {push.sender} iteration {push.iteration}")
+    _check_payload(params, push.count, push.payload, f"push of machine {push.sender} iteration {push.iteration}", push.iteration)
     _verify(params, st.view, push, f"push of machine {push.sender} iteration {push.iteration}")
     t = push.iteration
     if t < st.it:
@@ -1842,7 +1881,7 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
         for p in reply.pushes:
             try:
                 _check_run(params, p.run_id)
-                _check_payload(params, p.count, p.payload, "takeover push")
+                _check_payload(params, p.count, p.payload, "takeover push", p.iteration)
                 _verify(params, st.view, p, "takeover push")
             except Rejected:
                 continue  # a push its sender did not sign is ignored
@@ -1898,7 +1937,7 @@ def on_fetched(params: Params, st: PeerState, entries, now: float) -> Step:
         if e.payloads is None or len(e.payloads) != len(e.commit.contributors):
             raise Rejected("INVALID_ARGUMENT", f"log entry of iteration {e.commit.iteration} lacks payloads")
         for (m, n), p in zip(e.commit.contributors, e.payloads, strict=True):
-            _check_payload(params, n, p, f"log entry {e.commit.iteration} machine {m}")
+            _check_payload(params, n, p, f"log entry {e.commit.iteration} machine {m}", e.commit.iteration)
         if updates_digest(e.commit.contributors, e.payloads) != e.commit.updates_digest:
             raise Rejected("INVALID_ARGUMENT", f"log entry of iteration {e.commit.iteration}: payloads do not match the digest")
         t = e.commit.iteration

@@ -389,7 +389,15 @@ class SimNet:
             if not self._reachable(peer.address, eff.address) or src is None:
                 entries = None
             else:
-                entries = [e for e in src.log if eff.first <= e.commit.iteration <= eff.last]
+                # The applied log, then the decisions in the protocol's window (the closing one), as the runtime serves them.
+                held = {e.commit.iteration: e for e in src.log}
+                window = P.log_entries(src.state, eff.first, eff.last) if src.state is not None else []
+                held.update((e.commit.iteration, e) for e in window if e.commit.iteration not in held)
+                entries = []
+                for t in range(eff.first, eff.last + 1):
+                    if t not in held:
+                        break
+                    entries.append(held[t])
 
             def back():
                 if not peer.alive or peer.state is None or peer.state.me != me:
