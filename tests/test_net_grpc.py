@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from zeroth import replay, schedules, zo
 from zeroth.config import apply_overrides, load_config_dict
 from zeroth.net import wire
-from zeroth.transport import identity, security
+from zeroth.transport import channels, identity, security
 from zeroth.net import protocol as P
 from zeroth.net.chaos import HostileMember
 from zeroth.net.proto import peer_pb2 as pb
@@ -481,6 +481,39 @@ def test_a_joiner_with_another_config_is_told_which_field_differs(running, worke
     assert node.finish_reason == "failed"
     assert "this peer's config differs from the run's in train.lr (the run: 0.05, this peer: 0.07);" in node.error, node.error
     assert "digest" not in node.error
+
+
+def test_the_join_timeout_bounds_a_join_call_that_is_never_answered(worker, tmp_path):
+    """A peer that takes the Join call and holds it (a leader waiting for a decision that never
+    comes, alive enough to answer gRPC's keepalive pings): the joiner gives up after its join
+    timeout, 2 s here. Before, one call could run for the forming timeout plus the iteration timeout
+    plus four barrier timeouts (4.5 minutes with the defaults; 17 with these)."""
+    release = threading.Event()
+
+    def hold(request, context):
+        release.wait(300)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "released")
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=channels.server_options(4 * 1024 * 1024))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("zeroth.v1.Peer", {
+        "Join": grpc.unary_unary_rpc_method_handler(
+            hold, request_deserializer=pb.JoinRequest.FromString, response_serializer=pb.JoinResponse.SerializeToString),
+    }),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    cfg = config(10, iteration_timeout_s=300.0, barrier_timeout_s=150.0)
+    node = Node(cfg, NodeOptions(out_dir=str(tmp_path / "j"), join=(f"127.0.0.1:{port}",), secret=TOKEN, log=False,
+                                 join_timeout_s=2.0), worker=worker)
+    try:
+        started = time.monotonic()
+        run_alone(node, timeout=120.0)
+        took = time.monotonic() - started
+    finally:
+        release.set()
+        server.stop(0)
+    assert node.finish_reason == "failed"
+    assert node.error == f"could not join the run through ['127.0.0.1:{port}'] within 2.0s", node.error
+    assert took < 60.0, took  # the call's own deadline would be 1,020 s
 
 
 def test_a_founder_resuming_a_state_that_does_not_fit_gives_up_in_one_line(worker, tmp_path, capsys):

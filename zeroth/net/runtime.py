@@ -644,7 +644,9 @@ class Node:
     def _ask_to_join(self, addresses: list[str]) -> tuple[Any, str]:
         """Send ``Join`` through ``addresses`` (following redirects) until admitted: ``(answer, sponsor)``."""
         p = self.cfg.peers
-        timeout = self.options.forming_timeout_s + p.iteration_timeout_s + 4 * p.barrier_timeout_s
+        # The leader holds a Join until a decision admits the joiner (or releases it); no call
+        # outlives the join timeout, which bounds the whole join.
+        longest = self.options.forming_timeout_s + p.iteration_timeout_s + 4 * p.barrier_timeout_s
         deadline = time.monotonic() + self.options.join_timeout_s
         while True:
             if time.monotonic() > deadline or self._stop.is_set():
@@ -652,8 +654,11 @@ class Node:
             for first in addresses:
                 address, hops = first, 0
                 while hops < 8:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
                     try:
-                        resp = self.transport.rpc(address, "Join", self._join_request(), timeout)
+                        resp = self.transport.rpc(address, "Join", self._join_request(), min(longest, left))
                     except grpc.RpcError as e:
                         details = e.details() or ""
                         if RUN_CONFIG_MARK in details:
