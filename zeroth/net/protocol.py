@@ -849,6 +849,12 @@ def _check_uint(name: str, v, limit: int = 2**32) -> None:
         raise Rejected("INVALID_ARGUMENT", f"{name} must be an integer in [0, {limit}), got {v!r}")
 
 
+def _check_in_run(params: Params, t: int, what: str) -> None:
+    if t > params.iterations:
+        raise Rejected("OUT_OF_RANGE", f"{what} of iteration {t}: the run decides iterations 0..{params.iterations} "
+                                       f"({params.iterations}: the closing one)")
+
+
 def _check_payload(params: Params, count: int, payload: bytes, what: str, iteration: int) -> None:
     _check_uint(f"{what} count", count)
     if iteration >= params.iterations:
@@ -910,9 +916,7 @@ def _check_commit(params: Params, c: Commit) -> None:
     _check_run(params, c.run_id)
     _check_uint("commit sender", c.sender)
     _check_uint("commit iteration", c.iteration, 2**63)
-    if c.iteration > params.iterations:
-        raise Rejected("OUT_OF_RANGE", f"commit of iteration {c.iteration}: the run decides iterations 0..{params.iterations} "
-                                       f"({params.iterations}: the closing one)")
+    _check_in_run(params, c.iteration, "commit")
     _check_uint("ballot round", c.ballot.round, 2**63)
     _check_uint("ballot leader", c.ballot.leader)
     if c.ballot.leader != c.sender:
@@ -1460,9 +1464,7 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
     _check_run(params, push.run_id)
     _check_uint("sender", push.sender)
     _check_uint("iteration", push.iteration, 2**63)
-    if push.iteration > params.iterations:
-        raise Rejected("OUT_OF_RANGE", f"push of iteration {push.iteration}: the run decides iterations 0..{params.iterations} "
-                                       f"({params.iterations}: the closing one)")
+    _check_in_run(params, push.iteration, "push")
     if st.phase not in (MEMBER, CATCHING_UP):
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase}; it takes no gradients")
     if push.sender == st.me:
