@@ -18,6 +18,7 @@ from zeroth.collectives import sync as S
 from zeroth.collectives import train as T
 from zeroth.collectives.topology import Ring, Torus
 from zeroth.kernels import signbits as sb
+from lowering_util import lowered_kernels
 
 RING, TORUS = Ring(4), Torus(2, 2)
 
@@ -86,6 +87,42 @@ def test_merged_signs_through_the_allreduce_are_unbiased(topo):
     want = bits.mean(0)
     std = np.sqrt(np.maximum(want * (1 - want), 1 / reps) / reps)
     assert np.all(np.abs(got - want) < 5 * std), np.c_[want, got]
+
+
+SIGN_METHODS = {
+    "marsit": lambda topo, impl: S.marsit(topo, 0.125, K=3, impl=impl),
+    "signsgd": lambda topo, impl: S.signsgd(topo, 0.125, impl=impl),
+    "majority_vote": lambda topo, impl: S.majority_vote(topo, 0.125, impl=impl),
+    "ef_signsgd": lambda topo, impl: S.ef_signsgd(topo, impl=impl),
+    "ssdm": lambda topo, impl: S.ssdm(topo, impl=impl),
+}
+
+
+@pytest.mark.parametrize("method, topo", [(m, RING) for m in SIGN_METHODS] + [("marsit", TORUS)],
+                         ids=[f"{m}-ring" for m in SIGN_METHODS] + ["marsit-torus"])
+def test_a_sign_methods_round_builds_for_a_gpu_with_its_kernels_inside_shard_map(method, topo, monkeypatch):
+    """On a GPU a sign method's round runs the Pallas sign-bit kernels inside ``shard_map``, which
+    refused their outputs there: every Marsit run beside an NVIDIA H200 stopped with "When
+    `check_vma=True` on `jax.shard_map`, `manual_axis_type` on `jax.ShapeDtypeStruct` must not be
+    `None`". The round (what the trainer compiles) now lowers for a GPU, its kernels in it."""
+    monkeypatch.setattr(sb._rule, "default_platform", lambda: "gpu")  # the kernels' choice on a GPU
+    d = 300
+    sync = SIGN_METHODS[method](topo, "auto")
+    mesh, spec = topo.mesh(), topo.spec()
+
+    def body(u, c):
+        state = sync.init(d)
+        if isinstance(state, S.CompensationState):
+            state = S.CompensationState(c[0], state.inner)
+        g, st, _ = sync.update(u[0], state, S.RoundCtx(jnp.asarray(KEY), sync.phase(1)))
+        return jax.tree_util.tree_map(lambda a: a[None], (g, st))
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
+    args = [jax.ShapeDtypeStruct((4, d), jnp.float32)] * 2
+    kernels = set(lowered_kernels(fn, args, "cuda"))
+    assert "zeroth_signbits_pack" in kernels, (method, sorted(kernels))
+    if method == "marsit":
+        assert {"zeroth_signbits_merge", "zeroth_signbits_unpack"} <= kernels, sorted(kernels)
 
 
 def test_ssdm_stochastic_sign_is_unbiased():

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from zeroth import rule as _rule
-from zeroth.kernels import triton_params
+from zeroth.kernels import out_struct, triton_params
 from zeroth.noise import popcount
 
 __all__ = [
@@ -313,10 +313,10 @@ def _dense_pallas(x, sign, mask, nvalid, thresh, out_dots: bool, blocks: Blocks,
     nv, th = nv.reshape(ow, WORD_BITS, 1), th.reshape(ow, WORD_BITS, 1)
     plane_spec = pl.BlockSpec((WORD_BITS, wp), lambda i, j: (j, 0))
     if out_dots:
-        out_shape = jax.ShapeDtypeStruct((ow, WORD_BITS, bp), jnp.int32)
+        out_shape = out_struct((ow, WORD_BITS, bp), jnp.int32, xs, *planes, nv, th)
         out_spec = pl.BlockSpec((None, WORD_BITS, bb), lambda i, j: (j, 0, i))
     else:
-        out_shape = jax.ShapeDtypeStruct((ow, 1, bp), jnp.uint32)
+        out_shape = out_struct((ow, 1, bp), jnp.uint32, xs, *planes, nv, th)
         out_spec = pl.BlockSpec((None, 1, bb), lambda i, j: (j, 0, i))
     out = pl.pallas_call(
         functools.partial(_dense_kernel, ternary=mask is not None, out_dots=out_dots, by_word=_on_gpu(platform)),

@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 from zeroth import noise as _noise
 from zeroth import rng as _rng
 from zeroth import rule as _rule
-from zeroth.kernels import cpu_native, triton_params
+from zeroth.kernels import cpu_native, out_struct, triton_params
 
 __all__ = [
     "IMPLS",
@@ -429,7 +429,7 @@ def _pallas_tiles(x2d, keys, scales, plan: TilePlan, *, distribution, offset, in
     tile_spec = pl.BlockSpec((plan.tile_rows, plan.width), lambda i: (i, 0))
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(x2d.shape, x2d.dtype),
+        out_shape=out_struct(x2d.shape, x2d.dtype, x2d, keys, scales),
         grid=(plan.tiles,),
         in_specs=[key_spec, scale_spec, tile_spec],
         out_specs=tile_spec,
@@ -734,7 +734,7 @@ def perturb_pallas_flat(
     )
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+        out_shape=out_struct(buffer.shape, buffer.dtype, buffer, keys_flat, scales),
         grid=(plan.table.shape[0],),
         in_specs=[whole(table), whole(keys_flat), whole(scales), whole(buffer)],
         out_specs=whole(buffer),
@@ -828,7 +828,7 @@ def _segments_call(table, keys_flat, scales, buffer, *, size, distribution, n_up
     )
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((size,), buffer.dtype),
+        out_shape=out_struct((size,), buffer.dtype, buffer, keys_flat, scales, table),
         grid=(table.shape[0] // 5,),
         in_specs=[whole(table), whole(keys_flat), whole(scales), whole(buffer)],
         out_specs=pl.BlockSpec((size,), lambda i: (0,)),
@@ -1043,7 +1043,7 @@ def _tpu_flat(buffer, keys_flat, scales, segments, *, n_updates, distribution, b
             continue
         x2d = pl.pallas_call(
             functools.partial(_tpu_flat_kernel, distribution=distribution, n_updates=n_updates),
-            out_shape=jax.ShapeDtypeStruct(x2d.shape, x2d.dtype),
+            out_shape=out_struct(x2d.shape, x2d.dtype, x2d, keys_g, scales),
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=1, grid=(table.shape[0],), in_specs=[smem, smem, tile], out_specs=tile,
             ),

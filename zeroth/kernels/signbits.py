@@ -60,7 +60,7 @@ from jax.experimental import pallas as pl
 from zeroth import noise as _noise
 from zeroth import rule as _rule
 from zeroth.rng import threefry2x32
-from zeroth.kernels import triton_params
+from zeroth.kernels import out_struct, triton_params
 
 __all__ = [
     "Blocks",
@@ -446,7 +446,7 @@ def _pack_pallas(x: jax.Array, blocks: Blocks, interpret: bool, platform: str | 
     x2 = _pad_to_words(x.reshape(-1), n_tiles * bw)
     out = pl.pallas_call(
         _pack_kernel,
-        out_shape=jax.ShapeDtypeStruct((n_tiles * bw,), jnp.uint32),
+        out_shape=out_struct((n_tiles * bw,), jnp.uint32, x2),
         grid=(n_tiles,),
         in_specs=[pl.BlockSpec((bw, WORD_BITS), lambda i: (i, 0))],
         out_specs=pl.BlockSpec((bw,), lambda i: (i,)),
@@ -462,7 +462,7 @@ def _unpack_pallas(words, n, scale, dtype, blocks: Blocks, interpret: bool, plat
     bw, n_tiles = _tiles(nw, blocks)
     out = pl.pallas_call(
         functools.partial(_unpack_kernel, dtype=dtype),
-        out_shape=jax.ShapeDtypeStruct((n_tiles * bw, WORD_BITS), dtype),
+        out_shape=out_struct((n_tiles * bw, WORD_BITS), dtype, words, scale),
         grid=(n_tiles,),
         in_specs=[pl.BlockSpec((bw,), lambda i: (i,)), pl.BlockSpec((1,), lambda i: (0,))],
         out_specs=pl.BlockSpec((bw, WORD_BITS), lambda i: (i, 0)),
@@ -479,7 +479,7 @@ def _merge_pallas(v, vs, key, m, word_offset, blocks: Blocks, interpret: bool, p
     word_spec = pl.BlockSpec((bw,), lambda i: (i,))
     out = pl.pallas_call(
         functools.partial(_merge_kernel, m=m, rows=bw, word_offset=word_offset),
-        out_shape=jax.ShapeDtypeStruct((n_tiles * bw,), jnp.uint32),
+        out_shape=out_struct((n_tiles * bw,), jnp.uint32, v, vs, key),
         grid=(n_tiles,),
         in_specs=[word_spec, word_spec, pl.BlockSpec((2,), lambda i: (0,))],
         out_specs=word_spec,
@@ -495,7 +495,7 @@ def _majority_pallas(words, blocks: Blocks, interpret: bool, platform: str | Non
     bw, n_tiles = _tiles(nw, blocks)
     out = pl.pallas_call(
         functools.partial(_majority_kernel, k=k),
-        out_shape=jax.ShapeDtypeStruct((n_tiles * bw,), jnp.uint32),
+        out_shape=out_struct((n_tiles * bw,), jnp.uint32, words),
         grid=(n_tiles,),
         in_specs=[pl.BlockSpec((k, bw), lambda i: (0, i))],
         out_specs=pl.BlockSpec((bw,), lambda i: (i,)),
