@@ -197,6 +197,25 @@ def test_topology_errors_name_the_problem():
         Torus(4, 4).mesh()
 
 
+
+def test_a_mesh_takes_the_devices_of_the_default_devices_platform(monkeypatch):
+    """On a machine with one GPU, work placed on the host CPU (``jax.default_device``, four CPU
+    devices forced) builds its ring there: beside an NVIDIA H200 every Marsit test stopped with
+    "Ring(size=4, axis='w') needs 4 devices but 1 are available", the mesh taken from
+    ``jax.devices()``, the GPU's backend."""
+    import jax
+
+    from zeroth.collectives.topology import Ring, Torus
+
+    cpus = jax.devices("cpu")
+    real = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda backend=None: [cpus[3]] if backend is None else real(backend))
+    with pytest.raises(ValueError, match="needs 4 devices but 1 are available"):
+        Ring(4).mesh()  # no default device: the default backend's (here one device)
+    with jax.default_device(cpus[0]):
+        assert list(Ring(4).mesh().devices) == cpus[:4]
+        assert Torus(2, 2).mesh().devices.tolist() == [cpus[:2], cpus[2:4]]
+
 if __name__ == "__main__":
     import jax
 

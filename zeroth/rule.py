@@ -50,6 +50,7 @@ __all__ = [
     "check_dtype",
     "platform_name",
     "default_platform",
+    "default_devices",
     "flush",
     "flush_tiny",
     "canonical_nan",
@@ -95,6 +96,17 @@ def default_platform() -> str:
     if device is None:
         return platform_name(jax.default_backend())
     return platform_name(device if isinstance(device, str) else device.platform)
+
+
+def default_devices() -> list:
+    """The devices of the platform where ``jit`` puts uncommitted arrays (:func:`default_platform`):
+    the default device's platform's if one is set (``jax.default_device(...)``), else the default
+    backend's. On a machine with one GPU, code run under ``jax.default_device(jax.devices("cpu")[0])``
+    (with ``--xla_force_host_platform_device_count=4``) gets the four CPU devices, not the GPU."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.devices()
+    return jax.devices(device if isinstance(device, str) else device.platform)
 
 
 def tpu_generation(device_kind: str | None = None) -> int | None:

@@ -66,7 +66,8 @@ class Ring:
         return P(self.axis)
 
     def mesh(self, devices: Sequence | None = None):
-        """A ``jax.sharding.Mesh`` over the first ``size`` devices (default ``jax.devices()``)."""
+        """A ``jax.sharding.Mesh`` over the first ``size`` devices (default: those of the platform
+        ``jit`` puts arrays on, :func:`zeroth.rule.default_devices`)."""
         return _mesh(self, devices)
 
 
@@ -106,7 +107,8 @@ class Torus:
         return P(tuple(self.axes))
 
     def mesh(self, devices: Sequence | None = None):
-        """A ``jax.sharding.Mesh`` of shape ``(rows, cols)`` over the first ``size`` devices."""
+        """A ``jax.sharding.Mesh`` of shape ``(rows, cols)`` over the first ``size`` devices (default:
+        :func:`zeroth.rule.default_devices`)."""
         return _mesh(self, devices)
 
 
@@ -114,10 +116,11 @@ Topology = Ring | Torus
 
 
 def _mesh(topo, devices):
-    import jax
     from jax.sharding import Mesh
 
-    devices = list(jax.devices() if devices is None else devices)
+    from zeroth import rule as _rule
+
+    devices = list(_rule.default_devices() if devices is None else devices)
     if len(devices) < topo.size:
         raise ValueError(
             f"{topo} needs {topo.size} devices but {len(devices)} are available; on CPU set "
