@@ -493,7 +493,8 @@ def unflatten(flat: Flat) -> Any:
     return _unflatten_fn(flat.layout)(flat.buffers)
 
 
-def _flat_core(buffers, keys, scales, *, tables, distribution, impl, inplace):
+def _flat_core(buffers, packed, *, tables, distribution, impl, inplace):
+    keys, scales = _fused.unpack_updates(packed)  # one transfer per call (_fused.pack_updates)
     return tuple(_fused.apply_updates_flat(
         buffers, keys, scales, tables, distribution=distribution, impl=impl, inplace=inplace))
 
@@ -511,5 +512,5 @@ def _replay_flat(flat: Flat, keys: np.ndarray, scales: np.ndarray, distribution:
     if not donate and not _host_memory.decided() and _fused.platform_of(flat.buffers) == "cpu":
         _host_memory.reuse_freed_host_memory()
     impl = "jnp" if _fused.is_sharded(flat.buffers) else "auto"
-    out = _flat_fn(flat.layout, distribution, donate, impl)(flat.buffers, keys, scales)
+    out = _flat_fn(flat.layout, distribution, donate, impl)(flat.buffers, _fused.pack_updates(keys, scales))
     return Flat(out, flat.layout)

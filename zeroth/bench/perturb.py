@@ -60,6 +60,7 @@ import numpy as np
 
 from zeroth import noise, replay, rng, rule
 from zeroth.bench import _common
+from zeroth.kernels import perturb as _fused
 
 __all__ = ["main", "run", "run_overhead", "kernel_launches"]
 
@@ -130,13 +131,18 @@ HOST_ARGS_ROW = "jnp rule binomial (apply_updates, K=1), keys and scales from th
 
 def _zeroth_core(n: int, dist: str, k: int, *, host: bool = False) -> Callable[[], None]:
     """The jitted jnp rule, donated, its keys and scales already on the device; ``host``: passed
-    as the NumPy arrays :func:`zeroth.replay.replay` passes (each call sends them: what a call of
-    the same program costs beyond the device's rows, without the rest of ``replay``'s host work)."""
-    fn = jax.jit(functools.partial(replay.apply_updates, distribution=dist), donate_argnums=0)
+    as :func:`zeroth.replay.replay` passes them, one NumPy array (``pack_updates``) sent each call:
+    what a call of the same program costs beyond the device's rows, without the rest of
+    ``replay``'s host work."""
     keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
     scales = replay.update_scales(dist, [_COEFF * (1 + s % 3) for s in range(k)])
-    if not host:
-        keys, scales = jnp.asarray(keys), jnp.asarray(scales)
+    if host:
+        fn = jax.jit(lambda p, packed: replay.apply_updates(p, *_fused.unpack_updates(packed), distribution=dist),
+                     donate_argnums=0)
+        packed = _fused.pack_updates(keys, scales)
+        return _donated(lambda p: fn(p, packed), {"w": jnp.zeros(n, jnp.float32)})
+    fn = jax.jit(functools.partial(replay.apply_updates, distribution=dist), donate_argnums=0)
+    keys, scales = jnp.asarray(keys), jnp.asarray(scales)
     return _donated(lambda p: fn(p, keys, scales), {"w": jnp.zeros(n, jnp.float32)})
 
 
