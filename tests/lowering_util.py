@@ -6,6 +6,7 @@ a kernel uses something the backend lacks. Mosaic's block-shape check also asks 
 tiling; with no TPU attached we register the TPU v5e's description for the CPU device kind.
 """
 
+import contextlib
 import re
 
 import jax
@@ -59,6 +60,22 @@ def tpu_chip_info(monkeypatch):
     monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind, lambda: info)
 
 
+# The GPU a cuda export lowers its Triton kernels for. jax 0.10 falls back to compute capability 9.0
+# without a GPU; jax 0.11.2 reads the GPU from the abstract mesh's device or else the default
+# device, and refused ("No supported GPU devices found, please specify an abstract GPU device
+# using AbstractDevice") every export here beside an NVIDIA H200, where the tests run under the
+# host CPU as their default device (tests/conftest.py).
+GPU_TARGET = "NVIDIA H100 80GB HBM3"
+
+
+def gpu_target():
+    """A context in which exports lower Pallas GPU kernels for :data:`GPU_TARGET`."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    device = AbstractDevice(device_kind=GPU_TARGET, num_cores=None, platform="gpu")
+    return jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=device))
+
+
 def _lowered_text(fn, args, platform: str) -> str:
     """The exported module; for ``cuda`` also checks that no kernel body uses a primitive that
     Triton cannot compile (:data:`TRITON_CANNOT_COMPILE`)."""
@@ -66,9 +83,10 @@ def _lowered_text(fn, args, platform: str) -> str:
     if platform == "cuda":
         bad = kernel_primitives(fn, args) & TRITON_CANNOT_COMPILE
         assert not bad, f"a Pallas kernel body uses {sorted(bad)}, which Triton cannot compile on a GPU"
-    exported = export.export(
-        jax.jit(fn), platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.custom_call(target)]
-    )(*args)
+    with gpu_target() if platform == "cuda" else contextlib.nullcontext():
+        exported = export.export(
+            jax.jit(fn), platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.custom_call(target)]
+        )(*args)
     text = exported.mlir_module()
     assert target.split("$")[-1] in text, f"no {target} custom call in the {platform} module"
     return text

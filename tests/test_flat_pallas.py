@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeroth import doctor, replay, rng
+from zeroth import doctor, replay, rng, rule
 from zeroth import reference as ref
 from zeroth.kernels import perturb as kp
 from lowering_util import kernel_launches, tpu_chip_info  # noqa: F401 (a fixture)
@@ -345,7 +345,7 @@ def test_a_launchs_smem_budget_is_half_the_chips(monkeypatch):
     from jax._src.pallas.mosaic import tpu_info
     from jax.experimental.pallas import tpu as pltpu
 
-    kind = jax.devices()[0].device_kind
+    kind = rule.default_devices()[0].device_kind  # Pallas's chip: the default device's (the CPU's beside a GPU)
     assert kp._tpu_smem_words(interpret=True) == kp._TPU_SMEM_WORDS
     budgets = {}
     for chip in (pltpu.ChipVersion.TPU_V3, pltpu.ChipVersion.TPU_V4, pltpu.ChipVersion.TPU_V5E):

@@ -21,6 +21,7 @@ from zeroth import codecs, layerwise, reference, replay, rng, zo
 from zeroth.kernels import cpu_native
 from zeroth.kernels import perturb as fused
 from zeroth.models.pretrained import llama
+from lowering_util import gpu_target
 
 DISTS = ["binomial", "rademacher"]
 
@@ -1206,9 +1207,10 @@ def test_on_a_gpu_the_zo_program_holds_no_noise_graph_per_large_leaf(monkeypatch
         args = {k: jax.ShapeDtypeStruct(v, jnp.bfloat16 if k == "l00" else jnp.float32) for k, v in args.items()}
         fn = jax.jit(lambda p, k, e: zo.projected_gradients_and_losses(
             _sum_loss, p, jnp.float32(1.0), k, e, perturb_impl=impl))
-        return export.export(fn, platforms=["cuda"], disabled_checks=[
-            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-            args, keys, zo.round_eps(1e-3)).mlir_module()
+        with gpu_target():
+            return export.export(fn, platforms=["cuda"], disabled_checks=[
+                export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+                args, keys, zo.round_eps(1e-3)).mlir_module()
 
     few, many = module(2, "auto"), module(12, "auto")
     assert few.count("stablehlo.xor") == many.count("stablehlo.xor") > 0
