@@ -475,7 +475,7 @@ def test_a_last_decision_no_majority_took_finishes_no_peer():
 def test_the_closing_iteration_carries_no_gradients_and_admits_no_one():
     """The closing iteration (``iterations``): a member pushes count 0 and an empty payload (no
     Compute, no Apply), a push or commit with gradients there is refused, none beyond it is
-    taken, a join is refused, and the closing decision finishes the peer."""
+    taken (nor a takeover's prepare), a join is refused, and the closing decision finishes the peer."""
     pp = dataclasses.replace(signed_params(1), iterations=5)
     st = P.on_ready(pp, P.joined(pp, me=1, view=signed_view(4), now=0.0), iteration=4, view=signed_view(4), now=0.0).state
     _, step = decide(pp, st, 4)
@@ -504,6 +504,10 @@ def test_the_closing_iteration_carries_no_gradients_and_admits_no_one():
     with pytest.raises(P.Rejected) as e:
         P.on_commit(pp, st, signed(0, closing._replace(iteration=6, next_view=signed_view(7))), 2.0)
     assert e.value.code == "OUT_OF_RANGE"
+    with pytest.raises(P.Rejected) as e:  # nor a takeover of an iteration past the closing one
+        P.on_prepare(pp, st, signed(2, P.Prepare("run", 2, 6, P.Ballot(1, 2), previous=st.chain)), 2.0)
+    assert e.value.code == "OUT_OF_RANGE" and "closing" in e.value.message
+    assert 6 not in st.promised
     step = P.on_commit(pp, st, signed(0, closing), 2.0)
     assert step.state.phase == P.DONE and [type(e).__name__ for e in step.effects] == ["Finished"]
     assert step.effects[0] == P.Finished(5, "done")

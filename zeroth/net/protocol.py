@@ -1774,11 +1774,12 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
 
     Raises:
       Rejected: other run, unknown sender, ballot below one already promised, iteration out of the
-        window, or a takeover continuing another chain than ours.
+        window or past the closing one, or a takeover continuing another chain than ours.
     """
     _check_run(params, msg.run_id)
     _check_uint("sender", msg.sender)
     _check_uint("iteration", msg.iteration, 2**63)
+    _check_in_run(params, msg.iteration, "prepare")
     _check_uint("ballot round", msg.ballot.round, MAX_ROUND)
     if msg.ballot.leader != msg.sender or msg.ballot.round < 1:
         raise Rejected("INVALID_ARGUMENT", f"prepare from machine {msg.sender} with ballot {tuple(msg.ballot)}")
