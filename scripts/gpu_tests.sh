@@ -11,7 +11,9 @@
 # Usage: scripts/gpu_tests.sh [OUT]   (default: $OUT if set, else runs/gpu_tests)
 # PYTHON (default python), SHARDS (default 8), LIMIT (seconds per shard, default 480), TESTS (the
 # test files, default every tests/test_*.py) and PYTEST_ARGS (more pytest arguments, e.g.
-# -m accelerator) may be set. Tests marked `accelerator` run on the accelerator, every other test
+# -m accelerator) may be set. BUNDLE=FILE.tgz also packs OUT into that one file at the end, for a
+# transport that brings back a few files only (one such run beside an NVIDIA H200 got back none of
+# its nine logs). Tests marked `accelerator` run on the accelerator, every other test
 # on the host CPU's devices (tests/conftest.py), with the accelerator listed first:
 # JAX_PLATFORMS=cuda,cpu unless set.
 set -uo pipefail
@@ -46,3 +48,6 @@ for ((n = 0; n < shards; n++)); do
 done
 wait
 cat "$out/summary.txt"
+if [ -n "${BUNDLE:-}" ]; then
+  tar -czf "$BUNDLE" -C "$(dirname "$out")" "$(basename "$out")" && echo "bundle: $BUNDLE ($(du -h "$BUNDLE" | cut -f1))"
+fi

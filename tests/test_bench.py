@@ -541,3 +541,27 @@ def test_bench_memory_refuses_a_negative_compile_profile():
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 2
     assert "--compile-profile must be a non-negative number of events, got -2" in out.stderr
+
+
+def test_gpu_tests_script_bundles_every_shards_log_with_its_failures(tmp_path):
+    """``scripts/gpu_tests.sh`` with ``BUNDLE``: one archive holds the summary and every shard's
+    log, a failure's traceback included (a device that brings back a few files only returned none
+    of the nine logs of an H200 run without it)."""
+    import tarfile
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "test_a.py").write_text("def test_ok():\n    pass\n")
+    (tmp_path / "test_b.py").write_text("def test_broken():\n    assert 1 + 1 == 3, 'arithmetic'\n")
+    out, bundle = tmp_path / "run" / "out", tmp_path / "logs.tgz"
+    env = {**os.environ, "SHARDS": "2", "LIMIT": "120", "PYTHON": sys.executable, "BUNDLE": str(bundle),
+           "TESTS": f"{tmp_path / 'test_a.py'} {tmp_path / 'test_b.py'}", "PYTEST_ARGS": "-p no:cacheprovider"}
+    proc = subprocess.run(["bash", str(repo / "scripts" / "gpu_tests.sh"), str(out)], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "bundle:" in proc.stdout, proc.stdout + proc.stderr
+    with tarfile.open(bundle) as tar:
+        logs = {Path(m.name).name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    assert set(logs) == {"summary.txt", "shard-0.txt", "shard-1.txt"}
+    assert "1 passed" in logs["shard-0.txt"] and "1 failed" in logs["shard-1.txt"]
+    assert "AssertionError: arithmetic" in logs["shard-1.txt"]
+    assert [line.split()[3] for line in logs["summary.txt"].splitlines()].count("1") == 1  # shard 1's exit status
