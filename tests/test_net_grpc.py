@@ -443,6 +443,49 @@ def test_a_joiner_whose_leader_died_before_answering_is_told_its_id_by_the_takeo
             n.stop()
 
 
+def test_a_stopping_peer_ends_the_join_calls_it_holds(worker, tmp_path):
+    """A leader holding a joiner's Join call (the decision admitting it not yet answered) stops:
+    the call ends at once with UNAVAILABLE. Its handler waited for the join's whole deadline
+    (forming, iteration and four barrier timeouts), its thread keeping the stopped peer's process
+    alive: a test process outlived its last test by two minutes."""
+    cfg = config(10**6, iteration_timeout_s=2.0, barrier_timeout_s=1.0)
+    nodes = start_nodes(cfg, worker, tmp_path, 2)
+    leader = nodes[0]
+    held = threading.Event()
+    dispatch = leader._dispatch
+
+    def hold_admissions(effects):
+        if any(isinstance(e, P.Admit) for e in effects):
+            held.set()
+        dispatch([e for e in effects if not isinstance(e, P.Admit)])
+
+    joiner = HostileMember(secret=TOKEN, config_digest=leader.join_digest)
+    result: dict = {}
+
+    def handle():
+        try:
+            result["answer"] = leader.handle_join(joiner.join_request(joiner.address))
+        except P.Rejected as e:
+            result["error"] = e
+
+    handler = threading.Thread(target=handle, daemon=True)
+    try:
+        assert wait_for(lambda: all(n.applied >= 2 for n in nodes))
+        leader._dispatch = hold_admissions
+        handler.start()
+        assert wait_for(held.is_set, 30)  # decided, and the call still waits
+        assert handler.is_alive()
+        leader.stop()
+        handler.join(10.0)
+        assert not handler.is_alive(), "the Join handler still waits after its peer stopped"
+        err = result["error"]
+        assert err.code == "UNAVAILABLE" and "stopping" in err.message, err
+    finally:
+        joiner.close()
+        for n in nodes:
+            n.stop()
+
+
 def test_a_join_the_protocol_releases_is_answered_unavailable_at_once(running):
     """A join queued at a peer that then stops deciding (a takeover, a leader change) is released:
     the waiting Join call ends with UNAVAILABLE and the protocol's reason, and the joiner asks again."""

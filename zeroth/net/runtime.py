@@ -304,9 +304,17 @@ class Node:
         return self._finished.wait(timeout)
 
     def stop(self, grace: float = 0.0) -> None:
-        """Stop serving and every thread (without leaving the run: like a crash, but clean)."""
+        """Stop serving and every thread (without leaving the run: like a crash, but clean). The
+        Join calls this peer holds end at once with UNAVAILABLE: a handler waiting for a decision
+        would keep its thread, and the process, alive for up to the join's wait (forming, iteration
+        and four barrier timeouts: 4.5 minutes with the defaults)."""
         self._stop.set()
         self._work.put((None, None))
+        with self._lock:
+            waiters, self._join_waiters = self._join_waiters, {}
+        for fut in waiters.values():
+            if not fut.done():
+                fut.set_exception(P.Rejected("UNAVAILABLE", "this peer is stopping; ask another peer of the run"))
         if self._server is not None:
             self._server.stop(grace).wait(5.0)  # no handler runs after this
         self._pool.shutdown(wait=False, cancel_futures=True)
