@@ -20,7 +20,7 @@ machine load hits every row alike):
   is the device's throughput, where the rows above add each call's host cost and wait;
 * a **replay** of K = 1, 16, 64 binomial updates in one call: element-updates/s (``N*K / t``)
   and the time per update;
-* when :mod:`zeroth.kernels.perturb` is importable, its fused fast path as extra rows (bits
+* with ``--kernels``, the fused fast path of :mod:`zeroth.kernels.perturb` as extra rows (bits
   checked against :func:`zeroth.replay.apply_updates` on a small leaf first).
 
 Rates are elements per second from the best of ``--repeats`` calls (the median is shown too).
@@ -60,7 +60,7 @@ import numpy as np
 
 from zeroth import noise, replay, rng, rule
 from zeroth.bench import _common
-from zeroth.kernels import perturb as _fused
+from zeroth.kernels import perturb as kp
 
 __all__ = ["main", "run", "run_overhead", "kernel_launches"]
 
@@ -137,9 +137,9 @@ def _zeroth_core(n: int, dist: str, k: int, *, host: bool = False) -> Callable[[
     keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
     scales = replay.update_scales(dist, [_COEFF * (1 + s % 3) for s in range(k)])
     if host:
-        fn = jax.jit(lambda p, packed: replay.apply_updates(p, *_fused.unpack_updates(packed), distribution=dist),
+        fn = jax.jit(lambda p, packed: replay.apply_updates(p, *kp.unpack_updates(packed), distribution=dist),
                      donate_argnums=0)
-        packed = _fused.pack_updates(keys, scales)
+        packed = kp.pack_updates(keys, scales)
         return _donated(lambda p: fn(p, packed), {"w": jnp.zeros(n, jnp.float32)})
     fn = jax.jit(functools.partial(replay.apply_updates, distribution=dist), donate_argnums=0)
     keys, scales = jnp.asarray(keys), jnp.asarray(scales)
@@ -214,16 +214,10 @@ def _zeroth_replay_copy(n: int, dist: str) -> Callable[[], None]:
 
 
 def _kernel_calls(n: int, ks: list[int]) -> tuple[dict[str, tuple[Callable[[], None], int, str]], list[dict]]:
-    """Fused fast path of :mod:`zeroth.kernels.perturb`, when importable: ``({name: (call, K, note)},
-    rows that could not be timed)``. Bits are checked against :func:`zeroth.replay.apply_updates`
-    on a small leaf first."""
-    try:
-        from zeroth.kernels import perturb as kp
-
-        impl = kp.resolve_impl("auto")
-        fused = kp.fused_apply_updates
-    except Exception as exc:  # an optional module: any import problem means "not here"
-        return {}, [_row("kernels fused", "kernels", n, None, note=f"unavailable: {type(exc).__name__}: {exc}")]
+    """Fused fast path of :mod:`zeroth.kernels.perturb`: ``({name: (call, K, note)}, rows that could
+    not be timed)``. Bits are checked against :func:`zeroth.replay.apply_updates` on a small leaf first."""
+    impl = kp.resolve_impl("auto")
+    fused = kp.fused_apply_updates
     calls, failed = {}, []
     for dist, k in [("binomial", 1), ("rademacher", 1)] + [("binomial", k) for k in ks if k > 1]:
         name = f"kernels fused {dist} K={k} ({impl})"
@@ -350,8 +344,6 @@ _CALLS_PER_TIMING = 20
 
 def _per_leaf_native(params, keys, scales):
     """The design before one launch per replay: a native launch per leaf, leaf keys in XLA."""
-    from zeroth.kernels import perturb as kp
-
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     out = [kp.perturb_native(x, kp.leaf_keys(keys, rng.leaf_id(path)), scales, inplace=True) for path, x in flat]
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -366,8 +358,6 @@ def kernel_launches(fn: Callable, *args) -> int:
 
 def _launch_counts(params, keys, scales) -> dict[str, int]:
     """:func:`kernel_launches` of the replay of ``params`` as a pytree and in the flat layout (donated)."""
-    from zeroth.kernels import perturb as kp
-
     flat = replay.flatten(params)
     tables = flat.layout.tables()
     return {

@@ -219,6 +219,12 @@ class RateLimitedLog:
         return True
 
 
+def _refuse_join(waiter: futures.Future | None, reason: str) -> None:
+    """End a waiting Join call (if still waiting) with UNAVAILABLE and ``reason``: the joiner asks again."""
+    if waiter is not None and not waiter.done():
+        waiter.set_exception(P.Rejected("UNAVAILABLE", reason))
+
+
 class Node:
     """One peer of a Just One Byte run (see the module docstring).
 
@@ -313,8 +319,7 @@ class Node:
         with self._lock:
             waiters, self._join_waiters = self._join_waiters, {}
         for fut in waiters.values():
-            if not fut.done():
-                fut.set_exception(P.Rejected("UNAVAILABLE", "this peer is stopping; ask another peer of the run"))
+            _refuse_join(fut, "this peer is stopping; ask another peer of the run")
         if self._server is not None:
             self._server.stop(grace).wait(5.0)  # no handler runs after this
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -431,9 +436,7 @@ class Node:
                 if fut is not None and not fut.done():
                     fut.set_result(eff.answer)
             elif isinstance(eff, P.JoinRefused):
-                fut = self._join_waiters.pop(eff.request_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_exception(P.Rejected("UNAVAILABLE", eff.reason))
+                _refuse_join(self._join_waiters.pop(eff.request_id, None), eff.reason)
             elif isinstance(eff, P.Note):
                 self.say(eff.text)
             else:  # Apply, Compute, Dropped, Finished, Failed: in order, in the driver
