@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zeroth import reference as ref
-from zeroth import replay, rng
+from zeroth import replay, rng, rule
 from zeroth.kernels import cpu_native
 from zeroth.kernels import perturb as kp
 from lowering_util import lowered_kernels, tpu_chip_info  # noqa: F401 (a fixture)
@@ -421,7 +421,7 @@ def test_fused_apply_updates_auto_matches_replay():
 
 
 def test_sharded_params_keep_their_sharding():
-    devices = jax.devices()
+    devices = rule.default_devices()  # the host CPU's four beside a GPU, not the GPU's one
     if len(devices) < 2:
         pytest.skip("needs several devices (tests/conftest.py forces 4 CPU devices)")
     mesh = jax.sharding.Mesh(np.array(devices), ("d",))
@@ -510,8 +510,6 @@ def _from_bits(bits, dtype) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype,bits,nan", NVIDIA_NAN_CASES)
 def test_any_nan_a_conversion_produces_becomes_canonical(dtype, bits, nan):
-    from zeroth import rule
-
     x = _from_bits(bits, dtype)
     inf, one = bits[6], bits[7]
     want = [nan, nan, nan, nan, 0, 0, inf, one]
@@ -533,8 +531,6 @@ def test_any_nan_a_conversion_produces_becomes_canonical(dtype, bits, nan):
 def test_flush_cast_canonicalises_after_the_cast(dtype, bits, nan, monkeypatch):
     """A backend whose float32 -> 16-bit conversion yields 0x7fff (NVIDIA's) still stores the
     canonical NaN: the cast is followed by canonicalisation by bit pattern, in every path."""
-    from zeroth import rule
-
     dt = jnp.dtype(dtype)
     real_convert = rule._convert
 
