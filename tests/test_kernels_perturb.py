@@ -335,18 +335,40 @@ class TestNative:
     @pytest.mark.slow
     @pytest.mark.parametrize("march", ["x86-64-v3", "skylake-avx512"])
     def test_other_instruction_sets_give_the_same_bits(self, march):
-        # AVX2 (the portable loops) and AVX-512 without BITALG (popcount by shifts), where this
-        # CPU can run them; the default build is the native one.
+        # AVX2 (its own binomial path: threefry 8 calls per register, popcounts by a nibble table)
+        # and AVX-512 without BITALG (popcount by shifts), where this CPU can run them; the default
+        # build is the native one. Against the NumPy specification: whole float32 tiles with
+        # special values in every group, in place and not, K = 1 to 5 (one and two groups left
+        # over at a tile's end), a leaf at an odd global offset, and float16 and bfloat16 leaves.
         needed = {"x86-64-v3": {"avx2", "bmi2"}, "skylake-avx512": {"avx512f", "avx512bw", "avx512dq"}}[march]
         flags = cpu_native._cpu_fingerprint().split()
         if not needed <= set(flags):
             pytest.skip(f"this CPU lacks {sorted(needed - set(flags))} for -march={march}")
         build = cpu_native.BuildConfig(name=march.replace("-", "_"), march=march)
-        x = _array((9000,), jnp.float16, seed=15)
+        tiny = np.float32(jnp.finfo(jnp.float32).tiny)
+        specials = np.concatenate([
+            np.array([0.0, -0.0, np.inf, -np.inf, tiny, -tiny, tiny / 4, -tiny / 8, 3.0e38, -3.0e38], np.float32),
+            NAN_PAYLOADS,
+        ])
+        r = np.random.default_rng(16)
+        # of the size of the small updates, so that some sums cancel into the subnormal range
+        tiles = (r.standard_normal(2 * 4096 + 64 + 40) * 2.0**-117).astype(np.float32)
+        for start in range(0, tiles.size - specials.size, 61):
+            tiles[start:start + specials.size] = specials
+        cases = [(jnp.asarray(tiles), 0), (jnp.asarray(tiles[:4096 + 128 + 7]), 0),
+                 (_array((777,), jnp.float32, 17), 4096 * 3 + 37), (_array((9000,), jnp.float16, seed=15), 0),
+                 (_array((5000,), jnp.bfloat16, seed=18), 129)]
         for dist in DISTS:
-            keys, scales = _leaf_keys(3, seed=15), _scales(dist, 3, seed=15)
-            a = kp.perturb_native(x, keys, scales, distribution=dist, build=build)
-            assert_same_bits(a, numpy_perturb(x, keys, scales, dist))
+            for n_updates in (1, 2, 5):
+                keys = _leaf_keys(n_updates, seed=15 + n_updates)
+                scales = replay.update_scales(dist, [2.0**-118 * 3, -(2.0**-118) * 5, 2.0**-118, -2.5, 8.0][:n_updates])
+                for x, offset in cases:
+                    want = numpy_perturb(x, keys, scales, dist, offset)
+                    for inplace in (False, True):
+                        f = jax.jit(lambda x: kp.perturb_native(x, keys, scales, distribution=dist, offset=offset,
+                                                                inplace=inplace, build=build),
+                                    donate_argnums=0 if inplace else ())
+                        assert_same_bits(f(jnp.copy(x)), want)
 
     def test_donated_replay_in_place(self):
         params = {"w": _array((50, 40), jnp.float32, seed=9), "v": _array((7,), jnp.float16, seed=10)}
