@@ -29,10 +29,10 @@
 // masks for Rademacher; vfpclassps for the flush. With AVX2 alone, binomial threefry runs 8 calls
 // per register, four chains interleaved (rotations by 16 and 24 as byte shuffles), popcounts by a
 // nibble table (vpshufb), put in element order by unpacks that also make each the float32
-// 2^23 + c, and added to the tile in L1; a whole float32 tile is read from the input and flushed
-// on load and store in registers. Elsewhere (and for Rademacher under AVX2) plain loops that the
-// compiler vectorizes for its target (the word stream of a tile into a small buffer, then an
-// elementwise pass).
+// 2^23 + c, and added to the tile in L1; Rademacher moves each bit to a sign bit (vpsllvd) that
+// selects +scale or -scale (vblendvps); a whole float32 tile is read from the input and flushed
+// on load and store in registers. Elsewhere plain loops that the compiler vectorizes for its
+// target (the word stream of a tile into a small buffer, then an elementwise pass).
 //
 // A launch's host cost does not grow with its leaves: the leaf keys of all leaves and the K
 // scales' lookup tables are built once per launch into a few arrays (no allocation per leaf).
@@ -446,23 +446,13 @@ void RademacherGroups(const float* src, float* buf, const LeafKey& key, const Up
 
 #else  // portable: plain loops the compiler vectorizes for the target (SSE, AVX2, NEON, ...)
 
-// The word stream of calls [first, first + n_calls): words[2j] = x0, words[2j + 1] = x1.
-inline void StreamWords(const LeafKey& key, uint32_t first, int64_t n_calls, uint32_t* words) {
-  for (int64_t j = 0; j < n_calls; ++j) {
-    uint32_t x0, x1;
-    Threefry(key, first + static_cast<uint32_t>(j), x0, x1);
-    words[2 * j] = x0;
-    words[2 * j + 1] = x1;
-  }
-}
-
 #if ZEROTH_AVX2
 
-// AVX2 without AVX-512 (x86-64-v3: AMD EPYC before Zen 4, most Intel client CPUs): binomial noise
-// in registers. The plain loops below, which write a tile's word stream to memory and then make a
+// AVX2 without AVX-512 (x86-64-v3: AMD EPYC before Zen 4, most Intel client CPUs): the noise in
+// registers. The plain loops below, which write a tile's word stream to memory and then make a
 // pass over it, measured on a 2-core AMD EPYC with the kernel built for -march=x86-64-v3 (in
-// place, 2^22 float32): K = 1 2.00 ms, K = 16 24.8 ms; this path 1.02 and 14.9 (AVX-512 on the
-// same CPU: 0.48 and 4.9). A SmolLM2-135M ZO step (8 x 40 tokens) went from 1.53 to 1.27 forwards.
+// place, 2^22 float32): binomial K = 1 2.00 ms, K = 16 24.8 ms, Rademacher 0.66 and 4.19; this
+// path 1.02 and 14.9, 0.37 and 3.5 (AVX-512 on the same CPU: 0.48 and 4.9, 0.32 and 2.2). A SmolLM2-135M ZO step (8 x 40 tokens) went from 1.53 to 1.27 forwards.
 
 inline __m256i AsM256i(v8u x) { return reinterpret_cast<__m256i&>(x); }
 
@@ -482,20 +472,17 @@ __attribute__((always_inline)) inline __m256 FlushSubnormal8(__m256 x) {
   return _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x00800000), magnitude)), x);
 }
 
-// dst = flush(src + scale * (c - 8)) for 8 elements whose popcounts c come as the float32 2^23 + c
-// (scale * (c - 8) is the product of the lookup table, exact; subnormals and -0 to +0 by an
-// integer compare of the magnitude's bits). kLoad / kStore: the contract's flushes on load and
-// store, done here in registers, each with only what the update leaves to it. On load, subnormals
-// and -0 to +0 (a NaN keeps its payload until the store: it reaches no other element); on store,
-// NaN to the canonical quiet NaN (the sum's subnormals and -0 are flushed already, and an
-// update's product is finite, so no NaN appears that was not loaded).
+// dst = flush(src + delta) for 8 elements (subnormals and -0 to +0 by an integer compare of the
+// magnitude's bits). kLoad / kStore: the contract's flushes on load and store, done here in
+// registers, each with only what the update leaves to it. On load, subnormals and -0 to +0 (a NaN
+// keeps its payload until the store: it reaches no other element); on store, NaN to the canonical
+// quiet NaN (the sum's subnormals and -0 are flushed already, and an update's delta is finite, so
+// no NaN appears that was not loaded).
 template <bool kLoad, bool kStore>
-__attribute__((always_inline)) inline void AddCounts(const float* src, float* dst, __m256 counts, __m256 scale) {
-  // (2^23 + c) - (2^23 + 8) = c - 8, exact
-  const __m256 k = _mm256_sub_ps(counts, _mm256_set1_ps(8388616.0f));
+__attribute__((always_inline)) inline void Add8(const float* src, float* dst, __m256 delta) {
   __m256 p = _mm256_loadu_ps(src);
   if (kLoad) p = FlushSubnormal8(p);
-  const __m256 y = _mm256_add_ps(p, _mm256_mul_ps(scale, k));
+  const __m256 y = _mm256_add_ps(p, delta);
   const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(y), _mm256_set1_epi32(0x7FFFFFFF));
   __m256 z = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x00800000), magnitude)), y);
   if (kStore) {
@@ -504,6 +491,14 @@ __attribute__((always_inline)) inline void AddCounts(const float* src, float* ds
                          _mm256_castsi256_ps(nan));
   }
   _mm256_storeu_ps(dst, z);
+}
+
+// Add8 of scale * (c - 8) for 8 elements whose popcounts c come as the float32 2^23 + c (the
+// product of the lookup table, exact: (2^23 + c) - (2^23 + 8) = c - 8 is exact).
+template <bool kLoad, bool kStore>
+__attribute__((always_inline)) inline void AddCounts(const float* src, float* dst, __m256 counts, __m256 scale) {
+  const __m256 k = _mm256_sub_ps(counts, _mm256_set1_ps(8388616.0f));
+  Add8<kLoad, kStore>(src, dst, _mm256_mul_ps(scale, k));
 }
 
 // The noise of 8 consecutive calls (x0, x1) added to their 32 elements in element order (read from
@@ -564,7 +559,60 @@ inline void BinomialGroups(float* buf, const LeafKey& key, const Update& up, uin
   BinomialGroups<false, false>(buf, buf, key, up, first_call, g0, g1);
 }
 
+// Add8 of +scale where bit b of `word` is set, else -scale, for the 32 elements b = 0..31: each
+// bit moved to the sign bit (vpsllvd) selects one of the two (vblendvps).
+template <bool kLoad, bool kStore>
+__attribute__((always_inline)) inline void AddSigns(const float* src, float* dst, __m256i word, __m256 plus,
+                                                    __m256 minus) {
+  const __m256i top = _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24);
+  for (int q = 0; q < 4; ++q) {
+    const __m256i bits = _mm256_sllv_epi32(word, _mm256_sub_epi32(top, _mm256_set1_epi32(8 * q)));
+    Add8<kLoad, kStore>(src + 8 * q, dst + 8 * q, _mm256_blendv_ps(minus, plus, _mm256_castsi256_ps(bits)));
+  }
+}
+
+// One Rademacher update on groups [g0, g1) of 1024 elements (16 calls: call j's x0 gives elements
+// 64j + b, its x1 64j + 32 + b, b = bit), read from src and written to dst, as BinomialGroups.
+template <bool kLoad, bool kStore>
+void RademacherGroups(const float* src, float* dst, const LeafKey& key, const Update& up, uint32_t first_call,
+                      int64_t g0, int64_t g1) {
+  const v8u lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const __m256 plus = _mm256_set1_ps(up.scale), minus = _mm256_set1_ps(-up.scale);
+  for (int64_t g = g0; g < g1; ++g) {
+    const LeafKey keys[2] = {key, key};
+    const v8u base = lane + (first_call + static_cast<uint32_t>(16 * g));
+    const v8u calls[2] = {base, base + 8u};
+    v8u x0[2], x1[2];
+    ThreefryN<2>(keys, calls, x0, x1);
+    for (int h = 0; h < 2; ++h) {
+      for (int c = 0; c < 8; ++c) {
+        const int64_t e = 1024 * g + 64 * (8 * h + c);
+        const __m256i which = _mm256_set1_epi32(c);
+        AddSigns<kLoad, kStore>(src + e, dst + e, _mm256_permutevar8x32_epi32(AsM256i(x0[h]), which), plus, minus);
+        AddSigns<kLoad, kStore>(src + e + 32, dst + e + 32, _mm256_permutevar8x32_epi32(AsM256i(x1[h]), which), plus,
+                                minus);
+      }
+    }
+  }
+}
+
+// One Rademacher update on groups [g0, g1) of buf, in place.
+inline void RademacherGroups(float* buf, const LeafKey& key, const Update& up, uint32_t first_call, int64_t g0,
+                             int64_t g1) {
+  RademacherGroups<false, false>(buf, buf, key, up, first_call, g0, g1);
+}
+
 #else
+
+// The word stream of calls [first, first + n_calls): words[2j] = x0, words[2j + 1] = x1.
+inline void StreamWords(const LeafKey& key, uint32_t first, int64_t n_calls, uint32_t* words) {
+  for (int64_t j = 0; j < n_calls; ++j) {
+    uint32_t x0, x1;
+    Threefry(key, first + static_cast<uint32_t>(j), x0, x1);
+    words[2 * j] = x0;
+    words[2 * j + 1] = x1;
+  }
+}
 
 inline uint32_t Popcount16(uint32_t h) {
   h = h - ((h >> 1) & 0x5555u);
@@ -586,8 +634,6 @@ void BinomialGroups(float* buf, const LeafKey& key, const Update& up, uint32_t f
   }
 }
 
-#endif
-
 void RademacherGroups(float* buf, const LeafKey& key, const Update& up, uint32_t first_call, int64_t g0, int64_t g1) {
   const float scale = up.scale;
   alignas(64) uint32_t words[2 * kTile / 64];
@@ -605,6 +651,8 @@ void RademacherGroups(float* buf, const LeafKey& key, const Update& up, uint32_t
     }
   }
 }
+
+#endif
 
 #endif
 
@@ -764,6 +812,41 @@ inline void UpdateInPlace(float* tile, const Work& work, const Job& job, uint32_
 }
 #endif
 
+#if ZEROTH_AVX2
+struct BinomialOps {
+  template <bool kLoad, bool kStore>
+  static void Groups(const float* src, float* dst, const LeafKey& key, const Update& up, uint32_t first_call,
+                     int64_t g0, int64_t g1) {
+    BinomialGroups<kLoad, kStore>(src, dst, key, up, first_call, g0, g1);
+  }
+};
+
+struct RademacherOps {
+  template <bool kLoad, bool kStore>
+  static void Groups(const float* src, float* dst, const LeafKey& key, const Update& up, uint32_t first_call,
+                     int64_t g0, int64_t g1) {
+    RademacherGroups<kLoad, kStore>(src, dst, key, up, first_call, g0, g1);
+  }
+};
+
+// The K >= 1 updates of a whole float32 tile, from src (the input) into tile (the output): the first
+// update flushes what it loads, the last what it stores (no pass of their own over the tile).
+template <typename Ops>
+void FusedUpdates(const float* src, float* tile, const Work& work, const Job& job, uint32_t first_call, int64_t g0,
+                  int64_t g1) {
+  const int64_t last = static_cast<int64_t>(work.updates.size()) - 1;
+  if (last == 0) {
+    Ops::template Groups<true, true>(src, tile, work.Key(job, 0), work.updates[0], first_call, g0, g1);
+    return;
+  }
+  Ops::template Groups<true, false>(src, tile, work.Key(job, 0), work.updates[0], first_call, g0, g1);
+  for (int64_t u = 1; u < last; ++u) {
+    Ops::template Groups<false, false>(tile, tile, work.Key(job, u), work.updates[u], first_call, g0, g1);
+  }
+  Ops::template Groups<false, true>(tile, tile, work.Key(job, last), work.updates[last], first_call, g0, g1);
+}
+#endif
+
 // Process tiles [t0, t1) of a job (tile t covers global [kTile*t, kTile*(t+1)) clipped to the job).
 template <typename T>
 void RunTiles(const Work& work, const Job& job, int64_t t0, int64_t t1) {
@@ -796,12 +879,12 @@ void RunTiles(const Work& work, const Job& job, int64_t t0, int64_t t1) {
     // instead of 4.5-4.7, Rademacher 2.4-2.6 instead of 3.4-5.1). With more updates a group's
     // arithmetic dominates and reading it straight from memory measured no better (binomial K = 16:
     // 37.9-42.9 ms against 38.4-38.8), so those tiles keep the flushing passes.
-    // With AVX2 alone every whole float32 tile of binomial updates is fused so (an update's noise
-    // goes through the tile in L1 anyway; the flush passes cost K = 1 on 2^22 elements in place
-    // 1.39 ms of 1.00, same machine, -march=x86-64-v3).
+    // With AVX2 alone every whole float32 tile is fused so (an update's noise goes through the tile
+    // in L1 anyway; the flush passes cost binomial K = 1 on 2^22 elements in place 1.39 ms of 1.00,
+    // same machine, -march=x86-64-v3).
     const bool fused = direct && n_updates > 0 &&
                        ((ZEROTH_AVX512 && (work.distribution == kBinomial ? n_updates < kGroupChains : n_updates == 1)) ||
-                        (ZEROTH_AVX2 && work.distribution == kBinomial));
+                        ZEROTH_AVX2);
     float* tile = buf;
     [[maybe_unused]] const float* source = buf;
     if (direct) {
@@ -837,17 +920,12 @@ void RunTiles(const Work& work, const Job& job, int64_t t0, int64_t t1) {
       }
     }
 #elif ZEROTH_AVX2
-    if (work.distribution == kBinomial && fused) {
+    if (fused) {
       // the first update reads the input with the flush on load, the last stores with the flush on store
-      const int64_t last = n_updates - 1;
-      if (last == 0) {
-        BinomialGroups<true, true>(source, tile, work.Key(job, 0), work.updates[0], first_call, g0, g1);
+      if (work.distribution == kBinomial) {
+        FusedUpdates<BinomialOps>(source, tile, work, job, first_call, g0, g1);
       } else {
-        BinomialGroups<true, false>(source, tile, work.Key(job, 0), work.updates[0], first_call, g0, g1);
-        for (int64_t u = 1; u < last; ++u) {
-          BinomialGroups<false, false>(tile, tile, work.Key(job, u), work.updates[u], first_call, g0, g1);
-        }
-        BinomialGroups<false, true>(tile, tile, work.Key(job, last), work.updates[last], first_call, g0, g1);
+        FusedUpdates<RademacherOps>(source, tile, work, job, first_call, g0, g1);
       }
     } else {
       UpdateInPlace(tile, work, job, first_call, g0, g1);
