@@ -102,6 +102,20 @@ def test_bench_kernels_measures_fused_replay_and_sign_bits():
         for row in sections[section]:
             assert row["elements_per_s"] > 0, row["name"]
     assert any(r["name"] == "binomial fused K=4" for r in sections["fused replay"])
+    # the native kernel per instruction set: every level this CPU runs timed beside -march=native,
+    # the others named with what the CPU lacks
+    if cpu_native.available():
+        isa = {(r["march"], r["distribution"], r["k"]): r for r in sections["instruction sets"]}
+        assert set(isa) == {(m, d, k) for m in ("native", *cpu_native.INSTRUCTION_SETS)
+                            for d in ("binomial", "rademacher") for k in (1, 4)}
+        for (march, dist, k), row in isa.items():
+            if march == "native" or not cpu_native.missing_instructions(march):
+                assert row["elements_per_s"] > 0, row["name"]
+                if march != "native":
+                    assert result["ratios"][f"isa_{march}_{dist}_K{k}_over_native"] == pytest.approx(
+                        row["elements_per_s"] / isa[("native", dist, k)]["elements_per_s"])
+            else:
+                assert "elements_per_s" not in row and "lacks" in row["note"], row
     # the tiling sweep: every candidate at K = 1 and the largest K, and the fastest one per pair
     from zeroth.bench.kernels import TILE_CANDIDATES
 

@@ -333,18 +333,16 @@ class TestNative:
             assert_same_bits(a, b)
 
     @pytest.mark.slow
-    @pytest.mark.parametrize("march", ["x86-64-v3", "skylake-avx512"])
+    @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v4"])
     def test_other_instruction_sets_give_the_same_bits(self, march):
-        # AVX2 (its own binomial path: threefry 8 calls per register, popcounts by a nibble table)
-        # and AVX-512 without BITALG (popcount by shifts), where this CPU can run them; the default
-        # build is the native one. Against the NumPy specification: whole float32 tiles with
-        # special values in every group, in place and not, K = 1 to 5 (one and two groups left
-        # over at a tile's end), a leaf at an odd global offset, and float16 and bfloat16 leaves.
-        needed = {"x86-64-v3": {"avx2", "bmi2"}, "skylake-avx512": {"avx512f", "avx512bw", "avx512dq"}}[march]
-        flags = cpu_native._cpu_fingerprint().split()
-        if not needed <= set(flags):
-            pytest.skip(f"this CPU lacks {sorted(needed - set(flags))} for -march={march}")
-        build = cpu_native.BuildConfig(name=march.replace("-", "_"), march=march)
+        # AVX2 (its own paths: threefry 8 calls per register, popcounts by a nibble table, signs by
+        # variable shifts) and AVX-512 without BITALG (popcount by shifts), where this CPU can run
+        # them; the default build is the native one. Against the NumPy specification: whole float32
+        # tiles with special values in every group, in place and not, K = 1 to 5 (one and two groups
+        # left over at a tile's end), a leaf at an odd global offset, and float16 and bfloat16 leaves.
+        if missing := cpu_native.missing_instructions(march):
+            pytest.skip(f"this CPU lacks {missing} for -march={march}")
+        build = cpu_native.build_for(march)
         tiny = np.float32(jnp.finfo(jnp.float32).tiny)
         specials = np.concatenate([
             np.array([0.0, -0.0, np.inf, -np.inf, tiny, -tiny, tiny / 4, -tiny / 8, 3.0e38, -3.0e38], np.float32),
@@ -369,6 +367,18 @@ class TestNative:
                                                                 inplace=inplace, build=build),
                                     donate_argnums=0 if inplace else ())
                         assert_same_bits(f(jnp.copy(x)), want)
+
+    def test_an_instruction_set_the_cpu_lacks_is_refused_by_name(self, monkeypatch):
+        monkeypatch.setattr(cpu_native.platform, "machine", lambda: "x86_64")
+        monkeypatch.setattr(cpu_native, "_cpu_fingerprint", lambda: "x86_64 Linux avx fpu sse sse2")
+        assert cpu_native.missing_instructions("x86-64") == []
+        assert cpu_native.build_for("x86-64") is cpu_native.PORTABLE_BUILD
+        with pytest.raises(ValueError, match=r"-march=x86-64-v3: it lacks abm, avx2, bmi1, bmi2, f16c, fma, movbe, xsave"):
+            cpu_native.build_for("x86-64-v3")
+        with pytest.raises(ValueError, match=r"unknown instruction set 'skylake'; expected one of \['x86-64-v4'"):
+            cpu_native.build_for("skylake")
+        monkeypatch.setattr(cpu_native.platform, "machine", lambda: "aarch64")
+        assert cpu_native.missing_instructions("x86-64") == ["x86-64 (this is aarch64)"]
 
     def test_donated_replay_in_place(self):
         params = {"w": _array((50, 40), jnp.float32, seed=9), "v": _array((7,), jnp.float16, seed=10)}

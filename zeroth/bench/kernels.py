@@ -21,6 +21,11 @@ default tiling of a platform is chosen and checked); elsewhere in interpret mode
 **Baselines**, side by side: the copy (memory floor), ``jax.random.normal`` + add and, when
 torch is installed, ``torch.randn`` + ``add_``.
 
+**Instruction sets** (CPU): the native kernel built for each x86-64 level this CPU can run
+(``x86-64-v4``: AVX-512; ``x86-64-v3``: AVX2; ``x86-64``: the plain loops) beside the default
+``-march=native`` build, each a fused replay at K = 1 and the largest K
+(:func:`instruction_set_rows`; ratios ``isa_<level>_<distribution>_K<k>_over_native``).
+
 The benchmark is a list of sections (:data:`SECTIONS`), each a function
 ``(Context) -> list[dict]`` of rows; a kernel adds its rows by adding a section. The sign-bit
 rows are :func:`zeroth.bench.signbits.signbits_rows`.
@@ -233,6 +238,39 @@ def fused_replay_rows(ctx: Context) -> list[dict]:
     return rows
 
 
+def instruction_set_rows(ctx: Context) -> list[dict]:
+    """On a CPU, the native kernel built for each x86-64 level of
+    :data:`zeroth.kernels.cpu_native.INSTRUCTION_SETS` this CPU can run (AVX-512, AVX2, the
+    baseline's plain loops) beside the default ``-march=native`` build: fused replay at K = 1 and
+    the largest K, in place, donated. What an older CPU's path costs, measured on this one (the
+    same bits: ``tests/test_kernels_perturb.py``); a level this CPU cannot run, or a build that
+    fails, gets a row naming why."""
+    if ctx.backend != "cpu" or not cpu_native.available():
+        return []
+    ks = sorted({1, max(ctx.ks)})
+    builds: list[tuple[str, cpu_native.BuildConfig | None, str | None]] = [("native", cpu_native.DEFAULT_BUILD, None)]
+    for march in cpu_native.INSTRUCTION_SETS:
+        try:
+            builds.append((march, cpu_native.build_for(march), None))
+        except ValueError as exc:
+            builds.append((march, None, str(exc)))
+    rows = []
+    for march, build, why in builds:
+        if build is not None and not cpu_native.available(build):
+            build, why = None, cpu_native.unavailable_reason(build)
+        for dist in ("binomial", "rademacher"):
+            for k in ks:
+                t = None
+                if build is not None:
+                    lk, scales = _updates(dist, k)
+                    step = jax.jit(lambda x, lk=lk, scales=scales, dist=dist, build=build: kp.perturb_native(
+                        x, lk, scales, distribution=dist, inplace=True, build=build), donate_argnums=0)
+                    t = _time_donated(step, _leaf(ctx.size), ctx)
+                rows.append(_row("instruction sets", f"{dist} K={k}, -march={march}", f"native:{march}", ctx.size, t,
+                                 distribution=dist, k=k, march=march, note=why))
+    return rows
+
+
 # The Pallas tilings ``tile_rows`` times, by platform: grouped rows (one threefry call per row) of
 # growing tiles and lane-dense rows on GPU (Triton), lane-dense tiles of 8 to 256 rows on TPU
 # (Mosaic); elsewhere two small tilings in interpret mode (the sweep's own check, not a speed).
@@ -290,6 +328,7 @@ SECTIONS: list[tuple[str, Callable[[Context], list[dict]]]] = [
     ("fused", fused_replay_rows),
     ("tiles", tile_rows),
     ("signbits", signbits_rows),
+    ("isa", instruction_set_rows),
 ]
 
 
@@ -308,6 +347,13 @@ def _ratios(rows: list[dict]) -> dict:
                 out[f"{key}_best_lanes"] = r["lanes"]
                 if r.get("copy_fraction") is not None:
                     out[f"{key}_best_copy_fraction"] = r["copy_fraction"]
+            continue
+        if r["section"] == "instruction sets" and r.get("elements_per_s") is not None:
+            native = next(n for n in rows if n["section"] == r["section"] and n["march"] == "native"
+                          and n["distribution"] == r["distribution"] and n["k"] == r["k"])
+            if r["march"] != "native":
+                out[f"isa_{r['march']}_{r['distribution']}_K{r['k']}_over_native"] = (
+                    r["elements_per_s"] / native["elements_per_s"])
             continue
         if r["section"] != "fused replay" or r.get("elements_per_s") is None:
             continue

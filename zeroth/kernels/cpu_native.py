@@ -45,9 +45,12 @@ __all__ = [
     "BuildConfig",
     "DEFAULT_BUILD",
     "PORTABLE_BUILD",
+    "INSTRUCTION_SETS",
     "SOURCE",
     "cache_dir",
     "build",
+    "build_for",
+    "missing_instructions",
     "register",
     "available",
     "unavailable_reason",
@@ -100,6 +103,15 @@ DEFAULT_BUILD = BuildConfig()
 # The x86-64 baseline (SSE2) or the compiler's default elsewhere: the same bits, slower.
 PORTABLE_BUILD = BuildConfig(name="portable", march="x86-64" if platform.machine() in ("x86_64", "AMD64") else "native")
 
+# The x86-64 levels a kernel can be built for besides -march=native, with the CPU flags
+# (/proc/cpuinfo) each one's code needs: the same bits, another speed (the kernel's paths: AVX-512,
+# AVX2, plain loops). `zeroth bench kernels` times each one this CPU can run.
+INSTRUCTION_SETS: dict[str, frozenset[str]] = {
+    "x86-64-v4": frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+    "x86-64-v3": frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}),
+    "x86-64": frozenset(),
+}
+
 _lock = threading.Lock()
 _registered: dict[str, str] = {}  # build name -> registered target name
 _failed: dict[str, str] = {}  # build name -> reason
@@ -137,6 +149,30 @@ def _cpu_fingerprint() -> str:
     except OSError:
         pass
     return f"{platform.machine()} {platform.system()} {flags}"
+
+
+def missing_instructions(march: str) -> list[str]:
+    """The CPU flags ``march`` (a key of :data:`INSTRUCTION_SETS`) needs that this CPU lacks: code
+    built for it must not run where this is not empty (an x86-64 level on another architecture
+    lacks everything, named by the architecture)."""
+    if march not in INSTRUCTION_SETS:
+        raise ValueError(f"unknown instruction set {march!r}; expected one of {list(INSTRUCTION_SETS)}")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return [f"x86-64 (this is {platform.machine()})"]
+    flags = set(_cpu_fingerprint().split())
+    return sorted(INSTRUCTION_SETS[march] - flags)
+
+
+def build_for(march: str) -> BuildConfig:
+    """The :class:`BuildConfig` of an x86-64 level of :data:`INSTRUCTION_SETS` (``x86-64`` is
+    :data:`PORTABLE_BUILD` there).
+
+    Raises:
+      ValueError: ``march`` is unknown, or this CPU lacks instructions its code needs (named).
+    """
+    if missing := missing_instructions(march):
+        raise ValueError(f"this CPU cannot run code built for -march={march}: it lacks {', '.join(missing)}")
+    return PORTABLE_BUILD if march == PORTABLE_BUILD.march else BuildConfig(name=march.replace("-", "_"), march=march)
 
 
 def _include_dir() -> Path:
