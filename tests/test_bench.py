@@ -54,6 +54,14 @@ def test_bench_perturb_reports_every_row_and_the_target_ratios():
                  "zeroth binomial (replay, K=1), 8 calls queued", "jax p + c (memory floor), 8 calls queued",
                  "jnp rule binomial (apply_updates, K=1), keys and scales from the host"):
         assert rows[name]["elements_per_s"] > 0, name
+    # each call's part before the wait for the device: at most its best time (the host part of the
+    # best call is at most that call), and the replay's share of its single call
+    for name, row in rows.items():
+        if "seconds_min" in row:
+            assert 0 < row["host_seconds_min"] <= row["seconds_min"], name
+    replay_row = rows["zeroth binomial (replay, K=1)"]
+    assert result["ratios"]["binomial_host_fraction_of_call"] == pytest.approx(
+        replay_row["host_seconds_min"] / replay_row["seconds_min"])
     # the jnp rule's program with its keys and scales sent from the host, beside the same on the device
     assert result["ratios"]["jnp_host_args_over_device_args"] == pytest.approx(
         rows["jnp rule binomial (apply_updates, K=1), keys and scales from the host"]["elements_per_s"]

@@ -40,14 +40,16 @@ __all__ = [
 
 
 class Timing(NamedTuple):
-    """Wall-clock seconds of one call: best and median over ``repeats`` timed calls; and the best
-    process CPU time of a call (every thread of the process, ``time.process_time``), NaN where not
-    measured. On a shared machine the CPU time moves less with the load than the wall time."""
+    """Wall-clock seconds of one call: best and median over ``repeats`` timed calls; the best
+    process CPU time of a call (every thread of the process, ``time.process_time``); and the best
+    time the call spent before its wait, where the call reports it (:func:`timeit_many`); NaN where
+    not measured. On a shared machine the CPU time moves less with the load than the wall time."""
 
     min_s: float
     median_s: float
     repeats: int
     cpu_min_s: float = float("nan")
+    host_min_s: float = float("nan")
 
 
 def timeit(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5) -> Timing:
@@ -123,6 +125,10 @@ def timeit_many(fns: dict[str, Callable[[], Any]], *, warmup: int = 1, repeats: 
     order (each row after the same row in four of five rounds), one replay call's minimum was
     0.86 ms as the row after a 17.7 ms program and 0.69 ms as a row after a 0.3 ms one.
 
+    A callable that returns a float reports the seconds of its call before the wait for the
+    device (its dispatch): :attr:`Timing.host_min_s` is the best of them (at most the best time,
+    the host part of the best call being at most that call).
+
     Returns:
       ``{name: Timing}`` in the order of ``fns``.
     """
@@ -138,16 +144,20 @@ def timeit_many(fns: dict[str, Callable[[], Any]], *, warmup: int = 1, repeats: 
     progress(f"timing {len(fns)} rows, {repeats} rounds")
     times: dict[str, list[float]] = {name: [] for name in fns}
     cpu: dict[str, list[float]] = {name: [] for name in fns}
+    host: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     for r in range(repeats if names else 0):
         for i in round_order(len(names), r):
             name = names[i]
             fn = fns[name]
             t0, c0 = time.perf_counter(), time.process_time()
-            fn()
+            reported = fn()
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
-    return {name: Timing(min(ts), statistics.median(ts), repeats, min(cpu[name])) for name, ts in times.items()}
+            if isinstance(reported, float):
+                host[name].append(reported)
+    return {name: Timing(min(ts), statistics.median(ts), repeats, min(cpu[name]),
+                         min(host[name]) if host[name] else float("nan")) for name, ts in times.items()}
 
 
 def base_parser(prog: str, description: str, *, repeats: int = 5, warmup: int = 1) -> argparse.ArgumentParser:

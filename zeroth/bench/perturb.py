@@ -24,6 +24,11 @@ machine load hits every row alike):
   checked against :func:`zeroth.replay.apply_updates` on a small leaf first).
 
 Rates are elements per second from the best of ``--repeats`` calls (the median is shown too).
+Each row also gives the best time its call took before the wait for the device
+(``host_seconds_min``, "host, best": the dispatch, and on an accelerator everything the host does
+for the call), and ``binomial_host_fraction_of_call`` / ``jnp_host_args_host_fraction_of_call``
+divide it by the best time of the replay's single call and of the ``jnp`` rule's with its updates
+from the host: where one call's time goes beyond the device's work.
 It prints the ratios the determinism contract is judged by: binomial / torch, binomial /
 jax-normal, binomial and rademacher / memory floor, and the time of one K=64 call against 64
 calls of K=1, each against its target on this backend (:func:`targets`: a GPU's are 1.5x torch
@@ -51,7 +56,9 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 import sys
+import time
 from collections.abc import Callable
 
 import jax
@@ -97,11 +104,14 @@ def _row(name: str, group: str, n: int, timing: _common.Timing | None, *, update
             elements_per_s=n * updates / timing.min_s,
             seconds_per_update=timing.min_s / updates,
         )
+        if not math.isnan(timing.host_min_s):
+            row["host_seconds_min"] = timing.host_min_s
     return row
 
 
-def _donated(step: Callable, state) -> Callable[[], None]:
-    """A zero-argument call doing ``state = step(state)`` (the state's buffers donated) and waiting."""
+def _donated(step: Callable, state) -> Callable[[], float]:
+    """A zero-argument call doing ``state = step(state)`` (the state's buffers donated) and waiting;
+    it returns the seconds before the wait (the host's part: ``host_seconds_min``)."""
     return _queued(step, state, 1)
 
 
@@ -111,16 +121,20 @@ QUEUED = {name: f"{name}, {QUEUED_CALLS} calls queued" for name in (
     "zeroth binomial (replay, K=1)", "jax p + c (memory floor)", "torch.randn + add_", "torch add_(c) (memory floor)")}
 
 
-def _queued(step: Callable, state, calls: int = QUEUED_CALLS) -> Callable[[], None]:
+def _queued(step: Callable, state, calls: int = QUEUED_CALLS) -> Callable[[], float]:
     """``calls`` steps ``state = step(state)`` in a row and one wait at the end: how a loop of
     replays runs, each call dispatched while the device still works on the last (the host's cost
-    of a call hides behind the device's, where the device is the slower)."""
+    of a call hides behind the device's, where the device is the slower). Returns the seconds
+    before the wait."""
     box = [state]
 
     def call():
+        t0 = time.perf_counter()
         for _ in range(calls):
             box[0] = step(box[0])
+        host = time.perf_counter() - t0
         jax.block_until_ready(box[0])
+        return host
 
     return call
 
@@ -186,14 +200,20 @@ def _torch_calls(n: int) -> tuple[dict[str, Callable[[], None]], str | None]:
     q = torch.zeros(n, dtype=torch.float32, device=device)
 
     def randn_add(calls: int = 1):
+        t0 = time.perf_counter()
         for _ in range(calls):
             p.add_(torch.randn(n, generator=gen, dtype=torch.float32, device=device), alpha=_COEFF)
+        host = time.perf_counter() - t0
         sync()
+        return host
 
     def add(calls: int = 1):
+        t0 = time.perf_counter()
         for _ in range(calls):
             q.add_(_COEFF)
+        host = time.perf_counter() - t0
         sync()
+        return host
 
     calls = {"torch.randn + add_": randn_add, "torch add_(c) (memory floor)": add,
              QUEUED["torch.randn + add_"]: functools.partial(randn_add, QUEUED_CALLS),
@@ -208,7 +228,11 @@ def _zeroth_replay_copy(n: int, dist: str) -> Callable[[], None]:
     p = {"w": jnp.zeros(n, jnp.float32)}
 
     def call():
-        jax.block_until_ready(replay.replay(p, (keys, [_COEFF]), distribution=dist))
+        t0 = time.perf_counter()
+        out = replay.replay(p, (keys, [_COEFF]), distribution=dist)
+        host = time.perf_counter() - t0
+        jax.block_until_ready(out)
+        return host
 
     return call
 
@@ -243,6 +267,11 @@ def _rate(rows: list[dict], name: str) -> float | None:
         if row["name"] == name:
             return row.get("elements_per_s")
     return None
+
+
+def _host_fraction(rows: list[dict], name: str) -> float | None:
+    row = next((r for r in rows if r["name"] == name), {})
+    return _ratio(row.get("host_seconds_min"), row.get("seconds_min"))
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -315,6 +344,10 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
             _rate(rows, QUEUED["zeroth binomial (replay, K=1)"]), _rate(rows, QUEUED["torch.randn + add_"])),
         "binomial_queued_over_memory_floor_queued": _ratio(
             _rate(rows, QUEUED["zeroth binomial (replay, K=1)"]), _rate(rows, QUEUED["jax p + c (memory floor)"])),
+        # the host's part of one replay call, and of the same program's call with its updates from
+        # the host: where a single call's time goes beyond the device's
+        "binomial_host_fraction_of_call": _host_fraction(rows, "zeroth binomial (replay, K=1)"),
+        "jnp_host_args_host_fraction_of_call": _host_fraction(rows, HOST_ARGS_ROW),
     }
     if 1 in ks:
         t1 = timings["zeroth replay K=1 (binomial)"].min_s
@@ -478,14 +511,16 @@ def _render(result: dict) -> None:
             "best": _common.fmt_seconds(row.get("seconds_min")),
             "median": _common.fmt_seconds(row.get("seconds_median")),
             "per_update": _common.fmt_seconds(row.get("seconds_per_update")),
+            "host": _common.fmt_seconds(row.get("host_seconds_min")),
         }
         for row in result["rows"]
     ]
     _common.print_table(
         [("name", "row"), ("updates", "K"), ("rate", "elements*K/s"), ("best", "best"), ("median", "median"),
-         ("per_update", "per update"), ("note", "note")],
+         ("per_update", "per update"), ("host", "host, best"), ("note", "note")],
         table,
     )
+    print("host, best: the time until the call (all of a row's calls) returned, before the wait for the device")
     print()
     for name, value in result["ratios"].items():
         target = result["targets"].get(name)
