@@ -456,6 +456,21 @@ void RademacherGroups(const float* src, float* buf, const LeafKey& key, const Up
 
 inline __m256i AsM256i(v8u x) { return reinterpret_cast<__m256i&>(x); }
 
+// Threefry calls first_call + 16 g + [0, 8 N) under `key` (group g's 16 calls and on): chain i
+// holds calls 8 i .. 8 i + 7, the N chains computed interleaved.
+template <int N>
+__attribute__((always_inline)) inline void CallWords(const LeafKey& key, uint32_t first_call, int64_t g, v8u (&x0)[N],
+                                                     v8u (&x1)[N]) {
+  const v8u base = v8u{0, 1, 2, 3, 4, 5, 6, 7} + (first_call + static_cast<uint32_t>(16 * g));
+  LeafKey keys[N];
+  v8u calls[N];
+  for (int i = 0; i < N; ++i) {
+    keys[i] = key;
+    calls[i] = base + static_cast<uint32_t>(8 * i);
+  }
+  ThreefryN<N>(keys, calls, x0, x1);
+}
+
 // Popcount of every 16-bit lane: a nibble table (vpshufb) per byte, the two bytes added by vpmaddubsw.
 __attribute__((always_inline)) inline __m256i Popcount16x16(__m256i x) {
   const __m256i table = _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4,
@@ -528,25 +543,18 @@ __attribute__((always_inline)) inline void BinomialApply8(v8u x0, v8u x1, __m256
 template <bool kLoad, bool kStore>
 void BinomialGroups(const float* src, float* dst, const LeafKey& key, const Update& up, uint32_t first_call,
                     int64_t g0, int64_t g1) {
-  const v8u lane = {0, 1, 2, 3, 4, 5, 6, 7};
   const __m256 scale = _mm256_set1_ps(up.scale);
   int64_t g = g0;
   for (; g + 2 <= g1; g += 2) {
-    const LeafKey keys[4] = {key, key, key, key};
-    const v8u base = lane + (first_call + static_cast<uint32_t>(16 * g));
-    const v8u calls[4] = {base, base + 8u, base + 16u, base + 24u};
     v8u x0[4], x1[4];
-    ThreefryN<4>(keys, calls, x0, x1);
+    CallWords<4>(key, first_call, g, x0, x1);
     for (int i = 0; i < 4; ++i) {
       BinomialApply8<kLoad, kStore>(x0[i], x1[i], scale, src + 64 * g + 32 * i, dst + 64 * g + 32 * i);
     }
   }
   if (g < g1) {
-    const LeafKey keys[2] = {key, key};
-    const v8u base = lane + (first_call + static_cast<uint32_t>(16 * g));
-    const v8u calls[2] = {base, base + 8u};
     v8u x0[2], x1[2];
-    ThreefryN<2>(keys, calls, x0, x1);
+    CallWords<2>(key, first_call, g, x0, x1);
     for (int i = 0; i < 2; ++i) {
       BinomialApply8<kLoad, kStore>(x0[i], x1[i], scale, src + 64 * g + 32 * i, dst + 64 * g + 32 * i);
     }
@@ -576,14 +584,10 @@ __attribute__((always_inline)) inline void AddSigns(const float* src, float* dst
 template <bool kLoad, bool kStore>
 void RademacherGroups(const float* src, float* dst, const LeafKey& key, const Update& up, uint32_t first_call,
                       int64_t g0, int64_t g1) {
-  const v8u lane = {0, 1, 2, 3, 4, 5, 6, 7};
   const __m256 plus = _mm256_set1_ps(up.scale), minus = _mm256_set1_ps(-up.scale);
   for (int64_t g = g0; g < g1; ++g) {
-    const LeafKey keys[2] = {key, key};
-    const v8u base = lane + (first_call + static_cast<uint32_t>(16 * g));
-    const v8u calls[2] = {base, base + 8u};
     v8u x0[2], x1[2];
-    ThreefryN<2>(keys, calls, x0, x1);
+    CallWords<2>(key, first_call, g, x0, x1);
     for (int h = 0; h < 2; ++h) {
       for (int c = 0; c < 8; ++c) {
         const int64_t e = 1024 * g + 64 * (8 * h + c);
