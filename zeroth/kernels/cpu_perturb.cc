@@ -452,7 +452,9 @@ void RademacherGroups(const float* src, float* buf, const LeafKey& key, const Up
 // registers. The plain loops below, which write a tile's word stream to memory and then make a
 // pass over it, measured on a 2-core AMD EPYC with the kernel built for -march=x86-64-v3 (in
 // place, 2^22 float32): binomial K = 1 2.00 ms, K = 16 24.8 ms, Rademacher 0.66 and 4.19; this
-// path 1.02 and 14.9, 0.37 and 3.5 (AVX-512 on the same CPU: 0.48 and 4.9, 0.32 and 2.2). A SmolLM2-135M ZO step (8 x 40 tokens) went from 1.53 to 1.27 forwards.
+// path 1.02 and 14.9, 0.37 and 3.5 (AVX-512 on the same CPU: 0.48 and 4.9, 0.32 and 2.2). The
+// trainer's SmolLM2-135M ZO step (8 x 40 tokens, XLA held to AVX2 too) took 1.46-1.54 two forwards
+// with the plain loops, 1.26-1.29 with this path.
 
 inline __m256i AsM256i(v8u x) { return reinterpret_cast<__m256i&>(x); }
 
@@ -538,7 +540,7 @@ __attribute__((always_inline)) inline void BinomialApply8(v8u x0, v8u x1, __m256
 
 // One update on groups [g0, g1) (64 elements, 16 calls each), read from src and written to dst
 // (the same array but for the first update of a float32 tile read from the input; kLoad / kStore:
-// the flushes on load and store, see AddCounts): two groups at a time as four interleaved chains of
+// the flushes on load and store, see Add8): two groups at a time as four interleaved chains of
 // 8 calls, then a last group as two.
 template <bool kLoad, bool kStore>
 void BinomialGroups(const float* src, float* dst, const LeafKey& key, const Update& up, uint32_t first_call,
