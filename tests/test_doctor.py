@@ -12,6 +12,7 @@ import pytest
 
 from zeroth import doctor, noise, replay
 from zeroth import reference as ref
+from zeroth.kernels import cpu_native
 
 # name -> extra environment. XLA rejects unknown flags at start-up (a fatal "Unknown flag in
 # XLA_FLAGS"), so a renamed flag fails these runs instead of being silently ignored.
@@ -55,6 +56,8 @@ def test_one_digest_under_every_config_equal_to_golden(runs):
         assert report["flat_status"] == "ok" and report["flat_digest"] == golden["digest"], name
         assert report["xla_flags"] == CONFIGS[name]["XLA_FLAGS"]
         assert report["jax_disable_jit"] == (name == "no-jit")
+        # the native kernel's path that replayed on the host: the one this process's library has
+        assert report["native_kernel"] == cpu_native.kernel_path(), name
         if report["float16_status"] == "ok":
             assert report["float16_digest"] == golden["float16_digest"] and code == 0, (name, stderr[-2000:])
             assert report["tiles_float16_status"] == "ok", (name, report)

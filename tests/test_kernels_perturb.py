@@ -1,6 +1,8 @@
 """Fused replay kernels: Pallas (interpret mode on CPU), native CPU and jnp give the bits of the
 NumPy reference, for every tiling, offset, dtype and thread split."""
 
+import platform
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -367,6 +369,21 @@ class TestNative:
                                                                 inplace=inplace, build=build),
                                     donate_argnums=0 if inplace else ())
                         assert_same_bits(f(jnp.copy(x)), want)
+
+    def test_each_build_reports_the_path_it_was_compiled_with(self, monkeypatch):
+        flags = set(cpu_native._cpu_fingerprint().split())
+        if {"avx512f", "avx512bw", "avx512dq"} <= flags:
+            native = "avx512"
+        else:
+            native = "avx2" if "avx2" in flags else "portable"
+        assert cpu_native.kernel_path() == native
+        if platform.machine() in ("x86_64", "AMD64"):
+            assert cpu_native.kernel_path(cpu_native.PORTABLE_BUILD) == "portable"
+        for march, path in (("x86-64-v3", "avx2"), ("x86-64-v4", "avx512")):
+            if not cpu_native.missing_instructions(march):
+                assert cpu_native.kernel_path(cpu_native.build_for(march)) == path
+        monkeypatch.setenv("ZEROTH_NATIVE", "0")
+        assert cpu_native.kernel_path() is None
 
     def test_an_instruction_set_the_cpu_lacks_is_refused_by_name(self, monkeypatch):
         monkeypatch.setattr(cpu_native.platform, "machine", lambda: "x86_64")

@@ -62,6 +62,7 @@ import ml_dtypes
 import numpy as np
 
 from zeroth import reference as _ref
+from zeroth.kernels import cpu_native
 
 __all__ = [
     "main",
@@ -406,6 +407,8 @@ def _environment() -> dict:
         "jaxlib": jaxlib.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "jax_disable_jit": bool(jax.config.jax_disable_jit),
+        # which path of the native CPU kernel replays on the host (None: the jnp rule there)
+        "native_kernel": cpu_native.kernel_path(),
     }
 
 
@@ -543,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         if code:
             print(f"zeroth doctor: {verdict}", file=sys.stderr)
         return code
-    for name in ("backend", "device_kind", "jax", "jaxlib", "xla_flags", "jax_disable_jit"):
+    for name in ("backend", "device_kind", "jax", "jaxlib", "xla_flags", "jax_disable_jit", "native_kernel"):
         print(f"{name:<17} {report[name]}")
     print(f"{'devices':<17} {len(env['devices'])}: {', '.join(env['devices'])}")
     print(

@@ -424,8 +424,8 @@ def _render(result: dict) -> None:
          ("urate", "element-updates/s"), ("sp", "vs K passes"), ("spj", "vs K jnp passes"), ("bw", "BW peak"),
          ("copy", "of copy"), ("note", "note")],
         table,
-        title=f"zeroth bench kernels: N = {result['size']:,} float32, donated ({env['processor']}, {env['cpu_count']} CPUs, "
-              f"jax {env['jax']} {env['backend']}, {result['device_kind']})",
+        title=f"zeroth bench kernels: N = {result['size']:,} float32, donated ({_common.machine_line(env)}, "
+              f"{result['device_kind']})",
     )
     print("vs K passes: K consecutive single-update calls of the same impl; vs K jnp passes: of the jnp "
           "reference; BW peak: bytes read+written / time over the vendor peak; of copy: over a measured x + 1")

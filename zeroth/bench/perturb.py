@@ -482,7 +482,7 @@ def _render_overhead(result: dict) -> None:
     env = result["environment"]
     print(f"zeroth bench perturb --overhead: leaves of {result['leaf_elements']} float32, donated, "
           f"{result['calls_per_timing']} calls per timing, best of {result['repeats']} "
-          f"({env['processor']}, {env['cpu_count']} CPUs, jax {env['jax']} {env['backend']})")
+          f"({_common.machine_line(env)})")
     table = [{**r, "best": f"{r['us_per_call_min']:.0f} us", "median": f"{r['us_per_call_median']:.0f} us",
               "launches": "" if r["kernel_launches"] is None else str(r["kernel_launches"])}
              for r in result["rows"]]
@@ -503,7 +503,7 @@ def _render_overhead(result: dict) -> None:
 def _render(result: dict) -> None:
     env = result["environment"]
     print(f"zeroth bench perturb: N = {result['size']:,} float32 elements, donated, best of "
-          f"{result['repeats']}, interleaved ({env['processor']}, {env['cpu_count']} CPUs, jax {env['jax']} {env['backend']})")
+          f"{result['repeats']}, interleaved ({_common.machine_line(env)})")
     table = [
         {
             **row,

@@ -724,7 +724,7 @@ def _render(result: dict) -> None:
     print(f"zeroth bench zo: {c['model']} {c['model_kwargs']}, {c['params']:,} parameters ({_mib(c['param_bytes'])}, "
           f"largest leaf {_mib(c['largest_leaf_bytes'])}), batch {c['batch']} x {tuple(c['input_shape'])}, "
           f"n={c['n_perturbations']}")
-    print(f"  {env['processor']}, {env['cpu_count']} CPUs, jax {env['jax']} {env['backend']}; best of {result['rows'][0]['repeats']}, "
+    print(f"  {_common.machine_line(env)}; best of {result['rows'][0]['repeats']}, "
           f"memory = {result['memory_measure']}")
     table = [
         {

@@ -50,6 +50,7 @@ __all__ = [
     "cache_dir",
     "build",
     "build_for",
+    "kernel_path",
     "missing_instructions",
     "register",
     "available",
@@ -63,6 +64,7 @@ _SYMBOL = "ZerothPerturb"
 _TREE_SYMBOL = "ZerothPerturbTree"
 _FLAT_SYMBOL = "ZerothPerturbFlat"
 _SLICE_SYMBOL = "ZerothPerturbSlice"
+_PATH_SYMBOL = "ZerothPerturbPath"
 
 
 class NativeKernelWarning(UserWarning):
@@ -114,6 +116,7 @@ INSTRUCTION_SETS: dict[str, frozenset[str]] = {
 
 _lock = threading.Lock()
 _registered: dict[str, str] = {}  # build name -> registered target name
+_paths: dict[str, str] = {}  # build name -> the path its library was compiled with
 _failed: dict[str, str] = {}  # build name -> reason
 _warned = False
 
@@ -250,6 +253,9 @@ def register(config: BuildConfig = DEFAULT_BUILD) -> str:
             handler, tree_handler = getattr(lib, _SYMBOL), getattr(lib, _TREE_SYMBOL)
             flat_handler = getattr(lib, _FLAT_SYMBOL)
             slice_handler = getattr(lib, _SLICE_SYMBOL)
+            path_of = getattr(lib, _PATH_SYMBOL)
+            path_of.restype = ctypes.c_char_p
+            _paths[config.name] = path_of().decode()
         except (OSError, AttributeError) as exc:
             raise RuntimeError(f"cannot load the native kernel {path}: {exc}") from exc
         name = target_name(config)
@@ -259,6 +265,14 @@ def register(config: BuildConfig = DEFAULT_BUILD) -> str:
         jax.ffi.register_ffi_target(target_name(config, sliced=True), jax.ffi.pycapsule(slice_handler), platform="cpu")
         _registered[config.name] = name
         return name
+
+
+def kernel_path(config: BuildConfig = DEFAULT_BUILD) -> str | None:
+    """Which of the kernel's paths ``config``'s library was compiled with: ``"avx512"`` (AVX-512 F,
+    BW and DQ), ``"avx2"`` (AVX2 without those) or ``"portable"`` (plain loops); None where the
+    kernel is unavailable (:func:`available` builds it on first call). The same bits on every
+    path; the speed differs (``zeroth bench kernels --sections isa``)."""
+    return _paths.get(config.name) if available(config) else None
 
 
 def _disabled() -> bool:

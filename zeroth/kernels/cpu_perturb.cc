@@ -1247,3 +1247,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZerothPerturbSlice, PerturbSlice,
                                   .Attr<int32_t>("distribution")
                                   .Attr<int64_t>("offset")
                                   .Attr<int64_t>("end"));
+
+// Which of the kernel's paths this library was compiled with: "avx512", "avx2" or "portable".
+extern "C" const char* ZerothPerturbPath() { return ZEROTH_AVX512 ? "avx512" : ZEROTH_AVX2 ? "avx2" : "portable"; }
