@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from zeroth.kernels import cpu_native
+
 __all__ = [
     "Timing",
     "timeit",
@@ -208,7 +210,9 @@ def environment() -> dict:
         "backend": jax.default_backend(),
         "devices": len(jax.devices()),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "native_kernel": _native_kernel_path(),
+        # the native CPU kernel's compiled path (avx512, avx2, portable; None without it): CPU
+        # numbers depend on it as much as on the CPU
+        "native_kernel": cpu_native.kernel_path(),
     }
     try:
         import torch
@@ -225,14 +229,6 @@ def machine_line(env: dict) -> str:
     CPU kernel's path (where there is one)."""
     kernel = f", native kernel {env['native_kernel']}" if env.get("native_kernel") else ""
     return f"{env['processor']}, {env['cpu_count']} CPUs, jax {env['jax']} {env['backend']}{kernel}"
-
-
-def _native_kernel_path() -> str | None:
-    """The native CPU kernel's compiled path (``avx512``, ``avx2``, ``portable``; None without it):
-    CPU numbers depend on it as much as on the CPU."""
-    from zeroth.kernels import cpu_native
-
-    return cpu_native.kernel_path()
 
 
 def _cpu_model() -> str:

@@ -489,8 +489,15 @@ __attribute__((always_inline)) inline __m256 FlushSubnormal8(__m256 x) {
   return _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x00800000), magnitude)), x);
 }
 
-// dst = flush(src + delta) for 8 elements (subnormals and -0 to +0 by an integer compare of the
-// magnitude's bits). kLoad / kStore: the contract's flushes on load and store, done here in
+// Every NaN of 8 float32 to the canonical quiet NaN (a magnitude above infinity's).
+__attribute__((always_inline)) inline __m256 CanonicalNan8(__m256 x) {
+  const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F800000));
+  return _mm256_blendv_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(kCanonicalNan))),
+                          _mm256_castsi256_ps(nan));
+}
+
+// dst = flush(src + delta) for 8 elements (subnormals and -0 to +0: FlushSubnormal8). kLoad / kStore: the contract's flushes on load and store, done here in
 // registers, each with only what the update leaves to it. On load, subnormals and -0 to +0 (a NaN
 // keeps its payload until the store: it reaches no other element); on store, NaN to the canonical
 // quiet NaN (the sum's subnormals and -0 are flushed already, and an update's delta is finite, so
@@ -499,15 +506,8 @@ template <bool kLoad, bool kStore>
 __attribute__((always_inline)) inline void Add8(const float* src, float* dst, __m256 delta) {
   __m256 p = _mm256_loadu_ps(src);
   if (kLoad) p = FlushSubnormal8(p);
-  const __m256 y = _mm256_add_ps(p, delta);
-  const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(y), _mm256_set1_epi32(0x7FFFFFFF));
-  __m256 z = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x00800000), magnitude)), y);
-  if (kStore) {
-    const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F800000));
-    z = _mm256_blendv_ps(z, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(kCanonicalNan))),
-                         _mm256_castsi256_ps(nan));
-  }
-  _mm256_storeu_ps(dst, z);
+  const __m256 z = FlushSubnormal8(_mm256_add_ps(p, delta));
+  _mm256_storeu_ps(dst, kStore ? CanonicalNan8(z) : z);
 }
 
 // Add8 of scale * (c - 8) for 8 elements whose popcounts c come as the float32 2^23 + c (the
