@@ -156,6 +156,28 @@ def test_grpc_service_aborts_with_status_codes():
         srv.stop()
 
 
+def test_on_round_runs_as_each_round_opens_before_any_reply_tells_of_it():
+    w, t = _model()
+    opened = []
+    srv = S.Server(CFG, w, t, on_round=lambda r: opened.append((r, srv.state.round, sorted(srv.state.results))))
+    port = srv.start("127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pbg.BinaryMutationsStub(ch)
+            a, b = (stub.Join(pb.JoinRequest(run_id="run"), timeout=10) for _ in range(2))
+            for rnd in range(2):
+                for rep in (a, b):
+                    chk = P.checksum(srv.state.w, srv.state.thresh, CFG.c_in, True)
+                    stub.Submit(pb.DeltaList(run_id="run", worker_id=rep.worker_id, round=rnd, checksum=chk), timeout=10)
+                    if rep is a:  # one of two lists in: the round is still open
+                        assert opened == [(r, r, list(range(r))) for r in range(1, rnd + 1)]
+                with pytest.raises(grpc.RpcError):  # rejected (a second list for the closed round): no round opens
+                    stub.Submit(pb.DeltaList(run_id="run", worker_id=a.worker_id, round=rnd, checksum=chk), timeout=10)
+                assert opened == [(r, r, list(range(r))) for r in range(1, rnd + 2)]
+    finally:
+        srv.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_server_and_three_worker_processes_agree_survive_a_kill_and_a_join(tmp_path):
@@ -164,6 +186,7 @@ def test_server_and_three_worker_processes_agree_survive_a_kill_and_a_join(tmp_p
                        head="trained", head_steps=5)
     s = launch.run(cfg, workers=3, kill_at=(2,), join_at=(1,), out_dir=tmp_path, timeout_s=120)
     assert s["checksum_mismatches"] == 0 and s["checksum_comparisons"] >= 3 * 7
+    assert s["killed_at_round"] == [2]  # killed as round 2 opened, however loaded the machine
     assert len(s["dropped"]) == 1  # the killed worker, dropped at its round's deadline
     assert s["contributors_per_round"][0] == 3
     assert max(s["contributors_per_round"][4:]) == 3  # the joiner took part after the kill

@@ -1,9 +1,9 @@
 """Run the sparse-mutation server in this process and its workers as processes on 127.0.0.1.
 
 :func:`run` initializes the model from ``(seed, data)``, serves it, starts ``workers`` worker
-processes (``python -m zeroth.binary.worker``), kills one with SIGKILL when the server reaches
-each round of ``kill_at`` and starts a new one at each round of ``join_at`` (it fetches the packed
-model), and returns when the run has finished (or ``timeout_s`` passed: then it raises). The
+processes (``python -m zeroth.binary.worker``), kills one with SIGKILL as the server opens
+each round of ``kill_at`` (before any worker hears of it: the killed worker takes no part in that
+round) and releases a new one at each round of ``join_at`` (it fetches the packed model), and returns when the run has finished (or ``timeout_s`` passed: then it raises). The
 summary holds the test accuracy of the model before and after, the bytes per round per worker of
 the sparse lists next to a dense float32 gradient, the checksum comparisons and the wall-clock.
 
@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import jax.numpy as jnp
@@ -82,35 +83,53 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
     head = fit_head(cfg, layer, x, y) if cfg.head == "trained" else None
     acc0 = accuracy(cfg, w0, t0, head, xt, yt)
     scfg = cfg.server_config(x.shape[1:3])
-    server = S.Server(scfg, w0, t0, head)
+    procs: list[subprocess.Popen] = []
+    killed: list[int] = []
+    kill_rounds: list[int] = []  # the round each kill was sent at: the moment it opened
+    holds = [out / f"join{j}.go" for j in range(len(join_at))]
+    pending_kills, pending_joins = sorted(kill_at), sorted(join_at)
+    errors: list[BaseException] = []
+    act_lock = threading.Lock()
+
+    def act(rnd: int) -> None:
+        # called by the server, under its lock, as round ``rnd`` opens: no worker has heard of it yet,
+        # so a worker killed here takes no part in it, however loaded the machine
+        with act_lock:
+            try:
+                while pending_kills and rnd >= pending_kills[0]:
+                    pending_kills.pop(0)
+                    victim = next((i for i, p in enumerate(procs[:workers]) if p.poll() is None and i not in killed), None)
+                    if victim is None:
+                        raise RuntimeError(f"no live worker left to kill at round {rnd}")
+                    procs[victim].send_signal(signal.SIGKILL)
+                    killed.append(victim)
+                    kill_rounds.append(rnd)
+                while pending_joins and rnd >= pending_joins[0]:
+                    pending_joins.pop(0)
+                    holds[len(join_at) - len(pending_joins) - 1].touch()
+            except BaseException as e:  # raised by the launcher's loop, not inside the RPC
+                errors.append(e)
+
+    server = S.Server(scfg, w0, t0, head, on_round=act)
     port = server.start("127.0.0.1:0")
     address = f"127.0.0.1:{port}"
     start = time.monotonic()
-    procs: list[subprocess.Popen] = []
-    killed: list[int] = []
     try:
         for i in range(workers):
             procs.append(_spawn(address, cfg, out / f"worker{i}.jsonl"))
         # joiners start now (loading and compiling take seconds) and join when their round comes
-        holds = [out / f"join{j}.go" for j in range(len(join_at))]
         for h in holds:
             h.unlink(missing_ok=True)
             procs.append(_spawn(address, cfg, out / f"worker{len(procs)}.jsonl", hold=h))
-        pending_kills, pending_joins = sorted(kill_at), sorted(join_at)
+        act(server.snapshot().round)  # round 0 opened before the workers existed
         while True:
+            if errors:
+                raise errors[0]
             st = server.snapshot()
             if st.round >= cfg.rounds:
                 break
             if time.monotonic() - start > timeout_s:
                 raise RuntimeError(f"the run did not finish {cfg.rounds} rounds within {timeout_s} s (at round {st.round})")
-            if pending_kills and st.round >= pending_kills[0]:
-                pending_kills.pop(0)
-                victim = next(i for i, p in enumerate(procs[:workers]) if p.poll() is None and i not in killed)
-                procs[victim].send_signal(signal.SIGKILL)
-                killed.append(victim)
-            if pending_joins and st.round >= pending_joins[0]:
-                pending_joins.pop(0)
-                holds[len(join_at) - len(pending_joins) - 1].touch()
             for i, p in enumerate(procs):
                 if i not in killed and p.poll() not in (None, 0):
                     raise RuntimeError(f"worker process {i} failed: {p.stderr.read()[-2000:]}")
@@ -139,7 +158,7 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
     joins = [r for r in records if r["event"] == "join"]
     results = [st.results[r] for r in range(cfg.rounds)]
     summary = {
-        "config": cfg._asdict(), "workers": workers, "killed": killed, "joined_at": list(join_at),
+        "config": cfg._asdict(), "workers": workers, "killed": killed, "killed_at_round": kill_rounds, "joined_at": list(join_at),
         "rounds": cfg.rounds, "test_accuracy_before": acc0, "test_accuracy": accuracy(cfg, st.w, st.thresh, st.head, xt, yt),
         "final_checksum": st.checksum, "flips_per_round": [len(r.mutations) for r in results],
         "contributors_per_round": [len(r.contributors) for r in results],

@@ -54,20 +54,29 @@ def decode_result(m: pb.RoundResult) -> P.RoundResult:
 
 
 class Server(pbg.BinaryMutationsServicer):
-    """The parameter server: state + lock + the three RPCs."""
+    """The parameter server: state + lock + the three RPCs.
 
-    def __init__(self, cfg: P.ServerConfig, w, thresh, head=None):
+    ``on_round(r)``, if given, is called under the lock each time round ``r`` opens, before any
+    worker can learn of it (the launcher kills and releases workers there, at an exact round).
+    """
+
+    def __init__(self, cfg: P.ServerConfig, w, thresh, head=None, *, on_round=None):
         self.cfg = cfg
         self._lock = threading.Lock()
         self.state = P.init_state(cfg, w, thresh, head=head, now=time.monotonic())
         self._grpc: grpc.Server | None = None
+        self._on_round = on_round
 
     def _call(self, context, fn):
         with self._lock:
+            before = self.state.round
             try:
                 self.state, reply = fn(self.state)
             except P.Rejected as e:
                 context.abort(getattr(grpc.StatusCode, e.code), e.message)
+            if self._on_round is not None:
+                for r in range(before + 1, self.state.round + 1):
+                    self._on_round(r)
         return reply
 
     def Join(self, request, context):
