@@ -1,6 +1,7 @@
 """Fused replay kernels: Pallas (interpret mode on CPU), native CPU and jnp give the bits of the
 NumPy reference, for every tiling, offset, dtype and thread split."""
 
+import ctypes
 import platform
 
 import jax
@@ -73,6 +74,36 @@ PALLAS_CASES = [
     ("binomial", jnp.bfloat16, (1536, 37), kp.BlockSizes(tile=8192, lanes=None)),  # a partial last tile
     ("binomial", jnp.float16, (999, 11), kp.BlockSizes(tile=8192, lanes=None)),  # not a whole number of rows
 ]
+
+
+def _agrees_with_the_specification(build):
+    """The kernel of ``build`` against the NumPy specification: whole float32 tiles with special
+    values in every group, in place and not, K = 1 to 5 (one and two groups left over at a tile's
+    end), a leaf at an odd global offset, and float16 and bfloat16 leaves."""
+    tiny = np.float32(jnp.finfo(jnp.float32).tiny)
+    specials = np.concatenate([
+        np.array([0.0, -0.0, np.inf, -np.inf, tiny, -tiny, tiny / 4, -tiny / 8, 3.0e38, -3.0e38], np.float32),
+        NAN_PAYLOADS,
+    ])
+    r = np.random.default_rng(16)
+    # of the size of the small updates, so that some sums cancel into the subnormal range
+    tiles = (r.standard_normal(2 * 4096 + 64 + 40) * 2.0**-117).astype(np.float32)
+    for start in range(0, tiles.size - specials.size, 61):
+        tiles[start:start + specials.size] = specials
+    cases = [(jnp.asarray(tiles), 0), (jnp.asarray(tiles[:4096 + 128 + 7]), 0),
+             (_array((777,), jnp.float32, 17), 4096 * 3 + 37), (_array((9000,), jnp.float16, seed=15), 0),
+             (_array((5000,), jnp.bfloat16, seed=18), 129)]
+    for dist in DISTS:
+        for n_updates in (1, 2, 5):
+            keys = _leaf_keys(n_updates, seed=15 + n_updates)
+            scales = replay.update_scales(dist, [2.0**-118 * 3, -(2.0**-118) * 5, 2.0**-118, -2.5, 8.0][:n_updates])
+            for x, offset in cases:
+                want = numpy_perturb(x, keys, scales, dist, offset)
+                for inplace in (False, True):
+                    f = jax.jit(lambda x: kp.perturb_native(x, keys, scales, distribution=dist, offset=offset,
+                                                            inplace=inplace, build=build),
+                                donate_argnums=0 if inplace else ())
+                    assert_same_bits(f(jnp.copy(x)), want)
 
 
 class TestPallasInterpret:
@@ -339,36 +370,27 @@ class TestNative:
     def test_other_instruction_sets_give_the_same_bits(self, march):
         # AVX2 (its own paths: threefry 8 calls per register, popcounts by a nibble table, signs by
         # variable shifts) and AVX-512 without BITALG (popcount by shifts), where this CPU can run
-        # them; the default build is the native one. Against the NumPy specification: whole float32
-        # tiles with special values in every group, in place and not, K = 1 to 5 (one and two groups
-        # left over at a tile's end), a leaf at an odd global offset, and float16 and bfloat16 leaves.
+        # them; the default build is the native one.
         if missing := cpu_native.missing_instructions(march):
             pytest.skip(f"this CPU lacks {missing} for -march={march}")
-        build = cpu_native.build_for(march)
-        tiny = np.float32(jnp.finfo(jnp.float32).tiny)
-        specials = np.concatenate([
-            np.array([0.0, -0.0, np.inf, -np.inf, tiny, -tiny, tiny / 4, -tiny / 8, 3.0e38, -3.0e38], np.float32),
-            NAN_PAYLOADS,
-        ])
-        r = np.random.default_rng(16)
-        # of the size of the small updates, so that some sums cancel into the subnormal range
-        tiles = (r.standard_normal(2 * 4096 + 64 + 40) * 2.0**-117).astype(np.float32)
-        for start in range(0, tiles.size - specials.size, 61):
-            tiles[start:start + specials.size] = specials
-        cases = [(jnp.asarray(tiles), 0), (jnp.asarray(tiles[:4096 + 128 + 7]), 0),
-                 (_array((777,), jnp.float32, 17), 4096 * 3 + 37), (_array((9000,), jnp.float16, seed=15), 0),
-                 (_array((5000,), jnp.bfloat16, seed=18), 129)]
-        for dist in DISTS:
-            for n_updates in (1, 2, 5):
-                keys = _leaf_keys(n_updates, seed=15 + n_updates)
-                scales = replay.update_scales(dist, [2.0**-118 * 3, -(2.0**-118) * 5, 2.0**-118, -2.5, 8.0][:n_updates])
-                for x, offset in cases:
-                    want = numpy_perturb(x, keys, scales, dist, offset)
-                    for inplace in (False, True):
-                        f = jax.jit(lambda x: kp.perturb_native(x, keys, scales, distribution=dist, offset=offset,
-                                                                inplace=inplace, build=build),
-                                    donate_argnums=0 if inplace else ())
-                        assert_same_bits(f(jnp.copy(x)), want)
+        _agrees_with_the_specification(cpu_native.build_for(march))
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("march", ["native", "x86-64-v3", "x86-64"])
+    def test_the_kernels_own_flushes_give_the_bits_without_the_runtimes_flush_to_zero(self, march):
+        # XLA's CPU runtime runs the kernel with flush-to-zero and denormals-are-zero on, which makes
+        # the same bits as the contract's flush whether or not the kernel flushes: a build whose work
+        # runs with both modes off shows that its own flushes do it, on each of its paths (AVX-512
+        # where the CPU has it, AVX2, plain loops).
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("the floating-point modes are x86's (MXCSR)")
+        if march != "native" and (missing := cpu_native.missing_instructions(march)):
+            pytest.skip(f"this CPU lacks {missing} for -march={march}")
+        build = cpu_native.BuildConfig(name=f"gradual_{march.replace('-', '_')}", march=march,
+                                       extra_flags=("-DZEROTH_GRADUAL_UNDERFLOW",))
+        assert ctypes.CDLL(str(cpu_native.build(build))).ZerothPerturbGradualUnderflow() == 1
+        assert ctypes.CDLL(str(cpu_native.build(cpu_native.DEFAULT_BUILD))).ZerothPerturbGradualUnderflow() == 0
+        _agrees_with_the_specification(build)
 
     def test_each_build_reports_the_path_it_was_compiled_with(self, monkeypatch):
         flags = set(cpu_native._cpu_fingerprint().split())

@@ -53,6 +53,9 @@
 #if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(ZEROTH_GRADUAL_UNDERFLOW) && (defined(__x86_64__) || defined(__i386__))
+#include <xmmintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -67,6 +70,23 @@ constexpr uint32_t kParity = 0x1BD11BDAu;
 constexpr uint32_t kCanonicalNan = 0x7FC00000u;
 
 enum Distribution : int32_t { kBinomial = 0, kRademacher = 1 };
+
+// XLA's CPU runtime runs every op, this kernel included, with the x86 flush-to-zero and
+// denormals-are-zero modes on, which would hide a missing flush: the kernel's results must come
+// from its own flushes (the contract's, written in integer arithmetic), whatever the caller's
+// floating-point mode. A test build (-DZEROTH_GRADUAL_UNDERFLOW, x86) runs the kernel's work with
+// both modes off, so that its flushes alone must give the specification's bits.
+#if defined(ZEROTH_GRADUAL_UNDERFLOW) && (defined(__x86_64__) || defined(__i386__))
+struct FloatMode {
+  const unsigned saved = _mm_getcsr();
+  FloatMode() { _mm_setcsr(saved & ~0x8040u); }  // FTZ (bit 15) and DAZ (bit 6) off
+  ~FloatMode() { _mm_setcsr(saved); }
+};
+constexpr int kGradualUnderflow = 1;
+#else
+struct FloatMode {};
+constexpr int kGradualUnderflow = 0;
+#endif
 
 struct LeafKey {
   uint32_t k0, k1, k2;
@@ -791,6 +811,7 @@ struct Shared {
   // Claim chunks until none is left; whoever finishes the last chunk completes the launch, so a
   // thread that starts after all chunks were claimed is not waited for.
   void Loop() {
+    const FloatMode mode;
     const int64_t n = static_cast<int64_t>(chunk_end.size());
     for (;;) {
       const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
@@ -1019,6 +1040,7 @@ ffi::Future Launch(ffi::ThreadPool pool, Work& work) {
     n_parts = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), (total + kTile - 1) / kTile);
   }
   if (n_parts <= 1) {
+    const FloatMode mode;
     for (const Job& job : work.jobs) {
       if (job.n > 0) job.fn(work, job, TileBegin(job), TileEnd(job));
     }
@@ -1250,3 +1272,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZerothPerturbSlice, PerturbSlice,
 
 // Which of the kernel's paths this library was compiled with: "avx512", "avx2" or "portable".
 extern "C" const char* ZerothPerturbPath() { return ZEROTH_AVX512 ? "avx512" : ZEROTH_AVX2 ? "avx2" : "portable"; }
+
+// 1 in a test build whose work runs with flush-to-zero and denormals-are-zero off (FloatMode).
+extern "C" int ZerothPerturbGradualUnderflow() { return kGradualUnderflow; }
