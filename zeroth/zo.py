@@ -34,17 +34,18 @@ large perturbed leaf is one launch of the flat Triton kernel reading the leaf wh
 (:func:`zeroth.kernels.perturb.perturb_pallas_segments`), which XLA compiles in a fraction of the
 time it takes to fuse the jnp rule's threefry graph leaf by leaf; elsewhere (and on GPU for
 leaves under 1 MiB) it is the jnp rule, fused by XLA. XLA
-honours this under the options of :func:`compiler_options`: while-loop invariant code motion
-disabled (it would hoist the widened parameters and the noise index arrays, about 2.25 times
-the largest leaf, out of the loop), and on CPU the memory-optimized scheduler (the default
-concurrency-optimized one computes every perturbed leaf up front, a whole perturbed copy). On
+honours this under the options of :func:`compiler_options`: on CPU the memory-optimized
+scheduler (the default concurrency-optimized one computes every perturbed leaf up front, a whole
+perturbed copy), and, where it would hoist the widened parameters and the noise index arrays out
+of the loop (about 2.25 times the largest leaf), while-loop invariant code motion disabled. On
 CPU the library fusion then decides the rest, and differently per model (a fused chain of dense
 layers needs all its perturbed weights at once; an unfused convolution materializes its
 activations), so :func:`projected_gradients_fn` compiles the candidates of
-:func:`compiler_option_candidates` and keeps the one with the smallest compiled peak (on GPU the
-code motion runs where it holds no more memory than without it; there the candidates compile one
-after the other, and the first whose scratch is a small part of its peak ends the search,
-:func:`near_least_memory`). Typical
+:func:`compiler_option_candidates` and keeps the first whose compiled peak is within 1/32 of the smallest (:func:`kept_candidate`): the
+code motion first (it takes the work that does not depend on the perturbation out of the loop),
+kept where it holds about no more memory than without it; the candidates compile in rounds (pairs side by
+side on CPU, one at a time elsewhere), and a round with one whose scratch is a small part of its
+peak ends the search (:func:`near_least_memory`). Typical
 result: the inference peak plus one perturbed copy of the largest leaf (or of the few leaves one
 library call reads). Layers stacked on a leading axis and run by ``lax.scan`` would be perturbed
 whole before the scan (a whole perturbed copy, and its write and read an extra memory pass per
@@ -111,6 +112,8 @@ __all__ = [
     "compiler_option_candidates",
     "compile_candidates",
     "compiled_in_turn",
+    "side_by_side",
+    "compiled_count",
     "NEAR_LEAST_MEMORY",
     "near_least_memory",
     "estimator_option_candidates",
@@ -166,8 +169,10 @@ def compiler_options(backend: str | None = None) -> dict[str, Any]:
       computed just before its use (the default concurrency-optimized scheduler computes them all
       first, a whole perturbed copy).
 
-    :func:`compiler_option_candidates` adds the CPU library-fusion variants among which
-    :func:`projected_gradients_fn` picks the one with the smallest compiled peak.
+    :func:`compiler_option_candidates` puts the same with the code motion first (kept where it
+    holds about no more memory) and adds the CPU library-fusion variants, among which
+    :func:`projected_gradients_fn` picks by compiled peak (:func:`kept_candidate`). A caller
+    wrapping :func:`projected_gradients` in its own ``jax.jit`` gets these, the safe ones.
 
     Args:
       backend: ``"cpu"``, ``"gpu"``, ``"tpu"``...; default where uncommitted arrays go (:func:`zeroth.rule.default_platform`).
@@ -187,43 +192,59 @@ def compiler_options(backend: str | None = None) -> dict[str, Any]:
 
 
 def compiler_option_candidates(backend: str | None = None) -> list[dict[str, Any]]:
-    """The option sets :func:`projected_gradients_fn` compiles and chooses among (smallest peak).
+    """The option sets :func:`projected_gradients_fn` compiles and chooses among (by compiled peak,
+    :func:`kept_candidate`),
+    in the order they compile (:func:`compile_candidates`: pairs side by side on a CPU, one after
+    the other elsewhere, until one holds near the least memory, :func:`near_least_memory`).
 
-    On CPU the YNNPACK library fusion decides the memory of a forward pass more than anything
-    else, and no single setting is best for every model: its default fuses a convolution with its
-    activation and pooling (streaming tiles, no activation buffer) but can also fuse a chain of
-    dense layers into one call, whose operands are then every perturbed weight at once; limiting
-    it to individual dots and convolutions does the opposite. So there are two candidates: the
-    base options (:func:`compiler_options`) with the default library fusion, and the same with
-    ``xla_cpu_experimental_ynn_fusion_type`` limited to individual dots and convolutions.
+    Loop-invariant code motion comes first wherever it runs: it takes work that does not depend
+    on the perturbation out of the loop over evaluations, and is kept wherever its compiled peak
+    is within 1/32 of the least, or where its scratch is small beside its peak and the next candidates are not
+    compiled. Where it hoists whole-model temporaries (widened bfloat16 leaves, the jnp rule's
+    noise indices) the next candidates, without it, compile, and one of these is kept.
 
-    On GPU the first candidate runs loop-invariant code motion and the second is the base
-    options: of two with the same peak the first is kept, so the motion runs wherever it holds no
-    more memory, and always below :data:`AUTOTUNE_MIN_BYTES` of parameters, where the first
-    candidate is compiled alone, or where its scratch is small beside its peak, where the second
-    is not compiled (:func:`near_least_memory`). On an NVIDIA H100 (transformer at the default
-    width, batch 256) the motion made the projected gradients 0.69 times as long, 1.31 against
-    1.89 ms, with the same peak and bits: work that does not depend on the perturbation leaves the
-    loop. Other backends have one candidate.
+    * CPU: the motion, then the base options (:func:`compiler_options`), each with the YNNPACK
+      library fusion's default and with ``xla_cpu_experimental_ynn_fusion_type`` limited to
+      individual dots and convolutions. The library fusion decides the memory of a forward pass
+      more than anything else, and no single setting is best for every model: its default fuses a
+      convolution with its activation and pooling (streaming tiles, no activation buffer) but can
+      also fuse a chain of dense layers into one call, whose operands are then every perturbed
+      weight at once; limiting it to individual dots and convolutions does the opposite. On a
+      2-core AMD EPYC (jax 0.10.2, `zeroth bench zo --zo-option xla_disable_hlo_passes=`) the
+      motion made SmolLM2-135M's projected gradients 0.95-0.98 times as long (stacked layers;
+      0.95 with them held to AVX2) and 0.946 unrolled, for 1.75 MiB more of 523 (its scratch
+      2.2 % of its peak: kept alone), the CNN's 0.953; MiniLM's peak grew 1.8 % (scratch 8.9 %:
+      the base options compile too and are kept).
+    * GPU: the motion, then the base options. On an NVIDIA H100 (transformer at the default
+      width, batch 256) the motion made the projected gradients 0.69 times as long, 1.31 against
+      1.89 ms, with the same peak and bits.
+    * Other backends: the base options alone.
+
+    Below :data:`AUTOTUNE_MIN_BYTES` of parameters one is compiled alone
+    (:func:`estimator_option_candidates`).
 
     Example:
       >>> len(compiler_option_candidates("cpu")), len(compiler_option_candidates("gpu"))
-      (2, 2)
+      (4, 2)
     """
     base = compiler_options(backend)
     backend = _rule.default_platform() if backend is None else _rule.platform_name(backend)
+    motion = dict(base, xla_disable_hlo_passes="")
     if backend == "gpu":
-        return [dict(base, xla_disable_hlo_passes=""), base]
+        return [motion, base]
     if backend != "cpu":
         return [base]
-    return [base, dict(base, xla_cpu_experimental_ynn_fusion_type=_INDIVIDUAL_LIBRARY_OPS)]
+    individual = {"xla_cpu_experimental_ynn_fusion_type": _INDIVIDUAL_LIBRARY_OPS}
+    return [motion, dict(motion, **individual), base, dict(base, **individual)]
 
 
 def estimator_option_candidates(params, backend: str | None = None) -> list[dict[str, Any]]:
-    """The option sets :func:`projected_gradients_fn` compiles for ``params`` (a pytree, a
+    """The option sets :func:`projected_gradients_fn` may compile for ``params`` (a pytree, a
     :class:`zeroth.replay.Flat`, or their abstract ``jax.ShapeDtypeStruct`` values): those of
-    :func:`compiler_option_candidates`, only the first below :data:`AUTOTUNE_MIN_BYTES` of
-    parameters. It keeps the one whose compiled peak is smallest (:func:`kept_candidate`).
+    :func:`compiler_option_candidates`; below :data:`AUTOTUNE_MIN_BYTES` of parameters only the
+    first, or on a CPU the base options (:func:`compiler_options`). It compiles them in rounds until one holds near the least memory
+    (:func:`compile_candidates`) and keeps the first whose compiled peak is within 1/32 of the
+    smallest (:func:`kept_candidate`).
 
     Example:
       >>> len(estimator_option_candidates({"w": jnp.zeros(8)}, "cpu"))
@@ -231,22 +252,29 @@ def estimator_option_candidates(params, backend: str | None = None) -> list[dict
     """
     candidates = compiler_option_candidates(backend)
     param_bytes = sum(int(np.size(x)) * jnp.dtype(jnp.result_type(x)).itemsize for x in jax.tree_util.tree_leaves(params))
-    return candidates[:1] if param_bytes < AUTOTUNE_MIN_BYTES else candidates
+    if param_bytes >= AUTOTUNE_MIN_BYTES:
+        return candidates
+    if (_rule.default_platform() if backend is None else _rule.platform_name(backend)) == "cpu":
+        # the base options: there the motion takes the jnp rule's per-leaf work out of the loop as
+        # ops of their own (12 leaves: 65 ops per call instead of at most 40), and no later
+        # candidate compiles to catch what it may hoist
+        return [compiler_options(backend)]
+    return candidates[:1]
 
 
 def compile_candidates(lowered, candidates: Sequence[Mapping[str, Any]], backend: str | None = None, *,
                        enough: Callable[[Any], bool] | None = None) -> list:
-    """``[lowered.compile(options) for options in candidates]``; on a CPU ``backend`` (default:
-    :func:`zeroth.rule.default_platform`) the compilations run side by side in threads (XLA
-    compiles without holding Python's lock), so the estimator's first call waits for the slowest
-    candidate instead of their sum (SmolLM2-135M unrolled on a 2-core CPU: the projected gradients
-    and the update compiled in 5.8-5.9 s instead of 6.7-7.5). Elsewhere one after the other: a GPU
-    compiler times candidate kernels on the device (autotuning), and two compilations at once
-    would time each other's. Each executable is the one a compilation alone gives, in order.
+    """``[lowered.compile(options) for options in candidates]``, in rounds of
+    :func:`side_by_side` candidates (``backend`` default: :func:`zeroth.rule.default_platform`):
+    on a CPU pairs compile side by side in threads (XLA compiles without holding Python's lock),
+    so the estimator's first call waits for the slower of two instead of their sum (SmolLM2-135M
+    unrolled on a 2-core CPU: the projected gradients and the update compiled in 5.8-5.9 s
+    instead of 6.7-7.5); elsewhere one after the other: a GPU compiler times candidate kernels on
+    the device (autotuning), and two compilations at once would time each other's. Each
+    executable is the one a compilation alone gives, in order.
 
-    ``enough(executable) -> bool``: where the candidates compile one after the other, the first
-    executable it accepts ends the list (the later candidates are not compiled; see
-    :func:`near_least_memory`). On a CPU every candidate compiles, side by side.
+    ``enough(executable) -> bool``: after each round, if it accepts one compiled in that round,
+    the later candidates are not compiled (see :func:`near_least_memory`; :func:`compiled_count`).
 
     Example:
       >>> lowered = jax.jit(lambda x: x + 1).lower(jnp.zeros(3))
@@ -255,27 +283,60 @@ def compile_candidates(lowered, candidates: Sequence[Mapping[str, Any]], backend
       >>> len(compile_candidates(lowered, [{}, {}], backend="gpu", enough=lambda c: True))
       1
     """
-    if len(candidates) < 2 or compiled_in_turn(backend):
-        compiled = []
-        for opts in candidates:
-            compiled.append(lowered.compile(dict(opts)))
-            if enough is not None and enough(compiled[-1]):
-                break
-        return compiled
-    with _futures.ThreadPoolExecutor(len(candidates), thread_name_prefix="zeroth-compile") as pool:
-        return list(pool.map(lambda opts: lowered.compile(dict(opts)), candidates))
+    size = side_by_side(backend)
+    compiled: list = []
+    for start in range(0, len(candidates), size):
+        batch = [dict(o) for o in candidates[start:start + size]]
+        if len(batch) == 1:
+            new = [lowered.compile(batch[0])]
+        else:
+            with _futures.ThreadPoolExecutor(len(batch), thread_name_prefix="zeroth-compile") as pool:
+                new = list(pool.map(lowered.compile, batch))
+        compiled += new
+        if enough is not None and any([enough(c) for c in new]):
+            break
+    return compiled
+
+
+def side_by_side(backend: str | None = None) -> int:
+    """How many of the estimator's candidates :func:`compile_candidates` compiles at once on
+    ``backend`` (default: :func:`zeroth.rule.default_platform`): 2 on a CPU, 1 elsewhere.
+
+    Example:
+      >>> side_by_side("cpu"), side_by_side("gpu")
+      (2, 1)
+    """
+    return 2 if (_rule.default_platform() if backend is None else _rule.platform_name(backend)) == "cpu" else 1
 
 
 def compiled_in_turn(backend: str | None = None) -> bool:
     """Whether :func:`compile_candidates` compiles the candidates one after the other on ``backend``
-    (default: :func:`zeroth.rule.default_platform`), stopping at the first its ``enough`` accepts:
-    everywhere but on a CPU, where they compile side by side, all of them.
+    (default: :func:`zeroth.rule.default_platform`): everywhere but on a CPU, where they compile
+    in pairs side by side.
 
     Example:
       >>> compiled_in_turn("gpu"), compiled_in_turn("cpu")
       (True, False)
     """
-    return (_rule.default_platform() if backend is None else _rule.platform_name(backend)) != "cpu"
+    return side_by_side(backend) == 1
+
+
+def compiled_count(accepted: Sequence[bool], backend: str | None = None) -> int:
+    """How many of the candidates :func:`compile_candidates` compiles, where ``accepted[i]`` is
+    whether ``enough`` accepts candidate ``i``: up to the end of the first round holding an
+    accepted one (rounds of :func:`side_by_side`), else all.
+
+    Example:
+      >>> compiled_count([False, True, False, False], "cpu"), compiled_count([False, True], "gpu")
+      (2, 2)
+      >>> compiled_count([False, False, True, False], "cpu"), compiled_count([False, False], "gpu")
+      (4, 2)
+    """
+    size = side_by_side(backend)
+    for end in range(size, len(accepted) + size, size):
+        if any(accepted[:end]):
+            return min(end, len(accepted))
+    return len(accepted)
 
 
 # A compiled program whose scratch is at most this fraction of its peak is within that fraction of
@@ -286,8 +347,8 @@ NEAR_LEAST_MEMORY = 1 / 32
 def near_least_memory(compiled) -> bool:
     """Whether ``compiled`` holds so little scratch (``temp`` at most :data:`NEAR_LEAST_MEMORY` of
     its peak) that another compilation of the same program could save at most that much: the
-    estimator's candidates after it are then not compiled where they compile one after the other
-    (:func:`compile_candidates`; compiled for an H100 on a 2-core CPU, without the device, each
+    estimator's candidates after its round are then not compiled (:func:`compile_candidates`;
+    compiled for an H100 on a 2-core CPU, without the device, each
     compilation of SmolLM2-135M unrolled's projected gradients took 81-95 s, and both candidates
     held the same 529.35 MiB, 16.21 of it scratch). Where code motion hoists widened leaves and
     noise out of the loop (whole-model temporaries, :func:`compiler_options`), the scratch is
@@ -303,15 +364,19 @@ def near_least_memory(compiled) -> bool:
     return m["temp"] <= NEAR_LEAST_MEMORY * m["peak"]
 
 
-def kept_candidate(peaks: list[int]) -> int:
+def kept_candidate(peaks: list[int], within: float = NEAR_LEAST_MEMORY) -> int:
     """The index of the program the estimator keeps among its candidates' compiled peaks
-    (:func:`estimator_option_candidates`): the smallest, the first of equal ones.
+    (:func:`estimator_option_candidates`, in their order): the first whose peak is at most
+    ``within`` (a fraction, default :data:`NEAR_LEAST_MEMORY`) above the smallest, so that a
+    faster candidate earlier in the list (code motion) is not given up for a few bytes (the MLP
+    of ``zeroth bench zo``: 2,312 bytes of 14.55 MB); ``within=0``: the smallest, the first of equal ones.
 
     Example:
-      >>> kept_candidate([300, 200, 200])
-      1
+      >>> kept_candidate([300, 200, 200]), kept_candidate([201, 200]), kept_candidate([201, 200], within=0)
+      (1, 0, 1)
     """
-    return min(range(len(peaks)), key=lambda i: (peaks[i], i))
+    least = min(peaks)
+    return next(i for i, p in enumerate(peaks) if p <= least * (1 + within))
 
 
 def round_eps(eps: float) -> np.float32:
@@ -666,11 +731,13 @@ class ProjectedGradientsFn:
 
     For each new signature (tree structure, shapes and dtypes) it compiles
     :func:`projected_gradients_and_losses` under each of :func:`compiler_option_candidates` and
-    keeps the executable with the smallest compiled peak memory (``memory_analysis()``:
-    argument + output + temp − alias bytes); below :data:`AUTOTUNE_MIN_BYTES` of parameters it
-    compiles once with the base options. Where the candidates compile one after the other (not on
-    a CPU: :func:`compile_candidates`), one whose scratch is at most :data:`NEAR_LEAST_MEMORY` of
-    its peak is kept without compiling the next (:func:`near_least_memory`). :meth:`after_update` (a held update applied first, in the
+    keeps the first executable whose compiled peak memory (``memory_analysis()``:
+    argument + output + temp − alias bytes) is within :data:`NEAR_LEAST_MEMORY` of the smallest
+    (:func:`kept_candidate`); below :data:`AUTOTUNE_MIN_BYTES` of parameters it compiles once
+    (:func:`estimator_option_candidates`). The candidates compile in rounds (pairs side by side on
+    a CPU, one at a time elsewhere: :func:`compile_candidates`); after a round holding one whose
+    scratch is at most :data:`NEAR_LEAST_MEMORY` of its peak, the next are not compiled
+    (:func:`near_least_memory`). :meth:`after_update` (a held update applied first, in the
     same program) compiles once, with the options chosen for the same arguments without the
     update where those are compiled already (a held step follows a step that compiled them). ``keys`` and ``eps_scale`` are traced: a new iteration
     or ε never recompiles. On a CPU the first call keeps freed host memory for reuse
@@ -840,8 +907,8 @@ def projected_gradients_fn(loss_fn: Callable[[Any, Any], jax.Array], *, distribu
                            unroll: bool = False, perturb_impl: str = "auto") -> ProjectedGradientsFn:
     """The compiled estimator ``fn(params, batch, keys, eps_scale) -> (g f32[n], ℓ f32[n])``.
 
-    Compiled with the memory-saving options of :func:`compiler_option_candidates` (the one with
-    the smallest compiled peak), cached per ``loss_fn``, distribution, backend, ``unroll`` and
+    Compiled with the memory-saving options of :func:`compiler_option_candidates` (the first
+    within 1/32 of the smallest compiled peak, :func:`kept_candidate`), cached per ``loss_fn``, distribution, backend, ``unroll`` and
     ``perturb_impl`` (:func:`projected_gradients_and_losses`); it recompiles only for new shapes. Prefer it to wrapping :func:`projected_gradients` in a plain ``jax.jit``,
     whose default options can keep a perturbed copy of the model.
 

@@ -21,8 +21,8 @@ Rows: the inference forward under XLA's default options and under each option se
 :func:`zeroth.zo.compiler_option_candidates` (the baseline is the smallest peak), then per
 distribution the ZO projected-gradients program (2N forwards at ``θ ± εz``, the program of a ZO
 step that holds the most) under each option set :func:`zeroth.zo.estimator_option_candidates`
-gives, the one the estimator keeps (smallest peak) marked, and where the candidates compile one
-after the other (a GPU) those the estimator does not compile, after one near the least memory
+gives, the one the estimator keeps (smallest peak) marked, and those the estimator does not
+compile, after the round (pairs on a CPU, one at a time elsewhere) of one near the least memory
 (:func:`zeroth.zo.near_least_memory`), marked "not compiled" (compiled here all the same, to be
 shown); with ``--flat`` the same on ``replay.flatten(params)``. Each row gives the seconds its
 compilation took ("compile": for an H100, SmolLM2-135M unrolled's projected gradients took 81-95 s
@@ -176,7 +176,7 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
         for opts in (None, *zo.compiler_option_candidates()):
             progress(f"compiling the forward ({_describe(opts)})")
             fwd_rows.append(_compiled_row("inference forward", opts, fwd, options))
-        baseline = fwd_rows[zo.kept_candidate([r["peak_bytes"] for r in fwd_rows])]
+        baseline = fwd_rows[zo.kept_candidate([r["peak_bytes"] for r in fwd_rows], within=0)]
         m_fwd = baseline["peak_bytes"]
         rows += fwd_rows
         keys = jax.ShapeDtypeStruct((n, 2), jnp.uint32, sharding=sharding)
@@ -191,9 +191,8 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
                     progress(f"compiling {name} ({_describe(opts)})")
                     found.append(_compiled_row(name, opts, lowered, options, compiled, compile_profile))
                 # what the estimator compiles (zo.compile_candidates with zo.near_least_memory): in
-                # turn, up to the first near the least memory; side by side, all of them
-                upto = len(compiled) if not zo.compiled_in_turn(family) else next(
-                    (i + 1 for i, c in enumerate(compiled) if zo.near_least_memory(c)), len(compiled))
+                # rounds, up to the end of the first holding one near the least memory
+                upto = zo.compiled_count([zo.near_least_memory(c) for c in compiled], family)
                 kept = zo.kept_candidate([r["peak_bytes"] for r in found[:upto]])
                 for i, r in enumerate(found):
                     r["kept"] = i == kept
