@@ -41,11 +41,12 @@ of the loop (about 2.25 times the largest leaf), while-loop invariant code motio
 CPU the library fusion then decides the rest, and differently per model (a fused chain of dense
 layers needs all its perturbed weights at once; an unfused convolution materializes its
 activations), so :func:`projected_gradients_fn` compiles the candidates of
-:func:`compiler_option_candidates` and keeps the first whose compiled peak is within 1/32 of the smallest (:func:`kept_candidate`): the
-code motion first (it takes the work that does not depend on the perturbation out of the loop),
-kept where it holds about no more memory than without it; the candidates compile in rounds (pairs side by
-side on CPU, one at a time elsewhere), and a round with one whose scratch is a small part of its
-peak ends the search (:func:`near_least_memory`). Typical
+:func:`compiler_option_candidates` and keeps the first whose compiled peak is within 1/32 of
+the smallest (:func:`kept_candidate`): the code motion first (it takes the work that does not
+depend on the perturbation out of the loop), kept where it holds about no more memory than
+without it; the candidates compile in rounds (pairs side by side on CPU, one at a time
+elsewhere), and a round with one whose scratch is a small part of its peak ends the search
+(:func:`near_least_memory`). Typical
 result: the inference peak plus one perturbed copy of the largest leaf (or of the few leaves one
 library call reads). Layers stacked on a leading axis and run by ``lax.scan`` would be perturbed
 whole before the scan (a whole perturbed copy, and its write and read an extra memory pass per
@@ -111,7 +112,6 @@ __all__ = [
     "compiler_options",
     "compiler_option_candidates",
     "compile_candidates",
-    "compiled_in_turn",
     "side_by_side",
     "compiled_count",
     "NEAR_LEAST_MEMORY",
@@ -192,15 +192,15 @@ def compiler_options(backend: str | None = None) -> dict[str, Any]:
 
 
 def compiler_option_candidates(backend: str | None = None) -> list[dict[str, Any]]:
-    """The option sets :func:`projected_gradients_fn` compiles and chooses among (by compiled peak,
-    :func:`kept_candidate`),
-    in the order they compile (:func:`compile_candidates`: pairs side by side on a CPU, one after
-    the other elsewhere, until one holds near the least memory, :func:`near_least_memory`).
+    """The option sets :func:`projected_gradients_fn` compiles and chooses among (by compiled
+    peak, :func:`kept_candidate`), in the order they compile (:func:`compile_candidates`: pairs
+    side by side on a CPU, one after the other elsewhere, until one holds near the least memory,
+    :func:`near_least_memory`).
 
     Loop-invariant code motion comes first wherever it runs: it takes work that does not depend
     on the perturbation out of the loop over evaluations, and is kept wherever its compiled peak
-    is within 1/32 of the least, or where its scratch is small beside its peak and the next candidates are not
-    compiled. Where it hoists whole-model temporaries (widened bfloat16 leaves, the jnp rule's
+    is within 1/32 of the least, or where its scratch is small beside its peak and the next
+    candidates are not compiled. Where it hoists whole-model temporaries (widened bfloat16 leaves, the jnp rule's
     noise indices) the next candidates, without it, compile, and one of these is kept.
 
     * CPU: the motion, then the base options (:func:`compiler_options`), each with the YNNPACK
@@ -214,7 +214,7 @@ def compiler_option_candidates(backend: str | None = None) -> list[dict[str, Any
       motion made SmolLM2-135M's projected gradients 0.95-0.98 times as long (stacked layers;
       0.95 with them held to AVX2) and 0.946 unrolled, for 1.75 MiB more of 523 (its scratch
       2.2 % of its peak: kept alone), the CNN's 0.953; MiniLM's peak grew 1.8 % (scratch 8.9 %:
-      the base options compile too and are kept).
+      the base options compile too, and the motion, within 1/32 of their peak, is kept).
     * GPU: the motion, then the base options. On an NVIDIA H100 (transformer at the default
       width, batch 256) the motion made the projected gradients 0.69 times as long, 1.31 against
       1.89 ms, with the same peak and bits.
@@ -242,9 +242,9 @@ def estimator_option_candidates(params, backend: str | None = None) -> list[dict
     """The option sets :func:`projected_gradients_fn` may compile for ``params`` (a pytree, a
     :class:`zeroth.replay.Flat`, or their abstract ``jax.ShapeDtypeStruct`` values): those of
     :func:`compiler_option_candidates`; below :data:`AUTOTUNE_MIN_BYTES` of parameters only the
-    first, or on a CPU the base options (:func:`compiler_options`). It compiles them in rounds until one holds near the least memory
-    (:func:`compile_candidates`) and keeps the first whose compiled peak is within 1/32 of the
-    smallest (:func:`kept_candidate`).
+    first, or on a CPU the base options (:func:`compiler_options`). It compiles them in rounds
+    until one holds near the least memory (:func:`compile_candidates`) and keeps the first whose
+    compiled peak is within 1/32 of the smallest (:func:`kept_candidate`).
 
     Example:
       >>> len(estimator_option_candidates({"w": jnp.zeros(8)}, "cpu"))
@@ -307,18 +307,6 @@ def side_by_side(backend: str | None = None) -> int:
       (2, 1)
     """
     return 2 if (_rule.default_platform() if backend is None else _rule.platform_name(backend)) == "cpu" else 1
-
-
-def compiled_in_turn(backend: str | None = None) -> bool:
-    """Whether :func:`compile_candidates` compiles the candidates one after the other on ``backend``
-    (default: :func:`zeroth.rule.default_platform`): everywhere but on a CPU, where they compile
-    in pairs side by side.
-
-    Example:
-      >>> compiled_in_turn("gpu"), compiled_in_turn("cpu")
-      (True, False)
-    """
-    return side_by_side(backend) == 1
 
 
 def compiled_count(accepted: Sequence[bool], backend: str | None = None) -> int:

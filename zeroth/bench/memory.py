@@ -21,7 +21,7 @@ Rows: the inference forward under XLA's default options and under each option se
 :func:`zeroth.zo.compiler_option_candidates` (the baseline is the smallest peak), then per
 distribution the ZO projected-gradients program (2N forwards at ``θ ± εz``, the program of a ZO
 step that holds the most) under each option set :func:`zeroth.zo.estimator_option_candidates`
-gives, the one the estimator keeps (smallest peak) marked, and those the estimator does not
+gives, the one the estimator keeps (:func:`zeroth.zo.kept_candidate`) marked, and those the estimator does not
 compile, after the round (pairs on a CPU, one at a time elsewhere) of one near the least memory
 (:func:`zeroth.zo.near_least_memory`), marked "not compiled" (compiled here all the same, to be
 shown); with ``--flat`` the same on ``replay.flatten(params)``. Each row gives the seconds its

@@ -3,7 +3,8 @@
 :func:`run` initializes the model from ``(seed, data)``, serves it, starts ``workers`` worker
 processes (``python -m zeroth.binary.worker``), kills one with SIGKILL as the server opens
 each round of ``kill_at`` (before any worker hears of it: the killed worker takes no part in that
-round) and releases a new one at each round of ``join_at`` (it fetches the packed model), and returns when the run has finished (or ``timeout_s`` passed: then it raises). The
+round) and releases a new one at each round of ``join_at`` (it fetches the packed model), and
+returns when the run has finished (or ``timeout_s`` passed: then it raises). The
 summary holds the test accuracy of the model before and after, the bytes per round per worker of
 the sparse lists next to a dense float32 gradient, the checksum comparisons and the wall-clock.
 
