@@ -382,9 +382,8 @@ class TestNative:
         # the same bits as the contract's flush whether or not the kernel flushes: a build whose work
         # runs with both modes off shows that its own flushes do it, on each of its paths (AVX-512
         # where the CPU has it, AVX2, plain loops).
-        if platform.machine() not in ("x86_64", "AMD64"):
-            pytest.skip("the floating-point modes are x86's (MXCSR)")
-        if march != "native" and (missing := cpu_native.missing_instructions(march)):
+        # (the floating-point modes are x86's MXCSR: another architecture lacks x86-64 itself)
+        if missing := cpu_native.missing_instructions("x86-64" if march == "native" else march):
             pytest.skip(f"this CPU lacks {missing} for -march={march}")
         build = cpu_native.BuildConfig(name=f"gradual_{march.replace('-', '_')}", march=march,
                                        extra_flags=("-DZEROTH_GRADUAL_UNDERFLOW",))

@@ -159,6 +159,11 @@ AUTOTUNE_MIN_BYTES = 1 << 20
 # --------------------------------------------------------------------------- estimator
 
 
+def _platform(backend: str | None) -> str:
+    """The platform family of ``backend`` (default: where uncommitted arrays go)."""
+    return _rule.default_platform() if backend is None else _rule.platform_name(backend)
+
+
 def compiler_options(backend: str | None = None) -> dict[str, Any]:
     """The base XLA options under which a ZO step keeps no perturbed copy of the model.
 
@@ -184,7 +189,7 @@ def compiler_options(backend: str | None = None) -> dict[str, Any]:
       >>> compiler_options("cpu")["xla_cpu_scheduler_type"]
       'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'
     """
-    backend = _rule.default_platform() if backend is None else _rule.platform_name(backend)
+    backend = _platform(backend)
     opts: dict[str, Any] = {"xla_disable_hlo_passes": _DISABLED_PASSES}
     if backend == "cpu":
         opts["xla_cpu_scheduler_type"] = "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
@@ -228,7 +233,7 @@ def compiler_option_candidates(backend: str | None = None) -> list[dict[str, Any
       (4, 2)
     """
     base = compiler_options(backend)
-    backend = _rule.default_platform() if backend is None else _rule.platform_name(backend)
+    backend = _platform(backend)
     motion = dict(base, xla_disable_hlo_passes="")
     if backend == "gpu":
         return [motion, base]
@@ -254,7 +259,7 @@ def estimator_option_candidates(params, backend: str | None = None) -> list[dict
     param_bytes = sum(int(np.size(x)) * jnp.dtype(jnp.result_type(x)).itemsize for x in jax.tree_util.tree_leaves(params))
     if param_bytes >= AUTOTUNE_MIN_BYTES:
         return candidates
-    if (_rule.default_platform() if backend is None else _rule.platform_name(backend)) == "cpu":
+    if _platform(backend) == "cpu":
         # the base options: there the motion takes the jnp rule's per-leaf work out of the loop as
         # ops of their own (12 leaves: 65 ops per call instead of at most 40), and no later
         # candidate compiles to catch what it may hoist
@@ -306,7 +311,7 @@ def side_by_side(backend: str | None = None) -> int:
       >>> side_by_side("cpu"), side_by_side("gpu")
       (2, 1)
     """
-    return 2 if (_rule.default_platform() if backend is None else _rule.platform_name(backend)) == "cpu" else 1
+    return 2 if _platform(backend) == "cpu" else 1
 
 
 def compiled_count(accepted: Sequence[bool], backend: str | None = None) -> int:

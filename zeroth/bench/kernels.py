@@ -349,9 +349,9 @@ def _ratios(rows: list[dict]) -> dict:
                     out[f"{key}_best_copy_fraction"] = r["copy_fraction"]
             continue
         if r["section"] == "instruction sets" and r.get("elements_per_s") is not None:
-            native = next(n for n in rows if n["section"] == r["section"] and n["march"] == "native"
-                          and n["distribution"] == r["distribution"] and n["k"] == r["k"])
             if r["march"] != "native":
+                native = next(n for n in rows if n["section"] == r["section"] and n["march"] == "native"
+                              and n["distribution"] == r["distribution"] and n["k"] == r["k"])
                 out[f"isa_{r['march']}_{r['distribution']}_K{r['k']}_over_native"] = (
                     r["elements_per_s"] / native["elements_per_s"])
             continue

@@ -60,6 +60,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -128,15 +129,22 @@ def _queued(step: Callable, state, calls: int = QUEUED_CALLS) -> Callable[[], fl
     before the wait."""
     box = [state]
 
-    def call():
-        t0 = time.perf_counter()
+    def dispatch():
         for _ in range(calls):
             box[0] = step(box[0])
-        host = time.perf_counter() - t0
-        jax.block_until_ready(box[0])
-        return host
+        return box[0]
 
-    return call
+    return functools.partial(_host_then_wait, dispatch, jax.block_until_ready)
+
+
+def _host_then_wait(dispatch: Callable[[], Any], wait: Callable[[Any], Any]) -> float:
+    """``wait(dispatch())``; returns the seconds ``dispatch`` took (the host's part of the call,
+    ``host_seconds_min``)."""
+    t0 = time.perf_counter()
+    out = dispatch()
+    host = time.perf_counter() - t0
+    wait(out)
+    return host
 
 
 # the jnp rule's row with its keys and scales passed from the host each call, as replay passes them
@@ -200,20 +208,18 @@ def _torch_calls(n: int) -> tuple[dict[str, Callable[[], None]], str | None]:
     q = torch.zeros(n, dtype=torch.float32, device=device)
 
     def randn_add(calls: int = 1):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            p.add_(torch.randn(n, generator=gen, dtype=torch.float32, device=device), alpha=_COEFF)
-        host = time.perf_counter() - t0
-        sync()
-        return host
+        def dispatch():
+            for _ in range(calls):
+                p.add_(torch.randn(n, generator=gen, dtype=torch.float32, device=device), alpha=_COEFF)
+
+        return _host_then_wait(dispatch, lambda _: sync())
 
     def add(calls: int = 1):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            q.add_(_COEFF)
-        host = time.perf_counter() - t0
-        sync()
-        return host
+        def dispatch():
+            for _ in range(calls):
+                q.add_(_COEFF)
+
+        return _host_then_wait(dispatch, lambda _: sync())
 
     calls = {"torch.randn + add_": randn_add, "torch add_(c) (memory floor)": add,
              QUEUED["torch.randn + add_"]: functools.partial(randn_add, QUEUED_CALLS),
@@ -227,14 +233,8 @@ def _zeroth_replay_copy(n: int, dist: str) -> Callable[[], None]:
     keys = rng.sample_keys(0, [(0, 1, 0)])
     p = {"w": jnp.zeros(n, jnp.float32)}
 
-    def call():
-        t0 = time.perf_counter()
-        out = replay.replay(p, (keys, [_COEFF]), distribution=dist)
-        host = time.perf_counter() - t0
-        jax.block_until_ready(out)
-        return host
-
-    return call
+    return functools.partial(_host_then_wait, lambda: replay.replay(p, (keys, [_COEFF]), distribution=dist),
+                             jax.block_until_ready)
 
 
 def _kernel_calls(n: int, ks: list[int]) -> tuple[dict[str, tuple[Callable[[], None], int, str]], list[dict]]:
