@@ -2,6 +2,7 @@
 NumPy reference, for every tiling, offset, dtype and thread split."""
 
 import ctypes
+import itertools
 import platform
 
 import jax
@@ -93,10 +94,16 @@ def _agrees_with_the_specification(build):
     cases = [(jnp.asarray(tiles), 0), (jnp.asarray(tiles[:4096 + 128 + 7]), 0),
              (_array((777,), jnp.float32, 17), 4096 * 3 + 37), (_array((9000,), jnp.float16, seed=15), 0),
              (_array((5000,), jnp.bfloat16, seed=18), 129)]
+    # first coefficients: tiny (the sums of the first update flushed from the loaded values on), or
+    # making the kernel's first scale exactly the smallest with which a fused path adds to the loaded
+    # value unflushed (2**-100: a subnormal x can no longer change the sum), and just below it
+    # (a coefficient's 20 bits: 2**-k * (1 - 2**-20) is the one below 2**-k; a binomial scale is half its coefficient)
+    firsts = {"binomial": (2.0**-118 * 3, 2.0**-99, -(2.0**-99) * (1 - 2.0**-20)),
+              "rademacher": (2.0**-118 * 3, 2.0**-100, -(2.0**-100) * (1 - 2.0**-20))}
     for dist in DISTS:
-        for n_updates in (1, 2, 5):
+        for n_updates, first in itertools.product((1, 2, 5), firsts[dist]):
             keys = _leaf_keys(n_updates, seed=15 + n_updates)
-            scales = replay.update_scales(dist, [2.0**-118 * 3, -(2.0**-118) * 5, 2.0**-118, -2.5, 8.0][:n_updates])
+            scales = replay.update_scales(dist, [first, -(2.0**-118) * 5, 2.0**-118, -2.5, 8.0][:n_updates])
             for x, offset in cases:
                 want = numpy_perturb(x, keys, scales, dist, offset)
                 for inplace in (False, True):
