@@ -531,8 +531,9 @@ __attribute__((always_inline)) inline __m256 FlushCanonical8(__m256 x) {
                           _mm256_castsi256_ps(nan));
 }
 
-// dst = flush(src + delta) for 8 elements (subnormals and -0 to +0: FlushSubnormal8). kLoad / kStore: the contract's flushes on load and store, done here in
-// registers, each with only what the update leaves to it. On load, subnormals and -0 to +0 (a NaN
+// dst = flush(src + delta) for 8 elements (subnormals and -0 to +0: FlushSubnormal8). kLoad /
+// kStore: the contract's flushes on load and store, done here in registers, each with only what
+// the update leaves to it. On load, subnormals and -0 to +0 (a NaN
 // keeps its payload until the store: it reaches no other element); on store, NaN to the canonical
 // quiet NaN (the sum's subnormals and -0 are flushed already, and an update's delta is finite, so
 // no NaN appears that was not loaded).
@@ -870,27 +871,31 @@ struct RademacherOps {
   }
 };
 
+// The first update of a whole float32 tile, from src (the input) into tile: it flushes what it
+// loads unless it is wide (Update); kStore: it is also the last.
+template <typename Ops, bool kStore>
+void FirstUpdate(const float* src, float* tile, const Work& work, const Job& job, uint32_t first_call, int64_t g0,
+                 int64_t g1) {
+  const Update& first = work.updates[0];
+  if (first.wide) {
+    Ops::template Groups<false, kStore>(src, tile, work.Key(job, 0), first, first_call, g0, g1);
+  } else {
+    Ops::template Groups<true, kStore>(src, tile, work.Key(job, 0), first, first_call, g0, g1);
+  }
+}
+
 // The K >= 1 updates of a whole float32 tile, from src (the input) into tile (the output): the first
-// update flushes what it loads (unless it is wide: Update), the last what it stores (no pass of
-// their own over the tile).
+// update flushes what it loads (FirstUpdate), the last what it stores (no pass of their own over
+// the tile).
 template <typename Ops>
 void FusedUpdates(const float* src, float* tile, const Work& work, const Job& job, uint32_t first_call, int64_t g0,
                   int64_t g1) {
   const int64_t last = static_cast<int64_t>(work.updates.size()) - 1;
-  const Update& first = work.updates[0];
   if (last == 0) {
-    if (first.wide) {
-      Ops::template Groups<false, true>(src, tile, work.Key(job, 0), first, first_call, g0, g1);
-    } else {
-      Ops::template Groups<true, true>(src, tile, work.Key(job, 0), first, first_call, g0, g1);
-    }
+    FirstUpdate<Ops, true>(src, tile, work, job, first_call, g0, g1);
     return;
   }
-  if (first.wide) {
-    Ops::template Groups<false, false>(src, tile, work.Key(job, 0), first, first_call, g0, g1);
-  } else {
-    Ops::template Groups<true, false>(src, tile, work.Key(job, 0), first, first_call, g0, g1);
-  }
+  FirstUpdate<Ops, false>(src, tile, work, job, first_call, g0, g1);
   for (int64_t u = 1; u < last; ++u) {
     Ops::template Groups<false, false>(tile, tile, work.Key(job, u), work.updates[u], first_call, g0, g1);
   }
