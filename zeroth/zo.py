@@ -342,8 +342,8 @@ def near_least_memory(compiled) -> bool:
     its peak) that another compilation of the same program could save at most that much: the
     estimator's candidates after its round are then not compiled (:func:`compile_candidates`;
     compiled for an H100 on a 2-core CPU, without the device, each
-    compilation of SmolLM2-135M unrolled's projected gradients took 81-95 s, and both candidates
-    held the same 529.35 MiB, 16.21 of it scratch). Where code motion hoists widened leaves and
+    compilation of SmolLM2-135M unrolled's projected gradients took 17.1-17.2 s, and both
+    candidates held the same 529.23 MiB, 16.09 of it scratch). Where code motion hoists widened leaves and
     noise out of the loop (whole-model temporaries, :func:`compiler_options`), the scratch is
     larger than that unless the largest leaf is small beside the model, and the next candidate is
     compiled.

@@ -25,7 +25,7 @@ gives, the one the estimator keeps (:func:`zeroth.zo.kept_candidate`) marked, an
 compile, after the round (pairs on a CPU, one at a time elsewhere) of one near the least memory
 (:func:`zeroth.zo.near_least_memory`), marked "not compiled" (compiled here all the same, to be
 shown); with ``--flat`` the same on ``replay.flatten(params)``. Each row gives the seconds its
-compilation took ("compile": for an H100, SmolLM2-135M unrolled's projected gradients took 81-95 s
+compilation took ("compile": for an H100, SmolLM2-135M unrolled's projected gradients took 17.1-17.2 s
 on a 2-core CPU). The ratios ``zo_memory_over_inference_{dist}`` (and ``_flat``) are
 the kept program's peak over inference's, target ``<= 1.2`` as in ``zeroth bench zo``.
 
