@@ -65,6 +65,20 @@ def wait_for(cond, timeout):
     return False
 
 
+def test_the_progress_line_shows_the_mean_loss_of_the_newest_iteration():
+    rec = lambda step, loss, peers=3: {"step": step, "peers": peers, "loss": loss, "digest": "0123456789abcdef"}
+    # peers 0 and 2 logged iteration 600, peer 1 was killed at 414: its loss is not in the mean
+    latest = {2: rec(600, 0.3), 1: rec(414, 5.0, peers=4), 0: rec(600, 0.1)}
+    line = launch.progress_line(latest, 600, 0.9694)
+    assert line == "iteration 600/600  peers 3  loss 0.2000 (mean of 2)  accuracy 0.9694  digest 0123456789ab"
+    # the same records in another order give the same line (it used to follow whichever peer came first)
+    assert launch.progress_line(dict(reversed(list(latest.items()))), 600, 0.9694) == line
+    assert launch.progress_line({0: rec(7, None)}, 600, None) == (
+        "iteration 7/600  peers 3  loss -  accuracy -  digest 0123456789ab")
+    with pytest.raises(ValueError, match="at least one peer"):
+        launch.progress_line({}, 600, None)
+
+
 def test_zeroth_run_with_a_join_and_a_kill(tmp_path):
     cfg = write_config(tmp_path / "job.yaml", iterations=120, join_at=[43], kill_at=[80], token=None)
     out = tmp_path / "out"
@@ -79,6 +93,8 @@ def test_zeroth_run_with_a_join_and_a_kill(tmp_path):
     assert "final digests       agree" in proc.stdout and "checksums" in proc.stdout
     s = json.loads((out / "summary.json").read_text())
     assert s["digests_agree"] and s["iterations"] == 120
+    progress = [line for line in proc.stderr.splitlines() if "/120  peers" in line]  # the progress goes to stderr
+    assert any("(mean of " in line for line in progress), proc.stderr[-3000:]  # the peers' mean loss
     # Secure by default: no secret in the config, so `zeroth run` made one, readable by its owner only.
     assert (out / "run.secret").stat().st_mode & 0o777 == 0o600
     assert f"--secret-file {out / 'run.secret'}" in (out / "peers" / "p0.log").read_text()

@@ -224,6 +224,30 @@ def summarize(cfg: Config, peers: list[PeerProcess], events: list[dict], wall: f
     }
 
 
+def progress_line(latest: dict[int, dict], iterations: int, accuracy: float | None) -> str:
+    """The launcher's progress line from each peer's latest ``train`` record (``latest``: peer
+    index -> record, finished and killed peers included): the newest iteration a peer has
+    logged, its membership and digest, and the mean of the losses the peers logged for that
+    iteration (each peer's loss is over its own samples, so one peer's would change with the
+    peer that happens to be newest; a killed peer's older record counts for nothing).
+
+    Example:
+      >>> r = lambda step, loss: {"step": step, "peers": 3, "loss": loss, "digest": "ab" * 8}
+      >>> progress_line({0: r(600, 0.1), 1: r(600, 0.2), 2: r(414, 0.9)}, 600, 0.97)
+      'iteration 600/600  peers 3  loss 0.1500 (mean of 2)  accuracy 0.9700  digest abababababab'
+    """
+    if not latest:
+        raise ValueError("progress_line needs at least one peer's train record")
+    step = max(r["step"] for r in latest.values())
+    at = [latest[i] for i in sorted(latest) if latest[i]["step"] == step]
+    losses = [r["loss"] for r in at if r.get("loss") is not None]
+    loss = "-" if not losses else f"{sum(losses) / len(losses):.4f} (mean of {len(losses)})"
+    return (
+        f"iteration {step}/{iterations}  peers {at[0]['peers']}  loss {loss}  "
+        f"accuracy {'-' if accuracy is None else f'{accuracy:.4f}'}  digest {at[0]['digest'][:12]}"
+    )
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB"):
         if abs(n) < 1000 or unit == "GB":
@@ -442,13 +466,7 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
                     say(f"iteration {current}: killed peer p{v.index} (machine {_machine_of(v)}) with SIGKILL")
             if live and time.monotonic() - last_print > 2.0:
                 last_print = time.monotonic()
-                r = max(live, key=lambda r: r["step"])
-                loss = r.get("loss")
-                say(
-                    f"iteration {current}/{iterations}  peers {r['peers']}  "
-                    f"loss {'-' if loss is None else f'{loss:.4f}'}  accuracy {'-' if accuracy is None else f'{accuracy:.4f}'}  "
-                    f"digest {r['digest'][:12]}"
-                )
+                say(progress_line(latest, iterations, accuracy))
             flag.wait(0.25)  # a signal is acted on within 20 ms, not at the next poll
     finally:
         _stop_all(peers, grace=15.0)
