@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from zeroth import replay, schedules, zo
 from zeroth.config import apply_overrides, load_config_dict
-from zeroth.net import wire
+from zeroth.net import launch, wire
 from zeroth.transport import channels, identity, security
 from zeroth.net import protocol as P
 from zeroth.net.chaos import HostileMember
@@ -358,6 +358,27 @@ def test_padding_a_replay_with_zero_coefficients_changes_no_bit(worker):
     padded = replay.replay(params, (keys, coeffs), distribution=worker.distribution)
     assert replay.checksum(plain) == replay.checksum(padded)
     assert replay.checksum(plain) != replay.checksum(params)
+
+
+def test_a_probe_refused_at_the_connection_is_a_refused_push(running, monkeypatch):
+    # The committer's Probe is a Status call: a refused connection (nothing listens there, as
+    # after a SIGKILL) reaches the protocol as a refused push of that iteration; an answer does not.
+    node, other = running
+    seen = []
+    event = node._event
+
+    def spy(inc, fn, **kwargs):
+        if kwargs.get("machine") == 99:  # no member has this id: only the probes below name it
+            seen.append((fn, kwargs))
+        else:
+            event(inc, fn, **kwargs)
+
+    monkeypatch.setattr(node, "_event", spy)
+    (port,) = launch.free_ports(1)
+    node._probe(node.incarnation, P.Probe(99, f"127.0.0.1:{port}", 41))
+    assert seen == [(P.on_push_refused, {"iteration": 41, "machine": 99})]
+    node._probe(node.incarnation, P.Probe(99, other.address, 42))
+    assert seen == [(P.on_push_refused, {"iteration": 41, "machine": 99})]
 
 
 def test_wire_bytes_are_counted_for_every_message(running):

@@ -99,6 +99,34 @@ def test_killed_member_costs_no_barrier_and_is_dropped():
     assert all(contributors(chain, t) == [0, 1] for t in range(7, len(chain)))
 
 
+@pytest.mark.parametrize("probes", [True, False])
+def test_member_killed_after_taking_the_leaders_push_costs_no_barrier(probes, monkeypatch):
+    # Killed after it took the leader's push of iteration 8, before it pushed its own (it computes
+    # slowly): no push of the leader's is refused, so only the leader's probe of the members it
+    # waits for learns that the process is gone; without it the leader waits for its deadline
+    # (iteration timeout + barrier timeout: 1.5 s). A run of this race on 127.0.0.1 waited 5.0 s.
+    if not probes:
+        monkeypatch.setattr(P, "PROBE_FIRST", 1e9)
+    net = SimNet(params())
+    net.start(3)
+    victim, leader = net.peers["sim:1002"], net.peers["sim:1000"]
+    run_until_iteration(net, "sim:1000", 6)
+    victim.compute_time = 0.3
+    assert net.run_until(lambda: victim.state.it == 8 and (8, 0) in victim.state.inbox, limit=60.0)
+    assert (8, 2) not in leader.state.inbox
+    killed_at = net.now
+    net.kill("sim:1002")
+    assert net.run_until(lambda: leader.state.it >= 9, limit=60.0)
+    waited = net.now - killed_at
+    if probes:
+        assert waited < net.params.barrier_timeout_s and net.probes > 0
+    else:
+        assert waited >= net.params.iteration_timeout_s and net.probes == 0
+    assert [m.machine for m in leader.state.view.members if not m.active] == [2]
+    assert net.run_until(net.all_finished, limit=60.0)
+    assert_agree(net, 2)
+
+
 def test_killed_leader_is_taken_over_by_the_next_lowest_id():
     net = SimNet(params())
     net.start(3)
@@ -1256,6 +1284,40 @@ def test_a_refused_push_closes_the_barrier_at_once_with_a_majority():
     assert commit.iteration == 5 and commit.contributors == ((0, 2), (1, 2))
     assert {m.machine: m.active for m in commit.next_view.members} == {0: True, 1: True, 2: False}
     assert step.state.it == 6 and step.state.refused == frozenset()  # the next iteration waits for no one refused
+
+
+def _probes(step):
+    return [e for e in step.effects if isinstance(e, P.Probe)]
+
+
+def test_the_committer_probes_the_members_it_still_waits_for():
+    # iteration 5 started at 0: the first round is due at barrier / 8 = 0.0625 s, each next one
+    # twice as long after the start as the last
+    pp, st = _leader_with_pushes(3, [1])
+    step = P.on_tick(pp, st, now=0.3)
+    assert _probes(step) == [P.Probe(2, "h:3", 5)] and not _commits(step)  # machine 1 pushed: only 2
+    st = step.state
+    assert st.probe_at == pytest.approx(0.6)
+    assert not _probes(P.on_tick(pp, st, now=0.59)) and _probes(P.on_tick(pp, st, now=0.6)) == [P.Probe(2, "h:3", 5)]
+    # at the deadline the barrier decides without machine 2, probing no one
+    step = P.on_tick(pp, st, now=st.deadline)
+    assert _commits(step) and not _probes(step)
+    # a refused probe is a refused push: the barrier closes at once
+    step = P.on_push_refused(pp, st, iteration=5, machine=2, now=0.31)
+    (commit,) = set(_commits(step))
+    assert [m for m, _ in commit.contributors] == [0, 1] and step.state.it == 6
+
+
+def test_no_probe_before_it_is_due_nor_without_our_push_nor_from_a_member():
+    pp, st = _leader_with_pushes(3, [1])
+    assert not _probes(P.on_tick(pp, st, now=0.06))  # the first round is due at 0.0625
+    pp, st = signed_member(me=0, t=5, n=3)  # the committer, its own gradients still being computed
+    assert not _probes(P.on_tick(pp, st, now=0.3))
+    pp, st = _leader_with_pushes(3, [1, 2])  # every push in: decided, nothing to wait for
+    assert st.it == 6 and not _probes(P.on_tick(pp, st, now=0.3))
+    pp, st = signed_member(me=1, t=5, n=3)  # not the committer: it waits for a commit, not pushes
+    st = P.on_local_gradients(pp, st, iteration=5, count=2, payload=b"ab", now=0.1).state
+    assert not _probes(P.on_tick(pp, st, now=0.3))
 
 
 def test_refusals_never_let_a_minority_decide():

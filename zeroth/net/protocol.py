@@ -7,7 +7,7 @@ returns a :class:`Step` ``(state, effects, reply)``::
     on_push :: Params -> PeerState -> Push -> float -> Step        (likewise on_commit, on_prepare, ...)
     on_tick :: Params -> PeerState -> float -> Step
 
-Effects are instructions for the runtime (:class:`Send` a message, :class:`Apply` a decided iteration, :class:`Compute` projected gradients,
+Effects are instructions for the runtime (:class:`Send` a message, :class:`Probe` a member's address, :class:`Apply` a decided iteration, :class:`Compute` projected gradients,
 :class:`Fetch` log entries, :class:`Admit` a joiner or :class:`JoinRefused` (ask again), :class:`Dropped`, :class:`Finished`,
 :class:`Note`). A message that is malformed, stale, duplicated with other content, from an
 unknown sender or outside the iteration window raises :class:`Rejected` (a status code name and
@@ -19,8 +19,10 @@ One iteration ``t`` with view ``V_t`` (members, each active or catching up):
 1. every member evaluates its perturbations (:class:`Compute`) and pushes its encoded projected
    gradients to every other member (:class:`Push`: O(M) messages per peer);
 2. the *committer* of ``t`` (the lowest active id, unless a takeover is under way) waits until
-   every active member has pushed, or refused the committer's own push at the connection (a
-   process that is gone: :func:`on_push_refused`), or the barrier deadline passes, then decides
+   every active member has pushed, or refused the committer's own push or its probe at the
+   connection (a process that is gone: :func:`on_push_refused`; :class:`Probe`, sent to the
+   members still missing from a fraction of the barrier timeout on), or the barrier deadline
+   passes, then decides
    the iteration
    (:class:`Commit`): the contributors in machine-id order with their counts, the SHA-256 of
    their payloads, and the view of ``t + 1``: contributors stay active; an active member that
@@ -129,6 +131,7 @@ __all__ = [
     "MAX_ADDRESS",
     "MAX_RUN_ID",
     "UNREACHABLE_AFTER",
+    "PROBE_FIRST",
     "Rejected",
     "Params",
     "Member",
@@ -154,6 +157,7 @@ __all__ = [
     "Finished",
     "Failed",
     "Note",
+    "Probe",
     "Recovery",
     "Admission",
     "FetchState",
@@ -504,6 +508,18 @@ class Note(NamedTuple):
     text: str
 
 
+class Probe(NamedTuple):
+    """Call ``address`` (``machine``) with a request that changes nothing, to learn whether its
+    process is still there: a connection it refuses is :func:`on_push_refused` for ``iteration``.
+    The committer of ``iteration`` sends it to the members whose push it still waits for
+    (:func:`on_tick`): a member killed after it took the committer's push, before it pushed its
+    own, refuses nothing else, and the committer would wait for the barrier deadline."""
+
+    machine: int
+    address: str
+    iteration: int
+
+
 # --------------------------------------------------------------------------- state
 
 
@@ -571,6 +587,7 @@ class PeerState(NamedTuple):
       denials: sources that refused this peer's log requests as a non-member (reset by a fetch that works).
       ahead: the newest iteration an unverifiable commit (a hint) named: fetched up to it once.
       refused: members whose connection refused our push of ``it`` (:func:`on_push_refused`).
+      probe_at: when the committer's next :class:`Probe` round for ``it`` is due.
       chosen: the newest applied iteration whose decision this peer knows is chosen (members that
         meet every majority of its view applied that same commit, ballot included, its signer among
         them: no later ballot can decide otherwise), -1 if none.
@@ -613,6 +630,7 @@ class PeerState(NamedTuple):
     denials: frozenset = frozenset()
     ahead: int = -1
     refused: frozenset[int] = frozenset()
+    probe_at: float = 0.0
     chosen: int = -1
     last_takeover: tuple[int, int] = (-1, 0)
     chain: bytes | None = b""
@@ -1041,6 +1059,7 @@ def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -
         started_at=now,
         suspected=frozenset(),
         refused=frozenset(),
+        probe_at=now + params.barrier_timeout_s * PROBE_FIRST,
         recovery=None,
         waits=0,
         leaves=st.leaves & ids,
@@ -1163,9 +1182,8 @@ def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> Pee
     if b is not None and b > Ballot(0, st.me):
         return st
     view = st.view
-    active = view.active_ids()
-    expected = active - st.leaves
-    have = frozenset(m for (t, m) in st.inbox if t == st.it and m in view.ids())
+    expected = view.active_ids() - st.leaves
+    have = _pushed(st)
     if st.me not in have and st.me not in st.leaves:
         return st  # our own projected gradients are still being computed
     missing = expected - have
@@ -1176,6 +1194,37 @@ def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> Pee
     ballot = Ballot(0, st.me)
     entry, admitted = _decide(params, st, ballot, have, have | st.ready | {st.me})
     return _publish(params, st, now, effects, entry, admitted)
+
+
+def _pushed(st: PeerState) -> frozenset[int]:
+    """The members of ``st.view`` whose push of ``st.it`` this peer holds (itself included)."""
+    ids = st.view.ids()
+    return frozenset(m for (t, m) in st.inbox if t == st.it and m in ids)
+
+
+PROBE_FIRST = 1 / 8
+"""The committer's first :class:`Probe` round of an iteration is due this fraction of the barrier
+timeout after the iteration started; each later one twice as long after the start as the last."""
+
+
+def _probe_missing(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
+    """The committer's :class:`Probe` of every active member whose push of ``st.it`` it still
+    waits for (its own push in, none refused), when the next round is due and before the deadline.
+    A member that is only slow answers and costs one small call per round; rounds double their
+    time since the start, so an iteration sends it at most ``1 + log2(8 · (iteration timeout +
+    barrier timeout) / barrier timeout)`` (five for timeouts of 3 s and 2 s)."""
+    if st.phase != MEMBER or st.it in st.decided or committer(st) != st.me or st.recovery is not None:
+        return st
+    if now >= st.deadline or now < st.probe_at:
+        return st
+    have = _pushed(st)
+    if st.me not in have:
+        return st  # our own push is still being computed: the members may be too
+    missing = st.view.active_ids() - st.leaves - have - st.refused
+    if not missing:
+        return st
+    effects += [Probe(m.machine, m.address, st.it) for m in st.view.members if m.machine in missing]
+    return st._replace(probe_at=now + max(now - st.started_at, params.barrier_timeout_s * PROBE_FIRST))
 
 
 def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive) -> tuple[LogEntry, tuple]:
@@ -1654,8 +1703,9 @@ def on_commit_failed(params: Params, st: PeerState, *, iteration: int, machine: 
 
 
 def on_push_refused(params: Params, st: PeerState, *, iteration: int, machine: int, now: float) -> Step:
-    """The connection to ``machine`` refused our push of ``iteration`` (gRPC ``UNAVAILABLE``: nothing
-    listens at its address, its process is gone).
+    """The connection to ``machine`` refused our push of ``iteration``, or our :class:`Probe` sent
+    while we waited for its push (gRPC ``UNAVAILABLE``: nothing listens at its address, its process
+    is gone).
 
     The committer stops waiting for that member's push in this iteration: a killed peer costs the
     run no barrier timeout. The decision still needs a majority of the members (a partitioned
@@ -2086,6 +2136,7 @@ def on_tick(params: Params, st: PeerState, now: float) -> Step:
             st = _start_recovery(params, st, now, effects)
         else:
             st = _try_commit(params, st, now, effects)
+            st = _probe_missing(params, st, now, effects)
         return Step(st, tuple(effects))
     if now < st.deadline:
         return Step(st, tuple(effects))

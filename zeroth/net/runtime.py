@@ -429,6 +429,8 @@ class Node:
         for eff in effects:
             if isinstance(eff, P.Send):
                 self._submit(self._send, inc, eff)
+            elif isinstance(eff, P.Probe):
+                self._submit(self._probe, inc, eff)
             elif isinstance(eff, P.Fetch):
                 self._submit(self._fetch, inc, eff)
             elif isinstance(eff, P.Admit):
@@ -504,6 +506,16 @@ class Node:
                     self._event(inc, P.on_prepare_rejected, sender=eff.machine, message=details or "")
                 else:
                     self._event(inc, P.on_prepare_reply, sender=eff.machine, reply=None)
+
+    def _probe(self, inc: int, eff: P.Probe) -> None:
+        """A ``Status`` call to a member whose push the committer waits for: a connection refused
+        (``UNAVAILABLE``) is :func:`zeroth.net.protocol.on_push_refused`; an answer, or any other
+        error, says nothing."""
+        try:
+            self.transport.rpc(eff.address, "Status", pb.StatusRequest(), self.cfg.peers.barrier_timeout_s)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self._event(inc, P.on_push_refused, iteration=eff.iteration, machine=eff.machine)
 
     def _fetch(self, inc: int, eff: P.Fetch) -> None:
         try:

@@ -78,6 +78,7 @@ class SimNet:
         self._cut: set[frozenset[str]] = set()
         self._drop_next: dict[tuple[str, str, type], int] = {}
         self.admitted: list[int] = []  # every machine id handed out, in order
+        self.probes = 0  # Probe effects sent, all peers together
         self._next_tick = 0.0
 
     # ----------------------------------------------------------------- scheduling
@@ -273,6 +274,9 @@ class SimNet:
     def _effect(self, peer: SimPeer, eff: Any) -> None:
         if isinstance(eff, P.Send):
             self._deliver(peer, eff)
+        elif isinstance(eff, P.Probe):
+            self.probes += 1
+            self._at(self.now + 2 * self.latency, lambda peer=peer, me=peer.state.me, eff=eff: self._probe_answer(peer, me, eff))
         elif isinstance(eff, P.Apply):
             t = eff.entry.commit.iteration
             expected = peer.base + len(peer.log)
@@ -358,6 +362,12 @@ class SimNet:
         if isinstance(msg, P.Leave):
             return P.on_leave(p, st, msg, now)
         raise AssertionError(f"unknown message {msg!r}")
+
+    def _probe_answer(self, src: SimPeer, me: int, probe: P.Probe) -> None:
+        """A probe's round trip: a refused connection (a killed peer) is a refused push."""
+        if src.alive and src.state is not None and src.state.me == me and self._refuses(src.address, probe.address):
+            self._handle(src, P.on_push_refused(self.params, src.state, iteration=probe.iteration, machine=probe.machine,
+                                                now=self.now))
 
     def _reply(self, src: SimPeer, me: int, send: P.Send, ok: bool, reply, error) -> None:
         if not src.alive or src.state is None or src.state.me != me:
