@@ -361,8 +361,8 @@ def test_padding_a_replay_with_zero_coefficients_changes_no_bit(worker):
 
 
 def test_a_probe_refused_at_the_connection_is_a_refused_push(running, monkeypatch):
-    # The committer's Probe is a Status call: a refused connection (nothing listens there, as
-    # after a SIGKILL) reaches the protocol as a refused push of that iteration; an answer does not.
+    # The committer's Probe is a TCP connection attempt: refused (nothing listens there, as after
+    # a SIGKILL), it reaches the protocol as a refused push of that iteration; a live port does not.
     node, other = running
     seen = []
     event = node._event

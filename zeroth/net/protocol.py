@@ -509,8 +509,8 @@ class Note(NamedTuple):
 
 
 class Probe(NamedTuple):
-    """Call ``address`` (``machine``) with a request that changes nothing, to learn whether its
-    process is still there: a connection it refuses is :func:`on_push_refused` for ``iteration``.
+    """Ask whether anything still listens at ``address`` (``machine``'s): a connection refused there
+    is :func:`on_push_refused` for ``iteration`` (the runtime tries a TCP connection of its own).
     The committer of ``iteration`` sends it to the members whose push it still waits for
     (:func:`on_tick`): a member killed after it took the committer's push, before it pushed its
     own, refuses nothing else, and the committer would wait for the barrier deadline."""

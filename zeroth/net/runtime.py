@@ -32,6 +32,7 @@ import dataclasses
 import json
 import queue
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -223,6 +224,22 @@ def _refuse_join(waiter: futures.Future | None, reason: str) -> None:
     """End a waiting Join call (if still waiting) with UNAVAILABLE and ``reason``: the joiner asks again."""
     if waiter is not None and not waiter.done():
         waiter.set_exception(P.Rejected("UNAVAILABLE", reason))
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """``(host, port)`` of ``HOST:PORT`` or ``[IPv6]:PORT``.
+
+    Example:
+      >>> _host_port("127.0.0.1:5000"), _host_port("[::1]:7")
+      (('127.0.0.1', 5000), ('::1', 7))
+
+    Raises:
+      ValueError: no port.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"address {address!r} is not HOST:PORT")
+    return (host[1:-1] if host.startswith("[") and host.endswith("]") else host), int(port)
 
 
 class Node:
@@ -508,14 +525,18 @@ class Node:
                     self._event(inc, P.on_prepare_reply, sender=eff.machine, reply=None)
 
     def _probe(self, inc: int, eff: P.Probe) -> None:
-        """A ``Status`` call to a member whose push the committer waits for: a connection refused
-        (``UNAVAILABLE``) is :func:`zeroth.net.protocol.on_push_refused`; an answer, or any other
-        error, says nothing."""
+        """Whether anything listens at the address of a member whose push the committer waits for: a
+        TCP connection refused there is :func:`zeroth.net.protocol.on_push_refused`; a connection
+        made, a timeout (an eighth of the barrier timeout) or any other error says nothing. The
+        connection is one of its own, closed at once, not the member's gRPC channel: the question is
+        whether the port is open now, whatever state the channel's reconnection is in."""
         try:
-            self.transport.rpc(eff.address, "Status", pb.StatusRequest(), self.cfg.peers.barrier_timeout_s)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                self._event(inc, P.on_push_refused, iteration=eff.iteration, machine=eff.machine)
+            with socket.create_connection(_host_port(eff.address), timeout=self.cfg.peers.barrier_timeout_s * P.PROBE_FIRST):
+                return
+        except ConnectionRefusedError:
+            self._event(inc, P.on_push_refused, iteration=eff.iteration, machine=eff.machine)
+        except (OSError, ValueError):
+            return
 
     def _fetch(self, inc: int, eff: P.Fetch) -> None:
         try:
