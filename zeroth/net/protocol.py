@@ -170,6 +170,7 @@ __all__ = [
     "sign",
     "member_key",
     "committer",
+    "split_address",
     "checksum_partner",
     "founder",
     "joined",
@@ -905,12 +906,27 @@ def _check_previous(previous, what: str) -> None:
         raise Rejected("INVALID_ARGUMENT", f"{what}: previous must be a 32-byte chain digest (or empty before the first decision), got {n}")
 
 
-def _check_address(address) -> None:
+def split_address(address) -> tuple[str, int]:
+    """``(host, port)`` of a member's ``host:port`` address (an IPv6 host without its brackets).
+
+    Example:
+      >>> split_address("127.0.0.1:5000"), split_address("[::1]:7")
+      (('127.0.0.1', 5000), ('::1', 7))
+
+    Raises:
+      Rejected: ``INVALID_ARGUMENT``, not ``host:port`` of 3 to :data:`MAX_ADDRESS` characters
+        with a port in 1..65535.
+    """
     if not isinstance(address, str) or not 3 <= len(address) <= MAX_ADDRESS or ":" not in address:
         raise Rejected("INVALID_ARGUMENT", f"address must be 'host:port' (3..{MAX_ADDRESS} characters), got {address!r:.80}")
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise Rejected("INVALID_ARGUMENT", f"address {address!r:.80} has no valid port (1..65535)")
+    return (host[1:-1] if host.startswith("[") and host.endswith("]") else host), int(port)
+
+
+def _check_address(address) -> None:
+    split_address(address)
 
 
 def _check_view(params: Params, view: View, what: str) -> None:
@@ -1182,11 +1198,10 @@ def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> Pee
     if b is not None and b > Ballot(0, st.me):
         return st
     view = st.view
-    expected = view.active_ids() - st.leaves
     have = _pushed(st)
     if st.me not in have and st.me not in st.leaves:
         return st  # our own projected gradients are still being computed
-    missing = expected - have
+    missing = _missing(st, have)
     if missing:
         # Evidence of life: pushes (in time, or one iteration late from inactive members), leaves, us.
         if (now < st.deadline and not missing <= st.refused) or not _majority(have | st.ready | st.leaves | {st.me}, view.ids()):
@@ -1200,6 +1215,11 @@ def _pushed(st: PeerState) -> frozenset[int]:
     """The members of ``st.view`` whose push of ``st.it`` this peer holds (itself included)."""
     ids = st.view.ids()
     return frozenset(m for (t, m) in st.inbox if t == st.it and m in ids)
+
+
+def _missing(st: PeerState, have: frozenset[int]) -> frozenset[int]:
+    """The active members (none leaving) whose push of ``st.it`` the committer waits for."""
+    return st.view.active_ids() - st.leaves - have
 
 
 PROBE_FIRST = 1 / 8
@@ -1220,7 +1240,7 @@ def _probe_missing(params: Params, st: PeerState, now: float, effects: list) -> 
     have = _pushed(st)
     if st.me not in have:
         return st  # our own push is still being computed: the members may be too
-    missing = st.view.active_ids() - st.leaves - have - st.refused
+    missing = _missing(st, have) - st.refused
     if not missing:
         return st
     effects += [Probe(m.machine, m.address, st.it) for m in st.view.members if m.machine in missing]

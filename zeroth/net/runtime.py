@@ -226,22 +226,6 @@ def _refuse_join(waiter: futures.Future | None, reason: str) -> None:
         waiter.set_exception(P.Rejected("UNAVAILABLE", reason))
 
 
-def _host_port(address: str) -> tuple[str, int]:
-    """``(host, port)`` of ``HOST:PORT`` or ``[IPv6]:PORT``.
-
-    Example:
-      >>> _host_port("127.0.0.1:5000"), _host_port("[::1]:7")
-      (('127.0.0.1', 5000), ('::1', 7))
-
-    Raises:
-      ValueError: no port.
-    """
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"address {address!r} is not HOST:PORT")
-    return (host[1:-1] if host.startswith("[") and host.endswith("]") else host), int(port)
-
-
 class Node:
     """One peer of a Just One Byte run (see the module docstring).
 
@@ -531,11 +515,11 @@ class Node:
         connection is one of its own, closed at once, not the member's gRPC channel: the question is
         whether the port is open now, whatever state the channel's reconnection is in."""
         try:
-            with socket.create_connection(_host_port(eff.address), timeout=self.cfg.peers.barrier_timeout_s * P.PROBE_FIRST):
+            with socket.create_connection(P.split_address(eff.address), timeout=self.cfg.peers.barrier_timeout_s * P.PROBE_FIRST):
                 return
         except ConnectionRefusedError:
             self._event(inc, P.on_push_refused, iteration=eff.iteration, machine=eff.machine)
-        except (OSError, ValueError):
+        except (OSError, P.Rejected):
             return
 
     def _fetch(self, inc: int, eff: P.Fetch) -> None:
