@@ -193,3 +193,5 @@ def test_mixed_xla_flags_leader_killed_late_joiner_and_an_intruder(tmp_path):
     assert 0 not in last["contributors"]
     logs = "".join((tmp_path / f"p{i}.log").read_text() for i in (1, 2, 3))
     assert "taking over" in logs
+    # ... as soon as the killed leader refused a connection, not at a commit deadline
+    assert "machine 0 refused our connection; suspecting it" in logs

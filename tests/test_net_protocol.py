@@ -100,29 +100,34 @@ def test_killed_member_costs_no_barrier_and_is_dropped():
 
 
 @pytest.mark.parametrize("probes", [True, False])
-def test_member_killed_after_taking_the_leaders_push_costs_no_barrier(probes, monkeypatch):
-    # Killed after it took the leader's push of iteration 8, before it pushed its own (it computes
-    # slowly): no push of the leader's is refused, so only the leader's probe of the members it
-    # waits for learns that the process is gone; without it the leader waits for its deadline
-    # (iteration timeout + barrier timeout: 1.5 s). A run of this race on 127.0.0.1 waited 5.0 s.
+@pytest.mark.parametrize("victim", ["member", "leader"])
+def test_a_peer_killed_after_taking_the_others_pushes_costs_no_deadline(victim, probes, monkeypatch):
+    # The victim computes slowly and is killed after it took the others' pushes of iteration 8,
+    # before it pushed its own (a member) or decided (the leader): nothing of theirs is refused, so
+    # only a probe learns that the process is gone (the leader probes the members it waits for, the
+    # members the committer). Without probes the watcher waits for its deadline: the barrier's
+    # (iteration timeout + barrier timeout: 1.5 s; a run of the member's race on 127.0.0.1 waited
+    # 5.0 s) or the commit's before a takeover (+ twice the barrier timeout: 2.0 s).
     if not probes:
         monkeypatch.setattr(P, "PROBE_FIRST", 1e9)
     net = SimNet(params())
     net.start(3)
-    victim, leader = net.peers["sim:1002"], net.peers["sim:1000"]
-    run_until_iteration(net, "sim:1000", 6)
-    victim.compute_time = 0.3
-    assert net.run_until(lambda: victim.state.it == 8 and (8, 0) in victim.state.inbox, limit=60.0)
-    assert (8, 2) not in leader.state.inbox
+    killed, watcher, others = ("sim:1002", "sim:1000", (0,)) if victim == "member" else ("sim:1000", "sim:1001", (1, 2))
+    killed, watcher = net.peers[killed], net.peers[watcher]
+    run_until_iteration(net, "sim:1001", 6)
+    killed.compute_time = 0.3
+    assert net.run_until(lambda: killed.state.it == 8 and {(8, m) for m in others} <= set(killed.state.inbox), limit=60.0)
+    assert (8, killed.state.me) not in watcher.state.inbox and watcher.state.it == 8
     killed_at = net.now
-    net.kill("sim:1002")
-    assert net.run_until(lambda: leader.state.it >= 9, limit=60.0)
+    net.kill(killed.address)
+    assert net.run_until(lambda: watcher.state.it >= 9, limit=60.0)
     waited = net.now - killed_at
     if probes:
         assert waited < net.params.barrier_timeout_s and net.probes > 0
     else:
         assert waited >= net.params.iteration_timeout_s and net.probes == 0
-    assert [m.machine for m in leader.state.view.members if not m.active] == [2]
+    if victim == "member":
+        assert [m.machine for m in watcher.state.view.members if not m.active] == [2]
     assert net.run_until(net.all_finished, limit=60.0)
     assert_agree(net, 2)
 
@@ -139,6 +144,25 @@ def test_killed_leader_is_taken_over_by_the_next_lowest_id():
     assert takeovers, net.peers["sim:1001"].events
 
 
+def test_a_killed_leader_costs_no_commit_deadline():
+    # Killed between two iterations: the members' pushes to it are refused at the connection, so
+    # the next lowest id takes over as soon as every other push is in, and the others promise at
+    # once (the prepare says the leader is gone). Before, the members waited for their commit
+    # deadline (iteration timeout + twice the barrier timeout: 2.0 s here, 7.0 s in the main job).
+    net = SimNet(params())
+    net.start(3)
+    run_until_iteration(net, "sim:1001", 6)
+    follower = net.peers["sim:1001"]
+    killed_at, t = net.now, follower.state.it
+    net.kill("sim:1000")
+    assert net.run_until(lambda: follower.state.it > t + 1, limit=60.0)
+    assert net.now - killed_at < net.params.barrier_timeout_s
+    assert any("refused our connection" in e for _, e in follower.events)
+    assert net.run_until(net.all_finished, limit=60.0)
+    chain = assert_agree(net, 2)
+    assert all(contributors(chain, i) == [1, 2] for i in range(t + 1, len(chain)))
+
+
 def test_leader_dies_after_its_commit_reached_one_member():
     """The takeover must adopt the decision one member already applied (never decide another)."""
     net = SimNet(params())
@@ -148,7 +172,15 @@ def test_leader_dies_after_its_commit_reached_one_member():
     net.drop_next("sim:1000", "sim:1002", P.Commit, count=1)
     it = net.peers["sim:1000"].state.it
     net.run_until(lambda: net.peers["sim:1001"].state.it > it, limit=30.0)
+    killed_at = net.now
     net.kill("sim:1000")
+    # Machine 2 finds the leader gone, and machine 1 past the iteration (its push of the next one):
+    # it fetches the decision from machine 1 instead of waiting for a takeover that machine 1,
+    # already past it, never starts (before: 2.0 s, the commit deadline and a second wait).
+    lagging = net.peers["sim:1002"]
+    assert net.run_until(lambda: lagging.state.it > it + 1, limit=30.0)
+    assert net.now - killed_at < net.params.barrier_timeout_s
+    assert any("is past it; fetching its decision" in e for _, e in lagging.events)
     assert net.run_until(net.all_finished, limit=60.0)
     assert_agree(net, 2)
 
@@ -1258,10 +1290,10 @@ def test_no_commit_can_rekey_a_member_or_reuse_an_id():
     assert P.on_commit(pp, st, ok, late).state.view == joiner
 
 
-def _leader_with_pushes(n, pushed, t=5):
-    """Machine 0, the committer of iteration ``t`` in a signed run of ``n`` members, after its own
-    push and those of ``pushed``."""
-    pp, st = signed_member(me=0, t=t, n=n)
+def _after_pushes(me, n, pushed, t=5):
+    """Machine ``me`` of a signed run of ``n`` members at iteration ``t`` (machine 0 is its
+    committer), after its own push and those of ``pushed``."""
+    pp, st = signed_member(me=me, t=t, n=n)
     st = P.on_local_gradients(pp, st, iteration=t, count=2, payload=b"ab", now=0.1).state
     for m in pushed:
         st = P.on_push(pp, st, signed(m, P.Push("run", m, t, 2, b"cd")), now=0.2).state
@@ -1273,7 +1305,7 @@ def _commits(step):
 
 
 def test_a_refused_push_closes_the_barrier_at_once_with_a_majority():
-    pp, st = _leader_with_pushes(3, [1])
+    pp, st = _after_pushes(0, 3, [1])
     assert st.it == 5 and not _commits(P.on_tick(pp, st, now=0.3))  # machine 2 is still waited for
     # a refusal of another iteration, or about this peer itself, changes nothing
     for it, m in ((4, 2), (6, 2), (5, 0)):
@@ -1293,7 +1325,7 @@ def _probes(step):
 def test_the_committer_probes_the_members_it_still_waits_for():
     # iteration 5 started at 0: the first round is due at barrier / 8 = 0.0625 s, each next one
     # twice as long after the start as the last
-    pp, st = _leader_with_pushes(3, [1])
+    pp, st = _after_pushes(0, 3, [1])
     step = P.on_tick(pp, st, now=0.3)
     assert _probes(step) == [P.Probe(2, "h:3", 5)] and not _commits(step)  # machine 1 pushed: only 2
     st = step.state
@@ -1308,21 +1340,68 @@ def test_the_committer_probes_the_members_it_still_waits_for():
     assert [m for m, _ in commit.contributors] == [0, 1] and step.state.it == 6
 
 
-def test_no_probe_before_it_is_due_nor_without_our_push_nor_from_a_member():
-    pp, st = _leader_with_pushes(3, [1])
+def test_no_probe_before_it_is_due_nor_without_our_push_and_a_member_probes_only_its_committer():
+    pp, st = _after_pushes(0, 3, [1])
     assert not _probes(P.on_tick(pp, st, now=0.06))  # the first round is due at 0.0625
     pp, st = signed_member(me=0, t=5, n=3)  # the committer, its own gradients still being computed
     assert not _probes(P.on_tick(pp, st, now=0.3))
-    pp, st = _leader_with_pushes(3, [1, 2])  # every push in: decided, nothing to wait for
+    pp, st = _after_pushes(0, 3, [1, 2])  # every push in: decided, nothing to wait for
     assert st.it == 6 and not _probes(P.on_tick(pp, st, now=0.3))
     pp, st = signed_member(me=1, t=5, n=3)  # not the committer: it waits for a commit, not pushes
+    assert not _probes(P.on_tick(pp, st, now=0.3))  # its own push is not in yet
     st = P.on_local_gradients(pp, st, iteration=5, count=2, payload=b"ab", now=0.1).state
-    assert not _probes(P.on_tick(pp, st, now=0.3))
+    assert _probes(P.on_tick(pp, st, now=0.3)) == [P.Probe(0, "h:1", 5)]  # the committer, not machine 2
+    assert not _probes(P.on_tick(pp, st, now=st.deadline))  # none at the deadline: it suspects instead
+
+
+def _prepares(step):
+    return [e.message for e in step.effects if isinstance(e, P.Send) and isinstance(e.message, P.Prepare)]
+
+
+def test_a_member_whose_committer_is_gone_takes_over_once_every_other_push_is_in():
+    # machine 1 pushed, machine 2 still computes; the committer (0) refuses machine 1's connection
+    pp, st = _after_pushes(1, 3, [])
+    step = P.on_push_refused(pp, st, iteration=5, machine=0, now=0.3)
+    assert not _prepares(step) and step.state.suspected == frozenset()  # machine 2 is waited for
+    st = step.state
+    assert _probes(P.on_tick(pp, st, now=0.3)) == [P.Probe(2, "h:3", 5)]  # now the push it would need
+    step = P.on_push(pp, st, signed(2, P.Push("run", 2, 5, 2, b"cd")), now=0.35)
+    (prepare,) = set(_prepares(step))
+    assert prepare.ballot == P.Ballot(1, 1) and prepare.gone and step.state.suspected == {0}
+    assert 0.35 < pp.iteration_timeout_s  # long before the commit deadline (1.0 + 2 * 0.5 s)
+    # refusals of another iteration, or by a member that is not the committer, suspect no one
+    pp, st = _after_pushes(1, 3, [2])
+    for it, m in ((4, 0), (6, 0), (5, 2)):
+        assert not _prepares(P.on_push_refused(pp, st, iteration=it, machine=m, now=0.3))
+    # a member that is not next in line suspects the committer and waits for the takeover
+    pp, st = _after_pushes(2, 3, [1])
+    step = P.on_push_refused(pp, st, iteration=5, machine=0, now=0.3)
+    assert not _prepares(step) and step.state.suspected == {0}
+    assert step.state.deadline == pytest.approx(0.3 + 2 * pp.barrier_timeout_s)
+    # a takeover after the deadline, with the leader alive as far as it knows, does not say gone
+    pp, st = _after_pushes(1, 3, [2])
+    (prepare,) = set(_prepares(P.on_tick(pp, st, now=st.deadline)))
+    assert not prepare.gone
+
+
+def test_a_takeover_that_found_the_leader_gone_is_promised_before_the_iteration_timeout():
+    pp, st = _after_pushes(2, 3, [1])
+    t, early = st.it, st.started_at + 0.3
+    with pytest.raises(P.Rejected) as e:  # premature, as before
+        P.on_prepare(pp, st, signed(1, P.Prepare("run", 1, t, P.Ballot(1, 1))), early)
+    assert e.value.code == "FAILED_PRECONDITION" and "premature" in e.value.message
+    step = P.on_prepare(pp, st, signed(1, P.Prepare("run", 1, t, P.Ballot(1, 1), gone=True)), early)
+    assert step.state.promised[t] == P.Ballot(1, 1) and {p.sender for p in step.reply.pushes} == {1, 2}
+    # the claim is signed: a copy that adds it to a signed prepare is not the candidate's
+    forged = signed(1, P.Prepare("run", 1, t, P.Ballot(1, 1)))._replace(gone=True)
+    with pytest.raises(P.Rejected) as e:
+        P.on_prepare(pp, st, forged, early)
+    assert e.value.code == "UNAUTHENTICATED"
 
 
 def test_refusals_never_let_a_minority_decide():
     # 5 members: the committer and machine 1 pushed, the other three refuse: 2 of 5 is no majority
-    pp, st = _leader_with_pushes(5, [1])
+    pp, st = _after_pushes(0, 5, [1])
     for m in (2, 3, 4):
         step = P.on_push_refused(pp, st, iteration=5, machine=m, now=0.3)
         assert not _commits(step)

@@ -81,7 +81,7 @@ def test_prepare_reply_roundtrip(r):
     assert wire.prepare_reply_from_pb(pb.PrepareReply.FromString(wire.prepare_reply_to_pb(r).SerializeToString())) == r
 
 
-@given(st.builds(P.Prepare, run_id=st.text(max_size=10), sender=u32, iteration=u64, ballot=ballots, signature=sigs, previous=chains))
+@given(st.builds(P.Prepare, run_id=st.text(max_size=10), sender=u32, iteration=u64, ballot=ballots, signature=sigs, previous=chains, gone=st.booleans()))
 def test_prepare_roundtrip(m):
     assert wire.prepare_from_pb(wire.prepare_to_pb(m)) == m
 

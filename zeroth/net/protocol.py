@@ -35,7 +35,9 @@ One iteration ``t`` with view ``V_t`` (members, each active or catching up):
 
 Agreement. The update set of ``t`` is whatever the committer decides, so every member replays
 the same updates. Decisions are a single-decree Paxos per iteration: the regular leader proposes
-with ballot ``(0, leader)``; a member that waited too long suspects the committer and the
+with ballot ``(0, leader)``; a member that waited too long suspects the committer (or sooner,
+once the committer refused its connection and every other active member's push is in:
+:func:`_replace_gone`) and the
 lowest unsuspected active member takes over with a higher ballot (again, with the next one, while
 it finds no majority): it collects promises
 (:class:`Prepare`) from the members, adopts the highest-ballot decision any of them holds
@@ -382,7 +384,9 @@ class LogEntry(NamedTuple):
 class Prepare(NamedTuple):
     """A takeover of ``iteration`` with ``ballot``, continuing the chain ``previous`` (the candidate's
     :func:`chain_digest` of the decision of ``iteration - 1``): a member on another chain does not
-    promise, so a takeover never counts members whose decisions it cannot continue."""
+    promise, so a takeover never counts members whose decisions it cannot continue. ``gone``: the
+    regular leader of the iteration refused the candidate's connection (its process is gone), so a
+    member promises before its iteration timeout (:func:`on_prepare`)."""
 
     run_id: str
     sender: int
@@ -390,6 +394,7 @@ class Prepare(NamedTuple):
     ballot: Ballot
     signature: bytes = b""
     previous: bytes = b""
+    gone: bool = False
 
 
 class PrepareReply(NamedTuple):
@@ -512,9 +517,10 @@ class Note(NamedTuple):
 class Probe(NamedTuple):
     """Ask whether anything still listens at ``address`` (``machine``'s): a connection refused there
     is :func:`on_push_refused` for ``iteration`` (the runtime tries a TCP connection of its own).
-    The committer of ``iteration`` sends it to the members whose push it still waits for
-    (:func:`on_tick`): a member killed after it took the committer's push, before it pushed its
-    own, refuses nothing else, and the committer would wait for the barrier deadline."""
+    The committer of ``iteration`` sends it to the members whose push it still waits for, and the
+    other active members to the committer whose decision they wait for (:func:`_probe_waits`): a
+    peer killed after it took our push, before it pushed its own or decided, refuses nothing else,
+    and we would wait for the deadline (the barrier's, or the commit's before a takeover)."""
 
     machine: int
     address: str
@@ -699,7 +705,8 @@ def signed_bytes(msg) -> bytes:
     """The bytes a sender signs for a :class:`Push`, :class:`Commit`, :class:`Prepare` or :class:`Leave`:
     :func:`canonical` of a domain tag and every field but the signature (run id, sender, iteration
     and, for commits and prepares, the ballot: a signature never fits another run, iteration or
-    ballot; for pushes and commits, the chain they continue)."""
+    ballot; for pushes, commits and prepares, the chain they continue; for prepares, whether the
+    candidate found the leader gone)."""
     if isinstance(msg, Push):
         return canonical("zeroth-push-v2", msg.run_id, msg.sender, msg.iteration, msg.count, msg.payload, msg.previous)
     if isinstance(msg, Commit):
@@ -708,7 +715,7 @@ def signed_bytes(msg) -> bytes:
             msg.updates_digest, _view_fields(msg.next_view), msg.previous,
         )
     if isinstance(msg, Prepare):
-        return canonical("zeroth-prepare-v2", msg.run_id, msg.sender, msg.iteration, tuple(msg.ballot), msg.previous)
+        return canonical("zeroth-prepare-v3", msg.run_id, msg.sender, msg.iteration, tuple(msg.ballot), msg.previous, bool(msg.gone))
     if isinstance(msg, Leave):
         return canonical("zeroth-leave-v1", msg.run_id, msg.sender, msg.iteration)
     raise TypeError(f"signed_bytes() takes Push, Commit, Prepare or Leave, got {type(msg).__name__}")
@@ -1191,9 +1198,12 @@ def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> Pee
     """The committer's barrier: decide ``st.it`` once our own push is in and every expected push is,
     or once every member still missing refused our push at the connection (its process is gone),
     or at the deadline; in the last two cases only if a majority of the members answered (else
-    keep waiting: a minority never decides, so a partitioned run cannot split)."""
-    if st.phase != MEMBER or st.it in st.decided or committer(st) != st.me or st.recovery is not None:
+    keep waiting: a minority never decides, so a partitioned run cannot split). Any other member:
+    :func:`_replace_gone`."""
+    if st.phase != MEMBER or st.it in st.decided or st.recovery is not None:
         return st
+    if committer(st) != st.me:
+        return _replace_gone(params, st, now, effects)
     b = _bound(st, st.it)
     if b is not None and b > Ballot(0, st.me):
         return st
@@ -1223,28 +1233,55 @@ def _missing(st: PeerState, have: frozenset[int]) -> frozenset[int]:
 
 
 PROBE_FIRST = 1 / 8
-"""The committer's first :class:`Probe` round of an iteration is due this fraction of the barrier
-timeout after the iteration started; each later one twice as long after the start as the last."""
+"""The first :class:`Probe` round of an iteration is due this fraction of the barrier timeout after
+the iteration started; each later one twice as long after the start as the last."""
 
 
-def _probe_missing(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
-    """The committer's :class:`Probe` of every active member whose push of ``st.it`` it still
-    waits for (its own push in, none refused), when the next round is due and before the deadline.
-    A member that is only slow answers and costs one small call per round; rounds double their
-    time since the start, so an iteration sends it at most ``1 + log2(8 · (iteration timeout +
-    barrier timeout) / barrier timeout)`` (five for timeouts of 3 s and 2 s)."""
-    if st.phase != MEMBER or st.it in st.decided or committer(st) != st.me or st.recovery is not None:
+def _probe_waits(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
+    """:class:`Probe` the peers this one waits for, once its own push of ``st.it`` is in, when the
+    next round is due and before the deadline: the committer probes every active member whose push
+    it still waits for; any other active member probes the committer whose decision it waits for,
+    and once that one refused, the members whose push it would need to take over
+    (:func:`_replace_gone`). None already refused. A peer that is only slow answers and costs one
+    small call per round; rounds double their time since the start, so an iteration sends it at
+    most ``1 + log2(8 · (iteration timeout + slack) / barrier timeout)`` rounds before the deadline
+    (the slack: the barrier timeout for the committer, twice it for the others; five rounds either
+    way with timeouts of 3 s and 2 s)."""
+    if st.phase != MEMBER or st.it in st.decided or st.recovery is not None:
         return st
     if now >= st.deadline or now < st.probe_at:
         return st
     have = _pushed(st)
     if st.me not in have:
-        return st  # our own push is still being computed: the members may be too
-    missing = _missing(st, have) - st.refused
-    if not missing:
+        return st  # our own push is still being computed: the others may be too
+    who = committer(st)
+    if who == st.me:
+        targets = _missing(st, have)
+    elif who is None or st.me not in st.view.active_ids():
+        return st  # an inactive member never takes over: nothing to learn
+    else:
+        targets = _missing(st, have) if who in st.refused else frozenset({who})
+    targets -= st.refused
+    if not targets:
         return st
-    effects += [Probe(m.machine, m.address, st.it) for m in st.view.members if m.machine in missing]
+    effects += [Probe(m.machine, m.address, st.it) for m in st.view.members if m.machine in targets]
     return st._replace(probe_at=now + max(now - st.started_at, params.barrier_timeout_s * PROBE_FIRST))
+
+
+def _replace_gone(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
+    """An active member whose committer refused its connection (:func:`on_push_refused`: the
+    committer's process is gone) suspects it without waiting for the commit deadline, once its own
+    push is in and every other active member's is too, or refused (so a takeover now decides what
+    the committer would have: a member still computing is waited for, up to the deadline). The
+    takeover's :class:`Prepare` says the leader is gone, which members promise before their
+    iteration timeout (:func:`on_prepare`)."""
+    who = committer(st)
+    if who is None or who == st.me or who not in st.refused or st.me not in st.view.active_ids():
+        return st
+    have = _pushed(st)
+    if st.me not in have or _missing(st, have) - st.refused - {who}:
+        return st
+    return _suspect(params, st, who, now, effects, f"machine {who} refused our connection")
 
 
 def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive) -> tuple[LogEntry, tuple]:
@@ -1569,6 +1606,8 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
     effects: list = []
     if t == st.it:
         st = _advance(params, st, now, effects) if st.it in st.decided else _try_commit(params, st, now, effects)
+    elif t == st.it + 1:
+        st = _fetch_from_ahead(params, st, now, effects)
     return Step(st, tuple(effects))
 
 
@@ -1724,14 +1763,16 @@ def on_commit_failed(params: Params, st: PeerState, *, iteration: int, machine: 
 
 def on_push_refused(params: Params, st: PeerState, *, iteration: int, machine: int, now: float) -> Step:
     """The connection to ``machine`` refused our push of ``iteration``, or our :class:`Probe` sent
-    while we waited for its push (gRPC ``UNAVAILABLE``: nothing listens at its address, its process
-    is gone).
+    while we waited for it (gRPC ``UNAVAILABLE``: nothing listens at its address, its process is
+    gone).
 
     The committer stops waiting for that member's push in this iteration: a killed peer costs the
     run no barrier timeout. The decision still needs a majority of the members (a partitioned
     committer whose pushes all fail keeps waiting), the member becomes inactive as if it had
     missed the barrier, and pushing again makes it active (a refusal that was only a restart).
-    A push that arrives after all is counted as usual. Refusals of another iteration are ignored.
+    A push that arrives after all is counted as usual. Any other member that finds its committer
+    gone takes over (:func:`_replace_gone`) without waiting for the commit deadline. Refusals of
+    another iteration are ignored.
     """
     if st.phase != MEMBER or iteration != st.it or machine == st.me or machine not in st.view.ids():
         return Step(st, ())
@@ -1757,9 +1798,9 @@ def _start_recovery(params: Params, st: PeerState, now: float, effects: list) ->
         last_takeover=(st.it, ballot.round),
     )
     effects.append(Note(f"iteration {st.it}: taking over with ballot {tuple(ballot)} (suspected {sorted(st.suspected)})"))
-    for m in st.view.members:
-        if m.machine != st.me:
-            effects.append(Send(m.machine, m.address, sign(params, Prepare(params.run_id, st.me, st.it, ballot, previous=st.chain or b""))))
+    gone = st.view.leader() in st.refused  # the regular leader refused our connection this iteration
+    prepare = sign(params, Prepare(params.run_id, st.me, st.it, ballot, previous=st.chain or b"", gone=gone))
+    effects += [Send(m.machine, m.address, prepare) for m in st.view.members if m.machine != st.me]
     if len(st.view.members) == 1:
         st = _finish_recovery(params, st, now, effects)
     return st
@@ -1844,7 +1885,9 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
 
     Raises:
       Rejected: other run, unknown sender, ballot below one already promised, iteration out of the
-        window or past the closing one, or a takeover continuing another chain than ours.
+        window or past the closing one, a takeover continuing another chain than ours, or one of
+        our current iteration before its iteration timeout that does not say the leader is gone
+        (:attr:`Prepare.gone`; premature: the leader may only be slow).
     """
     _check_run(params, msg.run_id)
     _check_uint("sender", msg.sender)
@@ -1888,7 +1931,7 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
             "OUT_OF_RANGE",
             f"ballot round {msg.ballot.round} for iteration {t} jumps more than {MAX_ROUND_STEP} above the highest promised ({top})",
         )
-    if t == st.it and now < st.started_at + params.iteration_timeout_s and (promised is None or promised.round == 0):
+    if t == st.it and now < st.started_at + params.iteration_timeout_s and (promised is None or promised.round == 0) and not msg.gone:
         raise Rejected(
             "FAILED_PRECONDITION",
             f"iteration {t} started {now - st.started_at:.1f}s ago here; a takeover is premature before the "
@@ -2156,8 +2199,9 @@ def on_tick(params: Params, st: PeerState, now: float) -> Step:
             st = _start_recovery(params, st, now, effects)
         else:
             st = _try_commit(params, st, now, effects)
-            st = _probe_missing(params, st, now, effects)
+            st = _probe_waits(params, st, now, effects)
         return Step(st, tuple(effects))
+    st = _probe_waits(params, st, now, effects)
     if now < st.deadline:
         return Step(st, tuple(effects))
     active = st.view.active_ids()
@@ -2169,16 +2213,35 @@ def on_tick(params: Params, st: PeerState, now: float) -> Step:
         st = st._replace(waits=st.waits + 1, deadline=now + 2 * params.barrier_timeout_s)
         _push_again(st, effects)
         return Step(st, tuple(effects))
-    suspected = st.suspected | ({who} if who is not None else set())
-    st = st._replace(suspected=frozenset(suspected))
-    effects.append(Note(f"iteration {st.it}: no decision from machine {who}; suspecting it"))
-    cands = active - st.suspected
+    return Step(_suspect(params, st, who, now, effects, f"no decision from machine {who}"), tuple(effects))
+
+
+def _fetch_from_ahead(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
+    """A member whose committer of ``it`` is gone (suspected, and it refused our connection) and
+    that holds a push of ``it + 1`` (its sender applied a decision of ``it``: the committer reached
+    it before it died) fetches that decision from it at once: no takeover of ``it`` comes from a
+    member past it. (A committer that is only slow to reach us is waited for as before.)"""
+    if not st.suspected & st.refused or st.it in st.decided or st.fetch is not None or st.phase != MEMBER:
+        return st
+    ahead = sorted(m for (t, m) in st.inbox if t == st.it + 1 and m in st.view.ids())
+    if not ahead:
+        return st
+    effects.append(Note(f"iteration {st.it}: machine {ahead[0]} is past it; fetching its decision"))
+    return _fetch(params, st, now, effects, st.it, st.it, prefer=ahead[0])
+
+
+def _suspect(params: Params, st: PeerState, who: int | None, now: float, effects: list, why: str) -> PeerState:
+    """An active member gives up on the committer ``who``: the lowest unsuspected active member
+    takes over; the others wait for it (twice the barrier timeout), or fetch the decision from a
+    member already past it (:func:`_fetch_from_ahead`)."""
+    st = st._replace(suspected=st.suspected | ({who} if who is not None else frozenset()))
+    effects.append(Note(f"iteration {st.it}: {why}; suspecting it"))
+    cands = st.view.active_ids() - st.suspected
     if not cands:
         # Every active member is suspected: start over (the stall timeout ends a run without a majority).
         effects.append(Note(f"iteration {st.it}: every active member is suspected; waiting"))
-        return Step(st._replace(suspected=frozenset(), deadline=now + 2 * params.barrier_timeout_s), tuple(effects))
+        return st._replace(suspected=frozenset(), deadline=now + 2 * params.barrier_timeout_s)
+    st = _fetch_from_ahead(params, st, now, effects)
     if min(cands) == st.me:
-        st = _start_recovery(params, st, now, effects)
-    else:
-        st = st._replace(deadline=now + 2 * params.barrier_timeout_s)
-    return Step(st, tuple(effects))
+        return _start_recovery(params, st, now, effects)
+    return st._replace(deadline=now + 2 * params.barrier_timeout_s)

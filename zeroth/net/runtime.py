@@ -509,7 +509,8 @@ class Node:
                     self._event(inc, P.on_prepare_reply, sender=eff.machine, reply=None)
 
     def _probe(self, inc: int, eff: P.Probe) -> None:
-        """Whether anything listens at the address of a member whose push the committer waits for: a
+        """Whether anything listens at the address of a peer this one waits for (a member's push, the
+        committer's decision): a
         TCP connection refused there is :func:`zeroth.net.protocol.on_push_refused`; a connection
         made, a timeout (an eighth of the barrier timeout) or any other error says nothing. The
         connection is one of its own, closed at once, not the member's gRPC channel: the question is

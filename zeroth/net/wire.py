@@ -198,14 +198,14 @@ def entry_from_pb(e: pb.LogEntry) -> P.LogEntry:
 def prepare_to_pb(p: P.Prepare) -> pb.PrepareRequest:
     return pb.PrepareRequest(
         run_id=p.run_id, sender=p.sender, iteration=p.iteration, ballot=ballot_to_pb(p.ballot), signature=p.signature,
-        previous=p.previous,
+        previous=p.previous, gone=p.gone,
     )
 
 
 def prepare_from_pb(p: pb.PrepareRequest) -> P.Prepare:
     return P.Prepare(
         _str("run_id", p.run_id, P.MAX_RUN_ID), int(p.sender), int(p.iteration), ballot_from_pb(p.ballot),
-        _bytes("signature", p.signature, MAX_SIGNATURE), _bytes("previous", p.previous, MAX_DIGEST),
+        _bytes("signature", p.signature, MAX_SIGNATURE), _bytes("previous", p.previous, MAX_DIGEST), bool(p.gone),
     )
 
 
