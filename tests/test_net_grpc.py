@@ -381,6 +381,28 @@ def test_a_probe_refused_at_the_connection_is_a_refused_push(running, monkeypatc
     assert seen == [(P.on_push_refused, {"iteration": 41, "machine": 99})]
 
 
+def test_a_member_cannot_take_a_live_leaders_iteration_by_saying_it_is_gone(running, hostile):
+    # A takeover that says the leader is gone is promised before the iteration timeout only if the
+    # leader refused the member's own connection: the member probes the leader before it answers,
+    # the leader is alive, so the claim of a member holding valid credentials is premature.
+    leader, member = running
+    h, premature = hostile.machine, 0
+    for _ in range(50):
+        t = member.status()["iteration"]
+        try:
+            request = hostile.prepare(h, iteration=t, round=1, previous=hostile.chain(member.address, t), gone=True)
+            reply = hostile.stub(member.address).Prepare(request, metadata=hostile.metadata, timeout=10)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.FAILED_PRECONDITION, (e.code(), e.details())
+            premature += "premature" in e.details()
+        else:
+            assert reply.iteration > t  # promised only for an iteration the member had left meanwhile
+        if premature >= 3:
+            break
+    assert premature >= 3
+    assert leader.phase == member.phase == "member"
+
+
 def test_wire_bytes_are_counted_for_every_message(running):
     t = running[1].traffic.snapshot()
     assert t["messages_sent"] > 0 and t["messages_received"] > 0

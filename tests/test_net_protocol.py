@@ -1384,18 +1384,39 @@ def test_a_member_whose_committer_is_gone_takes_over_once_every_other_push_is_in
     assert not prepare.gone
 
 
-def test_a_takeover_that_found_the_leader_gone_is_promised_before_the_iteration_timeout():
+def test_a_takeover_that_found_the_leader_gone_is_promised_once_this_member_finds_it_gone_too():
     pp, st = _after_pushes(2, 3, [1])
     t, early = st.it, st.started_at + 0.3
-    with pytest.raises(P.Rejected) as e:  # premature, as before
-        P.on_prepare(pp, st, signed(1, P.Prepare("run", 1, t, P.Ballot(1, 1))), early)
-    assert e.value.code == "FAILED_PRECONDITION" and "premature" in e.value.message
-    step = P.on_prepare(pp, st, signed(1, P.Prepare("run", 1, t, P.Ballot(1, 1), gone=True)), early)
-    assert step.state.promised[t] == P.Ballot(1, 1) and {p.sender for p in step.reply.pushes} == {1, 2}
-    # the claim is signed: a copy that adds it to a signed prepare is not the candidate's
-    forged = signed(1, P.Prepare("run", 1, t, P.Ballot(1, 1)))._replace(gone=True)
+    plain = signed(1, P.Prepare("run", 1, t, P.Ballot(1, 1)))
+    gone = signed(1, P.Prepare("run", 1, t, P.Ballot(1, 1), gone=True))
+    assert P.prepare_probe(pp, st, plain, early) is None  # nothing to check: premature, as before
     with pytest.raises(P.Rejected) as e:
-        P.on_prepare(pp, st, forged, early)
+        P.on_prepare(pp, st, plain, early)
+    assert e.value.code == "FAILED_PRECONDITION" and "premature" in e.value.message
+    # the claim alone is not enough (a member with valid credentials could make it of a live
+    # leader): the runtime probes the leader first, and a leader that answers keeps its iteration
+    assert P.prepare_probe(pp, st, gone, early) == P.Probe(0, "h:1", t)
+    with pytest.raises(P.Rejected) as e:
+        P.on_prepare(pp, st, gone, early)
+    assert e.value.code == "FAILED_PRECONDITION"
+    # the leader refused this member's connection too: promised before the iteration timeout
+    st = P.on_push_refused(pp, st, iteration=t, machine=0, now=early).state
+    assert P.prepare_probe(pp, st, gone, early) is None  # the evidence is in already
+    step = P.on_prepare(pp, st, gone, early)
+    assert step.state.promised[t] == P.Ballot(1, 1) and {p.sender for p in step.reply.pushes} == {1, 2}
+    with pytest.raises(P.Rejected):  # ... only to a takeover that says so
+        P.on_prepare(pp, st, signed(1, P.Prepare("run", 1, t, P.Ballot(2, 1))), early)
+    # nothing to probe after the iteration timeout, for another iteration, or at the leader itself
+    late = st.started_at + pp.iteration_timeout_s
+    assert P.prepare_probe(pp, _after_pushes(2, 3, [1])[1], gone, late) is None
+    assert P.prepare_probe(pp, st, gone._replace(iteration=t + 1), early) is None
+    pp0, st0 = _after_pushes(0, 3, [])
+    assert P.prepare_probe(pp0, st0, gone, early) is None
+    with pytest.raises(P.Rejected):
+        P.on_prepare(pp0, st0, gone, early)
+    # the claim is signed: a copy that adds it to a signed prepare is not the candidate's
+    with pytest.raises(P.Rejected) as e:
+        P.on_prepare(pp, st, plain._replace(gone=True), early)
     assert e.value.code == "UNAUTHENTICATED"
 
 

@@ -161,8 +161,8 @@ class HostileMember:
         return wire.commit_to_pb(self._sign(P.Commit(self.run_id, sender, iteration, ballot, tuple(contributors), digest, view,
                                                      previous=previous)))
 
-    def prepare(self, sender: int, *, iteration: int, round: int) -> pb.PrepareRequest:  # noqa: A002
-        return wire.prepare_to_pb(self._sign(P.Prepare(self.run_id, sender, iteration, P.Ballot(round, sender))))
+    def prepare(self, sender: int, *, iteration: int, round: int, previous: bytes = b"", gone: bool = False) -> pb.PrepareRequest:  # noqa: A002
+        return wire.prepare_to_pb(self._sign(P.Prepare(self.run_id, sender, iteration, P.Ballot(round, sender), previous=previous, gone=gone)))
 
     def leave(self, sender: int, *, iteration: int) -> pb.LeaveRequest:
         return wire.leave_to_pb(self._sign(P.Leave(self.run_id, sender, iteration)))

@@ -385,8 +385,8 @@ class Prepare(NamedTuple):
     """A takeover of ``iteration`` with ``ballot``, continuing the chain ``previous`` (the candidate's
     :func:`chain_digest` of the decision of ``iteration - 1``): a member on another chain does not
     promise, so a takeover never counts members whose decisions it cannot continue. ``gone``: the
-    regular leader of the iteration refused the candidate's connection (its process is gone), so a
-    member promises before its iteration timeout (:func:`on_prepare`)."""
+    regular leader of the iteration refused the candidate's connection (its process is gone): a
+    member that finds it gone too promises before its iteration timeout (:func:`prepare_probe`)."""
 
     run_id: str
     sender: int
@@ -1880,14 +1880,30 @@ def _answer_seat(rid: int, seat: Member, view: View, chain: bytes) -> list:
     ]
 
 
+def prepare_probe(params: Params, st: PeerState, msg: Prepare, now: float) -> Probe | None:
+    """The :class:`Probe` the runtime makes before :func:`on_prepare` takes ``msg`` (None: nothing to
+    check). A takeover of our current iteration that says the leader is gone (:attr:`Prepare.gone`)
+    is promised before our iteration timeout only if the leader refused our connection too: a
+    member holding valid credentials could otherwise claim it to take every iteration from a live
+    leader. Where this peer has no such evidence yet, the runtime tries the connection at once and
+    reports a refusal (:func:`on_push_refused`) before it hands the prepare on."""
+    if not msg.gone or st.phase != MEMBER or msg.iteration != st.it or now >= st.started_at + params.iteration_timeout_s:
+        return None
+    leader = st.view.leader()
+    if leader is None or leader == st.me or leader in st.refused:
+        return None
+    return Probe(leader, st.view.address_of(leader), st.it)
+
+
 def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
     """A takeover asks for our promise. Reply: our :class:`PrepareReply`.
 
     Raises:
       Rejected: other run, unknown sender, ballot below one already promised, iteration out of the
         window or past the closing one, a takeover continuing another chain than ours, or one of
-        our current iteration before its iteration timeout that does not say the leader is gone
-        (:attr:`Prepare.gone`; premature: the leader may only be slow).
+        our current iteration before its iteration timeout, unless it says the leader is gone and
+        the leader refused our connection too (:func:`prepare_probe`; premature: the leader may
+        only be slow).
     """
     _check_run(params, msg.run_id)
     _check_uint("sender", msg.sender)
@@ -1931,7 +1947,9 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
             "OUT_OF_RANGE",
             f"ballot round {msg.ballot.round} for iteration {t} jumps more than {MAX_ROUND_STEP} above the highest promised ({top})",
         )
-    if t == st.it and now < st.started_at + params.iteration_timeout_s and (promised is None or promised.round == 0) and not msg.gone:
+    if t == st.it and now < st.started_at + params.iteration_timeout_s and (promised is None or promised.round == 0) and not (
+        msg.gone and st.view.leader() in st.refused
+    ):
         raise Rejected(
             "FAILED_PRECONDITION",
             f"iteration {t} started {now - st.started_at:.1f}s ago here; a takeover is premature before the "

@@ -1055,6 +1055,13 @@ class Node:
         return self._step(P.on_commit, msg)
 
     def handle_prepare(self, msg: P.Prepare) -> P.PrepareReply:
+        """A takeover's prepare; one that says the leader is gone has the leader probed here first
+        (:func:`zeroth.net.protocol.prepare_probe`: a refusal is recorded before the prepare is taken)."""
+        with self._lock:
+            probe = None if self._st is None or self._pp is None else P.prepare_probe(self._pp, self._st, msg, time.monotonic())
+            inc = self.incarnation
+        if probe is not None:
+            self._probe(inc, probe)
         return self._step(P.on_prepare, msg)
 
     def handle_leave(self, msg: P.Leave) -> int:

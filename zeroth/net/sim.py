@@ -358,6 +358,12 @@ class SimNet:
         if isinstance(msg, P.Commit):
             return P.on_commit(p, st, msg, now)
         if isinstance(msg, P.Prepare):
+            probe = P.prepare_probe(p, st, msg, now)
+            if probe is not None:  # the runtime's probe before the prepare, answered at once
+                self.probes += 1
+                if self._refuses(dst.address, probe.address):
+                    self._handle(dst, P.on_push_refused(p, st, iteration=probe.iteration, machine=probe.machine, now=now))
+                    st = dst.state
             return P.on_prepare(p, st, msg, now)
         if isinstance(msg, P.Leave):
             return P.on_leave(p, st, msg, now)
