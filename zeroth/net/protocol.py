@@ -186,6 +186,7 @@ __all__ = [
     "on_commit_acked",
     "on_commit_failed",
     "on_push_refused",
+    "prepare_probe",
     "on_prepare",
     "on_prepare_reply",
     "on_prepare_rejected",
