@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import yaml
 
 from zeroth.config import load_config_dict
@@ -104,6 +105,16 @@ def attack(name: str, hostile: HostileMember, nodes: list[Node], tries: int) -> 
             code = "HINT"  # accepted as a hint only, never stored: counted below through the digests and stall
         elif name == "Prepare with round 2^63-1 to every peer":
             code = "OK" if any(hostile.send(k.address, "Prepare", hostile.prepare(h, iteration=t, round=2**63 - 1))[0] == "OK" for k in nodes) else "REFUSED"
+        elif name == "Prepare saying the leader is gone (own key)":
+            code = "REFUSED"  # accepted: a promise for the iteration the member is in (the leader is alive)
+            for k in nodes[1:]:
+                it = k.status()["iteration"]
+                try:
+                    req = hostile.prepare(h, iteration=it, round=1, previous=hostile.chain(k.address, it), gone=True)
+                    reply = hostile.stub(k.address).Prepare(req, metadata=hostile.metadata, timeout=10)
+                except grpc.RpcError:
+                    continue
+                code = "OK" if reply.iteration == it else code
         elif name == "outlier pushes as itself (0xFF, clip 8)":
             lead = nodes[0]
             it = lead.status()["iteration"]
@@ -125,6 +136,7 @@ HOSTILE = (
     "forged Checksum as another member",
     "future-iteration commits (own key) to every peer",
     "Prepare with round 2^63-1 to every peer",
+    "Prepare saying the leader is gone (own key)",
     "outlier pushes as itself (0xFF, clip 8)",
 )
 
