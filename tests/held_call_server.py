@@ -1,6 +1,7 @@
 """A peer server whose ``Join`` is held, as a leader holds one until it is decided (run as a script).
 
-``python tests/held_call_server.py`` prints its port, then ``held`` each time a ``Join`` arrives; it
+``python tests/held_call_server.py [PORT]`` prints its port (a free one unless given), then ``held``
+each time a ``Join`` arrives; it
 answers after as many seconds as the request's ``address`` field says, with a redirect to
 ``answered``. The server has the
 peers' options (:data:`zeroth.net.transport.SERVER_OPTIONS`). A test freezes it with SIGSTOP.
@@ -24,9 +25,11 @@ class HeldJoin(pb_grpc.PeerServicer):
 
 
 if __name__ == "__main__":
+    import sys
+
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=list(SERVER_OPTIONS))
     pb_grpc.add_PeerServicer_to_server(HeldJoin(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{sys.argv[1] if len(sys.argv) > 1 else 0}")
     server.start()
     print(port, flush=True)
     server.wait_for_termination(timeout=120)  # a bounded life even if the test that started it died

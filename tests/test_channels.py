@@ -92,3 +92,40 @@ def test_the_framing_grpc_puts_around_a_peer_call_is_what_the_byte_counts_add():
     assert abs(plain["response_overhead"] - wire.RESPONSE_OVERHEAD) <= 1, plain
     assert abs(token["request_overhead"] - (wire.REQUEST_OVERHEAD + wire.TOKEN_OVERHEAD + 32)) <= 1, token
     assert abs(token["response_overhead"] - wire.RESPONSE_OVERHEAD) <= 1, token
+
+
+def test_a_peer_restarted_on_its_port_is_reached_at_once_through_a_renewed_channel():
+    # A channel whose server was killed fails its calls with UNAVAILABLE and backs off between
+    # attempts to connect; a new server on the same port is not reached before the next attempt
+    # (with gRPC's default back-off, 12 s after 15 s down). The Just One Byte runtime renews the
+    # channel to an address where a peer joins or is seated again, and the next call goes through.
+    first = subprocess.Popen([sys.executable, str(Path(__file__).with_name("held_call_server.py"))], stdout=subprocess.PIPE, text=True)
+    port = int(first.stdout.readline())
+    address = f"127.0.0.1:{port}"
+    transport = Transport(token=None, tls=None, traffic=Traffic(), options=channel_options(MAX_MESSAGE_BYTES))
+    second = None
+    try:
+        assert transport.rpc(address, "Join", pb.JoinRequest(address="0"), timeout=DEADLINE_S).redirect == "answered"
+        first.kill()
+        first.wait(timeout=30)
+        failures = 0
+        end = time.monotonic() + 3.0  # attempts fail, the back-off grows
+        while time.monotonic() < end:
+            with pytest.raises(grpc.RpcError) as e:
+                transport.rpc(address, "Join", pb.JoinRequest(address="0"), timeout=DEADLINE_S)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            failures += 1
+            time.sleep(0.05)
+        second = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("held_call_server.py")), str(port)], stdout=subprocess.PIPE, text=True
+        )
+        assert int(second.stdout.readline()) == port
+        transport.renew(address)
+        assert transport.rpc(address, "Join", pb.JoinRequest(address="0"), timeout=DEADLINE_S).redirect == "answered"
+        assert failures > 10
+    finally:
+        transport.close()
+        for proc in (first, second):
+            if proc is not None:
+                proc.kill()
+                proc.wait(timeout=30)

@@ -421,9 +421,21 @@ class Node:
             if self._st is None or self._pp is None:
                 raise P.Rejected("UNAVAILABLE", "this peer has not joined a run yet")
             step = fn(self._pp, self._st, *args, now=time.monotonic(), **kwargs)
-            self._st = step.state
+            old, self._st = self._st, step.state
+            if step.state.view is not old.view:
+                self._renew_channels(old.view, step.state.view)
             self._dispatch(step.effects)
             return step.reply
+
+    def _renew_channels(self, old: P.View, new: P.View) -> None:
+        """Calls to a member newly seated at an address go through a new channel (:meth:`renew
+        <zeroth.net.transport.Transport.renew>`): the channel to a peer killed there, then restarted
+        and admitted again, may still be waiting out its reconnection back-off, and three failed
+        commits would remove the new member as unreachable (a fresh address has no channel yet)."""
+        before = {m.address: m.machine for m in old.members}
+        for m in new.members:
+            if before.get(m.address) != m.machine:
+                self.transport.renew(m.address)
 
     def _dispatch(self, effects) -> None:
         inc = self.incarnation
@@ -1078,6 +1090,7 @@ class Node:
                 f"config digest {digest[:16]}... differs from this run's {self.join_digest[:16]}...; "
                 f"{RUN_CONFIG_MARK}{json.dumps(config_fields(self.cfg), sort_keys=True, default=str)}",
             )
+        self.transport.renew(address)  # it just called us: a channel it had may be in back-off
         fut: futures.Future = futures.Future()
         with self._lock:
             self._rid += 1

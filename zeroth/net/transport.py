@@ -161,6 +161,15 @@ class Transport:
                 stub = self._stubs[address] = pb_grpc.PeerStub(self._open(address))
             return stub
 
+    def renew(self, address: str) -> None:
+        """Make later calls to ``address`` on a new channel: a peer (re)started there answered us, while
+        the channel it had may still wait out gRPC's reconnection back-off and fail every call until
+        then (up to :data:`zeroth.transport.channels.MAX_RECONNECT_BACKOFF_S`). Calls under way finish
+        on the old channel, which is released with its last call."""
+        with self._lock:
+            self._channels.pop(address, None)
+            self._stubs.pop(address, None)
+
     def signed(self, me: _id.Identity, method: str, request):
         """``request`` signed by ``me`` with a fresh sequence number."""
         return sign_request(me, self._seq.next(), method, request)

@@ -1,5 +1,7 @@
 """The gRPC options of every channel and server of a networked system: message limits, one port
-per server, and keepalive pings so that a call to a peer that stopped answering ends.
+per server, keepalive pings so that a call to a peer that stopped answering ends, and reconnection
+attempts at most :data:`MAX_RECONNECT_BACKOFF_S` apart so that a peer restarted on its address is
+reached again within about that long.
 
 A call can wait a long time without data and be right to: a ``Join`` held until it is decided, a
 state transfer, a pipeline or cluster stream between frames. Without keepalive, such a call to a
@@ -15,21 +17,34 @@ Servers made with :func:`server_options` accept a ping every :data:`MIN_PING_INT
 from a client with an open call (with gRPC's default, one per 5 minutes, a server answers a few
 early pings with ``GOAWAY`` "too many pings" and the call fails) and never share a port (``SO_REUSEPORT`` off).
 
+A channel whose peer went away fails its calls at once with ``UNAVAILABLE`` and tries to connect
+again after a back-off that gRPC doubles (about 1.6x) per failed attempt, up to two minutes by
+default; until the next attempt, every call fails with the last error, even once a new process
+serves the address. Measured on 127.0.0.1 (a channel making calls while its server was down 15 s,
+then a new server on the same port): calls went on failing for 0.2–12.3 s (8 runs; it depends on
+where the back-off stood) with gRPC's default, 0.03–1.1 s (11 runs) with these options. A Just One
+Byte joiner restarted on its port was removed again as unreachable in that window (three failed
+commits); the peers' transport also renews its channel to an address where a peer (re)joins
+(:meth:`zeroth.net.transport.Transport.renew`), whose next call then goes through at once.
+
 Example:
   >>> opts = dict(channel_options(4 * 1024 * 1024))
   >>> opts["grpc.keepalive_time_ms"], opts["grpc.http2.ping_timeout_ms"]
   (10000, 10000)
+  >>> opts["grpc.max_reconnect_backoff_ms"]
+  1000
   >>> dict(server_options(4 * 1024 * 1024))["grpc.so_reuseport"]
   0
 """
 
 from __future__ import annotations
 
-__all__ = ["KEEPALIVE_S", "KEEPALIVE_TIMEOUT_S", "MIN_PING_INTERVAL_S", "channel_options", "server_options"]
+__all__ = ["KEEPALIVE_S", "KEEPALIVE_TIMEOUT_S", "MIN_PING_INTERVAL_S", "MAX_RECONNECT_BACKOFF_S", "channel_options", "server_options"]
 
 KEEPALIVE_S = 10.0  # a channel with an open call pings its peer after this long without news
 KEEPALIVE_TIMEOUT_S = 10.0  # ... and ends the call with UNAVAILABLE if the ping is not answered within this
 MIN_PING_INTERVAL_S = 0.5  # servers accept pings this often, no more
+MAX_RECONNECT_BACKOFF_S = 1.0  # a channel whose peer went away tries to connect again at least this often
 
 
 def _message_options(max_message_bytes: int) -> tuple:
@@ -47,7 +62,8 @@ def channel_options(
     """A client channel's options: messages up to ``max_message_bytes`` each way (larger ones end the
     call with ``RESOURCE_EXHAUSTED``), and while a call is open a ping after ``keepalive_s`` without
     news, answered within ``keepalive_timeout_s`` or the connection is dropped (its calls end
-    ``UNAVAILABLE``).
+    ``UNAVAILABLE``); a lost connection is attempted again at least every
+    :data:`MAX_RECONNECT_BACKOFF_S` (gRPC's own back-off, capped).
 
     Raises:
       ValueError: ``keepalive_s`` below :data:`MIN_PING_INTERVAL_S` (servers would refuse the pings)
@@ -66,6 +82,10 @@ def channel_options(
         ("grpc.http2.ping_timeout_ms", round(keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 0),  # no pings on an idle channel
         ("grpc.http2.max_pings_without_data", 0),  # a call held for minutes keeps pinging (default: 2 pings)
+        ("grpc.max_reconnect_backoff_ms", round(MAX_RECONNECT_BACKOFF_S * 1000)),  # default 120 s
+        # Each channel its own connections (gRPC shares them between channels to one address by
+        # default): a new channel to a restarted peer does not inherit the old one's back-off.
+        ("grpc.use_local_subchannel_pool", 1),
     )
 
 
