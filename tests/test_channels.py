@@ -97,7 +97,7 @@ def test_the_framing_grpc_puts_around_a_peer_call_is_what_the_byte_counts_add():
 def test_a_peer_restarted_on_its_port_is_reached_at_once_through_a_renewed_channel():
     # A channel whose server was killed fails its calls with UNAVAILABLE and backs off between
     # attempts to connect; a new server on the same port is not reached before the next attempt
-    # (with gRPC's default back-off, 12 s after 15 s down). The Just One Byte runtime renews the
+    # (with gRPC's default back-off, up to 12 s after 15 s down). The Just One Byte runtime renews the
     # channel to an address where a peer joins or is seated again, and the next call goes through.
     first = subprocess.Popen([sys.executable, str(Path(__file__).with_name("held_call_server.py"))], stdout=subprocess.PIPE, text=True)
     port = int(first.stdout.readline())
