@@ -595,7 +595,7 @@ class PeerState(NamedTuple):
       denials: sources that refused this peer's log requests as a non-member (reset by a fetch that works).
       ahead: the newest iteration an unverifiable commit (a hint) named: fetched up to it once.
       refused: members whose connection refused our push of ``it`` (:func:`on_push_refused`).
-      probe_at: when the committer's next :class:`Probe` round for ``it`` is due.
+      probe_at: when this peer's next :class:`Probe` round for ``it`` is due (:func:`_probe_waits`).
       chosen: the newest applied iteration whose decision this peer knows is chosen (members that
         meet every majority of its view applied that same commit, ballot included, its signer among
         them: no later ballot can decide otherwise), -1 if none.
@@ -1269,6 +1269,11 @@ def _probe_waits(params: Params, st: PeerState, now: float, effects: list) -> Pe
     return st._replace(probe_at=now + max(now - st.started_at, params.barrier_timeout_s * PROBE_FIRST))
 
 
+def _leader_gone(st: PeerState) -> bool:
+    """The regular leader of ``st.it`` refused our connection in this iteration (its process is gone)."""
+    return st.view.leader() in st.refused
+
+
 def _replace_gone(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
     """An active member whose committer refused its connection (:func:`on_push_refused`: the
     committer's process is gone) suspects it without waiting for the commit deadline, once its own
@@ -1799,8 +1804,7 @@ def _start_recovery(params: Params, st: PeerState, now: float, effects: list) ->
         last_takeover=(st.it, ballot.round),
     )
     effects.append(Note(f"iteration {st.it}: taking over with ballot {tuple(ballot)} (suspected {sorted(st.suspected)})"))
-    gone = st.view.leader() in st.refused  # the regular leader refused our connection this iteration
-    prepare = sign(params, Prepare(params.run_id, st.me, st.it, ballot, previous=st.chain or b"", gone=gone))
+    prepare = sign(params, Prepare(params.run_id, st.me, st.it, ballot, previous=st.chain or b"", gone=_leader_gone(st)))
     effects += [Send(m.machine, m.address, prepare) for m in st.view.members if m.machine != st.me]
     if len(st.view.members) == 1:
         st = _finish_recovery(params, st, now, effects)
@@ -1891,7 +1895,7 @@ def prepare_probe(params: Params, st: PeerState, msg: Prepare, now: float) -> Pr
     if not msg.gone or st.phase != MEMBER or msg.iteration != st.it or now >= st.started_at + params.iteration_timeout_s:
         return None
     leader = st.view.leader()
-    if leader is None or leader == st.me or leader in st.refused:
+    if leader is None or leader == st.me or _leader_gone(st):
         return None
     return Probe(leader, st.view.address_of(leader), st.it)
 
@@ -1949,7 +1953,7 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
             f"ballot round {msg.ballot.round} for iteration {t} jumps more than {MAX_ROUND_STEP} above the highest promised ({top})",
         )
     if t == st.it and now < st.started_at + params.iteration_timeout_s and (promised is None or promised.round == 0) and not (
-        msg.gone and st.view.leader() in st.refused
+        msg.gone and _leader_gone(st)
     ):
         raise Rejected(
             "FAILED_PRECONDITION",

@@ -361,10 +361,8 @@ class SimNet:
             probe = P.prepare_probe(p, st, msg, now)
             if probe is not None:  # the runtime's probe before the prepare, answered at once
                 self.probes += 1
-                if self._refuses(dst.address, probe.address):
-                    self._handle(dst, P.on_push_refused(p, st, iteration=probe.iteration, machine=probe.machine, now=now))
-                    st = dst.state
-            return P.on_prepare(p, st, msg, now)
+                self._probe_answer(dst, st.me, probe)
+            return P.on_prepare(p, dst.state, msg, now)
         if isinstance(msg, P.Leave):
             return P.on_leave(p, st, msg, now)
         raise AssertionError(f"unknown message {msg!r}")
