@@ -52,10 +52,12 @@ install: $(VENV)/.installed
 install-dev:
 	$(MAKE) -j$(INSTALL_JOBS) --output-sync=target $(VENV)/.installed-dev
 
-## The main job: a real decentralized Just One Byte run (3 peers on 127.0.0.1, digits, one byte per projected gradient).
+## The main job: a real decentralized Just One Byte run (3 peers on 127.0.0.1, digits, one byte per projected gradient),
+## then its proof: every peer's update log replayed on this machine reproduces every digest the peers recorded.
 job: install
 	$(BIN)/zeroth doctor
 	$(BIN)/zeroth run $(JOB) --out $(OUT)
+	$(BIN)/zeroth verify $(OUT)
 
 ## The tests (unit, property, end-to-end on 127.0.0.1, notebooks).
 test: install-dev

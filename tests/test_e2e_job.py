@@ -21,6 +21,7 @@ import yaml
 from tb_util import assert_mirrors
 
 from zeroth.net import launch
+from zeroth.net.verify import format_report, verify
 from zeroth.train.metrics import check_schema
 from zeroth.transport import security
 
@@ -124,6 +125,17 @@ def test_zeroth_run_with_a_join_and_a_kill(tmp_path):
     assert any(joiner_id in r["contributors"] for r in its)
     killed_id = records(out / "peers" / f"p{killed}" / "metrics.jsonl")[-1]["machine"]
     assert any(killed_id in r["contributors"] for r in its[:80]) and killed_id not in its[-1]["contributors"]
+    # Every peer's update log, replayed here by the peers' own path and by the NumPy specification,
+    # reproduces every digest it recorded, the joiner's from its download and the killed peer's to its end.
+    for impl in ("auto", "reference"):
+        report = verify(out, impl=impl)
+        assert report.ok, format_report(report)
+        (run,) = report.runs
+        assert run.first == 0 and run.last == 120 and run.final_digest == s["final_digest"]
+        logs = {p.log: p for p in run.peers}
+        assert set(logs) == {f"peers/p{i}" for i in range(4)}
+        assert logs[f"peers/p{joiner}"].first > 0 and logs[f"peers/p{joiner}"].starts[0][1] == "downloaded"
+        assert logs[f"peers/p{killed}"].last < 120 and run.commits_signed == 120
 
 
 @pytest.mark.skipif(not security.can_make_certificates(), reason="needs the openssl command or the cryptography package")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from zeroth.net import launch
+from zeroth.net.verify import format_report, verify
 from zeroth.replay import checksum
 from zeroth.run import main as run_main
 from zeroth.train.metrics import check_schema
@@ -198,3 +199,10 @@ def test_a_peer_run_interrupted_and_resumed_reaches_the_uninterrupted_digest(tmp
     assert run.kind == "peers" and run.step == ITERATIONS and checksum(run.params) == b["final_digest"]
     assert run.config["peers"]["count"] == 2 and run.summary["final_digest"] == b["final_digest"]
     assert [r["step"] for r in run.metrics if r["kind"] == "train"] == list(range(k + 1, ITERATIONS + 1))
+    # the update logs of both attempts replay here to every digest: the resumed run from the state
+    # the first attempt's log reached at its checkpoint
+    report = verify(cut)
+    assert report.ok, format_report(report)
+    first, second = report.runs
+    assert (first.first, second.first, second.last) == (0, k, ITERATIONS) and second.final_digest == b["final_digest"]
+    assert second.source.startswith("the state another run of")

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("zeroth.bench:main", "benchmarks: perturb, zo, kernels, binary, ravnest (tables and --json)"),
     "datasets": ("zeroth.data:cli_main", "list datasets, their status and how to install each"),
     "run": ("zeroth.run:main", "run an experiment config (one machine, or peers, pipeline stages, Ravnest nodes on loopback, Marsit workers as CPU devices)"),
+    "verify": ("zeroth.net.verify:main", "replay a Just One Byte run's update logs on this machine and check every digest its peers recorded"),
     "peer": ("zeroth.net.peer:main", "run one Just One Byte peer (multi-machine use)"),
     "stage": ("zeroth.pipeline.stage:main", "run one pipeline stage (AQ-SGD, multi-machine use)"),
     "node": ("zeroth.cluster.node:main", "run one Ravnest node (clusters of asynchronous pipelines, multi-machine use)"),

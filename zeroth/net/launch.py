@@ -49,6 +49,7 @@ from typing import Any
 
 from zeroth.config import Config, to_yaml
 from zeroth.net import state as _state
+from zeroth.net import updatelog as _updatelog
 from zeroth.net.runtime import JOIN_DIGEST_EXCLUDE
 from zeroth.train import interrupt
 from zeroth.train.trainer import RESUME_INVARIANT, check_resumable
@@ -513,4 +514,9 @@ def _print_summary(s: dict[str, Any], cfg: Config, out: Path) -> None:
         lines.append(f"  error               {err}")
     if s["events"]:
         lines.append("  events              " + "; ".join(f"{e['event']} p{e.get('peer', '')} at {e.get('at_iteration', '')}" for e in s["events"]))
+    logs = sorted((out / "peers").glob(f"*/{_updatelog.FILENAME}"))
+    if logs:
+        size = sum(p.stat().st_size for p in logs)
+        lines.append(f"  update logs         {len(logs)} ({_fmt_bytes(size)}, peers/p*/{_updatelog.FILENAME}); "
+                     f"replay them on any machine: zeroth verify {out}")
     print("\n".join(lines), flush=True)

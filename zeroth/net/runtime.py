@@ -51,6 +51,7 @@ from zeroth.net import protocol as P
 from zeroth.transport import security as _sec
 from zeroth.net import service as _service
 from zeroth.net import state as _state
+from zeroth.net import updatelog as _updatelog
 from zeroth.net.state import load_state, save_state
 from zeroth.net import wire
 from zeroth.net.proto import peer_pb2 as pb
@@ -287,6 +288,8 @@ class Node:
             (self.out_dir / stale).unlink(missing_ok=True)
         clear_metrics(self.out_dir / "metrics.jsonl")
         self._metrics = MetricsWriter(self.out_dir / "metrics.jsonl", tensorboard=cfg.run.tensorboard)
+        # every decided iteration this peer applies, appended as it applies it (zeroth verify replays it)
+        self._updates = _updatelog.Writer(self.out_dir / _updatelog.FILENAME)
         self._threads: list[threading.Thread] = []
         self._warming: threading.Thread | None = None
 
@@ -326,6 +329,7 @@ class Node:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
         self._metrics.close()
+        self._updates.close()
         if self._warming is not None:  # a compilation killed at interpreter exit aborts the process
             self._warming.join(30.0)
 
@@ -386,6 +390,11 @@ class Node:
             view = self._st.view
             sources = [m.address for m in view.members if m.active and m.address != self.address]
         return view, [self.address] + sources
+
+    def log_start(self, iteration: int, digest: str, reason: str) -> None:
+        """Open a segment of the update log: this process now holds the state at the start of ``iteration``."""
+        self._updates.start(run_id=self._pp.run_id, iteration=iteration, digest=digest, reason=reason,
+                            config=to_dict(self.cfg))
 
     def queue_repair(self, rep: Repair) -> None:
         self._work.put((self.incarnation, rep))
@@ -618,7 +627,7 @@ class Node:
         self.worker.warm_up(max(1, self.options.founders))
         run_id = f"{self.cfg.run.name}-{uuid.uuid4().hex[:12]}"
         self._pp = self._protocol_params(run_id)
-        self.transfer.load(params, start, None)
+        self.transfer.load(params, start, None, "resumed" if self.options.resume else "initial")
         with self._lock:
             self.incarnation += 1
             step = P.founder(self._pp, address=self.address, now=time.monotonic(), key=self.identity.public, iteration=start)
@@ -791,6 +800,7 @@ class Node:
         self.params, stats = self.worker.apply(self.params, t, c.contributors, entry.payloads, self.cfg.peers.clip)
         self._count_stats(stats)
         digest = _replay.checksum(self.params)
+        self._updates.applied(entry, digest)
         n_total = sum(n for _, n in c.contributors)
         self._forward_passes += 2 * n_total
         store = self.transfer.store

@@ -153,8 +153,9 @@ class StateTransfer:
 
     # -- local state
 
-    def load(self, params, iteration: int, view: P.View | None) -> None:
-        """Install parameters that are the state at the start of ``iteration`` (and snapshot them)."""
+    def load(self, params, iteration: int, view: P.View | None, reason: str) -> None:
+        """Install parameters that are the state at the start of ``iteration`` (and snapshot them);
+        ``reason`` (``"initial"``, ``"resumed"``, ``"downloaded"``) goes into the update log's START record."""
         node = self.node
         node.params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)
         node.applied = iteration
@@ -162,6 +163,7 @@ class StateTransfer:
         with self.store.lock:
             self.store.digests[iteration] = digest
         self.store.put_snapshot(iteration, view, digest, node.params)
+        node.log_start(iteration, digest, reason)
 
     def snapshot(self, iteration: int, view: P.View | None, digest: str) -> None:
         self.store.put_snapshot(iteration, view, digest, self.node.params)
@@ -215,7 +217,7 @@ class StateTransfer:
                 f"downloaded snapshot of iteration {manifest.iteration} has digest {digest[:16]}, expected {manifest.digest.hex()[:16]}"
             )
         mview = wire.view_from_pb(manifest.view)
-        self.load(params, int(manifest.iteration), mview)
+        self.load(params, int(manifest.iteration), mview, "downloaded")
         node.say(
             f"loaded snapshot of iteration {manifest.iteration} ({len(blob)} bytes in chunks from "
             f"{self.sources_used} peer(s), digest {digest[:12]})"

@@ -1,0 +1,243 @@
+"""The update log and ``zeroth verify``: a run's log, replayed on this machine, reproduces every digest.
+
+The logs here are written by a small in-process driver that does what a peer does for each
+decided iteration (real projected gradients from :class:`zeroth.net.work.Worker`, Ed25519-signed
+pushes and commits, the exact replay, the digest), so the tests need no sockets; the end-to-end
+tests (``test_e2e_job.py``, ``test_peer_resume.py``) verify the logs of real peer processes.
+"""
+
+import json
+import struct
+import zlib
+
+import jax
+import numpy as np
+import pytest
+
+from zeroth.config import load_config_dict, to_dict
+from zeroth.net import protocol as P
+from zeroth.net import updatelog, verify, wire
+from zeroth.net.proto import peer_pb2 as pb
+from zeroth.net.work import Worker
+from zeroth.replay import checksum
+from zeroth.transport.identity import Identity
+
+RUN = "verify-0123456789ab"
+CONFIG = {
+    "run": {"name": "verify", "seed": 3},
+    "data": {"dataset": "digits", "batch_size": 16, "eval_size": 50},
+    "model": {"name": "mlp", "kwargs": {"hidden": [8]}},
+    "train": {"method": "zo", "lr": 0.05, "eps": 1e-3, "codec": "onebyte"},
+    "peers": {"count": 2, "inferences_per_iteration": 3, "iterations": 6},
+}
+
+
+@pytest.fixture(scope="module")
+def worker():
+    return Worker(load_config_dict(CONFIG))
+
+
+def _own(params):
+    return jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True), params)
+
+
+def write_run(root, worker, *, iterations=6, machines=(0, 1), run_id=RUN, start=0, params=None, previous=b""):
+    """What each peer of ``machines`` logs over ``iterations`` decided iterations from ``start``;
+    returns the state reached and the chain digest of the last decision."""
+    cfg = to_dict(worker.cfg)
+    ids = {m: Identity.generate() for m in machines}
+    members = tuple(P.Member(m, f"127.0.0.1:{7000 + m}", True, ids[m].public) for m in machines)
+    params = _own(worker.initial_params() if params is None else params)
+    writers = {m: updatelog.Writer(root / "peers" / f"p{m}" / updatelog.FILENAME) for m in machines}
+    for m, w in writers.items():
+        w.start(run_id=run_id, iteration=start, digest=checksum(params), reason="initial" if start == 0 else "resumed", config=cfg)
+    for t in range(start, start + iterations):
+        pushed = [(m, *worker.compute(params, m, t)[:2]) for m in machines]
+        contributors = tuple((m, n) for m, n, _ in pushed)
+        payloads = tuple(p for _, _, p in pushed)
+        view = P.View(t + 1, members, len(machines))
+        c = P.Commit(run_id, machines[0], t, P.Ballot(0, machines[0]), contributors,
+                     P.updates_digest(contributors, payloads), view, b"", previous)
+        c = c._replace(signature=ids[machines[0]].sign(P.signed_bytes(c)))
+        sigs = tuple(ids[m].sign(P.signed_bytes(P.Push(run_id, m, t, n, p, b"", previous))) for m, n, p in pushed)
+        params, _ = worker.apply(params, t, contributors, payloads)
+        digest = checksum(params)
+        for w in writers.values():
+            w.applied(P.LogEntry(c, payloads, sigs), digest)
+        previous = P.chain_digest(c)
+    for w in writers.values():
+        w.close()
+    return params, previous
+
+
+def records(data: bytes):
+    """The raw records of a log's bytes: [(kind, body without the kind byte)]."""
+    data = data[len(updatelog.MAGIC):]
+    out, o = [], 0
+    while o < len(data):
+        n, _ = struct.unpack_from("<II", data, o)
+        out.append((data[o + 8], data[o + 9:o + 8 + n]))
+        o += 8 + n
+    return out
+
+
+def rewrite(path, recs):
+    body = b"".join(struct.pack("<II", len(b) + 1, zlib.crc32(bytes([k]) + b)) + bytes([k]) + b for k, b in recs)
+    path.write_bytes(updatelog.MAGIC + body)
+
+
+def edit_entry(path, iteration, fn):
+    """Rewrite the ENTRY of ``iteration`` in ``path`` as ``fn(digest_bytes, pb.LogEntry)`` leaves it (with valid CRCs)."""
+    recs = records(path.read_bytes())
+    for i, (kind, body) in enumerate(recs):
+        if kind == updatelog.ENTRY:
+            msg = pb.LogEntry()
+            msg.ParseFromString(body[32:])
+            if msg.commit.iteration == iteration:
+                digest = fn(bytearray(body[:32]), msg)
+                recs[i] = (kind, bytes(digest) + msg.SerializeToString())
+    rewrite(path, recs)
+
+
+# --------------------------------------------------------------------------- the log itself
+
+
+def test_a_log_reads_back_what_was_written_and_a_second_process_appends_its_own_segment(tmp_path, worker):
+    write_run(tmp_path, worker, iterations=3)
+    path = tmp_path / "peers" / "p0" / updatelog.FILENAME
+    log = updatelog.read(path)
+    assert log.truncated == 0 and len(log.segments) == 1
+    seg = log.segments[0]
+    assert seg.start["run_id"] == RUN and seg.start["iteration"] == 0 and seg.start["reason"] == "initial"
+    assert seg.start["config"] == to_dict(worker.cfg)
+    assert [a.iteration for a in seg.applied] == [0, 1, 2]
+    assert all(len(a.entry.payloads) == 2 and len(a.entry.signatures) == 2 for a in seg.applied)
+    # a second process in the same folder (a resumed run) appends after a START of its own
+    with updatelog.Writer(path) as w:
+        w.start(run_id="other", iteration=3, digest=seg.applied[-1].digest, reason="resumed", config={})
+    again = updatelog.read(path)
+    assert [s.start["run_id"] for s in again.segments] == [RUN, "other"] and again.segments[0] == seg
+
+
+def test_a_record_cut_short_at_the_end_is_left_out_and_a_damaged_one_before_it_is_named(tmp_path, worker):
+    write_run(tmp_path, worker, iterations=3)
+    path = tmp_path / "peers" / "p0" / updatelog.FILENAME
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-7])  # a crash while the last record was written
+    log = updatelog.read(path)
+    assert [a.iteration for a in log.segments[0].applied] == [0, 1] and log.truncated > 0
+    # one byte changed inside the second record: its CRC fails with records after it, so it is damage, not a crash
+    second = len(updatelog.MAGIC) + 8 + 1 + len(records(whole)[0][1])
+    bad = bytearray(whole)
+    bad[second + 20] ^= 0x01
+    path.write_bytes(bytes(bad))
+    with pytest.raises(ValueError, match=rf"record 2 at byte {second}: its CRC-32 does not match"):
+        updatelog.read(path)
+    other = tmp_path / "notes.txt"
+    other.write_text("not a log\n")
+    with pytest.raises(ValueError, match="is not a zeroth update log"):
+        updatelog.read(other)
+    with pytest.raises(ValueError, match="exists and is not a zeroth update log"):
+        updatelog.Writer(other)
+    assert other.read_text() == "not a log\n"  # refused without writing
+
+
+def test_an_entry_without_payloads_is_not_logged(tmp_path):
+    commit = P.Commit(RUN, 0, 0, P.Ballot(0, 0), ((0, 1),), b"\0" * 32, P.View(1, (P.Member(0, "127.0.0.1:1"),), 1))
+    with updatelog.Writer(tmp_path / "u.log") as w, pytest.raises(ValueError, match="has no payloads"):
+        w.applied(P.LogEntry(commit, None), "00" * 32)
+
+
+# --------------------------------------------------------------------------- verify
+
+
+@pytest.mark.parametrize("impl", ["auto", "jnp", "reference"])
+def test_every_recorded_digest_is_reproduced_by_the_replay(tmp_path, worker, impl):
+    final, _ = write_run(tmp_path, worker)
+    report = verify.verify(tmp_path, impl=impl)
+    assert report.ok, verify.format_report(report)
+    (run,) = report.runs
+    assert run.first == 0 and run.last == 6 and run.final_digest == checksum(final)
+    assert [(p.log, p.checked, p.agreed, p.first_mismatch) for p in run.peers] == [
+        ("peers/p0", 7, 7, None), ("peers/p1", 7, 7, None)]
+    assert run.commits_signed == 6 and run.pushes_signed == 12
+    text = verify.format_report(report)
+    assert "7/7 digests, every digest reproduced" in text and text.endswith("follows from the log on this machine")
+
+
+def test_a_changed_payload_is_caught_by_its_digest_its_signature_and_the_replay(tmp_path, worker):
+    write_run(tmp_path, worker)
+    path = tmp_path / "peers" / "p0" / updatelog.FILENAME
+
+    def flip(digest, msg):
+        g = msg.gradients[1].payload
+        msg.gradients[1].payload = bytes([g[0] ^ 0x40]) + g[1:]
+        return digest
+
+    edit_entry(path, 2, flip)
+    alone = verify.verify(path)  # the changed log on its own
+    (run,) = alone.runs
+    assert not alone.ok
+    assert any("iteration 2 (p0): the payloads do not match the commit's updates_digest" in p for p in run.problems), run.problems
+    assert any("iteration 2 (p0): the payload of machine 1 is not signed by it" in p for p in run.problems), run.problems
+    assert run.peers[0].first_mismatch == 3  # the state after iteration 2 is not the one p0 recorded
+    both = verify.verify(tmp_path)  # beside the other peer's log, which holds the decision as it was
+    assert any("logged different decisions of iteration 2" in p for p in both.runs[0].problems)
+
+
+def test_a_peer_whose_recorded_state_differs_is_named_with_the_first_iteration(tmp_path, worker):
+    write_run(tmp_path, worker)
+
+    def wrong(digest, msg):
+        digest[0] ^= 0xFF
+        return digest
+
+    edit_entry(tmp_path / "peers" / "p1" / updatelog.FILENAME, 3, wrong)
+    report = verify.verify(tmp_path)
+    (run,) = report.runs
+    assert not report.ok and not run.problems
+    assert [(p.log, p.agreed, p.first_mismatch) for p in run.peers] == [("peers/p0", 7, None), ("peers/p1", 6, 4)]
+    assert "peers/p1     iterations 0-6 (initial at 0): 6/7 digests, 1 differ, first at iteration 4" in verify.format_report(report)
+
+
+def test_a_resumed_run_starts_from_the_state_the_first_run_reached(tmp_path, worker):
+    params, previous = write_run(tmp_path, worker, iterations=4)
+    write_run(tmp_path / "second", worker, iterations=2, run_id="verify-resumed", start=4, params=params)
+    report = verify.verify(tmp_path)
+    assert report.ok, verify.format_report(report)
+    first, second = report.runs
+    assert (first.run_id, first.last) == (RUN, 4) and second.run_id == "verify-resumed"
+    assert second.source.startswith("the state another run of") and (second.first, second.last) == (4, 6)
+    # on its own, the resumed run has nothing to start from
+    alone = verify.verify(tmp_path / "second")
+    assert not alone.ok and "nothing to replay from" in alone.runs[0].problems[0]
+
+
+def test_the_command_exits_0_when_verified_1_when_not_and_2_on_a_bad_path(tmp_path, worker, capsys):
+    write_run(tmp_path, worker, iterations=2)
+    assert verify.main([str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["runs"][0]["peers"][0]["checked"] == 3
+    edit_entry(tmp_path / "peers" / "p0" / updatelog.FILENAME, 1, lambda d, m: bytes(32))
+    assert verify.main([str(tmp_path)]) == 1
+    assert "NOT verified" in capsys.readouterr().out
+    assert verify.main([str(tmp_path / "missing")]) == 2
+    assert "is neither an update log nor a folder" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert verify.main([str(empty)]) == 2
+    assert "no updates.log under" in capsys.readouterr().err
+
+
+def test_reference_refuses_a_run_with_weight_decay(tmp_path):
+    cfg = load_config_dict({**CONFIG, "train": {**CONFIG["train"], "weight_decay": 0.01}})
+    with pytest.raises(ValueError, match="train.weight_decay = 0.01"):
+        verify._Replayer(cfg, "reference")
+
+
+def test_wire_round_trip_keeps_what_verify_checks(worker, tmp_path):
+    # the signatures and payloads of a logged entry come back as the peers signed them
+    write_run(tmp_path, worker, iterations=1)
+    (a,) = updatelog.read(tmp_path / "peers" / "p1" / updatelog.FILENAME).segments[0].applied
+    again = wire.entry_from_pb(wire.entry_to_pb(a.entry))
+    assert again == a.entry and np.all([len(s) == 64 for s in again.signatures])

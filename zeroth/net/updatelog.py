@@ -1,0 +1,215 @@
+"""A peer's update log on disk: every decided iteration it applied, as it applied it.
+
+The determinism contract says the same update log gives the same parameters, bit for bit, on
+every backend. A Just One Byte peer writes that log as it goes (``OUT/updates.log``), so that
+anyone holding a run's folder can replay it on their own hardware and check every digest the
+peers recorded (:mod:`zeroth.net.verify`, ``zeroth verify RUN_DIR``).
+
+Format (little endian): the magic :data:`MAGIC`, then records, each ``u32 length``, ``u32 CRC-32``
+of the body, and the body, whose first byte is its kind:
+
+* :data:`START` (``0x01``), a JSON object: this process took the state at the start of
+  ``iteration`` with digest ``digest`` (hex) for run ``run_id``, ``reason`` saying how
+  (``"initial"``, ``"resumed"``, ``"downloaded"``), and ``config``, the run's whole config
+  (:func:`zeroth.config.to_dict`), so a log needs nothing else to be replayed;
+* :data:`ENTRY` (``0x02``): the SHA-256 (32 bytes) of the state after the iteration, then the
+  decided iteration as the wire carries it (a ``zeroth.v1.LogEntry``: the signed commit and every
+  contributor's signed payload).
+
+Records are appended and flushed to the operating system one by one: a peer killed at any point
+loses nothing it applied, and a record cut short by a crash of the machine is the last one, which
+:func:`read` reports and leaves out. A process that starts again in the same folder (a resumed
+run) appends after a START of its own. A CRC that does not match, or a record that cannot be
+decoded, anywhere but at the end is an error naming the file, the record and its offset.
+
+Example:
+  >>> import tempfile, pathlib
+  >>> path = pathlib.Path(tempfile.mkdtemp()) / "updates.log"
+  >>> with Writer(path) as w:
+  ...     w.start(run_id="r", iteration=0, digest="00" * 32, reason="initial", config={})
+  >>> [s.start["reason"] for s in read(path).segments]
+  ['initial']
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import zlib
+from pathlib import Path
+from typing import NamedTuple
+
+from zeroth.net import protocol as P
+from zeroth.net import wire
+from zeroth.net.proto import peer_pb2 as pb
+
+__all__ = ["MAGIC", "START", "ENTRY", "FILENAME", "Applied", "Segment", "Log", "Writer", "read"]
+
+MAGIC = b"zeroth-updates-v1\n"
+START = 0x01
+ENTRY = 0x02
+FILENAME = "updates.log"
+_HEADER = struct.Struct("<II")
+_DIGEST_BYTES = 32
+# A record is one decided iteration; the wire refuses messages above 64 MiB, so no valid record is larger.
+_MAX_RECORD = 64 << 20
+_START_FIELDS = ("run_id", "iteration", "digest", "reason", "config")
+
+
+class Applied(NamedTuple):
+    """One decided iteration as a peer applied it: the entry and the digest (hex) of the state after it."""
+
+    entry: P.LogEntry
+    digest: str
+
+    @property
+    def iteration(self) -> int:
+        return self.entry.commit.iteration
+
+
+class Segment(NamedTuple):
+    """What one process appended: its START record (a dict) and the iterations it applied, in order."""
+
+    start: dict
+    applied: tuple[Applied, ...]
+
+
+class Log(NamedTuple):
+    """A log file read back: its segments, and ``truncated``, the bytes of a last record cut short (0 if none)."""
+
+    path: Path
+    segments: tuple[Segment, ...]
+    truncated: int
+
+
+class Writer:
+    """Appends records to ``path`` (created with :data:`MAGIC` if new), each flushed at once.
+
+    Thread-safe; :meth:`close` (or the context manager) closes the file. A file that exists but
+    does not start with :data:`MAGIC` is refused (it is not an update log; nothing is written).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "ab")
+        try:
+            if self._f.tell() == 0:
+                self._f.write(MAGIC)
+                self._f.flush()
+            else:
+                with open(self.path, "rb") as r:
+                    head = r.read(len(MAGIC))
+                if head != MAGIC:
+                    raise ValueError(f"{self.path} exists and is not a zeroth update log (it starts {head[:24]!r}); "
+                                     f"move it away or choose another output folder")
+        except BaseException:
+            self._f.close()
+            raise
+
+    def start(self, *, run_id: str, iteration: int, digest: str, reason: str, config: dict) -> None:
+        """A START record: this process holds the state at the start of ``iteration`` (digest hex)."""
+        body = json.dumps({"run_id": run_id, "iteration": int(iteration), "digest": digest, "reason": reason,
+                           "config": config}, sort_keys=True).encode()
+        self._append(bytes([START]) + body)
+
+    def applied(self, entry: P.LogEntry, digest: str) -> None:
+        """An ENTRY record: ``entry`` was applied and the state after it has ``digest`` (hex)."""
+        if entry.payloads is None:
+            raise ValueError(f"the entry of iteration {entry.commit.iteration} has no payloads; only applied entries are logged")
+        raw = bytes.fromhex(digest)
+        if len(raw) != _DIGEST_BYTES:
+            raise ValueError(f"digest must be {_DIGEST_BYTES} bytes of hex, got {digest!r}")
+        self._append(bytes([ENTRY]) + raw + wire.entry_to_pb(entry).SerializeToString())
+
+    def _append(self, body: bytes) -> None:
+        with self._lock:
+            if self._f.closed:
+                raise ValueError(f"{self.path}: the update log is closed")
+            self._f.write(_HEADER.pack(len(body), zlib.crc32(body)) + body)
+            self._f.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._f.close()
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _start(body: bytes, where: str) -> dict:
+    try:
+        start = json.loads(body.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: a START record that is not JSON ({e})") from None
+    missing = [k for k in _START_FIELDS if not isinstance(start, dict) or k not in start]
+    if missing:
+        raise ValueError(f"{where}: a START record without {', '.join(missing)}")
+    return start
+
+
+def _entry(body: bytes, where: str) -> Applied:
+    if len(body) < _DIGEST_BYTES:
+        raise ValueError(f"{where}: an ENTRY record of {len(body)} bytes, shorter than its digest")
+    msg = pb.LogEntry()
+    try:
+        msg.ParseFromString(body[_DIGEST_BYTES:])
+        entry = wire.entry_from_pb(msg)
+    except Exception as e:  # noqa: BLE001  (protobuf's DecodeError, Rejected: one message either way)
+        raise ValueError(f"{where}: an ENTRY record that does not decode ({type(e).__name__}: {e})") from None
+    if entry.payloads is None:
+        raise ValueError(f"{where}: the entry of iteration {entry.commit.iteration} carries no payloads")
+    return Applied(entry, body[:_DIGEST_BYTES].hex())
+
+
+def read(path: str | os.PathLike) -> Log:
+    """Read an update log back (see the module docstring).
+
+    Raises:
+      ValueError: not an update log, a damaged record before the end, or an ENTRY before any START
+        (each message names the file, the record's number and its byte offset).
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    if not data.startswith(MAGIC):
+        raise ValueError(f"{path} is not a zeroth update log: it starts {data[:24]!r}, expected {MAGIC!r}")
+    segments: list[tuple[dict, list[Applied]]] = []
+    offset, n = len(MAGIC), 0
+    truncated = 0
+    while offset < len(data):
+        n += 1
+        where = f"{path}: record {n} at byte {offset}"
+        if offset + _HEADER.size > len(data):
+            truncated = len(data) - offset
+            break
+        length, crc = _HEADER.unpack_from(data, offset)
+        end = offset + _HEADER.size + length
+        if length == 0 or length > _MAX_RECORD:
+            raise ValueError(f"{where}: a record length of {length} bytes (1 to {_MAX_RECORD} expected); the file is damaged")
+        if end > len(data):
+            truncated = len(data) - offset
+            break
+        body = data[offset + _HEADER.size:end]
+        if zlib.crc32(body) != crc:
+            if end == len(data):  # the last record, its bytes not all on disk: a crash while it was written
+                truncated = len(data) - offset
+                break
+            raise ValueError(f"{where}: its CRC-32 does not match its {length} bytes; the file is damaged")
+        kind = body[0]
+        if kind == START:
+            segments.append((_start(body[1:], where), []))
+        elif kind == ENTRY:
+            if not segments:
+                raise ValueError(f"{where}: an ENTRY record before any START record")
+            segments[-1][1].append(_entry(body[1:], where))
+        else:
+            raise ValueError(f"{where}: unknown record kind {kind} (expected {START} or {ENTRY})")
+        offset = end
+    return Log(path, tuple(Segment(s, tuple(a)) for s, a in segments), truncated)
+

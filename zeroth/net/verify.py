@@ -1,0 +1,404 @@
+"""``zeroth verify``: replay a Just One Byte run's update logs on this machine and check every
+digest its peers recorded.
+
+Each peer of a run writes its update log (:mod:`zeroth.net.updatelog`): the signed decision of
+every iteration it applied, with the digest of the state after it. :func:`verify` reads every log
+under a folder (a run's output folder, earlier attempts of a resumed run included), and for each
+run id:
+
+1. takes the state it starts from: the config's initial parameters (iteration 0), else a state
+   the replay of another run of the folder reached (a resumed run), else a saved checkpoint of
+   the folder with that iteration and digest;
+2. checks the logs agree: peers that logged the same iteration logged the same decision and
+   payloads, each decision continues the chain of the one before (``Commit.previous``), its
+   ``updates_digest`` matches its payloads, and (for a signed run) the commit is signed by its
+   sender and every payload by its contributor, with the keys the run's views give them;
+3. replays the decisions in order with this machine's exact rule (``impl``: the peers' own path,
+   ``auto``; a kernel of :mod:`zeroth.kernels.perturb`; or ``reference``, the NumPy
+   specification of :mod:`zeroth.reference`, which shares no code with the kernels) and compares
+   the digest after each iteration with every digest a peer recorded for it.
+
+A run verifies when every recorded digest is reproduced: the parameters its peers held follow,
+bit for bit, from its log on this machine's backend.
+
+Example (the main job, then its proof on this machine):
+  $ zeroth run experiments/job_digits.yaml --out runs/job
+  $ zeroth verify runs/job
+  $ zeroth verify runs/job --impl reference        # the NumPy specification instead of the kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from zeroth import reference as _ref
+from zeroth import replay as _replay
+from zeroth import rng as _rng
+from zeroth import zo as _zo
+from zeroth.config import load_config_dict
+from zeroth.kernels import perturb as _fused
+from zeroth.net import protocol as P
+from zeroth.net import state as _state
+from zeroth.net import updatelog as _log
+from zeroth.net.work import Worker
+from zeroth.transport import identity as _id
+
+__all__ = ["IMPLS", "PeerCheck", "RunCheck", "Report", "find_logs", "verify", "main"]
+
+IMPLS = ("auto", "native", "pallas", "jnp", "reference")
+
+
+class PeerCheck(NamedTuple):
+    """What one log recorded for one run, against the replay."""
+
+    log: str  # the log's folder, relative to the verified folder
+    starts: tuple[tuple[int, str], ...]  # (iteration, reason) of each START record of this run
+    first: int  # the first iteration whose state it recorded
+    last: int  # the state at the start of ``last`` is the newest it recorded
+    checked: int  # digests compared with the replay
+    agreed: int
+    first_mismatch: int | None  # the first iteration whose recorded state differs from the replay's
+
+
+class RunCheck(NamedTuple):
+    """One run id's verification."""
+
+    run_id: str
+    source: str  # the state the replay started from
+    first: int
+    last: int  # the replay ended at the start of this iteration
+    final_digest: str | None
+    peers: tuple[PeerCheck, ...]
+    commits_signed: int  # commits whose signature was checked
+    pushes_signed: int
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(p.agreed == p.checked for p in self.peers)
+
+
+class Report(NamedTuple):
+    path: str
+    impl: str
+    backend: str
+    runs: tuple[RunCheck, ...]
+    notes: tuple[str, ...]  # e.g. a log's last record cut short
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.runs) and all(r.ok for r in self.runs)
+
+
+def find_logs(path: str | Path) -> list[Path]:
+    """The update logs at ``path``: the file itself, or every :data:`zeroth.net.updatelog.FILENAME` below the folder."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is neither an update log nor a folder")
+    return sorted(path.rglob(_log.FILENAME))
+
+
+# --------------------------------------------------------------------------- the exact rule, by implementation
+
+
+class _Replayer:
+    """The run's exact rule on this machine: ``initial()``, ``apply(params, t, entry)``, ``digest(params)``,
+    ``host(params)`` (a copy kept for another run to start from) and ``load(host)``."""
+
+    def __init__(self, cfg, impl: str):
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
+        if impl == "reference" and cfg.train.weight_decay:
+            raise ValueError(f"--impl reference replays the updates only, and this run has train.weight_decay = "
+                             f"{cfg.train.weight_decay}; verify it with --impl auto (or jnp, native)")
+        self.cfg, self.impl = cfg, impl
+        self.worker = Worker(cfg)
+        self.template = self.worker.template()
+
+    def initial(self):
+        return self.load(jax.device_get(self.worker.initial_params()))
+
+    def load(self, host):
+        if self.impl == "reference":
+            with_path, _ = jax.tree_util.tree_flatten_with_path(host)
+            return {_rng.leaf_path(p): np.array(x) for p, x in with_path}
+        return jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True), host)
+
+    def host(self, params):
+        if self.impl == "reference":
+            leaves, treedef = jax.tree_util.tree_flatten_with_path(self.template)
+            return jax.tree_util.tree_unflatten(treedef, [params[_rng.leaf_path(p)].copy() for p, _ in leaves])
+        return jax.device_get(params)
+
+    def digest(self, params) -> str:
+        if self.impl == "reference":
+            return _ref.checksum_leaves(params)
+        return _replay.checksum(params)
+
+    def apply(self, params, t: int, entry: P.LogEntry):
+        c = entry.commit
+        if self.impl == "auto":  # the peers' own code path
+            return self.worker.apply(params, t, c.contributors, entry.payloads, self.cfg.peers.clip)[0]
+        keys, coefficients, _ = self.worker.updates(t, c.contributors, entry.payloads, self.cfg.peers.clip)
+        distribution = self.worker.distribution
+        if self.impl == "reference":
+            ups = list(zip(keys, coefficients.tolist(), strict=True))
+            return {path: _ref.replay_leaf(x, path, ups, distribution) for path, x in params.items()}
+        scales = _replay.update_scales(distribution, coefficients)
+        params = _fused.fused_apply_updates(params, keys, scales, distribution=distribution, donate=True, impl=self.impl)
+        if self.cfg.train.weight_decay:
+            params = _zo.weight_decay(params, self.worker.schedule(t), self.cfg.train.weight_decay, donate=True)
+        return params
+
+
+# --------------------------------------------------------------------------- checks of the logs
+
+
+def _signature_ok(key: bytes, msg) -> bool:
+    return bool(key) and bool(msg.signature) and _id.verify(key, P.signed_bytes(msg), msg.signature)
+
+
+def _same(a: P.LogEntry, b: P.LogEntry) -> bool:
+    return P.chain_digest(a.commit) == P.chain_digest(b.commit) and a.payloads == b.payloads
+
+
+class _Run:
+    """Every log's records of one run id."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self.config: dict | None = None
+        self.decisions: dict[int, tuple[P.LogEntry, str]] = {}  # t -> (entry, the log it was first read from)
+        self.recorded: dict[str, dict[int, list[str]]] = {}  # log -> {iteration: digests of the state at its start}
+        self.starts: dict[str, list[tuple[int, str, str]]] = {}  # log -> [(iteration, reason, digest)]
+        self.problems: list[str] = []
+
+    def add(self, log: str, seg: _log.Segment) -> None:
+        s = seg.start
+        if self.config is None:
+            self.config = s["config"]
+        elif s["config"] != self.config:
+            self.problems.append(f"{log}: its config for run {self.run_id} differs from another log's")
+        it, digest = int(s["iteration"]), str(s["digest"])
+        self.starts.setdefault(log, []).append((it, str(s["reason"]), digest))
+        rec = self.recorded.setdefault(log, {})
+        self._record(log, rec, it, digest)
+        for a in seg.applied:
+            t = a.iteration
+            held = self.decisions.get(t)
+            if held is None:
+                self.decisions[t] = (a.entry, log)
+            elif not _same(held[0], a.entry):
+                self.problems.append(f"{log} and {held[1]} logged different decisions of iteration {t}")
+            self._record(log, rec, t + 1, a.digest)
+
+    @staticmethod
+    def _record(log: str, rec: dict[int, list[str]], t: int, digest: str) -> None:
+        # a process can hold two states at the start of one iteration: a repair replaced its own
+        # (which differed from the run's) by a downloaded one; both are compared with the replay
+        if digest not in rec.setdefault(t, []):
+            rec[t].append(digest)
+
+    def first(self) -> tuple[int, str]:
+        """The earliest (iteration, digest) a process of this run started from."""
+        return min((it, d) for starts in self.starts.values() for it, _, d in starts)
+
+    def keys(self) -> dict[int, bytes]:
+        out: dict[int, bytes] = {}
+        for t in sorted(self.decisions):
+            for m in self.decisions[t][0].commit.next_view.members:
+                if m.key and out.setdefault(m.machine, m.key) != m.key:
+                    self.problems.append(f"iteration {t}: machine {m.machine} appears with a second public key")
+        return out
+
+
+def _checkpoints(root: Path) -> dict[tuple[int, str], Path]:
+    """Saved states below ``root``: ``{(iteration, digest): folder}`` (unreadable ones are left out)."""
+    out = {}
+    for meta in sorted(root.rglob("state.json")) if root.is_dir() else []:
+        try:
+            info = json.loads(meta.read_text())
+            out.setdefault((int(info["iteration"]), str(info["digest"])), meta.parent)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def _verify_run(run: _Run, root: Path, impl: str, states: dict[tuple[int, str], Any], wanted: set[tuple[int, str]],
+                progress: Callable[[str], None]) -> RunCheck:
+    problems = run.problems
+    cfg = load_config_dict(run.config)
+    replayer = _Replayer(cfg, impl)
+    first, first_digest = run.first()
+    last = max((t + 1 for t in run.decisions), default=first)
+    params, source = None, ""
+    if first == 0:
+        params, source = replayer.initial(), "the config's initial parameters"
+    elif (first, first_digest) in states:
+        params, source = replayer.load(states[(first, first_digest)]), f"the state another run of {root} reached at iteration {first}"
+    else:
+        folder = _checkpoints(root).get((first, first_digest))
+        if folder is not None:
+            host, _, _ = _state.load_state(folder, replayer.template)
+            params, source = replayer.load(host), f"the checkpoint {folder}"
+    if params is None:
+        problems.append(f"run {run.run_id} starts at iteration {first} (digest {first_digest[:12]}) from a state "
+                        f"that neither another log nor a checkpoint under {root} holds: nothing to replay from")
+        return _report(run, source, first, first, None, {}, 0, 0)
+    keys = run.keys()
+    signed = any(keys.values())
+    commits = pushes = 0
+    digests: dict[int, str] = {}
+    previous: P.Commit | None = None
+    last_say = time.monotonic()
+    t = first
+    while True:
+        digest = replayer.digest(params)
+        digests[t] = digest
+        if (t, digest) in wanted:
+            states[(t, digest)] = replayer.host(params)
+        if t >= last:
+            break
+        held = run.decisions.get(t)
+        if held is None:
+            problems.append(f"no log holds the decision of iteration {t}; the replay stops at its start")
+            break
+        entry, log = held
+        c = entry.commit
+        if P.updates_digest(c.contributors, entry.payloads) != c.updates_digest:
+            problems.append(f"iteration {t} ({log}): the payloads do not match the commit's updates_digest")
+        if previous is not None and c.previous != P.chain_digest(previous):
+            problems.append(f"iteration {t} ({log}): the decision does not continue the chain of iteration {t - 1}")
+        if signed:
+            if not _signature_ok(keys.get(c.sender, b""), c):
+                problems.append(f"iteration {t} ({log}): the commit's signature is not machine {c.sender}'s")
+            commits += 1
+            for (m, n), payload, sig in zip(c.contributors, entry.payloads, entry.signatures or (), strict=False):
+                if not _signature_ok(keys.get(m, b""), P.Push(c.run_id, m, t, n, payload, sig, c.previous)):
+                    problems.append(f"iteration {t} ({log}): the payload of machine {m} is not signed by it")
+                pushes += 1
+        params = replayer.apply(params, t, entry)
+        previous = c
+        t += 1
+        if time.monotonic() - last_say > 2.0:
+            progress(f"run {run.run_id}: iteration {t}/{last}")
+            last_say = time.monotonic()
+    return _report(run, source, first, t, digests.get(t), digests, commits, pushes)
+
+
+def _report(run: _Run, source: str, first: int, last: int, final: str | None, digests: dict[int, str],
+            commits: int, pushes: int) -> RunCheck:
+    peers = []
+    for log, rec in sorted(run.recorded.items()):
+        checked = [(t, d) for t, ds in sorted(rec.items()) if t in digests for d in ds]
+        bad = [t for t, d in checked if digests[t] != d]
+        beyond = sum(len(ds) for t, ds in rec.items() if t not in digests)
+        if beyond:
+            run.problems.append(f"{log}: {beyond} recorded digest(s) lie beyond what the replay reached")
+        peers.append(PeerCheck(log, tuple((it, reason) for it, reason, _ in run.starts[log]), min(rec), max(rec),
+                               len(checked), len(checked) - len(bad), bad[0] if bad else None))
+    return RunCheck(run.run_id, source, first, last, final, tuple(peers), commits, pushes, tuple(run.problems))
+
+
+def verify(path: str | Path, *, impl: str = "auto", progress: Callable[[str], None] | None = None) -> Report:
+    """Verify every run whose update logs lie at ``path`` (see the module docstring).
+
+    Args:
+      path: a run's output folder (every log below it), or one ``updates.log``.
+      impl: ``"auto"`` (the peers' own replay), ``"native"``, ``"pallas"``, ``"jnp"`` (a kernel
+        of :func:`zeroth.kernels.perturb.fused_apply_updates`) or ``"reference"`` (NumPy).
+      progress: called with a line now and then on long replays.
+
+    Raises:
+      FileNotFoundError: no such file or folder, or no update log in it.
+      ValueError: a damaged log (named), an unknown ``impl``, a config the replay cannot build.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
+    t0 = time.monotonic()
+    root = Path(path)
+    files = find_logs(root)
+    if not files:
+        raise FileNotFoundError(f"no {_log.FILENAME} under {root}: is it the output folder of a Just One Byte run?")
+    base = root if root.is_dir() else root.parent
+    runs: dict[str, _Run] = {}
+    notes = []
+    for f in files:
+        log = _log.read(f)
+        label = str(f.parent.relative_to(base)) if f.parent != base else f.parent.name
+        if log.truncated:
+            notes.append(f"{label}: its last record was cut short ({log.truncated} bytes, left out)")
+        for seg in log.segments:
+            run_id = str(seg.start["run_id"])
+            runs.setdefault(run_id, _Run(run_id)).add(label, seg)
+    order = sorted(runs.values(), key=lambda r: r.first())
+    wanted = {r.first() for r in order}
+    states: dict[tuple[int, str], Any] = {}
+    say = progress or (lambda _line: None)
+    checks = tuple(_verify_run(r, base, impl, states, wanted, say) for r in order)
+    return Report(str(root), impl, jax.default_backend(), checks, tuple(notes), time.monotonic() - t0)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _peer_line(p: PeerCheck) -> str:
+    how = ", ".join(f"{reason} at {it}" for it, reason in p.starts)
+    verdict = "every digest reproduced" if p.agreed == p.checked else f"{p.checked - p.agreed} differ, first at iteration {p.first_mismatch}"
+    return f"    {p.log:<12} iterations {p.first}-{p.last} ({how}): {p.agreed}/{p.checked} digests, {verdict}"
+
+
+def format_report(r: Report) -> str:
+    lines = [f"zeroth verify {r.path}: {len(r.runs)} run(s), replayed on {r.backend} with impl {r.impl} in {r.seconds:.1f}s"]
+    for run in r.runs:
+        lines.append(f"  run {run.run_id}: iterations {run.first}-{run.last} from {run.source or 'nothing'}")
+        lines += [_peer_line(p) for p in run.peers]
+        if run.commits_signed:
+            lines.append(f"    signatures  {run.commits_signed} commits and {run.pushes_signed} payloads checked")
+        else:
+            lines.append("    signatures  none (an unsigned run)")
+        if run.final_digest:
+            lines.append(f"    final digest {run.final_digest}")
+        lines += [f"    PROBLEM: {p}" for p in run.problems]
+    lines += [f"  note: {n}" for n in r.notes]
+    lines.append("verified: every digest the peers recorded follows from the log on this machine" if r.ok
+                 else "NOT verified: see above")
+    return "\n".join(lines)
+
+
+def _as_json(r: Report) -> dict:
+    return {
+        "path": r.path, "impl": r.impl, "backend": r.backend, "seconds": r.seconds, "ok": r.ok, "notes": list(r.notes),
+        "runs": [{**{k: v for k, v in run._asdict().items() if k != "peers"}, "ok": run.ok,
+                  "peers": [p._asdict() for p in run.peers]} for run in r.runs],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="zeroth verify", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("path", help="a Just One Byte run's output folder (zeroth run ... --out PATH), or one updates.log")
+    ap.add_argument("--impl", default="auto", choices=IMPLS,
+                    help="the exact rule to replay with: auto (the peers' own path on this machine), a kernel "
+                         "(native, pallas, jnp) or reference (the NumPy specification); default auto")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    args = ap.parse_args(argv)
+    try:
+        report = verify(args.path, impl=args.impl, progress=lambda line: print(f"[zeroth verify] {line}", file=sys.stderr))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"zeroth verify: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(_as_json(report), indent=2) if args.json else format_report(report))
+    return 0 if report.ok else 1
