@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from zeroth.net.chaos import Cluster
+from zeroth.net.verify import format_report, verify
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -97,5 +98,11 @@ def test_pause_restart_on_the_same_port_and_lost_majority(tmp_path):
             for r in c.records(name):
                 seen.setdefault(r["step"], set()).add(r["digest"])
         assert all(len(d) == 1 for d in seen.values())
+        # ... and every peer's update log, the paused peer's two memberships and the restarted
+        # one's included, replays here to every digest it recorded
+        report = verify(tmp_path)
+        assert report.ok, format_report(report)
+        assert len(report.runs) == 1 and {p.log for p in report.runs[0].peers} == {"p0", "p1", "p2", "p3", "p3b"}
+        assert len({p.log: p for p in report.runs[0].peers}["p3"].starts) == 2  # it took the state twice
     finally:
         c.stop()

@@ -18,6 +18,7 @@ from zeroth.config import load_config_dict, to_dict
 from zeroth.net import protocol as P
 from zeroth.net import updatelog, verify, wire
 from zeroth.net.proto import peer_pb2 as pb
+from zeroth.net.state import save_state
 from zeroth.net.work import Worker
 from zeroth.replay import checksum
 from zeroth.transport.identity import Identity
@@ -67,6 +68,7 @@ def write_run(root, worker, *, iterations=6, machines=(0, 1), run_id=RUN, start=
         previous = P.chain_digest(c)
     for w in writers.values():
         w.close()
+    write_run.ids = ids  # the identities that signed, for tests that sign more
     return params, previous
 
 
@@ -158,8 +160,8 @@ def test_every_recorded_digest_is_reproduced_by_the_replay(tmp_path, worker, imp
     assert report.ok, verify.format_report(report)
     (run,) = report.runs
     assert run.first == 0 and run.last == 6 and run.final_digest == checksum(final)
-    assert [(p.log, p.checked, p.agreed, p.first_mismatch) for p in run.peers] == [
-        ("peers/p0", 7, 7, None), ("peers/p1", 7, 7, None)]
+    assert [(p.log, p.checked, p.agreed, p.first_mismatch, p.replaced) for p in run.peers] == [
+        ("peers/p0", 7, 7, None, 0), ("peers/p1", 7, 7, None, 0)]
     assert run.commits_signed == 6 and run.pushes_signed == 12
     text = verify.format_report(report)
     assert "7/7 digests, every digest reproduced" in text and text.endswith("follows from the log on this machine")
@@ -182,7 +184,7 @@ def test_a_changed_payload_is_caught_by_its_digest_its_signature_and_the_replay(
     assert any("iteration 2 (p0): the payload of machine 1 is not signed by it" in p for p in run.problems), run.problems
     assert run.peers[0].first_mismatch == 3  # the state after iteration 2 is not the one p0 recorded
     both = verify.verify(tmp_path)  # beside the other peer's log, which holds the decision as it was
-    assert any("logged different decisions of iteration 2" in p for p in both.runs[0].problems)
+    assert any("logged different payloads for one decision of iteration 2" in p for p in both.runs[0].problems)
 
 
 def test_a_peer_whose_recorded_state_differs_is_named_with_the_first_iteration(tmp_path, worker):
@@ -200,6 +202,40 @@ def test_a_peer_whose_recorded_state_differs_is_named_with_the_first_iteration(t
     assert "peers/p1     iterations 0-6 (initial at 0): 6/7 digests, 1 differ, first at iteration 4" in verify.format_report(report)
 
 
+def test_a_peer_that_applied_a_decision_the_run_replaced_and_recovered_does_not_fail_the_run(tmp_path, worker):
+    write_run(tmp_path, worker, machines=(0, 1, 2))
+    ids = write_run.ids
+    (seg,) = updatelog.read(tmp_path / "peers" / "p0" / updatelog.FILENAME).segments
+    params = _own(worker.initial_params())
+    for a in seg.applied[:3]:
+        params, _ = worker.apply(params, a.iteration, a.entry.commit.contributors, a.entry.payloads)
+    # p2 applied a decision of iteration 3 that machine 1 took over with and no majority took
+    # (machine 0's push only), then dropped out and downloaded the run's state of iteration 5
+    run = seg.applied[3].entry
+    c = run.commit
+    contributors, payloads = c.contributors[:1], run.payloads[:1]
+    fork = c._replace(sender=1, ballot=P.Ballot(1, 1), contributors=contributors,
+                      updates_digest=P.updates_digest(contributors, payloads), signature=b"")
+    fork = fork._replace(signature=ids[1].sign(P.signed_bytes(fork)))
+    forked, _ = worker.apply(params, 3, contributors, payloads)
+    path = tmp_path / "peers" / "p2" / updatelog.FILENAME
+    path.unlink()
+    with updatelog.Writer(path) as w:
+        w.start(**{k: seg.start[k] for k in ("run_id", "iteration", "digest", "reason", "config")})
+        for a in seg.applied[:3]:
+            w.applied(a.entry, a.digest)
+        w.applied(P.LogEntry(fork, payloads, run.signatures[:1]), checksum(forked))
+        w.start(run_id=RUN, iteration=5, digest=seg.applied[4].digest, reason="downloaded", config=seg.start["config"])
+        w.applied(seg.applied[5].entry, seg.applied[5].digest)
+    report = verify.verify(tmp_path)
+    assert report.ok, verify.format_report(report)
+    (run_check,) = report.runs
+    p2 = {p.log: p for p in run_check.peers}["peers/p2"]
+    assert (p2.checked, p2.agreed, p2.replaced, p2.replaced_at) == (6, 6, 1, 3)
+    assert run_check.commits_signed == 7  # the replaced decision's signatures are checked too
+    assert "1 state(s) after a decision of iteration 3 that the run replaced" in verify.format_report(report)
+
+
 def test_a_resumed_run_starts_from_the_state_the_first_run_reached(tmp_path, worker):
     params, previous = write_run(tmp_path, worker, iterations=4)
     write_run(tmp_path / "second", worker, iterations=2, run_id="verify-resumed", start=4, params=params)
@@ -208,9 +244,17 @@ def test_a_resumed_run_starts_from_the_state_the_first_run_reached(tmp_path, wor
     first, second = report.runs
     assert (first.run_id, first.last) == (RUN, 4) and second.run_id == "verify-resumed"
     assert second.source.startswith("the state another run of") and (second.first, second.last) == (4, 6)
-    # on its own, the resumed run has nothing to start from
+    # on its own, the resumed run has nothing to start from ...
     alone = verify.verify(tmp_path / "second")
     assert not alone.ok and "nothing to replay from" in alone.runs[0].problems[0]
+    # ... but a saved state of that iteration beside it will do (a damaged copy is passed over)
+    for name in ("a", "b"):
+        save_state(tmp_path / "second" / "checkpoints" / name, params, iteration=4, run_id=RUN, digest=checksum(params),
+                   reason="checkpoint_every")
+    (tmp_path / "second" / "checkpoints" / "a" / "state.bin").write_bytes(b"damaged")
+    alone = verify.verify(tmp_path / "second")
+    assert alone.ok, verify.format_report(alone)
+    assert alone.runs[0].source == f"the checkpoint {tmp_path / 'second' / 'checkpoints' / 'b'}"
 
 
 def test_the_command_exits_0_when_verified_1_when_not_and_2_on_a_bad_path(tmp_path, worker, capsys):

@@ -9,17 +9,20 @@ run id:
 1. takes the state it starts from: the config's initial parameters (iteration 0), else a state
    the replay of another run of the folder reached (a resumed run), else a saved checkpoint of
    the folder with that iteration and digest;
-2. checks the logs agree: peers that logged the same iteration logged the same decision and
-   payloads, each decision continues the chain of the one before (``Commit.previous``), its
-   ``updates_digest`` matches its payloads, and (for a signed run) the commit is signed by its
-   sender and every payload by its contributor, with the keys the run's views give them;
-3. replays the decisions in order with this machine's exact rule (``impl``: the peers' own path,
-   ``auto``; a kernel of :mod:`zeroth.kernels.perturb`; or ``reference``, the NumPy
-   specification of :mod:`zeroth.reference`, which shares no code with the kernels) and compares
-   the digest after each iteration with every digest a peer recorded for it.
+2. checks every logged decision: its ``updates_digest`` matches its payloads and (for a signed
+   run) the commit is signed by its sender and every payload by its contributor, with the keys the
+   run's views give them; logs that hold one decision hold the same payloads;
+3. follows the run's chain of decisions (each continues the one before, ``Commit.previous``; where
+   logs hold two decisions of one iteration, the run's is the one the next decision continues: the
+   other was applied by a peer that then dropped out and took the run's state again, and the states
+   it recorded after it are counted apart, as ``replaced``);
+4. replays that chain with this machine's exact rule (``impl``: the peers' own path, ``auto``; a
+   kernel of :mod:`zeroth.kernels.perturb`; or ``reference``, the NumPy specification of
+   :mod:`zeroth.reference`, which shares no code with the kernels) and compares the digest after
+   each iteration with every digest a peer recorded for it.
 
-A run verifies when every recorded digest is reproduced: the parameters its peers held follow,
-bit for bit, from its log on this machine's backend.
+A run verifies when every recorded digest on its chain is reproduced and no check failed: the
+parameters its peers held follow, bit for bit, from its log on this machine's backend.
 
 Example (the main job, then its proof on this machine):
   $ zeroth run experiments/job_digits.yaml --out runs/job
@@ -67,6 +70,8 @@ class PeerCheck(NamedTuple):
     checked: int  # digests compared with the replay
     agreed: int
     first_mismatch: int | None  # the first iteration whose recorded state differs from the replay's
+    replaced: int  # states it recorded after decisions the run did not take (it dropped out and recovered)
+    replaced_at: int | None  # the first such decision's iteration
 
 
 class RunCheck(NamedTuple):
@@ -170,18 +175,20 @@ def _signature_ok(key: bytes, msg) -> bool:
     return bool(key) and bool(msg.signature) and _id.verify(key, P.signed_bytes(msg), msg.signature)
 
 
-def _same(a: P.LogEntry, b: P.LogEntry) -> bool:
-    return P.chain_digest(a.commit) == P.chain_digest(b.commit) and a.payloads == b.payloads
-
-
 class _Run:
-    """Every log's records of one run id."""
+    """Every log's records of one run id.
+
+    Decisions are told apart by :func:`zeroth.net.protocol.chain_digest` (their value and every
+    decision before them). Two logs may hold different decisions of one iteration: a peer that
+    applied a decision no majority took, then dropped out and took the run's state again (the
+    protocol's recovery); :meth:`chain` picks the run's own, the one the decisions after it continue.
+    """
 
     def __init__(self, run_id: str):
         self.run_id = run_id
         self.config: dict | None = None
-        self.decisions: dict[int, tuple[P.LogEntry, str]] = {}  # t -> (entry, the log it was first read from)
-        self.recorded: dict[str, dict[int, list[str]]] = {}  # log -> {iteration: digests of the state at its start}
+        self.decisions: dict[int, dict[bytes, tuple[P.LogEntry, list[str]]]] = {}  # t -> chain -> (entry, logs)
+        self.records: dict[str, list[tuple[int, bytes | None, str]]] = {}  # log -> [(t, chain or None for a START, digest)]
         self.starts: dict[str, list[tuple[int, str, str]]] = {}  # log -> [(iteration, reason, digest)]
         self.problems: list[str] = []
 
@@ -193,35 +200,70 @@ class _Run:
             self.problems.append(f"{log}: its config for run {self.run_id} differs from another log's")
         it, digest = int(s["iteration"]), str(s["digest"])
         self.starts.setdefault(log, []).append((it, str(s["reason"]), digest))
-        rec = self.recorded.setdefault(log, {})
-        self._record(log, rec, it, digest)
+        recs = self.records.setdefault(log, [])
+        recs.append((it, None, digest))
         for a in seg.applied:
-            t = a.iteration
-            held = self.decisions.get(t)
+            t, chain = a.iteration, P.chain_digest(a.entry.commit)
+            held = self.decisions.setdefault(t, {}).get(chain)
             if held is None:
-                self.decisions[t] = (a.entry, log)
-            elif not _same(held[0], a.entry):
-                self.problems.append(f"{log} and {held[1]} logged different decisions of iteration {t}")
-            self._record(log, rec, t + 1, a.digest)
-
-    @staticmethod
-    def _record(log: str, rec: dict[int, list[str]], t: int, digest: str) -> None:
-        # a process can hold two states at the start of one iteration: a repair replaced its own
-        # (which differed from the run's) by a downloaded one; both are compared with the replay
-        if digest not in rec.setdefault(t, []):
-            rec[t].append(digest)
+                self.decisions[t][chain] = (a.entry, [log])
+            elif held[0].payloads != a.entry.payloads:
+                self.problems.append(f"{log} and {held[1][0]} logged different payloads for one decision of iteration {t}")
+            elif log not in held[1]:
+                held[1].append(log)
+            recs.append((t + 1, chain, a.digest))
 
     def first(self) -> tuple[int, str]:
         """The earliest (iteration, digest) a process of this run started from."""
         return min((it, d) for starts in self.starts.values() for it, _, d in starts)
 
+    def chain(self, first: int) -> dict[int, bytes]:
+        """``{t: chain digest}`` of the run's decisions from ``first`` on, as long as they continue
+        one another: at each iteration the candidate that continues the previous one, and of several
+        the one a decision of the next iteration continues, else the one most logs hold."""
+        out: dict[int, bytes] = {}
+        previous: bytes | None = None
+        t = first
+        while t in self.decisions:
+            cands = {c: e for c, e in self.decisions[t].items() if previous is None or e[0].commit.previous == previous}
+            if not cands:
+                break
+            nxt = {e[0].commit.previous for e in self.decisions.get(t + 1, {}).values()}
+            pick = max(cands, key=lambda c: (c in nxt, len(cands[c][1])))
+            out[t] = previous = pick
+            t += 1
+        return out
+
     def keys(self) -> dict[int, bytes]:
         out: dict[int, bytes] = {}
         for t in sorted(self.decisions):
-            for m in self.decisions[t][0].commit.next_view.members:
-                if m.key and out.setdefault(m.machine, m.key) != m.key:
-                    self.problems.append(f"iteration {t}: machine {m.machine} appears with a second public key")
+            for entry, _ in self.decisions[t].values():
+                for m in entry.commit.next_view.members:
+                    if m.key and out.setdefault(m.machine, m.key) != m.key:
+                        self.problems.append(f"iteration {t}: machine {m.machine} appears with a second public key")
         return out
+
+    def check_signatures(self) -> tuple[int, int]:
+        """Check every logged decision's ``updates_digest`` and, for a signed run, its commit's and
+        payloads' signatures (decisions the run replaced included); returns (commits, payloads) checked."""
+        keys = self.keys()
+        signed = any(keys.values())
+        commits = pushes = 0
+        for t in sorted(self.decisions):
+            for entry, logs in self.decisions[t].values():
+                c, where = entry.commit, f"iteration {t} ({logs[0]})"
+                if P.updates_digest(c.contributors, entry.payloads) != c.updates_digest:
+                    self.problems.append(f"{where}: the payloads do not match the commit's updates_digest")
+                if not signed:
+                    continue
+                commits += 1
+                if not _signature_ok(keys.get(c.sender, b""), c):
+                    self.problems.append(f"{where}: the commit's signature is not machine {c.sender}'s")
+                for (m, n), payload, sig in zip(c.contributors, entry.payloads, entry.signatures, strict=True):
+                    pushes += 1
+                    if not _signature_ok(keys.get(m, b""), P.Push(c.run_id, m, t, n, payload, sig, c.previous)):
+                        self.problems.append(f"{where}: the payload of machine {m} is not signed by it")
+        return commits, pushes
 
 
 def _checkpoints(root: Path) -> dict[tuple[int, str], Path]:
@@ -229,10 +271,10 @@ def _checkpoints(root: Path) -> dict[tuple[int, str], Path]:
     out = {}
     for meta in sorted(root.rglob("state.json")) if root.is_dir() else []:
         try:
-            info = json.loads(meta.read_text())
-            out.setdefault((int(info["iteration"]), str(info["digest"])), meta.parent)
-        except (OSError, ValueError, KeyError, TypeError):
+            info = _state.check_state(meta.parent)
+        except (OSError, ValueError):  # damaged or not a saved state: another may hold the same
             continue
+        out.setdefault((int(info["iteration"]), str(info["digest"])), meta.parent)
     return out
 
 
@@ -256,12 +298,11 @@ def _verify_run(run: _Run, root: Path, impl: str, states: dict[tuple[int, str], 
     if params is None:
         problems.append(f"run {run.run_id} starts at iteration {first} (digest {first_digest[:12]}) from a state "
                         f"that neither another log nor a checkpoint under {root} holds: nothing to replay from")
-        return _report(run, source, first, first, None, {}, 0, 0)
-    keys = run.keys()
-    signed = any(keys.values())
-    commits = pushes = 0
+        return _report(run, source, first, first, None, {}, {}, 0, 0)
+    commits, pushes = run.check_signatures()
+    chain = run.chain(first)
+    last = max(chain, default=first - 1) + 1
     digests: dict[int, str] = {}
-    previous: P.Commit | None = None
     last_say = time.monotonic()
     t = first
     while True:
@@ -271,44 +312,42 @@ def _verify_run(run: _Run, root: Path, impl: str, states: dict[tuple[int, str], 
             states[(t, digest)] = replayer.host(params)
         if t >= last:
             break
-        held = run.decisions.get(t)
-        if held is None:
-            problems.append(f"no log holds the decision of iteration {t}; the replay stops at its start")
-            break
-        entry, log = held
-        c = entry.commit
-        if P.updates_digest(c.contributors, entry.payloads) != c.updates_digest:
-            problems.append(f"iteration {t} ({log}): the payloads do not match the commit's updates_digest")
-        if previous is not None and c.previous != P.chain_digest(previous):
-            problems.append(f"iteration {t} ({log}): the decision does not continue the chain of iteration {t - 1}")
-        if signed:
-            if not _signature_ok(keys.get(c.sender, b""), c):
-                problems.append(f"iteration {t} ({log}): the commit's signature is not machine {c.sender}'s")
-            commits += 1
-            for (m, n), payload, sig in zip(c.contributors, entry.payloads, entry.signatures or (), strict=False):
-                if not _signature_ok(keys.get(m, b""), P.Push(c.run_id, m, t, n, payload, sig, c.previous)):
-                    problems.append(f"iteration {t} ({log}): the payload of machine {m} is not signed by it")
-                pushes += 1
-        params = replayer.apply(params, t, entry)
-        previous = c
+        params = replayer.apply(params, t, run.decisions[t][chain[t]][0])
         t += 1
         if time.monotonic() - last_say > 2.0:
             progress(f"run {run.run_id}: iteration {t}/{last}")
             last_say = time.monotonic()
-    return _report(run, source, first, t, digests.get(t), digests, commits, pushes)
+    newest = max(run.decisions, default=first - 1) + 1
+    if last < newest:
+        problems.append(f"the decisions stop continuing one another at iteration {last} (logs reach {newest}): "
+                        f"no log holds a decision of iteration {last} that continues the one before it")
+    return _report(run, source, first, last, digests.get(last), digests, chain, commits, pushes)
 
 
 def _report(run: _Run, source: str, first: int, last: int, final: str | None, digests: dict[int, str],
-            commits: int, pushes: int) -> RunCheck:
+            chain: dict[int, bytes], commits: int, pushes: int) -> RunCheck:
     peers = []
-    for log, rec in sorted(run.recorded.items()):
-        checked = [(t, d) for t, ds in sorted(rec.items()) if t in digests for d in ds]
-        bad = [t for t, d in checked if digests[t] != d]
-        beyond = sum(len(ds) for t, ds in rec.items() if t not in digests)
+    for log, recs in sorted(run.records.items()):
+        checked = agreed = replaced = beyond = 0
+        mismatch = replaced_at = None
+        for t, c, d in recs:
+            if c is not None and chain.get(t - 1) != c:  # the state after a decision the run did not take
+                replaced += 1
+                replaced_at = t - 1 if replaced_at is None else replaced_at
+                continue
+            if t not in digests:
+                beyond += 1
+                continue
+            checked += 1
+            if digests[t] == d:
+                agreed += 1
+            elif mismatch is None:
+                mismatch = t
         if beyond:
             run.problems.append(f"{log}: {beyond} recorded digest(s) lie beyond what the replay reached")
-        peers.append(PeerCheck(log, tuple((it, reason) for it, reason, _ in run.starts[log]), min(rec), max(rec),
-                               len(checked), len(checked) - len(bad), bad[0] if bad else None))
+        its = [t for t, _, _ in recs]
+        peers.append(PeerCheck(log, tuple((it, reason) for it, reason, _ in run.starts[log]), min(its), max(its),
+                               checked, agreed, mismatch, replaced, replaced_at))
     return RunCheck(run.run_id, source, first, last, final, tuple(peers), commits, pushes, tuple(run.problems))
 
 
@@ -357,7 +396,9 @@ def verify(path: str | Path, *, impl: str = "auto", progress: Callable[[str], No
 def _peer_line(p: PeerCheck) -> str:
     how = ", ".join(f"{reason} at {it}" for it, reason in p.starts)
     verdict = "every digest reproduced" if p.agreed == p.checked else f"{p.checked - p.agreed} differ, first at iteration {p.first_mismatch}"
-    return f"    {p.log:<12} iterations {p.first}-{p.last} ({how}): {p.agreed}/{p.checked} digests, {verdict}"
+    extra = (f"; {p.replaced} state(s) after a decision of iteration {p.replaced_at} that the run replaced "
+             f"(it dropped out and took the run's state again)") if p.replaced else ""
+    return f"    {p.log:<12} iterations {p.first}-{p.last} ({how}): {p.agreed}/{p.checked} digests, {verdict}{extra}"
 
 
 def format_report(r: Report) -> str:
