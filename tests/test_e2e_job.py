@@ -136,6 +136,13 @@ def test_zeroth_run_with_a_join_and_a_kill(tmp_path):
         assert set(logs) == {f"peers/p{i}" for i in range(4)}
         assert logs[f"peers/p{joiner}"].first > 0 and logs[f"peers/p{joiner}"].starts[0][1] == "downloaded"
         assert logs[f"peers/p{killed}"].last < 120 and run.commits_signed == 120
+    # ... and so does the command in a process held to SSE4.2 (no AVX, no FMA) with the jnp rule
+    env = {**launch.peer_env("--xla_cpu_max_isa=SSE4_2"), "ZEROTH_NATIVE": "0"}
+    held = subprocess.run([sys.executable, "-m", "zeroth", "verify", str(out), "--impl", "jnp", "--json"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert held.returncode == 0, held.stdout[-3000:] + held.stderr[-3000:]
+    got = json.loads(held.stdout)
+    assert got["ok"] and got["runs"][0]["final_digest"] == s["final_digest"]
 
 
 @pytest.mark.skipif(not security.can_make_certificates(), reason="needs the openssl command or the cryptography package")
