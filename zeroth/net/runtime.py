@@ -6,6 +6,8 @@ The pieces of a :class:`Node`, each in its own module:
 * :mod:`zeroth.net.transport` — channels, calls, size limits, byte accounting, signed requests;
 * :mod:`zeroth.net.transfer` — snapshots, the decided log, digests, the joiner's download and replay;
 * :mod:`zeroth.net.repair` — checksum exchange with a rotating partner and repair after a mismatch;
+* :mod:`zeroth.net.updatelog` — ``OUT/updates.log``: every state taken and every decided iteration
+  applied, with the digest after it (what ``zeroth verify`` replays);
 * this module — the driver: it feeds events to the protocol under one lock and carries out its
   effects: :class:`~P.Send` messages and :class:`~P.Fetch` log entries (a pool of sender threads,
   answers fed back to the protocol), and, in order in the *driver* thread, :class:`~P.Apply` a
