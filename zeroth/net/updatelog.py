@@ -5,8 +5,9 @@ every backend. A Just One Byte peer writes that log as it goes (``OUT/updates.lo
 anyone holding a run's folder can replay it on their own hardware and check every digest the
 peers recorded (:mod:`zeroth.net.verify`, ``zeroth verify RUN_DIR``).
 
-Format (little endian): the magic :data:`MAGIC`, then records, each ``u32 length``, ``u32 CRC-32``
-of the body, and the body, whose first byte is its kind:
+Format (little endian): the magic :data:`MAGIC`, then records, each a 12-byte header (``u32
+length`` of the body, ``u32`` CRC-32 of the body, ``u32`` CRC-32 of those first 8 bytes) and the
+body, whose first byte is its kind:
 
 * :data:`START` (``0x01``), a JSON object: this process took the state at the start of
   ``iteration`` with digest ``digest`` (hex) for run ``run_id``, ``reason`` saying how
@@ -18,9 +19,12 @@ of the body, and the body, whose first byte is its kind:
 
 Records are appended and flushed to the operating system one by one: a peer killed at any point
 loses nothing it applied, and a record cut short by a crash of the machine is the last one, which
-:func:`read` reports and leaves out. A process that starts again in the same folder (a resumed
-run) appends after a START of its own. A CRC that does not match, or a record that cannot be
-decoded, anywhere but at the end is an error naming the file, the record and its offset.
+:func:`read` reports and leaves out (a header or body that runs past the end of the file, a last
+body whose CRC fails, or a tail of zero bytes, as a file system can leave after a power loss). A
+process that starts again in the same folder (a resumed run) appends after a START of its own. Any
+other damage is an error naming the file, the record and its offset: a header whose own CRC fails
+(so a changed length is never read as a record cut short), a body whose CRC fails with records
+after it, a record that does not decode.
 
 Example:
   >>> import tempfile, pathlib
@@ -51,7 +55,7 @@ MAGIC = b"zeroth-updates-v1\n"
 START = 0x01
 ENTRY = 0x02
 FILENAME = "updates.log"
-_HEADER = struct.Struct("<II")
+_HEADER = struct.Struct("<III")  # length, CRC-32 of the body, CRC-32 of the first 8 bytes
 _DIGEST_BYTES = 32
 # A record is one decided iteration; the wire refuses messages above 64 MiB, so no valid record is larger.
 _MAX_RECORD = 64 << 20
@@ -129,7 +133,7 @@ class Writer:
         with self._lock:
             if self._f.closed:
                 raise ValueError(f"{self.path}: the update log is closed")
-            self._f.write(_HEADER.pack(len(body), zlib.crc32(body)) + body)
+            self._f.write(_header(body) + body)
             self._f.flush()
 
     def close(self) -> None:
@@ -141,6 +145,11 @@ class Writer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _header(body: bytes) -> bytes:
+    head = struct.pack("<II", len(body), zlib.crc32(body))
+    return head + struct.pack("<I", zlib.crc32(head))
 
 
 def _start(body: bytes, where: str) -> dict:
@@ -185,10 +194,15 @@ def read(path: str | os.PathLike) -> Log:
     while offset < len(data):
         n += 1
         where = f"{path}: record {n} at byte {offset}"
-        if offset + _HEADER.size > len(data):
+        if offset + _HEADER.size > len(data):  # a header cut short: a crash while it was written
             truncated = len(data) - offset
             break
-        length, crc = _HEADER.unpack_from(data, offset)
+        length, crc, head_crc = _HEADER.unpack_from(data, offset)
+        if zlib.crc32(data[offset:offset + 8]) != head_crc:
+            if not any(data[offset:]):  # a tail of zeros: space a crash left allocated but unwritten
+                truncated = len(data) - offset
+                break
+            raise ValueError(f"{where}: its header's CRC-32 does not match; the file is damaged")
         end = offset + _HEADER.size + length
         if length == 0 or length > _MAX_RECORD:
             raise ValueError(f"{where}: a record length of {length} bytes (1 to {_MAX_RECORD} expected); the file is damaged")
