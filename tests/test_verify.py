@@ -330,6 +330,9 @@ def test_the_command_exits_0_when_verified_1_when_not_and_2_on_a_bad_path(tmp_pa
     empty.mkdir()
     assert verify.main([str(empty)]) == 2
     assert "no updates.log under" in capsys.readouterr().err
+    updatelog.Writer(empty / "p9" / updatelog.FILENAME).close()  # a peer that stopped before it took any state
+    assert verify.main([str(empty)]) == 2
+    assert "hold no records: no peer of it took a state" in capsys.readouterr().err
 
 
 def test_reference_refuses_a_run_with_weight_decay(tmp_path):

@@ -382,6 +382,9 @@ def verify(path: str | Path, *, impl: str = "auto", progress: Callable[[str], No
         for seg in log.segments:
             run_id = str(seg.start["run_id"])
             runs.setdefault(run_id, _Run(run_id)).add(label, seg)
+    if not runs:
+        raise ValueError(f"the update logs under {root} hold no records: no peer of it took a state "
+                         f"({', '.join(str(f) for f in files[:4])}{', ...' if len(files) > 4 else ''})")
     order = sorted(runs.values(), key=lambda r: r.first())
     wanted = {r.first() for r in order}
     states: dict[tuple[int, str], Any] = {}
