@@ -284,7 +284,6 @@ def _verify_run(run: _Run, root: Path, impl: str, states: dict[tuple[int, str], 
     cfg = load_config_dict(run.config)
     replayer = _Replayer(cfg, impl)
     first, first_digest = run.first()
-    last = max((t + 1 for t in run.decisions), default=first)
     params, source = None, ""
     if first == 0:
         params, source = replayer.initial(), "the config's initial parameters"
