@@ -134,7 +134,7 @@ def _is_key_matrix(x) -> bool:
         return False
 
 
-def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool = False) -> Any:
+def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool = False, impl: str = "auto") -> Any:
     """Apply ``updates``, a sequence of ``(key, coefficient)`` in canonical order, exactly.
 
     Coefficients are rounded on the host (:func:`round_coefficient`). The result is bit-identical
@@ -150,6 +150,9 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
         copy path (``False``) allocates a new set of buffers; on a CPU the first such call keeps
         freed host memory for reuse (:mod:`zeroth.kernels.host_memory`), so later copies do not
         pay page faults again.
+      impl: the kernel of a pytree's replay (:func:`zeroth.kernels.perturb.fused_apply_updates`):
+        ``"auto"`` (the fastest exact path for the platform), ``"native"``, ``"pallas"`` or
+        ``"jnp"``; the same bits. A :class:`Flat` takes ``"auto"`` only.
 
     Example:
       >>> from zeroth.rng import sample_key
@@ -168,13 +171,15 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
         raise ValueError(f"{keys.shape[0]} keys but {len(coefficients)} coefficients")
     scales = update_scales(distribution, coefficients)
     if isinstance(params, Flat):
+        if impl != "auto":
+            raise ValueError(f"a Flat layout replays through its own kernel per buffer; impl must be 'auto', got {impl!r}")
         return _replay_flat(params, keys, scales, distribution, donate)
     if not donate and not _host_memory.decided() and _fused.platform_of(params) == "cpu":
         _host_memory.reuse_freed_host_memory()
     # The fused kernels pick the fastest exact path for the platform the parameters live on
     # (native CPU kernel, Pallas on GPU/TPU, the jnp rule otherwise); every path is held
     # bit-identical to zeroth.reference by the tests.
-    return _fused.fused_apply_updates(params, keys, scales, distribution=distribution, donate=donate)
+    return _fused.fused_apply_updates(params, keys, scales, distribution=distribution, donate=donate, impl=impl)
 
 
 def perturb(params: Any, key, scale: float, *, distribution: str = "binomial", donate: bool = False) -> Any:

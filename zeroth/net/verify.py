@@ -46,9 +46,7 @@ import numpy as np
 from zeroth import reference as _ref
 from zeroth import replay as _replay
 from zeroth import rng as _rng
-from zeroth import zo as _zo
 from zeroth.config import load_config_dict
-from zeroth.kernels import perturb as _fused
 from zeroth.net import protocol as P
 from zeroth.net import state as _state
 from zeroth.net import updatelog as _log
@@ -123,8 +121,6 @@ class _Replayer:
     ``host(params)`` (a copy kept for another run to start from) and ``load(host)``."""
 
     def __init__(self, cfg, impl: str):
-        if impl not in IMPLS:
-            raise ValueError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
         if impl == "reference" and cfg.train.weight_decay:
             raise ValueError(f"--impl reference replays the updates only, and this run has train.weight_decay = "
                              f"{cfg.train.weight_decay}; verify it with --impl auto (or jnp, native)")
@@ -154,18 +150,11 @@ class _Replayer:
 
     def apply(self, params, t: int, entry: P.LogEntry):
         c = entry.commit
-        if self.impl == "auto":  # the peers' own code path
-            return self.worker.apply(params, t, c.contributors, entry.payloads, self.cfg.peers.clip)[0]
+        if self.impl != "reference":  # the peers' own code path ("auto"), or it with another kernel
+            return self.worker.apply(params, t, c.contributors, entry.payloads, self.cfg.peers.clip, impl=self.impl)[0]
         keys, coefficients, _ = self.worker.updates(t, c.contributors, entry.payloads, self.cfg.peers.clip)
-        distribution = self.worker.distribution
-        if self.impl == "reference":
-            ups = list(zip(keys, coefficients.tolist(), strict=True))
-            return {path: _ref.replay_leaf(x, path, ups, distribution) for path, x in params.items()}
-        scales = _replay.update_scales(distribution, coefficients)
-        params = _fused.fused_apply_updates(params, keys, scales, distribution=distribution, donate=True, impl=self.impl)
-        if self.cfg.train.weight_decay:
-            params = _zo.weight_decay(params, self.worker.schedule(t), self.cfg.train.weight_decay, donate=True)
-        return params
+        ups = list(zip(keys, coefficients.tolist(), strict=True))
+        return {path: _ref.replay_leaf(x, path, ups, self.worker.distribution) for path, x in params.items()}
 
 
 # --------------------------------------------------------------------------- checks of the logs

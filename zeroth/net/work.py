@@ -181,10 +181,12 @@ class Worker:
             coeffs[i] = c
         return keys, coeffs, stats
 
-    def apply(self, params, iteration: int, contributors, payloads, clip: float | None = None) -> tuple[Any, dict]:
-        """``(parameters after the decided iteration, per-member statistics)`` (exact; the input buffers are donated)."""
+    def apply(self, params, iteration: int, contributors, payloads, clip: float | None = None, *,
+              impl: str = "auto") -> tuple[Any, dict]:
+        """``(parameters after the decided iteration, per-member statistics)`` (exact; the input buffers
+        are donated; ``impl``: the replay's kernel, :func:`zeroth.replay.replay`)."""
         keys, coeffs, stats = self.updates(iteration, contributors, payloads, clip)
-        params = _replay.replay(params, (keys, coeffs), distribution=self.distribution, donate=True)
+        params = _replay.replay(params, (keys, coeffs), distribution=self.distribution, donate=True, impl=impl)
         if self.cfg.train.weight_decay:
             params = _zo.weight_decay(params, self.schedule(iteration), self.cfg.train.weight_decay, donate=True)
         return params, stats
