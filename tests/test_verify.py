@@ -335,10 +335,19 @@ def test_the_command_exits_0_when_verified_1_when_not_and_2_on_a_bad_path(tmp_pa
     assert "hold no records: no peer of it took a state" in capsys.readouterr().err
 
 
-def test_reference_refuses_a_run_with_weight_decay(tmp_path):
-    cfg = load_config_dict({**CONFIG, "train": {**CONFIG["train"], "weight_decay": 0.01}})
-    with pytest.raises(ValueError, match="train.weight_decay = 0.01"):
-        verify._Replayer(cfg, "reference")
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_a_run_with_weight_decay_verifies_with_the_kernels_and_the_numpy_specification(tmp_path, impl):
+    # d = 1 - 0.05 * 0.5 = 0.975 changes every nonzero weight: a replay without the decay (or
+    # with it at another iteration's rate) reproduces no digest after the first iteration
+    cfg = {**CONFIG, "train": {**CONFIG["train"], "weight_decay": 0.5,
+                               "schedule": {"name": "cosine", "warmup_steps": 2, "init_ratio": 0.5,
+                                                                   "decay_steps": 4, "final_ratio": 0.2}}}
+    final, _ = write_run(tmp_path, Worker(load_config_dict(cfg)), iterations=4)
+    report = verify.verify(tmp_path, impl=impl)
+    assert report.ok, verify.format_report(report)
+    (run,) = report.runs
+    assert run.final_digest == checksum(final)
+    assert [(p.checked, p.agreed) for p in run.peers] == [(5, 5), (5, 5)]
 
 
 def test_wire_round_trip_keeps_what_verify_checks(worker, tmp_path):

@@ -9,6 +9,7 @@ plain, and is the specification the fast jax paths are tested against bit for bi
 * ``leaf_id``: the 32-bit id of a pytree leaf from its path string.
 * ``noise_words`` / ``rademacher`` / ``binomial``: integer-only noise of the contract.
 * ``round_coefficient`` / ``replay``: the exact update rule.
+* ``decay_factor`` / ``decay_leaf``: exact decoupled weight decay, the unit after an iteration's replay.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ __all__ = [
     "update_scale",
     "apply_update",
     "replay_leaf",
+    "DECAY_FLUSH",
+    "decay_factor",
+    "decay_leaf",
     "CANONICAL_NAN_BITS",
     "canonicalize",
     "flush_cast",
@@ -217,6 +221,42 @@ def replay_leaf(leaf: np.ndarray, path: str, updates, distribution: str, dtype=N
         k = noise_int(distribution, leaf_key(key, path), p.size)
         p = apply_update(p, scale, k)
     return flush_cast(p, dtype).reshape(np.shape(leaf))
+
+
+# Weight decay flushes its products below this to +0: every backend rounds a product whose exact
+# value is at least 2**-125 to the same normal float32, and flush-to-zero hardware and gradual
+# underflow disagree only below it.
+DECAY_FLUSH = np.float32(2.0**-125)
+
+
+def decay_factor(lr: float, weight_decay: float) -> np.float32:
+    """``d = float32(1 − η·λ)``: computed in float64, rounded once to float32.
+
+    Raises:
+      ValueError: non-finite values, or ``η·λ`` outside ``[0, 1)`` (d must lie in ``(0, 1]``).
+    """
+    lr, wd = float(lr), float(weight_decay)
+    if not (math.isfinite(lr) and math.isfinite(wd)):
+        raise ValueError(f"lr and weight_decay must be finite, got lr={lr!r}, weight_decay={wd!r}")
+    d = 1.0 - lr * wd
+    if not 0.0 < d <= 1.0:
+        raise ValueError(f"lr * weight_decay must lie in [0, 1), got {lr} * {wd} = {lr * wd}")
+    return np.float32(d)
+
+
+def decay_leaf(leaf: np.ndarray, factor: np.float32) -> np.ndarray:
+    """Exact weight decay of one stored leaf: ``flush_cast(flushd(flush(p32) · d))`` in its dtype.
+
+    The leaf is widened to float32 and flushed as a replay loads it, multiplied once by ``d``
+    (:func:`decay_factor`; one correctly rounded float32 multiply), every result below
+    :data:`DECAY_FLUSH` in magnitude (-0 and the subnormals with it) becomes +0, and the result is
+    cast once to the leaf's dtype.
+    """
+    p = _flush(np.asarray(leaf).astype(np.float32))
+    with np.errstate(under="ignore", over="ignore", invalid="ignore"):
+        x = (p * np.float32(factor)).astype(np.float32)
+    x = np.where(np.abs(x) < DECAY_FLUSH, np.float32(0.0), x).astype(np.float32)
+    return flush_cast(x, np.asarray(leaf).dtype)
 
 
 # The canonical quiet NaN of each leaf dtype, as its unsigned bit pattern.

@@ -98,6 +98,7 @@ import optax
 from zeroth import codecs as _codecs
 from zeroth import layerwise as _layerwise
 from zeroth import noise as _noise
+from zeroth import reference as _ref
 from zeroth import replay as _replay
 from zeroth import rng as _rng
 from zeroth import rule as _rule
@@ -148,7 +149,7 @@ SCALINGS = ("linear", "sqrt")
 # Weight-decay results below this magnitude become +0 (see :func:`decay`): one binade above the
 # smallest normal float32, so backends that flush subnormal products and backends that round
 # them gradually agree.
-DECAY_FLUSH = np.float32(2.0**-125)
+DECAY_FLUSH = _ref.DECAY_FLUSH
 _DISABLED_PASSES = "while-loop-invariant-code-motion"
 _INDIVIDUAL_LIBRARY_OPS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION"
 # Parameters smaller than this are compiled once (base options): choosing among compilations only
@@ -1048,7 +1049,8 @@ def canonical_updates(
 
 
 def decay_factor(lr: float, weight_decay: float) -> np.float32:
-    """``d = float32(1 − η·λ)``, computed in float64 on the host and rounded once to float32.
+    """``d = float32(1 − η·λ)``, computed in float64 on the host and rounded once to float32
+    (:func:`zeroth.reference.decay_factor`).
 
     Raises:
       ValueError: non-finite values, or ``η·λ`` outside ``[0, 1)`` (d must lie in ``(0, 1]``).
@@ -1057,13 +1059,7 @@ def decay_factor(lr: float, weight_decay: float) -> np.float32:
       >>> float(decay_factor(0.5, 0.5))
       0.75
     """
-    lr, wd = float(lr), float(weight_decay)
-    if not (math.isfinite(lr) and math.isfinite(wd)):
-        raise ValueError(f"lr and weight_decay must be finite, got lr={lr!r}, weight_decay={wd!r}")
-    d = 1.0 - lr * wd
-    if not 0.0 < d <= 1.0:
-        raise ValueError(f"lr * weight_decay must lie in [0, 1), got {lr} * {wd} = {lr * wd}")
-    return np.float32(d)
+    return _ref.decay_factor(lr, weight_decay)
 
 
 def decay(params: Any, factor) -> Any:
@@ -1104,7 +1100,7 @@ def weight_decay(params: Any, lr: float, weight_decay: float, *, donate: bool = 
 
     In an iteration it comes after the replay of the iteration's updates. A no-op copy when
     ``weight_decay == 0``. See :func:`decay` for why every backend gives the same bits; the NumPy
-    reference is ``flushd(np.float32(p) * np.float32(d))``.
+    specification is :func:`zeroth.reference.decay_leaf`.
 
     Args:
       params: pytree of f32 / bf16 / f16 arrays.

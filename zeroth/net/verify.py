@@ -121,9 +121,6 @@ class _Replayer:
     ``host(params)`` (a copy kept for another run to start from) and ``load(host)``."""
 
     def __init__(self, cfg, impl: str):
-        if impl == "reference" and cfg.train.weight_decay:
-            raise ValueError(f"--impl reference replays the updates only, and this run has train.weight_decay = "
-                             f"{cfg.train.weight_decay}; verify it with --impl auto (or jnp, native)")
         self.cfg, self.impl = cfg, impl
         self.worker = Worker(cfg)
         self.template = self.worker.template()
@@ -154,7 +151,11 @@ class _Replayer:
             return self.worker.apply(params, t, c.contributors, entry.payloads, self.cfg.peers.clip, impl=self.impl)[0]
         keys, coefficients, _ = self.worker.updates(t, c.contributors, entry.payloads, self.cfg.peers.clip)
         ups = list(zip(keys, coefficients.tolist(), strict=True))
-        return {path: _ref.replay_leaf(x, path, ups, self.worker.distribution) for path, x in params.items()}
+        params = {path: _ref.replay_leaf(x, path, ups, self.worker.distribution) for path, x in params.items()}
+        if self.cfg.train.weight_decay:  # the iteration's second unit, at the iteration's learning rate
+            d = _ref.decay_factor(self.worker.schedule(t), self.cfg.train.weight_decay)
+            params = {path: _ref.decay_leaf(x, d) for path, x in params.items()}
+        return params
 
 
 # --------------------------------------------------------------------------- checks of the logs
