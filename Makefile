@@ -53,11 +53,12 @@ install-dev:
 	$(MAKE) -j$(INSTALL_JOBS) --output-sync=target $(VENV)/.installed-dev
 
 ## The main job: a real decentralized Just One Byte run (3 peers on 127.0.0.1, digits, one byte per projected gradient),
-## then its proof: every peer's update log replayed on this machine reproduces every digest the peers recorded.
+## then its proof: every peer's update log replayed on this machine reproduces every digest the peers recorded,
+## and (with the run secret the launcher wrote) every key that signed a decision is one of the run's own peers'.
 job: install
 	$(BIN)/zeroth doctor
 	$(BIN)/zeroth run $(JOB) --out $(OUT)
-	$(BIN)/zeroth verify $(OUT)
+	$(BIN)/zeroth verify $(OUT) $$(test -f $(OUT)/run.secret && echo --secret-file $(OUT)/run.secret)
 
 ## The tests (unit, property, end-to-end on 127.0.0.1, notebooks).
 test: install-dev

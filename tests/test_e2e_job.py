@@ -24,6 +24,7 @@ from zeroth.net import launch
 from zeroth.net.verify import format_report, verify
 from zeroth.train.metrics import check_schema
 from zeroth.transport import security
+from zeroth.transport.identity import read_secret
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -127,9 +128,12 @@ def test_zeroth_run_with_a_join_and_a_kill(tmp_path):
     assert any(killed_id in r["contributors"] for r in its[:80]) and killed_id not in its[-1]["contributors"]
     # Every peer's update log, replayed here by the peers' own path and by the NumPy specification,
     # reproduces every digest it recorded, the joiner's from its download and the killed peer's to its end.
+    secret = read_secret(out / "run.secret")
     for impl in ("auto", "reference"):
-        report = verify(out, impl=impl)
+        # with the run secret: every key that signed a decision is one a peer of this run proved it owned
+        report = verify(out, impl=impl, secret=secret)
         assert report.ok, format_report(report)
+        assert report.runs[0].keys_proven == 4  # two founders, the joiner, the killed founder
         (run,) = report.runs
         assert run.first == 0 and run.last == 120 and run.final_digest == s["final_digest"]
         logs = {p.log: p for p in run.peers}

@@ -17,6 +17,7 @@ import yaml
 
 from zeroth.net.chaos import Cluster
 from zeroth.net.verify import format_report, verify
+from zeroth.transport.identity import read_secret
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -100,8 +101,9 @@ def test_pause_restart_on_the_same_port_and_lost_majority(tmp_path):
         assert all(len(d) == 1 for d in seen.values())
         # ... and every peer's update log, the paused peer's two memberships and the restarted
         # one's included, replays here to every digest it recorded
-        report = verify(tmp_path)
+        report = verify(tmp_path, secret=read_secret(c.secret_file))
         assert report.ok, format_report(report)
+        assert report.runs[0].keys_proven >= 5  # p3's second membership signs with a key of its own
         assert len(report.runs) == 1 and {p.log for p in report.runs[0].peers} == {"p0", "p1", "p2", "p3", "p3b"}
         assert len({p.log: p for p in report.runs[0].peers}["p3"].starts) == 2  # it took the state twice
     finally:

@@ -22,9 +22,10 @@ from zeroth.net.proto import peer_pb2 as pb
 from zeroth.net.state import save_state
 from zeroth.net.work import Worker
 from zeroth.replay import checksum
-from zeroth.transport.identity import Identity
+from zeroth.transport.identity import Identity, log_proof
 
 RUN = "verify-0123456789ab"
+SECRET = "the-run-secret-of-these-tests"
 HEADER = 12  # a record's header: length, CRC-32 of the body, CRC-32 of the first 8 bytes
 CONFIG = {
     "run": {"name": "verify", "seed": 3},
@@ -44,16 +45,19 @@ def _own(params):
     return jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True), params)
 
 
-def write_run(root, worker, *, iterations=6, machines=(0, 1), run_id=RUN, start=0, params=None, previous=b""):
-    """What each peer of ``machines`` logs over ``iterations`` decided iterations from ``start``;
-    returns the state reached and the chain digest of the last decision."""
+def write_run(root, worker, *, iterations=6, machines=(0, 1), run_id=RUN, start=0, params=None, previous=b"", secret=SECRET):
+    """What each peer of ``machines`` logs over ``iterations`` decided iterations from ``start``
+    (each START naming the peer's key with its proof of ``secret``, none if None); returns the
+    state reached and the chain digest of the last decision."""
     cfg = to_dict(worker.cfg)
     ids = {m: Identity.generate() for m in machines}
     members = tuple(P.Member(m, f"127.0.0.1:{7000 + m}", True, ids[m].public) for m in machines)
     params = _own(worker.initial_params() if params is None else params)
     writers = {m: updatelog.Writer(root / "peers" / f"p{m}" / updatelog.FILENAME) for m in machines}
     for m, w in writers.items():
-        w.start(run_id=run_id, iteration=start, digest=checksum(params), reason="initial" if start == 0 else "resumed", config=cfg)
+        key = ids[m].public
+        w.start(run_id=run_id, iteration=start, digest=checksum(params), reason="initial" if start == 0 else "resumed",
+                config=cfg, key=key, proof=log_proof(secret, run_id, key) if secret else b"")
     for t in range(start, start + iterations):
         pushed = [(m, *worker.compute(params, m, t)[:2]) for m in machines]
         contributors = tuple((m, n) for m, n, _ in pushed)
@@ -183,6 +187,18 @@ def test_a_log_cut_anywhere_reads_as_the_records_before_the_cut(a_log, tmp_path_
     whole = sum(e <= cut for e in ends(data))
     assert flat(log) == want[:whole]
     assert log.truncated == (cut % 3 * 40) + cut - ([len(updatelog.MAGIC), *ends(data)][whole])
+
+
+@pytest.mark.parametrize("into", [1, HEADER - 1, HEADER + 1, 200])
+def test_a_record_cut_short_then_zeros_reaching_past_its_end_is_a_crash_not_damage(a_log, tmp_path, into):
+    # a power loss in the middle of a record: its first bytes on disk, then zeros the file system
+    # left, more of them than the record was long (its length, read from a whole header, lies inside them)
+    data, want = a_log
+    start = [len(updatelog.MAGIC), *ends(data)][1]  # the second record
+    path = tmp_path / updatelog.FILENAME
+    path.write_bytes(data[:start + into] + bytes(8192))
+    log = updatelog.read(path)
+    assert flat(log) == want[:1] and log.truncated == into + 8192
 
 
 @settings(max_examples=60)
@@ -333,6 +349,66 @@ def test_the_command_exits_0_when_verified_1_when_not_and_2_on_a_bad_path(tmp_pa
     updatelog.Writer(empty / "p9" / updatelog.FILENAME).close()  # a peer that stopped before it took any state
     assert verify.main([str(empty)]) == 2
     assert "hold no records: no peer of it took a state" in capsys.readouterr().err
+
+
+def test_the_run_secret_proves_that_the_runs_own_processes_signed_every_decision(tmp_path, worker):
+    write_run(tmp_path, worker)
+    report = verify.verify(tmp_path, secret=SECRET)
+    assert report.ok and report.runs[0].keys_proven == 2, verify.format_report(report)
+    assert "authorship  2 signing keys, each proven to be held by a process with the run secret" in verify.format_report(report)
+    # another secret: no START's proof matches it, and no signing key is proven
+    other = verify.verify(tmp_path, secret="another-secret")
+    assert not other.ok and other.runs[0].keys_proven == 0
+    problems = other.runs[0].problems
+    assert sum("with a proof that does not match the run secret" in p for p in problems) == 2
+    assert {p.split(" signs")[0] for p in problems if "no log proves" in p} == {"machine 0", "machine 1"}
+    # without the secret, authorship is left unchecked and said to be
+    plain = verify.verify(tmp_path)
+    assert plain.ok and plain.runs[0].keys_proven is None
+    assert "authorship  not checked" in verify.format_report(plain)
+
+
+def test_a_log_made_up_with_keys_of_its_makers_own_verifies_only_without_the_secret(tmp_path, worker):
+    # consistent in every respect (signatures, digests, replay), made by someone without the secret
+    write_run(tmp_path, worker, secret=None)
+    assert verify.verify(tmp_path).ok
+    forged = verify.verify(tmp_path, secret=SECRET)
+    assert not forged.ok and forged.runs[0].keys_proven == 0
+    assert sum("without a proof of the run secret" in p for p in forged.runs[0].problems) == 2
+    # ... and a real run's log with a proof copied from another START: the proof is bound to its key
+    real = tmp_path / "real"
+    write_run(real, worker)
+    path = real / "peers" / "p1" / updatelog.FILENAME
+    recs = records(path.read_bytes())
+    p0_start = json.loads(records((real / "peers" / "p0" / updatelog.FILENAME).read_bytes())[0][1])
+    start = json.loads(recs[0][1])
+    recs[0] = (updatelog.START, json.dumps({**start, "proof": p0_start["proof"]}, sort_keys=True).encode())
+    rewrite(path, recs)
+    copied = verify.verify(real, secret=SECRET)
+    assert not copied.ok and copied.runs[0].keys_proven == 1
+    assert any(p.startswith("machine 1 signs from iteration 0") for p in copied.runs[0].problems)
+
+
+def test_a_signing_peer_whose_log_is_missing_is_named(tmp_path, worker):
+    write_run(tmp_path, worker)
+    (tmp_path / "peers" / "p1" / updatelog.FILENAME).unlink()
+    report = verify.verify(tmp_path, secret=SECRET)
+    assert not report.ok and report.runs[0].keys_proven == 1
+    assert [p for p in report.runs[0].problems if "no log proves" in p] == [
+        "machine 1 signs from iteration 0 with a key that no log proves to be held by a process with the run secret: "
+        "its decisions are not shown to be this run's"]
+    assert verify.verify(tmp_path).ok  # the remaining log alone still reproduces
+
+
+def test_the_command_reads_the_secret_file(tmp_path, worker, capsys):
+    write_run(tmp_path, worker)
+    (tmp_path / "run.secret").write_text(SECRET + "\n")
+    (tmp_path / "wrong.secret").write_text("wrong\n")
+    assert verify.main([str(tmp_path), "--secret-file", str(tmp_path / "run.secret")]) == 0
+    assert "2 signing keys, each proven" in capsys.readouterr().out
+    assert verify.main([str(tmp_path), "--secret-file", str(tmp_path / "wrong.secret")]) == 1
+    assert verify.main([str(tmp_path), "--secret-file", str(tmp_path / "missing.secret")]) == 2
+    assert "missing.secret" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("impl", ["auto", "reference"])

@@ -518,5 +518,6 @@ def _print_summary(s: dict[str, Any], cfg: Config, out: Path) -> None:
     if logs:
         size = sum(p.stat().st_size for p in logs)
         lines.append(f"  update logs         {len(logs)} ({_fmt_bytes(size)}, peers/p*/{_updatelog.FILENAME}); "
-                     f"replay them on any machine: zeroth verify {out}")
+                     f"replay them on any machine: zeroth verify {out}"
+                     + (f" --secret-file {out / 'run.secret'}" if (out / "run.secret").is_file() else ""))
     print("\n".join(lines), flush=True)

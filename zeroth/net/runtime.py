@@ -394,9 +394,11 @@ class Node:
         return view, [self.address] + sources
 
     def log_start(self, iteration: int, digest: str, reason: str) -> None:
-        """Open a segment of the update log: this process now holds the state at the start of ``iteration``."""
-        self._updates.start(run_id=self._pp.run_id, iteration=iteration, digest=digest, reason=reason,
-                            config=to_dict(self.cfg))
+        """Open a segment of the update log: this process now holds the state at the start of ``iteration``
+        and signs with its identity's key, which the segment names with the proof that it holds the run secret."""
+        run_id, key = self._pp.run_id, self.identity.public
+        self._updates.start(run_id=run_id, iteration=iteration, digest=digest, reason=reason, config=to_dict(self.cfg),
+                            key=key, proof=_id.log_proof(self.secret, run_id, key) if self.secret else b"")
 
     def queue_repair(self, rep: Repair) -> None:
         self._work.put((self.incarnation, rep))

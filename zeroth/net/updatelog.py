@@ -11,8 +11,11 @@ body, whose first byte is its kind:
 
 * :data:`START` (``0x01``), a JSON object: this process took the state at the start of
   ``iteration`` with digest ``digest`` (hex) for run ``run_id``, ``reason`` saying how
-  (``"initial"``, ``"resumed"``, ``"downloaded"``), and ``config``, the run's whole config
-  (:func:`zeroth.config.to_dict`), so a log needs nothing else to be replayed;
+  (``"initial"``, ``"resumed"``, ``"downloaded"``), ``config``, the run's whole config
+  (:func:`zeroth.config.to_dict`), so a log needs nothing else to be replayed, and ``key``, the
+  Ed25519 public key (hex) this process signs with from then on, with ``proof``
+  (:func:`zeroth.transport.identity.log_proof`, hex; empty in a run without a secret): that a
+  process holding the run secret owns the key;
 * :data:`ENTRY` (``0x02``): the SHA-256 (32 bytes) of the state after the iteration, then the
   decided iteration as the wire carries it (a ``zeroth.v1.LogEntry``: the signed commit and every
   contributor's signed payload).
@@ -20,7 +23,8 @@ body, whose first byte is its kind:
 Records are appended and flushed to the operating system one by one: a peer killed at any point
 loses nothing it applied, and a record cut short by a crash of the machine is the last one, which
 :func:`read` reports and leaves out (a header or body that runs past the end of the file, a last
-body whose CRC fails, or a tail of zero bytes, as a file system can leave after a power loss). A
+body whose CRC fails, either of them followed by nothing or by zero bytes, as a file system can
+leave after a power loss). A
 process that starts again in the same folder (a resumed run) appends after a START of its own. Any
 other damage is an error naming the file, the record and its offset: a header whose own CRC fails
 (so a changed length is never read as a record cut short), a body whose CRC fails with records
@@ -114,10 +118,13 @@ class Writer:
             self._f.close()
             raise
 
-    def start(self, *, run_id: str, iteration: int, digest: str, reason: str, config: dict) -> None:
-        """A START record: this process holds the state at the start of ``iteration`` (digest hex)."""
+    def start(self, *, run_id: str, iteration: int, digest: str, reason: str, config: dict, key: bytes = b"",
+              proof: bytes = b"") -> None:
+        """A START record: this process holds the state at the start of ``iteration`` (digest hex)
+        and signs with ``key`` (``proof``: :func:`zeroth.transport.identity.log_proof` of it)."""
         body = json.dumps({"run_id": run_id, "iteration": int(iteration), "digest": digest, "reason": reason,
-                           "config": config}, sort_keys=True).encode()
+                           "config": config, "key": bytes(key).hex(), "proof": bytes(proof).hex()},
+                          sort_keys=True).encode()
         self._append(bytes([START]) + body)
 
     def applied(self, entry: P.LogEntry, digest: str) -> None:
@@ -191,6 +198,9 @@ def read(path: str | os.PathLike) -> Log:
     segments: list[tuple[dict, list[Applied]]] = []
     offset, n = len(MAGIC), 0
     truncated = 0
+    # the end of the file's last nonzero byte: a record being written when the machine crashed
+    # is a prefix of it followed by nothing or by zeros (space the file system left unwritten)
+    written = len(data.rstrip(b"\0"))
     while offset < len(data):
         n += 1
         where = f"{path}: record {n} at byte {offset}"
@@ -199,7 +209,7 @@ def read(path: str | os.PathLike) -> Log:
             break
         length, crc, head_crc = _HEADER.unpack_from(data, offset)
         if zlib.crc32(data[offset:offset + 8]) != head_crc:
-            if not any(data[offset:]):  # a tail of zeros: space a crash left allocated but unwritten
+            if written < offset + _HEADER.size:  # a header cut short, or nothing, then zeros: a crash
                 truncated = len(data) - offset
                 break
             raise ValueError(f"{where}: its header's CRC-32 does not match; the file is damaged")
@@ -211,7 +221,7 @@ def read(path: str | os.PathLike) -> Log:
             break
         body = data[offset + _HEADER.size:end]
         if zlib.crc32(body) != crc:
-            if end == len(data):  # the last record, its bytes not all on disk: a crash while it was written
+            if end >= written:  # the last record, its bytes not all on disk: a crash while it was written
                 truncated = len(data) - offset
                 break
             raise ValueError(f"{where}: its CRC-32 does not match its {length} bytes; the file is damaged")

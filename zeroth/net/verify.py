@@ -19,7 +19,13 @@ run id:
 4. replays that chain with this machine's exact rule (``impl``: the peers' own path, ``auto``; a
    kernel of :mod:`zeroth.kernels.perturb`; or ``reference``, the NumPy specification of
    :mod:`zeroth.reference`, which shares no code with the kernels) and compares the digest after
-   each iteration with every digest a peer recorded for it.
+   each iteration with every digest a peer recorded for it;
+5. with the run secret (``--secret-file OUT/run.secret``), checks that every key that signed a
+   decision of that chain is named by the START record of some log with a valid
+   :func:`zeroth.transport.identity.log_proof`: the processes that signed held the secret. Without
+   it, the keys come from the logs' own views, which proves the log consistent and the parameters
+   its consequence, but not whose log it is: a log made up whole, with keys of its maker's own,
+   would verify.
 
 A run verifies when every recorded digest on its chain is reproduced and no check failed: the
 parameters its peers held follow, bit for bit, from its log on this machine's backend.
@@ -28,6 +34,7 @@ Example (the main job, then its proof on this machine):
   $ zeroth run experiments/job_digits.yaml --out runs/job
   $ zeroth verify runs/job
   $ zeroth verify runs/job --impl reference        # the NumPy specification instead of the kernels
+  $ zeroth verify runs/job --secret-file runs/job/run.secret   # and that the run's own peers signed it
 """
 
 from __future__ import annotations
@@ -84,6 +91,7 @@ class RunCheck(NamedTuple):
     commits_signed: int  # commits whose signature was checked
     pushes_signed: int
     problems: tuple[str, ...]
+    keys_proven: int | None = None  # signing keys on the chain proven by the run secret (None: not checked)
 
     @property
     def ok(self) -> bool:
@@ -180,6 +188,7 @@ class _Run:
         self.decisions: dict[int, dict[bytes, tuple[P.LogEntry, list[str]]]] = {}  # t -> chain -> (entry, logs)
         self.records: dict[str, list[tuple[int, bytes | None, str]]] = {}  # log -> [(t, chain or None for a START, digest)]
         self.starts: dict[str, list[tuple[int, str, str]]] = {}  # log -> [(iteration, reason, digest)]
+        self.owned: list[tuple[str, int, bytes, bytes]] = []  # (log, iteration, key, proof) of each START
         self.problems: list[str] = []
 
     def add(self, log: str, seg: _log.Segment) -> None:
@@ -190,6 +199,10 @@ class _Run:
             self.problems.append(f"{log}: its config for run {self.run_id} differs from another log's")
         it, digest = int(s["iteration"]), str(s["digest"])
         self.starts.setdefault(log, []).append((it, str(s["reason"]), digest))
+        try:
+            self.owned.append((log, it, bytes.fromhex(str(s.get("key", ""))), bytes.fromhex(str(s.get("proof", "")))))
+        except ValueError:
+            self.problems.append(f"{log}: the START at iteration {it} names a key or proof that is not hex")
         recs = self.records.setdefault(log, [])
         recs.append((it, None, digest))
         for a in seg.applied:
@@ -256,6 +269,36 @@ class _Run:
         return commits, pushes
 
 
+    def check_authorship(self, secret: str, chain: dict[int, bytes]) -> int:
+        """Check that every key that signed a decision of ``chain`` belongs to a process that held
+        ``secret``: a START record of some log names it with a valid
+        :func:`zeroth.transport.identity.log_proof`. Returns how many signing keys were proven."""
+        proven = set()
+        for log, it, key, proof in self.owned:
+            if not key:
+                continue
+            if _id.check_log_proof(secret, proof, self.run_id, key):
+                proven.add(key)
+            else:
+                self.problems.append(f"{log}: the START at iteration {it} names key {key.hex()[:16]}... "
+                                     + ("without a proof of the run secret" if not proof
+                                        else "with a proof that does not match the run secret"))
+        keys = self.keys()
+        if not any(keys.values()):
+            self.problems.append(f"run {self.run_id} is not signed (peers.insecure): no key to prove against the run secret")
+            return 0
+        signers: dict[bytes, tuple[int, int]] = {}  # key -> (machine, first iteration it signs)
+        for t, c in sorted(chain.items()):
+            commit = self.decisions[t][c][0].commit
+            for m in (commit.sender, *(m for m, _ in commit.contributors)):
+                signers.setdefault(keys.get(m, b""), (m, t))
+        for key, (m, t) in signers.items():
+            if key not in proven:
+                self.problems.append(f"machine {m} signs from iteration {t} with a key that no log proves to be held by "
+                                     f"a process with the run secret: its decisions are not shown to be this run's")
+        return sum(key in proven for key in signers)
+
+
 def _checkpoints(root: Path) -> dict[tuple[int, str], Path]:
     """Saved states below ``root``: ``{(iteration, digest): folder}`` (unreadable ones are left out)."""
     out = {}
@@ -269,7 +312,7 @@ def _checkpoints(root: Path) -> dict[tuple[int, str], Path]:
 
 
 def _verify_run(run: _Run, root: Path, impl: str, states: dict[tuple[int, str], Any], wanted: set[tuple[int, str]],
-                progress: Callable[[str], None]) -> RunCheck:
+                progress: Callable[[str], None], secret: str | None) -> RunCheck:
     problems = run.problems
     cfg = load_config_dict(run.config)
     replayer = _Replayer(cfg, impl)
@@ -290,6 +333,7 @@ def _verify_run(run: _Run, root: Path, impl: str, states: dict[tuple[int, str], 
         return _report(run, source, first, first, None, {}, {}, 0, 0)
     commits, pushes = run.check_signatures()
     chain = run.chain(first)
+    proven = None if secret is None else run.check_authorship(secret, chain)
     last = max(chain, default=first - 1) + 1
     digests: dict[int, str] = {}
     last_say = time.monotonic()
@@ -310,11 +354,11 @@ def _verify_run(run: _Run, root: Path, impl: str, states: dict[tuple[int, str], 
     if last < newest:
         problems.append(f"the decisions stop continuing one another at iteration {last} (logs reach {newest}): "
                         f"no log holds a decision of iteration {last} that continues the one before it")
-    return _report(run, source, first, last, digests.get(last), digests, chain, commits, pushes)
+    return _report(run, source, first, last, digests.get(last), digests, chain, commits, pushes, proven)
 
 
 def _report(run: _Run, source: str, first: int, last: int, final: str | None, digests: dict[int, str],
-            chain: dict[int, bytes], commits: int, pushes: int) -> RunCheck:
+            chain: dict[int, bytes], commits: int, pushes: int, proven: int | None = None) -> RunCheck:
     peers = []
     for log, recs in sorted(run.records.items()):
         checked = agreed = replaced = beyond = 0
@@ -337,10 +381,11 @@ def _report(run: _Run, source: str, first: int, last: int, final: str | None, di
         its = [t for t, _, _ in recs]
         peers.append(PeerCheck(log, tuple((it, reason) for it, reason, _ in run.starts[log]), min(its), max(its),
                                checked, agreed, mismatch, replaced, replaced_at))
-    return RunCheck(run.run_id, source, first, last, final, tuple(peers), commits, pushes, tuple(run.problems))
+    return RunCheck(run.run_id, source, first, last, final, tuple(peers), commits, pushes, tuple(run.problems), proven)
 
 
-def verify(path: str | Path, *, impl: str = "auto", progress: Callable[[str], None] | None = None) -> Report:
+def verify(path: str | Path, *, impl: str = "auto", progress: Callable[[str], None] | None = None,
+           secret: str | None = None) -> Report:
     """Verify every run whose update logs lie at ``path`` (see the module docstring).
 
     Args:
@@ -348,6 +393,9 @@ def verify(path: str | Path, *, impl: str = "auto", progress: Callable[[str], No
       impl: ``"auto"`` (the peers' own replay), ``"native"``, ``"pallas"``, ``"jnp"`` (a kernel
         of :func:`zeroth.kernels.perturb.fused_apply_updates`) or ``"reference"`` (NumPy).
       progress: called with a line now and then on long replays.
+      secret: the run secret (``OUT/run.secret``): also check that every key that signed a
+        decision the replay follows is proven, by the START record of the log of the process that
+        held it, to belong to a process with this secret (step 5 of the module docstring).
 
     Raises:
       FileNotFoundError: no such file or folder, or no update log in it.
@@ -378,7 +426,7 @@ def verify(path: str | Path, *, impl: str = "auto", progress: Callable[[str], No
     wanted = {r.first() for r in order}
     states: dict[tuple[int, str], Any] = {}
     say = progress or (lambda _line: None)
-    checks = tuple(_verify_run(r, base, impl, states, wanted, say) for r in order)
+    checks = tuple(_verify_run(r, base, impl, states, wanted, say, secret) for r in order)
     return Report(str(root), impl, jax.default_backend(), checks, tuple(notes), time.monotonic() - t0)
 
 
@@ -402,6 +450,10 @@ def format_report(r: Report) -> str:
             lines.append(f"    signatures  {run.commits_signed} commits and {run.pushes_signed} payloads checked")
         else:
             lines.append("    signatures  none (an unsigned run)")
+        if run.keys_proven is None:
+            lines.append("    authorship  not checked (give --secret-file: each signing key's proof of the run secret)")
+        elif run.keys_proven:
+            lines.append(f"    authorship  {run.keys_proven} signing keys, each proven to be held by a process with the run secret")
         if run.final_digest:
             lines.append(f"    final digest {run.final_digest}")
         lines += [f"    PROBLEM: {p}" for p in run.problems]
@@ -426,10 +478,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impl", default="auto", choices=IMPLS,
                     help="the exact rule to replay with: auto (the peers' own path on this machine), a kernel "
                          "(native, pallas, jnp) or reference (the NumPy specification); default auto")
+    ap.add_argument("--secret-file", default=None, metavar="FILE",
+                    help="the run secret (OUT/run.secret): also prove that every signing key belongs to a process "
+                         "that held it, so a log made with anybody else's keys does not verify")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     args = ap.parse_args(argv)
     try:
-        report = verify(args.path, impl=args.impl, progress=lambda line: print(f"[zeroth verify] {line}", file=sys.stderr))
+        secret = _id.read_secret(args.secret_file) if args.secret_file else None
+        report = verify(args.path, impl=args.impl, secret=secret,
+                        progress=lambda line: print(f"[zeroth verify] {line}", file=sys.stderr))
     except (FileNotFoundError, ValueError) as e:
         print(f"zeroth verify: {e}", file=sys.stderr)
         return 2

@@ -56,6 +56,8 @@ __all__ = [
     "launch_env",
     "join_proof",
     "check_join_proof",
+    "log_proof",
+    "check_log_proof",
     "verify",
     "request_bytes",
     "ReplayGuard",
@@ -144,6 +146,18 @@ def join_proof(secret: str, config_digest: str, address: str, key: bytes) -> byt
 def check_join_proof(secret: str, proof: bytes, config_digest: str, address: str, key: bytes) -> bool:
     """Constant-time check of :func:`join_proof`."""
     return hmac.compare_digest(bytes(proof), join_proof(secret, config_digest, address, key))
+
+
+def log_proof(secret: str, run_id: str, key: bytes) -> bytes:
+    """A peer's proof, written into its update log, that the process signing with ``key`` held the
+    run secret: what lets ``zeroth verify --secret-file`` tell a run's own log from one made
+    with keys of somebody else's (:mod:`zeroth.net.verify`)."""
+    return _mac(secret, "zeroth-log-v1", run_id, bytes(key))
+
+
+def check_log_proof(secret: str, proof: bytes, run_id: str, key: bytes) -> bool:
+    """Constant-time check of :func:`log_proof`."""
+    return hmac.compare_digest(bytes(proof), log_proof(secret, run_id, key))
 
 
 def request_bytes(method: str, run_id: str, sender: int, seq: int, *fields) -> bytes:
