@@ -134,6 +134,9 @@ def test_zeroth_run_with_a_join_and_a_kill(tmp_path):
         report = verify(out, impl=impl, secret=secret)
         assert report.ok, format_report(report)
         assert report.runs[0].keys_proven == 4  # two founders, the joiner, the killed founder
+        # every checkpoint the peers saved holds the replay's state at its iteration
+        saved = list(out.rglob("state.json"))
+        assert saved and report.runs[0].states_agreed == len(saved)
         (run,) = report.runs
         assert run.first == 0 and run.last == 120 and run.final_digest == s["final_digest"]
         logs = {p.log: p for p in run.peers}

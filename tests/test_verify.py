@@ -7,6 +7,7 @@ tests (``test_e2e_job.py``, ``test_peer_resume.py``) verify the logs of real pee
 """
 
 import json
+import shutil
 import struct
 
 import jax
@@ -330,6 +331,43 @@ def test_a_resumed_run_starts_from_the_state_the_first_run_reached(tmp_path, wor
     alone = verify.verify(tmp_path / "second")
     assert alone.ok, verify.format_report(alone)
     assert alone.runs[0].source == f"the checkpoint {tmp_path / 'second' / 'checkpoints' / 'b'}"
+
+
+def test_every_saved_state_of_the_run_is_compared_with_the_replay(tmp_path, worker):
+    final, _ = write_run(tmp_path, worker, iterations=4)
+    middle, _ = write_run(tmp_path / "elsewhere", worker, iterations=2)  # the state at the start of iteration 2
+    for peer in ("p0", "p1"):
+        save_state(tmp_path / "peers" / peer / "checkpoints" / "4", final, iteration=4, run_id=RUN,
+                   digest=checksum(final), reason="done")
+    save_state(tmp_path / "peers" / "p0" / "checkpoints" / "2", middle, iteration=2, run_id=RUN,
+               digest=checksum(middle), reason="checkpoint_every")
+    save_state(tmp_path / "other-run", middle, iteration=2, run_id="another-run", digest=checksum(middle), reason="done")
+    shutil.rmtree(tmp_path / "elsewhere")
+    report = verify.verify(tmp_path)
+    assert report.ok and report.runs[0].states_agreed == 3, verify.format_report(report)
+    assert "saved states 3 (checkpoints), each the replay's state at its iteration" in verify.format_report(report)
+    # a model file that is not what the log gives at its iteration: named, and the run does not verify
+    save_state(tmp_path / "peers" / "p1" / "checkpoints" / "3", middle, iteration=3, run_id=RUN,
+               digest=checksum(middle), reason="checkpoint_every")
+    bad = verify.verify(tmp_path)
+    assert not bad.ok and bad.runs[0].states_agreed == 3
+    assert [p for p in bad.runs[0].problems if "saved state" in p] == [
+        f"the saved state peers/p1/checkpoints/3 (iteration 3) has digest {checksum(middle)[:16]}, "
+        f"the replay's state there {_replay_digest(tmp_path, 3)[:16]}"]
+    # ... and one beyond the replay's end, or whose files do not read back (a note, not a failure)
+    save_state(tmp_path / "peers" / "p1" / "checkpoints" / "3", final, iteration=9, run_id=RUN, digest=checksum(final),
+               reason="done")
+    (tmp_path / "peers" / "p0" / "checkpoints" / "2" / "state.bin").write_bytes(b"cut")
+    again = verify.verify(tmp_path)
+    assert "the saved state peers/p1/checkpoints/3 (iteration 9) lies outside what the replay reached" in again.runs[0].problems
+    assert any(n.startswith("peers/p0/checkpoints/2: a saved state that does not read back") for n in again.notes)
+    assert again.runs[0].states_agreed == 2
+
+
+def _replay_digest(root, iteration):
+    """The digest p0 recorded for the state at the start of ``iteration``."""
+    (seg,) = updatelog.read(root / "peers" / "p0" / updatelog.FILENAME).segments
+    return seg.applied[iteration - 1].digest
 
 
 def test_the_command_exits_0_when_verified_1_when_not_and_2_on_a_bad_path(tmp_path, worker, capsys):

@@ -25,7 +25,10 @@ run id:
    :func:`zeroth.transport.identity.log_proof`: the processes that signed held the secret. Without
    it, the keys come from the logs' own views, which proves the log consistent and the parameters
    its consequence, but not whose log it is: a log made up whole, with keys of its maker's own,
-   would verify.
+   would verify;
+6. loads every saved state of the run below the folder (the peers' checkpoints, ``state.json``
+   and ``state.bin``) and compares its content's digest with the replay's state at its
+   iteration: the model files a run leaves are the parameters its log gives.
 
 A run verifies when every recorded digest on its chain is reproduced and no check failed: the
 parameters its peers held follow, bit for bit, from its log on this machine's backend.
@@ -92,6 +95,7 @@ class RunCheck(NamedTuple):
     pushes_signed: int
     problems: tuple[str, ...]
     keys_proven: int | None = None  # signing keys on the chain proven by the run secret (None: not checked)
+    states_agreed: int = 0  # saved states of the run (checkpoints) whose content is the replay's state
 
     @property
     def ok(self) -> bool:
@@ -299,20 +303,53 @@ class _Run:
         return sum(key in proven for key in signers)
 
 
-def _checkpoints(root: Path) -> dict[tuple[int, str], Path]:
-    """Saved states below ``root``: ``{(iteration, digest): folder}`` (unreadable ones are left out)."""
-    out = {}
+class _Saved(NamedTuple):
+    """A saved state below the verified folder (:func:`zeroth.net.state.save_state`) whose files check."""
+
+    folder: Path
+    run_id: str
+    iteration: int
+    digest: str
+
+
+def _saved_states(root: Path) -> tuple[list[_Saved], list[str]]:
+    """Every saved state below ``root`` whose files check, and a note for each ``state.json`` that does not."""
+    out, notes = [], []
     for meta in sorted(root.rglob("state.json")) if root.is_dir() else []:
         try:
             info = _state.check_state(meta.parent)
-        except (OSError, ValueError):  # damaged or not a saved state: another may hold the same
+        except (OSError, ValueError) as e:  # damaged, or not a saved state: another may hold the same
+            notes.append(f"{meta.parent.relative_to(root)}: a saved state that does not read back, left out ({e})")
             continue
-        out.setdefault((int(info["iteration"]), str(info["digest"])), meta.parent)
-    return out
+        out.append(_Saved(meta.parent, str(info.get("run_id", "")), int(info["iteration"]), str(info["digest"])))
+    return out, notes
+
+
+def _check_saved(run: _Run, saved: list[_Saved], root: Path, template, digests: dict[int, str]) -> int:
+    """Compare every saved state of ``run`` with the replay's state at its iteration: its content's
+    digest (:func:`zeroth.net.state.load_state` recomputes it) must be the replay's. Returns how many agree."""
+    agreed = 0
+    for s in saved:
+        if s.run_id != run.run_id:
+            continue
+        where = f"the saved state {s.folder.relative_to(root)} (iteration {s.iteration})"
+        if s.iteration not in digests:
+            run.problems.append(f"{where} lies outside what the replay reached")
+            continue
+        try:
+            _, _, digest = _state.load_state(s.folder, template)
+        except (OSError, ValueError) as e:
+            run.problems.append(f"{where} does not load: {e}")
+            continue
+        if digest != digests[s.iteration]:
+            run.problems.append(f"{where} has digest {digest[:16]}, the replay's state there {digests[s.iteration][:16]}")
+        else:
+            agreed += 1
+    return agreed
 
 
 def _verify_run(run: _Run, root: Path, impl: str, states: dict[tuple[int, str], Any], wanted: set[tuple[int, str]],
-                progress: Callable[[str], None], secret: str | None) -> RunCheck:
+                progress: Callable[[str], None], secret: str | None, saved: list[_Saved]) -> RunCheck:
     problems = run.problems
     cfg = load_config_dict(run.config)
     replayer = _Replayer(cfg, impl)
@@ -323,10 +360,15 @@ def _verify_run(run: _Run, root: Path, impl: str, states: dict[tuple[int, str], 
     elif (first, first_digest) in states:
         params, source = replayer.load(states[(first, first_digest)]), f"the state another run of {root} reached at iteration {first}"
     else:
-        folder = _checkpoints(root).get((first, first_digest))
-        if folder is not None:
-            host, _, _ = _state.load_state(folder, replayer.template)
-            params, source = replayer.load(host), f"the checkpoint {folder}"
+        for s in saved:  # a saved state of that iteration and digest, of any run (a resumed run's is the one before)
+            if (s.iteration, s.digest) != (first, first_digest):
+                continue
+            try:
+                host, _, _ = _state.load_state(s.folder, replayer.template)
+            except (OSError, ValueError):  # its content is not what its state.json says: another may hold it
+                continue
+            params, source = replayer.load(host), f"the checkpoint {s.folder}"
+            break
     if params is None:
         problems.append(f"run {run.run_id} starts at iteration {first} (digest {first_digest[:12]}) from a state "
                         f"that neither another log nor a checkpoint under {root} holds: nothing to replay from")
@@ -354,11 +396,12 @@ def _verify_run(run: _Run, root: Path, impl: str, states: dict[tuple[int, str], 
     if last < newest:
         problems.append(f"the decisions stop continuing one another at iteration {last} (logs reach {newest}): "
                         f"no log holds a decision of iteration {last} that continues the one before it")
-    return _report(run, source, first, last, digests.get(last), digests, chain, commits, pushes, proven)
+    states_agreed = _check_saved(run, saved, root, replayer.template, digests)
+    return _report(run, source, first, last, digests.get(last), digests, chain, commits, pushes, proven, states_agreed)
 
 
 def _report(run: _Run, source: str, first: int, last: int, final: str | None, digests: dict[int, str],
-            chain: dict[int, bytes], commits: int, pushes: int, proven: int | None = None) -> RunCheck:
+            chain: dict[int, bytes], commits: int, pushes: int, proven: int | None = None, states: int = 0) -> RunCheck:
     peers = []
     for log, recs in sorted(run.records.items()):
         checked = agreed = replaced = beyond = 0
@@ -381,7 +424,8 @@ def _report(run: _Run, source: str, first: int, last: int, final: str | None, di
         its = [t for t, _, _ in recs]
         peers.append(PeerCheck(log, tuple((it, reason) for it, reason, _ in run.starts[log]), min(its), max(its),
                                checked, agreed, mismatch, replaced, replaced_at))
-    return RunCheck(run.run_id, source, first, last, final, tuple(peers), commits, pushes, tuple(run.problems), proven)
+    return RunCheck(run.run_id, source, first, last, final, tuple(peers), commits, pushes, tuple(run.problems), proven,
+                    states)
 
 
 def verify(path: str | Path, *, impl: str = "auto", progress: Callable[[str], None] | None = None,
@@ -426,8 +470,9 @@ def verify(path: str | Path, *, impl: str = "auto", progress: Callable[[str], No
     wanted = {r.first() for r in order}
     states: dict[tuple[int, str], Any] = {}
     say = progress or (lambda _line: None)
-    checks = tuple(_verify_run(r, base, impl, states, wanted, say, secret) for r in order)
-    return Report(str(root), impl, jax.default_backend(), checks, tuple(notes), time.monotonic() - t0)
+    saved, unread = _saved_states(base)
+    checks = tuple(_verify_run(r, base, impl, states, wanted, say, secret, saved) for r in order)
+    return Report(str(root), impl, jax.default_backend(), checks, tuple(notes + unread), time.monotonic() - t0)
 
 
 # --------------------------------------------------------------------------- the command
@@ -454,6 +499,8 @@ def format_report(r: Report) -> str:
             lines.append("    authorship  not checked (give --secret-file: each signing key's proof of the run secret)")
         elif run.keys_proven:
             lines.append(f"    authorship  {run.keys_proven} signing keys, each proven to be held by a process with the run secret")
+        if run.states_agreed:
+            lines.append(f"    saved states {run.states_agreed} (checkpoints), each the replay's state at its iteration")
         if run.final_digest:
             lines.append(f"    final digest {run.final_digest}")
         lines += [f"    PROBLEM: {p}" for p in run.problems]
