@@ -99,12 +99,12 @@ def edit_entry(path, iteration, fn):
     """Rewrite the ENTRY of ``iteration`` in ``path`` as ``fn(digest_bytes, pb.LogEntry)`` leaves it (with valid CRCs)."""
     recs = records(path.read_bytes())
     for i, (kind, body) in enumerate(recs):
-        if kind == updatelog.ENTRY:
+        if kind == updatelog.DECISION:
             msg = pb.LogEntry()
-            msg.ParseFromString(body[32:])
+            msg.ParseFromString(body[33:])
             if msg.commit.iteration == iteration:
                 digest = fn(bytearray(body[:32]), msg)
-                recs[i] = (kind, bytes(digest) + msg.SerializeToString())
+                recs[i] = (kind, bytes(digest) + body[32:33] + msg.SerializeToString())
     rewrite(path, recs)
 
 
@@ -126,6 +126,58 @@ def test_a_log_reads_back_what_was_written_and_a_second_process_appends_its_own_
         w.start(run_id="other", iteration=3, digest=seg.applied[-1].digest, reason="resumed", config={})
     again = updatelog.read(path)
     assert [s.start["run_id"] for s in again.segments] == [RUN, "other"] and again.segments[0] == seg
+
+
+def _entry(t, members, contributors=((0, 16), (2, 16))):
+    """A log entry of iteration ``t`` whose next view has ``members`` (signatures are not checked by the log)."""
+    payloads = tuple(bytes([t, m]) * 8 for m, _ in contributors)
+    view = P.View(t + 1, members, 1 + max(m.machine for m in members))
+    commit = P.Commit(RUN, 0, t, P.Ballot(0, 0), contributors, P.updates_digest(contributors, payloads), view,
+                      bytes([t]) * 64, bytes([t]) * 32 if t else b"")
+    return P.LogEntry(commit, payloads, tuple(bytes([m]) * 64 for m, _ in contributors))
+
+
+def test_a_decision_leaves_out_what_the_commit_and_the_record_before_say_and_reads_back_whole(tmp_path):
+    two = tuple(P.Member(m, f"127.0.0.1:{7000 + m}", True, bytes([m]) * 32) for m in (0, 2))
+    three = (*two, P.Member(3, "127.0.0.1:7003", False, b"\3" * 32))  # a joiner admitted at 2
+    entries = [_entry(0, two), _entry(1, two), _entry(2, three), _entry(3, three), _entry(4, two)]
+    path = tmp_path / updatelog.FILENAME
+    with updatelog.Writer(path) as w:
+        w.start(run_id=RUN, iteration=0, digest="00" * 32, reason="initial", config={})
+        for e in entries[:4]:
+            w.applied(e, "11" * 32)
+        w.start(run_id=RUN, iteration=4, digest="11" * 32, reason="downloaded", config={})  # a new segment: members again
+        w.applied(entries[4], "22" * 32)
+    recs = records(path.read_bytes())
+    assert [(k, b[32] if k == updatelog.DECISION else None) for k, b in recs] == [
+        (updatelog.START, None), (updatelog.DECISION, 0), (updatelog.DECISION, updatelog.SAME_MEMBERS),
+        (updatelog.DECISION, 0), (updatelog.DECISION, updatelog.SAME_MEMBERS), (updatelog.START, None),
+        (updatelog.DECISION, 0)]
+    log = updatelog.read(path)
+    assert [a.entry for s in log.segments for a in s.applied] == entries  # every field, members and payloads
+    full = [len(wire.entry_to_pb(e).SerializeToString()) for e in entries]
+    compact = [len(b) - 33 for k, b in recs if k == updatelog.DECISION]
+    assert all(c < f for c, f in zip(compact, full, strict=True))
+    # a record that repeats members its segment never named is damage, not an entry
+    rewrite(path, [recs[0], recs[2]])
+    with pytest.raises(ValueError, match="repeats the members of a DECISION before it, and its segment holds none"):
+        updatelog.read(path)
+    rewrite(path, [recs[0], (updatelog.DECISION, recs[1][1][:32] + b"\x80" + recs[1][1][33:])])
+    with pytest.raises(ValueError, match="unknown flags 0x80"):
+        updatelog.read(path)
+
+
+def test_a_log_of_whole_entries_the_format_before_decisions_still_reads_and_verifies(tmp_path, worker):
+    write_run(tmp_path, worker, iterations=3)
+    for peer in ("p0", "p1"):
+        path = tmp_path / "peers" / peer / updatelog.FILENAME
+        (seg,) = updatelog.read(path).segments
+        recs = records(path.read_bytes())[:1]
+        recs += [(updatelog.ENTRY, bytes.fromhex(a.digest) + wire.entry_to_pb(a.entry).SerializeToString()) for a in seg.applied]
+        rewrite(path, recs)
+        assert updatelog.read(path).segments == (seg,)
+    report = verify.verify(tmp_path, secret=SECRET)
+    assert report.ok and report.runs[0].last == 3, verify.format_report(report)
 
 
 def test_a_record_cut_short_at_the_end_is_left_out_and_a_damaged_one_before_it_is_named(tmp_path, worker):
