@@ -194,9 +194,9 @@ def _start(body: bytes, where: str) -> dict:
     return start
 
 
-def _entry(body: bytes, where: str, kind: int, members: list | None) -> Applied:
+def _entry(body: bytes, where: str, kind: int, members: list | None) -> tuple[Applied, list]:
     """An ENTRY or DECISION record's body (``members``: the ``pb.Member`` list of the segment's
-    previous DECISION, for :data:`SAME_MEMBERS`); the entry as the wire carried it."""
+    previous entry, for :data:`SAME_MEMBERS`): the entry as the wire carried it, and its own list."""
     name = "an ENTRY" if kind == ENTRY else "a DECISION"
     head = _DIGEST_BYTES + (kind == DECISION)
     if len(body) < head:
@@ -220,7 +220,7 @@ def _entry(body: bytes, where: str, kind: int, members: list | None) -> Applied:
         raise ValueError(f"{where}: {name} record that does not decode ({type(e).__name__}: {e})") from None
     if entry.payloads is None:
         raise ValueError(f"{where}: the entry of iteration {entry.commit.iteration} carries no payloads")
-    return Applied(entry, body[:_DIGEST_BYTES].hex())
+    return Applied(entry, body[:_DIGEST_BYTES].hex()), list(msg.commit.next_view.members)
 
 
 def read(path: str | os.PathLike) -> Log:
@@ -272,9 +272,8 @@ def read(path: str | os.PathLike) -> Log:
         elif kind in (ENTRY, DECISION):
             if not segments:
                 raise ValueError(f"{where}: an entry before any START record")
-            applied = _entry(body[1:], where, kind, members)
+            applied, members = _entry(body[1:], where, kind, members)
             segments[-1][1].append(applied)
-            members = [wire.member_to_pb(m) for m in applied.entry.commit.next_view.members]
         else:
             raise ValueError(f"{where}: unknown record kind {kind} (expected {START}, {ENTRY} or {DECISION})")
         offset = end

@@ -272,7 +272,6 @@ class _Run:
                         self.problems.append(f"{where}: the payload of machine {m} is not signed by it")
         return commits, pushes
 
-
     def check_authorship(self, secret: str, chain: dict[int, bytes]) -> int:
         """Check that every key that signed a decision of ``chain`` belongs to a process that held
         ``secret``: a START record of some log names it with a valid
