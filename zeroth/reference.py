@@ -252,11 +252,12 @@ def decay_leaf(leaf: np.ndarray, factor: np.float32) -> np.ndarray:
     :data:`DECAY_FLUSH` in magnitude (-0 and the subnormals with it) becomes +0, and the result is
     cast once to the leaf's dtype.
     """
-    p = _flush(np.asarray(leaf).astype(np.float32))
+    leaf = np.asarray(leaf)
+    p = _flush(leaf.astype(np.float32))
     with np.errstate(under="ignore", over="ignore", invalid="ignore"):
         x = (p * np.float32(factor)).astype(np.float32)
     x = np.where(np.abs(x) < DECAY_FLUSH, np.float32(0.0), x).astype(np.float32)
-    return flush_cast(x, np.asarray(leaf).dtype)
+    return flush_cast(x, leaf.dtype)
 
 
 # The canonical quiet NaN of each leaf dtype, as its unsigned bit pattern.

@@ -141,7 +141,7 @@ class Writer:
             self._write(bytes([START]) + body, None)
 
     def applied(self, entry: P.LogEntry, digest: str) -> None:
-        """An ENTRY record: ``entry`` was applied and the state after it has ``digest`` (hex)."""
+        """A DECISION record: ``entry`` was applied and the state after it has ``digest`` (hex)."""
         if entry.payloads is None:
             raise ValueError(f"the entry of iteration {entry.commit.iteration} has no payloads; only applied entries are logged")
         raw = bytes.fromhex(digest)
