@@ -1104,6 +1104,102 @@ def test_layerwise_without_a_provider_is_plain_indexing():
     np.testing.assert_array_equal(layerwise.rows(w, ids), w[ids])
 
 
+def _dense(x, w):
+    return layerwise.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "jnp"])
+@pytest.mark.parametrize("distribution", DISTS)
+def test_dense_kernel_blocks_served_in_the_loop_are_the_reference_replay(distribution, native, monkeypatch):
+    """A dense kernel multiplied through layerwise.dot_general inside the estimator is served a
+    block of rows at a time (517 rows: seven blocks of 65 and one of 62), each block the NumPy
+    reference replay of (key, ±ε): picking rows with one-hot inputs gives the perturbed kernel's
+    rows back bit for bit, first, middle and last block alike. The same with the parameters flat.
+    (The kernel is below BLOCKS_MIN_ELEMENTS, lowered here: the reference replays it in time.)"""
+    if native and not cpu_native.available():
+        pytest.skip(cpu_native.unavailable_reason())
+    if not native:
+        monkeypatch.setattr(cpu_native, "available", lambda *a, **k: False)
+    monkeypatch.setattr(zo, "BLOCKS_MIN_ELEMENTS", 1 << 16)
+    r = np.random.default_rng(7)
+    params = {"w": jnp.asarray(r.normal(size=(517, 512)).astype(np.float32))}
+    assert params["w"].size >= zo.BLOCKS_MIN_ELEMENTS
+    picked = np.array([0, 64, 65, 300, 454, 455, 516], np.int32)
+    onehot = jnp.asarray(np.eye(517, dtype=np.float32)[picked])
+    seen = []
+
+    def loss(p, x):
+        out = _dense(x, p["w"])
+        jax.debug.callback(lambda o: seen.append(np.asarray(o)), out)
+        return jnp.sum(out)
+
+    keys = rng.sample_keys(5, [(0, 1, 0)])
+    eps = zo.round_eps(0.03)
+    pg = zo.projected_gradients_fn(loss, distribution=distribution)
+    g, ell = pg(params, onehot, keys, eps)
+    jax.block_until_ready(g)
+    w = np.asarray(params["w"])
+    want = [reference.replay_leaf(w, "['w']", [(keys[0], sign * float(eps))], distribution)[picked] for sign in (1, -1)]
+    assert len(seen) == 2
+    for got, expect in zip(seen, want, strict=True):
+        np.testing.assert_array_equal(got.view(np.uint32), np.asarray(expect).view(np.uint32))
+    g_flat, ell_flat = pg(replay.flatten(params), onehot, keys, eps)
+    np.testing.assert_array_equal(np.asarray(g_flat).view(np.uint32), np.asarray(g).view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(ell_flat).view(np.uint32), np.asarray(ell).view(np.uint32))
+
+
+def test_dense_kernel_in_blocks_keeps_the_memory_of_inference_and_its_losses():
+    """A ZO step over the MLP of `zeroth bench zo --width 2048` at its batch of 256 (its 2048 x 2048
+    kernel, 16 MiB, is above BLOCKS_MIN_ELEMENTS; the 784 x 2048 one below) holds at most 1.2 times
+    inference's compiled memory with that kernel in blocks, where perturbing it whole holds more;
+    its losses are those of the whole kernels up to the rounding of the blocks' sums."""
+    from zeroth import models
+
+    model = models.build("mlp", num_classes=10, hidden=(2048, 2048))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(256, 28, 28, 1)).astype(np.float32))
+    params = model.init(jax.random.PRNGKey(0), x[:1])["params"]
+    loss = lambda p, b: jnp.mean(model.apply({"params": p}, b) ** 2)  # noqa: E731
+    # the same model, with its kernels perturbed whole (copies: no provider recognises them)
+    loss_whole = lambda p, b: loss(jax.tree_util.tree_map(lambda v: v * 1.0, p), b)  # noqa: E731
+    keys = rng.sample_keys(0, [(0, 0, i) for i in range(2)])
+    eps = zo.round_eps(1e-2)
+    inference = zo.compiled_memory(jax.jit(loss).lower(params, x).compile(zo.compiler_options()))["peak"]
+    blocks, whole = (zo.projected_gradients_fn(f) for f in (loss, loss_whole))
+    m_blocks = zo.compiled_memory(blocks.compiled(params, x, keys, eps))["peak"]
+    m_whole = zo.compiled_memory(whole.compiled(params, x, keys, eps))["peak"]
+    assert m_blocks <= 1.2 * inference < m_whole, (m_blocks, inference, m_whole)
+    (g, ell), (g_whole, ell_whole) = blocks(params, x, keys, eps), whole(params, x, keys, eps)
+    np.testing.assert_allclose(np.asarray(ell), np.asarray(ell_whole), rtol=1e-5)
+    assert np.all(np.isfinite(np.asarray(g)))
+
+
+def test_dot_general_keeps_the_plain_product_where_blocks_would_not_save(monkeypatch):
+    """Without a provider, for a kernel smaller than BLOCKS_MIN_ELEMENTS, and for a kernel whose
+    input is larger than it (a CNN's dense head: the loop would hold the input), layerwise.dot_general
+    is lax.dot_general bit for bit, inside the estimator as outside."""
+    monkeypatch.setattr(zo, "BLOCKS_MIN_ELEMENTS", 1 << 16)  # big's size qualifies; its input does not
+    r = np.random.default_rng(2)
+    big = jnp.asarray(r.normal(size=(600, 512)).astype(np.float32))
+    small = jnp.asarray(r.normal(size=(64, 32)).astype(np.float32))
+    x = jnp.asarray(r.normal(size=(3, 600)).astype(np.float32))
+    np.testing.assert_array_equal(_dense(x, big), x @ big)
+    wide = jnp.asarray(r.normal(size=(1024, 600)).astype(np.float32))  # 2.3 MiB, bigger than big
+
+    def loss(p, b):
+        return jnp.sum(_dense(b["wide"], p["big"]) ** 2) + jnp.sum(_dense(b["x"][:, :64], p["small"]))
+
+    def loss_plain(p, b):
+        return jnp.sum((b["wide"] @ p["big"]) ** 2) + jnp.sum(b["x"][:, :64] @ p["small"])
+
+    params, batch = {"big": big, "small": small}, {"wide": wide, "x": x}
+    keys = rng.sample_keys(0, [(0, 0, 0)])
+    eps = zo.round_eps(1e-2)
+    g, ell = zo.projected_gradients_fn(loss)(params, batch, keys, eps)
+    g_plain, ell_plain = zo.projected_gradients_fn(loss_plain)(params, batch, keys, eps)
+    np.testing.assert_array_equal(np.asarray(ell).view(np.uint32), np.asarray(ell_plain).view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(g_plain).view(np.uint32))
+
+
 def test_a_flax_module_gets_its_stacked_layers_from_the_estimator():
     """Through flax's apply the module's param is the very array the estimator passed, so the
     estimator serves its layers in the scan (same projected gradients as perturbing it whole)."""

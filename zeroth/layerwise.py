@@ -5,10 +5,12 @@ A model reads the parts of a leaf it needs through two functions instead of inde
 * :func:`layer_view` for layers stacked on a leading axis (``[L, ...]`` leaves run by
   ``lax.scan``): called outside the scan, it returns a :class:`LayerView` whose ``xs`` the
   model scans over and whose ``layer(i, xs_i)`` gives layer ``i``'s weights inside the body;
-* :func:`rows` for a gather of rows (``table[ids]``, an embedding lookup).
+* :func:`rows` for a gather of rows (``table[ids]``, an embedding lookup);
+* :func:`dot_general` for a dense layer's product ``x @ kernel`` (flax's
+  ``nn.Dense(..., dot_general=layerwise.dot_general)``).
 
-With nothing installed they are exactly ``xs = stacked``, ``layer(i, xs_i) = xs_i`` and
-``rows(table, ids) = table[ids]``. An estimator that passes the model computed leaves (a ZO step's
+With nothing installed they are exactly ``xs = stacked``, ``layer(i, xs_i) = xs_i``,
+``rows(table, ids) = table[ids]`` and ``lax.dot_general``. An estimator that passes the model computed leaves (a ZO step's
 ``θ ± εz``, :func:`zeroth.zo.projected_gradients_and_losses`) may install a :class:`Provider`
 while it traces ``loss_fn(params, batch)`` (:func:`provide`); for a leaf it recognises (by
 identity: the very array it passed in) the provider computes the slice or the rows *on demand*
@@ -18,7 +20,12 @@ values with or without one, and a model that does not use them is unaffected. Wh
 the program: a leaf whose every use goes through the provider is never built whole (XLA drops
 it as dead code), so a ZO step over a stacked model builds one perturbed layer at a time inside
 the scan body, just before it runs, instead of a whole perturbed copy of the layers before the
-scan; and an embedding lookup perturbs only the rows it reads.
+scan; an embedding lookup perturbs only the rows it reads; and a large dense kernel the provider
+serves in blocks of rows is multiplied one block at a time (:data:`BLOCKS` of them, in a loop), so
+no more than one block of its perturbed copy exists at once (the estimator serves kernels of at
+least :data:`zeroth.zo.BLOCKS_MIN_ELEMENTS` so, on a CPU). That product is the sum of the
+blocks' products: the same value as ``x @ kernel`` up to the rounding of the sums (the blocks
+themselves are bit-identical to the kernel's rows).
 
 The hook is a trace-time context (like ``flax.linen.intercept_methods``): it is consulted while
 ``loss_fn`` is traced, so ``loss_fn(params, batch)`` keeps its signature for every model. A
@@ -46,7 +53,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Provider", "LayerView", "provide", "active", "layer_view", "rows"]
+__all__ = ["BLOCKS", "Provider", "LayerView", "provide", "active", "layer_view", "rows", "dot_general"]
+
+BLOCKS = 8
+"""How many blocks of rows :func:`dot_general` multiplies a served kernel in (at most; one more
+holds the rows that do not divide evenly): a perturbed copy of one block, an eighth of the leaf,
+is what the product holds at a time."""
 
 
 class Provider(NamedTuple):
@@ -56,10 +68,14 @@ class Provider(NamedTuple):
     ``leaf[i]`` (``i`` an int32 scalar, traced inside a scan), bit for bit; None otherwise.
     ``rows(leaf, ids) -> array | None``: ``leaf[ids]`` for a leaf it recognises (ids already in
     ``[0, leaf.shape[0])``), bit for bit; None otherwise.
+    ``blocks(leaf) -> f | None``: for a 2-D leaf it serves in blocks of rows, ``f(start, n)``
+    returns ``leaf[start : start + n]`` (``start`` an int32 scalar, traced inside a loop; ``n``
+    static), bit for bit; None otherwise (the provider decides which leaves are worth it).
     """
 
     layer: Callable[[Any], Callable[[jax.Array], jax.Array] | None]
     rows: Callable[[Any, jax.Array], jax.Array | None]
+    blocks: Callable[[Any], Callable[[jax.Array, int], jax.Array] | None] | None = None
 
 
 class LayerView(NamedTuple):
@@ -129,3 +145,52 @@ def rows(table, ids) -> jax.Array:
             if out is not None:
                 return out
     return jnp.asarray(table)[ids]
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None) -> jax.Array:
+    """``lax.dot_general``, where a provider may serve the kernel of a dense layer in blocks of rows.
+
+    For flax: ``nn.Dense(features, dot_general=layerwise.dot_general)``. A product that contracts
+    ``lhs``'s last axis with the first axis of a 2-D ``rhs`` that a provider serves in blocks
+    (:class:`Provider` ``blocks``) is computed as the sum over :data:`BLOCKS` blocks of rows,
+    ``Σ_b lhs[..., rows_b] @ rhs[rows_b]``, in a loop whose body asks the provider for block
+    ``b`` just before its product: the provider's whole ``rhs`` is then unused and never built.
+    It does so where that saves memory: where ``rhs`` is larger than ``lhs`` (which the loop
+    reads as one buffer) by more than ``BLOCKS / (BLOCKS - 1)``; a dense head whose input is the
+    larger (a CNN's, at a large batch) keeps the plain product.
+    The sum is accumulated in float32 (at least) and has the dtype the plain product would. Any
+    other product, or one with no provider serving ``rhs``, is ``lax.dot_general`` itself.
+    """
+    plain = lambda: jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,  # noqa: E731
+                                        preferred_element_type=preferred_element_type)
+    providers = _PROVIDERS.get()
+    if not providers or jnp.ndim(rhs) != 2 or jnp.ndim(lhs) < 1:
+        return plain()
+    if tuple(map(tuple, dimension_numbers[0])) != ((jnp.ndim(lhs) - 1,), (0,)) or any(dimension_numbers[1]):
+        return plain()
+    # The loop reads lhs as one buffer; the blocks save 1 - 1/BLOCKS of the kernel's perturbed copy.
+    if _nbytes(rhs) * (BLOCKS - 1) <= _nbytes(lhs) * BLOCKS:
+        return plain()
+    serve = next((f for f in (p.blocks(rhs) for p in providers if p.blocks is not None) if f is not None), None)
+    if serve is None:
+        return plain()
+    out_dtype = jax.eval_shape(plain).dtype
+    acc_dtype = jnp.promote_types(out_dtype, jnp.float32)
+    n = jnp.shape(rhs)[0]
+    per = -(-n // BLOCKS)
+    whole, rest = divmod(n, per)
+    dims = (((jnp.ndim(lhs) - 1,), (0,)), ((), ()))
+
+    def product(start, count):
+        x = jax.lax.dynamic_slice_in_dim(lhs, start, count, axis=jnp.ndim(lhs) - 1)
+        return jax.lax.dot_general(x, serve(start, count), dims, precision=precision,
+                                   preferred_element_type=acc_dtype).astype(acc_dtype)
+
+    acc = jax.lax.fori_loop(1, whole, lambda b, a: a + product(b * per, per), product(jnp.int32(0), per))
+    if rest:
+        acc = acc + product(jnp.int32(whole * per), rest)
+    return acc.astype(out_dtype)
+
+
+def _nbytes(x) -> int:
+    return int(jnp.size(x)) * jnp.dtype(jnp.result_type(x)).itemsize

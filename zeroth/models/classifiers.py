@@ -2,7 +2,10 @@
 
 All return logits ``f32[B, num_classes]``. Images are ``f32[B, H, W, C]``; the transformer
 also takes token ids ``int32[B, T]`` (set ``vocab_size``). Parameter names are flax's defaults
-(``Dense_0/kernel`` ...), so a later loader can fill them with pretrained weights.
+(``Dense_0/kernel`` ...), so a later loader can fill them with pretrained weights. The MLP's and
+the CNN's dense layers multiply through :func:`zeroth.layerwise.dot_general`: inside a ZO step
+each large kernel is perturbed a block of rows at a time (the step holds the memory of inference),
+elsewhere the product is flax's own.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from zeroth import layerwise as _layerwise
 
 __all__ = ["MLP", "CNN", "Transformer", "ACTIVATIONS"]
 
@@ -51,8 +56,8 @@ class MLP(nn.Module):
         act = _activation(self.activation)
         h = x.reshape(x.shape[0], -1)
         for width in self.hidden:
-            h = act(nn.Dense(int(width))(h))
-        return nn.Dense(self.num_classes)(h)
+            h = act(nn.Dense(int(width), dot_general=_layerwise.dot_general)(h))
+        return nn.Dense(self.num_classes, dot_general=_layerwise.dot_general)(h)
 
 
 class CNN(nn.Module):
@@ -82,8 +87,8 @@ class CNN(nn.Module):
             h = nn.max_pool(h, (2, 2), strides=(2, 2), padding="SAME")
         h = h.reshape(h.shape[0], -1)
         if self.dense:
-            h = nn.relu(nn.Dense(int(self.dense))(h))
-        return nn.Dense(self.num_classes)(h)
+            h = nn.relu(nn.Dense(int(self.dense), dot_general=_layerwise.dot_general)(h))
+        return nn.Dense(self.num_classes, dot_general=_layerwise.dot_general)(h)
 
 
 class _Block(nn.Module):
