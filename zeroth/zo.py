@@ -641,7 +641,7 @@ def _perturbed_parts(theta, perturbed, table, scale, distribution: str, native: 
         return x / (scale / scale).astype(like.dtype)
 
     def part(hit, shape):
-        # f(start): the |shape| elements of the perturbed leaf from flat index start on (traced)
+        # at(start): prod(shape) elements of the perturbed leaf from flat index start on (traced)
         _, t, lk, (source, base) = hit
 
         def at(start):
