@@ -111,6 +111,14 @@ def _served_layer(leaf) -> Callable[[jax.Array], jax.Array] | None:
     return None
 
 
+def _served_blocks(leaf) -> Callable[[jax.Array, int], jax.Array] | None:
+    for p in _PROVIDERS.get():
+        f = None if p.blocks is None else p.blocks(leaf)
+        if f is not None:
+            return f
+    return None
+
+
 def layer_view(stacked: Mapping[str, Any]) -> LayerView:
     """The per-layer view of stacked leaves ``{name: [L, ...]}`` (call it outside the scan).
 
@@ -171,7 +179,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     # The loop reads lhs as one buffer; the blocks save 1 - 1/BLOCKS of the kernel's perturbed copy.
     if _nbytes(rhs) * (BLOCKS - 1) <= _nbytes(lhs) * BLOCKS:
         return plain()
-    serve = next((f for f in (p.blocks(rhs) for p in providers if p.blocks is not None) if f is not None), None)
+    serve = _served_blocks(rhs)
     if serve is None:
         return plain()
     out_dtype = jax.eval_shape(plain).dtype
