@@ -501,7 +501,7 @@ def test_bench_perturb_overhead_reports_per_call_microseconds():
     for leaves in (1, 3):
         for k in (1, 2):
             for name in ("replay (pytree)", "replay (flat layout)", "flat, one leaf of L*64 (arithmetic)",
-                         "jax dispatch floor"):
+                         "jax dispatch floor", "jax update floor (p + s on each leaf)"):
                 assert rows[(name, leaves, k)]["us_per_call_min"] > 0
     assert set(result["met"]) == {f"{p}_L{n}_K{k}_us" for p in ("replay", "flat") for n in (1, 3) for k in (1, 2)}
     assert result["flat_bits_match_pytree"] == {f"L{n}_K{k}": True for n in (1, 3) for k in (1, 2)}
@@ -513,6 +513,10 @@ def test_bench_perturb_overhead_reports_per_call_microseconds():
     # under each tree verdict, jax's own cost of passing the same donated arrays through a call
     assert result["dispatch_floor_us"] == {
         f"replay_L{n}_K{k}_us": rows[("jax dispatch floor", n, k)]["us_per_call_min"]
+        for n in (1, 3) for k in (1, 2)}
+    # and jax's cost of writing each of them (a scalar added to every leaf, donated)
+    assert result["update_floor_us"] == {
+        f"replay_L{n}_K{k}_us": rows[("jax update floor (p + s on each leaf)", n, k)]["us_per_call_min"]
         for n in (1, 3) for k in (1, 2)}
     # kernels per call, counted in the compiled program: one native launch for the one float32 buffer
     launches = result["kernel_launches"]

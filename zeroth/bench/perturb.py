@@ -39,11 +39,13 @@ donate=True)`` on pytrees of 1, 10, 50 and 200 leaves of 64 float32 elements, K 
 microseconds per call, side by side with the same parameters in the flat layout
 (``replay(flatten(params), ...)``, :class:`zeroth.replay.Flat`: one buffer, one launch), the same
 updates through one native launch *per leaf* (the design before one launch per replay), the floor
-of jax's own dispatch of the pytree (a donated jit that returns it unchanged), and the
+of jax's own dispatch of the pytree (a donated jit that returns it unchanged), the floor of any
+update of it as separate arrays (a donated jit adding a scalar to each leaf: one output buffer
+per leaf, as the replay writes), and the
 arithmetic floor: the flat replay of ONE leaf holding as many elements (``L * 64``; at 200
 leaves and K = 16 that is 204,800 element-updates, no longer negligible), so that
 ``flat - one leaf`` is what the number of leaves costs (each flat verdict prints that floor
-beside it, each pytree verdict jax's dispatch floor). The pytree and flat rows also give the
+beside it, each pytree verdict jax's two floors). The pytree and flat rows also give the
 kernels one call launches (``kernel_launches``: custom calls and XLA fusions of the compiled
 program, counted on the device the arrays live on: one per buffer for the flat layout on CPU and
 GPU).
@@ -429,13 +431,16 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
                 "replay (flat layout)": (step, replay.flatten(params)),
                 "flat, one leaf of L*64 (arithmetic)": (step, replay.flatten({"w": jnp.zeros(64 * n_leaves, jnp.float32)})),
                 "jax dispatch floor": (jax.jit(lambda p, s: p, donate_argnums=0), params),
+                # the cheapest computation that writes every leaf: what any update of this pytree costs
+                "jax update floor (p + s on each leaf)": (
+                    jax.jit(lambda p, s: jax.tree_util.tree_map(lambda x: x + s, p), donate_argnums=0), params),
             }
             if cpu_native.available() and rule.default_platform() == "cpu":
                 per_leaf = jax.jit(_per_leaf_native, donate_argnums=0)
                 rows["native, a launch per leaf"] = (
                     lambda p, per_leaf=per_leaf, keys=keys, scales=scales: per_leaf(p, keys, scales), params)
             for what, (step, state) in rows.items():
-                fn = step if what != "jax dispatch floor" else (lambda p, step=step: step(p, np.float32(0)))
+                fn = step if not what.startswith("jax ") else (lambda p, step=step: step(p, np.float32(0)))
                 spec[f"{what} L={n_leaves} K={k}"] = (
                     n_leaves, k, what, _queued(fn, jax.tree_util.tree_map(jnp.copy, state), _CALLS_PER_TIMING))
     timings = _common.timeit_many({name: call for name, (_, _, _, call) in spec.items()}, warmup=warmup, repeats=repeats)
@@ -455,6 +460,7 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
     verdicts = {**per_call("replay", "replay (pytree)"), **per_call("flat", "replay (flat layout)")}
     arithmetic = per_call("flat", "flat, one leaf of L*64 (arithmetic)")
     dispatch = per_call("replay", "jax dispatch floor")
+    update_floor = per_call("replay", "jax update floor (p + s on each leaf)")
     return {
         "benchmark": "perturb_overhead",
         "leaf_elements": 64,
@@ -475,6 +481,9 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
         # jax passing the same donated leaves through a jitted identity under each tree verdict:
         # what any call on that many arrays costs before zeroth does anything
         "dispatch_floor_us": dispatch,
+        # jax adding a scalar to each of the same donated leaves in one jitted call: the cheapest
+        # program that writes every leaf, so the floor of any update of the pytree as separate arrays
+        "update_floor_us": update_floor,
     }
 
 
@@ -495,6 +504,9 @@ def _render_overhead(result: dict) -> None:
         dispatch = result["dispatch_floor_us"].get(name)
         if dispatch is not None:
             of_it += f"; jax's dispatch of the same arrays alone: {dispatch:.0f} us"
+        written = result["update_floor_us"].get(name)
+        if written is not None:
+            of_it += f", jax writing each of them (p + s): {written:.0f} us"
         print(f"  {name:<24} {us:8.0f} us   (target {result['target']}: {'met' if result['met'][name] else 'MISSED'}{of_it})")
     same = result["flat_bits_match_pytree"]
     print(f"  flat replay digest == pytree replay digest: {'yes' if all(same.values()) else 'NO: ' + str(same)}")
