@@ -402,6 +402,11 @@ def _launch_counts(params, keys, scales) -> dict[str, int]:
     }
 
 
+# The rows of jax's own floors under each pytree verdict: jitted calls of (params, scalar) on the same arrays.
+_DISPATCH_FLOOR = "jax dispatch floor"  # returns them unchanged
+_UPDATE_FLOOR = "jax update floor (p + s on each leaf)"  # writes each of them: the floor of any update
+
+
 def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ...] = OVERHEAD_KS, repeats: int = 5,
                  warmup: int = 1) -> dict:
     """Host overhead of a replay call (see the module docstring); ``{"rows", "environment", ...}``.
@@ -430,17 +435,15 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
                 "replay (pytree)": (step, params),
                 "replay (flat layout)": (step, replay.flatten(params)),
                 "flat, one leaf of L*64 (arithmetic)": (step, replay.flatten({"w": jnp.zeros(64 * n_leaves, jnp.float32)})),
-                "jax dispatch floor": (jax.jit(lambda p, s: p, donate_argnums=0), params),
-                # the cheapest computation that writes every leaf: what any update of this pytree costs
-                "jax update floor (p + s on each leaf)": (
-                    jax.jit(lambda p, s: jax.tree_util.tree_map(lambda x: x + s, p), donate_argnums=0), params),
+                _DISPATCH_FLOOR: (jax.jit(lambda p, s: p, donate_argnums=0), params),
+                _UPDATE_FLOOR: (jax.jit(lambda p, s: jax.tree_util.tree_map(lambda x: x + s, p), donate_argnums=0), params),
             }
             if cpu_native.available() and rule.default_platform() == "cpu":
                 per_leaf = jax.jit(_per_leaf_native, donate_argnums=0)
                 rows["native, a launch per leaf"] = (
                     lambda p, per_leaf=per_leaf, keys=keys, scales=scales: per_leaf(p, keys, scales), params)
             for what, (step, state) in rows.items():
-                fn = step if not what.startswith("jax ") else (lambda p, step=step: step(p, np.float32(0)))
+                fn = step if what not in (_DISPATCH_FLOOR, _UPDATE_FLOOR) else (lambda p, step=step: step(p, np.float32(0)))
                 spec[f"{what} L={n_leaves} K={k}"] = (
                     n_leaves, k, what, _queued(fn, jax.tree_util.tree_map(jnp.copy, state), _CALLS_PER_TIMING))
     timings = _common.timeit_many({name: call for name, (_, _, _, call) in spec.items()}, warmup=warmup, repeats=repeats)
@@ -459,8 +462,8 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
 
     verdicts = {**per_call("replay", "replay (pytree)"), **per_call("flat", "replay (flat layout)")}
     arithmetic = per_call("flat", "flat, one leaf of L*64 (arithmetic)")
-    dispatch = per_call("replay", "jax dispatch floor")
-    update_floor = per_call("replay", "jax update floor (p + s on each leaf)")
+    dispatch = per_call("replay", _DISPATCH_FLOOR)
+    update_floor = per_call("replay", _UPDATE_FLOOR)
     return {
         "benchmark": "perturb_overhead",
         "leaf_elements": 64,
