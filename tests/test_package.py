@@ -82,3 +82,17 @@ def test_importing_zeroth_keeps_grpc_transport_chatter_off_stderr_unless_the_use
     asked = _goaway("zeroth", GRPC_VERBOSITY="INFO")  # the user's own level is kept, and gRPC takes it
     assert asked.stdout.split() == ["UNAVAILABLE,UNAVAILABLE,UNAVAILABLE", "INFO"]
     assert "Log level INFO is not suitable for production" in asked.stderr, asked.stderr[-2000:]
+
+
+def test_the_suites_longest_first_order_names_its_own_files_and_leads_the_collection(request):
+    """tests/conftest.py hands the files out longest first: each name in LONGEST_FIRST is a test
+    file here, named once, and the collected tests start with them in that order."""
+    import conftest
+
+    here = Path(__file__).parent
+    names = conftest.LONGEST_FIRST
+    assert len(set(names)) == len(names)
+    assert [n for n in names if not (here / n).is_file()] == []
+    files = list(dict.fromkeys(item.path.name for item in request.session.items))
+    if set(names) <= set(files):  # the whole suite was collected (not a selection of it)
+        assert files[: len(names)] == list(names)

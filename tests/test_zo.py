@@ -960,27 +960,31 @@ def test_large_perturbed_leaves_are_computed_apart_with_the_same_bits(distributi
     inference's memory without the barriers, 1.01 with them). The projected gradients and losses
     are the same bits either way."""
     monkeypatch.setattr(cpu_native, "available", lambda *a, **k: False)
+    # the threshold lowered from its 1 MiB to 64 KiB: the leaves stay under AUTOTUNE_MIN_BYTES in
+    # all, so that each estimator compiles one program instead of a round of candidates
+    threshold = 1 << 16
+    assert fused.APART_MIN_BYTES == 1 << 20 and 3 * threshold < zo.AUTOTUNE_MIN_BYTES
     r = np.random.default_rng(11)
-    params = {"big": jnp.asarray(r.normal(size=(512, 512)).astype(np.float32)),  # 1 MiB: apart
-              "wide": jnp.asarray(r.normal(size=(512, 520)).astype(np.float32)),  # just above
-              "small": jnp.asarray(r.normal(size=(511, 512)).astype(np.float32))}  # just below: shares
-    x = jnp.asarray(r.normal(size=(4, 512)).astype(np.float32))
+    params = {"big": jnp.asarray(r.normal(size=(128, 128)).astype(np.float32)),  # the threshold: apart
+              "wide": jnp.asarray(r.normal(size=(128, 136)).astype(np.float32)),  # just above
+              "small": jnp.asarray(r.normal(size=(127, 128)).astype(np.float32))}  # just below: shares
+    x = jnp.asarray(r.normal(size=(4, 128)).astype(np.float32))
     keys = rng.sample_keys(2, [(0, 0, 0), (0, 1, 0)])
     eps = zo.round_eps(1e-2)
-    barriers, out, default = {}, {}, fused.APART_MIN_BYTES
-    for apart in (default, 1 << 62):  # the default; no leaf apart
+    barriers, out = {}, {}
+    for apart in (threshold, 1 << 62):  # the leaves at the threshold and above apart; none apart
         monkeypatch.setattr(fused, "APART_MIN_BYTES", apart)
 
         def loss(p, b):  # a fresh function each time: estimators are cached per loss
             h = jnp.tanh(b @ p["big"]) @ p["wide"]
-            return jnp.mean(h[:, :511] @ p["small"])
+            return jnp.mean(h[:, :127] @ p["small"])
 
         pg = zo.projected_gradients_fn(loss, distribution=distribution)
         barriers[apart] = pg.lowered(params, x, keys, eps).as_text().count("optimization_barrier")
         out[apart] = jax.device_get(pg(params, x, keys, eps))
         out[apart, "flat"] = jax.device_get(pg(replay.flatten(params), x, keys, eps))  # leaves sliced from one buffer
-    assert barriers[default] == barriers[1 << 62] + 2  # "big" and "wide"
-    for got in (out[default], out[default, "flat"], out[1 << 62, "flat"]):
+    assert barriers[threshold] == barriers[1 << 62] + 2  # "big" and "wide"
+    for got in (out[threshold], out[threshold, "flat"], out[1 << 62, "flat"]):
         for a, b in zip(got, out[1 << 62]):
             np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
     assert np.all(np.isfinite(out[1 << 62][0])) and np.all(out[1 << 62][0] != 0.0)
@@ -1122,7 +1126,7 @@ def test_dense_kernel_blocks_served_in_the_loop_are_the_reference_replay(distrib
         monkeypatch.setattr(cpu_native, "available", lambda *a, **k: False)
     monkeypatch.setattr(zo, "BLOCKS_MIN_ELEMENTS", 1 << 16)
     r = np.random.default_rng(7)
-    params = {"w": jnp.asarray(r.normal(size=(517, 512)).astype(np.float32))}
+    params = {"w": jnp.asarray(r.normal(size=(517, 128)).astype(np.float32))}
     assert params["w"].size >= zo.BLOCKS_MIN_ELEMENTS
     picked = np.array([0, 64, 65, 300, 454, 455, 516], np.int32)
     onehot = jnp.asarray(np.eye(517, dtype=np.float32)[picked])
