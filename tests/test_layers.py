@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("6 stages: a model cut into stages and its data (shared by pipeline and cluster)", ("zeroth.stages",)),
     ("6 transport: secret, identities, access tokens, TLS, pacing, gRPC options (shared by every networked system)", ("zeroth.transport",)),
     ("7 systems", ("zeroth.net", "zeroth.pipeline", "zeroth.cluster", "zeroth.binary", "zeroth.marsit")),
-    ("8 programs: bench, doctor, the zeroth run dispatcher, cli", ("zeroth.bench", "zeroth.doctor", "zeroth.run", "zeroth.cli", "zeroth.__main__", "zeroth.protogen")),
+    ("8 programs: bench, doctor, the zeroth run and zeroth launch dispatchers, cli", ("zeroth.bench", "zeroth.doctor", "zeroth.run", "zeroth.launch", "zeroth.cli", "zeroth.__main__", "zeroth.protogen")),
 )
 SYSTEMS = ("zeroth.net", "zeroth.pipeline", "zeroth.cluster", "zeroth.binary", "zeroth.marsit")
 PROGRAMS_LAYER = len(LAYERS) - 1

@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "peer": ("zeroth.net.peer:main", "run one Just One Byte peer (multi-machine use)"),
     "stage": ("zeroth.pipeline.stage:main", "run one pipeline stage (AQ-SGD, multi-machine use)"),
     "node": ("zeroth.cluster.node:main", "run one Ravnest node (clusters of asynchronous pipelines, multi-machine use)"),
+    "launch": ("zeroth.launch:main", "start this host's process of a run across hosts (the same command on every host, a rendezvous)"),
+    "certs": ("zeroth.transport.certs:main", "make a CA and per-host certificates for mutual TLS"),
 }
 
 

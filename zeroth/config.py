@@ -333,6 +333,12 @@ class PeersConfig:
         "the peer ends the run (exit 1, state saved). null = iteration_timeout_s + 6 * barrier_timeout_s.",
         gt=0.0,
     )
+    startup_timeout_s: float | None = field(
+        None,
+        "Seconds for every founder to join before iteration 0; fewer by then fails the run (exit 1). "
+        "null = 60 + 4 per peer (many processes starting at once on a small machine are slow).",
+        gt=0.0,
+    )
     tls: bool = field(False, "Use TLS between peers (self-signed certificates are generated for loopback runs).")
     host: str = field("127.0.0.1", "Address the peers listen on.")
     base_port: int = field(0, "First port; peer i listens on base_port + i. 0 = pick free ports.", min=0, max=65535)

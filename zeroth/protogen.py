@@ -1,12 +1,13 @@
 """Generate the checked-in gRPC stubs of ``protos/zeroth/v1/*.proto``: one generator for every system.
 
 Each system keeps its stubs inside its own package (:data:`STUBS`: ``zeroth/net/proto/``,
-``zeroth/pipeline/proto/``, ``zeroth/binary/proto/``, ``zeroth/cluster/proto/``). The stubs are written by
+``zeroth/pipeline/proto/``, ``zeroth/binary/proto/``, ``zeroth/cluster/proto/``; the rendezvous of
+``zeroth launch`` in ``zeroth/transport/proto/``). The stubs are written by
 ``grpc_tools.protoc``; their cross-module imports are rewritten from ``zeroth.v1`` (the proto path)
 to the package they live in. Each system's tests regenerate them into a temporary folder and require
 byte equality with the checked-in files, so stubs never drift from the contract.
 
-Usage (from the repository root): ``python -m zeroth.protogen [net|pipeline|binary|cluster ...]`` (default: all).
+Usage (from the repository root): ``python -m zeroth.protogen [net|pipeline|binary|cluster|rendezvous ...]`` (default: all).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ STUBS = {
     "pipeline": StubSet(("zeroth/v1/pipeline.proto",), "zeroth.pipeline.proto"),
     "binary": StubSet(("zeroth/v1/binary.proto",), "zeroth.binary.proto"),
     "cluster": StubSet(("zeroth/v1/cluster.proto",), "zeroth.cluster.proto"),
+    "rendezvous": StubSet(("zeroth/v1/rendezvous.proto",), "zeroth.transport.proto"),
 }
 
 

@@ -1,6 +1,6 @@
 """``zeroth node``: run one Ravnest node (one per machine, or several on one machine).
 
-  zeroth node --config CONFIG --name NAME --out DIR [--addresses DIR] [--listen HOST:PORT]
+  zeroth node --config CONFIG --name NAME --out DIR [--addresses DIR] [--listen HOST:PORT] [--advertise HOST]
               [--set SECTION.FIELD=VALUE ...] [--insecure] [--quiet]
 
 Every node reads the same config and derives the same plan (:func:`zeroth.cluster.build.plan_of`:
@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="this node's output folder")
     p.add_argument("--addresses", default=None, help="folder where every node writes its address (default: OUT/../addresses)")
     p.add_argument("--listen", default=None, help="HOST:PORT to serve on (default: ravnest.host, any port)")
+    p.add_argument("--advertise", default=None, metavar="HOST",
+                   help="the host the other nodes reach this one at, written to ADDRESSES/NAME (default: the --listen host)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
     p.add_argument("--insecure", action="store_true", help="no access token (loopback experiments only)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -68,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | None, token: str | None,
-                     progress: bool = False) -> dict:
-    """Run node ``name`` of the run of ``cfg`` to the end; returns its summary."""
+                     progress: bool = False, advertise: str | None = None) -> dict:
+    """Run node ``name`` of the run of ``cfg`` to the end; returns its summary. ``advertise``: the host
+    the other nodes reach this one at (written to ``ADDRESSES/<name>`` with the bound port; default
+    the ``listen`` host)."""
     import numpy as np
 
     from zeroth.cluster import build, driver, engine, transport
@@ -92,7 +96,7 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
                                    latency_s=r.latency_ms / 1e3, timeout_s=r.timeout_s,
                                    node_latency_s={n["name"]: float(n.get("latency_ms", 0.0)) / 1e3 for n in plan.pool},
                                    backup_round=plan.backup_round)
-    t.serve(listen or f"{r.host}:0")
+    t.serve(listen or f"{r.host}:0", advertise=advertise)
     io = transport.NodeLink(t, plan, r.timeout_s)
     metrics = out / "metrics.jsonl"
     _metrics.clear(metrics)
@@ -166,7 +170,8 @@ def main(argv: list[str]) -> int:
         token = identity.token_from_env(args.insecure)
         out = Path(args.out)
         addresses = Path(args.addresses) if args.addresses else out.parent / "addresses"
-        run_node_process(cfg, args.name, out, addresses, args.listen, token, progress=not args.quiet)
+        run_node_process(cfg, args.name, out, addresses, args.listen, token, progress=not args.quiet,
+                         advertise=args.advertise)
     except (ConnectionError, TimeoutError) as e:
         print(f"zeroth node {args.name}: error: {e}", file=sys.stderr)
         return 1

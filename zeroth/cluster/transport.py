@@ -145,8 +145,9 @@ class ClusterTransport:
 
     # ------------------------------------------------------------------ serving
 
-    def serve(self, listen: str) -> str:
-        """Start the server on ``listen`` (port 0 = any); writes and returns the bound ``HOST:PORT``."""
+    def serve(self, listen: str, advertise: str | None = None) -> str:
+        """Start the server on ``listen`` (port 0 = any); writes and returns ``HOST:PORT`` with the bound
+        port and ``advertise`` as the host (default: the ``listen`` host)."""
         interceptors = [security.TokenInterceptor(self.token)] if self.token else []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=list(SERVER_OPTIONS), interceptors=interceptors)
         pb_grpc.add_ClusterNodeServicer_to_server(_Servicer(self), self.server)
@@ -154,7 +155,7 @@ class ClusterTransport:
         if port == 0:
             raise OSError(f"cannot listen on {listen}")
         self.server.start()
-        address = f"{listen.rsplit(':', 1)[0]}:{port}"
+        address = f"{advertise or listen.rsplit(':', 1)[0]}:{port}"
         self.address_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.address_dir / f".{self.me}.tmp"
         tmp.write_text(address + "\n")

@@ -54,6 +54,7 @@ from zeroth.net.runtime import JOIN_DIGEST_EXCLUDE
 from zeroth.train import interrupt
 from zeroth.train.trainer import RESUME_INVARIANT, check_resumable
 from zeroth.transport import identity as _id
+from zeroth.transport import rendezvous as _rdv
 
 __all__ = [
     "PEER_XLA_FLAGS",
@@ -62,6 +63,8 @@ __all__ = [
     "peer_env",
     "start_peer",
     "time_limit",
+    "startup_timeout",
+    "missing_peers",
     "read_records",
     "summarize",
     "newest_checkpoint",
@@ -152,11 +155,32 @@ def start_peer(
     return PeerProcess(index, listen, out, log, proc, founder, time.monotonic())
 
 
+def startup_timeout(cfg: Config) -> float:
+    """The peers' start-up window: ``peers.startup_timeout_s``, else one that grows with the peers started."""
+    p = cfg.peers
+    return p.startup_timeout_s or _rdv.startup_window(p.count + len(p.join_at))
+
+
 def time_limit(cfg: Config) -> float:
-    """Seconds after which the launcher stops a run: start-up allowance + every iteration at its timeouts."""
+    """Seconds after which the launcher stops a run: start-up window + a minute + every iteration at its timeouts."""
     p = cfg.peers
     iterations = p.iterations or cfg.train.steps
-    return 180.0 + iterations * (p.iteration_timeout_s + 2 * p.barrier_timeout_s)
+    return startup_timeout(cfg) + 60.0 + iterations * (p.iteration_timeout_s + 2 * p.barrier_timeout_s)
+
+
+def missing_peers(summary: dict) -> list[str]:
+    """One phrase per peer that should have finished the run and did not (a peer killed by a
+    ``peers.kill_at`` event is not missing): ``"p3 (exit 1: <its error>)"``.
+
+    Example:
+      >>> missing_peers({"events": [{"event": "kill", "peer": 2}], "peers": [
+      ...     {"index": 0, "finish_reason": "done"}, {"index": 1, "finish_reason": "failed", "exit_code": 1,
+      ...     "error": "could not join"}, {"index": 2, "finish_reason": "killed", "exit_code": -9}]})
+      ['p1 (exit 1: could not join)']
+    """
+    killed = {e["peer"] for e in summary.get("events", []) if e.get("event") == "kill"}
+    return [f"p{s['index']} (exit {s.get('exit_code')}: {s.get('error') or s.get('finish_reason')})"
+            for s in summary["peers"] if s.get("finish_reason") not in ("done", "left") and s["index"] not in killed]
 
 
 def read_records(path: Path, offset: int = 0) -> tuple[list[dict], int]:
@@ -367,7 +391,8 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
     config_path.write_text(to_yaml(cfg))
     quiet = "--quiet" in (argv or [])
     iterations = p.iterations or cfg.train.steps
-    extra: list[str] = ["--progress-every", "0", "--timeout", str(time_limit(cfg))]
+    extra: list[str] = ["--progress-every", "0", "--timeout", str(time_limit(cfg)),
+                        "--startup-timeout", f"{startup_timeout(cfg):g}"]
     (out / "run.secret").unlink(missing_ok=True)
     if p.insecure:
         extra.append("--insecure")
@@ -487,7 +512,11 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
         )
         return interrupt.EXIT_CODE
     _print_summary(summary, cfg, out)
-    ok = summary["peers_done"] > 0 and summary["digests_agree"] and summary["iterations"] >= iterations
+    missing = missing_peers(summary)
+    if missing:
+        print(f"zeroth run: error: {len(missing)} of {len(peers)} peers did not finish the run: {'; '.join(missing)}; "
+              f"their logs are in {out / 'peers'}", file=sys.stderr, flush=True)
+    ok = summary["peers_done"] > 0 and summary["digests_agree"] and summary["iterations"] >= iterations and not missing
     return 0 if ok else 1
 
 

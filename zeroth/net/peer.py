@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", default=None, help="this peer's certificate chain (PEM)")
     p.add_argument("--tls-key", default=None, help="this peer's private key (PEM)")
     p.add_argument("--tls-ca", default=None, help="CA certificates that signed the peers' certificates (PEM)")
+    p.add_argument("--tls-mutual", action="store_true", help="mutual TLS: present --tls-cert when calling, and "
+                   "refuse callers without a certificate signed by --tls-ca")
     p.add_argument("--no-rejoin", action="store_true", help="exit instead of rejoining after being dropped")
     p.add_argument("--join-at", type=int, default=None, help="with --join: start now, join once the run reaches this iteration")
     p.add_argument("--join-members", type=int, default=None, metavar="N",
@@ -72,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="bytes per streamed state chunk (and per download range)")
     p.add_argument("--progress-every", type=int, default=0, help="print a progress line every N iterations")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: none)")
-    p.add_argument("--join-timeout", type=float, default=120.0, help="give up joining after this many seconds (default 120)")
+    p.add_argument("--startup-timeout", type=float, default=None, metavar="S",
+                   help="seconds the founder waits for --founders peers (then the run fails) and a joiner tries to join "
+                   "(default: peers.startup_timeout_s, else 60 + 4 per founder)")
+    p.add_argument("--join-timeout", type=float, default=None, help="give up joining after this many seconds "
+                   "(default: the start-up window)")
     p.add_argument("--quiet", action="store_true", help="no protocol notes on stderr")
     return p
 
@@ -84,6 +90,7 @@ def main(argv: list[str]) -> int:
     from zeroth.data import DatasetUnavailable
     from zeroth.net import state as _state
     from zeroth.transport import identity as _id
+    from zeroth.transport import rendezvous as _rdv
     from zeroth.transport import security as _sec
 
     try:
@@ -111,7 +118,13 @@ def main(argv: list[str]) -> int:
         tls_args = (args.tls_cert, args.tls_key, args.tls_ca)
         if any(tls_args) and not all(tls_args):
             raise ValueError("TLS needs --tls-cert, --tls-key and --tls-ca together")
-        tls = _sec.TLSFiles(*tls_args) if all(tls_args) else None
+        if args.tls_mutual and not all(tls_args):
+            raise ValueError("--tls-mutual needs --tls-cert, --tls-key and --tls-ca")
+        tls = _sec.TLSFiles(*tls_args, mutual=args.tls_mutual) if all(tls_args) else None
+        founders = args.founders or cfg.peers.count
+        window = args.startup_timeout or cfg.peers.startup_timeout_s or _rdv.startup_window(founders)
+        if not window > 0:
+            raise ValueError(f"--startup-timeout {window}: must be positive seconds")
         if tls is not None:
             tls.read()
     except (ValueError, OSError, DatasetUnavailable) as e:
@@ -125,7 +138,7 @@ def main(argv: list[str]) -> int:
         listen=args.listen,
         advertise=args.advertise,
         join=tuple(args.join),
-        founders=args.founders or cfg.peers.count,
+        founders=founders,
         secret=secret,
         insecure=insecure,
         tls=tls,
@@ -137,7 +150,8 @@ def main(argv: list[str]) -> int:
         join_at=args.join_at,
         join_members=args.join_members,
         leave_at=args.leave_at,
-        join_timeout_s=args.join_timeout,
+        join_timeout_s=args.join_timeout or window,
+        forming_timeout_s=window,
         log=not args.quiet,
         progress_every=args.progress_every,
     )

@@ -241,7 +241,8 @@ class Params:
       barrier_timeout_s: the committer waits this long after the iteration timeout for pushes;
         a member waits this long again for the commit before suspecting the committer.
       founders: peers the founder waits for before iteration 0 (itself included).
-      forming_timeout_s: the founder starts with whoever joined after this long.
+      forming_timeout_s: the founder starts with whoever joined after this long (or, with
+        ``require_founders``, fails the run when fewer than ``founders`` joined).
       window: decided iterations kept (for late commits, takeovers and pushes ahead).
       max_pending_joins: joins the leader queues at once.
       payload_check: ``f(payload) -> error message or None``: codec-level validation of a payload
@@ -268,6 +269,7 @@ class Params:
     sign: Callable[[bytes], bytes] | None = None
     verify: Callable[[bytes, bytes, bytes], bool] | None = None
     stall_timeout_s: float | None = None
+    require_founders: bool = False
 
     @property
     def stall_s(self) -> float:
@@ -1387,6 +1389,13 @@ def founder(params: Params, *, address: str, now: float, key: bytes = b"", itera
 def _finish_forming(params: Params, st: PeerState, now: float) -> Step:
     adm = st.admissions.get(-1)
     effects: list = []
+    have = len(st.view.members)
+    if params.require_founders and have < params.founders:
+        reason = (f"only {have} of {params.founders} founders joined within the start-up window of "
+                  f"{params.forming_timeout_s:g}s (machines {sorted(st.view.ids())}); raise the window "
+                  "(peers.startup_timeout_s, --startup-timeout) or start fewer peers")
+        effects.append(Failed(st.it, reason))
+        return Step(st._replace(phase=FAILED, admissions={}), tuple(effects))
     for rid, member in adm.joins if adm else ():
         effects.append(Admit(rid, JoinAnswer(member.machine, st.view, st.chain or b"")))
     effects.append(Note(f"formed with machines {sorted(st.view.ids())}"))

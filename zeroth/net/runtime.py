@@ -94,6 +94,7 @@ JOIN_DIGEST_EXCLUDE = (
     "peers.join_at",
     "peers.kill_at",
     "peers.stall_timeout_s",
+    "peers.startup_timeout_s",
 )
 
 
@@ -143,7 +144,8 @@ class NodeOptions:
       linger_s: keep serving this long after finishing (for the others' last checksums and fetches).
       snapshot_every: keep a snapshot of the parameters every this many iterations (the last two).
       chunk_bytes: bytes per streamed snapshot chunk.
-      forming_timeout_s: the founder starts with whoever joined after this long.
+      forming_timeout_s: the founder's start-up window: fewer than ``founders`` joined by then fails
+        the run (one line, exit 1) with ``require_founders``, else it starts with whoever joined.
       join_timeout_s: give up joining after this long.
       join_members: with ``join``: ask to join only once a peer of ``join`` reports this many
         members. Machine ids are given in the order joins arrive; a launcher starting founders at
@@ -171,6 +173,7 @@ class NodeOptions:
     snapshot_every: int = 10
     chunk_bytes: int = 256 * 1024
     forming_timeout_s: float = 120.0
+    require_founders: bool = True
     join_timeout_s: float = 120.0
     join_at: int | None = None
     join_members: int | None = None
@@ -422,6 +425,7 @@ class Node:
             barrier_timeout_s=p.barrier_timeout_s,
             founders=max(1, self.options.founders),
             forming_timeout_s=self.options.forming_timeout_s,
+            require_founders=self.options.require_founders,
             payload_check=self.worker.check_payload,
             sign=self.identity.sign,
             verify=_id.verify,

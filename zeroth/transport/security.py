@@ -40,11 +40,13 @@ TOKEN_KEY = "x-zeroth-token"
 
 @dataclasses.dataclass(frozen=True)
 class TLSFiles:
-    """PEM files: ``cert`` (this peer's chain), ``key`` (its private key), ``ca`` (trusted roots)."""
+    """PEM files: ``cert`` (this peer's chain), ``key`` (its private key), ``ca`` (trusted roots);
+    ``mutual``: both ends present a certificate signed by ``ca`` (mutual TLS)."""
 
     cert: str
     key: str
     ca: str
+    mutual: bool = False
 
     def read(self) -> tuple[bytes, bytes, bytes]:
         out = []
@@ -91,14 +93,19 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
 
 def server_credentials(tls: TLSFiles) -> grpc.ServerCredentials:
-    """Server credentials from ``tls.cert`` and ``tls.key``."""
-    cert, key, _ = tls.read()
+    """Server credentials from ``tls.cert`` and ``tls.key``; with ``tls.mutual``, a client must present
+    a certificate signed by ``tls.ca`` (the handshake fails otherwise, before any call)."""
+    cert, key, ca = tls.read()
+    if tls.mutual:
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
     return grpc.ssl_server_credentials([(key, cert)])
 
 
 def channel_credentials(tls: TLSFiles) -> grpc.ChannelCredentials:
-    """Client credentials trusting ``tls.ca``."""
-    _, _, ca = tls.read()
+    """Client credentials trusting ``tls.ca``; with ``tls.mutual``, presenting ``tls.cert`` (and its key)."""
+    cert, key, ca = tls.read()
+    if tls.mutual:
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
     return grpc.ssl_channel_credentials(root_certificates=ca)
 
 

@@ -1,0 +1,320 @@
+"""``zeroth launch``: the same command on every host starts one process of a run on each.
+
+  zeroth launch CONFIG --rendezvous HOST:PORT --out DIR [--nnodes N | MIN:MAX] [--node-rank R]
+                [--secret-file F | --insecure] [--advertise HOST] [--port P] [--startup-timeout S]
+                [--tls-dir DIR] [--set SECTION.FIELD=VALUE ...]
+
+The launchers meet at the rendezvous (:mod:`zeroth.transport.rendezvous`; the launcher whose host
+owns the rendezvous address serves it), each gets a rank and the roster of every host's
+advertised address, and each starts its system's process for its role:
+
+=================  ==========================  ==========================================
+config section     hosts (``--nnodes``)        rank r runs
+=================  ==========================  ==========================================
+``peers``          ``peers.count`` (MIN:MAX)   a Just One Byte peer; rank 0 founds the run
+``pipeline``       ``pipeline.stages``         pipeline stage r (AQ-SGD)
+``ravnest``        ``len(ravnest.nodes)``      Ravnest node ``ravnest.nodes[r].name``
+=================  ==========================  ==========================================
+
+Each host writes its own folder ``OUT`` (``launch.json``: rank, role, roster; the system's
+folder below it: ``peers/p<r>``, ``stage_<r>``, ``nodes/<name>``); folders collected from every
+host into one place are one run (``zeroth verify`` reads every update log below a folder).
+
+A run fails loudly, with one line and a non-zero exit: fewer hosts than ``--nnodes`` (its MIN)
+within the start-up window, a rendezvous that cannot be reached, a host with another config or
+another zeroth, a rank taken twice. The rank comes from ``--node-rank``, else the scheduler
+(``SLURM_PROCID``, ``JOB_COMPLETION_INDEX`` of a Kubernetes indexed Job), else the order of arrival.
+
+Secure by default: every call (rendezvous included) carries the access token of the run secret
+(``--secret-file``, else ``$ZEROTH_SECRET``), and ``--tls-dir`` (made by ``zeroth certs``) adds
+mutual TLS to the rendezvous and the peers.
+
+Example (three hosts, the same line on each):
+  $ zeroth launch experiments/job_digits.yaml --rendezvous 10.0.0.1:29400 --nnodes 3 \\
+        --secret-file run.secret --out runs/job
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from zeroth import __version__
+from zeroth import config as _config
+from zeroth.transport import identity, rendezvous, security
+
+__all__ = ["Plan", "build_parser", "main", "plan_of", "node_rank_from_env"]
+
+EXIT_FAILED = 1  # the run could not form, or this host's process failed
+EXIT_USAGE = 2  # a bad command line or config
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a config runs as across hosts: its system, how many hosts it takes (``min_nodes`` to
+    ``max_nodes``) and whether a host may arrive after the run formed."""
+
+    system: str
+    min_nodes: int
+    max_nodes: int
+    late_joins: bool
+
+
+def plan_of(cfg: _config.Config, nnodes: str | None) -> Plan:
+    """The :class:`Plan` of ``cfg`` with ``--nnodes`` (``N``, ``MIN:MAX`` or None: the config's count).
+
+    Raises:
+      ValueError: a system that does not run across hosts yet, or ``--nnodes`` that disagrees with the config.
+    """
+    if cfg.peers is not None:
+        system, count, elastic = "peers", cfg.peers.count, True
+    elif cfg.pipeline is not None:
+        system, count, elastic = "pipeline", cfg.pipeline.stages, False
+    elif getattr(cfg, "ravnest", None) is not None:
+        system, count, elastic = "ravnest", len(cfg.ravnest.nodes), False
+    else:
+        raise ValueError("zeroth launch runs configs with a peers:, pipeline: or ravnest: section; binary learning "
+                         "and Marsit configs run on one host with `zeroth run`")
+    if nnodes is None:
+        return Plan(system, count, count, elastic)
+    lo, sep, hi = str(nnodes).partition(":")
+    try:
+        lo_n, hi_n = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise ValueError(f"--nnodes {nnodes!r}: expected N or MIN:MAX (whole numbers)") from None
+    if not 1 <= lo_n <= hi_n:
+        raise ValueError(f"--nnodes {nnodes!r}: need 1 <= MIN <= MAX")
+    if sep and not elastic:
+        raise ValueError(f"--nnodes {nnodes}: a {system} run has a fixed number of hosts ({count}); give --nnodes {count}")
+    if not elastic and lo_n != count:
+        field = "pipeline.stages" if system == "pipeline" else "len(ravnest.nodes)"
+        raise ValueError(f"--nnodes {nnodes}: the config's {field} is {count}; give --nnodes {count} or change the config")
+    if elastic and not sep and lo_n != count:
+        raise ValueError(f"--nnodes {nnodes}: the config's peers.count is {count}; give --nnodes {count}, "
+                         f"--set peers.count={lo_n}, or --nnodes MIN:MAX for a run that admits hosts as they come")
+    return Plan(system, lo_n, hi_n, elastic)
+
+
+def node_rank_from_env(environ=None) -> int | None:
+    """The rank a scheduler gave this process: ``SLURM_PROCID`` (srun, one task per host) or
+    ``JOB_COMPLETION_INDEX`` (a Kubernetes indexed Job); None when neither is set."""
+    environ = os.environ if environ is None else environ
+    for key in ("SLURM_PROCID", "JOB_COMPLETION_INDEX"):
+        if environ.get(key, "").isdigit():
+            return int(environ[key])
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``zeroth launch``."""
+    p = argparse.ArgumentParser(prog="zeroth launch", description="Start this host's process of a run across hosts "
+                                "(the same command on every host).")
+    p.add_argument("config", help="experiment YAML (the same on every host)")
+    p.add_argument("--rendezvous", required=True, metavar="HOST:PORT", help="where the hosts meet; the host that owns "
+                   "this address serves it")
+    p.add_argument("--out", required=True, help="this host's run folder")
+    p.add_argument("--nnodes", default=None, metavar="N|MIN:MAX", help="hosts in the run (default: the config's count); "
+                   "MIN:MAX where the system admits late hosts (Just One Byte)")
+    p.add_argument("--node-rank", type=int, default=None, help="this host's rank (default: $SLURM_PROCID, "
+                   "$JOB_COMPLETION_INDEX, else the order of arrival)")
+    p.add_argument("--secret-file", default=None, help="the run secret (the same file on every host; default $ZEROTH_SECRET)")
+    p.add_argument("--insecure", action="store_true", help="no run secret: anyone who reaches a port may take part")
+    p.add_argument("--advertise", default=None, metavar="HOST", help="the address the other hosts reach this one at "
+                   "(default: this host's source address on the route to the rendezvous)")
+    p.add_argument("--port", type=int, default=0, help="the port this host's process serves on (default: a free one)")
+    p.add_argument("--startup-timeout", type=float, default=None, metavar="S", help="seconds for every host to join "
+                   "(default: peers.startup_timeout_s, else 60 + 4 per host)")
+    p.add_argument("--tls-dir", default=None, help="mutual TLS: a folder made by `zeroth certs` (ca.pem and this "
+                   "host's ADVERTISE/ or HOSTNAME/ certificate)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="config override (the same on every host)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def _free_port(host: str = "0.0.0.0") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _secret(args) -> str | None:
+    if args.insecure:
+        if args.secret_file:
+            raise ValueError("--insecure and --secret-file were both given; choose one")
+        return None
+    if args.secret_file:
+        return identity.read_secret(args.secret_file)
+    secret = next((os.environ[k] for k in identity.SECRET_ENV if os.environ.get(k)), None)
+    if secret is None:
+        raise ValueError("every host needs the same run secret: --secret-file FILE (made once, e.g. "
+                         "`python -c 'import secrets; print(secrets.token_hex(32))' > run.secret`, copied to every host "
+                         f"over a private channel) or ${identity.SECRET_ENV[0]}; or --insecure")
+    return secret
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``zeroth launch``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    out = Path(args.out)
+
+    def say(text: str) -> None:
+        if not args.quiet:
+            print(f"zeroth launch: {text}", file=sys.stderr, flush=True)
+
+    def fail(code: int, text: str) -> int:
+        print(f"zeroth launch: error: {text}", file=sys.stderr, flush=True)
+        return code
+
+    try:
+        cfg = _config.load_config(args.config, args.overrides)
+        plan = plan_of(cfg, args.nnodes)
+        secret = _secret(args)
+        host, port = rendezvous.split_address(args.rendezvous)
+        if not port:
+            raise ValueError(f"--rendezvous {args.rendezvous!r}: expected HOST:PORT")
+        if host in ("0.0.0.0", "::", ""):
+            raise ValueError(f"--rendezvous {args.rendezvous!r}: give an address the other hosts can reach")
+        rank = args.node_rank if args.node_rank is not None else node_rank_from_env()
+        if rank is not None and not 0 <= rank < plan.max_nodes:
+            raise ValueError(f"--node-rank {rank}: the ranks of this run are 0..{plan.max_nodes - 1}")
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port {args.port}: a port is 0..65535")
+        advertise = args.advertise or rendezvous.route_source(args.rendezvous)
+        tls = security_files(args.tls_dir, advertise) if args.tls_dir else None
+        window = args.startup_timeout
+        if window is None:
+            window = (cfg.peers.startup_timeout_s if plan.system == "peers" and cfg.peers.startup_timeout_s else None) \
+                or rendezvous.startup_window(plan.max_nodes)
+        if not window > 0:
+            raise ValueError(f"--startup-timeout {window}: must be positive seconds")
+        if out.exists() and (out / "launch.json").exists():
+            raise ValueError(f"{out} already holds a launched run (launch.json); choose another --out")
+    except (ValueError, OSError) as e:
+        return fail(EXIT_USAGE, str(e))
+
+    config_text = _config.to_yaml(cfg)
+    digest = hashlib.sha256(config_text.encode()).hexdigest()
+    my_port = args.port or _free_port()
+    token = identity.access_token(secret) if secret else None
+    store = rendezvous.Store(min_nodes=plan.min_nodes, max_nodes=plan.max_nodes, timeout_s=window,
+                             config_digest=digest, version=__version__, late_joins=plan.late_joins,
+                             last_call_s=min(10.0, window / 4))
+    server = rendezvous.serve(store, f"{host}:{port}", token=token, tls=tls)
+    if server is not None:
+        say(f"serving the rendezvous on {args.rendezvous} for {plan.min_nodes}"
+            f"{'' if plan.min_nodes == plan.max_nodes else f'..{plan.max_nodes}'} hosts "
+            f"(start-up window {window:g}s)")
+    client = rendezvous.Client(args.rendezvous, token=token, tls=tls)
+    deadline = time.monotonic() + window + 5.0
+    try:
+        rank, late = client.join(config_digest=digest, version=__version__, advertise=f"{advertise}:{my_port}",
+                                 node_rank=-1 if rank is None else rank, hostname=socket.gethostname(), deadline=deadline)
+        say(f"joined the rendezvous at {args.rendezvous} as rank {rank}{' (late)' if late else ''}, "
+            f"advertising {advertise}:{my_port}")
+        roster = client.wait_formed(deadline, progress=lambda r: say(
+            f"{r.joined} of {r.min_nodes} hosts joined ({r.waited_s:.0f}s of {window:g}s)"))
+    except rendezvous.Refused as e:
+        if server is not None:  # the others read why from the roster before this host goes away
+            time.sleep(2.0)
+            server.stop(0)
+        return fail(EXIT_FAILED, str(e))
+    finally:
+        client.close()
+    say(f"the run formed with {roster.nodes} hosts: "
+        + ", ".join(f"{m.rank}={m.advertise}" for m in roster.members))
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "config.yaml"
+    config_path.write_text(config_text)
+    role, cmd, env = _role(plan, cfg, config_path, out, rank, late, roster, my_port, advertise, secret, tls, window)
+    record = {"rank": rank, "late": late, "role": role, "system": plan.system, "config_digest": digest,
+              "version": __version__, "rendezvous": args.rendezvous, "advertise": f"{advertise}:{my_port}",
+              "served_rendezvous": server is not None,
+              "roster": [dataclasses.asdict(m) for m in roster.members], "command": cmd}
+    (out / "launch.json").write_text(json.dumps(record, indent=1) + "\n")
+    say(f"rank {rank} runs {role}")
+    code = _run(cmd, env)
+    if server is not None:
+        server.stop(1.0)
+    if code == 0:
+        say(f"rank {rank} ({role}) finished")
+    else:
+        print(f"zeroth launch: rank {rank} ({role}) exited with code {code}; its folder: {out}", file=sys.stderr, flush=True)
+    return code
+
+
+def security_files(tls_dir: str, advertise: str) -> security.TLSFiles:
+    """This host's mutual TLS files in ``tls_dir`` (see :func:`zeroth.transport.certs.host_tls`)."""
+    from zeroth.transport import certs
+
+    return certs.host_tls(tls_dir, [advertise, socket.gethostname(), socket.getfqdn()])
+
+
+def _tls_args(tls: security.TLSFiles | None) -> list[str]:
+    if tls is None:
+        return []
+    return ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca] + (["--tls-mutual"] if tls.mutual else [])
+
+
+def _role(plan: Plan, cfg, config_path: Path, out: Path, rank: int, late: bool, roster, port: int, advertise: str,
+          secret: str | None, tls, window: float) -> tuple[str, list[str], dict]:
+    """``(role, command, environment)`` of this host's process."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    py = [sys.executable, "-m", "zeroth"]
+    members = {m.rank: m.advertise for m in roster.members}
+    insecure = [] if secret else ["--insecure"]
+    if secret:
+        env[identity.SECRET_ENV[0]] = secret  # the stages and nodes read it there; never on a command line
+    if plan.system == "peers":
+        cmd = [*py, "peer", "--config", str(config_path), "--listen", f"0.0.0.0:{port}", "--advertise",
+               f"{advertise}:{port}", "--out", str(out / "peers" / f"p{rank}"), "--startup-timeout", f"{window:g}",
+               "--progress-every", "10", *insecure, *_tls_args(tls)]
+        if rank == 0 and not late:
+            cmd += ["--founders", str(roster.nodes)]
+        else:
+            cmd += ["--join", members[0]] + ([] if late else ["--join-members", str(rank)])
+        return ("founder" if rank == 0 and not late else f"peer {rank}{' (late)' if late else ''}"), cmd, env
+    if plan.system == "pipeline":
+        s = cfg.pipeline.stages
+        cmd = [*py, "stage", "--config", str(config_path), "--stage", str(rank), "--out", str(out / f"stage_{rank}"),
+               *insecure]
+        if rank > 0:
+            cmd += ["--listen", f"0.0.0.0:{port}"]
+        if rank < s - 1:
+            cmd += ["--next", members[rank + 1]]
+        return f"stage {rank} of {s}", cmd, env
+    names = [n["name"] for n in cfg.ravnest.nodes]
+    book = out / "addresses"
+    book.mkdir(parents=True, exist_ok=True)
+    for r, address in members.items():  # every other node's address from the roster; this node writes its own
+        if r != rank:
+            (book / names[r]).write_text(address + "\n")
+    cmd = [*py, "node", "--config", str(config_path), "--name", names[rank], "--out", str(out / "nodes" / names[rank]),
+           "--addresses", str(book), "--listen", f"0.0.0.0:{port}", "--advertise", advertise, *insecure]
+    return f"Ravnest node {names[rank]}", cmd, env
+
+
+def _run(cmd: list[str], env: dict) -> int:
+    """Run this host's process; SIGINT/SIGTERM are passed on to it (it saves and stops as it does alone)."""
+    proc = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, frame):
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
