@@ -6,6 +6,7 @@ own address, and every host runs the same command (no loopback shortcut between 
   and the folders collected from every host verify as one run;
 * an AQ-SGD pipeline of two hosts ends on the parameters and buffers of the same engines run in
   one process;
+* Ravnest nodes on four hosts (two clusters, averaged by rings) end on the in-process run's digests;
 * a run that cannot form (a host missing) fails on every host with one line and a non-zero exit.
 """
 
@@ -25,6 +26,7 @@ import pytest
 
 from zeroth import compress as C
 from zeroth.config import load_config, load_config_dict, to_yaml
+from zeroth.cluster import sim as ravnest_sim
 from zeroth.pipeline import sim
 from zeroth.replay import checksum
 
@@ -181,6 +183,30 @@ def test_aqsgd_pipeline_across_two_hosts_ends_on_the_in_process_run(tmp_path):
         assert summary["param_digest"] == checksum(e.params), s
         assert summary["send_digest"] == C.buffer_digest(e.send_state)
         assert summary["recv_digest"] == C.buffer_digest(e.recv_state)
+
+
+def test_ravnest_nodes_on_four_hosts_end_on_the_in_process_digests(tmp_path):
+    cfg = load_config_dict({
+        "run": {"name": "ravnest-hosts", "seed": 0},
+        "data": {"dataset": "sentiment", "batch_size": 8},
+        "model": {"name": "transformer", "kwargs": {}},
+        "train": {"method": "backprop", "steps": 8, "lr": 1e-3, "optimizer": {"name": "adamw"}},
+        "ravnest": {"examples": 64, "seq_len": 32, "average_every": 4},
+    })
+    config = tmp_path / "ravnest.yaml"
+    config.write_text(to_yaml(cfg))
+    secret = _secret(tmp_path)
+    with netns.hosts(4) as hosts:
+        rdv = f"{hosts[2].address}:{PORT}"
+        procs = [_start(h.command(_launch(config, tmp_path / f"h{i}", rdv, 4, secret)), tmp_path / f"h{i}.log")
+                 for i, h in enumerate(hosts)]
+        assert _wait(procs, 300) == [0, 0, 0, 0], _logs(tmp_path)
+    ref = ravnest_sim.run_local(cfg)
+    got = {p.parent.name: json.loads(p.read_text())["digest"] for p in tmp_path.glob("h*/nodes/*/summary.json")}
+    assert got == ref["digests"]
+    # each node reached the others at their namespaces' addresses, as the roster gave them
+    book = {p.name: p.read_text().strip() for p in (tmp_path / "h0" / "addresses").iterdir()}
+    assert {a.rsplit(":", 1)[0] for a in book.values()} == {h.address for h in hosts}
 
 
 def test_a_run_missing_a_host_fails_on_every_host_with_one_line(tmp_path):
