@@ -7,6 +7,8 @@ own address, and every host runs the same command (no loopback shortcut between 
 * an AQ-SGD pipeline of two hosts ends on the parameters and buffers of the same engines run in
   one process;
 * Ravnest nodes on four hosts (two clusters, averaged by rings) end on the in-process run's digests;
+* Marsit on two hosts (one ``jax.distributed`` job, two CPU devices each, gloo between the hosts)
+  ends every run on the one-process run's digest, accuracy and bits per element;
 * a run that cannot form (a host missing) fails on every host with one line and a non-zero exit.
 """
 
@@ -207,6 +209,39 @@ def test_ravnest_nodes_on_four_hosts_end_on_the_in_process_digests(tmp_path):
     # each node reached the others at their namespaces' addresses, as the roster gave them
     book = {p.name: p.read_text().strip() for p in (tmp_path / "h0" / "addresses").iterdir()}
     assert {a.rsplit(":", 1)[0] for a in book.values()} == {h.address for h in hosts}
+
+
+MARSIT = {
+    "name": "marsit-hosts", "seed": 3,
+    "data": {"dataset": "digits", "batch_size": 8, "eval_size": 200},
+    "model": {"name": "mlp", "kwargs": {"hidden": [16]}},
+    "topology": {"kind": "ring", "workers": 4},
+    "train": {"rounds": 6, "eta_l": 0.1, "eval_every": 3, "target_acc": 0.05},
+    "runs": [{"label": "psgd", "sync": {"method": "psgd"}},
+             {"label": "marsit-k3", "sync": {"method": "marsit", "eta_s": 0.01, "K": 3}}],
+}
+
+
+def test_marsit_over_two_hosts_ends_on_the_one_process_run(tmp_path):
+    config = tmp_path / "marsit.yaml"
+    config.write_text(json.dumps(MARSIT))
+    ref = subprocess.run([sys.executable, "-m", "zeroth", "run", str(config), "--out", str(tmp_path / "ref"), "--quiet"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    secret = _secret(tmp_path)
+    with netns.hosts(2) as hosts:
+        rdv = f"{hosts[0].address}:{PORT}"
+        procs = [_start(h.command(_launch(config, tmp_path / f"h{i}", rdv, 2, secret, "--node-rank", str(i))),
+                        tmp_path / f"h{i}.log") for i, h in enumerate(hosts)]
+        assert _wait(procs, 300) == [0, 0], _logs(tmp_path)
+    want = json.loads((tmp_path / "ref" / "summary.json").read_text())["runs"]
+    for i in range(2):
+        got = json.loads((tmp_path / f"h{i}" / "marsit" / "summary.json").read_text())["runs"]
+        assert [r["run"] for r in got] == ["psgd", "marsit-k3"]
+        for g, w in zip(got, want):
+            assert g["checksums_equal"] and g["workers"] == 4
+            assert (g["digest"], g["bits_per_element"], g["eval_accuracy"]) == (w["digest"], w["bits_per_element"],
+                                                                               w["eval_accuracy"]), g["run"]
 
 
 def test_a_run_missing_a_host_fails_on_every_host_with_one_line(tmp_path):

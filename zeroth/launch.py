@@ -14,10 +14,12 @@ config section     hosts (``--nnodes``)        rank r runs
 ``peers``          ``peers.count`` (MIN:MAX)   a Just One Byte peer; rank 0 founds the run
 ``pipeline``       ``pipeline.stages``         pipeline stage r (AQ-SGD)
 ``ravnest``        ``len(ravnest.nodes)``      Ravnest node ``ravnest.nodes[r].name``
+``runs`` (Marsit)  N (default 1)               process r of one ``jax.distributed`` job,
+                                               ``topology.workers / N`` CPU devices each
 =================  ==========================  ==========================================
 
 Each host writes its own folder ``OUT`` (``launch.json``: rank, role, roster; the system's
-folder below it: ``peers/p<r>``, ``stage_<r>``, ``nodes/<name>``); folders collected from every
+folder below it: ``peers/p<r>``, ``stage_<r>``, ``nodes/<name>``, ``marsit``); folders collected from every
 host into one place are one run (``zeroth verify`` reads every update log below a folder).
 
 A run fails loudly, with one line and a non-zero exit: fewer hosts than ``--nnodes`` (its MIN)
@@ -48,11 +50,13 @@ import sys
 import time
 from pathlib import Path
 
-from zeroth import __version__
+import yaml
+
+from zeroth import __version__, marsit
 from zeroth import config as _config
 from zeroth.transport import identity, rendezvous, security
 
-__all__ = ["Plan", "build_parser", "main", "plan_of", "node_rank_from_env"]
+__all__ = ["Plan", "build_parser", "main", "plan_of", "marsit_plan", "node_rank_from_env"]
 
 EXIT_FAILED = 1  # the run could not form, or this host's process failed
 EXIT_USAGE = 2  # a bad command line or config
@@ -82,8 +86,8 @@ def plan_of(cfg: _config.Config, nnodes: str | None) -> Plan:
     elif getattr(cfg, "ravnest", None) is not None:
         system, count, elastic = "ravnest", len(cfg.ravnest.nodes), False
     else:
-        raise ValueError("zeroth launch runs configs with a peers:, pipeline: or ravnest: section; binary learning "
-                         "and Marsit configs run on one host with `zeroth run`")
+        raise ValueError("zeroth launch runs configs with a peers:, pipeline: or ravnest: section or a Marsit runs: "
+                         "list; binary learning configs run on one host with `zeroth run`")
     if nnodes is None:
         return Plan(system, count, count, elastic)
     lo, sep, hi = str(nnodes).partition(":")
@@ -102,6 +106,25 @@ def plan_of(cfg: _config.Config, nnodes: str | None) -> Plan:
         raise ValueError(f"--nnodes {nnodes}: the config's peers.count is {count}; give --nnodes {count}, "
                          f"--set peers.count={lo_n}, or --nnodes MIN:MAX for a run that admits hosts as they come")
     return Plan(system, lo_n, hi_n, elastic)
+
+
+def marsit_plan(runs, nnodes: str | None) -> Plan:
+    """The :class:`Plan` of a Marsit config's ``runs``: ``--nnodes`` processes (default 1), each with
+    an equal share of the workers (CPU devices), in one ``jax.distributed`` job.
+
+    Raises:
+      ValueError: ``--nnodes`` that is not a whole number dividing every run's worker count.
+    """
+    from zeroth.marsit.process import local_devices
+
+    try:
+        n = int(nnodes or 1)
+    except ValueError:
+        raise ValueError(f"--nnodes {nnodes!r}: a Marsit run takes a fixed number of processes (N)") from None
+    if n < 1:
+        raise ValueError(f"--nnodes {nnodes}: need at least 1")
+    local_devices(runs, n)
+    return Plan("marsit", n, n, False)
 
 
 def node_rank_from_env(environ=None) -> int | None:
@@ -176,8 +199,16 @@ def main(argv: list[str]) -> int:
         return code
 
     try:
-        cfg = _config.load_config(args.config, args.overrides)
-        plan = plan_of(cfg, args.nnodes)
+        raw = marsit.config.read_config(args.config)
+        if marsit.is_config(raw):
+            cfg = marsit.load_runs_dict(raw, args.overrides, where=args.config)
+            plan = marsit_plan(cfg, args.nnodes)
+            config_text = yaml.safe_dump({"name": raw.get("name"), "runs": [marsit.config.spec_dict(r) for r in cfg]},
+                                         sort_keys=False)
+        else:
+            cfg = _config.load_config(args.config, args.overrides)
+            plan = plan_of(cfg, args.nnodes)
+            config_text = _config.to_yaml(cfg)
         secret = _secret(args)
         host, port = rendezvous.split_address(args.rendezvous)
         if not port:
@@ -202,7 +233,6 @@ def main(argv: list[str]) -> int:
     except (ValueError, OSError) as e:
         return fail(EXIT_USAGE, str(e))
 
-    config_text = _config.to_yaml(cfg)
     digest = hashlib.sha256(config_text.encode()).hexdigest()
     my_port = args.port or _free_port()
     token = identity.access_token(secret) if secret else None
@@ -235,7 +265,10 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.yaml"
     config_path.write_text(config_text)
-    role, cmd, env = _role(plan, cfg, config_path, out, rank, late, roster, my_port, advertise, secret, tls, window)
+    if plan.system == "marsit":  # the Marsit processes read the config as the user wrote it, with the same --set
+        config_path = Path(args.config).resolve()
+    role, cmd, env = _role(plan, cfg, config_path, out, rank, late, roster, my_port, advertise, secret, tls, window,
+                           args.overrides)
     record = {"rank": rank, "late": late, "role": role, "system": plan.system, "config_digest": digest,
               "version": __version__, "rendezvous": args.rendezvous, "advertise": f"{advertise}:{my_port}",
               "served_rendezvous": server is not None,
@@ -266,12 +299,20 @@ def _tls_args(tls: security.TLSFiles | None) -> list[str]:
 
 
 def _role(plan: Plan, cfg, config_path: Path, out: Path, rank: int, late: bool, roster, port: int, advertise: str,
-          secret: str | None, tls, window: float) -> tuple[str, list[str], dict]:
+          secret: str | None, tls, window: float, overrides: list[str]) -> tuple[str, list[str], dict]:
     """``(role, command, environment)`` of this host's process."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     py = [sys.executable, "-m", "zeroth"]
     members = {m.rank: m.advertise for m in roster.members}
+    if plan.system == "marsit":
+        # each process sets its own device count; jax's coordinator listens on rank 0's advertised port
+        env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                    if not f.startswith("--xla_force_host_platform_device_count"))
+        cmd = [sys.executable, "-m", "zeroth.marsit.process", "--config", str(config_path), "--out", str(out / "marsit"),
+               "--coordinator", members[0], "--num-processes", str(roster.nodes), "--process-id", str(rank),
+               "--hostname", advertise, "--timeout", f"{window:g}", *[a for o in overrides for a in ("--set", o)]]
+        return f"Marsit process {rank} of {roster.nodes}", cmd, env
     insecure = [] if secret else ["--insecure"]
     if secret:
         env[identity.SECRET_ENV[0]] = secret  # the stages and nodes read it there; never on a command line

@@ -34,6 +34,7 @@ def initialize(
     local_devices: int | None = None,
     cpu_collectives: str = "gloo",
     timeout_s: int = 60,
+    hostname: str | None = None,
 ) -> None:
     """Join a multi-process JAX job (call before any other use of jax devices).
 
@@ -44,6 +45,9 @@ def initialize(
       local_devices: on CPU, how many devices this process exposes (sets ``XLA_FLAGS``).
       cpu_collectives: cross-process collectives on CPU: ``"gloo"`` (TCP) or ``"mpi"``.
       timeout_s: how long to wait for the other processes.
+      hostname: on CPU with gloo, the address the other processes reach this one's collectives at
+        (default: gloo resolves this machine's host name, which on a host with several interfaces
+        or in a container may name an address the others cannot reach).
     """
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
@@ -61,6 +65,18 @@ def initialize(
         process_id=process_id,
         initialization_timeout=timeout_s,
     )
+    if hostname is not None and cpu_collectives == "gloo":
+        # jax builds gloo's TCP collectives without a host name; the CPU backend is made again (it is
+        # not started yet) with gloo bound to ``hostname``.
+        from jax._src import distributed as _jd
+        from jax._src import xla_bridge
+        from jax._src.lib import _jax
+
+        def cpu_backend():
+            gloo = _jax.make_gloo_tcp_collectives(distributed_client=_jd.global_state.client, hostname=hostname)
+            return xla_bridge.make_cpu_client(collectives=gloo)
+
+        xla_bridge.register_backend_factory("cpu", cpu_backend, priority=0, fail_quietly=False)
 
 
 def global_array(host_value, sharding):

@@ -39,7 +39,8 @@ from zeroth.collectives import bits as _bits
 from zeroth.collectives import ring as _ring
 from zeroth.collectives import sync as _sync
 
-__all__ = ["WorkerState", "Trainer", "make_trainer", "worker_checksums", "worker_copy", "stack_workers"]
+__all__ = ["WorkerState", "Trainer", "make_trainer", "worker_checksums", "all_worker_checksums", "worker_copy",
+           "first_local_worker", "stack_workers", "place", "gather"]
 
 
 class WorkerState(NamedTuple):
@@ -63,16 +64,57 @@ class Trainer(NamedTuple):
     sync: _sync.SyncTransform
 
 
+def place(host_value, sharding) -> jax.Array:
+    """A ``jax.Array`` of a host array placed with ``sharding``: each process puts only the shards of
+    its own devices (the same on one process as ``jax.device_put``; over several, the way to build a
+    global array from a value every process holds)."""
+    host_value = np.asarray(host_value)
+    return jax.make_array_from_callback(host_value.shape, sharding, lambda idx: host_value[idx])
+
+
 def stack_workers(tree: Any, m: int, sharding) -> Any:
     """``tree`` repeated on a new leading axis of size ``m`` and placed with ``sharding``."""
-    return jax.tree_util.tree_map(
-        lambda a: jax.device_put(np.broadcast_to(np.asarray(a), (m,) + np.shape(a)).copy(), sharding), tree
-    )
+    return jax.tree_util.tree_map(lambda a: place(np.broadcast_to(np.asarray(a), (m,) + np.shape(a)), sharding), tree)
 
 
 def worker_copy(tree: Any, m: int = 0) -> Any:
-    """Worker ``m``'s row of every leaf, as host NumPy arrays."""
-    return jax.tree_util.tree_map(lambda a: np.asarray(jax.device_get(a))[m], tree)
+    """Worker ``m``'s row of every leaf, as host NumPy arrays (``m`` must be a worker of this process)."""
+
+    def row(a):
+        for s in a.addressable_shards:
+            start = s.index[0].start or 0
+            if start <= m < start + s.data.shape[0]:
+                return np.asarray(s.data)[m - start]
+        raise ValueError(f"worker {m} is not held by this process (process {jax.process_index()})")
+
+    return jax.tree_util.tree_map(row, tree)
+
+
+def first_local_worker(tree: Any) -> int:
+    """The smallest worker index this process holds (0 on a single process)."""
+    leaf = jax.tree_util.tree_leaves(tree)[0]
+    return min(s.index[0].start or 0 for s in leaf.addressable_shards)
+
+
+def gather(a: jax.Array) -> np.ndarray:
+    """A sharded array's full value on every process, as host NumPy (``np.asarray`` on one process)."""
+    if jax.process_count() == 1:
+        return np.asarray(a)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
+def all_worker_checksums(params: Any) -> list[str]:
+    """:func:`worker_checksums` of every worker of every process, in worker order (on each process)."""
+    local = worker_checksums(params)
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils
+
+    rows = np.stack([np.frombuffer(bytes.fromhex(h), np.uint8) for h in local])
+    every = np.asarray(multihost_utils.process_allgather(rows, tiled=True))  # processes in order: workers in order
+    return [bytes(r).hex() for r in every]
 
 
 def worker_checksums(params: Any) -> list[str]:
@@ -161,7 +203,7 @@ def make_trainer(
     def put(a):
         if isinstance(a, jax.Array) and a.sharding == sharding:
             return a
-        return jax.device_put(np.asarray(a), sharding)
+        return place(a, sharding)
 
     def run_round(state: WorkerState, t: int, xs, ys):
         phase = sync.phase(t)

@@ -53,7 +53,7 @@ from zeroth.collectives import sync as _sync
 from zeroth.collectives import topology as _topo
 from zeroth.collectives import train as _train
 from zeroth.marsit import config as _config
-from zeroth.marsit.devices import ensure_cpu_devices
+from zeroth.marsit.devices import DeviceError, ensure_cpu_devices
 from zeroth.train.interrupt import Interrupted
 from zeroth.train.metrics import MetricsWriter, read_metrics
 
@@ -88,7 +88,7 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
       Stopped: ``stop()`` turned true (checked after every round).
     """
     topo = _topo.make_topology(spec.topology.kind, spec.topology.workers, spec.topology.rows)
-    devices = ensure_cpu_devices(topo.size)
+    devices = _workers_devices(topo.size)
     train_ds = _data.load(spec.data.dataset, "train")
     test_ds = _data.load(spec.data.dataset, "test")
     n_eval = spec.data.eval_size or test_ds.x.shape[0]
@@ -146,7 +146,7 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
         xs, ys = batch(t)
         t0 = time.perf_counter()
         state, losses = tr.round(state, t, xs, ys)
-        losses = np.asarray(losses)
+        losses = _train.gather(losses)
         dt = time.perf_counter() - t0
         phase_count[phase] = phase_count.get(phase, 0) + 1
         if phase_count[phase] == 1:  # the first round of a phase compiles it: kept apart
@@ -159,11 +159,11 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
         train_loss = float(losses.mean())
         loss0 = train_loss if loss0 is None else loss0
         if rounds_done % spec.train.checksum_every == 0:
-            sums = _train.worker_checksums(state.params)
+            sums = _train.all_worker_checksums(state.params)
             checks_ok = checks_ok and len(set(sums)) == 1
             digest = sums[0]
         else:
-            digest = _replay.checksum(_train.worker_copy(state.params, 0))
+            digest = _replay.checksum(_train.worker_copy(state.params, _train.first_local_worker(state.params)))
         if not math.isfinite(train_loss):
             diverged = True
         if diverged or rounds_done % spec.train.log_every == 0 or rounds_done == spec.train.rounds:
@@ -171,7 +171,8 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
                  "eta_s": spec.sync.eta_s, "step_time_s": dt, "payload_bytes": _bytes(phase_bits[phase]),
                  "bits_per_element": _bits.bits_per_element(phase_bits[phase], ref_bits)})
         if diverged or rounds_done % spec.train.eval_every == 0 or rounds_done == spec.train.rounds:
-            p0 = jax.tree_util.tree_map(jnp.asarray, _train.worker_copy(state.params, 0))
+            # this process's first worker (worker 0 on one process; every worker holds the same bits when checksums agree)
+            p0 = jax.tree_util.tree_map(jnp.asarray, _train.worker_copy(state.params, _train.first_local_worker(state.params)))
             test_loss, acc = (float(v) for v in evaluate(p0))
             diverged = diverged or not math.isfinite(test_loss)
             best_acc = max(best_acc, acc)
@@ -192,7 +193,7 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
     round_median = {k: float(np.median(v)) for k, v in phase_times.items()}
     if params_file is not None:
         params_file.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(params_file, **flat_params(_train.worker_copy(state.params, 0)))
+        np.savez(params_file, **flat_params(_train.worker_copy(state.params, _train.first_local_worker(state.params))))
     return {
         "run": spec.label,
         "group": spec.group,
@@ -229,6 +230,22 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
         "params": tr.dim,
         "params_file": None if params_file is None else f"{params_file.parent.name}/{params_file.name}",
     }
+
+
+def _workers_devices(n: int) -> list:
+    """The ``n`` devices of the run's workers: this process's CPU devices, or, in a job of several
+    processes (``jax.distributed``), every process's devices.
+
+    Raises:
+      DeviceError: a job of several processes whose devices are not ``n`` in all.
+    """
+    if jax.process_count() == 1:
+        return ensure_cpu_devices(n)
+    devices = jax.devices()
+    if len(devices) != n:
+        raise DeviceError(f"this run has {n} workers but the {jax.process_count()} processes hold {len(devices)} "
+                          f"devices in all; give each process {n} / {jax.process_count()} devices")
+    return devices
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -276,7 +293,8 @@ def run_config(runs: Sequence[_config.RunSpec], out: str | os.PathLike, *, name:
                          f"or choose another --out")
     kept = _finished_earlier(out, runs) if resume else []
     done = {s["run"] for s in kept}
-    ensure_cpu_devices(max(r.topology.workers for r in runs if r.label not in done) if len(done) < len(runs) else 1)
+    if jax.process_count() == 1:
+        ensure_cpu_devices(max(r.topology.workers for r in runs if r.label not in done) if len(done) < len(runs) else 1)
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
     rows = [r for r in read_metrics(metrics) if r.get("run") in done] if resume and metrics.exists() else []
