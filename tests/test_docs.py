@@ -41,3 +41,20 @@ def test_a_warning_fails_the_build(tmp_path):
     result = _build(src, tmp_path / "html")
     assert result.returncode != 0, "a dangling link built without a warning: -W is not in force"
     assert "nowhere" in result.stderr, result.stderr
+
+
+def test_citation_and_license_match_the_package():
+    import tomllib
+
+    import yaml
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    cff = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    assert cff["cff-version"] == "1.2.0" and cff["type"] == "software"
+    assert cff["version"] == project["version"], "CITATION.cff names another version than pyproject.toml"
+    assert cff["license"] == project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+    for ref in cff.get("references", []):
+        assert ref["title"] and ref["authors"] and ref["year"], ref
