@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 # Installs that run beside one another in `make install-dev` (they fetch from different registries).
 INSTALL_JOBS ?= 4
 
-.PHONY: install install-dev job test docs doctor bench clean
+.PHONY: install install-dev job test docs lint doctor bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,10 @@ $(VENV)/.installed-docs: $(VENV)/.installed pyproject.toml
 
 docs: $(VENV)/.installed-docs
 	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+
+## The lint of tests/test_lint.py and the pre-commit hook: ruff with the rules of pyproject.toml.
+lint: $(VENV)/.installed-extras
+	$(BIN)/python -m ruff check .
 
 doctor: install
 	$(BIN)/zeroth doctor
