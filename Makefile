@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 # Installs that run beside one another in `make install-dev` (they fetch from different registries).
 INSTALL_JOBS ?= 4
 
-.PHONY: install install-dev job test doctor bench clean
+.PHONY: install install-dev job test docs lint doctor bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,18 @@ job: install
 test: install-dev
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
+## The documentation site (docs/), built offline with every warning an error; open docs/_build/html/index.html.
+$(VENV)/.installed-docs: $(VENV)/.installed pyproject.toml
+	$(BIN)/python -m pip install -q -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.installed-docs
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+
+## The lint of tests/test_lint.py and the pre-commit hook: ruff with the rules of pyproject.toml.
+lint: $(VENV)/.installed-extras
+	$(BIN)/python -m ruff check .
+
 doctor: install
 	$(BIN)/zeroth doctor
 
@@ -74,4 +86,4 @@ bench: install-dev
 	$(BIN)/zeroth bench kernels
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache docs/_build

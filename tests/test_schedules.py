@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zeroth import rng, schedules, zo
+from zeroth import schedules, zo
 from zeroth.config import load_config_dict
 from zeroth.train import trainer
 from zeroth.train.metrics import check_schema, read_metrics

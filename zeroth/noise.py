@@ -7,7 +7,7 @@ own part from ``offset`` alone:
 * ``rademacher``: element i is bit ``i % 32`` of word ``i // 32`` of the leaf's word stream
   (word ``2j`` = x0, ``2j+1`` = x1 of call j): set -> +1, clear -> -1. 64 elements per call.
 * ``binomial``: ``z = (popcount(h) - 8) / 2`` where h is the 16-bit half ``i % 2`` of word
-  ``i // 2``: variance 1, values k/2 with |k| <= 8, four elements per call.
+  ``i // 2``: variance 1, values k/2 with ``|k| <= 8``, four elements per call.
 * ``gaussian``: ``jax.random.normal``. **Backend-dependent** (erf_inv, log1p, FMA contraction):
   refused wherever exactness is asked for.
 

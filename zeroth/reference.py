@@ -151,7 +151,7 @@ def rademacher_int(key, n: int, offset: int = 0) -> np.ndarray:
 
 
 def binomial_int(key, n: int, offset: int = 0) -> np.ndarray:
-    """Elements of the leaf's binomial stream as ``k = popcount(h) - 8`` (int8, |k| <= 8); z = k / 2.
+    """Elements of the leaf's binomial stream as ``k = popcount(h) - 8`` (int8, ``|k| <= 8``); z = k / 2.
 
     Element i takes half ``i % 2`` (0: low 16 bits, 1: high 16 bits) of word ``i // 2``.
     """

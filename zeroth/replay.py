@@ -96,6 +96,9 @@ def apply_updates(params: Any, keys: jax.Array, scales: jax.Array, *, distributi
     """Traceable core: apply K updates with *already rounded* scales, in order (by default the
     plain jnp rule, :func:`zeroth.kernels.perturb.perturb_reference` on every leaf).
 
+    A :class:`Flat` is updated leaf by leaf inside its buffers (each leaf keeps its id and
+    counters), so the result is the :class:`Flat` of the tree's result.
+
     Args:
       params: pytree of f32 / bf16 / f16 arrays.
       keys: ``u32[K, 2]`` sample keys (may be traced).
@@ -104,9 +107,6 @@ def apply_updates(params: Any, keys: jax.Array, scales: jax.Array, *, distributi
       impl: ``"jnp"`` (default), or ``"auto"`` for the fused kernels :func:`replay` runs (chosen
         when the program is lowered, for the devices it runs on); the same bits.
       inplace: let the fused kernels write into their inputs; only where ``params`` is donated.
-
-      A :class:`Flat` is updated leaf by leaf inside its buffers (each leaf keeps its id and
-      counters), so the result is the :class:`Flat` of the tree's result.
 
     Returns:
       The updated pytree (same structure, dtypes and shapes).

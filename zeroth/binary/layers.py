@@ -8,7 +8,7 @@ output ``+1`` where ``dot >= thresh`` else ``-1`` (a set bit).
 
 The **auxiliary head** (Belilovsky et al. 2018) is linear in the ±1 activations: the image is
 split into a ``grid x grid`` array of regions, each region's activations are averaged, and a
-float matrix maps them to class logits,
+float matrix maps them to class logits::
 
     logits[b, k] = bias[k] + sum_{p, o} act[b, p, o] * V[p, o, k],   V[p, o, k] = A[r(p), o, k] / |r(p)|.
 

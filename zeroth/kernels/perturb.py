@@ -1294,7 +1294,7 @@ def perturb_slice(
     slice of it taken outside the loop is a copy of the whole leaf, held for the whole loop.
 
     Args:
-      x: the whole leaf, or a buffer holding it (``base``, ``size``); leaf_keys_: ``u32[K, 2]``;
+      x: the whole leaf, or a buffer holding it (``base``, ``size``); ``leaf_keys_``: ``u32[K, 2]``;
         scales: ``f32[K]``.
       start: ``u32[]`` (or int) flat index of the slice's first element in the leaf.
       shape: the slice's shape (static).

@@ -3,20 +3,20 @@
 Every kind of run writes one layout into its output folder: ``config.yaml``, ``metrics.jsonl``
 (the schema of :mod:`zeroth.train.metrics`), ``summary.json`` and checkpoints. Where they sit:
 
-=========  ==========================================  =======================================
-kind       metrics                                     final parameters
-=========  ==========================================  =======================================
-single     ``metrics.jsonl``                           ``checkpoints/<step>/`` (orbax)
-peers      ``peers/p<i>/metrics.jsonl`` of the peer     ``peers*/p<i>/checkpoints/<iteration>/``
-           that holds machine 0 (else the first done)   (``state.bin`` + ``state.json``)
-pipeline   ``metrics.jsonl`` (merged from ``stage_i/``)  per stage, not merged: None
-binary     ``metrics.jsonl`` (every model's layers)     not saved: None
+=========  ================================================  ========================================
+kind       metrics                                           final parameters
+=========  ================================================  ========================================
+single     ``metrics.jsonl``                                 ``checkpoints/<step>/`` (orbax)
+peers      ``peers/p<i>/metrics.jsonl`` of the peer          ``peers*/p<i>/checkpoints/<iteration>/``
+           that holds machine 0 (else the first done)        (``state.bin`` + ``state.json``)
+pipeline   ``metrics.jsonl`` (merged from ``stage_i/``)      per stage, not merged: None
+binary     ``metrics.jsonl`` (every model's layers)          not saved: None
            and ``results.json``
-ravnest    ``metrics.jsonl`` (every node's ``train``      the first cluster's model: its stages'
-           rows, labelled ``node``, in time order)      ``nodes/<name>/params.npz`` end to end
-marsit     ``metrics.jsonl`` (every run of the config's   ``{label: worker 0's parameters}`` from
-           ``runs`` list, rows labelled ``run``)        ``params/run_<i>.npz``, digests checked
-=========  ==========================================  =======================================
+ravnest    ``metrics.jsonl`` (every node's ``train``         the first cluster's model: its stages'
+           rows, labelled ``node``, in time order)           ``nodes/<name>/params.npz`` end to end
+marsit     ``metrics.jsonl`` (every run of the config's      ``{label: worker 0's parameters}`` from
+           ``runs`` list, rows labelled ``run``)             ``params/run_<i>.npz``, digests checked
+=========  ================================================  ========================================
 
 A Marsit folder's ``summary.json`` is ``{"name", "runs": [one summary per finished run],
 "finished", "total"}``.
