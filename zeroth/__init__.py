@@ -15,7 +15,8 @@ lowest first (a module imports only from layers below its own):
 6. ``train`` (the loop, metrics, checkpoints, run folders), ``stages``, ``transport``;
 7. the systems: ``net`` (Just One Byte), ``pipeline`` (AQ-SGD), ``cluster`` (Ravnest),
    ``binary`` (binary learning), ``marsit`` (one-bit all-reduce experiments);
-8. the programs: ``bench``, ``doctor``, ``run`` (``zeroth run``), ``cli``, ``protogen``.
+8. the programs: ``bench``, ``doctor``, ``run`` (``zeroth run``), ``launch`` (``zeroth launch``), ``cli``,
+   ``protogen``.
 """
 
 import os as _os
@@ -36,5 +37,5 @@ __all__ = [
     "methods", "objectives", "config",
     "train", "stages", "transport",
     "net", "pipeline", "cluster", "binary", "marsit",
-    "bench", "doctor", "run", "cli", "protogen",
+    "bench", "doctor", "run", "launch", "cli", "protogen",
 ]
