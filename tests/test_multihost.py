@@ -23,10 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-import netns
 import pytest
 
 from zeroth import compress as C
+from zeroth.bench import netns
 from zeroth.config import load_config, load_config_dict, to_yaml
 from zeroth.cluster import sim as ravnest_sim
 from zeroth.pipeline import sim

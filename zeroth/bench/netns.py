@@ -1,4 +1,5 @@
-"""Hosts for multi-host tests: Linux network namespaces joined by a bridge, one address each.
+"""Hosts on one machine for multi-host tests and benchmarks: Linux network namespaces joined by a
+bridge, one address each (root only).
 
 :func:`hosts` makes ``n`` namespaces, each with a veth pair whose outer end is on one bridge and
 whose inner end holds ``10.R.0.<i+1>/24`` (``R`` chosen per test process, so test processes side
@@ -6,8 +7,8 @@ by side do not meet); the bridge has no address, so the hosts reach each other a
 Everything is removed on exit, also after a failure. :func:`unavailable` says why namespaces
 cannot be made here (not root, no ``ip``), for a skip.
 
-A host's link can be cut (:meth:`Host.link`) and limited (:meth:`Host.limit`, ``tc tbf`` on both
-ends of its veth pair).
+A host's link can be cut (:meth:`Host.link`), limited (:meth:`Host.limit`, ``tc tbf`` on both
+ends of its veth pair) and read (:meth:`Host.bytes`: the kernel's counters of its link).
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ class Host:
     def link(self, up: bool) -> None:
         """Cut (``up=False``) or restore this host's link to the bridge."""
         _ip("link", "set", self.veth, "up" if up else "down")
+
+    def bytes(self) -> tuple[int, int]:
+        """``(sent, received)`` bytes of this host's link so far, from the kernel's interface counters
+        (every frame on the wire: headers, TLS and retransmissions included)."""
+        stats = f"/sys/class/net/{self.veth}/statistics"
+        with open(f"{stats}/rx_bytes") as rx, open(f"{stats}/tx_bytes") as tx:  # the outer end: rx = the host sent
+            return int(rx.read()), int(tx.read())
 
     def limit(self, rate_mbit: float) -> None:
         """Limit both directions of this host's link to ``rate_mbit`` (token bucket, ``tc tbf``)."""
