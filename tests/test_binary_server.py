@@ -156,6 +156,32 @@ def test_grpc_service_aborts_with_status_codes():
         srv.stop()
 
 
+def test_server_answers_while_calls_that_never_send_their_body_are_held():
+    """12 calls that never send their body (more than the server used to have threads) hold no
+    thread the real workers need: a Join is answered at once, and the held calls are cancelled
+    after the server's wait for a body; an oversized list is refused (the server receives lists
+    of at most max_entries)."""
+    from slowloris import Held, timed
+
+    w, t = _model()
+    srv = S.Server(CFG, w, t)
+    port = srv.start("127.0.0.1:0")
+    address = f"127.0.0.1:{port}"
+    try:
+        with Held(address, "/zeroth.v1.binary.BinaryMutations/Submit", 12) as held:
+            with grpc.insecure_channel(address) as ch:
+                seconds, rep = timed(lambda: pbg.BinaryMutationsStub(ch).Join(pb.JoinRequest(run_id="run"), timeout=10))
+                assert rep.worker_id == 0 and seconds < 2.0
+                big = pb.DeltaList(run_id="run", worker_id=0, round=0, index=list(range(20000)), delta=[1.0] * 20000)
+                with pytest.raises(grpc.RpcError) as e:
+                    pbg.BinaryMutationsStub(ch).Submit(big, timeout=10)
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            codes = held.codes(timeout_s=S.limits(CFG).body_s + 5)
+        assert codes == [grpc.StatusCode.CANCELLED] * 12
+    finally:
+        srv.stop()
+
+
 def test_on_round_runs_as_each_round_opens_before_any_reply_tells_of_it():
     w, t = _model()
     opened = []
