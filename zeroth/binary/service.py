@@ -1,5 +1,8 @@
 """gRPC servicer of the sparse-mutation parameter server: decode, call :mod:`zeroth.binary.protocol`, encode.
 
+The server is :func:`zeroth.transport.guard.make_server`'s, bounded by :func:`limits`; with the
+run's access token, a call without it is refused before anything of it is read.
+
 :class:`Server` owns the state and a lock; each RPC decodes its message, calls the pure function
 with ``time.monotonic()``, and encodes the reply. :class:`zeroth.binary.protocol.Rejected`
 becomes ``context.abort(StatusCode.<code>, message)``.
@@ -65,10 +68,13 @@ class Server(pbg.BinaryMutationsServicer):
 
     ``on_round(r)``, if given, is called under the lock each time round ``r`` opens, before any
     worker can learn of it (the launcher kills and releases workers there, at an exact round).
+    ``token``: the run's access token (:func:`zeroth.transport.identity.access_token`), which every
+    call must carry (``UNAUTHENTICATED`` at once otherwise); None serves anyone (loopback tests).
     """
 
-    def __init__(self, cfg: P.ServerConfig, w, thresh, head=None, *, on_round=None):
+    def __init__(self, cfg: P.ServerConfig, w, thresh, head=None, *, on_round=None, token: str | None = None):
         self.cfg = cfg
+        self.token = token
         self._lock = threading.Lock()
         self.state = P.init_state(cfg, w, thresh, head=head, now=time.monotonic())
         self._grpc: grpc.Server | None = None
@@ -113,7 +119,7 @@ class Server(pbg.BinaryMutationsServicer):
 
     def start(self, address: str) -> int:
         """Serve on ``address`` (``host:0`` picks a port); returns the port."""
-        self._grpc = guard.make_server(limits(self.cfg), name="zeroth-binary")
+        self._grpc = guard.make_server(limits(self.cfg), self.token, name="zeroth-binary")
         pbg.add_BinaryMutationsServicer_to_server(self, self._grpc)
         port = self._grpc.add_insecure_port(address)
         self._grpc.start()
