@@ -110,3 +110,16 @@ def test_an_oversized_message_without_the_token_is_not_read(serve):
     growth, codes = oversized_growth(address, UNARY, 4, 64 << 20)
     assert codes == ["UNAUTHENTICATED"] * 4
     assert growth < 32 << 20, f"RSS grew by {growth / 2**20:.0f} MiB for 4 refused messages of 64 MiB"
+
+
+def test_the_guards_thread_ends_once_no_call_is_waited_for(serve):
+    import threading
+    import time
+
+    address = serve(guard.Limits(1 << 20, max_calls=4, max_calls_per_caller=4, idle_s=300.0))
+    for _ in range(3):
+        assert legit(address, STREAM) == grpc.StatusCode.OK  # each message waited for under a 300 s deadline
+    end = time.monotonic() + 5.0
+    while any(t.name == "zeroth-guard" for t in threading.enumerate()) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not any(t.name == "zeroth-guard" for t in threading.enumerate())

@@ -227,3 +227,22 @@ def test_a_stage_answers_its_link_while_outsiders_hold_calls_and_send_oversized_
     finally:
         server.stop(0)
     link.join_readers(readers)
+
+
+def test_a_stage_refuses_a_frame_larger_than_a_micro_batch_even_from_the_token_holder():
+    from slowloris import send_raw
+
+    from zeroth.transport import identity
+
+    token = identity.access_token(identity.new_secret())
+    bound = link.frame_bytes(2, (3, 4))
+    assert bound == 2 * 2 * 3 * 4 * 4 + (64 << 10)
+    inbox = queue.Queue()
+    servicer = link.LinkServicer(lambda t, j: _expected(t, j), iter([(2, 0)]), inbox, pacing.Pacer(None))
+    server, port = link.serve(servicer, "127.0.0.1:0", token, bounds=link.limits(5.0, bound))
+    try:
+        code = send_raw(f"127.0.0.1:{port}", "/zeroth.v1.PipelineLink/Link", b"\0" * (bound + 1), token=token)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert not any(isinstance(x, pb.TensorFrame) for x in list(inbox.queue))  # no frame reached the stage
+    finally:
+        server.stop(0)

@@ -17,6 +17,7 @@ Server and channel options (message size limits) are defined here for the pipeli
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -37,6 +38,7 @@ __all__ = [
     "LinkClosed",
     "LinkServicer",
     "connect",
+    "frame_bytes",
     "limits",
     "serve",
 ]
@@ -101,6 +103,19 @@ class LinkServicer(pb_grpc.PipelineLinkServicer):
             context.abort(getattr(grpc.StatusCode, e.code), str(e))
         finally:
             self.done.set()
+
+
+def frame_bytes(rows: int, row_shape: tuple[int, ...]) -> int:
+    """A bound on one frame of ``rows`` examples of ``row_shape``: their values as float32 (the
+    widest codec) twice over, for the ids, scales and header, and 64 KiB; at most
+    :data:`MAX_MESSAGE_BYTES`.
+
+    Example:
+      >>> frame_bytes(4, (32, 64))
+      131072
+    """
+    values = rows * math.prod(row_shape) * 4
+    return min(MAX_MESSAGE_BYTES, 2 * values + (64 << 10))
 
 
 def limits(idle_s: float, max_message_bytes: int = MAX_MESSAGE_BYTES) -> guard.Limits:

@@ -112,10 +112,14 @@ class _Watchdog:
     def disarm(self, key: int) -> None:
         with self._cv:
             self._live.pop(key, None)
+            if not self._live:
+                self._cv.notify()  # the thread ends
 
     def _run(self) -> None:
         while True:
             with self._cv:
+                if not self._live:
+                    self._heap.clear()  # only disarmed deadlines left
                 while self._heap and self._heap[0][1] not in self._live:
                     heapq.heappop(self._heap)
                 if not self._heap:
