@@ -226,7 +226,7 @@ def _bomb(levels: int = 12) -> str:
     return "run: {name: bomb}\nunknown_key:\n" + "\n".join("  " + line for line in lines) + "\n"
 
 
-def test_a_yaml_alias_bomb_is_refused_at_once_in_one_line(tmp_path):
+def test_a_yaml_alias_bomb_is_refused_at_once_in_one_line(tmp_path, capsys):
     import time
 
     path = tmp_path / "bomb.yaml"
@@ -245,6 +245,13 @@ def test_a_yaml_alias_bomb_is_refused_at_once_in_one_line(tmp_path):
         C.parse_yaml("a: " + "[" * 40 + "]" * 40, "x")
     with pytest.raises(ValueError, match=f"deeper than {C.MAX_YAML_DEPTH} levels"):
         C.parse_yaml("[" * 5000 + "]" * 5000, "x")
+    from zeroth.run import main  # `zeroth run` reads the file before anything else (a Marsit config?)
+
+    t0 = time.perf_counter()
+    assert main([str(path), "--out", str(tmp_path / "out")]) == 2
+    assert time.perf_counter() - t0 < 1.0 and not (tmp_path / "out").exists()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "more than" in err
     # a few aliases, as a config may use them, still load
     assert C.parse_yaml("a: &w [64, 64]\nb: *w", "x") == {"a": [64, 64], "b": [64, 64]}
 
