@@ -152,6 +152,66 @@ def test_grpc_service_aborts_with_status_codes():
             with pytest.raises(grpc.RpcError) as e:
                 stub.Join(pb.JoinRequest(run_id="nope"), timeout=10)
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "'nope'" in e.value.details()
+            assert "'run'" not in e.value.details()  # the server's run id is not told
+    finally:
+        srv.stop()
+
+
+def test_server_answers_while_calls_that_never_send_their_body_are_held():
+    """12 calls that never send their body (more than the server used to have threads) hold no
+    thread the real workers need: a Join is answered at once, and the held calls are cancelled
+    after the server's wait for a body; an oversized list is refused (the server receives lists
+    of at most max_entries)."""
+    from slowloris import Held, timed
+
+    w, t = _model()
+    srv = S.Server(CFG, w, t)
+    port = srv.start("127.0.0.1:0")
+    address = f"127.0.0.1:{port}"
+    try:
+        with Held(address, "/zeroth.v1.binary.BinaryMutations/Submit", 12) as held:
+            with grpc.insecure_channel(address) as ch:
+                seconds, rep = timed(lambda: pbg.BinaryMutationsStub(ch).Join(pb.JoinRequest(run_id="run"), timeout=10))
+                assert rep.worker_id == 0 and seconds < 2.0
+                big = pb.DeltaList(run_id="run", worker_id=0, round=0, index=list(range(20000)), delta=[1.0] * 20000)
+                with pytest.raises(grpc.RpcError) as e:
+                    pbg.BinaryMutationsStub(ch).Submit(big, timeout=10)
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            codes = held.codes(timeout_s=S.limits(CFG).body_s + 5)
+        assert codes == [grpc.StatusCode.CANCELLED] * 12
+    finally:
+        srv.stop()
+
+
+def test_a_server_with_the_run_token_refuses_every_call_without_it_at_once():
+    """An outsider gets nothing: no model, no result, no seat, no run id; its calls that never send
+    a body are refused at once, and the worker holding the token is answered promptly."""
+    from slowloris import Held, timed
+
+    from zeroth.transport import identity, security
+
+    token = identity.access_token(identity.new_secret())
+    w, t = _model()
+    srv = S.Server(CFG, w, t, token=token)
+    address = f"127.0.0.1:{srv.start('127.0.0.1:0')}"
+    try:
+        with grpc.insecure_channel(address) as ch:
+            stub = pbg.BinaryMutationsStub(ch)
+            for md in (None, security.token_metadata(identity.access_token(identity.new_secret()))):
+                calls = [lambda: stub.Join(pb.JoinRequest(run_id="run"), metadata=md, timeout=10),
+                         lambda: stub.Result(pb.ResultRequest(run_id="run", worker_id=0, round=0), metadata=md, timeout=10),
+                         lambda: stub.Submit(pb.DeltaList(run_id="run", worker_id=0, round=0), metadata=md, timeout=10)]
+                for call in calls:
+                    with pytest.raises(grpc.RpcError) as e:
+                        call()
+                    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    assert "'run'" not in e.value.details()
+            assert srv.snapshot().next_id == 0  # no seat was taken
+            with Held(address, "/zeroth.v1.binary.BinaryMutations/Submit", 40) as held:
+                assert held.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
+                seconds, rep = timed(lambda: stub.Join(pb.JoinRequest(run_id="run"), metadata=security.token_metadata(token),
+                                                       timeout=10))
+            assert rep.worker_id == 0 and seconds < 2.0
     finally:
         srv.stop()
 

@@ -331,3 +331,29 @@ def test_a_primary_still_running_after_its_backup_finished_in_its_place_is_kille
     out, procs = nodes("not_taken_over", took_over=False, frozen=False)
     code, killed = launch.wait_nodes(procs, out, {}, timeout_s=1, progress=False, backup_of={"n1": "b0"})
     assert (code, killed) == (1, []) and procs["n1"].returncode is not None  # stopped at the deadline: a failure
+
+
+def test_node_answers_its_neighbour_while_outsiders_hold_calls_and_send_oversized_messages(tmp_path):
+    """40 calls without the token that never send a body, to an unknown method and to Deliver,
+    are refused at once (a unary refusal would hold each in a node thread) and the neighbour's
+    message is delivered promptly; four unauthenticated 64 MiB messages are refused unread."""
+    import time
+
+    from slowloris import Held, oversized_growth
+
+    token = identity.access_token(identity.new_secret())
+    t, address = _transport(tmp_path, token)
+    try:
+        with Held(address, "/zeroth.v1.cluster.ClusterNode/Nothing", 40) as held, \
+                Held(address, "/zeroth.v1.cluster.ClusterNode/Deliver", 40) as streams:
+            assert held.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
+            assert streams.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
+            t0 = time.perf_counter()
+            with grpc.insecure_channel(address) as ch:
+                good = wire.to_message("run1", "a", "activation", np.ones((2, 3), np.float32), batch=0)
+                ack = pb_grpc.ClusterNodeStub(ch).Deliver(iter([good]), metadata=security.token_metadata(token), timeout=10)
+            assert ack.received == 1 and time.perf_counter() - t0 < 2.0
+        growth, codes = oversized_growth(address, "/zeroth.v1.cluster.ClusterNode/Deliver", 4, 64 << 20)
+        assert codes == ["UNAUTHENTICATED"] * 4 and growth < 32 << 20, growth
+    finally:
+        t.close(2)

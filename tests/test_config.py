@@ -218,3 +218,81 @@ def test_a_quoted_number_is_refused_but_yaml_exponents_are_numbers():
     assert cfg.train.lr == 0.001
     with pytest.raises(ValueError, match=r"train.lr: bad value '0.02'; expected a number, not a quoted string"):
         zc.apply_overrides(zc.Config(), ['train.lr="0.02"'])
+
+
+def _bomb(levels: int = 12) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, levels)]
+    return "run: {name: bomb}\nunknown_key:\n" + "\n".join("  " + line for line in lines) + "\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_in_one_line(tmp_path, capsys):
+    import time
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_bomb())  # 10**12 values once expanded, under a key that is not even valid
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as e:
+        C.load_config(path)
+    assert time.perf_counter() - t0 < 1.0
+    msg = str(e.value)
+    assert "\n" not in msg and "bomb.yaml" in msg and f"more than {C.MAX_YAML_NODES} values" in msg
+    with pytest.raises(ValueError, match=r"override 'model.kwargs=.*more than"):
+        C.load_config_dict({}, ["model.kwargs=" + "{" + _bomb().replace("\n", ", ").replace("  ", "")[:-2] + "}"])
+    with pytest.raises(ValueError, match="recursive alias"):
+        C.parse_yaml("a: &a [1, *a]", "x")
+    with pytest.raises(ValueError, match=f"deeper than {C.MAX_YAML_DEPTH} levels"):
+        C.parse_yaml("a: " + "[" * 40 + "]" * 40, "x")
+    with pytest.raises(ValueError, match=f"deeper than {C.MAX_YAML_DEPTH} levels"):
+        C.parse_yaml("[" * 5000 + "]" * 5000, "x")
+    from zeroth.run import main  # `zeroth run` reads the file before anything else (a Marsit config?)
+
+    t0 = time.perf_counter()
+    assert main([str(path), "--out", str(tmp_path / "out")]) == 2
+    assert time.perf_counter() - t0 < 1.0 and not (tmp_path / "out").exists()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "more than" in err
+    # a few aliases, as a config may use them, still load
+    assert C.parse_yaml("a: &w [64, 64]\nb: *w", "x") == {"a": [64, 64], "b": [64, 64]}
+
+
+RAVNEST = {
+    "data": {"dataset": "sentiment", "batch_size": 8},
+    "model": {"name": "transformer"},
+    "train": {"method": "backprop"},
+}
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"run": {"name": "../up"}}, "config field run.name: bad value '../up'"),
+    ({"run": {"name": "/abs"}}, "config field run.name: bad value '/abs'"),
+    ({**RAVNEST, "ravnest": {"clusters": 1, "nodes": [{"name": "..", "ram_mb": 4, "bandwidth_mbps": 1}]}},
+     "config field ravnest.nodes[0].name: bad value '..'"),
+    ({**RAVNEST, "ravnest": {"clusters": 1, "nodes": [{"name": "/tmp/n0", "ram_mb": 4, "bandwidth_mbps": 1}]}},
+     "config field ravnest.nodes[0].name: bad value '/tmp/n0'"),
+    ({**RAVNEST, "ravnest": {"clusters": 1, "nodes": [{"name": f"n{i}", "ram_mb": 4, "bandwidth_mbps": 1}
+                                                     for i in range(C.MAX_PROCESSES + 1)]}},
+     f"config field ravnest.nodes: {C.MAX_PROCESSES + 1} nodes exceed MAX_PROCESSES={C.MAX_PROCESSES}"),
+    ({"peers": {"count": 1000}}, f"config field peers.count: bad value 1000; expected <= {C.MAX_PROCESSES}"),
+    ({"peers": {"count": C.MAX_PROCESSES, "join_at": [3]}}, "config field peers.join_at:"),
+    ({"binary": {"workers": 500}}, f"config field binary.workers: bad value 500; expected <= {C.MAX_PROCESSES}"),
+    ({"data": {"batch_size": 10**12}}, f"config field data.batch_size: bad value {10**12}; expected <= {C.MAX_BATCH}"),
+    ({"train": {"n_perturbations": 10**9}}, f"expected <= {C.MAX_PERTURBATIONS}"),
+    ({"model": {"name": "mlp", "kwargs": {"hidden": [64, 10**9]}}}, "config field model.kwargs.hidden[1]: bad value 1000000000"),
+    ({"run": {"name": "p"}, "data": {"dataset": "sotu", "batch_size": 4}, "model": {"name": "transformer"},
+      "train": {"method": "backprop"}, "pipeline": {"stages": 7, "examples": 8}},
+     "config field pipeline.stages: 7 stages but model 'transformer' has 2 blocks; expected at most 2"),
+    ({"run": {"name": "p"}, "data": {"dataset": "sotu", "batch_size": 4}, "model": {"name": "transformer"},
+      "train": {"method": "backprop"}, "pipeline": {"stages": 100, "examples": 8}},
+     f"config field pipeline.stages: bad value 100; expected <= {C.MAX_PROCESSES}"),
+])
+def test_hostile_values_are_refused_in_one_line_naming_the_field(raw, message):
+    with pytest.raises(ValueError) as e:
+        C.load_config_dict(raw)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_transformer_split_into_as_many_stages_as_blocks_is_accepted():
+    raw = {"run": {"name": "p"}, "data": {"dataset": "sotu", "batch_size": 4}, "model": {"name": "transformer", "kwargs": {"layers": 7}},
+           "train": {"method": "backprop"}, "pipeline": {"stages": 7, "examples": 8}}
+    assert C.load_config_dict(raw).pipeline.stages == 7

@@ -299,6 +299,24 @@ def test_the_run_survives_all_that_and_stays_in_agreement(running):
     assert sum(n.counters["checksum_comparisons"] for n in running) > 0
 
 
+def test_a_peer_answers_and_trains_while_outsiders_hold_calls_without_a_body(running):
+    """40 calls without the token that never send their body (more than the peer's threads) are
+    refused at once, before the body is read; the peer answers its token holders at once and the
+    run goes on (a token holder's calls are capped and timed out: tests/test_guard.py)."""
+    from slowloris import Held, timed
+
+    member = running[1]
+    with Held(member.address, "/zeroth.v1.Peer/PushGradients", 40) as held, \
+            Held(member.address, "/zeroth.v1.Peer/Nothing", 40) as unknown:
+        assert held.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
+        assert unknown.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
+        s, md = stub(member)
+        applied = member.applied
+        seconds, reply = timed(lambda: s.Status(pb.StatusRequest(), metadata=md, timeout=10))
+        assert reply.phase == "member" and seconds < 2.0
+        assert wait_for(lambda: member.applied >= applied + 3, timeout=60)
+
+
 def test_a_corrupted_peer_is_detected_and_repaired(worker, tmp_path):
     cfg = config(60, count=3)
     nodes = start_nodes(cfg, worker, tmp_path, 3, snapshot_every=5)

@@ -190,3 +190,59 @@ def test_a_stage_serving_with_the_run_token_refuses_streams_without_it():
     finally:
         server.stop(0)
     link.join_readers(readers)
+
+
+def test_a_stage_answers_its_link_while_outsiders_hold_calls_and_send_oversized_frames():
+    """40 calls without the token that never send a body (to a method the stage does not serve,
+    which a unary refusal would wait on in one of the stage's threads) are refused at once, and
+    the real upstream's link goes through promptly; four unauthenticated 64 MiB messages are
+    refused without being read (the stage accepts frames of 256 MiB from the token holder)."""
+    import time
+
+    from slowloris import Held, oversized_growth
+
+    from zeroth.transport import identity
+
+    token = identity.access_token(identity.new_secret())
+    inbox = queue.Queue()
+    down = pacing.Pacer(None)
+    servicer = link.LinkServicer(lambda t, j: _expected(t, j), iter([(2, 0), (2, 1)]), inbox, down)
+    server, port = link.serve(servicer, "127.0.0.1:0", token)
+    address, readers = f"127.0.0.1:{port}", []
+    try:
+        with Held(address, "/zeroth.v1.PipelineLink/Nothing", 40) as held, Held(address, "/zeroth.v1.PipelineLink/Link", 40) as streams:
+            assert held.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
+            assert streams.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
+            t0 = time.perf_counter()
+            up, replies = pacing.Pacer(None), queue.Queue()
+            channel = link.connect(address, up, replies, 20.0, readers, token)
+            up.submit(_frame(micro=0))
+            assert inbox.get(timeout=10).micro_batch == 0
+            assert time.perf_counter() - t0 < 2.0
+        growth, codes = oversized_growth(address, "/zeroth.v1.PipelineLink/Link", 4, 64 << 20)
+        assert codes == ["UNAUTHENTICATED"] * 4 and growth < 32 << 20, growth
+        up.close()
+        down.close()
+        channel.close()
+    finally:
+        server.stop(0)
+    link.join_readers(readers)
+
+
+def test_a_stage_refuses_a_frame_larger_than_a_micro_batch_even_from_the_token_holder():
+    from slowloris import send_raw
+
+    from zeroth.transport import identity
+
+    token = identity.access_token(identity.new_secret())
+    bound = link.frame_bytes(2, (3, 4))
+    assert bound == 2 * 2 * 3 * 4 * 4 + (64 << 10)
+    inbox = queue.Queue()
+    servicer = link.LinkServicer(lambda t, j: _expected(t, j), iter([(2, 0)]), inbox, pacing.Pacer(None))
+    server, port = link.serve(servicer, "127.0.0.1:0", token, bounds=link.limits(5.0, bound))
+    try:
+        code = send_raw(f"127.0.0.1:{port}", "/zeroth.v1.PipelineLink/Link", b"\0" * (bound + 1), token=token)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert not any(isinstance(x, pb.TensorFrame) for x in list(inbox.queue))  # no frame reached the stage
+    finally:
+        server.stop(0)

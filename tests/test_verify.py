@@ -315,6 +315,28 @@ def test_a_changed_payload_is_caught_by_its_digest_its_signature_and_the_replay(
     assert any("logged different payloads for one decision of iteration 2" in p for p in both.runs[0].problems)
 
 
+@pytest.mark.parametrize("what", ["commit", "payload"])
+def test_a_changed_signature_in_one_of_three_logs_is_caught_beside_the_others(tmp_path, worker, what):
+    write_run(tmp_path, worker, machines=(0, 1, 2))
+    path = tmp_path / "peers" / "p2" / updatelog.FILENAME
+
+    def flip(digest, msg):
+        holder = msg.commit if what == "commit" else msg.gradients[1]
+        sig = holder.signature
+        holder.signature = sig[:5] + bytes([sig[5] ^ 0x01]) + sig[6:]
+        return digest
+
+    edit_entry(path, 2, flip)  # CRCs recomputed: the log reads back whole
+    expected = ("iteration 2 (peers/p2): the commit's signature is not machine 0's" if what == "commit"
+                else "iteration 2 (peers/p2): the payload of machine 1 is not signed by it")
+    report = verify.verify(tmp_path)  # the changed log beside two logs holding the decision as it was
+    (run,) = report.runs
+    assert not report.ok and list(run.problems) == [expected], run.problems
+    assert run.commits_signed == 7  # the six decisions and the changed copy
+    alone = verify.verify(path)
+    assert not alone.ok and [p.replace("(p2)", "(peers/p2)") for p in alone.runs[0].problems] == [expected], alone.runs[0].problems
+
+
 def test_a_peer_whose_recorded_state_differs_is_named_with_the_first_iteration(tmp_path, worker):
     write_run(tmp_path, worker)
 

@@ -32,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -74,6 +75,14 @@ __all__ = [
     "PIPELINE_MODELS",
     "load_config",
     "load_config_dict",
+    "MAX_PROCESSES",
+    "MAX_BATCH",
+    "MAX_PERTURBATIONS",
+    "MAX_WIDTH",
+    "SAFE_NAME",
+    "parse_yaml",
+    "MAX_YAML_NODES",
+    "MAX_YAML_DEPTH",
     "apply_overrides",
     "to_dict",
     "to_yaml",
@@ -104,6 +113,15 @@ PIPELINE_BUFFERS = ("memory", "memmap")
 # Ravnest (seed 003): the orders of a node's work, the keys of a node description
 RAVNEST_ORDERS = ("fixed", "arrival")
 RAVNEST_NODE_KEYS = {"name": str, "ram_mb": float, "bandwidth_mbps": float, "speed": float, "backup": bool, "join_round": int, "latency_ms": float}
+
+
+# Upper bounds, checked before any process starts: a config asking for more is refused in one line.
+MAX_PROCESSES = 64  # peers (count + join_at), pipeline stages, binary workers, Ravnest nodes
+MAX_BATCH = 1 << 16  # examples per batch, per example set
+MAX_PERTURBATIONS = 1 << 12  # perturbations (projected gradients) per step or per peer iteration
+MAX_WIDTH = 1 << 16  # every integer in model.kwargs (widths, layers, heads) and sequence lengths
+# Names that become file and folder names (Ravnest nodes): letters, digits, '_', '-', '.', no '..'.
+SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
 def _dataset_names() -> tuple[str, ...]:
@@ -158,9 +176,10 @@ class DataConfig:
         "Training examples per step. Batches are a pure function of (run.seed, step): a fresh "
         "permutation of the train split per epoch.",
         min=1,
+        max=MAX_BATCH,
     )
     eval_size: int = field(0, "Examples of the test split used for evaluation; 0 = the whole split.", min=0)
-    eval_batch_size: int = field(512, "Examples per forward pass during evaluation (memory bound only).", min=1)
+    eval_batch_size: int = field(512, "Examples per forward pass during evaluation (memory bound only).", min=1, max=MAX_BATCH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +258,8 @@ class TrainConfig:
     )
     eps: float = field(1e-3, "ZO perturbation scale epsilon (host-rounded to 20 significant bits).", gt=0.0)
     n_perturbations: int = field(
-        16, "ZO perturbations per step; each costs two forward passes (L(theta+eps z), L(theta-eps z)).", min=1
+        16, "ZO perturbations per step; each costs two forward passes (L(theta+eps z), L(theta-eps z)).", min=1,
+        max=MAX_PERTURBATIONS,
     )
     lr_scaling: str = field(
         "sqrt",
@@ -296,9 +316,9 @@ class TrainConfig:
 class PeersConfig:
     """Several Just One Byte peers on one machine (loopback gRPC), launched by `zeroth run`."""
 
-    count: int = field(2, "Number of peers started at iteration 0.", min=1)
+    count: int = field(2, "Number of peers started at iteration 0.", min=1, max=MAX_PROCESSES)
     inferences_per_iteration: int = field(
-        4, "Projected gradients each peer computes per iteration (its n_perturbations).", min=1
+        4, "Projected gradients each peer computes per iteration (its n_perturbations).", min=1, max=MAX_PERTURBATIONS
     )
     iteration_timeout_s: float = field(
         30.0, "An iteration ends when every peer has sent its inferences or after this many seconds.", gt=0.0
@@ -383,16 +403,17 @@ class BinaryConfig:
     grid: int = field(4, "The auxiliary head averages activations over grid x grid regions.", min=1)
     float_steps: int = field(300, "float32 baseline: end-to-end backprop steps.", min=1)
     float_lr: float = field(1e-3, "float32 baseline: Adam learning rate.", gt=0.0)
-    workers: int = field(3, "Sparse-mutation run: worker processes on 127.0.0.1 (0 = skip it).", min=0)
+    workers: int = field(3, "Sparse-mutation run: worker processes on 127.0.0.1 (0 = skip it).", min=0, max=MAX_PROCESSES)
     rounds: int = field(30, "Sparse-mutation run: rounds.", min=1)
     dist_train_size: int = field(3000, "Sparse-mutation run: training examples split over the workers.", min=1)
-    dist_channels: int = field(40, "Sparse-mutation run: channels of its one binary layer (votes head).", min=1)
+    dist_channels: int = field(40, "Sparse-mutation run: channels of its one binary layer (votes head).", min=1, max=MAX_WIDTH)
     dist_k: int = field(4, "Sparse-mutation run: flips applied per round.", min=1)
     dist_head_steps: int = field(
         100, "Sparse-mutation run: Adam steps fitting its head to the initial layer's features (then frozen, shipped "
         "with the packed model); 0 = a fixed votes head.", min=0)
     threshold: float = field(0.05, "Sparse-mutation run: |loss delta| a list entry must exceed.", min=0.0)
-    max_entries: int = field(512, "Sparse-mutation run: longest list a worker sends (the largest |deltas|).", min=1)
+    max_entries: int = field(512, "Sparse-mutation run: longest list a worker sends (the largest |deltas|).", min=1,
+                             max=1 << 20)
     kill_at: tuple[int, ...] = field((), "Sparse-mutation run: rounds at which a worker is killed.", factory=tuple, min=0)
     speed_repeats: int = field(5, "Timed repeats of the binary vs float32 speed measurement.", min=1)
 
@@ -402,7 +423,8 @@ class PipelineConfig:
     """Pipeline-parallel backprop (AQ-SGD, seed 001): one process per stage on loopback gRPC, launched by `zeroth run`."""
 
     stages: int = field(
-        2, "Number of stages S: contiguous runs of blocks (embedding in the first, head in the last), one process each.", min=2
+        2, "Number of stages S: contiguous runs of blocks (embedding in the first, head in the last), one process each; "
+        "at most the model's blocks.", min=2, max=MAX_PROCESSES
     )
     micro_batches: int = field(
         2, "GPipe micro-batches per step (fill and drain); must divide data.batch_size.", min=1
@@ -414,9 +436,10 @@ class PipelineConfig:
         choices=PIPELINE_OBJECTIVES,
     )
     examples: int = field(
-        32, "Size of the fixed example set revisited every epoch (windows or sentences); data.batch_size must divide it.", min=1
+        32, "Size of the fixed example set revisited every epoch (windows or sentences); data.batch_size must divide it.", min=1,
+        max=MAX_BATCH,
     )
-    seq_len: int = field(32, "Tokens per example (window length, or sentence length after padding/cutting).", min=2)
+    seq_len: int = field(32, "Tokens per example (window length, or sentence length after padding/cutting).", min=2, max=MAX_WIDTH)
     compression: str = field(
         "fp32",
         "Link compression: fp32 (none); directq (activations and their gradients quantized to fw_bits / bw_bits); "
@@ -485,8 +508,8 @@ class RavnestConfig:
         "classify", "lm: next-token loss on SOTU windows (data.dataset = sotu); classify: sentiment sentences (sentiment).",
         choices=PIPELINE_OBJECTIVES,
     )
-    examples: int = field(64, "Size of the fixed example set; data.batch_size must divide it.", min=1)
-    seq_len: int = field(32, "Tokens per example.", min=2)
+    examples: int = field(64, "Size of the fixed example set; data.batch_size must divide it.", min=1, max=MAX_BATCH)
+    seq_len: int = field(32, "Tokens per example.", min=2, max=MAX_WIDTH)
     order: str = field(
         "fixed", "fixed: one-forward-one-backward after a warm-up (bit-reproducible); arrival: whatever is ready, "
         "backward first (the seed's event loop; timing decides the interleaving).", choices=RAVNEST_ORDERS,
@@ -577,7 +600,7 @@ def _coerce_scalar(where: str, tp, value: Any) -> Any:
         if isinstance(value, str):
             # YAML 1.1 reads 1e-3 (no dot) as a string: take it as the number it spells. A string
             # that YAML would have read as a number unquoted was quoted on purpose: refuse it.
-            if isinstance(yaml.safe_load(value), (int, float)):
+            if isinstance(parse_yaml(value, f"config field {where}"), (int, float)):
                 raise _bad(where, value, "a number, not a quoted string (remove the quotes)")
             try:
                 value = float(value)
@@ -741,6 +764,57 @@ def _check_consistency(cfg: Config) -> None:
         )
 
 
+def _check_bounds(cfg: Config) -> None:
+    """The bounds a single field cannot say: integers in model.kwargs, processes of a section."""
+
+    def ints(where, x):
+        if isinstance(x, bool):
+            return
+        if isinstance(x, int) and not 0 <= x <= MAX_WIDTH:
+            raise _bad(where, x, f"an integer in [0, {MAX_WIDTH}] (MAX_WIDTH: widths, layers, heads)")
+        if isinstance(x, float) and not math.isfinite(x):
+            raise _bad(where, x, "a finite number")
+        if isinstance(x, Mapping):
+            for k, v in x.items():
+                ints(f"{where}.{k}", v)
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                ints(f"{where}[{i}]", v)
+
+    ints("model.kwargs", cfg.model.kwargs)
+    _check_name("run.name", cfg.run.name, "the default output folder runs/<name>")
+    if cfg.peers is not None and cfg.peers.count + len(cfg.peers.join_at) > MAX_PROCESSES:
+        raise ValueError(f"config field peers.join_at: peers.count={cfg.peers.count} plus {len(cfg.peers.join_at)} joiners "
+                         f"exceed MAX_PROCESSES={MAX_PROCESSES} peer processes; start fewer")
+    if cfg.ravnest is not None:
+        if len(cfg.ravnest.nodes) > MAX_PROCESSES:
+            raise ValueError(f"config field ravnest.nodes: {len(cfg.ravnest.nodes)} nodes exceed MAX_PROCESSES={MAX_PROCESSES} "
+                             "node processes; list fewer")
+        for i, node in enumerate(cfg.ravnest.nodes):
+            name = node.get("name") if isinstance(node, Mapping) else None
+            if isinstance(name, str):
+                _check_name(f"ravnest.nodes[{i}].name", name, "the node's folder and address file")
+
+
+def _check_name(where: str, name: str, becomes: str) -> None:
+    if not SAFE_NAME.fullmatch(name) or ".." in name:
+        raise _bad(where, name, f"at most 64 letters, digits, '_', '-' or '.', no '..' (it names {becomes})")
+
+
+def _model_blocks(cfg: Config) -> int | None:
+    """Blocks of the pipeline's model (what its stages split), read from the config."""
+    if cfg.model.name == "smollm2_prompt":
+        from zeroth.models.pretrained import llama
+
+        return llama.SMOLLM2_135M.n_layers
+    if cfg.model.name == "transformer":
+        from zeroth.models.classifiers import Transformer
+
+        layers = cfg.model.kwargs.get("layers", Transformer.layers)
+        return layers if isinstance(layers, int) else None
+    return None
+
+
 def _check_pipeline(cfg: Config) -> None:
     p = cfg.pipeline
     if p is None:
@@ -760,6 +834,10 @@ def _check_pipeline(cfg: Config) -> None:
         raise ValueError(f"config field pipeline.micro_batches: {p.micro_batches} must divide data.batch_size={cfg.data.batch_size}")
     if p.examples % cfg.data.batch_size:
         raise ValueError(f"config field pipeline.examples: data.batch_size={cfg.data.batch_size} must divide {p.examples}")
+    blocks = _model_blocks(cfg)
+    if blocks is not None and p.stages > blocks:
+        raise ValueError(f"config field pipeline.stages: {p.stages} stages but model {cfg.model.name!r} has {blocks} blocks; "
+                         f"expected at most {blocks} (each stage holds at least one block)")
 
 
 def _check_ravnest(cfg: Config) -> None:
@@ -831,6 +909,58 @@ def _check_ravnest(cfg: Config) -> None:
         raise ValueError(f"config field ravnest.kill_at: {list(r.kill_at)} must be below train.steps={cfg.train.steps}")
 
 
+MAX_YAML_NODES = 100_000  # values in a config once its aliases are expanded
+MAX_YAML_DEPTH = 32  # nesting of mappings and lists
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that measures the document before building it: the number of values
+    it holds with every alias expanded, and its nesting (an alias is a reference, so a few lines
+    of aliases can stand for billions of values: checked on the node graph, in linear time)."""
+
+    def construct_document(self, node):
+        sizes: dict[int, int] = {}
+        _expanded_size(node, sizes, set(), 0)
+        return super().construct_document(node)
+
+
+def _expanded_size(node, sizes: dict, open_: set, depth: int) -> int:
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        raise ValueError("it holds a recursive alias (an anchor used inside itself)")
+    if depth > MAX_YAML_DEPTH:
+        raise ValueError(f"it nests deeper than {MAX_YAML_DEPTH} levels")
+    open_.add(key)
+    n = 1
+    if isinstance(node, yaml.SequenceNode):
+        for child in node.value:
+            n += _expanded_size(child, sizes, open_, depth + 1)
+    elif isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            n += _expanded_size(k, sizes, open_, depth + 1) + _expanded_size(v, sizes, open_, depth + 1)
+    open_.discard(key)
+    if n > MAX_YAML_NODES:
+        raise ValueError(f"it expands to more than {MAX_YAML_NODES} values (aliases of aliases?); write the values out")
+    sizes[key] = n
+    return n
+
+
+def parse_yaml(text, what: str) -> Any:
+    """YAML ``text`` (a string or a file) as Python values, refused in one line (naming ``what``)
+    when it is not YAML, holds more than :data:`MAX_YAML_NODES` values once its aliases are
+    expanded, or nests deeper than :data:`MAX_YAML_DEPTH`."""
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{what} is not valid YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise ValueError(f"{what} is refused: it nests deeper than {MAX_YAML_DEPTH} levels") from None
+    except ValueError as e:
+        raise ValueError(f"{what} is refused: {e}") from None
+
+
 def load_config_dict(raw: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> Config:
     """Build and validate a :class:`Config` from a (YAML-parsed) mapping, then apply ``overrides``.
 
@@ -842,6 +972,7 @@ def load_config_dict(raw: Mapping[str, Any] | None, overrides: Sequence[str] = (
         _set_path(raw, ov)
     cfg = _build(Config, raw, "")
     _validate_defaults(cfg)
+    _check_bounds(cfg)
     _check_consistency(cfg)
     _check_pipeline(cfg)
     _check_ravnest(cfg)
@@ -865,10 +996,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
     with path.open() as fh:
-        try:
-            raw = yaml.safe_load(fh)
-        except yaml.YAMLError as e:
-            raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        raw = parse_yaml(fh, f"config file {str(path)!r}")
     if raw is not None and not isinstance(raw, Mapping):
         raise ValueError(f"config file {str(path)!r}: expected a mapping of sections {list(SECTIONS)}, got {raw!r}")
     return load_config_dict(raw, overrides)
@@ -884,10 +1012,7 @@ def _set_path(raw: dict, override: str) -> None:
             f"override {override!r}: the key must name a section and a field, e.g. train.lr=0.01; "
             f"sections are {list(SECTIONS)}"
         )
-    try:
-        value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError as e:
-        raise ValueError(f"override {override!r}: value is not valid YAML: {e}") from None
+    value = parse_yaml(text, f"override {override!r}: the value") if text.strip() else ""
     node = raw
     for p in parts[:-1]:
         child = node.get(p)

@@ -33,6 +33,7 @@ from zeroth.binary import protocol as P
 from zeroth.binary import service as S
 from zeroth.binary import train as T
 from zeroth.binary import worker as W
+from zeroth.transport import identity
 
 __all__ = ["run", "accuracy", "fit_head", "main"]
 
@@ -58,19 +59,24 @@ def fit_head(cfg: W.DistConfig, layer: L.ConvLayer, x, y) -> tuple[np.ndarray, n
     return np.asarray(head.a), np.asarray(head.b)
 
 
-def _spawn(address: str, cfg: W.DistConfig, metrics: pathlib.Path, hold: pathlib.Path | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[2]),
-                                                        os.environ.get("PYTHONPATH", "")])}
+def _spawn(address: str, cfg: W.DistConfig, metrics: pathlib.Path, run_env: dict, hold: pathlib.Path | None = None) -> subprocess.Popen:
+    env = {**run_env, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[2]),
+                                                     run_env.get("PYTHONPATH", "")])}
     env.setdefault("JAX_PLATFORMS", "cpu")
+    insecure = not any(env.get(k) for k in identity.SECRET_ENV)
     return subprocess.Popen([sys.executable, "-m", "zeroth.binary.worker", "--server", address,
                              "--config", json.dumps(cfg._asdict()), "--metrics", str(metrics)]
-                            + ([] if hold is None else ["--hold", str(hold)]),
+                            + ([] if hold is None else ["--hold", str(hold)]) + (["--insecure"] if insecure else []),
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tuple = (), out_dir=None,
-        timeout_s: float = 300.0) -> dict:
-    """Run the server and the workers to the end; returns the summary dict (also ``out_dir/summary.json``)."""
+        timeout_s: float = 300.0, insecure: bool = False) -> dict:
+    """Run the server and the workers to the end; returns the summary dict (also ``out_dir/summary.json``).
+
+    The run has a fresh secret, given to the workers in their environment; every call carries its
+    access token (``insecure``: none, and the server takes calls from anyone).
+    """
     out = pathlib.Path(out_dir or tempfile.mkdtemp(prefix="zeroth-binary-"))
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("worker*.jsonl"), *out.glob("join*.go")]:  # a previous run's logs would be counted
@@ -111,17 +117,18 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
             except BaseException as e:  # raised by the launcher's loop, not inside the RPC
                 errors.append(e)
 
-    server = S.Server(scfg, w0, t0, head, on_round=act)
+    run_env = identity.launch_env(insecure)
+    server = S.Server(scfg, w0, t0, head, on_round=act, token=identity.token_from_env(insecure, run_env))
     port = server.start("127.0.0.1:0")
     address = f"127.0.0.1:{port}"
     start = time.monotonic()
     try:
         for i in range(workers):
-            procs.append(_spawn(address, cfg, out / f"worker{i}.jsonl"))
+            procs.append(_spawn(address, cfg, out / f"worker{i}.jsonl", run_env))
         # joiners start now (loading and compiling take seconds) and join when their round comes
         for h in holds:
             h.unlink(missing_ok=True)
-            procs.append(_spawn(address, cfg, out / f"worker{len(procs)}.jsonl", hold=h))
+            procs.append(_spawn(address, cfg, out / f"worker{len(procs)}.jsonl", run_env, hold=h))
         act(server.snapshot().round)  # round 0 opened before the workers existed
         while True:
             if errors:

@@ -200,7 +200,7 @@ def join(st: ServerState, cfg: ServerConfig, run_id: str, *, now: float) -> tupl
     closes without waiting for it).
     """
     if run_id != cfg.run_id:
-        raise Rejected("FAILED_PRECONDITION", f"run id {run_id!r} is not this server's run {cfg.run_id!r}")
+        raise Rejected("FAILED_PRECONDITION", f"run id {run_id!r} is not this server's run")
     wid = st.next_id
     founding = st.round == 0 and len(st.live) < cfg.founders
     joins_now = not _finished(st, cfg) and (founding or not st.pending)
@@ -215,7 +215,7 @@ def join(st: ServerState, cfg: ServerConfig, run_id: str, *, now: float) -> tupl
 
 def _validate(st: ServerState, cfg: ServerConfig, msg: DeltaList) -> None:
     if msg.run_id != cfg.run_id:
-        raise Rejected("FAILED_PRECONDITION", f"run id {msg.run_id!r} is not this server's run {cfg.run_id!r}")
+        raise Rejected("FAILED_PRECONDITION", f"run id {msg.run_id!r} is not this server's run")
     if msg.worker_id >= st.next_id:
         raise Rejected("FAILED_PRECONDITION", f"worker {msg.worker_id} never joined (call Join first)")
     if msg.worker_id not in st.live:
@@ -291,7 +291,7 @@ def result(st: ServerState, cfg: ServerConfig, run_id: str, worker_id: int, rnd:
            now: float) -> tuple[ServerState, RoundResult]:
     """The result of round ``rnd`` (``ready=False`` while it is open)."""
     if run_id != cfg.run_id:
-        raise Rejected("FAILED_PRECONDITION", f"run id {run_id!r} is not this server's run {cfg.run_id!r}")
+        raise Rejected("FAILED_PRECONDITION", f"run id {run_id!r} is not this server's run")
     if worker_id >= st.next_id:
         raise Rejected("FAILED_PRECONDITION", f"worker {worker_id} never joined (call Join first)")
     st = tick(st, cfg, now=now)

@@ -1,5 +1,8 @@
 """gRPC servicer of the sparse-mutation parameter server: decode, call :mod:`zeroth.binary.protocol`, encode.
 
+The server is :func:`zeroth.transport.guard.make_server`'s, bounded by :func:`limits`; with the
+run's access token, a call without it is refused before anything of it is read.
+
 :class:`Server` owns the state and a lock; each RPC decodes its message, calls the pure function
 with ``time.monotonic()``, and encodes the reply. :class:`zeroth.binary.protocol.Rejected`
 becomes ``context.abort(StatusCode.<code>, message)``.
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import numpy as np
@@ -24,9 +26,9 @@ import numpy as np
 from zeroth.binary import protocol as P
 from zeroth.binary.proto import binary_pb2 as pb
 from zeroth.binary.proto import binary_pb2_grpc as pbg
-from zeroth.transport import channels
+from zeroth.transport import channels, guard
 
-__all__ = ["MAX_MESSAGE_BYTES", "CHANNEL_OPTIONS", "SERVER_OPTIONS", "Server", "encode_deltas", "decode_deltas", "encode_result", "decode_result"]
+__all__ = ["MAX_MESSAGE_BYTES", "CHANNEL_OPTIONS", "SERVER_OPTIONS", "Server", "limits", "encode_deltas", "decode_deltas", "encode_result", "decode_result"]
 
 MAX_MESSAGE_BYTES = 64 << 20  # a model or a round's mutations; larger messages are refused (RESOURCE_EXHAUSTED)
 CHANNEL_OPTIONS = channels.channel_options(MAX_MESSAGE_BYTES)  # with keepalive: a frozen server ends a worker's call
@@ -53,15 +55,26 @@ def decode_result(m: pb.RoundResult) -> P.RoundResult:
                          m.finished)
 
 
+def limits(cfg: P.ServerConfig) -> guard.Limits:
+    """The server's bounds: messages sent up to :data:`MAX_MESSAGE_BYTES` (the model), received up
+    to a list of ``cfg.max_entries`` mutations (an int64 varint and a float32 each, and the
+    header); calls from every worker at once."""
+    receive = min(MAX_MESSAGE_BYTES, 14 * cfg.max_entries + 4096)
+    return guard.Limits(MAX_MESSAGE_BYTES, max_calls=32, max_calls_per_caller=32, max_receive_bytes=receive)
+
+
 class Server(pbg.BinaryMutationsServicer):
     """The parameter server: state + lock + the three RPCs.
 
     ``on_round(r)``, if given, is called under the lock each time round ``r`` opens, before any
     worker can learn of it (the launcher kills and releases workers there, at an exact round).
+    ``token``: the run's access token (:func:`zeroth.transport.identity.access_token`), which every
+    call must carry (``UNAUTHENTICATED`` at once otherwise); None serves anyone (loopback tests).
     """
 
-    def __init__(self, cfg: P.ServerConfig, w, thresh, head=None, *, on_round=None):
+    def __init__(self, cfg: P.ServerConfig, w, thresh, head=None, *, on_round=None, token: str | None = None):
         self.cfg = cfg
+        self.token = token
         self._lock = threading.Lock()
         self.state = P.init_state(cfg, w, thresh, head=head, now=time.monotonic())
         self._grpc: grpc.Server | None = None
@@ -106,8 +119,7 @@ class Server(pbg.BinaryMutationsServicer):
 
     def start(self, address: str) -> int:
         """Serve on ``address`` (``host:0`` picks a port); returns the port."""
-        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                                 options=list(SERVER_OPTIONS))
+        self._grpc = guard.make_server(limits(self.cfg), self.token, name="zeroth-binary")
         pbg.add_BinaryMutationsServicer_to_server(self, self._grpc)
         port = self._grpc.add_insecure_port(address)
         self._grpc.start()

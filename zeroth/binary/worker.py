@@ -40,6 +40,7 @@ from zeroth.binary import protocol as P
 from zeroth.binary import service as S
 from zeroth.binary.proto import binary_pb2 as pb
 from zeroth.binary.proto import binary_pb2_grpc as pbg
+from zeroth.transport import identity, security
 
 __all__ = ["DistConfig", "load_split", "model_spec", "votes", "sparse_list", "run_worker", "main"]
 
@@ -108,9 +109,22 @@ def sparse_list(deltas, threshold: float, max_entries: int) -> tuple[np.ndarray,
     return keep.astype(np.int64), flat[keep]
 
 
+class _Authenticated:
+    """A stub whose every call carries ``metadata`` (the access token)."""
+
+    def __init__(self, stub, metadata):
+        self._stub, self._md = stub, metadata
+
+    def __getattr__(self, name):
+        call = getattr(self._stub, name)
+        return lambda request, **kw: call(request, metadata=self._md, **kw)
+
+
 def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: float = 0.02, max_wait_s: float = 120.0,
-               hold: str | None = None) -> dict:
+               hold: str | None = None, token: str | None = None) -> dict:
     """Join the server at ``address`` and take part until the run finishes; returns a summary.
+
+    ``token``: the run's access token, carried by every call (the server refuses calls without it).
 
     ``hold``: a file path; when given, the worker loads and compiles, then waits (at most
     ``max_wait_s``) for the file to exist before joining (how a launcher makes it join mid-run).
@@ -132,7 +146,7 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
                 raise RuntimeError(f"worker: {hold} did not appear within {max_wait_s} s")
             time.sleep(poll_s)
     channel = grpc.insecure_channel(address, options=list(S.CHANNEL_OPTIONS))
-    stub = pbg.BinaryMutationsStub(channel)
+    stub = _Authenticated(pbg.BinaryMutationsStub(channel), security.token_metadata(token))
     rep = stub.Join(pb.JoinRequest(run_id=cfg.run_id), timeout=30)
     wid, rnd = rep.worker_id, rep.round
     w, thresh, shipped = P.model_from_bytes(rep.model, cfg.levels, cfg.c_out, cfg.ternary, regions=scfg.regions,
@@ -203,9 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="the run's DistConfig as JSON")
     p.add_argument("--metrics", required=True, help="JSON lines file to append to")
     p.add_argument("--hold", default=None, help="join only once this file exists (after loading and compiling)")
+    p.add_argument("--insecure", action="store_true",
+                   help="no run secret: calls carry no access token (a server without one, loopback tests only)")
     args = p.parse_args(argv)
     cfg = DistConfig(**json.loads(args.config))
-    print(json.dumps(run_worker(args.server, cfg, args.metrics, hold=args.hold)), flush=True)
+    try:
+        token = identity.token_from_env(args.insecure)
+    except ValueError as e:
+        p.error(str(e))
+    print(json.dumps(run_worker(args.server, cfg, args.metrics, hold=args.hold, token=token)), flush=True)
     return 0
 
 

@@ -1,7 +1,7 @@
 """A node's gRPC transport: its server, one paced stream per receiver, the ring exchange, backups.
 
 Every node serves ``ClusterNode.Deliver`` (``protos/zeroth/v1/cluster.proto``) behind the run's
-access token (:class:`zeroth.transport.security.TokenInterceptor`). To send, a node opens one
+access token (:func:`zeroth.transport.guard.make_server`). To send, a node opens one
 client stream per receiver, fed by a :class:`zeroth.transport.pacing.Pacer` at the pair's
 bandwidth ``min(b_sender, b_receiver)`` and latency ``base + l_sender + l_receiver`` (each node's
 access latency): the emulation acts on the bytes sent.
@@ -36,7 +36,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -47,7 +46,7 @@ from zeroth.cluster import driver as _driver
 from zeroth.cluster import wire
 from zeroth.cluster.proto import cluster_pb2 as pb
 from zeroth.cluster.proto import cluster_pb2_grpc as pb_grpc
-from zeroth.transport import channels, pacing, security
+from zeroth.transport import channels, guard, pacing, security
 
 __all__ = ["OUTBOX", "ClusterTransport", "CHANNEL_OPTIONS", "MAX_MESSAGE_BYTES", "SERVER_OPTIONS", "resolve_address"]
 
@@ -148,8 +147,10 @@ class ClusterTransport:
     def serve(self, listen: str, advertise: str | None = None) -> str:
         """Start the server on ``listen`` (port 0 = any); writes and returns ``HOST:PORT`` with the bound
         port and ``advertise`` as the host (default: the ``listen`` host)."""
-        interceptors = [security.TokenInterceptor(self.token)] if self.token else []
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=list(SERVER_OPTIONS), interceptors=interceptors)
+        # Every other node may hold a stream to this one (plus a few for a backup's handover).
+        calls = max(16, len(self.slots) + 4)
+        bounds = guard.Limits(MAX_MESSAGE_BYTES, max_calls=calls, max_calls_per_caller=calls, idle_s=self.timeout_s)
+        self.server = guard.make_server(bounds, self.token, name="zeroth-node")
         pb_grpc.add_ClusterNodeServicer_to_server(_Servicer(self), self.server)
         port = self.server.add_insecure_port(listen)
         if port == 0:

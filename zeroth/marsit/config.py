@@ -29,8 +29,6 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import yaml
-
 from zeroth import config as _config
 from zeroth.collectives import sync as _sync
 
@@ -145,10 +143,7 @@ def read_config(path: str | Path) -> object:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    return _config.parse_yaml(path.read_text(), f"config file {str(path)!r}")
 
 
 def _build(cls, raw: Mapping, where: str):
@@ -226,10 +221,7 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
             raise ValueError(f"override {ov!r}: empty key part; e.g. train.rounds=50")
         if parts[0] in ("runs", "label"):
             raise ValueError(f"override {ov!r}: {parts[0]!r} cannot be set from the command line; edit the config")
-        try:
-            value = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError as e:
-            raise ValueError(f"override {ov!r}: value is not valid YAML: {e}") from None
+        value = _config.parse_yaml(text, f"override {ov!r}: the value") if text.strip() else ""
         node = {parts[-1]: value}
         for p in reversed(parts[:-1]):
             node = {p: node}

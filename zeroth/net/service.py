@@ -4,7 +4,7 @@ Each method decodes the request (:mod:`zeroth.net.wire`), calls the node (which 
 it and runs the pure protocol under its lock) and encodes the answer. A refusal
 (:class:`zeroth.net.protocol.Rejected`) becomes ``context.abort(StatusCode.<code>, message)``;
 any other exception becomes ``INTERNAL`` with its message, and the peer carries on. The run's
-access token is checked by :class:`zeroth.transport.security.TokenInterceptor` before any method runs;
+access token is checked by :func:`zeroth.transport.guard.make_server`'s interceptor before any method runs;
 the sender's signature by the protocol (pushes, commits, prepares, leaves) or by
 :meth:`Node.authenticate <zeroth.net.runtime.Node.authenticate>` (log, checksum and state requests).
 Every message received and sent is counted in the node's :class:`~zeroth.net.transport.Traffic`.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sys
 import traceback
-from concurrent import futures
 
 import grpc
 
@@ -24,7 +23,8 @@ from zeroth.transport import security as _sec
 from zeroth.net import wire
 from zeroth.net.proto import peer_pb2 as pb
 from zeroth.net.proto import peer_pb2_grpc as pb_grpc
-from zeroth.net.transport import SERVER_OPTIONS, SERVER_THREADS, response_payload
+from zeroth.net.transport import SERVER_LIMITS, response_payload
+from zeroth.transport import guard
 
 __all__ = ["PeerService", "serve"]
 
@@ -152,14 +152,10 @@ class PeerService(pb_grpc.PeerServicer):
 def serve(node, listen: str, *, tls: _sec.TLSFiles | None = None, token: str | None = None) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``node`` on ``listen`` (``host:port``; port 0 picks one). Returns ``(server, port)``.
 
-    ``token``: the access token every call must carry. Options: :data:`zeroth.net.transport.SERVER_OPTIONS`.
+    ``token``: the access token every call must carry. Bounds: :data:`zeroth.net.transport.SERVER_LIMITS`
+    (:func:`zeroth.transport.guard.make_server`).
     """
-    interceptors = [_sec.TokenInterceptor(token)] if token else []
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="zeroth-serve"),
-        interceptors=interceptors,
-        options=list(SERVER_OPTIONS),
-    )
+    server = guard.make_server(SERVER_LIMITS, token)
     pb_grpc.add_PeerServicer_to_server(PeerService(node), server)
     if tls is not None:
         port = server.add_secure_port(listen, _sec.server_credentials(tls))

@@ -27,6 +27,7 @@ import grpc
 from zeroth.transport import identity as _id
 from zeroth.transport import security as _sec
 from zeroth.transport.channels import channel_options, server_options
+from zeroth.transport.guard import Limits
 from zeroth.net import wire
 from zeroth.net.proto import peer_pb2 as pb
 from zeroth.net.proto import peer_pb2_grpc as pb_grpc
@@ -36,6 +37,7 @@ __all__ = [
     "SERVER_THREADS",
     "CHANNEL_OPTIONS",
     "SERVER_OPTIONS",
+    "SERVER_LIMITS",
     "SIGNED_REQUESTS",
     "Closed",
     "Traffic",
@@ -46,9 +48,13 @@ __all__ = [
 ]
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # larger messages are refused by gRPC (RESOURCE_EXHAUSTED)
-SERVER_THREADS = 32
+SERVER_THREADS = 64  # a peer's concurrent calls served (one thread each); beyond: RESOURCE_EXHAUSTED
 CHANNEL_OPTIONS = channel_options(MAX_MESSAGE_BYTES)
 SERVER_OPTIONS = server_options(MAX_MESSAGE_BYTES)
+# A peer's server: every call carries a small message (a state chunk at most MAX_MESSAGE_BYTES);
+# one address (a host, all the peers of a loopback run) holds at most half the calls.
+SERVER_LIMITS = Limits(MAX_MESSAGE_BYTES, max_calls=SERVER_THREADS, max_calls_per_caller=SERVER_THREADS // 2,
+                       idle_s=60.0)
 
 # The fields each signed request covers besides (method, run_id, sender, seq).
 SIGNED_REQUESTS = {

@@ -11,7 +11,7 @@ run id:
    the folder with that iteration and digest;
 2. checks every logged decision: its ``updates_digest`` matches its payloads and (for a signed
    run) the commit is signed by its sender and every payload by its contributor, with the keys the
-   run's views give them; logs that hold one decision hold the same payloads;
+   run's views give them, in every log's copy of it; logs that hold one decision hold the same payloads;
 3. follows the run's chain of decisions (each continues the one before, ``Commit.previous``; where
    logs hold two decisions of one iteration, the run's is the one the next decision continues: the
    other was applied by a peer that then dropped out and took the run's state again, and the states
@@ -190,6 +190,9 @@ class _Run:
         self.run_id = run_id
         self.config: dict | None = None
         self.decisions: dict[int, dict[bytes, tuple[P.LogEntry, list[str]]]] = {}  # t -> chain -> (entry, logs)
+        # t -> [(entry, log)]: every other log's copy of a decision that differs from the first
+        # one read (a signature, a ballot): each copy is checked on its own
+        self.copies: dict[int, list[tuple[P.LogEntry, str]]] = {}
         self.records: dict[str, list[tuple[int, bytes | None, str]]] = {}  # log -> [(t, chain or None for a START, digest)]
         self.starts: dict[str, list[tuple[int, str, str]]] = {}  # log -> [(iteration, reason, digest)]
         self.owned: list[tuple[str, int, bytes, bytes]] = []  # (log, iteration, key, proof) of each START
@@ -216,8 +219,11 @@ class _Run:
                 self.decisions[t][chain] = (a.entry, [log])
             elif held[0].payloads != a.entry.payloads:
                 self.problems.append(f"{log} and {held[1][0]} logged different payloads for one decision of iteration {t}")
-            elif log not in held[1]:
-                held[1].append(log)
+            else:
+                if log not in held[1]:
+                    held[1].append(log)
+                if a.entry != held[0]:
+                    self.copies.setdefault(t, []).append((a.entry, log))
             recs.append((t + 1, chain, a.digest))
 
     def first(self) -> tuple[int, str]:
@@ -257,8 +263,9 @@ class _Run:
         signed = any(keys.values())
         commits = pushes = 0
         for t in sorted(self.decisions):
-            for entry, logs in self.decisions[t].values():
-                c, where = entry.commit, f"iteration {t} ({logs[0]})"
+            copies = [(entry, logs[0]) for entry, logs in self.decisions[t].values()] + self.copies.get(t, [])
+            for entry, log in copies:
+                c, where = entry.commit, f"iteration {t} ({log})"
                 if P.updates_digest(c.contributors, entry.payloads) != c.updates_digest:
                     self.problems.append(f"{where}: the payloads do not match the commit's updates_digest")
                 if not signed:

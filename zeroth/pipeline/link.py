@@ -17,6 +17,7 @@ Server and channel options (message size limits) are defined here for the pipeli
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -26,7 +27,7 @@ import grpc
 
 from zeroth.pipeline import wire
 from zeroth.pipeline.proto import pipeline_pb2_grpc as pb_grpc
-from zeroth.transport import channels, security
+from zeroth.transport import channels, guard, security
 from zeroth.transport.pacing import END, Pacer
 
 __all__ = [
@@ -37,6 +38,8 @@ __all__ = [
     "LinkClosed",
     "LinkServicer",
     "connect",
+    "frame_bytes",
+    "limits",
     "serve",
 ]
 
@@ -102,17 +105,36 @@ class LinkServicer(pb_grpc.PipelineLinkServicer):
             self.done.set()
 
 
-def serve(servicer: LinkServicer, listen: str, token: str | None = None) -> tuple[grpc.Server, int]:
+def frame_bytes(rows: int, row_shape: tuple[int, ...]) -> int:
+    """A bound on one frame of ``rows`` examples of ``row_shape``: their values as float32 (the
+    widest codec) twice over, for the ids, scales and header, and 64 KiB; at most
+    :data:`MAX_MESSAGE_BYTES`.
+
+    Example:
+      >>> frame_bytes(4, (32, 64))
+      131072
+    """
+    values = rows * math.prod(row_shape) * 4
+    return min(MAX_MESSAGE_BYTES, 2 * values + (64 << 10))
+
+
+def limits(idle_s: float, max_message_bytes: int = MAX_MESSAGE_BYTES) -> guard.Limits:
+    """A stage's server bounds: one link is served (a few calls at most, all from one caller), each
+    frame waited for at most ``idle_s`` (the stage's own wait for a frame), frames of at most
+    ``max_message_bytes``."""
+    return guard.Limits(max_message_bytes, max_calls=4, max_calls_per_caller=4, idle_s=idle_s)
+
+
+def serve(servicer: LinkServicer, listen: str, token: str | None = None, *,
+          bounds: guard.Limits | None = None) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``servicer`` on ``listen`` (``HOST:PORT``, port 0 = any); returns it and its port.
 
     With ``token`` (the run's access token, :func:`zeroth.transport.identity.access_token`), a
-    stream that does not carry it is refused with ``UNAUTHENTICATED`` before the servicer sees it
-    (:class:`zeroth.transport.security.TokenInterceptor`).
+    stream that does not carry it is refused with ``UNAUTHENTICATED`` at once, before anything of
+    it is read (:func:`zeroth.transport.guard.make_server`). ``bounds``: the server's
+    :class:`~zeroth.transport.guard.Limits` (default :func:`limits` with a 300 s wait per frame).
     """
-    from concurrent import futures
-
-    interceptors = [security.TokenInterceptor(token)] if token else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=list(SERVER_OPTIONS), interceptors=interceptors)
+    server = guard.make_server(bounds or limits(300.0), token, name="zeroth-link")
     pb_grpc.add_PipelineLinkServicer_to_server(servicer, server)
     port = server.add_insecure_port(listen)
     if port == 0:

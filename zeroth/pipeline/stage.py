@@ -229,7 +229,9 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
             return engine.expected("activation", j, ids)._replace(step=t)
 
         servicer = link.LinkServicer(expect, schedule, fw_inbox, bw_pacer)
-        server, port = link.serve(servicer, listen, token)
+        # frames of one micro-batch each way: larger messages are refused by gRPC before they are read whole
+        frames = link.frame_bytes(cfg.data.batch_size // M, engine.row_shape)
+        server, port = link.serve(servicer, listen, token, bounds=link.limits(p.timeout_s, frames))
         host = listen.rsplit(":", 1)[0]
         tmp = out / "address.tmp"
         tmp.write_text(f"{host}:{port}\n")

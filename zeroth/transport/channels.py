@@ -89,11 +89,15 @@ def channel_options(
     )
 
 
-def server_options(max_message_bytes: int) -> tuple:
-    """A server's options: messages up to ``max_message_bytes`` each way, its own port, and the pings
-    of :func:`channel_options` accepted."""
+def server_options(max_message_bytes: int, *, max_receive_bytes: int | None = None) -> tuple:
+    """A server's options: messages up to ``max_message_bytes`` sent and ``max_receive_bytes``
+    (default the same) received, larger ones refused (``RESOURCE_EXHAUSTED``), its own port, and
+    the pings of :func:`channel_options` accepted."""
+    send = _message_options(max_message_bytes)[0]
+    receive = _message_options(max_message_bytes if max_receive_bytes is None else max_receive_bytes)[1]
     return (
-        *_message_options(max_message_bytes),
+        send,
+        receive,
         ("grpc.so_reuseport", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", round(MIN_PING_INTERVAL_S * 1000)),
     )

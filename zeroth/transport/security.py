@@ -28,6 +28,8 @@ __all__ = [
     "TOKEN_KEY",
     "TLSFiles",
     "TokenInterceptor",
+    "DENIED",
+    "token_matches",
     "token_metadata",
     "server_credentials",
     "channel_credentials",
@@ -63,33 +65,36 @@ def token_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return ((TOKEN_KEY, token),) if token else None
 
 
+DENIED = f"missing or wrong {TOKEN_KEY} metadata: this run needs its shared token"
+
+
+def token_matches(metadata, token: bytes) -> bool:
+    """Whether call ``metadata`` carries ``token`` (constant-time comparison)."""
+    got = dict(metadata or ()).get(TOKEN_KEY, "")
+    got = got.encode() if isinstance(got, str) else bytes(got)
+    return hmac.compare_digest(got, token)
+
+
 class TokenInterceptor(grpc.ServerInterceptor):
-    """Refuses every call without the shared ``token`` with ``UNAUTHENTICATED``."""
+    """Refuses every call without the shared ``token`` with ``UNAUTHENTICATED``, at once: the refusal
+    is a stream-stream handler whatever the method, which gRPC runs without reading a request
+    message (a unary handler would first wait for the body in a server thread).
+    :func:`zeroth.transport.guard.make_server` installs this check with the servers' other bounds."""
 
     def __init__(self, token: str):
         if not token:
             raise ValueError("the shared token must be a non-empty string")
         self._token = token.encode()
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong {TOKEN_KEY} metadata: this run needs its shared token")
+        def deny(request_iterator, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
 
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
-        self._deny_client_stream = grpc.stream_unary_rpc_method_handler(deny)
-        self._deny_bidi = grpc.stream_stream_rpc_method_handler(deny)
+        self._deny = grpc.stream_stream_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, handler_call_details):
-        got = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_KEY, "")
-        got = got.encode() if isinstance(got, str) else bytes(got)
-        if hmac.compare_digest(got, self._token):
+        if token_matches(handler_call_details.invocation_metadata, self._token):
             return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return self._deny_unary
-        if handler.request_streaming:
-            return self._deny_bidi if handler.response_streaming else self._deny_client_stream
-        return self._deny_stream if handler.response_streaming else self._deny_unary
+        return self._deny
 
 
 def server_credentials(tls: TLSFiles) -> grpc.ServerCredentials:
