@@ -14,9 +14,10 @@ rendezvous address serves it (:func:`serve`), every launcher (that one included)
 * a host arriving after the run formed is refused, or admitted as ``late`` where the system takes
   joiners (Just One Byte peers).
 
-Every call carries the run's access token (:mod:`.security`), TLS is optional (mutual with
-client certificates), messages are capped at :data:`MAX_MESSAGE_BYTES` and concurrent calls at
-:data:`MAX_CONCURRENT_CALLS`; no call waits on another (``Roster`` is polled).
+Every call carries the run's access token, TLS is optional (mutual with client certificates), and
+the server is guarded as every zeroth server is (:mod:`.guard`: a call without the token is refused
+before its body is read, messages are capped at :data:`MAX_MESSAGE_BYTES`, concurrent calls at
+:data:`MAX_CONCURRENT_CALLS`); no call waits on another (``Roster`` is polled).
 
 Example:
   >>> s = Store(min_nodes=2, max_nodes=2, timeout_s=60, config_digest="d", version="1")
@@ -37,11 +38,9 @@ import secrets
 import socket
 import threading
 import time
-from concurrent import futures
-
 import grpc
 
-from zeroth.transport import channels, security
+from zeroth.transport import channels, guard, security
 from zeroth.transport.proto import rendezvous_pb2 as pb
 from zeroth.transport.proto import rendezvous_pb2_grpc as pb_grpc
 
@@ -60,8 +59,10 @@ __all__ = [
 ]
 
 MAX_MESSAGE_BYTES = 64 * 1024  # a roster of 1,000 hosts fits in well under this
-MAX_CONCURRENT_CALLS = 256  # more are refused with RESOURCE_EXHAUSTED by gRPC itself
-_SERVER_THREADS = 8  # every call is answered from memory at once: a few threads serve hundreds of hosts
+MAX_CONCURRENT_CALLS = 64  # every call is answered from memory at once: a few threads serve hundreds of hosts
+# Hosts on one machine are one caller; a call's request is read within 5 s or it is dropped.
+_LIMITS = guard.Limits(MAX_MESSAGE_BYTES, max_calls=MAX_CONCURRENT_CALLS, max_calls_per_caller=MAX_CONCURRENT_CALLS,
+                       body_s=5.0, idle_s=5.0)
 
 
 def startup_window(processes: int) -> float:
@@ -239,10 +240,7 @@ def serve(store: Store, listen: str, *, token: str | None, tls: security.TLSFile
     """
     if not _can_bind(listen):  # asked first, so that gRPC logs no error for the hosts that only call it
         return None
-    interceptors = [security.TokenInterceptor(token)] if token else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=_SERVER_THREADS),
-                         options=list(channels.server_options(MAX_MESSAGE_BYTES)), interceptors=interceptors,
-                         maximum_concurrent_rpcs=MAX_CONCURRENT_CALLS)
+    server = guard.make_server(_LIMITS, token, name="zeroth-rendezvous")
     pb_grpc.add_RendezvousServicer_to_server(_Servicer(store), server)
     try:
         port = (server.add_secure_port(listen, security.server_credentials(tls)) if tls
