@@ -4,9 +4,10 @@ own address, and every host runs the same command (no loopback shortcut between 
 * Just One Byte: three hosts end on one digest, the digest the same run ends on over loopback;
   a host whose link is cut for seconds stays in the run, a host whose peer is killed leaves it,
   and the folders collected from every host verify as one run;
-* an AQ-SGD pipeline of two hosts ends on the parameters and buffers of the same engines run in
-  one process;
-* Ravnest nodes on four hosts (two clusters, averaged by rings) end on the in-process run's digests;
+* an AQ-SGD pipeline of two hosts (mutual TLS, 100 Mbit/s links) ends on the parameters and
+  buffers of the same engines run in one process;
+* Ravnest nodes on four hosts (two clusters, averaged by rings; mutual TLS) end on the in-process
+  run's digests;
 * Marsit on two hosts (one ``jax.distributed`` job, two CPU devices each, gloo between the hosts)
   ends every run on the one-process run's digest, accuracy and bits per element;
 * a run that cannot form (a host missing) fails on every host with one line and a non-zero exit.
@@ -31,6 +32,7 @@ from zeroth.config import load_config, load_config_dict, to_yaml
 from zeroth.cluster import sim as ravnest_sim
 from zeroth.pipeline import sim
 from zeroth.replay import checksum
+from zeroth.transport import certs
 
 _WHY = netns.unavailable()
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.skipif(_WHY is not None, reason=str(_WHY))]
@@ -175,9 +177,12 @@ def test_aqsgd_pipeline_across_two_hosts_ends_on_the_in_process_run(tmp_path):
         for h in hosts:
             h.limit(100)  # 100 Mbit/s each way on every host's link
         rdv = f"{hosts[1].address}:{PORT}"  # the rendezvous on the last stage's host, not rank 0's
-        procs = [_start(h.command(_launch(config, tmp_path / f"h{i}", rdv, 2, secret, "--node-rank", str(i))),
-                        tmp_path / f"h{i}.log") for i, h in enumerate(hosts)]
+        certs.make_host_certificates(tmp_path / "certs", [h.address for h in hosts])  # mutual TLS on every link
+        procs = [_start(h.command(_launch(config, tmp_path / f"h{i}", rdv, 2, secret, "--node-rank", str(i),
+                                          "--tls-dir", str(tmp_path / "certs"))), tmp_path / f"h{i}.log")
+                 for i, h in enumerate(hosts)]
         assert _wait(procs, 300) == [0, 0], _logs(tmp_path)
+    assert "--tls-mutual" in json.loads((tmp_path / "h0" / "launch.json").read_text())["command"]
     assert load_config(config) == cfg
     local, engines = sim.run_local(cfg)
     for s, e in enumerate(engines):
@@ -200,8 +205,9 @@ def test_ravnest_nodes_on_four_hosts_end_on_the_in_process_digests(tmp_path):
     secret = _secret(tmp_path)
     with netns.hosts(4) as hosts:
         rdv = f"{hosts[2].address}:{PORT}"
-        procs = [_start(h.command(_launch(config, tmp_path / f"h{i}", rdv, 4, secret)), tmp_path / f"h{i}.log")
-                 for i, h in enumerate(hosts)]
+        certs.make_host_certificates(tmp_path / "certs", [h.address for h in hosts])  # mutual TLS on every link
+        procs = [_start(h.command(_launch(config, tmp_path / f"h{i}", rdv, 4, secret, "--tls-dir", str(tmp_path / "certs"))),
+                        tmp_path / f"h{i}.log") for i, h in enumerate(hosts)]
         assert _wait(procs, 300) == [0, 0, 0, 0], _logs(tmp_path)
     ref = ravnest_sim.run_local(cfg)
     got = {p.parent.name: json.loads(p.read_text())["digest"] for p in tmp_path.glob("h*/nodes/*/summary.json")}

@@ -29,7 +29,7 @@ another zeroth, a rank taken twice. The rank comes from ``--node-rank``, else th
 
 Secure by default: every call (rendezvous included) carries the access token of the run secret
 (``--secret-file``, else ``$ZEROTH_SECRET``), and ``--tls-dir`` (made by ``zeroth certs``) adds
-mutual TLS to the rendezvous and the peers.
+mutual TLS to the rendezvous and to every link of the run (peers, stages, nodes).
 
 Example (three hosts, the same line on each):
   $ zeroth launch experiments/job_digits.yaml --rendezvous 10.0.0.1:29400 --nnodes 3 \\
@@ -328,7 +328,7 @@ def _role(plan: Plan, cfg, config_path: Path, out: Path, rank: int, late: bool, 
     if plan.system == "pipeline":
         s = cfg.pipeline.stages
         cmd = [*py, "stage", "--config", str(config_path), "--stage", str(rank), "--out", str(out / f"stage_{rank}"),
-               *insecure]
+               *insecure, *_tls_args(tls)]
         if rank > 0:
             cmd += ["--listen", f"0.0.0.0:{port}"]
         if rank < s - 1:
@@ -341,7 +341,7 @@ def _role(plan: Plan, cfg, config_path: Path, out: Path, rank: int, late: bool, 
         if r != rank:
             (book / names[r]).write_text(address + "\n")
     cmd = [*py, "node", "--config", str(config_path), "--name", names[rank], "--out", str(out / "nodes" / names[rank]),
-           "--addresses", str(book), "--listen", f"0.0.0.0:{port}", "--advertise", advertise, *insecure]
+           "--addresses", str(book), "--listen", f"0.0.0.0:{port}", "--advertise", advertise, *insecure, *_tls_args(tls)]
     return f"Ravnest node {names[rank]}", cmd, env
 
 

@@ -1,6 +1,7 @@
 """``zeroth node``: run one Ravnest node (one per machine, or several on one machine).
 
   zeroth node --config CONFIG --name NAME --out DIR [--addresses DIR] [--listen HOST:PORT] [--advertise HOST]
+              [--tls-cert PEM --tls-key PEM --tls-ca PEM [--tls-mutual]]
               [--set SECTION.FIELD=VALUE ...] [--insecure] [--quiet]
 
 Every node reads the same config and derives the same plan (:func:`zeroth.cluster.build.plan_of`:
@@ -66,14 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
     p.add_argument("--insecure", action="store_true", help="no access token (loopback experiments only)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    from zeroth.transport import security
+
+    security.add_tls_arguments(p)
     return p
 
 
 def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | None, token: str | None,
-                     progress: bool = False, advertise: str | None = None) -> dict:
+                     progress: bool = False, advertise: str | None = None, tls=None) -> dict:
     """Run node ``name`` of the run of ``cfg`` to the end; returns its summary. ``advertise``: the host
     the other nodes reach this one at (written to ``ADDRESSES/<name>`` with the bound port; default
-    the ``listen`` host)."""
+    the ``listen`` host). ``tls``: every link over TLS (:class:`zeroth.transport.security.TLSFiles`)."""
     import numpy as np
 
     from zeroth.cluster import build, driver, engine, transport
@@ -95,7 +99,7 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
                                    address_dir=addresses, bandwidth_mbps=bw, enforce=r.enforce_bandwidth,
                                    latency_s=r.latency_ms / 1e3, timeout_s=r.timeout_s,
                                    node_latency_s={n["name"]: float(n.get("latency_ms", 0.0)) / 1e3 for n in plan.pool},
-                                   backup_round=plan.backup_round)
+                                   backup_round=plan.backup_round, tls=tls)
     t.serve(listen or f"{r.host}:0", advertise=advertise)
     io = transport.NodeLink(t, plan, r.timeout_s)
     metrics = out / "metrics.jsonl"
@@ -161,17 +165,18 @@ def main(argv: list[str]) -> int:
     """Entry point of ``zeroth node``; returns the exit code."""
     args = build_parser().parse_args(argv)
     from zeroth import config as _config
-    from zeroth.transport import identity
+    from zeroth.transport import identity, security
 
     try:
         cfg = _config.load_config(args.config, args.overrides)
         if cfg.ravnest is None:
             raise ValueError(f"config {args.config} has no ravnest: section")
         token = identity.token_from_env(args.insecure)
+        tls = security.tls_from_args(args)
         out = Path(args.out)
         addresses = Path(args.addresses) if args.addresses else out.parent / "addresses"
         run_node_process(cfg, args.name, out, addresses, args.listen, token, progress=not args.quiet,
-                         advertise=args.advertise)
+                         advertise=args.advertise, tls=tls)
     except (ConnectionError, TimeoutError) as e:
         print(f"zeroth node {args.name}: error: {e}", file=sys.stderr)
         return 1

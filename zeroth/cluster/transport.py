@@ -73,10 +73,10 @@ class _Sender:
     """One paced client stream to one node; ``on_failure`` is called once if the stream breaks."""
 
     def __init__(self, name: str, address: str, bandwidth_bps, latency_s: float, token: str | None,
-                 on_failure: Callable[[str, BaseException], None]):
+                 on_failure: Callable[[str, BaseException], None], tls: security.TLSFiles | None = None):
         self.name = name
         self.pacer = pacing.Pacer(bandwidth_bps, latency_s)
-        self.channel = grpc.insecure_channel(address, options=list(CHANNEL_OPTIONS))
+        self.channel = security.open_channel(address, CHANNEL_OPTIONS, tls)
         self._stub = pb_grpc.ClusterNodeStub(self.channel)
         self._md = security.token_metadata(token)
         self._on_failure, self.closing = on_failure, False
@@ -107,14 +107,16 @@ class ClusterTransport:
       address_dir: where every node writes ``<name>`` holding its ``HOST:PORT``.
       bandwidth_mbps: ``{name: steady bandwidth}``; enforce: pace at the pair's bandwidth.
       latency_s: the base one-way latency of every message; node_latency_s: ``{name: access latency}``
-        added at both ends. timeout_s: bound on every wait.
+        added at both ends. timeout_s: bound on every wait. tls: serve and call over TLS (mutual
+        when ``tls.mutual``; None: plaintext).
     """
 
     def __init__(self, me: str, slots: Mapping[str, tuple[int, int]], primaries: Mapping, backups: Mapping, *,
                  run_id: str, token: str | None, address_dir: Path, bandwidth_mbps: Mapping[str, float],
                  enforce: bool = True, latency_s: float = 0.0, node_latency_s: Mapping[str, float] | None = None,
-                 timeout_s: float = 300.0, backup_round: Mapping[str, int] | None = None):
-        self.me, self.run_id, self.token = me, run_id, token
+                 timeout_s: float = 300.0, backup_round: Mapping[str, int] | None = None,
+                 tls: security.TLSFiles | None = None):
+        self.me, self.run_id, self.token, self.tls = me, run_id, token, tls
         self.slots = {k: tuple(v) for k, v in slots.items()}
         self.slot = self.slots[me]
         self.primary = {tuple(k): v for k, v in primaries.items()}
@@ -152,7 +154,7 @@ class ClusterTransport:
         bounds = guard.Limits(MAX_MESSAGE_BYTES, max_calls=calls, max_calls_per_caller=calls, idle_s=self.timeout_s)
         self.server = guard.make_server(bounds, self.token, name="zeroth-node")
         pb_grpc.add_ClusterNodeServicer_to_server(_Servicer(self), self.server)
-        port = self.server.add_insecure_port(listen)
+        port = security.add_port(self.server, listen, self.tls)
         if port == 0:
             raise OSError(f"cannot listen on {listen}")
         self.server.start()
@@ -202,7 +204,7 @@ class ClusterTransport:
                 address = resolve_address(self.address_dir, name, self.timeout_s)
                 bps = min(self.bw[self.me], self.bw[name]) * 1e6 if self.enforce else None
                 lat = self.latency_s + self.node_latency_s.get(self.me, 0.0) + self.node_latency_s.get(name, 0.0)
-                self._senders[name] = _Sender(name, address, bps, lat, self.token, self._failed)
+                self._senders[name] = _Sender(name, address, bps, lat, self.token, self._failed, self.tls)
             return self._senders[name]
 
     def _submit(self, name: str, msg: pb.Message) -> None:

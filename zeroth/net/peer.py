@@ -2,7 +2,7 @@
 
   zeroth peer --config CONFIG --listen HOST:PORT [--join HOST:PORT ...] --out DIR
               [--secret-file FILE | --insecure] [--set SECTION.FIELD=VALUE ...] [--founders N]
-              [--advertise HOST:PORT] [--join-at K] [--resume DIR] [--tls-cert PEM --tls-key PEM --tls-ca PEM]
+              [--advertise HOST:PORT] [--join-at K] [--resume DIR] [--tls-cert PEM --tls-key PEM --tls-ca PEM [--tls-mutual]]
 
 Without ``--join`` the peer founds the run (machine 0) and waits for ``--founders`` peers
 (default ``peers.count``) before iteration 0; with ``--join`` it joins a running run through any
@@ -14,7 +14,8 @@ else ``$ZEROTH_SECRET`` / ``$ZEROTH_TOKEN``, else ``peers.token``. A founder wit
 it, writes it to ``OUT/run.secret`` (mode 0600) and prints the command that joins the run; a
 joiner without one is refused at the command line. ``--insecure`` (or ``peers.insecure: true``)
 runs without a secret: anyone who reaches the port may join; messages are signed by their senders
-all the same. TLS needs all three files (``--tls-ca`` is the CA that signed the other peers' certificates).
+all the same. TLS needs all three files (``--tls-ca`` is the CA that signed the other peers' certificates);
+``--tls-mutual`` makes every peer present its certificate too (``zeroth certs`` makes them).
 
 The peer writes ``metrics.jsonl`` (one record per iteration), ``summary.json``, ``address`` and
 ``checkpoints/<iteration>/`` (every ``train.checkpoint_every`` iterations, at the end, and on
@@ -45,6 +46,8 @@ __all__ = ["build_parser", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``zeroth peer``."""
+    from zeroth.transport import security as _sec
+
     p = argparse.ArgumentParser(prog="zeroth peer", description="Run one Just One Byte peer.")
     p.add_argument("--config", required=True, help="experiment YAML with a peers: section (same on every peer)")
     p.add_argument("--listen", required=True, help="HOST:PORT to serve on (port 0: any free port)")
@@ -59,11 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secret-file", "--token-file", dest="secret_file", default=None, help="file holding the run secret")
     p.add_argument("--insecure", action="store_true", help="run without a secret (anyone who reaches the port may join)")
     p.add_argument("--resume", default=None, metavar="DIR", help="founder: start from a saved state (OUT/checkpoint of a failed run)")
-    p.add_argument("--tls-cert", default=None, help="this peer's certificate chain (PEM)")
-    p.add_argument("--tls-key", default=None, help="this peer's private key (PEM)")
-    p.add_argument("--tls-ca", default=None, help="CA certificates that signed the peers' certificates (PEM)")
-    p.add_argument("--tls-mutual", action="store_true", help="mutual TLS: present --tls-cert when calling, and "
-                   "refuse callers without a certificate signed by --tls-ca")
+    _sec.add_tls_arguments(p)
     p.add_argument("--no-rejoin", action="store_true", help="exit instead of rejoining after being dropped")
     p.add_argument("--join-at", type=int, default=None, help="with --join: start now, join once the run reaches this iteration")
     p.add_argument("--join-members", type=int, default=None, metavar="N",
@@ -115,18 +114,11 @@ def main(argv: list[str]) -> int:
                 )
             secret = _id.new_secret()
             generated = _id.write_secret(os.path.join(args.out, "run.secret"), secret)
-        tls_args = (args.tls_cert, args.tls_key, args.tls_ca)
-        if any(tls_args) and not all(tls_args):
-            raise ValueError("TLS needs --tls-cert, --tls-key and --tls-ca together")
-        if args.tls_mutual and not all(tls_args):
-            raise ValueError("--tls-mutual needs --tls-cert, --tls-key and --tls-ca")
-        tls = _sec.TLSFiles(*tls_args, mutual=args.tls_mutual) if all(tls_args) else None
+        tls = _sec.tls_from_args(args)
         founders = args.founders or cfg.peers.count
         window = args.startup_timeout or cfg.peers.startup_timeout_s or _rdv.startup_window(founders)
         if not window > 0:
             raise ValueError(f"--startup-timeout {window}: must be positive seconds")
-        if tls is not None:
-            tls.read()
     except (ValueError, OSError, DatasetUnavailable) as e:
         print(f"zeroth peer: error: {e}", file=sys.stderr)
         return 2

@@ -157,10 +157,7 @@ def serve(node, listen: str, *, tls: _sec.TLSFiles | None = None, token: str | N
     """
     server = guard.make_server(SERVER_LIMITS, token)
     pb_grpc.add_PeerServicer_to_server(PeerService(node), server)
-    if tls is not None:
-        port = server.add_secure_port(listen, _sec.server_credentials(tls))
-    else:
-        port = server.add_insecure_port(listen)
+    port = _sec.add_port(server, listen, tls)
     if port == 0:
         raise RuntimeError(f"could not listen on {listen}")
     server.start()

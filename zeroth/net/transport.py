@@ -152,10 +152,7 @@ class Transport:
             raise Closed(f"this peer is stopping (call to {address})")
         ch = self._channels.get(address)
         if ch is None:
-            if self.tls is not None:
-                ch = grpc.secure_channel(address, _sec.channel_credentials(self.tls), options=self.options)
-            else:
-                ch = grpc.insecure_channel(address, options=self.options)
+            ch = _sec.open_channel(address, self.options, self.tls)
             self._channels[address] = ch
         return ch
 

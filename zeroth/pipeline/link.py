@@ -126,17 +126,18 @@ def limits(idle_s: float, max_message_bytes: int = MAX_MESSAGE_BYTES) -> guard.L
 
 
 def serve(servicer: LinkServicer, listen: str, token: str | None = None, *,
-          bounds: guard.Limits | None = None) -> tuple[grpc.Server, int]:
+          bounds: guard.Limits | None = None, tls: security.TLSFiles | None = None) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``servicer`` on ``listen`` (``HOST:PORT``, port 0 = any); returns it and its port.
 
     With ``token`` (the run's access token, :func:`zeroth.transport.identity.access_token`), a
     stream that does not carry it is refused with ``UNAUTHENTICATED`` at once, before anything of
     it is read (:func:`zeroth.transport.guard.make_server`). ``bounds``: the server's
-    :class:`~zeroth.transport.guard.Limits` (default :func:`limits` with a 300 s wait per frame).
+    :class:`~zeroth.transport.guard.Limits` (default :func:`limits` with a 300 s wait per frame);
+    ``tls``: serve over TLS (mutual when ``tls.mutual``).
     """
     server = guard.make_server(bounds or limits(300.0), token, name="zeroth-link")
     pb_grpc.add_PipelineLinkServicer_to_server(servicer, server)
-    port = server.add_insecure_port(listen)
+    port = security.add_port(server, listen, tls)
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
     server.start()
@@ -144,7 +145,8 @@ def serve(servicer: LinkServicer, listen: str, token: str | None = None, *,
 
 
 def connect(address: str, pacer: Pacer, inbox: queue.Queue, timeout_s: float,
-            readers: list[threading.Thread] | None = None, token: str | None = None) -> grpc.Channel:
+            readers: list[threading.Thread] | None = None, token: str | None = None,
+            tls: security.TLSFiles | None = None) -> grpc.Channel:
     """Open the stream to the downstream stage at ``address``: ``pacer``'s frames go out, gradients land in ``inbox``.
 
     ``token``: the run's access token, sent with the stream (a stage serving with a token refuses a
@@ -157,7 +159,7 @@ def connect(address: str, pacer: Pacer, inbox: queue.Queue, timeout_s: float,
     Raises:
       LinkClosed: the stage at ``address`` did not answer within ``timeout_s``.
     """
-    channel = grpc.insecure_channel(address, options=list(CHANNEL_OPTIONS))
+    channel = security.open_channel(address, CHANNEL_OPTIONS, tls)
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
     except grpc.FutureTimeoutError:

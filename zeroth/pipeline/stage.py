@@ -2,6 +2,7 @@
 
   zeroth stage --config CONFIG --stage I --out DIR [--listen HOST:PORT] [--next HOST:PORT]
                [--set SECTION.FIELD=VALUE ...] [--resume-step N] [--quiet] [--insecure]
+               [--tls-cert PEM --tls-key PEM --tls-ca PEM [--tls-mutual]]
 
 Stage ``I`` of ``pipeline.stages``: every stage but the first listens (``--listen``; port 0 = any
 free port, the bound address is written to ``DIR/address``); every stage but the last connects to
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-step", type=int, default=None, help="restore this checkpoint step (with its buffers) and continue")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--insecure", action="store_true", help="no access token on the links (loopback experiments only)")
+    from zeroth.transport import security
+
+    security.add_tls_arguments(p)
     return p
 
 
@@ -172,11 +176,12 @@ def stage_record(index: int, step: int, *, loss: float | None, lr: float, sent: 
 
 
 def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | None, resume_step: int | None = None,
-              progress: bool = False, stop=None, token: str | None = None) -> dict:
+              progress: bool = False, stop=None, token: str | None = None, tls=None) -> dict:
     """Run stage ``index`` of the pipeline of ``cfg`` to ``train.steps``; returns its summary.
 
     ``token``: the run's access token, required of the stream this stage serves and sent on the
-    one it opens (None: links without one).
+    one it opens (None: links without one). ``tls``: both links over TLS
+    (:class:`zeroth.transport.security.TLSFiles`; mutual when ``tls.mutual``).
 
     ``stop`` (called at step boundaries) asks the pipeline to stop (see the module docstring);
     the summary then says ``"interrupted": true`` and ``steps_done``, and the checkpoint of that
@@ -231,13 +236,13 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
         servicer = link.LinkServicer(expect, schedule, fw_inbox, bw_pacer)
         # frames of one micro-batch each way: larger messages are refused by gRPC before they are read whole
         frames = link.frame_bytes(cfg.data.batch_size // M, engine.row_shape)
-        server, port = link.serve(servicer, listen, token, bounds=link.limits(p.timeout_s, frames))
+        server, port = link.serve(servicer, listen, token, bounds=link.limits(p.timeout_s, frames), tls=tls)
         host = listen.rsplit(":", 1)[0]
         tmp = out / "address.tmp"
         tmp.write_text(f"{host}:{port}\n")
         os.replace(tmp, out / "address")
     if index < S - 1:
-        channel = link.connect(_resolve(next_addr, p.timeout_s), fw_pacer, bw_inbox, p.timeout_s, readers, token)
+        channel = link.connect(_resolve(next_addr, p.timeout_s), fw_pacer, bw_inbox, p.timeout_s, readers, token, tls)
     t_run = time.time()
     t_wall = time.perf_counter() - wall0
     writer = MetricsWriter(metrics, tensorboard=cfg.run.tensorboard, resumed_after=resume_step)
@@ -330,17 +335,18 @@ def main(argv: list[str]) -> int:
     from zeroth.pipeline import link
     from zeroth.train import interrupt
     from zeroth.train.checkpoint import CheckpointError
-    from zeroth.transport import identity
+    from zeroth.transport import identity, security
 
     out = Path(args.out)
     try:
         with interrupt.catch() as flag:
             token = identity.token_from_env(args.insecure)
+            tls = security.tls_from_args(args)
             cfg = _config.load_config(args.config, args.overrides)
             if cfg.pipeline is None:
                 raise ValueError(f"config {args.config} has no pipeline: section")
             summary = run_stage(cfg, args.stage, out, args.listen, args.next, args.resume_step, progress=not args.quiet,
-                                stop=lambda: flag.is_set() or (out / "stop").exists(), token=token)
+                                stop=lambda: flag.is_set() or (out / "stop").exists(), token=token, tls=tls)
         if summary["interrupted"]:
             why = flag.signal_name() if flag.is_set() else f"{out / 'stop'}"
             print(f"zeroth stage {args.stage}: stopped by {why} after step {summary['steps_done']}; checkpoint saved in "

@@ -242,11 +242,7 @@ def serve(store: Store, listen: str, *, token: str | None, tls: security.TLSFile
         return None
     server = guard.make_server(_LIMITS, token, name="zeroth-rendezvous")
     pb_grpc.add_RendezvousServicer_to_server(_Servicer(store), server)
-    try:
-        port = (server.add_secure_port(listen, security.server_credentials(tls)) if tls
-                else server.add_insecure_port(listen))
-    except RuntimeError:  # grpc raises where an address cannot be bound
-        port = 0
+    port = security.add_port(server, listen, tls)
     if port == 0:
         server.stop(0)
         return None
@@ -270,12 +266,7 @@ class Client:
 
     def __init__(self, address: str, *, token: str | None, tls: security.TLSFiles | None = None):
         self.address = address
-        opts = list(channels.channel_options(MAX_MESSAGE_BYTES))
-        if tls:
-            creds = security.channel_credentials(tls)
-            self._channel = grpc.secure_channel(address, creds, options=opts)
-        else:
-            self._channel = grpc.insecure_channel(address, options=opts)
+        self._channel = security.open_channel(address, channels.channel_options(MAX_MESSAGE_BYTES), tls)
         self._stub = pb_grpc.RendezvousStub(self._channel)
         self._metadata = security.token_metadata(token)
         self.nonce = secrets.token_bytes(16)

@@ -35,6 +35,10 @@ __all__ = [
     "channel_credentials",
     "self_signed",
     "can_make_certificates",
+    "add_port",
+    "open_channel",
+    "add_tls_arguments",
+    "tls_from_args",
 ]
 
 TOKEN_KEY = "x-zeroth-token"
@@ -112,6 +116,51 @@ def channel_credentials(tls: TLSFiles) -> grpc.ChannelCredentials:
     if tls.mutual:
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
     return grpc.ssl_channel_credentials(root_certificates=ca)
+
+
+def add_port(server: grpc.Server, listen: str, tls: TLSFiles | None = None) -> int:
+    """Bind ``server`` to ``listen`` (``HOST:PORT``), over TLS when ``tls`` is given; returns the port
+    (0 when it cannot be bound)."""
+    try:
+        return server.add_secure_port(listen, server_credentials(tls)) if tls else server.add_insecure_port(listen)
+    except RuntimeError:  # some grpc versions raise where an address cannot be bound
+        return 0
+
+
+def open_channel(address: str, options, tls: TLSFiles | None = None) -> grpc.Channel:
+    """A channel to ``address`` with ``options``, over TLS (trusting ``tls.ca``) when ``tls`` is given."""
+    if tls:
+        return grpc.secure_channel(address, channel_credentials(tls), options=list(options))
+    return grpc.insecure_channel(address, options=list(options))
+
+
+def add_tls_arguments(parser) -> None:
+    """The TLS options of a command that serves or calls (``zeroth peer``, ``stage``, ``node``)."""
+    parser.add_argument("--tls-cert", default=None, help="this process's certificate chain (PEM)")
+    parser.add_argument("--tls-key", default=None, help="its private key (PEM)")
+    parser.add_argument("--tls-ca", default=None, help="the CA that signed the other processes' certificates (PEM)")
+    parser.add_argument("--tls-mutual", action="store_true", help="mutual TLS: present --tls-cert when calling, and "
+                        "refuse callers without a certificate signed by --tls-ca")
+
+
+def tls_from_args(args) -> TLSFiles | None:
+    """The :class:`TLSFiles` of :func:`add_tls_arguments`' options (read once, so a missing file is
+    named before anything starts); None without them.
+
+    Raises:
+      ValueError: some of the three files given without the others, or ``--tls-mutual`` without them.
+      FileNotFoundError: a file that does not exist.
+    """
+    files = (args.tls_cert, args.tls_key, args.tls_ca)
+    if any(files) and not all(files):
+        raise ValueError("TLS needs --tls-cert, --tls-key and --tls-ca together")
+    if args.tls_mutual and not all(files):
+        raise ValueError("--tls-mutual needs --tls-cert, --tls-key and --tls-ca")
+    if not all(files):
+        return None
+    tls = TLSFiles(*files, mutual=args.tls_mutual)
+    tls.read()
+    return tls
 
 
 def can_make_certificates() -> bool:
