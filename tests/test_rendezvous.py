@@ -190,7 +190,7 @@ def test_launch_plans_by_system_and_ranks_from_the_scheduler():
     assert launch.node_rank_from_env({"SLURM_PROCID": "4"}) == 4
     assert launch.node_rank_from_env({"JOB_COMPLETION_INDEX": "2"}) == 2
     assert launch.node_rank_from_env({}) is None
-    with pytest.raises(ValueError, match="binary learning configs run on one host"):
+    with pytest.raises(ValueError, match="this config trains on one machine: use `zeroth run`"):
         launch.plan_of(_config.load_config_dict({}), None)
 
 

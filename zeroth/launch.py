@@ -14,6 +14,7 @@ config section     hosts (``--nnodes``)        rank r runs
 ``peers``          ``peers.count`` (MIN:MAX)   a Just One Byte peer; rank 0 founds the run
 ``pipeline``       ``pipeline.stages``         pipeline stage r (AQ-SGD)
 ``ravnest``        ``len(ravnest.nodes)``      Ravnest node ``ravnest.nodes[r].name``
+``binary``         ``binary.workers + 1``      the sparse-mutation server (rank 0) or a worker
 ``runs`` (Marsit)  N (default 1)               process r of one ``jax.distributed`` job,
                                                ``topology.workers / N`` CPU devices each
 =================  ==========================  ==========================================
@@ -85,9 +86,13 @@ def plan_of(cfg: _config.Config, nnodes: str | None) -> Plan:
         system, count, elastic = "pipeline", cfg.pipeline.stages, False
     elif getattr(cfg, "ravnest", None) is not None:
         system, count, elastic = "ravnest", len(cfg.ravnest.nodes), False
+    elif cfg.binary is not None:
+        if cfg.binary.workers < 1:
+            raise ValueError("binary.workers is 0: the sparse-mutation run has no workers to launch on other hosts")
+        system, count, elastic = "binary", cfg.binary.workers + 1, False
     else:
-        raise ValueError("zeroth launch runs configs with a peers:, pipeline: or ravnest: section or a Marsit runs: "
-                         "list; binary learning configs run on one host with `zeroth run`")
+        raise ValueError("zeroth launch runs configs with a peers:, pipeline:, ravnest: or binary: section or a "
+                         "Marsit runs: list; this config trains on one machine: use `zeroth run`")
     if nnodes is None:
         return Plan(system, count, count, elastic)
     lo, sep, hi = str(nnodes).partition(":")
@@ -100,7 +105,7 @@ def plan_of(cfg: _config.Config, nnodes: str | None) -> Plan:
     if sep and not elastic:
         raise ValueError(f"--nnodes {nnodes}: a {system} run has a fixed number of hosts ({count}); give --nnodes {count}")
     if not elastic and lo_n != count:
-        field = "pipeline.stages" if system == "pipeline" else "len(ravnest.nodes)"
+        field = {"pipeline": "pipeline.stages", "ravnest": "len(ravnest.nodes)", "binary": "binary.workers + 1"}[system]
         raise ValueError(f"--nnodes {nnodes}: the config's {field} is {count}; give --nnodes {count} or change the config")
     if elastic and not sep and lo_n != count:
         raise ValueError(f"--nnodes {nnodes}: the config's peers.count is {count}; give --nnodes {count}, "
@@ -334,6 +339,17 @@ def _role(plan: Plan, cfg, config_path: Path, out: Path, rank: int, late: bool, 
         if rank < s - 1:
             cmd += ["--next", members[rank + 1]]
         return f"stage {rank} of {s}", cmd, env
+    if plan.system == "binary":
+        if rank == 0:
+            cmd = [sys.executable, "-m", "zeroth.binary.serve", "--config", str(config_path), "--out", str(out / "server"),
+                   "--listen", f"0.0.0.0:{port}", *insecure, *_tls_args(tls)]
+            return "binary-learning server", cmd, env
+        from zeroth.binary import experiment as binary_experiment
+
+        dist = binary_experiment.dist_config(cfg)
+        cmd = [sys.executable, "-m", "zeroth.binary.worker", "--server", members[0], "--config", json.dumps(dist._asdict()),
+               "--metrics", str(out / "worker.jsonl"), *insecure, *_tls_args(tls)]
+        return f"binary-learning worker {rank}", cmd, env
     names = [n["name"] for n in cfg.ravnest.nodes]
     book = out / "addresses"
     book.mkdir(parents=True, exist_ok=True)

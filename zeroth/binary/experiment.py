@@ -415,15 +415,25 @@ def _float32(cfg, rows: Rows, xtr, ytr, xte, yte, classes: int) -> dict:
     return fl
 
 
-def _distributed(cfg, out: pathlib.Path, test_size: int, classes: int, say) -> dict:
-    """The sparse-mutation run over gRPC with worker processes (:mod:`zeroth.binary.launch`)."""
+def dist_config(cfg, test_size: int | None = None, classes: int | None = None) -> W.DistConfig:
+    """The sparse-mutation run of a config with a ``binary`` section (the server and every worker
+    derive the same one); ``test_size`` and ``classes`` default to the dataset's (it is loaded)."""
     b, seed = cfg.binary, cfg.run.seed
-    dcfg = W.DistConfig(run_id=f"{cfg.run.name}-{seed}", dataset=cfg.data.dataset, train_size=b.dist_train_size,
+    if test_size is None or classes is None:
+        _, _, xte, _, classes = _load(cfg)
+        test_size = len(xte)
+    return W.DistConfig(run_id=f"{cfg.run.name}-{seed}", dataset=cfg.data.dataset, train_size=b.dist_train_size,
                         test_size=test_size, levels=b.levels, c_out=b.dist_channels, ternary=False, grid=b.grid,
                         batch_size=cfg.data.batch_size, shards=b.workers, threshold=b.threshold, max_entries=b.max_entries,
                         k=b.dist_k, rounds=b.rounds, seed=seed, founders=b.workers,
                         head="trained" if b.dist_head_steps else "votes", head_steps=b.dist_head_steps,
                         classes=classes)
+
+
+def _distributed(cfg, out: pathlib.Path, test_size: int, classes: int, say) -> dict:
+    """The sparse-mutation run over gRPC with worker processes (:mod:`zeroth.binary.launch`)."""
+    b = cfg.binary
+    dcfg = dist_config(cfg, test_size, classes)
     dist = launch.run(dcfg, workers=b.workers, kill_at=tuple(b.kill_at), out_dir=out / "distributed")
     say(f"  sparse mutations: {b.workers} workers, {b.rounds} rounds, test accuracy "
         f"{dist['test_accuracy_before']:.4f} -> {dist['test_accuracy']:.4f}; bytes/round/worker up "

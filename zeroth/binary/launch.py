@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +36,7 @@ from zeroth.binary import train as T
 from zeroth.binary import worker as W
 from zeroth.transport import identity
 
-__all__ = ["run", "accuracy", "fit_head", "main"]
+__all__ = ["run", "accuracy", "fit_head", "initial_model", "InitialModel", "server_summary", "main"]
 
 
 def accuracy(cfg: W.DistConfig, w, thresh, head, x, y) -> float:
@@ -57,6 +58,47 @@ def fit_head(cfg: W.DistConfig, layer: L.ConvLayer, x, y) -> tuple[np.ndarray, n
         idx = np.random.default_rng([cfg.seed, 8, i]).choice(len(y), size=min(cfg.batch_size, len(y)), replace=False)
         head, state, _ = fns.head_step(layer, head, state, jnp.asarray(x[idx]), jnp.asarray(y[idx]), jnp.float32(0.01))
     return np.asarray(head.a), np.asarray(head.b)
+
+
+class InitialModel(NamedTuple):
+    """What the server starts from: the layer (``w``, ``thresh``), the frozen ``head`` (None: votes),
+    its test ``accuracy``, the ``server_config`` and the test split (``x_test``, ``y_test``)."""
+
+    w: np.ndarray
+    thresh: np.ndarray
+    head: tuple | None
+    accuracy: float
+    server_config: P.ServerConfig
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+
+def initial_model(cfg: W.DistConfig) -> InitialModel:
+    """The sparse-mutation run's starting model, a function of ``cfg`` (its seed and data) only."""
+    x, y = W.load_split(cfg, "train")
+    xt, yt = W.load_split(cfg, "test")
+    spec = W.model_spec(cfg)
+    rng = np.random.default_rng([cfg.seed, 7])
+    layer = L.init_layer(spec, x[rng.choice(len(x), size=min(256, len(x)), replace=False)], seed=cfg.seed)
+    w0, t0 = np.asarray(layer.w), np.asarray(layer.thresh)
+    head = fit_head(cfg, layer, x, y) if cfg.head == "trained" else None
+    return InitialModel(w0, t0, head, accuracy(cfg, w0, t0, head, xt, yt), cfg.server_config(x.shape[1:3]), xt, yt)
+
+
+def server_summary(cfg: W.DistConfig, server: S.Server, init: InitialModel) -> dict:
+    """What the server knows of a finished run: accuracies before and after, the final checksum,
+    flips, contributors and dropped workers per round, the bytes of a dense gradient and of the model."""
+    st = server.snapshot()
+    results = [st.results[r] for r in range(min(cfg.rounds, st.round))]
+    return {
+        "config": cfg._asdict(), "rounds": cfg.rounds, "test_accuracy_before": init.accuracy,
+        "test_accuracy": accuracy(cfg, st.w, st.thresh, st.head, init.x_test, init.y_test),
+        "final_checksum": st.checksum, "flips_per_round": [len(r.mutations) for r in results],
+        "contributors_per_round": [len(r.contributors) for r in results],
+        "dropped": sorted({d for r in results for d in r.dropped}),
+        "dense_float32_bytes_per_round_per_worker": P.dense_bytes(init.server_config),
+        "packed_model_bytes": len(P.model_bytes(st.w, st.thresh, cfg.levels, cfg.ternary, st.head)),
+    }
 
 
 def _spawn(address: str, cfg: W.DistConfig, metrics: pathlib.Path, run_env: dict, hold: pathlib.Path | None = None) -> subprocess.Popen:
@@ -81,15 +123,8 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("worker*.jsonl"), *out.glob("join*.go")]:  # a previous run's logs would be counted
         old.unlink()
-    x, y = W.load_split(cfg, "train")
-    xt, yt = W.load_split(cfg, "test")
-    spec = W.model_spec(cfg)
-    rng = np.random.default_rng([cfg.seed, 7])
-    layer = L.init_layer(spec, x[rng.choice(len(x), size=min(256, len(x)), replace=False)], seed=cfg.seed)
-    w0, t0 = np.asarray(layer.w), np.asarray(layer.thresh)
-    head = fit_head(cfg, layer, x, y) if cfg.head == "trained" else None
-    acc0 = accuracy(cfg, w0, t0, head, xt, yt)
-    scfg = cfg.server_config(x.shape[1:3])
+    init = initial_model(cfg)
+    w0, t0, head, scfg = init.w, init.thresh, init.head, init.server_config
     procs: list[subprocess.Popen] = []
     killed: list[int] = []
     kill_rounds: list[int] = []  # the round each kill was sent at: the moment it opened
@@ -158,25 +193,18 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
                 p.wait()
         server.stop()
     wall = time.monotonic() - start
-    st = server.snapshot()
     records = []
     for f in sorted(out.glob("worker*.jsonl")):
         records += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
     rounds = [r for r in records if r["event"] == "round"]
     joins = [r for r in records if r["event"] == "join"]
-    results = [st.results[r] for r in range(cfg.rounds)]
     summary = {
-        "config": cfg._asdict(), "workers": workers, "killed": killed, "killed_at_round": kill_rounds, "joined_at": list(join_at),
-        "rounds": cfg.rounds, "test_accuracy_before": acc0, "test_accuracy": accuracy(cfg, st.w, st.thresh, st.head, xt, yt),
-        "final_checksum": st.checksum, "flips_per_round": [len(r.mutations) for r in results],
-        "contributors_per_round": [len(r.contributors) for r in results],
-        "dropped": sorted({d for r in results for d in r.dropped}),
+        **server_summary(cfg, server, init), "workers": workers, "killed": killed, "killed_at_round": kill_rounds,
+        "joined_at": list(join_at),
         "checksum_comparisons": len(rounds) + len(joins),
         "checksum_mismatches": sum(not r["checksum_ok"] for r in rounds + joins),
         "bytes_up_per_round_per_worker": float(np.mean([r["bytes_up"] for r in rounds])) if rounds else 0.0,
         "bytes_down_per_round_per_worker": float(np.mean([r["bytes_down"] for r in rounds])) if rounds else 0.0,
-        "dense_float32_bytes_per_round_per_worker": P.dense_bytes(scfg),
-        "packed_model_bytes": len(P.model_bytes(st.w, st.thresh, cfg.levels, cfg.ternary, st.head)),
         "wall_s": wall, "loss_per_round": [float(np.mean([r["loss"] for r in rounds if r["round"] == k]))
                                            for k in range(cfg.rounds) if any(r["round"] == k for r in rounds)],
     }

@@ -26,7 +26,7 @@ import numpy as np
 from zeroth.binary import protocol as P
 from zeroth.binary.proto import binary_pb2 as pb
 from zeroth.binary.proto import binary_pb2_grpc as pbg
-from zeroth.transport import channels, guard
+from zeroth.transport import channels, guard, security
 
 __all__ = ["MAX_MESSAGE_BYTES", "CHANNEL_OPTIONS", "SERVER_OPTIONS", "Server", "limits", "encode_deltas", "decode_deltas", "encode_result", "decode_result"]
 
@@ -117,11 +117,17 @@ class Server(pbg.BinaryMutationsServicer):
         with self._lock:
             return self.state
 
-    def start(self, address: str) -> int:
-        """Serve on ``address`` (``host:0`` picks a port); returns the port."""
+    def start(self, address: str, tls: security.TLSFiles | None = None) -> int:
+        """Serve on ``address`` (``host:0`` picks a port), over TLS with ``tls``; returns the port.
+
+        Raises:
+          OSError: ``address`` cannot be bound.
+        """
         self._grpc = guard.make_server(limits(self.cfg), self.token, name="zeroth-binary")
         pbg.add_BinaryMutationsServicer_to_server(self, self._grpc)
-        port = self._grpc.add_insecure_port(address)
+        port = security.add_port(self._grpc, address, tls)
+        if port == 0:
+            raise OSError(f"cannot listen on {address}")
         self._grpc.start()
         return port
 

@@ -121,10 +121,11 @@ class _Authenticated:
 
 
 def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: float = 0.02, max_wait_s: float = 120.0,
-               hold: str | None = None, token: str | None = None) -> dict:
+               hold: str | None = None, token: str | None = None, tls: security.TLSFiles | None = None) -> dict:
     """Join the server at ``address`` and take part until the run finishes; returns a summary.
 
-    ``token``: the run's access token, carried by every call (the server refuses calls without it).
+    ``token``: the run's access token, carried by every call (the server refuses calls without it);
+    ``tls``: call over TLS (presenting this worker's certificate when ``tls.mutual``).
 
     ``hold``: a file path; when given, the worker loads and compiles, then waits (at most
     ``max_wait_s``) for the file to exist before joining (how a launcher makes it join mid-run).
@@ -145,9 +146,10 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
             if time.monotonic() > deadline:
                 raise RuntimeError(f"worker: {hold} did not appear within {max_wait_s} s")
             time.sleep(poll_s)
-    channel = grpc.insecure_channel(address, options=list(S.CHANNEL_OPTIONS))
+    channel = security.open_channel(address, S.CHANNEL_OPTIONS, tls)
     stub = _Authenticated(pbg.BinaryMutationsStub(channel), security.token_metadata(token))
-    rep = stub.Join(pb.JoinRequest(run_id=cfg.run_id), timeout=30)
+    # the server may still be starting (on another host, launched at the same time): wait for it
+    rep = stub.Join(pb.JoinRequest(run_id=cfg.run_id), timeout=max_wait_s, wait_for_ready=True)
     wid, rnd = rep.worker_id, rep.round
     w, thresh, shipped = P.model_from_bytes(rep.model, cfg.levels, cfg.c_out, cfg.ternary, regions=scfg.regions,
                                             classes=scfg.classes)
@@ -219,13 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold", default=None, help="join only once this file exists (after loading and compiling)")
     p.add_argument("--insecure", action="store_true",
                    help="no run secret: calls carry no access token (a server without one, loopback tests only)")
+    security.add_tls_arguments(p)
     args = p.parse_args(argv)
     cfg = DistConfig(**json.loads(args.config))
     try:
         token = identity.token_from_env(args.insecure)
-    except ValueError as e:
+        tls = security.tls_from_args(args)
+    except (ValueError, OSError) as e:
         p.error(str(e))
-    print(json.dumps(run_worker(args.server, cfg, args.metrics, hold=args.hold, token=token)), flush=True)
+    print(json.dumps(run_worker(args.server, cfg, args.metrics, hold=args.hold, token=token, tls=tls)), flush=True)
     return 0
 
 
