@@ -7,11 +7,10 @@ does not come; an oversized message without the token is never read into memory.
 
 import grpc
 import pytest
-
-from zeroth.transport import guard, security
-from zeroth.transport.security import TokenInterceptor
-
 from slowloris import Held, oversized_growth, send_raw, timed
+
+from zeroth.transport import guard
+from zeroth.transport.security import TokenInterceptor
 
 TOKEN = "guard-test-token"
 UNARY = "/test.Echo/Unary"
