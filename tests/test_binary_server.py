@@ -198,9 +198,9 @@ def test_a_server_with_the_run_token_refuses_every_call_without_it_at_once():
         with grpc.insecure_channel(address) as ch:
             stub = pbg.BinaryMutationsStub(ch)
             for md in (None, security.token_metadata(identity.access_token(identity.new_secret()))):
-                calls = [lambda: stub.Join(pb.JoinRequest(run_id="run"), metadata=md, timeout=10),
-                         lambda: stub.Result(pb.ResultRequest(run_id="run", worker_id=0, round=0), metadata=md, timeout=10),
-                         lambda: stub.Submit(pb.DeltaList(run_id="run", worker_id=0, round=0), metadata=md, timeout=10)]
+                calls = [lambda md=md: stub.Join(pb.JoinRequest(run_id="run"), metadata=md, timeout=10),
+                         lambda md=md: stub.Result(pb.ResultRequest(run_id="run", worker_id=0, round=0), metadata=md, timeout=10),
+                         lambda md=md: stub.Submit(pb.DeltaList(run_id="run", worker_id=0, round=0), metadata=md, timeout=10)]
                 for call in calls:
                     with pytest.raises(grpc.RpcError) as e:
                         call()

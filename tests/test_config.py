@@ -229,6 +229,8 @@ def _bomb(levels: int = 12) -> str:
 def test_a_yaml_alias_bomb_is_refused_at_once_in_one_line(tmp_path, capsys):
     import time
 
+    from zeroth.run import main
+
     path = tmp_path / "bomb.yaml"
     path.write_text(_bomb())  # 10**12 values once expanded, under a key that is not even valid
     t0 = time.perf_counter()
@@ -245,8 +247,7 @@ def test_a_yaml_alias_bomb_is_refused_at_once_in_one_line(tmp_path, capsys):
         C.parse_yaml("a: " + "[" * 40 + "]" * 40, "x")
     with pytest.raises(ValueError, match=f"deeper than {C.MAX_YAML_DEPTH} levels"):
         C.parse_yaml("[" * 5000 + "]" * 5000, "x")
-    from zeroth.run import main  # `zeroth run` reads the file before anything else (a Marsit config?)
-
+    # `zeroth run` reads the file before anything else (is it a Marsit config?)
     t0 = time.perf_counter()
     assert main([str(path), "--out", str(tmp_path / "out")]) == 2
     assert time.perf_counter() - t0 < 1.0 and not (tmp_path / "out").exists()

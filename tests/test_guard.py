@@ -7,11 +7,10 @@ does not come; an oversized message without the token is never read into memory.
 
 import grpc
 import pytest
+from slowloris import Held, oversized_growth, send_raw, timed
 
 from zeroth.transport import guard
 from zeroth.transport.security import TokenInterceptor
-
-from slowloris import Held, oversized_growth, send_raw, timed
 
 TOKEN = "guard-test-token"
 UNARY = "/test.Echo/Unary"
@@ -123,3 +122,28 @@ def test_the_guards_thread_ends_once_no_call_is_waited_for(serve):
     while any(t.name == "zeroth-guard" for t in threading.enumerate()) and time.monotonic() < end:
         time.sleep(0.01)
     assert not any(t.name == "zeroth-guard" for t in threading.enumerate())
+
+
+def test_a_caller_that_does_not_take_its_responses_holds_the_thread_at_most_idle_s(serve):
+    import threading
+    import time
+
+    ended = threading.Event()
+
+    def many(request, context):
+        try:
+            for _ in range(200):
+                yield b"x" * (1 << 20)
+        finally:
+            ended.set()
+
+    server = guard.make_server(guard.Limits(4 << 20, max_calls=4, max_calls_per_caller=4, idle_s=1.0), TOKEN)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "test.Many", {"Many": grpc.unary_stream_rpc_method_handler(many)}),))
+    address = serve(server=server)
+    with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 8 << 20)]) as ch:
+        t0 = time.monotonic()
+        call = ch.unary_stream("/test.Many/Many")(b"go", metadata=security.token_metadata(TOKEN))  # never read
+        assert ended.wait(10.0)
+        assert time.monotonic() - t0 < 5.0
+        call.cancel()

@@ -952,7 +952,7 @@ def parse_yaml(text, what: str) -> Any:
     when it is not YAML, holds more than :data:`MAX_YAML_NODES` values once its aliases are
     expanded, or nests deeper than :data:`MAX_YAML_DEPTH`."""
     try:
-        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader)
+        return yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader subclass
     except yaml.YAMLError as e:
         raise ValueError(f"{what} is not valid YAML: {' '.join(str(e).split())}") from None
     except RecursionError:

@@ -40,7 +40,7 @@ import grpc
 
 from zeroth.transport import channels, security
 
-__all__ = ["Limits", "GuardInterceptor", "make_server", "caller_of"]
+__all__ = ["GuardInterceptor", "Limits", "caller_of", "make_server"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +227,7 @@ class GuardInterceptor(grpc.ServerInterceptor):
                 yield response
 
     def _wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
         if handler.request_streaming:
             if handler.response_streaming:
                 behavior = handler.stream_stream
