@@ -9,7 +9,7 @@ import grpc
 import pytest
 from slowloris import Held, oversized_growth, send_raw, timed
 
-from zeroth.transport import guard
+from zeroth.transport import guard, security
 from zeroth.transport.security import TokenInterceptor
 
 TOKEN = "guard-test-token"
