@@ -223,3 +223,36 @@ def test_a_launch_secret_comes_from_its_file_the_environment_or_is_refused(tmp_p
     assert launch._secret(args) == value
     insecure = launch.build_parser().parse_args(["c.yaml", "--rendezvous", "h:1", "--out", "o", "--insecure"])
     assert launch._secret(insecure) is None
+
+
+def test_a_launcher_killed_by_its_scheduler_takes_its_process_with_it():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, sys; from zeroth import launch; "
+            "sys.exit(launch._run([sys.executable, '-c', 'import time; time.sleep(60)'], dict(os.environ)))")
+    launcher = subprocess.Popen([sys.executable, "-c", code])
+    child = None
+    deadline = time.monotonic() + 30
+    while child is None and time.monotonic() < deadline:
+        kids = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+        child = int(kids[0]) if kids else None
+        time.sleep(0.1)
+    assert child is not None
+    launcher.kill()
+    launcher.wait()
+
+    def running(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                return fh.read().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(child), "the launcher's process outlived it"
+    if running(child):
+        os.kill(child, 9)

@@ -361,9 +361,21 @@ def _role(plan: Plan, cfg, config_path: Path, out: Path, rank: int, late: bool, 
     return f"Ravnest node {names[rank]}", cmd, env
 
 
+def _die_with_parent() -> None:
+    """In the child, before it runs: ask Linux to send it SIGTERM when the launcher dies (a launcher
+    killed by its scheduler must not leave its process running); a no-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _run(cmd: list[str], env: dict) -> int:
-    """Run this host's process; SIGINT/SIGTERM are passed on to it (it saves and stops as it does alone)."""
-    proc = subprocess.Popen(cmd, env=env)
+    """Run this host's process; SIGINT/SIGTERM are passed on to it (it saves and stops as it does alone),
+    and it gets SIGTERM if the launcher dies."""
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
     def forward(signum, frame):
         if proc.poll() is None:
