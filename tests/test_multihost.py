@@ -34,6 +34,7 @@ from zeroth.config import load_config, load_config_dict, to_yaml
 from zeroth.cluster import sim as ravnest_sim
 from zeroth.pipeline import sim
 from zeroth.replay import checksum
+from zeroth.train.runs import load_run
 from zeroth.transport import certs
 
 _WHY = netns.unavailable()
@@ -138,6 +139,10 @@ def test_job_across_three_hosts_ends_on_the_loopback_digest_and_verifies(tmp_pat
                        capture_output=True, text=True, timeout=300)
     assert v.returncode == 0, v.stdout + v.stderr
     assert "30/30" in v.stdout.replace(" ", "") or "31/31" in v.stdout.replace(" ", ""), v.stdout
+    shutil.copy(tmp_path / "h0" / "config.yaml", collected / "config.yaml")
+    run = load_run(collected)  # and the collected folder reads back as one run, the final state included
+    assert run.kind == "peers" and run.step == 30 and checksum(run.params) == digests.pop()
+    assert [r["step"] for r in run.metrics if r["kind"] == "train"][-1] == 30
 
 
 def test_a_cut_link_is_survived_and_a_killed_host_leaves_the_run(tmp_path):
