@@ -471,6 +471,11 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
                 say(f"time limit of {limit:.0f}s reached; stopping the peers")
                 events.append({"event": "time_limit", "time": time.monotonic() - t0})
                 break
+            if not any(q.alive() for q in peers if q.founder):  # no run is left for a joiner still waiting to join
+                waiting = [q for q in peers if q.alive()]
+                if waiting:
+                    say(f"every founder has exited; stopping {len(waiting)} peer(s) still waiting to join")
+                break
             for q in peers:
                 recs, offsets[q.index] = read_records(q.out / "metrics.jsonl", offsets.get(q.index, 0))
                 for r in recs:
@@ -514,7 +519,8 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
     _print_summary(summary, cfg, out)
     missing = missing_peers(summary)
     if missing:
-        print(f"zeroth run: error: {len(missing)} of {len(peers)} peers did not finish the run: {'; '.join(missing)}; "
+        shown = "; ".join(missing[:3]) + (f"; and {len(missing) - 3} more" if len(missing) > 3 else "")
+        print(f"zeroth run: error: {len(missing)} of {len(peers)} peers did not finish the run: {shown}; "
               f"their logs are in {out / 'peers'}", file=sys.stderr, flush=True)
     ok = summary["peers_done"] > 0 and summary["digests_agree"] and summary["iterations"] >= iterations and not missing
     return 0 if ok else 1
