@@ -11,6 +11,7 @@ import pytest
 from zeroth import models
 from zeroth.config import load_config_dict
 from zeroth.pipeline import sim
+from zeroth.pipeline.engine import CQ_LIMIT
 from zeroth.replay import checksum
 from zeroth.stages import examples as pdata
 from zeroth.stages import partition
@@ -82,6 +83,31 @@ def test_in_process_aqsgd_buffers_agree_every_step_and_rerun_is_bit_identical():
     assert engines[0].buffer_nbytes() == 8 * 8 * 16 * 4 + 8
 
 
+def test_uncompressed_warm_up_is_fp32_then_aqsgd_logs_c_q_and_the_lr_warm_up_applies():
+    """pipeline.full_epochs=1: epoch 0 sends float32 (the same bytes and parameters as an fp32 run);
+    epoch 1 sends AQ-SGD differences and logs c_Q per link and direction. train.schedule's warm-up
+    sets each step's rate (logged as lr), in the stages as in the single-process reference."""
+    sched = {"schedule": {"name": "constant", "warmup_steps": 2, "init_ratio": 0.1}}
+    raw = _raw(compression="aqsgd", fw_bits=3, bw_bits=6, full_epochs=1)
+    raw["train"] = {**raw["train"], **sched}
+    warm, _ = sim.run_local(load_config_dict(raw))
+    fp = _raw(compression="fp32")
+    fp["train"] = {**fp["train"], **sched}
+    ref, _ = sim.run_local(load_config_dict(fp))
+    assert [r["lr"] for r in warm] == pytest.approx([1e-3, 5.5e-3, 1e-2, 1e-2])
+    for a, b in zip(warm[:2], ref[:2]):  # epoch 0: exactly the fp32 run
+        assert a["digest"] == b["digest"] and a["loss"] == b["loss"] and a["payload_bytes"] == b["payload_bytes"]
+        assert a["links"][0]["fw_cq"] is None and a["links"][0]["bw_cq"] is None
+    for r in warm[2:]:  # epoch 1: 3-bit differences forward, 6-bit gradients back, c_Q measured
+        lk = r["links"][0]
+        assert r["payload_bytes"] < 0.4 * ref[2]["payload_bytes"]
+        assert 0 < lk["fw_cq"] <= lk["fw_cq_max"] < CQ_LIMIT and 0 < lk["bw_cq"] <= lk["bw_cq_max"] < 0.2
+    losses, _ = sim.reference_run(load_config_dict(fp), 4)
+    np.testing.assert_allclose([r["loss"] for r in ref], losses, rtol=2e-5)
+    const, _ = sim.reference_run(load_config_dict(_raw(compression="fp32")), 4)
+    assert abs(const[1] - losses[1]) > 1e-4  # the warm-up changed the updates
+
+
 def test_emulated_seconds_add_transfer_time_to_compute():
     rec = {"stages": [{"compute_s": 1.0, "codec_s": 0.5}, {"compute_s": 2.0, "codec_s": 0.0}],
            "links": [{"fw_bytes": 1_000_000, "bw_bytes": 250_000, "fw_frames": 2, "bw_frames": 2}]}
@@ -97,6 +123,9 @@ def test_emulated_seconds_add_transfer_time_to_compute():
         ({"pipeline": {"examples": 10}}, "data.batch_size=4 must divide 10"),
         ({"pipeline": {"compression": "topk"}}, "pipeline.compression"),
         ({"pipeline": {"fw_bits": 9}}, "pipeline.fw_bits"),
+        ({"pipeline": {"bw_bits": 1}}, "pipeline.bw_bits"),
+        ({"pipeline": {"rounding": "up"}}, "pipeline.rounding"),
+        ({"pipeline": {"compression": "aqsgd", "full_epochs": 2}}, r"full_epochs: 2 epoch\(s\) of uncompressed warm-up \(4 steps\) cover all train.steps=4"),
         ({"pipeline": {"objective": "classify"}}, "trains on 'sentiment', got 'sotu'"),
         ({"train": {"method": "zo"}}, "needs train.method='backprop'"),
         ({"model": {"name": "mlp"}}, "cannot be split into stages"),
