@@ -173,6 +173,31 @@ def test_results_written_before_the_metrics_schema_read_as_schema_rows(tmp_path)
     assert compare.upgrade_record(rec) is rec  # a schema row is left as it is
 
 
+def test_compare_settings_and_c_q_summary():
+    from zeroth.pipeline import compare
+
+    assert compare.parse_setting("aqsgd:3:6") == ("aqsgd", 3, 6, None, None)
+    assert compare.parse_setting("directq:2:4:nearest:row") == ("directq", 2, 4, "row", "nearest")
+    assert compare.setting_name("aqsgd:4:8:row:nearest") == "aqsgd fw4/bw8 row nearest"
+    for bad in ("aqsgd:2", "aqsgd:2:4:row:row", "aqsgd:2:4:diagonal", "topk:2:4"):
+        with pytest.raises(ValueError, match="expected fp32, directq:FW:BW"):
+            compare.parse_setting(bad)
+    cfg = compare.apply_setting(load_config_dict(_raw()), "aqsgd:3:6:row:nearest")
+    assert (cfg.pipeline.compression, cfg.pipeline.fw_bits, cfg.pipeline.scale_axis, cfg.pipeline.rounding) == ("aqsgd", 3, "row", "nearest")
+
+    def rec(step, epoch, fw, bw):
+        lk = {"fw_bytes": 1, "bw_bytes": 1, "fw_frames": 1, "bw_frames": 1, "fw_cq": fw, "fw_cq_max": fw and 2 * fw,
+              "bw_cq": bw, "bw_cq_max": bw}
+        return {"step": step, "epoch": epoch, "loss": float(step), "links": [lk], "stages": [], "step_time_s": 0.1}
+
+    recs = [rec(1, 0, None, None), rec(2, 0, None, None), rec(3, 1, 0.2, 0.1), rec(4, 1, 0.4, 0.1)]
+    s = compare.summarize(recs, (1e8,))
+    assert s["epoch_losses"] == [1.5, 3.5]
+    assert s["cq"][0]["fw"] == {"first": 0.2, "first_step": 3, "last_epoch": pytest.approx(0.3), "max": 0.8}
+    assert s["cq"][0]["bw"]["last_epoch"] == pytest.approx(0.1)
+    assert compare.cq_of(recs[:2], "fw_cq") == {"first": None, "first_step": None, "last_epoch": None, "max": None}
+
+
 def test_a_stage_without_the_run_secret_refuses_to_start(tmp_path, monkeypatch, capsys):
     from zeroth.pipeline import stage
 
