@@ -3,9 +3,10 @@
 A :class:`LinkCodec` is an optax-like ``NamedTuple`` of pure functions plus a state:
 
 * ``init(n_examples, row_shape, path=None) -> state``
-* ``encode(state, x f32[B, *row_shape], ids int64[B], keys u32[B, 2]) -> (state, Encoded, x̂ f32[B, ...])``
-  (the sender; ``x̂`` is exactly what the receiver will decode, and what the sender must use too)
-* ``decode(state, Encoded, ids int64[B]) -> (state, x̂)`` (the receiver)
+* ``encode(state, x f32[B, *row_shape], ids int64[B], keys u32[B, 2] = None, full=False) -> (state, Encoded, x̂ f32[B, ...])``
+  (the sender; ``x̂`` is exactly what the receiver will decode, and what the sender must use too;
+  ``keys`` drive the stochastic rounding, unused by nearest rounding)
+* ``decode(state, Encoded, ids int64[B], full=False) -> (state, x̂)`` (the receiver)
 
 Codecs (:func:`make_codec`):
 
