@@ -98,6 +98,9 @@ def test_uncompressed_warm_up_is_fp32_then_aqsgd_logs_c_q_and_the_lr_warm_up_app
     for a, b in zip(warm[:2], ref[:2]):  # epoch 0: exactly the fp32 run
         assert a["digest"] == b["digest"] and a["loss"] == b["loss"] and a["payload_bytes"] == b["payload_bytes"]
         assert a["links"][0]["fw_cq"] is None and a["links"][0]["bw_cq"] is None
+    init = warm[0]["links"][0]  # at initialization the link's quantizer is measured on the tensors, not sent
+    assert 0 < init["fw_cq_init"] < CQ_LIMIT and 0 < init["bw_cq_init"] < 0.2
+    assert warm[1]["links"][0]["fw_cq_init"] is None and ref[0]["links"][0]["fw_cq_init"] is None
     for r in warm[2:]:  # epoch 1: 3-bit differences forward, 6-bit gradients back, c_Q measured
         lk = r["links"][0]
         assert r["payload_bytes"] < 0.4 * ref[2]["payload_bytes"]
@@ -193,9 +196,10 @@ def test_compare_settings_and_c_q_summary():
     recs = [rec(1, 0, None, None), rec(2, 0, None, None), rec(3, 1, 0.2, 0.1), rec(4, 1, 0.4, 0.1)]
     s = compare.summarize(recs, (1e8,))
     assert s["epoch_losses"] == [1.5, 3.5]
-    assert s["cq"][0]["fw"] == {"first": 0.2, "first_step": 3, "last_epoch": pytest.approx(0.3), "max": 0.8}
+    assert s["cq"][0]["fw"] == {"init": None, "first": 0.2, "first_step": 3, "last_epoch": pytest.approx(0.3), "max": 0.8}
     assert s["cq"][0]["bw"]["last_epoch"] == pytest.approx(0.1)
-    assert compare.cq_of(recs[:2], "fw_cq") == {"first": None, "first_step": None, "last_epoch": None, "max": None}
+    recs[0]["links"][0]["fw_cq_init"] = 0.5
+    assert compare.cq_of(recs[:2], "fw_cq") == {"init": 0.5, "first": None, "first_step": None, "last_epoch": None, "max": None}
 
 
 def test_a_stage_without_the_run_secret_refuses_to_start(tmp_path, monkeypatch, capsys):

@@ -71,17 +71,19 @@ def _mean(values) -> float | None:
 
 
 def cq_of(records: list[dict], key: str, link: int = 0) -> dict:
-    """``c_Q`` of one link and direction (``key``: ``fw_cq`` or ``bw_cq``) over a run: ``first``, the
+    """``c_Q`` of one link and direction (``key``: ``fw_cq`` or ``bw_cq``) over a run: ``init``, the
+    quantizer on the tensors of step 0 (logged as ``<key>_init``), ``first``, the
     mean of the first step that quantized anything (its step in ``first_step``), ``last_epoch``, the
     mean over the last epoch's steps, and ``max``, the largest per-example value of the run (None
     where nothing was quantized, or in records written before ``c_Q`` was logged)."""
+    init = records[0]["links"][link].get(key + "_init") if records else None
     vals = [(r["step"], r["epoch"], r["links"][link].get(key), r["links"][link].get(key + "_max")) for r in records]
     seen = [v for v in vals if v[2] is not None]
     if not seen:
-        return {"first": None, "first_step": None, "last_epoch": None, "max": None}
+        return {"init": init, "first": None, "first_step": None, "last_epoch": None, "max": None}
     last = max(v[1] for v in vals)
-    return {"first": seen[0][2], "first_step": seen[0][0], "last_epoch": _mean(v[2] for v in seen if v[1] == last),
-            "max": max(v[3] for v in seen)}
+    return {"init": init, "first": seen[0][2], "first_step": seen[0][0],
+            "last_epoch": _mean(v[2] for v in seen if v[1] == last), "max": max(v[3] for v in seen)}
 
 
 def summarize(records: list[dict], bandwidths: tuple[float, ...], latency_s: float = 0.0) -> dict:
@@ -167,8 +169,8 @@ def _fmt(v, spec=".3f") -> str:
 
 def _table(results: dict) -> str:
     """One line per setting: final loss, last epoch's mean loss and its gap to fp32's, ``c_Q`` of
-    link 0 (at init: DirectQ of the activations; forward and backward at the first quantized step
-    and over the last epoch), bytes and seconds per step."""
+    link 0 (forward and backward: at initialization | at the first quantized step -> over the last
+    epoch), bytes and seconds per step."""
     rows = []
     ref = results["settings"].get("fp32", {}).get("summary", {}).get("epoch_losses")
     for name, res in results["settings"].items():
@@ -179,8 +181,8 @@ def _table(results: dict) -> str:
         fw, bw = cq.get("fw", {}), cq.get("bw", {})
         emu = "  ".join(f"{float(k) / 1e6:>7g}Mb/s {v:7.3f}s" for k, v in s["emulated_s_per_step"].items())
         rows.append(f"{name:<22} loss {s['final_loss']:.4f}  last epoch {_fmt(last, '.4f')} ({_fmt(gap, '+.1%')} vs fp32)  "
-                    f"c_Q init {_fmt(res.get('cq_init'))} fw {_fmt(fw.get('first'))}->{_fmt(fw.get('last_epoch'))} "
-                    f"bw {_fmt(bw.get('first'))}->{_fmt(bw.get('last_epoch'))}  "
+                    f"c_Q fw {_fmt(fw.get('init', res.get('cq_init')))}|{_fmt(fw.get('first'))}->{_fmt(fw.get('last_epoch'))} "
+                    f"bw {_fmt(bw.get('init'))}|{_fmt(bw.get('first'))}->{_fmt(bw.get('last_epoch'))}  "
                     f"bytes/step/link {s['bytes_per_step_per_link'][0]:>10.0f}  "
                     f"measured {s['wall_s_per_step']:.3f}s/step  emulated {emu}")
     return "\n".join(rows)

@@ -27,8 +27,11 @@ as the seed's recipe sends its first epoch.
 quantizer's input: the activation for DirectQ, its change ``a − m[ξ]`` for AQ-SGD, the
 gradient backward) is collected for the links this stage sends on; :meth:`StageEngine.finish_step`
 leaves the step's mean and maximum in ``last_cq`` (``fw_cq``, ``fw_cq_max`` for link ``index``,
-``bw_cq``, ``bw_cq_max`` for link ``index − 1``; None where nothing was quantized). The seed's
-theorem needs ``c_Q < 1/√2`` (:data:`CQ_LIMIT`).
+``bw_cq``, ``bw_cq_max`` for link ``index − 1``; None where nothing was quantized). At
+initialization (step 0), where the warm-up or AQ-SGD's first sight sends float32, the link's
+quantizer is also applied to the activations and gradients themselves without sending the result:
+``fw_cq_init`` and ``bw_cq_init`` (step 0 only, else None). The seed's theorem needs
+``c_Q < 1/√2`` (:data:`CQ_LIMIT`).
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ class StageEngine:
         self.codecs, self.run_seed, self.run_id = codecs, run_seed, run_id
         self.row_shape, self.micro_batches = tuple(row_shape), micro_batches
         self.full_steps = int(full_steps)
-        self.last_cq = {"fw_cq": None, "fw_cq_max": None, "bw_cq": None, "bw_cq_max": None}
+        self.last_cq = {f"{d}_cq{k}": None for d in ("fw", "bw") for k in ("", "_max", "_init")}
         self.params = jax.tree_util.tree_map(jnp.asarray, params)
         self.optimizer = optimizer
         with jax.numpy_dtype_promotion("standard"):
@@ -141,6 +144,7 @@ class StageEngine:
         self.losses: list[float] = []
         self.times = {"compute_s": 0.0, "codec_s": 0.0}
         self.cq: dict[str, list] = {"fw": [], "bw": []}
+        self.cq_init: dict[str, list] = {"fw": [], "bw": []}
 
     # ------------------------------------------------------------------ helpers
 
@@ -151,6 +155,9 @@ class StageEngine:
     def _encode(self, codec: C.LinkCodec, direction: str, state, x, ids, keys):
         """Encode through ``codec`` (in float32 during the warm-up) and collect the message's ``c_Q``."""
         full = self.warm()
+        if self.step == 0 and codec.bits:  # c_Q at initialization: the quantizer on the tensor itself, not sent
+            probe = C.directq(codec.bits, codec.axis, codec.rounding).encode(None, x, ids, keys)[2]
+            self.cq_init[direction].append(C.relative_errors(x, probe - x))
         mask, v = C.quantizer_input(codec, state, x, ids, full)
         state, enc, xhat = codec.encode(state, x, ids, keys, full=full)
         if mask.any():
@@ -251,6 +258,7 @@ class StageEngine:
         cq = {}
         for d in ("fw", "bw"):
             cq[f"{d}_cq"], cq[f"{d}_cq_max"] = cq_summary(self.cq[d])
+            cq[f"{d}_cq_init"] = cq_summary(self.cq_init[d])[0]
         self.last_cq = cq
         self.step += 1
         self._reset()

@@ -164,8 +164,8 @@ def stage_record(index: int, step: int, *, loss: float | None, lr: float, sent: 
     of this stage's parameters. The rest: frames and bytes per direction, seconds in compute,
     codecs, waiting and the token bucket (``times`` also carries ``c_Q`` of what the stage sent:
     ``fw_cq``, ``fw_cq_max``, ``bw_cq``, ``bw_cq_max``, the step's mean and maximum relative
-    quantization error per example, None where nothing was quantized), the AQ-SGD buffers'
-    digests and size.
+    quantization error per example, None where nothing was quantized, and ``fw_cq_init``,
+    ``bw_cq_init`` at step 0, :mod:`zeroth.pipeline.engine`), the AQ-SGD buffers' digests and size.
     """
     return {"kind": "train", "step": step, "time_unix_s": time.time(), "wall_time_s": wall_time_s, "digest": digest,
             "forward_passes": step, "backward_passes": step, "payload_bytes_total": payload_bytes_total,
