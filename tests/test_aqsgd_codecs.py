@@ -130,6 +130,8 @@ def test_nearest_rounding_is_deterministic_and_needs_no_keys():
     assert not np.array_equal(stoch, xhat)
     with pytest.raises(ValueError, match="rounding must be one of"):
         C.directq(3, rounding="up")
+    with pytest.raises(ValueError, match="stochastic rounding needs the examples' keys"):
+        C.directq(3).encode(None, x, ids)
     with pytest.raises(ValueError, match=r"quantizer bits must be an integer in \[2, 8\]"):
         C.directq(1)
 

@@ -366,6 +366,8 @@ def _quantize_examples(x: np.ndarray, bits: int, keys, axis: str, rounding: str)
     rows = _to_rows(x, axis)
     u = None
     if rounding == "stochastic":
+        if keys is None:
+            raise ValueError("stochastic rounding needs the examples' keys (example_keys); pass keys or use rounding='nearest'")
         per = int(np.prod(x.shape[1:], dtype=np.int64))
         u = uniforms(keys, per).reshape(rows.shape)
     q, s = quantize_rows(rows, bits, u)
