@@ -11,6 +11,7 @@ import pytest
 from zeroth import models
 from zeroth.config import load_config_dict
 from zeroth.pipeline import sim
+from zeroth.pipeline.engine import CQ_LIMIT
 from zeroth.replay import checksum
 from zeroth.stages import examples as pdata
 from zeroth.stages import partition
@@ -82,6 +83,34 @@ def test_in_process_aqsgd_buffers_agree_every_step_and_rerun_is_bit_identical():
     assert engines[0].buffer_nbytes() == 8 * 8 * 16 * 4 + 8
 
 
+def test_uncompressed_warm_up_is_fp32_then_aqsgd_logs_c_q_and_the_lr_warm_up_applies():
+    """pipeline.full_epochs=1: epoch 0 sends float32 (the same bytes and parameters as an fp32 run);
+    epoch 1 sends AQ-SGD differences and logs c_Q per link and direction. train.schedule's warm-up
+    sets each step's rate (logged as lr), in the stages as in the single-process reference."""
+    sched = {"schedule": {"name": "constant", "warmup_steps": 2, "init_ratio": 0.1}}
+    raw = _raw(compression="aqsgd", fw_bits=3, bw_bits=6, full_epochs=1)
+    raw["train"] = {**raw["train"], **sched}
+    warm, _ = sim.run_local(load_config_dict(raw))
+    fp = _raw(compression="fp32")
+    fp["train"] = {**fp["train"], **sched}
+    ref, _ = sim.run_local(load_config_dict(fp))
+    assert [r["lr"] for r in warm] == pytest.approx([1e-3, 5.5e-3, 1e-2, 1e-2])
+    for a, b in zip(warm[:2], ref[:2]):  # epoch 0: exactly the fp32 run
+        assert a["digest"] == b["digest"] and a["loss"] == b["loss"] and a["payload_bytes"] == b["payload_bytes"]
+        assert a["links"][0]["fw_cq"] is None and a["links"][0]["bw_cq"] is None
+    init = warm[0]["links"][0]  # at initialization the link's quantizer is measured on the tensors, not sent
+    assert 0 < init["fw_cq_init"] < CQ_LIMIT and 0 < init["bw_cq_init"] < 0.2
+    assert warm[1]["links"][0]["fw_cq_init"] is None and ref[0]["links"][0]["fw_cq_init"] is None
+    for r in warm[2:]:  # epoch 1: 3-bit differences forward, 6-bit gradients back, c_Q measured
+        lk = r["links"][0]
+        assert r["payload_bytes"] < 0.4 * ref[2]["payload_bytes"]
+        assert 0 < lk["fw_cq"] <= lk["fw_cq_max"] < CQ_LIMIT and 0 < lk["bw_cq"] <= lk["bw_cq_max"] < 0.2
+    losses, _ = sim.reference_run(load_config_dict(fp), 4)
+    np.testing.assert_allclose([r["loss"] for r in ref], losses, rtol=2e-5)
+    const, _ = sim.reference_run(load_config_dict(_raw(compression="fp32")), 4)
+    assert abs(const[1] - losses[1]) > 1e-4  # the warm-up changed the updates
+
+
 def test_emulated_seconds_add_transfer_time_to_compute():
     rec = {"stages": [{"compute_s": 1.0, "codec_s": 0.5}, {"compute_s": 2.0, "codec_s": 0.0}],
            "links": [{"fw_bytes": 1_000_000, "bw_bytes": 250_000, "fw_frames": 2, "bw_frames": 2}]}
@@ -97,6 +126,9 @@ def test_emulated_seconds_add_transfer_time_to_compute():
         ({"pipeline": {"examples": 10}}, "data.batch_size=4 must divide 10"),
         ({"pipeline": {"compression": "topk"}}, "pipeline.compression"),
         ({"pipeline": {"fw_bits": 9}}, "pipeline.fw_bits"),
+        ({"pipeline": {"bw_bits": 1}}, "pipeline.bw_bits"),
+        ({"pipeline": {"rounding": "up"}}, "pipeline.rounding"),
+        ({"pipeline": {"compression": "aqsgd", "full_epochs": 2}}, r"full_epochs: 2 epoch\(s\) of uncompressed warm-up \(4 steps\) cover all train.steps=4"),
         ({"pipeline": {"objective": "classify"}}, "trains on 'sentiment', got 'sotu'"),
         ({"train": {"method": "zo"}}, "needs train.method='backprop'"),
         ({"model": {"name": "mlp"}}, "cannot be split into stages"),
@@ -142,6 +174,32 @@ def test_results_written_before_the_metrics_schema_read_as_schema_rows(tmp_path)
     rec = compare.load_results(tmp_path / "r.json")["settings"]["fp32"]["records"][0]
     assert rec == {"kind": "train", "step": 1, "epoch": 0, "loss": 2.5, "step_time_s": 0.75, "links": [], "stages": []}
     assert compare.upgrade_record(rec) is rec  # a schema row is left as it is
+
+
+def test_compare_settings_and_c_q_summary():
+    from zeroth.pipeline import compare
+
+    assert compare.parse_setting("aqsgd:3:6") == ("aqsgd", 3, 6, None, None)
+    assert compare.parse_setting("directq:2:4:nearest:row") == ("directq", 2, 4, "row", "nearest")
+    assert compare.setting_name("aqsgd:4:8:row:nearest") == "aqsgd fw4/bw8 row nearest"
+    for bad in ("aqsgd:2", "aqsgd:2:4:row:row", "aqsgd:2:4:diagonal", "topk:2:4"):
+        with pytest.raises(ValueError, match="expected fp32, directq:FW:BW"):
+            compare.parse_setting(bad)
+    cfg = compare.apply_setting(load_config_dict(_raw()), "aqsgd:3:6:row:nearest")
+    assert (cfg.pipeline.compression, cfg.pipeline.fw_bits, cfg.pipeline.scale_axis, cfg.pipeline.rounding) == ("aqsgd", 3, "row", "nearest")
+
+    def rec(step, epoch, fw, bw):
+        lk = {"fw_bytes": 1, "bw_bytes": 1, "fw_frames": 1, "bw_frames": 1, "fw_cq": fw, "fw_cq_max": fw and 2 * fw,
+              "bw_cq": bw, "bw_cq_max": bw}
+        return {"step": step, "epoch": epoch, "loss": float(step), "links": [lk], "stages": [], "step_time_s": 0.1}
+
+    recs = [rec(1, 0, None, None), rec(2, 0, None, None), rec(3, 1, 0.2, 0.1), rec(4, 1, 0.4, 0.1)]
+    s = compare.summarize(recs, (1e8,))
+    assert s["epoch_losses"] == [1.5, 3.5]
+    assert s["cq"][0]["fw"] == {"init": None, "first": 0.2, "first_step": 3, "last_epoch": pytest.approx(0.3), "max": 0.8}
+    assert s["cq"][0]["bw"]["last_epoch"] == pytest.approx(0.1)
+    recs[0]["links"][0]["fw_cq_init"] = 0.5
+    assert compare.cq_of(recs[:2], "fw_cq") == {"init": 0.5, "first": None, "first_step": None, "last_epoch": None, "max": None}
 
 
 def test_a_stage_without_the_run_secret_refuses_to_start(tmp_path, monkeypatch, capsys):

@@ -73,13 +73,35 @@ def test_malformed_or_out_of_order_frames_are_refused(mutate, code, message):
 
 
 def test_quantized_payload_sizes_are_checked():
-    codec = C.directq(2)
+    codec = C.directq(2)  # channel scales: 4 per example of shape (3, 4)
     f = _frame(codec)
     wire.check_frame(f, _expected())
-    assert len(f.packed) == (24 * 2 + 7) // 8 and len(f.scales) == 4 * 6
+    assert len(f.packed) == (24 * 2 + 7) // 8 and len(f.scales) == 4 * 8 and f.quantizer == "zero-level/channel"
     f.scales = f.scales[:-4]
-    with pytest.raises(wire.FrameError, match="scales holds 20 bytes"):
+    with pytest.raises(wire.FrameError, match="scales holds 28 bytes"):
         wire.check_frame(f, _expected())
+    row = _frame(C.directq(2, "row"))  # 3 scales per example
+    wire.check_frame(row, _expected()._replace(axis="row"))
+    assert len(row.scales) == 4 * 6
+
+
+def test_a_frame_of_another_quantizer_or_a_warm_up_frame_is_refused_where_not_expected():
+    f = _frame(C.directq(2, "row"))
+    with pytest.raises(wire.FrameError, match="quantizer 'zero-level/row'; this link expects 'zero-level/channel'") as e:
+        wire.check_frame(f, _expected())  # another grid or axis than the link's: refused before decoding
+    assert e.value.code == "INVALID_ARGUMENT"
+    f.quantizer = ""  # a frame of a build before the zero-level grid
+    with pytest.raises(wire.FrameError, match="quantizer ''"):
+        wire.check_frame(f, _expected()._replace(axis="row"))
+    x = np.arange(24, dtype=np.float32).reshape(2, *ROW)
+    _, enc, _ = C.aqsgd(2).encode(C.aqsgd(2).init(8, ROW), x, IDS, full=True)  # the uncompressed warm-up
+    warm = wire.to_frame(enc, run_id="run-a", link=0, kind="activation", step=2, micro_batch=1, ids=IDS)
+    wire.check_frame(warm, _expected(bits=0))
+    assert warm.bits == 0 and warm.quantizer == "" and warm.packed == b"" and len(warm.full) == 4 * 24
+    with pytest.raises(wire.FrameError, match="bits 0; this link's codec uses 2"):
+        wire.check_frame(warm, _expected())
+    back, _ = wire.from_frame(pb.TensorFrame.FromString(warm.SerializeToString()))
+    np.testing.assert_array_equal(C.aqsgd(2).decode(C.aqsgd(2).init(8, ROW), back, IDS, full=True)[1], x)
 
 
 def test_token_bucket_waits_for_the_bytes_beyond_the_burst():

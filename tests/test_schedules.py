@@ -171,12 +171,12 @@ def test_config_errors_name_the_field(schedule, message):
 
 
 def test_a_schedule_is_refused_where_nothing_applies_it():
-    with pytest.raises(ValueError, match="config field train.schedule: 'cosine' .* not applied by pipeline runs"):
-        load_config_dict({
-            "data": {"dataset": "sotu", "batch_size": 4}, "model": {"name": "transformer"},
-            "train": {"method": "backprop", "schedule": {"name": "cosine", "decay_steps": 10}},
-            "pipeline": {"examples": 8},
-        })
+    raw = {"data": {"dataset": "sotu", "batch_size": 4}, "model": {"name": "transformer"},
+           "train": {"method": "backprop", "schedule": {"name": "cosine", "decay_steps": 10}}}
+    with pytest.raises(ValueError, match="config field train.schedule: 'cosine' .* not applied by ravnest runs"):
+        load_config_dict({**raw, "ravnest": {}})
+    cfg = load_config_dict({**raw, "pipeline": {"examples": 8}})  # pipeline stages apply it (zeroth.pipeline.build)
+    assert cfg.train.schedule.name == "cosine"
 
 
 # --------------------------------------------------------------------------- the trainer

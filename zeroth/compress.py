@@ -3,25 +3,38 @@
 A :class:`LinkCodec` is an optax-like ``NamedTuple`` of pure functions plus a state:
 
 * ``init(n_examples, row_shape, path=None) -> state``
-* ``encode(state, x f32[B, *row_shape], ids int64[B], keys u32[B, 2]) -> (state, Encoded, x̂ f32[B, ...])``
-  (the sender; ``x̂`` is exactly what the receiver will decode, and what the sender must use too)
-* ``decode(state, Encoded, ids int64[B]) -> (state, x̂)`` (the receiver)
+* ``encode(state, x f32[B, *row_shape], ids int64[B], keys u32[B, 2] = None, full=False) -> (state, Encoded, x̂ f32[B, ...])``
+  (the sender; ``x̂`` is exactly what the receiver will decode, and what the sender must use too;
+  ``keys`` drive the stochastic rounding, unused by nearest rounding)
+* ``decode(state, Encoded, ids int64[B], full=False) -> (state, x̂)`` (the receiver)
 
 Codecs (:func:`make_codec`):
 
 * ``fp32``: little-endian float32, lossless (``Encoded.bits = 0``).
-* ``directq(bits, axis="row")``: stochastic uniform quantization of every *row* (a vector along
-  the last axis, one per token) to ``2^b`` levels over ``[-s, s]``, ``s = max|row|`` (one float32
-  scale per row; ``axis="channel"``: the rows are the channels of one example across its tokens,
-  one scale per channel, which isolates the few outlier channels of a language model):
-  ``v = (x/s + 1) · L/2`` with ``L = 2^b − 1``, ``q = min(floor(v + u), L)``, ``u ∈ [0, 1)``,
-  ``x̂ = (2q − L) · s / L``. Since ``E[floor(v + u)] = v`` the quantizer is unbiased, and
-  ``|x̂ − x| ≤ 2s/L`` (one level) up to float rounding.
-* ``aqsgd(bits)``: the seed's algorithm on one link. Both ends hold a buffer ``m[ξ]`` per training
-  example. The first time example ξ passes, its activation goes in float32 and both ends set
-  ``m[ξ] = a``; afterwards the sender transmits ``Q(a − m[ξ])`` (DirectQ of the difference) and both
-  ends set ``m[ξ] ← m[ξ] + Q(a − m[ξ])``; the receiver uses ``m[ξ]`` as the activation. Backward
-  gradients are not buffered: a pipeline pairs ``aqsgd`` forward with ``directq`` backward.
+* ``directq(bits, axis="channel", rounding="stochastic")``: every value quantized to the
+  *zero-level grid* of ``b`` bits (:func:`quantize_rows`): levels ``q ∈ [−2^(b−1), 2^(b−1) − 1]``
+  decoding to ``x̂ = q · s / 2^(b−1)``, so zero is a level (``Q(0) = 0``: the mostly near-zero
+  deltas of AQ-SGD stay near zero). One float32 scale ``s`` per *channel* (the last axis's
+  feature, across the example's tokens: isolates the few outlier channels of a language model),
+  or with ``axis="row"`` per row (a vector along the last axis, one per token). ``s`` is chosen
+  so that no value clips (the row's extremes map to levels that exist), so the stochastic
+  rounding ``q = floor(v + u)``, ``u ∈ [0, 1)``, is unbiased, ``E[x̂] = x``, with
+  ``|x̂ − x| <`` one level; ``rounding="nearest"`` rounds to the nearest level (deterministic,
+  biased, within half a level). Bits ``b ∈ [2, 8]``.
+* ``aqsgd(bits, axis, rounding)``: the seed's algorithm on one link. Both ends hold a buffer
+  ``m[ξ]`` per training example. The first time example ξ passes, its activation goes in float32
+  and both ends set ``m[ξ] = a``; afterwards the sender transmits ``Q(a − m[ξ])`` (DirectQ of the
+  difference) and both ends set ``m[ξ] ← m[ξ] + Q(a − m[ξ])``; the receiver uses ``m[ξ]`` as the
+  activation. Backward gradients are not buffered: a pipeline pairs ``aqsgd`` forward with
+  ``directq`` backward.
+
+Every codec's ``encode`` and ``decode`` take ``full=True`` for the uncompressed warm-up (the
+seed's recipe: the first epoch in full precision): every example goes in float32
+(``Encoded.bits = 0``) and the AQ-SGD buffers take the activation, ``m[ξ] = a``.
+
+The seed's theorem asks for ``E‖x − Q(x)‖ ≤ c_Q‖x‖`` with ``c_Q < 1/√2``:
+:func:`quantizer_input` and :func:`relative_errors` measure ``c_Q`` on every message a codec
+sends (the pipeline logs it per link and direction).
 
 The uniforms ``u`` come from zeroth's counter-based keys: row-major element ``k`` of example ``ξ``
 uses the top 24 bits of word ``k`` of ``noise_words(key_ξ)``, ``u = (w >> 8) · 2^−24`` (exact in
@@ -30,15 +43,18 @@ the fold_in chain of :func:`zeroth.rng.sample_keys`. Integer ops and IEEE float3
 NumPy only, so a rerun repeats every bit.
 
 Wire format (:class:`Encoded`): ``full`` holds the float32 rows of the examples sent in full
-precision, ``packed`` the levels of the others, ``b`` bits per value packed little-endian into
-bytes (:func:`pack_bits`), ``scales`` their float32 row scales. :attr:`Encoded.nbytes` counts them.
+precision, ``packed`` the levels of the others as the unsigned codes ``q + 2^(b−1)``, ``b`` bits
+per value packed little-endian into bytes (:func:`pack_bits`), ``scales`` their float32 scales
+(one per channel or per row of each example; a scale may be negative, see :func:`quantize_rows`),
+``quantizer`` the grid and scale axis they belong to (``zero-level/channel`` or ``zero-level/row``;
+a receiver refuses any other). :attr:`Encoded.nbytes` counts the payload.
 
 AQ-SGD buffers live in host memory (``np.ndarray``) or in a ``np.memmap`` file (``path``);
 :func:`buffer_digest` is their SHA-256 (both ends of a link must agree), :func:`save_buffers` /
 :func:`load_buffers` checkpoint them.
 
 Example:
-  >>> c = make_codec("aqsgd", bits=2)
+  >>> c = make_codec("aqsgd", bits=2)  # zero-level grid, channel scales, stochastic rounding
   >>> s_send, s_recv = c.init(4, (3,)), c.init(4, (3,))
   >>> x = np.arange(6, dtype=np.float32).reshape(2, 3); ids = np.array([0, 2])
   >>> keys = example_keys(0, link=0, direction=0, step=0, ids=ids)
@@ -63,7 +79,10 @@ from zeroth import rng as _rng
 
 __all__ = [
     "CODEC_NAMES",
+    "GRID",
     "MAX_BITS",
+    "MIN_QUANT_BITS",
+    "ROUNDINGS",
     "SCALE_AXES",
     "CodecMismatch",
     "DeltaState",
@@ -72,14 +91,19 @@ __all__ = [
     "aqsgd",
     "buffer_digest",
     "buffer_nbytes",
+    "codes_to_levels",
     "dequantize_rows",
     "directq",
     "example_keys",
     "fp32",
+    "levels_to_codes",
     "load_buffers",
     "make_codec",
     "pack_bits",
     "quantize_rows",
+    "quantizer_id",
+    "quantizer_input",
+    "relative_errors",
     "save_buffers",
     "scales_per_example",
     "uniforms",
@@ -87,7 +111,10 @@ __all__ = [
 ]
 
 CODEC_NAMES = ("fp32", "directq", "aqsgd")
-SCALE_AXES = ("row", "channel")
+SCALE_AXES = ("channel", "row")  # the default first
+ROUNDINGS = ("stochastic", "nearest")  # the default first
+GRID = "zero-level"
+MIN_QUANT_BITS = 2
 MAX_BITS = 8
 _U_SCALE = np.float32(2.0**-24)
 _UNIFORM_WORDS = 1 << 18  # words per threefry call of :func:`uniforms` (its temporaries: a few MB)
@@ -107,6 +134,8 @@ class Encoded(NamedTuple):
       full: float32 little-endian rows of the fresh examples, in order.
       packed: the levels of the other examples, ``bits`` per value (:func:`pack_bits`).
       scales: float32 little-endian scale of every row of the other examples.
+      quantizer: the grid and scale axis of ``packed`` and ``scales`` (:func:`quantizer_id`);
+        ``""`` in a float32 message (``bits = 0``).
     """
 
     shape: tuple[int, ...]
@@ -115,6 +144,7 @@ class Encoded(NamedTuple):
     full: bytes
     packed: bytes
     scales: bytes
+    quantizer: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -143,7 +173,8 @@ class LinkCodec(NamedTuple):
     init: Callable[..., Any]
     encode: Callable[..., tuple[Any, Encoded, np.ndarray]]
     decode: Callable[..., tuple[Any, np.ndarray]]
-    axis: str = "row"
+    axis: str = "channel"
+    rounding: str = "stochastic"
 
 
 # --------------------------------------------------------------------------- keys and uniforms
@@ -184,29 +215,89 @@ def _check_bits(bits: int) -> int:
     return int(bits)
 
 
-def quantize_rows(x: np.ndarray, bits: int, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Stochastic uniform quantization of each row of ``x: f32[R, C]`` with uniforms ``u: f32[R, C]``.
+def _check_quant_bits(bits: int) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not MIN_QUANT_BITS <= bits <= MAX_BITS:
+        raise ValueError(f"quantizer bits must be an integer in [{MIN_QUANT_BITS}, {MAX_BITS}] (the zero-level grid "
+                         f"needs a negative, a zero and a positive level), got {bits!r}")
+    return int(bits)
 
-    Returns ``(q uint8[R, C] in [0, 2^b − 1], s f32[R])`` with ``s = max|row|``;
-    ``q = min(floor((x/s + 1)·L/2 + u), L)`` (``q = floor(L/2 + u)`` for an all-zero row).
+
+def _check_rounding(rounding: str) -> str:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {list(ROUNDINGS)}, got {rounding!r}")
+    return rounding
+
+
+def quantize_rows(x: np.ndarray, bits: int, u: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize each row of ``x: f32[R, C]`` to the zero-level grid: ``(q int8[R, C], s f32[R])``.
+
+    ``q ∈ [−h, h − 1]`` with ``h = 2^(b−1)``; the row decodes to ``x̂ = q · s / h``
+    (:func:`dequantize_rows`), so zero is a level and ``Q(0) = 0`` exactly. With uniforms
+    ``u: f32[R, C]`` in ``[0, 1)`` the rounding is stochastic, ``q = floor(v + u)``; with
+    ``u = None`` it is to the nearest level, ``q = floor(v + ½)``; ``v = x · h / s``.
+
+    The scale is chosen so that no value clips: with ``p = max(x, 0)`` and ``n = max(−x, 0)`` over
+    the row, the level spacing is ``Δ = min(max(n/h, p/(h−1)), max(p/h, n/(h−1)))``, and
+    ``s = +Δ·h`` when the first term is taken (the negatives may use the extra level ``−h``),
+    ``s = −Δ·h`` otherwise (the row is mirrored: the positives use it). Every ``v`` then lies in
+    ``[−h, h − 1]``, the stochastic rounding never leaves the grid and
+    ``E[x̂] = x`` (up to float32 rounding of ``v``, which is clamped into that interval, and the
+    ``2^−24`` resolution of ``u``); ``|x̂ − x| < Δ``. Nearest rounding is biased (``|x̂ − x| ≤ Δ/2``).
+    ``h`` is a power of two, so ``s / h = ±Δ`` exactly. An all-zero row has ``s = 0`` and ``q = 0``.
+
+    Raises:
+      ValueError: bits outside ``[2, 8]``, or values so large that the scale overflows float32.
     """
-    bits = _check_bits(bits)
+    bits = _check_quant_bits(bits)
     x = np.asarray(x, np.float32)
-    levels = np.float32((1 << bits) - 1)
-    s = np.max(np.abs(x), axis=1) if x.size else np.zeros(x.shape[0], np.float32)
-    safe = np.where(s > 0, s, np.float32(1.0)).astype(np.float32)
-    v = (x / safe[:, None] + np.float32(1.0)) * (levels * np.float32(0.5))
-    q = np.floor(v + np.asarray(u, np.float32))
-    q = np.clip(q, 0, levels)
-    return q.astype(np.uint8), s.astype(np.float32)
+    h = np.float32(1 << (bits - 1))
+    if x.size:
+        p = np.max(np.maximum(x, np.float32(0.0)), axis=1)
+        n = np.max(np.maximum(-x, np.float32(0.0)), axis=1)
+    else:
+        p = n = np.zeros(x.shape[0], np.float32)
+    d_up = np.maximum(n / h, p / (h - np.float32(1.0)))
+    d_mirror = np.maximum(p / h, n / (h - np.float32(1.0)))
+    mirror = d_mirror < d_up
+    delta = np.where(mirror, d_mirror, d_up).astype(np.float32)
+    s = (np.where(mirror, -delta, delta) * h).astype(np.float32)
+    if not np.all(np.isfinite(s)):
+        raise ValueError(f"values up to {float(np.max(np.maximum(p, n))):g} overflow the float32 scale of the {bits}-bit grid")
+    step = np.where(delta > 0, s / h, np.float32(1.0)).astype(np.float32)
+    v = np.clip(x / step[:, None], -h, h - np.float32(1.0))
+    r = np.float32(0.5) if u is None else np.asarray(u, np.float32)
+    q = np.clip(np.floor(v + r), -h, h - np.float32(1.0))
+    return q.astype(np.int8), s
 
 
 def dequantize_rows(q: np.ndarray, s: np.ndarray, bits: int) -> np.ndarray:
-    """``f32[R, C]``: ``(2q − L) · s / L`` (zero where ``s = 0``)."""
-    bits = _check_bits(bits)
-    levels = (1 << bits) - 1
-    k = (2 * q.astype(np.int32) - levels).astype(np.float32)
-    return (k * np.asarray(s, np.float32)[:, None]) / np.float32(levels)
+    """``f32[R, C]``: ``q · s / h`` with ``h = 2^(b−1)`` (zero where ``q = 0`` or ``s = 0``)."""
+    bits = _check_quant_bits(bits)
+    h = np.float32(1 << (bits - 1))
+    return (q.astype(np.float32) * np.asarray(s, np.float32)[:, None]) / h
+
+
+def levels_to_codes(q: np.ndarray, bits: int) -> np.ndarray:
+    """Signed levels ``q ∈ [−h, h − 1]`` as the unsigned codes packed on the wire: ``q + h`` (uint8)."""
+    return (np.asarray(q, np.int16) + (1 << (bits - 1))).astype(np.uint8)
+
+
+def codes_to_levels(c: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of :func:`levels_to_codes`: ``int8`` levels."""
+    return (np.asarray(c, np.int16) - (1 << (bits - 1))).astype(np.int8)
+
+
+def relative_errors(x: np.ndarray, err: np.ndarray) -> np.ndarray:
+    """``f64[b]``: ``‖err_i‖ / ‖x_i‖`` per example ``i`` (Frobenius norms over the example's values):
+    the quantizer's relative error ``c_Q`` when ``x`` is its input and ``err = Q(x) − x``.
+
+    An example with ``x_i = 0`` counts 0 when its error is 0 (the zero-level grid maps 0 to 0), inf otherwise.
+    """
+    b = x.shape[0]
+    nx = np.linalg.norm(np.asarray(x, np.float64).reshape(b, -1), axis=1)
+    ne = np.linalg.norm(np.asarray(err, np.float64).reshape(b, -1), axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(nx > 0, ne / np.where(nx > 0, nx, 1.0), np.where(ne > 0, np.inf, 0.0))
 
 
 def pack_bits(q: np.ndarray, bits: int) -> bytes:
@@ -265,14 +356,23 @@ def scales_per_example(row_shape: tuple[int, ...], axis: str) -> int:
     return d if axis == "channel" else per // d
 
 
-def _quantize_examples(x: np.ndarray, bits: int, keys: np.ndarray, axis: str) -> tuple[bytes, bytes, np.ndarray]:
-    """Quantize examples ``x: f32[b, *row]`` (keys ``u32[b, 2]``): ``(packed, scales, x̂)``."""
+def quantizer_id(axis: str) -> str:
+    """The name a frame carries for the grid and scale axis of its quantized values: ``zero-level/<axis>``."""
+    return f"{GRID}/{_check_axis(axis)}"
+
+
+def _quantize_examples(x: np.ndarray, bits: int, keys, axis: str, rounding: str) -> tuple[bytes, bytes, np.ndarray]:
+    """Quantize examples ``x: f32[b, *row]`` (keys ``u32[b, 2]``, unused by nearest rounding): ``(packed, scales, x̂)``."""
     rows = _to_rows(x, axis)
-    per = int(np.prod(x.shape[1:], dtype=np.int64))
-    u = uniforms(keys, per).reshape(rows.shape)
+    u = None
+    if rounding == "stochastic":
+        if keys is None:
+            raise ValueError("stochastic rounding needs the examples' keys (example_keys); pass keys or use rounding='nearest'")
+        per = int(np.prod(x.shape[1:], dtype=np.int64))
+        u = uniforms(keys, per).reshape(rows.shape)
     q, s = quantize_rows(rows, bits, u)
     xhat = _from_rows(dequantize_rows(q, s, bits), x.shape, axis)
-    return pack_bits(q, bits), s.astype("<f4").tobytes(), xhat
+    return pack_bits(levels_to_codes(q, bits), bits), s.astype("<f4").tobytes(), xhat
 
 
 def _dequantize_examples(enc: Encoded, shape: tuple[int, ...], axis: str) -> np.ndarray:
@@ -282,11 +382,12 @@ def _dequantize_examples(enc: Encoded, shape: tuple[int, ...], axis: str) -> np.
     if len(enc.scales) != 4 * n_rows:
         raise CodecMismatch(f"{shape[0]} quantized examples of shape {shape[1:]} need {4 * n_rows} scale bytes, got {len(enc.scales)}")
     try:
-        q = unpack_bits(enc.packed, enc.bits, n)
+        c = unpack_bits(enc.packed, enc.bits, n)
     except ValueError as e:
         raise CodecMismatch(str(e)) from None
     s = np.frombuffer(enc.scales, "<f4").astype(np.float32)
-    return _from_rows(dequantize_rows(q.reshape(n_rows, -1), s, enc.bits), shape, axis)
+    q = codes_to_levels(c, enc.bits).reshape(n_rows, -1)
+    return _from_rows(dequantize_rows(q, s, enc.bits), shape, axis)
 
 
 def _full_rows(enc: Encoded, shape: tuple[int, ...]) -> np.ndarray:
@@ -306,16 +407,32 @@ def _as_batch(x, ids) -> tuple[np.ndarray, np.ndarray]:
     return x, ids
 
 
-def _check_shape(enc: Encoded, ids: np.ndarray, bits: int) -> tuple[int, ...]:
+def _check_shape(enc: Encoded, ids: np.ndarray, bits: int, quantizer: str = "") -> tuple[int, ...]:
     shape = tuple(int(d) for d in enc.shape)
     if not shape or shape[0] != ids.shape[0]:
         raise CodecMismatch(f"message shape {shape} does not hold one row per example id ({ids.shape[0]} ids)")
     if enc.bits != bits:
         raise CodecMismatch(f"message quantized to {enc.bits} bits; this link's codec uses {bits}")
+    if enc.quantizer != quantizer:
+        raise CodecMismatch(f"message quantized on grid {enc.quantizer!r}; this link's codec uses {quantizer!r}")
     fresh = np.asarray(enc.fresh, bool).reshape(-1)
     if fresh.shape[0] != shape[0]:
         raise CodecMismatch(f"message has {fresh.shape[0]} first-sight flags for {shape[0]} examples")
     return shape
+
+
+def _full_message(x: np.ndarray) -> Encoded:
+    """Every example in float32 (``bits = 0``): the fp32 codec, and any codec's uncompressed warm-up."""
+    return Encoded(x.shape, 0, np.ones(x.shape[0], bool), x.astype("<f4").tobytes(), b"", b"")
+
+
+def _decode_full(enc: Encoded, ids: np.ndarray, what: str) -> np.ndarray:
+    if enc.bits != 0:
+        raise CodecMismatch(f"message quantized to {enc.bits} bits; {what} carries every example in full precision")
+    shape = _check_shape(enc, ids, 0)
+    if not np.all(enc.fresh) or enc.packed or enc.scales:
+        raise CodecMismatch(f"{what} carries every example in full precision")
+    return _full_rows(enc, shape)
 
 
 # --------------------------------------------------------------------------- codecs
@@ -327,17 +444,13 @@ def fp32() -> LinkCodec:
     def init(n_examples: int = 0, row_shape: tuple = (), path=None):
         return None
 
-    def encode(state, x, ids, keys=None):
+    def encode(state, x, ids, keys=None, full: bool = False):
         x, ids = _as_batch(x, ids)
-        enc = Encoded(x.shape, 0, np.ones(x.shape[0], bool), x.astype("<f4").tobytes(), b"", b"")
-        return state, enc, x.copy()
+        return state, _full_message(x), x.copy()
 
-    def decode(state, enc: Encoded, ids):
+    def decode(state, enc: Encoded, ids, full: bool = False):
         ids = np.asarray(ids, np.int64).reshape(-1)
-        shape = _check_shape(enc, ids, 0)
-        if not np.all(enc.fresh) or enc.packed or enc.scales:
-            raise CodecMismatch("an fp32 link carries every example in full precision")
-        return state, _full_rows(enc, shape)
+        return state, _decode_full(enc, ids, "an fp32 link")
 
     return LinkCodec("fp32", 0, init, encode, decode)
 
@@ -348,26 +461,34 @@ def _check_axis(axis: str) -> str:
     return axis
 
 
-def directq(bits: int, axis: str = "row") -> LinkCodec:
-    """Direct stochastic quantization to ``bits`` bits with one scale per row (or per channel; no state)."""
-    bits, axis = _check_bits(bits), _check_axis(axis)
+def directq(bits: int, axis: str = "channel", rounding: str = "stochastic") -> LinkCodec:
+    """Direct quantization to ``bits`` bits on the zero-level grid, one scale per channel (or per row; no state).
+
+    ``full=True`` (encode and decode): the uncompressed warm-up, every example in float32.
+    """
+    bits, axis, rounding = _check_quant_bits(bits), _check_axis(axis), _check_rounding(rounding)
+    qid = quantizer_id(axis)
 
     def init(n_examples: int = 0, row_shape: tuple = (), path=None):
         return None
 
-    def encode(state, x, ids, keys):
+    def encode(state, x, ids, keys=None, full: bool = False):
         x, ids = _as_batch(x, ids)
-        packed, scales, xhat = _quantize_examples(x, bits, keys, axis)
-        return state, Encoded(x.shape, bits, np.zeros(x.shape[0], bool), b"", packed, scales), xhat
+        if full:
+            return state, _full_message(x), x.copy()
+        packed, scales, xhat = _quantize_examples(x, bits, keys, axis, rounding)
+        return state, Encoded(x.shape, bits, np.zeros(x.shape[0], bool), b"", packed, scales, qid), xhat
 
-    def decode(state, enc: Encoded, ids):
+    def decode(state, enc: Encoded, ids, full: bool = False):
         ids = np.asarray(ids, np.int64).reshape(-1)
-        shape = _check_shape(enc, ids, bits)
+        if full:
+            return state, _decode_full(enc, ids, "a link in its uncompressed warm-up")
+        shape = _check_shape(enc, ids, bits, qid)
         if np.any(enc.fresh) or enc.full:
             raise CodecMismatch("a directq link sends no example in full precision")
         return state, _dequantize_examples(enc, shape, axis)
 
-    return LinkCodec("directq", bits, init, encode, decode, axis)
+    return LinkCodec("directq", bits, init, encode, decode, axis, rounding)
 
 
 def _check_ids(state: DeltaState, ids: np.ndarray) -> None:
@@ -378,9 +499,14 @@ def _check_ids(state: DeltaState, ids: np.ndarray) -> None:
         raise CodecMismatch(f"example ids {ids.tolist()} repeat within one message")
 
 
-def aqsgd(bits: int, axis: str = "row") -> LinkCodec:
-    """AQ-SGD: full precision at first sight, then ``Q(a − m[ξ])`` with buffers on both ends."""
-    bits, axis = _check_bits(bits), _check_axis(axis)
+def aqsgd(bits: int, axis: str = "channel", rounding: str = "stochastic") -> LinkCodec:
+    """AQ-SGD: full precision at first sight, then ``Q(a − m[ξ])`` with buffers on both ends.
+
+    ``full=True`` (encode and decode): the uncompressed warm-up, every example in float32 and both
+    ends set ``m[ξ] = a``.
+    """
+    bits, axis, rounding = _check_quant_bits(bits), _check_axis(axis), _check_rounding(rounding)
+    qid = quantizer_id(axis)
 
     def init(n_examples: int, row_shape: tuple, path: str | os.PathLike | None = None) -> DeltaState:
         shape = (int(n_examples), *(int(d) for d in row_shape))
@@ -390,29 +516,42 @@ def aqsgd(bits: int, axis: str = "row") -> LinkCodec:
             m = np.lib.format.open_memmap(Path(path), mode="w+", dtype=np.float32, shape=shape)
         return DeltaState(m, np.zeros(shape[0], bool))
 
-    def encode(state: DeltaState, x, ids, keys):
+    def _check_rows(state: DeltaState, shape: tuple[int, ...], err) -> None:
+        if tuple(shape[1:]) != state.m.shape[1:]:
+            raise err(f"activation rows of shape {tuple(shape[1:])}; the buffers hold {state.m.shape[1:]}")
+
+    def encode(state: DeltaState, x, ids, keys=None, full: bool = False):
         x, ids = _as_batch(x, ids)
         _check_ids(state, ids)
-        if x.shape[1:] != state.m.shape[1:]:
-            raise ValueError(f"activation rows of shape {x.shape[1:]}; the buffers hold {state.m.shape[1:]}")
+        _check_rows(state, x.shape, ValueError)
+        if full:
+            state.m[ids] = x
+            state.seen[ids] = True
+            return state, _full_message(x), x.copy()
         fresh = ~state.seen[ids]
         old = ids[~fresh]
         packed, scales = b"", b""
         if old.size:
             delta = x[~fresh] - state.m[old]
-            packed, scales, dq = _quantize_examples(delta, bits, np.asarray(keys, np.uint32)[~fresh], axis)
+            packed, scales, dq = _quantize_examples(delta, bits, None if keys is None else np.asarray(keys, np.uint32)[~fresh],
+                                                    axis, rounding)
             state.m[old] = state.m[old] + dq
         state.m[ids[fresh]] = x[fresh]
         state.seen[ids[fresh]] = True
-        enc = Encoded(x.shape, bits, fresh, x[fresh].astype("<f4").tobytes(), packed, scales)
+        enc = Encoded(x.shape, bits, fresh, x[fresh].astype("<f4").tobytes(), packed, scales, qid)
         return state, enc, np.array(state.m[ids])
 
-    def decode(state: DeltaState, enc: Encoded, ids):
+    def decode(state: DeltaState, enc: Encoded, ids, full: bool = False):
         ids = np.asarray(ids, np.int64).reshape(-1)
-        shape = _check_shape(enc, ids, bits)
         _check_ids(state, ids)
-        if shape[1:] != state.m.shape[1:]:
-            raise CodecMismatch(f"message rows of shape {shape[1:]}; the buffers hold {state.m.shape[1:]}")
+        if full:
+            x = _decode_full(enc, ids, "a link in its uncompressed warm-up")
+            _check_rows(state, x.shape, CodecMismatch)
+            state.m[ids] = x
+            state.seen[ids] = True
+            return state, x.copy()
+        shape = _check_shape(enc, ids, bits, qid)
+        _check_rows(state, shape, CodecMismatch)
         fresh = np.asarray(enc.fresh, bool).reshape(-1)
         expect = ~state.seen[ids]
         if not np.array_equal(fresh, expect):
@@ -422,31 +561,50 @@ def aqsgd(bits: int, axis: str = "row") -> LinkCodec:
                 f"has {'no' if expect[i] else 'a'} buffer for it: the two ends' buffers are out of step"
             )
         old = ids[~fresh]
-        full = _full_rows(enc, (int(fresh.sum()), *shape[1:]))
+        full_rows = _full_rows(enc, (int(fresh.sum()), *shape[1:]))
         if old.size:
             dq = _dequantize_examples(enc, (old.size, *shape[1:]), axis)
             state.m[old] = state.m[old] + dq
         elif enc.packed or enc.scales:
             raise CodecMismatch("message carries quantized values but no example is a difference")
-        state.m[ids[fresh]] = full
+        state.m[ids[fresh]] = full_rows
         state.seen[ids[fresh]] = True
         return state, np.array(state.m[ids])
 
-    return LinkCodec("aqsgd", bits, init, encode, decode, axis)
+    return LinkCodec("aqsgd", bits, init, encode, decode, axis, rounding)
 
 
-def make_codec(name: str, bits: int = 0, axis: str = "row") -> LinkCodec:
-    """The codec ``name`` (``fp32``, ``directq`` or ``aqsgd``) with ``bits`` and scale ``axis`` (ignored by fp32).
+def quantizer_input(codec: LinkCodec, state, x, ids, full: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """What ``codec.encode(state, x, ids, full=full)`` will hand its quantizer, before it runs:
+    ``(mask bool[B], v f32[k, ...])``, the examples that will be quantized and their input
+    (directq: ``x``; aqsgd: ``x − m[ξ]`` of the examples seen before; none for fp32 or ``full``).
+
+    With the encoder's ``x̂``, ``relative_errors(v, (x̂ − x)[mask])`` is the quantizer's ``c_Q`` on
+    this message (for aqsgd ``x̂ − x = Q(v) − v`` up to the float32 rounding of ``m[ξ] + Q(v)``).
+    """
+    x = np.asarray(x, np.float32)
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    if codec.name == "fp32" or full:
+        return np.zeros(x.shape[0], bool), x[:0]
+    if codec.name == "directq":
+        return np.ones(x.shape[0], bool), x
+    mask = np.asarray(state.seen[ids], bool)
+    return mask, x[mask] - state.m[ids[mask]]
+
+
+def make_codec(name: str, bits: int = 0, axis: str = "channel", rounding: str = "stochastic") -> LinkCodec:
+    """The codec ``name`` (``fp32``, ``directq`` or ``aqsgd``) with ``bits``, scale ``axis`` and
+    ``rounding`` (ignored by fp32).
 
     Raises:
-      ValueError: an unknown name or bits outside ``[1, 8]`` (the valid values are named).
+      ValueError: an unknown name, bits outside ``[2, 8]``, axis or rounding (the valid values are named).
     """
     if name == "fp32":
         return fp32()
     if name == "directq":
-        return directq(bits, axis)
+        return directq(bits, axis, rounding)
     if name == "aqsgd":
-        return aqsgd(bits, axis)
+        return aqsgd(bits, axis, rounding)
     raise ValueError(f"unknown activation codec {name!r}; expected one of {list(CODEC_NAMES)}")
 
 

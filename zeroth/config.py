@@ -447,13 +447,29 @@ class PipelineConfig:
         "sent, fw_bits; gradients quantized directly, bw_bits).",
         choices=PIPELINE_COMPRESSIONS,
     )
-    fw_bits: int = field(4, "Bits per activation value (directq, aqsgd).", min=1, max=8)
-    bw_bits: int = field(8, "Bits per activation-gradient value (directq, aqsgd).", min=1, max=8)
+    fw_bits: int = field(
+        4, "Bits per activation value (directq, aqsgd) on the zero-level grid: levels q in [-2^(b-1), 2^(b-1)-1], "
+        "value q*s/2^(b-1).", min=2, max=8,
+    )
+    bw_bits: int = field(8, "Bits per activation-gradient value (directq, aqsgd), on the same grid.", min=2, max=8)
     scale_axis: str = field(
-        "row",
-        "Quantization scale of directq/aqsgd: row (one float32 scale per token vector, the issue's per-row scale) or "
-        "channel (one per channel of an example, across its tokens: isolates a language model's outlier channels).",
-        choices=("row", "channel"),
+        "channel",
+        "Quantization scale of directq/aqsgd: channel (one float32 scale per channel of an example, across its tokens: "
+        "isolates a language model's outlier channels) or row (one per token vector).",
+        choices=("channel", "row"),
+    )
+    rounding: str = field(
+        "stochastic",
+        "Rounding to the grid: stochastic (unbiased, keyed by run, link, direction, step and example; no value clips) "
+        "or nearest (deterministic, biased, half a level at most).",
+        choices=("stochastic", "nearest"),
+    )
+    full_epochs: int = field(
+        0,
+        "Uncompressed warm-up: the first full_epochs epochs (of examples/batch_size steps) send float32 on every link "
+        "in both directions, AQ-SGD's buffers taking every activation (the seed's recipe: 1). The learning-rate "
+        "warm-up is train.schedule.warmup_steps.",
+        min=0,
     )
     bandwidth_bps: float | None = field(
         None, "Enforced bandwidth of every link in bits/s (a token bucket on the bytes actually sent); null = unlimited.", gt=0.0
@@ -726,7 +742,7 @@ def _check_schedule(cfg: Config) -> None:
     s = schedules.from_train(cfg.train)
     if s.is_constant:
         return
-    for section in ("pipeline", "ravnest", "binary"):
+    for section in ("ravnest", "binary"):  # pipeline runs apply the schedule (zeroth.pipeline.build.optimizer_of)
         if getattr(cfg, section) is not None:
             raise ValueError(
                 f"config field train.schedule: {cfg.train.schedule.name!r} with warmup_steps={cfg.train.schedule.warmup_steps} "
@@ -838,6 +854,12 @@ def _check_pipeline(cfg: Config) -> None:
     if blocks is not None and p.stages > blocks:
         raise ValueError(f"config field pipeline.stages: {p.stages} stages but model {cfg.model.name!r} has {blocks} blocks; "
                          f"expected at most {blocks} (each stage holds at least one block)")
+    warm = p.full_epochs * (p.examples // cfg.data.batch_size)
+    if p.compression != "fp32" and warm >= cfg.train.steps > 0:
+        raise ValueError(
+            f"config field pipeline.full_epochs: {p.full_epochs} epoch(s) of uncompressed warm-up ({warm} steps) cover all "
+            f"train.steps={cfg.train.steps}, so {p.compression!r} never compresses; lower full_epochs or raise train.steps"
+        )
 
 
 def _check_ravnest(cfg: Config) -> None:

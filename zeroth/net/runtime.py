@@ -668,15 +668,22 @@ class Node:
                     raise _Fatal(f"{address} refused this peer: {e.details()}") from None
 
     def _wait_for_members(self, addresses: list[str], members: int) -> None:
-        """Poll the peers' ``Status`` until one reports ``members`` members (or the join timeout)."""
+        """Poll the peers' ``Status`` until one reports ``members`` members (or the join timeout).
+
+        A peer far from its turn polls less often (50 ms per member still to come, at most 2 s), so
+        that founders started together do not all call the founder 20 times a second while it
+        admits them one by one.
+        """
         deadline = time.monotonic() + self.options.join_timeout_s
         while not self._stop.is_set():
+            behind = members
             for _, st in self._statuses(addresses):
                 if st.members >= members:
                     return
+                behind = min(behind, members - st.members)
             if time.monotonic() > deadline:
                 raise _Fatal(f"no peer of {addresses} reported {members} members within {self.options.join_timeout_s}s")
-            self._stop.wait(0.05)
+            self._stop.wait(min(2.0, 0.05 * behind))
 
     def _resolve(self, addresses: list[str]) -> list[str]:
         """Addresses with every ``@PATH`` replaced by the address in that file (waited for)."""

@@ -4,7 +4,8 @@
 * :func:`examples_of`: the fixed example set (:mod:`zeroth.stages.examples`);
 * :func:`partition_of`: the model cut into stages (:mod:`zeroth.stages.partition`), from
   zeroth's exact initialization (``transformer``) or SmolLM2's weights (``smollm2_prompt``);
-* :func:`optimizer_of`: each stage's ``optax.adamw`` (or the optimizer ``train.optimizer`` names);
+* :func:`optimizer_of`: each stage's ``optax.adamw`` (or the optimizer ``train.optimizer`` names),
+  at the learning rate of ``train.schedule`` (:func:`lr_at`);
 * :func:`run_id_of`: the id every frame carries (a digest of the training fields);
 * :func:`engine_of`: stage ``i``'s :class:`~zeroth.pipeline.engine.StageEngine`;
 * :func:`plan_of`: the micro-batches of a step ``[(ids, tokens, labels), ...]``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 from zeroth import config as _config
+from zeroth import schedules as _schedules
 from zeroth.pipeline import engine as _engine
 from zeroth.stages import build as _sbuild
 from zeroth.stages import examples as _pdata
@@ -25,6 +27,8 @@ __all__ = [
     "engine_of",
     "examples_of",
     "family_of",
+    "full_steps_of",
+    "lr_at",
     "optimizer_of",
     "partition_of",
     "plan_of",
@@ -69,7 +73,33 @@ def partition_of(cfg: _config.Config, ex: _pdata.Examples) -> _partition.Partiti
                                             mlp_dim=model.mlp_dim, pad_id=ex.pad_id)
 
 
-optimizer_of = _sbuild.optimizer_of
+def lr_at(cfg: _config.Config, step: int) -> float:
+    """The learning rate of the update of step ``step`` (0-based): ``train.schedule`` with peak
+    ``train.lr`` (:mod:`zeroth.schedules`, float64 on the host; ``train.lr`` without a schedule)."""
+    return float(_schedules.from_train(cfg.train)(int(step)))
+
+
+def optimizer_of(cfg: _config.Config):
+    """Each stage's optimizer. Without a schedule (``train.schedule`` constant, no warm-up) at the
+    constant ``train.lr``; otherwise at the rates :func:`lr_at` computes on the host for the run's
+    ``train.steps`` updates, rounded to float32 and looked up by optax's update count (so every
+    stage, and the single-process reference, applies the same rates)."""
+    sched = _schedules.from_train(cfg.train)
+    if sched.is_constant:
+        return _sbuild.optimizer_of(cfg)
+    table = np.asarray([sched(t) for t in range(max(cfg.train.steps, 1))], np.float32)
+
+    def lr(count):
+        import jax.numpy as jnp
+
+        return jnp.asarray(table)[jnp.minimum(count, table.size - 1)]
+
+    return _sbuild.optimizer_of(cfg, lr)
+
+
+def full_steps_of(cfg: _config.Config) -> int:
+    """Steps of the uncompressed warm-up: ``pipeline.full_epochs`` epochs of ``examples / batch_size`` steps."""
+    return cfg.pipeline.full_epochs * (cfg.pipeline.examples // cfg.data.batch_size)
 
 
 def run_id_of(cfg: _config.Config) -> str:
@@ -81,11 +111,11 @@ def engine_of(cfg: _config.Config, index: int, part: _partition.Partition, ex: _
               buffer_dir=None) -> _engine.StageEngine:
     """Stage ``index``'s engine (its slice of the parameters, its optimizer, its link buffers)."""
     p = cfg.pipeline
-    codecs = _engine.link_codecs(p.compression, p.fw_bits, p.bw_bits, p.scale_axis)
+    codecs = _engine.link_codecs(p.compression, p.fw_bits, p.bw_bits, p.scale_axis, p.rounding)
     return _engine.StageEngine(
         index, p.stages, part.fns[index], part.params[index], optimizer_of(cfg), codecs,
         run_seed=cfg.run.seed, run_id=run_id_of(cfg), n_examples=p.examples, row_shape=(p.seq_len, part.width),
-        micro_batches=p.micro_batches, buffer_dir=buffer_dir, slowdown=p.slowdown,
+        micro_batches=p.micro_batches, buffer_dir=buffer_dir, slowdown=p.slowdown, full_steps=full_steps_of(cfg),
     )
 
 

@@ -1,10 +1,12 @@
 """``python -m zeroth.pipeline.compare CONFIG --out RESULTS.json``: one config, several link compressions.
 
-Runs the pipeline of ``CONFIG`` once per setting (default: fp32, directq and aqsgd at fw2/bw4 and
-fw4/bw8), either in this process (``--local``, :func:`zeroth.pipeline.sim.run_local`) or as stage
+Runs the pipeline of ``CONFIG`` once per setting (default: fp32, directq and aqsgd at fw2/bw4,
+fw3/bw6 and fw4/bw8), either in this process (``--local``, :func:`zeroth.pipeline.sim.run_local`) or as stage
 processes over loopback gRPC (:func:`zeroth.pipeline.launch.run_config`, the link emulation of the
 config enforced live). Writes a JSON with every step's record per setting, rewritten after each
-setting so a partial result is usable, and prints a table: final loss, bytes per step per link,
+setting so a partial result is usable, and prints a table: final loss, the last epoch's mean loss
+and its gap to fp32's, ``c_Q`` per link and direction (the seed's condition is ``c_Q < 1/√2``;
+``cq_init``: DirectQ of link 0's activations at initialization), bytes per step per link,
 measured seconds per step and the emulated seconds per step at each bandwidth of
 ``pipeline.emulate_bandwidths_bps`` (computed from measured compute and bytes, not enforced).
 
@@ -21,45 +23,82 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["DEFAULT_SETTINGS", "apply_setting", "load_results", "main", "parse_setting", "summarize", "upgrade_record"]
+CQ_LIMIT = 0.5 ** 0.5  # the seed's condition c_Q < 1/√2 (zeroth.pipeline.engine.CQ_LIMIT)
 
-DEFAULT_SETTINGS = ("fp32", "directq:2:4", "aqsgd:2:4", "directq:4:8", "aqsgd:4:8")
+__all__ = ["CQ_LIMIT", "DEFAULT_SETTINGS", "cq_of", "apply_setting", "load_results", "main", "parse_setting", "summarize", "upgrade_record"]
+
+DEFAULT_SETTINGS = ("fp32", "directq:2:4", "aqsgd:2:4", "directq:3:6", "aqsgd:3:6", "directq:4:8", "aqsgd:4:8")
 
 
-def parse_setting(text: str) -> tuple[str, int, int, str | None]:
-    """``"aqsgd:2:4"`` -> ``("aqsgd", 2, 4, None)``; ``"aqsgd:2:4:channel"`` names the scale axis; ``"fp32"``."""
+_AXES = ("channel", "row")
+_ROUNDINGS = ("stochastic", "nearest")
+
+
+def parse_setting(text: str) -> tuple[str, int, int, str | None, str | None]:
+    """``"aqsgd:2:4"`` -> ``("aqsgd", 2, 4, None, None)``; ``"aqsgd:2:4:row"`` names the scale axis,
+    ``"aqsgd:2:4:nearest"`` the rounding, ``"aqsgd:2:4:row:nearest"`` both; ``"fp32"``."""
     parts = text.split(":")
     if parts[0] == "fp32" and len(parts) == 1:
-        return "fp32", 0, 0, None
-    if len(parts) not in (3, 4) or parts[0] not in ("directq", "aqsgd") or (len(parts) == 4 and parts[3] not in ("row", "channel")):
-        raise ValueError(f"setting {text!r}: expected fp32, directq:FW:BW[:AXIS] or aqsgd:FW:BW[:AXIS] (e.g. aqsgd:2:4:channel)")
-    return parts[0], int(parts[1]), int(parts[2]), parts[3] if len(parts) == 4 else None
+        return "fp32", 0, 0, None, None
+    extra = parts[3:]
+    axis = next((e for e in extra if e in _AXES), None)
+    rounding = next((e for e in extra if e in _ROUNDINGS), None)
+    if (len(parts) < 3 or parts[0] not in ("directq", "aqsgd") or len(extra) > 2
+            or len(extra) != (axis is not None) + (rounding is not None) or not (parts[1].isdigit() and parts[2].isdigit())):
+        raise ValueError(f"setting {text!r}: expected fp32, directq:FW:BW[:AXIS][:ROUNDING] or aqsgd:FW:BW[:AXIS][:ROUNDING] "
+                         f"(AXIS {'/'.join(_AXES)}, ROUNDING {'/'.join(_ROUNDINGS)}; e.g. aqsgd:2:4:row:nearest)")
+    return parts[0], int(parts[1]), int(parts[2]), axis, rounding
 
 
 def setting_name(text: str) -> str:
-    """``"aqsgd:2:4"`` -> ``"aqsgd fw2/bw4"``; ``"aqsgd:2:4:channel"`` -> ``"aqsgd fw2/bw4 channel"``."""
-    name, fw, bw, axis = parse_setting(text)
-    return name if name == "fp32" else f"{name} fw{fw}/bw{bw}" + (f" {axis}" if axis else "")
+    """``"aqsgd:2:4"`` -> ``"aqsgd fw2/bw4"``; ``"aqsgd:2:4:row:nearest"`` -> ``"aqsgd fw2/bw4 row nearest"``."""
+    name, fw, bw, axis, rounding = parse_setting(text)
+    return name if name == "fp32" else f"{name} fw{fw}/bw{bw}" + "".join(f" {e}" for e in (axis, rounding) if e)
 
 
 def apply_setting(cfg, text: str):
-    """The config with ``pipeline.compression`` / ``fw_bits`` / ``bw_bits`` / ``scale_axis`` of the setting."""
-    name, fw, bw, axis = parse_setting(text)
+    """The config with ``pipeline.compression`` / ``fw_bits`` / ``bw_bits`` / ``scale_axis`` / ``rounding`` of the setting."""
+    name, fw, bw, axis, rounding = parse_setting(text)
     p = cfg.pipeline
     p = dataclasses.replace(p, compression=name, fw_bits=fw or p.fw_bits, bw_bits=bw or p.bw_bits,
-                            scale_axis=axis or p.scale_axis)
+                            scale_axis=axis or p.scale_axis, rounding=rounding or p.rounding)
     return dataclasses.replace(cfg, pipeline=p)
 
 
+def _mean(values) -> float | None:
+    v = [x for x in values if x is not None]
+    return sum(v) / len(v) if v else None
+
+
+def cq_of(records: list[dict], key: str, link: int = 0) -> dict:
+    """``c_Q`` of one link and direction (``key``: ``fw_cq`` or ``bw_cq``) over a run: ``init``, the
+    quantizer on the tensors of step 0 (logged as ``<key>_init``), ``first``, the
+    mean of the first step that quantized anything (its step in ``first_step``), ``last_epoch``, the
+    mean over the last epoch's steps, and ``max``, the largest per-example value of the run (None
+    where nothing was quantized, or in records written before ``c_Q`` was logged)."""
+    init = records[0]["links"][link].get(key + "_init") if records else None
+    vals = [(r["step"], r["epoch"], r["links"][link].get(key), r["links"][link].get(key + "_max")) for r in records]
+    seen = [v for v in vals if v[2] is not None]
+    if not seen:
+        return {"init": init, "first": None, "first_step": None, "last_epoch": None, "max": None}
+    last = max(v[1] for v in vals)
+    return {"init": init, "first": seen[0][2], "first_step": seen[0][0],
+            "last_epoch": _mean(v[2] for v in seen if v[1] == last), "max": max(v[3] for v in seen)}
+
+
 def summarize(records: list[dict], bandwidths: tuple[float, ...], latency_s: float = 0.0) -> dict:
-    """Final loss, mean bytes per step per link, measured and emulated seconds per step."""
+    """Final loss, mean loss of every epoch, ``c_Q`` per link and direction (:func:`cq_of`), mean
+    bytes per step per link, measured and emulated seconds per step."""
     from zeroth.pipeline.sim import emulated_seconds
 
     n = len(records)
     links = len(records[0]["links"]) if records else 0
+    epochs = sorted({r["epoch"] for r in records})
     out = {
         "steps": n,
         "final_loss": records[-1]["loss"] if records else None,
+        "epoch_losses": [_mean(r["loss"] for r in records if r["epoch"] == e) for e in epochs],
+        "cq": [{"fw": cq_of(records, "fw_cq", k), "bw": cq_of(records, "bw_cq", k)} for k in range(links)],
         "bytes_per_step_per_link": [sum(r["links"][k]["fw_bytes"] + r["links"][k]["bw_bytes"] for r in records) / max(n, 1)
                                     for k in range(links)],
         "wall_s_per_step": sum(r["step_time_s"] for r in records) / max(n, 1),
@@ -90,8 +129,9 @@ def load_results(path) -> dict:
     return results
 
 
-def quantization_error(cfg, bits=(2, 4, 8), axes=("row", "channel")) -> list[dict]:
-    """``E‖x − Q(x)‖ / ‖x‖`` of DirectQ on stage 0's output at initialization, per bits and scale axis.
+def quantization_error(cfg, bits=(2, 3, 4, 8), axes=("channel", "row")) -> list[dict]:
+    """``E‖x − Q(x)‖ / ‖x‖`` of DirectQ (zero-level grid, the config's ``pipeline.rounding``) on
+    stage 0's output at initialization, per bits and scale axis.
 
     ``x`` is each example's activation on link 0 for the first batch (Frobenius norms per example,
     averaged); the seed's convergence theorem asks for ``c_Q < 1/√2 ≈ 0.707``.
@@ -109,9 +149,8 @@ def quantization_error(cfg, bits=(2, 4, 8), axes=("row", "channel")) -> list[dic
     out = []
     for axis in axes:
         for b in bits:
-            _, _, xq = C.directq(b, axis).encode(None, x, ids, keys)
-            err = np.linalg.norm((xq - x).reshape(len(ids), -1), axis=1) / np.linalg.norm(x.reshape(len(ids), -1), axis=1)
-            out.append({"axis": axis, "bits": b, "relative_error": float(err.mean())})
+            _, _, xq = C.directq(b, axis, cfg.pipeline.rounding).encode(None, x, ids, keys)
+            out.append({"axis": axis, "bits": b, "relative_error": float(C.relative_errors(x, xq - x).mean())})
     return out
 
 
@@ -124,12 +163,27 @@ def _release() -> None:
         sys.modules["jax"].clear_caches()
 
 
+def _fmt(v, spec=".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def _table(results: dict) -> str:
+    """One line per setting: final loss, last epoch's mean loss and its gap to fp32's, ``c_Q`` of
+    link 0 (forward and backward: at initialization | at the first quantized step -> over the last
+    epoch), bytes and seconds per step."""
     rows = []
+    ref = results["settings"].get("fp32", {}).get("summary", {}).get("epoch_losses")
     for name, res in results["settings"].items():
         s = res["summary"]
+        last = (s.get("epoch_losses") or [None])[-1]
+        gap = (last - ref[-1]) / ref[-1] if ref and last is not None else None
+        cq = (s.get("cq") or [{}])[0]
+        fw, bw = cq.get("fw", {}), cq.get("bw", {})
         emu = "  ".join(f"{float(k) / 1e6:>7g}Mb/s {v:7.3f}s" for k, v in s["emulated_s_per_step"].items())
-        rows.append(f"{name:<18} loss {s['final_loss']:.4f}  bytes/step/link {s['bytes_per_step_per_link'][0]:>10.0f}  "
+        rows.append(f"{name:<22} loss {s['final_loss']:.4f}  last epoch {_fmt(last, '.4f')} ({_fmt(gap, '+.1%')} vs fp32)  "
+                    f"c_Q fw {_fmt(fw.get('init', res.get('cq_init')))}|{_fmt(fw.get('first'))}->{_fmt(fw.get('last_epoch'))} "
+                    f"bw {_fmt(bw.get('init'))}|{_fmt(bw.get('first'))}->{_fmt(bw.get('last_epoch'))}  "
+                    f"bytes/step/link {s['bytes_per_step_per_link'][0]:>10.0f}  "
                     f"measured {s['wall_s_per_step']:.3f}s/step  emulated {emu}")
     return "\n".join(rows)
 
@@ -173,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.local:
             from zeroth.pipeline import sim
 
-            records, _ = sim.run_local(cfg, on_step=lambda r, name=name: print(f"  {name} step {r['step']} loss {r['loss']:.4f}", flush=True))
+            records, _ = sim.run_local(cfg, on_step=lambda r, name=name: print(
+                f"  {name} step {r['step']} loss {r['loss']:.4f} c_Q fw {_fmt(r['links'][0]['fw_cq'])} "
+                f"bw {_fmt(r['links'][0]['bw_cq'])}", flush=True))
         else:
             from zeroth.pipeline import launch
 
@@ -184,14 +240,23 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"setting {name}: the pipeline exited with code {code}", file=sys.stderr)
                 return code
             records = launch.read_records(run_dir)
+        seconds = time.time() - t0
+        p = cfg.pipeline
+        cq_init = None if p.compression == "fp32" else quantization_error(cfg, (p.fw_bits,), (p.scale_axis,))[0]["relative_error"]
         results["settings"][name] = {
             "setting": text,
-            "seconds": time.time() - t0,
+            "seconds": seconds,
+            "cq_init": cq_init,
             "summary": summarize(records, bws, base.pipeline.latency_ms / 1e3),
             "records": records,
         }
         out.write_text(json.dumps(results, indent=1))
         print(f"{name}: done in {time.time() - t0:.1f}s", flush=True)
+        for k, c in enumerate(results["settings"][name]["summary"]["cq"]):
+            for d in ("fw", "bw"):
+                if c[d]["max"] is not None and c[d]["last_epoch"] is not None and c[d]["last_epoch"] >= CQ_LIMIT:
+                    print(f"  {name}: c_Q {d} on link {k} is {c[d]['last_epoch']:.3f} in the last epoch, >= 1/sqrt(2): "
+                          f"outside the AQ-SGD theorem's condition", flush=True)
         _release()
     print(_table(results))
     return 0

@@ -18,6 +18,20 @@ One step of stage ``s`` of ``S`` with ``M`` micro-batches (fill and drain):
 
 Codec keys: activations of link ``l`` at step ``t`` use ``example_keys(seed, link=l,
 direction=0, step=t)``, gradients ``direction=1``.
+
+Uncompressed warm-up (``full_steps``): during the first ``full_steps`` steps every link sends
+float32 in both directions (``full=True`` of the codecs; AQ-SGD's buffers take every activation),
+as the seed's recipe sends its first epoch.
+
+``c_Q``: every quantized message's relative error ``‖Q(v) − v‖ / ‖v‖`` per example (``v`` the
+quantizer's input: the activation for DirectQ, its change ``a − m[ξ]`` for AQ-SGD, the
+gradient backward) is collected for the links this stage sends on; :meth:`StageEngine.finish_step`
+leaves the step's mean and maximum in ``last_cq`` (``fw_cq``, ``fw_cq_max`` for link ``index``,
+``bw_cq``, ``bw_cq_max`` for link ``index − 1``; None where nothing was quantized). At
+initialization (step 0), where the warm-up or AQ-SGD's first sight sends float32, the link's
+quantizer is also applied to the activations and gradients themselves without sending the result:
+``fw_cq_init`` and ``bw_cq_init`` (step 0 only, else None). The seed's theorem needs
+``c_Q < 1/√2`` (:data:`CQ_LIMIT`).
 """
 
 from __future__ import annotations
@@ -34,7 +48,9 @@ from zeroth.pipeline import wire
 from zeroth.stages import steps as _steps
 from zeroth.stages import timing as _timing
 
-__all__ = ["LinkCodecs", "StageEngine", "StepTimes", "link_codecs"]
+__all__ = ["CQ_LIMIT", "LinkCodecs", "StageEngine", "StepTimes", "cq_summary", "link_codecs"]
+
+CQ_LIMIT = float(np.sqrt(0.5))  # the seed's condition on the quantizer: c_Q < 1/√2
 
 
 class LinkCodecs(NamedTuple):
@@ -44,18 +60,26 @@ class LinkCodecs(NamedTuple):
     backward: C.LinkCodec
 
 
-def link_codecs(compression: str, fw_bits: int, bw_bits: int, axis: str = "row") -> LinkCodecs:
+def link_codecs(compression: str, fw_bits: int, bw_bits: int, axis: str = "channel",
+                rounding: str = "stochastic") -> LinkCodecs:
     """``fp32``: both float32; ``directq``: both quantized; ``aqsgd``: AQ-SGD forward, DirectQ backward.
 
-    ``axis``: the quantizers' scale axis (``row``: one scale per token, ``channel``: per channel).
+    ``axis``: the quantizers' scale axis (``channel``: one scale per channel, ``row``: per token);
+    ``rounding``: ``stochastic`` (unbiased) or ``nearest``.
     """
     if compression == "fp32":
         return LinkCodecs(C.fp32(), C.fp32())
     if compression == "directq":
-        return LinkCodecs(C.directq(fw_bits, axis), C.directq(bw_bits, axis))
+        return LinkCodecs(C.directq(fw_bits, axis, rounding), C.directq(bw_bits, axis, rounding))
     if compression == "aqsgd":
-        return LinkCodecs(C.aqsgd(fw_bits, axis), C.directq(bw_bits, axis))
+        return LinkCodecs(C.aqsgd(fw_bits, axis, rounding), C.directq(bw_bits, axis, rounding))
     raise ValueError(f"unknown pipeline compression {compression!r}; expected one of {list(C.CODEC_NAMES)}")
+
+
+def cq_summary(values) -> tuple[float | None, float | None]:
+    """``(mean, max)`` of per-example ``c_Q`` values; ``(None, None)`` when there are none."""
+    v = np.concatenate([np.asarray(a, np.float64).reshape(-1) for a in values]) if len(values) else np.zeros(0)
+    return (float(v.mean()), float(v.max())) if v.size else (None, None)
 
 
 class StepTimes(NamedTuple):
@@ -81,17 +105,20 @@ class StageEngine:
       micro_batches: M.
       buffer_dir: folder for memory-mapped AQ-SGD buffers; None = host memory.
       slowdown: emulated compute speed (:class:`zeroth.stages.timing.SlowClock`; ``1`` = this machine).
+      full_steps: steps of uncompressed warm-up (every link in float32, see the module docstring).
     """
 
     def __init__(self, index: int, n_stages: int, fn, params, optimizer, codecs: LinkCodecs, *, run_seed: int,
                  run_id: str, n_examples: int, row_shape: tuple[int, ...], micro_batches: int, buffer_dir=None,
-                 slowdown: float = 1.0):
+                 slowdown: float = 1.0, full_steps: int = 0):
         self.index, self.n_stages = index, n_stages
         self.slowdown = _timing.check_slowdown(slowdown)
         self._clock = _timing.SlowClock(self.slowdown)
         self.first, self.last = index == 0, index == n_stages - 1
         self.codecs, self.run_seed, self.run_id = codecs, run_seed, run_id
         self.row_shape, self.micro_batches = tuple(row_shape), micro_batches
+        self.full_steps = int(full_steps)
+        self.last_cq = {f"{d}_cq{k}": None for d in ("fw", "bw") for k in ("", "_max", "_init")}
         self.params = jax.tree_util.tree_map(jnp.asarray, params)
         self.optimizer = optimizer
         with jax.numpy_dtype_promotion("standard"):
@@ -116,8 +143,26 @@ class StageEngine:
         self.pending: dict[int, Any] = {}
         self.losses: list[float] = []
         self.times = {"compute_s": 0.0, "codec_s": 0.0}
+        self.cq: dict[str, list] = {"fw": [], "bw": []}
+        self.cq_init: dict[str, list] = {"fw": [], "bw": []}
 
     # ------------------------------------------------------------------ helpers
+
+    def warm(self, step: int | None = None) -> bool:
+        """Whether ``step`` (default: the current one) is in the uncompressed warm-up."""
+        return (self.step if step is None else step) < self.full_steps
+
+    def _encode(self, codec: C.LinkCodec, direction: str, state, x, ids, keys):
+        """Encode through ``codec`` (in float32 during the warm-up) and collect the message's ``c_Q``."""
+        full = self.warm()
+        if self.step == 0 and codec.bits:  # c_Q at initialization: the quantizer on the tensor itself, not sent
+            probe = C.directq(codec.bits, codec.axis, codec.rounding).encode(None, x, ids, keys)[2]
+            self.cq_init[direction].append(C.relative_errors(x, probe - x))
+        mask, v = C.quantizer_input(codec, state, x, ids, full)
+        state, enc, xhat = codec.encode(state, x, ids, keys, full=full)
+        if mask.any():
+            self.cq[direction].append(C.relative_errors(v, (xhat - x)[mask]))
+        return state, enc
 
     def _keys(self, link: int, direction: int, ids) -> np.ndarray:
         return C.example_keys(self.run_seed, link=link, direction=direction, step=self.step, ids=ids)
@@ -130,13 +175,13 @@ class StageEngine:
     def _accumulate(self, g) -> None:
         self.grads = g if self.grads is None else jax.tree_util.tree_map(jnp.add, self.grads, g)
 
-    def expected(self, kind: str, micro: int, ids) -> wire.Expected:
-        """What the next incoming frame of ``kind`` must look like (activation from s−1, gradient from s+1)."""
-        if kind == "activation":
-            return wire.Expected(self.run_id, self.index - 1, kind, self.step, micro, np.asarray(ids), self.row_shape,
-                                 self.codecs.forward.bits, self.codecs.forward.axis)
-        return wire.Expected(self.run_id, self.index, kind, self.step, micro, np.asarray(ids), self.row_shape,
-                             self.codecs.backward.bits, self.codecs.backward.axis)
+    def expected(self, kind: str, micro: int, ids, step: int | None = None) -> wire.Expected:
+        """What the incoming frame of ``kind`` at ``step`` (default: the current one) and micro-batch
+        ``micro`` must look like (activation from s−1, gradient from s+1; float32 during the warm-up)."""
+        step = self.step if step is None else step
+        codec, link = (self.codecs.forward, self.index - 1) if kind == "activation" else (self.codecs.backward, self.index)
+        bits = 0 if self.warm(step) else codec.bits
+        return wire.Expected(self.run_id, link, kind, step, micro, np.asarray(ids), self.row_shape, bits, codec.axis)
 
     # ------------------------------------------------------------------ the schedule
 
@@ -158,7 +203,7 @@ class StageEngine:
             wire.check_frame(frame, self.expected("activation", micro, ids))
             enc, _ = wire.from_frame(frame)
             t0 = time.perf_counter()
-            self.recv_state, x = self.codecs.forward.decode(self.recv_state, enc, ids)
+            self.recv_state, x = self.codecs.forward.decode(self.recv_state, enc, ids, full=self.warm())
             self.times["codec_s"] += time.perf_counter() - t0
             x = jnp.asarray(x)
             self.inputs[micro] = x
@@ -171,14 +216,14 @@ class StageEngine:
             h = self._timed("compute_s", self._fwd, self.params, x, tokens)
         t0 = time.perf_counter()
         keys = self._keys(self.index, 0, ids)
-        self.send_state, enc, _ = self.codecs.forward.encode(self.send_state, np.asarray(h), ids, keys)
+        self.send_state, enc = self._encode(self.codecs.forward, "fw", self.send_state, np.asarray(h), ids, keys)
         self.times["codec_s"] += time.perf_counter() - t0
         return wire.to_frame(enc, run_id=self.run_id, link=self.index, kind="activation", step=self.step, micro_batch=micro, ids=ids)
 
     def _encode_grad(self, micro: int, ids, gx):
         t0 = time.perf_counter()
         keys = self._keys(self.index - 1, 1, ids)
-        _, enc, _ = self.codecs.backward.encode(None, np.asarray(gx), ids, keys)
+        _, enc = self._encode(self.codecs.backward, "bw", None, np.asarray(gx), ids, keys)
         self.times["codec_s"] += time.perf_counter() - t0
         return wire.to_frame(enc, run_id=self.run_id, link=self.index - 1, kind="gradient", step=self.step, micro_batch=micro, ids=ids)
 
@@ -192,7 +237,7 @@ class StageEngine:
         wire.check_frame(frame, self.expected("gradient", micro, ids))
         enc, _ = wire.from_frame(frame)
         t0 = time.perf_counter()
-        _, g = self.codecs.backward.decode(None, enc, ids)
+        _, g = self.codecs.backward.decode(None, enc, ids, full=self.warm())
         self.times["codec_s"] += time.perf_counter() - t0
         g = jnp.asarray(g)
         tokens = jnp.asarray(tokens)
@@ -210,6 +255,11 @@ class StageEngine:
             self.params, self.opt_state = self._timed("compute_s", self._update, self.params, self.opt_state, self.grads)
         loss = float(np.mean(self.losses)) if self.losses else None
         times = dict(self.times)
+        cq = {}
+        for d in ("fw", "bw"):
+            cq[f"{d}_cq"], cq[f"{d}_cq_max"] = cq_summary(self.cq[d])
+            cq[f"{d}_cq_init"] = cq_summary(self.cq_init[d])[0]
+        self.last_cq = cq
         self.step += 1
         self._reset()
         self.last_times = times

@@ -124,8 +124,9 @@ def wait_stages(procs: list[subprocess.Popen], out: Path, timeout_s: float | Non
 def merge_records(out: Path, stages: int, batch_size: int, examples: int) -> list[dict]:
     """One ``train`` row per step (:func:`zeroth.pipeline.sim.step_record`) from the stages' rows.
 
-    Per link: the sender's forward bytes and frames and send-buffer digest, the receiver's
-    backward bytes and frames and receive-buffer digest; per stage: its times, buffer size and
+    Per link: the sender's forward bytes, frames, send-buffer digest and ``c_Q``
+    (``fw_cq``, ``fw_cq_max``, ``fw_cq_init``), the receiver's backward bytes, frames, ``c_Q``
+    (``bw_cq``, ``bw_cq_max``, ``bw_cq_init``) and receive-buffer digest; per stage: its times, buffer size and
     parameter digest. The row's time is the slowest stage's (``step_time_s``, ``wall_time_s``,
     ``time_unix_s``: the last to finish); its payload bytes are summed over the stages.
     """
@@ -138,7 +139,9 @@ def merge_records(out: Path, stages: int, batch_size: int, examples: int) -> lis
         for k in range(stages - 1):
             links.append({"link": k, "fw_bytes": rs[k]["fw_bytes"], "fw_frames": rs[k]["fw_frames"],
                           "bw_bytes": rs[k + 1]["bw_bytes"], "bw_frames": rs[k + 1]["bw_frames"],
-                          "send_digest": rs[k]["send_digest"], "recv_digest": rs[k + 1]["recv_digest"]})
+                          "send_digest": rs[k]["send_digest"], "recv_digest": rs[k + 1]["recv_digest"],
+                          **{f: rs[k].get(f) for f in ("fw_cq", "fw_cq_max", "fw_cq_init")},
+                          **{f: rs[k + 1].get(f) for f in ("bw_cq", "bw_cq_max", "bw_cq_init")}})
         st = [{"stage": i, "compute_s": r["compute_s"], "codec_s": r["codec_s"], "wait_s": r["wait_s"],
                "transfer_s": r["transfer_s"], "buffer_bytes": r["buffer_bytes"], "digest": r["digest"]}
               for i, r in enumerate(rs)]

@@ -47,7 +47,11 @@ def step_record(step: int, *, epoch: int, loss: float | None, lr: float, links: 
       epoch: the epoch the step belongs to, ``t · batch_size // examples``.
       loss: the batch loss (the mean over the micro-batches, from the last stage).
       lr: the learning rate of the step.
-      links: per link ``{link, fw_bytes, fw_frames, bw_bytes, bw_frames, send_digest, recv_digest}``.
+      links: per link ``{link, fw_bytes, fw_frames, bw_bytes, bw_frames, send_digest, recv_digest, fw_cq,
+        fw_cq_max, fw_cq_init, bw_cq, bw_cq_max, bw_cq_init}`` (``c_Q``: the step's mean and maximum relative
+        quantization error per example, activations forward and gradients backward, None where nothing was
+        quantized; ``_init``: at step 0, the quantizer applied to the tensors themselves, see
+        :mod:`zeroth.pipeline.engine`).
       stages: per stage ``{stage, compute_s, codec_s, wait_s, transfer_s, buffer_bytes, digest}``
         (``digest``: the checksum of the stage's parameters after the step).
       step_time_s: seconds of the step (the slowest stage); wall_time_s: seconds since the run started.
@@ -117,13 +121,16 @@ def run_local(cfg: _config.Config, steps: int | None = None, on_step: Callable[[
         stages = []
         for e in engines:
             out = e.finish_step()
+            for d, k, send in (("fw", e.index, not e.last), ("bw", e.index - 1, not e.first)):
+                if send:
+                    links[k].update({f"{d}_cq{x}": e.last_cq[f"{d}_cq{x}"] for x in ("", "_max", "_init")})
             loss = out if e.last else loss
             stages.append({"stage": e.index, **e.last_times, "wait_s": 0.0, "transfer_s": 0.0,
                            "buffer_bytes": e.buffer_nbytes(), "digest": checksum(e.params)})
         payload_total += sum(lk["fw_bytes"] + lk["bw_bytes"] for lk in links)
         now = time.perf_counter()
         rec = step_record(step + 1, epoch=step * cfg.data.batch_size // cfg.pipeline.examples, loss=loss,
-                          lr=cfg.train.lr, links=links, stages=stages, step_time_s=now - t0, wall_time_s=now - t_run,
+                          lr=_build.lr_at(cfg, step), links=links, stages=stages, step_time_s=now - t0, wall_time_s=now - t_run,
                           payload_bytes_total=payload_total)
         records.append(rec)
         if on_step is not None:

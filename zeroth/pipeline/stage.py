@@ -166,7 +166,10 @@ def stage_record(index: int, step: int, *, loss: float | None, lr: float, sent: 
     ``payload_bytes`` are the frame bytes this stage sent in the step (activations forward,
     gradients backward); ``loss`` is null except on the last stage; ``digest`` is the checksum
     of this stage's parameters. The rest: frames and bytes per direction, seconds in compute,
-    codecs, waiting and the token bucket, the AQ-SGD buffers' digests and size.
+    codecs, waiting and the token bucket (``times`` also carries ``c_Q`` of what the stage sent:
+    ``fw_cq``, ``fw_cq_max``, ``bw_cq``, ``bw_cq_max``, the step's mean and maximum relative
+    quantization error per example, None where nothing was quantized, and ``fw_cq_init``,
+    ``bw_cq_init`` at step 0, :mod:`zeroth.pipeline.engine`), the AQ-SGD buffers' digests and size.
     """
     return {"kind": "train", "step": step, "time_unix_s": time.time(), "wall_time_s": wall_time_s, "digest": digest,
             "forward_passes": step, "backward_passes": step, "payload_bytes_total": payload_bytes_total,
@@ -191,6 +194,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
       LinkClosed: a link broke or a frame was refused; ValueError: bad arguments.
     """
     from zeroth.pipeline import build, link
+    from zeroth.pipeline.engine import CQ_LIMIT
     from zeroth.transport import pacing
 
     p = cfg.pipeline
@@ -231,7 +235,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
 
         def expect(t, j):
             ids = build.plan_of(cfg, ex, t)[j][0]
-            return engine.expected("activation", j, ids)._replace(step=t)
+            return engine.expected("activation", j, ids, step=t)
 
         servicer = link.LinkServicer(expect, schedule, fw_inbox, bw_pacer)
         # frames of one micro-batch each way: larger messages are refused by gRPC before they are read whole
@@ -248,6 +252,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
     writer = MetricsWriter(metrics, tensorboard=cfg.run.tensorboard, resumed_after=resume_step)
     stop = stop or (lambda: False)
     ok = interrupted = False
+    cq_warned: set[str] = set()  # directions already warned of c_Q >= 1/sqrt(2) (once each)
     try:
         for step in range(start, steps):
             if index == 0 and stop():
@@ -286,10 +291,18 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
             transfer = (fw_pacer.transfer_s if fw_pacer else 0.0) + (bw_pacer.transfer_s if bw_pacer else 0.0) - transfer0
             now = time.perf_counter()
             payload_total += sent["fw_bytes"] + sent["bw_bytes"]
-            writer.write(stage_record(index, engine.step, loss=loss, lr=cfg.train.lr, sent=sent, times=engine.last_times,
+            writer.write(stage_record(index, engine.step, loss=loss, lr=build.lr_at(cfg, step), sent=sent,
+                                      times={**engine.last_times, **engine.last_cq},
                                       wait_s=wait, transfer_s=transfer, step_time_s=now - t0, wall_time_s=now - t_wall,
                                       payload_bytes_total=payload_total, digest=checksum(engine.params),
                                       buffer_digests=engine.buffer_digests(), buffer_bytes=engine.buffer_nbytes()))
+            for d, link_k in (("fw", index), ("bw", index - 1)):
+                cq = engine.last_cq[f"{d}_cq"]
+                if cq is not None and cq >= CQ_LIMIT and d not in cq_warned:
+                    cq_warned.add(d)
+                    print(f"stage {index} step {step}: c_Q of the {'activations' if d == 'fw' else 'gradients'} on link "
+                          f"{link_k} is {cq:.3f} >= 1/sqrt(2) = {CQ_LIMIT:.3f}, outside the AQ-SGD theorem's condition "
+                          f"(more bits, or scale_axis channel, lower it)", file=sys.stderr, flush=True)
             every = cfg.train.checkpoint_every
             if (every and engine.step % every == 0) or engine.step == steps:
                 ckpt.save(engine, run_id)

@@ -5,8 +5,8 @@
 
 * ``INVALID_ARGUMENT``: another run, link or kind; a dtype other than float32; a shape that is not
   ``(micro-batch size, *row shape)``; other bits than the link's codec; first-sight flags that are
-  not one 0/1 byte per example; payload sizes that do not match the shape and bits; example ids
-  other than the micro-batch's.
+  not one 0/1 byte per example; payload sizes that do not match the shape and bits; a quantizer
+  (grid and scale axis) other than the link's; example ids other than the micro-batch's.
 * ``FAILED_PRECONDITION``: a frame out of order (another step or micro-batch than the next one).
 
 :func:`frame_nbytes` is the serialized size of a frame: the bytes counted per link.
@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zeroth.compress import Encoded, scales_per_example
+from zeroth.compress import Encoded, quantizer_id, scales_per_example
 from zeroth.pipeline.proto import pipeline_pb2 as pb
 
 __all__ = ["KINDS", "Expected", "FrameError", "check_frame", "frame_nbytes", "from_frame", "to_frame"]
@@ -46,8 +46,10 @@ class Expected(NamedTuple):
       step, micro_batch: the position in the schedule.
       example_ids: ``int64[b]``: the micro-batch's examples, in order.
       row_shape: shape of one example's tensor, e.g. ``(T, d)``.
-      bits: bits of the link's codec in this direction (0 = float32).
-      axis: the codec's scale axis (``row`` or ``channel``), which sets the number of scales.
+      bits: bits of the link's codec in this direction at this step (0 = float32: an fp32 link, or
+        the uncompressed warm-up).
+      axis: the codec's scale axis (``channel`` or ``row``), which sets the number of scales and the
+        frame's ``quantizer`` (:func:`zeroth.compress.quantizer_id`).
     """
 
     run_id: str
@@ -58,7 +60,7 @@ class Expected(NamedTuple):
     example_ids: np.ndarray
     row_shape: tuple[int, ...]
     bits: int
-    axis: str = "row"
+    axis: str = "channel"
 
 
 def to_frame(enc: Encoded, *, run_id: str, link: int, kind: str, step: int, micro_batch: int, ids) -> pb.TensorFrame:
@@ -77,13 +79,15 @@ def to_frame(enc: Encoded, *, run_id: str, link: int, kind: str, step: int, micr
         full=enc.full,
         packed=enc.packed,
         scales=enc.scales,
+        quantizer=enc.quantizer,
     )
 
 
 def from_frame(frame: pb.TensorFrame) -> tuple[Encoded, np.ndarray]:
     """``(Encoded, example ids int64[b])`` of a frame (check it first with :func:`check_frame`)."""
     fresh = np.frombuffer(frame.fresh, np.uint8).astype(bool)
-    enc = Encoded(tuple(int(d) for d in frame.shape), int(frame.bits), fresh, bytes(frame.full), bytes(frame.packed), bytes(frame.scales))
+    enc = Encoded(tuple(int(d) for d in frame.shape), int(frame.bits), fresh, bytes(frame.full), bytes(frame.packed),
+                  bytes(frame.scales), frame.quantizer)
     return enc, np.asarray(list(frame.example_ids), np.int64)
 
 
@@ -123,6 +127,10 @@ def check_frame(frame: pb.TensorFrame, exp: Expected) -> None:
         )
     if frame.bits != exp.bits:
         raise FrameError(INVALID, f"bits {frame.bits}; this link's codec uses {exp.bits} in this direction")
+    want_q = quantizer_id(exp.axis) if exp.bits else ""
+    if frame.quantizer != want_q:
+        raise FrameError(INVALID, f"quantizer {frame.quantizer!r}; this link expects {want_q!r} (both stages must run "
+                                  f"the same zeroth and scale axis)")
     fresh = np.frombuffer(frame.fresh, np.uint8)
     if fresh.size != n or np.any(fresh > 1):
         raise FrameError(INVALID, f"fresh must hold one 0/1 byte per example ({n}), got {fresh.size} bytes {fresh[:8].tolist()}")

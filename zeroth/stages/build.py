@@ -43,9 +43,11 @@ def transformer_of(cfg: _config.Config, ex: _examples.Examples, objective: str, 
     return model, models.init(model, models.init_key(cfg.run.seed), ex.tokens[:1])
 
 
-def optimizer_of(cfg: _config.Config) -> Any:
-    """The stage optimizer: ``train.optimizer`` with learning rate ``train.lr`` (AdamW in the experiments)."""
-    o, lr = cfg.train.optimizer, cfg.train.lr
+def optimizer_of(cfg: _config.Config, lr: Any = None) -> Any:
+    """The stage optimizer: ``train.optimizer`` with learning rate ``lr`` (default ``train.lr``; a
+    float or an optax schedule of the update count) (AdamW in the experiments)."""
+    o = cfg.train.optimizer
+    lr = cfg.train.lr if lr is None else lr
     if o.name == "adamw":
         return optax.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
     if o.name == "adam":
