@@ -666,3 +666,21 @@ def test_the_transport_makes_one_stub_per_address_and_none_once_closed():
         t.stub("127.0.0.1:1")
     with pytest.raises(Closed):
         t.rpc("127.0.0.1:1", "PushGradients", pb.GradientPush(), 1.0)
+
+
+def test_forty_founders_on_one_host_all_join_while_the_founder_holds_their_joins(worker, tmp_path):
+    """A founder holds each founder's Join until the run forms, and peers on one host are one caller:
+    the server's per-caller cap is raised with the run's size (at the default, 32 held Joins let 33
+    of 48 peers form, and the rest timed out)."""
+    n = 40
+    cfg = config(2, count=n, iteration_timeout_s=30.0, barrier_timeout_s=20.0)  # 40 peers in one busy process
+    nodes = start_nodes(cfg, worker, tmp_path, n, forming_timeout_s=40.0, join_timeout_s=40.0)
+    try:
+        assert wait_for(lambda: all(node.wait(0) for node in nodes), timeout=120.0), [nd.phase for nd in nodes][:5]
+        summaries = [node.summary() for node in nodes]
+        assert [s["finish_reason"] for s in summaries] == ["done"] * n, {(s["finish_reason"], s.get("error")) for s in summaries}
+        assert len({s["digest"] for s in summaries}) == 1
+        assert sorted(m for s in summaries for m in s["machines"]) == list(range(n))
+    finally:
+        for node in nodes:
+            node.stop()

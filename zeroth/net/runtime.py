@@ -59,7 +59,7 @@ from zeroth.net import wire
 from zeroth.net.proto import peer_pb2 as pb
 from zeroth.net.repair import Checksums, Repair
 from zeroth.net.transfer import StateTransfer
-from zeroth.net.transport import MAX_MESSAGE_BYTES, Traffic, Transport, request_signed_bytes
+from zeroth.net.transport import MAX_MESSAGE_BYTES, Traffic, Transport, request_signed_bytes, server_limits
 from zeroth.net.work import Worker
 from zeroth.train.metrics import MetricsWriter
 from zeroth.train.metrics import clear as clear_metrics
@@ -302,7 +302,8 @@ class Node:
 
     def start(self) -> str:
         """Serve, then found or join the run in the background; returns this peer's address."""
-        self._server, port = _service.serve(self, self.options.listen, tls=self.options.tls, token=self.transport.token)
+        self._server, port = _service.serve(self, self.options.listen, tls=self.options.tls, token=self.transport.token,
+                                            limits=server_limits(max(self.options.founders, self.cfg.peers.count)))
         host = self.options.listen.rpartition(":")[0]
         self.address = self.options.advertise or f"{host}:{port}"
         tmp = self.out_dir / "address.tmp"

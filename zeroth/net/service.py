@@ -149,13 +149,14 @@ class PeerService(pb_grpc.PeerServicer):
         return self._answer(pb.StatusReply(**self.node.status()))
 
 
-def serve(node, listen: str, *, tls: _sec.TLSFiles | None = None, token: str | None = None) -> tuple[grpc.Server, int]:
+def serve(node, listen: str, *, tls: _sec.TLSFiles | None = None, token: str | None = None,
+          limits: guard.Limits = SERVER_LIMITS) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``node`` on ``listen`` (``host:port``; port 0 picks one). Returns ``(server, port)``.
 
-    ``token``: the access token every call must carry. Bounds: :data:`zeroth.net.transport.SERVER_LIMITS`
-    (:func:`zeroth.transport.guard.make_server`).
+    ``token``: the access token every call must carry. Bounds: ``limits`` (default
+    :data:`zeroth.net.transport.SERVER_LIMITS`; :func:`zeroth.transport.guard.make_server`).
     """
-    server = guard.make_server(SERVER_LIMITS, token)
+    server = guard.make_server(limits, token)
     pb_grpc.add_PeerServicer_to_server(PeerService(node), server)
     port = _sec.add_port(server, listen, tls)
     if port == 0:

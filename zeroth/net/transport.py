@@ -20,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 
 import grpc
@@ -38,6 +40,7 @@ __all__ = [
     "CHANNEL_OPTIONS",
     "SERVER_OPTIONS",
     "SERVER_LIMITS",
+    "server_limits",
     "SIGNED_REQUESTS",
     "Closed",
     "Traffic",
@@ -55,6 +58,23 @@ SERVER_OPTIONS = server_options(MAX_MESSAGE_BYTES)
 # one address (a host, all the peers of a loopback run) holds at most half the calls.
 SERVER_LIMITS = Limits(MAX_MESSAGE_BYTES, max_calls=SERVER_THREADS, max_calls_per_caller=SERVER_THREADS // 2,
                        idle_s=60.0)
+
+
+def server_limits(peers: int) -> Limits:
+    """:data:`SERVER_LIMITS`, raised for a run of ``peers`` peers: a founder holds every founder's
+    ``Join`` until the run forms, and on one host all of them are one caller, so a cap below the
+    founders left the rest unable to join (48 peers on one host formed with 33: the per-caller cap
+    of 32 held Joins, plus the founder).
+
+    Example:
+      >>> server_limits(3) == SERVER_LIMITS, server_limits(48).max_calls_per_caller
+      (True, 56)
+    """
+    per_caller = max(SERVER_LIMITS.max_calls_per_caller, peers + 8)
+    calls = max(SERVER_LIMITS.max_calls, 2 * per_caller)
+    if (calls, per_caller) == (SERVER_LIMITS.max_calls, SERVER_LIMITS.max_calls_per_caller):
+        return SERVER_LIMITS
+    return dataclasses.replace(SERVER_LIMITS, max_calls=calls, max_calls_per_caller=per_caller)
 
 # The fields each signed request covers besides (method, run_id, sender, seq).
 SIGNED_REQUESTS = {
