@@ -239,7 +239,7 @@ def _workers_devices(n: int) -> list:
     Raises:
       DeviceError: a job of several processes whose devices are not ``n`` in all.
     """
-    if jax.process_count() == 1:
+    if not jax.distributed.is_initialized():  # asked without starting jax's backend: the count is not set yet
         return ensure_cpu_devices(n)
     devices = jax.devices()
     if len(devices) != n:
@@ -293,7 +293,7 @@ def run_config(runs: Sequence[_config.RunSpec], out: str | os.PathLike, *, name:
                          f"or choose another --out")
     kept = _finished_earlier(out, runs) if resume else []
     done = {s["run"] for s in kept}
-    if jax.process_count() == 1:
+    if not jax.distributed.is_initialized():
         ensure_cpu_devices(max(r.topology.workers for r in runs if r.label not in done) if len(done) < len(runs) else 1)
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
