@@ -256,3 +256,14 @@ def test_a_launcher_killed_by_its_scheduler_takes_its_process_with_it():
     assert not running(child), "the launcher's process outlived it"
     if running(child):
         os.kill(child, 9)
+
+
+def test_checked_in_stubs_are_what_protoc_generates(tmp_path):
+    pytest.importorskip("grpc_tools", reason="grpcio-tools (dev extra) regenerates the stubs")
+    from zeroth import protogen
+
+    written = protogen.generate("rendezvous", tmp_path)
+    assert {p.name for p in written} == {"rendezvous_pb2.py", "rendezvous_pb2_grpc.py"}
+    for p in written:
+        assert (protogen.stub_dir("rendezvous") / p.name).read_text() == p.read_text(), \
+            "run `python -m zeroth.protogen rendezvous`"
