@@ -101,6 +101,7 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
                                    node_latency_s={n["name"]: float(n.get("latency_ms", 0.0)) / 1e3 for n in plan.pool},
                                    backup_round=plan.backup_round, tls=tls)
     t.serve(listen or f"{r.host}:0", advertise=advertise)
+    t.wait_for_nodes([n["name"] for n in plan.pool], r.timeout_s)  # every node serves before any sends
     io = transport.NodeLink(t, plan, r.timeout_s)
     metrics = out / "metrics.jsonl"
     _metrics.clear(metrics)

@@ -165,6 +165,28 @@ class ClusterTransport:
         tmp.replace(self.address_dir / self.me)
         return address
 
+    def wait_for_nodes(self, names, timeout_s: float) -> None:
+        """Return once every node of ``names`` (but this one) answers at its address; every node of a
+        run is started at once, and a stream opened to a node not serving yet would read as the node
+        gone (``zeroth launch`` hands every host the whole address book before any node serves).
+
+        Raises:
+          TimeoutError: a node did not answer within ``timeout_s`` (named, with its address).
+        """
+        deadline = time.monotonic() + timeout_s
+        for name in names:
+            if name == self.me:
+                continue
+            address = resolve_address(self.address_dir, name, max(0.0, deadline - time.monotonic()))
+            channel = security.open_channel(address, CHANNEL_OPTIONS, self.tls)
+            try:
+                grpc.channel_ready_future(channel).result(timeout=max(0.0, deadline - time.monotonic()))
+            except grpc.FutureTimeoutError:
+                raise TimeoutError(f"node {name!r} at {address} did not answer within {timeout_s:g}s of this "
+                                   "node's start") from None
+            finally:
+                channel.close()
+
     def receive(self, msg: pb.Message) -> None:
         """Check one message, put it where its reader waits and relay it to a joined backup (raises
         :class:`wire.MessageError`)."""
