@@ -361,21 +361,22 @@ def _role(plan: Plan, cfg, config_path: Path, out: Path, rank: int, late: bool, 
     return f"Ravnest node {names[rank]}", cmd, env
 
 
-def _die_with_parent() -> None:
-    """In the child, before it runs: ask Linux to send it SIGTERM when the launcher dies (a launcher
-    killed by its scheduler must not leave its process running); a no-op elsewhere."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+# Run first in the child: ask Linux for SIGTERM when the launcher dies (PR_SET_PDEATHSIG; a launcher
+# killed by its scheduler must not leave its process running), leave at once if it died already,
+# then become the command. Not a preexec_fn: forking a process with gRPC's threads runs gRPC's fork
+# handlers in the child, which aborted it now and then ("epoll_wait error: Bad file descriptor").
+_WITH_PARENT = ("import ctypes, os, signal, sys\n"
+                "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
+                "if os.getppid() != int(sys.argv[1]): sys.exit(143)\n"
+                "os.execv(sys.argv[2], sys.argv[2:])")
 
 
 def _run(cmd: list[str], env: dict) -> int:
     """Run this host's process; SIGINT/SIGTERM are passed on to it (it saves and stops as it does alone),
-    and it gets SIGTERM if the launcher dies."""
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    and on Linux it gets SIGTERM if the launcher dies."""
+    if sys.platform == "linux":
+        cmd = [sys.executable, "-c", _WITH_PARENT, str(os.getpid()), *cmd]
+    proc = subprocess.Popen(cmd, env=env)
 
     def forward(signum, frame):
         if proc.poll() is None:
