@@ -84,7 +84,7 @@ def plan_of(cfg: _config.Config, nnodes: str | None) -> Plan:
         system, count, elastic = "peers", cfg.peers.count, True
     elif cfg.pipeline is not None:
         system, count, elastic = "pipeline", cfg.pipeline.stages, False
-    elif getattr(cfg, "ravnest", None) is not None:
+    elif cfg.ravnest is not None:
         system, count, elastic = "ravnest", len(cfg.ravnest.nodes), False
     elif cfg.binary is not None:
         if cfg.binary.workers < 1:
@@ -182,7 +182,7 @@ def _secret(args) -> str | None:
         return None
     if args.secret_file:
         return identity.read_secret(args.secret_file)
-    secret = next((os.environ[k] for k in identity.SECRET_ENV if os.environ.get(k)), None)
+    secret = identity.secret_from_env()
     if secret is None:
         raise ValueError("every host needs the same run secret: --secret-file FILE (made once, e.g. "
                          "`python -c 'import secrets; print(secrets.token_hex(32))' > run.secret`, copied to every host "

@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
         if args.resume:
             _state.check_state(args.resume)  # a state missing, cut short or changed: one line, before anything is written
         secret = _id.read_secret(args.secret_file) if args.secret_file else None
-        secret = secret or next((os.environ[k] for k in _id.SECRET_ENV if os.environ.get(k)), None) or cfg.peers.token
+        secret = secret or _id.secret_from_env() or cfg.peers.token
         insecure = args.insecure or cfg.peers.insecure
         if insecure and secret:
             raise ValueError("--insecure (or peers.insecure) and a run secret were both given; choose one")

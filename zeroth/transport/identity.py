@@ -52,6 +52,7 @@ __all__ = [
     "Identity",
     "new_secret",
     "access_token",
+    "secret_from_env",
     "token_from_env",
     "launch_env",
     "join_proof",
@@ -111,6 +112,12 @@ def launch_env(insecure: bool, environ=None) -> dict[str, str]:
     return env
 
 
+def secret_from_env(environ=None) -> str | None:
+    """The run secret set in the environment (the first of :data:`SECRET_ENV` that is set), or None."""
+    environ = os.environ if environ is None else environ
+    return next((environ[k] for k in SECRET_ENV if environ.get(k)), None)
+
+
 def token_from_env(insecure: bool, environ=None) -> str | None:
     """The access token of the run secret in the environment (:data:`SECRET_ENV`), or None with ``insecure``.
 
@@ -119,8 +126,7 @@ def token_from_env(insecure: bool, environ=None) -> str | None:
     """
     if insecure:
         return None
-    environ = os.environ if environ is None else environ
-    secret = next((environ[k] for k in SECRET_ENV if environ.get(k)), None)
+    secret = secret_from_env(environ)
     if secret is None:
         raise ValueError(f"no run secret: set {SECRET_ENV[0]} (the same on every process of the run) "
                          "or pass --insecure (loopback experiments only)")
