@@ -267,7 +267,7 @@ def test_bench_zo_times_the_flat_layout_beside_the_tree(capsys):
     assert ratios["deferred_time_over_held_rademacher"] == pytest.approx(deferred["seconds_min"] / held["seconds_min"])
     # the stages went to stderr as they ran, for a run stopped by a time limit to say where it was
     err = captured.err
-    forwards = 1 + len(estimator.compiler_option_candidates())  # XLA's defaults and each candidate
+    forwards = 1 + len(estimator.autotune.compiler_option_candidates())  # XLA's defaults and each candidate
     assert "[zeroth bench zo" in err and "the step with its update held" in err
     assert f"timing {16 + forwards} rows, 1 rounds" in err
     assert "the flat layout's step, deferred, and its bits (rademacher)" in err
@@ -297,7 +297,7 @@ def test_bench_zo_rows_compiles_and_times_only_the_groups_named(capsys):
     # a flat group implies the flat layout; the groups in their own order
     assert result["config"]["rows"] == ["flat_held", "deferred"] and result["config"]["flat"] is True
     names = [r["name"] for r in result["rows"]]
-    forwards = 1 + len(estimator.compiler_option_candidates())  # XLA's defaults and each candidate
+    forwards = 1 + len(estimator.autotune.compiler_option_candidates())  # XLA's defaults and each candidate
     assert names == ["inference forward"] * forwards + ["ZO step n=1 rademacher (flat layout), update held",
                                                  "ZO step n=1 rademacher (flat layout), update held, deferred"]
     ratios = result["ratios"]
@@ -415,7 +415,7 @@ def test_bench_memory_measures_the_program_the_estimator_keeps(capsys):
     assert result["config"]["perturb_impl"] == "auto"
     rows = result["rows"]
     forwards = [r for r in rows if r["name"] == "inference forward"]
-    assert len(forwards) == 1 + len(zo.compiler_option_candidates())
+    assert len(forwards) == 1 + len(zo.autotune.compiler_option_candidates())
     m_fwd = min(r["peak_bytes"] for r in forwards)
     _, params, data, loss_fn = zo_bench.setup("transformer", 256, 8)
     pg = zo.projected_gradients_fn(loss_fn, distribution="binomial")
@@ -423,7 +423,7 @@ def test_bench_memory_measures_the_program_the_estimator_keeps(capsys):
     for suffix, layout in (("", params), ("_flat", replay.flatten(params))):
         name = "ZO projected gradients n=1 binomial" + (" (flat layout)" if suffix else "")
         found = [r for r in rows if r["name"] == name]
-        assert len(found) == len(zo.estimator_option_candidates(params))
+        assert len(found) == len(zo.autotune.estimator_option_candidates(params))
         # on a CPU the estimator compiles every candidate (side by side); each row says how long it took
         assert all(r["estimator_compiles"] and r["compile_s"] > 0 for r in found)
         kept = [r for r in found if r["kept"]]

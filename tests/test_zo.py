@@ -7,6 +7,7 @@ import importlib.util
 import math
 import random
 import re
+import sys
 from pathlib import Path
 
 import jax
@@ -67,7 +68,7 @@ def test_estimator_equals_float64_finite_difference_on_quadratic(distribution):
     keys = rng.sample_keys(7, [(2, 11, i) for i in range(3)])
     g, ell = jax.device_get(zo.projected_gradients_fn(loss, distribution=distribution)(params, None, keys, eps))
     if distribution == "binomial":  # inside a caller's own jit, as the trainer uses it
-        g_traced = jax.jit(lambda p, k, e: zo.projected_gradients(loss, p, None, k, e, distribution=distribution))(
+        g_traced, _ = jax.jit(lambda p, k, e: zo.projected_gradients(loss, p, None, k, e, distribution=distribution))(
             params, keys, eps
         )
         np.testing.assert_allclose(np.asarray(g_traced), g, rtol=1e-5, atol=1e-5)
@@ -95,7 +96,7 @@ def test_estimator_is_scale_of_exact_perturbation():
     params = {"w": jnp.asarray(np.linspace(-1, 1, 50, dtype=np.float32))}
     key = rng.sample_key(3, 0, 0, 0)
     eps = zo.round_eps(1e-3)
-    g = np.asarray(zo.projected_gradients(lambda p, b: p["w"][17], params, None, key[None], eps))
+    g = np.asarray(zo.projected_gradients(lambda p, b: p["w"][17], params, None, key[None], eps)[0])
     plus = reference.replay_leaf(np.asarray(params["w"]), "['w']", [(key, float(eps))], "binomial")
     minus = reference.replay_leaf(np.asarray(params["w"]), "['w']", [(key, -float(eps))], "binomial")
     expected = (np.float32(plus[17]) - np.float32(minus[17])) / (np.float32(2) * eps)
@@ -135,12 +136,17 @@ def test_estimator_evaluates_exactly_the_replayed_models(distribution):
                                           err_msg=f"{path} pair {j}")
 
 
-def test_estimator_rejects_bad_inputs():
+def test_estimator_rounds_a_raw_eps_as_the_update_rule_does_and_rejects_bad_inputs():
     params = {"w": jnp.ones(4)}
-    loss = lambda p, b: jnp.sum(p["w"])  # noqa: E731
+    loss = lambda p, b: jnp.sum(p["w"] ** 2)  # noqa: E731
     keys = rng.sample_keys(0, [(0, 0, 0)])
-    with pytest.raises(ValueError, match="not host-rounded"):
-        zo.projected_gradients(loss, params, None, keys, np.float32(0.1))
+    raw, rounded = zo.projected_gradients(loss, params, None, keys, 0.1), zo.projected_gradients(loss, params, None, keys, zo.round_eps(0.1))
+    assert float(zo.round_eps(0.1)) != 0.1  # the rounding is not the identity here: the test can fail
+    np.testing.assert_array_equal(np.asarray(raw), np.asarray(rounded))
+    fn = zo.projected_gradients_fn(loss)
+    np.testing.assert_array_equal(np.asarray(fn(params, None, keys, 0.1)), np.asarray(rounded))
+    with pytest.raises(ValueError, match="eps must be a scalar"):
+        zo.projected_gradients(loss, params, None, keys, np.ones(2, np.float32))
     with pytest.raises(ValueError, match="backend-dependent"):
         zo.projected_gradients(loss, params, None, keys, zo.round_eps(0.1), distribution="gaussian")
     with pytest.raises(ValueError, match="eps must be a finite number > 0"):
@@ -164,8 +170,8 @@ def test_estimator_does_not_recompile_across_iterations():
 def test_a_numpy_leafs_signature_is_the_one_jit_sees(dtype):
     # read from the array's attributes (a peer's batches are NumPy arrays), the same as jnp's
     x = np.zeros((3, 2), dtype)
-    assert zo._leaf_signature(x) == ((3, 2), jnp.result_type(x), False)
-    assert zo._leaf_signature(np.float32(1.5)) == ((), jnp.dtype(jnp.float32), False)
+    assert zo.autotune._leaf_signature(x) == ((3, 2), jnp.result_type(x), False)
+    assert zo.autotune._leaf_signature(np.float32(1.5)) == ((), jnp.dtype(jnp.float32), False)
 
 
 def test_compiler_options_are_backend_specific():
@@ -174,13 +180,13 @@ def test_compiler_options_are_backend_specific():
     assert zo.compiler_options("gpu")["xla_disable_hlo_passes"] == "while-loop-invariant-code-motion"
     # loop-invariant code motion comes first: kept wherever its compiled peak is no larger; on a
     # CPU with each library fusion, in pairs compiled side by side
-    cpu = zo.compiler_option_candidates("cpu")
-    base, individual = zo.compiler_options("cpu"), {"xla_cpu_experimental_ynn_fusion_type": zo._INDIVIDUAL_LIBRARY_OPS}
+    cpu = zo.autotune.compiler_option_candidates("cpu")
+    base, individual = zo.compiler_options("cpu"), {"xla_cpu_experimental_ynn_fusion_type": zo.autotune._INDIVIDUAL_LIBRARY_OPS}
     motion = dict(base, xla_disable_hlo_passes="")
     assert cpu == [motion, dict(motion, **individual), base, dict(base, **individual)]
-    gpu = zo.compiler_option_candidates("gpu")
+    gpu = zo.autotune.compiler_option_candidates("gpu")
     assert gpu == [dict(zo.compiler_options("gpu"), xla_disable_hlo_passes=""), zo.compiler_options("gpu")]
-    assert zo.compiler_option_candidates("tpu") == [zo.compiler_options("tpu")]
+    assert zo.autotune.compiler_option_candidates("tpu") == [zo.compiler_options("tpu")]
 
 
 def test_the_candidates_compile_side_by_side_into_what_each_compiles_alone():
@@ -190,12 +196,12 @@ def test_the_candidates_compile_side_by_side_into_what_each_compiles_alone():
         return jax.lax.fori_loop(0, 4, lambda i, y: y + jnp.tanh(x @ w), jnp.zeros((8, 64)))
 
     lowered = jax.jit(f).lower(jnp.ones((64, 64)), jnp.ones((8, 64)))
-    candidates = zo.compiler_option_candidates("gpu")  # with and without loop-invariant code motion
+    candidates = zo.autotune.compiler_option_candidates("gpu")  # with and without loop-invariant code motion
     alone = [lowered.compile(dict(o)).as_text() for o in candidates]
     assert alone[0] != alone[1]  # the two candidates compile differently
-    assert [c.as_text() for c in zo.compile_candidates(lowered, candidates)] == alone
-    assert [c.as_text() for c in zo.compile_candidates(lowered, candidates[:1])] == alone[:1]
-    assert [c.as_text() for c in zo.compile_candidates(lowered, candidates, backend="gpu")] == alone  # in turn
+    assert [c.as_text() for c in zo.autotune.compile_candidates(lowered, candidates)] == alone
+    assert [c.as_text() for c in zo.autotune.compile_candidates(lowered, candidates[:1])] == alone[:1]
+    assert [c.as_text() for c in zo.autotune.compile_candidates(lowered, candidates, backend="gpu")] == alone  # in turn
 
 
 def test_candidates_compiled_in_turn_stop_at_one_near_the_least_memory():
@@ -205,20 +211,20 @@ def test_candidates_compiled_in_turn_stop_at_one_near_the_least_memory():
         return jax.lax.fori_loop(0, 4, lambda i, y: y + jnp.tanh(x @ w), jnp.zeros((8, 64)))
 
     lowered = jax.jit(f).lower(jnp.ones((64, 64)), jnp.ones((8, 64)))
-    candidates = zo.compiler_option_candidates("gpu")
+    candidates = zo.autotune.compiler_option_candidates("gpu")
     alone = [lowered.compile(dict(o)).as_text() for o in candidates]
     accepted = []
-    first = zo.compile_candidates(lowered, candidates, backend="gpu", enough=lambda c: accepted.append(c) or True)
+    first = zo.autotune.compile_candidates(lowered, candidates, backend="gpu", enough=lambda c: accepted.append(c) or True)
     assert [c.as_text() for c in first] == alone[:1] and len(accepted) == 1
-    assert [c.as_text() for c in zo.compile_candidates(lowered, candidates, backend="gpu", enough=lambda c: False)] == alone
-    assert [c.as_text() for c in zo.compile_candidates(lowered, candidates, backend="cpu", enough=lambda c: True)] == alone
+    assert [c.as_text() for c in zo.autotune.compile_candidates(lowered, candidates, backend="gpu", enough=lambda c: False)] == alone
+    assert [c.as_text() for c in zo.autotune.compile_candidates(lowered, candidates, backend="cpu", enough=lambda c: True)] == alone
 
     # near_least_memory: scratch at most 1/32 of the peak
     small = jax.jit(lambda w, x: jnp.tanh(x @ w).sum()).lower(jnp.ones((256, 256)), jnp.ones((2, 256))).compile()
     big = jax.jit(lambda x: jnp.sort(jnp.outer(x, x).ravel())[0]).lower(jnp.ones(256)).compile()  # a sorted copy
     for compiled, near in ((small, True), (big, False)):
         m = zo.compiled_memory(compiled)
-        assert (m["temp"] <= zo.NEAR_LEAST_MEMORY * m["peak"]) == near == zo.near_least_memory(compiled), m
+        assert (m["temp"] <= zo.autotune.NEAR_LEAST_MEMORY * m["peak"]) == near == zo.autotune.near_least_memory(compiled), m
 
 
 @pytest.mark.parametrize("backend", ["gpu", "cpu"])
@@ -231,14 +237,14 @@ def test_the_estimator_stops_after_the_round_of_a_candidate_near_the_least_memor
     layers = 128
     params = {f"w{i:03d}": jnp.asarray(np.random.default_rng(i).normal(size=(64, 64)).astype(np.float32) * 0.1)
               for i in range(layers)}
-    assert sum(x.nbytes for x in params.values()) >= zo.AUTOTUNE_MIN_BYTES and len(zo.compiler_option_candidates()) == 4
+    assert sum(x.nbytes for x in params.values()) >= zo.autotune.AUTOTUNE_MIN_BYTES and len(zo.autotune.compiler_option_candidates()) == 4
 
     def loss(p, b):
         for i in range(layers):
             b = jnp.tanh(b @ p[f"w{i:03d}"])
         return jnp.mean(b**2)
 
-    real = zo.compile_candidates
+    real = zo.autotune.compile_candidates
     counted = []
 
     def in_rounds(lowered, candidates, _=None, **kw):
@@ -246,20 +252,20 @@ def test_the_estimator_stops_after_the_round_of_a_candidate_near_the_least_memor
         counted.append(len(out))
         return out
 
-    monkeypatch.setattr(zo, "compile_candidates", in_rounds)
+    monkeypatch.setattr(zo.autotune, "compile_candidates", in_rounds)
     batch, keys, eps = jnp.ones((rows, 64)) * 0.1, rng.sample_keys(0, [(0, 0, 0)]), zo.round_eps(1e-2)
     pg = zo.ProjectedGradientsFn(loss, "binomial")
     g, _ = pg(params, batch, keys, eps)
     lowered = pg.lowered(params, batch, keys, eps)
-    every = [lowered.compile(dict(o)) for o in zo.compiler_option_candidates()]
-    near = [zo.near_least_memory(c) for c in every]
+    every = [lowered.compile(dict(o)) for o in zo.autotune.compiler_option_candidates()]
+    near = [zo.autotune.near_least_memory(c) for c in every]
     assert near[0] == (rows == 4)
-    first_round = zo.side_by_side(backend)
-    assert counted == [first_round if rows == 4 else zo.compiled_count(near, backend)]
+    first_round = zo.autotune.side_by_side(backend)
+    assert counted == [first_round if rows == 4 else zo.autotune.compiled_count(near, backend)]
     if rows == 4096:
         assert counted[0] > first_round
     best = min(zo.compiled_memory(c)["peak"] for c in every)
-    assert zo.compiled_memory(pg.compiled(params, batch, keys, eps))["peak"] <= best * (1 + zo.NEAR_LEAST_MEMORY)
+    assert zo.compiled_memory(pg.compiled(params, batch, keys, eps))["peak"] <= best * (1 + zo.autotune.NEAR_LEAST_MEMORY)
     g_ref, _ = every[0](params, batch, keys, eps)
     np.testing.assert_array_equal(np.asarray(g), np.asarray(g_ref))  # the same bits whichever is kept
 
@@ -292,7 +298,7 @@ def test_step_keeps_no_perturbed_copy_of_the_model():
     param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
     leaf_bytes = width * width * 4
     act_bytes = batch.nbytes
-    assert param_bytes >= zo.AUTOTUNE_MIN_BYTES
+    assert param_bytes >= zo.autotune.AUTOTUNE_MIN_BYTES
     zo_fn = zo.projected_gradients_fn(_mlp_loss)
     step = zo_fn.compiled(params, batch, keys, zo.round_eps(1e-3))
     lowered = jax.jit(_mlp_loss).lower(params, batch)
@@ -558,16 +564,16 @@ def test_the_one_byte_scale_table_holds_each_codes_host_rounded_scale(scaling, d
     # the table is computed on all 256 values at once; each entry is the scale update_coefficients
     # and update_scales give the one value, down to coefficients below 2**-120 (0) and large ones
     for lr, n in ((0.037, 3), (1e-7, 1), (3.3, 16), (1e-37, 2), (0.1 + 1e-17, 7)):
-        table = zo.onebyte_scales(lr, n, scaling, distribution)
+        table = zo.step.onebyte_scales(lr, n, scaling, distribution)
         assert table.dtype == np.float32 and table.shape == (256,) and not table.flags.writeable
         want = [replay.update_scales(distribution, zo.update_coefficients([v], lr, n, scaling))[0]
                 for v in codecs.ONEBYTE_TABLE.tolist()]
         np.testing.assert_array_equal(table.view(np.uint32), np.array(want, np.float32).view(np.uint32))
-    small = zo.onebyte_scales(1e-37, 2, scaling, distribution)  # the small levels' coefficients flushed to 0
+    small = zo.step.onebyte_scales(1e-37, 2, scaling, distribution)  # the small levels' coefficients flushed to 0
     assert 0 < np.count_nonzero(small) < 255
-    assert zo.onebyte_scales(0.1 + 1e-17, 7, scaling, distribution) is table  # cached: a constant lr builds it once
+    assert zo.step.onebyte_scales(0.1 + 1e-17, 7, scaling, distribution) is table  # cached: a constant lr builds it once
     with pytest.raises(ValueError, match="finite lr"):
-        zo.onebyte_scales(float("inf"), 3)
+        zo.step.onebyte_scales(float("inf"), 3)
 
 
 def test_a_deferred_step_with_a_non_finite_gradient_is_refused_by_the_next_step_and_not_applied():
@@ -599,11 +605,11 @@ def test_a_deferred_outcome_whose_codes_differ_from_the_hosts_is_refused():
     # encoding of the fetched gradients; a backend that encoded otherwise would be caught at once
     g = np.array([0.5, -2.0], np.float32)
     codes = np.frombuffer(codecs.ONEBYTE.encode(g), np.uint8)
-    table = zo.onebyte_scales(0.1, 2)
+    table = zo.step.onebyte_scales(0.1, 2)
     losses = np.ones(2, np.float32)
 
     def outcome(codes, scales):
-        return zo._Outcome(g, losses, codes, scales, None, iteration=4, lr=0.1, eps=1e-2, scaling="sqrt",
+        return zo.step._Outcome(g, losses, codes, scales, None, iteration=4, lr=0.1, eps=1e-2, scaling="sqrt",
                            distribution="binomial")
 
     assert outcome(codes, table[codes]).result().payload == codes.tobytes()
@@ -620,7 +626,7 @@ def test_a_held_step_compiles_once_with_the_options_its_projected_gradients_chos
     # program has the same forward passes, so it takes the choice already made (one compilation,
     # not one per candidate: on a GPU each is seconds of a run's start)
     params = {"w": jnp.asarray(np.random.default_rng(2).normal(size=(512, 520)).astype(np.float32) * 0.01)}
-    assert params["w"].nbytes >= zo.AUTOTUNE_MIN_BYTES and len(zo.compiler_option_candidates()) > 1
+    assert params["w"].nbytes >= zo.autotune.AUTOTUNE_MIN_BYTES and len(zo.autotune.compiler_option_candidates()) > 1
 
     def loss(p, b):
         return jnp.mean(jnp.tanh(b @ p["w"]) ** 2)
@@ -632,7 +638,7 @@ def test_a_held_step_compiles_once_with_the_options_its_projected_gradients_chos
     batch, keys, eps = jnp.ones((4, 512)), rng.sample_keys(0, [(0, 0, 0)]), zo.round_eps(1e-2)
     pg(params, batch, keys, eps)
     alone = len(compiled)
-    assert alone >= zo.side_by_side()  # a round of candidates at least
+    assert alone >= zo.autotune.side_by_side()  # a round of candidates at least
     chosen = pg.chosen_options(params, batch, keys, eps)
     held = (keys, replay.update_scales("binomial", [0.01]), None)
     pg.compiled_after_update(params, held, batch, keys, eps)
@@ -663,7 +669,7 @@ def test_unrolled_forwards_evaluate_the_same_perturbations_one_at_a_time(distrib
     assert " while(" not in unrolled.compiled(params, batch, keys, eps).as_text()  # straight-line
     # one barrier per evaluation, each depending on the one before (through its loss and θ): no
     # scheduler can start an evaluation's perturbed model before the previous loss is computed
-    jaxpr = jax.make_jaxpr(functools.partial(zo.projected_gradients_and_losses, loss, distribution=distribution,
+    jaxpr = jax.make_jaxpr(functools.partial(zo.projected_gradients, loss, distribution=distribution,
                                              unroll=True))(params, batch, keys, eps).jaxpr
     after: dict = {}  # var -> the barriers it depends on
     barriers = []
@@ -924,7 +930,8 @@ def test_zo_estimate_refuses_what_it_cannot_use():
 def test_zo_estimate_docstring_example_runs():
     with jax.numpy_dtype_promotion("standard"):
         for name in ("zo_estimate", "zo_value_and_grad", "lr_at"):
-            for test in doctest.DocTestFinder().find(getattr(zo, name), name, globs=dict(vars(zo))):
+            obj = getattr(zo, name)
+            for test in doctest.DocTestFinder().find(obj, name, globs=dict(vars(sys.modules[obj.__module__]))):
                 assert doctest.DocTestRunner().run(test).failed == 0, name
 
 
@@ -963,7 +970,7 @@ def test_large_perturbed_leaves_are_computed_apart_with_the_same_bits(distributi
     # the threshold lowered from its 1 MiB to 64 KiB: the leaves stay under AUTOTUNE_MIN_BYTES in
     # all, so that each estimator compiles one program instead of a round of candidates
     threshold = 1 << 16
-    assert fused.APART_MIN_BYTES == 1 << 20 and 3 * threshold < zo.AUTOTUNE_MIN_BYTES
+    assert fused.APART_MIN_BYTES == 1 << 20 and 3 * threshold < zo.autotune.AUTOTUNE_MIN_BYTES
     r = np.random.default_rng(11)
     params = {"big": jnp.asarray(r.normal(size=(128, 128)).astype(np.float32)),  # the threshold: apart
               "wide": jnp.asarray(r.normal(size=(128, 136)).astype(np.float32)),  # just above
@@ -1124,10 +1131,10 @@ def test_dense_kernel_blocks_served_in_the_loop_are_the_reference_replay(distrib
         pytest.skip(cpu_native.unavailable_reason())
     if not native:
         monkeypatch.setattr(cpu_native, "available", lambda *a, **k: False)
-    monkeypatch.setattr(zo, "BLOCKS_MIN_ELEMENTS", 1 << 16)
+    monkeypatch.setattr(zo.estimator, "BLOCKS_MIN_ELEMENTS", 1 << 16)
     r = np.random.default_rng(7)
     params = {"w": jnp.asarray(r.normal(size=(517, 128)).astype(np.float32))}
-    assert params["w"].size >= zo.BLOCKS_MIN_ELEMENTS
+    assert params["w"].size >= zo.estimator.BLOCKS_MIN_ELEMENTS
     picked = np.array([0, 64, 65, 300, 454, 455, 516], np.int32)
     onehot = jnp.asarray(np.eye(517, dtype=np.float32)[picked])
     seen = []
@@ -1181,7 +1188,7 @@ def test_dot_general_keeps_the_plain_product_where_blocks_would_not_save(monkeyp
     """Without a provider, for a kernel smaller than BLOCKS_MIN_ELEMENTS, and for a kernel whose
     input is larger than it (a CNN's dense head: the loop would hold the input), layerwise.dot_general
     is lax.dot_general bit for bit, inside the estimator as outside."""
-    monkeypatch.setattr(zo, "BLOCKS_MIN_ELEMENTS", 1 << 16)  # big's size qualifies; its input does not
+    monkeypatch.setattr(zo.estimator, "BLOCKS_MIN_ELEMENTS", 1 << 16)  # big's size qualifies; its input does not
     r = np.random.default_rng(2)
     big = jnp.asarray(r.normal(size=(600, 512)).astype(np.float32))
     small = jnp.asarray(r.normal(size=(64, 32)).astype(np.float32))
@@ -1244,16 +1251,16 @@ def test_the_estimator_keeps_the_first_candidate_near_the_smallest_peak(monkeypa
     keys, eps = rng.sample_keys(0, [(0, 0, i) for i in range(2)]), zo.round_eps(1e-3)
     params = _mlp_params(512, 2)
     batch = jnp.ones((8, 512), jnp.float32)
-    lowered = jax.jit(functools.partial(zo.projected_gradients_and_losses, _mlp_loss)).lower(params, batch, keys, eps)
+    lowered = jax.jit(functools.partial(zo.projected_gradients, _mlp_loss)).lower(params, batch, keys, eps)
     peak = {"motion": _peak(lowered.compile(motion)), "base": _peak(lowered.compile(base))}
     options = {"motion": motion, "base": base}
     for order in (["motion", "base"], ["base", "motion"]):
-        monkeypatch.setattr(zo, "compiler_option_candidates", lambda backend=None, o=order: [options[k] for k in o])
+        monkeypatch.setattr(zo.autotune, "compiler_option_candidates", lambda backend=None, o=order: [options[k] for k in o])
         chosen = zo.ProjectedGradientsFn(_mlp_loss, "binomial").chosen_options(params, batch, keys, eps)
-        first_near = peak[order[0]] <= min(peak.values()) * (1 + zo.NEAR_LEAST_MEMORY)
+        first_near = peak[order[0]] <= min(peak.values()) * (1 + zo.autotune.NEAR_LEAST_MEMORY)
         assert chosen == options[order[0] if first_near else order[1]], (peak, order, chosen)
-    assert [zo.kept_candidate(p) for p in ([1032, 1000], [1031, 1000], [1000, 1031], [10, 9, 9])] == [1, 0, 0, 1]
-    assert zo.kept_candidate([1001, 1000], within=0) == 1
+    assert [zo.autotune.kept_candidate(p) for p in ([1032, 1000], [1031, 1000], [1000, 1031], [10, 9, 9])] == [1, 0, 0, 1]
+    assert zo.autotune.kept_candidate([1001, 1000], within=0) == 1
 
 
 def _many_leaves(n: int) -> dict:
@@ -1280,7 +1287,7 @@ def test_the_gpus_kernel_per_leaf_gives_the_projected_gradients_of_the_jnp_rule(
     p = replay.flatten(params, platform="cpu", alone_from=1300) if flat else params
     keys = rng.sample_keys(3, [(0, 1, 0)])
     eps = zo.round_eps(1e-2)
-    out = {impl: jax.jit(lambda p, k, e, impl=impl: zo.projected_gradients_and_losses(
+    out = {impl: jax.jit(lambda p, k, e, impl=impl: zo.projected_gradients(
         _sum_loss, p, jnp.float32(0.5), k, e, distribution=dist, perturb_impl=impl))(p, keys, eps)
         for impl in ("jnp", "pallas") + (("native",) if cpu_native.available() else ())}
     for impl, (g, losses) in out.items():
@@ -1288,7 +1295,7 @@ def test_the_gpus_kernel_per_leaf_gives_the_projected_gradients_of_the_jnp_rule(
         np.testing.assert_array_equal(np.asarray(losses), np.asarray(out["jnp"][1]), err_msg=impl)
     assert np.all(np.asarray(out["jnp"][0]) != 0)
     with pytest.raises(ValueError, match="perturb_impl must be one of"):
-        zo.projected_gradients_and_losses(_sum_loss, params, 0.5, keys, eps, perturb_impl="triton")
+        zo.projected_gradients(_sum_loss, params, 0.5, keys, eps, perturb_impl="triton")
 
 
 def test_on_a_gpu_the_zo_program_holds_no_noise_graph_per_large_leaf(monkeypatch):
@@ -1310,7 +1317,7 @@ def test_on_a_gpu_the_zo_program_holds_no_noise_graph_per_large_leaf(monkeypatch
         large = {f"w{i:02d}": (512, 520) for i in range(n_large)}  # over APART_MIN_BYTES each
         args = {**jax.tree_util.tree_map(lambda x: x.shape, _many_leaves(4)), **large}
         args = {k: jax.ShapeDtypeStruct(v, jnp.bfloat16 if k == "l00" else jnp.float32) for k, v in args.items()}
-        fn = jax.jit(lambda p, k, e: zo.projected_gradients_and_losses(
+        fn = jax.jit(lambda p, k, e: zo.projected_gradients(
             _sum_loss, p, jnp.float32(1.0), k, e, perturb_impl=impl))
         with gpu_target():
             return export.export(fn, platforms=["cuda"], disabled_checks=[
@@ -1324,8 +1331,8 @@ def test_on_a_gpu_the_zo_program_holds_no_noise_graph_per_large_leaf(monkeypatch
     jnp_rule = module(12, "jnp")
     assert jnp_rule.count("stablehlo.xor") > 3 * many.count("stablehlo.xor")
     # ZEROTH_ZO_PERTURB names what "auto" means in a process (a benchmark of the jnp rule's programs)
-    monkeypatch.setenv(zo.PERTURB_ENV, "jnp")
+    monkeypatch.setenv(zo.estimator.PERTURB_ENV, "jnp")
     assert module(12, "auto").count("stablehlo.xor") == jnp_rule.count("stablehlo.xor")
-    monkeypatch.setenv(zo.PERTURB_ENV, "triton")
+    monkeypatch.setenv(zo.estimator.PERTURB_ENV, "triton")
     with pytest.raises(ValueError, match="ZEROTH_ZO_PERTURB must be one of 'auto', 'native', 'pallas', 'jnp'; got 'triton'"):
         module(2, "auto")

@@ -11,7 +11,7 @@ A model reads the parts of a leaf it needs through two functions instead of inde
 
 With nothing installed they are exactly ``xs = stacked``, ``layer(i, xs_i) = xs_i``,
 ``rows(table, ids) = table[ids]`` and ``lax.dot_general``. An estimator that passes the model computed leaves (a ZO step's
-``θ ± εz``, :func:`zeroth.zo.projected_gradients_and_losses`) may install a :class:`Provider`
+``θ ± εz``, :func:`zeroth.zo.projected_gradients`) may install a :class:`Provider`
 while it traces ``loss_fn(params, batch)`` (:func:`provide`); for a leaf it recognises (by
 identity: the very array it passed in) the provider computes the slice or the rows *on demand*
 from what the leaf was made of. The contract of a provider is that its answer is bit-identical
@@ -23,7 +23,7 @@ the scan body, just before it runs, instead of a whole perturbed copy of the lay
 scan; an embedding lookup perturbs only the rows it reads; and a large dense kernel the provider
 serves in blocks of rows is multiplied one block at a time (:data:`BLOCKS` of them, in a loop), so
 no more than one block of its perturbed copy exists at once (the estimator serves kernels of at
-least :data:`zeroth.zo.BLOCKS_MIN_ELEMENTS` so, on a CPU). That product is the sum of the
+least :data:`zeroth.zo.estimator.BLOCKS_MIN_ELEMENTS` so, on a CPU). That product is the sum of the
 blocks' products: the same value as ``x @ kernel`` up to the rounding of the sums (the blocks
 themselves are bit-identical to the kernel's rows).
 

@@ -18,12 +18,12 @@ the measure ``zeroth bench zo`` reports beside its timings.
   the commands that install them.
 
 Rows: the inference forward under XLA's default options and under each option set of
-:func:`zeroth.zo.compiler_option_candidates` (the baseline is the smallest peak), then per
+:func:`zeroth.zo.autotune.compiler_option_candidates` (the baseline is the smallest peak), then per
 distribution the ZO projected-gradients program (2N forwards at ``θ ± εz``, the program of a ZO
-step that holds the most) under each option set :func:`zeroth.zo.estimator_option_candidates`
-gives, the one the estimator keeps (:func:`zeroth.zo.kept_candidate`) marked, and those the estimator does not
+step that holds the most) under each option set :func:`zeroth.zo.autotune.estimator_option_candidates`
+gives, the one the estimator keeps (:func:`zeroth.zo.autotune.kept_candidate`) marked, and those the estimator does not
 compile, after the round (pairs on a CPU, one at a time elsewhere) of one near the least memory
-(:func:`zeroth.zo.near_least_memory`), marked "not compiled" (compiled here all the same, to be
+(:func:`zeroth.zo.autotune.near_least_memory`), marked "not compiled" (compiled here all the same, to be
 shown); with ``--flat`` the same on ``replay.flatten(params)``. Each row gives the seconds its
 compilation took ("compile": for an H100, SmolLM2-135M unrolled's projected gradients took 17.1-17.2 s
 on a 2-core CPU). The ratios ``zo_memory_over_inference_{dist}`` (and ``_flat``) are
@@ -137,7 +137,7 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
     ``compile_profile`` > 0: each ZO program's compilations are profiled, their rows carry that
     many of the events by time (``compile_events``: XLA's passes, the kernels' LLVM and PTX work).
     ``perturb_impl``: how the ZO programs compute their perturbed leaves
-    (:func:`zeroth.zo.projected_gradients_and_losses`; ``"jnp"`` gives the jnp rule's programs
+    (:func:`zeroth.zo.projected_gradients`; ``"jnp"`` gives the jnp rule's programs
     for a GPU target, whose default is a kernel per leaf), to compare compile times and memory.
 
     Raises:
@@ -173,10 +173,10 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
     with place:
         fwd = jax.jit(loss_fn).lower(abstract(params), abstract(data))
         fwd_rows = []
-        for opts in (None, *zo.compiler_option_candidates()):
+        for opts in (None, *zo.autotune.compiler_option_candidates()):
             progress(f"compiling the forward ({_describe(opts)})")
             fwd_rows.append(_compiled_row("inference forward", opts, fwd, options))
-        baseline = fwd_rows[zo.kept_candidate([r["peak_bytes"] for r in fwd_rows], within=0)]
+        baseline = fwd_rows[zo.autotune.kept_candidate([r["peak_bytes"] for r in fwd_rows], within=0)]
         m_fwd = baseline["peak_bytes"]
         rows += fwd_rows
         keys = jax.ShapeDtypeStruct((n, 2), jnp.uint32, sharding=sharding)
@@ -187,13 +187,13 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
                 lowered = pg.lowered(abstract(p), abstract(data), keys, eps)
                 name = f"ZO projected gradients n={n} {dist}" + (" (flat layout)" if suffix else "")
                 found, compiled = [], []
-                for opts in zo.estimator_option_candidates(p):
+                for opts in zo.autotune.estimator_option_candidates(p):
                     progress(f"compiling {name} ({_describe(opts)})")
                     found.append(_compiled_row(name, opts, lowered, options, compiled, compile_profile))
-                # what the estimator compiles (zo.compile_candidates with zo.near_least_memory): in
+                # what the estimator compiles (zo.autotune.compile_candidates with zo.autotune.near_least_memory): in
                 # rounds, up to the end of the first holding one near the least memory
-                upto = zo.compiled_count([zo.near_least_memory(c) for c in compiled], family)
-                kept = zo.kept_candidate([r["peak_bytes"] for r in found[:upto]])
+                upto = zo.autotune.compiled_count([zo.autotune.near_least_memory(c) for c in compiled], family)
+                kept = zo.autotune.kept_candidate([r["peak_bytes"] for r in found[:upto]])
                 for i, r in enumerate(found):
                     r["kept"] = i == kept
                     r["estimator_compiles"] = i < upto

@@ -48,7 +48,7 @@ used because on CPU it mixes the runtime, the compilation caches and the allocat
 A ZO step runs two programs one after the other; its peak is the larger of the two.
 
 The inference baseline is the forward compiled under XLA's default options and under each
-option set of :func:`zeroth.zo.compiler_option_candidates` (all shown); ratios use the smallest
+option set of :func:`zeroth.zo.autotune.compiler_option_candidates` (all shown); ratios use the smallest
 peak and the fastest time among them, so the ZO step is never compared with a handicapped
 forward. The ZO step's program is the one :func:`zeroth.zo.projected_gradients_fn` chose; the
 backprop step is compiled under the same option sets and the smallest is kept. Timings are
@@ -242,7 +242,7 @@ def run(
 
     # the inference baseline: the forward under XLA's defaults and under each ZO option set;
     # ratios use the smallest peak and the fastest time among them
-    fwd_variants = {"default": None, **{f"zo{i}": o for i, o in enumerate(zo.compiler_option_candidates())}}
+    fwd_variants = {"default": None, **{f"zo{i}": o for i, o in enumerate(zo.autotune.compiler_option_candidates())}}
     progress(f"compiling the forward under {len(fwd_variants)} option sets")
     fwd_jit = jax.jit(loss_fn)
     lowered = fwd_jit.lower(params, data)
@@ -431,11 +431,11 @@ def run(
         "config": {"model": model, "model_kwargs": kwargs, "batch": batch,
                    "width": None if model in PRETRAINED_MODELS else width, "input_shape": input_shape,
                    "n_perturbations": n, "codec": codec, "flat": flat, "unroll": unroll, "rows": list(groups),
-                   "zo_perturb": os.environ.get(zo.PERTURB_ENV, "auto"),
+                   "zo_perturb": os.environ.get(zo.estimator.PERTURB_ENV, "auto"),
                    "distributions": list(distributions), "params": n_params,
                    "param_bytes": int(param_bytes), "largest_leaf_bytes": largest_leaf},
         "memory_measure": "Compiled.memory_analysis(): argument + output + temp - alias bytes of each compiled program",
-        "compiler_options": {"candidates": zo.compiler_option_candidates(), "chosen": chosen,
+        "compiler_options": {"candidates": zo.autotune.compiler_option_candidates(), "chosen": chosen,
                              **({"compared": {d: _options(chosen[d], zo_options) for d in distributions}} if zo_options else {})},
         "environment": _common.environment(),
         "rows": rows,
@@ -611,7 +611,7 @@ def _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dis
     (d_applied, g_applied), (d_held, g_held) = run(False), run(True)
     same[tag] = d_applied == d_held and np.array_equal(g_applied, g_held)
     start = fresh()
-    enc = (zo.onebyte_scales(_LR, n, "sqrt", dist), None) if defer else None
+    enc = (zo.step.onebyte_scales(_LR, n, "sqrt", dist), None) if defer else None
     mem[f"zo_{tag}"] = zo.compiled_memory(pg.compiled_after_update(start, (keys, scales, None), data, keys, eps, enc))
     state = {"params": start, "it": 0}
 
@@ -640,7 +640,7 @@ def _host_work(fetched, n: int, dist: str, codec: str) -> None:
     """What :func:`zeroth.zo.mezo_step` does on the host alone, on a step's fetched projected
     gradients: the keys' derivation, the codec, the coefficients and the replay's scales."""
     rng.sample_keys(0, [(0, 1, i) for i in range(n)])
-    _, _, coefficients = zo._host_update(*fetched, codecs.get_codec(codec), _LR, "sqrt", iteration=1, eps=_EPS)
+    _, _, coefficients = zo.step._host_update(*fetched, codecs.get_codec(codec), _LR, "sqrt", iteration=1, eps=_EPS)
     replay.update_scales(dist, list(coefficients))
 
 

@@ -4,7 +4,7 @@ All return logits ``f32[B, num_classes]``. Images are ``f32[B, H, W, C]``; the t
 also takes token ids ``int32[B, T]`` (set ``vocab_size``). Parameter names are flax's defaults
 (``Dense_0/kernel`` ...), so a later loader can fill them with pretrained weights. The MLP's and
 the CNN's dense layers multiply through :func:`zeroth.layerwise.dot_general`: inside a ZO step on
-a CPU each kernel of at least :data:`zeroth.zo.BLOCKS_MIN_ELEMENTS` is perturbed a block of rows at
+a CPU each kernel of at least :data:`zeroth.zo.estimator.BLOCKS_MIN_ELEMENTS` is perturbed a block of rows at
 a time (the step keeps nearer the memory of inference); elsewhere the product is flax's own.
 """
 

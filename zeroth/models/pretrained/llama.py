@@ -23,7 +23,7 @@ The forward reads the stacked layers and the embedding rows through :mod:`zeroth
 (plain slices and gathers by default): under a ZO estimator the scan body then builds layer
 ``i``'s perturbed weights just before the layer runs, and the lookups perturb only the rows they
 read, so a ZO step never holds a whole perturbed copy of the model (same bits as perturbing it
-whole, see :func:`zeroth.zo.projected_gradients_and_losses`).
+whole, see :func:`zeroth.zo.projected_gradients`).
 
 GGUF stores ``W_q`` and ``W_k`` with the rows of each head permuted for ggml's interleaved RoPE
 (pairs ``(2i, 2i+1)``): llama.cpp's converter applies
