@@ -55,19 +55,10 @@ import numpy as np
 __all__ = [
     "Codec",
     "CODECS",
-    "get_codec",
-    "quantize",
     "FLOAT32",
     "ONEBYTE",
-    "ONEBYTE_TABLE",
-    "ONEBYTE_TABLE_SHA256",
-    "ONEBYTE_ZERO",
-    "ONEBYTE_STEPS_PER_E",
-    "ONEBYTE_LEVEL_OFFSET",
-    "ONEBYTE_RANGE",
-    "ONEBYTE_MAX_REL_ERROR",
-    "onebyte_level",
-    "ONEBYTE_BOUND_BITS",
+    "get_codec",
+    "quantize",
     "onebyte_codes",
 ]
 

@@ -79,35 +79,21 @@ from zeroth import rng as _rng
 
 __all__ = [
     "CODEC_NAMES",
-    "GRID",
-    "MAX_BITS",
-    "MIN_QUANT_BITS",
     "ROUNDINGS",
     "SCALE_AXES",
-    "CodecMismatch",
-    "DeltaState",
-    "Encoded",
     "LinkCodec",
-    "aqsgd",
-    "buffer_digest",
-    "buffer_nbytes",
-    "codes_to_levels",
-    "dequantize_rows",
-    "directq",
-    "example_keys",
-    "fp32",
-    "levels_to_codes",
-    "load_buffers",
+    "Encoded",
+    "DeltaState",
+    "CodecMismatch",
     "make_codec",
-    "pack_bits",
+    "fp32",
+    "directq",
+    "aqsgd",
     "quantize_rows",
-    "quantizer_id",
-    "quantizer_input",
+    "dequantize_rows",
     "relative_errors",
     "save_buffers",
-    "scales_per_example",
-    "uniforms",
-    "unpack_bits",
+    "load_buffers",
 ]
 
 CODEC_NAMES = ("fp32", "directq", "aqsgd")
@@ -196,7 +182,7 @@ def uniforms(keys: np.ndarray, n: int) -> np.ndarray:
     """``f32[B, n]`` in ``[0, 1)``: row b is ``(noise_words(keys[b], n) >> 8) · 2^−24`` (exact).
 
     The rows are computed :data:`_UNIFORM_WORDS` words at a time, many keys per threefry call
-    (one call per row took 0.35 s for 4096 rows of 2 on a 2-core CPU)."""
+    (a call per row would pay NumPy's fixed cost per row)."""
     keys = np.asarray(keys, np.uint32).reshape(-1, 2)
     out = np.empty((keys.shape[0], n), np.float32)
     rows = max(1, _UNIFORM_WORDS // max(n, 1))

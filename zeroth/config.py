@@ -285,9 +285,7 @@ class TrainConfig:
         "(zeroth.replay.flatten: the leaves under 2**21 elements in one buffer per dtype, so each compiled "
         "call passes a few arrays instead of one per leaf: host time an accelerator pays per array), or auto "
         "(flat where the parameters live on a GPU, tree elsewhere: zeroth.replay.preferred_layout). The same "
-        "bits either way. On an NVIDIA H200 the flat ZO step took 0.60x the tree's (a 0.8M-parameter "
-        "transformer) and 0.61x (12.6M); on a 2-core CPU flat was slower (12.6M: 1.03-1.10x the train time, "
-        "78-108 MiB more resident).",
+        "bits either way; which is faster is measured in the docs (Replay layout).",
         choices=LAYOUTS,
     )
     requantize: str | None = field(

@@ -57,7 +57,12 @@ from zeroth import __version__, marsit
 from zeroth import config as _config
 from zeroth.transport import identity, rendezvous, security
 
-__all__ = ["Plan", "build_parser", "main", "plan_of", "marsit_plan", "node_rank_from_env"]
+__all__ = [
+    "Plan",
+    "plan_of",
+    "build_parser",
+    "main",
+]
 
 EXIT_FAILED = 1  # the run could not form, or this host's process failed
 EXIT_USAGE = 2  # a bad command line or config

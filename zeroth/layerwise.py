@@ -53,7 +53,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["BLOCKS", "Provider", "LayerView", "provide", "active", "layer_view", "rows", "dot_general"]
+__all__ = [
+    "LayerView",
+    "layer_view",
+    "rows",
+    "dot_general",
+]
 
 BLOCKS = 8
 """How many blocks of rows :func:`dot_general` multiplies a served kernel in (at most; one more

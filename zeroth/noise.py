@@ -25,22 +25,16 @@ import jax.numpy as jnp
 from zeroth.rng import threefry2x32
 
 __all__ = [
+    "DISTRIBUTIONS",
     "EXACT",
     "BACKEND_DEPENDENT",
-    "DISTRIBUTIONS",
+    "MAX_LEAF_SIZE",
     "check_distribution",
-    "popcount",
-    "binomial_from_words",
-    "rademacher_from_words",
-    "bernoulli_bits",
-    "rademacher_int",
-    "binomial_int",
     "noise_int",
     "rademacher",
     "binomial",
     "gaussian",
     "sample",
-    "MAX_LEAF_SIZE",
 ]
 
 EXACT = ("binomial", "rademacher")

@@ -21,27 +21,18 @@ import ml_dtypes
 import numpy as np
 
 __all__ = [
-    "ROTATIONS",
     "threefry2x32",
-    "root_key",
     "fold_in",
+    "root_key",
     "sample_key",
     "leaf_id",
     "leaf_key",
-    "noise_words",
-    "rademacher_int",
-    "binomial_int",
     "noise_int",
     "round_coefficient",
     "update_scale",
     "apply_update",
     "replay_leaf",
-    "DECAY_FLUSH",
-    "decay_factor",
     "decay_leaf",
-    "CANONICAL_NAN_BITS",
-    "canonicalize",
-    "flush_cast",
     "checksum_leaves",
 ]
 
@@ -119,6 +110,7 @@ def leaf_id(path: str) -> int:
 
 
 def leaf_key(key, path: str) -> np.ndarray:
+    """The key of the leaf at ``path`` under update key ``key``: ``fold_in(key, leaf_id(path))``."""
     return fold_in(key, leaf_id(path))
 
 
@@ -162,6 +154,7 @@ def binomial_int(key, n: int, offset: int = 0) -> np.ndarray:
 
 
 def noise_int(distribution: str, key, n: int, offset: int = 0) -> np.ndarray:
+    """The integer noise of elements ``offset .. offset + n - 1`` of a leaf with key ``key``."""
     if distribution == "rademacher":
         return rademacher_int(key, n, offset)
     if distribution == "binomial":

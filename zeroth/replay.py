@@ -49,30 +49,22 @@ from zeroth import rng as _rng
 from zeroth import rule as _rule
 from zeroth.kernels import host_memory as _host_memory
 from zeroth.kernels import perturb as _fused
-from zeroth.rule import COEFF_BITS, SUPPORTED_DTYPES, flush, flush_cast, update_scale, update_scales
+from zeroth.rule import COEFF_BITS, SUPPORTED_DTYPES, update_scales
+from zeroth.rule import flush as flush, flush_cast as flush_cast, update_scale as update_scale  # the rule, read here too
 
 __all__ = [
-    "COEFF_BITS",
+    "SUPPORTED_DTYPES",
     "round_coefficient",
-    "update_scale",
     "update_scales",
-    "flush",
-    "flush_cast",
     "apply_updates",
     "perturb",
     "replay",
     "checksum",
-    "SUPPORTED_DTYPES",
-    "Segment",
-    "Layout",
     "Flat",
-    "ALONE_FROM",
-    "FLAT_PLATFORMS",
-    "preferred_layout",
-    "layout_of",
     "flatten",
     "unflatten",
     "host_tree",
+    "preferred_layout",
 ]
 
 
@@ -231,7 +223,7 @@ class Layout:
     whole blocks).
     Hashable and compared by value (the hash is computed once), so it keys compiled replays.
     :func:`layout_of` gives one object per value while any is alive, so the lookups of a replay's
-    compiled call compare by identity (a comparison by value costs about 16 us for 200 leaves).
+    compiled call compare by identity (cheaper than a comparison by value of every leaf).
     """
 
     __slots__ = ("treedef", "segments", "dtypes", "sizes", "_key", "_hash", "__weakref__")
@@ -303,11 +295,9 @@ class Flat:
 # Leaves of at least this many elements (8 MiB of float32) get a buffer of their own in a Flat.
 ALONE_FROM = 1 << 21
 
-# Where the flat layout is the faster way to hold parameters between steps (train.layout auto).
-# Measured on an NVIDIA H200 (jax 0.11.2, `zeroth bench zo --flat`, batch 256): the flat ZO step
-# took 0.60x the tree's at the transformer's default width (2.39 against 4.00 ms) and 0.61x at
-# width 4096 (4.22 against 6.88 ms), the same bits; the update 0.28x and 0.43x. On a 2-core CPU
-# it took 1.03-1.10x the tree's train time. Not yet measured on a TPU.
+# Where the flat layout is the faster way to hold parameters between steps (train.layout auto):
+# where each compiled call's host cost per array matters, as on a GPU (measured: the docs'
+# measurement pages, "Replay layout"); on a CPU it was slower; a TPU is not measured yet.
 FLAT_PLATFORMS = ("gpu",)
 
 
@@ -337,10 +327,10 @@ def layout_of(params: Any, *, platform: str | None = None, alone_from: int | Non
     small leaves. A leaf of at least ``alone_from`` elements has a buffer of its own, so that a
     program that needs it whole reads the buffer itself: a leaf sliced out of a shared buffer is
     a copy wherever XLA cannot fuse the slice into its use. A scanned stack of layers is such a
-    use, held for the whole scan: with every leaf in one buffer, SmolLM2's scanned ZO step held
-    1.77x the memory of inference on a CPU (415 MiB of copies); with its stacks alone, 1.00x, as
-    the tree (``zeroth bench zo --model smollm2 --flat``). Beside such a leaf's arithmetic the
-    cost of one more array is small (about 1.4 us per array per call on a CPU). (A stack that the
+    use, held for the whole scan: with every leaf in one buffer, a scanned model's ZO step holds
+    copies of its stacks that its stacks alone in buffers of their own do not
+    (``zeroth bench zo --model smollm2 --flat`` measures it). Beside such a leaf's arithmetic the
+    cost of one more array is small. (A stack that the
     model reads through :mod:`zeroth.layerwise` is read by the ZO estimator where it lies in its
     buffer, layer by layer, so there its size does not matter.)
 

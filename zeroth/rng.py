@@ -115,8 +115,7 @@ def sample_keys(run_seed: int, triples) -> np.ndarray:
 
     Returns ``u32[len(triples), 2]``, row r equal to ``sample_key(run_seed, *triples[r])``. Up to
     :data:`SCALAR_ROWS` rows, the fold_in chains run on Python integers, each ``(machine,
-    iteration)`` prefix folded once (a ZO step's keys in about 20 us instead of 260: NumPy's fixed
-    cost per operation dominates a few keys); more rows run vectorized over NumPy arrays, with
+    iteration)`` prefix folded once (NumPy's fixed cost per operation dominates a few keys); more rows run vectorized over NumPy arrays, with
     the prefixes still folded once on integers where there are at most that many of them (an
     iteration's 48 keys of 3 peers: one NumPy chain instead of three). The arithmetic is the
     same (uint32, mod 2**32) and the tests hold every path to the reference.

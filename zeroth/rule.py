@@ -44,19 +44,13 @@ from zeroth import noise as _noise
 from zeroth import reference as _ref
 
 __all__ = [
-    "COEFF_BITS",
     "SUPPORTED_DTYPES",
-    "CANONICAL_NAN_BITS",
+    "COEFF_BITS",
     "check_dtype",
-    "platform_name",
     "default_platform",
-    "default_devices",
     "flush",
-    "flush_tiny",
-    "canonical_nan",
-    "canonicalize",
     "flush_cast",
-    "cast_flushed",
+    "canonicalize",
     "update_scale",
     "update_scales",
 ]

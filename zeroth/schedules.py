@@ -48,9 +48,6 @@ __all__ = [
     "linear",
     "step",
     "make",
-    "from_train",
-    "cos_pi",
-    "ipow",
 ]
 
 SCHEDULES = ("constant", "cosine", "linear", "step")  # the decay shapes; warmup applies to each

@@ -122,10 +122,8 @@ def timeit_many(fns: dict[str, Callable[[], Any]], *, warmup: int = 1, repeats: 
     conditions, so the ratios between rows stay meaningful even when absolute times move. The
     order changes from round to round (:func:`round_order`): each round starts one row further on
     and walks the rows with another stride, so a row follows a different row in each round. What
-    ran just before matters: on an H100 the same replay call timed 0.80 ms right after a 24 ms
-    program and 0.65 ms after a short one; on an H200, with every round a rotation of the same
-    order (each row after the same row in four of five rounds), one replay call's minimum was
-    0.86 ms as the row after a 17.7 ms program and 0.69 ms as a row after a 0.3 ms one.
+    ran just before matters: on a GPU a short call timed after a long program reads slower than
+    after a short one, so a fixed order would bias the same rows in every round.
 
     A callable that returns a float reports the seconds of its call before the wait for the
     device (its dispatch): :attr:`Timing.host_min_s` is the best of them (at most the best time,

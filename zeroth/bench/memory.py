@@ -10,8 +10,8 @@ the measure ``zeroth bench zo`` reports beside its timings.
   compiles for a described device, :data:`TARGETS`), so the memory of a GPU's programs can be
   read, and a change to them checked, on a machine with a CPU only. XLA cannot autotune Triton's
   matrix-multiply tilings without the device, so the programs use cuBLAS for them
-  (``xla_gpu_enable_triton_gemm`` off); the ratio it gave before the change below (1.229) is the
-  one the H100 measured (1.23). It needs jax's CUDA plugin and the CUDA runtime
+  (``xla_gpu_enable_triton_gemm`` off); the docs' measurement pages compare its ratios with
+  those a device measured. It needs jax's CUDA plugin and the CUDA runtime
   (:data:`CUDA_PACKAGES`, no GPU and no driver), found in ``.venv/cuda-compiler/`` where
   ``scripts/install_device_compilers.sh`` (run by ``make test``) puts them
   (:func:`compiler_folder`) or among the installed packages: a missing one is an error naming
@@ -25,18 +25,13 @@ gives, the one the estimator keeps (:func:`zeroth.zo.autotune.kept_candidate`) m
 compile, after the round (pairs on a CPU, one at a time elsewhere) of one near the least memory
 (:func:`zeroth.zo.autotune.near_least_memory`), marked "not compiled" (compiled here all the same, to be
 shown); with ``--flat`` the same on ``replay.flatten(params)``. Each row gives the seconds its
-compilation took ("compile": for an H100, SmolLM2-135M unrolled's projected gradients took 17.1-17.2 s
-on a 2-core CPU). The ratios ``zo_memory_over_inference_{dist}`` (and ``_flat``) are
+compilation took ("compile"). The ratios ``zo_memory_over_inference_{dist}`` (and ``_flat``) are
 the kept program's peak over inference's, target ``<= 1.2`` as in ``zeroth bench zo``.
 
 Each row also counts the operations one call of the program runs (:func:`ops_run`, "ops run"):
 on a GPU each is a kernel or a library call, what a step too small to fill the device waits on.
 ``zo_ops_over_forwards_{dist}`` (and ``_flat``) is the kept program's count over 2N forwards'
 (the forward of the smallest peak): no target, a count to read beside the GPU's timings.
-
-On the H100 measured with ``zeroth bench zo`` (jax 0.11.2), the transformer at ``--width 4096``
-held 1.23 times inference; compiled here for an H100 it held 1.229 times before the perturbed
-leaves were kept apart (:data:`zeroth.kernels.perturb.APART_MIN_BYTES`) and 1.007 after.
 
 Example:
   $ zeroth bench memory --model transformer --width 4096 --target h100

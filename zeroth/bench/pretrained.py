@@ -86,8 +86,7 @@ def setup(name: str, batch: int = 8, seq_len: int | None = None, weights: str = 
         x = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, seq_len or _text.SMOLLM2_PROMPT_TOKENS)), jnp.int32)
         # Drawn by the stacked model's initializer, then cut into one leaf per layer for the unrolled
         # layout: the unrolled model's own initializer is one program drawing its 272 leaves apart,
-        # 15.3 s to compile and run on a 2-core CPU against 3.6 s for the stacked one, and 144.3 s
-        # to compile for an NVIDIA H100 against 3.3 s (compiled on that CPU, no device).
+        # several times as long to compile as the stacked one's, on a CPU and for a GPU alike.
         params = models.init(model.clone(scan_layers=True), models.init_key(0), x[:1], pretrained=False, exact=False)
         if not model.scan_layers:
             params = _llama.unstack_layers(params, cfg.n_layers)

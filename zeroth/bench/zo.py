@@ -19,8 +19,7 @@ an error naming its install command).
   ``host_work_fraction_of_step_*`` and ``unattributed_fraction_of_step_*`` (1 − (fetched +
   update + host work) / step, of best times: waits between the calls that no part timed alone
   shows; on a noisy machine it reads high, the parts' best times not coming together) say where
-  a step's time goes beyond its programs (on an H200 the flat step spent 0.5–0.7 ms beyond its
-  two programs' rows); and the step with its update held (``mezo_step(..., hold=True)``: each
+  a step's time goes beyond its programs; and the step with its update held (``mezo_step(..., hold=True)``: each
   step applies the last one's update in its own program, one call per step, as the trainer runs
   it; ``ZO step ..., update held``, with ``held_same_bits_*``: 1.0 when three held steps and a
   settle give the projected gradients and parameters of three steps that apply their updates);
@@ -196,7 +195,7 @@ def run(
 
     With ``rows`` (``--rows step,held,...``), only those groups of :data:`ROW_GROUPS` are compiled
     and timed, with the inference forward (ratios of rows left out are left out too): on a GPU,
-    where compiling is most of a run (about 200 of 210 s on an H100), ``--rows flat_held,deferred``
+    where compiling is most of a run, ``--rows flat_held,deferred``
     times the trainer's steps alone. A flat group implies ``flat``; ``None`` is every group (the
     flat ones with ``flat``).
 

@@ -44,21 +44,12 @@ import numpy as np
 
 __all__ = [
     "Formation",
-    "InfeasibleError",
     "Node",
     "Stage",
-    "brute_force",
-    "calibrate",
-    "canonical",
-    "check_nodes",
-    "describe",
-    "fitness",
+    "InfeasibleError",
     "form_clusters",
-    "greedy",
-    "peak_memory_bytes",
     "plan_stages",
-    "split_layers",
-    "transfer_seconds",
+    "describe",
 ]
 
 BRUTE_FORCE_MAX_NODES = 12

@@ -65,22 +65,10 @@ from zeroth.stages import partition as _partition
 __all__ = [
     "Ring",
     "plan_rings",
-    "single_ring",
-    "rings_of",
-    "chunk_bounds",
-    "summation_order",
-    "ordered_mean",
     "ring_allreduce_local",
-    "Exchange",
-    "ring_member",
-    "average_node",
-    "QueueExchange",
-    "QueueEndpoint",
-    "pair_bytes",
+    "ordered_mean",
     "ring_bytes",
     "ring_seconds",
-    "proportional_layout",
-    "cost_table",
 ]
 
 DTYPE = np.float32

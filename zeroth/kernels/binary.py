@@ -254,8 +254,7 @@ def _dense_kernel(*refs, ternary: bool, out_dots: bool, by_word: bool):
     Computed as ``(32, bb)`` so that the packed word (a reduction over the 32 outputs) comes out
     as ``(1, bb)``, a lane-dense row on TPU. ``by_word`` (the GPU's body): the counts accumulate
     over the words one at a time, so a thread holds ``(32, bb)`` integers instead of the whole
-    ``(32, bb, words)`` XOR of the tile (compiled for an NVIDIA H100 with 4096 inputs, that one
-    spilled 107,600 bytes per thread to local memory). The same integers.
+    ``(32, bb, words)`` XOR of the tile (which spills to local memory for wide inputs). The same integers.
     """
     if ternary:
         x_ref, s_ref, m_ref, n_ref, t_ref, o_ref = refs

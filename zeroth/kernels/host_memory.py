@@ -3,12 +3,12 @@
 A replay that does not donate its parameters gets a fresh output buffer from XLA's CPU allocator,
 which takes it from the C library's ``malloc``. glibc serves blocks above its mmap threshold
 (128 KiB, rising to at most 32 MiB) with a fresh ``mmap`` and returns them with ``munmap`` when
-freed, so every call faults in every page of its output again: a copy-mode replay of 10M float32
-took 40 ms against 5 ms donated on a 2-core AMD EPYC, nearly all of it page faults.
+freed, so every call faults in every page of its output again, and a copy-mode replay costs several
+times a donated one, nearly all of it page faults.
 
 :func:`reuse_freed_host_memory` raises glibc's mmap and trim thresholds (``mallopt``) so large
 blocks come from the heap and freed ones stay there for the next call, as the caching allocators of
-GPU frameworks do: the same copy-mode replay then took 7.5 ms. The price is that the process keeps
+GPU frameworks do. The price is that the process keeps
 its peak heap instead of returning it to the system. :func:`zeroth.replay.replay` calls it once,
 on the first copy-mode replay on a CPU, and the ZO estimator (:func:`zeroth.zo.projected_gradients_fn`)
 on its first call on a CPU (its scratch, whole perturbed leaves among it, is allocated at every

@@ -63,38 +63,21 @@ __all__ = [
     "IMPLS",
     "APART_MIN_BYTES",
     "BlockSizes",
-    "TilePlan",
     "default_block_sizes",
     "check_block_sizes",
-    "plan_tiles",
-    "platform_of",
     "resolve_impl",
+    "platform_of",
     "leaf_keys",
     "leaf_key_table",
     "perturb_reference",
     "perturb_pallas",
-    "FlatTilePlan",
-    "plan_flat_tiles",
-    "TPU_LANES",
-    "TpuFlatPlan",
-    "tpu_flat_size",
-    "tpu_flat_fits",
-    "plan_tpu_flat_tiles",
     "perturb_pallas_flat",
     "perturb_pallas_segments",
     "perturb_native",
-    "perturb_native_tree",
-    "perturb_native_flat",
-    "perturb_native_slice",
     "perturb_leaf",
-    "perturb_slice",
-    "perturb_rows",
     "apply_updates",
     "apply_updates_flat",
     "fused_apply_updates",
-    "pack_updates",
-    "unpack_updates",
-    "is_sharded",
 ]
 
 IMPLS = ("auto", "pallas", "native", "jnp")
@@ -260,9 +243,8 @@ def resolve_impl(impl: str, platform: str | None = None, n_updates: int | None =
 
     ``"auto"``: on CPU the native kernel if it builds, else ``"jnp"``; on TPU ``"pallas"``, or
     ``"jnp"`` for a dtype of :data:`zeroth.rule.MOSAIC_REFUSES` (float16; ``"pallas"`` refuses it there); on GPU
-    ``"jnp"`` for a single update (XLA's fused element-wise loop reaches memory speed there:
-    270 G elements/s on an H100, jax's in-place ``p + c`` 269) and ``"pallas"`` (Triton) for
-    K > 1 updates (549 against 316 G updates/s at K = 16, 582 against 353 at K = 64), or ``"jnp"`` where jax has no Triton
+    ``"jnp"`` for a single update (XLA's fused element-wise loop reaches memory speed there) and ``"pallas"`` (Triton) for
+    K > 1 updates (one pass for K updates; ``zeroth bench kernels`` measures both), or ``"jnp"`` where jax has no Triton
     backend. Other names are checked against the platform and returned unchanged.
     """
     if impl not in IMPLS:
@@ -771,9 +753,8 @@ def perturb_pallas_segments(
 
     A kernel per leaf instead of the jnp rule's fused operations is what a GPU compiler handles
     quickly: each leaf's threefry graph is some 130 operations that XLA's fusion passes merge one by
-    one (compiled for an NVIDIA H100 on a 2-core CPU, the projected gradients of SmolLM2-135M
-    unrolled, 272 leaves, took 76-113 s with the jnp rule for every leaf, 36-41 s with this kernel
-    for its 211 leaves of at least 1 MiB, and 6.5-7.6 s with it for every leaf, at the same memory).
+    one, where a launch of this kernel is one custom call (the compile times are on the docs'
+    measurement pages).
 
     Args:
       buffer: a 1-D f32 / bf16 / f16 array of fewer than 2**31 elements (one leaf's own, several
@@ -1477,9 +1458,7 @@ def apply_updates(
         reads its keys through an optimization barrier of its own: the table of every leaf's keys
         is the one array its update would share with the others' (the scales are scalars), and
         XLA's GPU multi-output fusion merges updates that share an operand into one kernel whose
-        outputs are all live at once (compiled for an NVIDIA H100, a transformer of 12.6M
-        parameters held its eight 4 MiB perturbed weights together: 1.23 times inference's
-        memory; 1.01 apart).
+        outputs are all live at once (a perturbed copy of every large leaf at once).
       leaf_keys: ``u32[L, K, 2]``, the leaves' keys in tree order (:func:`leaf_key_table` of
         ``keys`` and the leaves' ids), derived by the caller: a ZO estimator derives those of all its
         evaluations once, before its loop, instead of once per evaluation. ``None`` (the default)

@@ -63,27 +63,18 @@ from zeroth.rng import threefry2x32
 from zeroth.kernels import out_struct, triton_params
 
 __all__ = [
-    "Blocks",
-    "DEFAULT_BLOCKS",
-    "IMPLS",
     "WORD_BITS",
+    "IMPLS",
+    "Blocks",
     "n_words",
     "threshold",
-    "resolve_impl",
     "pack",
-    "pack_ref",
     "unpack",
-    "unpack_ref",
-    "bernoulli_words",
-    "transient_words",
     "merge",
-    "merge_ref",
-    "planes_for",
+    "majority",
     "count_add",
     "counts_add",
     "count_geq",
-    "majority",
-    "majority_ref",
 ]
 
 WORD_BITS = 32

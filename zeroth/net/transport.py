@@ -177,7 +177,7 @@ class Transport:
         return ch
 
     def stub(self, address: str) -> pb_grpc.PeerStub:
-        """The stub of ``address``'s channel, made once (a stub builds a callable per method: 33 us)."""
+        """The stub of ``address``'s channel, made once (a stub builds a callable per method)."""
         with self._lock:
             stub = self._stubs.get(address)
             if stub is None:

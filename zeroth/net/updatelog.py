@@ -62,7 +62,13 @@ from zeroth.net import protocol as P
 from zeroth.net import wire
 from zeroth.net.proto import peer_pb2 as pb
 
-__all__ = ["MAGIC", "START", "ENTRY", "DECISION", "SAME_MEMBERS", "FILENAME", "Applied", "Segment", "Log", "Writer", "read"]
+__all__ = [
+    "FILENAME",
+    "Log",
+    "Writer",
+    "Applied",
+    "read",
+]
 
 MAGIC = b"zeroth-updates-v1\n"
 START = 0x01

@@ -63,7 +63,13 @@ from zeroth.net import updatelog as _log
 from zeroth.net.work import Worker
 from zeroth.transport import identity as _id
 
-__all__ = ["IMPLS", "PeerCheck", "RunCheck", "Report", "find_logs", "verify", "main"]
+__all__ = [
+    "Report",
+    "RunCheck",
+    "PeerCheck",
+    "find_logs",
+    "verify",
+]
 
 IMPLS = ("auto", "native", "pallas", "jnp", "reference")
 

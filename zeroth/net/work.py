@@ -53,7 +53,7 @@ BATCH_STREAM_TAG = 0x6A6F6273  # "jobs": names the per-machine batch streams
 def batch_seed(run_seed: int, machine: int) -> int:
     """The batch-stream seed of ``machine``: word 0 of ``fold_in(fold_in(root_key(run_seed), TAG), machine)``.
 
-    Cached: a peer draws two batches per iteration, and two NumPy threefry chains took 110 us.
+    Cached: a peer draws two batches per iteration, and each would otherwise run two NumPy threefry chains.
     """
     key = _ref.fold_in(_ref.fold_in(_ref.root_key(run_seed), BATCH_STREAM_TAG), machine)
     return int(key[0])

@@ -99,7 +99,7 @@ class _Progress:
     stderr every ~5% of the run and at each eval, with the time left (from the steps done since
     the first one, compilation excluded). The first steps of a process compile the method's
     programs (a ZO step's first two: the projected gradients, then the same with the held update
-    applied; compiled for an H100, SmolLM2-135M unrolled's projected gradients alone took 83 s): a
+    applied; a large model's take minutes to compile for a GPU): a
     line says so before them, and one line each how long the first :data:`_TIMED_STEPS` took."""
 
     def __init__(self, total: int, initial: int, enabled: bool, name: str):

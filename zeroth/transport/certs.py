@@ -31,7 +31,10 @@ from pathlib import Path
 
 from zeroth.transport.security import TLSFiles
 
-__all__ = ["make_host_certificates", "host_tls", "main"]
+__all__ = [
+    "make_host_certificates",
+    "host_tls",
+]
 
 _HOST = re.compile(r"^[A-Za-z0-9.:_-]{1,253}$")  # a DNS name or an IP address: also a safe folder name
 

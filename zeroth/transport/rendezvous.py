@@ -45,16 +45,12 @@ from zeroth.transport.proto import rendezvous_pb2 as pb
 from zeroth.transport.proto import rendezvous_pb2_grpc as pb_grpc
 
 __all__ = [
-    "MAX_MESSAGE_BYTES",
-    "MAX_CONCURRENT_CALLS",
-    "Member",
-    "Roster",
-    "Refused",
     "Store",
-    "serve",
+    "Roster",
+    "Member",
+    "Refused",
     "Client",
-    "route_source",
-    "split_address",
+    "serve",
     "startup_window",
 ]
 

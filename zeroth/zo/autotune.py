@@ -96,15 +96,10 @@ def compiler_option_candidates(backend: str | None = None) -> list[dict[str, Any
       more than anything else, and no single setting is best for every model: its default fuses a
       convolution with its activation and pooling (streaming tiles, no activation buffer) but can
       also fuse a chain of dense layers into one call, whose operands are then every perturbed
-      weight at once; limiting it to individual dots and convolutions does the opposite. On a
-      2-core AMD EPYC (jax 0.10.2, `zeroth bench zo --zo-option xla_disable_hlo_passes=`) the
-      motion made SmolLM2-135M's projected gradients 0.95-0.98 times as long (stacked layers;
-      0.95 with them held to AVX2) and 0.946 unrolled, for 1.75 MiB more of 523 (its scratch
-      2.2 % of its peak: kept alone), the CNN's 0.953; MiniLM's peak grew 1.8 % (scratch 8.9 %:
-      the base options compile too, and the motion, within 1/32 of their peak, is kept).
-    * GPU: the motion, then the base options. On an NVIDIA H100 (transformer at the default
-      width, batch 256) the motion made the projected gradients 0.69 times as long, 1.31 against
-      1.89 ms, with the same peak and bits.
+      weight at once; limiting it to individual dots and convolutions does the opposite. The
+      motion shortens the projected gradients for about the same peak on the models measured
+      (``zeroth bench zo --zo-option xla_disable_hlo_passes=`` compares).
+    * GPU: the motion, then the base options. The motion shortens the projected gradients, with the same peak and bits.
     * Other backends: the base options alone.
 
     Below :data:`AUTOTUNE_MIN_BYTES` of parameters one is compiled alone
@@ -154,9 +149,7 @@ def compile_candidates(lowered, candidates: Sequence[Mapping[str, Any]], backend
     """``[lowered.compile(options) for options in candidates]``, in rounds of
     :func:`side_by_side` candidates (``backend`` default: :func:`zeroth.rule.default_platform`):
     on a CPU pairs compile side by side in threads (XLA compiles without holding Python's lock),
-    so the estimator's first call waits for the slower of two instead of their sum (SmolLM2-135M
-    unrolled on a 2-core CPU: the projected gradients and the update compiled in 5.8-5.9 s
-    instead of 6.7-7.5); elsewhere one after the other: a GPU compiler times candidate kernels on
+    so the estimator's first call waits for the slower of two instead of their sum; elsewhere one after the other: a GPU compiler times candidate kernels on
     the device (autotuning), and two compilations at once would time each other's. Each
     executable is the one a compilation alone gives, in order.
 
@@ -222,10 +215,8 @@ NEAR_LEAST_MEMORY = 1 / 32
 def near_least_memory(compiled) -> bool:
     """Whether ``compiled`` holds so little scratch (``temp`` at most :data:`NEAR_LEAST_MEMORY` of
     its peak) that another compilation of the same program could save at most that much: the
-    estimator's candidates after its round are then not compiled (:func:`compile_candidates`;
-    compiled for an H100 on a 2-core CPU, without the device, each
-    compilation of SmolLM2-135M unrolled's projected gradients took 17.1-17.2 s, and both
-    candidates held the same 529.23 MiB, 16.09 of it scratch). Where code motion hoists widened leaves and
+    estimator's candidates after its round are then not compiled (:func:`compile_candidates`: a large
+    model's compilations take seconds each, and where one holds little scratch the next holds the same). Where code motion hoists widened leaves and
     noise out of the loop (whole-model temporaries, :func:`compiler_options`), the scratch is
     larger than that unless the largest leaf is small beside the model, and the next candidate is
     compiled.

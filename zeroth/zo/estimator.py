@@ -240,10 +240,8 @@ def _pallas_leaves(theta, key, scale, table, distribution: str, sources=None):
     :func:`zeroth.kernels.perturb.perturb_pallas_segments` (row ``i`` of ``table``, the leaves'
     keys ``u32[L, 1, 2]``), read where it lies (``sources[i] = (buffer, offset)`` in a
     :class:`zeroth.replay.Flat` buffer, else the leaf itself); the smaller leaves by the jnp rule
-    (:func:`_jnp_leaves`), which XLA fuses into few kernels, some into their consumers. Compiled
-    for an H100, the transformer's projected gradients ran 228 operations per call at width 4096
-    with the jnp rule, 236 so, 320 with a launch for every leaf and 264 with a launch per group
-    of small vectors (176, 176, 304 and 204 at the default width). Off a GPU: interpret mode."""
+    (:func:`_jnp_leaves`), which XLA fuses into few kernels, some into their consumers. (A launch for every
+    leaf, or per group of small vectors, runs more operations per call than this split.) Off a GPU: interpret mode."""
     leaves, treedef = jax.tree_util.tree_flatten(theta)
     interpret = _rule.default_platform() != "gpu"
     out: list[Any] = [None] * len(leaves)
@@ -264,12 +262,8 @@ def _pallas_leaves(theta, key, scale, table, distribution: str, sources=None):
 BLOCKS_MIN_ELEMENTS = _layerwise.BLOCKS << 18
 """The smallest dense kernel a ZO step on a CPU perturbs a block of rows at a time
 (:func:`zeroth.layerwise.dot_general`): one whose blocks hold at least 2^18 elements each, the
-work above which the native CPU kernel runs on threads. Measured on a 2-core CPU with ``zeroth
-bench zo --model mlp --rows step`` (ZO step over two forwards, best; memory over inference):
-kernels of 1M elements in blocks held 1.165 instead of 1.405 but took 1.5-1.8 instead of 1.2-1.3,
-so the default width keeps them whole; at ``--width 2048`` (its 4.2M-element kernel in blocks)
-1.158 instead of 1.593 in 1.28 instead of 1.26, and at ``--width 4096`` (3.2M and 16.8M) 1.147
-instead of 1.751 in 1.25 instead of 1.39."""
+work above which the native CPU kernel runs on threads. Smaller kernels in blocks
+save memory but cost time; ``zeroth bench zo --model mlp --rows step --width W`` measures both."""
 
 
 def _perturbed_parts(theta, perturbed, table, scale, distribution: str, native: bool,
@@ -337,9 +331,8 @@ def _perturbed_parts(theta, perturbed, table, scale, distribution: str, native: 
         _, t, lk, _ = hit
         return materialize(_fused.perturb_rows(t, lk, scales, ids, distribution=distribution), t)
 
-    # Blocks were measured on a CPU only; a GPU runs each block's noise and product as launches
-    # of their own (compiled for an H100, the MLP at width 4096 ran 15.3 operations per forward
-    # instead of 2.7, for 1.096 of inference's memory instead of 1.718), untimed.
+    # Blocks are for a CPU: a GPU would run each block's noise and product as launches of their
+    # own, several times the operations of a forward (not timed there).
     return _layerwise.Provider(layer, rows, blocks if _rule.default_platform() == "cpu" else None)
 
 

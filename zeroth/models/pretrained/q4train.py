@@ -18,16 +18,12 @@ held as float32 values that lie exactly on the grids, so it packs losslessly bac
 file's own bytes (:func:`zeroth.models.pretrained.quant.pack_q4_1`); holding it as packed bytes
 (1/8 of the memory) is a storage choice that does not change a single update.
 
-What it does to training (measured with ``experiments/smollm2_mezo_q4_sentiment.yaml``, 100
-steps, the same batches and perturbations as the float run; accuracy on 200 held-out sentences,
-zero-shot 55.5%): a MeZO update moves a weight by ``|Δ| = |c·z|``, on average 0.2% to 3.7% of
-its grid step ``d`` (the fraction of codes stochastic rounding changed per step). With *nearest*
-rounding every such move rounds back to the same code: in 100 steps not one of the 134.5M
-quantized weights changed, only the 35,136 float RMSNorm weights trained, and accuracy reached
-58.0% (float MeZO: 68.0%). *Stochastic* rounding keeps each
-update unbiased by moving a weight a whole step with probability ``|Δ|/d``, and accuracy reached 68.5% (best 70.0%), on par with float MeZO at
-the same budget; the rounding noise (variance ``d·|Δ|`` per weight) did not hurt at this
-scale. :func:`changed_fraction` reports how many codes change per step.
+What it does to training: a MeZO update moves a weight by ``|Δ| = |c·z|``, usually a small
+fraction of its grid step ``d``. With *nearest* rounding such a move rounds back to the same code,
+so the quantized weights need not change at all (measured with
+``experiments/smollm2_mezo_q4_sentiment.yaml``: the docs' measurement pages). *Stochastic*
+rounding keeps each update unbiased by moving a weight a whole step with probability ``|Δ|/d``,
+at the price of rounding noise (variance ``d·|Δ|`` per weight). :func:`changed_fraction` reports how many codes change per step.
 
 Stochastic rounding draws ``u`` from threefry bits of the key
 ``fold_in(fold_in(fold_in(root_key(seed), REQUANT_TAG), step), leaf_id)`` (integer bits,
@@ -155,8 +151,8 @@ def make_projection(grids: dict[str, _quant.Grid], rounding: str = "nearest"):
     Leaves without a grid pass through unchanged; the function is jitted once per structure.
     """
     check_rounding(rounding)
-    # the grids' scales and minima are arguments of the program, not constants folded into it (which
-    # made the first projection of SmolLM2 take 2.0 s instead of 0.65 s, on a 2-core CPU)
+    # the grids' scales and minima are arguments of the program, not constants folded into it
+    # (folding them made the first projection compile several times as long)
     dev = {k: (jnp.asarray(g.d), jnp.asarray(g.m)) for k, g in grids.items()}
     bounds = {k: (g.qmin, g.qmax) for k, g in grids.items()}
 
