@@ -98,7 +98,7 @@ def test_tiles_suite_exercises_partial_tiles_and_nan_payloads():
     for path, leaf in leaves.items():
         for platform in ("gpu", "tpu", "cpu"):
             for dist, updates in doctor.tile_units():
-                plan = kp.plan_tiles(leaf.size, dist, kp.default_block_sizes(platform), platform)
+                plan = kp.plans.plan_tiles(leaf.size, dist, kp.default_block_sizes(platform), platform)
                 if platform != "tpu" or leaf.size >= 8 * 1024:
                     assert plan.tail > 0, (path, platform, dist, plan)
         bits = leaf.reshape(-1).view(np.dtype(f"u{leaf.dtype.itemsize}"))

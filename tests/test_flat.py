@@ -143,7 +143,7 @@ def test_a_tpu_layout_pads_each_buffer_to_whole_blocks_outside_every_leaf():
     tree = {"a": _values(1, (3,), np.float16), "b": _values(2, (300, 500), np.float32), "c": _values(3, (5,), np.float16)}
     flat, tpu = replay.flatten(tree), replay.flatten(tree, platform="tpu")
     assert tpu.layout.segments == flat.layout.segments and tpu.layout != flat.layout
-    assert tpu.layout.sizes == (2048, 2**18) == tuple(kp.tpu_flat_size(n) for n in flat.layout.sizes)
+    assert tpu.layout.sizes == (2048, 2**18) == tuple(kp.plans.tpu_flat_size(n) for n in flat.layout.sizes)
     for padded, exact in zip(tpu.buffers, flat.buffers):
         np.testing.assert_array_equal(np.asarray(padded)[: exact.shape[0]].view(np.uint8), np.asarray(exact).view(np.uint8))
         assert not np.asarray(padded)[exact.shape[0]:].any()
@@ -226,7 +226,7 @@ def test_native_flat_threaded_launch_shares_chunks_of_small_leaves(dist):
         for key, c in zip(keys, coefficients):
             p = ref.apply_update(p, ref.update_scale(dist, c), ref.noise_int(dist, ref.fold_in(key, lid), z))
         want[o : o + z] = ref.flush_cast(p, np.float32)
-    fn = jax.jit(lambda b: kp.perturb_native_flat(b, keys, scales, segments, distribution=dist, inplace=True),
+    fn = jax.jit(lambda b: kp.native.perturb_native_flat(b, keys, scales, segments, distribution=dist, inplace=True),
                  donate_argnums=0)
     for _ in range(3):  # the threads' share of the chunks differs from call to call
         np.testing.assert_array_equal(_bits(fn(jnp.array(buf, copy=True))), _bits(want))

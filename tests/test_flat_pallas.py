@@ -139,7 +139,7 @@ def test_gaps_and_unordered_segments_keep_their_bits_without_aliasing():
     scales = replay.update_scales("binomial", coefficients)
     want = _segment_reference(np.asarray(buf), segments, keys, coefficients)
     got = jax.jit(lambda b: kp.perturb_pallas_flat(
-        b, kp._all_leaf_keys(jnp.asarray(keys), [lid for _, _, lid in segments]), jnp.asarray(scales), segments,
+        b, kp.common._all_leaf_keys(jnp.asarray(keys), [lid for _, _, lid in segments]), jnp.asarray(scales), segments,
         interpret=True, platform="gpu", block_sizes=kp.BlockSizes(tile=128)))(buf)
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
@@ -149,13 +149,13 @@ class _PallasCallSpy:
 
     def __init__(self, monkeypatch):
         self.grids = []
-        real = kp.pl.pallas_call
+        real = kp.pallas.pl.pallas_call
 
         def spy(kernel, **kwargs):
             self.grids.append(tuple(kwargs["grid"] if "grid" in kwargs else kwargs["grid_spec"].grid))
             return real(kernel, **kwargs)
 
-        monkeypatch.setattr(kp.pl, "pallas_call", spy)
+        monkeypatch.setattr(kp.pallas.pl, "pallas_call", spy)
 
 
 @pytest.mark.parametrize("n_leaves", [1, 7, 50])
@@ -181,7 +181,7 @@ def test_exactly_one_pallas_call_per_buffer_whatever_the_number_of_leaves(n_leav
 def test_on_a_gpu_auto_takes_the_flat_kernel_for_every_k(monkeypatch):
     """``impl="auto"`` on GPU: one Triton launch per buffer even for one update (the per-leaf
     choice for K = 1 is the jnp rule, which would be one fusion per segment)."""
-    monkeypatch.setattr(kp, "_triton_available", lambda: True)
+    monkeypatch.setattr(kp.plans, "_triton_available", lambda: True)
     spy = _PallasCallSpy(monkeypatch)
     flat = replay.flatten({f"l{i}": np.zeros(70, np.float32) for i in range(9)})
     keys, scales = rng.sample_keys(0, [(0, 0, 0)]), replay.update_scales("binomial", [0.5])
@@ -224,7 +224,7 @@ def test_flat_replay_lowers_to_one_mosaic_kernel_per_buffer(dist, dtypes, kernel
     dtype buffer, but for the float16 buffer, which Mosaic cannot load (the jnp rule updates it)."""
     tree = {f"l{i:02d}": jax.ShapeDtypeStruct((1008 + 7 * i,), dtypes[i % len(dtypes)]) for i in range(50)}
     layout = replay.layout_of(tree, platform="tpu")
-    assert all(kp.tpu_flat_fits(n, d) for d, n in zip(layout.dtypes, layout.sizes))
+    assert all(kp.plans.tpu_flat_fits(n, d) for d, n in zip(layout.dtypes, layout.sizes))
 
     def f(bufs, keys, scales):
         return kp.apply_updates_flat(bufs, keys, scales, layout.tables(), distribution=dist, platform="tpu",
@@ -243,7 +243,7 @@ def test_a_tpu_buffer_not_in_whole_blocks_goes_segment_by_segment(tpu_chip_info)
     sizes = (70_000, 9_000, 140_000)  # with 8-row tiles of 1024 lanes: 8, 1 and 17 whole tiles
     layout = replay.layout_of({f"l{i}": jax.ShapeDtypeStruct((n,), jnp.float32) for i, n in enumerate(sizes)},
                               platform="cpu")
-    assert not kp.tpu_flat_fits(layout.sizes[0], jnp.float32)
+    assert not kp.plans.tpu_flat_fits(layout.sizes[0], jnp.float32)
 
     def f(bufs, keys, scales):
         return kp.apply_updates_flat(bufs, keys, scales, layout.tables(), platform="tpu", inplace=True)
@@ -283,7 +283,7 @@ def test_the_tpu_kernel_in_tpu_interpret_mode_is_the_reference_bit_for_bit(dist,
     keys = np.stack([u for u, _ in updates]) if k else np.zeros((0, 2), np.uint32)
     scales = replay.update_scales(dist, [c for _, c in updates])
     flat = replay.flatten(tree, platform="tpu")
-    plans = [kp.plan_tpu_flat_tiles(flat.layout.table(b), n, _TPU_BLOCKS, d)
+    plans = [kp.plans.plan_tpu_flat_tiles(flat.layout.table(b), n, _TPU_BLOCKS, d)
              for b, (d, n) in enumerate(zip(flat.layout.dtypes, flat.layout.sizes))]
     assert any(p.table.shape[0] > len(flat.layout.table(b)) for b, p in enumerate(plans))  # a leaf over two blocks
     assert all((p.table[:, 4] == 0).any() for p in plans)  # in every buffer a block shared by several leaves
@@ -322,9 +322,9 @@ def test_tpu_kernel_keeps_gaps_and_blocks_without_segments(monkeypatch):
     coefficients = [0.5, -0.125, 0.03]
     scales = replay.update_scales("binomial", coefficients)
     want = _segment_reference(host, segments, keys, coefficients)
-    plan = kp.plan_tpu_flat_tiles(segments, host.size, _TPU_BLOCKS)
+    plan = kp.plans.plan_tpu_flat_tiles(segments, host.size, _TPU_BLOCKS)
     assert plan.aliased and plan.block_rows == 8  # block 3 (elements 3072-4095) holds no segment
-    seg_keys = kp._all_leaf_keys(jnp.asarray(keys), [lid for _, _, lid in segments])
+    seg_keys = kp.common._all_leaf_keys(jnp.asarray(keys), [lid for _, _, lid in segments])
 
     def run(inplace):
         return np.asarray(jax.jit(lambda b: kp.perturb_pallas_flat(
@@ -333,7 +333,7 @@ def test_tpu_kernel_keeps_gaps_and_blocks_without_segments(monkeypatch):
 
     np.testing.assert_array_equal(_bits(run(False)), _bits(want))
     spy = _PallasCallSpy(monkeypatch)
-    monkeypatch.setattr(kp, "_TPU_SMEM_WORDS", 30)  # the tables of two segments at most per launch
+    monkeypatch.setattr(kp.plans, "_TPU_SMEM_WORDS", 30)  # the tables of two segments at most per launch
     np.testing.assert_array_equal(_bits(run(True)), _bits(want))
     assert spy.grids == [(2,), (1,), (1,)]  # segments 0 and 1; 2 (empty) and 3; 4
 
@@ -346,19 +346,19 @@ def test_a_launchs_smem_budget_is_half_the_chips(monkeypatch):
     from jax.experimental.pallas import tpu as pltpu
 
     kind = rule.default_devices()[0].device_kind  # Pallas's chip: the default device's (the CPU's beside a GPU)
-    assert kp._tpu_smem_words(interpret=True) == kp._TPU_SMEM_WORDS
+    assert kp.plans._tpu_smem_words(interpret=True) == kp.plans._TPU_SMEM_WORDS
     budgets = {}
     for chip in (pltpu.ChipVersion.TPU_V3, pltpu.ChipVersion.TPU_V4, pltpu.ChipVersion.TPU_V5E):
         tpu_info.get_tpu_info.cache_clear()
         monkeypatch.setitem(tpu_info.registry, kind, lambda chip=chip: pltpu.get_tpu_info_for_chip(chip, 1))
-        budgets[chip.value] = kp._tpu_smem_words(interpret=False)
+        budgets[chip.value] = kp.plans._tpu_smem_words(interpret=False)
     tpu_info.get_tpu_info.cache_clear()
-    assert budgets == {"v3": 2048, "v4": kp._TPU_SMEM_WORDS, "v5e": kp._TPU_SMEM_WORDS}
+    assert budgets == {"v3": 2048, "v4": kp.plans._TPU_SMEM_WORDS, "v5e": kp.plans._TPU_SMEM_WORDS}
     segments = tuple((1024 * i, 1008 + 7 * i, i) for i in range(50))
-    assert len(kp._tpu_launch_groups(segments, 1024, 64)) == 1
-    groups = kp._tpu_launch_groups(segments, 1024, 64, budgets["v3"])
+    assert len(kp.mosaic._tpu_launch_groups(segments, 1024, 64)) == 1
+    groups = kp.mosaic._tpu_launch_groups(segments, 1024, 64, budgets["v3"])
     assert [j for g in groups for j in g] == list(range(50)) and len(groups) == 4
-    assert all(65 + sum(2 * 64 + 5 * len(kp._blocks_touched(*segments[j][:2], 1024)) for j in g) <= 2048 for g in groups)
+    assert all(65 + sum(2 * 64 + 5 * len(kp.plans._blocks_touched(*segments[j][:2], 1024)) for j in g) <= 2048 for g in groups)
 
 
 @settings(max_examples=60, deadline=None)
@@ -372,13 +372,13 @@ def test_tpu_plan_covers_each_segment_once_in_whole_blocks(sizes, gaps, tile_log
     for j, (z, gap) in enumerate(zip(sizes, gaps)):
         segments.append((o + gap, z, j))
         o += gap + z
-    n = kp.tpu_flat_size(o)
+    n = kp.plans.tpu_flat_size(o)
     dtype = jnp.bfloat16 if half else jnp.float32
     blocks = kp.BlockSizes(tile=2**tile_log2, lanes=128)
-    plan = kp.plan_tpu_flat_tiles(segments, n, blocks, dtype)
-    rows = n // kp.TPU_LANES
+    plan = kp.plans.plan_tpu_flat_tiles(segments, n, blocks, dtype)
+    rows = n // kp.plans.TPU_LANES
     assert rows % plan.block_rows == 0 and (plan.block_rows == rows or plan.block_rows % (16 if half else 8) == 0)
-    assert plan.block <= max(blocks.tile, 16 * kp.TPU_LANES) or plan.block_rows == rows
+    assert plan.block <= max(blocks.tile, 16 * kp.plans.TPU_LANES) or plan.block_rows == rows
     covered = np.zeros(n, np.int32)
     for b, start, end, j, _ in plan.table.tolist():
         assert (start, end - start) == segments[j][:2]
@@ -397,39 +397,39 @@ def test_tpu_plan_covers_each_segment_once_in_whole_blocks(sizes, gaps, tile_log
 
 def test_tpu_plan_shares_blocks_and_sizes_them_to_the_leaves():
     segments = ((0, 300, 9), (300, 5, 1), (512, 1000, 2), (1600, 700, 3), (2400, 3, 4))
-    plan = kp.plan_tpu_flat_tiles(segments, 2560, kp.BlockSizes(tile=4096, lanes=128))
+    plan = kp.plans.plan_tpu_flat_tiles(segments, 2560, kp.BlockSizes(tile=4096, lanes=128))
     assert plan.block_rows == 20 and not plan.aliased  # every row in one block: 5 items, no step wasted
     assert plan.table.tolist() == [
         [0, 0, 300, 0, 1], [0, 300, 305, 1, 0], [0, 512, 1512, 2, 0], [0, 1600, 2300, 3, 0], [0, 2400, 2403, 4, 0]]
     # blocks of 8 rows: a leaf across two blocks is two items; each block's first item is marked
-    split = kp.plan_tpu_flat_tiles(segments, 3072, kp.BlockSizes(tile=1024, lanes=128))
+    split = kp.plans.plan_tpu_flat_tiles(segments, 3072, kp.BlockSizes(tile=1024, lanes=128))
     assert split.block_rows == 8 and not split.aliased
     assert split.table.tolist() == [
         [0, 0, 300, 0, 1], [0, 300, 305, 1, 0], [0, 512, 1512, 2, 0], [1, 512, 1512, 2, 1], [1, 1600, 2300, 3, 0],
         [2, 1600, 2300, 3, 1], [2, 2400, 2403, 4, 0]]
     # one large leaf takes the largest block; many small leaves in a large buffer take small blocks
-    big = kp.plan_tpu_flat_tiles(((0, 2**20, 1),), 2**20, kp.default_block_sizes("tpu"))
+    big = kp.plans.plan_tpu_flat_tiles(((0, 2**20, 1),), 2**20, kp.default_block_sizes("tpu"))
     assert big.block_rows == 1024 and big.table.shape[0] == 8
     small = tuple((64 * i, 64, i) for i in range(200)) + ((2**20 - 2**18, 2**18, 999),)
-    mixed = kp.plan_tpu_flat_tiles(small, 2**20, kp.default_block_sizes("tpu"))
+    mixed = kp.plans.plan_tpu_flat_tiles(small, 2**20, kp.default_block_sizes("tpu"))
     assert (mixed.block_rows, mixed.table.shape[0], mixed.aliased) == (32, 200 + 64, True)
-    assert kp.tpu_flat_size(1) == 2048 and kp.tpu_flat_size(2**17) == 2**17 and kp.tpu_flat_size(2**17 + 1) == 2**18
+    assert kp.plans.tpu_flat_size(1) == 2048 and kp.plans.tpu_flat_size(2**17) == 2**17 and kp.plans.tpu_flat_size(2**17 + 1) == 2**18
     with pytest.raises(ValueError, match="do not fit"):
-        kp.plan_tpu_flat_tiles(((0, 100, 1),), 1000, kp.default_block_sizes("tpu"))
+        kp.plans.plan_tpu_flat_tiles(((0, 100, 1),), 1000, kp.default_block_sizes("tpu"))
     with pytest.raises(ValueError, match="do not fit"):  # 1032 rows: more than a block, not a multiple of 16
-        kp.plan_tpu_flat_tiles(((0, 100, 1),), 1032 * 128, kp.default_block_sizes("tpu"), jnp.bfloat16)
+        kp.plans.plan_tpu_flat_tiles(((0, 100, 1),), 1032 * 128, kp.default_block_sizes("tpu"), jnp.bfloat16)
 
 
 def test_plan_covers_each_segment_with_tiles_of_its_own():
     segments = ((0, 0, 9), (16, 600, 1), (700, 5, 2), (720, 64, 3))
-    plan = kp.plan_flat_tiles(segments, "binomial", kp.BlockSizes(tile=256), "gpu")
+    plan = kp.plans.plan_flat_tiles(segments, "binomial", kp.BlockSizes(tile=256), "gpu")
     assert (plan.width, plan.tile_rows, plan.grouped, plan.align) == (4, 64, True, 4)
     assert plan.table.tolist() == [
         [1, 16, 0, 256], [1, 272, 256, 256], [1, 528, 512, 88], [2, 700, 0, 5], [3, 720, 0, 64]]
     # a buffer of small leaves gets a small tile (a power of two of rows on GPU), aligned starts a hint
-    small = kp.plan_flat_tiles(((0, 5, 1), (32, 20, 2)), "rademacher", kp.BlockSizes(tile=8192), "gpu")
+    small = kp.plans.plan_flat_tiles(((0, 5, 1), (32, 20, 2)), "rademacher", kp.BlockSizes(tile=8192), "gpu")
     assert (small.width, small.tile_rows, small.align, small.table.shape) == (64, 1, 16, (2, 4))
-    lanes = kp.plan_flat_tiles(((3, 300, 1),), "binomial", kp.BlockSizes(tile=1024, lanes=128), "cpu")
+    lanes = kp.plans.plan_flat_tiles(((3, 300, 1),), "binomial", kp.BlockSizes(tile=1024, lanes=128), "cpu")
     assert (lanes.width, lanes.tile_rows, lanes.grouped, lanes.align) == (128, 3, False, 1)
 
 
@@ -440,9 +440,9 @@ def test_flat_kernel_errors_name_the_problem():
     with pytest.raises(ValueError, match="interpret=True"):
         kp.perturb_pallas_flat(jnp.zeros(10), keys, scales, ((0, 3, 1), (3, 3, 2)), platform="cpu")
     with pytest.raises(ValueError, match="on TPU use plan_tpu_flat_tiles"):
-        kp.plan_flat_tiles(((0, 3, 1),), "binomial", kp.BlockSizes(), "tpu")
+        kp.plans.plan_flat_tiles(((0, 3, 1),), "binomial", kp.BlockSizes(), "tpu")
     with pytest.raises(ValueError, match="rows per tile must be a power of two"):
-        kp.plan_flat_tiles(((0, 3000, 1),), "binomial", kp.BlockSizes(tile=192, lanes=64), "gpu")
+        kp.plans.plan_flat_tiles(((0, 3000, 1),), "binomial", kp.BlockSizes(tile=192, lanes=64), "gpu")
 
 
 @pytest.mark.parametrize(
@@ -466,7 +466,7 @@ def test_leaves_perturbed_apart_are_their_segments_of_the_flat_replay(dist, k, b
     flat = replay.flatten(tree)
     before = [np.asarray(b).copy() for b in flat.buffers]
     want = jax.tree_util.tree_leaves(_reference(tree, updates, dist))
-    table = kp._all_leaf_keys(keys, [g.leaf_id for g in flat.layout.segments])  # u32[L, K, 2], tree order
+    table = kp.common._all_leaf_keys(keys, [g.leaf_id for g in flat.layout.segments])  # u32[L, K, 2], tree order
     segments = flat.layout.segments
     groups = [[i for i, g in enumerate(segments) if g.buffer == b][::-1] for b in range(len(flat.buffers))]
     groups += [[i] for i in range(len(segments))]

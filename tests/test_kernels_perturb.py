@@ -215,7 +215,7 @@ def test_tpu_tiles_at_offsets_that_break_the_grouping(tile, offset, tpu_chip_inf
         return kp.perturb_pallas(x, kp.leaf_keys(k, 5), s, distribution="binomial", block_sizes=blocks,
                                  offset=offset, platform="tpu", interpret=interpret)
 
-    plan = kp.plan_tiles(n, "binomial", blocks, "tpu", offset)
+    plan = kp.plans.plan_tiles(n, "binomial", blocks, "tpu", offset)
     assert not plan.grouped and plan.tiles and plan.tile_rows % 8 == 0, plan
     args = (jax.ShapeDtypeStruct((n,), jnp.float32), keys, scales)
     assert "zeroth_fused_replay" in lowered_kernels(f, args, "tpu")
@@ -640,13 +640,13 @@ class _PallasCallSpy:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        real = kp.pl.pallas_call
+        real = kp.pallas.pl.pallas_call
 
         def spy(kernel, *, out_shape, grid, in_specs, out_specs, **kwargs):
             self.calls.append((tuple(out_shape.shape), tuple(out_specs.block_shape), tuple(grid)))
             return real(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, **kwargs)
 
-        monkeypatch.setattr(kp.pl, "pallas_call", spy)
+        monkeypatch.setattr(kp.pallas.pl, "pallas_call", spy)
 
 
 def _assert_whole_tiles_inside(calls, n):
@@ -668,7 +668,7 @@ def _assert_whole_tiles_inside(calls, n):
 )
 def test_no_block_addresses_outside_the_leaf(n, dist, dtype, platform, tile_log2, lanes, offset_calls):
     blocks = kp.BlockSizes(tile=max(1 << tile_log2, lanes or 64), lanes=lanes)
-    if platform == "tpu" and (blocks.tile // (lanes or kp._PER_CALL[dist])) % 8:
+    if platform == "tpu" and (blocks.tile // (lanes or kp.plans._PER_CALL[dist])) % 8:
         with pytest.raises(ValueError, match="multiple of 8"):
             kp.check_block_sizes(blocks, platform, dist)
         return
@@ -679,7 +679,7 @@ def test_no_block_addresses_outside_the_leaf(n, dist, dtype, platform, tile_log2
                 x, _leaf_keys(3), _scales(dist, 3), distribution=dist, block_sizes=blocks, offset=offset,
                 interpret=True, platform=platform), jax.ShapeDtypeStruct((n,), jnp.float16))
         return
-    plan = kp.plan_tiles(n, dist, blocks, platform, offset)
+    plan = kp.plans.plan_tiles(n, dist, blocks, platform, offset)
     # the plan: whole tiles inside [0, head), head + tail = n, the tail shorter than a tile plus a row
     assert plan.head == plan.tiles * plan.tile_rows * plan.width <= n
     assert plan.tail == n - plan.head >= 0
@@ -760,7 +760,7 @@ def test_resolve_impl_follows_the_platform(monkeypatch):
     assert kp.resolve_impl("auto", "tpu") == "pallas"
     assert kp.resolve_impl("auto", "cuda", 16) == "pallas"
     assert kp.resolve_impl("auto", "gpu", 1) == "jnp"  # XLA's fused loop is as fast for one update
-    monkeypatch.setattr(kp, "_triton_available", lambda: False)
+    monkeypatch.setattr(kp.plans, "_triton_available", lambda: False)
     assert kp.resolve_impl("auto", "gpu", 16) == "jnp"
     with pytest.raises(ValueError, match="impl='native' is the CPU kernel, but the arrays live on gpu"):
         kp.resolve_impl("native", "cuda")
@@ -809,7 +809,7 @@ def test_cpu_parameters_replay_on_cpu_when_the_default_backend_is_a_gpu(monkeypa
     assert kp.platform_of(params) == "cpu"
     chosen = []
     real = kp.resolve_impl
-    monkeypatch.setattr(kp, "resolve_impl", lambda *a, **k: chosen.append(real(*a, **k)) or chosen[-1])
+    monkeypatch.setattr(kp.plans, "resolve_impl", lambda *a, **k: chosen.append(real(*a, **k)) or chosen[-1])
     got = replay.replay(params, (rng.sample_keys(2, [(0, 1, 0), (0, 1, 1)]), np.array([0.25, -0.5])))
     assert replay.checksum(got) == want
     assert chosen and set(chosen) <= {"native", "jnp"}
@@ -820,7 +820,7 @@ def test_a_process_with_several_platforms_chooses_at_lowering(monkeypatch):
     """In a process with a CPU and a GPU, ``apply_updates`` stages one path per platform and the
     lowering keeps the one for the devices the computation runs on: here the CPU's (the native
     kernel, one launch for every leaf), with no Triton call and no conditional left to compile."""
-    monkeypatch.setattr(kp, "_process_platforms", lambda: ("cpu", "cuda"))
+    monkeypatch.setattr(kp.dispatch, "_process_platforms", lambda: ("cpu", "cuda"))
     params = {"w": _array((37, 29), jnp.bfloat16, seed=8), "b": _array((3,), jnp.float32, seed=9)}
     keys = rng.sample_keys(0, [(0, 0, s) for s in range(3)])
     scales = replay.update_scales("binomial", [0.1, -0.2, 0.3])
@@ -857,7 +857,7 @@ def test_one_native_launch_for_every_leaf(donate):
     for k in want:
         assert_same_bits(got[k], want[k])
     with pytest.raises(ValueError, match="3 leaves but 2 leaf ids"):
-        kp.perturb_native_tree([jnp.zeros(2)] * 3, keys, scales, [1, 2])
+        kp.native.perturb_native_tree([jnp.zeros(2)] * 3, keys, scales, [1, 2])
 
 
 @pytest.mark.parametrize("impl", ["jnp", "pallas"])
@@ -906,7 +906,7 @@ def test_a_slice_with_a_run_time_start_has_the_whole_leafs_bits(n, frac, n_updat
     x = _array((n,), dtype, seed=seed % 1000)
     keys, scales = _leaf_keys(n_updates, seed=seed), _scales(dist, n_updates, seed=seed)
     want = numpy_perturb(x, keys, scales, dist)
-    f = jax.jit(lambda x, s: kp.perturb_slice(x, keys, scales, s, (m,), distribution=dist, impl=impl))
+    f = jax.jit(lambda x, s: kp.slices.perturb_slice(x, keys, scales, s, (m,), distribution=dist, impl=impl))
     for s in starts:
         assert_same_bits(f(x, jnp.uint32(s)), want[s : s + m])
 
@@ -920,7 +920,7 @@ def test_layers_of_a_stacked_leaf_inside_a_scan(impl):
     want = numpy_perturb(x, keys, scales, "binomial")
 
     def body(c, i):
-        return c, kp.perturb_slice(x, keys, scales, i.astype(jnp.uint32) * 91, (7, 13), distribution="binomial", impl=impl)
+        return c, kp.slices.perturb_slice(x, keys, scales, i.astype(jnp.uint32) * 91, (7, 13), distribution="binomial", impl=impl)
 
     got = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(5))[1])()
     assert_same_bits(got, want)
@@ -938,24 +938,24 @@ def test_a_slice_of_a_leaf_inside_a_buffer_has_the_leafs_bits(impl, dtype):
     want = numpy_perturb(x, keys, scales, "binomial")
 
     def body(c, i):
-        return c, kp.perturb_slice(buffer, keys, scales, i.astype(jnp.uint32) * 91, (7, 13), distribution="binomial",
+        return c, kp.slices.perturb_slice(buffer, keys, scales, i.astype(jnp.uint32) * 91, (7, 13), distribution="binomial",
                                    impl=impl, base=29, size=x.size)
 
     assert_same_bits(jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(5))[1])(), want)
     # a run-time start whose slice ends past the leaf (370 + 91 > 455) but inside the buffer: never
     # the 17 elements that follow the leaf
-    late = jax.jit(lambda s: kp.perturb_slice(buffer, keys, scales, s, (7, 13), impl=impl, base=29, size=x.size))
+    late = jax.jit(lambda s: kp.slices.perturb_slice(buffer, keys, scales, s, (7, 13), impl=impl, base=29, size=x.size))
     if impl == "native":
         with pytest.raises(Exception, match="leaves the leaf"):
             jax.block_until_ready(late(jnp.uint32(370)))
     else:  # clamped to the leaf's last layer, data and noise, as a dynamic slice clamps
         assert_same_bits(late(jnp.uint32(370)), want[4])
     with pytest.raises(ValueError, match="a leaf of 455 elements from element 29 leaves x of 469 elements"):
-        kp.perturb_slice(buffer[:-32], keys, scales, 0, (7, 13), impl=impl, base=29, size=x.size)
+        kp.slices.perturb_slice(buffer[:-32], keys, scales, 0, (7, 13), impl=impl, base=29, size=x.size)
     with pytest.raises(ValueError, match="slice start 400 \\+ 91 elements leaves the leaf of 455"):
-        kp.perturb_slice(buffer, keys, scales, 400, (7, 13), impl=impl, base=29, size=x.size)
+        kp.slices.perturb_slice(buffer, keys, scales, 400, (7, 13), impl=impl, base=29, size=x.size)
     with pytest.raises(ValueError, match="base must be a non-negative int"):
-        kp.perturb_slice(buffer, keys, scales, 0, (7, 13), impl=impl, base=-1)
+        kp.slices.perturb_slice(buffer, keys, scales, 0, (7, 13), impl=impl, base=-1)
 
 
 @needs_native
@@ -963,8 +963,8 @@ def test_native_slice_outside_the_leaf_is_refused():
     x = _array((10, 4), jnp.float32)
     keys, scales = _leaf_keys(1), _scales("binomial", 1)
     with pytest.raises(ValueError, match="slice start 38 \\+ 4 elements leaves the leaf of 40"):
-        kp.perturb_native_slice(x, keys, scales, 38, (4,))
-    f = jax.jit(lambda s: kp.perturb_native_slice(x, keys, scales, s, (4,)))
+        kp.slices.perturb_native_slice(x, keys, scales, 38, (4,))
+    f = jax.jit(lambda s: kp.slices.perturb_native_slice(x, keys, scales, s, (4,)))
     with pytest.raises(Exception, match="leaves the leaf"):
         jax.block_until_ready(f(jnp.uint32(37)))
     with pytest.raises(ValueError, match="a run-time offset must be a u32"):
@@ -978,10 +978,10 @@ def test_rows_of_an_updated_table(dist, dtype):
     table = _array((37, 3, 5), dtype, seed=8)
     keys, scales = _leaf_keys(2, seed=9), _scales(dist, 2, seed=9)
     ids = np.array([[0, 36, 5], [5, 1, 2]], np.int32)
-    got = jax.jit(lambda t, i: kp.perturb_rows(t, keys, scales, i, distribution=dist))(table, ids)
+    got = jax.jit(lambda t, i: kp.slices.perturb_rows(t, keys, scales, i, distribution=dist))(table, ids)
     assert_same_bits(got, numpy_perturb(table, keys, scales, dist)[ids])
     with pytest.raises(ValueError, match="row ids must be integers"):
-        kp.perturb_rows(table, keys, scales, jnp.zeros(2), distribution=dist)
+        kp.slices.perturb_rows(table, keys, scales, jnp.zeros(2), distribution=dist)
 
 
 # Bit patterns of every class the flushes treat apart: ±0, ±inf, NaNs (quiet and signalling, both
@@ -1020,7 +1020,7 @@ def test_flushing_in_halves_gives_the_specifications_bits(dtype, n_updates):
         # two segments with the same leaf keys, in a buffer padded to whole TPU blocks (Mosaic
         # has no float16: that one takes the GPU's flat kernel)
         platform = "gpu" if dtype == jnp.float16 else "tpu"
-        buffer = jnp.pad(x, (0, kp.tpu_flat_size(host.size) - host.size))
+        buffer = jnp.pad(x, (0, kp.plans.tpu_flat_size(host.size) - host.size))
         segments = ((0, 500, 7), (500, host.size - 500, 8))
         got = kp.perturb_pallas_flat(buffer, jnp.asarray(np.stack([keys, keys])), jnp.asarray(scales), segments,
                                      interpret=True, platform=platform)
@@ -1028,5 +1028,5 @@ def test_flushing_in_halves_gives_the_specifications_bits(dtype, n_updates):
                                                                                      "binomial")]))
     ids = np.array([0, 3, 5, 41, 7], np.int32)
     table = x[: 80 * 3].reshape(80, 3)
-    assert_same_bits(kp.perturb_rows(table, keys, scales, ids), numpy_perturb(host[:240].reshape(80, 3), keys, scales,
+    assert_same_bits(kp.slices.perturb_rows(table, keys, scales, ids), numpy_perturb(host[:240].reshape(80, 3), keys, scales,
                                                                               "binomial")[ids])

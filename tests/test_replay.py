@@ -361,11 +361,11 @@ def test_new_keys_and_coefficients_do_not_recompile():
     from zeroth.kernels import perturb as fused
 
     p = {"recompile_probe": np.zeros(17, np.float32)}
-    before = fused._fused_copy._cache_size()
+    before = fused.dispatch._fused_copy._cache_size()
     replay.replay(p, [(rng.sample_key(0, 0, 0, s), 0.1 * (s + 1)) for s in range(2)])
-    after_first = fused._fused_copy._cache_size()
+    after_first = fused.dispatch._fused_copy._cache_size()
     replay.replay(p, [(rng.sample_key(9, 8, 7, s), -3.0 * (s + 1)) for s in range(2)])
-    assert after_first == before + 1 and fused._fused_copy._cache_size() == after_first
+    assert after_first == before + 1 and fused.dispatch._fused_copy._cache_size() == after_first
 
 
 def test_a_replay_call_sends_its_updates_in_one_array_with_their_bits():
@@ -377,14 +377,14 @@ def test_a_replay_call_sends_its_updates_in_one_array_with_their_bits():
 
     keys = rng.sample_keys(3, [(1, 2, s) for s in range(5)])
     scales = np.array([0.5, -0.0, 2.0**-140, -3.25e-7, 1.0], np.float32)
-    packed = fused.pack_updates(keys, scales)
+    packed = fused.dispatch.pack_updates(keys, scales)
     assert packed.dtype == np.uint32 and packed.shape == (5, 3)
-    got_keys, got_scales = jax.jit(fused.unpack_updates)(packed)
+    got_keys, got_scales = jax.jit(fused.dispatch.unpack_updates)(packed)
     np.testing.assert_array_equal(np.asarray(got_keys), keys)
     np.testing.assert_array_equal(np.asarray(got_scales).view(np.uint32), scales.view(np.uint32))
     # one argument besides the parameters: what replay compiles and calls
     p = {"one_transfer_probe": np.zeros(9, np.float32)}
-    lowered = fused._fused_copy.lower(p, packed[:2], "binomial", "jnp", None)
+    lowered = fused.dispatch._fused_copy.lower(p, packed[:2], "binomial", "jnp", None)
     assert [a.shape for a in jax.tree_util.tree_leaves(lowered.args_info)] == [(9,), (2, 3)]
 
 

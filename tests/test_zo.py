@@ -980,7 +980,7 @@ def test_large_perturbed_leaves_are_computed_apart_with_the_same_bits(distributi
     eps = zo.round_eps(1e-2)
     barriers, out = {}, {}
     for apart in (threshold, 1 << 62):  # the leaves at the threshold and above apart; none apart
-        monkeypatch.setattr(fused, "APART_MIN_BYTES", apart)
+        monkeypatch.setattr(fused.dispatch, "APART_MIN_BYTES", apart)
 
         def loss(p, b):  # a fresh function each time: estimators are cached per loss
             h = jnp.tanh(b @ p["big"]) @ p["wide"]
@@ -1280,7 +1280,7 @@ def test_the_gpus_kernel_per_leaf_gives_the_projected_gradients_of_the_jnp_rule(
     matrices and a scalar). The same projected gradients and losses as the jnp rule and the
     native kernel, bit for bit, on the tree or on its flat layout (leaves at odd offsets of
     shared buffers, and some with a buffer of their own)."""
-    monkeypatch.setattr(fused, "APART_MIN_BYTES", 1800)
+    monkeypatch.setattr(fused.dispatch, "APART_MIN_BYTES", 1800)
     vectors = {"v0": jnp.linspace(-1, 1, 5), "v1": jnp.linspace(0, 2, 300).astype(jnp.bfloat16), "v2": jnp.float32(0.25),
                "v3": jnp.linspace(-3, 1, 400), "v4": jnp.linspace(-3, 1, 600)}  # biases, norms, a scalar
     params = {**_many_leaves(6), **vectors, "z": jnp.zeros((2, 3), jnp.float32)}

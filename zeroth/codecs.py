@@ -6,31 +6,8 @@ A :class:`Codec` is ``(name, encode, decode, bytes_per_value)``. ``encode(g f32[
 f32[n]`` runs everywhere, and the *decoded* values are what the update applies, on the sender
 too, so every machine applies exactly what was sent.
 
-``float32``: little-endian IEEE float32, 4 bytes per value, lossless.
-
-``onebyte``: the signed-log code of Just One Byte (seed 000), one byte per value. The magnitude
-is quantized in the log domain with step 1/16, ``q = round(16 · ln|g|)``, so the decoded value
-``±exp(q/16)`` is within a factor ``exp(1/32)`` of ``|g|`` (relative error <= ``exp(1/32) − 1``
-≈ 3.2%) inside the range. A byte holds the sign, the level and zero; 256 codes cannot hold 255
-levels of each sign as well, so the range is 127 levels around 1 (the seed's ``clip(q, −127,
-127)`` narrowed to seven bits), in *offset binary*:
-
-* byte ``0x80`` (128): ``g = 0`` exactly (also ``−0``);
-* byte ``128 + m``, ``m = 1..127``: ``g = +exp((m − 64)/16)``, i.e. ``q = m − 64 ∈ [−63, 63]``;
-* byte ``128 − m``, ``m = 1..128``: ``g = −exp((m − 64)/16)``, ``q ∈ [−63, 64]`` (the one spare
-  code, byte 0, is the extra negative level ``q = 64``).
-
-So bytes sort like the values they stand for (0x00 most negative, 0xFF most positive), every
-byte is a valid code, and ``encode(decode(b)) == b`` for all 256. Magnitudes are clipped to the
-range ``[exp(−63/16), exp(63/16)] ≈ [0.0195, 51.29]`` (negative ones to ``exp(64/16) ≈ 54.6``),
-keeping the sign; only an exact zero encodes to 0x80. Non-finite values are refused.
-
-Decoding is a lookup in :data:`ONEBYTE_TABLE`, 256 float32 values: no ``exp`` on the replay
-path. The table is built once at import with pure-Python ``decimal`` arithmetic (``exp`` correctly
-rounded to 40 digits, then rounded to nearest float32 by exact integer arithmetic), identical on
-every host, and checked against the committed digest :data:`ONEBYTE_TABLE_SHA256`. Encoding
-compares ``|g|`` with the 127 level boundaries ``exp((q + ½)/16)`` (float64, built the same way),
-which is ``round(16 · ln|g|)`` without a ``log`` either.
+``float32`` is lossless; ``onebyte`` is the signed-log code of Just One Byte (seed 000), specified
+byte by byte in the docs (Systems, Just One Byte: "The one-byte code").
 
 Example:
   >>> c = get_codec("onebyte")

@@ -2,35 +2,8 @@
 
 A model reads the parts of a leaf it needs through two functions instead of indexing the leaf:
 
-* :func:`layer_view` for layers stacked on a leading axis (``[L, ...]`` leaves run by
-  ``lax.scan``): called outside the scan, it returns a :class:`LayerView` whose ``xs`` the
-  model scans over and whose ``layer(i, xs_i)`` gives layer ``i``'s weights inside the body;
-* :func:`rows` for a gather of rows (``table[ids]``, an embedding lookup);
-* :func:`dot_general` for a dense layer's product ``x @ kernel`` (flax's
-  ``nn.Dense(..., dot_general=layerwise.dot_general)``).
-
-With nothing installed they are exactly ``xs = stacked``, ``layer(i, xs_i) = xs_i``,
-``rows(table, ids) = table[ids]`` and ``lax.dot_general``. An estimator that passes the model computed leaves (a ZO step's
-``θ ± εz``, :func:`zeroth.zo.projected_gradients`) may install a :class:`Provider`
-while it traces ``loss_fn(params, batch)`` (:func:`provide`); for a leaf it recognises (by
-identity: the very array it passed in) the provider computes the slice or the rows *on demand*
-from what the leaf was made of. The contract of a provider is that its answer is bit-identical
-to slicing or gathering the leaf itself, so a model that uses these functions computes the same
-values with or without one, and a model that does not use them is unaffected. What changes is
-the program: a leaf whose every use goes through the provider is never built whole (XLA drops
-it as dead code), so a ZO step over a stacked model builds one perturbed layer at a time inside
-the scan body, just before it runs, instead of a whole perturbed copy of the layers before the
-scan; an embedding lookup perturbs only the rows it reads; and a large dense kernel the provider
-serves in blocks of rows is multiplied one block at a time (:data:`BLOCKS` of them, in a loop), so
-no more than one block of its perturbed copy exists at once (the estimator serves kernels of at
-least :data:`zeroth.zo.estimator.BLOCKS_MIN_ELEMENTS` so, on a CPU). That product is the sum of the
-blocks' products: the same value as ``x @ kernel`` up to the rounding of the sums (the blocks
-themselves are bit-identical to the kernel's rows).
-
-The hook is a trace-time context (like ``flax.linen.intercept_methods``): it is consulted while
-``loss_fn`` is traced, so ``loss_fn(params, batch)`` keeps its signature for every model. A
-``jax.jit`` inside ``loss_fn`` gets fresh tracers for its arguments, which no provider
-recognises: it falls back to the plain behaviour (correct, just without the saving).
+How an estimator serves these views, and what it saves, is in the docs (Concepts, ZO memory:
+"Layers perturbed where they are read").
 
 Example:
   >>> import jax, jax.numpy as jnp

@@ -339,7 +339,7 @@ def layout_of(params: Any, *, platform: str | None = None, alone_from: int | Non
       platform: the platform whose replay the layout serves (``"cpu"``, ``"gpu"``, ``"tpu"``;
         None: where the parameters live, :func:`zeroth.kernels.perturb.platform_of`). On
         ``"tpu"`` every shared buffer's size is padded to whole blocks of 128-lane rows
-        (:func:`zeroth.kernels.perturb.tpu_flat_size`), so that its replay is one Mosaic launch;
+        (:func:`zeroth.kernels.perturb.plans.tpu_flat_size`), so that its replay is one Mosaic launch;
         the padding at its end belongs to no leaf (:func:`flatten` fills it with zeros, no replay
         writes it, :func:`checksum` and :func:`unflatten` never read it). Elsewhere, and for a
         leaf alone, buffers hold their leaves exactly.
@@ -376,7 +376,7 @@ def layout_of(params: Any, *, platform: str | None = None, alone_from: int | Non
         sizes[b] += size
     if platform == "tpu":  # shared buffers in whole blocks; a leaf alone is replayed as in the tree
         padded = set(shared.values())
-        sizes = [_fused.tpu_flat_size(z) if b in padded else z for b, z in enumerate(sizes)]
+        sizes = [_fused.plans.tpu_flat_size(z) if b in padded else z for b, z in enumerate(sizes)]
     layout = Layout(treedef, tuple(segments), tuple(dtypes), tuple(sizes))
     return _LAYOUTS.setdefault(layout._key, layout)
 
@@ -489,7 +489,7 @@ def unflatten(flat: Flat) -> Any:
 
 
 def _flat_core(buffers, packed, *, tables, distribution, impl, inplace):
-    keys, scales = _fused.unpack_updates(packed)  # one transfer per call (_fused.pack_updates)
+    keys, scales = _fused.dispatch.unpack_updates(packed)  # one transfer per call (_fused.dispatch.pack_updates)
     return tuple(_fused.apply_updates_flat(
         buffers, keys, scales, tables, distribution=distribution, impl=impl, inplace=inplace))
 
@@ -506,6 +506,6 @@ def _replay_flat(flat: Flat, keys: np.ndarray, scales: np.ndarray, distribution:
     """:func:`replay` of a :class:`Flat`: one compiled call, one kernel launch per buffer."""
     if not donate and not _host_memory.decided() and _fused.platform_of(flat.buffers) == "cpu":
         _host_memory.reuse_freed_host_memory()
-    impl = "jnp" if _fused.is_sharded(flat.buffers) else "auto"
-    out = _flat_fn(flat.layout, distribution, donate, impl)(flat.buffers, _fused.pack_updates(keys, scales))
+    impl = "jnp" if _fused.dispatch.is_sharded(flat.buffers) else "auto"
+    out = _flat_fn(flat.layout, distribution, donate, impl)(flat.buffers, _fused.dispatch.pack_updates(keys, scales))
     return Flat(out, flat.layout)

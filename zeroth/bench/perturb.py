@@ -161,9 +161,9 @@ def _zeroth_core(n: int, dist: str, k: int, *, host: bool = False) -> Callable[[
     keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
     scales = replay.update_scales(dist, [_COEFF * (1 + s % 3) for s in range(k)])
     if host:
-        fn = jax.jit(lambda p, packed: replay.apply_updates(p, *kp.unpack_updates(packed), distribution=dist),
+        fn = jax.jit(lambda p, packed: replay.apply_updates(p, *kp.dispatch.unpack_updates(packed), distribution=dist),
                      donate_argnums=0)
-        packed = kp.pack_updates(keys, scales)
+        packed = kp.dispatch.pack_updates(keys, scales)
         return _donated(lambda p: fn(p, packed), {"w": jnp.zeros(n, jnp.float32)})
     fn = jax.jit(functools.partial(replay.apply_updates, distribution=dist), donate_argnums=0)
     keys, scales = jnp.asarray(keys), jnp.asarray(scales)

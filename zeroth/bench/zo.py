@@ -537,7 +537,7 @@ def _flat_rows(fns, mem, same, loss_fn, params, flat, data, keys, eps, coefficie
     fstate = {"step": replay.flatten(params), "update": replay.flatten(params), "it": 0}
     program = replay._flat_fn(flat.layout, dist, True, "auto")  # what replay(flat, donate=True) calls
     mem[f"zo_update_flat_{dist}"] = zo.compiled_memory(
-        program.lower(flat.buffers, fused.pack_updates(keys, replay.update_scales(dist, coefficients))).compile())
+        program.lower(flat.buffers, fused.dispatch.pack_updates(keys, replay.update_scales(dist, coefficients))).compile())
     mem[f"zo_step_flat_{dist}"] = _step_memory(mem[f"zo_pg_flat_{dist}"], mem[f"zo_update_flat_{dist}"])
 
     def step():

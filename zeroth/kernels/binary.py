@@ -4,37 +4,8 @@ One file in the style of jax's Pallas ops: the block function shared by the Pall
 the plain ``jnp`` version, the kernel, and wrappers that pad to whole tiles and dispatch. The
 NumPy reference (no jax) is :mod:`zeroth.binary.reference`; all three agree bit for bit.
 
-**Layout.** A vector of ``n`` values in {-1, +1} packs into ``ceil(n / 32)`` ``uint32`` words:
-value ``i`` is bit ``i % 32`` (least significant first) of word ``i // 32``; **-1 is a set bit**,
-+1 a clear bit; the padding bits of the last word are 0. A batch of activations is
-``u32[B, words]``; a convolution input ``u32[B, H, W, words(C)]`` packs the channels of each pixel.
-
-**Weights.** Binary weights are one plane ``sign: u32[O, words]`` (same layout). Ternary weights
-{-1, 0, +1} are two planes: ``sign`` (set = -1) and ``mask`` (set = nonzero); a zero weight has
-mask 0 and, by convention, sign 0.
-
-**The op.** With ``p = popcount(x XOR sign)`` summed over the words of a row (ternary:
-``popcount((x XOR sign) AND mask)``), the integer pre-activation is
-
-    dot[b, o] = n_valid[o] - 2 * p[b, o]        (= sum_i x_i * w_oi over the {-1,0,+1} values)
-
-where ``n_valid = n`` (binary; the padding bits are 0 in both planes, so they never count) or
-``popcount(mask[o])`` (ternary). The output is ``+1`` where ``dot >= thresh[o]`` and ``-1`` (a set
-bit) where ``dot < thresh[o]``, packed 32 outputs per word, padding bits 0.
-
-**3x3 convolution** (padding 1, stride 1) is the same op on an explicit bit-packed im2col: the
-patch of pixel ``(h, w)`` is the concatenation of the ``words(C)``-word channel vectors of its
-nine neighbours ``(h + dy, w + dx)``, ``dy, dx in (-1, 0, 1)`` row-major, so a patch is
-``9 * words(C)`` words and the weights are ``u32[O, 9 * words(C)]`` in the same order. Pixels
-outside the image read as +1 (all bits clear), so every patch has ``n = 9 C`` valid values.
-
-**Kernel.** One tile computes ``bb`` rows against 32 outputs (one output word) over all input
-words (padded with zero words to a power of two, which adds nothing to any popcount); on a GPU
-it adds the words' counts one word at a time. The popcount counts each word as an ``int32``
-(:func:`zeroth.noise.popcount`: the GPU's ``popc`` instruction, Mosaic's ``ctpop``); sums are
-``int32`` (Mosaic has no unsigned reductions). The wrapper pads the batch to whole tiles (zero
-rows) and the outputs to whole words (threshold ``INT32_MIN``, whose output bit is always 0), so
-no tile reads outside its buffer.
+The bit layout, the weights, the op, the convolution and the tiling are specified in the docs
+(Kernels: "Binary and ternary layers").
 
 Example:
   >>> import numpy as np

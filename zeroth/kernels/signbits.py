@@ -4,39 +4,8 @@ One file in the style of jax's Pallas ops: block functions shared by the Pallas 
 plain ``jnp`` reference, the kernels, and wrappers that pick tiles and dispatch (Pallas on GPU
 and TPU, ``jnp`` on CPU, where Pallas runs only in interpret mode, for tests).
 
-**Layout.** Element ``i`` of the row-major flattening of an array is bit ``i % 32`` (least
-significant first) of word ``i // 32``; the unused high bits of the last word ("padding bits")
-are 0. This is ``np.packbits(bits, bitorder="little")`` viewed as little-endian ``uint32``.
-
-**Sign convention.** Bit 1 stands for +1 and bit 0 for -1. A value packs to 0 exactly when
-``x <= -tiny``, ``tiny`` being the smallest normal number of its dtype: -inf and negative normal
-numbers pack to 0; +0, -0, subnormals of either sign, positive numbers, +inf and every NaN
-(whatever its sign bit) pack to 1. The float's own sign bit is not read, so -0 and +0 (equal
-values) agree; subnormals count as zero, so backends that flush them (XLA:CPU does) and backends
-that don't agree; a NaN, which one bit cannot carry, becomes +1 deterministically.
-
-**Bernoulli bits.** Element ``i`` of the stream of key ``k`` draws the uniform 32-bit integer
-``u_i`` = word ``x0`` (even ``i``) or ``x1`` (odd ``i``) of ``threefry2x32(k, (0, i >> 1))``;
-its bit is ``u_i < T`` for an integer threshold ``T`` in ``[0, 2**32]``, so the probability is
-exactly ``T / 2**32``. Integer operations only: every worker and backend draws the same bits, and
-any tile regenerates its own slice from its global word index.
-
-**Marsit merge** (seed 004, section 4.1.1 and equation (2)). The ``m``-th contributor of a
-reduction chain holds the received bits ``v`` (the merged signs of contributors ``1..m-1``) and
-its own signs ``v*``; it draws the transient vector ``r`` with
-
-    P(r_j = 1) = (m - 1) / m   where v*_j = 0,        P(r_j = 1) = 1 / m   where v*_j = 1,
-
-and sends ``(v AND v*) OR ((v XOR v*) AND r)``. ``r`` is built as ``NOT (s XOR v*)`` from one
-stream ``s`` of Bernoulli(1/m) bits, which gives exactly those two probabilities. Where ``v`` and
-``v*`` differ the output therefore keeps ``v`` with probability ``(m-1)/m`` and takes ``v*`` with
-probability ``1/m``: ``E[out_j] = ((m-1) v_j + v*_j) / m``, so a chain of merges keeps every
-bit an unbiased estimate of the mean of all contributors' bits.
-
-**Counting and majority.** Per-position counts over several packed vectors are kept bit-sliced:
-a list of "planes" (least significant first), plane ``b`` holding bit ``b`` of every position's
-count, updated by ripple-carry adders on whole words (a vertical popcount). The majority of
-``K`` vectors is ``2 * count >= K``: ties (even ``K``) resolve to 1, like a zero's sign.
+The layout, the sign convention, the Bernoulli bits, the Marsit merge and the bit-sliced counts
+are specified in the docs (Kernels: "Sign bits").
 
 Example:
   >>> import jax.numpy as jnp

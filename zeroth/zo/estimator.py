@@ -245,7 +245,7 @@ def _pallas_leaves(theta, key, scale, table, distribution: str, sources=None):
     leaves, treedef = jax.tree_util.tree_flatten(theta)
     interpret = _rule.default_platform() != "gpu"
     out: list[Any] = [None] * len(leaves)
-    small = [i for i, x in enumerate(leaves) if x.size * x.dtype.itemsize < _fused.APART_MIN_BYTES]
+    small = [i for i, x in enumerate(leaves) if x.size * x.dtype.itemsize < _fused.dispatch.APART_MIN_BYTES]
     if small:
         rows = table[np.asarray(small)] if len(small) < len(leaves) else table
         for i, x in zip(small, _jnp_leaves([leaves[i] for i in small], key, scale, rows, distribution), strict=True):
@@ -271,8 +271,8 @@ def _perturbed_parts(theta, perturbed, table, scale, distribution: str, native: 
     """The :class:`zeroth.layerwise.Provider` of one perturbed model ``perturbed = θ + s·z``.
 
     It recognises the leaves of ``perturbed`` by identity and serves layer ``i`` of a stacked leaf
-    (:func:`zeroth.kernels.perturb.perturb_slice` of θ's leaf at ``i · m``, the native kernel
-    reading the slice in place on CPU), rows of a table (:func:`zeroth.kernels.perturb.perturb_rows`)
+    (:func:`zeroth.kernels.perturb.slices.perturb_slice` of θ's leaf at ``i · m``, the native kernel
+    reading the slice in place on CPU), rows of a table (:func:`zeroth.kernels.perturb.slices.perturb_rows`)
     and blocks of rows of a 2-D leaf of at least :data:`BLOCKS_MIN_ELEMENTS` (a dense kernel, for
     :func:`zeroth.layerwise.dot_general`; ``perturb_slice`` too), each
     bit-identical to the same part of the whole perturbed leaf. ``table``: the leaves' keys
@@ -302,7 +302,7 @@ def _perturbed_parts(theta, perturbed, table, scale, distribution: str, native: 
         _, t, lk, (source, base) = hit
 
         def at(start):
-            z = _fused.perturb_slice(source, lk, scales, start, shape, distribution=distribution, impl=impl,
+            z = _fused.slices.perturb_slice(source, lk, scales, start, shape, distribution=distribution, impl=impl,
                                      base=base, size=t.size)
             return z if native else materialize(z, t)
 
@@ -329,7 +329,7 @@ def _perturbed_parts(theta, perturbed, table, scale, distribution: str, native: 
         if hit is None or jnp.ndim(hit[1]) < 1:
             return None
         _, t, lk, _ = hit
-        return materialize(_fused.perturb_rows(t, lk, scales, ids, distribution=distribution), t)
+        return materialize(_fused.slices.perturb_rows(t, lk, scales, ids, distribution=distribution), t)
 
     # Blocks are for a CPU: a GPU would run each block's noise and product as launches of their
     # own, several times the operations of a forward (not timed there).
@@ -499,7 +499,7 @@ def _held_impl(params) -> str:
     """The replay implementation of a held update inside the step's program: the fused kernels
     (chosen at lowering for the devices the program runs on), or the jnp rule for parameters split
     across devices, as :func:`zeroth.replay.replay` chooses."""
-    return "jnp" if _fused.is_sharded(params) else "auto"  # a Flat's leaves are its buffers
+    return "jnp" if _fused.dispatch.is_sharded(params) else "auto"  # a Flat's leaves are its buffers
 
 
 def _apply_held(params, update, distribution: str, impl: str):
