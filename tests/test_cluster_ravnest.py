@@ -207,11 +207,20 @@ def test_processes_match_the_in_process_run_and_a_backup_takes_over(tmp_path, re
     np.testing.assert_array_equal(run.params, np.concatenate([ref["flat"][plan.primaries[(0, s)]] for s in range(len(plan.stages[0]))]))
 
 
-def _transport(tmp_path, token):
+A_KEY = identity.Identity.generate()  # node "a" of the two-node transport below
+
+
+def _transport(tmp_path, token, sizes=None):
     slots = {"a": (0, 0), "b": (0, 1)}
     t = transport.ClusterTransport("b", slots, {(0, 0): "a", (0, 1): "b"}, {}, run_id="run1", token=token,
-                                   address_dir=tmp_path, bandwidth_mbps={"a": 100.0, "b": 100.0}, timeout_s=5)
+                                   address_dir=tmp_path, bandwidth_mbps={"a": 100.0, "b": 100.0}, timeout_s=5,
+                                   keys={"a": A_KEY.public}, sizes=sizes)
     return t, t.serve("127.0.0.1:0")
+
+
+def _from_a(kind, array, **kw):
+    """A message node "a" signs for node "b" (slot (0, 1)) unless ``kw`` says otherwise."""
+    return wire.sign(wire.to_message("run1", "a", kind, array, **{"to": (0, 1), **kw}), A_KEY)
 
 
 def test_node_refuses_bad_messages_and_calls_without_the_token(tmp_path):
@@ -219,7 +228,7 @@ def test_node_refuses_bad_messages_and_calls_without_the_token(tmp_path):
     t, address = _transport(tmp_path, token)
     try:
         stub = pb_grpc.ClusterNodeStub(grpc.insecure_channel(address))
-        good = wire.to_message("run1", "a", "activation", np.ones((2, 3), np.float32), batch=0)
+        good = _from_a("activation", np.ones((2, 3), np.float32), batch=0)
         md = security.token_metadata(token)
         assert stub.Deliver(iter([good]), metadata=md).received == 1
         np.testing.assert_array_equal(t.inbox.get("activation", 0, 1.0), np.ones((2, 3), np.float32))
@@ -231,12 +240,71 @@ def test_node_refuses_bad_messages_and_calls_without_the_token(tmp_path):
             (wire.to_message("run1", "mallory", "activation", np.ones(2, np.float32), batch=1), "sender 'mallory'"),
             (pb.Message(run_id="run1", sender="a", kind=pb.ACTIVATION, batch=1, shape=[4], data=b"\0" * 8), "data has 8 bytes"),
             (wire.to_message("run1", "a", "ring", np.ones(2, np.float32), phase="steal"), "phase 'steal'"),
+            # a holder of the token (not of a's key) speaking for a: unsigned, or signed with its own key
+            (wire.to_message("run1", "a", "activation", np.ones(2, np.float32), batch=1, to=(0, 1)), "does not verify"),
+            (wire.sign(wire.to_message("run1", "a", "activation", np.ones(2, np.float32), batch=1, to=(0, 1)),
+                       identity.Identity.generate()), "does not verify"),
+            # a's own signature on a message moved to another slot, or a field changed after signing
+            (_from_a("activation", np.ones(2, np.float32), batch=1, to=(0, 0)), "to slot [0, 0]"),
+            (_with(_from_a("activation", np.ones(2, np.float32), batch=1), batch=2), "does not verify"),
+            (_from_a("gradient", np.ones(2, np.float32), batch=1), "gradients come from [0, 2]"),
+            (wire.sign(wire.promote_message("run1", "a", (0, 0)), A_KEY), "to slot [0, 0]"),  # another node's slot
+            (wire.sign(wire.state_message("run1", "a", b"x", (0, 1)), A_KEY), "not the primary"),
         ]
         for msg, reason in bad:
             with pytest.raises(grpc.RpcError) as e:
                 stub.Deliver(iter([msg]), metadata=md)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in e.value.details()
-        assert not t.inbox.has("activation", 1) and t.refused == len(bad)
+        assert not t.inbox.has("activation", 1) and t.refused == len(bad) and not t.inbox.has("activation", 2)
+        assert not t.shadow and t.promoted_at is None
+        genuine = _from_a("activation", np.full(2, 7, np.float32), batch=1)  # refused copies were not "the first"
+        assert stub.Deliver(iter([genuine]), metadata=md).received == 1
+        np.testing.assert_array_equal(t.inbox.get("activation", 1, 1.0), np.full(2, 7, np.float32))
+    finally:
+        t.close(2)
+
+
+def _with(msg, **fields):
+    out = pb.Message()
+    out.CopyFrom(msg)
+    for k, v in fields.items():
+        setattr(out, k, v)
+    return out
+
+
+def test_node_caps_messages_at_the_runs_largest_and_keys_are_learned_once(tmp_path):
+    """With the run's sizes the server refuses a message above the largest one (a token holder's too)
+    and an activation of another shape; a node's key is asked of it at its address and kept."""
+    cfg = _cfg()
+    plan = build.plan_of(cfg)
+    sizes = build.sizes_of(cfg, plan)
+    assert sizes.activation == (8, 32, 32) and sizes.message_bytes() < 4 << 20
+    token = identity.access_token(identity.new_secret())
+    t, address = _transport(tmp_path, token, sizes)
+    try:
+        md = security.token_metadata(token)
+        stub = pb_grpc.ClusterNodeStub(grpc.insecure_channel(address))
+        ok = _from_a("activation", np.ones(sizes.activation, np.float32), batch=0)
+        assert stub.Deliver(iter([ok]), metadata=md).received == 1
+        for msg, code, reason in [
+            (_from_a("activation", np.ones(sizes.message_bytes() // 4 + 1, np.float32)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+            (_from_a("activation", np.ones((8, 32, 33), np.float32)), grpc.StatusCode.INVALID_ARGUMENT, "not the model's [8, 32, 32]"),
+            (_from_a("ring", np.ones(sizes.ring_values + 1, np.float32), phase="reduce"), grpc.StatusCode.INVALID_ARGUMENT,
+             "more than a stage's slice"),
+        ]:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Deliver(iter([msg]), metadata=md, timeout=10)
+            assert e.value.code() == code and reason in e.value.details()
+        # another transport learns b's key by asking it, with b's proof of the secret checked
+        secret = identity.new_secret()
+        t2 = transport.ClusterTransport("c", {"b": (0, 1), "c": (0, 0)}, {(0, 0): "c", (0, 1): "b"}, {}, run_id="run1",
+                                        token=token, address_dir=tmp_path, bandwidth_mbps={"b": 1.0, "c": 1.0}, secret=secret)
+        with pytest.raises(ConnectionError, match="does not prove it holds the run secret"):
+            t2.key_of("b", 5.0)  # b has no secret: no proof
+        t2.secret = None
+        assert t2.key_of("b", 5.0) == t.identity.public
+        t2.keys["b"] = b"k" * 32  # the first key learned stays
+        assert t2.key_of("b", 5.0) == b"k" * 32
     finally:
         t.close(2)
 
@@ -350,7 +418,7 @@ def test_node_answers_its_neighbour_while_outsiders_hold_calls_and_send_oversize
             assert streams.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
             t0 = time.perf_counter()
             with grpc.insecure_channel(address) as ch:
-                good = wire.to_message("run1", "a", "activation", np.ones((2, 3), np.float32), batch=0)
+                good = _from_a("activation", np.ones((2, 3), np.float32), batch=0)
                 ack = pb_grpc.ClusterNodeStub(ch).Deliver(iter([good]), metadata=security.token_metadata(token), timeout=10)
             assert ack.received == 1 and time.perf_counter() - t0 < 2.0
         growth, codes = oversized_growth(address, "/zeroth.v1.cluster.ClusterNode/Deliver", 4, 64 << 20)

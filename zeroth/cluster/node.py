@@ -74,10 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | None, token: str | None,
-                     progress: bool = False, advertise: str | None = None, tls=None) -> dict:
+                     progress: bool = False, advertise: str | None = None, tls=None, secret: str | None = None) -> dict:
     """Run node ``name`` of the run of ``cfg`` to the end; returns its summary. ``advertise``: the host
     the other nodes reach this one at (written to ``ADDRESSES/<name>`` with the bound port; default
-    the ``listen`` host). ``tls``: every link over TLS (:class:`zeroth.transport.security.TLSFiles`)."""
+    the ``listen`` host). ``tls``: every link over TLS (:class:`zeroth.transport.security.TLSFiles`).
+    ``secret``: the run secret (this node proves it holds it with its key and checks the others' proofs)."""
     import numpy as np
 
     from zeroth.cluster import build, driver, engine, transport
@@ -99,7 +100,8 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
                                    address_dir=addresses, bandwidth_mbps=bw, enforce=r.enforce_bandwidth,
                                    latency_s=r.latency_ms / 1e3, timeout_s=r.timeout_s,
                                    node_latency_s={n["name"]: float(n.get("latency_ms", 0.0)) / 1e3 for n in plan.pool},
-                                   backup_round=plan.backup_round, tls=tls)
+                                   backup_round=plan.backup_round, tls=tls, secret=secret,
+                                   sizes=build.sizes_of(cfg, plan))
     t.serve(listen or f"{r.host}:0", advertise=advertise)
     t.wait_for_nodes([n["name"] for n in plan.pool], r.timeout_s)  # every node serves before any sends
     io = transport.NodeLink(t, plan, r.timeout_s)
@@ -173,11 +175,12 @@ def main(argv: list[str]) -> int:
         if cfg.ravnest is None:
             raise ValueError(f"config {args.config} has no ravnest: section")
         token = identity.token_from_env(args.insecure)
+        secret = None if args.insecure else identity.secret_from_env()
         tls = security.tls_from_args(args)
         out = Path(args.out)
         addresses = Path(args.addresses) if args.addresses else out.parent / "addresses"
         run_node_process(cfg, args.name, out, addresses, args.listen, token, progress=not args.quiet,
-                         advertise=args.advertise, tls=tls)
+                         advertise=args.advertise, tls=tls, secret=secret)
     except (ConnectionError, TimeoutError) as e:
         print(f"zeroth node {args.name}: error: {e}", file=sys.stderr)
         return 1
