@@ -425,3 +425,79 @@ def test_node_answers_its_neighbour_while_outsiders_hold_calls_and_send_oversize
         assert codes == ["UNAUTHENTICATED"] * 4 and growth < 32 << 20, growth
     finally:
         t.close(2)
+
+
+@pytest.fixture(scope="module")
+def base_reference():
+    """The in-process run of BASE (two clusters of two stages, 8 batches, fixed order)."""
+    return sim.run_local(_cfg())
+
+
+def _grpc_run(cfg, out, secret, attack=None):
+    """Every node of ``cfg``'s pool as :func:`zeroth.cluster.node.run_node_process` in a thread of this
+    process (real gRPC servers on loopback), ``attack(plan, out)`` run meanwhile; returns the summaries."""
+    from zeroth.cluster import node as _node
+
+    plan = build.plan_of(cfg)
+    token = identity.access_token(secret)
+    summaries, errors = {}, []
+
+    def run(name):
+        try:
+            summaries[name] = _node.run_node_process(cfg, name, out / "nodes" / name, out / "addresses", "127.0.0.1:0",
+                                                     token, secret=secret)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append((name, e))
+
+    threads = [threading.Thread(target=run, args=(n["name"],), daemon=True) for n in plan.pool]
+    for th in threads:
+        th.start()
+    attacked = attack(plan, out) if attack is not None else None
+    for th in threads:
+        th.join(120)
+    assert not errors and not any(th.is_alive() for th in threads), errors
+    return summaries, attacked
+
+
+def test_a_token_holder_speaking_for_other_nodes_is_refused_and_the_run_is_the_clean_one(tmp_path, base_reference):
+    """With the run secret but no node's key, an attacker sends every stage forged activations and
+    gradients (every batch, in the real sender's name) and forged ring chunks (every ring, both
+    averaging rounds) before the real ones: each is refused, the run finishes, and every node ends on
+    the digest of the clean in-process run, bit for bit."""
+    cfg = _cfg(timeout_s=60)
+    secret = identity.new_secret()
+
+    def attack(plan, out):
+        sizes = build.sizes_of(cfg, plan)
+        mallory = identity.Identity.generate()
+        forged = []
+        for (c, s), name in plan.primaries.items():
+            for b in range(cfg.train.steps):
+                x = np.full(sizes.activation, 3.0, np.float32)
+                if s > 0:
+                    forged.append((name, wire.to_message(plan.run_id, plan.primaries[(c, s - 1)], "activation", x, batch=b, to=(c, s))))
+                if s + 1 < len(plan.stages[c]):
+                    forged.append((name, wire.to_message(plan.run_id, plan.primaries[(c, s + 1)], "gradient", x, batch=b, to=(c, s))))
+            other = plan.primaries[(1 - c, s)]
+            for ring in plan.rings:
+                for rnd in (1, 2):
+                    for phase in ("reduce", "gather"):
+                        forged.append((name, wire.to_message(plan.run_id, other, "ring", np.full(ring.stop - ring.start, 9.0, np.float32),
+                                                             ring=ring.ring_id, round_id=rnd, phase=phase, step=0, to=(c, s))))
+        codes = []
+        for i, (dest, msg) in enumerate(forged):
+            msg = wire.sign(msg, mallory) if i % 2 else msg  # signed with the attacker's own key, or not at all
+            address = transport.resolve_address(out / "addresses", dest, 30)
+            with grpc.insecure_channel(address) as ch:
+                try:
+                    pb_grpc.ClusterNodeStub(ch).Deliver(iter([msg]), metadata=security.token_metadata(identity.access_token(secret)),
+                                                        timeout=30)
+                    codes.append("OK")
+                except grpc.RpcError as e:
+                    codes.append(e.code().name)
+        return codes
+
+    summaries, codes = _grpc_run(cfg, tmp_path, secret, attack)
+    assert len(codes) > 40 and set(codes) == {"INVALID_ARGUMENT"}, codes
+    assert sum(s["messages_refused"] for s in summaries.values()) == len(codes)
+    assert {n: s["digest"] for n, s in summaries.items()} == base_reference["digests"]
