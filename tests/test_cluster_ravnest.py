@@ -501,3 +501,61 @@ def test_a_token_holder_speaking_for_other_nodes_is_refused_and_the_run_is_the_c
     assert len(codes) > 40 and set(codes) == {"INVALID_ARGUMENT"}, codes
     assert sum(s["messages_refused"] for s in summaries.values()) == len(codes)
     assert {n: s["digest"] for n, s in summaries.items()} == base_reference["digests"]
+
+
+def test_nodes_resumed_from_a_checkpoint_end_on_the_uninterrupted_digests(tmp_path, base_reference):
+    """Every node checkpoints at each averaging round; restarted from update 4 (with new keys, the
+    messages kept in the checkpoints sent again) the nodes end on the clean run's digests, and the
+    rows after update 4 are written once."""
+    from zeroth.cluster import checkpoint as _ckpt
+    from zeroth.cluster import node as _node
+
+    cfg = _cfg(timeout_s=60)
+    secret = identity.new_secret()
+    first, _ = _grpc_run(cfg, tmp_path, secret)
+    assert {n: s["digest"] for n, s in first.items()} == base_reference["digests"]
+    assert _ckpt.steps(tmp_path / "nodes" / "n0" / "checkpoints") == [4, 8]
+    plan = build.plan_of(cfg)
+    token = identity.access_token(secret)
+    for f in (tmp_path / "addresses").iterdir():
+        f.unlink()
+    summaries, errors = {}, []
+
+    def run(name):
+        try:
+            summaries[name] = _node.run_node_process(cfg, name, tmp_path / "nodes" / name, tmp_path / "addresses",
+                                                     "127.0.0.1:0", token, secret=secret, resume_step=4)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append((name, e))
+
+    threads = [threading.Thread(target=run, args=(n["name"],), daemon=True) for n in plan.pool]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors
+    assert {n: s["digest"] for n, s in summaries.items()} == base_reference["digests"]
+    assert all(s["updates"] == 4 for s in summaries.values())
+    rows = read_metrics(tmp_path / "nodes" / "n1" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 9)) and check_schema(rows, "n1") == 8
+
+
+def test_a_damaged_checkpoint_is_named_in_one_line(tmp_path):
+    from zeroth.cluster import checkpoint as _ckpt
+
+    meta = {"run_id": "r", "node": "n0"}
+    path = _ckpt.save(tmp_path, 4, {"a": np.arange(1000, dtype=np.float32)}, [((0, 1), b"msg")], meta)
+    arrays, sent, got = _ckpt.load(tmp_path, 4, "r", "n0")
+    assert sent == [((0, 1), b"msg")] and got["step"] == 4 and np.array_equal(arrays["a"], np.arange(1000, dtype=np.float32))
+    with pytest.raises(_ckpt.CheckpointError, match="of node 'n0' at update 4 of run 'r', not of node 'n1'"):
+        _ckpt.load(tmp_path, 4, "r", "n1")
+    data = bytearray(path.read_bytes())
+    data[200] ^= 0xFF  # one byte inside the array
+    path.write_bytes(bytes(data))
+    with pytest.raises(_ckpt.CheckpointError) as e:
+        _ckpt.load(tmp_path, 4, "r", "n0")
+    assert str(path) in str(e.value) and "damaged" in str(e.value) and "\n" not in str(e.value)
+    path.write_bytes(bytes(data[: len(data) // 2]))  # truncated
+    with pytest.raises(_ckpt.CheckpointError, match="damaged"):
+        _ckpt.load(tmp_path, 4, "r", "n0")
+    assert _ckpt.common_step([tmp_path, tmp_path / "none"]) is None

@@ -365,43 +365,77 @@ class ClusterTransport:
         """Hand ``backup`` this node's state (the stage's snapshot, the waiting messages and what was
         seen) and relay it every message received from now on. Returns the state's bytes."""
         with self._relay_lock:
-            items, seen = self.inbox.snapshot()
-            with self._ring_cv:
-                ring_items, ring_seen = dict(self._ring), set(self._ring_seen)
-            arrays = {f"s/{k}": v for k, v in stage_snapshot.items()}
-            manifest = {"inbox": [], "inbox_seen": sorted([list(k) for k in seen]),
-                        "ring": [], "ring_seen": sorted([[*src, *tag] for src, tag in ring_seen], key=str)}
-            for i, (k, v) in enumerate(sorted(items.items())):
-                manifest["inbox"].append(list(k))
-                arrays[f"in/{i}"] = np.asarray(v)
-            for i, ((src, tag), v) in enumerate(sorted(ring_items.items(), key=str)):
-                manifest["ring"].append([*src, *tag])
-                arrays[f"ring/{i}"] = np.asarray(v)
             buf = io.BytesIO()
-            np.savez(buf, manifest=np.frombuffer(json.dumps(manifest).encode(), np.uint8), **arrays)
+            np.savez(buf, **self.state_arrays(stage_snapshot))
             blob = buf.getvalue()
             with self._lock:
                 self._submit(backup, wire.sign(wire.state_message(self.run_id, self.me, blob, self.slot), self.identity))
                 self.relay_to = backup
         return len(blob)
 
+    def state_arrays(self, stage_snapshot: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """This node's state as named arrays: the stage's snapshot (``s/…``), the waiting messages and
+        ring chunks, and the keys of every message seen (``manifest``, JSON bytes)."""
+        items, seen = self.inbox.snapshot()
+        with self._ring_cv:
+            ring_items, ring_seen = dict(self._ring), set(self._ring_seen)
+        arrays = {f"s/{k}": v for k, v in stage_snapshot.items()}
+        manifest = {"inbox": [], "inbox_seen": sorted([list(k) for k in seen]),
+                    "ring": [], "ring_seen": sorted([[*src, *tag] for src, tag in ring_seen], key=str)}
+        for i, (k, v) in enumerate(sorted(items.items())):
+            manifest["inbox"].append(list(k))
+            arrays[f"in/{i}"] = np.asarray(v)
+        for i, ((src, tag), v) in enumerate(sorted(ring_items.items(), key=str)):
+            manifest["ring"].append([*src, *tag])
+            arrays[f"ring/{i}"] = np.asarray(v)
+        arrays["manifest"] = np.frombuffer(json.dumps(manifest).encode(), np.uint8)
+        return arrays
+
     def wait_state(self, timeout_s: float) -> dict[str, np.ndarray]:
         """A joining backup: wait for its primary's state, take its messages; returns the stage's snapshot."""
         if not self._state_event.wait(timeout_s):
             raise TimeoutError(f"node {self.me}: no state from its primary within {timeout_s:g}s")
         with np.load(io.BytesIO(self._state), allow_pickle=False) as z:
-            manifest = json.loads(z["manifest"].tobytes().decode())
-            items = {(k, int(b)): z[f"in/{i}"] for i, (k, b) in enumerate(manifest["inbox"])}
-            self.inbox.restore(items, {(k, int(b)) for k, b in manifest["inbox_seen"]})
-            with self._ring_cv:
-                for i, (c, s, ring, rnd, phase, step) in enumerate(manifest["ring"]):
-                    key = ((c, s), (ring, rnd, phase, step))
-                    if key not in self._ring_seen:
-                        self._ring[key] = z[f"ring/{i}"]
-                for c, s, ring, rnd, phase, step in manifest["ring_seen"]:
-                    self._ring_seen.add(((c, s), (ring, rnd, phase, step)))
-                self._ring_cv.notify_all()
-            return {k[2:]: z[k] for k in z.files if k.startswith("s/")}
+            return self.restore_arrays(z)
+
+    def restore_arrays(self, z) -> dict[str, np.ndarray]:
+        """Take the messages and seen keys of :meth:`state_arrays` (``z``: a mapping of its arrays);
+        returns the stage's snapshot."""
+        manifest = json.loads(z["manifest"].tobytes().decode())
+        items = {(k, int(b)): z[f"in/{i}"] for i, (k, b) in enumerate(manifest["inbox"])}
+        self.inbox.restore(items, {(k, int(b)) for k, b in manifest["inbox_seen"]})
+        with self._ring_cv:
+            for i, (c, s, ring, rnd, phase, step) in enumerate(manifest["ring"]):
+                key = ((c, s), (ring, rnd, phase, step))
+                if key not in self._ring_seen:
+                    self._ring[key] = z[f"ring/{i}"]
+            for c, s, ring, rnd, phase, step in manifest["ring_seen"]:
+                self._ring_seen.add(((c, s), (ring, rnd, phase, step)))
+            self._ring_cv.notify_all()
+        return {k[2:]: z[k] for k in list(z.keys()) if k.startswith("s/")}
+
+    def unreceived(self, batch_from: int, round_from: int) -> list[tuple[tuple[int, int], bytes]]:
+        """``(slot, message bytes)`` of what this node sent that a receiver restarted from the same
+        update count may still need: activations and gradients of batches from ``batch_from`` on,
+        ring chunks and join pieces of rounds from ``round_from`` on (a checkpoint keeps them)."""
+        with self._lock:
+            sent = [(slot, m) for slot, log in self.sent_log.items() for m in log] + list(self.outbox)
+        keep = [(slot, m) for slot, m in sent
+                if (m.kind in (pb.ACTIVATION, pb.GRADIENT) and m.batch >= batch_from) or (m.kind == pb.RING and m.round >= round_from)]
+        return [(tuple(slot), m.SerializeToString()) for slot, m in keep]
+
+    def resend(self, messages) -> int:
+        """Send again what :meth:`unreceived` kept (before a restart), signed with this process's key;
+        receivers drop what they have already. Returns how many."""
+        n = 0
+        for slot, data in messages:
+            msg = pb.Message.FromString(bytes(data))
+            if msg.sender != self.me or msg.run_id != self.run_id:
+                raise ValueError(f"a kept message of {msg.sender!r} (run {msg.run_id!r}) is not node {self.me!r}'s of this run")
+            msg.signature = b""
+            self._deliver(tuple(slot), wire.sign(msg, self.identity))
+            n += 1
+        return n
 
     def send(self, kind: str, batch: int, array: np.ndarray) -> None:
         """An activation to the next stage, a gradient to the previous one (NodeIO)."""
