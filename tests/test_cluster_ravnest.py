@@ -559,3 +559,54 @@ def test_a_damaged_checkpoint_is_named_in_one_line(tmp_path):
     with pytest.raises(_ckpt.CheckpointError, match="damaged"):
         _ckpt.load(tmp_path, 4, "r", "n0")
     assert _ckpt.common_step([tmp_path, tmp_path / "none"]) is None
+
+
+def _node_pid(out, name):
+    """The pid of the ``zeroth node`` process of node ``name`` writing into ``out`` (None if not running)."""
+    from pathlib import Path
+
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"zeroth.cluster.node" in cmd and name.encode() in cmd and str(out / "nodes" / name).encode() in cmd:
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_node_killed_without_a_backup_is_resumed_from_the_checkpoints(tmp_path, base_reference):
+    """``zeroth run``: node n1 (no backup) is SIGKILLed after its 5th update; the run fails (rc 1);
+    ``--resume`` restarts every node from update 4 and the run ends on the uninterrupted digests."""
+    import time
+
+    raw = json.loads(json.dumps(BASE))
+    raw["ravnest"]["latency_ms"] = 40  # a few seconds of run: time to kill n1 between updates 5 and 8
+    cfg_path = tmp_path / "rv.yaml"
+    cfg_path.write_text(json.dumps(raw))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "zeroth", "run", str(cfg_path), "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rows = out / "nodes" / "n1" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        done = read_metrics(rows) if rows.is_file() else []
+        if done and done[-1]["step"] >= 5:
+            pid = _node_pid(out, "n1")
+            assert pid is not None
+            import os
+
+            os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    first, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 1 and "n1" in first, first[-2000:]
+    assert not (out / "summary.json").exists()
+    again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "from its checkpoint after update 4" in again.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert {n: s["digest"] for n, s in summary["nodes"].items()} == base_reference["digests"]
+    assert summary["clusters_agree"] and all(s["messages_refused"] == 0 for s in summary["nodes"].values())
