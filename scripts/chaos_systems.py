@@ -431,7 +431,7 @@ class Peers:
 
     def result(self, out: Path) -> dict:
         maps, finals = [], set()
-        for p in sorted((out / "peers").glob("p*")):
+        for p in sorted(d for d in (out / "peers").glob("p*") if d.is_dir()):
             rows = [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines() if x.strip()] if (p / "metrics.jsonl").is_file() else []
             maps.append({r["step"]: r["digest"] for r in rows if r.get("kind") == "train"})
             s = json.loads((p / "summary.json").read_text()) if (p / "summary.json").is_file() else {}
