@@ -610,3 +610,21 @@ def test_a_node_killed_without_a_backup_is_resumed_from_the_checkpoints(tmp_path
     summary = json.loads((out / "summary.json").read_text())
     assert {n: s["digest"] for n, s in summary["nodes"].items()} == base_reference["digests"]
     assert summary["clusters_agree"] and all(s["messages_refused"] == 0 for s in summary["nodes"].values())
+
+
+def test_resume_names_what_is_missing(tmp_path):
+    from zeroth.cluster import checkpoint as _ckpt
+    from zeroth.cluster import launch
+
+    plan = build.plan_of(_cfg())
+    with pytest.raises(ValueError, match=r"no checkpoint update count common to every node .*n0: \[\]"):
+        launch._resume_step(tmp_path, plan, ["--resume"])
+    for name in ("n0", "n1", "n2", "n3"):
+        for k in ((4, 8) if name != "n2" else (4,)):
+            _ckpt.save(launch.node_dir(tmp_path, name) / "checkpoints", k, {}, [], {"run_id": plan.run_id, "node": name})
+    assert launch._resume_step(tmp_path, plan, ["--resume"]) == 4
+    with pytest.raises(ValueError, match=r"--resume-step 8: nodes \['n2'\] hold no checkpoint"):
+        launch._resume_step(tmp_path, plan, ["--resume", "--resume-step", "8"])
+    late = build.plan_of(_config.load_config_dict(_with_late(BASE)))
+    with pytest.raises(ValueError, match="joining later .* cannot resume yet"):
+        launch._resume_step(tmp_path, late, ["--resume"])

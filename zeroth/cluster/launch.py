@@ -201,8 +201,10 @@ def _resume_step(out: Path, plan: _build.Plan, argv: list[str]) -> int:
     if any(plan.join_round) or any(plan.backup_round.values()):
         raise ValueError("--resume: a Ravnest run with nodes joining later (join_round) cannot resume yet; start a new run")
     folders = [_ckpt.folder_of(node_dir(out, n["name"])) for n in plan.pool]
-    if "--resume-step" in argv:
-        k = int(argv[argv.index("--resume-step") + 1])
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("--resume-step=")]
+    given += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--resume-step"]
+    if given:
+        k = int(given[-1])
         missing = [f.parent.name for f in folders if k not in _ckpt.steps(f)]
         if missing:
             raise ValueError(f"--resume-step {k}: nodes {missing} hold no checkpoint of update {k} in {out}")
