@@ -603,6 +603,7 @@ def test_a_node_killed_without_a_backup_is_resumed_from_the_checkpoints(tmp_path
         time.sleep(0.02)
     first, _ = proc.communicate(timeout=240)
     assert proc.returncode == 1 and "n1" in first, first[-2000:]
+    assert f"checkpoint after update 4; continue with `zeroth run {cfg_path} --out {out} --resume`" in first, first[-2000:]
     assert not (out / "summary.json").exists()
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]

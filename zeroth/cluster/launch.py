@@ -259,6 +259,12 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
     backup_of = {plan.primaries[slot]: b for slot, b in plan.backups.items()}
     code, killed = wait_nodes(procs, out, kills, timeout_s=r.timeout_s * 4, progress=progress, backup_of=backup_of)
     if code != 0:
+        k = _ckpt.common_step([_ckpt.folder_of(node_dir(out, n["name"])) for n in plan.pool])
+        if k is not None and not any(plan.join_round) and not any(plan.backup_round.values()):
+            again = [a for i, a in enumerate(argv) if a != "--resume" and not a.startswith("--resume-step")
+                     and (i == 0 or argv[i - 1] != "--resume-step")]
+            print(f"zeroth run: every node holds a checkpoint after update {k}; continue with "
+                  f"`zeroth run {' '.join(again)} --resume`", file=sys.stderr)
         return code
     records = merge_records(out, [n["name"] for n in plan.pool])
     clear_metrics(out / "metrics.jsonl")
