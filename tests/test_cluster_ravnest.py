@@ -459,12 +459,13 @@ def _grpc_run(cfg, out, secret, attack=None):
     return summaries, attacked
 
 
-def test_a_token_holder_speaking_for_other_nodes_is_refused_and_the_run_is_the_clean_one(tmp_path, base_reference):
-    """With the run secret but no node's key, an attacker sends every stage forged activations and
-    gradients (every batch, in the real sender's name) and forged ring chunks (every ring, both
-    averaging rounds) before the real ones: each is refused, the run finishes, and every node ends on
-    the digest of the clean in-process run, bit for bit."""
+@pytest.fixture(scope="module")
+def attacked_run(tmp_path_factory):
+    """BASE's nodes as gRPC servers in threads while a holder of the run secret (no node's key) sends
+    every stage forged activations and gradients (every batch, in the real sender's name) and forged
+    ring chunks (every ring, both averaging rounds). Returns ``(cfg, out, secret, summaries, codes)``."""
     cfg = _cfg(timeout_s=60)
+    out = tmp_path_factory.mktemp("attacked")
     secret = identity.new_secret()
 
     def attack(plan, out):
@@ -497,23 +498,27 @@ def test_a_token_holder_speaking_for_other_nodes_is_refused_and_the_run_is_the_c
                     codes.append(e.code().name)
         return codes
 
-    summaries, codes = _grpc_run(cfg, tmp_path, secret, attack)
+    summaries, codes = _grpc_run(cfg, out, secret, attack)
+    return cfg, out, secret, summaries, codes
+
+
+def test_a_token_holder_speaking_for_other_nodes_is_refused_and_the_run_is_the_clean_one(attacked_run, base_reference):
+    """Every forged message is refused, the run finishes, and every node ends on the digest of the
+    clean in-process run, bit for bit (the forgeries are sent from the moment the nodes serve)."""
+    _, _, _, summaries, codes = attacked_run
     assert len(codes) > 40 and set(codes) == {"INVALID_ARGUMENT"}, codes
     assert sum(s["messages_refused"] for s in summaries.values()) == len(codes)
     assert {n: s["digest"] for n, s in summaries.items()} == base_reference["digests"]
 
 
-def test_nodes_resumed_from_a_checkpoint_end_on_the_uninterrupted_digests(tmp_path, base_reference):
-    """Every node checkpoints at each averaging round; restarted from update 4 (with new keys, the
-    messages kept in the checkpoints sent again) the nodes end on the clean run's digests, and the
-    rows after update 4 are written once."""
+def test_nodes_resumed_from_a_checkpoint_end_on_the_uninterrupted_digests(attacked_run, base_reference):
+    """Every node checkpoints at each averaging round; the attacked run's nodes restarted from update
+    4 (with new keys, the messages kept in the checkpoints sent again) end on the clean run's
+    digests, and the rows after update 4 are written once."""
     from zeroth.cluster import checkpoint as _ckpt
     from zeroth.cluster import node as _node
 
-    cfg = _cfg(timeout_s=60)
-    secret = identity.new_secret()
-    first, _ = _grpc_run(cfg, tmp_path, secret)
-    assert {n: s["digest"] for n, s in first.items()} == base_reference["digests"]
+    cfg, tmp_path, secret, _, _ = attacked_run
     assert _ckpt.steps(tmp_path / "nodes" / "n0" / "checkpoints") == [4, 8]
     plan = build.plan_of(cfg)
     token = identity.access_token(secret)
