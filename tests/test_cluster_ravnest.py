@@ -207,11 +207,20 @@ def test_processes_match_the_in_process_run_and_a_backup_takes_over(tmp_path, re
     np.testing.assert_array_equal(run.params, np.concatenate([ref["flat"][plan.primaries[(0, s)]] for s in range(len(plan.stages[0]))]))
 
 
-def _transport(tmp_path, token):
+A_KEY = identity.Identity.generate()  # node "a" of the two-node transport below
+
+
+def _transport(tmp_path, token, sizes=None):
     slots = {"a": (0, 0), "b": (0, 1)}
     t = transport.ClusterTransport("b", slots, {(0, 0): "a", (0, 1): "b"}, {}, run_id="run1", token=token,
-                                   address_dir=tmp_path, bandwidth_mbps={"a": 100.0, "b": 100.0}, timeout_s=5)
+                                   address_dir=tmp_path, bandwidth_mbps={"a": 100.0, "b": 100.0}, timeout_s=5,
+                                   keys={"a": A_KEY.public}, sizes=sizes)
     return t, t.serve("127.0.0.1:0")
+
+
+def _from_a(kind, array, **kw):
+    """A message node "a" signs for node "b" (slot (0, 1)) unless ``kw`` says otherwise."""
+    return wire.sign(wire.to_message("run1", "a", kind, array, **{"to": (0, 1), **kw}), A_KEY)
 
 
 def test_node_refuses_bad_messages_and_calls_without_the_token(tmp_path):
@@ -219,7 +228,7 @@ def test_node_refuses_bad_messages_and_calls_without_the_token(tmp_path):
     t, address = _transport(tmp_path, token)
     try:
         stub = pb_grpc.ClusterNodeStub(grpc.insecure_channel(address))
-        good = wire.to_message("run1", "a", "activation", np.ones((2, 3), np.float32), batch=0)
+        good = _from_a("activation", np.ones((2, 3), np.float32), batch=0)
         md = security.token_metadata(token)
         assert stub.Deliver(iter([good]), metadata=md).received == 1
         np.testing.assert_array_equal(t.inbox.get("activation", 0, 1.0), np.ones((2, 3), np.float32))
@@ -231,12 +240,71 @@ def test_node_refuses_bad_messages_and_calls_without_the_token(tmp_path):
             (wire.to_message("run1", "mallory", "activation", np.ones(2, np.float32), batch=1), "sender 'mallory'"),
             (pb.Message(run_id="run1", sender="a", kind=pb.ACTIVATION, batch=1, shape=[4], data=b"\0" * 8), "data has 8 bytes"),
             (wire.to_message("run1", "a", "ring", np.ones(2, np.float32), phase="steal"), "phase 'steal'"),
+            # a holder of the token (not of a's key) speaking for a: unsigned, or signed with its own key
+            (wire.to_message("run1", "a", "activation", np.ones(2, np.float32), batch=1, to=(0, 1)), "does not verify"),
+            (wire.sign(wire.to_message("run1", "a", "activation", np.ones(2, np.float32), batch=1, to=(0, 1)),
+                       identity.Identity.generate()), "does not verify"),
+            # a's own signature on a message moved to another slot, or a field changed after signing
+            (_from_a("activation", np.ones(2, np.float32), batch=1, to=(0, 0)), "to slot [0, 0]"),
+            (_with(_from_a("activation", np.ones(2, np.float32), batch=1), batch=2), "does not verify"),
+            (_from_a("gradient", np.ones(2, np.float32), batch=1), "gradients come from [0, 2]"),
+            (wire.sign(wire.promote_message("run1", "a", (0, 0)), A_KEY), "to slot [0, 0]"),  # another node's slot
+            (wire.sign(wire.state_message("run1", "a", b"x", (0, 1)), A_KEY), "not the primary"),
         ]
         for msg, reason in bad:
             with pytest.raises(grpc.RpcError) as e:
                 stub.Deliver(iter([msg]), metadata=md)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in e.value.details()
-        assert not t.inbox.has("activation", 1) and t.refused == len(bad)
+        assert not t.inbox.has("activation", 1) and t.refused == len(bad) and not t.inbox.has("activation", 2)
+        assert not t.shadow and t.promoted_at is None
+        genuine = _from_a("activation", np.full(2, 7, np.float32), batch=1)  # refused copies were not "the first"
+        assert stub.Deliver(iter([genuine]), metadata=md).received == 1
+        np.testing.assert_array_equal(t.inbox.get("activation", 1, 1.0), np.full(2, 7, np.float32))
+    finally:
+        t.close(2)
+
+
+def _with(msg, **fields):
+    out = pb.Message()
+    out.CopyFrom(msg)
+    for k, v in fields.items():
+        setattr(out, k, v)
+    return out
+
+
+def test_node_caps_messages_at_the_runs_largest_and_keys_are_learned_once(tmp_path):
+    """With the run's sizes the server refuses a message above the largest one (a token holder's too)
+    and an activation of another shape; a node's key is asked of it at its address and kept."""
+    cfg = _cfg()
+    plan = build.plan_of(cfg)
+    sizes = build.sizes_of(cfg, plan)
+    assert sizes.activation == (8, 32, 32) and sizes.message_bytes() < 4 << 20
+    token = identity.access_token(identity.new_secret())
+    t, address = _transport(tmp_path, token, sizes)
+    try:
+        md = security.token_metadata(token)
+        stub = pb_grpc.ClusterNodeStub(grpc.insecure_channel(address))
+        ok = _from_a("activation", np.ones(sizes.activation, np.float32), batch=0)
+        assert stub.Deliver(iter([ok]), metadata=md).received == 1
+        for msg, code, reason in [
+            (_from_a("activation", np.ones(sizes.message_bytes() // 4 + 1, np.float32)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+            (_from_a("activation", np.ones((8, 32, 33), np.float32)), grpc.StatusCode.INVALID_ARGUMENT, "not the model's [8, 32, 32]"),
+            (_from_a("ring", np.ones(sizes.ring_values + 1, np.float32), phase="reduce"), grpc.StatusCode.INVALID_ARGUMENT,
+             "more than a stage's slice"),
+        ]:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Deliver(iter([msg]), metadata=md, timeout=10)
+            assert e.value.code() == code and reason in e.value.details()
+        # another transport learns b's key by asking it, with b's proof of the secret checked
+        secret = identity.new_secret()
+        t2 = transport.ClusterTransport("c", {"b": (0, 1), "c": (0, 0)}, {(0, 0): "c", (0, 1): "b"}, {}, run_id="run1",
+                                        token=token, address_dir=tmp_path, bandwidth_mbps={"b": 1.0, "c": 1.0}, secret=secret)
+        with pytest.raises(ConnectionError, match="does not prove it holds the run secret"):
+            t2.key_of("b", 5.0)  # b has no secret: no proof
+        t2.secret = None
+        assert t2.key_of("b", 5.0) == t.identity.public
+        t2.keys["b"] = b"k" * 32  # the first key learned stays
+        assert t2.key_of("b", 5.0) == b"k" * 32
     finally:
         t.close(2)
 
@@ -350,10 +418,219 @@ def test_node_answers_its_neighbour_while_outsiders_hold_calls_and_send_oversize
             assert streams.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
             t0 = time.perf_counter()
             with grpc.insecure_channel(address) as ch:
-                good = wire.to_message("run1", "a", "activation", np.ones((2, 3), np.float32), batch=0)
+                good = _from_a("activation", np.ones((2, 3), np.float32), batch=0)
                 ack = pb_grpc.ClusterNodeStub(ch).Deliver(iter([good]), metadata=security.token_metadata(token), timeout=10)
             assert ack.received == 1 and time.perf_counter() - t0 < 2.0
         growth, codes = oversized_growth(address, "/zeroth.v1.cluster.ClusterNode/Deliver", 4, 64 << 20)
         assert codes == ["UNAUTHENTICATED"] * 4 and growth < 32 << 20, growth
     finally:
         t.close(2)
+
+
+@pytest.fixture(scope="module")
+def base_reference():
+    """The in-process run of BASE (two clusters of two stages, 8 batches, fixed order)."""
+    return sim.run_local(_cfg())
+
+
+def _grpc_run(cfg, out, secret, attack=None):
+    """Every node of ``cfg``'s pool as :func:`zeroth.cluster.node.run_node_process` in a thread of this
+    process (real gRPC servers on loopback), ``attack(plan, out)`` run meanwhile; returns the summaries."""
+    from zeroth.cluster import node as _node
+
+    plan = build.plan_of(cfg)
+    token = identity.access_token(secret)
+    summaries, errors = {}, []
+
+    def run(name):
+        try:
+            summaries[name] = _node.run_node_process(cfg, name, out / "nodes" / name, out / "addresses", "127.0.0.1:0",
+                                                     token, secret=secret)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append((name, e))
+
+    threads = [threading.Thread(target=run, args=(n["name"],), daemon=True) for n in plan.pool]
+    for th in threads:
+        th.start()
+    attacked = attack(plan, out) if attack is not None else None
+    for th in threads:
+        th.join(120)
+    assert not errors and not any(th.is_alive() for th in threads), errors
+    return summaries, attacked
+
+
+@pytest.fixture(scope="module")
+def attacked_run(tmp_path_factory):
+    """BASE's nodes as gRPC servers in threads while a holder of the run secret (no node's key) sends
+    every stage forged activations and gradients (every batch, in the real sender's name) and forged
+    ring chunks (every ring, both averaging rounds). Returns ``(cfg, out, secret, summaries, codes)``."""
+    cfg = _cfg(timeout_s=60)
+    out = tmp_path_factory.mktemp("attacked")
+    secret = identity.new_secret()
+
+    def attack(plan, out):
+        sizes = build.sizes_of(cfg, plan)
+        mallory = identity.Identity.generate()
+        forged = []
+        for (c, s), name in plan.primaries.items():
+            for b in range(cfg.train.steps):
+                x = np.full(sizes.activation, 3.0, np.float32)
+                if s > 0:
+                    forged.append((name, wire.to_message(plan.run_id, plan.primaries[(c, s - 1)], "activation", x, batch=b, to=(c, s))))
+                if s + 1 < len(plan.stages[c]):
+                    forged.append((name, wire.to_message(plan.run_id, plan.primaries[(c, s + 1)], "gradient", x, batch=b, to=(c, s))))
+            other = plan.primaries[(1 - c, s)]
+            for ring in plan.rings:
+                for rnd in (1, 2):
+                    for phase in ("reduce", "gather"):
+                        forged.append((name, wire.to_message(plan.run_id, other, "ring", np.full(ring.stop - ring.start, 9.0, np.float32),
+                                                             ring=ring.ring_id, round_id=rnd, phase=phase, step=0, to=(c, s))))
+        codes = []
+        for i, (dest, msg) in enumerate(forged):
+            msg = wire.sign(msg, mallory) if i % 2 else msg  # signed with the attacker's own key, or not at all
+            address = transport.resolve_address(out / "addresses", dest, 30)
+            with grpc.insecure_channel(address) as ch:
+                try:
+                    pb_grpc.ClusterNodeStub(ch).Deliver(iter([msg]), metadata=security.token_metadata(identity.access_token(secret)),
+                                                        timeout=30)
+                    codes.append("OK")
+                except grpc.RpcError as e:
+                    codes.append(e.code().name)
+        return codes
+
+    summaries, codes = _grpc_run(cfg, out, secret, attack)
+    return cfg, out, secret, summaries, codes
+
+
+def test_a_token_holder_speaking_for_other_nodes_is_refused_and_the_run_is_the_clean_one(attacked_run, base_reference):
+    """Every forged message is refused, the run finishes, and every node ends on the digest of the
+    clean in-process run, bit for bit (the forgeries are sent from the moment the nodes serve)."""
+    _, _, _, summaries, codes = attacked_run
+    assert len(codes) > 40 and set(codes) == {"INVALID_ARGUMENT"}, codes
+    assert sum(s["messages_refused"] for s in summaries.values()) == len(codes)
+    assert {n: s["digest"] for n, s in summaries.items()} == base_reference["digests"]
+
+
+def test_nodes_resumed_from_a_checkpoint_end_on_the_uninterrupted_digests(attacked_run, base_reference):
+    """Every node checkpoints at each averaging round; the attacked run's nodes restarted from update
+    4 (with new keys, the messages kept in the checkpoints sent again) end on the clean run's
+    digests, and the rows after update 4 are written once."""
+    from zeroth.cluster import checkpoint as _ckpt
+    from zeroth.cluster import node as _node
+
+    cfg, tmp_path, secret, _, _ = attacked_run
+    assert _ckpt.steps(tmp_path / "nodes" / "n0" / "checkpoints") == [4, 8]
+    plan = build.plan_of(cfg)
+    token = identity.access_token(secret)
+    for f in (tmp_path / "addresses").iterdir():
+        f.unlink()
+    summaries, errors = {}, []
+
+    def run(name):
+        try:
+            summaries[name] = _node.run_node_process(cfg, name, tmp_path / "nodes" / name, tmp_path / "addresses",
+                                                     "127.0.0.1:0", token, secret=secret, resume_step=4)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append((name, e))
+
+    threads = [threading.Thread(target=run, args=(n["name"],), daemon=True) for n in plan.pool]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors
+    assert {n: s["digest"] for n, s in summaries.items()} == base_reference["digests"]
+    assert all(s["updates"] == 4 for s in summaries.values())
+    rows = read_metrics(tmp_path / "nodes" / "n1" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 9)) and check_schema(rows, "n1") == 8
+
+
+def test_a_damaged_checkpoint_is_named_in_one_line(tmp_path):
+    from zeroth.cluster import checkpoint as _ckpt
+
+    meta = {"run_id": "r", "node": "n0"}
+    path = _ckpt.save(tmp_path, 4, {"a": np.arange(1000, dtype=np.float32)}, [((0, 1), b"msg")], meta)
+    arrays, sent, got = _ckpt.load(tmp_path, 4, "r", "n0")
+    assert sent == [((0, 1), b"msg")] and got["step"] == 4 and np.array_equal(arrays["a"], np.arange(1000, dtype=np.float32))
+    with pytest.raises(_ckpt.CheckpointError, match="of node 'n0' at update 4 of run 'r', not of node 'n1'"):
+        _ckpt.load(tmp_path, 4, "r", "n1")
+    data = bytearray(path.read_bytes())
+    data[200] ^= 0xFF  # one byte inside the array
+    path.write_bytes(bytes(data))
+    with pytest.raises(_ckpt.CheckpointError) as e:
+        _ckpt.load(tmp_path, 4, "r", "n0")
+    assert str(path) in str(e.value) and "damaged" in str(e.value) and "\n" not in str(e.value)
+    path.write_bytes(bytes(data[: len(data) // 2]))  # truncated
+    with pytest.raises(_ckpt.CheckpointError, match="damaged"):
+        _ckpt.load(tmp_path, 4, "r", "n0")
+    assert _ckpt.common_step([tmp_path, tmp_path / "none"]) is None
+
+
+def _node_pid(out, name):
+    """The pid of the ``zeroth node`` process of node ``name`` writing into ``out`` (None if not running)."""
+    from pathlib import Path
+
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"zeroth.cluster.node" in cmd and name.encode() in cmd and str(out / "nodes" / name).encode() in cmd:
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_node_killed_without_a_backup_is_resumed_from_the_checkpoints(tmp_path, base_reference):
+    """``zeroth run``: node n1 (no backup) is SIGKILLed after its 5th update; the run fails (rc 1);
+    ``--resume`` restarts every node from update 4 and the run ends on the uninterrupted digests."""
+    import time
+
+    raw = json.loads(json.dumps(BASE))
+    raw["ravnest"]["latency_ms"] = 40  # a few seconds of run: time to kill n1 between updates 5 and 8
+    cfg_path = tmp_path / "rv.yaml"
+    cfg_path.write_text(json.dumps(raw))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "zeroth", "run", str(cfg_path), "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rows = out / "nodes" / "n1" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        done = read_metrics(rows) if rows.is_file() else []
+        if done and done[-1]["step"] >= 5:
+            pid = _node_pid(out, "n1")
+            assert pid is not None
+            import os
+
+            os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    first, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 1 and "n1" in first, first[-2000:]
+    assert f"checkpoint after update 4; continue with `zeroth run {cfg_path} --out {out} --resume`" in first, first[-2000:]
+    assert not (out / "summary.json").exists()
+    again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "from its checkpoint after update 4" in again.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert {n: s["digest"] for n, s in summary["nodes"].items()} == base_reference["digests"]
+    assert summary["clusters_agree"] and all(s["messages_refused"] == 0 for s in summary["nodes"].values())
+
+
+def test_resume_names_what_is_missing(tmp_path):
+    from zeroth.cluster import checkpoint as _ckpt
+    from zeroth.cluster import launch
+
+    plan = build.plan_of(_cfg())
+    with pytest.raises(ValueError, match=r"no checkpoint update count common to every node .*n0: \[\]"):
+        launch._resume_step(tmp_path, plan, ["--resume"])
+    for name in ("n0", "n1", "n2", "n3"):
+        for k in ((4, 8) if name != "n2" else (4,)):
+            _ckpt.save(launch.node_dir(tmp_path, name) / "checkpoints", k, {}, [], {"run_id": plan.run_id, "node": name})
+    assert launch._resume_step(tmp_path, plan, ["--resume"]) == 4
+    with pytest.raises(ValueError, match=r"--resume-step 8: nodes \['n2'\] hold no checkpoint"):
+        launch._resume_step(tmp_path, plan, ["--resume", "--resume-step", "8"])
+    late = build.plan_of(_config.load_config_dict(_with_late(BASE)))
+    with pytest.raises(ValueError, match="joining later .* cannot resume yet"):
+        launch._resume_step(tmp_path, late, ["--resume"])

@@ -36,12 +36,13 @@ from zeroth.cluster import driver as _driver
 from zeroth.cluster import engine as _engine
 from zeroth.cluster import formation as _formation
 from zeroth.cluster import rings as _rings
+from zeroth.cluster import wire as _wire
 from zeroth.stages import build as _sbuild
 from zeroth.stages import examples as _examples
 from zeroth.stages import partition as _partition
 
 __all__ = ["MB", "Plan", "RUN_ID_EXCLUDE", "active_clusters", "data_of", "examples_of", "first_batch", "join_pieces",
-           "holder", "model_of", "plan_of", "push_pieces", "rings_at", "run_id_of", "stage_of"]
+           "holder", "model_of", "plan_of", "push_pieces", "rings_at", "run_id_of", "sizes_of", "stage_of"]
 
 MB = 2**20
 STATE_PER_PARAM_BYTE = 4  # parameters, gradient, two AdamW moments
@@ -182,6 +183,19 @@ def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None, model: tu
     return Plan(run_id_of(cfg), pool, workers, form, stages, block_ranges, layouts, rings, slots, primaries, backups,
                 int(peak), int(message), int(n_params), {k: max(1.0, 1.0 / v) for k, v in speeds.items()}, tuple(join_round),
                 r.average_every, {n["name"]: int(n.get("join_round", 0)) for n in pool if n.get("backup", False)}, units)
+
+
+def sizes_of(cfg: _config.Config, plan: Plan) -> _wire.Sizes:
+    """What one message of the run can hold: an activation or gradient is ``(batch_size, seq_len, width)``,
+    a ring chunk or join piece at most the largest stage's slice ``L``, a handed state at most
+    ``4 L (STATE_PER_PARAM_BYTE + S + 1)`` bytes (parameters, optimizer state, up to ``S`` stashed
+    parameter copies and a ring box, ``S`` the longest pipeline) plus ``3 S`` activations and 1 MiB."""
+    b, t = cfg.data.batch_size, cfg.ravnest.seq_len
+    width = plan.message_bytes // (4 * b * t)
+    slice_values = max(hi - lo for cl in plan.layouts for lo, hi in cl)
+    depth = max(len(cl) for cl in plan.stages)
+    state = 4 * slice_values * (STATE_PER_PARAM_BYTE + depth + 1) + 3 * depth * plan.message_bytes + MB
+    return _wire.Sizes((b, t, width), int(slice_values), int(state))
 
 
 def active_clusters(plan: Plan, round_id: int) -> list[int]:

@@ -19,6 +19,11 @@ per cluster its last stage's final loss and its model's digest (the stages' fina
 to end), whether every cluster ends on the same parameters (they do when the last update is an
 averaging round), the loss of the first cluster's model on the whole example set before and after
 training, per node its idle fraction, and the formation.
+
+Every node checkpoints (:mod:`zeroth.cluster.checkpoint`); ``zeroth run CONFIG --out OUT --resume``
+restarts every node from the newest update count all of them hold (``--resume-step K``: from ``K``)
+after a run stopped, a node without a backup killed included, and ends where the uninterrupted run
+would. Runs with nodes joining later (``join_round``) do not resume yet.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import numpy as np
 
 from zeroth import config as _config
 from zeroth.cluster import build as _build
+from zeroth.cluster import checkpoint as _ckpt
 from zeroth.cluster import engine as _engine
 from zeroth.cluster import formation as _formation
 from zeroth.stages import partition
@@ -63,8 +69,10 @@ def _plan_json(plan: _build.Plan) -> dict:
                           "generations": plan.formation.generations}}
 
 
-def start_nodes(cfg: _config.Config, out: Path, plan: _build.Plan, *, quiet: bool = True, insecure: bool = False) -> dict[str, subprocess.Popen]:
-    """Start one ``zeroth node`` process per node of the pool; returns them by name."""
+def start_nodes(cfg: _config.Config, out: Path, plan: _build.Plan, *, quiet: bool = True, insecure: bool = False,
+                resume_step: int | None = None) -> dict[str, subprocess.Popen]:
+    """Start one ``zeroth node`` process per node of the pool (from their checkpoints of ``resume_step``);
+    returns them by name."""
     out = Path(out)
     cfg_path = out / "config.yaml"
     env = identity.launch_env(insecure)
@@ -77,7 +85,8 @@ def start_nodes(cfg: _config.Config, out: Path, plan: _build.Plan, *, quiet: boo
                "--addresses", str(out / "addresses")]
         cmd += ["--quiet"] if quiet else []
         cmd += ["--insecure"] if insecure else []
-        log = open(d / "node.log", "w")  # noqa: SIM115 (closed with the process)
+        cmd += ["--resume-step", str(resume_step)] if resume_step is not None else []
+        log = open(d / "node.log", "a" if resume_step is not None else "w")  # noqa: SIM115 (closed with the process)
         procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
     return procs
@@ -186,17 +195,40 @@ def evaluate(cfg: _config.Config, plan: _build.Plan, ex, model: tuple, flat: np.
     return float(partition.reference_loss(part, part.params, jnp.asarray(ex.tokens), jnp.asarray(ex.labels)))
 
 
+def _resume_step(out: Path, plan: _build.Plan, argv: list[str]) -> int:
+    """The update count ``--resume`` restarts from: ``--resume-step K`` in ``argv``, or the newest every node
+    holds a checkpoint of (raises ValueError naming what is missing)."""
+    if any(plan.join_round) or any(plan.backup_round.values()):
+        raise ValueError("--resume: a Ravnest run with nodes joining later (join_round) cannot resume yet; start a new run")
+    folders = [_ckpt.folder_of(node_dir(out, n["name"])) for n in plan.pool]
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("--resume-step=")]
+    given += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--resume-step"]
+    if given:
+        k = int(given[-1])
+        missing = [f.parent.name for f in folders if k not in _ckpt.steps(f)]
+        if missing:
+            raise ValueError(f"--resume-step {k}: nodes {missing} hold no checkpoint of update {k} in {out}")
+        return k
+    k = _ckpt.common_step(folders)
+    if k is None:
+        raise ValueError(f"--resume: no checkpoint update count common to every node of {out} "
+                         f"({', '.join(f'{f.parent.name}: {_ckpt.steps(f)}' for f in folders)})")
+    return k
+
+
 def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool = True) -> int:
     """Run the Ravnest pool of ``cfg`` as node processes into ``out``. Exit code."""
     out = Path(out)
     r = cfg.ravnest
-    if (out / "nodes").is_dir() and any((out / "nodes").iterdir()):
-        print(f"zeroth run: error: {out} already holds a Ravnest run; choose another --out", file=sys.stderr)
+    resume = "--resume" in argv
+    if not resume and (out / "nodes").is_dir() and any((out / "nodes").iterdir()):
+        print(f"zeroth run: error: {out} already holds a Ravnest run; choose another --out, or --resume it", file=sys.stderr)
         return 2
     try:
         ex = _build.examples_of(cfg)
         model = _build.model_of(cfg, ex)
         plan = _build.plan_of(cfg, ex, model)
+        resume_step = _resume_step(out, plan, argv) if resume else None
     except ValueError as e:
         print(f"zeroth run: error: {e}", file=sys.stderr)
         return 2
@@ -215,12 +247,24 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
     kills = {}
     for b, at in zip(backups, r.kill_at):
         slot = plan.slots[b]
-        kills[plan.primaries[slot]] = (at, plan.backup_round.get(b, 0) > 0)
+        if resume_step is None or at > resume_step:
+            kills[plan.primaries[slot]] = (at, plan.backup_round.get(b, 0) > 0)
+    if resume_step is not None:
+        for f in (out / "addresses").glob("*"):  # the stopped run's addresses: every node writes its new one
+            f.unlink()
+        if progress:
+            print(f"resuming every node from its checkpoint after update {resume_step}", flush=True)
     t0 = time.time()
-    procs = start_nodes(cfg, out, plan, quiet=not progress)
+    procs = start_nodes(cfg, out, plan, quiet=not progress, resume_step=resume_step)
     backup_of = {plan.primaries[slot]: b for slot, b in plan.backups.items()}
     code, killed = wait_nodes(procs, out, kills, timeout_s=r.timeout_s * 4, progress=progress, backup_of=backup_of)
     if code != 0:
+        k = _ckpt.common_step([_ckpt.folder_of(node_dir(out, n["name"])) for n in plan.pool])
+        if k is not None and not any(plan.join_round) and not any(plan.backup_round.values()):
+            again = [a for i, a in enumerate(argv) if a != "--resume" and not a.startswith("--resume-step")
+                     and (i == 0 or argv[i - 1] != "--resume-step")]
+            print(f"zeroth run: every node holds a checkpoint after update {k}; continue with "
+                  f"`zeroth run {' '.join(again)} --resume`", file=sys.stderr)
         return code
     records = merge_records(out, [n["name"] for n in plan.pool])
     clear_metrics(out / "metrics.jsonl")

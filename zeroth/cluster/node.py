@@ -2,7 +2,7 @@
 
   zeroth node --config CONFIG --name NAME --out DIR [--addresses DIR] [--listen HOST:PORT] [--advertise HOST]
               [--tls-cert PEM --tls-key PEM --tls-ca PEM [--tls-mutual]]
-              [--set SECTION.FIELD=VALUE ...] [--insecure] [--quiet]
+              [--set SECTION.FIELD=VALUE ...] [--resume-step K] [--insecure] [--quiet]
 
 Every node reads the same config and derives the same plan (:func:`zeroth.cluster.build.plan_of`:
 clusters, stages, rings, backups). It listens on ``--listen`` (port 0 = any) and writes its
@@ -14,10 +14,14 @@ It writes into ``DIR``: ``metrics.jsonl`` (metrics schema v1, :mod:`zeroth.train
 TensorBoard event files beside it when ``run.tensorboard``: one ``train`` row per update of this
 node's stage, see :func:`row_of`), ``params.npz`` (its
 final slice of the flat parameter vector) and ``summary.json`` (totals: idle, compute, averaging,
-wall seconds, bytes sent per receiver, the slice's digest, whether it took over as a backup).
+wall seconds, bytes sent per receiver, the slice's digest, whether it took over as a backup) and
+``checkpoints/<k>.npz`` after its ``k``-th update every ``train.checkpoint_every`` updates (0: at
+every averaging round) and at the end (:mod:`zeroth.cluster.checkpoint`). ``--resume-step K``
+continues from checkpoint ``K`` (every node of the run from the same ``K``: ``zeroth run --resume``);
+its rows after update ``K`` are dropped from ``metrics.jsonl`` and written again.
 
 Exit codes: 0 done; 1 a node it depends on went away without a backup, or a wait timed out;
-2 a bad command line or config.
+2 a bad command line, config or checkpoint.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default=None, metavar="HOST",
                    help="the host the other nodes reach this one at, written to ADDRESSES/NAME (default: the --listen host)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
+    p.add_argument("--resume-step", type=int, default=None, metavar="K",
+                   help="continue from this node's checkpoint after update K (every node of the run from the same K)")
     p.add_argument("--insecure", action="store_true", help="no access token (loopback experiments only)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     from zeroth.transport import security
@@ -74,13 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | None, token: str | None,
-                     progress: bool = False, advertise: str | None = None, tls=None) -> dict:
+                     progress: bool = False, advertise: str | None = None, tls=None, secret: str | None = None,
+                     resume_step: int | None = None) -> dict:
     """Run node ``name`` of the run of ``cfg`` to the end; returns its summary. ``advertise``: the host
     the other nodes reach this one at (written to ``ADDRESSES/<name>`` with the bound port; default
-    the ``listen`` host). ``tls``: every link over TLS (:class:`zeroth.transport.security.TLSFiles`)."""
+    the ``listen`` host). ``tls``: every link over TLS (:class:`zeroth.transport.security.TLSFiles`).
+    ``secret``: the run secret (this node proves it holds it with its key and checks the others' proofs).
+    ``resume_step``: continue from this node's checkpoint of that update count."""
     import numpy as np
 
     from zeroth.cluster import build, driver, engine, transport
+    from zeroth.cluster import checkpoint as _ckpt
     from zeroth.replay import checksum
     from zeroth.train import metrics as _metrics
 
@@ -99,28 +109,53 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
                                    address_dir=addresses, bandwidth_mbps=bw, enforce=r.enforce_bandwidth,
                                    latency_s=r.latency_ms / 1e3, timeout_s=r.timeout_s,
                                    node_latency_s={n["name"]: float(n.get("latency_ms", 0.0)) / 1e3 for n in plan.pool},
-                                   backup_round=plan.backup_round, tls=tls)
+                                   backup_round=plan.backup_round, tls=tls, secret=secret,
+                                   sizes=build.sizes_of(cfg, plan))
+    metrics = out / "metrics.jsonl"
+    folder = _ckpt.folder_of(out)
+    wall0, payload0, kept = 0.0, 0, []
+    if resume_step is not None:
+        if any(plan.join_round) or any(plan.backup_round.values()):
+            raise _ckpt.CheckpointError("--resume-step: a run with nodes joining later (join_round) cannot resume yet")
+        arrays, kept, meta = _ckpt.load(folder, resume_step, plan.run_id, name)
+        stage.restore(t.restore_arrays(arrays), units)
+        wall0, payload0 = float(meta["wall_time_s"]), int(meta["payload_bytes_total"])
+        _metrics.truncate_after(metrics, resume_step)
+        if stage.version != resume_step:
+            raise _ckpt.CheckpointError(f"checkpoint {folder / f'{resume_step}.npz'} holds update {stage.version}, not {resume_step}")
+    else:
+        _metrics.clear(metrics)
+    every = cfg.train.checkpoint_every or r.average_every
     t.serve(listen or f"{r.host}:0", advertise=advertise)
     t.wait_for_nodes([n["name"] for n in plan.pool], r.timeout_s)  # every node serves before any sends
+    t.resend(kept)  # what the others may not have received before the run stopped
     io = transport.NodeLink(t, plan, r.timeout_s)
-    metrics = out / "metrics.jsonl"
-    _metrics.clear(metrics)
-    writer = _metrics.MetricsWriter(metrics, tensorboard=cfg.run.tensorboard)
+    writer = _metrics.MetricsWriter(metrics, tensorboard=cfg.run.tensorboard, resumed_after=resume_step)
     role = "backup" if plan.primaries[(c, s)] != name else "primary"
     handed: dict = {}
-    last = {"t": time.perf_counter(), "sent": 0}
+    last = {"t": time.perf_counter(), "sent": payload0}
     t_wall = last["t"]
 
+    def save_checkpoint(row: dict) -> None:
+        k = stage.version
+        arrays = t.state_arrays(stage.snapshot(units))
+        sent = t.unreceived(k, k // r.average_every if r.average_every else 0)
+        meta = {"run_id": plan.run_id, "node": name, "slot": [c, s], "wall_time_s": row["wall_time_s"],
+                "payload_bytes_total": row["payload_bytes_total"]}
+        _ckpt.save(folder, k, arrays, sent, meta, keep=cfg.train.keep_checkpoints)
+
     def record(rec: dict) -> None:
-        now, sent = time.perf_counter(), sum(dict(t.bytes_sent).values())
+        now, sent = time.perf_counter(), sum(dict(t.bytes_sent).values()) + payload0
         if handed and "handover_round" not in last:  # the handover happened in this update's averaging round
             last["handover_round"] = handed["round"]
             rec = {**rec, "handover_backup": late_backup, "handover_round": handed["round"], "state_bytes": handed["bytes"]}
         row = row_of(rec, node=name, cluster=c, stage=s, digest=checksum(stage.params), lr=cfg.train.lr,
-                     time_unix_s=time.time(), wall_time_s=now - t_wall, step_time_s=now - last["t"],
+                     time_unix_s=time.time(), wall_time_s=wall0 + now - t_wall, step_time_s=now - last["t"],
                      payload_bytes=sent - last["sent"], payload_bytes_total=sent)
         last.update(t=now, sent=sent)
         writer.write(row)
+        if (every and stage.version % every == 0) or stage.version == cfg.train.steps:
+            save_checkpoint(row)
         if progress:
             loss = f" loss {row['loss']:.4f}" if row.get("loss") is not None else ""
             print(f"node {name} (cluster {c} stage {s}, {role}) update {row['step']}/{cfg.train.steps}{loss}", flush=True)
@@ -138,7 +173,9 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
     t0 = time.time()
     try:
         restored = role == "backup" and plan.backup_round.get(name, 0) > 0
-        if restored:  # a late backup starts from its primary's state (at its first round after join_round)
+        if resume_step is not None:
+            pass  # the checkpoint holds the stage
+        elif restored:  # a late backup starts from its primary's state (at its first round after join_round)
             stage.restore(t.wait_state(r.timeout_s), units)
         elif build.join_pieces(plan, (c, s)):  # a late cluster starts from the last averaged parameters
             stage.params = engine.with_flat(stage.params, units, io.fetch_start(engine.flat_of(stage.params, units)))
@@ -173,11 +210,12 @@ def main(argv: list[str]) -> int:
         if cfg.ravnest is None:
             raise ValueError(f"config {args.config} has no ravnest: section")
         token = identity.token_from_env(args.insecure)
+        secret = None if args.insecure else identity.secret_from_env()
         tls = security.tls_from_args(args)
         out = Path(args.out)
         addresses = Path(args.addresses) if args.addresses else out.parent / "addresses"
         run_node_process(cfg, args.name, out, addresses, args.listen, token, progress=not args.quiet,
-                         advertise=args.advertise, tls=tls)
+                         advertise=args.advertise, tls=tls, secret=secret, resume_step=args.resume_step)
     except (ConnectionError, TimeoutError) as e:
         print(f"zeroth node {args.name}: error: {e}", file=sys.stderr)
         return 1

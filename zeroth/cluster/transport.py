@@ -26,6 +26,17 @@ and possibly a backup (seed 003 §3.5: a new node shadows the least reliable nod
 
 In the ``fixed`` order every node's computation is a function of its inputs, so a run in which a
 primary is killed and its backup takes over ends on the digests of the uninterrupted run.
+
+**Who sends.** Every node process makes a fresh Ed25519 key (:class:`zeroth.transport.identity.Identity`)
+and signs every message it sends (:func:`zeroth.cluster.wire.sign`), naming the slot it is for. At
+the start-up barrier (:meth:`ClusterTransport.wait_for_nodes`) every node asks every other node, at
+its address-book address, for its key (``Identify``; the answer carries a proof that the process
+holds the run secret, :func:`zeroth.transport.identity.join_proof`); the first key learned for a name
+is kept for the run. A message is taken only if it is for this node's slot, verifies under its
+sender's key, and comes from the slot that sends such messages (an activation from the previous
+stage, a gradient from the next, a handed state from the slot's primary): a holder of the run secret
+cannot speak for a node, and a refused message never becomes "the first copy" of its batch. The
+server's message limit is the run's largest message (:class:`zeroth.cluster.wire.Sizes`), not 256 MiB.
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ from zeroth.cluster import driver as _driver
 from zeroth.cluster import wire
 from zeroth.cluster.proto import cluster_pb2 as pb
 from zeroth.cluster.proto import cluster_pb2_grpc as pb_grpc
-from zeroth.transport import channels, guard, pacing, security
+from zeroth.transport import channels, guard, identity, pacing, security
 
 __all__ = ["OUTBOX", "ClusterTransport", "CHANNEL_OPTIONS", "MAX_MESSAGE_BYTES", "SERVER_OPTIONS", "resolve_address"]
 
@@ -54,6 +65,11 @@ OUTBOX = 4096
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a node's activations, gradients or handed-over state
 CHANNEL_OPTIONS = channels.channel_options(MAX_MESSAGE_BYTES)  # with keepalive: a frozen node ends the stream
 SERVER_OPTIONS = channels.server_options(MAX_MESSAGE_BYTES)
+
+
+def _key_label(name: str) -> str:
+    """What a node's key proof binds besides the run and the key (:func:`zeroth.transport.identity.join_proof`)."""
+    return f"ravnest-node:{name}"
 
 
 def resolve_address(address_dir: Path, name: str, timeout_s: float) -> str:
@@ -109,17 +125,28 @@ class ClusterTransport:
       latency_s: the base one-way latency of every message; node_latency_s: ``{name: access latency}``
         added at both ends. timeout_s: bound on every wait. tls: serve and call over TLS (mutual
         when ``tls.mutual``; None: plaintext).
+      me_key: this process's signing key (default: a fresh one). secret: the run secret, to prove
+        this process holds it when asked for its key and to check the others' proofs (None: no proofs).
+      keys: ``{name: public key}`` already known (the others are asked for at their addresses).
+      sizes: what one message of the run can hold (None: the 256 MiB limit).
     """
 
     def __init__(self, me: str, slots: Mapping[str, tuple[int, int]], primaries: Mapping, backups: Mapping, *,
                  run_id: str, token: str | None, address_dir: Path, bandwidth_mbps: Mapping[str, float],
                  enforce: bool = True, latency_s: float = 0.0, node_latency_s: Mapping[str, float] | None = None,
                  timeout_s: float = 300.0, backup_round: Mapping[str, int] | None = None,
-                 tls: security.TLSFiles | None = None):
+                 tls: security.TLSFiles | None = None, me_key: identity.Identity | None = None,
+                 secret: str | None = None, keys: Mapping[str, bytes] | None = None, sizes: wire.Sizes | None = None):
         self.me, self.run_id, self.token, self.tls = me, run_id, token, tls
+        self.identity = me_key if me_key is not None else identity.Identity.generate()
+        self.secret, self.sizes = secret, sizes
+        self.keys: dict[str, bytes] = {str(k): bytes(v) for k, v in (keys or {}).items()}
+        self.keys[me] = self.identity.public
+        self._key_lock = threading.Lock()
         self.slots = {k: tuple(v) for k, v in slots.items()}
         self.slot = self.slots[me]
         self.primary = {tuple(k): v for k, v in primaries.items()}
+        self.first_primary = dict(self.primary)  # who may hand a joining backup its state
         self.backup = {tuple(k): v for k, v in backups.items()}
         self.shadow = self.primary[self.slot] != me
         self.address_dir, self.bw, self.enforce = Path(address_dir), dict(bandwidth_mbps), enforce
@@ -151,7 +178,8 @@ class ClusterTransport:
         port and ``advertise`` as the host (default: the ``listen`` host)."""
         # Every other node may hold a stream to this one (plus a few for a backup's handover).
         calls = max(16, len(self.slots) + 4)
-        bounds = guard.Limits(MAX_MESSAGE_BYTES, max_calls=calls, max_calls_per_caller=calls, idle_s=self.timeout_s)
+        most = MAX_MESSAGE_BYTES if self.sizes is None else min(MAX_MESSAGE_BYTES, self.sizes.message_bytes())
+        bounds = guard.Limits(most, max_calls=calls, max_calls_per_caller=calls, idle_s=self.timeout_s)
         self.server = guard.make_server(bounds, self.token, name="zeroth-node")
         pb_grpc.add_ClusterNodeServicer_to_server(_Servicer(self), self.server)
         port = security.add_port(self.server, listen, self.tls)
@@ -166,31 +194,79 @@ class ClusterTransport:
         return address
 
     def wait_for_nodes(self, names, timeout_s: float) -> None:
-        """Return once every node of ``names`` (but this one) answers at its address; every node of a
-        run is started at once, and a stream opened to a node not serving yet would read as the node
-        gone (``zeroth launch`` hands every host the whole address book before any node serves).
+        """Return once every node of ``names`` (but this one) answers at its address with its key
+        (:meth:`key_of`); every node of a run is started at once, and a stream opened to a node not
+        serving yet would read as the node gone (``zeroth launch`` hands every host the whole address
+        book before any node serves).
 
         Raises:
           TimeoutError: a node did not answer within ``timeout_s`` (named, with its address).
+          ConnectionError: a node answered with a key that is not its own (wrong name, run or proof).
         """
         deadline = time.monotonic() + timeout_s
         for name in names:
-            if name == self.me:
-                continue
-            address = resolve_address(self.address_dir, name, max(0.0, deadline - time.monotonic()))
-            channel = security.open_channel(address, CHANNEL_OPTIONS, self.tls)
-            try:
-                grpc.channel_ready_future(channel).result(timeout=max(0.0, deadline - time.monotonic()))
-            except grpc.FutureTimeoutError:
-                raise TimeoutError(f"node {name!r} at {address} did not answer within {timeout_s:g}s of this "
-                                   "node's start") from None
-            finally:
-                channel.close()
+            if name != self.me:
+                self.key_of(name, max(0.0, deadline - time.monotonic()))
+
+    def key_of(self, name: str, timeout_s: float) -> bytes:
+        """Node ``name``'s public key: the one learned first, or asked of the node at its address
+        (waiting up to ``timeout_s`` for it to serve) and kept for the run.
+
+        Raises:
+          TimeoutError: no answer within ``timeout_s``. ConnectionError: the answer is not ``name``'s
+          of this run, or its proof does not match the run secret.
+        """
+        with self._key_lock:
+            if name in self.keys:
+                return self.keys[name]
+        address = resolve_address(self.address_dir, name, timeout_s)
+        channel = security.open_channel(address, CHANNEL_OPTIONS, self.tls)
+        try:
+            reply = pb_grpc.ClusterNodeStub(channel).Identify(
+                pb.IdentifyRequest(run_id=self.run_id, name=name), metadata=security.token_metadata(self.token),
+                timeout=max(0.1, timeout_s), wait_for_ready=True)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError(f"node {name!r} at {address} did not answer within {timeout_s:g}s") from None
+            raise ConnectionError(f"node {name!r} at {address} did not give its key ({e.code().name}: {e.details()})") from None
+        finally:
+            channel.close()
+        if reply.name != name or reply.run_id != self.run_id or len(reply.key) != 32:
+            raise ConnectionError(f"the node at {address} answered as {reply.name!r} of run {reply.run_id!r} "
+                                  f"(expected {name!r} of {self.run_id!r}); check the address book {self.address_dir}")
+        if self.secret is not None and not identity.check_join_proof(self.secret, reply.proof, self.run_id,
+                                                                     _key_label(name), reply.key):
+            raise ConnectionError(f"node {name!r} at {address} does not prove it holds the run secret; "
+                                  "give every node the same ZEROTH_SECRET")
+        with self._key_lock:
+            return self.keys.setdefault(name, bytes(reply.key))
+
+    def node_key(self) -> pb.NodeKey:
+        """This node's answer to ``Identify``."""
+        proof = b"" if self.secret is None else identity.join_proof(self.secret, self.run_id, _key_label(self.me),
+                                                                    self.identity.public)
+        return pb.NodeKey(run_id=self.run_id, name=self.me, key=self.identity.public, proof=proof)
 
     def receive(self, msg: pb.Message) -> None:
-        """Check one message, put it where its reader waits and relay it to a joined backup (raises
-        :class:`wire.MessageError`)."""
-        wire.check_message(msg, self.run_id, self.slots)
+        """Check one message (its form, its slot, its signature, its sender's slot), put it where its
+        reader waits and relay it to a joined backup (raises :class:`wire.MessageError`)."""
+        wire.check_message(msg, self.run_id, self.slots, self.sizes)
+        to = (int(msg.to_cluster), int(msg.to_stage))
+        if to != self.slot:
+            raise wire.MessageError(f"to slot {list(to)}: this node ({self.me}) holds slot {list(self.slot)}")
+        try:
+            key = self.key_of(msg.sender, self.timeout_s)
+        except (TimeoutError, ConnectionError) as e:
+            raise wire.MessageError(f"no key for sender {msg.sender!r}: {e}") from None
+        wire.check_signature(msg, key)
+        c, s = self.slot
+        src = self.slots[msg.sender]
+        expected = {pb.ACTIVATION: (c, s - 1), pb.GRADIENT: (c, s + 1)}.get(msg.kind)
+        if expected is not None and src != expected:
+            raise wire.MessageError(f"sender {msg.sender!r} holds slot {list(src)}; this slot's "
+                                    f"{'activations' if msg.kind == pb.ACTIVATION else 'gradients'} come from {list(expected)}")
+        if msg.kind == pb.STATE and msg.sender != self.first_primary.get(self.slot):
+            raise wire.MessageError(f"sender {msg.sender!r} is not the primary of slot {list(self.slot)}: only it hands a state")
         if msg.kind == pb.STATE:
             self._state = msg.blob
             self._state_event.set()
@@ -257,7 +333,7 @@ class ClusterTransport:
             if self.primary.get(slot) == name and b is not None and b not in self._dead:
                 self.primary[slot] = b
                 del self.backup[slot]
-                self._submit(b, wire.promote_message(self.run_id, self.me))
+                self._submit(b, wire.sign(wire.promote_message(self.run_id, self.me, slot), self.identity))
                 for m in self.sent_log.get(slot, ()):  # what the dead primary may not have passed on
                     self._submit(b, m)
                 return
@@ -289,56 +365,91 @@ class ClusterTransport:
         """Hand ``backup`` this node's state (the stage's snapshot, the waiting messages and what was
         seen) and relay it every message received from now on. Returns the state's bytes."""
         with self._relay_lock:
-            items, seen = self.inbox.snapshot()
-            with self._ring_cv:
-                ring_items, ring_seen = dict(self._ring), set(self._ring_seen)
-            arrays = {f"s/{k}": v for k, v in stage_snapshot.items()}
-            manifest = {"inbox": [], "inbox_seen": sorted([list(k) for k in seen]),
-                        "ring": [], "ring_seen": sorted([[*src, *tag] for src, tag in ring_seen], key=str)}
-            for i, (k, v) in enumerate(sorted(items.items())):
-                manifest["inbox"].append(list(k))
-                arrays[f"in/{i}"] = np.asarray(v)
-            for i, ((src, tag), v) in enumerate(sorted(ring_items.items(), key=str)):
-                manifest["ring"].append([*src, *tag])
-                arrays[f"ring/{i}"] = np.asarray(v)
             buf = io.BytesIO()
-            np.savez(buf, manifest=np.frombuffer(json.dumps(manifest).encode(), np.uint8), **arrays)
+            np.savez(buf, **self.state_arrays(stage_snapshot))
             blob = buf.getvalue()
             with self._lock:
-                self._submit(backup, wire.state_message(self.run_id, self.me, blob))
+                self._submit(backup, wire.sign(wire.state_message(self.run_id, self.me, blob, self.slot), self.identity))
                 self.relay_to = backup
         return len(blob)
+
+    def state_arrays(self, stage_snapshot: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """This node's state as named arrays: the stage's snapshot (``s/…``), the waiting messages and
+        ring chunks, and the keys of every message seen (``manifest``, JSON bytes)."""
+        items, seen = self.inbox.snapshot()
+        with self._ring_cv:
+            ring_items, ring_seen = dict(self._ring), set(self._ring_seen)
+        arrays = {f"s/{k}": v for k, v in stage_snapshot.items()}
+        manifest = {"inbox": [], "inbox_seen": sorted([list(k) for k in seen]),
+                    "ring": [], "ring_seen": sorted([[*src, *tag] for src, tag in ring_seen], key=str)}
+        for i, (k, v) in enumerate(sorted(items.items())):
+            manifest["inbox"].append(list(k))
+            arrays[f"in/{i}"] = np.asarray(v)
+        for i, ((src, tag), v) in enumerate(sorted(ring_items.items(), key=str)):
+            manifest["ring"].append([*src, *tag])
+            arrays[f"ring/{i}"] = np.asarray(v)
+        arrays["manifest"] = np.frombuffer(json.dumps(manifest).encode(), np.uint8)
+        return arrays
 
     def wait_state(self, timeout_s: float) -> dict[str, np.ndarray]:
         """A joining backup: wait for its primary's state, take its messages; returns the stage's snapshot."""
         if not self._state_event.wait(timeout_s):
             raise TimeoutError(f"node {self.me}: no state from its primary within {timeout_s:g}s")
         with np.load(io.BytesIO(self._state), allow_pickle=False) as z:
-            manifest = json.loads(z["manifest"].tobytes().decode())
-            items = {(k, int(b)): z[f"in/{i}"] for i, (k, b) in enumerate(manifest["inbox"])}
-            self.inbox.restore(items, {(k, int(b)) for k, b in manifest["inbox_seen"]})
-            with self._ring_cv:
-                for i, (c, s, ring, rnd, phase, step) in enumerate(manifest["ring"]):
-                    key = ((c, s), (ring, rnd, phase, step))
-                    if key not in self._ring_seen:
-                        self._ring[key] = z[f"ring/{i}"]
-                for c, s, ring, rnd, phase, step in manifest["ring_seen"]:
-                    self._ring_seen.add(((c, s), (ring, rnd, phase, step)))
-                self._ring_cv.notify_all()
-            return {k[2:]: z[k] for k in z.files if k.startswith("s/")}
+            return self.restore_arrays(z)
+
+    def restore_arrays(self, z) -> dict[str, np.ndarray]:
+        """Take the messages and seen keys of :meth:`state_arrays` (``z``: a mapping of its arrays);
+        returns the stage's snapshot."""
+        manifest = json.loads(z["manifest"].tobytes().decode())
+        items = {(k, int(b)): z[f"in/{i}"] for i, (k, b) in enumerate(manifest["inbox"])}
+        self.inbox.restore(items, {(k, int(b)) for k, b in manifest["inbox_seen"]})
+        with self._ring_cv:
+            for i, (c, s, ring, rnd, phase, step) in enumerate(manifest["ring"]):
+                key = ((c, s), (ring, rnd, phase, step))
+                if key not in self._ring_seen:
+                    self._ring[key] = z[f"ring/{i}"]
+            for c, s, ring, rnd, phase, step in manifest["ring_seen"]:
+                self._ring_seen.add(((c, s), (ring, rnd, phase, step)))
+            self._ring_cv.notify_all()
+        return {k[2:]: z[k] for k in list(z.keys()) if k.startswith("s/")}
+
+    def unreceived(self, batch_from: int, round_from: int) -> list[tuple[tuple[int, int], bytes]]:
+        """``(slot, message bytes)`` of what this node sent that a receiver restarted from the same
+        update count may still need: activations and gradients of batches from ``batch_from`` on,
+        ring chunks and join pieces of rounds from ``round_from`` on (a checkpoint keeps them)."""
+        with self._lock:
+            sent = [(slot, m) for slot, log in self.sent_log.items() for m in log] + list(self.outbox)
+        keep = [(slot, m) for slot, m in sent
+                if (m.kind in (pb.ACTIVATION, pb.GRADIENT) and m.batch >= batch_from) or (m.kind == pb.RING and m.round >= round_from)]
+        return [(tuple(slot), m.SerializeToString()) for slot, m in keep]
+
+    def resend(self, messages) -> int:
+        """Send again what :meth:`unreceived` kept (before a restart), signed with this process's key;
+        receivers drop what they have already. Returns how many."""
+        n = 0
+        for slot, data in messages:
+            msg = pb.Message.FromString(bytes(data))
+            if msg.sender != self.me or msg.run_id != self.run_id:
+                raise ValueError(f"a kept message of {msg.sender!r} (run {msg.run_id!r}) is not node {self.me!r}'s of this run")
+            msg.signature = b""
+            self._deliver(tuple(slot), wire.sign(msg, self.identity))
+            n += 1
+        return n
 
     def send(self, kind: str, batch: int, array: np.ndarray) -> None:
         """An activation to the next stage, a gradient to the previous one (NodeIO)."""
         c, s = self.slot
         dest = (c, s + 1) if kind == _driver.ACTIVATION else (c, s - 1)
-        self._deliver(dest, wire.to_message(self.run_id, self.me, kind, array, batch=batch))
+        self._deliver(dest, wire.sign(wire.to_message(self.run_id, self.me, kind, array, batch=batch, to=dest), self.identity))
 
     # ------------------------------------------------------------------ rings
 
     def ring_send(self, peer: tuple[int, int], tag: tuple, array: np.ndarray) -> None:
         ring, round_id, phase, step = tag
-        self._deliver(tuple(peer), wire.to_message(self.run_id, self.me, "ring", array, ring=ring, round_id=round_id,
-                                                   phase=phase, step=step))
+        peer = tuple(peer)
+        msg = wire.to_message(self.run_id, self.me, "ring", array, ring=ring, round_id=round_id, phase=phase, step=step, to=peer)
+        self._deliver(peer, wire.sign(msg, self.identity))
 
     def ring_recv(self, peer: tuple[int, int], tag: tuple, timeout_s: float) -> np.ndarray:
         key = (tuple(peer), tuple(tag))
@@ -384,6 +495,12 @@ class _Servicer(pb_grpc.ClusterNodeServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"node {self.t.me} refused a message: {e}")
             n += 1
         return pb.Ack(received=n)
+
+    def Identify(self, request, context):
+        if request.run_id != self.t.run_id or request.name != self.t.me:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"this is node {self.t.me!r} of run {self.t.run_id!r}, "
+                          f"not {request.name!r} of {request.run_id!r}")
+        return self.t.node_key()
 
 
 class NodeLink:

@@ -24,19 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17zeroth/v1/cluster.proto\x12\x11zeroth.v1.cluster\"\xc4\x01\n\x07Message\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12%\n\x04kind\x18\x03 \x01(\x0e\x32\x17.zeroth.v1.cluster.Kind\x12\r\n\x05\x62\x61tch\x18\x04 \x01(\x04\x12\x0c\n\x04ring\x18\x05 \x01(\r\x12\r\n\x05round\x18\x06 \x01(\x04\x12\r\n\x05phase\x18\x07 \x01(\t\x12\x0c\n\x04step\x18\x08 \x01(\r\x12\r\n\x05shape\x18\t \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\n \x01(\x0c\x12\x0c\n\x04\x62lob\x18\x0b \x01(\x0c\"\x17\n\x03\x41\x63k\x12\x10\n\x08received\x18\x01 \x01(\x04*\\\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nACTIVATION\x10\x01\x12\x0c\n\x08GRADIENT\x10\x02\x12\x08\n\x04RING\x10\x03\x12\t\n\x05STATE\x10\x04\x12\x0b\n\x07PROMOTE\x10\x05\x32N\n\x0b\x43lusterNode\x12?\n\x07\x44\x65liver\x12\x1a.zeroth.v1.cluster.Message\x1a\x16.zeroth.v1.cluster.Ack(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17zeroth/v1/cluster.proto\x12\x11zeroth.v1.cluster\"\xfd\x01\n\x07Message\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12%\n\x04kind\x18\x03 \x01(\x0e\x32\x17.zeroth.v1.cluster.Kind\x12\r\n\x05\x62\x61tch\x18\x04 \x01(\x04\x12\x0c\n\x04ring\x18\x05 \x01(\r\x12\r\n\x05round\x18\x06 \x01(\x04\x12\r\n\x05phase\x18\x07 \x01(\t\x12\x0c\n\x04step\x18\x08 \x01(\r\x12\r\n\x05shape\x18\t \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\n \x01(\x0c\x12\x0c\n\x04\x62lob\x18\x0b \x01(\x0c\x12\x12\n\nto_cluster\x18\x0c \x01(\r\x12\x10\n\x08to_stage\x18\r \x01(\r\x12\x11\n\tsignature\x18\x0e \x01(\x0c\"/\n\x0fIdentifyRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"C\n\x07NodeKey\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\r\n\x05proof\x18\x04 \x01(\x0c\"\x17\n\x03\x41\x63k\x12\x10\n\x08received\x18\x01 \x01(\x04*\\\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nACTIVATION\x10\x01\x12\x0c\n\x08GRADIENT\x10\x02\x12\x08\n\x04RING\x10\x03\x12\t\n\x05STATE\x10\x04\x12\x0b\n\x07PROMOTE\x10\x05\x32\x9a\x01\n\x0b\x43lusterNode\x12?\n\x07\x44\x65liver\x12\x1a.zeroth.v1.cluster.Message\x1a\x16.zeroth.v1.cluster.Ack(\x01\x12J\n\x08Identify\x12\".zeroth.v1.cluster.IdentifyRequest\x1a\x1a.zeroth.v1.cluster.NodeKeyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'zeroth.v1.cluster_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KIND']._serialized_start=270
-  _globals['_KIND']._serialized_end=362
+  _globals['_KIND']._serialized_start=445
+  _globals['_KIND']._serialized_end=537
   _globals['_MESSAGE']._serialized_start=47
-  _globals['_MESSAGE']._serialized_end=243
-  _globals['_ACK']._serialized_start=245
-  _globals['_ACK']._serialized_end=268
-  _globals['_CLUSTERNODE']._serialized_start=364
-  _globals['_CLUSTERNODE']._serialized_end=442
+  _globals['_MESSAGE']._serialized_end=300
+  _globals['_IDENTIFYREQUEST']._serialized_start=302
+  _globals['_IDENTIFYREQUEST']._serialized_end=349
+  _globals['_NODEKEY']._serialized_start=351
+  _globals['_NODEKEY']._serialized_end=418
+  _globals['_ACK']._serialized_start=420
+  _globals['_ACK']._serialized_end=443
+  _globals['_CLUSTERNODE']._serialized_start=540
+  _globals['_CLUSTERNODE']._serialized_end=694
 # @@protoc_insertion_point(module_scope)

@@ -39,12 +39,23 @@ class ClusterNodeStub:
                 request_serializer=zeroth_dot_v1_dot_cluster__pb2.Message.SerializeToString,
                 response_deserializer=zeroth_dot_v1_dot_cluster__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Identify = channel.unary_unary(
+                '/zeroth.v1.cluster.ClusterNode/Identify',
+                request_serializer=zeroth_dot_v1_dot_cluster__pb2.IdentifyRequest.SerializeToString,
+                response_deserializer=zeroth_dot_v1_dot_cluster__pb2.NodeKey.FromString,
+                _registered_method=True)
 
 
 class ClusterNodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Deliver(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Identify(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -57,6 +68,11 @@ def add_ClusterNodeServicer_to_server(servicer, server):
                     servicer.Deliver,
                     request_deserializer=zeroth_dot_v1_dot_cluster__pb2.Message.FromString,
                     response_serializer=zeroth_dot_v1_dot_cluster__pb2.Ack.SerializeToString,
+            ),
+            'Identify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Identify,
+                    request_deserializer=zeroth_dot_v1_dot_cluster__pb2.IdentifyRequest.FromString,
+                    response_serializer=zeroth_dot_v1_dot_cluster__pb2.NodeKey.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +102,33 @@ class ClusterNode:
             '/zeroth.v1.cluster.ClusterNode/Deliver',
             zeroth_dot_v1_dot_cluster__pb2.Message.SerializeToString,
             zeroth_dot_v1_dot_cluster__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Identify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zeroth.v1.cluster.ClusterNode/Identify',
+            zeroth_dot_v1_dot_cluster__pb2.IdentifyRequest.SerializeToString,
+            zeroth_dot_v1_dot_cluster__pb2.NodeKey.FromString,
             options,
             channel_credentials,
             insecure,
