@@ -354,20 +354,57 @@ def test_on_round_runs_as_each_round_opens_before_any_reply_tells_of_it():
         srv.stop()
 
 
+def _replayed_checksum(cfg, contributors):
+    """The final checksum of a run whose round r applied the lists of ``contributors[r]``, each
+    computed here as a worker process computes it (its batch is a function of seed, id and round)."""
+    init = launch.initial_model(cfg)
+    x, y = W.load_split(cfg, "train")
+    spec, (votes_head, reg) = W.model_spec(cfg), W.votes(cfg, x.shape[1], x.shape[2])
+    head = votes_head if init.head is None else L.Head(jnp.asarray(init.head[0]), jnp.asarray(init.head[1]))
+    scfg = init.server_config._replace(round_timeout_s=1e9)
+    st = P.init_state(scfg, init.w, init.thresh, head=init.head)
+    keys = {}
+    for wid in sorted({w for c in contributors for w in c}):
+        keys[wid] = identity.Identity.generate()
+        st = st._replace(next_id=wid + 1, keys={**st.keys, wid: keys[wid].public})
+    for rnd, who in enumerate(contributors):
+        st = st._replace(live=tuple(who))
+        for wid in who:
+            shard = np.flatnonzero(np.arange(len(y)) % cfg.shards == wid % cfg.shards)
+            idx = np.random.default_rng([cfg.seed, wid, rnd]).choice(shard, size=min(cfg.batch_size, shard.size),
+                                                                     replace=False)
+            layer = L.ConvLayer(jnp.asarray(st.w), jnp.asarray(st.thresh))
+            d = F.mutation_deltas(layer, head, jnp.asarray(x[idx]), jnp.asarray(y[idx]), spec, reg)
+            index, delta = W.sparse_list(d, cfg.threshold, cfg.max_entries)
+            msg = P.DeltaList(cfg.run_id, wid, rnd, index, delta, st.checksum, len(idx))
+            st = P.submit(st, scfg, msg._replace(signature=keys[wid].sign(P.submission_bytes(msg))), now=0.0)
+        assert st.round == rnd + 1
+    return st.checksum
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_server_and_three_worker_processes_agree_survive_a_kill_and_a_join(tmp_path):
-    cfg = W.DistConfig(run_id="e2e", dataset="digits", train_size=300, test_size=100, c_out=10, rounds=7,
-                       batch_size=16, threshold=0.05, k=3, round_timeout_s=2.0, founders=3,
+def test_server_and_worker_processes_survive_a_kill_a_pause_and_a_join(tmp_path):
+    """A worker SIGKILLed as round 2 opens and one SIGSTOPped as round 4 opens (SIGCONT once that
+    round closed without it) do not end the run: it finishes every round, the paused worker is
+    dropped and rejoins with its id, and the final model is exactly the one the real workers'
+    lists of each round give (recomputed here from who contributed to each round)."""
+    cfg = W.DistConfig(run_id="e2e", dataset="digits", train_size=300, test_size=100, c_out=10, rounds=12,
+                       batch_size=16, threshold=0.05, k=3, round_timeout_s=2.0, founders=3, min_workers=2,
                        head="trained", head_steps=5)
-    s = launch.run(cfg, workers=3, kill_at=(2,), join_at=(1,), out_dir=tmp_path, timeout_s=120)
-    assert s["checksum_mismatches"] == 0 and s["checksum_comparisons"] >= 3 * 7
-    assert s["killed_at_round"] == [2]  # killed as round 2 opened, however loaded the machine
-    assert len(s["dropped"]) == 1  # the killed worker, dropped at its round's deadline
-    assert s["contributors_per_round"][0] == 3
-    assert max(s["contributors_per_round"][4:]) == 3  # the joiner took part after the kill
+    s = launch.run(cfg, workers=3, kill_at=(2,), join_at=(1,), pause_at=(4,), out_dir=tmp_path, timeout_s=240)
+    # every worker compared its checksum after each round it took part in (the killed one perhaps not its last)
+    assert s["checksum_mismatches"] == 0 and s["checksum_comparisons"] >= sum(s["contributors_per_round"]) - 1
+    assert s["killed_at_round"] == [2] and s["paused_at_round"] == [4]  # as those rounds opened
+    assert s["lost"] == {str(s["killed"][0]): -9}  # only the killed process; the launcher carried on
+    assert s["rejoins"] >= 1  # the paused worker took its id back
+    assert s["contributors_per_round"][0] == 3 and len(s["contributors"]) == 12
+    killed_wid = next(w for w in s["contributors"][0] + s["contributors"][1] if w not in sum(s["contributors"][2:], []))
+    paused_wid = next(w for w in s["contributors"][3] if w not in s["contributors"][4])
+    assert paused_wid != killed_wid and any(paused_wid in c for c in s["contributors"][5:])  # back after its pause
     assert all(f <= 3 for f in s["flips_per_round"]) and sum(s["flips_per_round"]) > 0
     assert s["dense_float32_bytes_per_round_per_worker"] == 4 * 10 * 9 * 4
+    assert _replayed_checksum(cfg, s["contributors"]) == s["final_checksum"]
 
 
 def test_sparse_list_thresholds_and_keeps_the_most_negative_under_the_cap():

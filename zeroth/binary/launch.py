@@ -3,8 +3,8 @@
 :func:`run` initializes the model from ``(seed, data)``, serves it, starts ``workers`` worker
 processes (``python -m zeroth.binary.worker``), kills one with SIGKILL as the server opens
 each round of ``kill_at`` (before any worker hears of it: the killed worker takes no part in that
-round), pauses one with SIGSTOP as each round of ``pause_at`` opens (SIGCONT ``pause_s`` seconds
-later: dropped at the round's deadline, it rejoins) and releases a new one at each round of
+round), pauses one with SIGSTOP as each round of ``pause_at`` opens (SIGCONT as the next round
+opens, or ``pause_s`` seconds later: dropped at the round's deadline, it rejoins) and releases a new one at each round of
 ``join_at`` (it fetches the packed model), and returns when the run has finished (or
 ``timeout_s`` passed: then it raises).
 
@@ -102,6 +102,7 @@ def server_summary(cfg: W.DistConfig, server: S.Server, init: InitialModel) -> d
         "test_accuracy": accuracy(cfg, st.w, st.thresh, st.head, init.x_test, init.y_test),
         "final_checksum": st.checksum, "flips_per_round": [len(r.mutations) for r in results],
         "contributors_per_round": [len(r.contributors) for r in results],
+        "contributors": [list(r.contributors) for r in results],
         "dropped": sorted({d for r in results for d in r.dropped}),
         "dense_float32_bytes_per_round_per_worker": P.dense_bytes(init.server_config),
         "packed_model_bytes": len(P.model_bytes(st.w, st.thresh, cfg.levels, cfg.ternary, st.head)),
@@ -137,7 +138,7 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
     kill_rounds: list[int] = []  # the round each kill was sent at: the moment it opened
     paused: list[int] = []
     pause_rounds: list[int] = []
-    pause_for = 2.5 * cfg.round_timeout_s if pause_s is None else pause_s
+    to_resume: list[int] = []  # paused workers resumed as the next round opens
     holds = [out / f"join{j}.go" for j in range(len(join_at))]
     pending_kills, pending_joins, pending_pauses = sorted(kill_at), sorted(join_at), sorted(pause_at)
     errors: list[BaseException] = []
@@ -148,6 +149,8 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
         # so a worker killed here takes no part in it, however loaded the machine
         with act_lock:
             try:
+                while to_resume:  # the round they were paused in closed without them: they were dropped
+                    procs[to_resume.pop()].send_signal(signal.SIGCONT)
                 while pending_kills and rnd >= pending_kills[0]:
                     pending_kills.pop(0)
                     victim = next((i for i, p in enumerate(procs[:workers]) if p.poll() is None and i not in killed), None)
@@ -165,9 +168,12 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
                     procs[victim].send_signal(signal.SIGSTOP)
                     paused.append(victim)
                     pause_rounds.append(rnd)
-                    resume = threading.Timer(pause_for, procs[victim].send_signal, (signal.SIGCONT,))
-                    resume.daemon = True
-                    resume.start()
+                    if pause_s is None:
+                        to_resume.append(victim)
+                    else:
+                        resume = threading.Timer(pause_s, procs[victim].send_signal, (signal.SIGCONT,))
+                        resume.daemon = True
+                        resume.start()
                 while pending_joins and rnd >= pending_joins[0]:
                     pending_joins.pop(0)
                     holds[len(join_at) - len(pending_joins) - 1].touch()
