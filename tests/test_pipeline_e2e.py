@@ -17,7 +17,7 @@ from tb_util import assert_mirrors
 from zeroth import compress as C
 from zeroth.config import load_config_dict
 from zeroth.pipeline import build, launch, sim
-from zeroth.train.checkpoint import Checkpointer, checksum
+from zeroth.train.checkpoint import CheckpointError, Checkpointer, checksum
 from zeroth.train.metrics import check_schema, read_metrics
 from zeroth.train.runs import load_run
 
@@ -135,6 +135,20 @@ def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path, uni
         assert summaries[s]["recv_digest"] == C.buffer_digest(e.recv_state)
     assert [r["loss"] for r in records] == [r["loss"] for r in local]
     assert [r["digest"] for r in records] == [r["digest"] for r in local]  # every step's parameters, bit for bit
+
+    # a damaged buffer file of the newest step is named in one line, before any stage starts, with
+    # the step to resume instead; resuming from that step (--resume-step) ends on the same run
+    bad = launch.stage_dir(tmp_path, 1) / "buffers" / "5_recv.npz"
+    bad.write_bytes(bad.read_bytes()[:100])
+    with pytest.raises(CheckpointError) as e:
+        launch.run_config(cfg, tmp_path, ["--resume"], progress=False)
+    assert "\n" not in str(e.value) and str(bad) in str(e.value) and "--resume --resume-step 4" in str(e.value)
+    assert launch.run_config(cfg, tmp_path, ["--resume"], progress=False, resume_step=4) == 0, _logs(tmp_path)
+    summaries = [json.loads((launch.stage_dir(tmp_path, s) / "summary.json").read_text()) for s in range(2)]
+    assert [sm["start"] for sm in summaries] == [4, 4]
+    for s, e in enumerate(engines):
+        assert summaries[s]["param_digest"] == checksum(e.params)
+        assert summaries[s]["recv_digest"] == C.buffer_digest(e.recv_state)
 
 
 def test_ctrl_c_stops_every_stage_at_one_step_and_resume_ends_on_the_uninterrupted_run(tmp_path, uninterrupted):

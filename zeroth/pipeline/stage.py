@@ -140,14 +140,17 @@ class _Checkpoints:
         r = self.ck.restore(step, engine.params, engine.opt_state)
         if r.meta.get("run_id") != run_id:
             raise CheckpointError(f"checkpoint {step} belongs to run {r.meta.get('run_id')!r}, not {run_id!r}")
+        for side in ("send", "recv"):  # before anything is moved: a damaged buffer leaves the folder as it was
+            state = getattr(engine, f"{side}_state")
+            if state is not None:
+                try:
+                    C.load_buffers(state, self.out / "buffers" / f"{step}_{side}.npz", r.meta["buffers"][side])
+                except ValueError as e:
+                    raise self.ck._error(step, str(e)) from None
         for newer in [s for s in self.ck.steps() if s > step]:  # this run will write them again
             self.ck.quarantine(newer)
         engine.params = jax.tree_util.tree_map(jnp.asarray, r.params)
         engine.opt_state = jax.tree_util.tree_map(jnp.asarray, r.opt_state)
-        for side in ("send", "recv"):
-            state = getattr(engine, f"{side}_state")
-            if state is not None:
-                C.load_buffers(state, self.out / "buffers" / f"{step}_{side}.npz", r.meta["buffers"][side])
         engine.step = step
 
 
