@@ -91,6 +91,8 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
 
     The stages share a fresh run secret (in their environment), so every link carries its access
     token and a process without it cannot feed or read a stage; ``insecure`` starts them without.
+    Every stage after the first serves only a link signed by the previous stage's key (its
+    ``key.pub``, ``--upstream-key``).
     """
     out = Path(out)
     env = identity.launch_env(insecure, env)
@@ -99,6 +101,8 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
     cfg_path.write_text(_config.to_yaml(cfg))
     p = cfg.pipeline
     procs: dict[int, subprocess.Popen] = {}
+    for i in range(p.stages):  # a previous run's keys: every new stage writes its own
+        (stage_dir(out, i) / "key.pub").unlink(missing_ok=True)
     for i in reversed(range(p.stages)):
         d = stage_dir(out, i)
         d.mkdir(parents=True, exist_ok=True)
@@ -107,7 +111,7 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
         # `python -m zeroth.pipeline.stage` is `zeroth stage` (the launcher stays below the command layer)
         cmd = [sys.executable, "-m", "zeroth.pipeline.stage", "--config", str(cfg_path), "--stage", str(i), "--out", str(d)]
         if i > 0:
-            cmd += ["--listen", f"{p.host}:0"]
+            cmd += ["--listen", f"{p.host}:0", "--upstream-key", f"@{stage_dir(out, i - 1) / 'key.pub'}"]
         if i < p.stages - 1:
             cmd += ["--next", f"@{stage_dir(out, i + 1) / 'address'}"]
         if resume_step is not None:
