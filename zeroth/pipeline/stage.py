@@ -1,7 +1,7 @@
 """``zeroth stage``: run one pipeline stage (one per machine, or several on one machine).
 
   zeroth stage --config CONFIG --stage I --out DIR [--listen HOST:PORT] [--next HOST:PORT]
-               [--upstream-key HEX|@FILE] [--set SECTION.FIELD=VALUE ...] [--resume-step N] [--quiet] [--insecure]
+               [--identity FILE] [--upstream-key HEX|@FILE] [--set SECTION.FIELD=VALUE ...] [--resume-step N] [--quiet] [--insecure]
                [--tls-cert PEM --tls-key PEM --tls-ca PEM [--tls-mutual]]
 
 Stage ``I`` of ``pipeline.stages``: every stage but the first listens (``--listen``; port 0 = any
@@ -12,13 +12,15 @@ token of the run secret in ``ZEROTH_SECRET`` (the same on every stage; :func:`ze
 and a stage refuses a stream without it (``UNAUTHENTICATED``); ``--insecure`` (loopback
 experiments only) runs without. ``zeroth run`` makes a fresh secret for its stages.
 
-Every stage process makes an Ed25519 key pair, writes its public key (hex) to ``DIR/key.pub``
+Every stage process makes an Ed25519 key pair (``--identity FILE``: the private key saved in FILE,
+:meth:`zeroth.transport.identity.Identity.save`), writes its public key (hex) to ``DIR/key.pub``
 before it connects on, and signs the stream it opens (:mod:`zeroth.pipeline.link`). With
 ``--upstream-key`` (the previous stage's public key in hex; ``@FILE``: read from FILE, e.g. that
 stage's ``key.pub``, when a stream arrives), a stage serves only a stream signed by that key:
 another holder of the run secret cannot take the upstream slot, even connecting first, and the
 real upstream reconnecting replaces a stale stream. ``zeroth run`` gives every stage its
-upstream's key file.
+upstream's key file; ``zeroth launch`` makes each host's key before the rendezvous, which hands
+every stage its upstream's.
 
 The stage writes into ``DIR``: ``metrics.jsonl`` (one ``train`` row of the metrics schema per
 step, :func:`stage_record`: loss on the last stage, bytes and frames it sent per link, seconds in
@@ -62,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="this stage's output folder")
     p.add_argument("--listen", default=None, help="HOST:PORT to serve the link from the previous stage (stages > 0)")
     p.add_argument("--next", default=None, help="HOST:PORT of the next stage (stages < S-1); @FILE: read it from FILE")
+    p.add_argument("--identity", default=None, help="this stage's private key file (default: a fresh key)")
     p.add_argument("--upstream-key", default=None, help="the previous stage's public key (hex; @FILE: read from FILE, "
                    "its key.pub): only a link signed by it is served (stages > 0)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
@@ -224,14 +227,16 @@ def stage_record(index: int, step: int, *, loss: float | None, lr: float, sent: 
 
 
 def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | None, resume_step: int | None = None,
-              progress: bool = False, stop=None, token: str | None = None, tls=None, upstream_key=None) -> dict:
+              progress: bool = False, stop=None, token: str | None = None, tls=None, upstream_key=None,
+              me=None) -> dict:
     """Run stage ``index`` of the pipeline of ``cfg`` to ``train.steps``; returns its summary.
 
     ``token``: the run's access token, required of the stream this stage serves and sent on the
     one it opens (None: links without one). ``tls``: both links over TLS
     (:class:`zeroth.transport.security.TLSFiles`; mutual when ``tls.mutual``).
     ``upstream_key``: ``upstream_key() -> bytes | None``, the previous stage's public key
-    (:func:`upstream_key_of`); only a stream signed by it is served.
+    (:func:`upstream_key_of`); only a stream signed by it is served. ``me``: this stage's
+    :class:`zeroth.transport.identity.Identity` (default: a fresh one).
 
     ``stop`` (called at step boundaries) asks the pipeline to stop (see the module docstring);
     the summary then says ``"interrupted": true`` and ``steps_done``, and the checkpoint of that
@@ -255,7 +260,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
     if upstream_key is not None and index == 0:
         raise ValueError("stage 0 has no upstream: --upstream-key is for stages after the first")
     out.mkdir(parents=True, exist_ok=True)
-    me = identity.Identity.generate()
+    me = me or identity.Identity.generate()
     tmp = out / "key.pub.tmp"
     tmp.write_text(me.public.hex() + "\n")
     os.replace(tmp, out / "key.pub")
@@ -415,7 +420,8 @@ def main(argv: list[str]) -> int:
                 raise ValueError(f"config {args.config} has no pipeline: section")
             summary = run_stage(cfg, args.stage, out, args.listen, args.next, args.resume_step, progress=not args.quiet,
                                 stop=lambda: flag.is_set() or (out / "stop").exists(), token=token, tls=tls,
-                                upstream_key=upstream_key_of(args.upstream_key))
+                                upstream_key=upstream_key_of(args.upstream_key),
+                                me=None if args.identity is None else identity.Identity.load(args.identity))
         if summary["interrupted"]:
             why = flag.signal_name() if flag.is_set() else f"{out / 'stop'}"
             print(f"zeroth stage {args.stage}: stopped by {why} after step {summary['steps_done']}; checkpoint saved in "

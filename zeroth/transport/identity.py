@@ -95,6 +95,30 @@ class Identity:
         """The 64-byte Ed25519 signature of ``data`` (deterministic)."""
         return self._private.sign(data)
 
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the private key (hex) to ``path``, readable by its owner only (mode 0600), for a
+        process started by another to sign with (:meth:`load`)."""
+        from cryptography.hazmat.primitives.serialization import NoEncryption, PrivateFormat
+
+        raw = self._private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        return write_secret(path, raw.hex())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Identity:
+        """The identity whose private key :meth:`save` wrote to ``path``.
+
+        Raises:
+          ValueError: the file does not hold a private key of 64 hex digits (naming the file).
+        """
+        text = read_secret(path)
+        try:
+            raw = bytes.fromhex(text)
+        except ValueError:
+            raw = b""
+        if len(raw) != 32:
+            raise ValueError(f"identity file {str(path)!r} does not hold an Ed25519 private key (64 hex digits)")
+        return cls(Ed25519PrivateKey.from_private_bytes(raw))
+
 
 def verify(public_key: bytes, data: bytes, signature: bytes) -> bool:
     """Whether ``signature`` is ``public_key``'s Ed25519 signature of ``data``."""
