@@ -94,7 +94,6 @@ __all__ = [
     "relative_errors",
     "save_buffers",
     "load_buffers",
-    "read_buffer_file",
 ]
 
 CODEC_NAMES = ("fp32", "directq", "aqsgd")
