@@ -193,6 +193,10 @@ def test_aqsgd_pipeline_across_two_hosts_ends_on_the_in_process_run(tmp_path):
                  for i, h in enumerate(hosts)]
         assert _wait(procs, 300) == [0, 0], _logs(tmp_path)
     assert "--tls-mutual" in json.loads((tmp_path / "h0" / "launch.json").read_text())["command"]
+    # stage 1 served only the stream signed by stage 0's key, which went through the rendezvous
+    up = json.loads((tmp_path / "h1" / "launch.json").read_text())
+    stage0_key = (tmp_path / "h0" / "stage_0" / "key.pub").read_text().strip()
+    assert up["command"][up["command"].index("--upstream-key") + 1] == stage0_key == up["roster"][0]["key"]
     assert load_config(config) == cfg
     local, engines = sim.run_local(cfg)
     for s, e in enumerate(engines):

@@ -16,8 +16,8 @@ from tb_util import assert_mirrors
 
 from zeroth import compress as C
 from zeroth.config import load_config_dict
-from zeroth.pipeline import build, launch, sim
-from zeroth.train.checkpoint import Checkpointer, checksum
+from zeroth.pipeline import build, launch, link, sim
+from zeroth.train.checkpoint import CheckpointError, Checkpointer, checksum
 from zeroth.train.metrics import check_schema, read_metrics
 from zeroth.train.runs import load_run
 
@@ -136,6 +136,20 @@ def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path, uni
     assert [r["loss"] for r in records] == [r["loss"] for r in local]
     assert [r["digest"] for r in records] == [r["digest"] for r in local]  # every step's parameters, bit for bit
 
+    # a damaged buffer file of the newest step is named in one line, before any stage starts, with
+    # the step to resume instead; resuming from that step (--resume-step) ends on the same run
+    bad = launch.stage_dir(tmp_path, 1) / "buffers" / "5_recv.npz"
+    bad.write_bytes(bad.read_bytes()[:100])
+    with pytest.raises(CheckpointError) as e:
+        launch.run_config(cfg, tmp_path, ["--resume"], progress=False)
+    assert "\n" not in str(e.value) and str(bad) in str(e.value) and "--resume --resume-step 4" in str(e.value)
+    assert launch.run_config(cfg, tmp_path, ["--resume"], progress=False, resume_step=4) == 0, _logs(tmp_path)
+    summaries = [json.loads((launch.stage_dir(tmp_path, s) / "summary.json").read_text()) for s in range(2)]
+    assert [sm["start"] for sm in summaries] == [4, 4]
+    for s, e in enumerate(engines):
+        assert summaries[s]["param_digest"] == checksum(e.params)
+        assert summaries[s]["recv_digest"] == C.buffer_digest(e.recv_state)
+
 
 def test_ctrl_c_stops_every_stage_at_one_step_and_resume_ends_on_the_uninterrupted_run(tmp_path, uninterrupted):
     import os
@@ -182,3 +196,71 @@ def test_ctrl_c_stops_every_stage_at_one_step_and_resume_ends_on_the_uninterrupt
     assert [r["digest"] for r in records] == [r["digest"] for r in local]
     assert [r["loss"] for r in records] == [r["loss"] for r in local]
     assert records[-1]["digest"] == sim.pipeline_digest([checksum(e.params) for e in engines])
+
+
+def test_a_secret_holder_connecting_first_cannot_take_the_upstream_slot(tmp_path, uninterrupted):
+    """Stage 1 alone, listening; a process holding the run secret opens the upstream stream first
+    (before stage 0 exists) and again while stage 0 trains: refused both times, no frame of it
+    read; the run ends on the uninterrupted run's parameters (stage 0's activations trained it)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import grpc
+
+    from zeroth import config as _config
+    from zeroth.pipeline.proto import pipeline_pb2_grpc as pb_grpc
+    from zeroth.transport import identity, security
+
+    cfg = _cfg(2, "lm", "aqsgd", steps=5, latency_ms=100.0)
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(_config.to_yaml(cfg))
+    repo = Path(__file__).resolve().parent.parent
+    env = identity.launch_env(False, {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    d0, d1 = launch.stage_dir(tmp_path, 0), launch.stage_dir(tmp_path, 1)
+    stage = [sys.executable, "-m", "zeroth.pipeline.stage", "--config", str(cfg_path), "--quiet"]
+    procs = []
+
+    def start(i, *args):
+        launch.stage_dir(tmp_path, i).mkdir(parents=True, exist_ok=True)
+        with (launch.stage_dir(tmp_path, i) / "stage.log").open("w") as log:
+            procs.append(subprocess.Popen([*stage, "--stage", str(i), "--out", str(launch.stage_dir(tmp_path, i)), *args],
+                                          stdout=log, stderr=subprocess.STDOUT, env=env))
+
+    md = security.token_metadata(identity.token_from_env(False, env))
+    impostor = identity.Identity.generate()
+    run_id = build.run_id_of(cfg)
+
+    def intrude():
+        with grpc.insecure_channel((d1 / "address").read_text().strip()) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                list(pb_grpc.PipelineLinkStub(ch).Link(iter([]), timeout=30,
+                                                       metadata=md + identity.call_metadata(impostor, 1 << 62,
+                                                                                             *link.link_fields(run_id, 0))))
+            return e.value.code()
+
+    try:
+        start(1, "--listen", "127.0.0.1:0", "--upstream-key", f"@{d0 / 'key.pub'}")
+        deadline = time.monotonic() + 120
+        while not (d1 / "address").is_file():
+            assert procs[0].poll() is None and time.monotonic() < deadline, _logs(tmp_path)
+            time.sleep(0.05)
+        assert intrude() == grpc.StatusCode.UNAVAILABLE  # first to connect, and refused: stage 0's key is not known
+        start(0, "--next", f"@{d1 / 'address'}")
+        while not (d1 / "metrics.jsonl").is_file() or not (d1 / "metrics.jsonl").read_text().strip():
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, _logs(tmp_path)
+            time.sleep(0.05)
+        assert intrude() == grpc.StatusCode.PERMISSION_DENIED  # stage 0's key is known now: not the impostor's
+        assert launch.wait_stages([procs[1], procs[0]], tmp_path, timeout_s=120) == 0, _logs(tmp_path)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    import json
+
+    local, engines = uninterrupted
+    summaries = [json.loads((launch.stage_dir(tmp_path, s) / "summary.json").read_text()) for s in range(2)]
+    assert [sm["param_digest"] for sm in summaries] == [checksum(e.params) for e in engines]
+    assert [r["loss"] for r in read_metrics(d1 / "metrics.jsonl")] == [r["loss"] for r in local]

@@ -151,8 +151,8 @@ def test_zeroth_run_hands_a_pipeline_section_to_the_pipeline_launcher(tmp_path, 
 
     seen = {}
 
-    def fake(cfg, out, argv, progress=True, stop=None):
-        seen.update(stages=cfg.pipeline.stages, out=out, argv=argv, stop=stop)
+    def fake(cfg, out, argv, progress=True, stop=None, resume_step=None):
+        seen.update(stages=cfg.pipeline.stages, out=out, argv=argv, stop=stop, resume_step=resume_step)
         return 0
 
     monkeypatch.setattr(launch, "run_config", fake)
@@ -161,6 +161,9 @@ def test_zeroth_run_hands_a_pipeline_section_to_the_pipeline_launcher(tmp_path, 
     assert run.main([str(path), "--out", str(tmp_path / "o"), "--resume"]) == 0
     assert seen["stages"] == 2 and str(seen["out"]).endswith("o") and "--resume" in seen["argv"]
     assert seen["stop"]() is False  # the signal flag the launcher polls: no signal came
+    assert seen["resume_step"] is None
+    assert run.main([str(path), "--out", str(tmp_path / "o"), "--resume", "--resume-step", "3"]) == 0
+    assert seen["resume_step"] == 3  # the step the user names reaches the stages
     assert COMMANDS["stage"][0] == "zeroth.pipeline.stage:main"
 
 
@@ -211,3 +214,32 @@ def test_a_stage_without_the_run_secret_refuses_to_start(tmp_path, monkeypatch, 
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("zeroth stage 1: error: no run secret: set ZEROTH_SECRET") and "--insecure" in err, err
     assert not (tmp_path / "s").exists()
+
+
+def test_a_damaged_aqsgd_buffer_is_named_in_one_line_with_the_step_to_resume_instead(tmp_path):
+    import numpy as np
+
+    from zeroth import compress as C
+    from zeroth.pipeline import launch
+    from zeroth.train.checkpoint import CheckpointError
+
+    state = C.DeltaState(np.arange(12, dtype=np.float32).reshape(3, 4), np.array([True, False, True]))
+    for s in range(2):
+        for step in (2, 4):
+            (launch.stage_dir(tmp_path, s) / "checkpoints" / str(step)).mkdir(parents=True)
+            C.save_buffers(state, launch.stage_dir(tmp_path, s) / "buffers" / f"{step}_{'send' if s == 0 else 'recv'}.npz")
+    launch.check_resume(tmp_path, 2, 4)  # whole files: nothing to say
+    bad = launch.stage_dir(tmp_path, 1) / "buffers" / "4_recv.npz"
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # truncated, as by a full disk
+    with pytest.raises(CheckpointError) as e:
+        launch.check_resume(tmp_path, 2, 4)
+    msg = str(e.value)
+    assert "\n" not in msg and str(bad) in msg and "truncated or damaged (BadZipFile" in msg
+    assert "Nothing was deleted" in msg and "--resume --resume-step 2" in msg
+    launch.check_resume(tmp_path, 2, 2)  # the step the message suggests is whole
+    with pytest.raises(ValueError, match=f"AQ-SGD buffer file {bad} is truncated or damaged"):
+        C.load_buffers(state, bad)
+    with pytest.raises(CheckpointError, match="stage 1 holds no checkpoint 3 .*--resume-step 2"):
+        (launch.stage_dir(tmp_path, 0) / "checkpoints" / "3").mkdir()
+        launch.check_resume(tmp_path, 2, 3)
+    assert bad.is_file() and launch.common_steps(tmp_path, 2) == [2, 4]

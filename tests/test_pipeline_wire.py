@@ -268,3 +268,69 @@ def test_a_stage_refuses_a_frame_larger_than_a_micro_batch_even_from_the_token_h
         assert not any(isinstance(x, pb.TensorFrame) for x in list(inbox.queue))  # no frame reached the stage
     finally:
         server.stop(0)
+
+
+def test_only_the_upstream_stages_key_holds_the_link_and_it_replaces_a_stale_stream():
+    """A real server with the run's token and the upstream stage's public key: a token holder that
+    connects first (its own key, no key, or the upstream's public key without its signature) is
+    refused before any frame is read; the upstream's stream is served, and the upstream opening
+    a newer stream replaces the stale one without closing the stage's inbox: the next frame the
+    stage expects arrives on the new stream and the gradient goes back on it."""
+    from zeroth.transport import identity, security
+
+    token = identity.access_token(identity.new_secret())
+    upstream, impostor = identity.Identity.generate(), identity.Identity.generate()
+    known: list[bytes] = []  # the upstream's key, once "published"
+    inbox, down = queue.Queue(), pacing.Pacer(None)
+    servicer = link.LinkServicer(lambda t, j: _expected(t, j), iter([(2, 0), (2, 1)]), inbox, down,
+                                 upstream_key=lambda: known[0] if known else None, run_id="run-a", link=0)
+    server, port = link.serve(servicer, "127.0.0.1:0", token)
+    md = security.token_metadata(token)
+    fields = link.link_fields("run-a", 0)
+    readers = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.PipelineLinkStub(ch)
+            with pytest.raises(grpc.RpcError) as e:  # before the upstream's key is known: nobody
+                list(stub.Link(iter([_frame(micro=0)]), timeout=20, metadata=md + identity.call_metadata(upstream, 1, *fields)))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            known.append(upstream.public)
+            forged = dict(identity.call_metadata(impostor, 5, *fields))
+            forged[identity.CALL_KEY] = upstream.public.hex()  # the upstream's public key, the impostor's signature
+            for extra in ((), identity.call_metadata(impostor, 5, *fields), tuple(forged.items()),
+                          identity.call_metadata(upstream, 5, *link.link_fields("run-b", 0)),
+                          identity.call_metadata(upstream, 5, *link.link_fields("run-a", 1))):
+                with pytest.raises(grpc.RpcError) as e:
+                    list(stub.Link(iter([_frame(micro=0)]), timeout=20, metadata=md + tuple(extra)))
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, extra
+                assert "only from stage 0" in e.value.details()
+        assert inbox.empty() and not servicer.connected.is_set()
+
+        stale_up, stale_replies = pacing.Pacer(None), queue.Queue()
+        stale = link.connect(f"127.0.0.1:{port}", stale_up, stale_replies, 20.0, readers, token, me=upstream,
+                             run_id="run-a", link=0, seq=10)
+        stale_up.submit(_frame(micro=0))
+        assert inbox.get(timeout=10).micro_batch == 0
+        up, replies = pacing.Pacer(None), queue.Queue()
+        fresh = link.connect(f"127.0.0.1:{port}", up, replies, 20.0, readers, token, me=upstream, run_id="run-a",
+                             link=0, seq=11)
+        assert isinstance(stale_replies.get(timeout=10), link.LinkClosed)  # the stale stream was cancelled
+        up.submit(_frame(micro=1))
+        assert inbox.get(timeout=10).micro_batch == 1  # the stage's inbox never saw the stale stream end
+        down.submit(_frame(micro=0))
+        assert replies.get(timeout=10).micro_batch == 0
+        with pytest.raises(grpc.RpcError) as e:  # an older stream of the upstream does not take the link back
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                list(pb_grpc.PipelineLinkStub(ch).Link(iter([]), timeout=20,
+                                                       metadata=md + identity.call_metadata(upstream, 10, *fields)))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        up.close()
+        down.close()
+        assert inbox.get(timeout=10) is link.END
+        for ch, p in ((stale, stale_up), (fresh, None)):
+            if p is not None:
+                p.close()
+            ch.close()
+    finally:
+        server.stop(0)
+    link.join_readers(readers)

@@ -131,6 +131,44 @@ def test_the_server_refuses_a_caller_without_the_token_and_forms_the_run_for_tho
         server.stop(0)
 
 
+def test_the_roster_carries_each_stages_key_and_a_stage_is_told_its_upstreams(tmp_path):
+    """Over gRPC: the public key each host joins with comes back in the roster; `zeroth launch`'s
+    command for pipeline stage 1 names stage 0's key (--upstream-key) and its own key file; a key
+    that is not 32 bytes is refused."""
+    token = identity.access_token(identity.new_secret())
+    address = f"127.0.0.1:{_port()}"
+    server = R.serve(_store(min_nodes=2, max_nodes=2), address, token=token)
+    keys = [identity.Identity.generate() for _ in range(2)]
+    try:
+        clients = [R.Client(address, token=token) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        with pytest.raises(R.Refused, match="a key of 5 bytes") as e:
+            clients[0].join(config_digest="d" * 64, version="1.0", advertise="10.0.0.9:7000", node_rank=-1,
+                            hostname="bad", deadline=deadline, key=b"short")
+        assert e.value.code == "INVALID_ARGUMENT"
+        for i, c in enumerate(clients):
+            c.join(config_digest="d" * 64, version="1.0", advertise=f"10.0.0.{i + 1}:7000", node_rank=i,
+                   hostname=f"h{i}", deadline=deadline, key=keys[i].public)
+        roster = clients[1].wait_formed(deadline, poll_s=0.05)
+        assert [m.key for m in roster.members] == [k.public.hex() for k in keys]
+        for c in clients:
+            c.close()
+    finally:
+        server.stop(0)
+    cfg = _config.load_config_dict({"model": {"name": "transformer"}, "train": {"method": "backprop"},
+                                    "data": {"dataset": "sotu", "batch_size": 4}, "pipeline": {"stages": 2}})
+    plan = launch.plan_of(cfg, None)
+    key_file = keys[1].save(tmp_path / "identity.key")
+    assert identity.Identity.load(key_file).public == keys[1].public and (key_file.stat().st_mode & 0o777) == 0o600
+    _, cmd, _ = launch._role(plan, cfg, tmp_path / "c.yaml", tmp_path, 1, False, roster, 7000, "10.0.0.2", "s" * 64,
+                             None, 60.0, [], key_file)
+    assert cmd[cmd.index("--upstream-key") + 1] == keys[0].public.hex()
+    assert cmd[cmd.index("--identity") + 1] == str(key_file)
+    (tmp_path / "bad.key").write_text("not a key\n")
+    with pytest.raises(ValueError, match="does not hold an Ed25519 private key"):
+        identity.Identity.load(tmp_path / "bad.key")
+
+
 def test_a_rendezvous_nobody_serves_is_named_with_what_to_check():
     c = R.Client(f"127.0.0.1:{_port()}", token=None)
     with pytest.raises(R.Refused, match=r"cannot reach the rendezvous at 127\.0\.0\.1:\d+: UNAVAILABLE.*port is open"):

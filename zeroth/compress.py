@@ -627,17 +627,33 @@ def save_buffers(state: DeltaState | None, path: str | os.PathLike) -> str | Non
     return buffer_digest(state)
 
 
+def read_buffer_file(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(m, seen)`` arrays of a buffer file written by :func:`save_buffers`.
+
+    Raises:
+      ValueError: the file is missing, or truncated or damaged (one line naming the file and why).
+    """
+    import zipfile
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"AQ-SGD buffer file {path} is missing")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            return np.asarray(f["m"]), np.asarray(f["seen"])
+    except (zipfile.BadZipFile, OSError, EOFError, KeyError, ValueError) as e:
+        why = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(f"AQ-SGD buffer file {path} is truncated or damaged ({type(e).__name__}: {why})") from None
+
+
 def load_buffers(state: DeltaState, path: str | os.PathLike, digest: str | None = None) -> DeltaState:
     """Read buffers saved by :func:`save_buffers` into ``state`` (in place) and check their digest.
 
     Raises:
-      ValueError: the file is missing, its shapes differ from ``state``'s, or its digest is not ``digest``.
+      ValueError: the file is missing or damaged, its shapes differ from ``state``'s, or its digest is not ``digest``.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"AQ-SGD buffer file {path} is missing")
-    with np.load(path) as f:
-        m, seen = f["m"], f["seen"]
+    m, seen = read_buffer_file(path)
     if m.shape != state.m.shape or seen.shape != state.seen.shape:
         raise ValueError(f"buffers in {path} have shape {m.shape}; this link needs {state.m.shape}")
     state.m[...] = m

@@ -402,6 +402,10 @@ class BinaryConfig:
     float_steps: int = field(300, "float32 baseline: end-to-end backprop steps.", min=1)
     float_lr: float = field(1e-3, "float32 baseline: Adam learning rate.", gt=0.0)
     workers: int = field(3, "Sparse-mutation run: worker processes on 127.0.0.1 (0 = skip it).", min=0, max=MAX_PROCESSES)
+    min_workers: int = field(
+        0, "Sparse-mutation run: a round closes only with lists from at least this many workers, so the run carries "
+        "on after losing workers while this many remain (a dropped worker rejoins); 0 = a majority of binary.workers.",
+        min=0, max=MAX_PROCESSES)
     rounds: int = field(30, "Sparse-mutation run: rounds.", min=1)
     dist_train_size: int = field(3000, "Sparse-mutation run: training examples split over the workers.", min=1)
     dist_channels: int = field(40, "Sparse-mutation run: channels of its one binary layer (votes head).", min=1, max=MAX_WIDTH)
@@ -730,6 +734,9 @@ def _check_binary(cfg: Config) -> None:
                 raise _bad(f"binary.{name}", v, f"one of {list(valid)}")
     if not b.channels:
         raise ValueError("config field binary.channels: empty; expected at least one layer, e.g. [32, 32]")
+    if b.min_workers > b.workers:
+        raise ValueError(f"config field binary.min_workers: {b.min_workers} exceeds binary.workers={b.workers}; "
+                         "a round could never close: lower it (0 = a majority of the workers)")
     if cfg.peers is not None:
         raise ValueError("config sections 'binary' and 'peers' cannot be combined; remove one of them")
     if cfg.pipeline is not None:

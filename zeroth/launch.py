@@ -256,9 +256,12 @@ def main(argv: list[str]) -> int:
             f"(start-up window {window:g}s)")
     client = rendezvous.Client(args.rendezvous, token=token, tls=tls)
     deadline = time.monotonic() + window + 5.0
+    # a pipeline stage's key goes through the rendezvous: the next stage serves only its signed stream
+    me = identity.Identity.generate() if plan.system == "pipeline" else None
     try:
         rank, late = client.join(config_digest=digest, version=__version__, advertise=f"{advertise}:{my_port}",
-                                 node_rank=-1 if rank is None else rank, hostname=socket.gethostname(), deadline=deadline)
+                                 node_rank=-1 if rank is None else rank, hostname=socket.gethostname(), deadline=deadline,
+                                 key=me.public if me is not None else b"")
         say(f"joined the rendezvous at {args.rendezvous} as rank {rank}{' (late)' if late else ''}, "
             f"advertising {advertise}:{my_port}")
         roster = client.wait_formed(deadline, progress=lambda r: say(
@@ -277,8 +280,9 @@ def main(argv: list[str]) -> int:
     config_path.write_text(config_text)
     if plan.system == "marsit":  # the Marsit processes read the config as the user wrote it, with the same --set
         config_path = Path(args.config).resolve()
+    identity_file = me.save(out / "identity.key") if me is not None else None
     role, cmd, env = _role(plan, cfg, config_path, out, rank, late, roster, my_port, advertise, secret, tls, window,
-                           args.overrides)
+                           args.overrides, identity_file)
     record = {"rank": rank, "late": late, "role": role, "system": plan.system, "config_digest": digest,
               "version": __version__, "rendezvous": args.rendezvous, "advertise": f"{advertise}:{my_port}",
               "served_rendezvous": server is not None,
@@ -309,8 +313,10 @@ def _tls_args(tls: security.TLSFiles | None) -> list[str]:
 
 
 def _role(plan: Plan, cfg, config_path: Path, out: Path, rank: int, late: bool, roster, port: int, advertise: str,
-          secret: str | None, tls, window: float, overrides: list[str]) -> tuple[str, list[str], dict]:
-    """``(role, command, environment)`` of this host's process."""
+          secret: str | None, tls, window: float, overrides: list[str],
+          identity_file: Path | None = None) -> tuple[str, list[str], dict]:
+    """``(role, command, environment)`` of this host's process; ``identity_file``: the private key
+    it signs with (its public half is in the roster: a pipeline stage's upstream key)."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     py = [sys.executable, "-m", "zeroth"]
@@ -339,8 +345,13 @@ def _role(plan: Plan, cfg, config_path: Path, out: Path, rank: int, late: bool, 
         s = cfg.pipeline.stages
         cmd = [*py, "stage", "--config", str(config_path), "--stage", str(rank), "--out", str(out / f"stage_{rank}"),
                *insecure, *_tls_args(tls)]
+        if identity_file is not None:
+            cmd += ["--identity", str(identity_file)]
         if rank > 0:
             cmd += ["--listen", f"0.0.0.0:{port}"]
+            upstream = next((m.key for m in roster.members if m.rank == rank - 1), "")
+            if upstream:
+                cmd += ["--upstream-key", upstream]
         if rank < s - 1:
             cmd += ["--next", members[rank + 1]]
         return f"stage {rank} of {s}", cmd, env

@@ -248,7 +248,8 @@ def _binary(cfg: _config.Config, out, args: argparse.Namespace, argv: list[str],
 
 def _pipeline(cfg: _config.Config, out, args: argparse.Namespace, argv: list[str], flag: interrupt.StopFlag) -> int:
     try:  # the stages as processes on loopback
-        return int(pipeline_launch.run_config(cfg, out, argv, progress=not args.quiet, stop=flag.is_set) or 0)
+        return int(pipeline_launch.run_config(cfg, out, argv, progress=not args.quiet, stop=flag.is_set,
+                                              resume_step=args.resume_step) or 0)
     except interrupt.Interrupted as e:
         return _interrupted(flag, e, argv, out)
 

@@ -426,6 +426,7 @@ def dist_config(cfg, test_size: int | None = None, classes: int | None = None) -
                         test_size=test_size, levels=b.levels, c_out=b.dist_channels, ternary=False, grid=b.grid,
                         batch_size=cfg.data.batch_size, shards=b.workers, threshold=b.threshold, max_entries=b.max_entries,
                         k=b.dist_k, rounds=b.rounds, seed=seed, founders=b.workers,
+                        min_workers=b.min_workers or b.workers // 2 + 1,
                         head="trained" if b.dist_head_steps else "votes", head_steps=b.dist_head_steps,
                         classes=classes)
 

@@ -3,8 +3,15 @@
 :func:`run` initializes the model from ``(seed, data)``, serves it, starts ``workers`` worker
 processes (``python -m zeroth.binary.worker``), kills one with SIGKILL as the server opens
 each round of ``kill_at`` (before any worker hears of it: the killed worker takes no part in that
-round) and releases a new one at each round of ``join_at`` (it fetches the packed model), and
-returns when the run has finished (or ``timeout_s`` passed: then it raises). The
+round), pauses one with SIGSTOP as each round of ``pause_at`` opens (SIGCONT as the next round
+opens, or ``pause_s`` seconds later: dropped at the round's deadline, it rejoins) and releases a new one at each round of
+``join_at`` (it fetches the packed model), and returns when the run has finished (or
+``timeout_s`` passed: then it raises).
+
+A worker process that dies, whoever killed it, is counted as lost and the run carries on with
+the others: the server closes each round with the lists it has at its deadline, as long as at
+least ``cfg.min_workers`` take part. Only when fewer worker processes are left alive than that
+(none of them can complete a round) does the launcher stop and raise, naming the lost workers. The
 summary holds the test accuracy of the model before and after, the bytes per round per worker of
 the sparse lists next to a dense float32 gradient, the checksum comparisons and the wall-clock.
 
@@ -95,6 +102,7 @@ def server_summary(cfg: W.DistConfig, server: S.Server, init: InitialModel) -> d
         "test_accuracy": accuracy(cfg, st.w, st.thresh, st.head, init.x_test, init.y_test),
         "final_checksum": st.checksum, "flips_per_round": [len(r.mutations) for r in results],
         "contributors_per_round": [len(r.contributors) for r in results],
+        "contributors": [list(r.contributors) for r in results],
         "dropped": sorted({d for r in results for d in r.dropped}),
         "dense_float32_bytes_per_round_per_worker": P.dense_bytes(init.server_config),
         "packed_model_bytes": len(P.model_bytes(st.w, st.thresh, cfg.levels, cfg.ternary, st.head)),
@@ -112,8 +120,8 @@ def _spawn(address: str, cfg: W.DistConfig, metrics: pathlib.Path, run_env: dict
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tuple = (), out_dir=None,
-        timeout_s: float = 300.0, insecure: bool = False) -> dict:
+def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tuple = (), pause_at: tuple = (),
+        pause_s: float | None = None, out_dir=None, timeout_s: float = 300.0, insecure: bool = False) -> dict:
     """Run the server and the workers to the end; returns the summary dict (also ``out_dir/summary.json``).
 
     The run has a fresh secret, given to the workers in their environment; every call carries its
@@ -128,8 +136,11 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
     procs: list[subprocess.Popen] = []
     killed: list[int] = []
     kill_rounds: list[int] = []  # the round each kill was sent at: the moment it opened
+    paused: list[int] = []
+    pause_rounds: list[int] = []
+    to_resume: list[int] = []  # paused workers resumed as the next round opens
     holds = [out / f"join{j}.go" for j in range(len(join_at))]
-    pending_kills, pending_joins = sorted(kill_at), sorted(join_at)
+    pending_kills, pending_joins, pending_pauses = sorted(kill_at), sorted(join_at), sorted(pause_at)
     errors: list[BaseException] = []
     act_lock = threading.Lock()
 
@@ -138,6 +149,8 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
         # so a worker killed here takes no part in it, however loaded the machine
         with act_lock:
             try:
+                while to_resume:  # the round they were paused in closed without them: they were dropped
+                    procs[to_resume.pop()].send_signal(signal.SIGCONT)
                 while pending_kills and rnd >= pending_kills[0]:
                     pending_kills.pop(0)
                     victim = next((i for i, p in enumerate(procs[:workers]) if p.poll() is None and i not in killed), None)
@@ -146,6 +159,21 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
                     procs[victim].send_signal(signal.SIGKILL)
                     killed.append(victim)
                     kill_rounds.append(rnd)
+                while pending_pauses and rnd >= pending_pauses[0]:
+                    pending_pauses.pop(0)
+                    victim = next((i for i, p in enumerate(procs[:workers]) if p.poll() is None and i not in killed
+                                   and i not in paused), None)
+                    if victim is None:
+                        raise RuntimeError(f"no live worker left to pause at round {rnd}")
+                    procs[victim].send_signal(signal.SIGSTOP)
+                    paused.append(victim)
+                    pause_rounds.append(rnd)
+                    if pause_s is None:
+                        to_resume.append(victim)
+                    else:
+                        resume = threading.Timer(pause_s, procs[victim].send_signal, (signal.SIGCONT,))
+                        resume.daemon = True
+                        resume.start()
                 while pending_joins and rnd >= pending_joins[0]:
                     pending_joins.pop(0)
                     holds[len(join_at) - len(pending_joins) - 1].touch()
@@ -153,7 +181,9 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
                 errors.append(e)
 
     run_env = identity.launch_env(insecure)
-    server = S.Server(scfg, w0, t0, head, on_round=act, token=identity.token_from_env(insecure, run_env))
+    server = S.Server(scfg, w0, t0, head, on_round=act, token=identity.token_from_env(insecure, run_env),
+                      secret=None if insecure else identity.secret_from_env(run_env))
+    lost: dict[int, int] = {}  # worker process -> its exit code (a negative signal number: killed)
     port = server.start("127.0.0.1:0")
     address = f"127.0.0.1:{port}"
     start = time.monotonic()
@@ -174,18 +204,27 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
             if time.monotonic() - start > timeout_s:
                 raise RuntimeError(f"the run did not finish {cfg.rounds} rounds within {timeout_s} s (at round {st.round})")
             for i, p in enumerate(procs):
-                if i not in killed and p.poll() not in (None, 0):
-                    raise RuntimeError(f"worker process {i} failed: {p.stderr.read()[-2000:]}")
+                if i not in lost and p.poll() not in (None, 0):
+                    lost[i] = p.returncode  # the run goes on without it
+                    why = "" if p.returncode < 0 else f": {p.stderr.read()[-500:].strip()}"
+                    print(f"zeroth binary: worker process {i} exited with {p.returncode}{why}; the run carries on "
+                          "without it", file=sys.stderr, flush=True)
+            alive = sum(p.poll() is None for p in procs)
+            if alive < cfg.min_workers:
+                raise RuntimeError(f"the run cannot finish: {alive} worker processes left, fewer than min_workers="
+                                   f"{cfg.min_workers} (lost: {', '.join(f'{i} rc {c}' for i, c in lost.items())})")
             time.sleep(0.05)
         for i, p in enumerate(procs):
-            if i not in killed:
+            if i not in lost:
                 try:
                     p.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     p.kill()
                     raise RuntimeError(f"worker process {i} did not finish after the last round") from None
                 if p.returncode != 0:
-                    raise RuntimeError(f"worker process {i} exited with {p.returncode}: {p.stderr.read()[-2000:]}")
+                    lost[i] = p.returncode
+                    print(f"zeroth binary: worker process {i} exited with {p.returncode} after the last round: "
+                          f"{p.stderr.read()[-500:].strip()}", file=sys.stderr, flush=True)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -197,9 +236,11 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
     for f in sorted(out.glob("worker*.jsonl")):
         records += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
     rounds = [r for r in records if r["event"] == "round"]
-    joins = [r for r in records if r["event"] == "join"]
+    joins = [r for r in records if r["event"] in ("join", "rejoin")]
     summary = {
         **server_summary(cfg, server, init), "workers": workers, "killed": killed, "killed_at_round": kill_rounds,
+        "paused": paused, "paused_at_round": pause_rounds, "lost": {str(i): c for i, c in sorted(lost.items())},
+        "rejoins": sum(r["event"] == "rejoin" for r in records),
         "joined_at": list(join_at),
         "checksum_comparisons": len(rounds) + len(joins),
         "checksum_mismatches": sum(not r["checksum_ok"] for r in rounds + joins),
@@ -218,11 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--kill-at", type=int, action="append", default=[])
     p.add_argument("--join-at", type=int, action="append", default=[])
+    p.add_argument("--pause-at", type=int, action="append", default=[])
     p.add_argument("--out", default=None)
     p.add_argument("--config", default="{}", help="DistConfig fields as JSON")
     args = p.parse_args(argv)
     cfg = W.DistConfig(**{**json.loads(args.config), "rounds": args.rounds})
-    s = run(cfg, workers=args.workers, kill_at=tuple(args.kill_at), join_at=tuple(args.join_at), out_dir=args.out)
+    s = run(cfg, workers=args.workers, kill_at=tuple(args.kill_at), join_at=tuple(args.join_at),
+            pause_at=tuple(args.pause_at), out_dir=args.out)
     print(json.dumps({k: v for k, v in s.items() if k not in ("config", "loss_per_round")}, indent=1))
     return 0
 

@@ -6,10 +6,20 @@ and a message naming the problem. :mod:`zeroth.binary.service` is a thin gRPC la
 
 Round 0 opens when ``founders`` workers have joined. A round ``r`` closes when every live
 worker has submitted, or at its deadline (``round_timeout_s`` after its first list arrived): the
-silent workers are dropped. Closing sums the lists in
+silent workers are dropped. Either way it closes only with at least ``min_workers`` lists; with
+fewer it stays open, and a worker joining or rejoining then takes part in it at once. A dropped
+worker rejoins with its id (:func:`rejoin`) and takes part from the next round it can join.
+Closing sums the lists in
 worker-id order (float64, then float32), drops mutations whose weight is at its limit, picks the
 ``k`` best (:func:`zeroth.binary.flips.select`), applies them to the packed model and records the
 result with the model's SHA-256.
+
+**Identity.** A worker's first :func:`join` commits its Ed25519 public key to the id it is given
+(the service checks first that the joiner holds the run secret). Every later message naming that
+id is signed with the key: a list (:func:`submission_bytes`), a rejoin (:func:`rejoin_bytes`) and
+a result request (:func:`result_request_bytes`); one whose signature does not verify under the
+committed key is refused with ``PERMISSION_DENIED`` and changes nothing, so a holder of the run
+secret cannot speak for another worker. Error messages name the problem, never the run id.
 
 **The packed model** (:func:`model_bytes`): the sign plane ``u32[O, 9 words(C)]``, the mask plane
 (ternary only), the ``int32[O]`` thresholds and, when the run has one, the frozen float32 head
@@ -20,7 +30,8 @@ Example:
   >>> import numpy as np
   >>> cfg = ServerConfig(run_id="r", c_in=2, c_out=1, ternary=False, k=1, rounds=1)
   >>> st = init_state(cfg, np.ones((1, 18), np.int8), np.zeros(1, np.int32))
-  >>> st, reply = join(st, cfg, "r", now=0.0)
+  >>> from zeroth.transport.identity import Identity
+  >>> st, reply = join(st, cfg, "r", Identity.generate().public, now=0.0)
   >>> reply.worker_id, reply.round
   (0, 0)
 """
@@ -34,6 +45,7 @@ import numpy as np
 
 from zeroth.binary import flips as F
 from zeroth.binary import reference as R
+from zeroth.transport import identity
 
 __all__ = [
     "Rejected",
@@ -47,7 +59,11 @@ __all__ = [
     "checksum",
     "init_state",
     "join",
+    "rejoin",
     "submit",
+    "submission_bytes",
+    "rejoin_bytes",
+    "result_request_bytes",
     "tick",
     "result",
     "dense_bytes",
@@ -75,6 +91,7 @@ class ServerConfig(NamedTuple):
     founders: int = 1  # round 0 waits until this many workers have joined
     regions: int = 0  # the model carries a frozen float32 head f32[regions, c_out, classes] + f32[classes]
     classes: int = 0  # (0 = no head in the model: workers use a fixed votes head)
+    min_workers: int = 1  # a round closes only with at least this many lists
 
     @property
     def n_weights(self) -> int:
@@ -93,6 +110,7 @@ class ServerState(NamedTuple):
     checksum: str
     start: dict  # worker id -> the first round it takes part in
     head: tuple | None  # (f32[R, O, K], f32[K]) frozen head shipped with the model, or None
+    keys: dict = {}  # worker id -> its committed Ed25519 public key (32 bytes)
 
 
 class JoinReply(NamedTuple):
@@ -115,6 +133,7 @@ class DeltaList(NamedTuple):
     checksum: str
     examples: int = 0
     loss: float = 0.0
+    signature: bytes = b""  # the worker's Ed25519 signature of submission_bytes(self)
 
 
 class RoundResult(NamedTuple):
@@ -186,38 +205,95 @@ def init_state(cfg: ServerConfig, w, thresh, *, head=None, now: float = 0.0) -> 
         if head[0].shape != (cfg.regions, cfg.c_out, cfg.classes) or head[1].shape != (cfg.classes,):
             raise ValueError(f"head shapes {head[0].shape}, {head[1].shape} do not match config")
     digest = checksum(w, thresh, cfg.c_in, cfg.ternary, head)
-    return ServerState(w, thresh, 0, now, (), 0, {}, {}, digest, {}, head)
+    return ServerState(w, thresh, 0, now, (), 0, {}, {}, digest, {}, head, {})
 
 
 def _finished(st: ServerState, cfg: ServerConfig) -> bool:
     return st.round >= cfg.rounds
 
 
-def join(st: ServerState, cfg: ServerConfig, run_id: str, *, now: float) -> tuple[ServerState, JoinReply]:
-    """A new worker: a fresh id, the packed model and the round it submits to next.
+def submission_bytes(msg: DeltaList) -> bytes:
+    """What a worker signs for its list: every field but the signature, in a fixed encoding
+    (indices as int64 and deltas and loss as float32, little-endian)."""
+    return identity.canonical("zeroth-binary-submit-v1", msg.run_id, int(msg.worker_id), int(msg.round),
+                              np.asarray(msg.index, "<i8").tobytes(), np.asarray(msg.delta, "<f4").tobytes(),
+                              msg.checksum, int(msg.examples), np.float32(msg.loss).astype("<f4").tobytes())
+
+
+def rejoin_bytes(run_id: str, worker_id: int, seq: int) -> bytes:
+    """What a dropped worker signs to take its id back."""
+    return identity.request_bytes("BinaryRejoin", run_id, int(worker_id), int(seq))
+
+
+def result_request_bytes(run_id: str, worker_id: int, rnd: int, seq: int) -> bytes:
+    """What a worker signs to ask for the result of round ``rnd``."""
+    return identity.request_bytes("BinaryResult", run_id, int(worker_id), int(seq), int(rnd))
+
+
+def _check_run(cfg: ServerConfig, run_id: str) -> None:
+    if run_id != cfg.run_id:
+        raise Rejected("FAILED_PRECONDITION", "the request's run id is not this server's run (check the config)")
+
+
+def _check_signed(st: ServerState, worker_id: int, data: bytes, signature: bytes, what: str) -> None:
+    if worker_id >= st.next_id:
+        raise Rejected("FAILED_PRECONDITION", f"worker {worker_id} never joined (call Join first)")
+    if not identity.verify(st.keys[worker_id], data, bytes(signature)):
+        raise Rejected("PERMISSION_DENIED", f"the {what} in worker {worker_id}'s name is not signed by the key "
+                                            f"it committed when it joined")
+
+
+def _admit(st: ServerState, cfg: ServerConfig, wid: int) -> tuple[ServerState, int]:
+    """``wid`` takes part from the open round if it may (founding, no list in yet, or fewer than
+    ``min_workers`` live), else from the next one; returns the state and that round."""
+    founding = st.round == 0 and len(st.live) < cfg.founders
+    joins_now = not _finished(st, cfg) and (founding or not st.pending or len(st.live) < cfg.min_workers)
+    live = st.live + (wid,) if joins_now and wid not in st.live else st.live
+    first = st.round + (0 if joins_now else 1)
+    return st._replace(live=live, start={**st.start, wid: first}), first
+
+
+def _reply(st: ServerState, cfg: ServerConfig, wid: int, first: int) -> JoinReply:
+    data = model_bytes(st.w, st.thresh, cfg.c_in, cfg.ternary, st.head)
+    return JoinReply(wid, first, data, st.checksum, 2 * cfg.n_weights, cfg.max_entries, _finished(st, cfg), st.round)
+
+
+def join(st: ServerState, cfg: ServerConfig, run_id: str, key: bytes, *, now: float) -> tuple[ServerState, JoinReply]:
+    """A new worker with public key ``key``: a fresh id (``key`` committed to it), the packed model
+    and the round it submits to next.
 
     A worker joining while a round is open takes part from the next round (the current one
-    closes without waiting for it).
+    closes without waiting for it), unless fewer than ``min_workers`` are live.
     """
-    if run_id != cfg.run_id:
-        raise Rejected("FAILED_PRECONDITION", f"run id {run_id!r} is not this server's run")
+    _check_run(cfg, run_id)
+    key = bytes(key)
+    if len(key) != 32:
+        raise Rejected("INVALID_ARGUMENT", f"a worker's key is an Ed25519 public key of 32 bytes, not {len(key)}")
+    if key in st.keys.values():
+        owner = next(w for w, k in st.keys.items() if k == key)
+        raise Rejected("ALREADY_EXISTS", f"this key is committed to worker {owner}: rejoin with its id")
     wid = st.next_id
-    founding = st.round == 0 and len(st.live) < cfg.founders
-    joins_now = not _finished(st, cfg) and (founding or not st.pending)
-    live = st.live + (wid,) if joins_now else st.live
-    first = st.round + (0 if joins_now else 1)
-    st = st._replace(next_id=wid + 1, live=live, start={**st.start, wid: first})
-    data = model_bytes(st.w, st.thresh, cfg.c_in, cfg.ternary, st.head)
-    reply = JoinReply(wid, first, data, st.checksum, 2 * cfg.n_weights, cfg.max_entries,
-                      _finished(st, cfg), st.round)
-    return st, reply
+    st = st._replace(next_id=wid + 1, keys={**st.keys, wid: key})
+    st, first = _admit(st, cfg, wid)
+    return st, _reply(st, cfg, wid, first)
+
+
+def rejoin(st: ServerState, cfg: ServerConfig, run_id: str, worker_id: int, seq: int, signature: bytes, *,
+           now: float) -> tuple[ServerState, JoinReply]:
+    """Worker ``worker_id`` (a signed request, :func:`rejoin_bytes`) takes part again: the packed
+    model and the round it submits to next. A worker still live gets the model and its round back."""
+    _check_run(cfg, run_id)
+    _check_signed(st, worker_id, rejoin_bytes(run_id, worker_id, seq), signature, "rejoin")
+    if worker_id in st.live or st.start.get(worker_id, -1) > st.round or _finished(st, cfg):
+        first = st.start[worker_id] if st.start.get(worker_id, -1) > st.round else st.round
+        return st, _reply(st, cfg, worker_id, first)
+    st, first = _admit(st, cfg, worker_id)
+    return st, _reply(st, cfg, worker_id, first)
 
 
 def _validate(st: ServerState, cfg: ServerConfig, msg: DeltaList) -> None:
-    if msg.run_id != cfg.run_id:
-        raise Rejected("FAILED_PRECONDITION", f"run id {msg.run_id!r} is not this server's run")
-    if msg.worker_id >= st.next_id:
-        raise Rejected("FAILED_PRECONDITION", f"worker {msg.worker_id} never joined (call Join first)")
+    _check_run(cfg, msg.run_id)
+    _check_signed(st, msg.worker_id, submission_bytes(msg), msg.signature, "list")
     if msg.worker_id not in st.live:
         start = st.start.get(msg.worker_id)
         if start is not None and start > st.round:
@@ -249,7 +325,8 @@ def _validate(st: ServerState, cfg: ServerConfig, msg: DeltaList) -> None:
 
 
 def submit(st: ServerState, cfg: ServerConfig, msg: DeltaList, *, now: float) -> ServerState:
-    """Record a worker's list for the open round (validated) and close the round if it is complete."""
+    """Record a worker's list for the open round (signed by the worker, validated) and close the
+    round if it is complete."""
     if _finished(st, cfg):
         raise Rejected("FAILED_PRECONDITION", f"the run finished after {cfg.rounds} rounds")
     _validate(st, cfg, msg)
@@ -278,8 +355,11 @@ def _close(st: ServerState, cfg: ServerConfig, *, now: float) -> ServerState:
 
 
 def tick(st: ServerState, cfg: ServerConfig, *, now: float) -> ServerState:
-    """Close the open round if every live worker submitted, or if its deadline passed with at least one list."""
+    """Close the open round if it holds at least ``min_workers`` lists (and one) and every live
+    worker submitted or its deadline passed."""
     if _finished(st, cfg) or not st.pending or (st.round == 0 and len(st.live) < cfg.founders):
+        return st
+    if len(st.pending) < cfg.min_workers:
         return st
     complete = set(st.live) <= set(st.pending)
     if complete or now - st.opened_at >= cfg.round_timeout_s:
@@ -287,13 +367,12 @@ def tick(st: ServerState, cfg: ServerConfig, *, now: float) -> ServerState:
     return st
 
 
-def result(st: ServerState, cfg: ServerConfig, run_id: str, worker_id: int, rnd: int, *,
+def result(st: ServerState, cfg: ServerConfig, run_id: str, worker_id: int, rnd: int, seq: int, signature: bytes, *,
            now: float) -> tuple[ServerState, RoundResult]:
-    """The result of round ``rnd`` (``ready=False`` while it is open)."""
-    if run_id != cfg.run_id:
-        raise Rejected("FAILED_PRECONDITION", f"run id {run_id!r} is not this server's run")
-    if worker_id >= st.next_id:
-        raise Rejected("FAILED_PRECONDITION", f"worker {worker_id} never joined (call Join first)")
+    """The result of round ``rnd`` (``ready=False`` while it is open) for worker ``worker_id``'s
+    signed request (:func:`result_request_bytes`)."""
+    _check_run(cfg, run_id)
+    _check_signed(st, worker_id, result_request_bytes(run_id, worker_id, rnd, seq), signature, "result request")
     st = tick(st, cfg, now=now)
     if rnd in st.results:
         return st, st.results[rnd]

@@ -58,7 +58,8 @@ def main(argv: list[str]) -> int:
         print(f"zeroth binary server: error: {e}", file=sys.stderr)
         return 2
     init = launch.initial_model(dcfg)
-    server = S.Server(init.server_config, init.w, init.thresh, init.head, token=token)
+    server = S.Server(init.server_config, init.w, init.thresh, init.head, token=token,
+                      secret=None if args.insecure else identity.secret_from_env())
     try:
         port = server.start(args.listen, tls)
     except OSError as e:

@@ -12,6 +12,11 @@ every worker holds the same model. Each round the worker
 3. submits them with its model's checksum, polls the round's result, applies the mutations and
    compares its checksum with the server's.
 
+The worker's process makes an Ed25519 key pair; its join commits the public key to its worker id
+(with a proof of the run secret), and it signs every list and result request with it
+(:mod:`zeroth.binary.protocol`). Dropped at a round's deadline (it was paused, or slow), it
+rejoins with its id, fetches the model and carries on.
+
 It appends one JSON line per round to ``--metrics``: round, entries, bytes up (the serialized
 ``DeltaList``) and down (the ``RoundResult``), the dense float32 gradient's bytes, the loss, and
 whether the checksums matched.
@@ -66,6 +71,7 @@ class DistConfig(NamedTuple):
     seed: int = 0
     round_timeout_s: float = 3.0
     founders: int = 3  # round 0 waits for this many workers
+    min_workers: int = 1  # a round closes only with at least this many lists
     head: str = "votes"  # votes: fixed class votes; trained: a head fitted by the launcher, then frozen
     head_steps: int = 100  # trained head: Adam steps on the initial layer's features
     classes: int = 10
@@ -75,7 +81,8 @@ class DistConfig(NamedTuple):
         regions = len(L.regions(*image_hw, self.grid).counts) if self.head == "trained" else 0
         return P.ServerConfig(self.run_id, self.levels, self.c_out, self.ternary, self.k, self.rounds,
                               max_entries=self.max_entries, round_timeout_s=self.round_timeout_s,
-                              founders=self.founders, regions=regions, classes=self.classes if regions else 0)
+                              founders=self.founders, regions=regions, classes=self.classes if regions else 0,
+                              min_workers=self.min_workers)
 
 
 def load_split(cfg: DistConfig, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -120,12 +127,19 @@ class _Authenticated:
         return lambda request, **kw: call(request, metadata=self._md, **kw)
 
 
+def _dropped(e: grpc.RpcError) -> bool:
+    return e.code() == grpc.StatusCode.FAILED_PRECONDITION and "dropped from the run" in (e.details() or "")
+
+
 def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: float = 0.02, max_wait_s: float = 120.0,
-               hold: str | None = None, token: str | None = None, tls: security.TLSFiles | None = None) -> dict:
+               hold: str | None = None, token: str | None = None, tls: security.TLSFiles | None = None,
+               secret: str | None = None, max_rejoins: int = 100) -> dict:
     """Join the server at ``address`` and take part until the run finishes; returns a summary.
 
     ``token``: the run's access token, carried by every call (the server refuses calls without it);
+    ``secret``: the run secret, whose proof the join carries (a server with the secret requires it);
     ``tls``: call over TLS (presenting this worker's certificate when ``tls.mutual``).
+    A worker dropped from the run rejoins with its id, at most ``max_rejoins`` times.
 
     ``hold``: a file path; when given, the worker loads and compiles, then waits (at most
     ``max_wait_s``) for the file to exist before joining (how a launcher makes it join mid-run).
@@ -148,35 +162,59 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
             time.sleep(poll_s)
     channel = security.open_channel(address, S.CHANNEL_OPTIONS, tls)
     stub = _Authenticated(pbg.BinaryMutationsStub(channel), security.token_metadata(token))
-    # the server may still be starting (on another host, launched at the same time): wait for it
-    rep = stub.Join(pb.JoinRequest(run_id=cfg.run_id), timeout=max_wait_s, wait_for_ready=True)
-    wid, rnd = rep.worker_id, rep.round
-    w, thresh, shipped = P.model_from_bytes(rep.model, cfg.levels, cfg.c_out, cfg.ternary, regions=scfg.regions,
-                                            classes=scfg.classes)
-    mine = P.checksum(w, thresh, cfg.levels, cfg.ternary, shipped)
-    head = votes_head if shipped is None else L.Head(jnp.asarray(shipped[0]), jnp.asarray(shipped[1]))
-    if mine != rep.checksum:
-        raise RuntimeError(f"worker {wid}: fetched model checksum {mine} != server's {rep.checksum}")
-    shard = np.flatnonzero(np.arange(len(y)) % cfg.shards == wid % cfg.shards)
-    dense = P.dense_bytes(scfg)
-    rounds = matches = 0
-    finished = rep.finished
+    me, seq = identity.Identity.generate(), identity.Sequence()
+    proof = identity.join_proof(secret, cfg.run_id, S.JOIN_ADDRESS, me.public) if secret else b""
+    wid = None
+
     def wait_result(r: int):
         deadline = time.monotonic() + max_wait_s
         while True:
-            res = stub.Result(pb.ResultRequest(run_id=cfg.run_id, worker_id=wid, round=r), timeout=30)
+            n = seq.next()
+            res = stub.Result(pb.ResultRequest(run_id=cfg.run_id, worker_id=wid, round=r, seq=n,
+                                               signature=me.sign(P.result_request_bytes(cfg.run_id, wid, r, n))),
+                              timeout=30)
             if res.ready:
                 return res
             if time.monotonic() > deadline:
                 raise RuntimeError(f"worker {wid}: round {r} did not close within {max_wait_s} s")
             time.sleep(poll_s)
 
-    if rep.model_round < rnd and not finished:
-        prev = wait_result(rep.model_round)  # joined while that round was open: it closes without us
-        if prev.mutations:
-            w = F.apply_mutations_np(w, np.asarray(prev.mutations, np.int64), cfg.ternary)
-            mine = P.checksum(w, thresh, cfg.levels, cfg.ternary, shipped)
-        finished = prev.finished
+    def enter():
+        """Join (or rejoin with our id): the model at the round we submit to next, its checksum, that
+        round, whether the run finished, and the reply."""
+        if wid is None:
+            # the server may still be starting (on another host, launched at the same time): wait for it
+            rep = stub.Join(pb.JoinRequest(run_id=cfg.run_id, key=me.public, proof=proof), timeout=max_wait_s,
+                            wait_for_ready=True)
+        else:
+            n = seq.next()
+            rep = stub.Join(pb.JoinRequest(run_id=cfg.run_id, rejoin=True, worker_id=wid, seq=n,
+                                           signature=me.sign(P.rejoin_bytes(cfg.run_id, wid, n))), timeout=max_wait_s)
+        w, thresh, shipped = P.model_from_bytes(rep.model, cfg.levels, cfg.c_out, cfg.ternary, regions=scfg.regions,
+                                                classes=scfg.classes)
+        mine = P.checksum(w, thresh, cfg.levels, cfg.ternary, shipped)
+        if mine != rep.checksum:
+            raise RuntimeError(f"worker {rep.worker_id}: fetched model checksum {mine} != server's {rep.checksum}")
+        return w, thresh, shipped, mine, rep
+
+    w, thresh, shipped, mine, rep = enter()
+    wid, rnd, finished = rep.worker_id, rep.round, rep.finished
+    head = votes_head if shipped is None else L.Head(jnp.asarray(shipped[0]), jnp.asarray(shipped[1]))
+    shard = np.flatnonzero(np.arange(len(y)) % cfg.shards == wid % cfg.shards)
+    dense = P.dense_bytes(scfg)
+    rounds = matches = rejoins = 0
+
+    def catch_up(w, mine, rep):
+        """Apply the result of the round the model was fetched in, when we submit to the next one."""
+        if rep.model_round < rep.round and not rep.finished:
+            prev = wait_result(rep.model_round)  # joined while that round was open: it closes without us
+            if prev.mutations:
+                w = F.apply_mutations_np(w, np.asarray(prev.mutations, np.int64), cfg.ternary)
+                mine = P.checksum(w, thresh, cfg.levels, cfg.ternary, shipped)
+            return w, mine, prev.finished
+        return w, mine, rep.finished
+
+    w, mine, finished = catch_up(w, mine, rep)
     with open(metrics_path, "a") as log:
         log.write(json.dumps({"event": "join", "worker": wid, "round": rnd, "model_bytes": len(rep.model),
                               "checksum_ok": True}) + "\n")
@@ -187,13 +225,24 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
             xb, yb = jnp.asarray(x[idx]), jnp.asarray(y[idx])
             index, delta = sparse_list(deltas_fn(layer, head, xb, yb), cfg.threshold, cfg.max_entries)
             loss = float(loss_fn(layer, head, xb, yb))
-            msg = S.encode_deltas(P.DeltaList(cfg.run_id, wid, rnd, index, delta, mine, len(idx), loss))
+            unsigned = P.DeltaList(cfg.run_id, wid, rnd, index, delta, mine, len(idx), loss)
+            msg = S.encode_deltas(unsigned._replace(signature=me.sign(P.submission_bytes(unsigned))))
             try:
                 stub.Submit(msg, timeout=30)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "finished" in (e.details() or ""):
                     break  # joined near the end: the run finished before this worker's first round
-                raise
+                if not _dropped(e) or rejoins >= max_rejoins:
+                    raise
+                # dropped at a round's deadline (this process was paused or slow): take our id back
+                rejoins += 1
+                w, thresh, shipped, mine, rep = enter()
+                rnd = rep.round
+                w, mine, finished = catch_up(w, mine, rep)
+                log.write(json.dumps({"event": "rejoin", "worker": wid, "round": rnd, "model_bytes": len(rep.model),
+                                      "checksum_ok": True}) + "\n")
+                log.flush()
+                continue
             res = wait_result(rnd)
             w = F.apply_mutations_np(w, np.asarray(res.mutations, np.int64), cfg.ternary)
             mine = P.checksum(w, thresh, cfg.levels, cfg.ternary, shipped)
@@ -210,7 +259,7 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
             finished = res.finished
             rnd += 1
     channel.close()
-    return {"worker": wid, "rounds": rounds, "checksum_matches": matches, "checksum": mine}
+    return {"worker": wid, "rounds": rounds, "checksum_matches": matches, "checksum": mine, "rejoins": rejoins}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         tls = security.tls_from_args(args)
     except (ValueError, OSError) as e:
         p.error(str(e))
-    print(json.dumps(run_worker(args.server, cfg, args.metrics, hold=args.hold, token=token, tls=tls)), flush=True)
+    secret = None if args.insecure else identity.secret_from_env()
+    print(json.dumps(run_worker(args.server, cfg, args.metrics, hold=args.hold, token=token, tls=tls, secret=secret)),
+          flush=True)
     return 0
 
 

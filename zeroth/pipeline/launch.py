@@ -10,7 +10,10 @@ success the stages' rows are merged into ``OUT/metrics.jsonl`` (:func:`merge_rec
 per link bytes, frames and both ends' buffer digests, per stage times) and ``OUT/summary.json``.
 
 ``zeroth run CONFIG --resume`` restarts every stage from the newest checkpoint step that all of
-them hold (:func:`common_step`), AQ-SGD buffers included. SIGINT/SIGTERM stop every stage at one
+them hold (:func:`common_step`), AQ-SGD buffers included; ``--resume --resume-step N`` from step
+``N`` (every stage must hold it). Before any stage starts, every stage's buffer files of that step
+are read (:func:`check_resume`): a missing, truncated or damaged one is named in one line, with
+the older steps every stage holds. SIGINT/SIGTERM stop every stage at one
 step boundary, each with its checkpoint of that step (:func:`wait_stages`), so the resumed run
 ends where the uninterrupted one would.
 """
@@ -30,7 +33,7 @@ from zeroth.train.metrics import MetricsWriter, read_metrics
 from zeroth.train.metrics import clear as clear_metrics
 from zeroth.transport import identity, processes
 
-__all__ = ["common_step", "merge_records", "read_records", "run_config", "stage_dir", "start_stages", "wait_stages"]
+__all__ = ["check_resume", "common_step", "common_steps", "merge_records", "read_records", "run_config", "stage_dir", "start_stages", "wait_stages"]
 
 
 def stage_dir(out: Path, index: int) -> Path:
@@ -38,14 +41,48 @@ def stage_dir(out: Path, index: int) -> Path:
     return Path(out) / f"stage_{index}"
 
 
-def common_step(out: Path, stages: int) -> int | None:
-    """The newest checkpoint step every stage holds, or None."""
+def common_steps(out: Path, stages: int) -> list[int]:
+    """The checkpoint steps every stage holds, ascending."""
     common = None
     for i in range(stages):
         d = stage_dir(out, i) / "checkpoints"
         steps = {int(p.name) for p in d.iterdir() if p.name.isdigit()} if d.is_dir() else set()
         common = steps if common is None else common & steps
-    return max(common) if common else None
+    return sorted(common or ())
+
+
+def common_step(out: Path, stages: int) -> int | None:
+    """The newest checkpoint step every stage holds, or None."""
+    steps = common_steps(out, stages)
+    return steps[-1] if steps else None
+
+
+def check_resume(out: Path, stages: int, step: int) -> None:
+    """Check that every stage holds checkpoint ``step`` and that its AQ-SGD buffer files of that
+    step (where it has them) read back whole.
+
+    Raises:
+      CheckpointError: one line naming the stage folder or the damaged file, and the older
+        steps every stage holds (the ``--resume-step`` to use instead).
+    """
+    from zeroth import compress as C
+    from zeroth.train.checkpoint import CheckpointError
+
+    held = common_steps(out, stages)
+    older = [s for s in held if s < step]
+    hint = (f"older steps every stage holds: {older}; resume one with `zeroth run CONFIG --resume --resume-step "
+            f"{older[-1]}`" if older else "no older step is held by every stage; start again in a fresh --out folder")
+    if step not in held:
+        missing = [i for i in range(stages) if not (stage_dir(out, i) / "checkpoints" / str(step)).is_dir()]
+        raise CheckpointError(f"--resume-step {step}: stage{'s' if len(missing) > 1 else ''} "
+                              f"{', '.join(map(str, missing))} hold{'' if len(missing) > 1 else 's'} no checkpoint "
+                              f"{step} in {out}; {hint}")
+    for i in range(stages):
+        for f in sorted((stage_dir(out, i) / "buffers").glob(f"{step}_*.npz")):
+            try:
+                C.read_buffer_file(f)
+            except ValueError as e:
+                raise CheckpointError(f"cannot resume from step {step}: {e}. Nothing was deleted; {hint}") from None
 
 
 def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = None, quiet: bool = True,
@@ -54,6 +91,8 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
 
     The stages share a fresh run secret (in their environment), so every link carries its access
     token and a process without it cannot feed or read a stage; ``insecure`` starts them without.
+    Every stage after the first serves only a link signed by the previous stage's key (its
+    ``key.pub``, ``--upstream-key``).
     """
     out = Path(out)
     env = identity.launch_env(insecure, env)
@@ -62,6 +101,8 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
     cfg_path.write_text(_config.to_yaml(cfg))
     p = cfg.pipeline
     procs: dict[int, subprocess.Popen] = {}
+    for i in range(p.stages):  # a previous run's keys: every new stage writes its own
+        (stage_dir(out, i) / "key.pub").unlink(missing_ok=True)
     for i in reversed(range(p.stages)):
         d = stage_dir(out, i)
         d.mkdir(parents=True, exist_ok=True)
@@ -70,7 +111,7 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
         # `python -m zeroth.pipeline.stage` is `zeroth stage` (the launcher stays below the command layer)
         cmd = [sys.executable, "-m", "zeroth.pipeline.stage", "--config", str(cfg_path), "--stage", str(i), "--out", str(d)]
         if i > 0:
-            cmd += ["--listen", f"{p.host}:0"]
+            cmd += ["--listen", f"{p.host}:0", "--upstream-key", f"@{stage_dir(out, i - 1) / 'key.pub'}"]
         if i < p.stages - 1:
             cmd += ["--next", f"@{stage_dir(out, i + 1) / 'address'}"]
         if resume_step is not None:
@@ -161,20 +202,24 @@ def read_records(out: Path) -> list[dict]:
     return _read(Path(out) / "metrics.jsonl")
 
 
-def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool = True, stop=None) -> int:
-    """Run the pipeline of ``cfg`` as stage processes into ``out``; ``--resume`` in ``argv`` resumes. Exit code.
+def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool = True, stop=None,
+               resume_step: int | None = None) -> int:
+    """Run the pipeline of ``cfg`` as stage processes into ``out``; ``--resume`` in ``argv`` resumes
+    (from ``resume_step`` when given, else the newest step every stage holds). Exit code.
 
     ``stop`` (a signal flag's ``is_set``) stops every stage at one step boundary with a checkpoint
     (:func:`wait_stages`); then :class:`zeroth.train.interrupt.Interrupted` is raised with that step.
     """
     out = Path(out)
     p = cfg.pipeline
-    resume_step = None
+    if resume_step is not None and "--resume" not in argv:
+        raise ValueError("--resume-step needs --resume")
     if "--resume" in argv:
-        resume_step = common_step(out, p.stages)
+        resume_step = common_step(out, p.stages) if resume_step is None else resume_step
         if resume_step is None:
             print(f"zeroth run: error: --resume: no checkpoint step common to all {p.stages} stages in {out}", file=sys.stderr)
             return 2
+        check_resume(out, p.stages, resume_step)
     t0 = time.time()
     procs = start_stages(cfg, out, resume_step=resume_step, quiet=not progress)
     code = wait_stages(procs, out, stop=stop)

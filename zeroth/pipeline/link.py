@@ -12,6 +12,18 @@ frames come from ``expect(step, micro)``) before handing it to the stage, and ab
 with ``INVALID_ARGUMENT`` or ``FAILED_PRECONDITION`` and the reason when a frame is malformed or
 out of order.
 
+**Who the upstream is.** Every stage process has an Ed25519 key pair
+(:class:`zeroth.transport.identity.Identity`). The stream a stage opens is signed
+(:func:`zeroth.transport.identity.call_metadata` over :func:`link_fields`: the run and the link);
+a servicer given the upstream stage's public key (``upstream_key``) refuses, before it reads
+any frame, a stream not signed by that key (``PERMISSION_DENIED``; ``UNAVAILABLE`` while the key is
+not known yet): a holder of the run secret that connects first cannot take the upstream slot.
+A stream signed by that key with a higher sequence number replaces the link held (the real
+upstream reconnecting over a stale connection): the old stream is cancelled, its reader stops
+without closing the stage's inbox, and the new one carries on with the frames the stage expects
+next. Without ``upstream_key`` the first authenticated stream holds the link and the others are
+refused.
+
 Server and channel options (message size limits) are defined here for the pipeline's own use.
 """
 
@@ -27,7 +39,7 @@ import grpc
 
 from zeroth.pipeline import wire
 from zeroth.pipeline.proto import pipeline_pb2_grpc as pb_grpc
-from zeroth.transport import channels, guard, security
+from zeroth.transport import channels, guard, identity, security
 from zeroth.transport.pacing import END, Pacer
 
 __all__ = [
@@ -40,6 +52,7 @@ __all__ = [
     "connect",
     "frame_bytes",
     "limits",
+    "link_fields",
     "serve",
 ]
 
@@ -52,6 +65,19 @@ class LinkClosed(RuntimeError):
     """The other end of a link went away, or refused a frame (the message says which and why)."""
 
 
+def link_fields(run_id: str, link: int) -> tuple:
+    """What the upstream stage of ``link`` signs when it opens the stream (:func:`connect`)."""
+    return ("zeroth-pipeline-link-v1", run_id, int(link))
+
+
+class _Stream:
+    """One upstream stream the servicer accepted: its sequence number, context and stop flag."""
+
+    def __init__(self, seq: int, context):
+        self.seq, self.context = seq, context
+        self.replaced = threading.Event()
+
+
 class LinkServicer(pb_grpc.PipelineLinkServicer):
     """The downstream end of a link: checks activation frames into ``inbox``, streams gradients back.
 
@@ -60,49 +86,95 @@ class LinkServicer(pb_grpc.PipelineLinkServicer):
       schedule: iterator of the ``(step, micro)`` pairs the stage will consume, in order.
       inbox: queue receiving the checked frames, then :data:`END` (or a :class:`LinkClosed`).
       pacer: the gradient direction's pacer (its frames are the response stream).
+      upstream_key: ``upstream_key() -> bytes | None``, the public key of the upstream stage (None:
+        not known yet); with it, only a stream signed by that key for ``link_fields(run_id, link)``
+        is served (see the module docstring). None: the first authenticated stream is served.
+      run_id, link: this link's run and index (the stage before this one).
     """
 
     def __init__(self, expect: Callable[[int, int], wire.Expected], schedule: Iterator[tuple[int, int]],
-                 inbox: queue.Queue, pacer: Pacer):
+                 inbox: queue.Queue, pacer: Pacer, *, upstream_key: Callable[[], bytes | None] | None = None,
+                 run_id: str = "", link: int = 0):
         self.expect, self.schedule, self.inbox, self.pacer = expect, schedule, inbox, pacer
+        self.upstream_key, self.run_id, self.link = upstream_key, run_id, link
         self.connected = threading.Event()
         self.done = threading.Event()
         self.readers: list[threading.Thread] = []  # the stream readers: join them before the process exits
-        self._busy = threading.Lock()
+        self.refused: list[str] = []  # why streams were refused or replaced (for the stage's log)
+        self._lock = threading.Lock()  # the current stream, and each frame's turn in the schedule
+        self._current: _Stream | None = None
 
-    def _read(self, request_iterator) -> None:
+    def _accept(self, context) -> _Stream:
+        """The stream of this call if it may be the link (the upstream's, or the first); aborts otherwise."""
+        seq = 0
+        if self.upstream_key is not None:
+            try:
+                want = self.upstream_key()
+            except (OSError, ValueError) as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stage {self.link}'s key cannot be read: {e}")
+            if want is None:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"stage {self.link}'s key is not known yet: try again")
+            signer = identity.call_signer(context.invocation_metadata(), *link_fields(self.run_id, self.link))
+            if signer is None or signer[0] != bytes(want):
+                self.refused.append(f"a stream not signed by stage {self.link}'s key from {context.peer()}")
+                context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                              f"this stage takes its upstream link only from stage {self.link}: the stream must be "
+                              f"signed by that stage's key")
+            seq = signer[1]
+        with self._lock:
+            old = self._current
+            if old is not None:
+                if self.upstream_key is None or seq <= old.seq:
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this stage already has an upstream link")
+                old.replaced.set()  # the real upstream again, newer: it replaces the stale stream
+                self.refused.append(f"stream {old.seq} replaced by stream {seq} of stage {self.link}")
+            self._current = stream = _Stream(seq, context)
+        if old is not None:
+            old.context.cancel()
+        return stream
+
+    def _read(self, request_iterator, stream: _Stream) -> None:
         try:
             for frame in request_iterator:
-                nxt = next(self.schedule, None)
-                if nxt is None:
-                    raise wire.FrameError(wire.PRECONDITION, f"frame for step {frame.step} after the last step of the run")
-                wire.check_frame(frame, self.expect(*nxt))
-                self.inbox.put(frame)
+                with self._lock:
+                    if stream.replaced.is_set():
+                        return
+                    nxt = next(self.schedule, None)
+                    if nxt is None:
+                        raise wire.FrameError(wire.PRECONDITION, f"frame for step {frame.step} after the last step of the run")
+                    wire.check_frame(frame, self.expect(*nxt))
+                    self.inbox.put(frame)
+            if stream.replaced.is_set():
+                return
             self.inbox.put(END)
         except wire.FrameError as e:
             self.inbox.put(LinkClosed(f"stage refused a frame from upstream: {e}"))
             self.pacer.fail(e)
         except grpc.RpcError as e:  # on the server side a cancelled stream raises a bare RpcError, without code()
+            if stream.replaced.is_set():
+                return  # its successor carries on
             code = e.code().name if callable(getattr(e, "code", None)) else "CANCELLED"
             self.inbox.put(LinkClosed(f"the upstream stage's stream broke: {code}"))
             self.pacer.close()
         except Exception as e:  # noqa: BLE001 - any other failure must reach the stage, not vanish with the thread
+            if stream.replaced.is_set():
+                return
             self.inbox.put(LinkClosed(f"reading the upstream stream failed: {type(e).__name__}: {e}"))
             self.pacer.fail(wire.FrameError(wire.INVALID, f"the stage could not take the frame: {e}"))
 
     def Link(self, request_iterator, context):
-        if not self._busy.acquire(blocking=False):
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this stage already has an upstream link")
+        stream = self._accept(context)
         self.connected.set()
-        reader = threading.Thread(target=self._read, args=(request_iterator,), daemon=True)
+        reader = threading.Thread(target=self._read, args=(request_iterator, stream), daemon=True)
         self.readers.append(reader)
         reader.start()
         try:
-            yield from self.pacer.frames()
+            yield from self.pacer.frames(stop=stream.replaced)
         except wire.FrameError as e:
             context.abort(getattr(grpc.StatusCode, e.code), str(e))
         finally:
-            self.done.set()
+            if not stream.replaced.is_set():
+                self.done.set()
 
 
 def frame_bytes(rows: int, row_shape: tuple[int, ...]) -> int:
@@ -146,11 +218,14 @@ def serve(servicer: LinkServicer, listen: str, token: str | None = None, *,
 
 def connect(address: str, pacer: Pacer, inbox: queue.Queue, timeout_s: float,
             readers: list[threading.Thread] | None = None, token: str | None = None,
-            tls: security.TLSFiles | None = None) -> grpc.Channel:
+            tls: security.TLSFiles | None = None, me: identity.Identity | None = None, run_id: str = "",
+            link: int = 0, seq: int | None = None) -> grpc.Channel:
     """Open the stream to the downstream stage at ``address``: ``pacer``'s frames go out, gradients land in ``inbox``.
 
     ``token``: the run's access token, sent with the stream (a stage serving with a token refuses a
     stream without it: the reader then puts a :class:`LinkClosed` naming ``UNAUTHENTICATED``).
+    ``me``: this stage's identity, which signs the stream for ``link_fields(run_id, link)`` with
+    sequence number ``seq`` (default: the clock in nanoseconds, so a reconnection is newer).
 
     The thread reading the responses is appended to ``readers`` when given: a process should join
     it (:func:`join_readers`) after closing the channel and before it exits, since a daemon thread
@@ -165,7 +240,10 @@ def connect(address: str, pacer: Pacer, inbox: queue.Queue, timeout_s: float,
     except grpc.FutureTimeoutError:
         channel.close()
         raise LinkClosed(f"the next stage at {address} did not answer within {timeout_s:g}s") from None
-    responses = pb_grpc.PipelineLinkStub(channel).Link(pacer.frames(), metadata=security.token_metadata(token))
+    metadata = tuple(security.token_metadata(token) or ())
+    if me is not None:
+        metadata += identity.call_metadata(me, time.time_ns() if seq is None else seq, *link_fields(run_id, link))
+    responses = pb_grpc.PipelineLinkStub(channel).Link(pacer.frames(), metadata=metadata or None)
 
     def read():
         try:

@@ -1,7 +1,7 @@
 """``zeroth stage``: run one pipeline stage (one per machine, or several on one machine).
 
   zeroth stage --config CONFIG --stage I --out DIR [--listen HOST:PORT] [--next HOST:PORT]
-               [--set SECTION.FIELD=VALUE ...] [--resume-step N] [--quiet] [--insecure]
+               [--identity FILE] [--upstream-key HEX|@FILE] [--set SECTION.FIELD=VALUE ...] [--resume-step N] [--quiet] [--insecure]
                [--tls-cert PEM --tls-key PEM --tls-ca PEM [--tls-mutual]]
 
 Stage ``I`` of ``pipeline.stages``: every stage but the first listens (``--listen``; port 0 = any
@@ -11,6 +11,16 @@ use the same config: frames carry the run id derived from it. Every link carries
 token of the run secret in ``ZEROTH_SECRET`` (the same on every stage; :func:`zeroth.transport.identity.access_token`),
 and a stage refuses a stream without it (``UNAUTHENTICATED``); ``--insecure`` (loopback
 experiments only) runs without. ``zeroth run`` makes a fresh secret for its stages.
+
+Every stage process makes an Ed25519 key pair (``--identity FILE``: the private key saved in FILE,
+:meth:`zeroth.transport.identity.Identity.save`), writes its public key (hex) to ``DIR/key.pub``
+before it connects on, and signs the stream it opens (:mod:`zeroth.pipeline.link`). With
+``--upstream-key`` (the previous stage's public key in hex; ``@FILE``: read from FILE, e.g. that
+stage's ``key.pub``, when a stream arrives), a stage serves only a stream signed by that key:
+another holder of the run secret cannot take the upstream slot, even connecting first, and the
+real upstream reconnecting replaces a stale stream. ``zeroth run`` gives every stage its
+upstream's key file; ``zeroth launch`` makes each host's key before the rendezvous, which hands
+every stage its upstream's.
 
 The stage writes into ``DIR``: ``metrics.jsonl`` (one ``train`` row of the metrics schema per
 step, :func:`stage_record`: loss on the last stage, bytes and frames it sent per link, seconds in
@@ -54,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="this stage's output folder")
     p.add_argument("--listen", default=None, help="HOST:PORT to serve the link from the previous stage (stages > 0)")
     p.add_argument("--next", default=None, help="HOST:PORT of the next stage (stages < S-1); @FILE: read it from FILE")
+    p.add_argument("--identity", default=None, help="this stage's private key file (default: a fresh key)")
+    p.add_argument("--upstream-key", default=None, help="the previous stage's public key (hex; @FILE: read from FILE, "
+                   "its key.pub): only a link signed by it is served (stages > 0)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
     p.add_argument("--resume-step", type=int, default=None, help="restore this checkpoint step (with its buffers) and continue")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -62,6 +75,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     security.add_tls_arguments(p)
     return p
+
+
+def upstream_key_of(spec: str | None):
+    """``upstream_key()`` for :class:`zeroth.pipeline.link.LinkServicer` from ``--upstream-key``:
+    None without it; the key of ``HEX``; the key read from ``@FILE`` when called (None while the
+    file is absent or empty).
+
+    Raises:
+      ValueError: ``HEX`` (or, when called, the file's text) is not 64 hex digits.
+    """
+    if spec is None:
+        return None
+
+    def parse(text: str, where: str) -> bytes:
+        try:
+            key = bytes.fromhex(text.strip())
+        except ValueError:
+            key = b""
+        if len(key) != 32:
+            raise ValueError(f"--upstream-key: {where} holds {text.strip()[:80]!r}, not a public key of 64 hex digits")
+        return key
+
+    if not spec.startswith("@"):
+        key = parse(spec, "the argument")
+        return lambda: key
+    path = Path(spec[1:])
+
+    def read() -> bytes | None:
+        text = path.read_text() if path.is_file() else ""
+        return parse(text, str(path)) if text.strip() else None
+
+    return read
 
 
 def _resolve(address: str, timeout_s: float) -> str:
@@ -140,14 +185,17 @@ class _Checkpoints:
         r = self.ck.restore(step, engine.params, engine.opt_state)
         if r.meta.get("run_id") != run_id:
             raise CheckpointError(f"checkpoint {step} belongs to run {r.meta.get('run_id')!r}, not {run_id!r}")
+        for side in ("send", "recv"):  # before anything is moved: a damaged buffer leaves the folder as it was
+            state = getattr(engine, f"{side}_state")
+            if state is not None:
+                try:
+                    C.load_buffers(state, self.out / "buffers" / f"{step}_{side}.npz", r.meta["buffers"][side])
+                except ValueError as e:
+                    raise self.ck._error(step, str(e)) from None
         for newer in [s for s in self.ck.steps() if s > step]:  # this run will write them again
             self.ck.quarantine(newer)
         engine.params = jax.tree_util.tree_map(jnp.asarray, r.params)
         engine.opt_state = jax.tree_util.tree_map(jnp.asarray, r.opt_state)
-        for side in ("send", "recv"):
-            state = getattr(engine, f"{side}_state")
-            if state is not None:
-                C.load_buffers(state, self.out / "buffers" / f"{step}_{side}.npz", r.meta["buffers"][side])
         engine.step = step
 
 
@@ -179,12 +227,16 @@ def stage_record(index: int, step: int, *, loss: float | None, lr: float, sent: 
 
 
 def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | None, resume_step: int | None = None,
-              progress: bool = False, stop=None, token: str | None = None, tls=None) -> dict:
+              progress: bool = False, stop=None, token: str | None = None, tls=None, upstream_key=None,
+              me=None) -> dict:
     """Run stage ``index`` of the pipeline of ``cfg`` to ``train.steps``; returns its summary.
 
     ``token``: the run's access token, required of the stream this stage serves and sent on the
     one it opens (None: links without one). ``tls``: both links over TLS
     (:class:`zeroth.transport.security.TLSFiles`; mutual when ``tls.mutual``).
+    ``upstream_key``: ``upstream_key() -> bytes | None``, the previous stage's public key
+    (:func:`upstream_key_of`); only a stream signed by it is served. ``me``: this stage's
+    :class:`zeroth.transport.identity.Identity` (default: a fresh one).
 
     ``stop`` (called at step boundaries) asks the pipeline to stop (see the module docstring);
     the summary then says ``"interrupted": true`` and ``steps_done``, and the checkpoint of that
@@ -195,7 +247,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
     """
     from zeroth.pipeline import build, link
     from zeroth.pipeline.engine import CQ_LIMIT
-    from zeroth.transport import pacing
+    from zeroth.transport import identity, pacing
 
     p = cfg.pipeline
     S = p.stages
@@ -205,7 +257,13 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
         raise ValueError(f"stage {index} {'needs' if index > 0 else 'takes no'} --listen (only stages after the first listen)")
     if (index < S - 1) != (next_addr is not None):
         raise ValueError(f"stage {index} {'needs' if index < S - 1 else 'takes no'} --next (every stage but the last connects on)")
+    if upstream_key is not None and index == 0:
+        raise ValueError("stage 0 has no upstream: --upstream-key is for stages after the first")
     out.mkdir(parents=True, exist_ok=True)
+    me = me or identity.Identity.generate()
+    tmp = out / "key.pub.tmp"
+    tmp.write_text(me.public.hex() + "\n")
+    os.replace(tmp, out / "key.pub")
     ex = build.examples_of(cfg)
     part = build.partition_of(cfg, ex)
     buffer_dir = out / "memmap" if p.buffers == "memmap" else None
@@ -237,7 +295,8 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
             ids = build.plan_of(cfg, ex, t)[j][0]
             return engine.expected("activation", j, ids, step=t)
 
-        servicer = link.LinkServicer(expect, schedule, fw_inbox, bw_pacer)
+        servicer = link.LinkServicer(expect, schedule, fw_inbox, bw_pacer, upstream_key=upstream_key, run_id=run_id,
+                                     link=index - 1)
         # frames of one micro-batch each way: larger messages are refused by gRPC before they are read whole
         frames = link.frame_bytes(cfg.data.batch_size // M, engine.row_shape)
         server, port = link.serve(servicer, listen, token, bounds=link.limits(p.timeout_s, frames), tls=tls)
@@ -246,7 +305,8 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
         tmp.write_text(f"{host}:{port}\n")
         os.replace(tmp, out / "address")
     if index < S - 1:
-        channel = link.connect(_resolve(next_addr, p.timeout_s), fw_pacer, bw_inbox, p.timeout_s, readers, token, tls)
+        channel = link.connect(_resolve(next_addr, p.timeout_s), fw_pacer, bw_inbox, p.timeout_s, readers, token, tls,
+                               me=me, run_id=run_id, link=index)
     t_run = time.time()
     t_wall = time.perf_counter() - wall0
     writer = MetricsWriter(metrics, tensorboard=cfg.run.tensorboard, resumed_after=resume_step)
@@ -359,7 +419,9 @@ def main(argv: list[str]) -> int:
             if cfg.pipeline is None:
                 raise ValueError(f"config {args.config} has no pipeline: section")
             summary = run_stage(cfg, args.stage, out, args.listen, args.next, args.resume_step, progress=not args.quiet,
-                                stop=lambda: flag.is_set() or (out / "stop").exists(), token=token, tls=tls)
+                                stop=lambda: flag.is_set() or (out / "stop").exists(), token=token, tls=tls,
+                                upstream_key=upstream_key_of(args.upstream_key),
+                                me=None if args.identity is None else identity.Identity.load(args.identity))
         if summary["interrupted"]:
             why = flag.signal_name() if flag.is_set() else f"{out / 'stop'}"
             print(f"zeroth stage {args.stage}: stopped by {why} after step {summary['steps_done']}; checkpoint saved in "

@@ -14,6 +14,10 @@ any of them. Here the run secret only *admits*; identity is a key pair:
   that admits it writes its public key into the view. Every message it sends afterwards is signed
   with its private key: a message claiming machine ``m`` verifies only under ``m``'s key, so a
   member (or anyone holding ``S``) can never speak for another member.
+* **calls that open a stream** (a pipeline stage's link to the next one): the caller signs the
+  call's purpose (:func:`call_metadata`: its public key, a sequence number and the signature in the
+  call's metadata) and the server checks it against the key it expects (:func:`call_signer`)
+  before it reads anything of the stream.
 * **requests that are not protocol messages** (log, checksum, state): signed over
   :func:`request_bytes` (method, run id, sender, fields, a per-sender sequence number);
   :class:`ReplayGuard` refuses a sequence number it has seen. Protocol messages are bound to
@@ -66,6 +70,11 @@ __all__ = [
     "write_secret",
     "read_secret",
     "canonical",
+    "CALL_KEY",
+    "CALL_SEQ",
+    "CALL_SIG",
+    "call_metadata",
+    "call_signer",
 ]
 
 SECRET_ENV = ("ZEROTH_SECRET", "ZEROTH_TOKEN")  # environment variables holding the run secret, first wins
@@ -85,6 +94,30 @@ class Identity:
     def sign(self, data: bytes) -> bytes:
         """The 64-byte Ed25519 signature of ``data`` (deterministic)."""
         return self._private.sign(data)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the private key (hex) to ``path``, readable by its owner only (mode 0600), for a
+        process started by another to sign with (:meth:`load`)."""
+        from cryptography.hazmat.primitives.serialization import NoEncryption, PrivateFormat
+
+        raw = self._private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        return write_secret(path, raw.hex())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Identity:
+        """The identity whose private key :meth:`save` wrote to ``path``.
+
+        Raises:
+          ValueError: the file does not hold a private key of 64 hex digits (naming the file).
+        """
+        text = read_secret(path)
+        try:
+            raw = bytes.fromhex(text)
+        except ValueError:
+            raw = b""
+        if len(raw) != 32:
+            raise ValueError(f"identity file {str(path)!r} does not hold an Ed25519 private key (64 hex digits)")
+        return cls(Ed25519PrivateKey.from_private_bytes(raw))
 
 
 def verify(public_key: bytes, data: bytes, signature: bytes) -> bool:
@@ -211,6 +244,31 @@ class Sequence:
         with self._lock:
             self._next += 1
             return self._next
+
+
+CALL_KEY, CALL_SEQ, CALL_SIG = "x-zeroth-key", "x-zeroth-seq", "x-zeroth-sig"  # metadata of a signed call
+
+
+def call_metadata(me: Identity, seq: int, *fields) -> tuple[tuple[str, str], ...]:
+    """Call metadata proving that ``me`` opened the call for ``fields`` (its purpose: e.g. the
+    run, the link): ``me``'s public key, ``seq`` and the signature of
+    ``canonical("zeroth-call-v1", seq, key, *fields)``, hex."""
+    sig = me.sign(canonical("zeroth-call-v1", int(seq), me.public, *fields))
+    return ((CALL_KEY, me.public.hex()), (CALL_SEQ, str(int(seq))), (CALL_SIG, sig.hex()))
+
+
+def call_signer(metadata, *fields) -> tuple[bytes, int] | None:
+    """``(public key, seq)`` of the caller that signed a call for ``fields`` (:func:`call_metadata`),
+    or None when the metadata carries no valid signature for them. Whether the key is the one
+    expected is the caller's to check."""
+    md = {k: v for k, v in (metadata or ()) if k in (CALL_KEY, CALL_SEQ, CALL_SIG)}
+    try:
+        key, seq, sig = bytes.fromhex(md[CALL_KEY]), int(md[CALL_SEQ]), bytes.fromhex(md[CALL_SIG])
+    except (KeyError, ValueError, TypeError):
+        return None
+    if seq < 0 or not verify(key, canonical("zeroth-call-v1", seq, key, *fields), sig):
+        return None
+    return key, seq
 
 
 def write_secret(path: str | os.PathLike, secret: str) -> Path:

@@ -71,6 +71,8 @@ class Pacer:
         self.latency_s = float(latency_s)
         self._in: queue.Queue = queue.Queue()
         self._out: queue.Queue = queue.Queue()
+        self._held = None  # an item taken by a consumer that stopped before delivering it
+        self._take = threading.Lock()
         self.transfer_s = 0.0
         self.bytes = 0
         self.frames_sent = 0
@@ -102,10 +104,34 @@ class Pacer:
         """End the stream after the queued frames."""
         self._in.put(END)
 
-    def frames(self) -> Iterator[Any]:
-        """The frames as the emulated link delivers them; raises the error given to :meth:`fail`."""
+    def _next(self, stop: threading.Event | None):
+        item = None
+        while item is None:
+            with self._take:  # an item a stopped consumer took and left for us comes first
+                item, self._held = self._held, None
+            if item is None:
+                if stop is not None and stop.is_set():
+                    return None
+                try:
+                    item = self._out.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+        if stop is not None and stop.is_set():  # the next consumer delivers it
+            with self._take:
+                self._held = item
+            return None
+        return item
+
+    def frames(self, stop: threading.Event | None = None) -> Iterator[Any]:
+        """The frames as the emulated link delivers them; raises the error given to :meth:`fail`.
+
+        ``stop``: once set, the generator ends without taking another frame (a later call of
+        ``frames`` delivers the rest: how a replaced stream hands over to its successor).
+        """
         while True:
-            item = self._out.get()
+            item = self._next(stop)
+            if item is None:
+                return
             if item is END:
                 return
             if isinstance(item, BaseException):

@@ -12,7 +12,10 @@ rendezvous address serves it (:func:`serve`), every launcher (that one included)
 * the run is **formed** when ``max_nodes`` hosts joined, or ``min_nodes`` did and ``last_call_s``
   passed without another; it **fails** when ``timeout_s`` passes first: every host reads why;
 * a host arriving after the run formed is refused, or admitted as ``late`` where the system takes
-  joiners (Just One Byte peers).
+  joiners (Just One Byte peers);
+* a host may bring the public key of the process it will start (hex in :class:`Member`): the
+  roster carries it to the others, which then take that rank's messages only signed by it (a
+  pipeline stage from the stage before it).
 
 Every call carries the run's access token, TLS is optional (mutual with client certificates), and
 the server is guarded as every zeroth server is (:mod:`.guard`: a call without the token is refused
@@ -74,11 +77,13 @@ def startup_window(processes: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Member:
-    """One host of the run: its rank, the ``HOST:PORT`` its process serves on, its host name."""
+    """One host of the run: its rank, the ``HOST:PORT`` its process serves on, its host name and
+    its process's Ed25519 public key (hex; empty: none given)."""
 
     rank: int
     advertise: str
     hostname: str
+    key: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +138,12 @@ class Store:
         self._lock = threading.Lock()
 
     def join(self, now: float, *, config_digest: str, version: str, advertise: str, node_rank: int, hostname: str,
-             nonce: bytes) -> tuple[int, bool]:
-        """Admit a host; returns ``(rank, late)``. Raises :class:`Refused`."""
+             nonce: bytes, key: bytes = b"") -> tuple[int, bool]:
+        """Admit a host (``key``: its process's public key, 32 bytes, or empty); returns ``(rank, late)``.
+        Raises :class:`Refused`."""
+        if len(key) not in (0, 32):
+            raise Refused("INVALID_ARGUMENT", f"host {hostname} gives a key of {len(key)} bytes: an Ed25519 public "
+                                              "key has 32")
         with self._lock:
             self._tick(now)
             if nonce in self._members:
@@ -173,7 +182,7 @@ class Store:
                 rank = node_rank
             else:
                 rank = min(set(range(self.max_nodes)) - taken)
-            self._members[nonce] = Member(rank, advertise, hostname)
+            self._members[nonce] = Member(rank, advertise, hostname, bytes(key).hex())
             if late:
                 self._late.add(nonce)
             if self._first is None:
@@ -216,7 +225,8 @@ class _Servicer(pb_grpc.RendezvousServicer):
         try:
             rank, late = self.store.join(
                 self.clock(), config_digest=request.config_digest, version=request.version, advertise=request.advertise,
-                node_rank=request.node_rank, hostname=request.hostname[:128], nonce=bytes(request.nonce[:32]))
+                node_rank=request.node_rank, hostname=request.hostname[:128], nonce=bytes(request.nonce[:32]),
+                key=bytes(request.key))
         except Refused as e:
             context.abort(getattr(grpc.StatusCode, e.code), str(e))
         return pb.HostRank(rank=rank, late=late)
@@ -225,7 +235,8 @@ class _Servicer(pb_grpc.RendezvousServicer):
         r = self.store.roster(self.clock())
         return pb.RosterReply(
             formed=r.formed, joined=r.joined, min_nodes=r.min_nodes, max_nodes=r.max_nodes, waited_s=r.waited_s,
-            failed=r.failed, nodes=r.nodes, members=[pb.Host(rank=m.rank, advertise=m.advertise, hostname=m.hostname) for m in r.members])
+            failed=r.failed, nodes=r.nodes, members=[pb.Host(rank=m.rank, advertise=m.advertise, hostname=m.hostname, key=bytes.fromhex(m.key))
+                                                   for m in r.members])
 
 
 def serve(store: Store, listen: str, *, token: str | None, tls: security.TLSFiles | None = None) -> grpc.Server | None:
@@ -268,22 +279,23 @@ class Client:
         self.nonce = secrets.token_bytes(16)
 
     def join(self, *, config_digest: str, version: str, advertise: str, node_rank: int, hostname: str,
-             deadline: float, poll_s: float = 0.5) -> tuple[int, bool]:
-        """Join, retrying while the rendezvous cannot be reached, until ``deadline`` (``time.monotonic``).
+             deadline: float, poll_s: float = 0.5, key: bytes = b"") -> tuple[int, bool]:
+        """Join, retrying while the rendezvous cannot be reached, until ``deadline`` (``time.monotonic``);
+        ``key``: the public key of the process this host starts (the roster carries it).
 
         Raises:
           Refused: the store refused this host (its reason), or the rendezvous could not be reached
             before ``deadline`` (code ``UNAVAILABLE``, with gRPC's last error).
         """
         req = pb.HostJoin(config_digest=config_digest, version=version, advertise=advertise, node_rank=node_rank,
-                             hostname=hostname, nonce=self.nonce)
+                             hostname=hostname, nonce=self.nonce, key=key)
         reply = self._call(self._stub.Join, req, deadline, poll_s)
         return reply.rank, reply.late
 
     def roster(self, deadline: float, poll_s: float = 0.5) -> Roster:
         """One read of the roster (retrying an unreachable rendezvous until ``deadline``)."""
         r = self._call(self._stub.Roster, pb.RosterQuery(nonce=self.nonce), deadline, poll_s)
-        return Roster(r.formed, tuple(Member(m.rank, m.advertise, m.hostname) for m in r.members), r.joined,
+        return Roster(r.formed, tuple(Member(m.rank, m.advertise, m.hostname, bytes(m.key).hex()) for m in r.members), r.joined,
                       r.min_nodes, r.max_nodes, r.waited_s, r.failed, r.nodes)
 
     def wait_formed(self, deadline: float, poll_s: float = 0.5, progress=None) -> Roster:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16zeroth/v1/binary.proto\x12\x10zeroth.v1.binary\"\x1d\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x9f\x01\n\tJoinReply\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\x12\x13\n\x0bn_mutations\x18\x05 \x01(\r\x12\x13\n\x0bmax_entries\x18\x06 \x01(\r\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12\x13\n\x0bmodel_round\x18\x08 \x01(\x04\"\x8d\x01\n\tDeltaList\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\r\n\x05round\x18\x03 \x01(\x04\x12\r\n\x05index\x18\x04 \x03(\r\x12\r\n\x05\x64\x65lta\x18\x05 \x03(\x02\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\t\x12\x10\n\x08\x65xamples\x18\x07 \x01(\r\x12\x0c\n\x04loss\x18\x08 \x01(\x02\"\x1f\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"A\n\rResultRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\r\n\x05round\x18\x03 \x01(\x04\"\x89\x01\n\x0bRoundResult\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\tmutations\x18\x03 \x03(\r\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\x12\x14\n\x0c\x63ontributors\x18\x05 \x03(\r\x12\x0f\n\x07\x64ropped\x18\x06 \x03(\r\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x32\xe5\x01\n\x0f\x42inaryMutations\x12\x42\n\x04Join\x12\x1d.zeroth.v1.binary.JoinRequest\x1a\x1b.zeroth.v1.binary.JoinReply\x12\x44\n\x06Submit\x12\x1b.zeroth.v1.binary.DeltaList\x1a\x1d.zeroth.v1.binary.SubmitReply\x12H\n\x06Result\x12\x1f.zeroth.v1.binary.ResultRequest\x1a\x1d.zeroth.v1.binary.RoundResultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16zeroth/v1/binary.proto\x12\x10zeroth.v1.binary\"|\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\r\n\x05proof\x18\x03 \x01(\x0c\x12\x0e\n\x06rejoin\x18\x04 \x01(\x08\x12\x11\n\tworker_id\x18\x05 \x01(\r\x12\x0b\n\x03seq\x18\x06 \x01(\x04\x12\x11\n\tsignature\x18\x07 \x01(\x0c\"\x9f\x01\n\tJoinReply\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\x12\x13\n\x0bn_mutations\x18\x05 \x01(\r\x12\x13\n\x0bmax_entries\x18\x06 \x01(\r\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12\x13\n\x0bmodel_round\x18\x08 \x01(\x04\"\xa0\x01\n\tDeltaList\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\r\n\x05round\x18\x03 \x01(\x04\x12\r\n\x05index\x18\x04 \x03(\r\x12\r\n\x05\x64\x65lta\x18\x05 \x03(\x02\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\t\x12\x10\n\x08\x65xamples\x18\x07 \x01(\r\x12\x0c\n\x04loss\x18\x08 \x01(\x02\x12\x11\n\tsignature\x18\t \x01(\x0c\"\x1f\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"a\n\rResultRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x11\n\tsignature\x18\x05 \x01(\x0c\"\x89\x01\n\x0bRoundResult\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\tmutations\x18\x03 \x03(\r\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\x12\x14\n\x0c\x63ontributors\x18\x05 \x03(\r\x12\x0f\n\x07\x64ropped\x18\x06 \x03(\r\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x32\xe5\x01\n\x0f\x42inaryMutations\x12\x42\n\x04Join\x12\x1d.zeroth.v1.binary.JoinRequest\x1a\x1b.zeroth.v1.binary.JoinReply\x12\x44\n\x06Submit\x12\x1b.zeroth.v1.binary.DeltaList\x1a\x1d.zeroth.v1.binary.SubmitReply\x12H\n\x06Result\x12\x1f.zeroth.v1.binary.ResultRequest\x1a\x1d.zeroth.v1.binary.RoundResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'zeroth.v1.binary_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOINREQUEST']._serialized_start=44
-  _globals['_JOINREQUEST']._serialized_end=73
-  _globals['_JOINREPLY']._serialized_start=76
-  _globals['_JOINREPLY']._serialized_end=235
-  _globals['_DELTALIST']._serialized_start=238
-  _globals['_DELTALIST']._serialized_end=379
-  _globals['_SUBMITREPLY']._serialized_start=381
-  _globals['_SUBMITREPLY']._serialized_end=412
-  _globals['_RESULTREQUEST']._serialized_start=414
-  _globals['_RESULTREQUEST']._serialized_end=479
-  _globals['_ROUNDRESULT']._serialized_start=482
-  _globals['_ROUNDRESULT']._serialized_end=619
-  _globals['_BINARYMUTATIONS']._serialized_start=622
-  _globals['_BINARYMUTATIONS']._serialized_end=851
+  _globals['_JOINREQUEST']._serialized_end=168
+  _globals['_JOINREPLY']._serialized_start=171
+  _globals['_JOINREPLY']._serialized_end=330
+  _globals['_DELTALIST']._serialized_start=333
+  _globals['_DELTALIST']._serialized_end=493
+  _globals['_SUBMITREPLY']._serialized_start=495
+  _globals['_SUBMITREPLY']._serialized_end=526
+  _globals['_RESULTREQUEST']._serialized_start=528
+  _globals['_RESULTREQUEST']._serialized_end=625
+  _globals['_ROUNDRESULT']._serialized_start=628
+  _globals['_ROUNDRESULT']._serialized_end=765
+  _globals['_BINARYMUTATIONS']._serialized_start=768
+  _globals['_BINARYMUTATIONS']._serialized_end=997
 # @@protoc_insertion_point(module_scope)

@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1azeroth/v1/rendezvous.proto\x12\tzeroth.v1\"y\n\x08HostJoin\x12\x15\n\rconfig_digest\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tadvertise\x18\x03 \x01(\t\x12\x11\n\tnode_rank\x18\x04 \x01(\x05\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\r\n\x05nonce\x18\x06 \x01(\x0c\"&\n\x08HostRank\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04late\x18\x02 \x01(\x08\"\x1c\n\x0bRosterQuery\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"9\n\x04Host\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tadvertise\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\"\xa6\x01\n\x0bRosterReply\x12\x0e\n\x06\x66ormed\x18\x01 \x01(\x08\x12 \n\x07members\x18\x02 \x03(\x0b\x32\x0f.zeroth.v1.Host\x12\x0e\n\x06joined\x18\x03 \x01(\r\x12\x11\n\tmin_nodes\x18\x04 \x01(\r\x12\x11\n\tmax_nodes\x18\x05 \x01(\r\x12\x10\n\x08waited_s\x18\x06 \x01(\x01\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\t\x12\r\n\x05nodes\x18\x08 \x01(\r2x\n\nRendezvous\x12\x30\n\x04Join\x12\x13.zeroth.v1.HostJoin\x1a\x13.zeroth.v1.HostRank\x12\x38\n\x06Roster\x12\x16.zeroth.v1.RosterQuery\x1a\x16.zeroth.v1.RosterReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1azeroth/v1/rendezvous.proto\x12\tzeroth.v1\"\x86\x01\n\x08HostJoin\x12\x15\n\rconfig_digest\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tadvertise\x18\x03 \x01(\t\x12\x11\n\tnode_rank\x18\x04 \x01(\x05\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\r\n\x05nonce\x18\x06 \x01(\x0c\x12\x0b\n\x03key\x18\x07 \x01(\x0c\"&\n\x08HostRank\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04late\x18\x02 \x01(\x08\"\x1c\n\x0bRosterQuery\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"F\n\x04Host\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tadvertise\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0b\n\x03key\x18\x04 \x01(\x0c\"\xa6\x01\n\x0bRosterReply\x12\x0e\n\x06\x66ormed\x18\x01 \x01(\x08\x12 \n\x07members\x18\x02 \x03(\x0b\x32\x0f.zeroth.v1.Host\x12\x0e\n\x06joined\x18\x03 \x01(\r\x12\x11\n\tmin_nodes\x18\x04 \x01(\r\x12\x11\n\tmax_nodes\x18\x05 \x01(\r\x12\x10\n\x08waited_s\x18\x06 \x01(\x01\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\t\x12\r\n\x05nodes\x18\x08 \x01(\r2x\n\nRendezvous\x12\x30\n\x04Join\x12\x13.zeroth.v1.HostJoin\x1a\x13.zeroth.v1.HostRank\x12\x38\n\x06Roster\x12\x16.zeroth.v1.RosterQuery\x1a\x16.zeroth.v1.RosterReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'zeroth.v1.rendezvous_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HOSTJOIN']._serialized_start=41
-  _globals['_HOSTJOIN']._serialized_end=162
-  _globals['_HOSTRANK']._serialized_start=164
-  _globals['_HOSTRANK']._serialized_end=202
-  _globals['_ROSTERQUERY']._serialized_start=204
-  _globals['_ROSTERQUERY']._serialized_end=232
-  _globals['_HOST']._serialized_start=234
-  _globals['_HOST']._serialized_end=291
-  _globals['_ROSTERREPLY']._serialized_start=294
-  _globals['_ROSTERREPLY']._serialized_end=460
-  _globals['_RENDEZVOUS']._serialized_start=462
-  _globals['_RENDEZVOUS']._serialized_end=582
+  _globals['_HOSTJOIN']._serialized_start=42
+  _globals['_HOSTJOIN']._serialized_end=176
+  _globals['_HOSTRANK']._serialized_start=178
+  _globals['_HOSTRANK']._serialized_end=216
+  _globals['_ROSTERQUERY']._serialized_start=218
+  _globals['_ROSTERQUERY']._serialized_end=246
+  _globals['_HOST']._serialized_start=248
+  _globals['_HOST']._serialized_end=318
+  _globals['_ROSTERREPLY']._serialized_start=321
+  _globals['_ROSTERREPLY']._serialized_end=487
+  _globals['_RENDEZVOUS']._serialized_start=489
+  _globals['_RENDEZVOUS']._serialized_end=609
 # @@protoc_insertion_point(module_scope)
