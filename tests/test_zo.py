@@ -1310,7 +1310,7 @@ def test_on_a_gpu_the_zo_program_holds_no_noise_graph_per_large_leaf(monkeypatch
     from zeroth import rule
 
     monkeypatch.setattr(rule, "default_platform", lambda: "gpu")
-    monkeypatch.setattr(fused, "_triton_available", lambda: True)
+    monkeypatch.setattr(fused.plans, "_triton_available", lambda: True)
     keys = rng.sample_keys(0, [(0, 0, s) for s in range(2)])
 
     def module(n_large, impl):

@@ -356,7 +356,7 @@ def perturb_pallas_segments(
     platform, blocks = _pallas_target(platform, interpret, block_sizes, buffer.dtype)
     if platform == "tpu":
         raise ValueError("perturb_pallas_segments loads by element index (Triton's); on a TPU compute each leaf "
-                         "with _common.perturb_reference")
+                         "with perturb_reference")
     total = sum(z for _, z, _ in segments)
     if total == 0:
         return buffer[:0]
