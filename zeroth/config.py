@@ -868,19 +868,19 @@ def _check_pipeline(cfg: Config) -> None:
         raise ValueError(f"config field pipeline.micro_batches: {p.micro_batches} must divide data.batch_size={cfg.data.batch_size}")
     if p.examples % cfg.data.batch_size:
         raise ValueError(f"config field pipeline.examples: data.batch_size={cfg.data.batch_size} must divide {p.examples}")
+    if p.replicas * p.stages > MAX_PROCESSES:
+        raise ValueError(f"config field pipeline.replicas: {p.replicas} replicas x {p.stages} stages = {p.replicas * p.stages} "
+                         f"processes; expected at most {MAX_PROCESSES}")
+    if p.replicas > 1 and cfg.data.batch_size % (p.replicas * p.micro_batches):
+        raise ValueError(f"config field pipeline.replicas: {p.replicas} replicas x {p.micro_batches} micro-batches must divide "
+                         f"data.batch_size={cfg.data.batch_size} (each replica takes an equal share of every batch)")
+    if p.replicas > 1 and p.replica_sync == "onebit_adam" and cfg.train.optimizer.name not in ("adam", "adamw"):
+        raise ValueError(f"config field pipeline.replica_sync: onebit_adam is an Adam; train.optimizer.name is "
+                         f"{cfg.train.optimizer.name!r}, expected adam or adamw (or replica_sync fp32)")
     blocks = _model_blocks(cfg)
     if blocks is not None and p.stages > blocks:
         raise ValueError(f"config field pipeline.stages: {p.stages} stages but model {cfg.model.name!r} has {blocks} blocks; "
                          f"expected at most {blocks} (each stage holds at least one block)")
-    if p.replicas > 1 and cfg.data.batch_size % (p.replicas * p.micro_batches):
-        raise ValueError(f"config field pipeline.replicas: {p.replicas} replicas x {p.micro_batches} micro-batches must divide "
-                         f"data.batch_size={cfg.data.batch_size} (each replica takes an equal share of every batch)")
-    if p.replicas * p.stages > MAX_PROCESSES:
-        raise ValueError(f"config field pipeline.replicas: {p.replicas} replicas x {p.stages} stages = {p.replicas * p.stages} "
-                         f"processes; expected at most {MAX_PROCESSES}")
-    if p.replicas > 1 and p.replica_sync == "onebit_adam" and cfg.train.optimizer.name not in ("adam", "adamw"):
-        raise ValueError(f"config field pipeline.replica_sync: onebit_adam is an Adam; train.optimizer.name is "
-                         f"{cfg.train.optimizer.name!r}, expected adam or adamw (or replica_sync fp32)")
     warm = p.full_epochs * (p.examples // cfg.data.batch_size)
     if p.compression != "fp32" and warm >= cfg.train.steps > 0:
         raise ValueError(

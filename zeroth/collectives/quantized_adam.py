@@ -7,7 +7,9 @@ computes the same bits from the same inputs.
 * :func:`mean`: the float32 mean of R vectors, summed in replica order ``((v_0 + v_1) + v_2) ...``
   and divided by R once.
 * Sign compression: ``C(c) = scale · sign(c)`` with one scale per segment (a parameter tensor),
-  ``scale = ‖c_seg‖₂ / √n_seg`` (so ``‖C(c_seg)‖ = ‖c_seg‖``). Signs travel as the packed words of
+  ``scale = ‖c_seg‖₁ / n_seg``, the scale that minimizes ``‖c − C(c)‖``; then
+  ``‖c − C(c)‖² = ‖c‖² − ‖c‖₁² / n ≤ (1 − 1/n) ‖c‖²`` per segment: the compressor is a contraction,
+  which keeps the error feedback bounded. Signs travel as the packed words of
   :mod:`zeroth.kernels.signbits` (bit 1 for ``+``, a zero's sign is ``+``), 1 bit per value plus
   one float32 per segment.
 * :class:`ErrorFeedback`: ``c = x + e; q = C(c); e ← c − q``; the compressor's error is carried into
@@ -26,6 +28,7 @@ computes the same bits from the same inputs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -59,12 +62,13 @@ def segments_of(sizes: Sequence[int]) -> np.ndarray:
 
 
 def _scales(c: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """``‖c_seg‖₂ / √n_seg`` per segment, in float64 on the host, rounded once to float32."""
-    c64 = np.asarray(c, np.float64)
+    """``‖c_seg‖₁ / n_seg`` per segment: the magnitudes summed exactly (``math.fsum``, correctly
+    rounded to float64 whatever the order), divided once and rounded once to float32."""
+    a = np.abs(np.asarray(c, np.float32)).astype(np.float64)
     out = np.empty(len(bounds) - 1, np.float32)
     for k in range(len(bounds) - 1):
-        seg = c64[bounds[k]:bounds[k + 1]]
-        out[k] = np.float32(np.sqrt(float(np.dot(seg, seg)) / seg.size))
+        seg = a[bounds[k]:bounds[k + 1]]
+        out[k] = np.float32(math.fsum(seg.tolist()) / seg.size)
     return out
 
 
