@@ -232,5 +232,5 @@ def test_two_replicas_of_two_stage_processes_average_as_the_in_process_run(tmp_p
         assert r["replicas_agree"] and [(x["up_bytes"], x["down_bytes"]) for x in r["sync"]] == \
             [(x["up_bytes"], x["down_bytes"]) for x in lr["sync"]]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["replicas_agree"] and summary["sync_bytes_per_step"] == local[0]["sync_bytes"]
+    assert summary["replicas_agree"] and summary["sync_bytes_per_step"] == pytest.approx(np.mean([r["sync_bytes"] for r in local]))
     assert (tmp_path / "replica_1" / "stage_1" / "metrics.jsonl").is_file()
