@@ -227,8 +227,7 @@ def _table(results: dict) -> str:
                     f"bw {_fmt(bw.get('init'))}|{_fmt(bw.get('first'))}->{_fmt(bw.get('last_epoch'))}  "
                     f"bytes/step/link {s['bytes_per_step_per_link'][0]:>10.0f}  "
                     + (f"averaging bytes/step {s['sync_bytes_per_step']:>9.0f}  " if s.get("sync_bytes_per_step") else "")
-                    + f"
-                    f"measured {s['wall_s_per_step']:.3f}s/step  emulated {emu}")
+                    + f"measured {s['wall_s_per_step']:.3f}s/step  emulated {emu}")
     return "\n".join(rows + _target_table(results))
 
 
