@@ -9,6 +9,12 @@ success the stages' rows are merged into ``OUT/metrics.jsonl`` (:func:`merge_rec
 ``train`` row of the metrics schema per step: loss, bytes, the digest of every stage's parameters,
 per link bytes, frames and both ends' buffer digests, per stage times) and ``OUT/summary.json``.
 
+With ``pipeline.replicas`` R > 1 it starts R × S processes: replica 0's in ``OUT/stage_<i>``, replica
+``r``'s in ``OUT/replica_<r>/stage_<i>`` (:func:`process_dirs`); replica 0 of each stage serves the
+averaging of that stage (:mod:`zeroth.pipeline.replicas`), and :func:`merge_replicas` adds the
+averaging bytes of every replica link, the replicas' losses and digests to the merged rows
+(``summary.json``: ``replicas_agree``, ``sync_bytes_per_step``, ``link_bytes_per_step``).
+
 ``zeroth run CONFIG --resume`` restarts every stage from the newest checkpoint step that all of
 them hold (:func:`common_step`), AQ-SGD buffers included. SIGINT/SIGTERM stop every stage at one
 step boundary, each with its checkpoint of that step (:func:`wait_stages`), so the resumed run
