@@ -9,7 +9,8 @@ and its gap to fp32's, ``c_Q`` per link and direction (the seed's condition is `
 ``cq_init``: DirectQ of link 0's activations at initialization), bytes per step per link,
 measured seconds per step and the emulated seconds per step at each bandwidth of
 ``pipeline.emulate_bandwidths_bps`` (computed from measured compute and bytes, not enforced), then
-the emulated time to fp32's loss over its next-to-last epoch at each bandwidth.
+the emulated time to fp32's loss over its next-to-last epoch at each bandwidth (from the measured
+compute, and again with one compute time per step for every setting, :func:`time_to_target`).
 
 With ``pipeline.replicas`` > 1, a setting may end in ``+fp32`` or ``+onebit_adam``: how the
 replicas average (``pipeline.replica_sync``); the table adds the averaging bytes per step.
@@ -30,7 +31,7 @@ from pathlib import Path
 CQ_LIMIT = 0.5 ** 0.5  # the seed's condition c_Q < 1/√2 (zeroth.pipeline.engine.CQ_LIMIT)
 
 __all__ = ["CQ_LIMIT", "DEFAULT_SETTINGS", "cq_of", "apply_setting", "epoch_means", "load_results", "main", "parse_setting",
-           "replica_sync_of", "summarize", "time_to_target", "upgrade_record"]
+           "median_compute", "replica_sync_of", "summarize", "time_to_target", "upgrade_record"]
 
 DEFAULT_SETTINGS = ("fp32", "directq:2:4", "aqsgd:2:4", "directq:3:6", "aqsgd:3:6", "directq:4:8", "aqsgd:4:8")
 
@@ -138,16 +139,33 @@ def epoch_means(records: list[dict]) -> dict[int, float]:
     return {e: sum(v) / len(v) for e, v in sorted(out.items())}
 
 
-def time_to_target(records: list[dict], target: float, bandwidth_bps: float, latency_s: float = 0.0) -> float | None:
+def median_compute(records: list[dict], key: str = "compute_s") -> float:
+    """The median over the steps of the stages' summed ``compute_s`` (or ``codec_s``) per step."""
+    import statistics
+
+    return statistics.median(sum(s[key] for s in r["stages"]) for r in records)
+
+
+def time_to_target(records: list[dict], target: float, bandwidth_bps: float, latency_s: float = 0.0,
+                   compute_s: float | None = None) -> float | None:
     """Emulated seconds (:func:`zeroth.pipeline.sim.emulated_seconds`, summed over the steps) to the
-    end of the first epoch whose mean loss is at most ``target``; None if none reaches it."""
+    end of the first epoch whose mean loss is at most ``target``; None if none reaches it.
+
+    ``compute_s``: every step's compute seconds replaced by this (e.g. one median for every setting
+    of a comparison, so the compilations of the first steps and the pauses of a shared machine do
+    not weigh on one setting more than another) and its codec seconds by their median over the run;
+    the bytes are unchanged.
+    """
     from zeroth.pipeline.sim import emulated_seconds
 
     ep = epoch_means(records)
     hit = [e for e, v in ep.items() if v <= target]
     if not hit:
         return None
-    return sum(emulated_seconds(r, bandwidth_bps, latency_s) for r in records if r["epoch"] <= hit[0])
+    steady = None if compute_s is None else compute_s + median_compute(records, "codec_s")
+    return sum(emulated_seconds(r, bandwidth_bps, latency_s)
+               - (0.0 if steady is None else sum(s["compute_s"] + s["codec_s"] for s in r["stages"]) - steady)
+               for r in records if r["epoch"] <= hit[0])
 
 
 def upgrade_record(rec: dict) -> dict:
@@ -247,12 +265,17 @@ def _target_table(results: dict) -> list[str]:
     lat = results["config"]["pipeline"]["latency_ms"] / 1e3
     ep = epoch_means(ref["records"])
     target = ep[max(ep) - 1]
-    base = time_to_target(ref["records"], target, bws[-1], lat)
-    rows = [f"time to loss {target:.4f} (fp32's mean over epoch {max(ep) - 1}), emulated; x = fp32 at {bws[-1] / 1e9:g} Gbit/s / it"]
-    for name, res in results["settings"].items():
-        ts = [time_to_target(res["records"], target, bw, lat) for bw in bws]
-        rows.append(f"  {name:<28}" + "  ".join(f"{bw / 1e6:>6g}Mb/s {_fmt(t, '8.2f')}s (x{_fmt(None if t is None else base / t, '.2f')})"
-                                             for bw, t in zip(bws, ts)))
+    rows = []
+    common = min(median_compute(res["records"]) for res in results["settings"].values())
+    for steady in (None, common):
+        base = time_to_target(ref["records"], target, bws[-1], lat, steady)
+        rows.append(f"time to loss {target:.4f} (fp32's mean over epoch {max(ep) - 1}), emulated"
+                    + (f" with {steady:.3f}s of compute per step (the least median of the settings) + each one's median codec"
+                       if steady is not None else " from the measured compute") + f"; x = fp32 at {bws[-1] / 1e9:g} Gbit/s / it")
+        for name, res in results["settings"].items():
+            ts = [time_to_target(res["records"], target, bw, lat, steady) for bw in bws]
+            rows.append(f"  {name:<28}" + "  ".join(f"{bw / 1e6:>6g}Mb/s {_fmt(t, '8.2f')}s (x{_fmt(None if t is None else base / t, '.2f')})"
+                                                 for bw, t in zip(bws, ts)))
     return rows
 
 
