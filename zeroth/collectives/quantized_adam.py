@@ -21,7 +21,10 @@ computes the same bits from the same inputs.
   its own gradient, ``m_r = β₁ m + (1 − β₁) g_r``, and the replicas average ``m_r`` through a
   compressed all-reduce with error feedback on both sides: each worker sends ``C(m_r + e_r)``, the
   server averages them (:func:`mean`), adds its own error and sends back ``C(avg + e_s)``, which
-  every replica takes as the new ``m``. The update is AdamW's with bias corrections
+  every replica takes as the new ``m``, except where the frozen variance is 0 (entries that never
+  had a gradient in the warm-up, such as the embedding rows of unseen tokens: there a sign's
+  ``scale / ε`` would be a step of 10⁸ scales, so their momentum is held at 0, as DeepSpeed's
+  1-bit Adam masks them). The update is AdamW's with bias corrections
   ``m / (1 − β₁^t)`` and ``v / (1 − β₂^min(t, warmup))``:
   ``p ← p − lr · (m̂ / (√v̂ + ε) + λ p)``.
 """
@@ -179,7 +182,7 @@ class QuantizedAdam:
         b1, b2 = np.float32(self.b1), np.float32(self.b2)
         shared = np.asarray(shared, np.float32)
         if self.compressed(step):
-            self.m = shared
+            self.m = shared * (self.v > 0).astype(np.float32)
         else:
             self.m = b1 * self.m + np.float32(1.0 - self.b1) * shared
             self.v = b2 * self.v + np.float32(1.0 - self.b2) * (shared * shared)
