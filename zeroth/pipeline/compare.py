@@ -257,19 +257,23 @@ def _reference(results: dict) -> dict | None:
 
 def _target_table(results: dict) -> list[str]:
     """Time to fp32's mean loss over its next-to-last epoch (:func:`time_to_target`), per setting
-    and bandwidth of ``pipeline.emulate_bandwidths_bps``, and the ratio to fp32 at the fastest one."""
+    and bandwidth of ``pipeline.emulate_bandwidths_bps``, and the ratio to fp32 at the fastest one;
+    then the same for the loosest target every setting reaches (the highest last-epoch mean)."""
     ref = _reference(results)
     if ref is None or len(epoch_means(ref["records"])) < 2:
         return []
     bws = sorted(float(b) for b in results["config"]["pipeline"]["emulate_bandwidths_bps"])
     lat = results["config"]["pipeline"]["latency_ms"] / 1e3
     ep = epoch_means(ref["records"])
-    target = ep[max(ep) - 1]
+    loosest = max(list(epoch_means(res["records"]).values())[-1] for res in results["settings"].values())
+    targets = [(ep[max(ep) - 1], f"fp32's mean over epoch {max(ep) - 1}")]
+    if loosest > targets[0][0]:
+        targets.append((loosest, "the highest last-epoch mean of the settings"))
     rows = []
     common = min(median_compute(res["records"]) for res in results["settings"].values())
-    for steady in (None, common):
+    for (target, what), steady in [(t, c) for t in targets for c in (None, common)]:
         base = time_to_target(ref["records"], target, bws[-1], lat, steady)
-        rows.append(f"time to loss {target:.4f} (fp32's mean over epoch {max(ep) - 1}), emulated"
+        rows.append(f"time to loss {target:.4f} ({what}), emulated"
                     + (f" with {steady:.3f}s of compute per step (the least median of the settings) + each one's median codec"
                        if steady is not None else " from the measured compute") + f"; x = fp32 at {bws[-1] / 1e9:g} Gbit/s / it")
         for name, res in results["settings"].items():
