@@ -12,6 +12,7 @@ import pytest
 from zeroth.collectives import quantized_adam as qa
 from zeroth.config import load_config_dict
 from zeroth.pipeline import build, replicas, sim, wire
+from zeroth.train.metrics import check_schema
 
 ROUNDS = 40
 
@@ -181,6 +182,37 @@ def test_bad_replica_configs_are_refused_with_the_field_and_the_fix(change, msg)
         load_config_dict(_raw(optimizer=opt, **change))
 
 
+def test_compare_names_the_replicas_averaging_and_times_a_target_from_compute_and_bytes():
+    from zeroth.pipeline import compare
+
+    assert compare.parse_setting("aqsgd:4:8+onebit_adam") == ("aqsgd", 4, 8, None, None)
+    assert compare.setting_name("aqsgd:4:8:row+onebit_adam") == "aqsgd fw4/bw8 row + onebit_adam"
+    cfg = compare.apply_setting(load_config_dict(_raw(replicas=2)), "fp32+onebit_adam")
+    assert (cfg.pipeline.compression, cfg.pipeline.replica_sync) == ("fp32", "onebit_adam")
+    with pytest.raises(ValueError, match="after '\\+' is fp32 or onebit_adam, got 'topk'"):
+        compare.parse_setting("aqsgd:4:8+topk")
+
+    def rec(step, epoch, loss, compute):  # 1 MB of links and 1 MB of averaging per step
+        return {"step": step, "epoch": epoch, "loss": loss, "links": [{"fw_bytes": 5e5, "bw_bytes": 5e5, "fw_frames": 0,
+                "bw_frames": 0}], "stages": [{"compute_s": compute, "codec_s": 0.0}],
+                "sync": [{"up_bytes": 5e5, "down_bytes": 5e5}]}
+
+    recs = [rec(1, 0, 3.0, 5.0), rec(2, 0, 3.0, 1.0), rec(3, 1, 2.0, 1.0), rec(4, 1, 1.0, 1.0)]
+    assert compare.epoch_means(recs) == {0: 3.0, 1: 1.5}
+    assert compare.time_to_target(recs, 2.0, 8e6) == pytest.approx(8.0 + 4 * 2.0)  # compute + 2 MB at 1 MB/s per step
+    assert compare.time_to_target(recs, 2.0, 8e6, compute_s=0.5) == pytest.approx(4 * 0.5 + 4 * 2.0)
+    assert compare.time_to_target(recs, 3.0, 8e6) == pytest.approx(6.0 + 2 * 2.0)
+    assert compare.time_to_target(recs, 1.0, 8e6) is None
+
+
+def test_launch_across_hosts_refuses_replicas_and_names_the_commands_that_run_them():
+    from zeroth import launch
+
+    with pytest.raises(ValueError, match="pipeline.replicas is 2: .*zeroth stage --replica R"):
+        launch.plan_of(load_config_dict(_raw(replicas=2)), None)
+    assert launch.plan_of(load_config_dict(_raw()), None).system == "pipeline"
+
+
 # ---------------------------------------------------------------------- replicas in one process
 
 
@@ -192,7 +224,7 @@ def test_fp32_replicas_step_as_one_pipeline_on_the_union_of_their_batches():
         for x, y, z in zip(*(jax.tree_util.tree_leaves(e.params) for e in (a, b, c))):
             assert np.asarray(y).tobytes() == np.asarray(z).tobytes()
             np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-7)
-    assert all(r["replicas_agree"] for r in two)
+    assert all(r["replicas_agree"] for r in two) and check_schema(two) == 4
     # the union's gradients: the mean over the replicas of each replica's batch-share gradient
     adam_one, _ = sim.run_local(load_config_dict(_raw(micro_batches=4, steps=2)))
     adam_two, _ = sim.run_local(load_config_dict(_raw(replicas=2, steps=2)))
@@ -228,6 +260,7 @@ def test_two_replicas_of_two_stage_processes_average_as_the_in_process_run(tmp_p
     cfg = load_config_dict(_raw(steps=3, optimizer="sgd", replicas=2))
     assert launch.run_config(cfg, tmp_path, [], progress=False) == 0
     recs = launch.read_records(tmp_path)
+    assert check_schema(recs) == 3
     local, _ = sim.run_local(cfg)
     one, _ = sim.run_local(load_config_dict(_raw(steps=3, optimizer="sgd", micro_batches=4)))
     assert [r["digest"] for r in recs] == [r["digest"] for r in local]

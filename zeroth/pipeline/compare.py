@@ -123,7 +123,8 @@ def summarize(records: list[dict], bandwidths: tuple[float, ...], latency_s: flo
         "bytes_per_step_per_link": [sum(r["links"][k]["fw_bytes"] + r["links"][k]["bw_bytes"] for r in records) / max(n, 1)
                                     for k in range(links)],
         "sync_bytes_per_step": sum(r.get("sync_bytes", 0) for r in records) / max(n, 1),
-        "payload_bytes_per_step": sum(r["payload_bytes"] for r in records) / max(n, 1),
+        "payload_bytes_per_step": sum(r.get("payload_bytes", sum(lk["fw_bytes"] + lk["bw_bytes"] for lk in r["links"]))
+                                      for r in records) / max(n, 1),
         "wall_s_per_step": sum(r["step_time_s"] for r in records) / max(n, 1),
         "emulated_s_per_step": {f"{bw:g}": sum(emulated_seconds(r, bw, latency_s) for r in records) / max(n, 1)
                                 for bw in bandwidths},
