@@ -7,9 +7,10 @@ computes the same bits from the same inputs.
 * :func:`mean`: the float32 mean of R vectors, summed in replica order ``((v_0 + v_1) + v_2) ...``
   and divided by R once.
 * Sign compression: ``C(c) = scale · sign(c)`` with one scale per segment (a parameter tensor),
-  ``scale = ‖c_seg‖₁ / n_seg``, the scale that minimizes ``‖c − C(c)‖``; then
-  ``‖c − C(c)‖² = ‖c‖² − ‖c‖₁² / n ≤ (1 − 1/n) ‖c‖²`` per segment: the compressor is a contraction,
-  which keeps the error feedback bounded. Signs travel as the packed words of
+  ``scale = ‖c_seg‖₂ / √n_seg``, so that ``‖C(c_seg)‖ = ‖c_seg‖``, as 1-bit Adam's reference
+  implementation (DeepSpeed) scales its signs. (The mean magnitude ``‖c_seg‖₁ / n_seg`` would minimize
+  ``‖c − C(c)‖``, but it shrinks the momentum wherever magnitudes are uneven, and trained slower:
+  docs/measurements/2026-12-05-aqsgd-replicas.md.) Signs travel as the packed words of
   :mod:`zeroth.kernels.signbits` (bit 1 for ``+``, a zero's sign is ``+``), 1 bit per value plus
   one float32 per segment.
 * :class:`ErrorFeedback`: ``c = x + e; q = C(c); e ← c − q``; the compressor's error is carried into
@@ -65,13 +66,14 @@ def segments_of(sizes: Sequence[int]) -> np.ndarray:
 
 
 def _scales(c: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """``‖c_seg‖₁ / n_seg`` per segment: the magnitudes summed exactly (``math.fsum``, correctly
-    rounded to float64 whatever the order), divided once and rounded once to float32."""
-    a = np.abs(np.asarray(c, np.float32)).astype(np.float64)
+    """``‖c_seg‖₂ / √n_seg`` per segment: the squares (exact in float64 for float32 values) summed
+    exactly (``math.fsum``, correctly rounded whatever the order), divided and square-rooted in
+    float64 (IEEE, correctly rounded), rounded once to float32."""
+    a = np.asarray(c, np.float32).astype(np.float64)
     out = np.empty(len(bounds) - 1, np.float32)
     for k in range(len(bounds) - 1):
         seg = a[bounds[k]:bounds[k + 1]]
-        out[k] = np.float32(math.fsum(seg.tolist()) / seg.size)
+        out[k] = np.float32(math.sqrt(math.fsum((seg * seg).tolist()) / seg.size))
     return out
 
 
@@ -110,6 +112,8 @@ class ErrorFeedback:
     """One end's error-feedback compressor over vectors of ``bounds`` (a worker's or the server's).
 
     :meth:`step` returns ``(words, scales, q)`` of ``C(x + e)`` and keeps ``e ← (x + e) − q``.
+    Per segment ``‖e‖² = 2‖c‖² − 2‖c‖₂‖c‖₁/√n ≤ 2‖c‖²`` (``c = x + e``): the error does not vanish
+    but stays of the order of the inputs, which is what error feedback needs.
     """
 
     def __init__(self, bounds: np.ndarray):

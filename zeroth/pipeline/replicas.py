@@ -13,7 +13,7 @@ does. Before the update, stage ``s`` of every replica averages with the other re
 * ``onebit_adam``: QuantizedAdam (:class:`zeroth.collectives.quantized_adam.QuantizedAdam`):
   ``pipeline.replica_warmup_steps`` steps as ``fp32`` but with its own Adam, then the momentum
   travels as sign bits with one float32 scale per parameter tensor (``bits = 1``, quantizer
-  ``sign/tensor-l1``), error feedback on each worker and on the server.
+  ``sign/tensor-rms``), error feedback on each worker and on the server.
 
 Every replica applies the same shared vector with the same host arithmetic, so the replicas of a
 stage hold the same parameters bit for bit, and a rerun repeats them. :class:`ReplicaSync` is one
@@ -41,7 +41,7 @@ from zeroth.transport.pacing import END, Pacer
 
 __all__ = ["QUANTIZER", "ReplicaSync", "SyncServicer", "check_sync_frame", "connect_sync", "serve_sync"]
 
-QUANTIZER = "sign/tensor-l1"  # the frames' quantizer when bits = 1
+QUANTIZER = "sign/tensor-rms"  # the frames' quantizer when bits = 1
 KINDS = {"gradient": pb.REPLICA_GRADIENT, "average": pb.REPLICA_AVERAGE}
 
 
