@@ -110,6 +110,7 @@ PIPELINE_OBJECTIVES = ("lm", "classify")
 PIPELINE_DATASETS = {"lm": "sotu", "classify": "sentiment"}
 PIPELINE_MODELS = ("transformer", "smollm2_prompt")
 PIPELINE_BUFFERS = ("memory", "memmap")
+REPLICA_SYNCS = ("fp32", "onebit_adam")  # how the data-parallel replicas of a pipeline stage average
 # Ravnest (seed 003): the orders of a node's work, the keys of a node description
 RAVNEST_ORDERS = ("fixed", "arrival")
 RAVNEST_NODE_KEYS = {"name": str, "ram_mb": float, "bandwidth_mbps": float, "speed": float, "backup": bool, "join_round": int, "latency_ms": float}
@@ -472,6 +473,23 @@ class PipelineConfig:
         "in both directions, AQ-SGD's buffers taking every activation (the seed's recipe: 1). The learning-rate "
         "warm-up is train.schedule.warmup_steps.",
         min=0,
+    )
+    replicas: int = field(
+        1,
+        "Data-parallel pipeline replicas R: R copies of the S stages (R x S processes), each taking 1/R of every batch; "
+        "each stage's parameter gradients are averaged over its R replicas (replica_sync) before the update.",
+        min=1, max=MAX_PROCESSES // 2,
+    )
+    replica_sync: str = field(
+        "fp32",
+        "How the replicas of a stage average: fp32 (the mean of their float32 gradients, in replica order, then "
+        "train.optimizer) or onebit_adam (QuantizedAdam / 1-bit Adam: Adam with float32 averaging for "
+        "replica_warmup_steps steps, then the variance frozen and the momentum sent as signs with one scale per "
+        "tensor, error feedback on worker and server).",
+        choices=REPLICA_SYNCS,
+    )
+    replica_warmup_steps: int = field(
+        8, "onebit_adam: steps of uncompressed Adam before the variance is frozen and the momentum is compressed.", min=1,
     )
     bandwidth_bps: float | None = field(
         None, "Enforced bandwidth of every link in bits/s (a token bucket on the bytes actually sent); null = unlimited.", gt=0.0
@@ -855,6 +873,15 @@ def _check_pipeline(cfg: Config) -> None:
         raise ValueError(f"config field pipeline.micro_batches: {p.micro_batches} must divide data.batch_size={cfg.data.batch_size}")
     if p.examples % cfg.data.batch_size:
         raise ValueError(f"config field pipeline.examples: data.batch_size={cfg.data.batch_size} must divide {p.examples}")
+    if p.replicas * p.stages > MAX_PROCESSES:
+        raise ValueError(f"config field pipeline.replicas: {p.replicas} replicas x {p.stages} stages = {p.replicas * p.stages} "
+                         f"processes; expected at most {MAX_PROCESSES}")
+    if p.replicas > 1 and cfg.data.batch_size % (p.replicas * p.micro_batches):
+        raise ValueError(f"config field pipeline.replicas: {p.replicas} replicas x {p.micro_batches} micro-batches must divide "
+                         f"data.batch_size={cfg.data.batch_size} (each replica takes an equal share of every batch)")
+    if p.replicas > 1 and p.replica_sync == "onebit_adam" and cfg.train.optimizer.name not in ("adam", "adamw"):
+        raise ValueError(f"config field pipeline.replica_sync: onebit_adam is an Adam; train.optimizer.name is "
+                         f"{cfg.train.optimizer.name!r}, expected adam or adamw (or replica_sync fp32)")
     blocks = _model_blocks(cfg)
     if blocks is not None and p.stages > blocks:
         raise ValueError(f"config field pipeline.stages: {p.stages} stages but model {cfg.model.name!r} has {blocks} blocks; "

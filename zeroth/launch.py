@@ -88,6 +88,10 @@ def plan_of(cfg: _config.Config, nnodes: str | None) -> Plan:
     if cfg.peers is not None:
         system, count, elastic = "peers", cfg.peers.count, True
     elif cfg.pipeline is not None:
+        if cfg.pipeline.replicas > 1:
+            raise ValueError(f"pipeline.replicas is {cfg.pipeline.replicas}: zeroth launch places one replica's stages; run "
+                             f"replicas with zeroth run on one host, or zeroth stage --replica R (--sync-listen on replica 0, "
+                             f"--sync-server on the others) on each host")
         system, count, elastic = "pipeline", cfg.pipeline.stages, False
     elif cfg.ravnest is not None:
         system, count, elastic = "ravnest", len(cfg.ravnest.nodes), False

@@ -7,6 +7,8 @@
 * :mod:`.link`: the gRPC link between two stages (paced by :mod:`zeroth.transport.pacing`);
 * :mod:`.stage`: ``zeroth stage``, one stage process; :mod:`.launch`: ``zeroth run`` with a
   ``pipeline:`` section (all stages on 127.0.0.1);
+* :mod:`.replicas`: data-parallel replicas of the pipeline (``pipeline.replicas``), each stage's
+  gradients averaged over its replicas in float32 or with QuantizedAdam (1-bit Adam);
 * :mod:`.sim`: the same engines in one process, the single-process reference, emulated wall-clock;
 * :mod:`.build`: config -> examples, partition, engines; :mod:`.compare`: one config, several
   compressions, a results JSON (``python -m zeroth.pipeline.compare``);

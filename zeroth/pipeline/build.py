@@ -8,7 +8,8 @@
   at the learning rate of ``train.schedule`` (:func:`lr_at`);
 * :func:`run_id_of`: the id every frame carries (a digest of the training fields);
 * :func:`engine_of`: stage ``i``'s :class:`~zeroth.pipeline.engine.StageEngine`;
-* :func:`plan_of`: the micro-batches of a step ``[(ids, tokens, labels), ...]``.
+* :func:`plan_of`: the micro-batches of a step ``[(ids, tokens, labels), ...]`` (of one replica);
+* :func:`replica_sync_of`: a replica's part in averaging a stage (:mod:`zeroth.pipeline.replicas`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 from zeroth import config as _config
 from zeroth import schedules as _schedules
 from zeroth.pipeline import engine as _engine
+from zeroth.pipeline import replicas as _replicas
 from zeroth.stages import build as _sbuild
 from zeroth.stages import examples as _pdata
 from zeroth.stages import partition as _partition
@@ -32,6 +34,7 @@ __all__ = [
     "optimizer_of",
     "partition_of",
     "plan_of",
+    "replica_sync_of",
     "run_id_of",
     "tokenizer_of",
 ]
@@ -119,7 +122,22 @@ def engine_of(cfg: _config.Config, index: int, part: _partition.Partition, ex: _
     )
 
 
-def plan_of(cfg: _config.Config, ex: _pdata.Examples, step: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """``[(ids int64[b], tokens int32[b, T], labels int32[b]), ...]``: the micro-batches of ``step``."""
+def replica_sync_of(cfg: _config.Config, replica: int, index: int, params) -> _replicas.ReplicaSync:
+    """Replica ``replica``'s part in averaging stage ``index`` (``pipeline.replica_sync``) over the stage's ``params``."""
+    p, o = cfg.pipeline, cfg.train.optimizer
+    return _replicas.ReplicaSync(p.replica_sync, p.replicas, replica, index, run_id_of(cfg), params,
+                                 warmup=p.replica_warmup_steps, b1=o.b1, b2=o.b2,
+                                 weight_decay=o.weight_decay if o.name == "adamw" else 0.0)
+
+
+def plan_of(cfg: _config.Config, ex: _pdata.Examples, step: int,
+            replica: int = 0) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """``[(ids int64[b], tokens int32[b, T], labels int32[b]), ...]``: the micro-batches of ``step``
+    for ``replica``: the ``replica``-th of ``pipeline.replicas`` equal contiguous shares of the batch
+    (the whole batch with one replica), cut into ``pipeline.micro_batches``."""
     ids = _pdata.batch_ids(cfg.run.seed, step, cfg.data.batch_size, cfg.pipeline.examples)
+    R = cfg.pipeline.replicas
+    if not 0 <= replica < R:
+        raise ValueError(f"replica {replica} is outside 0..{R - 1} (pipeline.replicas = {R})")
+    ids = _pdata.micro_batches(ids, R)[replica]
     return [(m, ex.tokens[m], ex.labels[m]) for m in _pdata.micro_batches(ids, cfg.pipeline.micro_batches)]

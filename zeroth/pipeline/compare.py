@@ -8,7 +8,12 @@ setting so a partial result is usable, and prints a table: final loss, the last 
 and its gap to fp32's, ``c_Q`` per link and direction (the seed's condition is ``c_Q < 1/√2``;
 ``cq_init``: DirectQ of link 0's activations at initialization), bytes per step per link,
 measured seconds per step and the emulated seconds per step at each bandwidth of
-``pipeline.emulate_bandwidths_bps`` (computed from measured compute and bytes, not enforced).
+``pipeline.emulate_bandwidths_bps`` (computed from measured compute and bytes, not enforced), then
+the emulated time to fp32's loss over its next-to-last epoch at each bandwidth (from the measured
+compute, and again with one compute time per step for every setting, :func:`time_to_target`).
+
+With ``pipeline.replicas`` > 1, a setting may end in ``+fp32`` or ``+onebit_adam``: how the
+replicas average (``pipeline.replica_sync``); the table adds the averaging bytes per step.
 
 Example:
   $ python -m zeroth.pipeline.compare experiments/aqsgd_transformer_sotu.yaml --local --out /tmp/r.json
@@ -25,7 +30,8 @@ from pathlib import Path
 
 CQ_LIMIT = 0.5 ** 0.5  # the seed's condition c_Q < 1/√2 (zeroth.pipeline.engine.CQ_LIMIT)
 
-__all__ = ["CQ_LIMIT", "DEFAULT_SETTINGS", "cq_of", "apply_setting", "load_results", "main", "parse_setting", "summarize", "upgrade_record"]
+__all__ = ["CQ_LIMIT", "DEFAULT_SETTINGS", "cq_of", "apply_setting", "epoch_means", "load_results", "main", "parse_setting",
+           "median_compute", "replica_sync_of", "summarize", "time_to_target", "upgrade_record"]
 
 DEFAULT_SETTINGS = ("fp32", "directq:2:4", "aqsgd:2:4", "directq:3:6", "aqsgd:3:6", "directq:4:8", "aqsgd:4:8")
 
@@ -34,10 +40,22 @@ _AXES = ("channel", "row")
 _ROUNDINGS = ("stochastic", "nearest")
 
 
+def replica_sync_of(text: str) -> str | None:
+    """The replicas' averaging a setting names after ``+`` (``"aqsgd:2:4+onebit_adam"`` -> ``"onebit_adam"``), or None."""
+    if "+" not in text:
+        return None
+    sync = text.split("+", 1)[1]
+    if sync not in ("fp32", "onebit_adam"):
+        raise ValueError(f"setting {text!r}: the replicas' averaging after '+' is fp32 or onebit_adam, got {sync!r}")
+    return sync
+
+
 def parse_setting(text: str) -> tuple[str, int, int, str | None, str | None]:
     """``"aqsgd:2:4"`` -> ``("aqsgd", 2, 4, None, None)``; ``"aqsgd:2:4:row"`` names the scale axis,
-    ``"aqsgd:2:4:nearest"`` the rounding, ``"aqsgd:2:4:row:nearest"`` both; ``"fp32"``."""
-    parts = text.split(":")
+    ``"aqsgd:2:4:nearest"`` the rounding, ``"aqsgd:2:4:row:nearest"`` both; ``"fp32"``. A suffix
+    ``+fp32`` or ``+onebit_adam`` names the data-parallel replicas' averaging (:func:`replica_sync_of`)."""
+    replica_sync_of(text)
+    parts = text.split("+", 1)[0].split(":")
     if parts[0] == "fp32" and len(parts) == 1:
         return "fp32", 0, 0, None, None
     extra = parts[3:]
@@ -53,7 +71,9 @@ def parse_setting(text: str) -> tuple[str, int, int, str | None, str | None]:
 def setting_name(text: str) -> str:
     """``"aqsgd:2:4"`` -> ``"aqsgd fw2/bw4"``; ``"aqsgd:2:4:row:nearest"`` -> ``"aqsgd fw2/bw4 row nearest"``."""
     name, fw, bw, axis, rounding = parse_setting(text)
-    return name if name == "fp32" else f"{name} fw{fw}/bw{bw}" + "".join(f" {e}" for e in (axis, rounding) if e)
+    sync = replica_sync_of(text)
+    base = name if name == "fp32" else f"{name} fw{fw}/bw{bw}" + "".join(f" {e}" for e in (axis, rounding) if e)
+    return base + (f" + {sync}" if sync else "")
 
 
 def apply_setting(cfg, text: str):
@@ -61,7 +81,8 @@ def apply_setting(cfg, text: str):
     name, fw, bw, axis, rounding = parse_setting(text)
     p = cfg.pipeline
     p = dataclasses.replace(p, compression=name, fw_bits=fw or p.fw_bits, bw_bits=bw or p.bw_bits,
-                            scale_axis=axis or p.scale_axis, rounding=rounding or p.rounding)
+                            scale_axis=axis or p.scale_axis, rounding=rounding or p.rounding,
+                            replica_sync=replica_sync_of(text) or p.replica_sync)
     return dataclasses.replace(cfg, pipeline=p)
 
 
@@ -101,11 +122,51 @@ def summarize(records: list[dict], bandwidths: tuple[float, ...], latency_s: flo
         "cq": [{"fw": cq_of(records, "fw_cq", k), "bw": cq_of(records, "bw_cq", k)} for k in range(links)],
         "bytes_per_step_per_link": [sum(r["links"][k]["fw_bytes"] + r["links"][k]["bw_bytes"] for r in records) / max(n, 1)
                                     for k in range(links)],
+        "sync_bytes_per_step": sum(r.get("sync_bytes", 0) for r in records) / max(n, 1),
+        "payload_bytes_per_step": sum(r.get("payload_bytes", sum(lk["fw_bytes"] + lk["bw_bytes"] for lk in r["links"]))
+                                      for r in records) / max(n, 1),
         "wall_s_per_step": sum(r["step_time_s"] for r in records) / max(n, 1),
         "emulated_s_per_step": {f"{bw:g}": sum(emulated_seconds(r, bw, latency_s) for r in records) / max(n, 1)
                                 for bw in bandwidths},
     }
     return out
+
+
+def epoch_means(records: list[dict]) -> dict[int, float]:
+    """The mean loss of every epoch (the same examples every epoch)."""
+    out: dict[int, list] = {}
+    for r in records:
+        out.setdefault(r["epoch"], []).append(r["loss"])
+    return {e: sum(v) / len(v) for e, v in sorted(out.items())}
+
+
+def median_compute(records: list[dict], key: str = "compute_s") -> float:
+    """The median over the steps of the stages' summed ``compute_s`` (or ``codec_s``) per step."""
+    import statistics
+
+    return statistics.median(sum(s[key] for s in r["stages"]) for r in records)
+
+
+def time_to_target(records: list[dict], target: float, bandwidth_bps: float, latency_s: float = 0.0,
+                   compute_s: float | None = None) -> float | None:
+    """Emulated seconds (:func:`zeroth.pipeline.sim.emulated_seconds`, summed over the steps) to the
+    end of the first epoch whose mean loss is at most ``target``; None if none reaches it.
+
+    ``compute_s``: every step's compute seconds replaced by this (e.g. one median for every setting
+    of a comparison, so the compilations of the first steps and the pauses of a shared machine do
+    not weigh on one setting more than another) and its codec seconds by their median over the run;
+    the bytes are unchanged.
+    """
+    from zeroth.pipeline.sim import emulated_seconds
+
+    ep = epoch_means(records)
+    hit = [e for e, v in ep.items() if v <= target]
+    if not hit:
+        return None
+    steady = None if compute_s is None else compute_s + median_compute(records, "codec_s")
+    return sum(emulated_seconds(r, bandwidth_bps, latency_s)
+               - (0.0 if steady is None else sum(s["compute_s"] + s["codec_s"] for s in r["stages"]) - steady)
+               for r in records if r["epoch"] <= hit[0])
 
 
 def upgrade_record(rec: dict) -> dict:
@@ -172,7 +233,7 @@ def _table(results: dict) -> str:
     link 0 (forward and backward: at initialization | at the first quantized step -> over the last
     epoch), bytes and seconds per step."""
     rows = []
-    ref = results["settings"].get("fp32", {}).get("summary", {}).get("epoch_losses")
+    ref = (_reference(results) or {}).get("summary", {}).get("epoch_losses")
     for name, res in results["settings"].items():
         s = res["summary"]
         last = (s.get("epoch_losses") or [None])[-1]
@@ -184,15 +245,50 @@ def _table(results: dict) -> str:
                     f"c_Q fw {_fmt(fw.get('init', res.get('cq_init')))}|{_fmt(fw.get('first'))}->{_fmt(fw.get('last_epoch'))} "
                     f"bw {_fmt(bw.get('init'))}|{_fmt(bw.get('first'))}->{_fmt(bw.get('last_epoch'))}  "
                     f"bytes/step/link {s['bytes_per_step_per_link'][0]:>10.0f}  "
-                    f"measured {s['wall_s_per_step']:.3f}s/step  emulated {emu}")
-    return "\n".join(rows)
+                    + (f"averaging bytes/step {s['sync_bytes_per_step']:>9.0f}  " if s.get("sync_bytes_per_step") else "")
+                    + f"measured {s['wall_s_per_step']:.3f}s/step  emulated {emu}")
+    return "\n".join(rows + _target_table(results))
+
+
+def _reference(results: dict) -> dict | None:
+    """The uncompressed setting: ``fp32`` (``fp32 + fp32`` with replicas), None if it did not run."""
+    st = results["settings"]
+    return st.get("fp32") or st.get("fp32 + fp32")
+
+
+def _target_table(results: dict) -> list[str]:
+    """Time to fp32's mean loss over its next-to-last epoch (:func:`time_to_target`), per setting
+    and bandwidth of ``pipeline.emulate_bandwidths_bps``, and the ratio to fp32 at the fastest one;
+    then the same for the loosest target every setting reaches (the highest last-epoch mean)."""
+    ref = _reference(results)
+    if ref is None or len(epoch_means(ref["records"])) < 2:
+        return []
+    bws = sorted(float(b) for b in results["config"]["pipeline"]["emulate_bandwidths_bps"])
+    lat = results["config"]["pipeline"]["latency_ms"] / 1e3
+    ep = epoch_means(ref["records"])
+    loosest = max(list(epoch_means(res["records"]).values())[-1] for res in results["settings"].values())
+    targets = [(ep[max(ep) - 1], f"fp32's mean over epoch {max(ep) - 1}")]
+    if loosest > targets[0][0]:
+        targets.append((loosest, "the highest last-epoch mean of the settings"))
+    rows = []
+    common = min(median_compute(res["records"]) for res in results["settings"].values())
+    for (target, what), steady in [(t, c) for t in targets for c in (None, common)]:
+        base = time_to_target(ref["records"], target, bws[-1], lat, steady)
+        rows.append(f"time to loss {target:.4f} ({what}), emulated"
+                    + (f" with {steady:.3f}s of compute per step (the least median of the settings) + each one's median codec"
+                       if steady is not None else " from the measured compute") + f"; x = fp32 at {bws[-1] / 1e9:g} Gbit/s / it")
+        for name, res in results["settings"].items():
+            ts = [time_to_target(res["records"], target, bw, lat, steady) for bw in bws]
+            rows.append(f"  {name:<28}" + "  ".join(f"{bw / 1e6:>6g}Mb/s {_fmt(t, '8.2f')}s (x{_fmt(None if t is None else base / t, '.2f')})"
+                                                 for bw, t in zip(bws, ts)))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m zeroth.pipeline.compare", description=__doc__.splitlines()[0])
     p.add_argument("config")
     p.add_argument("--out", default=None, help="results JSON (required unless --quant-error)")
-    p.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), help="fp32, directq:FW:BW[:AXIS], aqsgd:FW:BW[:AXIS]")
+    p.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), help="fp32, directq:FW:BW[:AXIS], aqsgd:FW:BW[:AXIS]; +fp32 or +onebit_adam: the replicas' averaging")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--local", action="store_true", help="run the stages in this process (no transport)")
     p.add_argument("--append", action="store_true", help="keep the settings already in --out (same config)")

@@ -249,10 +249,19 @@ class StageEngine:
         self._accumulate(gp)
         return self._encode_grad(micro, ids, gx)
 
-    def finish_step(self) -> float | None:
-        """Apply AdamW with the accumulated gradients; returns the step's loss (last stage) or None."""
-        with jax.numpy_dtype_promotion("standard"):
-            self.params, self.opt_state = self._timed("compute_s", self._update, self.params, self.opt_state, self.grads)
+    def finish_step(self, update=None) -> float | None:
+        """Apply AdamW with the accumulated gradients; returns the step's loss (last stage) or None.
+
+        ``update(params, opt_state, grads, optimizer_update) -> (params, opt_state)`` replaces the
+        update (the data-parallel replicas average first, :mod:`zeroth.pipeline.replicas`);
+        ``optimizer_update`` is this stage's jitted optimizer step. Its seconds count as compute (the
+        caller has the average in hand: the exchange is timed by the caller).
+        """
+        if update is not None:
+            self.params, self.opt_state = self._timed("compute_s", update, self.params, self.opt_state, self.grads, self._update)
+        else:
+            with jax.numpy_dtype_promotion("standard"):
+                self.params, self.opt_state = self._timed("compute_s", self._update, self.params, self.opt_state, self.grads)
         loss = float(np.mean(self.losses)) if self.losses else None
         times = dict(self.times)
         cq = {}

@@ -9,6 +9,12 @@ success the stages' rows are merged into ``OUT/metrics.jsonl`` (:func:`merge_rec
 ``train`` row of the metrics schema per step: loss, bytes, the digest of every stage's parameters,
 per link bytes, frames and both ends' buffer digests, per stage times) and ``OUT/summary.json``.
 
+With ``pipeline.replicas`` R > 1 it starts R × S processes: replica 0's in ``OUT/stage_<i>``, replica
+``r``'s in ``OUT/replica_<r>/stage_<i>`` (:func:`process_dirs`); replica 0 of each stage serves the
+averaging of that stage (:mod:`zeroth.pipeline.replicas`), and :func:`merge_replicas` adds the
+averaging bytes of every replica link, the replicas' losses and digests to the merged rows
+(``summary.json``: ``replicas_agree``, ``sync_bytes_per_step``, ``link_bytes_per_step``).
+
 ``zeroth run CONFIG --resume`` restarts every stage from the newest checkpoint step that all of
 them hold (:func:`common_step`), AQ-SGD buffers included; ``--resume --resume-step N`` from step
 ``N`` (every stage must hold it). Before any stage starts, every stage's buffer files of that step
@@ -33,12 +39,23 @@ from zeroth.train.metrics import MetricsWriter, read_metrics
 from zeroth.train.metrics import clear as clear_metrics
 from zeroth.transport import identity, processes
 
-__all__ = ["check_resume", "common_step", "common_steps", "merge_records", "read_records", "run_config", "stage_dir", "start_stages", "wait_stages"]
+__all__ = ["check_resume", "common_step", "common_steps", "merge_records", "merge_replicas", "process_dirs", "read_records",
+           "replica_dir", "run_config", "stage_dir", "start_stages", "wait_stages"]
 
 
 def stage_dir(out: Path, index: int) -> Path:
     """``OUT/stage_<index>``."""
     return Path(out) / f"stage_{index}"
+
+
+def replica_dir(out: Path, replica: int) -> Path:
+    """The folder of replica ``replica``'s stages: ``OUT`` for replica 0, ``OUT/replica_<r>`` for the others."""
+    return Path(out) if replica == 0 else Path(out) / f"replica_{replica}"
+
+
+def process_dirs(out: Path, stages: int, replicas: int = 1) -> list[Path]:
+    """Every stage process's folder, replica by replica, stage by stage."""
+    return [stage_dir(replica_dir(out, r), i) for r in range(replicas) for i in range(stages)]
 
 
 def common_steps(out: Path, stages: int) -> list[int]:
@@ -87,7 +104,12 @@ def check_resume(out: Path, stages: int, step: int) -> None:
 
 def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = None, quiet: bool = True,
                  env: dict | None = None, insecure: bool = False) -> list[subprocess.Popen]:
-    """Start one ``zeroth stage`` process per stage (last first); returns them in stage order.
+    """Start one ``zeroth stage`` process per stage (last first) of every replica; returns them in
+    the order of :func:`process_dirs` (replica by replica, stage by stage).
+
+    With ``pipeline.replicas`` R > 1, replica ``r``'s stages live in :func:`replica_dir` and link to
+    each other; replica 0 of each stage serves its averaging (``--sync-listen``), the other
+    replicas of the stage connect to it (``--sync-server @<its folder>/sync_address``).
 
     The stages share a fresh run secret (in their environment), so every link carries its access
     token and a process without it cannot feed or read a stage; ``insecure`` starts them without.
@@ -100,20 +122,26 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
     cfg_path = out / "config.yaml"
     cfg_path.write_text(_config.to_yaml(cfg))
     p = cfg.pipeline
-    procs: dict[int, subprocess.Popen] = {}
-    for i in range(p.stages):  # a previous run's keys: every new stage writes its own
-        (stage_dir(out, i) / "key.pub").unlink(missing_ok=True)
-    for i in reversed(range(p.stages)):
-        d = stage_dir(out, i)
+    procs: dict[tuple[int, int], subprocess.Popen] = {}
+    R = p.replicas
+    for r, i in [(r, i) for r in range(R) for i in reversed(range(p.stages))]:
+        rd = replica_dir(out, r)
+        d = stage_dir(rd, i)
         d.mkdir(parents=True, exist_ok=True)
-        (d / "address").unlink(missing_ok=True)
-        (d / "stop").unlink(missing_ok=True)
+        for f in ("address", "sync_address", "stop", "key.pub"):  # a previous run's key: every new stage writes its own
+            (d / f).unlink(missing_ok=True)
+    for r, i in [(r, i) for r in range(R) for i in reversed(range(p.stages))]:
+        rd = replica_dir(out, r)
+        d = stage_dir(rd, i)
         # `python -m zeroth.pipeline.stage` is `zeroth stage` (the launcher stays below the command layer)
         cmd = [sys.executable, "-m", "zeroth.pipeline.stage", "--config", str(cfg_path), "--stage", str(i), "--out", str(d)]
         if i > 0:
-            cmd += ["--listen", f"{p.host}:0", "--upstream-key", f"@{stage_dir(out, i - 1) / 'key.pub'}"]
+            cmd += ["--listen", f"{p.host}:0", "--upstream-key", f"@{stage_dir(rd, i - 1) / 'key.pub'}"]
         if i < p.stages - 1:
-            cmd += ["--next", f"@{stage_dir(out, i + 1) / 'address'}"]
+            cmd += ["--next", f"@{stage_dir(rd, i + 1) / 'address'}"]
+        if R > 1:
+            cmd += ["--replica", str(r)]
+            cmd += ["--sync-listen", f"{p.host}:0"] if r == 0 else ["--sync-server", f"@{stage_dir(out, i) / 'sync_address'}"]
         if resume_step is not None:
             cmd += ["--resume-step", str(resume_step)]
         if quiet:
@@ -121,28 +149,30 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
         if insecure:
             cmd += ["--insecure"]
         log = open(d / "stage.log", "a")  # noqa: SIM115 (closed with the process)
-        procs[i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        procs[r, i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
-    return [procs[i] for i in range(p.stages)]
+    return [procs[r, i] for r in range(R) for i in range(p.stages)]
 
 
 def wait_stages(procs: list[subprocess.Popen], out: Path, timeout_s: float | None = None, stop=None,
-                stop_grace_s: float = 120.0) -> int:
+                stop_grace_s: float = 120.0, dirs: list[Path] | None = None) -> int:
     """Wait for every stage; if one fails, stop the others. Returns 0, or 1 with the failures printed.
 
     When ``stop()`` turns true, ``stage_<i>/stop`` is written for every stage: the pipeline stops
     at a step boundary (:mod:`zeroth.pipeline.stage`) and each stage exits 130 with its
     checkpoint; then the result is 130 (0 if every stage had finished anyway). Stages still alive
-    ``stop_grace_s`` seconds later are stopped.
+    ``stop_grace_s`` seconds later are stopped. ``dirs``: the processes' folders (default
+    ``OUT/stage_<i>``, one replica; :func:`process_dirs` with several).
     """
+    dirs = dirs or [stage_dir(out, i) for i in range(len(procs))]
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     failed = None
     stopping = False
     while any(pr.poll() is None for pr in procs):
         if not stopping and stop is not None and stop():
             stopping = True
-            for i in range(len(procs)):
-                (stage_dir(out, i) / "stop").touch()
+            for d in dirs:
+                (d / "stop").touch()
             deadline = time.monotonic() + stop_grace_s
         for i, pr in enumerate(procs):
             if pr.poll() not in ((None, 0, interrupt.EXIT_CODE) if stopping else (None, 0)) and failed is None:
@@ -158,7 +188,7 @@ def wait_stages(procs: list[subprocess.Popen], out: Path, timeout_s: float | Non
         return interrupt.EXIT_CODE
     for i, c in enumerate(codes):
         if c != 0:
-            print(f"stage {i} exited with code {c}: " + processes.log_tail(stage_dir(out, i) / "stage.log"), file=sys.stderr)
+            print(f"stage {dirs[i].relative_to(out)} exited with code {c}: " + processes.log_tail(dirs[i] / "stage.log"), file=sys.stderr)
     return 1
 
 
@@ -193,6 +223,37 @@ def merge_records(out: Path, stages: int, batch_size: int, examples: int) -> lis
     return records
 
 
+def merge_replicas(out: Path, stages: int, replicas: int, batch_size: int, examples: int) -> list[dict]:
+    """:func:`merge_records` of replica 0, each row with the fields of
+    :func:`zeroth.pipeline.sim.replica_fields`: ``sync`` per stage and replica ``r > 0`` (its
+    ``up_bytes`` sent to replica 0 of the stage and ``down_bytes`` received, ``bits``, ``sync_s``),
+    ``replicas`` (each replica's loss, link bytes and digest), ``sync_bytes``, ``replicas_agree``;
+    the row's ``loss`` is the replicas' mean and ``payload_bytes`` counts every replica's links and
+    the averaging."""
+    merged = [{r["step"]: r for r in merge_records(replica_dir(out, k), stages, batch_size, examples)} for k in range(replicas)]
+    raw = {(k, i): {r["step"]: r for r in _read(stage_dir(replica_dir(out, k), i) / "metrics.jsonl")}
+           for k in range(1, replicas) for i in range(stages)}
+    steps = sorted(set.intersection(*(set(m) for m in merged))) if merged else []
+    records, total = [], 0
+    for t in steps:
+        sync = [{"stage": i, "replica": k, "bits": raw[k, i][t]["sync_bits"], "up_bytes": raw[k, i][t]["sync_sent_bytes"],
+                 "down_bytes": raw[k, i][t]["sync_recv_bytes"], "sync_s": raw[k, i][t]["sync_s"]}
+                for i in range(stages) for k in range(1, replicas)]
+        reps = [{"replica": k, "loss": m[t]["loss"], "link_bytes": sum(lk["fw_bytes"] + lk["bw_bytes"] for lk in m[t]["links"]),
+                 "digest": m[t]["digest"]} for k, m in enumerate(merged)]
+        extra = sim.replica_fields(sync, reps)
+        base = merged[0][t]
+        loss = extra.pop("loss")
+        rec = sim.step_record(t, epoch=base["epoch"], loss=loss, lr=base["lr"], links=base["links"], stages=base["stages"],
+                              step_time_s=max(m[t]["step_time_s"] for m in merged),
+                              wall_time_s=max(m[t]["wall_time_s"] for m in merged), payload_bytes_total=0,
+                              time_unix_s=max(m[t]["time_unix_s"] for m in merged), **extra)
+        total += rec["payload_bytes"]
+        rec["payload_bytes_total"] = total
+        records.append(rec)
+    return records
+
+
 def _read(path: Path) -> list[dict]:
     return read_metrics(path) if path.is_file() else []
 
@@ -221,15 +282,22 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
             return 2
         check_resume(out, p.stages, resume_step)
     t0 = time.time()
+    if resume_step is not None and p.replicas > 1:
+        print(f"zeroth run: error: --resume: resuming a run of pipeline.replicas = {p.replicas} replicas is not supported; "
+              f"start it again", file=sys.stderr)
+        return 2
     procs = start_stages(cfg, out, resume_step=resume_step, quiet=not progress)
-    code = wait_stages(procs, out, stop=stop)
+    code = wait_stages(procs, out, stop=stop, dirs=process_dirs(out, p.stages, p.replicas))
     if code == interrupt.EXIT_CODE:
         step = common_step(out, p.stages)
         raise interrupt.Interrupted(step or 0, cfg.train.steps,
                                     None if step is None else out / "stage_*" / "checkpoints" / str(step))
     if code != 0:
         return code
-    records = merge_records(out, p.stages, cfg.data.batch_size, p.examples)
+    if p.replicas > 1:
+        records = merge_replicas(out, p.stages, p.replicas, cfg.data.batch_size, p.examples)
+    else:
+        records = merge_records(out, p.stages, cfg.data.batch_size, p.examples)
     clear_metrics(out / "metrics.jsonl")
     with MetricsWriter(out / "metrics.jsonl", tensorboard=cfg.run.tensorboard) as writer:
         for r in records:
@@ -237,11 +305,19 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
     mismatched = [r["step"] for r in records for lk in r["links"] if lk["send_digest"] != lk["recv_digest"]]
     summary = {"steps": len(records), "final_loss": records[-1]["loss"] if records else None, "seconds": time.time() - t0,
                "buffers_agree": not mismatched, "mismatched_steps": mismatched,
-               "stages": [json.loads((stage_dir(out, i) / "summary.json").read_text()) for i in range(p.stages)]}
+               "stages": [json.loads((d / "summary.json").read_text()) for d in process_dirs(out, p.stages, p.replicas)]}
+    if p.replicas > 1:
+        disagree = [r["step"] for r in records if not r["replicas_agree"]]
+        summary.update({"replicas": p.replicas, "replica_sync": p.replica_sync, "replicas_agree": not disagree,
+                        "sync_bytes_per_step": sum(r["sync_bytes"] for r in records) / max(len(records), 1),
+                        "link_bytes_per_step": sum(r["payload_bytes"] - r["sync_bytes"] for r in records) / max(len(records), 1)})
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if progress:
         print(f"pipeline done: {len(records)} steps, final loss {summary['final_loss']}, "
               f"buffers agree on every link: {not mismatched}, {summary['seconds']:.1f}s")
+    if p.replicas > 1 and not summary["replicas_agree"]:
+        print(f"zeroth run: error: the replicas' parameters differ at steps {disagree}", file=sys.stderr)
+        return 1
     if mismatched:
         print(f"zeroth run: error: AQ-SGD buffers differ between the ends of a link at steps {mismatched}", file=sys.stderr)
         return 1

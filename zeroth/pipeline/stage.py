@@ -1,7 +1,9 @@
 """``zeroth stage``: run one pipeline stage (one per machine, or several on one machine).
 
   zeroth stage --config CONFIG --stage I --out DIR [--listen HOST:PORT] [--next HOST:PORT]
-               [--identity FILE] [--upstream-key HEX|@FILE] [--set SECTION.FIELD=VALUE ...] [--resume-step N] [--quiet] [--insecure]
+               [--identity FILE] [--upstream-key HEX|@FILE]
+               [--replica R --sync-listen HOST:PORT | --sync-server HOST:PORT]
+               [--set SECTION.FIELD=VALUE ...] [--resume-step N] [--quiet] [--insecure]
                [--tls-cert PEM --tls-key PEM --tls-ca PEM [--tls-mutual]]
 
 Stage ``I`` of ``pipeline.stages``: every stage but the first listens (``--listen``; port 0 = any
@@ -28,6 +30,13 @@ compute, codecs, waiting and transfer, its parameter and buffer digests), ``chec
 ``train.checkpoint_every`` steps and at the end), ``buffers/`` (its AQ-SGD buffers at each
 checkpoint) and ``summary.json``. ``--resume-step N`` restores checkpoint N with its buffers and
 continues from step N; newer checkpoints are moved aside to ``checkpoints_quarantine/`` (kept).
+
+With ``pipeline.replicas`` R > 1, ``--replica R`` names this process's replica (it trains on that
+share of every batch, :func:`zeroth.pipeline.build.plan_of`); replica 0 of each stage serves the
+averaging of the stage's gradients (``--sync-listen``, the bound address in ``DIR/sync_address``),
+the others connect to it (``--sync-server``), :mod:`zeroth.pipeline.replicas`. Their rows add
+``sync_sent_bytes``/``sync_recv_bytes`` (the averaging bytes this process sent and received),
+``sync_bits`` and ``sync_s``. Resuming runs of several replicas is not supported.
 
 SIGINT/SIGTERM, or a file ``DIR/stop`` (written by the launcher), stop the pipeline at a step
 boundary: stage 0 finishes the step under way and starts no other; every later stage finishes the
@@ -67,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--identity", default=None, help="this stage's private key file (default: a fresh key)")
     p.add_argument("--upstream-key", default=None, help="the previous stage's public key (hex; @FILE: read from FILE, "
                    "its key.pub): only a link signed by it is served (stages > 0)")
+    p.add_argument("--replica", type=int, default=0, help="this replica's index, 0 .. pipeline.replicas-1")
+    p.add_argument("--sync-listen", default=None,
+                   help="replica 0 with pipeline.replicas > 1: HOST:PORT to serve the other replicas' averaging (port 0 = any)")
+    p.add_argument("--sync-server", default=None,
+                   help="replicas > 0: HOST:PORT of replica 0 of this stage (its --sync-listen); @FILE: read it from FILE")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
     p.add_argument("--resume-step", type=int, default=None, help="restore this checkpoint step (with its buffers) and continue")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -226,9 +240,37 @@ def stage_record(index: int, step: int, *, loss: float | None, lr: float, sent: 
             "send_digest": buffer_digests["send"], "recv_digest": buffer_digests["recv"], "buffer_bytes": buffer_bytes}
 
 
+def _average(sync, step: int, grads, replica: int, R: int, servicer, pacer, inbox, timeout_s: float, lr: float):
+    """Exchange this replica's contribution of ``step`` (:mod:`zeroth.pipeline.replicas`); returns
+    the engine's update and the row's ``sync_*`` fields (bytes sent and received by this process)."""
+    from zeroth.pipeline import link, wire
+
+    t0 = time.perf_counter()
+    mine = sync.contribution(step, grads)
+    sent = recv = 0
+    try:
+        if replica == 0:
+            frames = [_get(servicer.inboxes[r], timeout_s, f"replica {r}'s gradient of step {step}") for r in range(1, R)]
+            recv = sum(wire.frame_nbytes(f) for f in frames)
+            avg = sync.reduce(step, frames)
+            for r in range(1, R):
+                sent += servicer.outs[r].submit(avg)
+        else:
+            sent = pacer.submit(mine)
+            avg = _get(inbox, timeout_s, f"average of step {step} from replica 0")
+            recv = wire.frame_nbytes(avg)
+            sync.check(avg, "average", step, 0)
+    except ConnectionError as e:
+        raise link.LinkClosed(str(e)) from None
+    except wire.FrameError as e:
+        raise link.LinkClosed(f"replica {replica} refused an averaging frame: {e}") from None
+    row = {"sync_sent_bytes": sent, "sync_recv_bytes": recv, "sync_bits": int(mine.bits), "sync_s": time.perf_counter() - t0}
+    return (lambda params, opt_state, g, upd: sync.apply(step, params, opt_state, avg, upd, lr)), row
+
+
 def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | None, resume_step: int | None = None,
               progress: bool = False, stop=None, token: str | None = None, tls=None, upstream_key=None,
-              me=None) -> dict:
+              me=None, replica: int = 0, sync_listen: str | None = None, sync_server: str | None = None) -> dict:
     """Run stage ``index`` of the pipeline of ``cfg`` to ``train.steps``; returns its summary.
 
     ``token``: the run's access token, required of the stream this stage serves and sent on the
@@ -245,9 +287,9 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
     Raises:
       LinkClosed: a link broke or a frame was refused; ValueError: bad arguments.
     """
-    from zeroth.pipeline import build, link
+    from zeroth.pipeline import build, link, replicas
     from zeroth.pipeline.engine import CQ_LIMIT
-    from zeroth.transport import identity, pacing
+    from zeroth.transport import guard, identity, pacing
 
     p = cfg.pipeline
     S = p.stages
@@ -259,6 +301,16 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
         raise ValueError(f"stage {index} {'needs' if index < S - 1 else 'takes no'} --next (every stage but the last connects on)")
     if upstream_key is not None and index == 0:
         raise ValueError("stage 0 has no upstream: --upstream-key is for stages after the first")
+    R = p.replicas
+    if not 0 <= replica < R:
+        raise ValueError(f"--replica {replica} is outside 0..{R - 1} (pipeline.replicas = {R})")
+    if (R > 1 and replica == 0) != (sync_listen is not None):
+        raise ValueError(f"replica {replica} {'needs' if R > 1 and replica == 0 else 'takes no'} --sync-listen "
+                         f"(replica 0 serves the averaging when pipeline.replicas > 1; pipeline.replicas = {R})")
+    if (replica > 0) != (sync_server is not None):
+        raise ValueError(f"replica {replica} {'needs' if replica > 0 else 'takes no'} --sync-server (replicas > 0 connect to replica 0)")
+    if R > 1 and resume_step is not None:
+        raise ValueError(f"--resume-step: resuming a run of pipeline.replicas = {R} replicas is not supported; start it again")
     out.mkdir(parents=True, exist_ok=True)
     me = me or identity.Identity.generate()
     tmp = out / "key.pub.tmp"
@@ -271,6 +323,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
         buffer_dir.mkdir(parents=True, exist_ok=True)
     engine = build.engine_of(cfg, index, part, ex, buffer_dir=buffer_dir)
     del part
+    sync = build.replica_sync_of(cfg, replica, index, engine.params) if R > 1 else None
     run_id = build.run_id_of(cfg)
     ckpt = _Checkpoints(out, cfg.train.keep_checkpoints)
     metrics = out / "metrics.jsonl"
@@ -292,7 +345,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
         schedule = iter([(t, j) for t in range(start, steps) for j in range(M)])
 
         def expect(t, j):
-            ids = build.plan_of(cfg, ex, t)[j][0]
+            ids = build.plan_of(cfg, ex, t, replica)[j][0]
             return engine.expected("activation", j, ids, step=t)
 
         servicer = link.LinkServicer(expect, schedule, fw_inbox, bw_pacer, upstream_key=upstream_key, run_id=run_id,
@@ -307,6 +360,19 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
     if index < S - 1:
         channel = link.connect(_resolve(next_addr, p.timeout_s), fw_pacer, bw_inbox, p.timeout_s, readers, token, tls,
                                me=me, run_id=run_id, link=index)
+    sync_server_obj = sync_servicer = sync_channel = sync_pacer = None
+    sync_inbox: queue.Queue = queue.Queue()
+    if sync is not None and replica == 0:
+        sync_servicer = replicas.SyncServicer(R, p.bandwidth_bps, latency)
+        sync_server_obj, sport = replicas.serve_sync(
+            sync_servicer, sync_listen, token, guard.Limits(8 * sync.n + (64 << 10), max_calls=R + 2, max_calls_per_caller=R + 2, idle_s=p.timeout_s), tls)
+        tmp = out / "sync_address.tmp"
+        tmp.write_text(f"{sync_listen.rsplit(':', 1)[0]}:{sport}\n")
+        os.replace(tmp, out / "sync_address")
+    elif sync is not None:
+        sync_pacer = pacing.Pacer(p.bandwidth_bps, latency)
+        sync_channel = replicas.connect_sync(_resolve(sync_server, p.timeout_s), sync_pacer, sync_inbox, p.timeout_s, readers,
+                                             token, tls, link.CHANNEL_OPTIONS)
     t_run = time.time()
     t_wall = time.perf_counter() - wall0
     writer = MetricsWriter(metrics, tensorboard=cfg.run.tensorboard, resumed_after=resume_step)
@@ -321,7 +387,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
             wait = 0.0
             sent = {"fw_bytes": 0, "fw_frames": 0, "bw_bytes": 0, "bw_frames": 0}
             transfer0 = (fw_pacer.transfer_s if fw_pacer else 0.0) + (bw_pacer.transfer_s if bw_pacer else 0.0)
-            plan = build.plan_of(cfg, ex, step)
+            plan = build.plan_of(cfg, ex, step, replica)
             for j, (ids, tok, lab) in enumerate(plan):
                 frame = None
                 if index > 0:
@@ -347,12 +413,16 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
                 if out_frame is not None:
                     sent["bw_bytes"] += bw_pacer.submit(out_frame)
                     sent["bw_frames"] += 1
-            loss = engine.finish_step()
+            update, sync_row = None, {}
+            if sync is not None:
+                update, sync_row = _average(sync, step, engine.grads, replica, R, sync_servicer, sync_pacer, sync_inbox,
+                                            p.timeout_s, build.lr_at(cfg, step))
+            loss = engine.finish_step(update)
             transfer = (fw_pacer.transfer_s if fw_pacer else 0.0) + (bw_pacer.transfer_s if bw_pacer else 0.0) - transfer0
             now = time.perf_counter()
             payload_total += sent["fw_bytes"] + sent["bw_bytes"]
             writer.write(stage_record(index, engine.step, loss=loss, lr=build.lr_at(cfg, step), sent=sent,
-                                      times={**engine.last_times, **engine.last_cq},
+                                      times={**engine.last_times, **engine.last_cq, **sync_row},
                                       wait_s=wait, transfer_s=transfer, step_time_s=now - t0, wall_time_s=now - t_wall,
                                       payload_bytes_total=payload_total, digest=checksum(engine.params),
                                       buffer_digests=engine.buffer_digests(), buffer_bytes=engine.buffer_nbytes()))
@@ -376,6 +446,26 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
             ckpt.save(engine, run_id)
     finally:
         writer.close()
+        if sync_pacer is not None:
+            sync_pacer.close()
+        if sync_servicer is not None:
+            sync_servicer.close()
+            if ok:  # every worker's request stream ends once it has its last average
+                for r in range(1, R):
+                    try:
+                        _get(sync_servicer.inboxes[r], p.timeout_s, f"end of replica {r}'s averaging stream")
+                    except link.LinkClosed:
+                        pass
+        if sync_channel is not None:
+            if ok:
+                try:
+                    _get(sync_inbox, p.timeout_s, "end of the averaging stream")
+                except (link.LinkClosed, ConnectionError):
+                    pass
+            sync_channel.close()
+        if sync_server_obj is not None:
+            sync_server_obj.stop(grace=1.0 if ok else 0).wait()
+            readers += sync_servicer.readers
         if fw_pacer is not None:
             fw_pacer.close()
         if bw_pacer is not None:
@@ -393,7 +483,7 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
         if server is not None:
             server.stop(grace=1.0 if clean else 0).wait()
         link.join_readers(readers + (servicer.readers if servicer is not None else []))
-    summary = {"stage": index, "steps": steps, "start": start, "steps_done": engine.step, "interrupted": interrupted,
+    summary = {"stage": index, "replica": replica, "steps": steps, "start": start, "steps_done": engine.step, "interrupted": interrupted,
                "seconds": time.time() - t_run, "run_id": run_id,
                "buffer_bytes": engine.buffer_nbytes(), **{f"{k}_digest": v for k, v in engine.buffer_digests().items()}}
     summary["param_digest"] = checksum(engine.params)
@@ -421,14 +511,15 @@ def main(argv: list[str]) -> int:
             summary = run_stage(cfg, args.stage, out, args.listen, args.next, args.resume_step, progress=not args.quiet,
                                 stop=lambda: flag.is_set() or (out / "stop").exists(), token=token, tls=tls,
                                 upstream_key=upstream_key_of(args.upstream_key),
-                                me=None if args.identity is None else identity.Identity.load(args.identity))
+                                me=None if args.identity is None else identity.Identity.load(args.identity),
+                                replica=args.replica, sync_listen=args.sync_listen, sync_server=args.sync_server)
         if summary["interrupted"]:
             why = flag.signal_name() if flag.is_set() else f"{out / 'stop'}"
             print(f"zeroth stage {args.stage}: stopped by {why} after step {summary['steps_done']}; checkpoint saved in "
                   f"{out / 'checkpoints' / str(summary['steps_done'])}; continue with --resume-step {summary['steps_done']}",
                   file=sys.stderr, flush=True)
             return interrupt.EXIT_CODE
-    except (link.LinkClosed, TimeoutError) as e:
+    except (link.LinkClosed, TimeoutError, ConnectionError) as e:
         print(f"zeroth stage {args.stage}: error: {e}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError, CheckpointError) as e:

@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18zeroth/v1/pipeline.proto\x12\tzeroth.v1\"\x83\x02\n\x0bTensorFrame\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04link\x18\x02 \x01(\r\x12\"\n\x04kind\x18\x03 \x01(\x0e\x32\x14.zeroth.v1.FrameKind\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x05 \x01(\r\x12\x13\n\x0b\x65xample_ids\x18\x06 \x03(\x04\x12\r\n\x05shape\x18\x07 \x03(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0c\n\x04\x62its\x18\t \x01(\r\x12\r\n\x05\x66resh\x18\n \x01(\x0c\x12\x0c\n\x04\x66ull\x18\x0b \x01(\x0c\x12\x0e\n\x06packed\x18\x0c \x01(\x0c\x12\x0e\n\x06scales\x18\r \x01(\x0c\x12\x11\n\tquantizer\x18\x0e \x01(\t*E\n\tFrameKind\x12\x1a\n\x16\x46RAME_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nACTIVATION\x10\x01\x12\x0c\n\x08GRADIENT\x10\x02\x32J\n\x0cPipelineLink\x12:\n\x04Link\x12\x16.zeroth.v1.TensorFrame\x1a\x16.zeroth.v1.TensorFrame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18zeroth/v1/pipeline.proto\x12\tzeroth.v1\"\x94\x02\n\x0bTensorFrame\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04link\x18\x02 \x01(\r\x12\"\n\x04kind\x18\x03 \x01(\x0e\x32\x14.zeroth.v1.FrameKind\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x05 \x01(\r\x12\x13\n\x0b\x65xample_ids\x18\x06 \x03(\x04\x12\r\n\x05shape\x18\x07 \x03(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0c\n\x04\x62its\x18\t \x01(\r\x12\r\n\x05\x66resh\x18\n \x01(\x0c\x12\x0c\n\x04\x66ull\x18\x0b \x01(\x0c\x12\x0e\n\x06packed\x18\x0c \x01(\x0c\x12\x0e\n\x06scales\x18\r \x01(\x0c\x12\x11\n\tquantizer\x18\x0e \x01(\t\x12\x0f\n\x07replica\x18\x0f \x01(\r*p\n\tFrameKind\x12\x1a\n\x16\x46RAME_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nACTIVATION\x10\x01\x12\x0c\n\x08GRADIENT\x10\x02\x12\x14\n\x10REPLICA_GRADIENT\x10\x03\x12\x13\n\x0fREPLICA_AVERAGE\x10\x04\x32I\n\x0bReplicaSync\x12:\n\x04Sync\x12\x16.zeroth.v1.TensorFrame\x1a\x16.zeroth.v1.TensorFrame(\x01\x30\x01\x32J\n\x0cPipelineLink\x12:\n\x04Link\x12\x16.zeroth.v1.TensorFrame\x1a\x16.zeroth.v1.TensorFrame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'zeroth.v1.pipeline_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FRAMEKIND']._serialized_start=301
-  _globals['_FRAMEKIND']._serialized_end=370
+  _globals['_FRAMEKIND']._serialized_start=318
+  _globals['_FRAMEKIND']._serialized_end=430
   _globals['_TENSORFRAME']._serialized_start=40
-  _globals['_TENSORFRAME']._serialized_end=299
-  _globals['_PIPELINELINK']._serialized_start=372
-  _globals['_PIPELINELINK']._serialized_end=446
+  _globals['_TENSORFRAME']._serialized_end=316
+  _globals['_REPLICASYNC']._serialized_start=432
+  _globals['_REPLICASYNC']._serialized_end=505
+  _globals['_PIPELINELINK']._serialized_start=507
+  _globals['_PIPELINELINK']._serialized_end=581
 # @@protoc_insertion_point(module_scope)

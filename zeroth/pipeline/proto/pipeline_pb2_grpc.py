@@ -25,6 +25,84 @@ if _version_not_supported:
     )
 
 
+class ReplicaSyncStub:
+    """Data-parallel replicas (pipeline.replicas > 1): replica r > 0 of stage s opens one stream to
+    replica 0 of stage s; per step it sends its REPLICA_GRADIENT and receives the REPLICA_AVERAGE.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Sync = channel.stream_stream(
+                '/zeroth.v1.ReplicaSync/Sync',
+                request_serializer=zeroth_dot_v1_dot_pipeline__pb2.TensorFrame.SerializeToString,
+                response_deserializer=zeroth_dot_v1_dot_pipeline__pb2.TensorFrame.FromString,
+                _registered_method=True)
+
+
+class ReplicaSyncServicer:
+    """Data-parallel replicas (pipeline.replicas > 1): replica r > 0 of stage s opens one stream to
+    replica 0 of stage s; per step it sends its REPLICA_GRADIENT and receives the REPLICA_AVERAGE.
+    """
+
+    def Sync(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ReplicaSyncServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Sync': grpc.stream_stream_rpc_method_handler(
+                    servicer.Sync,
+                    request_deserializer=zeroth_dot_v1_dot_pipeline__pb2.TensorFrame.FromString,
+                    response_serializer=zeroth_dot_v1_dot_pipeline__pb2.TensorFrame.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'zeroth.v1.ReplicaSync', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('zeroth.v1.ReplicaSync', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ReplicaSync:
+    """Data-parallel replicas (pipeline.replicas > 1): replica r > 0 of stage s opens one stream to
+    replica 0 of stage s; per step it sends its REPLICA_GRADIENT and receives the REPLICA_AVERAGE.
+    """
+
+    @staticmethod
+    def Sync(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/zeroth.v1.ReplicaSync/Sync',
+            zeroth_dot_v1_dot_pipeline__pb2.TensorFrame.SerializeToString,
+            zeroth_dot_v1_dot_pipeline__pb2.TensorFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class PipelineLinkStub:
     """Missing associated documentation comment in .proto file."""
 
