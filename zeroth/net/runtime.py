@@ -50,6 +50,7 @@ from zeroth import replay as _replay
 from zeroth.config import Config, config_digest, to_dict
 from zeroth.transport import identity as _id
 from zeroth.net import protocol as P
+from zeroth.net.counters import BarrierCounters, is_late
 from zeroth.transport import security as _sec
 from zeroth.net import service as _service
 from zeroth.net import state as _state
@@ -283,6 +284,7 @@ class Node:
         self.member_stats: dict[int, dict] = {}
         self.transfer = StateTransfer(self)
         self.checksums = Checksums(self)
+        self.barrier = BarrierCounters()  # contributors, late pushes, wasted forward passes, barrier wait
         self.counters = {"checksum_comparisons": 0, "checksum_mismatches": 0, "repairs": 0, "rejoins": 0, "refused_requests": 0}
         self.machines: list[int] = []
         self.last_eval: dict = {}
@@ -854,6 +856,8 @@ class Node:
         record["wire_bytes"] = record["wire_bytes_sent"] + record["wire_bytes_received"]
         self._last_traffic = now
         record.update(self.counters)
+        record.update(self.barrier.decided(t, contributors=[m for m, _ in c.contributors], me=me, now=now_s))
+        record.update(self.barrier.totals)
         self._metrics.write(record)
         view = c.next_view
         if not catching_up and me is not None:
@@ -907,6 +911,7 @@ class Node:
         count, payload, loss = self.worker.compute(self.params, me, eff.iteration, eff.deadline)
         self._losses[eff.iteration] = loss
         self._own_payload[eff.iteration] = len(payload)
+        self.barrier.pushed(eff.iteration, count=count, now=time.monotonic())
         try:
             self._step(P.on_local_gradients, iteration=eff.iteration, count=count, payload=payload)
         except P.Rejected:
@@ -1027,6 +1032,7 @@ class Node:
             "gradient_clip": self.cfg.peers.clip,
             "member_stats": members,
             **self.counters,
+            **self.barrier.summary(),
             **self.traffic.snapshot(),
             "wall_time_s": time.monotonic() - self.started,
         }
@@ -1086,7 +1092,18 @@ class Node:
         return address
 
     def handle_push(self, msg: P.Push) -> None:
-        self._step(P.on_push, msg)
+        """A member's push; one for an iteration this peer already decided is counted as late
+        (:meth:`BarrierCounters.late <zeroth.net.counters.BarrierCounters.late>`) unless it is refused for another reason."""
+        with self._lock:
+            late = is_late(self._st, msg.iteration)
+            try:
+                self._step(P.on_push, msg)
+            except P.Rejected as e:
+                if late and e.code == "FAILED_PRECONDITION":
+                    self.barrier.late()
+                raise
+            if late:
+                self.barrier.late()
 
     def handle_commit(self, msg: P.Commit) -> P.CommitReply:
         """Whether this peer now holds the commit, and more (:func:`zeroth.net.protocol.on_commit`'s reply)."""

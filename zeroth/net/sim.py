@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from zeroth.net import protocol as P
+from zeroth.net.counters import BarrierCounters, is_late
 
 __all__ = ["SimPeer", "SimNet"]
 
@@ -52,6 +53,7 @@ class SimPeer:
         self.join_attempts = 0  # retried joins (they go round the live members)
         self.key = b""  # this incarnation's public key (a new one per join, as the runtime's identity)
         self.incarnations = 0
+        self.counters = BarrierCounters()  # contributors, late pushes, wasted forward passes, barrier wait
 
     @property
     def phase(self) -> str:
@@ -285,6 +287,7 @@ class SimNet:
             if eff.entry.payloads is None:
                 raise AssertionError(f"{peer.address} applies iteration {t} without payloads")
             peer.log.append(eff.entry)
+            peer.counters.decided(t, contributors=[m for m, _ in eff.entry.commit.contributors], me=peer.state.me, now=self.now)
         elif isinstance(eff, P.Compute):
             it = eff.iteration
             done_at = self.now + peer.compute_time
@@ -294,6 +297,7 @@ class SimNet:
 
             def finished(peer=peer, it=it, count=count, payload=payload, me=me):
                 if peer.alive and peer.state is not None and peer.state.me == me:
+                    peer.counters.pushed(it, count=count, now=self.now)
                     self._handle(
                         peer,
                         P.on_local_gradients(self.params, peer.state, iteration=it, count=count, payload=payload, now=self.now),
@@ -341,12 +345,15 @@ class SimNet:
             reply = None
             error = None
             if ok:
+                late = isinstance(msg, P.Push) and is_late(dst.state, msg.iteration)
                 try:
                     step = self._dispatch(dst, msg)
                     self._handle(dst, step)
                     reply = step.reply
                 except P.Rejected as e:
                     error = e
+                if late and (error is None or error.code == "FAILED_PRECONDITION"):
+                    dst.counters.late()
             self._at(self.now + self.latency, lambda: self._reply(src, sender_state_me, send, ok, reply, error))
 
         self._at(self.now + self.latency, arrive)
