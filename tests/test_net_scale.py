@@ -86,3 +86,77 @@ def test_counters_summary_has_the_contributors_and_totals():
     assert s["pushes_late"] == 1 and s["forward_passes_wasted"] == 6 and s["barrier_wait_s_total"] == pytest.approx(1.5)
     c.pushed(1, count=3, now=9.0)  # computed after its iteration was applied: wasted at once
     assert c.summary()["forward_passes_wasted"] == 12
+
+
+def silent_run(idle_timeout_s):
+    """Three real peers, then four members that are admitted but never push and answer commits
+    but no takeover's prepare; once the four have been silent for 4 s, a real peer (not the
+    leader) is killed."""
+    net = SimNet(params(iterations=400, idle_timeout_s=idle_timeout_s))
+    net.start(3)
+    assert net.run_until(lambda: len(net.peers["sim:1000"].log) >= 2, limit=30.0)
+    silent = [net.join(f"sim:{2000 + i}", via="sim:1000") for i in range(4)]
+    for p in silent:
+        p.stall = 1e9  # their projected gradients never come
+        p.promises = False
+    assert net.run_until(lambda: all(p.state is not None and p.phase == P.MEMBER for p in silent), limit=net.now + 30)
+    assert len(net.peers["sim:1000"].state.view.members) == 7
+    net.run_until(lambda: False, limit=net.now + 4.0)
+    net.kill("sim:1002")
+    net.run_until(lambda: net.all_finished(), limit=net.now + 120)
+    return net, silent
+
+
+def test_members_that_never_push_are_removed_after_the_idle_timeout_so_a_lost_peer_is_survived():
+    net, silent = silent_run(idle_timeout_s=2.0)
+    survivors = [net.peers["sim:1000"], net.peers["sim:1001"]]
+    assert [p.finished for p in survivors] == ["done", "done"], [p.events[-3:] for p in survivors]
+    assert survivors[0].chain() == survivors[1].chain() and len(survivors[0].log) == 400
+    assert all(p.phase == P.DROPPED for p in silent)  # removed from the view: they must rejoin
+    assert {m.machine for m in survivors[0].state.view.members} <= {0, 1}
+
+
+def test_without_the_idle_timeout_silent_members_hold_the_majority_and_a_lost_peer_ends_the_run():
+    net, _ = silent_run(idle_timeout_s=None)  # the failure the idle timeout fixes
+    survivors = [net.peers["sim:1000"], net.peers["sim:1001"]]
+    assert [p.finished for p in survivors] == ["failed", "failed"]
+    assert len(survivors[0].log) < 400
+
+
+def test_joins_beyond_max_members_are_refused_and_a_rejoin_on_a_members_address_is_not():
+    net = SimNet(params(max_members=4))
+    net.start(3)
+    assert net.run_until(lambda: len(net.peers["sim:1000"].log) >= 1, limit=30.0)
+    leader = net.peers["sim:1000"]
+    st = P.on_join(net.params, leader.state, P.JoinRequest(91, "sim:3000", "cfg"), net.now).state
+    assert len(st.joins) == 1  # 3 members and 1 queued join: the cap
+    with pytest.raises(P.Rejected) as e:
+        P.on_join(net.params, st, P.JoinRequest(92, "sim:3001", "cfg"), net.now)
+    assert e.value.code == "RESOURCE_EXHAUSTED" and "peers.max_members" in e.value.message
+    # An inactive member restarted on its old address replaces itself: not refused by the cap.
+    view = st.view._replace(members=tuple(m._replace(active=m.machine != 2) for m in st.view.members))
+    again = P.on_join(net.params, st._replace(view=view), P.JoinRequest(93, "sim:1002", "cfg"), net.now).state
+    assert len(again.joins) == 2
+    # The simulated run admits one joiner and keeps the other out while the cap holds.
+    net.join("sim:3000", via="sim:1000")
+    net.join("sim:3001", via="sim:1000")
+    assert net.run_until(lambda: all(p.finished for p in net.peers.values() if p.state is not None), limit=120.0)
+    assert len(leader.state.view.members) == 4 and net.peers["sim:3001"].state is None
+    assert net.admitted == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("bad", [dict(max_members=2), dict(max_members=5000), dict(idle_timeout_s=0.0)])
+def test_bad_caps_are_refused_with_the_field_named(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        params(**bad)
+
+
+@pytest.mark.parametrize("peers, field", [({"count": 3, "max_members": 2}, "peers.max_members: 2 is below peers.count=3"),
+                                          ({"max_members": 5000}, "peers.max_members: bad value 5000"),
+                                          ({"idle_timeout_s": 0}, "peers.idle_timeout_s: bad value 0")])
+def test_a_config_with_a_bad_cap_is_refused_in_one_line_naming_the_field(peers, field):
+    from zeroth.config import load_config_dict
+
+    with pytest.raises(ValueError, match=field):
+        load_config_dict({"peers": peers})
+    assert load_config_dict({"peers": {"count": 3}}).peers.idle_timeout_s == 120.0

@@ -252,6 +252,13 @@ class Params:
         (simulations); a peer that serves others always sets it.
       stall_timeout_s: an iteration without a decision for this long is re-synchronised, and after
         as long again the peer fails (None: ``iteration_timeout_s + 6 * barrier_timeout_s``).
+      max_members: joins are refused (``RESOURCE_EXHAUSTED``) while the view and the joins queued
+        for the next decision hold this many members (a rejoin on a member's address replaces it
+        and is not refused); at most :data:`MAX_MEMBERS`.
+      idle_timeout_s: a member that stays inactive (contributes nothing: a silent member, or one
+        catching up for that long) for this many seconds, as the committer saw it, is removed by
+        the next decision (it must rejoin with a new id), so members that never push do not
+        count toward the majority for ever; None: never (only unreachable ones are removed).
     """
 
     run_id: str
@@ -270,6 +277,8 @@ class Params:
     verify: Callable[[bytes, bytes, bytes], bool] | None = None
     stall_timeout_s: float | None = None
     require_founders: bool = False
+    max_members: int = MAX_MEMBERS
+    idle_timeout_s: float | None = None
 
     @property
     def stall_s(self) -> float:
@@ -285,6 +294,11 @@ class Params:
                 raise ValueError(f"Params.{name} must be an integer >= 1, got {v!r}")
         if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
             raise ValueError(f"Params.stall_timeout_s must be > 0 seconds or None, got {self.stall_timeout_s!r}")
+        if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
+            raise ValueError(f"Params.idle_timeout_s must be > 0 seconds or None, got {self.idle_timeout_s!r}")
+        if not isinstance(self.max_members, int) or not self.founders <= self.max_members <= MAX_MEMBERS:
+            raise ValueError(f"Params.max_members must be an integer from founders ({self.founders}) to {MAX_MEMBERS}, "
+                             f"got {self.max_members!r}")
         for name in ("iteration_timeout_s", "barrier_timeout_s", "forming_timeout_s"):
             v = getattr(self, name)
             if not v > 0:
@@ -612,6 +626,9 @@ class PeerState(NamedTuple):
         who is expected to decide (the lowest unsuspected member takes over again, so two
         candidates do not duel on their own old ballots), but as an acceptor this peer still
         refuses any ballot below them (:func:`_bound`).
+      idle: ``{machine: time}``: when this peer first started an iteration whose view had that
+        member inactive (it is removed once inactive for ``Params.idle_timeout_s``; an active
+        member, or one no longer in the view, has no entry).
     """
 
     me: int
@@ -646,6 +663,7 @@ class PeerState(NamedTuple):
     chain: bytes | None = b""
     strays: frozenset[int] = frozenset()
     floor: Mapping[int, Ballot] = {}
+    idle: Mapping[int, float] = {}
 
 
 class CommitReply(NamedTuple):
@@ -1081,6 +1099,8 @@ def log_entries(state: PeerState, first: int, last: int) -> list[LogEntry]:
 def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
     """Arm the deadline of ``st.it`` and ask for its projected gradients."""
     ids = st.view.ids()
+    if params.idle_timeout_s is not None:
+        st = st._replace(idle={m.machine: st.idle.get(m.machine, now) for m in st.view.members if not m.active})
     st = st._replace(
         started_at=now,
         suspected=frozenset(),
@@ -1220,7 +1240,7 @@ def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> Pee
         if (now < st.deadline and not missing <= st.refused) or not _majority(have | st.ready | st.leaves | {st.me}, view.ids()):
             return st
     ballot = Ballot(0, st.me)
-    entry, admitted = _decide(params, st, ballot, have, have | st.ready | {st.me})
+    entry, admitted = _decide(params, st, ballot, have, have | st.ready | {st.me}, now)
     return _publish(params, st, now, effects, entry, admitted)
 
 
@@ -1292,8 +1312,9 @@ def _replace_gone(params: Params, st: PeerState, now: float, effects: list) -> P
     return _suspect(params, st, who, now, effects, f"machine {who} refused our connection")
 
 
-def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive) -> tuple[LogEntry, tuple]:
-    """Build the decision of ``st.it`` from the pushes of ``contributors``; ``alive`` may stay active."""
+def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive, now: float) -> tuple[LogEntry, tuple]:
+    """Build the decision of ``st.it`` from the pushes of ``contributors``; ``alive`` may stay active.
+    Members unreachable, or inactive for ``Params.idle_timeout_s`` (:attr:`PeerState.idle`), are removed."""
     view = st.view
     contributors = sorted(contributors)
     pushes = [st.inbox[(st.it, m)] for m in contributors]
@@ -1316,6 +1337,9 @@ def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive) 
             continue
         if st.failures.get(m.machine, 0) >= UNREACHABLE_AFTER and m.machine not in next_active:
             continue  # unreachable: removed (it must rejoin with a new id)
+        if (params.idle_timeout_s is not None and m.machine not in next_active and m.machine != st.me
+                and now - st.idle.get(m.machine, now) >= params.idle_timeout_s):
+            continue  # silent for too long: removed, so it no longer counts toward the majority
         # An active member that missed the barrier is out of this iteration and inactive from the
         # next: it is no longer waited for, and becomes active again by pushing again.
         members.append(m._replace(active=m.machine in next_active))
@@ -1498,6 +1522,9 @@ def on_join(params: Params, st: PeerState, req: JoinRequest, now: float) -> Step
         return Step(st, (), Redirect(address))
     if len(st.joins) >= params.max_pending_joins:
         raise Rejected("RESOURCE_EXHAUSTED", f"{len(st.joins)} joins already wait for the next commit; retry shortly")
+    if len(st.view.members) + len(st.joins) >= params.max_members and req.address not in {m.address for m in st.view.members}:
+        raise Rejected("RESOURCE_EXHAUSTED", f"the run holds its most members ({params.max_members}, peers.max_members) "
+                                             f"with the joins queued; retry once a member left or raise peers.max_members")
     if any(rid == req.request_id for rid, _, _ in st.joins):
         raise Rejected("ALREADY_EXISTS", f"join request {req.request_id} is already queued")
     for m in st.view.members:
@@ -2061,7 +2088,7 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
     # Members that promised are alive: they stay active even if their push for this iteration
     # was not in yet (they may have been waiting for the silent leader's previous commit).
     alive = responders & active
-    entry, admitted = _decide(params, st._replace(joins=(), ready=st.ready | alive), rec.ballot, have, responders)
+    entry, admitted = _decide(params, st._replace(joins=(), ready=st.ready | alive), rec.ballot, have, responders, now)
     effects.append(Note(f"iteration {st.it}: takeover decides contributors {[m for m, _ in entry.commit.contributors]}"))
     return _publish(params, _refuse_joins(st, effects), now, effects, entry, admitted)
 

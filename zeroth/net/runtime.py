@@ -433,6 +433,8 @@ class Node:
             sign=self.identity.sign,
             verify=_id.verify,
             stall_timeout_s=p.stall_timeout_s,
+            max_members=max(p.max_members, max(1, self.options.founders)),
+            idle_timeout_s=p.idle_timeout_s,
         )
 
     def _step(self, fn, *args, **kwargs):

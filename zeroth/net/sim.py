@@ -54,6 +54,7 @@ class SimPeer:
         self.key = b""  # this incarnation's public key (a new one per join, as the runtime's identity)
         self.incarnations = 0
         self.counters = BarrierCounters()  # contributors, late pushes, wasted forward passes, barrier wait
+        self.promises = True  # False: a member that answers commits but no takeover's prepare (a hostile one)
 
     @property
     def phase(self) -> str:
@@ -365,6 +366,8 @@ class SimNet:
         if isinstance(msg, P.Commit):
             return P.on_commit(p, st, msg, now)
         if isinstance(msg, P.Prepare):
+            if not dst.promises:
+                raise P.Rejected("UNAVAILABLE", f"{dst.address} answers no prepare")
             probe = P.prepare_probe(p, st, msg, now)
             if probe is not None:  # the runtime's probe before the prepare, answered at once
                 self.probes += 1
