@@ -160,3 +160,30 @@ def test_a_config_with_a_bad_cap_is_refused_in_one_line_naming_the_field(peers, 
     with pytest.raises(ValueError, match=field):
         load_config_dict({"peers": peers})
     assert load_config_dict({"peers": {"count": 3}}).peers.idle_timeout_s == 120.0
+
+
+def test_the_scale_harness_counts_every_call_and_its_wire_bytes():
+    from zeroth.bench import peers as bench
+
+    rows = [bench.measure(m, iterations=2, budget_s=60) for m in (4, 16)]
+    for r, m in zip(rows, (4, 16), strict=True):
+        assert r["ran"] and r["iterations"] == 2
+        assert r["messages"] == m * (m - 1) + (m - 1)  # every member pushes to every other, one commit to each
+        assert r["contributors"] == [m, m]
+        # m - 1 pushes and the commit, each signed (the leader receives no commit)
+        assert r["sig_checks_max"] == m and r["sig_checks_per_peer"] == ((m - 1) * m + m - 1) / m
+        assert r["bytes_busiest"] <= r["bytes_all"] and r["c"] == r["bytes_busiest"] / m
+        assert 2 * 0.1 / 4 < r["iteration_s"] < 3.0  # at least a round trip (medians 100 ms), well within the timeouts
+    # A push is at least its 16 payload bytes, a 64-byte signature, a 32-byte chain digest and the call's framing.
+    assert rows[0]["bytes_all"] > 12 * (16 + 64 + 32 + 58)
+    text = bench.table(rows + [{"peers": 1024, "ran": False, "wall_s": 120.0}], 80.0)
+    assert "1024  not run: its warm-up did not finish within the budget (120 s)" in text
+
+
+def test_the_scale_harness_refuses_bad_arguments_in_one_line(capsys):
+    from zeroth.bench import peers as bench
+
+    assert bench.main(["--peers", "4,x"]) == 2
+    assert "--peers must be comma-separated integers, got '4,x'" in capsys.readouterr().err
+    assert bench.main(["--peers", "0"]) == 2
+    assert bench.main(["--peers", "4", "--rtt-ms", "0"]) == 2

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -66,11 +67,18 @@ class SimPeer:
 
 
 class SimNet:
-    """The simulated network. ``latency`` seconds per message; ``tick`` seconds between timer events."""
+    """The simulated network. ``latency`` seconds per message (:meth:`link_delay`: a subclass models
+    links); ``tick`` seconds between timer events; ``call_slots``: calls (:class:`P.Send`) a peer
+    has in flight at once, the others wait in order for a reply to free a slot, as in a runtime
+    whose sends block a pool of that many threads (None: no limit)."""
 
-    def __init__(self, params: P.Params, *, latency: float = 0.002, tick: float = 0.02, rejoin: bool = False):
+    def __init__(self, params: P.Params, *, latency: float = 0.002, tick: float = 0.02, rejoin: bool = False,
+                 call_slots: int | None = None):
         self.params = params
         self.latency = latency
+        self.call_slots = call_slots
+        self._in_flight: dict[str, int] = {}
+        self._waiting: dict[str, deque] = {}
         self.tick = tick
         self.rejoin = rejoin
         self.now = 0.0
@@ -332,13 +340,25 @@ class SimNet:
         else:
             raise AssertionError(f"unknown effect {eff!r}")
 
-    def _deliver(self, src: SimPeer, send: P.Send) -> None:
+    def link_delay(self, src: str, dst: str, message, *, answer_to=None) -> float:
+        """Seconds ``message`` (a :class:`P.Send`'s message, or the answer to ``answer_to``, one: a
+        reply value, None, or the :class:`P.Rejected` raised) takes from ``src`` to ``dst``, counted
+        from now: ``latency``. A subclass may model per-pair latency, bandwidth and count bytes."""
+        return self.latency
+
+    def _deliver(self, src: SimPeer, send: P.Send, sender_state_me: int | None = None) -> None:
+        if sender_state_me is None:
+            sender_state_me = src.state.me
+        if self.call_slots is not None:
+            if self._in_flight.get(src.address, 0) >= self.call_slots:
+                self._waiting.setdefault(src.address, deque()).append((send, sender_state_me))
+                return
+            self._in_flight[src.address] = self._in_flight.get(src.address, 0) + 1
         msg = send.message
         key = (src.address, send.address, type(msg))
         lost = self._drop_next.get(key, 0) > 0
         if lost:
             self._drop_next[key] -= 1
-        sender_state_me = src.state.me
 
         def arrive():
             dst = self.peers.get(send.address)
@@ -355,9 +375,21 @@ class SimNet:
                     error = e
                 if late and (error is None or error.code == "FAILED_PRECONDITION"):
                     dst.counters.late()
-            self._at(self.now + self.latency, lambda: self._reply(src, sender_state_me, send, ok, reply, error))
+            back = self.link_delay(send.address, src.address, error if error is not None else reply, answer_to=msg) if ok else self.latency
+            self._at(self.now + back, lambda: self._replied(src, sender_state_me, send, ok, reply, error))
 
-        self._at(self.now + self.latency, arrive)
+        self._at(self.now + (self.link_delay(src.address, send.address, msg) if not lost else self.latency), arrive)
+
+    def _replied(self, src: SimPeer, me: int, send: P.Send, ok: bool, reply, error) -> None:
+        """A call's answer is back: its slot frees (the next waiting call goes), then the answer is taken."""
+        if self.call_slots is not None:
+            self._in_flight[src.address] -= 1
+            waiting = self._waiting.get(src.address)
+            while waiting and self._in_flight[src.address] < self.call_slots:
+                nxt, nxt_me = waiting.popleft()
+                if src.alive and src.state is not None and src.state.me == nxt_me:
+                    self._deliver(src, nxt, nxt_me)
+        self._reply(src, me, send, ok, reply, error)
 
     def _dispatch(self, dst: SimPeer, msg) -> P.Step:
         p, st, now = self.params, dst.state, self.now
