@@ -319,35 +319,52 @@ class Member(NamedTuple):
 
 
 class View(NamedTuple):
-    """The membership of one iteration; ``members`` sorted by machine id."""
+    """The membership of one iteration; ``members`` sorted by machine id.
+
+    Its lookups (:meth:`ids`, :meth:`active_ids`, :meth:`leader`, :meth:`address_of`,
+    :meth:`key_of`) cost O(1) after the first on a view object: the sets and the index by machine
+    id are built once per view (:func:`_index`), not once per message."""
 
     iteration: int
     members: tuple[Member, ...]
     next_machine_id: int
 
     def ids(self) -> frozenset[int]:
-        return frozenset(m.machine for m in self.members)
+        return _index(self)[1]
 
     def active_ids(self) -> frozenset[int]:
-        return frozenset(m.machine for m in self.members if m.active)
+        return _index(self)[2]
 
     def leader(self) -> int | None:
         """The regular leader: the lowest active machine id (None without active members)."""
-        act = self.active_ids()
-        return min(act) if act else None
+        return _index(self)[4]
 
     def address_of(self, machine: int) -> str | None:
-        for m in self.members:
-            if m.machine == machine:
-                return m.address
-        return None
+        m = _index(self)[3].get(machine)
+        return None if m is None else m.address
 
     def key_of(self, machine: int) -> bytes | None:
         """The public key of ``machine`` (None if it is not a member)."""
-        for m in self.members:
-            if m.machine == machine:
-                return m.key
-        return None
+        m = _index(self)[3].get(machine)
+        return None if m is None else m.key
+
+
+_VIEW_INDEX: dict[int, tuple] = {}
+_VIEW_INDEX_SIZE = 256  # views indexed at once (a peer uses a few: its window's; tests run several peers)
+
+
+def _index(v: View) -> tuple:
+    """``(view, ids, active ids, {machine: Member}, leader)`` of ``v``, built once per view object
+    (held by identity; the view is kept with it, so its id is not reused while it is held)."""
+    got = _VIEW_INDEX.get(id(v))
+    if got is None or got[0] is not v:
+        by = {m.machine: m for m in reversed(v.members)}  # the first member of an id, as a scan finds it
+        active = frozenset(m.machine for m in v.members if m.active)
+        got = (v, frozenset(by), active, by, min(active) if active else None)
+        if len(_VIEW_INDEX) >= _VIEW_INDEX_SIZE:
+            _VIEW_INDEX.clear()
+        _VIEW_INDEX[id(v)] = got
+    return got
 
 
 class Ballot(NamedTuple):

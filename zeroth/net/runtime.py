@@ -462,7 +462,9 @@ class Node:
     def _dispatch(self, effects) -> None:
         inc = self.incarnation
         for eff in effects:
-            if isinstance(eff, P.Send):
+            if isinstance(eff, P.Send) and isinstance(eff.message, P.Push | P.Commit):
+                self._send_async(inc, eff)
+            elif isinstance(eff, P.Send):
                 self._submit(self._send, inc, eff)
             elif isinstance(eff, P.Probe):
                 self._submit(self._probe, inc, eff)
@@ -496,6 +498,49 @@ class Node:
                 self._step(fn, **kwargs)
             except P.Rejected as e:
                 self.say(f"{fn.__name__}: {e.message}")
+
+    def _send_async(self, inc: int, eff: P.Send, attempt: int = 0) -> None:
+        """A push or a commit, sent without holding a thread while it travels (every member's at
+        once: an iteration costs a few round trips whatever the number of members); its answer is
+        taken by the sender pool as :meth:`_send` takes a blocking call's. A commit that finds the
+        member unavailable or out of time is sent again twice, 50 and 100 ms later."""
+        if self._stop.is_set():
+            return
+        msg = eff.message
+        b = self.cfg.peers.barrier_timeout_s
+
+        def done(response, error) -> None:
+            self._submit(self._answered, inc, eff, attempt, response, error)
+
+        try:
+            if isinstance(msg, P.Push):
+                self.transport.rpc_async(eff.address, "PushGradients", wire.push_to_pb(msg), b, done, payload=len(msg.payload))
+            else:
+                self.transport.rpc_async(eff.address, "CommitIteration", wire.commit_to_pb(msg), b, done)
+        except grpc.RpcError as e:  # stopping (Closed)
+            done(None, e)
+
+    def _answered(self, inc: int, eff: P.Send, attempt: int, response, error) -> None:
+        """The answer to :meth:`_send_async`'s call, fed to the protocol (in a sender thread)."""
+        msg = eff.message
+        if error is None:
+            if isinstance(msg, P.Commit):
+                reply = P.CommitReply(not response.not_held, bytes(response.previous))
+                self._event(inc, P.on_commit_acked, iteration=msg.iteration, machine=eff.machine, reply=reply)
+            return
+        code, details = error.code(), error.details()
+        if isinstance(msg, P.Commit):
+            if attempt < 2 and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if not self._stop.wait(0.05 * (attempt + 1)):
+                    self._send_async(inc, eff, attempt + 1)
+                return
+            self._event(inc, P.on_commit_failed, iteration=msg.iteration, machine=eff.machine, message=f"{code.name}: {details}")
+            return
+        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            self.say(f"push of iteration {msg.iteration} to machine {eff.machine} refused: {code.name}: {details}")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            # nothing listens at its address: the committer need not wait for its push
+            self._event(inc, P.on_push_refused, iteration=msg.iteration, machine=eff.machine)
 
     def _send(self, inc: int, eff: P.Send) -> None:
         msg = eff.message
