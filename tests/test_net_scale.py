@@ -165,7 +165,7 @@ def test_a_config_with_a_bad_cap_is_refused_in_one_line_naming_the_field(peers, 
 def test_the_scale_harness_counts_every_call_and_its_wire_bytes():
     from zeroth.bench import peers as bench
 
-    rows = [bench.measure(m, iterations=2, budget_s=60) for m in (4, 16)]
+    rows = [bench.measure(m, iterations=2, budget_s=60, call_slots=16, whole_commits=True) for m in (4, 16)]
     for r, m in zip(rows, (4, 16), strict=True):
         assert r["ran"] and r["iterations"] == 2
         assert r["messages"] == m * (m - 1) + (m - 1)  # every member pushes to every other, one commit to each
@@ -187,3 +187,104 @@ def test_the_scale_harness_refuses_bad_arguments_in_one_line(capsys):
     assert "--peers must be comma-separated integers, got '4,x'" in capsys.readouterr().err
     assert bench.main(["--peers", "0"]) == 2
     assert bench.main(["--peers", "4", "--rtt-ms", "0"]) == 2
+
+
+def _view(n, t=4, inactive=()):
+    return P.View(t, tuple(P.Member(i, f"10.0.0.{i}:7000", i not in inactive, bytes([i % 256]) * 32) for i in range(n)), n)
+
+
+def _commit(base, contributors, next_view):
+    return P.Commit("run", 0, base.iteration, P.Ballot(0, 0), tuple(contributors), b"d" * 32, next_view, b"s" * 64, b"p" * 32)
+
+
+def test_a_commit_sent_as_a_delta_of_its_view_is_rebuilt_exactly_and_costs_the_same_bytes_at_any_size():
+    from zeroth.net import wire
+
+    sizes = []
+    for n in (10, 1000):
+        base = _view(n)
+        same = _commit(base, [(i, 4) for i in range(n)], base._replace(iteration=base.iteration + 1))
+        msg = wire.commit_to_pb(same, base, 4)
+        assert msg.HasField("delta") and not msg.contributors and not msg.HasField("next_view")
+        assert wire.commit_from_pb(msg, base, 4) == same
+        sizes.append(msg.ByteSize())
+        assert wire.commit_to_pb(same).ByteSize() > 40 * n  # whole: every member's address and key
+    assert sizes[1] - sizes[0] <= 1  # the next id: one more varint byte
+    # Every kind of change: an active member absent, an inactive one contributing, a count below the
+    # most, a member removed, one admitted, one turned inactive.
+    base = _view(6, inactive=(4,))
+    members = [m for m in base.members if m.machine != 5]
+    members[2] = members[2]._replace(active=False)
+    nxt = P.View(5, (*members, P.Member(6, "10.0.0.6:7000", False, b"\x06" * 32)), 7)
+    c = _commit(base, [(0, 4), (1, 2), (3, 4), (4, 4)], nxt)
+    msg = wire.commit_to_pb(c, base, 4)
+    d = msg.delta
+    assert (list(d.absent), [(x.machine, x.count) for x in d.other], list(d.removed)) == ([2, 5], [(1, 2), (4, 4)], [5])
+    assert [x.machine for x in d.changed] == [2, 6]  # turned inactive, admitted
+    assert wire.commit_from_pb(msg, base, 4) == c
+    assert wire.commit_from_pb(wire.pb.Commit.FromString(msg.SerializeToString()), base, 4) == c
+
+
+def test_a_delta_commit_needs_the_receivers_view_and_a_malformed_one_is_refused():
+    from zeroth.net import wire
+
+    base = _view(4)
+    c = _commit(base, [(0, 4), (1, 4)], base._replace(iteration=5))
+    msg = wire.commit_to_pb(c, base, 4)
+    for other in (None, _view(4, t=3), _view(4, inactive=(3,))):  # none, another iteration's, another view
+        with pytest.raises(wire.NoBase):
+            wire.commit_from_pb(msg, other, 4)
+    assert wire.commit_from_pb(wire.commit_to_pb(c), None, 4) == c  # a whole commit needs nothing
+    # Not the view of its iteration: sent whole.
+    assert not wire.commit_to_pb(c, _view(4, t=3), 4).HasField("delta")
+    bad = wire.pb.Commit()
+    bad.CopyFrom(msg)
+    bad.delta.absent.append(9)
+    with pytest.raises(P.Rejected, match="machine 9 is absent but not an active member"):
+        wire.commit_from_pb(bad, base, 4)
+    bad.CopyFrom(msg)
+    bad.delta.removed.append(9)
+    with pytest.raises(P.Rejected, match="removes machine 9, not a member"):
+        wire.commit_from_pb(bad, base, 4)
+    bad.CopyFrom(msg)
+    bad.contributors.add(machine=1, count=4)
+    with pytest.raises(P.Rejected, match="no contributors or next_view of its own"):
+        wire.commit_from_pb(bad, base, 4)
+
+
+def test_a_commit_answered_send_whole_is_sent_again_whole_and_a_failed_one_is_retried_as_it_went():
+    import grpc
+
+    from zeroth.net import runtime
+    from zeroth.net.proto import peer_pb2 as pb
+
+    class Sender:
+        def __init__(self):
+            self.sent, self.events = [], []
+            self._stop = __import__("threading").Event()
+
+        def _send_async(self, inc, eff, attempt=0, whole=False):
+            self.sent.append((attempt, whole))
+
+        def _event(self, inc, fn, **kw):
+            self.events.append(fn.__name__)
+
+    base = _view(3)
+    eff = P.Send(1, "10.0.0.1:7000", _commit(base, [(0, 4)], base._replace(iteration=5)))
+    s = Sender()
+    runtime.Node._answered(s, 1, eff, 0, False, pb.CommitAck(send_whole=True), None)
+    assert s.sent == [(0, True)] and s.events == []
+    runtime.Node._answered(s, 1, eff, 0, True, pb.CommitAck(), None)
+    assert s.events == ["on_commit_acked"]
+
+    class Unavailable(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "gone"
+
+    runtime.Node._answered(s, 1, eff, 1, True, None, Unavailable())
+    assert s.sent[-1] == (2, True)  # retried, still whole
+    runtime.Node._answered(s, 1, eff, 2, True, None, Unavailable())
+    assert s.events[-1] == "on_commit_failed"

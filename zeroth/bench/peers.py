@@ -8,14 +8,16 @@ measured after a warm-up:
 * ``messages``: calls between peers (pushes, commits, prepares, leaves);
 * ``bytes all`` and ``bytes busiest``: wire bytes sent by all peers, and by the peer that sent the
   most (requests it made and replies it gave), each message sized as the runtime would send it
-  (:func:`zeroth.net.wire.wire_size` of its protobuf, the call token included, 64-byte signatures);
+  (:func:`zeroth.net.wire.wire_size` of its protobuf, the call token included, 64-byte signatures;
+  a commit as a delta of its view, :func:`zeroth.net.wire.commit_to_pb`, unless ``--whole-commits``);
   ``c = busiest / M`` is the constant of ``bytes(busiest) <= c * M``;
 * ``cpu/peer``: protocol CPU per peer (mean and max; the handlers of :mod:`zeroth.net.protocol`,
   timed here, without signature checks) and ``sig checks/peer``: signed messages a peer verifies
   (each costs one Ed25519 verification, measured on this machine: ``verify_us``);
 * ``iteration s`` and ``RTTs``: simulated seconds per iteration and the same in median round trips,
-  with ``--call-slots`` calls in flight per peer (the runtime's sender pool: 16 threads that block
-  for a reply) and ``--compute-s`` seconds of gradient computation per iteration;
+  with ``--call-slots`` calls in flight per peer (0: no limit, the runtime's asynchronous sends; 16:
+  a pool of 16 threads that block for a reply) and ``--compute-s`` seconds of gradient computation
+  per iteration;
 * ``contributors``: the fewest and most members whose gradients an iteration applied (fewer than
   M: the barrier went on without some).
 
@@ -60,11 +62,11 @@ def _fake_sign(data: bytes) -> bytes:
     return hashlib.sha512(data).digest()
 
 
-def _request_pb(msg):
+def _request_pb(msg, base: P.View | None, max_count: int):
     if isinstance(msg, P.Push):
         return wire.push_to_pb(msg)
-    if isinstance(msg, P.Commit):
-        return wire.commit_to_pb(msg)
+    if isinstance(msg, P.Commit):  # a delta of the sender's view of its iteration, as the runtime sends it
+        return wire.commit_to_pb(msg, base, max_count) if base is not None else wire.commit_to_pb(msg)
     if isinstance(msg, P.Prepare):
         return wire.prepare_to_pb(msg)
     if isinstance(msg, P.Leave):
@@ -85,8 +87,10 @@ def _reply_size(reply) -> int:
 class WanNet(SimNet):
     """:class:`zeroth.net.sim.SimNet` over WAN links, counting every call's wire bytes (see the module docstring)."""
 
-    def __init__(self, params: P.Params, *, rtt_s: float, uplink_bps: float, seed: int, call_slots: int | None, **kw):
+    def __init__(self, params: P.Params, *, rtt_s: float, uplink_bps: float, seed: int, call_slots: int | None,
+                 whole_commits: bool = False, **kw):
         super().__init__(params, call_slots=call_slots, **kw)
+        self.whole_commits = whole_commits
         self._rng = random.Random(seed)
         self._access: dict[str, float] = {}
         self._uplink: dict[str, float] = {}
@@ -108,15 +112,17 @@ class WanNet(SimNet):
             self._uplink[address] = self.uplink_bps * math.exp(self._rng.gauss(0.0, 0.7))
         return self._access[address], self._uplink[address]
 
-    def _size(self, msg) -> int:
+    def _size(self, src: str, msg) -> int:
         got = self._sizes.get(id(msg))
         if got is None or got[0] is not msg:
-            got = (msg, wire.wire_size(_request_pb(msg), kind="request", token=_TOKEN))
+            st = self.peers[src].state
+            base = P.view_at(st, msg.iteration) if isinstance(msg, P.Commit) and st is not None and not self.whole_commits else None
+            got = (msg, wire.wire_size(_request_pb(msg, base, self.params.max_count), kind="request", token=_TOKEN))
             self._sizes[id(msg)] = got
         return got[1]
 
     def link_delay(self, src: str, dst: str, message, *, answer_to=None) -> float:
-        n = _reply_size(message) if answer_to is not None else self._size(message)
+        n = _reply_size(message) if answer_to is not None else self._size(src, message)
         it = (message if answer_to is None else answer_to).iteration
         if answer_to is None:
             self.messages[it] = self.messages.get(it, 0) + 1
@@ -175,7 +181,8 @@ def verify_cost_us(n: int = 200) -> float:
 
 
 def measure(m: int, *, iterations: int = 3, warmup: int = 1, rtt_s: float = 0.1, uplink_bps: float = 20e6,
-            compute_s: float = 0.05, call_slots: int | None = 16, seed: int = 0, budget_s: float = 120.0,
+            compute_s: float = 0.05, call_slots: int | None = None, whole_commits: bool = False, seed: int = 0,
+            budget_s: float = 120.0,
             max_count: int = 16, iteration_timeout_s: float = 3.0, barrier_timeout_s: float = 2.0) -> dict[str, Any]:
     """One row of the table for ``m`` peers (see the module docstring); ``ran`` False when the warm-up
     did not finish within ``budget_s`` seconds of this machine's time."""
@@ -183,7 +190,8 @@ def measure(m: int, *, iterations: int = 3, warmup: int = 1, rtt_s: float = 0.1,
                       iterations=warmup + iterations + 1, iteration_timeout_s=iteration_timeout_s,
                       barrier_timeout_s=barrier_timeout_s, founders=m, forming_timeout_s=3600.0,
                       window=8, sign=_fake_sign, max_members=max(m, 1))
-    net = WanNet(params, rtt_s=rtt_s, uplink_bps=uplink_bps, seed=seed, call_slots=call_slots, tick=0.05)
+    net = WanNet(params, rtt_s=rtt_s, uplink_bps=uplink_bps, seed=seed, call_slots=call_slots, whole_commits=whole_commits,
+                 tick=0.05)
     cpu: dict[int, float] = {}
     t0 = time.monotonic()
     deadline = t0 + budget_s
@@ -195,7 +203,7 @@ def measure(m: int, *, iterations: int = 3, warmup: int = 1, rtt_s: float = 0.1,
         lead = net.peers["sim:1000"]
 
         def everyone(n):  # every peer applied n decisions (so every message of those iterations is counted)
-            return lambda: all(len(p.log) >= n for p in net.peers.values()) or time.monotonic() > deadline
+            return lambda: (len(lead.log) >= n and all(len(p.log) >= n for p in net.peers.values())) or time.monotonic() > deadline
 
         net.run_until(everyone(warmup), limit=1e9)
         if not everyone(warmup)() or len(lead.log) < warmup:
@@ -261,7 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rtt-ms", type=float, default=100.0, help="median round trip between two peers (default 100)")
     ap.add_argument("--uplink-mbps", type=float, default=20.0, help="median uplink per peer, Mbit/s (default 20)")
     ap.add_argument("--compute-s", type=float, default=0.05, help="gradient computation per iteration (default 0.05)")
-    ap.add_argument("--call-slots", type=int, default=16, help="calls in flight per peer; 0 = no limit (default 16, the runtime's pool)")
+    ap.add_argument("--call-slots", type=int, default=0,
+                    help="calls in flight per peer; 0 = no limit, as the runtime's asynchronous sends (default); "
+                         "16 = a pool of 16 blocking sender threads, as the runtime had before")
+    ap.add_argument("--whole-commits", action="store_true",
+                    help="size commits whole (every member in every commit), as the wire was before commit deltas")
     ap.add_argument("--budget-s", type=float, default=120.0, help="this machine's seconds per M at most (default 120)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -281,12 +293,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for m in ms:
         rows.append(measure(m, iterations=args.iterations, rtt_s=args.rtt_ms / 1e3, uplink_bps=args.uplink_mbps * 1e6,
-                            compute_s=args.compute_s, call_slots=args.call_slots or None, seed=args.seed,
+                            compute_s=args.compute_s, call_slots=args.call_slots or None, whole_commits=args.whole_commits,
+                            seed=args.seed,
                             budget_s=args.budget_s))
         if not args.json:
             print(f"[zeroth bench peers] M={m}: {rows[-1]['wall_s']:.1f} s", file=sys.stderr)
     vus = verify_cost_us()
-    settings = {k: getattr(args, k) for k in ("iterations", "rtt_ms", "uplink_mbps", "compute_s", "call_slots", "budget_s", "seed")}
+    settings = {k: getattr(args, k) for k in ("iterations", "rtt_ms", "uplink_mbps", "compute_s", "call_slots", "whole_commits",
+                                              "budget_s", "seed")}
     if args.json:
         print(json.dumps({"settings": settings, "verify_us": vus, "rows": rows}, indent=2))
     else:

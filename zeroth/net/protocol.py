@@ -167,6 +167,8 @@ __all__ = [
     "Step",
     "updates_digest",
     "decision_digest",
+    "view_digest",
+    "view_at",
     "canonical",
     "signed_bytes",
     "sign",
@@ -778,6 +780,27 @@ def _verify(params: Params, view: View | None, msg, what: str, key: bytes | None
         raise Rejected("UNAUTHENTICATED", f"{what}: not signed by machine {msg.sender}")
     if not params.verify(key, signed_bytes(msg), msg.signature):
         raise Rejected("UNAUTHENTICATED", f"{what}: the signature is not machine {msg.sender}'s")
+
+
+_VIEW_DIGESTS: dict[int, tuple[View, bytes]] = {}
+
+
+def view_digest(v: View) -> bytes:
+    """SHA-256 of a view's fields (iteration, members, next id): what a commit sent as a delta
+    names as the view it changes (``zeroth.v1.CommitDelta.base``). Computed once per view object."""
+    got = _VIEW_DIGESTS.get(id(v))
+    if got is None or got[0] is not v:
+        got = (v, hashlib.sha256(canonical("zeroth-view-v1", *_view_fields(v))).digest())
+        if len(_VIEW_DIGESTS) >= _VIEW_INDEX_SIZE:
+            _VIEW_DIGESTS.clear()
+        _VIEW_DIGESTS[id(v)] = got
+    return got[1]
+
+
+def view_at(st: PeerState, t: int) -> View | None:
+    """The view of iteration ``t`` as far as this peer has verified it (None: not known): its current
+    one, or the one the decision of ``t - 1`` it holds handed on."""
+    return _view_at(st, t)
 
 
 def _view_at(st: PeerState, t: int) -> View | None:

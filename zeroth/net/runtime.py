@@ -285,6 +285,7 @@ class Node:
         self.transfer = StateTransfer(self)
         self.checksums = Checksums(self)
         self.barrier = BarrierCounters()  # contributors, late pushes, wasted forward passes, barrier wait
+        self._commit_pbs: tuple | None = None  # (commit, whole, delta): the latest commit on the wire
         self.counters = {"checksum_comparisons": 0, "checksum_mismatches": 0, "repairs": 0, "rejoins": 0, "refused_requests": 0}
         self.machines: list[int] = []
         self.last_eval: dict = {}
@@ -499,32 +500,63 @@ class Node:
             except P.Rejected as e:
                 self.say(f"{fn.__name__}: {e.message}")
 
-    def _send_async(self, inc: int, eff: P.Send, attempt: int = 0) -> None:
+    def _send_async(self, inc: int, eff: P.Send, attempt: int = 0, whole: bool = False) -> None:
         """A push or a commit, sent without holding a thread while it travels (every member's at
         once: an iteration costs a few round trips whatever the number of members); its answer is
-        taken by the sender pool as :meth:`_send` takes a blocking call's. A commit that finds the
-        member unavailable or out of time is sent again twice, 50 and 100 ms later."""
+        taken by the sender pool as :meth:`_send` takes a blocking call's. A commit goes as a delta
+        of the view of its iteration (:func:`zeroth.net.wire.commit_to_pb`; encoded once for all
+        members), or ``whole`` to a member that answered that it lacks that view. A commit that
+        finds the member unavailable or out of time is sent again twice, 50 and 100 ms later."""
         if self._stop.is_set():
             return
         msg = eff.message
         b = self.cfg.peers.barrier_timeout_s
 
         def done(response, error) -> None:
-            self._submit(self._answered, inc, eff, attempt, response, error)
+            self._submit(self._answered, inc, eff, attempt, whole, response, error)
 
         try:
             if isinstance(msg, P.Push):
                 self.transport.rpc_async(eff.address, "PushGradients", wire.push_to_pb(msg), b, done, payload=len(msg.payload))
             else:
-                self.transport.rpc_async(eff.address, "CommitIteration", wire.commit_to_pb(msg), b, done)
+                self.transport.rpc_async(eff.address, "CommitIteration", self._commit_pb(msg, whole), b, done)
         except grpc.RpcError as e:  # stopping (Closed)
             done(None, e)
 
-    def _answered(self, inc: int, eff: P.Send, attempt: int, response, error) -> None:
+    def _commit_pb(self, msg: P.Commit, whole: bool):
+        """``msg`` on the wire, as a delta of the view of its iteration (else whole), encoded once per commit."""
+        with self._lock:
+            cached = self._commit_pbs
+            if cached is None or cached[0] is not msg:
+                base = P.view_at(self._st, msg.iteration) if self._st is not None else None
+                full = wire.commit_to_pb(msg)
+                delta = wire.commit_to_pb(msg, base, self._pp.max_count) if base is not None else full
+                cached = self._commit_pbs = (msg, full, delta)
+        return cached[1] if whole else cached[2]
+
+    def commit_from_pb(self, request) -> P.Commit | None:
+        """The commit a ``CommitIteration`` request carries, a delta rebuilt from this peer's view of
+        its iteration; None when it is a delta of a view this peer does not hold (the sender then
+        sends it whole)."""
+        if not request.HasField("delta"):
+            return wire.commit_from_pb(request)
+        with self._lock:
+            if self._st is None or self._pp is None:
+                return None
+            base = P.view_at(self._st, int(request.iteration))
+            max_count = self._pp.max_count
+        try:
+            return wire.commit_from_pb(request, base, max_count)
+        except wire.NoBase:
+            return None
+
+    def _answered(self, inc: int, eff: P.Send, attempt: int, whole: bool, response, error) -> None:
         """The answer to :meth:`_send_async`'s call, fed to the protocol (in a sender thread)."""
         msg = eff.message
         if error is None:
-            if isinstance(msg, P.Commit):
+            if isinstance(msg, P.Commit) and response.send_whole and not whole:
+                self._send_async(inc, eff, attempt, whole=True)
+            elif isinstance(msg, P.Commit):
                 reply = P.CommitReply(not response.not_held, bytes(response.previous))
                 self._event(inc, P.on_commit_acked, iteration=msg.iteration, machine=eff.machine, reply=reply)
             return
@@ -532,7 +564,7 @@ class Node:
         if isinstance(msg, P.Commit):
             if attempt < 2 and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 if not self._stop.wait(0.05 * (attempt + 1)):
-                    self._send_async(inc, eff, attempt + 1)
+                    self._send_async(inc, eff, attempt + 1, whole)
                 return
             self._event(inc, P.on_commit_failed, iteration=msg.iteration, machine=eff.machine, message=f"{code.name}: {details}")
             return
