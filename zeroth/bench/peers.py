@@ -11,9 +11,10 @@ measured after a warm-up:
   (:func:`zeroth.net.wire.wire_size` of its protobuf, the call token included, 64-byte signatures;
   a commit as a delta of its view, :func:`zeroth.net.wire.commit_to_pb`, unless ``--whole-commits``);
   ``c = busiest / M`` is the constant of ``bytes(busiest) <= c * M``;
-* ``cpu/peer``: protocol CPU per peer (mean and max; the handlers of :mod:`zeroth.net.protocol`,
-  timed here, without signature checks) and ``sig checks/peer``: signed messages a peer verifies
-  (each costs one Ed25519 verification, measured on this machine: ``verify_us``);
+* ``cpu/peer``: protocol CPU per peer (mean and max, in ms of this thread's CPU time; the handlers
+  of :mod:`zeroth.net.protocol`, timed here, signing included, signature checks not) and
+  ``sig checks/peer``: signed messages a peer verifies (each costs one Ed25519 verification,
+  measured on this machine: ``verify_us``);
 * ``iteration s`` and ``RTTs``: simulated seconds per iteration and the same in median round trips,
   with ``--call-slots`` calls in flight per peer (0: no limit, the runtime's asynchronous sends; 16:
   a pool of 16 threads that block for a reply) and ``--compute-s`` seconds of gradient computation
@@ -148,12 +149,12 @@ def _cpu_timers(cpu: dict[int, float]):
 
     def timed(fn):
         def call(params, st, *args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = time.thread_time()  # CPU time: other processes on the machine do not count
             try:
                 return fn(params, st, *args, **kwargs)
             finally:
                 me = getattr(st, "me", None)
-                cpu[me] = cpu.get(me, 0.0) + time.perf_counter() - t0
+                cpu[me] = cpu.get(me, 0.0) + time.thread_time() - t0
         return call
 
     try:

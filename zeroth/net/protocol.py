@@ -720,21 +720,34 @@ def updates_digest(contributors, payloads) -> bytes:
     return h.digest()
 
 
+_COMMIT_DIGESTS: dict[tuple[str, int], tuple[Commit, bytes]] = {}
+
+
+def _per_commit(kind: str, commit: Commit, fn) -> bytes:
+    """``fn(commit)``, computed once per commit object (its encoding is O(members)): held by identity,
+    the commit kept with it so that its id is not reused while it is held."""
+    key = (kind, id(commit))
+    got = _COMMIT_DIGESTS.get(key)
+    if got is None or got[0] is not commit:
+        got = (commit, fn(commit))
+        if len(_COMMIT_DIGESTS) >= 1024:
+            _COMMIT_DIGESTS.clear()
+        _COMMIT_DIGESTS[key] = got
+    return got[1]
+
+
 def decision_digest(commit: Commit) -> bytes:
     """SHA-256 of :func:`signed_bytes` of a decision: equal digests mean the same iteration, ballot and value."""
-    return hashlib.sha256(signed_bytes(commit)).digest()
+    return _per_commit("decision", commit, lambda c: hashlib.sha256(signed_bytes(c)).digest())
 
 
 def chain_digest(commit: Commit) -> bytes:
     """SHA-256 of a decision's value and of the chain it continues (``commit.previous``): equal
     digests mean the same decisions of this iteration and of every one before it. The ballot and
     the signer are left out: a takeover that re-issues a decision keeps its chain."""
-    return hashlib.sha256(
-        canonical(
-            "zeroth-chain-v1", commit.run_id, commit.iteration, commit.previous, commit.contributors,
-            commit.updates_digest, _view_fields(commit.next_view),
-        )
-    ).digest()
+    return _per_commit("chain", commit, lambda c: hashlib.sha256(
+        canonical("zeroth-chain-v1", c.run_id, c.iteration, c.previous, c.contributors, c.updates_digest, _view_fields(c.next_view))
+    ).digest())
 
 
 def _view_fields(v: View) -> tuple:
