@@ -29,8 +29,10 @@ One iteration ``t`` with view ``V_t`` (members, each active or catching up):
    missed the barrier is dropped from the iteration and becomes inactive (no longer waited
    for; it keeps applying decisions and rejoins the active set by pushing again, which is how a
    joiner that caught up becomes active too); a member that cannot be reached
-   (:data:`UNREACHABLE_AFTER` failed deliveries) is removed from the view and must rejoin with a
-   new id; pending joiners are admitted with fresh ids (never reused);
+   (:data:`UNREACHABLE_AFTER` failed deliveries), or that stayed inactive for
+   ``Params.idle_timeout_s`` (a silent member no longer counts toward the majority), is removed
+   from the view and must rejoin with a new id; pending joiners are admitted with fresh ids (never
+   reused), up to ``Params.max_members``;
 3. every member applies the decided updates in canonical order (machine id, sample index).
 
 Agreement. The update set of ``t`` is whatever the committer decides, so every member replays
