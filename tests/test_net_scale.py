@@ -176,8 +176,8 @@ def test_the_scale_harness_counts_every_call_and_its_wire_bytes():
         assert 2 * 0.1 / 4 < r["iteration_s"] < 3.0  # at least a round trip (medians 100 ms), well within the timeouts
     # A push is at least its 16 payload bytes, a 64-byte signature, a 32-byte chain digest and the call's framing.
     assert rows[0]["bytes_all"] > 12 * (16 + 64 + 32 + 58)
-    text = bench.table(rows + [{"peers": 1024, "ran": False, "wall_s": 120.0}], 80.0)
-    assert "1024  not run: its warm-up did not finish within the budget (120 s)" in text
+    text = bench.table(rows + [{"peers": 1024, "ran": False, "wall_s": 300.0, "cpu_s": 120.0}], 80.0)
+    assert "1024  not run: its warm-up did not finish within the budget (120 s of CPU)" in text
 
 
 def test_the_scale_harness_refuses_bad_arguments_in_one_line(capsys):
