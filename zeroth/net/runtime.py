@@ -9,10 +9,11 @@ The pieces of a :class:`Node`, each in its own module:
 * :mod:`zeroth.net.updatelog` — ``OUT/updates.log``: every state taken and every decided iteration
   applied, with the digest after it (what ``zeroth verify`` replays);
 * this module — the driver: it feeds events to the protocol under one lock and carries out its
-  effects: :class:`~P.Send` messages and :class:`~P.Fetch` log entries (a pool of sender threads,
-  answers fed back to the protocol), and, in order in the *driver* thread, :class:`~P.Apply` a
-  decided iteration (exact replay, digest, snapshot, metrics, checksum exchange, evaluation),
-  :class:`~P.Compute` projected gradients, rejoin after :class:`~P.Dropped`, the end after
+  effects: :class:`~P.Send` messages (pushes and commits as gRPC futures that hold no thread while
+  they travel, commits as deltas of their iteration's view; prepares and leaves in a pool of sender
+  threads) and :class:`~P.Fetch` log entries (in that pool), answers fed back to the protocol,
+  and, in order in the *driver* thread, :class:`~P.Apply` a decided iteration (exact replay,
+  digest, snapshot, metrics, checksum exchange, evaluation), :class:`~P.Compute` projected gradients, rejoin after :class:`~P.Dropped`, the end after
   :class:`~P.Finished` or :class:`~P.Failed` (which saves the state to restart from); a ticker
   calls :func:`P.on_tick` every ``tick_s``; gRPC server threads (:mod:`zeroth.net.service`)
   authenticate each request and call the ``handle_*`` methods.
@@ -503,7 +504,7 @@ class Node:
     def _send_async(self, inc: int, eff: P.Send, attempt: int = 0, whole: bool = False) -> None:
         """A push or a commit, sent without holding a thread while it travels (every member's at
         once: an iteration costs a few round trips whatever the number of members); its answer is
-        taken by the sender pool as :meth:`_send` takes a blocking call's. A commit goes as a delta
+        taken by the sender pool, as a blocking call's answer is. A commit goes as a delta
         of the view of its iteration (:func:`zeroth.net.wire.commit_to_pb`; encoded once for all
         members), or ``whole`` to a member that answered that it lacks that view. A commit that
         finds the member unavailable or out of time is sent again twice, 50 and 100 ms later."""
@@ -575,26 +576,12 @@ class Node:
             self._event(inc, P.on_push_refused, iteration=msg.iteration, machine=eff.machine)
 
     def _send(self, inc: int, eff: P.Send) -> None:
+        """A prepare or a leave, a blocking call in a sender thread (pushes and commits: :meth:`_send_async`)."""
         msg = eff.message
         b = self.cfg.peers.barrier_timeout_s
         rpc = self.transport.rpc
         try:
-            if isinstance(msg, P.Push):
-                rpc(eff.address, "PushGradients", wire.push_to_pb(msg), b, payload=len(msg.payload))
-            elif isinstance(msg, P.Commit):
-                request = wire.commit_to_pb(msg)
-                for attempt in range(3):
-                    try:
-                        ack = rpc(eff.address, "CommitIteration", request, b)
-                        break
-                    except grpc.RpcError as e:
-                        if attempt == 2 or e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                            raise
-                        if self._stop.wait(0.05 * (attempt + 1)):
-                            return
-                reply = P.CommitReply(not ack.not_held, bytes(ack.previous))
-                self._event(inc, P.on_commit_acked, iteration=msg.iteration, machine=eff.machine, reply=reply)
-            elif isinstance(msg, P.Prepare):
+            if isinstance(msg, P.Prepare):
                 reply = rpc(eff.address, "Prepare", wire.prepare_to_pb(msg), b)
                 try:
                     decoded = wire.prepare_reply_from_pb(reply)
@@ -604,15 +591,12 @@ class Node:
                 self._event(inc, P.on_prepare_reply, sender=eff.machine, reply=decoded)
             elif isinstance(msg, P.Leave):
                 rpc(eff.address, "Leave", wire.leave_to_pb(msg), b)
+            else:
+                raise TypeError(f"_send carries prepares and leaves, not {type(msg).__name__}")
         except grpc.RpcError as e:
             code, details = e.code(), e.details()
-            if isinstance(msg, P.Push | P.Leave) and code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                self.say(f"{type(msg).__name__.lower()} of iteration {msg.iteration} to machine {eff.machine} refused: {code.name}: {details}")
-            if isinstance(msg, P.Push) and code == grpc.StatusCode.UNAVAILABLE:
-                # nothing listens at its address: the committer need not wait for its push
-                self._event(inc, P.on_push_refused, iteration=msg.iteration, machine=eff.machine)
-            if isinstance(msg, P.Commit):
-                self._event(inc, P.on_commit_failed, iteration=msg.iteration, machine=eff.machine, message=f"{code.name}: {details}")
+            if isinstance(msg, P.Leave) and code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                self.say(f"leave of iteration {msg.iteration} to machine {eff.machine} refused: {code.name}: {details}")
             elif isinstance(msg, P.Prepare):
                 if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE):
                     self._event(inc, P.on_prepare_rejected, sender=eff.machine, message=details or "")
