@@ -1678,8 +1678,8 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
     _verify(params, st.view, push, f"push of machine {push.sender} iteration {push.iteration}")
     t = push.iteration
     if t < st.it:
-        mem = [m for m in st.view.members if m.machine == push.sender]
-        if t >= st.it - READY_LAG and mem and not mem[0].active and st.phase == MEMBER:
+        mem = _index(st.view)[3].get(push.sender)  # O(1): a late push costs no scan of the members
+        if t >= st.it - READY_LAG and mem is not None and not mem.active and st.phase == MEMBER:
             return Step(st._replace(ready=st.ready | {push.sender}), ())
         raise Rejected("FAILED_PRECONDITION", f"stale push: iteration {t} is already decided (this peer is at {st.it})")
     if t > _horizon(st) or t > st.it + params.window:
