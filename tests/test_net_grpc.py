@@ -286,6 +286,20 @@ def test_stale_duplicate_oversized_and_undecodable_messages(running, hostile):
     assert code in ("OUT_OF_RANGE", "NOT_FOUND")
 
 
+def test_a_commit_delta_of_a_view_the_member_lacks_is_answered_send_whole_and_changes_nothing(running, hostile):
+    leader, member = running
+    h = hostile.machine
+    view = member.status_view()
+    before = member.status()
+    forged = hostile.commit(h, iteration=view.iteration, ballot=P.Ballot(0, h), view=view._replace(iteration=view.iteration + 1))
+    forged.ClearField("next_view")
+    forged.delta.base = b"\x00" * 32  # not the digest of any view the member holds
+    forged.delta.next_machine_id = view.next_machine_id
+    ack = hostile.stub(member.address).CommitIteration(forged, metadata=hostile.metadata, timeout=10)
+    assert ack.send_whole and not ack.not_held
+    assert member.status()["phase"] == before["phase"] == "member"
+
+
 def test_the_run_survives_all_that_and_stays_in_agreement(running):
     before = [n.applied for n in running]
     assert wait_for(lambda: all(n.applied >= b + 5 for n, b in zip(running, before, strict=True)))

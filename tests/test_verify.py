@@ -46,10 +46,12 @@ def _own(params):
     return jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True), params)
 
 
-def write_run(root, worker, *, iterations=6, machines=(0, 1), run_id=RUN, start=0, params=None, previous=b"", secret=SECRET):
+def write_run(root, worker, *, iterations=6, machines=(0, 1), run_id=RUN, start=0, params=None, previous=b"", secret=SECRET,
+              missed=()):
     """What each peer of ``machines`` logs over ``iterations`` decided iterations from ``start``
     (each START naming the peer's key with its proof of ``secret``, none if None); returns the
-    state reached and the chain digest of the last decision."""
+    state reached and the chain digest of the last decision. ``missed``: ``(iteration, machine)``
+    pairs left out of that iteration's decision (the member stays active in the views)."""
     cfg = to_dict(worker.cfg)
     ids = {m: Identity.generate() for m in machines}
     members = tuple(P.Member(m, f"127.0.0.1:{7000 + m}", True, ids[m].public) for m in machines)
@@ -60,7 +62,7 @@ def write_run(root, worker, *, iterations=6, machines=(0, 1), run_id=RUN, start=
         w.start(run_id=run_id, iteration=start, digest=checksum(params), reason="initial" if start == 0 else "resumed",
                 config=cfg, key=key, proof=log_proof(secret, run_id, key) if secret else b"")
     for t in range(start, start + iterations):
-        pushed = [(m, *worker.compute(params, m, t)[:2]) for m in machines]
+        pushed = [(m, *worker.compute(params, m, t)[:2]) for m in machines if (t, m) not in missed]
         contributors = tuple((m, n) for m, n, _ in pushed)
         payloads = tuple(p for _, _, p in pushed)
         view = P.View(t + 1, members, len(machines))
@@ -293,6 +295,29 @@ def test_every_recorded_digest_is_reproduced_by_the_replay(tmp_path, worker, imp
     assert run.commits_signed == 6 and run.pushes_signed == 12
     text = verify.format_report(report)
     assert "7/7 digests, every digest reproduced" in text and text.endswith("follows from the log on this machine")
+
+
+def test_verify_prints_the_contributors_and_missed_barriers_of_the_decisions_and_what_peers_reported(tmp_path, worker, capsys):
+    write_run(tmp_path, worker, iterations=5, machines=(0, 1, 2), missed={(2, 1), (3, 1), (3, 2)})
+    totals = {"pushes_late": 2, "forward_passes_wasted": 12, "barrier_wait_s_total": 0.75, "late_pushes_received": 0}
+    (tmp_path / "peers" / "p1" / "metrics.jsonl").write_text(
+        json.dumps({"kind": "train", "step": 4, **{k: 0 for k in totals}}) + "\nnot json\n"
+        + json.dumps({"kind": "train", "step": 5, **totals}) + "\n" + json.dumps({"kind": "eval", "step": 5}) + "\n")
+    report = verify.verify(tmp_path)
+    assert report.ok, verify.format_report(report)
+    (run,) = report.runs
+    b = run.barrier
+    assert b["contributors_per_iteration"] == [3, 3, 2, 1, 3]
+    assert (b["contributors_min"], b["contributors_median"], b["contributors_max"]) == (1, 3, 3)
+    assert b["missed_barrier"] == 3 and b["iterations_with_missed"] == 2
+    assert b["forward_passes_applied"] == 2 * 3 * 12  # 3 projected gradients each (inferences_per_iteration)
+    assert report.reported == (("peers/p1", totals),)
+    text = verify.format_report(report)
+    assert "contributors per iteration min 1 median 3 max 3 over 5 decisions; 3 active member(s) missed it in 2 iteration(s)" in text
+    assert "reported by peers/p1: 2 own push(es) late, 12 forward passes wasted, 0 late push(es) received, 0.75s at the barrier" in text
+    assert verify.main([str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["runs"][0]["barrier"]["missed_barrier"] == 3 and out["reported"]["peers/p1"] == totals
 
 
 def test_a_changed_payload_is_caught_by_its_digest_its_signature_and_the_replay(tmp_path, worker):

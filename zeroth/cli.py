@@ -17,7 +17,7 @@ __all__ = ["main", "COMMANDS"]
 # name -> ("module:function", one-line help). Each function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("zeroth.doctor:main", "check this machine reproduces the golden replay digest"),
-    "bench": ("zeroth.bench:main", "benchmarks: perturb, zo, kernels, binary, ravnest (tables and --json)"),
+    "bench": ("zeroth.bench:main", "benchmarks: perturb, zo, kernels, binary, ravnest, peers (tables and --json)"),
     "datasets": ("zeroth.data:cli_main", "list datasets, their status and how to install each"),
     "run": ("zeroth.run:main", "run an experiment config (one machine, or peers, pipeline stages, Ravnest nodes on loopback, Marsit workers as CPU devices)"),
     "verify": ("zeroth.net.verify:main", "replay a Just One Byte run's update logs on this machine and check every digest its peers recorded"),

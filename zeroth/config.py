@@ -352,6 +352,19 @@ class PeersConfig:
         "the peer ends the run (exit 1, state saved). null = iteration_timeout_s + 6 * barrier_timeout_s.",
         gt=0.0,
     )
+    max_members: int = field(
+        1024,
+        "Most members a run holds: further joins are refused (RESOURCE_EXHAUSTED, the joiner retries) until a "
+        "member leaves or is removed; at least peers.count.",
+        min=1,
+        max=4096,
+    )
+    idle_timeout_s: float | None = field(
+        120.0,
+        "A member that contributes nothing (admitted but silent, or still catching up) for this many seconds is "
+        "removed from the run and must rejoin, so members that never push do not hold the majority; null = never.",
+        gt=0.0,
+    )
     startup_timeout_s: float | None = field(
         None,
         "Seconds for every founder to join before iteration 0; fewer by then fails the run (exit 1). "
@@ -825,6 +838,9 @@ def _check_bounds(cfg: Config) -> None:
     if cfg.peers is not None and cfg.peers.count + len(cfg.peers.join_at) > MAX_PROCESSES:
         raise ValueError(f"config field peers.join_at: peers.count={cfg.peers.count} plus {len(cfg.peers.join_at)} joiners "
                          f"exceed MAX_PROCESSES={MAX_PROCESSES} peer processes; start fewer")
+    if cfg.peers is not None and cfg.peers.count > cfg.peers.max_members:
+        raise ValueError(f"config field peers.max_members: {cfg.peers.max_members} is below peers.count={cfg.peers.count}; "
+                         f"raise it to at least {cfg.peers.count}")
     if cfg.ravnest is not None:
         if len(cfg.ravnest.nodes) > MAX_PROCESSES:
             raise ValueError(f"config field ravnest.nodes: {len(cfg.ravnest.nodes)} nodes exceed MAX_PROCESSES={MAX_PROCESSES} "

@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "signbits": ("zeroth.bench.signbits:main", "sign-bit pack/unpack/merge/majority throughput alone"),
     "binary": ("zeroth.bench.binary:main", "XOR-popcount dense/conv in binary ops/s next to float32 of the same shape"),
     "ravnest": ("zeroth.bench.ravnest:main", "idle time per stage: Ravnest's asynchronous pipeline next to the synchronous fill-and-drain one"),
+    "peers": ("zeroth.bench.peers:main", "Just One Byte at M peers on the simulator: messages, wire bytes, CPU, iteration time over a WAN"),
     "hosts": ("zeroth.bench.hosts:main", "an AQ-SGD pipeline over two namespace hosts at limited link rates (root)"),
 }
 

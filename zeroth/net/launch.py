@@ -49,6 +49,8 @@ from typing import Any
 
 from zeroth.config import Config, to_yaml
 from zeroth.net import state as _state
+from zeroth.net.counters import TOTALS as BARRIER_TOTALS
+from zeroth.net.counters import summarize_contributors
 from zeroth.net import updatelog as _updatelog
 from zeroth.net.runtime import JOIN_DIGEST_EXCLUDE
 from zeroth.train import interrupt
@@ -243,6 +245,11 @@ def summarize(cfg: Config, peers: list[PeerProcess], events: list[dict], wall: f
         "member_stats": (ref or {}).get("member_stats", {}),
         "errors": sorted({s["error"] for s in per if s.get("error")}),
         "rejoins": sum(s.get("rejoins", 0) for s in per),
+        # the barrier (zeroth.net.counters): contributors of each iteration (the reference peer's
+        # decisions), and what every peer lost at it
+        "contributors_per_iteration": (ref or {}).get("contributors_per_iteration", []),
+        **summarize_contributors((ref or {}).get("contributors_per_iteration", [])),
+        **{k: sum(s.get(k, 0) for s in per) for k in BARRIER_TOTALS},
         "events": events,
         "wall_time_s": wall,
         "peers": per,

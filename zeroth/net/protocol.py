@@ -29,8 +29,10 @@ One iteration ``t`` with view ``V_t`` (members, each active or catching up):
    missed the barrier is dropped from the iteration and becomes inactive (no longer waited
    for; it keeps applying decisions and rejoins the active set by pushing again, which is how a
    joiner that caught up becomes active too); a member that cannot be reached
-   (:data:`UNREACHABLE_AFTER` failed deliveries) is removed from the view and must rejoin with a
-   new id; pending joiners are admitted with fresh ids (never reused);
+   (:data:`UNREACHABLE_AFTER` failed deliveries), or that stayed inactive for
+   ``Params.idle_timeout_s`` (a silent member no longer counts toward the majority), is removed
+   from the view and must rejoin with a new id; pending joiners are admitted with fresh ids (never
+   reused), up to ``Params.max_members``;
 3. every member applies the decided updates in canonical order (machine id, sample index).
 
 Agreement. The update set of ``t`` is whatever the committer decides, so every member replays
@@ -167,6 +169,8 @@ __all__ = [
     "Step",
     "updates_digest",
     "decision_digest",
+    "view_digest",
+    "view_at",
     "canonical",
     "signed_bytes",
     "sign",
@@ -252,6 +256,13 @@ class Params:
         (simulations); a peer that serves others always sets it.
       stall_timeout_s: an iteration without a decision for this long is re-synchronised, and after
         as long again the peer fails (None: ``iteration_timeout_s + 6 * barrier_timeout_s``).
+      max_members: joins are refused (``RESOURCE_EXHAUSTED``) while the view and the joins queued
+        for the next decision hold this many members (a rejoin on a member's address replaces it
+        and is not refused); at most :data:`MAX_MEMBERS`.
+      idle_timeout_s: a member that stays inactive (contributes nothing: a silent member, or one
+        catching up for that long) for this many seconds, as the committer saw it, is removed by
+        the next decision (it must rejoin with a new id), so members that never push do not
+        count toward the majority for ever; None: never (only unreachable ones are removed).
     """
 
     run_id: str
@@ -270,6 +281,8 @@ class Params:
     verify: Callable[[bytes, bytes, bytes], bool] | None = None
     stall_timeout_s: float | None = None
     require_founders: bool = False
+    max_members: int = MAX_MEMBERS
+    idle_timeout_s: float | None = None
 
     @property
     def stall_s(self) -> float:
@@ -285,6 +298,11 @@ class Params:
                 raise ValueError(f"Params.{name} must be an integer >= 1, got {v!r}")
         if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
             raise ValueError(f"Params.stall_timeout_s must be > 0 seconds or None, got {self.stall_timeout_s!r}")
+        if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
+            raise ValueError(f"Params.idle_timeout_s must be > 0 seconds or None, got {self.idle_timeout_s!r}")
+        if not isinstance(self.max_members, int) or not self.founders <= self.max_members <= MAX_MEMBERS:
+            raise ValueError(f"Params.max_members must be an integer from founders ({self.founders}) to {MAX_MEMBERS}, "
+                             f"got {self.max_members!r}")
         for name in ("iteration_timeout_s", "barrier_timeout_s", "forming_timeout_s"):
             v = getattr(self, name)
             if not v > 0:
@@ -305,35 +323,52 @@ class Member(NamedTuple):
 
 
 class View(NamedTuple):
-    """The membership of one iteration; ``members`` sorted by machine id."""
+    """The membership of one iteration; ``members`` sorted by machine id.
+
+    Its lookups (:meth:`ids`, :meth:`active_ids`, :meth:`leader`, :meth:`address_of`,
+    :meth:`key_of`) cost O(1) after the first on a view object: the sets and the index by machine
+    id are built once per view (:func:`_index`), not once per message."""
 
     iteration: int
     members: tuple[Member, ...]
     next_machine_id: int
 
     def ids(self) -> frozenset[int]:
-        return frozenset(m.machine for m in self.members)
+        return _index(self)[1]
 
     def active_ids(self) -> frozenset[int]:
-        return frozenset(m.machine for m in self.members if m.active)
+        return _index(self)[2]
 
     def leader(self) -> int | None:
         """The regular leader: the lowest active machine id (None without active members)."""
-        act = self.active_ids()
-        return min(act) if act else None
+        return _index(self)[4]
 
     def address_of(self, machine: int) -> str | None:
-        for m in self.members:
-            if m.machine == machine:
-                return m.address
-        return None
+        m = _index(self)[3].get(machine)
+        return None if m is None else m.address
 
     def key_of(self, machine: int) -> bytes | None:
         """The public key of ``machine`` (None if it is not a member)."""
-        for m in self.members:
-            if m.machine == machine:
-                return m.key
-        return None
+        m = _index(self)[3].get(machine)
+        return None if m is None else m.key
+
+
+_VIEW_INDEX: dict[int, tuple] = {}
+_VIEW_INDEX_SIZE = 256  # views indexed at once (a peer uses a few: its window's; tests run several peers)
+
+
+def _index(v: View) -> tuple:
+    """``(view, ids, active ids, {machine: Member}, leader)`` of ``v``, built once per view object
+    (held by identity; the view is kept with it, so its id is not reused while it is held)."""
+    got = _VIEW_INDEX.get(id(v))
+    if got is None or got[0] is not v:
+        by = {m.machine: m for m in reversed(v.members)}  # the first member of an id, as a scan finds it
+        active = frozenset(m.machine for m in v.members if m.active)
+        got = (v, frozenset(by), active, by, min(active) if active else None)
+        if len(_VIEW_INDEX) >= _VIEW_INDEX_SIZE:
+            _VIEW_INDEX.clear()
+        _VIEW_INDEX[id(v)] = got
+    return got
 
 
 class Ballot(NamedTuple):
@@ -612,6 +647,9 @@ class PeerState(NamedTuple):
         who is expected to decide (the lowest unsuspected member takes over again, so two
         candidates do not duel on their own old ballots), but as an acceptor this peer still
         refuses any ballot below them (:func:`_bound`).
+      idle: ``{machine: time}``: when this peer first started an iteration whose view had that
+        member inactive (it is removed once inactive for ``Params.idle_timeout_s``; an active
+        member, or one no longer in the view, has no entry).
     """
 
     me: int
@@ -646,6 +684,7 @@ class PeerState(NamedTuple):
     chain: bytes | None = b""
     strays: frozenset[int] = frozenset()
     floor: Mapping[int, Ballot] = {}
+    idle: Mapping[int, float] = {}
 
 
 class CommitReply(NamedTuple):
@@ -683,21 +722,34 @@ def updates_digest(contributors, payloads) -> bytes:
     return h.digest()
 
 
+_COMMIT_DIGESTS: dict[tuple[str, int], tuple[Commit, bytes]] = {}
+
+
+def _per_commit(kind: str, commit: Commit, fn) -> bytes:
+    """``fn(commit)``, computed once per commit object (its encoding is O(members)): held by identity,
+    the commit kept with it so that its id is not reused while it is held."""
+    key = (kind, id(commit))
+    got = _COMMIT_DIGESTS.get(key)
+    if got is None or got[0] is not commit:
+        got = (commit, fn(commit))
+        if len(_COMMIT_DIGESTS) >= 1024:
+            _COMMIT_DIGESTS.clear()
+        _COMMIT_DIGESTS[key] = got
+    return got[1]
+
+
 def decision_digest(commit: Commit) -> bytes:
     """SHA-256 of :func:`signed_bytes` of a decision: equal digests mean the same iteration, ballot and value."""
-    return hashlib.sha256(signed_bytes(commit)).digest()
+    return _per_commit("decision", commit, lambda c: hashlib.sha256(signed_bytes(c)).digest())
 
 
 def chain_digest(commit: Commit) -> bytes:
     """SHA-256 of a decision's value and of the chain it continues (``commit.previous``): equal
     digests mean the same decisions of this iteration and of every one before it. The ballot and
     the signer are left out: a takeover that re-issues a decision keeps its chain."""
-    return hashlib.sha256(
-        canonical(
-            "zeroth-chain-v1", commit.run_id, commit.iteration, commit.previous, commit.contributors,
-            commit.updates_digest, _view_fields(commit.next_view),
-        )
-    ).digest()
+    return _per_commit("chain", commit, lambda c: hashlib.sha256(
+        canonical("zeroth-chain-v1", c.run_id, c.iteration, c.previous, c.contributors, c.updates_digest, _view_fields(c.next_view))
+    ).digest())
 
 
 def _view_fields(v: View) -> tuple:
@@ -743,6 +795,27 @@ def _verify(params: Params, view: View | None, msg, what: str, key: bytes | None
         raise Rejected("UNAUTHENTICATED", f"{what}: not signed by machine {msg.sender}")
     if not params.verify(key, signed_bytes(msg), msg.signature):
         raise Rejected("UNAUTHENTICATED", f"{what}: the signature is not machine {msg.sender}'s")
+
+
+_VIEW_DIGESTS: dict[int, tuple[View, bytes]] = {}
+
+
+def view_digest(v: View) -> bytes:
+    """SHA-256 of a view's fields (iteration, members, next id): what a commit sent as a delta
+    names as the view it changes (``zeroth.v1.CommitDelta.base``). Computed once per view object."""
+    got = _VIEW_DIGESTS.get(id(v))
+    if got is None or got[0] is not v:
+        got = (v, hashlib.sha256(canonical("zeroth-view-v1", *_view_fields(v))).digest())
+        if len(_VIEW_DIGESTS) >= _VIEW_INDEX_SIZE:
+            _VIEW_DIGESTS.clear()
+        _VIEW_DIGESTS[id(v)] = got
+    return got[1]
+
+
+def view_at(st: PeerState, t: int) -> View | None:
+    """The view of iteration ``t`` as far as this peer has verified it (None: not known): its current
+    one, or the one the decision of ``t - 1`` it holds handed on."""
+    return _view_at(st, t)
 
 
 def _view_at(st: PeerState, t: int) -> View | None:
@@ -1081,6 +1154,8 @@ def log_entries(state: PeerState, first: int, last: int) -> list[LogEntry]:
 def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
     """Arm the deadline of ``st.it`` and ask for its projected gradients."""
     ids = st.view.ids()
+    if params.idle_timeout_s is not None:
+        st = st._replace(idle={m.machine: st.idle.get(m.machine, now) for m in st.view.members if not m.active})
     st = st._replace(
         started_at=now,
         suspected=frozenset(),
@@ -1220,7 +1295,7 @@ def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> Pee
         if (now < st.deadline and not missing <= st.refused) or not _majority(have | st.ready | st.leaves | {st.me}, view.ids()):
             return st
     ballot = Ballot(0, st.me)
-    entry, admitted = _decide(params, st, ballot, have, have | st.ready | {st.me})
+    entry, admitted = _decide(params, st, ballot, have, have | st.ready | {st.me}, now)
     return _publish(params, st, now, effects, entry, admitted)
 
 
@@ -1292,8 +1367,9 @@ def _replace_gone(params: Params, st: PeerState, now: float, effects: list) -> P
     return _suspect(params, st, who, now, effects, f"machine {who} refused our connection")
 
 
-def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive) -> tuple[LogEntry, tuple]:
-    """Build the decision of ``st.it`` from the pushes of ``contributors``; ``alive`` may stay active."""
+def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive, now: float) -> tuple[LogEntry, tuple]:
+    """Build the decision of ``st.it`` from the pushes of ``contributors``; ``alive`` may stay active.
+    Members unreachable, or inactive for ``Params.idle_timeout_s`` (:attr:`PeerState.idle`), are removed."""
     view = st.view
     contributors = sorted(contributors)
     pushes = [st.inbox[(st.it, m)] for m in contributors]
@@ -1316,6 +1392,9 @@ def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive) 
             continue
         if st.failures.get(m.machine, 0) >= UNREACHABLE_AFTER and m.machine not in next_active:
             continue  # unreachable: removed (it must rejoin with a new id)
+        if (params.idle_timeout_s is not None and m.machine not in next_active and m.machine != st.me
+                and now - st.idle.get(m.machine, now) >= params.idle_timeout_s):
+            continue  # silent for too long: removed, so it no longer counts toward the majority
         # An active member that missed the barrier is out of this iteration and inactive from the
         # next: it is no longer waited for, and becomes active again by pushing again.
         members.append(m._replace(active=m.machine in next_active))
@@ -1498,6 +1577,9 @@ def on_join(params: Params, st: PeerState, req: JoinRequest, now: float) -> Step
         return Step(st, (), Redirect(address))
     if len(st.joins) >= params.max_pending_joins:
         raise Rejected("RESOURCE_EXHAUSTED", f"{len(st.joins)} joins already wait for the next commit; retry shortly")
+    if len(st.view.members) + len(st.joins) >= params.max_members and req.address not in {m.address for m in st.view.members}:
+        raise Rejected("RESOURCE_EXHAUSTED", f"the run holds its most members ({params.max_members}, peers.max_members) "
+                                             f"with the joins queued; retry once a member left or raise peers.max_members")
     if any(rid == req.request_id for rid, _, _ in st.joins):
         raise Rejected("ALREADY_EXISTS", f"join request {req.request_id} is already queued")
     for m in st.view.members:
@@ -1596,8 +1678,8 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
     _verify(params, st.view, push, f"push of machine {push.sender} iteration {push.iteration}")
     t = push.iteration
     if t < st.it:
-        mem = [m for m in st.view.members if m.machine == push.sender]
-        if t >= st.it - READY_LAG and mem and not mem[0].active and st.phase == MEMBER:
+        mem = _index(st.view)[3].get(push.sender)  # O(1): a late push costs no scan of the members
+        if t >= st.it - READY_LAG and mem is not None and not mem.active and st.phase == MEMBER:
             return Step(st._replace(ready=st.ready | {push.sender}), ())
         raise Rejected("FAILED_PRECONDITION", f"stale push: iteration {t} is already decided (this peer is at {st.it})")
     if t > _horizon(st) or t > st.it + params.window:
@@ -2061,7 +2143,7 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
     # Members that promised are alive: they stay active even if their push for this iteration
     # was not in yet (they may have been waiting for the silent leader's previous commit).
     alive = responders & active
-    entry, admitted = _decide(params, st._replace(joins=(), ready=st.ready | alive), rec.ballot, have, responders)
+    entry, admitted = _decide(params, st._replace(joins=(), ready=st.ready | alive), rec.ballot, have, responders, now)
     effects.append(Note(f"iteration {st.it}: takeover decides contributors {[m for m, _ in entry.commit.contributors]}"))
     return _publish(params, _refuse_joins(st, effects), now, effects, entry, admitted)
 

@@ -9,10 +9,11 @@ The pieces of a :class:`Node`, each in its own module:
 * :mod:`zeroth.net.updatelog` — ``OUT/updates.log``: every state taken and every decided iteration
   applied, with the digest after it (what ``zeroth verify`` replays);
 * this module — the driver: it feeds events to the protocol under one lock and carries out its
-  effects: :class:`~P.Send` messages and :class:`~P.Fetch` log entries (a pool of sender threads,
-  answers fed back to the protocol), and, in order in the *driver* thread, :class:`~P.Apply` a
-  decided iteration (exact replay, digest, snapshot, metrics, checksum exchange, evaluation),
-  :class:`~P.Compute` projected gradients, rejoin after :class:`~P.Dropped`, the end after
+  effects: :class:`~P.Send` messages (pushes and commits as gRPC futures that hold no thread while
+  they travel, commits as deltas of their iteration's view; prepares and leaves in a pool of sender
+  threads) and :class:`~P.Fetch` log entries (in that pool), answers fed back to the protocol,
+  and, in order in the *driver* thread, :class:`~P.Apply` a decided iteration (exact replay,
+  digest, snapshot, metrics, checksum exchange, evaluation), :class:`~P.Compute` projected gradients, rejoin after :class:`~P.Dropped`, the end after
   :class:`~P.Finished` or :class:`~P.Failed` (which saves the state to restart from); a ticker
   calls :func:`P.on_tick` every ``tick_s``; gRPC server threads (:mod:`zeroth.net.service`)
   authenticate each request and call the ``handle_*`` methods.
@@ -50,6 +51,7 @@ from zeroth import replay as _replay
 from zeroth.config import Config, config_digest, to_dict
 from zeroth.transport import identity as _id
 from zeroth.net import protocol as P
+from zeroth.net.counters import BarrierCounters, is_late
 from zeroth.transport import security as _sec
 from zeroth.net import service as _service
 from zeroth.net import state as _state
@@ -283,6 +285,8 @@ class Node:
         self.member_stats: dict[int, dict] = {}
         self.transfer = StateTransfer(self)
         self.checksums = Checksums(self)
+        self.barrier = BarrierCounters()  # contributors, late pushes, wasted forward passes, barrier wait
+        self._commit_pbs: tuple | None = None  # (commit, whole, delta): the latest commit on the wire
         self.counters = {"checksum_comparisons": 0, "checksum_mismatches": 0, "repairs": 0, "rejoins": 0, "refused_requests": 0}
         self.machines: list[int] = []
         self.last_eval: dict = {}
@@ -431,6 +435,8 @@ class Node:
             sign=self.identity.sign,
             verify=_id.verify,
             stall_timeout_s=p.stall_timeout_s,
+            max_members=max(p.max_members, max(1, self.options.founders)),
+            idle_timeout_s=p.idle_timeout_s,
         )
 
     def _step(self, fn, *args, **kwargs):
@@ -458,7 +464,9 @@ class Node:
     def _dispatch(self, effects) -> None:
         inc = self.incarnation
         for eff in effects:
-            if isinstance(eff, P.Send):
+            if isinstance(eff, P.Send) and isinstance(eff.message, P.Push | P.Commit):
+                self._send_async(inc, eff)
+            elif isinstance(eff, P.Send):
                 self._submit(self._send, inc, eff)
             elif isinstance(eff, P.Probe):
                 self._submit(self._probe, inc, eff)
@@ -493,27 +501,87 @@ class Node:
             except P.Rejected as e:
                 self.say(f"{fn.__name__}: {e.message}")
 
+    def _send_async(self, inc: int, eff: P.Send, attempt: int = 0, whole: bool = False) -> None:
+        """A push or a commit, sent without holding a thread while it travels (every member's at
+        once: an iteration costs a few round trips whatever the number of members); its answer is
+        taken by the sender pool, as a blocking call's answer is. A commit goes as a delta
+        of the view of its iteration (:func:`zeroth.net.wire.commit_to_pb`; encoded once for all
+        members), or ``whole`` to a member that answered that it lacks that view. A commit that
+        finds the member unavailable or out of time is sent again twice, 50 and 100 ms later."""
+        if self._stop.is_set():
+            return
+        msg = eff.message
+        b = self.cfg.peers.barrier_timeout_s
+
+        def done(response, error) -> None:
+            self._submit(self._answered, inc, eff, attempt, whole, response, error)
+
+        try:
+            if isinstance(msg, P.Push):
+                self.transport.rpc_async(eff.address, "PushGradients", wire.push_to_pb(msg), b, done, payload=len(msg.payload))
+            else:
+                self.transport.rpc_async(eff.address, "CommitIteration", self._commit_pb(msg, whole), b, done)
+        except grpc.RpcError as e:  # stopping (Closed)
+            done(None, e)
+
+    def _commit_pb(self, msg: P.Commit, whole: bool):
+        """``msg`` on the wire, as a delta of the view of its iteration (else whole), encoded once per commit."""
+        with self._lock:
+            cached = self._commit_pbs
+            if cached is None or cached[0] is not msg:
+                base = P.view_at(self._st, msg.iteration) if self._st is not None else None
+                full = wire.commit_to_pb(msg)
+                delta = wire.commit_to_pb(msg, base, self._pp.max_count) if base is not None else full
+                cached = self._commit_pbs = (msg, full, delta)
+        return cached[1] if whole else cached[2]
+
+    def commit_from_pb(self, request) -> P.Commit | None:
+        """The commit a ``CommitIteration`` request carries, a delta rebuilt from this peer's view of
+        its iteration; None when it is a delta of a view this peer does not hold (the sender then
+        sends it whole)."""
+        if not request.HasField("delta"):
+            return wire.commit_from_pb(request)
+        with self._lock:
+            if self._st is None or self._pp is None:
+                return None
+            base = P.view_at(self._st, int(request.iteration))
+            max_count = self._pp.max_count
+        try:
+            return wire.commit_from_pb(request, base, max_count)
+        except wire.NoBase:
+            return None
+
+    def _answered(self, inc: int, eff: P.Send, attempt: int, whole: bool, response, error) -> None:
+        """The answer to :meth:`_send_async`'s call, fed to the protocol (in a sender thread)."""
+        msg = eff.message
+        if error is None:
+            if isinstance(msg, P.Commit) and response.send_whole and not whole:
+                self._send_async(inc, eff, attempt, whole=True)
+            elif isinstance(msg, P.Commit):
+                reply = P.CommitReply(not response.not_held, bytes(response.previous))
+                self._event(inc, P.on_commit_acked, iteration=msg.iteration, machine=eff.machine, reply=reply)
+            return
+        code, details = error.code(), error.details()
+        if isinstance(msg, P.Commit):
+            if attempt < 2 and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if not self._stop.wait(0.05 * (attempt + 1)):
+                    self._send_async(inc, eff, attempt + 1, whole)
+                return
+            self._event(inc, P.on_commit_failed, iteration=msg.iteration, machine=eff.machine, message=f"{code.name}: {details}")
+            return
+        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            self.say(f"push of iteration {msg.iteration} to machine {eff.machine} refused: {code.name}: {details}")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            # nothing listens at its address: the committer need not wait for its push
+            self._event(inc, P.on_push_refused, iteration=msg.iteration, machine=eff.machine)
+
     def _send(self, inc: int, eff: P.Send) -> None:
+        """A prepare or a leave, a blocking call in a sender thread (pushes and commits: :meth:`_send_async`)."""
         msg = eff.message
         b = self.cfg.peers.barrier_timeout_s
         rpc = self.transport.rpc
         try:
-            if isinstance(msg, P.Push):
-                rpc(eff.address, "PushGradients", wire.push_to_pb(msg), b, payload=len(msg.payload))
-            elif isinstance(msg, P.Commit):
-                request = wire.commit_to_pb(msg)
-                for attempt in range(3):
-                    try:
-                        ack = rpc(eff.address, "CommitIteration", request, b)
-                        break
-                    except grpc.RpcError as e:
-                        if attempt == 2 or e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                            raise
-                        if self._stop.wait(0.05 * (attempt + 1)):
-                            return
-                reply = P.CommitReply(not ack.not_held, bytes(ack.previous))
-                self._event(inc, P.on_commit_acked, iteration=msg.iteration, machine=eff.machine, reply=reply)
-            elif isinstance(msg, P.Prepare):
+            if isinstance(msg, P.Prepare):
                 reply = rpc(eff.address, "Prepare", wire.prepare_to_pb(msg), b)
                 try:
                     decoded = wire.prepare_reply_from_pb(reply)
@@ -523,15 +591,12 @@ class Node:
                 self._event(inc, P.on_prepare_reply, sender=eff.machine, reply=decoded)
             elif isinstance(msg, P.Leave):
                 rpc(eff.address, "Leave", wire.leave_to_pb(msg), b)
+            else:
+                raise TypeError(f"_send carries prepares and leaves, not {type(msg).__name__}")
         except grpc.RpcError as e:
             code, details = e.code(), e.details()
-            if isinstance(msg, P.Push | P.Leave) and code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                self.say(f"{type(msg).__name__.lower()} of iteration {msg.iteration} to machine {eff.machine} refused: {code.name}: {details}")
-            if isinstance(msg, P.Push) and code == grpc.StatusCode.UNAVAILABLE:
-                # nothing listens at its address: the committer need not wait for its push
-                self._event(inc, P.on_push_refused, iteration=msg.iteration, machine=eff.machine)
-            if isinstance(msg, P.Commit):
-                self._event(inc, P.on_commit_failed, iteration=msg.iteration, machine=eff.machine, message=f"{code.name}: {details}")
+            if isinstance(msg, P.Leave) and code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                self.say(f"leave of iteration {msg.iteration} to machine {eff.machine} refused: {code.name}: {details}")
             elif isinstance(msg, P.Prepare):
                 if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE):
                     self._event(inc, P.on_prepare_rejected, sender=eff.machine, message=details or "")
@@ -854,6 +919,8 @@ class Node:
         record["wire_bytes"] = record["wire_bytes_sent"] + record["wire_bytes_received"]
         self._last_traffic = now
         record.update(self.counters)
+        record.update(self.barrier.decided(t, contributors=[m for m, _ in c.contributors], me=me, now=now_s))
+        record.update(self.barrier.totals)
         self._metrics.write(record)
         view = c.next_view
         if not catching_up and me is not None:
@@ -907,6 +974,7 @@ class Node:
         count, payload, loss = self.worker.compute(self.params, me, eff.iteration, eff.deadline)
         self._losses[eff.iteration] = loss
         self._own_payload[eff.iteration] = len(payload)
+        self.barrier.pushed(eff.iteration, count=count, now=time.monotonic())
         try:
             self._step(P.on_local_gradients, iteration=eff.iteration, count=count, payload=payload)
         except P.Rejected:
@@ -1027,6 +1095,7 @@ class Node:
             "gradient_clip": self.cfg.peers.clip,
             "member_stats": members,
             **self.counters,
+            **self.barrier.summary(),
             **self.traffic.snapshot(),
             "wall_time_s": time.monotonic() - self.started,
         }
@@ -1086,7 +1155,18 @@ class Node:
         return address
 
     def handle_push(self, msg: P.Push) -> None:
-        self._step(P.on_push, msg)
+        """A member's push; one for an iteration this peer already decided is counted as late
+        (:meth:`BarrierCounters.late <zeroth.net.counters.BarrierCounters.late>`) unless it is refused for another reason."""
+        with self._lock:
+            late = is_late(self._st, msg.iteration)
+            try:
+                self._step(P.on_push, msg)
+            except P.Rejected as e:
+                if late and e.code == "FAILED_PRECONDITION":
+                    self.barrier.late()
+                raise
+            if late:
+                self.barrier.late()
 
     def handle_commit(self, msg: P.Commit) -> P.CommitReply:
         """Whether this peer now holds the commit, and more (:func:`zeroth.net.protocol.on_commit`'s reply)."""

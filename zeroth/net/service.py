@@ -91,8 +91,15 @@ class PeerService(pb_grpc.PeerServicer):
 
     def CommitIteration(self, request, context):  # noqa: N802
         self._received(request)
-        reply = self._run(context, lambda: self.node.handle_commit(wire.commit_from_pb(request)))
-        return self._answer(pb.CommitAck(not_held=not reply.stored, previous=reply.previous))
+
+        def go():
+            commit = self.node.commit_from_pb(request)
+            if commit is None:  # a delta of a view this peer does not hold
+                return pb.CommitAck(send_whole=True)
+            reply = self.node.handle_commit(commit)
+            return pb.CommitAck(not_held=not reply.stored, previous=reply.previous)
+
+        return self._answer(self._run(context, go))
 
     def Prepare(self, request, context):  # noqa: N802
         self._received(request)

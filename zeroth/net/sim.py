@@ -25,10 +25,12 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from zeroth.net import protocol as P
+from zeroth.net.counters import BarrierCounters, is_late
 
 __all__ = ["SimPeer", "SimNet"]
 
@@ -52,6 +54,8 @@ class SimPeer:
         self.join_attempts = 0  # retried joins (they go round the live members)
         self.key = b""  # this incarnation's public key (a new one per join, as the runtime's identity)
         self.incarnations = 0
+        self.counters = BarrierCounters()  # contributors, late pushes, wasted forward passes, barrier wait
+        self.promises = True  # False: a member that answers commits but no takeover's prepare (a hostile one)
 
     @property
     def phase(self) -> str:
@@ -63,11 +67,18 @@ class SimPeer:
 
 
 class SimNet:
-    """The simulated network. ``latency`` seconds per message; ``tick`` seconds between timer events."""
+    """The simulated network. ``latency`` seconds per message (:meth:`link_delay`: a subclass models
+    links); ``tick`` seconds between timer events; ``call_slots``: calls (:class:`P.Send`) a peer
+    has in flight at once, the others wait in order for a reply to free a slot, as in a runtime
+    whose sends block a pool of that many threads (None: no limit)."""
 
-    def __init__(self, params: P.Params, *, latency: float = 0.002, tick: float = 0.02, rejoin: bool = False):
+    def __init__(self, params: P.Params, *, latency: float = 0.002, tick: float = 0.02, rejoin: bool = False,
+                 call_slots: int | None = None):
         self.params = params
         self.latency = latency
+        self.call_slots = call_slots
+        self._in_flight: dict[str, int] = {}
+        self._waiting: dict[str, deque] = {}
         self.tick = tick
         self.rejoin = rejoin
         self.now = 0.0
@@ -285,6 +296,7 @@ class SimNet:
             if eff.entry.payloads is None:
                 raise AssertionError(f"{peer.address} applies iteration {t} without payloads")
             peer.log.append(eff.entry)
+            peer.counters.decided(t, contributors=[m for m, _ in eff.entry.commit.contributors], me=peer.state.me, now=self.now)
         elif isinstance(eff, P.Compute):
             it = eff.iteration
             done_at = self.now + peer.compute_time
@@ -294,6 +306,7 @@ class SimNet:
 
             def finished(peer=peer, it=it, count=count, payload=payload, me=me):
                 if peer.alive and peer.state is not None and peer.state.me == me:
+                    peer.counters.pushed(it, count=count, now=self.now)
                     self._handle(
                         peer,
                         P.on_local_gradients(self.params, peer.state, iteration=it, count=count, payload=payload, now=self.now),
@@ -327,13 +340,25 @@ class SimNet:
         else:
             raise AssertionError(f"unknown effect {eff!r}")
 
-    def _deliver(self, src: SimPeer, send: P.Send) -> None:
+    def link_delay(self, src: str, dst: str, message, *, answer_to=None) -> float:
+        """Seconds ``message`` (a :class:`P.Send`'s message, or the answer to ``answer_to``, one: a
+        reply value, None, or the :class:`P.Rejected` raised) takes from ``src`` to ``dst``, counted
+        from now: ``latency``. A subclass may model per-pair latency, bandwidth and count bytes."""
+        return self.latency
+
+    def _deliver(self, src: SimPeer, send: P.Send, sender_state_me: int | None = None) -> None:
+        if sender_state_me is None:
+            sender_state_me = src.state.me
+        if self.call_slots is not None:
+            if self._in_flight.get(src.address, 0) >= self.call_slots:
+                self._waiting.setdefault(src.address, deque()).append((send, sender_state_me))
+                return
+            self._in_flight[src.address] = self._in_flight.get(src.address, 0) + 1
         msg = send.message
         key = (src.address, send.address, type(msg))
         lost = self._drop_next.get(key, 0) > 0
         if lost:
             self._drop_next[key] -= 1
-        sender_state_me = src.state.me
 
         def arrive():
             dst = self.peers.get(send.address)
@@ -341,15 +366,30 @@ class SimNet:
             reply = None
             error = None
             if ok:
+                late = isinstance(msg, P.Push) and is_late(dst.state, msg.iteration)
                 try:
                     step = self._dispatch(dst, msg)
                     self._handle(dst, step)
                     reply = step.reply
                 except P.Rejected as e:
                     error = e
-            self._at(self.now + self.latency, lambda: self._reply(src, sender_state_me, send, ok, reply, error))
+                if late and (error is None or error.code == "FAILED_PRECONDITION"):
+                    dst.counters.late()
+            back = self.link_delay(send.address, src.address, error if error is not None else reply, answer_to=msg) if ok else self.latency
+            self._at(self.now + back, lambda: self._replied(src, sender_state_me, send, ok, reply, error))
 
-        self._at(self.now + self.latency, arrive)
+        self._at(self.now + (self.link_delay(src.address, send.address, msg) if not lost else self.latency), arrive)
+
+    def _replied(self, src: SimPeer, me: int, send: P.Send, ok: bool, reply, error) -> None:
+        """A call's answer is back: its slot frees (the next waiting call goes), then the answer is taken."""
+        if self.call_slots is not None:
+            self._in_flight[src.address] -= 1
+            waiting = self._waiting.get(src.address)
+            while waiting and self._in_flight[src.address] < self.call_slots:
+                nxt, nxt_me = waiting.popleft()
+                if src.alive and src.state is not None and src.state.me == nxt_me:
+                    self._deliver(src, nxt, nxt_me)
+        self._reply(src, me, send, ok, reply, error)
 
     def _dispatch(self, dst: SimPeer, msg) -> P.Step:
         p, st, now = self.params, dst.state, self.now
@@ -358,6 +398,8 @@ class SimNet:
         if isinstance(msg, P.Commit):
             return P.on_commit(p, st, msg, now)
         if isinstance(msg, P.Prepare):
+            if not dst.promises:
+                raise P.Rejected("UNAVAILABLE", f"{dst.address} answers no prepare")
             probe = P.prepare_probe(p, st, msg, now)
             if probe is not None:  # the runtime's probe before the prepare, answered at once
                 self.probes += 1

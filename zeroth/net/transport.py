@@ -212,6 +212,29 @@ class Transport:
         self.traffic.received(wire.wire_size(response, kind="response"), response_payload(response))
         return response
 
+    def rpc_async(self, address: str, method: str, request, timeout: float, done, payload: int = 0) -> None:
+        """One unary call that does not wait for its answer: ``done(response, error)`` gets it
+        (``error`` a ``grpc.RpcError``, else None), on a gRPC thread, or in this call when it
+        failed at once; ``done`` must not block. Accounted as :meth:`rpc`. Raises :class:`Closed`
+        when this peer is stopping."""
+        stub = self.stub(address)
+        size = wire.wire_size(request, kind="request", token=self.token)
+
+        def finished(fut) -> None:
+            try:
+                response = fut.result()
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    self.traffic.sent(size, payload)
+                    self.traffic.received(wire.RESPONSE_OVERHEAD)
+                done(None, e)
+                return
+            self.traffic.sent(size, payload)
+            self.traffic.received(wire.wire_size(response, kind="response"), response_payload(response))
+            done(response, None)
+
+        getattr(stub, method).future(request, timeout=timeout, metadata=self.metadata).add_done_callback(finished)
+
     def stream(self, address: str, method: str, request, timeout: float):
         """The messages of a server-streaming call, counted as they arrive; raises ``grpc.RpcError``."""
         stub = self.stub(address)

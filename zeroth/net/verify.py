@@ -30,6 +30,11 @@ run id:
    and ``state.bin``) and compares its content's digest with the replay's state at its
    iteration: the model files a run leaves are the parameters its log gives.
 
+It also prints what the barrier kept and lost (:func:`zeroth.net.counters.from_decisions`): the
+contributors of every decision on the chain and the active members each barrier went on without,
+counted from the signed decisions; and, where a peer's ``metrics.jsonl`` lies beside its log, the
+late pushes, wasted forward passes and time at the barrier that peer reported.
+
 A run verifies when every recorded digest on its chain is reproduced and no check failed: the
 parameters its peers held follow, bit for bit, from its log on this machine's backend.
 
@@ -57,6 +62,7 @@ from zeroth import reference as _ref
 from zeroth import replay as _replay
 from zeroth import rng as _rng
 from zeroth.config import load_config_dict
+from zeroth.net import counters as _counters
 from zeroth.net import protocol as P
 from zeroth.net import state as _state
 from zeroth.net import updatelog as _log
@@ -102,6 +108,7 @@ class RunCheck(NamedTuple):
     problems: tuple[str, ...]
     keys_proven: int | None = None  # signing keys on the chain proven by the run secret (None: not checked)
     states_agreed: int = 0  # saved states of the run (checkpoints) whose content is the replay's state
+    barrier: dict | None = None  # zeroth.net.counters.from_decisions over the chain's decisions
 
     @property
     def ok(self) -> bool:
@@ -115,6 +122,7 @@ class Report(NamedTuple):
     runs: tuple[RunCheck, ...]
     notes: tuple[str, ...]  # e.g. a log's last record cut short
     seconds: float
+    reported: tuple[tuple[str, dict], ...] = ()  # (log, the barrier totals its peer's metrics.jsonl reported last)
 
     @property
     def ok(self) -> bool:
@@ -436,8 +444,9 @@ def _report(run: _Run, source: str, first: int, last: int, final: str | None, di
         its = [t for t, _, _ in recs]
         peers.append(PeerCheck(log, tuple((it, reason) for it, reason, _ in run.starts[log]), min(its), max(its),
                                checked, agreed, mismatch, replaced, replaced_at))
+    barrier = _counters.from_decisions(run.decisions[t][chain[t]][0] for t in sorted(chain)) if chain else None
     return RunCheck(run.run_id, source, first, last, final, tuple(peers), commits, pushes, tuple(run.problems), proven,
-                    states)
+                    states, barrier)
 
 
 def verify(path: str | Path, *, impl: str = "auto", progress: Callable[[str], None] | None = None,
@@ -484,7 +493,25 @@ def verify(path: str | Path, *, impl: str = "auto", progress: Callable[[str], No
     say = progress or (lambda _line: None)
     saved, unread = _saved_states(base)
     checks = tuple(_verify_run(r, base, impl, states, wanted, say, secret, saved) for r in order)
-    return Report(str(root), impl, jax.default_backend(), checks, tuple(notes + unread), time.monotonic() - t0)
+    reported = tuple((str(f.parent.relative_to(base)) if f.parent != base else f.parent.name, got)
+                     for f in files if (got := _reported(f.parent / "metrics.jsonl")))
+    return Report(str(root), impl, jax.default_backend(), checks, tuple(notes + unread), time.monotonic() - t0, reported)
+
+
+def _reported(path: Path) -> dict | None:
+    """The barrier totals (:data:`zeroth.net.counters.TOTALS`) of the last train row of a peer's
+    ``metrics.jsonl`` that has them (None: no such file or row; a line that is not JSON is skipped)."""
+    if not path.is_file():
+        return None
+    last = None
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("kind") == "train" and all(k in row for k in _counters.TOTALS):
+            last = row
+    return None if last is None else {k: last[k] for k in _counters.TOTALS}
 
 
 # --------------------------------------------------------------------------- the command
@@ -513,9 +540,19 @@ def format_report(r: Report) -> str:
             lines.append(f"    authorship  {run.keys_proven} signing keys, each proven to be held by a process with the run secret")
         if run.states_agreed:
             lines.append(f"    saved states {run.states_agreed} (checkpoints), each the replay's state at its iteration")
+        if run.barrier:
+            b = run.barrier
+            lines.append(f"    barrier     contributors per iteration min {b['contributors_min']} median {b['contributors_median']} "
+                         f"max {b['contributors_max']} over {b['iterations']} decisions; {b['missed_barrier']} active "
+                         f"member(s) missed it in {b['iterations_with_missed']} iteration(s); "
+                         f"{b['forward_passes_applied']} forward passes applied")
         if run.final_digest:
             lines.append(f"    final digest {run.final_digest}")
         lines += [f"    PROBLEM: {p}" for p in run.problems]
+    for log, got in r.reported:
+        lines.append(f"  reported by {log}: {got['pushes_late']} own push(es) late, {got['forward_passes_wasted']} forward "
+                     f"passes wasted, {got['late_pushes_received']} late push(es) received, "
+                     f"{got['barrier_wait_s_total']:.2f}s at the barrier")
     lines += [f"  note: {n}" for n in r.notes]
     lines.append("verified: every digest the peers recorded follows from the log on this machine" if r.ok
                  else "NOT verified: see above")
@@ -525,6 +562,7 @@ def format_report(r: Report) -> str:
 def _as_json(r: Report) -> dict:
     return {
         "path": r.path, "impl": r.impl, "backend": r.backend, "seconds": r.seconds, "ok": r.ok, "notes": list(r.notes),
+        "reported": {log: got for log, got in r.reported},
         "runs": [{**{k: v for k, v in run._asdict().items() if k != "peers"}, "ok": run.ok,
                   "peers": [p._asdict() for p in run.peers]} for run in r.runs],
     }

@@ -4,6 +4,14 @@ Decoding checks what protobuf cannot (string and list sizes, digest lengths) and
 :class:`zeroth.net.protocol.Rejected` with ``INVALID_ARGUMENT``; the protocol checks the rest.
 Encoding is total. ``decode(encode(x)) == x`` for every protocol value (tested).
 
+A commit sent to a member (``CommitIteration``) may be a *delta* (:func:`commit_to_pb` with
+``base``): its contributors and next view as changes of the view of its iteration, which every
+member at that iteration holds, so a commit costs O(1) bytes instead of O(M) while the membership
+holds and every member pushes its most projected gradients in time. :func:`commit_from_pb` rebuilds
+the whole commit from the receiver's view (:class:`NoBase` when it does not hold that view: the
+sender then sends it whole); the signature is over the whole commit, so a commit rebuilt otherwise
+than it was signed is refused as any forged one.
+
 Wire bytes: :func:`wire_size` is the serialized size of a message plus the HTTP/2 + gRPC framing
 it costs on a warm connection without TLS (:data:`REQUEST_OVERHEAD`, :data:`RESPONSE_OVERHEAD`,
 measured by :mod:`zeroth.net.calibrate` through a byte-counting TCP relay).
@@ -16,6 +24,7 @@ from zeroth.net.proto import peer_pb2 as pb
 
 __all__ = [
     "pb",
+    "NoBase",
     "REQUEST_OVERHEAD",
     "RESPONSE_OVERHEAD",
     "TOKEN_OVERHEAD",
@@ -127,7 +136,60 @@ def push_from_pb(p: pb.GradientPush) -> P.Push:
     )
 
 
-def commit_to_pb(c: P.Commit) -> pb.Commit:
+class NoBase(Exception):
+    """A commit sent as a delta of a view the receiver does not hold (or holds otherwise): it must be sent whole."""
+
+
+def _delta(c: P.Commit, base: P.View, max_count: int) -> pb.CommitDelta | None:
+    """``c``'s contributors and next view as changes of ``base``, the view of its iteration (None
+    when ``base`` is not that view or the next view is not the one after it)."""
+    if base.iteration != c.iteration or c.next_view.iteration != c.iteration + 1:
+        return None
+    active = base.active_ids()
+    given = {m for m, _ in c.contributors}
+    before = {m.machine: m for m in base.members}
+    after = c.next_view.ids()
+    return pb.CommitDelta(
+        base=P.view_digest(base),
+        absent=sorted(active - given),
+        other=[pb.Contribution(machine=m, count=n) for m, n in c.contributors if m not in active or n != max_count],
+        changed=[member_to_pb(m) for m in c.next_view.members if before.get(m.machine) != m],
+        removed=sorted(set(before) - after),
+        next_machine_id=c.next_view.next_machine_id,
+    )
+
+
+def _undelta(c: pb.Commit, base: P.View | None, max_count: int) -> tuple[tuple[tuple[int, int], ...], P.View]:
+    """The contributors and next view of a delta commit, rebuilt from ``base`` (:class:`NoBase`)."""
+    d = c.delta
+    if base is None or base.iteration != c.iteration or P.view_digest(base) != bytes(d.base):
+        raise NoBase(f"commit of iteration {c.iteration} changes a view this peer does not hold")
+    if max(len(d.absent), len(d.other), len(d.changed), len(d.removed)) > P.MAX_MEMBERS:
+        raise P.Rejected("INVALID_ARGUMENT", f"commit delta lists more than {P.MAX_MEMBERS} members")
+    counts = {m: max_count for m in base.active_ids()}
+    for m in d.absent:
+        if counts.pop(int(m), None) is None:
+            raise P.Rejected("INVALID_ARGUMENT", f"commit delta: machine {m} is absent but not an active member of the view")
+    for x in d.other:
+        counts[int(x.machine)] = int(x.count)
+    members = {m.machine: m for m in base.members}
+    for m in d.removed:
+        if members.pop(int(m), None) is None:
+            raise P.Rejected("INVALID_ARGUMENT", f"commit delta removes machine {m}, not a member of the view")
+    for x in d.changed:
+        m = member_from_pb(x)
+        members[m.machine] = m
+    view = P.View(int(c.iteration) + 1, tuple(members[k] for k in sorted(members)), int(d.next_machine_id))
+    return tuple(sorted(counts.items())), view
+
+
+def commit_to_pb(c: P.Commit, base: P.View | None = None, max_count: int = 0) -> pb.Commit:
+    """``c`` on the wire: whole, or with ``base`` (the view of its iteration) and ``max_count`` (the
+    run's most projected gradients per member) as a delta of ``base`` (see the module docstring)."""
+    delta = _delta(c, base, max_count) if base is not None else None
+    if delta is not None:
+        return pb.Commit(run_id=c.run_id, sender=c.sender, iteration=c.iteration, ballot=ballot_to_pb(c.ballot),
+                         updates_digest=c.updates_digest, signature=c.signature, previous=c.previous, delta=delta)
     return pb.Commit(
         run_id=c.run_id,
         sender=c.sender,
@@ -141,19 +203,27 @@ def commit_to_pb(c: P.Commit) -> pb.Commit:
     )
 
 
-def commit_from_pb(c: pb.Commit) -> P.Commit:
+def commit_from_pb(c: pb.Commit, base: P.View | None = None, max_count: int = 0) -> P.Commit:
+    """The commit ``c`` carries; a delta is rebuilt from ``base``, the receiver's view of its
+    iteration, and ``max_count`` (raises :class:`NoBase` without it, :class:`P.Rejected` when malformed)."""
     if len(c.contributors) > P.MAX_MEMBERS:
         raise P.Rejected("INVALID_ARGUMENT", f"commit names {len(c.contributors)} contributors; at most {P.MAX_MEMBERS}")
-    if not c.HasField("ballot") or not c.HasField("next_view"):
-        raise P.Rejected("INVALID_ARGUMENT", "commit lacks its ballot or next_view")
+    if c.HasField("delta"):
+        if not c.HasField("ballot") or c.HasField("next_view") or len(c.contributors):
+            raise P.Rejected("INVALID_ARGUMENT", "a delta commit has its ballot and no contributors or next_view of its own")
+        contributors, view = _undelta(c, base, max_count)
+    else:
+        if not c.HasField("ballot") or not c.HasField("next_view"):
+            raise P.Rejected("INVALID_ARGUMENT", "commit lacks its ballot or next_view")
+        contributors, view = tuple((int(x.machine), int(x.count)) for x in c.contributors), view_from_pb(c.next_view)
     return P.Commit(
         _str("run_id", c.run_id, P.MAX_RUN_ID),
         int(c.sender),
         int(c.iteration),
         ballot_from_pb(c.ballot),
-        tuple((int(x.machine), int(x.count)) for x in c.contributors),
+        contributors,
         bytes(c.updates_digest),
-        view_from_pb(c.next_view),
+        view,
         _bytes("signature", c.signature, MAX_SIGNATURE),
         _bytes("previous", c.previous, MAX_DIGEST),
     )

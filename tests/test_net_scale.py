@@ -1,0 +1,290 @@
+"""Just One Byte at scale, on the simulator: what each barrier kept and lost, silent members, the join cap.
+
+The counters (:mod:`zeroth.net.counters`) are the same in a peer process, the simulator and
+``zeroth verify``; here the simulator drives them with timings that make a push late on purpose.
+"""
+
+import pytest
+
+from zeroth.net import protocol as P
+from zeroth.net.counters import BarrierCounters, from_decisions
+from zeroth.net.sim import SimNet
+
+
+def params(**kw):
+    base = dict(run_id="run", config_digest="cfg", bytes_per_value=1, max_count=4, iterations=12,
+                iteration_timeout_s=1.0, barrier_timeout_s=0.5, founders=3)
+    base.update(kw)
+    return P.Params(**base)
+
+
+def done(net):
+    return [p for p in net.peers.values() if p.alive and p.finished == "done"]
+
+
+def test_a_push_computed_too_late_is_counted_with_its_wasted_forward_passes_and_the_contributors():
+    net = SimNet(params())
+    net.start(3)
+    assert net.run_until(lambda: all(p.log for p in net.peers.values() if p.address != "sim:1002")
+                         and len(net.peers) == 3 and all(p.state is not None for p in net.peers.values()), limit=30.0)
+    slow = net.peers["sim:1002"]
+    at = len(net.peers["sim:1000"].log)  # the iteration being decided now
+    slow.stall = 3.0  # past the barrier deadline (iteration timeout + barrier timeout = 1.5 s)
+    assert net.run_until(lambda: len(net.peers["sim:1000"].log) > at + 1, limit=net.now + 10)
+    slow.stall = 0.0
+    assert net.run_until(lambda: net.all_finished(), limit=net.now + 60)
+    fin = done(net)
+    assert len(fin) == 3
+    chains = {tuple(p.chain()) for p in fin}
+    assert len(chains) == 1
+    per = [len(c) for _, c, _ in fin[0].chain()]
+    assert min(per) == 2 and max(per) == 3  # the slow peer missed at least one barrier, then came back
+    # Every peer counts the contributors of every decision it applied, as its chain says.
+    for p in fin:
+        assert p.counters.contributors[-len(per):] == per
+    # The slow peer's gradients of iterations decided without it were computed for nothing (it
+    # computes no more while a computation is pending, so not every iteration it missed cost any).
+    missed = sum(1 for _, c, _ in slow.chain() if slow.machines[0] not in {m for m, _ in c})
+    late = slow.counters.totals["pushes_late"]
+    assert 1 <= late <= missed
+    assert slow.counters.totals["forward_passes_wasted"] == 2 * net.params.max_count * late
+    assert slow.counters.totals["barrier_wait_s_total"] > 0
+    on_time = [p for p in fin if p is not slow]
+    assert all(p.counters.totals["pushes_late"] == 0 and p.counters.totals["forward_passes_wasted"] == 0 for p in on_time)
+    # What the decisions alone show (zeroth verify): the barriers that went on without an active member.
+    seen = from_decisions(fin[0].log)
+    assert seen["contributors_per_iteration"] == per and seen["contributors_min"] == 2
+    assert seen["missed_barrier"] >= 1 and seen["iterations_with_missed"] >= 1
+    assert seen["forward_passes_applied"] == 2 * net.params.max_count * sum(per)
+
+
+def test_a_push_that_arrives_after_the_decision_is_counted_as_late_where_it_arrives():
+    net = SimNet(params(iterations=6))
+    net.start(3)
+    assert net.run_until(lambda: net.all_finished(), limit=60.0)
+    leader, other = net.peers["sim:1000"], net.peers["sim:1001"]
+    # A copy of a push of iteration 2 (decided long ago) delivered again: refused as stale.
+    entry = leader.log[2]
+    m, n = entry.commit.contributors[1]
+    stale = P.Push("run", m, 2, n, entry.payloads[1], b"", entry.commit.previous)
+    before = dict(leader.counters.totals)
+    leader.state = leader.state._replace(phase=P.MEMBER)  # still taking pushes
+    net._deliver(other, P.Send(leader.state.me, leader.address, stale))
+    net.run_until(lambda: False, limit=net.now + 1.0)
+    assert leader.counters.totals["late_pushes_received"] == before["late_pushes_received"] + 1
+    assert other.counters.totals["late_pushes_received"] == 0
+
+
+def test_counters_summary_has_the_contributors_and_totals():
+    c = BarrierCounters()
+    for t, who in enumerate([(0, 1, 2), (0, 1), (0, 1, 2)]):
+        c.pushed(t, count=3, now=float(t))
+        c.decided(t, contributors=who, me=2, now=t + 0.5)
+    s = c.summary()
+    assert s["contributors_per_iteration"] == [3, 2, 3]
+    assert (s["contributors_min"], s["contributors_median"], s["contributors_max"]) == (2, 3, 3)
+    assert s["pushes_late"] == 1 and s["forward_passes_wasted"] == 6 and s["barrier_wait_s_total"] == pytest.approx(1.5)
+    c.pushed(1, count=3, now=9.0)  # computed after its iteration was applied: wasted at once
+    assert c.summary()["forward_passes_wasted"] == 12
+
+
+def silent_run(idle_timeout_s):
+    """Three real peers, then four members that are admitted but never push and answer commits
+    but no takeover's prepare; once the four have been silent for 4 s, a real peer (not the
+    leader) is killed."""
+    net = SimNet(params(iterations=400, idle_timeout_s=idle_timeout_s))
+    net.start(3)
+    assert net.run_until(lambda: len(net.peers["sim:1000"].log) >= 2, limit=30.0)
+    silent = [net.join(f"sim:{2000 + i}", via="sim:1000") for i in range(4)]
+    for p in silent:
+        p.stall = 1e9  # their projected gradients never come
+        p.promises = False
+    assert net.run_until(lambda: all(p.state is not None and p.phase == P.MEMBER for p in silent), limit=net.now + 30)
+    assert len(net.peers["sim:1000"].state.view.members) == 7
+    net.run_until(lambda: False, limit=net.now + 4.0)
+    net.kill("sim:1002")
+    net.run_until(lambda: net.all_finished(), limit=net.now + 120)
+    return net, silent
+
+
+def test_members_that_never_push_are_removed_after_the_idle_timeout_so_a_lost_peer_is_survived():
+    net, silent = silent_run(idle_timeout_s=2.0)
+    survivors = [net.peers["sim:1000"], net.peers["sim:1001"]]
+    assert [p.finished for p in survivors] == ["done", "done"], [p.events[-3:] for p in survivors]
+    assert survivors[0].chain() == survivors[1].chain() and len(survivors[0].log) == 400
+    assert all(p.phase == P.DROPPED for p in silent)  # removed from the view: they must rejoin
+    assert {m.machine for m in survivors[0].state.view.members} <= {0, 1}
+
+
+def test_without_the_idle_timeout_silent_members_hold_the_majority_and_a_lost_peer_ends_the_run():
+    net, _ = silent_run(idle_timeout_s=None)  # the failure the idle timeout fixes
+    survivors = [net.peers["sim:1000"], net.peers["sim:1001"]]
+    assert [p.finished for p in survivors] == ["failed", "failed"]
+    assert len(survivors[0].log) < 400
+
+
+def test_joins_beyond_max_members_are_refused_and_a_rejoin_on_a_members_address_is_not():
+    net = SimNet(params(max_members=4))
+    net.start(3)
+    assert net.run_until(lambda: len(net.peers["sim:1000"].log) >= 1, limit=30.0)
+    leader = net.peers["sim:1000"]
+    st = P.on_join(net.params, leader.state, P.JoinRequest(91, "sim:3000", "cfg"), net.now).state
+    assert len(st.joins) == 1  # 3 members and 1 queued join: the cap
+    with pytest.raises(P.Rejected) as e:
+        P.on_join(net.params, st, P.JoinRequest(92, "sim:3001", "cfg"), net.now)
+    assert e.value.code == "RESOURCE_EXHAUSTED" and "peers.max_members" in e.value.message
+    # An inactive member restarted on its old address replaces itself: not refused by the cap.
+    view = st.view._replace(members=tuple(m._replace(active=m.machine != 2) for m in st.view.members))
+    again = P.on_join(net.params, st._replace(view=view), P.JoinRequest(93, "sim:1002", "cfg"), net.now).state
+    assert len(again.joins) == 2
+    # The simulated run admits one joiner and keeps the other out while the cap holds.
+    net.join("sim:3000", via="sim:1000")
+    net.join("sim:3001", via="sim:1000")
+    assert net.run_until(lambda: all(p.finished for p in net.peers.values() if p.state is not None), limit=120.0)
+    assert len(leader.state.view.members) == 4 and net.peers["sim:3001"].state is None
+    assert net.admitted == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("bad", [dict(max_members=2), dict(max_members=5000), dict(idle_timeout_s=0.0)])
+def test_bad_caps_are_refused_with_the_field_named(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        params(**bad)
+
+
+@pytest.mark.parametrize("peers, field", [({"count": 3, "max_members": 2}, "peers.max_members: 2 is below peers.count=3"),
+                                          ({"max_members": 5000}, "peers.max_members: bad value 5000"),
+                                          ({"idle_timeout_s": 0}, "peers.idle_timeout_s: bad value 0")])
+def test_a_config_with_a_bad_cap_is_refused_in_one_line_naming_the_field(peers, field):
+    from zeroth.config import load_config_dict
+
+    with pytest.raises(ValueError, match=field):
+        load_config_dict({"peers": peers})
+    assert load_config_dict({"peers": {"count": 3}}).peers.idle_timeout_s == 120.0
+
+
+def test_the_scale_harness_counts_every_call_and_its_wire_bytes():
+    from zeroth.bench import peers as bench
+
+    rows = [bench.measure(m, iterations=2, budget_s=60, call_slots=16, whole_commits=True) for m in (4, 16)]
+    for r, m in zip(rows, (4, 16), strict=True):
+        assert r["ran"] and r["iterations"] == 2
+        assert r["messages"] == m * (m - 1) + (m - 1)  # every member pushes to every other, one commit to each
+        assert r["contributors"] == [m, m]
+        # m - 1 pushes and the commit, each signed (the leader receives no commit)
+        assert r["sig_checks_max"] == m and r["sig_checks_per_peer"] == ((m - 1) * m + m - 1) / m
+        assert r["bytes_busiest"] <= r["bytes_all"] and r["c"] == r["bytes_busiest"] / m
+        assert 2 * 0.1 / 4 < r["iteration_s"] < 3.0  # at least a round trip (medians 100 ms), well within the timeouts
+    # A push is at least its 16 payload bytes, a 64-byte signature, a 32-byte chain digest and the call's framing.
+    assert rows[0]["bytes_all"] > 12 * (16 + 64 + 32 + 58)
+    text = bench.table(rows + [{"peers": 1024, "ran": False, "wall_s": 300.0, "cpu_s": 120.0}], 80.0)
+    assert "1024  not run: its warm-up did not finish within the budget (120 s of CPU)" in text
+
+
+def test_the_scale_harness_refuses_bad_arguments_in_one_line(capsys):
+    from zeroth.bench import peers as bench
+
+    assert bench.main(["--peers", "4,x"]) == 2
+    assert "--peers must be comma-separated integers, got '4,x'" in capsys.readouterr().err
+    assert bench.main(["--peers", "0"]) == 2
+    assert bench.main(["--peers", "4", "--rtt-ms", "0"]) == 2
+
+
+def _view(n, t=4, inactive=()):
+    return P.View(t, tuple(P.Member(i, f"10.0.0.{i}:7000", i not in inactive, bytes([i % 256]) * 32) for i in range(n)), n)
+
+
+def _commit(base, contributors, next_view):
+    return P.Commit("run", 0, base.iteration, P.Ballot(0, 0), tuple(contributors), b"d" * 32, next_view, b"s" * 64, b"p" * 32)
+
+
+def test_a_commit_sent_as_a_delta_of_its_view_is_rebuilt_exactly_and_costs_the_same_bytes_at_any_size():
+    from zeroth.net import wire
+
+    sizes = []
+    for n in (10, 1000):
+        base = _view(n)
+        same = _commit(base, [(i, 4) for i in range(n)], base._replace(iteration=base.iteration + 1))
+        msg = wire.commit_to_pb(same, base, 4)
+        assert msg.HasField("delta") and not msg.contributors and not msg.HasField("next_view")
+        assert wire.commit_from_pb(msg, base, 4) == same
+        sizes.append(msg.ByteSize())
+        assert wire.commit_to_pb(same).ByteSize() > 40 * n  # whole: every member's address and key
+    assert sizes[1] - sizes[0] <= 1  # the next id: one more varint byte
+    # Every kind of change: an active member absent, an inactive one contributing, a count below the
+    # most, a member removed, one admitted, one turned inactive.
+    base = _view(6, inactive=(4,))
+    members = [m for m in base.members if m.machine != 5]
+    members[2] = members[2]._replace(active=False)
+    nxt = P.View(5, (*members, P.Member(6, "10.0.0.6:7000", False, b"\x06" * 32)), 7)
+    c = _commit(base, [(0, 4), (1, 2), (3, 4), (4, 4)], nxt)
+    msg = wire.commit_to_pb(c, base, 4)
+    d = msg.delta
+    assert (list(d.absent), [(x.machine, x.count) for x in d.other], list(d.removed)) == ([2, 5], [(1, 2), (4, 4)], [5])
+    assert [x.machine for x in d.changed] == [2, 6]  # turned inactive, admitted
+    assert wire.commit_from_pb(msg, base, 4) == c
+    assert wire.commit_from_pb(wire.pb.Commit.FromString(msg.SerializeToString()), base, 4) == c
+
+
+def test_a_delta_commit_needs_the_receivers_view_and_a_malformed_one_is_refused():
+    from zeroth.net import wire
+
+    base = _view(4)
+    c = _commit(base, [(0, 4), (1, 4)], base._replace(iteration=5))
+    msg = wire.commit_to_pb(c, base, 4)
+    for other in (None, _view(4, t=3), _view(4, inactive=(3,))):  # none, another iteration's, another view
+        with pytest.raises(wire.NoBase):
+            wire.commit_from_pb(msg, other, 4)
+    assert wire.commit_from_pb(wire.commit_to_pb(c), None, 4) == c  # a whole commit needs nothing
+    # Not the view of its iteration: sent whole.
+    assert not wire.commit_to_pb(c, _view(4, t=3), 4).HasField("delta")
+    bad = wire.pb.Commit()
+    bad.CopyFrom(msg)
+    bad.delta.absent.append(9)
+    with pytest.raises(P.Rejected, match="machine 9 is absent but not an active member"):
+        wire.commit_from_pb(bad, base, 4)
+    bad.CopyFrom(msg)
+    bad.delta.removed.append(9)
+    with pytest.raises(P.Rejected, match="removes machine 9, not a member"):
+        wire.commit_from_pb(bad, base, 4)
+    bad.CopyFrom(msg)
+    bad.contributors.add(machine=1, count=4)
+    with pytest.raises(P.Rejected, match="no contributors or next_view of its own"):
+        wire.commit_from_pb(bad, base, 4)
+
+
+def test_a_commit_answered_send_whole_is_sent_again_whole_and_a_failed_one_is_retried_as_it_went():
+    import grpc
+
+    from zeroth.net import runtime
+    from zeroth.net.proto import peer_pb2 as pb
+
+    class Sender:
+        def __init__(self):
+            self.sent, self.events = [], []
+            self._stop = __import__("threading").Event()
+
+        def _send_async(self, inc, eff, attempt=0, whole=False):
+            self.sent.append((attempt, whole))
+
+        def _event(self, inc, fn, **kw):
+            self.events.append(fn.__name__)
+
+    base = _view(3)
+    eff = P.Send(1, "10.0.0.1:7000", _commit(base, [(0, 4)], base._replace(iteration=5)))
+    s = Sender()
+    runtime.Node._answered(s, 1, eff, 0, False, pb.CommitAck(send_whole=True), None)
+    assert s.sent == [(0, True)] and s.events == []
+    runtime.Node._answered(s, 1, eff, 0, True, pb.CommitAck(), None)
+    assert s.events == ["on_commit_acked"]
+
+    class Unavailable(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "gone"
+
+    runtime.Node._answered(s, 1, eff, 1, True, None, Unavailable())
+    assert s.sent[-1] == (2, True)  # retried, still whole
+    runtime.Node._answered(s, 1, eff, 2, True, None, Unavailable())
+    assert s.events[-1] == "on_commit_failed"
