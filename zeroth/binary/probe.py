@@ -65,7 +65,7 @@ def fit_head(f_train: np.ndarray, y_train: np.ndarray, classes: int, *, l2: floa
     """
     f = jnp.asarray(f_train, jnp.float32)
     mu, sd = f.mean(0), f.std(0) + 1e-6
-    p, value, gmax, it = _lbfgs((f - mu) / sd, jnp.asarray(y_train, jnp.int32), classes, jnp.float32(l2),
+    p, value, gmax, it = _lbfgs((f - mu[None, :]) / sd[None, :], jnp.asarray(y_train, jnp.int32), classes, jnp.float32(l2),
                                 jnp.float32(tol), max_iter)
     w = p[0] / sd[:, None]
     b = p[1] - mu @ w
@@ -77,7 +77,7 @@ def fit_head(f_train: np.ndarray, y_train: np.ndarray, classes: int, *, l2: floa
 @functools.partial(jax.jit, static_argnames=("classes", "max_iter"))
 def _lbfgs(z, y, classes: int, l2, tol, max_iter: int):
     def loss(p):
-        logits = z @ p[0] + p[1]
+        logits = z @ p[0] + p[1][None, :]
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + l2 * jnp.sum(p[0] ** 2)
 
     opt = optax.lbfgs()
@@ -108,15 +108,17 @@ def interval(values) -> tuple[float, float]:
     return float(v.mean()), float(T95[len(v) - 1] * v.std(ddof=1) / math.sqrt(len(v)))
 
 
-def stack(method: str, data, *, seed: int, channels=(32, 32), levels: int = 8, steps: int = 100, batch_size: int = 64,
-          k: int = 4, grid: int = 4, head_lr: float = 1e-2, ste_lr: float = 1e-2, min_gain: float = 0.0) -> list:
-    """Train a binary conv stack greedily with ``method`` (:mod:`zeroth.binary.train`); its frozen layers."""
+def stack(method: str, data, *, seed: int, channels=(32, 32), layers: int = 0, levels: int = 8, steps: int = 100,
+          batch_size: int = 64, k: int = 4, grid: int = 4, head_lr: float = 1e-2, ste_lr: float = 1e-2,
+          min_gain: float = 0.0, accept_batch: int = 0) -> list:
+    """Train a binary conv stack greedily with ``method`` (:mod:`zeroth.binary.train`); its frozen layers
+    (the first ``layers`` of ``channels``; 0 = all)."""
     xtr, ytr, xte, yte, classes = data
     plan, c_in = [], levels
-    for c in channels:
+    for c in channels[:layers or len(channels)]:
         plan.append((L.ConvSpec(c_in=c_in, c_out=c, ternary=False, pool=True),
                      T.TrainConfig(method=method, steps=steps, batch_size=batch_size, k=k, min_gain=min_gain,
-                                   head_lr=head_lr, ste_lr=ste_lr, grid=grid, seed=seed)))
+                                   head_lr=head_lr, ste_lr=ste_lr, grid=grid, seed=seed, accept_batch=accept_batch)))
         c_in = c
     return LW.train_layerwise(plan, xtr, ytr, xte, yte, classes=classes)
 
@@ -191,7 +193,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-size", type=int, default=0, help="test examples (0 = all)")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=V,KEY=V",
-                    help="an extra model, e.g. flips-b512:method=flips,batch_size=512")
+                    help="an extra model, e.g. flips-b512:method=flips,batch_size=512,layers=1 (keys: stack's arguments)")
     ap.add_argument("--out", help="write the JSON result here")
     a = ap.parse_args(argv)
     variants = {}

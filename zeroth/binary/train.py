@@ -63,6 +63,8 @@ class TrainConfig(NamedTuple):
     head: str = "linear"  # linear (trained) or votes (fixed)
     votes_scale: float = 8.0  # logit scale of the votes head
     seed: int = 0
+    accept_batch: int = 0  # flips: > 0 applies a step's flips only if they lower the loss on this many other examples
+
 
     def check(self) -> "TrainConfig":
         if self.method not in METHODS:
@@ -72,6 +74,9 @@ class TrainConfig(NamedTuple):
         for name in ("steps", "batch_size", "k", "grid"):
             if getattr(self, name) < 1:
                 raise ValueError(f"binary {name} must be >= 1, got {getattr(self, name)}")
+        if self.accept_batch < 0 or (self.accept_batch and self.method != "flips"):
+            raise ValueError(f"binary accept_batch must be 0, or > 0 with method 'flips' (got {self.accept_batch} "
+                             f"with {self.method!r})")
         return self
 
 
@@ -214,7 +219,7 @@ def step_cost(cfg: TrainConfig) -> tuple[int, int]:
     head = (1, 1) if cfg.head == "linear" else (1, 0)
     if cfg.method == "ste":
         return 1, 1
-    extra = {"flips": 1, "evolution": 2, "head": 0}[cfg.method]
+    extra = {"flips": 1 + (2 if cfg.accept_batch else 0), "evolution": 2, "head": 0}[cfg.method]
     return head[0] + extra, head[1]
 
 
@@ -263,9 +268,16 @@ def train_layer(spec: L.ConvSpec, x, y, cfg: TrainConfig, *, classes: int, layer
             wnp = np.asarray(layer.w)
             if cfg.method == "flips":
                 chosen = F.select(fns.deltas(layer, head, xb, yb), k=cfg.k, min_gain=cfg.min_gain)
+                trial = layer
                 if chosen.size:
-                    layer = L.ConvLayer(jnp.asarray(F.apply_mutations_np(wnp, chosen, spec.ternary)), layer.thresh)
-                applied = int(chosen.size)
+                    trial = L.ConvLayer(jnp.asarray(F.apply_mutations_np(wnp, chosen, spec.ternary)), layer.thresh)
+                if chosen.size and cfg.accept_batch:  # kept only if the loss falls on examples the flips were not scored on
+                    hidx = np.random.default_rng([cfg.seed, layer_index, 5, step]).choice(
+                        n, size=min(cfg.accept_batch, n), replace=False)
+                    xh, yh = jnp.asarray(x[hidx]), jnp.asarray(y[hidx])
+                    if float(fns.loss(trial, head, xh, yh)) >= float(fns.loss(layer, head, xh, yh)):
+                        trial, chosen = layer, chosen[:0]
+                layer, applied = trial, int(chosen.size)
             elif cfg.method == "evolution":
                 before = float(fns.loss(layer, head, xb, yb))
                 trial = L.ConvLayer(jnp.asarray(F.apply_mutations_np(
