@@ -92,10 +92,13 @@ class RoundCtx(NamedTuple):
     Attributes:
       key: ``u32[2]`` round key (:func:`round_key`; traced, so rounds share one compilation).
       phase: the round's phase (static), from ``SyncTransform.phase(t)``.
+      scale: factor on the global step size ``eta_s`` this round (a step-size schedule that
+        divides the local step size divides ``eta_s`` with it); ``1.0`` leaves the bits unchanged.
     """
 
     key: jax.Array
     phase: str
+    scale: Any = 1.0
 
 
 class SyncTransform(NamedTuple):
@@ -162,22 +165,22 @@ def sign_merge_allreduce(topology, eta_s: float, *, impl: str = "auto") -> SyncT
         dp = _ring.padded_length(d, topology, sb.WORD_BITS)
         words = sb.pack(_pad(u, dp), impl=impl)
         merged = _ring.allreduce(words, _schemes.marsit_scheme(impl=impl), topology.stages, round_key=ctx.key)
-        g = sb.unpack(merged.reshape(-1), (dp,), scale=jnp.float32(eta), impl=impl)[:d]
+        g = sb.unpack(merged.reshape(-1), (dp,), scale=jnp.float32(eta) * ctx.scale, impl=impl)[:d]
         return g, state, g
 
     return SyncTransform(lambda d: (), update, _always("sync"))
 
 
-def _count_signs(words, d: int, dp: int, topology, eta: float, vote: bool, impl: str) -> jax.Array:
+def _count_signs(words, d: int, dp: int, topology, eta, vote: bool, impl: str) -> jax.Array:
     """``g`` of packed sign words ``u32[dp/32]``: their counts summed by the multi-hop all-reduce
     (bit-sliced, up to ``planes_for(M)`` bits per element), as the mean sign or the majority."""
     m_total = topology.size
     planes = _ring.allreduce((words,), _schemes.count_scheme(m_total, vote=vote), topology.stages)
     flat = tuple(p.reshape(-1) for p in planes)
     if vote:
-        return sb.unpack(flat[0], (dp,), scale=jnp.float32(eta), impl=impl)[:d]
+        return sb.unpack(flat[0], (dp,), scale=eta, impl=impl)[:d]
     c = _schemes.planes_to_counts(flat)[:d]
-    return jnp.float32(eta) * (2 * c - m_total).astype(jnp.float32) / jnp.float32(m_total)
+    return eta * (2 * c - m_total).astype(jnp.float32) / jnp.float32(m_total)
 
 
 def sign_count_allreduce(topology, eta_s: float, *, vote: bool = False, impl: str = "auto") -> SyncTransform:
@@ -194,7 +197,7 @@ def sign_count_allreduce(topology, eta_s: float, *, vote: bool = False, impl: st
         d = u.shape[0]
         dp = _ring.padded_length(d, topology, sb.WORD_BITS)
         words = sb.pack(_pad(u, dp), impl=impl)
-        g = _count_signs(words, d, dp, topology, eta, vote, impl)
+        g = _count_signs(words, d, dp, topology, jnp.float32(eta) * ctx.scale, vote, impl)
         return g, state, g
 
     return SyncTransform(lambda d: (), update, _always("sync"))
@@ -220,7 +223,7 @@ def stochastic_sign_count_allreduce(topology, eta_s: float, *, norm: str = "l2",
         dp = _ring.padded_length(d, topology, _schemes.norm_unit(norm, bucket))
         key = _rng.fold_in(ctx.key, _ring.worker_index(topology).astype(jnp.uint32))
         _, words = _schemes.ssdm_compress(_pad(u, dp), key, norm=norm, bucket=bucket, impl=impl)
-        g = _count_signs(words, d, dp, topology, eta, False, impl)
+        g = _count_signs(words, d, dp, topology, jnp.float32(eta) * ctx.scale, False, impl)
         return g, state, g
 
     return SyncTransform(lambda d: (), update, _always("sync"))
@@ -243,7 +246,7 @@ def scaled_sign_count_allreduce(topology, *, impl: str = "auto") -> SyncTransfor
         words = sb.pack(_pad(u, dp), impl=impl)
         scales = _ring.all_gather_workers(scale[None], topology).reshape(-1)
         mean_scale = jnp.sum(scales) / jnp.float32(topology.size)
-        g = mean_scale * _count_signs(words, d, dp, topology, 1.0, False, impl)
+        g = mean_scale * _count_signs(words, d, dp, topology, jnp.float32(1.0), False, impl)
         mine = sb.unpack(words, (dp,), scale=scale, impl=impl)[:d]
         return g, state, mine
 

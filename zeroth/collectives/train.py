@@ -12,8 +12,9 @@ Algorithm 2 of seed 004 for every method: each round ``t`` every worker ``m``
 3. updates its copy of the parameters, ``x_{t+1} = x_t - g_t``.
 
 ``H = 1, beta = 0`` computes ``u_m = 0 + eta * grad``: the same bits as one plain step. The round's
-step size is ``eta_l * lr_scale`` (``round(..., lr_scale=)``: a schedule such as the seed's
-division by 10 at every full-precision synchronization is the caller's).
+step size is ``eta_l * lr_scale`` and the global step size of the sign methods ``eta_s * lr_scale``
+(``round(..., lr_scale=)``: a schedule such as the seed's division by 10 at every full-precision
+synchronization is the caller's).
 
 All of it is one ``jax.shard_map`` program per phase (compiled once; the round key is an
 argument). Parameters and synchronization state are per-worker arrays with a leading worker axis
@@ -214,12 +215,12 @@ def make_trainer(
         (u, v1), losses = jax.lax.scan(one, (jnp.zeros_like(flat_p), v0), (xs, ys))
         return u, (v1 if beta > 0.0 else v), jnp.mean(losses)
 
-    def local_round(phase, params_w, sync_w, opt_w, x_w, y_w, rkey, eta):
+    def local_round(phase, params_w, sync_w, opt_w, x_w, y_w, rkey, eta, scale):
         p = jax.tree_util.tree_map(lambda a: a[0], params_w)
         s = jax.tree_util.tree_map(lambda a: a[0], sync_w)
         v = jax.tree_util.tree_map(lambda a: a[0], opt_w)
         u, v, loss = local_update(p, v, x_w[0], y_w[0], eta)
-        g, s, _ = sync.update(u, s, _sync.RoundCtx(rkey, phase))
+        g, s, _ = sync.update(u, s, _sync.RoundCtx(rkey, phase, scale))
         new_p = jax.tree_util.tree_map(lambda a, b: a - b, p, unravel(g))
         expand = functools.partial(jax.tree_util.tree_map, lambda a: a[None])
         return expand(new_p), expand(s), expand(v), loss[None]
@@ -228,7 +229,7 @@ def make_trainer(
         return jax.shard_map(
             functools.partial(local_round, phase),
             mesh=mesh,
-            in_specs=(spec, spec, spec, spec, spec, P(), P()),
+            in_specs=(spec, spec, spec, spec, spec, P(), P(), P()),
             out_specs=(spec, spec, spec, spec),
         )
 
@@ -254,7 +255,8 @@ def make_trainer(
         phase = sync.phase(t)
         rkey = jnp.asarray(_sync.host_round_key(run_seed, t))
         eta = jnp.float32(eta_l * lr_scale)
-        params_w, sync_w, opt_w, losses = step(phase)(state.params, state.sync, state.opt, put(xs), put(ys), rkey, eta)
+        params_w, sync_w, opt_w, losses = step(phase)(state.params, state.sync, state.opt, put(xs), put(ys), rkey, eta,
+                                                      jnp.float32(lr_scale))
         return WorkerState(params_w, sync_w, opt_w), losses
 
     def dtype_of(a):
@@ -270,7 +272,8 @@ def make_trainer(
         )
         v0 = jax.ShapeDtypeStruct((dim,), jnp.float32) if beta > 0.0 else ()
         args = (stacked(params), stacked(sync.init(dim)), stacked(v0), abstract(xs), abstract(ys),
-                jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((), jnp.float32))
+                jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((), jnp.float32),
+                jax.ShapeDtypeStruct((), jnp.float32))
         return _bits.ppermute_report(program(phase), *args)
 
     def round_bits(phase: str, xs, ys) -> int:
