@@ -22,19 +22,22 @@ from zeroth.marsit.report import best_by_group, load  # noqa: E402
 
 def plot_marsit(folder: Path, out: Path) -> Path:
     evals, summaries = load(folder)
-    best = {s["run"] for s in best_by_group(summaries).values()}
+    groups = best_by_group(summaries)
+    # one group (Figure 3(b)'s K) draws every run; several draw the best run of each
+    best = {s["run"] for s in summaries} if len(groups) == 1 else {s["run"] for s in groups.values()}
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
     for s in summaries:
         if s["run"] not in best:
             continue
         rows = [r for r in evals if r["run"] == s["run"]]
-        label = f"{s['group']} ({s['run']}, {s['bits_per_element']:.2f} bits/elem)"
+        label = f"{s['group']} ({s['run']}, {s['bits_per_element']:.2f} bits/elem)" if len(groups) > 1 else \
+            f"{s['run']} ({s['bits_per_element']:.2f} bits/elem)"
         ax.plot([r["step"] for r in rows], [r["eval_accuracy"] for r in rows], marker="o", label=label)
         bx.plot([r["payload_bytes_total"] / 1e6 for r in rows], [r["eval_accuracy"] for r in rows], marker="o",
-                label=s["group"])
+                label=s["group"] if len(groups) > 1 else s["run"])
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy")
-    ax.set_title(f"{folder.name}: best run of each group")
+    ax.set_title(f"{folder.name}: " + ("best run of each group" if len(groups) > 1 else "every run"))
     ax.legend(fontsize=7)
     bx.set_xscale("log")
     bx.set_xlabel("MB sent by all workers (ppermute payloads)")

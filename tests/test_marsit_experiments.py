@@ -256,3 +256,18 @@ def test_protocol_options_are_checked_and_the_step_size_falls_after_each_full_ro
     every = lr_scales(runs(lr_decay=0.5, lr_decay_every=4)[0], lambda t: "sync")
     assert [every(t) for t in (0, 3, 4, 8)] == [1, 1, 0.5, 0.25]
     assert lr_scales(runs()[0], lambda t: "full")(100) == 1.0
+
+
+def test_committed_short_runs_end_on_the_digests_of_their_equivalents():
+    """K = 1 is PSGD and K = inf is Marsit, bit for bit, in the committed runs of the seed's protocol
+    (4 local steps with momentum): the Figure 3(b) runs end on the Table 2 runs' digests."""
+    res = ROOT / "experiments" / "results"
+
+    def digests(name):
+        return {r["run"]: r["digest"] for r in json.loads((res / name / "summary.json").read_text())["runs"]}
+
+    t2, f3 = digests("marsit_table2_short"), digests("marsit_fig3b_short")
+    assert f3["K=1"] == t2["psgd"]
+    assert f3["K=inf"] == t2["marsit-3e-3"]
+    assert f3["K=25"] == t2["marsit25-3e-3"]
+    assert len({f3["K=1"], f3["K=25"], f3["K=inf"]}) == 3

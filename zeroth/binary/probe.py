@@ -186,7 +186,7 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zeroth.binary.probe", description=__doc__.split("\n")[0])
     ap.add_argument("--dataset", default="mnist5k")
-    ap.add_argument("--methods", nargs="+", default=["flips", "evolution", "ste", "head"],
+    ap.add_argument("--methods", nargs="*", default=["flips", "evolution", "ste", "head"],
                     choices=list(T.METHODS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--train-size", type=int, default=0, help="training examples (0 = all)")
