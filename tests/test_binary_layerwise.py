@@ -103,3 +103,15 @@ def test_probe_features_are_what_the_head_reads_and_the_fit_converges(digits):
     # converged: it fits the training set better than the head trained alongside for 20 steps
     assert probe._acc(w, b, f_tr, ytr) > T.accuracy(res.layer, res.head, xtr, ytr, spec, 2)
     assert probe.interval([0.5, 0.7, 0.6]) == pytest.approx((0.6, 4.303 * 0.1 / np.sqrt(3)))
+
+
+def test_flips_with_the_head_refitted_to_convergence_between_rounds(digits):
+    xtr, ytr, _, _ = digits
+    spec = L.ConvSpec(c_in=4, c_out=16)
+    base = dict(method="flips", steps=4, batch_size=16, k=4, grid=2, head_lr=0.05)
+    plain = T.train_layer(spec, xtr, ytr, T.TrainConfig(**base), classes=10)
+    refit = T.train_layer(spec, xtr, ytr, T.TrainConfig(**base, refit_every=2, refit_size=200), classes=10)
+    assert refit.history[1]["loss"] < plain.history[1]["loss"]  # from step 0 on, a fitted head instead of a zero one
+    assert not np.array_equal(np.asarray(refit.layer.w), np.asarray(plain.layer.w))
+    with pytest.raises(ValueError, match="refit_every must be 0, or > 0 with method 'flips'"):
+        T.TrainConfig(method="evolution", refit_every=2).check()

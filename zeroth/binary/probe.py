@@ -18,16 +18,12 @@ seeds). Example::
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 from zeroth import data as zdata
 from zeroth.binary import layers as L
@@ -40,60 +36,8 @@ __all__ = ["T95", "features", "fit_head", "interval", "stack", "compare", "main"
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "grid"))
-def _features_chunk(layer, xb, spec, grid):
-    act = T._acts(layer, xb, spec)  # f32[B, H W, O], ±1
-    reg = L.regions(xb.shape[1], xb.shape[2], grid)
-    pooled = jax.ops.segment_sum(jnp.moveaxis(act, 1, 0), jnp.asarray(reg.index), num_segments=len(reg.counts))
-    pooled = pooled / jnp.asarray(reg.counts)[:, None, None]  # (R, B, O)
-    return jnp.moveaxis(pooled, 1, 0).reshape(xb.shape[0], -1)
-
-
-def features(layer: L.ConvLayer, x, spec: L.ConvSpec, grid: int, *, chunk: int = 256) -> np.ndarray:
-    """``f32[N, R * O]``: the region means of the layer's ±1 activations (what its head reads)."""
-    x = np.asarray(x)
-    return np.concatenate([np.asarray(_features_chunk(layer, xb, spec, grid))[:m] for m, xb in T._chunks(x, chunk)])
-
-
-def fit_head(f_train: np.ndarray, y_train: np.ndarray, classes: int, *, l2: float = 1e-4, tol: float = 1e-5,
-             max_iter: int = 2000) -> tuple[np.ndarray, np.ndarray, dict]:
-    """A converged multinomial logistic regression ``(W f32[D, K], b f32[K], info)`` on ``f_train``.
-
-    Minimises mean cross-entropy + ``l2 * ||W||^2`` (features standardised first, folded back into
-    ``W, b``) with L-BFGS until the gradient's max norm is below ``tol`` or ``max_iter``
-    iterations; ``info`` says which (``converged``), the iterations and the final loss.
-    """
-    f = jnp.asarray(f_train, jnp.float32)
-    mu, sd = f.mean(0), f.std(0) + 1e-6
-    p, value, gmax, it = _lbfgs((f - mu[None, :]) / sd[None, :], jnp.asarray(y_train, jnp.int32), classes, jnp.float32(l2),
-                                jnp.float32(tol), max_iter)
-    w = p[0] / sd[:, None]
-    b = p[1] - mu @ w
-    gmax = float(gmax)
-    return np.asarray(w), np.asarray(b), {"converged": gmax <= tol, "iterations": int(it), "loss": float(value),
-                                          "grad_max": gmax}
-
-
-@functools.partial(jax.jit, static_argnames=("classes", "max_iter"))
-def _lbfgs(z, y, classes: int, l2, tol, max_iter: int):
-    def loss(p):
-        logits = z @ p[0] + p[1][None, :]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + l2 * jnp.sum(p[0] ** 2)
-
-    opt = optax.lbfgs()
-    vg = optax.value_and_grad_from_state(loss)
-
-    def body(c):
-        p, s, _, _, it = c
-        value, grad = vg(p, state=s)
-        upd, s = opt.update(grad, s, p, value=value, grad=grad, value_fn=loss)
-        gmax = jnp.maximum(jnp.max(jnp.abs(grad[0])), jnp.max(jnp.abs(grad[1])))
-        return optax.apply_updates(p, upd), s, value, gmax, it + 1
-
-    p0 = (jnp.zeros((z.shape[1], classes), jnp.float32), jnp.zeros((classes,), jnp.float32))
-    c0 = (p0, opt.init(p0), jnp.float32(jnp.nan), jnp.float32(jnp.inf), jnp.int32(0))
-    p, _, value, gmax, it = jax.lax.while_loop(lambda c: (c[4] < max_iter) & (c[3] > tol), body, c0)
-    return p, value, gmax, it
+features = T.features
+fit_head = T.fit_head
 
 
 def _acc(w, b, f, y) -> float:
@@ -110,7 +54,7 @@ def interval(values) -> tuple[float, float]:
 
 def stack(method: str, data, *, seed: int, channels=(32, 32), layers: int = 0, levels: int = 8, steps: int = 100,
           batch_size: int = 64, k: int = 4, grid: int = 4, head_lr: float = 1e-2, ste_lr: float = 1e-2,
-          min_gain: float = 0.0, accept_batch: int = 0) -> list:
+          min_gain: float = 0.0, accept_batch: int = 0, refit_every: int = 0) -> list:
     """Train a binary conv stack greedily with ``method`` (:mod:`zeroth.binary.train`); its frozen layers
     (the first ``layers`` of ``channels``; 0 = all)."""
     xtr, ytr, xte, yte, classes = data
@@ -118,7 +62,8 @@ def stack(method: str, data, *, seed: int, channels=(32, 32), layers: int = 0, l
     for c in channels[:layers or len(channels)]:
         plan.append((L.ConvSpec(c_in=c_in, c_out=c, ternary=False, pool=True),
                      T.TrainConfig(method=method, steps=steps, batch_size=batch_size, k=k, min_gain=min_gain,
-                                   head_lr=head_lr, ste_lr=ste_lr, grid=grid, seed=seed, accept_batch=accept_batch)))
+                                   head_lr=head_lr, ste_lr=ste_lr, grid=grid, seed=seed, accept_batch=accept_batch,
+                                   refit_every=refit_every)))
         c_in = c
     return LW.train_layerwise(plan, xtr, ytr, xte, yte, classes=classes)
 
