@@ -72,3 +72,46 @@ def test_layerwise_freezes_lower_layers_and_shares_them(digits, tmp_path):
     assert disk.trained == 1 and other[0].key != first[0].key
     with pytest.raises(ValueError, match="c_in=8 but layer 0 outputs 16"):
         LW.train_layerwise([base, (L.ConvSpec(8, 4), base[1])], xtr, ytr, xte, yte, classes=10, cache=cache)
+
+
+def test_flips_checked_on_other_examples_are_kept_only_when_that_loss_falls(digits):
+    xtr, ytr, _, _ = digits
+    spec = L.ConvSpec(c_in=4, c_out=16)
+    cfg = T.TrainConfig(method="flips", steps=12, batch_size=16, k=4, grid=2, head_lr=0.05, accept_batch=64)
+    res = T.train_layer(spec, xtr, ytr, cfg, classes=10)
+    applied = [r["flips"] for r in res.history]
+    assert set(applied) <= {0, 4} and 0 < sum(applied)  # a step keeps all its flips or none
+    assert T.step_cost(cfg) == (4, 1)
+    with pytest.raises(ValueError, match="accept_batch must be 0, or > 0 with method 'flips' \\(got 8 with 'ste'\\)"):
+        T.TrainConfig(method="ste", accept_batch=8).check()
+
+
+def test_probe_features_are_what_the_head_reads_and_the_fit_converges(digits):
+    from zeroth.binary import probe
+
+    xtr, ytr, xte, yte = digits
+    spec = L.ConvSpec(c_in=4, c_out=16)
+    cfg = T.TrainConfig(method="head", steps=20, batch_size=32, grid=2, head_lr=0.05)
+    res = T.train_layer(spec, xtr, ytr, cfg, classes=10)
+    f_tr, f_te = probe.features(res.layer, xtr, spec, 2), probe.features(res.layer, xte, spec, 2)
+    assert f_tr.shape == (400, 4 * 16)
+    w, b, info = probe.fit_head(f_tr, ytr, 10)
+    assert info["converged"] and info["iterations"] > 1
+    # the fitted (W, b) as a Head of the layer: the layer's own evaluation gives the same accuracy
+    head = L.Head(np.asarray(w).reshape(4, 16, 10), np.asarray(b))
+    assert T.accuracy(res.layer, head, xte, yte, spec, 2) == probe._acc(w, b, f_te, yte)
+    # converged: it fits the training set better than the head trained alongside for 20 steps
+    assert probe._acc(w, b, f_tr, ytr) > T.accuracy(res.layer, res.head, xtr, ytr, spec, 2)
+    assert probe.interval([0.5, 0.7, 0.6]) == pytest.approx((0.6, 4.303 * 0.1 / np.sqrt(3)))
+
+
+def test_flips_with_the_head_refitted_to_convergence_between_rounds(digits):
+    xtr, ytr, _, _ = digits
+    spec = L.ConvSpec(c_in=4, c_out=16)
+    base = dict(method="flips", steps=4, batch_size=16, k=4, grid=2, head_lr=0.05)
+    plain = T.train_layer(spec, xtr, ytr, T.TrainConfig(**base), classes=10)
+    refit = T.train_layer(spec, xtr, ytr, T.TrainConfig(**base, refit_every=2, refit_size=200), classes=10)
+    assert refit.history[1]["loss"] < plain.history[1]["loss"]  # from step 0 on, a fitted head instead of a zero one
+    assert not np.array_equal(np.asarray(refit.layer.w), np.asarray(plain.layer.w))
+    with pytest.raises(ValueError, match="refit_every must be 0, or > 0 with method 'flips'"):
+        T.TrainConfig(method="evolution", refit_every=2).check()

@@ -174,13 +174,21 @@ def _batches(t, m=4, b=16):
     return np.stack([ds.x[i] for i in idx]), np.stack([ds.y[i] for i in idx])
 
 
-def _train(topo, sync, rounds, eta_l=0.1):
+def _local_batches(t, h, m=4, b=16):
+    ds, _, _ = _setup()
+    idx = [[zdata.batch_indices(0, (t * h + j) * m + k, b, ds.x.shape[0]) for j in range(h)] for k in range(m)]
+    return (np.stack([np.stack([ds.x[i] for i in row]) for row in idx]),
+            np.stack([np.stack([ds.y[i] for i in row]) for row in idx]))
+
+
+def _train(topo, sync, rounds, eta_l=0.1, local_steps=1, momentum=0.0, lr_scale=lambda t: 1.0):
     ds, params, loss_fn = _setup()
-    tr = T.make_trainer(loss_fn, params, topo, sync, eta_l=eta_l)
+    tr = T.make_trainer(loss_fn, params, topo, sync, eta_l=eta_l, local_steps=local_steps, momentum=momentum)
     state = tr.init(params)
     sums, losses = [], []
     for t in range(rounds):
-        state, loss = tr.round(state, t, *_batches(t))
+        xs, ys = _batches(t) if local_steps == 1 else _local_batches(t, local_steps)
+        state, loss = tr.round(state, t, xs, ys, lr_scale=lr_scale(t))
         sums.append(T.worker_checksums(state.params))
         losses.append(float(np.mean(loss)))
     return sums, losses
@@ -192,11 +200,14 @@ METHOD_CASES = [
     ("majority_vote", TORUS, {"eta_s": 1e-2}),
     ("ef_signsgd", RING, {}),
     ("ssdm", TORUS, {}),
+    ("ssdm", RING, {"norm": "bucket", "bucket": 64}),
+    ("ssdm_count", TORUS, {"eta_s": 1e-2}),
+    ("ef_signsgd_count", RING, {}),
     ("marsit", TORUS, {"eta_s": 1e-2, "K": 2}),
 ]
 
 
-@pytest.mark.parametrize("method,topo,kw", METHOD_CASES, ids=[f"{m}-{type(t).__name__}" for m, t, _ in METHOD_CASES])
+@pytest.mark.parametrize("method,topo,kw", METHOD_CASES, ids=[f"{m}-{type(t).__name__}-{kw.get('norm', '')}" for m, t, kw in METHOD_CASES])
 def test_every_worker_holds_identical_parameters_after_every_round(method, topo, kw):
     sums, _ = _train(topo, S.build(method, topo, **kw), rounds=3, eta_l=0.01 if method == "ssdm" else 0.1)
     for t, per in enumerate(sums):
@@ -208,6 +219,90 @@ def test_marsit_with_k1_is_psgd_bit_for_bit():
     a, _ = _train(RING, S.marsit(RING, 1e-2, K=1), rounds=3)
     b, _ = _train(RING, S.psgd(RING), rounds=3)
     assert a == b
+
+
+def test_local_steps_with_momentum_keep_k1_on_psgd_and_workers_identical():
+    kw = {"local_steps": 3, "momentum": 0.9, "eta_l": 0.05}
+    a, la = _train(RING, S.marsit(RING, 1e-2, K=1), rounds=3, **kw)
+    b, lb = _train(RING, S.psgd(RING), rounds=3, **kw)
+    assert a == b and la == lb
+    c, _ = _train(RING, S.psgd(RING), rounds=3, eta_l=0.05)
+    assert all(len(set(s)) == 1 for s in a) and a[-1] != c[-1]  # the local steps did change the run
+
+
+def test_one_plain_local_step_is_the_same_bits_as_before():
+    # local_steps=1, momentum=0 takes the one-gradient path; a step-size scale of 1 changes nothing
+    a, _ = _train(RING, S.marsit(RING, 1e-2, K=2), rounds=3)
+    b, _ = _train(RING, S.marsit(RING, 1e-2, K=2), rounds=3, lr_scale=lambda t: 1.0)
+    c, _ = _train(RING, S.marsit(RING, 1e-2, K=2), rounds=3, lr_scale=lambda t: 0.1 if t else 1.0)
+    assert a == b and a[0] == c[0] and a[1] != c[1] and a[2] != c[2]  # eta_s falls with the local step size
+
+
+def test_local_step_settings_are_refused_with_the_value():
+    ds, params, loss_fn = _setup()
+    with pytest.raises(ValueError, match="local_steps must be an int >= 1, got 0"):
+        T.make_trainer(loss_fn, params, RING, S.psgd(RING), eta_l=0.1, local_steps=0)
+    with pytest.raises(ValueError, match="momentum must be a number in \\[0, 1\\), got 1.0"):
+        T.make_trainer(loss_fn, params, RING, S.psgd(RING), eta_l=0.1, momentum=1.0)
+
+
+def _count_values(g, eta, m):
+    return np.all(np.isin(np.round(np.asarray(g) / eta * m).astype(int), np.arange(-m, m + 1, 2)))
+
+
+def test_ssdm_count_sums_stochastic_signs_and_is_unbiased():
+    d, eta, n = 64, 0.5, 400
+    rng = np.random.default_rng(3)
+    u = (rng.standard_normal((4, d)) * rng.uniform(0.1, 3.0, (4, 1))).astype(np.float32)
+    sync = S.ssdm_count(RING, eta)
+    run = jax.jit(jax.shard_map(
+        lambda u_w, k: sync.update(u_w[0], (), S.RoundCtx(k, "sync"))[0][None],
+        mesh=RING.mesh(), in_specs=(RING.spec(), jax.sharding.PartitionSpec()), out_specs=RING.spec()))
+    gs = np.stack([np.asarray(run(u, jnp.asarray(S.host_round_key(4, t)))) for t in range(n)])
+    assert (gs == gs[:, :1]).all()  # every worker applies the same g
+    assert _count_values(gs[:, 0], eta, 4)  # g = eta (2c - M) / M, c a count in 0..M
+    expect = eta * (u / np.linalg.norm(u, axis=1, keepdims=True)).mean(0)
+    np.testing.assert_allclose(gs[:, 0].mean(0), expect, atol=5 * eta / np.sqrt(n))
+
+
+def test_ef_signsgd_count_keeps_what_was_not_sent():
+    d = 100
+    u = np.random.default_rng(2).standard_normal((4, d)).astype(np.float32)
+    sync = S.ef_signsgd_count(RING)
+
+    def fn(u_w):
+        g, st, mine = sync.update(u_w, sync.init(d), S.RoundCtx(jnp.asarray(KEY), "sync"))
+        return g, st.compensation, mine
+
+    g, e, mine = per_worker(RING, fn, u)
+    scale = np.abs(u).mean(1, keepdims=True)
+    np.testing.assert_allclose(mine, np.where(u < 0, -scale, scale), rtol=1e-6)
+    np.testing.assert_array_equal(e, u - mine)
+    counts = (u >= 0).sum(0)
+    np.testing.assert_allclose(g[0], scale.mean() * (2 * counts - 4) / 4, rtol=1e-5, atol=1e-7)
+    assert (g == g[:1]).all()
+
+
+def test_bucket_norms_are_unbiased_and_count_methods_send_count_bits():
+    n = 2000
+    u = jnp.asarray(np.random.default_rng(1).standard_normal(128).astype(np.float32) * np.repeat([0.01, 1, 10, 100], 32))
+    keys = jnp.asarray(np.stack([S.host_round_key(1, t) for t in range(n)]))
+    dec = jax.jit(jax.vmap(lambda k: SC.ssdm_decompress(SC.ssdm_compress(u, k, norm="bucket", bucket=32), impl="jnp")))(keys)
+    norms = np.repeat(np.linalg.norm(np.asarray(u).reshape(4, 32), axis=1), 32)
+    np.testing.assert_allclose(np.abs(np.asarray(dec)), np.broadcast_to(norms, dec.shape), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(dec.mean(0)), np.asarray(u), atol=5 * norms.max() / np.sqrt(n))
+    with pytest.raises(ValueError, match="bucket must be a positive multiple of 32 elements, got 48"):
+        S.ssdm(RING, norm="bucket", bucket=48)
+    ds, params, loss_fn = _setup()
+    xs, ys = _batches(0)
+    bits = {}
+    for name, sync in (("signsgd", S.signsgd(RING, 1e-2)), ("ssdm_count", S.ssdm_count(RING, 1e-2)),
+                       ("ef_count", S.ef_signsgd_count(RING)), ("l2", S.ssdm(RING)),
+                       ("bucket", S.ssdm(RING, norm="bucket", bucket=64))):
+        bits[name] = T.make_trainer(loss_fn, params, RING, sync, eta_l=0.1).round_bits("sync", xs, ys)
+    assert bits["ssdm_count"] == bits["signsgd"]  # the same counts cross the ring
+    assert bits["ef_count"] == bits["signsgd"] + 3 * 4 * 32  # plus the 4 scales, each all-gathered over 3 hops
+    assert bits["bucket"] > bits["l2"]  # a norm per 64 elements instead of one per segment
 
 
 def test_marsit_trains_and_its_workers_agree():

@@ -229,3 +229,45 @@ def test_experiment_configs_in_the_repo_parse():
     for f in files:
         runs = C.load_runs(f)
         assert runs and all(r.data.dataset == "mnist5k" for r in runs)
+
+
+def test_protocol_options_are_checked_and_the_step_size_falls_after_each_full_round():
+    from zeroth.collectives import sync as S
+    from zeroth.collectives.topology import Ring
+    from zeroth.marsit.experiment import lr_scales
+
+    def runs(**train):
+        return C.load_runs_dict(dict(TINY, runs=[{"label": "m", "sync": {"method": "marsit", "eta_s": 0.01, "K": 3},
+                                                  "train": train}]))
+
+    with pytest.raises(ValueError, match="train.local_steps must be an int >= 1, got 0"):
+        runs(local_steps=0)
+    with pytest.raises(ValueError, match="train.momentum must be a number in \\[0, 1\\), got 1.5"):
+        runs(momentum=1.5)
+    with pytest.raises(ValueError, match="train.lr_decay_every must be null, an int >= 1 or 'full', got 'half'"):
+        runs(lr_decay=0.1, lr_decay_every="half")
+    with pytest.raises(ValueError, match="needs sync.method marsit with K > 1 \\(got psgd, K=None\\)"):
+        C.load_runs_dict(dict(TINY, runs=[{"label": "p", "sync": {"method": "psgd"},
+                                           "train": {"lr_decay": 0.1, "lr_decay_every": "full"}}]))
+    spec = runs(lr_decay=0.1, lr_decay_every="full")[0]
+    scale = lr_scales(spec, S.marsit(Ring(3), 0.01, K=3).phase)
+    # full rounds at t = 0, 3, 6: a round after the full round at 3 (and 6) runs at a tenth of the step before
+    assert [scale(t) for t in range(9)] == pytest.approx([1, 1, 1, 1, 0.1, 0.1, 0.1, 0.01, 0.01])
+    every = lr_scales(runs(lr_decay=0.5, lr_decay_every=4)[0], lambda t: "sync")
+    assert [every(t) for t in (0, 3, 4, 8)] == [1, 1, 0.5, 0.25]
+    assert lr_scales(runs()[0], lambda t: "full")(100) == 1.0
+
+
+def test_committed_short_runs_end_on_the_digests_of_their_equivalents():
+    """K = 1 is PSGD and K = inf is Marsit, bit for bit, in the committed runs of the seed's protocol
+    (4 local steps with momentum): the Figure 3(b) runs end on the Table 2 runs' digests."""
+    res = ROOT / "experiments" / "results"
+
+    def digests(name):
+        return {r["run"]: r["digest"] for r in json.loads((res / name / "summary.json").read_text())["runs"]}
+
+    t2, f3 = digests("marsit_table2_short"), digests("marsit_fig3b_short")
+    assert f3["K=1"] == t2["psgd"]
+    assert f3["K=inf"] == t2["marsit-3e-3"]
+    assert f3["K=25"] == t2["marsit25-3e-3"]
+    assert len({f3["K=1"], f3["K=25"], f3["K=inf"]}) == 3

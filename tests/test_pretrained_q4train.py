@@ -73,10 +73,24 @@ def test_projection_checks_paths_and_rounding():
 def test_tiny_updates_vanish_with_nearest_rounding_but_float_leaves_train():
     model, params, grids = _quantized_mlp()
     before = jax.tree_util.tree_map(np.asarray, params)
-    after, changed = _run(_cfg(lr=1e-4), model, params, grids, "nearest")
+    with pytest.warns(RuntimeWarning, match=r"requantize 'nearest': step 0 changed none of the quantized weights: "
+                                            r"the largest update moved a weight by [0-9.]+% of its grid step") as rec:
+        after, changed = _run(_cfg(lr=1e-4), model, params, grids, "nearest")
+    assert len([w for w in rec if "requantize" in str(w.message)]) == 1  # once, not every step
     assert changed == [0.0, 0.0, 0.0]
     np.testing.assert_array_equal(np.asarray(after["Dense_0"]["kernel"]), before["Dense_0"]["kernel"])
     assert not np.array_equal(np.asarray(after["Dense_1"]["kernel"]), before["Dense_1"]["kernel"])
+
+
+def test_nearest_rounding_that_moves_codes_gives_no_warning():
+    model, params, grids = _quantized_mlp()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _, changed = _run(_cfg(lr=2.0, steps=1), model, params, grids, "nearest")
+    assert changed[0] > 0.0
+    assert q4.nearest_warning(3, 0.02, 1e-4).endswith("a train.lr about 25x the 0.0001 configured")
 
 
 def test_stochastic_rounding_moves_codes_deterministically_and_stays_on_the_grid():

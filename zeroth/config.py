@@ -293,7 +293,8 @@ class TrainConfig:
         None,
         "4-bit forward-only training (zo only, models with 4-bit weight grids: smollm2_prompt): after every "
         "update each quantized weight is put back on its fixed grid from the model file, by nearest or "
-        "stochastic (unbiased) rounding. null = train float32 weights.",
+        "stochastic (unbiased) rounding; nearest warns at the first step that moved no weight by half a grid "
+        "step (no code can change at that step size). null = train float32 weights.",
         choices=REQUANTIZE,
     )
     optimizer: OptimizerConfig = field(

@@ -40,6 +40,7 @@ from zeroth.binary import flips as F
 from zeroth.binary import layers as L
 
 __all__ = ["METHODS", "HEADS", "ADAM", "TrainConfig", "LayerResult", "LayerState", "LayerInterrupted", "init_state",
+           "features", "fit_head",
            "step_cost", "step_functions", "train_layer", "save_state", "load_state", "predict", "accuracy", "evaluate",
            "layer_outputs"]
 
@@ -63,6 +64,10 @@ class TrainConfig(NamedTuple):
     head: str = "linear"  # linear (trained) or votes (fixed)
     votes_scale: float = 8.0  # logit scale of the votes head
     seed: int = 0
+    accept_batch: int = 0  # flips: > 0 applies a step's flips only if they lower the loss on this many other examples
+    refit_every: int = 0  # flips: > 0 refits the head to convergence (fit_head) every this many steps, on refit_size examples
+    refit_size: int = 1024
+
 
     def check(self) -> "TrainConfig":
         if self.method not in METHODS:
@@ -72,6 +77,12 @@ class TrainConfig(NamedTuple):
         for name in ("steps", "batch_size", "k", "grid"):
             if getattr(self, name) < 1:
                 raise ValueError(f"binary {name} must be >= 1, got {getattr(self, name)}")
+        if self.refit_every < 0 or (self.refit_every and self.method != "flips") or self.refit_size < 1:
+            raise ValueError(f"binary refit_every must be 0, or > 0 with method 'flips' and refit_size >= 1 (got "
+                             f"{self.refit_every}, {self.refit_size} with {self.method!r})")
+        if self.accept_batch < 0 or (self.accept_batch and self.method != "flips"):
+            raise ValueError(f"binary accept_batch must be 0, or > 0 with method 'flips' (got {self.accept_batch} "
+                             f"with {self.method!r})")
         return self
 
 
@@ -214,7 +225,7 @@ def step_cost(cfg: TrainConfig) -> tuple[int, int]:
     head = (1, 1) if cfg.head == "linear" else (1, 0)
     if cfg.method == "ste":
         return 1, 1
-    extra = {"flips": 1, "evolution": 2, "head": 0}[cfg.method]
+    extra = {"flips": 1 + (2 if cfg.accept_batch else 0), "evolution": 2, "head": 0}[cfg.method]
     return head[0] + extra, head[1]
 
 
@@ -261,11 +272,23 @@ def train_layer(spec: L.ConvSpec, x, y, cfg: TrainConfig, *, classes: int, layer
             else:
                 loss = fns.loss(layer, head, xb, yb) / len(idx)
             wnp = np.asarray(layer.w)
+            if cfg.method == "flips" and cfg.refit_every and step % cfg.refit_every == 0:
+                ridx = np.random.default_rng([cfg.seed, layer_index, 6, step]).choice(
+                    n, size=min(cfg.refit_size, n), replace=False)
+                w_fit, b_fit, _ = fit_head(features(layer, x[ridx], spec, cfg.grid), y[ridx], head.b.shape[0])
+                head = L.Head(jnp.asarray(w_fit.reshape(head.a.shape)), jnp.asarray(b_fit))
             if cfg.method == "flips":
                 chosen = F.select(fns.deltas(layer, head, xb, yb), k=cfg.k, min_gain=cfg.min_gain)
+                trial = layer
                 if chosen.size:
-                    layer = L.ConvLayer(jnp.asarray(F.apply_mutations_np(wnp, chosen, spec.ternary)), layer.thresh)
-                applied = int(chosen.size)
+                    trial = L.ConvLayer(jnp.asarray(F.apply_mutations_np(wnp, chosen, spec.ternary)), layer.thresh)
+                if chosen.size and cfg.accept_batch:  # kept only if the loss falls on examples the flips were not scored on
+                    hidx = np.random.default_rng([cfg.seed, layer_index, 5, step]).choice(
+                        n, size=min(cfg.accept_batch, n), replace=False)
+                    xh, yh = jnp.asarray(x[hidx]), jnp.asarray(y[hidx])
+                    if float(fns.loss(trial, head, xh, yh)) >= float(fns.loss(layer, head, xh, yh)):
+                        trial, chosen = layer, chosen[:0]
+                layer, applied = trial, int(chosen.size)
             elif cfg.method == "evolution":
                 before = float(fns.loss(layer, head, xb, yb))
                 trial = L.ConvLayer(jnp.asarray(F.apply_mutations_np(
@@ -358,3 +381,59 @@ def evaluate(layer, head, x, y, spec, grid, *, chunk: int = 256) -> tuple[float,
         l_sum, r = _eval_chunk(layer, head, xb, jnp.asarray(yb), jnp.arange(chunk) < m, spec, grid)
         loss, right = loss + float(l_sum), right + int(r)
     return loss / len(y), right / len(y)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "grid"))
+def _features_chunk(layer, xb, spec, grid):
+    act = _acts(layer, xb, spec)  # f32[B, H W, O], ±1
+    reg = L.regions(xb.shape[1], xb.shape[2], grid)
+    pooled = jax.ops.segment_sum(jnp.moveaxis(act, 1, 0), jnp.asarray(reg.index), num_segments=len(reg.counts))
+    pooled = pooled / jnp.asarray(reg.counts)[:, None, None]  # (R, B, O)
+    return jnp.moveaxis(pooled, 1, 0).reshape(xb.shape[0], -1)
+
+
+def features(layer: L.ConvLayer, x, spec: L.ConvSpec, grid: int, *, chunk: int = 256) -> np.ndarray:
+    """``f32[N, R * O]``: the region means of the layer's ±1 activations (what its head reads)."""
+    x = np.asarray(x)
+    return np.concatenate([np.asarray(_features_chunk(layer, xb, spec, grid))[:m] for m, xb in _chunks(x, chunk)])
+
+
+def fit_head(f_train: np.ndarray, y_train: np.ndarray, classes: int, *, l2: float = 1e-4, tol: float = 1e-5,
+             max_iter: int = 2000) -> tuple[np.ndarray, np.ndarray, dict]:
+    """A converged multinomial logistic regression ``(W f32[D, K], b f32[K], info)`` on ``f_train``.
+
+    Minimises mean cross-entropy + ``l2 * ||W||^2`` (features standardised first, folded back into
+    ``W, b``) with L-BFGS until the gradient's max norm is below ``tol`` or ``max_iter``
+    iterations; ``info`` says which (``converged``), the iterations and the final loss.
+    """
+    f = jnp.asarray(f_train, jnp.float32)
+    mu, sd = f.mean(0), f.std(0) + 1e-6
+    p, value, gmax, it = _lbfgs((f - mu[None, :]) / sd[None, :], jnp.asarray(y_train, jnp.int32), classes, jnp.float32(l2),
+                                jnp.float32(tol), max_iter)
+    w = p[0] / sd[:, None]
+    b = p[1] - mu @ w
+    gmax = float(gmax)
+    return np.asarray(w), np.asarray(b), {"converged": gmax <= tol, "iterations": int(it), "loss": float(value),
+                                          "grad_max": gmax}
+
+
+@functools.partial(jax.jit, static_argnames=("classes", "max_iter"))
+def _lbfgs(z, y, classes: int, l2, tol, max_iter: int):
+    def loss(p):
+        logits = z @ p[0] + p[1][None, :]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + l2 * jnp.sum(p[0] ** 2)
+
+    opt = optax.lbfgs()
+    vg = optax.value_and_grad_from_state(loss)
+
+    def body(c):
+        p, s, _, _, it = c
+        value, grad = vg(p, state=s)
+        upd, s = opt.update(grad, s, p, value=value, grad=grad, value_fn=loss)
+        gmax = jnp.maximum(jnp.max(jnp.abs(grad[0])), jnp.max(jnp.abs(grad[1])))
+        return optax.apply_updates(p, upd), s, value, gmax, it + 1
+
+    p0 = (jnp.zeros((z.shape[1], classes), jnp.float32), jnp.zeros((classes,), jnp.float32))
+    c0 = (p0, opt.init(p0), jnp.float32(jnp.nan), jnp.float32(jnp.inf), jnp.int32(0))
+    p, _, value, gmax, it = jax.lax.while_loop(lambda c: (c[4] < max_iter) & (c[3] > tol), body, c0)
+    return p, value, gmax, it

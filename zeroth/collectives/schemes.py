@@ -38,6 +38,8 @@ __all__ = [
     "ssdm_compress",
     "ssdm_decompress",
     "NORMS",
+    "check_norm",
+    "norm_unit",
     "planes_to_counts",
     "uniforms",
 ]
@@ -90,42 +92,71 @@ def uniforms(key: jax.Array, n: int) -> jax.Array:
     return jnp.stack([x0, x1], axis=1).reshape(-1)
 
 
-NORMS = ("l2", "linf")
+NORMS = ("l2", "linf", "bucket")
 
 
-def _norm(u: jax.Array, norm: str) -> jax.Array:
+def check_norm(norm: str, bucket: int = 256) -> None:
+    """Refuse an unknown SSDM norm, or a ``bucket`` that is not a positive multiple of 32."""
+    if norm not in NORMS:
+        raise ValueError(f"unknown SSDM norm {norm!r}; expected one of {list(NORMS)}")
+    if norm == "bucket" and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < sb.WORD_BITS
+                             or bucket % sb.WORD_BITS):
+        raise ValueError(f"SSDM bucket must be a positive multiple of {sb.WORD_BITS} elements, got {bucket!r}")
+
+
+def norm_unit(norm: str, bucket: int = 256) -> int:
+    """The length every segment of an SSDM vector must be a multiple of (a word, or a bucket)."""
+    return bucket if norm == "bucket" else sb.WORD_BITS
+
+
+def _norm(u: jax.Array, norm: str, bucket: int = 256) -> jax.Array:
     if norm == "l2":
         return jnp.sqrt(jnp.sum(u * u))
     if norm == "linf":
         return jnp.max(jnp.abs(u))
+    if norm == "bucket":
+        check_norm(norm, bucket)
+        if u.shape[0] % bucket:
+            raise ValueError(f"SSDM bucket norms need a length that is a multiple of bucket={bucket}, got {u.shape[0]}")
+        return jnp.sqrt(jnp.sum((u * u).reshape(-1, bucket), axis=1))
     raise ValueError(f"unknown SSDM norm {norm!r}; expected one of {list(NORMS)}")
 
 
-def ssdm_compress(u: jax.Array, key: jax.Array, *, norm: str = "l2", impl: str = "auto") -> tuple[jax.Array, jax.Array]:
-    """SSDM's stochastic sign of ``u`` (``f32[L]``, ``L % 32 == 0``): ``(||u|| f32[], bits u32[L/32])``.
+def _per_element(norms: jax.Array, n: int) -> jax.Array:
+    return norms if norms.ndim == 0 else jnp.repeat(norms, n // norms.shape[0])
+
+
+def ssdm_compress(u: jax.Array, key: jax.Array, *, norm: str = "l2", bucket: int = 256,
+                  impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """SSDM's stochastic sign of ``u`` (``f32[L]``, ``L % 32 == 0``): ``(norm, bits u32[L/32])``.
 
     Bit ``j`` is 1 with probability ``1/2 + u_j / (2 ||u||)`` (to 24-bit resolution:
     ``(uniform >> 8) < p * 2**24``), so ``E[||u|| (2 bit - 1)] = u_j``. ``u = 0`` gives fair coins.
-    ``norm="l2"`` is the seed's SSDM; ``"linf"`` (the max norm) is a lower-variance variant whose
-    decompressed vector keeps the max norm of its input, so cascading does not compound it.
+    ``norm="l2"`` is the seed's SSDM (``f32[]``); ``"linf"`` (the max norm, ``f32[]``) is a
+    lower-variance variant whose decompressed vector keeps the max norm of its input, so cascading
+    does not compound it; ``"bucket"`` takes the l2 norm of every ``bucket`` consecutive elements
+    (``f32[L/bucket]``, 32 more bits per bucket on the wire).
     """
-    norm = _norm(u, norm)
-    safe = jnp.where(norm > 0, norm, jnp.float32(1.0))
-    p = jnp.clip(jnp.float32(0.5) + u / (jnp.float32(2.0) * safe), 0.0, 1.0)
+    norms = _norm(u, norm, bucket)
+    safe = jnp.where(norms > 0, norms, jnp.float32(1.0))
+    p = jnp.clip(jnp.float32(0.5) + u / (jnp.float32(2.0) * _per_element(safe, u.shape[0])), 0.0, 1.0)
     draw = (uniforms(key, u.shape[0]) >> np.uint32(8)).astype(jnp.float32)
     plus = draw < p * jnp.float32(2.0**24)
-    return norm, sb.pack(jnp.where(plus, jnp.float32(1.0), jnp.float32(-1.0)), impl=impl)
+    return norms, sb.pack(jnp.where(plus, jnp.float32(1.0), jnp.float32(-1.0)), impl=impl)
 
 
 def ssdm_decompress(msg, *, impl: str = "auto") -> jax.Array:
-    """``(norm, bits)`` -> ``f32[32 W]``: ``+norm`` / ``-norm`` per bit."""
-    norm, words = msg
-    return sb.unpack(words, (words.shape[0] * sb.WORD_BITS,), scale=norm, impl=impl)
+    """``(norm, bits)`` -> ``f32[32 W]``: ``+norm`` / ``-norm`` per bit (per bucket for bucket norms)."""
+    norms, words = msg
+    n = words.shape[0] * sb.WORD_BITS
+    if norms.ndim == 0:
+        return sb.unpack(words, (n,), scale=norms, impl=impl)
+    return sb.unpack(words, (n,), impl=impl) * _per_element(norms, n)
 
 
-def ssdm_scheme(*, norm: str = "l2", impl: str = "auto") -> Scheme:
+def ssdm_scheme(*, norm: str = "l2", bucket: int = 256, impl: str = "auto") -> Scheme:
     """Cascading compression: local pieces are floats, messages ``(norm, bits)``; decompress-add-recompress."""
-    _norm(jnp.zeros((1,), jnp.float32), norm)
+    check_norm(norm, bucket)
 
     def key_of(hop: Hop):
         if hop.key is None:
@@ -134,9 +165,9 @@ def ssdm_scheme(*, norm: str = "l2", impl: str = "auto") -> Scheme:
 
     return Scheme(
         split=_split_rows,
-        first=lambda seg, hop: ssdm_compress(seg, key_of(hop), norm=norm, impl=impl),
+        first=lambda seg, hop: ssdm_compress(seg, key_of(hop), norm=norm, bucket=bucket, impl=impl),
         combine=lambda msg, seg, hop: ssdm_compress(
-            ssdm_decompress(msg, impl=impl) + seg, key_of(hop), norm=norm, impl=impl
+            ssdm_decompress(msg, impl=impl) + seg, key_of(hop), norm=norm, bucket=bucket, impl=impl
         ),
         to_local=lambda msg: ssdm_decompress(msg, impl=impl),
     )

@@ -13,18 +13,24 @@ A :class:`SyncTransform` is three pure functions closing over their hyperparamet
 
 The methods (seed 004 and its baselines) are compositions:
 
-=================  ==================================================================================
-``psgd``           :func:`mean_allreduce`: full-precision multi-hop all-reduce, ``g = mean_m u_m``
-``signsgd``        :func:`sign_count_allreduce`: bit-sliced counts of signs (bit length grows per
-                   hop), ``g = eta_s * mean_m sign(u_m)``
-``majority_vote``  the same counts, thresholded to one bit before the all-gather,
-                   ``g = eta_s * sign(sum_m sign(u_m))`` (ties +1)
-``ef_signsgd``     ``compensate(scaled_sign_allgather(), target="contribution")``: error feedback
-                   on ``(||p||_1 / d) sign(p)``, every worker's message all-gathered
-``ssdm``           :func:`ssdm_cascade`: cascading compression (decompress, add, recompress per hop)
-``marsit``         ``compensate(periodic(sign_merge_allreduce(eta_s), K, mean_allreduce()),
-                   target="global", reset_phases=("full",))``: Algorithm 1
-=================  ==================================================================================
+====================  ==================================================================================
+``psgd``              :func:`mean_allreduce`: full-precision multi-hop all-reduce, ``g = mean_m u_m``
+``signsgd``           :func:`sign_count_allreduce`: bit-sliced counts of signs (bit length grows per
+                      hop), ``g = eta_s * mean_m sign(u_m)``
+``majority_vote``     the same counts, thresholded to one bit before the all-gather,
+                      ``g = eta_s * sign(sum_m sign(u_m))`` (ties +1)
+``ef_signsgd``        ``compensate(scaled_sign_allgather(), target="contribution")``: error feedback
+                      on ``(||p||_1 / d) sign(p)``, every worker's message all-gathered
+``ef_signsgd_count``  the same error feedback, the signs summed as counts over the hops and the
+                      scales all-gathered (:func:`scaled_sign_count_allreduce`): the seed's baseline,
+                      "extended to MAR by dynamically changing the bit length"
+``ssdm``              :func:`ssdm_cascade`: cascading compression (decompress, add, recompress per hop),
+                      the seed's Table 1 row; ``norm="bucket"`` sends a norm per bucket of elements
+``ssdm_count``        :func:`stochastic_sign_count_allreduce`: SSDM's stochastic signs summed as counts
+                      (bit length up to ``planes_for(M)``), ``g = eta_s * (mean of the signs)``
+``marsit``            ``compensate(periodic(sign_merge_allreduce(eta_s), K, mean_allreduce()),
+                      target="global", reset_phases=("full",))``: Algorithm 1
+====================  ==================================================================================
 
 Example (inside ``jax.shard_map``)::
 
@@ -59,6 +65,8 @@ __all__ = [
     "sign_merge_allreduce",
     "sign_count_allreduce",
     "scaled_sign_allgather",
+    "scaled_sign_count_allreduce",
+    "stochastic_sign_count_allreduce",
     "ssdm_cascade",
     "compensate",
     "periodic",
@@ -67,7 +75,9 @@ __all__ = [
     "signsgd",
     "majority_vote",
     "ef_signsgd",
+    "ef_signsgd_count",
     "ssdm",
+    "ssdm_count",
     "marsit",
     "METHODS",
     "build",
@@ -82,10 +92,13 @@ class RoundCtx(NamedTuple):
     Attributes:
       key: ``u32[2]`` round key (:func:`round_key`; traced, so rounds share one compilation).
       phase: the round's phase (static), from ``SyncTransform.phase(t)``.
+      scale: factor on the global step size ``eta_s`` this round (a step-size schedule that
+        divides the local step size divides ``eta_s`` with it); ``1.0`` leaves the bits unchanged.
     """
 
     key: jax.Array
     phase: str
+    scale: Any = 1.0
 
 
 class SyncTransform(NamedTuple):
@@ -152,10 +165,22 @@ def sign_merge_allreduce(topology, eta_s: float, *, impl: str = "auto") -> SyncT
         dp = _ring.padded_length(d, topology, sb.WORD_BITS)
         words = sb.pack(_pad(u, dp), impl=impl)
         merged = _ring.allreduce(words, _schemes.marsit_scheme(impl=impl), topology.stages, round_key=ctx.key)
-        g = sb.unpack(merged.reshape(-1), (dp,), scale=jnp.float32(eta), impl=impl)[:d]
+        g = sb.unpack(merged.reshape(-1), (dp,), scale=jnp.float32(eta) * ctx.scale, impl=impl)[:d]
         return g, state, g
 
     return SyncTransform(lambda d: (), update, _always("sync"))
+
+
+def _count_signs(words, d: int, dp: int, topology, eta, vote: bool, impl: str) -> jax.Array:
+    """``g`` of packed sign words ``u32[dp/32]``: their counts summed by the multi-hop all-reduce
+    (bit-sliced, up to ``planes_for(M)`` bits per element), as the mean sign or the majority."""
+    m_total = topology.size
+    planes = _ring.allreduce((words,), _schemes.count_scheme(m_total, vote=vote), topology.stages)
+    flat = tuple(p.reshape(-1) for p in planes)
+    if vote:
+        return sb.unpack(flat[0], (dp,), scale=eta, impl=impl)[:d]
+    c = _schemes.planes_to_counts(flat)[:d]
+    return eta * (2 * c - m_total).astype(jnp.float32) / jnp.float32(m_total)
 
 
 def sign_count_allreduce(topology, eta_s: float, *, vote: bool = False, impl: str = "auto") -> SyncTransform:
@@ -166,21 +191,64 @@ def sign_count_allreduce(topology, eta_s: float, *, vote: bool = False, impl: st
     the one-bit result all-gathered). ``c`` = number of workers with a non-negative element.
     """
     eta = _eta(eta_s)
-    m_total = topology.size
 
     def update(u, state, ctx):
         _check_vec(u)
         d = u.shape[0]
         dp = _ring.padded_length(d, topology, sb.WORD_BITS)
         words = sb.pack(_pad(u, dp), impl=impl)
-        planes = _ring.allreduce((words,), _schemes.count_scheme(m_total, vote=vote), topology.stages)
-        flat = tuple(p.reshape(-1) for p in planes)
-        if vote:
-            g = sb.unpack(flat[0], (dp,), scale=jnp.float32(eta), impl=impl)[:d]
-        else:
-            c = _schemes.planes_to_counts(flat)[:d]
-            g = jnp.float32(eta) * (2 * c - m_total).astype(jnp.float32) / jnp.float32(m_total)
+        g = _count_signs(words, d, dp, topology, jnp.float32(eta) * ctx.scale, vote, impl)
         return g, state, g
+
+    return SyncTransform(lambda d: (), update, _always("sync"))
+
+
+def stochastic_sign_count_allreduce(topology, eta_s: float, *, norm: str = "l2", bucket: int = 256,
+                                    impl: str = "auto") -> SyncTransform:
+    """SSDM extended to the multi-hop all-reduce by bit length (seed 004, section 5, "Baselines").
+
+    Every worker draws SSDM's stochastic signs of ``u`` (``+1`` with probability
+    ``1/2 + u_j / (2 ||u||)``, its own keys: the round key folded with its worker index); the
+    signs are summed as bit-sliced counts over the hops (up to ``planes_for(M)`` bits per element,
+    as :func:`sign_count_allreduce`) and ``g = eta_s * (2 c - M) / M``, so
+    ``E[g] = eta_s * mean_m u_m / ||u_m||``. ``norm``: ``"l2"`` (the seed's, whole vector),
+    ``"linf"`` or ``"bucket"`` (the l2 norm of every ``bucket`` consecutive elements).
+    """
+    eta = _eta(eta_s)
+    _schemes.check_norm(norm, bucket)
+
+    def update(u, state, ctx):
+        _check_vec(u)
+        d = u.shape[0]
+        dp = _ring.padded_length(d, topology, _schemes.norm_unit(norm, bucket))
+        key = _rng.fold_in(ctx.key, _ring.worker_index(topology).astype(jnp.uint32))
+        _, words = _schemes.ssdm_compress(_pad(u, dp), key, norm=norm, bucket=bucket, impl=impl)
+        g = _count_signs(words, d, dp, topology, jnp.float32(eta) * ctx.scale, False, impl)
+        return g, state, g
+
+    return SyncTransform(lambda d: (), update, _always("sync"))
+
+
+def scaled_sign_count_allreduce(topology, *, impl: str = "auto") -> SyncTransform:
+    """EF-signSGD's scaled sign extended to the multi-hop all-reduce by bit length.
+
+    Worker ``m``'s message is ``s_m sign(u_m)`` with ``s_m = ||u_m||_1 / d``. The signs are summed
+    as bit-sliced counts over the hops (up to ``planes_for(M)`` bits per element) and the M scales
+    all-gathered (32 bits each); ``g = mean_m(s_m) * (2 c - M) / M``. The contribution (for error
+    feedback) is this worker's own ``s_m sign(u_m)``.
+    """
+
+    def update(u, state, ctx):
+        _check_vec(u)
+        d = u.shape[0]
+        dp = _ring.padded_length(d, topology, sb.WORD_BITS)
+        scale = jnp.sum(jnp.abs(u)) / jnp.float32(d)
+        words = sb.pack(_pad(u, dp), impl=impl)
+        scales = _ring.all_gather_workers(scale[None], topology).reshape(-1)
+        mean_scale = jnp.sum(scales) / jnp.float32(topology.size)
+        g = mean_scale * _count_signs(words, d, dp, topology, jnp.float32(1.0), False, impl)
+        mine = sb.unpack(words, (dp,), scale=scale, impl=impl)[:d]
+        return g, state, mine
 
     return SyncTransform(lambda d: (), update, _always("sync"))
 
@@ -209,21 +277,26 @@ def scaled_sign_allgather(topology, *, impl: str = "auto") -> SyncTransform:
     return SyncTransform(lambda d: (), update, _always("sync"))
 
 
-def ssdm_cascade(topology, *, norm: str = "l2", impl: str = "auto") -> SyncTransform:
+def ssdm_cascade(topology, *, norm: str = "l2", bucket: int = 256, impl: str = "auto") -> SyncTransform:
     """SSDM with cascading compression: every hop sends ``Q(received + own)`` at one bit plus a norm;
     ``g = (1/M) * (decoded all-gathered result)``. Unbiased, with a variance that explodes with M
-    (``norm="l2"``, the seed's; ``"linf"`` is the milder max-norm variant).
+    (``norm="l2"``, the seed's; ``"linf"`` is the milder max-norm variant; ``"bucket"`` sends the
+    l2 norm of every ``bucket`` elements, so a hop's norm grows with the bucket, not the vector).
     """
-    scheme = _schemes.ssdm_scheme(norm=norm, impl=impl)
+    scheme = _schemes.ssdm_scheme(norm=norm, bucket=bucket, impl=impl)
+    unit = _schemes.norm_unit(norm, bucket)
 
     def update(u, state, ctx):
         _check_vec(u)
         d = u.shape[0]
-        dp = _ring.padded_length(d, topology, sb.WORD_BITS)
+        dp = _ring.padded_length(d, topology, unit)
         norms, words = _ring.allreduce(_pad(u, dp), scheme, topology.stages, round_key=ctx.key)
-        norms = norms.reshape(-1)  # one norm per final segment, in segment order
-        words = words.reshape(norms.shape[0], -1)
-        parts = [_schemes.ssdm_decompress((norms[j], words[j]), impl=impl) for j in range(norms.shape[0])]
+        words = words.reshape(-1, words.shape[-1])  # one row per final segment, in segment order
+        if norm == "bucket":
+            norms = norms.reshape(words.shape[0], -1)
+        else:
+            norms = norms.reshape(-1)
+        parts = [_schemes.ssdm_decompress((norms[j], words[j]), impl=impl) for j in range(words.shape[0])]
         g = jnp.concatenate(parts)[:d] / jnp.float32(topology.size)
         return g, state, g
 
@@ -315,9 +388,21 @@ def ef_signsgd(topology, *, impl: str = "auto") -> SyncTransform:
     return compensate(scaled_sign_allgather(topology, impl=impl), target="contribution")
 
 
-def ssdm(topology, *, norm: str = "l2", impl: str = "auto") -> SyncTransform:
-    """SSDM's stochastic sign with cascading compression over the multi-hop all-reduce."""
-    return ssdm_cascade(topology, norm=norm, impl=impl)
+def ef_signsgd_count(topology, *, impl: str = "auto") -> SyncTransform:
+    """EF-signSGD extended by bit length (seed 004's baseline): error feedback around the scaled
+    sign, the signs summed as counts over the hops (:func:`scaled_sign_count_allreduce`)."""
+    return compensate(scaled_sign_count_allreduce(topology, impl=impl), target="contribution")
+
+
+def ssdm(topology, *, norm: str = "l2", bucket: int = 256, impl: str = "auto") -> SyncTransform:
+    """SSDM's stochastic sign with cascading compression over the multi-hop all-reduce (seed 004's
+    Table 1 "cascading compression")."""
+    return ssdm_cascade(topology, norm=norm, bucket=bucket, impl=impl)
+
+
+def ssdm_count(topology, eta_s: float, *, norm: str = "l2", bucket: int = 256, impl: str = "auto") -> SyncTransform:
+    """SSDM extended by bit length (seed 004's Table 2 baseline): stochastic signs summed as counts."""
+    return stochastic_sign_count_allreduce(topology, eta_s, norm=norm, bucket=bucket, impl=impl)
 
 
 def marsit(topology, eta_s: float, K: int | None = None, *, impl: str = "auto") -> SyncTransform:
@@ -333,7 +418,7 @@ def marsit(topology, eta_s: float, K: int | None = None, *, impl: str = "auto") 
     return compensate(inner, target="global", reset_phases=("full",))
 
 
-METHODS = ("psgd", "signsgd", "majority_vote", "ef_signsgd", "ssdm", "marsit")
+METHODS = ("psgd", "signsgd", "majority_vote", "ef_signsgd", "ef_signsgd_count", "ssdm", "ssdm_count", "marsit")
 
 
 def build(
@@ -343,16 +428,18 @@ def build(
     eta_s: float | None = None,
     K: int | None = None,
     norm: str = "l2",
+    bucket: int = 256,
     impl: str = "auto",
 ) -> SyncTransform:
-    """The :class:`SyncTransform` of a method by name (see :data:`METHODS`); ``norm`` is SSDM's.
+    """The :class:`SyncTransform` of a method by name (see :data:`METHODS`); ``norm`` and ``bucket``
+    are SSDM's (``ssdm``, ``ssdm_count``).
 
     Raises:
       ValueError: unknown method, or ``eta_s`` missing for a method with a global step size.
     """
     if method not in METHODS:
         raise ValueError(f"unknown synchronization method {method!r}; expected one of {list(METHODS)}")
-    needs_eta = method in ("signsgd", "majority_vote", "marsit")
+    needs_eta = method in ("signsgd", "majority_vote", "ssdm_count", "marsit")
     if needs_eta and eta_s is None:
         raise ValueError(f"method {method!r} needs eta_s (its global step size)")
     if method == "psgd":
@@ -363,6 +450,10 @@ def build(
         return majority_vote(topology, eta_s, impl=impl)
     if method == "ef_signsgd":
         return ef_signsgd(topology, impl=impl)
+    if method == "ef_signsgd_count":
+        return ef_signsgd_count(topology, impl=impl)
     if method == "ssdm":
-        return ssdm(topology, norm=norm, impl=impl)
+        return ssdm(topology, norm=norm, bucket=bucket, impl=impl)
+    if method == "ssdm_count":
+        return ssdm_count(topology, eta_s, norm=norm, bucket=bucket, impl=impl)
     return marsit(topology, eta_s, K, impl=impl)

@@ -3,8 +3,18 @@
 Algorithm 2 of seed 004 for every method: each round ``t`` every worker ``m``
 
 1. computes its stochastic gradient on its own batch, ``u_m = eta_l * grad f_m(x_t)`` (flattened);
+   with ``local_steps = H > 1`` or ``momentum = beta > 0`` (the seed's protocol: "clients perform
+   multiple local updates between two successive synchronizations", optimizer "Momentum"), it
+   makes ``H`` local steps, each on its own batch, ``v <- beta v + grad f_m(x_t - u_m)``,
+   ``u_m <- u_m + eta v`` (``u_m`` starts at 0; ``v`` is the worker's momentum, kept across
+   rounds), so ``u_m`` is the worker's whole local update of the round;
 2. synchronizes: ``g_t, state_m = sync.update(u_m, state_m, RoundCtx(round_key(t), phase(t)))``;
 3. updates its copy of the parameters, ``x_{t+1} = x_t - g_t``.
+
+``H = 1, beta = 0`` computes ``u_m = 0 + eta * grad``: the same bits as one plain step. The round's
+step size is ``eta_l * lr_scale`` and the global step size of the sign methods ``eta_s * lr_scale``
+(``round(..., lr_scale=)``: a schedule such as the seed's division by 10 at every full-precision
+synchronization is the caller's).
 
 All of it is one ``jax.shard_map`` program per phase (compiled once; the round key is an
 argument). Parameters and synchronization state are per-worker arrays with a leading worker axis
@@ -48,6 +58,7 @@ class WorkerState(NamedTuple):
 
     params: Any  # pytree of f32[M, ...]: worker m's copy of the model is row m
     sync: Any  # pytree with leading axis M: each worker's synchronization state
+    opt: Any = ()  # f32[M, d]: each worker's momentum (``()`` without momentum)
 
 
 class Trainer(NamedTuple):
@@ -147,6 +158,8 @@ def make_trainer(
     eta_l: float,
     run_seed: int = 0,
     mesh=None,
+    local_steps: int = 1,
+    momentum: float = 0.0,
 ) -> Trainer:
     """Build the per-phase round programs of data-parallel training with ``sync``.
 
@@ -158,58 +171,93 @@ def make_trainer(
       eta_l: local step size (``u = eta_l * grad``).
       run_seed: names the round keys (``host_round_key(run_seed, t)``).
       mesh: a ``jax.sharding.Mesh`` for the topology (default ``topology.mesh()``).
+      local_steps: local steps per round (``H``); with ``H > 1`` a worker's batch has a leading
+        step axis: ``xs`` is ``[M, H, B, ...]``.
+      momentum: heavy-ball momentum ``beta`` of the local steps (0 = plain SGD).
 
     Returns:
-      A :class:`Trainer`. ``round(state, t, xs, ys)`` takes host or device batches with a leading
-      worker axis and returns the new state and the per-worker losses ``f32[M]``.
+      A :class:`Trainer`. ``round(state, t, xs, ys, lr_scale=1.0)`` takes host or device batches
+      with a leading worker axis and returns the new state and the per-worker losses ``f32[M]``
+      (the mean over the round's local steps).
+
+    Raises:
+      ValueError: ``local_steps`` not an int >= 1, or ``momentum`` not in ``[0, 1)``.
     """
+    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+        raise ValueError(f"local_steps must be an int >= 1, got {local_steps!r}")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
     mesh = topology.mesh() if mesh is None else mesh
     spec = topology.spec()
     sharding = NamedSharding(mesh, spec)
     flat0, unravel = ravel_pytree(params)
     dim = int(flat0.shape[0])
-    eta = jnp.float32(eta_l)
     m_total = topology.size
+    beta = float(momentum)
+    plain = local_steps == 1 and beta == 0.0
 
-    def local_round(phase, params_w, sync_w, x_w, y_w, rkey):
+    def local_update(p, v, x, y, eta):
+        """``(u, v, mean loss)`` of ``local_steps`` steps from ``p`` (``v``: momentum or ``()``)."""
+        if plain:
+            loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
+            return eta * ravel_pytree(grads)[0].astype(jnp.float32), v, loss
+        flat_p = ravel_pytree(p)[0]
+        xs, ys = (x, y) if local_steps > 1 else (x[None], y[None])
+
+        def one(carry, batch):
+            u, v = carry
+            loss, grads = jax.value_and_grad(loss_fn)(unravel(flat_p - u), *batch)
+            gf = ravel_pytree(grads)[0].astype(jnp.float32)
+            v = gf if beta == 0.0 else jnp.float32(beta) * v + gf
+            return (u + eta * v, v), loss
+
+        v0 = v if beta > 0.0 else jnp.zeros_like(flat_p)
+        (u, v1), losses = jax.lax.scan(one, (jnp.zeros_like(flat_p), v0), (xs, ys))
+        return u, (v1 if beta > 0.0 else v), jnp.mean(losses)
+
+    def local_round(phase, params_w, sync_w, opt_w, x_w, y_w, rkey, eta, scale):
         p = jax.tree_util.tree_map(lambda a: a[0], params_w)
         s = jax.tree_util.tree_map(lambda a: a[0], sync_w)
-        loss, grads = jax.value_and_grad(loss_fn)(p, x_w[0], y_w[0])
-        u = eta * ravel_pytree(grads)[0].astype(jnp.float32)
-        g, s, _ = sync.update(u, s, _sync.RoundCtx(rkey, phase))
+        v = jax.tree_util.tree_map(lambda a: a[0], opt_w)
+        u, v, loss = local_update(p, v, x_w[0], y_w[0], eta)
+        g, s, _ = sync.update(u, s, _sync.RoundCtx(rkey, phase, scale))
         new_p = jax.tree_util.tree_map(lambda a, b: a - b, p, unravel(g))
         expand = functools.partial(jax.tree_util.tree_map, lambda a: a[None])
-        return expand(new_p), expand(s), loss[None]
+        return expand(new_p), expand(s), expand(v), loss[None]
 
     def program(phase):
         return jax.shard_map(
             functools.partial(local_round, phase),
             mesh=mesh,
-            in_specs=(spec, spec, spec, spec, P()),
-            out_specs=(spec, spec, spec),
+            in_specs=(spec, spec, spec, spec, spec, P(), P(), P()),
+            out_specs=(spec, spec, spec, spec),
         )
 
     compiled: dict[str, Callable] = {}
 
     def step(phase):
         if phase not in compiled:
-            compiled[phase] = jax.jit(program(phase), donate_argnums=(0, 1))
+            compiled[phase] = jax.jit(program(phase), donate_argnums=(0, 1, 2))
         return compiled[phase]
 
     def init(p) -> WorkerState:
         s0 = sync.init(dim)
-        return WorkerState(stack_workers(p, m_total, sharding), stack_workers(s0, m_total, sharding))
+        v0 = np.zeros((dim,), np.float32) if beta > 0.0 else ()
+        return WorkerState(stack_workers(p, m_total, sharding), stack_workers(s0, m_total, sharding),
+                           stack_workers(v0, m_total, sharding))
 
     def put(a):
         if isinstance(a, jax.Array) and a.sharding == sharding:
             return a
         return place(a, sharding)
 
-    def run_round(state: WorkerState, t: int, xs, ys):
+    def run_round(state: WorkerState, t: int, xs, ys, lr_scale: float = 1.0):
         phase = sync.phase(t)
         rkey = jnp.asarray(_sync.host_round_key(run_seed, t))
-        params_w, sync_w, losses = step(phase)(state.params, state.sync, put(xs), put(ys), rkey)
-        return WorkerState(params_w, sync_w), losses
+        eta = jnp.float32(eta_l * lr_scale)
+        params_w, sync_w, opt_w, losses = step(phase)(state.params, state.sync, state.opt, put(xs), put(ys), rkey, eta,
+                                                      jnp.float32(lr_scale))
+        return WorkerState(params_w, sync_w, opt_w), losses
 
     def dtype_of(a):
         return a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
@@ -222,7 +270,10 @@ def make_trainer(
         stacked = functools.partial(
             jax.tree_util.tree_map, lambda a: jax.ShapeDtypeStruct((m_total,) + np.shape(a), dtype_of(a))
         )
-        args = (stacked(params), stacked(sync.init(dim)), abstract(xs), abstract(ys), jax.ShapeDtypeStruct((2,), jnp.uint32))
+        v0 = jax.ShapeDtypeStruct((dim,), jnp.float32) if beta > 0.0 else ()
+        args = (stacked(params), stacked(sync.init(dim)), stacked(v0), abstract(xs), abstract(ys),
+                jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((), jnp.float32),
+                jax.ShapeDtypeStruct((), jnp.float32))
         return _bits.ppermute_report(program(phase), *args)
 
     def round_bits(phase: str, xs, ys) -> int:

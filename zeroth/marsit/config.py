@@ -10,8 +10,9 @@ is optional except ``runs``; an unknown key is a ``ValueError`` naming it and th
     data: {dataset: mnist5k, batch_size: 32, eval_size: 1000}   # batch_size per worker
     model: {name: cnn, kwargs: {features: [8, 16], dense: 32}}
     topology: {kind: ring, workers: 4, rows: null}
-    train: {rounds: 300, eta_l: 0.05, eval_every: 25, log_every: 1, checksum_every: 1, target_acc: 0.9}
-    sync: {method: marsit, eta_s: 0.001, K: null, norm: l2}     # K: null = infinity; norm: SSDM's
+    train: {rounds: 300, eta_l: 0.05, eval_every: 25, log_every: 1, checksum_every: 1, target_acc: 0.9,
+            local_steps: 1, momentum: 0.0, lr_decay: 1.0, lr_decay_every: null}
+    sync: {method: marsit, eta_s: 0.001, K: null, norm: l2, bucket: 256}  # K: null = infinity; norm, bucket: SSDM's
     network: {gbps: 1.0, latency_us: 50.0}
     runs: [{label: "K=1", sync: {K: 1}}, {label: "K=inf"}]
 
@@ -81,12 +82,18 @@ class TopologySpec:
 class TrainSpec:
     """Rounds and step sizes."""
 
-    rounds: int = _config.field(200, "Training rounds (one local step and one synchronization each).")
+    rounds: int = _config.field(200, "Training rounds (local_steps local steps and one synchronization each).")
     eta_l: float = _config.field(0.05, "Local step size: each worker's update is u = eta_l * grad.")
     eval_every: int = _config.field(25, "Evaluate test accuracy every this many rounds (and at the last).")
     log_every: int = _config.field(1, "A train row in metrics.jsonl every this many rounds (and at the last).")
     checksum_every: int = _config.field(1, "Compare every worker's parameter checksum every this many rounds.")
     target_acc: float = _config.field(0.9, "rounds_to_target in summary.json is the first evaluated round reaching this test accuracy.")
+    local_steps: int = _config.field(1, "Local steps per worker between two synchronizations, each on its own batch.")
+    momentum: float = _config.field(0.0, "Heavy-ball momentum of the local steps (0 = plain SGD; kept across rounds).")
+    lr_decay: float = _config.field(1.0, "Factor on the local step size at each decay point (1.0 = constant; the seed's 0.1).")
+    lr_decay_every: int | str | None = _config.field(
+        None, "When the step size decays: null = never, an int N = every N rounds, 'full' = after every "
+              "full-precision synchronization (round t > 0 of phase full; Marsit with K > 1).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +103,9 @@ class SyncSpec:
     method: str = _config.field("psgd", "Synchronization method.", choices=lambda: list(_sync.METHODS))
     eta_s: float | None = _config.field(None, "Global step size of signsgd, majority_vote and marsit (required there); unused by the others.")
     K: int | None = _config.field(None, "Marsit: a full-precision round every K rounds; null (or inf) = never.")
-    norm: str = _config.field("l2", "SSDM's norm: l2 (the seed's) or linf.", choices=("l2", "linf"))
+    norm: str = _config.field("l2", "SSDM's norm: l2 (the seed's, whole vector), linf, or bucket (l2 per bucket elements).",
+                              choices=("l2", "linf", "bucket"))
+    bucket: int = _config.field(256, "SSDM's bucket length for norm: bucket (a multiple of 32).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +196,25 @@ def _validate(spec: RunSpec) -> RunSpec:
     where = f"run {spec.label!r}"
     if spec.sync.method not in _sync.METHODS:
         raise ValueError(f"{where}: unknown sync.method {spec.sync.method!r}; expected one of {list(_sync.METHODS)}")
-    if spec.sync.norm not in ("l2", "linf"):
-        raise ValueError(f"{where}: sync.norm must be 'l2' or 'linf', got {spec.sync.norm!r}")
+    if spec.sync.norm not in ("l2", "linf", "bucket"):
+        raise ValueError(f"{where}: sync.norm must be 'l2', 'linf' or 'bucket', got {spec.sync.norm!r}")
+    b = spec.sync.bucket
+    if isinstance(b, bool) or not isinstance(b, int) or b < 32 or b % 32:
+        raise ValueError(f"{where}: sync.bucket must be a positive multiple of 32, got {b!r}")
+    tr = spec.train
+    if isinstance(tr.local_steps, bool) or not isinstance(tr.local_steps, int) or tr.local_steps < 1:
+        raise ValueError(f"{where}: train.local_steps must be an int >= 1, got {tr.local_steps!r}")
+    if isinstance(tr.momentum, bool) or not isinstance(tr.momentum, (int, float)) or not 0 <= tr.momentum < 1:
+        raise ValueError(f"{where}: train.momentum must be a number in [0, 1), got {tr.momentum!r}")
+    if isinstance(tr.lr_decay, bool) or not isinstance(tr.lr_decay, (int, float)) or not 0 < tr.lr_decay <= 1:
+        raise ValueError(f"{where}: train.lr_decay must be a number in (0, 1], got {tr.lr_decay!r}")
+    e = tr.lr_decay_every
+    if e is not None and e != "full" and (isinstance(e, bool) or not isinstance(e, int) or e < 1):
+        raise ValueError(f"{where}: train.lr_decay_every must be null, an int >= 1 or 'full', got {e!r}")
+    if e == "full" and not (spec.sync.method == "marsit" and spec.sync.K is not None and spec.sync.K > 1):
+        raise ValueError(f"{where}: train.lr_decay_every 'full' decays after each full-precision synchronization, "
+                         f"which needs sync.method marsit with K > 1 (got {spec.sync.method}, K={spec.sync.K}); "
+                         f"use an int (every N rounds) or null")
     if spec.topology.kind not in ("ring", "torus"):
         raise ValueError(f"{where}: topology.kind must be 'ring' or 'torus', got {spec.topology.kind!r}")
     for name, v in (("train.rounds", spec.train.rounds), ("train.eval_every", spec.train.eval_every), ("train.log_every", spec.train.log_every),

@@ -57,7 +57,7 @@ from zeroth.marsit.devices import DeviceError, ensure_cpu_devices
 from zeroth.train.interrupt import Interrupted
 from zeroth.train.metrics import MetricsWriter, read_metrics
 
-__all__ = ["Stopped", "flat_params", "run_one", "run_config", "table"]
+__all__ = ["Stopped", "flat_params", "lr_scales", "run_one", "run_config", "table"]
 
 
 class Stopped(Interrupted):
@@ -105,15 +105,22 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, y_test).mean()
         return loss, jnp.mean((jnp.argmax(logits, -1) == y_test).astype(jnp.float32))
 
-    sync = _sync.build(spec.sync.method, topo, eta_s=spec.sync.eta_s, K=spec.sync.K, norm=spec.sync.norm)
+    sync = _sync.build(spec.sync.method, topo, eta_s=spec.sync.eta_s, K=spec.sync.K, norm=spec.sync.norm,
+                       bucket=spec.sync.bucket)
+    h = spec.train.local_steps
     tr = _train.make_trainer(loss_fn, params0, topo, sync, eta_l=spec.train.eta_l, run_seed=spec.seed,
-                             mesh=topo.mesh(devices))
+                             mesh=topo.mesh(devices), local_steps=h, momentum=spec.train.momentum)
     state = tr.init(params0)
     m, b, n_train = topo.size, spec.data.batch_size, train_ds.x.shape[0]
+    lr_scale = lr_scales(spec, sync.phase)
 
     def batch(t):
-        idx = [_data.batch_indices(spec.seed, t * m + k, b, n_train) for k in range(m)]
-        return np.stack([train_ds.x[i] for i in idx]), np.stack([train_ds.y[i] for i in idx])
+        if h == 1:
+            idx = [_data.batch_indices(spec.seed, t * m + k, b, n_train) for k in range(m)]
+            return np.stack([train_ds.x[i] for i in idx]), np.stack([train_ds.y[i] for i in idx])
+        idx = [[_data.batch_indices(spec.seed, (t * h + j) * m + k, b, n_train) for j in range(h)] for k in range(m)]
+        return (np.stack([np.stack([train_ds.x[i] for i in row]) for row in idx]),
+                np.stack([np.stack([train_ds.y[i] for i in row]) for row in idx]))
 
     xs0, ys0 = batch(0)
     ref_bits = tr.reference_bits()
@@ -134,8 +141,8 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
 
     def common(step: int) -> dict:
         return {"run": spec.label, "group": spec.group, "step": step, "time_unix_s": time.time(),
-                "wall_time_s": time.time() - start, "digest": digest, "forward_passes": step,
-                "backward_passes": step, "payload_bytes_total": _bytes(total_bits)}
+                "wall_time_s": time.time() - start, "digest": digest, "forward_passes": step * h,
+                "backward_passes": step * h, "payload_bytes_total": _bytes(total_bits)}
 
     for t in range(spec.train.rounds):
         phase = sync.phase(t)
@@ -145,7 +152,7 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
             phase_comm[phase] = sum(spec.network.latency_us * 1e-6 + r["per_send_bits"] / (spec.network.gbps * 1e9) for r in report)
         xs, ys = batch(t)
         t0 = time.perf_counter()
-        state, losses = tr.round(state, t, xs, ys)
+        state, losses = tr.round(state, t, xs, ys, lr_scale=lr_scale(t))
         losses = _train.gather(losses)
         dt = time.perf_counter() - t0
         phase_count[phase] = phase_count.get(phase, 0) + 1
@@ -167,7 +174,8 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
         if not math.isfinite(train_loss):
             diverged = True
         if diverged or rounds_done % spec.train.log_every == 0 or rounds_done == spec.train.rounds:
-            log({"kind": "train", **common(rounds_done), "phase": phase, "loss": train_loss, "lr": spec.train.eta_l,
+            log({"kind": "train", **common(rounds_done), "phase": phase, "loss": train_loss,
+                 "lr": spec.train.eta_l * lr_scale(t),
                  "eta_s": spec.sync.eta_s, "step_time_s": dt, "payload_bytes": _bytes(phase_bits[phase]),
                  "bits_per_element": _bits.bits_per_element(phase_bits[phase], ref_bits)})
         if diverged or rounds_done % spec.train.eval_every == 0 or rounds_done == spec.train.rounds:
@@ -204,6 +212,11 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
         "norm": spec.sync.norm if spec.sync.method == "ssdm" else None,
         "eta_l": spec.train.eta_l,
         "eta_s": spec.sync.eta_s,
+        "local_steps": h,
+        "momentum": spec.train.momentum,
+        "lr_decay": spec.train.lr_decay,
+        "lr_decay_every": spec.train.lr_decay_every,
+        "bucket": spec.sync.bucket if spec.sync.norm == "bucket" else None,
         "seed": spec.seed,
         "rounds": rounds_done,
         "rounds_to_target": reached,
@@ -230,6 +243,27 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
         "params": tr.dim,
         "params_file": None if params_file is None else f"{params_file.parent.name}/{params_file.name}",
     }
+
+
+def lr_scales(spec: _config.RunSpec, phase: Callable[[int], str]) -> Callable[[int], float]:
+    """``t -> `` the factor on ``train.eta_l`` in round ``t``: ``lr_decay ** n(t)`` where ``n(t)``
+    counts the decay points before round ``t`` (``lr_decay_every``: every N rounds, ``t // N``; or
+    ``"full"``: the full-precision rounds ``s`` with ``0 < s < t``, so a full round averages updates
+    made at the step size before it)."""
+    f, every = float(spec.train.lr_decay), spec.train.lr_decay_every
+    if every is None or f == 1.0:
+        return lambda t: 1.0
+    if every != "full":
+        return lambda t: f ** (t // every)
+    fulls: list[int] = []  # fulls[t] = full-precision rounds s with 0 < s < t
+
+    def scale(t: int) -> float:
+        while len(fulls) <= t:
+            s = len(fulls)
+            fulls.append(0 if s == 0 else fulls[-1] + (1 if s - 1 > 0 and phase(s - 1) == "full" else 0))
+        return f ** fulls[t]
+
+    return scale
 
 
 def _workers_devices(n: int) -> list:

@@ -88,11 +88,12 @@ def _pct(x) -> str:
 
 
 def table1_rows(summaries: list[dict]) -> list[dict]:
-    """Table 1: groups ``"cascading M=<m>"`` (SSDM, l2 norm: the seed's), ``"cascading-linf M=<m>"``
-    (max-norm variant, no seed number) and ``"none M=<m>"``."""
+    """Table 1: groups ``"cascading M=<m>"`` (SSDM, l2 norm: the seed's "cascading compression"),
+    ``"cascading-linf M=<m>"`` and ``"cascading-bucket M=<m>"`` (max-norm and per-bucket-norm
+    variants, no seed number) and ``"none M=<m>"``."""
     best = best_by_group(summaries)
     rows = []
-    for kind in ("cascading", "cascading-linf", "none"):
+    for kind in ("cascading", "cascading-linf", "cascading-bucket", "none"):
         for m in (3, 8):
             s = best.get(f"{kind} M={m}")
             if s is None:
@@ -117,20 +118,24 @@ def table1_rows(summaries: list[dict]) -> list[dict]:
 
 
 def table2_rows(summaries: list[dict]) -> list[dict]:
-    """Table 2: one row per method group, best final accuracy, next to the seed's ResNet-20 row."""
+    """Table 2: one row per method group, best final accuracy, next to the seed's ResNet-20 row
+    (group ``Marsit-K``, a shortened run's Marsit-100, sits beside the seed's Marsit-100)."""
     best = best_by_group(summaries)
     seed = dict(zip(SEED_TABLE2_COLUMNS, SEED_TABLE2["ResNet-20 / CIFAR-10"]))
-    order = ["PSGD", "signSGD", "signSGD-MV", "EF-signSGD", "SSDM", "Marsit-100", "Marsit"]
+    seed["Marsit-K"] = seed["Marsit-100"]
+    order = ["PSGD", "signSGD", "signSGD-MV", "EF-signSGD", "SSDM", "SSDM (bucket norms)", "Marsit-100", "Marsit-K", "Marsit"]
     rows = []
     for g in order + [g for g in best if g not in order]:
         if g not in best:
             continue
         s = best[g]
         rows.append({
-            "method": g,
+            "method": g if g != "Marsit-K" else f"Marsit-{s['K']}",
             "final_accuracy_%": "divergence" if s["diverged"] else _pct(s["eval_accuracy"]),
             "best_accuracy_%": _pct(s["best_eval_accuracy"]),
-            "step_sizes": f"eta_l={s['eta_l']}" + (f", eta_s={s['eta_s']}" if s.get("eta_s") else ""),
+            "rounds": s["rounds"],
+            "step_sizes": f"eta_l={s['eta_l']}" + (f", eta_s={s['eta_s']}" if s.get("eta_s") else "")
+                          + (f", /{1 / s['lr_decay']:.0f} every {s['lr_decay_every']}" if s.get("lr_decay_every") else ""),
             "bits_per_element": f"{s['bits_per_element']:.3f}",
             "seed_resnet20_cifar10_%": seed.get(g, "-"),
         })
@@ -204,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     groups = {s.get("group", "") for s in summaries}
     if any(g.startswith(("cascading", "none")) for g in groups):
         print("Table 1 (shape): cascading compression vs none\n" + markdown(table1_rows(summaries)) + "\n")
-    t2 = [s for s in summaries if s.get("group") in ("PSGD", "signSGD", "signSGD-MV", "EF-signSGD", "SSDM", "Marsit-100", "Marsit")]
+    t2 = [s for s in summaries if s.get("group") in ("PSGD", "signSGD", "signSGD-MV", "EF-signSGD", "SSDM",
+                                                     "SSDM (bucket norms)", "Marsit-100", "Marsit-K", "Marsit")]
     if t2:
         print("Table 2 (shape): final accuracy per method\n" + markdown(table2_rows(t2)) + "\n")
     f3 = [s for s in summaries if s.get("group") == "K"]

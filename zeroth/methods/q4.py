@@ -4,7 +4,10 @@
 model file's quantized weights: after every exact MeZO update (:func:`zeroth.methods.mezo.mezo_update`,
 the same keys and coefficients as ``train.method: zo``) each gridded weight is projected back
 onto its fixed 4-bit grid (:func:`zeroth.models.pretrained.q4train.make_projection`). Each
-step's metrics carry ``changed``, the fraction of quantized weights whose code changed.
+step's metrics carry ``changed``, the fraction of quantized weights whose code changed. With
+nearest rounding, the first step that changes no code and moved no weight by half a grid step
+raises a ``RuntimeWarning`` saying so (:func:`nearest_warning`): at that step size no update can
+change a weight.
 
 Example:
   >>> method = zo_q4_method(cfg, model, rounding="stochastic")      # doctest: +SKIP
@@ -14,6 +17,8 @@ Example:
 
 from __future__ import annotations
 
+import warnings
+
 from zeroth import objectives as _objectives
 from zeroth import schedules as _schedules
 from zeroth import zo as _zo
@@ -22,7 +27,7 @@ from zeroth.methods.mezo import mezo_update
 from zeroth.models.pretrained import q4train as _q4
 from zeroth.models.pretrained import quant as _quant
 
-__all__ = ["zo_q4_method", "requantize_method"]
+__all__ = ["zo_q4_method", "requantize_method", "nearest_warning"]
 
 
 def zo_q4_method(cfg, model, *, rounding: str = "nearest", grids: dict[str, _quant.Grid] | None = None) -> Method:
@@ -67,14 +72,30 @@ def zo_q4_method(cfg, model, *, rounding: str = "nearest", grids: dict[str, _qua
             raise ValueError(f"{frac:.2%} of the quantized weights are not on their file grids; start from pretrained_params()")
         return TrainState(0, params, None, key)
 
+    warned = []
+
     def step(state, batch):
         out = mezo_update(cfg, loss_fn, state.params, batch, state.step, donate=False, schedule=schedule)
         new = project(out.params, cfg.run.seed, state.step)
         changed = _q4.changed_fraction(state.params, new, gridded)
+        if rounding == "nearest" and changed == 0.0 and not warned:
+            move = _q4.largest_move(state.params, out.params, grids)
+            if move < 0.5:
+                warned.append(state.step)
+                warnings.warn(nearest_warning(state.step, move, t.lr), RuntimeWarning, stacklevel=2)
         info = StepInfo(2 * t.n_perturbations, 0, len(out.payload), out.loss, out.grads, {"changed": changed})
         return state._replace(step=state.step + 1, params=new), info
 
     return Method(init, step)
+
+
+def nearest_warning(step: int, move: float, lr: float) -> str:
+    """Why nearest requantization changed no weight in ``step`` (``move``: :func:`~zeroth.models.pretrained.q4train.largest_move`)."""
+    need = f"about {0.5 / move:.3g}x" if move > 0 else "a larger"
+    return (f"train.requantize 'nearest': step {step} changed none of the quantized weights: the largest update "
+            f"moved a weight by {move:.2%} of its grid step, and nearest rounding puts back every move under half "
+            f"a step (50%), so only the float leaves train; use train.requantize: stochastic (unbiased), or a "
+            f"train.lr {need} the {lr:g} configured")
 
 
 def requantize_method(cfg, model) -> Method:

@@ -53,6 +53,7 @@ from zeroth.models.pretrained import llama as _llama
 from zeroth.models.pretrained import quant as _quant
 
 __all__ = [
+    "largest_move",
     "ROUNDINGS",
     "REQUANT_TAG",
     "smollm2_grids",
@@ -180,6 +181,24 @@ def make_projection(grids: dict[str, _quant.Grid], rounding: str = "nearest"):
         return _project(params, jnp.asarray(requant_key(run_seed, step)), dev)
 
     return project
+
+
+def largest_move(before, after, grids: dict[str, _quant.Grid]) -> float:
+    """The largest ``|after - before|`` of a gridded weight, in units of that weight's grid step ``d``.
+
+    Nearest rounding puts a weight that lies on its grid back on the same code unless it moved
+    by half a step or more; below 0.5 no code can change.
+    """
+    a = {_rng.leaf_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(before)[0]}
+    b = {_rng.leaf_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(after)[0]}
+    out = 0.0
+    for k, g in grids.items():
+        d = jnp.asarray(g.d)
+        delta = jnp.abs(b[k].astype(jnp.float32) - a[k].astype(jnp.float32))
+        blocks = delta.reshape(delta.shape[:-1] + (d.shape[-1], -1))
+        safe = jnp.where(d > 0, d, jnp.float32(jnp.inf))[..., None]
+        out = max(out, float(jnp.max(blocks / safe)))
+    return out
 
 
 @jax.jit
