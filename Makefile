@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 # Installs that run beside one another in `make install-dev` (they fetch from different registries).
 INSTALL_JOBS ?= 4
 
-.PHONY: install install-dev job test docs lint doctor bench clean
+.PHONY: install install-dev job test docs lint format doctor bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,11 @@ docs: $(VENV)/.installed-docs
 ## The lint of tests/test_lint.py and the pre-commit hook: ruff with the rules of pyproject.toml.
 lint: $(VENV)/.installed-extras
 	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
+
+## Lays the tree out as tests/test_lint.py checks it.
+format: $(VENV)/.installed-extras
+	$(BIN)/python -m ruff format .
 
 doctor: install
 	$(BIN)/zeroth doctor

@@ -48,9 +48,12 @@ def _write_config_fields(app):
 
     out = os.path.join(app.srcdir, "_generated")
     os.makedirs(out, exist_ok=True)
-    text = (config.describe() + "\n\nA Marsit experiment (a config with a top-level `runs:` list) has instead a base "
-            "of the fields below and `runs:`, a list of partial overrides of them, one per run:\n"
-            + config.describe(marsit.config.RunSpec) + "\n")
+    text = (
+        config.describe() + "\n\nA Marsit experiment (a config with a top-level `runs:` list) has instead a base "
+        "of the fields below and `runs:`, a list of partial overrides of them, one per run:\n"
+        + config.describe(marsit.config.RunSpec)
+        + "\n"
+    )
     path = os.path.join(out, "config_fields.txt")
     if not os.path.exists(path) or open(path).read() != text:  # rewritten only when it changed
         with open(path, "w") as f:

@@ -67,8 +67,16 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     for it in range(args.steps):
         out = zo.mezo_step(
-            error_rate, params, (xtr, ytr), run_seed=args.seed, iteration=it, lr=args.lr, eps=args.eps,
-            n_perturbations=args.n, codec=args.codec, donate=True,
+            error_rate,
+            params,
+            (xtr, ytr),
+            run_seed=args.seed,
+            iteration=it,
+            lr=args.lr,
+            eps=args.eps,
+            n_perturbations=args.n,
+            codec=args.codec,
+            donate=True,
         )
         params = out.params
     result = {
@@ -77,7 +85,10 @@ def main(argv: list[str] | None = None) -> dict:
         "codec": args.codec,
         "backprop_gradient_is_zero": grad_is_zero,
         "start": start,
-        "final": {"train_error": float(error_rate(params, (xtr, ytr))), "test_error": float(error_rate(params, (xte, yte)))},
+        "final": {
+            "train_error": float(error_rate(params, (xtr, ytr))),
+            "test_error": float(error_rate(params, (xte, yte))),
+        },
         "checksum": replay.checksum(params),
         "seconds": round(time.perf_counter() - t0, 2),
     }
@@ -88,8 +99,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{'':>8} {'train error':>12} {'test error':>11}")
         print(f"{'start':>8} {start['train_error']:>12.3f} {start['test_error']:>11.3f}")
         print(f"{'final':>8} {result['final']['train_error']:>12.3f} {result['final']['test_error']:>11.3f}")
-        print(f"{args.steps} ZO steps, {result['forward_passes']} forward passes, codec {args.codec}, "
-              f"{result['seconds']} s; checksum {result['checksum'][:16]}")
+        print(
+            f"{args.steps} ZO steps, {result['forward_passes']} forward passes, codec {args.codec}, "
+            f"{result['seconds']} s; checksum {result['checksum'][:16]}"
+        )
     return result
 
 

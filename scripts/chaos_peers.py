@@ -95,7 +95,9 @@ def attack(name: str, hostile: HostileMember, nodes: list[Node], tries: int) -> 
         elif name == "Join with a member's address":
             code, _ = hostile.send(nodes[0].address, "Join", hostile.join_request(nodes[victim].address))
         elif name == "forged Checksum as another member":
-            req = hostile.signed("Checksum", pb.ChecksumRequest(run_id=hostile.run_id, sender=victim, iteration=t, digest=b"\x01" * 32))
+            req = hostile.signed(
+                "Checksum", pb.ChecksumRequest(run_id=hostile.run_id, sender=victim, iteration=t, digest=b"\x01" * 32)
+            )
             code, _ = hostile.send(n.address, "Checksum", req)
         elif name == "future-iteration commits (own key) to every peer":
             for k in nodes:
@@ -104,7 +106,14 @@ def attack(name: str, hostile: HostileMember, nodes: list[Node], tries: int) -> 
                 hostile.send(k.address, "CommitIteration", msg)
             code = "HINT"  # accepted as a hint only, never stored: counted below through the digests and stall
         elif name == "Prepare with round 2^63-1 to every peer":
-            code = "OK" if any(hostile.send(k.address, "Prepare", hostile.prepare(h, iteration=t, round=2**63 - 1))[0] == "OK" for k in nodes) else "REFUSED"
+            code = (
+                "OK"
+                if any(
+                    hostile.send(k.address, "Prepare", hostile.prepare(h, iteration=t, round=2**63 - 1))[0] == "OK"
+                    for k in nodes
+                )
+                else "REFUSED"
+            )
         elif name == "Prepare saying the leader is gone (own key)":
             code = "REFUSED"  # accepted: a promise for the iteration the member is in (the leader is alive)
             for k in nodes[1:]:
@@ -148,7 +157,11 @@ def hostile_scenario(name: str, tries: int, root: Path, worker: Worker) -> dict:
     nodes = [first]
     address = first.start()
     for i in (1, 2):
-        nodes.append(Node(cfg, NodeOptions(out_dir=str(root / f"p{i}"), join=(address,), secret=SECRET, log=False), worker=worker))
+        nodes.append(
+            Node(
+                cfg, NodeOptions(out_dir=str(root / f"p{i}"), join=(address,), secret=SECRET, log=False), worker=worker
+            )
+        )
         nodes[-1].start()
     hostile = HostileMember(secret=SECRET, config_digest=first.join_digest)
     try:
@@ -165,7 +178,9 @@ def hostile_scenario(name: str, tries: int, root: Path, worker: Worker) -> dict:
         stall = max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
         stats = nodes[0].summary()["member_stats"]
         honest_outliers = sum(1 for m, s in stats.items() if int(m) != hostile.machine and s["max_abs"] > 50)
-        mismatches = sum(n.counters["checksum_mismatches"] - b["checksum_mismatches"] for n, b in zip(nodes, before, strict=True))
+        mismatches = sum(
+            n.counters["checksum_mismatches"] - b["checksum_mismatches"] for n, b in zip(nodes, before, strict=True)
+        )
         return {
             "scenario": name,
             "tries": tries,
@@ -231,7 +246,11 @@ def process_scenario(name: str, root: Path) -> dict:
             c.start("late", join="p0")  # while the finished peers still serve
             started = time.monotonic()
             late = c.wait_exit(["late"], timeout=180)["late"]
-            extra.update(late_exit_code=late, late_exit_s=time.monotonic() - started, late_reason=c.log("late").strip().splitlines()[-1][:160])
+            extra.update(
+                late_exit_code=late,
+                late_exit_s=time.monotonic() - started,
+                late_reason=c.log("late").strip().splitlines()[-1][:160],
+            )
         codes = c.wait_exit(survivors, timeout=300)
         extra["exit_s"] = time.monotonic() - t0
         if name.startswith("SIGSTOP"):
@@ -294,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "chaos.json").write_text(json.dumps(rows, indent=2) + "\n")
     merged: dict[str, dict] = {}
     for r in rows:
-        m = merged.setdefault(r["scenario"], {"tries": 0, "finished": 0, "agree": 0, "stall": 0.0, "wrong": 0, "notes": set()})
+        m = merged.setdefault(
+            r["scenario"], {"tries": 0, "finished": 0, "agree": 0, "stall": 0.0, "wrong": 0, "notes": set()}
+        )
         m["tries"] += r["tries"] if r["scenario"] in HOSTILE else 1
         m["finished"] += bool(r["finished"])
         m["agree"] += bool(r["digests_agree"])

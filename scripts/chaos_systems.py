@@ -198,16 +198,23 @@ class Ravnest:
     method = "/zeroth.v1.cluster.ClusterNode/Deliver"
 
     def __init__(self, root: Path):
-        raw = {"run": {"name": "chaos", "seed": 0}, "data": {"dataset": "sentiment", "batch_size": 8},
-               "model": {"name": "transformer", "kwargs": {}},
-               "train": {"method": "backprop", "steps": 16, "lr": 1e-3, "optimizer": {"name": "adamw"}},
-               "ravnest": {"examples": 64, "seq_len": 32, "average_every": 4, "latency_ms": 40, "timeout_s": 60}}
+        raw = {
+            "run": {"name": "chaos", "seed": 0},
+            "data": {"dataset": "sentiment", "batch_size": 8},
+            "model": {"name": "transformer", "kwargs": {}},
+            "train": {"method": "backprop", "steps": 16, "lr": 1e-3, "optimizer": {"name": "adamw"}},
+            "ravnest": {"examples": 64, "seq_len": 32, "average_every": 4, "latency_ms": 40, "timeout_s": 60},
+        }
         self.cfg_path = root / "ravnest.yaml"
         self.cfg_path.write_text(yaml.safe_dump(raw))
 
     def start(self, out: Path) -> subprocess.Popen:
-        return subprocess.Popen([PY, "-m", "zeroth", "run", str(self.cfg_path), "--out", str(out), "--quiet"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [PY, "-m", "zeroth", "run", str(self.cfg_path), "--out", str(out), "--quiet"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def target(self, out: Path) -> tuple[str | None, int | None]:
         address = wait_file(out / "addresses" / "n1", 120)
@@ -238,16 +245,42 @@ class Ravnest:
             for b in range(cfg.train.steps):
                 x = np.full(sizes.activation, 3.0, np.float32)
                 if s > 0:
-                    forged.append((name, wire.to_message(plan.run_id, plan.primaries[(c, s - 1)], "activation", x, batch=b, to=(c, s))))
+                    forged.append(
+                        (
+                            name,
+                            wire.to_message(
+                                plan.run_id, plan.primaries[(c, s - 1)], "activation", x, batch=b, to=(c, s)
+                            ),
+                        )
+                    )
                 if s + 1 < len(plan.stages[c]):
-                    forged.append((name, wire.to_message(plan.run_id, plan.primaries[(c, s + 1)], "gradient", x, batch=b, to=(c, s))))
+                    forged.append(
+                        (
+                            name,
+                            wire.to_message(plan.run_id, plan.primaries[(c, s + 1)], "gradient", x, batch=b, to=(c, s)),
+                        )
+                    )
             other = plan.primaries[(1 - c, s)]
             for ring in plan.rings:
                 for rnd in range(1, cfg.train.steps // cfg.ravnest.average_every + 1):
                     for phase in ("reduce", "gather"):
                         size = ring.stop - ring.start
-                        forged.append((name, wire.to_message(plan.run_id, other, "ring", np.full(size // 2, 9.0, np.float32),
-                                                             ring=ring.ring_id, round_id=rnd, phase=phase, step=0, to=(c, s))))
+                        forged.append(
+                            (
+                                name,
+                                wire.to_message(
+                                    plan.run_id,
+                                    other,
+                                    "ring",
+                                    np.full(size // 2, 9.0, np.float32),
+                                    ring=ring.ring_id,
+                                    round_id=rnd,
+                                    phase=phase,
+                                    step=0,
+                                    to=(c, s),
+                                ),
+                            )
+                        )
         codes = []
         for i, (dest, msg) in enumerate(forged):
             msg = wire.sign(msg, mallory) if i % 2 else msg
@@ -273,16 +306,23 @@ class Pipeline:
     method = "/zeroth.v1.PipelineLink/Link"
 
     def __init__(self, root: Path):
-        raw = {"run": {"seed": 1}, "data": {"dataset": "sotu", "batch_size": 4},
-               "model": {"name": "transformer", "kwargs": {"d_model": 16, "heads": 2, "layers": 2, "mlp_dim": 16}},
-               "train": {"method": "backprop", "lr": 1e-2, "steps": 400, "optimizer": {"name": "adamw"}},
-               "pipeline": {"stages": 2, "micro_batches": 2, "examples": 8, "seq_len": 8, "compression": "aqsgd"}}
+        raw = {
+            "run": {"seed": 1},
+            "data": {"dataset": "sotu", "batch_size": 4},
+            "model": {"name": "transformer", "kwargs": {"d_model": 16, "heads": 2, "layers": 2, "mlp_dim": 16}},
+            "train": {"method": "backprop", "lr": 1e-2, "steps": 400, "optimizer": {"name": "adamw"}},
+            "pipeline": {"stages": 2, "micro_batches": 2, "examples": 8, "seq_len": 8, "compression": "aqsgd"},
+        }
         self.cfg_path = root / "pipeline.yaml"
         self.cfg_path.write_text(yaml.safe_dump(raw))
 
     def start(self, out: Path) -> subprocess.Popen:
-        return subprocess.Popen([PY, "-m", "zeroth", "run", str(self.cfg_path), "--out", str(out), "--quiet"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [PY, "-m", "zeroth", "run", str(self.cfg_path), "--out", str(out), "--quiet"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def target(self, out: Path):
         address = wait_file(out / "stage_1" / "address", 120)
@@ -312,9 +352,19 @@ class Pipeline:
         def frames():
             for step in range(3):
                 for mb in range(2):
-                    yield pb.TensorFrame(run_id=run_id, link=0, kind=pb.ACTIVATION, step=step, micro_batch=mb,
-                                         example_ids=[2 * mb, 2 * mb + 1], shape=list(x.shape), dtype="float32", bits=0,
-                                         fresh=b"\x01\x01", full=x.tobytes())
+                    yield pb.TensorFrame(
+                        run_id=run_id,
+                        link=0,
+                        kind=pb.ACTIVATION,
+                        step=step,
+                        micro_batch=mb,
+                        example_ids=[2 * mb, 2 * mb + 1],
+                        shape=list(x.shape),
+                        dtype="float32",
+                        bits=0,
+                        fresh=b"\x01\x01",
+                        full=x.tobytes(),
+                    )
             stop.wait(15.0)  # hold the link
 
         got, code = 0, "OK"
@@ -324,7 +374,12 @@ class Pipeline:
                     got += 1
             except grpc.RpcError as e:
                 code = e.code().name
-        return {"forged": 6, "accepted": got, "codes": [code], "note": f"{got} gradient frames came back for forged activations"}
+        return {
+            "forged": 6,
+            "accepted": got,
+            "codes": [code],
+            "note": f"{got} gradient frames came back for forged activations",
+        }
 
     def result(self, out: Path) -> dict:
         path = out / "metrics.jsonl"
@@ -339,8 +394,13 @@ class Binary:
     method = "/zeroth.v1.binary.BinaryMutations/Submit"
 
     def start(self, out: Path) -> subprocess.Popen:
-        return subprocess.Popen([PY, "-m", "zeroth.binary.launch", "--workers", "3", "--rounds", "40", "--out", str(out)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        return subprocess.Popen(
+            [PY, "-m", "zeroth.binary.launch", "--workers", "3", "--rounds", "40", "--out", str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
 
     def __init__(self, root: Path):
         self.procs: dict[Path, subprocess.Popen] = {}
@@ -382,7 +442,9 @@ class Binary:
             stub = pb_grpc.BinaryMutationsStub(ch)
             proof = identity.join_proof(secret, run_id, S.JOIN_ADDRESS, mallory.public) if secret else b""
             try:
-                me = stub.Join(pb.JoinRequest(run_id=run_id, key=mallory.public, proof=proof), metadata=md, timeout=30).worker_id
+                me = stub.Join(
+                    pb.JoinRequest(run_id=run_id, key=mallory.public, proof=proof), metadata=md, timeout=30
+                ).worker_id
             except grpc.RpcError as e:
                 return {"forged": 0, "accepted": 0, "codes": [e.code().name], "note": "the insider's join was refused"}
             r = 0
@@ -390,9 +452,17 @@ class Binary:
             while not stop.is_set() and time.monotonic() < end:
                 n = seq.next()
                 try:
-                    res = stub.Result(pb.ResultRequest(run_id=run_id, worker_id=me, round=r, seq=n,
-                                                       signature=mallory.sign(P.result_request_bytes(run_id, me, r, n))),
-                                      metadata=md, timeout=5)
+                    res = stub.Result(
+                        pb.ResultRequest(
+                            run_id=run_id,
+                            worker_id=me,
+                            round=r,
+                            seq=n,
+                            signature=mallory.sign(P.result_request_bytes(run_id, me, r, n)),
+                        ),
+                        metadata=md,
+                        timeout=5,
+                    )
                 except grpc.RpcError as e:
                     codes.add(e.code().name)
                     time.sleep(0.1)
@@ -403,8 +473,14 @@ class Binary:
                 if res.finished:
                     break
                 for w in range(3):  # the real workers' ids
-                    unsigned = P.DeltaList(run_id, w, r + 1, np.arange(4), np.full(4, -100.0, np.float32), res.checksum, 32, 1.0)
-                    signed = unsigned._replace(signature=mallory.sign(P.submission_bytes(unsigned))) if sent % 2 else unsigned
+                    unsigned = P.DeltaList(
+                        run_id, w, r + 1, np.arange(4), np.full(4, -100.0, np.float32), res.checksum, 32, 1.0
+                    )
+                    signed = (
+                        unsigned._replace(signature=mallory.sign(P.submission_bytes(unsigned)))
+                        if sent % 2
+                        else unsigned
+                    )
                     sent += 1
                     try:
                         accepted += bool(stub.Submit(S.encode_deltas(signed), metadata=md, timeout=5).accepted)
@@ -412,8 +488,12 @@ class Binary:
                     except grpc.RpcError as e:
                         codes.add(e.code().name)
                 r += 1
-        return {"forged": sent, "accepted": accepted, "codes": sorted(codes),
-                "note": f"insider seat {me}; lists in workers 0-2's names, half signed with its own key"}
+        return {
+            "forged": sent,
+            "accepted": accepted,
+            "codes": sorted(codes),
+            "note": f"insider seat {me}; lists in workers 0-2's names, half signed with its own key",
+        }
 
     def result(self, out: Path) -> dict:
         path = out / "summary.json"
@@ -428,16 +508,23 @@ class Pipeline:
     method = "/zeroth.v1.PipelineLink/Link"
 
     def __init__(self, root: Path):
-        raw = {"run": {"seed": 1}, "data": {"dataset": "sotu", "batch_size": 4},
-               "model": {"name": "transformer", "kwargs": {"d_model": 16, "heads": 2, "layers": 2, "mlp_dim": 16}},
-               "train": {"method": "backprop", "lr": 1e-2, "steps": 400, "optimizer": {"name": "adamw"}},
-               "pipeline": {"stages": 2, "micro_batches": 2, "examples": 8, "seq_len": 8, "compression": "aqsgd"}}
+        raw = {
+            "run": {"seed": 1},
+            "data": {"dataset": "sotu", "batch_size": 4},
+            "model": {"name": "transformer", "kwargs": {"d_model": 16, "heads": 2, "layers": 2, "mlp_dim": 16}},
+            "train": {"method": "backprop", "lr": 1e-2, "steps": 400, "optimizer": {"name": "adamw"}},
+            "pipeline": {"stages": 2, "micro_batches": 2, "examples": 8, "seq_len": 8, "compression": "aqsgd"},
+        }
         self.cfg_path = root / "pipeline.yaml"
         self.cfg_path.write_text(yaml.safe_dump(raw))
 
     def start(self, out: Path) -> subprocess.Popen:
-        return subprocess.Popen([PY, "-m", "zeroth", "run", str(self.cfg_path), "--out", str(out), "--quiet"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [PY, "-m", "zeroth", "run", str(self.cfg_path), "--out", str(out), "--quiet"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def target(self, out: Path):
         address = wait_file(out / "stage_1" / "address", 120)
@@ -467,9 +554,19 @@ class Pipeline:
         def frames():
             for step in range(3):
                 for mb in range(2):
-                    yield pb.TensorFrame(run_id=run_id, link=0, kind=pb.ACTIVATION, step=step, micro_batch=mb,
-                                         example_ids=[2 * mb, 2 * mb + 1], shape=list(x.shape), dtype="float32", bits=0,
-                                         fresh=b"\x01\x01", full=x.tobytes())
+                    yield pb.TensorFrame(
+                        run_id=run_id,
+                        link=0,
+                        kind=pb.ACTIVATION,
+                        step=step,
+                        micro_batch=mb,
+                        example_ids=[2 * mb, 2 * mb + 1],
+                        shape=list(x.shape),
+                        dtype="float32",
+                        bits=0,
+                        fresh=b"\x01\x01",
+                        full=x.tobytes(),
+                    )
             stop.wait(15.0)  # hold the link
 
         got, code = 0, "OK"
@@ -479,7 +576,12 @@ class Pipeline:
                     got += 1
             except grpc.RpcError as e:
                 code = e.code().name
-        return {"forged": 6, "accepted": got, "codes": [code], "note": f"{got} gradient frames came back for forged activations"}
+        return {
+            "forged": 6,
+            "accepted": got,
+            "codes": [code],
+            "note": f"{got} gradient frames came back for forged activations",
+        }
 
     def result(self, out: Path) -> dict:
         path = out / "metrics.jsonl"
@@ -494,8 +596,13 @@ class Binary:
     method = "/zeroth.v1.binary.BinaryMutations/Submit"
 
     def start(self, out: Path) -> subprocess.Popen:
-        return subprocess.Popen([PY, "-m", "zeroth.binary.launch", "--workers", "3", "--rounds", "40", "--out", str(out)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        return subprocess.Popen(
+            [PY, "-m", "zeroth.binary.launch", "--workers", "3", "--rounds", "40", "--out", str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
 
     def __init__(self, root: Path):
         self.procs: dict[Path, subprocess.Popen] = {}
@@ -543,8 +650,16 @@ class Binary:
                 if res.finished:
                     break
                 for w in range(3):
-                    msg = pb.DeltaList(run_id="binary", worker_id=w, round=r + 1, index=[0, 1, 2, 3],
-                                       delta=[-100.0] * 4, checksum=res.checksum, examples=32, loss=1.0)
+                    msg = pb.DeltaList(
+                        run_id="binary",
+                        worker_id=w,
+                        round=r + 1,
+                        index=[0, 1, 2, 3],
+                        delta=[-100.0] * 4,
+                        checksum=res.checksum,
+                        examples=32,
+                        loss=1.0,
+                    )
                     sent += 1
                     try:
                         accepted += bool(stub.Submit(msg, metadata=md, timeout=5).accepted)
@@ -559,8 +674,11 @@ class Binary:
         if not path.is_file():
             return {}
         s = json.loads(path.read_text())
-        return {"final": {"model": s["final_checksum"]}, "agree_inside": s["checksum_mismatches"] == 0,
-                "mismatches": s["checksum_mismatches"]}
+        return {
+            "final": {"model": s["final_checksum"]},
+            "agree_inside": s["checksum_mismatches"] == 0,
+            "mismatches": s["checksum_mismatches"],
+        }
 
 
 class Peers:
@@ -573,8 +691,12 @@ class Peers:
         self.cfg_path.write_text(yaml.safe_dump(self.chaos.raw_config(150, 3)))
 
     def start(self, out: Path) -> subprocess.Popen:
-        return subprocess.Popen([PY, "-m", "zeroth", "run", str(self.cfg_path), "--out", str(out), "--quiet"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [PY, "-m", "zeroth", "run", str(self.cfg_path), "--out", str(out), "--quiet"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def target(self, out: Path):
         address = wait_file(out / "peers" / "p1" / "address", 120)
@@ -587,12 +709,20 @@ class Peers:
     def result(self, out: Path) -> dict:
         maps, finals = [], set()
         for p in sorted(d for d in (out / "peers").glob("p*") if d.is_dir()):
-            rows = [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines() if x.strip()] if (p / "metrics.jsonl").is_file() else []
+            rows = (
+                [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines() if x.strip()]
+                if (p / "metrics.jsonl").is_file()
+                else []
+            )
             maps.append({r["step"]: r["digest"] for r in rows if r.get("kind") == "train"})
             s = json.loads((p / "summary.json").read_text()) if (p / "summary.json").is_file() else {}
             finals.add(s.get("digest"))
         bad = self.chaos.disagreements(maps)
-        return {"final": None, "agree_inside": len(finals) == 1 and None not in finals and bad == 0, "disagreements": bad}
+        return {
+            "final": None,
+            "agree_inside": len(finals) == 1 and None not in finals and bad == 0,
+            "disagreements": bad,
+        }
 
 
 def _chaos_peers():
@@ -649,10 +779,19 @@ def run_one(system, attack: str, out: Path, clean: dict | None, hold_s: float) -
         differ = sum(1 for k, v in mine.items() if ref.get(k) != v)
         agree = finished and mine == ref and bool(res.get("agree_inside"))
         wrong += differ + int(res.get("mismatches", 0))
-    return {"system": system.name, "attack": attack, "finished": finished, "exit_code": proc.returncode,
-            "digests_agree": agree, "max_stall_s": round(stall, 2), "wrong_updates": wrong,
-            "seconds": round(time.monotonic() - t0, 1), "detail": detail, "final": res.get("final"),
-            "log_tail": "" if finished else (log or "")[-600:]}
+    return {
+        "system": system.name,
+        "attack": attack,
+        "finished": finished,
+        "exit_code": proc.returncode,
+        "digests_agree": agree,
+        "max_stall_s": round(stall, 2),
+        "wrong_updates": wrong,
+        "seconds": round(time.monotonic() - t0, 1),
+        "detail": detail,
+        "final": res.get("final"),
+        "log_tail": "" if finished else (log or "")[-600:],
+    }
 
 
 def peers_forged(system: Peers, root: Path, tries: int) -> dict:
@@ -662,10 +801,19 @@ def peers_forged(system: Peers, root: Path, tries: int) -> dict:
     ch = system.chaos
     worker = Worker(load_config_dict(ch.raw_config(300, 3)))
     r = ch.hostile_scenario("forged pushes as other members (0xFF)", tries, root, worker)
-    return {"system": system.name, "attack": "forged sender (with secret)", "finished": r["finished"], "exit_code": None,
-            "digests_agree": r["digests_agree"], "max_stall_s": round(r["stall_s"], 2), "wrong_updates": r["wrong_updates"],
-            "seconds": None, "detail": {"forged": tries, "note": "in-process run of scripts/chaos_peers.py (hostile member)"},
-            "final": None, "log_tail": ""}
+    return {
+        "system": system.name,
+        "attack": "forged sender (with secret)",
+        "finished": r["finished"],
+        "exit_code": None,
+        "digests_agree": r["digests_agree"],
+        "max_stall_s": round(r["stall_s"], 2),
+        "wrong_updates": r["wrong_updates"],
+        "seconds": None,
+        "detail": {"forged": tries, "note": "in-process run of scripts/chaos_peers.py (hostile member)"},
+        "final": None,
+        "log_tail": "",
+    }
 
 
 ATTACKS = ("none (clean run)", "slowloris (no secret)", "oversized unauthenticated", "forged sender (with secret)")
@@ -709,13 +857,19 @@ def main(argv: list[str] | None = None) -> int:
         if d.get("victim_rss_growth_mb") is not None:
             notes.append(f"victim RSS +{d['victim_rss_growth_mb']} MiB")
         if "forged" in d:
-            notes.append(f"{d.get('accepted', '?')} of {d['forged']} forged accepted" if "accepted" in d else f"{d['forged']} forged")
+            notes.append(
+                f"{d.get('accepted', '?')} of {d['forged']} forged accepted"
+                if "accepted" in d
+                else f"{d['forged']} forged"
+            )
         if d.get("note"):
             notes.append(d["note"])
         if not r["finished"] and r["exit_code"] is not None:
             notes.append(f"exit {r['exit_code']}")
-        print(f"| {r['system']} | {r['attack']} | {'yes' if r['finished'] else 'no'} | {'yes' if r['digests_agree'] else 'no'} | "
-              f"{r['max_stall_s']:.1f} | {r['wrong_updates']} | {'; '.join(notes)} |")
+        print(
+            f"| {r['system']} | {r['attack']} | {'yes' if r['finished'] else 'no'} | {'yes' if r['digests_agree'] else 'no'} | "
+            f"{r['max_stall_s']:.1f} | {r['wrong_updates']} | {'; '.join(notes)} |"
+        )
     print(f"\n(raw rows: {root / 'chaos_systems.json'})")
     return 0
 

@@ -30,11 +30,18 @@ def plot_marsit(folder: Path, out: Path) -> Path:
         if s["run"] not in best:
             continue
         rows = [r for r in evals if r["run"] == s["run"]]
-        label = f"{s['group']} ({s['run']}, {s['bits_per_element']:.2f} bits/elem)" if len(groups) > 1 else \
-            f"{s['run']} ({s['bits_per_element']:.2f} bits/elem)"
+        label = (
+            f"{s['group']} ({s['run']}, {s['bits_per_element']:.2f} bits/elem)"
+            if len(groups) > 1
+            else f"{s['run']} ({s['bits_per_element']:.2f} bits/elem)"
+        )
         ax.plot([r["step"] for r in rows], [r["eval_accuracy"] for r in rows], marker="o", label=label)
-        bx.plot([r["payload_bytes_total"] / 1e6 for r in rows], [r["eval_accuracy"] for r in rows], marker="o",
-                label=s["group"] if len(groups) > 1 else s["run"])
+        bx.plot(
+            [r["payload_bytes_total"] / 1e6 for r in rows],
+            [r["eval_accuracy"] for r in rows],
+            marker="o",
+            label=s["group"] if len(groups) > 1 else s["run"],
+        )
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy")
     ax.set_title(f"{folder.name}: " + ("best run of each group" if len(groups) > 1 else "every run"))
@@ -57,15 +64,27 @@ def plot_binary(paths: list[Path], out: Path) -> Path:
         entries = res["summary"]
         names = [f"{e['model']} L{e['layer']}" for e in entries]
         x = range(len(entries))
-        ax.errorbar([i - 0.15 for i in x], [e["as_trained_test"][0] for e in entries],
-                    yerr=[e["as_trained_test"][1] for e in entries], fmt="o", label="as trained (aux. head, 100 steps)")
-        ax.errorbar([i + 0.15 for i in x], [e["converged_test"][0] for e in entries],
-                    yerr=[e["converged_test"][1] for e in entries], fmt="s", label="converged head")
+        ax.errorbar(
+            [i - 0.15 for i in x],
+            [e["as_trained_test"][0] for e in entries],
+            yerr=[e["as_trained_test"][1] for e in entries],
+            fmt="o",
+            label="as trained (aux. head, 100 steps)",
+        )
+        ax.errorbar(
+            [i + 0.15 for i in x],
+            [e["converged_test"][0] for e in entries],
+            yerr=[e["converged_test"][1] for e in entries],
+            fmt="s",
+            label="converged head",
+        )
         base = [e for e in entries if e["model"] == "head" and e["layer"] == 1][0]["converged_test"][0]
         ax.axhline(base, color="grey", ls="--", label="one random binary layer + converged head")
         ax.set_xticks(list(x), names, rotation=45, ha="right", fontsize=8)
         ax.set_ylabel("test accuracy (mean, 95% interval)")
-        ax.set_title(f"{res['dataset']} ({res['train_size']} train / {res['test_size']} test, {len(res['seeds'])} seeds)")
+        ax.set_title(
+            f"{res['dataset']} ({res['train_size']} train / {res['test_size']} test, {len(res['seeds'])} seeds)"
+        )
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = out / "binary_probe.png"

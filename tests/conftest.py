@@ -89,11 +89,23 @@ def _default_device(request):
 # the other ran test_net_chaos, which had come last for having few tests. An order, not a selection:
 # a file missing from the list runs all the same, after these.
 LONGEST_FIRST = (
-    "test_multihost.py", "test_bench.py", "test_kernels_perturb.py", "test_zo.py", "test_pipeline_e2e.py",
+    "test_multihost.py",
+    "test_bench.py",
+    "test_kernels_perturb.py",
+    "test_zo.py",
+    "test_pipeline_e2e.py",
     "test_pretrained_q4train.py",
-    "test_cluster_ravnest.py", "test_kernel_compile.py", "test_e2e_job.py", "test_doctor.py", "test_peer_resume.py",
-    "test_pretrained_smollm2.py", "test_binary_ops.py", "test_interrupt.py", "test_pipeline_stages.py",
-    "test_flat_pallas.py", "test_net_chaos.py",
+    "test_cluster_ravnest.py",
+    "test_kernel_compile.py",
+    "test_e2e_job.py",
+    "test_doctor.py",
+    "test_peer_resume.py",
+    "test_pretrained_smollm2.py",
+    "test_binary_ops.py",
+    "test_interrupt.py",
+    "test_pipeline_stages.py",
+    "test_flat_pallas.py",
+    "test_net_chaos.py",
 )
 
 

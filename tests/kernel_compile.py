@@ -67,49 +67,91 @@ def cases(platform: str):
         for dtype in dtypes:
             # in place on whole rows; whole tiles and a jnp tail; the keys of 4096 updates (TPU: SMEM)
             for k, n in ((1, 1 << 20), (16, 100_003)) + (((4096, 1 << 20),) if dtype == "float32" else ()):
-                yield (f"perturb_pallas {dist} {dtype} K={k} n={n}",
-                       lambda x, keys, s, dist=dist: kp.perturb_pallas(x, keys, s, distribution=dist,
-                                                                       platform=platform, inplace=True),
-                       [((n,), dtype), ((k, 2), "uint32"), ((k,), "float32")], (0,))
+                yield (
+                    f"perturb_pallas {dist} {dtype} K={k} n={n}",
+                    lambda x, keys, s, dist=dist: kp.perturb_pallas(
+                        x, keys, s, distribution=dist, platform=platform, inplace=True
+                    ),
+                    [((n,), dtype), ((k, 2), "uint32"), ((k,), "float32")],
+                    (0,),
+                )
         # what `zeroth bench kernels` sweeps there; on a GPU not the tiles of 16384 elements and more,
         # which Triton takes 1-57 s each to compile (110 s of the 153 s of every case here)
         for blocks in [b for b in TILE_CANDIDATES[platform] if platform == "tpu" or b.tile < 16384]:
-            yield (f"tiling {blocks.tile}x{blocks.lanes} {dist} K=64",
-                   lambda x, keys, s, dist=dist, blocks=blocks: kp.perturb_pallas(
-                       x, keys, s, distribution=dist, block_sizes=blocks, platform=platform, inplace=True),
-                   [((1 << 20,), "float32"), ((64, 2), "uint32"), ((64,), "float32")], (0,))
+            yield (
+                f"tiling {blocks.tile}x{blocks.lanes} {dist} K=64",
+                lambda x, keys, s, dist=dist, blocks=blocks: kp.perturb_pallas(
+                    x, keys, s, distribution=dist, block_sizes=blocks, platform=platform, inplace=True
+                ),
+                [((1 << 20,), "float32"), ((64, 2), "uint32"), ((64,), "float32")],
+                (0,),
+            )
         if platform == "gpu":  # a ZO step's perturbed leaves, read in place, written apart (Triton only)
-            yield (f"perturb_pallas_segments {dist} 3 leaves apart",
-                   lambda buf, keys, s, dist=dist: kp.perturb_pallas_segments(
-                       buf, keys, s, ((5, 70_001, 2), (100_003, 4096, 0), (70_010, 3, 1)), distribution=dist,
-                       platform=platform),
-                   [((110_000,), "bfloat16"), ((3, 1, 2), "uint32"), ((1,), "float32")], ())
-        mixed = {f"l{i:02d}": jax.ShapeDtypeStruct((1008 + 7 * i,), ("bfloat16", "float32", "float16")[i % 3])
-                 for i in range(50)}
+            yield (
+                f"perturb_pallas_segments {dist} 3 leaves apart",
+                lambda buf, keys, s, dist=dist: kp.perturb_pallas_segments(
+                    buf,
+                    keys,
+                    s,
+                    ((5, 70_001, 2), (100_003, 4096, 0), (70_010, 3, 1)),
+                    distribution=dist,
+                    platform=platform,
+                ),
+                [((110_000,), "bfloat16"), ((3, 1, 2), "uint32"), ((1,), "float32")],
+                (),
+            )
+        mixed = {
+            f"l{i:02d}": jax.ShapeDtypeStruct((1008 + 7 * i,), ("bfloat16", "float32", "float16")[i % 3])
+            for i in range(50)
+        }
         yield _flat_case(f"flat 50 leaves bf16/f32/f16 {dist} K=3", mixed, dist, 3, platform)
         canonical = doctor.canonical_params()
         yield _flat_case(f"doctor flat {dist} K=16", canonical, dist, 16, platform)
         for suite, tree, k in (("tiles", doctor.tile_params(), 5), ("tree", canonical, 16)):
             leaves = jax.tree_util.tree_map(lambda a: (a.shape, str(a.dtype)), tree)
-            yield (f"doctor {suite} {dist} K={k}",  # the tiles suite's leaves leave partial tiles
-                   lambda p, keys, s, dist=dist: kp.apply_updates(p, keys, s, distribution=dist, platform=platform,
-                                                                  inplace=True),
-                   [leaves, ((k, 2), "uint32"), ((k,), "float32")], (0,))
+            yield (
+                f"doctor {suite} {dist} K={k}",  # the tiles suite's leaves leave partial tiles
+                lambda p, keys, s, dist=dist: kp.apply_updates(
+                    p, keys, s, distribution=dist, platform=platform, inplace=True
+                ),
+                [leaves, ((k, 2), "uint32"), ((k,), "float32")],
+                (0,),
+            )
     n = 100_003
     words = ((sb.n_words(n),), "uint32")
     yield "signbits pack", lambda x: sb.pack(x, impl="pallas", platform=platform), [((n,), "bfloat16")], ()
-    yield ("signbits unpack", lambda w: sb.unpack(w, (n,), dtype=jnp.bfloat16, scale=0.25, impl="pallas",
-                                                  platform=platform), [words], ())
-    yield ("signbits merge", lambda v, vs, key: sb.merge(v, vs, key, 3, word_offset=64, impl="pallas",
-                                                         platform=platform), [words, words, ((2,), "uint32")], ())
-    yield ("signbits majority", lambda s: sb.majority(s, impl="pallas", platform=platform),
-           [((5, sb.n_words(n)), "uint32")], ())
+    yield (
+        "signbits unpack",
+        lambda w: sb.unpack(w, (n,), dtype=jnp.bfloat16, scale=0.25, impl="pallas", platform=platform),
+        [words],
+        (),
+    )
+    yield (
+        "signbits merge",
+        lambda v, vs, key: sb.merge(v, vs, key, 3, word_offset=64, impl="pallas", platform=platform),
+        [words, words, ((2,), "uint32")],
+        (),
+    )
+    yield (
+        "signbits majority",
+        lambda s: sb.majority(s, impl="pallas", platform=platform),
+        [((5, sb.n_words(n)), "uint32")],
+        (),
+    )
     x, s, t = ((300, 20), "uint32"), ((70, 20), "uint32"), ((70,), "int32")
     yield "binary dense", lambda x, s, t: kb.dense(x, s, t, n=600, impl="pallas", platform=platform), [x, s, t], ()
-    yield ("binary dense ternary", lambda x, s, m, t: kb.dense(x, s, t, m, impl="pallas", platform=platform),
-           [x, s, s, t], ())
-    yield ("binary conv3x3", lambda x, s, t: kb.conv3x3(x, s, t, c=50, impl="pallas", platform=platform),
-           [((2, 7, 7, 2), "uint32"), ((40, 18), "uint32"), ((40,), "int32")], ())
+    yield (
+        "binary dense ternary",
+        lambda x, s, m, t: kb.dense(x, s, t, m, impl="pallas", platform=platform),
+        [x, s, s, t],
+        (),
+    )
+    yield (
+        "binary conv3x3",
+        lambda x, s, t: kb.conv3x3(x, s, t, c=50, impl="pallas", platform=platform),
+        [((2, 7, 7, 2), "uint32"), ((40, 18), "uint32"), ((40,), "int32")],
+        (),
+    )
     yield "binary dots", lambda x, s, m: kb.dots(x, s, m, impl="pallas", platform=platform), [x, s, s], ()
     yield "canary", _canary(platform), [((1024,), "uint32") if platform == "gpu" else ((8, 128), "float16")], ()
 
@@ -129,8 +171,12 @@ def _canary(platform: str):
         o_ref[...] = jax.lax.population_count(x_ref[...]) if platform == "gpu" else x_ref[...] * x_ref[...]
 
     def fn(x):
-        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                              compiler_params=triton_params() if platform == "gpu" else None, name="canary")(x)
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            compiler_params=triton_params() if platform == "gpu" else None,
+            name="canary",
+        )(x)
 
     return fn
 
@@ -138,11 +184,18 @@ def _canary(platform: str):
 def _flat_case(name, tree, dist, k, platform):
     layout = replay.layout_of(tree, platform=platform)
     tables = layout.tables()
-    return (name,
-            lambda bufs, keys, s: kp.apply_updates_flat(bufs, keys, s, tables, distribution=dist, platform=platform,
-                                                        inplace=True),
-            [[((n,), str(np.dtype(d))) for d, n in zip(layout.dtypes, layout.sizes)], ((k, 2), "uint32"),
-             ((k,), "float32")], (0,))
+    return (
+        name,
+        lambda bufs, keys, s: kp.apply_updates_flat(
+            bufs, keys, s, tables, distribution=dist, platform=platform, inplace=True
+        ),
+        [
+            [((n,), str(np.dtype(d))) for d, n in zip(layout.dtypes, layout.sizes)],
+            ((k, 2), "uint32"),
+            ((k,), "float32"),
+        ],
+        (0,),
+    )
 
 
 def in_short_run(target_name: str, case: str) -> bool:
@@ -152,21 +205,38 @@ def in_short_run(target_name: str, case: str) -> bool:
     noise is compiled by its single-leaf replays and the doctor's flat replay), the doctor's tree is
     the flat replay's leaves; a TPU v4 has the v5e's block rules and SMEM, so it compiles only the
     float32 replays and what else differs (sign-bit, binary, multi-leaf)."""
-    if case.startswith("doctor tree") or "rademacher" in case and case.startswith(("tiling", "flat 50", "doctor tiles")):
+    if (
+        case.startswith("doctor tree")
+        or "rademacher" in case
+        and case.startswith(("tiling", "flat 50", "doctor tiles"))
+    ):
         return False
-    if case.startswith("perturb_pallas") and ("K=4096" in case and "rademacher" in case
-                                              or "K=1 " in case and "float32" not in case):
+    if case.startswith("perturb_pallas") and (
+        "K=4096" in case and "rademacher" in case or "K=1 " in case and "float32" not in case
+    ):
         return False
     if target_name == "v4":
-        return not case.startswith("tiling") and "K=4096" not in case and (
-            not case.startswith("perturb_pallas") or "float32" in case)
+        return (
+            not case.startswith("tiling")
+            and "K=4096" not in case
+            and (not case.startswith("perturb_pallas") or "float32" in case)
+        )
     return True
 
 
 def main(name: str, every: bool = False) -> None:
     platform, device, sharding, options = target(name)
-    print(json.dumps({"target": name, "platform": platform, "device_kind": device.device_kind,
-                      "tpu_generation": rule.tpu_generation(device.device_kind)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "target": name,
+                "platform": platform,
+                "device_kind": device.device_kind,
+                "tpu_generation": rule.tpu_generation(device.device_kind),
+            }
+        ),
+        flush=True,
+    )
 
     def spec(shape_dtype):
         return jax.ShapeDtypeStruct(shape_dtype[0], jnp.dtype(shape_dtype[1]), sharding=sharding)

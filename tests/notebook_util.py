@@ -15,13 +15,20 @@ def text_outputs(nb) -> str:
 
 def printed(nb) -> list[str]:
     """What each code cell printed to stdout, one string per code cell."""
-    return ["".join(o["text"] for o in c.get("outputs", []) if o.get("output_type") == "stream" and o.get("name") == "stdout")
-            for c in nb.cells if c.cell_type == "code"]
+    return [
+        "".join(
+            o["text"] for o in c.get("outputs", []) if o.get("output_type") == "stream" and o.get("name") == "stdout"
+        )
+        for c in nb.cells
+        if c.cell_type == "code"
+    ]
 
 
 def images(nb) -> list[int]:
     """How many PNG images each code cell displayed, one count per code cell."""
-    return [sum("image/png" in o.get("data", {}) for o in c.get("outputs", [])) for c in nb.cells if c.cell_type == "code"]
+    return [
+        sum("image/png" in o.get("data", {}) for o in c.get("outputs", [])) for c in nb.cells if c.cell_type == "code"
+    ]
 
 
 def run(notebook, cwd):
@@ -30,7 +37,9 @@ def run(notebook, cwd):
     import nbformat
 
     nb = nbformat.read(notebook, as_version=4)
-    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+    ).execute()
     return nb
 
 
@@ -52,6 +61,8 @@ def committed_outputs_match(notebook, cwd) -> tuple[str, object]:
     fresh = run(notebook, cwd)
     for i, (old, new) in enumerate(zip(printed(committed), printed(fresh))):
         assert old == new, f"{notebook}: code cell {i} prints\n{new}\nbut its committed output is\n{old}"
-    assert images(committed) == images(fresh), f"{notebook}: images per code cell {images(fresh)}, committed {images(committed)}"
+    assert images(committed) == images(fresh), (
+        f"{notebook}: images per code cell {images(fresh)}, committed {images(committed)}"
+    )
     assert sum(images(committed)) > 0, f"{notebook} is committed without its figures"
     return "".join(printed(fresh)), fresh

@@ -106,6 +106,12 @@ _SENDER = textwrap.dedent(
 def oversized_growth(address, method, n, size) -> tuple[int, list[str]]:
     """This process's RSS growth while another sends ``n`` unauthenticated messages of ``size`` bytes."""
     before = rss_bytes()
-    out = subprocess.run([sys.executable, "-c", _SENDER, address, method, str(n), str(size)], capture_output=True, text=True, check=False,
-                         timeout=120, env={**os.environ, "PYTHONPATH": ""})
+    out = subprocess.run(
+        [sys.executable, "-c", _SENDER, address, method, str(n), str(size)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     return rss_bytes() - before, out.stdout.split()

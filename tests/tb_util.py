@@ -19,8 +19,11 @@ def assert_mirrors(folder, rows, fields=("loss", "eval_accuracy", "payload_bytes
     got = scalars(folder)
     for field in fields:
         for kind in sorted({r["kind"] for r in rows}):
-            want = [(r["step"], r["time_unix_s"], r[field]) for r in rows
-                    if r["kind"] == kind and isinstance(r.get(field), (int, float)) and not isinstance(r.get(field), bool)]
+            want = [
+                (r["step"], r["time_unix_s"], r[field])
+                for r in rows
+                if r["kind"] == kind and isinstance(r.get(field), (int, float)) and not isinstance(r.get(field), bool)
+            ]
             if not want:
                 continue
             name = field[5:] if kind == "eval" and field.startswith("eval_") else field

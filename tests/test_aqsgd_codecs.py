@@ -47,7 +47,11 @@ def test_zero_is_a_level_and_no_value_clips(bits, row, zeros, rounding):
     x = np.array(row, np.float32)
     x[[z for z in zeros if z < x.size]] = 0.0
     x = np.stack([x, np.zeros_like(x), -3 * x])
-    u = C.uniforms(C.example_keys(1, link=0, direction=0, step=7, ids=[0, 1, 2]), x.shape[1]) if rounding == "stochastic" else None
+    u = (
+        C.uniforms(C.example_keys(1, link=0, direction=0, step=7, ids=[0, 1, 2]), x.shape[1])
+        if rounding == "stochastic"
+        else None
+    )
     q, s = C.quantize_rows(x, bits, u)
     h = 1 << (bits - 1)
     assert q.dtype == np.int8 and q.min() >= -h and q.max() <= h - 1
@@ -95,8 +99,11 @@ def test_directq_is_within_one_level_and_packed(bits, row, step, axis):
     np.testing.assert_array_equal(C.levels_to_codes(q, bits), codes)
 
 
-@given(bits=st.sampled_from([2, 3, 4]), value=st.floats(-1, 1, allow_nan=False, width=32),
-       other=st.sampled_from([1.0, -1.0, 0.25]))
+@given(
+    bits=st.sampled_from([2, 3, 4]),
+    value=st.floats(-1, 1, allow_nan=False, width=32),
+    other=st.sampled_from([1.0, -1.0, 0.25]),
+)
 @settings(max_examples=20, deadline=None)
 def test_directq_is_unbiased(bits, value, other):
     """Mean of n = 4096 independently keyed roundings of a row (value, other, −0.5·other): each

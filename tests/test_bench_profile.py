@@ -43,7 +43,10 @@ def test_device_ops_come_from_xla_ops_where_the_plane_has_that_line():
     host = _plane("/host:CPU", _line("python", _event("PjitFunction(step)", 0, 200)))
     source, events = bp.op_events([host, tpu])
     assert source == "device"
-    assert [(e.module, e.op, e.duration_ns) for e in events] == [("jit_step [1]", "fusion.1", 40), ("jit_step [1]", "fusion.2", 30)]
+    assert [(e.module, e.op, e.duration_ns) for e in events] == [
+        ("jit_step [1]", "fusion.1", 40),
+        ("jit_step [1]", "fusion.2", 30),
+    ]
 
 
 def test_gpu_kernels_named_by_their_annotation_else_by_the_kernel():
@@ -124,8 +127,12 @@ def test_the_trace_reader_gives_the_events_jax_profiledata_gives(tmp_path):
     (path,) = [str(p) for p in tmp_path.rglob("*.xplane.pb")]
 
     def flat(planes):
-        return [(p.name, ln.name, e.name, e.start_ns, e.duration_ns, sorted(map(tuple, e.stats), key=repr))
-                for p in planes for ln in p.lines for e in ln.events]
+        return [
+            (p.name, ln.name, e.name, e.start_ns, e.duration_ns, sorted(map(tuple, e.stats), key=repr))
+            for p in planes
+            for ln in p.lines
+            for e in ln.events
+        ]
 
     ours, theirs = flat(bp.read_planes(path)), flat(jax.profiler.ProfileData.from_file(path).planes)
     assert ours == theirs
@@ -145,8 +152,12 @@ def test_bench_zo_profile_shows_the_update_program_inside_the_zo_step():
     )  # fmt: skip
     result = json.loads(out.stdout)
     prof = result["profile"]
-    assert set(prof) == {"inference forward", "ZO step binomial", "ZO step binomial, update held",
-                         "ZO step binomial, update held, deferred x8"}
+    assert set(prof) == {
+        "inference forward",
+        "ZO step binomial",
+        "ZO step binomial, update held",
+        "ZO step binomial, update held, deferred x8",
+    }
     step = prof["ZO step binomial"]
     assert step["calls"] == 2 and step["source"] == "host"
     programs = {name.split(" [")[0] for name in step["programs"]}

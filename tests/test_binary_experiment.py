@@ -42,9 +42,19 @@ def test_zeroth_run_binary_config_end_to_end(tmp_path):
     raw = {
         "run": {"name": "tiny", "seed": 1},
         "data": {"dataset": "digits", "batch_size": 16, "eval_size": 100},
-        "binary": {"methods": ["flips", "evolution", "float32"], "weights": ["ternary"], "channels": [8], "levels": 4,
-                   "train_size": 200, "steps": 4, "k": 2, "grid": 2, "float_steps": 3, "workers": 0,
-                   "speed_repeats": 1},
+        "binary": {
+            "methods": ["flips", "evolution", "float32"],
+            "weights": ["ternary"],
+            "channels": [8],
+            "levels": 4,
+            "train_size": 200,
+            "steps": 4,
+            "k": 2,
+            "grid": 2,
+            "float_steps": 3,
+            "workers": 0,
+            "speed_repeats": 1,
+        },
     }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -62,9 +72,17 @@ def test_zeroth_run_binary_config_end_to_end(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 4, 5, 6, 7, 8, 8, 9, 10, 11, 11]
     evals = [r for r in rows if r["kind"] == "eval"]
     assert [(r["model"], r["eval_accuracy"]) for r in evals] == [
-        *((m["name"], m["test_accuracy"]) for m in res["models"]), ("float32/backprop", res["float32"]["test_accuracy"])]
+        *((m["name"], m["test_accuracy"]) for m in res["models"]),
+        ("float32/backprop", res["float32"]["test_accuracy"]),
+    ]
     assert evals[0]["digest"] == res["models"][0]["checksums"][0] == rows[3]["digest"]
-    assert [r["forward_passes"] for r in rows if r["kind"] == "train"][:5] == [2, 4, 6, 8, 11]  # flips 2, evolution 3 per step
+    assert [r["forward_passes"] for r in rows if r["kind"] == "train"][:5] == [
+        2,
+        4,
+        6,
+        8,
+        11,
+    ]  # flips 2, evolution 3 per step
     assert_mirrors(tmp_path / "out", rows, ("loss", "eval_accuracy", "eval_loss", "forward_passes"))
     run = load_run(tmp_path / "out")  # the folder reads back: its kind, metrics and results
     assert run.kind == "binary" and run.metrics == rows and run.summary == res and run.params is None

@@ -17,8 +17,10 @@ def _setup(ternary, seed, c_in=5, c_out=3, b=4, h=5, w=4, classes=3):
     x = R.pack(rng.choice([-1, 1], (b, h, w, c_in)))
     layer = L.init_layer(spec, x, seed=seed)
     reg = L.regions(h, w, 2)
-    head = L.Head(jnp.asarray(rng.standard_normal((len(reg.counts), c_out, classes)).astype(np.float32)),
-                  jnp.asarray(rng.standard_normal(classes).astype(np.float32)))
+    head = L.Head(
+        jnp.asarray(rng.standard_normal((len(reg.counts), c_out, classes)).astype(np.float32)),
+        jnp.asarray(rng.standard_normal(classes).astype(np.float32)),
+    )
     labels = jnp.asarray(rng.integers(0, classes, b).astype(np.int32))
     return spec, x, layer, reg, head, labels
 

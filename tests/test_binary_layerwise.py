@@ -13,8 +13,12 @@ from zeroth.data import images
 @pytest.fixture(scope="module")
 def digits():
     tr, te = images.load_digits("train"), images.load_digits("test")
-    return (L.encode_thermometer(tr.x[:400], 4), tr.y[:400].astype(np.int32),
-            L.encode_thermometer(te.x[:200], 4), te.y[:200].astype(np.int32))
+    return (
+        L.encode_thermometer(tr.x[:400], 4),
+        tr.y[:400].astype(np.int32),
+        L.encode_thermometer(te.x[:200], 4),
+        te.y[:200].astype(np.int32),
+    )
 
 
 @pytest.mark.parametrize("method,ternary", [("flips", False), ("flips", True), ("evolution", False), ("ste", True)])
@@ -45,7 +49,10 @@ def test_flips_only_move_weights_they_report(digits):
 def test_layerwise_freezes_lower_layers_and_shares_them(digits, tmp_path):
     xtr, ytr, xte, yte = digits
     base = (L.ConvSpec(c_in=4, c_out=16, ternary=False), T.TrainConfig(steps=8, batch_size=16, k=4, grid=2))
-    top_a = (L.ConvSpec(c_in=16, c_out=16, ternary=True, pool=False), T.TrainConfig(steps=6, batch_size=16, k=4, grid=2))
+    top_a = (
+        L.ConvSpec(c_in=16, c_out=16, ternary=True, pool=False),
+        T.TrainConfig(steps=6, batch_size=16, k=4, grid=2),
+    )
     top_b = (L.ConvSpec(c_in=16, c_out=16, pool=False), T.TrainConfig(method="ste", steps=6, batch_size=16, grid=2))
     cache = LW.LayerCache(tmp_path)
     first = LW.train_layerwise([base], xtr, ytr, xte, yte, classes=10, cache=cache)

@@ -40,15 +40,17 @@ def _all_dense(x, s, m, t, n, rows):
         "jnp": np.asarray(kb.dense(x, s, t, m, n=n, impl="jnp")),
         "pallas": np.asarray(kb.dense(x, s, t, m, n=n, impl="pallas", blocks=kb.Blocks(rows), interpret=interpret())),
         # the GPU's body (a loop over the words), in interpret mode on a CPU
-        "pallas gpu": np.asarray(kb.dense(x, s, t, m, n=n, impl="pallas", blocks=kb.Blocks(rows), interpret=interpret(),
-                                          platform="gpu")),
+        "pallas gpu": np.asarray(
+            kb.dense(x, s, t, m, n=n, impl="pallas", blocks=kb.Blocks(rows), interpret=interpret(), platform="gpu")
+        ),
     }
     dots = {
         "numpy": R.dots(x, s, m, n=n),
         "jnp": np.asarray(kb.dots(x, s, m, n=n, impl="jnp")),
         "pallas": np.asarray(kb.dots(x, s, m, n=n, impl="pallas", blocks=kb.Blocks(rows), interpret=interpret())),
-        "pallas gpu": np.asarray(kb.dots(x, s, m, n=n, impl="pallas", blocks=kb.Blocks(rows), interpret=interpret(),
-                                         platform="gpu")),
+        "pallas gpu": np.asarray(
+            kb.dots(x, s, m, n=n, impl="pallas", blocks=kb.Blocks(rows), interpret=interpret(), platform="gpu")
+        ),
     }
     return out, dots
 
@@ -99,7 +101,9 @@ def test_conv3x3_three_ways_bit_exact(b, h, w, c, o, ternary, seed):
     x = R.pack(xv)
     # integer conv with +1 outside the image
     xp = np.pad(xv, ((0, 0), (1, 1), (1, 1), (0, 0)), constant_values=1)
-    want_dots = sum(np.einsum("bhwc,oc->bhwo", xp[:, k // 3:k // 3 + h, k % 3:k % 3 + w], wv[:, k]) for k in range(9))
+    want_dots = sum(
+        np.einsum("bhwc,oc->bhwo", xp[:, k // 3 : k // 3 + h, k % 3 : k % 3 + w], wv[:, k]) for k in range(9)
+    )
     cc = None if ternary else c
     assert_array_equal(R.conv3x3_dots(x, s, m, c=cc), want_dots)
     assert_array_equal(np.asarray(kb.conv3x3_dots(x, s, m, c=cc)), want_dots)
@@ -118,7 +122,9 @@ def test_im2col_and_padding_bits():
     s = R.pack(rng.choice([-1, 1], (33, 9, 33))).reshape(33, -1)
     out = R.conv3x3(x, s, np.full(33, 10**6, np.int32), c=33)  # every output -1
     assert (out[..., 0] == 0xFFFFFFFF).all() and (out[..., 1] == 1).all()
-    got = kb.conv3x3(x, s, np.full(33, 10**6, np.int32), c=33, impl="pallas", blocks=kb.Blocks(8), interpret=interpret())
+    got = kb.conv3x3(
+        x, s, np.full(33, 10**6, np.int32), c=33, impl="pallas", blocks=kb.Blocks(8), interpret=interpret()
+    )
     assert_array_equal(np.asarray(got), out)
 
 
@@ -175,8 +181,13 @@ def test_bench_binary_rows_side_by_side():
 
     rows = bench.binary_rows(batch=8, features=70, channels=33, image=5, conv_batch=2, repeats=1, warmup=1)
     kinds = {(r["layer"], r["kind"], r["impl"]) for r in rows}
-    assert {("dense", "float32", "xla"), ("dense", "binary", "jnp"), ("conv3x3", "float32", "xla"),
-            ("conv3x3", "binary", "jnp"), ("conv3x3", "binary", "numpy")} <= kinds
+    assert {
+        ("dense", "float32", "xla"),
+        ("dense", "binary", "jnp"),
+        ("conv3x3", "float32", "xla"),
+        ("conv3x3", "binary", "jnp"),
+        ("conv3x3", "binary", "numpy"),
+    } <= kinds
     for r in rows:
         assert r["ops"] > 0 and r["ops_per_s"] > 0
         assert ("speedup_vs_float32" in r) == (r["kind"] == "binary")

@@ -20,13 +20,16 @@ from zeroth.binary.proto import binary_pb2 as pb
 from zeroth.binary.proto import binary_pb2_grpc as pbg
 from zeroth.transport import identity, security
 
-CFG = P.ServerConfig(run_id="run", c_in=3, c_out=2, ternary=True, k=2, rounds=3, max_entries=10,
-                     round_timeout_s=5.0, founders=2)
+CFG = P.ServerConfig(
+    run_id="run", c_in=3, c_out=2, ternary=True, k=2, rounds=3, max_entries=10, round_timeout_s=5.0, founders=2
+)
 
 
 def _model(seed=0):
     rng = np.random.default_rng(seed)
-    return rng.integers(-1, 2, (CFG.c_out, 9 * CFG.c_in)).astype(np.int8), rng.integers(-5, 5, CFG.c_out).astype(np.int32)
+    return rng.integers(-1, 2, (CFG.c_out, 9 * CFG.c_in)).astype(np.int8), rng.integers(-5, 5, CFG.c_out).astype(
+        np.int32
+    )
 
 
 KEYS = [identity.Identity.generate() for _ in range(4)]  # worker i's key pair (i joins with KEYS[i])
@@ -65,8 +68,13 @@ def _submit_pb(ident, wid, rnd, checksum, index=(), delta=(), run_id="run"):
 
 
 def _result_pb(ident, wid, rnd, seq, run_id="run"):
-    return pb.ResultRequest(run_id=run_id, worker_id=wid, round=rnd, seq=seq,
-                            signature=ident.sign(P.result_request_bytes(run_id, wid, rnd, seq)))
+    return pb.ResultRequest(
+        run_id=run_id,
+        worker_id=wid,
+        round=rnd,
+        seq=seq,
+        signature=ident.sign(P.result_request_bytes(run_id, wid, rnd, seq)),
+    )
 
 
 def test_checked_in_stubs_equal_freshly_generated_ones(tmp_path):
@@ -76,8 +84,11 @@ def test_checked_in_stubs_equal_freshly_generated_ones(tmp_path):
     for p in written:
         checked_in = protogen.stub_dir("binary") / p.name
         assert filecmp.cmp(p, checked_in, shallow=False), (
-            f"{checked_in} is stale: run `python -m zeroth.protogen binary` after editing protos/zeroth/v1/binary.proto")
-    assert "from zeroth.binary.proto import binary_pb2" in (protogen.stub_dir("binary") / "binary_pb2_grpc.py").read_text()
+            f"{checked_in} is stale: run `python -m zeroth.protogen binary` after editing protos/zeroth/v1/binary.proto"
+        )
+    assert (
+        "from zeroth.binary.proto import binary_pb2" in (protogen.stub_dir("binary") / "binary_pb2_grpc.py").read_text()
+    )
 
 
 def test_packed_model_round_trips_and_checksum_matches_the_layer():
@@ -88,8 +99,9 @@ def test_packed_model_round_trips_and_checksum_matches_the_layer():
     assert_array_equal(t2, t)
     assert h2 is None
     head = (np.arange(2 * CFG.c_out * 3, dtype=np.float32).reshape(2, CFG.c_out, 3), np.ones(3, np.float32))
-    w3, t3, h3 = P.model_from_bytes(P.model_bytes(w, t, CFG.c_in, True, head), CFG.c_in, CFG.c_out, True,
-                                    regions=2, classes=3)
+    w3, t3, h3 = P.model_from_bytes(
+        P.model_bytes(w, t, CFG.c_in, True, head), CFG.c_in, CFG.c_out, True, regions=2, classes=3
+    )
     assert_array_equal(w3, w)
     assert_array_equal(t3, t)
     assert_array_equal(h3[0], head[0])
@@ -108,11 +120,13 @@ def test_round_sums_lists_drops_limits_and_applies_top_k():
     up = next(i for i in range(flat.size) if flat[i] == 1)  # +1 weight: moving up is at its limit
     free = next(i for i in range(flat.size) if flat[i] == 0)
     other = next(i for i in range(flat.size) if flat[i] == -1)
-    st = P.submit(st, CFG, _list(st, 0, sorted([2 * up + 1, 2 * free + 1]), [-9.0, -1.0] if up < free else [-1.0, -9.0]),
-                  now=1.0)
+    st = P.submit(
+        st, CFG, _list(st, 0, sorted([2 * up + 1, 2 * free + 1]), [-9.0, -1.0] if up < free else [-1.0, -9.0]), now=1.0
+    )
     assert st.round == 0  # waits for worker 1
-    st = P.submit(st, CFG, _list(st, 1, sorted([2 * free + 1, 2 * other]), [-1.5, 3.0] if free < other else [3.0, -1.5]),
-                  now=1.5)
+    st = P.submit(
+        st, CFG, _list(st, 1, sorted([2 * free + 1, 2 * other]), [-1.5, 3.0] if free < other else [3.0, -1.5]), now=1.5
+    )
     assert st.round == 1
     res = st.results[0]
     assert res.mutations == (2 * free + 1,)  # the at-limit one dropped; the only negative total: -2.5
@@ -128,12 +142,22 @@ def test_round_sums_lists_drops_limits_and_applies_top_k():
         (dict(round=7), "FAILED_PRECONDITION", "list for round 7 but the open round is 0"),
         (dict(worker_id=9), "FAILED_PRECONDITION", "worker 9 never joined"),
         (dict(checksum="0" * 64), "FAILED_PRECONDITION", "differs from the server's"),
-        (dict(index=np.array([3, 1000]), delta=np.array([1.0, 2.0], np.float32)), "INVALID_ARGUMENT",
-         "mutation index 1000 out of range \\[0, 108\\)"),
+        (
+            dict(index=np.array([3, 1000]), delta=np.array([1.0, 2.0], np.float32)),
+            "INVALID_ARGUMENT",
+            "mutation index 1000 out of range \\[0, 108\\)",
+        ),
         (dict(index=np.array([-1]), delta=np.array([1.0], np.float32)), "INVALID_ARGUMENT", "mutation index -1"),
-        (dict(index=np.array([1, 2]), delta=np.array([1.0, np.nan], np.float32)), "INVALID_ARGUMENT",
-         "delta nan at entry 1 is not finite"),
-        (dict(index=np.arange(11), delta=np.ones(11, np.float32)), "INVALID_ARGUMENT", "11 entries is oversized: at most 10"),
+        (
+            dict(index=np.array([1, 2]), delta=np.array([1.0, np.nan], np.float32)),
+            "INVALID_ARGUMENT",
+            "delta nan at entry 1 is not finite",
+        ),
+        (
+            dict(index=np.arange(11), delta=np.ones(11, np.float32)),
+            "INVALID_ARGUMENT",
+            "11 entries is oversized: at most 10",
+        ),
         (dict(index=np.array([2, 2]), delta=np.ones(2, np.float32)), "INVALID_ARGUMENT", "strictly increasing"),
         (dict(index=np.array([2]), delta=np.ones(2, np.float32)), "INVALID_ARGUMENT", "1 indices but 2 deltas"),
     ],
@@ -224,9 +248,11 @@ def test_grpc_service_aborts_with_status_codes():
             with pytest.raises(grpc.RpcError) as e:
                 stub.Submit(bad, timeout=10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not finite" in e.value.details()
-            for call in (lambda: stub.Join(_join_pb(KEYS[1], run_id="nope"), timeout=10),
-                         lambda: stub.Submit(_submit_pb(KEYS[0], 0, 0, rep.checksum, run_id="nope"), timeout=10),
-                         lambda: stub.Result(_result_pb(KEYS[0], 0, 0, 1, run_id="nope"), timeout=10)):
+            for call in (
+                lambda: stub.Join(_join_pb(KEYS[1], run_id="nope"), timeout=10),
+                lambda: stub.Submit(_submit_pb(KEYS[0], 0, 0, rep.checksum, run_id="nope"), timeout=10),
+                lambda: stub.Result(_result_pb(KEYS[0], 0, 0, 1, run_id="nope"), timeout=10),
+            ):
                 with pytest.raises(grpc.RpcError) as e:
                     call()
                 assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "run id" in e.value.details()
@@ -247,18 +273,29 @@ def test_a_token_holder_cannot_join_without_the_secret_or_submit_in_a_real_worke
     try:
         with grpc.insecure_channel(address) as ch:
             stub = pbg.BinaryMutationsStub(ch)
-            for bad in (_join_pb(KEYS[3]), _join_pb(KEYS[3], secret=identity.new_secret()),
-                        pb.JoinRequest(run_id="run", key=KEYS[3].public,
-                                       proof=identity.join_proof(secret, "run", S.JOIN_ADDRESS, KEYS[2].public))):
+            for bad in (
+                _join_pb(KEYS[3]),
+                _join_pb(KEYS[3], secret=identity.new_secret()),
+                pb.JoinRequest(
+                    run_id="run",
+                    key=KEYS[3].public,
+                    proof=identity.join_proof(secret, "run", S.JOIN_ADDRESS, KEYS[2].public),
+                ),
+            ):
                 with pytest.raises(grpc.RpcError) as e:
                     stub.Join(bad, metadata=md, timeout=10)
-                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "proof of the run secret" in e.value.details()
+                assert (
+                    e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                    and "proof of the run secret" in e.value.details()
+                )
             assert srv.snapshot().next_id == 0
             a = stub.Join(_join_pb(KEYS[0], secret), metadata=md, timeout=10)
             b = stub.Join(_join_pb(KEYS[1], secret), metadata=md, timeout=10)
             forger = identity.Identity.generate()  # holds the secret, speaks for worker 0
-            for msg in (_submit_pb(forger, a.worker_id, 0, a.checksum, [3], [-9.0]),
-                        _submit_pb(KEYS[b.worker_id], a.worker_id, 0, a.checksum, [3], [-9.0])):
+            for msg in (
+                _submit_pb(forger, a.worker_id, 0, a.checksum, [3], [-9.0]),
+                _submit_pb(KEYS[b.worker_id], a.worker_id, 0, a.checksum, [3], [-9.0]),
+            ):
                 with pytest.raises(grpc.RpcError) as e:
                     stub.Submit(msg, metadata=md, timeout=10)
                 assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "worker 0's name" in e.value.details()
@@ -314,9 +351,15 @@ def test_a_server_with_the_run_token_refuses_every_call_without_it_at_once():
         with grpc.insecure_channel(address) as ch:
             stub = pbg.BinaryMutationsStub(ch)
             for md in (None, security.token_metadata(identity.access_token(identity.new_secret()))):
-                calls = [lambda md=md: stub.Join(pb.JoinRequest(run_id="run"), metadata=md, timeout=10),
-                         lambda md=md: stub.Result(pb.ResultRequest(run_id="run", worker_id=0, round=0), metadata=md, timeout=10),
-                         lambda md=md: stub.Submit(pb.DeltaList(run_id="run", worker_id=0, round=0), metadata=md, timeout=10)]
+                calls = [
+                    lambda md=md: stub.Join(pb.JoinRequest(run_id="run"), metadata=md, timeout=10),
+                    lambda md=md: stub.Result(
+                        pb.ResultRequest(run_id="run", worker_id=0, round=0), metadata=md, timeout=10
+                    ),
+                    lambda md=md: stub.Submit(
+                        pb.DeltaList(run_id="run", worker_id=0, round=0), metadata=md, timeout=10
+                    ),
+                ]
                 for call in calls:
                     with pytest.raises(grpc.RpcError) as e:
                         call()
@@ -325,8 +368,9 @@ def test_a_server_with_the_run_token_refuses_every_call_without_it_at_once():
             assert srv.snapshot().next_id == 0  # no seat was taken
             with Held(address, "/zeroth.v1.binary.BinaryMutations/Submit", 40) as held:
                 assert held.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
-                seconds, rep = timed(lambda: stub.Join(_join_pb(KEYS[0]), metadata=security.token_metadata(token),
-                                                       timeout=10))
+                seconds, rep = timed(
+                    lambda: stub.Join(_join_pb(KEYS[0]), metadata=security.token_metadata(token), timeout=10)
+                )
             assert rep.worker_id == 0 and seconds < 2.0
     finally:
         srv.stop()
@@ -371,8 +415,9 @@ def _replayed_checksum(cfg, contributors):
         st = st._replace(live=tuple(who))
         for wid in who:
             shard = np.flatnonzero(np.arange(len(y)) % cfg.shards == wid % cfg.shards)
-            idx = np.random.default_rng([cfg.seed, wid, rnd]).choice(shard, size=min(cfg.batch_size, shard.size),
-                                                                     replace=False)
+            idx = np.random.default_rng([cfg.seed, wid, rnd]).choice(
+                shard, size=min(cfg.batch_size, shard.size), replace=False
+            )
             layer = L.ConvLayer(jnp.asarray(st.w), jnp.asarray(st.thresh))
             d = F.mutation_deltas(layer, head, jnp.asarray(x[idx]), jnp.asarray(y[idx]), spec, reg)
             index, delta = W.sparse_list(d, cfg.threshold, cfg.max_entries)
@@ -389,9 +434,22 @@ def test_server_and_worker_processes_survive_a_kill_a_pause_and_a_join(tmp_path)
     round closed without it) do not end the run: it finishes every round, the paused worker is
     dropped and rejoins with its id, and the final model is exactly the one the real workers'
     lists of each round give (recomputed here from who contributed to each round)."""
-    cfg = W.DistConfig(run_id="e2e", dataset="digits", train_size=300, test_size=100, c_out=10, rounds=12,
-                       batch_size=16, threshold=0.05, k=3, round_timeout_s=2.0, founders=3, min_workers=2,
-                       head="trained", head_steps=5)
+    cfg = W.DistConfig(
+        run_id="e2e",
+        dataset="digits",
+        train_size=300,
+        test_size=100,
+        c_out=10,
+        rounds=12,
+        batch_size=16,
+        threshold=0.05,
+        k=3,
+        round_timeout_s=2.0,
+        founders=3,
+        min_workers=2,
+        head="trained",
+        head_steps=5,
+    )
     s = launch.run(cfg, workers=3, kill_at=(2,), join_at=(1,), pause_at=(4,), out_dir=tmp_path, timeout_s=240)
     # every worker compared its checksum after each round it took part in (the killed one perhaps not its last)
     assert s["checksum_mismatches"] == 0 and s["checksum_comparisons"] >= sum(s["contributors_per_round"]) - 1

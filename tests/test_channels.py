@@ -99,7 +99,9 @@ def test_a_peer_restarted_on_its_port_is_reached_at_once_through_a_renewed_chann
     # attempts to connect; a new server on the same port is not reached before the next attempt
     # (with gRPC's default back-off, up to 12 s after 15 s down). The Just One Byte runtime renews the
     # channel to an address where a peer joins or is seated again, and the next call goes through.
-    first = subprocess.Popen([sys.executable, str(Path(__file__).with_name("held_call_server.py"))], stdout=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("held_call_server.py"))], stdout=subprocess.PIPE, text=True
+    )
     port = int(first.stdout.readline())
     address = f"127.0.0.1:{port}"
     transport = Transport(token=None, tls=None, traffic=Traffic(), options=channel_options(MAX_MESSAGE_BYTES))
@@ -117,7 +119,9 @@ def test_a_peer_restarted_on_its_port_is_reached_at_once_through_a_renewed_chann
             failures += 1
             time.sleep(0.05)
         second = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("held_call_server.py")), str(port)], stdout=subprocess.PIPE, text=True
+            [sys.executable, str(Path(__file__).with_name("held_call_server.py")), str(port)],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         assert int(second.stdout.readline()) == port
         transport.renew(address)

@@ -205,7 +205,10 @@ def test_plain_ga_without_the_memetic_step_is_valid():
 def test_total_ram_short_names_the_shortfall():
     nodes = [Node(f"n{i}", 1.2 * GB, 1e8) for i in range(5)]  # 6.0 GB
     for fn in (brute_force, greedy, lambda *a: form_clusters(*a, seed=0)):
-        with pytest.raises(InfeasibleError, match=r"6\.00 GB over 5 nodes\) cannot hold 3 clusters of 2\.50 GB peak memory: 1\.50 GB short"):
+        with pytest.raises(
+            InfeasibleError,
+            match=r"6\.00 GB over 5 nodes\) cannot hold 3 clusters of 2\.50 GB peak memory: 1\.50 GB short",
+        ):
             fn(nodes, 3, 2.5 * GB, MESSAGE)
 
 
@@ -214,7 +217,9 @@ def test_no_partition_names_the_short_cluster():
     nodes = [Node("a", 5 * GB, 1e8), Node("b", 5 * GB, 1e8), Node("c", 5 * GB, 1e8), Node("d", 1 * GB, 1e8)]
     with pytest.raises(InfeasibleError, match=r"has 6\.00 GB of 8\.00 GB \(2\.00 GB short\)"):
         brute_force(nodes, 2, 8 * GB, MESSAGE)
-    with pytest.raises(InfeasibleError, match=r"best one cluster \d \(nodes [a-d, ]+\) has \d\.00 GB of 8\.00 GB \(\d\.00 GB short\)"):
+    with pytest.raises(
+        InfeasibleError, match=r"best one cluster \d \(nodes [a-d, ]+\) has \d\.00 GB of 8\.00 GB \(\d\.00 GB short\)"
+    ):
         form_clusters(nodes, 2, 8 * GB, MESSAGE, seed=0, generations=30)
     with pytest.raises(InfeasibleError, match=r"greedy formation leaves cluster \d .* short"):
         greedy(nodes, 2, 8 * GB, MESSAGE)
@@ -224,7 +229,10 @@ def test_ga_feasible_where_greedy_is_not():
     # RAM 6, 5, 4, 3, 2 GB into two clusters of 10 GB: only {6, 4} + {5, 3, 2}; greedy deals
     # 6 | 5 4 | 6 3, then 2 joins the smaller transfer sum (5 4) and 6 3 stays 1 GB short.
     nodes = [Node(f"n{r}", r * GB, 1e8 * r) for r in (6, 5, 4, 3, 2)]
-    with pytest.raises(InfeasibleError, match=r"greedy formation leaves cluster 0 \(nodes n6, n3\) has 9\.00 GB of 10\.0 GB \(1\.00 GB short\)"):
+    with pytest.raises(
+        InfeasibleError,
+        match=r"greedy formation leaves cluster 0 \(nodes n6, n3\) has 9\.00 GB of 10\.0 GB \(1\.00 GB short\)",
+    ):
         greedy(nodes, 2, 10 * GB, MESSAGE)
     ga = form_clusters(nodes, 2, 10 * GB, MESSAGE, seed=0)
     assert ga.clusters == ((0, 2), (1, 3, 4)) == brute_force(nodes, 2, 10 * GB, MESSAGE).clusters

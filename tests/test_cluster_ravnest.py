@@ -53,7 +53,9 @@ def _cfg(**ravnest):
 
 def test_checked_in_stubs_are_what_protoc_generates(tmp_path):
     for p in protogen.generate("cluster", tmp_path):
-        assert (protogen.stub_dir("cluster") / p.name).read_text() == p.read_text(), "run `python -m zeroth.protogen cluster`"
+        assert (protogen.stub_dir("cluster") / p.name).read_text() == p.read_text(), (
+            "run `python -m zeroth.protogen cluster`"
+        )
 
 
 @settings(max_examples=60, deadline=None)
@@ -85,8 +87,9 @@ def test_one_batch_in_flight_is_plain_backprop_on_the_whole_model():
     ex = build.examples_of(cfg)
     model, params = build.model_of(cfg, ex)
     ranges = [(0, 1), (1, 1), (1, 2)]
-    part = partition.transformer_partition(params, ranges, objective="classify", heads=model.heads, mlp_dim=model.mlp_dim,
-                                           pad_id=ex.pad_id)
+    part = partition.transformer_partition(
+        params, ranges, objective="classify", heads=model.heads, mlp_dim=model.mlp_dim, pad_id=ex.pad_id
+    )
     opt = optax.adamw(1e-3)
     stages = [engine.AsyncStage(i, 3, part.fns[i], part.params[i], opt) for i in range(3)]
     data = build.data_of(cfg, ex, 0, 1)
@@ -140,8 +143,12 @@ def test_in_process_clusters_end_averaged_and_a_late_cluster_starts_from_the_ave
     a = reference
     plan = a["plan"]
     assert plan.join_round == (0, 0, 2) and len(plan.rings) >= 2
-    models = [np.concatenate([a["flat"][plan.primaries[(c, s)]] for s in range(len(cl))]) for c, cl in enumerate(plan.stages)]
-    assert len(models) == 3 and all(np.array_equal(models[0], m) for m in models[1:])  # the last update averages all three
+    models = [
+        np.concatenate([a["flat"][plan.primaries[(c, s)]] for s in range(len(cl))]) for c, cl in enumerate(plan.stages)
+    ]
+    assert len(models) == 3 and all(
+        np.array_equal(models[0], m) for m in models[1:]
+    )  # the last update averages all three
     for name, res in a["results"].items():
         c, s = plan.slots[name]
         assert res["updates"] == (4 if c == 2 else 8)
@@ -165,22 +172,30 @@ def test_processes_match_the_in_process_run_and_a_backup_takes_over(tmp_path, re
     backup shadowing from the start and one joining at round 1 (its primary's state handed over), both
     primaries SIGKILLed and their backups taking over."""
     raw = _with_late(BASE)
-    raw["ravnest"]["nodes"] += [{"name": "b0", "ram_mb": 6, "bandwidth_mbps": 150, "backup": True},
-                                {"name": "b1", "ram_mb": 6, "bandwidth_mbps": 150, "backup": True, "join_round": 1}]
+    raw["ravnest"]["nodes"] += [
+        {"name": "b0", "ram_mb": 6, "bandwidth_mbps": 150, "backup": True},
+        {"name": "b1", "ram_mb": 6, "bandwidth_mbps": 150, "backup": True, "join_round": 1},
+    ]
     raw["ravnest"]["kill_at"] = [3, 6]
     cfg_path = tmp_path / "rv.yaml"
     cfg_path.write_text(json.dumps(raw))
     ref = reference
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "zeroth", "run", str(cfg_path), "--out", str(out)], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zeroth", "run", str(cfg_path), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     plan = ref["plan"]
     # b0 shadows the least reliable node (n1, 100 Mbit/s) from the start; b1 arrives at round 1 for the next (n2)
     assert summary["plan"]["backups"] == {"n1": "b0", "n2": "b1"} and sorted(summary["killed"]) == ["n1", "n2"]
     assert summary["nodes"]["b0"]["took_over"] and summary["nodes"]["b1"]["took_over"]
-    for name in [n["name"] for n in raw["ravnest"]["nodes"]]:  # every node writes the metrics schema, TensorBoard beside it
+    for name in [
+        n["name"] for n in raw["ravnest"]["nodes"]
+    ]:  # every node writes the metrics schema, TensorBoard beside it
         rows = read_metrics(out / "nodes" / name / "metrics.jsonl")
         assert check_schema(rows, name) == len(rows) > 0 and {r["node"] for r in rows} == {name}
         assert list((out / "nodes" / name).glob("events.out.tfevents.*")), name
@@ -204,7 +219,9 @@ def test_processes_match_the_in_process_run_and_a_backup_takes_over(tmp_path, re
     run = load_run(out)  # the folder reads back: the first cluster's model from the nodes that ended holding it
     assert run.kind == "ravnest" and run.step == 8 and {r["kind"] for r in run.metrics} == {"train"}
     assert run.metrics.frame()["node"].nunique() == len(raw["ravnest"]["nodes"])
-    np.testing.assert_array_equal(run.params, np.concatenate([ref["flat"][plan.primaries[(0, s)]] for s in range(len(plan.stages[0]))]))
+    np.testing.assert_array_equal(
+        run.params, np.concatenate([ref["flat"][plan.primaries[(0, s)]] for s in range(len(plan.stages[0]))])
+    )
 
 
 A_KEY = identity.Identity.generate()  # node "a" of the two-node transport below
@@ -212,9 +229,19 @@ A_KEY = identity.Identity.generate()  # node "a" of the two-node transport below
 
 def _transport(tmp_path, token, sizes=None):
     slots = {"a": (0, 0), "b": (0, 1)}
-    t = transport.ClusterTransport("b", slots, {(0, 0): "a", (0, 1): "b"}, {}, run_id="run1", token=token,
-                                   address_dir=tmp_path, bandwidth_mbps={"a": 100.0, "b": 100.0}, timeout_s=5,
-                                   keys={"a": A_KEY.public}, sizes=sizes)
+    t = transport.ClusterTransport(
+        "b",
+        slots,
+        {(0, 0): "a", (0, 1): "b"},
+        {},
+        run_id="run1",
+        token=token,
+        address_dir=tmp_path,
+        bandwidth_mbps={"a": 100.0, "b": 100.0},
+        timeout_s=5,
+        keys={"a": A_KEY.public},
+        sizes=sizes,
+    )
     return t, t.serve("127.0.0.1:0")
 
 
@@ -238,12 +265,20 @@ def test_node_refuses_bad_messages_and_calls_without_the_token(tmp_path):
         bad = [
             (wire.to_message("other", "a", "activation", np.ones(2, np.float32), batch=1), "run_id 'other'"),
             (wire.to_message("run1", "mallory", "activation", np.ones(2, np.float32), batch=1), "sender 'mallory'"),
-            (pb.Message(run_id="run1", sender="a", kind=pb.ACTIVATION, batch=1, shape=[4], data=b"\0" * 8), "data has 8 bytes"),
+            (
+                pb.Message(run_id="run1", sender="a", kind=pb.ACTIVATION, batch=1, shape=[4], data=b"\0" * 8),
+                "data has 8 bytes",
+            ),
             (wire.to_message("run1", "a", "ring", np.ones(2, np.float32), phase="steal"), "phase 'steal'"),
             # a holder of the token (not of a's key) speaking for a: unsigned, or signed with its own key
             (wire.to_message("run1", "a", "activation", np.ones(2, np.float32), batch=1, to=(0, 1)), "does not verify"),
-            (wire.sign(wire.to_message("run1", "a", "activation", np.ones(2, np.float32), batch=1, to=(0, 1)),
-                       identity.Identity.generate()), "does not verify"),
+            (
+                wire.sign(
+                    wire.to_message("run1", "a", "activation", np.ones(2, np.float32), batch=1, to=(0, 1)),
+                    identity.Identity.generate(),
+                ),
+                "does not verify",
+            ),
             # a's own signature on a message moved to another slot, or a field changed after signing
             (_from_a("activation", np.ones(2, np.float32), batch=1, to=(0, 0)), "to slot [0, 0]"),
             (_with(_from_a("activation", np.ones(2, np.float32), batch=1), batch=2), "does not verify"),
@@ -287,18 +322,38 @@ def test_node_caps_messages_at_the_runs_largest_and_keys_are_learned_once(tmp_pa
         ok = _from_a("activation", np.ones(sizes.activation, np.float32), batch=0)
         assert stub.Deliver(iter([ok]), metadata=md).received == 1
         for msg, code, reason in [
-            (_from_a("activation", np.ones(sizes.message_bytes() // 4 + 1, np.float32)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
-            (_from_a("activation", np.ones((8, 32, 33), np.float32)), grpc.StatusCode.INVALID_ARGUMENT, "not the model's [8, 32, 32]"),
-            (_from_a("ring", np.ones(sizes.ring_values + 1, np.float32), phase="reduce"), grpc.StatusCode.INVALID_ARGUMENT,
-             "more than a stage's slice"),
+            (
+                _from_a("activation", np.ones(sizes.message_bytes() // 4 + 1, np.float32)),
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "",
+            ),
+            (
+                _from_a("activation", np.ones((8, 32, 33), np.float32)),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "not the model's [8, 32, 32]",
+            ),
+            (
+                _from_a("ring", np.ones(sizes.ring_values + 1, np.float32), phase="reduce"),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "more than a stage's slice",
+            ),
         ]:
             with pytest.raises(grpc.RpcError) as e:
                 stub.Deliver(iter([msg]), metadata=md, timeout=10)
             assert e.value.code() == code and reason in e.value.details()
         # another transport learns b's key by asking it, with b's proof of the secret checked
         secret = identity.new_secret()
-        t2 = transport.ClusterTransport("c", {"b": (0, 1), "c": (0, 0)}, {(0, 0): "c", (0, 1): "b"}, {}, run_id="run1",
-                                        token=token, address_dir=tmp_path, bandwidth_mbps={"b": 1.0, "c": 1.0}, secret=secret)
+        t2 = transport.ClusterTransport(
+            "c",
+            {"b": (0, 1), "c": (0, 0)},
+            {(0, 0): "c", (0, 1): "b"},
+            {},
+            run_id="run1",
+            token=token,
+            address_dir=tmp_path,
+            bandwidth_mbps={"b": 1.0, "c": 1.0},
+            secret=secret,
+        )
         with pytest.raises(ConnectionError, match="does not prove it holds the run secret"):
             t2.key_of("b", 5.0)  # b has no secret: no proof
         t2.secret = None
@@ -320,14 +375,25 @@ def test_a_dead_neighbour_without_backup_fails_the_waiting_node(tmp_path):
         t.close(2)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"nodes": [{"name": "a", "ram_mb": 4, "bandwidth_mbps": 10, "gpu": 1}]}, "unknown key 'gpu'"),
-    ({"nodes": [{"name": "a", "ram_mb": 4}]}, "missing 'bandwidth_mbps'"),
-    ({"nodes": [{"name": "a", "ram_mb": 4, "bandwidth_mbps": 1}, {"name": "a", "ram_mb": 4, "bandwidth_mbps": 1}]}, "appears twice"),
-    ({"clusters": 5}, "5 clusters need at least 5 non-backup nodes"),
-    ({"kill_at": [2]}, "1 kills but 0 backup nodes"),
-    ({"order": "random"}, "ravnest.order"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"nodes": [{"name": "a", "ram_mb": 4, "bandwidth_mbps": 10, "gpu": 1}]}, "unknown key 'gpu'"),
+        ({"nodes": [{"name": "a", "ram_mb": 4}]}, "missing 'bandwidth_mbps'"),
+        (
+            {
+                "nodes": [
+                    {"name": "a", "ram_mb": 4, "bandwidth_mbps": 1},
+                    {"name": "a", "ram_mb": 4, "bandwidth_mbps": 1},
+                ]
+            },
+            "appears twice",
+        ),
+        ({"clusters": 5}, "5 clusters need at least 5 non-backup nodes"),
+        ({"kill_at": [2]}, "1 kills but 0 backup nodes"),
+        ({"order": "random"}, "ravnest.order"),
+    ],
+)
 def test_ravnest_config_is_validated(change, message):
     with pytest.raises(ValueError, match=message):
         _cfg(**change)
@@ -381,7 +447,9 @@ def test_a_primary_still_running_after_its_backup_finished_in_its_place_is_kille
         launch.node_dir(out, "b0").mkdir(parents=True)
         (launch.node_dir(out, "b0") / "summary.json").write_text(json.dumps({"node": "b0", "took_over": took_over}))
         procs = {n: subprocess.Popen([sys.executable, "-c", "pass"]) for n in ("n0", "b0")}
-        procs |= {n: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for n in ("n1", *also_running)}
+        procs |= {
+            n: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for n in ("n1", *also_running)
+        }
         if frozen:
             procs["n1"].send_signal(signal.SIGSTOP)
         return out, procs
@@ -392,7 +460,9 @@ def test_a_primary_still_running_after_its_backup_finished_in_its_place_is_kille
 
     # The same beside a primary killed on cue (``kill_at``; no update needed here), whose code is -9.
     out, procs = nodes("with_a_kill", took_over=True, frozen=True, also_running=("n2",))
-    code, killed = launch.wait_nodes(procs, out, {"n2": (0, False)}, timeout_s=60, progress=False, backup_of={"n1": "b0"})
+    code, killed = launch.wait_nodes(
+        procs, out, {"n2": (0, False)}, timeout_s=60, progress=False, backup_of={"n1": "b0"}
+    )
     assert (code, killed) == (0, ["n2", "n1"]) and procs["n1"].returncode == -signal.SIGKILL
 
     # Not frozen here, so that stopping it at the deadline is quick (SIGTERM).
@@ -412,14 +482,18 @@ def test_node_answers_its_neighbour_while_outsiders_hold_calls_and_send_oversize
     token = identity.access_token(identity.new_secret())
     t, address = _transport(tmp_path, token)
     try:
-        with Held(address, "/zeroth.v1.cluster.ClusterNode/Nothing", 40) as held, \
-                Held(address, "/zeroth.v1.cluster.ClusterNode/Deliver", 40) as streams:
+        with (
+            Held(address, "/zeroth.v1.cluster.ClusterNode/Nothing", 40) as held,
+            Held(address, "/zeroth.v1.cluster.ClusterNode/Deliver", 40) as streams,
+        ):
             assert held.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
             assert streams.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
             t0 = time.perf_counter()
             with grpc.insecure_channel(address) as ch:
                 good = _from_a("activation", np.ones((2, 3), np.float32), batch=0)
-                ack = pb_grpc.ClusterNodeStub(ch).Deliver(iter([good]), metadata=security.token_metadata(token), timeout=10)
+                ack = pb_grpc.ClusterNodeStub(ch).Deliver(
+                    iter([good]), metadata=security.token_metadata(token), timeout=10
+                )
             assert ack.received == 1 and time.perf_counter() - t0 < 2.0
         growth, codes = oversized_growth(address, "/zeroth.v1.cluster.ClusterNode/Deliver", 4, 64 << 20)
         assert codes == ["UNAUTHENTICATED"] * 4 and growth < 32 << 20, growth
@@ -444,8 +518,9 @@ def _grpc_run(cfg, out, secret, attack=None):
 
     def run(name):
         try:
-            summaries[name] = _node.run_node_process(cfg, name, out / "nodes" / name, out / "addresses", "127.0.0.1:0",
-                                                     token, secret=secret)
+            summaries[name] = _node.run_node_process(
+                cfg, name, out / "nodes" / name, out / "addresses", "127.0.0.1:0", token, secret=secret
+            )
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append((name, e))
 
@@ -476,23 +551,50 @@ def attacked_run(tmp_path_factory):
             for b in range(cfg.train.steps):
                 x = np.full(sizes.activation, 3.0, np.float32)
                 if s > 0:
-                    forged.append((name, wire.to_message(plan.run_id, plan.primaries[(c, s - 1)], "activation", x, batch=b, to=(c, s))))
+                    forged.append(
+                        (
+                            name,
+                            wire.to_message(
+                                plan.run_id, plan.primaries[(c, s - 1)], "activation", x, batch=b, to=(c, s)
+                            ),
+                        )
+                    )
                 if s + 1 < len(plan.stages[c]):
-                    forged.append((name, wire.to_message(plan.run_id, plan.primaries[(c, s + 1)], "gradient", x, batch=b, to=(c, s))))
+                    forged.append(
+                        (
+                            name,
+                            wire.to_message(plan.run_id, plan.primaries[(c, s + 1)], "gradient", x, batch=b, to=(c, s)),
+                        )
+                    )
             other = plan.primaries[(1 - c, s)]
             for ring in plan.rings:
                 for rnd in (1, 2):
                     for phase in ("reduce", "gather"):
-                        forged.append((name, wire.to_message(plan.run_id, other, "ring", np.full(ring.stop - ring.start, 9.0, np.float32),
-                                                             ring=ring.ring_id, round_id=rnd, phase=phase, step=0, to=(c, s))))
+                        forged.append(
+                            (
+                                name,
+                                wire.to_message(
+                                    plan.run_id,
+                                    other,
+                                    "ring",
+                                    np.full(ring.stop - ring.start, 9.0, np.float32),
+                                    ring=ring.ring_id,
+                                    round_id=rnd,
+                                    phase=phase,
+                                    step=0,
+                                    to=(c, s),
+                                ),
+                            )
+                        )
         codes = []
         for i, (dest, msg) in enumerate(forged):
             msg = wire.sign(msg, mallory) if i % 2 else msg  # signed with the attacker's own key, or not at all
             address = transport.resolve_address(out / "addresses", dest, 30)
             with grpc.insecure_channel(address) as ch:
                 try:
-                    pb_grpc.ClusterNodeStub(ch).Deliver(iter([msg]), metadata=security.token_metadata(identity.access_token(secret)),
-                                                        timeout=30)
+                    pb_grpc.ClusterNodeStub(ch).Deliver(
+                        iter([msg]), metadata=security.token_metadata(identity.access_token(secret)), timeout=30
+                    )
                     codes.append("OK")
                 except grpc.RpcError as e:
                     codes.append(e.code().name)
@@ -528,8 +630,16 @@ def test_nodes_resumed_from_a_checkpoint_end_on_the_uninterrupted_digests(attack
 
     def run(name):
         try:
-            summaries[name] = _node.run_node_process(cfg, name, tmp_path / "nodes" / name, tmp_path / "addresses",
-                                                     "127.0.0.1:0", token, secret=secret, resume_step=4)
+            summaries[name] = _node.run_node_process(
+                cfg,
+                name,
+                tmp_path / "nodes" / name,
+                tmp_path / "addresses",
+                "127.0.0.1:0",
+                token,
+                secret=secret,
+                resume_step=4,
+            )
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append((name, e))
 
@@ -551,7 +661,11 @@ def test_a_damaged_checkpoint_is_named_in_one_line(tmp_path):
     meta = {"run_id": "r", "node": "n0"}
     path = _ckpt.save(tmp_path, 4, {"a": np.arange(1000, dtype=np.float32)}, [((0, 1), b"msg")], meta)
     arrays, sent, got = _ckpt.load(tmp_path, 4, "r", "n0")
-    assert sent == [((0, 1), b"msg")] and got["step"] == 4 and np.array_equal(arrays["a"], np.arange(1000, dtype=np.float32))
+    assert (
+        sent == [((0, 1), b"msg")]
+        and got["step"] == 4
+        and np.array_equal(arrays["a"], np.arange(1000, dtype=np.float32))
+    )
     with pytest.raises(_ckpt.CheckpointError, match="of node 'n0' at update 4 of run 'r', not of node 'n1'"):
         _ckpt.load(tmp_path, 4, "r", "n1")
     data = bytearray(path.read_bytes())
@@ -608,7 +722,9 @@ def test_a_node_killed_without_a_backup_is_resumed_from_the_checkpoints(tmp_path
         time.sleep(0.02)
     first, _ = proc.communicate(timeout=240)
     assert proc.returncode == 1 and "n1" in first, first[-2000:]
-    assert f"checkpoint after update 4; continue with `zeroth run {cfg_path} --out {out} --resume`" in first, first[-2000:]
+    assert f"checkpoint after update 4; continue with `zeroth run {cfg_path} --out {out} --resume`" in first, first[
+        -2000:
+    ]
     assert not (out / "summary.json").exists()
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
@@ -626,8 +742,10 @@ def test_resume_names_what_is_missing(tmp_path):
     with pytest.raises(ValueError, match=r"no checkpoint update count common to every node .*n0: \[\]"):
         launch._resume_step(tmp_path, plan, ["--resume"])
     for name in ("n0", "n1", "n2", "n3"):
-        for k in ((4, 8) if name != "n2" else (4,)):
-            _ckpt.save(launch.node_dir(tmp_path, name) / "checkpoints", k, {}, [], {"run_id": plan.run_id, "node": name})
+        for k in (4, 8) if name != "n2" else (4,):
+            _ckpt.save(
+                launch.node_dir(tmp_path, name) / "checkpoints", k, {}, [], {"run_id": plan.run_id, "node": name}
+            )
     assert launch._resume_step(tmp_path, plan, ["--resume"]) == 4
     with pytest.raises(ValueError, match=r"--resume-step 8: nodes \['n2'\] hold no checkpoint"):
         launch._resume_step(tmp_path, plan, ["--resume", "--resume-step", "8"])

@@ -257,7 +257,9 @@ def test_peer_addresses_and_round_ids_keep_rings_apart():
     full = [np.full(60, c, np.float32) for c in range(4)]
     _, hub, results, errors = _run_nodes(layouts, full, rounds=[7, 3], peer_of=lambda c, i: f"cluster{c}/node{i}")
     assert errors == {} and hub.pending() == []
-    assert {src for src, _ in hub.bytes_sent} == {f"cluster{c}/node{i}" for c in range(4) for i in range(len(layouts[c]))}
+    assert {src for src, _ in hub.bytes_sent} == {
+        f"cluster{c}/node{i}" for c in range(4) for i in range(len(layouts[c]))
+    }
     for c, layout in enumerate(layouts):
         for i, (a, b) in enumerate(layout):
             assert _bits(results[(c, i, 3)]) == _bits(np.full(b - a, 1.5, np.float32))
@@ -303,7 +305,9 @@ def test_bad_message_rejected():
 def test_average_node_rejects_wrong_slice():
     rings = R.plan_rings(LAYOUTS)
     with pytest.raises(ValueError, match=r"cluster 0 node 1 holds \[10, 30\).*flat_part covers \[0, 20\)"):
-        R.average_node(np.zeros(20, np.float32), 0, rings, 0, 1, R.QueueExchange().endpoint((0, 1)), round_id=0, timeout_s=1.0)
+        R.average_node(
+            np.zeros(20, np.float32), 0, rings, 0, 1, R.QueueExchange().endpoint((0, 1)), round_id=0, timeout_s=1.0
+        )
 
 
 def test_duplicate_message_rejected():

@@ -188,9 +188,13 @@ def test_integer_one_byte_codes_are_the_host_encoders_on_numpy_and_in_a_program(
                 v = np.nextafter(v, np.float32(np.inf if step > 0 else -np.inf))
             vals.append(float(v))
     r = np.random.default_rng(0)
-    mags = np.concatenate([np.abs(np.array(vals, np.float32)),
-                           (10.0 ** r.uniform(-10, 10, 20000)).astype(np.float32),
-                           r.integers(0, 0x7F800000, 20000, dtype=np.uint32).view(np.float32)])
+    mags = np.concatenate(
+        [
+            np.abs(np.array(vals, np.float32)),
+            (10.0 ** r.uniform(-10, 10, 20000)).astype(np.float32),
+            r.integers(0, 0x7F800000, 20000, dtype=np.uint32).view(np.float32),
+        ]
+    )
     g = np.concatenate([mags, -mags])
     want = np.frombuffer(codecs.ONEBYTE.encode(g), np.uint8)
     np.testing.assert_array_equal(codecs.onebyte_codes(g.view(np.uint32)), want)

@@ -30,8 +30,12 @@ def _check_allreduce(topo, sizes=(1, 37, 130)) -> dict:
     for d in sizes:
         ints = rng.integers(-(2**24), 2**24, (topo.size, d)).astype(np.int32)
         floats = rng.standard_normal((topo.size, d)).astype(np.float32)
-        ring = jax.jit(jax.shard_map(lambda a: R.allreduce_sum(a[0], topo)[None], mesh=mesh, in_specs=spec, out_specs=spec))
-        psum = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a[0], topo.axes)[None], mesh=mesh, in_specs=spec, out_specs=spec))
+        ring = jax.jit(
+            jax.shard_map(lambda a: R.allreduce_sum(a[0], topo)[None], mesh=mesh, in_specs=spec, out_specs=spec)
+        )
+        psum = jax.jit(
+            jax.shard_map(lambda a: jax.lax.psum(a[0], topo.axes)[None], mesh=mesh, in_specs=spec, out_specs=spec)
+        )
         gi = np.asarray(ring(jax.device_put(ints, sharding)))
         pi = np.asarray(psum(jax.device_put(ints, sharding)))
         gf = np.asarray(ring(jax.device_put(floats, sharding)))
@@ -40,7 +44,9 @@ def _check_allreduce(topo, sizes=(1, 37, 130)) -> dict:
             "int_equal_psum": bool(np.array_equal(gi, pi)),
             "int_equal_numpy": bool(np.array_equal(gi, np.broadcast_to(ints.sum(0), gi.shape))),
             "float_close_psum": bool(np.allclose(gf, pf, rtol=1e-5, atol=1e-5 * topo.size)),
-            "float_close_f64": bool(np.allclose(gf, np.broadcast_to(floats.astype(np.float64).sum(0), gf.shape), atol=1e-5 * topo.size)),
+            "float_close_f64": bool(
+                np.allclose(gf, np.broadcast_to(floats.astype(np.float64).sum(0), gf.shape), atol=1e-5 * topo.size)
+            ),
             # the result is computed once and copied: every worker holds the same bits
             "float_workers_identical": bool((gf == gf[:1]).all()),
         }
@@ -85,7 +91,9 @@ def test_allreduce_equals_psum_for_3_and_8_workers_in_a_subprocess():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     # M = 3: ring, 1x3 and 3x1 tori; M = 8: ring, 2x4 and 4x2 tori
-    assert len(result) == 6 and any("rows=2, cols=4" in k for k in result) and any("rows=3, cols=1" in k for k in result)
+    assert (
+        len(result) == 6 and any("rows=2, cols=4" in k for k in result) and any("rows=3, cols=1" in k for k in result)
+    )
     for label, report in result.items():
         _assert_all_true(report, label)
 
@@ -104,7 +112,11 @@ def test_gathered_segments_are_ordered_and_identical():
         return R.all_gather_workers(a[0], topo)[None]
 
     x = np.arange(4 * 3, dtype=np.int32).reshape(4, 3)
-    got = np.asarray(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))(jax.device_put(x, NamedSharding(mesh, spec))))
+    got = np.asarray(
+        jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))(
+            jax.device_put(x, NamedSharding(mesh, spec))
+        )
+    )
     for k in range(4):
         np.testing.assert_array_equal(got[k], x)  # worker order = row-major mesh order
 
@@ -131,7 +143,9 @@ def test_bit_accounting_counts_what_crosses_ppermute():
             return jax.shard_map(f, mesh=mesh, in_specs=(spec, jax.sharding.PartitionSpec()), out_specs=spec)
 
         key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-        ref = B.ppermute_bits(jax.shard_map(lambda u: R.allreduce_mean(u[0], topo)[None], mesh=mesh, in_specs=spec, out_specs=spec), x)
+        ref = B.ppermute_bits(
+            jax.shard_map(lambda u: R.allreduce_mean(u[0], topo)[None], mesh=mesh, in_specs=spec, out_specs=spec), x
+        )
         if isinstance(topo, Ring):
             assert ref == 2 * (4 - 1) * (d // 4) * 32 * 4  # 2(M-1) hops of D/M floats, 4 senders each
         bpe = {
@@ -181,7 +195,9 @@ def test_ppermute_under_cond_is_refused():
         return jax.lax.cond(x[0, 0] > 0, lambda v: jax.lax.ppermute(v, "w", [(0, 1), (1, 0)]), lambda v: v, x)
 
     with pytest.raises(ValueError, match="cond"):
-        B.ppermute_bits(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec), jax.ShapeDtypeStruct((2, 3), jnp.float32))
+        B.ppermute_bits(
+            jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec), jax.ShapeDtypeStruct((2, 3), jnp.float32)
+        )
 
 
 def test_topology_errors_name_the_problem():
@@ -195,7 +211,6 @@ def test_topology_errors_name_the_problem():
         make_topology("mesh", 4)
     with pytest.raises(ValueError, match="needs 16 devices"):
         Torus(4, 4).mesh()
-
 
 
 def test_a_mesh_takes_the_devices_of_the_default_devices_platform(monkeypatch):
@@ -215,6 +230,7 @@ def test_a_mesh_takes_the_devices_of_the_default_devices_platform(monkeypatch):
     with jax.default_device(cpus[0]):
         assert list(Ring(4).mesh().devices) == cpus[:4]
         assert Torus(2, 2).mesh().devices.tolist() == [cpus[:2], cpus[2:4]]
+
 
 if __name__ == "__main__":
     import jax

@@ -27,9 +27,28 @@ def test_two_processes_agree_over_jax_distributed():
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "zeroth.collectives.distributed", "--coordinator", f"127.0.0.1:{port}",
-             "--num-processes", "2", "--process-id", str(i), "--local-devices", "2", "--rounds", "3", "--timeout", "60"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "zeroth.collectives.distributed",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--local-devices",
+                "2",
+                "--rounds",
+                "3",
+                "--timeout",
+                "60",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in range(2)
     ]

@@ -146,10 +146,17 @@ def test_every_field_has_help_and_describe_lists_it():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help"), f"{prefix}{f.name} has no help"
             inner = cls.__dataclass_fields__[f.name].type
-            sub = {"RunConfig": C.RunConfig, "DataConfig": C.DataConfig, "ModelConfig": C.ModelConfig,
-                   "TrainConfig": C.TrainConfig, "OptimizerConfig": C.OptimizerConfig, "PeersConfig": C.PeersConfig,
-                   "BinaryConfig": C.BinaryConfig,
-                   "PipelineConfig": C.PipelineConfig, "RavnestConfig": C.RavnestConfig}
+            sub = {
+                "RunConfig": C.RunConfig,
+                "DataConfig": C.DataConfig,
+                "ModelConfig": C.ModelConfig,
+                "TrainConfig": C.TrainConfig,
+                "OptimizerConfig": C.OptimizerConfig,
+                "PeersConfig": C.PeersConfig,
+                "BinaryConfig": C.BinaryConfig,
+                "PipelineConfig": C.PipelineConfig,
+                "RavnestConfig": C.RavnestConfig,
+            }
             name = next((k for k in sub if k in str(inner)), None)
             if name:
                 walk(sub[name], f"{prefix}{f.name}.")
@@ -189,8 +196,12 @@ def test_help_config_cli(capsys):
     assert main(["--help-config"]) == 0
     out = capsys.readouterr().out
     assert "train.n_perturbations" in out and "peers.join_at" in out and "perturbations per step" in out
-    marsit = out[out.index("A Marsit experiment"):]  # its own schema, required fields said so
-    assert "label (str, required)" in marsit and "sync.method (str, default \"psgd\") [choices: " in marsit and "sync.K " in marsit
+    marsit = out[out.index("A Marsit experiment") :]  # its own schema, required fields said so
+    assert (
+        "label (str, required)" in marsit
+        and 'sync.method (str, default "psgd") [choices: ' in marsit
+        and "sync.K " in marsit
+    )
 
 
 def test_config_choices_match_the_trainer_registries():
@@ -264,29 +275,63 @@ RAVNEST = {
 }
 
 
-@pytest.mark.parametrize("raw, message", [
-    ({"run": {"name": "../up"}}, "config field run.name: bad value '../up'"),
-    ({"run": {"name": "/abs"}}, "config field run.name: bad value '/abs'"),
-    ({**RAVNEST, "ravnest": {"clusters": 1, "nodes": [{"name": "..", "ram_mb": 4, "bandwidth_mbps": 1}]}},
-     "config field ravnest.nodes[0].name: bad value '..'"),
-    ({**RAVNEST, "ravnest": {"clusters": 1, "nodes": [{"name": "/tmp/n0", "ram_mb": 4, "bandwidth_mbps": 1}]}},
-     "config field ravnest.nodes[0].name: bad value '/tmp/n0'"),
-    ({**RAVNEST, "ravnest": {"clusters": 1, "nodes": [{"name": f"n{i}", "ram_mb": 4, "bandwidth_mbps": 1}
-                                                     for i in range(C.MAX_PROCESSES + 1)]}},
-     f"config field ravnest.nodes: {C.MAX_PROCESSES + 1} nodes exceed MAX_PROCESSES={C.MAX_PROCESSES}"),
-    ({"peers": {"count": 1000}}, f"config field peers.count: bad value 1000; expected <= {C.MAX_PROCESSES}"),
-    ({"peers": {"count": C.MAX_PROCESSES, "join_at": [3]}}, "config field peers.join_at:"),
-    ({"binary": {"workers": 500}}, f"config field binary.workers: bad value 500; expected <= {C.MAX_PROCESSES}"),
-    ({"data": {"batch_size": 10**12}}, f"config field data.batch_size: bad value {10**12}; expected <= {C.MAX_BATCH}"),
-    ({"train": {"n_perturbations": 10**9}}, f"expected <= {C.MAX_PERTURBATIONS}"),
-    ({"model": {"name": "mlp", "kwargs": {"hidden": [64, 10**9]}}}, "config field model.kwargs.hidden[1]: bad value 1000000000"),
-    ({"run": {"name": "p"}, "data": {"dataset": "sotu", "batch_size": 4}, "model": {"name": "transformer"},
-      "train": {"method": "backprop"}, "pipeline": {"stages": 7, "examples": 8}},
-     "config field pipeline.stages: 7 stages but model 'transformer' has 2 blocks; expected at most 2"),
-    ({"run": {"name": "p"}, "data": {"dataset": "sotu", "batch_size": 4}, "model": {"name": "transformer"},
-      "train": {"method": "backprop"}, "pipeline": {"stages": 100, "examples": 8}},
-     f"config field pipeline.stages: bad value 100; expected <= {C.MAX_PROCESSES}"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"run": {"name": "../up"}}, "config field run.name: bad value '../up'"),
+        ({"run": {"name": "/abs"}}, "config field run.name: bad value '/abs'"),
+        (
+            {**RAVNEST, "ravnest": {"clusters": 1, "nodes": [{"name": "..", "ram_mb": 4, "bandwidth_mbps": 1}]}},
+            "config field ravnest.nodes[0].name: bad value '..'",
+        ),
+        (
+            {**RAVNEST, "ravnest": {"clusters": 1, "nodes": [{"name": "/tmp/n0", "ram_mb": 4, "bandwidth_mbps": 1}]}},
+            "config field ravnest.nodes[0].name: bad value '/tmp/n0'",
+        ),
+        (
+            {
+                **RAVNEST,
+                "ravnest": {
+                    "clusters": 1,
+                    "nodes": [{"name": f"n{i}", "ram_mb": 4, "bandwidth_mbps": 1} for i in range(C.MAX_PROCESSES + 1)],
+                },
+            },
+            f"config field ravnest.nodes: {C.MAX_PROCESSES + 1} nodes exceed MAX_PROCESSES={C.MAX_PROCESSES}",
+        ),
+        ({"peers": {"count": 1000}}, f"config field peers.count: bad value 1000; expected <= {C.MAX_PROCESSES}"),
+        ({"peers": {"count": C.MAX_PROCESSES, "join_at": [3]}}, "config field peers.join_at:"),
+        ({"binary": {"workers": 500}}, f"config field binary.workers: bad value 500; expected <= {C.MAX_PROCESSES}"),
+        (
+            {"data": {"batch_size": 10**12}},
+            f"config field data.batch_size: bad value {10**12}; expected <= {C.MAX_BATCH}",
+        ),
+        ({"train": {"n_perturbations": 10**9}}, f"expected <= {C.MAX_PERTURBATIONS}"),
+        (
+            {"model": {"name": "mlp", "kwargs": {"hidden": [64, 10**9]}}},
+            "config field model.kwargs.hidden[1]: bad value 1000000000",
+        ),
+        (
+            {
+                "run": {"name": "p"},
+                "data": {"dataset": "sotu", "batch_size": 4},
+                "model": {"name": "transformer"},
+                "train": {"method": "backprop"},
+                "pipeline": {"stages": 7, "examples": 8},
+            },
+            "config field pipeline.stages: 7 stages but model 'transformer' has 2 blocks; expected at most 2",
+        ),
+        (
+            {
+                "run": {"name": "p"},
+                "data": {"dataset": "sotu", "batch_size": 4},
+                "model": {"name": "transformer"},
+                "train": {"method": "backprop"},
+                "pipeline": {"stages": 100, "examples": 8},
+            },
+            f"config field pipeline.stages: bad value 100; expected <= {C.MAX_PROCESSES}",
+        ),
+    ],
+)
 def test_hostile_values_are_refused_in_one_line_naming_the_field(raw, message):
     with pytest.raises(ValueError) as e:
         C.load_config_dict(raw)
@@ -294,6 +339,11 @@ def test_hostile_values_are_refused_in_one_line_naming_the_field(raw, message):
 
 
 def test_a_transformer_split_into_as_many_stages_as_blocks_is_accepted():
-    raw = {"run": {"name": "p"}, "data": {"dataset": "sotu", "batch_size": 4}, "model": {"name": "transformer", "kwargs": {"layers": 7}},
-           "train": {"method": "backprop"}, "pipeline": {"stages": 7, "examples": 8}}
+    raw = {
+        "run": {"name": "p"},
+        "data": {"dataset": "sotu", "batch_size": 4},
+        "model": {"name": "transformer", "kwargs": {"layers": 7}},
+        "train": {"method": "backprop"},
+        "pipeline": {"stages": 7, "examples": 8},
+    }
     assert C.load_config_dict(raw).pipeline.stages == 7

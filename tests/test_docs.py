@@ -13,7 +13,10 @@ def _build(source: Path, out: Path) -> subprocess.CompletedProcess:
     # The command of `make docs` (Makefile), into a folder of the test's own.
     return subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(source), str(out)],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
     )
 
 
@@ -26,8 +29,16 @@ def test_the_docs_build_without_a_warning(tmp_path):
     html = tmp_path / "html"
     # Every page of the tree is in the site: a page missing from every toctree is a warning, and
     # the pages the README links to are there.
-    for page in ("index", "getting_started", "concepts/determinism", "guides/many_machines", "kernels",
-                 "measurements/index", "api/index", "api/replay"):
+    for page in (
+        "index",
+        "getting_started",
+        "concepts/determinism",
+        "guides/many_machines",
+        "kernels",
+        "measurements/index",
+        "api/index",
+        "api/replay",
+    ):
         assert (html / f"{page}.html").is_file(), page
     assert "zeroth.replay.replay" in (html / "api" / "replay.html").read_text(), "autodoc rendered no API"
 

@@ -33,7 +33,10 @@ def runs():
         env.update(extra, JAX_PLATFORMS="cpu")
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", "zeroth", "doctor", "--json"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
     out = {}
     for name, proc in procs.items():
@@ -150,8 +153,12 @@ def test_write_golden_reproduces_the_shipped_file(tmp_path):
 
 def test_numpy_checksum_equals_replay_checksum():
     leaves = doctor.reference_result()
-    nested = {"dense": {"kernel": leaves["['dense']['kernel']"]}, "embed": leaves["['embed']"],
-              "norm": {"scale": leaves["['norm']['scale']"]}, "scalar": leaves["['scalar']"]}
+    nested = {
+        "dense": {"kernel": leaves["['dense']['kernel']"]},
+        "embed": leaves["['embed']"],
+        "norm": {"scale": leaves["['norm']['scale']"]},
+        "scalar": leaves["['scalar']"],
+    }
     assert sorted(doctor.canonical_paths(nested)) == sorted(leaves)
     assert doctor.numpy_checksum(leaves) == replay.checksum(nested)
 
@@ -184,7 +191,9 @@ def test_canonical_replay_exercises_the_contract():
             if leaf.dtype != np.float32:
                 with np.errstate(over="ignore", invalid="ignore"):
                     cast = p.astype(leaf.dtype)
-                    seen["flushed_cast"] += int(((cast != 0) & (np.abs(cast) < ref.ml_dtypes.finfo(leaf.dtype).tiny)).sum())
+                    seen["flushed_cast"] += int(
+                        ((cast != 0) & (np.abs(cast) < ref.ml_dtypes.finfo(leaf.dtype).tiny)).sum()
+                    )
             seen["inf_results"] += int(np.isinf(p).sum())
             leaves[path] = ref.flush_cast(p, leaf.dtype).reshape(leaf.shape)
     assert all(v > 0 for v in seen.values()), seen
@@ -242,7 +251,9 @@ def test_a_platform_the_machine_lacks_is_one_clear_line():
     missing = "rocm" if jax.default_backend() == "tpu" else "tpu"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = missing
-    proc = subprocess.run([sys.executable, "-m", "zeroth", "doctor"], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zeroth", "doctor"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"JAX_PLATFORMS='{missing}'" in lines[0] and "Traceback" not in proc.stderr
@@ -276,7 +287,9 @@ def test_programs_loaded_from_the_compilation_cache_give_the_same_bits(tmp_path)
     # parameters as the run that compiled them.
     cache = tmp_path / "xla_cache"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_DISABLE_JIT")}
-    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env.update(
+        JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"
+    )
     results, entries = [], []
     for _ in range(2):
         proc = subprocess.run([sys.executable, "-c", _CACHED_RUN], env=env, capture_output=True, text=True, timeout=300)

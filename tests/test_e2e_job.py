@@ -76,7 +76,8 @@ def test_the_progress_line_shows_the_mean_loss_of_the_newest_iteration():
     # the same records in another order give the same line (it used to follow whichever peer came first)
     assert launch.progress_line(dict(reversed(list(latest.items()))), 600, 0.9694) == line
     assert launch.progress_line({0: rec(7, None)}, 600, None) == (
-        "iteration 7/600  peers 3  loss -  accuracy -  digest 0123456789ab")
+        "iteration 7/600  peers 3  loss -  accuracy -  digest 0123456789ab"
+    )
     with pytest.raises(ValueError, match="at least one peer"):
         launch.progress_line({}, 600, None)
 
@@ -120,7 +121,16 @@ def test_zeroth_run_with_a_join_and_a_kill(tmp_path):
     assert [r["step"] for r in its] == list(range(1, 121))  # the row of iteration t: step t + 1
     check_schema(launch.read_records(out / "peers" / "p0" / "metrics.jsonl")[0], "p0")
     assert_mirrors(out / "peers" / "p0", its)  # each peer's folder holds its TensorBoard event file
-    for field in ("step", "digest", "loss", "peers", "payload_bytes", "wire_bytes", "checksum_comparisons", "checksum_mismatches"):
+    for field in (
+        "step",
+        "digest",
+        "loss",
+        "peers",
+        "payload_bytes",
+        "wire_bytes",
+        "checksum_comparisons",
+        "checksum_mismatches",
+    ):
         assert field in its[-1]
     joiner_id = by_index[joiner]["machines"][0]
     assert any(joiner_id in r["contributors"] for r in its)
@@ -145,16 +155,26 @@ def test_zeroth_run_with_a_join_and_a_kill(tmp_path):
         assert logs[f"peers/p{killed}"].last < 120 and run.commits_signed == 120
     # ... and so does the command in a process held to SSE4.2 (no AVX, no FMA) with the jnp rule
     env = {**launch.peer_env("--xla_cpu_max_isa=SSE4_2"), "ZEROTH_NATIVE": "0"}
-    held = subprocess.run([sys.executable, "-m", "zeroth", "verify", str(out), "--impl", "jnp", "--json"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
+    held = subprocess.run(
+        [sys.executable, "-m", "zeroth", "verify", str(out), "--impl", "jnp", "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert held.returncode == 0, held.stdout[-3000:] + held.stderr[-3000:]
     got = json.loads(held.stdout)
     assert got["ok"] and got["runs"][0]["final_digest"] == s["final_digest"]
 
 
-@pytest.mark.skipif(not security.can_make_certificates(), reason="needs the openssl command or the cryptography package")
+@pytest.mark.skipif(
+    not security.can_make_certificates(), reason="needs the openssl command or the cryptography package"
+)
 def test_mixed_xla_flags_leader_killed_late_joiner_and_an_intruder(tmp_path):
-    cfg = write_config(tmp_path / "job.yaml", iterations=150)  # the joiner (at 33) must catch up and contribute before the end, under load too
+    cfg = write_config(
+        tmp_path / "job.yaml", iterations=150
+    )  # the joiner (at 33) must catch up and contribute before the end, under load too
     tls = security.self_signed(tmp_path / "tls")
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
@@ -167,27 +187,46 @@ def test_mixed_xla_flags_leader_killed_late_joiner_and_an_intruder(tmp_path):
     for i in range(3):
         peers.append(
             launch.start_peer(
-                cfg, tmp_path / f"p{i}", addr[i], index=i,
-                join=None if i == 0 else addr[0], founders=3 if i == 0 else None,
-                extra_args=(*common, "--token-file", str(token_file)), env=launch.peer_env(flags[i]), founder=True,
+                cfg,
+                tmp_path / f"p{i}",
+                addr[i],
+                index=i,
+                join=None if i == 0 else addr[0],
+                founders=3 if i == 0 else None,
+                extra_args=(*common, "--token-file", str(token_file)),
+                env=launch.peer_env(flags[i]),
+                founder=True,
             )
         )
     # A late joiner (default flags), and an intruder with TLS but without the token.
     peers.append(
         launch.start_peer(
-            cfg, tmp_path / "p3", addr[3], index=3, join=addr[1],
-            extra_args=(*common, "--token-file", str(token_file), "--join-at", "33"), env=launch.peer_env(flags[3]),
+            cfg,
+            tmp_path / "p3",
+            addr[3],
+            index=3,
+            join=addr[1],
+            extra_args=(*common, "--token-file", str(token_file), "--join-at", "33"),
+            env=launch.peer_env(flags[3]),
         )
     )
     intruder_env = launch.peer_env()
     intruder_env.pop("ZEROTH_TOKEN", None)
     no_token_cfg = write_config(tmp_path / "no_token.yaml", iterations=150, token=None)
-    intruder = launch.start_peer(no_token_cfg, tmp_path / "p4", addr[4], index=4, join=addr[0], extra_args=(*common, "--no-rejoin", "--insecure"), env=intruder_env)
+    intruder = launch.start_peer(
+        no_token_cfg,
+        tmp_path / "p4",
+        addr[4],
+        index=4,
+        join=addr[0],
+        extra_args=(*common, "--no-rejoin", "--insecure"),
+        env=intruder_env,
+    )
     try:
         # Kill the leader (machine 0) mid-run, once the joiner is in.
         assert wait_for(lambda: any(3 in r["contributors"] for r in records(tmp_path / "p1" / "metrics.jsonl")), 300), (
-            (tmp_path / "p3.log").read_text()[-2000:]
-        )
+            tmp_path / "p3.log"
+        ).read_text()[-2000:]
         peers[0].proc.send_signal(signal.SIGKILL)
         for p in peers[1:]:
             p.proc.wait(timeout=300)

@@ -53,11 +53,16 @@ def test_missing_files_name_the_install_command(tmp_path, monkeypatch):
     monkeypatch.setenv(images.FASHION_ENV_VAR, str(tmp_path))
     assert data.status("fashion_mnist") == "missing"
     assert "bash scripts/install_fashion_mnist.sh" in data.missing_reason("fashion_mnist")
-    with pytest.raises(data.DatasetUnavailable, match=r"looked in .*install with: bash scripts/install_fashion_mnist\.sh"):
+    with pytest.raises(
+        data.DatasetUnavailable, match=r"looked in .*install with: bash scripts/install_fashion_mnist\.sh"
+    ):
         images.load_fashion_mnist("test")
     # through the command line too
     out = subprocess.run(
-        [sys.executable, "-m", "zeroth", "datasets"], capture_output=True, text=True, check=True,
+        [sys.executable, "-m", "zeroth", "datasets"],
+        capture_output=True,
+        text=True,
+        check=True,
         env={**os.environ, images.FASHION_ENV_VAR: str(tmp_path)},
     ).stdout
     row = next(line for line in out.splitlines() if line.startswith("fashion_mnist "))

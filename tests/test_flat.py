@@ -55,20 +55,29 @@ def _tree(seed: int, leaves) -> dict:
 def _reference(tree, updates, dist):
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return jax.tree_util.tree_unflatten(
-        treedef, [ref.replay_leaf(np.asarray(x), rng.leaf_path(p), updates, dist) for p, x in with_path])
+        treedef, [ref.replay_leaf(np.asarray(x), rng.leaf_path(p), updates, dist) for p, x in with_path]
+    )
 
 
 LEAVES = st.lists(st.tuples(st.integers(0, 2), st.integers(0, len(SHAPES) - 1)), min_size=1, max_size=6)
 
 
 @settings(max_examples=24)
-@given(seed=st.integers(0, 2**16), leaves=LEAVES, dist=st.sampled_from(noise.EXACT), k=st.sampled_from([0, 1, 3, 16]),
-       donate=st.booleans(), alone_from=st.sampled_from([None, 1, 7, 65, replay.ALONE_FROM]))
+@given(
+    seed=st.integers(0, 2**16),
+    leaves=LEAVES,
+    dist=st.sampled_from(noise.EXACT),
+    k=st.sampled_from([0, 1, 3, 16]),
+    donate=st.booleans(),
+    alone_from=st.sampled_from([None, 1, 7, 65, replay.ALONE_FROM]),
+)
 def test_flat_replay_is_the_tree_replay_bit_for_bit(seed, leaves, dist, k, donate, alone_from):
     tree = _tree(seed, leaves)
     g = np.random.default_rng(seed)
-    updates = [(rng.sample_key(seed, int(m), 3, s), float(c))
-               for s, (m, c) in enumerate(zip(g.integers(0, 5, k), g.standard_normal(k) * 1e-2))]
+    updates = [
+        (rng.sample_key(seed, int(m), 3, s), float(c))
+        for s, (m, c) in enumerate(zip(g.integers(0, 5, k), g.standard_normal(k) * 1e-2))
+    ]
     want = replay.replay(jax.device_put(tree), updates, distribution=dist)
     flat = replay.flatten(jax.device_put(tree), alone_from=alone_from)
     flat = replay.replay(flat, updates, distribution=dist, donate=donate)
@@ -84,7 +93,10 @@ def test_flat_layout_groups_leaves_by_dtype_in_tree_order():
     layout = flat.layout
     assert layout.dtypes == ("float16", "float32") and layout.sizes == (8, 4)
     assert [(s.path, s.buffer, s.offset, s.size, s.shape) for s in layout.segments] == [
-        ("['a']", 0, 0, 3, (3,)), ("['b']", 1, 0, 4, (2, 2)), ("['c']", 0, 3, 5, (5,))]
+        ("['a']", 0, 0, 3, (3,)),
+        ("['b']", 1, 0, 4, (2, 2)),
+        ("['c']", 0, 3, 5, (5,)),
+    ]
     assert [s.leaf_id for s in layout.segments] == [rng.leaf_id(s.path) for s in layout.segments]
     np.testing.assert_array_equal(np.asarray(flat.buffers[0]), np.array([0, 0, 0, 2, 2, 2, 2, 2], np.float16))
     _assert_tree_bits(replay.unflatten(flat), tree)
@@ -95,12 +107,22 @@ def test_flat_layout_groups_leaves_by_dtype_in_tree_order():
 def test_a_leaf_of_alone_from_elements_or_more_has_a_buffer_of_its_own():
     """Large leaves are not sliced out of a shared buffer (a copy where XLA cannot fuse the slice);
     the small ones still share one buffer per dtype. Buffers come in the order of their first leaf."""
-    tree = {"a": np.zeros(3, np.float16), "b": np.ones((4, 4), np.float32), "c": np.full(5, 2, np.float16),
-            "d": np.ones(2, np.float32), "e": np.ones(16, np.float16)}
+    tree = {
+        "a": np.zeros(3, np.float16),
+        "b": np.ones((4, 4), np.float32),
+        "c": np.full(5, 2, np.float16),
+        "d": np.ones(2, np.float32),
+        "e": np.ones(16, np.float16),
+    }
     layout = replay.layout_of(tree, alone_from=16)
     assert layout.dtypes == ("float16", "float32", "float32", "float16") and layout.sizes == (8, 16, 2, 16)
     assert [(s.path, s.buffer, s.offset) for s in layout.segments] == [
-        ("['a']", 0, 0), ("['b']", 1, 0), ("['c']", 0, 3), ("['d']", 2, 0), ("['e']", 3, 0)]
+        ("['a']", 0, 0),
+        ("['b']", 1, 0),
+        ("['c']", 0, 3),
+        ("['d']", 2, 0),
+        ("['e']", 3, 0),
+    ]
     assert repr(layout) == "Layout(5 leaves in 4 buffers: float16[8], float32[16], float32[2], float16[16])"
     assert replay.layout_of(tree, alone_from=None).dtypes == ("float16", "float32")
     assert len(replay.layout_of(tree, alone_from=1).dtypes) == 5
@@ -120,15 +142,22 @@ def test_a_leaf_of_alone_from_elements_or_more_has_a_buffer_of_its_own():
 def test_flatten_with_donation_hands_a_leaf_alone_over_without_a_copy():
     # A leaf that is its buffer's whole becomes that buffer (aliased, not copied); the leaves that
     # share a buffer are copied into it (not donated to XLA, which could not use them) and deleted.
-    tree = {"b": jnp.asarray(_values(1, (3,), np.float32)), "big": jnp.asarray(_values(2, (300, 500), np.float32)),
-            "c": jnp.asarray(_values(3, (4,), np.float32)), "h": jnp.asarray(_values(4, (7,), np.float16))}
+    tree = {
+        "b": jnp.asarray(_values(1, (3,), np.float32)),
+        "big": jnp.asarray(_values(2, (300, 500), np.float32)),
+        "c": jnp.asarray(_values(3, (4,), np.float32)),
+        "h": jnp.asarray(_values(4, (7,), np.float16)),
+    }
     want = replay.checksum(tree)
     layout = replay.layout_of(tree, alone_from=1000)
     own = replay._own_buffer(layout)
     assert own == (False, True, False, True)
     leaves = jax.tree_util.tree_leaves(tree)
-    compiled = replay._flatten_fn(layout, True).lower(
-        [x for x, o in zip(leaves, own) if o], [x for x, o in zip(leaves, own) if not o]).compile()
+    compiled = (
+        replay._flatten_fn(layout, True)
+        .lower([x for x, o in zip(leaves, own) if o], [x for x, o in zip(leaves, own) if not o])
+        .compile()
+    )
     assert compiled.memory_analysis().alias_size_in_bytes == 300 * 500 * 4 + 7 * 2
     flat = replay.flatten(tree, alone_from=1000, donate=True)
     assert all(tree[k].is_deleted() for k in ("b", "big", "c", "h"))  # "b" and "c" deleted once copied
@@ -140,13 +169,19 @@ def test_flatten_with_donation_hands_a_leaf_alone_over_without_a_copy():
 def test_a_tpu_layout_pads_each_buffer_to_whole_blocks_outside_every_leaf():
     """``platform="tpu"``: the same leaves at the same offsets, each buffer padded with zeros to
     ``tpu_flat_size``; unflatten, checksum and a replay (on this CPU) see the leaves only."""
-    tree = {"a": _values(1, (3,), np.float16), "b": _values(2, (300, 500), np.float32), "c": _values(3, (5,), np.float16)}
+    tree = {
+        "a": _values(1, (3,), np.float16),
+        "b": _values(2, (300, 500), np.float32),
+        "c": _values(3, (5,), np.float16),
+    }
     flat, tpu = replay.flatten(tree), replay.flatten(tree, platform="tpu")
     assert tpu.layout.segments == flat.layout.segments and tpu.layout != flat.layout
     assert tpu.layout.sizes == (2048, 2**18) == tuple(kp.plans.tpu_flat_size(n) for n in flat.layout.sizes)
     for padded, exact in zip(tpu.buffers, flat.buffers):
-        np.testing.assert_array_equal(np.asarray(padded)[: exact.shape[0]].view(np.uint8), np.asarray(exact).view(np.uint8))
-        assert not np.asarray(padded)[exact.shape[0]:].any()
+        np.testing.assert_array_equal(
+            np.asarray(padded)[: exact.shape[0]].view(np.uint8), np.asarray(exact).view(np.uint8)
+        )
+        assert not np.asarray(padded)[exact.shape[0] :].any()
     _assert_tree_bits(replay.unflatten(tpu), tree)
     assert replay.checksum(tpu) == replay.checksum(tree)
     updates = [(rng.sample_key(0, 1, 2, s), 0.01 * (s + 1)) for s in range(3)]
@@ -191,13 +226,18 @@ def test_apply_updates_flat_leaves_gaps_alone_and_matches_each_leaf(impl):
     for o, z, lid in segments:  # the NumPy reference, leaf by leaf, keys fold_in(key, leaf id)
         p = ref._flush(want[o : o + z])
         for key, c in zip(keys, coefficients):
-            p = ref.apply_update(p, ref.update_scale("binomial", c), ref.noise_int("binomial", ref.fold_in(key, lid), z))
+            p = ref.apply_update(
+                p, ref.update_scale("binomial", c), ref.noise_int("binomial", ref.fold_in(key, lid), z)
+            )
         want[o : o + z] = ref.flush_cast(p, np.float32)
     for inplace in (True,) if impl == "pallas" else (False, True):  # Pallas interprets slowly: once
         pallas = {"interpret": True, "block_sizes": kp.BlockSizes(tile=64)} if impl == "pallas" else {}
-        fn = jax.jit(lambda b, inplace=inplace, pallas=pallas: kp.apply_updates_flat(
-            [b], keys, scales, (segments,), impl=impl, inplace=inplace, **pallas)[0],
-            donate_argnums=0 if inplace else ())
+        fn = jax.jit(
+            lambda b, inplace=inplace, pallas=pallas: kp.apply_updates_flat(
+                [b], keys, scales, (segments,), impl=impl, inplace=inplace, **pallas
+            )[0],
+            donate_argnums=0 if inplace else (),
+        )
         got = np.asarray(fn(jnp.array(buf, copy=True)))
         np.testing.assert_array_equal(_bits(got), _bits(want))
 
@@ -226,8 +266,10 @@ def test_native_flat_threaded_launch_shares_chunks_of_small_leaves(dist):
         for key, c in zip(keys, coefficients):
             p = ref.apply_update(p, ref.update_scale(dist, c), ref.noise_int(dist, ref.fold_in(key, lid), z))
         want[o : o + z] = ref.flush_cast(p, np.float32)
-    fn = jax.jit(lambda b: kp.native.perturb_native_flat(b, keys, scales, segments, distribution=dist, inplace=True),
-                 donate_argnums=0)
+    fn = jax.jit(
+        lambda b: kp.native.perturb_native_flat(b, keys, scales, segments, distribution=dist, inplace=True),
+        donate_argnums=0,
+    )
     for _ in range(3):  # the threads' share of the chunks differs from call to call
         np.testing.assert_array_equal(_bits(fn(jnp.array(buf, copy=True))), _bits(want))
 
@@ -238,8 +280,14 @@ def test_one_native_launch_per_buffer_whatever_the_number_of_leaves():
     flat = replay.flatten(tree)
     keys, scales = rng.sample_keys(0, [(0, 0, 0)]), replay.update_scales("binomial", [0.5])
     tables = flat.layout.tables()
-    text = jax.jit(lambda bufs: kp.apply_updates_flat(bufs, keys, scales, tables, impl="native", inplace=True),
-                   donate_argnums=0).lower(flat.buffers).as_text()
+    text = (
+        jax.jit(
+            lambda bufs: kp.apply_updates_flat(bufs, keys, scales, tables, impl="native", inplace=True),
+            donate_argnums=0,
+        )
+        .lower(flat.buffers)
+        .as_text()
+    )
     assert text.count(cpu_native.target_name(flat=True)) == 2  # float16 and float32: one each
     assert cpu_native.target_name(tree=True) not in text and cpu_native.target_name() + '"' not in text
 
@@ -273,6 +321,7 @@ def test_equal_layouts_are_one_object_while_alive():
     del alone
     gc.collect()
     assert replay._LAYOUTS.get(key) is None  # interning keeps no layout alive
+
 
 def test_flat_donation_and_copy():
     tree = {"a": _values(4, (10,), np.float32)}
@@ -311,8 +360,9 @@ def test_flat_jnp_path_is_exact_too(dist):
     flat = replay.flatten(tree)
     keys = np.stack([k for k, _ in updates])
     scales = replay.update_scales(dist, [c for _, c in updates])
-    out = jax.jit(lambda bufs: kp.apply_updates_flat(
-        bufs, keys, scales, flat.layout.tables(), distribution=dist, impl="jnp"))(flat.buffers)
+    out = jax.jit(
+        lambda bufs: kp.apply_updates_flat(bufs, keys, scales, flat.layout.tables(), distribution=dist, impl="jnp")
+    )(flat.buffers)
     want = _reference(tree, updates, dist)
     _assert_tree_bits(replay.unflatten(replay.Flat(out, flat.layout)), want)
     # The public traceable rule takes a Flat too (inside a jit), with the same bits.

@@ -54,16 +54,29 @@ def _tree(seed: int) -> dict:
 def _reference(tree, updates, dist):
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return jax.tree_util.tree_unflatten(
-        treedef, [ref.replay_leaf(np.asarray(x), rng.leaf_path(p), updates, dist) for p, x in with_path])
+        treedef, [ref.replay_leaf(np.asarray(x), rng.leaf_path(p), updates, dist) for p, x in with_path]
+    )
 
 
 @functools.cache
 def _flat_fn(layout, dist, donate, platform, blocks):
     """The jitted one-launch-per-buffer replay in interpret mode (keys and scales are arguments)."""
     tables = layout.tables()
-    return jax.jit(lambda bufs, keys, scales: kp.apply_updates_flat(
-        bufs, keys, scales, tables, distribution=dist, impl="pallas", interpret=True, inplace=donate,
-        platform=platform, block_sizes=blocks), donate_argnums=(0,) if donate else ())
+    return jax.jit(
+        lambda bufs, keys, scales: kp.apply_updates_flat(
+            bufs,
+            keys,
+            scales,
+            tables,
+            distribution=dist,
+            impl="pallas",
+            interpret=True,
+            inplace=donate,
+            platform=platform,
+            block_sizes=blocks,
+        ),
+        donate_argnums=(0,) if donate else (),
+    )
 
 
 def _flat_replay(flat, keys, scales, dist, *, donate, platform, block_sizes):
@@ -82,15 +95,18 @@ def _flat_replay(flat, keys, scales, dist, *, donate, platform, block_sizes):
 )
 def test_one_launch_replay_is_the_reference_bit_for_bit(dist, k, donate, platform, blocks):
     tree = _tree(k)
-    updates = [(rng.sample_key(7, m, 2, s), float(c))
-               for s, (m, c) in enumerate(zip(range(k), np.random.default_rng(k).standard_normal(k) * 1e-2))]
+    updates = [
+        (rng.sample_key(7, m, 2, s), float(c))
+        for s, (m, c) in enumerate(zip(range(k), np.random.default_rng(k).standard_normal(k) * 1e-2))
+    ]
     keys = np.stack([u for u, _ in updates]) if k else np.zeros((0, 2), np.uint32)
     scales = replay.update_scales(dist, [c for _, c in updates])
     flat = replay.flatten(tree)
     want = _reference(tree, updates, dist)
     got = _flat_replay(flat, keys, scales, dist, donate=donate, platform=platform, block_sizes=blocks)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(replay.unflatten(got)), jax.tree_util.tree_leaves(want),
-                            strict=True):
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(replay.unflatten(got)), jax.tree_util.tree_leaves(want), strict=True
+    ):
         assert a.dtype == b.dtype and a.shape == b.shape, path
         np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=rng.leaf_path(path))
     assert replay.checksum(got) == replay.checksum(replay.replay(replay.flatten(tree), updates, distribution=dist))
@@ -132,15 +148,24 @@ def test_gaps_and_unordered_segments_keep_their_bits_without_aliasing():
     segments = ((400, 299, 11), (2, 131, 22), (140, 0, 33), (150, 200, 44))
     host = (np.random.default_rng(3).standard_normal(700) * 0.1).astype(ml_dtypes.bfloat16)
     host[[2, 5, 132, 150, 401, 698]] = np.asarray([0x7FFF, 0xFFC1, 0x0001, 0x807F, 0x7F81, 0x8000], np.uint16).view(
-        ml_dtypes.bfloat16)
+        ml_dtypes.bfloat16
+    )
     buf = jnp.asarray(host)
     keys = rng.sample_keys(4, [(0, 1, s) for s in range(2)])
     coefficients = [0.5, -0.125]
     scales = replay.update_scales("binomial", coefficients)
     want = _segment_reference(np.asarray(buf), segments, keys, coefficients)
-    got = jax.jit(lambda b: kp.perturb_pallas_flat(
-        b, kp.common._all_leaf_keys(jnp.asarray(keys), [lid for _, _, lid in segments]), jnp.asarray(scales), segments,
-        interpret=True, platform="gpu", block_sizes=kp.BlockSizes(tile=128)))(buf)
+    got = jax.jit(
+        lambda b: kp.perturb_pallas_flat(
+            b,
+            kp.common._all_leaf_keys(jnp.asarray(keys), [lid for _, _, lid in segments]),
+            jnp.asarray(scales),
+            segments,
+            interpret=True,
+            platform="gpu",
+            block_sizes=kp.BlockSizes(tile=128),
+        )
+    )(buf)
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
@@ -161,15 +186,26 @@ class _PallasCallSpy:
 @pytest.mark.parametrize("n_leaves", [1, 7, 50])
 @pytest.mark.parametrize("k", [1, 16])
 def test_exactly_one_pallas_call_per_buffer_whatever_the_number_of_leaves(n_leaves, k, monkeypatch):
-    tree = {f"l{i:02d}": np.zeros(3 + 61 * (i % 5), np.float32 if i % 3 else ml_dtypes.bfloat16)
-            for i in range(n_leaves)}
+    tree = {
+        f"l{i:02d}": np.zeros(3 + 61 * (i % 5), np.float32 if i % 3 else ml_dtypes.bfloat16) for i in range(n_leaves)
+    }
     flat = replay.flatten(tree)
     keys = rng.sample_keys(0, [(0, 0, s) for s in range(k)])
     scales = replay.update_scales("binomial", [1e-3] * k)
     spy = _PallasCallSpy(monkeypatch)
-    jaxpr = jax.make_jaxpr(lambda bufs: kp.apply_updates_flat(
-        bufs, keys, scales, flat.layout.tables(), impl="pallas", interpret=True, platform="gpu", inplace=True,
-        block_sizes=kp.BlockSizes(tile=256)))(flat.buffers)
+    jaxpr = jax.make_jaxpr(
+        lambda bufs: kp.apply_updates_flat(
+            bufs,
+            keys,
+            scales,
+            flat.layout.tables(),
+            impl="pallas",
+            interpret=True,
+            platform="gpu",
+            inplace=True,
+            block_sizes=kp.BlockSizes(tile=256),
+        )
+    )(flat.buffers)
     assert len(spy.grids) == len(flat.buffers) == (1 if n_leaves == 1 else 2)
     # every leaf is shorter than a tile: one grid step each; nothing left to a pass over ragged ends
     assert sum(g for (g,) in spy.grids) == n_leaves
@@ -185,8 +221,9 @@ def test_on_a_gpu_auto_takes_the_flat_kernel_for_every_k(monkeypatch):
     spy = _PallasCallSpy(monkeypatch)
     flat = replay.flatten({f"l{i}": np.zeros(70, np.float32) for i in range(9)})
     keys, scales = rng.sample_keys(0, [(0, 0, 0)]), replay.update_scales("binomial", [0.5])
-    jax.make_jaxpr(lambda bufs: kp.apply_updates_flat(bufs, keys, scales, flat.layout.tables(), platform="gpu",
-                                                      interpret=True))(flat.buffers)
+    jax.make_jaxpr(
+        lambda bufs: kp.apply_updates_flat(bufs, keys, scales, flat.layout.tables(), platform="gpu", interpret=True)
+    )(flat.buffers)
     assert len(spy.grids) == 1
 
 
@@ -202,22 +239,26 @@ def test_on_a_gpu_auto_takes_the_flat_kernel_for_every_k(monkeypatch):
 def test_flat_replay_lowers_to_one_triton_kernel_per_buffer(dist, blocks, step):
     """Exported for CUDA on this CPU machine: the whole Pallas -> Triton lowering runs, and the
     module holds exactly one Triton custom call per dtype buffer, for 50 leaves."""
-    tree = {f"l{i:02d}": jax.ShapeDtypeStruct((1008 + step * i,), jnp.bfloat16 if i % 4 else jnp.float32)
-            for i in range(50)}
+    tree = {
+        f"l{i:02d}": jax.ShapeDtypeStruct((1008 + step * i,), jnp.bfloat16 if i % 4 else jnp.float32) for i in range(50)
+    }
     layout = replay.layout_of(tree)
     k = 3
 
     def f(bufs, keys, scales):
-        return kp.apply_updates_flat(bufs, keys, scales, layout.tables(), distribution=dist, platform="gpu",
-                                     inplace=True, block_sizes=blocks)
+        return kp.apply_updates_flat(
+            bufs, keys, scales, layout.tables(), distribution=dist, platform="gpu", inplace=True, block_sizes=blocks
+        )
 
     bufs = [jax.ShapeDtypeStruct((n,), jnp.dtype(d)) for d, n in zip(layout.dtypes, layout.sizes)]
     args = (bufs, jax.ShapeDtypeStruct((k, 2), jnp.uint32), jax.ShapeDtypeStruct((k,), jnp.float32))
     assert kernel_launches(f, args, "cuda") == len(bufs) == 2
 
 
-@pytest.mark.parametrize("dist,dtypes,kernels", [("binomial", (jnp.bfloat16, jnp.float32), 2),
-                                                ("rademacher", (jnp.float16, jnp.float32, jnp.bfloat16), 2)])
+@pytest.mark.parametrize(
+    "dist,dtypes,kernels",
+    [("binomial", (jnp.bfloat16, jnp.float32), 2), ("rademacher", (jnp.float16, jnp.float32, jnp.bfloat16), 2)],
+)
 def test_flat_replay_lowers_to_one_mosaic_kernel_per_buffer(dist, dtypes, kernels, tpu_chip_info):
     """Exported for TPU on this CPU machine: the whole Pallas -> Mosaic lowering runs (block
     specs, scalar prefetch, SMEM tables), and a TPU layout of 50 leaves is one Mosaic kernel per
@@ -227,8 +268,9 @@ def test_flat_replay_lowers_to_one_mosaic_kernel_per_buffer(dist, dtypes, kernel
     assert all(kp.plans.tpu_flat_fits(n, d) for d, n in zip(layout.dtypes, layout.sizes))
 
     def f(bufs, keys, scales):
-        return kp.apply_updates_flat(bufs, keys, scales, layout.tables(), distribution=dist, platform="tpu",
-                                     inplace=True)
+        return kp.apply_updates_flat(
+            bufs, keys, scales, layout.tables(), distribution=dist, platform="tpu", inplace=True
+        )
 
     bufs = [jax.ShapeDtypeStruct((n,), jnp.dtype(d)) for d, n in zip(layout.dtypes, layout.sizes)]
     args = (bufs, jax.ShapeDtypeStruct((3, 2), jnp.uint32), jax.ShapeDtypeStruct((3,), jnp.float32))
@@ -241,15 +283,19 @@ def test_a_tpu_buffer_not_in_whole_blocks_goes_segment_by_segment(tpu_chip_info)
     not a multiple of 128) is replayed segment by segment, one Mosaic kernel per segment holding
     a whole tile."""
     sizes = (70_000, 9_000, 140_000)  # with 8-row tiles of 1024 lanes: 8, 1 and 17 whole tiles
-    layout = replay.layout_of({f"l{i}": jax.ShapeDtypeStruct((n,), jnp.float32) for i, n in enumerate(sizes)},
-                              platform="cpu")
+    layout = replay.layout_of(
+        {f"l{i}": jax.ShapeDtypeStruct((n,), jnp.float32) for i, n in enumerate(sizes)}, platform="cpu"
+    )
     assert not kp.plans.tpu_flat_fits(layout.sizes[0], jnp.float32)
 
     def f(bufs, keys, scales):
         return kp.apply_updates_flat(bufs, keys, scales, layout.tables(), platform="tpu", inplace=True)
 
-    args = ([jax.ShapeDtypeStruct((sum(sizes),), jnp.float32)], jax.ShapeDtypeStruct((2, 2), jnp.uint32),
-            jax.ShapeDtypeStruct((2,), jnp.float32))
+    args = (
+        [jax.ShapeDtypeStruct((sum(sizes),), jnp.float32)],
+        jax.ShapeDtypeStruct((2, 2), jnp.uint32),
+        jax.ShapeDtypeStruct((2,), jnp.float32),
+    )
     assert kernel_launches(f, args, "tpu") == len(sizes)
 
 
@@ -267,9 +313,20 @@ def _tpu_interpret():
 @functools.cache
 def _tpu_fn(layout, dist, donate):
     tables = layout.tables()
-    return jax.jit(lambda bufs, keys, scales: kp.apply_updates_flat(  # auto: the float16 buffer by the jnp rule
-        bufs, keys, scales, tables, distribution=dist, interpret=_tpu_interpret(), inplace=donate,
-        platform="tpu", block_sizes=_TPU_BLOCKS), donate_argnums=(0,) if donate else ())
+    return jax.jit(
+        lambda bufs, keys, scales: kp.apply_updates_flat(  # auto: the float16 buffer by the jnp rule
+            bufs,
+            keys,
+            scales,
+            tables,
+            distribution=dist,
+            interpret=_tpu_interpret(),
+            inplace=donate,
+            platform="tpu",
+            block_sizes=_TPU_BLOCKS,
+        ),
+        donate_argnums=(0,) if donate else (),
+    )
 
 
 @pytest.mark.parametrize("dist,k,donate", [("binomial", 3, False), ("rademacher", 16, True), ("binomial", 0, True)])
@@ -278,23 +335,29 @@ def test_the_tpu_kernel_in_tpu_interpret_mode_is_the_reference_bit_for_bit(dist,
     three dtypes, every special value, several blocks per buffer and blocks shared by several
     leaves: the bits of the NumPy reference leaf by leaf."""
     tree = _tree(k)
-    updates = [(rng.sample_key(7, m, 2, s), float(c))
-               for s, (m, c) in enumerate(zip(range(k), np.random.default_rng(k).standard_normal(k) * 1e-2))]
+    updates = [
+        (rng.sample_key(7, m, 2, s), float(c))
+        for s, (m, c) in enumerate(zip(range(k), np.random.default_rng(k).standard_normal(k) * 1e-2))
+    ]
     keys = np.stack([u for u, _ in updates]) if k else np.zeros((0, 2), np.uint32)
     scales = replay.update_scales(dist, [c for _, c in updates])
     flat = replay.flatten(tree, platform="tpu")
-    plans = [kp.plans.plan_tpu_flat_tiles(flat.layout.table(b), n, _TPU_BLOCKS, d)
-             for b, (d, n) in enumerate(zip(flat.layout.dtypes, flat.layout.sizes))]
+    plans = [
+        kp.plans.plan_tpu_flat_tiles(flat.layout.table(b), n, _TPU_BLOCKS, d)
+        for b, (d, n) in enumerate(zip(flat.layout.dtypes, flat.layout.sizes))
+    ]
     assert any(p.table.shape[0] > len(flat.layout.table(b)) for b, p in enumerate(plans))  # a leaf over two blocks
     assert all((p.table[:, 4] == 0).any() for p in plans)  # in every buffer a block shared by several leaves
-    got = replay.Flat(_tpu_fn(flat.layout, dist, donate)(flat.buffers, jnp.asarray(keys), jnp.asarray(scales)),
-                      flat.layout)
+    got = replay.Flat(
+        _tpu_fn(flat.layout, dist, donate)(flat.buffers, jnp.asarray(keys), jnp.asarray(scales)), flat.layout
+    )
     want = _reference(tree, updates, dist)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(replay.unflatten(got)), jax.tree_util.tree_leaves(want),
-                            strict=True):
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(replay.unflatten(got)), jax.tree_util.tree_leaves(want), strict=True
+    ):
         np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=rng.leaf_path(path))
     for b, buf in zip(flat.layout.tables(), got.buffers):  # the padding past the last leaf is untouched
-        np.testing.assert_array_equal(np.asarray(buf)[max(o + z for o, z, _ in b):].astype(np.float32), 0)
+        np.testing.assert_array_equal(np.asarray(buf)[max(o + z for o, z, _ in b) :].astype(np.float32), 0)
 
 
 def test_the_doctors_canonical_replay_gives_the_golden_digests_through_the_tpu_kernel():
@@ -303,8 +366,9 @@ def test_the_doctors_canonical_replay_gives_the_golden_digests_through_the_tpu_k
     for dist, updates in doctor.canonical_units():
         keys = np.stack([k for k, _ in updates])
         scales = replay.update_scales(dist, [c for _, c in updates])
-        flat = replay.Flat(_tpu_fn(flat.layout, dist, True)(flat.buffers, jnp.asarray(keys), jnp.asarray(scales)),
-                           flat.layout)
+        flat = replay.Flat(
+            _tpu_fn(flat.layout, dist, True)(flat.buffers, jnp.asarray(keys), jnp.asarray(scales)), flat.layout
+        )
     tree = replay.unflatten(flat)
     assert replay.checksum({k: v for k, v in tree.items() if k != "norm"}) == golden["digest"]
     assert replay.checksum({"norm": tree["norm"]}) == golden["float16_digest"]
@@ -317,7 +381,8 @@ def test_tpu_kernel_keeps_gaps_and_blocks_without_segments(monkeypatch):
     segments = ((2100, 299, 11), (2, 131, 22), (140, 0, 33), (150, 200, 44), (900, 100, 55))
     host = (np.random.default_rng(5).standard_normal(4096) * 0.1).astype(np.float32)
     host[[2, 5, 132, 150, 401, 2398, 3000]] = np.asarray(
-        [0x7FC00001, 0x00000001, 0x807FFFFF, 0xFF800000, 0x80000000, 0x7F800000, 0x7FFFFFFF], np.uint32).view(np.float32)
+        [0x7FC00001, 0x00000001, 0x807FFFFF, 0xFF800000, 0x80000000, 0x7F800000, 0x7FFFFFFF], np.uint32
+    ).view(np.float32)
     keys = rng.sample_keys(4, [(0, 1, s) for s in range(3)])
     coefficients = [0.5, -0.125, 0.03]
     scales = replay.update_scales("binomial", coefficients)
@@ -327,9 +392,20 @@ def test_tpu_kernel_keeps_gaps_and_blocks_without_segments(monkeypatch):
     seg_keys = kp.common._all_leaf_keys(jnp.asarray(keys), [lid for _, _, lid in segments])
 
     def run(inplace):
-        return np.asarray(jax.jit(lambda b: kp.perturb_pallas_flat(
-            b, seg_keys, jnp.asarray(scales), segments, interpret=_tpu_interpret(), platform="tpu",
-            block_sizes=_TPU_BLOCKS, inplace=inplace))(jnp.asarray(host)))
+        return np.asarray(
+            jax.jit(
+                lambda b: kp.perturb_pallas_flat(
+                    b,
+                    seg_keys,
+                    jnp.asarray(scales),
+                    segments,
+                    interpret=_tpu_interpret(),
+                    platform="tpu",
+                    block_sizes=_TPU_BLOCKS,
+                    inplace=inplace,
+                )
+            )(jnp.asarray(host))
+        )
 
     np.testing.assert_array_equal(_bits(run(False)), _bits(want))
     spy = _PallasCallSpy(monkeypatch)
@@ -358,12 +434,18 @@ def test_a_launchs_smem_budget_is_half_the_chips(monkeypatch):
     assert len(kp.mosaic._tpu_launch_groups(segments, 1024, 64)) == 1
     groups = kp.mosaic._tpu_launch_groups(segments, 1024, 64, budgets["v3"])
     assert [j for g in groups for j in g] == list(range(50)) and len(groups) == 4
-    assert all(65 + sum(2 * 64 + 5 * len(kp.plans._blocks_touched(*segments[j][:2], 1024)) for j in g) <= 2048 for g in groups)
+    assert all(
+        65 + sum(2 * 64 + 5 * len(kp.plans._blocks_touched(*segments[j][:2], 1024)) for j in g) <= 2048 for g in groups
+    )
 
 
 @settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=12), gaps=st.lists(st.integers(0, 300), min_size=12,
-       max_size=12), tile_log2=st.integers(10, 17), half=st.booleans())
+@given(
+    sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=12),
+    gaps=st.lists(st.integers(0, 300), min_size=12, max_size=12),
+    tile_log2=st.integers(10, 17),
+    half=st.booleans(),
+)
 def test_tpu_plan_covers_each_segment_once_in_whole_blocks(sizes, gaps, tile_log2, half):
     """Whatever the segments: blocks divide the rows, every element of every segment is in exactly
     one item of its own segment, the items of a block are consecutive and the first is marked,
@@ -400,20 +482,35 @@ def test_tpu_plan_shares_blocks_and_sizes_them_to_the_leaves():
     plan = kp.plans.plan_tpu_flat_tiles(segments, 2560, kp.BlockSizes(tile=4096, lanes=128))
     assert plan.block_rows == 20 and not plan.aliased  # every row in one block: 5 items, no step wasted
     assert plan.table.tolist() == [
-        [0, 0, 300, 0, 1], [0, 300, 305, 1, 0], [0, 512, 1512, 2, 0], [0, 1600, 2300, 3, 0], [0, 2400, 2403, 4, 0]]
+        [0, 0, 300, 0, 1],
+        [0, 300, 305, 1, 0],
+        [0, 512, 1512, 2, 0],
+        [0, 1600, 2300, 3, 0],
+        [0, 2400, 2403, 4, 0],
+    ]
     # blocks of 8 rows: a leaf across two blocks is two items; each block's first item is marked
     split = kp.plans.plan_tpu_flat_tiles(segments, 3072, kp.BlockSizes(tile=1024, lanes=128))
     assert split.block_rows == 8 and not split.aliased
     assert split.table.tolist() == [
-        [0, 0, 300, 0, 1], [0, 300, 305, 1, 0], [0, 512, 1512, 2, 0], [1, 512, 1512, 2, 1], [1, 1600, 2300, 3, 0],
-        [2, 1600, 2300, 3, 1], [2, 2400, 2403, 4, 0]]
+        [0, 0, 300, 0, 1],
+        [0, 300, 305, 1, 0],
+        [0, 512, 1512, 2, 0],
+        [1, 512, 1512, 2, 1],
+        [1, 1600, 2300, 3, 0],
+        [2, 1600, 2300, 3, 1],
+        [2, 2400, 2403, 4, 0],
+    ]
     # one large leaf takes the largest block; many small leaves in a large buffer take small blocks
     big = kp.plans.plan_tpu_flat_tiles(((0, 2**20, 1),), 2**20, kp.default_block_sizes("tpu"))
     assert big.block_rows == 1024 and big.table.shape[0] == 8
     small = tuple((64 * i, 64, i) for i in range(200)) + ((2**20 - 2**18, 2**18, 999),)
     mixed = kp.plans.plan_tpu_flat_tiles(small, 2**20, kp.default_block_sizes("tpu"))
     assert (mixed.block_rows, mixed.table.shape[0], mixed.aliased) == (32, 200 + 64, True)
-    assert kp.plans.tpu_flat_size(1) == 2048 and kp.plans.tpu_flat_size(2**17) == 2**17 and kp.plans.tpu_flat_size(2**17 + 1) == 2**18
+    assert (
+        kp.plans.tpu_flat_size(1) == 2048
+        and kp.plans.tpu_flat_size(2**17) == 2**17
+        and kp.plans.tpu_flat_size(2**17 + 1) == 2**18
+    )
     with pytest.raises(ValueError, match="do not fit"):
         kp.plans.plan_tpu_flat_tiles(((0, 100, 1),), 1000, kp.default_block_sizes("tpu"))
     with pytest.raises(ValueError, match="do not fit"):  # 1032 rows: more than a block, not a multiple of 16
@@ -425,7 +522,12 @@ def test_plan_covers_each_segment_with_tiles_of_its_own():
     plan = kp.plans.plan_flat_tiles(segments, "binomial", kp.BlockSizes(tile=256), "gpu")
     assert (plan.width, plan.tile_rows, plan.grouped, plan.align) == (4, 64, True, 4)
     assert plan.table.tolist() == [
-        [1, 16, 0, 256], [1, 272, 256, 256], [1, 528, 512, 88], [2, 700, 0, 5], [3, 720, 0, 64]]
+        [1, 16, 0, 256],
+        [1, 272, 256, 256],
+        [1, 528, 512, 88],
+        [2, 700, 0, 5],
+        [3, 720, 0, 64],
+    ]
     # a buffer of small leaves gets a small tile (a power of two of rows on GPU), aligned starts a hint
     small = kp.plans.plan_flat_tiles(((0, 5, 1), (32, 20, 2)), "rademacher", kp.BlockSizes(tile=8192), "gpu")
     assert (small.width, small.tile_rows, small.align, small.table.shape) == (64, 1, 16, (2, 4))
@@ -459,8 +561,9 @@ def test_leaves_perturbed_apart_are_their_segments_of_the_flat_replay(dist, k, b
     alone), have the bits of the reference's replay of each leaf; their keys are their rows of a
     table shared by every launch. The buffers are not changed."""
     tree = _tree(10 + k)
-    updates = [(rng.sample_key(5, 1, 3, s), float(c))
-               for s, c in enumerate(np.random.default_rng(k).standard_normal(k) * 1e-2)]
+    updates = [
+        (rng.sample_key(5, 1, 3, s), float(c)) for s, c in enumerate(np.random.default_rng(k).standard_normal(k) * 1e-2)
+    ]
     keys = jnp.asarray(np.stack([u for u, _ in updates]))
     scales = jnp.asarray(replay.update_scales(dist, [c for _, c in updates]))
     flat = replay.flatten(tree)
@@ -470,14 +573,28 @@ def test_leaves_perturbed_apart_are_their_segments_of_the_flat_replay(dist, k, b
     segments = flat.layout.segments
     groups = [[i for i, g in enumerate(segments) if g.buffer == b][::-1] for b in range(len(flat.buffers))]
     groups += [[i] for i in range(len(segments))]
-    run = jax.jit(lambda bufs, t, s: [kp.perturb_pallas_segments(
-        bufs[segments[group[0]].buffer], t, s, [(segments[i].offset, segments[i].size, i) for i in group],
-        distribution=dist, interpret=True, platform="gpu", block_sizes=blocks) for group in groups])
+    run = jax.jit(
+        lambda bufs, t, s: [
+            kp.perturb_pallas_segments(
+                bufs[segments[group[0]].buffer],
+                t,
+                s,
+                [(segments[i].offset, segments[i].size, i) for i in group],
+                distribution=dist,
+                interpret=True,
+                platform="gpu",
+                block_sizes=blocks,
+            )
+            for group in groups
+        ]
+    )
     for group, got in zip(groups, run(flat.buffers, table, scales), strict=True):
         assert got.shape == (sum(segments[i].size for i in group),) and got.dtype == want[group[0]].dtype
         at = 0
         for i in group:
-            np.testing.assert_array_equal(_bits(got[at : at + segments[i].size]), _bits(want[i]), err_msg=segments[i].path)
+            np.testing.assert_array_equal(
+                _bits(got[at : at + segments[i].size]), _bits(want[i]), err_msg=segments[i].path
+            )
             at += segments[i].size
     for b, a in zip(flat.buffers, before, strict=True):
         np.testing.assert_array_equal(_bits(b), _bits(a))
@@ -497,9 +614,12 @@ def test_leaves_perturbed_apart_refuse_what_the_kernel_cannot_do():
     assert kp.perturb_pallas_segments(buf, table, scales, [(7, 0, 2)], interpret=True).shape == (0,)
     # no update: each leaf flushed and cast alone, as the reference does (a subnormal becomes +-0)
     special = jnp.asarray(_leaf(3, (40,), np.float32))
-    none = kp.perturb_pallas_segments(special, jnp.zeros((2, 0, 2), jnp.uint32), jnp.zeros(0, jnp.float32),
-                                      [(30, 10, 1), (0, 25, 0)], interpret=True)
-    want = [kp.perturb_reference(special[o : o + z], jnp.zeros((0, 2), jnp.uint32), jnp.zeros(0, jnp.float32))
-            for o, z in ((30, 10), (0, 25))]
+    none = kp.perturb_pallas_segments(
+        special, jnp.zeros((2, 0, 2), jnp.uint32), jnp.zeros(0, jnp.float32), [(30, 10, 1), (0, 25, 0)], interpret=True
+    )
+    want = [
+        kp.perturb_reference(special[o : o + z], jnp.zeros((0, 2), jnp.uint32), jnp.zeros(0, jnp.float32))
+        for o, z in ((30, 10), (0, 25))
+    ]
     np.testing.assert_array_equal(_bits(none), _bits(jnp.concatenate(want)))
     assert np.any(_bits(special[:25]) != _bits(want[1]))  # the flush changed something

@@ -12,7 +12,9 @@ import pytest
 
 from zeroth.data import gguf as zgguf
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package: pip install gguf")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("gguf") is None, reason="needs the gguf package: pip install gguf"
+)
 
 
 def _write(path):

@@ -138,8 +138,9 @@ def test_a_caller_that_does_not_take_its_responses_holds_the_thread_at_most_idle
             ended.set()
 
     server = guard.make_server(guard.Limits(4 << 20, max_calls=4, max_calls_per_caller=4, idle_s=1.0), TOKEN)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "test.Many", {"Many": grpc.unary_stream_rpc_method_handler(many)}),))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("test.Many", {"Many": grpc.unary_stream_rpc_method_handler(many)}),)
+    )
     address = serve(server=server)
     with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 8 << 20)]) as ch:
         t0 = time.monotonic()

@@ -28,18 +28,35 @@ RAW = {
     "run": {"name": "sig", "seed": 0},
     "data": {"dataset": "digits", "batch_size": 32, "eval_size": 200},
     "model": {"name": "mlp", "kwargs": {"hidden": [16]}},
-    "train": {"method": "zo", "lr": 0.02, "eps": 1.0e-3, "n_perturbations": 8, "codec": "onebyte",
-              "steps": 300, "eval_every": 100, "log_every": 20, "checkpoint_every": 50},
+    "train": {
+        "method": "zo",
+        "lr": 0.02,
+        "eps": 1.0e-3,
+        "n_perturbations": 8,
+        "codec": "onebyte",
+        "steps": 300,
+        "eval_every": 100,
+        "log_every": 20,
+        "checkpoint_every": 50,
+    },
 }
 
 
 def test_the_loop_stops_before_a_step_when_asked():
-    count = Method(lambda p, k: TrainState(0, p, None, k),
-                   lambda s, b: (s._replace(step=s.step + 1, params=s.params + 1), StepInfo(1, 0, 0, 0.0, None)))
+    count = Method(
+        lambda p, k: TrainState(0, p, None, k),
+        lambda s, b: (s._replace(step=s.step + 1, params=s.params + 1), StepInfo(1, 0, 0, 0.0, None)),
+    )
     calls = []
     stop = lambda: len(calls) >= 3  # noqa: E731
-    state, counters = loop.train(count.init(np.float32(0), None), count, lambda t: (np.ones((2, 1)),),
-                                 [loop.hook(lambda e: calls.append(e.step), every=1)], steps=10, stop=stop)
+    state, counters = loop.train(
+        count.init(np.float32(0), None),
+        count,
+        lambda t: (np.ones((2, 1)),),
+        [loop.hook(lambda e: calls.append(e.step), every=1)],
+        steps=10,
+        stop=stop,
+    )
     assert state.step == 3 and calls == [1, 2, 3] and counters.forward_passes == 3
     state, _ = loop.train(state, count, lambda t: (np.ones((2, 1)),), steps=10, stop=lambda: True)
     assert state.step == 3  # asked before the first step: no step at all
@@ -70,7 +87,17 @@ def test_waiting_on_the_flag_ends_when_a_signal_arrives_not_at_the_timeout():
 def test_resume_command_keeps_the_arguments_and_names_the_folder():
     argv = ["e.yaml", "--set", "train.lr=0.1", "--out", "a b", "--resume-step", "3", "--quiet"]
     cmd = interrupt.resume_command(argv, "a b")
-    assert shlex.split(cmd) == ["zeroth", "run", "e.yaml", "--set", "train.lr=0.1", "--quiet", "--out", "a b", "--resume"]
+    assert shlex.split(cmd) == [
+        "zeroth",
+        "run",
+        "e.yaml",
+        "--set",
+        "train.lr=0.1",
+        "--quiet",
+        "--out",
+        "a b",
+        "--resume",
+    ]
 
 
 def _env(tmp_path):
@@ -131,7 +158,9 @@ def test_sigint_and_sigterm_at_several_moments_leave_a_resumable_checkpoint(tmp_
     # Python's default handling, a KeyboardInterrupt traceback and exit -2).
     out0 = tmp_path / "starting"
     code, err = _interrupt(cmd(out0), env, tmp_path / "0.err", _handlers_installed)
-    assert code == 130 and err.strip().splitlines() == ["zeroth run: interrupted by SIGINT while starting; nothing was written"], err
+    assert code == 130 and err.strip().splitlines() == [
+        "zeroth run: interrupted by SIGINT while starting; nothing was written"
+    ], err
     assert not out0.exists()
 
     # 2. during the compilation of the first step (the step-0 eval line is printed just before it)
@@ -147,21 +176,36 @@ def test_sigint_and_sigterm_at_several_moments_leave_a_resumable_checkpoint(tmp_
 
     # 3. mid-run, SIGTERM, --quiet: the one line is all of stderr
     out2 = tmp_path / "midrun"
-    code, err = _interrupt(cmd(out2, "--quiet"), env, tmp_path / "2.err", lambda _: max(trainer.saved_steps(out2) or [0]) >= 50,
-                           sig=signal.SIGTERM)
+    code, err = _interrupt(
+        cmd(out2, "--quiet"),
+        env,
+        tmp_path / "2.err",
+        lambda _: max(trainer.saved_steps(out2) or [0]) >= 50,
+        sig=signal.SIGTERM,
+    )
     lines = err.strip().splitlines()
-    assert code == 130 and len(lines) == 1 and lines[0].startswith("zeroth run: interrupted by SIGTERM after step "), err
+    assert code == 130 and len(lines) == 1 and lines[0].startswith("zeroth run: interrupted by SIGTERM after step "), (
+        err
+    )
     step2 = int(lines[0].split("after step ")[1].split()[0])
     assert 50 <= step2 < 300 and max(trainer.saved_steps(out2)) == step2
 
     # each resumes (with the command it printed) to the uninterrupted run's digest and metrics
     reference = trainer.train(load_config_dict(RAW), tmp_path / "uninterrupted", progress=False)
-    ref_metrics = [(r["kind"], r["step"], r["digest"]) for r in read_metrics(tmp_path / "uninterrupted" / "metrics.jsonl")]
+    ref_metrics = [
+        (r["kind"], r["step"], r["digest"]) for r in read_metrics(tmp_path / "uninterrupted" / "metrics.jsonl")
+    ]
     for out, line in ((out1, last), (out2, lines[0])):
         resume = shlex.split(line.split("resume with: ")[1])
         assert resume[:2] == ["zeroth", "run"]
-        done = subprocess.run([sys.executable, "-m", "zeroth", *resume[1:]], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "zeroth", *resume[1:]],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         final = yaml.safe_load(done.stdout.strip().splitlines()[-1])
         assert final["step"] == 300 and final["digest"] == reference.digest
@@ -171,8 +215,18 @@ def test_sigint_and_sigterm_at_several_moments_leave_a_resumable_checkpoint(tmp_
 BINARY = {
     "run": {"name": "bsig", "seed": 3},
     "data": {"dataset": "digits", "batch_size": 16, "eval_size": 100},
-    "binary": {"methods": ["evolution", "flips"], "weights": ["binary"], "channels": [8, 8], "levels": 4,
-               "train_size": 200, "steps": 60, "k": 2, "grid": 2, "workers": 0, "speed_repeats": 1},
+    "binary": {
+        "methods": ["evolution", "flips"],
+        "weights": ["binary"],
+        "channels": [8, 8],
+        "levels": 4,
+        "train_size": 200,
+        "steps": 60,
+        "k": 2,
+        "grid": 2,
+        "workers": 0,
+        "speed_repeats": 1,
+    },
 }
 
 
@@ -195,8 +249,12 @@ def test_binary_run_interrupted_mid_layer_resumes_to_the_uninterrupted_results(t
     def mid_layer(_):  # some steps of the first model's second layer are done
         return metrics.is_file() and len(metrics.read_text().splitlines()) >= 70
 
-    code, err = _interrupt([sys.executable, "-m", "zeroth", "run", str(cfg_path), "--out", str(out), "--quiet"], env,
-                           tmp_path / "b.err", mid_layer)
+    code, err = _interrupt(
+        [sys.executable, "-m", "zeroth", "run", str(cfg_path), "--out", str(out), "--quiet"],
+        env,
+        tmp_path / "b.err",
+        mid_layer,
+    )
     lines = err.strip().splitlines()
     assert code == 130 and len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("zeroth run: interrupted by SIGINT after step ") and lines[0].endswith(" --resume"), err

@@ -37,8 +37,14 @@ needs_cuda_compiler = pytest.mark.skipif(
 
 # Mosaic's sublane gather, which a TPU v3 or v4 lacks: every kernel that reduces along lanes into a
 # lane-major row needs it. zeroth.rule.lacks_sublane_gather sends `auto` to the jnp path there.
-GATHER_KERNELS = ("signbits pack", "signbits merge", "binary dense", "binary dense ternary", "binary conv3x3",
-                  "binary dots")
+GATHER_KERNELS = (
+    "signbits pack",
+    "signbits merge",
+    "binary dense",
+    "binary dense ternary",
+    "binary conv3x3",
+    "binary dots",
+)
 OTHER_KERNELS = ("signbits unpack", "signbits majority")
 
 
@@ -50,8 +56,14 @@ def _compile(target: str) -> dict[str, dict]:
         env["PYTHONPATH"] = os.pathsep.join([str(CUDA_COMPILER), str(ROOT)])
     else:
         env.update(TPU_LIBRARY_PATH=str(LIBTPU), TPU_SKIP_MDS_QUERY="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kernel_compile.py"), target], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "kernel_compile.py"), target],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines[0]["target"] == target, lines[0]

@@ -82,24 +82,32 @@ def _agrees_with_the_specification(build):
     values in every group, in place and not, K = 1 to 5 (one and two groups left over at a tile's
     end), a leaf at an odd global offset, and float16 and bfloat16 leaves."""
     tiny = np.float32(jnp.finfo(jnp.float32).tiny)
-    specials = np.concatenate([
-        np.array([0.0, -0.0, np.inf, -np.inf, tiny, -tiny, tiny / 4, -tiny / 8, 3.0e38, -3.0e38], np.float32),
-        NAN_PAYLOADS,
-    ])
+    specials = np.concatenate(
+        [
+            np.array([0.0, -0.0, np.inf, -np.inf, tiny, -tiny, tiny / 4, -tiny / 8, 3.0e38, -3.0e38], np.float32),
+            NAN_PAYLOADS,
+        ]
+    )
     r = np.random.default_rng(16)
     # of the size of the small updates, so that some sums cancel into the subnormal range
     tiles = (r.standard_normal(2 * 4096 + 64 + 40) * 2.0**-117).astype(np.float32)
     for start in range(0, tiles.size - specials.size, 61):
-        tiles[start:start + specials.size] = specials
-    cases = [(jnp.asarray(tiles), 0), (jnp.asarray(tiles[:4096 + 128 + 7]), 0),
-             (_array((777,), jnp.float32, 17), 4096 * 3 + 37), (_array((9000,), jnp.float16, seed=15), 0),
-             (_array((5000,), jnp.bfloat16, seed=18), 129)]
+        tiles[start : start + specials.size] = specials
+    cases = [
+        (jnp.asarray(tiles), 0),
+        (jnp.asarray(tiles[: 4096 + 128 + 7]), 0),
+        (_array((777,), jnp.float32, 17), 4096 * 3 + 37),
+        (_array((9000,), jnp.float16, seed=15), 0),
+        (_array((5000,), jnp.bfloat16, seed=18), 129),
+    ]
     # first coefficients: tiny (the sums of the first update flushed from the loaded values on), or
     # making the kernel's first scale exactly the smallest with which a fused path adds to the loaded
     # value unflushed (2**-100: a subnormal x can no longer change the sum), and just below it
     # (a coefficient's 20 bits: 2**-k * (1 - 2**-20) is the one below 2**-k; a binomial scale is half its coefficient)
-    firsts = {"binomial": (2.0**-118 * 3, 2.0**-99, -(2.0**-99) * (1 - 2.0**-20)),
-              "rademacher": (2.0**-118 * 3, 2.0**-100, -(2.0**-100) * (1 - 2.0**-20))}
+    firsts = {
+        "binomial": (2.0**-118 * 3, 2.0**-99, -(2.0**-99) * (1 - 2.0**-20)),
+        "rademacher": (2.0**-118 * 3, 2.0**-100, -(2.0**-100) * (1 - 2.0**-20)),
+    }
     for dist in DISTS:
         for n_updates, first in itertools.product((1, 2, 5), firsts[dist]):
             keys = _leaf_keys(n_updates, seed=15 + n_updates)
@@ -107,9 +115,12 @@ def _agrees_with_the_specification(build):
             for x, offset in cases:
                 want = numpy_perturb(x, keys, scales, dist, offset)
                 for inplace in (False, True):
-                    f = jax.jit(lambda x: kp.perturb_native(x, keys, scales, distribution=dist, offset=offset,
-                                                            inplace=inplace, build=build),
-                                donate_argnums=0 if inplace else ())
+                    f = jax.jit(
+                        lambda x: kp.perturb_native(
+                            x, keys, scales, distribution=dist, offset=offset, inplace=inplace, build=build
+                        ),
+                        donate_argnums=0 if inplace else (),
+                    )
                     assert_same_bits(f(jnp.copy(x)), want)
 
 
@@ -167,7 +178,6 @@ class TestPallasInterpret:
         want = replay.replay(params, list(zip(keys, coeffs)), distribution="binomial")
         assert replay.checksum(got) == replay.checksum(want)
 
-
     @pytest.mark.parametrize("dist", DISTS)
     def test_gpu_settings(self, dist):
         # The GPU path pads K to a power of two for Triton; the padding must never be read.
@@ -212,8 +222,16 @@ def test_tpu_tiles_at_offsets_that_break_the_grouping(tile, offset, tpu_chip_inf
     n = 1000
 
     def f(x, k, s, interpret=False):
-        return kp.perturb_pallas(x, kp.leaf_keys(k, 5), s, distribution="binomial", block_sizes=blocks,
-                                 offset=offset, platform="tpu", interpret=interpret)
+        return kp.perturb_pallas(
+            x,
+            kp.leaf_keys(k, 5),
+            s,
+            distribution="binomial",
+            block_sizes=blocks,
+            offset=offset,
+            platform="tpu",
+            interpret=interpret,
+        )
 
     plan = kp.plans.plan_tiles(n, "binomial", blocks, "tpu", offset)
     assert not plan.grouped and plan.tiles and plan.tile_rows % 8 == 0, plan
@@ -237,8 +255,9 @@ def test_every_tiling_the_benchmark_sweeps_lowers(platform, tpu_chip_info):
             kp.check_block_sizes(blocks, target, dist)
 
             def f(x, k, s, blocks=blocks, dist=dist):
-                return kp.perturb_pallas(x, kp.leaf_keys(k, 5), s, distribution=dist, block_sizes=blocks,
-                                         platform=target, inplace=True)
+                return kp.perturb_pallas(
+                    x, kp.leaf_keys(k, 5), s, distribution=dist, block_sizes=blocks, platform=target, inplace=True
+                )
 
             args = (jax.ShapeDtypeStruct((1 << 18,), jnp.float32), keys, _scales(dist, 3))
             assert "zeroth_fused_replay" in lowered_kernels(f, args, platform), (blocks, dist)
@@ -339,22 +358,26 @@ class TestNative:
         # and stored; special values in every group of such tiles, and a partial tile after them,
         # against the reference.
         tiny = np.float32(jnp.finfo(jnp.float32).tiny)
-        specials = np.concatenate([
-            np.array([0.0, -0.0, np.inf, -np.inf, tiny, -tiny, tiny / 4, -tiny / 8, 3.0e38, -3.0e38], np.float32),
-            NAN_PAYLOADS,
-        ])
+        specials = np.concatenate(
+            [
+                np.array([0.0, -0.0, np.inf, -np.inf, tiny, -tiny, tiny / 4, -tiny / 8, 3.0e38, -3.0e38], np.float32),
+                NAN_PAYLOADS,
+            ]
+        )
         r = np.random.default_rng(n_updates)
         x = (r.standard_normal(3 * 4096 + 100) * tiny * 4).astype(np.float32)  # some become subnormal
         for start in range(0, x.size - specials.size, 61):
-            x[start:start + specials.size] = specials
+            x[start : start + specials.size] = specials
         x = jnp.asarray(x)
         keys = _leaf_keys(n_updates, seed=9)
         # 2**-118 is near the smallest coefficient the host rounding keeps: a subnormal input that
         # were not flushed on load would change such a sum
         scales = replay.update_scales(dist, [2.0**-118 * 3, -2.5, -(2.0**-118) * 5, 8.0][:n_updates])
         want = numpy_perturb(x, keys, scales, dist)
-        f = jax.jit(lambda x: kp.perturb_native(x, keys, scales, distribution=dist, inplace=inplace),
-                    donate_argnums=0 if inplace else ())
+        f = jax.jit(
+            lambda x: kp.perturb_native(x, keys, scales, distribution=dist, inplace=inplace),
+            donate_argnums=0 if inplace else (),
+        )
         assert_same_bits(f(jnp.copy(x)), want)
 
     def test_nan_payloads_become_canonical(self):
@@ -392,8 +415,9 @@ class TestNative:
         # (the floating-point modes are x86's MXCSR: another architecture lacks x86-64 itself)
         if missing := cpu_native.missing_instructions("x86-64" if march == "native" else march):
             pytest.skip(f"this CPU lacks {missing} for -march={march}")
-        build = cpu_native.BuildConfig(name=f"gradual_{march.replace('-', '_')}", march=march,
-                                       extra_flags=("-DZEROTH_GRADUAL_UNDERFLOW",))
+        build = cpu_native.BuildConfig(
+            name=f"gradual_{march.replace('-', '_')}", march=march, extra_flags=("-DZEROTH_GRADUAL_UNDERFLOW",)
+        )
         assert ctypes.CDLL(str(cpu_native.build(build))).ZerothPerturbGradualUnderflow() == 1
         assert ctypes.CDLL(str(cpu_native.build(cpu_native.DEFAULT_BUILD))).ZerothPerturbGradualUnderflow() == 0
         _agrees_with_the_specification(build)
@@ -418,7 +442,9 @@ class TestNative:
         monkeypatch.setattr(cpu_native, "_cpu_fingerprint", lambda: "x86_64 Linux avx fpu sse sse2")
         assert cpu_native.missing_instructions("x86-64") == []
         assert cpu_native.build_for("x86-64") is cpu_native.PORTABLE_BUILD
-        with pytest.raises(ValueError, match=r"-march=x86-64-v3: it lacks abm, avx2, bmi1, bmi2, f16c, fma, movbe, xsave"):
+        with pytest.raises(
+            ValueError, match=r"-march=x86-64-v3: it lacks abm, avx2, bmi1, bmi2, f16c, fma, movbe, xsave"
+        ):
             cpu_native.build_for("x86-64-v3")
         with pytest.raises(ValueError, match=r"unknown instruction set 'skylake'; expected one of \['x86-64-v4'"):
             cpu_native.build_for("skylake")
@@ -449,15 +475,21 @@ class TestNative:
     def test_a_launch_per_leaf_gives_the_bits_of_one_launch(self):
         """``per_leaf=True`` (how the ZO estimator perturbs) launches the kernel once per leaf: the
         leaf keys are still derived inside it from each leaf's id, so the bits are the tree launch's."""
-        params = {"a": _array((4099,), jnp.float32, seed=21), "b": {"c": _array((5, 9), jnp.bfloat16, seed=22)},
-                  "d": _array((130,), jnp.float16, seed=23)}
+        params = {
+            "a": _array((4099,), jnp.float32, seed=21),
+            "b": {"c": _array((5, 9), jnp.bfloat16, seed=22)},
+            "d": _array((130,), jnp.float16, seed=23),
+        }
         keys = rng.sample_keys(8, [(1, 0, s) for s in range(2)])
         for dist in DISTS:
             scales = replay.update_scales(dist, [0.25, -0.125])
             want = replay.apply_updates(params, keys, scales, distribution=dist)
             for per_leaf in (False, True):
-                f = jax.jit(lambda p, k, s, per_leaf=per_leaf, dist=dist: kp.apply_updates(
-                    p, k, s, distribution=dist, impl="native", per_leaf=per_leaf))
+                f = jax.jit(
+                    lambda p, k, s, per_leaf=per_leaf, dist=dist: kp.apply_updates(
+                        p, k, s, distribution=dist, impl="native", per_leaf=per_leaf
+                    )
+                )
                 assert f.lower(params, keys, scales).as_text().count("stablehlo.custom_call") == (3 if per_leaf else 1)
                 assert replay.checksum(f(params, keys, scales)) == replay.checksum(want), (dist, per_leaf)
 
@@ -475,8 +507,11 @@ def test_leaf_keys_derived_by_the_caller_give_the_same_update():
         scales = replay.update_scales(dist, [0.5, -0.25])
         want = replay.checksum(replay.apply_updates(params, keys, scales, distribution=dist))
         for per_leaf in (False, True):
-            f = jax.jit(lambda p, k, s, t, dist=dist, per_leaf=per_leaf: kp.apply_updates(
-                p, k, s, distribution=dist, impl="jnp", per_leaf=per_leaf, leaf_keys=t))
+            f = jax.jit(
+                lambda p, k, s, t, dist=dist, per_leaf=per_leaf: kp.apply_updates(
+                    p, k, s, distribution=dist, impl="jnp", per_leaf=per_leaf, leaf_keys=t
+                )
+            )
             assert replay.checksum(f(params, keys, scales, table)) == want, (dist, per_leaf)
             # and they are what it uses: the table of other keys gives other bits
             assert replay.checksum(f(params, keys, scales, table[:, ::-1])) != want, (dist, per_leaf)
@@ -576,7 +611,11 @@ def test_bad_shapes_and_dtypes():
 NVIDIA_NAN_CASES = [
     (jnp.bfloat16, [0x7FFF, 0xFFFF, 0x7F81, 0xFFC1, 0x0001, 0x8000, 0x7F80, 0x3F80], 0x7FC0),
     (jnp.float16, [0x7FFF, 0xFFFF, 0x7C01, 0xFE01, 0x0001, 0x8000, 0x7C00, 0x3C00], 0x7E00),
-    (jnp.float32, [0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFFC00001, 0x1, 0x80000000, 0x7F800000, 0x3F800000], 0x7FC00000),
+    (
+        jnp.float32,
+        [0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFFC00001, 0x1, 0x80000000, 0x7F800000, 0x3F800000],
+        0x7FC00000,
+    ),
 ]
 
 
@@ -631,8 +670,9 @@ def test_flush_cast_canonicalises_after_the_cast(dtype, bits, nan, monkeypatch):
     keys, scales = _leaf_keys(2), _scales("binomial", 2, magnitude=1e-3)
     want = numpy_perturb(np.asarray(leaf), keys, scales, "binomial")
     assert_same_bits(kp.perturb_reference(leaf, keys, scales), want)
-    assert_same_bits(kp.perturb_pallas(leaf, keys, scales, interpret=True, platform="gpu",
-                                       block_sizes=kp.BlockSizes(tile=64)), want)
+    assert_same_bits(
+        kp.perturb_pallas(leaf, keys, scales, interpret=True, platform="gpu", block_sizes=kp.BlockSizes(tile=64)), want
+    )
 
 
 class _PallasCallSpy:
@@ -675,9 +715,19 @@ def test_no_block_addresses_outside_the_leaf(n, dist, dtype, platform, tile_log2
     offset = offset_calls * 64 + (offset_calls % 2)  # some offsets break the grouped layout
     if platform == "tpu" and dtype == "float16":  # Mosaic has no float16 vectors: refused before any plan
         with pytest.raises(ValueError, match="cannot take float16 arrays"):
-            jax.eval_shape(lambda x: kp.perturb_pallas(
-                x, _leaf_keys(3), _scales(dist, 3), distribution=dist, block_sizes=blocks, offset=offset,
-                interpret=True, platform=platform), jax.ShapeDtypeStruct((n,), jnp.float16))
+            jax.eval_shape(
+                lambda x: kp.perturb_pallas(
+                    x,
+                    _leaf_keys(3),
+                    _scales(dist, 3),
+                    distribution=dist,
+                    block_sizes=blocks,
+                    offset=offset,
+                    interpret=True,
+                    platform=platform,
+                ),
+                jax.ShapeDtypeStruct((n,), jnp.float16),
+            )
         return
     plan = kp.plans.plan_tiles(n, dist, blocks, platform, offset)
     # the plan: whole tiles inside [0, head), head + tail = n, the tail shorter than a tile plus a row
@@ -694,8 +744,14 @@ def test_no_block_addresses_outside_the_leaf(n, dist, dtype, platform, tile_log2
         spy = _PallasCallSpy(mp)
         jax.eval_shape(
             lambda x: kp.perturb_pallas(
-                x, _leaf_keys(3), _scales(dist, 3), distribution=dist, block_sizes=blocks, offset=offset,
-                interpret=True, platform=platform,
+                x,
+                _leaf_keys(3),
+                _scales(dist, 3),
+                distribution=dist,
+                block_sizes=blocks,
+                offset=offset,
+                interpret=True,
+                platform=platform,
             ),
             jax.ShapeDtypeStruct((n,), jnp.dtype(dtype)),
         )
@@ -717,12 +773,15 @@ def test_adjacent_16bit_leaves_with_partial_tiles_match_reference(dist, donate, 
     }
     keys = rng.sample_keys(3, [(0, 11, s) for s in range(3)])
     scales = replay.update_scales(dist, [1e-3, -2e-3, 5e-4])
-    want = {k: numpy_perturb(v, kp.leaf_keys(keys, rng.leaf_id((jax.tree_util.DictKey(k),))), scales, dist)
-            for k, v in params.items()}
+    want = {
+        k: numpy_perturb(v, kp.leaf_keys(keys, rng.leaf_id((jax.tree_util.DictKey(k),))), scales, dist)
+        for k, v in params.items()
+    }
     spy = _PallasCallSpy(monkeypatch)
     fn = jax.jit(
-        lambda p, k, s: kp.apply_updates(p, k, s, distribution=dist, impl="pallas", interpret=True,
-                                         platform="gpu", inplace=donate),
+        lambda p, k, s: kp.apply_updates(
+            p, k, s, distribution=dist, impl="pallas", interpret=True, platform="gpu", inplace=donate
+        ),
         donate_argnums=(0,) if donate else (),
     )
     sizes = {k: v.size for k, v in params.items()}
@@ -748,8 +807,14 @@ def test_block_sizes_are_checked_per_platform(platform, blocks, match):
     with pytest.raises(ValueError, match=match):
         kp.check_block_sizes(blocks, platform)
     with pytest.raises(ValueError, match=match):
-        kp.perturb_pallas(jnp.zeros(4096), _leaf_keys(1), _scales("binomial", 1), block_sizes=blocks,
-                          interpret=True, platform=platform)
+        kp.perturb_pallas(
+            jnp.zeros(4096),
+            _leaf_keys(1),
+            _scales("binomial", 1),
+            block_sizes=blocks,
+            interpret=True,
+            platform=platform,
+        )
     kp.check_block_sizes(blocks, "cpu")  # interpret mode takes any tiling
 
 
@@ -783,13 +848,17 @@ def test_float16_leaves_on_a_tpu_take_the_jnp_rule():
     with pytest.raises(ValueError, match="cannot take float16 arrays"):  # interpret mode is the TPU's too
         kp.perturb_pallas(_array((2048,), jnp.float16), keys, scales, interpret=True, platform="tpu")
     with pytest.raises(ValueError, match="cannot take float16 arrays"):
-        kp.perturb_pallas_flat(jnp.zeros(2048, jnp.float16), keys[None], scales, ((0, 2048, 1),), interpret=True,
-                               platform="tpu")
+        kp.perturb_pallas_flat(
+            jnp.zeros(2048, jnp.float16), keys[None], scales, ((0, 2048, 1),), interpret=True, platform="tpu"
+        )
     with pytest.raises(ValueError, match="cannot take float16 arrays"):
         kp.apply_updates({"w": jnp.zeros(8, jnp.float16)}, keys, scales, impl="pallas", interpret=True, platform="tpu")
     # auto on a TPU: the float16 leaf through the jnp rule, the others through the kernel, all exact
-    params = {"a": _array((2, 1024), jnp.float16, seed=3), "b": _array((2, 1024), jnp.bfloat16, seed=4),
-              "c": _array((8, 1024), jnp.float32, seed=5)}
+    params = {
+        "a": _array((2, 1024), jnp.float16, seed=3),
+        "b": _array((2, 1024), jnp.bfloat16, seed=4),
+        "c": _array((8, 1024), jnp.float32, seed=5),
+    }
     sample = rng.sample_keys(1, [(0, 0, 0), (0, 0, 1)])
     got = kp.apply_updates(params, sample, scales, interpret=True, platform="tpu")
     assert replay.checksum(got) == replay.checksum(replay.apply_updates(params, sample, scales))
@@ -800,8 +869,11 @@ def test_cpu_parameters_replay_on_cpu_when_the_default_backend_is_a_gpu(monkeypa
     (they used to be sent to the Pallas kernel, which cannot run on a CPU device)."""
     cpu = jax.devices("cpu")[0]
     params = {"w": jax.device_put(_array((33, 65), jnp.bfloat16, seed=5), cpu), "b": jax.device_put(jnp.ones(7), cpu)}
-    want = replay.checksum(replay.apply_updates(params, rng.sample_keys(2, [(0, 1, 0), (0, 1, 1)]),
-                                                replay.update_scales("binomial", [0.25, -0.5])))
+    want = replay.checksum(
+        replay.apply_updates(
+            params, rng.sample_keys(2, [(0, 1, 0), (0, 1, 1)]), replay.update_scales("binomial", [0.25, -0.5])
+        )
+    )
     assert kp.platform_of(params) == "cpu"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with jax.default_device(None):  # none set (tests/conftest.py sets the host CPU's beside a GPU)
@@ -831,8 +903,10 @@ def test_a_process_with_several_platforms_chooses_at_lowering(monkeypatch):
         assert text.count(cpu_native.target_name(tree=True)) == 1  # one launch for both leaves
     got = compiled(params, keys, scales)
     assert replay.checksum(got) == replay.checksum(
-        {k: numpy_perturb(v, kp.leaf_keys(keys, rng.leaf_id((jax.tree_util.DictKey(k),))), scales, "binomial")
-         for k, v in params.items()}
+        {
+            k: numpy_perturb(v, kp.leaf_keys(keys, rng.leaf_id((jax.tree_util.DictKey(k),))), scales, "binomial")
+            for k, v in params.items()
+        }
     )
 
 
@@ -842,15 +916,22 @@ def test_one_native_launch_for_every_leaf(donate):
     """The native tree kernel: every leaf of a replay in one custom call, bit-identical to the
     per-leaf kernel and the reference, including empty and 0-D leaves."""
     params = {
-        "a": _array((1000,), jnp.float32, seed=1), "b": _array((37, 29), jnp.bfloat16, seed=2),
-        "c": _array((), jnp.float16, seed=3), "d": jnp.zeros((0, 4), jnp.float32), "e": _array((5000,), jnp.float16, seed=4),
+        "a": _array((1000,), jnp.float32, seed=1),
+        "b": _array((37, 29), jnp.bfloat16, seed=2),
+        "c": _array((), jnp.float16, seed=3),
+        "d": jnp.zeros((0, 4), jnp.float32),
+        "e": _array((5000,), jnp.float16, seed=4),
     }
     keys = rng.sample_keys(4, [(m, 9, s) for m in range(2) for s in range(3)])
     scales = replay.update_scales("rademacher", [0.5, -0.25, 1e-3, 2.0, -7.0, 1e-30])
-    want = {k: numpy_perturb(v, kp.leaf_keys(keys, rng.leaf_id((jax.tree_util.DictKey(k),))), scales, "rademacher")
-            for k, v in params.items()}
-    fn = jax.jit(lambda p: kp.apply_updates(p, keys, scales, distribution="rademacher", impl="native", inplace=donate),
-                 donate_argnums=(0,) if donate else ())
+    want = {
+        k: numpy_perturb(v, kp.leaf_keys(keys, rng.leaf_id((jax.tree_util.DictKey(k),))), scales, "rademacher")
+        for k, v in params.items()
+    }
+    fn = jax.jit(
+        lambda p: kp.apply_updates(p, keys, scales, distribution="rademacher", impl="native", inplace=donate),
+        donate_argnums=(0,) if donate else (),
+    )
     text = fn.lower(params).as_text()
     assert text.count(cpu_native.target_name(tree=True)) == 1 and cpu_native.target_name() + '"' not in text
     got = fn(params)
@@ -874,7 +955,9 @@ def test_leaf_keys_are_derived_once_per_call_for_every_leaf(impl):
     fn = jax.jit(lambda p, k, s: kp.apply_updates(p, k, s, impl=impl, **kwargs))  # keys known at run time only
     got = fn(params, keys, scales)
     for k, v in params.items():
-        assert_same_bits(got[k], numpy_perturb(v, kp.leaf_keys(keys, rng.leaf_id((jax.tree_util.DictKey(k),))), scales, "binomial"))
+        assert_same_bits(
+            got[k], numpy_perturb(v, kp.leaf_keys(keys, rng.leaf_id((jax.tree_util.DictKey(k),))), scales, "binomial")
+        )
     if impl == "jnp":  # the Pallas interpreter runs each kernel as many small ops: count the jnp rule's
         ops = bench_profile.profile(lambda: jax.block_until_ready(fn(params, keys, scales)), calls=2)["ops_per_call"]
         assert ops <= len(params) + 3, f"{ops} ops per call for {len(params)} leaves"
@@ -920,7 +1003,9 @@ def test_layers_of_a_stacked_leaf_inside_a_scan(impl):
     want = numpy_perturb(x, keys, scales, "binomial")
 
     def body(c, i):
-        return c, kp.slices.perturb_slice(x, keys, scales, i.astype(jnp.uint32) * 91, (7, 13), distribution="binomial", impl=impl)
+        return c, kp.slices.perturb_slice(
+            x, keys, scales, i.astype(jnp.uint32) * 91, (7, 13), distribution="binomial", impl=impl
+        )
 
     got = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(5))[1])()
     assert_same_bits(got, want)
@@ -938,8 +1023,17 @@ def test_a_slice_of_a_leaf_inside_a_buffer_has_the_leafs_bits(impl, dtype):
     want = numpy_perturb(x, keys, scales, "binomial")
 
     def body(c, i):
-        return c, kp.slices.perturb_slice(buffer, keys, scales, i.astype(jnp.uint32) * 91, (7, 13), distribution="binomial",
-                                   impl=impl, base=29, size=x.size)
+        return c, kp.slices.perturb_slice(
+            buffer,
+            keys,
+            scales,
+            i.astype(jnp.uint32) * 91,
+            (7, 13),
+            distribution="binomial",
+            impl=impl,
+            base=29,
+            size=x.size,
+        )
 
     assert_same_bits(jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(5))[1])(), want)
     # a run-time start whose slice ends past the leaf (370 + 91 > 455) but inside the buffer: never
@@ -987,12 +1081,54 @@ def test_rows_of_an_updated_table(dist, dtype):
 # Bit patterns of every class the flushes treat apart: ±0, ±inf, NaNs (quiet and signalling, both
 # signs, with payloads), subnormals, the smallest normals, one and the largest finite value.
 SPECIAL_BITS = {
-    jnp.float32: [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0xFF812345,
-                  0x00000001, 0x807FFFFF, 0x00800000, 0x80800000, 0x3F800000, 0x7F7FFFFF],
-    jnp.bfloat16: [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0xFF92, 0x0001, 0x807F, 0x0080, 0x8080,
-                   0x3F80, 0x7F7F],
-    jnp.float16: [0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0xFE01, 0x7C01, 0xFD23, 0x0001, 0x83FF, 0x0400, 0x8400,
-                  0x3C00, 0x7BFF],
+    jnp.float32: [
+        0x00000000,
+        0x80000000,
+        0x7F800000,
+        0xFF800000,
+        0x7FC00000,
+        0xFFC00001,
+        0x7F800001,
+        0xFF812345,
+        0x00000001,
+        0x807FFFFF,
+        0x00800000,
+        0x80800000,
+        0x3F800000,
+        0x7F7FFFFF,
+    ],
+    jnp.bfloat16: [
+        0x0000,
+        0x8000,
+        0x7F80,
+        0xFF80,
+        0x7FC0,
+        0xFFC1,
+        0x7F81,
+        0xFF92,
+        0x0001,
+        0x807F,
+        0x0080,
+        0x8080,
+        0x3F80,
+        0x7F7F,
+    ],
+    jnp.float16: [
+        0x0000,
+        0x8000,
+        0x7C00,
+        0xFC00,
+        0x7E00,
+        0xFE01,
+        0x7C01,
+        0xFD23,
+        0x0001,
+        0x83FF,
+        0x0400,
+        0x8400,
+        0x3C00,
+        0x7BFF,
+    ],
 }
 
 
@@ -1007,7 +1143,7 @@ def test_flushing_in_halves_gives_the_specifications_bits(dtype, n_updates):
     specials = np.asarray(SPECIAL_BITS[dtype], utype).view(jnp.dtype(dtype))
     tiny = np.float32(jnp.finfo(dtype).tiny)
     near = (tiny * np.arange(-40, 40, dtype=np.float32)).astype(jnp.dtype(dtype))
-    host = np.tile(np.concatenate([specials, near]), 12)[:1024 + 37]  # whole tiles and a ragged tail
+    host = np.tile(np.concatenate([specials, near]), 12)[: 1024 + 37]  # whole tiles and a ragged tail
     x = jnp.asarray(host)
     keys = _leaf_keys(n_updates, seed=3)
     small = max(float(tiny), 2.0**-118)  # results in and near the subnormal range, flushed each update
@@ -1015,18 +1151,29 @@ def test_flushing_in_halves_gives_the_specifications_bits(dtype, n_updates):
     want = numpy_perturb(host, keys, scales, "binomial")
     assert_same_bits(kp.perturb_reference(x, keys, scales), want)
     if n_updates != 1:  # the kernels' chain: no updates (load, store) and several
-        assert_same_bits(kp.perturb_pallas(x, keys, scales, interpret=True, platform="gpu",
-                                           block_sizes=kp.BlockSizes(tile=256)), want)
+        assert_same_bits(
+            kp.perturb_pallas(x, keys, scales, interpret=True, platform="gpu", block_sizes=kp.BlockSizes(tile=256)),
+            want,
+        )
         # two segments with the same leaf keys, in a buffer padded to whole TPU blocks (Mosaic
         # has no float16: that one takes the GPU's flat kernel)
         platform = "gpu" if dtype == jnp.float16 else "tpu"
         buffer = jnp.pad(x, (0, kp.plans.tpu_flat_size(host.size) - host.size))
         segments = ((0, 500, 7), (500, host.size - 500, 8))
-        got = kp.perturb_pallas_flat(buffer, jnp.asarray(np.stack([keys, keys])), jnp.asarray(scales), segments,
-                                     interpret=True, platform=platform)
-        assert_same_bits(got[: host.size], np.concatenate([want[:500], numpy_perturb(host[500:], keys, scales,
-                                                                                     "binomial")]))
+        got = kp.perturb_pallas_flat(
+            buffer,
+            jnp.asarray(np.stack([keys, keys])),
+            jnp.asarray(scales),
+            segments,
+            interpret=True,
+            platform=platform,
+        )
+        assert_same_bits(
+            got[: host.size], np.concatenate([want[:500], numpy_perturb(host[500:], keys, scales, "binomial")])
+        )
     ids = np.array([0, 3, 5, 41, 7], np.int32)
     table = x[: 80 * 3].reshape(80, 3)
-    assert_same_bits(kp.slices.perturb_rows(table, keys, scales, ids), numpy_perturb(host[:240].reshape(80, 3), keys, scales,
-                                                                              "binomial")[ids])
+    assert_same_bits(
+        kp.slices.perturb_rows(table, keys, scales, ids),
+        numpy_perturb(host[:240].reshape(80, 3), keys, scales, "binomial")[ids],
+    )

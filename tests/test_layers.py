@@ -28,8 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent / "zeroth"
 # layer may import each other one way.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("0 package root (imports nothing)", ("zeroth",)),
-    ("1 exact core: reference, rng, noise, rule, host learning-rate schedules; layerwise (the trace-time hook between estimators and models)",
-     ("zeroth.reference", "zeroth.rng", "zeroth.noise", "zeroth.rule", "zeroth.schedules", "zeroth.layerwise")),
+    (
+        "1 exact core: reference, rng, noise, rule, host learning-rate schedules; layerwise (the trace-time hook between estimators and models)",
+        ("zeroth.reference", "zeroth.rng", "zeroth.noise", "zeroth.rule", "zeroth.schedules", "zeroth.layerwise"),
+    ),
     ("2 kernels", ("zeroth.kernels",)),
     ("2 replay (above the kernels)", ("zeroth.replay",)),
     ("3 codecs, compress, zo, collectives", ("zeroth.codecs", "zeroth.compress", "zeroth.zo", "zeroth.collectives")),
@@ -38,9 +40,23 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("5 config (its allowed values come from layers 1-5)", ("zeroth.config",)),
     ("6 train", ("zeroth.train",)),
     ("6 stages: a model cut into stages and its data (shared by pipeline and cluster)", ("zeroth.stages",)),
-    ("6 transport: secret, identities, access tokens, TLS, pacing, gRPC options (shared by every networked system)", ("zeroth.transport",)),
+    (
+        "6 transport: secret, identities, access tokens, TLS, pacing, gRPC options (shared by every networked system)",
+        ("zeroth.transport",),
+    ),
     ("7 systems", ("zeroth.net", "zeroth.pipeline", "zeroth.cluster", "zeroth.binary", "zeroth.marsit")),
-    ("8 programs: bench, doctor, the zeroth run and zeroth launch dispatchers, cli", ("zeroth.bench", "zeroth.doctor", "zeroth.run", "zeroth.launch", "zeroth.cli", "zeroth.__main__", "zeroth.protogen")),
+    (
+        "8 programs: bench, doctor, the zeroth run and zeroth launch dispatchers, cli",
+        (
+            "zeroth.bench",
+            "zeroth.doctor",
+            "zeroth.run",
+            "zeroth.launch",
+            "zeroth.cli",
+            "zeroth.__main__",
+            "zeroth.protogen",
+        ),
+    ),
 )
 SYSTEMS = ("zeroth.net", "zeroth.pipeline", "zeroth.cluster", "zeroth.binary", "zeroth.marsit")
 PROGRAMS_LAYER = len(LAYERS) - 1
@@ -102,7 +118,11 @@ def imports_of(module: str, source: str, known, *, is_package: bool = False) -> 
             else:
                 base = node.module or ""
             for alias in node.names:
-                target = _resolve(f"{base}.{alias.name}", known) if f"{base}.{alias.name}" in known else _resolve(base, known)
+                target = (
+                    _resolve(f"{base}.{alias.name}", known)
+                    if f"{base}.{alias.name}" in known
+                    else _resolve(base, known)
+                )
                 if target is not None:
                     out.append(Import(module, target, node.lineno, False))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -198,11 +218,22 @@ def violations(sources: Mapping[str, tuple[str, bool]]) -> list[str]:
             upper = layer_of(imp.target)
             kind = "dynamic import of" if imp.dynamic else "imports"
             if upper > lower:
-                found.append(f"{where} {kind} {imp.target}: upward, layer '{LAYERS[upper][0]}' is above '{LAYERS[lower][0]}'")
-            elif upper == lower and _system_of(module) and _system_of(imp.target) and _system_of(module) != _system_of(imp.target):
-                found.append(f"{where} {kind} {imp.target}: sideways between two systems ({_system_of(module)}, {_system_of(imp.target)})")
+                found.append(
+                    f"{where} {kind} {imp.target}: upward, layer '{LAYERS[upper][0]}' is above '{LAYERS[lower][0]}'"
+                )
+            elif (
+                upper == lower
+                and _system_of(module)
+                and _system_of(imp.target)
+                and _system_of(module) != _system_of(imp.target)
+            ):
+                found.append(
+                    f"{where} {kind} {imp.target}: sideways between two systems ({_system_of(module)}, {_system_of(imp.target)})"
+                )
             elif imp.dynamic and lower != PROGRAMS_LAYER and _top_package(imp.target) != _top_package(module):
-                found.append(f"{where} {kind} {imp.target}: a string import outside the programs' layer reaches another package")
+                found.append(
+                    f"{where} {kind} {imp.target}: a string import outside the programs' layer reaches another package"
+                )
     for comp in _cycles(edges):
         found.append(f"import cycle between {', '.join(comp)}")
     return found
@@ -255,7 +286,10 @@ def test_the_planted_tree_is_clean():
 def test_checker_fails_on_a_planted_upward_import():
     tree = _planted()
     # a kernel reaching up into the benchmarks, inside a function body
-    tree["zeroth.kernels.perturb"] = ("from zeroth import rng\n\ndef rows():\n    from zeroth.bench import signbits\n", False)
+    tree["zeroth.kernels.perturb"] = (
+        "from zeroth import rng\n\ndef rows():\n    from zeroth.bench import signbits\n",
+        False,
+    )
     found = violations(tree)
     assert "zeroth.kernels.perturb:4 imports zeroth.bench.signbits: upward" in found[0], found
     # the benchmark imports the kernel: the planted import also closes a cycle

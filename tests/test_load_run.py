@@ -19,14 +19,34 @@ RAW = {
     "run": {"name": "lr", "seed": 0},
     "data": {"dataset": "digits", "batch_size": 32, "eval_size": 100},
     "model": {"name": "mlp", "kwargs": {"hidden": [16]}},
-    "train": {"method": "zo", "lr": 0.02, "eps": 1.0e-3, "n_perturbations": 8, "codec": "onebyte", "steps": 8,
-              "eval_every": 4, "log_every": 2, "checkpoint_every": 4},
+    "train": {
+        "method": "zo",
+        "lr": 0.02,
+        "eps": 1.0e-3,
+        "n_perturbations": 8,
+        "codec": "onebyte",
+        "steps": 8,
+        "eval_every": 4,
+        "log_every": 2,
+        "checkpoint_every": 4,
+    },
 }
 
 
 def test_check_schema_names_the_row_and_the_field():
-    good = {"kind": "train", "step": 1, "time_unix_s": 1.0, "wall_time_s": 0.1, "digest": "d", "forward_passes": 2,
-            "payload_bytes_total": 1, "loss": 0.5, "lr": 0.1, "step_time_s": 0.01, "payload_bytes": 1}
+    good = {
+        "kind": "train",
+        "step": 1,
+        "time_unix_s": 1.0,
+        "wall_time_s": 0.1,
+        "digest": "d",
+        "forward_passes": 2,
+        "payload_bytes_total": 1,
+        "loss": 0.5,
+        "lr": 0.1,
+        "step_time_s": 0.01,
+        "payload_bytes": 1,
+    }
     assert check_schema([good]) == 1
     with pytest.raises(ValueError, match="row 1 .* no field 'lr'"):
         check_schema([{k: v for k, v in good.items() if k != "lr"}])

@@ -93,8 +93,10 @@ def _holding_method():
 def test_the_loop_settles_a_holding_method_before_hooks_that_read_the_parameters_and_at_the_end():
     method, settles = _holding_method()
     seen = {"params": [], "ticks": []}
-    hooks = [loop.hook(lambda e: seen["ticks"].append(e.step), every=1, reads_params=False),
-             loop.hook(lambda e: seen["params"].append((e.step, float(e.state.params))), every=3)]
+    hooks = [
+        loop.hook(lambda e: seen["ticks"].append(e.step), every=1, reads_params=False),
+        loop.hook(lambda e: seen["params"].append((e.step, float(e.state.params))), every=3),
+    ]
     state, _ = loop.train(method.init(np.float32(0), None), method, _batches, hooks, steps=7)
     assert settles == [3, 6, 7]  # only where a hook reads the parameters, and after the last step
     assert seen["ticks"] == list(range(1, 8))
@@ -103,7 +105,9 @@ def test_the_loop_settles_a_holding_method_before_hooks_that_read_the_parameters
     # stopped between two steps: the state returned is settled too
     method, settles = _holding_method()
     calls = iter(range(100))
-    state, _ = loop.train(method.init(np.float32(0), None), method, _batches, [], steps=7, stop=lambda: next(calls) == 4)
+    state, _ = loop.train(
+        method.init(np.float32(0), None), method, _batches, [], steps=7, stop=lambda: next(calls) == 4
+    )
     assert state.step == 4 and settles == [4] and float(state.params) == 4.0 * 6
 
 

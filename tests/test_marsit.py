@@ -98,8 +98,11 @@ SIGN_METHODS = {
 }
 
 
-@pytest.mark.parametrize("method, topo", [(m, RING) for m in SIGN_METHODS] + [("marsit", TORUS)],
-                         ids=[f"{m}-ring" for m in SIGN_METHODS] + ["marsit-torus"])
+@pytest.mark.parametrize(
+    "method, topo",
+    [(m, RING) for m in SIGN_METHODS] + [("marsit", TORUS)],
+    ids=[f"{m}-ring" for m in SIGN_METHODS] + ["marsit-torus"],
+)
 def test_a_sign_methods_round_builds_for_a_gpu_with_its_kernels_inside_shard_map(method, topo, monkeypatch):
     """On a GPU a sign method's round runs the Pallas sign-bit kernels inside ``shard_map``, which
     refused their outputs there: every Marsit run beside an NVIDIA H200 stopped with "When
@@ -177,8 +180,10 @@ def _batches(t, m=4, b=16):
 def _local_batches(t, h, m=4, b=16):
     ds, _, _ = _setup()
     idx = [[zdata.batch_indices(0, (t * h + j) * m + k, b, ds.x.shape[0]) for j in range(h)] for k in range(m)]
-    return (np.stack([np.stack([ds.x[i] for i in row]) for row in idx]),
-            np.stack([np.stack([ds.y[i] for i in row]) for row in idx]))
+    return (
+        np.stack([np.stack([ds.x[i] for i in row]) for row in idx]),
+        np.stack([np.stack([ds.y[i] for i in row]) for row in idx]),
+    )
 
 
 def _train(topo, sync, rounds, eta_l=0.1, local_steps=1, momentum=0.0, lr_scale=lambda t: 1.0):
@@ -207,7 +212,9 @@ METHOD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("method,topo,kw", METHOD_CASES, ids=[f"{m}-{type(t).__name__}-{kw.get('norm', '')}" for m, t, kw in METHOD_CASES])
+@pytest.mark.parametrize(
+    "method,topo,kw", METHOD_CASES, ids=[f"{m}-{type(t).__name__}-{kw.get('norm', '')}" for m, t, kw in METHOD_CASES]
+)
 def test_every_worker_holds_identical_parameters_after_every_round(method, topo, kw):
     sums, _ = _train(topo, S.build(method, topo, **kw), rounds=3, eta_l=0.01 if method == "ssdm" else 0.1)
     for t, per in enumerate(sums):
@@ -255,9 +262,14 @@ def test_ssdm_count_sums_stochastic_signs_and_is_unbiased():
     rng = np.random.default_rng(3)
     u = (rng.standard_normal((4, d)) * rng.uniform(0.1, 3.0, (4, 1))).astype(np.float32)
     sync = S.ssdm_count(RING, eta)
-    run = jax.jit(jax.shard_map(
-        lambda u_w, k: sync.update(u_w[0], (), S.RoundCtx(k, "sync"))[0][None],
-        mesh=RING.mesh(), in_specs=(RING.spec(), jax.sharding.PartitionSpec()), out_specs=RING.spec()))
+    run = jax.jit(
+        jax.shard_map(
+            lambda u_w, k: sync.update(u_w[0], (), S.RoundCtx(k, "sync"))[0][None],
+            mesh=RING.mesh(),
+            in_specs=(RING.spec(), jax.sharding.PartitionSpec()),
+            out_specs=RING.spec(),
+        )
+    )
     gs = np.stack([np.asarray(run(u, jnp.asarray(S.host_round_key(4, t)))) for t in range(n)])
     assert (gs == gs[:, :1]).all()  # every worker applies the same g
     assert _count_values(gs[:, 0], eta, 4)  # g = eta (2c - M) / M, c a count in 0..M
@@ -285,9 +297,13 @@ def test_ef_signsgd_count_keeps_what_was_not_sent():
 
 def test_bucket_norms_are_unbiased_and_count_methods_send_count_bits():
     n = 2000
-    u = jnp.asarray(np.random.default_rng(1).standard_normal(128).astype(np.float32) * np.repeat([0.01, 1, 10, 100], 32))
+    u = jnp.asarray(
+        np.random.default_rng(1).standard_normal(128).astype(np.float32) * np.repeat([0.01, 1, 10, 100], 32)
+    )
     keys = jnp.asarray(np.stack([S.host_round_key(1, t) for t in range(n)]))
-    dec = jax.jit(jax.vmap(lambda k: SC.ssdm_decompress(SC.ssdm_compress(u, k, norm="bucket", bucket=32), impl="jnp")))(keys)
+    dec = jax.jit(jax.vmap(lambda k: SC.ssdm_decompress(SC.ssdm_compress(u, k, norm="bucket", bucket=32), impl="jnp")))(
+        keys
+    )
     norms = np.repeat(np.linalg.norm(np.asarray(u).reshape(4, 32), axis=1), 32)
     np.testing.assert_allclose(np.abs(np.asarray(dec)), np.broadcast_to(norms, dec.shape), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(dec.mean(0)), np.asarray(u), atol=5 * norms.max() / np.sqrt(n))
@@ -296,9 +312,13 @@ def test_bucket_norms_are_unbiased_and_count_methods_send_count_bits():
     ds, params, loss_fn = _setup()
     xs, ys = _batches(0)
     bits = {}
-    for name, sync in (("signsgd", S.signsgd(RING, 1e-2)), ("ssdm_count", S.ssdm_count(RING, 1e-2)),
-                       ("ef_count", S.ef_signsgd_count(RING)), ("l2", S.ssdm(RING)),
-                       ("bucket", S.ssdm(RING, norm="bucket", bucket=64))):
+    for name, sync in (
+        ("signsgd", S.signsgd(RING, 1e-2)),
+        ("ssdm_count", S.ssdm_count(RING, 1e-2)),
+        ("ef_count", S.ef_signsgd_count(RING)),
+        ("l2", S.ssdm(RING)),
+        ("bucket", S.ssdm(RING, norm="bucket", bucket=64)),
+    ):
         bits[name] = T.make_trainer(loss_fn, params, RING, sync, eta_l=0.1).round_bits("sync", xs, ys)
     assert bits["ssdm_count"] == bits["signsgd"]  # the same counts cross the ring
     assert bits["ef_count"] == bits["signsgd"] + 3 * 4 * 32  # plus the 4 scales, each all-gathered over 3 hops

@@ -33,10 +33,18 @@ TINY = {
     "runs": [
         {"label": "none", "group": "none M=3", "sync": {"method": "psgd"}},
         {"label": "cascading", "group": "cascading M=3", "sync": {"method": "ssdm"}, "train": {"eta_l": 0.001}},
-        {"label": "marsit-k2", "group": "K", "topology": {"kind": "torus", "workers": 4},
-         "sync": {"method": "marsit", "eta_s": 0.01, "K": 2}},
-        {"label": "marsit-kinf", "group": "Marsit", "topology": {"workers": 4},
-         "sync": {"method": "marsit", "eta_s": 0.01, "K": "inf"}},
+        {
+            "label": "marsit-k2",
+            "group": "K",
+            "topology": {"kind": "torus", "workers": 4},
+            "sync": {"method": "marsit", "eta_s": 0.01, "K": 2},
+        },
+        {
+            "label": "marsit-kinf",
+            "group": "Marsit",
+            "topology": {"workers": 4},
+            "sync": {"method": "marsit", "eta_s": 0.01, "K": "inf"},
+        },
     ],
 }
 LABELS = [r["label"] for r in TINY["runs"]]
@@ -71,7 +79,9 @@ def test_run_folder_follows_the_schema_and_counts_bits(results):
     assert by["marsit-k2"]["bits_per_element"] == pytest.approx((2 * 32.0 + 2 * phases["sync"]) / 4)
     k2 = [r for r in rows if r["run"] == "marsit-k2" and r["kind"] == "train"]
     assert [r["phase"] for r in k2] == ["full", "sync", "full", "sync"]
-    assert k2[-1]["payload_bytes_total"] == sum(r["payload_bytes"] for r in k2) == by["marsit-k2"]["payload_bytes_total"]
+    assert (
+        k2[-1]["payload_bytes_total"] == sum(r["payload_bytes"] for r in k2) == by["marsit-k2"]["payload_bytes_total"]
+    )
     assert k2[0]["payload_bytes"] > 20 * k2[1]["payload_bytes"]  # 32 bits vs about one bit per element
     assert by["marsit-kinf"]["K"] is None and by["marsit-kinf"]["bits_per_element"] < 1.2
     assert by["cascading"]["bits_per_element_by_phase"]["sync"] > 1.0  # the norms are counted too
@@ -81,8 +91,19 @@ def test_run_folder_follows_the_schema_and_counts_bits(results):
 
 
 def test_schema_checks_steps_run_by_run():
-    row = {"kind": "train", "step": 1, "time_unix_s": 1.0, "wall_time_s": 0.1, "digest": "d", "forward_passes": 1,
-           "payload_bytes_total": 8, "loss": 0.5, "lr": 0.1, "step_time_s": 0.01, "payload_bytes": 8}
+    row = {
+        "kind": "train",
+        "step": 1,
+        "time_unix_s": 1.0,
+        "wall_time_s": 0.1,
+        "digest": "d",
+        "forward_passes": 1,
+        "payload_bytes_total": 8,
+        "loss": 0.5,
+        "lr": 0.1,
+        "step_time_s": 0.01,
+        "payload_bytes": 8,
+    }
     two = [{**row, "run": "a"}, {**row, "run": "a", "step": 2}, {**row, "run": "b"}, {**row, "run": "b", "step": 2}]
     assert check_schema(two) == 4
     with pytest.raises(ValueError, match="row 3 has step 1 after step 2 of run 'a'"):
@@ -132,8 +153,10 @@ def test_out_set_and_resume(results, tmp_path, capsys):
     (cut / "summary.json").write_text(json.dumps({**summary, "runs": summary["runs"][:-1], "finished": 3}))
     rows = read_metrics(out / "metrics.jsonl")
     last = [r for r in rows if r["run"] == "marsit-kinf"]
-    (cut / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["run"] != "marsit-kinf")
-                                       + "".join(json.dumps(r) + "\n" for r in last[:2]))
+    (cut / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows if r["run"] != "marsit-kinf")
+        + "".join(json.dumps(r) + "\n" for r in last[:2])
+    )
     assert zrun.main([str(cfg), "--out", str(cut), "--resume", "--set", "train.rounds=5"]) == 2
     assert "run 'none' finished" in capsys.readouterr().err
     assert zrun.main([str(cfg), "--out", str(cut), "--resume", "--quiet"]) == 0
@@ -149,16 +172,34 @@ def test_out_set_and_resume(results, tmp_path, capsys):
 @pytest.mark.e2e
 def test_sigint_in_a_fresh_process_exits_130_keeping_finished_runs(tmp_path):
     cfg = tmp_path / "two.yaml"
-    cfg.write_text(yaml.safe_dump({**TINY, "topology": {"kind": "ring", "workers": 4},
-                                   "train": {**TINY["train"], "rounds": 3, "eval_every": 3},
-                                   "runs": [{"label": "a", "sync": {"method": "psgd"}},
-                                            {"label": "b", "sync": {"method": "marsit", "eta_s": 0.01},
-                                             "train": {"rounds": 5000, "eval_every": 1000}}]}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                **TINY,
+                "topology": {"kind": "ring", "workers": 4},
+                "train": {**TINY["train"], "rounds": 3, "eval_every": 3},
+                "runs": [
+                    {"label": "a", "sync": {"method": "psgd"}},
+                    {
+                        "label": "b",
+                        "sync": {"method": "marsit", "eta_s": 0.01},
+                        "train": {"rounds": 5000, "eval_every": 1000},
+                    },
+                ],
+            }
+        )
+    )
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device unless the run asks for more
     env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "zeroth.cli", "run", str(cfg), "--out", str(out)], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zeroth.cli", "run", str(cfg), "--out", str(out)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in proc.stdout:
             if line.startswith("[a] round     3"):
@@ -203,7 +244,9 @@ def test_committed_notebook_holds_the_small_runs_outputs():
     nb = nbformat.read(ROOT / "notebooks" / "marsit.ipynb", as_version=4)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 3
-    assert f"1 result folders, {run.summary['total']} runs: ['marsit_small']" in "".join(o.get("text", "") for o in outputs)
+    assert f"1 result folders, {run.summary['total']} runs: ['marsit_small']" in "".join(
+        o.get("text", "") for o in outputs
+    )
 
 
 def test_config_errors_name_the_key(tmp_path):
@@ -237,8 +280,9 @@ def test_protocol_options_are_checked_and_the_step_size_falls_after_each_full_ro
     from zeroth.marsit.experiment import lr_scales
 
     def runs(**train):
-        return C.load_runs_dict(dict(TINY, runs=[{"label": "m", "sync": {"method": "marsit", "eta_s": 0.01, "K": 3},
-                                                  "train": train}]))
+        return C.load_runs_dict(
+            dict(TINY, runs=[{"label": "m", "sync": {"method": "marsit", "eta_s": 0.01, "K": 3}, "train": train}])
+        )
 
     with pytest.raises(ValueError, match="train.local_steps must be an int >= 1, got 0"):
         runs(local_steps=0)
@@ -247,8 +291,12 @@ def test_protocol_options_are_checked_and_the_step_size_falls_after_each_full_ro
     with pytest.raises(ValueError, match="train.lr_decay_every must be null, an int >= 1 or 'full', got 'half'"):
         runs(lr_decay=0.1, lr_decay_every="half")
     with pytest.raises(ValueError, match="needs sync.method marsit with K > 1 \\(got psgd, K=None\\)"):
-        C.load_runs_dict(dict(TINY, runs=[{"label": "p", "sync": {"method": "psgd"},
-                                           "train": {"lr_decay": 0.1, "lr_decay_every": "full"}}]))
+        C.load_runs_dict(
+            dict(
+                TINY,
+                runs=[{"label": "p", "sync": {"method": "psgd"}, "train": {"lr_decay": 0.1, "lr_decay_every": "full"}}],
+            )
+        )
     spec = runs(lr_decay=0.1, lr_decay_every="full")[0]
     scale = lr_scales(spec, S.marsit(Ring(3), 0.01, K=3).phase)
     # full rounds at t = 0, 3, 6: a round after the full round at 3 (and 6) runs at a tenth of the step before

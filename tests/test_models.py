@@ -47,7 +47,9 @@ def test_exact_init_is_deterministic_and_seeded():
 
 
 def test_transformer_on_tokens_masks_padding():
-    model = models.build("transformer", num_classes=3, vocab_size=50, d_model=16, heads=2, layers=1, mlp_dim=16, pad_id=0)
+    model = models.build(
+        "transformer", num_classes=3, vocab_size=50, d_model=16, heads=2, layers=1, mlp_dim=16, pad_id=0
+    )
     params = models.init(model, models.init_key(0), np.ones((1, 6), np.int32))
     tokens = np.array([[5, 6, 7, 0, 0, 0]], np.int32)
     longer_pad = np.array([[5, 6, 7, 0, 0, 0, 0, 0]], np.int32)
@@ -82,7 +84,9 @@ def test_exact_init_follows_the_reference_noise():
     from zeroth import reference as ref
 
     key = models.init_key(5)
-    params = models.init("transformer", key, np.zeros((1, 8, 8, 1), np.float32), d_model=8, heads=2, layers=1, mlp_dim=8)
+    params = models.init(
+        "transformer", key, np.zeros((1, 8, 8, 1), np.float32), d_model=8, heads=2, layers=1, mlp_dim=8
+    )
     q = params["_Block_0"]["MultiHeadDotProductAttention_0"]["query"]["kernel"]
     path = "['_Block_0']['MultiHeadDotProductAttention_0']['query']['kernel']"
     k = ref.binomial_int(ref.leaf_key(key, path), q.size).astype(np.float32) * np.float32(0.5)
@@ -90,7 +94,9 @@ def test_exact_init_follows_the_reference_noise():
     d1 = params["Dense_0"]["kernel"]  # (8 features of a row, 8), fan_in 8
     k1 = ref.binomial_int(ref.leaf_key(key, "['Dense_0']['kernel']"), d1.size).astype(np.float32) * np.float32(0.5)
     np.testing.assert_array_equal(np.asarray(d1), k1.reshape(d1.shape) * np.float32(1 / np.sqrt(8)))
-    assert np.all(np.asarray(params["LayerNorm_0"]["scale"]) == 1) and np.all(np.asarray(params["Dense_0"]["bias"]) == 0)
+    assert np.all(np.asarray(params["LayerNorm_0"]["scale"]) == 1) and np.all(
+        np.asarray(params["Dense_0"]["bias"]) == 0
+    )
     assert abs(float(np.std(np.asarray(params["pos_embedding"]))) - 0.02) < 0.002
 
 

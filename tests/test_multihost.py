@@ -42,14 +42,33 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.skipif(_WHY is not 
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "experiments" / "job_digits.yaml"
-JOB_SETTINGS = ["peers.iterations=30", "peers.join_at=[]", "peers.kill_at=[]", "peers.iteration_timeout_s=10",
-                "train.eval_every=1000"]
+JOB_SETTINGS = [
+    "peers.iterations=30",
+    "peers.join_at=[]",
+    "peers.kill_at=[]",
+    "peers.iteration_timeout_s=10",
+    "train.eval_every=1000",
+]
 PORT = 29400
 
 
 def _launch(config: Path, out: Path, rendezvous: str, nnodes: int, secret: Path, *extra: str) -> list[str]:
-    cmd = [sys.executable, "-m", "zeroth", "launch", str(config), "--rendezvous", rendezvous, "--nnodes", str(nnodes),
-           "--out", str(out), "--secret-file", str(secret), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zeroth",
+        "launch",
+        str(config),
+        "--rendezvous",
+        rendezvous,
+        "--nnodes",
+        str(nnodes),
+        "--out",
+        str(out),
+        "--secret-file",
+        str(secret),
+        *extra,
+    ]
     return cmd
 
 
@@ -121,8 +140,10 @@ def test_job_across_three_hosts_ends_on_the_loopback_digest_and_verifies(tmp_pat
     sets = [a for s in JOB_SETTINGS for a in ("--set", s)]
     with netns.hosts(3) as hosts:
         rdv = f"{hosts[0].address}:{PORT}"
-        procs = [_start(h.command(_launch(JOB, tmp_path / f"h{i}", rdv, 3, secret, *sets)), tmp_path / f"h{i}.log")
-                 for i, h in enumerate(hosts)]
+        procs = [
+            _start(h.command(_launch(JOB, tmp_path / f"h{i}", rdv, 3, secret, *sets)), tmp_path / f"h{i}.log")
+            for i, h in enumerate(hosts)
+        ]
         assert _wait(procs, 300) == [0, 0, 0], _logs(tmp_path)
     launched = [json.loads((tmp_path / f"h{i}" / "launch.json").read_text()) for i in range(3)]
     # each host advertised its own namespace's address (the route's source), none of them loopback
@@ -135,8 +156,12 @@ def test_job_across_three_hosts_ends_on_the_loopback_digest_and_verifies(tmp_pat
     collected = tmp_path / "collected"
     for i in range(3):
         shutil.copytree(tmp_path / f"h{i}" / "peers", collected / "peers", dirs_exist_ok=True)
-    v = subprocess.run([sys.executable, "-m", "zeroth", "verify", str(collected), "--secret-file", str(secret)],
-                       capture_output=True, text=True, timeout=300)
+    v = subprocess.run(
+        [sys.executable, "-m", "zeroth", "verify", str(collected), "--secret-file", str(secret)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert v.returncode == 0, v.stdout + v.stderr
     assert "30/30" in v.stdout.replace(" ", "") or "31/31" in v.stdout.replace(" ", ""), v.stdout
     shutil.copy(tmp_path / "h0" / "config.yaml", collected / "config.yaml")
@@ -150,8 +175,13 @@ def test_a_cut_link_is_survived_and_a_killed_host_leaves_the_run(tmp_path):
     sets = [a for s in [*JOB_SETTINGS, "peers.iterations=40", "peers.count=4"] for a in ("--set", s)]
     with netns.hosts(4) as hosts:
         rdv = f"{hosts[0].address}:{PORT}"
-        procs = [_start(h.command(_launch(JOB, tmp_path / f"h{i}", rdv, 4, secret, "--node-rank", str(i), *sets)),
-                        tmp_path / f"h{i}.log") for i, h in enumerate(hosts)]
+        procs = [
+            _start(
+                h.command(_launch(JOB, tmp_path / f"h{i}", rdv, 4, secret, "--node-rank", str(i), *sets)),
+                tmp_path / f"h{i}.log",
+            )
+            for i, h in enumerate(hosts)
+        ]
         deadline = time.monotonic() + 240
         while _progress(tmp_path / "h1") < 8 and time.monotonic() < deadline and procs[1].poll() is None:
             time.sleep(0.2)
@@ -160,7 +190,9 @@ def test_a_cut_link_is_survived_and_a_killed_host_leaves_the_run(tmp_path):
         hosts[1].link(up=True)
         while _progress(tmp_path / "h3") < 20 and time.monotonic() < deadline and procs[3].poll() is None:
             time.sleep(0.2)
-        peer3 = subprocess.run(["pgrep", "-f", f"{tmp_path / 'h3' / 'peers'}"], capture_output=True, text=True).stdout.split()
+        peer3 = subprocess.run(
+            ["pgrep", "-f", f"{tmp_path / 'h3' / 'peers'}"], capture_output=True, text=True
+        ).stdout.split()
         assert peer3, _logs(tmp_path)
         subprocess.run(["kill", "-9", *peer3], check=False)
         codes = _wait(procs, 300, grace_s=300)  # host 3 fails at once; the others finish the run
@@ -172,14 +204,30 @@ def test_a_cut_link_is_survived_and_a_killed_host_leaves_the_run(tmp_path):
 
 
 def test_aqsgd_pipeline_across_two_hosts_ends_on_the_in_process_run(tmp_path):
-    cfg = load_config_dict({
-        "run": {"name": "pipeline-hosts", "seed": 0},
-        "data": {"dataset": "sotu", "batch_size": 4},
-        "model": {"name": "transformer", "kwargs": {"d_model": 16, "heads": 2, "layers": 3, "mlp_dim": 32}},
-        "train": {"method": "backprop", "lr": 1e-2, "steps": 5, "optimizer": {"name": "adamw"}, "keep_checkpoints": 0},
-        "pipeline": {"stages": 2, "micro_batches": 2, "examples": 8, "seq_len": 16, "objective": "lm",
-                     "compression": "aqsgd", "fw_bits": 2, "bw_bits": 4},
-    })
+    cfg = load_config_dict(
+        {
+            "run": {"name": "pipeline-hosts", "seed": 0},
+            "data": {"dataset": "sotu", "batch_size": 4},
+            "model": {"name": "transformer", "kwargs": {"d_model": 16, "heads": 2, "layers": 3, "mlp_dim": 32}},
+            "train": {
+                "method": "backprop",
+                "lr": 1e-2,
+                "steps": 5,
+                "optimizer": {"name": "adamw"},
+                "keep_checkpoints": 0,
+            },
+            "pipeline": {
+                "stages": 2,
+                "micro_batches": 2,
+                "examples": 8,
+                "seq_len": 16,
+                "objective": "lm",
+                "compression": "aqsgd",
+                "fw_bits": 2,
+                "bw_bits": 4,
+            },
+        }
+    )
     config = tmp_path / "pipeline.yaml"
     config.write_text(to_yaml(cfg))
     secret = _secret(tmp_path)
@@ -188,9 +236,25 @@ def test_aqsgd_pipeline_across_two_hosts_ends_on_the_in_process_run(tmp_path):
             h.limit(100)  # 100 Mbit/s each way on every host's link
         rdv = f"{hosts[1].address}:{PORT}"  # the rendezvous on the last stage's host, not rank 0's
         certs.make_host_certificates(tmp_path / "certs", [h.address for h in hosts])  # mutual TLS on every link
-        procs = [_start(h.command(_launch(config, tmp_path / f"h{i}", rdv, 2, secret, "--node-rank", str(i),
-                                          "--tls-dir", str(tmp_path / "certs"))), tmp_path / f"h{i}.log")
-                 for i, h in enumerate(hosts)]
+        procs = [
+            _start(
+                h.command(
+                    _launch(
+                        config,
+                        tmp_path / f"h{i}",
+                        rdv,
+                        2,
+                        secret,
+                        "--node-rank",
+                        str(i),
+                        "--tls-dir",
+                        str(tmp_path / "certs"),
+                    )
+                ),
+                tmp_path / f"h{i}.log",
+            )
+            for i, h in enumerate(hosts)
+        ]
         assert _wait(procs, 300) == [0, 0], _logs(tmp_path)
     assert "--tls-mutual" in json.loads((tmp_path / "h0" / "launch.json").read_text())["command"]
     # stage 1 served only the stream signed by stage 0's key, which went through the rendezvous
@@ -207,21 +271,28 @@ def test_aqsgd_pipeline_across_two_hosts_ends_on_the_in_process_run(tmp_path):
 
 
 def test_ravnest_nodes_on_four_hosts_end_on_the_in_process_digests(tmp_path):
-    cfg = load_config_dict({
-        "run": {"name": "ravnest-hosts", "seed": 0},
-        "data": {"dataset": "sentiment", "batch_size": 8},
-        "model": {"name": "transformer", "kwargs": {}},
-        "train": {"method": "backprop", "steps": 8, "lr": 1e-3, "optimizer": {"name": "adamw"}},
-        "ravnest": {"examples": 64, "seq_len": 32, "average_every": 4},
-    })
+    cfg = load_config_dict(
+        {
+            "run": {"name": "ravnest-hosts", "seed": 0},
+            "data": {"dataset": "sentiment", "batch_size": 8},
+            "model": {"name": "transformer", "kwargs": {}},
+            "train": {"method": "backprop", "steps": 8, "lr": 1e-3, "optimizer": {"name": "adamw"}},
+            "ravnest": {"examples": 64, "seq_len": 32, "average_every": 4},
+        }
+    )
     config = tmp_path / "ravnest.yaml"
     config.write_text(to_yaml(cfg))
     secret = _secret(tmp_path)
     with netns.hosts(4) as hosts:
         rdv = f"{hosts[2].address}:{PORT}"
         certs.make_host_certificates(tmp_path / "certs", [h.address for h in hosts])  # mutual TLS on every link
-        procs = [_start(h.command(_launch(config, tmp_path / f"h{i}", rdv, 4, secret, "--tls-dir", str(tmp_path / "certs"))),
-                        tmp_path / f"h{i}.log") for i, h in enumerate(hosts)]
+        procs = [
+            _start(
+                h.command(_launch(config, tmp_path / f"h{i}", rdv, 4, secret, "--tls-dir", str(tmp_path / "certs"))),
+                tmp_path / f"h{i}.log",
+            )
+            for i, h in enumerate(hosts)
+        ]
         assert _wait(procs, 300) == [0, 0, 0, 0], _logs(tmp_path)
     ref = ravnest_sim.run_local(cfg)
     got = {p.parent.name: json.loads(p.read_text())["digest"] for p in tmp_path.glob("h*/nodes/*/summary.json")}
@@ -232,27 +303,40 @@ def test_ravnest_nodes_on_four_hosts_end_on_the_in_process_digests(tmp_path):
 
 
 MARSIT = {
-    "name": "marsit-hosts", "seed": 3,
+    "name": "marsit-hosts",
+    "seed": 3,
     "data": {"dataset": "digits", "batch_size": 8, "eval_size": 200},
     "model": {"name": "mlp", "kwargs": {"hidden": [16]}},
     "topology": {"kind": "ring", "workers": 4},
     "train": {"rounds": 6, "eta_l": 0.1, "eval_every": 3, "target_acc": 0.05},
-    "runs": [{"label": "psgd", "sync": {"method": "psgd"}},
-             {"label": "marsit-k3", "sync": {"method": "marsit", "eta_s": 0.01, "K": 3}}],
+    "runs": [
+        {"label": "psgd", "sync": {"method": "psgd"}},
+        {"label": "marsit-k3", "sync": {"method": "marsit", "eta_s": 0.01, "K": 3}},
+    ],
 }
 
 
 def test_marsit_over_two_hosts_ends_on_the_one_process_run(tmp_path):
     config = tmp_path / "marsit.yaml"
     config.write_text(json.dumps(MARSIT))
-    ref = subprocess.run([sys.executable, "-m", "zeroth", "run", str(config), "--out", str(tmp_path / "ref"), "--quiet"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    ref = subprocess.run(
+        [sys.executable, "-m", "zeroth", "run", str(config), "--out", str(tmp_path / "ref"), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert ref.returncode == 0, ref.stderr[-2000:]
     secret = _secret(tmp_path)
     with netns.hosts(2) as hosts:
         rdv = f"{hosts[0].address}:{PORT}"
-        procs = [_start(h.command(_launch(config, tmp_path / f"h{i}", rdv, 2, secret, "--node-rank", str(i))),
-                        tmp_path / f"h{i}.log") for i, h in enumerate(hosts)]
+        procs = [
+            _start(
+                h.command(_launch(config, tmp_path / f"h{i}", rdv, 2, secret, "--node-rank", str(i))),
+                tmp_path / f"h{i}.log",
+            )
+            for i, h in enumerate(hosts)
+        ]
         assert _wait(procs, 300) == [0, 0], _logs(tmp_path)
     want = json.loads((tmp_path / "ref" / "summary.json").read_text())["runs"]
     for i in range(2):
@@ -260,8 +344,11 @@ def test_marsit_over_two_hosts_ends_on_the_one_process_run(tmp_path):
         assert [r["run"] for r in got] == ["psgd", "marsit-k3"]
         for g, w in zip(got, want):
             assert g["checksums_equal"] and g["workers"] == 4
-            assert (g["digest"], g["bits_per_element"], g["eval_accuracy"]) == (w["digest"], w["bits_per_element"],
-                                                                               w["eval_accuracy"]), g["run"]
+            assert (g["digest"], g["bits_per_element"], g["eval_accuracy"]) == (
+                w["digest"],
+                w["bits_per_element"],
+                w["eval_accuracy"],
+            ), g["run"]
 
 
 def test_binary_server_and_workers_on_three_hosts_end_on_the_loopback_run(tmp_path):
@@ -273,8 +360,13 @@ def test_binary_server_and_workers_on_three_hosts_end_on_the_loopback_run(tmp_pa
     secret = _secret(tmp_path)
     with netns.hosts(3) as hosts:
         rdv = f"{hosts[0].address}:{PORT}"
-        procs = [_start(h.command(_launch(config, tmp_path / f"h{i}", rdv, 3, secret, "--node-rank", str(i))),
-                        tmp_path / f"h{i}.log") for i, h in enumerate(hosts)]
+        procs = [
+            _start(
+                h.command(_launch(config, tmp_path / f"h{i}", rdv, 3, secret, "--node-rank", str(i))),
+                tmp_path / f"h{i}.log",
+            )
+            for i, h in enumerate(hosts)
+        ]
         assert _wait(procs, 300) == [0, 0, 0], _logs(tmp_path)
     server = json.loads((tmp_path / "h0" / "server" / "summary.json").read_text())
     assert server["contributors_per_round"] == [2] * cfg.binary.rounds
@@ -291,8 +383,13 @@ def test_a_run_missing_a_host_fails_on_every_host_with_one_line(tmp_path):
     secret = _secret(tmp_path)
     with netns.hosts(2) as hosts:
         rdv = f"{hosts[0].address}:{PORT}"
-        procs = [_start(h.command(_launch(JOB, tmp_path / f"h{i}", rdv, 3, secret, "--startup-timeout", "6")),
-                        tmp_path / f"h{i}.log") for i, h in enumerate(hosts)]
+        procs = [
+            _start(
+                h.command(_launch(JOB, tmp_path / f"h{i}", rdv, 3, secret, "--startup-timeout", "6")),
+                tmp_path / f"h{i}.log",
+            )
+            for i, h in enumerate(hosts)
+        ]
         codes = _wait(procs, 120)
     assert codes == [1, 1], _logs(tmp_path)
     for i in range(2):

@@ -59,12 +59,19 @@ def test_pause_restart_on_the_same_port_and_lost_majority(tmp_path):
         first_id = c.records("p3")[-1]["machine"]
         c.signal("p3", signal.SIGSTOP)
         paused_at = c.iteration("p1")
-        assert c.wait_for(lambda: first_id not in contributors_since(c, "p1", c.iteration("p1") - 1) and c.iteration("p1") > paused_at + 3, 60)
+        assert c.wait_for(
+            lambda: (
+                first_id not in contributors_since(c, "p1", c.iteration("p1") - 1) and c.iteration("p1") > paused_at + 3
+            ),
+            60,
+        )
         assert c.wait_for(lambda: c.records("p1")[-1]["members"] == 3, 60), c.records("p1")[-1]
         c.signal("p3", signal.SIGCONT)
         assert c.wait_for(lambda: c.log("p3").count("joined run") >= 2, 60), c.log("p3")[-3000:]
         assert "dropped from the run" in c.log("p3")
-        assert c.wait_for(lambda: any(m not in (0, 1, 2, first_id) for m in contributors_since(c, "p1", paused_at)), 60), c.log("p3")[-3000:]
+        assert c.wait_for(
+            lambda: any(m not in (0, 1, 2, first_id) for m in contributors_since(c, "p1", paused_at)), 60
+        ), c.log("p3")[-3000:]
         assert len(c.log("p3")) < 200_000  # no busy loop flooding the log
 
         # 2. Kill the rejoined peer and restart it on the same port.
@@ -72,9 +79,9 @@ def test_pause_restart_on_the_same_port_and_lost_majority(tmp_path):
         c.peers["p3"].proc.wait()
         killed_at = c.iteration("p1")
         c.start("p3b", join="p0", port=c.ports["p3"])
-        assert c.wait_for(lambda: c.records("p3b") and c.records("p3b")[-1]["machine"] in contributors_since(c, "p1", killed_at), 120), (
-            c.log("p3b")[-3000:]
-        )
+        assert c.wait_for(
+            lambda: c.records("p3b") and c.records("p3b")[-1]["machine"] in contributors_since(c, "p1", killed_at), 120
+        ), c.log("p3b")[-3000:]
         assert "Traceback" not in c.log("p3b") and "_InactiveRpcError" not in c.log("p3b")
         # ... seated once: the members' channels to that port, failing since the kill, are renewed
         # when it joins (before, the leader's commits to it failed in gRPC's reconnection back-off,

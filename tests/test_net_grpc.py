@@ -34,7 +34,14 @@ TOKEN = "test-token-0123"
 
 
 def config(iterations, **peers):
-    p = dict(count=2, inferences_per_iteration=4, iteration_timeout_s=3.0, barrier_timeout_s=2.0, iterations=iterations, token=TOKEN)
+    p = dict(
+        count=2,
+        inferences_per_iteration=4,
+        iteration_timeout_s=3.0,
+        barrier_timeout_s=2.0,
+        iterations=iterations,
+        token=TOKEN,
+    )
     p.update(peers)
     return load_config_dict(
         {
@@ -53,11 +60,19 @@ def worker():
 
 
 def start_nodes(cfg, worker, tmp_path, n, **options):
-    first = Node(cfg, NodeOptions(out_dir=str(tmp_path / "p0"), founders=n, secret=cfg.peers.token, log=False, **options), worker=worker)
+    first = Node(
+        cfg,
+        NodeOptions(out_dir=str(tmp_path / "p0"), founders=n, secret=cfg.peers.token, log=False, **options),
+        worker=worker,
+    )
     nodes = [first]
     address = first.start()
     for i in range(1, n):
-        node = Node(cfg, NodeOptions(out_dir=str(tmp_path / f"p{i}"), join=(address,), secret=cfg.peers.token, log=False, **options), worker=worker)
+        node = Node(
+            cfg,
+            NodeOptions(out_dir=str(tmp_path / f"p{i}"), join=(address,), secret=cfg.peers.token, log=False, **options),
+            worker=worker,
+        )
         node.start()
         nodes.append(node)
     return nodes
@@ -130,7 +145,11 @@ def test_a_peer_without_the_token_is_refused(running):
         req = pb.GradientPush(run_id=run_id(member), sender=0, iteration=member.applied, count=1, payload=b"\x80")
         code, details = status_of(lambda: s.PushGradients(req, metadata=md, timeout=10))
         assert code == grpc.StatusCode.UNAUTHENTICATED and "token" in details
-        code, _ = status_of(lambda: s.Join(pb.JoinRequest(config_digest=member.join_digest, address="127.0.0.1:9"), metadata=md, timeout=10))
+        code, _ = status_of(
+            lambda: s.Join(
+                pb.JoinRequest(config_digest=member.join_digest, address="127.0.0.1:9"), metadata=md, timeout=10
+            )
+        )
         assert code == grpc.StatusCode.UNAUTHENTICATED
         code, _ = status_of(lambda: list(s.FetchState(pb.StateRequest(run_id=run_id(member)), metadata=md, timeout=10)))
         assert code == grpc.StatusCode.UNAUTHENTICATED
@@ -160,7 +179,9 @@ def test_garbage_pushes_get_a_clear_status(running, run, sender, offset, count, 
     member = running[1]
     s, md = stub(member)
     rid = run_id(member) if run == "own" else run
-    req = pb.GradientPush(run_id=rid, sender=sender, iteration=max(0, member.applied + offset), count=count, payload=payload)
+    req = pb.GradientPush(
+        run_id=rid, sender=sender, iteration=max(0, member.applied + offset), count=count, payload=payload
+    )
     code, details = status_of(lambda: s.PushGradients(req, metadata=md, timeout=10))
     assert code in REFUSALS and details  # unsigned: never accepted, whatever it claims
 
@@ -173,19 +194,28 @@ def test_a_member_cannot_speak_for_another(running, hostile):
     view = member.status_view()
     for victim in (0, 1):
         target = running[1 - victim].address
-        assert hostile.send(target, "PushGradients", hostile.push(victim, iteration=t, payload=b"\xff" * 4))[0] == "UNAUTHENTICATED"
+        assert (
+            hostile.send(target, "PushGradients", hostile.push(victim, iteration=t, payload=b"\xff" * 4))[0]
+            == "UNAUTHENTICATED"
+        )
         forged = hostile.commit(victim, iteration=t - 1, ballot=P.Ballot(0, victim), view=view._replace(iteration=t))
         assert hostile.send(target, "CommitIteration", forged)[0] == "UNAUTHENTICATED"
         assert hostile.send(target, "Leave", hostile.leave(victim, iteration=t))[0] == "UNAUTHENTICATED"
         assert hostile.send(target, "Prepare", hostile.prepare(victim, iteration=t, round=1))[0] == "UNAUTHENTICATED"
         rid = hostile.run_id
-        check = hostile.signed("Checksum", pb.ChecksumRequest(run_id=rid, sender=victim, iteration=t, digest=b"\x01" * 32))
+        check = hostile.signed(
+            "Checksum", pb.ChecksumRequest(run_id=rid, sender=victim, iteration=t, digest=b"\x01" * 32)
+        )
         assert hostile.send(target, "Checksum", check)[0] == "UNAUTHENTICATED"
         manifest = hostile.signed("GetManifest", pb.ManifestRequest(run_id=rid, sender=victim))
         assert hostile.send(target, "GetManifest", manifest)[0] == "UNAUTHENTICATED"
-        state = hostile.signed("FetchState", pb.StateRequest(run_id=rid, sender=victim, iteration=0, offset=0, length=8))
+        state = hostile.signed(
+            "FetchState", pb.StateRequest(run_id=rid, sender=victim, iteration=0, offset=0, length=8)
+        )
         assert hostile.send(target, "FetchState", state)[0] == "UNAUTHENTICATED"
-        log = hostile.signed("FetchLog", pb.FetchLogRequest(run_id=rid, sender=victim, first_iteration=t - 1, last_iteration=t))
+        log = hostile.signed(
+            "FetchLog", pb.FetchLogRequest(run_id=rid, sender=victim, first_iteration=t - 1, last_iteration=t)
+        )
         assert hostile.send(target, "FetchLog", log)[0] == "UNAUTHENTICATED"
         # A join naming a live member's address is refused: it would evict that member.
         code, details = hostile.send(leader.address, "Join", hostile.join_request(running[victim].address))
@@ -217,7 +247,9 @@ def test_rule_breaking_messages_of_a_member_are_refused_or_harmless(running, hos
     view = member.status_view()
     # Ballots near overflow are refused up front, and so is a jump of the round.
     for rnd in (2**63 - 1, 2**32):
-        assert hostile.send(member.address, "Prepare", hostile.prepare(h, iteration=t, round=rnd))[0] == "INVALID_ARGUMENT"
+        assert (
+            hostile.send(member.address, "Prepare", hostile.prepare(h, iteration=t, round=rnd))[0] == "INVALID_ARGUMENT"
+        )
     # (8 iterations ahead of a fresh reading: a prepare for an iteration the member has already left is
     # answered OK, and fast iterations can pass t + 1 during the messages above)
     t = member.status()["iteration"]
@@ -225,7 +257,11 @@ def test_rule_breaking_messages_of_a_member_are_refused_or_harmless(running, hos
     assert code == "OUT_OF_RANGE" and "jumps" in details, details
     # A takeover commit without a promise, and round-0 commits from a non-leader, are refused.
     now = member.status()["iteration"]
-    code, _ = hostile.send(member.address, "CommitIteration", hostile.commit(h, iteration=now, ballot=P.Ballot(5, h), view=view._replace(iteration=now + 1)))
+    code, _ = hostile.send(
+        member.address,
+        "CommitIteration",
+        hostile.commit(h, iteration=now, ballot=P.Ballot(5, h), view=view._replace(iteration=now + 1)),
+    )
     assert code in ("FAILED_PRECONDITION", "OK")  # OK only if the iteration moved on meanwhile (then it is a mere hint)
     # Commits for future iterations (the wedge of a whole run) are hints only, never stored, and the
     # answer says so (a leader counts it for nothing when it answers joiners).
@@ -278,10 +314,17 @@ def test_stale_duplicate_oversized_and_undecodable_messages(running, hostile):
     join.config_digest = "not-this-run"
     code, details = hostile.send(leader.address, "Join", join)
     assert code == "UNAUTHENTICATED"  # the proof covers the config digest
-    code, _ = hostile.send(member.address, "FetchState", hostile.signed("FetchState", pb.StateRequest(run_id=rid, sender=77, iteration=0)))
+    code, _ = hostile.send(
+        member.address, "FetchState", hostile.signed("FetchState", pb.StateRequest(run_id=rid, sender=77, iteration=0))
+    )
     assert code == "PERMISSION_DENIED"
-    manifest = s.GetManifest(hostile.signed("GetManifest", pb.ManifestRequest(run_id=rid, sender=h)), metadata=md, timeout=10)
-    bad_range = hostile.signed("FetchState", pb.StateRequest(run_id=rid, sender=h, iteration=manifest.iteration, offset=manifest.total_bytes, length=10))
+    manifest = s.GetManifest(
+        hostile.signed("GetManifest", pb.ManifestRequest(run_id=rid, sender=h)), metadata=md, timeout=10
+    )
+    bad_range = hostile.signed(
+        "FetchState",
+        pb.StateRequest(run_id=rid, sender=h, iteration=manifest.iteration, offset=manifest.total_bytes, length=10),
+    )
     code, _ = hostile.send(member.address, "FetchState", bad_range)
     assert code in ("OUT_OF_RANGE", "NOT_FOUND")
 
@@ -291,7 +334,9 @@ def test_a_commit_delta_of_a_view_the_member_lacks_is_answered_send_whole_and_ch
     h = hostile.machine
     view = member.status_view()
     before = member.status()
-    forged = hostile.commit(h, iteration=view.iteration, ballot=P.Ballot(0, h), view=view._replace(iteration=view.iteration + 1))
+    forged = hostile.commit(
+        h, iteration=view.iteration, ballot=P.Ballot(0, h), view=view._replace(iteration=view.iteration + 1)
+    )
     forged.ClearField("next_view")
     forged.delta.base = b"\x00" * 32  # not the digest of any view the member holds
     forged.delta.next_machine_id = view.next_machine_id
@@ -320,8 +365,10 @@ def test_a_peer_answers_and_trains_while_outsiders_hold_calls_without_a_body(run
     from slowloris import Held, timed
 
     member = running[1]
-    with Held(member.address, "/zeroth.v1.Peer/PushGradients", 40) as held, \
-            Held(member.address, "/zeroth.v1.Peer/Nothing", 40) as unknown:
+    with (
+        Held(member.address, "/zeroth.v1.Peer/PushGradients", 40) as held,
+        Held(member.address, "/zeroth.v1.Peer/Nothing", 40) as unknown,
+    ):
         assert held.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
         assert unknown.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
         s, md = stub(member)
@@ -356,7 +403,9 @@ def test_a_corrupted_peer_is_detected_and_repaired(worker, tmp_path):
             n.stop()
 
 
-@pytest.mark.skipif(not security.can_make_certificates(), reason="needs the openssl command or the cryptography package")
+@pytest.mark.skipif(
+    not security.can_make_certificates(), reason="needs the openssl command or the cryptography package"
+)
 def test_tls_run_and_a_plaintext_client_is_refused(worker, tmp_path):
     tls = security.self_signed(tmp_path / "tls")
     cfg = config(8)
@@ -386,7 +435,9 @@ def test_padding_a_replay_with_zero_coefficients_changes_no_bit(worker):
     assert stats[0][0] == 3 and stats[4][0] == 2 and stats[0][3] == 0
     assert keys.shape[0] == padded_size(5) == 8
     decoded = {m: worker.codec.decode(p) for m, p in zip(grads, payloads, strict=True)}
-    plain = replay.replay(params, zo.canonical_updates(worker.seed, 11, decoded, 0.05, "sqrt"), distribution=worker.distribution)
+    plain = replay.replay(
+        params, zo.canonical_updates(worker.seed, 11, decoded, 0.05, "sqrt"), distribution=worker.distribution
+    )
     padded = replay.replay(params, (keys, coeffs), distribution=worker.distribution)
     assert replay.checksum(plain) == replay.checksum(padded)
     assert replay.checksum(plain) != replay.checksum(params)
@@ -463,7 +514,11 @@ def test_a_peer_that_leaves_is_removed_and_the_others_finish(worker, tmp_path):
         assert nodes[0].digests()[20] == nodes[1].digests()[20]
         assert nodes[2].applied < 20
         # A joiner reaching the finished run (its peers still serving) is told so at once.
-        late = Node(cfg, NodeOptions(out_dir=str(tmp_path / "late"), join=(nodes[1].address,), secret=TOKEN, log=False), worker=worker)
+        late = Node(
+            cfg,
+            NodeOptions(out_dir=str(tmp_path / "late"), join=(nodes[1].address,), secret=TOKEN, log=False),
+            worker=worker,
+        )
         started = time.monotonic()
         late.start()
         try:
@@ -499,7 +554,11 @@ def test_a_joiner_whose_leader_died_before_answering_is_told_its_id_by_the_takeo
     try:
         assert wait_for(lambda: all(n.applied >= 2 for n in nodes))
         leader._dispatch = crash_instead_of_answering
-        joiner = Node(cfg, NodeOptions(out_dir=str(tmp_path / "j"), join=(nodes[1].address,), secret=TOKEN, log=False), worker=worker)
+        joiner = Node(
+            cfg,
+            NodeOptions(out_dir=str(tmp_path / "j"), join=(nodes[1].address,), secret=TOKEN, log=False),
+            worker=worker,
+        )
         joiner.start()
         assert wait_for(crashed.is_set, 60)
         # The commit admitting machine 3 reached a majority (the leader and one of the others); the
@@ -568,7 +627,9 @@ def test_a_join_the_protocol_releases_is_answered_unavailable_at_once(running):
     waiter: futures.Future = futures.Future()
     with node._lock:
         node._join_waiters[-1] = waiter
-        node._dispatch([P.JoinRefused(-1, "machine 0 queued the join of a:1 but no longer decides iteration 9; ask again")])
+        node._dispatch(
+            [P.JoinRefused(-1, "machine 0 queued the join of a:1 but no longer decides iteration 9; ask again")]
+        )
     err = waiter.exception(timeout=5)
     assert isinstance(err, P.Rejected) and err.code == "UNAVAILABLE" and err.message.endswith("ask again")
     assert -1 not in node._join_waiters
@@ -593,11 +654,18 @@ def test_the_command_line_needs_a_secret_to_join_and_refuses_two_choices(tmp_pat
 def test_a_joiner_with_another_config_is_told_which_field_differs(running, worker, tmp_path):
     cfg = config(10**6, clip=8.0)
     other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=0.07))
-    node = Node(other, NodeOptions(out_dir=str(tmp_path / "other"), join=(running[0].address,), secret=TOKEN, log=False,
-                                   join_timeout_s=30.0), worker=worker)
+    node = Node(
+        other,
+        NodeOptions(
+            out_dir=str(tmp_path / "other"), join=(running[0].address,), secret=TOKEN, log=False, join_timeout_s=30.0
+        ),
+        worker=worker,
+    )
     run_alone(node)
     assert node.finish_reason == "failed"
-    assert "this peer's config differs from the run's in train.lr (the run: 0.05, this peer: 0.07);" in node.error, node.error
+    assert "this peer's config differs from the run's in train.lr (the run: 0.05, this peer: 0.07);" in node.error, (
+        node.error
+    )
     assert "digest" not in node.error
 
 
@@ -613,15 +681,30 @@ def test_the_join_timeout_bounds_a_join_call_that_is_never_answered(worker, tmp_
         context.abort(grpc.StatusCode.UNAVAILABLE, "released")
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=channels.server_options(4 * 1024 * 1024))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("zeroth.v1.Peer", {
-        "Join": grpc.unary_unary_rpc_method_handler(
-            hold, request_deserializer=pb.JoinRequest.FromString, response_serializer=pb.JoinResponse.SerializeToString),
-    }),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "zeroth.v1.Peer",
+                {
+                    "Join": grpc.unary_unary_rpc_method_handler(
+                        hold,
+                        request_deserializer=pb.JoinRequest.FromString,
+                        response_serializer=pb.JoinResponse.SerializeToString,
+                    ),
+                },
+            ),
+        )
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     cfg = config(10, iteration_timeout_s=300.0, barrier_timeout_s=150.0)
-    node = Node(cfg, NodeOptions(out_dir=str(tmp_path / "j"), join=(f"127.0.0.1:{port}",), secret=TOKEN, log=False,
-                                 join_timeout_s=2.0), worker=worker)
+    node = Node(
+        cfg,
+        NodeOptions(
+            out_dir=str(tmp_path / "j"), join=(f"127.0.0.1:{port}",), secret=TOKEN, log=False, join_timeout_s=2.0
+        ),
+        worker=worker,
+    )
     try:
         started = time.monotonic()
         run_alone(node, timeout=120.0)
@@ -638,17 +721,26 @@ def test_a_founder_resuming_a_state_that_does_not_fit_gives_up_in_one_line(worke
     from zeroth.net.state import save_state
 
     other = {"w": np.ones(3, np.float32)}  # another model's parameters, intact
-    state = save_state(tmp_path / "state", other, iteration=4, run_id="r", digest=replay.checksum(other), reason="failed")
-    node = Node(config(10), NodeOptions(out_dir=str(tmp_path / "p0"), founders=2, secret=TOKEN, log=False, resume=str(state)),
-                worker=worker)
+    state = save_state(
+        tmp_path / "state", other, iteration=4, run_id="r", digest=replay.checksum(other), reason="failed"
+    )
+    node = Node(
+        config(10),
+        NodeOptions(out_dir=str(tmp_path / "p0"), founders=2, secret=TOKEN, log=False, resume=str(state)),
+        worker=worker,
+    )
     run_alone(node)
     assert node.finish_reason == "failed"
-    assert node.error.startswith(f"cannot resume: the state in {state} does not fit the model: snapshot leaves do not match"), node.error
+    assert node.error.startswith(
+        f"cannot resume: the state in {state} does not fit the model: snapshot leaves do not match"
+    ), node.error
     assert "Traceback" not in capsys.readouterr().err
 
 
 def test_peers_apply_a_warmup_cosine_schedule_and_agree(tmp_path):
-    cfg = apply_overrides(config(8), ["train.schedule={name: cosine, warmup_steps: 2, decay_steps: 8, final_ratio: 0.1}"])
+    cfg = apply_overrides(
+        config(8), ["train.schedule={name: cosine, warmup_steps: 2, decay_steps: 8, final_ratio: 0.1}"]
+    )
     own = Worker(cfg)  # the schedule is the worker's: every peer derives it from the shared config
     nodes = start_nodes(cfg, own, tmp_path, 2)
     try:
@@ -692,7 +784,9 @@ def test_forty_founders_on_one_host_all_join_while_the_founder_holds_their_joins
     try:
         assert wait_for(lambda: all(node.wait(0) for node in nodes), timeout=120.0), [nd.phase for nd in nodes][:5]
         summaries = [node.summary() for node in nodes]
-        assert [s["finish_reason"] for s in summaries] == ["done"] * n, {(s["finish_reason"], s.get("error")) for s in summaries}
+        assert [s["finish_reason"] for s in summaries] == ["done"] * n, {
+            (s["finish_reason"], s.get("error")) for s in summaries
+        }
         assert len({s["digest"] for s in summaries}) == 1
         assert sorted(m for s in summaries for m in s["machines"]) == list(range(n))
     finally:

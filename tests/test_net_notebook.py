@@ -26,17 +26,35 @@ def make_run(root: Path, name: str, peers: int, codec: str, iterations: int, wor
         "data": {"dataset": "digits", "batch_size": 32, "eval_size": 200},
         "model": {"name": "mlp", "kwargs": {"hidden": [16]}},
         "train": {"lr": 0.05, "eps": 1e-3, "codec": codec, "eval_every": 4},
-        "peers": {"count": peers, "inferences_per_iteration": 4, "iteration_timeout_s": 5.0, "barrier_timeout_s": 3.0, "iterations": iterations},
+        "peers": {
+            "count": peers,
+            "inferences_per_iteration": 4,
+            "iteration_timeout_s": 5.0,
+            "barrier_timeout_s": 3.0,
+            "iterations": iterations,
+        },
     }
     cfg = load_config_dict(raw)
     out = root / name
     out.mkdir(parents=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
     worker = worker_cache.setdefault(codec, Worker(cfg))
-    nodes = [Node(cfg, NodeOptions(out_dir=str(out / "peers" / "p0"), founders=peers, secret="notebook-secret", log=False), worker=worker)]
+    nodes = [
+        Node(
+            cfg,
+            NodeOptions(out_dir=str(out / "peers" / "p0"), founders=peers, secret="notebook-secret", log=False),
+            worker=worker,
+        )
+    ]
     address = nodes[0].start()
     for i in range(1, peers):
-        nodes.append(Node(cfg, NodeOptions(out_dir=str(out / "peers" / f"p{i}"), join=(address,), secret="notebook-secret", log=False), worker=worker))
+        nodes.append(
+            Node(
+                cfg,
+                NodeOptions(out_dir=str(out / "peers" / f"p{i}"), join=(address,), secret="notebook-secret", log=False),
+                worker=worker,
+            )
+        )
         nodes[-1].start()
     try:
         assert all(n.wait(180) for n in nodes)
@@ -44,7 +62,6 @@ def make_run(root: Path, name: str, peers: int, codec: str, iterations: int, wor
     finally:
         for n in nodes:
             n.stop()
-
 
 
 @pytest.mark.slow
@@ -89,7 +106,9 @@ def test_committed_job_runs_are_real_and_consistent():
     assert names == ["float32_2peers", "onebyte_1machine", "onebyte_2peers"]
     for name in names:
         summary = json.loads((DATA / name / "summary.json").read_text())
-        assert summary["digests_agree"] and summary["checksum_mismatches"] == 0 and summary["projected_gradients"] == 640
+        assert (
+            summary["digests_agree"] and summary["checksum_mismatches"] == 0 and summary["projected_gradients"] == 640
+        )
         digests = set()
         for pdir in sorted((DATA / name / "peers").glob("p*")):
             rows = read_metrics(pdir / "metrics.jsonl")

@@ -116,7 +116,9 @@ def test_a_peer_killed_after_taking_the_others_pushes_costs_no_deadline(victim, 
     killed, watcher = net.peers[killed], net.peers[watcher]
     run_until_iteration(net, "sim:1001", 6)
     killed.compute_time = 0.3
-    assert net.run_until(lambda: killed.state.it == 8 and {(8, m) for m in others} <= set(killed.state.inbox), limit=60.0)
+    assert net.run_until(
+        lambda: killed.state.it == 8 and {(8, m) for m in others} <= set(killed.state.inbox), limit=60.0
+    )
     assert (8, killed.state.me) not in watcher.state.inbox and watcher.state.it == 8
     killed_at = net.now
     net.kill(killed.address)
@@ -290,7 +292,9 @@ def test_random_faults_never_split_the_chain(kill_leader, kill_at, join_at, slow
     lose=st.integers(0, 1),
     slow=st.one_of(st.none(), st.tuples(st.integers(0, 4), st.floats(0.3, 3.0))),
 )
-def test_the_leader_dies_around_a_join_with_its_last_commit_lost_on_the_way(founders, kill_at, join_at, via, cut, delay, lose, slow):
+def test_the_leader_dies_around_a_join_with_its_last_commit_lost_on_the_way(
+    founders, kill_at, join_at, via, cut, delay, lose, slow
+):
     """The leader's commit to one member is lost and the leader is killed a moment after it decided,
     around a join: the survivors (a majority, with the joiner wherever it holds a seat) go on and
     agree. Fewer than UNREACHABLE_AFTER lost commits, so no member is removed and the founders stay a
@@ -371,7 +375,11 @@ def takeover_state(kill_at=7, join_at=None):
     [0, 1, 2, 3]) and admitted sim:2000 as machine 4. Either way the view of ``kill_at`` is
     [0, 1, 2, 4], machine 4 not yet told."""
     net = faulty_run(
-        kill_leader=True, kill_at=kill_at, join_at=join_at, slow=None, lose=3,
+        kill_leader=True,
+        kill_at=kill_at,
+        join_at=join_at,
+        slow=None,
+        lose=3,
         until=lambda n: n.peers["sim:1001"].state.recovery is not None,
     )
     st = net.peers["sim:1001"].state
@@ -425,7 +433,9 @@ def test_a_decision_is_chosen_only_when_holders_at_the_same_ballot_meet_every_ma
     step = P.on_prepare_reply(p, queued.state, sender=2, reply=reply, now=st.started_at + 5)
     assert step.state.chosen < t and not of_kind(step.effects, P.Admit)
     # The joiner's own reply carries no decision of t; it holds no vote on it.
-    step = P.on_prepare_reply(p, queued.state, sender=5, reply=P.PrepareReply(st.it, None, (), b""), now=st.started_at + 5)
+    step = P.on_prepare_reply(
+        p, queued.state, sender=5, reply=P.PrepareReply(st.it, None, (), b""), now=st.started_at + 5
+    )
     assert step.state.chosen < t
     # Machine 2 holds the same commit: with machines 1 and 0, 3 of 5; the queued join is answered.
     reply = P.PrepareReply(st.it, None, (), P.decision_digest(mine))
@@ -452,7 +462,9 @@ def test_half_of_an_even_view_holding_a_decision_is_enough_to_tell_a_seat():
     queued = P.on_join(p, st, P.JoinRequest(77, "sim:2000", "cfg", seat_key), st.started_at + 5)
     assert not of_kind(queued.effects, P.Admit)
     step = P.on_prepare_reply(p, queued.state, sender=2, reply=P.PrepareReply(5, None, (), b""), now=st.started_at + 5)
-    assert step.state.chosen == 4 and of_kind(step.effects, P.Admit) == [P.Admit(77, P.JoinAnswer(4, st.view, st.chain))]
+    assert step.state.chosen == 4 and of_kind(step.effects, P.Admit) == [
+        P.Admit(77, P.JoinAnswer(4, st.view, st.chain))
+    ]
 
 
 def unchained(peer):
@@ -537,7 +549,9 @@ def test_the_closing_iteration_carries_no_gradients_and_admits_no_one():
     Compute, no Apply), a push or commit with gradients there is refused, none beyond it is
     taken (nor a takeover's prepare), a join is refused, and the closing decision finishes the peer."""
     pp = dataclasses.replace(signed_params(1), iterations=5)
-    st = P.on_ready(pp, P.joined(pp, me=1, view=signed_view(4), now=0.0), iteration=4, view=signed_view(4), now=0.0).state
+    st = P.on_ready(
+        pp, P.joined(pp, me=1, view=signed_view(4), now=0.0), iteration=4, view=signed_view(4), now=0.0
+    ).state
     _, step = decide(pp, st, 4)
     st = step.state
     assert st.it == 5 and st.phase == P.MEMBER
@@ -556,8 +570,16 @@ def test_the_closing_iteration_carries_no_gradients_and_admits_no_one():
     with pytest.raises(P.Rejected) as e:
         P.on_join(pp, st, P.JoinRequest(1, "h:9", "cfg", KEYS[3].public), 2.0)
     assert e.value.code == "FAILED_PRECONDITION" and "finished" in e.value.message
-    closing = P.Commit("run", 0, 5, P.Ballot(0, 0), ((1, 0), (2, 0)), P.updates_digest(((1, 0), (2, 0)), (b"", b"")),
-                       signed_view(6), previous=st.chain)
+    closing = P.Commit(
+        "run",
+        0,
+        5,
+        P.Ballot(0, 0),
+        ((1, 0), (2, 0)),
+        P.updates_digest(((1, 0), (2, 0)), (b"", b"")),
+        signed_view(6),
+        previous=st.chain,
+    )
     with pytest.raises(P.Rejected) as e:
         P.on_commit(pp, st, signed(0, closing._replace(contributors=((1, 1), (2, 0)))), 2.0)
     assert e.value.code == "INVALID_ARGUMENT" and "closing" in e.value.message
@@ -588,7 +610,9 @@ def partitioned_run(seed):
     if slow is not None:
         net.peers[f"sim:{1000 + slow[0]}"].stall = slow[1]
     for t, what, arg in sorted(events, key=lambda e: (e[0], e[1])):
-        net.run_until(lambda t=t: any(p.state is not None and p.state.it >= t for p in net.peers.values()), limit=net.now + 60.0)
+        net.run_until(
+            lambda t=t: any(p.state is not None and p.state.it >= t for p in net.peers.values()), limit=net.now + 60.0
+        )
         net.run_until(lambda: False, limit=net.now + r.uniform(0, 1.0))
         live = [a for a, p in net.peers.items() if p.alive]
         if what == "cut":
@@ -734,7 +758,9 @@ def test_the_signer_of_a_decision_counts_as_one_of_its_holders():
     seat_key = st.view.key_of(4)
     queued = P.on_join(p, st, P.JoinRequest(77, "sim:1003", "cfg", seat_key), st.started_at + 5)
     step = P.on_prepare_reply(p, queued.state, sender=4, reply=P.PrepareReply(7, None, (), b""), now=st.started_at + 5)
-    assert step.state.chosen == 6 and of_kind(step.effects, P.Admit) == [P.Admit(77, P.JoinAnswer(4, st.view, st.chain))]
+    assert step.state.chosen == 6 and of_kind(step.effects, P.Admit) == [
+        P.Admit(77, P.JoinAnswer(4, st.view, st.chain))
+    ]
 
 
 def test_a_takeover_without_a_majority_tries_again_with_the_next_ballot():
@@ -754,7 +780,9 @@ def test_a_takeover_never_uses_one_of_its_ballots_twice_even_after_a_resynchroni
     p, st = takeover_state()  # machine 1 took over iteration 7 with ballot (1, 1)
     now, rounds = st.recovery.deadline, [st.recovery.ballot.round]
     step = P.Step(st, ())
-    while now < st.started_at + 2 * p.stall_s - 0.1:  # nobody answers: retries, a re-synchronisation (promises forgotten), retries
+    while (
+        now < st.started_at + 2 * p.stall_s - 0.1
+    ):  # nobody answers: retries, a re-synchronisation (promises forgotten), retries
         step = P.on_tick(p, step.state, now)
         if step.state.recovery is not None and step.state.recovery.ballot.round != rounds[-1]:
             rounds.append(step.state.recovery.ballot.round)
@@ -771,7 +799,9 @@ def test_an_inactive_member_keeps_waiting_and_promising_until_the_stall_ends_the
     p, st = takeover_state()
     inactive = st._replace(
         view=st.view._replace(members=tuple(m._replace(active=m.machine != 1 and m.active) for m in st.view.members)),
-        recovery=None, promised={k: v for k, v in st.promised.items() if k < st.it}, deadline=st.started_at,
+        recovery=None,
+        promised={k: v for k, v in st.promised.items() if k < st.it},
+        deadline=st.started_at,
     )
     step, effects, now = P.Step(inactive, ()), [], st.started_at
     while now < st.started_at + p.stall_s - 0.05:
@@ -838,7 +868,9 @@ def test_a_reissued_decision_moves_an_applied_copy_to_the_promised_ballot_only()
     assert promised.promised[6] == P.Ballot(1, 2)
     moved = P.on_commit(p, promised, reissue, st.started_at + 5).state
     assert moved.decided[6].commit == reissue and moved.decided[6].payloads == st.decided[6].payloads
-    reply = P.on_prepare(p, moved, P.Prepare("run", 2, 7, P.Ballot(2, 2), previous=moved.chain), st.started_at + 5).reply
+    reply = P.on_prepare(
+        p, moved, P.Prepare("run", 2, 7, P.Ballot(2, 2), previous=moved.chain), st.started_at + 5
+    ).reply
     assert reply.previous == P.decision_digest(reissue) != P.decision_digest(old)
     # Another value at the promised ballot is a conflict (checked against the leader's log), never stored.
     other = reissue._replace(updates_digest=b"x" * 32)
@@ -875,7 +907,9 @@ def test_a_seat_is_told_from_the_chosen_view_when_the_next_majority_needs_the_jo
     net = five_founders_leader_killed_after_admitting()
     run_until_iteration(net, "sim:1001", 7)
     st = net.peers["sim:1001"].state
-    assert (st.it, st.chosen, sorted(st.view.ids())) == (7, 5, [0, 1, 2, 3, 4, 5]) and net.peers["sim:2000"].machines == []
+    assert (st.it, st.chosen, sorted(st.view.ids())) == (7, 5, [0, 1, 2, 3, 4, 5]) and net.peers[
+        "sim:2000"
+    ].machines == []
     net.kill("sim:1002")
     assert net.run_until(net.all_finished, limit=100.0)
     chain = assert_agree(net, 4)
@@ -893,7 +927,9 @@ def test_promises_carry_the_digest_of_the_applied_previous_decision_only():
     assert reply.previous == P.decision_digest(st.decided[6].commit)
     behind = P.on_prepare(p, st, prepare._replace(iteration=8), st.started_at + 5).reply
     assert behind.previous == b""  # iteration 7 is not applied here: no vote on it
-    past = P.on_prepare(p, st, prepare._replace(iteration=6, previous=P.chain_digest(st.decided[5].commit)), st.started_at + 5).reply
+    past = P.on_prepare(
+        p, st, prepare._replace(iteration=6, previous=P.chain_digest(st.decided[5].commit)), st.started_at + 5
+    ).reply
     assert past.decided == st.decided[6] and past.previous == P.decision_digest(st.decided[5].commit)
 
 
@@ -915,15 +951,28 @@ def snapshot(state):
     return copy.deepcopy(state)
 
 
-CODES = {"INVALID_ARGUMENT", "FAILED_PRECONDITION", "PERMISSION_DENIED", "OUT_OF_RANGE", "ALREADY_EXISTS", "UNAVAILABLE"}
+CODES = {
+    "INVALID_ARGUMENT",
+    "FAILED_PRECONDITION",
+    "PERMISSION_DENIED",
+    "OUT_OF_RANGE",
+    "ALREADY_EXISTS",
+    "UNAVAILABLE",
+}
 
 ints = st.one_of(st.integers(-(2**70), 2**70), st.sampled_from([0, 1, 2, 3, STATE.it, STATE.it + 1, 2**32, 2**63]))
 runs = st.one_of(st.just("run"), st.text(max_size=20), st.just("x" * 500))
 
 
 @settings(max_examples=150)
-@given(run_id=runs, sender=ints, iteration=ints, count=ints, payload=st.binary(max_size=12),
-       previous=st.sampled_from([STATE.chain, b"", b"c" * 32, b"short"]))
+@given(
+    run_id=runs,
+    sender=ints,
+    iteration=ints,
+    count=ints,
+    payload=st.binary(max_size=12),
+    previous=st.sampled_from([STATE.chain, b"", b"c" * 32, b"short"]),
+)
 def test_garbage_pushes_are_refused_or_stored_never_crash(run_id, sender, iteration, count, payload, previous):
     before = snapshot(STATE)
     push = P.Push(run_id, sender, iteration, count, payload, previous=previous)
@@ -943,7 +992,10 @@ def test_garbage_pushes_are_refused_or_stored_never_crash(run_id, sender, iterat
 member_views = st.builds(
     P.View,
     iteration=ints,
-    members=st.lists(st.builds(P.Member, machine=ints, address=st.sampled_from(["a:1", "b:2", "", "x"]), active=st.booleans()), max_size=4).map(tuple),
+    members=st.lists(
+        st.builds(P.Member, machine=ints, address=st.sampled_from(["a:1", "b:2", "", "x"]), active=st.booleans()),
+        max_size=4,
+    ).map(tuple),
     next_machine_id=ints,
 )
 
@@ -981,7 +1033,9 @@ def test_garbage_prepares_are_refused_never_crash(run_id, sender, iteration, bal
 
 
 def valid_push(iteration=None, sender=0, payload=b"ab"):
-    return P.Push("run", sender, STATE.it if iteration is None else iteration, len(payload), payload, previous=STATE.chain)
+    return P.Push(
+        "run", sender, STATE.it if iteration is None else iteration, len(payload), payload, previous=STATE.chain
+    )
 
 
 @pytest.mark.parametrize(
@@ -1020,14 +1074,18 @@ def test_payload_check_of_the_codec_is_applied():
 
 def test_commit_with_a_ballot_below_a_promise_is_refused():
     step = P.on_prepare(PARAMS, STATE, P.Prepare("run", 2, STATE.it, P.Ballot(3, 2), previous=STATE.chain), 10.0)
-    commit = P.Commit("run", 0, STATE.it, P.Ballot(0, 0), (), P.updates_digest((), ()), STATE.view._replace(iteration=STATE.it + 1))
+    commit = P.Commit(
+        "run", 0, STATE.it, P.Ballot(0, 0), (), P.updates_digest((), ()), STATE.view._replace(iteration=STATE.it + 1)
+    )
     with pytest.raises(P.Rejected) as e:
         P.on_commit(PARAMS, step.state, commit, 10.0)
     assert e.value.code == "FAILED_PRECONDITION" and "promised" in e.value.message
 
 
 def test_round_zero_commit_from_a_non_leader_is_refused():
-    commit = P.Commit("run", 2, STATE.it, P.Ballot(0, 2), (), P.updates_digest((), ()), STATE.view._replace(iteration=STATE.it + 1))
+    commit = P.Commit(
+        "run", 2, STATE.it, P.Ballot(0, 2), (), P.updates_digest((), ()), STATE.view._replace(iteration=STATE.it + 1)
+    )
     with pytest.raises(P.Rejected) as e:
         P.on_commit(PARAMS, STATE, commit, 10.0)
     assert e.value.code == "INVALID_ARGUMENT"
@@ -1104,8 +1162,12 @@ def decide(pp, st, t, *, sender=0, ballot=None, view=None, now=1.0):
     """A signed commit of iteration ``t`` by ``sender`` with no contributors, applied by ``st``."""
     view = view if view is not None else signed_view(t + 1, len(st.view.members))
     previous = st.chain if t == st.it else P.chain_digest(st.decided[t - 1].commit)
-    commit = signed(sender, P.Commit("run", sender, t, ballot or P.Ballot(0, sender), (), P.updates_digest((), ()), view,
-                                     previous=previous))
+    commit = signed(
+        sender,
+        P.Commit(
+            "run", sender, t, ballot or P.Ballot(0, sender), (), P.updates_digest((), ()), view, previous=previous
+        ),
+    )
     return commit, P.on_commit(pp, st, commit, now)
 
 
@@ -1117,8 +1179,13 @@ def test_a_member_cannot_speak_for_another_member():
     forged_leave = signed(2, P.Leave("run", 0, t))
     forged_prepare = signed(2, P.Prepare("run", 0, t, P.Ballot(1, 0)))
     unsigned = P.Push("run", 2, t, 2, b"ab")
-    for handler, msg in ((P.on_push, forged_push), (P.on_commit, forged_commit), (P.on_leave, forged_leave),
-                         (P.on_prepare, forged_prepare), (P.on_push, unsigned)):
+    for handler, msg in (
+        (P.on_push, forged_push),
+        (P.on_commit, forged_commit),
+        (P.on_leave, forged_leave),
+        (P.on_prepare, forged_prepare),
+        (P.on_push, unsigned),
+    ):
         with pytest.raises(P.Rejected) as e:
             handler(pp, st, msg, 10.0)
         assert e.value.code == "UNAUTHENTICATED", (handler.__name__, e.value)
@@ -1134,7 +1201,9 @@ def test_a_forged_commit_for_a_past_iteration_does_not_evict_a_peer():
     st = step.state
     assert st.it == t + 1
     # Machine 2 (a member, its own key) signs a different decision of t with a higher ballot.
-    other = signed(2, P.Commit("run", 2, t, P.Ballot(3, 2), ((2, 1),), P.updates_digest(((2, 1),), (b"x",)), signed_view(t + 1)))
+    other = signed(
+        2, P.Commit("run", 2, t, P.Ballot(3, 2), ((2, 1),), P.updates_digest(((2, 1),), (b"x",)), signed_view(t + 1))
+    )
     step = P.on_commit(pp, st, other, 20.0)
     assert step.state.phase == P.MEMBER and not any(isinstance(e, P.Dropped) for e in step.effects)
     fetch = [e for e in step.effects if isinstance(e, P.Fetch)]
@@ -1144,7 +1213,12 @@ def test_a_forged_commit_for_a_past_iteration_does_not_evict_a_peer():
     assert after.state.phase == P.MEMBER and after.state.it == t + 1
     # Had the leader's log held the other decision (a takeover really replaced ours), we drop out.
     step = P.on_commit(pp, st, other, 30.0)
-    dropped = P.on_fetched(pp, step.state, [P.LogEntry(other, (b"x",), (KEYS[2].sign(P.signed_bytes(P.Push("run", 2, t, 1, b"x"))),))], 30.1)
+    dropped = P.on_fetched(
+        pp,
+        step.state,
+        [P.LogEntry(other, (b"x",), (KEYS[2].sign(P.signed_bytes(P.Push("run", 2, t, 1, b"x"))),))],
+        30.1,
+    )
     assert dropped.state.phase == P.DROPPED
 
 
@@ -1152,7 +1226,9 @@ def test_a_commit_for_a_future_iteration_cannot_wedge_the_peer():
     pp, st = signed_member(me=1)
     t = st.it
     for ahead, ballot in ((1, P.Ballot(7, 2)), (2, P.Ballot(0, 2)), (5, P.Ballot(2**31, 2))):
-        wedge = signed(2, P.Commit("run", 2, t + ahead, ballot, (), P.updates_digest((), ()), signed_view(t + ahead + 1)))
+        wedge = signed(
+            2, P.Commit("run", 2, t + ahead, ballot, (), P.updates_digest((), ()), signed_view(t + ahead + 1))
+        )
         step = P.on_commit(pp, st, wedge, 10.0)
         assert t + ahead not in step.state.decided and t + ahead not in step.state.promised
         assert [type(e) for e in step.effects] == [P.Fetch]  # a hint: fetch the log, store nothing
@@ -1171,7 +1247,11 @@ def test_ballots_are_bounded_and_takeovers_need_the_iteration_timeout():
     pp, st = signed_member(me=1)
     t = st.it
     late = st.started_at + pp.iteration_timeout_s + 0.1
-    for rnd, code in ((2**63 - 1, "INVALID_ARGUMENT"), (2**32, "INVALID_ARGUMENT"), (P.MAX_ROUND_STEP + 1, "OUT_OF_RANGE")):
+    for rnd, code in (
+        (2**63 - 1, "INVALID_ARGUMENT"),
+        (2**32, "INVALID_ARGUMENT"),
+        (P.MAX_ROUND_STEP + 1, "OUT_OF_RANGE"),
+    ):
         with pytest.raises(P.Rejected) as e:
             P.on_prepare(pp, st, signed(2, P.Prepare("run", 2, t, P.Ballot(rnd, 2))), late)
         assert e.value.code == code, rnd
@@ -1231,7 +1311,9 @@ def test_fetched_entries_must_carry_their_senders_signatures():
     pp, st = signed_member(me=1)
     t = st.it
     contrib, payloads = ((2, 1),), (b"x",)
-    commit = signed(0, P.Commit("run", 0, t, P.Ballot(0, 0), contrib, P.updates_digest(contrib, payloads), signed_view(t + 1)))
+    commit = signed(
+        0, P.Commit("run", 0, t, P.Ballot(0, 0), contrib, P.updates_digest(contrib, payloads), signed_view(t + 1))
+    )
     forged = KEYS[0].sign(P.signed_bytes(P.Push("run", 2, t, 1, b"x")))  # the leader signs machine 2's payload
     with pytest.raises(P.Rejected) as e:
         P.on_fetched(pp, st, [P.LogEntry(commit, payloads, (forged,))], 1.0)
@@ -1261,7 +1343,15 @@ def test_forged_future_commits_and_huge_prepares_sent_to_everyone_do_not_stop_a_
     for peer in net.peers.values():  # unsigned simulation: machine 2 is the "hostile member"
         t = peer.state.it
         for ahead in (1, 2):
-            commit = P.Commit("run", 2, t + ahead, P.Ballot(9, 2), (), P.updates_digest((), ()), peer.state.view._replace(iteration=t + ahead + 1))
+            commit = P.Commit(
+                "run",
+                2,
+                t + ahead,
+                P.Ballot(9, 2),
+                (),
+                P.updates_digest((), ()),
+                peer.state.view._replace(iteration=t + ahead + 1),
+            )
             net._handle(peer, P.on_commit(net.params, peer.state, commit, net.now))
         with pytest.raises(P.Rejected):
             P.on_prepare(net.params, peer.state, P.Prepare("run", 2, t, P.Ballot(2**63 - 1, 2)), net.now)
@@ -1278,13 +1368,19 @@ def test_no_commit_can_rekey_a_member_or_reuse_an_id():
     nxt = signed_view(t + 1)
     rekeyed = nxt._replace(members=(nxt.members[0]._replace(key=KEYS[2].public),) + nxt.members[1:])
     reused = nxt._replace(members=nxt.members + (P.Member(1, "h:9", False, KEYS[3].public),))
-    for bad in (rekeyed, nxt._replace(members=nxt.members + (P.Member(3, "h:9", True, KEYS[3].public),)), nxt._replace(next_machine_id=2)):
+    for bad in (
+        rekeyed,
+        nxt._replace(members=nxt.members + (P.Member(3, "h:9", True, KEYS[3].public),)),
+        nxt._replace(next_machine_id=2),
+    ):
         commit = signed(2, P.Commit("run", 2, t, P.Ballot(1, 2), (), P.updates_digest((), ()), bad))
         with pytest.raises(P.Rejected) as e:
             P.on_commit(pp, st, commit, late)
         assert e.value.code == "INVALID_ARGUMENT"
     with pytest.raises(P.Rejected):
-        P.on_commit(pp, st, signed(2, P.Commit("run", 2, t, P.Ballot(1, 2), (), P.updates_digest((), ()), reused)), late)
+        P.on_commit(
+            pp, st, signed(2, P.Commit("run", 2, t, P.Ballot(1, 2), (), P.updates_digest((), ()), reused)), late
+        )
     joiner = nxt._replace(members=nxt.members + (P.Member(3, "h:9", False, KEYS[3].public),), next_machine_id=4)
     ok = signed(2, P.Commit("run", 2, t, P.Ballot(1, 2), (), P.updates_digest((), ()), joiner))
     assert P.on_commit(pp, st, ok, late).state.view == joiner

@@ -12,8 +12,16 @@ from zeroth.net.sim import SimNet
 
 
 def params(**kw):
-    base = dict(run_id="run", config_digest="cfg", bytes_per_value=1, max_count=4, iterations=12,
-                iteration_timeout_s=1.0, barrier_timeout_s=0.5, founders=3)
+    base = dict(
+        run_id="run",
+        config_digest="cfg",
+        bytes_per_value=1,
+        max_count=4,
+        iterations=12,
+        iteration_timeout_s=1.0,
+        barrier_timeout_s=0.5,
+        founders=3,
+    )
     base.update(kw)
     return P.Params(**base)
 
@@ -25,8 +33,14 @@ def done(net):
 def test_a_push_computed_too_late_is_counted_with_its_wasted_forward_passes_and_the_contributors():
     net = SimNet(params())
     net.start(3)
-    assert net.run_until(lambda: all(p.log for p in net.peers.values() if p.address != "sim:1002")
-                         and len(net.peers) == 3 and all(p.state is not None for p in net.peers.values()), limit=30.0)
+    assert net.run_until(
+        lambda: (
+            all(p.log for p in net.peers.values() if p.address != "sim:1002")
+            and len(net.peers) == 3
+            and all(p.state is not None for p in net.peers.values())
+        ),
+        limit=30.0,
+    )
     slow = net.peers["sim:1002"]
     at = len(net.peers["sim:1000"].log)  # the iteration being decided now
     slow.stall = 3.0  # past the barrier deadline (iteration timeout + barrier timeout = 1.5 s)
@@ -41,7 +55,7 @@ def test_a_push_computed_too_late_is_counted_with_its_wasted_forward_passes_and_
     assert min(per) == 2 and max(per) == 3  # the slow peer missed at least one barrier, then came back
     # Every peer counts the contributors of every decision it applied, as its chain says.
     for p in fin:
-        assert p.counters.contributors[-len(per):] == per
+        assert p.counters.contributors[-len(per) :] == per
     # The slow peer's gradients of iterations decided without it were computed for nothing (it
     # computes no more while a computation is pending, so not every iteration it missed cost any).
     missed = sum(1 for _, c, _ in slow.chain() if slow.machines[0] not in {m for m, _ in c})
@@ -50,7 +64,9 @@ def test_a_push_computed_too_late_is_counted_with_its_wasted_forward_passes_and_
     assert slow.counters.totals["forward_passes_wasted"] == 2 * net.params.max_count * late
     assert slow.counters.totals["barrier_wait_s_total"] > 0
     on_time = [p for p in fin if p is not slow]
-    assert all(p.counters.totals["pushes_late"] == 0 and p.counters.totals["forward_passes_wasted"] == 0 for p in on_time)
+    assert all(
+        p.counters.totals["pushes_late"] == 0 and p.counters.totals["forward_passes_wasted"] == 0 for p in on_time
+    )
     # What the decisions alone show (zeroth verify): the barriers that went on without an active member.
     seen = from_decisions(fin[0].log)
     assert seen["contributors_per_iteration"] == per and seen["contributors_min"] == 2
@@ -151,9 +167,14 @@ def test_bad_caps_are_refused_with_the_field_named(bad):
         params(**bad)
 
 
-@pytest.mark.parametrize("peers, field", [({"count": 3, "max_members": 2}, "peers.max_members: 2 is below peers.count=3"),
-                                          ({"max_members": 5000}, "peers.max_members: bad value 5000"),
-                                          ({"idle_timeout_s": 0}, "peers.idle_timeout_s: bad value 0")])
+@pytest.mark.parametrize(
+    "peers, field",
+    [
+        ({"count": 3, "max_members": 2}, "peers.max_members: 2 is below peers.count=3"),
+        ({"max_members": 5000}, "peers.max_members: bad value 5000"),
+        ({"idle_timeout_s": 0}, "peers.idle_timeout_s: bad value 0"),
+    ],
+)
 def test_a_config_with_a_bad_cap_is_refused_in_one_line_naming_the_field(peers, field):
     from zeroth.config import load_config_dict
 
@@ -190,11 +211,15 @@ def test_the_scale_harness_refuses_bad_arguments_in_one_line(capsys):
 
 
 def _view(n, t=4, inactive=()):
-    return P.View(t, tuple(P.Member(i, f"10.0.0.{i}:7000", i not in inactive, bytes([i % 256]) * 32) for i in range(n)), n)
+    return P.View(
+        t, tuple(P.Member(i, f"10.0.0.{i}:7000", i not in inactive, bytes([i % 256]) * 32) for i in range(n)), n
+    )
 
 
 def _commit(base, contributors, next_view):
-    return P.Commit("run", 0, base.iteration, P.Ballot(0, 0), tuple(contributors), b"d" * 32, next_view, b"s" * 64, b"p" * 32)
+    return P.Commit(
+        "run", 0, base.iteration, P.Ballot(0, 0), tuple(contributors), b"d" * 32, next_view, b"s" * 64, b"p" * 32
+    )
 
 
 def test_a_commit_sent_as_a_delta_of_its_view_is_rebuilt_exactly_and_costs_the_same_bytes_at_any_size():

@@ -88,8 +88,12 @@ def test_float_noise_is_the_integer_noise_exactly(dist, dtype, k0, k1, shape):
 def test_multi_dim_noise_is_row_major_flat_noise(dist):
     key = ref.sample_key(0, 1, 2, 3)
     flat = np.asarray(_noise_int(key, np.uint32(0), dist=dist, shape=(3 * 5 * 7,)))
-    np.testing.assert_array_equal(np.asarray(_noise_int(key, np.uint32(0), dist=dist, shape=(3, 5, 7))), flat.reshape(3, 5, 7))
-    np.testing.assert_array_equal(np.asarray(_noise_int(key, np.uint32(0), dist=dist, shape=(15, 7))), flat.reshape(15, 7))
+    np.testing.assert_array_equal(
+        np.asarray(_noise_int(key, np.uint32(0), dist=dist, shape=(3, 5, 7))), flat.reshape(3, 5, 7)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(_noise_int(key, np.uint32(0), dist=dist, shape=(15, 7))), flat.reshape(15, 7)
+    )
 
 
 def test_distributions_have_the_documented_law():
@@ -191,8 +195,12 @@ def test_binomial_counts_every_half_word():
     halves = np.arange(1 << 16, dtype=np.uint32)
     rest = halves[::-1] ^ np.uint32(0x5A5A)
     want = np.array([bin(int(x)).count("1") - 8 for x in halves], np.int32)
-    placed = {0: ((rest << 16) | halves, ~halves), 1: ((halves << 16) | rest, ~halves),
-              2: (~halves, (rest << 16) | halves), 3: (~halves, (halves << 16) | rest)}
+    placed = {
+        0: ((rest << 16) | halves, ~halves),
+        1: ((halves << 16) | rest, ~halves),
+        2: (~halves, (rest << 16) | halves),
+        3: (~halves, (halves << 16) | rest),
+    }
     for within, (x0, x1) in placed.items():
         got = noise.binomial_from_words(jnp.asarray(x0), jnp.asarray(x1), jnp.full(halves.shape, within, jnp.uint32))
         assert got.dtype == jnp.int32

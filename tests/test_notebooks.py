@@ -27,7 +27,11 @@ def _runs(root: Path) -> None:
     }
     for codec in ("onebyte", "float32"):
         for seed in (0, 1):
-            raw = {**base, "run": {"name": f"{codec}_s{seed}", "seed": seed}, "train": {**base["train"], "codec": codec}}
+            raw = {
+                **base,
+                "run": {"name": f"{codec}_s{seed}", "seed": seed},
+                "train": {**base["train"], "codec": codec},
+            }
             trainer.train(load_config_dict(raw), root / "codec" / codec / f"seed_{seed}", progress=False)
     bp = {**base, "run": {"name": "bp"}, "train": {"method": "backprop", "lr": 1e-2, "steps": 48, "eval_every": 8}}
     trainer.train(load_config_dict(bp), root / "backprop", progress=False)
@@ -42,7 +46,9 @@ def test_analysis_notebook_executes_on_real_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     text = execute(NOTEBOOK, REPO / "notebooks")
     assert "5 runs under" in text and "1 codec comparison(s)" in text
-    assert "codec/onebyte/seed_0" in text and "setting codec/onebyte: MeZO n=8 onebyte (lr 0.02): 2 seed(s) [0, 1]" in text
+    assert (
+        "codec/onebyte/seed_0" in text and "setting codec/onebyte: MeZO n=8 onebyte (lr 0.02): 2 seed(s) [0, 1]" in text
+    )
     lines = [line.split() for line in text.splitlines()]
     codec_rows = {row[1]: row for row in lines if len(row) >= 7 and row[0] == "0" and row[1] in ("onebyte", "float32")}
     assert codec_rows["onebyte"][2] == "2" and codec_rows["float32"][2] == "2"
@@ -87,5 +93,11 @@ def test_committed_analysis_notebook_reproduces_its_outputs(tmp_path, monkeypatc
         last = read_metrics(f / "metrics.jsonl", kind="eval")[-1]
         name = f.relative_to(DATA).as_posix()
         row = next(line.split() for line in text.splitlines() if line.startswith(name + " "))
-        assert row[4:10] == [str(last["step"]), str(last["forward_passes"]), str(last["passes"]), str(last["payload_bytes_total"]),
-                             row[8], f"{last['eval_accuracy']:.4f}"], row
+        assert row[4:10] == [
+            str(last["step"]),
+            str(last["forward_passes"]),
+            str(last["passes"]),
+            str(last["payload_bytes_total"]),
+            row[8],
+            f"{last['eval_accuracy']:.4f}",
+        ], row

@@ -25,11 +25,13 @@ def test_all_lists_every_module_of_the_root():
 
 
 def test_import_zeroth_imports_nothing_and_star_import_imports_the_modules():
-    code = ("import sys, zeroth; before = {m for m in sys.modules if m.startswith('zeroth.')}; "
-            "assert not before and 'jax' not in sys.modules, before; "
-            "from zeroth import *; "
-            "missing = [n for n in zeroth.__all__ if f'zeroth.{n}' not in sys.modules]; assert not missing, missing; "
-            "print(len(zeroth.__all__))")
+    code = (
+        "import sys, zeroth; before = {m for m in sys.modules if m.startswith('zeroth.')}; "
+        "assert not before and 'jax' not in sys.modules, before; "
+        "from zeroth import *; "
+        "missing = [n for n in zeroth.__all__ if f'zeroth.{n}' not in sys.modules]; assert not missing, missing; "
+        "print(len(zeroth.__all__))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(len(zeroth.__all__))
@@ -70,8 +72,9 @@ print(",".join(codes), os.environ.get("GRPC_VERBOSITY"))
 
 def _goaway(first: str, **env) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
-    return subprocess.run([sys.executable, "-c", _GOAWAY, first], env={**base, **env}, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", _GOAWAY, first], env={**base, **env}, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_importing_zeroth_keeps_grpc_transport_chatter_off_stderr_unless_the_user_asks_for_it():

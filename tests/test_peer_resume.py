@@ -26,8 +26,21 @@ JOB = str(REPO / "experiments" / "job_digits.yaml")
 # An iteration takes a few milliseconds here: the cut run's SIGINT lands around iteration 10, and the
 # iterations after it leave room for a loaded machine's delays before the peers stop.
 ITERATIONS = 150
-SETS = ["--set", "peers.count=2", "--set", "peers.join_at=[]", "--set", "peers.kill_at=[]", "--set", "train.eval_every=10",
-        "--set", "train.checkpoint_every=5", "--set", f"peers.iterations={ITERATIONS}", "--quiet"]
+SETS = [
+    "--set",
+    "peers.count=2",
+    "--set",
+    "peers.join_at=[]",
+    "--set",
+    "peers.kill_at=[]",
+    "--set",
+    "train.eval_every=10",
+    "--set",
+    "train.checkpoint_every=5",
+    "--set",
+    f"peers.iterations={ITERATIONS}",
+    "--quiet",
+]
 
 
 def _err_line(capsys) -> str:
@@ -55,7 +68,9 @@ def test_newest_checkpoint_takes_the_newest_iteration_and_checks_the_digests(tmp
     import numpy as np
 
     p = {"w": np.ones(3, np.float32)}
-    save_state(tmp_path / "peers.1" / "p0" / "checkpoints" / "5", p, iteration=5, run_id="r", digest="a" * 64, reason="t")
+    save_state(
+        tmp_path / "peers.1" / "p0" / "checkpoints" / "5", p, iteration=5, run_id="r", digest="a" * 64, reason="t"
+    )
     save_state(tmp_path / "peers" / "p1" / "checkpoints" / "9", p, iteration=9, run_id="r", digest="b" * 64, reason="t")
     assert launch.newest_checkpoint(tmp_path) == (9, tmp_path / "peers" / "p1" / "checkpoints" / "9")
     save_state(tmp_path / "peers" / "p0" / "checkpoints" / "9", p, iteration=9, run_id="r", digest="c" * 64, reason="t")
@@ -70,8 +85,14 @@ def test_after_an_interrupt_only_iterations_decided_before_the_first_leave_count
     p = {"w": np.ones(3, np.float32)}
     for peer, stopped in (("p0", 14), ("p1", 13)):
         for it, reason in ((10, "checkpoint_every"), (stopped, "interrupted"), (15, "checkpoint_every")):
-            save_state(tmp_path / "peers" / peer / "checkpoints" / str(it), p, iteration=it, run_id="r",
-                       digest=f"{it:064d}", reason=reason)
+            save_state(
+                tmp_path / "peers" / peer / "checkpoints" / str(it),
+                p,
+                iteration=it,
+                run_id="r",
+                digest=f"{it:064d}",
+                reason=reason,
+            )
     # iteration 15 was decided after p1 asked to leave, and so, maybe, was 14: 13 is the newest safe one
     assert launch.newest_checkpoint(tmp_path) == (13, tmp_path / "peers" / "p1" / "checkpoints" / "13")
 
@@ -89,7 +110,9 @@ def test_a_saved_state_is_checked_against_its_size_and_crc_and_a_damaged_one_is_
     blob = (d / "state.bin").read_bytes()
     # one flipped bit, same size: the CRC-32 names it (before the model or the digest are involved)
     (d / "state.bin").write_bytes(blob[:10] + bytes([blob[10] ^ 4]) + blob[11:])
-    with pytest.raises(ValueError, match=rf"{d / 'state.bin'} has CRC-32 [0-9a-f]{{8}}, {meta['crc32']:08x} when saved"):
+    with pytest.raises(
+        ValueError, match=rf"{d / 'state.bin'} has CRC-32 [0-9a-f]{{8}}, {meta['crc32']:08x} when saved"
+    ):
         load_state(d, p)
     (d / "state.bin").write_bytes(blob[:100])
     with pytest.raises(ValueError, match=rf"{d / 'state.bin'} is 100 bytes, 268 when saved"):
@@ -124,8 +147,14 @@ def test_resume_takes_an_intact_copy_of_the_newest_checkpoint_and_names_damaged_
     p = {"w": np.ones(3, np.float32)}
     folders = {}
     for name, it in (("p0", 5), ("p0", 9), ("p1", 9)):
-        folders[name, it] = save_state(out / "peers" / name / "checkpoints" / str(it), p, iteration=it, run_id="r",
-                                       digest="d" * 64, reason="checkpoint_every")
+        folders[name, it] = save_state(
+            out / "peers" / name / "checkpoints" / str(it),
+            p,
+            iteration=it,
+            run_id="r",
+            digest="d" * 64,
+            reason="checkpoint_every",
+        )
     (out / "peers" / "p0" / "metrics.jsonl").write_text('{"kind": "iteration", "step": 1}\n')
     # p0's copy of iteration 9 is cut short: p1's, the same state, is taken
     bad = folders["p0", 9] / "state.bin"
@@ -157,11 +186,14 @@ def test_a_peer_run_interrupted_and_resumed_reaches_the_uninterrupted_digest(tmp
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + 120
+
         def reached_10() -> bool:  # older checkpoints are pruned: any of iteration 10 or later will do
             # both peers: one a step behind when the signal comes saves iteration 9, which bounds the
             # resumable checkpoint (zeroth.net.launch.newest_checkpoint) even where the other saved 10
-            return all(any(d.name.isdigit() and int(d.name) >= 10 for d in (cut / "peers" / p / "checkpoints").glob("*"))
-                       for p in ("p0", "p1"))
+            return all(
+                any(d.name.isdigit() and int(d.name) >= 10 for d in (cut / "peers" / p / "checkpoints").glob("*"))
+                for p in ("p0", "p1")
+            )
 
         while not reached_10():
             assert proc.poll() is None, (tmp_path / "cut.err").read_text()
@@ -180,11 +212,18 @@ def test_a_peer_run_interrupted_and_resumed_reaches_the_uninterrupted_digest(tmp
     assert 10 <= k < ITERATIONS
 
     resume = shlex.split(lines[0].split("resume with: ")[1])
-    resumed = subprocess.run([sys.executable, "-m", "zeroth", *resume[1:]], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=180)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "zeroth", *resume[1:]], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    whole = subprocess.run([sys.executable, "-m", "zeroth", "run", JOB, "--out", str(tmp_path / "whole"), *SETS],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    whole = subprocess.run(
+        [sys.executable, "-m", "zeroth", "run", JOB, "--out", str(tmp_path / "whole"), *SETS],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert whole.returncode == 0, whole.stderr[-3000:]
     a = json.loads((cut / "summary.json").read_text())
     b = json.loads((tmp_path / "whole" / "summary.json").read_text())

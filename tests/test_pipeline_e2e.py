@@ -28,15 +28,31 @@ TINY = {"d_model": 16, "heads": 2, "layers": 3, "mlp_dim": 32}
 
 def _cfg(stages, objective, compression="fp32", steps=3, **pipeline):
     dataset = "sotu" if objective == "lm" else "sentiment"
-    return load_config_dict({
-        "run": {"name": f"pl{stages}", "seed": 0},
-        "data": {"dataset": dataset, "batch_size": 4},
-        "model": {"name": "transformer", "kwargs": TINY},
-        "train": {"method": "backprop", "lr": 1e-2, "steps": steps, "optimizer": {"name": "adamw"},
-                  "keep_checkpoints": 0},
-        "pipeline": {"stages": stages, "micro_batches": 2, "examples": 8, "seq_len": 16, "objective": objective,
-                     "compression": compression, "fw_bits": 2, "bw_bits": 4, **pipeline},
-    })
+    return load_config_dict(
+        {
+            "run": {"name": f"pl{stages}", "seed": 0},
+            "data": {"dataset": dataset, "batch_size": 4},
+            "model": {"name": "transformer", "kwargs": TINY},
+            "train": {
+                "method": "backprop",
+                "lr": 1e-2,
+                "steps": steps,
+                "optimizer": {"name": "adamw"},
+                "keep_checkpoints": 0,
+            },
+            "pipeline": {
+                "stages": stages,
+                "micro_batches": 2,
+                "examples": 8,
+                "seq_len": 16,
+                "objective": objective,
+                "compression": compression,
+                "fw_bits": 2,
+                "bw_bits": 4,
+                **pipeline,
+            },
+        }
+    )
 
 
 def _logs(out) -> str:
@@ -64,7 +80,9 @@ def test_fp32_pipeline_equals_the_single_process_model(tmp_path, stages, objecti
     assert launch.run_config(cfg, tmp_path, [], progress=False) == 0, _logs(tmp_path)
     records = launch.read_records(tmp_path)
     run = load_run(tmp_path)  # the folder reads back: its kind, config, merged metrics and summary
-    assert run.kind == "pipeline" and run.metrics == records and run.summary and run.config["pipeline"]["stages"] == stages
+    assert (
+        run.kind == "pipeline" and run.metrics == records and run.summary and run.config["pipeline"]["stages"] == stages
+    )
     # every writer's rows pass the schema: the merged rows and each stage's own
     assert check_schema(records) == 3 and [r["step"] for r in records] == [1, 2, 3]
     for s in range(stages):
@@ -101,7 +119,9 @@ def uninterrupted():
 
 def test_aqsgd_stage_killed_and_restarted_resumes_with_its_buffers(tmp_path, uninterrupted):
     cfg = _cfg(2, "lm", "aqsgd", steps=5, latency_ms=150.0)
-    cfg = cfg.__class__(**{**cfg.__dict__, "train": cfg.train.__class__(**{**cfg.train.__dict__, "checkpoint_every": 1})})
+    cfg = cfg.__class__(
+        **{**cfg.__dict__, "train": cfg.train.__class__(**{**cfg.train.__dict__, "checkpoint_every": 1})}
+    )
     procs = launch.start_stages(cfg, tmp_path)
     ck_dir = launch.stage_dir(tmp_path, 1) / "checkpoints"
     deadline = time.monotonic() + 120
@@ -169,8 +189,14 @@ def test_ctrl_c_stops_every_stage_at_one_step_and_resume_ends_on_the_uninterrupt
     env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     rows = launch.stage_dir(out, 1) / "metrics.jsonl"
     with (tmp_path / "err").open("w") as err:  # its own process group: Ctrl-C reaches the launcher and every stage
-        proc = subprocess.Popen([sys.executable, "-m", "zeroth", "run", str(cfg_path), "--out", str(out), "--quiet"],
-                                cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "zeroth", "run", str(cfg_path), "--out", str(out), "--quiet"],
+            cwd=repo,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 120
         while not (rows.is_file() and len(rows.read_text().splitlines()) >= 1):
@@ -217,7 +243,9 @@ def test_a_secret_holder_connecting_first_cannot_take_the_upstream_slot(tmp_path
     cfg_path = tmp_path / "config.yaml"
     cfg_path.write_text(_config.to_yaml(cfg))
     repo = Path(__file__).resolve().parent.parent
-    env = identity.launch_env(False, {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    env = identity.launch_env(
+        False, {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    )
     d0, d1 = launch.stage_dir(tmp_path, 0), launch.stage_dir(tmp_path, 1)
     stage = [sys.executable, "-m", "zeroth.pipeline.stage", "--config", str(cfg_path), "--quiet"]
     procs = []
@@ -225,8 +253,14 @@ def test_a_secret_holder_connecting_first_cannot_take_the_upstream_slot(tmp_path
     def start(i, *args):
         launch.stage_dir(tmp_path, i).mkdir(parents=True, exist_ok=True)
         with (launch.stage_dir(tmp_path, i) / "stage.log").open("w") as log:
-            procs.append(subprocess.Popen([*stage, "--stage", str(i), "--out", str(launch.stage_dir(tmp_path, i)), *args],
-                                          stdout=log, stderr=subprocess.STDOUT, env=env))
+            procs.append(
+                subprocess.Popen(
+                    [*stage, "--stage", str(i), "--out", str(launch.stage_dir(tmp_path, i)), *args],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                )
+            )
 
     md = security.token_metadata(identity.token_from_env(False, env))
     impostor = identity.Identity.generate()
@@ -235,9 +269,13 @@ def test_a_secret_holder_connecting_first_cannot_take_the_upstream_slot(tmp_path
     def intrude():
         with grpc.insecure_channel((d1 / "address").read_text().strip()) as ch:
             with pytest.raises(grpc.RpcError) as e:
-                list(pb_grpc.PipelineLinkStub(ch).Link(iter([]), timeout=30,
-                                                       metadata=md + identity.call_metadata(impostor, 1 << 62,
-                                                                                             *link.link_fields(run_id, 0))))
+                list(
+                    pb_grpc.PipelineLinkStub(ch).Link(
+                        iter([]),
+                        timeout=30,
+                        metadata=md + identity.call_metadata(impostor, 1 << 62, *link.link_fields(run_id, 0)),
+                    )
+                )
             return e.value.code()
 
     try:

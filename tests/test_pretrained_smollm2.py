@@ -123,7 +123,9 @@ def test_a_prompt_classifier_with_random_weights_needs_no_package(monkeypatch):
         if scan:
             per_layer = llama.unstack_layers(params, cfg.n_layers)
             unrolled = SmolLM2Prompt(scan_layers=False, architecture=cfg, label_ids=(3, 11))
-            np.testing.assert_allclose(np.asarray(models.apply(unrolled, per_layer, x)), logits[True], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                np.asarray(models.apply(unrolled, per_layer, x)), logits[True], rtol=1e-5, atol=1e-6
+            )
     with pytest.raises(ValueError, match="random weights, no pretrained ones"):
         models.init(SmolLM2Prompt(architecture=cfg, label_ids=(3, 11)), models.init_key(0), x[:1])
     with pytest.raises(ValueError, match="not the package's 4-bit grids"):
@@ -131,14 +133,27 @@ def test_a_prompt_classifier_with_random_weights_needs_no_package(monkeypatch):
     with pytest.raises(ValueError, match="needs label_ids"):
         models.init(SmolLM2Prompt(architecture=cfg), models.init_key(0), x[:1], pretrained=False, exact=False)
     with pytest.raises(ValueError, match="num_classes=2 but 3 label ids"):
-        models.init(SmolLM2Prompt(architecture=cfg, label_ids=(1, 2, 3)), models.init_key(0), x[:1], pretrained=False,
-                    exact=False)
+        models.init(
+            SmolLM2Prompt(architecture=cfg, label_ids=(1, 2, 3)),
+            models.init_key(0),
+            x[:1],
+            pretrained=False,
+            exact=False,
+        )
     with pytest.raises(ValueError, match="label ids must be token ids in \\[0, 97\\), got 97"):
-        models.init(SmolLM2Prompt(architecture=cfg, label_ids=(3, 97)), models.init_key(0), x[:1], pretrained=False,
-                    exact=False)
+        models.init(
+            SmolLM2Prompt(architecture=cfg, label_ids=(3, 97)), models.init_key(0), x[:1], pretrained=False, exact=False
+        )
     with pytest.raises(ValueError, match="architecture must be a zeroth.models.pretrained.llama.LlamaConfig"):
-        models.init("smollm2_prompt", models.init_key(0), x[:1], pretrained=False, exact=False,
-                    architecture={"dim": 24}, label_ids=[3, 11])  # as a config's model.kwargs would give it
+        models.init(
+            "smollm2_prompt",
+            models.init_key(0),
+            x[:1],
+            pretrained=False,
+            exact=False,
+            architecture={"dim": 24},
+            label_ids=[3, 11],
+        )  # as a config's model.kwargs would give it
     with pytest.raises(ValueError, match="unknown parameter 'attn_x'"):
         llama.random_leaf("attn_x", jax.random.key(0), (2,))
 
@@ -157,8 +172,9 @@ def test_tokenizer_known_ids_and_special_tokens(lm):
 
 # Characters whose UTF-8 bytes all have tokens: SmolLM2 lacks six ASCII control characters and the
 # lead bytes of U+40000..U+BFFFF (see zeroth.data.bpe); surrogates have no UTF-8 bytes at all.
-_ENCODABLE = st.characters(exclude_characters="\x04\x06\x13\x14\x16\x1d", exclude_categories=("Cs",),
-                           max_codepoint=0x3FFFF)
+_ENCODABLE = st.characters(
+    exclude_characters="\x04\x06\x13\x14\x16\x1d", exclude_categories=("Cs",), max_codepoint=0x3FFFF
+)
 
 
 @needs_smollm2
@@ -191,7 +207,9 @@ def test_bytes_without_a_token_are_dropped_like_llama_cpp(lm):
 def test_greedy_decoding_knows_the_capital_of_france(lm):
     from zeroth.models.pretrained import generate
 
-    prompts = [lm.tokenizer.encode(p) for p in ("The capital of France is", "Berlin is the capital city of the country of")]
+    prompts = [
+        lm.tokenizer.encode(p) for p in ("The capital of France is", "Berlin is the capital city of the country of")
+    ]
     assert len(prompts[0]) < len(prompts[1])  # the first prompt is left-padded inside the batch
     out = generate.greedy(lm.params, lm.config, prompts, 2)
     assert lm.tokenizer.decode(out[0][:1]) == " Paris"
@@ -237,7 +255,9 @@ def test_prompt_classifier_reads_label_words_at_the_last_real_token(lm):
     full = np.asarray(llama.logits(lm.params, lm.config, hidden[0, -1]))
     np.testing.assert_allclose(logits[0], full[[13321, 1109]], rtol=1e-4, atol=1e-3)
     with pytest.raises(ValueError, match="label word ' wonderful day'"):
-        models.build("smollm2_prompt", num_classes=2, label_words=[" terrible", " wonderful day"]).apply({"params": params}, x)
+        models.build("smollm2_prompt", num_classes=2, label_words=[" terrible", " wonderful day"]).apply(
+            {"params": params}, x
+        )
 
 
 @needs_smollm2
@@ -265,9 +285,24 @@ def test_per_layer_layout_computes_the_same_logits(lm):
 def test_zeroth_run_names_the_install_command_of_missing_weights(tmp_path):
     kwargs = '{"label_words": [" terrible", " great"], "package": "zeroth_test_no_such_package"}'
     proc = subprocess.run(
-        [sys.executable, "-m", "zeroth", "run", "experiments/smollm2_mezo_sentiment.yaml", "--quiet",
-         "--set", f"model.kwargs={kwargs}", "--set", "train.steps=1", "--out", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent,
+        [
+            sys.executable,
+            "-m",
+            "zeroth",
+            "run",
+            "experiments/smollm2_mezo_sentiment.yaml",
+            "--quiet",
+            "--set",
+            f"model.kwargs={kwargs}",
+            "--set",
+            "train.steps=1",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr

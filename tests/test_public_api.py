@@ -32,7 +32,8 @@ def surface() -> str:
 
 def test_the_public_api_is_the_declared_one():
     assert SNAPSHOT.read_text() == surface(), (
-        "the public API changed: review the change, then run `python tests/test_public_api.py --write`")
+        "the public API changed: review the change, then run `python tests/test_public_api.py --write`"
+    )
 
 
 def test_every_public_name_exists_and_says_what_it_is():

@@ -28,8 +28,15 @@ def _store(**kw):
 
 
 def _join(s, now, name, rank=-1, digest="d" * 64, version="1.0", port=7000):
-    return s.join(now, config_digest=digest, version=version, advertise=f"10.0.0.{ord(name[-1]) % 200}:{port}",
-                  node_rank=rank, hostname=name, nonce=name.encode())
+    return s.join(
+        now,
+        config_digest=digest,
+        version=version,
+        advertise=f"10.0.0.{ord(name[-1]) % 200}:{port}",
+        node_rank=rank,
+        hostname=name,
+        nonce=name.encode(),
+    )
 
 
 def test_hosts_get_ranks_in_arrival_order_and_the_run_forms_when_all_joined():
@@ -57,8 +64,11 @@ def test_scheduler_ranks_are_kept_and_a_rank_taken_twice_is_refused():
 def test_another_config_or_zeroth_is_refused_naming_both():
     s = _store()
     _join(s, 0, "a")
-    with pytest.raises(R.Refused, match=r"host b runs a different config \(digest eeeeeeeeeeeeeeee\) than the run's "
-                                        r"\(digest dddddddddddddddd\)"):
+    with pytest.raises(
+        R.Refused,
+        match=r"host b runs a different config \(digest eeeeeeeeeeeeeeee\) than the run's "
+        r"\(digest dddddddddddddddd\)",
+    ):
         _join(s, 1, "b", digest="e" * 64)
     with pytest.raises(R.Refused, match="host c runs zeroth 2.0, the run zeroth 1.0"):
         _join(s, 1, "c", version="2.0")
@@ -71,7 +81,9 @@ def test_a_run_short_of_its_minimum_fails_for_every_host_when_the_window_ends():
     _join(s, 4, "b")
     assert not s.roster(9.9).failed
     r = s.roster(10.1)
-    assert not r.formed and r.failed.startswith("only 2 of 3 hosts joined within the start-up window of 10s (joined: 0:a, 1:b)")
+    assert not r.formed and r.failed.startswith(
+        "only 2 of 3 hosts joined within the start-up window of 10s (joined: 0:a, 1:b)"
+    )
     with pytest.raises(R.Refused, match="only 2 of 3"):  # a host arriving now reads the same reason
         _join(s, 11, "c")
 
@@ -116,14 +128,24 @@ def test_the_server_refuses_a_caller_without_the_token_and_forms_the_run_for_tho
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         clients = [R.Client(address, token=token) for _ in range(2)]
         deadline = time.monotonic() + 30
-        ranks = [c.join(config_digest="d" * 64, version="1.0", advertise=f"10.0.0.{i + 1}:7000", node_rank=-1,
-                        hostname=f"h{i}", deadline=deadline)[0] for i, c in enumerate(clients)]
+        ranks = [
+            c.join(
+                config_digest="d" * 64,
+                version="1.0",
+                advertise=f"10.0.0.{i + 1}:7000",
+                node_rank=-1,
+                hostname=f"h{i}",
+                deadline=deadline,
+            )[0]
+            for i, c in enumerate(clients)
+        ]
         assert ranks == [0, 1]
         roster = clients[1].wait_formed(deadline, poll_s=0.05)
         assert [m.advertise for m in roster.members] == ["10.0.0.1:7000", "10.0.0.2:7000"]
         with pytest.raises(R.Refused, match="runs a different config") as e:
-            R.Client(address, token=token).join(config_digest="x", version="1.0", advertise="10.0.0.3:1", node_rank=-1,
-                                                hostname="h3", deadline=deadline)
+            R.Client(address, token=token).join(
+                config_digest="x", version="1.0", advertise="10.0.0.3:1", node_rank=-1, hostname="h3", deadline=deadline
+            )
         assert e.value.code == "FAILED_PRECONDITION"
         for c in clients:
             c.close()
@@ -143,25 +165,46 @@ def test_the_roster_carries_each_stages_key_and_a_stage_is_told_its_upstreams(tm
         clients = [R.Client(address, token=token) for _ in range(2)]
         deadline = time.monotonic() + 30
         with pytest.raises(R.Refused, match="a key of 5 bytes") as e:
-            clients[0].join(config_digest="d" * 64, version="1.0", advertise="10.0.0.9:7000", node_rank=-1,
-                            hostname="bad", deadline=deadline, key=b"short")
+            clients[0].join(
+                config_digest="d" * 64,
+                version="1.0",
+                advertise="10.0.0.9:7000",
+                node_rank=-1,
+                hostname="bad",
+                deadline=deadline,
+                key=b"short",
+            )
         assert e.value.code == "INVALID_ARGUMENT"
         for i, c in enumerate(clients):
-            c.join(config_digest="d" * 64, version="1.0", advertise=f"10.0.0.{i + 1}:7000", node_rank=i,
-                   hostname=f"h{i}", deadline=deadline, key=keys[i].public)
+            c.join(
+                config_digest="d" * 64,
+                version="1.0",
+                advertise=f"10.0.0.{i + 1}:7000",
+                node_rank=i,
+                hostname=f"h{i}",
+                deadline=deadline,
+                key=keys[i].public,
+            )
         roster = clients[1].wait_formed(deadline, poll_s=0.05)
         assert [m.key for m in roster.members] == [k.public.hex() for k in keys]
         for c in clients:
             c.close()
     finally:
         server.stop(0)
-    cfg = _config.load_config_dict({"model": {"name": "transformer"}, "train": {"method": "backprop"},
-                                    "data": {"dataset": "sotu", "batch_size": 4}, "pipeline": {"stages": 2}})
+    cfg = _config.load_config_dict(
+        {
+            "model": {"name": "transformer"},
+            "train": {"method": "backprop"},
+            "data": {"dataset": "sotu", "batch_size": 4},
+            "pipeline": {"stages": 2},
+        }
+    )
     plan = launch.plan_of(cfg, None)
     key_file = keys[1].save(tmp_path / "identity.key")
     assert identity.Identity.load(key_file).public == keys[1].public and (key_file.stat().st_mode & 0o777) == 0o600
-    _, cmd, _ = launch._role(plan, cfg, tmp_path / "c.yaml", tmp_path, 1, False, roster, 7000, "10.0.0.2", "s" * 64,
-                             None, 60.0, [], key_file)
+    _, cmd, _ = launch._role(
+        plan, cfg, tmp_path / "c.yaml", tmp_path, 1, False, roster, 7000, "10.0.0.2", "s" * 64, None, 60.0, [], key_file
+    )
     assert cmd[cmd.index("--upstream-key") + 1] == keys[0].public.hex()
     assert cmd[cmd.index("--identity") + 1] == str(key_file)
     (tmp_path / "bad.key").write_text("not a key\n")
@@ -172,8 +215,15 @@ def test_the_roster_carries_each_stages_key_and_a_stage_is_told_its_upstreams(tm
 def test_a_rendezvous_nobody_serves_is_named_with_what_to_check():
     c = R.Client(f"127.0.0.1:{_port()}", token=None)
     with pytest.raises(R.Refused, match=r"cannot reach the rendezvous at 127\.0\.0\.1:\d+: UNAVAILABLE.*port is open"):
-        c.join(config_digest="d", version="1", advertise="127.0.0.1:1", node_rank=-1, hostname="h",
-               deadline=time.monotonic() + 1.0, poll_s=0.1)
+        c.join(
+            config_digest="d",
+            version="1",
+            advertise="127.0.0.1:1",
+            node_rank=-1,
+            hostname="h",
+            deadline=time.monotonic() + 1.0,
+            poll_s=0.1,
+        )
     c.close()
 
 
@@ -189,8 +239,14 @@ def test_mutual_tls_admits_a_host_certificate_and_refuses_a_caller_without_one(t
     server = R.serve(_store(min_nodes=1, max_nodes=1), address, token=None, tls=tls)
     try:
         c = R.Client(address, token=None, tls=tls)
-        assert c.join(config_digest="d" * 64, version="1.0", advertise="127.0.0.1:7000", node_rank=-1, hostname="a",
-                      deadline=time.monotonic() + 20) == (0, False)
+        assert c.join(
+            config_digest="d" * 64,
+            version="1.0",
+            advertise="127.0.0.1:7000",
+            node_rank=-1,
+            hostname="a",
+            deadline=time.monotonic() + 20,
+        ) == (0, False)
         c.close()
         server_only = security.TLSFiles(tls.cert, tls.key, tls.ca, mutual=False)  # trusts the CA, shows no certificate
         stranger = R.Client(address, token=None, tls=server_only)
@@ -205,17 +261,27 @@ def test_mutual_tls_admits_a_host_certificate_and_refuses_a_caller_without_one(t
         certs.make_host_certificates(tmp_path, ["../x"])
 
 
-@pytest.mark.parametrize("section, nnodes, message", [
-    ("pipeline", "3", "the config's pipeline.stages is 2; give --nnodes 2"),
-    ("pipeline", "1:2", "a pipeline run has a fixed number of hosts \\(2\\)"),
-    ("peers", "4", "the config's peers.count is 3; give --nnodes 3, --set peers.count=4, or --nnodes MIN:MAX"),
-    ("peers", "3:2", "need 1 <= MIN <= MAX"),
-    ("peers", "x", "expected N or MIN:MAX"),
-])
+@pytest.mark.parametrize(
+    "section, nnodes, message",
+    [
+        ("pipeline", "3", "the config's pipeline.stages is 2; give --nnodes 2"),
+        ("pipeline", "1:2", "a pipeline run has a fixed number of hosts \\(2\\)"),
+        ("peers", "4", "the config's peers.count is 3; give --nnodes 3, --set peers.count=4, or --nnodes MIN:MAX"),
+        ("peers", "3:2", "need 1 <= MIN <= MAX"),
+        ("peers", "x", "expected N or MIN:MAX"),
+    ],
+)
 def test_launch_plans_refuse_a_host_count_the_config_cannot_run(section, nnodes, message):
-    raw = {"peers": {"count": 3}} if section == "peers" else {
-        "train": {"method": "backprop"}, "model": {"name": "transformer"}, "data": {"dataset": "sotu", "batch_size": 4},
-        "pipeline": {"stages": 2}}
+    raw = (
+        {"peers": {"count": 3}}
+        if section == "peers"
+        else {
+            "train": {"method": "backprop"},
+            "model": {"name": "transformer"},
+            "data": {"dataset": "sotu", "batch_size": 4},
+            "pipeline": {"stages": 2},
+        }
+    )
     cfg = _config.load_config_dict(raw)
     with pytest.raises(ValueError, match=message):
         launch.plan_of(cfg, nnodes)
@@ -233,8 +299,18 @@ def test_launch_plans_by_system_and_ranks_from_the_scheduler():
 
 
 def _params(**kw):
-    return P.Params(run_id="run", config_digest="cfg", bytes_per_value=1, max_count=4, iterations=5,
-                    iteration_timeout_s=1.0, barrier_timeout_s=0.5, founders=3, forming_timeout_s=2.0, **kw)
+    return P.Params(
+        run_id="run",
+        config_digest="cfg",
+        bytes_per_value=1,
+        max_count=4,
+        iterations=5,
+        iteration_timeout_s=1.0,
+        barrier_timeout_s=0.5,
+        founders=3,
+        forming_timeout_s=2.0,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("strict", [True, False])
@@ -268,8 +344,10 @@ def test_a_launcher_killed_by_its_scheduler_takes_its_process_with_it():
     import subprocess
     import sys
 
-    code = ("import os, sys; from zeroth import launch; "
-            "sys.exit(launch._run([sys.executable, '-c', 'import time; time.sleep(60)'], dict(os.environ)))")
+    code = (
+        "import os, sys; from zeroth import launch; "
+        "sys.exit(launch._run([sys.executable, '-c', 'import time; time.sleep(60)'], dict(os.environ)))"
+    )
     launcher = subprocess.Popen([sys.executable, "-c", code])
     child = None
     deadline = time.monotonic() + 30
@@ -303,5 +381,6 @@ def test_checked_in_stubs_are_what_protoc_generates(tmp_path):
     written = protogen.generate("rendezvous", tmp_path)
     assert {p.name for p in written} == {"rendezvous_pb2.py", "rendezvous_pb2_grpc.py"}
     for p in written:
-        assert (protogen.stub_dir("rendezvous") / p.name).read_text() == p.read_text(), \
+        assert (protogen.stub_dir("rendezvous") / p.name).read_text() == p.read_text(), (
             "run `python -m zeroth.protogen rendezvous`"
+        )

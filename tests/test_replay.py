@@ -26,8 +26,20 @@ COEFFS = st.one_of(
     st.floats(-1e-34, 1e-34, allow_nan=False, allow_infinity=False),  # around the 2**-120 cut
     st.sampled_from([0.0, 2.0**-120, -3 * 2.0**-120, 1.0 + 2.0**-20, 2.0**-14]),
 )
-SPECIAL_F32 = [0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x00800000, 0x7F800000, 0xFF800000,
-               0x7FC00000, 0x7F800001, 0xFFC00123, 0x7F7FFFFF, 0x3F800000]
+SPECIAL_F32 = [
+    0x00000000,
+    0x80000000,
+    0x00000001,
+    0x807FFFFF,
+    0x00800000,
+    0x7F800000,
+    0xFF800000,
+    0x7FC00000,
+    0x7F800001,
+    0xFFC00123,
+    0x7F7FFFFF,
+    0x3F800000,
+]
 
 
 def _bits(a) -> np.ndarray:
@@ -144,8 +156,20 @@ def test_float32_special_values_as_documented():
     specials = np.array(SPECIAL_F32, np.uint32).view(np.float32)
     out = np.asarray(replay.replay({"w": specials}, [(rng.sample_key(0, 0, 0, 0), 0.0)])["w"])
     want = np.array(
-        [0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00800000, 0x7F800000, 0xFF800000,
-         0x7FC00000, 0x7FC00000, 0x7FC00000, 0x7F7FFFFF, 0x3F800000],
+        [
+            0x00000000,
+            0x00000000,
+            0x00000000,
+            0x00000000,
+            0x00800000,
+            0x7F800000,
+            0xFF800000,
+            0x7FC00000,
+            0x7FC00000,
+            0x7FC00000,
+            0x7F7FFFFF,
+            0x3F800000,
+        ],
         np.uint32,
     )  # -0 and subnormals -> +0; inf stays; every NaN -> 0x7fc00000
     np.testing.assert_array_equal(_bits(out), want)
@@ -163,7 +187,9 @@ def test_flush_and_flush_cast_directly(jit):
         [0, 0, 0, 0, 0x00800000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7FC00000, 0x7FC00000, 0x7F7FFFFF, 0x3F800000],
     )
     np.testing.assert_array_equal(_bits(np.asarray(flush(x))), _bits(ref._flush(x)))
-    y = np.array([2.0**-20, -(2.0**-20), 2.0**-14, -0.0, 65520.0, np.nan, 1.0], np.float32)  # f16: subnormal, min normal, overflow
+    y = np.array(
+        [2.0**-20, -(2.0**-20), 2.0**-14, -0.0, 65520.0, np.nan, 1.0], np.float32
+    )  # f16: subnormal, min normal, overflow
     for dtype, want in [
         (F16, [0, 0, 0x0400, 0, 0x7C00, 0x7E00, 0x3C00]),
         (BF16, [0x3580, 0xB580, 0x3880, 0, 0x4780, 0x7FC0, 0x3F80]),
@@ -271,8 +297,21 @@ def test_round_coefficient_rejects_non_finite_and_huge(bad):
         replay.replay({"w": np.zeros(2, np.float32)}, [(rng.sample_key(0, 0, 0, 0), bad)])
 
 
-_EDGE = [1 + 2.0**-20, 1 + 3 * 2.0**-20, -(1 + 2.0**-20), 2.0**-120, 2.0**-121, -(2.0**-120) * 0.999,
-         (2.0**-120) * (1 - 2.0**-21), 0.0, -0.0, 5e-324, 2.0**99 * (2 - 2.0**-19), 0.1, -3]
+_EDGE = [
+    1 + 2.0**-20,
+    1 + 3 * 2.0**-20,
+    -(1 + 2.0**-20),
+    2.0**-120,
+    2.0**-121,
+    -(2.0**-120) * 0.999,
+    (2.0**-120) * (1 - 2.0**-21),
+    0.0,
+    -0.0,
+    5e-324,
+    2.0**99 * (2 - 2.0**-19),
+    0.1,
+    -3,
+]
 
 
 @given(cs=st.lists(st.one_of(FINITE, st.sampled_from(_EDGE)), min_size=0, max_size=40), dist=DISTS)
@@ -401,7 +440,11 @@ def test_sharded_replay_equals_unsharded(n_devices):
     if len(jax.devices()) < n_devices:
         pytest.skip(f"needs {n_devices} devices (tests/conftest.py forces 4 CPU devices)")
     mesh = Mesh(np.array(jax.devices()[:n_devices]), ("x",))
-    tree = {"w": _values(3, (n_devices * 37, 3), F32), "e": _values(4, (n_devices * 5, 2), BF16), "b": _values(5, (7,), F32)}
+    tree = {
+        "w": _values(3, (n_devices * 37, 3), F32),
+        "e": _values(4, (n_devices * 5, 2), BF16),
+        "b": _values(5, (7,), F32),
+    }
     shardings = {
         "w": NamedSharding(mesh, P("x", None)),
         "e": NamedSharding(mesh, P("x", None)),
@@ -436,7 +479,11 @@ CHECK_TREE = {
 def test_checksum_is_sha256_hex_and_independent_of_dict_order_and_device():
     d = replay.checksum(CHECK_TREE)
     assert len(d) == 64 and int(d, 16) >= 0
-    reordered = {"s": CHECK_TREE["s"], "h": CHECK_TREE["h"], "dense": {"bias": CHECK_TREE["dense"]["bias"], "kernel": CHECK_TREE["dense"]["kernel"]}}
+    reordered = {
+        "s": CHECK_TREE["s"],
+        "h": CHECK_TREE["h"],
+        "dense": {"bias": CHECK_TREE["dense"]["bias"], "kernel": CHECK_TREE["dense"]["kernel"]},
+    }
     assert replay.checksum(reordered) == d
     assert replay.checksum(jax.device_put(CHECK_TREE)) == d
     if len(jax.devices()) >= 2:
@@ -488,8 +535,13 @@ def test_checksum_hashes_each_leafs_little_endian_row_major_bytes():
     import hashlib
 
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
-    leaves = {"t": x.T, "big": x.astype(">f4"), "bf": np.array([1.5, -2.0, 0.0], BF16), "s": np.array(3.0, np.float32),
-              "e": np.zeros((0, 2), F16)}
+    leaves = {
+        "t": x.T,
+        "big": x.astype(">f4"),
+        "bf": np.array([1.5, -2.0, 0.0], BF16),
+        "s": np.array(3.0, np.float32),
+        "e": np.zeros((0, 2), F16),
+    }
     h = hashlib.sha256(f"zeroth-checksum-v1 {len(leaves)}\n".encode())
     for path in sorted(leaves):
         a = np.ascontiguousarray(leaves[path]).astype(leaves[path].dtype.newbyteorder("<"))
@@ -512,17 +564,29 @@ def test_copy_mode_keeps_freed_host_memory_for_reuse():
     )
     cpu = {**os.environ, "JAX_PLATFORMS": "cpu"}  # a CPU replay also where the tests run beside a GPU
     on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=cpu)
-    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
-                         env={**cpu, "ZEROTH_REUSE_HOST_MEMORY": "0"})
+    off = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={**cpu, "ZEROTH_REUSE_HOST_MEMORY": "0"},
+    )
     assert off.stdout.strip() == "False"
     if platform.libc_ver()[0] == "glibc":
         assert on.stdout.strip() == "True"
 
 
-@given(st.lists(st.one_of(
-    st.floats(allow_nan=False, allow_infinity=False, min_value=-(2.0**99), max_value=2.0**99),
-    st.sampled_from([0.0, -0.0, 1.0 + 3 * 2.0**-20, 1.0 + 2.0**-20, 2.0**-120, -(2.0**-121), 1e-40, 5e-324]),
-), max_size=40), st.sampled_from(noise.EXACT))
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(allow_nan=False, allow_infinity=False, min_value=-(2.0**99), max_value=2.0**99),
+            st.sampled_from([0.0, -0.0, 1.0 + 3 * 2.0**-20, 1.0 + 2.0**-20, 2.0**-120, -(2.0**-121), 1e-40, 5e-324]),
+        ),
+        max_size=40,
+    ),
+    st.sampled_from(noise.EXACT),
+)
 def test_vectorised_update_scales_equal_the_scalar_rule(coefficients, dist):
     got = replay.update_scales(dist, coefficients)
     want = np.array([ref.update_scale(dist, c) for c in coefficients], np.float32).reshape(-1)
@@ -536,22 +600,50 @@ def test_update_scales_name_a_bad_coefficient(bad):
         replay.update_scales("binomial", [0.5, bad])
 
 
-_TIES = st.builds(lambda q, e, sign: sign * (q + 0.5) * 2.0**e,  # exactly half way between two 20-bit values
-                  st.integers(2**19, 2**20 - 1), st.integers(-150, 79), st.sampled_from([1.0, -1.0]))
+_TIES = st.builds(
+    lambda q, e, sign: sign * (q + 0.5) * 2.0**e,  # exactly half way between two 20-bit values
+    st.integers(2**19, 2**20 - 1),
+    st.integers(-150, 79),
+    st.sampled_from([1.0, -1.0]),
+)
 _LIMIT = 2.0**100 - 2.0**79  # the tie that rounds up to 2**100: refused
 
 
-@given(cs=st.lists(st.one_of(
-    _TIES, _TIES.map(lambda x: float(np.nextafter(x, 0.0))), _TIES.map(lambda x: float(np.nextafter(x, np.inf))),
-    st.sampled_from([0.0, -0.0, 5e-324, -1e-310, 2.0**-120, -(2.0**-121), float(np.nextafter(2.0**-120, 0.0)),
-                     float(np.nextafter(_LIMIT, 0.0)), -float(np.nextafter(_LIMIT, 0.0)), 2.0**99, 1.0 + 2.0**-20])),
-    min_size=1, max_size=40), dist=DISTS)
+@given(
+    cs=st.lists(
+        st.one_of(
+            _TIES,
+            _TIES.map(lambda x: float(np.nextafter(x, 0.0))),
+            _TIES.map(lambda x: float(np.nextafter(x, np.inf))),
+            st.sampled_from(
+                [
+                    0.0,
+                    -0.0,
+                    5e-324,
+                    -1e-310,
+                    2.0**-120,
+                    -(2.0**-121),
+                    float(np.nextafter(2.0**-120, 0.0)),
+                    float(np.nextafter(_LIMIT, 0.0)),
+                    -float(np.nextafter(_LIMIT, 0.0)),
+                    2.0**99,
+                    1.0 + 2.0**-20,
+                ]
+            ),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    dist=DISTS,
+)
 def test_update_scales_round_ties_to_even_like_the_reference(cs, dist):
     """Ties between two 20-bit values, their neighbours, tiny, subnormal, -0 and the largest
     accepted magnitudes: the scalar path (up to 16) and the NumPy path give the reference's bits."""
     want = np.array([ref.update_scale(dist, c) for c in cs], np.float32).view(np.uint32)
     np.testing.assert_array_equal(replay.update_scales(dist, cs).view(np.uint32), want)
-    np.testing.assert_array_equal(replay.update_scales(dist, np.asarray(cs * 2)).view(np.uint32), np.concatenate([want, want]))
+    np.testing.assert_array_equal(
+        replay.update_scales(dist, np.asarray(cs * 2)).view(np.uint32), np.concatenate([want, want])
+    )
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, _LIMIT, -_LIMIT, 2.0**100, 1e300])

@@ -134,11 +134,15 @@ def test_sample_key_rejects_bad_arguments_by_name(position, name, bad):
 
 
 def test_sample_key_accepts_numpy_integers_and_the_bounds():
-    np.testing.assert_array_equal(rng.sample_key(np.uint32(5), np.int64(0), 2**32 - 1, np.uint64(9)), rng.sample_key(5, 0, 2**32 - 1, 9))
+    np.testing.assert_array_equal(
+        rng.sample_key(np.uint32(5), np.int64(0), 2**32 - 1, np.uint64(9)), rng.sample_key(5, 0, 2**32 - 1, 9)
+    )
 
 
 @settings(max_examples=60, deadline=None)
-@given(run=U32, triples=st.lists(st.tuples(U32, st.sampled_from([0, 1, 2**32 - 1]) | U32, U32), min_size=1, max_size=40))
+@given(
+    run=U32, triples=st.lists(st.tuples(U32, st.sampled_from([0, 1, 2**32 - 1]) | U32, U32), min_size=1, max_size=40)
+)
 def test_sample_keys_on_integers_and_on_numpy_are_the_reference_keys(run, triples):
     cols = [list(c) for c in zip(*triples)]
     ints, arrays = rng._sample_keys_ints(run, *cols), rng._sample_keys_numpy(run, *cols)
@@ -152,25 +156,40 @@ def test_sample_keys_on_integers_and_on_numpy_are_the_reference_keys(run, triple
 def test_sample_keys_small_and_large_calls_agree_across_the_threshold():
     triples = [(3, 9, s) for s in range(rng.SCALAR_ROWS + 1)]
     large = rng.sample_keys(11, triples)  # NumPy path
-    small = np.concatenate([rng.sample_keys(11, triples[:1]), rng.sample_keys(11, triples[1:rng.SCALAR_ROWS]),
-                            rng.sample_keys(11, triples[rng.SCALAR_ROWS:])])
+    small = np.concatenate(
+        [
+            rng.sample_keys(11, triples[:1]),
+            rng.sample_keys(11, triples[1 : rng.SCALAR_ROWS]),
+            rng.sample_keys(11, triples[rng.SCALAR_ROWS :]),
+        ]
+    )
     np.testing.assert_array_equal(large, small)
     with pytest.raises(ValueError, match="run_seed"):
         rng.sample_keys(-1, [])
 
 
-@pytest.mark.parametrize("machines, iterations", [(3, 1), (rng.SCALAR_ROWS + 1, 2)], ids=["few-prefixes", "many-prefixes"])
+@pytest.mark.parametrize(
+    "machines, iterations", [(3, 1), (rng.SCALAR_ROWS + 1, 2)], ids=["few-prefixes", "many-prefixes"]
+)
 def test_large_calls_fold_shared_prefixes_once_and_give_the_reference_keys(machines, iterations):
     # more rows than SCALAR_ROWS: an iteration's keys (few (machine, iteration) prefixes, folded
     # on integers, samples over NumPy rows) and a log's (more prefixes than that: all over NumPy)
-    triples = [(m * 977, 40_000 + it, s) for m in range(machines) for it in range(iterations) for s in (0, 1, 7, 8, 2**31, 2**32 - 1)]
+    triples = [
+        (m * 977, 40_000 + it, s)
+        for m in range(machines)
+        for it in range(iterations)
+        for s in (0, 1, 7, 8, 2**31, 2**32 - 1)
+    ]
     assert len(triples) > rng.SCALAR_ROWS
     keys = rng.sample_keys(5, triples)
     assert keys.dtype == np.uint32 and keys.shape == (len(triples), 2)
     np.testing.assert_array_equal(keys, np.stack([ref.sample_key(5, *t) for t in triples]))
 
 
-@pytest.mark.parametrize("bad, name", [(-5, "iteration"), (2**32, "iteration"), (True, "iteration"), (2.0, "iteration"), (np.int64(-1), "iteration")])
+@pytest.mark.parametrize(
+    "bad, name",
+    [(-5, "iteration"), (2**32, "iteration"), (True, "iteration"), (2.0, "iteration"), (np.int64(-1), "iteration")],
+)
 @pytest.mark.parametrize("rows", [2, rng.SCALAR_ROWS + 2])
 def test_sample_keys_validate_each_tuple(bad, name, rows):
     triples = [(0, 0, s) for s in range(rows)]
@@ -229,4 +248,7 @@ def test_leaf_id_is_the_same_in_another_process():
     assert [int(v) for v in out.stdout.split()] == [rng.leaf_id(p) for p in paths]
     # the reference really is jax-free
     probe = "import sys, zeroth.reference; print('jax' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )

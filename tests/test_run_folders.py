@@ -71,7 +71,9 @@ def test_a_bad_out_folder_is_one_line_naming_the_path(tmp_path, capsys, kind):
     for out, expected in cases:
         assert run_main([config, "--out", str(out), "--quiet"]) == 2
         assert expected in _one_error_line(capsys)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a-file", "locked", "single.yaml"][: 3 if kind == "single" else 2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["a-file", "locked", "single.yaml"][: 3 if kind == "single" else 2]
+    )
 
 
 def test_check_out_dir_accepts_a_new_or_existing_folder_and_creates_nothing(tmp_path):

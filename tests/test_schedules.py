@@ -59,7 +59,9 @@ def test_host_value_is_deterministic_and_the_float64_formula(args, t):
     assert type(v) is float
     assert v.hex() == s(t).hex() == schedules.make(name, lr, **kw)(np.int64(t)).hex()  # the same bits, every call
     d = w + extra
-    assert v == pytest.approx(_formula(name, lr, w, a, d, r if name != "constant" else 0.0, t), rel=1e-14, abs=1e-15 * lr)
+    assert v == pytest.approx(
+        _formula(name, lr, w, a, d, r if name != "constant" else 0.0, t), rel=1e-14, abs=1e-15 * lr
+    )
     assert min(lr * a, lr * r if name != "constant" else lr) - 1e-15 * lr <= v <= lr
 
 
@@ -155,7 +157,10 @@ def test_bad_arguments_name_the_field(make, field):
     ("schedule", "message"),
     [
         ({"name": "cosine"}, "config field train.schedule.decay_steps: schedule 'cosine' needs"),
-        ({"name": "cosine", "warmup_steps": 50, "decay_steps": 50}, "config field train.schedule.decay_steps: expected an integer > warmup_steps = 50, got 50"),
+        (
+            {"name": "cosine", "warmup_steps": 50, "decay_steps": 50},
+            "config field train.schedule.decay_steps: expected an integer > warmup_steps = 50, got 50",
+        ),
         ({"name": "warmup_cosine"}, "config field train.schedule.name: bad value 'warmup_cosine'; expected one of"),
         ({"name": "constant", "final_ratio": 0.1}, "config field train.schedule.final_ratio:"),
         ({"name": "cosine", "decay_steps": 9, "gamma": 0.5}, "config field train.schedule.gamma: only schedule 'step'"),
@@ -171,8 +176,11 @@ def test_config_errors_name_the_field(schedule, message):
 
 
 def test_a_schedule_is_refused_where_nothing_applies_it():
-    raw = {"data": {"dataset": "sotu", "batch_size": 4}, "model": {"name": "transformer"},
-           "train": {"method": "backprop", "schedule": {"name": "cosine", "decay_steps": 10}}}
+    raw = {
+        "data": {"dataset": "sotu", "batch_size": 4},
+        "model": {"name": "transformer"},
+        "train": {"method": "backprop", "schedule": {"name": "cosine", "decay_steps": 10}},
+    }
     with pytest.raises(ValueError, match="config field train.schedule: 'cosine' .* not applied by ravnest runs"):
         load_config_dict({**raw, "ravnest": {}})
     cfg = load_config_dict({**raw, "pipeline": {"examples": 8}})  # pipeline stages apply it (zeroth.pipeline.build)
@@ -185,8 +193,16 @@ SMALL = {
     "run": {"name": "sched", "seed": 0},
     "data": {"dataset": "digits", "batch_size": 32, "eval_size": 200},
     "model": {"name": "mlp", "kwargs": {"hidden": [16]}},
-    "train": {"method": "zo", "lr": 0.05, "eps": 1.0e-3, "n_perturbations": 8, "codec": "onebyte", "steps": 30,
-              "eval_every": 30, "log_every": 1},
+    "train": {
+        "method": "zo",
+        "lr": 0.05,
+        "eps": 1.0e-3,
+        "n_perturbations": 8,
+        "codec": "onebyte",
+        "steps": 30,
+        "eval_every": 30,
+        "log_every": 1,
+    },
 }
 WARMUP_COSINE = {"name": "cosine", "warmup_steps": 5, "init_ratio": 0.0, "decay_steps": 30, "final_ratio": 0.1}
 
@@ -219,8 +235,15 @@ def test_trainer_with_a_schedule_is_reproducible_logs_lr_and_differs_from_consta
 def test_backprop_follows_the_schedule(tmp_path):
     # A zero learning rate at every step (warmup from 0 over more steps than the run) leaves the
     # parameters unchanged; with the same peak and no warmup they move.
-    frozen, rows = _run(tmp_path, "bp0", method="backprop", lr=1e-2, steps=3, eval_every=3,
-                        schedule={"name": "constant", "warmup_steps": 1000})
+    frozen, rows = _run(
+        tmp_path,
+        "bp0",
+        method="backprop",
+        lr=1e-2,
+        steps=3,
+        eval_every=3,
+        schedule={"name": "constant", "warmup_steps": 1000},
+    )
     moved, _ = _run(tmp_path, "bp1", method="backprop", lr=1e-2, steps=3, eval_every=3)
     start = rows[0]["digest"]
     assert frozen.digest != moved.digest

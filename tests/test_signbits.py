@@ -306,8 +306,16 @@ def test_a_tpu_without_sublane_gather_takes_the_jnp_path(monkeypatch):
     TPU generation"; v5e, v5p and v6e compile them): ``auto`` runs the jnp path there."""
     from zeroth import rule
 
-    kinds = {"TPU v3": 3, "TPU v4": 4, "TPU v5 lite": 5, "TPU v5p": 5, "TPU v6 lite": 6, "TPU7x": 7, "cpu": None,
-             "NVIDIA H100 80GB HBM3": None}
+    kinds = {
+        "TPU v3": 3,
+        "TPU v4": 4,
+        "TPU v5 lite": 5,
+        "TPU v5p": 5,
+        "TPU v6 lite": 6,
+        "TPU7x": 7,
+        "cpu": None,
+        "NVIDIA H100 80GB HBM3": None,
+    }
     assert {k: rule.tpu_generation(k) for k in kinds} == kinds
     assert [rule.lacks_sublane_gather(k) for k in kinds] == [True, True, False, False, False, False, False, False]
     assert not rule.lacks_sublane_gather()  # this process: a CPU
@@ -333,5 +341,7 @@ def test_float16_on_a_tpu_takes_the_jnp_path():
         sb.unpack(sb.pack(x), (1000,), dtype=jnp.float16, impl="pallas", interpret=True, platform="tpu")
     words = sb.pack(x, platform="tpu")  # auto: the jnp path, the same words
     assert_array_equal(np.asarray(words), np.asarray(sb.pack_ref(x)))
-    assert_array_equal(np.asarray(sb.unpack(words, (1000,), dtype=jnp.float16, scale=0.5, platform="tpu")),
-                       np.asarray(sb.unpack_ref(words, (1000,), dtype=jnp.float16, scale=0.5)))
+    assert_array_equal(
+        np.asarray(sb.unpack(words, (1000,), dtype=jnp.float16, scale=0.5, platform="tpu")),
+        np.asarray(sb.unpack_ref(words, (1000,), dtype=jnp.float16, scale=0.5)),
+    )

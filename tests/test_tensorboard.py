@@ -10,13 +10,16 @@ from zeroth.train.metrics import MetricsWriter, clear
 pytest.importorskip("tensorboard", reason="the dev extra installs tensorboard: pip install -e '.[dev]'")
 
 
-@pytest.mark.parametrize("data, crc", [
-    (b"", 0x00000000),
-    (b"123456789", 0xE3069283),
-    (bytes(32), 0x8A9136AA),  # RFC 3720, B.4
-    (b"\xff" * 32, 0x62A8AB43),
-    (bytes(range(32)), 0x46DD794E),
-])
+@pytest.mark.parametrize(
+    "data, crc",
+    [
+        (b"", 0x00000000),
+        (b"123456789", 0xE3069283),
+        (bytes(32), 0x8A9136AA),  # RFC 3720, B.4
+        (b"\xff" * 32, 0x62A8AB43),
+        (bytes(range(32)), 0x46DD794E),
+    ],
+)
 def test_crc32c_matches_the_published_check_values(data, crc):
     assert tb.crc32c(data) == crc
 
@@ -25,14 +28,19 @@ def test_event_file_opens_with_tensorboards_loader(tmp_path):
     from tensorboard.backend.event_processing import event_file_loader
 
     w = tb.EventWriter(tmp_path)
-    w.write_row({"kind": "train", "step": 3, "time_unix_s": 1.7e9, "loss": 0.25, "lr": 0.01, "digest": "ab", "note": None})
+    w.write_row(
+        {"kind": "train", "step": 3, "time_unix_s": 1.7e9, "loss": 0.25, "lr": 0.01, "digest": "ab", "note": None}
+    )
     w.close()
     events = list(event_file_loader.EventFileLoader(str(w.path)).Load())
     assert w.path.name.startswith("events.out.tfevents.")
     assert events[0].file_version == "brain.Event:2"
     assert (events[1].step, events[1].wall_time) == (3, 1.7e9)
     # TensorBoard's loader turns simple_value into scalar tensors of the scalars plugin
-    assert {v.tag: v.tensor.float_val[0] for v in events[1].summary.value} == {"train/loss": 0.25, "train/lr": pytest.approx(0.01)}
+    assert {v.tag: v.tensor.float_val[0] for v in events[1].summary.value} == {
+        "train/loss": 0.25,
+        "train/lr": pytest.approx(0.01),
+    }
     assert {v.metadata.plugin_data.plugin_name for v in events[1].summary.value} == {"scalars"}
 
 
@@ -62,8 +70,10 @@ def test_a_file_written_in_the_same_second_sorts_after_the_earlier_ones(tmp_path
 
 def test_metrics_writer_mirrors_rows_and_a_resumed_run_replaces_the_later_points(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    rows = [{"kind": "train", "step": s, "time_unix_s": 100.0 + s, "loss": 1.0 / s, "payload_bytes_total": 10 * s}
-            for s in range(1, 6)]
+    rows = [
+        {"kind": "train", "step": s, "time_unix_s": 100.0 + s, "loss": 1.0 / s, "payload_bytes_total": 10 * s}
+        for s in range(1, 6)
+    ]
     rows.append({"kind": "eval", "step": 5, "time_unix_s": 106.0, "eval_accuracy": 0.75, "eval_loss": float("nan")})
     with MetricsWriter(path, tensorboard=True) as w:
         for r in rows:

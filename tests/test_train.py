@@ -69,8 +69,18 @@ def test_zo_trainer_holds_a_flat_state_with_the_bits_of_the_tree_steps(tmp_path)
     from zeroth import data, methods, objectives, replay, schedules
     from zeroth.methods.mezo import mezo_update
 
-    cfg = load_config_dict(small(train={"steps": 12, "eval_every": 12, "log_every": 4, "weight_decay": 0.01,
-                                        "checkpoint_every": 6, "layout": "flat"}))
+    cfg = load_config_dict(
+        small(
+            train={
+                "steps": 12,
+                "eval_every": 12,
+                "log_every": 4,
+                "weight_decay": 0.01,
+                "checkpoint_every": 6,
+                "layout": "flat",
+            }
+        )
+    )
     res = trainer.train(cfg, tmp_path / "run", progress=False)
     train_ds = data.load("digits", "train")
     model, params = objectives.build_model(cfg, train_ds.num_classes, train_ds.x[:1])
@@ -93,8 +103,9 @@ def test_zo_trainer_holds_a_flat_state_with_the_bits_of_the_tree_steps(tmp_path)
     default = load_config_dict(small())  # auto: the tree on a CPU
     assert default.train.layout == "auto" and methods.make_method(default, model).init(tree, None).params is tree
     # a resume from step 6 lays the restored tree out again and ends on the same digest
-    cfg2 = load_config_dict(small(train={"steps": 6, "log_every": 4, "weight_decay": 0.01, "checkpoint_every": 6,
-                                         "layout": "flat"}))
+    cfg2 = load_config_dict(
+        small(train={"steps": 6, "log_every": 4, "weight_decay": 0.01, "checkpoint_every": 6, "layout": "flat"})
+    )
     trainer.train(cfg2, tmp_path / "resumed", progress=False)
     again = trainer.train(cfg, tmp_path / "resumed", resume=True, progress=False)
     assert again.resumed_from == 6 and again.digest == res.digest
@@ -105,7 +116,9 @@ def test_zo_trainer_holds_a_flat_state_with_the_bits_of_the_tree_steps(tmp_path)
         assert load_config_dict(small(train={"layout": "auto", **fix})).train.layout == "auto"
 
 
-def test_the_one_byte_trainer_dispatches_each_step_before_fetching_the_last_with_the_same_records(tmp_path, monkeypatch):
+def test_the_one_byte_trainer_dispatches_each_step_before_fetching_the_last_with_the_same_records(
+    tmp_path, monkeypatch
+):
     # with train.codec onebyte the ZO method is pipelined (zeroth.zo.Deferred): the loop does not
     # wait after a step, and each step fetches and checks the one before while the device runs it.
     # Every record (losses, digests, evaluation) and checkpoint is that of the steps run on the host.
@@ -113,8 +126,16 @@ def test_the_one_byte_trainer_dispatches_each_step_before_fetching_the_last_with
 
     from zeroth import data, methods, objectives
 
-    raw = small(train={"steps": 14, "eval_every": 7, "log_every": 3, "weight_decay": 0.01, "checkpoint_every": 7,
-                       "schedule": {"name": "cosine", "decay_steps": 14}})
+    raw = small(
+        train={
+            "steps": 14,
+            "eval_every": 7,
+            "log_every": 3,
+            "weight_decay": 0.01,
+            "checkpoint_every": 7,
+            "schedule": {"name": "cosine", "decay_steps": 14},
+        }
+    )
     cfg = load_config_dict(raw)
     train_ds = data.load("digits", "train")
     model, _ = objectives.build_model(cfg, train_ds.num_classes, train_ds.x[:1])
@@ -197,7 +218,11 @@ def test_progress_says_the_first_steps_compile_and_how_long_each_took(tmp_path, 
     timed = [ln for ln in lines if " took " in ln]
     assert [ln.split(" took ")[0] for ln in timed] == ["[t] step 1/20", "[t] step 2/20"]
     assert all(float(ln.split(" took ")[1].rstrip("s")) >= 0 for ln in timed)
-    assert lines.index(timed[0]) < lines.index(timed[1]) < lines.index(next(ln for ln in lines if "step 10/20 train" in ln))
+    assert (
+        lines.index(timed[0])
+        < lines.index(timed[1])
+        < lines.index(next(ln for ln in lines if "step 10/20 train" in ln))
+    )
     trainer.train(cfg, tmp_path / "quiet", progress=False)
     assert "[t] " not in capsys.readouterr().err
 
@@ -219,8 +244,15 @@ def test_non_differentiable_objective_improves_with_zo(tmp_path):
     cfg = load_config_dict(
         small(
             data={"batch_size": 256},
-            train={"objective": "error_rate", "steps": 100, "lr": 0.05, "eps": 0.05, "n_perturbations": 16,
-                   "codec": "float32", "eval_every": 100},
+            train={
+                "objective": "error_rate",
+                "steps": 100,
+                "lr": 0.05,
+                "eps": 0.05,
+                "n_perturbations": 16,
+                "codec": "float32",
+                "eval_every": 100,
+            },
         )
     )
     trainer.train(cfg, tmp_path / "nd", progress=False)
@@ -232,15 +264,22 @@ def test_non_differentiable_objective_improves_with_zo(tmp_path):
 @pytest.mark.parametrize("method", ["zo", "backprop"])
 def test_resume_in_process_equals_uninterrupted(tmp_path, method):
     extra = {"lr": 1e-2} if method == "backprop" else {}
-    full = load_config_dict(small(train={"method": method, "steps": 24, "eval_every": 8, "log_every": 4, "checkpoint_every": 8, **extra}))
+    full = load_config_dict(
+        small(train={"method": method, "steps": 24, "eval_every": 8, "log_every": 4, "checkpoint_every": 8, **extra})
+    )
     ref = trainer.train(full, tmp_path / "full", progress=False)
-    short = load_config_dict(small(train={"method": method, "steps": 16, "eval_every": 8, "log_every": 4, "checkpoint_every": 8, **extra}))
+    short = load_config_dict(
+        small(train={"method": method, "steps": 16, "eval_every": 8, "log_every": 4, "checkpoint_every": 8, **extra})
+    )
     trainer.train(short, tmp_path / "split", progress=False)
     res = trainer.train(full, tmp_path / "split", resume=True, progress=False)
     assert res.resumed_from == 16 and res.digest == ref.digest
     a = read_metrics(tmp_path / "full" / "metrics.jsonl")
     b = read_metrics(tmp_path / "split" / "metrics.jsonl")
-    strip = lambda recs: [{k: v for k, v in r.items() if k not in ("wall_time_s", "train_time_s", "time_unix_s", "step_time_s")} for r in recs]  # noqa: E731
+    strip = lambda recs: [
+        {k: v for k, v in r.items() if k not in ("wall_time_s", "train_time_s", "time_unix_s", "step_time_s")}
+        for r in recs
+    ]  # noqa: E731
     assert strip(a) == strip(b)
 
 
@@ -301,7 +340,10 @@ def test_a_checkpoints_file_list_names_a_damaged_file_and_an_unlisted_step_is_st
     data[len(data) // 2] ^= 0x10
     victim.write_bytes(bytes(data))
     for read in (lambda: ck.restore(2, params, opt), lambda: ck.restore_saved(2)):
-        with pytest.raises(CheckpointError, match=rf"{victim.relative_to(tmp_path / 'ck' / '2').as_posix()} has CRC-32 [0-9a-f]{{8}}, [0-9a-f]{{8}} when saved.*--resume-step 1"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"{victim.relative_to(tmp_path / 'ck' / '2').as_posix()} has CRC-32 [0-9a-f]{{8}}, [0-9a-f]{{8}} when saved.*--resume-step 1",
+        ):
             read()
     # a missing file, and a list that is not one
     (tmp_path / "ck" / "3" / "meta" / "metadata").unlink()
@@ -342,7 +384,7 @@ def test_peers_section_is_handed_to_the_launcher(tmp_path, monkeypatch):
     cfg = _write_cfg(tmp_path / "p.yaml", small(peers={"count": 3}))
     argv = [str(cfg), "--out", str(tmp_path / "po")]
     assert run_main(argv) == 7
-    (got_cfg, out_dir, got_argv), = calls
+    ((got_cfg, out_dir, got_argv),) = calls
     assert got_cfg.peers.count == 3 and Path(out_dir) == tmp_path / "po" and got_argv == argv
 
 

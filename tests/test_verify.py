@@ -46,8 +46,19 @@ def _own(params):
     return jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True), params)
 
 
-def write_run(root, worker, *, iterations=6, machines=(0, 1), run_id=RUN, start=0, params=None, previous=b"", secret=SECRET,
-              missed=()):
+def write_run(
+    root,
+    worker,
+    *,
+    iterations=6,
+    machines=(0, 1),
+    run_id=RUN,
+    start=0,
+    params=None,
+    previous=b"",
+    secret=SECRET,
+    missed=(),
+):
     """What each peer of ``machines`` logs over ``iterations`` decided iterations from ``start``
     (each START naming the peer's key with its proof of ``secret``, none if None); returns the
     state reached and the chain digest of the last decision. ``missed``: ``(iteration, machine)``
@@ -59,15 +70,31 @@ def write_run(root, worker, *, iterations=6, machines=(0, 1), run_id=RUN, start=
     writers = {m: updatelog.Writer(root / "peers" / f"p{m}" / updatelog.FILENAME) for m in machines}
     for m, w in writers.items():
         key = ids[m].public
-        w.start(run_id=run_id, iteration=start, digest=checksum(params), reason="initial" if start == 0 else "resumed",
-                config=cfg, key=key, proof=log_proof(secret, run_id, key) if secret else b"")
+        w.start(
+            run_id=run_id,
+            iteration=start,
+            digest=checksum(params),
+            reason="initial" if start == 0 else "resumed",
+            config=cfg,
+            key=key,
+            proof=log_proof(secret, run_id, key) if secret else b"",
+        )
     for t in range(start, start + iterations):
         pushed = [(m, *worker.compute(params, m, t)[:2]) for m in machines if (t, m) not in missed]
         contributors = tuple((m, n) for m, n, _ in pushed)
         payloads = tuple(p for _, _, p in pushed)
         view = P.View(t + 1, members, len(machines))
-        c = P.Commit(run_id, machines[0], t, P.Ballot(0, machines[0]), contributors,
-                     P.updates_digest(contributors, payloads), view, b"", previous)
+        c = P.Commit(
+            run_id,
+            machines[0],
+            t,
+            P.Ballot(0, machines[0]),
+            contributors,
+            P.updates_digest(contributors, payloads),
+            view,
+            b"",
+            previous,
+        )
         c = c._replace(signature=ids[machines[0]].sign(P.signed_bytes(c)))
         sigs = tuple(ids[m].sign(P.signed_bytes(P.Push(run_id, m, t, n, p, b"", previous))) for m, n, p in pushed)
         params, _ = worker.apply(params, t, contributors, payloads)
@@ -83,11 +110,11 @@ def write_run(root, worker, *, iterations=6, machines=(0, 1), run_id=RUN, start=
 
 def records(data: bytes):
     """The raw records of a log's bytes: [(kind, body without the kind byte)]."""
-    data = data[len(updatelog.MAGIC):]
+    data = data[len(updatelog.MAGIC) :]
     out, o = [], 0
     while o < len(data):
         (n,) = struct.unpack_from("<I", data, o)
-        out.append((data[o + HEADER], data[o + HEADER + 1:o + HEADER + n]))
+        out.append((data[o + HEADER], data[o + HEADER + 1 : o + HEADER + n]))
         o += HEADER + n
     return out
 
@@ -134,8 +161,17 @@ def _entry(t, members, contributors=((0, 16), (2, 16))):
     """A log entry of iteration ``t`` whose next view has ``members`` (signatures are not checked by the log)."""
     payloads = tuple(bytes([t, m]) * 8 for m, _ in contributors)
     view = P.View(t + 1, members, 1 + max(m.machine for m in members))
-    commit = P.Commit(RUN, 0, t, P.Ballot(0, 0), contributors, P.updates_digest(contributors, payloads), view,
-                      bytes([t]) * 64, bytes([t]) * 32 if t else b"")
+    commit = P.Commit(
+        RUN,
+        0,
+        t,
+        P.Ballot(0, 0),
+        contributors,
+        P.updates_digest(contributors, payloads),
+        view,
+        bytes([t]) * 64,
+        bytes([t]) * 32 if t else b"",
+    )
     return P.LogEntry(commit, payloads, tuple(bytes([m]) * 64 for m, _ in contributors))
 
 
@@ -148,13 +184,20 @@ def test_a_decision_leaves_out_what_the_commit_and_the_record_before_say_and_rea
         w.start(run_id=RUN, iteration=0, digest="00" * 32, reason="initial", config={})
         for e in entries[:4]:
             w.applied(e, "11" * 32)
-        w.start(run_id=RUN, iteration=4, digest="11" * 32, reason="downloaded", config={})  # a new segment: members again
+        w.start(
+            run_id=RUN, iteration=4, digest="11" * 32, reason="downloaded", config={}
+        )  # a new segment: members again
         w.applied(entries[4], "22" * 32)
     recs = records(path.read_bytes())
     assert [(k, b[32] if k == updatelog.DECISION else None) for k, b in recs] == [
-        (updatelog.START, None), (updatelog.DECISION, 0), (updatelog.DECISION, updatelog.SAME_MEMBERS),
-        (updatelog.DECISION, 0), (updatelog.DECISION, updatelog.SAME_MEMBERS), (updatelog.START, None),
-        (updatelog.DECISION, 0)]
+        (updatelog.START, None),
+        (updatelog.DECISION, 0),
+        (updatelog.DECISION, updatelog.SAME_MEMBERS),
+        (updatelog.DECISION, 0),
+        (updatelog.DECISION, updatelog.SAME_MEMBERS),
+        (updatelog.START, None),
+        (updatelog.DECISION, 0),
+    ]
     log = updatelog.read(path)
     assert [a.entry for s in log.segments for a in s.applied] == entries  # every field, members and payloads
     full = [len(wire.entry_to_pb(e).SerializeToString()) for e in entries]
@@ -175,7 +218,10 @@ def test_a_log_of_whole_entries_the_format_before_decisions_still_reads_and_veri
         path = tmp_path / "peers" / peer / updatelog.FILENAME
         (seg,) = updatelog.read(path).segments
         recs = records(path.read_bytes())[:1]
-        recs += [(updatelog.ENTRY, bytes.fromhex(a.digest) + wire.entry_to_pb(a.entry).SerializeToString()) for a in seg.applied]
+        recs += [
+            (updatelog.ENTRY, bytes.fromhex(a.digest) + wire.entry_to_pb(a.entry).SerializeToString())
+            for a in seg.applied
+        ]
         rewrite(path, recs)
         assert updatelog.read(path).segments == (seg,)
     report = verify.verify(tmp_path, secret=SECRET)
@@ -251,7 +297,7 @@ def test_a_record_cut_short_then_zeros_reaching_past_its_end_is_a_crash_not_dama
     data, want = a_log
     start = [len(updatelog.MAGIC), *ends(data)][1]  # the second record
     path = tmp_path / updatelog.FILENAME
-    path.write_bytes(data[:start + into] + bytes(8192))
+    path.write_bytes(data[: start + into] + bytes(8192))
     log = updatelog.read(path)
     assert flat(log) == want[:1] and log.truncated == into + 8192
 
@@ -291,18 +337,27 @@ def test_every_recorded_digest_is_reproduced_by_the_replay(tmp_path, worker, imp
     (run,) = report.runs
     assert run.first == 0 and run.last == 6 and run.final_digest == checksum(final)
     assert [(p.log, p.checked, p.agreed, p.first_mismatch, p.replaced) for p in run.peers] == [
-        ("peers/p0", 7, 7, None, 0), ("peers/p1", 7, 7, None, 0)]
+        ("peers/p0", 7, 7, None, 0),
+        ("peers/p1", 7, 7, None, 0),
+    ]
     assert run.commits_signed == 6 and run.pushes_signed == 12
     text = verify.format_report(report)
     assert "7/7 digests, every digest reproduced" in text and text.endswith("follows from the log on this machine")
 
 
-def test_verify_prints_the_contributors_and_missed_barriers_of_the_decisions_and_what_peers_reported(tmp_path, worker, capsys):
+def test_verify_prints_the_contributors_and_missed_barriers_of_the_decisions_and_what_peers_reported(
+    tmp_path, worker, capsys
+):
     write_run(tmp_path, worker, iterations=5, machines=(0, 1, 2), missed={(2, 1), (3, 1), (3, 2)})
     totals = {"pushes_late": 2, "forward_passes_wasted": 12, "barrier_wait_s_total": 0.75, "late_pushes_received": 0}
     (tmp_path / "peers" / "p1" / "metrics.jsonl").write_text(
-        json.dumps({"kind": "train", "step": 4, **{k: 0 for k in totals}}) + "\nnot json\n"
-        + json.dumps({"kind": "train", "step": 5, **totals}) + "\n" + json.dumps({"kind": "eval", "step": 5}) + "\n")
+        json.dumps({"kind": "train", "step": 4, **{k: 0 for k in totals}})
+        + "\nnot json\n"
+        + json.dumps({"kind": "train", "step": 5, **totals})
+        + "\n"
+        + json.dumps({"kind": "eval", "step": 5})
+        + "\n"
+    )
     report = verify.verify(tmp_path)
     assert report.ok, verify.format_report(report)
     (run,) = report.runs
@@ -313,8 +368,14 @@ def test_verify_prints_the_contributors_and_missed_barriers_of_the_decisions_and
     assert b["forward_passes_applied"] == 2 * 3 * 12  # 3 projected gradients each (inferences_per_iteration)
     assert report.reported == (("peers/p1", totals),)
     text = verify.format_report(report)
-    assert "contributors per iteration min 1 median 3 max 3 over 5 decisions; 3 active member(s) missed it in 2 iteration(s)" in text
-    assert "reported by peers/p1: 2 own push(es) late, 12 forward passes wasted, 0 late push(es) received, 0.75s at the barrier" in text
+    assert (
+        "contributors per iteration min 1 median 3 max 3 over 5 decisions; 3 active member(s) missed it in 2 iteration(s)"
+        in text
+    )
+    assert (
+        "reported by peers/p1: 2 own push(es) late, 12 forward passes wasted, 0 late push(es) received, 0.75s at the barrier"
+        in text
+    )
     assert verify.main([str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["runs"][0]["barrier"]["missed_barrier"] == 3 and out["reported"]["peers/p1"] == totals
@@ -333,8 +394,12 @@ def test_a_changed_payload_is_caught_by_its_digest_its_signature_and_the_replay(
     alone = verify.verify(path)  # the changed log on its own
     (run,) = alone.runs
     assert not alone.ok
-    assert any("iteration 2 (p0): the payloads do not match the commit's updates_digest" in p for p in run.problems), run.problems
-    assert any("iteration 2 (p0): the payload of machine 1 is not signed by it" in p for p in run.problems), run.problems
+    assert any("iteration 2 (p0): the payloads do not match the commit's updates_digest" in p for p in run.problems), (
+        run.problems
+    )
+    assert any("iteration 2 (p0): the payload of machine 1 is not signed by it" in p for p in run.problems), (
+        run.problems
+    )
     assert run.peers[0].first_mismatch == 3  # the state after iteration 2 is not the one p0 recorded
     both = verify.verify(tmp_path)  # beside the other peer's log, which holds the decision as it was
     assert any("logged different payloads for one decision of iteration 2" in p for p in both.runs[0].problems)
@@ -352,14 +417,19 @@ def test_a_changed_signature_in_one_of_three_logs_is_caught_beside_the_others(tm
         return digest
 
     edit_entry(path, 2, flip)  # CRCs recomputed: the log reads back whole
-    expected = ("iteration 2 (peers/p2): the commit's signature is not machine 0's" if what == "commit"
-                else "iteration 2 (peers/p2): the payload of machine 1 is not signed by it")
+    expected = (
+        "iteration 2 (peers/p2): the commit's signature is not machine 0's"
+        if what == "commit"
+        else "iteration 2 (peers/p2): the payload of machine 1 is not signed by it"
+    )
     report = verify.verify(tmp_path)  # the changed log beside two logs holding the decision as it was
     (run,) = report.runs
     assert not report.ok and list(run.problems) == [expected], run.problems
     assert run.commits_signed == 7  # the six decisions and the changed copy
     alone = verify.verify(path)
-    assert not alone.ok and [p.replace("(p2)", "(peers/p2)") for p in alone.runs[0].problems] == [expected], alone.runs[0].problems
+    assert not alone.ok and [p.replace("(p2)", "(peers/p2)") for p in alone.runs[0].problems] == [expected], alone.runs[
+        0
+    ].problems
 
 
 def test_a_peer_whose_recorded_state_differs_is_named_with_the_first_iteration(tmp_path, worker):
@@ -374,7 +444,10 @@ def test_a_peer_whose_recorded_state_differs_is_named_with_the_first_iteration(t
     (run,) = report.runs
     assert not report.ok and not run.problems
     assert [(p.log, p.agreed, p.first_mismatch) for p in run.peers] == [("peers/p0", 7, None), ("peers/p1", 6, 4)]
-    assert "peers/p1     iterations 0-6 (initial at 0): 6/7 digests, 1 differ, first at iteration 4" in verify.format_report(report)
+    assert (
+        "peers/p1     iterations 0-6 (initial at 0): 6/7 digests, 1 differ, first at iteration 4"
+        in verify.format_report(report)
+    )
 
 
 def test_a_peer_that_applied_a_decision_the_run_replaced_and_recovered_does_not_fail_the_run(tmp_path, worker):
@@ -389,8 +462,13 @@ def test_a_peer_that_applied_a_decision_the_run_replaced_and_recovered_does_not_
     run = seg.applied[3].entry
     c = run.commit
     contributors, payloads = c.contributors[:1], run.payloads[:1]
-    fork = c._replace(sender=1, ballot=P.Ballot(1, 1), contributors=contributors,
-                      updates_digest=P.updates_digest(contributors, payloads), signature=b"")
+    fork = c._replace(
+        sender=1,
+        ballot=P.Ballot(1, 1),
+        contributors=contributors,
+        updates_digest=P.updates_digest(contributors, payloads),
+        signature=b"",
+    )
     fork = fork._replace(signature=ids[1].sign(P.signed_bytes(fork)))
     forked, _ = worker.apply(params, 3, contributors, payloads)
     path = tmp_path / "peers" / "p2" / updatelog.FILENAME
@@ -424,8 +502,14 @@ def test_a_resumed_run_starts_from_the_state_the_first_run_reached(tmp_path, wor
     assert not alone.ok and "nothing to replay from" in alone.runs[0].problems[0]
     # ... but a saved state of that iteration beside it will do (a damaged copy is passed over)
     for name in ("a", "b"):
-        save_state(tmp_path / "second" / "checkpoints" / name, params, iteration=4, run_id=RUN, digest=checksum(params),
-                   reason="checkpoint_every")
+        save_state(
+            tmp_path / "second" / "checkpoints" / name,
+            params,
+            iteration=4,
+            run_id=RUN,
+            digest=checksum(params),
+            reason="checkpoint_every",
+        )
     (tmp_path / "second" / "checkpoints" / "a" / "state.bin").write_bytes(b"damaged")
     alone = verify.verify(tmp_path / "second")
     assert alone.ok, verify.format_report(alone)
@@ -436,29 +520,59 @@ def test_every_saved_state_of_the_run_is_compared_with_the_replay(tmp_path, work
     final, _ = write_run(tmp_path, worker, iterations=4)
     middle, _ = write_run(tmp_path / "elsewhere", worker, iterations=2)  # the state at the start of iteration 2
     for peer in ("p0", "p1"):
-        save_state(tmp_path / "peers" / peer / "checkpoints" / "4", final, iteration=4, run_id=RUN,
-                   digest=checksum(final), reason="done")
-    save_state(tmp_path / "peers" / "p0" / "checkpoints" / "2", middle, iteration=2, run_id=RUN,
-               digest=checksum(middle), reason="checkpoint_every")
-    save_state(tmp_path / "other-run", middle, iteration=2, run_id="another-run", digest=checksum(middle), reason="done")
+        save_state(
+            tmp_path / "peers" / peer / "checkpoints" / "4",
+            final,
+            iteration=4,
+            run_id=RUN,
+            digest=checksum(final),
+            reason="done",
+        )
+    save_state(
+        tmp_path / "peers" / "p0" / "checkpoints" / "2",
+        middle,
+        iteration=2,
+        run_id=RUN,
+        digest=checksum(middle),
+        reason="checkpoint_every",
+    )
+    save_state(
+        tmp_path / "other-run", middle, iteration=2, run_id="another-run", digest=checksum(middle), reason="done"
+    )
     shutil.rmtree(tmp_path / "elsewhere")
     report = verify.verify(tmp_path)
     assert report.ok and report.runs[0].states_agreed == 3, verify.format_report(report)
     assert "saved states 3 (checkpoints), each the replay's state at its iteration" in verify.format_report(report)
     # a model file that is not what the log gives at its iteration: named, and the run does not verify
-    save_state(tmp_path / "peers" / "p1" / "checkpoints" / "3", middle, iteration=3, run_id=RUN,
-               digest=checksum(middle), reason="checkpoint_every")
+    save_state(
+        tmp_path / "peers" / "p1" / "checkpoints" / "3",
+        middle,
+        iteration=3,
+        run_id=RUN,
+        digest=checksum(middle),
+        reason="checkpoint_every",
+    )
     bad = verify.verify(tmp_path)
     assert not bad.ok and bad.runs[0].states_agreed == 3
     assert [p for p in bad.runs[0].problems if "saved state" in p] == [
         f"the saved state peers/p1/checkpoints/3 (iteration 3) has digest {checksum(middle)[:16]}, "
-        f"the replay's state there {_replay_digest(tmp_path, 3)[:16]}"]
+        f"the replay's state there {_replay_digest(tmp_path, 3)[:16]}"
+    ]
     # ... and one beyond the replay's end, or whose files do not read back (a note, not a failure)
-    save_state(tmp_path / "peers" / "p1" / "checkpoints" / "3", final, iteration=9, run_id=RUN, digest=checksum(final),
-               reason="done")
+    save_state(
+        tmp_path / "peers" / "p1" / "checkpoints" / "3",
+        final,
+        iteration=9,
+        run_id=RUN,
+        digest=checksum(final),
+        reason="done",
+    )
     (tmp_path / "peers" / "p0" / "checkpoints" / "2" / "state.bin").write_bytes(b"cut")
     again = verify.verify(tmp_path)
-    assert "the saved state peers/p1/checkpoints/3 (iteration 9) lies outside what the replay reached" in again.runs[0].problems
+    assert (
+        "the saved state peers/p1/checkpoints/3 (iteration 9) lies outside what the replay reached"
+        in again.runs[0].problems
+    )
     assert any(n.startswith("peers/p0/checkpoints/2: a saved state that does not read back") for n in again.notes)
     assert again.runs[0].states_agreed == 2
 
@@ -492,7 +606,10 @@ def test_the_run_secret_proves_that_the_runs_own_processes_signed_every_decision
     write_run(tmp_path, worker)
     report = verify.verify(tmp_path, secret=SECRET)
     assert report.ok and report.runs[0].keys_proven == 2, verify.format_report(report)
-    assert "authorship  2 signing keys, each proven to be held by a process with the run secret" in verify.format_report(report)
+    assert (
+        "authorship  2 signing keys, each proven to be held by a process with the run secret"
+        in verify.format_report(report)
+    )
     # another secret: no START's proof matches it, and no signing key is proven
     other = verify.verify(tmp_path, secret="another-secret")
     assert not other.ok and other.runs[0].keys_proven == 0
@@ -533,7 +650,8 @@ def test_a_signing_peer_whose_log_is_missing_is_named(tmp_path, worker):
     assert not report.ok and report.runs[0].keys_proven == 1
     assert [p for p in report.runs[0].problems if "no log proves" in p] == [
         "machine 1 signs from iteration 0 with a key that no log proves to be held by a process with the run secret: "
-        "its decisions are not shown to be this run's"]
+        "its decisions are not shown to be this run's"
+    ]
     assert verify.verify(tmp_path).ok  # the remaining log alone still reproduces
 
 
@@ -552,9 +670,14 @@ def test_the_command_reads_the_secret_file(tmp_path, worker, capsys):
 def test_a_run_with_weight_decay_verifies_with_the_kernels_and_the_numpy_specification(tmp_path, impl):
     # d = 1 - 0.05 * 0.5 = 0.975 changes every nonzero weight: a replay without the decay (or
     # with it at another iteration's rate) reproduces no digest after the first iteration
-    cfg = {**CONFIG, "train": {**CONFIG["train"], "weight_decay": 0.5,
-                               "schedule": {"name": "cosine", "warmup_steps": 2, "init_ratio": 0.5,
-                                                                   "decay_steps": 4, "final_ratio": 0.2}}}
+    cfg = {
+        **CONFIG,
+        "train": {
+            **CONFIG["train"],
+            "weight_decay": 0.5,
+            "schedule": {"name": "cosine", "warmup_steps": 2, "init_ratio": 0.5, "decay_steps": 4, "final_ratio": 0.2},
+        },
+    }
     final, _ = write_run(tmp_path, Worker(load_config_dict(cfg)), iterations=4)
     report = verify.verify(tmp_path, impl=impl)
     assert report.ok, verify.format_report(report)

@@ -57,7 +57,9 @@ def _quad_loss_f32(h, b):
 def _quad_loss_f64(leaves: dict, h, b) -> float:
     hl = dict(_leaves_np(h))
     bl = dict(_leaves_np(b))
-    return float(sum(np.sum(0.5 * hl[k] * v.astype(np.float64) ** 2 + bl[k] * v.astype(np.float64)) for k, v in leaves.items()))
+    return float(
+        sum(np.sum(0.5 * hl[k] * v.astype(np.float64) ** 2 + bl[k] * v.astype(np.float64)) for k, v in leaves.items())
+    )
 
 
 @pytest.mark.parametrize("distribution", DISTS)
@@ -84,8 +86,11 @@ def test_estimator_equals_float64_finite_difference_on_quadratic(distribution):
         assert abs(float(g[i]) - g_ref) <= tol, (i, float(g[i]), g_ref, tol)
         assert abs(float(ell[i]) - (lp + lm) / 2) <= 1e-4 * (1 + abs(lp))
         # for a quadratic the central difference is the directional derivative ∇L(θ)·z
-        z = {p: reference.noise_int(distribution, reference.leaf_key(key, p), v.size).reshape(v.shape)
-             * (0.5 if distribution == "binomial" else 1.0) for p, v in leaves}
+        z = {
+            p: reference.noise_int(distribution, reference.leaf_key(key, p), v.size).reshape(v.shape)
+            * (0.5 if distribution == "binomial" else 1.0)
+            for p, v in leaves
+        }
         hl, bl = dict(_leaves_np(h)), dict(_leaves_np(b))
         dd = sum(float(np.sum((hl[p] * v.astype(np.float64) + bl[p]) * z[p])) for p, v in leaves)
         assert abs(g_ref - dd) <= 1e-3 * (1 + abs(dd))
@@ -132,15 +137,19 @@ def test_estimator_evaluates_exactly_the_replayed_models(distribution):
         for (path, leaf), got in zip(leaves, seen[j], strict=True):
             want = reference.replay_leaf(leaf, path, [(key, sign * float(eps))], distribution)
             assert got.dtype == leaf.dtype and got.shape == leaf.shape
-            np.testing.assert_array_equal(got.reshape(-1).view(np.uint8), np.asarray(want).reshape(-1).view(np.uint8),
-                                          err_msg=f"{path} pair {j}")
+            np.testing.assert_array_equal(
+                got.reshape(-1).view(np.uint8), np.asarray(want).reshape(-1).view(np.uint8), err_msg=f"{path} pair {j}"
+            )
 
 
 def test_estimator_rounds_a_raw_eps_as_the_update_rule_does_and_rejects_bad_inputs():
     params = {"w": jnp.ones(4)}
     loss = lambda p, b: jnp.sum(p["w"] ** 2)  # noqa: E731
     keys = rng.sample_keys(0, [(0, 0, 0)])
-    raw, rounded = zo.projected_gradients(loss, params, None, keys, 0.1), zo.projected_gradients(loss, params, None, keys, zo.round_eps(0.1))
+    raw, rounded = (
+        zo.projected_gradients(loss, params, None, keys, 0.1),
+        zo.projected_gradients(loss, params, None, keys, zo.round_eps(0.1)),
+    )
     assert float(zo.round_eps(0.1)) != 0.1  # the rounding is not the identity here: the test can fail
     np.testing.assert_array_equal(np.asarray(raw), np.asarray(rounded))
     fn = zo.projected_gradients_fn(loss)
@@ -181,7 +190,10 @@ def test_compiler_options_are_backend_specific():
     # loop-invariant code motion comes first: kept wherever its compiled peak is no larger; on a
     # CPU with each library fusion, in pairs compiled side by side
     cpu = zo.autotune.compiler_option_candidates("cpu")
-    base, individual = zo.compiler_options("cpu"), {"xla_cpu_experimental_ynn_fusion_type": zo.autotune._INDIVIDUAL_LIBRARY_OPS}
+    base, individual = (
+        zo.compiler_options("cpu"),
+        {"xla_cpu_experimental_ynn_fusion_type": zo.autotune._INDIVIDUAL_LIBRARY_OPS},
+    )
     motion = dict(base, xla_disable_hlo_passes="")
     assert cpu == [motion, dict(motion, **individual), base, dict(base, **individual)]
     gpu = zo.autotune.compiler_option_candidates("gpu")
@@ -214,17 +226,25 @@ def test_candidates_compiled_in_turn_stop_at_one_near_the_least_memory():
     candidates = zo.autotune.compiler_option_candidates("gpu")
     alone = [lowered.compile(dict(o)).as_text() for o in candidates]
     accepted = []
-    first = zo.autotune.compile_candidates(lowered, candidates, backend="gpu", enough=lambda c: accepted.append(c) or True)
+    first = zo.autotune.compile_candidates(
+        lowered, candidates, backend="gpu", enough=lambda c: accepted.append(c) or True
+    )
     assert [c.as_text() for c in first] == alone[:1] and len(accepted) == 1
-    assert [c.as_text() for c in zo.autotune.compile_candidates(lowered, candidates, backend="gpu", enough=lambda c: False)] == alone
-    assert [c.as_text() for c in zo.autotune.compile_candidates(lowered, candidates, backend="cpu", enough=lambda c: True)] == alone
+    assert [
+        c.as_text() for c in zo.autotune.compile_candidates(lowered, candidates, backend="gpu", enough=lambda c: False)
+    ] == alone
+    assert [
+        c.as_text() for c in zo.autotune.compile_candidates(lowered, candidates, backend="cpu", enough=lambda c: True)
+    ] == alone
 
     # near_least_memory: scratch at most 1/32 of the peak
     small = jax.jit(lambda w, x: jnp.tanh(x @ w).sum()).lower(jnp.ones((256, 256)), jnp.ones((2, 256))).compile()
     big = jax.jit(lambda x: jnp.sort(jnp.outer(x, x).ravel())[0]).lower(jnp.ones(256)).compile()  # a sorted copy
     for compiled, near in ((small, True), (big, False)):
         m = zo.compiled_memory(compiled)
-        assert (m["temp"] <= zo.autotune.NEAR_LEAST_MEMORY * m["peak"]) == near == zo.autotune.near_least_memory(compiled), m
+        assert (
+            (m["temp"] <= zo.autotune.NEAR_LEAST_MEMORY * m["peak"]) == near == zo.autotune.near_least_memory(compiled)
+        ), m
 
 
 @pytest.mark.parametrize("backend", ["gpu", "cpu"])
@@ -235,9 +255,14 @@ def test_the_estimator_stops_after_the_round_of_a_candidate_near_the_least_memor
     # one perturbed layer) are kept after the first round; with 4096 rows of activations the next
     # round is compiled too
     layers = 128
-    params = {f"w{i:03d}": jnp.asarray(np.random.default_rng(i).normal(size=(64, 64)).astype(np.float32) * 0.1)
-              for i in range(layers)}
-    assert sum(x.nbytes for x in params.values()) >= zo.autotune.AUTOTUNE_MIN_BYTES and len(zo.autotune.compiler_option_candidates()) == 4
+    params = {
+        f"w{i:03d}": jnp.asarray(np.random.default_rng(i).normal(size=(64, 64)).astype(np.float32) * 0.1)
+        for i in range(layers)
+    }
+    assert (
+        sum(x.nbytes for x in params.values()) >= zo.autotune.AUTOTUNE_MIN_BYTES
+        and len(zo.autotune.compiler_option_candidates()) == 4
+    )
 
     def loss(p, b):
         for i in range(layers):
@@ -265,7 +290,9 @@ def test_the_estimator_stops_after_the_round_of_a_candidate_near_the_least_memor
     if rows == 4096:
         assert counted[0] > first_round
     best = min(zo.compiled_memory(c)["peak"] for c in every)
-    assert zo.compiled_memory(pg.compiled(params, batch, keys, eps))["peak"] <= best * (1 + zo.autotune.NEAR_LEAST_MEMORY)
+    assert zo.compiled_memory(pg.compiled(params, batch, keys, eps))["peak"] <= best * (
+        1 + zo.autotune.NEAR_LEAST_MEMORY
+    )
     g_ref, _ = every[0](params, batch, keys, eps)
     np.testing.assert_array_equal(np.asarray(g), np.asarray(g_ref))  # the same bits whichever is kept
 
@@ -302,7 +329,9 @@ def test_step_keeps_no_perturbed_copy_of_the_model():
     zo_fn = zo.projected_gradients_fn(_mlp_loss)
     step = zo_fn.compiled(params, batch, keys, zo.round_eps(1e-3))
     lowered = jax.jit(_mlp_loss).lower(params, batch)
-    inference = min(_peak(lowered.compile()), _peak(lowered.compile(zo_fn.chosen_options(params, batch, keys, zo.round_eps(1e-3)))))
+    inference = min(
+        _peak(lowered.compile()), _peak(lowered.compile(zo_fn.chosen_options(params, batch, keys, zo.round_eps(1e-3))))
+    )
     extra = _peak(step) - inference
     assert extra <= leaf_bytes + 4 * act_bytes, (extra, leaf_bytes, act_bytes, param_bytes)
     assert extra < 0.5 * param_bytes
@@ -315,7 +344,9 @@ def test_jnp_estimator_derives_the_leaf_keys_once_per_perturbation(monkeypatch):
     call (a derivation per leaf gave 65); the projected gradients are the native kernel's bits."""
     from zeroth.bench import profile as bench_profile
 
-    params = {f"l{i:02d}": jnp.asarray(np.random.default_rng(i).normal(size=(i + 3, 5)), jnp.float32) for i in range(12)}
+    params = {
+        f"l{i:02d}": jnp.asarray(np.random.default_rng(i).normal(size=(i + 3, 5)), jnp.float32) for i in range(12)
+    }
     keys = rng.sample_keys(1, [(0, 3, 0)])
     eps = zo.round_eps(1e-2)
 
@@ -386,12 +417,35 @@ def test_weight_decay_is_bit_exact_against_numpy():
     r = np.random.default_rng(3)
     tiny = np.float32(2.0**-126)
     special = np.array(
-        [0.0, -0.0, 1.0, -1.0, tiny, -tiny, tiny * 1.5, tiny * 2, tiny * 2.01, tiny * 4, 3e-39, 1e-45,
-         np.float32(2.0**-125) / np.float32(0.999), float("nan"), float("inf"), 3.4e38, -float("inf"),
-         np.uint32(0xFFC00001).view(np.float32), np.uint32(0x7F800001).view(np.float32)],
+        [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            tiny,
+            -tiny,
+            tiny * 1.5,
+            tiny * 2,
+            tiny * 2.01,
+            tiny * 4,
+            3e-39,
+            1e-45,
+            np.float32(2.0**-125) / np.float32(0.999),
+            float("nan"),
+            float("inf"),
+            3.4e38,
+            -float("inf"),
+            np.uint32(0xFFC00001).view(np.float32),
+            np.uint32(0x7F800001).view(np.float32),
+        ],
         np.float32,
     )
-    w = np.concatenate([r.normal(size=500).astype(np.float32) * np.float32(10.0) ** r.integers(-37, 5, 500).astype(np.float32), special])
+    w = np.concatenate(
+        [
+            r.normal(size=500).astype(np.float32) * np.float32(10.0) ** r.integers(-37, 5, 500).astype(np.float32),
+            special,
+        ]
+    )
     params = {"w": jnp.asarray(w), "h": jnp.asarray(r.normal(size=(7, 9)).astype(ml_dtypes.bfloat16))}
     for lr, wd in ((0.1, 0.01), (0.37, 0.5), (1e-3, 1e-4)):
         d = zo.decay_factor(lr, wd)
@@ -409,15 +463,20 @@ def test_weight_decay_is_bit_exact_against_numpy():
 def _small_params():
     r = np.random.default_rng(5)
     return {
-        "dense": {"kernel": jnp.asarray(r.normal(size=(6, 4)).astype(np.float32)),
-                  "bias": jnp.asarray(np.zeros(4, np.float32))},
+        "dense": {
+            "kernel": jnp.asarray(r.normal(size=(6, 4)).astype(np.float32)),
+            "bias": jnp.asarray(np.zeros(4, np.float32)),
+        },
         "emb": jnp.asarray(r.normal(size=(5, 3)).astype(ml_dtypes.bfloat16)),
     }
 
 
 def _small_batch(seed: int):
     r = np.random.default_rng(seed)
-    return (jnp.asarray(r.normal(size=(8, 6)).astype(np.float32)), jnp.asarray(r.normal(size=(8, 4)).astype(np.float32)))
+    return (
+        jnp.asarray(r.normal(size=(8, 6)).astype(np.float32)),
+        jnp.asarray(r.normal(size=(8, 4)).astype(np.float32)),
+    )
 
 
 def _small_start(layout: str):
@@ -437,15 +496,31 @@ def _small_loss(p, batch):
 def test_mezo_step_matches_reference_replay_bit_for_bit(distribution, codec):
     params = _small_params()
     r = np.random.default_rng(6)
-    batch = (jnp.asarray(r.normal(size=(8, 6)).astype(np.float32)), jnp.asarray(r.normal(size=(8, 4)).astype(np.float32)))
-    kw = dict(run_seed=9, iteration=4, machine=2, lr=0.05, eps=1e-2, n_perturbations=3, scaling="linear",
-              distribution=distribution, codec=codec, weight_decay=0.1)
+    batch = (
+        jnp.asarray(r.normal(size=(8, 6)).astype(np.float32)),
+        jnp.asarray(r.normal(size=(8, 4)).astype(np.float32)),
+    )
+    kw = dict(
+        run_seed=9,
+        iteration=4,
+        machine=2,
+        lr=0.05,
+        eps=1e-2,
+        n_perturbations=3,
+        scaling="linear",
+        distribution=distribution,
+        codec=codec,
+        weight_decay=0.1,
+    )
     out = zo.mezo_step(_small_loss, params, batch, **kw)
     assert out.grads.dtype == np.float32 and out.grads.shape == (3,)
     assert len(out.payload) == 3 * codecs.get_codec(codec).bytes_per_value
     np.testing.assert_array_equal(out.grads, codecs.get_codec(codec).decode(out.payload))
     assert math.isfinite(out.loss)
-    ups = [(reference.sample_key(9, 2, 4, i), replay.round_coefficient((-0.05 * float(g)) / 3)) for i, g in enumerate(out.grads)]
+    ups = [
+        (reference.sample_key(9, 2, 4, i), replay.round_coefficient((-0.05 * float(g)) / 3))
+        for i, g in enumerate(out.grads)
+    ]
     d = zo.decay_factor(0.05, 0.1)
     got = dict(_leaves_np(out.params))
     for path, leaf in _leaves_np(params):
@@ -462,7 +537,10 @@ def test_mezo_step_on_the_flat_layout_is_the_tree_step_bit_for_bit(distribution)
     # with the tree's paths, noise and bits, and without a whole copy of the model.
     params = _small_params()
     r = np.random.default_rng(7)
-    batch = (jnp.asarray(r.normal(size=(8, 6)).astype(np.float32)), jnp.asarray(r.normal(size=(8, 4)).astype(np.float32)))
+    batch = (
+        jnp.asarray(r.normal(size=(8, 6)).astype(np.float32)),
+        jnp.asarray(r.normal(size=(8, 4)).astype(np.float32)),
+    )
     kw = dict(run_seed=3, machine=1, lr=0.05, eps=1e-2, n_perturbations=2, distribution=distribution, weight_decay=0.1)
     tree, flat = params, replay.flatten(params)
     assert len(flat.buffers) < len(jax.tree_util.tree_leaves(params))
@@ -492,8 +570,16 @@ def test_held_updates_give_the_bits_of_steps_that_apply_them(distribution, layou
     # Every projected gradient, payload and the final parameters are those of steps that apply
     # their update at once.
     batch, start = _small_batch(11), functools.partial(_small_start, layout)
-    kw = dict(run_seed=5, machine=1, lr=0.05, eps=1e-2, n_perturbations=3, distribution=distribution,
-              weight_decay=weight_decay, codec="onebyte")
+    kw = dict(
+        run_seed=5,
+        machine=1,
+        lr=0.05,
+        eps=1e-2,
+        n_perturbations=3,
+        distribution=distribution,
+        weight_decay=weight_decay,
+        codec="onebyte",
+    )
 
     applied, held = start(), start()
     for it in range(4):
@@ -533,8 +619,16 @@ def test_deferred_steps_give_the_bits_of_steps_that_apply_their_updates(distribu
     from zeroth import schedules
 
     batch = _small_batch(12)
-    kw = dict(run_seed=5, machine=1, lr=schedules.linear(0.05, decay_steps=8), eps=1e-2, n_perturbations=3,
-              distribution=distribution, weight_decay=weight_decay, codec="onebyte")
+    kw = dict(
+        run_seed=5,
+        machine=1,
+        lr=schedules.linear(0.05, decay_steps=8),
+        eps=1e-2,
+        n_perturbations=3,
+        distribution=distribution,
+        weight_decay=weight_decay,
+        codec="onebyte",
+    )
     applied, deferred, outs = _small_start(layout), _small_start(layout), []
     for it in range(4):
         a = zo.mezo_step(_small_loss, applied, batch, iteration=it, donate=True, **kw)
@@ -566,12 +660,16 @@ def test_the_one_byte_scale_table_holds_each_codes_host_rounded_scale(scaling, d
     for lr, n in ((0.037, 3), (1e-7, 1), (3.3, 16), (1e-37, 2), (0.1 + 1e-17, 7)):
         table = zo.step.onebyte_scales(lr, n, scaling, distribution)
         assert table.dtype == np.float32 and table.shape == (256,) and not table.flags.writeable
-        want = [replay.update_scales(distribution, zo.update_coefficients([v], lr, n, scaling))[0]
-                for v in codecs.ONEBYTE_TABLE.tolist()]
+        want = [
+            replay.update_scales(distribution, zo.update_coefficients([v], lr, n, scaling))[0]
+            for v in codecs.ONEBYTE_TABLE.tolist()
+        ]
         np.testing.assert_array_equal(table.view(np.uint32), np.array(want, np.float32).view(np.uint32))
     small = zo.step.onebyte_scales(1e-37, 2, scaling, distribution)  # the small levels' coefficients flushed to 0
     assert 0 < np.count_nonzero(small) < 255
-    assert zo.step.onebyte_scales(0.1 + 1e-17, 7, scaling, distribution) is table  # cached: a constant lr builds it once
+    assert (
+        zo.step.onebyte_scales(0.1 + 1e-17, 7, scaling, distribution) is table
+    )  # cached: a constant lr builds it once
     with pytest.raises(ValueError, match="finite lr"):
         zo.step.onebyte_scales(float("inf"), 3)
 
@@ -609,8 +707,9 @@ def test_a_deferred_outcome_whose_codes_differ_from_the_hosts_is_refused():
     losses = np.ones(2, np.float32)
 
     def outcome(codes, scales):
-        return zo.step._Outcome(g, losses, codes, scales, None, iteration=4, lr=0.1, eps=1e-2, scaling="sqrt",
-                           distribution="binomial")
+        return zo.step._Outcome(
+            g, losses, codes, scales, None, iteration=4, lr=0.1, eps=1e-2, scaling="sqrt", distribution="binomial"
+        )
 
     assert outcome(codes, table[codes]).result().payload == codes.tobytes()
     wrong = codes.copy()
@@ -633,7 +732,9 @@ def test_a_held_step_compiles_once_with_the_options_its_projected_gradients_chos
 
     compiled = []
     real = jax.stages.Lowered.compile
-    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: compiled.append(a or k) or real(self, *a, **k))
+    monkeypatch.setattr(
+        jax.stages.Lowered, "compile", lambda self, *a, **k: compiled.append(a or k) or real(self, *a, **k)
+    )
     pg = zo.ProjectedGradientsFn(loss, "binomial")
     batch, keys, eps = jnp.ones((4, 512)), rng.sample_keys(0, [(0, 0, 0)]), zo.round_eps(1e-2)
     pg(params, batch, keys, eps)
@@ -651,8 +752,10 @@ def test_unrolled_forwards_evaluate_the_same_perturbations_one_at_a_time(distrib
     # runs outside the CUDA graphs of the program). The barriers chain the evaluations, so the
     # program still holds one perturbed model at a time: no more memory than the loop's, on the
     # tree. Same keys, same perturbations: here the same bits too.
-    params = {"w": jnp.asarray(np.random.default_rng(3).normal(size=(96, 96)).astype(np.float32) * 0.1),
-              "b": jnp.zeros(96)}
+    params = {
+        "w": jnp.asarray(np.random.default_rng(3).normal(size=(96, 96)).astype(np.float32) * 0.1),
+        "b": jnp.zeros(96),
+    }
     batch = (jnp.ones((16, 96)), jnp.ones((16, 96)))
 
     def loss(p, b):
@@ -669,8 +772,9 @@ def test_unrolled_forwards_evaluate_the_same_perturbations_one_at_a_time(distrib
     assert " while(" not in unrolled.compiled(params, batch, keys, eps).as_text()  # straight-line
     # one barrier per evaluation, each depending on the one before (through its loss and θ): no
     # scheduler can start an evaluation's perturbed model before the previous loss is computed
-    jaxpr = jax.make_jaxpr(functools.partial(zo.projected_gradients, loss, distribution=distribution,
-                                             unroll=True))(params, batch, keys, eps).jaxpr
+    jaxpr = jax.make_jaxpr(functools.partial(zo.projected_gradients, loss, distribution=distribution, unroll=True))(
+        params, batch, keys, eps
+    ).jaxpr
     after: dict = {}  # var -> the barriers it depends on
     barriers = []
     for eqn in jaxpr.eqns:
@@ -681,8 +785,21 @@ def test_unrolled_forwards_evaluate_the_same_perturbations_one_at_a_time(distrib
         for v in eqn.outvars:
             after[v] = deps
     assert len(barriers) == 6 and all(barriers[i] == set(range(i)) for i in range(6)), barriers
-    out = [zo.mezo_step(loss, params, batch, run_seed=4, iteration=0, lr=0.1, eps=1e-2, n_perturbations=3,
-                        distribution=distribution, unroll=u) for u in (False, True)]
+    out = [
+        zo.mezo_step(
+            loss,
+            params,
+            batch,
+            run_seed=4,
+            iteration=0,
+            lr=0.1,
+            eps=1e-2,
+            n_perturbations=3,
+            distribution=distribution,
+            unroll=u,
+        )
+        for u in (False, True)
+    ]
     assert out[0].payload == out[1].payload and replay.checksum(out[0].params) == replay.checksum(out[1].params)
 
 
@@ -706,13 +823,24 @@ def test_holding_without_donation_leaves_the_callers_parameters_alone():
     held = zo.mezo_step(_small_loss, params, batch, run_seed=0, iteration=0, lr=0.1, eps=1e-2, hold=True).params
     zo.mezo_step(_small_loss, held, batch, run_seed=0, iteration=1, lr=0.1, eps=1e-2)
     assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(params)) and replay.checksum(params) == before
-    own = zo.mezo_step(_small_loss, params, batch, run_seed=0, iteration=0, lr=0.1, eps=1e-2, hold=True, donate=True).params
+    own = zo.mezo_step(
+        _small_loss, params, batch, run_seed=0, iteration=0, lr=0.1, eps=1e-2, hold=True, donate=True
+    ).params
     assert own.params is params  # with donate, the caller hands them over
 
 
 def test_a_held_update_of_another_distribution_is_refused():
-    held = zo.mezo_step(_small_loss, _small_params(), (jnp.ones((2, 6)), jnp.ones((2, 4))), run_seed=0, iteration=0,
-                        lr=0.1, eps=1e-2, distribution="rademacher", hold=True).params
+    held = zo.mezo_step(
+        _small_loss,
+        _small_params(),
+        (jnp.ones((2, 6)), jnp.ones((2, 4))),
+        run_seed=0,
+        iteration=0,
+        lr=0.1,
+        eps=1e-2,
+        distribution="rademacher",
+        hold=True,
+    ).params
     with pytest.raises(ValueError, match="held update is of distribution 'rademacher'; this step's is 'binomial'"):
         zo.mezo_step(_small_loss, held, (jnp.ones((2, 6)), jnp.ones((2, 4))), run_seed=0, iteration=1, lr=0.1, eps=1e-2)
 
@@ -720,7 +848,10 @@ def test_a_held_update_of_another_distribution_is_refused():
 def test_a_held_step_keeps_the_memory_of_the_step_it_replaces():
     # the held update is applied in place (the parameters are donated to the step's program), so
     # the one program holds no more than the projected gradients' program alone, plus the keys
-    params = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)), "b": jnp.zeros(256)}
+    params = {
+        "w": jnp.asarray(np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)),
+        "b": jnp.zeros(256),
+    }
     batch = (jnp.ones((8, 256)), jnp.ones((8, 256)))
 
     def loss(p, b):
@@ -770,9 +901,13 @@ def test_mezo_step_names_a_non_finite_loss():
     with pytest.raises(ValueError, match="projected gradient 0 of iteration 3 is nan"):
         zo.mezo_step(lambda p, b: jnp.log(p["w"][0] - 2.0), params, None, run_seed=0, iteration=3, lr=0.1, eps=1e-3)
     with pytest.raises(ValueError, match="n_perturbations must be an integer >= 1"):
-        zo.mezo_step(lambda p, b: jnp.sum(p["w"]), params, None, run_seed=0, iteration=0, lr=0.1, eps=1e-3, n_perturbations=0)
+        zo.mezo_step(
+            lambda p, b: jnp.sum(p["w"]), params, None, run_seed=0, iteration=0, lr=0.1, eps=1e-3, n_perturbations=0
+        )
     with pytest.raises(ValueError, match="unknown codec 'twobyte'"):
-        zo.mezo_step(lambda p, b: jnp.sum(p["w"]), params, None, run_seed=0, iteration=0, lr=0.1, eps=1e-3, codec="twobyte")
+        zo.mezo_step(
+            lambda p, b: jnp.sum(p["w"]), params, None, run_seed=0, iteration=0, lr=0.1, eps=1e-3, codec="twobyte"
+        )
 
 
 def _digits():
@@ -795,9 +930,19 @@ def test_zo_sgd_trains_logistic_regression_on_digits(codec):
     start = float(_xent(params, (x, y)))
     order = np.random.default_rng(0).permutation(x.shape[0])
     for it in range(120):
-        idx = jnp.asarray(order[(it * 256) % 1536:(it * 256) % 1536 + 256])
-        params = zo.mezo_step(_xent, params, (x[idx], y[idx]), run_seed=1, iteration=it, lr=1.0, eps=1e-2,
-                              n_perturbations=16, codec=codec, donate=True).params
+        idx = jnp.asarray(order[(it * 256) % 1536 : (it * 256) % 1536 + 256])
+        params = zo.mezo_step(
+            _xent,
+            params,
+            (x[idx], y[idx]),
+            run_seed=1,
+            iteration=it,
+            lr=1.0,
+            eps=1e-2,
+            n_perturbations=16,
+            codec=codec,
+            donate=True,
+        ).params
     end = float(_xent(params, (x, y)))
     acc = float(jnp.mean((jnp.argmax(x @ params["w"] + params["b"][None, :], -1) == y).astype(jnp.float32)))
     assert start == pytest.approx(math.log(10), rel=1e-6)
@@ -823,7 +968,9 @@ def test_zo_optax_adam_is_outside_the_contract_but_trains():
     # the dense estimate uses the replay's own noise: Σ c z equals the exact replay of one update
     key = rng.sample_keys(0, [(0, 0, 0)])
     est = zo.dense_gradient({"w": jnp.zeros(20)}, key, jnp.asarray([0.5]))
-    np.testing.assert_array_equal(np.asarray(est["w"]), np.asarray(replay.replay({"w": jnp.zeros(20)}, [(key[0], 0.5)])["w"]))
+    np.testing.assert_array_equal(
+        np.asarray(est["w"]), np.asarray(replay.replay({"w": jnp.zeros(20)}, [(key[0], 0.5)])["w"])
+    )
 
 
 def test_nondifferentiable_example_runs():
@@ -843,14 +990,19 @@ def test_bench_zo_program_reports_time_and_memory_side_by_side(capsys):
 
     from zeroth.bench import zo as bench_zo
 
-    rc = bench_zo.main(["--json", "--width", "32", "--batch", "4", "--repeats", "1", "--warmup", "0",
-                        "--distribution", "binomial"])
+    rc = bench_zo.main(
+        ["--json", "--width", "32", "--batch", "4", "--repeats", "1", "--warmup", "0", "--distribution", "binomial"]
+    )
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     names = [r["name"] for r in result["rows"]]
     assert names[0] == "inference forward" and "ZO step n=1 binomial" in names and "backprop step (sgd)" in names
-    assert {"zo_time_over_forwards_binomial", "zo_memory_over_inference_binomial", "backprop_time_over_two_forwards",
-            "backprop_memory_over_inference"} <= set(result["ratios"])
+    assert {
+        "zo_time_over_forwards_binomial",
+        "zo_memory_over_inference_binomial",
+        "backprop_time_over_two_forwards",
+        "backprop_memory_over_inference",
+    } <= set(result["ratios"])
     assert all(r["seconds_min"] > 0 for r in result["rows"])
     # every row holds device memory but the step's host work (keys, codec, coefficients, scales)
     assert [r["name"] for r in result["rows"] if r["peak_bytes"] == 0] == ["  host work of the step"]
@@ -882,8 +1034,11 @@ def test_zo_estimate_in_an_optax_chain_with_clip_and_a_schedule_trains_digits():
     # the same chain without the clip reaches only 2.186 (0.949), accuracy 0.687
     x, y = _digits()
     with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix Python floats and int32 counts
-        opt = optax.chain(zo.zo_estimate(), optax.clip_by_global_norm(1.0),
-                          optax.sgd(optax.warmup_cosine_decay_schedule(0.0, 1.0, 8, 80, 0.1)))
+        opt = optax.chain(
+            zo.zo_estimate(),
+            optax.clip_by_global_norm(1.0),
+            optax.sgd(optax.warmup_cosine_decay_schedule(0.0, 1.0, 8, 80, 0.1)),
+        )
         assert isinstance(opt, optax.GradientTransformationExtraArgs)
         params = {"w": jnp.zeros((64, 10), jnp.float32), "b": jnp.zeros((10,), jnp.float32)}
         state = opt.init(params)
@@ -891,8 +1046,10 @@ def test_zo_estimate_in_an_optax_chain_with_clip_and_a_schedule_trains_digits():
         start = float(_xent(params, (x, y)))
         order = np.random.default_rng(0).permutation(x.shape[0])
         for it in range(80):
-            idx = jnp.asarray(order[(it * 256) % 1536:(it * 256) % 1536 + 256])
-            params, state, _ = step(params, state, (x[idx], y[idx]), rng.sample_keys(1, [(0, it, i) for i in range(16)]))
+            idx = jnp.asarray(order[(it * 256) % 1536 : (it * 256) % 1536 + 256])
+            params, state, _ = step(
+                params, state, (x[idx], y[idx]), rng.sample_keys(1, [(0, it, i) for i in range(16)])
+            )
     end = float(_xent(params, (x, y)))
     acc = float(jnp.mean((jnp.argmax(x @ params["w"] + params["b"][None, :], -1) == y).astype(jnp.float32)))
     assert end < 0.45 * start, (start, end)
@@ -972,9 +1129,11 @@ def test_large_perturbed_leaves_are_computed_apart_with_the_same_bits(distributi
     threshold = 1 << 16
     assert fused.APART_MIN_BYTES == 1 << 20 and 3 * threshold < zo.autotune.AUTOTUNE_MIN_BYTES
     r = np.random.default_rng(11)
-    params = {"big": jnp.asarray(r.normal(size=(128, 128)).astype(np.float32)),  # the threshold: apart
-              "wide": jnp.asarray(r.normal(size=(128, 136)).astype(np.float32)),  # just above
-              "small": jnp.asarray(r.normal(size=(127, 128)).astype(np.float32))}  # just below: shares
+    params = {
+        "big": jnp.asarray(r.normal(size=(128, 128)).astype(np.float32)),  # the threshold: apart
+        "wide": jnp.asarray(r.normal(size=(128, 136)).astype(np.float32)),  # just above
+        "small": jnp.asarray(r.normal(size=(127, 128)).astype(np.float32)),
+    }  # just below: shares
     x = jnp.asarray(r.normal(size=(4, 128)).astype(np.float32))
     keys = rng.sample_keys(2, [(0, 0, 0), (0, 1, 0)])
     eps = zo.round_eps(1e-2)
@@ -998,7 +1157,8 @@ def test_large_perturbed_leaves_are_computed_apart_with_the_same_bits(distributi
 
 
 @pytest.mark.parametrize(
-    ("distribution", "native"), [("binomial", True), ("rademacher", True), ("binomial", False)],
+    ("distribution", "native"),
+    [("binomial", True), ("rademacher", True), ("binomial", False)],
     ids=["binomial-native", "rademacher-native", "binomial-jnp"],
 )
 def test_stacked_layers_perturbed_in_the_scan_give_the_same_projected_gradients(distribution, native, monkeypatch):
@@ -1026,8 +1186,10 @@ def test_layers_and_rows_served_in_the_scan_are_the_reference_replay(distributio
     """What a model reads through zeroth.layerwise inside the estimator (layer i of a stacked bf16
     leaf of odd size in a scan body, rows of a table) is the NumPy reference replay of (key, ±ε)."""
     r = np.random.default_rng(3)
-    params = {"stack": jnp.asarray(r.normal(size=(4, 3, 11)).astype(ml_dtypes.bfloat16)),
-              "table": jnp.asarray(r.normal(size=(9, 5)).astype(np.float32))}
+    params = {
+        "stack": jnp.asarray(r.normal(size=(4, 3, 11)).astype(ml_dtypes.bfloat16)),
+        "table": jnp.asarray(r.normal(size=(9, 5)).astype(np.float32)),
+    }
     ids = np.array([8, 0, 3, 3], np.int32)
     seen = []
 
@@ -1050,14 +1212,21 @@ def test_layers_and_rows_served_in_the_scan_are_the_reference_replay(distributio
     eps = zo.round_eps(0.03)
     jax.block_until_ready(zo.projected_gradients_fn(loss, distribution=distribution)(params, None, keys, eps))
     leaves = dict(_leaves_np(params))
-    want = {sign: {path: reference.replay_leaf(leaf, path, [(keys[0], sign * float(eps))], distribution)
-                   for path, leaf in leaves.items()} for sign in (1, -1)}
+    want = {
+        sign: {
+            path: reference.replay_leaf(leaf, path, [(keys[0], sign * float(eps))], distribution)
+            for path, leaf in leaves.items()
+        }
+        for sign in (1, -1)
+    }
     assert len(seen) == 2 * 5
     for j, (kind, i, got) in enumerate(seen):
         sign = 1 if j < 5 else -1
         expect = want[sign]["['stack']"][i] if kind == "layer" else want[sign]["['table']"][ids]
         assert got.dtype == expect.dtype
-        np.testing.assert_array_equal(got.view(np.uint8), np.asarray(expect).view(np.uint8), err_msg=f"{kind} {i} {sign}")
+        np.testing.assert_array_equal(
+            got.view(np.uint8), np.asarray(expect).view(np.uint8), err_msg=f"{kind} {i} {sign}"
+        )
 
 
 def test_in_scan_step_keeps_the_memory_of_inference():
@@ -1237,7 +1406,8 @@ def test_a_flax_module_gets_its_stacked_layers_from_the_estimator():
     g = zo.projected_gradients_fn(lambda p, b: model.apply({"params": p}, b))(params, x, keys, eps)[0]
     assert served == [True]
     g_whole = zo.projected_gradients_fn(lambda p, b: model.apply({"params": jax.tree_util.tree_map(jnp.copy, p)}, b))(
-        params, x, keys, eps)[0]
+        params, x, keys, eps
+    )[0]
     assert served == [True, False]
     np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(g_whole).view(np.uint32))
 
@@ -1255,17 +1425,28 @@ def test_the_estimator_keeps_the_first_candidate_near_the_smallest_peak(monkeypa
     peak = {"motion": _peak(lowered.compile(motion)), "base": _peak(lowered.compile(base))}
     options = {"motion": motion, "base": base}
     for order in (["motion", "base"], ["base", "motion"]):
-        monkeypatch.setattr(zo.autotune, "compiler_option_candidates", lambda backend=None, o=order: [options[k] for k in o])
+        monkeypatch.setattr(
+            zo.autotune, "compiler_option_candidates", lambda backend=None, o=order: [options[k] for k in o]
+        )
         chosen = zo.ProjectedGradientsFn(_mlp_loss, "binomial").chosen_options(params, batch, keys, eps)
         first_near = peak[order[0]] <= min(peak.values()) * (1 + zo.autotune.NEAR_LEAST_MEMORY)
         assert chosen == options[order[0] if first_near else order[1]], (peak, order, chosen)
-    assert [zo.autotune.kept_candidate(p) for p in ([1032, 1000], [1031, 1000], [1000, 1031], [10, 9, 9])] == [1, 0, 0, 1]
+    assert [zo.autotune.kept_candidate(p) for p in ([1032, 1000], [1031, 1000], [1000, 1031], [10, 9, 9])] == [
+        1,
+        0,
+        0,
+        1,
+    ]
     assert zo.autotune.kept_candidate([1001, 1000], within=0) == 1
 
 
 def _many_leaves(n: int) -> dict:
-    return {f"l{i:02d}": jnp.asarray(np.random.default_rng(i).standard_normal((3 + 61 * (i % 5), 7)),
-                                     jnp.float32 if i % 3 else jnp.bfloat16) for i in range(n)}
+    return {
+        f"l{i:02d}": jnp.asarray(
+            np.random.default_rng(i).standard_normal((3 + 61 * (i % 5), 7)), jnp.float32 if i % 3 else jnp.bfloat16
+        )
+        for i in range(n)
+    }
 
 
 def _sum_loss(p, b):
@@ -1281,15 +1462,25 @@ def test_the_gpus_kernel_per_leaf_gives_the_projected_gradients_of_the_jnp_rule(
     native kernel, bit for bit, on the tree or on its flat layout (leaves at odd offsets of
     shared buffers, and some with a buffer of their own)."""
     monkeypatch.setattr(fused.dispatch, "APART_MIN_BYTES", 1800)
-    vectors = {"v0": jnp.linspace(-1, 1, 5), "v1": jnp.linspace(0, 2, 300).astype(jnp.bfloat16), "v2": jnp.float32(0.25),
-               "v3": jnp.linspace(-3, 1, 400), "v4": jnp.linspace(-3, 1, 600)}  # biases, norms, a scalar
+    vectors = {
+        "v0": jnp.linspace(-1, 1, 5),
+        "v1": jnp.linspace(0, 2, 300).astype(jnp.bfloat16),
+        "v2": jnp.float32(0.25),
+        "v3": jnp.linspace(-3, 1, 400),
+        "v4": jnp.linspace(-3, 1, 600),
+    }  # biases, norms, a scalar
     params = {**_many_leaves(6), **vectors, "z": jnp.zeros((2, 3), jnp.float32)}
     p = replay.flatten(params, platform="cpu", alone_from=1300) if flat else params
     keys = rng.sample_keys(3, [(0, 1, 0)])
     eps = zo.round_eps(1e-2)
-    out = {impl: jax.jit(lambda p, k, e, impl=impl: zo.projected_gradients(
-        _sum_loss, p, jnp.float32(0.5), k, e, distribution=dist, perturb_impl=impl))(p, keys, eps)
-        for impl in ("jnp", "pallas") + (("native",) if cpu_native.available() else ())}
+    out = {
+        impl: jax.jit(
+            lambda p, k, e, impl=impl: zo.projected_gradients(
+                _sum_loss, p, jnp.float32(0.5), k, e, distribution=dist, perturb_impl=impl
+            )
+        )(p, keys, eps)
+        for impl in ("jnp", "pallas") + (("native",) if cpu_native.available() else ())
+    }
     for impl, (g, losses) in out.items():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(out["jnp"][0]), err_msg=impl)
         np.testing.assert_array_equal(np.asarray(losses), np.asarray(out["jnp"][1]), err_msg=impl)
@@ -1317,12 +1508,11 @@ def test_on_a_gpu_the_zo_program_holds_no_noise_graph_per_large_leaf(monkeypatch
         large = {f"w{i:02d}": (512, 520) for i in range(n_large)}  # over APART_MIN_BYTES each
         args = {**jax.tree_util.tree_map(lambda x: x.shape, _many_leaves(4)), **large}
         args = {k: jax.ShapeDtypeStruct(v, jnp.bfloat16 if k == "l00" else jnp.float32) for k, v in args.items()}
-        fn = jax.jit(lambda p, k, e: zo.projected_gradients(
-            _sum_loss, p, jnp.float32(1.0), k, e, perturb_impl=impl))
+        fn = jax.jit(lambda p, k, e: zo.projected_gradients(_sum_loss, p, jnp.float32(1.0), k, e, perturb_impl=impl))
         with gpu_target():
-            return export.export(fn, platforms=["cuda"], disabled_checks=[
-                export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-                args, keys, zo.round_eps(1e-3)).mlir_module()
+            return export.export(
+                fn, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+            )(args, keys, zo.round_eps(1e-3)).mlir_module()
 
     few, many = module(2, "auto"), module(12, "auto")
     assert few.count("stablehlo.xor") == many.count("stablehlo.xor") > 0
@@ -1334,5 +1524,7 @@ def test_on_a_gpu_the_zo_program_holds_no_noise_graph_per_large_leaf(monkeypatch
     monkeypatch.setenv(zo.estimator.PERTURB_ENV, "jnp")
     assert module(12, "auto").count("stablehlo.xor") == jnp_rule.count("stablehlo.xor")
     monkeypatch.setenv(zo.estimator.PERTURB_ENV, "triton")
-    with pytest.raises(ValueError, match="ZEROTH_ZO_PERTURB must be one of 'auto', 'native', 'pallas', 'jnp'; got 'triton'"):
+    with pytest.raises(
+        ValueError, match="ZEROTH_ZO_PERTURB must be one of 'auto', 'native', 'pallas', 'jnp'; got 'triton'"
+    ):
         module(2, "auto")

@@ -19,12 +19,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("zeroth.doctor:main", "check this machine reproduces the golden replay digest"),
     "bench": ("zeroth.bench:main", "benchmarks: perturb, zo, kernels, binary, ravnest, peers (tables and --json)"),
     "datasets": ("zeroth.data:cli_main", "list datasets, their status and how to install each"),
-    "run": ("zeroth.run:main", "run an experiment config (one machine, or peers, pipeline stages, Ravnest nodes on loopback, Marsit workers as CPU devices)"),
-    "verify": ("zeroth.net.verify:main", "replay a Just One Byte run's update logs on this machine and check every digest its peers recorded"),
+    "run": (
+        "zeroth.run:main",
+        "run an experiment config (one machine, or peers, pipeline stages, Ravnest nodes on loopback, Marsit workers as CPU devices)",
+    ),
+    "verify": (
+        "zeroth.net.verify:main",
+        "replay a Just One Byte run's update logs on this machine and check every digest its peers recorded",
+    ),
     "peer": ("zeroth.net.peer:main", "run one Just One Byte peer (multi-machine use)"),
     "stage": ("zeroth.pipeline.stage:main", "run one pipeline stage (AQ-SGD, multi-machine use)"),
-    "node": ("zeroth.cluster.node:main", "run one Ravnest node (clusters of asynchronous pipelines, multi-machine use)"),
-    "launch": ("zeroth.launch:main", "start this host's process of a run across hosts (the same command on every host, a rendezvous)"),
+    "node": (
+        "zeroth.cluster.node:main",
+        "run one Ravnest node (clusters of asynchronous pipelines, multi-machine use)",
+    ),
+    "launch": (
+        "zeroth.launch:main",
+        "start this host's process of a run across hosts (the same command on every host, a rendezvous)",
+    ),
     "certs": ("zeroth.transport.certs:main", "make a CA and per-host certificates for mutual TLS"),
 }
 
@@ -58,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     with interrupt.catch() as flag:
         command = getattr(importlib.import_module(module), func)
     if flag.is_set():
-        print(f"zeroth {name}: interrupted by {flag.signal_name()} while starting; nothing was written", file=sys.stderr)
+        print(
+            f"zeroth {name}: interrupted by {flag.signal_name()} while starting; nothing was written", file=sys.stderr
+        )
         return interrupt.EXIT_CODE
     try:
         return int(command(rest) or 0)

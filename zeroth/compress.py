@@ -187,8 +187,8 @@ def uniforms(keys: np.ndarray, n: int) -> np.ndarray:
     out = np.empty((keys.shape[0], n), np.float32)
     rows = max(1, _UNIFORM_WORDS // max(n, 1))
     for b in range(0, keys.shape[0], rows):
-        words = _ref.noise_words(keys[b:b + rows], n)
-        out[b:b + rows] = (words >> np.uint32(8)).astype(np.float32) * _U_SCALE
+        words = _ref.noise_words(keys[b : b + rows], n)
+        out[b : b + rows] = (words >> np.uint32(8)).astype(np.float32) * _U_SCALE
     return out
 
 
@@ -203,8 +203,10 @@ def _check_bits(bits: int) -> int:
 
 def _check_quant_bits(bits: int) -> int:
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not MIN_QUANT_BITS <= bits <= MAX_BITS:
-        raise ValueError(f"quantizer bits must be an integer in [{MIN_QUANT_BITS}, {MAX_BITS}] (the zero-level grid "
-                         f"needs a negative, a zero and a positive level), got {bits!r}")
+        raise ValueError(
+            f"quantizer bits must be an integer in [{MIN_QUANT_BITS}, {MAX_BITS}] (the zero-level grid "
+            f"needs a negative, a zero and a positive level), got {bits!r}"
+        )
     return int(bits)
 
 
@@ -248,7 +250,9 @@ def quantize_rows(x: np.ndarray, bits: int, u: np.ndarray | None = None) -> tupl
     delta = np.where(mirror, d_mirror, d_up).astype(np.float32)
     s = (np.where(mirror, -delta, delta) * h).astype(np.float32)
     if not np.all(np.isfinite(s)):
-        raise ValueError(f"values up to {float(np.max(np.maximum(p, n))):g} overflow the float32 scale of the {bits}-bit grid")
+        raise ValueError(
+            f"values up to {float(np.max(np.maximum(p, n))):g} overflow the float32 scale of the {bits}-bit grid"
+        )
     step = np.where(delta > 0, s / h, np.float32(1.0)).astype(np.float32)
     v = np.clip(x / step[:, None], -h, h - np.float32(1.0))
     r = np.float32(0.5) if u is None else np.asarray(u, np.float32)
@@ -353,7 +357,9 @@ def _quantize_examples(x: np.ndarray, bits: int, keys, axis: str, rounding: str)
     u = None
     if rounding == "stochastic":
         if keys is None:
-            raise ValueError("stochastic rounding needs the examples' keys (example_keys); pass keys or use rounding='nearest'")
+            raise ValueError(
+                "stochastic rounding needs the examples' keys (example_keys); pass keys or use rounding='nearest'"
+            )
         per = int(np.prod(x.shape[1:], dtype=np.int64))
         u = uniforms(keys, per).reshape(rows.shape)
     q, s = quantize_rows(rows, bits, u)
@@ -366,7 +372,9 @@ def _dequantize_examples(enc: Encoded, shape: tuple[int, ...], axis: str) -> np.
     n = int(np.prod(shape, dtype=np.int64))
     n_rows = shape[0] * scales_per_example(shape[1:], axis)
     if len(enc.scales) != 4 * n_rows:
-        raise CodecMismatch(f"{shape[0]} quantized examples of shape {shape[1:]} need {4 * n_rows} scale bytes, got {len(enc.scales)}")
+        raise CodecMismatch(
+            f"{shape[0]} quantized examples of shape {shape[1:]} need {4 * n_rows} scale bytes, got {len(enc.scales)}"
+        )
     try:
         c = unpack_bits(enc.packed, enc.bits, n)
     except ValueError as e:
@@ -379,7 +387,9 @@ def _dequantize_examples(enc: Encoded, shape: tuple[int, ...], axis: str) -> np.
 def _full_rows(enc: Encoded, shape: tuple[int, ...]) -> np.ndarray:
     want = 4 * int(np.prod(shape, dtype=np.int64))
     if len(enc.full) != want:
-        raise CodecMismatch(f"{shape[0]} full-precision examples of shape {shape[1:]} need {want} bytes, got {len(enc.full)}")
+        raise CodecMismatch(
+            f"{shape[0]} full-precision examples of shape {shape[1:]} need {want} bytes, got {len(enc.full)}"
+        )
     return np.frombuffer(enc.full, "<f4").astype(np.float32).reshape(shape)
 
 
@@ -480,7 +490,9 @@ def directq(bits: int, axis: str = "channel", rounding: str = "stochastic") -> L
 def _check_ids(state: DeltaState, ids: np.ndarray) -> None:
     n = state.m.shape[0]
     if ids.size and (ids.min() < 0 or ids.max() >= n):
-        raise CodecMismatch(f"example id {int(ids.max() if ids.max() >= n else ids.min())} is outside the buffers of {n} examples")
+        raise CodecMismatch(
+            f"example id {int(ids.max() if ids.max() >= n else ids.min())} is outside the buffers of {n} examples"
+        )
     if np.unique(ids).size != ids.size:
         raise CodecMismatch(f"example ids {ids.tolist()} repeat within one message")
 
@@ -519,8 +531,9 @@ def aqsgd(bits: int, axis: str = "channel", rounding: str = "stochastic") -> Lin
         packed, scales = b"", b""
         if old.size:
             delta = x[~fresh] - state.m[old]
-            packed, scales, dq = _quantize_examples(delta, bits, None if keys is None else np.asarray(keys, np.uint32)[~fresh],
-                                                    axis, rounding)
+            packed, scales, dq = _quantize_examples(
+                delta, bits, None if keys is None else np.asarray(keys, np.uint32)[~fresh], axis, rounding
+            )
             state.m[old] = state.m[old] + dq
         state.m[ids[fresh]] = x[fresh]
         state.seen[ids[fresh]] = True
@@ -659,5 +672,7 @@ def load_buffers(state: DeltaState, path: str | os.PathLike, digest: str | None 
     state.m[...] = m
     state.seen[...] = seen
     if digest is not None and buffer_digest(state) != digest:
-        raise ValueError(f"buffers in {path} have digest {buffer_digest(state)[:16]}..., the checkpoint says {digest[:16]}...")
+        raise ValueError(
+            f"buffers in {path} have digest {buffer_digest(state)[:16]}..., the checkpoint says {digest[:16]}..."
+        )
     return state

@@ -113,7 +113,15 @@ PIPELINE_BUFFERS = ("memory", "memmap")
 REPLICA_SYNCS = ("fp32", "onebit_adam")  # how the data-parallel replicas of a pipeline stage average
 # Ravnest (seed 003): the orders of a node's work, the keys of a node description
 RAVNEST_ORDERS = ("fixed", "arrival")
-RAVNEST_NODE_KEYS = {"name": str, "ram_mb": float, "bandwidth_mbps": float, "speed": float, "backup": bool, "join_round": int, "latency_ms": float}
+RAVNEST_NODE_KEYS = {
+    "name": str,
+    "ram_mb": float,
+    "bandwidth_mbps": float,
+    "speed": float,
+    "backup": bool,
+    "join_round": int,
+    "latency_ms": float,
+}
 
 
 # Upper bounds, checked before any process starts: a config asking for more is refused in one line.
@@ -180,7 +188,9 @@ class DataConfig:
         max=MAX_BATCH,
     )
     eval_size: int = field(0, "Examples of the test split used for evaluation; 0 = the whole split.", min=0)
-    eval_batch_size: int = field(512, "Examples per forward pass during evaluation (memory bound only).", min=1, max=MAX_BATCH)
+    eval_batch_size: int = field(
+        512, "Examples per forward pass during evaluation (memory bound only).", min=1, max=MAX_BATCH
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +211,9 @@ class OptimizerConfig:
     """The optax optimizer of the backprop baseline (train.method = backprop)."""
 
     name: str = field(
-        "adam", "Optax optimizer for backprop: sgd, momentum, adam, adamw (learning rate = train.lr).", choices=OPTIMIZERS
+        "adam",
+        "Optax optimizer for backprop: sgd, momentum, adam, adamw (learning rate = train.lr).",
+        choices=OPTIMIZERS,
     )
     momentum: float = field(0.9, "Momentum of the `momentum` optimizer.", min=0.0, max=1.0)
     b1: float = field(0.9, "Adam beta1.", min=0.0, max=1.0)
@@ -223,7 +235,9 @@ class ScheduleConfig:
     warmup_steps: int = field(
         0, "Steps of linear warmup from init_ratio*eta (step 0) towards eta (step warmup_steps); 0 = none.", min=0
     )
-    init_ratio: float = field(0.0, "The learning rate at step 0 is init_ratio * train.lr (with warmup_steps > 0).", min=0.0, max=1.0)
+    init_ratio: float = field(
+        0.0, "The learning rate at step 0 is init_ratio * train.lr (with warmup_steps > 0).", min=0.0, max=1.0
+    )
     decay_steps: int | None = field(
         None,
         "cosine, linear: the step (counted from 0, warmup included) at which the learning rate reaches its floor "
@@ -246,7 +260,9 @@ class TrainConfig:
         choices=METHODS,
     )
     steps: int = field(1000, "Number of training steps (iterations).", min=1)
-    lr: float = field(1e-3, "Learning rate (eta): the peak of train.schedule (the rate at every step when constant).", gt=0.0)
+    lr: float = field(
+        1e-3, "Learning rate (eta): the peak of train.schedule (the rate at every step when constant).", gt=0.0
+    )
     schedule: ScheduleConfig = field(
         help="Learning-rate schedule (warmup, cosine/linear/step decay); logged as `lr` in metrics.jsonl.",
         factory=ScheduleConfig,
@@ -259,7 +275,9 @@ class TrainConfig:
     )
     eps: float = field(1e-3, "ZO perturbation scale epsilon (host-rounded to 20 significant bits).", gt=0.0)
     n_perturbations: int = field(
-        16, "ZO perturbations per step; each costs two forward passes (L(theta+eps z), L(theta-eps z)).", min=1,
+        16,
+        "ZO perturbations per step; each costs two forward passes (L(theta+eps z), L(theta-eps z)).",
+        min=1,
         max=MAX_PERTURBATIONS,
     )
     lr_scaling: str = field(
@@ -297,9 +315,7 @@ class TrainConfig:
         "step (no code can change at that step size). null = train float32 weights.",
         choices=REQUANTIZE,
     )
-    optimizer: OptimizerConfig = field(
-        help="Optimizer of the backprop baseline.", factory=OptimizerConfig
-    )
+    optimizer: OptimizerConfig = field(help="Optimizer of the backprop baseline.", factory=OptimizerConfig)
     eval_every: int = field(100, "Evaluate on the test split every this many steps (and at the end).", min=1)
     log_every: int = field(
         10, "Write a training record (loss, passes, bytes, digest) to metrics.jsonl every this many steps.", min=1
@@ -307,9 +323,7 @@ class TrainConfig:
     checkpoint_every: int = field(
         0, "Save an orbax checkpoint every this many steps (and at the end); 0 = only at the end.", min=0
     )
-    keep_checkpoints: int = field(
-        3, "How many most recent checkpoints to keep; 0 = keep all.", min=0
-    )
+    keep_checkpoints: int = field(3, "How many most recent checkpoints to keep; 0 = keep all.", min=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,12 +412,15 @@ class BinaryConfig:
         factory=lambda: ("flips", "evolution", "ste", "float32"),
     )
     weights: tuple[str, ...] = field(
-        ("binary", "ternary"), "Weight kinds of the binary methods: binary {-1,+1}, ternary {-1,0,+1}.",
+        ("binary", "ternary"),
+        "Weight kinds of the binary methods: binary {-1,+1}, ternary {-1,0,+1}.",
         factory=lambda: ("binary", "ternary"),
     )
     channels: tuple[int, ...] = field(
-        (32, 32), "Output channels of each 3x3 conv layer (each followed by a 2x2 max-pool).",
-        factory=lambda: (32, 32), min=1,
+        (32, 32),
+        "Output channels of each 3x3 conv layer (each followed by a 2x2 max-pool).",
+        factory=lambda: (32, 32),
+        min=1,
     )
     levels: int = field(8, "Thermometer channels encoding each grey pixel as bits.", min=1, max=32)
     train_size: int = field(10000, "Training examples used (the first ones of the train split); 0 = all.", min=0)
@@ -416,22 +433,35 @@ class BinaryConfig:
     grid: int = field(4, "The auxiliary head averages activations over grid x grid regions.", min=1)
     float_steps: int = field(300, "float32 baseline: end-to-end backprop steps.", min=1)
     float_lr: float = field(1e-3, "float32 baseline: Adam learning rate.", gt=0.0)
-    workers: int = field(3, "Sparse-mutation run: worker processes on 127.0.0.1 (0 = skip it).", min=0, max=MAX_PROCESSES)
+    workers: int = field(
+        3, "Sparse-mutation run: worker processes on 127.0.0.1 (0 = skip it).", min=0, max=MAX_PROCESSES
+    )
     min_workers: int = field(
-        0, "Sparse-mutation run: a round closes only with lists from at least this many workers, so the run carries "
+        0,
+        "Sparse-mutation run: a round closes only with lists from at least this many workers, so the run carries "
         "on after losing workers while this many remain (a dropped worker rejoins); 0 = a majority of binary.workers.",
-        min=0, max=MAX_PROCESSES)
+        min=0,
+        max=MAX_PROCESSES,
+    )
     rounds: int = field(30, "Sparse-mutation run: rounds.", min=1)
     dist_train_size: int = field(3000, "Sparse-mutation run: training examples split over the workers.", min=1)
-    dist_channels: int = field(40, "Sparse-mutation run: channels of its one binary layer (votes head).", min=1, max=MAX_WIDTH)
+    dist_channels: int = field(
+        40, "Sparse-mutation run: channels of its one binary layer (votes head).", min=1, max=MAX_WIDTH
+    )
     dist_k: int = field(4, "Sparse-mutation run: flips applied per round.", min=1)
     dist_head_steps: int = field(
-        100, "Sparse-mutation run: Adam steps fitting its head to the initial layer's features (then frozen, shipped "
-        "with the packed model); 0 = a fixed votes head.", min=0)
+        100,
+        "Sparse-mutation run: Adam steps fitting its head to the initial layer's features (then frozen, shipped "
+        "with the packed model); 0 = a fixed votes head.",
+        min=0,
+    )
     threshold: float = field(0.05, "Sparse-mutation run: |loss delta| a list entry must exceed.", min=0.0)
-    max_entries: int = field(512, "Sparse-mutation run: longest list a worker sends (the largest |deltas|).", min=1,
-                             max=1 << 20)
-    kill_at: tuple[int, ...] = field((), "Sparse-mutation run: rounds at which a worker is killed.", factory=tuple, min=0)
+    max_entries: int = field(
+        512, "Sparse-mutation run: longest list a worker sends (the largest |deltas|).", min=1, max=1 << 20
+    )
+    kill_at: tuple[int, ...] = field(
+        (), "Sparse-mutation run: rounds at which a worker is killed.", factory=tuple, min=0
+    )
     speed_repeats: int = field(5, "Timed repeats of the binary vs float32 speed measurement.", min=1)
 
 
@@ -440,12 +470,13 @@ class PipelineConfig:
     """Pipeline-parallel backprop (AQ-SGD, seed 001): one process per stage on loopback gRPC, launched by `zeroth run`."""
 
     stages: int = field(
-        2, "Number of stages S: contiguous runs of blocks (embedding in the first, head in the last), one process each; "
-        "at most the model's blocks.", min=2, max=MAX_PROCESSES
+        2,
+        "Number of stages S: contiguous runs of blocks (embedding in the first, head in the last), one process each; "
+        "at most the model's blocks.",
+        min=2,
+        max=MAX_PROCESSES,
     )
-    micro_batches: int = field(
-        2, "GPipe micro-batches per step (fill and drain); must divide data.batch_size.", min=1
-    )
+    micro_batches: int = field(2, "GPipe micro-batches per step (fill and drain); must divide data.batch_size.", min=1)
     objective: str = field(
         "lm",
         "lm: next-token cross-entropy over fixed token windows of the SOTU addresses (data.dataset = sotu); "
@@ -453,10 +484,14 @@ class PipelineConfig:
         choices=PIPELINE_OBJECTIVES,
     )
     examples: int = field(
-        32, "Size of the fixed example set revisited every epoch (windows or sentences); data.batch_size must divide it.", min=1,
+        32,
+        "Size of the fixed example set revisited every epoch (windows or sentences); data.batch_size must divide it.",
+        min=1,
         max=MAX_BATCH,
     )
-    seq_len: int = field(32, "Tokens per example (window length, or sentence length after padding/cutting).", min=2, max=MAX_WIDTH)
+    seq_len: int = field(
+        32, "Tokens per example (window length, or sentence length after padding/cutting).", min=2, max=MAX_WIDTH
+    )
     compression: str = field(
         "fp32",
         "Link compression: fp32 (none); directq (activations and their gradients quantized to fw_bits / bw_bits); "
@@ -465,8 +500,11 @@ class PipelineConfig:
         choices=PIPELINE_COMPRESSIONS,
     )
     fw_bits: int = field(
-        4, "Bits per activation value (directq, aqsgd) on the zero-level grid: levels q in [-2^(b-1), 2^(b-1)-1], "
-        "value q*s/2^(b-1).", min=2, max=8,
+        4,
+        "Bits per activation value (directq, aqsgd) on the zero-level grid: levels q in [-2^(b-1), 2^(b-1)-1], "
+        "value q*s/2^(b-1).",
+        min=2,
+        max=8,
     )
     bw_bits: int = field(8, "Bits per activation-gradient value (directq, aqsgd), on the same grid.", min=2, max=8)
     scale_axis: str = field(
@@ -492,7 +530,8 @@ class PipelineConfig:
         1,
         "Data-parallel pipeline replicas R: R copies of the S stages (R x S processes), each taking 1/R of every batch; "
         "each stage's parameter gradients are averaged over its R replicas (replica_sync) before the update.",
-        min=1, max=MAX_PROCESSES // 2,
+        min=1,
+        max=MAX_PROCESSES // 2,
     )
     replica_sync: str = field(
         "fp32",
@@ -503,10 +542,14 @@ class PipelineConfig:
         choices=REPLICA_SYNCS,
     )
     replica_warmup_steps: int = field(
-        8, "onebit_adam: steps of uncompressed Adam before the variance is frozen and the momentum is compressed.", min=1,
+        8,
+        "onebit_adam: steps of uncompressed Adam before the variance is frozen and the momentum is compressed.",
+        min=1,
     )
     bandwidth_bps: float | None = field(
-        None, "Enforced bandwidth of every link in bits/s (a token bucket on the bytes actually sent); null = unlimited.", gt=0.0
+        None,
+        "Enforced bandwidth of every link in bits/s (a token bucket on the bytes actually sent); null = unlimited.",
+        gt=0.0,
     )
     latency_ms: float = field(0.0, "Enforced one-way latency of every frame on every link, in milliseconds.", min=0.0)
     emulate_bandwidths_bps: tuple[float, ...] = field(
@@ -517,15 +560,20 @@ class PipelineConfig:
         gt=0.0,
     )
     buffers: str = field(
-        "memory", "Where AQ-SGD buffers live: memory (NumPy) or memmap (a file per link end in the stage folder).",
+        "memory",
+        "Where AQ-SGD buffers live: memory (NumPy) or memmap (a file per link end in the stage folder).",
         choices=PIPELINE_BUFFERS,
     )
     slowdown: float = field(
-        1.0, "Emulated compute speed of every stage: each computation is followed by a sleep of (slowdown - 1) times "
-        "its duration (1 = this machine).", min=1.0,
+        1.0,
+        "Emulated compute speed of every stage: each computation is followed by a sleep of (slowdown - 1) times "
+        "its duration (1 = this machine).",
+        min=1.0,
     )
     host: str = field("127.0.0.1", "Address the stages listen on.")
-    timeout_s: float = field(600.0, "A stage gives up when a frame it waits for does not come within this many seconds.", gt=0.0)
+    timeout_s: float = field(
+        600.0, "A stage gives up when a frame it waits for does not come within this many seconds.", gt=0.0
+    )
 
 
 def _default_nodes() -> tuple[dict, ...]:
@@ -543,7 +591,8 @@ class RavnestConfig:
     averaged with each other by parallel rings; one process per node on loopback gRPC, launched by `zeroth run`."""
 
     nodes: tuple[dict, ...] = field(
-        (), "The node pool: one mapping per node, {name, ram_mb (usable RAM), bandwidth_mbps (steady bandwidth), "
+        (),
+        "The node pool: one mapping per node, {name, ram_mb (usable RAM), bandwidth_mbps (steady bandwidth), "
         "speed (compute speed relative to this machine, <= 1: a node of speed 0.5 sleeps as long as it computes; the "
         "formation reads it as given), backup with join_round r: the spare arrives at round r and receives its "
         "primary's state then, backup (true: a "
@@ -555,30 +604,46 @@ class RavnestConfig:
     )
     clusters: int = field(2, "Number of clusters the genetic algorithm forms from the non-backup nodes.", min=1)
     objective: str = field(
-        "classify", "lm: next-token loss on SOTU windows (data.dataset = sotu); classify: sentiment sentences (sentiment).",
+        "classify",
+        "lm: next-token loss on SOTU windows (data.dataset = sotu); classify: sentiment sentences (sentiment).",
         choices=PIPELINE_OBJECTIVES,
     )
     examples: int = field(64, "Size of the fixed example set; data.batch_size must divide it.", min=1, max=MAX_BATCH)
     seq_len: int = field(32, "Tokens per example.", min=2, max=MAX_WIDTH)
     order: str = field(
-        "fixed", "fixed: one-forward-one-backward after a warm-up (bit-reproducible); arrival: whatever is ready, "
-        "backward first (the seed's event loop; timing decides the interleaving).", choices=RAVNEST_ORDERS,
+        "fixed",
+        "fixed: one-forward-one-backward after a warm-up (bit-reproducible); arrival: whatever is ready, "
+        "backward first (the seed's event loop; timing decides the interleaving).",
+        choices=RAVNEST_ORDERS,
     )
     max_in_flight: int = field(
-        0, "The delay bound D: batches a stage may hold forwarded and not yet back (min(D, S - stage)); "
-        "0 = the pipeline depth (no throttling). Staleness of stage s is min(D, S - s) - 1.", min=0,
+        0,
+        "The delay bound D: batches a stage may hold forwarded and not yet back (min(D, S - stage)); "
+        "0 = the pipeline depth (no throttling). Staleness of stage s is min(D, S - s) - 1.",
+        min=0,
     )
-    average_every: int = field(4, "R: every node averages its parameters with the other clusters after every R-th update (0 = never).", min=0)
-    latency_ms: float = field(0.0, "Enforced one-way latency of every message between two nodes, in milliseconds.", min=0.0)
+    average_every: int = field(
+        4, "R: every node averages its parameters with the other clusters after every R-th update (0 = never).", min=0
+    )
+    latency_ms: float = field(
+        0.0, "Enforced one-way latency of every message between two nodes, in milliseconds.", min=0.0
+    )
     enforce_bandwidth: bool = field(True, "Pace every message at min(bandwidth of sender, bandwidth of receiver).")
     population: int = field(64, "Genetic algorithm: chromosomes per generation.", min=4)
-    generations: int = field(200, "Genetic algorithm: most generations (it stops earlier when the best stops improving).", min=1)
+    generations: int = field(
+        200, "Genetic algorithm: most generations (it stops earlier when the best stops improving).", min=1
+    )
     kill_at: tuple[int, ...] = field(
-        (), "Batches at which the launcher SIGKILLs the primary shadowed by each backup (one entry per backup, in "
-        "pool order); the backup takes over.", factory=tuple, min=1,
+        (),
+        "Batches at which the launcher SIGKILLs the primary shadowed by each backup (one entry per backup, in "
+        "pool order); the backup takes over.",
+        factory=tuple,
+        min=1,
     )
     host: str = field("127.0.0.1", "Address the nodes listen on.")
-    timeout_s: float = field(300.0, "A node gives up when a message it waits for does not come within this many seconds.", gt=0.0)
+    timeout_s: float = field(
+        300.0, "A node gives up when a message it waits for does not come within this many seconds.", gt=0.0
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -595,7 +660,8 @@ class Config:
     )
     binary: BinaryConfig | None = field(None, "Optional: a binary learning experiment (seed 002) instead of train.")
     ravnest: RavnestConfig | None = field(
-        None, "Optional: Ravnest (seed 003): clusters of asynchronous pipelines averaged by parallel rings, one process per node."
+        None,
+        "Optional: Ravnest (seed 003): clusters of asynchronous pipelines averaged by parallel rings, one process per node.",
     )
 
 
@@ -767,8 +833,10 @@ def _check_binary(cfg: Config) -> None:
     if not b.channels:
         raise ValueError("config field binary.channels: empty; expected at least one layer, e.g. [32, 32]")
     if b.min_workers > b.workers:
-        raise ValueError(f"config field binary.min_workers: {b.min_workers} exceeds binary.workers={b.workers}; "
-                         "a round could never close: lower it (0 = a majority of the workers)")
+        raise ValueError(
+            f"config field binary.min_workers: {b.min_workers} exceeds binary.workers={b.workers}; "
+            "a round could never close: lower it (0 = a majority of the workers)"
+        )
     if cfg.peers is not None:
         raise ValueError("config sections 'binary' and 'peers' cannot be combined; remove one of them")
     if cfg.pipeline is not None:
@@ -805,7 +873,9 @@ def _check_consistency(cfg: Config) -> None:
             f"config field train.requantize: {cfg.train.requantize!r} is not supported with a 'peers' section "
             f"(peers apply float32 updates); remove one of them"
         )
-    if cfg.train.layout == "flat" and (cfg.train.method != "zo" or cfg.train.requantize is not None or cfg.peers is not None):
+    if cfg.train.layout == "flat" and (
+        cfg.train.method != "zo" or cfg.train.requantize is not None or cfg.peers is not None
+    ):
         raise ValueError(
             f"config field train.layout: {cfg.train.layout!r} applies to train.method='zo' on one machine without "
             f"train.requantize (the other methods and the peers hold trees); use layout 'tree' or 'auto'"
@@ -837,15 +907,21 @@ def _check_bounds(cfg: Config) -> None:
     ints("model.kwargs", cfg.model.kwargs)
     _check_name("run.name", cfg.run.name, "the default output folder runs/<name>")
     if cfg.peers is not None and cfg.peers.count + len(cfg.peers.join_at) > MAX_PROCESSES:
-        raise ValueError(f"config field peers.join_at: peers.count={cfg.peers.count} plus {len(cfg.peers.join_at)} joiners "
-                         f"exceed MAX_PROCESSES={MAX_PROCESSES} peer processes; start fewer")
+        raise ValueError(
+            f"config field peers.join_at: peers.count={cfg.peers.count} plus {len(cfg.peers.join_at)} joiners "
+            f"exceed MAX_PROCESSES={MAX_PROCESSES} peer processes; start fewer"
+        )
     if cfg.peers is not None and cfg.peers.count > cfg.peers.max_members:
-        raise ValueError(f"config field peers.max_members: {cfg.peers.max_members} is below peers.count={cfg.peers.count}; "
-                         f"raise it to at least {cfg.peers.count}")
+        raise ValueError(
+            f"config field peers.max_members: {cfg.peers.max_members} is below peers.count={cfg.peers.count}; "
+            f"raise it to at least {cfg.peers.count}"
+        )
     if cfg.ravnest is not None:
         if len(cfg.ravnest.nodes) > MAX_PROCESSES:
-            raise ValueError(f"config field ravnest.nodes: {len(cfg.ravnest.nodes)} nodes exceed MAX_PROCESSES={MAX_PROCESSES} "
-                             "node processes; list fewer")
+            raise ValueError(
+                f"config field ravnest.nodes: {len(cfg.ravnest.nodes)} nodes exceed MAX_PROCESSES={MAX_PROCESSES} "
+                "node processes; list fewer"
+            )
         for i, node in enumerate(cfg.ravnest.nodes):
             name = node.get("name") if isinstance(node, Mapping) else None
             if isinstance(name, str):
@@ -880,29 +956,47 @@ def _check_pipeline(cfg: Config) -> None:
     if cfg.train.method != "backprop":
         raise ValueError(f"config section 'pipeline' needs train.method='backprop'; got {cfg.train.method!r}")
     if cfg.model.name not in PIPELINE_MODELS:
-        raise ValueError(f"config field model.name: {cfg.model.name!r} cannot be split into stages; expected one of {list(PIPELINE_MODELS)}")
+        raise ValueError(
+            f"config field model.name: {cfg.model.name!r} cannot be split into stages; expected one of {list(PIPELINE_MODELS)}"
+        )
     want = PIPELINE_DATASETS[p.objective]
     if cfg.data.dataset != want:
-        raise ValueError(f"config field data.dataset: pipeline.objective {p.objective!r} trains on {want!r}, got {cfg.data.dataset!r}")
+        raise ValueError(
+            f"config field data.dataset: pipeline.objective {p.objective!r} trains on {want!r}, got {cfg.data.dataset!r}"
+        )
     if cfg.model.name == "smollm2_prompt" and p.objective != "lm":
-        raise ValueError("config field pipeline.objective: the SmolLM2 pipeline trains the language-model objective 'lm'")
+        raise ValueError(
+            "config field pipeline.objective: the SmolLM2 pipeline trains the language-model objective 'lm'"
+        )
     if cfg.data.batch_size % p.micro_batches:
-        raise ValueError(f"config field pipeline.micro_batches: {p.micro_batches} must divide data.batch_size={cfg.data.batch_size}")
+        raise ValueError(
+            f"config field pipeline.micro_batches: {p.micro_batches} must divide data.batch_size={cfg.data.batch_size}"
+        )
     if p.examples % cfg.data.batch_size:
-        raise ValueError(f"config field pipeline.examples: data.batch_size={cfg.data.batch_size} must divide {p.examples}")
+        raise ValueError(
+            f"config field pipeline.examples: data.batch_size={cfg.data.batch_size} must divide {p.examples}"
+        )
     if p.replicas * p.stages > MAX_PROCESSES:
-        raise ValueError(f"config field pipeline.replicas: {p.replicas} replicas x {p.stages} stages = {p.replicas * p.stages} "
-                         f"processes; expected at most {MAX_PROCESSES}")
+        raise ValueError(
+            f"config field pipeline.replicas: {p.replicas} replicas x {p.stages} stages = {p.replicas * p.stages} "
+            f"processes; expected at most {MAX_PROCESSES}"
+        )
     if p.replicas > 1 and cfg.data.batch_size % (p.replicas * p.micro_batches):
-        raise ValueError(f"config field pipeline.replicas: {p.replicas} replicas x {p.micro_batches} micro-batches must divide "
-                         f"data.batch_size={cfg.data.batch_size} (each replica takes an equal share of every batch)")
+        raise ValueError(
+            f"config field pipeline.replicas: {p.replicas} replicas x {p.micro_batches} micro-batches must divide "
+            f"data.batch_size={cfg.data.batch_size} (each replica takes an equal share of every batch)"
+        )
     if p.replicas > 1 and p.replica_sync == "onebit_adam" and cfg.train.optimizer.name not in ("adam", "adamw"):
-        raise ValueError(f"config field pipeline.replica_sync: onebit_adam is an Adam; train.optimizer.name is "
-                         f"{cfg.train.optimizer.name!r}, expected adam or adamw (or replica_sync fp32)")
+        raise ValueError(
+            f"config field pipeline.replica_sync: onebit_adam is an Adam; train.optimizer.name is "
+            f"{cfg.train.optimizer.name!r}, expected adam or adamw (or replica_sync fp32)"
+        )
     blocks = _model_blocks(cfg)
     if blocks is not None and p.stages > blocks:
-        raise ValueError(f"config field pipeline.stages: {p.stages} stages but model {cfg.model.name!r} has {blocks} blocks; "
-                         f"expected at most {blocks} (each stage holds at least one block)")
+        raise ValueError(
+            f"config field pipeline.stages: {p.stages} stages but model {cfg.model.name!r} has {blocks} blocks; "
+            f"expected at most {blocks} (each stage holds at least one block)"
+        )
     warm = p.full_epochs * (p.examples // cfg.data.batch_size)
     if p.compression != "fp32" and warm >= cfg.train.steps > 0:
         raise ValueError(
@@ -921,21 +1015,31 @@ def _check_ravnest(cfg: Config) -> None:
     if cfg.train.method != "backprop":
         raise ValueError(f"config section 'ravnest' needs train.method='backprop'; got {cfg.train.method!r}")
     if cfg.model.name != "transformer":
-        raise ValueError(f"config field model.name: Ravnest splits zeroth's transformer into stages; got {cfg.model.name!r}, expected 'transformer'")
+        raise ValueError(
+            f"config field model.name: Ravnest splits zeroth's transformer into stages; got {cfg.model.name!r}, expected 'transformer'"
+        )
     want = PIPELINE_DATASETS[r.objective]
     if cfg.data.dataset != want:
-        raise ValueError(f"config field data.dataset: ravnest.objective {r.objective!r} trains on {want!r}, got {cfg.data.dataset!r}")
+        raise ValueError(
+            f"config field data.dataset: ravnest.objective {r.objective!r} trains on {want!r}, got {cfg.data.dataset!r}"
+        )
     if r.examples % cfg.data.batch_size:
-        raise ValueError(f"config field ravnest.examples: data.batch_size={cfg.data.batch_size} must divide {r.examples}")
+        raise ValueError(
+            f"config field ravnest.examples: data.batch_size={cfg.data.batch_size} must divide {r.examples}"
+        )
     names = []
     for i, node in enumerate(r.nodes):
         where = f"ravnest.nodes[{i}]"
         unknown = [k for k in node if k not in RAVNEST_NODE_KEYS]
         if unknown:
-            raise ValueError(f"config field {where}: unknown key {unknown[0]!r}; valid keys are {sorted(RAVNEST_NODE_KEYS)}")
+            raise ValueError(
+                f"config field {where}: unknown key {unknown[0]!r}; valid keys are {sorted(RAVNEST_NODE_KEYS)}"
+            )
         for key in ("name", "ram_mb", "bandwidth_mbps"):
             if key not in node:
-                raise ValueError(f"config field {where}: missing {key!r} (a node is {{name, ram_mb, bandwidth_mbps, speed, backup}})")
+                raise ValueError(
+                    f"config field {where}: missing {key!r} (a node is {{name, ram_mb, bandwidth_mbps, speed, backup}})"
+                )
         for key, tp in RAVNEST_NODE_KEYS.items():
             if key not in node:
                 continue
@@ -960,22 +1064,32 @@ def _check_ravnest(cfg: Config) -> None:
         if "join_round" not in node:
             continue
         if r.average_every == 0:
-            raise ValueError(f"config field ravnest.nodes[{i}].join_round: a late cluster joins at an averaging round; set ravnest.average_every > 0")
+            raise ValueError(
+                f"config field ravnest.nodes[{i}].join_round: a late cluster joins at an averaging round; set ravnest.average_every > 0"
+            )
         if (node["join_round"] - 1) * r.average_every >= cfg.train.steps:
-            raise ValueError(f"config field ravnest.nodes[{i}].join_round: {node['join_round']} starts after the run's last batch "
-                             f"(train.steps={cfg.train.steps}, average_every={r.average_every})")
+            raise ValueError(
+                f"config field ravnest.nodes[{i}].join_round: {node['join_round']} starts after the run's last batch "
+                f"(train.steps={cfg.train.steps}, average_every={r.average_every})"
+            )
     workers = [n for n in r.nodes if not n.get("backup", False) and "join_round" not in n]
     if len(workers) < r.clusters:
-        raise ValueError(f"config field ravnest.clusters: {r.clusters} clusters need at least {r.clusters} non-backup nodes, the pool has {len(workers)}")
+        raise ValueError(
+            f"config field ravnest.clusters: {r.clusters} clusters need at least {r.clusters} non-backup nodes, the pool has {len(workers)}"
+        )
     backups = len(r.nodes) - len(workers)
     if len(r.kill_at) > backups:
-        raise ValueError(f"config field ravnest.kill_at: {len(r.kill_at)} kills but {backups} backup nodes; each kill is taken over by one backup")
+        raise ValueError(
+            f"config field ravnest.kill_at: {len(r.kill_at)} kills but {backups} backup nodes; each kill is taken over by one backup"
+        )
     late_backups = [n for n in r.nodes if n.get("backup", False)]
     for n, at in zip(late_backups, r.kill_at):
         joined = n.get("join_round", 0) * r.average_every
         if at <= joined:
-            raise ValueError(f"config field ravnest.kill_at: backup {n['name']!r} joins after update {joined}; "
-                             f"its primary can be killed only after that (got {at})")
+            raise ValueError(
+                f"config field ravnest.kill_at: backup {n['name']!r} joins after update {joined}; "
+                f"its primary can be killed only after that (got {at})"
+            )
     if any(k >= cfg.train.steps for k in r.kill_at):
         raise ValueError(f"config field ravnest.kill_at: {list(r.kill_at)} must be below train.steps={cfg.train.steps}")
 
@@ -1172,8 +1286,5 @@ def describe(cls=Config, prefix: str = "") -> str:
         extra = ""
         if choices is not None:
             extra = f" [choices: {', '.join(choices() if callable(choices) else choices)}]"
-        lines.append(
-            f"  {path} ({_type_name(hints[f.name])}, {default}){extra}\n"
-            f"      {f.metadata.get('help', '')}"
-        )
+        lines.append(f"  {path} ({_type_name(hints[f.name])}, {default}){extra}\n      {f.metadata.get('help', '')}")
     return "\n".join(lines)

@@ -151,7 +151,9 @@ def canonical_params() -> dict:
         ]
     )
     embed = _uniform(6, 7 * 13 * 3).astype(_BF16)
-    embed[:9] = np.array([0x0000, 0x8000, 0x0001, 0x807F, 0x7F80, 0xFF80, 0xFFC1, 0x7F7F, 0xC060], np.uint16).view(_BF16)
+    embed[:9] = np.array([0x0000, 0x8000, 0x0001, 0x807F, 0x7F80, 0xFF80, 0xFFC1, 0x7F7F, 0xC060], np.uint16).view(
+        _BF16
+    )
     norm = np.concatenate(
         [
             (_uniform(5, 129) * np.float32(2.0**-12)).astype(_F16),
@@ -352,7 +354,9 @@ def _gaussian_digest() -> str:
     from zeroth import noise as _noise
 
     key = jnp.asarray(_ref.sample_key(RUN_SEED, 0, 0, 0))
-    z = jax.jit(lambda k: _noise.sample("gaussian", k, (4096,), exact=False) * jnp.float32(0.37) + jnp.float32(1.0))(key)
+    z = jax.jit(lambda k: _noise.sample("gaussian", k, (4096,), exact=False) * jnp.float32(0.37) + jnp.float32(1.0))(
+        key
+    )
     return hashlib.sha256(np.asarray(z).tobytes()).hexdigest()
 
 
@@ -413,11 +417,19 @@ def _environment() -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zeroth doctor", description="Check that this machine reproduces the golden replay digest.")
+    p = argparse.ArgumentParser(
+        prog="zeroth doctor", description="Check that this machine reproduces the golden replay digest."
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
-    p.add_argument("--golden", type=Path, default=GOLDEN_PATH, help="golden file to compare with (default: the packaged one)")
     p.add_argument(
-        "--write-golden", nargs="?", const=GOLDEN_PATH, type=Path, metavar="PATH",
+        "--golden", type=Path, default=GOLDEN_PATH, help="golden file to compare with (default: the packaged one)"
+    )
+    p.add_argument(
+        "--write-golden",
+        nargs="?",
+        const=GOLDEN_PATH,
+        type=Path,
+        metavar="PATH",
         help="compute the golden digests with the NumPy reference, write them (default: the packaged file) and exit",
     )
     return p
@@ -535,9 +547,12 @@ def main(argv: list[str] | None = None) -> int:
     if "mismatch" in statuses:
         code, verdict = 1, "MISMATCH: this machine does not reproduce the golden replay; do not join a run with it"
     elif "unsupported" in statuses:
-        code, verdict = 3, (
-            "OK for float32/bfloat16, but this backend cannot compile float16 leaves (XLA:CPU cannot link "
-            f"half-precision conversions without F16C, e.g. under --xla_cpu_max_isa=SSE4_2): {f16_error}"
+        code, verdict = (
+            3,
+            (
+                "OK for float32/bfloat16, but this backend cannot compile float16 leaves (XLA:CPU cannot link "
+                f"half-precision conversions without F16C, e.g. under --xla_cpu_max_isa=SSE4_2): {f16_error}"
+            ),
         )
     else:
         code, verdict = 0, "OK: this machine reproduces the golden replay bit for bit"
@@ -558,7 +573,13 @@ def main(argv: list[str] | None = None) -> int:
         ("  flat layout", flat_digest, ref_digest, golden["digest"], flat_status),
         ("float16 digest", f16_digest, ref_f16_digest, golden["float16_digest"], f16_status),
         ("tiles digest", _pair_digest(tiles[False]), ref_tiles, golden["tiles_digest"], tiles_status),
-        ("tiles f16 digest", _pair_digest(tiles[True]), ref_tiles_f16, golden["tiles_float16_digest"], tiles_f16_status),
+        (
+            "tiles f16 digest",
+            _pair_digest(tiles[True]),
+            ref_tiles_f16,
+            golden["tiles_float16_digest"],
+            tiles_f16_status,
+        ),
     ):
         print(f"{label:<17} {got or '-'}  {st.upper()}")
         print(f"{'  reference':<17} {ref}  {'-' if got is None else 'same' if got == ref else 'DIFFERENT'}")

@@ -89,9 +89,11 @@ def plan_of(cfg: _config.Config, nnodes: str | None) -> Plan:
         system, count, elastic = "peers", cfg.peers.count, True
     elif cfg.pipeline is not None:
         if cfg.pipeline.replicas > 1:
-            raise ValueError(f"pipeline.replicas is {cfg.pipeline.replicas}: zeroth launch places one replica's stages; run "
-                             f"replicas with zeroth run on one host, or zeroth stage --replica R (--sync-listen on replica 0, "
-                             f"--sync-server on the others) on each host")
+            raise ValueError(
+                f"pipeline.replicas is {cfg.pipeline.replicas}: zeroth launch places one replica's stages; run "
+                f"replicas with zeroth run on one host, or zeroth stage --replica R (--sync-listen on replica 0, "
+                f"--sync-server on the others) on each host"
+            )
         system, count, elastic = "pipeline", cfg.pipeline.stages, False
     elif cfg.ravnest is not None:
         system, count, elastic = "ravnest", len(cfg.ravnest.nodes), False
@@ -100,8 +102,10 @@ def plan_of(cfg: _config.Config, nnodes: str | None) -> Plan:
             raise ValueError("binary.workers is 0: the sparse-mutation run has no workers to launch on other hosts")
         system, count, elastic = "binary", cfg.binary.workers + 1, False
     else:
-        raise ValueError("zeroth launch runs configs with a peers:, pipeline:, ravnest: or binary: section or a "
-                         "Marsit runs: list; this config trains on one machine: use `zeroth run`")
+        raise ValueError(
+            "zeroth launch runs configs with a peers:, pipeline:, ravnest: or binary: section or a "
+            "Marsit runs: list; this config trains on one machine: use `zeroth run`"
+        )
     if nnodes is None:
         return Plan(system, count, count, elastic)
     lo, sep, hi = str(nnodes).partition(":")
@@ -112,13 +116,19 @@ def plan_of(cfg: _config.Config, nnodes: str | None) -> Plan:
     if not 1 <= lo_n <= hi_n:
         raise ValueError(f"--nnodes {nnodes!r}: need 1 <= MIN <= MAX")
     if sep and not elastic:
-        raise ValueError(f"--nnodes {nnodes}: a {system} run has a fixed number of hosts ({count}); give --nnodes {count}")
+        raise ValueError(
+            f"--nnodes {nnodes}: a {system} run has a fixed number of hosts ({count}); give --nnodes {count}"
+        )
     if not elastic and lo_n != count:
         field = {"pipeline": "pipeline.stages", "ravnest": "len(ravnest.nodes)", "binary": "binary.workers + 1"}[system]
-        raise ValueError(f"--nnodes {nnodes}: the config's {field} is {count}; give --nnodes {count} or change the config")
+        raise ValueError(
+            f"--nnodes {nnodes}: the config's {field} is {count}; give --nnodes {count} or change the config"
+        )
     if elastic and not sep and lo_n != count:
-        raise ValueError(f"--nnodes {nnodes}: the config's peers.count is {count}; give --nnodes {count}, "
-                         f"--set peers.count={lo_n}, or --nnodes MIN:MAX for a run that admits hosts as they come")
+        raise ValueError(
+            f"--nnodes {nnodes}: the config's peers.count is {count}; give --nnodes {count}, "
+            f"--set peers.count={lo_n}, or --nnodes MIN:MAX for a run that admits hosts as they come"
+        )
     return Plan(system, lo_n, hi_n, elastic)
 
 
@@ -153,27 +163,63 @@ def node_rank_from_env(environ=None) -> int | None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``zeroth launch``."""
-    p = argparse.ArgumentParser(prog="zeroth launch", description="Start this host's process of a run across hosts "
-                                "(the same command on every host).")
+    p = argparse.ArgumentParser(
+        prog="zeroth launch",
+        description="Start this host's process of a run across hosts (the same command on every host).",
+    )
     p.add_argument("config", help="experiment YAML (the same on every host)")
-    p.add_argument("--rendezvous", required=True, metavar="HOST:PORT", help="where the hosts meet; the host that owns "
-                   "this address serves it")
+    p.add_argument(
+        "--rendezvous",
+        required=True,
+        metavar="HOST:PORT",
+        help="where the hosts meet; the host that owns this address serves it",
+    )
     p.add_argument("--out", required=True, help="this host's run folder")
-    p.add_argument("--nnodes", default=None, metavar="N|MIN:MAX", help="hosts in the run (default: the config's count); "
-                   "MIN:MAX where the system admits late hosts (Just One Byte)")
-    p.add_argument("--node-rank", type=int, default=None, help="this host's rank (default: $SLURM_PROCID, "
-                   "$JOB_COMPLETION_INDEX, else the order of arrival)")
-    p.add_argument("--secret-file", default=None, help="the run secret (the same file on every host; default $ZEROTH_SECRET)")
+    p.add_argument(
+        "--nnodes",
+        default=None,
+        metavar="N|MIN:MAX",
+        help="hosts in the run (default: the config's count); "
+        "MIN:MAX where the system admits late hosts (Just One Byte)",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this host's rank (default: $SLURM_PROCID, $JOB_COMPLETION_INDEX, else the order of arrival)",
+    )
+    p.add_argument(
+        "--secret-file", default=None, help="the run secret (the same file on every host; default $ZEROTH_SECRET)"
+    )
     p.add_argument("--insecure", action="store_true", help="no run secret: anyone who reaches a port may take part")
-    p.add_argument("--advertise", default=None, metavar="HOST", help="the address the other hosts reach this one at "
-                   "(default: this host's source address on the route to the rendezvous)")
+    p.add_argument(
+        "--advertise",
+        default=None,
+        metavar="HOST",
+        help="the address the other hosts reach this one at "
+        "(default: this host's source address on the route to the rendezvous)",
+    )
     p.add_argument("--port", type=int, default=0, help="the port this host's process serves on (default: a free one)")
-    p.add_argument("--startup-timeout", type=float, default=None, metavar="S", help="seconds for every host to join "
-                   "(default: peers.startup_timeout_s, else 60 + 4 per host)")
-    p.add_argument("--tls-dir", default=None, help="mutual TLS: a folder made by `zeroth certs` (ca.pem and this "
-                   "host's ADVERTISE/ or HOSTNAME/ certificate)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="config override (the same on every host)")
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds for every host to join (default: peers.startup_timeout_s, else 60 + 4 per host)",
+    )
+    p.add_argument(
+        "--tls-dir",
+        default=None,
+        help="mutual TLS: a folder made by `zeroth certs` (ca.pem and this host's ADVERTISE/ or HOSTNAME/ certificate)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="config override (the same on every host)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -193,9 +239,11 @@ def _secret(args) -> str | None:
         return identity.read_secret(args.secret_file)
     secret = identity.secret_from_env()
     if secret is None:
-        raise ValueError("every host needs the same run secret: --secret-file FILE (made once, e.g. "
-                         "`python -c 'import secrets; print(secrets.token_hex(32))' > run.secret`, copied to every host "
-                         f"over a private channel) or ${identity.SECRET_ENV[0]}; or --insecure")
+        raise ValueError(
+            "every host needs the same run secret: --secret-file FILE (made once, e.g. "
+            "`python -c 'import secrets; print(secrets.token_hex(32))' > run.secret`, copied to every host "
+            f"over a private channel) or ${identity.SECRET_ENV[0]}; or --insecure"
+        )
     return secret
 
 
@@ -217,8 +265,9 @@ def main(argv: list[str]) -> int:
         if marsit.is_config(raw):
             cfg = marsit.load_runs_dict(raw, args.overrides, where=args.config)
             plan = marsit_plan(cfg, args.nnodes)
-            config_text = yaml.safe_dump({"name": raw.get("name"), "runs": [marsit.config.spec_dict(r) for r in cfg]},
-                                         sort_keys=False)
+            config_text = yaml.safe_dump(
+                {"name": raw.get("name"), "runs": [marsit.config.spec_dict(r) for r in cfg]}, sort_keys=False
+            )
         else:
             cfg = _config.load_config(args.config, args.overrides)
             plan = plan_of(cfg, args.nnodes)
@@ -238,8 +287,9 @@ def main(argv: list[str]) -> int:
         tls = security_files(args.tls_dir, advertise) if args.tls_dir else None
         window = args.startup_timeout
         if window is None:
-            window = (cfg.peers.startup_timeout_s if plan.system == "peers" and cfg.peers.startup_timeout_s else None) \
-                or rendezvous.startup_window(plan.max_nodes)
+            window = (
+                cfg.peers.startup_timeout_s if plan.system == "peers" and cfg.peers.startup_timeout_s else None
+            ) or rendezvous.startup_window(plan.max_nodes)
         if not window > 0:
             raise ValueError(f"--startup-timeout {window}: must be positive seconds")
         if out.exists() and (out / "launch.json").exists():
@@ -250,26 +300,44 @@ def main(argv: list[str]) -> int:
     digest = hashlib.sha256(config_text.encode()).hexdigest()
     my_port = args.port or _free_port()
     token = identity.access_token(secret) if secret else None
-    store = rendezvous.Store(min_nodes=plan.min_nodes, max_nodes=plan.max_nodes, timeout_s=window,
-                             config_digest=digest, version=__version__, late_joins=plan.late_joins,
-                             last_call_s=min(10.0, window / 4))
+    store = rendezvous.Store(
+        min_nodes=plan.min_nodes,
+        max_nodes=plan.max_nodes,
+        timeout_s=window,
+        config_digest=digest,
+        version=__version__,
+        late_joins=plan.late_joins,
+        last_call_s=min(10.0, window / 4),
+    )
     server = rendezvous.serve(store, f"{host}:{port}", token=token, tls=tls)
     if server is not None:
-        say(f"serving the rendezvous on {args.rendezvous} for {plan.min_nodes}"
+        say(
+            f"serving the rendezvous on {args.rendezvous} for {plan.min_nodes}"
             f"{'' if plan.min_nodes == plan.max_nodes else f'..{plan.max_nodes}'} hosts "
-            f"(start-up window {window:g}s)")
+            f"(start-up window {window:g}s)"
+        )
     client = rendezvous.Client(args.rendezvous, token=token, tls=tls)
     deadline = time.monotonic() + window + 5.0
     # a pipeline stage's key goes through the rendezvous: the next stage serves only its signed stream
     me = identity.Identity.generate() if plan.system == "pipeline" else None
     try:
-        rank, late = client.join(config_digest=digest, version=__version__, advertise=f"{advertise}:{my_port}",
-                                 node_rank=-1 if rank is None else rank, hostname=socket.gethostname(), deadline=deadline,
-                                 key=me.public if me is not None else b"")
-        say(f"joined the rendezvous at {args.rendezvous} as rank {rank}{' (late)' if late else ''}, "
-            f"advertising {advertise}:{my_port}")
-        roster = client.wait_formed(deadline, progress=lambda r: say(
-            f"{r.joined} of {r.min_nodes} hosts joined ({r.waited_s:.0f}s of {window:g}s)"))
+        rank, late = client.join(
+            config_digest=digest,
+            version=__version__,
+            advertise=f"{advertise}:{my_port}",
+            node_rank=-1 if rank is None else rank,
+            hostname=socket.gethostname(),
+            deadline=deadline,
+            key=me.public if me is not None else b"",
+        )
+        say(
+            f"joined the rendezvous at {args.rendezvous} as rank {rank}{' (late)' if late else ''}, "
+            f"advertising {advertise}:{my_port}"
+        )
+        roster = client.wait_formed(
+            deadline,
+            progress=lambda r: say(f"{r.joined} of {r.min_nodes} hosts joined ({r.waited_s:.0f}s of {window:g}s)"),
+        )
     except rendezvous.Refused as e:
         if server is not None:  # the others read why from the roster before this host goes away
             time.sleep(2.0)
@@ -277,20 +345,42 @@ def main(argv: list[str]) -> int:
         return fail(EXIT_FAILED, str(e))
     finally:
         client.close()
-    say(f"the run formed with {roster.nodes} hosts: "
-        + ", ".join(f"{m.rank}={m.advertise}" for m in roster.members))
+    say(f"the run formed with {roster.nodes} hosts: " + ", ".join(f"{m.rank}={m.advertise}" for m in roster.members))
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.yaml"
     config_path.write_text(config_text)
     if plan.system == "marsit":  # the Marsit processes read the config as the user wrote it, with the same --set
         config_path = Path(args.config).resolve()
     identity_file = me.save(out / "identity.key") if me is not None else None
-    role, cmd, env = _role(plan, cfg, config_path, out, rank, late, roster, my_port, advertise, secret, tls, window,
-                           args.overrides, identity_file)
-    record = {"rank": rank, "late": late, "role": role, "system": plan.system, "config_digest": digest,
-              "version": __version__, "rendezvous": args.rendezvous, "advertise": f"{advertise}:{my_port}",
-              "served_rendezvous": server is not None,
-              "roster": [dataclasses.asdict(m) for m in roster.members], "command": cmd}
+    role, cmd, env = _role(
+        plan,
+        cfg,
+        config_path,
+        out,
+        rank,
+        late,
+        roster,
+        my_port,
+        advertise,
+        secret,
+        tls,
+        window,
+        args.overrides,
+        identity_file,
+    )
+    record = {
+        "rank": rank,
+        "late": late,
+        "role": role,
+        "system": plan.system,
+        "config_digest": digest,
+        "version": __version__,
+        "rendezvous": args.rendezvous,
+        "advertise": f"{advertise}:{my_port}",
+        "served_rendezvous": server is not None,
+        "roster": [dataclasses.asdict(m) for m in roster.members],
+        "command": cmd,
+    }
     (out / "launch.json").write_text(json.dumps(record, indent=1) + "\n")
     say(f"rank {rank} runs {role}")
     code = _run(cmd, env)
@@ -299,7 +389,11 @@ def main(argv: list[str]) -> int:
     if code == 0:
         say(f"rank {rank} ({role}) finished")
     else:
-        print(f"zeroth launch: rank {rank} ({role}) exited with code {code}; its folder: {out}", file=sys.stderr, flush=True)
+        print(
+            f"zeroth launch: rank {rank} ({role}) exited with code {code}; its folder: {out}",
+            file=sys.stderr,
+            flush=True,
+        )
     return code
 
 
@@ -316,9 +410,22 @@ def _tls_args(tls: security.TLSFiles | None) -> list[str]:
     return ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca] + (["--tls-mutual"] if tls.mutual else [])
 
 
-def _role(plan: Plan, cfg, config_path: Path, out: Path, rank: int, late: bool, roster, port: int, advertise: str,
-          secret: str | None, tls, window: float, overrides: list[str],
-          identity_file: Path | None = None) -> tuple[str, list[str], dict]:
+def _role(
+    plan: Plan,
+    cfg,
+    config_path: Path,
+    out: Path,
+    rank: int,
+    late: bool,
+    roster,
+    port: int,
+    advertise: str,
+    secret: str | None,
+    tls,
+    window: float,
+    overrides: list[str],
+    identity_file: Path | None = None,
+) -> tuple[str, list[str], dict]:
     """``(role, command, environment)`` of this host's process; ``identity_file``: the private key
     it signs with (its public half is in the roster: a pipeline stage's upstream key)."""
     env = dict(os.environ)
@@ -327,19 +434,52 @@ def _role(plan: Plan, cfg, config_path: Path, out: Path, rank: int, late: bool, 
     members = {m.rank: m.advertise for m in roster.members}
     if plan.system == "marsit":
         # each process sets its own device count; jax's coordinator listens on rank 0's advertised port
-        env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                    if not f.startswith("--xla_force_host_platform_device_count"))
-        cmd = [sys.executable, "-m", "zeroth.marsit.process", "--config", str(config_path), "--out", str(out / "marsit"),
-               "--coordinator", members[0], "--num-processes", str(roster.nodes), "--process-id", str(rank),
-               "--hostname", advertise, "--timeout", f"{window:g}", *[a for o in overrides for a in ("--set", o)]]
+        env["XLA_FLAGS"] = " ".join(
+            f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "zeroth.marsit.process",
+            "--config",
+            str(config_path),
+            "--out",
+            str(out / "marsit"),
+            "--coordinator",
+            members[0],
+            "--num-processes",
+            str(roster.nodes),
+            "--process-id",
+            str(rank),
+            "--hostname",
+            advertise,
+            "--timeout",
+            f"{window:g}",
+            *[a for o in overrides for a in ("--set", o)],
+        ]
         return f"Marsit process {rank} of {roster.nodes}", cmd, env
     insecure = [] if secret else ["--insecure"]
     if secret:
         env[identity.SECRET_ENV[0]] = secret  # the stages and nodes read it there; never on a command line
     if plan.system == "peers":
-        cmd = [*py, "peer", "--config", str(config_path), "--listen", f"0.0.0.0:{port}", "--advertise",
-               f"{advertise}:{port}", "--out", str(out / "peers" / f"p{rank}"), "--startup-timeout", f"{window:g}",
-               "--progress-every", "10", *insecure, *_tls_args(tls)]
+        cmd = [
+            *py,
+            "peer",
+            "--config",
+            str(config_path),
+            "--listen",
+            f"0.0.0.0:{port}",
+            "--advertise",
+            f"{advertise}:{port}",
+            "--out",
+            str(out / "peers" / f"p{rank}"),
+            "--startup-timeout",
+            f"{window:g}",
+            "--progress-every",
+            "10",
+            *insecure,
+            *_tls_args(tls),
+        ]
         if rank == 0 and not late:
             cmd += ["--founders", str(roster.nodes)]
         else:
@@ -347,8 +487,18 @@ def _role(plan: Plan, cfg, config_path: Path, out: Path, rank: int, late: bool, 
         return ("founder" if rank == 0 and not late else f"peer {rank}{' (late)' if late else ''}"), cmd, env
     if plan.system == "pipeline":
         s = cfg.pipeline.stages
-        cmd = [*py, "stage", "--config", str(config_path), "--stage", str(rank), "--out", str(out / f"stage_{rank}"),
-               *insecure, *_tls_args(tls)]
+        cmd = [
+            *py,
+            "stage",
+            "--config",
+            str(config_path),
+            "--stage",
+            str(rank),
+            "--out",
+            str(out / f"stage_{rank}"),
+            *insecure,
+            *_tls_args(tls),
+        ]
         if identity_file is not None:
             cmd += ["--identity", str(identity_file)]
         if rank > 0:
@@ -361,14 +511,36 @@ def _role(plan: Plan, cfg, config_path: Path, out: Path, rank: int, late: bool, 
         return f"stage {rank} of {s}", cmd, env
     if plan.system == "binary":
         if rank == 0:
-            cmd = [sys.executable, "-m", "zeroth.binary.serve", "--config", str(config_path), "--out", str(out / "server"),
-                   "--listen", f"0.0.0.0:{port}", *insecure, *_tls_args(tls)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "zeroth.binary.serve",
+                "--config",
+                str(config_path),
+                "--out",
+                str(out / "server"),
+                "--listen",
+                f"0.0.0.0:{port}",
+                *insecure,
+                *_tls_args(tls),
+            ]
             return "binary-learning server", cmd, env
         from zeroth.binary import experiment as binary_experiment
 
         dist = binary_experiment.dist_config(cfg)
-        cmd = [sys.executable, "-m", "zeroth.binary.worker", "--server", members[0], "--config", json.dumps(dist._asdict()),
-               "--metrics", str(out / "worker.jsonl"), *insecure, *_tls_args(tls)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "zeroth.binary.worker",
+            "--server",
+            members[0],
+            "--config",
+            json.dumps(dist._asdict()),
+            "--metrics",
+            str(out / "worker.jsonl"),
+            *insecure,
+            *_tls_args(tls),
+        ]
         return f"binary-learning worker {rank}", cmd, env
     names = [n["name"] for n in cfg.ravnest.nodes]
     book = out / "addresses"
@@ -376,8 +548,24 @@ def _role(plan: Plan, cfg, config_path: Path, out: Path, rank: int, late: bool, 
     for r, address in members.items():  # every other node's address from the roster; this node writes its own
         if r != rank:
             (book / names[r]).write_text(address + "\n")
-    cmd = [*py, "node", "--config", str(config_path), "--name", names[rank], "--out", str(out / "nodes" / names[rank]),
-           "--addresses", str(book), "--listen", f"0.0.0.0:{port}", "--advertise", advertise, *insecure, *_tls_args(tls)]
+    cmd = [
+        *py,
+        "node",
+        "--config",
+        str(config_path),
+        "--name",
+        names[rank],
+        "--out",
+        str(out / "nodes" / names[rank]),
+        "--addresses",
+        str(book),
+        "--listen",
+        f"0.0.0.0:{port}",
+        "--advertise",
+        advertise,
+        *insecure,
+        *_tls_args(tls),
+    ]
     return f"Ravnest node {names[rank]}", cmd, env
 
 
@@ -385,10 +573,12 @@ def _role(plan: Plan, cfg, config_path: Path, out: Path, rank: int, late: bool, 
 # killed by its scheduler must not leave its process running), leave at once if it died already,
 # then become the command. Not a preexec_fn: forking a process with gRPC's threads runs gRPC's fork
 # handlers in the child, which aborted it now and then ("epoll_wait error: Bad file descriptor").
-_WITH_PARENT = ("import ctypes, os, signal, sys\n"
-                "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
-                "if os.getppid() != int(sys.argv[1]): sys.exit(143)\n"
-                "os.execv(sys.argv[2], sys.argv[2:])")
+_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(143)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
 
 
 def _run(cmd: list[str], env: dict) -> int:

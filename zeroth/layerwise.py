@@ -147,8 +147,13 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     The sum is accumulated in float32 (at least) and has the dtype the plain product would. Any
     other product, or one with no provider serving ``rhs``, is ``lax.dot_general`` itself.
     """
-    plain = lambda: jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,  # noqa: E731
-                                        preferred_element_type=preferred_element_type)
+    plain = lambda: jax.lax.dot_general(
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=precision,  # noqa: E731
+        preferred_element_type=preferred_element_type,
+    )
     providers = _PROVIDERS.get()
     if not providers or jnp.ndim(rhs) != 2 or jnp.ndim(lhs) < 1:
         return plain()
@@ -169,8 +174,9 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
 
     def product(start, count):
         x = jax.lax.dynamic_slice_in_dim(lhs, start, count, axis=jnp.ndim(lhs) - 1)
-        return jax.lax.dot_general(x, serve(start, count), dims, precision=precision,
-                                   preferred_element_type=acc_dtype).astype(acc_dtype)
+        return jax.lax.dot_general(
+            x, serve(start, count), dims, precision=precision, preferred_element_type=acc_dtype
+        ).astype(acc_dtype)
 
     acc = jax.lax.fori_loop(1, whole, lambda b, a: a + product(b * per, per), product(jnp.int32(0), per))
     if rest:

@@ -164,6 +164,6 @@ def gaussian(key, shape, dtype=jnp.float32, offset=0) -> jax.Array:
 def sample(distribution: str, key, shape, dtype=jnp.float32, offset=0, *, exact: bool = True) -> jax.Array:
     """Noise of the named distribution as floats. ``exact=True`` refuses backend-dependent ones."""
     check_distribution(distribution, exact=exact)
-    return {"rademacher": rademacher, "binomial": binomial, "gaussian": gaussian}[distribution](key, shape, dtype, offset)
-
-
+    return {"rademacher": rademacher, "binomial": binomial, "gaussian": gaussian}[distribution](
+        key, shape, dtype, offset
+    )

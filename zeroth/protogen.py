@@ -74,8 +74,12 @@ def generate(system: str, dest: pathlib.Path) -> list[pathlib.Path]:
             proto_package = ".".join(pathlib.Path(rel).parent.parts)  # zeroth.v1
             for suffix in ("_pb2.py", "_pb2_grpc.py"):
                 src = pathlib.Path(tmp) / pathlib.Path(rel).parent / f"{stem}{suffix}"
-                text = re.sub(rf"^from {re.escape(proto_package)} import ", f"from {stubs.package} import ",
-                              src.read_text(), flags=re.M)
+                text = re.sub(
+                    rf"^from {re.escape(proto_package)} import ",
+                    f"from {stubs.package} import ",
+                    src.read_text(),
+                    flags=re.M,
+                )
                 out = dest / f"{stem}{suffix}"
                 out.write_text(text)
                 written.append(out)

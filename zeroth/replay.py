@@ -50,7 +50,11 @@ from zeroth import rule as _rule
 from zeroth.kernels import host_memory as _host_memory
 from zeroth.kernels import perturb as _fused
 from zeroth.rule import COEFF_BITS, SUPPORTED_DTYPES, update_scales
-from zeroth.rule import flush as flush, flush_cast as flush_cast, update_scale as update_scale  # the rule, read here too
+from zeroth.rule import (
+    flush as flush,
+    flush_cast as flush_cast,
+    update_scale as update_scale,
+)  # the rule, read here too
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -83,8 +87,15 @@ def round_coefficient(c: float, bits: int = COEFF_BITS) -> float:
     return _ref.round_coefficient(c, bits)
 
 
-def apply_updates(params: Any, keys: jax.Array, scales: jax.Array, *, distribution: str = "binomial",
-                  impl: str = "jnp", inplace: bool = False) -> Any:
+def apply_updates(
+    params: Any,
+    keys: jax.Array,
+    scales: jax.Array,
+    *,
+    distribution: str = "binomial",
+    impl: str = "jnp",
+    inplace: bool = False,
+) -> Any:
     """Traceable core: apply K updates with *already rounded* scales, in order (by default the
     plain jnp rule, :func:`zeroth.kernels.perturb.perturb_reference` on every leaf).
 
@@ -105,7 +116,8 @@ def apply_updates(params: Any, keys: jax.Array, scales: jax.Array, *, distributi
     """
     if isinstance(params, Flat):
         out = _fused.apply_updates_flat(
-            params.buffers, keys, scales, params.layout.tables(), distribution=distribution, impl=impl, inplace=inplace)
+            params.buffers, keys, scales, params.layout.tables(), distribution=distribution, impl=impl, inplace=inplace
+        )
         return Flat(out, params.layout)
     return _fused.apply_updates(params, keys, scales, distribution=distribution, impl=impl, inplace=inplace)
 
@@ -164,7 +176,9 @@ def replay(params: Any, updates, *, distribution: str = "binomial", donate: bool
     scales = update_scales(distribution, coefficients)
     if isinstance(params, Flat):
         if impl != "auto":
-            raise ValueError(f"a Flat layout replays through its own kernel per buffer; impl must be 'auto', got {impl!r}")
+            raise ValueError(
+                f"a Flat layout replays through its own kernel per buffer; impl must be 'auto', got {impl!r}"
+            )
         return _replay_flat(params, keys, scales, distribution, donate)
     if not donate and not _host_memory.decided() and _fused.platform_of(params) == "cpu":
         _host_memory.reuse_freed_host_memory()
@@ -188,8 +202,9 @@ def checksum(params: Any) -> str:
     buffer fetched to the host once and cut into its leaves there.
     """
     if isinstance(params, Flat):
-        return _ref.checksum_leaves({
-            seg.path: leaf for seg, leaf in zip(params.layout.segments, _host_leaves(params), strict=True)})
+        return _ref.checksum_leaves(
+            {seg.path: leaf for seg, leaf in zip(params.layout.segments, _host_leaves(params), strict=True)}
+        )
     with_path, _ = jax.tree_util.tree_flatten_with_path(params)
     return _ref.checksum_leaves({_rng.leaf_path(p): np.asarray(jax.device_get(leaf)) for p, leaf in with_path})
 
@@ -395,8 +410,7 @@ def _flatten_leaves(leaves, layout: Layout) -> tuple[jax.Array, ...]:
         if size > used[b]:  # the alignment padding: zeros, outside every leaf
             parts[b].append(jnp.zeros(size - used[b], dt))
     return tuple(
-        jnp.concatenate(p) if len(p) > 1 else (p[0] if p else jnp.zeros(0, dt))
-        for p, dt in zip(parts, layout.dtypes)
+        jnp.concatenate(p) if len(p) > 1 else (p[0] if p else jnp.zeros(0, dt)) for p, dt in zip(parts, layout.dtypes)
     )
 
 
@@ -422,8 +436,9 @@ def _own_buffer(layout: Layout) -> tuple[bool, ...]:
     return tuple(count[s.buffer] == 1 and layout.sizes[s.buffer] == s.size for s in layout.segments)
 
 
-def flatten(params: Any, *, platform: str | None = None, alone_from: int | None = ALONE_FROM,
-            donate: bool = False) -> Flat:
+def flatten(
+    params: Any, *, platform: str | None = None, alone_from: int | None = ALONE_FROM, donate: bool = False
+) -> Flat:
     """The :class:`Flat` layout of ``params`` (a copy of every leaf into its buffer, one compiled
     call per layout). ``unflatten(flatten(p))`` equals ``p`` bit for bit; each buffer lives where
     the leaves did. ``platform`` and ``alone_from``: see :func:`layout_of` (buffers for a TPU are
@@ -490,8 +505,9 @@ def unflatten(flat: Flat) -> Any:
 
 def _flat_core(buffers, packed, *, tables, distribution, impl, inplace):
     keys, scales = _fused.dispatch.unpack_updates(packed)  # one transfer per call (_fused.dispatch.pack_updates)
-    return tuple(_fused.apply_updates_flat(
-        buffers, keys, scales, tables, distribution=distribution, impl=impl, inplace=inplace))
+    return tuple(
+        _fused.apply_updates_flat(buffers, keys, scales, tables, distribution=distribution, impl=impl, inplace=inplace)
+    )
 
 
 @functools.lru_cache(maxsize=256)

@@ -106,7 +106,9 @@ def sample_key(run_seed: int, machine: int, iteration: int, sample: int) -> np.n
       dtype('uint32')
     """
     seed = _ref._check_u32("run_seed", run_seed)
-    m, it, s = (_ref._check_u32(name, v) for name, v in (("machine", machine), ("iteration", iteration), ("sample", sample)))
+    m, it, s = (
+        _ref._check_u32(name, v) for name, v in (("machine", machine), ("iteration", iteration), ("sample", sample))
+    )
     return _sample_keys_ints(seed, [m], [it], [s])[0]
 
 

@@ -242,8 +242,11 @@ def update_scales(distribution: str, coefficients: Sequence[float]) -> np.ndarra
     """
     _noise.check_distribution(distribution)
     seq = coefficients.reshape(-1).tolist() if isinstance(coefficients, np.ndarray) else coefficients
-    if (isinstance(seq, (list, tuple)) and len(seq) <= _SCALAR_SCALES
-            and all(isinstance(c, (float, int, np.floating, np.integer)) for c in seq)):
+    if (
+        isinstance(seq, (list, tuple))
+        and len(seq) <= _SCALAR_SCALES
+        and all(isinstance(c, (float, int, np.floating, np.integer)) for c in seq)
+    ):
         half = 0.5 if distribution == "binomial" else 1.0
         out = []
         for c in seq:

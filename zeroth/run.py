@@ -86,8 +86,10 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.help_config:
         print(_config.describe())
-        print("\nA Marsit experiment (a config with a top-level `runs:` list) has instead a base of the fields below "
-              "and `runs:`, a list of partial overrides of them, one per run (each entry needs its `label`):")
+        print(
+            "\nA Marsit experiment (a config with a top-level `runs:` list) has instead a base of the fields below "
+            "and `runs:`, a list of partial overrides of them, one per run (each entry needs its `label`):"
+        )
         print(_config.describe(marsit.config.RunSpec))
         return 0
     if not args.config:
@@ -152,12 +154,17 @@ def _marsit(args: argparse.Namespace, argv: list[str], raw: dict) -> int:
         name = str(raw.get("name") or "marsit")
         out = check_out_dir(args.out or f"runs/{name}")
         try:
-            result = marsit.run_config(runs, out, name=name, resume=args.resume, stop=flag.is_set,
-                                       progress=None if args.quiet else print)
+            result = marsit.run_config(
+                runs, out, name=name, resume=args.resume, stop=flag.is_set, progress=None if args.quiet else print
+            )
         except marsit.Stopped as e:
-            print(f"zeroth run: interrupted by {flag.signal_name()} in run {e.label!r} after round {e.step} of {e.total}; "
-                  f"{e.finished} of {e.runs} runs finished and kept in {out}; resume with: "
-                  f"{interrupt.resume_command(argv, out)}", file=sys.stderr, flush=True)
+            print(
+                f"zeroth run: interrupted by {flag.signal_name()} in run {e.label!r} after round {e.step} of {e.total}; "
+                f"{e.finished} of {e.runs} runs finished and kept in {out}; resume with: "
+                f"{interrupt.resume_command(argv, out)}",
+                file=sys.stderr,
+                flush=True,
+            )
             return interrupt.EXIT_CODE
     if not args.quiet:
         print(marsit.table(result["runs"]))
@@ -189,8 +196,10 @@ def _sweep(args: argparse.Namespace) -> int:
         runs = marsit.load_runs_dict(raw, args.overrides, where=args.config)
         default_out = Path("runs") / str(raw.get("name") or "marsit")
         if len({r.seed for r in runs}) > 1:
-            raise ValueError(f"--seeds: the runs of {args.config} set their own seeds ({sorted({r.seed for r in runs})}); "
-                             "a sweep would give them all one seed")
+            raise ValueError(
+                f"--seeds: the runs of {args.config} set their own seeds ({sorted({r.seed for r in runs})}); "
+                "a sweep would give them all one seed"
+            )
     else:
         seed_key = "run.seed"
         default_out = trainer.out_dir_of(_config.load_config(args.config, args.overrides))
@@ -203,20 +212,36 @@ def _sweep(args: argparse.Namespace) -> int:
             code = 0
             print(f"zeroth run: seed {seed}: finished earlier in {out}")
         else:
-            argv = [args.config, *[a for o in args.overrides for a in ("--set", o)], "--set", f"{seed_key}={seed}",
-                    "--out", str(out)]
+            argv = [
+                args.config,
+                *[a for o in args.overrides for a in ("--set", o)],
+                "--set",
+                f"{seed_key}={seed}",
+                "--out",
+                str(out),
+            ]
             argv += ["--resume"] if args.resume and out.is_dir() else []
             argv += ["--quiet"] if args.quiet else []
             if not args.quiet:
                 print(f"zeroth run: seed {seed} ({seeds.index(seed) + 1} of {len(seeds)}) -> {out}", flush=True)
             code = main(argv)
-        rows.append({"seed": seed, "out": str(out), "exit_code": code,
-                     "summary": json.loads(summary.read_text()) if summary.is_file() else None})
+        rows.append(
+            {
+                "seed": seed,
+                "out": str(out),
+                "exit_code": code,
+                "summary": json.loads(summary.read_text()) if summary.is_file() else None,
+            }
+        )
         base.mkdir(parents=True, exist_ok=True)
-        (base / "sweep.json").write_text(json.dumps({"config": args.config, "overrides": args.overrides, "runs": rows}, indent=1))
+        (base / "sweep.json").write_text(
+            json.dumps({"config": args.config, "overrides": args.overrides, "runs": rows}, indent=1)
+        )
         if code != 0:
-            print(f"zeroth run: seed {seed} ended with exit code {code}; the sweep stops (resume it with --resume)",
-                  file=sys.stderr)
+            print(
+                f"zeroth run: seed {seed} ended with exit code {code}; the sweep stops (resume it with --resume)",
+                file=sys.stderr,
+            )
             return code
     print(f"zeroth run: sweep of {len(seeds)} seeds done; {base / 'sweep.json'}")
     return 0
@@ -242,14 +267,20 @@ def _binary(cfg: _config.Config, out, args: argparse.Namespace, argv: list[str],
     except interrupt.Interrupted as e:
         return _interrupted(flag, e, argv, out)
     if flag.is_set():  # a signal during the last phase: the run finished anyway
-        print(f"zeroth run: {flag.signal_name()} arrived as the run finished; its results are complete", file=sys.stderr)
+        print(
+            f"zeroth run: {flag.signal_name()} arrived as the run finished; its results are complete", file=sys.stderr
+        )
     return 0
 
 
 def _pipeline(cfg: _config.Config, out, args: argparse.Namespace, argv: list[str], flag: interrupt.StopFlag) -> int:
     try:  # the stages as processes on loopback
-        return int(pipeline_launch.run_config(cfg, out, argv, progress=not args.quiet, stop=flag.is_set,
-                                              resume_step=args.resume_step) or 0)
+        return int(
+            pipeline_launch.run_config(
+                cfg, out, argv, progress=not args.quiet, stop=flag.is_set, resume_step=args.resume_step
+            )
+            or 0
+        )
     except interrupt.Interrupted as e:
         return _interrupted(flag, e, argv, out)
 
@@ -263,6 +294,7 @@ def _train(cfg: _config.Config, out, args: argparse.Namespace, argv: list[str], 
         return _interrupted(flag, e, argv, out)
     print(trainer.summary_line(result))
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -164,16 +164,22 @@ class Schedule:
         if self.name in _DECAYING:
             d = self.decay_steps
             if d is None:
-                raise ValueError(f"decay_steps: schedule {self.name!r} needs the step at which it reaches its floor "
-                                 f"(an integer > warmup_steps = {self.warmup_steps})")
+                raise ValueError(
+                    f"decay_steps: schedule {self.name!r} needs the step at which it reaches its floor "
+                    f"(an integer > warmup_steps = {self.warmup_steps})"
+                )
             if not _is_int(d) or d <= self.warmup_steps:
                 raise ValueError(f"decay_steps: expected an integer > warmup_steps = {self.warmup_steps}, got {d!r}")
         else:
             if self.decay_steps is not None:
-                raise ValueError(f"decay_steps: schedule {self.name!r} has no decay end; leave it null "
-                                 f"(or use name cosine or linear)")
+                raise ValueError(
+                    f"decay_steps: schedule {self.name!r} has no decay end; leave it null "
+                    f"(or use name cosine or linear)"
+                )
             if self.final_ratio != 0.0:
-                raise ValueError(f"final_ratio: schedule {self.name!r} has no floor; leave it 0 (or use name cosine or linear)")
+                raise ValueError(
+                    f"final_ratio: schedule {self.name!r} has no floor; leave it 0 (or use name cosine or linear)"
+                )
         g = self.gamma
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0:
             raise ValueError(f"gamma: expected a number in (0, 1], got {g!r}")
@@ -181,8 +187,10 @@ class Schedule:
         if not _is_int(self.every) or self.every < 1:
             raise ValueError(f"every: expected an integer >= 1, got {self.every!r}")
         if self.name != "step" and (self.gamma != 1.0 or self.every != 1):
-            raise ValueError(f"{'gamma' if self.gamma != 1.0 else 'every'}: only schedule 'step' uses gamma and every; "
-                             f"leave them at 1 for {self.name!r}")
+            raise ValueError(
+                f"{'gamma' if self.gamma != 1.0 else 'every'}: only schedule 'step' uses gamma and every; "
+                f"leave them at 1 for {self.name!r}"
+            )
 
     def __call__(self, step: int) -> float:
         """``η_t`` of step ``t`` (an integer >= 0), a Python float (float64)."""
@@ -191,8 +199,10 @@ class Schedule:
         try:
             t = operator.index(step)  # int, a NumPy integer, a concrete integer array scalar
         except Exception:  # noqa: BLE001 (a float, a traced value inside jit, ...)
-            raise TypeError(f"a zeroth schedule is evaluated on the host at an integer step, got {step!r} "
-                            f"({type(step).__name__}); inside optax transforms use optax schedules") from None
+            raise TypeError(
+                f"a zeroth schedule is evaluated on the host at an integer step, got {step!r} "
+                f"({type(step).__name__}); inside optax transforms use optax schedules"
+            ) from None
         if t < 0:
             raise ValueError(f"step must be >= 0, got {t}")
         eta, w = self.lr, self.warmup_steps
@@ -227,7 +237,9 @@ def constant(lr: float, *, warmup_steps: int = 0, init_ratio: float = 0.0) -> Sc
     return Schedule("constant", lr, warmup_steps=warmup_steps, init_ratio=init_ratio)
 
 
-def cosine(lr: float, *, decay_steps: int, final_ratio: float = 0.0, warmup_steps: int = 0, init_ratio: float = 0.0) -> Schedule:
+def cosine(
+    lr: float, *, decay_steps: int, final_ratio: float = 0.0, warmup_steps: int = 0, init_ratio: float = 0.0
+) -> Schedule:
     """Cosine decay from η (at step ``warmup_steps``) to ``final_ratio·η`` (at ``decay_steps`` and after).
 
     Example:
@@ -235,17 +247,23 @@ def cosine(lr: float, *, decay_steps: int, final_ratio: float = 0.0, warmup_step
       >>> [s(t) for t in range(5)]
       [1.0, 0.8535533905932737, 0.5, 0.14644660940672627, 0.0]
     """
-    return Schedule("cosine", lr, warmup_steps=warmup_steps, init_ratio=init_ratio, decay_steps=decay_steps, final_ratio=final_ratio)
+    return Schedule(
+        "cosine", lr, warmup_steps=warmup_steps, init_ratio=init_ratio, decay_steps=decay_steps, final_ratio=final_ratio
+    )
 
 
-def linear(lr: float, *, decay_steps: int, final_ratio: float = 0.0, warmup_steps: int = 0, init_ratio: float = 0.0) -> Schedule:
+def linear(
+    lr: float, *, decay_steps: int, final_ratio: float = 0.0, warmup_steps: int = 0, init_ratio: float = 0.0
+) -> Schedule:
     """Linear decay from η (at step ``warmup_steps``) to ``final_ratio·η`` (at ``decay_steps`` and after).
 
     Example:
       >>> [linear(1.0, decay_steps=4)(t) for t in range(5)]
       [1.0, 0.75, 0.5, 0.25, 0.0]
     """
-    return Schedule("linear", lr, warmup_steps=warmup_steps, init_ratio=init_ratio, decay_steps=decay_steps, final_ratio=final_ratio)
+    return Schedule(
+        "linear", lr, warmup_steps=warmup_steps, init_ratio=init_ratio, decay_steps=decay_steps, final_ratio=final_ratio
+    )
 
 
 def step(lr: float, *, gamma: float, every: int, warmup_steps: int = 0, init_ratio: float = 0.0) -> Schedule:

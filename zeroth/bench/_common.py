@@ -114,8 +114,13 @@ def round_order(n: int, r: int) -> list[int]:
     return [(first + j * step) % n for j in range(n)]
 
 
-def timeit_many(fns: dict[str, Callable[[], Any]], *, warmup: int = 1, repeats: int = 5,
-                progress: Callable[[str], None] = no_progress) -> dict[str, Timing]:
+def timeit_many(
+    fns: dict[str, Callable[[], Any]],
+    *,
+    warmup: int = 1,
+    repeats: int = 5,
+    progress: Callable[[str], None] = no_progress,
+) -> dict[str, Timing]:
     """Time several callables interleaved: repeat ``r`` times each of them once, in turn.
 
     On a shared machine the load changes during a run; interleaving gives every row the same
@@ -156,8 +161,12 @@ def timeit_many(fns: dict[str, Callable[[], Any]], *, warmup: int = 1, repeats: 
             cpu[name].append(time.process_time() - c0)
             if isinstance(reported, float):
                 host[name].append(reported)
-    return {name: Timing(min(ts), statistics.median(ts), repeats, min(cpu[name]),
-                         min(host[name]) if host[name] else float("nan")) for name, ts in times.items()}
+    return {
+        name: Timing(
+            min(ts), statistics.median(ts), repeats, min(cpu[name]), min(host[name]) if host[name] else float("nan")
+        )
+        for name, ts in times.items()
+    }
 
 
 def base_parser(prog: str, description: str, *, repeats: int = 5, warmup: int = 1) -> argparse.ArgumentParser:
@@ -260,7 +269,9 @@ def fmt_seconds(seconds: float | None) -> str:
     return f"{seconds / 1e-9:.3g} ns"
 
 
-def print_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict], *, title: str | None = None, file=None) -> None:
+def print_table(
+    columns: Sequence[tuple[str, str]], rows: Sequence[dict], *, title: str | None = None, file=None
+) -> None:
     """Print ``rows`` as an aligned text table.
 
     Args:
@@ -276,7 +287,10 @@ def print_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict], *, tit
     if title:
         print(title, file=file)
     for i, r in enumerate(cells):
-        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))).rstrip(), file=file)
+        print(
+            "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))).rstrip(),
+            file=file,
+        )
         if i == 0:
             print("  ".join("-" * w for w in widths), file=file)
 
@@ -289,8 +303,12 @@ def emit(result: dict, *, as_json: bool, render: Callable[[dict], None]) -> None
         render(result)
 
 
-def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None, run: Callable[[argparse.Namespace], dict],
-            render: Callable[[dict], None]) -> int:
+def run_cli(
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    run: Callable[[argparse.Namespace], dict],
+    render: Callable[[dict], None],
+) -> int:
     """A benchmark's entry point: parse ``argv`` (default ``sys.argv[1:]``), ``run(args)`` and print
     the result (``--json``: one JSON object, else ``render``). Returns 0, or 2 where an argument is
     bad or a package or file is missing (the message on stderr, after the parser's program name).

@@ -45,17 +45,41 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             print(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
-    rows = binary_rows(batch=args.batch, features=args.features, channels=args.channels, image=args.image,
-                       conv_batch=args.conv_batch, repeats=args.repeats, warmup=args.warmup)
+    rows = binary_rows(
+        batch=args.batch,
+        features=args.features,
+        channels=args.channels,
+        image=args.image,
+        conv_batch=args.conv_batch,
+        repeats=args.repeats,
+        warmup=args.warmup,
+    )
     result = {"benchmark": "binary", "environment": _common.environment(), "rows": rows}
 
     def render(res):
-        table = [{**r, "best": _common.fmt_seconds(r["seconds_min"]), "rate": _common.fmt_rate(r["ops_per_s"], "op/s"),
-                  "speedup": f"{r['speedup_vs_float32']:.2f}x" if "speedup_vs_float32" in r else ""}
-                 for r in res["rows"]]
-        _common.print_table([("layer", "layer"), ("shape", "shape"), ("kind", "kind"), ("impl", "impl"), ("best", "best"),
-                             ("rate", "binary ops/s"), ("speedup", "vs float32"), ("note", "note")],
-                            table, title="binary XOR-popcount layers vs float32 (ops = 2 x multiply-accumulates)")
+        table = [
+            {
+                **r,
+                "best": _common.fmt_seconds(r["seconds_min"]),
+                "rate": _common.fmt_rate(r["ops_per_s"], "op/s"),
+                "speedup": f"{r['speedup_vs_float32']:.2f}x" if "speedup_vs_float32" in r else "",
+            }
+            for r in res["rows"]
+        ]
+        _common.print_table(
+            [
+                ("layer", "layer"),
+                ("shape", "shape"),
+                ("kind", "kind"),
+                ("impl", "impl"),
+                ("best", "best"),
+                ("rate", "binary ops/s"),
+                ("speedup", "vs float32"),
+                ("note", "note"),
+            ],
+            table,
+            title="binary XOR-popcount layers vs float32 (ops = 2 x multiply-accumulates)",
+        )
 
     _common.emit(result, as_json=args.json, render=render)
     return 0

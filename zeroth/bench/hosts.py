@@ -34,8 +34,13 @@ def measure(config: str, compression: str, rate_mbit: float, steps: int | None, 
     from zeroth import config as _config
     from zeroth.bench import netns
 
-    sets = [f"pipeline.compression={compression}", "pipeline.bandwidth_bps=null", "pipeline.latency_ms=0",
-            "pipeline.emulate_bandwidths_bps=[]", *([f"train.steps={steps}"] if steps else [])]
+    sets = [
+        f"pipeline.compression={compression}",
+        "pipeline.bandwidth_bps=null",
+        "pipeline.latency_ms=0",
+        "pipeline.emulate_bandwidths_bps=[]",
+        *([f"train.steps={steps}"] if steps else []),
+    ]
     cfg = _config.load_config(config, sets)
     if cfg.pipeline is None or cfg.pipeline.stages != 2:
         raise ValueError(f"{config}: zeroth bench hosts runs a pipeline: config of 2 stages")
@@ -52,9 +57,24 @@ def measure(config: str, compression: str, rate_mbit: float, steps: int | None, 
         t0 = time.monotonic()
         procs = []
         for i, h in enumerate(hosts):
-            cmd = [sys.executable, "-m", "zeroth", "launch", str(path), "--rendezvous", f"{hosts[0].address}:{PORT}",
-                   "--nnodes", "2", "--node-rank", str(i), "--out", str(work / f"h{i}"), "--secret-file", str(secret),
-                   "--quiet"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "zeroth",
+                "launch",
+                str(path),
+                "--rendezvous",
+                f"{hosts[0].address}:{PORT}",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "--out",
+                str(work / f"h{i}"),
+                "--secret-file",
+                str(secret),
+                "--quiet",
+            ]
             with (work / f"h{i}.log").open("w") as log:
                 procs.append(subprocess.Popen(h.command(cmd), stdout=log, stderr=subprocess.STDOUT))
         codes = [p.wait(timeout=3600) for p in procs]
@@ -65,14 +85,23 @@ def measure(config: str, compression: str, rate_mbit: float, steps: int | None, 
     rows = [json.loads(x) for x in (work / "h1" / "stage_1" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     first = [json.loads(x) for x in (work / "h0" / "stage_0" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     per_epoch = max(1, cfg.pipeline.examples // cfg.data.batch_size)
-    later = [r["step_time_s"] for r in rows if r.get("kind") == "train" and r["step"] > per_epoch] or \
-        [r["step_time_s"] for r in rows if r.get("kind") == "train"]
+    later = [r["step_time_s"] for r in rows if r.get("kind") == "train" and r["step"] > per_epoch] or [
+        r["step_time_s"] for r in rows if r.get("kind") == "train"
+    ]
     wire = sum(a[0] - b[0] for a, b in zip(after, before))  # every byte either host sent, headers included
     payload = sum(r.get("fw_bytes", 0) for r in first) + sum(r.get("bw_bytes", 0) for r in rows)
-    return {"compression": compression, "fw_bits": cfg.pipeline.fw_bits, "bw_bits": cfg.pipeline.bw_bits,
-            "rate_mbit": rate_mbit, "steps": cfg.train.steps, "wall_s": wall,
-            "step_s_median_after_epoch0": statistics.median(later), "final_loss": rows[-1].get("loss"),
-            "wire_bytes": wire, "payload_bytes": payload}
+    return {
+        "compression": compression,
+        "fw_bits": cfg.pipeline.fw_bits,
+        "bw_bits": cfg.pipeline.bw_bits,
+        "rate_mbit": rate_mbit,
+        "steps": cfg.train.steps,
+        "wall_s": wall,
+        "step_s_median_after_epoch0": statistics.median(later),
+        "final_loss": rows[-1].get("loss"),
+        "wire_bytes": wire,
+        "payload_bytes": payload,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -93,8 +122,10 @@ def main(argv: list[str]) -> int:
     try:
         rates = [float(r) for r in args.rates.split(",")]
     except ValueError:
-        print(f"zeroth bench hosts: error: --rates {args.rates!r}: expected numbers (Mbit/s) separated by commas",
-              file=sys.stderr)
+        print(
+            f"zeroth bench hosts: error: --rates {args.rates!r}: expected numbers (Mbit/s) separated by commas",
+            file=sys.stderr,
+        )
         return 2
     results = []
     with tempfile.TemporaryDirectory(prefix="zeroth-bench-hosts-") as tmp:
@@ -107,17 +138,24 @@ def main(argv: list[str]) -> int:
     base = max((r for r in results if r["compression"] == "fp32"), key=lambda r: r["rate_mbit"], default=results[0])
     for r in results:
         r["wall_vs_baseline"] = r["wall_s"] / base["wall_s"]
-    out = {"config": args.config, "baseline": {"compression": base["compression"], "rate_mbit": base["rate_mbit"]},
-           "runs": results}
+    out = {
+        "config": args.config,
+        "baseline": {"compression": base["compression"], "rate_mbit": base["rate_mbit"]},
+        "runs": results,
+    }
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"{'compression':<12}{'Mbit/s':>8}{'run s':>9}{'vs base':>9}{'step s (after epoch 0)':>24}"
-          f"{'wire MB':>10}{'payload MB':>12}{'final loss':>12}")
+    print(
+        f"{'compression':<12}{'Mbit/s':>8}{'run s':>9}{'vs base':>9}{'step s (after epoch 0)':>24}"
+        f"{'wire MB':>10}{'payload MB':>12}{'final loss':>12}"
+    )
     for r in results:
-        print(f"{r['compression']:<12}{r['rate_mbit']:>8g}{r['wall_s']:>9.1f}{r['wall_vs_baseline']:>9.2f}"
-              f"{r['step_s_median_after_epoch0']:>24.3f}{r['wire_bytes'] / 1e6:>10.2f}{r['payload_bytes'] / 1e6:>12.2f}"
-              f"{r['final_loss']:>12.4f}")
+        print(
+            f"{r['compression']:<12}{r['rate_mbit']:>8g}{r['wall_s']:>9.1f}{r['wall_vs_baseline']:>9.2f}"
+            f"{r['step_s_median_after_epoch0']:>24.3f}{r['wire_bytes'] / 1e6:>10.2f}{r['payload_bytes'] / 1e6:>12.2f}"
+            f"{r['final_loss']:>12.4f}"
+        )
     print(f"baseline: {base['compression']} at {base['rate_mbit']:g} Mbit/s; wire bytes from the interfaces' counters")
     print(json.dumps(out))
     return 0

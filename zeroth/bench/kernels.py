@@ -160,8 +160,16 @@ def baseline_rows(ctx: Context) -> list[dict]:
         return x + jnp.float32(_COEFF) * jax.random.normal(key, x.shape, jnp.float32)
 
     key = jax.random.key(0)
-    rows.append(_row("baseline", "jax.random.normal + add", "xla", n, _time_donated(lambda x: normal(x, key), _leaf(n), ctx),
-                     note="backend-dependent"))
+    rows.append(
+        _row(
+            "baseline",
+            "jax.random.normal + add",
+            "xla",
+            n,
+            _time_donated(lambda x: normal(x, key), _leaf(n), ctx),
+            note="backend-dependent",
+        )
+    )
     if importlib.util.find_spec("torch") is None:
         rows.append(_row("baseline", "torch.randn + add_", "torch", n, None, note="torch not installed"))
         return rows
@@ -169,8 +177,11 @@ def baseline_rows(ctx: Context) -> list[dict]:
 
     gen = torch.Generator().manual_seed(0)
     p = torch.zeros(n, dtype=torch.float32)
-    t = _common.timeit(lambda: p.add_(torch.randn(n, generator=gen, dtype=torch.float32), alpha=_COEFF),
-                       warmup=ctx.warmup, repeats=ctx.repeats)
+    t = _common.timeit(
+        lambda: p.add_(torch.randn(n, generator=gen, dtype=torch.float32), alpha=_COEFF),
+        warmup=ctx.warmup,
+        repeats=ctx.repeats,
+    )
     rows.append(_row("baseline", "torch.randn + add_", "torch", n, t, note=f"{torch.get_num_threads()} threads"))
     return rows
 
@@ -198,8 +209,9 @@ def fused_replay_rows(ctx: Context) -> list[dict]:
 
     def step(impl: str, dist: str, k: int):
         lk, scales = _updates(dist, k)
-        return jax.jit(lambda x: kp.perturb_leaf(x, lk, scales, distribution=dist, impl=impl, inplace=True),
-                       donate_argnums=0)
+        return jax.jit(
+            lambda x: kp.perturb_leaf(x, lk, scales, distribution=dist, impl=impl, inplace=True), donate_argnums=0
+        )
 
     def passes(impl: str, dist: str, k: int) -> _common.Timing:
         one = step(impl, dist, 1)
@@ -263,11 +275,26 @@ def instruction_set_rows(ctx: Context) -> list[dict]:
                 t = None
                 if build is not None:
                     lk, scales = _updates(dist, k)
-                    step = jax.jit(lambda x, lk=lk, scales=scales, dist=dist, build=build: kp.perturb_native(
-                        x, lk, scales, distribution=dist, inplace=True, build=build), donate_argnums=0)
+                    step = jax.jit(
+                        lambda x, lk=lk, scales=scales, dist=dist, build=build: kp.perturb_native(
+                            x, lk, scales, distribution=dist, inplace=True, build=build
+                        ),
+                        donate_argnums=0,
+                    )
                     t = _time_donated(step, _leaf(ctx.size), ctx)
-                rows.append(_row("instruction sets", f"{dist} K={k}, -march={march}", f"native:{march}", ctx.size, t,
-                                 distribution=dist, k=k, march=march, note=why))
+                rows.append(
+                    _row(
+                        "instruction sets",
+                        f"{dist} K={k}, -march={march}",
+                        f"native:{march}",
+                        ctx.size,
+                        t,
+                        distribution=dist,
+                        k=k,
+                        march=march,
+                        note=why,
+                    )
+                )
     return rows
 
 
@@ -275,10 +302,15 @@ def instruction_set_rows(ctx: Context) -> list[dict]:
 # growing tiles and lane-dense rows on GPU (Triton), lane-dense tiles of 8 to 256 rows on TPU
 # (Mosaic); elsewhere two small tilings in interpret mode (the sweep's own check, not a speed).
 TILE_CANDIDATES: dict[str, tuple[kp.BlockSizes, ...]] = {
-    "gpu": (*(kp.BlockSizes(tile=1 << t, lanes=None) for t in range(10, 17)),
-            kp.BlockSizes(tile=8192, lanes=128), kp.BlockSizes(tile=32768, lanes=256)),
-    "tpu": (*(kp.BlockSizes(tile=rows * 1024, lanes=1024) for rows in (8, 32, 128, 256)),
-            kp.BlockSizes(tile=64 * 512, lanes=512)),
+    "gpu": (
+        *(kp.BlockSizes(tile=1 << t, lanes=None) for t in range(10, 17)),
+        kp.BlockSizes(tile=8192, lanes=128),
+        kp.BlockSizes(tile=32768, lanes=256),
+    ),
+    "tpu": (
+        *(kp.BlockSizes(tile=rows * 1024, lanes=1024) for rows in (8, 32, 128, 256)),
+        kp.BlockSizes(tile=64 * 512, lanes=512),
+    ),
     "cpu": (kp.BlockSizes(tile=256, lanes=None), kp.BlockSizes(tile=512, lanes=128)),
 }
 # Interpret mode runs a grid step as many small ops: the sweep there uses a leaf of at most this.
@@ -303,22 +335,47 @@ def tile_rows(ctx: Context) -> list[dict]:
             lk, scales = _updates(dist, k)
             for blocks in TILE_CANDIDATES.get(platform, TILE_CANDIDATES["cpu"]):
                 name = f"{dist} K={k} tile={blocks.tile} lanes={blocks.lanes}"
-                extra = {"distribution": dist, "k": k, "tile": blocks.tile, "lanes": blocks.lanes,
-                         "default": blocks == default, "interpret": not native}
+                extra = {
+                    "distribution": dist,
+                    "k": k,
+                    "tile": blocks.tile,
+                    "lanes": blocks.lanes,
+                    "default": blocks == default,
+                    "interpret": not native,
+                }
                 try:
                     kp.check_block_sizes(blocks, platform, dist)
                 except ValueError as exc:
                     rows.append(_row("pallas tiles", name, "pallas", n, None, note=str(exc), **extra))
                     continue
-                step = jax.jit(functools.partial(kp.perturb_pallas, leaf_keys_=lk, scales=scales, distribution=dist,
-                                                 block_sizes=blocks, interpret=not native, inplace=True),
-                               donate_argnums=0)
+                step = jax.jit(
+                    functools.partial(
+                        kp.perturb_pallas,
+                        leaf_keys_=lk,
+                        scales=scales,
+                        distribution=dist,
+                        block_sizes=blocks,
+                        interpret=not native,
+                        inplace=True,
+                    ),
+                    donate_argnums=0,
+                )
                 t = _time_donated(step, _leaf(n), ctx)
-                rows.append(_row("pallas tiles", name, "pallas", n, t, **extra,
-                                 bandwidth_fraction=(2 * 4 * n / t.min_s / 1e9 / peak) if peak else None,
-                                 copy_fraction=(copy_s / t.min_s) if copy_s else None,
-                                 note="interpret mode: checks the sweep, not a speed" if not native else
-                                 ("the default tiling" if blocks == default else None)))
+                rows.append(
+                    _row(
+                        "pallas tiles",
+                        name,
+                        "pallas",
+                        n,
+                        t,
+                        **extra,
+                        bandwidth_fraction=(2 * 4 * n / t.min_s / 1e9 / peak) if peak else None,
+                        copy_fraction=(copy_s / t.min_s) if copy_s else None,
+                        note="interpret mode: checks the sweep, not a speed"
+                        if not native
+                        else ("the default tiling" if blocks == default else None),
+                    )
+                )
     return rows
 
 
@@ -350,17 +407,27 @@ def _ratios(rows: list[dict]) -> dict:
             continue
         if r["section"] == "instruction sets" and r.get("elements_per_s") is not None:
             if r["march"] != "native":
-                native = next(n for n in rows if n["section"] == r["section"] and n["march"] == "native"
-                              and n["distribution"] == r["distribution"] and n["k"] == r["k"])
+                native = next(
+                    n
+                    for n in rows
+                    if n["section"] == r["section"]
+                    and n["march"] == "native"
+                    and n["distribution"] == r["distribution"]
+                    and n["k"] == r["k"]
+                )
                 out[f"isa_{r['march']}_{r['distribution']}_K{r['k']}_over_native"] = (
-                    r["elements_per_s"] / native["elements_per_s"])
+                    r["elements_per_s"] / native["elements_per_s"]
+                )
             continue
         if r["section"] != "fused replay" or r.get("elements_per_s") is None:
             continue
         key = f"{r['impl']}_{r['distribution']}"
         if r["k"] == 1:
-            for base, label in (("torch.randn + add_", "torch"), ("jax.random.normal + add", "jax_normal"),
-                                ("copy x + 1 (memory floor)", "copy")):
+            for base, label in (
+                ("torch.randn + add_", "torch"),
+                ("jax.random.normal + add", "jax_normal"),
+                ("copy x + 1 (memory floor)", "copy"),
+            ):
                 if rate.get(base):
                     out[f"{key}_perturb_over_{label}"] = r["elements_per_s"] / rate[base]
         else:
@@ -369,8 +436,14 @@ def _ratios(rows: list[dict]) -> dict:
     return out
 
 
-def run(size: int = 2**24, *, ks: tuple[int, ...] = (1, 16, 64), repeats: int = 5, warmup: int = 1,
-        sections: tuple[str, ...] | None = None) -> dict:
+def run(
+    size: int = 2**24,
+    *,
+    ks: tuple[int, ...] = (1, 16, 64),
+    repeats: int = 5,
+    warmup: int = 1,
+    sections: tuple[str, ...] | None = None,
+) -> dict:
     """Run the named sections (all by default); returns ``{"environment", "rows", "ratios", ...}``."""
     known = [name for name, _ in SECTIONS]
     sections = tuple(known) if sections is None else sections
@@ -420,15 +493,27 @@ def _render(result: dict) -> None:
         for r in result["rows"]
     ]
     _common.print_table(
-        [("name", "row"), ("impl", "impl"), ("best", "best"), ("median", "median"), ("rate", "elements/s"),
-         ("urate", "element-updates/s"), ("sp", "vs K passes"), ("spj", "vs K jnp passes"), ("bw", "BW peak"),
-         ("copy", "of copy"), ("note", "note")],
+        [
+            ("name", "row"),
+            ("impl", "impl"),
+            ("best", "best"),
+            ("median", "median"),
+            ("rate", "elements/s"),
+            ("urate", "element-updates/s"),
+            ("sp", "vs K passes"),
+            ("spj", "vs K jnp passes"),
+            ("bw", "BW peak"),
+            ("copy", "of copy"),
+            ("note", "note"),
+        ],
         table,
         title=f"zeroth bench kernels: N = {result['size']:,} float32, donated ({_common.machine_line(env)}, "
-              f"{result['device_kind']})",
+        f"{result['device_kind']})",
     )
-    print("vs K passes: K consecutive single-update calls of the same impl; vs K jnp passes: of the jnp "
-          "reference; BW peak: bytes read+written / time over the vendor peak; of copy: over a measured x + 1")
+    print(
+        "vs K passes: K consecutive single-update calls of the same impl; vs K jnp passes: of the jnp "
+        "reference; BW peak: bytes read+written / time over the vendor peak; of copy: over a measured x + 1"
+    )
     print()
     for name, value in result["ratios"].items():
         shown = "-" if value is None else (f"{value:8d}" if isinstance(value, int) else f"{value:8.3g}")
@@ -440,8 +525,11 @@ def main(argv: list[str] | None = None) -> int:
     p = _common.base_parser("zeroth bench kernels", "Fused replay vs K passes per implementation, next to baselines.")
     p.add_argument("--size", type=int, default=2**24, help="elements of the float32 leaf (default 2**24)")
     p.add_argument("--ks", default="1,16,64", help="comma-separated update counts K (default 1,16,64)")
-    p.add_argument("--sections", default=",".join(name for name, _ in SECTIONS),
-                   help=f"comma-separated sections (default all: {', '.join(name for name, _ in SECTIONS)})")
+    p.add_argument(
+        "--sections",
+        default=",".join(name for name, _ in SECTIONS),
+        help=f"comma-separated sections (default all: {', '.join(name for name, _ in SECTIONS)})",
+    )
     known = [name for name, _ in SECTIONS]
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)

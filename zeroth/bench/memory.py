@@ -91,6 +91,7 @@ runtime_version { major: 12 minor: 8 patch: 0 }
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
 
+
 class Target(NamedTuple):
     """A device compiled for without one: jax's platform, the topology's name and arguments
     (``jax.experimental.topologies.get_topology_desc``), the compiler options every program of it
@@ -112,8 +113,15 @@ CUDA_PACKAGES = ("jax-cuda12-plugin=={v}", "jax-cuda12-pjrt=={v}", "nvidia-cuda-
 # libtpu, reports no scratch at all, not even a 64 MiB intermediate: its memory analysis is not read.)
 TARGETS: dict[str, Target | None] = {
     "host": None,
-    "h100": Target("cuda", "", {"target_config": _H100, "topology": "1x1x1"}, {"xla_gpu_enable_triton_gemm": False},
-                   CUDA_PACKAGES, "jax_cuda12_plugin", ("ZEROTH_CUDA_COMPILER", "cuda-compiler")),
+    "h100": Target(
+        "cuda",
+        "",
+        {"target_config": _H100, "topology": "1x1x1"},
+        {"xla_gpu_enable_triton_gemm": False},
+        CUDA_PACKAGES,
+        "jax_cuda12_plugin",
+        ("ZEROTH_CUDA_COMPILER", "cuda-compiler"),
+    ),
 }
 
 
@@ -124,10 +132,21 @@ def compiler_folder(spec: Target) -> Path:
     return Path(os.environ.get(variable) or Path(sys.prefix) / default)
 
 
-def run(model: str = "transformer", *, target: str = "host", batch: int | None = None, width: int = 1024, n: int = 1,
-        seq_len: int | None = None, weights: str = "pretrained", distributions: tuple[str, ...] = noise.EXACT,
-        flat: bool = False, compile_profile: int = 0, perturb_impl: str = "auto",
-        progress=_common.no_progress) -> dict:
+def run(
+    model: str = "transformer",
+    *,
+    target: str = "host",
+    batch: int | None = None,
+    width: int = 1024,
+    n: int = 1,
+    seq_len: int | None = None,
+    weights: str = "pretrained",
+    distributions: tuple[str, ...] = noise.EXACT,
+    flat: bool = False,
+    compile_profile: int = 0,
+    perturb_impl: str = "auto",
+    progress=_common.no_progress,
+) -> dict:
     """Compile and measure; returns ``{"config", "environment", "rows", "ratios", "targets"}``.
     ``compile_profile`` > 0: each ZO program's compilations are profiled, their rows carry that
     many of the events by time (``compile_events``: XLA's passes, the kernels' LLVM and PTX work).
@@ -160,7 +179,9 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
     layouts = {"": params, **({"_flat": replay.flatten(params, platform=family)} if flat else {})}
 
     def abstract(tree):
-        return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding), tree)
+        return jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding), tree
+        )
 
     rows, ratios = [], {}
     # the platform zeroth's programs are traced for: the target's (jnp rule, its compiler options)
@@ -199,10 +220,21 @@ def run(model: str = "transformer", *, target: str = "host", batch: int | None =
         r["memory_over_inference"] = r["peak_bytes"] / m_fwd
     n_params = int(sum(np.size(x) for x in jax.tree_util.tree_leaves(params)))
     return {
-        "config": {"model": model, "model_kwargs": kwargs, "target": target, "batch": batch, "n": n,
-                   "seq_len": seq_len, "weights": weights, "distributions": list(distributions), "flat": flat,
-                   "params": n_params, "compile_profile": compile_profile, "perturb_impl": perturb_impl,
-                   "extra_compiler_options": options},
+        "config": {
+            "model": model,
+            "model_kwargs": kwargs,
+            "target": target,
+            "batch": batch,
+            "n": n,
+            "seq_len": seq_len,
+            "weights": weights,
+            "distributions": list(distributions),
+            "flat": flat,
+            "params": n_params,
+            "compile_profile": compile_profile,
+            "perturb_impl": perturb_impl,
+            "extra_compiler_options": options,
+        },
         "environment": _common.environment(),
         "rows": rows,
         "ratios": ratios,
@@ -241,11 +273,29 @@ def _target(target: str):
 
 # Instructions that run no kernel of their own: names, tuples, views, ordering, the done half of
 # an asynchronous pair (its start is counted). A loop or a call is counted through its body.
-_FREE_OPS = frozenset({
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "after-all",
-    "add-dependency", "domain", "partition-id", "replica-id", "copy-done", "all-reduce-done",
-    "all-gather-done", "collective-permute-done", "send-done", "recv-done", "async-done", "async-update",
-})
+_FREE_OPS = frozenset(
+    {
+        "parameter",
+        "constant",
+        "get-tuple-element",
+        "tuple",
+        "bitcast",
+        "opt-barrier",
+        "after-all",
+        "add-dependency",
+        "domain",
+        "partition-id",
+        "replica-id",
+        "copy-done",
+        "all-reduce-done",
+        "all-gather-done",
+        "collective-permute-done",
+        "send-done",
+        "recv-done",
+        "async-done",
+        "async-update",
+    }
+)
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _OP = re.compile(r"=\s.*?\b([a-z][\w\-]*)\(")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -311,8 +361,11 @@ def ops_run(hlo_text: str) -> int:
                 total += (n + 1) * count(re.search("condition" + _NAMED, line).group(1))
             elif op == "conditional":  # the predicate's read, and one branch
                 listed = re.search(r"branch_computations=\{([^}]*)\}", line)
-                branches = (re.findall(r"%?([\w.\-]+)", listed.group(1)) if listed
-                            else re.findall(r"(?:true|false)_computation" + _NAMED, line))
+                branches = (
+                    re.findall(r"%?([\w.\-]+)", listed.group(1))
+                    if listed
+                    else re.findall(r"(?:true|false)_computation" + _NAMED, line)
+                )
                 total += 1 + max((count(b) for b in branches), default=0)
             elif op == "call":
                 total += count(re.search("to_apply" + _NAMED, line).group(1))
@@ -327,8 +380,9 @@ def _describe(opts: dict | None) -> str:
     return "XLA default options" if opts is None else ", ".join(f"{k}={v!r}" for k, v in opts.items())
 
 
-def _compiled_row(name: str, opts: dict | None, lowered, options: dict, into: list | None = None,
-                  compile_profile: int = 0) -> dict:
+def _compiled_row(
+    name: str, opts: dict | None, lowered, options: dict, into: list | None = None, compile_profile: int = 0
+) -> dict:
     """The row of ``lowered`` compiled under ``opts`` and the target's ``options``, with the
     seconds the compilation took (``compile_s``); the executable is appended to ``into``. With
     ``compile_profile`` > 0, the compilation runs under the JAX profiler and the row's
@@ -346,9 +400,16 @@ def _compiled_row(name: str, opts: dict | None, lowered, options: dict, into: li
     if into is not None:
         into.append(compiled)
     memory = zo.compiled_memory(compiled)
-    return {"name": name, "options": _describe(opts), "peak_bytes": memory["peak"], "temp_bytes": memory["temp"],
-            "argument_bytes": memory["argument"], "ops_run": ops_run(compiled.as_text()), "compile_s": seconds,
-            **({"compile_events": events} if events is not None else {})}
+    return {
+        "name": name,
+        "options": _describe(opts),
+        "peak_bytes": memory["peak"],
+        "temp_bytes": memory["temp"],
+        "argument_bytes": memory["argument"],
+        "ops_run": ops_run(compiled.as_text()),
+        "compile_s": seconds,
+        **({"compile_events": events} if events is not None else {}),
+    }
 
 
 def _mib(b: int) -> str:
@@ -357,16 +418,33 @@ def _mib(b: int) -> str:
 
 def _render(result: dict) -> None:
     cfg = result["config"]
-    rows = [dict(r, peak=_mib(r["peak_bytes"]), temp=_mib(r["temp_bytes"]), arg=_mib(r["argument_bytes"]),
-                 ratio=f"{r['memory_over_inference']:.3f}", compile=f"{r['compile_s']:.1f} s",
-                 mark="kept" if r.get("kept") else ("not compiled" if r.get("estimator_compiles") is False else None))
-            for r in result["rows"]]
+    rows = [
+        dict(
+            r,
+            peak=_mib(r["peak_bytes"]),
+            temp=_mib(r["temp_bytes"]),
+            arg=_mib(r["argument_bytes"]),
+            ratio=f"{r['memory_over_inference']:.3f}",
+            compile=f"{r['compile_s']:.1f} s",
+            mark="kept" if r.get("kept") else ("not compiled" if r.get("estimator_compiles") is False else None),
+        )
+        for r in result["rows"]
+    ]
     _common.print_table(
-        [("name", "program"), ("peak", "peak"), ("temp", "scratch"), ("arg", "arguments"), ("ratio", "/ inference"),
-         ("ops_run", "ops run"), ("compile", "compile"), ("mark", "estimator"), ("options", "compiler options")],
+        [
+            ("name", "program"),
+            ("peak", "peak"),
+            ("temp", "scratch"),
+            ("arg", "arguments"),
+            ("ratio", "/ inference"),
+            ("ops_run", "ops run"),
+            ("compile", "compile"),
+            ("mark", "estimator"),
+            ("options", "compiler options"),
+        ],
         rows,
         title=f"compiled memory, {cfg['model']} ({cfg['params']:,} parameters), batch {cfg['batch']}, "
-              f"target {cfg['target']} (nothing runs: XLA's memory analysis of each compiled program)",
+        f"target {cfg['target']} (nothing runs: XLA's memory analysis of each compiled program)",
     )
     for k, v in result["ratios"].items():
         target = result["targets"].get(k.split("_binomial")[0].split("_rademacher")[0])
@@ -377,39 +455,76 @@ def _render(result: dict) -> None:
                 [("event", "traced event"), ("s", "seconds"), ("count", "count"), ("threads", "threads")],
                 [dict(e, s=f"{e['s']:.2f}") for e in r["compile_events"]],
                 title=f"compiling {r['name']} ({r['options']}): {r['compile_s']:.1f} s, the traced events by time "
-                      "(times on several threads add up)",
+                "(times on several threads add up)",
             )
 
 
 def main(argv: list[str] | None = None) -> int:
     """``zeroth bench memory``: returns 0 (the numbers are printed, never judged), 2 on a bad argument or a missing package."""
-    p = argparse.ArgumentParser(prog="zeroth bench memory", description="Compiled memory of the ZO step's program beside "
-                                "inference's, for this machine or a GPU it does not have (nothing runs).")
+    p = argparse.ArgumentParser(
+        prog="zeroth bench memory",
+        description="Compiled memory of the ZO step's program beside "
+        "inference's, for this machine or a GPU it does not have (nothing runs).",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--target", default="host", choices=list(TARGETS),
-                   help="host: this machine's backend; h100: an NVIDIA H100, compiled without one (default host)")
-    p.add_argument("--model", default="transformer", choices=_zo_bench.MODELS, help="as zeroth bench zo (default transformer)")
+    p.add_argument(
+        "--target",
+        default="host",
+        choices=list(TARGETS),
+        help="host: this machine's backend; h100: an NVIDIA H100, compiled without one (default host)",
+    )
+    p.add_argument(
+        "--model", default="transformer", choices=_zo_bench.MODELS, help="as zeroth bench zo (default transformer)"
+    )
     p.add_argument("--batch", type=int, default=None, help="batch size (default 256; 8 for the pretrained models)")
     p.add_argument("--width", type=int, default=1024, help="model size, as zeroth bench zo (default 1024)")
     p.add_argument("--seq-len", type=int, default=None, help="pretrained models: tokens per prompt")
-    p.add_argument("--weights", default="pretrained", choices=_pretrained_bench.WEIGHTS,
-                   help="pretrained models: their weights (default), or random: SmolLM2's architecture with random "
-                        "weights, without its package")
+    p.add_argument(
+        "--weights",
+        default="pretrained",
+        choices=_pretrained_bench.WEIGHTS,
+        help="pretrained models: their weights (default), or random: SmolLM2's architecture with random "
+        "weights, without its package",
+    )
     p.add_argument("--n", type=int, default=1, help="perturbations per ZO step (default 1)")
     p.add_argument("--distribution", default="both", choices=["both", *noise.EXACT], help="exact noise (default both)")
-    p.add_argument("--flat", action="store_true", help="also the program on replay.flatten(params), the layout a GPU trains in")
-    p.add_argument("--compile-profile", type=int, nargs="?", const=15, default=0, metavar="EVENTS",
-                   help="profile each ZO program's compilation and show its EVENTS (default 15) traced events by time: "
-                        "where compiling goes (XLA's passes, the kernels' LLVM and PTX work)")
-    p.add_argument("--perturb-impl", default="auto", choices=list(zo.PERTURB_IMPLS),
-                   help="how the ZO programs compute each perturbed leaf (default auto: the native kernel on a CPU, "
-                        "a Triton kernel per leaf on a GPU, the jnp rule elsewhere)")
+    p.add_argument(
+        "--flat", action="store_true", help="also the program on replay.flatten(params), the layout a GPU trains in"
+    )
+    p.add_argument(
+        "--compile-profile",
+        type=int,
+        nargs="?",
+        const=15,
+        default=0,
+        metavar="EVENTS",
+        help="profile each ZO program's compilation and show its EVENTS (default 15) traced events by time: "
+        "where compiling goes (XLA's passes, the kernels' LLVM and PTX work)",
+    )
+    p.add_argument(
+        "--perturb-impl",
+        default="auto",
+        choices=list(zo.PERTURB_IMPLS),
+        help="how the ZO programs compute each perturbed leaf (default auto: the native kernel on a CPU, "
+        "a Triton kernel per leaf on a GPU, the jnp rule elsewhere)",
+    )
 
     def measure(args) -> dict:
         dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
-        return run(args.model, target=args.target, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len,
-                   weights=args.weights, distributions=dists, flat=args.flat, compile_profile=args.compile_profile,
-                   perturb_impl=args.perturb_impl, progress=_common.Progress(p.prog))
+        return run(
+            args.model,
+            target=args.target,
+            batch=args.batch,
+            width=args.width,
+            n=args.n,
+            seq_len=args.seq_len,
+            weights=args.weights,
+            distributions=dists,
+            flat=args.flat,
+            compile_profile=args.compile_profile,
+            perturb_impl=args.perturb_impl,
+            progress=_common.Progress(p.prog),
+        )
 
     return _common.run_cli(p, argv, measure, _render)
 

@@ -68,9 +68,24 @@ class Host:
         """Limit both directions of this host's link to ``rate_mbit`` (token bucket, ``tc tbf``)."""
         burst = max(16 * 1024, int(rate_mbit * 1e6 / 8 / 250))  # 4 ms of traffic, at least 16 KiB
         for dev, ns in ((self.veth, None), (self.inner, self.name)):
-            cmd = ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
-                   "burst", str(burst), "latency", "50ms"]
-            subprocess.run((["ip", "netns", "exec", ns] if ns else []) + cmd, check=True, capture_output=True, timeout=30)
+            cmd = [
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{rate_mbit}mbit",
+                "burst",
+                str(burst),
+                "latency",
+                "50ms",
+            ]
+            subprocess.run(
+                (["ip", "netns", "exec", ns] if ns else []) + cmd, check=True, capture_output=True, timeout=30
+            )
 
 
 @contextlib.contextmanager

@@ -54,9 +54,24 @@ from zeroth.net.sim import SimNet
 __all__ = ["WanNet", "measure", "main"]
 
 _TOKEN = "t" * 22  # the length of a run's access token (zeroth.transport.identity.access_token)
-_TIMED = ("on_push", "on_commit", "on_prepare", "on_leave", "on_tick", "on_local_gradients", "on_commit_acked",
-          "on_commit_failed", "on_push_refused", "on_prepare_reply", "on_prepare_rejected", "on_fetched",
-          "on_fetch_failed", "on_ready", "on_join", "prepare_probe")
+_TIMED = (
+    "on_push",
+    "on_commit",
+    "on_prepare",
+    "on_leave",
+    "on_tick",
+    "on_local_gradients",
+    "on_commit_acked",
+    "on_commit_failed",
+    "on_push_refused",
+    "on_prepare_reply",
+    "on_prepare_rejected",
+    "on_fetched",
+    "on_fetch_failed",
+    "on_ready",
+    "on_join",
+    "prepare_probe",
+)
 
 
 def _fake_sign(data: bytes) -> bytes:
@@ -89,8 +104,17 @@ def _reply_size(reply) -> int:
 class WanNet(SimNet):
     """:class:`zeroth.net.sim.SimNet` over WAN links, counting every call's wire bytes (see the module docstring)."""
 
-    def __init__(self, params: P.Params, *, rtt_s: float, uplink_bps: float, seed: int, call_slots: int | None,
-                 whole_commits: bool = False, **kw):
+    def __init__(
+        self,
+        params: P.Params,
+        *,
+        rtt_s: float,
+        uplink_bps: float,
+        seed: int,
+        call_slots: int | None,
+        whole_commits: bool = False,
+        **kw,
+    ):
         super().__init__(params, call_slots=call_slots, **kw)
         self.whole_commits = whole_commits
         self._rng = random.Random(seed)
@@ -118,7 +142,11 @@ class WanNet(SimNet):
         got = self._sizes.get(id(msg))
         if got is None or got[0] is not msg:
             st = self.peers[src].state
-            base = P.view_at(st, msg.iteration) if isinstance(msg, P.Commit) and st is not None and not self.whole_commits else None
+            base = (
+                P.view_at(st, msg.iteration)
+                if isinstance(msg, P.Commit) and st is not None and not self.whole_commits
+                else None
+            )
             got = (msg, wire.wire_size(_request_pb(msg, base, self.params.max_count), kind="request", token=_TOKEN))
             self._sizes[id(msg)] = got
         return got[1]
@@ -156,6 +184,7 @@ def _cpu_timers(cpu: dict[int, float]):
             finally:
                 me = getattr(st, "me", None)
                 cpu[me] = cpu.get(me, 0.0) + time.thread_time() - t0
+
         return call
 
     try:
@@ -182,18 +211,47 @@ def verify_cost_us(n: int = 200) -> float:
     return statistics.median(times) * 1e6
 
 
-def measure(m: int, *, iterations: int = 3, warmup: int = 1, rtt_s: float = 0.1, uplink_bps: float = 20e6,
-            compute_s: float = 0.05, call_slots: int | None = None, whole_commits: bool = False, seed: int = 0,
-            budget_s: float = 120.0,
-            max_count: int = 16, iteration_timeout_s: float = 3.0, barrier_timeout_s: float = 2.0) -> dict[str, Any]:
+def measure(
+    m: int,
+    *,
+    iterations: int = 3,
+    warmup: int = 1,
+    rtt_s: float = 0.1,
+    uplink_bps: float = 20e6,
+    compute_s: float = 0.05,
+    call_slots: int | None = None,
+    whole_commits: bool = False,
+    seed: int = 0,
+    budget_s: float = 120.0,
+    max_count: int = 16,
+    iteration_timeout_s: float = 3.0,
+    barrier_timeout_s: float = 2.0,
+) -> dict[str, Any]:
     """One row of the table for ``m`` peers (see the module docstring); ``ran`` False when the warm-up
     did not finish within ``budget_s`` seconds of this process's CPU time (``wall_s``, ``cpu_s``: what it took)."""
-    params = P.Params(run_id="bench", config_digest="c", bytes_per_value=1, max_count=max_count,
-                      iterations=warmup + iterations + 1, iteration_timeout_s=iteration_timeout_s,
-                      barrier_timeout_s=barrier_timeout_s, founders=m, forming_timeout_s=3600.0,
-                      window=8, sign=_fake_sign, max_members=max(m, 1))
-    net = WanNet(params, rtt_s=rtt_s, uplink_bps=uplink_bps, seed=seed, call_slots=call_slots, whole_commits=whole_commits,
-                 tick=0.05)
+    params = P.Params(
+        run_id="bench",
+        config_digest="c",
+        bytes_per_value=1,
+        max_count=max_count,
+        iterations=warmup + iterations + 1,
+        iteration_timeout_s=iteration_timeout_s,
+        barrier_timeout_s=barrier_timeout_s,
+        founders=m,
+        forming_timeout_s=3600.0,
+        window=8,
+        sign=_fake_sign,
+        max_members=max(m, 1),
+    )
+    net = WanNet(
+        params,
+        rtt_s=rtt_s,
+        uplink_bps=uplink_bps,
+        seed=seed,
+        call_slots=call_slots,
+        whole_commits=whole_commits,
+        tick=0.05,
+    )
     cpu: dict[int, float] = {}
     t0, c0 = time.monotonic(), time.process_time()
     deadline = c0 + budget_s
@@ -205,7 +263,10 @@ def measure(m: int, *, iterations: int = 3, warmup: int = 1, rtt_s: float = 0.1,
         lead = net.peers["sim:1000"]
 
         def everyone(n):  # every peer applied n decisions (so every message of those iterations is counted)
-            return lambda: (len(lead.log) >= n and all(len(p.log) >= n for p in net.peers.values())) or time.process_time() > deadline
+            return lambda: (
+                (len(lead.log) >= n and all(len(p.log) >= n for p in net.peers.values()))
+                or time.process_time() > deadline
+            )
 
         net.run_until(everyone(warmup), limit=1e9)
         if not everyone(warmup)() or len(lead.log) < warmup:
@@ -230,10 +291,18 @@ def measure(m: int, *, iterations: int = 3, warmup: int = 1, rtt_s: float = 0.1,
     busiest = max(sent.values())
     it_s = (end - base[0]) / k
     row.update(
-        ran=True, iterations=k, messages=sum(net.messages.get(t, 0) for t in its) / k, bytes_all=sum(sent.values()),
+        ran=True,
+        iterations=k,
+        messages=sum(net.messages.get(t, 0) for t in its) / k,
+        bytes_all=sum(sent.values()),
         bytes_busiest=busiest,
-        c=busiest / m, cpu_ms_mean=1e3 * statistics.mean(per_cpu), cpu_ms_max=1e3 * max(per_cpu),
-        sig_checks_per_peer=statistics.mean(signed), sig_checks_max=max(signed), iteration_s=it_s, rtts=it_s / rtt_s,
+        c=busiest / m,
+        cpu_ms_mean=1e3 * statistics.mean(per_cpu),
+        cpu_ms_max=1e3 * max(per_cpu),
+        sig_checks_per_peer=statistics.mean(signed),
+        sig_checks_max=max(signed),
+        iteration_s=it_s,
+        rtts=it_s / rtt_s,
         contributors=lead.counters.contributors[-k:],
     )
     return row
@@ -248,35 +317,53 @@ def _fmt_bytes(n: float) -> str:
 
 
 def table(rows: list[dict], verify_us: float) -> str:
-    head = (f"{'M':>5} {'messages':>9} {'bytes all':>10} {'busiest':>10} {'c=busiest/M':>11} {'cpu/peer ms':>15} "
-            f"{'sig checks/peer':>15} {'iteration s':>11} {'RTTs':>6} {'contributors':>12}")
+    head = (
+        f"{'M':>5} {'messages':>9} {'bytes all':>10} {'busiest':>10} {'c=busiest/M':>11} {'cpu/peer ms':>15} "
+        f"{'sig checks/peer':>15} {'iteration s':>11} {'RTTs':>6} {'contributors':>12}"
+    )
     lines = [head]
     for r in rows:
         if not r["ran"]:
-            lines.append(f"{r['peers']:>5}  not run: its warm-up did not finish within the budget "
-                         f"({r.get('cpu_s', r['wall_s']):.0f} s of CPU)")
+            lines.append(
+                f"{r['peers']:>5}  not run: its warm-up did not finish within the budget "
+                f"({r.get('cpu_s', r['wall_s']):.0f} s of CPU)"
+            )
             continue
         cpu = f"{r['cpu_ms_mean']:.2f} ({r['cpu_ms_max']:.2f})"
-        lines.append(f"{r['peers']:>5} {r['messages']:>9,.0f} {_fmt_bytes(r['bytes_all']):>10} {_fmt_bytes(r['bytes_busiest']):>10} "
-                     f"{r['c']:>11,.0f} {cpu:>15} {r['sig_checks_per_peer']:>15,.0f} {r['iteration_s']:>11.2f} {r['rtts']:>6.1f} "
-                     f"{min(r['contributors']):>5}-{max(r['contributors'])}")
+        lines.append(
+            f"{r['peers']:>5} {r['messages']:>9,.0f} {_fmt_bytes(r['bytes_all']):>10} {_fmt_bytes(r['bytes_busiest']):>10} "
+            f"{r['c']:>11,.0f} {cpu:>15} {r['sig_checks_per_peer']:>15,.0f} {r['iteration_s']:>11.2f} {r['rtts']:>6.1f} "
+            f"{min(r['contributors']):>5}-{max(r['contributors'])}"
+        )
     lines.append(f"one Ed25519 verification here: {verify_us:.0f} us (sig checks/peer x that = signature CPU per peer)")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="zeroth bench peers", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--peers", default="4,16,64,256,1024", help="comma-separated numbers of peers (default 4,16,64,256,1024)")
+    ap = argparse.ArgumentParser(
+        prog="zeroth bench peers",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--peers", default="4,16,64,256,1024", help="comma-separated numbers of peers (default 4,16,64,256,1024)"
+    )
     ap.add_argument("--iterations", type=int, default=3, help="iterations measured after the warm-up (default 3)")
     ap.add_argument("--rtt-ms", type=float, default=100.0, help="median round trip between two peers (default 100)")
     ap.add_argument("--uplink-mbps", type=float, default=20.0, help="median uplink per peer, Mbit/s (default 20)")
     ap.add_argument("--compute-s", type=float, default=0.05, help="gradient computation per iteration (default 0.05)")
-    ap.add_argument("--call-slots", type=int, default=0,
-                    help="calls in flight per peer; 0 = no limit, as the runtime's asynchronous sends (default); "
-                         "16 = a pool of 16 blocking sender threads, as the runtime had before")
-    ap.add_argument("--whole-commits", action="store_true",
-                    help="size commits whole (every member in every commit), as the wire was before commit deltas")
+    ap.add_argument(
+        "--call-slots",
+        type=int,
+        default=0,
+        help="calls in flight per peer; 0 = no limit, as the runtime's asynchronous sends (default); "
+        "16 = a pool of 16 blocking sender threads, as the runtime had before",
+    )
+    ap.add_argument(
+        "--whole-commits",
+        action="store_true",
+        help="size commits whole (every member in every commit), as the wire was before commit deltas",
+    )
     ap.add_argument("--budget-s", type=float, default=120.0, help="CPU seconds per M at most (default 120)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -287,23 +374,47 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zeroth bench peers: --peers must be comma-separated integers, got {args.peers!r}", file=sys.stderr)
         return 2
     if not ms or any(not 1 <= m <= P.MAX_MEMBERS for m in ms):
-        print(f"zeroth bench peers: each number of peers must be from 1 to {P.MAX_MEMBERS}, got {args.peers!r}", file=sys.stderr)
+        print(
+            f"zeroth bench peers: each number of peers must be from 1 to {P.MAX_MEMBERS}, got {args.peers!r}",
+            file=sys.stderr,
+        )
         return 2
-    if args.iterations < 1 or args.rtt_ms <= 0 or args.uplink_mbps <= 0 or args.compute_s < 0 or args.call_slots < 0 or args.budget_s <= 0:
-        print("zeroth bench peers: --iterations must be >= 1, --rtt-ms, --uplink-mbps and --budget-s > 0, "
-              "--compute-s and --call-slots >= 0", file=sys.stderr)
+    if (
+        args.iterations < 1
+        or args.rtt_ms <= 0
+        or args.uplink_mbps <= 0
+        or args.compute_s < 0
+        or args.call_slots < 0
+        or args.budget_s <= 0
+    ):
+        print(
+            "zeroth bench peers: --iterations must be >= 1, --rtt-ms, --uplink-mbps and --budget-s > 0, "
+            "--compute-s and --call-slots >= 0",
+            file=sys.stderr,
+        )
         return 2
     rows = []
     for m in ms:
-        rows.append(measure(m, iterations=args.iterations, rtt_s=args.rtt_ms / 1e3, uplink_bps=args.uplink_mbps * 1e6,
-                            compute_s=args.compute_s, call_slots=args.call_slots or None, whole_commits=args.whole_commits,
-                            seed=args.seed,
-                            budget_s=args.budget_s))
+        rows.append(
+            measure(
+                m,
+                iterations=args.iterations,
+                rtt_s=args.rtt_ms / 1e3,
+                uplink_bps=args.uplink_mbps * 1e6,
+                compute_s=args.compute_s,
+                call_slots=args.call_slots or None,
+                whole_commits=args.whole_commits,
+                seed=args.seed,
+                budget_s=args.budget_s,
+            )
+        )
         if not args.json:
             print(f"[zeroth bench peers] M={m}: {rows[-1]['wall_s']:.1f} s", file=sys.stderr)
     vus = verify_cost_us()
-    settings = {k: getattr(args, k) for k in ("iterations", "rtt_ms", "uplink_mbps", "compute_s", "call_slots", "whole_commits",
-                                              "budget_s", "seed")}
+    settings = {
+        k: getattr(args, k)
+        for k in ("iterations", "rtt_ms", "uplink_mbps", "compute_s", "call_slots", "whole_commits", "budget_s", "seed")
+    }
     if args.json:
         print(json.dumps({"settings": settings, "verify_us": vus, "rows": rows}, indent=2))
     else:

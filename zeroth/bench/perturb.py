@@ -97,7 +97,9 @@ def targets(backend: str) -> dict[str, tuple[str, float]]:
 _COEFF = 1e-3
 
 
-def _row(name: str, group: str, n: int, timing: _common.Timing | None, *, updates: int = 1, note: str | None = None) -> dict:
+def _row(
+    name: str, group: str, n: int, timing: _common.Timing | None, *, updates: int = 1, note: str | None = None
+) -> dict:
     row = {"name": name, "group": group, "elements": n, "updates": updates, "note": note}
     if timing is not None:
         row.update(
@@ -120,8 +122,15 @@ def _donated(step: Callable, state) -> Callable[[], float]:
 
 QUEUED_CALLS = 8
 # the rows timed again as QUEUED_CALLS calls in a row with one wait (_queued), and their names
-QUEUED = {name: f"{name}, {QUEUED_CALLS} calls queued" for name in (
-    "zeroth binomial (replay, K=1)", "jax p + c (memory floor)", "torch.randn + add_", "torch add_(c) (memory floor)")}
+QUEUED = {
+    name: f"{name}, {QUEUED_CALLS} calls queued"
+    for name in (
+        "zeroth binomial (replay, K=1)",
+        "jax p + c (memory floor)",
+        "torch.randn + add_",
+        "torch add_(c) (memory floor)",
+    )
+}
 
 
 def _queued(step: Callable, state, calls: int = QUEUED_CALLS) -> Callable[[], float]:
@@ -161,8 +170,10 @@ def _zeroth_core(n: int, dist: str, k: int, *, host: bool = False) -> Callable[[
     keys = rng.sample_keys(0, [(0, 1, s) for s in range(k)])
     scales = replay.update_scales(dist, [_COEFF * (1 + s % 3) for s in range(k)])
     if host:
-        fn = jax.jit(lambda p, packed: replay.apply_updates(p, *kp.dispatch.unpack_updates(packed), distribution=dist),
-                     donate_argnums=0)
+        fn = jax.jit(
+            lambda p, packed: replay.apply_updates(p, *kp.dispatch.unpack_updates(packed), distribution=dist),
+            donate_argnums=0,
+        )
         packed = kp.dispatch.pack_updates(keys, scales)
         return _donated(lambda p: fn(p, packed), {"w": jnp.zeros(n, jnp.float32)})
     fn = jax.jit(functools.partial(replay.apply_updates, distribution=dist), donate_argnums=0)
@@ -223,9 +234,12 @@ def _torch_calls(n: int) -> tuple[dict[str, Callable[[], None]], str | None]:
 
         return _host_then_wait(dispatch, lambda _: sync())
 
-    calls = {"torch.randn + add_": randn_add, "torch add_(c) (memory floor)": add,
-             QUEUED["torch.randn + add_"]: functools.partial(randn_add, QUEUED_CALLS),
-             QUEUED["torch add_(c) (memory floor)"]: functools.partial(add, QUEUED_CALLS)}
+    calls = {
+        "torch.randn + add_": randn_add,
+        "torch add_(c) (memory floor)": add,
+        QUEUED["torch.randn + add_"]: functools.partial(randn_add, QUEUED_CALLS),
+        QUEUED["torch add_(c) (memory floor)"]: functools.partial(add, QUEUED_CALLS),
+    }
     threads = f", {torch.get_num_threads()} threads" if device == "cpu" else ""
     return calls, f"torch {torch.__version__} on {device}{threads}"
 
@@ -235,8 +249,9 @@ def _zeroth_replay_copy(n: int, dist: str) -> Callable[[], None]:
     keys = rng.sample_keys(0, [(0, 1, 0)])
     p = {"w": jnp.zeros(n, jnp.float32)}
 
-    return functools.partial(_host_then_wait, lambda: replay.replay(p, (keys, [_COEFF]), distribution=dist),
-                             jax.block_until_ready)
+    return functools.partial(
+        _host_then_wait, lambda: replay.replay(p, (keys, [_COEFF]), distribution=dist), jax.block_until_ready
+    )
 
 
 def _kernel_calls(n: int, ks: list[int]) -> tuple[dict[str, tuple[Callable[[], None], int, str]], list[dict]]:
@@ -255,7 +270,8 @@ def _kernel_calls(n: int, ks: list[int]) -> tuple[dict[str, tuple[Callable[[], N
             got = fused(small, keys, scales, distribution=dist, impl=impl)["w"]
             same = bool(np.array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32)))
             step = lambda p, keys=keys, scales=scales, dist=dist: fused(  # noqa: E731
-                p, keys, scales, distribution=dist, donate=True, impl=impl)
+                p, keys, scales, distribution=dist, donate=True, impl=impl
+            )
             call = _donated(step, {"w": jnp.zeros(n, jnp.float32)})
             call()  # compile now: a failure is reported here, not in the middle of the timing
             calls[name] = (call, k, "bits match replay" if same else "BITS DIFFER from replay")
@@ -280,7 +296,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a / b
 
 
-def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, ...] = (1, 16, 64), kernels: bool = False) -> dict:
+def run(
+    size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, ...] = (1, 16, 64), kernels: bool = False
+) -> dict:
     """Run the benchmark; returns ``{"size", "environment", "rows", "ratios", "targets"}``.
 
     Every row's call is set up first, then all are timed round-robin (:func:`_common.timeit_many`)
@@ -303,15 +321,33 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
     spec["jax p + c (memory floor)"] = ("memory", _jax_memory(n), 1, None)
     spec["torch add_(c) (memory floor)"] = ("memory", torch_calls.get("torch add_(c) (memory floor)"), 1, torch_note)
     spec[QUEUED["zeroth binomial (replay, K=1)"]] = (
-        "queued", _zeroth_replay(n, "binomial", 1, queued=True), QUEUED_CALLS, f"one wait per {QUEUED_CALLS} calls")
-    spec[QUEUED["torch.randn + add_"]] = ("queued", torch_calls.get(QUEUED["torch.randn + add_"]), QUEUED_CALLS, torch_note)
+        "queued",
+        _zeroth_replay(n, "binomial", 1, queued=True),
+        QUEUED_CALLS,
+        f"one wait per {QUEUED_CALLS} calls",
+    )
+    spec[QUEUED["torch.randn + add_"]] = (
+        "queued",
+        torch_calls.get(QUEUED["torch.randn + add_"]),
+        QUEUED_CALLS,
+        torch_note,
+    )
     spec[QUEUED["jax p + c (memory floor)"]] = ("queued", _jax_memory(n, queued=True), QUEUED_CALLS, None)
     spec[QUEUED["torch add_(c) (memory floor)"]] = (
-        "queued", torch_calls.get(QUEUED["torch add_(c) (memory floor)"]), QUEUED_CALLS, torch_note)
+        "queued",
+        torch_calls.get(QUEUED["torch add_(c) (memory floor)"]),
+        QUEUED_CALLS,
+        torch_note,
+    )
     for k in ks:
         spec[f"zeroth replay K={k} (binomial)"] = ("replay", _zeroth_replay(n, "binomial", k), k, None)
     for k in ks:
-        spec[f"jnp rule replay K={k} (binomial)"] = ("reference", _zeroth_core(n, "binomial", k), k, "traceable jnp path")
+        spec[f"jnp rule replay K={k} (binomial)"] = (
+            "reference",
+            _zeroth_core(n, "binomial", k),
+            k,
+            "traceable jnp path",
+        )
     failed: list[dict] = []
     if kernels:
         kernel_calls, failed = _kernel_calls(n, list(ks))
@@ -331,21 +367,25 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
     ratios = {
         "binomial_over_torch": _ratio(binomial, _rate(rows, "torch.randn + add_")),
         "binomial_not_donated_over_torch": _ratio(
-            _rate(rows, "zeroth binomial (replay, K=1, not donated)"), _rate(rows, "torch.randn + add_")),
+            _rate(rows, "zeroth binomial (replay, K=1, not donated)"), _rate(rows, "torch.randn + add_")
+        ),
         "binomial_over_jax_normal": _ratio(binomial, _rate(rows, "jax.random.normal + add")),
         "binomial_over_memory_floor": _ratio(binomial, _rate(rows, "jax p + c (memory floor)")),
         # the same program with its keys and scales from the host over on the device: what sending
         # them costs (below 1), and replay over it: what the rest of replay's host work costs
         "jnp_host_args_over_device_args": _ratio(
-            _rate(rows, HOST_ARGS_ROW), _rate(rows, "jnp rule binomial (apply_updates, K=1)")),
+            _rate(rows, HOST_ARGS_ROW), _rate(rows, "jnp rule binomial (apply_updates, K=1)")
+        ),
         "binomial_over_jnp_host_args": _ratio(binomial, _rate(rows, HOST_ARGS_ROW)),
         "rademacher_over_memory_floor": _ratio(rademacher, max(floors) if floors else None),
         # the same calls queued (QUEUED_CALLS in a row, one wait): the device's rate once the host's
         # cost of a call hides behind the device's work
         "binomial_queued_over_torch_queued": _ratio(
-            _rate(rows, QUEUED["zeroth binomial (replay, K=1)"]), _rate(rows, QUEUED["torch.randn + add_"])),
+            _rate(rows, QUEUED["zeroth binomial (replay, K=1)"]), _rate(rows, QUEUED["torch.randn + add_"])
+        ),
         "binomial_queued_over_memory_floor_queued": _ratio(
-            _rate(rows, QUEUED["zeroth binomial (replay, K=1)"]), _rate(rows, QUEUED["jax p + c (memory floor)"])),
+            _rate(rows, QUEUED["zeroth binomial (replay, K=1)"]), _rate(rows, QUEUED["jax p + c (memory floor)"])
+        ),
         # the host's part of one replay call, and of the same program's call with its updates from
         # the host: where a single call's time goes beyond the device's
         "binomial_host_fraction_of_call": _host_fraction(rows, "zeroth binomial (replay, K=1)"),
@@ -357,7 +397,9 @@ def run(size: int = 2**24, *, repeats: int = 5, warmup: int = 1, ks: tuple[int, 
             if k > 1:
                 ratios[f"replay_K{k}_over_{k}x_K1"] = timings[f"zeroth replay K={k} (binomial)"].min_s / (k * t1)
                 ratios[f"replay_K{k}_speedup_over_{k}_jnp_passes"] = (
-                    k * timings["jnp rule replay K=1 (binomial)"].min_s / timings[f"zeroth replay K={k} (binomial)"].min_s
+                    k
+                    * timings["jnp rule replay K=1 (binomial)"].min_s
+                    / timings[f"zeroth replay K={k} (binomial)"].min_s
                 )
     return {
         "benchmark": "perturb",
@@ -396,9 +438,12 @@ def _launch_counts(params, keys, scales) -> dict[str, int]:
     flat = replay.flatten(params)
     tables = flat.layout.tables()
     return {
-        "replay (pytree)": kernel_launches(lambda p, k, s: kp.apply_updates(p, k, s, inplace=True), params, keys, scales),
+        "replay (pytree)": kernel_launches(
+            lambda p, k, s: kp.apply_updates(p, k, s, inplace=True), params, keys, scales
+        ),
         "replay (flat layout)": kernel_launches(
-            lambda b, k, s: kp.apply_updates_flat(b, k, s, tables, inplace=True), flat.buffers, keys, scales),
+            lambda b, k, s: kp.apply_updates_flat(b, k, s, tables, inplace=True), flat.buffers, keys, scales
+        ),
     }
 
 
@@ -407,8 +452,9 @@ _DISPATCH_FLOOR = "jax dispatch floor"  # returns them unchanged
 _UPDATE_FLOOR = "jax update floor (p + s on each leaf)"  # writes each of them: the floor of any update
 
 
-def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ...] = OVERHEAD_KS, repeats: int = 5,
-                 warmup: int = 1) -> dict:
+def run_overhead(
+    *, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ...] = OVERHEAD_KS, repeats: int = 5, warmup: int = 1
+) -> dict:
     """Host overhead of a replay call (see the module docstring); ``{"rows", "environment", ...}``.
 
     Each timing is ``_CALLS_PER_TIMING`` back-to-back calls (the state donated from one to the
@@ -434,28 +480,50 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
             rows = {
                 "replay (pytree)": (step, params),
                 "replay (flat layout)": (step, replay.flatten(params)),
-                "flat, one leaf of L*64 (arithmetic)": (step, replay.flatten({"w": jnp.zeros(64 * n_leaves, jnp.float32)})),
+                "flat, one leaf of L*64 (arithmetic)": (
+                    step,
+                    replay.flatten({"w": jnp.zeros(64 * n_leaves, jnp.float32)}),
+                ),
                 _DISPATCH_FLOOR: (jax.jit(lambda p, s: p, donate_argnums=0), params),
-                _UPDATE_FLOOR: (jax.jit(lambda p, s: jax.tree_util.tree_map(lambda x: x + s, p), donate_argnums=0), params),
+                _UPDATE_FLOOR: (
+                    jax.jit(lambda p, s: jax.tree_util.tree_map(lambda x: x + s, p), donate_argnums=0),
+                    params,
+                ),
             }
             if cpu_native.available() and rule.default_platform() == "cpu":
                 per_leaf = jax.jit(_per_leaf_native, donate_argnums=0)
                 rows["native, a launch per leaf"] = (
-                    lambda p, per_leaf=per_leaf, keys=keys, scales=scales: per_leaf(p, keys, scales), params)
+                    lambda p, per_leaf=per_leaf, keys=keys, scales=scales: per_leaf(p, keys, scales),
+                    params,
+                )
             for what, (step, state) in rows.items():
-                fn = step if what not in (_DISPATCH_FLOOR, _UPDATE_FLOOR) else (lambda p, step=step: step(p, np.float32(0)))
+                fn = (
+                    step
+                    if what not in (_DISPATCH_FLOOR, _UPDATE_FLOOR)
+                    else (lambda p, step=step: step(p, np.float32(0)))
+                )
                 spec[f"{what} L={n_leaves} K={k}"] = (
-                    n_leaves, k, what, _queued(fn, jax.tree_util.tree_map(jnp.copy, state), _CALLS_PER_TIMING))
-    timings = _common.timeit_many({name: call for name, (_, _, _, call) in spec.items()}, warmup=warmup, repeats=repeats)
+                    n_leaves,
+                    k,
+                    what,
+                    _queued(fn, jax.tree_util.tree_map(jnp.copy, state), _CALLS_PER_TIMING),
+                )
+    timings = _common.timeit_many(
+        {name: call for name, (_, _, _, call) in spec.items()}, warmup=warmup, repeats=repeats
+    )
     rows = []
     for name, (n_leaves, k, what, _) in spec.items():
         t = timings[name]
-        rows.append({
-            "name": what, "leaves": n_leaves, "updates": k,
-            "us_per_call_min": 1e6 * t.min_s / _CALLS_PER_TIMING,
-            "us_per_call_median": 1e6 * t.median_s / _CALLS_PER_TIMING,
-            "kernel_launches": launches.get((n_leaves, k, what)),
-        })
+        rows.append(
+            {
+                "name": what,
+                "leaves": n_leaves,
+                "updates": k,
+                "us_per_call_min": 1e6 * t.min_s / _CALLS_PER_TIMING,
+                "us_per_call_median": 1e6 * t.median_s / _CALLS_PER_TIMING,
+                "kernel_launches": launches.get((n_leaves, k, what)),
+            }
+        )
 
     def per_call(prefix: str, what: str) -> dict[str, float]:  # the best us per call of row `what`, by L and K
         return {f"{prefix}_L{r['leaves']}_K{r['updates']}_us": r["us_per_call_min"] for r in rows if r["name"] == what}
@@ -474,8 +542,10 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
         "replay_us": verdicts,
         "flat_bits_match_pytree": same_bits,
         "kernel_launches": {
-            f"{prefix}_L{n}_K{k}": count for (n, k, what), count in launches.items()
-            for prefix, row in (("replay", "replay (pytree)"), ("flat", "replay (flat layout)")) if what == row
+            f"{prefix}_L{n}_K{k}": count
+            for (n, k, what), count in launches.items()
+            for prefix, row in (("replay", "replay (pytree)"), ("flat", "replay (flat layout)"))
+            if what == row
         },
         "target": f"<= {OVERHEAD_TARGET_US:g} us per call",
         "met": {name: us <= OVERHEAD_TARGET_US for name, us in verdicts.items()},
@@ -492,14 +562,31 @@ def run_overhead(*, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ..
 
 def _render_overhead(result: dict) -> None:
     env = result["environment"]
-    print(f"zeroth bench perturb --overhead: leaves of {result['leaf_elements']} float32, donated, "
-          f"{result['calls_per_timing']} calls per timing, best of {result['repeats']} "
-          f"({_common.machine_line(env)})")
-    table = [{**r, "best": f"{r['us_per_call_min']:.0f} us", "median": f"{r['us_per_call_median']:.0f} us",
-              "launches": "" if r["kernel_launches"] is None else str(r["kernel_launches"])}
-             for r in result["rows"]]
-    _common.print_table([("name", "row"), ("leaves", "leaves"), ("updates", "K"), ("best", "per call"),
-                         ("median", "median"), ("launches", "kernels per call")], table)
+    print(
+        f"zeroth bench perturb --overhead: leaves of {result['leaf_elements']} float32, donated, "
+        f"{result['calls_per_timing']} calls per timing, best of {result['repeats']} "
+        f"({_common.machine_line(env)})"
+    )
+    table = [
+        {
+            **r,
+            "best": f"{r['us_per_call_min']:.0f} us",
+            "median": f"{r['us_per_call_median']:.0f} us",
+            "launches": "" if r["kernel_launches"] is None else str(r["kernel_launches"]),
+        }
+        for r in result["rows"]
+    ]
+    _common.print_table(
+        [
+            ("name", "row"),
+            ("leaves", "leaves"),
+            ("updates", "K"),
+            ("best", "per call"),
+            ("median", "median"),
+            ("launches", "kernels per call"),
+        ],
+        table,
+    )
     print()
     for name, us in result["replay_us"].items():
         floor = result["arithmetic_us"].get(name)
@@ -510,15 +597,19 @@ def _render_overhead(result: dict) -> None:
         written = result["update_floor_us"].get(name)
         if written is not None:
             of_it += f", jax writing each of them (p + s): {written:.0f} us"
-        print(f"  {name:<24} {us:8.0f} us   (target {result['target']}: {'met' if result['met'][name] else 'MISSED'}{of_it})")
+        print(
+            f"  {name:<24} {us:8.0f} us   (target {result['target']}: {'met' if result['met'][name] else 'MISSED'}{of_it})"
+        )
     same = result["flat_bits_match_pytree"]
     print(f"  flat replay digest == pytree replay digest: {'yes' if all(same.values()) else 'NO: ' + str(same)}")
 
 
 def _render(result: dict) -> None:
     env = result["environment"]
-    print(f"zeroth bench perturb: N = {result['size']:,} float32 elements, donated, best of "
-          f"{result['repeats']}, interleaved ({_common.machine_line(env)})")
+    print(
+        f"zeroth bench perturb: N = {result['size']:,} float32 elements, donated, best of "
+        f"{result['repeats']}, interleaved ({_common.machine_line(env)})"
+    )
     table = [
         {
             **row,
@@ -531,8 +622,16 @@ def _render(result: dict) -> None:
         for row in result["rows"]
     ]
     _common.print_table(
-        [("name", "row"), ("updates", "K"), ("rate", "elements*K/s"), ("best", "best"), ("median", "median"),
-         ("per_update", "per update"), ("host", "host, best"), ("note", "note")],
+        [
+            ("name", "row"),
+            ("updates", "K"),
+            ("rate", "elements*K/s"),
+            ("best", "best"),
+            ("median", "median"),
+            ("per_update", "per update"),
+            ("host", "host, best"),
+            ("note", "note"),
+        ],
         table,
     )
     print("host, best: the time until the call (all of a row's calls) returned, before the wait for the device")
@@ -543,16 +642,29 @@ def _render(result: dict) -> None:
         if target and value is not None:
             op, bound = targets(result["environment"]["backend"])[name]
             verdict = ": met" if (value >= bound if op == ">=" else value <= bound) else ": MISSED"
-        print(f"  {name:<40} {'-' if value is None else f'{value:.3g}':>8}" + (f"   (target {target}{verdict})" if target else ""))
+        print(
+            f"  {name:<40} {'-' if value is None else f'{value:.3g}':>8}"
+            + (f"   (target {target}{verdict})" if target else "")
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     """``zeroth bench perturb``: returns 0 (the numbers are printed, never judged)."""
-    p = _common.base_parser("zeroth bench perturb", "Perturbation throughput: zeroth vs jax.random.normal, torch.randn and a memory pass.")
+    p = _common.base_parser(
+        "zeroth bench perturb", "Perturbation throughput: zeroth vs jax.random.normal, torch.randn and a memory pass."
+    )
     p.add_argument("--size", type=int, default=2**24, help="elements of the float32 leaf (default 2**24)")
     p.add_argument("--ks", default="1,16,64", help="comma-separated replay sizes K (default 1,16,64)")
-    p.add_argument("--kernels", action="store_true", help="add rows calling zeroth.kernels.perturb directly (replay already dispatches to it)")
-    p.add_argument("--overhead", action="store_true", help="host overhead per replay call for 1-200 small leaves, K=1 and 16 (microseconds)")
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="add rows calling zeroth.kernels.perturb directly (replay already dispatches to it)",
+    )
+    p.add_argument(
+        "--overhead",
+        action="store_true",
+        help="host overhead per replay call for 1-200 small leaves, K=1 and 16 (microseconds)",
+    )
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)
         ks = _common.parse_ks(args.ks)

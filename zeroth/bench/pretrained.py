@@ -71,8 +71,10 @@ def setup(name: str, batch: int = 8, seq_len: int | None = None, weights: str = 
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
     if weights == "random" and not name.startswith("smollm2"):
-        raise ValueError(f"random weights are available for smollm2 and smollm2_unrolled (SmolLM2's architecture "
-                         f"is known without its package), not for {name!r}")
+        raise ValueError(
+            f"random weights are available for smollm2 and smollm2_unrolled (SmolLM2's architecture "
+            f"is known without its package), not for {name!r}"
+        )
     if batch < 1:
         raise ValueError(f"batch must be a positive integer, got {batch}")
     sentences = [SENTENCES[i % len(SENTENCES)][0] for i in range(batch)]

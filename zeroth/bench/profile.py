@@ -48,8 +48,9 @@ from zeroth import rule
 __all__ = ["OpEvent", "profile", "summarize", "op_events", "read_planes", "traced", "union_ns"]
 
 _ANNOTATED = re.compile(r"(hlo_op|hlo_module|program_id)=([^,#]+)")
-_NOT_OPS = frozenset({"XLA Modules", "Steps", "XLA TraceMe", "Launch Stats", "Source", "Framework Ops",
-                      "Framework Name Scope"})
+_NOT_OPS = frozenset(
+    {"XLA Modules", "Steps", "XLA TraceMe", "Launch Stats", "Source", "Framework Ops", "Framework Name Scope"}
+)
 
 
 class OpEvent(NamedTuple):
@@ -67,16 +68,30 @@ class OpEvent(NamedTuple):
 # are written as their wire form, repeated (key, value) entries.
 _XSPACE_FIELDS = {
     "XSpace": [("planes", 1, "XPlane", True)],
-    "XPlane": [("name", 2, "string", False), ("lines", 3, "XLine", True),
-               ("event_metadata", 4, "EventMetadataEntry", True), ("stat_metadata", 5, "StatMetadataEntry", True)],
+    "XPlane": [
+        ("name", 2, "string", False),
+        ("lines", 3, "XLine", True),
+        ("event_metadata", 4, "EventMetadataEntry", True),
+        ("stat_metadata", 5, "StatMetadataEntry", True),
+    ],
     "EventMetadataEntry": [("key", 1, "int64", False), ("value", 2, "XEventMetadata", False)],
     "StatMetadataEntry": [("key", 1, "int64", False), ("value", 2, "XStatMetadata", False)],
     "XLine": [("name", 2, "string", False), ("timestamp_ns", 3, "int64", False), ("events", 4, "XEvent", True)],
-    "XEvent": [("metadata_id", 1, "int64", False), ("offset_ps", 2, "int64", False), ("duration_ps", 3, "int64", False),
-               ("stats", 4, "XStat", True)],
-    "XStat": [("metadata_id", 1, "int64", False), ("double_value", 2, "double", False), ("uint64_value", 3, "uint64", False),
-              ("int64_value", 4, "int64", False), ("str_value", 5, "string", False), ("bytes_value", 6, "bytes", False),
-              ("ref_value", 7, "uint64", False)],
+    "XEvent": [
+        ("metadata_id", 1, "int64", False),
+        ("offset_ps", 2, "int64", False),
+        ("duration_ps", 3, "int64", False),
+        ("stats", 4, "XStat", True),
+    ],
+    "XStat": [
+        ("metadata_id", 1, "int64", False),
+        ("double_value", 2, "double", False),
+        ("uint64_value", 3, "uint64", False),
+        ("int64_value", 4, "int64", False),
+        ("str_value", 5, "string", False),
+        ("bytes_value", 6, "bytes", False),
+        ("ref_value", 7, "uint64", False),
+    ],
     "XEventMetadata": [("name", 2, "string", False), ("stats", 5, "XStat", True)],
     "XStatMetadata": [("name", 2, "string", False)],
 }
@@ -88,16 +103,20 @@ def _xspace_class():
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
     fd = descriptor_pb2.FileDescriptorProto(name="zeroth_xplane.proto", package="zeroth_xplane", syntax="proto3")
-    scalar = {"int64": "TYPE_INT64", "uint64": "TYPE_UINT64", "double": "TYPE_DOUBLE", "string": "TYPE_STRING",
-              "bytes": "TYPE_BYTES"}
+    scalar = {
+        "int64": "TYPE_INT64",
+        "uint64": "TYPE_UINT64",
+        "double": "TYPE_DOUBLE",
+        "string": "TYPE_STRING",
+        "bytes": "TYPE_BYTES",
+    }
     F = descriptor_pb2.FieldDescriptorProto
     for message, fields in _XSPACE_FIELDS.items():
         m = fd.message_type.add(name=message)
         if message == "XStat":
             m.oneof_decl.add(name="value")  # which value a stat holds: all but its metadata_id
         for name, number, kind, repeated in fields:
-            f = m.field.add(name=name, number=number,
-                            label=F.LABEL_REPEATED if repeated else F.LABEL_OPTIONAL)
+            f = m.field.add(name=name, number=number, label=F.LABEL_REPEATED if repeated else F.LABEL_OPTIONAL)
             if message == "XStat" and name != "metadata_id":
                 f.oneof_index = 0
             if kind in scalar:
@@ -149,9 +168,14 @@ def read_planes(path: str) -> list:
             events = []
             for e in line.events:
                 name, meta_stats = metadata.get(e.metadata_id, ("", []))
-                events.append(SimpleNamespace(
-                    name=name, start_ns=line.timestamp_ns + e.offset_ps / 1000, duration_ns=e.duration_ps / 1000,
-                    stats=stats(e.stats) + meta_stats))
+                events.append(
+                    SimpleNamespace(
+                        name=name,
+                        start_ns=line.timestamp_ns + e.offset_ps / 1000,
+                        duration_ns=e.duration_ps / 1000,
+                        stats=stats(e.stats) + meta_stats,
+                    )
+                )
             lines.append(SimpleNamespace(name=line.name, events=events))
         planes.append(SimpleNamespace(name=plane.name, lines=lines))
     return planes
@@ -198,7 +222,9 @@ def op_events(planes: Iterable, *, devices: bool = True) -> tuple[str, list[OpEv
         for line in _device_lines(plane):
             for e in line.events:
                 s = _stats(e)
-                device.append(OpEvent(_program(s), str(s.get("hlo_op", e.name)), float(e.start_ns), float(e.duration_ns)))
+                device.append(
+                    OpEvent(_program(s), str(s.get("hlo_op", e.name)), float(e.start_ns), float(e.duration_ns))
+                )
     if device:
         return "device", device
     host: list[OpEvent] = []

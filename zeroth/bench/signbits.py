@@ -36,8 +36,13 @@ _VOTERS = 8
 def _row(name: str, impl: str, n: int, t: _common.Timing | None, **extra) -> dict:
     row = {"section": _SECTION, "name": name, "impl": impl, "elements": n, **extra}
     if t is not None:
-        row.update(seconds_min=t.min_s, seconds_median=t.median_s, repeats=t.repeats, elements_per_s=n / t.min_s,
-                   updates_per_s=n / t.min_s)
+        row.update(
+            seconds_min=t.min_s,
+            seconds_median=t.median_s,
+            repeats=t.repeats,
+            elements_per_s=n / t.min_s,
+            updates_per_s=n / t.min_s,
+        )
     return row
 
 
@@ -45,7 +50,9 @@ def _impls(backend: str) -> list[str]:
     return ["jnp"] + (["pallas"] if platform_name(backend) in ("gpu", "tpu") else [])
 
 
-def signbits_rows(ctx: Any = None, *, size: int | None = None, repeats: int | None = None, warmup: int | None = None) -> list[dict]:
+def signbits_rows(
+    ctx: Any = None, *, size: int | None = None, repeats: int | None = None, warmup: int | None = None
+) -> list[dict]:
     """Throughput rows of the sign-bit kernels.
 
     Args:
@@ -74,17 +81,42 @@ def signbits_rows(ctx: Any = None, *, size: int | None = None, repeats: int | No
 
     rows = [_row("jnp.sign (float pass)", "xla", n, timed(jnp.sign, x), note="baseline")]
     host = np.asarray(x)
-    rows.append(_row("np.packbits(x >= 0)", "numpy", n,
-                     _common.timeit(lambda: np.packbits(host >= 0, bitorder="little"), warmup=warm, repeats=reps),
-                     note="baseline, host"))
+    rows.append(
+        _row(
+            "np.packbits(x >= 0)",
+            "numpy",
+            n,
+            _common.timeit(lambda: np.packbits(host >= 0, bitorder="little"), warmup=warm, repeats=reps),
+            note="baseline, host",
+        )
+    )
     for impl in _impls(backend):
         rows.append(_row("pack f32 -> u32", impl, n, timed(lambda a: sb.pack(a, impl=impl), x), note="32 signs/word"))
-        rows.append(_row("unpack u32 -> f32 (scaled)", impl, n,
-                         timed(lambda w: sb.unpack(w, (n,), scale=0.5, impl=impl), sb.pack(x))))
-        rows.append(_row("merge m=3 (eq. 2, with its Bernoulli bits)", impl, 32 * nw,
-                         timed(lambda a, b, k: sb.merge(a, b, k, 3, impl=impl), v, vs, key)))
-        rows.append(_row(f"majority of {_VOTERS} packed vectors", impl, 32 * nw,
-                         timed(lambda s: sb.majority(s, impl=impl), stack), note="bit-sliced counts"))
+        rows.append(
+            _row(
+                "unpack u32 -> f32 (scaled)",
+                impl,
+                n,
+                timed(lambda w: sb.unpack(w, (n,), scale=0.5, impl=impl), sb.pack(x)),
+            )
+        )
+        rows.append(
+            _row(
+                "merge m=3 (eq. 2, with its Bernoulli bits)",
+                impl,
+                32 * nw,
+                timed(lambda a, b, k: sb.merge(a, b, k, 3, impl=impl), v, vs, key),
+            )
+        )
+        rows.append(
+            _row(
+                f"majority of {_VOTERS} packed vectors",
+                impl,
+                32 * nw,
+                timed(lambda s: sb.majority(s, impl=impl), stack),
+                note="bit-sliced counts",
+            )
+        )
     return rows
 
 
@@ -103,10 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": "signbits", "size": args.size, "environment": _common.environment(), "rows": rows}
 
     def render(res):
-        table = [{**r, "best": _common.fmt_seconds(r.get("seconds_min")), "rate": _common.fmt_rate(r.get("elements_per_s"))}
-                 for r in res["rows"]]
-        _common.print_table([("name", "row"), ("impl", "impl"), ("best", "best"), ("rate", "elements/s"), ("note", "note")],
-                            table, title=f"sign bits, N = {res['size']:,}")
+        table = [
+            {**r, "best": _common.fmt_seconds(r.get("seconds_min")), "rate": _common.fmt_rate(r.get("elements_per_s"))}
+            for r in res["rows"]
+        ]
+        _common.print_table(
+            [("name", "row"), ("impl", "impl"), ("best", "best"), ("rate", "elements/s"), ("note", "note")],
+            table,
+            title=f"sign bits, N = {res['size']:,}",
+        )
 
     _common.emit(result, as_json=args.json, render=render)
     return 0

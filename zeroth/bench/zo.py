@@ -103,10 +103,21 @@ def _model_kwargs(name: str, width: int) -> dict:
     if name == "mlp":
         return {"num_classes": _NUM_CLASSES, "hidden": (width, width)}
     if name == "cnn":
-        return {"num_classes": _NUM_CLASSES, "features": (max(1, width // 32), max(1, width // 16)), "dense": max(1, width // 8)}
+        return {
+            "num_classes": _NUM_CLASSES,
+            "features": (max(1, width // 32), max(1, width // 16)),
+            "dense": max(1, width // 8),
+        }
     if name == "transformer":
         d = max(8, width // 8 // 4 * 4)
-        return {"num_classes": _NUM_CLASSES, "d_model": d, "heads": 4, "layers": 4, "mlp_dim": 4 * d, "max_len": _INPUT_SHAPE[0]}
+        return {
+            "num_classes": _NUM_CLASSES,
+            "d_model": d,
+            "heads": 4,
+            "layers": 4,
+            "mlp_dim": 4 * d,
+            "max_len": _INPUT_SHAPE[0],
+        }
     raise ValueError(f"unknown model {name!r}; expected one of {list(MODELS)}")
 
 
@@ -260,7 +271,9 @@ def run(
         pg = zo.projected_gradients_fn(loss_fn, distribution=dist)
         coefficients = [_LR * 0.1 * (i + 1) for i in range(n)]
         scales = replay.update_scales(dist, coefficients)
-        held = functools.partial(_held_rows, fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist, n, codec)
+        held = functools.partial(
+            _held_rows, fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist, n, codec
+        )
         if "step" in groups:
             progress(f"compiling the projected gradients and the update ({dist})")
             _step_rows(fns, mem, chosen, pg, params, data, keys, eps, scales, codec, loss_fn, dist, n)
@@ -281,8 +294,23 @@ def run(
             held(flat=False, defer=True)
         if unroll:
             progress(f"the projected gradients unrolled ({dist})")
-            _unrolled_rows(fns, mem, same, loss_fn, params, flat_params, data, keys, eps, scales, pg, dist, n, codec,
-                           held_flat="flat_held" in groups)
+            _unrolled_rows(
+                fns,
+                mem,
+                same,
+                loss_fn,
+                params,
+                flat_params,
+                data,
+                keys,
+                eps,
+                scales,
+                pg,
+                dist,
+                n,
+                codec,
+                held_flat="flat_held" in groups,
+            )
         if zo_options:
             progress(f"compiling the projected gradients under --zo-option ({dist})")
             try:
@@ -304,8 +332,15 @@ def run(
     c_fwd = min(times[f"forward_{k}"].cpu_min_s for k in fwd_variants)
     m_fwd = min(mem[f"forward_{k}"]["peak"] for k in fwd_variants)
     rows = [
-        _row("inference forward", times[f"forward_{k}"], mem[f"forward_{k}"], 1, t_fwd, m_fwd,
-             "XLA default options" if o is None else _describe(o))
+        _row(
+            "inference forward",
+            times[f"forward_{k}"],
+            mem[f"forward_{k}"],
+            1,
+            t_fwd,
+            m_fwd,
+            "XLA default options" if o is None else _describe(o),
+        )
         for k, o in fwd_variants.items()
     ]
     ratios: dict[str, float] = {}
@@ -313,66 +348,168 @@ def run(
         if "step" in groups:
             step_mem = _step_memory(mem[f"zo_pg_{dist}"], mem[f"zo_update_{dist}"])
             m_step = step_mem["peak"]
-            rows.append(_row(f"ZO step n={n} {dist}", times[f"zo_step_{dist}"], step_mem, 2 * n, t_fwd, m_fwd,
-                             f"mezo_step end to end, codec {codec}"))
-            rows.append(_row("  projected gradients", times[f"zo_pg_{dist}"], mem[f"zo_pg_{dist}"], 2 * n, t_fwd, m_fwd,
-                             f"{2 * n} forwards at θ±εz, one program, {_describe(chosen[dist])}"))
-            rows.append(_row("  update (replay)", times[f"zo_update_{dist}"], mem[f"zo_update_{dist}"], None, t_fwd, m_fwd,
-                             "replay, fused kernels, donated"))
-            rows.append(_row("  projected gradients, fetched", times[f"zo_fetch_{dist}"], mem[f"zo_pg_{dist}"], 2 * n, t_fwd,
-                             m_fwd, "the same call, its outputs fetched to the host (jax.device_get) as mezo_step does"))
-            rows.append(_row("  host work of the step", times[f"zo_host_{dist}"], {"peak": 0, "temp": 0}, None, t_fwd, m_fwd,
-                             "keys, codec, coefficients and scales on the host, no device"))
+            rows.append(
+                _row(
+                    f"ZO step n={n} {dist}",
+                    times[f"zo_step_{dist}"],
+                    step_mem,
+                    2 * n,
+                    t_fwd,
+                    m_fwd,
+                    f"mezo_step end to end, codec {codec}",
+                )
+            )
+            rows.append(
+                _row(
+                    "  projected gradients",
+                    times[f"zo_pg_{dist}"],
+                    mem[f"zo_pg_{dist}"],
+                    2 * n,
+                    t_fwd,
+                    m_fwd,
+                    f"{2 * n} forwards at θ±εz, one program, {_describe(chosen[dist])}",
+                )
+            )
+            rows.append(
+                _row(
+                    "  update (replay)",
+                    times[f"zo_update_{dist}"],
+                    mem[f"zo_update_{dist}"],
+                    None,
+                    t_fwd,
+                    m_fwd,
+                    "replay, fused kernels, donated",
+                )
+            )
+            rows.append(
+                _row(
+                    "  projected gradients, fetched",
+                    times[f"zo_fetch_{dist}"],
+                    mem[f"zo_pg_{dist}"],
+                    2 * n,
+                    t_fwd,
+                    m_fwd,
+                    "the same call, its outputs fetched to the host (jax.device_get) as mezo_step does",
+                )
+            )
+            rows.append(
+                _row(
+                    "  host work of the step",
+                    times[f"zo_host_{dist}"],
+                    {"peak": 0, "temp": 0},
+                    None,
+                    t_fwd,
+                    m_fwd,
+                    "keys, codec, coefficients and scales on the host, no device",
+                )
+            )
         if zo_options:
             t_opt, m_opt = times[f"zo_pg_options_{dist}"], mem[f"zo_pg_options_{dist}"]
-            rows.append(_row("  projected gradients", t_opt, m_opt, 2 * n, t_fwd, m_fwd,
-                             "the same program with " + ", ".join(f"{k}={v!r}" for k, v in zo_options.items())))
+            rows.append(
+                _row(
+                    "  projected gradients",
+                    t_opt,
+                    m_opt,
+                    2 * n,
+                    t_fwd,
+                    m_fwd,
+                    "the same program with " + ", ".join(f"{k}={v!r}" for k, v in zo_options.items()),
+                )
+            )
             ratios[f"options_time_over_chosen_{dist}"] = t_opt.min_s / times[f"zo_pg_{dist}"].min_s
             ratios[f"options_memory_over_chosen_{dist}"] = m_opt["peak"] / mem[f"zo_pg_{dist}"]["peak"]
             ratios[f"options_same_bits_{dist}"] = float(same[dist])
         if "held" in groups:
-            rows.append(_row(f"ZO step n={n} {dist}, update held", times[f"zo_held_{dist}"], mem[f"zo_held_{dist}"], 2 * n,
-                             t_fwd, m_fwd, "mezo_step(hold=True): the last update applied in this step's program, one call"))
+            rows.append(
+                _row(
+                    f"ZO step n={n} {dist}, update held",
+                    times[f"zo_held_{dist}"],
+                    mem[f"zo_held_{dist}"],
+                    2 * n,
+                    t_fwd,
+                    m_fwd,
+                    "mezo_step(hold=True): the last update applied in this step's program, one call",
+                )
+            )
             ratios[f"zo_time_over_forwards_held_{dist}"] = times[f"zo_held_{dist}"].min_s / (2 * n * t_fwd)
             ratios[f"zo_memory_over_inference_held_{dist}"] = mem[f"zo_held_{dist}"]["peak"] / m_fwd
             if "step" in groups:
-                ratios[f"held_step_time_over_step_{dist}"] = times[f"zo_held_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
+                ratios[f"held_step_time_over_step_{dist}"] = (
+                    times[f"zo_held_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
+                )
             ratios[f"held_same_bits_{dist}"] = float(same[f"held_{dist}"])
         if "step" in groups:
             ratios[f"zo_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].min_s / (2 * n * t_fwd)
             ratios[f"zo_time_over_forwards_{dist}_medians"] = times[f"zo_step_{dist}"].median_s / (2 * n * t_fwd_median)
             ratios[f"zo_cpu_time_over_forwards_{dist}"] = times[f"zo_step_{dist}"].cpu_min_s / (2 * n * c_fwd)
             ratios[f"zo_memory_over_inference_{dist}"] = m_step / m_fwd
-            ratios[f"update_fraction_of_step_{dist}"] = times[f"zo_update_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
+            ratios[f"update_fraction_of_step_{dist}"] = (
+                times[f"zo_update_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
+            )
             parts = times[f"zo_fetch_{dist}"].min_s + times[f"zo_update_{dist}"].min_s + times[f"zo_host_{dist}"].min_s
-            ratios[f"host_work_fraction_of_step_{dist}"] = times[f"zo_host_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
+            ratios[f"host_work_fraction_of_step_{dist}"] = (
+                times[f"zo_host_{dist}"].min_s / times[f"zo_step_{dist}"].min_s
+            )
             # what the parts timed alone leave of the step: waits between its calls (0 or below: none)
             ratios[f"unattributed_fraction_of_step_{dist}"] = 1.0 - parts / times[f"zo_step_{dist}"].min_s
         if "flat" in groups:
-            for key, name, note in (("zo_step", f"ZO step n={n} {dist} (flat layout)", "mezo_step on replay.flatten(params)"),
-                                    ("zo_pg", "  projected gradients (flat layout)", "the same program, unflattened inside"),
-                                    ("zo_update", "  update (replay, flat layout)", "replay(flat, donate=True)")):
-                rows.append(_row(name, times[f"{key}_flat_{dist}"], mem[f"{key}_flat_{dist}"], 2 * n if key != "zo_update" else None, t_fwd, m_fwd, note))
+            for key, name, note in (
+                ("zo_step", f"ZO step n={n} {dist} (flat layout)", "mezo_step on replay.flatten(params)"),
+                ("zo_pg", "  projected gradients (flat layout)", "the same program, unflattened inside"),
+                ("zo_update", "  update (replay, flat layout)", "replay(flat, donate=True)"),
+            ):
+                rows.append(
+                    _row(
+                        name,
+                        times[f"{key}_flat_{dist}"],
+                        mem[f"{key}_flat_{dist}"],
+                        2 * n if key != "zo_update" else None,
+                        t_fwd,
+                        m_fwd,
+                        note,
+                    )
+                )
                 if "step" in groups:
-                    ratios[f"flat_{key[3:]}_time_over_tree_{dist}"] = times[f"{key}_flat_{dist}"].min_s / times[f"{key}_{dist}"].min_s
+                    ratios[f"flat_{key[3:]}_time_over_tree_{dist}"] = (
+                        times[f"{key}_flat_{dist}"].min_s / times[f"{key}_{dist}"].min_s
+                    )
             ratios[f"zo_time_over_forwards_flat_{dist}"] = times[f"zo_step_flat_{dist}"].min_s / (2 * n * t_fwd)
             ratios[f"flat_same_bits_{dist}"] = float(same[f"flat_{dist}"])
         if "flat_held" in groups:
-            rows.append(_row(f"ZO step n={n} {dist} (flat layout), update held", times[f"zo_held_flat_{dist}"],
-                             mem[f"zo_held_flat_{dist}"], 2 * n, t_fwd, m_fwd,
-                             "mezo_step(hold=True) on replay.flatten(params): what the trainer runs on a GPU"))
+            rows.append(
+                _row(
+                    f"ZO step n={n} {dist} (flat layout), update held",
+                    times[f"zo_held_flat_{dist}"],
+                    mem[f"zo_held_flat_{dist}"],
+                    2 * n,
+                    t_fwd,
+                    m_fwd,
+                    "mezo_step(hold=True) on replay.flatten(params): what the trainer runs on a GPU",
+                )
+            )
             ratios[f"zo_time_over_forwards_flat_held_{dist}"] = times[f"zo_held_flat_{dist}"].min_s / (2 * n * t_fwd)
             ratios[f"zo_memory_over_inference_flat_held_{dist}"] = mem[f"zo_held_flat_{dist}"]["peak"] / m_fwd
             ratios[f"held_same_bits_flat_{dist}"] = float(same[f"held_flat_{dist}"])
-        for group, f, held_group, label, runs in (("deferred", "_flat", "flat_held", " (flat layout)", "on the flat layout"),
-                                                  ("deferred_tree", "", "held", "", "on the tree")):
+        for group, f, held_group, label, runs in (
+            ("deferred", "_flat", "flat_held", " (flat layout)", "on the flat layout"),
+            ("deferred_tree", "", "held", "", "on the tree"),
+        ):
             if group not in groups:
                 continue
             key = f"zo_held_deferred{f}_{dist}"
-            rows.append(_row(f"ZO step n={n} {dist}{label}, update held, deferred", times[key], mem[key], 2 * n, t_fwd,
-                             m_fwd, f"mezo_step(hold=True, defer=True) {runs}, codec onebyte (the trainer's step on a "
-                                    f"{'GPU' if f else 'CPU'}): {DEFERRED_CHAIN} steps in a row, each dispatched before "
-                                    "the last is fetched; per step"))
+            rows.append(
+                _row(
+                    f"ZO step n={n} {dist}{label}, update held, deferred",
+                    times[key],
+                    mem[key],
+                    2 * n,
+                    t_fwd,
+                    m_fwd,
+                    f"mezo_step(hold=True, defer=True) {runs}, codec onebyte (the trainer's step on a "
+                    f"{'GPU' if f else 'CPU'}): {DEFERRED_CHAIN} steps in a row, each dispatched before "
+                    "the last is fetched; per step",
+                )
+            )
             ratios[f"zo_time_over_forwards{f}_deferred_{dist}"] = times[key].min_s / (2 * n * t_fwd)
             ratios[f"zo_time_over_forwards{f}_deferred_{dist}_medians"] = times[key].median_s / (2 * n * t_fwd_median)
             ratios[f"zo_memory_over_inference{f}_deferred_{dist}"] = mem[key]["peak"] / m_fwd
@@ -382,22 +519,49 @@ def run(
     for dist in distributions if unroll else ():
         for suffix, label in (("", ""), *((("_flat", " (flat layout)"),) if flat else ())):
             key = f"zo_pg_unrolled{suffix}_{dist}"
-            rows.append(_row(f"  projected gradients{label}, unrolled", times[key], mem[key], 2 * n, t_fwd, m_fwd,
-                             "the same forwards as straight-line code, not a loop"))
+            rows.append(
+                _row(
+                    f"  projected gradients{label}, unrolled",
+                    times[key],
+                    mem[key],
+                    2 * n,
+                    t_fwd,
+                    m_fwd,
+                    "the same forwards as straight-line code, not a loop",
+                )
+            )
             loop = f"zo_pg{suffix}_{dist}"
             ratios[f"unrolled_pg_time_over_loop{suffix}_{dist}"] = times[key].min_s / times[loop].min_s
             ratios[f"unrolled_memory_over_loop{suffix}_{dist}"] = mem[key]["peak"] / mem[loop]["peak"]
             ratios[f"unrolled_same_bits{suffix}_{dist}"] = float(same[f"unrolled{suffix}_{dist}"])
         if flat and "flat_held" in groups:
             key = f"zo_held_flat_unrolled_{dist}"
-            rows.append(_row(f"ZO step n={n} {dist} (flat layout), update held, unrolled", times[key], mem[key], 2 * n,
-                             t_fwd, m_fwd, "mezo_step(hold=True, unroll=True) on replay.flatten(params)"))
+            rows.append(
+                _row(
+                    f"ZO step n={n} {dist} (flat layout), update held, unrolled",
+                    times[key],
+                    mem[key],
+                    2 * n,
+                    t_fwd,
+                    m_fwd,
+                    "mezo_step(hold=True, unroll=True) on replay.flatten(params)",
+                )
+            )
             ratios[f"zo_time_over_forwards_flat_held_unrolled_{dist}"] = times[key].min_s / (2 * n * t_fwd)
             ratios[f"zo_memory_over_inference_flat_held_unrolled_{dist}"] = mem[key]["peak"] / m_fwd
             ratios[f"held_same_bits_flat_unrolled_{dist}"] = float(same[f"held_flat_unrolled_{dist}"])
     if "backprop" in groups:
-        rows.append(_row("backprop step (sgd)", times["backprop"], mem["backprop"], None, t_fwd, m_fwd,
-                         f"value_and_grad + optax.sgd, donated, {_describe(backprop_options)}"))
+        rows.append(
+            _row(
+                "backprop step (sgd)",
+                times["backprop"],
+                mem["backprop"],
+                None,
+                t_fwd,
+                m_fwd,
+                f"value_and_grad + optax.sgd, donated, {_describe(backprop_options)}",
+            )
+        )
         ratios["backprop_time_over_two_forwards"] = times["backprop"].min_s / (2 * t_fwd)
         ratios["backprop_time_over_two_forwards_medians"] = times["backprop"].median_s / (2 * t_fwd_median)
         ratios["backprop_memory_over_inference"] = mem["backprop"]["peak"] / m_fwd
@@ -406,36 +570,67 @@ def run(
         progress(f"profiling the forward and each ZO step, {profile_calls} calls each")
         fastest = min(fwd_variants, key=lambda k: times[f"forward_{k}"].min_s)
         # (label, its fns key, its ratios' suffix) of each ZO row present
-        zo_rows = [(label, key, suffix) for label, key, suffix, group in (
-            ("", "zo_step", "", "step"), (" (flat layout)", "zo_step_flat", "_flat", "flat"),
-            (", update held", "zo_held", "_held", "held"), (" (flat layout), update held", "zo_held_flat", "_flat_held", "flat_held"),
-            (f" (flat layout), update held, deferred x{DEFERRED_CHAIN}", "zo_held_deferred_flat", None, "deferred"),
-            (f", update held, deferred x{DEFERRED_CHAIN}", "zo_held_deferred", None, "deferred_tree"),
-            (" (flat layout), update held, unrolled", "zo_held_flat_unrolled", "_flat_held_unrolled", "flat_held" if unroll else None),
-        ) if group in groups]
-        profiled = _profile_rows({"inference forward": fns[f"forward_{fastest}"],
-                                  **{f"ZO step {d}{label}": fns[f"{key}_{d}"] for label, key, _ in zo_rows for d in distributions}},
-                                 profile_calls)
+        zo_rows = [
+            (label, key, suffix)
+            for label, key, suffix, group in (
+                ("", "zo_step", "", "step"),
+                (" (flat layout)", "zo_step_flat", "_flat", "flat"),
+                (", update held", "zo_held", "_held", "held"),
+                (" (flat layout), update held", "zo_held_flat", "_flat_held", "flat_held"),
+                (f" (flat layout), update held, deferred x{DEFERRED_CHAIN}", "zo_held_deferred_flat", None, "deferred"),
+                (f", update held, deferred x{DEFERRED_CHAIN}", "zo_held_deferred", None, "deferred_tree"),
+                (
+                    " (flat layout), update held, unrolled",
+                    "zo_held_flat_unrolled",
+                    "_flat_held_unrolled",
+                    "flat_held" if unroll else None,
+                ),
+            )
+            if group in groups
+        ]
+        profiled = _profile_rows(
+            {
+                "inference forward": fns[f"forward_{fastest}"],
+                **{f"ZO step {d}{label}": fns[f"{key}_{d}"] for label, key, _ in zo_rows for d in distributions},
+            },
+            profile_calls,
+        )
         if "error" not in profiled:
             fwd_busy = profiled["inference forward"]["busy_s_per_call"]
             for dist in distributions:
                 if "step" in groups and fwd_busy > 0:
-                    ratios[f"zo_busy_over_forwards_{dist}"] = profiled[f"ZO step {dist}"]["busy_s_per_call"] / (2 * n * fwd_busy)
+                    ratios[f"zo_busy_over_forwards_{dist}"] = profiled[f"ZO step {dist}"]["busy_s_per_call"] / (
+                        2 * n * fwd_busy
+                    )
                 for label, _, suffix in zo_rows:
                     if suffix is not None:
                         prof = profiled[f"ZO step {dist}{label}"]
                         ratios[f"zo_idle_fraction{suffix}_{dist}"] = prof["idle_s_per_call"] / prof["wall_s_per_call"]
     result = {
         "benchmark": "zo",
-        "config": {"model": model, "model_kwargs": kwargs, "batch": batch,
-                   "width": None if model in PRETRAINED_MODELS else width, "input_shape": input_shape,
-                   "n_perturbations": n, "codec": codec, "flat": flat, "unroll": unroll, "rows": list(groups),
-                   "zo_perturb": os.environ.get(zo.estimator.PERTURB_ENV, "auto"),
-                   "distributions": list(distributions), "params": n_params,
-                   "param_bytes": int(param_bytes), "largest_leaf_bytes": largest_leaf},
+        "config": {
+            "model": model,
+            "model_kwargs": kwargs,
+            "batch": batch,
+            "width": None if model in PRETRAINED_MODELS else width,
+            "input_shape": input_shape,
+            "n_perturbations": n,
+            "codec": codec,
+            "flat": flat,
+            "unroll": unroll,
+            "rows": list(groups),
+            "zo_perturb": os.environ.get(zo.estimator.PERTURB_ENV, "auto"),
+            "distributions": list(distributions),
+            "params": n_params,
+            "param_bytes": int(param_bytes),
+            "largest_leaf_bytes": largest_leaf,
+        },
         "memory_measure": "Compiled.memory_analysis(): argument + output + temp - alias bytes of each compiled program",
-        "compiler_options": {"candidates": zo.autotune.compiler_option_candidates(), "chosen": chosen,
-                             **({"compared": {d: _options(chosen[d], zo_options) for d in distributions}} if zo_options else {})},
+        "compiler_options": {
+            "candidates": zo.autotune.compiler_option_candidates(),
+            "chosen": chosen,
+            **({"compared": {d: _options(chosen[d], zo_options) for d in distributions}} if zo_options else {}),
+        },
         "environment": _common.environment(),
         "rows": rows,
         "ratios": ratios,
@@ -460,11 +655,15 @@ def _row_groups(rows, flat: bool) -> tuple[str, ...]:
     rows = [str(r).strip() for r in rows]
     unknown = [r for r in rows if r not in ROW_GROUPS]
     if unknown or not rows or len(set(rows)) != len(rows):
-        raise ValueError(f"--rows takes distinct groups among {', '.join(ROW_GROUPS)} (comma-separated), got {','.join(rows)!r}"
-                         + (f": {unknown} unknown" if unknown else ""))
+        raise ValueError(
+            f"--rows takes distinct groups among {', '.join(ROW_GROUPS)} (comma-separated), got {','.join(rows)!r}"
+            + (f": {unknown} unknown" if unknown else "")
+        )
     if flat and not any(r in _FLAT_GROUPS for r in rows):
-        raise ValueError(f"--flat adds the flat layout's rows, and --rows {','.join(rows)} names none of them "
-                         f"({', '.join(_FLAT_GROUPS)})")
+        raise ValueError(
+            f"--flat adds the flat layout's rows, and --rows {','.join(rows)} names none of them "
+            f"({', '.join(_FLAT_GROUPS)})"
+        )
     return tuple(g for g in ROW_GROUPS if g in rows)
 
 
@@ -480,8 +679,19 @@ def _step_rows(fns, mem, chosen, pg, params, data, keys, eps, scales, codec: str
     state = {"params": jax.tree_util.tree_map(jnp.copy, params), "it": 0}
 
     def step():
-        out = zo.mezo_step(loss_fn, state["params"], data, run_seed=0, iteration=state["it"], lr=_LR, eps=_EPS,
-                           n_perturbations=n, distribution=dist, codec=codec, donate=True)
+        out = zo.mezo_step(
+            loss_fn,
+            state["params"],
+            data,
+            run_seed=0,
+            iteration=state["it"],
+            lr=_LR,
+            eps=_EPS,
+            n_perturbations=n,
+            distribution=dist,
+            codec=codec,
+            donate=True,
+        )
         state["params"] = jax.block_until_ready(out.params)
         state["it"] += 1
 
@@ -527,7 +737,9 @@ def _backprop_row(fns, loss_fn, params, data, variants: dict, opt) -> tuple[dict
     return bp_mem[best], list(variants.values())[best]
 
 
-def _flat_rows(fns, mem, same, loss_fn, params, flat, data, keys, eps, coefficients, pg, dist: str, n: int, codec: str) -> None:
+def _flat_rows(
+    fns, mem, same, loss_fn, params, flat, data, keys, eps, coefficients, pg, dist: str, n: int, codec: str
+) -> None:
     """The ZO step, its projected gradients and its update on the parameters' ``replay.Flat``
     (``flat``, read only), added to ``fns`` and ``mem`` (the step's: :func:`_step_memory`) under ``*_flat_{dist}``; ``same["flat_{dist}"]``: whether the
     flat estimator gives the tree's projected gradients and losses, bit for bit."""
@@ -537,25 +749,57 @@ def _flat_rows(fns, mem, same, loss_fn, params, flat, data, keys, eps, coefficie
     fstate = {"step": replay.flatten(params), "update": replay.flatten(params), "it": 0}
     program = replay._flat_fn(flat.layout, dist, True, "auto")  # what replay(flat, donate=True) calls
     mem[f"zo_update_flat_{dist}"] = zo.compiled_memory(
-        program.lower(flat.buffers, fused.dispatch.pack_updates(keys, replay.update_scales(dist, coefficients))).compile())
+        program.lower(
+            flat.buffers, fused.dispatch.pack_updates(keys, replay.update_scales(dist, coefficients))
+        ).compile()
+    )
     mem[f"zo_step_flat_{dist}"] = _step_memory(mem[f"zo_pg_flat_{dist}"], mem[f"zo_update_flat_{dist}"])
 
     def step():
-        res = zo.mezo_step(loss_fn, fstate["step"], data, run_seed=0, iteration=fstate["it"], lr=_LR, eps=_EPS,
-                           n_perturbations=n, distribution=dist, codec=codec, donate=True)
+        res = zo.mezo_step(
+            loss_fn,
+            fstate["step"],
+            data,
+            run_seed=0,
+            iteration=fstate["it"],
+            lr=_LR,
+            eps=_EPS,
+            n_perturbations=n,
+            distribution=dist,
+            codec=codec,
+            donate=True,
+        )
         fstate["step"] = jax.block_until_ready(res.params)
         fstate["it"] += 1
 
     def update():
-        fstate["update"] = jax.block_until_ready(replay.replay(fstate["update"], updates, distribution=dist, donate=True))
+        fstate["update"] = jax.block_until_ready(
+            replay.replay(fstate["update"], updates, distribution=dist, donate=True)
+        )
 
     fns[f"zo_step_flat_{dist}"] = step
     fns[f"zo_pg_flat_{dist}"] = lambda: jax.block_until_ready(pg(flat, data, keys, eps))
     fns[f"zo_update_flat_{dist}"] = update
 
 
-def _unrolled_rows(fns, mem, same, loss_fn, params, flat, data, keys, eps, scales, pg, dist: str, n: int, codec: str, *,
-                   held_flat: bool = True) -> None:
+def _unrolled_rows(
+    fns,
+    mem,
+    same,
+    loss_fn,
+    params,
+    flat,
+    data,
+    keys,
+    eps,
+    scales,
+    pg,
+    dist: str,
+    n: int,
+    codec: str,
+    *,
+    held_flat: bool = True,
+) -> None:
     """The projected gradients with their forwards unrolled, on the tree (and its ``Flat`` ``flat``,
     read only, unless None; with the held step there where ``held_flat``), beside the loop's: ``fns``/``mem`` under ``zo_pg_unrolled[_flat]_{dist}``
     (and ``zo_held_flat_unrolled_{dist}``); ``same["unrolled[_flat]_{dist}"]``: the same projected
@@ -567,7 +811,9 @@ def _unrolled_rows(fns, mem, same, loss_fn, params, flat, data, keys, eps, scale
         same[f"unrolled{suffix}_{dist}"] = _same_bits(pg(p, data, keys, eps), unrolled(p, data, keys, eps))
         fns[key] = lambda p=p: jax.block_until_ready(unrolled(p, data, keys, eps))
     if flat is not None and held_flat:
-        _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, unrolled, dist, n, codec, flat=True, unroll=True)
+        _held_rows(
+            fns, mem, same, loss_fn, params, data, keys, eps, scales, unrolled, dist, n, codec, flat=True, unroll=True
+        )
 
 
 # A deferred step is timed over this many steps in a row (each dispatched before the one before it
@@ -575,8 +821,25 @@ def _unrolled_rows(fns, mem, same, loss_fn, params, flat, data, keys, eps, scale
 DEFERRED_CHAIN = 8
 
 
-def _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dist: str, n: int, codec: str, *, flat: bool,
-               unroll: bool = False, defer: bool = False) -> None:
+def _held_rows(
+    fns,
+    mem,
+    same,
+    loss_fn,
+    params,
+    data,
+    keys,
+    eps,
+    scales,
+    pg,
+    dist: str,
+    n: int,
+    codec: str,
+    *,
+    flat: bool,
+    unroll: bool = False,
+    defer: bool = False,
+) -> None:
     """The ZO step with its update held (``mezo_step(..., hold=True)``: each step applies the last
     one's update in its own program, one compiled call per step), on the tree or its ``Flat``,
     added to ``fns`` and ``mem`` (the one program's) under ``zo_held[_flat]_{dist}``;
@@ -587,7 +850,13 @@ def _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dis
     whatever ``codec`` is; under ``zo_held_deferred[_flat]_{dist}``): a call runs
     :data:`DEFERRED_CHAIN` steps, each fetched by the next, the last by the call, and is divided
     by it (:func:`_per_step`)."""
-    tag = "held" + ("_deferred" if defer else "") + ("_flat" if flat else "") + ("_unrolled" if unroll else "") + f"_{dist}"
+    tag = (
+        "held"
+        + ("_deferred" if defer else "")
+        + ("_flat" if flat else "")
+        + ("_unrolled" if unroll else "")
+        + f"_{dist}"
+    )
     codec = "onebyte" if defer else codec
 
     def fresh():
@@ -595,8 +864,22 @@ def _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dis
         return replay.flatten(p, donate=True) if flat else p
 
     def mezo(p, it, hold: bool):
-        return zo.mezo_step(loss_fn, p, data, run_seed=0, iteration=it, lr=_LR, eps=_EPS, n_perturbations=n,
-                            distribution=dist, codec=codec, donate=True, hold=hold, unroll=unroll, defer=hold and defer)
+        return zo.mezo_step(
+            loss_fn,
+            p,
+            data,
+            run_seed=0,
+            iteration=it,
+            lr=_LR,
+            eps=_EPS,
+            n_perturbations=n,
+            distribution=dist,
+            codec=codec,
+            donate=True,
+            hold=hold,
+            unroll=unroll,
+            defer=hold and defer,
+        )
 
     def run(hold: bool):
         p, outs = fresh(), []
@@ -631,8 +914,11 @@ def _held_rows(fns, mem, same, loss_fn, params, data, keys, eps, scales, pg, dis
 
 def _per_step(timing: _common.Timing) -> _common.Timing:
     """A deferred chain's timing per step (:data:`DEFERRED_CHAIN`)."""
-    return timing._replace(min_s=timing.min_s / DEFERRED_CHAIN, median_s=timing.median_s / DEFERRED_CHAIN,
-                           cpu_min_s=timing.cpu_min_s / DEFERRED_CHAIN)
+    return timing._replace(
+        min_s=timing.min_s / DEFERRED_CHAIN,
+        median_s=timing.median_s / DEFERRED_CHAIN,
+        cpu_min_s=timing.cpu_min_s / DEFERRED_CHAIN,
+    )
 
 
 def _host_work(fetched, n: int, dist: str, codec: str) -> None:
@@ -662,7 +948,9 @@ def _profile_rows(fns: dict[str, Callable[[], Any]], calls: int) -> dict[str, An
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def _row(name: str, timing: _common.Timing, memory: dict, forwards: int | None, t_fwd: float, m_fwd: int, note: str) -> dict:
+def _row(
+    name: str, timing: _common.Timing, memory: dict, forwards: int | None, t_fwd: float, m_fwd: int, note: str
+) -> dict:
     return {
         "name": name,
         "seconds_min": timing.min_s,
@@ -720,11 +1008,12 @@ def _mib(b: int) -> str:
 
 def _render(result: dict) -> None:
     c, env = result["config"], result["environment"]
-    print(f"zeroth bench zo: {c['model']} {c['model_kwargs']}, {c['params']:,} parameters ({_mib(c['param_bytes'])}, "
-          f"largest leaf {_mib(c['largest_leaf_bytes'])}), batch {c['batch']} x {tuple(c['input_shape'])}, "
-          f"n={c['n_perturbations']}")
-    print(f"  {_common.machine_line(env)}; best of {result['rows'][0]['repeats']}, "
-          f"memory = {result['memory_measure']}")
+    print(
+        f"zeroth bench zo: {c['model']} {c['model_kwargs']}, {c['params']:,} parameters ({_mib(c['param_bytes'])}, "
+        f"largest leaf {_mib(c['largest_leaf_bytes'])}), batch {c['batch']} x {tuple(c['input_shape'])}, "
+        f"n={c['n_perturbations']}"
+    )
+    print(f"  {_common.machine_line(env)}; best of {result['rows'][0]['repeats']}, memory = {result['memory_measure']}")
     table = [
         {
             **row,
@@ -739,8 +1028,18 @@ def _render(result: dict) -> None:
         for row in result["rows"]
     ]
     _common.print_table(
-        [("name", "row"), ("best", "best"), ("median", "median"), ("cpu", "best CPU time"), ("forwards", "fwd passes"), ("tf", "time/fwd"),
-         ("peak", "peak memory"), ("temp", "temp"), ("mr", "mem/inference"), ("note", "note")],
+        [
+            ("name", "row"),
+            ("best", "best"),
+            ("median", "median"),
+            ("cpu", "best CPU time"),
+            ("forwards", "fwd passes"),
+            ("tf", "time/fwd"),
+            ("peak", "peak memory"),
+            ("temp", "temp"),
+            ("mr", "mem/inference"),
+            ("note", "note"),
+        ],
         table,
     )
     print()
@@ -761,16 +1060,33 @@ def _render_profile(profiled: dict) -> None:
         print(f"profile: the JAX profiler failed ({profiled['error']})")
         return
     first = next(iter(profiled.values()))
-    print(f"profile: {first['calls']} calls of each row under the JAX profiler; ops = "
-          f"{'the device ops' if first['source'] == 'device' else 'the XLA CPU runtime thunks'}; "
-          "idle = wall - busy (no op running)")
+    print(
+        f"profile: {first['calls']} calls of each row under the JAX profiler; ops = "
+        f"{'the device ops' if first['source'] == 'device' else 'the XLA CPU runtime thunks'}; "
+        "idle = wall - busy (no op running)"
+    )
     _common.print_table(
-        [("name", "row"), ("wall", "wall/call"), ("busy", "busy/call"), ("idle", "idle/call"), ("ops", "ops/call"),
-         ("programs", "busy per program")],
-        [{"name": name, "wall": _common.fmt_seconds(p["wall_s_per_call"]), "busy": _common.fmt_seconds(p["busy_s_per_call"]),
-          "idle": _common.fmt_seconds(p["idle_s_per_call"]), "ops": f"{p['ops_per_call']:.0f}",
-          "programs": ", ".join(f"{m or '?'} {_common.fmt_seconds(t)}" for m, t in list(p["programs"].items())[:4])}
-         for name, p in profiled.items()],
+        [
+            ("name", "row"),
+            ("wall", "wall/call"),
+            ("busy", "busy/call"),
+            ("idle", "idle/call"),
+            ("ops", "ops/call"),
+            ("programs", "busy per program"),
+        ],
+        [
+            {
+                "name": name,
+                "wall": _common.fmt_seconds(p["wall_s_per_call"]),
+                "busy": _common.fmt_seconds(p["busy_s_per_call"]),
+                "idle": _common.fmt_seconds(p["idle_s_per_call"]),
+                "ops": f"{p['ops_per_call']:.0f}",
+                "programs": ", ".join(
+                    f"{m or '?'} {_common.fmt_seconds(t)}" for m, t in list(p["programs"].items())[:4]
+                ),
+            }
+            for name, p in profiled.items()
+        ],
     )
     for name, p in profiled.items():
         if name == "inference forward":
@@ -778,51 +1094,112 @@ def _render_profile(profiled: dict) -> None:
         print(f"\n  ops of {name} by time:")
         _common.print_table(
             [("op", "op"), ("program", "program"), ("count", "count/call"), ("time", "time/call")],
-            [{"op": o["op"], "program": o["program"] or "?", "count": f"{o['count_per_call']:.2f}",
-              "time": _common.fmt_seconds(o["s_per_call"])} for o in p["top_ops"]],
+            [
+                {
+                    "op": o["op"],
+                    "program": o["program"] or "?",
+                    "count": f"{o['count_per_call']:.2f}",
+                    "time": _common.fmt_seconds(o["s_per_call"]),
+                }
+                for o in p["top_ops"]
+            ],
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     """``zeroth bench zo``: returns 0 (the numbers are printed, never judged), 2 on a bad argument or missing weights."""
     p = _common.base_parser("zeroth bench zo", "ZO step vs two forwards and inference memory, next to a backprop step.")
-    p.add_argument("--model", default="mlp", choices=MODELS,
-                   help="zeroth's mlp, cnn, transformer, or a pretrained model: smollm2, smollm2_unrolled, minilm (default mlp)")
+    p.add_argument(
+        "--model",
+        default="mlp",
+        choices=MODELS,
+        help="zeroth's mlp, cnn, transformer, or a pretrained model: smollm2, smollm2_unrolled, minilm (default mlp)",
+    )
     p.add_argument("--batch", type=int, default=None, help="batch size (default 256; 8 for the pretrained models)")
-    p.add_argument("--width", type=int, default=1024,
-                   help="model size: mlp hidden (W, W); cnn features (W/32, W/16), dense W/8; transformer d_model W/8 (default 1024; "
-                        "not used by the pretrained models)")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="pretrained models: tokens per prompt (default 40 for smollm2, 64 for minilm)")
-    p.add_argument("--weights", default="pretrained", choices=_pretrained_bench.WEIGHTS,
-                   help="pretrained models: their weights (default), or random: SmolLM2's architecture with random "
-                        "weights and tokens, without its package (time and memory only)")
+    p.add_argument(
+        "--width",
+        type=int,
+        default=1024,
+        help="model size: mlp hidden (W, W); cnn features (W/32, W/16), dense W/8; transformer d_model W/8 (default 1024; "
+        "not used by the pretrained models)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="pretrained models: tokens per prompt (default 40 for smollm2, 64 for minilm)",
+    )
+    p.add_argument(
+        "--weights",
+        default="pretrained",
+        choices=_pretrained_bench.WEIGHTS,
+        help="pretrained models: their weights (default), or random: SmolLM2's architecture with random "
+        "weights and tokens, without its package (time and memory only)",
+    )
     p.add_argument("--n", type=int, default=1, help="perturbations per ZO step (default 1)")
-    p.add_argument("--codec", default="float32", choices=sorted(codecs.CODECS), help="projected-gradient codec (default float32)")
+    p.add_argument(
+        "--codec", default="float32", choices=sorted(codecs.CODECS), help="projected-gradient codec (default float32)"
+    )
     p.add_argument("--distribution", default="both", choices=["both", *noise.EXACT], help="exact noise (default both)")
-    p.add_argument("--profile", type=int, nargs="?", const=3, default=0, metavar="CALLS",
-                   help="also run the forward and each ZO step CALLS more times (default 3) under the JAX profiler and "
-                        "show where the time goes: busy and idle time, each program, the ops by time")
-    p.add_argument("--flat", action="store_true",
-                   help="also run the ZO step, its projected gradients and its update on replay.flatten(params) (a "
-                        "buffer per dtype, and one per large leaf, instead of an array per leaf) and time them beside the tree's")
-    p.add_argument("--unroll", action="store_true",
-                   help="also time the projected gradients with their forward passes as straight-line code instead of "
-                        "a loop (and, with --flat, the held step on the flat layout so): time, memory and bits beside the loop's")
-    p.add_argument("--rows", type=lambda t: tuple(t.split(",")), default=None, metavar="GROUP,...",
-                   help="time only these groups of rows, with the inference forward (default all; the flat ones with "
-                        "--flat, which a flat group implies): " + "; ".join(f"{k}: {v}" for k, v in ROW_GROUPS.items()))
-    p.add_argument("--zo-option", action="append", default=[], metavar="NAME=VALUE",
-                   help="also time the projected-gradients program compiled with this XLA option changed (repeatable), "
-                        "e.g. xla_disable_hlo_passes= to run loop-invariant code motion: its time, memory and bits beside the chosen one")
+    p.add_argument(
+        "--profile",
+        type=int,
+        nargs="?",
+        const=3,
+        default=0,
+        metavar="CALLS",
+        help="also run the forward and each ZO step CALLS more times (default 3) under the JAX profiler and "
+        "show where the time goes: busy and idle time, each program, the ops by time",
+    )
+    p.add_argument(
+        "--flat",
+        action="store_true",
+        help="also run the ZO step, its projected gradients and its update on replay.flatten(params) (a "
+        "buffer per dtype, and one per large leaf, instead of an array per leaf) and time them beside the tree's",
+    )
+    p.add_argument(
+        "--unroll",
+        action="store_true",
+        help="also time the projected gradients with their forward passes as straight-line code instead of "
+        "a loop (and, with --flat, the held step on the flat layout so): time, memory and bits beside the loop's",
+    )
+    p.add_argument(
+        "--rows",
+        type=lambda t: tuple(t.split(",")),
+        default=None,
+        metavar="GROUP,...",
+        help="time only these groups of rows, with the inference forward (default all; the flat ones with "
+        "--flat, which a flat group implies): " + "; ".join(f"{k}: {v}" for k, v in ROW_GROUPS.items()),
+    )
+    p.add_argument(
+        "--zo-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="also time the projected-gradients program compiled with this XLA option changed (repeatable), "
+        "e.g. xla_disable_hlo_passes= to run loop-invariant code motion: its time, memory and bits beside the chosen one",
+    )
 
     def measure(args) -> dict:
         dists = noise.EXACT if args.distribution == "both" else (args.distribution,)
-        return run(args.model, batch=args.batch, width=args.width, n=args.n, seq_len=args.seq_len, weights=args.weights,
-                   codec=args.codec,
-                   distributions=dists, repeats=args.repeats, warmup=args.warmup, profile_calls=args.profile,
-                   zo_options=dict(parse_option(o) for o in args.zo_option), flat=args.flat, unroll=args.unroll, rows=args.rows,
-                   progress=_common.Progress(p.prog))
+        return run(
+            args.model,
+            batch=args.batch,
+            width=args.width,
+            n=args.n,
+            seq_len=args.seq_len,
+            weights=args.weights,
+            codec=args.codec,
+            distributions=dists,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            profile_calls=args.profile,
+            zo_options=dict(parse_option(o) for o in args.zo_option),
+            flat=args.flat,
+            unroll=args.unroll,
+            rows=args.rows,
+            progress=_common.Progress(p.prog),
+        )
 
     return _common.run_cli(p, argv, measure, _render)
 

@@ -98,9 +98,12 @@ def server_summary(cfg: W.DistConfig, server: S.Server, init: InitialModel) -> d
     st = server.snapshot()
     results = [st.results[r] for r in range(min(cfg.rounds, st.round))]
     return {
-        "config": cfg._asdict(), "rounds": cfg.rounds, "test_accuracy_before": init.accuracy,
+        "config": cfg._asdict(),
+        "rounds": cfg.rounds,
+        "test_accuracy_before": init.accuracy,
         "test_accuracy": accuracy(cfg, st.w, st.thresh, st.head, init.x_test, init.y_test),
-        "final_checksum": st.checksum, "flips_per_round": [len(r.mutations) for r in results],
+        "final_checksum": st.checksum,
+        "flips_per_round": [len(r.mutations) for r in results],
         "contributors_per_round": [len(r.contributors) for r in results],
         "contributors": [list(r.contributors) for r in results],
         "dropped": sorted({d for r in results for d in r.dropped}),
@@ -109,19 +112,50 @@ def server_summary(cfg: W.DistConfig, server: S.Server, init: InitialModel) -> d
     }
 
 
-def _spawn(address: str, cfg: W.DistConfig, metrics: pathlib.Path, run_env: dict, hold: pathlib.Path | None = None) -> subprocess.Popen:
-    env = {**run_env, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[2]),
-                                                     run_env.get("PYTHONPATH", "")])}
+def _spawn(
+    address: str, cfg: W.DistConfig, metrics: pathlib.Path, run_env: dict, hold: pathlib.Path | None = None
+) -> subprocess.Popen:
+    env = {
+        **run_env,
+        "PYTHONPATH": os.pathsep.join(
+            [str(pathlib.Path(__file__).resolve().parents[2]), run_env.get("PYTHONPATH", "")]
+        ),
+    }
     env.setdefault("JAX_PLATFORMS", "cpu")
     insecure = not any(env.get(k) for k in identity.SECRET_ENV)
-    return subprocess.Popen([sys.executable, "-m", "zeroth.binary.worker", "--server", address,
-                             "--config", json.dumps(cfg._asdict()), "--metrics", str(metrics)]
-                            + ([] if hold is None else ["--hold", str(hold)]) + (["--insecure"] if insecure else []),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zeroth.binary.worker",
+            "--server",
+            address,
+            "--config",
+            json.dumps(cfg._asdict()),
+            "--metrics",
+            str(metrics),
+        ]
+        + ([] if hold is None else ["--hold", str(hold)])
+        + (["--insecure"] if insecure else []),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
-def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tuple = (), pause_at: tuple = (),
-        pause_s: float | None = None, out_dir=None, timeout_s: float = 300.0, insecure: bool = False) -> dict:
+def run(
+    cfg: W.DistConfig,
+    *,
+    workers: int = 3,
+    kill_at: tuple = (),
+    join_at: tuple = (),
+    pause_at: tuple = (),
+    pause_s: float | None = None,
+    out_dir=None,
+    timeout_s: float = 300.0,
+    insecure: bool = False,
+) -> dict:
     """Run the server and the workers to the end; returns the summary dict (also ``out_dir/summary.json``).
 
     The run has a fresh secret, given to the workers in their environment; every call carries its
@@ -153,7 +187,9 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
                     procs[to_resume.pop()].send_signal(signal.SIGCONT)
                 while pending_kills and rnd >= pending_kills[0]:
                     pending_kills.pop(0)
-                    victim = next((i for i, p in enumerate(procs[:workers]) if p.poll() is None and i not in killed), None)
+                    victim = next(
+                        (i for i, p in enumerate(procs[:workers]) if p.poll() is None and i not in killed), None
+                    )
                     if victim is None:
                         raise RuntimeError(f"no live worker left to kill at round {rnd}")
                     procs[victim].send_signal(signal.SIGKILL)
@@ -161,8 +197,14 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
                     kill_rounds.append(rnd)
                 while pending_pauses and rnd >= pending_pauses[0]:
                     pending_pauses.pop(0)
-                    victim = next((i for i, p in enumerate(procs[:workers]) if p.poll() is None and i not in killed
-                                   and i not in paused), None)
+                    victim = next(
+                        (
+                            i
+                            for i, p in enumerate(procs[:workers])
+                            if p.poll() is None and i not in killed and i not in paused
+                        ),
+                        None,
+                    )
                     if victim is None:
                         raise RuntimeError(f"no live worker left to pause at round {rnd}")
                     procs[victim].send_signal(signal.SIGSTOP)
@@ -181,8 +223,15 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
                 errors.append(e)
 
     run_env = identity.launch_env(insecure)
-    server = S.Server(scfg, w0, t0, head, on_round=act, token=identity.token_from_env(insecure, run_env),
-                      secret=None if insecure else identity.secret_from_env(run_env))
+    server = S.Server(
+        scfg,
+        w0,
+        t0,
+        head,
+        on_round=act,
+        token=identity.token_from_env(insecure, run_env),
+        secret=None if insecure else identity.secret_from_env(run_env),
+    )
     lost: dict[int, int] = {}  # worker process -> its exit code (a negative signal number: killed)
     port = server.start("127.0.0.1:0")
     address = f"127.0.0.1:{port}"
@@ -202,17 +251,25 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
             if st.round >= cfg.rounds:
                 break
             if time.monotonic() - start > timeout_s:
-                raise RuntimeError(f"the run did not finish {cfg.rounds} rounds within {timeout_s} s (at round {st.round})")
+                raise RuntimeError(
+                    f"the run did not finish {cfg.rounds} rounds within {timeout_s} s (at round {st.round})"
+                )
             for i, p in enumerate(procs):
                 if i not in lost and p.poll() not in (None, 0):
                     lost[i] = p.returncode  # the run goes on without it
                     why = "" if p.returncode < 0 else f": {p.stderr.read()[-500:].strip()}"
-                    print(f"zeroth binary: worker process {i} exited with {p.returncode}{why}; the run carries on "
-                          "without it", file=sys.stderr, flush=True)
+                    print(
+                        f"zeroth binary: worker process {i} exited with {p.returncode}{why}; the run carries on "
+                        "without it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             alive = sum(p.poll() is None for p in procs)
             if alive < cfg.min_workers:
-                raise RuntimeError(f"the run cannot finish: {alive} worker processes left, fewer than min_workers="
-                                   f"{cfg.min_workers} (lost: {', '.join(f'{i} rc {c}' for i, c in lost.items())})")
+                raise RuntimeError(
+                    f"the run cannot finish: {alive} worker processes left, fewer than min_workers="
+                    f"{cfg.min_workers} (lost: {', '.join(f'{i} rc {c}' for i, c in lost.items())})"
+                )
             time.sleep(0.05)
         for i, p in enumerate(procs):
             if i not in lost:
@@ -223,8 +280,12 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
                     raise RuntimeError(f"worker process {i} did not finish after the last round") from None
                 if p.returncode != 0:
                     lost[i] = p.returncode
-                    print(f"zeroth binary: worker process {i} exited with {p.returncode} after the last round: "
-                          f"{p.stderr.read()[-500:].strip()}", file=sys.stderr, flush=True)
+                    print(
+                        f"zeroth binary: worker process {i} exited with {p.returncode} after the last round: "
+                        f"{p.stderr.read()[-500:].strip()}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     finally:
         for p in procs:
             if p.poll() is None:
@@ -238,23 +299,34 @@ def run(cfg: W.DistConfig, *, workers: int = 3, kill_at: tuple = (), join_at: tu
     rounds = [r for r in records if r["event"] == "round"]
     joins = [r for r in records if r["event"] in ("join", "rejoin")]
     summary = {
-        **server_summary(cfg, server, init), "workers": workers, "killed": killed, "killed_at_round": kill_rounds,
-        "paused": paused, "paused_at_round": pause_rounds, "lost": {str(i): c for i, c in sorted(lost.items())},
+        **server_summary(cfg, server, init),
+        "workers": workers,
+        "killed": killed,
+        "killed_at_round": kill_rounds,
+        "paused": paused,
+        "paused_at_round": pause_rounds,
+        "lost": {str(i): c for i, c in sorted(lost.items())},
         "rejoins": sum(r["event"] == "rejoin" for r in records),
         "joined_at": list(join_at),
         "checksum_comparisons": len(rounds) + len(joins),
         "checksum_mismatches": sum(not r["checksum_ok"] for r in rounds + joins),
         "bytes_up_per_round_per_worker": float(np.mean([r["bytes_up"] for r in rounds])) if rounds else 0.0,
         "bytes_down_per_round_per_worker": float(np.mean([r["bytes_down"] for r in rounds])) if rounds else 0.0,
-        "wall_s": wall, "loss_per_round": [float(np.mean([r["loss"] for r in rounds if r["round"] == k]))
-                                           for k in range(cfg.rounds) if any(r["round"] == k for r in rounds)],
+        "wall_s": wall,
+        "loss_per_round": [
+            float(np.mean([r["loss"] for r in rounds if r["round"] == k]))
+            for k in range(cfg.rounds)
+            if any(r["round"] == k for r in rounds)
+        ],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m zeroth.binary.launch", description="Sparse-mutation server + workers on 127.0.0.1.")
+    p = argparse.ArgumentParser(
+        prog="python -m zeroth.binary.launch", description="Sparse-mutation server + workers on 127.0.0.1."
+    )
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--kill-at", type=int, action="append", default=[])
@@ -264,8 +336,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="{}", help="DistConfig fields as JSON")
     args = p.parse_args(argv)
     cfg = W.DistConfig(**{**json.loads(args.config), "rounds": args.rounds})
-    s = run(cfg, workers=args.workers, kill_at=tuple(args.kill_at), join_at=tuple(args.join_at),
-            pause_at=tuple(args.pause_at), out_dir=args.out)
+    s = run(
+        cfg,
+        workers=args.workers,
+        kill_at=tuple(args.kill_at),
+        join_at=tuple(args.join_at),
+        pause_at=tuple(args.pause_at),
+        out_dir=args.out,
+    )
     print(json.dumps({k: v for k, v in s.items() if k not in ("config", "loss_per_round")}, indent=1))
     return 0
 

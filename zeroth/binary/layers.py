@@ -104,7 +104,7 @@ def encode_thermometer(images, levels: int = 8) -> np.ndarray:
         raise ValueError(f"images must be f32[N, H, W, 1], got shape {x.shape}")
     if levels < 1:
         raise ValueError(f"levels must be >= 1, got {levels}")
-    cuts = (np.arange(1, levels + 1, dtype=np.float32) / np.float32(levels + 1))
+    cuts = np.arange(1, levels + 1, dtype=np.float32) / np.float32(levels + 1)
     return R.pack(x < cuts)  # (N, H, W, levels) bools, True = -1
 
 
@@ -135,8 +135,15 @@ def dots(layer: ConvLayer, x, spec: ConvSpec) -> jax.Array:
 def forward(layer: ConvLayer, x, spec: ConvSpec, *, impl: str = "jnp", interpret: bool = False) -> jax.Array:
     """Packed output ``u32[B, H, W, words(O)]`` (before pooling)."""
     sign, mask = packed_weights(layer.w, spec.c_in, spec.ternary)
-    return kb.conv3x3(x, sign, jnp.asarray(layer.thresh, jnp.int32), mask, c=None if spec.ternary else spec.c_in,
-                      impl=impl, interpret=interpret)
+    return kb.conv3x3(
+        x,
+        sign,
+        jnp.asarray(layer.thresh, jnp.int32),
+        mask,
+        c=None if spec.ternary else spec.c_in,
+        impl=impl,
+        interpret=interpret,
+    )
 
 
 def maxpool2(x) -> jax.Array:

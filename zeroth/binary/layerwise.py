@@ -67,8 +67,9 @@ def digest(*arrays) -> str:
 
 def layer_key(spec: L.ConvSpec, cfg: T.TrainConfig, layer_index: int, inputs_digest: str) -> str:
     """Cache key of a layer: its config and the digest of its inputs."""
-    text = json.dumps({"spec": spec._asdict(), "train": cfg._asdict(), "index": layer_index, "inputs": inputs_digest},
-                      sort_keys=True)
+    text = json.dumps(
+        {"spec": spec._asdict(), "train": cfg._asdict(), "index": layer_index, "inputs": inputs_digest}, sort_keys=True
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -93,9 +94,18 @@ class LayerCache:
         if self._dir is not None and (self._dir / f"{key}.npz").is_file():
             z = np.load(self._dir / f"{key}.npz", allow_pickle=False)
             meta = json.loads(str(z["meta"]))
-            fr = Frozen(spec, L.ConvLayer(jnp.asarray(z["w"]), jnp.asarray(z["thresh"])),
-                        L.Head(jnp.asarray(z["head_a"]), jnp.asarray(z["head_b"])), z["out_train"], z["out_test"],
-                        meta["test_accuracy"], meta["history"], meta["seconds"], key, meta["test_loss"])
+            fr = Frozen(
+                spec,
+                L.ConvLayer(jnp.asarray(z["w"]), jnp.asarray(z["thresh"])),
+                L.Head(jnp.asarray(z["head_a"]), jnp.asarray(z["head_b"])),
+                z["out_train"],
+                z["out_test"],
+                meta["test_accuracy"],
+                meta["history"],
+                meta["seconds"],
+                key,
+                meta["test_loss"],
+            )
             self._mem[key] = fr
             return fr
         return None
@@ -104,15 +114,40 @@ class LayerCache:
         self._mem[fr.key] = fr
         if self._dir is not None:
             self._dir.mkdir(parents=True, exist_ok=True)
-            meta = json.dumps({"test_accuracy": fr.test_accuracy, "test_loss": fr.test_loss, "history": fr.history,
-                               "seconds": fr.seconds})
-            np.savez(self._dir / f"{fr.key}.npz", w=np.asarray(fr.layer.w), thresh=np.asarray(fr.layer.thresh),
-                     head_a=np.asarray(fr.head.a), head_b=np.asarray(fr.head.b), out_train=fr.out_train,
-                     out_test=fr.out_test, meta=np.array(meta))
+            meta = json.dumps(
+                {
+                    "test_accuracy": fr.test_accuracy,
+                    "test_loss": fr.test_loss,
+                    "history": fr.history,
+                    "seconds": fr.seconds,
+                }
+            )
+            np.savez(
+                self._dir / f"{fr.key}.npz",
+                w=np.asarray(fr.layer.w),
+                thresh=np.asarray(fr.layer.thresh),
+                head_a=np.asarray(fr.head.a),
+                head_b=np.asarray(fr.head.b),
+                out_train=fr.out_train,
+                out_test=fr.out_test,
+                meta=np.array(meta),
+            )
 
 
-def train_layerwise(plan, x_train, y_train, x_test, y_test, *, classes: int, cache: LayerCache | None = None,
-                    log=None, done: list[Frozen] = (), state: T.LayerState | None = None, stop=None) -> list[Frozen]:
+def train_layerwise(
+    plan,
+    x_train,
+    y_train,
+    x_test,
+    y_test,
+    *,
+    classes: int,
+    cache: LayerCache | None = None,
+    log=None,
+    done: list[Frozen] = (),
+    state: T.LayerState | None = None,
+    stop=None,
+) -> list[Frozen]:
     """Train ``plan`` (a list of ``(ConvSpec, TrainConfig)``) greedily, bottom up.
 
     Args:
@@ -133,20 +168,39 @@ def train_layerwise(plan, x_train, y_train, x_test, y_test, *, classes: int, cac
     c_prev = None
     if out:
         xtr, xte, c_prev = out[-1].out_train, out[-1].out_test, out[-1].spec.c_out
-    for i, (spec, cfg) in enumerate(plan[len(out):], len(out)):
+    for i, (spec, cfg) in enumerate(plan[len(out) :], len(out)):
         if c_prev is not None and spec.c_in != c_prev:
             raise ValueError(f"layer {i} has c_in={spec.c_in} but layer {i - 1} outputs {c_prev} channels")
         key = layer_key(spec, cfg, i, digest(xtr, xte))
         fr = cache.get(key, spec)
         if fr is None:
             try:
-                res = T.train_layer(spec, xtr, y_train, cfg, classes=classes, layer_index=i, state=state, stop=stop,
-                                    log=None if log is None else (lambda rec, layer, i=i: log(i, rec, layer)))
+                res = T.train_layer(
+                    spec,
+                    xtr,
+                    y_train,
+                    cfg,
+                    classes=classes,
+                    layer_index=i,
+                    state=state,
+                    stop=stop,
+                    log=None if log is None else (lambda rec, layer, i=i: log(i, rec, layer)),
+                )
             except T.LayerInterrupted as e:
                 raise Interrupted(out, e.state) from None
             loss, acc = T.evaluate(res.layer, res.head, xte, y_test, spec, cfg.grid)
-            fr = Frozen(spec, res.layer, res.head, T.layer_outputs(res.layer, xtr, spec),
-                        T.layer_outputs(res.layer, xte, spec), acc, res.history, res.seconds, key, loss)
+            fr = Frozen(
+                spec,
+                res.layer,
+                res.head,
+                T.layer_outputs(res.layer, xtr, spec),
+                T.layer_outputs(res.layer, xte, spec),
+                acc,
+                res.history,
+                res.seconds,
+                key,
+                loss,
+            )
             cache.put(fr)
             cache.trained += 1
         else:

@@ -52,18 +52,47 @@ def interval(values) -> tuple[float, float]:
     return float(v.mean()), float(T95[len(v) - 1] * v.std(ddof=1) / math.sqrt(len(v)))
 
 
-def stack(method: str, data, *, seed: int, channels=(32, 32), layers: int = 0, levels: int = 8, steps: int = 100,
-          batch_size: int = 64, k: int = 4, grid: int = 4, head_lr: float = 1e-2, ste_lr: float = 1e-2,
-          min_gain: float = 0.0, accept_batch: int = 0, refit_every: int = 0) -> list:
+def stack(
+    method: str,
+    data,
+    *,
+    seed: int,
+    channels=(32, 32),
+    layers: int = 0,
+    levels: int = 8,
+    steps: int = 100,
+    batch_size: int = 64,
+    k: int = 4,
+    grid: int = 4,
+    head_lr: float = 1e-2,
+    ste_lr: float = 1e-2,
+    min_gain: float = 0.0,
+    accept_batch: int = 0,
+    refit_every: int = 0,
+) -> list:
     """Train a binary conv stack greedily with ``method`` (:mod:`zeroth.binary.train`); its frozen layers
     (the first ``layers`` of ``channels``; 0 = all)."""
     xtr, ytr, xte, yte, classes = data
     plan, c_in = [], levels
-    for c in channels[:layers or len(channels)]:
-        plan.append((L.ConvSpec(c_in=c_in, c_out=c, ternary=False, pool=True),
-                     T.TrainConfig(method=method, steps=steps, batch_size=batch_size, k=k, min_gain=min_gain,
-                                   head_lr=head_lr, ste_lr=ste_lr, grid=grid, seed=seed, accept_batch=accept_batch,
-                                   refit_every=refit_every)))
+    for c in channels[: layers or len(channels)]:
+        plan.append(
+            (
+                L.ConvSpec(c_in=c_in, c_out=c, ternary=False, pool=True),
+                T.TrainConfig(
+                    method=method,
+                    steps=steps,
+                    batch_size=batch_size,
+                    k=k,
+                    min_gain=min_gain,
+                    head_lr=head_lr,
+                    ste_lr=ste_lr,
+                    grid=grid,
+                    seed=seed,
+                    accept_batch=accept_batch,
+                    refit_every=refit_every,
+                ),
+            )
+        )
         c_in = c
     return LW.train_layerwise(plan, xtr, ytr, xte, yte, classes=classes)
 
@@ -73,12 +102,26 @@ def load(dataset: str, *, train_size: int = 0, eval_size: int = 0, levels: int =
     tr, te = zdata.load(dataset, "train"), zdata.load(dataset, "test")
     n = len(tr.y) if train_size == 0 else min(train_size, len(tr.y))
     m = len(te.y) if eval_size == 0 else min(eval_size, len(te.y))
-    return (L.encode_thermometer(tr.x[:n], levels), np.asarray(tr.y[:n], np.int32),
-            L.encode_thermometer(te.x[:m], levels), np.asarray(te.y[:m], np.int32), tr.num_classes)
+    return (
+        L.encode_thermometer(tr.x[:n], levels),
+        np.asarray(tr.y[:n], np.int32),
+        L.encode_thermometer(te.x[:m], levels),
+        np.asarray(te.y[:m], np.int32),
+        tr.num_classes,
+    )
 
 
-def compare(dataset: str, methods, seeds, *, train_size: int = 0, eval_size: int = 0, variants: dict | None = None,
-            progress=print, **kw) -> dict:
+def compare(
+    dataset: str,
+    methods,
+    seeds,
+    *,
+    train_size: int = 0,
+    eval_size: int = 0,
+    variants: dict | None = None,
+    progress=print,
+    **kw,
+) -> dict:
     """Every method (and ``variants``: name -> keyword overrides of :func:`stack`, method included)
     with every seed: per layer, the auxiliary head's test accuracy as trained and the converged
     head's train and test accuracy; then mean and 95% interval over the seeds."""
@@ -96,15 +139,27 @@ def compare(dataset: str, methods, seeds, *, train_size: int = 0, eval_size: int
                 grid = kw.get("grid", 4)
                 f_tr, f_te = features(fr.layer, inputs_tr, fr.spec, grid), features(fr.layer, inputs_te, fr.spec, grid)
                 w, b, info = fit_head(f_tr, ytr, classes)
-                rows.append({"model": name, "seed": seed, "layer": i + 1, "as_trained_test": fr.test_accuracy,
-                             "converged_train": _acc(w, b, f_tr, ytr), "converged_test": _acc(w, b, f_te, yte),
-                             "fit": info})
+                rows.append(
+                    {
+                        "model": name,
+                        "seed": seed,
+                        "layer": i + 1,
+                        "as_trained_test": fr.test_accuracy,
+                        "converged_train": _acc(w, b, f_tr, ytr),
+                        "converged_test": _acc(w, b, f_te, yte),
+                        "fit": info,
+                    }
+                )
                 inputs_tr, inputs_te = fr.out_train, fr.out_test
             if progress is not None:
                 last = [r for r in rows if r["model"] == name and r["seed"] == seed]
-                progress(f"[{dataset}] {name} seed {seed}: " + ", ".join(
-                    f"layer {r['layer']} {r['as_trained_test']:.3f} -> {r['converged_test']:.3f}" for r in last)
-                    + f" ({time.perf_counter() - t0:.0f} s)")
+                progress(
+                    f"[{dataset}] {name} seed {seed}: "
+                    + ", ".join(
+                        f"layer {r['layer']} {r['as_trained_test']:.3f} -> {r['converged_test']:.3f}" for r in last
+                    )
+                    + f" ({time.perf_counter() - t0:.0f} s)"
+                )
     summary = []
     for name in runs:
         for layer in sorted({r["layer"] for r in rows if r["model"] == name}):
@@ -113,14 +168,24 @@ def compare(dataset: str, methods, seeds, *, train_size: int = 0, eval_size: int
             for key in ("as_trained_test", "converged_train", "converged_test"):
                 entry[key] = interval([r[key] for r in sel])
             summary.append(entry)
-    return {"dataset": dataset, "train_size": len(ytr), "test_size": len(yte), "seeds": list(seeds),
-            "settings": kw, "variants": variants or {}, "rows": rows, "summary": summary}
+    return {
+        "dataset": dataset,
+        "train_size": len(ytr),
+        "test_size": len(yte),
+        "seeds": list(seeds),
+        "settings": kw,
+        "variants": variants or {},
+        "rows": rows,
+        "summary": summary,
+    }
 
 
 def markdown(result: dict) -> str:
     """The summary as a markdown table (mean ± 95% interval), the random-layer baseline marked."""
-    lines = ["| model | layer | as trained (aux. head) | converged head, test | converged head, train |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| model | layer | as trained (aux. head) | converged head, test | converged head, train |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for e in result["summary"]:
         name = e["model"] + (" (random layer: baseline)" if e["model"] == "head" and e["layer"] == 1 else "")
         cells = [f"{m:.3f} ± {h:.3f}" for m, h in (e["as_trained_test"], e["converged_test"], e["converged_train"])]
@@ -131,28 +196,35 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zeroth.binary.probe", description=__doc__.split("\n")[0])
     ap.add_argument("--dataset", default="mnist5k")
-    ap.add_argument("--methods", nargs="*", default=["flips", "evolution", "ste", "head"],
-                    choices=list(T.METHODS))
+    ap.add_argument("--methods", nargs="*", default=["flips", "evolution", "ste", "head"], choices=list(T.METHODS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--train-size", type=int, default=0, help="training examples (0 = all)")
     ap.add_argument("--eval-size", type=int, default=0, help="test examples (0 = all)")
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=V,KEY=V",
-                    help="an extra model, e.g. flips-b512:method=flips,batch_size=512,layers=1 (keys: stack's arguments)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=V,KEY=V",
+        help="an extra model, e.g. flips-b512:method=flips,batch_size=512,layers=1 (keys: stack's arguments)",
+    )
     ap.add_argument("--out", help="write the JSON result here")
     a = ap.parse_args(argv)
     variants = {}
     for v in a.variant:
         if ":" not in v:
-            ap.error(f"--variant {v!r} must look like NAME:key=value,key=value (e.g. flips-b512:method=flips,batch_size=512)")
+            ap.error(
+                f"--variant {v!r} must look like NAME:key=value,key=value (e.g. flips-b512:method=flips,batch_size=512)"
+            )
         name, body = v.split(":", 1)
         over = {}
         for kv in body.split(","):
             key, _, val = kv.partition("=")
             over[key] = val if key == "method" else (float(val) if "." in val else int(val))
         variants[name] = over
-    res = compare(a.dataset, a.methods, a.seeds, train_size=a.train_size, eval_size=a.eval_size, variants=variants,
-                  steps=a.steps)
+    res = compare(
+        a.dataset, a.methods, a.seeds, train_size=a.train_size, eval_size=a.eval_size, variants=variants, steps=a.steps
+    )
     print(markdown(res))
     if a.out:
         with open(a.out, "w") as fh:

@@ -167,20 +167,22 @@ def model_from_bytes(data: bytes, c_in: int, c_out: int, ternary: bool, *, regio
     head_bytes = 4 * (regions * c_out * classes + classes) if regions and classes else 0
     want = plane * (2 if ternary else 1) + 4 * c_out + head_bytes
     if len(data) != want:
-        raise ValueError(f"packed model has {len(data)} bytes; a {c_out}x9x{c_in} {'ternary' if ternary else 'binary'} "
-                         f"layer{' with its head' if head_bytes else ''} has {want}")
+        raise ValueError(
+            f"packed model has {len(data)} bytes; a {c_out}x9x{c_in} {'ternary' if ternary else 'binary'} "
+            f"layer{' with its head' if head_bytes else ''} has {want}"
+        )
     sign = np.frombuffer(data[:plane], "<u4").reshape(c_out, 9, wc)
     if ternary:
-        mask = np.frombuffer(data[plane:2 * plane], "<u4").reshape(c_out, 9, wc)
+        mask = np.frombuffer(data[plane : 2 * plane], "<u4").reshape(c_out, 9, wc)
         w = R.unpack_ternary(sign, mask, c_in)
     else:
         w = R.unpack(sign, c_in)
     end = want - head_bytes
-    thresh = np.frombuffer(data[end - 4 * c_out:end], "<i4").astype(np.int32)
+    thresh = np.frombuffer(data[end - 4 * c_out : end], "<i4").astype(np.int32)
     head = None
     if head_bytes:
         flat = np.frombuffer(data[end:], "<f4").astype(np.float32)
-        head = (flat[:regions * c_out * classes].reshape(regions, c_out, classes), flat[regions * c_out * classes:])
+        head = (flat[: regions * c_out * classes].reshape(regions, c_out, classes), flat[regions * c_out * classes :])
     return w.reshape(c_out, -1).astype(np.int8), thresh, head
 
 
@@ -199,7 +201,9 @@ def init_state(cfg: ServerConfig, w, thresh, *, head=None, now: float = 0.0) -> 
     if w.shape != (cfg.c_out, 9 * cfg.c_in) or thresh.shape != (cfg.c_out,):
         raise ValueError(f"model shapes {w.shape}, {thresh.shape} do not match config ({cfg.c_out}, {9 * cfg.c_in})")
     if (head is None) != (cfg.regions == 0 or cfg.classes == 0):
-        raise ValueError(f"config regions={cfg.regions}, classes={cfg.classes} but head is {'absent' if head is None else 'given'}")
+        raise ValueError(
+            f"config regions={cfg.regions}, classes={cfg.classes} but head is {'absent' if head is None else 'given'}"
+        )
     if head is not None:
         head = (np.array(head[0], np.float32), np.array(head[1], np.float32))
         if head[0].shape != (cfg.regions, cfg.c_out, cfg.classes) or head[1].shape != (cfg.classes,):
@@ -215,9 +219,17 @@ def _finished(st: ServerState, cfg: ServerConfig) -> bool:
 def submission_bytes(msg: DeltaList) -> bytes:
     """What a worker signs for its list: every field but the signature, in a fixed encoding
     (indices as int64 and deltas and loss as float32, little-endian)."""
-    return identity.canonical("zeroth-binary-submit-v1", msg.run_id, int(msg.worker_id), int(msg.round),
-                              np.asarray(msg.index, "<i8").tobytes(), np.asarray(msg.delta, "<f4").tobytes(),
-                              msg.checksum, int(msg.examples), np.float32(msg.loss).astype("<f4").tobytes())
+    return identity.canonical(
+        "zeroth-binary-submit-v1",
+        msg.run_id,
+        int(msg.worker_id),
+        int(msg.round),
+        np.asarray(msg.index, "<i8").tobytes(),
+        np.asarray(msg.delta, "<f4").tobytes(),
+        msg.checksum,
+        int(msg.examples),
+        np.float32(msg.loss).astype("<f4").tobytes(),
+    )
 
 
 def rejoin_bytes(run_id: str, worker_id: int, seq: int) -> bytes:
@@ -239,8 +251,10 @@ def _check_signed(st: ServerState, worker_id: int, data: bytes, signature: bytes
     if worker_id >= st.next_id:
         raise Rejected("FAILED_PRECONDITION", f"worker {worker_id} never joined (call Join first)")
     if not identity.verify(st.keys[worker_id], data, bytes(signature)):
-        raise Rejected("PERMISSION_DENIED", f"the {what} in worker {worker_id}'s name is not signed by the key "
-                                            f"it committed when it joined")
+        raise Rejected(
+            "PERMISSION_DENIED",
+            f"the {what} in worker {worker_id}'s name is not signed by the key it committed when it joined",
+        )
 
 
 def _admit(st: ServerState, cfg: ServerConfig, wid: int) -> tuple[ServerState, int]:
@@ -278,8 +292,9 @@ def join(st: ServerState, cfg: ServerConfig, run_id: str, key: bytes, *, now: fl
     return st, _reply(st, cfg, wid, first)
 
 
-def rejoin(st: ServerState, cfg: ServerConfig, run_id: str, worker_id: int, seq: int, signature: bytes, *,
-           now: float) -> tuple[ServerState, JoinReply]:
+def rejoin(
+    st: ServerState, cfg: ServerConfig, run_id: str, worker_id: int, seq: int, signature: bytes, *, now: float
+) -> tuple[ServerState, JoinReply]:
     """Worker ``worker_id`` (a signed request, :func:`rejoin_bytes`) takes part again: the packed
     model and the round it submits to next. A worker still live gets the model and its round back."""
     _check_run(cfg, run_id)
@@ -297,16 +312,21 @@ def _validate(st: ServerState, cfg: ServerConfig, msg: DeltaList) -> None:
     if msg.worker_id not in st.live:
         start = st.start.get(msg.worker_id)
         if start is not None and start > st.round:
-            raise Rejected("FAILED_PRECONDITION", f"worker {msg.worker_id} takes part from round {start}; "
-                                                  f"round {st.round} is still open")
+            raise Rejected(
+                "FAILED_PRECONDITION",
+                f"worker {msg.worker_id} takes part from round {start}; round {st.round} is still open",
+            )
         raise Rejected("FAILED_PRECONDITION", f"worker {msg.worker_id} was dropped from the run (join again)")
     if msg.round != st.round:
         raise Rejected("FAILED_PRECONDITION", f"list for round {msg.round} but the open round is {st.round}")
     if msg.worker_id in st.pending:
         raise Rejected("FAILED_PRECONDITION", f"worker {msg.worker_id} already submitted round {st.round}")
     if msg.checksum != st.checksum:
-        raise Rejected("FAILED_PRECONDITION", f"model checksum {msg.checksum[:16]}... differs from the server's "
-                                              f"{st.checksum[:16]}... at round {st.round} (fetch the model again)")
+        raise Rejected(
+            "FAILED_PRECONDITION",
+            f"model checksum {msg.checksum[:16]}... differs from the server's "
+            f"{st.checksum[:16]}... at round {st.round} (fetch the model again)",
+        )
     n = len(msg.index)
     if n != len(msg.delta):
         raise Rejected("INVALID_ARGUMENT", f"{n} indices but {len(msg.delta)} deltas")
@@ -320,8 +340,10 @@ def _validate(st: ServerState, cfg: ServerConfig, msg: DeltaList) -> None:
         raise Rejected("INVALID_ARGUMENT", "mutation indices must be strictly increasing (sorted, no repeats)")
     d = np.asarray(msg.delta, np.float32)
     if not np.all(np.isfinite(d)):
-        raise Rejected("INVALID_ARGUMENT", f"delta {float(d[~np.isfinite(d)][0])} at entry "
-                                           f"{int(np.flatnonzero(~np.isfinite(d))[0])} is not finite")
+        raise Rejected(
+            "INVALID_ARGUMENT",
+            f"delta {float(d[~np.isfinite(d)][0])} at entry {int(np.flatnonzero(~np.isfinite(d))[0])} is not finite",
+        )
 
 
 def submit(st: ServerState, cfg: ServerConfig, msg: DeltaList, *, now: float) -> ServerState:
@@ -348,10 +370,18 @@ def _close(st: ServerState, cfg: ServerConfig, *, now: float) -> ServerState:
     digest = checksum(w, st.thresh, cfg.c_in, cfg.ternary, st.head)
     dropped = tuple(sorted(set(st.live) - set(contributors)))
     joined = tuple(sorted(wid for wid, r in st.start.items() if r == st.round + 1))
-    res = RoundResult(True, st.round, tuple(int(i) for i in chosen), digest, contributors, dropped,
-                      st.round + 1 >= cfg.rounds)
-    return st._replace(w=w, round=st.round + 1, opened_at=now, live=contributors + joined, pending={},
-                       results={**st.results, st.round: res}, checksum=digest)
+    res = RoundResult(
+        True, st.round, tuple(int(i) for i in chosen), digest, contributors, dropped, st.round + 1 >= cfg.rounds
+    )
+    return st._replace(
+        w=w,
+        round=st.round + 1,
+        opened_at=now,
+        live=contributors + joined,
+        pending={},
+        results={**st.results, st.round: res},
+        checksum=digest,
+    )
 
 
 def tick(st: ServerState, cfg: ServerConfig, *, now: float) -> ServerState:
@@ -367,8 +397,9 @@ def tick(st: ServerState, cfg: ServerConfig, *, now: float) -> ServerState:
     return st
 
 
-def result(st: ServerState, cfg: ServerConfig, run_id: str, worker_id: int, rnd: int, seq: int, signature: bytes, *,
-           now: float) -> tuple[ServerState, RoundResult]:
+def result(
+    st: ServerState, cfg: ServerConfig, run_id: str, worker_id: int, rnd: int, seq: int, signature: bytes, *, now: float
+) -> tuple[ServerState, RoundResult]:
     """The result of round ``rnd`` (``ready=False`` while it is open) for worker ``worker_id``'s
     signed request (:func:`result_request_bytes`)."""
     _check_run(cfg, run_id)
@@ -379,4 +410,3 @@ def result(st: ServerState, cfg: ServerConfig, run_id: str, worker_id: int, rnd:
     if rnd > st.round:
         raise Rejected("INVALID_ARGUMENT", f"round {rnd} is in the future (the open round is {st.round})")
     return st, RoundResult(False, rnd, finished=_finished(st, cfg))
-

@@ -105,7 +105,7 @@ def im2col3x3(x) -> np.ndarray:
     x = np.asarray(x, np.uint32)
     _, h, w, _ = x.shape
     xp = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
-    return np.concatenate([xp[:, dy:dy + h, dx:dx + w, :] for dy in range(3) for dx in range(3)], axis=-1)
+    return np.concatenate([xp[:, dy : dy + h, dx : dx + w, :] for dy in range(3) for dx in range(3)], axis=-1)
 
 
 def conv3x3_dots(x, sign, mask=None, *, c: int | None = None) -> np.ndarray:

@@ -58,8 +58,14 @@ def main(argv: list[str]) -> int:
         print(f"zeroth binary server: error: {e}", file=sys.stderr)
         return 2
     init = launch.initial_model(dcfg)
-    server = S.Server(init.server_config, init.w, init.thresh, init.head, token=token,
-                      secret=None if args.insecure else identity.secret_from_env())
+    server = S.Server(
+        init.server_config,
+        init.w,
+        init.thresh,
+        init.head,
+        token=token,
+        secret=None if args.insecure else identity.secret_from_env(),
+    )
     try:
         port = server.start(args.listen, tls)
     except OSError as e:
@@ -72,8 +78,12 @@ def main(argv: list[str]) -> int:
     try:
         while server.snapshot().round < dcfg.rounds:
             if time.monotonic() - start > limit:
-                print(f"zeroth binary server: error: the run did not finish {dcfg.rounds} rounds within {limit:g} s "
-                      f"(at round {server.snapshot().round})", file=sys.stderr, flush=True)
+                print(
+                    f"zeroth binary server: error: the run did not finish {dcfg.rounds} rounds within {limit:g} s "
+                    f"(at round {server.snapshot().round})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 code = 1
                 break
             time.sleep(0.1)
@@ -85,8 +95,11 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     summary = {**launch.server_summary(dcfg, server, init), "wall_s": time.monotonic() - start}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"zeroth binary server: {server.snapshot().round} rounds, test accuracy {summary['test_accuracy_before']:.4f} "
-          f"-> {summary['test_accuracy']:.4f}, checksum {summary['final_checksum']}", flush=True)
+    print(
+        f"zeroth binary server: {server.snapshot().round} rounds, test accuracy {summary['test_accuracy_before']:.4f} "
+        f"-> {summary['test_accuracy']:.4f}, checksum {summary['final_checksum']}",
+        flush=True,
+    )
     return code
 
 

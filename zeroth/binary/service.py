@@ -32,7 +32,18 @@ from zeroth.binary.proto import binary_pb2 as pb
 from zeroth.binary.proto import binary_pb2_grpc as pbg
 from zeroth.transport import channels, guard, identity, security
 
-__all__ = ["JOIN_ADDRESS", "MAX_MESSAGE_BYTES", "CHANNEL_OPTIONS", "SERVER_OPTIONS", "Server", "limits", "encode_deltas", "decode_deltas", "encode_result", "decode_result"]
+__all__ = [
+    "JOIN_ADDRESS",
+    "MAX_MESSAGE_BYTES",
+    "CHANNEL_OPTIONS",
+    "SERVER_OPTIONS",
+    "Server",
+    "limits",
+    "encode_deltas",
+    "decode_deltas",
+    "encode_result",
+    "decode_result",
+]
 
 MAX_MESSAGE_BYTES = 64 << 20  # a model or a round's mutations; larger messages are refused (RESOURCE_EXHAUSTED)
 CHANNEL_OPTIONS = channels.channel_options(MAX_MESSAGE_BYTES)  # with keepalive: a frozen server ends a worker's call
@@ -41,24 +52,49 @@ JOIN_ADDRESS = "zeroth-binary-worker"  # what a worker's join proof binds beside
 
 
 def encode_deltas(d: P.DeltaList) -> pb.DeltaList:
-    return pb.DeltaList(run_id=d.run_id, worker_id=d.worker_id, round=d.round, index=[int(i) for i in d.index],
-                        delta=[float(x) for x in d.delta], checksum=d.checksum, examples=d.examples, loss=d.loss,
-                        signature=d.signature)
+    return pb.DeltaList(
+        run_id=d.run_id,
+        worker_id=d.worker_id,
+        round=d.round,
+        index=[int(i) for i in d.index],
+        delta=[float(x) for x in d.delta],
+        checksum=d.checksum,
+        examples=d.examples,
+        loss=d.loss,
+        signature=d.signature,
+    )
 
 
 def decode_deltas(m: pb.DeltaList) -> P.DeltaList:
-    return P.DeltaList(m.run_id, m.worker_id, m.round, np.asarray(m.index, np.int64), np.asarray(m.delta, np.float32),
-                       m.checksum, m.examples, m.loss, bytes(m.signature))
+    return P.DeltaList(
+        m.run_id,
+        m.worker_id,
+        m.round,
+        np.asarray(m.index, np.int64),
+        np.asarray(m.delta, np.float32),
+        m.checksum,
+        m.examples,
+        m.loss,
+        bytes(m.signature),
+    )
 
 
 def encode_result(r: P.RoundResult) -> pb.RoundResult:
-    return pb.RoundResult(ready=r.ready, round=r.round, mutations=list(r.mutations), checksum=r.checksum,
-                          contributors=list(r.contributors), dropped=list(r.dropped), finished=r.finished)
+    return pb.RoundResult(
+        ready=r.ready,
+        round=r.round,
+        mutations=list(r.mutations),
+        checksum=r.checksum,
+        contributors=list(r.contributors),
+        dropped=list(r.dropped),
+        finished=r.finished,
+    )
 
 
 def decode_result(m: pb.RoundResult) -> P.RoundResult:
-    return P.RoundResult(m.ready, m.round, tuple(m.mutations), m.checksum, tuple(m.contributors), tuple(m.dropped),
-                         m.finished)
+    return P.RoundResult(
+        m.ready, m.round, tuple(m.mutations), m.checksum, tuple(m.contributors), tuple(m.dropped), m.finished
+    )
 
 
 def limits(cfg: P.ServerConfig) -> guard.Limits:
@@ -80,8 +116,17 @@ class Server(pbg.BinaryMutationsServicer):
     (``PERMISSION_DENIED`` otherwise). Without it, any caller that passes the token may join.
     """
 
-    def __init__(self, cfg: P.ServerConfig, w, thresh, head=None, *, on_round=None, token: str | None = None,
-                 secret: str | None = None):
+    def __init__(
+        self,
+        cfg: P.ServerConfig,
+        w,
+        thresh,
+        head=None,
+        *,
+        on_round=None,
+        token: str | None = None,
+        secret: str | None = None,
+    ):
         self.cfg = cfg
         self.token = token
         self.secret = secret
@@ -101,8 +146,10 @@ class Server(pbg.BinaryMutationsServicer):
             except P.Rejected as e:
                 context.abort(getattr(grpc.StatusCode, e.code), e.message)
             if replay is not None and not self._replays.accept(self.cfg.run_id, *replay):
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"worker {replay[0]}'s request number {replay[1]} "
-                              "was seen before (a replay)")
+                context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"worker {replay[0]}'s request number {replay[1]} was seen before (a replay)",
+                )
             self.state = state
             if self._on_round is not None:
                 for r in range(before + 1, self.state.round + 1):
@@ -112,29 +159,56 @@ class Server(pbg.BinaryMutationsServicer):
     def Join(self, request, context):
         def fn(st):
             if request.rejoin:
-                st, r = P.rejoin(st, self.cfg, request.run_id, request.worker_id, request.seq, request.signature,
-                                 now=time.monotonic())
+                st, r = P.rejoin(
+                    st,
+                    self.cfg,
+                    request.run_id,
+                    request.worker_id,
+                    request.seq,
+                    request.signature,
+                    now=time.monotonic(),
+                )
             else:
                 if self.secret is not None and not identity.check_join_proof(
-                        self.secret, request.proof, self.cfg.run_id, JOIN_ADDRESS, request.key):
-                    raise P.Rejected("PERMISSION_DENIED", "the join carries no valid proof of the run secret "
-                                                          "(every process of the run needs the same ZEROTH_SECRET)")
+                    self.secret, request.proof, self.cfg.run_id, JOIN_ADDRESS, request.key
+                ):
+                    raise P.Rejected(
+                        "PERMISSION_DENIED",
+                        "the join carries no valid proof of the run secret "
+                        "(every process of the run needs the same ZEROTH_SECRET)",
+                    )
                 st, r = P.join(st, self.cfg, request.run_id, request.key, now=time.monotonic())
-            return st, pb.JoinReply(worker_id=r.worker_id, round=r.round, model=r.model, checksum=r.checksum,
-                                    n_mutations=r.n_mutations, max_entries=r.max_entries, finished=r.finished,
-                                    model_round=r.model_round)
+            return st, pb.JoinReply(
+                worker_id=r.worker_id,
+                round=r.round,
+                model=r.model,
+                checksum=r.checksum,
+                n_mutations=r.n_mutations,
+                max_entries=r.max_entries,
+                finished=r.finished,
+                model_round=r.model_round,
+            )
 
         return self._call(context, fn, (request.worker_id, request.seq) if request.rejoin else None)
 
     def Submit(self, request, context):
         msg = decode_deltas(request)
-        return self._call(context, lambda st: (P.submit(st, self.cfg, msg, now=time.monotonic()),
-                                               pb.SubmitReply(accepted=True)))
+        return self._call(
+            context, lambda st: (P.submit(st, self.cfg, msg, now=time.monotonic()), pb.SubmitReply(accepted=True))
+        )
 
     def Result(self, request, context):
         def fn(st):
-            st, r = P.result(st, self.cfg, request.run_id, request.worker_id, request.round, request.seq,
-                             request.signature, now=time.monotonic())
+            st, r = P.result(
+                st,
+                self.cfg,
+                request.run_id,
+                request.worker_id,
+                request.round,
+                request.seq,
+                request.signature,
+                now=time.monotonic(),
+            )
             return st, encode_result(r)
 
         return self._call(context, fn, (request.worker_id, request.seq))

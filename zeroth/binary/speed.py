@@ -58,8 +58,17 @@ def _timed(fn, args, warm, reps) -> Timing:
     return timeit(lambda: jax.block_until_ready(f(*args)), warmup=warm, repeats=reps)
 
 
-def binary_rows(*, batch: int = 256, features: int = 1024, channels: int = 64, image: int = 28, conv_batch: int = 8,
-                repeats: int = 5, warmup: int = 1, host: bool = True) -> list[dict]:
+def binary_rows(
+    *,
+    batch: int = 256,
+    features: int = 1024,
+    channels: int = 64,
+    image: int = 28,
+    conv_batch: int = 8,
+    repeats: int = 5,
+    warmup: int = 1,
+    host: bool = True,
+) -> list[dict]:
     """Rows: dense ``[batch, features] x [features, features]`` and conv ``[conv_batch, image, image, channels]``.
 
     Returns dicts with ``layer``, ``shape``, ``kind`` (binary / float32), ``impl``, ``seconds_min``,
@@ -70,8 +79,19 @@ def binary_rows(*, batch: int = 256, features: int = 1024, channels: int = 64, i
     rows: list[dict] = []
 
     def add(layer, shape, kind, impl, ops, t, note=""):
-        rows.append({"layer": layer, "shape": shape, "kind": kind, "impl": impl, "ops": ops,
-                     "seconds_min": t.min_s, "seconds_median": t.median_s, "ops_per_s": ops / t.min_s, "note": note})
+        rows.append(
+            {
+                "layer": layer,
+                "shape": shape,
+                "kind": kind,
+                "impl": impl,
+                "ops": ops,
+                "seconds_min": t.min_s,
+                "seconds_median": t.median_s,
+                "ops_per_s": ops / t.min_s,
+                "note": note,
+            }
+        )
 
     # dense
     n, o = features, features
@@ -84,12 +104,26 @@ def binary_rows(*, batch: int = 256, features: int = 1024, channels: int = 64, i
     tf = _timed(lambda a, b: jnp.dot(a, b), (xf, wf), warmup, repeats)
     add("dense", shape, "float32", "xla", ops, tf, "jnp.dot")
     for impl in _impls(backend):
-        add("dense", shape, "binary", impl, ops,
-            _timed(lambda a, b, c: kb.dense(a, b, c, n=n, impl=impl), (x, w, t), warmup, repeats), "XOR-popcount + threshold")
+        add(
+            "dense",
+            shape,
+            "binary",
+            impl,
+            ops,
+            _timed(lambda a, b, c: kb.dense(a, b, c, n=n, impl=impl), (x, w, t), warmup, repeats),
+            "XOR-popcount + threshold",
+        )
     if host:
         xh, wh, th = np.asarray(x), np.asarray(w), np.asarray(t)
-        add("dense", shape, "binary", "numpy", ops,
-            timeit(lambda: R.dense(xh, wh, th, n=n), warmup=warmup, repeats=repeats), "np.bitwise_count")
+        add(
+            "dense",
+            shape,
+            "binary",
+            "numpy",
+            ops,
+            timeit(lambda: R.dense(xh, wh, th, n=n), warmup=warmup, repeats=repeats),
+            "np.bitwise_count",
+        )
 
     # conv 3x3
     c = channels
@@ -107,18 +141,29 @@ def binary_rows(*, batch: int = 256, features: int = 1024, channels: int = 64, i
 
     add("conv3x3", shape, "float32", "xla", ops, _timed(fconv, (xf, kf), warmup, repeats), "lax.conv_general_dilated")
     for impl in _impls(backend):
-        add("conv3x3", shape, "binary", impl, ops,
+        add(
+            "conv3x3",
+            shape,
+            "binary",
+            impl,
+            ops,
             _timed(lambda a, b, d: kb.conv3x3(a, b, d, c=c, impl=impl), (x, w, t), warmup, repeats),
-            "bit-packed im2col + XOR-popcount")
+            "bit-packed im2col + XOR-popcount",
+        )
     if host:
         xh, wh, th = np.asarray(x), np.asarray(w), np.asarray(t)
-        add("conv3x3", shape, "binary", "numpy", ops,
-            timeit(lambda: R.conv3x3(xh, wh, th, c=c), warmup=warmup, repeats=repeats), "np.bitwise_count")
+        add(
+            "conv3x3",
+            shape,
+            "binary",
+            "numpy",
+            ops,
+            timeit(lambda: R.conv3x3(xh, wh, th, c=c), warmup=warmup, repeats=repeats),
+            "np.bitwise_count",
+        )
 
     for r in rows:
         if r["kind"] == "binary":
             f = next(q for q in rows if q["layer"] == r["layer"] and q["kind"] == "float32")
             r["speedup_vs_float32"] = f["seconds_min"] / r["seconds_min"]
     return rows
-
-

@@ -39,10 +39,27 @@ import optax
 from zeroth.binary import flips as F
 from zeroth.binary import layers as L
 
-__all__ = ["METHODS", "HEADS", "ADAM", "TrainConfig", "LayerResult", "LayerState", "LayerInterrupted", "init_state",
-           "features", "fit_head",
-           "step_cost", "step_functions", "train_layer", "save_state", "load_state", "predict", "accuracy", "evaluate",
-           "layer_outputs"]
+__all__ = [
+    "METHODS",
+    "HEADS",
+    "ADAM",
+    "TrainConfig",
+    "LayerResult",
+    "LayerState",
+    "LayerInterrupted",
+    "init_state",
+    "features",
+    "fit_head",
+    "step_cost",
+    "step_functions",
+    "train_layer",
+    "save_state",
+    "load_state",
+    "predict",
+    "accuracy",
+    "evaluate",
+    "layer_outputs",
+]
 
 METHODS = ("flips", "evolution", "ste", "head")
 STE_INIT = 0.1  # STE shadow weights start at STE_INIT * (the initial {-1, 0, +1} weights)
@@ -65,9 +82,10 @@ class TrainConfig(NamedTuple):
     votes_scale: float = 8.0  # logit scale of the votes head
     seed: int = 0
     accept_batch: int = 0  # flips: > 0 applies a step's flips only if they lower the loss on this many other examples
-    refit_every: int = 0  # flips: > 0 refits the head to convergence (fit_head) every this many steps, on refit_size examples
+    refit_every: int = (
+        0  # flips: > 0 refits the head to convergence (fit_head) every this many steps, on refit_size examples
+    )
     refit_size: int = 1024
-
 
     def check(self) -> "TrainConfig":
         if self.method not in METHODS:
@@ -78,11 +96,15 @@ class TrainConfig(NamedTuple):
             if getattr(self, name) < 1:
                 raise ValueError(f"binary {name} must be >= 1, got {getattr(self, name)}")
         if self.refit_every < 0 or (self.refit_every and self.method != "flips") or self.refit_size < 1:
-            raise ValueError(f"binary refit_every must be 0, or > 0 with method 'flips' and refit_size >= 1 (got "
-                             f"{self.refit_every}, {self.refit_size} with {self.method!r})")
+            raise ValueError(
+                f"binary refit_every must be 0, or > 0 with method 'flips' and refit_size >= 1 (got "
+                f"{self.refit_every}, {self.refit_size} with {self.method!r})"
+            )
         if self.accept_batch < 0 or (self.accept_batch and self.method != "flips"):
-            raise ValueError(f"binary accept_batch must be 0, or > 0 with method 'flips' (got {self.accept_batch} "
-                             f"with {self.method!r})")
+            raise ValueError(
+                f"binary accept_batch must be 0, or > 0 with method 'flips' (got {self.accept_batch} "
+                f"with {self.method!r})"
+            )
         return self
 
 
@@ -229,8 +251,18 @@ def step_cost(cfg: TrainConfig) -> tuple[int, int]:
     return head[0] + extra, head[1]
 
 
-def train_layer(spec: L.ConvSpec, x, y, cfg: TrainConfig, *, classes: int, layer_index: int = 0,
-                log=None, state: LayerState | None = None, stop=None) -> LayerResult:
+def train_layer(
+    spec: L.ConvSpec,
+    x,
+    y,
+    cfg: TrainConfig,
+    *,
+    classes: int,
+    layer_index: int = 0,
+    log=None,
+    state: LayerState | None = None,
+    stop=None,
+) -> LayerResult:
     """Train one layer on packed inputs ``x: u32[N, H, W, words(C)]`` with labels ``y: int32[N]``.
 
     Args:
@@ -255,8 +287,19 @@ def train_layer(spec: L.ConvSpec, x, y, cfg: TrainConfig, *, classes: int, layer
     history, t0 = list(st.history), time.perf_counter() - st.seconds
     for step in range(st.step, cfg.steps):
         if stop is not None and stop():
-            raise LayerInterrupted(LayerState(step, layer, head, head_state, shadow, ste_state, rng.bit_generator.state,
-                                              history, time.perf_counter() - t0))
+            raise LayerInterrupted(
+                LayerState(
+                    step,
+                    layer,
+                    head,
+                    head_state,
+                    shadow,
+                    ste_state,
+                    rng.bit_generator.state,
+                    history,
+                    time.perf_counter() - t0,
+                )
+            )
         idx = _batch(n, cfg, layer_index, step)
         xb, yb = jnp.asarray(x[idx]), jnp.asarray(y[idx])
         applied = 0
@@ -274,7 +317,8 @@ def train_layer(spec: L.ConvSpec, x, y, cfg: TrainConfig, *, classes: int, layer
             wnp = np.asarray(layer.w)
             if cfg.method == "flips" and cfg.refit_every and step % cfg.refit_every == 0:
                 ridx = np.random.default_rng([cfg.seed, layer_index, 6, step]).choice(
-                    n, size=min(cfg.refit_size, n), replace=False)
+                    n, size=min(cfg.refit_size, n), replace=False
+                )
                 w_fit, b_fit, _ = fit_head(features(layer, x[ridx], spec, cfg.grid), y[ridx], head.b.shape[0])
                 head = L.Head(jnp.asarray(w_fit.reshape(head.a.shape)), jnp.asarray(b_fit))
             if cfg.method == "flips":
@@ -282,17 +326,24 @@ def train_layer(spec: L.ConvSpec, x, y, cfg: TrainConfig, *, classes: int, layer
                 trial = layer
                 if chosen.size:
                     trial = L.ConvLayer(jnp.asarray(F.apply_mutations_np(wnp, chosen, spec.ternary)), layer.thresh)
-                if chosen.size and cfg.accept_batch:  # kept only if the loss falls on examples the flips were not scored on
+                if (
+                    chosen.size and cfg.accept_batch
+                ):  # kept only if the loss falls on examples the flips were not scored on
                     hidx = np.random.default_rng([cfg.seed, layer_index, 5, step]).choice(
-                        n, size=min(cfg.accept_batch, n), replace=False)
+                        n, size=min(cfg.accept_batch, n), replace=False
+                    )
                     xh, yh = jnp.asarray(x[hidx]), jnp.asarray(y[hidx])
                     if float(fns.loss(trial, head, xh, yh)) >= float(fns.loss(layer, head, xh, yh)):
                         trial, chosen = layer, chosen[:0]
                 layer, applied = trial, int(chosen.size)
             elif cfg.method == "evolution":
                 before = float(fns.loss(layer, head, xb, yb))
-                trial = L.ConvLayer(jnp.asarray(F.apply_mutations_np(
-                    wnp, _random_mutations(rng, wnp, cfg.k, spec.ternary), spec.ternary)), layer.thresh)
+                trial = L.ConvLayer(
+                    jnp.asarray(
+                        F.apply_mutations_np(wnp, _random_mutations(rng, wnp, cfg.k, spec.ternary), spec.ternary)
+                    ),
+                    layer.thresh,
+                )
                 if float(fns.loss(trial, head, xb, yb)) < before:
                     layer, applied = trial, cfg.k
         rec = {"step": step, "loss": float(loss), "flips": applied, "seconds": time.perf_counter() - t0}
@@ -321,10 +372,14 @@ def load_state(path: str | os.PathLike, template: LayerState) -> LayerState:
     with np.load(path, allow_pickle=False) as z:
         got = [z[f"leaf{i}"] for i in range(sum(k.startswith("leaf") for k in z.files))]
         meta = json.loads(str(z["meta"]))
-    if len(got) != len(leaves) or any(a.shape != np.shape(b) or a.dtype != np.asarray(b).dtype for a, b in zip(got, leaves)):
+    if len(got) != len(leaves) or any(
+        a.shape != np.shape(b) or a.dtype != np.asarray(b).dtype for a, b in zip(got, leaves)
+    ):
         raise ValueError(f"{path}: the saved layer state does not match this layer's config (other shapes or dtypes)")
     layer, head, head_state, shadow, ste_state = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(a) for a in got])
-    return LayerState(meta["step"], layer, head, head_state, shadow, ste_state, meta["rng"], meta["history"], meta["seconds"])
+    return LayerState(
+        meta["step"], layer, head, head_state, shadow, ste_state, meta["rng"], meta["history"], meta["seconds"]
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -336,7 +391,7 @@ def _out(layer, x, spec):
 def _chunks(x: np.ndarray, chunk: int):
     """Equal-size chunks (the last one padded with zero rows), so one compilation serves every dataset size."""
     for i in range(0, len(x), chunk):
-        part = x[i:i + chunk]
+        part = x[i : i + chunk]
         yield len(part), jnp.asarray(np.concatenate([part, np.zeros((chunk - len(part),) + x.shape[1:], x.dtype)]))
 
 
@@ -377,7 +432,7 @@ def evaluate(layer, head, x, y, spec, grid, *, chunk: int = 256) -> tuple[float,
     loss, right = 0.0, 0
     for i, (m, xb) in enumerate(_chunks(x, chunk)):
         yb = np.zeros(chunk, np.int32)
-        yb[:m] = y[i * chunk:i * chunk + m]
+        yb[:m] = y[i * chunk : i * chunk + m]
         l_sum, r = _eval_chunk(layer, head, xb, jnp.asarray(yb), jnp.arange(chunk) < m, spec, grid)
         loss, right = loss + float(l_sum), right + int(r)
     return loss / len(y), right / len(y)
@@ -398,8 +453,9 @@ def features(layer: L.ConvLayer, x, spec: L.ConvSpec, grid: int, *, chunk: int =
     return np.concatenate([np.asarray(_features_chunk(layer, xb, spec, grid))[:m] for m, xb in _chunks(x, chunk)])
 
 
-def fit_head(f_train: np.ndarray, y_train: np.ndarray, classes: int, *, l2: float = 1e-4, tol: float = 1e-5,
-             max_iter: int = 2000) -> tuple[np.ndarray, np.ndarray, dict]:
+def fit_head(
+    f_train: np.ndarray, y_train: np.ndarray, classes: int, *, l2: float = 1e-4, tol: float = 1e-5, max_iter: int = 2000
+) -> tuple[np.ndarray, np.ndarray, dict]:
     """A converged multinomial logistic regression ``(W f32[D, K], b f32[K], info)`` on ``f_train``.
 
     Minimises mean cross-entropy + ``l2 * ||W||^2`` (features standardised first, folded back into
@@ -408,13 +464,22 @@ def fit_head(f_train: np.ndarray, y_train: np.ndarray, classes: int, *, l2: floa
     """
     f = jnp.asarray(f_train, jnp.float32)
     mu, sd = f.mean(0), f.std(0) + 1e-6
-    p, value, gmax, it = _lbfgs((f - mu[None, :]) / sd[None, :], jnp.asarray(y_train, jnp.int32), classes, jnp.float32(l2),
-                                jnp.float32(tol), max_iter)
+    p, value, gmax, it = _lbfgs(
+        (f - mu[None, :]) / sd[None, :],
+        jnp.asarray(y_train, jnp.int32),
+        classes,
+        jnp.float32(l2),
+        jnp.float32(tol),
+        max_iter,
+    )
     w = p[0] / sd[:, None]
     b = p[1] - mu @ w
     gmax = float(gmax)
-    return np.asarray(w), np.asarray(b), {"converged": gmax <= tol, "iterations": int(it), "loss": float(value),
-                                          "grad_max": gmax}
+    return (
+        np.asarray(w),
+        np.asarray(b),
+        {"converged": gmax <= tol, "iterations": int(it), "loss": float(value), "grad_max": gmax},
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("classes", "max_iter"))

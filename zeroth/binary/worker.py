@@ -79,10 +79,20 @@ class DistConfig(NamedTuple):
     def server_config(self, image_hw: tuple[int, int] = (0, 0)) -> P.ServerConfig:
         """The server's config; a trained head needs the image size (its number of regions)."""
         regions = len(L.regions(*image_hw, self.grid).counts) if self.head == "trained" else 0
-        return P.ServerConfig(self.run_id, self.levels, self.c_out, self.ternary, self.k, self.rounds,
-                              max_entries=self.max_entries, round_timeout_s=self.round_timeout_s,
-                              founders=self.founders, regions=regions, classes=self.classes if regions else 0,
-                              min_workers=self.min_workers)
+        return P.ServerConfig(
+            self.run_id,
+            self.levels,
+            self.c_out,
+            self.ternary,
+            self.k,
+            self.rounds,
+            max_entries=self.max_entries,
+            round_timeout_s=self.round_timeout_s,
+            founders=self.founders,
+            regions=regions,
+            classes=self.classes if regions else 0,
+            min_workers=self.min_workers,
+        )
 
 
 def load_split(cfg: DistConfig, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -131,9 +141,19 @@ def _dropped(e: grpc.RpcError) -> bool:
     return e.code() == grpc.StatusCode.FAILED_PRECONDITION and "dropped from the run" in (e.details() or "")
 
 
-def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: float = 0.02, max_wait_s: float = 120.0,
-               hold: str | None = None, token: str | None = None, tls: security.TLSFiles | None = None,
-               secret: str | None = None, max_rejoins: int = 100) -> dict:
+def run_worker(
+    address: str,
+    cfg: DistConfig,
+    metrics_path: str,
+    *,
+    poll_s: float = 0.02,
+    max_wait_s: float = 120.0,
+    hold: str | None = None,
+    token: str | None = None,
+    tls: security.TLSFiles | None = None,
+    secret: str | None = None,
+    max_rejoins: int = 100,
+) -> dict:
     """Join the server at ``address`` and take part until the run finishes; returns a summary.
 
     ``token``: the run's access token, carried by every call (the server refuses calls without it);
@@ -170,9 +190,16 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
         deadline = time.monotonic() + max_wait_s
         while True:
             n = seq.next()
-            res = stub.Result(pb.ResultRequest(run_id=cfg.run_id, worker_id=wid, round=r, seq=n,
-                                               signature=me.sign(P.result_request_bytes(cfg.run_id, wid, r, n))),
-                              timeout=30)
+            res = stub.Result(
+                pb.ResultRequest(
+                    run_id=cfg.run_id,
+                    worker_id=wid,
+                    round=r,
+                    seq=n,
+                    signature=me.sign(P.result_request_bytes(cfg.run_id, wid, r, n)),
+                ),
+                timeout=30,
+            )
             if res.ready:
                 return res
             if time.monotonic() > deadline:
@@ -184,14 +211,24 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
         round, whether the run finished, and the reply."""
         if wid is None:
             # the server may still be starting (on another host, launched at the same time): wait for it
-            rep = stub.Join(pb.JoinRequest(run_id=cfg.run_id, key=me.public, proof=proof), timeout=max_wait_s,
-                            wait_for_ready=True)
+            rep = stub.Join(
+                pb.JoinRequest(run_id=cfg.run_id, key=me.public, proof=proof), timeout=max_wait_s, wait_for_ready=True
+            )
         else:
             n = seq.next()
-            rep = stub.Join(pb.JoinRequest(run_id=cfg.run_id, rejoin=True, worker_id=wid, seq=n,
-                                           signature=me.sign(P.rejoin_bytes(cfg.run_id, wid, n))), timeout=max_wait_s)
-        w, thresh, shipped = P.model_from_bytes(rep.model, cfg.levels, cfg.c_out, cfg.ternary, regions=scfg.regions,
-                                                classes=scfg.classes)
+            rep = stub.Join(
+                pb.JoinRequest(
+                    run_id=cfg.run_id,
+                    rejoin=True,
+                    worker_id=wid,
+                    seq=n,
+                    signature=me.sign(P.rejoin_bytes(cfg.run_id, wid, n)),
+                ),
+                timeout=max_wait_s,
+            )
+        w, thresh, shipped = P.model_from_bytes(
+            rep.model, cfg.levels, cfg.c_out, cfg.ternary, regions=scfg.regions, classes=scfg.classes
+        )
         mine = P.checksum(w, thresh, cfg.levels, cfg.ternary, shipped)
         if mine != rep.checksum:
             raise RuntimeError(f"worker {rep.worker_id}: fetched model checksum {mine} != server's {rep.checksum}")
@@ -216,8 +253,12 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
 
     w, mine, finished = catch_up(w, mine, rep)
     with open(metrics_path, "a") as log:
-        log.write(json.dumps({"event": "join", "worker": wid, "round": rnd, "model_bytes": len(rep.model),
-                              "checksum_ok": True}) + "\n")
+        log.write(
+            json.dumps(
+                {"event": "join", "worker": wid, "round": rnd, "model_bytes": len(rep.model), "checksum_ok": True}
+            )
+            + "\n"
+        )
         while not finished:
             rng = np.random.default_rng([cfg.seed, wid, rnd])
             idx = rng.choice(shard, size=min(cfg.batch_size, shard.size), replace=False)
@@ -239,8 +280,18 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
                 w, thresh, shipped, mine, rep = enter()
                 rnd = rep.round
                 w, mine, finished = catch_up(w, mine, rep)
-                log.write(json.dumps({"event": "rejoin", "worker": wid, "round": rnd, "model_bytes": len(rep.model),
-                                      "checksum_ok": True}) + "\n")
+                log.write(
+                    json.dumps(
+                        {
+                            "event": "rejoin",
+                            "worker": wid,
+                            "round": rnd,
+                            "model_bytes": len(rep.model),
+                            "checksum_ok": True,
+                        }
+                    )
+                    + "\n"
+                )
                 log.flush()
                 continue
             res = wait_result(rnd)
@@ -249,10 +300,25 @@ def run_worker(address: str, cfg: DistConfig, metrics_path: str, *, poll_s: floa
             ok = mine == res.checksum
             matches += ok
             rounds += 1
-            log.write(json.dumps({"event": "round", "worker": wid, "round": rnd, "entries": int(index.size),
-                                  "bytes_up": msg.ByteSize(), "bytes_down": res.ByteSize(), "dense_float32_bytes": dense,
-                                  "loss": loss / len(idx), "flips": len(res.mutations), "checksum_ok": ok,
-                                  "contributors": list(res.contributors), "dropped": list(res.dropped)}) + "\n")
+            log.write(
+                json.dumps(
+                    {
+                        "event": "round",
+                        "worker": wid,
+                        "round": rnd,
+                        "entries": int(index.size),
+                        "bytes_up": msg.ByteSize(),
+                        "bytes_down": res.ByteSize(),
+                        "dense_float32_bytes": dense,
+                        "loss": loss / len(idx),
+                        "flips": len(res.mutations),
+                        "checksum_ok": ok,
+                        "contributors": list(res.contributors),
+                        "dropped": list(res.dropped),
+                    }
+                )
+                + "\n"
+            )
             log.flush()
             if not ok:
                 raise RuntimeError(f"worker {wid}: checksum {mine} != server's {res.checksum} after round {rnd}")
@@ -268,8 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="the run's DistConfig as JSON")
     p.add_argument("--metrics", required=True, help="JSON lines file to append to")
     p.add_argument("--hold", default=None, help="join only once this file exists (after loading and compiling)")
-    p.add_argument("--insecure", action="store_true",
-                   help="no run secret: calls carry no access token (a server without one, loopback tests only)")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no run secret: calls carry no access token (a server without one, loopback tests only)",
+    )
     security.add_tls_arguments(p)
     args = p.parse_args(argv)
     cfg = DistConfig(**json.loads(args.config))
@@ -279,8 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         p.error(str(e))
     secret = None if args.insecure else identity.secret_from_env()
-    print(json.dumps(run_worker(args.server, cfg, args.metrics, hold=args.hold, token=token, tls=tls, secret=secret)),
-          flush=True)
+    print(
+        json.dumps(run_worker(args.server, cfg, args.metrics, hold=args.hold, token=token, tls=tls, secret=secret)),
+        flush=True,
+    )
     return 0
 
 

@@ -41,13 +41,39 @@ from zeroth.stages import build as _sbuild
 from zeroth.stages import examples as _examples
 from zeroth.stages import partition as _partition
 
-__all__ = ["MB", "Plan", "RUN_ID_EXCLUDE", "active_clusters", "data_of", "examples_of", "first_batch", "join_pieces",
-           "holder", "model_of", "plan_of", "push_pieces", "rings_at", "run_id_of", "sizes_of", "stage_of"]
+__all__ = [
+    "MB",
+    "Plan",
+    "RUN_ID_EXCLUDE",
+    "active_clusters",
+    "data_of",
+    "examples_of",
+    "first_batch",
+    "join_pieces",
+    "holder",
+    "model_of",
+    "plan_of",
+    "push_pieces",
+    "rings_at",
+    "run_id_of",
+    "sizes_of",
+    "stage_of",
+]
 
 MB = 2**20
 STATE_PER_PARAM_BYTE = 4  # parameters, gradient, two AdamW moments
-RUN_ID_EXCLUDE = ("run.out_dir", "run.name", "run.tensorboard", "ravnest.host", "ravnest.timeout_s", "ravnest.kill_at",
-                  "train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "train.eval_every")
+RUN_ID_EXCLUDE = (
+    "run.out_dir",
+    "run.name",
+    "run.tensorboard",
+    "ravnest.host",
+    "ravnest.timeout_s",
+    "ravnest.kill_at",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.log_every",
+    "train.eval_every",
+)
 
 
 class Plan(NamedTuple):
@@ -111,7 +137,9 @@ def model_of(cfg: _config.Config, ex: _examples.Examples) -> tuple[Any, dict]:
 
 
 def _node(d: dict) -> _formation.Node:
-    return _formation.Node(d["name"], float(d["ram_mb"]) * MB, float(d["bandwidth_mbps"]) * 1e6, float(d.get("speed", 1.0)))
+    return _formation.Node(
+        d["name"], float(d["ram_mb"]) * MB, float(d["bandwidth_mbps"]) * 1e6, float(d.get("speed", 1.0))
+    )
 
 
 def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None, model: tuple[Any, dict] | None = None) -> Plan:
@@ -134,8 +162,16 @@ def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None, model: tu
     pool = tuple(dict(n) for n in r.nodes)
     initial = [_node(n) for n in pool if not n.get("backup", False) and "join_round" not in n]
     max_nodes = len(units)
-    form = _formation.form_clusters(initial, r.clusters, peak, message, seed=cfg.run.seed, population=r.population,
-                                    generations=r.generations, max_cluster_nodes=max_nodes)
+    form = _formation.form_clusters(
+        initial,
+        r.clusters,
+        peak,
+        message,
+        seed=cfg.run.seed,
+        population=r.population,
+        generations=r.generations,
+        max_cluster_nodes=max_nodes,
+    )
     layer_bytes = [STATE_PER_PARAM_BYTE * b for b in ubytes]
     stages = list(_formation.plan_stages(form, initial, layer_bytes))
     join_round = [0] * len(stages)
@@ -146,7 +182,8 @@ def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None, model: tu
         if ram < peak:
             raise _formation.InfeasibleError(
                 f"the nodes joining at round {rnd} ({', '.join(g.name for g in group)}) have {ram / MB:.2f} MB of RAM, "
-                f"a cluster needs the model's peak memory {peak / MB:.2f} MB: {(peak - ram) / MB:.2f} MB short")
+                f"a cluster needs the model's peak memory {peak / MB:.2f} MB: {(peak - ram) / MB:.2f} MB short"
+            )
         try:
             ranges = _formation.split_layers([g.ram_bytes for g in group], layer_bytes, names=[g.name for g in group])
         except ValueError as err:
@@ -157,7 +194,9 @@ def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None, model: tu
     stages, workers = tuple(stages), tuple(workers)
     offsets = np.concatenate([[0], np.cumsum(np.asarray(ubytes) // 4)]).astype(int)
     layouts = tuple(tuple((int(offsets[st.start]), int(offsets[st.stop])) for st in cl) for cl in stages)
-    block_ranges = tuple(tuple(_engine.unit_ranges_to_blocks([(st.start, st.stop) for st in cl], n_blocks)) for cl in stages)
+    block_ranges = tuple(
+        tuple(_engine.unit_ranges_to_blocks([(st.start, st.stop) for st in cl], n_blocks)) for cl in stages
+    )
     rings = tuple(_rings.plan_rings([layouts[c] for c in range(len(stages)) if join_round[c] == 0]))
     slots = {workers[st.node].name: (c, s) for c, cl in enumerate(stages) for s, st in enumerate(cl)}
     primaries = {v: k for k, v in slots.items()}
@@ -167,22 +206,44 @@ def plan_of(cfg: _config.Config, ex: _examples.Examples | None = None, model: tu
         if not n.get("backup", False):
             continue
         ram = float(n["ram_mb"]) * MB
-        order = sorted(primaries.items(), key=lambda kv: (by_name[kv[1]].bandwidth_bps, [w.name for w in workers].index(kv[1])))
+        order = sorted(
+            primaries.items(), key=lambda kv: (by_name[kv[1]].bandwidth_bps, [w.name for w in workers].index(kv[1]))
+        )
         for slot, name in order:
             c, s = slot
             st = stages[c][s]
-            need = STATE_PER_PARAM_BYTE * sum(ubytes[st.start:st.stop])
+            need = STATE_PER_PARAM_BYTE * sum(ubytes[st.start : st.stop])
             if slot not in backups and need <= ram:
                 backups[slot] = n["name"]
                 slots[n["name"]] = slot
                 break
         else:
-            raise ValueError(f"config field ravnest.nodes: backup {n['name']!r} ({n['ram_mb']} MB) fits no stage without a backup; "
-                             f"give it more RAM or remove it")
+            raise ValueError(
+                f"config field ravnest.nodes: backup {n['name']!r} ({n['ram_mb']} MB) fits no stage without a backup; "
+                f"give it more RAM or remove it"
+            )
     speeds = {n["name"]: float(n.get("speed", 1.0)) for n in pool}
-    return Plan(run_id_of(cfg), pool, workers, form, stages, block_ranges, layouts, rings, slots, primaries, backups,
-                int(peak), int(message), int(n_params), {k: max(1.0, 1.0 / v) for k, v in speeds.items()}, tuple(join_round),
-                r.average_every, {n["name"]: int(n.get("join_round", 0)) for n in pool if n.get("backup", False)}, units)
+    return Plan(
+        run_id_of(cfg),
+        pool,
+        workers,
+        form,
+        stages,
+        block_ranges,
+        layouts,
+        rings,
+        slots,
+        primaries,
+        backups,
+        int(peak),
+        int(message),
+        int(n_params),
+        {k: max(1.0, 1.0 / v) for k, v in speeds.items()},
+        tuple(join_round),
+        r.average_every,
+        {n["name"]: int(n.get("join_round", 0)) for n in pool if n.get("backup", False)},
+        units,
+    )
 
 
 def sizes_of(cfg: _config.Config, plan: Plan) -> _wire.Sizes:
@@ -253,20 +314,34 @@ def holder(plan: Plan, slot: tuple[int, int], killed=()) -> str:
     return plan.backups[slot] if name in killed else name
 
 
-def stage_of(cfg: _config.Config, plan: Plan, name: str, ex: _examples.Examples,
-             model: tuple[Any, dict] | None = None) -> _engine.AsyncStage:
+def stage_of(
+    cfg: _config.Config, plan: Plan, name: str, ex: _examples.Examples, model: tuple[Any, dict] | None = None
+) -> _engine.AsyncStage:
     """Node ``name``'s stage: its slice of the initial parameters, its optimizer, its emulated speed
     (``model``: :func:`model_of`, when the caller has it already)."""
     c, s = plan.slots[name]
     model, params = model_of(cfg, ex) if model is None else model
-    part = _partition.transformer_partition(params, list(plan.block_ranges[c]), objective=cfg.ravnest.objective,
-                                            heads=model.heads, mlp_dim=model.mlp_dim, pad_id=ex.pad_id)
-    return _engine.AsyncStage(s, len(plan.block_ranges[c]), part.fns[s], part.params[s], _sbuild.optimizer_of(cfg),
-                              slowdown=plan.slowdown[name])
+    part = _partition.transformer_partition(
+        params,
+        list(plan.block_ranges[c]),
+        objective=cfg.ravnest.objective,
+        heads=model.heads,
+        mlp_dim=model.mlp_dim,
+        pad_id=ex.pad_id,
+    )
+    return _engine.AsyncStage(
+        s,
+        len(plan.block_ranges[c]),
+        part.fns[s],
+        part.params[s],
+        _sbuild.optimizer_of(cfg),
+        slowdown=plan.slowdown[name],
+    )
 
 
 def data_of(cfg: _config.Config, ex: _examples.Examples, cluster: int, n_clusters: int):
     """``batch -> (tokens, labels)`` of cluster ``cluster``."""
+
     def data(b: int):
         ids = _driver.batch_ids(cfg.run.seed, cluster, n_clusters, b, cfg.data.batch_size, cfg.ravnest.examples)
         return ex.tokens[ids], ex.labels[ids]
@@ -274,21 +349,33 @@ def data_of(cfg: _config.Config, ex: _examples.Examples, cluster: int, n_cluster
     return data
 
 
-def average_round(plan: Plan, slot: tuple[int, int], flat: np.ndarray, round_id: int, exchange: _rings.Exchange,
-                  timeout_s: float) -> np.ndarray:
+def average_round(
+    plan: Plan, slot: tuple[int, int], flat: np.ndarray, round_id: int, exchange: _rings.Exchange, timeout_s: float
+) -> np.ndarray:
     """Stage ``slot``'s part of averaging round ``round_id`` over ``exchange`` (peers are slots): its rings
     among the active clusters, then the pieces the clusters joining next round fetch. Returns its averaged slice."""
     c, s = slot
     active, rings = rings_at(plan, round_id)
     start = plan.layouts[c][s][0]
-    avg = _rings.average_node(flat, start, rings, active.index(c), s, exchange, round_id=round_id, timeout_s=timeout_s,
-                              peer_of=lambda ci, node: (active[ci], node))
+    avg = _rings.average_node(
+        flat,
+        start,
+        rings,
+        active.index(c),
+        s,
+        exchange,
+        round_id=round_id,
+        timeout_s=timeout_s,
+        peer_of=lambda ci, node: (active[ci], node),
+    )
     for dest, lo, hi in push_pieces(plan, slot, round_id):
-        exchange.send(dest, (0, round_id, "join", s), avg[lo - start:hi - start])
+        exchange.send(dest, (0, round_id, "join", s), avg[lo - start : hi - start])
     return avg
 
 
-def fetch_start(plan: Plan, slot: tuple[int, int], flat: np.ndarray, exchange: _rings.Exchange, timeout_s: float) -> np.ndarray:
+def fetch_start(
+    plan: Plan, slot: tuple[int, int], flat: np.ndarray, exchange: _rings.Exchange, timeout_s: float
+) -> np.ndarray:
     """A late stage's starting slice: ``flat`` (its initial parameters) with every piece of :func:`join_pieces`
     replaced by what the first cluster averaged at the round before it joins."""
     c, s = slot
@@ -299,5 +386,5 @@ def fetch_start(plan: Plan, slot: tuple[int, int], flat: np.ndarray, exchange: _
         piece = np.asarray(exchange.recv(prov, (0, r, "join", prov[1]), timeout_s), np.float32)
         if piece.shape != (hi - lo,):
             raise ValueError(f"join piece from stage {prov} has {piece.size} values, expected {hi - lo}")
-        out[lo - a:hi - a] = piece
+        out[lo - a : hi - a] = piece
     return out

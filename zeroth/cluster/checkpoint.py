@@ -57,8 +57,14 @@ def common_step(folders: list[Path]) -> int | None:
     return max(common) if common else None
 
 
-def save(folder: Path, step: int, arrays: dict[str, np.ndarray], sent: list[tuple[tuple[int, int], bytes]], meta: dict,
-         keep: int = 0) -> Path:
+def save(
+    folder: Path,
+    step: int,
+    arrays: dict[str, np.ndarray],
+    sent: list[tuple[tuple[int, int], bytes]],
+    meta: dict,
+    keep: int = 0,
+) -> Path:
     """Write checkpoint ``step`` atomically; keep the ``keep`` newest (0: all). Returns its path."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -95,11 +101,17 @@ def load(folder: Path, step: int, run_id: str, name: str) -> tuple[dict[str, np.
             arrays = {k: z[k] for k in z.files}  # reads every member: the zip's CRCs catch a changed byte
         meta = json.loads(arrays.pop("meta").tobytes().decode())
     except (zipfile.BadZipFile, OSError, ValueError, KeyError, EOFError) as e:
-        raise CheckpointError(f"checkpoint {path} is damaged ({type(e).__name__}: {e}); delete it to resume from "
-                              "an earlier one, or start a new run") from None
+        raise CheckpointError(
+            f"checkpoint {path} is damaged ({type(e).__name__}: {e}); delete it to resume from "
+            "an earlier one, or start a new run"
+        ) from None
     if meta.get("run_id") != run_id or meta.get("node") != name or meta.get("step") != step:
-        raise CheckpointError(f"checkpoint {path} is of node {meta.get('node')!r} at update {meta.get('step')} of run "
-                              f"{meta.get('run_id')!r}, not of node {name!r} at update {step} of run {run_id!r}")
-    sent = [(tuple(int(v) for v in arrays.pop(f"sent_to/{i}")), arrays.pop(f"sent/{i}").tobytes())
-            for i in range(int(meta["sent"]))]
+        raise CheckpointError(
+            f"checkpoint {path} is of node {meta.get('node')!r} at update {meta.get('step')} of run "
+            f"{meta.get('run_id')!r}, not of node {name!r} at update {step} of run {run_id!r}"
+        )
+    sent = [
+        (tuple(int(v) for v in arrays.pop(f"sent_to/{i}")), arrays.pop(f"sent/{i}").tobytes())
+        for i in range(int(meta["sent"]))
+    ]
     return arrays, sent, meta

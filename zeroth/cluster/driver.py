@@ -123,10 +123,21 @@ class NodeResult(dict):
     """A node's totals: ``updates``, ``compute_s``, ``idle_s``, ``average_s``, ``wall_s``, ``losses``, ``staleness``."""
 
 
-def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, np.ndarray]], io: NodeIO, *,
-             n_batches: int, units, order: str = "fixed", max_in_flight: int = 0, average_every: int = 0,
-             timeout_s: float = 600.0, on_record: Callable[[dict], None] | None = None, first_batch: int = 0,
-             after_average: Callable[[int], None] | None = None) -> NodeResult:
+def run_node(
+    stage: _engine.AsyncStage,
+    data: Callable[[int], tuple[np.ndarray, np.ndarray]],
+    io: NodeIO,
+    *,
+    n_batches: int,
+    units,
+    order: str = "fixed",
+    max_in_flight: int = 0,
+    average_every: int = 0,
+    timeout_s: float = 600.0,
+    on_record: Callable[[dict], None] | None = None,
+    first_batch: int = 0,
+    after_average: Callable[[int], None] | None = None,
+) -> NodeResult:
     """Run ``n_batches`` batches through this node's stage; returns its totals.
 
     Args:
@@ -169,9 +180,16 @@ def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, 
         if loss is not None:
             res["losses"].append(loss)
         res["staleness"].append(stage.staleness[-1])
-        rec = {"kind": "train", "step": stage.version, "batch": b, "loss": loss, "staleness": stage.staleness[-1],
-               "idle_s": res["idle_s"] - idle0, "compute_s": stage.compute_s - compute0,
-               "forward_passes": stage.version - first_batch + stage.in_flight()}
+        rec = {
+            "kind": "train",
+            "step": stage.version,
+            "batch": b,
+            "loss": loss,
+            "staleness": stage.staleness[-1],
+            "idle_s": res["idle_s"] - idle0,
+            "compute_s": stage.compute_s - compute0,
+            "forward_passes": stage.version - first_batch + stage.in_flight(),
+        }
         if average_every and stage.version % average_every == 0:
             r = stage.version // average_every
             t0 = time.perf_counter()
@@ -211,7 +229,7 @@ def run_node(stage: _engine.AsyncStage, data: Callable[[int], tuple[np.ndarray, 
         ops = _schedule.fixed_order(s, S, n_batches - first_batch, max_in_flight)
         if done:
             made = [i for i, (kind, _) in enumerate(ops) if kind != "F"]
-            ops = ops[made[done - 1] + 1:]
+            ops = ops[made[done - 1] + 1 :]
         for kind, b in ops:
             op_backward(first_batch + b) if kind == "B" else op_forward(first_batch + b)
     else:

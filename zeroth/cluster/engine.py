@@ -54,8 +54,11 @@ def _stage_units(params: dict, units: Sequence[tuple[str, ...]]) -> list[str]:
 
 def flat_of(params: dict, units: Sequence[tuple[str, ...]]) -> np.ndarray:
     """This stage's parameters as one float32 vector, in model order (units in order, leaves sorted within)."""
-    parts = [np.asarray(x, np.float32).ravel() for k in _stage_units(params, units)
-             for x in jax.tree_util.tree_leaves(params[k])]
+    parts = [
+        np.asarray(x, np.float32).ravel()
+        for k in _stage_units(params, units)
+        for x in jax.tree_util.tree_leaves(params[k])
+    ]
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
 
@@ -67,7 +70,7 @@ def with_flat(params: dict, units: Sequence[tuple[str, ...]], flat: np.ndarray) 
         new = []
         for x in leaves:
             n = int(np.prod(x.shape))
-            new.append(jnp.asarray(flat[at:at + n].reshape(x.shape), x.dtype))
+            new.append(jnp.asarray(flat[at : at + n].reshape(x.shape), x.dtype))
             at += n
         out[k] = jax.tree_util.tree_unflatten(tree, new)
     if at != flat.size:
@@ -149,7 +152,9 @@ class AsyncStage:
     def backward(self, batch: int, tokens, g):
         """Backward of ``batch`` with the gradient of its output: update at once; returns the input gradient (None on stage 0)."""
         if batch not in self.stash:
-            raise KeyError(f"stage {self.index}: gradient for batch {batch}, which is not in flight (in flight: {sorted(self.stash)})")
+            raise KeyError(
+                f"stage {self.index}: gradient for batch {batch}, which is not in flight (in flight: {sorted(self.stash)})"
+            )
         params, x, born = self.stash.pop(batch)
         tokens, g = jnp.asarray(tokens), jnp.asarray(g)
         self.staleness.append(self.version - born)
@@ -164,8 +169,12 @@ class AsyncStage:
     def snapshot(self, units) -> dict[str, np.ndarray]:
         """Everything a backup needs to continue as this stage: parameters, optimizer state, update
         count, and per batch in flight its stashed parameters and input (flat float32 arrays)."""
-        out = {"params": flat_of(self.params, units), "version": np.int64(self.version),
-               "staleness": np.asarray(self.staleness, np.int64), "stash": np.asarray(sorted(self.stash), np.int64)}
+        out = {
+            "params": flat_of(self.params, units),
+            "version": np.int64(self.version),
+            "staleness": np.asarray(self.staleness, np.int64),
+            "stash": np.asarray(sorted(self.stash), np.int64),
+        }
         for i, leaf in enumerate(jax.tree_util.tree_leaves(self.opt_state)):
             out[f"opt_{i}"] = np.asarray(leaf)
         for b, (p, x, born) in self.stash.items():
@@ -181,14 +190,19 @@ class AsyncStage:
         leaves, tree = jax.tree_util.tree_flatten(self.opt_state)
         if any(f"opt_{i}" not in snap for i in range(len(leaves))):
             raise ValueError("the snapshot's optimizer state does not match this stage's optimizer")
-        self.opt_state = jax.tree_util.tree_unflatten(tree, [jnp.asarray(snap[f"opt_{i}"], leaf.dtype) for i, leaf in enumerate(leaves)])
+        self.opt_state = jax.tree_util.tree_unflatten(
+            tree, [jnp.asarray(snap[f"opt_{i}"], leaf.dtype) for i, leaf in enumerate(leaves)]
+        )
         self.version = int(snap["version"])
         self.staleness = [int(v) for v in snap["staleness"]]
         self.stash = {}
         for b in (int(v) for v in snap["stash"]):
             x = snap.get(f"stash_x_{b}")
-            self.stash[b] = (with_flat(self.params, units, snap[f"stash_params_{b}"]), None if x is None else jnp.asarray(x),
-                             int(snap[f"born_{b}"]))
+            self.stash[b] = (
+                with_flat(self.params, units, snap[f"stash_params_{b}"]),
+                None if x is None else jnp.asarray(x),
+                int(snap[f"born_{b}"]),
+            )
 
     def in_flight(self) -> int:
         """Batches forwarded whose gradient has not come back."""

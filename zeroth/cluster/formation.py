@@ -129,7 +129,9 @@ def check_nodes(nodes: Sequence[Node]) -> None:
         if not isinstance(node.name, str) or not node.name:
             raise ValueError(f"node {i} has name {node.name!r}: a node needs a non-empty string name")
         if node.name in seen:
-            raise ValueError(f"node name {node.name!r} is used by nodes {seen[node.name]} and {i}: names must be unique")
+            raise ValueError(
+                f"node name {node.name!r} is used by nodes {seen[node.name]} and {i}: names must be unique"
+            )
         seen[node.name] = i
         for field in ("ram_bytes", "bandwidth_bps", "speed"):
             value = getattr(node, field)
@@ -154,7 +156,11 @@ def peak_memory_bytes(param_bytes: int, activation_bytes: int, optimizer_slots: 
     Raises:
       ValueError: a negative size or slot count.
     """
-    for name, value in (("param_bytes", param_bytes), ("activation_bytes", activation_bytes), ("optimizer_slots", optimizer_slots)):
+    for name, value in (
+        ("param_bytes", param_bytes),
+        ("activation_bytes", activation_bytes),
+        ("optimizer_slots", optimizer_slots),
+    ):
         if int(value) != value or value < 0:
             raise ValueError(f"{name}={value!r}: it must be a whole number >= 0")
     return int(param_bytes) * (2 + int(optimizer_slots)) + int(activation_bytes)
@@ -184,8 +190,16 @@ class _Problem(NamedTuple):
     max_nodes: int  # at most this many nodes per cluster (n: no limit)
 
 
-def _problem(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_bytes: float, penalty: float | None,
-             max_cluster_nodes: int | None, *, feasible: bool = True) -> _Problem:
+def _problem(
+    nodes: Sequence[Node],
+    n_clusters: int,
+    peak_bytes: float,
+    message_bytes: float,
+    penalty: float | None,
+    max_cluster_nodes: int | None,
+    *,
+    feasible: bool = True,
+) -> _Problem:
     """Validate the inputs; with ``feasible``, check the necessary conditions ``k ≤ n``,
     ``n ≤ k · max_cluster_nodes`` and ``Σ ram ≥ k · M``."""
     check_nodes(nodes)
@@ -196,7 +210,9 @@ def _problem(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_
         if not (np.isfinite(value) and value > 0):
             raise ValueError(f"{name}={value!r}: it must be a finite number > 0")
     if feasible and k > n:
-        raise InfeasibleError(f"cannot form {k} clusters from {n} nodes: every cluster needs at least one node; add nodes or use at most {n} clusters")
+        raise InfeasibleError(
+            f"cannot form {k} clusters from {n} nodes: every cluster needs at least one node; add nodes or use at most {n} clusters"
+        )
     if max_cluster_nodes is None:
         max_nodes = n
     elif int(max_cluster_nodes) != max_cluster_nodes or max_cluster_nodes < 1:
@@ -246,8 +262,15 @@ def _fitness(a: np.ndarray, pr: _Problem) -> np.ndarray:
     return spread + np.where(infeasible, pr.t.sum() + pr.penalty * (short / pr.peak + empty + over), 0.0)
 
 
-def fitness(assignment, nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_bytes: float,
-            penalty: float | None = None, max_cluster_nodes: int | None = None):
+def fitness(
+    assignment,
+    nodes: Sequence[Node],
+    n_clusters: int,
+    peak_bytes: float,
+    message_bytes: float,
+    penalty: float | None = None,
+    max_cluster_nodes: int | None = None,
+):
     """The penalty fitness of assignments, lower is better.
 
     With ``T_c`` and ``R_c`` the cluster sums of transfer times and RAM (module docstring),
@@ -338,7 +361,9 @@ def _short_clusters(a: np.ndarray, pr: _Problem) -> str:
         ram = float(pr.ram[members].sum())
         names = ", ".join(pr.names[i] for i in members) or "none"
         if ram < pr.peak:
-            parts.append(f"cluster {j} (nodes {names}) has {_fmt_bytes(ram)} of {_fmt_bytes(pr.peak)} ({_fmt_bytes(pr.peak - ram)} short)")
+            parts.append(
+                f"cluster {j} (nodes {names}) has {_fmt_bytes(ram)} of {_fmt_bytes(pr.peak)} ({_fmt_bytes(pr.peak - ram)} short)"
+            )
         if members.size > pr.max_nodes:
             parts.append(f"cluster {j} has {members.size} nodes, more than max_cluster_nodes={pr.max_nodes}")
     return "; ".join(parts)
@@ -451,8 +476,14 @@ def form_clusters(
     """
     pr = _problem(nodes, n_clusters, peak_bytes, message_bytes, penalty, max_cluster_nodes)
     n, k = len(nodes), pr.k
-    for name, value, low in (("population", population, 2), ("generations", generations, 1), ("elite", elite, 0),
-                             ("patience", patience, 1), ("tournament", tournament, 1), ("polish", polish, 0)):
+    for name, value, low in (
+        ("population", population, 2),
+        ("generations", generations, 1),
+        ("elite", elite, 0),
+        ("patience", patience, 1),
+        ("tournament", tournament, 1),
+        ("polish", polish, 0),
+    ):
         if int(value) != value or value < low:
             raise ValueError(f"{name}={value!r}: it must be a whole number >= {low}")
     if elite >= population:
@@ -514,8 +545,15 @@ def form_clusters(
 # --------------------------------------------------------------------------- baselines
 
 
-def brute_force(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_bytes: float, *,
-                penalty: float | None = None, max_cluster_nodes: int | None = None) -> Formation:
+def brute_force(
+    nodes: Sequence[Node],
+    n_clusters: int,
+    peak_bytes: float,
+    message_bytes: float,
+    *,
+    penalty: float | None = None,
+    max_cluster_nodes: int | None = None,
+) -> Formation:
     """The exact optimum of :func:`fitness` by enumeration (for tests and small pools).
 
     Node 0 is fixed in cluster 0 (labels are symmetric), the other ``k^(n-1)`` assignments are
@@ -530,7 +568,9 @@ def brute_force(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, messa
     pr = _problem(nodes, n_clusters, peak_bytes, message_bytes, penalty, max_cluster_nodes)
     n, k = len(nodes), pr.k
     if n > BRUTE_FORCE_MAX_NODES:
-        raise ValueError(f"brute_force enumerates {k}^{n - 1} assignments: {n} nodes is too many (at most {BRUTE_FORCE_MAX_NODES}); use form_clusters")
+        raise ValueError(
+            f"brute_force enumerates {k}^{n - 1} assignments: {n} nodes is too many (at most {BRUTE_FORCE_MAX_NODES}); use form_clusters"
+        )
     total = k ** (n - 1)
     powers = k ** np.arange(n - 1, dtype=np.int64)
     best, best_f = None, np.inf
@@ -552,8 +592,15 @@ def brute_force(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, messa
     return _formation(best, pr, 0, total, "brute_force")
 
 
-def greedy(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_bytes: float, *,
-           penalty: float | None = None, max_cluster_nodes: int | None = None) -> Formation:
+def greedy(
+    nodes: Sequence[Node],
+    n_clusters: int,
+    peak_bytes: float,
+    message_bytes: float,
+    *,
+    penalty: float | None = None,
+    max_cluster_nodes: int | None = None,
+) -> Formation:
     """The greedy baseline: RAM first, then balance the transfer sums.
 
     1. Nodes by RAM, largest first (ties by index), each to the cluster with the least RAM so far
@@ -596,7 +643,9 @@ def greedy(nodes: Sequence[Node], n_clusters: int, peak_bytes: float, message_by
 # --------------------------------------------------------------------------- inside a cluster
 
 
-def split_layers(rams: Sequence[float], layer_bytes: Sequence[int], *, names: Sequence[str] | None = None) -> list[tuple[int, int]]:
+def split_layers(
+    rams: Sequence[float], layer_bytes: Sequence[int], *, names: Sequence[str] | None = None
+) -> list[tuple[int, int]]:
     """Cut a model's layer units into contiguous stages in proportion to each node's RAM.
 
     The caller chooses the units (e.g. unit 0 the embeddings, units ``1..L`` the blocks, unit
@@ -675,7 +724,9 @@ class Stage(NamedTuple):
     stop: int
 
 
-def plan_stages(formation: Formation, nodes: Sequence[Node], layer_bytes: Sequence[int]) -> tuple[tuple[Stage, ...], ...]:
+def plan_stages(
+    formation: Formation, nodes: Sequence[Node], layer_bytes: Sequence[int]
+) -> tuple[tuple[Stage, ...], ...]:
     """Every cluster's pipeline: :func:`split_layers` over its nodes in the formation's order
     (ascending pool index: the cluster's first node runs the first stage).
 
@@ -688,7 +739,9 @@ def plan_stages(formation: Formation, nodes: Sequence[Node], layer_bytes: Sequen
     out = []
     for c, members in enumerate(formation.clusters):
         try:
-            ranges = split_layers([nodes[i].ram_bytes for i in members], layer_bytes, names=[nodes[i].name for i in members])
+            ranges = split_layers(
+                [nodes[i].ram_bytes for i in members], layer_bytes, names=[nodes[i].name for i in members]
+            )
         except ValueError as err:
             raise ValueError(f"cluster {c} ({', '.join(nodes[i].name for i in members)}): {err}") from err
         out.append(tuple(Stage(i, s, e) for i, (s, e) in zip(members, ranges)))
@@ -727,15 +780,19 @@ def describe(formation: Formation, nodes: Sequence[Node]) -> str:
     """A small table for logs: one row per cluster (its nodes, RAM against the peak, transfer sum)."""
     rows = [("cluster", "nodes", "RAM", "peak", "transfer s")]
     for c, members in enumerate(formation.clusters):
-        rows.append((
-            str(c),
-            ", ".join(nodes[i].name for i in members),
-            _fmt_bytes(formation.ram_bytes[c]),
-            _fmt_bytes(formation.peak_bytes),
-            f"{formation.transfer_s[c]:.4g}",
-        ))
+        rows.append(
+            (
+                str(c),
+                ", ".join(nodes[i].name for i in members),
+                _fmt_bytes(formation.ram_bytes[c]),
+                _fmt_bytes(formation.peak_bytes),
+                f"{formation.transfer_s[c]:.4g}",
+            )
+        )
     widths = [max(len(row[j]) for row in rows) for j in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(wd) for cell, wd in zip(row, widths)).rstrip() for row in rows]
-    lines.append(f"{formation.method}: spread {formation.spread_s:.4g} s, fitness {formation.fitness:.4g}, "
-                 f"{formation.generations} generations, {formation.evaluations} evaluations")
+    lines.append(
+        f"{formation.method}: spread {formation.spread_s:.4g} s, fitness {formation.fitness:.4g}, "
+        f"{formation.generations} generations, {formation.evaluations} evaluations"
+    )
     return "\n".join(lines)

@@ -56,21 +56,40 @@ def node_dir(out: Path, name: str) -> Path:
 
 
 def _plan_json(plan: _build.Plan) -> dict:
-    return {"run_id": plan.run_id, "clusters": [[plan.workers[st.node].name for st in cl] for cl in plan.stages],
-            "unit_ranges": [[[st.start, st.stop] for st in cl] for cl in plan.stages],
-            "block_ranges": [[list(b) for b in cl] for cl in plan.block_ranges],
-            "layouts": [[list(x) for x in cl] for cl in plan.layouts],
-            "rings": [{"ring": r.ring_id, "start": r.start, "stop": r.stop, "members": list(r.members)} for r in plan.rings],
-            "backups": {plan.primaries[k]: v for k, v in plan.backups.items()},
-            "join_round": list(plan.join_round), "average_every": plan.average_every,
-            "peak_bytes": plan.peak_bytes, "message_bytes": plan.message_bytes, "n_params": plan.n_params,
-            "formation": {"fitness": plan.formation.fitness, "spread_s": plan.formation.spread_s,
-                          "ram_bytes": list(plan.formation.ram_bytes), "transfer_s": list(plan.formation.transfer_s),
-                          "generations": plan.formation.generations}}
+    return {
+        "run_id": plan.run_id,
+        "clusters": [[plan.workers[st.node].name for st in cl] for cl in plan.stages],
+        "unit_ranges": [[[st.start, st.stop] for st in cl] for cl in plan.stages],
+        "block_ranges": [[list(b) for b in cl] for cl in plan.block_ranges],
+        "layouts": [[list(x) for x in cl] for cl in plan.layouts],
+        "rings": [
+            {"ring": r.ring_id, "start": r.start, "stop": r.stop, "members": list(r.members)} for r in plan.rings
+        ],
+        "backups": {plan.primaries[k]: v for k, v in plan.backups.items()},
+        "join_round": list(plan.join_round),
+        "average_every": plan.average_every,
+        "peak_bytes": plan.peak_bytes,
+        "message_bytes": plan.message_bytes,
+        "n_params": plan.n_params,
+        "formation": {
+            "fitness": plan.formation.fitness,
+            "spread_s": plan.formation.spread_s,
+            "ram_bytes": list(plan.formation.ram_bytes),
+            "transfer_s": list(plan.formation.transfer_s),
+            "generations": plan.formation.generations,
+        },
+    }
 
 
-def start_nodes(cfg: _config.Config, out: Path, plan: _build.Plan, *, quiet: bool = True, insecure: bool = False,
-                resume_step: int | None = None) -> dict[str, subprocess.Popen]:
+def start_nodes(
+    cfg: _config.Config,
+    out: Path,
+    plan: _build.Plan,
+    *,
+    quiet: bool = True,
+    insecure: bool = False,
+    resume_step: int | None = None,
+) -> dict[str, subprocess.Popen]:
     """Start one ``zeroth node`` process per node of the pool (from their checkpoints of ``resume_step``);
     returns them by name."""
     out = Path(out)
@@ -81,8 +100,19 @@ def start_nodes(cfg: _config.Config, out: Path, plan: _build.Plan, *, quiet: boo
         name = n["name"]
         d = node_dir(out, name)
         d.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "zeroth.cluster.node", "--config", str(cfg_path), "--name", name, "--out", str(d),
-               "--addresses", str(out / "addresses")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "zeroth.cluster.node",
+            "--config",
+            str(cfg_path),
+            "--name",
+            name,
+            "--out",
+            str(d),
+            "--addresses",
+            str(out / "addresses"),
+        ]
         cmd += ["--quiet"] if quiet else []
         cmd += ["--insecure"] if insecure else []
         cmd += ["--resume-step", str(resume_step)] if resume_step is not None else []
@@ -135,8 +165,14 @@ def _superseded(procs: dict, out: Path, backup_of: dict[str, str], killed=()) ->
     return running if ok else []
 
 
-def wait_nodes(procs: dict, out: Path, kills: dict[str, tuple[int, bool]], timeout_s: float, progress: bool,
-               backup_of: dict[str, str] | None = None) -> tuple[int, list[str]]:
+def wait_nodes(
+    procs: dict,
+    out: Path,
+    kills: dict[str, tuple[int, bool]],
+    timeout_s: float,
+    progress: bool,
+    backup_of: dict[str, str] | None = None,
+) -> tuple[int, list[str]]:
     """Wait for every node, killing ``{primary: (updates, after its handover)}`` on cue, and the primaries
     of ``backup_of`` (``{primary: backup}``) left running after their backups finished in their place
     (:func:`_superseded`). Returns (code, killed names)."""
@@ -156,7 +192,10 @@ def wait_nodes(procs: dict, out: Path, kills: dict[str, tuple[int, bool]], timeo
             procs[name].wait()
             killed.append(name)
             if progress:
-                print(f"killed node {name}: it did not finish, and its backup {backup_of[name]} finished in its place", flush=True)
+                print(
+                    f"killed node {name}: it did not finish, and its backup {backup_of[name]} finished in its place",
+                    flush=True,
+                )
         for name, p in procs.items():
             if name not in killed and p.poll() not in (None, 0):
                 failed = name
@@ -166,7 +205,10 @@ def wait_nodes(procs: dict, out: Path, kills: dict[str, tuple[int, bool]], timeo
         time.sleep(0.05)
     bad = [n for n, p in procs.items() if n not in killed and p.wait() != 0]
     for n in bad:
-        print(f"node {n} exited with code {procs[n].returncode}: " + processes.log_tail(node_dir(out, n) / "node.log"), file=sys.stderr)
+        print(
+            f"node {n} exited with code {procs[n].returncode}: " + processes.log_tail(node_dir(out, n) / "node.log"),
+            file=sys.stderr,
+        )
     return (1 if bad else 0), killed
 
 
@@ -190,8 +232,14 @@ def evaluate(cfg: _config.Config, plan: _build.Plan, ex, model: tuple, flat: np.
     n_blocks = len(plan.units) - 2
     if flat is not None:
         params = _engine.with_flat(params, plan.units, flat)
-    part = partition.transformer_partition(params, [(0, n_blocks)], objective=cfg.ravnest.objective, heads=model.heads,
-                                           mlp_dim=model.mlp_dim, pad_id=ex.pad_id)
+    part = partition.transformer_partition(
+        params,
+        [(0, n_blocks)],
+        objective=cfg.ravnest.objective,
+        heads=model.heads,
+        mlp_dim=model.mlp_dim,
+        pad_id=ex.pad_id,
+    )
     return float(partition.reference_loss(part, part.params, jnp.asarray(ex.tokens), jnp.asarray(ex.labels)))
 
 
@@ -199,7 +247,9 @@ def _resume_step(out: Path, plan: _build.Plan, argv: list[str]) -> int:
     """The update count ``--resume`` restarts from: ``--resume-step K`` in ``argv``, or the newest every node
     holds a checkpoint of (raises ValueError naming what is missing)."""
     if any(plan.join_round) or any(plan.backup_round.values()):
-        raise ValueError("--resume: a Ravnest run with nodes joining later (join_round) cannot resume yet; start a new run")
+        raise ValueError(
+            "--resume: a Ravnest run with nodes joining later (join_round) cannot resume yet; start a new run"
+        )
     folders = [_ckpt.folder_of(node_dir(out, n["name"])) for n in plan.pool]
     given = [a.split("=", 1)[1] for a in argv if a.startswith("--resume-step=")]
     given += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--resume-step"]
@@ -211,8 +261,10 @@ def _resume_step(out: Path, plan: _build.Plan, argv: list[str]) -> int:
         return k
     k = _ckpt.common_step(folders)
     if k is None:
-        raise ValueError(f"--resume: no checkpoint update count common to every node of {out} "
-                         f"({', '.join(f'{f.parent.name}: {_ckpt.steps(f)}' for f in folders)})")
+        raise ValueError(
+            f"--resume: no checkpoint update count common to every node of {out} "
+            f"({', '.join(f'{f.parent.name}: {_ckpt.steps(f)}' for f in folders)})"
+        )
     return k
 
 
@@ -222,7 +274,10 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
     r = cfg.ravnest
     resume = "--resume" in argv
     if not resume and (out / "nodes").is_dir() and any((out / "nodes").iterdir()):
-        print(f"zeroth run: error: {out} already holds a Ravnest run; choose another --out, or --resume it", file=sys.stderr)
+        print(
+            f"zeroth run: error: {out} already holds a Ravnest run; choose another --out, or --resume it",
+            file=sys.stderr,
+        )
         return 2
     try:
         ex = _build.examples_of(cfg)
@@ -239,10 +294,19 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
     if progress:
         print(_formation.describe(plan.formation, list(plan.workers)))
         for c, cl in enumerate(plan.stages):
-            print(f"cluster {c}" + (f" (joins at round {plan.join_round[c]})" if plan.join_round[c] else "") + ": " + " -> ".join(f"{plan.workers[st.node].name} blocks {list(b)}"
-                                                 for st, b in zip(cl, plan.block_ranges[c])))
-        print(f"{len(plan.rings)} rings average every {r.average_every} updates; backups: "
-              + (", ".join(f"{v} shadows {plan.primaries[k]}" for k, v in plan.backups.items()) or "none"), flush=True)
+            print(
+                f"cluster {c}"
+                + (f" (joins at round {plan.join_round[c]})" if plan.join_round[c] else "")
+                + ": "
+                + " -> ".join(
+                    f"{plan.workers[st.node].name} blocks {list(b)}" for st, b in zip(cl, plan.block_ranges[c])
+                )
+            )
+        print(
+            f"{len(plan.rings)} rings average every {r.average_every} updates; backups: "
+            + (", ".join(f"{v} shadows {plan.primaries[k]}" for k, v in plan.backups.items()) or "none"),
+            flush=True,
+        )
     backups = [n["name"] for n in plan.pool if n.get("backup", False)]
     kills = {}
     for b, at in zip(backups, r.kill_at):
@@ -261,33 +325,57 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
     if code != 0:
         k = _ckpt.common_step([_ckpt.folder_of(node_dir(out, n["name"])) for n in plan.pool])
         if k is not None and not any(plan.join_round) and not any(plan.backup_round.values()):
-            again = [a for i, a in enumerate(argv) if a != "--resume" and not a.startswith("--resume-step")
-                     and (i == 0 or argv[i - 1] != "--resume-step")]
-            print(f"zeroth run: every node holds a checkpoint after update {k}; continue with "
-                  f"`zeroth run {' '.join(again)} --resume`", file=sys.stderr)
+            again = [
+                a
+                for i, a in enumerate(argv)
+                if a != "--resume" and not a.startswith("--resume-step") and (i == 0 or argv[i - 1] != "--resume-step")
+            ]
+            print(
+                f"zeroth run: every node holds a checkpoint after update {k}; continue with "
+                f"`zeroth run {' '.join(again)} --resume`",
+                file=sys.stderr,
+            )
         return code
     records = merge_records(out, [n["name"] for n in plan.pool])
     clear_metrics(out / "metrics.jsonl")
     with MetricsWriter(out / "metrics.jsonl", tensorboard=cfg.run.tensorboard) as writer:
         for rec in records:
             writer.write(rec)
-    nodes = {n["name"]: json.loads((node_dir(out, n["name"]) / "summary.json").read_text())
-             for n in plan.pool if n["name"] not in killed and (node_dir(out, n["name"]) / "summary.json").is_file()}
+    nodes = {
+        n["name"]: json.loads((node_dir(out, n["name"]) / "summary.json").read_text())
+        for n in plan.pool
+        if n["name"] not in killed and (node_dir(out, n["name"]) / "summary.json").is_file()
+    }
     models = cluster_models(out, plan, killed)
     agree = all(np.array_equal(models[0], m) for m in models[1:])
     last = {c: _build.holder(plan, (c, len(cl) - 1), killed) for c, cl in enumerate(plan.stages)}
-    summary = {"steps": cfg.train.steps, "seconds": time.time() - t0, "run_id": plan.run_id,
-               "clusters": [{"cluster": c, "nodes": [plan.workers[st.node].name for st in cl],
-                             "final_loss": nodes[last[c]]["final_loss"], "digest": _engine.flat_digest(models[c])}
-                            for c, cl in enumerate(plan.stages)],
-               "clusters_agree": agree, "killed": killed,
-               "initial_eval_loss": evaluate(cfg, plan, ex, model, None), "eval_loss": evaluate(cfg, plan, ex, model, models[0]),
-               "idle_fraction": {k: v["idle_s"] / max(v["wall_s"], 1e-9) for k, v in nodes.items()},
-               "nodes": nodes, "plan": plan_json}
+    summary = {
+        "steps": cfg.train.steps,
+        "seconds": time.time() - t0,
+        "run_id": plan.run_id,
+        "clusters": [
+            {
+                "cluster": c,
+                "nodes": [plan.workers[st.node].name for st in cl],
+                "final_loss": nodes[last[c]]["final_loss"],
+                "digest": _engine.flat_digest(models[c]),
+            }
+            for c, cl in enumerate(plan.stages)
+        ],
+        "clusters_agree": agree,
+        "killed": killed,
+        "initial_eval_loss": evaluate(cfg, plan, ex, model, None),
+        "eval_loss": evaluate(cfg, plan, ex, model, models[0]),
+        "idle_fraction": {k: v["idle_s"] / max(v["wall_s"], 1e-9) for k, v in nodes.items()},
+        "nodes": nodes,
+        "plan": plan_json,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if progress:
         losses = ", ".join(f"cluster {x['cluster']} {x['final_loss']:.4f}" for x in summary["clusters"])
-        print(f"ravnest done: {cfg.train.steps} batches per cluster, final loss {losses}, clusters agree: {agree}, "
-              f"loss on all {cfg.ravnest.examples} examples {summary['initial_eval_loss']:.4f} -> {summary['eval_loss']:.4f} "
-              f"(first cluster's model), {summary['seconds']:.1f}s")
+        print(
+            f"ravnest done: {cfg.train.steps} batches per cluster, final loss {losses}, clusters agree: {agree}, "
+            f"loss on all {cfg.ravnest.examples} examples {summary['initial_eval_loss']:.4f} -> {summary['eval_loss']:.4f} "
+            f"(first cluster's model), {summary['seconds']:.1f}s"
+        )
     return 0

@@ -35,8 +35,20 @@ from pathlib import Path
 __all__ = ["build_parser", "main", "row_of", "run_node_process"]
 
 
-def row_of(rec: dict, *, node: str, cluster: int, stage: int, digest: str, lr: float, time_unix_s: float,
-           wall_time_s: float, step_time_s: float, payload_bytes: int, payload_bytes_total: int) -> dict:
+def row_of(
+    rec: dict,
+    *,
+    node: str,
+    cluster: int,
+    stage: int,
+    digest: str,
+    lr: float,
+    time_unix_s: float,
+    wall_time_s: float,
+    step_time_s: float,
+    payload_bytes: int,
+    payload_bytes_total: int,
+) -> dict:
     """One ``train`` row of the metrics schema from an update record of :func:`zeroth.cluster.driver.run_node`.
 
     ``step`` is the stage's update count after the update (a late cluster's count starts at its
@@ -52,10 +64,23 @@ def row_of(rec: dict, *, node: str, cluster: int, stage: int, digest: str, lr: f
     handed its state to a backup joining late, after that round).
     """
     extra = {k: v for k, v in rec.items() if k not in ("kind", "step", "loss", "forward_passes")}
-    return {"kind": "train", "step": rec["step"], "time_unix_s": time_unix_s, "wall_time_s": wall_time_s, "digest": digest,
-            "forward_passes": rec["forward_passes"], "payload_bytes_total": payload_bytes_total, "loss": rec["loss"],
-            "lr": lr, "step_time_s": step_time_s, "payload_bytes": payload_bytes,
-            "node": node, "cluster": cluster, "stage": stage, **extra}
+    return {
+        "kind": "train",
+        "step": rec["step"],
+        "time_unix_s": time_unix_s,
+        "wall_time_s": wall_time_s,
+        "digest": digest,
+        "forward_passes": rec["forward_passes"],
+        "payload_bytes_total": payload_bytes_total,
+        "loss": rec["loss"],
+        "lr": lr,
+        "step_time_s": step_time_s,
+        "payload_bytes": payload_bytes,
+        "node": node,
+        "cluster": cluster,
+        "stage": stage,
+        **extra,
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,13 +89,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="experiment YAML with a ravnest: section (the same on every node)")
     p.add_argument("--name", required=True, help="this node's name in ravnest.nodes")
     p.add_argument("--out", required=True, help="this node's output folder")
-    p.add_argument("--addresses", default=None, help="folder where every node writes its address (default: OUT/../addresses)")
+    p.add_argument(
+        "--addresses", default=None, help="folder where every node writes its address (default: OUT/../addresses)"
+    )
     p.add_argument("--listen", default=None, help="HOST:PORT to serve on (default: ravnest.host, any port)")
-    p.add_argument("--advertise", default=None, metavar="HOST",
-                   help="the host the other nodes reach this one at, written to ADDRESSES/NAME (default: the --listen host)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
-    p.add_argument("--resume-step", type=int, default=None, metavar="K",
-                   help="continue from this node's checkpoint after update K (every node of the run from the same K)")
+    p.add_argument(
+        "--advertise",
+        default=None,
+        metavar="HOST",
+        help="the host the other nodes reach this one at, written to ADDRESSES/NAME (default: the --listen host)",
+    )
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override"
+    )
+    p.add_argument(
+        "--resume-step",
+        type=int,
+        default=None,
+        metavar="K",
+        help="continue from this node's checkpoint after update K (every node of the run from the same K)",
+    )
     p.add_argument("--insecure", action="store_true", help="no access token (loopback experiments only)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     from zeroth.transport import security
@@ -79,9 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | None, token: str | None,
-                     progress: bool = False, advertise: str | None = None, tls=None, secret: str | None = None,
-                     resume_step: int | None = None) -> dict:
+def run_node_process(
+    cfg,
+    name: str,
+    out: Path,
+    addresses: Path,
+    listen: str | None,
+    token: str | None,
+    progress: bool = False,
+    advertise: str | None = None,
+    tls=None,
+    secret: str | None = None,
+    resume_step: int | None = None,
+) -> dict:
     """Run node ``name`` of the run of ``cfg`` to the end; returns its summary. ``advertise``: the host
     the other nodes reach this one at (written to ``ADDRESSES/<name>`` with the bound port; default
     the ``listen`` host). ``tls``: every link over TLS (:class:`zeroth.transport.security.TLSFiles`).
@@ -105,12 +153,24 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
     stage = build.stage_of(cfg, plan, name, ex, model)
     units = plan.units
     bw = {n["name"]: float(n["bandwidth_mbps"]) for n in plan.pool}
-    t = transport.ClusterTransport(name, plan.slots, plan.primaries, plan.backups, run_id=plan.run_id, token=token,
-                                   address_dir=addresses, bandwidth_mbps=bw, enforce=r.enforce_bandwidth,
-                                   latency_s=r.latency_ms / 1e3, timeout_s=r.timeout_s,
-                                   node_latency_s={n["name"]: float(n.get("latency_ms", 0.0)) / 1e3 for n in plan.pool},
-                                   backup_round=plan.backup_round, tls=tls, secret=secret,
-                                   sizes=build.sizes_of(cfg, plan))
+    t = transport.ClusterTransport(
+        name,
+        plan.slots,
+        plan.primaries,
+        plan.backups,
+        run_id=plan.run_id,
+        token=token,
+        address_dir=addresses,
+        bandwidth_mbps=bw,
+        enforce=r.enforce_bandwidth,
+        latency_s=r.latency_ms / 1e3,
+        timeout_s=r.timeout_s,
+        node_latency_s={n["name"]: float(n.get("latency_ms", 0.0)) / 1e3 for n in plan.pool},
+        backup_round=plan.backup_round,
+        tls=tls,
+        secret=secret,
+        sizes=build.sizes_of(cfg, plan),
+    )
     metrics = out / "metrics.jsonl"
     folder = _ckpt.folder_of(out)
     wall0, payload0, kept = 0.0, 0, []
@@ -122,7 +182,9 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
         wall0, payload0 = float(meta["wall_time_s"]), int(meta["payload_bytes_total"])
         _metrics.truncate_after(metrics, resume_step)
         if stage.version != resume_step:
-            raise _ckpt.CheckpointError(f"checkpoint {folder / f'{resume_step}.npz'} holds update {stage.version}, not {resume_step}")
+            raise _ckpt.CheckpointError(
+                f"checkpoint {folder / f'{resume_step}.npz'} holds update {stage.version}, not {resume_step}"
+            )
     else:
         _metrics.clear(metrics)
     every = cfg.train.checkpoint_every or r.average_every
@@ -140,25 +202,47 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
         k = stage.version
         arrays = t.state_arrays(stage.snapshot(units))
         sent = t.unreceived(k, k // r.average_every if r.average_every else 0)
-        meta = {"run_id": plan.run_id, "node": name, "slot": [c, s], "wall_time_s": row["wall_time_s"],
-                "payload_bytes_total": row["payload_bytes_total"]}
+        meta = {
+            "run_id": plan.run_id,
+            "node": name,
+            "slot": [c, s],
+            "wall_time_s": row["wall_time_s"],
+            "payload_bytes_total": row["payload_bytes_total"],
+        }
         _ckpt.save(folder, k, arrays, sent, meta, keep=cfg.train.keep_checkpoints)
 
     def record(rec: dict) -> None:
         now, sent = time.perf_counter(), sum(dict(t.bytes_sent).values()) + payload0
         if handed and "handover_round" not in last:  # the handover happened in this update's averaging round
             last["handover_round"] = handed["round"]
-            rec = {**rec, "handover_backup": late_backup, "handover_round": handed["round"], "state_bytes": handed["bytes"]}
-        row = row_of(rec, node=name, cluster=c, stage=s, digest=checksum(stage.params), lr=cfg.train.lr,
-                     time_unix_s=time.time(), wall_time_s=wall0 + now - t_wall, step_time_s=now - last["t"],
-                     payload_bytes=sent - last["sent"], payload_bytes_total=sent)
+            rec = {
+                **rec,
+                "handover_backup": late_backup,
+                "handover_round": handed["round"],
+                "state_bytes": handed["bytes"],
+            }
+        row = row_of(
+            rec,
+            node=name,
+            cluster=c,
+            stage=s,
+            digest=checksum(stage.params),
+            lr=cfg.train.lr,
+            time_unix_s=time.time(),
+            wall_time_s=wall0 + now - t_wall,
+            step_time_s=now - last["t"],
+            payload_bytes=sent - last["sent"],
+            payload_bytes_total=sent,
+        )
         last.update(t=now, sent=sent)
         writer.write(row)
         if (every and stage.version % every == 0) or stage.version == cfg.train.steps:
             save_checkpoint(row)
         if progress:
             loss = f" loss {row['loss']:.4f}" if row.get("loss") is not None else ""
-            print(f"node {name} (cluster {c} stage {s}, {role}) update {row['step']}/{cfg.train.steps}{loss}", flush=True)
+            print(
+                f"node {name} (cluster {c} stage {s}, {role}) update {row['step']}/{cfg.train.steps}{loss}", flush=True
+            )
 
     late_backup = plan.backups.get((c, s))
     joins_at = plan.backup_round.get(late_backup, 0) if late_backup is not None and role == "primary" else 0
@@ -179,22 +263,48 @@ def run_node_process(cfg, name: str, out: Path, addresses: Path, listen: str | N
             stage.restore(t.wait_state(r.timeout_s), units)
         elif build.join_pieces(plan, (c, s)):  # a late cluster starts from the last averaged parameters
             stage.params = engine.with_flat(stage.params, units, io.fetch_start(engine.flat_of(stage.params, units)))
-        res = driver.run_node(stage, build.data_of(cfg, ex, c, len(plan.stages)), io, n_batches=cfg.train.steps, units=units,
-                              order=r.order, max_in_flight=r.max_in_flight, average_every=r.average_every,
-                              timeout_s=r.timeout_s, on_record=record, first_batch=build.first_batch(plan, c),
-                              after_average=after_average)
+        res = driver.run_node(
+            stage,
+            build.data_of(cfg, ex, c, len(plan.stages)),
+            io,
+            n_batches=cfg.train.steps,
+            units=units,
+            order=r.order,
+            max_in_flight=r.max_in_flight,
+            average_every=r.average_every,
+            timeout_s=r.timeout_s,
+            on_record=record,
+            first_batch=build.first_batch(plan, c),
+            after_average=after_average,
+        )
     finally:
         writer.close()
         t.close(r.timeout_s)
     flat = engine.flat_of(stage.params, units)
     np.savez(out / "params.npz", flat=flat, start=plan.layouts[c][s][0])
-    summary = {"node": name, "cluster": c, "stage": s, "role": role, "took_over": t.promoted_at is not None,
-               "updates": res["updates"], "compute_s": res["compute_s"], "idle_s": res["idle_s"],
-               "average_s": res["average_s"], "wall_s": res["wall_s"], "seconds": time.time() - t0,
-               "staleness_max": res["staleness_max"], "final_loss": res["losses"][-1] if res["losses"] else None,
-               "bytes_sent": t.bytes_sent, "messages_received": t.received, "messages_refused": t.refused,
-               "layout": list(plan.layouts[c][s]), "digest": engine.flat_digest(flat), "run_id": plan.run_id,
-               "state_handed_bytes": handed.get("bytes"), "state_handed_round": handed.get("round")}
+    summary = {
+        "node": name,
+        "cluster": c,
+        "stage": s,
+        "role": role,
+        "took_over": t.promoted_at is not None,
+        "updates": res["updates"],
+        "compute_s": res["compute_s"],
+        "idle_s": res["idle_s"],
+        "average_s": res["average_s"],
+        "wall_s": res["wall_s"],
+        "seconds": time.time() - t0,
+        "staleness_max": res["staleness_max"],
+        "final_loss": res["losses"][-1] if res["losses"] else None,
+        "bytes_sent": t.bytes_sent,
+        "messages_received": t.received,
+        "messages_refused": t.refused,
+        "layout": list(plan.layouts[c][s]),
+        "digest": engine.flat_digest(flat),
+        "run_id": plan.run_id,
+        "state_handed_bytes": handed.get("bytes"),
+        "state_handed_round": handed.get("round"),
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -214,8 +324,19 @@ def main(argv: list[str]) -> int:
         tls = security.tls_from_args(args)
         out = Path(args.out)
         addresses = Path(args.addresses) if args.addresses else out.parent / "addresses"
-        run_node_process(cfg, args.name, out, addresses, args.listen, token, progress=not args.quiet,
-                         advertise=args.advertise, tls=tls, secret=secret, resume_step=args.resume_step)
+        run_node_process(
+            cfg,
+            args.name,
+            out,
+            addresses,
+            args.listen,
+            token,
+            progress=not args.quiet,
+            advertise=args.advertise,
+            tls=tls,
+            secret=secret,
+            resume_step=args.resume_step,
+        )
     except (ConnectionError, TimeoutError) as e:
         print(f"zeroth node {args.name}: error: {e}", file=sys.stderr)
         return 1

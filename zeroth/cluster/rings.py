@@ -222,7 +222,9 @@ def ring_allreduce_local(values: Sequence[np.ndarray]) -> list[np.ndarray]:
     n = vs[0].shape[0]
     for k, v in enumerate(vs):
         if v.shape[0] != n:
-            raise ValueError(f"values[{k}] has length {v.shape[0]}, values[0] has {n}; a ring's members hold one segment")
+            raise ValueError(
+                f"values[{k}] has length {v.shape[0]}, values[0] has {n}; a ring's members hold one segment"
+            )
     bounds = chunk_bounds(n, C)
     acc = [[v[a:b].copy() for a, b in bounds] for v in vs]  # acc[k][j]: member k's chunk j
     for s in range(C - 1):
@@ -303,7 +305,9 @@ def ring_member(
     C = len(ring.members)
     v = _as_f32(values_segment, "values_segment")
     if v.shape[0] != ring.size:
-        raise ValueError(f"ring {ring.ring_id} covers [{ring.start}, {ring.stop}), values_segment has length {v.shape[0]}")
+        raise ValueError(
+            f"ring {ring.ring_id} covers [{ring.start}, {ring.stop}), values_segment has length {v.shape[0]}"
+        )
     if not 0 <= cluster < C:
         raise ValueError(f"cluster {cluster} is not in ring {ring.ring_id} of {C} clusters")
     if C == 1:
@@ -398,7 +402,9 @@ def average_node(
     for r, t in zip(mine, threads):
         t.join(max(0.0, deadline - time.monotonic()))
         if t.is_alive():
-            errors.append((r.ring_id, TimeoutError(f"ring {r.ring_id} still running after its bound (a send blocked?)")))
+            errors.append(
+                (r.ring_id, TimeoutError(f"ring {r.ring_id} still running after its bound (a send blocked?)"))
+            )
     if errors:
         failed = sorted(list(errors), key=lambda e: e[0])
         first = failed[0][1]
@@ -580,7 +586,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     a = ap.parse_args(argv)
     rows = cost_table(a.n, a.clusters, a.mbit * 1e6 / 8, latency_s=a.latency_ms / 1e3)
     print(f"n={a.n} float32, {a.mbit:g} Mbit/s, {a.latency_ms:g} ms per step")
-    print("C  rings  max bytes/node (multi | one)  total bytes (multi | one)  s pair links (multi | one)  s node uplink (multi | one)")
+    print(
+        "C  rings  max bytes/node (multi | one)  total bytes (multi | one)  s pair links (multi | one)  s node uplink (multi | one)"
+    )
     for r in rows:
         print(
             f"{r['clusters']}  {r['rings']:5d}  {r['multi_max_node_bytes']:12d} | {r['one_max_node_bytes']:<12d}"

@@ -59,7 +59,16 @@ def run_local(cfg: _config.Config, steps: int | None = None) -> dict:
     hub = _rings.QueueExchange()
     inboxes = {slot: _driver.Inbox() for slot in plan.primaries}
     units = plan.units
-    out = {"plan": plan, "results": {}, "records": {}, "flat": {}, "digests": {}, "checksums": {}, "averaged": {}, "starts": {}}
+    out = {
+        "plan": plan,
+        "results": {},
+        "records": {},
+        "flat": {},
+        "digests": {},
+        "checksums": {},
+        "averaged": {},
+        "starts": {},
+    }
     errors: list[BaseException] = []
 
     def node(name, slot):
@@ -71,9 +80,19 @@ def run_local(cfg: _config.Config, steps: int | None = None) -> dict:
                 start = _build.fetch_start(plan, slot, _engine.flat_of(stage.params, units), io.endpoint, r.timeout_s)
                 stage.params = _engine.with_flat(stage.params, units, start)
                 out["starts"][name] = start
-            res = _driver.run_node(stage, _build.data_of(cfg, ex, slot[0], len(plan.stages)), io, n_batches=n, units=units,
-                                   order=r.order, max_in_flight=r.max_in_flight, average_every=r.average_every,
-                                   timeout_s=r.timeout_s, on_record=recs.append, first_batch=_build.first_batch(plan, slot[0]))
+            res = _driver.run_node(
+                stage,
+                _build.data_of(cfg, ex, slot[0], len(plan.stages)),
+                io,
+                n_batches=n,
+                units=units,
+                order=r.order,
+                max_in_flight=r.max_in_flight,
+                average_every=r.average_every,
+                timeout_s=r.timeout_s,
+                on_record=recs.append,
+                first_batch=_build.first_batch(plan, slot[0]),
+            )
             flat = _engine.flat_of(stage.params, units)
             out["results"][name], out["records"][name], out["flat"][name] = res, recs, flat
             out["digests"][name] = _engine.flat_digest(flat)

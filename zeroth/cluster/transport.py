@@ -88,8 +88,16 @@ def resolve_address(address_dir: Path, name: str, timeout_s: float) -> str:
 class _Sender:
     """One paced client stream to one node; ``on_failure`` is called once if the stream breaks."""
 
-    def __init__(self, name: str, address: str, bandwidth_bps, latency_s: float, token: str | None,
-                 on_failure: Callable[[str, BaseException], None], tls: security.TLSFiles | None = None):
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        bandwidth_bps,
+        latency_s: float,
+        token: str | None,
+        on_failure: Callable[[str, BaseException], None],
+        tls: security.TLSFiles | None = None,
+    ):
         self.name = name
         self.pacer = pacing.Pacer(bandwidth_bps, latency_s)
         self.channel = security.open_channel(address, CHANNEL_OPTIONS, tls)
@@ -131,12 +139,28 @@ class ClusterTransport:
       sizes: what one message of the run can hold (None: the 256 MiB limit).
     """
 
-    def __init__(self, me: str, slots: Mapping[str, tuple[int, int]], primaries: Mapping, backups: Mapping, *,
-                 run_id: str, token: str | None, address_dir: Path, bandwidth_mbps: Mapping[str, float],
-                 enforce: bool = True, latency_s: float = 0.0, node_latency_s: Mapping[str, float] | None = None,
-                 timeout_s: float = 300.0, backup_round: Mapping[str, int] | None = None,
-                 tls: security.TLSFiles | None = None, me_key: identity.Identity | None = None,
-                 secret: str | None = None, keys: Mapping[str, bytes] | None = None, sizes: wire.Sizes | None = None):
+    def __init__(
+        self,
+        me: str,
+        slots: Mapping[str, tuple[int, int]],
+        primaries: Mapping,
+        backups: Mapping,
+        *,
+        run_id: str,
+        token: str | None,
+        address_dir: Path,
+        bandwidth_mbps: Mapping[str, float],
+        enforce: bool = True,
+        latency_s: float = 0.0,
+        node_latency_s: Mapping[str, float] | None = None,
+        timeout_s: float = 300.0,
+        backup_round: Mapping[str, int] | None = None,
+        tls: security.TLSFiles | None = None,
+        me_key: identity.Identity | None = None,
+        secret: str | None = None,
+        keys: Mapping[str, bytes] | None = None,
+        sizes: wire.Sizes | None = None,
+    ):
         self.me, self.run_id, self.token, self.tls = me, run_id, token, tls
         self.identity = me_key if me_key is not None else identity.Identity.generate()
         self.secret, self.sizes = secret, sizes
@@ -223,28 +247,41 @@ class ClusterTransport:
         channel = security.open_channel(address, CHANNEL_OPTIONS, self.tls)
         try:
             reply = pb_grpc.ClusterNodeStub(channel).Identify(
-                pb.IdentifyRequest(run_id=self.run_id, name=name), metadata=security.token_metadata(self.token),
-                timeout=max(0.1, timeout_s), wait_for_ready=True)
+                pb.IdentifyRequest(run_id=self.run_id, name=name),
+                metadata=security.token_metadata(self.token),
+                timeout=max(0.1, timeout_s),
+                wait_for_ready=True,
+            )
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError(f"node {name!r} at {address} did not answer within {timeout_s:g}s") from None
-            raise ConnectionError(f"node {name!r} at {address} did not give its key ({e.code().name}: {e.details()})") from None
+            raise ConnectionError(
+                f"node {name!r} at {address} did not give its key ({e.code().name}: {e.details()})"
+            ) from None
         finally:
             channel.close()
         if reply.name != name or reply.run_id != self.run_id or len(reply.key) != 32:
-            raise ConnectionError(f"the node at {address} answered as {reply.name!r} of run {reply.run_id!r} "
-                                  f"(expected {name!r} of {self.run_id!r}); check the address book {self.address_dir}")
-        if self.secret is not None and not identity.check_join_proof(self.secret, reply.proof, self.run_id,
-                                                                     _key_label(name), reply.key):
-            raise ConnectionError(f"node {name!r} at {address} does not prove it holds the run secret; "
-                                  "give every node the same ZEROTH_SECRET")
+            raise ConnectionError(
+                f"the node at {address} answered as {reply.name!r} of run {reply.run_id!r} "
+                f"(expected {name!r} of {self.run_id!r}); check the address book {self.address_dir}"
+            )
+        if self.secret is not None and not identity.check_join_proof(
+            self.secret, reply.proof, self.run_id, _key_label(name), reply.key
+        ):
+            raise ConnectionError(
+                f"node {name!r} at {address} does not prove it holds the run secret; "
+                "give every node the same ZEROTH_SECRET"
+            )
         with self._key_lock:
             return self.keys.setdefault(name, bytes(reply.key))
 
     def node_key(self) -> pb.NodeKey:
         """This node's answer to ``Identify``."""
-        proof = b"" if self.secret is None else identity.join_proof(self.secret, self.run_id, _key_label(self.me),
-                                                                    self.identity.public)
+        proof = (
+            b""
+            if self.secret is None
+            else identity.join_proof(self.secret, self.run_id, _key_label(self.me), self.identity.public)
+        )
         return pb.NodeKey(run_id=self.run_id, name=self.me, key=self.identity.public, proof=proof)
 
     def receive(self, msg: pb.Message) -> None:
@@ -263,10 +300,14 @@ class ClusterTransport:
         src = self.slots[msg.sender]
         expected = {pb.ACTIVATION: (c, s - 1), pb.GRADIENT: (c, s + 1)}.get(msg.kind)
         if expected is not None and src != expected:
-            raise wire.MessageError(f"sender {msg.sender!r} holds slot {list(src)}; this slot's "
-                                    f"{'activations' if msg.kind == pb.ACTIVATION else 'gradients'} come from {list(expected)}")
+            raise wire.MessageError(
+                f"sender {msg.sender!r} holds slot {list(src)}; this slot's "
+                f"{'activations' if msg.kind == pb.ACTIVATION else 'gradients'} come from {list(expected)}"
+            )
         if msg.kind == pb.STATE and msg.sender != self.first_primary.get(self.slot):
-            raise wire.MessageError(f"sender {msg.sender!r} is not the primary of slot {list(self.slot)}: only it hands a state")
+            raise wire.MessageError(
+                f"sender {msg.sender!r} is not the primary of slot {list(self.slot)}: only it hands a state"
+            )
         if msg.kind == pb.STATE:
             self._state = msg.blob
             self._state_event.set()
@@ -339,7 +380,11 @@ class ClusterTransport:
                 return
             if self.primary.get(slot) == name:
                 code = error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__
-                self.inbox.fail(ConnectionError(f"node {name!r} (cluster {slot[0]}, stage {slot[1]}) went away ({code}) and has no backup"))
+                self.inbox.fail(
+                    ConnectionError(
+                        f"node {name!r} (cluster {slot[0]}, stage {slot[1]}) went away ({code}) and has no backup"
+                    )
+                )
             elif self.backup.get(slot) == name:
                 del self.backup[slot]
 
@@ -369,7 +414,9 @@ class ClusterTransport:
             np.savez(buf, **self.state_arrays(stage_snapshot))
             blob = buf.getvalue()
             with self._lock:
-                self._submit(backup, wire.sign(wire.state_message(self.run_id, self.me, blob, self.slot), self.identity))
+                self._submit(
+                    backup, wire.sign(wire.state_message(self.run_id, self.me, blob, self.slot), self.identity)
+                )
                 self.relay_to = backup
         return len(blob)
 
@@ -380,8 +427,12 @@ class ClusterTransport:
         with self._ring_cv:
             ring_items, ring_seen = dict(self._ring), set(self._ring_seen)
         arrays = {f"s/{k}": v for k, v in stage_snapshot.items()}
-        manifest = {"inbox": [], "inbox_seen": sorted([list(k) for k in seen]),
-                    "ring": [], "ring_seen": sorted([[*src, *tag] for src, tag in ring_seen], key=str)}
+        manifest = {
+            "inbox": [],
+            "inbox_seen": sorted([list(k) for k in seen]),
+            "ring": [],
+            "ring_seen": sorted([[*src, *tag] for src, tag in ring_seen], key=str),
+        }
         for i, (k, v) in enumerate(sorted(items.items())):
             manifest["inbox"].append(list(k))
             arrays[f"in/{i}"] = np.asarray(v)
@@ -420,8 +471,12 @@ class ClusterTransport:
         ring chunks and join pieces of rounds from ``round_from`` on (a checkpoint keeps them)."""
         with self._lock:
             sent = [(slot, m) for slot, log in self.sent_log.items() for m in log] + list(self.outbox)
-        keep = [(slot, m) for slot, m in sent
-                if (m.kind in (pb.ACTIVATION, pb.GRADIENT) and m.batch >= batch_from) or (m.kind == pb.RING and m.round >= round_from)]
+        keep = [
+            (slot, m)
+            for slot, m in sent
+            if (m.kind in (pb.ACTIVATION, pb.GRADIENT) and m.batch >= batch_from)
+            or (m.kind == pb.RING and m.round >= round_from)
+        ]
         return [(tuple(slot), m.SerializeToString()) for slot, m in keep]
 
     def resend(self, messages) -> int:
@@ -431,7 +486,9 @@ class ClusterTransport:
         for slot, data in messages:
             msg = pb.Message.FromString(bytes(data))
             if msg.sender != self.me or msg.run_id != self.run_id:
-                raise ValueError(f"a kept message of {msg.sender!r} (run {msg.run_id!r}) is not node {self.me!r}'s of this run")
+                raise ValueError(
+                    f"a kept message of {msg.sender!r} (run {msg.run_id!r}) is not node {self.me!r}'s of this run"
+                )
             msg.signature = b""
             self._deliver(tuple(slot), wire.sign(msg, self.identity))
             n += 1
@@ -441,14 +498,18 @@ class ClusterTransport:
         """An activation to the next stage, a gradient to the previous one (NodeIO)."""
         c, s = self.slot
         dest = (c, s + 1) if kind == _driver.ACTIVATION else (c, s - 1)
-        self._deliver(dest, wire.sign(wire.to_message(self.run_id, self.me, kind, array, batch=batch, to=dest), self.identity))
+        self._deliver(
+            dest, wire.sign(wire.to_message(self.run_id, self.me, kind, array, batch=batch, to=dest), self.identity)
+        )
 
     # ------------------------------------------------------------------ rings
 
     def ring_send(self, peer: tuple[int, int], tag: tuple, array: np.ndarray) -> None:
         ring, round_id, phase, step = tag
         peer = tuple(peer)
-        msg = wire.to_message(self.run_id, self.me, "ring", array, ring=ring, round_id=round_id, phase=phase, step=step, to=peer)
+        msg = wire.to_message(
+            self.run_id, self.me, "ring", array, ring=ring, round_id=round_id, phase=phase, step=step, to=peer
+        )
         self._deliver(peer, wire.sign(msg, self.identity))
 
     def ring_recv(self, peer: tuple[int, int], tag: tuple, timeout_s: float) -> np.ndarray:
@@ -498,8 +559,10 @@ class _Servicer(pb_grpc.ClusterNodeServicer):
 
     def Identify(self, request, context):
         if request.run_id != self.t.run_id or request.name != self.t.me:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"this is node {self.t.me!r} of run {self.t.run_id!r}, "
-                          f"not {request.name!r} of {request.run_id!r}")
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"this is node {self.t.me!r} of run {self.t.run_id!r}, not {request.name!r} of {request.run_id!r}",
+            )
         return self.t.node_key()
 
 

@@ -23,10 +23,29 @@ import numpy as np
 from zeroth.cluster.proto import cluster_pb2 as pb
 from zeroth.transport import identity
 
-__all__ = ["KINDS", "MAX_BLOB", "MAX_VALUES", "MessageError", "Sizes", "check_message", "check_signature", "from_message",
-           "promote_message", "sign", "signed_bytes", "state_message", "to_message"]
+__all__ = [
+    "KINDS",
+    "MAX_BLOB",
+    "MAX_VALUES",
+    "MessageError",
+    "Sizes",
+    "check_message",
+    "check_signature",
+    "from_message",
+    "promote_message",
+    "sign",
+    "signed_bytes",
+    "state_message",
+    "to_message",
+]
 
-KINDS = {"activation": pb.ACTIVATION, "gradient": pb.GRADIENT, "ring": pb.RING, "state": pb.STATE, "promote": pb.PROMOTE}
+KINDS = {
+    "activation": pb.ACTIVATION,
+    "gradient": pb.GRADIENT,
+    "ring": pb.RING,
+    "state": pb.STATE,
+    "promote": pb.PROMOTE,
+}
 MAX_BLOB = 255 * 2**20  # under the gRPC message limit (256 MiB)
 MAX_VALUES = 64 * 1024 * 1024  # float32 values in one message (256 MiB)
 PHASES = ("reduce", "gather", "join")  # join: the pieces a late cluster starts from
@@ -55,20 +74,55 @@ class Sizes(NamedTuple):
         return payload + 64 * 1024
 
 
-def to_message(run_id: str, sender: str, kind: str, array: np.ndarray, *, batch: int = 0, ring: int = 0,
-               round_id: int = 0, phase: str = "", step: int = 0, to: tuple[int, int] = (0, 0)) -> pb.Message:
+def to_message(
+    run_id: str,
+    sender: str,
+    kind: str,
+    array: np.ndarray,
+    *,
+    batch: int = 0,
+    ring: int = 0,
+    round_id: int = 0,
+    phase: str = "",
+    step: int = 0,
+    to: tuple[int, int] = (0, 0),
+) -> pb.Message:
     """One message carrying ``array`` (float32, little-endian) to slot ``to`` (unsigned: :func:`sign`)."""
     a = np.ascontiguousarray(array, dtype="<f4")
-    return pb.Message(run_id=run_id, sender=sender, kind=KINDS[kind], batch=batch, ring=ring, round=round_id,
-                      phase=phase, step=step, shape=list(a.shape), data=a.tobytes(), to_cluster=to[0], to_stage=to[1])
+    return pb.Message(
+        run_id=run_id,
+        sender=sender,
+        kind=KINDS[kind],
+        batch=batch,
+        ring=ring,
+        round=round_id,
+        phase=phase,
+        step=step,
+        shape=list(a.shape),
+        data=a.tobytes(),
+        to_cluster=to[0],
+        to_stage=to[1],
+    )
 
 
 def signed_bytes(msg: pb.Message) -> bytes:
     """What a sender signs: every field of ``msg`` but the signature, the payloads as their SHA-256."""
-    return identity.canonical("zeroth-ravnest-v1", msg.run_id, msg.sender, int(msg.kind), int(msg.batch), int(msg.ring),
-                              int(msg.round), msg.phase, int(msg.step), tuple(int(x) for x in msg.shape),
-                              int(msg.to_cluster), int(msg.to_stage), hashlib.sha256(msg.data).digest(),
-                              hashlib.sha256(msg.blob).digest())
+    return identity.canonical(
+        "zeroth-ravnest-v1",
+        msg.run_id,
+        msg.sender,
+        int(msg.kind),
+        int(msg.batch),
+        int(msg.ring),
+        int(msg.round),
+        msg.phase,
+        int(msg.step),
+        tuple(int(x) for x in msg.shape),
+        int(msg.to_cluster),
+        int(msg.to_stage),
+        hashlib.sha256(msg.data).digest(),
+        hashlib.sha256(msg.blob).digest(),
+    )
 
 
 def sign(msg: pb.Message, me: identity.Identity) -> pb.Message:
@@ -80,8 +134,10 @@ def sign(msg: pb.Message, me: identity.Identity) -> pb.Message:
 def check_signature(msg: pb.Message, key: bytes) -> None:
     """Raise :class:`MessageError` unless ``msg`` is signed with the private key of ``key``."""
     if not identity.verify(key, signed_bytes(msg), msg.signature):
-        raise MessageError(f"signature of a message in the name of {msg.sender!r} does not verify under its key "
-                           "(only that node can send in its name)")
+        raise MessageError(
+            f"signature of a message in the name of {msg.sender!r} does not verify under its key "
+            "(only that node can send in its name)"
+        )
 
 
 def check_message(msg: pb.Message, run_id: str, senders: Collection[str], sizes: Sizes | None = None) -> None:
@@ -98,8 +154,10 @@ def check_message(msg: pb.Message, run_id: str, senders: Collection[str], sizes:
     if msg.kind == pb.STATE:
         most = MAX_BLOB if sizes is None else min(MAX_BLOB, sizes.state_bytes)
         if not 0 < len(msg.blob) <= most or msg.data or msg.shape:
-            raise MessageError(f"a state message carries a blob of 1 byte to {most} bytes and no data; got "
-                               f"{len(msg.blob)} bytes of blob, {len(msg.data)} of data")
+            raise MessageError(
+                f"a state message carries a blob of 1 byte to {most} bytes and no data; got "
+                f"{len(msg.blob)} bytes of blob, {len(msg.data)} of data"
+            )
         return
     if msg.blob:
         raise MessageError("blob is only for state messages")
@@ -111,10 +169,13 @@ def check_message(msg: pb.Message, run_id: str, senders: Collection[str], sizes:
     if n > MAX_VALUES:
         raise MessageError(f"shape {list(msg.shape)} holds {n} values, more than the limit {MAX_VALUES}")
     if sizes is not None and msg.kind in (pb.ACTIVATION, pb.GRADIENT) and tuple(msg.shape) != tuple(sizes.activation):
-        raise MessageError(f"shape {list(msg.shape)} of an activation or gradient is not the model's {list(sizes.activation)}")
+        raise MessageError(
+            f"shape {list(msg.shape)} of an activation or gradient is not the model's {list(sizes.activation)}"
+        )
     if sizes is not None and msg.kind == pb.RING and n > sizes.ring_values:
-        raise MessageError(f"shape {list(msg.shape)} of a ring chunk holds {n} values, more than a stage's slice "
-                           f"({sizes.ring_values})")
+        raise MessageError(
+            f"shape {list(msg.shape)} of a ring chunk holds {n} values, more than a stage's slice ({sizes.ring_values})"
+        )
     if len(msg.data) != 4 * n:
         raise MessageError(f"data has {len(msg.data)} bytes, shape {list(msg.shape)} needs {4 * n} (float32)")
 

@@ -132,7 +132,11 @@ def self_check(rounds: int = 3, *, eta_s: float = 1e-2, K: int | None = 2) -> di
                 if name == "int32":
                     ok = ok and bool(np.array_equal(gv, wv)) and bool(np.array_equal(gv, total))
                 else:
-                    ok = ok and bool(np.allclose(gv, wv, rtol=1e-5, atol=1e-5)) and bool(np.allclose(gv, total, atol=1e-4))
+                    ok = (
+                        ok
+                        and bool(np.allclose(gv, wv, rtol=1e-5, atol=1e-5))
+                        and bool(np.allclose(gv, total, atol=1e-4))
+                    )
             checks[name] = ok
         out[f"{type(topo).__name__.lower()}_allreduce_equals_psum"] = checks
 
@@ -154,7 +158,8 @@ def self_check(rounds: int = 3, *, eta_s: float = 1e-2, K: int | None = 2) -> di
     state = _train.WorkerState(
         {"w": global_array(np.zeros((m, 16), np.float32), sharding)},
         jax.tree_util.tree_map(
-            lambda a: global_array(np.broadcast_to(np.asarray(a), (m,) + np.shape(a)).copy(), sharding), sync.init(tr.dim)
+            lambda a: global_array(np.broadcast_to(np.asarray(a), (m,) + np.shape(a)).copy(), sharding),
+            sync.init(tr.dim),
         ),
     )
     sums = []

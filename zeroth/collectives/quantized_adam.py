@@ -72,7 +72,7 @@ def _scales(c: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     a = np.asarray(c, np.float32).astype(np.float64)
     out = np.empty(len(bounds) - 1, np.float32)
     for k in range(len(bounds) - 1):
-        seg = a[bounds[k]:bounds[k + 1]]
+        seg = a[bounds[k] : bounds[k + 1]]
         out[k] = np.float32(math.sqrt(math.fsum((seg * seg).tolist()) / seg.size))
     return out
 
@@ -102,8 +102,10 @@ def sign_decompress(words: np.ndarray, scales: np.ndarray, bounds: np.ndarray) -
     n = int(bounds[-1])
     words, scales = np.asarray(words, np.uint32), np.asarray(scales, np.float32)
     if words.size != (n + 31) // 32 or scales.size != len(bounds) - 1:
-        raise ValueError(f"{words.size} words and {scales.size} scales; {n} values in {len(bounds) - 1} segments need "
-                         f"{(n + 31) // 32} and {len(bounds) - 1}")
+        raise ValueError(
+            f"{words.size} words and {scales.size} scales; {n} values in {len(bounds) - 1} segments need "
+            f"{(n + 31) // 32} and {len(bounds) - 1}"
+        )
     signs = np.asarray(signbits.unpack_ref(words, (n,), dtype=np.float32, scale=1.0), np.float32)
     return signs * np.repeat(scales, np.diff(bounds))
 
@@ -142,8 +144,16 @@ class QuantizedAdam:
     shared one; :meth:`apply` updates the parameters from it.
     """
 
-    def __init__(self, bounds: np.ndarray, warmup: int, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                 weight_decay: float = 0.0, server: bool = False):
+    def __init__(
+        self,
+        bounds: np.ndarray,
+        warmup: int,
+        b1: float = 0.9,
+        b2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        server: bool = False,
+    ):
         if int(warmup) < 1:
             raise ValueError(f"QuantizedAdam warmup={warmup}: the variance needs at least 1 uncompressed step")
         self.bounds = np.asarray(bounds, np.int64)
@@ -191,7 +201,7 @@ class QuantizedAdam:
             self.m = b1 * self.m + np.float32(1.0 - self.b1) * shared
             self.v = b2 * self.v + np.float32(1.0 - self.b2) * (shared * shared)
         self.count += 1
-        c1 = np.float32(1.0 / (1.0 - self.b1 ** self.count))
+        c1 = np.float32(1.0 / (1.0 - self.b1**self.count))
         c2 = np.float32(1.0 / (1.0 - self.b2 ** min(self.count, self.warmup)))
         update = (self.m * c1) / (np.sqrt(self.v * c2) + np.float32(self.eps))
         if self.weight_decay:

@@ -99,8 +99,9 @@ def check_norm(norm: str, bucket: int = 256) -> None:
     """Refuse an unknown SSDM norm, or a ``bucket`` that is not a positive multiple of 32."""
     if norm not in NORMS:
         raise ValueError(f"unknown SSDM norm {norm!r}; expected one of {list(NORMS)}")
-    if norm == "bucket" and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < sb.WORD_BITS
-                             or bucket % sb.WORD_BITS):
+    if norm == "bucket" and (
+        isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < sb.WORD_BITS or bucket % sb.WORD_BITS
+    ):
         raise ValueError(f"SSDM bucket must be a positive multiple of {sb.WORD_BITS} elements, got {bucket!r}")
 
 
@@ -126,8 +127,9 @@ def _per_element(norms: jax.Array, n: int) -> jax.Array:
     return norms if norms.ndim == 0 else jnp.repeat(norms, n // norms.shape[0])
 
 
-def ssdm_compress(u: jax.Array, key: jax.Array, *, norm: str = "l2", bucket: int = 256,
-                  impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+def ssdm_compress(
+    u: jax.Array, key: jax.Array, *, norm: str = "l2", bucket: int = 256, impl: str = "auto"
+) -> tuple[jax.Array, jax.Array]:
     """SSDM's stochastic sign of ``u`` (``f32[L]``, ``L % 32 == 0``): ``(norm, bits u32[L/32])``.
 
     Bit ``j`` is 1 with probability ``1/2 + u_j / (2 ||u||)`` (to 24-bit resolution:

@@ -203,8 +203,9 @@ def sign_count_allreduce(topology, eta_s: float, *, vote: bool = False, impl: st
     return SyncTransform(lambda d: (), update, _always("sync"))
 
 
-def stochastic_sign_count_allreduce(topology, eta_s: float, *, norm: str = "l2", bucket: int = 256,
-                                    impl: str = "auto") -> SyncTransform:
+def stochastic_sign_count_allreduce(
+    topology, eta_s: float, *, norm: str = "l2", bucket: int = 256, impl: str = "auto"
+) -> SyncTransform:
     """SSDM extended to the multi-hop all-reduce by bit length (seed 004, section 5, "Baselines").
 
     Every worker draws SSDM's stochastic signs of ``u`` (``+1`` with probability
@@ -347,7 +348,9 @@ def periodic(inner: SyncTransform, every: int | None, full: SyncTransform) -> Sy
     ``every=None`` means never (K = infinity); ``every=1`` means always ``full``.
     """
     if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-        raise ValueError(f"K (rounds between full-precision synchronizations) must be an int >= 1 or None, got {every!r}")
+        raise ValueError(
+            f"K (rounds between full-precision synchronizations) must be an int >= 1 or None, got {every!r}"
+        )
 
     def init(d):
         return (inner.init(d), full.init(d))

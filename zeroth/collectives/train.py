@@ -49,8 +49,18 @@ from zeroth.collectives import bits as _bits
 from zeroth.collectives import ring as _ring
 from zeroth.collectives import sync as _sync
 
-__all__ = ["WorkerState", "Trainer", "make_trainer", "worker_checksums", "all_worker_checksums", "worker_copy",
-           "first_local_worker", "stack_workers", "place", "gather"]
+__all__ = [
+    "WorkerState",
+    "Trainer",
+    "make_trainer",
+    "worker_checksums",
+    "all_worker_checksums",
+    "worker_copy",
+    "first_local_worker",
+    "stack_workers",
+    "place",
+    "gather",
+]
 
 
 class WorkerState(NamedTuple):
@@ -243,8 +253,11 @@ def make_trainer(
     def init(p) -> WorkerState:
         s0 = sync.init(dim)
         v0 = np.zeros((dim,), np.float32) if beta > 0.0 else ()
-        return WorkerState(stack_workers(p, m_total, sharding), stack_workers(s0, m_total, sharding),
-                           stack_workers(v0, m_total, sharding))
+        return WorkerState(
+            stack_workers(p, m_total, sharding),
+            stack_workers(s0, m_total, sharding),
+            stack_workers(v0, m_total, sharding),
+        )
 
     def put(a):
         if isinstance(a, jax.Array) and a.sharding == sharding:
@@ -255,8 +268,9 @@ def make_trainer(
         phase = sync.phase(t)
         rkey = jnp.asarray(_sync.host_round_key(run_seed, t))
         eta = jnp.float32(eta_l * lr_scale)
-        params_w, sync_w, opt_w, losses = step(phase)(state.params, state.sync, state.opt, put(xs), put(ys), rkey, eta,
-                                                      jnp.float32(lr_scale))
+        params_w, sync_w, opt_w, losses = step(phase)(
+            state.params, state.sync, state.opt, put(xs), put(ys), rkey, eta, jnp.float32(lr_scale)
+        )
         return WorkerState(params_w, sync_w, opt_w), losses
 
     def dtype_of(a):
@@ -271,9 +285,16 @@ def make_trainer(
             jax.tree_util.tree_map, lambda a: jax.ShapeDtypeStruct((m_total,) + np.shape(a), dtype_of(a))
         )
         v0 = jax.ShapeDtypeStruct((dim,), jnp.float32) if beta > 0.0 else ()
-        args = (stacked(params), stacked(sync.init(dim)), stacked(v0), abstract(xs), abstract(ys),
-                jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((), jnp.float32),
-                jax.ShapeDtypeStruct((), jnp.float32))
+        args = (
+            stacked(params),
+            stacked(sync.init(dim)),
+            stacked(v0),
+            abstract(xs),
+            abstract(ys),
+            jax.ShapeDtypeStruct((2,), jnp.uint32),
+            jax.ShapeDtypeStruct((), jnp.float32),
+            jax.ShapeDtypeStruct((), jnp.float32),
+        )
         return _bits.ppermute_report(program(phase), *args)
 
     def round_bits(phase: str, xs, ys) -> int:
@@ -288,4 +309,3 @@ def make_trainer(
         return _bits.ppermute_bits(fn, jax.ShapeDtypeStruct((m_total, dim), jnp.float32))
 
     return Trainer(init, run_round, round_bits, round_report, reference_bits, dim, mesh, topology, sync)
-

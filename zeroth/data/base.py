@@ -227,7 +227,9 @@ def _cached_load(name: str, split: str) -> Dataset:
     except DatasetUnavailable:
         raise
     except ImportError as e:
-        raise DatasetUnavailable(f"dataset {name!r} could not be loaded ({e}); install with: {spec.install_hint}") from e
+        raise DatasetUnavailable(
+            f"dataset {name!r} could not be loaded ({e}); install with: {spec.install_hint}"
+        ) from e
     if not isinstance(ds, Dataset):
         raise TypeError(f"loader of dataset {name!r} returned {type(ds).__name__}, expected zeroth.data.Dataset")
     if ds.x.shape[0] != ds.y.shape[0]:
@@ -268,7 +270,9 @@ def split_indices(name: str, n: int, test_size: int) -> dict[str, np.ndarray]:
     return {"test": perm[:test_size], "train": perm[test_size:]}
 
 
-def make_splits(name: str, x: np.ndarray, y: np.ndarray, num_classes: int, split: str, test_size: int, info=None) -> Dataset:
+def make_splits(
+    name: str, x: np.ndarray, y: np.ndarray, num_classes: int, split: str, test_size: int, info=None
+) -> Dataset:
     """The ``split`` of arrays ``x, y`` by :func:`split_indices` (for loaders without native splits)."""
     idx = split_indices(name, x.shape[0], test_size)[split]
     return Dataset(

@@ -57,7 +57,19 @@ class GGUFFile(NamedTuple):
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
 # GGUF value types: scalar codes -> NumPy dtypes (little-endian); 8 is a string, 9 an array.
-_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+_SCALARS = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "<u1",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 _STRING, _ARRAY, _BOOL = 8, 9, 7
 
 
@@ -69,8 +81,10 @@ class _Cursor:
 
     def take(self, n: int) -> np.ndarray:
         if n < 0 or self.pos + n > self.buf.size:
-            raise ValueError(f"{self.path}: truncated GGUF file (needs {n} bytes at offset {self.pos}, has {self.buf.size})")
-        out = self.buf[self.pos:self.pos + n]
+            raise ValueError(
+                f"{self.path}: truncated GGUF file (needs {n} bytes at offset {self.pos}, has {self.buf.size})"
+            )
+        out = self.buf[self.pos : self.pos + n]
         self.pos += n
         return out
 
@@ -107,10 +121,10 @@ class _Cursor:
         for _ in range(n):
             if pos + 8 > size:
                 raise ValueError(f"{self.path}: truncated GGUF file (a string array ends at offset {pos})")
-            k = int.from_bytes(raw[pos:pos + 8], "little")
+            k = int.from_bytes(raw[pos : pos + 8], "little")
             if pos + 8 + k > size:
                 raise ValueError(f"{self.path}: truncated GGUF file (a string of {k} bytes at offset {pos + 8})")
-            out.append(str(raw[pos + 8:pos + 8 + k], "utf-8"))
+            out.append(str(raw[pos + 8 : pos + 8 + k], "utf-8"))
             pos += 8 + k
         self.pos = pos
         return out
@@ -151,8 +165,10 @@ def _parse(path: Path) -> GGUFFile:
             nbytes, view_shape = int(np.prod(shape[:-1])) * row, (*shape[:-1], row)
         lo = start + offset
         if lo + nbytes > buf.size:
-            raise ValueError(f"{path}: truncated GGUF file (tensor {name!r} needs bytes {lo}..{lo + nbytes}, the file has {buf.size})")
-        tensors[name] = GGUFTensor(name, qtype.name, shape, buf[lo:lo + nbytes].view(dt).reshape(view_shape))
+            raise ValueError(
+                f"{path}: truncated GGUF file (tensor {name!r} needs bytes {lo}..{lo + nbytes}, the file has {buf.size})"
+            )
+        tensors[name] = GGUFTensor(name, qtype.name, shape, buf[lo : lo + nbytes].view(dt).reshape(view_shape))
     return GGUFFile(path, metadata, tensors)
 
 

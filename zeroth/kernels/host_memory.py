@@ -64,6 +64,8 @@ def reuse_freed_host_memory() -> bool:
             if mallopt is not None:
                 mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
                 mallopt.restype = ctypes.c_int
-                ok = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+                ok = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(
+                    mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+                )
         _state["done"] = ok
         return ok

@@ -65,15 +65,19 @@ class ModelSpec:
     """Model from zeroth.models."""
 
     name: str = _config.field("cnn", "Model name in zeroth.models.")
-    kwargs: dict = _config.field(help="The model's arguments (replaced whole by a run entry, not merged).",
-                          factory=lambda: {"features": [8, 16], "dense": 32})
+    kwargs: dict = _config.field(
+        help="The model's arguments (replaced whole by a run entry, not merged).",
+        factory=lambda: {"features": [8, 16], "dense": 32},
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class TopologySpec:
     """Workers and how they are wired."""
 
-    kind: str = _config.field("ring", "How the workers are wired for the multi-hop all-reduce.", choices=("ring", "torus"))
+    kind: str = _config.field(
+        "ring", "How the workers are wired for the multi-hop all-reduce.", choices=("ring", "torus")
+    )
     workers: int = _config.field(4, "Number of workers (simulated devices of this process).")
     rows: int | None = _config.field(None, "Torus rows; null = the most square factorisation of workers.")
 
@@ -87,13 +91,19 @@ class TrainSpec:
     eval_every: int = _config.field(25, "Evaluate test accuracy every this many rounds (and at the last).")
     log_every: int = _config.field(1, "A train row in metrics.jsonl every this many rounds (and at the last).")
     checksum_every: int = _config.field(1, "Compare every worker's parameter checksum every this many rounds.")
-    target_acc: float = _config.field(0.9, "rounds_to_target in summary.json is the first evaluated round reaching this test accuracy.")
+    target_acc: float = _config.field(
+        0.9, "rounds_to_target in summary.json is the first evaluated round reaching this test accuracy."
+    )
     local_steps: int = _config.field(1, "Local steps per worker between two synchronizations, each on its own batch.")
     momentum: float = _config.field(0.0, "Heavy-ball momentum of the local steps (0 = plain SGD; kept across rounds).")
-    lr_decay: float = _config.field(1.0, "Factor on the local step size at each decay point (1.0 = constant; the seed's 0.1).")
+    lr_decay: float = _config.field(
+        1.0, "Factor on the local step size at each decay point (1.0 = constant; the seed's 0.1)."
+    )
     lr_decay_every: int | str | None = _config.field(
-        None, "When the step size decays: null = never, an int N = every N rounds, 'full' = after every "
-              "full-precision synchronization (round t > 0 of phase full; Marsit with K > 1).")
+        None,
+        "When the step size decays: null = never, an int N = every N rounds, 'full' = after every "
+        "full-precision synchronization (round t > 0 of phase full; Marsit with K > 1).",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +111,15 @@ class SyncSpec:
     """Synchronization method (zeroth.collectives.sync.METHODS)."""
 
     method: str = _config.field("psgd", "Synchronization method.", choices=lambda: list(_sync.METHODS))
-    eta_s: float | None = _config.field(None, "Global step size of signsgd, majority_vote and marsit (required there); unused by the others.")
+    eta_s: float | None = _config.field(
+        None, "Global step size of signsgd, majority_vote and marsit (required there); unused by the others."
+    )
     K: int | None = _config.field(None, "Marsit: a full-precision round every K rounds; null (or inf) = never.")
-    norm: str = _config.field("l2", "SSDM's norm: l2 (the seed's, whole vector), linf, or bucket (l2 per bucket elements).",
-                              choices=("l2", "linf", "bucket"))
+    norm: str = _config.field(
+        "l2",
+        "SSDM's norm: l2 (the seed's, whole vector), linf, or bucket (l2 per bucket elements).",
+        choices=("l2", "linf", "bucket"),
+    )
     bucket: int = _config.field(256, "SSDM's bucket length for norm: bucket (a multiple of 32).")
 
 
@@ -212,20 +227,30 @@ def _validate(spec: RunSpec) -> RunSpec:
     if e is not None and e != "full" and (isinstance(e, bool) or not isinstance(e, int) or e < 1):
         raise ValueError(f"{where}: train.lr_decay_every must be null, an int >= 1 or 'full', got {e!r}")
     if e == "full" and not (spec.sync.method == "marsit" and spec.sync.K is not None and spec.sync.K > 1):
-        raise ValueError(f"{where}: train.lr_decay_every 'full' decays after each full-precision synchronization, "
-                         f"which needs sync.method marsit with K > 1 (got {spec.sync.method}, K={spec.sync.K}); "
-                         f"use an int (every N rounds) or null")
+        raise ValueError(
+            f"{where}: train.lr_decay_every 'full' decays after each full-precision synchronization, "
+            f"which needs sync.method marsit with K > 1 (got {spec.sync.method}, K={spec.sync.K}); "
+            f"use an int (every N rounds) or null"
+        )
     if spec.topology.kind not in ("ring", "torus"):
         raise ValueError(f"{where}: topology.kind must be 'ring' or 'torus', got {spec.topology.kind!r}")
-    for name, v in (("train.rounds", spec.train.rounds), ("train.eval_every", spec.train.eval_every), ("train.log_every", spec.train.log_every),
-                    ("train.checksum_every", spec.train.checksum_every), ("topology.workers", spec.topology.workers),
-                    ("data.batch_size", spec.data.batch_size), ("seed", spec.seed)):
+    for name, v in (
+        ("train.rounds", spec.train.rounds),
+        ("train.eval_every", spec.train.eval_every),
+        ("train.log_every", spec.train.log_every),
+        ("train.checksum_every", spec.train.checksum_every),
+        ("topology.workers", spec.topology.workers),
+        ("data.batch_size", spec.data.batch_size),
+        ("seed", spec.seed),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "seed" else 1):
             raise ValueError(f"{where}: {name} must be an int >= {0 if name == 'seed' else 1}, got {v!r}")
     for name, v in (("train.eta_l", spec.train.eta_l), ("network.gbps", spec.network.gbps)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise ValueError(f"{where}: {name} must be a number > 0, got {v!r}")
-    if spec.sync.K is not None and (isinstance(spec.sync.K, bool) or not isinstance(spec.sync.K, int) or spec.sync.K < 1):
+    if spec.sync.K is not None and (
+        isinstance(spec.sync.K, bool) or not isinstance(spec.sync.K, int) or spec.sync.K < 1
+    ):
         raise ValueError(f"{where}: sync.K must be an int >= 1 or null (infinity), got {spec.sync.K!r}")
     return spec
 

@@ -80,8 +80,13 @@ def _bytes(bits: int) -> int:
     return -(-int(bits) // 8)
 
 
-def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callable[[], bool] = lambda: False,
-            params_file: Path | None = None) -> dict:
+def run_one(
+    spec: _config.RunSpec,
+    log: Callable[[dict], None],
+    *,
+    stop: Callable[[], bool] = lambda: False,
+    params_file: Path | None = None,
+) -> dict:
     """Train one run, calling ``log(row)`` per schema-v1 row; returns its summary.
 
     Raises:
@@ -105,11 +110,21 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, y_test).mean()
         return loss, jnp.mean((jnp.argmax(logits, -1) == y_test).astype(jnp.float32))
 
-    sync = _sync.build(spec.sync.method, topo, eta_s=spec.sync.eta_s, K=spec.sync.K, norm=spec.sync.norm,
-                       bucket=spec.sync.bucket)
+    sync = _sync.build(
+        spec.sync.method, topo, eta_s=spec.sync.eta_s, K=spec.sync.K, norm=spec.sync.norm, bucket=spec.sync.bucket
+    )
     h = spec.train.local_steps
-    tr = _train.make_trainer(loss_fn, params0, topo, sync, eta_l=spec.train.eta_l, run_seed=spec.seed,
-                             mesh=topo.mesh(devices), local_steps=h, momentum=spec.train.momentum)
+    tr = _train.make_trainer(
+        loss_fn,
+        params0,
+        topo,
+        sync,
+        eta_l=spec.train.eta_l,
+        run_seed=spec.seed,
+        mesh=topo.mesh(devices),
+        local_steps=h,
+        momentum=spec.train.momentum,
+    )
     state = tr.init(params0)
     m, b, n_train = topo.size, spec.data.batch_size, train_ds.x.shape[0]
     lr_scale = lr_scales(spec, sync.phase)
@@ -119,8 +134,10 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
             idx = [_data.batch_indices(spec.seed, t * m + k, b, n_train) for k in range(m)]
             return np.stack([train_ds.x[i] for i in idx]), np.stack([train_ds.y[i] for i in idx])
         idx = [[_data.batch_indices(spec.seed, (t * h + j) * m + k, b, n_train) for j in range(h)] for k in range(m)]
-        return (np.stack([np.stack([train_ds.x[i] for i in row]) for row in idx]),
-                np.stack([np.stack([train_ds.y[i] for i in row]) for row in idx]))
+        return (
+            np.stack([np.stack([train_ds.x[i] for i in row]) for row in idx]),
+            np.stack([np.stack([train_ds.y[i] for i in row]) for row in idx]),
+        )
 
     xs0, ys0 = batch(0)
     ref_bits = tr.reference_bits()
@@ -140,16 +157,26 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
         return sum(sum(v) for v in phase_times.values()) * rounds_done / steady if steady else 0.0
 
     def common(step: int) -> dict:
-        return {"run": spec.label, "group": spec.group, "step": step, "time_unix_s": time.time(),
-                "wall_time_s": time.time() - start, "digest": digest, "forward_passes": step * h,
-                "backward_passes": step * h, "payload_bytes_total": _bytes(total_bits)}
+        return {
+            "run": spec.label,
+            "group": spec.group,
+            "step": step,
+            "time_unix_s": time.time(),
+            "wall_time_s": time.time() - start,
+            "digest": digest,
+            "forward_passes": step * h,
+            "backward_passes": step * h,
+            "payload_bytes_total": _bytes(total_bits),
+        }
 
     for t in range(spec.train.rounds):
         phase = sync.phase(t)
         if phase not in phase_bits:  # bits of one round of this phase, counted from its program once
             report = tr.round_report(phase, xs0, ys0)
             phase_bits[phase] = int(sum(r["bits"] for r in report))
-            phase_comm[phase] = sum(spec.network.latency_us * 1e-6 + r["per_send_bits"] / (spec.network.gbps * 1e9) for r in report)
+            phase_comm[phase] = sum(
+                spec.network.latency_us * 1e-6 + r["per_send_bits"] / (spec.network.gbps * 1e9) for r in report
+            )
         xs, ys = batch(t)
         t0 = time.perf_counter()
         state, losses = tr.round(state, t, xs, ys, lr_scale=lr_scale(t))
@@ -174,23 +201,41 @@ def run_one(spec: _config.RunSpec, log: Callable[[dict], None], *, stop: Callabl
         if not math.isfinite(train_loss):
             diverged = True
         if diverged or rounds_done % spec.train.log_every == 0 or rounds_done == spec.train.rounds:
-            log({"kind": "train", **common(rounds_done), "phase": phase, "loss": train_loss,
-                 "lr": spec.train.eta_l * lr_scale(t),
-                 "eta_s": spec.sync.eta_s, "step_time_s": dt, "payload_bytes": _bytes(phase_bits[phase]),
-                 "bits_per_element": _bits.bits_per_element(phase_bits[phase], ref_bits)})
+            log(
+                {
+                    "kind": "train",
+                    **common(rounds_done),
+                    "phase": phase,
+                    "loss": train_loss,
+                    "lr": spec.train.eta_l * lr_scale(t),
+                    "eta_s": spec.sync.eta_s,
+                    "step_time_s": dt,
+                    "payload_bytes": _bytes(phase_bits[phase]),
+                    "bits_per_element": _bits.bits_per_element(phase_bits[phase], ref_bits),
+                }
+            )
         if diverged or rounds_done % spec.train.eval_every == 0 or rounds_done == spec.train.rounds:
             # this process's first worker (worker 0 on one process; every worker holds the same bits when checksums agree)
-            p0 = jax.tree_util.tree_map(jnp.asarray, _train.worker_copy(state.params, _train.first_local_worker(state.params)))
+            p0 = jax.tree_util.tree_map(
+                jnp.asarray, _train.worker_copy(state.params, _train.first_local_worker(state.params))
+            )
             test_loss, acc = (float(v) for v in evaluate(p0))
             diverged = diverged or not math.isfinite(test_loss)
             best_acc = max(best_acc, acc)
             if reached is None and acc >= spec.train.target_acc:
                 reached = rounds_done
-            last_eval = {"kind": "eval", **common(rounds_done), "phase": phase, "eval_loss": test_loss,
-                         "eval_accuracy": acc, "train_loss": train_loss, "compute_time_s": compute_time(),
-                         "comm_model_s": comm_s,
-                         "bits_per_element_mean": _bits.bits_per_element(total_bits, ref_bits * rounds_done),
-                         "checksums_equal": checks_ok}
+            last_eval = {
+                "kind": "eval",
+                **common(rounds_done),
+                "phase": phase,
+                "eval_loss": test_loss,
+                "eval_accuracy": acc,
+                "train_loss": train_loss,
+                "compute_time_s": compute_time(),
+                "comm_model_s": comm_s,
+                "bits_per_element_mean": _bits.bits_per_element(total_bits, ref_bits * rounds_done),
+                "checksums_equal": checks_ok,
+            }
             log(last_eval)
         if diverged:
             break
@@ -277,8 +322,10 @@ def _workers_devices(n: int) -> list:
         return ensure_cpu_devices(n)
     devices = jax.devices()
     if len(devices) != n:
-        raise DeviceError(f"this run has {n} workers but the {jax.process_count()} processes hold {len(devices)} "
-                          f"devices in all; give each process {n} / {jax.process_count()} devices")
+        raise DeviceError(
+            f"this run has {n} workers but the {jax.process_count()} processes hold {len(devices)} "
+            f"devices in all; give each process {n} / {jax.process_count()} devices"
+        )
     return devices
 
 
@@ -300,18 +347,29 @@ def _finished_earlier(out: Path, runs: Sequence[_config.RunSpec]) -> list[dict]:
     for s in summary.get("runs", []):
         label = s["run"]
         if label not in now:
-            raise ValueError(f"--resume: run {label!r} finished in {out} is not in the config any more; "
-                             f"choose another --out or restore the config")
+            raise ValueError(
+                f"--resume: run {label!r} finished in {out} is not in the config any more; "
+                f"choose another --out or restore the config"
+            )
         changed = _config.spec_diff(old.get(label, {}), now[label])
         if changed:
-            raise ValueError(f"--resume: run {label!r} finished in {out} with another config: {', '.join(changed)} "
-                             f"differ; choose another --out or drop the --set that changed them")
+            raise ValueError(
+                f"--resume: run {label!r} finished in {out} with another config: {', '.join(changed)} "
+                f"differ; choose another --out or drop the --set that changed them"
+            )
         kept.append(s)
     return kept
 
 
-def run_config(runs: Sequence[_config.RunSpec], out: str | os.PathLike, *, name: str = "marsit", resume: bool = False,
-               stop: Callable[[], bool] = lambda: False, progress: Callable[[str], None] | None = print) -> dict:
+def run_config(
+    runs: Sequence[_config.RunSpec],
+    out: str | os.PathLike,
+    *,
+    name: str = "marsit",
+    resume: bool = False,
+    stop: Callable[[], bool] = lambda: False,
+    progress: Callable[[str], None] | None = print,
+) -> dict:
     """Train every run of ``runs`` into ``out`` (see the module docstring); returns ``summary.json``'s content.
 
     Raises:
@@ -323,8 +381,10 @@ def run_config(runs: Sequence[_config.RunSpec], out: str | os.PathLike, *, name:
     out = Path(out)
     held = [m for m in ("config.yaml", "metrics.jsonl", "summary.json") if (out / m).exists()]
     if held and not resume:
-        raise ValueError(f"output folder {out} already holds a run ({', '.join(held)}); pass --resume to continue it "
-                         f"or choose another --out")
+        raise ValueError(
+            f"output folder {out} already holds a run ({', '.join(held)}); pass --resume to continue it "
+            f"or choose another --out"
+        )
     kept = _finished_earlier(out, runs) if resume else []
     done = {s["run"] for s in kept}
     if not jax.distributed.is_initialized():
@@ -334,14 +394,19 @@ def run_config(runs: Sequence[_config.RunSpec], out: str | os.PathLike, *, name:
     rows = [r for r in read_metrics(metrics) if r.get("run") in done] if resume and metrics.exists() else []
     with metrics.open("w", encoding="utf-8") as fh:  # the unfinished runs' rows are produced again
         fh.writelines(json.dumps(r) + "\n" for r in rows)
-    (out / "config.yaml").write_text(yaml.safe_dump({"name": name, "runs": [_config.spec_dict(r) for r in runs]},
-                                                    sort_keys=False))
+    (out / "config.yaml").write_text(
+        yaml.safe_dump({"name": name, "runs": [_config.spec_dict(r) for r in runs]}, sort_keys=False)
+    )
     order = {r.label: i for i, r in enumerate(runs)}
     summaries = list(kept)
 
     def write_summary() -> dict:
-        obj = {"name": name, "runs": sorted(summaries, key=lambda s: order[s["run"]]), "finished": len(summaries),
-               "total": len(runs)}
+        obj = {
+            "name": name,
+            "runs": sorted(summaries, key=lambda s: order[s["run"]]),
+            "finished": len(summaries),
+            "total": len(runs),
+        }
         _write_json(out / "summary.json", obj)
         return obj
 
@@ -351,9 +416,11 @@ def run_config(runs: Sequence[_config.RunSpec], out: str | os.PathLike, *, name:
         def log(row: dict) -> None:
             w.write(row)
             if progress is not None and row["kind"] == "eval":
-                progress(f"[{row['run']}] round {row['step']:>5}  loss {row['train_loss']:.4f}  "
-                         f"acc {row['eval_accuracy']:.4f}  bits/elem {row['bits_per_element_mean']:.3f}  "
-                         f"wall {row['wall_time_s']:.1f}s")
+                progress(
+                    f"[{row['run']}] round {row['step']:>5}  loss {row['train_loss']:.4f}  "
+                    f"acc {row['eval_accuracy']:.4f}  bits/elem {row['bits_per_element_mean']:.3f}  "
+                    f"wall {row['wall_time_s']:.1f}s"
+                )
 
         for i, spec in enumerate(runs):
             if spec.label in done:
@@ -378,8 +445,22 @@ def _fmt(v) -> str:
 
 def table(summaries: Sequence[dict]) -> str:
     """A plain-text table of run summaries (one line per run)."""
-    cols = ["run", "method", "workers", "K", "eta_l", "eta_s", "rounds_to_target", "eval_accuracy",
-            "best_eval_accuracy", "diverged", "bits_per_element", "compute_time_s", "comm_model_s", "checksums_equal"]
+    cols = [
+        "run",
+        "method",
+        "workers",
+        "K",
+        "eta_l",
+        "eta_s",
+        "rounds_to_target",
+        "eval_accuracy",
+        "best_eval_accuracy",
+        "diverged",
+        "bits_per_element",
+        "compute_time_s",
+        "comm_model_s",
+        "checksums_equal",
+    ]
     rows = [cols] + [[_fmt(s.get(c)) for c in cols] for s in summaries]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows)

@@ -31,11 +31,15 @@ def local_devices(runs, processes: int) -> int:
     """
     counts = sorted({r.topology.workers for r in runs})
     if len(counts) != 1:
-        raise ValueError(f"the runs have {counts} workers; over several processes every run needs the same count "
-                         "(each process's devices are fixed when it starts)")
+        raise ValueError(
+            f"the runs have {counts} workers; over several processes every run needs the same count "
+            "(each process's devices are fixed when it starts)"
+        )
     if counts[0] % processes:
-        raise ValueError(f"topology.workers {counts[0]} cannot be split over {processes} processes; give a divisor "
-                         f"of {counts[0]} hosts")
+        raise ValueError(
+            f"topology.workers {counts[0]} cannot be split over {processes} processes; give a divisor "
+            f"of {counts[0]} hosts"
+        )
     return counts[0] // processes
 
 
@@ -68,18 +72,33 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from zeroth.collectives import distributed
 
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id, local_devices=per,
-                           timeout_s=args.timeout, hostname=args.hostname)
+    distributed.initialize(
+        args.coordinator,
+        args.num_processes,
+        args.process_id,
+        local_devices=per,
+        timeout_s=args.timeout,
+        hostname=args.hostname,
+    )
     from zeroth import marsit
     from zeroth.train import interrupt
 
     with interrupt.catch() as flag:
         try:
-            result = marsit.run_config(runs, args.out, name=str(raw.get("name") or "marsit"), stop=flag.is_set,
-                                       progress=print if args.process_id == 0 else None)
+            result = marsit.run_config(
+                runs,
+                args.out,
+                name=str(raw.get("name") or "marsit"),
+                stop=flag.is_set,
+                progress=print if args.process_id == 0 else None,
+            )
         except marsit.Stopped as e:
-            print(f"zeroth marsit process {args.process_id}: interrupted in run {e.label!r} after round {e.step}; "
-                  f"{e.finished} of {e.runs} runs finished and kept in {args.out}", file=sys.stderr, flush=True)
+            print(
+                f"zeroth marsit process {args.process_id}: interrupted in run {e.label!r} after round {e.step}; "
+                f"{e.finished} of {e.runs} runs finished and kept in {args.out}",
+                file=sys.stderr,
+                flush=True,
+            )
             return interrupt.EXIT_CODE
     if args.process_id == 0:
         print(marsit.table(result["runs"]))

@@ -54,8 +54,13 @@ SEED_TABLE2 = {
     "DistilBERT / IMDb": (92.16, 89.12, 90.57, 91.41, 90.13, 90.26),
 }
 # Seed 004, Figure 3(b) (CIFAR-10, AlexNet, 400 rounds): K -> time (min), accuracy (%), bits.
-SEED_FIGURE3B = {1: (40.18, 93.42, 32.0), 50: (22.05, 92.28, 1.62), 100: (21.34, 91.73, 1.31),
-                 200: (22.38, 92.00, 1.16), None: (18.78, 90.75, 1.0)}
+SEED_FIGURE3B = {
+    1: (40.18, 93.42, 32.0),
+    50: (22.05, 92.28, 1.62),
+    100: (21.34, 91.73, 1.31),
+    200: (22.38, 92.00, 1.16),
+    None: (18.78, 90.75, 1.0),
+}
 
 
 def load(folder: str | Path) -> tuple[list[dict], list[dict]]:
@@ -100,20 +105,27 @@ def table1_rows(summaries: list[dict]) -> list[dict]:
                 continue
             seed = SEED_TABLE1.get((kind, m), {"rounds": "-", "accuracy": "-", "time_min": "-"})
             reached = s["rounds_to_target"]
-            rows.append({
-                "setting": f"{kind} compression, M={m}",
-                "rounds": (f"diverged by round {s['rounds']}" if s["diverged"]
-                           else str(reached) if reached else f"{s['rounds']}+ (not reached)"),
-                "accuracy_%": "divergence" if s["diverged"] else _pct(s["eval_accuracy"]),
-                "best_accuracy_%": _pct(s["best_eval_accuracy"]),
-                "diverged": s["diverged"],
-                "step_size": s["eta_l"],
-                "compute_time_s": f"{s['compute_time_s']:.1f}",
-                "bits_per_element": f"{s['bits_per_element']:.3f}",
-                "seed_rounds": seed["rounds"],
-                "seed_accuracy_%": seed["accuracy"],
-                "seed_time_min": seed["time_min"],
-            })
+            rows.append(
+                {
+                    "setting": f"{kind} compression, M={m}",
+                    "rounds": (
+                        f"diverged by round {s['rounds']}"
+                        if s["diverged"]
+                        else str(reached)
+                        if reached
+                        else f"{s['rounds']}+ (not reached)"
+                    ),
+                    "accuracy_%": "divergence" if s["diverged"] else _pct(s["eval_accuracy"]),
+                    "best_accuracy_%": _pct(s["best_eval_accuracy"]),
+                    "diverged": s["diverged"],
+                    "step_size": s["eta_l"],
+                    "compute_time_s": f"{s['compute_time_s']:.1f}",
+                    "bits_per_element": f"{s['bits_per_element']:.3f}",
+                    "seed_rounds": seed["rounds"],
+                    "seed_accuracy_%": seed["accuracy"],
+                    "seed_time_min": seed["time_min"],
+                }
+            )
     return rows
 
 
@@ -123,22 +135,35 @@ def table2_rows(summaries: list[dict]) -> list[dict]:
     best = best_by_group(summaries)
     seed = dict(zip(SEED_TABLE2_COLUMNS, SEED_TABLE2["ResNet-20 / CIFAR-10"]))
     seed["Marsit-K"] = seed["Marsit-100"]
-    order = ["PSGD", "signSGD", "signSGD-MV", "EF-signSGD", "SSDM", "SSDM (bucket norms)", "Marsit-100", "Marsit-K", "Marsit"]
+    order = [
+        "PSGD",
+        "signSGD",
+        "signSGD-MV",
+        "EF-signSGD",
+        "SSDM",
+        "SSDM (bucket norms)",
+        "Marsit-100",
+        "Marsit-K",
+        "Marsit",
+    ]
     rows = []
     for g in order + [g for g in best if g not in order]:
         if g not in best:
             continue
         s = best[g]
-        rows.append({
-            "method": g if g != "Marsit-K" else f"Marsit-{s['K']}",
-            "final_accuracy_%": "divergence" if s["diverged"] else _pct(s["eval_accuracy"]),
-            "best_accuracy_%": _pct(s["best_eval_accuracy"]),
-            "rounds": s["rounds"],
-            "step_sizes": f"eta_l={s['eta_l']}" + (f", eta_s={s['eta_s']}" if s.get("eta_s") else "")
-                          + (f", /{1 / s['lr_decay']:.0f} every {s['lr_decay_every']}" if s.get("lr_decay_every") else ""),
-            "bits_per_element": f"{s['bits_per_element']:.3f}",
-            "seed_resnet20_cifar10_%": seed.get(g, "-"),
-        })
+        rows.append(
+            {
+                "method": g if g != "Marsit-K" else f"Marsit-{s['K']}",
+                "final_accuracy_%": "divergence" if s["diverged"] else _pct(s["eval_accuracy"]),
+                "best_accuracy_%": _pct(s["best_eval_accuracy"]),
+                "rounds": s["rounds"],
+                "step_sizes": f"eta_l={s['eta_l']}"
+                + (f", eta_s={s['eta_s']}" if s.get("eta_s") else "")
+                + (f", /{1 / s['lr_decay']:.0f} every {s['lr_decay_every']}" if s.get("lr_decay_every") else ""),
+                "bits_per_element": f"{s['bits_per_element']:.3f}",
+                "seed_resnet20_cifar10_%": seed.get(g, "-"),
+            }
+        )
     return rows
 
 
@@ -167,21 +192,25 @@ def figure3b_rows(summaries: list[dict]) -> list[dict]:
         runs = by_k[k]
         seed = SEED_FIGURE3B.get(k)
         s = runs[0]
-        extrapolated = s["rounds"] * ring_comm_seconds(s["bits_per_element"], s["workers"], SEED_MODEL_PARAMS, SEED_LINK_GBPS)
+        extrapolated = s["rounds"] * ring_comm_seconds(
+            s["bits_per_element"], s["workers"], SEED_MODEL_PARAMS, SEED_LINK_GBPS
+        )
         accs = [100 * r["eval_accuracy"] for r in runs if not r["diverged"]]
         acc = "divergence" if not accs else f"{np.mean(accs):.1f}" + (f" ± {np.std(accs):.1f}" if len(accs) > 1 else "")
-        rows.append({
-            "K": "inf" if k is None else str(k),
-            "runs": len(runs),
-            "time_est_s": f"{np.mean([r['time_est_s'] for r in runs]):.1f}",
-            "comm_model_s": f"{s['comm_model_s']:.2f}",
-            "comm_23M_10Gbps_s": f"{extrapolated:.1f}",
-            "accuracy_%": acc,
-            "bits_per_element": f"{s['bits_per_element']:.3f}",
-            "seed_time_min": "-" if seed is None else seed[0],
-            "seed_accuracy_%": "-" if seed is None else seed[1],
-            "seed_bits": "-" if seed is None else seed[2],
-        })
+        rows.append(
+            {
+                "K": "inf" if k is None else str(k),
+                "runs": len(runs),
+                "time_est_s": f"{np.mean([r['time_est_s'] for r in runs]):.1f}",
+                "comm_model_s": f"{s['comm_model_s']:.2f}",
+                "comm_23M_10Gbps_s": f"{extrapolated:.1f}",
+                "accuracy_%": acc,
+                "bits_per_element": f"{s['bits_per_element']:.3f}",
+                "seed_time_min": "-" if seed is None else seed[0],
+                "seed_accuracy_%": "-" if seed is None else seed[1],
+                "seed_bits": "-" if seed is None else seed[2],
+            }
+        )
     return rows
 
 
@@ -209,8 +238,22 @@ def main(argv: list[str] | None = None) -> int:
     groups = {s.get("group", "") for s in summaries}
     if any(g.startswith(("cascading", "none")) for g in groups):
         print("Table 1 (shape): cascading compression vs none\n" + markdown(table1_rows(summaries)) + "\n")
-    t2 = [s for s in summaries if s.get("group") in ("PSGD", "signSGD", "signSGD-MV", "EF-signSGD", "SSDM",
-                                                     "SSDM (bucket norms)", "Marsit-100", "Marsit-K", "Marsit")]
+    t2 = [
+        s
+        for s in summaries
+        if s.get("group")
+        in (
+            "PSGD",
+            "signSGD",
+            "signSGD-MV",
+            "EF-signSGD",
+            "SSDM",
+            "SSDM (bucket norms)",
+            "Marsit-100",
+            "Marsit-K",
+            "Marsit",
+        )
+    ]
     if t2:
         print("Table 2 (shape): final accuracy per method\n" + markdown(table2_rows(t2)) + "\n")
     f3 = [s for s in summaries if s.get("group") == "K"]

@@ -47,8 +47,18 @@ from zeroth.methods.base import MACHINE, Later, Method, StepInfo, TrainState
 __all__ = ["zo_method", "mezo_update"]
 
 
-def mezo_update(cfg, loss_fn, params, batch, step: int, *, donate: bool, schedule: _schedules.Schedule,
-                hold: bool = False, defer: bool = False) -> _zo.StepResult | _zo.Deferred:
+def mezo_update(
+    cfg,
+    loss_fn,
+    params,
+    batch,
+    step: int,
+    *,
+    donate: bool,
+    schedule: _schedules.Schedule,
+    hold: bool = False,
+    defer: bool = False,
+) -> _zo.StepResult | _zo.Deferred:
     """One :func:`zeroth.zo.mezo_step` of machine 0 with the hyperparameters of ``cfg.train``
     and learning rate ``schedule(step)`` (:func:`zeroth.schedules.from_train` of ``cfg.train``);
     ``hold`` returns the parameters as a :class:`zeroth.zo.Held`, ``defer`` a :class:`zeroth.zo.Deferred`."""
@@ -90,12 +100,18 @@ def zo_method(cfg, model, *, defer: bool | None = None) -> Method:
         return TrainState(0, _replay.flatten(params, donate=True) if layout(params) == "flat" else params, None, key)
 
     def step(state, batch):
-        out = mezo_update(cfg, loss_fn, state.params, batch, state.step, donate=True, schedule=schedule, hold=True,
-                          defer=defer)
+        out = mezo_update(
+            cfg, loss_fn, state.params, batch, state.step, donate=True, schedule=schedule, hold=True, defer=defer
+        )
         if defer:  # fetched when a hook reads them, or by the next step while the device runs it
             outcome = out.params.outcome  # (not the Held: its parameters go to the next step)
-            info = StepInfo(2 * t.n_perturbations, 0, t.n_perturbations * bytes_per_value,
-                            Later(lambda: outcome.result().loss), Later(lambda: outcome.result().grads))
+            info = StepInfo(
+                2 * t.n_perturbations,
+                0,
+                t.n_perturbations * bytes_per_value,
+                Later(lambda: outcome.result().loss),
+                Later(lambda: outcome.result().grads),
+            )
             return state._replace(step=state.step + 1, params=out.params), info
         if len(out.payload) != t.n_perturbations * bytes_per_value:
             raise RuntimeError(f"codec {t.codec!r} produced {len(out.payload)} bytes for {t.n_perturbations} values")

@@ -69,7 +69,9 @@ def zo_q4_method(cfg, model, *, rounding: str = "nearest", grids: dict[str, _qua
         on_grid = nearest(params, cfg.run.seed, 0)
         frac = _q4.changed_fraction(params, on_grid, gridded)
         if frac:
-            raise ValueError(f"{frac:.2%} of the quantized weights are not on their file grids; start from pretrained_params()")
+            raise ValueError(
+                f"{frac:.2%} of the quantized weights are not on their file grids; start from pretrained_params()"
+            )
         return TrainState(0, params, None, key)
 
     warned = []
@@ -92,10 +94,12 @@ def zo_q4_method(cfg, model, *, rounding: str = "nearest", grids: dict[str, _qua
 def nearest_warning(step: int, move: float, lr: float) -> str:
     """Why nearest requantization changed no weight in ``step`` (``move``: :func:`~zeroth.models.pretrained.q4train.largest_move`)."""
     need = f"about {0.5 / move:.3g}x" if move > 0 else "a larger"
-    return (f"train.requantize 'nearest': step {step} changed none of the quantized weights: the largest update "
-            f"moved a weight by {move:.2%} of its grid step, and nearest rounding puts back every move under half "
-            f"a step (50%), so only the float leaves train; use train.requantize: stochastic (unbiased), or a "
-            f"train.lr {need} the {lr:g} configured")
+    return (
+        f"train.requantize 'nearest': step {step} changed none of the quantized weights: the largest update "
+        f"moved a weight by {move:.2%} of its grid step, and nearest rounding puts back every move under half "
+        f"a step (50%), so only the float leaves train; use train.requantize: stochastic (unbiased), or a "
+        f"train.lr {need} the {lr:g} configured"
+    )
 
 
 def requantize_method(cfg, model) -> Method:

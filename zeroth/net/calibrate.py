@@ -97,7 +97,9 @@ def measure(calls: int = 200, warmup: int = 20, payload: int = 16, token: str | 
     relay = ByteRelay(port)
     channel = grpc.insecure_channel(f"127.0.0.1:{relay.port}", options=list(CHANNEL_OPTIONS))
     stub = pb_grpc.PeerStub(channel)
-    req = pb.GradientPush(run_id="calibrate-0123456789abcdef", sender=3, iteration=1234, count=payload, payload=b"\x81" * payload)
+    req = pb.GradientPush(
+        run_id="calibrate-0123456789abcdef", sender=3, iteration=1234, count=payload, payload=b"\x81" * payload
+    )
     metadata = (("x-zeroth-token", token),) if token else None
     try:
         for _ in range(warmup):
@@ -138,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'token':>6} {'req ser':>8} {'req wire':>9} {'resp ser':>9} {'resp wire':>10} {'req ovh':>8} {'resp ovh':>9} {'mean':>6}")
+    print(
+        f"{'token':>6} {'req ser':>8} {'req wire':>9} {'resp ser':>9} {'resp wire':>10} {'req ovh':>8} {'resp ovh':>9} {'mean':>6}"
+    )
     for r in rows:
         print(
             f"{str(r['token']):>6} {r['request_serialized']:>8} {r['request_on_wire']:>9.1f} {r['response_serialized']:>9}"

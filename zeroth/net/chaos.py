@@ -120,7 +120,9 @@ class HostileMember:
             addr = key_address or self.address
             proof = _id.join_proof(self.secret, self.config_digest, addr, key) if self.secret else b""
             resp = self.stub(address).Join(
-                pb.JoinRequest(config_digest=self.config_digest, address=addr, key=key, proof=proof), metadata=self.metadata, timeout=timeout
+                pb.JoinRequest(config_digest=self.config_digest, address=addr, key=key, proof=proof),
+                metadata=self.metadata,
+                timeout=timeout,
             )
             if resp.redirect:
                 address = resp.redirect
@@ -145,24 +147,46 @@ class HostileMember:
         ``iteration - 1`` in the log of the peer at ``address`` (b"" for a run's first iteration)."""
         if iteration == 0:
             return b""
-        req = self.signed("FetchLog", pb.FetchLogRequest(run_id=self.run_id, sender=self.machine, first_iteration=iteration - 1,
-                                                           last_iteration=iteration - 1))
+        req = self.signed(
+            "FetchLog",
+            pb.FetchLogRequest(
+                run_id=self.run_id, sender=self.machine, first_iteration=iteration - 1, last_iteration=iteration - 1
+            ),
+        )
         reply = self.stub(address).FetchLog(req, metadata=self.metadata, timeout=10)
         if not reply.entries:
             raise RuntimeError(f"the peer at {address} holds no decision of iteration {iteration - 1}")
         return P.chain_digest(wire.entry_from_pb(reply.entries[0]).commit)
 
     def push(self, sender: int, *, iteration: int, payload: bytes, previous: bytes = b"") -> pb.GradientPush:
-        return wire.push_to_pb(self._sign(P.Push(self.run_id, sender, iteration, len(payload), payload, previous=previous)))
+        return wire.push_to_pb(
+            self._sign(P.Push(self.run_id, sender, iteration, len(payload), payload, previous=previous))
+        )
 
-    def commit(self, sender: int, *, iteration: int, ballot: P.Ballot, view: P.View, contributors=(), payloads=(),
-               previous: bytes = b"") -> pb.Commit:
+    def commit(
+        self,
+        sender: int,
+        *,
+        iteration: int,
+        ballot: P.Ballot,
+        view: P.View,
+        contributors=(),
+        payloads=(),
+        previous: bytes = b"",
+    ) -> pb.Commit:
         digest = P.updates_digest(contributors, payloads)
-        return wire.commit_to_pb(self._sign(P.Commit(self.run_id, sender, iteration, ballot, tuple(contributors), digest, view,
-                                                     previous=previous)))
+        return wire.commit_to_pb(
+            self._sign(
+                P.Commit(self.run_id, sender, iteration, ballot, tuple(contributors), digest, view, previous=previous)
+            )
+        )
 
-    def prepare(self, sender: int, *, iteration: int, round: int, previous: bytes = b"", gone: bool = False) -> pb.PrepareRequest:  # noqa: A002
-        return wire.prepare_to_pb(self._sign(P.Prepare(self.run_id, sender, iteration, P.Ballot(round, sender), previous=previous, gone=gone)))
+    def prepare(
+        self, sender: int, *, iteration: int, round: int, previous: bytes = b"", gone: bool = False
+    ) -> pb.PrepareRequest:  # noqa: A002
+        return wire.prepare_to_pb(
+            self._sign(P.Prepare(self.run_id, sender, iteration, P.Ballot(round, sender), previous=previous, gone=gone))
+        )
 
     def leave(self, sender: int, *, iteration: int) -> pb.LeaveRequest:
         return wire.leave_to_pb(self._sign(P.Leave(self.run_id, sender, iteration)))
@@ -196,13 +220,20 @@ class Cluster:
         self.peers: dict[str, launch.PeerProcess] = {}
         self.ports: dict[str, int] = {}
 
-    def start(self, name: str, *, join: str | None = None, founders: int | None = None, port: int | None = None, args=()) -> launch.PeerProcess:
+    def start(
+        self, name: str, *, join: str | None = None, founders: int | None = None, port: int | None = None, args=()
+    ) -> launch.PeerProcess:
         """Start peer ``name`` (founder without ``join``; ``join`` names another peer) on ``port`` (default: a free one)."""
         port = port or launch.free_ports(1)[0]
         self.ports[name] = port
         target = f"127.0.0.1:{self.ports[join]}" if join else None
         p = launch.start_peer(
-            self.config, self.root / name, f"127.0.0.1:{port}", index=len(self.peers), join=target, founders=founders,
+            self.config,
+            self.root / name,
+            f"127.0.0.1:{port}",
+            index=len(self.peers),
+            join=target,
+            founders=founders,
             extra_args=(*self.extra, *args),
         )
         self.peers[name] = p

@@ -54,8 +54,12 @@ class BarrierCounters:
 
     def __init__(self) -> None:
         self._pushed: dict[int, tuple[float, int]] = {}
-        self.totals: dict[str, Any] = {"pushes_late": 0, "forward_passes_wasted": 0, "barrier_wait_s_total": 0.0,
-                                       "late_pushes_received": 0}
+        self.totals: dict[str, Any] = {
+            "pushes_late": 0,
+            "forward_passes_wasted": 0,
+            "barrier_wait_s_total": 0.0,
+            "late_pushes_received": 0,
+        }
         self.contributors: list[int] = []  # contributors of each decision applied, in order
         self._applied = -1  # the newest iteration whose decision this peer applied
 
@@ -93,8 +97,11 @@ class BarrierCounters:
 
     def summary(self) -> dict[str, Any]:
         """The totals and the contributors of every decision applied (``summary.json`` fields)."""
-        return {**self.totals, "contributors_per_iteration": list(self.contributors),
-                **summarize_contributors(self.contributors)}
+        return {
+            **self.totals,
+            "contributors_per_iteration": list(self.contributors),
+            **summarize_contributors(self.contributors),
+        }
 
 
 def summarize_contributors(counts) -> dict[str, Any]:
@@ -102,7 +109,11 @@ def summarize_contributors(counts) -> dict[str, Any]:
     counts = list(counts)
     if not counts:
         return {"contributors_min": None, "contributors_median": None, "contributors_max": None}
-    return {"contributors_min": min(counts), "contributors_median": statistics.median(counts), "contributors_max": max(counts)}
+    return {
+        "contributors_min": min(counts),
+        "contributors_median": statistics.median(counts),
+        "contributors_max": max(counts),
+    }
 
 
 def from_decisions(entries) -> dict[str, Any]:
@@ -125,6 +136,11 @@ def from_decisions(entries) -> dict[str, Any]:
             active = {m.machine for m in before.commit.next_view.members if m.active}
             missed.append(len(active - ids))
         before = e
-    return {"iterations": len(per), "contributors_per_iteration": per, **summarize_contributors(per),
-            "missed_barrier": sum(missed), "iterations_with_missed": sum(1 for n in missed if n),
-            "forward_passes_applied": forward}
+    return {
+        "iterations": len(per),
+        "contributors_per_iteration": per,
+        **summarize_contributors(per),
+        "missed_barrier": sum(missed),
+        "iterations_with_missed": sum(1 for n in missed if n),
+        "forward_passes_applied": forward,
+    }

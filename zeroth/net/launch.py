@@ -78,7 +78,9 @@ __all__ = [
 # iterations already done): the single-machine ones, the deployment ones, and the run's length.
 PEER_RESUME_INVARIANT = (*RESUME_INVARIANT, *JOIN_DIGEST_EXCLUDE, "peers.iterations")
 
-PEER_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1 --xla_force_host_platform_device_count=1"
+PEER_XLA_FLAGS = (
+    "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1 --xla_force_host_platform_device_count=1"
+)
 
 
 @dataclasses.dataclass
@@ -181,8 +183,11 @@ def missing_peers(summary: dict) -> list[str]:
       ['p1 (exit 1: could not join)']
     """
     killed = {e["peer"] for e in summary.get("events", []) if e.get("event") == "kill"}
-    return [f"p{s['index']} (exit {s.get('exit_code')}: {s.get('error') or s.get('finish_reason')})"
-            for s in summary["peers"] if s.get("finish_reason") not in ("done", "left") and s["index"] not in killed]
+    return [
+        f"p{s['index']} (exit {s.get('exit_code')}: {s.get('error') or s.get('finish_reason')})"
+        for s in summary["peers"]
+        if s.get("finish_reason") not in ("done", "left") and s["index"] not in killed
+    ]
 
 
 def read_records(path: Path, offset: int = 0) -> tuple[list[dict], int]:
@@ -220,7 +225,9 @@ def summarize(cfg: Config, peers: list[PeerProcess], events: list[dict], wall: f
     it_records = {r["step"]: r for r in records if r.get("kind") == "train"}
     gradients = sum(r["gradients"] for r in it_records.values())
     bpv = 1 if cfg.train.codec == "onebyte" else 4
-    total = {k: sum(s.get(k, 0) for s in per) for k in ("payload_sent", "payload_received", "wire_sent", "wire_received")}
+    total = {
+        k: sum(s.get(k, 0) for s in per) for k in ("payload_sent", "payload_received", "wire_sent", "wire_received")
+    }
     iterations = max((s.get("iterations", 0) for s in done), default=0)
     return {
         "run": cfg.run.name,
@@ -302,7 +309,11 @@ def newest_checkpoint(out: str | Path) -> tuple[int, Path] | None:
     """
     found: dict[int, list[tuple[Path, str]]] = {}
     for attempt in sorted(Path(out).glob("peers*")):
-        metas = [(m.parent, json.loads(m.read_text())) for m in attempt.glob("p*/checkpoints/*/state.json") if m.parent.name.isdigit()]
+        metas = [
+            (m.parent, json.loads(m.read_text()))
+            for m in attempt.glob("p*/checkpoints/*/state.json")
+            if m.parent.name.isdigit()
+        ]
         stops = [int(meta["iteration"]) for _, meta in metas if meta.get("reason") == "interrupted"]
         bound = min(stops) if stops else None
         for folder, meta in metas:
@@ -326,8 +337,10 @@ def newest_checkpoint(out: str | Path) -> tuple[int, Path] | None:
             damaged.append(str(e))
             continue
         return newest, folder
-    raise ValueError(f"the newest checkpoint, of iteration {newest}, cannot be resumed: {'; '.join(damaged)}. Nothing was "
-                     f"moved or deleted; move {'it' if len(damaged) == 1 else 'them'} aside to resume from the one before")
+    raise ValueError(
+        f"the newest checkpoint, of iteration {newest}, cannot be resumed: {'; '.join(damaged)}. Nothing was "
+        f"moved or deleted; move {'it' if len(damaged) == 1 else 'them'} aside to resume from the one before"
+    )
 
 
 def _machine_of(p: PeerProcess) -> str:
@@ -351,7 +364,9 @@ def _prepare_resume(cfg: Config, out: Path) -> tuple[int, Path]:
         while (out / f"peers.{n}").exists():
             n += 1
         (out / "peers").rename(out / f"peers.{n}")  # kept, not overwritten
-        folder = out / f"peers.{n}" / folder.relative_to(out / "peers") if folder.is_relative_to(out / "peers") else folder
+        folder = (
+            out / f"peers.{n}" / folder.relative_to(out / "peers") if folder.is_relative_to(out / "peers") else folder
+        )
     return iteration, folder
 
 
@@ -398,8 +413,14 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
     config_path.write_text(to_yaml(cfg))
     quiet = "--quiet" in (argv or [])
     iterations = p.iterations or cfg.train.steps
-    extra: list[str] = ["--progress-every", "0", "--timeout", str(time_limit(cfg)),
-                        "--startup-timeout", f"{startup_timeout(cfg):g}"]
+    extra: list[str] = [
+        "--progress-every",
+        "0",
+        "--timeout",
+        str(time_limit(cfg)),
+        "--startup-timeout",
+        f"{startup_timeout(cfg):g}",
+    ]
     (out / "run.secret").unlink(missing_ok=True)
     if p.insecure:
         extra.append("--insecure")
@@ -448,7 +469,8 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
                     index=i,
                     join=None if i == 0 else founder_address,
                     founders=p.count if i == 0 else None,
-                    extra_args=tuple(extra) + (("--resume", str(resumed_from[1])) if i == 0 and resumed_from else ())
+                    extra_args=tuple(extra)
+                    + (("--resume", str(resumed_from[1])) if i == 0 and resumed_from else ())
                     + (("--join-members", str(i)) if i > 0 else ()),
                     founder=True,
                 )
@@ -458,8 +480,13 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
             i = len(peers)
             peers.append(
                 start_peer(
-                    config_path, out / "peers" / f"p{i}", addresses[i], index=i, join=founder_address,
-                    extra_args=(*extra, "--join-at", str(k)), founder=False,
+                    config_path,
+                    out / "peers" / f"p{i}",
+                    addresses[i],
+                    index=i,
+                    join=founder_address,
+                    extra_args=(*extra, "--join-at", str(k)),
+                    founder=False,
                 )
             )
             events.append({"event": "join", "peer": i, "at_iteration": k})
@@ -500,7 +527,9 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
                 if victims:
                     v = victims[-1]
                     v.proc.kill()
-                    events.append({"event": "kill", "peer": v.index, "at_iteration": current, "time": time.monotonic() - t0})
+                    events.append(
+                        {"event": "kill", "peer": v.index, "at_iteration": current, "time": time.monotonic() - t0}
+                    )
                     say(f"iteration {current}: killed peer p{v.index} (machine {_machine_of(v)}) with SIGKILL")
             if live and time.monotonic() - last_print > 2.0:
                 last_print = time.monotonic()
@@ -515,7 +544,9 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     if flag.is_set():
         newest = newest_checkpoint(out)
-        saved = f"checkpoint of iteration {newest[0]} of {iterations} in {newest[1]}" if newest else "no checkpoint saved"
+        saved = (
+            f"checkpoint of iteration {newest[0]} of {iterations} in {newest[1]}" if newest else "no checkpoint saved"
+        )
         print(
             f"zeroth run: interrupted by {flag.signal_name()}; {saved}; "
             f"resume with: {interrupt.resume_command(argv, out)}",
@@ -527,8 +558,12 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
     missing = missing_peers(summary)
     if missing:
         shown = "; ".join(missing[:3]) + (f"; and {len(missing) - 3} more" if len(missing) > 3 else "")
-        print(f"zeroth run: error: {len(missing)} of {len(peers)} peers did not finish the run: {shown}; "
-              f"their logs are in {out / 'peers'}", file=sys.stderr, flush=True)
+        print(
+            f"zeroth run: error: {len(missing)} of {len(peers)} peers did not finish the run: {shown}; "
+            f"their logs are in {out / 'peers'}",
+            file=sys.stderr,
+            flush=True,
+        )
     ok = summary["peers_done"] > 0 and summary["digests_agree"] and summary["iterations"] >= iterations and not missing
     return 0 if ok else 1
 
@@ -550,16 +585,24 @@ def _print_summary(s: dict[str, Any], cfg: Config, out: Path) -> None:
     if stats:
         lines.append(
             "  per member          "
-            + "; ".join(f"m{m}: {v['count']} g, mean|g| {v['mean_abs']:.3g}, max|g| {v['max_abs']:.3g}, clipped {v['clipped']}" for m, v in stats.items())
+            + "; ".join(
+                f"m{m}: {v['count']} g, mean|g| {v['mean_abs']:.3g}, max|g| {v['max_abs']:.3g}, clipped {v['clipped']}"
+                for m, v in stats.items()
+            )
         )
     for err in s.get("errors", []):
         lines.append(f"  error               {err}")
     if s["events"]:
-        lines.append("  events              " + "; ".join(f"{e['event']} p{e.get('peer', '')} at {e.get('at_iteration', '')}" for e in s["events"]))
+        lines.append(
+            "  events              "
+            + "; ".join(f"{e['event']} p{e.get('peer', '')} at {e.get('at_iteration', '')}" for e in s["events"])
+        )
     logs = sorted((out / "peers").glob(f"*/{_updatelog.FILENAME}"))
     if logs:
         size = sum(p.stat().st_size for p in logs)
-        lines.append(f"  update logs         {len(logs)} ({_fmt_bytes(size)}, peers/p*/{_updatelog.FILENAME}); "
-                     f"replay them on any machine: zeroth verify {out}"
-                     + (f" --secret-file {out / 'run.secret'}" if (out / "run.secret").is_file() else ""))
+        lines.append(
+            f"  update logs         {len(logs)} ({_fmt_bytes(size)}, peers/p*/{_updatelog.FILENAME}); "
+            f"replay them on any machine: zeroth verify {out}"
+            + (f" --secret-file {out / 'run.secret'}" if (out / "run.secret").is_file() else "")
+        )
     print("\n".join(lines), flush=True)

@@ -52,32 +52,73 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="experiment YAML with a peers: section (same on every peer)")
     p.add_argument("--listen", required=True, help="HOST:PORT to serve on (port 0: any free port)")
     p.add_argument(
-        "--join", action="append", default=[], metavar="HOST:PORT",
+        "--join",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
         help="a peer of the run to join through (repeatable); @FILE: the address written in FILE (waited for)",
     )
     p.add_argument("--out", required=True, help="output folder (metrics.jsonl, summary.json, address)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
-    p.add_argument("--founders", type=int, default=None, help="founder only: peers to wait for before iteration 0 (default peers.count)")
-    p.add_argument("--advertise", default=None, help="HOST:PORT the other peers use to reach this one (default: --listen)")
-    p.add_argument("--secret-file", "--token-file", dest="secret_file", default=None, help="file holding the run secret")
-    p.add_argument("--insecure", action="store_true", help="run without a secret (anyone who reaches the port may join)")
-    p.add_argument("--resume", default=None, metavar="DIR", help="founder: start from a saved state (OUT/checkpoint of a failed run)")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override"
+    )
+    p.add_argument(
+        "--founders",
+        type=int,
+        default=None,
+        help="founder only: peers to wait for before iteration 0 (default peers.count)",
+    )
+    p.add_argument(
+        "--advertise", default=None, help="HOST:PORT the other peers use to reach this one (default: --listen)"
+    )
+    p.add_argument(
+        "--secret-file", "--token-file", dest="secret_file", default=None, help="file holding the run secret"
+    )
+    p.add_argument(
+        "--insecure", action="store_true", help="run without a secret (anyone who reaches the port may join)"
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="founder: start from a saved state (OUT/checkpoint of a failed run)",
+    )
     _sec.add_tls_arguments(p)
     p.add_argument("--no-rejoin", action="store_true", help="exit instead of rejoining after being dropped")
-    p.add_argument("--join-at", type=int, default=None, help="with --join: start now, join once the run reaches this iteration")
-    p.add_argument("--join-members", type=int, default=None, metavar="N",
-                   help="with --join: ask to join once the run has N members (founders started at once: p<i> gets N=i, machine id i)")
+    p.add_argument(
+        "--join-at", type=int, default=None, help="with --join: start now, join once the run reaches this iteration"
+    )
+    p.add_argument(
+        "--join-members",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --join: ask to join once the run has N members (founders started at once: p<i> gets N=i, machine id i)",
+    )
     p.add_argument("--leave-at", type=int, default=None, help="leave the run after applying this iteration")
     p.add_argument("--linger", type=float, default=2.0, help="seconds to keep serving after finishing")
-    p.add_argument("--snapshot-every", type=int, default=10, help="keep a parameter snapshot every N iterations (for joiners)")
-    p.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="bytes per streamed state chunk (and per download range)")
+    p.add_argument(
+        "--snapshot-every", type=int, default=10, help="keep a parameter snapshot every N iterations (for joiners)"
+    )
+    p.add_argument(
+        "--chunk-bytes", type=int, default=256 * 1024, help="bytes per streamed state chunk (and per download range)"
+    )
     p.add_argument("--progress-every", type=int, default=0, help="print a progress line every N iterations")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: none)")
-    p.add_argument("--startup-timeout", type=float, default=None, metavar="S",
-                   help="seconds the founder waits for --founders peers (then the run fails) and a joiner tries to join "
-                   "(default: peers.startup_timeout_s, else 60 + 4 per founder)")
-    p.add_argument("--join-timeout", type=float, default=None, help="give up joining after this many seconds "
-                   "(default: the start-up window)")
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds the founder waits for --founders peers (then the run fails) and a joiner tries to join "
+        "(default: peers.startup_timeout_s, else 60 + 4 per founder)",
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=float,
+        default=None,
+        help="give up joining after this many seconds (default: the start-up window)",
+    )
     p.add_argument("--quiet", action="store_true", help="no protocol notes on stderr")
     return p
 
@@ -99,7 +140,9 @@ def main(argv: list[str]) -> int:
         if args.resume and args.join:
             raise ValueError("--resume is for the founder (without --join)")
         if args.resume:
-            _state.check_state(args.resume)  # a state missing, cut short or changed: one line, before anything is written
+            _state.check_state(
+                args.resume
+            )  # a state missing, cut short or changed: one line, before anything is written
         secret = _id.read_secret(args.secret_file) if args.secret_file else None
         secret = secret or _id.secret_from_env() or cfg.peers.token
         insecure = args.insecure or cfg.peers.insecure
@@ -203,7 +246,11 @@ def join_command(args, address: str, secret_file, insecure: bool) -> str:
             f"run secret written to {secret_file} (mode 0600; copy it to the joining machine over a private channel); "
             f"join with:  {cmd} --secret-file {secret_file}"
         )
-    src = f"--secret-file {args.secret_file}" if args.secret_file else "with the same secret ($ZEROTH_SECRET or peers.token)"
+    src = (
+        f"--secret-file {args.secret_file}"
+        if args.secret_file
+        else "with the same secret ($ZEROTH_SECRET or peers.token)"
+    )
     return f"join with:  {cmd} {src}"
 
 

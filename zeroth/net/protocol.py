@@ -219,8 +219,10 @@ class Params:
         if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
             raise ValueError(f"Params.idle_timeout_s must be > 0 seconds or None, got {self.idle_timeout_s!r}")
         if not isinstance(self.max_members, int) or not self.founders <= self.max_members <= MAX_MEMBERS:
-            raise ValueError(f"Params.max_members must be an integer from founders ({self.founders}) to {MAX_MEMBERS}, "
-                             f"got {self.max_members!r}")
+            raise ValueError(
+                f"Params.max_members must be an integer from founders ({self.founders}) to {MAX_MEMBERS}, "
+                f"got {self.max_members!r}"
+            )
         for name in ("iteration_timeout_s", "barrier_timeout_s", "forming_timeout_s"):
             v = getattr(self, name)
             if not v > 0:
@@ -665,9 +667,21 @@ def chain_digest(commit: Commit) -> bytes:
     """SHA-256 of a decision's value and of the chain it continues (``commit.previous``): equal
     digests mean the same decisions of this iteration and of every one before it. The ballot and
     the signer are left out: a takeover that re-issues a decision keeps its chain."""
-    return _per_commit("chain", commit, lambda c: hashlib.sha256(
-        canonical("zeroth-chain-v1", c.run_id, c.iteration, c.previous, c.contributors, c.updates_digest, _view_fields(c.next_view))
-    ).digest())
+    return _per_commit(
+        "chain",
+        commit,
+        lambda c: hashlib.sha256(
+            canonical(
+                "zeroth-chain-v1",
+                c.run_id,
+                c.iteration,
+                c.previous,
+                c.contributors,
+                c.updates_digest,
+                _view_fields(c.next_view),
+            )
+        ).digest(),
+    )
 
 
 def _view_fields(v: View) -> tuple:
@@ -684,11 +698,20 @@ def signed_bytes(msg) -> bytes:
         return canonical("zeroth-push-v2", msg.run_id, msg.sender, msg.iteration, msg.count, msg.payload, msg.previous)
     if isinstance(msg, Commit):
         return canonical(
-            "zeroth-commit-v2", msg.run_id, msg.sender, msg.iteration, tuple(msg.ballot), msg.contributors,
-            msg.updates_digest, _view_fields(msg.next_view), msg.previous,
+            "zeroth-commit-v2",
+            msg.run_id,
+            msg.sender,
+            msg.iteration,
+            tuple(msg.ballot),
+            msg.contributors,
+            msg.updates_digest,
+            _view_fields(msg.next_view),
+            msg.previous,
         )
     if isinstance(msg, Prepare):
-        return canonical("zeroth-prepare-v3", msg.run_id, msg.sender, msg.iteration, tuple(msg.ballot), msg.previous, bool(msg.gone))
+        return canonical(
+            "zeroth-prepare-v3", msg.run_id, msg.sender, msg.iteration, tuple(msg.ballot), msg.previous, bool(msg.gone)
+        )
     if isinstance(msg, Leave):
         return canonical("zeroth-leave-v1", msg.run_id, msg.sender, msg.iteration)
     raise TypeError(f"signed_bytes() takes Push, Commit, Prepare or Leave, got {type(msg).__name__}")
@@ -708,7 +731,10 @@ def _verify(params: Params, view: View | None, msg, what: str, key: bytes | None
     if key is None:
         key = view.key_of(msg.sender) if view is not None else None
     if key is None:
-        raise Rejected("PERMISSION_DENIED", f"{what}: machine {msg.sender} is not a member of iteration {view.iteration if view else '?'}")
+        raise Rejected(
+            "PERMISSION_DENIED",
+            f"{what}: machine {msg.sender} is not a member of iteration {view.iteration if view else '?'}",
+        )
     if len(key) != KEY_BYTES or not msg.signature:
         raise Rejected("UNAUTHENTICATED", f"{what}: not signed by machine {msg.sender}")
     if not params.verify(key, signed_bytes(msg), msg.signature):
@@ -773,11 +799,18 @@ def _check_succession(view: View, nxt: View, what: str) -> None:
         o = old.get(m.machine)
         if o is not None:
             if o.key != m.key or o.address != m.address:
-                raise Rejected("INVALID_ARGUMENT", f"{what}: the next view changes the address or key of machine {m.machine}")
+                raise Rejected(
+                    "INVALID_ARGUMENT", f"{what}: the next view changes the address or key of machine {m.machine}"
+                )
         elif m.machine < view.next_machine_id or m.active:
-            raise Rejected("INVALID_ARGUMENT", f"{what}: machine {m.machine} is neither a member nor a new (inactive) joiner")
+            raise Rejected(
+                "INVALID_ARGUMENT", f"{what}: machine {m.machine} is neither a member nor a new (inactive) joiner"
+            )
     if nxt.next_machine_id < view.next_machine_id:
-        raise Rejected("INVALID_ARGUMENT", f"{what}: next_machine_id goes back from {view.next_machine_id} to {nxt.next_machine_id}")
+        raise Rejected(
+            "INVALID_ARGUMENT",
+            f"{what}: next_machine_id goes back from {view.next_machine_id} to {nxt.next_machine_id}",
+        )
 
 
 def _verify_entry(params: Params, view: View | None, e: LogEntry, what: str, keys: Callable | None = None) -> None:
@@ -871,8 +904,11 @@ def _check_uint(name: str, v, limit: int = 2**32) -> None:
 
 def _check_in_run(params: Params, t: int, what: str) -> None:
     if t > params.iterations:
-        raise Rejected("OUT_OF_RANGE", f"{what} of iteration {t}: the run decides iterations 0..{params.iterations} "
-                                       f"({params.iterations}: the closing one)")
+        raise Rejected(
+            "OUT_OF_RANGE",
+            f"{what} of iteration {t}: the run decides iterations 0..{params.iterations} "
+            f"({params.iterations}: the closing one)",
+        )
 
 
 def _check_payload(params: Params, count: int, payload: bytes, what: str, iteration: int) -> None:
@@ -886,7 +922,9 @@ def _check_payload(params: Params, count: int, payload: bytes, what: str, iterat
             )
         return
     if not 1 <= count <= params.max_count:
-        raise Rejected("INVALID_ARGUMENT", f"{what}: count {count} is outside [1, {params.max_count}] (inferences per iteration)")
+        raise Rejected(
+            "INVALID_ARGUMENT", f"{what}: count {count} is outside [1, {params.max_count}] (inferences per iteration)"
+        )
     if not isinstance(payload, bytes):
         raise Rejected("INVALID_ARGUMENT", f"{what}: payload must be bytes, got {type(payload).__name__}")
     want = count * params.bytes_per_value
@@ -904,7 +942,10 @@ def _check_payload(params: Params, count: int, payload: bytes, what: str, iterat
 def _check_previous(previous, what: str) -> None:
     if not isinstance(previous, bytes) or len(previous) not in (0, 32):
         n = len(previous) if isinstance(previous, bytes) else type(previous).__name__
-        raise Rejected("INVALID_ARGUMENT", f"{what}: previous must be a 32-byte chain digest (or empty before the first decision), got {n}")
+        raise Rejected(
+            "INVALID_ARGUMENT",
+            f"{what}: previous must be a 32-byte chain digest (or empty before the first decision), got {n}",
+        )
 
 
 def split_address(address) -> tuple[str, int]:
@@ -919,7 +960,9 @@ def split_address(address) -> tuple[str, int]:
         with a port in 1..65535.
     """
     if not isinstance(address, str) or not 3 <= len(address) <= MAX_ADDRESS or ":" not in address:
-        raise Rejected("INVALID_ARGUMENT", f"address must be 'host:port' (3..{MAX_ADDRESS} characters), got {address!r:.80}")
+        raise Rejected(
+            "INVALID_ARGUMENT", f"address must be 'host:port' (3..{MAX_ADDRESS} characters), got {address!r:.80}"
+        )
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise Rejected("INVALID_ARGUMENT", f"address {address!r:.80} has no valid port (1..65535)")
@@ -940,11 +983,18 @@ def _check_view(params: Params, view: View, what: str) -> None:
         _check_uint(f"{what} member id", m.machine)
         _check_address(m.address)
         if not isinstance(m.key, bytes) or len(m.key) not in (0, KEY_BYTES):
-            raise Rejected("INVALID_ARGUMENT", f"{what} member {m.machine} key must be {KEY_BYTES} bytes, got {len(m.key)}")
+            raise Rejected(
+                "INVALID_ARGUMENT", f"{what} member {m.machine} key must be {KEY_BYTES} bytes, got {len(m.key)}"
+            )
     if ids != sorted(set(ids)):
-        raise Rejected("INVALID_ARGUMENT", f"{what} members must be sorted by machine id without repeats, got {ids[:16]}")
+        raise Rejected(
+            "INVALID_ARGUMENT", f"{what} members must be sorted by machine id without repeats, got {ids[:16]}"
+        )
     if ids and view.next_machine_id <= ids[-1]:
-        raise Rejected("INVALID_ARGUMENT", f"{what} next_machine_id {view.next_machine_id} must exceed every member id (max {ids[-1]})")
+        raise Rejected(
+            "INVALID_ARGUMENT",
+            f"{what} next_machine_id {view.next_machine_id} must exceed every member id (max {ids[-1]})",
+        )
 
 
 def _check_commit(params: Params, c: Commit) -> None:
@@ -955,17 +1005,24 @@ def _check_commit(params: Params, c: Commit) -> None:
     _check_uint("ballot round", c.ballot.round, 2**63)
     _check_uint("ballot leader", c.ballot.leader)
     if c.ballot.leader != c.sender:
-        raise Rejected("INVALID_ARGUMENT", f"commit from machine {c.sender} carries the ballot of machine {c.ballot.leader}")
+        raise Rejected(
+            "INVALID_ARGUMENT", f"commit from machine {c.sender} carries the ballot of machine {c.ballot.leader}"
+        )
     ids = [m for m, _ in c.contributors]
     if ids != sorted(set(ids)):
-        raise Rejected("INVALID_ARGUMENT", f"commit contributors must be sorted by machine id without repeats, got {ids[:16]}")
+        raise Rejected(
+            "INVALID_ARGUMENT", f"commit contributors must be sorted by machine id without repeats, got {ids[:16]}"
+        )
     if len(ids) > MAX_MEMBERS:
         raise Rejected("INVALID_ARGUMENT", f"commit names {len(ids)} contributors; at most {MAX_MEMBERS}")
     closing = c.iteration >= params.iterations
     for m, n in c.contributors:
         _check_uint("contributor id", m)
         if closing and n != 0:
-            raise Rejected("INVALID_ARGUMENT", f"contributor {m} count {n} in the closing iteration {c.iteration}; it carries no gradients (0)")
+            raise Rejected(
+                "INVALID_ARGUMENT",
+                f"contributor {m} count {n} in the closing iteration {c.iteration}; it carries no gradients (0)",
+            )
         if not closing and not 1 <= n <= params.max_count:
             raise Rejected("INVALID_ARGUMENT", f"contributor {m} count {n} is outside [1, {params.max_count}]")
     if not isinstance(c.updates_digest, bytes) or len(c.updates_digest) != 32:
@@ -975,13 +1032,16 @@ def _check_commit(params: Params, c: Commit) -> None:
     _check_view(params, c.next_view, "commit next_view")
     if c.next_view.iteration != c.iteration + 1:
         raise Rejected(
-            "INVALID_ARGUMENT", f"commit of iteration {c.iteration} carries the view of iteration {c.next_view.iteration}"
+            "INVALID_ARGUMENT",
+            f"commit of iteration {c.iteration} carries the view of iteration {c.next_view.iteration}",
         )
 
 
 def _same_value(a: Commit, b: Commit) -> bool:
     return (
-        a.contributors == b.contributors and a.updates_digest == b.updates_digest and a.next_view == b.next_view
+        a.contributors == b.contributors
+        and a.updates_digest == b.updates_digest
+        and a.next_view == b.next_view
         and a.previous == b.previous
     )
 
@@ -1087,7 +1147,11 @@ def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -
     )
     # Pushes of ``it`` that arrived before we applied ``it - 1`` are checked now: those on another
     # chain leave the inbox, and those naming one are evidence against ours.
-    off = [] if st.chain is None else [p for (t, _), p in sorted(st.inbox.items()) if t == st.it and p.previous != st.chain]
+    off = (
+        []
+        if st.chain is None
+        else [p for (t, _), p in sorted(st.inbox.items()) if t == st.it and p.previous != st.chain]
+    )
     if off:
         st = st._replace(inbox={k: v for k, v in st.inbox.items() if v not in off})
         for push in off:
@@ -1156,7 +1220,9 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
             if st.leaving:
                 effects.append(Finished(it, "left"))
                 return st._replace(phase=LEFT)
-            effects.append(Dropped(f"not a member of the view of iteration {it} (unreachable, or replaced by a rejoin)"))
+            effects.append(
+                Dropped(f"not a member of the view of iteration {it} (unreachable, or replaced by a rejoin)")
+            )
             return st._replace(phase=DROPPED)
     if moved:
         st = _start_iteration(params, st, now, effects)
@@ -1164,7 +1230,14 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
 
 
 def _fetch(
-    params: Params, st: PeerState, now: float, effects: list, first: int, last: int, prefer: int | None = None, check: bool = False
+    params: Params,
+    st: PeerState,
+    now: float,
+    effects: list,
+    first: int,
+    last: int,
+    prefer: int | None = None,
+    check: bool = False,
 ) -> PeerState:
     """Ask a member for decided iterations: ``prefer``, the commit's sender, then the others in turn."""
     order = [] if prefer is None else [prefer]
@@ -1210,7 +1283,9 @@ def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> Pee
     missing = _missing(st, have)
     if missing:
         # Evidence of life: pushes (in time, or one iteration late from inactive members), leaves, us.
-        if (now < st.deadline and not missing <= st.refused) or not _majority(have | st.ready | st.leaves | {st.me}, view.ids()):
+        if (now < st.deadline and not missing <= st.refused) or not _majority(
+            have | st.ready | st.leaves | {st.me}, view.ids()
+        ):
             return st
     ballot = Ballot(0, st.me)
     entry, admitted = _decide(params, st, ballot, have, have | st.ready | {st.me}, now)
@@ -1310,15 +1385,28 @@ def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive, 
             continue
         if st.failures.get(m.machine, 0) >= UNREACHABLE_AFTER and m.machine not in next_active:
             continue  # unreachable: removed (it must rejoin with a new id)
-        if (params.idle_timeout_s is not None and m.machine not in next_active and m.machine != st.me
-                and now - st.idle.get(m.machine, now) >= params.idle_timeout_s):
+        if (
+            params.idle_timeout_s is not None
+            and m.machine not in next_active
+            and m.machine != st.me
+            and now - st.idle.get(m.machine, now) >= params.idle_timeout_s
+        ):
             continue  # silent for too long: removed, so it no longer counts toward the majority
         # An active member that missed the barrier is out of this iteration and inactive from the
         # next: it is no longer waited for, and becomes active again by pushing again.
         members.append(m._replace(active=m.machine in next_active))
     members += [m for _, m in admitted]
     next_view = View(st.it + 1, tuple(sorted(members)), next_id)
-    commit = Commit(params.run_id, st.me, st.it, ballot, contrib, updates_digest(contrib, payloads), next_view, previous=st.chain or b"")
+    commit = Commit(
+        params.run_id,
+        st.me,
+        st.it,
+        ballot,
+        contrib,
+        updates_digest(contrib, payloads),
+        next_view,
+        previous=st.chain or b"",
+    )
     return LogEntry(sign(params, commit), payloads, signatures), tuple(admitted)
 
 
@@ -1330,7 +1418,9 @@ def _publish(params: Params, st: PeerState, now: float, effects: list, entry: Lo
             effects.append(Send(m.machine, m.address, entry.commit))
     admissions = dict(st.admissions)
     if admitted:
-        admissions[t] = Admission(st.view.ids(), frozenset({st.me}), tuple(admitted), entry.commit.next_view, chain_digest(entry.commit))
+        admissions[t] = Admission(
+            st.view.ids(), frozenset({st.me}), tuple(admitted), entry.commit.next_view, chain_digest(entry.commit)
+        )
     st = st._replace(
         decided=_put(st.decided, t, entry),
         promised=_put(st.promised, t, entry.commit.ballot),
@@ -1347,8 +1437,13 @@ def _publish(params: Params, st: PeerState, now: float, effects: list, entry: Lo
 def _refuse_joins(st: PeerState, effects: list) -> PeerState:
     """Release the joins queued here (they will not be decided here): each joiner asks again."""
     for rid, address, _ in st.joins:
-        effects.append(JoinRefused(rid, f"machine {st.me} queued the join of {address} but no longer decides iteration {st.it} "
-                                        f"(a leader change); ask again"))
+        effects.append(
+            JoinRefused(
+                rid,
+                f"machine {st.me} queued the join of {address} but no longer decides iteration {st.it} "
+                f"(a leader change); ask again",
+            )
+        )
     return st._replace(joins=())
 
 
@@ -1358,7 +1453,9 @@ def _answer_admissions(st: PeerState, t: int, effects: list) -> PeerState:
         return st
     for rid, member in adm.joins:
         effects.append(Admit(rid, JoinAnswer(member.machine, adm.view, adm.chain)))
-        effects.append(Note(f"admitted machine {member.machine} ({member.address}) from iteration {adm.view.iteration}"))
+        effects.append(
+            Note(f"admitted machine {member.machine} ({member.address}) from iteration {adm.view.iteration}")
+        )
     return st._replace(admissions={k: v for k, v in st.admissions.items() if k != t})
 
 
@@ -1388,9 +1485,11 @@ def _finish_forming(params: Params, st: PeerState, now: float) -> Step:
     effects: list = []
     have = len(st.view.members)
     if params.require_founders and have < params.founders:
-        reason = (f"only {have} of {params.founders} founders joined within the start-up window of "
-                  f"{params.forming_timeout_s:g}s (machines {sorted(st.view.ids())}); raise the window "
-                  "(peers.startup_timeout_s, --startup-timeout) or start fewer peers")
+        reason = (
+            f"only {have} of {params.founders} founders joined within the start-up window of "
+            f"{params.forming_timeout_s:g}s (machines {sorted(st.view.ids())}); raise the window "
+            "(peers.startup_timeout_s, --startup-timeout) or start fewer peers"
+        )
         effects.append(Failed(st.it, reason))
         return Step(st._replace(phase=FAILED, admissions={}), tuple(effects))
     for rid, member in adm.joins if adm else ():
@@ -1413,7 +1512,9 @@ def joined(params: Params, *, me: int, view: View, now: float, chain: bytes = b"
     return _blank(me, CATCHING_UP, view, now)._replace(chain=chain)
 
 
-def on_ready(params: Params, st: PeerState, *, iteration: int, view: View, now: float, chain: bytes | None = None) -> Step:
+def on_ready(
+    params: Params, st: PeerState, *, iteration: int, view: View, now: float, chain: bytes | None = None
+) -> Step:
     """The runtime loaded the state at the start of ``iteration`` (view ``view``): start taking part.
 
     ``iteration`` may be past ``st.it`` (a newer snapshot, or log entries replayed): the buffered
@@ -1424,7 +1525,9 @@ def on_ready(params: Params, st: PeerState, *, iteration: int, view: View, now: 
     if st.phase != CATCHING_UP:
         raise ValueError(f"on_ready needs phase {CATCHING_UP!r}, the peer is {st.phase!r}")
     if iteration < st.it:
-        raise ValueError(f"loaded state of iteration {iteration} is older than the first iteration {st.it} of this member")
+        raise ValueError(
+            f"loaded state of iteration {iteration} is older than the first iteration {st.it} of this member"
+        )
     if chain is not None:
         _check_previous(chain, "loaded state")
         st = st._replace(chain=chain)
@@ -1470,7 +1573,10 @@ def on_join(params: Params, st: PeerState, req: JoinRequest, now: float) -> Step
     if not isinstance(req.key, bytes) or (params.verify is not None and len(req.key) != KEY_BYTES):
         raise Rejected("INVALID_ARGUMENT", f"a joiner's public key must be {KEY_BYTES} bytes, got {len(req.key)}")
     if st.phase == DONE or st.it >= params.iterations:
-        raise Rejected("FAILED_PRECONDITION", f"the run has finished (all {params.iterations} iterations are decided); nothing to join")
+        raise Rejected(
+            "FAILED_PRECONDITION",
+            f"the run has finished (all {params.iterations} iterations are decided); nothing to join",
+        )
     if st.phase == FORMING:
         if req.address in {m.address for m in st.view.members}:
             raise Rejected("ALREADY_EXISTS", f"a founding peer already listens at {req.address}")
@@ -1495,9 +1601,14 @@ def on_join(params: Params, st: PeerState, req: JoinRequest, now: float) -> Step
         return Step(st, (), Redirect(address))
     if len(st.joins) >= params.max_pending_joins:
         raise Rejected("RESOURCE_EXHAUSTED", f"{len(st.joins)} joins already wait for the next commit; retry shortly")
-    if len(st.view.members) + len(st.joins) >= params.max_members and req.address not in {m.address for m in st.view.members}:
-        raise Rejected("RESOURCE_EXHAUSTED", f"the run holds its most members ({params.max_members}, peers.max_members) "
-                                             f"with the joins queued; retry once a member left or raise peers.max_members")
+    if len(st.view.members) + len(st.joins) >= params.max_members and req.address not in {
+        m.address for m in st.view.members
+    }:
+        raise Rejected(
+            "RESOURCE_EXHAUSTED",
+            f"the run holds its most members ({params.max_members}, peers.max_members) "
+            f"with the joins queued; retry once a member left or raise peers.max_members",
+        )
     if any(rid == req.request_id for rid, _, _ in st.joins):
         raise Rejected("ALREADY_EXISTS", f"join request {req.request_id} is already queued")
     for m in st.view.members:
@@ -1505,7 +1616,8 @@ def on_join(params: Params, st: PeerState, req: JoinRequest, now: float) -> Step
         # An inactive or unreachable one is replaced (a restarted peer rejoining on its old port).
         if m.address == req.address and m.machine != st.me and m.active and not st.failures.get(m.machine, 0):
             raise Rejected(
-                "ALREADY_EXISTS", f"machine {m.machine} is an active member at {req.address}; retry once it stopped contributing"
+                "ALREADY_EXISTS",
+                f"machine {m.machine} is an active member at {req.address}; retry once it stopped contributing",
             )
         if m.address == req.address and m.machine == st.me:
             raise Rejected("ALREADY_EXISTS", f"{req.address} is this peer's own address")
@@ -1543,9 +1655,17 @@ def request_leave(params: Params, st: PeerState, now: float) -> Step:
 # --------------------------------------------------------------------------- gradients
 
 
-def on_local_gradients(params: Params, st: PeerState, *, iteration: int, count: int, payload: bytes, now: float) -> Step:
+def on_local_gradients(
+    params: Params, st: PeerState, *, iteration: int, count: int, payload: bytes, now: float
+) -> Step:
     """Our projected gradients of ``iteration`` are encoded: push them to every member (stale results are dropped)."""
-    if st.phase != MEMBER or iteration != st.it or (iteration, st.me) in st.inbox or iteration in st.decided or st.leaving:
+    if (
+        st.phase != MEMBER
+        or iteration != st.it
+        or (iteration, st.me) in st.inbox
+        or iteration in st.decided
+        or st.leaving
+    ):
         return Step(st, ())
     try:
         _check_payload(params, count, payload, "local gradients", iteration)
@@ -1592,7 +1712,9 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
         raise Rejected("INVALID_ARGUMENT", f"a push claims to come from this peer's own id {st.me}")
     if push.sender not in st.view.ids():
         raise Rejected("PERMISSION_DENIED", f"machine {push.sender} is not a member of iteration {st.it}")
-    _check_payload(params, push.count, push.payload, f"push of machine {push.sender} iteration {push.iteration}", push.iteration)
+    _check_payload(
+        params, push.count, push.payload, f"push of machine {push.sender} iteration {push.iteration}", push.iteration
+    )
     _verify(params, st.view, push, f"push of machine {push.sender} iteration {push.iteration}")
     t = push.iteration
     if t < st.it:
@@ -1634,14 +1756,18 @@ def _elsewhere(st: PeerState, machine: int, previous: bytes, what: str, effects:
     the peer rejoins from the majority's state."""
     if machine not in st.strays:
         effects.append(
-            Note(f"iteration {st.it}: machine {machine}'s {what} continues another decision of iteration {st.it - 1} "
-                 f"(chain {previous.hex()[:16]}, ours {(st.chain or b'').hex()[:16]}); not taken")
+            Note(
+                f"iteration {st.it}: machine {machine}'s {what} continues another decision of iteration {st.it - 1} "
+                f"(chain {previous.hex()[:16]}, ours {(st.chain or b'').hex()[:16]}); not taken"
+            )
         )
     st = st._replace(strays=st.strays | {machine})
     if _majority(st.strays, st.view.ids()):
         effects.append(
-            Dropped(f"iteration {st.it}: machines {sorted(st.strays)} of {sorted(st.view.ids())} continue another decision "
-                    f"of iteration {st.it - 1} than the one this peer applied, which was replaced")
+            Dropped(
+                f"iteration {st.it}: machines {sorted(st.strays)} of {sorted(st.view.ids())} continue another decision "
+                f"of iteration {st.it - 1} than the one this peer applied, which was replaced"
+            )
         )
         return st._replace(phase=DROPPED, fetch=None, recovery=None)
     return st
@@ -1689,7 +1815,11 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
             # nothing about ours; its pushes tell, :func:`_elsewhere`).
             return Step(st, (), _commit_reply(st, commit, False))
         # A later ballot decided differently? Only the leader's log can say: fetch it and compare.
-        effects.append(Note(f"iteration {t}: a commit of ballot {tuple(commit.ballot)} differs from the applied one; checking the leader's log"))
+        effects.append(
+            Note(
+                f"iteration {t}: a commit of ballot {tuple(commit.ballot)} differs from the applied one; checking the leader's log"
+            )
+        )
         if st.phase == MEMBER and (st.fetch is None or st.fetch.failed):
             st = _fetch(params, st, now, effects, t, t, prefer=st.view.leader(), check=True)
         return Step(st, tuple(effects), _commit_reply(st, commit, False))
@@ -1743,8 +1873,9 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
     return Step(st, tuple(effects), _commit_reply(st, commit, True))
 
 
-def on_commit_acked(params: Params, st: PeerState, *, iteration: int, machine: int, now: float,
-                    reply: CommitReply) -> Step:
+def on_commit_acked(
+    params: Params, st: PeerState, *, iteration: int, machine: int, now: float, reply: CommitReply
+) -> Step:
     """A member answered our commit of ``iteration`` with ``reply`` (:func:`on_commit`'s). The
     delivery worked (its failed deliveries are forgotten); a member that holds the commit counts
     toward answering the joiners it admitted,
@@ -1812,8 +1943,12 @@ def _start_recovery(params: Params, st: PeerState, now: float, effects: list) ->
         recovery=Recovery(ballot, {}, now + params.barrier_timeout_s),
         last_takeover=(st.it, ballot.round),
     )
-    effects.append(Note(f"iteration {st.it}: taking over with ballot {tuple(ballot)} (suspected {sorted(st.suspected)})"))
-    prepare = sign(params, Prepare(params.run_id, st.me, st.it, ballot, previous=st.chain or b"", gone=_leader_gone(st)))
+    effects.append(
+        Note(f"iteration {st.it}: taking over with ballot {tuple(ballot)} (suspected {sorted(st.suspected)})")
+    )
+    prepare = sign(
+        params, Prepare(params.run_id, st.me, st.it, ballot, previous=st.chain or b"", gone=_leader_gone(st))
+    )
     effects += [Send(m.machine, m.address, prepare) for m in st.view.members if m.machine != st.me]
     if len(st.view.members) == 1:
         st = _finish_recovery(params, st, now, effects)
@@ -1851,7 +1986,11 @@ def _learn_chosen(st: PeerState, effects: list) -> PeerState:
     if not _meets_every_majority(holders, base.ids()):
         return st
     st = st._replace(chosen=t)
-    effects.append(Note(f"iteration {t}: machines {sorted(holders & base.ids())} of {sorted(base.ids())} hold its decision: it is chosen"))
+    effects.append(
+        Note(
+            f"iteration {t}: machines {sorted(holders & base.ids())} of {sorted(base.ids())} hold its decision: it is chosen"
+        )
+    )
     joins = []
     for rid, address, key in st.joins:
         seat = _seat(st, address, key)
@@ -1890,7 +2029,9 @@ def _seat(st: PeerState, address: str, key: bytes) -> tuple[Member, View, bytes]
 def _answer_seat(rid: int, seat: Member, view: View, chain: bytes) -> list:
     return [
         Admit(rid, JoinAnswer(seat.machine, view, chain)),
-        Note(f"told machine {seat.machine} ({seat.address}) its id: the chosen view of iteration {view.iteration} holds it"),
+        Note(
+            f"told machine {seat.machine} ({seat.address}) its id: the chosen view of iteration {view.iteration} holds it"
+        ),
     ]
 
 
@@ -1901,7 +2042,12 @@ def prepare_probe(params: Params, st: PeerState, msg: Prepare, now: float) -> Pr
     member holding valid credentials could otherwise claim it to take every iteration from a live
     leader. Where this peer has no such evidence yet, the runtime tries the connection at once and
     reports a refusal (:func:`on_push_refused`) before it hands the prepare on."""
-    if not msg.gone or st.phase != MEMBER or msg.iteration != st.it or now >= st.started_at + params.iteration_timeout_s:
+    if (
+        not msg.gone
+        or st.phase != MEMBER
+        or msg.iteration != st.it
+        or now >= st.started_at + params.iteration_timeout_s
+    ):
         return None
     leader = st.view.leader()
     if leader is None or leader == st.me or _leader_gone(st):
@@ -1961,8 +2107,11 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
             "OUT_OF_RANGE",
             f"ballot round {msg.ballot.round} for iteration {t} jumps more than {MAX_ROUND_STEP} above the highest promised ({top})",
         )
-    if t == st.it and now < st.started_at + params.iteration_timeout_s and (promised is None or promised.round == 0) and not (
-        msg.gone and _leader_gone(st)
+    if (
+        t == st.it
+        and now < st.started_at + params.iteration_timeout_s
+        and (promised is None or promised.round == 0)
+        and not (msg.gone and _leader_gone(st))
     ):
         raise Rejected(
             "FAILED_PRECONDITION",
@@ -2033,7 +2182,12 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
                 _verify(params, st.view, p, "takeover push")
             except Rejected:
                 continue  # a push its sender did not sign is ignored
-            if p.iteration == st.it and p.sender in st.view.ids() and (p.iteration, p.sender) not in inbox and p.previous == (st.chain or b""):
+            if (
+                p.iteration == st.it
+                and p.sender in st.view.ids()
+                and (p.iteration, p.sender) not in inbox
+                and p.previous == (st.chain or b"")
+            ):
                 inbox[(p.iteration, p.sender)] = p
     st = st._replace(inbox=inbox)
     held = []
@@ -2055,14 +2209,18 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
         if payloads is None:
             payloads, sigs = _assemble(st, commit) or (None, None)
         entry = LogEntry(commit, payloads, sigs)
-        effects.append(Note(f"iteration {st.it}: takeover re-issues the decision of ballot {tuple(best.commit.ballot)}"))
+        effects.append(
+            Note(f"iteration {st.it}: takeover re-issues the decision of ballot {tuple(best.commit.ballot)}")
+        )
         return _publish(params, _refuse_joins(st, effects), now, effects, entry, ())
     have = frozenset(m for (t, m) in st.inbox if t == st.it and m in st.view.ids())
     # Members that promised are alive: they stay active even if their push for this iteration
     # was not in yet (they may have been waiting for the silent leader's previous commit).
     alive = responders & active
     entry, admitted = _decide(params, st._replace(joins=(), ready=st.ready | alive), rec.ballot, have, responders, now)
-    effects.append(Note(f"iteration {st.it}: takeover decides contributors {[m for m, _ in entry.commit.contributors]}"))
+    effects.append(
+        Note(f"iteration {st.it}: takeover decides contributors {[m for m, _ in entry.commit.contributors]}")
+    )
     return _publish(params, _refuse_joins(st, effects), now, effects, entry, admitted)
 
 
@@ -2087,14 +2245,23 @@ def on_fetched(params: Params, st: PeerState, entries, now: float) -> Step:
         for (m, n), p in zip(e.commit.contributors, e.payloads, strict=True):
             _check_payload(params, n, p, f"log entry {e.commit.iteration} machine {m}", e.commit.iteration)
         if updates_digest(e.commit.contributors, e.payloads) != e.commit.updates_digest:
-            raise Rejected("INVALID_ARGUMENT", f"log entry of iteration {e.commit.iteration}: payloads do not match the digest")
+            raise Rejected(
+                "INVALID_ARGUMENT", f"log entry of iteration {e.commit.iteration}: payloads do not match the digest"
+            )
         t = e.commit.iteration
         if t < st.it:
             old = decided.get(t)
-            if check and old is not None and not _same_value(old.commit, e.commit) and e.commit.previous == old.commit.previous:
+            if (
+                check
+                and old is not None
+                and not _same_value(old.commit, e.commit)
+                and e.commit.previous == old.commit.previous
+            ):
                 _verify_entry(params, None, e, f"log entry of iteration {t}", keys=lambda m: member_key(st, m))
                 effects.append(
-                    Dropped(f"iteration {t}: the leader's log holds a decision (ballot {tuple(e.commit.ballot)}) that differs from the one this peer applied")
+                    Dropped(
+                        f"iteration {t}: the leader's log holds a decision (ballot {tuple(e.commit.ballot)}) that differs from the one this peer applied"
+                    )
                 )
                 return Step(st._replace(phase=DROPPED, fetch=None), tuple(effects))
             continue
@@ -2103,7 +2270,9 @@ def on_fetched(params: Params, st: PeerState, entries, now: float) -> Step:
             continue  # not on the chain of views this peer knows: cannot be verified
         before = st.chain if t == st.it else chain_digest(decided[t - 1].commit)
         if before is not None and e.commit.previous != before:
-            source = next((m.machine for m in st.view.members if st.fetch is not None and m.address == st.fetch.address), None)
+            source = next(
+                (m.machine for m in st.view.members if st.fetch is not None and m.address == st.fetch.address), None
+            )
             try:
                 _verify_entry(params, view, e, f"log entry of iteration {t}")
                 signed_here = True
@@ -2114,11 +2283,19 @@ def on_fetched(params: Params, st: PeerState, entries, now: float) -> Step:
                 if st.phase != MEMBER:
                     return Step(st, tuple(effects))
             else:
-                effects.append(Note(f"the log of {st.fetch.address if st.fetch else '?'} continues another decision of iteration {t - 1}; not taken"))
+                effects.append(
+                    Note(
+                        f"the log of {st.fetch.address if st.fetch else '?'} continues another decision of iteration {t - 1}; not taken"
+                    )
+                )
             break
         _verify_entry(params, view, e, f"log entry of iteration {t}")
         old = decided.get(t)
-        if old is None or old.payloads is None and (_same_value(old.commit, e.commit) or e.commit.ballot >= old.commit.ballot):
+        if (
+            old is None
+            or old.payloads is None
+            and (_same_value(old.commit, e.commit) or e.commit.ballot >= old.commit.ballot)
+        ):
             decided[t] = LogEntry(e.commit, tuple(e.payloads), e.signatures)
     # A hint the source could not confirm (it has no decision of st.it yet) is dropped: one fetch per hint.
     ahead = st.ahead if st.it in decided else -1
@@ -2139,7 +2316,11 @@ def on_fetch_failed(params: Params, st: PeerState, *, message: str, now: float, 
         denials = st.denials | {f.address}
         others = len(st.view.ids() - {st.me})
         if len(denials) >= min(2, max(1, others)):
-            effects.append(Dropped(f"iteration {st.it}: the members refuse this peer's log requests ({code}): it was removed from the run"))
+            effects.append(
+                Dropped(
+                    f"iteration {st.it}: the members refuse this peer's log requests ({code}): it was removed from the run"
+                )
+            )
             return Step(st._replace(phase=DROPPED, fetch=None, denials=denials), tuple(effects))
         st = st._replace(denials=denials)
     backoff = min(params.barrier_timeout_s, 0.05 * 2 ** min(f.attempt, 6))
@@ -2161,7 +2342,11 @@ def _resync(params: Params, st: PeerState, now: float, effects: list) -> tuple[P
     could accept a lower ballot's commit after a takeover counted on its promise, and two decisions
     of one iteration could both be taken."""
     entry = st.decided.get(st.it)
-    decided = st.decided if entry is None or entry.payloads is not None else {k: v for k, v in st.decided.items() if k != st.it}
+    decided = (
+        st.decided
+        if entry is None or entry.payloads is not None
+        else {k: v for k, v in st.decided.items() if k != st.it}
+    )
     st = st._replace(
         decided=decided,
         promised={k: v for k, v in st.promised.items() if k < st.it},
@@ -2172,7 +2357,9 @@ def _resync(params: Params, st: PeerState, now: float, effects: list) -> tuple[P
         deadline=now + 2 * params.barrier_timeout_s,
         fetch=None,
     )
-    effects.append(Note(f"iteration {st.it}: no decision for {now - st.started_at:.0f}s; re-synchronising with the others"))
+    effects.append(
+        Note(f"iteration {st.it}: no decision for {now - st.started_at:.0f}s; re-synchronising with the others")
+    )
     st = _fetch(params, st, now, effects, st.it, st.it + params.window)
     _push_again(st, effects)
     return st, tuple(effects)

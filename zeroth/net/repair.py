@@ -40,14 +40,18 @@ class Checksums:
 
     def _request(self, iteration: int, digest: str | None) -> pb.ChecksumRequest:
         node = self.node
-        req = pb.ChecksumRequest(run_id=node.run_id, sender=node.me, iteration=iteration, digest=bytes.fromhex(digest) if digest else b"")
+        req = pb.ChecksumRequest(
+            run_id=node.run_id, sender=node.me, iteration=iteration, digest=bytes.fromhex(digest) if digest else b""
+        )
         return node.transport.signed(node.identity, "Checksum", req)
 
     def send(self, inc: int, iteration: int, digest: str, partner: int, address: str) -> None:
         """Send our digest of ``iteration`` to ``partner`` and compare with its answer."""
         node = self.node
         try:
-            reply = node.transport.rpc(address, "Checksum", self._request(iteration, digest), node.cfg.peers.barrier_timeout_s)
+            reply = node.transport.rpc(
+                address, "Checksum", self._request(iteration, digest), node.cfg.peers.barrier_timeout_s
+            )
         except grpc.RpcError:
             return
         if reply.digest and len(reply.digest) == 32 and inc == node.incarnation:
@@ -118,4 +122,6 @@ class Checksums:
             return
         with self.lock:
             node.counters["repairs"] += 1
-        node.say(f"repair done: state of iteration {node.applied} reloaded, digest {str(node.transfer.store.digest(node.applied))[:16]}")
+        node.say(
+            f"repair done: state of iteration {node.applied} reloaded, digest {str(node.transfer.store.digest(node.applied))[:16]}"
+        )

@@ -287,7 +287,13 @@ class Node:
         self.checksums = Checksums(self)
         self.barrier = BarrierCounters()  # contributors, late pushes, wasted forward passes, barrier wait
         self._commit_pbs: tuple | None = None  # (commit, whole, delta): the latest commit on the wire
-        self.counters = {"checksum_comparisons": 0, "checksum_mismatches": 0, "repairs": 0, "rejoins": 0, "refused_requests": 0}
+        self.counters = {
+            "checksum_comparisons": 0,
+            "checksum_mismatches": 0,
+            "repairs": 0,
+            "rejoins": 0,
+            "refused_requests": 0,
+        }
         self.machines: list[int] = []
         self.last_eval: dict = {}
         self.started = time.monotonic()
@@ -306,8 +312,13 @@ class Node:
 
     def start(self) -> str:
         """Serve, then found or join the run in the background; returns this peer's address."""
-        self._server, port = _service.serve(self, self.options.listen, tls=self.options.tls, token=self.transport.token,
-                                            limits=server_limits(max(self.options.founders, self.cfg.peers.count)))
+        self._server, port = _service.serve(
+            self,
+            self.options.listen,
+            tls=self.options.tls,
+            token=self.transport.token,
+            limits=server_limits(max(self.options.founders, self.cfg.peers.count)),
+        )
         host = self.options.listen.rpartition(":")[0]
         self.address = self.options.advertise or f"{host}:{port}"
         tmp = self.out_dir / "address.tmp"
@@ -405,8 +416,15 @@ class Node:
         """Open a segment of the update log: this process now holds the state at the start of ``iteration``
         and signs with its identity's key, which the segment names with the proof that it holds the run secret."""
         run_id, key = self._pp.run_id, self.identity.public
-        self._updates.start(run_id=run_id, iteration=iteration, digest=digest, reason=reason, config=to_dict(self.cfg),
-                            key=key, proof=_id.log_proof(self.secret, run_id, key) if self.secret else b"")
+        self._updates.start(
+            run_id=run_id,
+            iteration=iteration,
+            digest=digest,
+            reason=reason,
+            config=to_dict(self.cfg),
+            key=key,
+            proof=_id.log_proof(self.secret, run_id, key) if self.secret else b"",
+        )
 
     def queue_repair(self, rep: Repair) -> None:
         self._work.put((self.incarnation, rep))
@@ -518,7 +536,9 @@ class Node:
 
         try:
             if isinstance(msg, P.Push):
-                self.transport.rpc_async(eff.address, "PushGradients", wire.push_to_pb(msg), b, done, payload=len(msg.payload))
+                self.transport.rpc_async(
+                    eff.address, "PushGradients", wire.push_to_pb(msg), b, done, payload=len(msg.payload)
+                )
             else:
                 self.transport.rpc_async(eff.address, "CommitIteration", self._commit_pb(msg, whole), b, done)
         except grpc.RpcError as e:  # stopping (Closed)
@@ -567,7 +587,9 @@ class Node:
                 if not self._stop.wait(0.05 * (attempt + 1)):
                     self._send_async(inc, eff, attempt + 1, whole)
                 return
-            self._event(inc, P.on_commit_failed, iteration=msg.iteration, machine=eff.machine, message=f"{code.name}: {details}")
+            self._event(
+                inc, P.on_commit_failed, iteration=msg.iteration, machine=eff.machine, message=f"{code.name}: {details}"
+            )
             return
         if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             self.say(f"push of iteration {msg.iteration} to machine {eff.machine} refused: {code.name}: {details}")
@@ -611,7 +633,9 @@ class Node:
         connection is one of its own, closed at once, not the member's gRPC channel: the question is
         whether the port is open now, whatever state the channel's reconnection is in."""
         try:
-            with socket.create_connection(P.split_address(eff.address), timeout=self.cfg.peers.barrier_timeout_s * P.PROBE_FIRST):
+            with socket.create_connection(
+                P.split_address(eff.address), timeout=self.cfg.peers.barrier_timeout_s * P.PROBE_FIRST
+            ):
                 return
         except ConnectionRefusedError:
             self._event(inc, P.on_push_refused, iteration=eff.iteration, machine=eff.machine)
@@ -704,7 +728,9 @@ class Node:
         self.transfer.load(params, start, None, "resumed" if self.options.resume else "initial")
         with self._lock:
             self.incarnation += 1
-            step = P.founder(self._pp, address=self.address, now=time.monotonic(), key=self.identity.public, iteration=start)
+            step = P.founder(
+                self._pp, address=self.address, now=time.monotonic(), key=self.identity.public, iteration=start
+            )
             self._st = step.state
             self.machines.append(0)
             self._write_machine(0)
@@ -715,7 +741,9 @@ class Node:
     def _warm_more(self, members: int) -> None:
         """Compile, in the background, the replay lengths a change of membership would need (and the evaluation)."""
         if self._warming is None:
-            self._warming = threading.Thread(target=self.worker.warm_up_more, args=(members,), daemon=True, name="zeroth-warm")
+            self._warming = threading.Thread(
+                target=self.worker.warm_up_more, args=(members,), daemon=True, name="zeroth-warm"
+            )
             self._warming.start()
 
     def _write_machine(self, machine: int) -> None:
@@ -824,11 +852,14 @@ class Node:
             with self._lock:
                 self._pp = self._protocol_params(answer.run_id)
                 self.incarnation += 1
-                self._st = P.joined(self._pp, me=answer.machine_id, view=view, now=time.monotonic(),
-                                    chain=bytes(answer.chain))
+                self._st = P.joined(
+                    self._pp, me=answer.machine_id, view=view, now=time.monotonic(), chain=bytes(answer.chain)
+                )
                 self.machines.append(answer.machine_id)
             self._write_machine(answer.machine_id)
-            self.say(f"joined run {answer.run_id} as machine {answer.machine_id} from iteration {view.iteration} via {sponsor}")
+            self.say(
+                f"joined run {answer.run_id} as machine {answer.machine_id} from iteration {view.iteration} via {sponsor}"
+            )
             try:
                 iteration, ready_view = self.transfer.catch_up(sponsor, view)
                 self._step(P.on_ready, iteration=iteration, view=ready_view, chain=self._chain_at(iteration, view))
@@ -1014,10 +1045,17 @@ class Node:
         (:func:`zeroth.net.launch.newest_checkpoint`); the oldest beyond ``train.keep_checkpoints`` go.
         """
         root = self.out_dir / "checkpoints"
-        where = save_state(root / str(iteration), self.params, iteration=iteration, run_id=self._pp.run_id, digest=digest, reason=reason)
+        where = save_state(
+            root / str(iteration),
+            self.params,
+            iteration=iteration,
+            run_id=self._pp.run_id,
+            digest=digest,
+            reason=reason,
+        )
         keep = self.cfg.train.keep_checkpoints
         steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
-        for old in steps[: -keep] if keep else []:
+        for old in steps[:-keep] if keep else []:
             shutil.rmtree(root / str(old), ignore_errors=True)
         return where
 
@@ -1049,19 +1087,30 @@ class Node:
         if self.params is None or self._pp is None:
             return None
         digest = self.transfer.store.digest(self.applied) or _replay.checksum(self.params)
-        return save_state(self.out_dir / "checkpoint", self.params, iteration=self.applied, run_id=self._pp.run_id, digest=digest, reason=reason)
+        return save_state(
+            self.out_dir / "checkpoint",
+            self.params,
+            iteration=self.applied,
+            run_id=self._pp.run_id,
+            digest=digest,
+            reason=reason,
+        )
 
     def _finish(self, reason: str) -> None:
         if self._finished.is_set():
             return
         self.finish_reason = reason
         if reason == "done" and self.params is not None and self._pp is not None:
-            self._checkpoint(self.applied, self.transfer.store.digest(self.applied) or _replay.checksum(self.params), "done")
+            self._checkpoint(
+                self.applied, self.transfer.store.digest(self.applied) or _replay.checksum(self.params), "done"
+            )
         if reason in ("done", "left") and self.params is not None:
             try:
                 self.last_eval = {"step": self.applied, **self.worker.evaluate(self.params)}
                 digest = self.transfer.store.digest(self.applied) or _replay.checksum(self.params)
-                self._metrics.write({**self._row("eval", self.applied, digest), "machine": self.machine, **self.last_eval})
+                self._metrics.write(
+                    {**self._row("eval", self.applied, digest), "machine": self.machine, **self.last_eval}
+                )
             except Exception as e:  # noqa: BLE001
                 self.say(f"final evaluation failed: {e!r}")
         self._write_summary()
@@ -1143,15 +1192,23 @@ class Node:
             if self._pp is None or self._st is None:
                 raise P.Rejected("UNAVAILABLE", "this peer has not joined a run yet")
             if request.run_id != self._pp.run_id:
-                raise P.Rejected("FAILED_PRECONDITION", f"run id {request.run_id[:P.MAX_RUN_ID]!r} is not this run's {self._pp.run_id!r}")
+                raise P.Rejected(
+                    "FAILED_PRECONDITION",
+                    f"run id {request.run_id[: P.MAX_RUN_ID]!r} is not this run's {self._pp.run_id!r}",
+                )
             key = P.member_key(self._st, sender)
             address = self._st.view.address_of(sender)
         if not key:
             raise P.Rejected("PERMISSION_DENIED", f"machine {sender} is not a member of this run's recent views")
-        if not request.HasField("auth") or not _id.verify(key, request_signed_bytes(method, request), request.auth.signature):
+        if not request.HasField("auth") or not _id.verify(
+            key, request_signed_bytes(method, request), request.auth.signature
+        ):
             raise P.Rejected("UNAUTHENTICATED", f"{method} request is not signed by machine {sender}")
         if not self._replays.accept(self._pp.run_id, sender, int(request.auth.seq)):
-            raise P.Rejected("UNAUTHENTICATED", f"{method} request of machine {sender}: sequence number {request.auth.seq} was already used")
+            raise P.Rejected(
+                "UNAUTHENTICATED",
+                f"{method} request of machine {sender}: sequence number {request.auth.seq} was already used",
+            )
         return address
 
     def handle_push(self, msg: P.Push) -> None:
@@ -1176,7 +1233,11 @@ class Node:
         """A takeover's prepare; one that says the leader is gone has the leader probed here first
         (:func:`zeroth.net.protocol.prepare_probe`: a refusal is recorded before the prepare is taken)."""
         with self._lock:
-            probe = None if self._st is None or self._pp is None else P.prepare_probe(self._pp, self._st, msg, time.monotonic())
+            probe = (
+                None
+                if self._st is None or self._pp is None
+                else P.prepare_probe(self._pp, self._st, msg, time.monotonic())
+            )
             inc = self.incarnation
         if probe is not None:
             self._probe(inc, probe)
@@ -1188,8 +1249,13 @@ class Node:
     def handle_join(self, request) -> tuple[str, P.JoinAnswer | P.Redirect]:
         """Check the joiner's proof of the run secret, queue the join and wait for its answer (or a redirect)."""
         address, digest, key = request.address, request.config_digest, bytes(request.key)
-        if self.secret is not None and not _id.check_join_proof(self.secret, bytes(request.proof), digest, address, key):
-            raise P.Rejected("UNAUTHENTICATED", "the join proof does not match this run's secret (start the peer with the run's --secret-file)")
+        if self.secret is not None and not _id.check_join_proof(
+            self.secret, bytes(request.proof), digest, address, key
+        ):
+            raise P.Rejected(
+                "UNAUTHENTICATED",
+                "the join proof does not match this run's secret (start the peer with the run's --secret-file)",
+            )
         if digest != self.join_digest:  # the joiner holds the secret: tell it which fields to fix
             raise P.Rejected(
                 "FAILED_PRECONDITION",
@@ -1213,7 +1279,9 @@ class Node:
             return run_id, reply
         p = self.cfg.peers
         try:
-            return run_id, fut.result(timeout=self.options.forming_timeout_s + p.iteration_timeout_s + 4 * p.barrier_timeout_s)
+            return run_id, fut.result(
+                timeout=self.options.forming_timeout_s + p.iteration_timeout_s + 4 * p.barrier_timeout_s
+            )
         except futures.TimeoutError:
             with self._lock:
                 self._join_waiters.pop(rid, None)
@@ -1225,7 +1293,9 @@ class Node:
         if last < first:
             raise P.Rejected("INVALID_ARGUMENT", f"last_iteration {last} is before first_iteration {first}")
         with self._lock:  # decided and handed to Apply, perhaps not applied yet: final all the same
-            window = {e.commit.iteration: e for e in P.log_entries(self._st, first, last)} if self._st is not None else {}
+            window = (
+                {e.commit.iteration: e for e in P.log_entries(self._st, first, last)} if self._st is not None else {}
+            )
         return self.transfer.store.entries(first, last, self.applied, window)
 
     def handle_checksum(self, request) -> bytes:

@@ -156,8 +156,14 @@ class PeerService(pb_grpc.PeerServicer):
         return self._answer(pb.StatusReply(**self.node.status()))
 
 
-def serve(node, listen: str, *, tls: _sec.TLSFiles | None = None, token: str | None = None,
-          limits: guard.Limits = SERVER_LIMITS) -> tuple[grpc.Server, int]:
+def serve(
+    node,
+    listen: str,
+    *,
+    tls: _sec.TLSFiles | None = None,
+    token: str | None = None,
+    limits: guard.Limits = SERVER_LIMITS,
+) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``node`` on ``listen`` (``host:port``; port 0 picks one). Returns ``(server, port)``.
 
     ``token``: the access token every call must carry. Bounds: ``limits`` (default

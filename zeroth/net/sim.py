@@ -72,8 +72,15 @@ class SimNet:
     has in flight at once, the others wait in order for a reply to free a slot, as in a runtime
     whose sends block a pool of that many threads (None: no limit)."""
 
-    def __init__(self, params: P.Params, *, latency: float = 0.002, tick: float = 0.02, rejoin: bool = False,
-                 call_slots: int | None = None):
+    def __init__(
+        self,
+        params: P.Params,
+        *,
+        latency: float = 0.002,
+        tick: float = 0.02,
+        rejoin: bool = False,
+        call_slots: int | None = None,
+    ):
         self.params = params
         self.latency = latency
         self.call_slots = call_slots
@@ -287,7 +294,10 @@ class SimNet:
             self._deliver(peer, eff)
         elif isinstance(eff, P.Probe):
             self.probes += 1
-            self._at(self.now + 2 * self.latency, lambda peer=peer, me=peer.state.me, eff=eff: self._probe_answer(peer, me, eff))
+            self._at(
+                self.now + 2 * self.latency,
+                lambda peer=peer, me=peer.state.me, eff=eff: self._probe_answer(peer, me, eff),
+            )
         elif isinstance(eff, P.Apply):
             t = eff.entry.commit.iteration
             expected = peer.base + len(peer.log)
@@ -296,7 +306,9 @@ class SimNet:
             if eff.entry.payloads is None:
                 raise AssertionError(f"{peer.address} applies iteration {t} without payloads")
             peer.log.append(eff.entry)
-            peer.counters.decided(t, contributors=[m for m, _ in eff.entry.commit.contributors], me=peer.state.me, now=self.now)
+            peer.counters.decided(
+                t, contributors=[m for m, _ in eff.entry.commit.contributors], me=peer.state.me, now=self.now
+            )
         elif isinstance(eff, P.Compute):
             it = eff.iteration
             done_at = self.now + peer.compute_time
@@ -309,7 +321,9 @@ class SimNet:
                     peer.counters.pushed(it, count=count, now=self.now)
                     self._handle(
                         peer,
-                        P.on_local_gradients(self.params, peer.state, iteration=it, count=count, payload=payload, now=self.now),
+                        P.on_local_gradients(
+                            self.params, peer.state, iteration=it, count=count, payload=payload, now=self.now
+                        ),
                     )
 
             self._at(min(done_at, eff.deadline) + peer.stall, finished)
@@ -375,7 +389,11 @@ class SimNet:
                     error = e
                 if late and (error is None or error.code == "FAILED_PRECONDITION"):
                     dst.counters.late()
-            back = self.link_delay(send.address, src.address, error if error is not None else reply, answer_to=msg) if ok else self.latency
+            back = (
+                self.link_delay(send.address, src.address, error if error is not None else reply, answer_to=msg)
+                if ok
+                else self.latency
+            )
             self._at(self.now + back, lambda: self._replied(src, sender_state_me, send, ok, reply, error))
 
         self._at(self.now + (self.link_delay(src.address, send.address, msg) if not lost else self.latency), arrive)
@@ -412,8 +430,12 @@ class SimNet:
     def _probe_answer(self, src: SimPeer, me: int, probe: P.Probe) -> None:
         """A probe's round trip: a refused connection (a killed peer) is a refused push."""
         if src.alive and src.state is not None and src.state.me == me and self._refuses(src.address, probe.address):
-            self._handle(src, P.on_push_refused(self.params, src.state, iteration=probe.iteration, machine=probe.machine,
-                                                now=self.now))
+            self._handle(
+                src,
+                P.on_push_refused(
+                    self.params, src.state, iteration=probe.iteration, machine=probe.machine, now=self.now
+                ),
+            )
 
     def _reply(self, src: SimPeer, me: int, send: P.Send, ok: bool, reply, error) -> None:
         if not src.alive or src.state is None or src.state.me != me:
@@ -424,11 +446,14 @@ class SimNet:
             self._handle(src, P.on_push_refused(p, st, iteration=msg.iteration, machine=send.machine, now=now))
         if isinstance(msg, P.Commit):
             if ok and error is None:
-                self._handle(src, P.on_commit_acked(p, st, iteration=msg.iteration, machine=send.machine, now=now,
-                                                    reply=reply))
+                self._handle(
+                    src, P.on_commit_acked(p, st, iteration=msg.iteration, machine=send.machine, now=now, reply=reply)
+                )
             else:
                 text = error.message if error else "unreachable"
-                self._handle(src, P.on_commit_failed(p, st, iteration=msg.iteration, machine=send.machine, message=text, now=now))
+                self._handle(
+                    src, P.on_commit_failed(p, st, iteration=msg.iteration, machine=send.machine, message=text, now=now)
+                )
         elif isinstance(msg, P.Prepare):
             if ok and error is None:
                 self._handle(src, P.on_prepare_reply(p, st, sender=send.machine, reply=reply, now=now))
@@ -459,7 +484,12 @@ class SimNet:
                 if not peer.alive or peer.state is None or peer.state.me != me:
                     return
                 if entries is None:
-                    self._handle(peer, P.on_fetch_failed(self.params, peer.state, message="unreachable", now=self.now, code="UNAVAILABLE"))
+                    self._handle(
+                        peer,
+                        P.on_fetch_failed(
+                            self.params, peer.state, message="unreachable", now=self.now, code="UNAVAILABLE"
+                        ),
+                    )
                     return
                 try:
                     step = P.on_fetched(self.params, peer.state, entries, self.now)

@@ -110,7 +110,9 @@ def unflatten(template: Any, blob: bytes, leaves) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def save_state(directory: str | os.PathLike, params: Any, *, iteration: int, run_id: str, digest: str, reason: str) -> Path:
+def save_state(
+    directory: str | os.PathLike, params: Any, *, iteration: int, run_id: str, digest: str, reason: str
+) -> Path:
     """Write the state at the start of ``iteration`` to ``directory`` (``state.bin`` + ``state.json``).
 
     ``state.json`` is written last and atomically (a temporary file renamed), so a folder with a
@@ -158,7 +160,10 @@ def _checked(directory: str | os.PathLike, blob: bytes | None = None) -> tuple[d
             raise TypeError(f"a JSON object is expected, not a {type(meta).__name__}")
         if missing := [f for f in ("iteration", "digest", "leaves") if f not in meta]:
             raise KeyError(f"no field {', '.join(missing)}")
-        leaves = tuple(Leaf(lf["path"], lf["dtype"], tuple(lf["shape"]), int(lf["offset"]), int(lf["nbytes"])) for lf in meta["leaves"])
+        leaves = tuple(
+            Leaf(lf["path"], lf["dtype"], tuple(lf["shape"]), int(lf["offset"]), int(lf["nbytes"]))
+            for lf in meta["leaves"]
+        )
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{listed} is not a saved state's description ({type(e).__name__}: {e})") from None
     size = int(meta.get("bytes", max((lf.offset + lf.nbytes for lf in leaves), default=0)))

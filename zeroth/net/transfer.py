@@ -90,7 +90,9 @@ class StateStore:
                 e = self.log.get(t) or window.get(t)
                 if e is None:
                     break
-                size += sum(len(p) + 64 for p in e.payloads) + 200 * (len(e.commit.contributors) + len(e.commit.next_view.members))
+                size += sum(len(p) + 64 for p in e.payloads) + 200 * (
+                    len(e.commit.contributors) + len(e.commit.next_view.members)
+                )
                 if out and size > MAX_MESSAGE_BYTES // 2:
                     break
                 out.append(e)
@@ -180,13 +182,17 @@ class StateTransfer:
         t = first
         while t <= last:
             req = pb.FetchLogRequest(run_id=node.run_id, sender=node.me, first_iteration=t, last_iteration=last)
-            reply = node.transport.rpc(address, "FetchLog", self._signed("FetchLog", req), 2 * node.cfg.peers.barrier_timeout_s + 5)
+            reply = node.transport.rpc(
+                address, "FetchLog", self._signed("FetchLog", req), 2 * node.cfg.peers.barrier_timeout_s + 5
+            )
             got = [wire.entry_from_pb(e) for e in reply.entries]
             if not got:
                 break
             for e in got:
                 if e.commit.iteration != t:
-                    raise P.Rejected("INVALID_ARGUMENT", f"log reply skipped from iteration {t} to {e.commit.iteration}")
+                    raise P.Rejected(
+                        "INVALID_ARGUMENT", f"log reply skipped from iteration {t} to {e.commit.iteration}"
+                    )
                 out.append(e)
                 t += 1
         return out
@@ -199,17 +205,24 @@ class StateTransfer:
         """
         node = self.node
         manifest = node.transport.rpc(
-            sponsor, "GetManifest", self._signed("GetManifest", pb.ManifestRequest(run_id=node.run_id, sender=node.me)), 30
+            sponsor,
+            "GetManifest",
+            self._signed("GetManifest", pb.ManifestRequest(run_id=node.run_id, sender=node.me)),
+            30,
         )
         leaves = tuple(_state.Leaf(lf.path, lf.dtype, tuple(lf.shape), lf.offset, lf.nbytes) for lf in manifest.leaves)
         sources = [sponsor] + [s for s in manifest.sources if s != sponsor and s != node.address]
 
         def fetch_range(src: str, offset: int, length: int):
-            req = pb.StateRequest(run_id=node.run_id, sender=node.me, iteration=manifest.iteration, offset=offset, length=length)
+            req = pb.StateRequest(
+                run_id=node.run_id, sender=node.me, iteration=manifest.iteration, offset=offset, length=length
+            )
             for ch in node.transport.stream(src, "FetchState", self._signed("FetchState", req), 120):
                 yield ch.offset, ch.data
 
-        blob, self.sources_used = download(fetch_range, sponsor, sources, int(manifest.total_bytes), node.options.chunk_bytes, node.say)
+        blob, self.sources_used = download(
+            fetch_range, sponsor, sources, int(manifest.total_bytes), node.options.chunk_bytes, node.say
+        )
         params = _state.unflatten(node.worker.template(), blob, leaves)
         digest = _replay.checksum(params)
         if digest != manifest.digest.hex():

@@ -56,8 +56,9 @@ CHANNEL_OPTIONS = channel_options(MAX_MESSAGE_BYTES)
 SERVER_OPTIONS = server_options(MAX_MESSAGE_BYTES)
 # A peer's server: every call carries a small message (a state chunk at most MAX_MESSAGE_BYTES);
 # one address (a host, all the peers of a loopback run) holds at most half the calls.
-SERVER_LIMITS = Limits(MAX_MESSAGE_BYTES, max_calls=SERVER_THREADS, max_calls_per_caller=SERVER_THREADS // 2,
-                       idle_s=60.0)
+SERVER_LIMITS = Limits(
+    MAX_MESSAGE_BYTES, max_calls=SERVER_THREADS, max_calls_per_caller=SERVER_THREADS // 2, idle_s=60.0
+)
 
 
 def server_limits(peers: int) -> Limits:
@@ -75,6 +76,7 @@ def server_limits(peers: int) -> Limits:
     if (calls, per_caller) == (SERVER_LIMITS.max_calls, SERVER_LIMITS.max_calls_per_caller):
         return SERVER_LIMITS
     return dataclasses.replace(SERVER_LIMITS, max_calls=calls, max_calls_per_caller=per_caller)
+
 
 # The fields each signed request covers besides (method, run_id, sender, seq).
 SIGNED_REQUESTS = {
@@ -155,7 +157,9 @@ class Transport:
         :func:`zeroth.transport.channels.channel_options`).
     """
 
-    def __init__(self, *, token: str | None, tls: _sec.TLSFiles | None, traffic: Traffic, options: tuple = CHANNEL_OPTIONS):
+    def __init__(
+        self, *, token: str | None, tls: _sec.TLSFiles | None, traffic: Traffic, options: tuple = CHANNEL_OPTIONS
+    ):
         self.token = token
         self.options = list(options)
         self.tls = tls

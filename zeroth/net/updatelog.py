@@ -130,26 +130,48 @@ class Writer:
                 with open(self.path, "rb") as r:
                     head = r.read(len(MAGIC))
                 if head != MAGIC:
-                    raise ValueError(f"{self.path} exists and is not a zeroth update log (it starts {head[:24]!r}); "
-                                     f"move it away or choose another output folder")
+                    raise ValueError(
+                        f"{self.path} exists and is not a zeroth update log (it starts {head[:24]!r}); "
+                        f"move it away or choose another output folder"
+                    )
         except BaseException:
             self._f.close()
             raise
 
-    def start(self, *, run_id: str, iteration: int, digest: str, reason: str, config: dict, key: bytes = b"",
-              proof: bytes = b"") -> None:
+    def start(
+        self,
+        *,
+        run_id: str,
+        iteration: int,
+        digest: str,
+        reason: str,
+        config: dict,
+        key: bytes = b"",
+        proof: bytes = b"",
+    ) -> None:
         """A START record: this process holds the state at the start of ``iteration`` (digest hex)
         and signs with ``key`` (``proof``: :func:`zeroth.transport.identity.log_proof` of it)."""
-        body = json.dumps({"run_id": run_id, "iteration": int(iteration), "digest": digest, "reason": reason,
-                           "config": config, "key": bytes(key).hex(), "proof": bytes(proof).hex()},
-                          sort_keys=True).encode()
+        body = json.dumps(
+            {
+                "run_id": run_id,
+                "iteration": int(iteration),
+                "digest": digest,
+                "reason": reason,
+                "config": config,
+                "key": bytes(key).hex(),
+                "proof": bytes(proof).hex(),
+            },
+            sort_keys=True,
+        ).encode()
         with self._lock:
             self._write(bytes([START]) + body, None)
 
     def applied(self, entry: P.LogEntry, digest: str) -> None:
         """A DECISION record: ``entry`` was applied and the state after it has ``digest`` (hex)."""
         if entry.payloads is None:
-            raise ValueError(f"the entry of iteration {entry.commit.iteration} has no payloads; only applied entries are logged")
+            raise ValueError(
+                f"the entry of iteration {entry.commit.iteration} has no payloads; only applied entries are logged"
+            )
         raw = bytes.fromhex(digest)
         if len(raw) != _DIGEST_BYTES:
             raise ValueError(f"digest must be {_DIGEST_BYTES} bytes of hex, got {digest!r}")
@@ -254,18 +276,20 @@ def read(path: str | os.PathLike) -> Log:
             truncated = len(data) - offset
             break
         length, crc, head_crc = _HEADER.unpack_from(data, offset)
-        if zlib.crc32(data[offset:offset + 8]) != head_crc:
+        if zlib.crc32(data[offset : offset + 8]) != head_crc:
             if written < offset + _HEADER.size:  # a header cut short, or nothing, then zeros: a crash
                 truncated = len(data) - offset
                 break
             raise ValueError(f"{where}: its header's CRC-32 does not match; the file is damaged")
         end = offset + _HEADER.size + length
         if length == 0 or length > _MAX_RECORD:
-            raise ValueError(f"{where}: a record length of {length} bytes (1 to {_MAX_RECORD} expected); the file is damaged")
+            raise ValueError(
+                f"{where}: a record length of {length} bytes (1 to {_MAX_RECORD} expected); the file is damaged"
+            )
         if end > len(data):
             truncated = len(data) - offset
             break
-        body = data[offset + _HEADER.size:end]
+        body = data[offset + _HEADER.size : end]
         if zlib.crc32(body) != crc:
             if end >= written:  # the last record, its bytes not all on disk: a crash while it was written
                 truncated = len(data) - offset
@@ -284,4 +308,3 @@ def read(path: str | os.PathLike) -> Log:
             raise ValueError(f"{where}: unknown record kind {kind} (expected {START}, {ENTRY} or {DECISION})")
         offset = end
     return Log(path, tuple(Segment(s, tuple(a)) for s, a in segments), truncated)
-

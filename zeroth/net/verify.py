@@ -207,7 +207,9 @@ class _Run:
         # t -> [(entry, log)]: every other log's copy of a decision that differs from the first
         # one read (a signature, a ballot): each copy is checked on its own
         self.copies: dict[int, list[tuple[P.LogEntry, str]]] = {}
-        self.records: dict[str, list[tuple[int, bytes | None, str]]] = {}  # log -> [(t, chain or None for a START, digest)]
+        self.records: dict[
+            str, list[tuple[int, bytes | None, str]]
+        ] = {}  # log -> [(t, chain or None for a START, digest)]
         self.starts: dict[str, list[tuple[int, str, str]]] = {}  # log -> [(iteration, reason, digest)]
         self.owned: list[tuple[str, int, bytes, bytes]] = []  # (log, iteration, key, proof) of each START
         self.problems: list[str] = []
@@ -232,7 +234,9 @@ class _Run:
             if held is None:
                 self.decisions[t][chain] = (a.entry, [log])
             elif held[0].payloads != a.entry.payloads:
-                self.problems.append(f"{log} and {held[1][0]} logged different payloads for one decision of iteration {t}")
+                self.problems.append(
+                    f"{log} and {held[1][0]} logged different payloads for one decision of iteration {t}"
+                )
             else:
                 if log not in held[1]:
                     held[1].append(log)
@@ -304,12 +308,19 @@ class _Run:
             if _id.check_log_proof(secret, proof, self.run_id, key):
                 proven.add(key)
             else:
-                self.problems.append(f"{log}: the START at iteration {it} names key {key.hex()[:16]}... "
-                                     + ("without a proof of the run secret" if not proof
-                                        else "with a proof that does not match the run secret"))
+                self.problems.append(
+                    f"{log}: the START at iteration {it} names key {key.hex()[:16]}... "
+                    + (
+                        "without a proof of the run secret"
+                        if not proof
+                        else "with a proof that does not match the run secret"
+                    )
+                )
         keys = self.keys()
         if not any(keys.values()):
-            self.problems.append(f"run {self.run_id} is not signed (peers.insecure): no key to prove against the run secret")
+            self.problems.append(
+                f"run {self.run_id} is not signed (peers.insecure): no key to prove against the run secret"
+            )
             return 0
         signers: dict[bytes, tuple[int, int]] = {}  # key -> (machine, first iteration it signs)
         for t, c in sorted(chain.items()):
@@ -318,8 +329,10 @@ class _Run:
                 signers.setdefault(keys.get(m, b""), (m, t))
         for key, (m, t) in signers.items():
             if key not in proven:
-                self.problems.append(f"machine {m} signs from iteration {t} with a key that no log proves to be held by "
-                                     f"a process with the run secret: its decisions are not shown to be this run's")
+                self.problems.append(
+                    f"machine {m} signs from iteration {t} with a key that no log proves to be held by "
+                    f"a process with the run secret: its decisions are not shown to be this run's"
+                )
         return sum(key in proven for key in signers)
 
 
@@ -362,14 +375,24 @@ def _check_saved(run: _Run, saved: list[_Saved], root: Path, template, digests: 
             run.problems.append(f"{where} does not load: {e}")
             continue
         if digest != digests[s.iteration]:
-            run.problems.append(f"{where} has digest {digest[:16]}, the replay's state there {digests[s.iteration][:16]}")
+            run.problems.append(
+                f"{where} has digest {digest[:16]}, the replay's state there {digests[s.iteration][:16]}"
+            )
         else:
             agreed += 1
     return agreed
 
 
-def _verify_run(run: _Run, root: Path, impl: str, states: dict[tuple[int, str], Any], wanted: set[tuple[int, str]],
-                progress: Callable[[str], None], secret: str | None, saved: list[_Saved]) -> RunCheck:
+def _verify_run(
+    run: _Run,
+    root: Path,
+    impl: str,
+    states: dict[tuple[int, str], Any],
+    wanted: set[tuple[int, str]],
+    progress: Callable[[str], None],
+    secret: str | None,
+    saved: list[_Saved],
+) -> RunCheck:
     problems = run.problems
     cfg = load_config_dict(run.config)
     replayer = _Replayer(cfg, impl)
@@ -378,7 +401,10 @@ def _verify_run(run: _Run, root: Path, impl: str, states: dict[tuple[int, str], 
     if first == 0:
         params, source = replayer.initial(), "the config's initial parameters"
     elif (first, first_digest) in states:
-        params, source = replayer.load(states[(first, first_digest)]), f"the state another run of {root} reached at iteration {first}"
+        params, source = (
+            replayer.load(states[(first, first_digest)]),
+            f"the state another run of {root} reached at iteration {first}",
+        )
     else:
         for s in saved:  # a saved state of that iteration and digest, of any run (a resumed run's is the one before)
             if (s.iteration, s.digest) != (first, first_digest):
@@ -390,8 +416,10 @@ def _verify_run(run: _Run, root: Path, impl: str, states: dict[tuple[int, str], 
             params, source = replayer.load(host), f"the checkpoint {s.folder}"
             break
     if params is None:
-        problems.append(f"run {run.run_id} starts at iteration {first} (digest {first_digest[:12]}) from a state "
-                        f"that neither another log nor a checkpoint under {root} holds: nothing to replay from")
+        problems.append(
+            f"run {run.run_id} starts at iteration {first} (digest {first_digest[:12]}) from a state "
+            f"that neither another log nor a checkpoint under {root} holds: nothing to replay from"
+        )
         return _report(run, source, first, first, None, {}, {}, 0, 0)
     commits, pushes = run.check_signatures()
     chain = run.chain(first)
@@ -414,14 +442,27 @@ def _verify_run(run: _Run, root: Path, impl: str, states: dict[tuple[int, str], 
             last_say = time.monotonic()
     newest = max(run.decisions, default=first - 1) + 1
     if last < newest:
-        problems.append(f"the decisions stop continuing one another at iteration {last} (logs reach {newest}): "
-                        f"no log holds a decision of iteration {last} that continues the one before it")
+        problems.append(
+            f"the decisions stop continuing one another at iteration {last} (logs reach {newest}): "
+            f"no log holds a decision of iteration {last} that continues the one before it"
+        )
     states_agreed = _check_saved(run, saved, root, replayer.template, digests)
     return _report(run, source, first, last, digests.get(last), digests, chain, commits, pushes, proven, states_agreed)
 
 
-def _report(run: _Run, source: str, first: int, last: int, final: str | None, digests: dict[int, str],
-            chain: dict[int, bytes], commits: int, pushes: int, proven: int | None = None, states: int = 0) -> RunCheck:
+def _report(
+    run: _Run,
+    source: str,
+    first: int,
+    last: int,
+    final: str | None,
+    digests: dict[int, str],
+    chain: dict[int, bytes],
+    commits: int,
+    pushes: int,
+    proven: int | None = None,
+    states: int = 0,
+) -> RunCheck:
     peers = []
     for log, recs in sorted(run.records.items()):
         checked = agreed = replaced = beyond = 0
@@ -442,15 +483,39 @@ def _report(run: _Run, source: str, first: int, last: int, final: str | None, di
         if beyond:
             run.problems.append(f"{log}: {beyond} recorded digest(s) lie beyond what the replay reached")
         its = [t for t, _, _ in recs]
-        peers.append(PeerCheck(log, tuple((it, reason) for it, reason, _ in run.starts[log]), min(its), max(its),
-                               checked, agreed, mismatch, replaced, replaced_at))
+        peers.append(
+            PeerCheck(
+                log,
+                tuple((it, reason) for it, reason, _ in run.starts[log]),
+                min(its),
+                max(its),
+                checked,
+                agreed,
+                mismatch,
+                replaced,
+                replaced_at,
+            )
+        )
     barrier = _counters.from_decisions(run.decisions[t][chain[t]][0] for t in sorted(chain)) if chain else None
-    return RunCheck(run.run_id, source, first, last, final, tuple(peers), commits, pushes, tuple(run.problems), proven,
-                    states, barrier)
+    return RunCheck(
+        run.run_id,
+        source,
+        first,
+        last,
+        final,
+        tuple(peers),
+        commits,
+        pushes,
+        tuple(run.problems),
+        proven,
+        states,
+        barrier,
+    )
 
 
-def verify(path: str | Path, *, impl: str = "auto", progress: Callable[[str], None] | None = None,
-           secret: str | None = None) -> Report:
+def verify(
+    path: str | Path, *, impl: str = "auto", progress: Callable[[str], None] | None = None, secret: str | None = None
+) -> Report:
     """Verify every run whose update logs lie at ``path`` (see the module docstring).
 
     Args:
@@ -485,17 +550,24 @@ def verify(path: str | Path, *, impl: str = "auto", progress: Callable[[str], No
             run_id = str(seg.start["run_id"])
             runs.setdefault(run_id, _Run(run_id)).add(label, seg)
     if not runs:
-        raise ValueError(f"the update logs under {root} hold no records: no peer of it took a state "
-                         f"({', '.join(str(f) for f in files[:4])}{', ...' if len(files) > 4 else ''})")
+        raise ValueError(
+            f"the update logs under {root} hold no records: no peer of it took a state "
+            f"({', '.join(str(f) for f in files[:4])}{', ...' if len(files) > 4 else ''})"
+        )
     order = sorted(runs.values(), key=lambda r: r.first())
     wanted = {r.first() for r in order}
     states: dict[tuple[int, str], Any] = {}
     say = progress or (lambda _line: None)
     saved, unread = _saved_states(base)
     checks = tuple(_verify_run(r, base, impl, states, wanted, say, secret, saved) for r in order)
-    reported = tuple((str(f.parent.relative_to(base)) if f.parent != base else f.parent.name, got)
-                     for f in files if (got := _reported(f.parent / "metrics.jsonl")))
-    return Report(str(root), impl, jax.default_backend(), checks, tuple(notes + unread), time.monotonic() - t0, reported)
+    reported = tuple(
+        (str(f.parent.relative_to(base)) if f.parent != base else f.parent.name, got)
+        for f in files
+        if (got := _reported(f.parent / "metrics.jsonl"))
+    )
+    return Report(
+        str(root), impl, jax.default_backend(), checks, tuple(notes + unread), time.monotonic() - t0, reported
+    )
 
 
 def _reported(path: Path) -> dict | None:
@@ -519,14 +591,26 @@ def _reported(path: Path) -> dict | None:
 
 def _peer_line(p: PeerCheck) -> str:
     how = ", ".join(f"{reason} at {it}" for it, reason in p.starts)
-    verdict = "every digest reproduced" if p.agreed == p.checked else f"{p.checked - p.agreed} differ, first at iteration {p.first_mismatch}"
-    extra = (f"; {p.replaced} state(s) after a decision of iteration {p.replaced_at} that the run replaced "
-             f"(it dropped out and took the run's state again)") if p.replaced else ""
+    verdict = (
+        "every digest reproduced"
+        if p.agreed == p.checked
+        else f"{p.checked - p.agreed} differ, first at iteration {p.first_mismatch}"
+    )
+    extra = (
+        (
+            f"; {p.replaced} state(s) after a decision of iteration {p.replaced_at} that the run replaced "
+            f"(it dropped out and took the run's state again)"
+        )
+        if p.replaced
+        else ""
+    )
     return f"    {p.log:<12} iterations {p.first}-{p.last} ({how}): {p.agreed}/{p.checked} digests, {verdict}{extra}"
 
 
 def format_report(r: Report) -> str:
-    lines = [f"zeroth verify {r.path}: {len(r.runs)} run(s), replayed on {r.backend} with impl {r.impl} in {r.seconds:.1f}s"]
+    lines = [
+        f"zeroth verify {r.path}: {len(r.runs)} run(s), replayed on {r.backend} with impl {r.impl} in {r.seconds:.1f}s"
+    ]
     for run in r.runs:
         lines.append(f"  run {run.run_id}: iterations {run.first}-{run.last} from {run.source or 'nothing'}")
         lines += [_peer_line(p) for p in run.peers]
@@ -537,53 +621,88 @@ def format_report(r: Report) -> str:
         if run.keys_proven is None:
             lines.append("    authorship  not checked (give --secret-file: each signing key's proof of the run secret)")
         elif run.keys_proven:
-            lines.append(f"    authorship  {run.keys_proven} signing keys, each proven to be held by a process with the run secret")
+            lines.append(
+                f"    authorship  {run.keys_proven} signing keys, each proven to be held by a process with the run secret"
+            )
         if run.states_agreed:
-            lines.append(f"    saved states {run.states_agreed} (checkpoints), each the replay's state at its iteration")
+            lines.append(
+                f"    saved states {run.states_agreed} (checkpoints), each the replay's state at its iteration"
+            )
         if run.barrier:
             b = run.barrier
-            lines.append(f"    barrier     contributors per iteration min {b['contributors_min']} median {b['contributors_median']} "
-                         f"max {b['contributors_max']} over {b['iterations']} decisions; {b['missed_barrier']} active "
-                         f"member(s) missed it in {b['iterations_with_missed']} iteration(s); "
-                         f"{b['forward_passes_applied']} forward passes applied")
+            lines.append(
+                f"    barrier     contributors per iteration min {b['contributors_min']} median {b['contributors_median']} "
+                f"max {b['contributors_max']} over {b['iterations']} decisions; {b['missed_barrier']} active "
+                f"member(s) missed it in {b['iterations_with_missed']} iteration(s); "
+                f"{b['forward_passes_applied']} forward passes applied"
+            )
         if run.final_digest:
             lines.append(f"    final digest {run.final_digest}")
         lines += [f"    PROBLEM: {p}" for p in run.problems]
     for log, got in r.reported:
-        lines.append(f"  reported by {log}: {got['pushes_late']} own push(es) late, {got['forward_passes_wasted']} forward "
-                     f"passes wasted, {got['late_pushes_received']} late push(es) received, "
-                     f"{got['barrier_wait_s_total']:.2f}s at the barrier")
+        lines.append(
+            f"  reported by {log}: {got['pushes_late']} own push(es) late, {got['forward_passes_wasted']} forward "
+            f"passes wasted, {got['late_pushes_received']} late push(es) received, "
+            f"{got['barrier_wait_s_total']:.2f}s at the barrier"
+        )
     lines += [f"  note: {n}" for n in r.notes]
-    lines.append("verified: every digest the peers recorded follows from the log on this machine" if r.ok
-                 else "NOT verified: see above")
+    lines.append(
+        "verified: every digest the peers recorded follows from the log on this machine"
+        if r.ok
+        else "NOT verified: see above"
+    )
     return "\n".join(lines)
 
 
 def _as_json(r: Report) -> dict:
     return {
-        "path": r.path, "impl": r.impl, "backend": r.backend, "seconds": r.seconds, "ok": r.ok, "notes": list(r.notes),
+        "path": r.path,
+        "impl": r.impl,
+        "backend": r.backend,
+        "seconds": r.seconds,
+        "ok": r.ok,
+        "notes": list(r.notes),
         "reported": {log: got for log, got in r.reported},
-        "runs": [{**{k: v for k, v in run._asdict().items() if k != "peers"}, "ok": run.ok,
-                  "peers": [p._asdict() for p in run.peers]} for run in r.runs],
+        "runs": [
+            {
+                **{k: v for k, v in run._asdict().items() if k != "peers"},
+                "ok": run.ok,
+                "peers": [p._asdict() for p in run.peers],
+            }
+            for run in r.runs
+        ],
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="zeroth verify", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="zeroth verify", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("path", help="a Just One Byte run's output folder (zeroth run ... --out PATH), or one updates.log")
-    ap.add_argument("--impl", default="auto", choices=IMPLS,
-                    help="the exact rule to replay with: auto (the peers' own path on this machine), a kernel "
-                         "(native, pallas, jnp) or reference (the NumPy specification); default auto")
-    ap.add_argument("--secret-file", default=None, metavar="FILE",
-                    help="the run secret (OUT/run.secret): also prove that every signing key belongs to a process "
-                         "that held it, so a log made with anybody else's keys does not verify")
+    ap.add_argument(
+        "--impl",
+        default="auto",
+        choices=IMPLS,
+        help="the exact rule to replay with: auto (the peers' own path on this machine), a kernel "
+        "(native, pallas, jnp) or reference (the NumPy specification); default auto",
+    )
+    ap.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="FILE",
+        help="the run secret (OUT/run.secret): also prove that every signing key belongs to a process "
+        "that held it, so a log made with anybody else's keys does not verify",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     args = ap.parse_args(argv)
     try:
         secret = _id.read_secret(args.secret_file) if args.secret_file else None
-        report = verify(args.path, impl=args.impl, secret=secret,
-                        progress=lambda line: print(f"[zeroth verify] {line}", file=sys.stderr))
+        report = verify(
+            args.path,
+            impl=args.impl,
+            secret=secret,
+            progress=lambda line: print(f"[zeroth verify] {line}", file=sys.stderr),
+        )
     except (FileNotFoundError, ValueError) as e:
         print(f"zeroth verify: {e}", file=sys.stderr)
         return 2

@@ -101,11 +101,18 @@ def member_to_pb(m: P.Member) -> pb.Member:
 
 
 def member_from_pb(m: pb.Member) -> P.Member:
-    return P.Member(int(m.machine), _str("member address", m.address, P.MAX_ADDRESS), bool(m.active), _bytes("member key", m.key, P.KEY_BYTES))
+    return P.Member(
+        int(m.machine),
+        _str("member address", m.address, P.MAX_ADDRESS),
+        bool(m.active),
+        _bytes("member key", m.key, P.KEY_BYTES),
+    )
 
 
 def view_to_pb(v: P.View) -> pb.View:
-    return pb.View(iteration=v.iteration, members=[member_to_pb(m) for m in v.members], next_machine_id=v.next_machine_id)
+    return pb.View(
+        iteration=v.iteration, members=[member_to_pb(m) for m in v.members], next_machine_id=v.next_machine_id
+    )
 
 
 def view_from_pb(v: pb.View) -> P.View:
@@ -124,15 +131,25 @@ def ballot_from_pb(b: pb.Ballot) -> P.Ballot:
 
 def push_to_pb(p: P.Push) -> pb.GradientPush:
     return pb.GradientPush(
-        run_id=p.run_id, sender=p.sender, iteration=p.iteration, count=p.count, payload=p.payload, signature=p.signature,
+        run_id=p.run_id,
+        sender=p.sender,
+        iteration=p.iteration,
+        count=p.count,
+        payload=p.payload,
+        signature=p.signature,
         previous=p.previous,
     )
 
 
 def push_from_pb(p: pb.GradientPush) -> P.Push:
     return P.Push(
-        _str("run_id", p.run_id, P.MAX_RUN_ID), int(p.sender), int(p.iteration), int(p.count), bytes(p.payload),
-        _bytes("signature", p.signature, MAX_SIGNATURE), _bytes("previous", p.previous, MAX_DIGEST),
+        _str("run_id", p.run_id, P.MAX_RUN_ID),
+        int(p.sender),
+        int(p.iteration),
+        int(p.count),
+        bytes(p.payload),
+        _bytes("signature", p.signature, MAX_SIGNATURE),
+        _bytes("previous", p.previous, MAX_DIGEST),
     )
 
 
@@ -169,7 +186,9 @@ def _undelta(c: pb.Commit, base: P.View | None, max_count: int) -> tuple[tuple[t
     counts = {m: max_count for m in base.active_ids()}
     for m in d.absent:
         if counts.pop(int(m), None) is None:
-            raise P.Rejected("INVALID_ARGUMENT", f"commit delta: machine {m} is absent but not an active member of the view")
+            raise P.Rejected(
+                "INVALID_ARGUMENT", f"commit delta: machine {m} is absent but not an active member of the view"
+            )
     for x in d.other:
         counts[int(x.machine)] = int(x.count)
     members = {m.machine: m for m in base.members}
@@ -188,8 +207,16 @@ def commit_to_pb(c: P.Commit, base: P.View | None = None, max_count: int = 0) ->
     run's most projected gradients per member) as a delta of ``base`` (see the module docstring)."""
     delta = _delta(c, base, max_count) if base is not None else None
     if delta is not None:
-        return pb.Commit(run_id=c.run_id, sender=c.sender, iteration=c.iteration, ballot=ballot_to_pb(c.ballot),
-                         updates_digest=c.updates_digest, signature=c.signature, previous=c.previous, delta=delta)
+        return pb.Commit(
+            run_id=c.run_id,
+            sender=c.sender,
+            iteration=c.iteration,
+            ballot=ballot_to_pb(c.ballot),
+            updates_digest=c.updates_digest,
+            signature=c.signature,
+            previous=c.previous,
+            delta=delta,
+        )
     return pb.Commit(
         run_id=c.run_id,
         sender=c.sender,
@@ -207,10 +234,14 @@ def commit_from_pb(c: pb.Commit, base: P.View | None = None, max_count: int = 0)
     """The commit ``c`` carries; a delta is rebuilt from ``base``, the receiver's view of its
     iteration, and ``max_count`` (raises :class:`NoBase` without it, :class:`P.Rejected` when malformed)."""
     if len(c.contributors) > P.MAX_MEMBERS:
-        raise P.Rejected("INVALID_ARGUMENT", f"commit names {len(c.contributors)} contributors; at most {P.MAX_MEMBERS}")
+        raise P.Rejected(
+            "INVALID_ARGUMENT", f"commit names {len(c.contributors)} contributors; at most {P.MAX_MEMBERS}"
+        )
     if c.HasField("delta"):
         if not c.HasField("ballot") or c.HasField("next_view") or len(c.contributors):
-            raise P.Rejected("INVALID_ARGUMENT", "a delta commit has its ballot and no contributors or next_view of its own")
+            raise P.Rejected(
+                "INVALID_ARGUMENT", "a delta commit has its ballot and no contributors or next_view of its own"
+            )
         contributors, view = _undelta(c, base, max_count)
     else:
         if not c.HasField("ballot") or not c.HasField("next_view"):
@@ -267,15 +298,25 @@ def entry_from_pb(e: pb.LogEntry) -> P.LogEntry:
 
 def prepare_to_pb(p: P.Prepare) -> pb.PrepareRequest:
     return pb.PrepareRequest(
-        run_id=p.run_id, sender=p.sender, iteration=p.iteration, ballot=ballot_to_pb(p.ballot), signature=p.signature,
-        previous=p.previous, gone=p.gone,
+        run_id=p.run_id,
+        sender=p.sender,
+        iteration=p.iteration,
+        ballot=ballot_to_pb(p.ballot),
+        signature=p.signature,
+        previous=p.previous,
+        gone=p.gone,
     )
 
 
 def prepare_from_pb(p: pb.PrepareRequest) -> P.Prepare:
     return P.Prepare(
-        _str("run_id", p.run_id, P.MAX_RUN_ID), int(p.sender), int(p.iteration), ballot_from_pb(p.ballot),
-        _bytes("signature", p.signature, MAX_SIGNATURE), _bytes("previous", p.previous, MAX_DIGEST), bool(p.gone),
+        _str("run_id", p.run_id, P.MAX_RUN_ID),
+        int(p.sender),
+        int(p.iteration),
+        ballot_from_pb(p.ballot),
+        _bytes("signature", p.signature, MAX_SIGNATURE),
+        _bytes("previous", p.previous, MAX_DIGEST),
+        bool(p.gone),
     )
 
 
@@ -292,7 +333,10 @@ def prepare_reply_from_pb(r: pb.PrepareReply) -> P.PrepareReply:
     decided = entry_from_pb(r.decided) if r.HasField("decided") else None
     previous = bytes(r.previous)
     if len(previous) not in (0, 32):
-        raise P.Rejected("INVALID_ARGUMENT", f"prepare reply's previous decision digest has {len(previous)} bytes; SHA-256 has 32 (or none)")
+        raise P.Rejected(
+            "INVALID_ARGUMENT",
+            f"prepare reply's previous decision digest has {len(previous)} bytes; SHA-256 has 32 (or none)",
+        )
     return P.PrepareReply(int(r.iteration), decided, tuple(push_from_pb(p) for p in r.gradients), previous)
 
 
@@ -302,5 +346,8 @@ def leave_to_pb(m: P.Leave) -> pb.LeaveRequest:
 
 def leave_from_pb(m: pb.LeaveRequest) -> P.Leave:
     return P.Leave(
-        _str("run_id", m.run_id, P.MAX_RUN_ID), int(m.sender), int(m.iteration), _bytes("signature", m.signature, MAX_SIGNATURE)
+        _str("run_id", m.run_id, P.MAX_RUN_ID),
+        int(m.sender),
+        int(m.iteration),
+        _bytes("signature", m.signature, MAX_SIGNATURE),
     )

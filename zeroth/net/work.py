@@ -74,7 +74,9 @@ class Worker:
 
     def __init__(self, cfg: Config, *, chunk: int | None = None):
         if cfg.peers is None:
-            raise ValueError("the config has no 'peers' section; a peer needs peers.inferences_per_iteration and timeouts")
+            raise ValueError(
+                "the config has no 'peers' section; a peer needs peers.inferences_per_iteration and timeouts"
+            )
         self.cfg = cfg
         t = cfg.train
         self.seed = cfg.run.seed
@@ -151,7 +153,9 @@ class Worker:
             return f"payload decodes to non-finite values with codec {self.codec.name}"
         return None
 
-    def decode(self, contributors, payloads, clip: float | None = None) -> tuple[dict[int, np.ndarray], dict[int, tuple[int, float, float, int]]]:
+    def decode(
+        self, contributors, payloads, clip: float | None = None
+    ) -> tuple[dict[int, np.ndarray], dict[int, tuple[int, float, float, int]]]:
         """Decoded projected gradients ``{machine: f32[n]}``, clipped to ``[-clip, clip]`` (default
         ``peers.clip``), and per-member statistics ``{machine: (count, sum |g|, max |g|, clipped)}``
         (``|g|`` before the clip)."""
@@ -169,7 +173,9 @@ class Worker:
             grads[m] = g
         return grads, stats
 
-    def updates(self, iteration: int, contributors, payloads, clip: float | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+    def updates(
+        self, iteration: int, contributors, payloads, clip: float | None = None
+    ) -> tuple[np.ndarray, np.ndarray, dict]:
         """``(keys u32[K', 2], coefficients f64[K'], stats)`` of a decided iteration, padded (see the module docstring)."""
         grads, stats = self.decode(contributors, payloads, clip)
         ups = _zo.canonical_updates(self.seed, iteration, grads, self.schedule, self.cfg.train.lr_scaling)
@@ -181,8 +187,9 @@ class Worker:
             coeffs[i] = c
         return keys, coeffs, stats
 
-    def apply(self, params, iteration: int, contributors, payloads, clip: float | None = None, *,
-              impl: str = "auto") -> tuple[Any, dict]:
+    def apply(
+        self, params, iteration: int, contributors, payloads, clip: float | None = None, *, impl: str = "auto"
+    ) -> tuple[Any, dict]:
         """``(parameters after the decided iteration, per-member statistics)`` (exact; the input buffers
         are donated; ``impl``: the replay's kernel, :func:`zeroth.replay.replay`)."""
         keys, coeffs, stats = self.updates(iteration, contributors, payloads, clip)

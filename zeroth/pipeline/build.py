@@ -40,9 +40,22 @@ __all__ = [
 ]
 
 # deployment fields that may differ between the stages of one run
-RUN_ID_EXCLUDE = ("run.out_dir", "run.name", "run.tensorboard", "pipeline.host", "pipeline.timeout_s", "pipeline.buffers",
-                  "pipeline.bandwidth_bps", "pipeline.latency_ms", "pipeline.emulate_bandwidths_bps", "pipeline.slowdown",
-                  "train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "train.eval_every")
+RUN_ID_EXCLUDE = (
+    "run.out_dir",
+    "run.name",
+    "run.tensorboard",
+    "pipeline.host",
+    "pipeline.timeout_s",
+    "pipeline.buffers",
+    "pipeline.bandwidth_bps",
+    "pipeline.latency_ms",
+    "pipeline.emulate_bandwidths_bps",
+    "pipeline.slowdown",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.log_every",
+    "train.eval_every",
+)
 
 
 def family_of(cfg: _config.Config) -> str:
@@ -66,14 +79,17 @@ def partition_of(cfg: _config.Config, ex: _pdata.Examples) -> _partition.Partiti
     p = cfg.pipeline
     if family_of(cfg) == "smollm2":
         if cfg.model.kwargs:
-            raise ValueError(f"config field model.kwargs: the SmolLM2 pipeline takes no arguments, got {cfg.model.kwargs}")
+            raise ValueError(
+                f"config field model.kwargs: the SmolLM2 pipeline takes no arguments, got {cfg.model.kwargs}"
+            )
         from zeroth.models.pretrained import llama
 
         params, lcfg = llama.load_smollm2()
         return _partition.smollm2_partition(params, lcfg, p.stages)
     model, params = _sbuild.transformer_of(cfg, ex, p.objective, p.seq_len)
-    return _partition.transformer_partition(params, p.stages, objective=p.objective, heads=model.heads,
-                                            mlp_dim=model.mlp_dim, pad_id=ex.pad_id)
+    return _partition.transformer_partition(
+        params, p.stages, objective=p.objective, heads=model.heads, mlp_dim=model.mlp_dim, pad_id=ex.pad_id
+    )
 
 
 def lr_at(cfg: _config.Config, step: int) -> float:
@@ -110,28 +126,50 @@ def run_id_of(cfg: _config.Config) -> str:
     return _config.config_digest(cfg, exclude=RUN_ID_EXCLUDE)[:16]
 
 
-def engine_of(cfg: _config.Config, index: int, part: _partition.Partition, ex: _pdata.Examples,
-              buffer_dir=None) -> _engine.StageEngine:
+def engine_of(
+    cfg: _config.Config, index: int, part: _partition.Partition, ex: _pdata.Examples, buffer_dir=None
+) -> _engine.StageEngine:
     """Stage ``index``'s engine (its slice of the parameters, its optimizer, its link buffers)."""
     p = cfg.pipeline
     codecs = _engine.link_codecs(p.compression, p.fw_bits, p.bw_bits, p.scale_axis, p.rounding)
     return _engine.StageEngine(
-        index, p.stages, part.fns[index], part.params[index], optimizer_of(cfg), codecs,
-        run_seed=cfg.run.seed, run_id=run_id_of(cfg), n_examples=p.examples, row_shape=(p.seq_len, part.width),
-        micro_batches=p.micro_batches, buffer_dir=buffer_dir, slowdown=p.slowdown, full_steps=full_steps_of(cfg),
+        index,
+        p.stages,
+        part.fns[index],
+        part.params[index],
+        optimizer_of(cfg),
+        codecs,
+        run_seed=cfg.run.seed,
+        run_id=run_id_of(cfg),
+        n_examples=p.examples,
+        row_shape=(p.seq_len, part.width),
+        micro_batches=p.micro_batches,
+        buffer_dir=buffer_dir,
+        slowdown=p.slowdown,
+        full_steps=full_steps_of(cfg),
     )
 
 
 def replica_sync_of(cfg: _config.Config, replica: int, index: int, params) -> _replicas.ReplicaSync:
     """Replica ``replica``'s part in averaging stage ``index`` (``pipeline.replica_sync``) over the stage's ``params``."""
     p, o = cfg.pipeline, cfg.train.optimizer
-    return _replicas.ReplicaSync(p.replica_sync, p.replicas, replica, index, run_id_of(cfg), params,
-                                 warmup=p.replica_warmup_steps, b1=o.b1, b2=o.b2,
-                                 weight_decay=o.weight_decay if o.name == "adamw" else 0.0)
+    return _replicas.ReplicaSync(
+        p.replica_sync,
+        p.replicas,
+        replica,
+        index,
+        run_id_of(cfg),
+        params,
+        warmup=p.replica_warmup_steps,
+        b1=o.b1,
+        b2=o.b2,
+        weight_decay=o.weight_decay if o.name == "adamw" else 0.0,
+    )
 
 
-def plan_of(cfg: _config.Config, ex: _pdata.Examples, step: int,
-            replica: int = 0) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def plan_of(
+    cfg: _config.Config, ex: _pdata.Examples, step: int, replica: int = 0
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """``[(ids int64[b], tokens int32[b, T], labels int32[b]), ...]``: the micro-batches of ``step``
     for ``replica``: the ``replica``-th of ``pipeline.replicas`` equal contiguous shares of the batch
     (the whole batch with one replica), cut into ``pipeline.micro_batches``."""

@@ -28,10 +28,23 @@ import sys
 import time
 from pathlib import Path
 
-CQ_LIMIT = 0.5 ** 0.5  # the seed's condition c_Q < 1/√2 (zeroth.pipeline.engine.CQ_LIMIT)
+CQ_LIMIT = 0.5**0.5  # the seed's condition c_Q < 1/√2 (zeroth.pipeline.engine.CQ_LIMIT)
 
-__all__ = ["CQ_LIMIT", "DEFAULT_SETTINGS", "cq_of", "apply_setting", "epoch_means", "load_results", "main", "parse_setting",
-           "median_compute", "replica_sync_of", "summarize", "time_to_target", "upgrade_record"]
+__all__ = [
+    "CQ_LIMIT",
+    "DEFAULT_SETTINGS",
+    "cq_of",
+    "apply_setting",
+    "epoch_means",
+    "load_results",
+    "main",
+    "parse_setting",
+    "median_compute",
+    "replica_sync_of",
+    "summarize",
+    "time_to_target",
+    "upgrade_record",
+]
 
 DEFAULT_SETTINGS = ("fp32", "directq:2:4", "aqsgd:2:4", "directq:3:6", "aqsgd:3:6", "directq:4:8", "aqsgd:4:8")
 
@@ -61,10 +74,17 @@ def parse_setting(text: str) -> tuple[str, int, int, str | None, str | None]:
     extra = parts[3:]
     axis = next((e for e in extra if e in _AXES), None)
     rounding = next((e for e in extra if e in _ROUNDINGS), None)
-    if (len(parts) < 3 or parts[0] not in ("directq", "aqsgd") or len(extra) > 2
-            or len(extra) != (axis is not None) + (rounding is not None) or not (parts[1].isdigit() and parts[2].isdigit())):
-        raise ValueError(f"setting {text!r}: expected fp32, directq:FW:BW[:AXIS][:ROUNDING] or aqsgd:FW:BW[:AXIS][:ROUNDING] "
-                         f"(AXIS {'/'.join(_AXES)}, ROUNDING {'/'.join(_ROUNDINGS)}; e.g. aqsgd:2:4:row:nearest)")
+    if (
+        len(parts) < 3
+        or parts[0] not in ("directq", "aqsgd")
+        or len(extra) > 2
+        or len(extra) != (axis is not None) + (rounding is not None)
+        or not (parts[1].isdigit() and parts[2].isdigit())
+    ):
+        raise ValueError(
+            f"setting {text!r}: expected fp32, directq:FW:BW[:AXIS][:ROUNDING] or aqsgd:FW:BW[:AXIS][:ROUNDING] "
+            f"(AXIS {'/'.join(_AXES)}, ROUNDING {'/'.join(_ROUNDINGS)}; e.g. aqsgd:2:4:row:nearest)"
+        )
     return parts[0], int(parts[1]), int(parts[2]), axis, rounding
 
 
@@ -80,9 +100,15 @@ def apply_setting(cfg, text: str):
     """The config with ``pipeline.compression`` / ``fw_bits`` / ``bw_bits`` / ``scale_axis`` / ``rounding`` of the setting."""
     name, fw, bw, axis, rounding = parse_setting(text)
     p = cfg.pipeline
-    p = dataclasses.replace(p, compression=name, fw_bits=fw or p.fw_bits, bw_bits=bw or p.bw_bits,
-                            scale_axis=axis or p.scale_axis, rounding=rounding or p.rounding,
-                            replica_sync=replica_sync_of(text) or p.replica_sync)
+    p = dataclasses.replace(
+        p,
+        compression=name,
+        fw_bits=fw or p.fw_bits,
+        bw_bits=bw or p.bw_bits,
+        scale_axis=axis or p.scale_axis,
+        rounding=rounding or p.rounding,
+        replica_sync=replica_sync_of(text) or p.replica_sync,
+    )
     return dataclasses.replace(cfg, pipeline=p)
 
 
@@ -103,8 +129,13 @@ def cq_of(records: list[dict], key: str, link: int = 0) -> dict:
     if not seen:
         return {"init": init, "first": None, "first_step": None, "last_epoch": None, "max": None}
     last = max(v[1] for v in vals)
-    return {"init": init, "first": seen[0][2], "first_step": seen[0][0],
-            "last_epoch": _mean(v[2] for v in seen if v[1] == last), "max": max(v[3] for v in seen)}
+    return {
+        "init": init,
+        "first": seen[0][2],
+        "first_step": seen[0][0],
+        "last_epoch": _mean(v[2] for v in seen if v[1] == last),
+        "max": max(v[3] for v in seen),
+    }
 
 
 def summarize(records: list[dict], bandwidths: tuple[float, ...], latency_s: float = 0.0) -> dict:
@@ -120,14 +151,19 @@ def summarize(records: list[dict], bandwidths: tuple[float, ...], latency_s: flo
         "final_loss": records[-1]["loss"] if records else None,
         "epoch_losses": [_mean(r["loss"] for r in records if r["epoch"] == e) for e in epochs],
         "cq": [{"fw": cq_of(records, "fw_cq", k), "bw": cq_of(records, "bw_cq", k)} for k in range(links)],
-        "bytes_per_step_per_link": [sum(r["links"][k]["fw_bytes"] + r["links"][k]["bw_bytes"] for r in records) / max(n, 1)
-                                    for k in range(links)],
+        "bytes_per_step_per_link": [
+            sum(r["links"][k]["fw_bytes"] + r["links"][k]["bw_bytes"] for r in records) / max(n, 1)
+            for k in range(links)
+        ],
         "sync_bytes_per_step": sum(r.get("sync_bytes", 0) for r in records) / max(n, 1),
-        "payload_bytes_per_step": sum(r.get("payload_bytes", sum(lk["fw_bytes"] + lk["bw_bytes"] for lk in r["links"]))
-                                      for r in records) / max(n, 1),
+        "payload_bytes_per_step": sum(
+            r.get("payload_bytes", sum(lk["fw_bytes"] + lk["bw_bytes"] for lk in r["links"])) for r in records
+        )
+        / max(n, 1),
         "wall_s_per_step": sum(r["step_time_s"] for r in records) / max(n, 1),
-        "emulated_s_per_step": {f"{bw:g}": sum(emulated_seconds(r, bw, latency_s) for r in records) / max(n, 1)
-                                for bw in bandwidths},
+        "emulated_s_per_step": {
+            f"{bw:g}": sum(emulated_seconds(r, bw, latency_s) for r in records) / max(n, 1) for bw in bandwidths
+        },
     }
     return out
 
@@ -147,8 +183,9 @@ def median_compute(records: list[dict], key: str = "compute_s") -> float:
     return statistics.median(sum(s[key] for s in r["stages"]) for r in records)
 
 
-def time_to_target(records: list[dict], target: float, bandwidth_bps: float, latency_s: float = 0.0,
-                   compute_s: float | None = None) -> float | None:
+def time_to_target(
+    records: list[dict], target: float, bandwidth_bps: float, latency_s: float = 0.0, compute_s: float | None = None
+) -> float | None:
     """Emulated seconds (:func:`zeroth.pipeline.sim.emulated_seconds`, summed over the steps) to the
     end of the first epoch whose mean loss is at most ``target``; None if none reaches it.
 
@@ -164,9 +201,12 @@ def time_to_target(records: list[dict], target: float, bandwidth_bps: float, lat
     if not hit:
         return None
     steady = None if compute_s is None else compute_s + median_compute(records, "codec_s")
-    return sum(emulated_seconds(r, bandwidth_bps, latency_s)
-               - (0.0 if steady is None else sum(s["compute_s"] + s["codec_s"] for s in r["stages"]) - steady)
-               for r in records if r["epoch"] <= hit[0])
+    return sum(
+        emulated_seconds(r, bandwidth_bps, latency_s)
+        - (0.0 if steady is None else sum(s["compute_s"] + s["codec_s"] for s in r["stages"]) - steady)
+        for r in records
+        if r["epoch"] <= hit[0]
+    )
 
 
 def upgrade_record(rec: dict) -> dict:
@@ -241,12 +281,14 @@ def _table(results: dict) -> str:
         cq = (s.get("cq") or [{}])[0]
         fw, bw = cq.get("fw", {}), cq.get("bw", {})
         emu = "  ".join(f"{float(k) / 1e6:>7g}Mb/s {v:7.3f}s" for k, v in s["emulated_s_per_step"].items())
-        rows.append(f"{name:<22} loss {s['final_loss']:.4f}  last epoch {_fmt(last, '.4f')} ({_fmt(gap, '+.1%')} vs fp32)  "
-                    f"c_Q fw {_fmt(fw.get('init', res.get('cq_init')))}|{_fmt(fw.get('first'))}->{_fmt(fw.get('last_epoch'))} "
-                    f"bw {_fmt(bw.get('init'))}|{_fmt(bw.get('first'))}->{_fmt(bw.get('last_epoch'))}  "
-                    f"bytes/step/link {s['bytes_per_step_per_link'][0]:>10.0f}  "
-                    + (f"averaging bytes/step {s['sync_bytes_per_step']:>9.0f}  " if s.get("sync_bytes_per_step") else "")
-                    + f"measured {s['wall_s_per_step']:.3f}s/step  emulated {emu}")
+        rows.append(
+            f"{name:<22} loss {s['final_loss']:.4f}  last epoch {_fmt(last, '.4f')} ({_fmt(gap, '+.1%')} vs fp32)  "
+            f"c_Q fw {_fmt(fw.get('init', res.get('cq_init')))}|{_fmt(fw.get('first'))}->{_fmt(fw.get('last_epoch'))} "
+            f"bw {_fmt(bw.get('init'))}|{_fmt(bw.get('first'))}->{_fmt(bw.get('last_epoch'))}  "
+            f"bytes/step/link {s['bytes_per_step_per_link'][0]:>10.0f}  "
+            + (f"averaging bytes/step {s['sync_bytes_per_step']:>9.0f}  " if s.get("sync_bytes_per_step") else "")
+            + f"measured {s['wall_s_per_step']:.3f}s/step  emulated {emu}"
+        )
     return "\n".join(rows + _target_table(results))
 
 
@@ -274,13 +316,24 @@ def _target_table(results: dict) -> list[str]:
     common = min(median_compute(res["records"]) for res in results["settings"].values())
     for (target, what), steady in [(t, c) for t in targets for c in (None, common)]:
         base = time_to_target(ref["records"], target, bws[-1], lat, steady)
-        rows.append(f"time to loss {target:.4f} ({what}), emulated"
-                    + (f" with {steady:.3f}s of compute per step (the least median of the settings) + each one's median codec"
-                       if steady is not None else " from the measured compute") + f"; x = fp32 at {bws[-1] / 1e9:g} Gbit/s / it")
+        rows.append(
+            f"time to loss {target:.4f} ({what}), emulated"
+            + (
+                f" with {steady:.3f}s of compute per step (the least median of the settings) + each one's median codec"
+                if steady is not None
+                else " from the measured compute"
+            )
+            + f"; x = fp32 at {bws[-1] / 1e9:g} Gbit/s / it"
+        )
         for name, res in results["settings"].items():
             ts = [time_to_target(res["records"], target, bw, lat, steady) for bw in bws]
-            rows.append(f"  {name:<28}" + "  ".join(f"{bw / 1e6:>6g}Mb/s {_fmt(t, '8.2f')}s (x{_fmt(None if t is None else base / t, '.2f')})"
-                                                 for bw, t in zip(bws, ts)))
+            rows.append(
+                f"  {name:<28}"
+                + "  ".join(
+                    f"{bw / 1e6:>6g}Mb/s {_fmt(t, '8.2f')}s (x{_fmt(None if t is None else base / t, '.2f')})"
+                    for bw, t in zip(bws, ts)
+                )
+            )
     return rows
 
 
@@ -288,12 +341,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m zeroth.pipeline.compare", description=__doc__.splitlines()[0])
     p.add_argument("config")
     p.add_argument("--out", default=None, help="results JSON (required unless --quant-error)")
-    p.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), help="fp32, directq:FW:BW[:AXIS], aqsgd:FW:BW[:AXIS]; +fp32 or +onebit_adam: the replicas' averaging")
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        default=list(DEFAULT_SETTINGS),
+        help="fp32, directq:FW:BW[:AXIS], aqsgd:FW:BW[:AXIS]; +fp32 or +onebit_adam: the replicas' averaging",
+    )
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--local", action="store_true", help="run the stages in this process (no transport)")
     p.add_argument("--append", action="store_true", help="keep the settings already in --out (same config)")
-    p.add_argument("--quant-error", action="store_true",
-                   help="only print DirectQ's relative error on stage 0's output at initialization (the seed's c_Q)")
+    p.add_argument(
+        "--quant-error",
+        action="store_true",
+        help="only print DirectQ's relative error on stage 0's output at initialization (the seed's c_Q)",
+    )
     p.add_argument("--runs", default=None, help="with processes: folder for the runs (default: next to --out)")
     args = p.parse_args(argv)
 
@@ -323,9 +384,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.local:
             from zeroth.pipeline import sim
 
-            records, _ = sim.run_local(cfg, on_step=lambda r, name=name: print(
-                f"  {name} step {r['step']} loss {r['loss']:.4f} c_Q fw {_fmt(r['links'][0]['fw_cq'])} "
-                f"bw {_fmt(r['links'][0]['bw_cq'])}", flush=True))
+            records, _ = sim.run_local(
+                cfg,
+                on_step=lambda r, name=name: print(
+                    f"  {name} step {r['step']} loss {r['loss']:.4f} c_Q fw {_fmt(r['links'][0]['fw_cq'])} "
+                    f"bw {_fmt(r['links'][0]['bw_cq'])}",
+                    flush=True,
+                ),
+            )
         else:
             from zeroth.pipeline import launch
 
@@ -338,7 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             records = launch.read_records(run_dir)
         seconds = time.time() - t0
         p = cfg.pipeline
-        cq_init = None if p.compression == "fp32" else quantization_error(cfg, (p.fw_bits,), (p.scale_axis,))[0]["relative_error"]
+        cq_init = (
+            None
+            if p.compression == "fp32"
+            else quantization_error(cfg, (p.fw_bits,), (p.scale_axis,))[0]["relative_error"]
+        )
         results["settings"][name] = {
             "setting": text,
             "seconds": seconds,
@@ -351,8 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         for k, c in enumerate(results["settings"][name]["summary"]["cq"]):
             for d in ("fw", "bw"):
                 if c[d]["max"] is not None and c[d]["last_epoch"] is not None and c[d]["last_epoch"] >= CQ_LIMIT:
-                    print(f"  {name}: c_Q {d} on link {k} is {c[d]['last_epoch']:.3f} in the last epoch, >= 1/sqrt(2): "
-                          f"outside the AQ-SGD theorem's condition", flush=True)
+                    print(
+                        f"  {name}: c_Q {d} on link {k} is {c[d]['last_epoch']:.3f} in the last epoch, >= 1/sqrt(2): "
+                        f"outside the AQ-SGD theorem's condition",
+                        flush=True,
+                    )
         _release()
     print(_table(results))
     return 0

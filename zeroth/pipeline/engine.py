@@ -60,8 +60,9 @@ class LinkCodecs(NamedTuple):
     backward: C.LinkCodec
 
 
-def link_codecs(compression: str, fw_bits: int, bw_bits: int, axis: str = "channel",
-                rounding: str = "stochastic") -> LinkCodecs:
+def link_codecs(
+    compression: str, fw_bits: int, bw_bits: int, axis: str = "channel", rounding: str = "stochastic"
+) -> LinkCodecs:
     """``fp32``: both float32; ``directq``: both quantized; ``aqsgd``: AQ-SGD forward, DirectQ backward.
 
     ``axis``: the quantizers' scale axis (``channel``: one scale per channel, ``row``: per token);
@@ -108,9 +109,24 @@ class StageEngine:
       full_steps: steps of uncompressed warm-up (every link in float32, see the module docstring).
     """
 
-    def __init__(self, index: int, n_stages: int, fn, params, optimizer, codecs: LinkCodecs, *, run_seed: int,
-                 run_id: str, n_examples: int, row_shape: tuple[int, ...], micro_batches: int, buffer_dir=None,
-                 slowdown: float = 1.0, full_steps: int = 0):
+    def __init__(
+        self,
+        index: int,
+        n_stages: int,
+        fn,
+        params,
+        optimizer,
+        codecs: LinkCodecs,
+        *,
+        run_seed: int,
+        run_id: str,
+        n_examples: int,
+        row_shape: tuple[int, ...],
+        micro_batches: int,
+        buffer_dir=None,
+        slowdown: float = 1.0,
+        full_steps: int = 0,
+    ):
         self.index, self.n_stages = index, n_stages
         self.slowdown = _timing.check_slowdown(slowdown)
         self._clock = _timing.SlowClock(self.slowdown)
@@ -126,7 +142,9 @@ class StageEngine:
         path = (lambda name: None) if buffer_dir is None else (lambda name: f"{buffer_dir}/{name}.npy")
         # the sender's buffers of link `index` and the receiver's of link `index - 1`
         self.send_state = None if self.last else codecs.forward.init(n_examples, row_shape, path(f"send_link{index}"))
-        self.recv_state = None if self.first else codecs.forward.init(n_examples, row_shape, path(f"recv_link{index - 1}"))
+        self.recv_state = (
+            None if self.first else codecs.forward.init(n_examples, row_shape, path(f"recv_link{index - 1}"))
+        )
         scale = np.float32(1.0 / micro_batches)
         self._compile(fn, scale)
         self.step = 0
@@ -179,7 +197,9 @@ class StageEngine:
         """What the incoming frame of ``kind`` at ``step`` (default: the current one) and micro-batch
         ``micro`` must look like (activation from s−1, gradient from s+1; float32 during the warm-up)."""
         step = self.step if step is None else step
-        codec, link = (self.codecs.forward, self.index - 1) if kind == "activation" else (self.codecs.backward, self.index)
+        codec, link = (
+            (self.codecs.forward, self.index - 1) if kind == "activation" else (self.codecs.backward, self.index)
+        )
         bits = 0 if self.warm(step) else codec.bits
         return wire.Expected(self.run_id, link, kind, step, micro, np.asarray(ids), self.row_shape, bits, codec.axis)
 
@@ -218,14 +238,18 @@ class StageEngine:
         keys = self._keys(self.index, 0, ids)
         self.send_state, enc = self._encode(self.codecs.forward, "fw", self.send_state, np.asarray(h), ids, keys)
         self.times["codec_s"] += time.perf_counter() - t0
-        return wire.to_frame(enc, run_id=self.run_id, link=self.index, kind="activation", step=self.step, micro_batch=micro, ids=ids)
+        return wire.to_frame(
+            enc, run_id=self.run_id, link=self.index, kind="activation", step=self.step, micro_batch=micro, ids=ids
+        )
 
     def _encode_grad(self, micro: int, ids, gx):
         t0 = time.perf_counter()
         keys = self._keys(self.index - 1, 1, ids)
         _, enc = self._encode(self.codecs.backward, "bw", None, np.asarray(gx), ids, keys)
         self.times["codec_s"] += time.perf_counter() - t0
-        return wire.to_frame(enc, run_id=self.run_id, link=self.index - 1, kind="gradient", step=self.step, micro_batch=micro, ids=ids)
+        return wire.to_frame(
+            enc, run_id=self.run_id, link=self.index - 1, kind="gradient", step=self.step, micro_batch=micro, ids=ids
+        )
 
     def backward(self, micro: int, ids, tokens, frame=None):
         """Backward of one micro-batch. Returns the gradient frame for link ``index − 1`` (None on stage 0).
@@ -258,10 +282,14 @@ class StageEngine:
         caller has the average in hand: the exchange is timed by the caller).
         """
         if update is not None:
-            self.params, self.opt_state = self._timed("compute_s", update, self.params, self.opt_state, self.grads, self._update)
+            self.params, self.opt_state = self._timed(
+                "compute_s", update, self.params, self.opt_state, self.grads, self._update
+            )
         else:
             with jax.numpy_dtype_promotion("standard"):
-                self.params, self.opt_state = self._timed("compute_s", self._update, self.params, self.opt_state, self.grads)
+                self.params, self.opt_state = self._timed(
+                    "compute_s", self._update, self.params, self.opt_state, self.grads
+                )
         loss = float(np.mean(self.losses)) if self.losses else None
         times = dict(self.times)
         cq = {}

@@ -39,8 +39,20 @@ from zeroth.train.metrics import MetricsWriter, read_metrics
 from zeroth.train.metrics import clear as clear_metrics
 from zeroth.transport import identity, processes
 
-__all__ = ["check_resume", "common_step", "common_steps", "merge_records", "merge_replicas", "process_dirs", "read_records",
-           "replica_dir", "run_config", "stage_dir", "start_stages", "wait_stages"]
+__all__ = [
+    "check_resume",
+    "common_step",
+    "common_steps",
+    "merge_records",
+    "merge_replicas",
+    "process_dirs",
+    "read_records",
+    "replica_dir",
+    "run_config",
+    "stage_dir",
+    "start_stages",
+    "wait_stages",
+]
 
 
 def stage_dir(out: Path, index: int) -> Path:
@@ -87,13 +99,19 @@ def check_resume(out: Path, stages: int, step: int) -> None:
 
     held = common_steps(out, stages)
     older = [s for s in held if s < step]
-    hint = (f"older steps every stage holds: {older}; resume one with `zeroth run CONFIG --resume --resume-step "
-            f"{older[-1]}`" if older else "no older step is held by every stage; start again in a fresh --out folder")
+    hint = (
+        f"older steps every stage holds: {older}; resume one with `zeroth run CONFIG --resume --resume-step "
+        f"{older[-1]}`"
+        if older
+        else "no older step is held by every stage; start again in a fresh --out folder"
+    )
     if step not in held:
         missing = [i for i in range(stages) if not (stage_dir(out, i) / "checkpoints" / str(step)).is_dir()]
-        raise CheckpointError(f"--resume-step {step}: stage{'s' if len(missing) > 1 else ''} "
-                              f"{', '.join(map(str, missing))} hold{'' if len(missing) > 1 else 's'} no checkpoint "
-                              f"{step} in {out}; {hint}")
+        raise CheckpointError(
+            f"--resume-step {step}: stage{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(map(str, missing))} hold{'' if len(missing) > 1 else 's'} no checkpoint "
+            f"{step} in {out}; {hint}"
+        )
     for i in range(stages):
         for f in sorted((stage_dir(out, i) / "buffers").glob(f"{step}_*.npz")):
             try:
@@ -102,8 +120,15 @@ def check_resume(out: Path, stages: int, step: int) -> None:
                 raise CheckpointError(f"cannot resume from step {step}: {e}. Nothing was deleted; {hint}") from None
 
 
-def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = None, quiet: bool = True,
-                 env: dict | None = None, insecure: bool = False) -> list[subprocess.Popen]:
+def start_stages(
+    cfg: _config.Config,
+    out: Path,
+    *,
+    resume_step: int | None = None,
+    quiet: bool = True,
+    env: dict | None = None,
+    insecure: bool = False,
+) -> list[subprocess.Popen]:
     """Start one ``zeroth stage`` process per stage (last first) of every replica; returns them in
     the order of :func:`process_dirs` (replica by replica, stage by stage).
 
@@ -134,14 +159,28 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
         rd = replica_dir(out, r)
         d = stage_dir(rd, i)
         # `python -m zeroth.pipeline.stage` is `zeroth stage` (the launcher stays below the command layer)
-        cmd = [sys.executable, "-m", "zeroth.pipeline.stage", "--config", str(cfg_path), "--stage", str(i), "--out", str(d)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "zeroth.pipeline.stage",
+            "--config",
+            str(cfg_path),
+            "--stage",
+            str(i),
+            "--out",
+            str(d),
+        ]
         if i > 0:
             cmd += ["--listen", f"{p.host}:0", "--upstream-key", f"@{stage_dir(rd, i - 1) / 'key.pub'}"]
         if i < p.stages - 1:
             cmd += ["--next", f"@{stage_dir(rd, i + 1) / 'address'}"]
         if R > 1:
             cmd += ["--replica", str(r)]
-            cmd += ["--sync-listen", f"{p.host}:0"] if r == 0 else ["--sync-server", f"@{stage_dir(out, i) / 'sync_address'}"]
+            cmd += (
+                ["--sync-listen", f"{p.host}:0"]
+                if r == 0
+                else ["--sync-server", f"@{stage_dir(out, i) / 'sync_address'}"]
+            )
         if resume_step is not None:
             cmd += ["--resume-step", str(resume_step)]
         if quiet:
@@ -154,8 +193,14 @@ def start_stages(cfg: _config.Config, out: Path, *, resume_step: int | None = No
     return [procs[r, i] for r in range(R) for i in range(p.stages)]
 
 
-def wait_stages(procs: list[subprocess.Popen], out: Path, timeout_s: float | None = None, stop=None,
-                stop_grace_s: float = 120.0, dirs: list[Path] | None = None) -> int:
+def wait_stages(
+    procs: list[subprocess.Popen],
+    out: Path,
+    timeout_s: float | None = None,
+    stop=None,
+    stop_grace_s: float = 120.0,
+    dirs: list[Path] | None = None,
+) -> int:
     """Wait for every stage; if one fails, stop the others. Returns 0, or 1 with the failures printed.
 
     When ``stop()`` turns true, ``stage_<i>/stop`` is written for every stage: the pipeline stops
@@ -188,7 +233,10 @@ def wait_stages(procs: list[subprocess.Popen], out: Path, timeout_s: float | Non
         return interrupt.EXIT_CODE
     for i, c in enumerate(codes):
         if c != 0:
-            print(f"stage {dirs[i].relative_to(out)} exited with code {c}: " + processes.log_tail(dirs[i] / "stage.log"), file=sys.stderr)
+            print(
+                f"stage {dirs[i].relative_to(out)} exited with code {c}: " + processes.log_tail(dirs[i] / "stage.log"),
+                file=sys.stderr,
+            )
     return 1
 
 
@@ -208,18 +256,45 @@ def merge_records(out: Path, stages: int, batch_size: int, examples: int) -> lis
         rs = [p[t] for p in per]
         links = []
         for k in range(stages - 1):
-            links.append({"link": k, "fw_bytes": rs[k]["fw_bytes"], "fw_frames": rs[k]["fw_frames"],
-                          "bw_bytes": rs[k + 1]["bw_bytes"], "bw_frames": rs[k + 1]["bw_frames"],
-                          "send_digest": rs[k]["send_digest"], "recv_digest": rs[k + 1]["recv_digest"],
-                          **{f: rs[k].get(f) for f in ("fw_cq", "fw_cq_max", "fw_cq_init")},
-                          **{f: rs[k + 1].get(f) for f in ("bw_cq", "bw_cq_max", "bw_cq_init")}})
-        st = [{"stage": i, "compute_s": r["compute_s"], "codec_s": r["codec_s"], "wait_s": r["wait_s"],
-               "transfer_s": r["transfer_s"], "buffer_bytes": r["buffer_bytes"], "digest": r["digest"]}
-              for i, r in enumerate(rs)]
-        records.append(sim.step_record(
-            t, epoch=(t - 1) * batch_size // examples, loss=rs[-1]["loss"], lr=rs[-1]["lr"], links=links, stages=st,
-            step_time_s=max(r["step_time_s"] for r in rs), wall_time_s=max(r["wall_time_s"] for r in rs),
-            payload_bytes_total=sum(r["payload_bytes_total"] for r in rs), time_unix_s=max(r["time_unix_s"] for r in rs)))
+            links.append(
+                {
+                    "link": k,
+                    "fw_bytes": rs[k]["fw_bytes"],
+                    "fw_frames": rs[k]["fw_frames"],
+                    "bw_bytes": rs[k + 1]["bw_bytes"],
+                    "bw_frames": rs[k + 1]["bw_frames"],
+                    "send_digest": rs[k]["send_digest"],
+                    "recv_digest": rs[k + 1]["recv_digest"],
+                    **{f: rs[k].get(f) for f in ("fw_cq", "fw_cq_max", "fw_cq_init")},
+                    **{f: rs[k + 1].get(f) for f in ("bw_cq", "bw_cq_max", "bw_cq_init")},
+                }
+            )
+        st = [
+            {
+                "stage": i,
+                "compute_s": r["compute_s"],
+                "codec_s": r["codec_s"],
+                "wait_s": r["wait_s"],
+                "transfer_s": r["transfer_s"],
+                "buffer_bytes": r["buffer_bytes"],
+                "digest": r["digest"],
+            }
+            for i, r in enumerate(rs)
+        ]
+        records.append(
+            sim.step_record(
+                t,
+                epoch=(t - 1) * batch_size // examples,
+                loss=rs[-1]["loss"],
+                lr=rs[-1]["lr"],
+                links=links,
+                stages=st,
+                step_time_s=max(r["step_time_s"] for r in rs),
+                wall_time_s=max(r["wall_time_s"] for r in rs),
+                payload_bytes_total=sum(r["payload_bytes_total"] for r in rs),
+                time_unix_s=max(r["time_unix_s"] for r in rs),
+            )
+        )
     return records
 
 
@@ -230,24 +305,55 @@ def merge_replicas(out: Path, stages: int, replicas: int, batch_size: int, examp
     ``replicas`` (each replica's loss, link bytes and digest), ``sync_bytes``, ``replicas_agree``;
     the row's ``loss`` is the replicas' mean and ``payload_bytes`` counts every replica's links and
     the averaging."""
-    merged = [{r["step"]: r for r in merge_records(replica_dir(out, k), stages, batch_size, examples)} for k in range(replicas)]
-    raw = {(k, i): {r["step"]: r for r in _read(stage_dir(replica_dir(out, k), i) / "metrics.jsonl")}
-           for k in range(1, replicas) for i in range(stages)}
+    merged = [
+        {r["step"]: r for r in merge_records(replica_dir(out, k), stages, batch_size, examples)}
+        for k in range(replicas)
+    ]
+    raw = {
+        (k, i): {r["step"]: r for r in _read(stage_dir(replica_dir(out, k), i) / "metrics.jsonl")}
+        for k in range(1, replicas)
+        for i in range(stages)
+    }
     steps = sorted(set.intersection(*(set(m) for m in merged))) if merged else []
     records, total = [], 0
     for t in steps:
-        sync = [{"stage": i, "replica": k, "bits": raw[k, i][t]["sync_bits"], "up_bytes": raw[k, i][t]["sync_sent_bytes"],
-                 "down_bytes": raw[k, i][t]["sync_recv_bytes"], "sync_s": raw[k, i][t]["sync_s"]}
-                for i in range(stages) for k in range(1, replicas)]
-        reps = [{"replica": k, "loss": m[t]["loss"], "link_bytes": sum(lk["fw_bytes"] + lk["bw_bytes"] for lk in m[t]["links"]),
-                 "digest": m[t]["digest"]} for k, m in enumerate(merged)]
+        sync = [
+            {
+                "stage": i,
+                "replica": k,
+                "bits": raw[k, i][t]["sync_bits"],
+                "up_bytes": raw[k, i][t]["sync_sent_bytes"],
+                "down_bytes": raw[k, i][t]["sync_recv_bytes"],
+                "sync_s": raw[k, i][t]["sync_s"],
+            }
+            for i in range(stages)
+            for k in range(1, replicas)
+        ]
+        reps = [
+            {
+                "replica": k,
+                "loss": m[t]["loss"],
+                "link_bytes": sum(lk["fw_bytes"] + lk["bw_bytes"] for lk in m[t]["links"]),
+                "digest": m[t]["digest"],
+            }
+            for k, m in enumerate(merged)
+        ]
         extra = sim.replica_fields(sync, reps)
         base = merged[0][t]
         loss = extra.pop("loss")
-        rec = sim.step_record(t, epoch=base["epoch"], loss=loss, lr=base["lr"], links=base["links"], stages=base["stages"],
-                              step_time_s=max(m[t]["step_time_s"] for m in merged),
-                              wall_time_s=max(m[t]["wall_time_s"] for m in merged), payload_bytes_total=0,
-                              time_unix_s=max(m[t]["time_unix_s"] for m in merged), **extra)
+        rec = sim.step_record(
+            t,
+            epoch=base["epoch"],
+            loss=loss,
+            lr=base["lr"],
+            links=base["links"],
+            stages=base["stages"],
+            step_time_s=max(m[t]["step_time_s"] for m in merged),
+            wall_time_s=max(m[t]["wall_time_s"] for m in merged),
+            payload_bytes_total=0,
+            time_unix_s=max(m[t]["time_unix_s"] for m in merged),
+            **extra,
+        )
         total += rec["payload_bytes"]
         rec["payload_bytes_total"] = total
         records.append(rec)
@@ -263,8 +369,9 @@ def read_records(out: Path) -> list[dict]:
     return _read(Path(out) / "metrics.jsonl")
 
 
-def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool = True, stop=None,
-               resume_step: int | None = None) -> int:
+def run_config(
+    cfg: _config.Config, out: Path, argv: list[str], progress: bool = True, stop=None, resume_step: int | None = None
+) -> int:
     """Run the pipeline of ``cfg`` as stage processes into ``out``; ``--resume`` in ``argv`` resumes
     (from ``resume_step`` when given, else the newest step every stage holds). Exit code.
 
@@ -278,20 +385,27 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
     if "--resume" in argv:
         resume_step = common_step(out, p.stages) if resume_step is None else resume_step
         if resume_step is None:
-            print(f"zeroth run: error: --resume: no checkpoint step common to all {p.stages} stages in {out}", file=sys.stderr)
+            print(
+                f"zeroth run: error: --resume: no checkpoint step common to all {p.stages} stages in {out}",
+                file=sys.stderr,
+            )
             return 2
         check_resume(out, p.stages, resume_step)
     t0 = time.time()
     if resume_step is not None and p.replicas > 1:
-        print(f"zeroth run: error: --resume: resuming a run of pipeline.replicas = {p.replicas} replicas is not supported; "
-              f"start it again", file=sys.stderr)
+        print(
+            f"zeroth run: error: --resume: resuming a run of pipeline.replicas = {p.replicas} replicas is not supported; "
+            f"start it again",
+            file=sys.stderr,
+        )
         return 2
     procs = start_stages(cfg, out, resume_step=resume_step, quiet=not progress)
     code = wait_stages(procs, out, stop=stop, dirs=process_dirs(out, p.stages, p.replicas))
     if code == interrupt.EXIT_CODE:
         step = common_step(out, p.stages)
-        raise interrupt.Interrupted(step or 0, cfg.train.steps,
-                                    None if step is None else out / "stage_*" / "checkpoints" / str(step))
+        raise interrupt.Interrupted(
+            step or 0, cfg.train.steps, None if step is None else out / "stage_*" / "checkpoints" / str(step)
+        )
     if code != 0:
         return code
     if p.replicas > 1:
@@ -303,22 +417,39 @@ def run_config(cfg: _config.Config, out: Path, argv: list[str], progress: bool =
         for r in records:
             writer.write(r)
     mismatched = [r["step"] for r in records for lk in r["links"] if lk["send_digest"] != lk["recv_digest"]]
-    summary = {"steps": len(records), "final_loss": records[-1]["loss"] if records else None, "seconds": time.time() - t0,
-               "buffers_agree": not mismatched, "mismatched_steps": mismatched,
-               "stages": [json.loads((d / "summary.json").read_text()) for d in process_dirs(out, p.stages, p.replicas)]}
+    summary = {
+        "steps": len(records),
+        "final_loss": records[-1]["loss"] if records else None,
+        "seconds": time.time() - t0,
+        "buffers_agree": not mismatched,
+        "mismatched_steps": mismatched,
+        "stages": [json.loads((d / "summary.json").read_text()) for d in process_dirs(out, p.stages, p.replicas)],
+    }
     if p.replicas > 1:
         disagree = [r["step"] for r in records if not r["replicas_agree"]]
-        summary.update({"replicas": p.replicas, "replica_sync": p.replica_sync, "replicas_agree": not disagree,
-                        "sync_bytes_per_step": sum(r["sync_bytes"] for r in records) / max(len(records), 1),
-                        "link_bytes_per_step": sum(r["payload_bytes"] - r["sync_bytes"] for r in records) / max(len(records), 1)})
+        summary.update(
+            {
+                "replicas": p.replicas,
+                "replica_sync": p.replica_sync,
+                "replicas_agree": not disagree,
+                "sync_bytes_per_step": sum(r["sync_bytes"] for r in records) / max(len(records), 1),
+                "link_bytes_per_step": sum(r["payload_bytes"] - r["sync_bytes"] for r in records)
+                / max(len(records), 1),
+            }
+        )
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if progress:
-        print(f"pipeline done: {len(records)} steps, final loss {summary['final_loss']}, "
-              f"buffers agree on every link: {not mismatched}, {summary['seconds']:.1f}s")
+        print(
+            f"pipeline done: {len(records)} steps, final loss {summary['final_loss']}, "
+            f"buffers agree on every link: {not mismatched}, {summary['seconds']:.1f}s"
+        )
     if p.replicas > 1 and not summary["replicas_agree"]:
         print(f"zeroth run: error: the replicas' parameters differ at steps {disagree}", file=sys.stderr)
         return 1
     if mismatched:
-        print(f"zeroth run: error: AQ-SGD buffers differ between the ends of a link at steps {mismatched}", file=sys.stderr)
+        print(
+            f"zeroth run: error: AQ-SGD buffers differ between the ends of a link at steps {mismatched}",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -92,9 +92,17 @@ class LinkServicer(pb_grpc.PipelineLinkServicer):
       run_id, link: this link's run and index (the stage before this one).
     """
 
-    def __init__(self, expect: Callable[[int, int], wire.Expected], schedule: Iterator[tuple[int, int]],
-                 inbox: queue.Queue, pacer: Pacer, *, upstream_key: Callable[[], bytes | None] | None = None,
-                 run_id: str = "", link: int = 0):
+    def __init__(
+        self,
+        expect: Callable[[int, int], wire.Expected],
+        schedule: Iterator[tuple[int, int]],
+        inbox: queue.Queue,
+        pacer: Pacer,
+        *,
+        upstream_key: Callable[[], bytes | None] | None = None,
+        run_id: str = "",
+        link: int = 0,
+    ):
         self.expect, self.schedule, self.inbox, self.pacer = expect, schedule, inbox, pacer
         self.upstream_key, self.run_id, self.link = upstream_key, run_id, link
         self.connected = threading.Event()
@@ -117,9 +125,11 @@ class LinkServicer(pb_grpc.PipelineLinkServicer):
             signer = identity.call_signer(context.invocation_metadata(), *link_fields(self.run_id, self.link))
             if signer is None or signer[0] != bytes(want):
                 self.refused.append(f"a stream not signed by stage {self.link}'s key from {context.peer()}")
-                context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                              f"this stage takes its upstream link only from stage {self.link}: the stream must be "
-                              f"signed by that stage's key")
+                context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"this stage takes its upstream link only from stage {self.link}: the stream must be "
+                    f"signed by that stage's key",
+                )
             seq = signer[1]
         with self._lock:
             old = self._current
@@ -141,7 +151,9 @@ class LinkServicer(pb_grpc.PipelineLinkServicer):
                         return
                     nxt = next(self.schedule, None)
                     if nxt is None:
-                        raise wire.FrameError(wire.PRECONDITION, f"frame for step {frame.step} after the last step of the run")
+                        raise wire.FrameError(
+                            wire.PRECONDITION, f"frame for step {frame.step} after the last step of the run"
+                        )
                     wire.check_frame(frame, self.expect(*nxt))
                     self.inbox.put(frame)
             if stream.replaced.is_set():
@@ -197,8 +209,14 @@ def limits(idle_s: float, max_message_bytes: int = MAX_MESSAGE_BYTES) -> guard.L
     return guard.Limits(max_message_bytes, max_calls=4, max_calls_per_caller=4, idle_s=idle_s)
 
 
-def serve(servicer: LinkServicer, listen: str, token: str | None = None, *,
-          bounds: guard.Limits | None = None, tls: security.TLSFiles | None = None) -> tuple[grpc.Server, int]:
+def serve(
+    servicer: LinkServicer,
+    listen: str,
+    token: str | None = None,
+    *,
+    bounds: guard.Limits | None = None,
+    tls: security.TLSFiles | None = None,
+) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``servicer`` on ``listen`` (``HOST:PORT``, port 0 = any); returns it and its port.
 
     With ``token`` (the run's access token, :func:`zeroth.transport.identity.access_token`), a
@@ -216,10 +234,19 @@ def serve(servicer: LinkServicer, listen: str, token: str | None = None, *,
     return server, port
 
 
-def connect(address: str, pacer: Pacer, inbox: queue.Queue, timeout_s: float,
-            readers: list[threading.Thread] | None = None, token: str | None = None,
-            tls: security.TLSFiles | None = None, me: identity.Identity | None = None, run_id: str = "",
-            link: int = 0, seq: int | None = None) -> grpc.Channel:
+def connect(
+    address: str,
+    pacer: Pacer,
+    inbox: queue.Queue,
+    timeout_s: float,
+    readers: list[threading.Thread] | None = None,
+    token: str | None = None,
+    tls: security.TLSFiles | None = None,
+    me: identity.Identity | None = None,
+    run_id: str = "",
+    link: int = 0,
+    seq: int | None = None,
+) -> grpc.Channel:
     """Open the stream to the downstream stage at ``address``: ``pacer``'s frames go out, gradients land in ``inbox``.
 
     ``token``: the run's access token, sent with the stream (a stage serving with a token refuses a

@@ -59,8 +59,21 @@ class ReplicaSync:
     replicas' contributions in replica order), :meth:`apply` (every replica, with the average).
     """
 
-    def __init__(self, mode: str, replicas: int, replica: int, stage: int, run_id: str, params, *, warmup: int = 1,
-                 b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0):
+    def __init__(
+        self,
+        mode: str,
+        replicas: int,
+        replica: int,
+        stage: int,
+        run_id: str,
+        params,
+        *,
+        warmup: int = 1,
+        b1: float = 0.9,
+        b2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
         if mode not in ("fp32", "onebit_adam"):
             raise ValueError(f"unknown replica_sync {mode!r}; expected fp32 or onebit_adam")
         if not 0 <= replica < replicas:
@@ -71,8 +84,11 @@ class ReplicaSync:
         self.dtypes = [jnp.asarray(x).dtype for x in leaves]
         self.bounds = qa.segments_of([max(int(np.prod(s, dtype=np.int64)), 1) for s in self.shapes])
         self.n = int(self.bounds[-1])
-        self.adam = (qa.QuantizedAdam(self.bounds, warmup, b1, b2, eps, weight_decay, server=replica == 0)
-                     if mode == "onebit_adam" else None)
+        self.adam = (
+            qa.QuantizedAdam(self.bounds, warmup, b1, b2, eps, weight_decay, server=replica == 0)
+            if mode == "onebit_adam"
+            else None
+        )
         self._own: np.ndarray | None = None
 
     # ------------------------------------------------------------------ layout
@@ -88,18 +104,33 @@ class ReplicaSync:
 
     def unflat(self, vec: np.ndarray):
         """The tree of the stage's parameters from a flat float32 vector (each leaf cast once to its dtype)."""
-        leaves = [jnp.asarray(vec[self.bounds[k]:self.bounds[k + 1]].reshape(s), self.dtypes[k])
-                  for k, s in enumerate(self.shapes)]
+        leaves = [
+            jnp.asarray(vec[self.bounds[k] : self.bounds[k + 1]].reshape(s), self.dtypes[k])
+            for k, s in enumerate(self.shapes)
+        ]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
     def _frame(self, kind: str, step: int, vec: np.ndarray, packed) -> pb.TensorFrame:
-        f = pb.TensorFrame(run_id=self.run_id, link=self.stage, kind=KINDS[kind], step=int(step), micro_batch=0,
-                           shape=[self.n], dtype="float32", replica=self.replica if kind == "gradient" else 0)
+        f = pb.TensorFrame(
+            run_id=self.run_id,
+            link=self.stage,
+            kind=KINDS[kind],
+            step=int(step),
+            micro_batch=0,
+            shape=[self.n],
+            dtype="float32",
+            replica=self.replica if kind == "gradient" else 0,
+        )
         if packed is None:
             f.bits, f.full = 0, np.asarray(vec, "<f4").tobytes()
         else:
             words, scales = packed
-            f.bits, f.packed, f.scales, f.quantizer = 1, np.asarray(words, "<u4").tobytes(), np.asarray(scales, "<f4").tobytes(), QUANTIZER
+            f.bits, f.packed, f.scales, f.quantizer = (
+                1,
+                np.asarray(words, "<u4").tobytes(),
+                np.asarray(scales, "<f4").tobytes(),
+                QUANTIZER,
+            )
         return f
 
     def decode(self, frame: pb.TensorFrame) -> np.ndarray:
@@ -112,8 +143,17 @@ class ReplicaSync:
 
     def check(self, frame, kind: str, step: int, replica: int) -> None:
         """:func:`check_sync_frame` against this stage's layout and step."""
-        check_sync_frame(frame, run_id=self.run_id, stage=self.stage, kind=kind, step=step, replica=replica, n=self.n,
-                         bits=self.bits(step), segments=len(self.bounds) - 1)
+        check_sync_frame(
+            frame,
+            run_id=self.run_id,
+            stage=self.stage,
+            kind=kind,
+            step=step,
+            replica=replica,
+            n=self.n,
+            bits=self.bits(step),
+            segments=len(self.bounds) - 1,
+        )
 
     # ------------------------------------------------------------------ a step
 
@@ -151,8 +191,9 @@ class ReplicaSync:
         return self.unflat(self.adam.apply(step, self.flat(params), shared, lr)), opt_state
 
 
-def check_sync_frame(frame, *, run_id: str, stage: int, kind: str, step: int, replica: int, n: int, bits: int,
-                     segments: int) -> None:
+def check_sync_frame(
+    frame, *, run_id: str, stage: int, kind: str, step: int, replica: int, n: int, bits: int, segments: int
+) -> None:
     """Raise :class:`zeroth.pipeline.wire.FrameError` unless ``frame`` is the expected replica frame:
     its run, stage, kind, step, sender, shape ``[n]``, bits and payload sizes."""
     inv, pre = wire.INVALID, wire.PRECONDITION
@@ -160,20 +201,29 @@ def check_sync_frame(frame, *, run_id: str, stage: int, kind: str, step: int, re
         raise wire.FrameError(inv, f"replica frame of run {frame.run_id!r}; this stage belongs to run {run_id!r}")
     if frame.link != stage or frame.kind != KINDS[kind]:
         got = pb.FrameKind.Name(frame.kind) if frame.kind in pb.FrameKind.values() else str(frame.kind)
-        raise wire.FrameError(inv, f"frame {got} for stage {frame.link}; expected {pb.FrameKind.Name(KINDS[kind])} for stage {stage}")
+        raise wire.FrameError(
+            inv, f"frame {got} for stage {frame.link}; expected {pb.FrameKind.Name(KINDS[kind])} for stage {stage}"
+        )
     if frame.replica != replica:
         raise wire.FrameError(inv, f"replica frame from replica {frame.replica}; expected replica {replica}")
     if frame.step != step:
         raise wire.FrameError(pre, f"out-of-order replica frame: got step {frame.step}, expected step {step}")
     if list(frame.shape) != [n] or frame.dtype != "float32":
-        raise wire.FrameError(inv, f"replica frame of shape {list(frame.shape)} {frame.dtype!r}; expected [{n}] 'float32'")
+        raise wire.FrameError(
+            inv, f"replica frame of shape {list(frame.shape)} {frame.dtype!r}; expected [{n}] 'float32'"
+        )
     if frame.bits != bits:
         raise wire.FrameError(inv, f"replica frame with bits {frame.bits}; step {step} of this run uses {bits}")
-    want = ({"full": 4 * n, "packed": 0, "scales": 0, "quantizer": 0} if bits == 0
-            else {"full": 0, "packed": 4 * ((n + 31) // 32), "scales": 4 * segments, "quantizer": len(QUANTIZER)})
+    want = (
+        {"full": 4 * n, "packed": 0, "scales": 0, "quantizer": 0}
+        if bits == 0
+        else {"full": 0, "packed": 4 * ((n + 31) // 32), "scales": 4 * segments, "quantizer": len(QUANTIZER)}
+    )
     for name, size in want.items():
         if len(getattr(frame, name)) != size:
-            raise wire.FrameError(inv, f"replica frame's {name} holds {len(getattr(frame, name))} bytes; expected {size}")
+            raise wire.FrameError(
+                inv, f"replica frame's {name} holds {len(getattr(frame, name))} bytes; expected {size}"
+            )
     if bits and frame.quantizer != QUANTIZER:
         raise wire.FrameError(inv, f"replica frame's quantizer {frame.quantizer!r}; expected {QUANTIZER!r}")
 
@@ -214,8 +264,10 @@ class SyncServicer(pb_grpc.ReplicaSyncServicer):
         r = int(first.replica)
         with self._lock:
             if not 1 <= r < self.replicas or r in self._seen:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"replica {r} is not a worker of this stage (1..{self.replicas - 1}) or is already connected")
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"replica {r} is not a worker of this stage (1..{self.replicas - 1}) or is already connected",
+                )
             self._seen.add(r)
         self.inboxes[r].put(first)
         reader = threading.Thread(target=self._read, args=(r, request_iterator), daemon=True)
@@ -241,8 +293,16 @@ def serve_sync(servicer: SyncServicer, listen: str, token: str | None, bounds, t
     return server, port
 
 
-def connect_sync(address: str, pacer: Pacer, inbox: queue.Queue, timeout_s: float, readers: list, token: str | None = None,
-                 tls=None, channel_options=()) -> grpc.Channel:
+def connect_sync(
+    address: str,
+    pacer: Pacer,
+    inbox: queue.Queue,
+    timeout_s: float,
+    readers: list,
+    token: str | None = None,
+    tls=None,
+    channel_options=(),
+) -> grpc.Channel:
     """Open replica r's stream to replica 0 of its stage at ``address``: ``pacer``'s frames go out,
     the averages land in ``inbox`` (then :data:`END`, or a ``ConnectionError``)."""
     channel = security.open_channel(address, channel_options, tls)

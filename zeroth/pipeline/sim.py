@@ -38,9 +38,20 @@ def pipeline_digest(stage_digests: list[str]) -> str:
     return hashlib.sha256(",".join(stage_digests).encode()).hexdigest()
 
 
-def step_record(step: int, *, epoch: int, loss: float | None, lr: float, links: list[dict], stages: list[dict],
-                step_time_s: float, wall_time_s: float, payload_bytes_total: int, time_unix_s: float | None = None,
-                **replica_extra) -> dict:
+def step_record(
+    step: int,
+    *,
+    epoch: int,
+    loss: float | None,
+    lr: float,
+    links: list[dict],
+    stages: list[dict],
+    step_time_s: float,
+    wall_time_s: float,
+    payload_bytes_total: int,
+    time_unix_s: float | None = None,
+    **replica_extra,
+) -> dict:
     """One step's ``train`` row of the metrics schema (:mod:`zeroth.train.metrics`).
 
     Args:
@@ -66,12 +77,23 @@ def step_record(step: int, *, epoch: int, loss: float | None, lr: float, links: 
     whole batch's, ``payload_bytes`` every replica's link bytes plus the averaging bytes, and
     ``replica_extra`` holds the other fields of :func:`replica_fields`.
     """
-    rec = {"kind": "train", "step": step, "time_unix_s": time.time() if time_unix_s is None else time_unix_s,
-            "wall_time_s": wall_time_s, "digest": pipeline_digest([s["digest"] for s in stages]),
-            "forward_passes": step, "backward_passes": step, "payload_bytes_total": payload_bytes_total,
-            "loss": loss, "lr": lr, "step_time_s": step_time_s,
-            "payload_bytes": sum(lk["fw_bytes"] + lk["bw_bytes"] for lk in links), "epoch": epoch,
-            "links": links, "stages": stages}
+    rec = {
+        "kind": "train",
+        "step": step,
+        "time_unix_s": time.time() if time_unix_s is None else time_unix_s,
+        "wall_time_s": wall_time_s,
+        "digest": pipeline_digest([s["digest"] for s in stages]),
+        "forward_passes": step,
+        "backward_passes": step,
+        "payload_bytes_total": payload_bytes_total,
+        "loss": loss,
+        "lr": lr,
+        "step_time_s": step_time_s,
+        "payload_bytes": sum(lk["fw_bytes"] + lk["bw_bytes"] for lk in links),
+        "epoch": epoch,
+        "links": links,
+        "stages": stages,
+    }
     if replica_extra:
         rec.update(replica_extra)
         rec["payload_bytes"] = sum(r["link_bytes"] for r in rec["replicas"]) + rec["sync_bytes"]
@@ -89,8 +111,10 @@ def emulated_seconds(rec: dict, bandwidth_bps: float, latency_s: float = 0.0) ->
     summed over the stages.
     """
     compute = sum(s["compute_s"] + s["codec_s"] for s in rec["stages"])
-    transfer = sum(8.0 * (lk["fw_bytes"] + lk["bw_bytes"]) / bandwidth_bps + (lk["fw_frames"] + lk["bw_frames"]) * latency_s
-                   for lk in rec["links"])
+    transfer = sum(
+        8.0 * (lk["fw_bytes"] + lk["bw_bytes"]) / bandwidth_bps + (lk["fw_frames"] + lk["bw_frames"]) * latency_s
+        for lk in rec["links"]
+    )
     sync = sum(8.0 * (x["up_bytes"] + x["down_bytes"]) / bandwidth_bps + 2 * latency_s for x in rec.get("sync", ()))
     return compute + transfer + sync
 
@@ -131,13 +155,22 @@ def _finish(engines: list, links: list[dict], updates=None) -> tuple[float | Non
             if send:
                 links[k].update({f"{d}_cq{x}": e.last_cq[f"{d}_cq{x}"] for x in ("", "_max", "_init")})
         loss = out if e.last else loss
-        stages.append({"stage": e.index, **e.last_times, "wait_s": 0.0, "transfer_s": 0.0,
-                       "buffer_bytes": e.buffer_nbytes(), "digest": checksum(e.params)})
+        stages.append(
+            {
+                "stage": e.index,
+                **e.last_times,
+                "wait_s": 0.0,
+                "transfer_s": 0.0,
+                "buffer_bytes": e.buffer_nbytes(),
+                "digest": checksum(e.params),
+            }
+        )
     return loss, stages
 
 
-def run_local(cfg: _config.Config, steps: int | None = None, on_step: Callable[[dict], None] | None = None,
-              engines=None) -> tuple[list[dict], list]:
+def run_local(
+    cfg: _config.Config, steps: int | None = None, on_step: Callable[[dict], None] | None = None, engines=None
+) -> tuple[list[dict], list]:
     """Train ``steps`` (default ``train.steps``) steps of the pipeline in this process.
 
     Returns ``(records, engines)``: one :func:`step_record` per step and the final engines. With
@@ -152,8 +185,11 @@ def run_local(cfg: _config.Config, steps: int | None = None, on_step: Callable[[
         engines = [[_build.engine_of(cfg, s, part, ex) for s in range(cfg.pipeline.stages)] for _ in range(R)]
         engines = engines[0] if R == 1 else engines
     reps = [engines] if R == 1 else engines
-    syncs = None if R == 1 else [[_build.replica_sync_of(cfg, r, s, e.params) for s, e in enumerate(es)]
-                                 for r, es in enumerate(reps)]
+    syncs = (
+        None
+        if R == 1
+        else [[_build.replica_sync_of(cfg, r, s, e.params) for s, e in enumerate(es)] for r, es in enumerate(reps)]
+    )
     records = []
     t_run = time.perf_counter()
     payload_total = 0
@@ -172,29 +208,54 @@ def run_local(cfg: _config.Config, steps: int | None = None, on_step: Callable[[
                 frames = [syncs[r][s].contribution(step, reps[r][s].grads) for r in range(R)]
                 avg = syncs[0][s].reduce(step, frames[1:])
                 for r in range(R):
-                    updates[r][s] = (lambda p, o, g, upd, r=r, s=s, avg=avg: syncs[r][s].apply(step, p, o, avg, upd, lr))
+                    updates[r][s] = lambda p, o, g, upd, r=r, s=s, avg=avg: syncs[r][s].apply(step, p, o, avg, upd, lr)
                     if r > 0:
-                        sync_rows.append({"stage": s, "replica": r, "bits": int(frames[r].bits),
-                                          "up_bytes": wire.frame_nbytes(frames[r]), "down_bytes": wire.frame_nbytes(avg),
-                                          "sync_s": 0.0})
+                        sync_rows.append(
+                            {
+                                "stage": s,
+                                "replica": r,
+                                "bits": int(frames[r].bits),
+                                "up_bytes": wire.frame_nbytes(frames[r]),
+                                "down_bytes": wire.frame_nbytes(avg),
+                                "sync_s": 0.0,
+                            }
+                        )
                 sync_rows_s = time.perf_counter() - ts
-                for row in sync_rows[-(R - 1):]:
+                for row in sync_rows[-(R - 1) :]:
                     row["sync_s"] = sync_rows_s
             losses_stages = [_finish(es, all_links[r], updates[r]) for r, es in enumerate(reps)]
         links = all_links[0]
         loss, stages = losses_stages[0]
         extra = {}
         if syncs is not None:
-            extra = replica_fields(sync_rows, [
-                {"replica": r, "loss": ls[0], "link_bytes": sum(lk["fw_bytes"] + lk["bw_bytes"] for lk in all_links[r]),
-                 "digest": pipeline_digest([st["digest"] for st in ls[1]])} for r, ls in enumerate(losses_stages)])
+            extra = replica_fields(
+                sync_rows,
+                [
+                    {
+                        "replica": r,
+                        "loss": ls[0],
+                        "link_bytes": sum(lk["fw_bytes"] + lk["bw_bytes"] for lk in all_links[r]),
+                        "digest": pipeline_digest([st["digest"] for st in ls[1]]),
+                    }
+                    for r, ls in enumerate(losses_stages)
+                ],
+            )
             loss = extra.pop("loss")
         step_bytes = sum(lk["fw_bytes"] + lk["bw_bytes"] for ls in all_links for lk in ls) + extra.get("sync_bytes", 0)
         payload_total += step_bytes
         now = time.perf_counter()
-        rec = step_record(step + 1, epoch=step * cfg.data.batch_size // cfg.pipeline.examples, loss=loss,
-                          lr=_build.lr_at(cfg, step), links=links, stages=stages, step_time_s=now - t0, wall_time_s=now - t_run,
-                          payload_bytes_total=payload_total, **extra)
+        rec = step_record(
+            step + 1,
+            epoch=step * cfg.data.batch_size // cfg.pipeline.examples,
+            loss=loss,
+            lr=_build.lr_at(cfg, step),
+            links=links,
+            stages=stages,
+            step_time_s=now - t0,
+            wall_time_s=now - t_run,
+            payload_bytes_total=payload_total,
+            **extra,
+        )
         records.append(rec)
         if on_step is not None:
             on_step(rec)
@@ -209,9 +270,13 @@ def replica_fields(sync: list[dict], replicas: list[dict]) -> dict:
     ``replicas_agree`` (every replica's digest equal) and ``loss`` (the mean of the replicas' losses,
     in replica order: the whole batch's loss)."""
     losses = [r["loss"] for r in replicas]
-    return {"sync": sync, "replicas": replicas, "sync_bytes": sum(x["up_bytes"] + x["down_bytes"] for x in sync),
-            "replicas_agree": len({r["digest"] for r in replicas}) == 1,
-            "loss": None if any(v is None for v in losses) else float(np.mean(np.asarray(losses, np.float64)))}
+    return {
+        "sync": sync,
+        "replicas": replicas,
+        "sync_bytes": sum(x["up_bytes"] + x["down_bytes"] for x in sync),
+        "replicas_agree": len({r["digest"] for r in replicas}) == 1,
+        "loss": None if any(v is None for v in losses) else float(np.mean(np.asarray(losses, np.float64))),
+    }
 
 
 def reference_run(cfg: _config.Config, steps: int) -> tuple[list[float], list]:

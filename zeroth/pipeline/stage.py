@@ -74,15 +74,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default=None, help="HOST:PORT to serve the link from the previous stage (stages > 0)")
     p.add_argument("--next", default=None, help="HOST:PORT of the next stage (stages < S-1); @FILE: read it from FILE")
     p.add_argument("--identity", default=None, help="this stage's private key file (default: a fresh key)")
-    p.add_argument("--upstream-key", default=None, help="the previous stage's public key (hex; @FILE: read from FILE, "
-                   "its key.pub): only a link signed by it is served (stages > 0)")
+    p.add_argument(
+        "--upstream-key",
+        default=None,
+        help="the previous stage's public key (hex; @FILE: read from FILE, "
+        "its key.pub): only a link signed by it is served (stages > 0)",
+    )
     p.add_argument("--replica", type=int, default=0, help="this replica's index, 0 .. pipeline.replicas-1")
-    p.add_argument("--sync-listen", default=None,
-                   help="replica 0 with pipeline.replicas > 1: HOST:PORT to serve the other replicas' averaging (port 0 = any)")
-    p.add_argument("--sync-server", default=None,
-                   help="replicas > 0: HOST:PORT of replica 0 of this stage (its --sync-listen); @FILE: read it from FILE")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
-    p.add_argument("--resume-step", type=int, default=None, help="restore this checkpoint step (with its buffers) and continue")
+    p.add_argument(
+        "--sync-listen",
+        default=None,
+        help="replica 0 with pipeline.replicas > 1: HOST:PORT to serve the other replicas' averaging (port 0 = any)",
+    )
+    p.add_argument(
+        "--sync-server",
+        default=None,
+        help="replicas > 0: HOST:PORT of replica 0 of this stage (its --sync-listen); @FILE: read it from FILE",
+    )
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override"
+    )
+    p.add_argument(
+        "--resume-step", type=int, default=None, help="restore this checkpoint step (with its buffers) and continue"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--insecure", action="store_true", help="no access token on the links (loopback experiments only)")
     from zeroth.transport import security
@@ -220,9 +234,23 @@ def _resumed_totals(path: Path, step: int) -> tuple[float, int]:
     return (rows[-1]["wall_time_s"], rows[-1]["payload_bytes_total"]) if rows else (0.0, 0)
 
 
-def stage_record(index: int, step: int, *, loss: float | None, lr: float, sent: dict, times: dict, wait_s: float,
-                 transfer_s: float, step_time_s: float, wall_time_s: float, payload_bytes_total: int, digest: str,
-                 buffer_digests: dict, buffer_bytes: int) -> dict:
+def stage_record(
+    index: int,
+    step: int,
+    *,
+    loss: float | None,
+    lr: float,
+    sent: dict,
+    times: dict,
+    wait_s: float,
+    transfer_s: float,
+    step_time_s: float,
+    wall_time_s: float,
+    payload_bytes_total: int,
+    digest: str,
+    buffer_digests: dict,
+    buffer_bytes: int,
+) -> dict:
     """A stage's ``train`` row (the schema of :mod:`zeroth.train.metrics`) after ``step`` steps.
 
     ``payload_bytes`` are the frame bytes this stage sent in the step (activations forward,
@@ -233,11 +261,28 @@ def stage_record(index: int, step: int, *, loss: float | None, lr: float, sent: 
     quantization error per example, None where nothing was quantized, and ``fw_cq_init``,
     ``bw_cq_init`` at step 0, :mod:`zeroth.pipeline.engine`), the AQ-SGD buffers' digests and size.
     """
-    return {"kind": "train", "step": step, "time_unix_s": time.time(), "wall_time_s": wall_time_s, "digest": digest,
-            "forward_passes": step, "backward_passes": step, "payload_bytes_total": payload_bytes_total,
-            "loss": loss, "lr": lr, "step_time_s": step_time_s, "payload_bytes": sent["fw_bytes"] + sent["bw_bytes"],
-            "stage": index, **sent, **times, "wait_s": wait_s, "transfer_s": transfer_s,
-            "send_digest": buffer_digests["send"], "recv_digest": buffer_digests["recv"], "buffer_bytes": buffer_bytes}
+    return {
+        "kind": "train",
+        "step": step,
+        "time_unix_s": time.time(),
+        "wall_time_s": wall_time_s,
+        "digest": digest,
+        "forward_passes": step,
+        "backward_passes": step,
+        "payload_bytes_total": payload_bytes_total,
+        "loss": loss,
+        "lr": lr,
+        "step_time_s": step_time_s,
+        "payload_bytes": sent["fw_bytes"] + sent["bw_bytes"],
+        "stage": index,
+        **sent,
+        **times,
+        "wait_s": wait_s,
+        "transfer_s": transfer_s,
+        "send_digest": buffer_digests["send"],
+        "recv_digest": buffer_digests["recv"],
+        "buffer_bytes": buffer_bytes,
+    }
 
 
 def _average(sync, step: int, grads, replica: int, R: int, servicer, pacer, inbox, timeout_s: float, lr: float):
@@ -250,7 +295,9 @@ def _average(sync, step: int, grads, replica: int, R: int, servicer, pacer, inbo
     sent = recv = 0
     try:
         if replica == 0:
-            frames = [_get(servicer.inboxes[r], timeout_s, f"replica {r}'s gradient of step {step}") for r in range(1, R)]
+            frames = [
+                _get(servicer.inboxes[r], timeout_s, f"replica {r}'s gradient of step {step}") for r in range(1, R)
+            ]
             recv = sum(wire.frame_nbytes(f) for f in frames)
             avg = sync.reduce(step, frames)
             for r in range(1, R):
@@ -264,13 +311,32 @@ def _average(sync, step: int, grads, replica: int, R: int, servicer, pacer, inbo
         raise link.LinkClosed(str(e)) from None
     except wire.FrameError as e:
         raise link.LinkClosed(f"replica {replica} refused an averaging frame: {e}") from None
-    row = {"sync_sent_bytes": sent, "sync_recv_bytes": recv, "sync_bits": int(mine.bits), "sync_s": time.perf_counter() - t0}
+    row = {
+        "sync_sent_bytes": sent,
+        "sync_recv_bytes": recv,
+        "sync_bits": int(mine.bits),
+        "sync_s": time.perf_counter() - t0,
+    }
     return (lambda params, opt_state, g, upd: sync.apply(step, params, opt_state, avg, upd, lr)), row
 
 
-def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | None, resume_step: int | None = None,
-              progress: bool = False, stop=None, token: str | None = None, tls=None, upstream_key=None,
-              me=None, replica: int = 0, sync_listen: str | None = None, sync_server: str | None = None) -> dict:
+def run_stage(
+    cfg,
+    index: int,
+    out: Path,
+    listen: str | None,
+    next_addr: str | None,
+    resume_step: int | None = None,
+    progress: bool = False,
+    stop=None,
+    token: str | None = None,
+    tls=None,
+    upstream_key=None,
+    me=None,
+    replica: int = 0,
+    sync_listen: str | None = None,
+    sync_server: str | None = None,
+) -> dict:
     """Run stage ``index`` of the pipeline of ``cfg`` to ``train.steps``; returns its summary.
 
     ``token``: the run's access token, required of the stream this stage serves and sent on the
@@ -296,21 +362,31 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
     if not 0 <= index < S:
         raise ValueError(f"--stage {index} is outside 0..{S - 1} (pipeline.stages = {S})")
     if (index > 0) != (listen is not None):
-        raise ValueError(f"stage {index} {'needs' if index > 0 else 'takes no'} --listen (only stages after the first listen)")
+        raise ValueError(
+            f"stage {index} {'needs' if index > 0 else 'takes no'} --listen (only stages after the first listen)"
+        )
     if (index < S - 1) != (next_addr is not None):
-        raise ValueError(f"stage {index} {'needs' if index < S - 1 else 'takes no'} --next (every stage but the last connects on)")
+        raise ValueError(
+            f"stage {index} {'needs' if index < S - 1 else 'takes no'} --next (every stage but the last connects on)"
+        )
     if upstream_key is not None and index == 0:
         raise ValueError("stage 0 has no upstream: --upstream-key is for stages after the first")
     R = p.replicas
     if not 0 <= replica < R:
         raise ValueError(f"--replica {replica} is outside 0..{R - 1} (pipeline.replicas = {R})")
     if (R > 1 and replica == 0) != (sync_listen is not None):
-        raise ValueError(f"replica {replica} {'needs' if R > 1 and replica == 0 else 'takes no'} --sync-listen "
-                         f"(replica 0 serves the averaging when pipeline.replicas > 1; pipeline.replicas = {R})")
+        raise ValueError(
+            f"replica {replica} {'needs' if R > 1 and replica == 0 else 'takes no'} --sync-listen "
+            f"(replica 0 serves the averaging when pipeline.replicas > 1; pipeline.replicas = {R})"
+        )
     if (replica > 0) != (sync_server is not None):
-        raise ValueError(f"replica {replica} {'needs' if replica > 0 else 'takes no'} --sync-server (replicas > 0 connect to replica 0)")
+        raise ValueError(
+            f"replica {replica} {'needs' if replica > 0 else 'takes no'} --sync-server (replicas > 0 connect to replica 0)"
+        )
     if R > 1 and resume_step is not None:
-        raise ValueError(f"--resume-step: resuming a run of pipeline.replicas = {R} replicas is not supported; start it again")
+        raise ValueError(
+            f"--resume-step: resuming a run of pipeline.replicas = {R} replicas is not supported; start it again"
+        )
     out.mkdir(parents=True, exist_ok=True)
     me = me or identity.Identity.generate()
     tmp = out / "key.pub.tmp"
@@ -348,8 +424,9 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
             ids = build.plan_of(cfg, ex, t, replica)[j][0]
             return engine.expected("activation", j, ids, step=t)
 
-        servicer = link.LinkServicer(expect, schedule, fw_inbox, bw_pacer, upstream_key=upstream_key, run_id=run_id,
-                                     link=index - 1)
+        servicer = link.LinkServicer(
+            expect, schedule, fw_inbox, bw_pacer, upstream_key=upstream_key, run_id=run_id, link=index - 1
+        )
         # frames of one micro-batch each way: larger messages are refused by gRPC before they are read whole
         frames = link.frame_bytes(cfg.data.batch_size // M, engine.row_shape)
         server, port = link.serve(servicer, listen, token, bounds=link.limits(p.timeout_s, frames), tls=tls)
@@ -358,21 +435,44 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
         tmp.write_text(f"{host}:{port}\n")
         os.replace(tmp, out / "address")
     if index < S - 1:
-        channel = link.connect(_resolve(next_addr, p.timeout_s), fw_pacer, bw_inbox, p.timeout_s, readers, token, tls,
-                               me=me, run_id=run_id, link=index)
+        channel = link.connect(
+            _resolve(next_addr, p.timeout_s),
+            fw_pacer,
+            bw_inbox,
+            p.timeout_s,
+            readers,
+            token,
+            tls,
+            me=me,
+            run_id=run_id,
+            link=index,
+        )
     sync_server_obj = sync_servicer = sync_channel = sync_pacer = None
     sync_inbox: queue.Queue = queue.Queue()
     if sync is not None and replica == 0:
         sync_servicer = replicas.SyncServicer(R, p.bandwidth_bps, latency)
         sync_server_obj, sport = replicas.serve_sync(
-            sync_servicer, sync_listen, token, guard.Limits(8 * sync.n + (64 << 10), max_calls=R + 2, max_calls_per_caller=R + 2, idle_s=p.timeout_s), tls)
+            sync_servicer,
+            sync_listen,
+            token,
+            guard.Limits(8 * sync.n + (64 << 10), max_calls=R + 2, max_calls_per_caller=R + 2, idle_s=p.timeout_s),
+            tls,
+        )
         tmp = out / "sync_address.tmp"
         tmp.write_text(f"{sync_listen.rsplit(':', 1)[0]}:{sport}\n")
         os.replace(tmp, out / "sync_address")
     elif sync is not None:
         sync_pacer = pacing.Pacer(p.bandwidth_bps, latency)
-        sync_channel = replicas.connect_sync(_resolve(sync_server, p.timeout_s), sync_pacer, sync_inbox, p.timeout_s, readers,
-                                             token, tls, link.CHANNEL_OPTIONS)
+        sync_channel = replicas.connect_sync(
+            _resolve(sync_server, p.timeout_s),
+            sync_pacer,
+            sync_inbox,
+            p.timeout_s,
+            readers,
+            token,
+            tls,
+            link.CHANNEL_OPTIONS,
+        )
     t_run = time.time()
     t_wall = time.perf_counter() - wall0
     writer = MetricsWriter(metrics, tensorboard=cfg.run.tensorboard, resumed_after=resume_step)
@@ -415,30 +515,63 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
                     sent["bw_frames"] += 1
             update, sync_row = None, {}
             if sync is not None:
-                update, sync_row = _average(sync, step, engine.grads, replica, R, sync_servicer, sync_pacer, sync_inbox,
-                                            p.timeout_s, build.lr_at(cfg, step))
+                update, sync_row = _average(
+                    sync,
+                    step,
+                    engine.grads,
+                    replica,
+                    R,
+                    sync_servicer,
+                    sync_pacer,
+                    sync_inbox,
+                    p.timeout_s,
+                    build.lr_at(cfg, step),
+                )
             loss = engine.finish_step(update)
-            transfer = (fw_pacer.transfer_s if fw_pacer else 0.0) + (bw_pacer.transfer_s if bw_pacer else 0.0) - transfer0
+            transfer = (
+                (fw_pacer.transfer_s if fw_pacer else 0.0) + (bw_pacer.transfer_s if bw_pacer else 0.0) - transfer0
+            )
             now = time.perf_counter()
             payload_total += sent["fw_bytes"] + sent["bw_bytes"]
-            writer.write(stage_record(index, engine.step, loss=loss, lr=build.lr_at(cfg, step), sent=sent,
-                                      times={**engine.last_times, **engine.last_cq, **sync_row},
-                                      wait_s=wait, transfer_s=transfer, step_time_s=now - t0, wall_time_s=now - t_wall,
-                                      payload_bytes_total=payload_total, digest=checksum(engine.params),
-                                      buffer_digests=engine.buffer_digests(), buffer_bytes=engine.buffer_nbytes()))
+            writer.write(
+                stage_record(
+                    index,
+                    engine.step,
+                    loss=loss,
+                    lr=build.lr_at(cfg, step),
+                    sent=sent,
+                    times={**engine.last_times, **engine.last_cq, **sync_row},
+                    wait_s=wait,
+                    transfer_s=transfer,
+                    step_time_s=now - t0,
+                    wall_time_s=now - t_wall,
+                    payload_bytes_total=payload_total,
+                    digest=checksum(engine.params),
+                    buffer_digests=engine.buffer_digests(),
+                    buffer_bytes=engine.buffer_nbytes(),
+                )
+            )
             for d, link_k in (("fw", index), ("bw", index - 1)):
                 cq = engine.last_cq[f"{d}_cq"]
                 if cq is not None and cq >= CQ_LIMIT and d not in cq_warned:
                     cq_warned.add(d)
-                    print(f"stage {index} step {step}: c_Q of the {'activations' if d == 'fw' else 'gradients'} on link "
-                          f"{link_k} is {cq:.3f} >= 1/sqrt(2) = {CQ_LIMIT:.3f}, outside the AQ-SGD theorem's condition "
-                          f"(more bits, or scale_axis channel, lower it)", file=sys.stderr, flush=True)
+                    print(
+                        f"stage {index} step {step}: c_Q of the {'activations' if d == 'fw' else 'gradients'} on link "
+                        f"{link_k} is {cq:.3f} >= 1/sqrt(2) = {CQ_LIMIT:.3f}, outside the AQ-SGD theorem's condition "
+                        f"(more bits, or scale_axis channel, lower it)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             every = cfg.train.checkpoint_every
             if (every and engine.step % every == 0) or engine.step == steps:
                 ckpt.save(engine, run_id)
             if progress:
-                print(f"stage {index} step {step} " + (f"loss {loss:.4f} " if loss is not None else "")
-                      + f"wait {wait:.2f}s", flush=True)
+                print(
+                    f"stage {index} step {step} "
+                    + (f"loss {loss:.4f} " if loss is not None else "")
+                    + f"wait {wait:.2f}s",
+                    flush=True,
+                )
         ok = True
     except _Stopped:
         interrupted = True
@@ -483,9 +616,18 @@ def run_stage(cfg, index: int, out: Path, listen: str | None, next_addr: str | N
         if server is not None:
             server.stop(grace=1.0 if clean else 0).wait()
         link.join_readers(readers + (servicer.readers if servicer is not None else []))
-    summary = {"stage": index, "replica": replica, "steps": steps, "start": start, "steps_done": engine.step, "interrupted": interrupted,
-               "seconds": time.time() - t_run, "run_id": run_id,
-               "buffer_bytes": engine.buffer_nbytes(), **{f"{k}_digest": v for k, v in engine.buffer_digests().items()}}
+    summary = {
+        "stage": index,
+        "replica": replica,
+        "steps": steps,
+        "start": start,
+        "steps_done": engine.step,
+        "interrupted": interrupted,
+        "seconds": time.time() - t_run,
+        "run_id": run_id,
+        "buffer_bytes": engine.buffer_nbytes(),
+        **{f"{k}_digest": v for k, v in engine.buffer_digests().items()},
+    }
     summary["param_digest"] = checksum(engine.params)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -508,16 +650,31 @@ def main(argv: list[str]) -> int:
             cfg = _config.load_config(args.config, args.overrides)
             if cfg.pipeline is None:
                 raise ValueError(f"config {args.config} has no pipeline: section")
-            summary = run_stage(cfg, args.stage, out, args.listen, args.next, args.resume_step, progress=not args.quiet,
-                                stop=lambda: flag.is_set() or (out / "stop").exists(), token=token, tls=tls,
-                                upstream_key=upstream_key_of(args.upstream_key),
-                                me=None if args.identity is None else identity.Identity.load(args.identity),
-                                replica=args.replica, sync_listen=args.sync_listen, sync_server=args.sync_server)
+            summary = run_stage(
+                cfg,
+                args.stage,
+                out,
+                args.listen,
+                args.next,
+                args.resume_step,
+                progress=not args.quiet,
+                stop=lambda: flag.is_set() or (out / "stop").exists(),
+                token=token,
+                tls=tls,
+                upstream_key=upstream_key_of(args.upstream_key),
+                me=None if args.identity is None else identity.Identity.load(args.identity),
+                replica=args.replica,
+                sync_listen=args.sync_listen,
+                sync_server=args.sync_server,
+            )
         if summary["interrupted"]:
             why = flag.signal_name() if flag.is_set() else f"{out / 'stop'}"
-            print(f"zeroth stage {args.stage}: stopped by {why} after step {summary['steps_done']}; checkpoint saved in "
-                  f"{out / 'checkpoints' / str(summary['steps_done'])}; continue with --resume-step {summary['steps_done']}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"zeroth stage {args.stage}: stopped by {why} after step {summary['steps_done']}; checkpoint saved in "
+                f"{out / 'checkpoints' / str(summary['steps_done'])}; continue with --resume-step {summary['steps_done']}",
+                file=sys.stderr,
+                flush=True,
+            )
             return interrupt.EXIT_CODE
     except (link.LinkClosed, TimeoutError, ConnectionError) as e:
         print(f"zeroth stage {args.stage}: error: {e}", file=sys.stderr)

@@ -86,8 +86,15 @@ def to_frame(enc: Encoded, *, run_id: str, link: int, kind: str, step: int, micr
 def from_frame(frame: pb.TensorFrame) -> tuple[Encoded, np.ndarray]:
     """``(Encoded, example ids int64[b])`` of a frame (check it first with :func:`check_frame`)."""
     fresh = np.frombuffer(frame.fresh, np.uint8).astype(bool)
-    enc = Encoded(tuple(int(d) for d in frame.shape), int(frame.bits), fresh, bytes(frame.full), bytes(frame.packed),
-                  bytes(frame.scales), frame.quantizer)
+    enc = Encoded(
+        tuple(int(d) for d in frame.shape),
+        int(frame.bits),
+        fresh,
+        bytes(frame.full),
+        bytes(frame.packed),
+        bytes(frame.scales),
+        frame.quantizer,
+    )
     return enc, np.asarray(list(frame.example_ids), np.int64)
 
 
@@ -129,11 +136,16 @@ def check_frame(frame: pb.TensorFrame, exp: Expected) -> None:
         raise FrameError(INVALID, f"bits {frame.bits}; this link's codec uses {exp.bits} in this direction")
     want_q = quantizer_id(exp.axis) if exp.bits else ""
     if frame.quantizer != want_q:
-        raise FrameError(INVALID, f"quantizer {frame.quantizer!r}; this link expects {want_q!r} (both stages must run "
-                                  f"the same zeroth and scale axis)")
+        raise FrameError(
+            INVALID,
+            f"quantizer {frame.quantizer!r}; this link expects {want_q!r} (both stages must run "
+            f"the same zeroth and scale axis)",
+        )
     fresh = np.frombuffer(frame.fresh, np.uint8)
     if fresh.size != n or np.any(fresh > 1):
-        raise FrameError(INVALID, f"fresh must hold one 0/1 byte per example ({n}), got {fresh.size} bytes {fresh[:8].tolist()}")
+        raise FrameError(
+            INVALID, f"fresh must hold one 0/1 byte per example ({n}), got {fresh.size} bytes {fresh[:8].tolist()}"
+        )
     per = int(np.prod(exp.row_shape, dtype=np.int64)) if exp.row_shape else 1
     n_full = int(fresh.sum())
     n_q = n - n_full
@@ -147,4 +159,7 @@ def check_frame(frame: pb.TensorFrame, exp: Expected) -> None:
     for name, size in want.items():
         got = len(getattr(frame, name))
         if got != size:
-            raise FrameError(INVALID, f"{name} holds {got} bytes; {n_full} full and {n_q} quantized example(s) of shape {list(exp.row_shape)} need {size}")
+            raise FrameError(
+                INVALID,
+                f"{name} holds {got} bytes; {n_full} full and {n_q} quantized example(s) of shape {list(exp.row_shape)} need {size}",
+            )

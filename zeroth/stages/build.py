@@ -38,8 +38,9 @@ def transformer_of(cfg: _config.Config, ex: _examples.Examples, objective: str, 
         if banned in kw:
             raise ValueError(f"config field model.kwargs.{banned}: set from the data; remove it")
     num_classes = ex.vocab_size if objective == "lm" else ex.num_classes
-    model = models.build("transformer", num_classes=num_classes, vocab_size=ex.vocab_size, max_len=seq_len,
-                         pad_id=ex.pad_id, **kw)
+    model = models.build(
+        "transformer", num_classes=num_classes, vocab_size=ex.vocab_size, max_len=seq_len, pad_id=ex.pad_id, **kw
+    )
     return model, models.init(model, models.init_key(cfg.run.seed), ex.tokens[:1])
 
 

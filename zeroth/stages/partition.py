@@ -33,7 +33,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FAMILIES", "OBJECTIVES", "Partition", "block_ranges", "check_ranges", "even_split", "reference_loss", "smollm2_partition", "transformer_partition"]
+__all__ = [
+    "FAMILIES",
+    "OBJECTIVES",
+    "Partition",
+    "block_ranges",
+    "check_ranges",
+    "even_split",
+    "reference_loss",
+    "smollm2_partition",
+    "transformer_partition",
+]
 
 FAMILIES = ("transformer", "smollm2")
 OBJECTIVES = ("lm", "classify")
@@ -92,11 +102,15 @@ def check_ranges(ranges, n_blocks: int) -> list[tuple[int, int]]:
     at = 0
     for i, (a, b) in enumerate(out):
         if a != at or b < a:
-            raise ValueError(f"stage {i} range [{a}, {b}) does not continue from block {at}: ranges must tile "
-                             f"[0, {n_blocks}) in order, e.g. {block_ranges(n_blocks, len(out)) if n_blocks >= len(out) else [(0, n_blocks)]}")
+            raise ValueError(
+                f"stage {i} range [{a}, {b}) does not continue from block {at}: ranges must tile "
+                f"[0, {n_blocks}) in order, e.g. {block_ranges(n_blocks, len(out)) if n_blocks >= len(out) else [(0, n_blocks)]}"
+            )
         at = b
     if at != n_blocks:
-        raise ValueError(f"the stage ranges end at block {at}, the model has {n_blocks}: the last range must stop at {n_blocks}")
+        raise ValueError(
+            f"the stage ranges end at block {at}, the model has {n_blocks}: the last range must stop at {n_blocks}"
+        )
     return out
 
 
@@ -123,8 +137,15 @@ def _block(p: dict, h: jax.Array, mask, heads: int, d_model: int, mlp_dim: int) 
     return h + nn.Dense(d_model).apply({"params": p["Dense_1"]}, m)
 
 
-def transformer_partition(params: dict, stages: int | Sequence[tuple[int, int]], *, objective: str, heads: int, mlp_dim: int,
-                          pad_id: int | None = None) -> Partition:
+def transformer_partition(
+    params: dict,
+    stages: int | Sequence[tuple[int, int]],
+    *,
+    objective: str,
+    heads: int,
+    mlp_dim: int,
+    pad_id: int | None = None,
+) -> Partition:
     """Cut the parameters of a token-input ``Transformer`` into ``stages`` (see the module docstring).
 
     Args:
@@ -260,4 +281,3 @@ def reference_loss(part: Partition, params: list, tokens: jax.Array, labels: jax
     for s in range(1, len(fns) - 1):
         h = fns[s](params[s], h, tokens)
     return fns[-1](params[-1], h, tokens, labels)
-

@@ -127,7 +127,9 @@ class Checkpointer:
             create=True,
             cleanup_tmp_directories=True,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("params", "opt_state", "meta"))
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("params", "opt_state", "meta")
+        )
 
     def steps(self) -> list[int]:
         """Steps with a finalized checkpoint, ascending."""
@@ -180,9 +182,7 @@ class Checkpointer:
         """
         ocp = _ocp()
         if step not in self.steps():
-            raise CheckpointError(
-                f"no checkpoint at step {step} in {self.directory}; available steps: {self.steps()}"
-            )
+            raise CheckpointError(f"no checkpoint at step {step} in {self.directory}; available steps: {self.steps()}")
         if (why := _check_files(self.directory / str(step))) is not None:
             raise self._error(step, why)
         as_np = lambda t: jax.tree_util.tree_map(lambda a: np.zeros(np.shape(a), _dtype(a)), t)  # noqa: E731
@@ -199,11 +199,15 @@ class Checkpointer:
             raise self._error(step, "its parameter tree does not match the model")
         for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(params_template)):
             if np.shape(a) != np.shape(b) or _dtype(a) != _dtype(b):
-                raise self._error(step, f"a parameter has shape/dtype {np.shape(a)}/{_dtype(a)}, "
-                                  f"the model needs {np.shape(b)}/{_dtype(b)}")
+                raise self._error(
+                    step,
+                    f"a parameter has shape/dtype {np.shape(a)}/{_dtype(a)}, the model needs {np.shape(b)}/{_dtype(b)}",
+                )
         digest = checksum(params)
         if meta.get("digest") != digest:
-            raise self._error(step, f"parameter digest {digest[:16]}... differs from the saved {str(meta.get('digest'))[:16]}...")
+            raise self._error(
+                step, f"parameter digest {digest[:16]}... differs from the saved {str(meta.get('digest'))[:16]}..."
+            )
         opt_state = out["opt_state"] if opt_template is not None else None
         if opt_template is not None:
             leaves = jax.tree_util.tree_leaves(opt_state)
@@ -225,14 +229,18 @@ class Checkpointer:
         if (why := _check_files(self.directory / str(step))) is not None:
             raise self._error(step, why)
         try:
-            out = self._manager.restore(int(step), args=ocp.args.Composite(params=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+            out = self._manager.restore(
+                int(step), args=ocp.args.Composite(params=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
+            )
         except Exception as e:  # orbax/tensorstore raise many types for damaged files
             raise self._error(step, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
         meta = dict(out["meta"] or {})
         params = jax.tree_util.tree_map(np.asarray, out["params"])
         digest = checksum(params)
         if meta.get("digest") != digest:
-            raise self._error(step, f"parameter digest {digest[:16]}... differs from the saved {str(meta.get('digest'))[:16]}...")
+            raise self._error(
+                step, f"parameter digest {digest[:16]}... differs from the saved {str(meta.get('digest'))[:16]}..."
+            )
         return Restored(params, None, meta)
 
     def quarantine(self, step: int) -> Path:

@@ -68,7 +68,9 @@ def finetune(cfg, out_dir: str | Path, *, progress: bool = True) -> dict:
     train_ds = _data.load(cfg.data.dataset, "train")
     model = _models.build(cfg.model.name, num_classes=train_ds.num_classes, **cfg.model.kwargs)
     if not hasattr(model, "pretrained_params"):
-        raise ValueError(f"model {cfg.model.name!r} has no pretrained parameters; use `zeroth run` for models trained from scratch")
+        raise ValueError(
+            f"model {cfg.model.name!r} has no pretrained parameters; use `zeroth run` for models trained from scratch"
+        )
     result = _trainer.train(cfg, out_dir, progress=progress, checkpoints=False)
     out = Path(out_dir)
     evals = read_metrics(out / "metrics.jsonl", "eval")

@@ -92,7 +92,11 @@ class catch:
 
     def _handle(self, signum, frame) -> None:
         if self.flag.is_set():  # a second signal: the user insists
-            print(f"{signal.Signals(signum).name} again: exiting at once, without a checkpoint", file=sys.stderr, flush=True)
+            print(
+                f"{signal.Signals(signum).name} again: exiting at once, without a checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(EXIT_CODE)
         self.flag.set(signum)
 

@@ -82,11 +82,23 @@ __all__ = [
 ]
 
 # kind -> {field: allowed JSON types} every row of that kind holds (see the module docstring).
-_COMMON = {"kind": (str,), "step": (int,), "time_unix_s": (int, float), "wall_time_s": (int, float), "digest": (str,),
-           "forward_passes": (int,), "payload_bytes_total": (int,)}
+_COMMON = {
+    "kind": (str,),
+    "step": (int,),
+    "time_unix_s": (int, float),
+    "wall_time_s": (int, float),
+    "digest": (str,),
+    "forward_passes": (int,),
+    "payload_bytes_total": (int,),
+}
 SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
-    "train": {**_COMMON, "loss": (int, float, str, type(None)), "lr": (int, float), "step_time_s": (int, float),
-              "payload_bytes": (int,)},
+    "train": {
+        **_COMMON,
+        "loss": (int, float, str, type(None)),
+        "lr": (int, float),
+        "step_time_s": (int, float),
+        "payload_bytes": (int,),
+    },
     "eval": {**_COMMON, "eval_loss": (int, float, str), "eval_accuracy": (int, float)},
 }
 
@@ -172,7 +184,9 @@ def check_schema(records: Iterable[Mapping[str, Any]], where: str = "metrics") -
                 raise ValueError(f"{where}: row {n} ({kind}, step {r.get('step')}) has no field {field!r}")
             v = r[field]
             if isinstance(v, bool) or not isinstance(v, types):
-                raise ValueError(f"{where}: row {n} field {field!r} is {v!r}; expected {'/'.join(t.__name__ for t in types)}")
+                raise ValueError(
+                    f"{where}: row {n} field {field!r} is {v!r}; expected {'/'.join(t.__name__ for t in types)}"
+                )
         run, node = r.get("run"), r.get("node")
         if run is not None and not isinstance(run, str):
             raise ValueError(f"{where}: row {n} field 'run' is {run!r}; expected str (the run's label)")
@@ -256,5 +270,15 @@ def final_eval(records: Iterable[Mapping[str, Any]]) -> dict:
 def summarize(path: str | os.PathLike) -> dict:
     """The headline numbers of a run: final accuracy/loss, steps, passes, bytes (``payload_bytes``: the run's total), time, digest."""
     last = final_eval(read_metrics(path))
-    keys = ("step", "eval_accuracy", "eval_loss", "forward_passes", "backward_passes", "passes", "wall_time_s", "train_time_s", "digest")
+    keys = (
+        "step",
+        "eval_accuracy",
+        "eval_loss",
+        "forward_passes",
+        "backward_passes",
+        "passes",
+        "wall_time_s",
+        "train_time_s",
+        "digest",
+    )
     return {**{k: last.get(k) for k in keys}, "payload_bytes": last.get("payload_bytes_total")}

@@ -168,15 +168,25 @@ def _unflatten_state(folder: Path) -> Any:
         keys = _KEY.findall(leaf["path"])
         if not keys or "".join(f"['{k}']" for k in keys) != leaf["path"]:
             raise CheckpointError(f"{folder}: leaf path {leaf['path']!r} is not a path of dict keys")
-        arr = np.frombuffer(blob, dtype=np.dtype(leaf["dtype"]).newbyteorder("<"), count=int(np.prod(leaf["shape"], dtype=np.int64)),
-                            offset=leaf["offset"]).reshape(leaf["shape"]).astype(np.dtype(leaf["dtype"]))
+        arr = (
+            np.frombuffer(
+                blob,
+                dtype=np.dtype(leaf["dtype"]).newbyteorder("<"),
+                count=int(np.prod(leaf["shape"], dtype=np.int64)),
+                offset=leaf["offset"],
+            )
+            .reshape(leaf["shape"])
+            .astype(np.dtype(leaf["dtype"]))
+        )
         node = params
         for k in keys[:-1]:
             node = node.setdefault(k, {})
         node[keys[-1]] = arr
     digest = checksum(params)
     if digest != meta["digest"]:
-        raise CheckpointError(f"{folder}: parameter digest {digest[:16]} differs from its state.json's {meta['digest'][:16]}")
+        raise CheckpointError(
+            f"{folder}: parameter digest {digest[:16]} differs from its state.json's {meta['digest'][:16]}"
+        )
     return params
 
 
@@ -243,8 +253,10 @@ def _marsit_params(path: Path, summary: dict) -> dict:
         tree = _unflatten_npz(path / s["params_file"])
         digest = checksum(tree)
         if s.get("digest") and digest != s["digest"]:
-            raise CheckpointError(f"{path / s['params_file']}: parameter digest {digest[:16]} differs from "
-                                  f"summary.json's {s['digest'][:16]} (run {s['run']!r})")
+            raise CheckpointError(
+                f"{path / s['params_file']}: parameter digest {digest[:16]} differs from "
+                f"summary.json's {s['digest'][:16]} (run {s['run']!r})"
+            )
         out[s["run"]] = tree
     return out
 

@@ -41,7 +41,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EventWriter", "event_files", "crc32c", "masked_crc32c", "encode_event", "record", "row_scalars", "FILE_VERSION"]
+__all__ = [
+    "EventWriter",
+    "event_files",
+    "crc32c",
+    "masked_crc32c",
+    "encode_event",
+    "record",
+    "row_scalars",
+    "FILE_VERSION",
+]
 
 FILE_VERSION = "brain.Event:2"
 _POLY = 0x82F63B78  # CRC-32C, reflected
@@ -100,16 +109,24 @@ def _len_field(field: int, payload: bytes) -> bytes:
     return _varint(field << 3 | 2) + _varint(len(payload)) + payload
 
 
-def encode_event(wall_time: float, step: int, *, scalars: Mapping[str, float] | None = None,
-                 file_version: str | None = None, session_start: bool = False) -> bytes:
+def encode_event(
+    wall_time: float,
+    step: int,
+    *,
+    scalars: Mapping[str, float] | None = None,
+    file_version: str | None = None,
+    session_start: bool = False,
+) -> bytes:
     """A serialized ``Event``: wall time and step, and one of a file version, a summary of
     ``{tag: simple_value}`` scalars (float32), or a session log ``START``."""
     out = _varint(1 << 3 | 1) + struct.pack("<d", float(wall_time)) + _varint(2 << 3 | 0) + _varint(int(step))
     if file_version is not None:
         out += _len_field(3, file_version.encode())
     if scalars:
-        values = b"".join(_len_field(1, _len_field(1, tag.encode()) + _varint(2 << 3 | 5) + struct.pack("<f", float(v)))
-                          for tag, v in scalars.items())
+        values = b"".join(
+            _len_field(1, _len_field(1, tag.encode()) + _varint(2 << 3 | 5) + struct.pack("<f", float(v)))
+            for tag, v in scalars.items()
+        )
         out += _len_field(5, values)
     if session_start:
         out += _len_field(7, _varint(1 << 3 | 0) + _varint(1))
@@ -179,7 +196,9 @@ class EventWriter:
         wall = row.get("time_unix_s")
         wall = wall if isinstance(wall, (int, float)) and math.isfinite(wall) else time.time()
         step = row.get("step")
-        self._write(encode_event(wall, step if isinstance(step, int) and not isinstance(step, bool) else 0, scalars=scalars))
+        self._write(
+            encode_event(wall, step if isinstance(step, int) and not isinstance(step, bool) else 0, scalars=scalars)
+        )
 
     def restart(self, step: int) -> None:
         """Mark a run resumed after ``step - 1``: TensorBoard discards earlier files' points at ``step`` and after."""

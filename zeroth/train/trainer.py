@@ -323,13 +323,17 @@ def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, 
         if target is not None:
             restored = ckpt.restore(target, template, state.opt_state)  # saved as the tree, whatever the method holds
             if restored.meta.get("step") != target:
-                raise CheckpointError(f"checkpoint {ckpt.directory / str(target)} says step {restored.meta.get('step')}")
+                raise CheckpointError(
+                    f"checkpoint {ckpt.directory / str(target)} says step {restored.meta.get('step')}"
+                )
             for newer in [s for s in steps if s > target]:
                 ckpt.quarantine(newer)
             # the method lays the restored parameters out as its init does
             state = method.init(jax.tree_util.tree_map(jnp.asarray, restored.params), state.key)._replace(
                 step=target,
-                opt_state=None if restored.opt_state is None else jax.tree_util.tree_map(jnp.asarray, restored.opt_state),
+                opt_state=None
+                if restored.opt_state is None
+                else jax.tree_util.tree_map(jnp.asarray, restored.opt_state),
             )
             counters, resumed_from = _counters_from_meta(restored.meta), target
         # a step-0 checkpoint (a run stopped before its first step) writes its step-0 eval again
@@ -370,7 +374,12 @@ def _train(cfg, out, metrics_path, ckpt, loaded, resume, resume_step, progress, 
 
     def log_hook(e: _loop.Event) -> None:
         # the learning rate of the step just done (step e.step - 1 of the schedule)
-        extra = {"loss": float(e.info.loss), "lr": schedule(e.step - 1), "step_time_s": step_time["last"], "payload_bytes": e.info.payload_bytes}
+        extra = {
+            "loss": float(e.info.loss),
+            "lr": schedule(e.step - 1),
+            "step_time_s": step_time["last"],
+            "payload_bytes": e.info.payload_bytes,
+        }
         record("train", e.step, {**extra, **(e.info.metrics or {})}, e.state.params, e.counters)
 
     def eval_hook(e: _loop.Event) -> None:
@@ -450,4 +459,11 @@ def summary_line(result: RunResult) -> str:
     """One JSON line with the final numbers of a run."""
     keys = ("step", "eval_accuracy", "eval_loss", "forward_passes", "backward_passes", "wall_time_s", "train_time_s")
     s = {k: result.eval.get(k) for k in keys}
-    return json.dumps({"out_dir": str(result.out_dir), **s, "payload_bytes": result.eval.get("payload_bytes_total"), "digest": result.digest})
+    return json.dumps(
+        {
+            "out_dir": str(result.out_dir),
+            **s,
+            "payload_bytes": result.eval.get("payload_bytes_total"),
+            "digest": result.digest,
+        }
+    )

@@ -50,7 +50,9 @@ def _crypto():
 
 def _write_key(path: Path, key) -> None:
     _, _, serialization, _, _, _ = _crypto()
-    data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    data = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)
@@ -61,21 +63,40 @@ def _ca(directory: Path, days: int):
     x509, hashes, serialization, ec, _, NameOID = _crypto()
     cert_path, key_path = directory / "ca.pem", directory / "ca.key"
     if cert_path.is_file() and key_path.is_file():
-        return (x509.load_pem_x509_certificate(cert_path.read_bytes()),
-                serialization.load_pem_private_key(key_path.read_bytes(), password=None))
+        return (
+            x509.load_pem_x509_certificate(cert_path.read_bytes()),
+            serialization.load_pem_private_key(key_path.read_bytes(), password=None),
+        )
     if cert_path.exists() or key_path.exists():
         raise ValueError(f"{directory} holds only one of ca.pem and ca.key: restore the other or choose another --out")
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "zeroth run CA")])
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                                         encipher_only=False, decipher_only=False), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
     _write_key(key_path, key)
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return cert, key
@@ -108,14 +129,19 @@ def make_host_certificates(directory: str | os.PathLike, hosts, *, days: int = 3
         except ValueError:
             alt = x509.DNSName(host)
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
-                .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
-                .add_extension(x509.SubjectAlternativeName([alt]), critical=False)
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(x509.ExtendedKeyUsage([EKU.SERVER_AUTH, EKU.CLIENT_AUTH]), critical=False)
-                .sign(ca_key, hashes.SHA256()))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
+            .issuer_name(ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName([alt]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([EKU.SERVER_AUTH, EKU.CLIENT_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
         hd = d / host
         hd.mkdir(exist_ok=True)
         _write_key(hd / "key.pem", key)
@@ -133,19 +159,25 @@ def host_tls(directory: str | os.PathLike, names) -> TLSFiles:
     """
     d = Path(directory)
     if not (d / "ca.pem").is_file():
-        raise FileNotFoundError(f"{d / 'ca.pem'} does not exist: make the certificates with `zeroth certs --out {d} HOST ...`")
+        raise FileNotFoundError(
+            f"{d / 'ca.pem'} does not exist: make the certificates with `zeroth certs --out {d} HOST ...`"
+        )
     for name in names:
         if name and (d / name / "cert.pem").is_file() and (d / name / "key.pem").is_file():
             return TLSFiles(str(d / name / "cert.pem"), str(d / name / "key.pem"), str(d / "ca.pem"), mutual=True)
-    raise FileNotFoundError(f"no certificate for this host in {d} (looked for {', '.join(repr(n) for n in names if n)}): "
-                            f"make one with `zeroth certs --out {d} {next((n for n in names if n), 'HOST')}` and copy it here")
+    raise FileNotFoundError(
+        f"no certificate for this host in {d} (looked for {', '.join(repr(n) for n in names if n)}): "
+        f"make one with `zeroth certs --out {d} {next((n for n in names if n), 'HOST')}` and copy it here"
+    )
 
 
 def main(argv: list[str]) -> int:
     """Entry point of ``zeroth certs``; returns the exit code."""
     p = argparse.ArgumentParser(prog="zeroth certs", description="Make a CA and per-host certificates for mutual TLS.")
     p.add_argument("hosts", nargs="+", metavar="HOST", help="a host's DNS name or IP address (as the others reach it)")
-    p.add_argument("--out", required=True, help="folder for ca.pem, ca.key and HOST/{cert,key}.pem (a CA there is reused)")
+    p.add_argument(
+        "--out", required=True, help="folder for ca.pem, ca.key and HOST/{cert,key}.pem (a CA there is reused)"
+    )
     p.add_argument("--days", type=int, default=365, help="days the certificates are valid (default 365)")
     args = p.parse_args(argv)
     try:

@@ -39,7 +39,14 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["KEEPALIVE_S", "KEEPALIVE_TIMEOUT_S", "MIN_PING_INTERVAL_S", "MAX_RECONNECT_BACKOFF_S", "channel_options", "server_options"]
+__all__ = [
+    "KEEPALIVE_S",
+    "KEEPALIVE_TIMEOUT_S",
+    "MIN_PING_INTERVAL_S",
+    "MAX_RECONNECT_BACKOFF_S",
+    "channel_options",
+    "server_options",
+]
 
 KEEPALIVE_S = 10.0  # a channel with an open call pings its peer after this long without news
 KEEPALIVE_TIMEOUT_S = 10.0  # ... and ends the call with UNAVAILABLE if the ping is not answered within this

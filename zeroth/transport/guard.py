@@ -165,7 +165,9 @@ class GuardInterceptor(grpc.ServerInterceptor):
         self._unauthenticated = _deny(grpc.StatusCode.UNAUTHENTICATED, security.DENIED)
 
     def intercept_service(self, continuation, handler_call_details):
-        if self._token is not None and not security.token_matches(handler_call_details.invocation_metadata, self._token):
+        if self._token is not None and not security.token_matches(
+            handler_call_details.invocation_metadata, self._token
+        ):
             return self._unauthenticated
         handler = continuation(handler_call_details)
         if handler is None:
@@ -180,7 +182,9 @@ class GuardInterceptor(grpc.ServerInterceptor):
         with self._lock:
             n = self._calls.get(who, 0)
             if n >= self.limits.max_calls_per_caller:
-                refused = f"{who} already has {n} calls open on this server (at most {self.limits.max_calls_per_caller})"
+                refused = (
+                    f"{who} already has {n} calls open on this server (at most {self.limits.max_calls_per_caller})"
+                )
             elif self._open >= self.limits.max_calls:
                 refused = f"this server already has {self._open} calls open (at most {self.limits.max_calls})"
             else:
@@ -234,7 +238,9 @@ class GuardInterceptor(grpc.ServerInterceptor):
 
                 def stream_stream(request_iterator, context):
                     with self._admitted(context):
-                        yield from self._responses(behavior(self._requests(request_iterator, context), context), context)
+                        yield from self._responses(
+                            behavior(self._requests(request_iterator, context), context), context
+                        )
 
                 return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
             behavior = handler.stream_unary

@@ -161,8 +161,10 @@ def token_from_env(insecure: bool, environ=None) -> str | None:
         return None
     secret = secret_from_env(environ)
     if secret is None:
-        raise ValueError(f"no run secret: set {SECRET_ENV[0]} (the same on every process of the run) "
-                         "or pass --insecure (loopback experiments only)")
+        raise ValueError(
+            f"no run secret: set {SECRET_ENV[0]} (the same on every process of the run) "
+            "or pass --insecure (loopback experiments only)"
+        )
     return access_token(secret)
 
 

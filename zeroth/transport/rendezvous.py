@@ -60,8 +60,9 @@ __all__ = [
 MAX_MESSAGE_BYTES = 64 * 1024  # a roster of 1,000 hosts fits in well under this
 MAX_CONCURRENT_CALLS = 64  # every call is answered from memory at once: a few threads serve hundreds of hosts
 # Hosts on one machine are one caller; a call's request is read within 5 s or it is dropped.
-_LIMITS = guard.Limits(MAX_MESSAGE_BYTES, max_calls=MAX_CONCURRENT_CALLS, max_calls_per_caller=MAX_CONCURRENT_CALLS,
-                       body_s=5.0, idle_s=5.0)
+_LIMITS = guard.Limits(
+    MAX_MESSAGE_BYTES, max_calls=MAX_CONCURRENT_CALLS, max_calls_per_caller=MAX_CONCURRENT_CALLS, body_s=5.0, idle_s=5.0
+)
 
 
 def startup_window(processes: int) -> float:
@@ -119,8 +120,17 @@ class Store:
       late_joins: a host arriving after the run formed is admitted as ``late`` (up to ``max_nodes``).
     """
 
-    def __init__(self, *, min_nodes: int, max_nodes: int, timeout_s: float, config_digest: str, version: str,
-                 last_call_s: float = 10.0, late_joins: bool = False):
+    def __init__(
+        self,
+        *,
+        min_nodes: int,
+        max_nodes: int,
+        timeout_s: float,
+        config_digest: str,
+        version: str,
+        last_call_s: float = 10.0,
+        late_joins: bool = False,
+    ):
         if not 1 <= min_nodes <= max_nodes:
             raise ValueError(f"min_nodes={min_nodes}, max_nodes={max_nodes}: need 1 <= min <= max")
         if not timeout_s > 0:
@@ -137,48 +147,81 @@ class Store:
         self._failed = ""
         self._lock = threading.Lock()
 
-    def join(self, now: float, *, config_digest: str, version: str, advertise: str, node_rank: int, hostname: str,
-             nonce: bytes, key: bytes = b"") -> tuple[int, bool]:
+    def join(
+        self,
+        now: float,
+        *,
+        config_digest: str,
+        version: str,
+        advertise: str,
+        node_rank: int,
+        hostname: str,
+        nonce: bytes,
+        key: bytes = b"",
+    ) -> tuple[int, bool]:
         """Admit a host (``key``: its process's public key, 32 bytes, or empty); returns ``(rank, late)``.
         Raises :class:`Refused`."""
         if len(key) not in (0, 32):
-            raise Refused("INVALID_ARGUMENT", f"host {hostname} gives a key of {len(key)} bytes: an Ed25519 public "
-                                              "key has 32")
+            raise Refused(
+                "INVALID_ARGUMENT", f"host {hostname} gives a key of {len(key)} bytes: an Ed25519 public key has 32"
+            )
         with self._lock:
             self._tick(now)
             if nonce in self._members:
                 m = self._members[nonce]
                 return m.rank, nonce in self._late
             if config_digest != self.config_digest:
-                raise Refused("FAILED_PRECONDITION", f"host {hostname} runs a different config (digest {config_digest[:16]}) "
-                              f"than the run's (digest {self.config_digest[:16]}): give every host the same config and --set")
+                raise Refused(
+                    "FAILED_PRECONDITION",
+                    f"host {hostname} runs a different config (digest {config_digest[:16]}) "
+                    f"than the run's (digest {self.config_digest[:16]}): give every host the same config and --set",
+                )
             if version != self.version:
-                raise Refused("FAILED_PRECONDITION", f"host {hostname} runs zeroth {version}, the run zeroth {self.version}: "
-                              "install the same version on every host")
+                raise Refused(
+                    "FAILED_PRECONDITION",
+                    f"host {hostname} runs zeroth {version}, the run zeroth {self.version}: "
+                    "install the same version on every host",
+                )
             if self._failed:
                 raise Refused("FAILED_PRECONDITION", self._failed)
             if not split_address(advertise)[1]:
-                raise Refused("INVALID_ARGUMENT", f"host {hostname} advertises {advertise!r}: expected HOST:PORT with a port")
+                raise Refused(
+                    "INVALID_ARGUMENT", f"host {hostname} advertises {advertise!r}: expected HOST:PORT with a port"
+                )
             ranked = node_rank >= 0
             if self._ranked is None:
                 self._ranked = ranked
             elif ranked != self._ranked:
-                raise Refused("FAILED_PRECONDITION", f"host {hostname} {'gives' if ranked else 'does not give'} a node rank "
-                              f"but the first host {'did not' if ranked else 'did'}: give --node-rank on every host or on none")
+                raise Refused(
+                    "FAILED_PRECONDITION",
+                    f"host {hostname} {'gives' if ranked else 'does not give'} a node rank "
+                    f"but the first host {'did not' if ranked else 'did'}: give --node-rank on every host or on none",
+                )
             late = self._formed is not None
             if late and not self.late_joins:
-                raise Refused("FAILED_PRECONDITION", f"the run formed with {len(self._formed)} hosts before host {hostname} "
-                              "arrived and its system takes no late host: start every host within the start-up window")
+                raise Refused(
+                    "FAILED_PRECONDITION",
+                    f"the run formed with {len(self._formed)} hosts before host {hostname} "
+                    "arrived and its system takes no late host: start every host within the start-up window",
+                )
             if len(self._members) >= self.max_nodes:
-                raise Refused("RESOURCE_EXHAUSTED", f"the run has {self.max_nodes} hosts already (--nnodes); host {hostname} "
-                              "is one too many")
+                raise Refused(
+                    "RESOURCE_EXHAUSTED",
+                    f"the run has {self.max_nodes} hosts already (--nnodes); host {hostname} is one too many",
+                )
             taken = {m.rank for m in self._members.values()}
             if ranked:
                 if not node_rank < self.max_nodes:
-                    raise Refused("INVALID_ARGUMENT", f"host {hostname} has node rank {node_rank}; the ranks are 0..{self.max_nodes - 1}")
+                    raise Refused(
+                        "INVALID_ARGUMENT",
+                        f"host {hostname} has node rank {node_rank}; the ranks are 0..{self.max_nodes - 1}",
+                    )
                 if node_rank in taken:
                     other = next(m.hostname for m in self._members.values() if m.rank == node_rank)
-                    raise Refused("ALREADY_EXISTS", f"node rank {node_rank} is taken by host {other}; host {hostname} asked for it too")
+                    raise Refused(
+                        "ALREADY_EXISTS",
+                        f"node rank {node_rank} is taken by host {other}; host {hostname} asked for it too",
+                    )
                 rank = node_rank
             else:
                 rank = min(set(range(self.max_nodes)) - taken)
@@ -195,26 +238,42 @@ class Store:
         """The roster as it stands at ``now`` (forming it, or failing it, when its time has come)."""
         with self._lock:
             self._tick(now)
-            members = self._formed if self._formed is not None else tuple(sorted(self._members.values(), key=lambda m: m.rank))
+            members = (
+                self._formed
+                if self._formed is not None
+                else tuple(sorted(self._members.values(), key=lambda m: m.rank))
+            )
             if self._formed is not None:  # late hosts are listed after the run's own
                 members = members + tuple(sorted((self._members[n] for n in self._late), key=lambda m: m.rank))
-            return Roster(self._formed is not None, members, len(self._members), self.min_nodes, self.max_nodes,
-                          0.0 if self._first is None else now - self._first, self._failed,
-                          len(self._formed) if self._formed is not None else 0)
+            return Roster(
+                self._formed is not None,
+                members,
+                len(self._members),
+                self.min_nodes,
+                self.max_nodes,
+                0.0 if self._first is None else now - self._first,
+                self._failed,
+                len(self._formed) if self._formed is not None else 0,
+            )
 
     def _tick(self, now: float) -> None:
         if self._formed is not None or self._failed:
             return
         n = len(self._members)
         ranks = {m.rank for m in self._members.values()}
-        if n == self.max_nodes or (n >= self.min_nodes and now - self._last_join >= self.last_call_s
-                                   and (not self._ranked or ranks == set(range(n)))):
+        if n == self.max_nodes or (
+            n >= self.min_nodes
+            and now - self._last_join >= self.last_call_s
+            and (not self._ranked or ranks == set(range(n)))
+        ):
             self._formed = tuple(sorted(self._members.values(), key=lambda m: m.rank))
         elif self._first is not None and now - self._first > self.timeout_s:
             have = ", ".join(f"{m.rank}:{m.hostname}" for m in sorted(self._members.values(), key=lambda m: m.rank))
-            self._failed = (f"only {n} of {self.min_nodes}{'' if self.min_nodes == self.max_nodes else '+'} hosts joined "
-                            f"within the start-up window of {self.timeout_s:g}s (joined: {have}); start the missing hosts, "
-                            "check they reach the rendezvous, or raise --startup-timeout")
+            self._failed = (
+                f"only {n} of {self.min_nodes}{'' if self.min_nodes == self.max_nodes else '+'} hosts joined "
+                f"within the start-up window of {self.timeout_s:g}s (joined: {have}); start the missing hosts, "
+                "check they reach the rendezvous, or raise --startup-timeout"
+            )
 
 
 class _Servicer(pb_grpc.RendezvousServicer):
@@ -224,9 +283,15 @@ class _Servicer(pb_grpc.RendezvousServicer):
     def Join(self, request, context):
         try:
             rank, late = self.store.join(
-                self.clock(), config_digest=request.config_digest, version=request.version, advertise=request.advertise,
-                node_rank=request.node_rank, hostname=request.hostname[:128], nonce=bytes(request.nonce[:32]),
-                key=bytes(request.key))
+                self.clock(),
+                config_digest=request.config_digest,
+                version=request.version,
+                advertise=request.advertise,
+                node_rank=request.node_rank,
+                hostname=request.hostname[:128],
+                nonce=bytes(request.nonce[:32]),
+                key=bytes(request.key),
+            )
         except Refused as e:
             context.abort(getattr(grpc.StatusCode, e.code), str(e))
         return pb.HostRank(rank=rank, late=late)
@@ -234,9 +299,18 @@ class _Servicer(pb_grpc.RendezvousServicer):
     def Roster(self, request, context):
         r = self.store.roster(self.clock())
         return pb.RosterReply(
-            formed=r.formed, joined=r.joined, min_nodes=r.min_nodes, max_nodes=r.max_nodes, waited_s=r.waited_s,
-            failed=r.failed, nodes=r.nodes, members=[pb.Host(rank=m.rank, advertise=m.advertise, hostname=m.hostname, key=bytes.fromhex(m.key))
-                                                   for m in r.members])
+            formed=r.formed,
+            joined=r.joined,
+            min_nodes=r.min_nodes,
+            max_nodes=r.max_nodes,
+            waited_s=r.waited_s,
+            failed=r.failed,
+            nodes=r.nodes,
+            members=[
+                pb.Host(rank=m.rank, advertise=m.advertise, hostname=m.hostname, key=bytes.fromhex(m.key))
+                for m in r.members
+            ],
+        )
 
 
 def serve(store: Store, listen: str, *, token: str | None, tls: security.TLSFiles | None = None) -> grpc.Server | None:
@@ -278,8 +352,18 @@ class Client:
         self._metadata = security.token_metadata(token)
         self.nonce = secrets.token_bytes(16)
 
-    def join(self, *, config_digest: str, version: str, advertise: str, node_rank: int, hostname: str,
-             deadline: float, poll_s: float = 0.5, key: bytes = b"") -> tuple[int, bool]:
+    def join(
+        self,
+        *,
+        config_digest: str,
+        version: str,
+        advertise: str,
+        node_rank: int,
+        hostname: str,
+        deadline: float,
+        poll_s: float = 0.5,
+        key: bytes = b"",
+    ) -> tuple[int, bool]:
         """Join, retrying while the rendezvous cannot be reached, until ``deadline`` (``time.monotonic``);
         ``key``: the public key of the process this host starts (the roster carries it).
 
@@ -287,16 +371,31 @@ class Client:
           Refused: the store refused this host (its reason), or the rendezvous could not be reached
             before ``deadline`` (code ``UNAVAILABLE``, with gRPC's last error).
         """
-        req = pb.HostJoin(config_digest=config_digest, version=version, advertise=advertise, node_rank=node_rank,
-                             hostname=hostname, nonce=self.nonce, key=key)
+        req = pb.HostJoin(
+            config_digest=config_digest,
+            version=version,
+            advertise=advertise,
+            node_rank=node_rank,
+            hostname=hostname,
+            nonce=self.nonce,
+            key=key,
+        )
         reply = self._call(self._stub.Join, req, deadline, poll_s)
         return reply.rank, reply.late
 
     def roster(self, deadline: float, poll_s: float = 0.5) -> Roster:
         """One read of the roster (retrying an unreachable rendezvous until ``deadline``)."""
         r = self._call(self._stub.Roster, pb.RosterQuery(nonce=self.nonce), deadline, poll_s)
-        return Roster(r.formed, tuple(Member(m.rank, m.advertise, m.hostname, bytes(m.key).hex()) for m in r.members), r.joined,
-                      r.min_nodes, r.max_nodes, r.waited_s, r.failed, r.nodes)
+        return Roster(
+            r.formed,
+            tuple(Member(m.rank, m.advertise, m.hostname, bytes(m.key).hex()) for m in r.members),
+            r.joined,
+            r.min_nodes,
+            r.max_nodes,
+            r.waited_s,
+            r.failed,
+            r.nodes,
+        )
 
     def wait_formed(self, deadline: float, poll_s: float = 0.5, progress=None) -> Roster:
         """Poll the roster until it is formed or failed; ``progress(roster)`` is called on each change of ``joined``.
@@ -316,8 +415,11 @@ class Client:
                 seen = r.joined
                 progress(r)
             if time.monotonic() > deadline:
-                raise Refused("DEADLINE_EXCEEDED", f"the rendezvous at {self.address} formed no run by the deadline "
-                              f"({r.joined} of {r.min_nodes} hosts joined)")
+                raise Refused(
+                    "DEADLINE_EXCEEDED",
+                    f"the rendezvous at {self.address} formed no run by the deadline "
+                    f"({r.joined} of {r.min_nodes} hosts joined)",
+                )
             time.sleep(poll_s)
 
     def _call(self, method, request, deadline: float, poll_s: float):
@@ -325,9 +427,12 @@ class Client:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise Refused("UNAVAILABLE", f"cannot reach the rendezvous at {self.address}: "
-                              f"{last.code().name + ': ' + str(last.details()) if last else 'no answer'}; check the "
-                              "address, that the rendezvous host's launcher runs, and that its port is open")
+                raise Refused(
+                    "UNAVAILABLE",
+                    f"cannot reach the rendezvous at {self.address}: "
+                    f"{last.code().name + ': ' + str(last.details()) if last else 'no answer'}; check the "
+                    "address, that the rendezvous host's launcher runs, and that its port is open",
+                )
             try:
                 return method(request, metadata=self._metadata, timeout=min(10.0, max(0.5, left)))
             except grpc.RpcError as e:

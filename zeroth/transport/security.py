@@ -139,8 +139,11 @@ def add_tls_arguments(parser) -> None:
     parser.add_argument("--tls-cert", default=None, help="this process's certificate chain (PEM)")
     parser.add_argument("--tls-key", default=None, help="its private key (PEM)")
     parser.add_argument("--tls-ca", default=None, help="the CA that signed the other processes' certificates (PEM)")
-    parser.add_argument("--tls-mutual", action="store_true", help="mutual TLS: present --tls-cert when calling, and "
-                        "refuse callers without a certificate signed by --tls-ca")
+    parser.add_argument(
+        "--tls-mutual",
+        action="store_true",
+        help="mutual TLS: present --tls-cert when calling, and refuse callers without a certificate signed by --tls-ca",
+    )
 
 
 def tls_from_args(args) -> TLSFiles | None:
@@ -188,9 +191,23 @@ def self_signed(directory: str | os.PathLike, *, hosts=("127.0.0.1", "localhost"
     if openssl:
         subprocess.run(
             [
-                openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-sha256",
-                "-keyout", str(key), "-out", str(cert), "-days", str(days),
-                "-subj", "/CN=zeroth-peer", "-addext", f"subjectAltName={sans}",
+                openssl,
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-sha256",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+                "-days",
+                str(days),
+                "-subj",
+                "/CN=zeroth-peer",
+                "-addext",
+                f"subjectAltName={sans}",
             ],
             check=True,
             capture_output=True,

@@ -31,7 +31,15 @@ from zeroth.zo.estimator import (
     projected_gradients_fn,
     round_eps,
 )
-from zeroth.zo.optax_bridge import ZOGrads, ZOOptax, ZOOptaxState, dense_gradient, zo_estimate, zo_optax, zo_value_and_grad
+from zeroth.zo.optax_bridge import (
+    ZOGrads,
+    ZOOptax,
+    ZOOptaxState,
+    dense_gradient,
+    zo_estimate,
+    zo_optax,
+    zo_value_and_grad,
+)
 from zeroth.zo.step import Deferred, Held, StepResult, mezo_step, settle
 from zeroth.zo.update import SCALINGS, canonical_updates, decay_factor, lr_at, update_coefficients, weight_decay
 

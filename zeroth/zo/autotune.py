@@ -39,8 +39,6 @@ _INDIVIDUAL_LIBRARY_OPS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYP
 AUTOTUNE_MIN_BYTES = 1 << 20
 
 
-
-
 def _platform(backend: str | None) -> str:
     """The platform family of ``backend`` (default: where uncommitted arrays go)."""
     return _rule.default_platform() if backend is None else _rule.platform_name(backend)
@@ -133,7 +131,9 @@ def estimator_option_candidates(params, backend: str | None = None) -> list[dict
       1
     """
     candidates = compiler_option_candidates(backend)
-    param_bytes = sum(int(np.size(x)) * jnp.dtype(jnp.result_type(x)).itemsize for x in jax.tree_util.tree_leaves(params))
+    param_bytes = sum(
+        int(np.size(x)) * jnp.dtype(jnp.result_type(x)).itemsize for x in jax.tree_util.tree_leaves(params)
+    )
     if param_bytes >= AUTOTUNE_MIN_BYTES:
         return candidates
     if _platform(backend) == "cpu":
@@ -144,8 +144,13 @@ def estimator_option_candidates(params, backend: str | None = None) -> list[dict
     return candidates[:1]
 
 
-def compile_candidates(lowered, candidates: Sequence[Mapping[str, Any]], backend: str | None = None, *,
-                       enough: Callable[[Any], bool] | None = None) -> list:
+def compile_candidates(
+    lowered,
+    candidates: Sequence[Mapping[str, Any]],
+    backend: str | None = None,
+    *,
+    enough: Callable[[Any], bool] | None = None,
+) -> list:
     """``[lowered.compile(options) for options in candidates]``, in rounds of
     :func:`side_by_side` candidates (``backend`` default: :func:`zeroth.rule.default_platform`):
     on a CPU pairs compile side by side in threads (XLA compiles without holding Python's lock),
@@ -166,7 +171,7 @@ def compile_candidates(lowered, candidates: Sequence[Mapping[str, Any]], backend
     size = side_by_side(backend)
     compiled: list = []
     for start in range(0, len(candidates), size):
-        batch = [dict(o) for o in candidates[start:start + size]]
+        batch = [dict(o) for o in candidates[start : start + size]]
         if len(batch) == 1:
             new = [lowered.compile(batch[0])]
         else:

@@ -163,8 +163,9 @@ def projected_gradients(
             # The native CPU kernel, one launch per leaf: one threefry call per 4 (binomial) or
             # 64 (Rademacher) elements where the jnp rule hashes once per element, and each
             # perturbed leaf is its own buffer, computed just before its first use.
-            perturbed = _fused.apply_updates(theta, key[None], s[None], distribution=distribution, impl="native",
-                                             platform="cpu", per_leaf=True)
+            perturbed = _fused.apply_updates(
+                theta, key[None], s[None], distribution=distribution, impl="native", platform="cpu", per_leaf=True
+            )
         elif impl == "pallas":
             # A kernel per large leaf, reading it where it lies (its own array, or a Flat buffer)
             # and writing the perturbed leaf apart: XLA neither fuses it into its consumers nor
@@ -228,8 +229,9 @@ def _jnp_leaves(leaves, key, scale, table, distribution: str):
     ``x / 1 == x`` for every float). The division marks its producer as expensive, so XLA
     materializes the leaf once instead of fusing the noise generation into consumers that
     broadcast it (a bias added to every token would otherwise regenerate its noise once per token)."""
-    perturbed = _fused.apply_updates(leaves, key[None], scale[None], distribution=distribution, impl="jnp",
-                                     per_leaf=True, leaf_keys=table)
+    perturbed = _fused.apply_updates(
+        leaves, key[None], scale[None], distribution=distribution, impl="jnp", per_leaf=True, leaf_keys=table
+    )
     unit = scale / scale
     return jax.tree_util.tree_map(lambda x: x / unit.astype(x.dtype), perturbed)
 
@@ -254,8 +256,14 @@ def _pallas_leaves(theta, key, scale, table, distribution: str, sources=None):
         if out[i] is None:
             buffer, base = (leaf.reshape(-1), 0) if sources is None else sources[i]
             out[i] = _fused.perturb_pallas_segments(
-                buffer, table, scale[None], ((base, leaf.size, i),), distribution=distribution, interpret=interpret,
-                platform="cpu" if interpret else None).reshape(leaf.shape)
+                buffer,
+                table,
+                scale[None],
+                ((base, leaf.size, i),),
+                distribution=distribution,
+                interpret=interpret,
+                platform="cpu" if interpret else None,
+            ).reshape(leaf.shape)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -266,8 +274,9 @@ work above which the native CPU kernel runs on threads. Smaller kernels in block
 save memory but cost time; ``zeroth bench zo --model mlp --rows step --width W`` measures both."""
 
 
-def _perturbed_parts(theta, perturbed, table, scale, distribution: str, native: bool,
-                     sources=None) -> _layerwise.Provider:
+def _perturbed_parts(
+    theta, perturbed, table, scale, distribution: str, native: bool, sources=None
+) -> _layerwise.Provider:
     """The :class:`zeroth.layerwise.Provider` of one perturbed model ``perturbed = θ + s·z``.
 
     It recognises the leaves of ``perturbed`` by identity and serves layer ``i`` of a stacked leaf
@@ -284,7 +293,9 @@ def _perturbed_parts(theta, perturbed, table, scale, distribution: str, native: 
     p_leaves = jax.tree_util.tree_leaves(perturbed)
     if sources is None:
         sources = [(t, 0) for t in t_leaves]
-    known = {id(p): (p, t, table[i], src) for i, (t, p, src) in enumerate(zip(t_leaves, p_leaves, sources, strict=True))}
+    known = {
+        id(p): (p, t, table[i], src) for i, (t, p, src) in enumerate(zip(t_leaves, p_leaves, sources, strict=True))
+    }
     scales = scale[None]
     impl = "native" if native else "jnp"
 
@@ -302,8 +313,9 @@ def _perturbed_parts(theta, perturbed, table, scale, distribution: str, native: 
         _, t, lk, (source, base) = hit
 
         def at(start):
-            z = _fused.slices.perturb_slice(source, lk, scales, start, shape, distribution=distribution, impl=impl,
-                                     base=base, size=t.size)
+            z = _fused.slices.perturb_slice(
+                source, lk, scales, start, shape, distribution=distribution, impl=impl, base=base, size=t.size
+            )
             return z if native else materialize(z, t)
 
         return at
@@ -364,15 +376,22 @@ class ProjectedGradientsFn:
     by page each time.
     """
 
-    def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], distribution: str, *, unroll: bool = False,
-                 perturb_impl: str = "auto"):
+    def __init__(
+        self,
+        loss_fn: Callable[[Any, Any], jax.Array],
+        distribution: str,
+        *,
+        unroll: bool = False,
+        perturb_impl: str = "auto",
+    ):
         self.loss_fn = loss_fn
         self.distribution = distribution
         self.unroll = unroll
         self.perturb_impl = perturb_impl
         self._cache: dict[tuple, tuple[Any, dict[str, Any]]] = {}
-        estimate = functools.partial(projected_gradients, loss_fn, distribution=distribution, unroll=unroll,
-                                     perturb_impl=perturb_impl)
+        estimate = functools.partial(
+            projected_gradients, loss_fn, distribution=distribution, unroll=unroll, perturb_impl=perturb_impl
+        )
 
         def program(params, batch, keys, eps_scale, enc=None):
             return _encoded(estimate(params, batch, keys, eps_scale), enc)
@@ -391,7 +410,10 @@ class ProjectedGradientsFn:
         if enc is None:  # the plain program's four arguments (a lowered one is called with them)
             return args
         table, factor = enc
-        return (*args, (_conform(table, np.float32, (256,)), None if factor is None else _conform(factor, np.float32, ())))
+        return (
+            *args,
+            (_conform(table, np.float32, (256,)), None if factor is None else _conform(factor, np.float32, ())),
+        )
 
     def compiled(self, params, batch, keys, eps_scale, enc=None):
         """The chosen ``jax.stages.Compiled`` for these arguments' signature (compiling if new)."""
@@ -412,8 +434,11 @@ class ProjectedGradientsFn:
 
     def _after_args(self, params, update, batch, keys, eps_scale, enc=None):
         keys_u, scales, factor = update  # a deferred step's scales and factor are still on the device
-        held = (_conform(keys_u, np.uint32, (-1, 2)), _conform(scales, np.float32, (-1,)),
-                None if factor is None else _conform(factor, np.float32, ()))
+        held = (
+            _conform(keys_u, np.uint32, (-1, 2)),
+            _conform(scales, np.float32, (-1,)),
+            None if factor is None else _conform(factor, np.float32, ()),
+        )
         return (params, held, *self._args(None, batch, keys, eps_scale, enc)[1:])
 
     def compiled_after_update(self, params, update, batch, keys, eps_scale, enc=None):
@@ -522,8 +547,13 @@ def _estimator(loss_fn, distribution: str, backend: str, unroll: bool, perturb_i
     return ProjectedGradientsFn(loss_fn, distribution, unroll=unroll, perturb_impl=perturb_impl)
 
 
-def projected_gradients_fn(loss_fn: Callable[[Any, Any], jax.Array], *, distribution: str = "binomial",
-                           unroll: bool = False, perturb_impl: str = "auto") -> ProjectedGradientsFn:
+def projected_gradients_fn(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    *,
+    distribution: str = "binomial",
+    unroll: bool = False,
+    perturb_impl: str = "auto",
+) -> ProjectedGradientsFn:
     """The compiled estimator ``fn(params, batch, keys, eps_scale) -> (g f32[n], ℓ f32[n])``.
 
     Compiled with the memory-saving options of :func:`compiler_option_candidates` (the first

@@ -93,7 +93,9 @@ def zo_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], *, eps: float, d
     def fn(params, batch, keys):
         keys = jnp.asarray(keys, jnp.uint32).reshape(-1, 2)
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((params, batch, keys))):
-            g, losses = _estimator.projected_gradients(loss_fn, params, batch, keys, eps_scale, distribution=distribution)
+            g, losses = _estimator.projected_gradients(
+                loss_fn, params, batch, keys, eps_scale, distribution=distribution
+            )
         else:
             g, losses = estimator(params, batch, keys, eps_scale)
         return jnp.mean(losses), ZOGrads(keys, g)
@@ -156,9 +158,13 @@ def zo_estimate(*, distribution: str = "binomial", scaling: str = "sqrt") -> opt
     def update_fn(updates, state, params=None, *, n_total=None, **extra_args):
         del extra_args
         if params is None:
-            raise ValueError("zo_estimate needs params (opt.update(grads, state, params)): their leaf paths name the noise")
+            raise ValueError(
+                "zo_estimate needs params (opt.update(grads, state, params)): their leaf paths name the noise"
+            )
         if not isinstance(updates, ZOGrads):
-            raise TypeError(f"zo_estimate takes updates=ZOGrads(keys, grads) (see zo_value_and_grad), got {type(updates).__name__}")
+            raise TypeError(
+                f"zo_estimate takes updates=ZOGrads(keys, grads) (see zo_value_and_grad), got {type(updates).__name__}"
+            )
         keys = jnp.asarray(updates.keys, jnp.uint32).reshape(-1, 2)
         n = keys.shape[0]
         if n_total is None:

@@ -1,5 +1,4 @@
-"""One machine's MeZO step: estimate, encode, update (held or deferred) in one compiled call.
-"""
+"""One machine's MeZO step: estimate, encode, update (held or deferred) in one compiled call."""
 
 from __future__ import annotations
 
@@ -70,11 +69,34 @@ class _Outcome:
     and the update's scales and decay factor (:func:`_encoded`), which the next step's program
     applies without the host."""
 
-    __slots__ = ("g", "losses", "codes", "scales", "factor", "iteration", "lr", "eps", "scaling", "distribution",
-                 "_result")
+    __slots__ = (
+        "g",
+        "losses",
+        "codes",
+        "scales",
+        "factor",
+        "iteration",
+        "lr",
+        "eps",
+        "scaling",
+        "distribution",
+        "_result",
+    )
 
-    def __init__(self, g, losses, codes, scales, factor, *, iteration: int, lr: float, eps: float, scaling: str,
-                 distribution: str):
+    def __init__(
+        self,
+        g,
+        losses,
+        codes,
+        scales,
+        factor,
+        *,
+        iteration: int,
+        lr: float,
+        eps: float,
+        scaling: str,
+        distribution: str,
+    ):
         # device arrays, as _encoded returns them (factor: None without weight decay)
         self.g, self.losses, self.codes, self.scales, self.factor = g, losses, codes, scales, factor
         self.iteration, self.lr, self.eps, self.scaling, self.distribution = iteration, lr, eps, scaling, distribution
@@ -88,11 +110,13 @@ class _Outcome:
         if self._result is not None:
             return self._result
         g, losses, codes, scales = jax.device_get((self.g, self.losses, self.codes, self.scales))
-        payload, decoded, coefficients = _host_update(g, losses, _codecs.ONEBYTE, self.lr, self.scaling,
-                                                      iteration=self.iteration, eps=self.eps)
+        payload, decoded, coefficients = _host_update(
+            g, losses, _codecs.ONEBYTE, self.lr, self.scaling, iteration=self.iteration, eps=self.eps
+        )
         host_scales = _replay.update_scales(self.distribution, coefficients)
         if payload != np.asarray(codes, np.uint8).tobytes() or not np.array_equal(
-                host_scales.view(np.uint32), np.asarray(scales, np.float32).view(np.uint32)):
+            host_scales.view(np.uint32), np.asarray(scales, np.float32).view(np.uint32)
+        ):
             raise RuntimeError(
                 f"iteration {self.iteration}: the program's one-byte codes {np.asarray(codes).tolist()} and scales "
                 f"{np.asarray(scales).tolist()} differ from the host's {list(payload)} and {host_scales.tolist()} for "
@@ -183,7 +207,9 @@ def settle(params: Any) -> Any:
         except ValueError as exc:
             exc.params = params.params  # its update not applied
             raise
-    out = _replay.replay(params.params, (params.keys, list(coefficients)), distribution=params.distribution, donate=True)
+    out = _replay.replay(
+        params.params, (params.keys, list(coefficients)), distribution=params.distribution, donate=True
+    )
     return out if params.decay is None else _update._decay_donated(out, params.decay)
 
 
@@ -294,7 +320,9 @@ def mezo_step(
     before = None  # the previous step's outcome, if it was deferred: checked once this step is under way
     if isinstance(params, Held):
         if params.distribution != distribution:
-            raise ValueError(f"the held update is of distribution {params.distribution!r}; this step's is {distribution!r}")
+            raise ValueError(
+                f"the held update is of distribution {params.distribution!r}; this step's is {distribution!r}"
+            )
         before = params.outcome
         if before is None:
             held = (params.keys, _replay.update_scales(distribution, list(params.coefficients)), params.decay)
@@ -313,7 +341,10 @@ def mezo_step(
     if before is not None:
         try:
             before.result()
-        except (ValueError, RuntimeError) as exc:  # ValueError: its update was not applied (_encoded); these are the parameters it had
+        except (
+            ValueError,
+            RuntimeError,
+        ) as exc:  # ValueError: its update was not applied (_encoded); these are the parameters it had
             exc.params = params
             raise
     if defer:
@@ -328,8 +359,12 @@ def mezo_step(
     if hold:
         if not donate:  # the Held's parameters are donated later (settle, the next step): not the caller's
             params = jax.tree_util.tree_map(jnp.copy, params)
-        return StepResult(Held(params, keys, tuple(coefficients), decay_to, distribution, ahead), decoded, payload,
-                          float(np.mean(losses)))
+        return StepResult(
+            Held(params, keys, tuple(coefficients), decay_to, distribution, ahead),
+            decoded,
+            payload,
+            float(np.mean(losses)),
+        )
     # canonical_updates(run_seed, iteration, {machine: decoded}, lr, scaling), without re-deriving the keys
     updates = list(zip(keys, coefficients, strict=True))
     params = _replay.replay(params, updates, distribution=distribution, donate=donate)

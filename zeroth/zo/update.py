@@ -39,8 +39,6 @@ SCALINGS = ("linear", "sqrt")
 DECAY_FLUSH = _ref.DECAY_FLUSH
 
 
-
-
 def _check_scaling(scaling: str) -> str:
     if scaling not in SCALINGS:
         raise ValueError(f"unknown lr_scaling {scaling!r}; expected one of {list(SCALINGS)}")
@@ -162,13 +160,13 @@ def canonical_updates(
     n_total = sum(v.size for v in per.values())
     if n_total == 0:
         return []
-    coeffs = [(m, i, c) for m in order if per[m].size for i, c in enumerate(update_coefficients(per[m], lr, n_total, scaling))]
+    coeffs = [
+        (m, i, c) for m in order if per[m].size for i, c in enumerate(update_coefficients(per[m], lr, n_total, scaling))
+    ]
     # every key in one call (each (machine, iteration) prefix folded once): a peer builds this list
     # at every iteration, and one call per key pays NumPy's fixed cost per key
     keys = _rng.sample_keys(run_seed, [(m, iteration, i) for m, i, _ in coeffs])
     return [(keys[j], c) for j, (_, _, c) in enumerate(coeffs)]
-
-
 
 
 def decay_factor(lr: float, weight_decay: float) -> np.float32:

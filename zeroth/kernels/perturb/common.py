@@ -1,5 +1,4 @@
-"""Pieces every implementation shares: the leaves' keys, one block's updates, the ``jnp`` rule.
-"""
+"""Pieces every implementation shares: the leaves' keys, one block's updates, the ``jnp`` rule."""
 
 from __future__ import annotations
 
@@ -47,7 +46,9 @@ def _check_offset(offset, n: int):
     if not isinstance(offset, (int, np.integer)) or isinstance(offset, bool) or offset < 0:
         raise ValueError(f"offset must be a non-negative int (a global flat index), got {offset!r}")
     if int(offset) + n > _noise.MAX_LEAF_SIZE:
-        raise ValueError(f"offset {offset} + {n} elements exceeds the supported {_noise.MAX_LEAF_SIZE} elements per leaf")
+        raise ValueError(
+            f"offset {offset} + {n} elements exceeds the supported {_noise.MAX_LEAF_SIZE} elements per leaf"
+        )
     return int(offset)
 
 

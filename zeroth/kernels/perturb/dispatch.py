@@ -1,5 +1,4 @@
-"""Dispatch: a leaf, a pytree or a flat layout to the implementation for its platform.
-"""
+"""Dispatch: a leaf, a pytree or a flat layout to the implementation for its platform."""
 
 from __future__ import annotations
 
@@ -155,11 +154,20 @@ def apply_updates(
     leaves = [jnp.asarray(leaf) for _, leaf in with_path]
     ids = [_rng.leaf_id(path) for path, _ in with_path]
     if leaf_keys is not None and tuple(np.shape(leaf_keys)) != (len(leaves), keys.shape[0], 2):
-        raise ValueError(f"leaf_keys must be u32[L, K, 2] = {[len(leaves), keys.shape[0], 2]} for these "
-                         f"{len(leaves)} leaves and {keys.shape[0]} keys, got shape {list(np.shape(leaf_keys))}")
+        raise ValueError(
+            f"leaf_keys must be u32[L, K, 2] = {[len(leaves), keys.shape[0], 2]} for these "
+            f"{len(leaves)} leaves and {keys.shape[0]} keys, got shape {list(np.shape(leaf_keys))}"
+        )
     run = functools.partial(
-        _apply_leaves, ids=ids, distribution=distribution, impl=impl, inplace=inplace,
-        block_sizes=block_sizes, interpret=interpret, per_leaf=per_leaf, given=leaf_keys,
+        _apply_leaves,
+        ids=ids,
+        distribution=distribution,
+        impl=impl,
+        inplace=inplace,
+        block_sizes=block_sizes,
+        interpret=interpret,
+        per_leaf=per_leaf,
+        given=leaf_keys,
     )
     return jax.tree_util.tree_unflatten(treedef, _by_platform(run, leaves, keys, scales, impl=impl, platform=platform))
 
@@ -169,8 +177,9 @@ APART_MIN_BYTES = 1 << 20
 bytes from operands of its own (:func:`apply_updates`); smaller leaves may still share a fusion."""
 
 
-def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, block_sizes, interpret, platform, per_leaf,
-                  given=None):
+def _apply_leaves(
+    leaves, keys, scales, *, ids, distribution, impl, inplace, block_sizes, interpret, platform, per_leaf, given=None
+):
     """The updated ``leaves`` with the implementation for ``platform`` (see :func:`apply_updates`);
     on a TPU each leaf's dtype may take it to the jnp rule (:data:`zeroth.rule.MOSAIC_REFUSES`)."""
     requested, impl = impl, _plans.resolve_impl(impl, platform, keys.shape[0])
@@ -194,8 +203,16 @@ def _apply_leaves(leaves, keys, scales, *, ids, distribution, impl, inplace, blo
             if leaf_impl == "jnp":  # the Pallas kernel takes a static offset
                 offset = zero
         return perturb_leaf(
-            leaf, leaf_keys_, scales, distribution=distribution, offset=offset, impl=leaf_impl, inplace=inplace,
-            block_sizes=block_sizes, interpret=interpret, platform=platform,
+            leaf,
+            leaf_keys_,
+            scales,
+            distribution=distribution,
+            offset=offset,
+            impl=leaf_impl,
+            inplace=inplace,
+            block_sizes=block_sizes,
+            interpret=interpret,
+            platform=platform,
         )
 
     return [update(i, leaf) for i, leaf in enumerate(leaves)]
@@ -268,10 +285,18 @@ def apply_updates_flat(
         _rule.check_dtype(b.dtype, f"flat buffer {i}")
         if b.ndim != 1:
             raise ValueError(f"flat buffer {i} must be 1-D, got shape {b.shape}")
-    segments = tuple(_common._check_segments(seg, b.shape[0], f"flat buffer {i}") for i, (b, seg) in enumerate(zip(buffers, segments)))
+    segments = tuple(
+        _common._check_segments(seg, b.shape[0], f"flat buffer {i}")
+        for i, (b, seg) in enumerate(zip(buffers, segments))
+    )
     run = functools.partial(
-        _apply_flat, segments=segments, distribution=distribution, impl=impl, inplace=inplace,
-        block_sizes=block_sizes, interpret=interpret,
+        _apply_flat,
+        segments=segments,
+        distribution=distribution,
+        impl=impl,
+        inplace=inplace,
+        block_sizes=block_sizes,
+        interpret=interpret,
     )
     return _by_platform(run, buffers, keys, scales, impl=impl, platform=platform)
 
@@ -293,17 +318,37 @@ def _apply_flat(buffers, keys, scales, *, segments, distribution, impl, inplace,
     for b, seg in zip(buffers, segments):
         seg_keys, first = (all_keys[first : first + len(seg)] if seg else None), first + len(seg)
         buffer_impl = _plans.resolve_impl(requested, platform, n_updates, b.dtype)  # a float16 buffer on a TPU: jnp
-        if buffer_impl == "pallas" and b.shape[0] <= _plans._FLAT_MAX_ELEMENTS and (
-                platform != "tpu" or _plans.tpu_flat_fits(b.shape[0], b.dtype, block_sizes)):
-            out.append(b if not seg else _pallas.perturb_pallas_flat(
-                b, seg_keys, scales, seg, distribution=distribution, block_sizes=block_sizes, interpret=interpret,
-                inplace=inplace, platform=platform,
-            ))
+        if (
+            buffer_impl == "pallas"
+            and b.shape[0] <= _plans._FLAT_MAX_ELEMENTS
+            and (platform != "tpu" or _plans.tpu_flat_fits(b.shape[0], b.dtype, block_sizes))
+        ):
+            out.append(
+                b
+                if not seg
+                else _pallas.perturb_pallas_flat(
+                    b,
+                    seg_keys,
+                    scales,
+                    seg,
+                    distribution=distribution,
+                    block_sizes=block_sizes,
+                    interpret=interpret,
+                    inplace=inplace,
+                    platform=platform,
+                )
+            )
             continue
         for j, (o, z, _) in enumerate(seg):  # the jnp rule, a TPU buffer not in whole blocks: segment by segment
             new = perturb_leaf(
-                jax.lax.slice(b, (o,), (o + z,)), seg_keys[j], scales, distribution=distribution, impl=buffer_impl,
-                block_sizes=block_sizes, interpret=interpret, platform=platform,
+                jax.lax.slice(b, (o,), (o + z,)),
+                seg_keys[j],
+                scales,
+                distribution=distribution,
+                impl=buffer_impl,
+                block_sizes=block_sizes,
+                interpret=interpret,
+                platform=platform,
             )
             b = jax.lax.dynamic_update_slice(b, new, (o,))
         out.append(b)
@@ -363,7 +408,9 @@ def fused_apply_updates(
     _noise.check_distribution(distribution)
     keys_np = np.asarray(keys)
     if keys_np.dtype != np.uint32 or keys_np.ndim not in (1, 2) or keys_np.shape[-1] != 2:
-        raise ValueError(f"keys must be uint32 of shape (2,) or (K, 2), got dtype {keys_np.dtype} shape {keys_np.shape}")
+        raise ValueError(
+            f"keys must be uint32 of shape (2,) or (K, 2), got dtype {keys_np.dtype} shape {keys_np.shape}"
+        )
     keys_np = keys_np.reshape(-1, 2)
     scales_np = np.asarray(scales)
     if scales_np.dtype != np.float32 or scales_np.reshape(-1).shape[0] != keys_np.shape[0]:

@@ -1,5 +1,4 @@
-"""The flat kernel on TPU (Mosaic): a grid over fixed blocks of the buffer, segments masked inside.
-"""
+"""The flat kernel on TPU (Mosaic): a grid over fixed blocks of the buffer, segments masked inside."""
 
 from __future__ import annotations
 
@@ -22,17 +21,18 @@ def _tpu_flat_kernel(table_ref, keys_ref, scales_ref, x_ref, o_ref, *, distribut
     block, start, end, segment, first = (table_ref[i + c] for c in range(5))
     rows, width = x_ref.shape
     shape = (rows, width)
-    g = (
-        (block.astype(jnp.uint32) * jnp.uint32(rows) + jax.lax.broadcasted_iota(jnp.uint32, shape, 0)) * jnp.uint32(width)
-        + jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
-    )
+    g = (block.astype(jnp.uint32) * jnp.uint32(rows) + jax.lax.broadcasted_iota(jnp.uint32, shape, 0)) * jnp.uint32(
+        width
+    ) + jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
     start, end = start.astype(jnp.uint32), end.astype(jnp.uint32)
     mask = (g >= start) & (g < end)
     idx = g - start  # the element's counter in its leaf (wraps outside the segment: masked away)
     call = idx >> _plans._LOG2_PER_CALL[distribution]
     within = idx & jnp.uint32(_plans._PER_CALL[distribution] - 1)
     x = x_ref[...]
-    new = _common._segment_update(x, call, within, keys_ref, scales_ref, segment, n_updates=n_updates, distribution=distribution)
+    new = _common._segment_update(
+        x, call, within, keys_ref, scales_ref, segment, n_updates=n_updates, distribution=distribution
+    )
 
     @pl.when(first == 1)
     def _():
@@ -85,7 +85,10 @@ def _tpu_flat(buffer, keys_flat, scales, segments, *, n_updates, distribution, b
             functools.partial(_tpu_flat_kernel, distribution=distribution, n_updates=n_updates),
             out_shape=out_struct(x2d.shape, x2d.dtype, x2d, keys_g, scales),
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=1, grid=(table.shape[0],), in_specs=[smem, smem, tile], out_specs=tile,
+                num_scalar_prefetch=1,
+                grid=(table.shape[0],),
+                in_specs=[smem, smem, tile],
+                out_specs=tile,
             ),
             input_output_aliases={3: 0} if aliased else {},
             interpret=interpret,

@@ -1,5 +1,4 @@
-"""The native CPU kernel (an XLA FFI custom call) on a leaf, a tree and a flat buffer.
-"""
+"""The native CPU kernel (an XLA FFI custom call) on a leaf, a tree and a flat buffer."""
 
 from __future__ import annotations
 
@@ -86,8 +85,13 @@ def perturb_native_tree(
         input_output_aliases={i + 2: i for i in range(len(leaves))} if inplace else None,
     )
     return list(
-        call(keys, scales, *leaves, leaf_ids=np.asarray(leaf_ids, np.int64),
-             distribution=np.int32(_plans._DIST_CODE[distribution]))
+        call(
+            keys,
+            scales,
+            *leaves,
+            leaf_ids=np.asarray(leaf_ids, np.int64),
+            distribution=np.int32(_plans._DIST_CODE[distribution]),
+        )
     )
 
 
@@ -130,5 +134,12 @@ def perturb_native_flat(
         input_output_aliases={2: 0} if inplace else None,
     )
     column = lambda j: np.asarray([seg[j] for seg in segments], np.int64)  # noqa: E731
-    return call(keys, scales, buffer, offsets=column(0), sizes=column(1), leaf_ids=column(2),
-                distribution=np.int32(_plans._DIST_CODE[distribution]))
+    return call(
+        keys,
+        scales,
+        buffer,
+        offsets=column(0),
+        sizes=column(1),
+        leaf_ids=column(2),
+        distribution=np.int32(_plans._DIST_CODE[distribution]),
+    )

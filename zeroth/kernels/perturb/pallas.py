@@ -1,5 +1,4 @@
-"""The Pallas kernels for GPUs (Triton) and TPUs: a leaf in tiles, and the segments of a flat buffer.
-"""
+"""The Pallas kernels for GPUs (Triton) and TPUs: a leaf in tiles, and the segments of a flat buffer."""
 
 from __future__ import annotations
 
@@ -18,8 +17,18 @@ from zeroth.kernels.perturb import mosaic as _mosaic
 from zeroth.kernels.perturb import plans as _plans
 
 
-def _perturb_kernel(keys_ref, scales_ref, x_ref, o_ref, *, distribution: str, n_updates: int, offset: int, grouped: bool,
-                    flat_keys: bool = False):
+def _perturb_kernel(
+    keys_ref,
+    scales_ref,
+    x_ref,
+    o_ref,
+    *,
+    distribution: str,
+    n_updates: int,
+    offset: int,
+    grouped: bool,
+    flat_keys: bool = False,
+):
     """One tile; ``flat_keys``: the keys come as ``u32[2K]`` (TPU: SMEM pads a 2-D array's rows to
     128 words, so ``u32[K, 2]`` took 512 bytes per update, 32 KiB at K = 64, more than a TPU v3's
     16 KiB of SMEM; a TPU v4 or v5e failed to compile K = 4096: 2 MiB of its 1 MiB)."""
@@ -70,7 +79,11 @@ def _pallas_tiles(x2d, keys, scales, plan: _plans.TilePlan, *, distribution, off
         key_spec = pl.BlockSpec(keys.shape, lambda i: (0,) * keys.ndim)
         scale_spec = pl.BlockSpec(scales.shape, lambda i: (0,))
     kernel = functools.partial(
-        _perturb_kernel, distribution=distribution, n_updates=n_updates, offset=offset, grouped=plan.grouped,
+        _perturb_kernel,
+        distribution=distribution,
+        n_updates=n_updates,
+        offset=offset,
+        grouped=plan.grouped,
         flat_keys=flat_keys,
     )
     tile_spec = pl.BlockSpec((plan.tile_rows, plan.width), lambda i: (i, 0))
@@ -87,8 +100,9 @@ def _pallas_tiles(x2d, keys, scales, plan: _plans.TilePlan, *, distribution, off
     )(keys, scales, x2d)
 
 
-def _pallas_target(platform: str | None, interpret: bool, block_sizes: _plans.BlockSizes | None,
-                   dtype=None) -> tuple[str, _plans.BlockSizes]:
+def _pallas_target(
+    platform: str | None, interpret: bool, block_sizes: _plans.BlockSizes | None, dtype=None
+) -> tuple[str, _plans.BlockSizes]:
     """The platform a Pallas kernel is lowered for and its tiles (the platform's default when
     None), for a leaf of ``dtype`` (:func:`zeroth.rule.check_mosaic_dtype`)."""
     platform = _rule.default_platform() if platform is None else _rule.platform_name(platform)
@@ -140,25 +154,48 @@ def perturb_pallas(
         return _common.perturb_reference(x, keys, scales, distribution=distribution, offset=offset)
     flat = x.reshape(-1)
     run = functools.partial(
-        _pallas_tiles, keys=keys, scales=scales, plan=plan, distribution=distribution, offset=offset,
-        interpret=interpret, platform=platform,
+        _pallas_tiles,
+        keys=keys,
+        scales=scales,
+        plan=plan,
+        distribution=distribution,
+        offset=offset,
+        interpret=interpret,
+        platform=platform,
     )
     if plan.n % plan.width == 0:  # the leaf's own buffer as (rows, width): no copy
         out = run(flat.reshape(-1, plan.width), inplace=inplace).reshape(-1)
         if plan.tail:
             # Rows past the whole tiles are untouched: the input's values (aliased) or undefined.
             tail_in = out[plan.head :] if inplace else flat[plan.head :]
-            tail = _common.perturb_reference(tail_in, keys, scales, distribution=distribution, offset=offset + plan.head)
+            tail = _common.perturb_reference(
+                tail_in, keys, scales, distribution=distribution, offset=offset + plan.head
+            )
             out = jax.lax.dynamic_update_slice(out, tail, (plan.head,))
     else:
         head = run(flat[: plan.head].reshape(-1, plan.width), inplace=True).reshape(-1)
-        tail = _common.perturb_reference(flat[plan.head :], keys, scales, distribution=distribution, offset=offset + plan.head)
+        tail = _common.perturb_reference(
+            flat[plan.head :], keys, scales, distribution=distribution, offset=offset + plan.head
+        )
         out = jnp.concatenate([head, tail])
     return out.reshape(x.shape)
 
 
-def _flat_kernel(table_ref, keys_ref, scales_ref, x_ref, o_ref, *, distribution: str, n_updates: int,
-                 tile_rows: int, width: int, grouped: bool, align: int, out_align: int = 0):
+def _flat_kernel(
+    table_ref,
+    keys_ref,
+    scales_ref,
+    x_ref,
+    o_ref,
+    *,
+    distribution: str,
+    n_updates: int,
+    tile_rows: int,
+    width: int,
+    grouped: bool,
+    align: int,
+    out_align: int = 0,
+):
     """One work item (a row of :attr:`FlatTilePlan.table`): a masked tile of one segment, loaded
     and stored by element index, its noise named by the element's index in its leaf. With
     ``out_align`` > 0 the output holds the segments apart (:func:`perturb_pallas_segments`): a work
@@ -170,9 +207,8 @@ def _flat_kernel(table_ref, keys_ref, scales_ref, x_ref, o_ref, *, distribution:
     segment, buffer_start, leaf_start, count = (table_ref[i + c] for c in range(4))
     if align > 1:  # known from the static table: lets Triton vectorise the loads and stores
         buffer_start = pl.multiple_of(buffer_start, align)
-    pos = (
-        jax.lax.broadcasted_iota(jnp.int32, (tile_rows, width), 0) * width
-        + jax.lax.broadcasted_iota(jnp.int32, (tile_rows, width), 1)
+    pos = jax.lax.broadcasted_iota(jnp.int32, (tile_rows, width), 0) * width + jax.lax.broadcasted_iota(
+        jnp.int32, (tile_rows, width), 1
     )
     mask = pos < count
     where = buffer_start + pos
@@ -186,7 +222,9 @@ def _flat_kernel(table_ref, keys_ref, scales_ref, x_ref, o_ref, *, distribution:
         call = idx >> log2
         within = idx & jnp.uint32(_plans._PER_CALL[distribution] - 1)
     x = pltriton.load(x_ref.at[where], mask=mask, other=0)
-    new = _common._segment_update(x, call, within, keys_ref, scales_ref, segment, n_updates=n_updates, distribution=distribution)
+    new = _common._segment_update(
+        x, call, within, keys_ref, scales_ref, segment, n_updates=n_updates, distribution=distribution
+    )
     if out_align:
         out_start = table_ref[i + 4]
         where = (pl.multiple_of(out_start, out_align) if out_align > 1 else out_start) + pos
@@ -205,7 +243,9 @@ def _flat_operands(buffer, segment_keys, scales, segments, distribution: str, wh
         raise ValueError(f"the flat buffer must be 1-D, got shape {buffer.shape}")
     n = buffer.shape[0]
     if n > _plans._FLAT_MAX_ELEMENTS:
-        raise ValueError(f"the flat Pallas kernel takes buffers of at most {_plans._FLAT_MAX_ELEMENTS} elements, got {n}")
+        raise ValueError(
+            f"the flat Pallas kernel takes buffers of at most {_plans._FLAT_MAX_ELEMENTS} elements, got {n}"
+        )
     segments = _common._check_segments(segments, n, what)
     segment_keys, scales = jnp.asarray(segment_keys), jnp.asarray(scales)
     n_updates = scales.shape[0] if scales.ndim == 1 else -1
@@ -217,8 +257,7 @@ def _flat_operands(buffer, segment_keys, scales, segments, distribution: str, wh
 def _padded(segment_keys, scales, n_updates: int) -> tuple[jax.Array, jax.Array]:
     """The keys as one word vector and the scales, zero-size ones padded to one element (never
     read: no key or scale is read when K = 0, where a flat kernel still flushes and casts)."""
-    return (jnp.pad(segment_keys.reshape(-1), (0, 0 if n_updates else 2)),
-            jnp.pad(scales, (0, 0 if n_updates else 1)))
+    return (jnp.pad(segment_keys.reshape(-1), (0, 0 if n_updates else 2)), jnp.pad(scales, (0, 0 if n_updates else 1)))
 
 
 def perturb_pallas_flat(
@@ -272,7 +311,8 @@ def perturb_pallas_flat(
       The updated buffer (same shape and dtype).
     """
     buffer, segments, segment_keys, scales, n_updates = _flat_operands(
-        buffer, segment_keys, scales, segments, distribution, "perturb_pallas_flat")
+        buffer, segment_keys, scales, segments, distribution, "perturb_pallas_flat"
+    )
     if segment_keys.dtype != jnp.uint32 or segment_keys.shape != (len(segments), n_updates, 2):
         raise ValueError(
             f"segment keys must be u32[{len(segments)}, {n_updates}, 2] (segments, updates, key words), "
@@ -281,8 +321,17 @@ def perturb_pallas_flat(
     platform, blocks = _pallas_target(platform, interpret, block_sizes, buffer.dtype)
     keys_flat, scales = _padded(segment_keys, scales, n_updates)
     if platform == "tpu":
-        return _mosaic._tpu_flat(buffer, keys_flat, scales, segments, n_updates=n_updates, distribution=distribution,
-                         blocks=blocks, interpret=interpret, inplace=inplace)
+        return _mosaic._tpu_flat(
+            buffer,
+            keys_flat,
+            scales,
+            segments,
+            n_updates=n_updates,
+            distribution=distribution,
+            blocks=blocks,
+            interpret=interpret,
+            inplace=inplace,
+        )
     plan = _plans.plan_flat_tiles(segments, distribution, blocks, platform)
     if plan.table.shape[0] == 0:
         return buffer
@@ -290,8 +339,13 @@ def perturb_pallas_flat(
     table = jnp.asarray(plan.table.reshape(-1))
     whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,))  # noqa: E731 (the kernel indexes it)
     kernel = functools.partial(
-        _flat_kernel, distribution=distribution, n_updates=n_updates, tile_rows=plan.tile_rows,
-        width=plan.width, grouped=plan.grouped, align=plan.align,
+        _flat_kernel,
+        distribution=distribution,
+        n_updates=n_updates,
+        tile_rows=plan.tile_rows,
+        width=plan.width,
+        grouped=plan.grouped,
+        align=plan.align,
     )
     return pl.pallas_call(
         kernel,
@@ -347,16 +401,21 @@ def perturb_pallas_segments(
       The updated leaves laid end to end: ``sum(size)`` elements.
     """
     buffer, segments, segment_keys, scales, n_updates = _flat_operands(
-        buffer, segment_keys, scales, segments, distribution, "perturb_pallas_segments")
+        buffer, segment_keys, scales, segments, distribution, "perturb_pallas_segments"
+    )
     rows = segment_keys.shape[0] if segment_keys.ndim == 3 else 0
     bad = [i for _, _, i in segments if not 0 <= i < rows]
     if segment_keys.dtype != jnp.uint32 or segment_keys.shape[1:] != (n_updates, 2) or bad:
-        raise ValueError(f"segment keys must be u32[L, {n_updates}, 2] with a row for every segment's index "
-                         f"(rows {bad} are missing), got dtype {segment_keys.dtype} shape {segment_keys.shape}")
+        raise ValueError(
+            f"segment keys must be u32[L, {n_updates}, 2] with a row for every segment's index "
+            f"(rows {bad} are missing), got dtype {segment_keys.dtype} shape {segment_keys.shape}"
+        )
     platform, blocks = _pallas_target(platform, interpret, block_sizes, buffer.dtype)
     if platform == "tpu":
-        raise ValueError("perturb_pallas_segments loads by element index (Triton's); on a TPU compute each leaf "
-                         "with perturb_reference")
+        raise ValueError(
+            "perturb_pallas_segments loads by element index (Triton's); on a TPU compute each leaf "
+            "with perturb_reference"
+        )
     total = sum(z for _, z, _ in segments)
     if total == 0:
         return buffer[:0]
@@ -369,22 +428,68 @@ def perturb_pallas_segments(
     while out_align > 1 and np.any(table[:, 4] % out_align):
         out_align //= 2
     return _segments_call(
-        jnp.asarray(table.astype(np.int32).reshape(-1)), keys_flat, scales, buffer, size=total,
-        distribution=distribution, n_updates=n_updates, tile_rows=plan.tile_rows, width=plan.width,
-        grouped=plan.grouped, align=plan.align, out_align=out_align, interpret=interpret, platform=platform)
+        jnp.asarray(table.astype(np.int32).reshape(-1)),
+        keys_flat,
+        scales,
+        buffer,
+        size=total,
+        distribution=distribution,
+        n_updates=n_updates,
+        tile_rows=plan.tile_rows,
+        width=plan.width,
+        grouped=plan.grouped,
+        align=plan.align,
+        out_align=out_align,
+        interpret=interpret,
+        platform=platform,
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("size", "distribution", "n_updates", "tile_rows", "width", "grouped", "align",
-                                             "out_align", "interpret", "platform"))
-def _segments_call(table, keys_flat, scales, buffer, *, size, distribution, n_updates, tile_rows, width, grouped, align,
-                   out_align, interpret, platform):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "size",
+        "distribution",
+        "n_updates",
+        "tile_rows",
+        "width",
+        "grouped",
+        "align",
+        "out_align",
+        "interpret",
+        "platform",
+    ),
+)
+def _segments_call(
+    table,
+    keys_flat,
+    scales,
+    buffer,
+    *,
+    size,
+    distribution,
+    n_updates,
+    tile_rows,
+    width,
+    grouped,
+    align,
+    out_align,
+    interpret,
+    platform,
+):
     """The ``pallas_call`` of :func:`perturb_pallas_segments`, its work items an argument: every
     launch of one shape is then one traced and lowered function (jit's cache), which a program of
     many leaves lowers once (a ``pallas_call`` per leaf took 0.13 s each to lower to Triton)."""
     whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,))  # noqa: E731 (the kernel indexes it)
     kernel = functools.partial(
-        _flat_kernel, distribution=distribution, n_updates=n_updates, tile_rows=tile_rows, width=width,
-        grouped=grouped, align=align, out_align=out_align,
+        _flat_kernel,
+        distribution=distribution,
+        n_updates=n_updates,
+        tile_rows=tile_rows,
+        width=width,
+        grouped=grouped,
+        align=align,
+        out_align=out_align,
     )
     return pl.pallas_call(
         kernel,

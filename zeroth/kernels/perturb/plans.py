@@ -1,5 +1,4 @@
-"""Tiles and implementations: block sizes, the tile plans of the kernels, which one runs where.
-"""
+"""Tiles and implementations: block sizes, the tile plans of the kernels, which one runs where."""
 
 from __future__ import annotations
 
@@ -64,7 +63,7 @@ _DEFAULT_BLOCKS = {
 def default_block_sizes(platform: str | None = None) -> BlockSizes:
     """Tiles for ``platform`` (:func:`zeroth.rule.default_platform` when None): grouped rows on GPU,
     lane-dense rows on TPU, small grouped tiles elsewhere (interpret mode)."""
-    platform = (_rule.default_platform() if platform is None else _rule.platform_name(platform))
+    platform = _rule.default_platform() if platform is None else _rule.platform_name(platform)
     return _DEFAULT_BLOCKS.get(platform, BlockSizes(tile=1024, lanes=None))
 
 
@@ -183,7 +182,7 @@ def resolve_impl(impl: str, platform: str | None = None, n_updates: int | None =
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {list(IMPLS)}")
-    platform = (_rule.default_platform() if platform is None else _rule.platform_name(platform))
+    platform = _rule.default_platform() if platform is None else _rule.platform_name(platform)
     if impl == "native" and platform != "cpu":
         raise ValueError(f"impl='native' is the CPU kernel, but the arrays live on {platform}; use impl='auto'")
     if _rule.mosaic_refuses(impl, dtype, platform):
@@ -244,7 +243,8 @@ def plan_flat_tiles(segments, distribution: str, blocks: BlockSizes, platform: s
     platform = _rule.platform_name(platform)
     if platform == "tpu":
         raise ValueError(
-            "plan_flat_tiles is the GPU plan (tiles loaded by element index, Triton's); on TPU use plan_tpu_flat_tiles")
+            "plan_flat_tiles is the GPU plan (tiles loaded by element index, Triton's); on TPU use plan_tpu_flat_tiles"
+        )
     check_block_sizes(blocks, platform, distribution)
     per_call = _PER_CALL[distribution]
     grouped = blocks.lanes is None

@@ -1,5 +1,4 @@
-"""Slices chosen at run time: a layer of a stacked leaf and rows of a table, perturbed alone.
-"""
+"""Slices chosen at run time: a layer of a stacked leaf and rows of a table, perturbed alone."""
 
 from __future__ import annotations
 
@@ -60,8 +59,15 @@ def perturb_native_slice(
     call = jax.ffi.ffi_call(cpu_native.target_name(build, sliced=True), jax.ShapeDtypeStruct(shape, x.dtype))
     # the kernel reads from element start + base of x, with the noise of index (start + base) - base
     at = start + jnp.uint32(base) if base else start
-    return call(x, keys, scales, at.reshape(1), distribution=np.int32(_plans._DIST_CODE[distribution]), offset=np.int64(-base),
-                end=np.int64(base + size))
+    return call(
+        x,
+        keys,
+        scales,
+        at.reshape(1),
+        distribution=np.int32(_plans._DIST_CODE[distribution]),
+        offset=np.int64(-base),
+        end=np.int64(base + size),
+    )
 
 
 def _leaf_in(x, base: int, size: int | None) -> tuple[int, int]:
@@ -119,7 +125,9 @@ def perturb_slice(
     """
     impl = _plans.resolve_impl(impl, platform, int(np.shape(leaf_keys_)[0]))
     if impl == "native":
-        return perturb_native_slice(x, leaf_keys_, scales, start, shape, distribution=distribution, base=base, size=size)
+        return perturb_native_slice(
+            x, leaf_keys_, scales, start, shape, distribution=distribution, base=base, size=size
+        )
     x = jnp.asarray(x)
     base, size = _leaf_in(x, base, size)
     _common._check_offset(0, size)  # every global index fits in 32 bits

@@ -93,7 +93,9 @@ def greedy(
     longest = max(len(p) for p in prompts)
     P = -(-longest // bucket) * bucket
     if P + max_new_tokens > cfg.max_seq_len:
-        raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds the context ({cfg.max_seq_len})")
+        raise ValueError(
+            f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds the context ({cfg.max_seq_len})"
+        )
     tokens = np.zeros((len(prompts), P), np.int32)
     valid = np.zeros((len(prompts), P), bool)
     for i, p in enumerate(prompts):

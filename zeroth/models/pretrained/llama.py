@@ -101,8 +101,17 @@ class LlamaConfig:
             )
 
 
-SMOLLM2_135M = LlamaConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, hidden_dim=1536,
-                           rope_theta=100000.0, norm_eps=float(np.float32(1e-5)), max_seq_len=8192)
+SMOLLM2_135M = LlamaConfig(
+    vocab_size=49152,
+    dim=576,
+    n_layers=30,
+    n_heads=9,
+    n_kv_heads=3,
+    hidden_dim=1536,
+    rope_theta=100000.0,
+    norm_eps=float(np.float32(1e-5)),
+    max_seq_len=8192,
+)
 """SmolLM2-135M's config as its GGUF file's metadata gives it (:func:`load_smollm2`; the tests
 compare the two): the architecture where the package is not installed, for a model with random
 weights (``SmolLM2Prompt(architecture=SMOLLM2_135M)``, ``zeroth bench zo --weights random``)."""

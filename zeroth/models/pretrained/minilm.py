@@ -129,7 +129,9 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
         if dt not in _DTYPES:
             raise ValueError(f"{path}: tensor {name!r} has dtype {dt}; supported: {sorted(_DTYPES)}")
         start, end = info["data_offsets"]
-        arr = np.frombuffer(data, dtype=_DTYPES[dt], count=(end - start) // np.dtype(_DTYPES[dt]).itemsize, offset=base + start)
+        arr = np.frombuffer(
+            data, dtype=_DTYPES[dt], count=(end - start) // np.dtype(_DTYPES[dt]).itemsize, offset=base + start
+        )
         out[name] = arr.reshape(info["shape"]).astype(_DTYPES[dt].replace("<", "="), copy=True)
     return out
 
@@ -157,7 +159,9 @@ def _load(folder: str) -> MiniLM:
     for name, hf_name in _HF_TOP.items():
         params[name] = raw[prefix + hf_name].astype(np.float32)
     for name, hf_name in _HF_LAYER.items():
-        params[name] = np.stack([raw[f"{prefix}encoder.layer.{i}.{hf_name}"] for i in range(cfg.n_layers)]).astype(np.float32)
+        params[name] = np.stack([raw[f"{prefix}encoder.layer.{i}.{hf_name}"] for i in range(cfg.n_layers)]).astype(
+            np.float32
+        )
     for a in params.values():
         a.flags.writeable = False
     return MiniLM(params, cfg, _wp.from_model_dir(d))

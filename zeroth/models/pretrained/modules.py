@@ -120,11 +120,15 @@ class SmolLM2Prompt(nn.Module):
         if self.label_ids is not None and len(self.label_ids) != self.num_classes:
             raise ValueError(f"num_classes={self.num_classes} but {len(self.label_ids)} label ids {self.label_ids!r}")
         if self.architecture is not None and not isinstance(self.architecture, _llama.LlamaConfig):
-            raise ValueError(f"architecture must be a zeroth.models.pretrained.llama.LlamaConfig (e.g. llama.SMOLLM2_135M), "
-                             f"got {type(self.architecture).__name__} {self.architecture!r}")
+            raise ValueError(
+                f"architecture must be a zeroth.models.pretrained.llama.LlamaConfig (e.g. llama.SMOLLM2_135M), "
+                f"got {type(self.architecture).__name__} {self.architecture!r}"
+            )
         if self.architecture is not None and self.label_ids is None:
-            raise ValueError("SmolLM2Prompt with an architecture (random weights) needs label_ids: "
-                             "the label words' ids come from the package's tokenizer")
+            raise ValueError(
+                "SmolLM2Prompt with an architecture (random weights) needs label_ids: "
+                "the label words' ids come from the package's tokenizer"
+            )
 
     def config(self) -> _llama.LlamaConfig:
         """The model config: ``architecture``, else the GGUF file's metadata."""
@@ -135,8 +139,10 @@ class SmolLM2Prompt(nn.Module):
         del key, sample_x
         self._check()
         if self.architecture is not None:
-            raise ValueError("SmolLM2Prompt(architecture=...) has random weights, no pretrained ones: "
-                             "initialize it with zeroth.models.init(model, key, x, pretrained=False, exact=False)")
+            raise ValueError(
+                "SmolLM2Prompt(architecture=...) has random weights, no pretrained ones: "
+                "initialize it with zeroth.models.init(model, key, x, pretrained=False, exact=False)"
+            )
         params, cfg = _llama.load_smollm2(self.package)
         if not self.scan_layers:
             params = _llama.unstack_layers(params, cfg.n_layers)
@@ -161,18 +167,23 @@ class SmolLM2Prompt(nn.Module):
         package = self.package
         shapes = _llama.param_shapes(cfg)
         if self.architecture is not None:  # random weights: init draws each leaf, nothing is loaded
+
             def init(name):
                 return lambda rng, shape: _llama.random_leaf(name, rng, shape)
 
             def init_layer(i):
-                return lambda rng, shape: {n: _llama.random_leaf(n, k, shape[n]) for n, k in
-                                           zip(_llama.LAYER_PARAMS, jax.random.split(rng, len(_llama.LAYER_PARAMS)))}
+                return lambda rng, shape: {
+                    n: _llama.random_leaf(n, k, shape[n])
+                    for n, k in zip(_llama.LAYER_PARAMS, jax.random.split(rng, len(_llama.LAYER_PARAMS)))
+                }
         else:
+
             def init(name):
                 return host_initializer(lambda: _llama.load_smollm2(package)[0][name])
 
             def init_layer(i):
                 return host_initializer(lambda: {n: _llama.load_smollm2(package)[0][n][i] for n in _llama.LAYER_PARAMS})
+
         if self.scan_layers:
             params = {name: self.param(name, init(name), shape) for name, shape in shapes.items()}
         else:
@@ -181,7 +192,9 @@ class SmolLM2Prompt(nn.Module):
             for i in range(cfg.n_layers):
                 params[_llama.layer_key(i)] = self.param(_llama.layer_key(i), init_layer(i), per_layer)
         ids = self.label_ids if self.label_ids is not None else label_token_ids(self.label_words, package)
-        bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < cfg.vocab_size]
+        bad = [
+            i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < cfg.vocab_size
+        ]
         if bad:
             raise ValueError(f"label ids must be token ids in [0, {cfg.vocab_size}), got {bad[0]!r} in {tuple(ids)!r}")
         return _scoring.label_logits(params, cfg, x, ids)

@@ -204,7 +204,10 @@ def largest_move(before, after, grids: dict[str, _quant.Grid]) -> float:
 @jax.jit
 def _changed(a, b):
     n = sum(x.size for x in jax.tree_util.tree_leaves(a))
-    diff = sum(jnp.sum((x != y).astype(jnp.float32)) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+    diff = sum(
+        jnp.sum((x != y).astype(jnp.float32))
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+    )
     return diff / jnp.float32(n)
 
 

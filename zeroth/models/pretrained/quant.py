@@ -115,7 +115,9 @@ def quantize_q4_1(x: np.ndarray) -> np.ndarray:
     lo, hi = v.min(axis=-1), v.max(axis=-1)
     d = (hi - lo) / np.float32(15.0)
     with np.errstate(divide="ignore"):
-        inv = np.where(d != 0, np.float32(1.0) / np.where(d != 0, d, np.float32(1.0)), np.float32(0.0)).astype(np.float32)
+        inv = np.where(d != 0, np.float32(1.0) / np.where(d != 0, d, np.float32(1.0)), np.float32(0.0)).astype(
+            np.float32
+        )
     t = (v - lo[..., None]) * inv[..., None] + np.float32(0.5)
     q = np.minimum(np.trunc(t), np.float32(15.0)).astype(np.uint8)
     qs = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
@@ -129,7 +131,9 @@ def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     amax = np.abs(v).max(axis=-1)
     d = amax / np.float32(127.0)
     with np.errstate(divide="ignore"):
-        inv = np.where(d != 0, np.float32(1.0) / np.where(d != 0, d, np.float32(1.0)), np.float32(0.0)).astype(np.float32)
+        inv = np.where(d != 0, np.float32(1.0) / np.where(d != 0, d, np.float32(1.0)), np.float32(0.0)).astype(
+            np.float32
+        )
     t = (v * inv[..., None]).astype(np.float64)
     q = np.trunc(t + np.copysign(0.5, t)).astype(np.int8)  # C roundf: half away from zero
     out = np.concatenate([_half_bytes(d), q.view(np.uint8)], axis=-1)
@@ -178,7 +182,9 @@ def _grid_arrays(x, d, m):
     return x.reshape(*lead, nb, BLOCK), d[..., None], m[..., None]
 
 
-def codes_on_grid(x: jax.Array, d: jax.Array, m: jax.Array, qmin: int, qmax: int, *, uniform: jax.Array | None = None) -> jax.Array:
+def codes_on_grid(
+    x: jax.Array, d: jax.Array, m: jax.Array, qmin: int, qmax: int, *, uniform: jax.Array | None = None
+) -> jax.Array:
     """Integer codes of ``x`` on the grid ``(d, m)``: ``clip(round((x − m)/d), qmin, qmax)`` (traceable).
 
     Args:
@@ -211,7 +217,9 @@ def codes_on_grid(x: jax.Array, d: jax.Array, m: jax.Array, qmin: int, qmax: int
     return q.reshape(x.shape)
 
 
-def project_to_grid(x: jax.Array, d: jax.Array, m: jax.Array, qmin: int, qmax: int, *, uniform: jax.Array | None = None) -> jax.Array:
+def project_to_grid(
+    x: jax.Array, d: jax.Array, m: jax.Array, qmin: int, qmax: int, *, uniform: jax.Array | None = None
+) -> jax.Array:
     """Requantize ``x`` onto the fixed grid and dequantize again: ``q·d + m`` (traceable).
 
     Idempotent on grid values (``project_to_grid(q·d + m) == q·d + m`` exactly: the error of

@@ -66,7 +66,9 @@ def perplexity(params: dict, cfg: _llama.LlamaConfig, tokens: Sequence[int]) -> 
     return float(np.exp(-np.mean(lp.astype(np.float64))))
 
 
-def continuation_logprob(params: dict, cfg: _llama.LlamaConfig, prompt: Sequence[int], continuation: Sequence[int]) -> float:
+def continuation_logprob(
+    params: dict, cfg: _llama.LlamaConfig, prompt: Sequence[int], continuation: Sequence[int]
+) -> float:
     """``Σ_j log p(c_j | prompt, c_{<j})`` of the continuation tokens."""
     if not prompt or not continuation:
         raise ValueError("prompt and continuation must be non-empty")
