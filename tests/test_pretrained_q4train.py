@@ -204,7 +204,11 @@ def test_zeroth_run_trains_smollm2_in_4_bits(tmp_path, capsys, rounding):
     small = ["train.steps=2", "train.log_every=1", "train.eval_every=2", "data.batch_size=2", "data.eval_size=2",
              "data.eval_batch_size=2", f"train.requantize={rounding}"]  # fmt: skip
     argv = [str(Q4_CONFIG), "--out", str(out), "--quiet", *[a for s in small for a in ("--set", s)]]
-    assert run_main(argv) == 0
+    if rounding == "nearest":  # the shipped scale moves no code: the run says so, with the reason and the fix
+        with pytest.warns(RuntimeWarning, match=r"changed none of the quantized weights.*stochastic"):
+            assert run_main(argv) == 0
+    else:
+        assert run_main(argv) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (line["step"], line["forward_passes"], line["payload_bytes"]) == (2, 4, 2)
     assert load_config(out / "config.yaml").train.requantize == rounding
