@@ -296,3 +296,53 @@ def test_two_replicas_of_two_stage_processes_average_as_the_in_process_run(tmp_p
         np.mean([r["sync_bytes"] for r in local])
     )
     assert (tmp_path / "replica_1" / "stage_1" / "metrics.jsonl").is_file()
+
+
+def test_replica_zero_serves_only_averaging_streams_its_replicas_keys_signed():
+    """A token holder cannot speak for a replica: replica 0's server (a real gRPC server) refuses
+    an averaging stream for replica 1 that replica 1's key did not sign, before taking a frame,
+    and serves the one it signed."""
+    import queue as _queue
+
+    from zeroth.pipeline import replicas
+    from zeroth.pipeline.proto import pipeline_pb2 as pb
+    from zeroth.transport import guard, identity
+    from zeroth.transport.pacing import Pacer
+
+    real, mallory = identity.Identity.generate(), identity.Identity.generate()
+    servicer = replicas.SyncServicer(2, replica_keys=lambda r: real.public if r == 1 else None, run_id="run", stage=1)
+    server, port = replicas.serve_sync(servicer, "127.0.0.1:0", "tok", guard.Limits(1 << 20, idle_s=10.0))
+    try:
+
+        def open_as(me, replica=1, stage=1):
+            pacer, inbox, readers = Pacer(None, 0.0), _queue.Queue(), []
+            ch = replicas.connect_sync(
+                f"127.0.0.1:{port}",
+                pacer,
+                inbox,
+                10.0,
+                readers,
+                "tok",
+                me=me,
+                run_id="run",
+                stage=stage,
+                replica=replica,
+            )
+            pacer.submit(pb.TensorFrame(run_id="run", replica=replica))
+            return ch, pacer, inbox
+
+        for me, stage in ((mallory, 1), (real, 0), (None, 1)):  # another key; the right key for another stage; unsigned
+            ch, pacer, inbox = open_as(me, stage=stage)
+            got = inbox.get(timeout=10)
+            assert isinstance(got, ConnectionError) and "PERMISSION_DENIED" in str(got), got
+            assert servicer.inboxes[1].empty()  # nothing of the refused stream was taken
+            pacer.close()
+            ch.close()
+        ch, pacer, _ = open_as(real)
+        first = servicer.inboxes[1].get(timeout=10)
+        assert first.replica == 1 and first.run_id == "run"
+        pacer.close()
+        ch.close()
+    finally:
+        servicer.close()
+        server.stop(0)

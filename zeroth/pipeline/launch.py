@@ -133,7 +133,8 @@ def start_stages(
     the order of :func:`process_dirs` (replica by replica, stage by stage).
 
     With ``pipeline.replicas`` R > 1, replica ``r``'s stages live in :func:`replica_dir` and link to
-    each other; replica 0 of each stage serves its averaging (``--sync-listen``), the other
+    each other; replica 0 of each stage serves its averaging (``--sync-listen``, only to streams signed
+    by the other replicas' keys, ``--replica-key``), the other
     replicas of the stage connect to it (``--sync-server @<its folder>/sync_address``).
 
     The stages share a fresh run secret (in their environment), so every link carries its access
@@ -181,6 +182,9 @@ def start_stages(
                 if r == 0
                 else ["--sync-server", f"@{stage_dir(out, i) / 'sync_address'}"]
             )
+            if r == 0:  # replica 0 serves only the streams its replicas' keys signed
+                for rr in range(1, R):
+                    cmd += ["--replica-key", f"{rr}=@{stage_dir(replica_dir(out, rr), i) / 'key.pub'}"]
         if resume_step is not None:
             cmd += ["--resume-step", str(resume_step)]
         if quiet:

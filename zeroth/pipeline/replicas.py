@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from collections.abc import Callable
 
 import grpc
 import jax
@@ -36,10 +38,10 @@ from zeroth.collectives import quantized_adam as qa
 from zeroth.pipeline import wire
 from zeroth.pipeline.proto import pipeline_pb2 as pb
 from zeroth.pipeline.proto import pipeline_pb2_grpc as pb_grpc
-from zeroth.transport import security
+from zeroth.transport import identity, security
 from zeroth.transport.pacing import END, Pacer
 
-__all__ = ["QUANTIZER", "ReplicaSync", "SyncServicer", "check_sync_frame", "connect_sync", "serve_sync"]
+__all__ = ["QUANTIZER", "ReplicaSync", "SyncServicer", "check_sync_frame", "connect_sync", "serve_sync", "sync_fields"]
 
 QUANTIZER = "sign/tensor-rms"  # the frames' quantizer when bits = 1
 KINDS = {"gradient": pb.REPLICA_GRADIENT, "average": pb.REPLICA_AVERAGE}
@@ -231,15 +233,33 @@ def check_sync_frame(
 # ---------------------------------------------------------------------- transport
 
 
+def sync_fields(run_id: str, stage: int, replica: int) -> tuple:
+    """What replica ``replica`` of ``stage`` signs when it opens its averaging stream (:func:`connect_sync`)."""
+    return ("zeroth-replica-sync-v1", run_id, int(stage), int(replica))
+
+
 class SyncServicer(pb_grpc.ReplicaSyncServicer):
     """Replica 0's end of a stage's averaging: one stream per other replica.
 
     The first frame of a stream names its replica; that replica's frames go to ``inboxes[r]``
     (then :data:`END`, or an exception), the frames submitted to ``outs[r]`` are its responses.
+    With ``replica_keys`` (``replica_keys(r) -> bytes | None``, replica ``r``'s public key, None
+    while unknown) a stream is served only when replica ``r``'s key signed it for
+    :func:`sync_fields` (``connect_sync(..., me=...)``): a token holder cannot speak for a replica.
     """
 
-    def __init__(self, replicas: int, bandwidth_bps: float | None = None, latency_s: float = 0.0):
+    def __init__(
+        self,
+        replicas: int,
+        bandwidth_bps: float | None = None,
+        latency_s: float = 0.0,
+        *,
+        replica_keys: Callable[[int], bytes | None] | None = None,
+        run_id: str = "",
+        stage: int = 0,
+    ):
         self.replicas = replicas
+        self.replica_keys, self.run_id, self.stage = replica_keys, run_id, stage
         self.inboxes = {r: queue.Queue() for r in range(1, replicas)}
         self.outs = {r: Pacer(bandwidth_bps, latency_s) for r in range(1, replicas)}
         self.readers: list[threading.Thread] = []
@@ -262,6 +282,19 @@ class SyncServicer(pb_grpc.ReplicaSyncServicer):
         except StopIteration:
             return
         r = int(first.replica)
+        if self.replica_keys is not None and 1 <= r < self.replicas:
+            try:
+                want = self.replica_keys(r)
+            except (OSError, ValueError) as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"replica {r}'s key cannot be read: {e}")
+            if want is None:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"replica {r}'s key is not known yet: try again")
+            signer = identity.call_signer(context.invocation_metadata(), *sync_fields(self.run_id, self.stage, r))
+            if signer is None or signer[0] != bytes(want):
+                context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"the averaging stream of replica {r} must be signed by replica {r}'s key",
+                )
         with self._lock:
             if not 1 <= r < self.replicas or r in self._seen:
                 context.abort(
@@ -302,16 +335,26 @@ def connect_sync(
     token: str | None = None,
     tls=None,
     channel_options=(),
+    *,
+    me=None,
+    run_id: str = "",
+    stage: int = 0,
+    replica: int = 0,
 ) -> grpc.Channel:
     """Open replica r's stream to replica 0 of its stage at ``address``: ``pacer``'s frames go out,
-    the averages land in ``inbox`` (then :data:`END`, or a ``ConnectionError``)."""
+    the averages land in ``inbox`` (then :data:`END`, or a ``ConnectionError``). ``me``: this
+    replica's :class:`zeroth.transport.identity.Identity`, which signs the stream for
+    :func:`sync_fields` (``run_id``, ``stage``, ``replica``)."""
     channel = security.open_channel(address, channel_options, tls)
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
     except grpc.FutureTimeoutError:
         channel.close()
         raise ConnectionError(f"replica 0 of this stage at {address} did not answer within {timeout_s:g}s") from None
-    responses = pb_grpc.ReplicaSyncStub(channel).Sync(pacer.frames(), metadata=security.token_metadata(token))
+    metadata = tuple(security.token_metadata(token))
+    if me is not None:
+        metadata += identity.call_metadata(me, time.time_ns(), *sync_fields(run_id, stage, replica))
+    responses = pb_grpc.ReplicaSyncStub(channel).Sync(pacer.frames(), metadata=metadata)
 
     def read():
         try:

@@ -2,7 +2,7 @@
 
   zeroth stage --config CONFIG --stage I --out DIR [--listen HOST:PORT] [--next HOST:PORT]
                [--identity FILE] [--upstream-key HEX|@FILE]
-               [--replica R --sync-listen HOST:PORT | --sync-server HOST:PORT]
+               [--replica R --sync-listen HOST:PORT [--replica-key R=HEX|@FILE ...] | --sync-server HOST:PORT]
                [--set SECTION.FIELD=VALUE ...] [--resume-step N] [--quiet] [--insecure]
                [--tls-cert PEM --tls-key PEM --tls-ca PEM [--tls-mutual]]
 
@@ -87,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="replica 0 with pipeline.replicas > 1: HOST:PORT to serve the other replicas' averaging (port 0 = any)",
     )
     p.add_argument(
+        "--replica-key",
+        dest="replica_keys",
+        action="append",
+        default=[],
+        metavar="R=HEX|@FILE",
+        help="replica 0: replica R's public key (hex; @FILE: read from FILE, its key.pub); only an averaging "
+        "stream signed by it is served",
+    )
+    p.add_argument(
         "--sync-server",
         default=None,
         help="replicas > 0: HOST:PORT of replica 0 of this stage (its --sync-listen); @FILE: read it from FILE",
@@ -135,6 +144,23 @@ def upstream_key_of(spec: str | None):
         return parse(text, str(path)) if text.strip() else None
 
     return read
+
+
+def replica_keys_of(specs: list[str]) -> dict:
+    """``{r: key()}`` from ``--replica-key R=HEX|@FILE`` flags (:func:`upstream_key_of` for each key).
+
+    Raises:
+      ValueError: a flag is not ``R=HEX`` or ``R=@FILE`` with an integer ``R``, or names ``R`` twice.
+    """
+    keys = {}
+    for spec in specs:
+        r, sep, key = spec.partition("=")
+        if not sep or not r.strip().isdigit() or not key:
+            raise ValueError(f"--replica-key {spec!r}: expected R=HEX or R=@FILE with R a replica index")
+        if int(r) in keys:
+            raise ValueError(f"--replica-key names replica {int(r)} twice")
+        keys[int(r)] = upstream_key_of(key)
+    return keys
 
 
 def _resolve(address: str, timeout_s: float) -> str:
@@ -336,6 +362,7 @@ def run_stage(
     replica: int = 0,
     sync_listen: str | None = None,
     sync_server: str | None = None,
+    replica_keys: dict | None = None,
 ) -> dict:
     """Run stage ``index`` of the pipeline of ``cfg`` to ``train.steps``; returns its summary.
 
@@ -382,6 +409,12 @@ def run_stage(
     if (replica > 0) != (sync_server is not None):
         raise ValueError(
             f"replica {replica} {'needs' if replica > 0 else 'takes no'} --sync-server (replicas > 0 connect to replica 0)"
+        )
+    bad = sorted(r for r in (replica_keys or {}) if not (replica == 0 and 1 <= r < R))
+    if bad:
+        raise ValueError(
+            f"--replica-key for replica {bad[0]}: only replica 0 checks keys, of replicas 1..{R - 1} "
+            f"(pipeline.replicas = {R}, this is replica {replica})"
         )
     if R > 1 and resume_step is not None:
         raise ValueError(
@@ -450,7 +483,15 @@ def run_stage(
     sync_server_obj = sync_servicer = sync_channel = sync_pacer = None
     sync_inbox: queue.Queue = queue.Queue()
     if sync is not None and replica == 0:
-        sync_servicer = replicas.SyncServicer(R, p.bandwidth_bps, latency)
+        keys = replica_keys or {}
+        sync_servicer = replicas.SyncServicer(
+            R,
+            p.bandwidth_bps,
+            latency,
+            replica_keys=(lambda r: keys[r]() if r in keys else None) if keys else None,
+            run_id=run_id,
+            stage=index,
+        )
         sync_server_obj, sport = replicas.serve_sync(
             sync_servicer,
             sync_listen,
@@ -472,6 +513,10 @@ def run_stage(
             token,
             tls,
             link.CHANNEL_OPTIONS,
+            me=me,
+            run_id=run_id,
+            stage=index,
+            replica=replica,
         )
     t_run = time.time()
     t_wall = time.perf_counter() - wall0
@@ -666,6 +711,7 @@ def main(argv: list[str]) -> int:
                 replica=args.replica,
                 sync_listen=args.sync_listen,
                 sync_server=args.sync_server,
+                replica_keys=replica_keys_of(args.replica_keys),
             )
         if summary["interrupted"]:
             why = flag.signal_name() if flag.is_set() else f"{out / 'stop'}"
