@@ -14,7 +14,7 @@ and once per attack, the attacker in this process:
 * ``forged sender (with secret)``: the run secret (read from the environment of one of the run's
   processes: an insider) and messages in another process's name: Ravnest activations, gradients
   and ring chunks in real nodes' names (unsigned, or signed with the attacker's own key); pipeline
-  activations on stage 1's upstream link, opened before stage 0's; binary submissions in every
+  activations on stage 1's upstream link, opened before stage 0's; binary lists from an insider's seat in every
   worker's name for each round; for the peers, the in-process hostile member of
   ``scripts/chaos_peers.py`` (forged pushes as other members).
 
@@ -421,9 +421,8 @@ class Binary:
         return lines(out.glob("worker*.jsonl"))
 
     def forge(self, out: Path, stop: threading.Event) -> dict:
-        """An insider: with the run secret it takes a seat of its own (a join with a valid proof),
-        reads each round's result as itself, and submits lists in the real workers' names, signed
-        with its own key or unsigned."""
+        """An insider: with the run secret it takes a seat of its own (a join with a valid proof) and
+        submits lists in the real workers' names, signed with its own key or unsigned."""
         from zeroth.binary import protocol as P
         from zeroth.binary import service as S
         from zeroth.binary.proto import binary_pb2 as pb
@@ -431,243 +430,51 @@ class Binary:
         from zeroth.transport import identity, security
 
         address, _ = self.target(out)
+        while self.progress(out) == 0 and not stop.is_set():  # the real workers hold seats 0-2 first
+            time.sleep(0.02)
         pid = next(iter(pids_with("zeroth.binary.worker", str(out))), None)
         secret = secret_of(pid) if pid else None
         md = security.token_metadata(identity.access_token(secret)) if secret else ()
         run_id = "binary"
-        mallory, seq = identity.Identity.generate(), identity.Sequence()
+        mallory = identity.Identity.generate()
         sent = accepted = 0
         codes = set()
         with grpc.insecure_channel(address) as ch:
             stub = pb_grpc.BinaryMutationsStub(ch)
             proof = identity.join_proof(secret, run_id, S.JOIN_ADDRESS, mallory.public) if secret else b""
             try:
-                me = stub.Join(
-                    pb.JoinRequest(run_id=run_id, key=mallory.public, proof=proof), metadata=md, timeout=30
-                ).worker_id
+                rep = stub.Join(pb.JoinRequest(run_id=run_id, key=mallory.public, proof=proof), metadata=md, timeout=30)
             except grpc.RpcError as e:
                 return {"forged": 0, "accepted": 0, "codes": [e.code().name], "note": "the insider's join was refused"}
-            r = 0
+            me, r = rep.worker_id, rep.round
             end = time.monotonic() + 60
             while not stop.is_set() and time.monotonic() < end:
-                n = seq.next()
-                try:
-                    res = stub.Result(
-                        pb.ResultRequest(
-                            run_id=run_id,
-                            worker_id=me,
-                            round=r,
-                            seq=n,
-                            signature=mallory.sign(P.result_request_bytes(run_id, me, r, n)),
-                        ),
-                        metadata=md,
-                        timeout=5,
-                    )
-                except grpc.RpcError as e:
-                    codes.add(e.code().name)
-                    time.sleep(0.1)
-                    continue
-                if not res.ready:
-                    time.sleep(0.02)
-                    continue
-                if res.finished:
-                    break
-                for w in range(3):  # the real workers' ids
-                    unsigned = P.DeltaList(
-                        run_id, w, r + 1, np.arange(4), np.full(4, -100.0, np.float32), res.checksum, 32, 1.0
-                    )
-                    signed = (
-                        unsigned._replace(signature=mallory.sign(P.submission_bytes(unsigned)))
-                        if sent % 2
-                        else unsigned
-                    )
-                    sent += 1
-                    try:
-                        accepted += bool(stub.Submit(S.encode_deltas(signed), metadata=md, timeout=5).accepted)
-                        codes.add("OK")
-                    except grpc.RpcError as e:
-                        codes.add(e.code().name)
+                for w in range(3):  # the real workers' ids, for the open round and the next
+                    for rnd in (r, r + 1):
+                        unsigned = P.DeltaList(
+                            run_id, w, rnd, np.arange(4), np.full(4, -100.0, np.float32), rep.checksum, 32, 1.0
+                        )
+                        signed = (
+                            unsigned._replace(signature=mallory.sign(P.submission_bytes(unsigned)))
+                            if sent % 2
+                            else unsigned
+                        )
+                        sent += 1
+                        try:
+                            accepted += bool(stub.Submit(S.encode_deltas(signed), metadata=md, timeout=5).accepted)
+                            codes.add("OK")
+                        except grpc.RpcError as e:
+                            codes.add(e.code().name)
+                            if e.code() == grpc.StatusCode.UNAVAILABLE:  # the run ended, and its server with it
+                                stop.set()
                 r += 1
+                time.sleep(0.1)
         return {
             "forged": sent,
             "accepted": accepted,
             "codes": sorted(codes),
             "note": f"insider seat {me}; lists in workers 0-2's names, half signed with its own key",
         }
-
-    def result(self, out: Path) -> dict:
-        path = out / "summary.json"
-        if not path.is_file():
-            return {}
-        s = json.loads(path.read_text())
-        return {"final": {n: v["digest"] for n, v in s["nodes"].items()}, "agree_inside": s["clusters_agree"]}
-
-
-class Pipeline:
-    name = "pipeline (AQ-SGD)"
-    method = "/zeroth.v1.PipelineLink/Link"
-
-    def __init__(self, root: Path):
-        raw = {
-            "run": {"seed": 1},
-            "data": {"dataset": "sotu", "batch_size": 4},
-            "model": {"name": "transformer", "kwargs": {"d_model": 16, "heads": 2, "layers": 2, "mlp_dim": 16}},
-            "train": {"method": "backprop", "lr": 1e-2, "steps": 400, "optimizer": {"name": "adamw"}},
-            "pipeline": {"stages": 2, "micro_batches": 2, "examples": 8, "seq_len": 8, "compression": "aqsgd"},
-        }
-        self.cfg_path = root / "pipeline.yaml"
-        self.cfg_path.write_text(yaml.safe_dump(raw))
-
-    def start(self, out: Path) -> subprocess.Popen:
-        return subprocess.Popen(
-            [PY, "-m", "zeroth", "run", str(self.cfg_path), "--out", str(out), "--quiet"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-
-    def target(self, out: Path):
-        address = wait_file(out / "stage_1" / "address", 120)
-        pids = pids_with("zeroth.pipeline.stage", "--stage 1", str(out))
-        return address, (pids[0] if pids else None)
-
-    def progress(self, out: Path) -> int:
-        return lines([out / "stage_1" / "metrics.jsonl"])
-
-    def forge(self, out: Path, stop: threading.Event) -> dict:
-        from zeroth import config as _config
-        from zeroth.pipeline import build
-        from zeroth.pipeline.proto import pipeline_pb2 as pb
-        from zeroth.pipeline.proto import pipeline_pb2_grpc as pb_grpc
-        from zeroth.transport import identity, security
-
-        address, pid = None, None
-        while (address is None or pid is None) and not stop.is_set():
-            path = out / "stage_1" / "address"
-            address = path.read_text().strip() if path.is_file() and path.read_text().strip() else None
-            pid = next(iter(pids_with("zeroth.pipeline.stage", "--stage 1", str(out))), None)
-            time.sleep(0.005)
-        md = security.token_metadata(identity.access_token(secret_of(pid)))
-        run_id = build.run_id_of(_config.load_config(str(self.cfg_path)))
-        x = np.full((2, 8, 16), 3.0, np.float32)
-
-        def frames():
-            for step in range(3):
-                for mb in range(2):
-                    yield pb.TensorFrame(
-                        run_id=run_id,
-                        link=0,
-                        kind=pb.ACTIVATION,
-                        step=step,
-                        micro_batch=mb,
-                        example_ids=[2 * mb, 2 * mb + 1],
-                        shape=list(x.shape),
-                        dtype="float32",
-                        bits=0,
-                        fresh=b"\x01\x01",
-                        full=x.tobytes(),
-                    )
-            stop.wait(15.0)  # hold the link
-
-        got, code = 0, "OK"
-        with grpc.insecure_channel(address) as ch:
-            try:
-                for _ in pb_grpc.PipelineLinkStub(ch).Link(frames(), metadata=md, timeout=30):
-                    got += 1
-            except grpc.RpcError as e:
-                code = e.code().name
-        return {
-            "forged": 6,
-            "accepted": got,
-            "codes": [code],
-            "note": f"{got} gradient frames came back for forged activations",
-        }
-
-    def result(self, out: Path) -> dict:
-        path = out / "metrics.jsonl"
-        if not path.is_file():
-            return {}
-        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-        return {"final": {r["step"]: r["digest"] for r in rows}, "agree_inside": True}
-
-
-class Binary:
-    name = "binary learning"
-    method = "/zeroth.v1.binary.BinaryMutations/Submit"
-
-    def start(self, out: Path) -> subprocess.Popen:
-        return subprocess.Popen(
-            [PY, "-m", "zeroth.binary.launch", "--workers", "3", "--rounds", "40", "--out", str(out)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-        )
-
-    def __init__(self, root: Path):
-        self.procs: dict[Path, subprocess.Popen] = {}
-
-    def target(self, out: Path):
-        end = time.monotonic() + 120
-        while time.monotonic() < end:
-            for pid in pids_with("zeroth.binary.worker", str(out)):
-                cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
-                if b"--server" in cmd:
-                    address = cmd[cmd.index(b"--server") + 1].decode()
-                    launcher = next(iter(pids_with("zeroth.binary.launch", str(out))), None)
-                    return address, launcher
-            time.sleep(0.02)
-        return None, None
-
-    def progress(self, out: Path) -> int:
-        return lines(out.glob("worker*.jsonl"))
-
-    def forge(self, out: Path, stop: threading.Event) -> dict:
-        from zeroth.binary.proto import binary_pb2 as pb
-        from zeroth.binary.proto import binary_pb2_grpc as pb_grpc
-        from zeroth.transport import identity, security
-
-        address, _ = self.target(out)
-        pid = next(iter(pids_with("zeroth.binary.worker", str(out))), None)
-        secret = secret_of(pid) if pid else None
-        md = security.token_metadata(identity.access_token(secret)) if secret else ()
-        sent = accepted = 0
-        codes = set()
-        with grpc.insecure_channel(address) as ch:
-            stub = pb_grpc.BinaryMutationsStub(ch)
-            r = 0
-            end = time.monotonic() + 60
-            while not stop.is_set() and time.monotonic() < end:
-                try:
-                    res = stub.Result(pb.ResultRequest(run_id="binary", worker_id=0, round=r), metadata=md, timeout=5)
-                except grpc.RpcError as e:
-                    codes.add(e.code().name)
-                    time.sleep(0.1)
-                    continue
-                if not res.ready:
-                    time.sleep(0.02)
-                    continue
-                if res.finished:
-                    break
-                for w in range(3):
-                    msg = pb.DeltaList(
-                        run_id="binary",
-                        worker_id=w,
-                        round=r + 1,
-                        index=[0, 1, 2, 3],
-                        delta=[-100.0] * 4,
-                        checksum=res.checksum,
-                        examples=32,
-                        loss=1.0,
-                    )
-                    sent += 1
-                    try:
-                        accepted += bool(stub.Submit(msg, metadata=md, timeout=5).accepted)
-                        codes.add("OK")
-                    except grpc.RpcError as e:
-                        codes.add(e.code().name)
-                r += 1
-        return {"forged": sent, "accepted": accepted, "codes": sorted(codes)}
 
     def result(self, out: Path) -> dict:
         path = out / "summary.json"
