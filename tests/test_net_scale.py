@@ -10,24 +10,12 @@ from zeroth.net import protocol as P
 from zeroth.net.counters import BarrierCounters, from_decisions
 from zeroth.net.sim import SimNet
 
+from test_net_protocol import finished as done
+from test_net_protocol import params as _protocol_params
+
 
 def params(**kw):
-    base = dict(
-        run_id="run",
-        config_digest="cfg",
-        bytes_per_value=1,
-        max_count=4,
-        iterations=12,
-        iteration_timeout_s=1.0,
-        barrier_timeout_s=0.5,
-        founders=3,
-    )
-    base.update(kw)
-    return P.Params(**base)
-
-
-def done(net):
-    return [p for p in net.peers.values() if p.alive and p.finished == "done"]
+    return _protocol_params(**{"iterations": 12, **kw})
 
 
 def test_a_push_computed_too_late_is_counted_with_its_wasted_forward_passes_and_the_contributors():

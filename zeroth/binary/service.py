@@ -225,9 +225,7 @@ class Server(pbg.BinaryMutationsServicer):
         """
         self._grpc = guard.make_server(limits(self.cfg), self.token, name="zeroth-binary")
         pbg.add_BinaryMutationsServicer_to_server(self, self._grpc)
-        port = security.add_port(self._grpc, address, tls)
-        if port == 0:
-            raise OSError(f"cannot listen on {address}")
+        port = security.bind(self._grpc, address, tls)
         self._grpc.start()
         return port
 

@@ -206,9 +206,7 @@ class ClusterTransport:
         bounds = guard.Limits(most, max_calls=calls, max_calls_per_caller=calls, idle_s=self.timeout_s)
         self.server = guard.make_server(bounds, self.token, name="zeroth-node")
         pb_grpc.add_ClusterNodeServicer_to_server(_Servicer(self), self.server)
-        port = security.add_port(self.server, listen, self.tls)
-        if port == 0:
-            raise OSError(f"cannot listen on {listen}")
+        port = security.bind(self.server, listen, self.tls)
         self.server.start()
         address = f"{advertise or listen.rsplit(':', 1)[0]}:{port}"
         self.address_dir.mkdir(parents=True, exist_ok=True)

@@ -227,9 +227,7 @@ def serve(
     """
     server = guard.make_server(bounds or limits(300.0), token, name="zeroth-link")
     pb_grpc.add_PipelineLinkServicer_to_server(servicer, server)
-    port = security.add_port(server, listen, tls)
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+    port = security.bind(server, listen, tls)
     server.start()
     return server, port
 

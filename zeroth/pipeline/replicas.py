@@ -319,9 +319,7 @@ def serve_sync(servicer: SyncServicer, listen: str, token: str | None, bounds, t
 
     server = guard.make_server(bounds, token, name="zeroth-replica-sync")
     pb_grpc.add_ReplicaSyncServicer_to_server(servicer, server)
-    port = security.add_port(server, listen, tls)
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+    port = security.bind(server, listen, tls)
     server.start()
     return server, port
 

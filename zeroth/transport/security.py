@@ -36,6 +36,7 @@ __all__ = [
     "self_signed",
     "can_make_certificates",
     "add_port",
+    "bind",
     "open_channel",
     "add_tls_arguments",
     "tls_from_args",
@@ -125,6 +126,14 @@ def add_port(server: grpc.Server, listen: str, tls: TLSFiles | None = None) -> i
         return server.add_secure_port(listen, server_credentials(tls)) if tls else server.add_insecure_port(listen)
     except RuntimeError:  # some grpc versions raise where an address cannot be bound
         return 0
+
+
+def bind(server: grpc.Server, listen: str, tls: TLSFiles | None = None) -> int:
+    """:func:`add_port`, or ``OSError`` naming ``listen`` when it cannot be bound; returns the port."""
+    port = add_port(server, listen, tls)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    return port
 
 
 def open_channel(address: str, options, tls: TLSFiles | None = None) -> grpc.Channel:
