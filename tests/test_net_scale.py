@@ -4,6 +4,8 @@ The counters (:mod:`zeroth.net.counters`) are the same in a peer process, the si
 ``zeroth verify``; here the simulator drives them with timings that make a push late on purpose.
 """
 
+import dataclasses
+
 import pytest
 
 from zeroth.net import protocol as P
@@ -301,3 +303,114 @@ def test_a_commit_answered_send_whole_is_sent_again_whole_and_a_failed_one_is_re
     assert s.sent[-1] == (2, True)  # retried, still whole
     runtime.Node._answered(s, 1, eff, 2, True, None, Unavailable())
     assert s.events[-1] == "on_commit_failed"
+
+
+# --------------------------------------------------------------------------- pushes to the leader
+#
+# peers.pushes: leader. A member sends its push to the committer only, which relays the payloads
+# and their authors' signatures inside its commit: 2·(M−1) messages an iteration instead of
+# M·(M−1) + (M−1), the same decisions, every payload still checked against its author's key.
+
+
+def test_pushes_to_the_leader_cost_two_messages_a_member_and_decide_with_everyone():
+    from zeroth.bench import peers as bench
+
+    for m in (4, 16):
+        r = bench.measure(m, iterations=2, budget_s=60, pushes="leader")
+        assert r["ran"] and r["contributors"] == [m, m]
+        assert r["messages"] == 2 * (m - 1)  # a push to the leader, a commit back, per member
+        # every member checks the commit and each of the m payloads' signatures
+        assert r["sig_checks_max"] == m + 1
+    net = SimNet(params(pushes="leader", founders=5))
+    net.start(5)
+    assert net.run_until(lambda: net.all_finished(), limit=60.0)
+    fin = done(net)
+    assert len(fin) == 5
+    assert len({tuple(p.chain()) for p in fin}) == 1
+    assert all(len(c) == 5 for _, c, _ in fin[0].chain())
+
+
+def test_with_pushes_to_the_leader_a_killed_leader_is_replaced_and_its_iteration_keeps_the_pushes():
+    net = SimNet(params(pushes="leader", founders=4))
+    net.start(4)
+    assert net.run_until(lambda: all(p.state is not None and p.state.it >= 4 for p in net.peers.values()), limit=30.0)
+    leader = net.peers["sim:1000"]
+    leader.stall = 30.0  # from its next iteration on, it takes the pushes, then never decides
+    t = leader.state.it + 1
+    assert net.run_until(lambda: {(t, m) for m in (1, 2, 3)} <= set(leader.state.inbox), limit=net.now + 5)
+    net.kill("sim:1000")
+    assert net.run_until(lambda: net.all_finished(), limit=net.now + 120)
+    fin = done(net)
+    assert len(fin) == 3
+    chains = {tuple(p.chain()) for p in fin}
+    assert len(chains) == 1
+    # The takeover decided the leader's last iteration from the pushes its promises carried.
+    decided = {e.commit.iteration: e for e in fin[0].log}
+    assert {m for m, _ in decided[t].commit.contributors} == {1, 2, 3}
+    assert decided[t].commit.ballot.round >= 1
+
+
+def _relay_case():
+    """Machine 1 of a signed run of 3 members at iteration t, and the signed decision of t by the
+    leader 0 with the payloads of 0 and 2, which machine 1 never received as pushes."""
+    from test_net_protocol import KEYS, signed, signed_member, signed_view
+
+    pp, st = signed_member(me=1)
+    pp = dataclasses.replace(pp, pushes="leader")
+    t = st.it
+    pushes = [signed(m, P.Push("run", m, t, 2, bytes([m, m]), previous=st.chain or b"")) for m in (0, 2)]
+    contrib = tuple((p.sender, p.count) for p in pushes)
+    payloads = tuple(p.payload for p in pushes)
+    commit = signed(
+        0,
+        P.Commit(
+            "run",
+            0,
+            t,
+            P.Ballot(0, 0),
+            contrib,
+            P.updates_digest(contrib, payloads),
+            signed_view(t + 1),
+            previous=st.chain or b"",
+        ),
+    )
+    return pp, st, commit, payloads, tuple(p.signature for p in pushes), KEYS
+
+
+def test_a_relayed_decision_is_applied_only_with_every_payload_signed_by_its_author():
+    pp, st, commit, payloads, sigs, keys = _relay_case()
+    t = st.it
+    step = P.on_commit(pp, st, commit, 10.0, payloads=payloads, signatures=sigs)
+    applied = [e for e in step.effects if isinstance(e, P.Apply)]
+    assert step.state.it == t + 1 and len(applied) == 1 and applied[0].entry.payloads == payloads
+    assert applied[0].entry.signatures == sigs
+    # A relayed payload signed by another member's key, a payload changed, a signature missing: the
+    # commit is held, the relay is not taken, and the payloads are fetched.
+    forged = (sigs[0], keys[0].sign(P.signed_bytes(P.Push("run", 2, t, 2, payloads[1], previous=st.chain or b""))))
+    changed = (payloads[0], b"\x00\x00")
+    for bad_payloads, bad_sigs in ((payloads, forged), (changed, sigs), (payloads, sigs[:1])):
+        step = P.on_commit(pp, st, commit, 10.0, payloads=bad_payloads, signatures=bad_sigs)
+        assert step.state.it == t and step.reply.stored
+        assert any(isinstance(e, P.Fetch) for e in step.effects)
+        notes = [e.text for e in step.effects if isinstance(e, P.Note)]
+        assert any("relayed pushes not taken" in n for n in notes), notes
+
+
+def test_relayed_payloads_travel_beside_the_commit_and_an_oversized_relay_is_refused():
+    from zeroth.net import wire
+
+    pp, st, commit, payloads, sigs, _ = _relay_case()
+    entry = P.LogEntry(commit, payloads, sigs)
+    msg = wire.relay_to_pb(wire.commit_to_pb(commit), entry)
+    again = wire.pb.Commit.FromString(msg.SerializeToString())
+    assert wire.commit_from_pb(again) == commit
+    assert wire.relay_from_pb(again) == (payloads, sigs)
+    assert wire.relay_from_pb(wire.commit_to_pb(commit)) == (None, None)
+    big = wire.pb.Commit()
+    big.CopyFrom(msg)
+    big.relayed_signatures[0] = b"x" * 65
+    with pytest.raises(P.Rejected, match="relayed signature"):
+        wire.relay_from_pb(big)
+    big.relayed_payloads.extend([b""] * P.MAX_MEMBERS)
+    with pytest.raises(P.Rejected, match="relays more than"):
+        wire.relay_from_pb(big)

@@ -380,6 +380,13 @@ class PeersConfig:
         "removed from the run and must rejoin, so members that never push do not hold the majority; null = never.",
         gt=0.0,
     )
+    pushes: str = field(
+        "all",
+        "Where a peer sends its projected gradients: all = to every member (a takeover finds every push in "
+        "place; M*(M-1) messages an iteration); leader = to the iteration's committer only, which relays them, "
+        "signed by their authors, inside its commit (2*(M-1) messages an iteration: for many peers).",
+        choices=("all", "leader"),
+    )
     startup_timeout_s: float | None = field(
         None,
         "Seconds for every founder to join before iteration 0; fewer by then fails the run (exit 1). "

@@ -84,6 +84,8 @@ def _request_pb(msg, base: P.View | None, max_count: int):
         return wire.push_to_pb(msg)
     if isinstance(msg, P.Commit):  # a delta of the sender's view of its iteration, as the runtime sends it
         return wire.commit_to_pb(msg, base, max_count) if base is not None else wire.commit_to_pb(msg)
+    if isinstance(msg, P.LogEntry):  # a commit with its payloads relayed (pushes: leader)
+        return wire.relay_to_pb(_request_pb(msg.commit, base, max_count), msg)
     if isinstance(msg, P.Prepare):
         return wire.prepare_to_pb(msg)
     if isinstance(msg, P.Leave):
@@ -142,9 +144,10 @@ class WanNet(SimNet):
         got = self._sizes.get(id(msg))
         if got is None or got[0] is not msg:
             st = self.peers[src].state
+            commit = msg.commit if isinstance(msg, P.LogEntry) else msg
             base = (
-                P.view_at(st, msg.iteration)
-                if isinstance(msg, P.Commit) and st is not None and not self.whole_commits
+                P.view_at(st, commit.iteration)
+                if isinstance(commit, P.Commit) and st is not None and not self.whole_commits
                 else None
             )
             got = (msg, wire.wire_size(_request_pb(msg, base, self.params.max_count), kind="request", token=_TOKEN))
@@ -153,12 +156,14 @@ class WanNet(SimNet):
 
     def link_delay(self, src: str, dst: str, message, *, answer_to=None) -> float:
         n = _reply_size(message) if answer_to is not None else self._size(src, message)
-        it = (message if answer_to is None else answer_to).iteration
+        about = message if answer_to is None else answer_to
+        it = (about.commit if isinstance(about, P.LogEntry) else about).iteration
         if answer_to is None:
             self.messages[it] = self.messages.get(it, 0) + 1
-            if message.signature:
+            signatures = len(message.payloads) + 1 if isinstance(message, P.LogEntry) else int(bool(message.signature))
+            if signatures:
                 signed = self.received_signed.setdefault(it, {})
-                signed[dst] = signed.get(dst, 0) + 1
+                signed[dst] = signed.get(dst, 0) + signatures
         sent = self.sent.setdefault(it, {})
         sent[src] = sent.get(src, 0) + n
         a_src, up = self._link(src)
@@ -221,6 +226,7 @@ def measure(
     compute_s: float = 0.05,
     call_slots: int | None = None,
     whole_commits: bool = False,
+    pushes: str = "all",
     seed: int = 0,
     budget_s: float = 120.0,
     max_count: int = 16,
@@ -242,6 +248,7 @@ def measure(
         window=8,
         sign=_fake_sign,
         max_members=max(m, 1),
+        pushes=pushes,
     )
     net = WanNet(
         params,
@@ -364,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="size commits whole (every member in every commit), as the wire was before commit deltas",
     )
+    ap.add_argument(
+        "--pushes",
+        choices=P.PUSHES,
+        default="all",
+        help="where pushes go (peers.pushes): all = every member (default), leader = the committer, which relays them",
+    )
     ap.add_argument("--budget-s", type=float, default=120.0, help="CPU seconds per M at most (default 120)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -404,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 compute_s=args.compute_s,
                 call_slots=args.call_slots or None,
                 whole_commits=args.whole_commits,
+                pushes=args.pushes,
                 seed=args.seed,
                 budget_s=args.budget_s,
             )
@@ -413,7 +427,17 @@ def main(argv: list[str] | None = None) -> int:
     vus = verify_cost_us()
     settings = {
         k: getattr(args, k)
-        for k in ("iterations", "rtt_ms", "uplink_mbps", "compute_s", "call_slots", "whole_commits", "budget_s", "seed")
+        for k in (
+            "iterations",
+            "rtt_ms",
+            "uplink_mbps",
+            "compute_s",
+            "call_slots",
+            "whole_commits",
+            "pushes",
+            "budget_s",
+            "seed",
+        )
     }
     if args.json:
         print(json.dumps({"settings": settings, "verify_us": vus, "rows": rows}, indent=2))

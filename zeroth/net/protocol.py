@@ -137,6 +137,7 @@ MAX_ROUND_STEP = 16  # a prepare's round is at most this far above the highest o
 KEY_BYTES = 32  # Ed25519 public key
 READY_LAG = 8  # a late push (up to this many iterations) of an inactive member marks it ready to be active
 _NO_BALLOT = (-1, -1)
+PUSHES = ("all", "leader")  # Params.pushes: every member, or the committer (which relays them)
 
 
 class Rejected(Exception):
@@ -181,6 +182,11 @@ class Params:
         catching up for that long) for this many seconds, as the committer saw it, is removed by
         the next decision (it must rejoin with a new id), so members that never push do not
         count toward the majority for ever; None: never (only unreachable ones are removed).
+      pushes: where a member sends its push. ``"all"``: to every member (a takeover finds every
+        push already in place; M·(M−1) messages an iteration). ``"leader"``: to the committer
+        only, which relays the payloads and their authors' signatures inside its commit
+        (:data:`PUSHES`; 2·(M−1) messages an iteration; a takeover gathers the pushes from the
+        promises).
     """
 
     run_id: str
@@ -201,6 +207,7 @@ class Params:
     require_founders: bool = False
     max_members: int = MAX_MEMBERS
     idle_timeout_s: float | None = None
+    pushes: str = "all"
 
     @property
     def stall_s(self) -> float:
@@ -223,6 +230,8 @@ class Params:
                 f"Params.max_members must be an integer from founders ({self.founders}) to {MAX_MEMBERS}, "
                 f"got {self.max_members!r}"
             )
+        if self.pushes not in PUSHES:
+            raise ValueError(f"Params.pushes must be one of {PUSHES}, got {self.pushes!r}")
         for name in ("iteration_timeout_s", "barrier_timeout_s", "forming_timeout_s"):
             v = getattr(self, name)
             if not v > 0:
@@ -1355,7 +1364,14 @@ def _replace_gone(params: Params, st: PeerState, now: float, effects: list) -> P
     if who is None or who == st.me or who not in st.refused or st.me not in st.view.active_ids():
         return st
     have = _pushed(st)
-    if st.me not in have or _missing(st, have) - st.refused - {who}:
+    if st.me not in have:
+        return st
+    if params.pushes == "leader":
+        # The others' pushes went to the committer only: once every member stopped computing
+        # (the iteration timeout), the takeover's promises carry them.
+        if now < st.started_at + params.iteration_timeout_s:
+            return st
+    elif _missing(st, have) - st.refused - {who}:
         return st
     return _suspect(params, st, who, now, effects, f"machine {who} refused our connection")
 
@@ -1413,9 +1429,11 @@ def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive, 
 def _publish(params: Params, st: PeerState, now: float, effects: list, entry: LogEntry, admitted) -> PeerState:
     """Record our decision, send it to every member of the iteration, answer joins once enough hold it, apply."""
     t = entry.commit.iteration
+    # Pushes that went to us only travel on inside the decision: the entry, payloads and signatures.
+    message = entry if params.pushes == "leader" and entry.payloads is not None else entry.commit
     for m in st.view.members:
         if m.machine != st.me:
-            effects.append(Send(m.machine, m.address, entry.commit))
+            effects.append(Send(m.machine, m.address, message))
     admissions = dict(st.admissions)
     if admitted:
         admissions[t] = Admission(
@@ -1677,11 +1695,20 @@ def on_local_gradients(
 
 
 def _push(params: Params, st: PeerState, count: int, payload: bytes, now: float, effects: list) -> PeerState:
-    """Sign our push of ``st.it`` (on our chain), send it to every member, and try the barrier."""
+    """Sign our push of ``st.it`` (on our chain), send it (:func:`_push_targets`), and try the barrier."""
     push = sign(params, Push(params.run_id, st.me, st.it, count, payload, previous=st.chain or b""))
     st = st._replace(inbox=_put(st.inbox, (st.it, st.me), push))
-    effects += [Send(m.machine, m.address, push) for m in st.view.members if m.machine != st.me]
+    effects += [Send(m.machine, m.address, push) for m in _push_targets(params, st)]
     return _try_commit(params, st, now, effects)
+
+
+def _push_targets(params: Params, st: PeerState) -> list[Member]:
+    """The members our push of ``st.it`` goes to: every other member, or (``Params.pushes ==
+    "leader"``) the committer of ``st.it`` (none when that is us)."""
+    if params.pushes == "leader":
+        who = committer(st)
+        return [m for m in st.view.members if m.machine == who and who != st.me]
+    return [m for m in st.view.members if m.machine != st.me]
 
 
 def _horizon(st: PeerState) -> int:
@@ -1776,14 +1803,24 @@ def _elsewhere(st: PeerState, machine: int, previous: bytes, what: str, effects:
 # --------------------------------------------------------------------------- decisions
 
 
-def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step:
+def on_commit(
+    params: Params,
+    st: PeerState,
+    commit: Commit,
+    now: float,
+    *,
+    payloads: tuple[bytes, ...] | None = None,
+    signatures: tuple[bytes, ...] | None = None,
+) -> Step:
     """A decision of one iteration (the barrier release). Reply: a :class:`CommitReply`, whether this
     peer now holds it (that commit, at its ballot; not a commit only taken as a hint, a later
     iteration whose view this peer cannot verify, for which it fetches the log instead) and which
     decision of the iteration before it holds when that one admitted members. The committer counts
     only holders as having accepted it (:func:`on_commit_acked`).
 
-    Buffered until applicable; its payloads come from the pushes received, or are fetched.
+    Buffered until applicable; its payloads come from the pushes received, from ``payloads`` and
+    ``signatures`` relayed with it (``Params.pushes == "leader"``: taken only when each is signed
+    by its contributor and they match the commit's digest, else ignored), or are fetched.
     A decision that conflicts with one this peer already applied (signed, higher ballot) makes it
     fetch that iteration from the leader; it drops out only if the leader's log differs too.
 
@@ -1866,11 +1903,32 @@ def on_commit(params: Params, st: PeerState, commit: Commit, now: float) -> Step
         entry = old._replace(commit=commit)
     else:
         entry = LogEntry(commit, None)
+    if entry.payloads is None and payloads is not None:
+        entry = _relayed(params, view, entry, payloads, signatures, effects)
     st = st._replace(decided=_put(st.decided, t, entry), promised=_put(st.promised, t, commit.ballot))
     if st.recovery is not None and st.recovery.ballot < commit.ballot and t == st.it:
         st = st._replace(recovery=None)
     st = _advance(params, st, now, effects)
     return Step(st, tuple(effects), _commit_reply(st, commit, True))
+
+
+def _relayed(params: Params, view: View, entry: LogEntry, payloads, signatures, effects: list) -> LogEntry:
+    """``entry`` with the payloads relayed beside its commit, if each is its contributor's, signed,
+    and together they are the commit's (else ``entry`` unchanged: they are fetched)."""
+    c = entry.commit
+    try:
+        if len(payloads) != len(c.contributors) or signatures is None or len(signatures) != len(payloads):
+            raise Rejected("INVALID_ARGUMENT", f"{len(payloads)} payloads for {len(c.contributors)} contributors")
+        for (m, n), payload in zip(c.contributors, payloads, strict=True):
+            _check_payload(params, n, payload, f"relayed push of machine {m}", c.iteration)
+        if updates_digest(c.contributors, payloads) != c.updates_digest:
+            raise Rejected("INVALID_ARGUMENT", "the payloads are not the ones the commit names")
+        relayed = LogEntry(c, tuple(payloads), tuple(signatures))
+        _verify_entry(params, view, relayed, f"relayed pushes of iteration {c.iteration}", keys=view.key_of)
+    except Rejected as e:
+        effects.append(Note(f"iteration {c.iteration}: relayed pushes not taken ({e.message}); fetching them"))
+        return entry
+    return relayed
 
 
 def on_commit_acked(
@@ -2361,16 +2419,16 @@ def _resync(params: Params, st: PeerState, now: float, effects: list) -> tuple[P
         Note(f"iteration {st.it}: no decision for {now - st.started_at:.0f}s; re-synchronising with the others")
     )
     st = _fetch(params, st, now, effects, st.it, st.it + params.window)
-    _push_again(st, effects)
+    _push_again(params, st, effects)
     return st, tuple(effects)
 
 
-def _push_again(st: PeerState, effects: list) -> None:
-    """Our push of ``it``, if we made one, sent to every member again: the same signed bytes, which
-    a member that has them accepts again as an identical copy."""
+def _push_again(params: Params, st: PeerState, effects: list) -> None:
+    """Our push of ``it``, if we made one, sent again (:func:`_push_targets`): the same signed
+    bytes, which a member that has them accepts again as an identical copy."""
     mine = st.inbox.get((st.it, st.me))
     if mine is not None:
-        effects += [Send(m.machine, m.address, mine) for m in st.view.members if m.machine != st.me]
+        effects += [Send(m.machine, m.address, mine) for m in _push_targets(params, st)]
 
 
 def on_tick(params: Params, st: PeerState, now: float) -> Step:
@@ -2420,6 +2478,10 @@ def on_tick(params: Params, st: PeerState, now: float) -> Step:
             st = _try_commit(params, st, now, effects)
             st = _probe_waits(params, st, now, effects)
         return Step(st, tuple(effects))
+    if params.pushes == "leader" and who in st.refused:
+        st = _replace_gone(params, st, now, effects)  # no push of another member tells us: time does
+        if st.recovery is not None or committer(st) != who:
+            return Step(st, tuple(effects))
     st = _probe_waits(params, st, now, effects)
     if now < st.deadline:
         return Step(st, tuple(effects))
@@ -2430,7 +2492,7 @@ def on_tick(params: Params, st: PeerState, now: float) -> Step:
         # push, and a lost one is never retried); the stall timer re-synchronises it (a removal
         # shows in the log, or as refused log requests) and ends a run that cannot go on.
         st = st._replace(waits=st.waits + 1, deadline=now + 2 * params.barrier_timeout_s)
-        _push_again(st, effects)
+        _push_again(params, st, effects)
         return Step(st, tuple(effects))
     return Step(_suspect(params, st, who, now, effects, f"no decision from machine {who}"), tuple(effects))
 

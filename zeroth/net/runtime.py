@@ -455,6 +455,7 @@ class Node:
             stall_timeout_s=p.stall_timeout_s,
             max_members=max(p.max_members, max(1, self.options.founders)),
             idle_timeout_s=p.idle_timeout_s,
+            pushes=p.pushes,
         )
 
     def _step(self, fn, *args, **kwargs):
@@ -482,7 +483,7 @@ class Node:
     def _dispatch(self, effects) -> None:
         inc = self.incarnation
         for eff in effects:
-            if isinstance(eff, P.Send) and isinstance(eff.message, P.Push | P.Commit):
+            if isinstance(eff, P.Send) and isinstance(eff.message, P.Push | P.Commit | P.LogEntry):
                 self._send_async(inc, eff)
             elif isinstance(eff, P.Send):
                 self._submit(self._send, inc, eff)
@@ -524,7 +525,8 @@ class Node:
         once: an iteration costs a few round trips whatever the number of members); its answer is
         taken by the sender pool, as a blocking call's answer is. A commit goes as a delta
         of the view of its iteration (:func:`zeroth.net.wire.commit_to_pb`; encoded once for all
-        members), or ``whole`` to a member that answered that it lacks that view. A commit that
+        members), or ``whole`` to a member that answered that it lacks that view; a decided entry
+        (``peers.pushes: leader``) goes as its commit with the payloads relayed. A commit that
         finds the member unavailable or out of time is sent again twice, 50 and 100 ms later."""
         if self._stop.is_set():
             return
@@ -540,25 +542,32 @@ class Node:
                     eff.address, "PushGradients", wire.push_to_pb(msg), b, done, payload=len(msg.payload)
                 )
             else:
-                self.transport.rpc_async(eff.address, "CommitIteration", self._commit_pb(msg, whole), b, done)
+                relayed = sum(map(len, msg.payloads)) if isinstance(msg, P.LogEntry) else 0
+                self.transport.rpc_async(
+                    eff.address, "CommitIteration", self._commit_pb(msg, whole), b, done, payload=relayed
+                )
         except grpc.RpcError as e:  # stopping (Closed)
             done(None, e)
 
-    def _commit_pb(self, msg: P.Commit, whole: bool):
-        """``msg`` on the wire, as a delta of the view of its iteration (else whole), encoded once per commit."""
+    def _commit_pb(self, msg: P.Commit | P.LogEntry, whole: bool):
+        """``msg`` on the wire, as a delta of the view of its iteration (else whole), encoded once per
+        commit; an entry's commit with its payloads relayed (:func:`zeroth.net.wire.relay_to_pb`)."""
         with self._lock:
             cached = self._commit_pbs
             if cached is None or cached[0] is not msg:
-                base = P.view_at(self._st, msg.iteration) if self._st is not None else None
-                full = wire.commit_to_pb(msg)
-                delta = wire.commit_to_pb(msg, base, self._pp.max_count) if base is not None else full
+                commit = msg.commit if isinstance(msg, P.LogEntry) else msg
+                base = P.view_at(self._st, commit.iteration) if self._st is not None else None
+                full = wire.commit_to_pb(commit)
+                delta = wire.commit_to_pb(commit, base, self._pp.max_count) if base is not None else full
+                if isinstance(msg, P.LogEntry):
+                    full, delta = wire.relay_to_pb(full, msg), wire.relay_to_pb(delta, msg)
                 cached = self._commit_pbs = (msg, full, delta)
         return cached[1] if whole else cached[2]
 
     def commit_from_pb(self, request) -> P.Commit | None:
         """The commit a ``CommitIteration`` request carries, a delta rebuilt from this peer's view of
         its iteration; None when it is a delta of a view this peer does not hold (the sender then
-        sends it whole)."""
+        sends it whole). The payloads relayed with it: :func:`zeroth.net.wire.relay_from_pb`."""
         if not request.HasField("delta"):
             return wire.commit_from_pb(request)
         with self._lock:
@@ -574,6 +583,8 @@ class Node:
     def _answered(self, inc: int, eff: P.Send, attempt: int, whole: bool, response, error) -> None:
         """The answer to :meth:`_send_async`'s call, fed to the protocol (in a sender thread)."""
         msg = eff.message
+        if isinstance(msg, P.LogEntry):
+            msg = msg.commit  # its answer is a commit's
         if error is None:
             if isinstance(msg, P.Commit) and response.send_whole and not whole:
                 self._send_async(inc, eff, attempt, whole=True)
@@ -1225,9 +1236,10 @@ class Node:
             if late:
                 self.barrier.late()
 
-    def handle_commit(self, msg: P.Commit) -> P.CommitReply:
-        """Whether this peer now holds the commit, and more (:func:`zeroth.net.protocol.on_commit`'s reply)."""
-        return self._step(P.on_commit, msg)
+    def handle_commit(self, msg: P.Commit, payloads=None, signatures=None) -> P.CommitReply:
+        """Whether this peer now holds the commit, and more (:func:`zeroth.net.protocol.on_commit`'s
+        reply); ``payloads`` and ``signatures``: those relayed with it."""
+        return self._step(P.on_commit, msg, payloads=payloads, signatures=signatures)
 
     def handle_prepare(self, msg: P.Prepare) -> P.PrepareReply:
         """A takeover's prepare; one that says the leader is gone has the leader probed here first

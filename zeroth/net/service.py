@@ -90,13 +90,14 @@ class PeerService(pb_grpc.PeerServicer):
         return self._answer(pb.PushAck())
 
     def CommitIteration(self, request, context):  # noqa: N802
-        self._received(request)
+        self._received(request, sum(len(p) for p in request.relayed_payloads))
 
         def go():
             commit = self.node.commit_from_pb(request)
             if commit is None:  # a delta of a view this peer does not hold
                 return pb.CommitAck(send_whole=True)
-            reply = self.node.handle_commit(commit)
+            payloads, signatures = wire.relay_from_pb(request)
+            reply = self.node.handle_commit(commit, payloads, signatures)
             return pb.CommitAck(not_held=not reply.stored, previous=reply.previous)
 
         return self._answer(self._run(context, go))

@@ -415,6 +415,8 @@ class SimNet:
             return P.on_push(p, st, msg, now)
         if isinstance(msg, P.Commit):
             return P.on_commit(p, st, msg, now)
+        if isinstance(msg, P.LogEntry):  # a commit with the payloads relayed (Params.pushes == "leader")
+            return P.on_commit(p, st, msg.commit, now, payloads=msg.payloads, signatures=msg.signatures)
         if isinstance(msg, P.Prepare):
             if not dst.promises:
                 raise P.Rejected("UNAVAILABLE", f"{dst.address} answers no prepare")
@@ -442,6 +444,8 @@ class SimNet:
             return
         p, st, now = self.params, src.state, self.now
         msg = send.message
+        if isinstance(msg, P.LogEntry):
+            msg = msg.commit  # its answer is a commit's
         if isinstance(msg, P.Push) and not ok and self._refuses(src.address, send.address):
             self._handle(src, P.on_push_refused(p, st, iteration=msg.iteration, machine=send.machine, now=now))
         if isinstance(msg, P.Commit):

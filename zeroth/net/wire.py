@@ -42,6 +42,8 @@ __all__ = [
     "push_from_pb",
     "commit_to_pb",
     "commit_from_pb",
+    "relay_to_pb",
+    "relay_from_pb",
     "entry_to_pb",
     "entry_from_pb",
     "prepare_to_pb",
@@ -228,6 +230,28 @@ def commit_to_pb(c: P.Commit, base: P.View | None = None, max_count: int = 0) ->
         signature=c.signature,
         previous=c.previous,
     )
+
+
+def relay_to_pb(c: pb.Commit, entry: P.LogEntry) -> pb.Commit:
+    """A copy of ``c`` (``entry``'s commit on the wire) carrying ``entry``'s payloads and their
+    authors' signatures (``peers.pushes: leader``)."""
+    out = pb.Commit()
+    out.CopyFrom(c)
+    out.relayed_payloads.extend(entry.payloads or ())
+    out.relayed_signatures.extend(entry.signatures or ())
+    return out
+
+
+def relay_from_pb(c: pb.Commit) -> tuple[tuple[bytes, ...], tuple[bytes, ...]] | tuple[None, None]:
+    """The payloads and signatures relayed with a commit (``(None, None)``: none; raises
+    :class:`P.Rejected` when there are more than :data:`P.MAX_MEMBERS` or a signature is oversized)."""
+    if not c.relayed_payloads and not c.relayed_signatures:
+        return None, None
+    if len(c.relayed_payloads) > P.MAX_MEMBERS or len(c.relayed_signatures) > P.MAX_MEMBERS:
+        raise P.Rejected("INVALID_ARGUMENT", f"a commit relays more than {P.MAX_MEMBERS} payloads")
+    payloads = tuple(bytes(x) for x in c.relayed_payloads)
+    signatures = tuple(_bytes("relayed signature", x, MAX_SIGNATURE) for x in c.relayed_signatures)
+    return payloads, signatures
 
 
 def commit_from_pb(c: pb.Commit, base: P.View | None = None, max_count: int = 0) -> P.Commit:
