@@ -414,3 +414,26 @@ def test_relayed_payloads_travel_beside_the_commit_and_an_oversized_relay_is_ref
     big.relayed_payloads.extend([b""] * P.MAX_MEMBERS)
     with pytest.raises(P.Rejected, match="relays more than"):
         wire.relay_from_pb(big)
+
+
+def test_the_relay_tree_bounds_what_any_peer_sends_and_a_dead_relay_costs_its_children_a_fetch():
+    from zeroth.bench import peers as bench
+
+    m, k = 16, 4
+    direct = bench.measure(m, iterations=2, budget_s=60, pushes="leader")
+    tree = bench.measure(m, iterations=2, budget_s=60, pushes="leader", relay_fanout=k)
+    assert tree["ran"] and tree["contributors"] == [m, m]
+    # a push and a commit per member, and one relay to each member below the leader's k children
+    assert tree["messages"] == 2 * (m - 1) + (m - 1 - k)
+    assert tree["bytes_busiest"] < direct["bytes_busiest"] / 1.5
+    # Machine 1 relays to machines 5 to 8; killed, its children get the commit alone, wait a
+    # barrier timeout for the relay, fetch the payloads, and the run goes on in agreement.
+    net = SimNet(params(pushes="leader", relay_fanout=k, founders=9))
+    net.start(9)
+    assert net.run_until(lambda: all(p.state is not None and p.state.it >= 3 for p in net.peers.values()), limit=30.0)
+    net.kill("sim:1001")
+    assert net.run_until(lambda: net.all_finished(), limit=net.now + 120)
+    fin = done(net)
+    assert len(fin) == 8
+    assert len({tuple(p.chain()) for p in fin}) == 1
+    assert all(len(c) == 8 for _, c, _ in fin[0].chain()[-3:])

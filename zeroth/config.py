@@ -387,6 +387,14 @@ class PeersConfig:
         "signed by their authors, inside its commit (2*(M-1) messages an iteration: for many peers).",
         choices=("all", "leader"),
     )
+    relay_fanout: int = field(
+        8,
+        "With pushes: leader, the committer sends the relayed gradients to this many members, each of which "
+        "forwards them to as many more (a tree: no peer sends more than this many copies); the others get the "
+        "decision alone and fetch the gradients if the relay is late. 0 = the committer sends them to everyone.",
+        min=0,
+        max=4096,
+    )
     startup_timeout_s: float | None = field(
         None,
         "Seconds for every founder to join before iteration 0; fewer by then fails the run (exit 1). "

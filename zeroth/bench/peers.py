@@ -227,6 +227,7 @@ def measure(
     call_slots: int | None = None,
     whole_commits: bool = False,
     pushes: str = "all",
+    relay_fanout: int = 0,
     seed: int = 0,
     budget_s: float = 120.0,
     max_count: int = 16,
@@ -249,6 +250,7 @@ def measure(
         sign=_fake_sign,
         max_members=max(m, 1),
         pushes=pushes,
+        relay_fanout=relay_fanout,
     )
     net = WanNet(
         params,
@@ -377,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
         default="all",
         help="where pushes go (peers.pushes): all = every member (default), leader = the committer, which relays them",
     )
+    ap.add_argument(
+        "--relay-fanout",
+        type=int,
+        default=0,
+        help="with --pushes leader: the relay tree's fan-out (peers.relay_fanout); 0 = the leader sends to all (default)",
+    )
     ap.add_argument("--budget-s", type=float, default=120.0, help="CPU seconds per M at most (default 120)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -398,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         or args.uplink_mbps <= 0
         or args.compute_s < 0
         or args.call_slots < 0
+        or args.relay_fanout < 0
         or args.budget_s <= 0
     ):
         print(
@@ -418,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                 call_slots=args.call_slots or None,
                 whole_commits=args.whole_commits,
                 pushes=args.pushes,
+                relay_fanout=args.relay_fanout,
                 seed=args.seed,
                 budget_s=args.budget_s,
             )
@@ -435,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             "call_slots",
             "whole_commits",
             "pushes",
+            "relay_fanout",
             "budget_s",
             "seed",
         )

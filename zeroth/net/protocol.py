@@ -187,6 +187,12 @@ class Params:
         only, which relays the payloads and their authors' signatures inside its commit
         (:data:`PUSHES`; 2·(M−1) messages an iteration; a takeover gathers the pushes from the
         promises).
+      relay_fanout: with ``pushes="leader"``, the committer sends the payloads to this many
+        members and each member that takes them forwards them to as many more
+        (:func:`relay_children`), so that no peer sends more than ``relay_fanout`` copies of the
+        O(M) payloads; every other member gets the commit alone from the committer, as always,
+        and fetches the payloads if its parent's relay does not come within the barrier timeout.
+        0: the committer sends the payloads to every member itself.
     """
 
     run_id: str
@@ -208,6 +214,7 @@ class Params:
     max_members: int = MAX_MEMBERS
     idle_timeout_s: float | None = None
     pushes: str = "all"
+    relay_fanout: int = 0
 
     @property
     def stall_s(self) -> float:
@@ -230,6 +237,8 @@ class Params:
                 f"Params.max_members must be an integer from founders ({self.founders}) to {MAX_MEMBERS}, "
                 f"got {self.max_members!r}"
             )
+        if not isinstance(self.relay_fanout, int) or self.relay_fanout < 0:
+            raise ValueError(f"Params.relay_fanout must be an integer >= 0, got {self.relay_fanout!r}")
         if self.pushes not in PUSHES:
             raise ValueError(f"Params.pushes must be one of {PUSHES}, got {self.pushes!r}")
         for name in ("iteration_timeout_s", "barrier_timeout_s", "forming_timeout_s"):
@@ -579,6 +588,9 @@ class PeerState(NamedTuple):
       idle: ``{machine: time}``: when this peer first started an iteration whose view had that
         member inactive (it is removed once inactive for ``Params.idle_timeout_s``; an active
         member, or one no longer in the view, has no entry).
+      relay_wait: ``(iteration, until)``: this peer holds the commit of ``iteration`` without its
+        payloads and waits until ``until`` for its relay parent to forward them
+        (``Params.relay_fanout``) before it fetches them.
     """
 
     me: int
@@ -614,6 +626,7 @@ class PeerState(NamedTuple):
     strays: frozenset[int] = frozenset()
     floor: Mapping[int, Ballot] = {}
     idle: Mapping[int, float] = {}
+    relay_wait: tuple[int, float] = (-1, 0.0)
 
 
 class CommitReply(NamedTuple):
@@ -1199,7 +1212,10 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
         if entry.payloads is None:
             got = _assemble(st, entry.commit)
             if got is None:
-                if st.fetch is None:
+                if params.relay_fanout and params.pushes == "leader" and st.relay_wait[0] != st.it:
+                    # its payloads come down the relay tree: a barrier timeout before fetching them
+                    st = st._replace(relay_wait=(st.it, now + params.barrier_timeout_s))
+                if st.fetch is None and not (st.relay_wait[0] == st.it and now < st.relay_wait[1]):
                     st = _fetch(params, st, now, effects, st.it, st.it)
                 break
             entry = entry._replace(payloads=got[0], signatures=got[1])
@@ -1429,11 +1445,13 @@ def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive, 
 def _publish(params: Params, st: PeerState, now: float, effects: list, entry: LogEntry, admitted) -> PeerState:
     """Record our decision, send it to every member of the iteration, answer joins once enough hold it, apply."""
     t = entry.commit.iteration
-    # Pushes that went to us only travel on inside the decision: the entry, payloads and signatures.
-    message = entry if params.pushes == "leader" and entry.payloads is not None else entry.commit
+    # Pushes that went to us only travel on inside the decision: the entry, payloads and signatures,
+    # to every member or down the relay tree (the others get the commit alone).
+    relay = params.pushes == "leader" and entry.payloads is not None
+    first = {m.machine for m in relay_children(params, st.view, st.me, st.me)} if relay else set()
     for m in st.view.members:
         if m.machine != st.me:
-            effects.append(Send(m.machine, m.address, message))
+            effects.append(Send(m.machine, m.address, entry if m.machine in first else entry.commit))
     admissions = dict(st.admissions)
     if admitted:
         admissions[t] = Admission(
@@ -1702,6 +1720,30 @@ def _push(params: Params, st: PeerState, count: int, payload: bytes, now: float,
     return _try_commit(params, st, now, effects)
 
 
+def relay_children(params: Params, view: View, root: int, me: int) -> list[Member]:
+    """The members ``me`` forwards the payloads of a decision by ``root`` to (``Params.pushes ==
+    "leader"``): the view's members other than ``root``, in id order, form a tree of fan-out
+    ``Params.relay_fanout`` below ``root`` (``root``'s children are the first ``k``, the children
+    of the ``i``-th are the ``k`` from ``k·(i + 1)``). Fan-out 0: ``root`` sends to every member.
+
+      >>> v = View(3, tuple(Member(m, f"h:{m}", True) for m in range(8)), 8)
+      >>> p = Params("r", "c", 1, 1, 5, 1.0, 1.0, pushes="leader", relay_fanout=2)
+      >>> [[m.machine for m in relay_children(p, v, 0, me)] for me in range(8)]
+      [[1, 2], [3, 4], [5, 6], [7], [], [], [], []]
+    """
+    others = [m for m in view.members if m.machine != root]
+    k = params.relay_fanout
+    if not k:
+        return others if me == root else []
+    if me == root:
+        pos = -1
+    else:
+        pos = next((i for i, m in enumerate(others) if m.machine == me), None)
+        if pos is None:
+            return []
+    return others[k * (pos + 1) : k * (pos + 2)]
+
+
 def _push_targets(params: Params, st: PeerState) -> list[Member]:
     """The members our push of ``st.it`` goes to: every other member, or (``Params.pushes ==
     "leader"``) the committer of ``st.it`` (none when that is us)."""
@@ -1905,6 +1947,8 @@ def on_commit(
         entry = LogEntry(commit, None)
     if entry.payloads is None and payloads is not None:
         entry = _relayed(params, view, entry, payloads, signatures, effects)
+        if entry.payloads is not None and params.relay_fanout:
+            effects += [Send(m.machine, m.address, entry) for m in relay_children(params, view, commit.sender, st.me)]
     st = st._replace(decided=_put(st.decided, t, entry), promised=_put(st.promised, t, commit.ballot))
     if st.recovery is not None and st.recovery.ballot < commit.ballot and t == st.it:
         st = st._replace(recovery=None)
@@ -2462,6 +2506,8 @@ def on_tick(params: Params, st: PeerState, now: float) -> Step:
             effects.append(Failed(st.it, reason))
             return Step(st._replace(phase=FAILED, fetch=None, recovery=None), tuple(effects))
     if st.it in st.decided:
+        if st.relay_wait[0] == st.it and now >= st.relay_wait[1] and st.fetch is None:
+            st = _advance(params, st, now, effects)  # the relay did not come: fetch
         return Step(st, tuple(effects))
     if st.recovery is not None:
         if now >= st.recovery.deadline:

@@ -456,6 +456,7 @@ class Node:
             max_members=max(p.max_members, max(1, self.options.founders)),
             idle_timeout_s=p.idle_timeout_s,
             pushes=p.pushes,
+            relay_fanout=p.relay_fanout,
         )
 
     def _step(self, fn, *args, **kwargs):
