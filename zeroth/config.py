@@ -412,9 +412,9 @@ def load_config_dict(raw: Mapping[str, Any] | None, overrides: Sequence[str] = (
     _schema.validate_defaults(cfg)
     _check_bounds(cfg)
     _check_consistency(cfg)
-    if cfg.system is not None:
-        getattr(cfg, cfg.system).check(cfg)
     _check_schedule(cfg)
+    if cfg.system is not None:
+        getattr(cfg, cfg.system).check(cfg)  # what the system asks of the rest of the config
     return cfg
 
 
