@@ -374,7 +374,7 @@ def _check_consistency(cfg: Config) -> None:
     if cfg.train.layout == "flat" and (cfg.train.method != "zo" or cfg.train.requantize is not None):
         raise ValueError(
             f"config field train.layout: {cfg.train.layout!r} applies to train.method='zo' on one machine without "
-            f"train.requantize (the other methods and the peers hold trees); use layout 'tree' or 'auto'"
+            f"train.requantize (the other methods hold trees); use layout 'tree' or 'auto'"
         )
 
 
