@@ -6,7 +6,7 @@ tagged union whose tag is the section's key: the decoder (:func:`zeroth.schema.b
 of them by name, so no system checks another. Each system owns its section, in its own package
 (``zeroth/net/config.py``, ``zeroth/pipeline/config.py``, ``zeroth/cluster/config.py``,
 ``zeroth/binary/config.py``): a dataclass with ``check(cfg)``, what it asks of the rest of the
-config. Those modules sit at this layer, below the systems, and import only :mod:`zeroth.schema`
+config, and ``applies_schedule``, whether its runs follow ``train.schedule``. Those modules sit at this layer, below the systems, and import only :mod:`zeroth.schema`
 (and models), so decoding a config imports no system. Every field carries its description in its
 metadata; ``zeroth run --help-config`` prints them all (:func:`describe`).
 
@@ -16,8 +16,8 @@ Rules:
 * A bad value is a ``ValueError`` naming the field, the value and what would be valid.
 * ``overrides`` are ``"section.field=value"`` strings; the value is parsed as YAML
   (``train.lr=0.01``, ``peers.token=null``, ``peers.join_at=[3, 5]``,
-  ``model.kwargs={hidden: [32]}``, ``model.kwargs.hidden=[32]``). Setting a field of the
-  optional ``peers`` section creates it with defaults.
+  ``model.kwargs={hidden: [32]}``, ``model.kwargs.hidden=[32]``). Setting a field of a
+  system section creates it with defaults (and is refused when the config has another system).
 * Floats may be written ``1e-3`` (YAML 1.1 reads that as a string; it is accepted here).
 
 :func:`config_digest` is SHA-256 of the canonical JSON of a config: peers compare it before
