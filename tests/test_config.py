@@ -1,6 +1,7 @@
 """Experiment configs: validation messages, overrides, digests, every shipped YAML loads."""
 
 import dataclasses
+import itertools
 from pathlib import Path
 
 import pytest
@@ -347,3 +348,111 @@ def test_a_transformer_split_into_as_many_stages_as_blocks_is_accepted():
         "pipeline": {"stages": 7, "examples": 8},
     }
     assert C.load_config_dict(raw).pipeline.stages == 7
+
+
+# The smallest valid config of each system: its section (the tag) and what it asks of the rest.
+SYSTEM_CONFIGS = {
+    "peers": {"peers": {"count": 3}},
+    "pipeline": {
+        "data": {"dataset": "sotu", "batch_size": 4},
+        "model": {"name": "transformer"},
+        "train": {"method": "backprop"},
+        "pipeline": {"examples": 8},
+    },
+    "binary": {"binary": {"workers": 2}},
+    "ravnest": {**RAVNEST, "ravnest": {"clusters": 1}},
+}
+
+SYSTEM_OVERRIDES = {
+    "peers": "peers.count=2",
+    "pipeline": "pipeline.stages=2",
+    "binary": "binary.workers=1",
+    "ravnest": "ravnest.clusters=1",
+}
+
+
+def test_each_system_section_decodes_by_its_tag_into_the_systems_own_dataclass():
+    from zeroth.binary.config import BinaryConfig
+    from zeroth.cluster.config import RavnestConfig
+    from zeroth.net.config import PeersConfig
+    from zeroth.pipeline.config import PipelineConfig
+
+    owners = {"peers": PeersConfig, "pipeline": PipelineConfig, "binary": BinaryConfig, "ravnest": RavnestConfig}
+    assert C.SYSTEMS == tuple(owners) and C.load_config_dict({}).system is None
+    for tag, raw in SYSTEM_CONFIGS.items():
+        cfg = C.load_config_dict(raw)
+        assert cfg.system == tag and type(getattr(cfg, tag)) is owners[tag], tag
+        assert [s for s in C.SYSTEMS if getattr(cfg, s) is not None] == [tag]
+        assert C.load_config_dict(yaml.safe_load(C.to_yaml(cfg))) == cfg  # round trip keeps the tag
+    assert C.load_config_dict(SYSTEM_CONFIGS["peers"]).peers.count == 3
+    assert C.load_config_dict(SYSTEM_CONFIGS["binary"]).binary.workers == 2
+
+
+@pytest.mark.parametrize("first, second", list(itertools.permutations(C.SYSTEMS, 2)))
+def test_two_system_sections_are_refused_by_the_union_naming_both(first, second):
+    raw = {**SYSTEM_CONFIGS[first], second: {}}
+    with pytest.raises(ValueError) as e:
+        C.load_config_dict(raw)
+    msg = str(e.value)
+    assert msg.startswith(f"config sections {first!r} and {second!r} cannot be combined: a config runs one system")
+    assert msg.endswith("remove one of them") and str(list(C.SYSTEMS)) in msg and "\n" not in msg
+    # a --set that creates a second system's section is refused the same way, and `null` is no section
+    with pytest.raises(ValueError, match=f"config sections {first!r} and {second!r} cannot be combined"):
+        C.load_config_dict(SYSTEM_CONFIGS[first], [SYSTEM_OVERRIDES[second]])
+    assert C.load_config_dict({**SYSTEM_CONFIGS[first], second: None}).system == first
+
+
+def test_three_system_sections_name_the_first_two_and_the_rest():
+    with pytest.raises(ValueError, match=r"'peers' and 'binary' cannot be combined.*\(also set: \['pipeline'\]\)"):
+        C.load_config_dict({"peers": {}, "binary": {}, "pipeline": {}})
+
+
+def test_decoding_a_config_imports_no_system():
+    """The systems' sections sit below the systems: loading any config leaves the systems unimported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from zeroth import config; "
+        f"[config.load_config_dict(raw) for raw in {list(SYSTEM_CONFIGS.values())!r}]; "
+        "systems = ('zeroth.net.', 'zeroth.pipeline.', 'zeroth.cluster.', 'zeroth.binary.'); "
+        "print(sorted(m for m in sys.modules if m.startswith(systems)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == str(
+        ["zeroth.binary.config", "zeroth.cluster.config", "zeroth.net.config", "zeroth.pipeline.config"]
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    size: int = C.field(1, "Size.", min=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shapes:
+    square: _Shape | None = C.field(None, "A square.", one_of="shape")
+    circle: _Shape | None = C.field(None, "A circle.", one_of="shape")
+    colour: str = C.field("red", "Not in the union.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Drawing:
+    shapes: _Shapes = C.field(help="The shapes.", factory=_Shapes)
+
+
+def test_a_schema_union_names_its_section_and_describe_lists_its_members():
+    from zeroth import schema
+
+    assert schema.build(_Drawing, {"shapes": {"circle": {"size": 2}, "colour": "blue"}}).shapes.circle.size == 2
+    with pytest.raises(ValueError) as e:
+        schema.build(_Drawing, {"shapes": {"circle": {}, "square": {}}})
+    assert str(e.value) == (
+        "config sections 'circle' and 'square' of section 'shapes' cannot be combined: a config runs one shape, "
+        "named by its section (one of ['square', 'circle']); remove one of them"
+    )
+    text = schema.describe(_Drawing)
+    assert "shapes.square:  A square. [one shape at most: square, circle]" in text
+    assert "shapes.colour (str," in text and "[one shape" not in text.split("shapes.colour")[1]
+    assert "peers:  Optional: run as several peers over loopback gRPC. [one system at most: " in C.describe()

@@ -37,7 +37,17 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("3 codecs, compress, zo, collectives", ("zeroth.codecs", "zeroth.compress", "zeroth.zo", "zeroth.collectives")),
     ("4 models, data (tokenizers included)", ("zeroth.models", "zeroth.data")),
     ("5 methods and objectives", ("zeroth.methods", "zeroth.objectives")),
-    ("5 config (its allowed values come from layers 1-5)", ("zeroth.config",)),
+    ("5 schema: config fields and their decoder (imports no zeroth module)", ("zeroth.schema",)),
+    (
+        "5 config (its allowed values come from layers 1-5) and the systems' own config sections",
+        (
+            "zeroth.config",
+            "zeroth.net.config",
+            "zeroth.pipeline.config",
+            "zeroth.cluster.config",
+            "zeroth.binary.config",
+        ),
+    ),
     ("6 train", ("zeroth.train",)),
     ("6 stages: a model cut into stages and its data (shared by pipeline and cluster)", ("zeroth.stages",)),
     (

@@ -11,7 +11,8 @@ lowest first (a module imports only from layers below its own):
 2. ``kernels`` (Pallas), ``replay`` (the exact update rule, checksums);
 3. ``codecs``, ``compress``, ``zo``, ``collectives``;
 4. ``models``, ``data``;
-5. ``methods``, ``objectives``, ``config``;
+5. ``methods``, ``objectives``, ``schema`` (config fields and their decoder), ``config`` (the
+   systems' own config sections sit here too: ``net.config``, ``pipeline.config``, ...);
 6. ``train`` (the loop, metrics, checkpoints, run folders), ``stages``, ``transport``;
 7. the systems: ``net`` (Just One Byte), ``pipeline`` (AQ-SGD), ``cluster`` (Ravnest),
    ``binary`` (binary learning), ``marsit`` (one-bit all-reduce experiments);
@@ -46,6 +47,7 @@ __all__ = [
     "data",
     "methods",
     "objectives",
+    "schema",
     "config",
     "train",
     "stages",

@@ -129,20 +129,20 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         if args.out:
             cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=args.out))
         out = check_out_dir(trainer.out_dir_of(cfg))
-        if cfg.binary is None and cfg.peers is None and cfg.pipeline is None and cfg.ravnest is None:
+        if cfg.system is None:  # the config holds one system section at most (zeroth.config.SYSTEMS)
             return _train(cfg, out, args, argv, flag)
-        if cfg.binary is not None:
+        if cfg.system == "binary":
             return _binary(cfg, out, args, argv, flag)
-        if cfg.pipeline is not None and cfg.peers is None and cfg.ravnest is None:
+        if cfg.system == "pipeline":
             return _pipeline(cfg, out, args, argv, flag)
     if flag.is_set():
         print(f"zeroth run: interrupted by {flag.signal_name()} before the run started", file=sys.stderr)
         return interrupt.EXIT_CODE
-    if cfg.peers is not None:
+    if cfg.system == "peers":
         return int(zeroth.net.launch.run_config(cfg, out, argv) or 0)
-    if cfg.ravnest is not None:  # Ravnest nodes as processes on loopback
+    if cfg.system == "ravnest":  # Ravnest nodes as processes on loopback
         return int(ravnest_launch.run_config(cfg, out, argv, progress=not args.quiet) or 0)
-    raise ValueError("the config names no system zeroth run can launch")
+    raise ValueError(f"the config's system {cfg.system!r} is not one zeroth run can launch")
 
 
 def _marsit(args: argparse.Namespace, argv: list[str], raw: dict) -> int:

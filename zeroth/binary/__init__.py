@@ -13,6 +13,8 @@ Modules:
   :mod:`~zeroth.binary.launch`: the sparse-mutation parameter server (pure state machine, gRPC
   servicer over ``protos/zeroth/v1/binary.proto``, stubs in ``zeroth/binary/proto``), worker
   processes and a loopback launcher.
+* :mod:`zeroth.binary.config`: the ``binary:`` section of a config; it sits at the config's layer,
+  below this package: it imports only :mod:`zeroth.schema`.
 * :mod:`zeroth.binary.speed`: binary vs float32 speed rows; :mod:`zeroth.binary.experiment`: what
   ``zeroth run`` does with a ``binary:`` config section.
 """

@@ -17,6 +17,8 @@ Modules (import the one you need; this package imports nothing heavy):
   protocol over the pieces above, metrics, endings.
 * :mod:`zeroth.net.chaos` — a hostile member and peer processes to kill, pause and restart (tests, chaos table).
 * :mod:`zeroth.net.peer` — ``zeroth peer`` (one peer per process / machine).
+* :mod:`zeroth.net.config` — the ``peers:`` section of a config (:class:`~zeroth.net.config.PeersConfig`);
+  it sits at the config's layer, below this package: it imports only :mod:`zeroth.schema`.
 * :mod:`zeroth.net.launch` — ``zeroth run CONFIG`` for configs with ``peers:`` (loopback processes).
 * :mod:`zeroth.net.calibrate` — measures gRPC's framing bytes; :mod:`zeroth.protogen` (``python -m
   zeroth.protogen net``) regenerates the checked-in stubs of ``protos/zeroth/v1/peer.proto``.

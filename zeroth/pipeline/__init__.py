@@ -9,6 +9,8 @@
   ``pipeline:`` section (all stages on 127.0.0.1);
 * :mod:`.replicas`: data-parallel replicas of the pipeline (``pipeline.replicas``), each stage's
   gradients averaged over its replicas in float32 or with QuantizedAdam (1-bit Adam);
+* :mod:`.config`: the ``pipeline:`` section of a config; it sits at the config's layer, below this
+  package: it imports only :mod:`zeroth.schema` and the models;
 * :mod:`.sim`: the same engines in one process, the single-process reference, emulated wall-clock;
 * :mod:`.build`: config -> examples, partition, engines; :mod:`.compare`: one config, several
   compressions, a results JSON (``python -m zeroth.pipeline.compare``);
