@@ -41,7 +41,7 @@ from zeroth.binary import protocol as P
 from zeroth.binary import service as S
 from zeroth.binary import train as T
 from zeroth.binary import worker as W
-from zeroth.transport import identity
+from zeroth.transport import identity, processes
 
 __all__ = ["run", "accuracy", "fit_head", "initial_model", "InitialModel", "server_summary", "main"]
 
@@ -115,6 +115,7 @@ def server_summary(cfg: W.DistConfig, server: S.Server, init: InitialModel) -> d
 def _spawn(
     address: str, cfg: W.DistConfig, metrics: pathlib.Path, run_env: dict, hold: pathlib.Path | None = None
 ) -> subprocess.Popen:
+    """Start a worker process writing ``metrics``; its output goes to the log beside it (``worker<i>.log``)."""
     env = {
         **run_env,
         "PYTHONPATH": os.pathsep.join(
@@ -123,7 +124,7 @@ def _spawn(
     }
     env.setdefault("JAX_PLATFORMS", "cpu")
     insecure = not any(env.get(k) for k in identity.SECRET_ENV)
-    return subprocess.Popen(
+    return processes.start(
         [
             sys.executable,
             "-m",
@@ -137,11 +138,15 @@ def _spawn(
         ]
         + ([] if hold is None else ["--hold", str(hold)])
         + (["--insecure"] if insecure else []),
+        metrics.with_suffix(".log"),
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
     )
+
+
+def _log_end(out: pathlib.Path, i: int) -> str:
+    """The end of worker ``i``'s log (its last 500 characters)."""
+    log = out / f"worker{i}.log"
+    return log.read_text(errors="replace")[-500:].strip() if log.is_file() else ""
 
 
 def run(
@@ -163,7 +168,11 @@ def run(
     """
     out = pathlib.Path(out_dir or tempfile.mkdtemp(prefix="zeroth-binary-"))
     out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("worker*.jsonl"), *out.glob("join*.go")]:  # a previous run's logs would be counted
+    for old in [
+        *out.glob("worker*.jsonl"),
+        *out.glob("worker*.log"),
+        *out.glob("join*.go"),
+    ]:  # a previous run's logs would be counted
         old.unlink()
     init = initial_model(cfg)
     w0, t0, head, scfg = init.w, init.thresh, init.head, init.server_config
@@ -244,12 +253,13 @@ def run(
             h.unlink(missing_ok=True)
             procs.append(_spawn(address, cfg, out / f"worker{len(procs)}.jsonl", run_env, hold=h))
         act(server.snapshot().round)  # round 0 opened before the workers existed
-        while True:
+
+        def tick() -> str | None:
             if errors:
                 raise errors[0]
             st = server.snapshot()
             if st.round >= cfg.rounds:
-                break
+                return "done"
             if time.monotonic() - start > timeout_s:
                 raise RuntimeError(
                     f"the run did not finish {cfg.rounds} rounds within {timeout_s} s (at round {st.round})"
@@ -257,7 +267,7 @@ def run(
             for i, p in enumerate(procs):
                 if i not in lost and p.poll() not in (None, 0):
                     lost[i] = p.returncode  # the run goes on without it
-                    why = "" if p.returncode < 0 else f": {p.stderr.read()[-500:].strip()}"
+                    why = "" if p.returncode < 0 else f": {_log_end(out, i)}"
                     print(
                         f"zeroth binary: worker process {i} exited with {p.returncode}{why}; the run carries on "
                         "without it",
@@ -270,7 +280,9 @@ def run(
                     f"the run cannot finish: {alive} worker processes left, fewer than min_workers="
                     f"{cfg.min_workers} (lost: {', '.join(f'{i} rc {c}' for i, c in lost.items())})"
                 )
-            time.sleep(0.05)
+            return None
+
+        processes.watch(procs, tick, until_exited=False, grace_s=0)
         for i, p in enumerate(procs):
             if i not in lost:
                 try:
@@ -282,15 +294,12 @@ def run(
                     lost[i] = p.returncode
                     print(
                         f"zeroth binary: worker process {i} exited with {p.returncode} after the last round: "
-                        f"{p.stderr.read()[-500:].strip()}",
+                        f"{_log_end(out, i)}",
                         file=sys.stderr,
                         flush=True,
                     )
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        processes.stop(procs, grace_s=0)
         server.stop()
     wall = time.monotonic() - start
     records = []
