@@ -187,6 +187,12 @@ def run(
     errors: list[BaseException] = []
     act_lock = threading.Lock()
 
+    def _live_worker(excluded: list[int], what: str, rnd: int) -> int:
+        victim = next((i for i, p in enumerate(procs[:workers]) if p.poll() is None and i not in excluded), None)
+        if victim is None:
+            raise RuntimeError(f"no live worker left to {what} at round {rnd}")
+        return victim
+
     def act(rnd: int) -> None:
         # called by the server, under its lock, as round ``rnd`` opens: no worker has heard of it yet,
         # so a worker killed here takes no part in it, however loaded the machine
@@ -194,28 +200,13 @@ def run(
             try:
                 while to_resume:  # the round they were paused in closed without them: they were dropped
                     procs[to_resume.pop()].send_signal(signal.SIGCONT)
-                while pending_kills and rnd >= pending_kills[0]:
-                    pending_kills.pop(0)
-                    victim = next(
-                        (i for i, p in enumerate(procs[:workers]) if p.poll() is None and i not in killed), None
-                    )
-                    if victim is None:
-                        raise RuntimeError(f"no live worker left to kill at round {rnd}")
+                for _ in range(processes.due(pending_kills, rnd)):
+                    victim = _live_worker(killed, "kill", rnd)
                     procs[victim].send_signal(signal.SIGKILL)
                     killed.append(victim)
                     kill_rounds.append(rnd)
-                while pending_pauses and rnd >= pending_pauses[0]:
-                    pending_pauses.pop(0)
-                    victim = next(
-                        (
-                            i
-                            for i, p in enumerate(procs[:workers])
-                            if p.poll() is None and i not in killed and i not in paused
-                        ),
-                        None,
-                    )
-                    if victim is None:
-                        raise RuntimeError(f"no live worker left to pause at round {rnd}")
+                for _ in range(processes.due(pending_pauses, rnd)):
+                    victim = _live_worker(killed + paused, "pause", rnd)
                     procs[victim].send_signal(signal.SIGSTOP)
                     paused.append(victim)
                     pause_rounds.append(rnd)
@@ -225,9 +216,9 @@ def run(
                         resume = threading.Timer(pause_s, procs[victim].send_signal, (signal.SIGCONT,))
                         resume.daemon = True
                         resume.start()
-                while pending_joins and rnd >= pending_joins[0]:
-                    pending_joins.pop(0)
-                    holds[len(join_at) - len(pending_joins) - 1].touch()
+                first = len(join_at) - len(pending_joins)  # the joiners released so far
+                for k in range(first, first + processes.due(pending_joins, rnd)):
+                    holds[k].touch()
             except BaseException as e:  # raised by the launcher's loop, not inside the RPC
                 errors.append(e)
 

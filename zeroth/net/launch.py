@@ -445,35 +445,33 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
     flag = catcher.__enter__()
     current = resumed_from[0] if resumed_from else 0
     try:
-        for i in range(p.count):
+
+        def add_peer(i: int, join: str | None, args: tuple, **kw) -> None:
             peers.append(
                 start_peer(
                     config_path,
                     out / "peers" / f"p{i}",
                     addresses[i],
                     index=i,
-                    join=None if i == 0 else founder_address,
-                    founders=p.count if i == 0 else None,
-                    extra_args=tuple(extra)
-                    + (("--resume", str(resumed_from[1])) if i == 0 and resumed_from else ())
-                    + (("--join-members", str(i)) if i > 0 else ()),
-                    founder=True,
+                    join=join,
+                    **kw,
+                    extra_args=tuple(extra) + args,
                 )
+            )
+
+        for i in range(p.count):
+            add_peer(
+                i,
+                None if i == 0 else founder_address,
+                (("--resume", str(resumed_from[1])) if i == 0 and resumed_from else ())
+                + (("--join-members", str(i)) if i > 0 else ()),
+                founders=p.count if i == 0 else None,
+                founder=True,
             )
         # Joiners start at once (start-up and compilation take a while) and join at their iteration.
         for k in sorted(p.join_at):
             i = len(peers)
-            peers.append(
-                start_peer(
-                    config_path,
-                    out / "peers" / f"p{i}",
-                    addresses[i],
-                    index=i,
-                    join=founder_address,
-                    extra_args=(*extra, "--join-at", str(k)),
-                    founder=False,
-                )
-            )
+            add_peer(i, founder_address, ("--join-at", str(k)), founder=False)
             events.append({"event": "join", "peer": i, "at_iteration": k})
         kill_at = sorted(p.kill_at)
         offsets: dict[int, int] = {}
@@ -506,8 +504,7 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
                         accuracy = r["eval_accuracy"]
             live = [latest[q.index] for q in peers if q.alive() and q.index in latest]
             current = max((r["step"] for r in live), default=current)
-            while kill_at and current >= kill_at[0]:
-                kill_at.pop(0)
+            for _ in range(processes.due(kill_at, current)):
                 victims = [q for q in peers if q.alive() and q.index != 0 and q.founder] or [
                     q for q in peers if q.alive() and q.index != 0
                 ]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["Watched", "exit_line", "log_tail", "start", "stop", "watch"]
+__all__ = ["Watched", "due", "exit_line", "log_tail", "start", "stop", "watch"]
 
 
 def start(
@@ -103,6 +103,22 @@ def watch(
     except BaseException:
         stop(procs, grace_s)
         raise
+
+
+def due(schedule: list, now) -> int:
+    """How many events of the ascending ``schedule`` (iterations, rounds, update counts) are due at
+    ``now``; they are taken off it, so each is acted on once.
+
+    Example:
+      >>> kill_at = [2, 5, 5, 9]
+      >>> due(kill_at, 5), kill_at
+      (3, [9])
+    """
+    n = 0
+    while schedule and now >= schedule[0]:
+        schedule.pop(0)
+        n += 1
+    return n
 
 
 def log_tail(path: Path, lines: int = 3) -> str:
