@@ -162,6 +162,7 @@ def run(
     insecure: bool = False,
 ) -> dict:
     """Run the server and the workers to the end; returns the summary dict (also ``out_dir/summary.json``).
+    Worker ``i`` writes its rows to ``out_dir/worker<i>.jsonl`` and its output to ``worker<i>.log``.
 
     The run has a fresh secret, given to the workers in their environment; every call carries its
     access token (``insecure``: none, and the server takes calls from anyone).
