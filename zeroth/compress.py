@@ -1,67 +1,9 @@
 """Activation compression for pipeline links: FP32, DirectQ and AQ-SGD behind one interface.
 
-A :class:`LinkCodec` is an optax-like ``NamedTuple`` of pure functions plus a state:
-
-* ``init(n_examples, row_shape, path=None) -> state``
-* ``encode(state, x f32[B, *row_shape], ids int64[B], keys u32[B, 2] = None, full=False) -> (state, Encoded, x̂ f32[B, ...])``
-  (the sender; ``x̂`` is exactly what the receiver will decode, and what the sender must use too;
-  ``keys`` drive the stochastic rounding, unused by nearest rounding)
-* ``decode(state, Encoded, ids int64[B], full=False) -> (state, x̂)`` (the receiver)
-
-Codecs (:func:`make_codec`):
-
-* ``fp32``: little-endian float32, lossless (``Encoded.bits = 0``).
-* ``directq(bits, axis="channel", rounding="stochastic")``: every value quantized to the
-  *zero-level grid* of ``b`` bits (:func:`quantize_rows`): levels ``q ∈ [−2^(b−1), 2^(b−1) − 1]``
-  decoding to ``x̂ = q · s / 2^(b−1)``, so zero is a level (``Q(0) = 0``: the mostly near-zero
-  deltas of AQ-SGD stay near zero). One float32 scale ``s`` per *channel* (the last axis's
-  feature, across the example's tokens: isolates the few outlier channels of a language model),
-  or with ``axis="row"`` per row (a vector along the last axis, one per token). ``s`` is chosen
-  so that no value clips (the row's extremes map to levels that exist), so the stochastic
-  rounding ``q = floor(v + u)``, ``u ∈ [0, 1)``, is unbiased, ``E[x̂] = x``, with
-  ``|x̂ − x| <`` one level; ``rounding="nearest"`` rounds to the nearest level (deterministic,
-  biased, within half a level). Bits ``b ∈ [2, 8]``.
-* ``aqsgd(bits, axis, rounding)``: the seed's algorithm on one link. Both ends hold a buffer
-  ``m[ξ]`` per training example. The first time example ξ passes, its activation goes in float32
-  and both ends set ``m[ξ] = a``; afterwards the sender transmits ``Q(a − m[ξ])`` (DirectQ of the
-  difference) and both ends set ``m[ξ] ← m[ξ] + Q(a − m[ξ])``; the receiver uses ``m[ξ]`` as the
-  activation. Backward gradients are not buffered: a pipeline pairs ``aqsgd`` forward with
-  ``directq`` backward.
-
-Every codec's ``encode`` and ``decode`` take ``full=True`` for the uncompressed warm-up (the
-seed's recipe: the first epoch in full precision): every example goes in float32
-(``Encoded.bits = 0``) and the AQ-SGD buffers take the activation, ``m[ξ] = a``.
-
-The seed's theorem asks for ``E‖x − Q(x)‖ ≤ c_Q‖x‖`` with ``c_Q < 1/√2``:
-:func:`quantizer_input` and :func:`relative_errors` measure ``c_Q`` on every message a codec
-sends (the pipeline logs it per link and direction).
-
-The uniforms ``u`` come from zeroth's counter-based keys: row-major element ``k`` of example ``ξ``
-uses the top 24 bits of word ``k`` of ``noise_words(key_ξ)``, ``u = (w >> 8) · 2^−24`` (exact in
-float32); :func:`example_keys` names the key by ``(run, link · 2 + direction, step, ξ)`` through
-the fold_in chain of :func:`zeroth.rng.sample_keys`. Integer ops and IEEE float32 arithmetic in
-NumPy only, so a rerun repeats every bit.
-
-Wire format (:class:`Encoded`): ``full`` holds the float32 rows of the examples sent in full
-precision, ``packed`` the levels of the others as the unsigned codes ``q + 2^(b−1)``, ``b`` bits
-per value packed little-endian into bytes (:func:`pack_bits`), ``scales`` their float32 scales
-(one per channel or per row of each example; a scale may be negative, see :func:`quantize_rows`),
-``quantizer`` the grid and scale axis they belong to (``zero-level/channel`` or ``zero-level/row``;
-a receiver refuses any other). :attr:`Encoded.nbytes` counts the payload.
-
-AQ-SGD buffers live in host memory (``np.ndarray``) or in a ``np.memmap`` file (``path``);
-:func:`buffer_digest` is their SHA-256 (both ends of a link must agree), :func:`save_buffers` /
-:func:`load_buffers` checkpoint them.
-
-Example:
-  >>> c = make_codec("aqsgd", bits=2)  # zero-level grid, channel scales, stochastic rounding
-  >>> s_send, s_recv = c.init(4, (3,)), c.init(4, (3,))
-  >>> x = np.arange(6, dtype=np.float32).reshape(2, 3); ids = np.array([0, 2])
-  >>> keys = example_keys(0, link=0, direction=0, step=0, ids=ids)
-  >>> s_send, msg, xs = c.encode(s_send, x, ids, keys)
-  >>> s_recv, xr = c.decode(s_recv, msg, ids)
-  >>> bool((xs == xr).all()), buffer_digest(s_send) == buffer_digest(s_recv)
-  (True, True)
+A :class:`LinkCodec` (:func:`make_codec`) is an optax-like ``NamedTuple`` of pure functions plus a
+state: ``init``, ``encode`` (the sender) and ``decode`` (the receiver), with the AQ-SGD buffers
+and their digests. The codecs, the grid, the wire format and the rounding's keys are described in
+the docs (``docs/systems/aqsgd.md``, "Link codecs").
 """
 
 from __future__ import annotations
@@ -152,7 +94,7 @@ class DeltaState(NamedTuple):
 
 
 class LinkCodec(NamedTuple):
-    """An activation/gradient codec (see the module docstring for the signatures)."""
+    """An activation/gradient codec (the signatures: ``docs/systems/aqsgd.md``, "Link codecs")."""
 
     name: str
     bits: int
@@ -597,6 +539,16 @@ def make_codec(name: str, bits: int = 0, axis: str = "channel", rounding: str = 
 
     Raises:
       ValueError: an unknown name, bits outside ``[2, 8]``, axis or rounding (the valid values are named).
+
+    Example:
+      >>> c = make_codec("aqsgd", bits=2)  # zero-level grid, channel scales, stochastic rounding
+      >>> s_send, s_recv = c.init(4, (3,)), c.init(4, (3,))
+      >>> x = np.arange(6, dtype=np.float32).reshape(2, 3); ids = np.array([0, 2])
+      >>> keys = example_keys(0, link=0, direction=0, step=0, ids=ids)
+      >>> s_send, msg, xs = c.encode(s_send, x, ids, keys)
+      >>> s_recv, xr = c.decode(s_recv, msg, ids)
+      >>> bool((xs == xr).all()), buffer_digest(s_send) == buffer_digest(s_recv)
+      (True, True)
     """
     if name == "fp32":
         return fp32()

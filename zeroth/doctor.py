@@ -1,45 +1,9 @@
 """``zeroth doctor [--json] [--golden PATH]``: does this machine reproduce the golden replay digest?
 
-Run it on every machine of a CPU / GPU / TPU mix before a run. It prints the backend, the devices,
-the jax and jaxlib versions and ``XLA_FLAGS``, then replays a fixed canonical update log with
-:func:`zeroth.replay.replay` and compares :func:`zeroth.replay.checksum` of the result with
-
-* the digest of the same replay computed in-process by the NumPy reference
-  (:mod:`zeroth.reference`), and
-* the golden digest shipped in the package (``zeroth/golden/doctor.json``).
-
-The canonical replay (:func:`canonical_params`, :func:`canonical_units`) has leaves of several
-shapes (0-D, 1-D, unaligned, 3-D), float32, bfloat16 and float16, special values (±0, subnormals,
-±inf, NaNs with payloads, the largest finite values) and 64 updates in four replay calls covering
-both exact distributions, with coefficients from 2**-120 (results that must be flushed) to ~64
-(float16 overflow). Every number in it is built from integers, so it is the same on every machine.
-
-A second replay, the *tiles* suite (:func:`tile_params`, :func:`tile_units`), guards what the
-first cannot see: adjacent bfloat16 and float16 leaves whose sizes leave a partial last tile for
-every platform's default tiling (so a kernel that addresses past its leaf corrupts its
-neighbour), NaN payloads in every dtype at the start and in the ragged tail of each leaf
-(0x7fff, 0xffc1, signalling NaNs: whatever NaN a backend's conversion produces must come out as
-the dtype's canonical one), and update counts of 1, 3 and 5 (keys padded for Triton). It is
-replayed twice, with and without donation; both digests must equal the reference and golden ones.
-
-The canonical float32/bfloat16 replay runs a second time with the parameters in the flat layout
-(:func:`zeroth.replay.flatten`: the small leaves in one buffer per dtype, one launch per buffer); its digest
-(:func:`zeroth.replay.checksum` of the :class:`zeroth.replay.Flat`) must be the golden one too.
-
-The golden file is written from the NumPy reference, never from jax::
-
-    python -m zeroth.doctor --write-golden            # rewrites zeroth/golden/doctor.json
-
-Two digests are compared: one over the float32 and bfloat16 leaves, one over the float16 leaves
-(XLA:CPU without F16C, e.g. under ``--xla_cpu_max_isa=SSE4_2``, cannot compile float16
-conversions at all in jaxlib 0.10; the doctor then says so instead of failing). A digest of
-``jax.random.normal`` noise is printed for contrast: it is backend-dependent and moves with FMA
-and fast-math while the exact digests do not.
-
-Exit status: 0 when every jax digest equals the reference and golden ones; 1 on a mismatch; 2 on
-a usage error, an unreadable golden file or a backend jax cannot start (``JAX_PLATFORMS`` naming
-a platform the machine lacks); 3 when float32/bfloat16 agree but this backend cannot compile
-float16.
+Run it on every machine of a CPU / GPU / TPU mix before a run: it replays fixed canonical update
+logs with :func:`zeroth.replay.replay` and compares their digests with the NumPy reference's and
+the golden ones shipped in ``zeroth/golden/doctor.json``. What the replays cover, the digests and
+the exit codes are described in the docs (``docs/concepts/determinism.md``, "Checking a machine").
 
 Example:
   >>> from zeroth.doctor import main

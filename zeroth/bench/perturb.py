@@ -1,54 +1,9 @@
 """``zeroth bench perturb [--json] [--size N] [--repeats R] [--ks 1,16,64]``: perturbation throughput.
 
-Side by side in one run, on one float32 leaf of N elements (default 2**24), each step donated
-(updated in place), timed after a warm-up call and round-robin over the rows (so a change of
-machine load hits every row alike):
-
-* **zeroth** ``apply_updates`` (the jitted traceable core of :mod:`zeroth.replay`), K = 1, with
-  each exact distribution, and the host entry :func:`zeroth.replay.perturb`; the binomial core
-  again with its keys and scales passed as NumPy arrays, as ``replay`` passes them (each call
-  sends them to the device): ``jnp_host_args_over_device_args`` is what sending them costs, and
-  ``binomial_over_jnp_host_args`` what the rest of ``replay``'s host work costs;
-* **jax.random.normal + add** (jitted, donated): the backend-dependent baseline;
-* **zeroth** ``replay`` without donation (copy mode: a new output buffer per call);
-* **torch.randn + add_** when torch is importable ("not installed" otherwise), on the device of
-  jax's arrays (a CUDA GPU when jax's default device is one and torch sees it);
-* the **memory floor**: a plain in-place pass ``p + c`` (jitted, donated) and torch ``add_(c)``;
-* **queued**: the donated binomial replay, ``p + c`` and torch's two rows again as 8 calls in a
-  row with one wait at the end (how a loop of replays runs: the host's cost of a call hides
-  behind the device's work); each row's rate counts the 8 passes, so ``queued / memory floor``
-  is the device's throughput, where the rows above add each call's host cost and wait;
-* a **replay** of K = 1, 16, 64 binomial updates in one call: element-updates/s (``N*K / t``)
-  and the time per update;
-* with ``--kernels``, the fused fast path of :mod:`zeroth.kernels.perturb` as extra rows (bits
-  checked against :func:`zeroth.replay.apply_updates` on a small leaf first).
-
-Rates are elements per second from the best of ``--repeats`` calls (the median is shown too).
-Each row also gives the best time its call took before the wait for the device
-(``host_seconds_min``, "host, best": the dispatch, and on an accelerator everything the host does
-for the call), and ``binomial_host_fraction_of_call`` / ``jnp_host_args_host_fraction_of_call``
-divide it by the best time of the replay's single call and of the ``jnp`` rule's with its updates
-from the host: where one call's time goes beyond the device's work.
-It prints the ratios the determinism contract is judged by: binomial / torch, binomial /
-jax-normal, binomial and rademacher / memory floor, and the time of one K=64 call against 64
-calls of K=1, each against its target on this backend (:func:`targets`: a GPU's are 1.5x torch
-and 80% of jax's ``p + c``, since both sides there are bound by memory).
-
-``--overhead`` measures the host cost of a replay call instead: ``replay(params, updates,
-donate=True)`` on pytrees of 1, 10, 50 and 200 leaves of 64 float32 elements, K = 1 and 16, in
-microseconds per call, side by side with the same parameters in the flat layout
-(``replay(flatten(params), ...)``, :class:`zeroth.replay.Flat`: one buffer, one launch), the same
-updates through one native launch *per leaf* (the design before one launch per replay), the floor
-of jax's own dispatch of the pytree (a donated jit that returns it unchanged), the floor of any
-update of it as separate arrays (a donated jit adding a scalar to each leaf: one output buffer
-per leaf, as the replay writes), and the
-arithmetic floor: the flat replay of ONE leaf holding as many elements (``L * 64``; at 200
-leaves and K = 16 that is 204,800 element-updates, no longer negligible), so that
-``flat - one leaf`` is what the number of leaves costs (each flat verdict prints that floor
-beside it, each pytree verdict jax's two floors). The pytree and flat rows also give the
-kernels one call launches (``kernel_launches``: custom calls and XLA fusions of the compiled
-program, counted on the device the arrays live on: one per buffer for the flat layout on CPU and
-GPU).
+The exact replay of one float32 leaf side by side with ``jax.random.normal + add``, torch and a
+plain memory pass, timed round-robin; ``--overhead`` measures the host cost of a replay call over
+pytrees of many leaves instead. The rows and ratios are described in the docs
+(``docs/guides/benchmarks.md``).
 
 Example:
   $ zeroth bench perturb --size 4194304 --repeats 3
@@ -455,7 +410,7 @@ _UPDATE_FLOOR = "jax update floor (p + s on each leaf)"  # writes each of them: 
 def run_overhead(
     *, leaves: tuple[int, ...] = OVERHEAD_LEAVES, ks: tuple[int, ...] = OVERHEAD_KS, repeats: int = 5, warmup: int = 1
 ) -> dict:
-    """Host overhead of a replay call (see the module docstring); ``{"rows", "environment", ...}``.
+    """Host overhead of a replay call (``docs/guides/benchmarks.md``); ``{"rows", "environment", ...}``.
 
     Each timing is ``_CALLS_PER_TIMING`` back-to-back calls (the state donated from one to the
     next), divided; rows are timed round-robin.

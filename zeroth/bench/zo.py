@@ -1,58 +1,8 @@
 """``zeroth bench zo [--json] [--model M] [--batch B] [--width W] [--seq-len T] [--n N] [--flat] [--rows G,...]``.
 
-A MeZO step against plain inference and against a backprop step, on one model and batch. Models:
-zeroth's own ``mlp``, ``cnn``, ``transformer`` (random inputs ``f32[B, 28, 28, 1]``, size set by
-``--width``) and the pretrained ``smollm2`` (SmolLM2-135M prompt classifier, stacked layers run
-by ``lax.scan``; a ZO step perturbs each layer inside the scan body, :mod:`zeroth.layerwise`),
-``smollm2_unrolled`` (one leaf per layer, an unrolled loop) and ``minilm`` (all-MiniLM-L6-v2 classifier), on real prompts of ``--seq-len`` tokens with
-the pretrained weights (:func:`zeroth.bench.pretrained.setup`; a missing weights package is
-an error naming its install command).
-
-* **inference forward**: ``loss(params, batch)``, jitted;
-* **ZO step** (per exact distribution): :func:`zeroth.zo.mezo_step` end to end with ``N``
-  perturbations (default 1): 2N forwards at ``θ ± εz`` in one compiled program, the codec
-  round trip, the host-rounded coefficients and the in-place exact ``replay``; and its two
-  compiled programs alone (``projected gradients``; ``update``, the donated replay through the
-  fused kernels as ``mezo_step`` runs it), the projected gradients again with their outputs
-  fetched to the host as ``mezo_step`` does (``projected gradients, fetched``), and the step's
-  host work alone (keys, codec, coefficients and scales: ``host work of the step``). The ratios
-  ``host_work_fraction_of_step_*`` and ``unattributed_fraction_of_step_*`` (1 − (fetched +
-  update + host work) / step, of best times: waits between the calls that no part timed alone
-  shows; on a noisy machine it reads high, the parts' best times not coming together) say where
-  a step's time goes beyond its programs; and the step with its update held (``mezo_step(..., hold=True)``: each
-  step applies the last one's update in its own program, one call per step, as the trainer runs
-  it; ``ZO step ..., update held``, with ``held_same_bits_*``: 1.0 when three held steps and a
-  settle give the projected gradients and parameters of three steps that apply their updates);
-  the held step deferred (``mezo_step(..., defer=True)``, codec ``onebyte``: the program encodes
-  its projected gradients and looks up the update's scales, so the host dispatches step t + 1
-  before it fetches step t, as the trainer runs the one-byte codec; timed over 8 steps in a row,
-  per step; ``deferred_same_bits_*``: 1.0 when three deferred steps and a settle give the bits of
-  three steps that apply their updates), on the tree (``ZO step ..., update held, deferred``:
-  the trainer's step on a CPU, where ``train.layout: auto`` keeps the tree) and with ``--flat``
-  on the flat layout too (the trainer's step on a GPU);
-* **backprop step**: ``jax.value_and_grad`` + ``optax.sgd``, jitted, parameters donated.
-
-Reported ratios (with their targets): ZO step time / time of 2N forwards (<= 1.2) and ZO
-peak memory / inference peak memory (<= 1.2), and the same two for the backprop step. Time
-ratios are of best times; ``*_medians`` ratios of median times are given too, and
-``zo_cpu_time_over_forwards_*`` of the best process CPU times (all threads; on a loaded machine
-it moves least, but neither is steady there: compare runs, not single numbers).
-
-Memory is XLA's own accounting of each compiled program (``Compiled.memory_analysis()``):
-``argument + output + temp − alias`` bytes, i.e. the device memory that must be live while the
-program runs: parameters and batch (arguments), results, and the scratch buffers of the
-buffer assignment (activations, perturbed leaves, noise). It is exact for what the program
-allocates, and independent of allocator caching and of other processes; process RSS is not
-used because on CPU it mixes the runtime, the compilation caches and the allocator's arenas.
-A ZO step runs two programs one after the other; its peak is the larger of the two.
-
-The inference baseline is the forward compiled under XLA's default options and under each
-option set of :func:`zeroth.zo.autotune.compiler_option_candidates` (all shown); ratios use the smallest
-peak and the fastest time among them, so the ZO step is never compared with a handicapped
-forward. The ZO step's program is the one :func:`zeroth.zo.projected_gradients_fn` chose; the
-backprop step is compiled under the same option sets and the smallest is kept. Timings are
-wall clock, interleaved round-robin over the rows (so drifting load hits them alike), minimum
-and median of ``--repeats``.
+A MeZO step against plain inference and against a backprop step, on one model and batch: time
+over two forwards and peak memory over inference's, with their targets. The models, rows, ratios
+and how memory and time are measured are described in the docs (``docs/guides/benchmarks.md``).
 
 Example:
   $ zeroth bench zo --model mlp --batch 256

@@ -41,7 +41,7 @@ from zeroth.binary import protocol as P
 from zeroth.binary import service as S
 from zeroth.binary import train as T
 from zeroth.binary import worker as W
-from zeroth.transport import identity
+from zeroth.transport import identity, processes
 
 __all__ = ["run", "accuracy", "fit_head", "initial_model", "InitialModel", "server_summary", "main"]
 
@@ -115,6 +115,7 @@ def server_summary(cfg: W.DistConfig, server: S.Server, init: InitialModel) -> d
 def _spawn(
     address: str, cfg: W.DistConfig, metrics: pathlib.Path, run_env: dict, hold: pathlib.Path | None = None
 ) -> subprocess.Popen:
+    """Start a worker process writing ``metrics``; its output goes to the log beside it (``worker<i>.log``)."""
     env = {
         **run_env,
         "PYTHONPATH": os.pathsep.join(
@@ -123,7 +124,7 @@ def _spawn(
     }
     env.setdefault("JAX_PLATFORMS", "cpu")
     insecure = not any(env.get(k) for k in identity.SECRET_ENV)
-    return subprocess.Popen(
+    return processes.start(
         [
             sys.executable,
             "-m",
@@ -137,11 +138,15 @@ def _spawn(
         ]
         + ([] if hold is None else ["--hold", str(hold)])
         + (["--insecure"] if insecure else []),
+        metrics.with_suffix(".log"),
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
     )
+
+
+def _log_end(out: pathlib.Path, i: int) -> str:
+    """The end of worker ``i``'s log (its last 500 characters)."""
+    log = out / f"worker{i}.log"
+    return log.read_text(errors="replace")[-500:].strip() if log.is_file() else ""
 
 
 def run(
@@ -157,13 +162,18 @@ def run(
     insecure: bool = False,
 ) -> dict:
     """Run the server and the workers to the end; returns the summary dict (also ``out_dir/summary.json``).
+    Worker ``i`` writes its rows to ``out_dir/worker<i>.jsonl`` and its output to ``worker<i>.log``.
 
     The run has a fresh secret, given to the workers in their environment; every call carries its
     access token (``insecure``: none, and the server takes calls from anyone).
     """
     out = pathlib.Path(out_dir or tempfile.mkdtemp(prefix="zeroth-binary-"))
     out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("worker*.jsonl"), *out.glob("join*.go")]:  # a previous run's logs would be counted
+    for old in [
+        *out.glob("worker*.jsonl"),
+        *out.glob("worker*.log"),
+        *out.glob("join*.go"),
+    ]:  # a previous run's logs would be counted
         old.unlink()
     init = initial_model(cfg)
     w0, t0, head, scfg = init.w, init.thresh, init.head, init.server_config
@@ -178,6 +188,12 @@ def run(
     errors: list[BaseException] = []
     act_lock = threading.Lock()
 
+    def _live_worker(excluded: list[int], what: str, rnd: int) -> int:
+        victim = next((i for i, p in enumerate(procs[:workers]) if p.poll() is None and i not in excluded), None)
+        if victim is None:
+            raise RuntimeError(f"no live worker left to {what} at round {rnd}")
+        return victim
+
     def act(rnd: int) -> None:
         # called by the server, under its lock, as round ``rnd`` opens: no worker has heard of it yet,
         # so a worker killed here takes no part in it, however loaded the machine
@@ -185,28 +201,13 @@ def run(
             try:
                 while to_resume:  # the round they were paused in closed without them: they were dropped
                     procs[to_resume.pop()].send_signal(signal.SIGCONT)
-                while pending_kills and rnd >= pending_kills[0]:
-                    pending_kills.pop(0)
-                    victim = next(
-                        (i for i, p in enumerate(procs[:workers]) if p.poll() is None and i not in killed), None
-                    )
-                    if victim is None:
-                        raise RuntimeError(f"no live worker left to kill at round {rnd}")
+                for _ in range(processes.due(pending_kills, rnd)):
+                    victim = _live_worker(killed, "kill", rnd)
                     procs[victim].send_signal(signal.SIGKILL)
                     killed.append(victim)
                     kill_rounds.append(rnd)
-                while pending_pauses and rnd >= pending_pauses[0]:
-                    pending_pauses.pop(0)
-                    victim = next(
-                        (
-                            i
-                            for i, p in enumerate(procs[:workers])
-                            if p.poll() is None and i not in killed and i not in paused
-                        ),
-                        None,
-                    )
-                    if victim is None:
-                        raise RuntimeError(f"no live worker left to pause at round {rnd}")
+                for _ in range(processes.due(pending_pauses, rnd)):
+                    victim = _live_worker(killed + paused, "pause", rnd)
                     procs[victim].send_signal(signal.SIGSTOP)
                     paused.append(victim)
                     pause_rounds.append(rnd)
@@ -216,9 +217,9 @@ def run(
                         resume = threading.Timer(pause_s, procs[victim].send_signal, (signal.SIGCONT,))
                         resume.daemon = True
                         resume.start()
-                while pending_joins and rnd >= pending_joins[0]:
-                    pending_joins.pop(0)
-                    holds[len(join_at) - len(pending_joins) - 1].touch()
+                first = len(join_at) - len(pending_joins)  # the joiners released so far
+                for k in range(first, first + processes.due(pending_joins, rnd)):
+                    holds[k].touch()
             except BaseException as e:  # raised by the launcher's loop, not inside the RPC
                 errors.append(e)
 
@@ -244,12 +245,13 @@ def run(
             h.unlink(missing_ok=True)
             procs.append(_spawn(address, cfg, out / f"worker{len(procs)}.jsonl", run_env, hold=h))
         act(server.snapshot().round)  # round 0 opened before the workers existed
-        while True:
+
+        def tick() -> str | None:
             if errors:
                 raise errors[0]
             st = server.snapshot()
             if st.round >= cfg.rounds:
-                break
+                return "done"
             if time.monotonic() - start > timeout_s:
                 raise RuntimeError(
                     f"the run did not finish {cfg.rounds} rounds within {timeout_s} s (at round {st.round})"
@@ -257,7 +259,7 @@ def run(
             for i, p in enumerate(procs):
                 if i not in lost and p.poll() not in (None, 0):
                     lost[i] = p.returncode  # the run goes on without it
-                    why = "" if p.returncode < 0 else f": {p.stderr.read()[-500:].strip()}"
+                    why = "" if p.returncode < 0 else f": {_log_end(out, i)}"
                     print(
                         f"zeroth binary: worker process {i} exited with {p.returncode}{why}; the run carries on "
                         "without it",
@@ -270,7 +272,9 @@ def run(
                     f"the run cannot finish: {alive} worker processes left, fewer than min_workers="
                     f"{cfg.min_workers} (lost: {', '.join(f'{i} rc {c}' for i, c in lost.items())})"
                 )
-            time.sleep(0.05)
+            return None
+
+        processes.watch(procs, tick, until_exited=False, grace_s=0)
         for i, p in enumerate(procs):
             if i not in lost:
                 try:
@@ -282,15 +286,12 @@ def run(
                     lost[i] = p.returncode
                     print(
                         f"zeroth binary: worker process {i} exited with {p.returncode} after the last round: "
-                        f"{p.stderr.read()[-500:].strip()}",
+                        f"{_log_end(out, i)}",
                         file=sys.stderr,
                         flush=True,
                     )
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        processes.stop(procs, grace_s=0)
         server.stop()
     wall = time.monotonic() - start
     records = []

@@ -116,9 +116,7 @@ def start_nodes(
         cmd += ["--quiet"] if quiet else []
         cmd += ["--insecure"] if insecure else []
         cmd += ["--resume-step", str(resume_step)] if resume_step is not None else []
-        log = open(d / "node.log", "a" if resume_step is not None else "w")  # noqa: SIM115 (closed with the process)
-        procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        log.close()
+        procs[name] = processes.start(cmd, d / "node.log", env=env, append=resume_step is not None)
     return procs
 
 
@@ -177,9 +175,9 @@ def wait_nodes(
     of ``backup_of`` (``{primary: backup}``) left running after their backups finished in their place
     (:func:`_superseded`). Returns (code, killed names)."""
     killed: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    failed = None
-    while any(p.poll() is None for p in procs.values()):
+    names = list(procs)
+
+    def tick() -> None:
         for name, (at, handover) in kills.items():
             done, handed = _progress(out, name) if name not in killed else (0, False)
             if name not in killed and procs[name].poll() is None and done >= at and (handed or not handover):
@@ -196,19 +194,16 @@ def wait_nodes(
                     f"killed node {name}: it did not finish, and its backup {backup_of[name]} finished in its place",
                     flush=True,
                 )
-        for name, p in procs.items():
-            if name not in killed and p.poll() not in (None, 0):
-                failed = name
-        if failed is not None or time.monotonic() > deadline:
-            processes.stop(procs.values())
-            break
-        time.sleep(0.05)
+
+    processes.watch(
+        list(procs.values()),
+        tick,
+        failed=lambda i, p: names[i] not in killed and p.poll() not in (None, 0),
+        timeout_s=timeout_s,
+    )
     bad = [n for n, p in procs.items() if n not in killed and p.wait() != 0]
     for n in bad:
-        print(
-            f"node {n} exited with code {procs[n].returncode}: " + processes.log_tail(node_dir(out, n) / "node.log"),
-            file=sys.stderr,
-        )
+        print(processes.exit_line(f"node {n}", procs[n].returncode, node_dir(out, n) / "node.log"), file=sys.stderr)
     return (1 if bad else 0), killed
 
 

@@ -1,50 +1,10 @@
 """Parallel multi-ring all-reduce across clusters (Ravnest §3.2).
 
-Every cluster ``c = 0 .. C-1`` holds the whole model, split into contiguous stages over its nodes.
-The parameters are one flat ``float32`` vector of length ``N`` (each stage's pytree flattened in
-the model's canonical leaf order), and node ``i`` of cluster ``c`` holds ``[start, stop)`` of it.
-
-**Rings.** The cut points of all clusters together split ``[0, N)`` into segments; on each
-segment exactly one node of every cluster holds the parameters, and those ``C`` nodes form a
-ring (:func:`plan_rings`). With identical layouts there is one ring per stage; with non-uniform
-layouts a node joins every ring that overlaps its range (:func:`rings_of`) and the number of rings
-is the number of distinct cut points plus one, which can exceed the largest number of nodes in a
-cluster (cluster A cut at 10, cluster B at 20 and 25: four rings, not three).
-
-**One ring** (the classic ring all-reduce of §2.4). The ring's member of cluster ``k`` splits its
-segment into ``C`` chunks (:func:`chunk_bounds`) and talks only to its successor ``k+1 mod C``
-and its predecessor ``k-1 mod C``:
-
-* reduce-scatter, steps ``s = 0 .. C-2``: member ``k`` sends its running sum of chunk
-  ``(k-s-1) mod C`` to ``k+1`` and receives chunk ``(k-s-2) mod C`` from ``k-1``, to which it adds
-  its own values (``float32``, ``np.add``). Chunk ``j`` therefore starts at member ``j+1`` and
-  ends, complete, at member ``j``: its sum is
-  ``((v[j+1] + v[j+2]) + ...) + v[j]`` (indices mod C, :func:`summation_order`);
-* member ``k`` divides its complete chunk ``k`` by ``C``: ``np.divide(sum, np.float32(C))``, a
-  float32 division (correctly rounded, *not* a multiplication by a rounded ``1/C``);
-* all-gather, steps ``s = 0 .. C-2``: member ``k`` sends chunk ``(k-s) mod C`` (its own at
-  ``s = 0``) to ``k+1`` and receives chunk ``(k-s-1) mod C`` from ``k-1``.
-
-Every averaged chunk is computed once, by its owner, and then only copied, so every member ends
-with the same bits; they equal :func:`ordered_mean` over :func:`summation_order` bit for bit
-(IEEE ``float32`` addition and division are correctly rounded on every platform), and the
-``float64`` mean within ``C`` float32 roundings.
-
-Each member sends ``C-1`` chunks in each phase: all chunks but ``k`` in the reduce-scatter and
-all but ``k+1`` in the all-gather, about ``2 (C-1)/C`` times the segment's bytes
-(:func:`ring_bytes`).
-
-**All rings at once.** :func:`average_node` runs a node's rings in one thread each over an
-:class:`Exchange` (the transport: gRPC between processes, :class:`QueueExchange` in one process).
-Messages are tagged ``(ring_id, round_id, phase, step)`` so rings and averaging rounds never mix;
-every wait is bounded by ``timeout_s``.
-
-Example (one process, three clusters)::
-
-    hub = QueueExchange()
-    rings = plan_rings([[(0, 10), (10, 30)], [(0, 20), (20, 25), (25, 30)], [(0, 30)]])
-    # in one thread per node (cluster c, node i), its slice x of the flat vector:
-    avg = average_node(x, start, rings, c, i, hub.endpoint((c, i)), round_id=0, timeout_s=5.0)
+The cut points of every cluster split the flat parameter vector into segments; on each segment one
+node of every cluster holds the parameters, and those nodes average it in a ring (reduce-scatter,
+a float32 division, all-gather) that gives every member the same bits. :func:`plan_rings` plans
+the rings, :func:`average_node` runs a node's rings at once; the algorithm is described in the
+docs (``docs/systems/ravnest.md``, "Multi-ring all-reduce").
 """
 
 from __future__ import annotations

@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from zeroth.net.runtime import JOIN_DIGEST_EXCLUDE
 from zeroth.train import interrupt
 from zeroth.train.trainer import RESUME_INVARIANT, check_resumable
 from zeroth.transport import identity as _id
+from zeroth.transport import processes
 from zeroth.transport import rendezvous as _rdv
 
 __all__ = [
@@ -150,10 +150,8 @@ def start_peer(
         cmd += ["--founders", str(founders)]
     cmd += list(extra_args)
     log = out.with_suffix(".log")
-    with log.open("w") as fh:  # its own session: a Ctrl-C on the terminal reaches the launcher, which stops the peers
-        proc = subprocess.Popen(
-            cmd, stdout=fh, stderr=subprocess.STDOUT, env=env if env is not None else peer_env(), start_new_session=True
-        )
+    # its own session: a Ctrl-C on the terminal reaches the launcher, which stops the peers
+    proc = processes.start(cmd, log, env=env if env is not None else peer_env(), own_session=True)
     if founder is None:
         founder = join is None or founders is not None
     return PeerProcess(index, listen, out, log, proc, founder, time.monotonic())
@@ -370,19 +368,6 @@ def _prepare_resume(cfg: Config, out: Path) -> tuple[int, Path]:
     return iteration, folder
 
 
-def _stop_all(peers: list[PeerProcess], grace: float = 5.0) -> None:
-    live = [p for p in peers if p.alive()]
-    for p in live:
-        p.proc.send_signal(signal.SIGTERM)
-    end = time.monotonic() + grace
-    for p in live:
-        try:
-            p.proc.wait(max(0.1, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.proc.kill()
-            p.proc.wait()
-
-
 def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) -> int:
     """Run ``cfg.peers.count`` peers on loopback (see the module docstring). Returns the exit code:
     0 when the run finished and every peer that finished holds the same digest, 130 when
@@ -460,35 +445,33 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
     flag = catcher.__enter__()
     current = resumed_from[0] if resumed_from else 0
     try:
-        for i in range(p.count):
+
+        def add_peer(i: int, join: str | None, args: tuple, **kw) -> None:
             peers.append(
                 start_peer(
                     config_path,
                     out / "peers" / f"p{i}",
                     addresses[i],
                     index=i,
-                    join=None if i == 0 else founder_address,
-                    founders=p.count if i == 0 else None,
-                    extra_args=tuple(extra)
-                    + (("--resume", str(resumed_from[1])) if i == 0 and resumed_from else ())
-                    + (("--join-members", str(i)) if i > 0 else ()),
-                    founder=True,
+                    join=join,
+                    **kw,
+                    extra_args=tuple(extra) + args,
                 )
+            )
+
+        for i in range(p.count):
+            add_peer(
+                i,
+                None if i == 0 else founder_address,
+                (("--resume", str(resumed_from[1])) if i == 0 and resumed_from else ())
+                + (("--join-members", str(i)) if i > 0 else ()),
+                founders=p.count if i == 0 else None,
+                founder=True,
             )
         # Joiners start at once (start-up and compilation take a while) and join at their iteration.
         for k in sorted(p.join_at):
             i = len(peers)
-            peers.append(
-                start_peer(
-                    config_path,
-                    out / "peers" / f"p{i}",
-                    addresses[i],
-                    index=i,
-                    join=founder_address,
-                    extra_args=(*extra, "--join-at", str(k)),
-                    founder=False,
-                )
-            )
+            add_peer(i, founder_address, ("--join-at", str(k)), founder=False)
             events.append({"event": "join", "peer": i, "at_iteration": k})
         kill_at = sorted(p.kill_at)
         offsets: dict[int, int] = {}
@@ -496,20 +479,22 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
         accuracy = None
         last_print = 0.0
         limit = time_limit(cfg)
-        while any(q.alive() for q in peers):
+
+        def tick() -> str | None:
+            nonlocal current, accuracy, last_print
             if flag.is_set():
                 say(f"{flag.signal_name()}: the peers save a checkpoint and leave")
                 events.append({"event": "interrupted", "at_iteration": current, "time": time.monotonic() - t0})
-                break
+                return "interrupted"
             if time.monotonic() - t0 > limit:
                 say(f"time limit of {limit:.0f}s reached; stopping the peers")
                 events.append({"event": "time_limit", "time": time.monotonic() - t0})
-                break
+                return "time limit"
             if not any(q.alive() for q in peers if q.founder):  # no run is left for a joiner still waiting to join
                 waiting = [q for q in peers if q.alive()]
                 if waiting:
                     say(f"every founder has exited; stopping {len(waiting)} peer(s) still waiting to join")
-                break
+                return "founders gone"
             for q in peers:
                 recs, offsets[q.index] = read_records(q.out / "metrics.jsonl", offsets.get(q.index, 0))
                 for r in recs:
@@ -519,8 +504,7 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
                         accuracy = r["eval_accuracy"]
             live = [latest[q.index] for q in peers if q.alive() and q.index in latest]
             current = max((r["step"] for r in live), default=current)
-            while kill_at and current >= kill_at[0]:
-                kill_at.pop(0)
+            for _ in range(processes.due(kill_at, current)):
                 victims = [q for q in peers if q.alive() and q.index != 0 and q.founder] or [
                     q for q in peers if q.alive() and q.index != 0
                 ]
@@ -534,9 +518,12 @@ def run_config(cfg: Config, out_dir: str | Path, argv: list[str] | None = None) 
             if live and time.monotonic() - last_print > 2.0:
                 last_print = time.monotonic()
                 say(progress_line(latest, iterations, accuracy))
-            flag.wait(0.25)  # a signal is acted on within 20 ms, not at the next poll
+            return None
+
+        # a signal is acted on within 20 ms (flag.wait), not at the next poll
+        processes.watch([q.proc for q in peers], tick, interval_s=0.25, pause=flag.wait, grace_s=15.0)
     finally:
-        _stop_all(peers, grace=15.0)
+        processes.stop([q.proc for q in peers], grace_s=15.0)
         catcher.__exit__(None, None, None)
     wall = time.monotonic() - t0
     summary = summarize(cfg, peers, events, wall)

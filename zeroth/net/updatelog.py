@@ -1,51 +1,9 @@
 """A peer's update log on disk: every decided iteration it applied, as it applied it.
 
-The determinism contract says the same update log gives the same parameters, bit for bit, on
-every backend. A Just One Byte peer writes that log as it goes (``OUT/updates.log``), so that
-anyone holding a run's folder can replay it on their own hardware and check every digest the
-peers recorded (:mod:`zeroth.net.verify`, ``zeroth verify RUN_DIR``).
-
-Format (little endian): the magic :data:`MAGIC`, then records, each a 12-byte header (``u32
-length`` of the body, ``u32`` CRC-32 of the body, ``u32`` CRC-32 of those first 8 bytes) and the
-body, whose first byte is its kind:
-
-* :data:`START` (``0x01``), a JSON object: this process took the state at the start of
-  ``iteration`` with digest ``digest`` (hex) for run ``run_id``, ``reason`` saying how
-  (``"initial"``, ``"resumed"``, ``"downloaded"``), ``config``, the run's whole config
-  (:func:`zeroth.config.to_dict`), so a log needs nothing else to be replayed, and ``key``, the
-  Ed25519 public key (hex) this process signs with from then on, with ``proof``
-  (:func:`zeroth.transport.identity.log_proof`, hex; empty in a run without a secret): that a
-  process holding the run secret owns the key;
-* :data:`DECISION` (``0x03``): the SHA-256 (32 bytes) of the state after the iteration, a flags
-  byte, then the decided iteration (a ``zeroth.v1.LogEntry``: the signed commit and every
-  contributor's signed payload) without what the record before it or the commit itself already
-  says: each payload's run id, sender, iteration and count are the commit's (left out), and with
-  flag :data:`SAME_MEMBERS` the commit's next view lists no members: they are those of the
-  segment's previous DECISION (a view changes only when a peer joins or leaves). Read back, it is
-  the entry as the wire carried it, field for field. On the main job a record took 541 bytes on
-  average against 843 as a whole entry (1.1 MB of logs instead of 1.7 MB); most of what is left
-  are what it must keep: the Ed25519 signatures (64 bytes each, the commit's and every
-  payload's), the payloads and three SHA-256 digests;
-* :data:`ENTRY` (``0x02``, written before :data:`DECISION`; still read): the digest, then the
-  whole ``zeroth.v1.LogEntry``.
-
-Records are appended and flushed to the operating system one by one: a peer killed at any point
-loses nothing it applied, and a record cut short by a crash of the machine is the last one, which
-:func:`read` reports and leaves out (a header or body that runs past the end of the file, a last
-body whose CRC fails, either of them followed by nothing or by zero bytes, as a file system can
-leave after a power loss). A
-process that starts again in the same folder (a resumed run) appends after a START of its own. Any
-other damage is an error naming the file, the record and its offset: a header whose own CRC fails
-(so a changed length is never read as a record cut short), a body whose CRC fails with records
-after it, a record that does not decode.
-
-Example:
-  >>> import tempfile, pathlib
-  >>> path = pathlib.Path(tempfile.mkdtemp()) / "updates.log"
-  >>> with Writer(path) as w:
-  ...     w.start(run_id="r", iteration=0, digest="00" * 32, reason="initial", config={})
-  >>> [s.start["reason"] for s in read(path).segments]
-  ['initial']
+A Just One Byte peer appends each record to ``OUT/updates.log`` and flushes it at once, so anyone
+holding a run's folder can replay it on their own hardware and check every digest the peers
+recorded (:mod:`zeroth.net.verify`). The record format and what counts as damage are described
+in the docs (``docs/guides/proving_a_run.md``, "The update log's format").
 """
 
 from __future__ import annotations
@@ -114,6 +72,14 @@ class Writer:
 
     Thread-safe; :meth:`close` (or the context manager) closes the file. A file that exists but
     does not start with :data:`MAGIC` is refused (it is not an update log; nothing is written).
+
+    Example:
+      >>> import tempfile, pathlib
+      >>> path = pathlib.Path(tempfile.mkdtemp()) / "updates.log"
+      >>> with Writer(path) as w:
+      ...     w.start(run_id="r", iteration=0, digest="00" * 32, reason="initial", config={})
+      >>> [s.start["reason"] for s in read(path).segments]
+      ['initial']
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -252,7 +218,7 @@ def _entry(body: bytes, where: str, kind: int, members: list | None) -> tuple[Ap
 
 
 def read(path: str | os.PathLike) -> Log:
-    """Read an update log back (see the module docstring).
+    """Read an update log back (the format: ``docs/guides/proving_a_run.md``).
 
     Raises:
       ValueError: not an update log, a damaged record before the end, or an ENTRY before any START

@@ -1,48 +1,10 @@
 """``zeroth verify``: replay a Just One Byte run's update logs on this machine and check every
 digest its peers recorded.
 
-Each peer of a run writes its update log (:mod:`zeroth.net.updatelog`): the signed decision of
-every iteration it applied, with the digest of the state after it. :func:`verify` reads every log
-under a folder (a run's output folder, earlier attempts of a resumed run included), and for each
-run id:
-
-1. takes the state it starts from: the config's initial parameters (iteration 0), else a state
-   the replay of another run of the folder reached (a resumed run), else a saved checkpoint of
-   the folder with that iteration and digest;
-2. checks every logged decision: its ``updates_digest`` matches its payloads and (for a signed
-   run) the commit is signed by its sender and every payload by its contributor, with the keys the
-   run's views give them, in every log's copy of it; logs that hold one decision hold the same payloads;
-3. follows the run's chain of decisions (each continues the one before, ``Commit.previous``; where
-   logs hold two decisions of one iteration, the run's is the one the next decision continues: the
-   other was applied by a peer that then dropped out and took the run's state again, and the states
-   it recorded after it are counted apart, as ``replaced``);
-4. replays that chain with this machine's exact rule (``impl``: the peers' own path, ``auto``; a
-   kernel of :mod:`zeroth.kernels.perturb`; or ``reference``, the NumPy specification of
-   :mod:`zeroth.reference`, which shares no code with the kernels) and compares the digest after
-   each iteration with every digest a peer recorded for it;
-5. with the run secret (``--secret-file OUT/run.secret``), checks that every key that signed a
-   decision of that chain is named by the START record of some log with a valid
-   :func:`zeroth.transport.identity.log_proof`: the processes that signed held the secret. Without
-   it, the keys come from the logs' own views, which proves the log consistent and the parameters
-   its consequence, but not whose log it is: a log made up whole, with keys of its maker's own,
-   would verify;
-6. loads every saved state of the run below the folder (the peers' checkpoints, ``state.json``
-   and ``state.bin``) and compares its content's digest with the replay's state at its
-   iteration: the model files a run leaves are the parameters its log gives.
-
-It also prints what the barrier kept and lost (:func:`zeroth.net.counters.from_decisions`): the
-contributors of every decision on the chain and the active members each barrier went on without,
-counted from the signed decisions; and, where a peer's ``metrics.jsonl`` lies beside its log, the
-late pushes, wasted forward passes and time at the barrier that peer reported.
-
-A run verifies when every recorded digest on its chain is reproduced and no check failed: the
-parameters its peers held follow, bit for bit, from its log on this machine's backend.
-
-Example (the main job, then its proof on this machine):
-  $ zeroth run experiments/job_digits.yaml --out runs/job
-  $ zeroth verify runs/job
-  $ zeroth verify runs/job --impl reference        # the NumPy specification instead of the kernels
-  $ zeroth verify runs/job --secret-file runs/job/run.secret   # and that the run's own peers signed it
+:func:`verify` reads every update log under a folder (:mod:`zeroth.net.updatelog`), checks each
+run's signed decisions and their chain, replays it with this machine's exact rule and compares
+every recorded digest and saved state; the steps are described in the docs
+(``docs/guides/proving_a_run.md``, "What verify checks").
 """
 
 from __future__ import annotations
@@ -516,7 +478,7 @@ def _report(
 def verify(
     path: str | Path, *, impl: str = "auto", progress: Callable[[str], None] | None = None, secret: str | None = None
 ) -> Report:
-    """Verify every run whose update logs lie at ``path`` (see the module docstring).
+    """Verify every run whose update logs lie at ``path`` (the steps: ``docs/guides/proving_a_run.md``).
 
     Args:
       path: a run's output folder (every log below it), or one ``updates.log``.
@@ -525,7 +487,7 @@ def verify(
       progress: called with a line now and then on long replays.
       secret: the run secret (``OUT/run.secret``): also check that every key that signed a
         decision the replay follows is proven, by the START record of the log of the process that
-        held it, to belong to a process with this secret (step 5 of the module docstring).
+        held it, to belong to a process with this secret (step 5 of ``docs/guides/proving_a_run.md``).
 
     Raises:
       FileNotFoundError: no such file or folder, or no update log in it.

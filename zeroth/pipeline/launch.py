@@ -191,9 +191,7 @@ def start_stages(
             cmd += ["--quiet"]
         if insecure:
             cmd += ["--insecure"]
-        log = open(d / "stage.log", "a")  # noqa: SIM115 (closed with the process)
-        procs[r, i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        log.close()
+        procs[r, i] = processes.start(cmd, d / "stage.log", env=env, append=True)
     return [procs[r, i] for r in range(R) for i in range(p.stages)]
 
 
@@ -215,21 +213,26 @@ def wait_stages(
     """
     dirs = dirs or [stage_dir(out, i) for i in range(len(procs))]
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    failed = None
     stopping = False
-    while any(pr.poll() is None for pr in procs):
+
+    def tick() -> str | None:
+        nonlocal stopping, deadline
         if not stopping and stop is not None and stop():
             stopping = True
             for d in dirs:
                 (d / "stop").touch()
             deadline = time.monotonic() + stop_grace_s
-        for i, pr in enumerate(procs):
-            if pr.poll() not in ((None, 0, interrupt.EXIT_CODE) if stopping else (None, 0)) and failed is None:
-                failed = i
-        if failed is not None or (deadline is not None and time.monotonic() > deadline):
+        if deadline is not None and time.monotonic() > deadline:
             processes.stop(procs)
-            break
-        time.sleep(0.1)
+            return "timeout"
+        return None
+
+    processes.watch(
+        procs,
+        tick,
+        failed=lambda i, pr: pr.poll() not in ((None, 0, interrupt.EXIT_CODE) if stopping else (None, 0)),
+        interval_s=0.1,
+    )
     codes = [pr.wait() for pr in procs]
     if all(c == 0 for c in codes):
         return 0
@@ -237,10 +240,7 @@ def wait_stages(
         return interrupt.EXIT_CODE
     for i, c in enumerate(codes):
         if c != 0:
-            print(
-                f"stage {dirs[i].relative_to(out)} exited with code {c}: " + processes.log_tail(dirs[i] / "stage.log"),
-                file=sys.stderr,
-            )
+            print(processes.exit_line(f"stage {dirs[i].relative_to(out)}", c, dirs[i] / "stage.log"), file=sys.stderr)
     return 1
 
 

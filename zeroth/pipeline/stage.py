@@ -1,51 +1,11 @@
 """``zeroth stage``: run one pipeline stage (one per machine, or several on one machine).
 
-  zeroth stage --config CONFIG --stage I --out DIR [--listen HOST:PORT] [--next HOST:PORT]
-               [--identity FILE] [--upstream-key HEX|@FILE]
-               [--replica R --sync-listen HOST:PORT [--replica-key R=HEX|@FILE ...] | --sync-server HOST:PORT]
-               [--set SECTION.FIELD=VALUE ...] [--resume-step N] [--quiet] [--insecure]
-               [--tls-cert PEM --tls-key PEM --tls-ca PEM [--tls-mutual]]
+  zeroth stage --config CONFIG --stage I --out DIR [--listen HOST:PORT] [--next HOST:PORT] ...
 
-Stage ``I`` of ``pipeline.stages``: every stage but the first listens (``--listen``; port 0 = any
-free port, the bound address is written to ``DIR/address``); every stage but the last connects to
-the next one (``--next``; ``@FILE`` = the address written in FILE, waited for). All stages must
-use the same config: frames carry the run id derived from it. Every link carries the access
-token of the run secret in ``ZEROTH_SECRET`` (the same on every stage; :func:`zeroth.transport.identity.access_token`),
-and a stage refuses a stream without it (``UNAUTHENTICATED``); ``--insecure`` (loopback
-experiments only) runs without. ``zeroth run`` makes a fresh secret for its stages.
-
-Every stage process makes an Ed25519 key pair (``--identity FILE``: the private key saved in FILE,
-:meth:`zeroth.transport.identity.Identity.save`), writes its public key (hex) to ``DIR/key.pub``
-before it connects on, and signs the stream it opens (:mod:`zeroth.pipeline.link`). With
-``--upstream-key`` (the previous stage's public key in hex; ``@FILE``: read from FILE, e.g. that
-stage's ``key.pub``, when a stream arrives), a stage serves only a stream signed by that key:
-another holder of the run secret cannot take the upstream slot, even connecting first, and the
-real upstream reconnecting replaces a stale stream. ``zeroth run`` gives every stage its
-upstream's key file; ``zeroth launch`` makes each host's key before the rendezvous, which hands
-every stage its upstream's.
-
-The stage writes into ``DIR``: ``metrics.jsonl`` (one ``train`` row of the metrics schema per
-step, :func:`stage_record`: loss on the last stage, bytes and frames it sent per link, seconds in
-compute, codecs, waiting and transfer, its parameter and buffer digests), ``checkpoints/`` (orbax: parameters, AdamW state, step; every
-``train.checkpoint_every`` steps and at the end), ``buffers/`` (its AQ-SGD buffers at each
-checkpoint) and ``summary.json``. ``--resume-step N`` restores checkpoint N with its buffers and
-continues from step N; newer checkpoints are moved aside to ``checkpoints_quarantine/`` (kept).
-
-With ``pipeline.replicas`` R > 1, ``--replica R`` names this process's replica (it trains on that
-share of every batch, :func:`zeroth.pipeline.build.plan_of`); replica 0 of each stage serves the
-averaging of the stage's gradients (``--sync-listen``, the bound address in ``DIR/sync_address``),
-the others connect to it (``--sync-server``), :mod:`zeroth.pipeline.replicas`. Their rows add
-``sync_sent_bytes``/``sync_recv_bytes`` (the averaging bytes this process sent and received),
-``sync_bits`` and ``sync_s``. Resuming runs of several replicas is not supported.
-
-SIGINT/SIGTERM, or a file ``DIR/stop`` (written by the launcher), stop the pipeline at a step
-boundary: stage 0 finishes the step under way and starts no other; every later stage finishes the
-steps stage 0 started, then finds its upstream link closed before the next step. Each stage saves
-its checkpoint (with its buffers) at that step, so all of them hold the same step, and exits 130;
-``--resume-step N`` continues from it.
-
-Exit codes: 0 done; 1 a link failed or a frame was refused (the message says which); 2 a bad
-command line, config or checkpoint; 130 stopped by a signal or ``DIR/stop`` (a checkpoint saved).
+Stage ``I`` of ``pipeline.stages`` listens for the stage before it and connects to the one after,
+trains its slice of the model and writes its rows, checkpoints and AQ-SGD buffers into ``DIR``.
+The options, links, keys, replicas, stopping and exit codes are described in the docs
+(``docs/systems/aqsgd.md``, "A stage process").
 """
 
 from __future__ import annotations
@@ -176,7 +136,7 @@ def _resolve(address: str, timeout_s: float) -> str:
 
 
 class _Stopped(Exception):
-    """The pipeline stops at this step boundary (see the module docstring)."""
+    """The pipeline stops at this step boundary (``docs/systems/aqsgd.md``, "A stage process")."""
 
 
 def _stopped(stop, wait_s: float = 2.0) -> bool:
@@ -373,7 +333,7 @@ def run_stage(
     (:func:`upstream_key_of`); only a stream signed by it is served. ``me``: this stage's
     :class:`zeroth.transport.identity.Identity` (default: a fresh one).
 
-    ``stop`` (called at step boundaries) asks the pipeline to stop (see the module docstring);
+    ``stop`` (called at step boundaries) asks the pipeline to stop (``docs/systems/aqsgd.md``);
     the summary then says ``"interrupted": true`` and ``steps_done``, and the checkpoint of that
     step is saved.
 

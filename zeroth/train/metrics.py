@@ -1,61 +1,8 @@
 """``metrics.jsonl``: one JSON object per line, appended and flushed as training goes; its schema.
 
-The schema (``zeroth metrics v1``), shared by every writer (the single-machine trainer, the
-peers of :mod:`zeroth.net`, the pipeline stages of :mod:`zeroth.pipeline` and their merged rows,
-the Ravnest nodes of :mod:`zeroth.cluster` and their merged rows,
-the binary learning experiment of :mod:`zeroth.binary`, the Marsit runs of :mod:`zeroth.marsit`)
-and checked by :func:`check_schema`. Units are in the names
-(``_s`` seconds, ``_bytes`` bytes); a byte count ending in ``_total`` is cumulative since the
-run began, one without is for this step only; pass and example counters are cumulative.
-
-Every row:
-
-* ``kind``: ``"train"`` (a training step) or ``"eval"`` (an evaluation on the test split);
-* ``step`` (int): steps completed (a peer's iteration is a step: the row of iteration ``t`` has
-  ``step = t + 1``); never decreases along the file;
-* ``time_unix_s``: when the row was written (seconds since the Unix epoch);
-* ``wall_time_s``: seconds since the run started (summed over resumes);
-* ``digest``: :func:`zeroth.replay.checksum` of the parameters after ``step`` steps;
-* ``forward_passes`` (cumulative training forward passes over a batch; a ZO step costs
-  ``2 * n_perturbations``) and ``payload_bytes_total`` (cumulative projected-gradient bytes this
-  machine sent or would send; 0 for backprop).
-
-``train`` rows add ``loss`` (the objective on the step's batch before its update; ZO: the mean
-over the perturbation pairs of ``(L(θ+εz) + L(θ−εz)) / 2``; null when not measured), ``lr``
-(the learning rate ``η_t`` that scaled the step's update: ``train.schedule`` with peak ``train.lr``
-at iteration ``t = step − 1``, :func:`zeroth.schedules.from_train`; ``train.lr`` at every step
-when the schedule is constant), ``step_time_s`` (seconds the step took) and ``payload_bytes``
-(this step's projected-gradient bytes). ``eval`` rows add ``eval_loss`` (cross-entropy) and
-``eval_accuracy``. Writers may add fields (the trainer: ``backward_passes``, ``passes`` =
-forward + 2·backward, ``examples``, ``train_time_s``, the method's metrics; peers: ``machine``,
-``peers``, ``contributors``, ``gradients``, per-step traffic ``payload_bytes_sent``,
-``wire_bytes_received``, ...; pipelines: ``epoch``, per link bytes, frames and buffer digests,
-per stage times, where ``digest`` combines the stages' digests; binary learning: ``model``,
-``layer``, ``layer_step``, ``flips``, where ``digest`` is the layer being trained; Ravnest
-nodes: ``node``, ``cluster``, ``stage``, ``batch``, ``staleness``, ``idle_s``, ``compute_s``, and
-on the rows where they happened ``average_round``/``average_s`` and ``handover_backup``/
-``handover_round``/``state_bytes``, where ``step`` counts the stage's updates and ``digest`` is
-its slice, :func:`zeroth.cluster.node.row_of`). A ``step`` of a train row appears once; the
-evaluation rows of a step follow its train row.
-
-One file may hold several runs (a Marsit config's ``runs`` list, trained one after another): then
-every row carries ``run`` (str), the run's label, and ``step`` restarts at each run; the rules
-on steps hold within the rows of one ``run``. Likewise one file may merge the rows of several
-nodes written side by side (a Ravnest run's ``OUT/metrics.jsonl``, in time order): then every
-row carries ``node`` (str) and the rules on steps hold within the rows of one ``node`` (and
-``run``). Marsit rows add ``group``, ``phase`` (``full`` or
-``sync``), ``bits_per_element`` (train: this round) and ``bits_per_element_mean``,
-``compute_time_s``, ``comm_model_s`` (modeled link seconds, cumulative) and ``checksums_equal``
-(eval); there ``payload_bytes`` counts the bytes all M workers send in the round
-(:mod:`zeroth.marsit.experiment`).
-
-Example:
-  >>> import tempfile, os
-  >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
-  >>> with MetricsWriter(path) as w:
-  ...     w.write({"kind": "train", "step": 1, "loss": 0.5})
-  >>> read_metrics(path)[0]["loss"]
-  0.5
+The schema (``zeroth metrics v1``) is shared by every writer (the trainer, the peers, the pipeline
+stages, the Ravnest nodes, binary learning, Marsit) and checked by :func:`check_schema`; its
+fields are described in the docs (``docs/guides/run_folders.md``, "The metrics schema").
 """
 
 from __future__ import annotations
@@ -81,7 +28,7 @@ __all__ = [
     "summarize",
 ]
 
-# kind -> {field: allowed JSON types} every row of that kind holds (see the module docstring).
+# kind -> {field: allowed JSON types} every row of that kind holds (docs/guides/run_folders.md).
 _COMMON = {
     "kind": (str,),
     "step": (int,),
@@ -122,6 +69,14 @@ class MetricsWriter:
         ``run.tensorboard`` (on by default).
       resumed_after: the step a resumed run restarts from: TensorBoard then drops the points
         the earlier event files hold after it (the rows the run writes again).
+
+    Example:
+      >>> import tempfile, os
+      >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+      >>> with MetricsWriter(path) as w:
+      ...     w.write({"kind": "train", "step": 1, "loss": 0.5})
+      >>> read_metrics(path)[0]["loss"]
+      0.5
     """
 
     def __init__(self, path: str | os.PathLike, *, tensorboard: bool = False, resumed_after: int | None = None):
