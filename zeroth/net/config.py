@@ -70,10 +70,11 @@ class PeersConfig:
         gt=0.0,
     )
     pushes: str = field(
-        "all",
-        "Where a peer sends its projected gradients: all = to every member (a takeover finds every push in "
-        "place; M*(M-1) messages an iteration); leader = to the iteration's committer only, which relays them, "
-        "signed by their authors, inside its commit (2*(M-1) messages an iteration: for many peers).",
+        "leader",
+        "Where a peer sends its projected gradients: leader = to the iteration's committer only, which relays "
+        "them, signed by their authors, with its decision (down a tree of relay_fanout; about 3 messages per "
+        "member an iteration); all = to every member (M*(M-1) messages an iteration; a takeover finds every push "
+        "in place and need not wait for the iteration timeout).",
         choices=("all", "leader"),
     )
     relay_fanout: int = field(
