@@ -227,12 +227,57 @@ def test_compare_names_the_replicas_averaging_and_times_a_target_from_compute_an
     assert compare.time_to_target(recs, 1.0, 8e6) is None
 
 
-def test_launch_across_hosts_refuses_replicas_and_names_the_commands_that_run_them():
+def test_launch_places_each_replica_stage_on_a_host_with_its_links_averaging_and_keys(tmp_path):
+    """``zeroth launch`` with R × S hosts: rank k runs stage k mod S of replica k div S, linked to its
+    replica's neighbours; replica 0 of each stage serves the averaging on its port + 1 to the
+    streams signed by the keys the other replicas brought to the rendezvous."""
     from zeroth import launch
+    from zeroth.transport import rendezvous
 
-    with pytest.raises(ValueError, match="pipeline.replicas is 2: .*zeroth stage --replica R"):
-        launch.plan_of(load_config_dict(_raw(replicas=2)), None)
-    assert launch.plan_of(load_config_dict(_raw()), None).system == "pipeline"
+    cfg = load_config_dict(_raw(replicas=2))
+    plan = launch.plan_of(cfg, None)
+    assert (plan.system, plan.min_nodes, plan.max_nodes) == ("pipeline", 4, 4)
+    with pytest.raises(ValueError, match=r"pipeline.stages × pipeline.replicas is 4; give --nnodes 4"):
+        launch.plan_of(cfg, "2")
+    assert launch.plan_of(load_config_dict(_raw()), None).max_nodes == 2
+    keys = [f"{k:02x}" * 32 for k in range(4)]
+    members = tuple(rendezvous.Member(k, f"10.0.0.{k + 1}:{7000 + 10 * k}", f"h{k}", keys[k]) for k in range(4))
+    roster = rendezvous.Roster(True, members, 4, 4, 4, 1.0)
+    roles = {}
+    for k in range(4):
+        role, cmd, _ = launch._role(
+            plan,
+            cfg,
+            tmp_path / "c.yaml",
+            tmp_path,
+            k,
+            False,
+            roster,
+            7000 + 10 * k,
+            f"10.0.0.{k + 1}",
+            "s",
+            None,
+            60.0,
+            [],
+        )
+
+        def arg(flag, cmd=cmd):
+            return [cmd[i + 1] for i, a in enumerate(cmd) if a == flag]
+
+        roles[k] = role
+        replica, stage = divmod(k, 2)
+        folder = tmp_path / (f"replica_{replica}" if replica else "") / f"stage_{stage}"
+        assert arg("--stage") == [str(stage)] and arg("--out") == [str(folder)] and arg("--replica") == [str(replica)]
+        assert arg("--listen") == ([f"0.0.0.0:{7000 + 10 * k}"] if stage else [])
+        assert arg("--upstream-key") == ([keys[k - 1]] if stage else [])
+        assert arg("--next") == ([members[k + 1].advertise] if stage == 0 else [])
+        if replica == 0:
+            assert arg("--sync-listen") == [f"0.0.0.0:{7000 + 10 * k + 1}"] and arg("--sync-server") == []
+            assert arg("--replica-key") == [f"1={keys[2 + stage]}"]
+        else:
+            assert arg("--sync-server") == [f"10.0.0.{stage + 1}:{7000 + 10 * stage + 1}"]
+            assert arg("--sync-listen") == arg("--replica-key") == []
+    assert roles[3] == "stage 1 of 2, replica 1 of 2"
 
 
 # ---------------------------------------------------------------------- replicas in one process
