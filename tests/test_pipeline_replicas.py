@@ -13,6 +13,7 @@ import pytest
 from zeroth.collectives import quantized_adam as qa
 from zeroth.config import load_config_dict
 from zeroth.pipeline import build, replicas, sim, wire
+from zeroth.replay import checksum
 from zeroth.train.metrics import check_schema
 
 ROUNDS = 40
@@ -280,6 +281,44 @@ def test_launch_places_each_replica_stage_on_a_host_with_its_links_averaging_and
     assert roles[3] == "stage 1 of 2, replica 1 of 2"
 
 
+def test_averaging_state_saved_and_loaded_continues_bit_for_bit_and_refuses_a_damaged_file(tmp_path):
+    params = {"w": np.zeros((3, 5), np.float32), "b": np.zeros(7, np.float32)}
+    rng = np.random.default_rng(3)
+    grads = [
+        [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()} for _ in range(2)]
+        for _ in range(6)
+    ]
+
+    def make():
+        return [replicas.ReplicaSync("onebit_adam", 2, r, 0, "run", params, warmup=2) for r in range(2)]
+
+    def step(syncs, t, ps):
+        mine = [s.contribution(t, g) for s, g in zip(syncs, grads[t])]
+        avg = syncs[0].reduce(t, mine[1:])
+        return [s.apply(t, p, None, avg, None, 1e-2)[0] for s, p in zip(syncs, ps)]
+
+    a, ps = make(), [params, params]
+    for t in range(4):
+        ps = step(a, t, ps)
+    digests = [s.save_state(tmp_path / f"{r}.npz") for r, s in enumerate(a)]
+    b = make()
+    for r, s in enumerate(b):
+        s.load_state(tmp_path / f"{r}.npz", digests[r])
+        assert s.state_digest() == a[r].state_digest() and set(s.state()) >= {"m", "v", "count", "worker_error"}
+    assert "server_error" in b[0].state() and "server_error" not in b[1].state()
+    pa = pb = ps
+    for t in range(4, 6):
+        pa, pb = step(a, t, pa), step(b, t, pb)
+    for x, y in zip(jax.tree_util.tree_leaves(pa), jax.tree_util.tree_leaves(pb)):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    np.savez(tmp_path / "bad.npz", **{**a[1].state(), "m": a[1].state()["m"] + 1})
+    with pytest.raises(ValueError, match="does not match its checkpoint's digest"):
+        make()[1].load_state(tmp_path / "bad.npz", digests[1])
+    (tmp_path / "cut.npz").write_bytes((tmp_path / "1.npz").read_bytes()[:100])
+    with pytest.raises(ValueError, match="cut.npz cannot be read"):
+        make()[1].load_state(tmp_path / "cut.npz", digests[1])
+
+
 # ---------------------------------------------------------------------- replicas in one process
 
 
@@ -391,3 +430,37 @@ def test_replica_zero_serves_only_averaging_streams_its_replicas_keys_signed():
     finally:
         servicer.close()
         server.stop(0)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_replicas_stopped_mid_run_resume_to_the_uninterrupted_parameters_bit_for_bit(tmp_path):
+    """2 × 2 stage processes, QuantizedAdam compressed from step 2, stopped after step 3 or so:
+    replica 0 stops at a step boundary, replica 1 in the step after it; `--resume` takes the newest
+    checkpoint every process holds (its AQ-SGD buffers and averaging state: moments, step count,
+    error-feedback errors) and ends every step on the parameters of the run never stopped."""
+    from zeroth.pipeline import launch
+    from zeroth.train import interrupt
+
+    raw = _raw(steps=8, replicas=2, replica_sync="onebit_adam", replica_warmup_steps=2, compression="aqsgd", fw_bits=4)
+    raw["train"].update(checkpoint_every=2, keep_checkpoints=0)
+    cfg = load_config_dict(raw)
+    rows = tmp_path / "stage_0" / "metrics.jsonl"
+
+    def stop():
+        return rows.is_file() and rows.read_text().count('"kind": "train"') >= 3
+
+    with pytest.raises(interrupt.Interrupted):
+        launch.run_config(cfg, tmp_path, [], progress=False, stop=stop)
+    held = launch.common_step(tmp_path, 2, 2)
+    assert held is not None and 2 <= held < 8, held
+    assert (tmp_path / "replica_1" / "stage_1" / "sync" / f"{held}.npz").is_file()
+    assert launch.run_config(cfg, tmp_path, ["--resume"], progress=False) == 0
+    recs = launch.read_records(tmp_path)
+    local, engines = sim.run_local(cfg)
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    assert [r["digest"] for r in recs] == [r["digest"] for r in local]
+    assert [r["loss"] for r in recs] == [r["loss"] for r in local]
+    for k, d in enumerate(launch.process_dirs(tmp_path, 2, 2)):
+        summary = json.loads((d / "summary.json").read_text())
+        assert summary["start"] == held and summary["param_digest"] == checksum(engines[k // 2][k % 2].params), d

@@ -214,3 +214,25 @@ class QuantizedAdam:
         if self.server is not None:
             out["server_error"] = self.server.error
         return out
+
+    def load(self, state: dict) -> None:
+        """Take the arrays of :meth:`state` (a checkpoint's) back, bit for bit.
+
+        Raises:
+          ValueError: a missing array, or one whose shape is not this state's (another model or replica).
+        """
+        want = self.state()
+        missing = sorted(set(want) - set(state))
+        if missing:
+            raise ValueError(f"QuantizedAdam state without {', '.join(missing)} (saved by another replica or version)")
+        for k, v in want.items():
+            if np.shape(state[k]) != np.shape(v):
+                raise ValueError(
+                    f"QuantizedAdam state {k} has shape {np.shape(state[k])}; this one needs {np.shape(v)}"
+                )
+        self.m = np.array(state["m"], np.float32)
+        self.v = np.array(state["v"], np.float32)
+        self.count = int(state["count"])
+        self.worker.error = np.array(state["worker_error"], np.float32)
+        if self.server is not None:
+            self.server.error = np.array(state["server_error"], np.float32)
