@@ -21,6 +21,8 @@ For every run it reports:
 * ``computed_s``: the model of ``python -m zeroth.pipeline.compare`` over the same steps
   (:func:`zeroth.pipeline.sim.emulated_seconds`: ``Σ compute + codec + 8·bytes / rate`` per step,
   no overlap) from this run's measured compute and bytes;
+* the medians per step of the stages' summed compute and codec seconds and of the averaging's
+  seconds (``sync_s``: exchange and QuantizedAdam's host arithmetic, which the computed time leaves out);
 * the wire bytes (the kernel's counters of every host's interface, headers and retransmissions
   included) and the frames' payload bytes.
 
@@ -155,6 +157,9 @@ def run_one(config: str, spec: str, work: Path, overrides: list[str] = ()) -> di
         "epoch_losses": list(compare.epoch_means(records).values()),
         "median_step_s": statistics.median(r["step_time_s"] for r in records),
         "median_compute_s": compare.median_compute(records),
+        "median_codec_s": compare.median_compute(records, "codec_s"),
+        # the averaging's seconds per step (QuantizedAdam's compression on the host included), the slowest replica link
+        "median_sync_s": statistics.median(max((x["sync_s"] for x in r.get("sync", ())), default=0.0) for r in records),
     }
 
 
