@@ -68,6 +68,15 @@ def test_sign_compression_matches_an_independent_reference_bit_for_bit():
     assert words.tobytes() == rw.tobytes() and scales.tobytes() == rs.tobytes() and q.tobytes() == rq.tobytes()
     assert q[3] > 0 and q[40] > 0
     assert qa.sign_decompress(words, scales, bounds).tobytes() == q.tobytes()
+    from zeroth.kernels import signbits  # the words are the sign kernels' reference's, edge values included
+
+    tiny = np.finfo(np.float32).tiny
+    edge = np.float32([0.0, -0.0, tiny, -tiny, -tiny / 4, np.nan, -np.inf, np.inf, -1.0, 1.0] * 7)
+    for x in (c, edge, c[:32], c[:33]):
+        assert qa._pack_signs(x).tobytes() == np.asarray(signbits.pack_ref(x), np.uint32).tobytes()
+        b = qa.segments_of([x.size])
+        ref = np.asarray(signbits.unpack_ref(qa._pack_signs(x), (x.size,), dtype=np.float32, scale=1.0))
+        assert qa.sign_decompress(qa._pack_signs(x), np.float32([1.0]), b).tobytes() == ref.tobytes()
     assert qa.sign_nbytes(c.size, 4) == words.nbytes + scales.nbytes == 4 * 4 + 4 * 4
     with pytest.raises(ValueError, match="need 4 and 4"):
         qa.sign_decompress(words[:-1], scales, bounds)
