@@ -6,6 +6,8 @@ own address, and every host runs the same command (no loopback shortcut between 
   and the folders collected from every host verify as one run;
 * an AQ-SGD pipeline of two hosts (mutual TLS, 100 Mbit/s links) ends on the parameters and
   buffers of the same engines run in one process;
+* 2 replicas × 2 stages of an AQ-SGD pipeline on four hosts, their averaging QuantizedAdam between
+  hosts over signed streams, end on the in-process run's parameters;
 * Ravnest nodes on four hosts (two clusters, averaged by rings; mutual TLS) end on the in-process
   run's digests;
 * Marsit on two hosts (one ``jax.distributed`` job, two CPU devices each, gloo between the hosts)
@@ -268,6 +270,56 @@ def test_aqsgd_pipeline_across_two_hosts_ends_on_the_in_process_run(tmp_path):
         assert summary["param_digest"] == checksum(e.params), s
         assert summary["send_digest"] == C.buffer_digest(e.send_state)
         assert summary["recv_digest"] == C.buffer_digest(e.recv_state)
+
+
+def test_pipeline_replicas_on_four_hosts_average_as_the_in_process_run(tmp_path):
+    """2 replicas × 2 stages, one host each (the same `zeroth launch` line): the replicas' averaging
+    (QuantizedAdam, compressed after 1 step) runs between hosts over signed streams, and every
+    stage of every replica ends on the in-process run's parameters."""
+    cfg = load_config_dict(
+        {
+            "run": {"name": "replicas-hosts", "seed": 0},
+            "data": {"dataset": "sotu", "batch_size": 8},
+            "model": {"name": "transformer", "kwargs": {"d_model": 16, "heads": 2, "layers": 2, "mlp_dim": 16}},
+            "train": {"method": "backprop", "lr": 1e-2, "steps": 3, "optimizer": {"name": "adamw"}},
+            "pipeline": {
+                "stages": 2,
+                "micro_batches": 2,
+                "replicas": 2,
+                "replica_sync": "onebit_adam",
+                "replica_warmup_steps": 1,
+                "examples": 16,
+                "seq_len": 8,
+                "compression": "aqsgd",
+                "fw_bits": 4,
+                "bw_bits": 8,
+            },
+        }
+    )
+    config = tmp_path / "replicas.yaml"
+    config.write_text(to_yaml(cfg))
+    secret = _secret(tmp_path)
+    with netns.hosts(4) as hosts:
+        rdv = f"{hosts[0].address}:{PORT}"
+        procs = [
+            _start(
+                h.command(_launch(config, tmp_path / f"h{i}", rdv, 4, secret, "--node-rank", str(i))),
+                tmp_path / f"h{i}.log",
+            )
+            for i, h in enumerate(hosts)
+        ]
+        assert _wait(procs, 300) == [0, 0, 0, 0], _logs(tmp_path)
+    _, engines = sim.run_local(cfg)
+    for k in range(4):
+        replica, stage = divmod(k, 2)
+        folder = tmp_path / f"h{k}" / (f"replica_{replica}" if replica else "") / f"stage_{stage}"
+        summary = json.loads((folder / "summary.json").read_text())
+        assert (summary["replica"], summary["stage"]) == (replica, stage)
+        assert summary["param_digest"] == checksum(engines[replica][stage].params), k
+    rows = [
+        json.loads(x) for x in (tmp_path / "h2" / "replica_1" / "stage_0" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["sync_bits"] for r in rows if r.get("kind") == "train"] == [0, 1, 1]
 
 
 def test_ravnest_nodes_on_four_hosts_end_on_the_in_process_digests(tmp_path):

@@ -13,6 +13,7 @@ import pytest
 from zeroth.collectives import quantized_adam as qa
 from zeroth.config import load_config_dict
 from zeroth.pipeline import build, replicas, sim, wire
+from zeroth.replay import checksum
 from zeroth.train.metrics import check_schema
 
 ROUNDS = 40
@@ -67,6 +68,15 @@ def test_sign_compression_matches_an_independent_reference_bit_for_bit():
     assert words.tobytes() == rw.tobytes() and scales.tobytes() == rs.tobytes() and q.tobytes() == rq.tobytes()
     assert q[3] > 0 and q[40] > 0
     assert qa.sign_decompress(words, scales, bounds).tobytes() == q.tobytes()
+    from zeroth.kernels import signbits  # the words are the sign kernels' reference's, edge values included
+
+    tiny = np.finfo(np.float32).tiny
+    edge = np.float32([0.0, -0.0, tiny, -tiny, -tiny / 4, np.nan, -np.inf, np.inf, -1.0, 1.0] * 7)
+    for x in (c, edge, c[:32], c[:33]):
+        assert qa._pack_signs(x).tobytes() == np.asarray(signbits.pack_ref(x), np.uint32).tobytes()
+        b = qa.segments_of([x.size])
+        ref = np.asarray(signbits.unpack_ref(qa._pack_signs(x), (x.size,), dtype=np.float32, scale=1.0))
+        assert qa.sign_decompress(qa._pack_signs(x), np.float32([1.0]), b).tobytes() == ref.tobytes()
     assert qa.sign_nbytes(c.size, 4) == words.nbytes + scales.nbytes == 4 * 4 + 4 * 4
     with pytest.raises(ValueError, match="need 4 and 4"):
         qa.sign_decompress(words[:-1], scales, bounds)
@@ -227,12 +237,95 @@ def test_compare_names_the_replicas_averaging_and_times_a_target_from_compute_an
     assert compare.time_to_target(recs, 1.0, 8e6) is None
 
 
-def test_launch_across_hosts_refuses_replicas_and_names_the_commands_that_run_them():
+def test_launch_places_each_replica_stage_on_a_host_with_its_links_averaging_and_keys(tmp_path):
+    """``zeroth launch`` with R × S hosts: rank k runs stage k mod S of replica k div S, linked to its
+    replica's neighbours; replica 0 of each stage serves the averaging on its port + 1 to the
+    streams signed by the keys the other replicas brought to the rendezvous."""
     from zeroth import launch
+    from zeroth.transport import rendezvous
 
-    with pytest.raises(ValueError, match="pipeline.replicas is 2: .*zeroth stage --replica R"):
-        launch.plan_of(load_config_dict(_raw(replicas=2)), None)
-    assert launch.plan_of(load_config_dict(_raw()), None).system == "pipeline"
+    cfg = load_config_dict(_raw(replicas=2))
+    plan = launch.plan_of(cfg, None)
+    assert (plan.system, plan.min_nodes, plan.max_nodes) == ("pipeline", 4, 4)
+    with pytest.raises(ValueError, match=r"pipeline.stages × pipeline.replicas is 4; give --nnodes 4"):
+        launch.plan_of(cfg, "2")
+    assert launch.plan_of(load_config_dict(_raw()), None).max_nodes == 2
+    keys = [f"{k:02x}" * 32 for k in range(4)]
+    members = tuple(rendezvous.Member(k, f"10.0.0.{k + 1}:{7000 + 10 * k}", f"h{k}", keys[k]) for k in range(4))
+    roster = rendezvous.Roster(True, members, 4, 4, 4, 1.0)
+    roles = {}
+    for k in range(4):
+        role, cmd, _ = launch._role(
+            plan,
+            cfg,
+            tmp_path / "c.yaml",
+            tmp_path,
+            k,
+            False,
+            roster,
+            7000 + 10 * k,
+            f"10.0.0.{k + 1}",
+            "s",
+            None,
+            60.0,
+            [],
+        )
+
+        def arg(flag, cmd=cmd):
+            return [cmd[i + 1] for i, a in enumerate(cmd) if a == flag]
+
+        roles[k] = role
+        replica, stage = divmod(k, 2)
+        folder = tmp_path / (f"replica_{replica}" if replica else "") / f"stage_{stage}"
+        assert arg("--stage") == [str(stage)] and arg("--out") == [str(folder)] and arg("--replica") == [str(replica)]
+        assert arg("--listen") == ([f"0.0.0.0:{7000 + 10 * k}"] if stage else [])
+        assert arg("--upstream-key") == ([keys[k - 1]] if stage else [])
+        assert arg("--next") == ([members[k + 1].advertise] if stage == 0 else [])
+        if replica == 0:
+            assert arg("--sync-listen") == [f"0.0.0.0:{7000 + 10 * k + 1}"] and arg("--sync-server") == []
+            assert arg("--replica-key") == [f"1={keys[2 + stage]}"]
+        else:
+            assert arg("--sync-server") == [f"10.0.0.{stage + 1}:{7000 + 10 * stage + 1}"]
+            assert arg("--sync-listen") == arg("--replica-key") == []
+    assert roles[3] == "stage 1 of 2, replica 1 of 2"
+
+
+def test_averaging_state_saved_and_loaded_continues_bit_for_bit_and_refuses_a_damaged_file(tmp_path):
+    params = {"w": np.zeros((3, 5), np.float32), "b": np.zeros(7, np.float32)}
+    rng = np.random.default_rng(3)
+    grads = [
+        [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()} for _ in range(2)]
+        for _ in range(6)
+    ]
+
+    def make():
+        return [replicas.ReplicaSync("onebit_adam", 2, r, 0, "run", params, warmup=2) for r in range(2)]
+
+    def step(syncs, t, ps):
+        mine = [s.contribution(t, g) for s, g in zip(syncs, grads[t])]
+        avg = syncs[0].reduce(t, mine[1:])
+        return [s.apply(t, p, None, avg, None, 1e-2)[0] for s, p in zip(syncs, ps)]
+
+    a, ps = make(), [params, params]
+    for t in range(4):
+        ps = step(a, t, ps)
+    digests = [s.save_state(tmp_path / f"{r}.npz") for r, s in enumerate(a)]
+    b = make()
+    for r, s in enumerate(b):
+        s.load_state(tmp_path / f"{r}.npz", digests[r])
+        assert s.state_digest() == a[r].state_digest() and set(s.state()) >= {"m", "v", "count", "worker_error"}
+    assert "server_error" in b[0].state() and "server_error" not in b[1].state()
+    pa = pb = ps
+    for t in range(4, 6):
+        pa, pb = step(a, t, pa), step(b, t, pb)
+    for x, y in zip(jax.tree_util.tree_leaves(pa), jax.tree_util.tree_leaves(pb)):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    np.savez(tmp_path / "bad.npz", **{**a[1].state(), "m": a[1].state()["m"] + 1})
+    with pytest.raises(ValueError, match="does not match its checkpoint's digest"):
+        make()[1].load_state(tmp_path / "bad.npz", digests[1])
+    (tmp_path / "cut.npz").write_bytes((tmp_path / "1.npz").read_bytes()[:100])
+    with pytest.raises(ValueError, match="cut.npz cannot be read"):
+        make()[1].load_state(tmp_path / "cut.npz", digests[1])
 
 
 # ---------------------------------------------------------------------- replicas in one process
@@ -346,3 +439,37 @@ def test_replica_zero_serves_only_averaging_streams_its_replicas_keys_signed():
     finally:
         servicer.close()
         server.stop(0)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_replicas_stopped_mid_run_resume_to_the_uninterrupted_parameters_bit_for_bit(tmp_path):
+    """2 × 2 stage processes, QuantizedAdam compressed from step 2, stopped after step 3 or so:
+    replica 0 stops at a step boundary, replica 1 in the step after it; `--resume` takes the newest
+    checkpoint every process holds (its AQ-SGD buffers and averaging state: moments, step count,
+    error-feedback errors) and ends every step on the parameters of the run never stopped."""
+    from zeroth.pipeline import launch
+    from zeroth.train import interrupt
+
+    raw = _raw(steps=8, replicas=2, replica_sync="onebit_adam", replica_warmup_steps=2, compression="aqsgd", fw_bits=4)
+    raw["train"].update(checkpoint_every=2, keep_checkpoints=0)
+    cfg = load_config_dict(raw)
+    rows = tmp_path / "stage_0" / "metrics.jsonl"
+
+    def stop():
+        return rows.is_file() and rows.read_text().count('"kind": "train"') >= 3
+
+    with pytest.raises(interrupt.Interrupted):
+        launch.run_config(cfg, tmp_path, [], progress=False, stop=stop)
+    held = launch.common_step(tmp_path, 2, 2)
+    assert held is not None and 2 <= held < 8, held
+    assert (tmp_path / "replica_1" / "stage_1" / "sync" / f"{held}.npz").is_file()
+    assert launch.run_config(cfg, tmp_path, ["--resume"], progress=False) == 0
+    recs = launch.read_records(tmp_path)
+    local, engines = sim.run_local(cfg)
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    assert [r["digest"] for r in recs] == [r["digest"] for r in local]
+    assert [r["loss"] for r in recs] == [r["loss"] for r in local]
+    for k, d in enumerate(launch.process_dirs(tmp_path, 2, 2)):
+        summary = json.loads((d / "summary.json").read_text())
+        assert summary["start"] == held and summary["param_digest"] == checksum(engines[k // 2][k % 2].params), d

@@ -12,7 +12,8 @@ advertised address, and each starts its system's process for its role:
 config section     hosts (``--nnodes``)        rank r runs
 =================  ==========================  ==========================================
 ``peers``          ``peers.count`` (MIN:MAX)   a Just One Byte peer; rank 0 founds the run
-``pipeline``       ``pipeline.stages``         pipeline stage r (AQ-SGD)
+``pipeline``       ``pipeline.stages`` ×       stage ``r mod S`` of replica ``r div S`` (AQ-SGD;
+                   ``pipeline.replicas``       ``S`` = ``pipeline.stages``)
 ``ravnest``        ``len(ravnest.nodes)``      Ravnest node ``ravnest.nodes[r].name``
 ``binary``         ``binary.workers + 1``      the sparse-mutation server (rank 0) or a worker
 ``runs`` (Marsit)  N (default 1)               process r of one ``jax.distributed`` job,
@@ -20,8 +21,14 @@ config section     hosts (``--nnodes``)        rank r runs
 =================  ==========================  ==========================================
 
 Each host writes its own folder ``OUT`` (``launch.json``: rank, role, roster; the system's
-folder below it: ``peers/p<r>``, ``stage_<r>``, ``nodes/<name>``, ``marsit``); folders collected from every
+folder below it: ``peers/p<r>``, ``stage_<i>`` (replica ``k > 0``: ``replica_<k>/stage_<i>``, as
+``zeroth run`` lays them out), ``nodes/<name>``, ``marsit``); folders collected from every
 host into one place are one run (``zeroth verify`` reads every update log below a folder).
+
+A pipeline with ``pipeline.replicas`` R > 1 takes R × S hosts: replica 0 of stage ``i`` serves the
+averaging of that stage on its host's port + 1 (``--port P``: P and P + 1; by default a free pair),
+only to the streams signed by the keys the other replicas of the stage brought to the rendezvous;
+the other replicas of stage ``i`` connect to it there.
 
 A run fails loudly, with one line and a non-zero exit: fewer hosts than ``--nnodes`` (its MIN)
 within the start-up window, a rendezvous that cannot be reached, a host with another config or
@@ -88,13 +95,7 @@ def plan_of(cfg: _config.Config, nnodes: str | None) -> Plan:
     if cfg.peers is not None:
         system, count, elastic = "peers", cfg.peers.count, True
     elif cfg.pipeline is not None:
-        if cfg.pipeline.replicas > 1:
-            raise ValueError(
-                f"pipeline.replicas is {cfg.pipeline.replicas}: zeroth launch places one replica's stages; run "
-                f"replicas with zeroth run on one host, or zeroth stage --replica R (--sync-listen on replica 0, "
-                f"--sync-server on the others) on each host"
-            )
-        system, count, elastic = "pipeline", cfg.pipeline.stages, False
+        system, count, elastic = "pipeline", cfg.pipeline.stages * cfg.pipeline.replicas, False
     elif cfg.ravnest is not None:
         system, count, elastic = "ravnest", len(cfg.ravnest.nodes), False
     elif cfg.binary is not None:
@@ -120,7 +121,12 @@ def plan_of(cfg: _config.Config, nnodes: str | None) -> Plan:
             f"--nnodes {nnodes}: a {system} run has a fixed number of hosts ({count}); give --nnodes {count}"
         )
     if not elastic and lo_n != count:
-        field = {"pipeline": "pipeline.stages", "ravnest": "len(ravnest.nodes)", "binary": "binary.workers + 1"}[system]
+        pipe = (
+            "pipeline.stages"
+            if cfg.pipeline is None or cfg.pipeline.replicas == 1
+            else ("pipeline.stages × pipeline.replicas")
+        )
+        field = {"pipeline": pipe, "ravnest": "len(ravnest.nodes)", "binary": "binary.workers + 1"}[system]
         raise ValueError(
             f"--nnodes {nnodes}: the config's {field} is {count}; give --nnodes {count} or change the config"
         )
@@ -230,6 +236,21 @@ def _free_port(host: str = "0.0.0.0") -> int:
         return s.getsockname()[1]
 
 
+def _free_port_pair(host: str = "0.0.0.0") -> int:
+    """A port P such that P and P + 1 are both free now (a replica-0 stage serves its link on P, the averaging on P + 1)."""
+    for _ in range(64):
+        p = _free_port(host)
+        if p >= 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, p + 1))
+            except OSError:
+                continue
+        return p
+    raise OSError("found no two consecutive free ports for a pipeline stage and its averaging; give --port P")
+
+
 def _secret(args) -> str | None:
     if args.insecure:
         if args.secret_file:
@@ -283,6 +304,9 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"--node-rank {rank}: the ranks of this run are 0..{plan.max_nodes - 1}")
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port {args.port}: a port is 0..65535")
+        pair = plan.system == "pipeline" and cfg.pipeline.replicas > 1
+        if pair and args.port == 65535:
+            raise ValueError(f"--port {args.port}: a replicated pipeline stage also serves its averaging on port + 1")
         advertise = args.advertise or rendezvous.route_source(args.rendezvous)
         tls = security_files(args.tls_dir, advertise) if args.tls_dir else None
         window = args.startup_timeout
@@ -298,7 +322,7 @@ def main(argv: list[str]) -> int:
         return fail(EXIT_USAGE, str(e))
 
     digest = hashlib.sha256(config_text.encode()).hexdigest()
-    my_port = args.port or _free_port()
+    my_port = args.port or (_free_port_pair() if pair else _free_port())
     token = identity.access_token(secret) if secret else None
     store = rendezvous.Store(
         min_nodes=plan.min_nodes,
@@ -486,29 +510,42 @@ def _role(
             cmd += ["--join", members[0]] + ([] if late else ["--join-members", str(rank)])
         return ("founder" if rank == 0 and not late else f"peer {rank}{' (late)' if late else ''}"), cmd, env
     if plan.system == "pipeline":
-        s = cfg.pipeline.stages
+        s, R = cfg.pipeline.stages, cfg.pipeline.replicas
+        replica, stage = divmod(rank, s)
+        keys = {m.rank: m.key for m in roster.members}
+        folder = out if replica == 0 else out / f"replica_{replica}"
         cmd = [
             *py,
             "stage",
             "--config",
             str(config_path),
             "--stage",
-            str(rank),
+            str(stage),
             "--out",
-            str(out / f"stage_{rank}"),
+            str(folder / f"stage_{stage}"),
             *insecure,
             *_tls_args(tls),
         ]
         if identity_file is not None:
             cmd += ["--identity", str(identity_file)]
-        if rank > 0:
+        if stage > 0:
             cmd += ["--listen", f"0.0.0.0:{port}"]
-            upstream = next((m.key for m in roster.members if m.rank == rank - 1), "")
-            if upstream:
-                cmd += ["--upstream-key", upstream]
-        if rank < s - 1:
+            if keys.get(rank - 1):
+                cmd += ["--upstream-key", keys[rank - 1]]
+        if stage < s - 1:
             cmd += ["--next", members[rank + 1]]
-        return f"stage {rank} of {s}", cmd, env
+        if R == 1:
+            return f"stage {stage} of {s}", cmd, env
+        cmd += ["--replica", str(replica)]
+        if replica == 0:  # serves the stage's averaging on port + 1, to the streams its replicas' keys signed
+            cmd += ["--sync-listen", f"0.0.0.0:{port + 1}"]
+            for k in range(1, R):
+                if keys.get(k * s + stage):
+                    cmd += ["--replica-key", f"{k}={keys[k * s + stage]}"]
+        else:
+            host, server_port = rendezvous.split_address(members[stage])
+            cmd += ["--sync-server", f"{f'[{host}]' if ':' in host else host}:{server_port + 1}"]
+        return f"stage {stage} of {s}, replica {replica} of {R}", cmd, env
     if plan.system == "binary":
         if rank == 0:
             cmd = [

@@ -12,7 +12,8 @@ computes the same bits from the same inputs.
   ``‖c − C(c)‖``, but it shrinks the momentum wherever magnitudes are uneven, and trained slower:
   docs/measurements/2026-12-05-aqsgd-replicas.md.) Signs travel as the packed words of
   :mod:`zeroth.kernels.signbits` (bit 1 for ``+``, a zero's sign is ``+``), 1 bit per value plus
-  one float32 per segment.
+  one float32 per segment; they are packed and unpacked here with NumPy's ``packbits`` (the words
+  of ``signbits.pack_ref``, bit for bit, without a device dispatch per operation).
 * :class:`ErrorFeedback`: ``c = x + e; q = C(c); e ← c − q``; the compressor's error is carried into
   the next round, so what the rounds deliver sums to what they were given, up to the last error:
   ``Σ_t q_t = Σ_t x_t − e_T`` (exactly, up to float32 rounding of each ``c − q``).
@@ -82,23 +83,32 @@ def sign_nbytes(n: int, segments: int) -> int:
     return 4 * ((int(n) + 31) // 32) + 4 * int(segments)
 
 
+_TINY = np.finfo(np.float32).tiny
+
+
+def _pack_signs(c: np.ndarray) -> np.ndarray:
+    """The words of :func:`zeroth.kernels.signbits.pack_ref`: bit ``i % 32`` of word ``i // 32`` is 1
+    unless ``c[i] <= -tiny`` (zeros, negative subnormals and NaN pack as ``+``); padding bits are 0."""
+    bits = ~(c <= -_TINY)
+    pad = (-bits.size) % 32
+    if pad:
+        bits = np.concatenate([bits, np.zeros(pad, bool)])
+    return np.packbits(bits, bitorder="little").view("<u4").astype(np.uint32)
+
+
 def sign_compress(c: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(words uint32, scales float32[segments], q)``: the packed signs of ``c``, one scale per
     segment and the decompressed ``q = C(c)`` (what the receiver rebuilds, bit for bit)."""
-    from zeroth.kernels import signbits
-
     c = np.asarray(c, np.float32)
     if c.ndim != 1 or c.size != int(bounds[-1]):
         raise ValueError(f"sign_compress takes a flat float32 vector of {int(bounds[-1])} values, got shape {c.shape}")
-    words = np.asarray(signbits.pack_ref(c), np.uint32)
+    words = _pack_signs(c)
     scales = _scales(c, bounds)
     return words, scales, sign_decompress(words, scales, bounds)
 
 
 def sign_decompress(words: np.ndarray, scales: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     """``q``: ``+scale`` where the sign bit is 1, ``-scale`` where it is 0, per segment (exact in float32)."""
-    from zeroth.kernels import signbits
-
     n = int(bounds[-1])
     words, scales = np.asarray(words, np.uint32), np.asarray(scales, np.float32)
     if words.size != (n + 31) // 32 or scales.size != len(bounds) - 1:
@@ -106,7 +116,8 @@ def sign_decompress(words: np.ndarray, scales: np.ndarray, bounds: np.ndarray) -
             f"{words.size} words and {scales.size} scales; {n} values in {len(bounds) - 1} segments need "
             f"{(n + 31) // 32} and {len(bounds) - 1}"
         )
-    signs = np.asarray(signbits.unpack_ref(words, (n,), dtype=np.float32, scale=1.0), np.float32)
+    bits = np.unpackbits(words.astype("<u4").view(np.uint8), bitorder="little")[:n]
+    signs = np.where(bits == 1, np.float32(1.0), np.float32(-1.0))
     return signs * np.repeat(scales, np.diff(bounds))
 
 
@@ -214,3 +225,25 @@ class QuantizedAdam:
         if self.server is not None:
             out["server_error"] = self.server.error
         return out
+
+    def load(self, state: dict) -> None:
+        """Take the arrays of :meth:`state` (a checkpoint's) back, bit for bit.
+
+        Raises:
+          ValueError: a missing array, or one whose shape is not this state's (another model or replica).
+        """
+        want = self.state()
+        missing = sorted(set(want) - set(state))
+        if missing:
+            raise ValueError(f"QuantizedAdam state without {', '.join(missing)} (saved by another replica or version)")
+        for k, v in want.items():
+            if np.shape(state[k]) != np.shape(v):
+                raise ValueError(
+                    f"QuantizedAdam state {k} has shape {np.shape(state[k])}; this one needs {np.shape(v)}"
+                )
+        self.m = np.array(state["m"], np.float32)
+        self.v = np.array(state["v"], np.float32)
+        self.count = int(state["count"])
+        self.worker.error = np.array(state["worker_error"], np.float32)
+        if self.server is not None:
+            self.server.error = np.array(state["server_error"], np.float32)

@@ -15,13 +15,17 @@ averaging of that stage (:mod:`zeroth.pipeline.replicas`), and :func:`merge_repl
 averaging bytes of every replica link, the replicas' losses and digests to the merged rows
 (``summary.json``: ``replicas_agree``, ``sync_bytes_per_step``, ``link_bytes_per_step``).
 
-``zeroth run CONFIG --resume`` restarts every stage from the newest checkpoint step that all of
-them hold (:func:`common_step`), AQ-SGD buffers included; ``--resume --resume-step N`` from step
+``zeroth run CONFIG --resume`` restarts every stage (of every replica) from the newest checkpoint
+step that all of them hold (:func:`common_step`), AQ-SGD buffers and the replicas' averaging
+state included; ``--resume --resume-step N`` from step
 ``N`` (every stage must hold it). Before any stage starts, every stage's buffer files of that step
 are read (:func:`check_resume`): a missing, truncated or damaged one is named in one line, with
 the older steps every stage holds. SIGINT/SIGTERM stop every stage at one
 step boundary, each with its checkpoint of that step (:func:`wait_stages`), so the resumed run
-ends where the uninterrupted one would.
+ends where the uninterrupted one would. With replicas, replica 0 decides the step and the other
+replicas stop in it without a checkpoint (:mod:`zeroth.pipeline.stage`): ``--resume`` then takes
+the newest ``train.checkpoint_every`` step every process holds, and the resumed run ends on the
+uninterrupted run's parameters bit for bit.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 from zeroth import config as _config
@@ -70,25 +75,25 @@ def process_dirs(out: Path, stages: int, replicas: int = 1) -> list[Path]:
     return [stage_dir(replica_dir(out, r), i) for r in range(replicas) for i in range(stages)]
 
 
-def common_steps(out: Path, stages: int) -> list[int]:
-    """The checkpoint steps every stage holds, ascending."""
+def common_steps(out: Path, stages: int, replicas: int = 1) -> list[int]:
+    """The checkpoint steps every stage (of every replica) holds, ascending."""
     common = None
-    for i in range(stages):
-        d = stage_dir(out, i) / "checkpoints"
+    for sd in process_dirs(out, stages, replicas):
+        d = sd / "checkpoints"
         steps = {int(p.name) for p in d.iterdir() if p.name.isdigit()} if d.is_dir() else set()
         common = steps if common is None else common & steps
     return sorted(common or ())
 
 
-def common_step(out: Path, stages: int) -> int | None:
-    """The newest checkpoint step every stage holds, or None."""
-    steps = common_steps(out, stages)
+def common_step(out: Path, stages: int, replicas: int = 1) -> int | None:
+    """The newest checkpoint step every stage (of every replica) holds, or None."""
+    steps = common_steps(out, stages, replicas)
     return steps[-1] if steps else None
 
 
-def check_resume(out: Path, stages: int, step: int) -> None:
-    """Check that every stage holds checkpoint ``step`` and that its AQ-SGD buffer files of that
-    step (where it has them) read back whole.
+def check_resume(out: Path, stages: int, step: int, replicas: int = 1) -> None:
+    """Check that every stage (of every replica) holds checkpoint ``step`` and that its AQ-SGD buffer
+    files of that step (where it has them) and its averaging state (with replicas) read back whole.
 
     Raises:
       CheckpointError: one line naming the stage folder or the damaged file, and the older
@@ -97,7 +102,8 @@ def check_resume(out: Path, stages: int, step: int) -> None:
     from zeroth import compress as C
     from zeroth.train.checkpoint import CheckpointError
 
-    held = common_steps(out, stages)
+    held = common_steps(out, stages, replicas)
+    dirs = process_dirs(out, stages, replicas)
     older = [s for s in held if s < step]
     hint = (
         f"older steps every stage holds: {older}; resume one with `zeroth run CONFIG --resume --resume-step "
@@ -106,18 +112,35 @@ def check_resume(out: Path, stages: int, step: int) -> None:
         else "no older step is held by every stage; start again in a fresh --out folder"
     )
     if step not in held:
-        missing = [i for i in range(stages) if not (stage_dir(out, i) / "checkpoints" / str(step)).is_dir()]
+        missing = [
+            str(d.relative_to(out)) if replicas > 1 else str(i)
+            for i, d in enumerate(dirs)
+            if not (d / "checkpoints" / str(step)).is_dir()
+        ]
         raise CheckpointError(
             f"--resume-step {step}: stage{'s' if len(missing) > 1 else ''} "
-            f"{', '.join(map(str, missing))} hold{'' if len(missing) > 1 else 's'} no checkpoint "
+            f"{', '.join(missing)} hold{'' if len(missing) > 1 else 's'} no checkpoint "
             f"{step} in {out}; {hint}"
         )
-    for i in range(stages):
-        for f in sorted((stage_dir(out, i) / "buffers").glob(f"{step}_*.npz")):
+    import numpy as np
+
+    for d in dirs:
+        for f in sorted((d / "buffers").glob(f"{step}_*.npz")):
             try:
                 C.read_buffer_file(f)
             except ValueError as e:
                 raise CheckpointError(f"cannot resume from step {step}: {e}. Nothing was deleted; {hint}") from None
+        if replicas > 1:
+            f = d / "sync" / f"{step}.npz"
+            try:
+                with np.load(f, allow_pickle=False) as z:
+                    for k in z.files:
+                        z[k]
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+                raise CheckpointError(
+                    f"cannot resume from step {step}: the averaging state {f} cannot be read ({e}). "
+                    f"Nothing was deleted; {hint}"
+                ) from None
 
 
 def start_stages(
@@ -387,26 +410,20 @@ def run_config(
     if resume_step is not None and "--resume" not in argv:
         raise ValueError("--resume-step needs --resume")
     if "--resume" in argv:
-        resume_step = common_step(out, p.stages) if resume_step is None else resume_step
+        resume_step = common_step(out, p.stages, p.replicas) if resume_step is None else resume_step
         if resume_step is None:
             print(
-                f"zeroth run: error: --resume: no checkpoint step common to all {p.stages} stages in {out}",
+                f"zeroth run: error: --resume: no checkpoint step common to all {p.stages * p.replicas} stage "
+                f"processes in {out}",
                 file=sys.stderr,
             )
             return 2
-        check_resume(out, p.stages, resume_step)
+        check_resume(out, p.stages, resume_step, p.replicas)
     t0 = time.time()
-    if resume_step is not None and p.replicas > 1:
-        print(
-            f"zeroth run: error: --resume: resuming a run of pipeline.replicas = {p.replicas} replicas is not supported; "
-            f"start it again",
-            file=sys.stderr,
-        )
-        return 2
     procs = start_stages(cfg, out, resume_step=resume_step, quiet=not progress)
     code = wait_stages(procs, out, stop=stop, dirs=process_dirs(out, p.stages, p.replicas))
     if code == interrupt.EXIT_CODE:
-        step = common_step(out, p.stages)
+        step = common_step(out, p.stages, p.replicas)
         raise interrupt.Interrupted(
             step or 0, cfg.train.steps, None if step is None else out / "stage_*" / "checkpoints" / str(step)
         )

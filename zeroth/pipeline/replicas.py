@@ -27,6 +27,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import zipfile
 from collections.abc import Callable
 
 import grpc
@@ -156,6 +157,56 @@ class ReplicaSync:
             bits=self.bits(step),
             segments=len(self.bounds) - 1,
         )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state(self) -> dict[str, np.ndarray]:
+        """What a checkpoint of this replica's averaging holds between steps: QuantizedAdam's moments,
+        step count and error-feedback errors (worker, and server on replica 0); empty for ``fp32``
+        (the stage's optimizer state is the engine's)."""
+        return {} if self.adam is None else {k: np.asarray(v) for k, v in self.adam.state().items()}
+
+    def state_digest(self) -> str:
+        """SHA-256 hex of :meth:`state` (names, dtypes, shapes and bytes, in name order)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for k, v in sorted(self.state().items()):
+            a = np.ascontiguousarray(v)
+            h.update(f"{k}:{a.dtype.str}:{a.shape};".encode())
+            h.update(a.tobytes())
+        return h.hexdigest()
+
+    def save_state(self, path) -> str:
+        """Write :meth:`state` to ``path`` (``.npz``, atomically); returns :meth:`state_digest`."""
+        import os
+        from pathlib import Path
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as fh:
+            np.savez(fh, **self.state())
+        os.replace(tmp, path)
+        return self.state_digest()
+
+    def load_state(self, path, digest: str) -> None:
+        """Read a state saved by :meth:`save_state` and check it against ``digest``.
+
+        Raises:
+          ValueError: the file is missing or damaged, or its arrays or digest are not this replica's.
+        """
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                state = {k: z[k] for k in z.files}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+            raise ValueError(f"the averaging state {path} cannot be read: {e}") from None
+        if self.adam is not None:
+            self.adam.load(state)
+        elif state:
+            raise ValueError(f"{path} holds a QuantizedAdam state; this run averages in float32")
+        if self.state_digest() != digest:
+            raise ValueError(f"the averaging state {path} does not match its checkpoint's digest (damaged or replaced)")
 
     # ------------------------------------------------------------------ a step
 

@@ -139,6 +139,11 @@ class _Stopped(Exception):
     """The pipeline stops at this step boundary (``docs/systems/aqsgd.md``, "A stage process")."""
 
 
+class _StoppedMidStep(Exception):
+    """A replica r > 0 found replica 0 stopped while it waited for a step's average: it stops without
+    a checkpoint of that step (its AQ-SGD buffers already hold the step's messages)."""
+
+
 def _stopped(stop, wait_s: float = 2.0) -> bool:
     """Whether the stage was asked to stop; waits up to ``wait_s`` for a signal that may trail the closed link."""
     deadline = time.monotonic() + wait_s
@@ -164,7 +169,8 @@ def _get(inbox: queue.Queue, timeout_s: float, what: str):
 
 
 class _Checkpoints:
-    """Orbax checkpoints of a stage plus its AQ-SGD buffers (``buffers/<step>_{send,recv}.npz``)."""
+    """Orbax checkpoints of a stage plus its AQ-SGD buffers (``buffers/<step>_{send,recv}.npz``) and,
+    with replicas, its averaging state (``sync/<step>.npz``: QuantizedAdam's moments and errors)."""
 
     def __init__(self, out: Path, keep: int):
         from zeroth.train.checkpoint import Checkpointer
@@ -172,7 +178,7 @@ class _Checkpoints:
         self.out = out
         self.ck = Checkpointer(out / "checkpoints", keep=keep)
 
-    def save(self, engine, run_id: str) -> None:
+    def save(self, engine, run_id: str, sync=None) -> None:
         from zeroth import compress as C
         from zeroth.train.checkpoint import checksum
 
@@ -183,13 +189,15 @@ class _Checkpoints:
             "recv": C.save_buffers(engine.recv_state, bdir / f"{step}_recv.npz"),
         }
         meta = {"step": step, "digest": checksum(engine.params), "run_id": run_id, "buffers": digests}
+        if sync is not None:
+            meta["sync"] = sync.save_state(self.out / "sync" / f"{step}.npz")
         self.ck.save(step, engine.params, engine.opt_state, meta)
         kept = set(self.ck.steps())
-        for f in bdir.glob("*.npz"):
-            if int(f.name.split("_")[0]) not in kept:
+        for f in [*bdir.glob("*.npz"), *(self.out / "sync").glob("*.npz")]:
+            if int(f.name.split("_")[0].split(".")[0]) not in kept:
                 f.unlink()
 
-    def restore(self, engine, step: int, run_id: str) -> None:
+    def restore(self, engine, step: int, run_id: str, sync=None) -> None:
         import jax
         import jax.numpy as jnp
 
@@ -206,6 +214,13 @@ class _Checkpoints:
                     C.load_buffers(state, self.out / "buffers" / f"{step}_{side}.npz", r.meta["buffers"][side])
                 except ValueError as e:
                     raise self.ck._error(step, str(e)) from None
+        if sync is not None:
+            if "sync" not in r.meta:
+                raise self.ck._error(step, "it holds no averaging state (saved by a run without replicas)")
+            try:
+                sync.load_state(self.out / "sync" / f"{step}.npz", r.meta["sync"])
+            except ValueError as e:
+                raise self.ck._error(step, str(e)) from None
         for newer in [s for s in self.ck.steps() if s > step]:  # this run will write them again
             self.ck.quarantine(newer)
         engine.params = jax.tree_util.tree_map(jnp.asarray, r.params)
@@ -376,10 +391,6 @@ def run_stage(
             f"--replica-key for replica {bad[0]}: only replica 0 checks keys, of replicas 1..{R - 1} "
             f"(pipeline.replicas = {R}, this is replica {replica})"
         )
-    if R > 1 and resume_step is not None:
-        raise ValueError(
-            f"--resume-step: resuming a run of pipeline.replicas = {R} replicas is not supported; start it again"
-        )
     out.mkdir(parents=True, exist_ok=True)
     me = me or identity.Identity.generate()
     tmp = out / "key.pub.tmp"
@@ -398,7 +409,7 @@ def run_stage(
     metrics = out / "metrics.jsonl"
     wall0, payload_total = 0.0, 0
     if resume_step is not None:
-        ckpt.restore(engine, resume_step, run_id)
+        ckpt.restore(engine, resume_step, run_id, sync)
         wall0, payload_total = _resumed_totals(metrics, resume_step)
     else:
         clear_metrics(metrics)
@@ -482,11 +493,11 @@ def run_stage(
     t_wall = time.perf_counter() - wall0
     writer = MetricsWriter(metrics, tensorboard=cfg.run.tensorboard, resumed_after=resume_step)
     stop = stop or (lambda: False)
-    ok = interrupted = False
+    ok = interrupted = mid_step = False
     cq_warned: set[str] = set()  # directions already warned of c_Q >= 1/sqrt(2) (once each)
     try:
         for step in range(start, steps):
-            if index == 0 and stop():
+            if index == 0 and replica == 0 and stop():  # the other replicas stop when replica 0 does
                 raise _Stopped
             t0 = time.perf_counter()
             wait = 0.0
@@ -520,18 +531,23 @@ def run_stage(
                     sent["bw_frames"] += 1
             update, sync_row = None, {}
             if sync is not None:
-                update, sync_row = _average(
-                    sync,
-                    step,
-                    engine.grads,
-                    replica,
-                    R,
-                    sync_servicer,
-                    sync_pacer,
-                    sync_inbox,
-                    p.timeout_s,
-                    build.lr_at(cfg, step),
-                )
+                try:
+                    update, sync_row = _average(
+                        sync,
+                        step,
+                        engine.grads,
+                        replica,
+                        R,
+                        sync_servicer,
+                        sync_pacer,
+                        sync_inbox,
+                        p.timeout_s,
+                        build.lr_at(cfg, step),
+                    )
+                except link.LinkClosed:
+                    if replica > 0 and _stopped(stop):  # replica 0 stopped at this step's boundary
+                        raise _StoppedMidStep from None
+                    raise
             loss = engine.finish_step(update)
             transfer = (
                 (fw_pacer.transfer_s if fw_pacer else 0.0) + (bw_pacer.transfer_s if bw_pacer else 0.0) - transfer0
@@ -569,7 +585,7 @@ def run_stage(
                     )
             every = cfg.train.checkpoint_every
             if (every and engine.step % every == 0) or engine.step == steps:
-                ckpt.save(engine, run_id)
+                ckpt.save(engine, run_id, sync)
             if progress:
                 print(
                     f"stage {index} step {step} "
@@ -581,7 +597,9 @@ def run_stage(
     except _Stopped:
         interrupted = True
         if ckpt.ck.latest_step() != engine.step:
-            ckpt.save(engine, run_id)
+            ckpt.save(engine, run_id, sync)
+    except _StoppedMidStep:
+        interrupted = mid_step = True
     finally:
         writer.close()
         if sync_pacer is not None:
@@ -608,7 +626,9 @@ def run_stage(
             fw_pacer.close()
         if bw_pacer is not None:
             bw_pacer.close()
-        clean = ok or interrupted  # a stop at a step boundary ends the links as the end of the run does
+        clean = ok or (
+            interrupted and not mid_step
+        )  # a stop at a step boundary ends the links as the end of the run does
         if clean and servicer is not None:
             servicer.done.wait(timeout=p.timeout_s if servicer.connected.is_set() else 0)
         if clean and index < S - 1:
@@ -628,6 +648,7 @@ def run_stage(
         "start": start,
         "steps_done": engine.step,
         "interrupted": interrupted,
+        "checkpoint_step": ckpt.ck.latest_step(),
         "seconds": time.time() - t_run,
         "run_id": run_id,
         "buffer_bytes": engine.buffer_nbytes(),
@@ -676,8 +697,13 @@ def main(argv: list[str]) -> int:
         if summary["interrupted"]:
             why = flag.signal_name() if flag.is_set() else f"{out / 'stop'}"
             print(
-                f"zeroth stage {args.stage}: stopped by {why} after step {summary['steps_done']}; checkpoint saved in "
-                f"{out / 'checkpoints' / str(summary['steps_done'])}; continue with --resume-step {summary['steps_done']}",
+                f"zeroth stage {args.stage}: stopped by {why} after step {summary['steps_done']}; "
+                + (
+                    f"newest checkpoint {out / 'checkpoints' / str(summary['checkpoint_step'])}; continue with "
+                    f"--resume-step N, N a step every stage holds (`zeroth run CONFIG --resume` finds it)"
+                    if summary["checkpoint_step"] is not None
+                    else "no checkpoint was saved"
+                ),
                 file=sys.stderr,
                 flush=True,
             )
