@@ -92,21 +92,21 @@ def plan_of(cfg: _config.Config, nnodes: str | None) -> Plan:
     Raises:
       ValueError: a system that does not run across hosts yet, or ``--nnodes`` that disagrees with the config.
     """
-    if cfg.peers is not None:
-        system, count, elastic = "peers", cfg.peers.count, True
-    elif cfg.pipeline is not None:
-        system, count, elastic = "pipeline", cfg.pipeline.stages * cfg.pipeline.replicas, False
-    elif cfg.ravnest is not None:
-        system, count, elastic = "ravnest", len(cfg.ravnest.nodes), False
-    elif cfg.binary is not None:
-        if cfg.binary.workers < 1:
-            raise ValueError("binary.workers is 0: the sparse-mutation run has no workers to launch on other hosts")
-        system, count, elastic = "binary", cfg.binary.workers + 1, False
-    else:
+    system = cfg.system  # the union's tag: at most one system section
+    if system is None:
         raise ValueError(
             "zeroth launch runs configs with a peers:, pipeline:, ravnest: or binary: section or a "
             "Marsit runs: list; this config trains on one machine: use `zeroth run`"
         )
+    if system == "binary" and cfg.binary.workers < 1:
+        raise ValueError("binary.workers is 0: the sparse-mutation run has no workers to launch on other hosts")
+    count = {
+        "peers": lambda: cfg.peers.count,
+        "pipeline": lambda: cfg.pipeline.stages * cfg.pipeline.replicas,
+        "ravnest": lambda: len(cfg.ravnest.nodes),
+        "binary": lambda: cfg.binary.workers + 1,
+    }[system]()
+    elastic = system == "peers"  # only peers admit a host after the run formed
     if nnodes is None:
         return Plan(system, count, count, elastic)
     lo, sep, hi = str(nnodes).partition(":")
