@@ -65,3 +65,30 @@ def test_select_top_k_one_per_weight_and_limits():
     w = np.array([[1, -1, 0]], np.int8)
     assert F.at_limit_np(w, [1, 2, 4, 5], True).tolist() == [True, True, False, False]
     assert F.at_limit_np(w, [1, 0, 3], False).tolist() == [True, False, False]
+
+
+@pytest.mark.parametrize("ternary,seed", [(False, 0), (False, 1), (True, 2)])
+def test_threshold_deltas_equal_brute_force_moves(ternary, seed):
+    spec, x, layer, reg, head, labels = _setup(ternary, seed, c_out=6, b=8)
+    deltas = np.asarray(F.threshold_deltas(layer, head, x, labels, spec, reg))
+    assert deltas.shape == (spec.c_out, 2)
+    loss = jax.jit(lambda lay: F.batch_loss(lay, head, x, labels, spec, reg))
+    base = float(loss(layer))
+    changed = 0
+    for o in range(spec.c_out):
+        for d in (0, 1):
+            moves = np.zeros(spec.c_out, np.int32)
+            moves[o] = 2 * d - 1
+            t2 = F.apply_thresholds(layer.thresh, moves, spec)
+            assert t2[o] == int(layer.thresh[o]) + (2 * d - 1) * spec.step
+            brute = float(loss(L.ConvLayer(layer.w, jnp.asarray(t2)))) - base
+            assert abs(deltas[o, d] - brute) <= 1e-4 * (1 + abs(base)), (o, d, deltas[o, d], brute)
+            changed += brute != 0
+    assert changed > 0
+
+
+def test_select_thresholds_takes_the_k_best_moves():
+    d = np.array([[0.1, -0.3], [-0.9, -0.2], [0.0, 0.5], [-0.5, -0.6]], np.float32)
+    assert F.select_thresholds(d, k=2).tolist() == [0, -1, 0, 1]
+    assert F.select_thresholds(d, k=9, min_gain=0.4).tolist() == [0, -1, 0, 1]
+    assert F.select_thresholds(d, k=9).tolist() == [1, -1, 0, 1]

@@ -122,3 +122,23 @@ def test_flips_with_the_head_refitted_to_convergence_between_rounds(digits):
     assert not np.array_equal(np.asarray(refit.layer.w), np.asarray(plain.layer.w))
     with pytest.raises(ValueError, match="refit_every must be 0, or > 0 with method 'flips'"):
         T.TrainConfig(method="evolution", refit_every=2).check()
+
+
+def test_flips_can_train_thresholds_and_lower_the_loss(digits):
+    xtr, ytr, _, _ = digits
+    spec = L.ConvSpec(c_in=4, c_out=16)
+    base = dict(method="flips", steps=6, batch_size=32, k=1, grid=2, head_lr=0.05)
+    plain = T.train_layer(spec, xtr, ytr, T.TrainConfig(**base), classes=10)
+    moved = T.train_layer(spec, xtr, ytr, T.TrainConfig(**base, thresh_k=8), classes=10)
+    t0 = T.init_state(spec, xtr, T.TrainConfig(**base), classes=10).layer.thresh
+    assert np.array_equal(np.asarray(plain.layer.thresh), np.asarray(t0))  # the seed's thresholds never move
+    assert not np.array_equal(np.asarray(moved.layer.thresh), np.asarray(t0))
+    assert sum(r["thresholds"] for r in moved.history) > 0 and "thresholds" not in plain.history[0]
+    # on a fixed batch, with the head trained alongside: the trained thresholds lower the loss of the
+    # trained weights against the same weights at the initial thresholds
+    loss = T.step_functions(spec, xtr.shape[1], xtr.shape[2], 2).loss
+    xb, yb = xtr[:256], ytr[:256]
+    at_init = L.ConvLayer(moved.layer.w, t0)
+    assert float(loss(moved.layer, moved.head, xb, yb)) < float(loss(at_init, moved.head, xb, yb))
+    with pytest.raises(ValueError, match="thresh_k must be 0, or > 0 with method 'flips' \\(got 2 with 'ste'\\)"):
+        T.TrainConfig(method="ste", thresh_k=2).check()

@@ -319,3 +319,23 @@ def test_committed_short_runs_end_on_the_digests_of_their_equivalents():
     assert f3["K=inf"] == t2["marsit-3e-3"]
     assert f3["K=25"] == t2["marsit25-3e-3"]
     assert len({f3["K=1"], f3["K=25"], f3["K=inf"]}) == 3
+
+
+def test_committed_full_runs_end_on_the_digests_of_their_equivalents():
+    """The same in the committed runs at the configured rounds (lists stopped early keep their first runs):
+    every Figure 3(b) run at seed 0 whose Table 2 equivalent finished ends on its digest."""
+    res = ROOT / "experiments" / "results"
+
+    def digests(name):
+        return {r["run"]: r["digest"] for r in json.loads((res / name / "summary.json").read_text())["runs"]}
+
+    t2, f3 = digests("marsit_table2"), digests("marsit_fig3b")
+    pairs = [
+        (k, r)
+        for k, r in (("K=1", "psgd"), ("K=100", "marsit100-3e-3"), ("K=inf", "marsit-3e-3"))
+        if k in f3 and r in t2
+    ]
+    assert pairs  # at least one equivalent pair finished
+    for k, run in pairs:
+        assert f3[k] == t2[run], (k, run)
+    assert len({f3[k] for k, _ in pairs}) == len(pairs)

@@ -49,6 +49,12 @@ class BinaryConfig:
     steps: int = field(150, "Training steps per layer (binary methods).", min=1)
     k: int = field(8, "flips: weights flipped per step (the best ones that lower the batch loss).", min=1)
     min_gain: float = field(0.0, "flips: a flip must lower the summed batch loss by more than this.", min=0.0)
+    thresh_k: int = field(
+        0,
+        "flips: also move this many channel thresholds by one step per step, those whose exact loss change is "
+        "lowest (not in the seed, whose thresholds stay at their initial medians); 0 = thresholds never move.",
+        min=0,
+    )
     evolution_k: int = field(4, "evolution: random weights flipped per trial.", min=1)
     head_lr: float = field(1e-2, "Adam learning rate of the auxiliary heads.", gt=0.0)
     ste_lr: float = field(1e-2, "Adam learning rate of the STE shadow weights.", gt=0.0)

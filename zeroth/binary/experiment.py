@@ -67,6 +67,7 @@ def plan_for(b, weights: str, method: str, batch_size: int, seed: int) -> list:
             batch_size=batch_size,
             k=b.evolution_k if method == "evolution" else b.k,
             min_gain=b.min_gain,
+            thresh_k=b.thresh_k if method == "flips" else 0,
             head_lr=b.head_lr,
             ste_lr=b.ste_lr,
             grid=b.grid,

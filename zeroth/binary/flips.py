@@ -42,6 +42,9 @@ __all__ = [
     "cross_entropy",
     "batch_loss",
     "mutation_deltas",
+    "threshold_deltas",
+    "select_thresholds",
+    "apply_thresholds",
     "select",
     "apply_mutations",
     "apply_mutations_np",
@@ -97,6 +100,50 @@ def mutation_deltas(layer: L.ConvLayer, head: L.Head, x, labels, spec: L.ConvSpe
     plus = jnp.sum(cross_entropy(zz + 0.5 * s1, lab) - base[:, None, None], axis=0)
     deltas = jnp.stack([minus, plus], axis=-1)  # (O, J, 2)
     return jnp.where(valid_moves(layer.w, spec.ternary), deltas, jnp.inf)
+
+
+def threshold_deltas(layer: L.ConvLayer, head: L.Head, x, labels, spec: L.ConvSpec, reg: L.Regions) -> jax.Array:
+    """``f32[O, 2]``: summed loss change of moving each output channel's threshold down (index 0)
+    or up (index 1) by one step (not in the seed, whose thresholds stay where they start).
+
+    Lowering ``t`` by a step turns the outputs with ``t - step <= dot < t`` from -1 to +1; raising
+    it turns those with ``t <= dot < t + step`` from +1 to -1: the logits move by ``sum_p G Dn`` or
+    ``sum_p G U`` (``G``, ``U``, ``Dn`` as in :func:`mutation_deltas`), exactly.
+    """
+    d = L.dots(layer, x, spec)
+    b, h, w, o = d.shape
+    d = d.reshape(b, h * w, o)
+    t, s = layer.thresh[None, None, :], spec.step
+    act = jnp.where(d >= t, 1.0, -1.0)
+    up = ((d >= t) & (d < t + s)).astype(jnp.float32)
+    down = ((d >= t - s) & (d < t)).astype(jnp.float32)
+    v = L.head_matrix(head, reg)  # (P, O, K)
+    z = L.head_logits(head, act, reg)  # (B, K)
+    lower = -2.0 * jnp.einsum("bpo,pok->bok", act * down, v)
+    raise_ = -2.0 * jnp.einsum("bpo,pok->bok", act * up, v)
+    base = cross_entropy(z, labels)[:, None]
+    lab = labels[:, None]
+    minus = jnp.sum(cross_entropy(z[:, None, :] + lower, lab) - base, axis=0)
+    plus = jnp.sum(cross_entropy(z[:, None, :] + raise_, lab) - base, axis=0)
+    return jnp.stack([minus, plus], axis=-1)
+
+
+def select_thresholds(deltas, *, k: int, min_gain: float = 0.0) -> np.ndarray:
+    """``int32[O]`` moves (-1, 0, +1) of the up-to-``k`` thresholds whose best move lowers the loss
+    most (by more than ``min_gain``); ties break by the lower channel, then by moving down."""
+    dl = np.asarray(deltas, np.float32)
+    best_dir = np.argmin(dl, axis=-1)
+    best = dl[np.arange(len(dl)), best_dir]
+    cand = np.flatnonzero(best < -min_gain)
+    chosen = cand[np.lexsort((cand, best[cand]))[:k]]
+    moves = np.zeros(len(dl), np.int32)
+    moves[chosen] = 2 * best_dir[chosen] - 1
+    return moves
+
+
+def apply_thresholds(thresh, moves, spec: L.ConvSpec) -> np.ndarray:
+    """``int32[O]`` thresholds moved by ``moves * spec.step``."""
+    return (np.asarray(thresh, np.int32) + np.asarray(moves, np.int32) * spec.step).astype(np.int32)
 
 
 def select(deltas, *, k: int, min_gain: float = 0.0) -> np.ndarray:

@@ -69,6 +69,7 @@ def stack(
     min_gain: float = 0.0,
     accept_batch: int = 0,
     refit_every: int = 0,
+    thresh_k: int = 0,
 ) -> list:
     """Train a binary conv stack greedily with ``method`` (:mod:`zeroth.binary.train`); its frozen layers
     (the first ``layers`` of ``channels``; 0 = all)."""
@@ -90,6 +91,7 @@ def stack(
                     seed=seed,
                     accept_batch=accept_batch,
                     refit_every=refit_every,
+                    thresh_k=thresh_k,
                 ),
             )
         )

@@ -6,7 +6,10 @@ the same float auxiliary head with Adam on the softmax cross-entropy of the laye
 
 * ``flips`` (seed 002): the exact loss change of every single mutation from one forward pass
   (:func:`zeroth.binary.flips.mutation_deltas`); apply the ``k`` that lower the loss most (at
-  least ``min_gain`` each, one per weight).
+  least ``min_gain`` each, one per weight). With ``thresh_k > 0`` (not in the seed, whose
+  thresholds stay at their initial per-channel medians) the same forward pass also gives the exact
+  loss change of moving each channel's threshold by one step (:func:`zeroth.binary.flips.threshold_deltas`),
+  and the ``thresh_k`` channels whose move lowers the loss most move too.
 * ``evolution``: mutate ``k`` random weights; keep the mutations if the batch loss fell,
   else revert ("flip, keep if the loss fell").
 * ``ste``: a straight-through-estimator BNN: float shadow weights (starting at ``STE_INIT`` times
@@ -86,6 +89,7 @@ class TrainConfig(NamedTuple):
         0  # flips: > 0 refits the head to convergence (fit_head) every this many steps, on refit_size examples
     )
     refit_size: int = 1024
+    thresh_k: int = 0  # flips: > 0 also moves this many channel thresholds per step (the best exact loss changes)
 
     def check(self) -> "TrainConfig":
         if self.method not in METHODS:
@@ -99,6 +103,10 @@ class TrainConfig(NamedTuple):
             raise ValueError(
                 f"binary refit_every must be 0, or > 0 with method 'flips' and refit_size >= 1 (got "
                 f"{self.refit_every}, {self.refit_size} with {self.method!r})"
+            )
+        if self.thresh_k < 0 or (self.thresh_k and self.method != "flips"):
+            raise ValueError(
+                f"binary thresh_k must be 0, or > 0 with method 'flips' (got {self.thresh_k} with {self.method!r})"
             )
         if self.accept_batch < 0 or (self.accept_batch and self.method != "flips"):
             raise ValueError(
@@ -135,6 +143,7 @@ class _Fns(NamedTuple):
     deltas: object
     loss: object
     ste_step: object
+    thresh_deltas: object
 
 
 ADAM = optax.scale_by_adam()  # the learning rate is an argument: one compilation serves every rate
@@ -179,7 +188,8 @@ def step_functions(spec: L.ConvSpec, h: int, w: int, grid: int) -> _Fns:
         w, head = params[0] - lrs[0] * upd[0], jax.tree.map(lambda p, u: p - lrs[1] * u, params[1], upd[1])
         return (jnp.clip(w, -1.0, 1.0), head), opt_state, loss
 
-    return _Fns(head_step, deltas, loss, ste_step)
+    thresh_deltas = jax.jit(lambda layer, head, x, y: F.threshold_deltas(layer, head, x, y, spec, reg))
+    return _Fns(head_step, deltas, loss, ste_step, thresh_deltas)
 
 
 def _quantize_np(w: np.ndarray, ternary: bool) -> np.ndarray:
@@ -315,6 +325,7 @@ def train_layer(
             else:
                 loss = fns.loss(layer, head, xb, yb) / len(idx)
             wnp = np.asarray(layer.w)
+            moved = 0
             if cfg.method == "flips" and cfg.refit_every and step % cfg.refit_every == 0:
                 ridx = np.random.default_rng([cfg.seed, layer_index, 6, step]).choice(
                     n, size=min(cfg.refit_size, n), replace=False
@@ -326,15 +337,22 @@ def train_layer(
                 trial = layer
                 if chosen.size:
                     trial = L.ConvLayer(jnp.asarray(F.apply_mutations_np(wnp, chosen, spec.ternary)), layer.thresh)
+                if cfg.thresh_k:  # scored on the layer before this step's flips, like the flips themselves
+                    moves = F.select_thresholds(
+                        fns.thresh_deltas(layer, head, xb, yb), k=cfg.thresh_k, min_gain=cfg.min_gain
+                    )
+                    moved = int(np.count_nonzero(moves))
+                    if moved:
+                        trial = L.ConvLayer(trial.w, jnp.asarray(F.apply_thresholds(layer.thresh, moves, spec)))
                 if (
-                    chosen.size and cfg.accept_batch
-                ):  # kept only if the loss falls on examples the flips were not scored on
+                    chosen.size or moved
+                ) and cfg.accept_batch:  # kept only if the loss falls on examples the flips were not scored on
                     hidx = np.random.default_rng([cfg.seed, layer_index, 5, step]).choice(
                         n, size=min(cfg.accept_batch, n), replace=False
                     )
                     xh, yh = jnp.asarray(x[hidx]), jnp.asarray(y[hidx])
                     if float(fns.loss(trial, head, xh, yh)) >= float(fns.loss(layer, head, xh, yh)):
-                        trial, chosen = layer, chosen[:0]
+                        trial, chosen, moved = layer, chosen[:0], 0
                 layer, applied = trial, int(chosen.size)
             elif cfg.method == "evolution":
                 before = float(fns.loss(layer, head, xb, yb))
@@ -347,6 +365,8 @@ def train_layer(
                 if float(fns.loss(trial, head, xb, yb)) < before:
                     layer, applied = trial, cfg.k
         rec = {"step": step, "loss": float(loss), "flips": applied, "seconds": time.perf_counter() - t0}
+        if cfg.thresh_k:
+            rec["thresholds"] = moved
         history.append(rec)
         if log is not None:
             log(rec, layer)
