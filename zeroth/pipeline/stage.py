@@ -523,7 +523,14 @@ def run_stage(
                 frame = None
                 if index < S - 1:
                     tw = time.perf_counter()
-                    frame = _get(bw_inbox, p.timeout_s, f"gradient of step {step} micro-batch {j}")
+                    try:
+                        frame = _get(bw_inbox, p.timeout_s, f"gradient of step {step} micro-batch {j}")
+                    except link.LinkClosed:
+                        # the next stage of a replica r > 0 stopped in this step (replica 0 stopped at
+                        # its boundary), its last gradients possibly unsent: stop in it as well
+                        if replica > 0 and _stopped(stop):
+                            raise _StoppedMidStep from None
+                        raise
                     wait += time.perf_counter() - tw
                 out_frame = engine.backward(j, ids, tok, frame)
                 if out_frame is not None:
