@@ -226,8 +226,8 @@ class Ravnest:
 
     def forge(self, out: Path, stop: threading.Event) -> dict:
         from zeroth import config as _config
-        from zeroth.cluster import build, transport, wire
-        from zeroth.cluster.proto import cluster_pb2_grpc as pb_grpc
+        from zeroth.cluster import build
+        from zeroth.cluster import chaos as cluster_chaos
         from zeroth.transport import identity, security
 
         pid = None
@@ -237,60 +237,9 @@ class Ravnest:
         secret = secret_of(pid)
         cfg = _config.load_config(str(self.cfg_path))
         plan = build.plan_of(cfg)
-        sizes = build.sizes_of(cfg, plan)
         md = security.token_metadata(identity.access_token(secret))
-        mallory = identity.Identity.generate()
-        forged = []
-        for (c, s), name in plan.primaries.items():
-            for b in range(cfg.train.steps):
-                x = np.full(sizes.activation, 3.0, np.float32)
-                if s > 0:
-                    forged.append(
-                        (
-                            name,
-                            wire.to_message(
-                                plan.run_id, plan.primaries[(c, s - 1)], "activation", x, batch=b, to=(c, s)
-                            ),
-                        )
-                    )
-                if s + 1 < len(plan.stages[c]):
-                    forged.append(
-                        (
-                            name,
-                            wire.to_message(plan.run_id, plan.primaries[(c, s + 1)], "gradient", x, batch=b, to=(c, s)),
-                        )
-                    )
-            other = plan.primaries[(1 - c, s)]
-            for ring in plan.rings:
-                for rnd in range(1, cfg.train.steps // cfg.ravnest.average_every + 1):
-                    for phase in ("reduce", "gather"):
-                        size = ring.stop - ring.start
-                        forged.append(
-                            (
-                                name,
-                                wire.to_message(
-                                    plan.run_id,
-                                    other,
-                                    "ring",
-                                    np.full(size // 2, 9.0, np.float32),
-                                    ring=ring.ring_id,
-                                    round_id=rnd,
-                                    phase=phase,
-                                    step=0,
-                                    to=(c, s),
-                                ),
-                            )
-                        )
-        codes = []
-        for i, (dest, msg) in enumerate(forged):
-            msg = wire.sign(msg, mallory) if i % 2 else msg
-            address = transport.resolve_address(out / "addresses", dest, 60)
-            with grpc.insecure_channel(address) as ch:
-                try:
-                    pb_grpc.ClusterNodeStub(ch).Deliver(iter([msg]), metadata=md, timeout=30)
-                    codes.append("OK")
-                except grpc.RpcError as e:
-                    codes.append(e.code().name)
+        rounds = range(1, cfg.train.steps // cfg.ravnest.average_every + 1)
+        codes = cluster_chaos.deliver(cluster_chaos.forged_messages(cfg, plan, rounds, chunk_divisor=2), out, md, 60)
         return {"forged": len(codes), "accepted": codes.count("OK"), "codes": sorted(set(codes))}
 
     def result(self, out: Path) -> dict:

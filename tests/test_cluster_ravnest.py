@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from zeroth import config as _config
 from zeroth import protogen
-from zeroth.cluster import build, driver, engine, schedule, sim, transport, wire
+from zeroth.cluster import build, chaos, driver, engine, schedule, sim, transport, wire
 from zeroth.cluster.proto import cluster_pb2 as pb
 from zeroth.cluster.proto import cluster_pb2_grpc as pb_grpc
 from zeroth.stages import partition
@@ -544,61 +544,8 @@ def attacked_run(tmp_path_factory):
     secret = identity.new_secret()
 
     def attack(plan, out):
-        sizes = build.sizes_of(cfg, plan)
-        mallory = identity.Identity.generate()
-        forged = []
-        for (c, s), name in plan.primaries.items():
-            for b in range(cfg.train.steps):
-                x = np.full(sizes.activation, 3.0, np.float32)
-                if s > 0:
-                    forged.append(
-                        (
-                            name,
-                            wire.to_message(
-                                plan.run_id, plan.primaries[(c, s - 1)], "activation", x, batch=b, to=(c, s)
-                            ),
-                        )
-                    )
-                if s + 1 < len(plan.stages[c]):
-                    forged.append(
-                        (
-                            name,
-                            wire.to_message(plan.run_id, plan.primaries[(c, s + 1)], "gradient", x, batch=b, to=(c, s)),
-                        )
-                    )
-            other = plan.primaries[(1 - c, s)]
-            for ring in plan.rings:
-                for rnd in (1, 2):
-                    for phase in ("reduce", "gather"):
-                        forged.append(
-                            (
-                                name,
-                                wire.to_message(
-                                    plan.run_id,
-                                    other,
-                                    "ring",
-                                    np.full(ring.stop - ring.start, 9.0, np.float32),
-                                    ring=ring.ring_id,
-                                    round_id=rnd,
-                                    phase=phase,
-                                    step=0,
-                                    to=(c, s),
-                                ),
-                            )
-                        )
-        codes = []
-        for i, (dest, msg) in enumerate(forged):
-            msg = wire.sign(msg, mallory) if i % 2 else msg  # signed with the attacker's own key, or not at all
-            address = transport.resolve_address(out / "addresses", dest, 30)
-            with grpc.insecure_channel(address) as ch:
-                try:
-                    pb_grpc.ClusterNodeStub(ch).Deliver(
-                        iter([msg]), metadata=security.token_metadata(identity.access_token(secret)), timeout=30
-                    )
-                    codes.append("OK")
-                except grpc.RpcError as e:
-                    codes.append(e.code().name)
-        return codes
+        md = security.token_metadata(identity.access_token(secret))
+        return chaos.deliver(chaos.forged_messages(cfg, plan, (1, 2)), out, md, 30)
 
     summaries, codes = _grpc_run(cfg, out, secret, attack)
     return cfg, out, secret, summaries, codes

@@ -841,6 +841,11 @@ def _verify_entry(params: Params, view: View | None, e: LogEntry, what: str, key
     _verify(params, view, e.commit, what, key=keys(e.commit.sender) if keys else None)
     if view is not None:
         _check_succession(view, e.commit.next_view, what)
+    _verify_payloads(params, view, e, what, keys)
+
+
+def _verify_payloads(params: Params, view: View | None, e: LogEntry, what: str, keys: Callable | None = None) -> None:
+    """Every payload of a decided entry signed by its contributor (in ``view``, or ``keys(machine)``)."""
     if params.verify is None or e.payloads is None:
         return
     sigs = e.signatures
@@ -1968,7 +1973,8 @@ def _relayed(params: Params, view: View, entry: LogEntry, payloads, signatures, 
         if updates_digest(c.contributors, payloads) != c.updates_digest:
             raise Rejected("INVALID_ARGUMENT", "the payloads are not the ones the commit names")
         relayed = LogEntry(c, tuple(payloads), tuple(signatures))
-        _verify_entry(params, view, relayed, f"relayed pushes of iteration {c.iteration}", keys=view.key_of)
+        # the commit itself was checked by on_commit: its contributors' signatures remain
+        _verify_payloads(params, view, relayed, f"relayed pushes of iteration {c.iteration}")
     except Rejected as e:
         effects.append(Note(f"iteration {c.iteration}: relayed pushes not taken ({e.message}); fetching them"))
         return entry

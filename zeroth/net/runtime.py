@@ -560,8 +560,10 @@ class Node:
                 base = P.view_at(self._st, commit.iteration) if self._st is not None else None
                 full = wire.commit_to_pb(commit)
                 delta = wire.commit_to_pb(commit, base, self._pp.max_count) if base is not None else full
-                if isinstance(msg, P.LogEntry):
-                    full, delta = wire.relay_to_pb(full, msg), wire.relay_to_pb(delta, msg)
+                if isinstance(msg, P.LogEntry):  # the payloads copied into each form once
+                    relayed = wire.relay_to_pb(full, msg)
+                    delta = relayed if delta is full else wire.relay_to_pb(delta, msg)
+                    full = relayed
                 cached = self._commit_pbs = (msg, full, delta)
         return cached[1] if whole else cached[2]
 
