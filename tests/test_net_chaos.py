@@ -69,8 +69,15 @@ def test_pause_restart_on_the_same_port_and_lost_majority(tmp_path):
         c.signal("p3", signal.SIGCONT)
         assert c.wait_for(lambda: c.log("p3").count("joined run") >= 2, 60), c.log("p3")[-3000:]
         assert "dropped from the run" in c.log("p3")
+        # ... and contributes under its new id (p3's own records name it: under load another member
+        # may have been dropped and rejoined too, so a new id among the contributors is not enough)
         assert c.wait_for(
-            lambda: any(m not in (0, 1, 2, first_id) for m in contributors_since(c, "p1", paused_at)), 60
+            lambda: (
+                (mine := c.records("p3"))
+                and mine[-1]["machine"] != first_id
+                and mine[-1]["machine"] in contributors_since(c, "p1", paused_at)
+            ),
+            60,
         ), c.log("p3")[-3000:]
         assert len(c.log("p3")) < 200_000  # no busy loop flooding the log
 
@@ -112,6 +119,6 @@ def test_pause_restart_on_the_same_port_and_lost_majority(tmp_path):
         assert report.ok, format_report(report)
         assert report.runs[0].keys_proven >= 5  # p3's second membership signs with a key of its own
         assert len(report.runs) == 1 and {p.log for p in report.runs[0].peers} == {"p0", "p1", "p2", "p3", "p3b"}
-        assert len({p.log: p for p in report.runs[0].peers}["p3"].starts) == 2  # it took the state twice
+        assert len({p.log: p for p in report.runs[0].peers}["p3"].starts) >= 2  # it took the state again
     finally:
         c.stop()
