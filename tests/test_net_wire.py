@@ -49,6 +49,7 @@ pushes = st.builds(
     payload=st.binary(max_size=20),
     signature=sigs,
     previous=chains,
+    relay_us=u32,
 )
 
 

@@ -358,6 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         "--peers", default="4,16,64,256,1024", help="comma-separated numbers of peers (default 4,16,64,256,1024)"
     )
     ap.add_argument("--iterations", type=int, default=3, help="iterations measured after the warm-up (default 3)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="iterations run before measuring (default 1); the relay tree orders its relays by what "
+        "the earlier iterations' relays took, so its steady state needs more",
+    )
     ap.add_argument("--rtt-ms", type=float, default=100.0, help="median round trip between two peers (default 100)")
     ap.add_argument("--uplink-mbps", type=float, default=20.0, help="median uplink per peer, Mbit/s (default 20)")
     ap.add_argument("--compute-s", type=float, default=0.05, help="gradient computation per iteration (default 0.05)")
@@ -402,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if (
         args.iterations < 1
+        or args.warmup < 1
         or args.rtt_ms <= 0
         or args.uplink_mbps <= 0
         or args.compute_s < 0
@@ -410,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         or args.budget_s <= 0
     ):
         print(
-            "zeroth bench peers: --iterations must be >= 1, --rtt-ms, --uplink-mbps and --budget-s > 0, "
+            "zeroth bench peers: --iterations and --warmup must be >= 1, --rtt-ms, --uplink-mbps and --budget-s > 0, "
             "--compute-s and --call-slots >= 0",
             file=sys.stderr,
         )
@@ -421,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             measure(
                 m,
                 iterations=args.iterations,
+                warmup=args.warmup,
                 rtt_s=args.rtt_ms / 1e3,
                 uplink_bps=args.uplink_mbps * 1e6,
                 compute_s=args.compute_s,
@@ -439,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         k: getattr(args, k)
         for k in (
             "iterations",
+            "warmup",
             "rtt_ms",
             "uplink_mbps",
             "compute_s",

@@ -129,6 +129,7 @@ FAILED = "failed"  # gave up: no decision for two stall periods (the run lost it
 PHASES = (FORMING, CATCHING_UP, MEMBER, DROPPED, DONE, LEFT, FAILED)
 
 MAX_MEMBERS = 4096  # members of one view
+MAX_RELAY_US = 2**32 - 1  # a push's relay_us (uint32 on the wire)
 MAX_ADDRESS = 255  # characters of a host:port address
 MAX_RUN_ID = 128
 UNREACHABLE_AFTER = 3  # failed commit deliveries after which a non-contributing member is removed
@@ -192,7 +193,9 @@ class Params:
         (:func:`relay_children`), so that no peer sends more than ``relay_fanout`` copies of the
         O(M) payloads; every other member gets the commit alone from the committer, as always,
         and fetches the payloads if its parent's relay does not come within the barrier timeout.
-        0: the committer sends the payloads to every member itself.
+        The committer places the members whose last relay was fastest where the tree forwards
+        (:func:`relay_order`; each member's push reports it). 0: the committer sends the payloads
+        to every member itself.
     """
 
     run_id: str
@@ -320,7 +323,8 @@ class Push(NamedTuple):
     """The encoded projected gradients of one (machine, iteration). ``previous``: the
     :func:`chain_digest` of the decision of ``iteration - 1`` its sender applied (the state its
     gradients were computed on; signed with the rest): a decision takes only pushes that continue
-    its own chain."""
+    its own chain. ``relay_us``: outside the signature, a hint for the committer's
+    :func:`relay_order`: microseconds per child its sender's last relay took (0: none yet)."""
 
     run_id: str
     sender: int
@@ -329,6 +333,7 @@ class Push(NamedTuple):
     payload: bytes
     signature: bytes = b""
     previous: bytes = b""
+    relay_us: int = 0
 
 
 class Commit(NamedTuple):
@@ -350,11 +355,14 @@ class Commit(NamedTuple):
 
 class LogEntry(NamedTuple):
     """A decided iteration; ``payloads`` aligned with ``commit.contributors`` (None while missing),
-    ``signatures``: each contributor's signature of its push (relayed so any peer can verify them)."""
+    ``signatures``: each contributor's signature of its push (relayed so any peer can verify them).
+    ``relays``: only on an entry relayed down the tree (:func:`relay_children`), the members placed
+    first in it (:func:`relay_order`); () in every entry held, logged or fetched."""
 
     commit: Commit
     payloads: tuple[bytes, ...] | None
     signatures: tuple[bytes, ...] | None = None
+    relays: tuple[int, ...] = ()
 
 
 class Prepare(NamedTuple):
@@ -591,6 +599,10 @@ class PeerState(NamedTuple):
       relay_wait: ``(iteration, until)``: this peer holds the commit of ``iteration`` without its
         payloads and waits until ``until`` for its relay parent to forward them
         (``Params.relay_fanout``) before it fetches them.
+      relaying: ``(iteration, since, waiting, answered, last)`` of this peer's latest relay: when
+        it forwarded the payloads, the children yet to answer, how many answered and when the
+        last did (:func:`on_commit_acked`).
+      relay_us: microseconds per child its latest relay took (0: none yet), reported in its pushes.
     """
 
     me: int
@@ -627,6 +639,8 @@ class PeerState(NamedTuple):
     floor: Mapping[int, Ballot] = {}
     idle: Mapping[int, float] = {}
     relay_wait: tuple[int, float] = (-1, 0.0)
+    relaying: tuple[int, float, frozenset, int, float] = (-1, 0.0, frozenset(), 0, 0.0)
+    relay_us: int = 0
 
 
 class CommitReply(NamedTuple):
@@ -1453,10 +1467,17 @@ def _publish(params: Params, st: PeerState, now: float, effects: list, entry: Lo
     # Pushes that went to us only travel on inside the decision: the entry, payloads and signatures,
     # to every member or down the relay tree (the others get the commit alone).
     relay = params.pushes == "leader" and entry.payloads is not None
-    first = {m.machine for m in relay_children(params, st.view, st.me, st.me)} if relay else set()
+    first: frozenset[int] = frozenset()
+    sent = entry
+    if relay:
+        reports = {m: st.inbox[(t, m)].relay_us for m, _ in entry.commit.contributors if (t, m) in st.inbox}
+        order = relay_order(params, st.view, st.me, reports)
+        first = frozenset(m.machine for m in relay_children(params, st.view, st.me, st.me, order))
+        sent = entry._replace(relays=order)
+        st = st._replace(relaying=(t, now, first, 0, now))
     for m in st.view.members:
         if m.machine != st.me:
-            effects.append(Send(m.machine, m.address, entry if m.machine in first else entry.commit))
+            effects.append(Send(m.machine, m.address, sent if m.machine in first else entry.commit))
     admissions = dict(st.admissions)
     if admitted:
         admissions[t] = Admission(
@@ -1720,23 +1741,30 @@ def on_local_gradients(
 def _push(params: Params, st: PeerState, count: int, payload: bytes, now: float, effects: list) -> PeerState:
     """Sign our push of ``st.it`` (on our chain), send it (:func:`_push_targets`), and try the barrier."""
     push = sign(params, Push(params.run_id, st.me, st.it, count, payload, previous=st.chain or b""))
+    push = push._replace(relay_us=min(st.relay_us, MAX_RELAY_US))
     st = st._replace(inbox=_put(st.inbox, (st.it, st.me), push))
     effects += [Send(m.machine, m.address, push) for m in _push_targets(params, st)]
     return _try_commit(params, st, now, effects)
 
 
-def relay_children(params: Params, view: View, root: int, me: int) -> list[Member]:
+def relay_children(params: Params, view: View, root: int, me: int, relays: tuple[int, ...] = ()) -> list[Member]:
     """The members ``me`` forwards the payloads of a decision by ``root`` to (``Params.pushes ==
-    "leader"``): the view's members other than ``root``, in id order, form a tree of fan-out
-    ``Params.relay_fanout`` below ``root`` (``root``'s children are the first ``k``, the children
-    of the ``i``-th are the ``k`` from ``k·(i + 1)``). Fan-out 0: ``root`` sends to every member.
+    "leader"``): the view's members other than ``root``, those ``relays`` names first in its order,
+    then the others in id order, form a tree of fan-out ``Params.relay_fanout`` below ``root``
+    (``root``'s children are the first ``k``, the children of the ``i``-th are the ``k`` from
+    ``k·(i + 1)``). Fan-out 0: ``root`` sends to every member.
 
       >>> v = View(3, tuple(Member(m, f"h:{m}", True) for m in range(8)), 8)
       >>> p = Params("r", "c", 1, 1, 5, 1.0, 1.0, pushes="leader", relay_fanout=2)
       >>> [[m.machine for m in relay_children(p, v, 0, me)] for me in range(8)]
       [[1, 2], [3, 4], [5, 6], [7], [], [], [], []]
+      >>> [[m.machine for m in relay_children(p, v, 0, me, (6, 7))] for me in (0, 6, 7, 1)]
+      [[6, 7], [1, 2], [3, 4], [5]]
     """
     others = [m for m in view.members if m.machine != root]
+    if relays:
+        first = {m: i for i, m in enumerate(dict.fromkeys(relays)) if m != root}
+        others.sort(key=lambda m: first.get(m.machine, len(first)))  # stable: the rest keep id order
     k = params.relay_fanout
     if not k:
         return others if me == root else []
@@ -1747,6 +1775,32 @@ def relay_children(params: Params, view: View, root: int, me: int) -> list[Membe
         if pos is None:
             return []
     return others[k * (pos + 1) : k * (pos + 2)]
+
+
+def relay_order(params: Params, view: View, root: int, reports: Mapping[int, int]) -> tuple[int, ...]:
+    """The members ``root`` places where its relay tree forwards (:func:`relay_children`), fastest
+    first: ``reports`` gives the microseconds per child of each contributor's last relay (its push's
+    ``relay_us``; 0: it has not relayed, ranked at the median of the others so that the tree tries
+    it; a member without a report, which did not push, comes last).
+
+      >>> v = View(3, tuple(Member(m, f"h:{m}", True) for m in range(8)), 8)
+      >>> p = Params("r", "c", 1, 1, 5, 1.0, 1.0, pushes="leader", relay_fanout=2)
+      >>> relay_order(p, v, 0, {1: 900, 2: 0, 3: 100, 4: 0, 5: 500, 6: 0, 7: 700})
+      (3, 5, 2)
+    """
+    k = params.relay_fanout
+    others = [m.machine for m in view.members if m.machine != root]
+    interior = -(-len(others) // k) - 1 if k else 0  # the positions with children
+    if interior <= 0:
+        return ()
+    known = sorted(us for m, us in reports.items() if us > 0 and m != root)
+    tried = known[len(known) // 2] if known else 0
+
+    def rank(m: int) -> tuple[float, int]:
+        us = reports.get(m)
+        return (float("inf") if us is None else us or tried, m)
+
+    return tuple(sorted(others, key=rank)[:interior])
 
 
 def _push_targets(params: Params, st: PeerState) -> list[Member]:
@@ -1810,7 +1864,7 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
         return Step(st, tuple(effects))
     old = st.inbox.get((t, push.sender))
     if old is not None:
-        if old == push:
+        if old._replace(relay_us=0) == push._replace(relay_us=0):  # the same push again (the hint aside)
             return Step(st, ())
         raise Rejected("ALREADY_EXISTS", f"machine {push.sender} already pushed different gradients for iteration {t}")
     st = st._replace(inbox=_put(st.inbox, (t, push.sender), push))
@@ -1858,6 +1912,7 @@ def on_commit(
     *,
     payloads: tuple[bytes, ...] | None = None,
     signatures: tuple[bytes, ...] | None = None,
+    relays: tuple[int, ...] = (),
 ) -> Step:
     """A decision of one iteration (the barrier release). Reply: a :class:`CommitReply`, whether this
     peer now holds it (that commit, at its ballot; not a commit only taken as a hint, a later
@@ -1867,7 +1922,8 @@ def on_commit(
 
     Buffered until applicable; its payloads come from the pushes received, from ``payloads`` and
     ``signatures`` relayed with it (``Params.pushes == "leader"``: taken only when each is signed
-    by its contributor and they match the commit's digest, else ignored), or are fetched.
+    by its contributor and they match the commit's digest, else ignored; forwarded to this peer's
+    children of the tree ``relays`` orders, :func:`relay_children`), or are fetched.
     A decision that conflicts with one this peer already applied (signed, higher ballot) makes it
     fetch that iteration from the leader; it drops out only if the leader's log differs too.
 
@@ -1953,12 +2009,33 @@ def on_commit(
     if entry.payloads is None and payloads is not None:
         entry = _relayed(params, view, entry, payloads, signatures, effects)
         if entry.payloads is not None and params.relay_fanout:
-            effects += [Send(m.machine, m.address, entry) for m in relay_children(params, view, commit.sender, st.me)]
+            st = _forward(params, st, view, commit.sender, entry, relays, now, effects)
     st = st._replace(decided=_put(st.decided, t, entry), promised=_put(st.promised, t, commit.ballot))
     if st.recovery is not None and st.recovery.ballot < commit.ballot and t == st.it:
         st = st._replace(recovery=None)
     st = _advance(params, st, now, effects)
     return Step(st, tuple(effects), _commit_reply(st, commit, True))
+
+
+def _forward(
+    params: Params,
+    st: PeerState,
+    view: View,
+    root: int,
+    entry: LogEntry,
+    relays: tuple[int, ...],
+    now: float,
+    effects: list,
+) -> PeerState:
+    """Relay ``entry`` (its payloads taken here) to our children of the tree below ``root`` that
+    ``relays`` orders, and time the relay until they answer (:func:`on_commit_acked`)."""
+    relays = tuple(relays)[:MAX_MEMBERS]
+    children = relay_children(params, view, root, st.me, relays)
+    if not children:
+        return st
+    sent = entry._replace(relays=relays)
+    effects += [Send(m.machine, m.address, sent) for m in children]
+    return st._replace(relaying=(entry.commit.iteration, now, frozenset(m.machine for m in children), 0, now))
 
 
 def _relayed(params: Params, view: View, entry: LogEntry, payloads, signatures, effects: list) -> LogEntry:
@@ -1992,6 +2069,7 @@ def on_commit_acked(
     Joiners are answered once the holders meet every majority of the iteration's view
     (:func:`_answer_admissions`); a member that only took the commit as a hint counts for nothing."""
     st = st._replace(failures={k: v for k, v in st.failures.items() if k != machine})
+    st = _relay_answered(st, iteration, machine, now, ok=True)
     effects: list = []
     if reply.stored:
         st = _admission_acked(st, iteration, machine, effects)
@@ -1999,6 +2077,20 @@ def on_commit_acked(
     if reply.previous and before is not None and reply.previous == decision_digest(before.commit):
         st = _admission_acked(st, iteration - 1, machine, effects)
     return Step(st, tuple(effects))
+
+
+def _relay_answered(st: PeerState, iteration: int, machine: int, now: float, *, ok: bool) -> PeerState:
+    """``machine``, a child of our relay of ``iteration``, answered (or failed): once every child
+    did, the relay's time per child that answered is what our next pushes report."""
+    it, since, waiting, answered, last = st.relaying
+    if it != iteration or machine not in waiting:
+        return st
+    waiting = waiting - {machine}
+    answered, last = (answered + 1, now) if ok else (answered, last)
+    st = st._replace(relaying=(it, since, waiting, answered, last))
+    if not waiting and answered:
+        st = st._replace(relay_us=max(1, round(1e6 * (last - since) / answered)))
+    return st
 
 
 def _admission_acked(st: PeerState, iteration: int, machine: int, effects: list) -> PeerState:
@@ -2012,6 +2104,7 @@ def _admission_acked(st: PeerState, iteration: int, machine: int, effects: list)
 def on_commit_failed(params: Params, st: PeerState, *, iteration: int, machine: int, message: str, now: float) -> Step:
     """Our decision could not be delivered to ``machine`` (counted; after :data:`UNREACHABLE_AFTER` it is removed)."""
     st = st._replace(failures=_put(st.failures, machine, st.failures.get(machine, 0) + 1))
+    st = _relay_answered(st, iteration, machine, now, ok=False)
     return Step(st, (Note(f"commit of iteration {iteration} to machine {machine} failed: {message}"),))
 
 

@@ -1239,10 +1239,10 @@ class Node:
             if late:
                 self.barrier.late()
 
-    def handle_commit(self, msg: P.Commit, payloads=None, signatures=None) -> P.CommitReply:
+    def handle_commit(self, msg: P.Commit, payloads=None, signatures=None, relays=()) -> P.CommitReply:
         """Whether this peer now holds the commit, and more (:func:`zeroth.net.protocol.on_commit`'s
-        reply); ``payloads`` and ``signatures``: those relayed with it."""
-        return self._step(P.on_commit, msg, payloads=payloads, signatures=signatures)
+        reply); ``payloads``, ``signatures`` and ``relays``: those relayed with it."""
+        return self._step(P.on_commit, msg, payloads=payloads, signatures=signatures, relays=relays)
 
     def handle_prepare(self, msg: P.Prepare) -> P.PrepareReply:
         """A takeover's prepare; one that says the leader is gone has the leader probed here first

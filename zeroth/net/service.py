@@ -97,7 +97,8 @@ class PeerService(pb_grpc.PeerServicer):
             if commit is None:  # a delta of a view this peer does not hold
                 return pb.CommitAck(send_whole=True)
             payloads, signatures = wire.relay_from_pb(request)
-            reply = self.node.handle_commit(commit, payloads, signatures)
+            relays = wire.relay_order_from_pb(request) if payloads is not None else ()
+            reply = self.node.handle_commit(commit, payloads, signatures, relays)
             return pb.CommitAck(not_held=not reply.stored, previous=reply.previous)
 
         return self._answer(self._run(context, go))

@@ -416,7 +416,9 @@ class SimNet:
         if isinstance(msg, P.Commit):
             return P.on_commit(p, st, msg, now)
         if isinstance(msg, P.LogEntry):  # a commit with the payloads relayed (Params.pushes == "leader")
-            return P.on_commit(p, st, msg.commit, now, payloads=msg.payloads, signatures=msg.signatures)
+            return P.on_commit(
+                p, st, msg.commit, now, payloads=msg.payloads, signatures=msg.signatures, relays=msg.relays
+            )
         if isinstance(msg, P.Prepare):
             if not dst.promises:
                 raise P.Rejected("UNAVAILABLE", f"{dst.address} answers no prepare")

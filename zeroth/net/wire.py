@@ -44,6 +44,7 @@ __all__ = [
     "commit_from_pb",
     "relay_to_pb",
     "relay_from_pb",
+    "relay_order_from_pb",
     "entry_to_pb",
     "entry_from_pb",
     "prepare_to_pb",
@@ -140,6 +141,7 @@ def push_to_pb(p: P.Push) -> pb.GradientPush:
         payload=p.payload,
         signature=p.signature,
         previous=p.previous,
+        relay_us=p.relay_us,
     )
 
 
@@ -152,6 +154,7 @@ def push_from_pb(p: pb.GradientPush) -> P.Push:
         bytes(p.payload),
         _bytes("signature", p.signature, MAX_SIGNATURE),
         _bytes("previous", p.previous, MAX_DIGEST),
+        int(p.relay_us),
     )
 
 
@@ -234,11 +237,12 @@ def commit_to_pb(c: P.Commit, base: P.View | None = None, max_count: int = 0) ->
 
 def relay_to_pb(c: pb.Commit, entry: P.LogEntry) -> pb.Commit:
     """A copy of ``c`` (``entry``'s commit on the wire) carrying ``entry``'s payloads and their
-    authors' signatures (``peers.pushes: leader``)."""
+    authors' signatures (``peers.pushes: leader``), and the relay tree's order (``entry.relays``)."""
     out = pb.Commit()
     out.CopyFrom(c)
     out.relayed_payloads.extend(entry.payloads or ())
     out.relayed_signatures.extend(entry.signatures or ())
+    out.relay_order.extend(entry.relays)
     return out
 
 
@@ -252,6 +256,14 @@ def relay_from_pb(c: pb.Commit) -> tuple[tuple[bytes, ...], tuple[bytes, ...]] |
     payloads = tuple(bytes(x) for x in c.relayed_payloads)
     signatures = tuple(_bytes("relayed signature", x, MAX_SIGNATURE) for x in c.relayed_signatures)
     return payloads, signatures
+
+
+def relay_order_from_pb(c: pb.Commit) -> tuple[int, ...]:
+    """The relay tree's order a commit carries with its relayed payloads (:func:`P.relay_children`;
+    raises :class:`P.Rejected` when it names more than :data:`P.MAX_MEMBERS` members)."""
+    if len(c.relay_order) > P.MAX_MEMBERS:
+        raise P.Rejected("INVALID_ARGUMENT", f"a relay order of {len(c.relay_order)} members; at most {P.MAX_MEMBERS}")
+    return tuple(int(m) for m in c.relay_order)
 
 
 def commit_from_pb(c: pb.Commit, base: P.View | None = None, max_count: int = 0) -> P.Commit:
