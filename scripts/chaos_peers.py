@@ -1,6 +1,6 @@
 """The chaos table of Just One Byte peers: attacks and faults against live runs on 127.0.0.1.
 
-  python scripts/chaos_peers.py [--tries N] [--out DIR] [--only NAME ...]
+  python scripts/chaos_peers.py [--tries N] [--out DIR] [--only NAME ...] [--measured-timeouts K]
 
 Two kinds of scenarios:
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -201,17 +202,17 @@ def hostile_scenario(name: str, tries: int, root: Path, worker: Worker) -> dict:
 # --------------------------------------------------------------------------- faults on processes
 
 
-def write_config(path: Path, iterations: int, count: int) -> Path:
+def write_config(path: Path, iterations: int, count: int, **peers) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(raw_config(iterations, count)))
+    path.write_text(yaml.safe_dump(raw_config(iterations, count, **peers)))
     return path
 
 
-def process_scenario(name: str, root: Path) -> dict:
+def process_scenario(name: str, root: Path, measured_timeouts: float = 0.0) -> dict:
     count = 4 if name == "2 of 4 members killed (lost majority)" else 3
     # the run must outlast the fault (a run of 3 peers on loopback decides about 50 iterations a second)
     iterations = 1000 if name.startswith("SIGSTOP") else 5000 if name.startswith("killed joiner") else 300
-    c = Cluster(write_config(root / "chaos.yaml", iterations, count), root)
+    c = Cluster(write_config(root / "chaos.yaml", iterations, count, measured_timeouts=measured_timeouts), root)
     names = [f"p{i}" for i in range(count)]
     out = {"scenario": name, "tries": 1}
     linger = ("--linger", "20") if name == "joiner reaching a finished run" else ()  # the finished run keeps serving
@@ -274,6 +275,7 @@ def process_scenario(name: str, root: Path) -> dict:
             exit_codes={n: codes[n] for n in survivors},
             reasons=sorted({(summaries[n].get("error") or "")[:140] for n in survivors} - {""}),
             tracebacks=sum("Traceback" in c.log(n) for n in c.peers),
+            contributors_mean=statistics.mean(len(r["contributors"]) for r in c.records(survivors[0])),
             **extra,
         )
         return out
@@ -296,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attacks", type=int, default=60, help="messages per hostile scenario")
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", nargs="*", default=None, help="scenarios whose name contains one of these words")
+    ap.add_argument(
+        "--measured-timeouts",
+        type=float,
+        default=0.0,
+        help="peers.measured_timeouts of the process scenarios (default 0: fixed timeouts)",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="chaos-"))
     rows = []
@@ -309,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, name in enumerate(PROCESS):
         if want(name):
             for k in range(args.tries):
-                rows.append(process_scenario(name, out / f"s{i}-{k}"))
+                rows.append(process_scenario(name, out / f"s{i}-{k}", args.measured_timeouts))
                 print(json.dumps(rows[-1]), flush=True)
     (out / "chaos.json").write_text(json.dumps(rows, indent=2) + "\n")
     merged: dict[str, dict] = {}

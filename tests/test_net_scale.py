@@ -151,7 +151,9 @@ def test_joins_beyond_max_members_are_refused_and_a_rejoin_on_a_members_address_
     assert net.admitted == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("bad", [dict(max_members=2), dict(max_members=5000), dict(idle_timeout_s=0.0)])
+@pytest.mark.parametrize(
+    "bad", [dict(max_members=2), dict(max_members=5000), dict(idle_timeout_s=0.0), dict(measured_timeouts=1.5)]
+)
 def test_bad_caps_are_refused_with_the_field_named(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         params(**bad)
@@ -163,6 +165,7 @@ def test_bad_caps_are_refused_with_the_field_named(bad):
         ({"count": 3, "max_members": 2}, "peers.max_members: 2 is below peers.count=3"),
         ({"max_members": 5000}, "peers.max_members: bad value 5000"),
         ({"idle_timeout_s": 0}, "peers.idle_timeout_s: bad value 0"),
+        ({"measured_timeouts": 1.5}, "peers.measured_timeouts: 1.5 is below 2"),
     ],
 )
 def test_a_config_with_a_bad_cap_is_refused_in_one_line_naming_the_field(peers, field):
@@ -488,3 +491,41 @@ def test_the_relay_tree_bounds_what_any_peer_sends_and_a_dead_relay_costs_its_ch
     assert len(fin) == 8
     assert len({tuple(p.chain()) for p in fin}) == 1
     assert all(len(c) == 8 for _, c, _ in fin[0].chain()[-3:])
+
+
+def _cut_and_time(measured: float, victim: str) -> tuple[float, SimNet]:
+    """8 members, pushes to the leader down a tree of 4, 20 ms each way: the seconds the run takes
+    for 3 decisions once ``victim`` is cut off (silent, not refused: its timeouts are what end it)."""
+    net = SimNet(
+        params(
+            founders=8,
+            iterations=40,
+            iteration_timeout_s=3.0,
+            barrier_timeout_s=2.0,
+            pushes="leader",
+            relay_fanout=4,
+            measured_timeouts=measured,
+        ),
+        latency=0.02,
+        tick=0.01,
+    )
+    net.start(8)
+    watch = net.peers["sim:1001"] if victim == "sim:1000" else net.peers["sim:1000"]
+    assert net.run_until(lambda: len(watch.log) >= 12, limit=60.0)
+    t0, at = net.now, len(watch.log)
+    net.partition([victim], [a for a in net.peers if a != victim])
+    assert net.run_until(lambda: len(watch.log) >= at + 3, limit=net.now + 60)
+    return net.now - t0, net
+
+
+@pytest.mark.parametrize("victim", ["sim:1005", "sim:1000"], ids=["silent-member", "lost-leader"])
+def test_measured_timeouts_end_a_silent_member_or_a_lost_leader_in_a_few_iterations_time(victim):
+    fixed, _ = _cut_and_time(0.0, victim)
+    measured, net = _cut_and_time(4.0, victim)
+    # fixed: the barrier waits the iteration and barrier timeouts (5 s), a takeover 3 s + 2 x 2 s
+    assert fixed > 5.0
+    assert measured < fixed / 3, (measured, fixed)
+    assert net.run_until(
+        lambda: all(p.finished for p in net.peers.values() if p.address != victim), limit=net.now + 200
+    )
+    assert len({tuple(p.chain()) for p in net.peers.values() if p.address != victim}) == 1

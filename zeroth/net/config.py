@@ -85,6 +85,14 @@ class PeersConfig:
         min=0,
         max=4096,
     )
+    measured_timeouts: float = field(
+        0.0,
+        "0 = iteration_timeout_s and barrier_timeout_s hold throughout. k >= 2: each peer shortens both to k times "
+        "the median duration of its last 16 iterations (once it measured 4; never above the configured ones), so "
+        "a silent member or a lost committer costs a few iterations' time, not seconds; a pause longer than k "
+        "iterations (an evaluation, a compilation) then counts as a failure.",
+        min=0.0,
+    )
     startup_timeout_s: float | None = field(
         None,
         "Seconds for every founder to join before iteration 0; fewer by then fails the run (exit 1). "
@@ -114,6 +122,11 @@ class PeersConfig:
             raise ValueError(
                 f"config field peers.max_members: {self.max_members} is below peers.count={self.count}; "
                 f"raise it to at least {self.count}"
+            )
+        if 0 < self.measured_timeouts < 2:
+            raise ValueError(
+                f"config field peers.measured_timeouts: {self.measured_timeouts} is below 2 (a timeout shorter than "
+                f"two iterations fires in every slow one); use 0 for fixed timeouts or at least 2"
             )
         if cfg.train.method != "zo":
             raise ValueError(

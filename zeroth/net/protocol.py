@@ -196,6 +196,12 @@ class Params:
         The committer places the members whose last relay was fastest where the tree forwards
         (:func:`relay_order`; each member's push reports it). 0: the committer sends the payloads
         to every member itself.
+      measured_timeouts: 0: the iteration and barrier timeouts above hold throughout. ``k`` (at
+        least 2): each peer shortens both to ``k`` times the median of the durations of its last
+        :data:`PACE_SAMPLES` iterations once it measured :data:`PACE_MIN` (never above the
+        configured values), so a silent member or a lost committer costs a few iterations' time
+        rather than seconds; pauses longer than ``k`` iterations (an evaluation, a compilation)
+        then count as failures.
     """
 
     run_id: str
@@ -218,6 +224,7 @@ class Params:
     idle_timeout_s: float | None = None
     pushes: str = "all"
     relay_fanout: int = 0
+    measured_timeouts: float = 0.0
 
     @property
     def stall_s(self) -> float:
@@ -242,6 +249,10 @@ class Params:
             )
         if not isinstance(self.relay_fanout, int) or self.relay_fanout < 0:
             raise ValueError(f"Params.relay_fanout must be an integer >= 0, got {self.relay_fanout!r}")
+        if not (self.measured_timeouts == 0 or self.measured_timeouts >= 2):
+            raise ValueError(
+                f"Params.measured_timeouts must be 0 (fixed timeouts) or at least 2, got {self.measured_timeouts!r}"
+            )
         if self.pushes not in PUSHES:
             raise ValueError(f"Params.pushes must be one of {PUSHES}, got {self.pushes!r}")
         for name in ("iteration_timeout_s", "barrier_timeout_s", "forming_timeout_s"):
@@ -603,6 +614,8 @@ class PeerState(NamedTuple):
         it forwarded the payloads, the children yet to answer, how many answered and when the
         last did (:func:`on_commit_acked`).
       relay_us: microseconds per child its latest relay took (0: none yet), reported in its pushes.
+      paces: the durations of its last :data:`PACE_SAMPLES` iterations, from starting one to
+        applying its decision (``Params.measured_timeouts``).
     """
 
     me: int
@@ -641,6 +654,7 @@ class PeerState(NamedTuple):
     relay_wait: tuple[int, float] = (-1, 0.0)
     relaying: tuple[int, float, frozenset, int, float] = (-1, 0.0, frozenset(), 0, 0.0)
     relay_us: int = 0
+    paces: tuple[float, ...] = ()
 
 
 class CommitReply(NamedTuple):
@@ -1170,6 +1184,33 @@ def log_entries(state: PeerState, first: int, last: int) -> list[LogEntry]:
 # --------------------------------------------------------------------------- iteration flow
 
 
+PACE_SAMPLES = 16
+"""Iteration durations a peer keeps (:attr:`PeerState.paces`) for ``Params.measured_timeouts``."""
+PACE_MIN = 4
+"""Durations measured before ``Params.measured_timeouts`` shortens a timeout."""
+
+
+def _pace(st: PeerState) -> float | None:
+    """The median of this peer's last iterations' durations (None: fewer than :data:`PACE_MIN`)."""
+    if len(st.paces) < PACE_MIN:
+        return None
+    return sorted(st.paces)[len(st.paces) // 2]
+
+
+def _iteration_s(params: Params, st: PeerState) -> float:
+    """The iteration timeout this peer uses now (``Params.measured_timeouts``)."""
+    pace = _pace(st) if params.measured_timeouts else None
+    return (
+        params.iteration_timeout_s if pace is None else min(params.iteration_timeout_s, params.measured_timeouts * pace)
+    )
+
+
+def _barrier_s(params: Params, st: PeerState) -> float:
+    """The barrier timeout this peer uses now (``Params.measured_timeouts``)."""
+    pace = _pace(st) if params.measured_timeouts else None
+    return params.barrier_timeout_s if pace is None else min(params.barrier_timeout_s, params.measured_timeouts * pace)
+
+
 def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
     """Arm the deadline of ``st.it`` and ask for its projected gradients."""
     ids = st.view.ids()
@@ -1179,7 +1220,7 @@ def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -
         started_at=now,
         suspected=frozenset(),
         refused=frozenset(),
-        probe_at=now + params.barrier_timeout_s * PROBE_FIRST,
+        probe_at=now + _barrier_s(params, st) * PROBE_FIRST,
         recovery=None,
         waits=0,
         leaves=st.leaves & ids,
@@ -1203,14 +1244,14 @@ def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -
     lead = committer(st) == st.me
     if st.joins and not lead:
         st = _refuse_joins(st, effects)
-    slack = params.barrier_timeout_s if lead else 2 * params.barrier_timeout_s
-    st = st._replace(deadline=now + params.iteration_timeout_s + slack)
+    slack = _barrier_s(params, st) if lead else 2 * _barrier_s(params, st)
+    st = st._replace(deadline=now + _iteration_s(params, st) + slack)
     if not st.leaving and st.computed < st.it and st.it not in st.decided:
         st = st._replace(computed=st.it)
         if st.it >= params.iterations:
             # The closing iteration: nothing to compute, an empty push that names our chain.
             return _push(params, st, 0, b"", now, effects)
-        effects.append(Compute(st.it, now + params.iteration_timeout_s))
+        effects.append(Compute(st.it, now + _iteration_s(params, st)))
     if lead:
         st = _try_commit(params, st, now, effects)
     return st
@@ -1233,7 +1274,7 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
             if got is None:
                 if params.relay_fanout and params.pushes == "leader" and st.relay_wait[0] != st.it:
                     # its payloads come down the relay tree: a barrier timeout before fetching them
-                    st = st._replace(relay_wait=(st.it, now + params.barrier_timeout_s))
+                    st = st._replace(relay_wait=(st.it, now + _barrier_s(params, st)))
                 if st.fetch is None and not (st.relay_wait[0] == st.it and now < st.relay_wait[1]):
                     st = _fetch(params, st, now, effects, st.it, st.it)
                 break
@@ -1242,6 +1283,8 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
         closing = st.it >= params.iterations
         if not closing:
             effects.append(Apply(entry))
+        if not moved:  # the iteration this peer started (the others it only catches up with)
+            st = st._replace(paces=(*st.paces, now - st.started_at)[-PACE_SAMPLES:])
         moved = True
         nxt = entry.commit.next_view
         it = st.it + 1
@@ -1303,7 +1346,7 @@ def _fetch(
     preferred = st.view.address_of(prefer) if prefer is not None else None
     address = preferred if preferred in sources else sources[st.fetches % len(sources)]
     effects.append(Fetch(address, first, last))
-    fetch = FetchState(first, last, now + params.barrier_timeout_s, st.fetches, address, check)
+    fetch = FetchState(first, last, now + _barrier_s(params, st), st.fetches, address, check)
     return st._replace(fetch=fetch, fetches=st.fetches + 1)
 
 
@@ -1380,7 +1423,7 @@ def _probe_waits(params: Params, st: PeerState, now: float, effects: list) -> Pe
     if not targets:
         return st
     effects += [Probe(m.machine, m.address, st.it) for m in st.view.members if m.machine in targets]
-    return st._replace(probe_at=now + max(now - st.started_at, params.barrier_timeout_s * PROBE_FIRST))
+    return st._replace(probe_at=now + max(now - st.started_at, _barrier_s(params, st) * PROBE_FIRST))
 
 
 def _leader_gone(st: PeerState) -> bool:
@@ -1404,7 +1447,7 @@ def _replace_gone(params: Params, st: PeerState, now: float, effects: list) -> P
     if params.pushes == "leader":
         # The others' pushes went to the committer only: once every member stopped computing
         # (the iteration timeout), the takeover's promises carry them.
-        if now < st.started_at + params.iteration_timeout_s:
+        if now < st.started_at + _iteration_s(params, st):
             return st
     elif _missing(st, have) - st.refused - {who}:
         return st
@@ -2138,10 +2181,10 @@ def _start_recovery(params: Params, st: PeerState, now: float, effects: list) ->
     ballot = Ballot(max(prev.round if prev is not None else 0, used) + 1, st.me)
     if ballot.round >= MAX_ROUND:
         effects.append(Note(f"iteration {st.it}: no takeover possible (ballot round {ballot.round} at the bound)"))
-        return st._replace(deadline=now + 2 * params.barrier_timeout_s)
+        return st._replace(deadline=now + 2 * _barrier_s(params, st))
     st = st._replace(
         promised=_put(st.promised, st.it, ballot),
-        recovery=Recovery(ballot, {}, now + params.barrier_timeout_s),
+        recovery=Recovery(ballot, {}, now + _barrier_s(params, st)),
         last_takeover=(st.it, ballot.round),
     )
     effects.append(
@@ -2243,12 +2286,7 @@ def prepare_probe(params: Params, st: PeerState, msg: Prepare, now: float) -> Pr
     member holding valid credentials could otherwise claim it to take every iteration from a live
     leader. Where this peer has no such evidence yet, the runtime tries the connection at once and
     reports a refusal (:func:`on_push_refused`) before it hands the prepare on."""
-    if (
-        not msg.gone
-        or st.phase != MEMBER
-        or msg.iteration != st.it
-        or now >= st.started_at + params.iteration_timeout_s
-    ):
+    if not msg.gone or st.phase != MEMBER or msg.iteration != st.it or now >= st.started_at + _iteration_s(params, st):
         return None
     leader = st.view.leader()
     if leader is None or leader == st.me or _leader_gone(st):
@@ -2310,14 +2348,14 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
         )
     if (
         t == st.it
-        and now < st.started_at + params.iteration_timeout_s
+        and now < st.started_at + _iteration_s(params, st)
         and (promised is None or promised.round == 0)
         and not (msg.gone and _leader_gone(st))
     ):
         raise Rejected(
             "FAILED_PRECONDITION",
             f"iteration {t} started {now - st.started_at:.1f}s ago here; a takeover is premature before the "
-            f"iteration timeout ({params.iteration_timeout_s}s)",
+            f"iteration timeout ({_iteration_s(params, st):.3g}s)",
         )
     st = st._replace(promised=_put(st.promised, t, msg.ballot))
     effects: list = []
@@ -2325,7 +2363,7 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
         # The candidate is ahead: fetch the decisions we missed from it.
         st = _fetch(params, st, now, effects, st.it, t - 1, prefer=msg.sender)
     if t == st.it:
-        st = st._replace(deadline=now + 2 * params.barrier_timeout_s, suspected=st.suspected - {msg.sender})
+        st = st._replace(deadline=now + 2 * _barrier_s(params, st), suspected=st.suspected - {msg.sender})
         if st.recovery is not None and st.recovery.ballot < msg.ballot:
             st = st._replace(recovery=None)
     pushes = tuple(p for (it, _), p in sorted(st.inbox.items()) if it == t)
@@ -2351,7 +2389,7 @@ def on_prepare_rejected(params: Params, st: PeerState, *, sender: int, message: 
     """A member promised a higher ballot: give our takeover up and wait for that one."""
     if st.recovery is None:
         return Step(st, ())
-    st = st._replace(recovery=None, deadline=now + 2 * params.barrier_timeout_s)
+    st = st._replace(recovery=None, deadline=now + 2 * _barrier_s(params, st))
     return Step(st, (Note(f"iteration {st.it}: takeover abandoned, machine {sender}: {message}"),))
 
 
@@ -2371,7 +2409,7 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
                 f"no majority, waiting"
             )
         )
-        return st._replace(recovery=None, deadline=now + 2 * params.barrier_timeout_s)
+        return st._replace(recovery=None, deadline=now + 2 * _barrier_s(params, st))
     # Pushes the responders hold (validated) complete our inbox.
     inbox = dict(st.inbox)
     replies = [r for r in rec.replies.values() if r is not None]
@@ -2524,7 +2562,7 @@ def on_fetch_failed(params: Params, st: PeerState, *, message: str, now: float, 
             )
             return Step(st._replace(phase=DROPPED, fetch=None, denials=denials), tuple(effects))
         st = st._replace(denials=denials)
-    backoff = min(params.barrier_timeout_s, 0.05 * 2 ** min(f.attempt, 6))
+    backoff = min(_barrier_s(params, st), 0.05 * 2 ** min(f.attempt, 6))
     st = st._replace(fetch=f._replace(deadline=now + backoff, failed=True, check=False))
     return Step(st, tuple(effects))
 
@@ -2555,7 +2593,7 @@ def _resync(params: Params, st: PeerState, now: float, effects: list) -> tuple[P
         recovery=None,
         suspected=frozenset(),
         resynced_at=now,
-        deadline=now + 2 * params.barrier_timeout_s,
+        deadline=now + 2 * _barrier_s(params, st),
         fetch=None,
     )
     effects.append(
@@ -2636,7 +2674,7 @@ def on_tick(params: Params, st: PeerState, now: float) -> Step:
         # its promise for a majority) and pushes again (the committer's majority may need its
         # push, and a lost one is never retried); the stall timer re-synchronises it (a removal
         # shows in the log, or as refused log requests) and ends a run that cannot go on.
-        st = st._replace(waits=st.waits + 1, deadline=now + 2 * params.barrier_timeout_s)
+        st = st._replace(waits=st.waits + 1, deadline=now + 2 * _barrier_s(params, st))
         _push_again(params, st, effects)
         return Step(st, tuple(effects))
     return Step(_suspect(params, st, who, now, effects, f"no decision from machine {who}"), tuple(effects))
@@ -2666,8 +2704,8 @@ def _suspect(params: Params, st: PeerState, who: int | None, now: float, effects
     if not cands:
         # Every active member is suspected: start over (the stall timeout ends a run without a majority).
         effects.append(Note(f"iteration {st.it}: every active member is suspected; waiting"))
-        return st._replace(suspected=frozenset(), deadline=now + 2 * params.barrier_timeout_s)
+        return st._replace(suspected=frozenset(), deadline=now + 2 * _barrier_s(params, st))
     st = _fetch_from_ahead(params, st, now, effects)
     if min(cands) == st.me:
         return _start_recovery(params, st, now, effects)
-    return st._replace(deadline=now + 2 * params.barrier_timeout_s)
+    return st._replace(deadline=now + 2 * _barrier_s(params, st))

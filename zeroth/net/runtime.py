@@ -457,6 +457,7 @@ class Node:
             idle_timeout_s=p.idle_timeout_s,
             pushes=p.pushes,
             relay_fanout=p.relay_fanout,
+            measured_timeouts=p.measured_timeouts,
         )
 
     def _step(self, fn, *args, **kwargs):
