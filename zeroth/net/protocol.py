@@ -1197,18 +1197,20 @@ def _pace(st: PeerState) -> float | None:
     return sorted(st.paces)[len(st.paces) // 2]
 
 
-def _iteration_s(params: Params, st: PeerState) -> float:
-    """The iteration timeout this peer uses now (``Params.measured_timeouts``)."""
+def _measured(params: Params, st: PeerState, configured: float) -> float:
+    """``configured``, or with ``Params.measured_timeouts`` = k at most k times this peer's :func:`_pace`."""
     pace = _pace(st) if params.measured_timeouts else None
-    return (
-        params.iteration_timeout_s if pace is None else min(params.iteration_timeout_s, params.measured_timeouts * pace)
-    )
+    return configured if pace is None else min(configured, params.measured_timeouts * pace)
+
+
+def _iteration_s(params: Params, st: PeerState) -> float:
+    """The iteration timeout this peer uses now."""
+    return _measured(params, st, params.iteration_timeout_s)
 
 
 def _barrier_s(params: Params, st: PeerState) -> float:
-    """The barrier timeout this peer uses now (``Params.measured_timeouts``)."""
-    pace = _pace(st) if params.measured_timeouts else None
-    return params.barrier_timeout_s if pace is None else min(params.barrier_timeout_s, params.measured_timeouts * pace)
+    """The barrier timeout this peer uses now."""
+    return _measured(params, st, params.barrier_timeout_s)
 
 
 def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -> PeerState:
