@@ -92,8 +92,9 @@ def plot(root: Path, out: Path) -> Path:
 
     rs = runs(root)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, r in rs.items():
-        style = {"ls": "--"} if r["kind"] == "backprop" else {}
+    for _, r in sorted(rs.items(), key=lambda kv: "float32" in kv[1]["label"]):
+        # float32 draws dotted over one byte: the two 4-peer curves nearly coincide
+        style = {"ls": "--"} if r["kind"] == "backprop" else {"ls": ":", "lw": 2.5} if "float32" in r["label"] else {}
         ax.plot(*zip(*r["evals"]), marker="o", label=f"{r['label']}: {r['accuracy']:.3f}", **style)
         # a loss point every gradient count the runs share: 200 gradients per point
         window = max(1, round(200 / (r["losses"][1][0] - r["losses"][0][0])))
