@@ -68,6 +68,41 @@ def test_marsit_round_follows_algorithm_1(topo):
     assert (g == g[:1]).all() and not comp.any()
 
 
+def test_a_full_precision_round_applies_everything_the_one_bit_rounds_held_back():
+    """Algorithm 1 over a whole period: after the sign rounds 1..K-1 and the full round K, the
+    parameters have moved by exactly the sum of the worker-mean updates (the virtual sequence), so
+    the full round's own step is everything the one-bit rounds did not apply. With updates that
+    keep one sign and exceed eta_s, that backlog grows every round and the full round's step is
+    many one-bit steps long (what makes Marsit-K jump at its full rounds in Figure 3(b))."""
+    d, eta_s, k = 256, 0.01, 8
+    sync = S.marsit(RING, eta_s, K=k)
+    rng = np.random.default_rng(1)
+    # every worker's update: a persistent drift of 3 eta_s on the first half of the elements, noise
+    drift = np.where(np.arange(d) < d // 2, 3 * eta_s, 0.0).astype(np.float32)
+    us = [(drift + 0.01 * rng.standard_normal((4, d))).astype(np.float32) for _ in range(k)]
+
+    def run(t, u_w, c_w):
+        state = S.CompensationState(c_w, sync.init(d).inner)
+        g, st, _ = sync.update(u_w, state, S.RoundCtx(jnp.asarray(S.host_round_key(0, t)), sync.phase(t)))
+        return g, st.compensation
+
+    c = np.zeros((4, d), np.float32)
+    moved = np.zeros(d, np.float64)
+    steps = []
+    for t in range(1, k + 1):
+        g, c = per_worker(RING, functools.partial(run, t), us[t - 1], c)
+        assert (g == g[:1]).all()
+        moved += g[0]
+        steps.append(np.linalg.norm(g[0]))
+        if t < k:  # the compensation holds the backlog: sum of mean updates minus what was applied
+            np.testing.assert_allclose(c.mean(0), sum(u.mean(0) for u in us[:t]) - moved, atol=1e-5)
+    assert sync.phase(k) == "full" and not c.any()
+    np.testing.assert_allclose(moved, sum(u.astype(np.float64).mean(0) for u in us), atol=1e-5)
+    one_bit = eta_s * np.sqrt(d)
+    assert np.allclose(steps[:-1], one_bit)
+    assert steps[-1] > 5 * one_bit  # the full round's step: the backlog of k - 1 rounds of drift at once
+
+
 @pytest.mark.parametrize("topo", [RING, TORUS], ids=["ring", "torus"])
 def test_merged_signs_through_the_allreduce_are_unbiased(topo):
     """Each output bit is set with probability (#workers whose bit is set) / M, on ring and torus."""

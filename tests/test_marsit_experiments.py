@@ -338,4 +338,8 @@ def test_committed_full_runs_end_on_the_digests_of_their_equivalents():
     assert pairs  # at least one equivalent pair finished
     for k, run in pairs:
         assert f3[k] == t2[run], (k, run)
+    # Figure 3(b) at eta_s 0.01: K = 1 (PSGD) does not use eta_s, the other K do
+    f3e = digests("marsit_fig3b_eta_s_1e-2")
+    assert f3e["K=1"] == f3["K=1"]
+    assert all(f3e[k] != f3[k] for k in ("K=50", "K=100", "K=200", "K=inf"))
     assert len({f3[k] for k, _ in pairs}) == len(pairs)
