@@ -271,7 +271,8 @@ def test_experiment_configs_in_the_repo_parse():
     assert len(files) >= 3
     for f in files:
         runs = C.load_runs(f)
-        assert runs and all(r.data.dataset == "mnist5k" for r in runs)
+        want = "fashion_mnist" if f.stem.endswith("_fashion") else "mnist5k"
+        assert runs and all(r.data.dataset == want for r in runs)
 
 
 def test_protocol_options_are_checked_and_the_step_size_falls_after_each_full_round():
