@@ -275,7 +275,7 @@ def process_scenario(name: str, root: Path, measured_timeouts: float = 0.0) -> d
             exit_codes={n: codes[n] for n in survivors},
             reasons=sorted({(summaries[n].get("error") or "")[:140] for n in survivors} - {""}),
             tracebacks=sum("Traceback" in c.log(n) for n in c.peers),
-            contributors_mean=statistics.mean(len(r["contributors"]) for r in c.records(survivors[0])),
+            contributors_mean=statistics.fmean([len(r["contributors"]) for r in c.records(survivors[0])] or [0]),
             **extra,
         )
         return out
