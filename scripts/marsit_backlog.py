@@ -36,58 +36,15 @@ def main() -> None:
         ap.error(f"--run {a.run!r} is not in {a.config}; its runs: {', '.join(r.label for r in runs)}")
     if spec.sync.method != "marsit":
         ap.error(f"run {a.run!r} synchronizes with {spec.sync.method}; this needs a Marsit run")
-    devices = ensure_cpu_devices(spec.topology.workers)
+    ensure_cpu_devices(spec.topology.workers)  # before jax starts
 
-    import jax
-    import jax.numpy as jnp
-    import optax
     from jax.flatten_util import ravel_pytree
 
-    from zeroth import data as D
-    from zeroth import models as Mo
-    from zeroth.collectives import sync as S
-    from zeroth.collectives import topology as Tp
     from zeroth.collectives import train as T
-    from zeroth.marsit.experiment import lr_scales
+    from zeroth.marsit.experiment import setup
 
-    topo = Tp.make_topology(spec.topology.kind, spec.topology.workers, spec.topology.rows)
-    train_ds, test_ds = D.load(spec.data.dataset, "train"), D.load(spec.data.dataset, "test")
-    n_eval = spec.data.eval_size or test_ds.x.shape[0]
-    x_test, y_test = jnp.asarray(test_ds.x[:n_eval]), jnp.asarray(test_ds.y[:n_eval])
-    model = Mo.build(spec.model.name, num_classes=train_ds.num_classes, **dict(spec.model.kwargs))
-    params0 = Mo.init(model, Mo.init_key(spec.seed), train_ds.x[:1])
-
-    def loss_fn(p, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(Mo.apply(model, p, x), y).mean()
-
-    accuracy = jax.jit(lambda p: jnp.mean(jnp.argmax(Mo.apply(model, p, x_test), -1) == y_test))
-    sync = S.build("marsit", topo, eta_s=spec.sync.eta_s, K=spec.sync.K)
-    h = spec.train.local_steps
-    tr = T.make_trainer(
-        loss_fn,
-        params0,
-        topo,
-        sync,
-        eta_l=spec.train.eta_l,
-        run_seed=spec.seed,
-        mesh=topo.mesh(devices),
-        local_steps=h,
-        momentum=spec.train.momentum,
-    )
-    state = tr.init(params0)
-    lr_scale = lr_scales(spec, sync.phase)
-    m, b, n = topo.size, spec.data.batch_size, train_ds.x.shape[0]
+    _, sync, tr, state, batch, evaluate, lr_scale = setup(spec)
     k = spec.sync.K
-
-    def batch(t):
-        if h == 1:
-            idx = [D.batch_indices(spec.seed, t * m + w, b, n) for w in range(m)]
-            return np.stack([train_ds.x[i] for i in idx]), np.stack([train_ds.y[i] for i in idx])
-        idx = [[D.batch_indices(spec.seed, (t * h + j) * m + w, b, n) for j in range(h)] for w in range(m)]
-        return (
-            np.stack([np.stack([train_ds.x[i] for i in row]) for row in idx]),
-            np.stack([np.stack([train_ds.y[i] for i in row]) for row in idx]),
-        )
 
     print(
         f"{a.config} {a.run}: eta_l {spec.train.eta_l}, eta_s {spec.sync.eta_s}, K {k}, one-bit step norm "
@@ -102,7 +59,7 @@ def main() -> None:
         x1 = np.asarray(ravel_pytree(T.worker_copy(state.params, 0))[0], np.float64)
         near = k is not None and t > 0 and (t % k in (1, k - 1) or phase == "full")
         if near or (t + 1) % spec.train.eval_every == 0:
-            acc = float(accuracy(T.worker_copy(state.params, 0)))
+            acc = float(evaluate(T.worker_copy(state.params, 0))[1])
             print(
                 f"{t:5d} {phase:5s} {lr_scale(t):8.0e} {float(np.mean(T.gather(losses))):13.4f} "
                 f"{np.linalg.norm(x):9.2f} {np.linalg.norm(comp.mean(0)):12.3f} {np.abs(comp).max():11.3f} "

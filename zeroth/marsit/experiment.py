@@ -37,7 +37,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +57,7 @@ from zeroth.marsit.devices import DeviceError, ensure_cpu_devices
 from zeroth.train.interrupt import Interrupted
 from zeroth.train.metrics import MetricsWriter, read_metrics
 
-__all__ = ["Stopped", "flat_params", "lr_scales", "run_one", "run_config", "table"]
+__all__ = ["Setup", "Stopped", "flat_params", "lr_scales", "run_one", "run_config", "setup", "table"]
 
 
 class Stopped(Interrupted):
@@ -80,18 +80,23 @@ def _bytes(bits: int) -> int:
     return -(-int(bits) // 8)
 
 
-def run_one(
-    spec: _config.RunSpec,
-    log: Callable[[dict], None],
-    *,
-    stop: Callable[[], bool] = lambda: False,
-    params_file: Path | None = None,
-) -> dict:
-    """Train one run, calling ``log(row)`` per schema-v1 row; returns its summary.
+class Setup(NamedTuple):
+    """One run ready to train (:func:`setup`): its topology, synchronization, trainer and first
+    state, ``batch(t)`` (round ``t``'s batches of every worker), ``evaluate(params)`` (test loss and
+    accuracy) and ``lr_scale(t)`` (the step-size factor of round ``t``)."""
 
-    Raises:
-      Stopped: ``stop()`` turned true (checked after every round).
-    """
+    topo: Any
+    sync: Any
+    trainer: Any
+    state: Any
+    batch: Callable[[int], tuple[np.ndarray, np.ndarray]]
+    evaluate: Callable[[Any], tuple[jax.Array, jax.Array]]
+    lr_scale: Callable[[int], float]
+
+
+def setup(spec: _config.RunSpec) -> Setup:
+    """Build run ``spec`` as :func:`run_one` trains it: the same data, model, batches, keys and
+    step-size schedule, so a tool that drives ``trainer.round`` itself reaches the same digests."""
     topo = _topo.make_topology(spec.topology.kind, spec.topology.workers, spec.topology.rows)
     devices = _workers_devices(topo.size)
     train_ds = _data.load(spec.data.dataset, "train")
@@ -139,6 +144,23 @@ def run_one(
             np.stack([np.stack([train_ds.y[i] for i in row]) for row in idx]),
         )
 
+    return Setup(topo, sync, tr, state, batch, evaluate, lr_scale)
+
+
+def run_one(
+    spec: _config.RunSpec,
+    log: Callable[[dict], None],
+    *,
+    stop: Callable[[], bool] = lambda: False,
+    params_file: Path | None = None,
+) -> dict:
+    """Train one run, calling ``log(row)`` per schema-v1 row; returns its summary.
+
+    Raises:
+      Stopped: ``stop()`` turned true (checked after every round).
+    """
+    topo, sync, tr, state, batch, evaluate, lr_scale = setup(spec)
+    h = spec.train.local_steps
     xs0, ys0 = batch(0)
     ref_bits = tr.reference_bits()
     phase_bits: dict[str, int] = {}
