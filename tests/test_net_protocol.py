@@ -1119,10 +1119,10 @@ def test_updates_digest_depends_on_order_counts_and_bytes():
 def test_docstring_examples_of_the_net_modules_run():
     import doctest
 
-    from zeroth.net import sim, state, transport
+    from zeroth.net import inbox, sim, state, transport
     from zeroth.transport import identity, security
 
-    for module in (P, sim, state, security, identity, transport):
+    for module in (P, inbox, sim, state, security, identity, transport):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__
 
@@ -1530,3 +1530,43 @@ def test_refusals_never_let_a_minority_decide():
     (commit,) = _commits(step)[:1]
     assert [m for m, _ in commit.contributors] == [0, 1, 2]
     assert {m.machine for m in commit.next_view.members if not m.active} == {3, 4}
+
+
+# --------------------------------------------------------------------------- the inbox
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["put", "since", "without"]),
+            st.integers(0, 3),
+            st.one_of(st.integers(0, 70), st.integers(4000, 4200), st.integers(2**20, 2**20 + 5)),
+        ),
+        max_size=60,
+    )
+)
+def test_the_inbox_is_a_persistent_map_every_version_of_which_stays_as_it_was(ops):
+    """:class:`Inbox` against a dict: each update leaves every earlier version unchanged (a push
+    shares the old map's structure instead of copying it), and per-iteration counts and listings
+    agree with the dict (ids colliding in the trie's low bits included)."""
+    from zeroth.net.inbox import Inbox
+
+    box, model = Inbox(), {}
+    versions = [(box, dict(model))]
+    for i, (op, t, m) in enumerate(ops):
+        if op == "put":
+            box, model = box.put((t, m), i), {**model, (t, m): i}
+        elif op == "since":
+            box, model = box.since(t), {k: v for k, v in model.items() if k[0] >= t}
+        else:
+            box, model = box.without([(t, m)]), {k: v for k, v in model.items() if k != (t, m)}
+        versions.append((box, dict(model)))
+    for b, want in versions:
+        assert dict(b.items()) == want and len(b) == len(want) and b == want
+        for t in range(4):
+            assert b.count(t) == sum(1 for k in want if k[0] == t)
+            assert sorted(b.machines(t)) == sorted(m for (u, m) in want if u == t)
+            assert sorted(b.at(t)) == sorted((m, v) for (u, m), v in want.items() if u == t)
+        assert sorted(b) == sorted(want) and [t for t, _ in b] == sorted(t for t, _ in want)
+        assert (5, 5) not in b and b.get((9, 9)) is None

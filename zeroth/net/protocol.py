@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from zeroth.transport.identity import canonical
+from zeroth.net.inbox import Inbox
 
 __all__ = [
     "FORMING",
@@ -570,7 +571,8 @@ class PeerState(NamedTuple):
       started_at: when ``it`` started here.
       deadline: the barrier deadline (committer) or the commit deadline (others).
       waits: expired waits for a decision of a member that cannot take over (an inactive one).
-      inbox: ``{(iteration, machine): Push}`` for iterations >= ``it``.
+      inbox: ``{(iteration, machine): Push}`` for iterations >= ``it`` (an :class:`Inbox`: a push adds
+        to it without copying it).
       decided: ``{iteration: LogEntry}``: applied ones (the last ``window``) and buffered ones.
       promised: ``{iteration: Ballot}``: the highest ballot seen per iteration of the window (applied ones too).
       suspected: committers of ``it`` this peer gave up on.
@@ -625,7 +627,7 @@ class PeerState(NamedTuple):
     started_at: float
     deadline: float
     waits: int
-    inbox: Mapping[tuple[int, int], Push]
+    inbox: Inbox
     decided: Mapping[int, LogEntry]
     promised: Mapping[int, Ballot]
     suspected: frozenset[int]
@@ -844,6 +846,8 @@ def member_key(st: PeerState, machine: int) -> bytes | None:
 def _check_succession(view: View, nxt: View, what: str) -> None:
     """The view a commit of ``view.iteration`` hands on: members keep their address and key (nobody,
     not even a committer, can re-key another member), new members get fresh ids and join inactive."""
+    if nxt.members is view.members and nxt.next_machine_id >= view.next_machine_id:
+        return  # the very same members (O(1) a commit while the membership holds)
     old = {m.machine: m for m in view.members}
     for m in nxt.members:
         o = old.get(m.machine)
@@ -890,6 +894,8 @@ def committer(state: PeerState) -> int | None:
     b = state.promised.get(state.it)
     if b is not None and b.round > 0 and b.leader not in state.suspected:
         return b.leader
+    if not state.suspected:
+        return state.view.leader()  # O(1): the view's lowest active id, computed once per view
     cands = state.view.active_ids() - state.suspected
     return min(cands) if cands else None
 
@@ -1028,9 +1034,20 @@ def _check_address(address) -> None:
     split_address(address)
 
 
-def _check_view(params: Params, view: View, what: str) -> None:
+def _check_view(params: Params, view: View, what: str, known: View | None = None) -> None:
+    """Raises :class:`Rejected` unless ``view`` is well formed; its members are not checked again
+    when they are the very tuple of ``known``, a view this peer holds (O(1) a commit while the
+    membership holds, instead of O(M))."""
     _check_uint(f"{what} iteration", view.iteration, 2**63)
     _check_uint(f"{what} next_machine_id", view.next_machine_id, 2**32 + 1)
+    if known is not None and view.members is known.members:
+        if known.members and view.next_machine_id <= known.members[-1].machine:
+            raise Rejected(
+                "INVALID_ARGUMENT",
+                f"{what} next_machine_id {view.next_machine_id} must exceed every member id "
+                f"(max {known.members[-1].machine})",
+            )
+        return
     if len(view.members) > MAX_MEMBERS:
         raise Rejected("INVALID_ARGUMENT", f"{what} has {len(view.members)} members; at most {MAX_MEMBERS}")
     ids = [m.machine for m in view.members]
@@ -1052,7 +1069,8 @@ def _check_view(params: Params, view: View, what: str) -> None:
         )
 
 
-def _check_commit(params: Params, c: Commit) -> None:
+def _check_commit(params: Params, c: Commit, known: View | None = None) -> None:
+    """Raises :class:`Rejected` unless ``c`` is well formed (``known``: see :func:`_check_view`)."""
     _check_run(params, c.run_id)
     _check_uint("commit sender", c.sender)
     _check_uint("commit iteration", c.iteration, 2**63)
@@ -1084,7 +1102,7 @@ def _check_commit(params: Params, c: Commit) -> None:
         raise Rejected("INVALID_ARGUMENT", f"updates_digest must be 32 bytes (SHA-256), got {len(c.updates_digest)}")
     _check_previous(c.previous, f"commit of iteration {c.iteration}")
     _check_uint("ballot round", c.ballot.round, MAX_ROUND)
-    _check_view(params, c.next_view, "commit next_view")
+    _check_view(params, c.next_view, "commit next_view", known)
     if c.next_view.iteration != c.iteration + 1:
         raise Rejected(
             "INVALID_ARGUMENT",
@@ -1152,7 +1170,7 @@ def _blank(me: int, phase: str, view: View, now: float) -> PeerState:
         started_at=now,
         deadline=now,
         waits=0,
-        inbox={},
+        inbox=Inbox(),
         decided={},
         promised={},
         suspected=frozenset(),
@@ -1234,10 +1252,10 @@ def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -
     off = (
         []
         if st.chain is None
-        else [p for (t, _), p in sorted(st.inbox.items()) if t == st.it and p.previous != st.chain]
+        else [p for _, p in sorted(st.inbox.at(st.it)) if p.previous != st.chain]
     )
     if off:
-        st = st._replace(inbox={k: v for k, v in st.inbox.items() if v not in off})
+        st = st._replace(inbox=st.inbox.without((p.iteration, p.sender) for p in off))
         for push in off:
             if push.previous:
                 st = _elsewhere(st, push.sender, push.previous, "push", effects)
@@ -1294,7 +1312,7 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
             it=it,
             view=nxt,
             chain=chain_digest(entry.commit),
-            inbox={k: v for k, v in st.inbox.items() if k[0] >= it},
+            inbox=st.inbox.since(it),
             promised={k: v for k, v in st.promised.items() if k >= it - params.window},
             floor={k: v for k, v in st.floor.items() if k >= it - params.window},
             decided={k: v for k, v in st.decided.items() if k >= it - params.window},
@@ -1366,6 +1384,12 @@ def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> Pee
     if b is not None and b > Ballot(0, st.me):
         return st
     view = st.view
+    if now < st.deadline:
+        # O(1) a push: fewer pushes held than members expected (those held may include inactive
+        # members'), more than have refused ours: some active member is still missing.
+        active = view.active_ids()
+        if len(st.refused) < len(active) - len(st.leaves & active) - st.inbox.count(st.it):
+            return st
     have = _pushed(st)
     if st.me not in have and st.me not in st.leaves:
         return st  # our own projected gradients are still being computed
@@ -1384,7 +1408,7 @@ def _try_commit(params: Params, st: PeerState, now: float, effects: list) -> Pee
 def _pushed(st: PeerState) -> frozenset[int]:
     """The members of ``st.view`` whose push of ``st.it`` this peer holds (itself included)."""
     ids = st.view.ids()
-    return frozenset(m for (t, m) in st.inbox if t == st.it and m in ids)
+    return frozenset(m for m in st.inbox.machines(st.it) if m in ids)
 
 
 def _missing(st: PeerState, have: frozenset[int]) -> frozenset[int]:
@@ -1490,9 +1514,13 @@ def _decide(params: Params, st: PeerState, ballot: Ballot, contributors, alive, 
             continue  # silent for too long: removed, so it no longer counts toward the majority
         # An active member that missed the barrier is out of this iteration and inactive from the
         # next: it is no longer waited for, and becomes active again by pushing again.
-        members.append(m._replace(active=m.machine in next_active))
+        active = m.machine in next_active
+        members.append(m if m.active == active else m._replace(active=active))
     members += [m for _, m in admitted]
-    next_view = View(st.it + 1, tuple(sorted(members)), next_id)
+    members = tuple(sorted(members))
+    if members == view.members:
+        members = view.members  # the same tuple: a receiver holding it checks none of it again
+    next_view = View(st.it + 1, members, next_id)
     commit = Commit(
         params.run_id,
         st.me,
@@ -1643,7 +1671,7 @@ def on_ready(
             it=iteration,
             view=view,
             chain=chain,
-            inbox={k: v for k, v in st.inbox.items() if k[0] >= iteration},
+            inbox=st.inbox.since(iteration),
             decided={k: v for k, v in st.decided.items() if k >= iteration},
         )
     effects: list = []
@@ -1787,7 +1815,7 @@ def _push(params: Params, st: PeerState, count: int, payload: bytes, now: float,
     """Sign our push of ``st.it`` (on our chain), send it (:func:`_push_targets`), and try the barrier."""
     push = sign(params, Push(params.run_id, st.me, st.it, count, payload, previous=st.chain or b""))
     push = push._replace(relay_us=min(st.relay_us, MAX_RELAY_US))
-    st = st._replace(inbox=_put(st.inbox, (st.it, st.me), push))
+    st = st._replace(inbox=st.inbox.put((st.it, st.me), push))
     effects += [Send(m.machine, m.address, push) for m in _push_targets(params, st)]
     return _try_commit(params, st, now, effects)
 
@@ -1912,7 +1940,7 @@ def on_push(params: Params, st: PeerState, push: Push, now: float) -> Step:
         if old._replace(relay_us=0) == push._replace(relay_us=0):  # the same push again (the hint aside)
             return Step(st, ())
         raise Rejected("ALREADY_EXISTS", f"machine {push.sender} already pushed different gradients for iteration {t}")
-    st = st._replace(inbox=_put(st.inbox, (t, push.sender), push))
+    st = st._replace(inbox=st.inbox.put((t, push.sender), push))
     effects: list = []
     if t == st.it:
         st = _advance(params, st, now, effects) if st.it in st.decided else _try_commit(params, st, now, effects)
@@ -1977,7 +2005,7 @@ def on_commit(
         takeover's ballot this peer did not promise), too far ahead, a round-0 commit not
         sent by the leader of the iteration, or a decision continuing another chain than ours.
     """
-    _check_commit(params, commit)
+    _check_commit(params, commit, st.view)
     if st.phase not in (MEMBER, CATCHING_UP, DONE):
         raise Rejected("UNAVAILABLE", f"this peer is {st.phase}; it takes no commits")
     t = commit.iteration
@@ -2368,7 +2396,7 @@ def on_prepare(params: Params, st: PeerState, msg: Prepare, now: float) -> Step:
         st = st._replace(deadline=now + 2 * _barrier_s(params, st), suspected=st.suspected - {msg.sender})
         if st.recovery is not None and st.recovery.ballot < msg.ballot:
             st = st._replace(recovery=None)
-    pushes = tuple(p for (it, _), p in sorted(st.inbox.items()) if it == t)
+    pushes = tuple(p for _, p in sorted(st.inbox.at(t)))
     return Step(st, tuple(effects), PrepareReply(st.it, st.decided.get(t), pushes, _applied_digest(st, t - 1)))
 
 
@@ -2413,7 +2441,7 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
         )
         return st._replace(recovery=None, deadline=now + 2 * _barrier_s(params, st))
     # Pushes the responders hold (validated) complete our inbox.
-    inbox = dict(st.inbox)
+    inbox = st.inbox
     replies = [r for r in rec.replies.values() if r is not None]
     for reply in replies:
         for p in reply.pushes:
@@ -2429,7 +2457,7 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
                 and (p.iteration, p.sender) not in inbox
                 and p.previous == (st.chain or b"")
             ):
-                inbox[(p.iteration, p.sender)] = p
+                inbox = inbox.put((p.iteration, p.sender), p)
     st = st._replace(inbox=inbox)
     held = []
     for r in replies:
@@ -2454,7 +2482,7 @@ def _finish_recovery(params: Params, st: PeerState, now: float, effects: list) -
             Note(f"iteration {st.it}: takeover re-issues the decision of ballot {tuple(best.commit.ballot)}")
         )
         return _publish(params, _refuse_joins(st, effects), now, effects, entry, ())
-    have = frozenset(m for (t, m) in st.inbox if t == st.it and m in st.view.ids())
+    have = frozenset(m for m in st.inbox.machines(st.it) if m in st.view.ids())
     # Members that promised are alive: they stay active even if their push for this iteration
     # was not in yet (they may have been waiting for the silent leader's previous commit).
     alive = responders & active
@@ -2689,7 +2717,7 @@ def _fetch_from_ahead(params: Params, st: PeerState, now: float, effects: list) 
     member past it. (A committer that is only slow to reach us is waited for as before.)"""
     if not st.suspected & st.refused or st.it in st.decided or st.fetch is not None or st.phase != MEMBER:
         return st
-    ahead = sorted(m for (t, m) in st.inbox if t == st.it + 1 and m in st.view.ids())
+    ahead = sorted(m for m in st.inbox.machines(st.it + 1) if m in st.view.ids())
     if not ahead:
         return st
     effects.append(Note(f"iteration {st.it}: machine {ahead[0]} is past it; fetching its decision"))

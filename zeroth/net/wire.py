@@ -203,7 +203,9 @@ def _undelta(c: pb.Commit, base: P.View | None, max_count: int) -> tuple[tuple[t
     for x in d.changed:
         m = member_from_pb(x)
         members[m.machine] = m
-    view = P.View(int(c.iteration) + 1, tuple(members[k] for k in sorted(members)), int(d.next_machine_id))
+    # Unchanged members keep the base's very tuple, so the receiver does not check them again.
+    kept = base.members if not d.removed and not d.changed else tuple(members[k] for k in sorted(members))
+    view = P.View(int(c.iteration) + 1, kept, int(d.next_machine_id))
     return tuple(sorted(counts.items())), view
 
 
