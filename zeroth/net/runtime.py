@@ -737,7 +737,7 @@ class Node:
             self.say(f"resuming from {self.options.resume}: iteration {start}, digest {digest[:12]}")
         else:
             params, start = self.worker.initial_params(), 0
-        self.worker.warm_up(max(1, self.options.founders))
+        self._warm_up()
         run_id = f"{self.cfg.run.name}-{uuid.uuid4().hex[:12]}"
         self._pp = self._protocol_params(run_id)
         self.transfer.load(params, start, None, "resumed" if self.options.resume else "initial")
@@ -752,6 +752,13 @@ class Node:
             self.say(f"founded run {run_id} at {self.address}; waiting for {self.options.founders} founders")
             self._dispatch(step.effects)
         self._warm_more(self.options.founders)
+
+    def _warm_up(self) -> None:
+        """Compile, before taking part, the estimator and every replay length a run of the founders'
+        size meets (1 .. founders + 2 contributors) and the evaluation: compiled later, in the
+        background, they starved the first iterations of many peers starting on a few cores."""
+        self.worker.warm_up(max(1, self.options.founders))
+        self.worker.warm_up_more(max(1, self.options.founders))
 
     def _warm_more(self, members: int) -> None:
         """Compile, in the background, the replay lengths a change of membership would need (and the evaluation)."""
@@ -854,7 +861,7 @@ class Node:
 
     def _join(self, addresses: list[str]) -> None:
         """Join through ``addresses``, download the state, replay the log, take part (retried on failure)."""
-        self.worker.warm_up(max(1, self.options.founders))
+        self._warm_up()
         addresses = self._resolve(addresses)
         if self.options.join_at is not None and not self._st:
             self._wait_for_iteration(addresses, self.options.join_at)
