@@ -243,6 +243,54 @@ def test_a_commit_sent_as_a_delta_of_its_view_is_rebuilt_exactly_and_costs_the_s
     assert wire.commit_from_pb(wire.pb.Commit.FromString(msg.SerializeToString()), base, 4) == c
 
 
+def test_an_unchanged_membership_arrives_as_the_receivers_own_members_and_a_changed_one_is_checked():
+    """A delta that changes no member rebuilds the next view on the receiver's very tuple of members,
+    which its checks then skip (O(1) a commit while the membership holds); any other next view is
+    checked member by member, and an impossible next id is refused either way."""
+    from zeroth.net import wire
+
+    base = _view(6)
+    same = _commit(base, [(i, 4) for i in range(6)], base._replace(iteration=5))
+    got = wire.commit_from_pb(wire.commit_to_pb(same, base, 4), base, 4)
+    assert got == same and got.next_view.members is base.members
+    P._check_commit(P.Params("run", "c", 1, 4, 100, 1.0, 1.0), got, base)
+    params = P.Params("run", "c", 1, 4, 100, 1.0, 1.0)
+    bad = (*base.members[:5], base.members[5]._replace(address="no-port"))
+    with pytest.raises(P.Rejected, match="no-port"):
+        P._check_commit(params, same._replace(next_view=P.View(5, bad, 6)), base)
+    with pytest.raises(P.Rejected, match="next_machine_id 3 must exceed every member id"):
+        P._check_commit(params, same._replace(next_view=P.View(5, base.members, 3)), base)
+    # The committer hands its own tuple on when nobody joined, left or changed activity.
+    st = P.PeerState(
+        0,
+        P.MEMBER,
+        4,
+        base,
+        0.0,
+        10.0,
+        0,
+        P.Inbox(),
+        {},
+        {},
+        frozenset(),
+        None,
+        (),
+        {},
+        frozenset(),
+        frozenset(),
+        False,
+        {},
+        -1,
+        None,
+        0,
+        0.0,
+    )
+    for m in range(6):
+        st = st._replace(inbox=st.inbox.put((4, m), P.Push("run", m, 4, 4, b"\x01" * 4, b"", b"")))
+    entry, _ = P._decide(params, st, P.Ballot(0, 0), frozenset(range(6)), frozenset(range(6)), 0.0)
+    assert entry.commit.next_view.members is base.members
+
+
 def test_a_delta_commit_needs_the_receivers_view_and_a_malformed_one_is_refused():
     from zeroth.net import wire
 

@@ -1249,11 +1249,7 @@ def _start_iteration(params: Params, st: PeerState, now: float, effects: list) -
     )
     # Pushes of ``it`` that arrived before we applied ``it - 1`` are checked now: those on another
     # chain leave the inbox, and those naming one are evidence against ours.
-    off = (
-        []
-        if st.chain is None
-        else [p for _, p in sorted(st.inbox.at(st.it)) if p.previous != st.chain]
-    )
+    off = [] if st.chain is None else [p for _, p in sorted(st.inbox.at(st.it)) if p.previous != st.chain]
     if off:
         st = st._replace(inbox=st.inbox.without((p.iteration, p.sender) for p in off))
         for push in off:
