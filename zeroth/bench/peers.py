@@ -24,7 +24,8 @@ measured after a warm-up:
 
 The link model: peer i has an access delay a_i and an uplink of b_i bit/s, both log-normal
 (seeded); a message from i to j leaves when i's uplink is free, occupies it for its bytes / b_i,
-and arrives a_i + a_j later; the median round trip between two peers is ``--rtt-ms``. Downlinks
+and arrives a_i + a_j later; the median round trip between two peers is ``--rtt-ms`` (``--spread
+0``: every round trip, and every uplink, the median). Downlinks
 are not modelled. M is bounded by ``--budget-s`` seconds of this process's CPU time each (other
 jobs on a shared machine do not shorten it): a size that
 does not finish its warm-up within the budget is reported as not run, and one that finishes fewer
@@ -115,10 +116,12 @@ class WanNet(SimNet):
         seed: int,
         call_slots: int | None,
         whole_commits: bool = False,
+        spread: float = 1.0,
         **kw,
     ):
         super().__init__(params, call_slots=call_slots, **kw)
         self.whole_commits = whole_commits
+        self.spread = spread
         self._rng = random.Random(seed)
         self._access: dict[str, float] = {}
         self._uplink: dict[str, float] = {}
@@ -135,9 +138,10 @@ class WanNet(SimNet):
 
     def _link(self, address: str) -> tuple[float, float]:
         if address not in self._access:
-            # access delay: a median round trip of rtt_s between two peers (2 * (a_i + a_j)), spread 0.5 (log-normal)
-            self._access[address] = self.rtt_s / 4 * math.exp(self._rng.gauss(0.0, 0.5))
-            self._uplink[address] = self.uplink_bps * math.exp(self._rng.gauss(0.0, 0.7))
+            # access delay: a median round trip of rtt_s between two peers (2 * (a_i + a_j)); log-normal
+            # spreads 0.5 (delay) and 0.7 (uplink), times ``spread`` (0: every peer has the medians)
+            self._access[address] = self.rtt_s / 4 * math.exp(self._rng.gauss(0.0, 0.5) * self.spread)
+            self._uplink[address] = self.uplink_bps * math.exp(self._rng.gauss(0.0, 0.7) * self.spread)
         return self._access[address], self._uplink[address]
 
     def _size(self, src: str, msg) -> int:
@@ -228,6 +232,7 @@ def measure(
     whole_commits: bool = False,
     pushes: str = "all",
     relay_fanout: int = 0,
+    spread: float = 1.0,
     seed: int = 0,
     budget_s: float = 120.0,
     max_count: int = 16,
@@ -259,6 +264,7 @@ def measure(
         seed=seed,
         call_slots=call_slots,
         whole_commits=whole_commits,
+        spread=spread,
         tick=0.05,
     )
     cpu: dict[int, float] = {}
@@ -392,6 +398,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="with --pushes leader: the relay tree's fan-out (peers.relay_fanout); 0 = the leader sends to all (default)",
     )
+    ap.add_argument(
+        "--spread",
+        type=float,
+        default=1.0,
+        help="scales the log-normal spreads of the access delays (0.5) and uplinks (0.7); 0 = every peer "
+        "at the medians, a uniform --rtt-ms and --uplink-mbps (default 1)",
+    )
     ap.add_argument("--budget-s", type=float, default=120.0, help="CPU seconds per M at most (default 120)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -415,11 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         or args.compute_s < 0
         or args.call_slots < 0
         or args.relay_fanout < 0
+        or args.spread < 0
         or args.budget_s <= 0
     ):
         print(
             "zeroth bench peers: --iterations and --warmup must be >= 1, --rtt-ms, --uplink-mbps and --budget-s > 0, "
-            "--compute-s and --call-slots >= 0",
+            "--compute-s, --call-slots and --spread >= 0",
             file=sys.stderr,
         )
         return 2
@@ -437,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                 whole_commits=args.whole_commits,
                 pushes=args.pushes,
                 relay_fanout=args.relay_fanout,
+                spread=args.spread,
                 seed=args.seed,
                 budget_s=args.budget_s,
             )
@@ -456,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             "whole_commits",
             "pushes",
             "relay_fanout",
+            "spread",
             "budget_s",
             "seed",
         )
