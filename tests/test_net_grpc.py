@@ -797,11 +797,20 @@ def test_forty_founders_on_one_host_all_join_while_the_founder_holds_their_joins
 def test_pushes_to_the_leader_relayed_in_its_commits_give_the_same_parameters(worker, tmp_path):
     """peers.pushes: leader over real gRPC, with a relay tree of fan-out 1 (0 relays to 1, 1 to 2):
     every member's push goes to the leader only, every member applies the payloads relayed to it
-    (each checked against its author's key), and the parameters are bit for bit those of
+    (each checked against its author's key; with peers.relay_parts 2, in two calls, the relay
+    forwarding the first before the second comes), and the parameters are bit for bit those of
     all-to-all pushes when every member contributed."""
     runs = {}
-    for pushes in ("all", "leader"):
-        cfg = config(8, count=3, iteration_timeout_s=10.0, barrier_timeout_s=5.0, pushes=pushes, relay_fanout=1)
+    for pushes, parts in (("all", 1), ("leader", 1), ("parts", 2)):
+        cfg = config(
+            8,
+            count=3,
+            iteration_timeout_s=10.0,
+            barrier_timeout_s=5.0,
+            pushes="all" if pushes == "all" else "leader",
+            relay_fanout=1,
+            relay_parts=parts,
+        )
         nodes = start_nodes(cfg, worker, tmp_path / pushes, 3)
         try:
             assert all(n.wait(120) for n in nodes)
@@ -810,11 +819,18 @@ def test_pushes_to_the_leader_relayed_in_its_commits_give_the_same_parameters(wo
                 {n.digests()[8] for n in nodes},
                 [list(n.barrier.contributors) for n in nodes],
                 nodes[2].traffic.snapshot()["messages_sent"],
+                nodes[1].traffic.snapshot()["messages_sent"],
             )
         finally:
             for n in nodes:
                 n.stop()
-    (all_digests, all_contributors, all_sent), (digests, contributors, sent) = runs["all"], runs["leader"]
+    (all_digests, all_contributors, all_sent, _), (digests, contributors, sent, relay_sent) = (
+        runs["all"],
+        runs["leader"],
+    )
     assert len(digests) == 1 and digests == all_digests
     assert contributors == all_contributors and all(c == [3] * 8 for c in contributors)
     assert sent <= all_sent - 8  # machine 2, a leaf: one push an iteration instead of two
+    part_digests, part_contributors, _, part_relay_sent = runs["parts"]
+    assert part_digests == all_digests and part_contributors == all_contributors
+    assert part_relay_sent >= relay_sent + 7  # machine 1 relayed each decision in two calls

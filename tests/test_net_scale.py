@@ -469,6 +469,60 @@ def test_a_relay_forwards_down_the_order_it_was_sent_and_its_next_push_reports_h
     assert P.signed_bytes(out) == P.signed_bytes(out._replace(relay_us=0))  # a hint outside the signature
 
 
+def test_a_relay_checks_and_forwards_each_part_as_it_comes_and_applies_once_all_are_in():
+    """``Params.relay_parts``: a part of the payloads (from contributor ``first``) is checked against
+    its authors' keys and forwarded at once, before the others arrive; the decision is applied
+    when every part is in; a forged part is neither forwarded nor held."""
+    pp, st, commit, payloads, sigs, keys = _relay_case()
+    pp = dataclasses.replace(pp, relay_fanout=1, relay_parts=2)
+    t = st.it
+    # the tree 0 -> 1 -> 2: machine 1 forwards to 2; the second part comes first
+    step = P.on_commit(pp, st, commit, 10.0, payloads=payloads[1:], signatures=sigs[1:], relays=(1,), first=1)
+    sent = [e.message for e in step.effects if isinstance(e, P.Send)]
+    assert [(m.first, m.payloads, m.relays) for m in sent] == [(1, payloads[1:], (1,))]
+    assert step.state.it == t and step.reply.stored and not any(isinstance(e, P.Apply) for e in step.effects)
+    again = P.on_commit(pp, step.state, commit, 10.1, payloads=payloads[1:], signatures=sigs[1:], relays=(1,), first=1)
+    assert not [e for e in again.effects if isinstance(e, P.Send)]  # a part again: not forwarded twice
+    done = P.on_commit(pp, again.state, commit, 10.2, payloads=payloads[:1], signatures=sigs[:1], relays=(1,), first=0)
+    assert [(e.message.first, e.message.payloads) for e in done.effects if isinstance(e, P.Send)] == [(0, payloads[:1])]
+    (applied,) = [e.entry for e in done.effects if isinstance(e, P.Apply)]
+    assert (applied.payloads, applied.signatures, done.state.it, done.state.parts) == (payloads, sigs, t + 1, {})
+    # A part signed by another member's key: a note, nothing forwarded, nothing held.
+    forged = keys[0].sign(P.signed_bytes(P.Push("run", 2, t, 2, payloads[1], previous=st.chain or b"")))
+    bad = P.on_commit(pp, st, commit, 10.0, payloads=payloads[1:], signatures=(forged,), relays=(1,), first=1)
+    assert not [e for e in bad.effects if isinstance(e, P.Send)] and bad.state.parts == {}
+    assert any("a relayed part not taken" in e.text for e in bad.effects if isinstance(e, P.Note))
+    with pytest.raises(P.Rejected, match="relayed part from contributor"):
+        from zeroth.net import wire
+
+        wire.relay_first_from_pb(wire.pb.Commit(relay_first=P.MAX_MEMBERS))
+
+
+def test_relayed_parts_give_the_same_decisions_and_shorten_a_hop_over_like_uplinks():
+    """The committer sends the relays their parts one after another and each relay forwards a part
+    before the next arrives: the same decisions as one relay of everything, and over uplinks alike
+    (100 ms round trips, 20 Mbit/s) an iteration of 256 members takes a part's upload per hop
+    instead of the whole."""
+    from zeroth.bench import peers as bench
+
+    runs = []
+    for parts in (1, 3):
+        net = SimNet(params(pushes="leader", relay_fanout=3, relay_parts=parts, founders=20))
+        net.start(20)
+        assert net.run_until(lambda: net.all_finished(), limit=120.0)
+        fin = done(net)
+        assert len(fin) == 20 and len({tuple(p.chain()) for p in fin}) == 1
+        runs.append(fin[0].chain())
+    assert runs[0] == runs[1] and all(len(c) == 20 for _, c, _ in runs[0][:-1])
+    whole, parts = (
+        bench.measure(256, iterations=2, warmup=2, pushes="leader", relay_fanout=8, relay_parts=k, spread=0.0)
+        for k in (1, 4)
+    )
+    assert whole["contributors"] == parts["contributors"] == [256, 256]
+    assert parts["iteration_s"] < 0.9 * whole["iteration_s"], (parts["iteration_s"], whole["iteration_s"])
+    assert parts["c"] < 1.1 * whole["c"]  # each part's call repeats the commit: a few percent more bytes
+
+
 def test_the_leader_puts_the_fastest_relays_where_the_tree_forwards_and_the_wan_iteration_gets_shorter(
     monkeypatch,
 ):

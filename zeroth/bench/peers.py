@@ -232,6 +232,7 @@ def measure(
     whole_commits: bool = False,
     pushes: str = "all",
     relay_fanout: int = 0,
+    relay_parts: int = 1,
     spread: float = 1.0,
     seed: int = 0,
     budget_s: float = 120.0,
@@ -256,6 +257,7 @@ def measure(
         max_members=max(m, 1),
         pushes=pushes,
         relay_fanout=relay_fanout,
+        relay_parts=relay_parts,
     )
     net = WanNet(
         params,
@@ -399,6 +401,13 @@ def main(argv: list[str] | None = None) -> int:
         help="with --pushes leader: the relay tree's fan-out (peers.relay_fanout); 0 = the leader sends to all (default)",
     )
     ap.add_argument(
+        "--relay-parts",
+        type=int,
+        default=1,
+        help="with --relay-fanout: the relayed payloads go in this many parts, each forwarded as it "
+        "arrives (peers.relay_parts; default 1)",
+    )
+    ap.add_argument(
         "--spread",
         type=float,
         default=1.0,
@@ -428,12 +437,13 @@ def main(argv: list[str] | None = None) -> int:
         or args.compute_s < 0
         or args.call_slots < 0
         or args.relay_fanout < 0
+        or not 1 <= args.relay_parts <= P.MAX_MEMBERS
         or args.spread < 0
         or args.budget_s <= 0
     ):
         print(
             "zeroth bench peers: --iterations and --warmup must be >= 1, --rtt-ms, --uplink-mbps and --budget-s > 0, "
-            "--compute-s, --call-slots and --spread >= 0",
+            f"--compute-s, --call-slots and --spread >= 0, --relay-parts from 1 to {P.MAX_MEMBERS}",
             file=sys.stderr,
         )
         return 2
@@ -451,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                 whole_commits=args.whole_commits,
                 pushes=args.pushes,
                 relay_fanout=args.relay_fanout,
+                relay_parts=args.relay_parts,
                 spread=args.spread,
                 seed=args.seed,
                 budget_s=args.budget_s,
@@ -471,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             "whole_commits",
             "pushes",
             "relay_fanout",
+            "relay_parts",
             "spread",
             "budget_s",
             "seed",

@@ -85,6 +85,14 @@ class PeersConfig:
         min=0,
         max=4096,
     )
+    relay_parts: int = field(
+        1,
+        "With relay_fanout, the committer splits the relayed gradients into this many parts and a relay forwards "
+        "each as it arrives, before the next, so a hop costs about one part's upload instead of all of them "
+        "(helps where uplinks are alike; over very unequal uplinks one part can be faster). 1 = all at once.",
+        min=1,
+        max=4096,
+    )
     measured_timeouts: float = field(
         0.0,
         "0 = iteration_timeout_s and barrier_timeout_s hold throughout. k >= 2: each peer shortens both to k times "

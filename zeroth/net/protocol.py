@@ -197,6 +197,10 @@ class Params:
         The committer places the members whose last relay was fastest where the tree forwards
         (:func:`relay_order`; each member's push reports it). 0: the committer sends the payloads
         to every member itself.
+      relay_parts: with ``relay_fanout``, the committer splits the relayed payloads into this many
+        parts (in contributors order) and sends each as it goes; a relay checks and forwards a part
+        as soon as it arrives, before the next, so a hop costs about one part's upload instead of
+        the whole (the parts' last one still crosses every hop). 1: one relay of all of them.
       measured_timeouts: 0: the iteration and barrier timeouts above hold throughout. ``k`` (at
         least 2): each peer shortens both to ``k`` times the median of the durations of its last
         :data:`PACE_SAMPLES` iterations once it measured :data:`PACE_MIN` (never above the
@@ -226,6 +230,7 @@ class Params:
     pushes: str = "all"
     relay_fanout: int = 0
     measured_timeouts: float = 0.0
+    relay_parts: int = 1
 
     @property
     def stall_s(self) -> float:
@@ -250,6 +255,8 @@ class Params:
             )
         if not isinstance(self.relay_fanout, int) or self.relay_fanout < 0:
             raise ValueError(f"Params.relay_fanout must be an integer >= 0, got {self.relay_fanout!r}")
+        if not isinstance(self.relay_parts, int) or not 1 <= self.relay_parts <= MAX_MEMBERS:
+            raise ValueError(f"Params.relay_parts must be an integer from 1 to {MAX_MEMBERS}, got {self.relay_parts!r}")
         if not (self.measured_timeouts == 0 or self.measured_timeouts >= 2):
             raise ValueError(
                 f"Params.measured_timeouts must be 0 (fixed timeouts) or at least 2, got {self.measured_timeouts!r}"
@@ -369,12 +376,15 @@ class LogEntry(NamedTuple):
     """A decided iteration; ``payloads`` aligned with ``commit.contributors`` (None while missing),
     ``signatures``: each contributor's signature of its push (relayed so any peer can verify them).
     ``relays``: only on an entry relayed down the tree (:func:`relay_children`), the members placed
-    first in it (:func:`relay_order`); () in every entry held, logged or fetched."""
+    first in it (:func:`relay_order`); () in every entry held, logged or fetched. ``first``: only on
+    a relayed part (``Params.relay_parts``), the index in ``commit.contributors`` of its first
+    payload (its payloads are the contributors' from there); 0 in every entry held, logged or fetched."""
 
     commit: Commit
     payloads: tuple[bytes, ...] | None
     signatures: tuple[bytes, ...] | None = None
     relays: tuple[int, ...] = ()
+    first: int = 0
 
 
 class Prepare(NamedTuple):
@@ -616,6 +626,8 @@ class PeerState(NamedTuple):
         it forwarded the payloads, the children yet to answer, how many answered and when the
         last did (:func:`on_commit_acked`).
       relay_us: microseconds per child its latest relay took (0: none yet), reported in its pushes.
+      parts: ``{iteration: {first: (payloads, signatures)}}``: relayed parts of a decision's
+        payloads (``Params.relay_parts``), each checked, held until they are all in.
       paces: the durations of its last :data:`PACE_SAMPLES` iterations, from starting one to
         applying its decision (``Params.measured_timeouts``).
     """
@@ -657,6 +669,7 @@ class PeerState(NamedTuple):
     relaying: tuple[int, float, frozenset, int, float] = (-1, 0.0, frozenset(), 0, 0.0)
     relay_us: int = 0
     paces: tuple[float, ...] = ()
+    parts: Mapping[int, Mapping[int, tuple]] = {}
 
 
 class CommitReply(NamedTuple):
@@ -1312,6 +1325,7 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
             promised={k: v for k, v in st.promised.items() if k >= it - params.window},
             floor={k: v for k, v in st.floor.items() if k >= it - params.window},
             decided={k: v for k, v in st.decided.items() if k >= it - params.window},
+            parts={k: v for k, v in st.parts.items() if k >= it} if st.parts else st.parts,
             fetch=st.fetch if st.fetch is not None and st.fetch.last >= it else None,
         )
         if closing:
@@ -1535,18 +1549,23 @@ def _publish(params: Params, st: PeerState, now: float, effects: list, entry: Lo
     t = entry.commit.iteration
     # Pushes that went to us only travel on inside the decision: the entry, payloads and signatures,
     # to every member or down the relay tree (the others get the commit alone).
+    # The relayed copies go out first, in the tree's order: a peer's uplink sends one call after
+    # another, so the commits alone (the rest) do not delay the relays below it.
     relay = params.pushes == "leader" and entry.payloads is not None
     first: frozenset[int] = frozenset()
-    sent = entry
     if relay:
         reports = {m: st.inbox[(t, m)].relay_us for m, _ in entry.commit.contributors if (t, m) in st.inbox}
         order = relay_order(params, st.view, st.me, reports)
-        first = frozenset(m.machine for m in relay_children(params, st.view, st.me, st.me, order))
+        children, forwarding = _relay_split(params, st.view, st.me, st.me, order)
+        first = frozenset(m.machine for m in children)
         sent = entry._replace(relays=order)
+        for part in _parts(params, sent) if forwarding else ():  # parts to the relays, as they can forward
+            effects += [Send(m.machine, m.address, part) for m in children[:forwarding]]
+        effects += [Send(m.machine, m.address, sent) for m in children[forwarding:]]  # the rest whole
         st = st._replace(relaying=(t, now, first, 0, now))
     for m in st.view.members:
-        if m.machine != st.me:
-            effects.append(Send(m.machine, m.address, sent if m.machine in first else entry.commit))
+        if m.machine != st.me and m.machine not in first:
+            effects.append(Send(m.machine, m.address, entry.commit))
     admissions = dict(st.admissions)
     if admitted:
         admissions[t] = Admission(
@@ -1830,20 +1849,31 @@ def relay_children(params: Params, view: View, root: int, me: int, relays: tuple
       >>> [[m.machine for m in relay_children(p, v, 0, me, (6, 7))] for me in (0, 6, 7, 1)]
       [[6, 7], [1, 2], [3, 4], [5]]
     """
+    return _relay_split(params, view, root, me, relays)[0]
+
+
+def _relay_split(
+    params: Params, view: View, root: int, me: int, relays: tuple[int, ...] = ()
+) -> tuple[list[Member], int]:
+    """``(children, forwarding)``: ``me``'s children of the relay tree (:func:`relay_children`), and
+    how many of the first of them forward to children of their own (they come first)."""
     others = [m for m in view.members if m.machine != root]
     if relays:
         first = {m: i for i, m in enumerate(dict.fromkeys(relays)) if m != root}
         others.sort(key=lambda m: first.get(m.machine, len(first)))  # stable: the rest keep id order
     k = params.relay_fanout
     if not k:
-        return others if me == root else []
+        return (others, 0) if me == root else ([], 0)
     if me == root:
         pos = -1
     else:
         pos = next((i for i, m in enumerate(others) if m.machine == me), None)
         if pos is None:
-            return []
-    return others[k * (pos + 1) : k * (pos + 2)]
+            return [], 0
+    lo = k * (pos + 1)
+    interior = -(-len(others) // k) - 1  # the positions with children
+    children = others[lo : lo + k]
+    return children, max(0, min(len(children), interior - lo))
 
 
 def relay_order(params: Params, view: View, root: int, reports: Mapping[int, int]) -> tuple[int, ...]:
@@ -1982,6 +2012,7 @@ def on_commit(
     payloads: tuple[bytes, ...] | None = None,
     signatures: tuple[bytes, ...] | None = None,
     relays: tuple[int, ...] = (),
+    first: int = 0,
 ) -> Step:
     """A decision of one iteration (the barrier release). Reply: a :class:`CommitReply`, whether this
     peer now holds it (that commit, at its ballot; not a commit only taken as a hint, a later
@@ -1992,8 +2023,9 @@ def on_commit(
     Buffered until applicable; its payloads come from the pushes received, from ``payloads`` and
     ``signatures`` relayed with it (``Params.pushes == "leader"``: taken only when each is signed
     by its contributor and they match the commit's digest, else ignored; forwarded to this peer's
-    children of the tree ``relays`` orders, :func:`relay_children`), or are fetched.
-    A decision that conflicts with one this peer already applied (signed, higher ballot) makes it
+    children of the tree ``relays`` orders, :func:`relay_children`; a part of them from
+    contributor ``first``, ``Params.relay_parts``, is checked and forwarded at once and held until
+    the others come, :func:`_gather`), or are fetched. A decision that conflicts with one this peer already applied (signed, higher ballot) makes it
     fetch that iteration from the leader; it drops out only if the leader's log differs too.
 
     Raises:
@@ -2076,9 +2108,16 @@ def on_commit(
     else:
         entry = LogEntry(commit, None)
     if entry.payloads is None and payloads is not None:
-        entry = _relayed(params, view, entry, payloads, signatures, effects)
-        if entry.payloads is not None and params.relay_fanout:
-            st = _forward(params, st, view, commit.sender, entry, relays, now, effects)
+        if first or len(payloads) != len(commit.contributors):  # a part (Params.relay_parts)
+            st, payloads, signatures = _gather(
+                params, st, view, commit, first, payloads, signatures, relays, now, effects
+            )
+            if payloads is not None:  # every part in, each checked and forwarded as it came
+                entry = _relayed(params, view, entry, payloads, signatures, effects, verified=True)
+        else:
+            entry = _relayed(params, view, entry, payloads, signatures, effects)
+            if entry.payloads is not None and params.relay_fanout:
+                st = _forward(params, st, view, commit.sender, entry, relays, now, effects)
     st = st._replace(decided=_put(st.decided, t, entry), promised=_put(st.promised, t, commit.ballot))
     if st.recovery is not None and st.recovery.ballot < commit.ballot and t == st.it:
         st = st._replace(recovery=None)
@@ -2099,17 +2138,85 @@ def _forward(
     """Relay ``entry`` (its payloads taken here) to our children of the tree below ``root`` that
     ``relays`` orders, and time the relay until they answer (:func:`on_commit_acked`)."""
     relays = tuple(relays)[:MAX_MEMBERS]
-    children = relay_children(params, view, root, st.me, relays)
+    children, _ = _relay_split(params, view, root, st.me, relays)  # those that forward come first
     if not children:
         return st
+    t = entry.commit.iteration
     sent = entry._replace(relays=relays)
     effects += [Send(m.machine, m.address, sent) for m in children]
-    return st._replace(relaying=(entry.commit.iteration, now, frozenset(m.machine for m in children), 0, now))
+    since = st.relaying[1] if st.relaying[0] == t else now  # a later part: the relay began at the first
+    return st._replace(relaying=(t, since, frozenset(m.machine for m in children), 0, now))
 
 
-def _relayed(params: Params, view: View, entry: LogEntry, payloads, signatures, effects: list) -> LogEntry:
-    """``entry`` with the payloads relayed beside its commit, if each is its contributor's, signed,
-    and together they are the commit's (else ``entry`` unchanged: they are fetched)."""
+def _parts(params: Params, entry: LogEntry) -> list[LogEntry]:
+    """``entry`` relayed in ``Params.relay_parts`` parts of its payloads (in contributors order)."""
+    n = len(entry.payloads or ())
+    size = -(-n // params.relay_parts) if n else 1
+    if size >= n:
+        return [entry]
+    return [
+        entry._replace(payloads=entry.payloads[a : a + size], signatures=entry.signatures[a : a + size], first=a)
+        for a in range(0, n, size)
+    ]
+
+
+def _gather(
+    params: Params,
+    st: PeerState,
+    view: View,
+    commit: Commit,
+    first: int,
+    payloads: tuple[bytes, ...],
+    signatures: tuple[bytes, ...] | None,
+    relays: tuple[int, ...],
+    now: float,
+    effects: list,
+) -> tuple[PeerState, tuple | None, tuple | None]:
+    """A relayed part of ``commit``'s payloads from ``first`` (``Params.relay_parts``): checked
+    against its contributors' keys, forwarded at once to our children of the relay tree, and held;
+    ``(state, payloads, signatures)``, the last two all of them once every part is in, else None.
+    A part that fails its checks is ignored (the payloads are then fetched)."""
+    t, n = commit.iteration, len(commit.contributors)
+    try:
+        if not 0 <= first < n or first + len(payloads) > n or signatures is None or len(signatures) != len(payloads):
+            raise Rejected(
+                "INVALID_ARGUMENT",
+                f"a part of {len(payloads)} payloads from contributor {first} of {n} (signatures "
+                f"{'none' if signatures is None else len(signatures)})",
+            )
+        contributors = commit.contributors[first : first + len(payloads)]
+        for (m, count), payload in zip(contributors, payloads, strict=True):
+            _check_payload(params, count, payload, f"relayed push of machine {m}", t)
+        part = LogEntry(commit._replace(contributors=contributors), tuple(payloads), tuple(signatures))
+        _verify_payloads(params, view, part, f"relayed pushes of iteration {t}")
+    except Rejected as e:
+        effects.append(Note(f"iteration {t}: a relayed part not taken ({e.message}); fetching the payloads"))
+        return st, None, None
+    held = dict(st.parts.get(t, {}))
+    if first in held:
+        return st, None, None  # a part again
+    held[first] = (tuple(payloads), tuple(signatures))
+    if params.relay_fanout:
+        st = _forward(
+            params, st, view, commit.sender, LogEntry(commit, *held[first], relays, first), relays, now, effects
+        )
+    got, sigs = [], []
+    for a in sorted(held):
+        if a != len(got):
+            break
+        got += held[a][0]
+        sigs += held[a][1]
+    if len(got) == n:
+        return st._replace(parts={k: v for k, v in st.parts.items() if k != t}), tuple(got), tuple(sigs)
+    return st._replace(parts={**st.parts, t: held}), None, None
+
+
+def _relayed(
+    params: Params, view: View, entry: LogEntry, payloads, signatures, effects: list, *, verified: bool = False
+) -> LogEntry:
+    """``entry`` with the payloads relayed beside its commit, if each is its contributor's, signed
+    (``verified``: their signatures were checked already, part by part), and together they are the
+    commit's (else ``entry`` unchanged: they are fetched)."""
     c = entry.commit
     try:
         if len(payloads) != len(c.contributors) or signatures is None or len(signatures) != len(payloads):
@@ -2120,7 +2227,8 @@ def _relayed(params: Params, view: View, entry: LogEntry, payloads, signatures, 
             raise Rejected("INVALID_ARGUMENT", "the payloads are not the ones the commit names")
         relayed = LogEntry(c, tuple(payloads), tuple(signatures))
         # the commit itself was checked by on_commit: its contributors' signatures remain
-        _verify_payloads(params, view, relayed, f"relayed pushes of iteration {c.iteration}")
+        if not verified:
+            _verify_payloads(params, view, relayed, f"relayed pushes of iteration {c.iteration}")
     except Rejected as e:
         effects.append(Note(f"iteration {c.iteration}: relayed pushes not taken ({e.message}); fetching them"))
         return entry

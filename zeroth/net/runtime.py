@@ -457,6 +457,7 @@ class Node:
             idle_timeout_s=p.idle_timeout_s,
             pushes=p.pushes,
             relay_fanout=p.relay_fanout,
+            relay_parts=p.relay_parts,
             measured_timeouts=p.measured_timeouts,
         )
 
@@ -1247,10 +1248,10 @@ class Node:
             if late:
                 self.barrier.late()
 
-    def handle_commit(self, msg: P.Commit, payloads=None, signatures=None, relays=()) -> P.CommitReply:
+    def handle_commit(self, msg: P.Commit, payloads=None, signatures=None, relays=(), first=0) -> P.CommitReply:
         """Whether this peer now holds the commit, and more (:func:`zeroth.net.protocol.on_commit`'s
-        reply); ``payloads``, ``signatures`` and ``relays``: those relayed with it."""
-        return self._step(P.on_commit, msg, payloads=payloads, signatures=signatures, relays=relays)
+        reply); ``payloads``, ``signatures``, ``relays`` and ``first``: those relayed with it."""
+        return self._step(P.on_commit, msg, payloads=payloads, signatures=signatures, relays=relays, first=first)
 
     def handle_prepare(self, msg: P.Prepare) -> P.PrepareReply:
         """A takeover's prepare; one that says the leader is gone has the leader probed here first

@@ -98,7 +98,8 @@ class PeerService(pb_grpc.PeerServicer):
                 return pb.CommitAck(send_whole=True)
             payloads, signatures = wire.relay_from_pb(request)
             relays = wire.relay_order_from_pb(request) if payloads is not None else ()
-            reply = self.node.handle_commit(commit, payloads, signatures, relays)
+            first = wire.relay_first_from_pb(request) if payloads is not None else 0
+            reply = self.node.handle_commit(commit, payloads, signatures, relays, first)
             return pb.CommitAck(not_held=not reply.stored, previous=reply.previous)
 
         return self._answer(self._run(context, go))

@@ -417,7 +417,14 @@ class SimNet:
             return P.on_commit(p, st, msg, now)
         if isinstance(msg, P.LogEntry):  # a commit with the payloads relayed (Params.pushes == "leader")
             return P.on_commit(
-                p, st, msg.commit, now, payloads=msg.payloads, signatures=msg.signatures, relays=msg.relays
+                p,
+                st,
+                msg.commit,
+                now,
+                payloads=msg.payloads,
+                signatures=msg.signatures,
+                relays=msg.relays,
+                first=msg.first,
             )
         if isinstance(msg, P.Prepare):
             if not dst.promises:

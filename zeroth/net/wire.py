@@ -45,6 +45,7 @@ __all__ = [
     "relay_to_pb",
     "relay_from_pb",
     "relay_order_from_pb",
+    "relay_first_from_pb",
     "entry_to_pb",
     "entry_from_pb",
     "prepare_to_pb",
@@ -245,6 +246,7 @@ def relay_to_pb(c: pb.Commit, entry: P.LogEntry) -> pb.Commit:
     out.relayed_payloads.extend(entry.payloads or ())
     out.relayed_signatures.extend(entry.signatures or ())
     out.relay_order.extend(entry.relays)
+    out.relay_first = entry.first
     return out
 
 
@@ -266,6 +268,16 @@ def relay_order_from_pb(c: pb.Commit) -> tuple[int, ...]:
     if len(c.relay_order) > P.MAX_MEMBERS:
         raise P.Rejected("INVALID_ARGUMENT", f"a relay order of {len(c.relay_order)} members; at most {P.MAX_MEMBERS}")
     return tuple(int(m) for m in c.relay_order)
+
+
+def relay_first_from_pb(c: pb.Commit) -> int:
+    """The index in the contributors of the first payload a relayed part carries (``peers.relay_parts``;
+    raises :class:`P.Rejected` past :data:`P.MAX_MEMBERS`)."""
+    if c.relay_first >= P.MAX_MEMBERS:
+        raise P.Rejected(
+            "INVALID_ARGUMENT", f"a relayed part from contributor {c.relay_first}; at most {P.MAX_MEMBERS}"
+        )
+    return int(c.relay_first)
 
 
 def commit_from_pb(c: pb.Commit, base: P.View | None = None, max_count: int = 0) -> P.Commit:
