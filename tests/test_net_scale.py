@@ -487,6 +487,11 @@ def test_a_relay_checks_and_forwards_each_part_as_it_comes_and_applies_once_all_
     assert [(e.message.first, e.message.payloads) for e in done.effects if isinstance(e, P.Send)] == [(0, payloads[:1])]
     (applied,) = [e.entry for e in done.effects if isinstance(e, P.Apply)]
     assert (applied.payloads, applied.signatures, done.state.it, done.state.parts) == (payloads, sigs, t + 1, {})
+    # A part that runs past the contributors: not taken.
+    stray = P.on_commit(pp, st, commit, 10.0, payloads=payloads, signatures=sigs, relays=(1,), first=1)
+    assert stray.state.it == t and any(
+        "a relayed part not taken" in e.text for e in stray.effects if isinstance(e, P.Note)
+    )
     # A part signed by another member's key: a note, nothing forwarded, nothing held.
     forged = keys[0].sign(P.signed_bytes(P.Push("run", 2, t, 2, payloads[1], previous=st.chain or b"")))
     bad = P.on_commit(pp, st, commit, 10.0, payloads=payloads[1:], signatures=(forged,), relays=(1,), first=1)

@@ -2200,12 +2200,11 @@ def _gather(
         st = _forward(
             params, st, view, commit.sender, LogEntry(commit, *held[first], relays, first), relays, now, effects
         )
-    got, sigs = [], []
-    for a in sorted(held):
-        if a != len(got):
-            break
-        got += held[a][0]
-        sigs += held[a][1]
+    at, got, sigs = 0, [], []
+    while at in held and held[at][0]:  # the parts end to end from the first (overlapping strays aside)
+        got += held[at][0]
+        sigs += held[at][1]
+        at += len(held[at][0])
     if len(got) == n:
         return st._replace(parts={k: v for k, v in st.parts.items() if k != t}), tuple(got), tuple(sigs)
     return st._replace(parts={**st.parts, t: held}), None, None
