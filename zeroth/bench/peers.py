@@ -20,7 +20,8 @@ measured after a warm-up:
   a pool of 16 threads that block for a reply) and ``--compute-s`` seconds of gradient computation
   per iteration;
 * ``contributors``: the fewest and most members whose gradients an iteration applied (fewer than
-  M: the barrier went on without some).
+  M: the barrier went on without some); ``drops`` (JSON, and a line under the table): peers
+  dropped because a takeover replaced a decision they applied; they rejoin, as the runtime's do.
 
 The link model: peer i has an access delay a_i and an uplink of b_i bit/s, both log-normal
 (seeded); a message from i to j leaves when i's uplink is free, occupies it for its bytes / b_i,
@@ -268,6 +269,7 @@ def measure(
         whole_commits=whole_commits,
         spread=spread,
         tick=0.05,
+        rejoin=True,  # a peer dropped (its decision replaced by a takeover's) rejoins, as the runtime's
     )
     cpu: dict[int, float] = {}
     t0, c0 = time.monotonic(), time.process_time()
@@ -321,6 +323,7 @@ def measure(
         iteration_s=it_s,
         rtts=it_s / rtt_s,
         contributors=lead.counters.contributors[-k:],
+        drops=sum(p.dropped for p in net.peers.values()),
     )
     return row
 
@@ -352,6 +355,11 @@ def table(rows: list[dict], verify_us: float) -> str:
             f"{r['c']:>11,.0f} {cpu:>15} {r['sig_checks_per_peer']:>15,.0f} {r['iteration_s']:>11.2f} {r['rtts']:>6.1f} "
             f"{min(r['contributors']):>5}-{max(r['contributors'])}"
         )
+    for r in rows:
+        if r.get("drops"):
+            lines.append(
+                f"M={r['peers']}: {r['drops']} peer(s) dropped (a takeover replaced their decision) and rejoined"
+            )
     lines.append(f"one Ed25519 verification here: {verify_us:.0f} us (sig checks/peer x that = signature CPU per peer)")
     return "\n".join(lines)
 
