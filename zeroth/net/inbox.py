@@ -103,14 +103,8 @@ class Inbox(Mapping):
 
     def machines(self, iteration: int) -> Iterator[int]:
         """The machines ``iteration`` holds a value of (trie order; O(values + occupied slots))."""
-        got = self._its.get(iteration)
-        if got is None:
-            return
-        for mid in got[1]:
-            if mid is not None:
-                for leaf in mid:
-                    if leaf is not None:
-                        yield from leaf
+        for m, _ in self.at(iteration):
+            yield m
 
     def at(self, iteration: int) -> Iterator[tuple[int, Any]]:
         """``(machine, value)`` of ``iteration`` (trie order)."""
