@@ -2025,8 +2025,9 @@ def on_commit(
     by its contributor and they match the commit's digest, else ignored; forwarded to this peer's
     children of the tree ``relays`` orders, :func:`relay_children`; a part of them from
     contributor ``first``, ``Params.relay_parts``, is checked and forwarded at once and held until
-    the others come, :func:`_gather`), or are fetched. A decision that conflicts with one this peer already applied (signed, higher ballot) makes it
-    fetch that iteration from the leader; it drops out only if the leader's log differs too.
+    the others come, :func:`_gather`), or are fetched. A decision that conflicts with one this
+    peer already applied (signed, higher ballot) makes it fetch that iteration from the leader; it
+    drops out only if the leader's log differs too.
 
     Raises:
       Rejected: malformed, other run, not signed by its sender, ballot below one promised (or a
