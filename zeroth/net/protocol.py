@@ -628,6 +628,8 @@ class PeerState(NamedTuple):
       relay_us: microseconds per child its latest relay took (0: none yet), reported in its pushes.
       parts: ``{iteration: {first: (payloads, signatures)}}``: relayed parts of a decision's
         payloads (``Params.relay_parts``), each checked, held until they are all in.
+      prev_view: the view of ``it - 1`` (None before the first decision applied here), for
+        :func:`view_at` where no decision of ``it - 2`` is held to hand it on.
       paces: the durations of its last :data:`PACE_SAMPLES` iterations, from starting one to
         applying its decision (``Params.measured_timeouts``).
     """
@@ -670,6 +672,7 @@ class PeerState(NamedTuple):
     relay_us: int = 0
     paces: tuple[float, ...] = ()
     parts: Mapping[int, Mapping[int, tuple]] = {}
+    prev_view: View | None = None
 
 
 class CommitReply(NamedTuple):
@@ -832,7 +835,12 @@ def _view_at(st: PeerState, t: int) -> View | None:
     if t == st.it:
         return st.view
     prev = st.decided.get(t - 1)
-    return prev.commit.next_view if prev is not None else None
+    if prev is not None:
+        return prev.commit.next_view
+    # The view this peer decided or applied ``it - 1`` in (a run's first decision has no decision
+    # before it to hand its view on): without it the first commit would travel whole, O(M) bytes
+    # to each of M members.
+    return st.prev_view if st.prev_view is not None and st.prev_view.iteration == t else None
 
 
 def member_key(st: PeerState, machine: int) -> bytes | None:
@@ -1320,6 +1328,7 @@ def _advance(params: Params, st: PeerState, now: float, effects: list) -> PeerSt
         st = st._replace(
             it=it,
             view=nxt,
+            prev_view=st.view,
             chain=chain_digest(entry.commit),
             inbox=st.inbox.since(it),
             promised={k: v for k, v in st.promised.items() if k >= it - params.window},
