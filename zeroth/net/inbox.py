@@ -69,13 +69,6 @@ class Inbox(Mapping):
                     return leaf[m]
         raise KeyError(key)
 
-    def __contains__(self, key: object) -> bool:
-        try:
-            self[key]  # type: ignore[index]
-        except (KeyError, TypeError, ValueError):
-            return False
-        return True
-
     def __len__(self) -> int:
         return self._len
 
@@ -86,13 +79,6 @@ class Inbox(Mapping):
 
     def __repr__(self) -> str:
         return f"Inbox({dict(self.items())!r})"
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Mapping):
-            return len(self) == len(other) and all(k in other and other[k] == v for k, v in self.items())
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ queries
 

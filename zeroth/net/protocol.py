@@ -1061,32 +1061,26 @@ def _check_view(params: Params, view: View, what: str, known: View | None = None
     membership holds, instead of O(M))."""
     _check_uint(f"{what} iteration", view.iteration, 2**63)
     _check_uint(f"{what} next_machine_id", view.next_machine_id, 2**32 + 1)
-    if known is not None and view.members is known.members:
-        if known.members and view.next_machine_id <= known.members[-1].machine:
+    if known is None or view.members is not known.members:
+        if len(view.members) > MAX_MEMBERS:
+            raise Rejected("INVALID_ARGUMENT", f"{what} has {len(view.members)} members; at most {MAX_MEMBERS}")
+        ids = [m.machine for m in view.members]
+        for m in view.members:
+            _check_uint(f"{what} member id", m.machine)
+            _check_address(m.address)
+            if not isinstance(m.key, bytes) or len(m.key) not in (0, KEY_BYTES):
+                raise Rejected(
+                    "INVALID_ARGUMENT", f"{what} member {m.machine} key must be {KEY_BYTES} bytes, got {len(m.key)}"
+                )
+        if ids != sorted(set(ids)):
             raise Rejected(
-                "INVALID_ARGUMENT",
-                f"{what} next_machine_id {view.next_machine_id} must exceed every member id "
-                f"(max {known.members[-1].machine})",
+                "INVALID_ARGUMENT", f"{what} members must be sorted by machine id without repeats, got {ids[:16]}"
             )
-        return
-    if len(view.members) > MAX_MEMBERS:
-        raise Rejected("INVALID_ARGUMENT", f"{what} has {len(view.members)} members; at most {MAX_MEMBERS}")
-    ids = [m.machine for m in view.members]
-    for m in view.members:
-        _check_uint(f"{what} member id", m.machine)
-        _check_address(m.address)
-        if not isinstance(m.key, bytes) or len(m.key) not in (0, KEY_BYTES):
-            raise Rejected(
-                "INVALID_ARGUMENT", f"{what} member {m.machine} key must be {KEY_BYTES} bytes, got {len(m.key)}"
-            )
-    if ids != sorted(set(ids)):
-        raise Rejected(
-            "INVALID_ARGUMENT", f"{what} members must be sorted by machine id without repeats, got {ids[:16]}"
-        )
-    if ids and view.next_machine_id <= ids[-1]:
+    last = view.members[-1].machine if view.members else None
+    if last is not None and view.next_machine_id <= last:
         raise Rejected(
             "INVALID_ARGUMENT",
-            f"{what} next_machine_id {view.next_machine_id} must exceed every member id (max {ids[-1]})",
+            f"{what} next_machine_id {view.next_machine_id} must exceed every member id (max {last})",
         )
 
 
@@ -2161,7 +2155,7 @@ def _forward(
 def _parts(params: Params, entry: LogEntry) -> list[LogEntry]:
     """``entry`` relayed in ``Params.relay_parts`` parts of its payloads (in contributors order)."""
     n = len(entry.payloads or ())
-    size = -(-n // params.relay_parts) if n else 1
+    size = -(-n // params.relay_parts)
     if size >= n:
         return [entry]
     return [

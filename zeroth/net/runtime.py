@@ -752,7 +752,6 @@ class Node:
             self._write_machine(0)
             self.say(f"founded run {run_id} at {self.address}; waiting for {self.options.founders} founders")
             self._dispatch(step.effects)
-        self._warm_more(self.options.founders)
 
     def _warm_up(self) -> None:
         """Compile, before taking part, the estimator and every replay length a run of the founders'
@@ -762,8 +761,9 @@ class Node:
         self.worker.warm_up_more(max(1, self.options.founders))
 
     def _warm_more(self, members: int) -> None:
-        """Compile, in the background, the replay lengths a change of membership would need (and the evaluation)."""
-        if self._warming is None:
+        """Compile, in the background, the replay lengths a view of ``members`` would need beyond
+        those :meth:`_warm_up` compiled for the founders (none when it is not larger)."""
+        if self._warming is None and members > max(1, self.options.founders):
             self._warming = threading.Thread(
                 target=self.worker.warm_up_more, args=(members,), daemon=True, name="zeroth-warm"
             )
